@@ -1,0 +1,44 @@
+"""`current_turn_context()`: routing metadata of the active turn, read from a ContextVar."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from ._exceptions import ContractValueError
+
+__all__ = ["RoutingTurnContext", "current_turn_context"]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingTurnContext:
+    """Read-only routing metadata captured from the current asynchronous context.
+
+    Stable once returned: the router never mutates a snapshot, it installs a new one.
+    Outside an active routed turn the identifiers are None and the tuples empty.
+    """
+
+    exchange_id: object | None = None
+    history_exchange_ids: tuple[object | None, ...] = ()
+    history_timestamps: tuple[int | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        ids, stamps = self.history_exchange_ids, self.history_timestamps
+        if not isinstance(ids, tuple):
+            object.__setattr__(self, "history_exchange_ids", ids := tuple(ids))
+        if not isinstance(stamps, tuple):
+            object.__setattr__(self, "history_timestamps", stamps := tuple(stamps))
+        if len(ids) != len(stamps):
+            raise ContractValueError(
+                "RoutingTurnContext.history_exchange_ids and history_timestamps must align "
+                f"({len(ids)} ids, {len(stamps)} timestamps)"
+            )
+
+
+_OUTSIDE = RoutingTurnContext()
+_current: ContextVar[RoutingTurnContext] = ContextVar("turnrouter_turn_context", default=_OUTSIDE)
+
+
+def current_turn_context() -> RoutingTurnContext:
+    """Return a stable snapshot of metadata for the active routed turn."""
+    return _current.get()

@@ -1,0 +1,308 @@
+"""Immutable contract objects exchanged between the router, destinations and deciders.
+
+Public constructors validate their input and name the offending field. The router
+builds its own internal copies through `_unchecked` constructors: those values were
+validated once at the boundary, so re-checking them on every turn would only cost time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, Protocol, TypeVar, get_args, runtime_checkable
+
+from ._exceptions import ContractTypeError, ContractValueError
+
+__all__ = [
+    "CLARIFY",
+    "Admission",
+    "AdmissionDisposition",
+    "AgentExchange",
+    "AgentTurn",
+    "DecisionService",
+    "DestinationResult",
+    "ResultDisposition",
+    "RoutableAgent",
+    "RouteDecision",
+    "RouteRequest",
+    "RoutingAid",
+]
+
+AdmissionDisposition = Literal["accept", "decline", "clarify", "release"]
+ResultDisposition = Literal["answer", "focus", "release", "clarify"]
+_ADMISSION_DISPOSITIONS: frozenset[str] = frozenset(get_args(AdmissionDisposition))
+_RESULT_DISPOSITIONS: frozenset[str] = frozenset(get_args(ResultDisposition))
+
+#: The decision choice meaning "ask the participant to clarify".
+CLARIFY = "clarify"
+
+_T = TypeVar("_T")
+
+
+def _type_error(cls: str, name: str, expected: str, value: object) -> ContractTypeError:
+    return ContractTypeError(
+        f"{cls}.{name} must be {expected}, got {type(value).__name__} {value!r:.80}"
+    )
+
+
+def _check_str(cls: str, name: str, value: object, *, nonempty: bool = False) -> None:
+    if not isinstance(value, str):
+        raise _type_error(cls, name, "a str", value)
+    if nonempty and not value:
+        raise ContractValueError(f"{cls}.{name} must not be empty")
+
+
+def _check_choice(cls: str, name: str, value: object, allowed: frozenset[str]) -> None:
+    if not isinstance(value, str):
+        raise _type_error(cls, name, "a str", value)
+    if value not in allowed:
+        raise ContractValueError(
+            f"{cls}.{name} must be one of {sorted(allowed)}, got {value!r}"
+        )
+
+
+def _unchecked(cls: type[_T], **values: Any) -> _T:
+    """Build a frozen instance without running `__post_init__` (already validated data)."""
+    obj = object.__new__(cls)
+    for key, value in values.items():
+        object.__setattr__(obj, key, value)
+    return obj
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Destination decision made before it speaks or starts work.
+
+    `accept` permits work, `decline` returns control for another route (a focused
+    owner keeps its focus), `clarify` ends routing with a question, and `release`
+    clears focus and returns the same query to ordinary routing.
+    """
+
+    disposition: AdmissionDisposition
+    preamble: str = ""
+    """Optional short acknowledgment, emitted only after acceptance."""
+    text: str = ""
+    """Optional text for clarification or release; release text precedes rerouting."""
+
+    def __post_init__(self) -> None:
+        _check_choice("Admission", "disposition", self.disposition, _ADMISSION_DISPOSITIONS)
+        _check_str("Admission", "preamble", self.preamble)
+        _check_str("Admission", "text", self.text)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentExchange:
+    """One completed user request and destination-provided response context."""
+
+    user: str
+    assistant: str
+
+    def __post_init__(self) -> None:
+        _check_str("AgentExchange", "user", self.user)
+        _check_str("AgentExchange", "assistant", self.assistant)
+
+    def size_bytes(self) -> int:
+        """UTF-8 size of the exchange, the unit of the router's history budget."""
+        return len(self.user.encode()) + len(self.assistant.encode())
+
+
+@dataclass(frozen=True, slots=True)
+class AgentTurn:
+    """The current user turn and the complete exchanges selected for a destination."""
+
+    participant_id: str
+    turn_id: str
+    query: str
+    history: tuple[AgentExchange, ...] = ()
+    """Newest whole completed exchanges that fit the router's byte budget."""
+    timestamp_us: int | None = None
+    """Originating input time in Unix microseconds, when supplied by the caller."""
+
+    def __post_init__(self) -> None:
+        _check_str("AgentTurn", "participant_id", self.participant_id, nonempty=True)
+        _check_str("AgentTurn", "turn_id", self.turn_id, nonempty=True)
+        _check_str("AgentTurn", "query", self.query)
+        history = self.history
+        if not isinstance(history, tuple):
+            if isinstance(history, str | bytes | Mapping) or not isinstance(history, Iterable):
+                raise _type_error("AgentTurn", "history", "a sequence of AgentExchange", history)
+            history = tuple(history)
+            object.__setattr__(self, "history", history)
+        for index, exchange in enumerate(history):
+            if not isinstance(exchange, AgentExchange):
+                raise _type_error("AgentTurn", f"history[{index}]", "an AgentExchange", exchange)
+        ts = self.timestamp_us
+        if ts is not None:
+            if not isinstance(ts, int) or isinstance(ts, bool):
+                raise _type_error("AgentTurn", "timestamp_us", "an int or None", ts)
+            if ts < 0:
+                raise ContractValueError(f"AgentTurn.timestamp_us must be >= 0, got {ts}")
+
+
+@dataclass(frozen=True, slots=True)
+class DestinationResult:
+    """Optional completed response context and the router's focus transition.
+
+    Destinations return `answer`, `focus` or `release`; the router returns `clarify`
+    when it asked for clarification before any answer work. `text` is kept in history,
+    never delivered as output by the router.
+    """
+
+    disposition: ResultDisposition = "answer"
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        _check_choice("DestinationResult", "disposition", self.disposition, _RESULT_DISPOSITIONS)
+        _check_str("DestinationResult", "text", self.text)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingAid:
+    """Brief routing metadata, separate from the destination's full instructions."""
+
+    name: str
+    description: str
+    priority: int = 0
+    """Tie-breaking preference after request relevance (higher wins)."""
+    eligible: bool = True
+    """Whether this destination may be selected for this participant now."""
+    eligibility: str = "available"
+    """Current participant-specific eligibility state."""
+
+    def __post_init__(self) -> None:
+        _check_str("RoutingAid", "name", self.name, nonempty=True)
+        _check_str("RoutingAid", "description", self.description)
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise _type_error("RoutingAid", "priority", "an int", self.priority)
+        if not isinstance(self.eligible, bool):
+            raise _type_error("RoutingAid", "eligible", "a bool", self.eligible)
+        _check_str("RoutingAid", "eligibility", self.eligibility)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a decision service sees: the turn and the routes it may choose from."""
+
+    turn: AgentTurn
+    candidates: tuple[RoutingAid, ...]
+    """Eligible routes not excluded for this turn, in registration order."""
+    excluded: frozenset[str] = frozenset()
+    """Routes that declined or released this turn."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.turn, AgentTurn):
+            raise _type_error("RouteRequest", "turn", "an AgentTurn", self.turn)
+        candidates = self.candidates
+        if not isinstance(candidates, tuple):
+            if isinstance(candidates, str | bytes) or not isinstance(candidates, Iterable):
+                raise _type_error("RouteRequest", "candidates", "a sequence of RoutingAid",
+                                  candidates)
+            candidates = tuple(candidates)
+            object.__setattr__(self, "candidates", candidates)
+        seen: set[str] = set()
+        for index, aid in enumerate(candidates):
+            if not isinstance(aid, RoutingAid):
+                raise _type_error("RouteRequest", f"candidates[{index}]", "a RoutingAid", aid)
+            if aid.name in seen:
+                raise ContractValueError(f"RouteRequest.candidates has {aid.name!r} twice")
+            seen.add(aid.name)
+        excluded = self.excluded
+        if not isinstance(excluded, frozenset):
+            if isinstance(excluded, str) or not isinstance(excluded, Iterable):
+                raise _type_error("RouteRequest", "excluded", "a set of route names", excluded)
+            excluded = frozenset(excluded)
+            object.__setattr__(self, "excluded", excluded)
+        overlap = seen & excluded
+        if overlap:
+            raise ContractValueError(
+                f"RouteRequest.candidates include excluded routes {sorted(overlap)}"
+            )
+
+    @property
+    def candidate_names(self) -> tuple[str, ...]:
+        """The candidates' route names, in order."""
+        return tuple(aid.name for aid in self.candidates)
+
+
+_EMPTY_SCORES: Mapping[str, float] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """A decision service's answer: a candidate's name, or `"clarify"`.
+
+    `scores` (higher is better) let the router pick the best eligible candidate when the
+    choice is `clarify` or not a candidate. `rationale` says where the choice came from
+    (a policy, a classifier, the lexical scorer) for tracing.
+    """
+
+    choice: str
+    confidence: float | None = None
+    scores: Mapping[str, float] = field(default=_EMPTY_SCORES)
+    rationale: str = ""
+
+    def __post_init__(self) -> None:
+        _check_str("RouteDecision", "choice", self.choice, nonempty=True)
+        confidence = self.confidence
+        if confidence is not None:
+            if not isinstance(confidence, int | float) or isinstance(confidence, bool):
+                raise _type_error("RouteDecision", "confidence", "a float or None", confidence)
+            if not 0.0 <= confidence <= 1.0:
+                raise ContractValueError(
+                    f"RouteDecision.confidence must be within [0, 1], got {confidence!r}"
+                )
+            object.__setattr__(self, "confidence", float(confidence))
+        scores = self.scores
+        if scores is not _EMPTY_SCORES:
+            if not isinstance(scores, Mapping):
+                raise _type_error("RouteDecision", "scores", "a mapping of route to float",
+                                  scores)
+            frozen: dict[str, float] = {}
+            for key, value in scores.items():
+                if not isinstance(key, str):
+                    raise _type_error("RouteDecision", "scores key", "a str", key)
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    raise _type_error("RouteDecision", f"scores[{key!r}]", "a float", value)
+                if math.isnan(value):
+                    raise ContractValueError(f"RouteDecision.scores[{key!r}] is NaN")
+                frozen[key] = float(value)
+            object.__setattr__(self, "scores", MappingProxyType(frozen))
+        _check_str("RouteDecision", "rationale", self.rationale)
+
+
+@runtime_checkable
+class DecisionService(Protocol):
+    """Chooses a route for a turn from the request's candidates."""
+
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        """Return a candidate's name or `"clarify"`, ideally with scores."""
+        ...
+
+
+@runtime_checkable
+class RoutableAgent(Protocol):
+    """An agent that owns its state and handles admitted or fallback turns.
+
+    An optional `async participant_left(participant_id)` method, when present, is called
+    on departure instead of `release()`.
+    """
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        """Describe this participant's current eligibility and route scope."""
+        ...
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        """Accept, decline, clarify, or release before producing spoken output."""
+        ...
+
+    async def answer(
+        self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+    ) -> DestinationResult:
+        """Answer an admitted (or default-fallback) turn; await `started()` before output."""
+        ...
+
+    async def release(self, participant_id: str) -> None:
+        """Handle route release; also the departure fallback without `participant_left`."""
+        ...

@@ -1,0 +1,69 @@
+"""The one exceptions module: every error turnrouter raises derives from `TurnrouterError`.
+
+Errors that callers already catch by builtin type (`ValueError`, `TypeError`,
+`RuntimeError`) also derive from that builtin, so both spellings work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+__all__ = [
+    "ConfigurationError",
+    "ContractTypeError",
+    "ContractValueError",
+    "DestinationContractError",
+    "LifecycleError",
+    "PolicyError",
+    "TurnInterrupted",
+    "TurnrouterError",
+]
+
+
+class TurnrouterError(Exception):
+    """Root of every error raised by turnrouter."""
+
+
+class ConfigurationError(TurnrouterError, ValueError):
+    """A constructor or configuration argument is invalid; the message names it."""
+
+
+class ContractValueError(TurnrouterError, ValueError):
+    """A contract object got a value outside its domain; the message names the field."""
+
+
+class ContractTypeError(TurnrouterError, TypeError):
+    """A contract object got a value of the wrong type; the message names the field."""
+
+
+class DestinationContractError(TurnrouterError):
+    """A destination returned something the agent protocol does not allow."""
+
+
+class LifecycleError(TurnrouterError, RuntimeError):
+    """The operation is not allowed in the router's or participant's current state.
+
+    Raised by `handle()` while a departure or shutdown is pending, or after a cleanup
+    failed until the caller retried it successfully.
+    """
+
+
+class PolicyError(TurnrouterError, ValueError):
+    """A routing policy could not be loaded or holds an invalid decision."""
+
+
+class TurnInterrupted(TurnrouterError, asyncio.CancelledError):
+    """The turn was cancelled by `interrupt()`, a newer turn, a departure or `stop()`.
+
+    The contract says task cancellation propagates to the caller of `handle()`; this
+    is that cancellation, made recognisable: it is an `asyncio.CancelledError` (so a
+    task awaiting `handle()` ends cancelled) and a `TurnrouterError` (so callers can
+    tell an interrupted turn from their own cancellation). Completed history and focus
+    are kept.
+    """
+
+    def __init__(self, participant_id: str, turn_id: str, reason: str = "interrupted") -> None:
+        super().__init__(f"turn {turn_id!r} of participant {participant_id!r} was {reason}")
+        self.participant_id = participant_id
+        self.turn_id = turn_id
+        self.reason = reason
