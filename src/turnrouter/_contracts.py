@@ -240,7 +240,7 @@ class RouteDecision:
 
     choice: str
     confidence: float | None = None
-    scores: Mapping[str, float] = field(default=_EMPTY_SCORES)
+    scores: Mapping[str, float] = field(default_factory=lambda: _EMPTY_SCORES)
     rationale: str = ""
 
     def __post_init__(self) -> None:
