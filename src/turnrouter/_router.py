@@ -1,3 +1,798 @@
-"""Placeholder while the router lands."""
-class AgentRouter:  # pragma: no cover
-    pass
+"""`AgentRouter`: route a turn, check admission before speech, keep explicit focus.
+
+The per-turn path runs in the caller's task under one cancel scope (no task per turn),
+reports to a `RouterObserver` (telemetry lives behind it), and keeps validation at the
+boundary: contract objects coming in are checked once, internal copies are not.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+
+from ._context import RoutingTurnContext, _current
+from ._contracts import (
+    CLARIFY,
+    Admission,
+    AgentExchange,
+    AgentTurn,
+    DecisionService,
+    DestinationResult,
+    RoutableAgent,
+    RouteDecision,
+    RouteRequest,
+    RoutingAid,
+    _unchecked,
+)
+from ._exceptions import (
+    ConfigurationError,
+    ContractTypeError,
+    ContractValueError,
+    DestinationContractError,
+    LifecycleError,
+    TurnInterrupted,
+)
+from ._history import History
+from ._lifecycle import OwnedOperation, TurnQueue, TurnRun
+from ._llm import LLMService
+from ._observer import (
+    NULL_OBSERVER,
+    ClarificationReason,
+    ReleaseReason,
+    RouterObserver,
+    TurnObserver,
+    TurnOutcome,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["AgentRouter", "OutputCallback"]
+
+logger = logging.getLogger("turnrouter")
+
+OutputCallback = Callable[[AgentTurn, str, str], Awaitable[None]]
+StatusCallback = Callable[[Literal["processing", "idle"], str], Awaitable[None]]
+ParticipantCallback = Callable[[str], Awaitable[None]]
+
+_DEFAULT_CONTEXT_BUDGET_BYTES = 8192
+#: Route name passed to `output` for the router's own clarification questions.
+CLARIFY_ROUTE = CLARIFY
+DEFAULT_CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it another way?"
+DEFAULT_FAILURE_TEXT = "Sorry, something went wrong. Please try again."
+
+_CLARIFY_RESULT = DestinationResult("clarify")
+_TIMED_OUT = _unchecked(Admission, disposition="decline", preamble="", text="")
+_cancelled_exc = anyio.get_cancelled_exc_class
+
+
+class _Phase(enum.Enum):
+    OPEN = "open"
+    DEPARTING = "departing"
+    FAILED = "cleanup failed"
+
+
+class _Participant:
+    """Router-owned state of one participant (kept small: thousands may be active)."""
+
+    __slots__ = (
+        "cleanup_pending", "departure", "focus", "history", "initialized", "phase",
+        "pid", "queue", "unreleased", "used",
+    )
+
+    def __init__(self, pid: str) -> None:
+        self.pid = pid
+        self.focus: str | None = None
+        self.history = History()
+        self.used: set[str] = set()
+        self.initialized = False
+        self.queue = TurnQueue()
+        self.phase = _Phase.OPEN
+        self.departure: OwnedOperation | None = None
+        #: Destinations whose departure release failed, to retry (None: not departed yet).
+        self.unreleased: set[str] | None = None
+        self.cleanup_pending = False
+
+
+class _TurnRecord:
+    """What one turn did so far, for the observer and the failure rule."""
+
+    __slots__ = ("attempts", "focus_before", "output_failed", "route", "started")
+
+    def __init__(self, focus_before: str | None) -> None:
+        self.focus_before = focus_before
+        self.route: str | None = None
+        self.attempts = 0
+        self.started = False
+        self.output_failed = False
+
+
+class _StartSignal:
+    """The `started()` callable handed to `answer()`.
+
+    The first call records the first-response time; later calls, and calls after
+    `answer()` returned, do nothing more.
+    """
+
+    __slots__ = ("_clock", "_obs", "_record", "_route", "_t0", "_token", "closed")
+
+    def __init__(
+        self, obs: TurnObserver, token: object, route: str, record: _TurnRecord,
+        clock: Callable[[], float], t0: float,
+    ) -> None:
+        self._obs, self._token, self._route, self._record = obs, token, route, record
+        self._clock, self._t0 = clock, t0
+        self.closed = False
+
+    async def __call__(self) -> None:
+        if self.closed or self._record.started:
+            return
+        self._record.started = True
+        self._obs.first_response(self._token, self._route, self._clock() - self._t0)
+
+
+def _check_callable(name: str, value: object, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not callable(value):
+        raise ContractTypeError(f"AgentRouter {name} must be callable, got {type(value).__name__}")
+
+
+def _check_positive(name: str, value: object, *, integer: bool = False) -> None:
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        kind = "an int" if integer else "a number"
+        raise ContractTypeError(f"AgentRouter {name} must be {kind}, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigurationError(f"AgentRouter {name} must be finite and positive, got {value!r}")
+
+
+def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]) -> str | None:
+    """Highest-scoring candidate with a finite score; priority breaks ties, then order."""
+    best: RoutingAid | None = None
+    best_score = -math.inf
+    for aid in candidates:
+        score = scores.get(aid.name)
+        if score is None or not math.isfinite(score):
+            continue
+        if best is None or score > best_score or (
+            score == best_score and aid.priority > best.priority
+        ):
+            best, best_score = aid, score
+    return None if best is None else best.name
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    return isinstance(exc, _cancelled_exc())
+
+
+class AgentRouter:
+    """Route a turn, check admission before speech, and retain explicit focus.
+
+    See `docs/router.md` for the full contract. In short: a focused destination gets the
+    next turn first; otherwise the decision service chooses, the destination admits (or
+    declines, clarifies, releases) before any output, at most two routed choices are
+    tried, then the eligible default answers once without admission, else the router asks
+    the participant to clarify.
+    """
+
+    def __init__(
+        self,
+        destinations: Mapping[str, RoutableAgent],
+        decisions: DecisionService,
+        *,
+        output: OutputCallback | None = None,
+        default_destination: str = "conversation",
+        context_budget_bytes: int = _DEFAULT_CONTEXT_BUDGET_BYTES,
+        acknowledgment_llm: LLMService | None = None,
+        acknowledgment_delay_secs: float | None = None,
+        query_topic: Any = None,
+        output_topic: Any = None,
+        participant_joined_topic: Any = None,
+        participant_left_topic: Any = None,
+        interrupted_topic: Any = None,
+        initialize_participant: ParticipantCallback | None = None,
+        cleanup_participant: ParticipantCallback | None = None,
+        set_status: StatusCallback | None = None,
+        admission_timeout_secs: float | None = None,
+        telemetry: RouterObserver | None = None,
+        clarification_text: str = DEFAULT_CLARIFICATION_TEXT,
+        failure_text: str = DEFAULT_FAILURE_TEXT,
+    ) -> None:
+        if not isinstance(destinations, Mapping):
+            raise ContractTypeError(
+                f"AgentRouter destinations must be a mapping of route name to agent, "
+                f"got {type(destinations).__name__}"
+            )
+        if not destinations:
+            raise ConfigurationError("AgentRouter destinations must not be empty")
+        agents: dict[str, RoutableAgent] = {}
+        for name, agent in destinations.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigurationError(
+                    f"AgentRouter destination names must be non-empty str, got {name!r}"
+                )
+            for method in ("routing_aid", "admit", "answer", "release"):
+                if not callable(getattr(agent, method, None)):
+                    raise ContractTypeError(
+                        f"AgentRouter destination {name!r} has no {method}() method: "
+                        "it is not a RoutableAgent"
+                    )
+            agents[name] = agent
+        if not callable(getattr(decisions, "decide", None)):
+            raise ContractTypeError(
+                f"AgentRouter decisions must have an async decide(request) method, "
+                f"got {type(decisions).__name__}"
+            )
+        if not isinstance(default_destination, str):
+            raise ContractTypeError("AgentRouter default_destination must be a str")
+        if default_destination not in agents:
+            raise ConfigurationError(
+                f"AgentRouter default_destination {default_destination!r} is not a registered "
+                f"destination (registered: {sorted(agents)})"
+            )
+        _check_positive("context_budget_bytes", context_budget_bytes, integer=True)
+        if (acknowledgment_llm is None) != (acknowledgment_delay_secs is None):
+            raise ConfigurationError(
+                "AgentRouter acknowledgment_llm and acknowledgment_delay_secs must be "
+                "supplied together"
+            )
+        if acknowledgment_delay_secs is not None:
+            _check_positive("acknowledgment_delay_secs", acknowledgment_delay_secs)
+            if not callable(getattr(acknowledgment_llm, "complete", None)):
+                raise ContractTypeError(
+                    "AgentRouter acknowledgment_llm must have an async complete() method"
+                )
+        if admission_timeout_secs is not None:
+            _check_positive("admission_timeout_secs", admission_timeout_secs)
+        _check_callable("output", output)
+        _check_callable("initialize_participant", initialize_participant)
+        _check_callable("cleanup_participant", cleanup_participant)
+        _check_callable("set_status", set_status)
+        for name, text in (("clarification_text", clarification_text),
+                           ("failure_text", failure_text)):
+            if not isinstance(text, str) or not text:
+                raise ConfigurationError(f"AgentRouter {name} must be a non-empty str")
+        topics = {
+            "query_topic": query_topic, "output_topic": output_topic,
+            "participant_joined_topic": participant_joined_topic,
+            "participant_left_topic": participant_left_topic,
+            "interrupted_topic": interrupted_topic,
+        }
+        if any(topic is not None for topic in topics.values()):
+            self._runtime_config = self._check_topics(topics)
+        else:
+            self._runtime_config = None
+        if telemetry is None:
+            from .telemetry import Telemetry
+
+            telemetry = Telemetry()
+        elif not isinstance(telemetry, RouterObserver):
+            raise ContractTypeError(
+                f"AgentRouter telemetry must be a Telemetry or RouterObserver, "
+                f"got {type(telemetry).__name__}"
+            )
+
+        self._agents = agents
+        self._routes = tuple(agents)
+        self._decisions = decisions
+        self._output = output
+        self._default = default_destination
+        self._budget = context_budget_bytes
+        self._ack_llm = acknowledgment_llm
+        self._ack_delay = acknowledgment_delay_secs
+        self._initialize = initialize_participant
+        self._cleanup = cleanup_participant
+        self._set_status = set_status
+        self._admission_timeout = admission_timeout_secs
+        self._observer = telemetry
+        self._clarification_text = clarification_text
+        self._failure_text = failure_text
+        self._clock: Callable[[], float] = time.perf_counter
+        self._participants: dict[str, _Participant] = {}
+        self._stopping: OwnedOperation | None = None
+        self._stop_failed = False
+        telemetry.configured(routes=self._routes, acknowledgment_delay_secs=acknowledgment_delay_secs)
+
+    @staticmethod
+    def _check_topics(topics: dict[str, Any]) -> dict[str, Any]:
+        from .runtime import validate_topics
+
+        return validate_topics(topics)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def destinations(self) -> Mapping[str, RoutableAgent]:
+        """Registered destinations by route name (read-only view)."""
+        from types import MappingProxyType
+
+        return MappingProxyType(self._agents)
+
+    def focus_of(self, participant_id: str) -> str | None:
+        """The route holding `participant_id`'s focus, if any."""
+        state = self._participants.get(participant_id)
+        return None if state is None else state.focus
+
+    def history_of(self, participant_id: str) -> tuple[AgentExchange, ...]:
+        """The participant's retained completed exchanges, oldest first."""
+        state = self._participants.get(participant_id)
+        return () if state is None else state.history.exchanges
+
+    @property
+    def participants(self) -> frozenset[str]:
+        """Participants the router currently holds state for."""
+        return frozenset(self._participants)
+
+    async def handle(self, turn: AgentTurn) -> DestinationResult:
+        """Route one turn while emitting only router-owned control text.
+
+        Raises `TurnInterrupted` (an `asyncio.CancelledError`) when the turn is cancelled
+        by `interrupt()`, a newer turn of the same participant, a departure or `stop()`;
+        `LifecycleError` (a `RuntimeError`) while a departure or shutdown is pending or
+        after a cleanup failed; destination exceptions propagate unchanged.
+        """
+        if not isinstance(turn, AgentTurn):
+            raise ContractTypeError(f"handle() takes an AgentTurn, got {type(turn).__name__}")
+        output = self._output
+        if output is None:
+            raise LifecycleError(
+                "handle() needs the output callback: pass output=... to AgentRouter "
+                "(runtime queries publish through output_topic instead)"
+            )
+        return await self._handle(turn, output)
+
+    async def interrupt(self, participant_id: str | None = None) -> None:
+        """Cancel active (and queued) turns, keeping completed history and focus.
+
+        With `participant_id=None`, every participant's turns. Returns once the cancelled
+        turns have drained.
+        """
+        if participant_id is None:
+            states: Iterable[_Participant] = list(self._participants.values())
+        else:
+            _check_pid(participant_id)
+            state = self._participants.get(participant_id)
+            states = () if state is None else (state,)
+        runs: list[TurnRun] = []
+        for state in states:
+            for run in state.queue.runs():
+                run.cancel("interrupted")
+                runs.append(run)
+        for run in runs:
+            await run.wait_finished()
+
+    async def participant_left(self, participant_id: str) -> None:
+        """Release one participant's state and history (an owned operation).
+
+        Calls each used destination's `participant_left()` hook when present, otherwise
+        `release()`. Failures stay tracked for a retry and are raised together in an
+        ExceptionGroup; until a retry succeeds, `handle()` raises for that participant.
+        """
+        _check_pid(participant_id)
+        if self._stopping is not None:
+            try:
+                await self._stopping.join()
+            except Exception:
+                logger.debug("shutdown failed while %s left", participant_id, exc_info=True)
+        state = self._participants.get(participant_id)
+        if state is None:
+            return
+        if state.departure is None or state.departure.done:
+            state.departure = OwnedOperation(self._depart(state))
+        await state.departure.join()
+
+    async def stop(self) -> None:
+        """Drain responses and release all participant state in one owned operation."""
+        if self._stopping is None or self._stopping.done:
+            self._stopping = OwnedOperation(self._shutdown())
+        await self._stopping.join()
+
+    # ------------------------------------------------------------------ one turn
+
+    def _admit_state(self, pid: str) -> _Participant:
+        if self._stopping is not None and not self._stopping.done:
+            raise LifecycleError("the router is shutting down; handle() is closed until stop() ends")
+        if self._stop_failed:
+            raise LifecycleError(
+                "the router's last stop() failed; handle() is closed until stop() succeeds"
+            )
+        state = self._participants.get(pid)
+        if state is None:
+            state = self._participants[pid] = _Participant(pid)
+            self._observer.participant_added(pid)
+        elif state.phase is not _Phase.OPEN:
+            raise LifecycleError(
+                f"participant {pid!r}: departure {state.phase.value}; "
+                "handle() is closed until participant_left() completes"
+            )
+        return state
+
+    async def _handle(self, turn: AgentTurn, emit: OutputCallback) -> DestinationResult:
+        pid = turn.participant_id
+        state = self._admit_state(pid)
+        queue = state.queue
+        run = TurnRun(turn.turn_id)
+        if not queue.idle:
+            # The participant spoke again: the running turn is stale.
+            running = queue.running
+            if running is not None:
+                running.cancel("superseded by a newer turn")
+        if not await queue.enter(run):
+            raise TurnInterrupted(pid, turn.turn_id, run.reason)
+        record = _TurnRecord(state.focus)
+        obs = self._observer.turn_started(turn, state.focus)
+        result: DestinationResult | None = None
+        scope = run.scope = anyio.CancelScope()
+        try:
+            with scope:
+                result = await self._run_turn(state, turn, emit, obs, record)
+        except BaseException as exc:
+            cancelled = _is_cancel(exc)
+            if not cancelled and not record.started and not record.output_failed:
+                await self._emit_failure(turn, record, emit)
+            obs.finished(
+                "interrupted" if cancelled else "failed", record.route, record.focus_before,
+                state.focus, record.attempts, None if cancelled else exc,
+            )
+            raise
+        finally:
+            queue.leave(run)
+        if result is None:  # our own scope was cancelled
+            obs.finished("interrupted", record.route, record.focus_before, state.focus,
+                         record.attempts, None)
+            raise TurnInterrupted(pid, turn.turn_id, run.reason or "interrupted")
+        outcome: TurnOutcome = result.disposition
+        obs.finished(outcome, record.route, record.focus_before, state.focus, record.attempts,
+                     None)
+        return result
+
+    async def _emit_failure(self, turn: AgentTurn, record: _TurnRecord, emit: OutputCallback) -> None:
+        try:
+            await emit(turn, record.route or "none", self._failure_text)
+        except Exception:
+            logger.exception("turnrouter: could not deliver the failure message of turn %s",
+                             turn.turn_id)
+
+    async def _run_turn(
+        self, state: _Participant, turn: AgentTurn, emit: OutputCallback, obs: TurnObserver,
+        record: _TurnRecord,
+    ) -> DestinationResult:
+        pid = turn.participant_id
+        if not state.initialized:
+            if self._initialize is not None:
+                await self._initialize(pid)
+            state.initialized = True
+        history = state.history
+        if not history.exchanges and turn.history:
+            history.seed(turn.history, self._budget)
+        if turn.history is not history.exchanges:
+            turn = _unchecked(
+                AgentTurn, participant_id=pid, turn_id=turn.turn_id, query=turn.query,
+                history=history.exchanges, timestamp_us=turn.timestamp_us,
+            )
+        token = _current.set(_unchecked(
+            RoutingTurnContext, exchange_id=turn.turn_id,
+            history_exchange_ids=history.ids, history_timestamps=history.stamps,
+        ))
+        try:
+            return await self._route(state, turn, emit, obs, record)
+        finally:
+            _current.reset(token)
+
+    async def _route(
+        self, state: _Participant, turn: AgentTurn, emit: OutputCallback, obs: TurnObserver,
+        record: _TurnRecord,
+    ) -> DestinationResult:
+        pid = turn.participant_id
+        excluded: set[str] = set()
+        agents = self._agents
+
+        # 1. Focus first: the owner's admission is not a routing attempt.
+        owner = state.focus
+        if owner is not None:
+            if not agents[owner].routing_aid(pid).eligible:
+                state.focus = None
+                obs.focus_transition(owner, "lost")
+                await self._release_in_turn(state, owner, "ineligible", obs)
+            else:
+                admission = await self._admit(state, turn, owner, True, obs)
+                disposition = admission.disposition
+                if disposition == "accept":
+                    return await self._answer(state, turn, owner, admission, emit, obs, record)
+                if disposition == "clarify":
+                    return await self._clarify(turn, owner, admission.text, "destination",
+                                               emit, obs, record)
+                excluded.add(owner)
+                obs.reroute(owner)
+                if disposition == "release":
+                    await self._say(turn, owner, admission.text, emit, record)
+                    state.focus = None
+                    obs.focus_transition(owner, "released")
+                    await self._release_in_turn(state, owner, "reroute", obs)
+                # decline: focus stays with the owner, release() is not called.
+
+        # 2. At most two routed choices, each excluding every route that declined.
+        aids = {name: agent.routing_aid(pid) for name, agent in agents.items()}
+        default = self._default
+        for _ in range(2):
+            candidates = tuple(
+                aid for name, aid in aids.items() if aid.eligible and name not in excluded
+            )
+            if not candidates:
+                break
+            record.attempts += 1
+            request = _unchecked(RouteRequest, turn=turn, candidates=candidates,
+                                 excluded=frozenset(excluded))
+            chosen, reason = await self._choose(request, aids, excluded, obs)
+            if chosen is None:
+                assert reason is not None
+                return await self._clarify(turn, CLARIFY_ROUTE, "", reason, emit, obs, record)
+            admission = await self._admit(state, turn, chosen, state.focus == chosen, obs)
+            disposition = admission.disposition
+            if disposition == "accept":
+                return await self._answer(state, turn, chosen, admission, emit, obs, record)
+            if disposition == "clarify":
+                return await self._clarify(turn, chosen, admission.text, "destination",
+                                           emit, obs, record)
+            excluded.add(chosen)
+            obs.reroute(chosen)
+            if disposition == "release":
+                await self._say(turn, chosen, admission.text, emit, record)
+                if state.focus == chosen:
+                    state.focus = None
+                    obs.focus_transition(chosen, "released")
+                await self._release_in_turn(state, chosen, "reroute", obs)
+
+        # 3. Exhausted: the eligible default answers once without admission.
+        if record.attempts and aids[default].eligible and default not in excluded:
+            obs.default_fallback(default)
+            return await self._answer(state, turn, default, None, emit, obs, record)
+        reason_: ClarificationReason = (
+            "default_unavailable" if record.attempts else "no_eligible_route"
+        )
+        return await self._clarify(turn, CLARIFY_ROUTE, "", reason_, emit, obs, record)
+
+    async def _choose(
+        self, request: RouteRequest, aids: dict[str, RoutingAid], excluded: set[str],
+        obs: TurnObserver,
+    ) -> tuple[str | None, ClarificationReason | None]:
+        token = obs.decision_started(request)
+        try:
+            decision = await self._decisions.decide(request)
+            if not isinstance(decision, RouteDecision):
+                raise DestinationContractError(
+                    f"decision service returned {type(decision).__name__}, not a RouteDecision"
+                )
+        except Exception as exc:
+            obs.decision_finished(token, request, None, exc)
+            logger.warning("turnrouter: decision service failed: %r", exc)
+            # A classifier outage must not silence the assistant.
+            default = self._default
+            if aids[default].eligible and default not in excluded:
+                return default, None
+            return None, "decision_failed"
+        obs.decision_finished(token, request, decision, None)
+        choice = decision.choice
+        for aid in request.candidates:
+            if aid.name == choice:
+                return choice, None
+        best = _best_scored(request.candidates, decision.scores)
+        if best is not None:
+            return best, None
+        return None, "low_confidence"
+
+    async def _admit(
+        self, state: _Participant, turn: AgentTurn, route: str, focused: bool,
+        obs: TurnObserver,
+    ) -> Admission:
+        state.used.add(route)
+        agent = self._agents[route]
+        token = obs.admission_started(route, focused)
+        try:
+            timeout = self._admission_timeout
+            if timeout is None:
+                admission = await agent.admit(turn, focused=focused)
+            else:
+                with anyio.move_on_after(timeout) as scope:
+                    admission = await agent.admit(turn, focused=focused)
+                if scope.cancelled_caught:
+                    obs.admission_finished(token, route, focused, "decline", None, timed_out=True)
+                    logger.warning("turnrouter: %s.admit() timed out after %ss; counted as a "
+                                   "decline", route, timeout)
+                    return _TIMED_OUT
+            if not isinstance(admission, Admission):
+                raise DestinationContractError(
+                    f"destination {route!r} admit() returned {type(admission).__name__}, "
+                    "not an Admission"
+                )
+        except BaseException as exc:
+            obs.admission_finished(token, route, focused, None,
+                                   None if _is_cancel(exc) else exc)
+            raise
+        obs.admission_finished(token, route, focused, admission.disposition, None)
+        return admission
+
+    async def _answer(
+        self, state: _Participant, turn: AgentTurn, route: str, admission: Admission | None,
+        emit: OutputCallback, obs: TurnObserver, record: _TurnRecord,
+    ) -> DestinationResult:
+        state.used.add(route)
+        record.route = route
+        if admission is not None and admission.preamble:
+            await self._say(turn, route, admission.preamble, emit, record)
+        token = obs.answer_started(route, admission is None)
+        signal = _StartSignal(obs, token, route, record, self._clock, self._clock())
+        try:
+            result = await self._agents[route].answer(turn, started=signal)
+            if not isinstance(result, DestinationResult) or result.disposition == "clarify":
+                raise DestinationContractError(
+                    f"destination {route!r} answer() must return DestinationResult answer, "
+                    f"focus or release, got {result!r:.80}"
+                )
+        except BaseException as exc:
+            signal.closed = True
+            cancelled = _is_cancel(exc)
+            obs.answer_finished(token, route, None, None if cancelled else exc, cancelled)
+            raise
+        signal.closed = True
+        obs.answer_finished(token, route, result, None, False)
+        # The answer is complete: its bookkeeping must not be torn by an interrupt.
+        with anyio.CancelScope(shield=True):
+            state.history.append(
+                _unchecked(AgentExchange, user=turn.query, assistant=result.text),
+                turn.turn_id, turn.timestamp_us, self._budget,
+            )
+            owner = state.focus
+            if result.disposition == "focus":
+                if owner != route:
+                    state.focus = route
+                    obs.focus_transition(route, "taken")
+                    if owner is not None:
+                        obs.focus_transition(owner, "lost")
+                        await self._release_in_turn(state, owner, "focus_taken", obs)
+            elif result.disposition == "release" and owner == route:
+                state.focus = None
+                obs.focus_transition(route, "released")
+                await self._release_in_turn(state, route, "post_answer", obs)
+        return result
+
+    async def _clarify(
+        self, turn: AgentTurn, route: str, text: str, reason: ClarificationReason,
+        emit: OutputCallback, obs: TurnObserver, record: _TurnRecord,
+    ) -> DestinationResult:
+        obs.clarification(reason)
+        await self._say(turn, route, text or self._clarification_text, emit, record)
+        return _CLARIFY_RESULT
+
+    @staticmethod
+    async def _say(
+        turn: AgentTurn, route: str, text: str, emit: OutputCallback, record: _TurnRecord
+    ) -> None:
+        if not text:
+            return
+        try:
+            await emit(turn, route, text)
+        except Exception:
+            record.output_failed = True
+            raise
+
+    async def _release_in_turn(
+        self, state: _Participant, route: str, reason: ReleaseReason, obs: TurnObserver
+    ) -> None:
+        """Release during a turn: failures are recorded and logged, the turn goes on."""
+        token = obs.release_started(route, reason)
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._agents[route].release(state.pid)
+        except Exception as exc:
+            obs.release_finished(token, route, reason, exc)
+            logger.exception("turnrouter: %s.release(%r) failed (%s)", route, state.pid, reason)
+            return
+        obs.release_finished(token, route, reason, None)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _drain(self, state: _Participant, reason: str) -> None:
+        runs = state.queue.runs()
+        for run in runs:
+            run.cancel(reason)
+        for run in runs:
+            await run.wait_finished()
+
+    async def _release_all(self, state: _Participant, reason: ReleaseReason) -> list[Exception]:
+        """Departure-style release of every used destination, then application cleanup."""
+        pid = state.pid
+        if state.unreleased is None:
+            state.unreleased = set(state.used)
+            state.cleanup_pending = self._cleanup is not None and (
+                state.initialized or bool(state.used)
+            )
+        errors: list[Exception] = []
+        for route in [name for name in self._routes if name in state.unreleased]:
+            agent = self._agents[route]
+            token = self._observer.release_started(route, reason)
+            try:
+                hook = getattr(agent, "participant_left", None)
+                if callable(hook):
+                    await hook(pid)
+                else:
+                    await agent.release(pid)
+            except Exception as exc:
+                self._observer.release_finished(token, route, reason, exc)
+                errors.append(exc)
+                continue
+            self._observer.release_finished(token, route, reason, None)
+            state.unreleased.discard(route)
+        if not errors and state.cleanup_pending:
+            assert self._cleanup is not None
+            try:
+                await self._cleanup(pid)
+            except Exception as exc:
+                self._observer.failure(None, "cleanup", exc)
+                errors.append(exc)
+            else:
+                state.cleanup_pending = False
+        return errors
+
+    def _forget(self, state: _Participant) -> None:
+        if self._participants.get(state.pid) is state:
+            del self._participants[state.pid]
+            self._observer.participant_removed(state.pid)
+
+    async def _depart(self, state: _Participant) -> None:
+        state.phase = _Phase.DEPARTING
+        await self._drain(state, "ended by the participant's departure")
+        errors = await self._release_all(state, "departure")
+        if errors:
+            state.phase = _Phase.FAILED
+            raise ExceptionGroup(
+                f"participant {state.pid!r} departure: {len(errors)} cleanup failure(s); "
+                "call participant_left() again to retry",
+                errors,
+            )
+        self._forget(state)
+
+    async def _shutdown(self) -> None:
+        for state in list(self._participants.values()):
+            if state.departure is not None and not state.departure.done:
+                try:
+                    await state.departure.join()
+                except Exception:
+                    logger.debug("departure of %s failed before shutdown", state.pid)
+        states = list(self._participants.values())
+        for state in states:
+            for run in state.queue.runs():
+                run.cancel("ended by stop()")
+        for state in states:
+            await self._drain(state, "ended by stop()")
+        errors: list[Exception] = []
+        for state in states:
+            state.phase = _Phase.DEPARTING
+            failures = await self._release_all(state, "shutdown")
+            if failures:
+                state.phase = _Phase.FAILED
+                errors.extend(failures)
+            else:
+                self._forget(state)
+        if errors:
+            self._stop_failed = True
+            raise ExceptionGroup(
+                f"stop(): {len(errors)} cleanup failure(s); call stop() again to retry", errors
+            )
+        self._stop_failed = False
+
+
+def _check_pid(participant_id: object) -> None:
+    if not isinstance(participant_id, str):
+        raise ContractTypeError(
+            f"participant_id must be a str, got {type(participant_id).__name__}"
+        )
+    if not participant_id:
+        raise ContractValueError("participant_id must not be empty")

@@ -1,0 +1,162 @@
+"""Owned operations and per-participant turn ordering.
+
+Departure and shutdown are *owned* operations: they run in a task of their own so no
+caller's cancellation can abandon them half done, and every concurrent caller joins the
+same operation. Turns, by contrast, run in the caller's task under a cancel scope: a
+turn is on the hot path, and a cancel scope costs far less than a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Coroutine
+from typing import Any
+
+import anyio
+
+__all__ = ["OwnedOperation", "TurnRun", "TurnQueue"]
+
+
+class OwnedOperation:
+    """A coroutine run once in its own task and joined by any number of callers.
+
+    Cancelling a joiner does not cancel the operation: the joiner waits for the
+    operation to finish, then its cancellation propagates.
+    """
+
+    __slots__ = ("_task",)
+
+    def __init__(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._task = asyncio.get_running_loop().create_task(coro)
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    async def join(self) -> None:
+        """Wait for the operation; re-raise its error (a fresh copy for groups)."""
+        cancelled: BaseException | None = None
+        with anyio.CancelScope(shield=True):
+            while not self._task.done():
+                try:
+                    await asyncio.shield(self._task)
+                except asyncio.CancelledError as exc:
+                    # Native cancellation pierces anyio's shield: remember it, keep waiting.
+                    if self._task.done():
+                        break
+                    cancelled = exc
+        if cancelled is not None:
+            raise cancelled
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        error = self._task.exception()
+        if error is None:
+            return
+        if isinstance(error, BaseExceptionGroup):
+            raise error.derive(error.exceptions) from None
+        raise error
+
+
+class TurnRun:
+    """One turn's place in its participant's queue, and the scope that cancels it."""
+
+    __slots__ = ("_done", "_wake", "finished", "reason", "scope", "turn_id")
+
+    def __init__(self, turn_id: str) -> None:
+        self.turn_id = turn_id
+        self.scope: anyio.CancelScope | None = None
+        self.reason = ""
+        self.finished = False
+        self._wake: anyio.Event | None = None
+        self._done: anyio.Event | None = None
+
+    def cancel(self, reason: str) -> None:
+        """Cancel the turn whether it runs or waits; the first reason is kept."""
+        if self.finished:
+            return
+        if not self.reason:
+            self.reason = reason
+        if self.scope is not None:
+            self.scope.cancel()
+        elif self._wake is not None:
+            self._wake.set()
+
+    async def wait_finished(self) -> None:
+        """Wait until the turn has fully drained."""
+        if self.finished:
+            return
+        if self._done is None:
+            self._done = anyio.Event()
+        await self._done.wait()
+
+    def mark_finished(self) -> None:
+        self.finished = True
+        if self._done is not None:
+            self._done.set()
+
+
+class TurnQueue:
+    """Runs a participant's turns one at a time, in arrival order."""
+
+    __slots__ = ("_waiting", "running")
+
+    def __init__(self) -> None:
+        self.running: TurnRun | None = None
+        self._waiting: deque[TurnRun] | None = None
+
+    def runs(self) -> list[TurnRun]:
+        """The running turn and the waiting ones, oldest first."""
+        runs = [self.running] if self.running is not None else []
+        if self._waiting:
+            runs.extend(self._waiting)
+        return runs
+
+    @property
+    def idle(self) -> bool:
+        return self.running is None and not self._waiting
+
+    async def enter(self, run: TurnRun) -> bool:
+        """Wait for `run`'s turn. False if it was cancelled before it could start."""
+        if self.running is None and not self._waiting:
+            self.running = run
+            return True
+        if self._waiting is None:
+            self._waiting = deque()
+        run._wake = anyio.Event()
+        self._waiting.append(run)
+        try:
+            await run._wake.wait()
+        except BaseException:
+            self._abandon(run)
+            raise
+        if run.reason:  # cancelled while waiting
+            self._abandon(run)
+            return False
+        return True
+
+    def _abandon(self, run: TurnRun) -> None:
+        if self.running is run:
+            self.leave(run)
+            return
+        if self._waiting is not None and run in self._waiting:
+            self._waiting.remove(run)
+        run.mark_finished()
+
+    def leave(self, run: TurnRun) -> None:
+        """`run` is over: hand the participant to the next waiting turn."""
+        run.mark_finished()
+        if self.running is not run:
+            return
+        self.running = None
+        waiting = self._waiting
+        while waiting:
+            nxt = waiting.popleft()
+            if nxt.reason:
+                nxt.mark_finished()
+                assert nxt._wake is not None
+                nxt._wake.set()
+                continue
+            self.running = nxt
+            assert nxt._wake is not None
+            nxt._wake.set()
+            break

@@ -1,0 +1,393 @@
+"""`LexicalDecisions`: the embedded default decision service (pure Python, no model).
+
+A query is turned into a sparse TF-IDF vector of stemmed word unigrams, word bigrams and
+character n-grams taken inside word boundaries. With example utterances, each route is
+scored by blending the cosine to the route's centroid with the cosine to its nearest
+examples (a small kNN over an inverted index); without examples, by the cosine to the
+route's name and description. Out-of-scope queries are answered with "clarify" when the
+best score is too low or the best two routes are too close.
+
+Everything expensive is done once: example models at construction, description models
+once per distinct set of candidate descriptions (a small LRU cache), so a decision only
+walks the query's own features.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+import unicodedata
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .._contracts import CLARIFY, RouteDecision, RouteRequest, RoutingAid
+from .._exceptions import ConfigurationError
+
+__all__ = ["LexicalDecisions"]
+
+_WORD_RE = re.compile(r"[a-z0-9]+")
+
+# Function words carry no routing signal; they are dropped from word features (their
+# character n-grams survive inside longer words only).
+_STOPWORDS = frozenset(
+    """a an the and or but if of at by for with about to from in on into over under is
+    are was were be been being am do does did doing have has had having i me my mine we
+    us our you your he him his she her it its they them their this that these those
+    what which who whom whose when where why how can could would should will shall may
+    might must please just so than then there here very too also any some all not no
+    s t d ll m re ve""".split()
+)
+
+_SUFFIXES = ("ations", "ation", "ings", "ing", "edly", "ies", "ied", "ers", "er", "ed",
+             "ly", "es", "s")
+
+
+@lru_cache(maxsize=65536)
+def _stem(word: str) -> str:
+    """Strip one common English suffix, keeping a stem of at least three letters."""
+    for suffix in _SUFFIXES:
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            stem = word[: -len(suffix)]
+            if suffix in ("ies", "ied"):
+                return stem + "y"
+            return stem
+    return word
+
+
+@lru_cache(maxsize=65536)
+def _char_grams(word: str, low: int, high: int) -> tuple[str, ...]:
+    """Character n-grams of `word` padded with spaces, so boundaries are features too."""
+    padded = f" {word} "
+    grams: list[str] = []
+    size = len(padded)
+    for n in range(low, high + 1):
+        if n > size:
+            break
+        grams.extend(padded[i : i + n] for i in range(size - n + 1))
+    return tuple(grams)
+
+
+def _words(text: str) -> list[str]:
+    """Normalised lower-case alphanumeric words; apostrophes join ("what's" -> "whats")."""
+    text = unicodedata.normalize("NFKC", text).lower().replace("'", "").replace("\u2019", "")
+    return _WORD_RE.findall(text)
+
+
+def _features(text: str, low: int, high: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Term counts of `text`: (char n-grams + word unigrams + bigrams, word-level only)."""
+    words = _words(text)
+    stems = [_stem(w) for w in words if w not in _STOPWORDS]
+    word_counts: dict[str, int] = {}
+    for stem in stems:
+        key = "w:" + stem
+        word_counts[key] = word_counts.get(key, 0) + 1
+    for first, second in zip(stems, stems[1:], strict=False):
+        key = f"b:{first} {second}"
+        word_counts[key] = word_counts.get(key, 0) + 1
+    counts = dict(word_counts)
+    for word in words:
+        for gram in _char_grams(word, low, high):
+            counts[gram] = counts.get(gram, 0) + 1
+    return counts, word_counts
+
+
+def _weigh(counts: Mapping[str, int], idf: Mapping[str, float], unseen: float
+           ) -> dict[str, float]:
+    """Sublinear TF times IDF, L2-normalised; unseen features keep the largest IDF."""
+    vector = {f: (1.0 + math.log(c)) * idf.get(f, unseen) for f, c in counts.items()}
+    norm = math.sqrt(sum(v * v for v in vector.values()))
+    if norm == 0.0:
+        return {}
+    return {f: v / norm for f, v in vector.items()}
+
+
+def _idf(documents: Sequence[Iterable[str]]) -> tuple[dict[str, float], float]:
+    """Smoothed IDF over `documents` and the IDF an unseen feature gets."""
+    df: dict[str, int] = {}
+    for doc in documents:
+        for feature in doc:
+            df[feature] = df.get(feature, 0) + 1
+    total = len(documents)
+    idf = {f: math.log((1 + total) / (1 + n)) + 1.0 for f, n in df.items()}
+    return idf, math.log(1 + total) + 1.0
+
+
+def _normalise(vector: Mapping[str, float]) -> dict[str, float]:
+    norm = math.sqrt(sum(v * v for v in vector.values()))
+    if norm == 0.0:
+        return {}
+    return {f: v / norm for f, v in vector.items()}
+
+
+def _aid_text(aid: RoutingAid) -> str:
+    """A route's name (snake/kebab case split into words) followed by its description."""
+    return f"{aid.name.replace('_', ' ').replace('-', ' ')} {aid.description}"
+
+
+@dataclass(frozen=True, slots=True)
+class _ExampleModel:
+    """Centroids and a word-level kNN index built once from the example utterances."""
+
+    idf: dict[str, float]
+    unseen: float
+    word_idf: dict[str, float]
+    word_unseen: float
+    centroids: dict[str, list[tuple[int, float]]]
+    """feature -> [(route index, weight)] of the L2-normalised route centroids."""
+    postings: dict[str, tuple[tuple[int, ...], tuple[float, ...]]]
+    """word feature -> (example ids, weights) of the L2-normalised example vectors."""
+    example_route: tuple[int, ...]
+    routes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _DescriptionModel:
+    """Per-candidate-set TF-IDF vectors of the routes' names and descriptions."""
+
+    idf: dict[str, float]
+    unseen: float
+    index: dict[str, list[tuple[int, float]]]
+    """feature -> [(candidate position, weight)]."""
+
+
+def _check_unit(name: str, value: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be a float in [0, 1], got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ConfigurationError(f"{name} must be within [0, 1], got {value!r}")
+    return float(value)
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class LexicalDecisions:
+    """Embedded default decision service: lexical similarity, no network, no model.
+
+    `examples` maps a route name to example utterances; routes without examples (and
+    every route when `examples` is None) are scored from their routing aid's name and
+    description. Scores are in [0, 1]; the best candidate is chosen unless its score is
+    below the applicable `min_*_score` or it leads the runner-up by less than
+    `min_margin`, in which case the answer is "clarify" with all scores kept. Exact ties
+    go to the higher `RoutingAid.priority`, then to the earlier candidate.
+    """
+
+    def __init__(
+        self,
+        examples: Mapping[str, Sequence[str]] | None = None,
+        *,
+        min_example_score: float = 0.45,
+        min_description_score: float = 0.12,
+        min_margin: float = 0.02,
+        centroid_weight: float = 0.35,
+        neighbors: int = 2,
+        max_document_frequency: float = 0.05,
+        char_ngrams: tuple[int, int] = (3, 5),
+        description_cache_size: int = 256,
+    ) -> None:
+        self._min_example_score = _check_unit("min_example_score", min_example_score)
+        self._min_description_score = _check_unit("min_description_score",
+                                                  min_description_score)
+        self._min_margin = _check_unit("min_margin", min_margin)
+        self._centroid_weight = _check_unit("centroid_weight", centroid_weight)
+        self._neighbors = _check_positive_int("neighbors", neighbors)
+        self._max_df = _check_unit("max_document_frequency", max_document_frequency)
+        if (
+            not isinstance(char_ngrams, tuple)
+            or len(char_ngrams) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in char_ngrams)
+            or not 1 <= char_ngrams[0] <= char_ngrams[1]
+        ):
+            raise ConfigurationError(
+                f"char_ngrams must be (low, high) ints with 1 <= low <= high, got {char_ngrams!r}"
+            )
+        self._low, self._high = char_ngrams
+        self._cache_size = _check_positive_int("description_cache_size",
+                                               description_cache_size)
+        self._descriptions: OrderedDict[tuple[tuple[str, str], ...], _DescriptionModel] = (
+            OrderedDict()
+        )
+        self._examples = self._build_examples(examples) if examples else None
+
+    # -- construction -------------------------------------------------------------
+
+    def _build_examples(self, examples: Mapping[str, Sequence[str]]) -> _ExampleModel | None:
+        if not isinstance(examples, Mapping):
+            raise ConfigurationError(
+                f"examples must be a mapping of route name to utterances, got "
+                f"{type(examples).__name__}"
+            )
+        routes: list[str] = []
+        texts: list[tuple[int, dict[str, int], dict[str, int]]] = []
+        for route, utterances in examples.items():
+            if not isinstance(route, str) or not route:
+                raise ConfigurationError(f"examples keys must be route names, got {route!r}")
+            if isinstance(utterances, str) or not isinstance(utterances, Sequence):
+                raise ConfigurationError(
+                    f"examples[{route!r}] must be a sequence of str, got "
+                    f"{type(utterances).__name__}"
+                )
+            index = len(routes)
+            routes.append(route)
+            for position, text in enumerate(utterances):
+                if not isinstance(text, str):
+                    raise ConfigurationError(
+                        f"examples[{route!r}][{position}] must be a str, got {text!r:.60}"
+                    )
+                counts, word_counts = _features(text, self._low, self._high)
+                if counts:
+                    texts.append((index, counts, word_counts))
+        if not texts:
+            return None
+        idf, unseen = _idf([counts for _, counts, _ in texts])
+        word_idf, word_unseen = _idf([words for _, _, words in texts])
+        sums: list[dict[str, float]] = [{} for _ in routes]
+        postings: dict[str, tuple[list[int], list[float]]] = {}
+        example_route: list[int] = []
+        max_df = max(1, int(self._max_df * len(texts)))
+        df: dict[str, int] = {}
+        for _, _, word_counts in texts:
+            for feature in word_counts:
+                df[feature] = df.get(feature, 0) + 1
+        for example_id, (route_index, counts, word_counts) in enumerate(texts):
+            total = sums[route_index]
+            for feature, weight in _weigh(counts, idf, unseen).items():
+                total[feature] = total.get(feature, 0.0) + weight
+            example_route.append(route_index)
+            for feature, weight in _weigh(word_counts, word_idf, word_unseen).items():
+                if df[feature] > max_df:
+                    continue
+                ids, weights = postings.setdefault(feature, ([], []))
+                ids.append(example_id)
+                weights.append(weight)
+        centroids: dict[str, list[tuple[int, float]]] = {}
+        for route_index, total in enumerate(sums):
+            for feature, weight in _normalise(total).items():
+                centroids.setdefault(feature, []).append((route_index, weight))
+        return _ExampleModel(
+            idf=idf,
+            unseen=unseen,
+            word_idf=word_idf,
+            word_unseen=word_unseen,
+            centroids=centroids,
+            postings={f: (tuple(i), tuple(w)) for f, (i, w) in postings.items()},
+            example_route=tuple(example_route),
+            routes=tuple(routes),
+        )
+
+    def _description_model(self, candidates: Sequence[RoutingAid]) -> _DescriptionModel:
+        key = tuple((aid.name, aid.description) for aid in candidates)
+        cached = self._descriptions.get(key)
+        if cached is not None:
+            self._descriptions.move_to_end(key)
+            return cached
+        docs = [_features(_aid_text(aid), self._low, self._high)[0] for aid in candidates]
+        idf, unseen = _idf(docs)
+        index: dict[str, list[tuple[int, float]]] = {}
+        for position, counts in enumerate(docs):
+            for feature, weight in _weigh(counts, idf, unseen).items():
+                index.setdefault(feature, []).append((position, weight))
+        model = _DescriptionModel(idf=idf, unseen=unseen, index=index)
+        self._descriptions[key] = model
+        if len(self._descriptions) > self._cache_size:
+            self._descriptions.popitem(last=False)
+        return model
+
+    # -- scoring ------------------------------------------------------------------
+
+    def _example_scores(self, model: _ExampleModel, query: str) -> dict[str, float]:
+        counts, word_counts = _features(query, self._low, self._high)
+        scores = [0.0] * len(model.routes)
+        weight = self._centroid_weight
+        if weight > 0.0:
+            centroids = model.centroids
+            for feature, value in _weigh(counts, model.idf, model.unseen).items():
+                entries = centroids.get(feature)
+                if entries is not None:
+                    for route_index, route_weight in entries:
+                        scores[route_index] += value * route_weight
+            scores = [s * weight for s in scores]
+        if weight < 1.0:
+            sims: dict[int, float] = {}
+            postings = model.postings
+            for feature, value in _weigh(word_counts, model.word_idf,
+                                         model.word_unseen).items():
+                posting = postings.get(feature)
+                if posting is not None:
+                    get = sims.get
+                    for example_id, example_weight in zip(*posting, strict=True):
+                        sims[example_id] = get(example_id, 0.0) + value * example_weight
+            per_route: list[list[float]] = [[] for _ in model.routes]
+            example_route = model.example_route
+            for example_id, sim in sims.items():
+                per_route[example_route[example_id]].append(sim)
+            k = self._neighbors
+            rest = 1.0 - weight
+            for route_index, values in enumerate(per_route):
+                if values:
+                    best = heapq.nlargest(k, values) if len(values) > k else values
+                    scores[route_index] += rest * sum(best) / k
+        return dict(zip(model.routes, scores, strict=True))
+
+    def _description_scores(self, candidates: Sequence[RoutingAid], query: str
+                            ) -> list[float]:
+        model = self._description_model(candidates)
+        counts, _ = _features(query, self._low, self._high)
+        scores = [0.0] * len(candidates)
+        index = model.index
+        for feature, value in _weigh(counts, model.idf, model.unseen).items():
+            entries = index.get(feature)
+            if entries is not None:
+                for position, weight in entries:
+                    scores[position] += value * weight
+        return scores
+
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        """Score every candidate and choose the best, or "clarify" when out of scope."""
+        return self.score(request)
+
+    def score(self, request: RouteRequest) -> RouteDecision:
+        """The synchronous body of `decide` (useful for benchmarks and batch scoring)."""
+        candidates = request.candidates
+        if not candidates:
+            return RouteDecision(CLARIFY, confidence=0.0, rationale="lexical: no candidates")
+        query = request.turn.query
+        model = self._examples
+        example_scores = self._example_scores(model, query) if model is not None else {}
+        needs_description = [aid for aid in candidates if aid.name not in example_scores]
+        description_scores: dict[str, float] = {}
+        if needs_description:
+            values = self._description_scores(needs_description, query)
+            description_scores = {
+                aid.name: v for aid, v in zip(needs_description, values, strict=True)
+            }
+        ranked: list[tuple[float, int, int, str, float]] = []
+        scores: dict[str, float] = {}
+        for position, aid in enumerate(candidates):
+            if aid.name in example_scores:
+                value, floor = example_scores[aid.name], self._min_example_score
+            else:
+                value, floor = description_scores[aid.name], self._min_description_score
+            value = min(1.0, max(0.0, value))
+            scores[aid.name] = value
+            ranked.append((value, aid.priority, -position, aid.name, floor))
+        ranked.sort(reverse=True)
+        top, _, _, name, floor = ranked[0]
+        second = ranked[1][0] if len(ranked) > 1 else 0.0
+        margin = top - second
+        summary = f"top={name} {top:.2f} margin {margin:.2f}"
+        if top < floor or top == 0.0:
+            return RouteDecision(CLARIFY, confidence=top, scores=scores,
+                                 rationale=f"lexical: clarify, {summary} below {floor:.2f}")
+        if len(ranked) > 1 and margin < self._min_margin:
+            return RouteDecision(
+                CLARIFY, confidence=top, scores=scores,
+                rationale=f"lexical: clarify, {summary} under {self._min_margin:.2f}",
+            )
+        return RouteDecision(name, confidence=top, scores=scores, rationale=f"lexical: {summary}")

@@ -1,0 +1,163 @@
+"""Prometheus metric definitions as data: the single source of truth.
+
+`Telemetry` registers exactly these families; `docs/telemetry.md`, the generated Grafana
+dashboards and the Prometheus rules read (or are tested against) the same tuple, so a
+renamed metric cannot silently break a panel or an alert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "LATENCY_BUCKETS",
+    "METRICS",
+    "MetricSpec",
+    "MetricType",
+    "metric",
+    "metrics_markdown_table",
+]
+
+MetricType = Literal["counter", "gauge", "histogram"]
+
+#: Seconds; suited to voice latency (a first answer should start well under a second).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One Prometheus metric family as exposed (counter names include `_total`)."""
+
+    name: str
+    type: MetricType
+    documentation: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    """Histogram bucket upper bounds in seconds (`+Inf` is implicit); None otherwise."""
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "turnrouter_turns_total", "counter",
+        "Turns handled, by the route that answered (none if no destination did) and outcome.",
+        ("route", "outcome"),
+    ),
+    MetricSpec(
+        "turnrouter_clarifications_total", "counter",
+        "Turns the router answered with a clarification question, by reason.",
+        ("reason",),
+    ),
+    MetricSpec(
+        "turnrouter_admissions_total", "counter",
+        "admit() calls by route, disposition (accept, decline, clarify, release, timeout, "
+        "error) and whether the route held focus.",
+        ("route", "disposition", "focused"),
+    ),
+    MetricSpec(
+        "turnrouter_reroutes_total", "counter",
+        "Turns routed again after a route declined or released.",
+        ("route",),
+    ),
+    MetricSpec(
+        "turnrouter_default_fallbacks_total", "counter",
+        "Turns answered by the default destination without admission after declines.",
+        ("route",),
+    ),
+    MetricSpec(
+        "turnrouter_failures_total", "counter",
+        "Failures by route (none if no destination was involved) and stage.",
+        ("route", "stage"),
+    ),
+    MetricSpec(
+        "turnrouter_interruptions_total", "counter",
+        "Turns that ended interrupted.",
+    ),
+    MetricSpec(
+        "turnrouter_focus_transitions_total", "counter",
+        "Focus taken, released or lost, by route.",
+        ("route", "transition"),
+    ),
+    MetricSpec(
+        "turnrouter_turn_duration_seconds", "histogram",
+        "Turn duration from start to finish, by route and outcome.",
+        ("route", "outcome"), LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "turnrouter_decision_duration_seconds", "histogram",
+        "Decision-service call duration.",
+        (), LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "turnrouter_admission_duration_seconds", "histogram",
+        "admit() call duration, by route.",
+        ("route",), LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "turnrouter_first_response_seconds", "histogram",
+        "Time from the start of answer() to the destination's started() signal, by route.",
+        ("route",), LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "turnrouter_silence_seconds", "histogram",
+        "Time from admission to the first thing the participant hears "
+        "(acknowledgment or answer), by route.",
+        ("route",), LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "turnrouter_acknowledgments_total", "counter",
+        "Scheduled acknowledgments by route, outcome (emitted, suppressed, failed) and "
+        "trigger (prediction, delay).",
+        ("route", "outcome", "trigger"),
+    ),
+    MetricSpec(
+        "turnrouter_acknowledgment_delay_seconds", "gauge",
+        "Configured fallback acknowledgment delay (NaN when acknowledgments are off).",
+    ),
+    MetricSpec(
+        "turnrouter_predicted_first_response_seconds", "gauge",
+        "The timing predictor's current first-response estimate, by route.",
+        ("route",),
+    ),
+    MetricSpec(
+        "turnrouter_context_patches_total", "counter",
+        "Background context patches by strategy and outcome.",
+        ("strategy", "outcome"),
+    ),
+    MetricSpec(
+        "turnrouter_active_participants", "gauge",
+        "Participants the router currently holds state for.",
+    ),
+    MetricSpec(
+        "turnrouter_turns_in_flight", "gauge",
+        "Turns currently being handled.",
+    ),
+)
+
+_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+
+
+def metric(name: str) -> MetricSpec:
+    """Return the definition of the metric exposed as `name` (KeyError if unknown)."""
+    return _BY_NAME[name]
+
+
+def _format_bucket(bound: float) -> str:
+    return f"{bound:g}"
+
+
+def metrics_markdown_table() -> str:
+    """Render `METRICS` as the Markdown table used in `docs/telemetry.md`."""
+    rows = [
+        "| metric | type | labels | buckets (seconds) | description |",
+        "|---|---|---|---|---|",
+    ]
+    for spec in METRICS:
+        labels = ", ".join(spec.labels) if spec.labels else "—"
+        buckets = " ".join(map(_format_bucket, spec.buckets)) if spec.buckets else "—"
+        rows.append(
+            f"| `{spec.name}` | {spec.type} | {labels} | {buckets} | {spec.documentation} |"
+        )
+    return "\n".join(rows) + "\n"

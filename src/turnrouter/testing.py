@@ -1,0 +1,420 @@
+"""Fakes for every seam of turnrouter, for your tests and ours.
+
+Like httpx's `MockTransport`: scripted decisions, scripted agents that record every
+call, an output recorder and an in-memory observer. They are deterministic and never
+sleep; gate them with events to test cancellation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from ._contracts import (
+    Admission,
+    AgentTurn,
+    DestinationResult,
+    RouteDecision,
+    RouteRequest,
+    RoutingAid,
+)
+from ._observer import (
+    AcknowledgmentOutcome,
+    AcknowledgmentTrigger,
+    ClarificationReason,
+    FailureStage,
+    FocusTransition,
+    ReleaseReason,
+    RouterObserver,
+    TurnObserver,
+    TurnOutcome,
+)
+
+__all__ = [
+    "Call",
+    "DecisionScript",
+    "OutputRecorder",
+    "RecordingObserver",
+    "ScriptedAgent",
+    "ScriptedDecisions",
+    "ScriptedDepartingAgent",
+    "ScriptedLLM",
+    "Spoken",
+]
+
+DecisionScript = (
+    RouteDecision | str | BaseException | Callable[[RouteRequest], RouteDecision | str]
+)
+
+
+class ScriptedDecisions:
+    """A `DecisionService` that answers from a script and records every request.
+
+    Each entry is a `RouteDecision`, a route name (or "clarify"), an exception to raise,
+    or a callable of the request. Entries are used in order; the last one repeats.
+    """
+
+    def __init__(self, *script: DecisionScript) -> None:
+        if not script:
+            raise ValueError("ScriptedDecisions needs at least one scripted decision")
+        self._script = list(script)
+        self.requests: list[RouteRequest] = []
+
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        self.requests.append(request)
+        entry = self._script.pop(0) if len(self._script) > 1 else self._script[0]
+        if isinstance(entry, BaseException):
+            raise entry
+        if callable(entry) and not isinstance(entry, RouteDecision):
+            entry = entry(request)
+        if isinstance(entry, str):
+            return RouteDecision(entry)
+        return entry
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One recorded call on a scripted agent."""
+
+    method: str
+    participant_id: str
+    turn_id: str | None = None
+    query: str | None = None
+    focused: bool | None = None
+    history: tuple[Any, ...] = ()
+
+
+AdmitScript = Admission | str | BaseException | Callable[[AgentTurn, bool], Admission]
+AnswerScript = DestinationResult | str | BaseException
+
+
+class ScriptedAgent:
+    """A `RoutableAgent` that admits and answers from scripts and records every call.
+
+    - `admissions`: what `admit()` returns, in order (the last repeats): an `Admission`,
+      a disposition string, an exception to raise, or a callable `(turn, focused)`.
+    - `results`: what `answer()` returns (a `DestinationResult`, a disposition string or
+      an exception to raise); `answer_text` is kept as the result text.
+    - `call_started`: whether `answer()` awaits `started()` before finishing (and
+      before raising a scripted exception when `fail_after_started`).
+    - `answer_gate`: when set, `answer()` waits for it (after `started()` if
+      `call_started`), so tests can interrupt a running answer; `answer_entered` is set
+      when `answer()` begins, `started_called` once `started()` returned.
+    - `output`: optional callback `answer()` uses to speak `answer_text` itself.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        description: str = "",
+        *,
+        priority: int = 0,
+        eligible: bool = True,
+        admissions: AdmitScript | Sequence[AdmitScript] = "accept",
+        results: AnswerScript | Sequence[AnswerScript] = "answer",
+        answer_text: str | None = None,
+        call_started: bool = True,
+        fail_after_started: bool = False,
+        release_error: BaseException | None = None,
+        output: Callable[[AgentTurn, str, str], Awaitable[None]] | None = None,
+    ) -> None:
+        self.name = name
+        self.description = description or f"handles {name} requests"
+        self.priority = priority
+        self.eligible = eligible
+        self._admissions = _as_script(admissions)
+        self._results = _as_script(results)
+        self.answer_text = answer_text if answer_text is not None else f"{name} answer"
+        self.call_started = call_started
+        self.fail_after_started = fail_after_started
+        self.release_error = release_error
+        self.output = output
+        self.calls: list[Call] = []
+        self.admit_gate: anyio.Event | None = None
+        self.answer_gate: anyio.Event | None = None
+        self.release_gate: anyio.Event | None = None
+        self.admit_entered = anyio.Event()
+        self.answer_entered = anyio.Event()
+        self.started_called = anyio.Event()
+        self.release_entered = anyio.Event()
+        self.cancelled: list[str] = []
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return RoutingAid(self.name, self.description, self.priority, self.eligible,
+                          "available" if self.eligible else "unavailable")
+
+    def methods(self) -> list[str]:
+        """The recorded method names, in call order."""
+        return [call.method for call in self.calls]
+
+    def count(self, method: str) -> int:
+        """How many times `method` was called."""
+        return sum(1 for call in self.calls if call.method == method)
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        self.calls.append(Call("admit", turn.participant_id, turn.turn_id, turn.query, focused,
+                               turn.history))
+        self.admit_entered.set()
+        try:
+            if self.admit_gate is not None:
+                await self.admit_gate.wait()
+        except BaseException:
+            self.cancelled.append("admit")
+            raise
+        entry = _next(self._admissions)
+        if isinstance(entry, BaseException):
+            raise entry
+        if callable(entry) and not isinstance(entry, Admission):
+            return entry(turn, focused)
+        if isinstance(entry, str):
+            return Admission(entry)  # type: ignore[arg-type]
+        return entry
+
+    async def answer(
+        self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+    ) -> DestinationResult:
+        self.calls.append(Call("answer", turn.participant_id, turn.turn_id, turn.query, None,
+                               turn.history))
+        self.answer_entered.set()
+        entry = _next(self._results)
+        try:
+            if isinstance(entry, BaseException) and not self.fail_after_started:
+                raise entry
+            if self.call_started:
+                await started()
+                self.started_called.set()
+            if self.answer_gate is not None:
+                await self.answer_gate.wait()
+            if self.output is not None:
+                await self.output(turn, self.name, self.answer_text)
+        except BaseException:
+            self.cancelled.append("answer")
+            raise
+        if isinstance(entry, BaseException):
+            raise entry
+        if isinstance(entry, str):
+            return DestinationResult(entry, text=self.answer_text)  # type: ignore[arg-type]
+        return entry
+
+    async def release(self, participant_id: str) -> None:
+        self.calls.append(Call("release", participant_id))
+        self.release_entered.set()
+        if self.release_gate is not None:
+            await self.release_gate.wait()
+        if self.release_error is not None:
+            raise self.release_error
+
+
+class ScriptedDepartingAgent(ScriptedAgent):
+    """A `ScriptedAgent` with the optional `participant_left()` departure hook."""
+
+    def __init__(self, name: str, description: str = "", *,
+                 departure_error: BaseException | None = None, **kwargs: Any) -> None:
+        super().__init__(name, description, **kwargs)
+        self.departure_error = departure_error
+
+    async def participant_left(self, participant_id: str) -> None:
+        self.calls.append(Call("participant_left", participant_id))
+        self.release_entered.set()
+        if self.release_gate is not None:
+            await self.release_gate.wait()
+        if self.departure_error is not None:
+            raise self.departure_error
+
+
+@dataclass(frozen=True, slots=True)
+class Spoken:
+    """One piece of router control text delivered through `output`."""
+
+    participant_id: str
+    turn_id: str
+    route: str
+    text: str
+
+
+@dataclass
+class OutputRecorder:
+    """An `output` callback that records what the router said, in order."""
+
+    spoken: list[Spoken] = field(default_factory=list)
+    error: BaseException | None = None
+    gate: anyio.Event | None = None
+
+    async def __call__(self, turn: AgentTurn, route: str, text: str) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.error is not None:
+            raise self.error
+        self.spoken.append(Spoken(turn.participant_id, turn.turn_id, route, text))
+
+    @property
+    def texts(self) -> list[str]:
+        """Just the texts, in delivery order."""
+        return [item.text for item in self.spoken]
+
+    def for_participant(self, participant_id: str) -> list[str]:
+        """Texts delivered to one participant."""
+        return [item.text for item in self.spoken if item.participant_id == participant_id]
+
+
+class ScriptedLLM:
+    """An `LLMService` returning scripted completions (or raising) and recording prompts."""
+
+    def __init__(self, *replies: str | BaseException) -> None:
+        if not replies:
+            raise ValueError("ScriptedLLM needs at least one reply")
+        self._replies = list(replies)
+        self.prompts: list[tuple[str, int, bool]] = []
+
+    async def complete(self, prompt: str, *, max_tokens: int, reasoning: bool = False) -> str:
+        self.prompts.append((prompt, max_tokens, reasoning))
+        reply = self._replies.pop(0) if len(self._replies) > 1 else self._replies[0]
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+
+class _RecordingTurn(TurnObserver):
+    __slots__ = ("_events",)
+
+    def __init__(self, events: list[tuple[Any, ...]]) -> None:
+        self._events = events
+
+    def decision_started(self, request: RouteRequest) -> object:
+        return ("decision", request.candidate_names)
+
+    def decision_finished(self, token: object, request: RouteRequest,
+                          decision: RouteDecision | None, error: BaseException | None) -> None:
+        self._events.append(("decision", None if decision is None else decision.choice,
+                             _name(error)))
+
+    def admission_finished(self, token: object, route: str, focused: bool,
+                           disposition: str | None, error: BaseException | None,
+                           timed_out: bool = False) -> None:
+        self._events.append(("admission", route, disposition, focused, timed_out, _name(error)))
+
+    def answer_started(self, route: str, fallback: bool) -> object:
+        self._events.append(("answer_started", route, fallback))
+        return route
+
+    def first_response(self, token: object, route: str, seconds: float) -> None:
+        self._events.append(("first_response", route))
+
+    def answer_finished(self, token: object, route: str, result: DestinationResult | None,
+                        error: BaseException | None, interrupted: bool) -> None:
+        self._events.append(("answer_finished", route,
+                             None if result is None else result.disposition, _name(error),
+                             interrupted))
+
+    def release_finished(self, token: object, route: str, reason: ReleaseReason,
+                         error: BaseException | None) -> None:
+        self._events.append(("release", route, reason, _name(error)))
+
+    def reroute(self, route: str) -> None:
+        self._events.append(("reroute", route))
+
+    def default_fallback(self, route: str) -> None:
+        self._events.append(("default_fallback", route))
+
+    def clarification(self, reason: ClarificationReason) -> None:
+        self._events.append(("clarification", reason))
+
+    def focus_transition(self, route: str, transition: FocusTransition) -> None:
+        self._events.append(("focus", route, transition))
+
+    def acknowledgment(self, route: str, outcome: AcknowledgmentOutcome,
+                       trigger: AcknowledgmentTrigger, delay_seconds: float,
+                       predicted_first_response: float | None, started_at: float,
+                       ended_at: float, text: str, error: BaseException | None) -> None:
+        self._events.append(("acknowledgment", route, outcome, trigger))
+
+    def silence(self, route: str, seconds: float) -> None:
+        self._events.append(("silence", route))
+
+    def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
+        self._events.append(("failure", route, stage, _name(error)))
+
+    def finished(self, outcome: TurnOutcome, route: str | None, focus_before: str | None,
+                 focus_after: str | None, attempts: int, error: BaseException | None) -> None:
+        self._events.append(("finished", outcome, route, focus_before, focus_after, attempts,
+                             _name(error)))
+
+
+def _name(error: BaseException | None) -> str | None:
+    return None if error is None else type(error).__name__
+
+
+class RecordingObserver(RouterObserver):
+    """In-memory telemetry: every observer event as a tuple, per turn and router-wide.
+
+    `turns[turn_id]` lists a turn's events in order; `events` holds router-level ones
+    (participants added/removed, departure and shutdown releases, cleanup failures).
+    """
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.turns: dict[str, list[tuple[Any, ...]]] = {}
+        self.events: list[tuple[Any, ...]] = []
+        self.in_flight = 0
+        self.active_participants = 0
+
+    def turn_started(self, turn: AgentTurn, focus: str | None) -> TurnObserver:
+        self.in_flight += 1
+        events = self.turns.setdefault(turn.turn_id, [])
+        events.append(("started", turn.participant_id, focus))
+        observer = self
+
+        class _Turn(_RecordingTurn):
+            __slots__ = ()
+
+            def finished(self, outcome: TurnOutcome, route: str | None,
+                         focus_before: str | None, focus_after: str | None, attempts: int,
+                         error: BaseException | None) -> None:
+                observer.in_flight -= 1
+                super().finished(outcome, route, focus_before, focus_after, attempts, error)
+
+        return _Turn(events)
+
+    def outcome(self, turn_id: str) -> TurnOutcome:
+        """The recorded outcome of a finished turn."""
+        for event in reversed(self.turns[turn_id]):
+            if event[0] == "finished":
+                outcome: TurnOutcome = event[1]
+                return outcome
+        raise KeyError(f"turn {turn_id!r} has not finished")
+
+    def kinds(self, turn_id: str) -> list[str]:
+        """Event kinds of one turn, in order."""
+        return [event[0] for event in self.turns[turn_id]]
+
+    def participant_added(self, participant_id: str) -> None:
+        self.active_participants += 1
+        self.events.append(("participant_added", participant_id))
+
+    def participant_removed(self, participant_id: str) -> None:
+        self.active_participants -= 1
+        self.events.append(("participant_removed", participant_id))
+
+    def release_finished(self, token: object, route: str, reason: ReleaseReason,
+                         error: BaseException | None) -> None:
+        self.events.append(("release", route, reason, _name(error)))
+
+    def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
+        self.events.append(("failure", route, stage, _name(error)))
+
+
+def _as_script(value: Any) -> list[Any]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        return [value]
+    items = list(value)
+    if not items:
+        raise ValueError("a script needs at least one entry")
+    return items
+
+
+def _next(script: list[Any]) -> Any:
+    return script.pop(0) if len(script) > 1 else script[0]
