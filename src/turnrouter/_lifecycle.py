@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["OwnedOperation", "TurnRun", "TurnQueue"]
+__all__ = ["OwnedOperation", "TurnQueue", "TurnRun"]
 
 
 class OwnedOperation:

@@ -42,7 +42,6 @@ from ._history import History
 from ._lifecycle import OwnedOperation, TurnQueue, TurnRun
 from ._llm import LLMService
 from ._observer import (
-    NULL_OBSERVER,
     ClarificationReason,
     ReleaseReason,
     RouterObserver,
@@ -146,7 +145,9 @@ def _check_callable(name: str, value: object, *, optional: bool = True) -> None:
 
 def _check_positive(name: str, value: object, *, integer: bool = False) -> None:
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    if not isinstance(value, kinds) or isinstance(value, bool):
+    if not isinstance(value, int | float) or not isinstance(value, kinds) or isinstance(
+        value, bool
+    ):
         kind = "an int" if integer else "a number"
         raise ContractTypeError(f"AgentRouter {name} must be {kind}, got {value!r}")
     if not (math.isfinite(value) and value > 0):
@@ -265,10 +266,9 @@ class AgentRouter:
             "participant_left_topic": participant_left_topic,
             "interrupted_topic": interrupted_topic,
         }
+        self._runtime_config: dict[str, Any] | None = None
         if any(topic is not None for topic in topics.values()):
             self._runtime_config = self._check_topics(topics)
-        else:
-            self._runtime_config = None
         if telemetry is None:
             from .telemetry import Telemetry
 
@@ -298,13 +298,17 @@ class AgentRouter:
         self._participants: dict[str, _Participant] = {}
         self._stopping: OwnedOperation | None = None
         self._stop_failed = False
-        telemetry.configured(routes=self._routes, acknowledgment_delay_secs=acknowledgment_delay_secs)
+        telemetry.configured(
+            routes=self._routes, acknowledgment_delay_secs=acknowledgment_delay_secs
+        )
 
     @staticmethod
     def _check_topics(topics: dict[str, Any]) -> dict[str, Any]:
-        from .runtime import validate_topics
+        import importlib
 
-        return validate_topics(topics)
+        runtime = importlib.import_module("turnrouter.runtime")
+        checked: dict[str, Any] = runtime.validate_topics(topics)
+        return checked
 
     # ------------------------------------------------------------------ public API
 
@@ -398,7 +402,9 @@ class AgentRouter:
 
     def _admit_state(self, pid: str) -> _Participant:
         if self._stopping is not None and not self._stopping.done:
-            raise LifecycleError("the router is shutting down; handle() is closed until stop() ends")
+            raise LifecycleError(
+                "the router is shutting down; handle() is closed until stop() ends"
+            )
         if self._stop_failed:
             raise LifecycleError(
                 "the router's last stop() failed; handle() is closed until stop() succeeds"
@@ -453,7 +459,9 @@ class AgentRouter:
                      None)
         return result
 
-    async def _emit_failure(self, turn: AgentTurn, record: _TurnRecord, emit: OutputCallback) -> None:
+    async def _emit_failure(
+        self, turn: AgentTurn, record: _TurnRecord, emit: OutputCallback
+    ) -> None:
         try:
             await emit(turn, record.route or "none", self._failure_text)
         except Exception:

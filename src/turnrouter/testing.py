@@ -168,10 +168,12 @@ class ScriptedAgent:
         if isinstance(entry, BaseException):
             raise entry
         if callable(entry) and not isinstance(entry, Admission):
-            return entry(turn, focused)
+            admission: Admission = entry(turn, focused)
+            return admission
         if isinstance(entry, str):
             return Admission(entry)  # type: ignore[arg-type]
-        return entry
+        scripted: Admission = entry
+        return scripted
 
     async def answer(
         self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
@@ -197,7 +199,8 @@ class ScriptedAgent:
             raise entry
         if isinstance(entry, str):
             return DestinationResult(entry, text=self.answer_text)  # type: ignore[arg-type]
-        return entry
+        result: DestinationResult = entry
+        return result
 
     async def release(self, participant_id: str) -> None:
         self.calls.append(Call("release", participant_id))

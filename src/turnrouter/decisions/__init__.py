@@ -6,7 +6,12 @@
 pin or override routes before falling back to another service.
 """
 
-from ._classifier import DEFAULT_CLASSIFIER_PROMPT, ClassifierDecisions, parse_classifier_output
+from ._classifier import (
+    DEFAULT_CLASSIFIER_PROMPT,
+    ClassifierDecisions,
+    ParsedClassification,
+    parse_classifier_output,
+)
 from ._lexical import LexicalDecisions
 from ._policies import (
     DictRoutingPolicy,
@@ -24,6 +29,7 @@ __all__ = [
     "DictRoutingPolicy",
     "KeyGetter",
     "LexicalDecisions",
+    "ParsedClassification",
     "PolicyChoice",
     "PolicyDecisions",
     "RoutingPolicy",

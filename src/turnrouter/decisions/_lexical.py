@@ -15,7 +15,9 @@ walks the query's own features.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+import operator
 import re
 import unicodedata
 from collections import OrderedDict
@@ -30,15 +32,20 @@ __all__ = ["LexicalDecisions"]
 
 _WORD_RE = re.compile(r"[a-z0-9]+")
 
-# Function words carry no routing signal; they are dropped from word features (their
-# character n-grams survive inside longer words only).
+# Function words: dropped from description matching, where an IDF over a handful of
+# routes cannot learn that they carry no routing signal.
 _STOPWORDS = frozenset(
-    """a an the and or but if of at by for with about to from in on into over under is
-    are was were be been being am do does did doing have has had having i me my mine we
-    us our you your he him his she her it its they them their this that these those
-    what which who whom whose when where why how can could would should will shall may
-    might must please just so than then there here very too also any some all not no
-    s t d ll m re ve""".split()
+    (
+        "a", "an", "the", "and", "or", "but", "if", "of", "at", "by", "for", "with",
+        "about", "to", "from", "in", "on", "into", "over", "under", "is", "are", "was",
+        "were", "be", "been", "being", "am", "do", "does", "did", "doing", "have", "has",
+        "had", "having", "i", "me", "my", "mine", "we", "us", "our", "you", "your", "he",
+        "him", "his", "she", "her", "it", "its", "they", "them", "their", "this", "that",
+        "these", "those", "what", "which", "who", "whom", "whose", "when", "where", "why",
+        "how", "can", "could", "would", "should", "will", "shall", "may", "might", "must",
+        "please", "just", "so", "than", "then", "there", "here", "very", "too", "also",
+        "any", "some", "all", "not", "no", "s", "t", "d", "ll", "m", "re", "ve",
+    )
 )
 
 _SUFFIXES = ("ations", "ation", "ings", "ing", "edly", "ies", "ied", "ers", "er", "ed",
@@ -76,15 +83,22 @@ def _words(text: str) -> list[str]:
     return _WORD_RE.findall(text)
 
 
-def _features(text: str, low: int, high: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Term counts of `text`: (char n-grams + word unigrams + bigrams, word-level only)."""
+def _features(text: str, low: int, high: int, *, drop_stopwords: bool = False
+              ) -> tuple[dict[str, int], dict[str, int]]:
+    """Term counts of `text`: (char n-grams + word unigrams + bigrams, word-level only).
+
+    Stopwords are kept for example models (IDF learns their weight, and "no" or "who are
+    you" are intents) and dropped for descriptions, where IDF over a few routes cannot.
+    """
     words = _words(text)
-    stems = [_stem(w) for w in words if w not in _STOPWORDS]
+    if drop_stopwords:
+        words = [w for w in words if w not in _STOPWORDS]
+    stems = [_stem(w) for w in words]
     word_counts: dict[str, int] = {}
     for stem in stems:
         key = "w:" + stem
         word_counts[key] = word_counts.get(key, 0) + 1
-    for first, second in zip(stems, stems[1:], strict=False):
+    for first, second in itertools.pairwise(stems):
         key = f"b:{first} {second}"
         word_counts[key] = word_counts.get(key, 0) + 1
     counts = dict(word_counts)
@@ -115,6 +129,9 @@ def _idf(documents: Sequence[Iterable[str]]) -> tuple[dict[str, float], float]:
     return idf, math.log(1 + total) + 1.0
 
 
+_second = operator.itemgetter(1)
+
+
 def _normalise(vector: Mapping[str, float]) -> dict[str, float]:
     norm = math.sqrt(sum(v * v for v in vector.values()))
     if norm == 0.0:
@@ -135,8 +152,8 @@ class _ExampleModel:
     unseen: float
     word_idf: dict[str, float]
     word_unseen: float
-    centroids: dict[str, list[tuple[int, float]]]
-    """feature -> [(route index, weight)] of the L2-normalised route centroids."""
+    centroids: dict[str, tuple[float, ...]]
+    """feature -> per-route weights of the L2-normalised route centroids."""
     postings: dict[str, tuple[tuple[int, ...], tuple[float, ...]]]
     """word feature -> (example ids, weights) of the L2-normalised example vectors."""
     example_route: tuple[int, ...]
@@ -182,12 +199,12 @@ class LexicalDecisions:
         self,
         examples: Mapping[str, Sequence[str]] | None = None,
         *,
-        min_example_score: float = 0.45,
-        min_description_score: float = 0.12,
-        min_margin: float = 0.02,
-        centroid_weight: float = 0.35,
-        neighbors: int = 2,
-        max_document_frequency: float = 0.05,
+        min_example_score: float = 0.17,
+        min_description_score: float = 0.08,
+        min_margin: float = 0.01,
+        centroid_weight: float = 0.5,
+        neighbors: int = 3,
+        max_document_frequency: float = 0.015,
         char_ngrams: tuple[int, int] = (3, 5),
         description_cache_size: int = 256,
     ) -> None:
@@ -208,6 +225,7 @@ class LexicalDecisions:
                 f"char_ngrams must be (low, high) ints with 1 <= low <= high, got {char_ngrams!r}"
             )
         self._low, self._high = char_ngrams
+        self._pool = 8 * self._neighbors
         self._cache_size = _check_positive_int("description_cache_size",
                                                description_cache_size)
         self._descriptions: OrderedDict[tuple[tuple[str, str], ...], _DescriptionModel] = (
@@ -266,10 +284,11 @@ class LexicalDecisions:
                 ids, weights = postings.setdefault(feature, ([], []))
                 ids.append(example_id)
                 weights.append(weight)
-        centroids: dict[str, list[tuple[int, float]]] = {}
+        dense: dict[str, list[float]] = {}
         for route_index, total in enumerate(sums):
             for feature, weight in _normalise(total).items():
-                centroids.setdefault(feature, []).append((route_index, weight))
+                dense.setdefault(feature, [0.0] * len(routes))[route_index] = weight
+        centroids = {f: tuple(row) for f, row in dense.items()}
         return _ExampleModel(
             idf=idf,
             unseen=unseen,
@@ -287,7 +306,8 @@ class LexicalDecisions:
         if cached is not None:
             self._descriptions.move_to_end(key)
             return cached
-        docs = [_features(_aid_text(aid), self._low, self._high)[0] for aid in candidates]
+        docs = [_features(_aid_text(aid), self._low, self._high, drop_stopwords=True)[0]
+                for aid in candidates]
         idf, unseen = _idf(docs)
         index: dict[str, list[tuple[int, float]]] = {}
         for position, counts in enumerate(docs):
@@ -307,12 +327,17 @@ class LexicalDecisions:
         weight = self._centroid_weight
         if weight > 0.0:
             centroids = model.centroids
+            rows: list[tuple[float, ...]] = []
+            values: list[float] = []
             for feature, value in _weigh(counts, model.idf, model.unseen).items():
-                entries = centroids.get(feature)
-                if entries is not None:
-                    for route_index, route_weight in entries:
-                        scores[route_index] += value * route_weight
-            scores = [s * weight for s in scores]
+                row = centroids.get(feature)
+                if row is not None:
+                    rows.append(row)
+                    values.append(value)
+            if rows:
+                # Column sums run in C: one dot product per route.
+                scores = [weight * sum(map(operator.mul, column, values))
+                          for column in zip(*rows, strict=True)]
         if weight < 1.0:
             sims: dict[int, float] = {}
             postings = model.postings
@@ -323,22 +348,26 @@ class LexicalDecisions:
                     get = sims.get
                     for example_id, example_weight in zip(*posting, strict=True):
                         sims[example_id] = get(example_id, 0.0) + value * example_weight
-            per_route: list[list[float]] = [[] for _ in model.routes]
-            example_route = model.example_route
-            for example_id, sim in sims.items():
-                per_route[example_route[example_id]].append(sim)
+            # The k nearest examples of each route, looked for among the overall nearest
+            # (a route absent from those is too far to matter for the choice).
             k = self._neighbors
-            rest = 1.0 - weight
-            for route_index, values in enumerate(per_route):
-                if values:
-                    best = heapq.nlargest(k, values) if len(values) > k else values
-                    scores[route_index] += rest * sum(best) / k
+            share = (1.0 - weight) / k
+            taken = [0] * len(model.routes)
+            example_route = model.example_route
+            pool = self._pool
+            nearest = (heapq.nlargest(pool, sims.items(), key=_second)
+                       if len(sims) > pool else sims.items())
+            for example_id, sim in nearest:
+                route_index = example_route[example_id]
+                if taken[route_index] < k:
+                    taken[route_index] += 1
+                    scores[route_index] += share * sim
         return dict(zip(model.routes, scores, strict=True))
 
     def _description_scores(self, candidates: Sequence[RoutingAid], query: str
                             ) -> list[float]:
         model = self._description_model(candidates)
-        counts, _ = _features(query, self._low, self._high)
+        counts, _ = _features(query, self._low, self._high, drop_stopwords=True)
         scores = [0.0] * len(candidates)
         index = model.index
         for feature, value in _weigh(counts, model.idf, model.unseen).items():

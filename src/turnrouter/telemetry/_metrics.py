@@ -53,7 +53,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "turnrouter_admissions_total", "counter",
         "admit() calls by route, disposition (accept, decline, clarify, release, timeout, "
-        "error) and whether the route held focus.",
+        "error, interrupted) and whether the route held focus.",
         ("route", "disposition", "focused"),
     ),
     MetricSpec(

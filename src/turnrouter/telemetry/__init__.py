@@ -1,0 +1,51 @@
+"""OpenTelemetry spans and Prometheus metrics for turnrouter (see `docs/telemetry.md`).
+
+```python
+from turnrouter.telemetry import Telemetry, serve_metrics
+
+router = AgentRouter(..., telemetry=Telemetry())    # global tracer provider, default registry
+server = serve_metrics(9464)                         # /metrics with OpenMetrics negotiation
+router = AgentRouter(..., telemetry=Telemetry.disabled())   # no spans, no metrics
+```
+"""
+
+from ._metrics import LATENCY_BUCKETS, METRICS, MetricSpec, MetricType, metric
+from ._serve import ASGIApp, MetricsServer, metrics_app, serve_metrics
+from ._spans import (
+    ATTR,
+    CONTENT_CAPTURE_ENV,
+    EVENT_FIRST_RESPONSE,
+    SPAN_ACKNOWLEDGMENT,
+    SPAN_ADMISSION,
+    SPAN_INVOKE_AGENT_PREFIX,
+    SPAN_RELEASE,
+    SPAN_ROUTE,
+    SPAN_TURN,
+    TOP_SCORES,
+    TRACER_NAME,
+)
+from ._telemetry import Telemetry
+
+__all__ = [
+    "ATTR",
+    "CONTENT_CAPTURE_ENV",
+    "EVENT_FIRST_RESPONSE",
+    "LATENCY_BUCKETS",
+    "METRICS",
+    "SPAN_ACKNOWLEDGMENT",
+    "SPAN_ADMISSION",
+    "SPAN_INVOKE_AGENT_PREFIX",
+    "SPAN_RELEASE",
+    "SPAN_ROUTE",
+    "SPAN_TURN",
+    "TOP_SCORES",
+    "TRACER_NAME",
+    "ASGIApp",
+    "MetricSpec",
+    "MetricType",
+    "MetricsServer",
+    "Telemetry",
+    "metric",
+    "metrics_app",
+    "serve_metrics",
+]

@@ -1,0 +1,80 @@
+"""Span names and attribute keys (a public interface: see `docs/telemetry.md`)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ATTR",
+    "CONTENT_CAPTURE_ENV",
+    "EVENT_FIRST_RESPONSE",
+    "SPAN_ACKNOWLEDGMENT",
+    "SPAN_ADMISSION",
+    "SPAN_INVOKE_AGENT_PREFIX",
+    "SPAN_RELEASE",
+    "SPAN_ROUTE",
+    "SPAN_TURN",
+    "TOP_SCORES",
+    "TRACER_NAME",
+]
+
+TRACER_NAME = "turnrouter"
+
+SPAN_TURN = "turnrouter.turn"
+SPAN_ROUTE = "turnrouter.route"
+SPAN_ADMISSION = "turnrouter.admission"
+SPAN_INVOKE_AGENT_PREFIX = "invoke_agent "
+"""The answer span is named `invoke_agent {route}` (GenAI semantic conventions)."""
+SPAN_ACKNOWLEDGMENT = "turnrouter.acknowledgment"
+SPAN_RELEASE = "turnrouter.release"
+
+EVENT_FIRST_RESPONSE = "turnrouter.first_response"
+
+#: How many of the highest decision scores are recorded on the route span.
+TOP_SCORES = 3
+
+#: The standard GenAI switch for recording message content.
+CONTENT_CAPTURE_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+
+
+class ATTR:
+    """Attribute keys. Content attributes are set only when content capture is on."""
+
+    # turnrouter.turn
+    PARTICIPANT_ID = "turnrouter.participant.id"
+    TURN_ID = "turnrouter.turn.id"
+    OUTCOME = "turnrouter.outcome"
+    ROUTE = "turnrouter.route"
+    FOCUS_BEFORE = "turnrouter.focus.before"
+    FOCUS_AFTER = "turnrouter.focus.after"
+    ATTEMPTS = "turnrouter.attempts"
+    INTERRUPTED = "turnrouter.interrupted"
+    QUERY = "turnrouter.query"  # content
+    # turnrouter.route
+    DECISION_CHOICE = "turnrouter.decision.choice"
+    DECISION_CONFIDENCE = "turnrouter.decision.confidence"
+    DECISION_CANDIDATES = "turnrouter.decision.candidates"
+    DECISION_EXCLUDED = "turnrouter.decision.excluded"
+    DECISION_MARGIN = "turnrouter.decision.margin"
+    DECISION_SCORES_PREFIX = "turnrouter.decision.scores."
+    DECISION_RATIONALE = "turnrouter.decision.rationale"  # content
+    # turnrouter.admission
+    ADMISSION_DISPOSITION = "turnrouter.admission.disposition"
+    ADMISSION_FOCUSED = "turnrouter.admission.focused"
+    ADMISSION_TIMED_OUT = "turnrouter.admission.timed_out"
+    # invoke_agent {route}
+    GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+    GEN_AI_AGENT_NAME = "gen_ai.agent.name"
+    GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"  # content
+    GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"  # content
+    FALLBACK = "turnrouter.fallback"
+    FIRST_RESPONSE_SECONDS = "turnrouter.first_response.seconds"
+    RESULT_DISPOSITION = "turnrouter.result.disposition"
+    # turnrouter.acknowledgment
+    ACK_OUTCOME = "turnrouter.acknowledgment.outcome"
+    ACK_TRIGGER = "turnrouter.acknowledgment.trigger"
+    ACK_DELAY_SECONDS = "turnrouter.acknowledgment.delay.seconds"
+    ACK_PREDICTED_SECONDS = "turnrouter.acknowledgment.predicted_first_response.seconds"
+    ACK_TEXT = "turnrouter.acknowledgment.text"  # content
+    # turnrouter.release
+    RELEASE_REASON = "turnrouter.release.reason"
+    # errors
+    ERROR_TYPE = "error.type"

@@ -1,0 +1,717 @@
+"""`Telemetry`: the OpenTelemetry + Prometheus implementation of the observer seam.
+
+Library code depends on the OpenTelemetry *API* only; the application installs an SDK.
+Per-turn costs are kept small: a no-op tracer provider or an unsampled turn skips all
+span work, labelled metric children are bound once and cached by label tuple, and metric
+families are registered once per registry (several routers may share one registry).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from contextvars import Token
+from typing import Generic, TypeVar
+from weakref import WeakKeyDictionary
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import (
+    NoOpTracerProvider,
+    ProxyTracerProvider,
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+    Tracer,
+    TracerProvider,
+)
+from opentelemetry.util.types import AttributeValue
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from .._contracts import AgentTurn, DestinationResult, RouteDecision, RouteRequest
+from .._observer import (
+    NULL_OBSERVER,
+    AcknowledgmentOutcome,
+    AcknowledgmentTrigger,
+    ClarificationReason,
+    FailureStage,
+    FocusTransition,
+    ReleaseReason,
+    RouterObserver,
+    TurnObserver,
+    TurnOutcome,
+)
+from ._metrics import MetricSpec, metric
+from ._spans import (
+    ATTR,
+    CONTENT_CAPTURE_ENV,
+    EVENT_FIRST_RESPONSE,
+    SPAN_ACKNOWLEDGMENT,
+    SPAN_ADMISSION,
+    SPAN_INVOKE_AGENT_PREFIX,
+    SPAN_RELEASE,
+    SPAN_ROUTE,
+    SPAN_TURN,
+    TOP_SCORES,
+    TRACER_NAME,
+)
+
+__all__ = ["Telemetry"]
+
+_INTERNAL = SpanKind.INTERNAL
+_ERROR_STATUS = Status(StatusCode.ERROR)
+_NONE = "none"
+_BOOL = {True: "true", False: "false"}
+
+Attributes = dict[str, AttributeValue]
+
+# --------------------------------------------------------------------------- metrics
+
+_M = TypeVar("_M", Counter, Gauge, Histogram)
+
+
+class _Family(Generic[_M]):
+    """A labelled metric with its children bound once and cached by label tuple."""
+
+    __slots__ = ("children", "metric")
+
+    def __init__(self, collector: _M) -> None:
+        self.metric: _M = collector
+        self.children: dict[tuple[str, ...], _M] = {}
+
+    def get(self, *values: str) -> _M:
+        """The child for these label values (`labels()` costs microseconds; this does not)."""
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = self.metric.labels(*values)
+        return child
+
+
+class _Families:
+    """Every family of `METRICS`, registered once on one registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._created: list[Counter | Gauge | Histogram] = []
+        try:
+            self.turns = _Family(self._counter("turnrouter_turns_total"))
+            self.clarifications = _Family(self._counter("turnrouter_clarifications_total"))
+            self.admissions = _Family(self._counter("turnrouter_admissions_total"))
+            self.reroutes = _Family(self._counter("turnrouter_reroutes_total"))
+            self.fallbacks = _Family(self._counter("turnrouter_default_fallbacks_total"))
+            self.failures = _Family(self._counter("turnrouter_failures_total"))
+            self.interruptions = self._counter("turnrouter_interruptions_total")
+            self.focus = _Family(self._counter("turnrouter_focus_transitions_total"))
+            self.turn_duration = _Family(self._histogram("turnrouter_turn_duration_seconds"))
+            self.decision_duration = self._histogram("turnrouter_decision_duration_seconds")
+            self.admission_duration = _Family(
+                self._histogram("turnrouter_admission_duration_seconds"))
+            self.first_response = _Family(self._histogram("turnrouter_first_response_seconds"))
+            self.silence = _Family(self._histogram("turnrouter_silence_seconds"))
+            self.acknowledgments = _Family(self._counter("turnrouter_acknowledgments_total"))
+            self.ack_delay = self._gauge("turnrouter_acknowledgment_delay_seconds")
+            self.predicted = _Family(self._gauge("turnrouter_predicted_first_response_seconds"))
+            self.context_patches = _Family(self._counter("turnrouter_context_patches_total"))
+            self.participants = self._gauge("turnrouter_active_participants")
+            self.in_flight = self._gauge("turnrouter_turns_in_flight")
+        except BaseException:
+            for collector in self._created:  # leave the registry as it was
+                registry.unregister(collector)
+            raise
+        del self._created
+
+    def _spec(self, name: str, kind: str) -> MetricSpec:
+        spec = metric(name)
+        if spec.type != kind:  # pragma: no cover - guards edits of METRICS
+            raise TypeError(f"{name} is defined as a {spec.type}, not a {kind}")
+        return spec
+
+    def _counter(self, name: str) -> Counter:
+        spec = self._spec(name, "counter")
+        created = Counter(spec.name, spec.documentation, spec.labels, registry=self._registry)
+        self._created.append(created)
+        return created
+
+    def _gauge(self, name: str) -> Gauge:
+        spec = self._spec(name, "gauge")
+        created = Gauge(spec.name, spec.documentation, spec.labels, registry=self._registry)
+        self._created.append(created)
+        return created
+
+    def _histogram(self, name: str) -> Histogram:
+        spec = self._spec(name, "histogram")
+        assert spec.buckets is not None
+        created = Histogram(spec.name, spec.documentation, spec.labels,
+                            registry=self._registry, buckets=spec.buckets)
+        self._created.append(created)
+        return created
+
+
+_FAMILIES: WeakKeyDictionary[CollectorRegistry, _Families] = WeakKeyDictionary()
+_FAMILIES_LOCK = threading.Lock()
+
+
+def _families_for(registry: CollectorRegistry) -> _Families:
+    """The families registered on `registry`, registering them on first use."""
+    with _FAMILIES_LOCK:
+        families = _FAMILIES.get(registry)
+        if families is None:
+            families = _FAMILIES[registry] = _Families(registry)
+        return families
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _error_type(error: BaseException) -> str:
+    return type(error).__qualname__
+
+
+def _set_error(span: Span, error_type: str) -> None:
+    span.set_status(_ERROR_STATUS)
+    span.set_attribute(ATTR.ERROR_TYPE, error_type)
+
+
+def _exemplar(span: Span | None) -> dict[str, str] | None:
+    """A trace exemplar for a recording span, else None."""
+    if span is None:
+        return None
+    ctx = span.get_span_context()
+    return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
+
+
+def _tracer_for(provider: TracerProvider) -> Tracer | None:
+    """A tracer, or None when `provider` can only produce no-op spans."""
+    if isinstance(provider, NoOpTracerProvider | ProxyTracerProvider):
+        return None
+    return provider.get_tracer(TRACER_NAME)
+
+
+def _decision_attributes(decision: RouteDecision, capture: bool) -> Attributes:
+    attributes: Attributes = {ATTR.DECISION_CHOICE: decision.choice}
+    if decision.confidence is not None:
+        attributes[ATTR.DECISION_CONFIDENCE] = decision.confidence
+    scores: Mapping[str, float] = decision.scores
+    if scores:
+        top = heapq.nlargest(max(TOP_SCORES, 2), scores.items(), key=lambda item: item[1])
+        for route, score in top[:TOP_SCORES]:
+            attributes[ATTR.DECISION_SCORES_PREFIX + route] = score
+        if len(top) >= 2:
+            attributes[ATTR.DECISION_MARGIN] = top[0][1] - top[1][1]
+    if capture and decision.rationale:
+        attributes[ATTR.DECISION_RATIONALE] = decision.rationale
+    return attributes
+
+
+def _messages(role: str, text: str, **extra: str) -> str:
+    """A GenAI semantic-conventions message list with one text part, as JSON."""
+    return json.dumps(
+        [{"role": role, "parts": [{"type": "text", "content": text}], **extra}],
+        ensure_ascii=False,
+    )
+
+
+def _capture_from_env() -> bool:
+    return os.environ.get(CONTENT_CAPTURE_ENV, "").strip().lower() == "true"
+
+
+class _Op:
+    """The token handed back to `*_finished`: the operation's span and start time."""
+
+    __slots__ = ("context_token", "span", "t0")
+
+    def __init__(
+        self, span: Span | None, t0: float, context_token: Token[Context] | None = None
+    ) -> None:
+        self.span = span
+        self.t0 = t0
+        self.context_token = context_token
+
+
+def _op(token: object) -> _Op | None:
+    return token if isinstance(token, _Op) else None
+
+
+# --------------------------------------------------------------------------- observer
+
+
+class Telemetry(RouterObserver):
+    """OpenTelemetry spans and Prometheus metrics for an `AgentRouter`.
+
+    `tracer_provider=None` follows the global provider (re-checked cheaply per turn, so
+    an SDK installed after construction is picked up); `registry=None` uses
+    prometheus_client's default registry. Several `Telemetry` objects may share one
+    registry. Query, answer, acknowledgment and rationale text are recorded only with
+    `capture_content=True` or `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`.
+    """
+
+    __slots__ = (
+        "_capture", "_families", "_follow_global", "_provider", "_recent_failures",
+        "_registry", "_tracer",
+    )
+
+    enabled = True
+
+    def __init__(
+        self,
+        tracer_provider: TracerProvider | None = None,
+        registry: CollectorRegistry | None = None,
+        capture_content: bool = False,
+    ) -> None:
+        self._registry = REGISTRY if registry is None else registry
+        self._families = _families_for(self._registry)
+        self._capture = bool(capture_content) or _capture_from_env()
+        self._follow_global = tracer_provider is None or isinstance(
+            tracer_provider, ProxyTracerProvider)
+        self._provider: TracerProvider | None = None
+        self._tracer: Tracer | None = None
+        if not self._follow_global:
+            assert tracer_provider is not None
+            self._provider = tracer_provider
+            self._tracer = _tracer_for(tracer_provider)
+        # Errors already counted by a router-level release, so that a matching
+        # `failure()` call for the same exception is not counted twice.
+        self._recent_failures: deque[BaseException] = deque(maxlen=8)
+
+    @staticmethod
+    def disabled() -> RouterObserver:
+        """An observer that records nothing: no spans, no registry writes."""
+        return NULL_OBSERVER
+
+    @property
+    def capture_content(self) -> bool:
+        """Whether message content (query, answer, rationale) is recorded on spans."""
+        return self._capture
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The Prometheus registry the metrics are registered on."""
+        return self._registry
+
+    def _current_tracer(self) -> Tracer | None:
+        if self._follow_global:
+            provider = trace.get_tracer_provider()
+            if provider is not self._provider:
+                self._provider = provider
+                self._tracer = _tracer_for(provider)
+        return self._tracer
+
+    # -- RouterObserver
+
+    def turn_started(self, turn: AgentTurn, focus: str | None) -> TurnObserver:
+        """Open the `turnrouter.turn` span and make it current until `finished()`."""
+        self._families.in_flight.inc()
+        tracer = self._current_tracer()
+        if tracer is None:
+            return _TurnTelemetry(self, turn, None, None, None, None)
+        attributes: Attributes = {
+            ATTR.PARTICIPANT_ID: turn.participant_id,
+            ATTR.TURN_ID: turn.turn_id,
+        }
+        if focus is not None:
+            attributes[ATTR.FOCUS_BEFORE] = focus
+        if self._capture:
+            attributes[ATTR.QUERY] = turn.query
+        span = tracer.start_span(SPAN_TURN, kind=_INTERNAL, attributes=attributes)
+        ctx = trace.set_span_in_context(span)
+        token = otel_context.attach(ctx)
+        if not span.is_recording():
+            # Unsampled: propagate the context, skip every child span and attribute.
+            return _TurnTelemetry(self, turn, None, None, None, token)
+        return _TurnTelemetry(self, turn, tracer, span, ctx, token)
+
+    def participant_added(self, participant_id: str) -> None:
+        """Count one more active participant."""
+        self._families.participants.inc()
+
+    def participant_removed(self, participant_id: str) -> None:
+        """Count one fewer active participant."""
+        self._families.participants.dec()
+
+    def release_started(self, route: str, reason: ReleaseReason) -> object:
+        """Open a `turnrouter.release` span under the caller's current span."""
+        tracer = self._current_tracer()
+        span: Span | None = None
+        if tracer is not None:
+            span = tracer.start_span(SPAN_RELEASE, kind=_INTERNAL, attributes={
+                ATTR.ROUTE: route, ATTR.RELEASE_REASON: reason})
+            if not span.is_recording():
+                span = None
+        return _Op(span, 0.0)
+
+    def release_finished(
+        self, token: object, route: str, reason: ReleaseReason, error: BaseException | None
+    ) -> None:
+        """Close the release span; count a failure at stage `release` on error."""
+        if error is not None:
+            self._families.failures.get(route, "release").inc()
+            self._recent_failures.append(error)
+        op = _op(token)
+        if op is not None and op.span is not None:
+            if error is not None:
+                _set_error(op.span, _error_type(error))
+            op.span.end()
+
+    def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
+        """Count a failure outside any turn (unless already counted for this error)."""
+        recent = self._recent_failures
+        for index, seen in enumerate(recent):
+            if seen is error:
+                del recent[index]
+                return
+        self._families.failures.get(route or _NONE, stage).inc()
+
+    def configured(
+        self, *, routes: tuple[str, ...], acknowledgment_delay_secs: float | None
+    ) -> None:
+        """Publish the fallback acknowledgment delay (NaN when acknowledgments are off)."""
+        delay = math.nan if acknowledgment_delay_secs is None else acknowledgment_delay_secs
+        self._families.ack_delay.set(delay)
+
+    def predicted_first_response(self, route: str, seconds: float) -> None:
+        """Publish the timing predictor's estimate for `route`."""
+        self._families.predicted.get(route).set(seconds)
+
+    # -- not yet part of the observer seam
+
+    def context_patch(self, strategy: str, outcome: str) -> None:
+        """Count a background context patch by strategy and outcome."""
+        self._families.context_patches.get(strategy, outcome).inc()
+
+
+class _TurnTelemetry(TurnObserver):
+    """Spans and metrics of one turn. `_span` is None when the turn is not traced."""
+
+    __slots__ = (
+        "_answer",
+        "_capture",
+        "_ctx",
+        "_done",
+        "_failed",
+        "_fam",
+        "_span",
+        "_t0",
+        "_token",
+        "_tracer",
+        "_turn",
+    )
+
+    def __init__(
+        self, telemetry: Telemetry, turn: AgentTurn, tracer: Tracer | None,
+        span: Span | None, ctx: Context | None, token: Token[Context] | None,
+    ) -> None:
+        self._fam = telemetry._families
+        self._capture = telemetry._capture
+        self._turn = turn
+        self._tracer = tracer
+        self._span = span
+        self._ctx = ctx
+        self._token = token
+        self._answer: _Op | None = None
+        self._failed: list[tuple[str | None, str, BaseException | None]] | None = None
+        self._done = False
+        self._t0 = time.perf_counter()
+
+    def _child(self, name: str, attributes: Attributes) -> Span | None:
+        if self._tracer is None:
+            return None
+        return self._tracer.start_span(
+            name, context=self._ctx, kind=_INTERNAL, attributes=attributes)
+
+    def _count_failure(self, route: str | None, stage: str, error: BaseException | None) -> None:
+        self._fam.failures.get(route or _NONE, stage).inc()
+        if self._failed is None:
+            self._failed = []
+        self._failed.append((route, stage, error))
+
+    # -- decision
+
+    def decision_started(self, request: RouteRequest) -> object:
+        """Open a `turnrouter.route` span."""
+        span = None
+        if self._tracer is not None:
+            span = self._child(SPAN_ROUTE, {
+                ATTR.DECISION_CANDIDATES: request.candidate_names,
+                ATTR.DECISION_EXCLUDED: tuple(sorted(request.excluded)),
+            })
+        return _Op(span, time.perf_counter())
+
+    def decision_finished(
+        self, token: object, request: RouteRequest, decision: RouteDecision | None,
+        error: BaseException | None,
+    ) -> None:
+        """Record the decision's duration, choice and scores; close its span."""
+        op = _op(token)
+        span = None if op is None else op.span
+        if op is not None:
+            self._fam.decision_duration.observe(time.perf_counter() - op.t0, _exemplar(span))
+        if error is not None:
+            self._count_failure(None, "decision", error)
+        if span is not None:
+            if decision is not None:
+                span.set_attributes(_decision_attributes(decision, self._capture))
+            if error is not None:
+                _set_error(span, _error_type(error))
+            span.end()
+
+    # -- admission
+
+    def admission_started(self, route: str, focused: bool) -> object:
+        """Open a `turnrouter.admission` span."""
+        span = None
+        if self._tracer is not None:
+            span = self._child(SPAN_ADMISSION, {
+                ATTR.ROUTE: route, ATTR.ADMISSION_FOCUSED: focused})
+        return _Op(span, time.perf_counter())
+
+    def admission_finished(
+        self, token: object, route: str, focused: bool, disposition: str | None,
+        error: BaseException | None, timed_out: bool = False,
+    ) -> None:
+        """Count the admission by disposition.
+
+        An admission that did not return is counted as `timeout`, `error` or (cancelled)
+        `interrupted`.
+        """
+        if timed_out:
+            label = "timeout"
+        elif error is not None:
+            label = "error"
+        elif disposition is None:
+            label = "interrupted"
+        else:
+            label = disposition
+        fam = self._fam
+        fam.admissions.get(route, label, _BOOL[bool(focused)]).inc()
+        op = _op(token)
+        span = None if op is None else op.span
+        if op is not None:
+            fam.admission_duration.get(route).observe(
+                time.perf_counter() - op.t0, _exemplar(span))
+        if error is not None or timed_out:
+            self._count_failure(route, "admission", error)
+        if span is not None:
+            span.set_attribute(ATTR.ADMISSION_DISPOSITION, label)
+            if timed_out:
+                span.set_attribute(ATTR.ADMISSION_TIMED_OUT, True)
+                _set_error(span, "timeout")
+            elif error is not None:
+                _set_error(span, _error_type(error))
+            span.end()
+
+    # -- answer
+
+    def answer_started(self, route: str, fallback: bool) -> object:
+        """Open `invoke_agent {route}` and make it current, so the agent's spans nest."""
+        t0 = time.perf_counter()
+        if self._tracer is None:
+            op = _Op(None, t0)
+        else:
+            attributes: Attributes = {
+                ATTR.GEN_AI_OPERATION_NAME: "invoke_agent",
+                ATTR.GEN_AI_AGENT_NAME: route,
+                ATTR.FALLBACK: fallback,
+            }
+            if self._capture:
+                attributes[ATTR.GEN_AI_INPUT_MESSAGES] = _messages("user", self._turn.query)
+            span = self._child(SPAN_INVOKE_AGENT_PREFIX + route, attributes)
+            assert span is not None
+            op = _Op(span, t0, otel_context.attach(trace.set_span_in_context(span)))
+        self._answer = op
+        return op
+
+    def first_response(self, token: object, route: str, seconds: float) -> None:
+        """Record the first-response latency and a `turnrouter.first_response` event."""
+        op = _op(token)
+        span = None if op is None else op.span
+        self._fam.first_response.get(route).observe(seconds, _exemplar(span))
+        if span is not None:
+            span.set_attribute(ATTR.FIRST_RESPONSE_SECONDS, seconds)
+            span.add_event(EVENT_FIRST_RESPONSE, {ATTR.FIRST_RESPONSE_SECONDS: seconds})
+
+    def answer_finished(
+        self, token: object, route: str, result: DestinationResult | None,
+        error: BaseException | None, interrupted: bool,
+    ) -> None:
+        """Close the answer span with the result's disposition, error or interruption."""
+        if error is not None and not interrupted:
+            self._count_failure(route, "answer", error)
+        op = _op(token)
+        if op is not None:
+            self._close_answer(op, result, error, interrupted)
+
+    def _close_answer(
+        self, op: _Op, result: DestinationResult | None, error: BaseException | None,
+        interrupted: bool,
+    ) -> None:
+        if self._answer is op:
+            self._answer = None
+        if op.context_token is not None:
+            otel_context.detach(op.context_token)
+            op.context_token = None
+        span = op.span
+        if span is None or not span.is_recording():
+            return
+        if result is not None:
+            span.set_attribute(ATTR.RESULT_DISPOSITION, result.disposition)
+            if self._capture and result.text:
+                span.set_attribute(ATTR.GEN_AI_OUTPUT_MESSAGES, _messages(
+                    "assistant", result.text, finish_reason="stop"))
+        if interrupted:
+            span.set_attribute(ATTR.INTERRUPTED, True)
+        elif error is not None:
+            _set_error(span, _error_type(error))
+        span.end()
+
+    # -- release
+
+    def release_started(self, route: str, reason: ReleaseReason) -> object:
+        """Open a `turnrouter.release` span."""
+        span = None
+        if self._tracer is not None:
+            span = self._child(SPAN_RELEASE, {ATTR.ROUTE: route, ATTR.RELEASE_REASON: reason})
+        return _Op(span, 0.0)
+
+    def release_finished(
+        self, token: object, route: str, reason: ReleaseReason, error: BaseException | None
+    ) -> None:
+        """Close the release span; count a failure at stage `release` on error."""
+        if error is not None:
+            self._count_failure(route, "release", error)
+        op = _op(token)
+        if op is not None and op.span is not None:
+            if error is not None:
+                _set_error(op.span, _error_type(error))
+            op.span.end()
+
+    # -- counters
+
+    def reroute(self, route: str) -> None:
+        """Count a reroute away from `route`."""
+        self._fam.reroutes.get(route).inc()
+        if self._span is not None:
+            self._span.add_event("turnrouter.reroute", {ATTR.ROUTE: route})
+
+    def default_fallback(self, route: str) -> None:
+        """Count a default fallback to `route`."""
+        self._fam.fallbacks.get(route).inc()
+        if self._span is not None:
+            self._span.add_event("turnrouter.default_fallback", {ATTR.ROUTE: route})
+
+    def clarification(self, reason: ClarificationReason) -> None:
+        """Count a clarification by reason."""
+        self._fam.clarifications.get(reason).inc()
+        if self._span is not None:
+            self._span.set_attribute("turnrouter.clarification.reason", reason)
+
+    def focus_transition(self, route: str, transition: FocusTransition) -> None:
+        """Count a focus transition."""
+        self._fam.focus.get(route, transition).inc()
+        if self._span is not None:
+            self._span.add_event(
+                "turnrouter.focus", {ATTR.ROUTE: route, "turnrouter.focus.transition": transition})
+
+    def acknowledgment(
+        self, route: str, outcome: AcknowledgmentOutcome, trigger: AcknowledgmentTrigger,
+        delay_seconds: float, predicted_first_response: float | None,
+        started_at: float, ended_at: float, text: str, error: BaseException | None,
+    ) -> None:
+        """Count the acknowledgment; record a span from `started_at` to `ended_at`.
+
+        Both times are on the `time.monotonic()` clock (`anyio.current_time()` under
+        asyncio); the span converts them to wall-clock time.
+        """
+        self._fam.acknowledgments.get(route, outcome, trigger).inc()
+        if outcome == "failed":
+            self._count_failure(route, "acknowledgment", error)
+        if self._tracer is None:
+            return
+        attributes: Attributes = {
+            ATTR.ROUTE: route,
+            ATTR.ACK_OUTCOME: outcome,
+            ATTR.ACK_TRIGGER: trigger,
+            ATTR.ACK_DELAY_SECONDS: delay_seconds,
+        }
+        if predicted_first_response is not None:
+            attributes[ATTR.ACK_PREDICTED_SECONDS] = predicted_first_response
+        if self._capture and text:
+            attributes[ATTR.ACK_TEXT] = text
+        wall_ns, mono = time.time_ns(), time.monotonic()
+        start_ns = wall_ns - int((mono - started_at) * 1e9)
+        end_ns = max(start_ns, wall_ns - int((mono - ended_at) * 1e9))
+        span = self._tracer.start_span(
+            SPAN_ACKNOWLEDGMENT, context=self._ctx, kind=_INTERNAL, attributes=attributes,
+            start_time=start_ns)
+        if outcome == "failed":
+            _set_error(span, _error_type(error) if error is not None else "_OTHER")
+        span.end(end_time=end_ns)
+
+    def silence(self, route: str, seconds: float) -> None:
+        """Record the silence the participant heard after admission."""
+        self._fam.silence.get(route).observe(seconds, _exemplar(self._span))
+
+    def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
+        """Count a failure, unless a stage callback already counted this one."""
+        failed = self._failed
+        if failed:
+            for index, (seen_route, seen_stage, seen) in enumerate(failed):
+                if seen is error or (
+                    seen is None and seen_stage == stage and seen_route == route
+                ):
+                    del failed[index]
+                    return
+        self._fam.failures.get(route or _NONE, stage).inc()
+        if self._span is not None:
+            attributes: Attributes = {"turnrouter.failure.stage": stage,
+                                      ATTR.ERROR_TYPE: _error_type(error)}
+            if route is not None:
+                attributes[ATTR.ROUTE] = route
+            self._span.add_event("turnrouter.failure", attributes)
+
+    # -- end of turn
+
+    def finished(
+        self, outcome: TurnOutcome, route: str | None, focus_before: str | None,
+        focus_after: str | None, attempts: int, error: BaseException | None,
+    ) -> None:
+        """Count the turn, close any open span and restore the caller's context."""
+        if self._done:
+            return
+        self._done = True
+        fam = self._fam
+        route_label = route or _NONE
+        span = self._span
+        fam.turns.get(route_label, outcome).inc()
+        fam.turn_duration.get(route_label, outcome).observe(
+            time.perf_counter() - self._t0, _exemplar(span))
+        fam.in_flight.dec()
+        interrupted = outcome == "interrupted"
+        if interrupted:
+            fam.interruptions.inc()
+        if self._answer is not None:  # answer_finished was never called
+            self._close_answer(self._answer, None, error, interrupted)
+        if span is not None:
+            attributes: Attributes = {ATTR.OUTCOME: outcome, ATTR.ATTEMPTS: attempts}
+            if route is not None:
+                attributes[ATTR.ROUTE] = route
+            if focus_before is not None:
+                attributes[ATTR.FOCUS_BEFORE] = focus_before
+            if focus_after is not None:
+                attributes[ATTR.FOCUS_AFTER] = focus_after
+            if interrupted:
+                attributes[ATTR.INTERRUPTED] = True
+            span.set_attributes(attributes)
+            if not interrupted and (error is not None or outcome == "failed"):
+                _set_error(span, _error_type(error) if error is not None else "_OTHER")
+            span.end()
+        if self._token is not None:
+            otel_context.detach(self._token)
+            self._token = None

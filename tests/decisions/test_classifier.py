@@ -1,0 +1,219 @@
+"""ClassifierDecisions: prompt, lenient parsing, thresholds, fallback, errors."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turnrouter import CLARIFY, AgentTurn, ConfigurationError, RouteRequest, RoutingAid
+from turnrouter.decisions import ClassifierDecisions, parse_classifier_output
+
+AIDS = (
+    RoutingAid("billing", "Invoices, payments and refunds."),
+    RoutingAid("support", "Technical problems and outages."),
+)
+
+
+class ScriptedLLM:
+    """Replies with fixed text (or raises) and records prompts."""
+
+    def __init__(self, reply: str = "", error: Exception | None = None) -> None:
+        self.reply = reply
+        self.error = error
+        self.calls: list[tuple[str, int, bool]] = []
+
+    async def complete(self, prompt: str, *, max_tokens: int, reasoning: bool = False) -> str:
+        self.calls.append((prompt, max_tokens, reasoning))
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+
+def request(query: str = "my invoice is wrong",
+            aids: tuple[RoutingAid, ...] = AIDS) -> RouteRequest:
+    return RouteRequest(AgentTurn("p1", "t1", query), aids)
+
+
+@pytest.mark.anyio
+async def test_prompt_lists_candidates_and_query_with_bounded_non_reasoning_call() -> None:
+    """The prompt names each candidate with its description and the query."""
+    llm = ScriptedLLM("route: billing\nconfidence: 0.9")
+    await ClassifierDecisions(llm, max_tokens=20).decide(request())
+    prompt, max_tokens, reasoning = llm.calls[0]
+    assert "- billing: Invoices, payments and refunds." in prompt
+    assert "- support: Technical problems and outages." in prompt
+    assert "my invoice is wrong" in prompt
+    assert (max_tokens, reasoning) == (20, False)
+
+
+@pytest.mark.anyio
+async def test_parsed_route_and_confidence_become_decision_with_raw_rationale() -> None:
+    """A well-formed reply picks the route, scores it, and keeps the raw text."""
+    decision = await ClassifierDecisions(ScriptedLLM("route: billing\nconfidence: 0.8")).decide(
+        request()
+    )
+    assert decision.choice == "billing"
+    assert decision.confidence == pytest.approx(0.8)
+    assert dict(decision.scores) == {"billing": pytest.approx(0.8)}
+    assert decision.rationale.startswith("classifier: route: billing")
+
+
+@pytest.mark.parametrize(
+    ("text", "route", "confidence"),
+    [
+        ("route: billing\nconfidence: 0.7", "billing", 0.7),
+        ("ROUTE = Billing\nConfidence = .5", "Billing", 0.5),
+        ("Sure!\n`route: billing`\n\"confidence: 0.9\"\nbecause invoices", "billing", 0.9),
+        ("**route**: 'support'\n", "support", None),
+        ("route: billing\nconfidence: 1.7", "billing", 1.0),
+        ("route: billing\nconfidence: -3", "billing", 0.0),
+        ("route: billing\nconfidence: 85%", "billing", 0.85),
+        ("route: billing\nconfidence: high", "billing", None),
+        ("route: billing\nconfidence: nan", "billing", None),
+        ("nothing useful here", None, None),
+        ("", None, None),
+    ],
+)
+def test_parser_tolerates_format_variations(
+    text: str, route: str | None, confidence: float | None
+) -> None:
+    """Case, '=' separators, quotes, backticks, extra lines and bad numbers are handled."""
+    parsed = parse_classifier_output(text)
+    assert parsed.route == route
+    if confidence is None:
+        assert parsed.confidence is None
+    else:
+        assert parsed.confidence == pytest.approx(confidence)
+
+
+@pytest.mark.anyio
+async def test_route_match_is_case_insensitive() -> None:
+    """A route named in another case still maps to the candidate."""
+    decision = await ClassifierDecisions(ScriptedLLM("route: BILLING")).decide(request())
+    assert decision.choice == "billing"
+    assert decision.confidence is None
+    assert dict(decision.scores) == {}
+
+
+@pytest.mark.anyio
+async def test_unknown_route_clarifies_without_fallback() -> None:
+    """A route that is not a candidate answers clarify."""
+    decision = await ClassifierDecisions(ScriptedLLM("route: weather\nconfidence: 0.9")).decide(
+        request()
+    )
+    assert decision.choice == CLARIFY
+    assert "unknown route" in decision.rationale
+
+
+@pytest.mark.anyio
+async def test_unknown_route_uses_fallback_when_it_is_a_candidate() -> None:
+    """The fallback route replaces clarify when the request offers it."""
+    service = ClassifierDecisions(ScriptedLLM("gibberish"), fallback_route="support")
+    assert (await service.decide(request())).choice == "support"
+
+
+@pytest.mark.anyio
+async def test_fallback_not_a_candidate_clarifies() -> None:
+    """A fallback route absent from the candidates is not used."""
+    service = ClassifierDecisions(ScriptedLLM("gibberish"), fallback_route="support")
+    assert (await service.decide(request(aids=AIDS[:1]))).choice == CLARIFY
+
+
+@pytest.mark.parametrize(
+    ("reply", "threshold", "fallback", "expected"),
+    [
+        ("route: billing\nconfidence: 0.9", 0.5, None, "billing"),
+        ("route: billing\nconfidence: 0.5", 0.5, None, CLARIFY),
+        ("route: billing\nconfidence: 0.3", 0.5, "support", "support"),
+        ("route: billing", 0.5, None, CLARIFY),
+        ("route: billing", 0.5, "support", "support"),
+        ("route: billing", 0.0, None, "billing"),
+        ("route: billing", None, None, "billing"),
+        ("route: billing\nconfidence: 0.0", 0.0, None, "billing"),
+    ],
+)
+@pytest.mark.anyio
+async def test_threshold_and_fallback_combinations(
+    reply: str, threshold: float | None, fallback: str | None, expected: str
+) -> None:
+    """Confidence must exceed the threshold; missing confidence counts as 0 when set."""
+    service = ClassifierDecisions(
+        ScriptedLLM(reply), require_confidence_above=threshold, fallback_route=fallback
+    )
+    assert (await service.decide(request())).choice == expected
+
+
+@pytest.mark.anyio
+async def test_raw_text_is_truncated_in_rationale() -> None:
+    """Very long replies are kept on the rationale up to 500 characters."""
+    reply = "route: billing\nconfidence: 0.9\n" + "x" * 2000
+    decision = await ClassifierDecisions(ScriptedLLM(reply)).decide(request())
+    assert len(decision.rationale) <= len("classifier: ") + 500 + 3
+    assert decision.rationale.endswith("...")
+
+
+@pytest.mark.anyio
+async def test_llm_errors_propagate_unchanged() -> None:
+    """An LLM failure is raised as-is for the router to record."""
+    error = ConnectionError("down")
+    with pytest.raises(ConnectionError) as caught:
+        await ClassifierDecisions(ScriptedLLM(error=error)).decide(request())
+    assert caught.value is error
+
+
+@pytest.mark.anyio
+async def test_custom_prompt_template_is_used() -> None:
+    """A custom template gets the route list and the query."""
+    llm = ScriptedLLM("route: support")
+    service = ClassifierDecisions(llm, classifier_prompt="R:\n{route_descriptions}\nQ: {query}")
+    await service.decide(request("it crashed"))
+    assert llm.calls[0][0].startswith("R:\n- billing:")
+    assert llm.calls[0][0].endswith("Q: it crashed")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"require_confidence_above": 1.5}, "require_confidence_above"),
+        ({"require_confidence_above": -0.1}, "require_confidence_above"),
+        ({"classifier_prompt": "no placeholders"}, "classifier_prompt"),
+        ({"classifier_prompt": "{query} only"}, "classifier_prompt"),
+        ({"classifier_prompt": "{route_descriptions} {query} {extra}"}, "classifier_prompt"),
+        ({"classifier_prompt": "{route_descriptions} {query"}, "classifier_prompt"),
+        ({"fallback_route": ""}, "fallback_route"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_invalid_configuration_is_rejected(kwargs: dict[str, object], name: str) -> None:
+    """Bad thresholds, templates, fallbacks or token limits raise ConfigurationError."""
+    with pytest.raises(ConfigurationError, match=name):
+        ClassifierDecisions(ScriptedLLM(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_llm_without_complete_is_rejected() -> None:
+    """An object that is not an LLMService raises ConfigurationError naming llm."""
+    with pytest.raises(ConfigurationError, match="llm"):
+        ClassifierDecisions(object())  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    reply=st.text(max_size=200)
+    | st.builds(
+        lambda r, c: f"route: {r}\nconfidence: {c}", st.text(max_size=20), st.text(max_size=8)
+    ),
+    subset=st.lists(st.sampled_from(AIDS), min_size=1, max_size=2, unique_by=lambda a: a.name),
+    threshold=st.floats(min_value=0.0, max_value=1.0),
+)
+def test_any_llm_text_yields_a_candidate_or_clarify(
+    reply: str, subset: list[RoutingAid], threshold: float
+) -> None:
+    """Whatever the LLM says, the choice is a candidate of the request or clarify."""
+    import anyio
+
+    service = ClassifierDecisions(ScriptedLLM(reply), require_confidence_above=threshold,
+                                  fallback_route="support")
+    decision = anyio.run(service.decide, request("q", tuple(subset)))
+    assert decision.choice in {a.name for a in subset} | {CLARIFY}
+    assert decision.confidence is None or 0.0 <= decision.confidence <= 1.0

@@ -1,0 +1,180 @@
+"""LexicalDecisions: scoring, clarify thresholds, candidate filtering, validation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turnrouter import CLARIFY, AgentTurn, ConfigurationError, RouteRequest, RoutingAid
+from turnrouter.decisions import LexicalDecisions
+
+EXAMPLES = {
+    "weather": ["what is the weather today", "will it rain tomorrow", "is it sunny outside",
+                "weather forecast for the weekend", "how cold is it outside"],
+    "music": ["play some jazz music", "put on my playlist", "skip this song",
+              "play the next track", "turn the music up"],
+    "banking": ["what is my account balance", "transfer money to savings",
+                "show my recent transactions", "pay my electricity bill"],
+}
+AIDS = (
+    RoutingAid("weather", "Weather forecasts, rain, temperature and sunshine."),
+    RoutingAid("music", "Play songs, music, playlists and albums."),
+    RoutingAid("banking", "Bank account balances, transfers, transactions and bills."),
+)
+
+
+def request(query: str, aids: tuple[RoutingAid, ...] = AIDS) -> RouteRequest:
+    return RouteRequest(AgentTurn("p1", "t1", query), aids)
+
+
+@pytest.mark.anyio
+async def test_examples_choose_matching_route_with_scores_for_every_candidate() -> None:
+    """A query close to one route's examples picks it and scores every candidate."""
+    decision = await LexicalDecisions(EXAMPLES).decide(request("will it rain this weekend"))
+    assert decision.choice == "weather"
+    assert set(decision.scores) == {"weather", "music", "banking"}
+    assert decision.scores["weather"] == max(decision.scores.values())
+    assert decision.confidence is not None
+    assert 0.0 <= decision.confidence <= 1.0
+    assert decision.rationale.startswith("lexical: top=weather")
+
+
+@pytest.mark.anyio
+async def test_descriptions_only_choose_matching_route() -> None:
+    """Without examples, the name and description decide."""
+    decision = await LexicalDecisions().decide(request("play a song from my playlist"))
+    assert decision.choice == "music"
+
+
+@pytest.mark.anyio
+async def test_unrelated_query_clarifies_and_keeps_scores() -> None:
+    """A query matching no route well enough answers clarify, scores kept."""
+    decision = await LexicalDecisions(EXAMPLES).decide(request("xylophone zebra quantum"))
+    assert decision.choice == CLARIFY
+    assert set(decision.scores) == {"weather", "music", "banking"}
+    assert "clarify" in decision.rationale
+
+
+@pytest.mark.anyio
+async def test_empty_query_clarifies() -> None:
+    """An empty query has no features and answers clarify."""
+    decision = await LexicalDecisions(EXAMPLES).decide(request(""))
+    assert decision.choice == CLARIFY
+
+
+@pytest.mark.anyio
+async def test_close_runner_up_clarifies_under_margin() -> None:
+    """Two routes scoring within min_margin answer clarify."""
+    aids = (RoutingAid("alpha", "red apples"), RoutingAid("omega", "red apples"))
+    service = LexicalDecisions(min_margin=0.05, min_description_score=0.0)
+    decision = await service.decide(request("red apples", aids))
+    assert decision.choice == CLARIFY
+    assert decision.scores["alpha"] == decision.scores["omega"]
+
+
+@pytest.mark.anyio
+async def test_exact_tie_goes_to_higher_priority_then_earlier() -> None:
+    """With no margin required, an exact tie is broken by priority, then order."""
+    service = LexicalDecisions(min_margin=0.0, min_description_score=0.0)
+    low_first = (RoutingAid("alpha", "red apples"), RoutingAid("omega", "red apples", priority=5))
+    assert (await service.decide(request("red apples", low_first))).choice == "omega"
+    same = (RoutingAid("alpha", "red apples"), RoutingAid("omega", "red apples"))
+    assert (await service.decide(request("red apples", same))).choice == "alpha"
+
+
+@pytest.mark.anyio
+async def test_min_score_threshold_controls_clarify() -> None:
+    """Raising min_example_score to 1 turns a good match into clarify."""
+    strict = LexicalDecisions(EXAMPLES, min_example_score=1.0)
+    decision = await strict.decide(request("will it rain tomorrow"))
+    assert decision.choice == CLARIFY
+    assert decision.scores["weather"] > 0.0
+
+
+@pytest.mark.anyio
+async def test_examples_of_non_candidates_are_ignored() -> None:
+    """Only the request's candidates are scored and chosen."""
+    aids = (AIDS[1], AIDS[2])
+    decision = await LexicalDecisions(EXAMPLES).decide(request("will it rain tomorrow", aids))
+    assert set(decision.scores) == {"music", "banking"}
+    assert decision.choice in {"music", "banking", CLARIFY}
+
+
+@pytest.mark.anyio
+async def test_candidate_without_examples_uses_description() -> None:
+    """A candidate with no examples is scored from its routing aid."""
+    aids = (*AIDS, RoutingAid("recipes", "Cooking recipes, ingredients and baking."))
+    decision = await LexicalDecisions(EXAMPLES).decide(
+        request("give me a recipe for baking bread", aids)
+    )
+    assert decision.choice == "recipes"
+
+
+@pytest.mark.anyio
+async def test_no_candidates_clarifies() -> None:
+    """A request with no candidates answers clarify."""
+    decision = await LexicalDecisions(EXAMPLES).decide(request("rain", ()))
+    assert decision.choice == CLARIFY
+
+
+def test_description_models_are_cached_per_candidate_set() -> None:
+    """The same candidate descriptions reuse one cached model; the cache is bounded."""
+    service = LexicalDecisions(description_cache_size=1)
+    service.score(request("rain"))
+    first = service._descriptions[tuple((a.name, a.description) for a in AIDS)]
+    service.score(request("song"))
+    assert service._descriptions[tuple((a.name, a.description) for a in AIDS)] is first
+    service.score(request("song", AIDS[:2]))
+    assert len(service._descriptions) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"min_example_score": 1.5}, "min_example_score"),
+        ({"min_description_score": -0.1}, "min_description_score"),
+        ({"min_margin": "x"}, "min_margin"),
+        ({"centroid_weight": 2.0}, "centroid_weight"),
+        ({"neighbors": 0}, "neighbors"),
+        ({"max_document_frequency": True}, "max_document_frequency"),
+        ({"char_ngrams": (5, 3)}, "char_ngrams"),
+        ({"description_cache_size": 0}, "description_cache_size"),
+    ],
+)
+def test_invalid_arguments_raise_configuration_error_naming_them(
+    kwargs: dict[str, object], name: str
+) -> None:
+    """Each invalid knob raises ConfigurationError naming the argument."""
+    with pytest.raises(ConfigurationError, match=name):
+        LexicalDecisions(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "examples",
+    [{"weather": "just a string"}, {"weather": ["ok", 3]}, {"": ["x"]}],
+)
+def test_invalid_examples_raise_configuration_error(examples: object) -> None:
+    """Malformed examples raise ConfigurationError naming examples."""
+    with pytest.raises(ConfigurationError, match="examples"):
+        LexicalDecisions(examples)  # type: ignore[arg-type]
+
+
+SERVICE = LexicalDecisions(EXAMPLES)
+DESCRIBED = LexicalDecisions()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    query=st.text(max_size=80),
+    subset=st.lists(st.sampled_from(AIDS), min_size=1, max_size=3, unique_by=lambda a: a.name),
+)
+def test_any_query_and_candidates_yield_a_candidate_or_clarify(
+    query: str, subset: list[RoutingAid]
+) -> None:
+    """Whatever the text and candidate subset, the choice is a candidate or clarify."""
+    for service in (SERVICE, DESCRIBED):
+        decision = service.score(request(query, tuple(subset)))
+        assert decision.choice in {a.name for a in subset} | {CLARIFY}
+        assert set(decision.scores) == {a.name for a in subset}
+        assert all(0.0 <= v <= 1.0 for v in decision.scores.values())

@@ -1,0 +1,295 @@
+"""Routing policies: DictRoutingPolicy loading, hot reload, and PolicyDecisions composition."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import anyio
+import pytest
+
+from turnrouter import (
+    CLARIFY,
+    AgentTurn,
+    ConfigurationError,
+    PolicyError,
+    RouteDecision,
+    RouteRequest,
+    RoutingAid,
+)
+from turnrouter.decisions import (
+    DictRoutingPolicy,
+    PolicyChoice,
+    PolicyDecisions,
+    RoutingPolicy,
+    by_participant,
+    by_query_prefix,
+)
+
+AIDS = (RoutingAid("billing", "Invoices."), RoutingAid("support", "Outages."))
+
+
+def request(participant: str = "p1", query: str = "hello",
+            aids: tuple[RoutingAid, ...] = AIDS) -> RouteRequest:
+    return RouteRequest(AgentTurn(participant, "t1", query), aids)
+
+
+class FixedDecisions:
+    """Fallback service returning one fixed decision and counting calls."""
+
+    def __init__(self, decision: RouteDecision) -> None:
+        self.decision = decision
+        self.calls = 0
+
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        self.calls += 1
+        return self.decision
+
+
+FALLBACK_DECISION = RouteDecision("support", confidence=0.4, rationale="lexical: x")
+
+
+def test_select_uses_participant_key_then_default() -> None:
+    """The participant id is the default key; unmapped keys get the default."""
+    policy = DictRoutingPolicy({"p1": "billing", "p2": None}, default="support")
+    assert policy.select(request("p1")) == "billing"
+    assert policy.select(request("p2")) == "support"
+    assert policy.select(request("p3")) == "support"
+    assert DictRoutingPolicy({}).select(request()) is None
+
+
+def test_deployment_wide_override_is_empty_mapping_with_default() -> None:
+    """An empty mapping with a default pins every request."""
+    assert DictRoutingPolicy({}, default="billing").select(request("anyone")) == "billing"
+
+
+def test_key_getters() -> None:
+    """by_participant and by_query_prefix derive the expected keys."""
+    assert by_participant(request("p9")) == "p9"
+    prefix = by_query_prefix()
+    assert prefix(request(query="Billing: my invoice")) == "billing"
+    assert prefix(request(query="no prefix here")) is None
+    policy = DictRoutingPolicy({"billing": "billing"}, key_getter=prefix)
+    assert policy.select(request(query="billing: refund")) == "billing"
+    assert policy.select(request(query="refund")) is None
+    with pytest.raises(ConfigurationError, match="separator"):
+        by_query_prefix("")
+
+
+def test_set_default_validates_and_applies() -> None:
+    """set_default changes the fallback choice and rejects non-str values."""
+    policy = DictRoutingPolicy({})
+    policy.set_default(CLARIFY)
+    assert policy.select(request()) == CLARIFY
+    with pytest.raises(PolicyError, match="default"):
+        policy.set_default(3)  # type: ignore[arg-type]
+
+
+def test_from_json_builds_policy_with_kwargs() -> None:
+    """from_json decodes an object and forwards constructor keywords."""
+    policy = DictRoutingPolicy.from_json('{"p1": "billing"}', default="support")
+    assert policy.select(request("p1")) == "billing"
+    assert policy.select(request("p2")) == "support"
+
+
+def test_from_json_non_mapping_is_type_error() -> None:
+    """A JSON payload that is not an object raises TypeError."""
+    with pytest.raises(TypeError, match="mapping"):
+        DictRoutingPolicy.from_json('["billing"]')
+
+
+def test_from_json_invalid_is_policy_error_from_json_error() -> None:
+    """Invalid JSON raises PolicyError (a ValueError) chained from the decoder error."""
+    with pytest.raises(PolicyError) as caught:
+        DictRoutingPolicy.from_json("{not json")
+    assert isinstance(caught.value, ValueError)
+    assert isinstance(caught.value.__cause__, json.JSONDecodeError)
+
+
+def test_mapping_value_of_wrong_type_names_the_key() -> None:
+    """A mapped value that is not str or None raises PolicyError naming its key."""
+    with pytest.raises(PolicyError, match="'p7'"):
+        DictRoutingPolicy.from_json('{"p7": 42}')
+
+
+def test_from_json_file(tmp_path: Path) -> None:
+    """from_json_file reads a UTF-8 JSON object file; non-objects raise TypeError."""
+    path = tmp_path / "policy.json"
+    path.write_text('{"p1": "support"}', encoding="utf-8")
+    assert DictRoutingPolicy.from_json_file(path).select(request("p1")) == "support"
+    path.write_text("3", encoding="utf-8")
+    with pytest.raises(TypeError):
+        DictRoutingPolicy.from_json_file(path)
+    path.write_text("{", encoding="utf-8")
+    with pytest.raises(PolicyError, match=r"policy\.json"):
+        DictRoutingPolicy.from_json_file(str(path))
+
+
+def test_from_env_missing_variable_is_key_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unset environment variable raises KeyError."""
+    monkeypatch.delenv("TURNROUTER_TEST_POLICY", raising=False)
+    with pytest.raises(KeyError, match="TURNROUTER_TEST_POLICY"):
+        DictRoutingPolicy.from_env("TURNROUTER_TEST_POLICY")
+
+
+def test_from_env_json_and_custom_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_env parses JSON by default, or uses the given loader."""
+    monkeypatch.setenv("TURNROUTER_TEST_POLICY", '{"p1": "billing"}')
+    policy = DictRoutingPolicy.from_env("TURNROUTER_TEST_POLICY", default="support")
+    assert policy.select(request("p1")) == "billing"
+    assert policy.select(request("p2")) == "support"
+
+    def loader(raw: str) -> Mapping[str, PolicyChoice]:
+        return dict(pair.split("=") for pair in raw.split(","))
+
+    monkeypatch.setenv("TURNROUTER_TEST_POLICY", "p1=support,p2=billing")
+    custom = DictRoutingPolicy.from_env("TURNROUTER_TEST_POLICY", loader=loader)
+    assert custom.select(request("p2")) == "billing"
+    monkeypatch.setenv("TURNROUTER_TEST_POLICY", "[1]")
+    with pytest.raises(TypeError):
+        DictRoutingPolicy.from_env("TURNROUTER_TEST_POLICY")
+    with pytest.raises(TypeError):
+        DictRoutingPolicy.from_env(
+            "TURNROUTER_TEST_POLICY",
+            loader=lambda raw: ["x"],  # type: ignore[arg-type,return-value]
+        )
+
+
+def test_update_mapping_validates_before_swapping() -> None:
+    """An invalid new mapping is rejected and the old one stays in force."""
+    policy = DictRoutingPolicy({"p1": "billing"})
+    with pytest.raises(PolicyError):
+        policy.update_mapping({"p1": "support", "p2": 5})  # type: ignore[dict-item]
+    assert policy.select(request("p1")) == "billing"
+    policy.update_mapping({"p1": "support"})
+    assert policy.select(request("p1")) == "support"
+    assert dict(policy.mapping) == {"p1": "support"}
+
+
+def test_mapping_is_copied_and_read_only() -> None:
+    """Mutating the source dict later does not change the policy."""
+    source: dict[str, PolicyChoice] = {"p1": "billing"}
+    policy = DictRoutingPolicy(source)
+    source["p1"] = "support"
+    assert policy.select(request("p1")) == "billing"
+    with pytest.raises(TypeError):
+        policy.mapping["p1"] = "x"  # type: ignore[index]
+
+
+def test_constructor_rejects_bad_arguments() -> None:
+    """Non-mapping input is a TypeError; a non-callable key_getter a ConfigurationError."""
+    with pytest.raises(TypeError):
+        DictRoutingPolicy(["p1"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="key_getter"):
+        DictRoutingPolicy({}, key_getter="participant")  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_hot_reload_under_concurrent_decisions() -> None:
+    """Decisions running while the mapping is swapped see the old or the new route only."""
+    policy = DictRoutingPolicy({"p1": "billing"})
+    fallback = FixedDecisions(FALLBACK_DECISION)
+    service = PolicyDecisions(policy, fallback)
+    seen: list[str] = []
+
+    async def decide_many() -> None:
+        for _ in range(200):
+            seen.append((await service.decide(request("p1"))).choice)
+            await anyio.lowlevel.checkpoint()
+
+    async def reload_many() -> None:
+        for index in range(200):
+            policy.update_mapping({"p1": "support" if index % 2 else "billing"})
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as group:
+        for _ in range(4):
+            group.start_soon(decide_many)
+        group.start_soon(reload_many)
+    assert len(seen) == 800
+    assert set(seen) == {"billing", "support"}
+    assert fallback.calls == 0
+
+
+@pytest.mark.anyio
+async def test_policy_pins_candidate_route_with_policy_rationale() -> None:
+    """A mapped candidate route is chosen and labelled as a policy choice."""
+    fallback = FixedDecisions(FALLBACK_DECISION)
+    decision = await PolicyDecisions(DictRoutingPolicy({"p1": "billing"}), fallback).decide(
+        request("p1")
+    )
+    assert decision.choice == "billing"
+    assert decision.rationale == "policy: key=p1 -> billing"
+    assert fallback.calls == 0
+
+
+@pytest.mark.anyio
+async def test_policy_clarify_forces_clarification() -> None:
+    """A policy "clarify" answers clarify without asking the fallback."""
+    fallback = FixedDecisions(FALLBACK_DECISION)
+    decision = await PolicyDecisions(DictRoutingPolicy({}, default=CLARIFY), fallback).decide(
+        request()
+    )
+    assert decision.choice == CLARIFY
+    assert decision.rationale.startswith("policy:")
+    assert fallback.calls == 0
+
+
+@pytest.mark.parametrize("mapping", [{}, {"p1": "weather"}])
+@pytest.mark.anyio
+async def test_unmapped_or_non_candidate_falls_through_unchanged(
+    mapping: dict[str, PolicyChoice],
+) -> None:
+    """None or a non-candidate route returns the fallback's decision unchanged."""
+    fallback = FixedDecisions(FALLBACK_DECISION)
+    decision = await PolicyDecisions(DictRoutingPolicy(mapping), fallback).decide(request("p1"))
+    assert decision is FALLBACK_DECISION
+    assert fallback.calls == 1
+
+
+class AsyncPolicy:
+    """A policy whose select is a coroutine."""
+
+    def __init__(self, choice: object) -> None:
+        self.choice = choice
+
+    async def select(self, request: RouteRequest) -> PolicyChoice:
+        return self.choice  # type: ignore[return-value]
+
+
+@pytest.mark.anyio
+async def test_awaitable_policy_is_supported() -> None:
+    """A policy returning an awaitable is awaited; its rationale has no key."""
+    policy: RoutingPolicy = AsyncPolicy("support")
+    decision = await PolicyDecisions(policy, FixedDecisions(FALLBACK_DECISION)).decide(request())
+    assert decision.choice == "support"
+    assert decision.rationale == "policy: -> support"
+
+
+@pytest.mark.anyio
+async def test_policy_returning_non_str_is_policy_error() -> None:
+    """A policy returning something other than str or None raises PolicyError."""
+    service = PolicyDecisions(AsyncPolicy(7), FixedDecisions(FALLBACK_DECISION))
+    with pytest.raises(PolicyError):
+        await service.decide(request())
+
+
+def test_policy_decisions_rejects_bad_arguments() -> None:
+    """A policy without select or a fallback without decide is rejected."""
+    with pytest.raises(ConfigurationError, match="policy"):
+        PolicyDecisions(object(), FixedDecisions(FALLBACK_DECISION))  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="fallback"):
+        PolicyDecisions(DictRoutingPolicy({}), object())  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_policy_in_front_of_lexical_composes() -> None:
+    """A policy pins some participants while others get the lexical decision."""
+    from turnrouter.decisions import LexicalDecisions
+
+    service = PolicyDecisions(DictRoutingPolicy({"vip": "support"}), LexicalDecisions())
+    pinned = await service.decide(request("vip", "my invoice"))
+    assert (pinned.choice, pinned.rationale) == ("support", "policy: key=vip -> support")
+    other = await service.decide(request("p2", "my invoice"))
+    assert other.rationale.startswith("lexical:")

@@ -1,0 +1,45 @@
+"""Builders shared by the router tests (not a test module)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from turnrouter import AgentRouter, AgentTurn, DestinationResult, TurnInterrupted
+from turnrouter.testing import OutputRecorder, RecordingObserver, ScriptedAgent, ScriptedDecisions
+
+
+class Harness:
+    """A router over scripted agents, with its output recorder and observer."""
+
+    def __init__(self, *agents: ScriptedAgent, decisions: ScriptedDecisions | None = None,
+                 default: str = "conversation", **kwargs: Any) -> None:
+        names = [agent.name for agent in agents]
+        if default not in names:
+            agents = (*agents, ScriptedAgent(default))
+        self.agents = {agent.name: agent for agent in agents}
+        self.decisions = decisions or ScriptedDecisions(agents[0].name)
+        self.output = OutputRecorder()
+        self.observer = RecordingObserver()
+        self.router = AgentRouter(self.agents, self.decisions, output=self.output,
+                                  default_destination=default, telemetry=self.observer,
+                                  **kwargs)
+        self.outcomes: dict[str, DestinationResult | BaseException] = {}
+        self._count = 0
+
+    def __getitem__(self, name: str) -> ScriptedAgent:
+        return self.agents[name]
+
+    def turn(self, query: str = "hello", participant: str = "p1", **kwargs: Any) -> AgentTurn:
+        self._count += 1
+        return AgentTurn(participant, f"t{self._count}", query, **kwargs)
+
+    async def say(self, query: str = "hello", participant: str = "p1",
+                  **kwargs: Any) -> DestinationResult:
+        return await self.router.handle(self.turn(query, participant, **kwargs))
+
+    async def capture(self, turn: AgentTurn) -> None:
+        """Run a turn and keep its result or exception (for use in task groups)."""
+        try:
+            self.outcomes[turn.turn_id] = await self.router.handle(turn)
+        except (TurnInterrupted, Exception) as exc:
+            self.outcomes[turn.turn_id] = exc

@@ -1,0 +1,130 @@
+"""The telemetry contract: metric names, types, labels and buckets; docs; API hygiene."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+import turnrouter.telemetry as telemetry_pkg
+from turnrouter.telemetry import ATTR, LATENCY_BUCKETS, METRICS, Telemetry, metric
+from turnrouter.telemetry._metrics import metrics_markdown_table
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "telemetry.md"
+
+# Typed from the design contract (telemetry.md); change only with a migration note.
+CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
+    "turnrouter_turns_total": ("counter", ("route", "outcome")),
+    "turnrouter_clarifications_total": ("counter", ("reason",)),
+    "turnrouter_admissions_total": ("counter", ("route", "disposition", "focused")),
+    "turnrouter_reroutes_total": ("counter", ("route",)),
+    "turnrouter_default_fallbacks_total": ("counter", ("route",)),
+    "turnrouter_failures_total": ("counter", ("route", "stage")),
+    "turnrouter_interruptions_total": ("counter", ()),
+    "turnrouter_focus_transitions_total": ("counter", ("route", "transition")),
+    "turnrouter_turn_duration_seconds": ("histogram", ("route", "outcome")),
+    "turnrouter_decision_duration_seconds": ("histogram", ()),
+    "turnrouter_admission_duration_seconds": ("histogram", ("route",)),
+    "turnrouter_first_response_seconds": ("histogram", ("route",)),
+    "turnrouter_silence_seconds": ("histogram", ("route",)),
+    "turnrouter_acknowledgments_total": ("counter", ("route", "outcome", "trigger")),
+    "turnrouter_acknowledgment_delay_seconds": ("gauge", ()),
+    "turnrouter_predicted_first_response_seconds": ("gauge", ("route",)),
+    "turnrouter_context_patches_total": ("counter", ("strategy", "outcome")),
+    "turnrouter_active_participants": ("gauge", ()),
+    "turnrouter_turns_in_flight": ("gauge", ()),
+}
+CONTRACT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
+
+
+def test_definitions_match_the_contract() -> None:
+    """METRICS defines exactly the contract's families, types, labels and buckets."""
+    assert {spec.name: (spec.type, spec.labels) for spec in METRICS} == CONTRACT
+    assert LATENCY_BUCKETS == CONTRACT_BUCKETS
+    for spec in METRICS:
+        expected = CONTRACT_BUCKETS if spec.type == "histogram" else None
+        assert spec.buckets == expected, spec.name
+        assert spec.documentation
+        assert (spec.type == "counter") == spec.name.endswith("_total"), spec.name
+        assert metric(spec.name) is spec
+
+
+def test_registered_families_match_the_contract() -> None:
+    """A registry exposes each family under its exact name, type and labels."""
+    registry = CollectorRegistry()
+    Telemetry(registry=registry)
+    exposed = generate_latest(registry).decode()
+    types = dict(re.findall(r"^# TYPE (turnrouter_\w+) (\w+)$", exposed, re.MULTILINE))
+    types = {name: kind for name, kind in types.items() if not name.endswith("_created")}
+    assert types == {name: kind for name, (kind, _) in CONTRACT.items()}
+    by_name = {family.name: family for family in registry.collect()}
+    for name, (kind, labels) in CONTRACT.items():
+        family = by_name[name.removesuffix("_total") if kind == "counter" else name]
+        assert family.type == kind
+        assert metric(name).labels == labels
+        if kind == "histogram":
+            bounds = [sample.labels["le"] for sample in family.samples
+                      if sample.name.endswith("_bucket")]
+            if bounds:  # labelled histograms have no samples before first use
+                assert bounds == [*map(repr, map(float, CONTRACT_BUCKETS)), "+Inf"]
+
+
+def _docs_metrics() -> dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None]]:
+    rows: dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None]] = {}
+    for line in DOCS.read_text().splitlines():
+        match = re.match(r"^\| `(turnrouter_\w+)` \| (\w+) \| ([^|]+) \| ([^|]+) \|", line)
+        if match is None:
+            continue
+        name, kind, labels, buckets = (part.strip() for part in match.groups())
+        label_tuple = () if labels == "—" else tuple(label.strip() for label in labels.split(","))
+        bucket_tuple = None if buckets == "—" else tuple(map(float, buckets.split()))
+        assert name not in rows, f"{name} listed twice"
+        rows[name] = (kind, label_tuple, bucket_tuple)
+    return rows
+
+
+def test_docs_metrics_table_matches_definitions() -> None:
+    """docs/telemetry.md lists exactly the defined metrics, with their labels and buckets."""
+    documented = _docs_metrics()
+    defined = {spec.name: (spec.type, spec.labels, spec.buckets) for spec in METRICS}
+    assert documented == defined
+    assert metrics_markdown_table() in DOCS.read_text()
+
+
+def test_docs_name_every_span_and_attribute() -> None:
+    """Every span name and attribute key in the code is documented."""
+    text = DOCS.read_text()
+    keys = [value for name, value in vars(ATTR).items() if name.isupper()]
+    spans = [getattr(telemetry_pkg, name) for name in telemetry_pkg.__all__
+             if name.startswith("SPAN_") or name.startswith("EVENT_")]
+    for key in [*keys, *spans, "turnrouter.decision.scores.<route>", "invoke_agent {route}",
+                telemetry_pkg.TRACER_NAME, telemetry_pkg.CONTENT_CAPTURE_ENV]:
+        assert f"`{key.strip()}" in text, key
+
+
+def test_public_all_is_sorted_and_complete() -> None:
+    """turnrouter.telemetry exports a sorted __all__ whose names all exist."""
+    exported = telemetry_pkg.__all__
+    assert exported == sorted(exported, key=lambda name: (
+        0 if name.isupper() else 1 if name[0].isupper() else 2, name))
+    for name in exported:
+        assert hasattr(telemetry_pkg, name)
+
+
+def test_library_imports_only_the_opentelemetry_api() -> None:
+    """No module under src/ imports the OpenTelemetry SDK or sets a global provider."""
+    for path in (ROOT / "src" / "turnrouter").rglob("*.py"):
+        source = path.read_text()
+        assert "set_tracer_provider(" not in source, path
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert not name.startswith("opentelemetry.sdk"), (path, name)

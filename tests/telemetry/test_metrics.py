@@ -1,0 +1,295 @@
+"""Metrics: values per event, exemplars, gauges, failure de-duplication, shared registries."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from turnrouter import DestinationResult, RouteDecision
+from turnrouter.telemetry import METRICS, Telemetry
+
+from .conftest import Rig, make_request, make_turn
+from .test_spans import answer_turn
+
+
+def test_answered_turn_metrics(rig: Rig) -> None:
+    """One answered turn updates turn, decision, admission, first-response and silence."""
+    answer_turn(rig.telemetry)
+    value = rig.value
+    assert value("turnrouter_turns_total", route="weather", outcome="focus") == 1
+    assert value("turnrouter_turn_duration_seconds_count", route="weather", outcome="focus") == 1
+    assert value("turnrouter_decision_duration_seconds_count") == 1
+    assert value("turnrouter_admissions_total", route="weather", disposition="accept",
+                 focused="false") == 1
+    assert value("turnrouter_admission_duration_seconds_count", route="weather") == 1
+    assert value("turnrouter_first_response_seconds_sum", route="weather") == 0.42
+    assert value("turnrouter_first_response_seconds_bucket", route="weather", le="0.4") == 0
+    assert value("turnrouter_first_response_seconds_bucket", route="weather", le="0.5") == 1
+    assert value("turnrouter_silence_seconds_sum", route="weather") == 0.45
+    assert value("turnrouter_focus_transitions_total", route="weather",
+                 transition="taken") == 1
+    assert value("turnrouter_turns_in_flight") == 0
+    assert value("turnrouter_interruptions_total") == 0
+
+
+def test_turn_without_destination_has_route_none(rig: Rig) -> None:
+    """A turn no destination answered is labelled route="none"."""
+    obs = rig.telemetry.turn_started(make_turn(), None)
+    obs.clarification("no_eligible_route")
+    obs.finished("clarify", None, None, None, 0, None)
+    assert rig.value("turnrouter_turns_total", route="none", outcome="clarify") == 1
+    assert rig.value("turnrouter_clarifications_total", reason="no_eligible_route") == 1
+
+
+@pytest.mark.parametrize("reason", ["no_eligible_route", "low_confidence", "destination",
+                                    "default_unavailable", "decision_failed"])
+def test_clarification_reasons(rig: Rig, reason: str) -> None:
+    """Every clarification reason of the contract is a label value."""
+    obs = rig.telemetry.turn_started(make_turn(), None)
+    obs.clarification(reason)  # type: ignore[arg-type]
+    obs.finished("clarify", None, None, None, 1, None)
+    assert rig.value("turnrouter_clarifications_total", reason=reason) == 1
+
+
+def test_reroute_fallback_and_focused_admission(rig: Rig) -> None:
+    """Reroutes, default fallbacks and focused admissions are counted per route."""
+    obs = rig.telemetry.turn_started(make_turn(), "music")
+    token = obs.admission_started("music", True)
+    obs.admission_finished(token, "music", True, "release", None)
+    obs.focus_transition("music", "released")
+    obs.reroute("music")
+    token = obs.admission_started("weather", False)
+    obs.admission_finished(token, "weather", False, "decline", None)
+    obs.reroute("weather")
+    obs.default_fallback("conversation")
+    token = obs.answer_started("conversation", True)
+    obs.answer_finished(token, "conversation", DestinationResult(), None, False)
+    obs.finished("answer", "conversation", "music", None, 3, None)
+    value = rig.value
+    assert value("turnrouter_admissions_total", route="music", disposition="release",
+                 focused="true") == 1
+    assert value("turnrouter_reroutes_total", route="music") == 1
+    assert value("turnrouter_reroutes_total", route="weather") == 1
+    assert value("turnrouter_default_fallbacks_total", route="conversation") == 1
+    assert value("turnrouter_focus_transitions_total", route="music",
+                 transition="released") == 1
+    assert value("turnrouter_turns_total", route="conversation", outcome="answer") == 1
+
+
+def test_failure_stages(rig: Rig) -> None:
+    """Each failing stage is counted once, under its route (none without one)."""
+    turn = make_turn()
+    obs = rig.telemetry.turn_started(turn, None)
+    request = make_request(turn)
+    token = obs.decision_started(request)
+    obs.decision_finished(token, request, None, ConnectionError())
+    token = obs.admission_started("weather", False)
+    obs.admission_finished(token, "weather", False, "decline", None, timed_out=True)
+    token = obs.admission_started("music", False)
+    obs.admission_finished(token, "music", False, None, KeyError("x"))
+    now = time.monotonic()
+    obs.acknowledgment("news", "failed", "delay", 0.8, None, now, now, "", RuntimeError())
+    token = obs.release_started("news", "reroute")
+    obs.release_finished(token, "news", "reroute", RuntimeError())
+    token = obs.answer_started("conversation", True)
+    error = RuntimeError("boom")
+    obs.answer_finished(token, "conversation", None, error, False)
+    obs.finished("failed", "conversation", None, None, 2, error)
+    value = rig.value
+    assert value("turnrouter_failures_total", route="none", stage="decision") == 1
+    assert value("turnrouter_failures_total", route="weather", stage="admission") == 1
+    assert value("turnrouter_failures_total", route="music", stage="admission") == 1
+    assert value("turnrouter_failures_total", route="news", stage="acknowledgment") == 1
+    assert value("turnrouter_failures_total", route="news", stage="release") == 1
+    assert value("turnrouter_failures_total", route="conversation", stage="answer") == 1
+    assert value("turnrouter_admissions_total", route="weather", disposition="timeout",
+                 focused="false") == 1
+    assert value("turnrouter_admissions_total", route="music", disposition="error",
+                 focused="false") == 1
+    assert value("turnrouter_acknowledgments_total", route="news", outcome="failed",
+                 trigger="delay") == 1
+    assert value("turnrouter_turns_total", route="conversation", outcome="failed") == 1
+
+
+def test_failure_call_for_an_already_counted_error_is_not_double_counted(rig: Rig) -> None:
+    """failure() for an error a stage callback already reported does not count it again."""
+    obs = rig.telemetry.turn_started(make_turn(), None)
+    token = obs.answer_started("weather", False)
+    error = RuntimeError("boom")
+    obs.answer_finished(token, "weather", None, error, False)
+    obs.failure("weather", "answer", error)
+    token = obs.admission_started("music", False)
+    obs.admission_finished(token, "music", False, "decline", None, timed_out=True)
+    obs.failure("music", "admission", TimeoutError())
+    obs.failure("weather", "answer", RuntimeError("another"))
+    obs.finished("failed", "weather", None, None, 1, error)
+    assert rig.value("turnrouter_failures_total", route="weather", stage="answer") == 2
+    assert rig.value("turnrouter_failures_total", route="music", stage="admission") == 1
+
+
+def test_router_level_failures(rig: Rig) -> None:
+    """Departure release failures and cleanup failures are counted outside turns."""
+    telemetry = rig.telemetry
+    error = RuntimeError("release failed")
+    token = telemetry.release_started("weather", "departure")
+    telemetry.release_finished(token, "weather", "departure", error)
+    telemetry.failure("weather", "release", error)
+    telemetry.failure(None, "cleanup", ValueError())
+    assert rig.value("turnrouter_failures_total", route="weather", stage="release") == 1
+    assert rig.value("turnrouter_failures_total", route="none", stage="cleanup") == 1
+
+
+def test_interrupted_turn_counts_interruption_not_failure(rig: Rig) -> None:
+    """An interrupted answer counts an interruption and no answer failure."""
+    obs = rig.telemetry.turn_started(make_turn(), None)
+    token = obs.answer_started("weather", False)
+    obs.answer_finished(token, "weather", None, None, True)
+    obs.finished("interrupted", "weather", None, None, 1, None)
+    assert rig.value("turnrouter_interruptions_total") == 1
+    assert rig.value("turnrouter_turns_total", route="weather", outcome="interrupted") == 1
+    assert rig.value("turnrouter_failures_total", route="weather", stage="answer") is None
+
+
+def test_in_flight_and_participant_gauges(rig: Rig) -> None:
+    """Gauges follow turns and participants, and a repeated finished() is ignored."""
+    telemetry = rig.telemetry
+    telemetry.participant_added("alice")
+    telemetry.participant_added("bob")
+    first = telemetry.turn_started(make_turn(), None)
+    second = telemetry.turn_started(make_turn(participant="bob"), None)
+    assert rig.value("turnrouter_turns_in_flight") == 2
+    second.finished("answer", "weather", None, None, 1, None)
+    first.finished("answer", "weather", None, None, 1, None)
+    first.finished("answer", "weather", None, None, 1, None)
+    assert rig.value("turnrouter_turns_in_flight") == 0
+    assert rig.value("turnrouter_turns_total", route="weather", outcome="answer") == 2
+    telemetry.participant_removed("alice")
+    assert rig.value("turnrouter_active_participants") == 1
+
+
+def test_configured_and_predicted_gauges(rig: Rig) -> None:
+    """configured() publishes the delay (NaN when off); predictions are per route."""
+    rig.telemetry.configured(routes=("weather",), acknowledgment_delay_secs=0.8)
+    assert rig.value("turnrouter_acknowledgment_delay_seconds") == 0.8
+    rig.telemetry.predicted_first_response("weather", 1.25)
+    assert rig.value("turnrouter_predicted_first_response_seconds", route="weather") == 1.25
+    rig.telemetry.configured(routes=("weather",), acknowledgment_delay_secs=None)
+    delay = rig.value("turnrouter_acknowledgment_delay_seconds")
+    assert delay is not None
+    assert math.isnan(delay)
+
+
+def test_acknowledgment_counter_and_context_patches(rig: Rig) -> None:
+    """Acknowledgments count by route, outcome and trigger; patches by strategy, outcome."""
+    obs = rig.telemetry.turn_started(make_turn(), None)
+    now = time.monotonic()
+    obs.acknowledgment("weather", "emitted", "prediction", 0.8, 1.5, now, now, "ok", None)
+    obs.acknowledgment("weather", "suppressed", "delay", 0.8, None, now, now, "", None)
+    obs.finished("answer", "weather", None, None, 1, None)
+    rig.telemetry.context_patch("append", "applied")
+    assert rig.value("turnrouter_acknowledgments_total", route="weather", outcome="emitted",
+                     trigger="prediction") == 1
+    assert rig.value("turnrouter_acknowledgments_total", route="weather", outcome="suppressed",
+                     trigger="delay") == 1
+    assert rig.value("turnrouter_context_patches_total", strategy="append",
+                     outcome="applied") == 1
+
+
+EXEMPLAR = re.compile(
+    r'^(?P<series>\S+) \S+ '
+    r'# \{span_id="(?P<span>[0-9a-f]{16})",trace_id="(?P<trace>[0-9a-f]{32})"\}',
+    re.MULTILINE,
+)
+
+
+def test_latency_histograms_carry_trace_exemplars(rig: Rig) -> None:
+    """Latency histograms have exemplars pointing at the span of the measured operation."""
+    answer_turn(rig.telemetry)
+    found: dict[str, tuple[str, str]] = {}
+    for match in EXEMPLAR.finditer(rig.openmetrics()):
+        family = match["series"].split("_bucket")[0]
+        found[family] = (match["trace"], match["span"])
+    turn = rig.span("turnrouter.turn")
+    trace_id = format(turn.context.trace_id, "032x")
+
+    def span_id(name: str) -> str:
+        return format(rig.span(name).context.span_id, "016x")
+
+    assert found == {
+        "turnrouter_turn_duration_seconds": (trace_id, span_id("turnrouter.turn")),
+        "turnrouter_decision_duration_seconds": (trace_id, span_id("turnrouter.route")),
+        "turnrouter_admission_duration_seconds": (trace_id, span_id("turnrouter.admission")),
+        "turnrouter_first_response_seconds": (trace_id, span_id("invoke_agent weather")),
+        "turnrouter_silence_seconds": (trace_id, span_id("turnrouter.turn")),
+    }
+
+
+def test_two_telemetry_objects_share_one_registry(rig: Rig) -> None:
+    """Several routers' Telemetry on one registry share families instead of failing."""
+    other = Telemetry(tracer_provider=rig.provider, registry=rig.registry)
+    answer_turn(rig.telemetry)
+    answer_turn(other)
+    assert rig.value("turnrouter_turns_total", route="weather", outcome="focus") == 2
+
+
+def test_default_registry_can_be_shared() -> None:
+    """Telemetry() twice on prometheus_client's default registry does not raise."""
+    first, second = Telemetry(), Telemetry()
+    assert first.registry is REGISTRY
+    assert second.registry is REGISTRY
+    assert REGISTRY.get_sample_value("turnrouter_turns_in_flight") is not None
+
+
+def test_registration_conflict_leaves_registry_unchanged() -> None:
+    """A registry that already holds one of the names is left as it was."""
+    from prometheus_client import Counter
+
+    registry = CollectorRegistry()
+    Counter("turnrouter_silence_seconds", "squatter", registry=registry)
+    with pytest.raises(ValueError, match="Duplicated"):
+        Telemetry(registry=registry)
+    names = {family.name for family in registry.collect()}
+    assert names == {"turnrouter_silence_seconds"}
+
+
+FORBIDDEN_LABELS = {"participant", "participant_id", "turn", "turn_id", "trace", "trace_id",
+                    "span_id", "query", "user"}
+
+
+def test_no_high_cardinality_labels(rig: Rig) -> None:
+    """No metric is labelled by participant, turn or trace."""
+    answer_turn(rig.telemetry)
+    for spec in METRICS:
+        assert not FORBIDDEN_LABELS & set(spec.labels), spec.name
+    for family in rig.registry.collect():
+        for sample in family.samples:
+            assert not FORBIDDEN_LABELS & set(sample.labels), sample
+            assert "alice" not in sample.labels.values()
+
+
+def test_boolean_labels_are_true_false(rig: Rig) -> None:
+    """The focused label takes the values "true" and "false"."""
+    obs = rig.telemetry.turn_started(make_turn(), "weather")
+    for focused in (True, False):
+        token = obs.admission_started("weather", focused)
+        obs.admission_finished(token, "weather", focused, "accept", None)
+    obs.finished("answer", "weather", "weather", "weather", 1, None)
+    values = {sample.labels["focused"] for family in rig.registry.collect()
+              if family.name == "turnrouter_admissions" for sample in family.samples
+              if "focused" in sample.labels}
+    assert values == {"true", "false"}
+
+
+def test_decision_only_counts_duration(rig: Rig) -> None:
+    """A decision without scores still observes decision latency."""
+    turn = make_turn()
+    obs = rig.telemetry.turn_started(turn, None)
+    request = make_request(turn)
+    token = obs.decision_started(request)
+    obs.decision_finished(token, request, RouteDecision("weather"), None)
+    obs.finished("answer", "weather", None, None, 1, None)
+    assert rig.value("turnrouter_decision_duration_seconds_count") == 1

@@ -1,0 +1,100 @@
+"""`/metrics` over HTTP and ASGI, with OpenMetrics negotiation (exemplars)."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from collections.abc import MutableMapping
+from typing import Any
+
+import pytest
+
+from turnrouter.telemetry import metrics_app, serve_metrics
+
+from .conftest import Rig
+from .test_spans import answer_turn
+
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+def fetch(url: str, accept: str | None = None) -> tuple[str, str]:
+    """GET `url`; return its content type and body."""
+    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.headers["Content-Type"], response.read().decode()
+
+
+def test_serve_metrics_negotiates_openmetrics(rig: Rig) -> None:
+    """The HTTP server gives text by default and OpenMetrics with exemplars on request."""
+    answer_turn(rig.telemetry)
+    with serve_metrics(0, registry=rig.registry) as server:
+        assert server.port > 0
+        assert server.url == f"http://127.0.0.1:{server.port}/metrics"
+        content_type, body = fetch(server.url)
+        assert content_type.startswith("text/plain")
+        assert 'turnrouter_turns_total{outcome="focus",route="weather"} 1.0' in body
+        assert "trace_id" not in body
+        content_type, body = fetch(server.url, OPENMETRICS)
+        assert content_type.startswith("application/openmetrics-text")
+        assert "turnrouter_first_response_seconds_bucket" in body
+        assert '# {span_id="' in body
+        assert 'trace_id="' in body
+        assert body.endswith("# EOF\n")
+    server.close()  # idempotent
+
+
+def test_serve_metrics_close_frees_the_port(rig: Rig) -> None:
+    """After close() the server no longer answers."""
+    server = serve_metrics(0, registry=rig.registry)
+    url = server.url
+    server.close()
+    with pytest.raises(urllib.error.URLError):
+        fetch(url)
+
+
+Message = MutableMapping[str, Any]
+
+
+async def call_asgi(rig: Rig, scope: Message, incoming: list[Message]) -> list[Message]:
+    """Run the metrics ASGI app once; return what it sent."""
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return incoming.pop(0)
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await metrics_app(rig.registry)(scope, receive, send)
+    return sent
+
+
+def http_scope(accept: str | None) -> Message:
+    """An ASGI HTTP scope for GET /metrics."""
+    headers = [(b"accept", accept.encode())] if accept else []
+    return {"type": "http", "method": "GET", "path": "/metrics", "query_string": b"",
+            "headers": headers}
+
+
+@pytest.mark.anyio
+async def test_asgi_app_negotiates_openmetrics(rig: Rig) -> None:
+    """The ASGI app answers text by default and OpenMetrics (with exemplars) on request."""
+    answer_turn(rig.telemetry)
+    request = [{"type": "http.request", "body": b"", "more_body": False}]
+    start, body = await call_asgi(rig, http_scope(None), list(request))
+    headers = dict(start["headers"])
+    assert start["status"] == 200
+    assert headers[b"Content-Type"].startswith(b"text/plain")
+    assert b"trace_id" not in body["body"]
+    start, body = await call_asgi(rig, http_scope(OPENMETRICS), list(request))
+    assert dict(start["headers"])[b"Content-Type"].startswith(b"application/openmetrics-text")
+    assert b'trace_id="' in body["body"]
+
+
+@pytest.mark.anyio
+async def test_asgi_app_completes_lifespan(rig: Rig) -> None:
+    """The ASGI app acknowledges lifespan startup and shutdown."""
+    sent = await call_asgi(rig, {"type": "lifespan"},
+                           [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
+    assert [message["type"] for message in sent] == [
+        "lifespan.startup.complete", "lifespan.shutdown.complete"]

@@ -1,0 +1,610 @@
+"""AgentRouter routing rules: focus, admission, bounded reroute, fallback, clarification."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from turnrouter import (
+    Admission,
+    AgentExchange,
+    AgentRouter,
+    AgentTurn,
+    ConfigurationError,
+    ContractTypeError,
+    DestinationContractError,
+    DestinationResult,
+    LifecycleError,
+    RouteDecision,
+    RouteRequest,
+    current_turn_context,
+)
+from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions, ScriptedLLM
+
+from .kit import Harness
+
+pytestmark = pytest.mark.anyio
+
+
+# ---------------------------------------------------------------- ordinary routing
+
+
+async def test_routes_to_the_chosen_destination_after_admission() -> None:
+    """The chosen destination is admitted, then answers; its result is returned."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"))
+    result = await h.say("rain today?")
+    assert result == DestinationResult("answer", "weather answer")
+    assert h["weather"].methods() == ["admit", "answer"]
+    assert h["weather"].calls[0].focused is False
+    assert h["conversation"].calls == []
+
+
+async def test_request_lists_eligible_candidates_in_registration_order() -> None:
+    """The decision request holds eligible, non-excluded candidates in order."""
+    h = Harness(ScriptedAgent("weather"), ScriptedAgent("calendar", eligible=False),
+                ScriptedAgent("music"), decisions=ScriptedDecisions("music"))
+    await h.say()
+    request = h.decisions.requests[0]
+    assert request.candidate_names == ("weather", "music", "conversation")
+    assert request.excluded == frozenset()
+    assert request.turn.query == "hello"
+
+
+async def test_preamble_is_spoken_after_acceptance_before_the_answer() -> None:
+    """An accepted admission's preamble is delivered before the destination's output."""
+    h = Harness(ScriptedAgent("weather", admissions=Admission("accept", "Checking.")),
+                decisions=ScriptedDecisions("weather"))
+    h["weather"].output = h.output
+    await h.say()
+    assert h.output.texts == ["Checking.", "weather answer"]
+
+
+async def test_preamble_of_a_declining_admission_is_never_spoken() -> None:
+    """A preamble on a declined admission is not emitted."""
+    h = Harness(ScriptedAgent("weather", admissions=Admission("decline", "Checking.")),
+                ScriptedAgent("music"), decisions=ScriptedDecisions("weather", "music"))
+    await h.say()
+    assert "Checking." not in h.output.texts
+
+
+async def test_decline_reroutes_once_excluding_the_declined_route() -> None:
+    """A declined route is excluded from the one bounded reroute."""
+    h = Harness(ScriptedAgent("weather", admissions="decline"), ScriptedAgent("music"),
+                decisions=ScriptedDecisions("weather", "music"))
+    result = await h.say()
+    assert result.text == "music answer"
+    assert h.decisions.requests[1].excluded == frozenset({"weather"})
+    assert "weather" not in h.decisions.requests[1].candidate_names
+    assert h["weather"].methods() == ["admit"]
+
+
+async def test_two_declines_fall_back_to_default_without_admission() -> None:
+    """After two declined routed choices the eligible default answers once, unadmitted."""
+    h = Harness(ScriptedAgent("weather", admissions="decline"),
+                ScriptedAgent("music", admissions="decline"),
+                decisions=ScriptedDecisions("weather", "music"))
+    result = await h.say()
+    assert result.text == "conversation answer"
+    assert h["conversation"].methods() == ["answer"]
+    assert len(h.decisions.requests) == 2
+    assert ("default_fallback", "conversation") in h.observer.turns["t1"]
+
+
+async def test_default_that_declined_this_turn_is_not_retried() -> None:
+    """If the default already declined this turn, exhausted declines end in clarification."""
+    h = Harness(ScriptedAgent("conversation", admissions="decline"),
+                ScriptedAgent("music", admissions="decline"),
+                decisions=ScriptedDecisions("conversation", "music"))
+    result = await h.say()
+    assert result.disposition == "clarify"
+    assert h["conversation"].methods() == ["admit"]
+    assert ("clarification", "default_unavailable") in h.observer.turns["t1"]
+    assert h.output.texts == [h.router._clarification_text]
+
+
+async def test_ineligible_default_means_clarification_after_declines() -> None:
+    """Exhausted declines with an ineligible default end in clarification."""
+    h = Harness(ScriptedAgent("weather", admissions="decline"),
+                ScriptedAgent("music", admissions="decline"),
+                ScriptedAgent("conversation", eligible=False),
+                decisions=ScriptedDecisions("weather", "music"))
+    assert (await h.say()).disposition == "clarify"
+    assert h["conversation"].calls == []
+
+
+async def test_clarify_choice_with_scores_picks_best_eligible_through_admission() -> None:
+    """A clarify decision with usable scores selects the highest-scoring eligible route."""
+    decision = RouteDecision("clarify", scores={"weather": 0.2, "music": 0.7,
+                                                "calendar": 0.9})
+    h = Harness(ScriptedAgent("weather"), ScriptedAgent("music"),
+                ScriptedAgent("calendar", eligible=False),
+                decisions=ScriptedDecisions(decision))
+    result = await h.say()
+    assert result.text == "music answer"
+    assert h["music"].methods() == ["admit", "answer"]
+
+
+async def test_score_ties_break_by_priority() -> None:
+    """Equal scores prefer the candidate with the higher priority."""
+    decision = RouteDecision("clarify", scores={"weather": 0.5, "music": 0.5})
+    h = Harness(ScriptedAgent("weather"), ScriptedAgent("music", priority=3),
+                decisions=ScriptedDecisions(decision))
+    assert (await h.say()).text == "music answer"
+
+
+async def test_clarify_without_scores_asks_for_clarification() -> None:
+    """A clarify decision without scores makes the router ask, with no admission."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("clarify"))
+    result = await h.say()
+    assert result == DestinationResult("clarify")
+    assert h.output.spoken[0].route == "clarify"
+    assert h["weather"].calls == [] and h["conversation"].calls == []
+    assert ("clarification", "low_confidence") in h.observer.turns["t1"]
+
+
+async def test_non_candidate_choice_counts_as_clarify() -> None:
+    """A choice naming no candidate is treated as clarify, then the scores rule applies."""
+    h = Harness(ScriptedAgent("weather", eligible=False), ScriptedAgent("music"),
+                decisions=ScriptedDecisions(
+                    RouteDecision("weather", scores={"weather": 1.0, "music": 0.1})))
+    assert (await h.say()).text == "music answer"
+    assert h["weather"].calls == []
+    h2 = Harness(ScriptedAgent("music"), decisions=ScriptedDecisions("nonexistent"))
+    assert (await h2.say()).disposition == "clarify"
+
+
+async def test_scores_only_for_non_candidates_are_not_usable() -> None:
+    """Scores naming no eligible candidate (or not finite) lead to clarification."""
+    decision = RouteDecision("clarify", scores={"ghost": 1.0, "weather": -math.inf})
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions(decision))
+    assert (await h.say()).disposition == "clarify"
+
+
+async def test_failing_decision_service_goes_to_default_through_admission() -> None:
+    """A decision service that raises sends the turn to the default, with admission."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions(RuntimeError("down")))
+    result = await h.say()
+    assert result.text == "conversation answer"
+    assert h["conversation"].methods() == ["admit", "answer"]
+    assert ("decision", None, "RuntimeError") in h.observer.turns["t1"]
+
+
+async def test_failing_decision_service_without_default_clarifies() -> None:
+    """With the default ineligible, a failing decision service ends in clarification."""
+    h = Harness(ScriptedAgent("weather"), ScriptedAgent("conversation", eligible=False),
+                decisions=ScriptedDecisions(RuntimeError("down")))
+    assert (await h.say()).disposition == "clarify"
+    assert ("clarification", "decision_failed") in h.observer.turns["t1"]
+
+
+async def test_decision_service_returning_garbage_is_a_decision_failure() -> None:
+    """A decide() result that is not a RouteDecision is recorded as a failure."""
+    h = Harness(ScriptedAgent("weather"),
+                decisions=ScriptedDecisions(lambda request: 42))  # type: ignore[arg-type,return-value]
+    assert (await h.say()).text == "conversation answer"
+
+
+async def test_admission_clarify_speaks_its_text_and_stops_routing() -> None:
+    """A clarify admission emits its question and returns clarify without answering."""
+    h = Harness(ScriptedAgent("weather", admissions=Admission("clarify", text="Which city?")),
+                decisions=ScriptedDecisions("weather"))
+    assert (await h.say()).disposition == "clarify"
+    assert h.output.spoken[0].text == "Which city?"
+    assert h.output.spoken[0].route == "weather"
+    assert h["weather"].methods() == ["admit"]
+    assert len(h.decisions.requests) == 1
+
+
+async def test_unfocused_release_admission_speaks_releases_and_reroutes() -> None:
+    """A release admission emits its text, releases that route and reroutes the query."""
+    h = Harness(ScriptedAgent("weather", admissions=Admission("release", text="Passing on.")),
+                ScriptedAgent("music"), decisions=ScriptedDecisions("weather", "music"))
+    assert (await h.say()).text == "music answer"
+    assert h.output.texts[0] == "Passing on."
+    assert h["weather"].methods() == ["admit", "release"]
+    assert h.decisions.requests[1].excluded == {"weather"}
+
+
+async def test_no_eligible_route_clarifies_without_deciding() -> None:
+    """With no eligible destination, the router asks for clarification directly."""
+    h = Harness(ScriptedAgent("weather", eligible=False),
+                ScriptedAgent("conversation", eligible=False))
+    assert (await h.say()).disposition == "clarify"
+    assert h.decisions.requests == []
+    assert ("clarification", "no_eligible_route") in h.observer.turns["t1"]
+
+
+# ---------------------------------------------------------------- focus
+
+
+async def test_focus_owner_gets_the_next_turn_first() -> None:
+    """A destination returning focus receives the next turn, focused, without deciding."""
+    h = Harness(ScriptedAgent("booking", results="focus"),
+                decisions=ScriptedDecisions("booking"))
+    await h.say("book a table")
+    assert h.router.focus_of("p1") == "booking"
+    await h.say("for two")
+    assert len(h.decisions.requests) == 1
+    assert [c.focused for c in h["booking"].calls if c.method == "admit"] == [False, True]
+
+
+async def test_focused_decline_keeps_focus_without_release() -> None:
+    """A focused owner that declines keeps focus; release() is not called."""
+    h = Harness(ScriptedAgent("booking", admissions=["accept", "decline", "accept"],
+                              results="focus"),
+                ScriptedAgent("weather"), decisions=ScriptedDecisions("booking", "weather"))
+    await h.say("book")
+    result = await h.say("weather?")
+    assert result.text == "weather answer"
+    assert h.router.focus_of("p1") == "booking"
+    assert h["booking"].count("release") == 0
+    assert h.decisions.requests[1].excluded == {"booking"}
+    await h.say("for two")
+    assert h["booking"].calls[-2].focused is True
+
+
+async def test_focused_release_admission_releases_and_reroutes_same_query() -> None:
+    """A focused release admission emits text, releases, and reroutes the same query."""
+    h = Harness(ScriptedAgent("booking", results="focus",
+                              admissions=["accept", Admission("release", text="Done here.")]),
+                ScriptedAgent("weather"), decisions=ScriptedDecisions("booking", "weather"))
+    await h.say("book")
+    result = await h.say("what's the weather")
+    assert result.text == "weather answer"
+    assert h.output.texts == ["Done here."]
+    assert h["booking"].methods() == ["admit", "answer", "admit", "release"]
+    assert h.router.focus_of("p1") is None
+    assert h.decisions.requests[1].turn.query == "what's the weather"
+    assert h.decisions.requests[1].excluded == {"booking"}
+
+
+async def test_taking_focus_releases_a_different_previous_owner() -> None:
+    """Returning focus releases the previous owner when it is a different destination."""
+    h = Harness(ScriptedAgent("booking", results="focus", admissions=["accept", "decline"]),
+                ScriptedAgent("taxi", results="focus"),
+                decisions=ScriptedDecisions("booking", "taxi"))
+    await h.say("book")
+    await h.say("taxi please")
+    assert h.router.focus_of("p1") == "taxi"
+    assert h["booking"].count("release") == 1
+    assert ("release", "booking", "focus_taken", None) in h.observer.turns["t2"]
+
+
+async def test_owner_returning_focus_again_is_not_released() -> None:
+    """An owner that returns focus again keeps it and is not released."""
+    h = Harness(ScriptedAgent("booking", results="focus"), decisions=ScriptedDecisions("booking"))
+    await h.say()
+    await h.say()
+    assert h["booking"].count("release") == 0
+    assert h.router.focus_of("p1") == "booking"
+
+
+async def test_post_answer_release_clears_focus_without_rerouting() -> None:
+    """A post-answer release consumes the turn, clears focus and calls release()."""
+    h = Harness(ScriptedAgent("booking", results=["focus", "release"]),
+                decisions=ScriptedDecisions("booking"))
+    await h.say("book")
+    result = await h.say("confirm")
+    assert result.disposition == "release"
+    assert h.router.focus_of("p1") is None
+    assert h["booking"].methods() == ["admit", "answer", "admit", "answer", "release"]
+    assert len(h.decisions.requests) == 1
+
+
+async def test_owner_that_becomes_ineligible_loses_focus() -> None:
+    """An ineligible focus owner loses focus, is released, and the turn is routed."""
+    h = Harness(ScriptedAgent("booking", results="focus"), ScriptedAgent("weather"),
+                decisions=ScriptedDecisions("booking", "weather"))
+    await h.say("book")
+    h["booking"].eligible = False
+    result = await h.say("weather?")
+    assert result.text == "weather answer"
+    assert h.router.focus_of("p1") is None
+    assert h["booking"].methods() == ["admit", "answer", "release"]
+    assert ("focus", "booking", "lost") in h.observer.turns["t2"]
+
+
+async def test_release_failure_during_a_turn_does_not_fail_the_answer() -> None:
+    """A failing release() while focus moves is recorded; the turn still succeeds."""
+    h = Harness(ScriptedAgent("booking", results="focus", admissions=["accept", "decline"],
+                              release_error=RuntimeError("boom")),
+                ScriptedAgent("taxi", results="focus"),
+                decisions=ScriptedDecisions("booking", "taxi"))
+    await h.say()
+    result = await h.say()
+    assert result.disposition == "focus"
+    assert ("release", "booking", "focus_taken", "RuntimeError") in h.observer.turns["t2"]
+
+
+# ---------------------------------------------------------------- history & context
+
+
+async def test_history_holds_completed_exchanges_not_the_current_turn() -> None:
+    """Destinations see completed exchanges only; the current query stays separate."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"))
+    await h.say("one")
+    await h.say("two")
+    second = h["weather"].calls[-1]
+    assert second.query == "two"
+    assert second.history == (AgentExchange("one", "weather answer"),)
+
+
+async def test_history_keeps_newest_whole_exchanges_within_utf8_budget() -> None:
+    """Retained history is the newest whole exchanges within the UTF-8 byte budget."""
+    agent = ScriptedAgent("weather", answer_text="é" * 5)  # 10 bytes
+    h = Harness(agent, decisions=ScriptedDecisions("weather"), context_budget_bytes=25)
+    for query in ("aa", "bb", "cc"):
+        await h.say(query)  # each exchange is 12 bytes
+    history = h.router.history_of("p1")
+    assert [exchange.user for exchange in history] == ["bb", "cc"]
+    assert sum(exchange.size_bytes() for exchange in history) <= 25
+
+
+async def test_exchange_larger_than_budget_is_not_retained() -> None:
+    """An exchange bigger than the whole budget is dropped rather than cut."""
+    h = Harness(ScriptedAgent("weather", answer_text="x" * 100),
+                decisions=ScriptedDecisions("weather"), context_budget_bytes=50)
+    await h.say("q")
+    assert h.router.history_of("p1") == ()
+
+
+async def test_caller_history_seeds_only_a_participant_without_history() -> None:
+    """Caller-supplied history seeds a new participant; later it is ignored."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"))
+    seed = (AgentExchange("earlier", "reply"),)
+    await h.say("one", history=seed)
+    assert h["weather"].calls[0].history == seed
+    await h.say("two", history=(AgentExchange("other", "thing"),))
+    assert h["weather"].calls[-1].history == (*seed, AgentExchange("one", "weather answer"))
+
+
+async def test_seeded_history_is_trimmed_to_budget() -> None:
+    """Seeded history keeps only the newest whole exchanges within the budget."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"),
+                context_budget_bytes=10)
+    seed = (AgentExchange("aaaaa", "bbbbb"), AgentExchange("cc", "dd"))
+    await h.say("q", history=seed)
+    assert h["weather"].calls[0].history == (AgentExchange("cc", "dd"),)
+
+
+async def test_current_turn_context_inside_a_turn_and_stable_after() -> None:
+    """current_turn_context() names the exchange and aligned history, and stays stable."""
+    seen: list[Any] = []
+
+    def admit(turn: AgentTurn, focused: bool) -> Admission:
+        seen.append(current_turn_context())
+        return Admission("accept")
+
+    h = Harness(ScriptedAgent("weather", admissions=admit),
+                decisions=ScriptedDecisions("weather"))
+    await h.say("one", timestamp_us=111)
+    await h.say("two", timestamp_us=222)
+    first, second = seen
+    assert first.exchange_id == "t1" and first.history_exchange_ids == ()
+    assert second.exchange_id == "t2"
+    assert second.history_exchange_ids == ("t1",)
+    assert second.history_timestamps == (111,)
+    assert first.history_exchange_ids == ()  # snapshot unchanged by later turns
+    assert current_turn_context().exchange_id is None
+
+
+async def test_context_reaches_decision_service() -> None:
+    """The decision service sees the current turn's context too."""
+    contexts: list[object] = []
+
+    def decide(request: RouteRequest) -> str:
+        contexts.append(current_turn_context().exchange_id)
+        return "weather"
+
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions(decide))
+    await h.say()
+    assert contexts == ["t1"]
+
+
+async def test_seeded_history_has_unknown_ids_and_timestamps() -> None:
+    """Caller-seeded exchanges appear in the context with None ids and timestamps."""
+    seen: list[Any] = []
+
+    def admit(turn: AgentTurn, focused: bool) -> Admission:
+        seen.append(current_turn_context())
+        return Admission("accept")
+
+    h = Harness(ScriptedAgent("weather", admissions=admit),
+                decisions=ScriptedDecisions("weather"))
+    await h.say("q", history=(AgentExchange("a", "b"),))
+    assert seen[0].history_exchange_ids == (None,)
+    assert seen[0].history_timestamps == (None,)
+
+
+# ---------------------------------------------------------------- started() and failures
+
+
+async def test_started_is_idempotent_and_records_one_first_response() -> None:
+    """Repeated started() calls record a single first response."""
+    calls: list[str] = []
+
+    class Twice(ScriptedAgent):
+        async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+            await started()
+            await started()
+            calls.append("done")
+            self.leaked = started
+            return DestinationResult()
+
+    agent = Twice("weather")
+    h = Harness(agent, decisions=ScriptedDecisions("weather"))
+    await h.say()
+    await agent.leaked()  # after answer() returned: no effect
+    assert h.observer.kinds("t1").count("first_response") == 1
+    assert calls == ["done"]
+
+
+async def test_failure_before_started_speaks_one_failure_message_and_propagates() -> None:
+    """An answer() failing before started() yields one failure message and re-raises."""
+    h = Harness(ScriptedAgent("weather", results=ValueError("broken")),
+                decisions=ScriptedDecisions("weather"))
+    with pytest.raises(ValueError, match="broken"):
+        await h.say()
+    assert h.output.texts == [h.router._failure_text]
+    assert h.observer.outcome("t1") == "failed"
+
+
+async def test_failure_after_started_is_left_to_the_destination() -> None:
+    """Once started() was called, the router emits no failure message."""
+    h = Harness(ScriptedAgent("weather", results=ValueError("broken"),
+                              fail_after_started=True),
+                decisions=ScriptedDecisions("weather"))
+    with pytest.raises(ValueError, match="broken"):
+        await h.say()
+    assert h.output.texts == []
+
+
+async def test_admit_failure_is_reported_once_and_propagates() -> None:
+    """An admit() exception yields one failure message and propagates."""
+    h = Harness(ScriptedAgent("weather", admissions=KeyError("x")),
+                decisions=ScriptedDecisions("weather"))
+    with pytest.raises(KeyError):
+        await h.say()
+    assert h.output.texts == [h.router._failure_text]
+
+
+async def test_failed_turn_keeps_history_and_focus() -> None:
+    """A failed answer records no exchange and leaves focus unchanged."""
+    h = Harness(ScriptedAgent("booking", results=["focus", RuntimeError("x")]),
+                decisions=ScriptedDecisions("booking"))
+    await h.say("one")
+    with pytest.raises(RuntimeError):
+        await h.say("two")
+    assert [e.user for e in h.router.history_of("p1")] == ["one"]
+    assert h.router.focus_of("p1") == "booking"
+
+
+async def test_invalid_destination_results_are_contract_errors() -> None:
+    """answer() returning a non-result or "clarify" raises DestinationContractError."""
+    for bad in (DestinationResult("clarify"), "nonsense"):
+        agent = ScriptedAgent("weather", results=bad if not isinstance(bad, str) else "answer")
+        if isinstance(bad, str):
+            async def answer(turn: AgentTurn, *, started: Any) -> Any:
+                return "nonsense"
+            agent.answer = answer  # type: ignore[method-assign]
+        h = Harness(agent, decisions=ScriptedDecisions("weather"))
+        with pytest.raises(DestinationContractError, match="weather"):
+            await h.say()
+
+
+async def test_admit_returning_a_non_admission_is_a_contract_error() -> None:
+    """admit() returning something else than an Admission raises a contract error."""
+    h = Harness(ScriptedAgent("weather", admissions=lambda turn, focused: "yes"),  # type: ignore[arg-type]
+                decisions=ScriptedDecisions("weather"))
+    with pytest.raises(DestinationContractError, match="Admission"):
+        await h.say()
+
+
+async def test_admission_timeout_counts_as_decline() -> None:
+    """An admit() slower than admission_timeout_secs is cancelled and counted a decline."""
+    import anyio
+
+    slow = ScriptedAgent("weather")
+    slow.admit_gate = anyio.Event()  # never set: admit() hangs
+    h = Harness(slow, ScriptedAgent("music"), decisions=ScriptedDecisions("weather", "music"),
+                admission_timeout_secs=0.01)
+    assert (await h.say()).text == "music answer"
+    assert slow.cancelled == ["admit"]
+    assert ("admission", "weather", "decline", False, True, None) in h.observer.turns["t1"]
+
+
+async def test_output_failure_propagates_without_a_second_message() -> None:
+    """If output itself fails, the error propagates and no failure text is attempted."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("clarify"))
+    h.output.error = OSError("speaker gone")
+    with pytest.raises(OSError, match="speaker gone"):
+        await h.say()
+
+
+# ---------------------------------------------------------------- construction & boundary
+
+
+def _agents() -> dict[str, ScriptedAgent]:
+    return {"conversation": ScriptedAgent("conversation")}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"default_destination": "nope"}, "default_destination"),
+        ({"acknowledgment_llm": ScriptedLLM("ok")}, "together"),
+        ({"acknowledgment_delay_secs": 1.0}, "together"),
+        ({"acknowledgment_llm": ScriptedLLM("ok"), "acknowledgment_delay_secs": 0},
+         "acknowledgment_delay_secs"),
+        ({"acknowledgment_llm": ScriptedLLM("ok"), "acknowledgment_delay_secs": math.inf},
+         "acknowledgment_delay_secs"),
+        ({"context_budget_bytes": 0}, "context_budget_bytes"),
+        ({"context_budget_bytes": -5}, "context_budget_bytes"),
+        ({"admission_timeout_secs": 0.0}, "admission_timeout_secs"),
+    ],
+)
+def test_constructor_rejects_bad_configuration(kwargs: dict[str, Any], match: str) -> None:
+    """Invalid configuration raises ValueError naming the argument."""
+    with pytest.raises(ConfigurationError, match=match) as info:
+        AgentRouter(_agents(), ScriptedDecisions("conversation"), **kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+def test_constructor_rejects_non_agents_and_non_deciders() -> None:
+    """Destinations without the agent methods, or deciders without decide(), are TypeErrors."""
+    with pytest.raises(TypeError, match="'conversation' has no routing_aid"):
+        AgentRouter({"conversation": object()}, ScriptedDecisions("x"))  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="decide"):
+        AgentRouter(_agents(), object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="empty"):
+        AgentRouter({}, ScriptedDecisions("x"))
+    with pytest.raises(TypeError, match="context_budget_bytes"):
+        AgentRouter(_agents(), ScriptedDecisions("x"), context_budget_bytes=1.5)  # type: ignore[arg-type]
+
+
+async def test_handle_requires_output_and_an_agent_turn() -> None:
+    """handle() without output raises RuntimeError; a non-turn raises TypeError."""
+    router = AgentRouter(_agents(), ScriptedDecisions("conversation"),
+                         telemetry=Harness().observer)
+    with pytest.raises(LifecycleError) as info:
+        await router.handle(AgentTurn("p", "t", "q"))
+    assert isinstance(info.value, RuntimeError)
+    router2 = AgentRouter(_agents(), ScriptedDecisions("conversation"), output=OutputRecorder(),
+                          telemetry=Harness().observer)
+    with pytest.raises(ContractTypeError, match="AgentTurn"):
+        await router2.handle("hello")  # type: ignore[arg-type]
+
+
+async def test_initialize_participant_runs_once_before_first_turn() -> None:
+    """initialize_participant is awaited once, before the participant's first turn."""
+    initialized: list[str] = []
+
+    async def initialize(pid: str) -> None:
+        initialized.append(pid)
+
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"),
+                initialize_participant=initialize)
+    await h.say(participant="a")
+    await h.say(participant="a")
+    await h.say(participant="b")
+    assert initialized == ["a", "b"]
+
+
+async def test_failed_initialization_fails_the_turn_and_runs_again() -> None:
+    """A failing initialization fails the turn and is attempted again next turn."""
+    attempts: list[str] = []
+
+    async def initialize(pid: str) -> None:
+        attempts.append(pid)
+        if len(attempts) == 1:
+            raise RuntimeError("db down")
+
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"),
+                initialize_participant=initialize)
+    with pytest.raises(RuntimeError):
+        await h.say()
+    assert h.output.texts == [h.router._failure_text]
+    await h.say()
+    assert attempts == ["p1", "p1"]
