@@ -36,9 +36,22 @@ class RoutingTurnContext:
 
 
 _OUTSIDE = RoutingTurnContext()
-_current: ContextVar[RoutingTurnContext] = ContextVar("turnrouter_turn_context", default=_OUTSIDE)
+
+#: The router stores (exchange_id, history ids, history timestamps): three immutable
+#: values, so the snapshot built from them on demand is as stable as a built one, and a
+#: turn whose agents never ask costs one tuple instead of a dataclass.
+_current: ContextVar[tuple[object, tuple[object | None, ...], tuple[int | None, ...]] | None] = (
+    ContextVar("turnrouter_turn_context", default=None)
+)
 
 
 def current_turn_context() -> RoutingTurnContext:
     """Return a stable snapshot of metadata for the active routed turn."""
-    return _current.get()
+    source = _current.get()
+    if source is None:
+        return _OUTSIDE
+    snapshot = object.__new__(RoutingTurnContext)
+    object.__setattr__(snapshot, "exchange_id", source[0])
+    object.__setattr__(snapshot, "history_exchange_ids", source[1])
+    object.__setattr__(snapshot, "history_timestamps", source[2])
+    return snapshot

@@ -71,6 +71,38 @@ def _unchecked(cls: type[_T], **values: Any) -> _T:
     return obj
 
 
+_set = object.__setattr__
+_new = object.__new__
+
+
+def _turn_with_history(turn: AgentTurn, history: tuple[AgentExchange, ...]) -> AgentTurn:
+    """A copy of a validated turn carrying the router's (validated) history."""
+    copy: AgentTurn = _new(AgentTurn)
+    _set(copy, "participant_id", turn.participant_id)
+    _set(copy, "turn_id", turn.turn_id)
+    _set(copy, "query", turn.query)
+    _set(copy, "history", history)
+    _set(copy, "timestamp_us", turn.timestamp_us)
+    return copy
+
+
+def _exchange(user: str, assistant: str) -> AgentExchange:
+    exchange: AgentExchange = _new(AgentExchange)
+    _set(exchange, "user", user)
+    _set(exchange, "assistant", assistant)
+    return exchange
+
+
+def _request(
+    turn: AgentTurn, candidates: tuple[RoutingAid, ...], excluded: frozenset[str]
+) -> RouteRequest:
+    request: RouteRequest = _new(RouteRequest)
+    _set(request, "turn", turn)
+    _set(request, "candidates", candidates)
+    _set(request, "excluded", excluded)
+    return request
+
+
 @dataclass(frozen=True, slots=True)
 class Admission:
     """Destination decision made before it speaks or starts work.

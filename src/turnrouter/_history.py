@@ -35,12 +35,19 @@ class History:
         budget: int,
     ) -> None:
         """Add a completed exchange and drop the oldest ones until the budget holds."""
-        size = exchange.size_bytes()
+        size = len(exchange.user.encode()) + len(exchange.assistant.encode())
+        total = self.total + size
+        if total <= budget:
+            self.exchanges += (exchange,)
+            self.ids += (exchange_id,)
+            self.stamps += (stamp,)
+            self.sizes += (size,)
+            self.total = total
+            return
         exchanges = (*self.exchanges, exchange)
         ids = (*self.ids, exchange_id)
         stamps = (*self.stamps, stamp)
         sizes = (*self.sizes, size)
-        total = self.total + size
         drop = 0
         while total > budget:
             total -= sizes[drop]

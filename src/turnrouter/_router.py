@@ -1,12 +1,14 @@
 """`AgentRouter`: route a turn, check admission before speech, keep explicit focus.
 
-The per-turn path runs in the caller's task under one cancel scope (no task per turn),
-reports to a `RouterObserver` (telemetry lives behind it), and keeps validation at the
+The per-turn path runs in the caller's task (no task per turn: an interrupt cancels that
+task and takes the cancellation back, as `asyncio.timeout` does), reports to a
+`RouterObserver` (telemetry lives behind it), and keeps validation at the
 boundary: contract objects coming in are checked once, internal copies are not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import math
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
-from ._context import RoutingTurnContext, _current
+from ._context import _current
 from ._contracts import (
     CLARIFY,
     Admission,
@@ -28,7 +30,9 @@ from ._contracts import (
     RouteDecision,
     RouteRequest,
     RoutingAid,
-    _unchecked,
+    _exchange,
+    _request,
+    _turn_with_history,
 )
 from ._exceptions import (
     ConfigurationError,
@@ -67,8 +71,9 @@ DEFAULT_CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it anoth
 DEFAULT_FAILURE_TEXT = "Sorry, something went wrong. Please try again."
 
 _CLARIFY_RESULT = DestinationResult("clarify")
-_TIMED_OUT = _unchecked(Admission, disposition="decline", preamble="", text="")
+_TIMED_OUT = Admission("decline")
 _cancelled_exc = anyio.get_cancelled_exc_class
+_NOTHING_EXCLUDED: frozenset[str] = frozenset()
 
 
 class _Phase(enum.Enum):
@@ -434,13 +439,18 @@ class AgentRouter:
             raise TurnInterrupted(pid, turn.turn_id, run.reason)
         record = _TurnRecord(state.focus)
         obs = self._observer.turn_started(turn, state.focus)
-        result: DestinationResult | None = None
-        scope = run.scope = anyio.CancelScope()
+        task = asyncio.current_task()
+        assert task is not None, "turnrouter runs on asyncio"
+        run.attach(task)
         try:
-            with scope:
-                result = await self._run_turn(state, turn, emit, obs, record)
+            result = await self._run_turn(state, turn, emit, obs, record, run)
         except BaseException as exc:
+            run.protected = True
             cancelled = _is_cancel(exc)
+            if cancelled and run.reason and not run.consume_cancel():
+                obs.finished("interrupted", record.route, record.focus_before, state.focus,
+                             record.attempts, None)
+                raise TurnInterrupted(pid, turn.turn_id, run.reason) from None
             if not cancelled and not record.started and not record.output_failed:
                 await self._emit_failure(turn, record, emit)
             obs.finished(
@@ -449,11 +459,9 @@ class AgentRouter:
             )
             raise
         finally:
+            run.protected = True
+            run.consume_cancel()  # a request that arrived as the turn completed
             queue.leave(run)
-        if result is None:  # our own scope was cancelled
-            obs.finished("interrupted", record.route, record.focus_before, state.focus,
-                         record.attempts, None)
-            raise TurnInterrupted(pid, turn.turn_id, run.reason or "interrupted")
         outcome: TurnOutcome = result.disposition
         obs.finished(outcome, record.route, record.focus_before, state.focus, record.attempts,
                      None)
@@ -470,7 +478,7 @@ class AgentRouter:
 
     async def _run_turn(
         self, state: _Participant, turn: AgentTurn, emit: OutputCallback, obs: TurnObserver,
-        record: _TurnRecord,
+        record: _TurnRecord, run: TurnRun,
     ) -> DestinationResult:
         pid = turn.participant_id
         if not state.initialized:
@@ -481,22 +489,16 @@ class AgentRouter:
         if not history.exchanges and turn.history:
             history.seed(turn.history, self._budget)
         if turn.history is not history.exchanges:
-            turn = _unchecked(
-                AgentTurn, participant_id=pid, turn_id=turn.turn_id, query=turn.query,
-                history=history.exchanges, timestamp_us=turn.timestamp_us,
-            )
-        token = _current.set(_unchecked(
-            RoutingTurnContext, exchange_id=turn.turn_id,
-            history_exchange_ids=history.ids, history_timestamps=history.stamps,
-        ))
+            turn = _turn_with_history(turn, history.exchanges)
+        token = _current.set((turn.turn_id, history.ids, history.stamps))
         try:
-            return await self._route(state, turn, emit, obs, record)
+            return await self._route(state, turn, emit, obs, record, run)
         finally:
             _current.reset(token)
 
     async def _route(
         self, state: _Participant, turn: AgentTurn, emit: OutputCallback, obs: TurnObserver,
-        record: _TurnRecord,
+        record: _TurnRecord, run: TurnRun,
     ) -> DestinationResult:
         pid = turn.participant_id
         excluded: set[str] = set()
@@ -508,12 +510,12 @@ class AgentRouter:
             if not agents[owner].routing_aid(pid).eligible:
                 state.focus = None
                 obs.focus_transition(owner, "lost")
-                await self._release_in_turn(state, owner, "ineligible", obs)
+                await self._release_in_turn(state, owner, "ineligible", obs, run)
             else:
                 admission = await self._admit(state, turn, owner, True, obs)
                 disposition = admission.disposition
                 if disposition == "accept":
-                    return await self._answer(state, turn, owner, admission, emit, obs, record)
+                    return await self._answer(state, turn, owner, admission, emit, obs, record, run)
                 if disposition == "clarify":
                     return await self._clarify(turn, owner, admission.text, "destination",
                                                emit, obs, record)
@@ -523,7 +525,7 @@ class AgentRouter:
                     await self._say(turn, owner, admission.text, emit, record)
                     state.focus = None
                     obs.focus_transition(owner, "released")
-                    await self._release_in_turn(state, owner, "reroute", obs)
+                    await self._release_in_turn(state, owner, "reroute", obs, run)
                 # decline: focus stays with the owner, release() is not called.
 
         # 2. At most two routed choices, each excluding every route that declined.
@@ -536,8 +538,8 @@ class AgentRouter:
             if not candidates:
                 break
             record.attempts += 1
-            request = _unchecked(RouteRequest, turn=turn, candidates=candidates,
-                                 excluded=frozenset(excluded))
+            request = _request(turn, candidates,
+                               frozenset(excluded) if excluded else _NOTHING_EXCLUDED)
             chosen, reason = await self._choose(request, aids, excluded, obs)
             if chosen is None:
                 assert reason is not None
@@ -545,7 +547,7 @@ class AgentRouter:
             admission = await self._admit(state, turn, chosen, state.focus == chosen, obs)
             disposition = admission.disposition
             if disposition == "accept":
-                return await self._answer(state, turn, chosen, admission, emit, obs, record)
+                return await self._answer(state, turn, chosen, admission, emit, obs, record, run)
             if disposition == "clarify":
                 return await self._clarify(turn, chosen, admission.text, "destination",
                                            emit, obs, record)
@@ -556,12 +558,12 @@ class AgentRouter:
                 if state.focus == chosen:
                     state.focus = None
                     obs.focus_transition(chosen, "released")
-                await self._release_in_turn(state, chosen, "reroute", obs)
+                await self._release_in_turn(state, chosen, "reroute", obs, run)
 
         # 3. Exhausted: the eligible default answers once without admission.
         if record.attempts and aids[default].eligible and default not in excluded:
             obs.default_fallback(default)
-            return await self._answer(state, turn, default, None, emit, obs, record)
+            return await self._answer(state, turn, default, None, emit, obs, record, run)
         reason_: ClarificationReason = (
             "default_unavailable" if record.attempts else "no_eligible_route"
         )
@@ -629,7 +631,7 @@ class AgentRouter:
 
     async def _answer(
         self, state: _Participant, turn: AgentTurn, route: str, admission: Admission | None,
-        emit: OutputCallback, obs: TurnObserver, record: _TurnRecord,
+        emit: OutputCallback, obs: TurnObserver, record: _TurnRecord, run: TurnRun,
     ) -> DestinationResult:
         state.used.add(route)
         record.route = route
@@ -652,23 +654,23 @@ class AgentRouter:
         signal.closed = True
         obs.answer_finished(token, route, result, None, False)
         # The answer is complete: its bookkeeping must not be torn by an interrupt.
-        with anyio.CancelScope(shield=True):
-            state.history.append(
-                _unchecked(AgentExchange, user=turn.query, assistant=result.text),
-                turn.turn_id, turn.timestamp_us, self._budget,
-            )
-            owner = state.focus
-            if result.disposition == "focus":
-                if owner != route:
-                    state.focus = route
-                    obs.focus_transition(route, "taken")
-                    if owner is not None:
-                        obs.focus_transition(owner, "lost")
-                        await self._release_in_turn(state, owner, "focus_taken", obs)
-            elif result.disposition == "release" and owner == route:
-                state.focus = None
-                obs.focus_transition(route, "released")
-                await self._release_in_turn(state, route, "post_answer", obs)
+        run.protected = True
+        state.history.append(
+            _exchange(turn.query, result.text),
+            turn.turn_id, turn.timestamp_us, self._budget,
+        )
+        owner = state.focus
+        if result.disposition == "focus":
+            if owner != route:
+                state.focus = route
+                obs.focus_transition(route, "taken")
+                if owner is not None:
+                    obs.focus_transition(owner, "lost")
+                    await self._release_in_turn(state, owner, "focus_taken", obs, run)
+        elif result.disposition == "release" and owner == route:
+            state.focus = None
+            obs.focus_transition(route, "released")
+            await self._release_in_turn(state, route, "post_answer", obs, run)
         return result
 
     async def _clarify(
@@ -692,9 +694,16 @@ class AgentRouter:
             raise
 
     async def _release_in_turn(
-        self, state: _Participant, route: str, reason: ReleaseReason, obs: TurnObserver
+        self, state: _Participant, route: str, reason: ReleaseReason, obs: TurnObserver,
+        run: TurnRun,
     ) -> None:
-        """Release during a turn: failures are recorded and logged, the turn goes on."""
+        """Release during a turn, protected from interrupts; failures are logged only.
+
+        An interrupt that arrives meanwhile takes effect once the release is done, unless
+        the answer already completed (then there is nothing left to cancel).
+        """
+        was_protected = run.protected
+        run.protected = True
         token = obs.release_started(route, reason)
         try:
             with anyio.CancelScope(shield=True):
@@ -702,8 +711,12 @@ class AgentRouter:
         except Exception as exc:
             obs.release_finished(token, route, reason, exc)
             logger.exception("turnrouter: %s.release(%r) failed (%s)", route, state.pid, reason)
-            return
-        obs.release_finished(token, route, reason, None)
+        else:
+            obs.release_finished(token, route, reason, None)
+        if not was_protected:
+            run.protected = False
+            if run.reason:
+                raise asyncio.CancelledError(run.reason)
 
     # ------------------------------------------------------------------ lifecycle
 
