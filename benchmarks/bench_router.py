@@ -89,12 +89,6 @@ def _turns(n: int, participants: int) -> list[AgentTurn]:
     return [AgentTurn(f"p{i % participants}", f"t{i}", "what's the weather") for i in range(n)]
 
 
-async def _time(make: Callable[[], Awaitable[None]]) -> float:
-    start = time.perf_counter()
-    await make()
-    return time.perf_counter() - start
-
-
 async def measure(n: int, repeats: int) -> dict[str, float]:
     agents = {name: InstantAgent(name) for name in ("weather", "calendar", "conversation")}
     decisions = FirstCandidate()
@@ -103,8 +97,12 @@ async def measure(n: int, repeats: int) -> dict[str, float]:
     for _ in range(repeats):
         router = AgentRouter(agents, decisions, output=_noop_output,
                              telemetry=Telemetry.disabled())
-        results["minimal"].append(await _time(lambda: minimal_loop(agents, decisions, turns)))
-        results["router"].append(await _time(lambda r=router: router_loop(r, turns)))
+        start = time.perf_counter()
+        await minimal_loop(agents, decisions, turns)
+        results["minimal"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        await router_loop(router, turns)
+        results["router"].append(time.perf_counter() - start)
     return {key: statistics.median(values) / n * 1e6 for key, values in results.items()}
 
 
