@@ -1,0 +1,71 @@
+"""The public surface: exported names are pinned, sorted and importable."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import turnrouter
+
+CORE = {
+    "CLARIFY", "Admission", "AgentExchange", "AgentRouter", "AgentTurn",
+    "ConfigurationError", "ContractTypeError", "ContractValueError", "DecisionService",
+    "DestinationContractError", "DestinationResult", "LLMService", "LifecycleError",
+    "PolicyError", "RoutableAgent", "RouteDecision", "RouteRequest", "RouterObserver",
+    "RoutingAid", "RoutingTurnContext", "TurnInterrupted", "TurnObserver", "TurnrouterError",
+    "current_turn_context",
+}
+
+#: Names the contract fixes; they must never disappear.
+CONTRACT = {
+    "Admission", "AgentExchange", "AgentTurn", "DestinationResult", "RoutableAgent",
+    "RoutingAid", "RoutingTurnContext", "AgentRouter", "current_turn_context",
+    "DecisionService", "RouteRequest", "RouteDecision",
+}
+
+
+def test_core_exports_are_pinned() -> None:
+    """turnrouter.__all__ holds the pinned core names (additions must be deliberate)."""
+    assert set(turnrouter.__all__) >= CORE
+    assert set(turnrouter.__all__) >= CONTRACT
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["turnrouter", "turnrouter.decisions", "turnrouter.telemetry", "turnrouter.testing"],
+)
+def test_all_is_sorted_unique_and_importable(module: str) -> None:
+    """Every public module's __all__ is sorted, has no duplicates, and resolves."""
+    mod = importlib.import_module(module)
+    names = list(mod.__all__)
+    assert names == sorted(names, key=lambda n: (not n.isupper(), n)) or names == sorted(names)
+    assert len(names) == len(set(names))
+    for name in names:
+        assert hasattr(mod, name), f"{module}.{name} is exported but missing"
+
+
+def test_exceptions_share_one_root() -> None:
+    """Every exported exception derives from TurnrouterError."""
+    errors = [getattr(turnrouter, n) for n in turnrouter.__all__
+              if isinstance(getattr(turnrouter, n), type)
+              and issubclass(getattr(turnrouter, n), BaseException)]
+    assert errors
+    assert all(issubclass(e, turnrouter.TurnrouterError) for e in errors)
+
+
+def test_interrupted_is_a_cancellation() -> None:
+    """TurnInterrupted is both a TurnrouterError and an asyncio.CancelledError."""
+    import asyncio
+
+    assert issubclass(turnrouter.TurnInterrupted, asyncio.CancelledError)
+    assert issubclass(turnrouter.TurnInterrupted, turnrouter.TurnrouterError)
+
+
+def test_library_never_imports_the_otel_sdk() -> None:
+    """Library modules import opentelemetry-api only, never the SDK."""
+    from pathlib import Path
+
+    root = Path(turnrouter.__file__).parent
+    offenders = [str(p) for p in root.rglob("*.py") if "opentelemetry.sdk" in p.read_text()]
+    assert offenders == []
