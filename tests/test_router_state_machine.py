@@ -108,7 +108,7 @@ class RouterMachine(RuleBasedStateMachine):
                            telemetry=RecordingObserver())
 
     def run(self, coro: Awaitable[AgentRouter] | Awaitable[None]) -> AgentRouter:
-        return self.loop.run_until_complete(coro)  # type: ignore[arg-type, return-value]
+        return self.loop.run_until_complete(coro)  # type: ignore[return-value]
 
     def teardown(self) -> None:
         self.loop.run_until_complete(self.router.stop())
