@@ -26,33 +26,39 @@ from turnrouter.decisions import LexicalDecisions
 DEFAULT_DATA = Path("/work/shared/data/clinc150")
 
 DESCRIPTIONS: dict[str, str] = {
-    "banking": "Bank accounts: balances, transactions and spending history, transfers, "
-    "paying bills and bill due dates, routing numbers, PIN changes, interest rates, "
-    "frozen or blocked accounts, ordering checks and reporting fraud.",
-    "credit_cards": "Credit cards: credit limits and scores, APR, rewards, card "
-    "applications, new or replacement cards, lost, damaged, expired or declined cards "
-    "and international fees.",
-    "kitchen_and_dining": "Food and restaurants: recipes, ingredients and substitutions, "
-    "cooking time, calories and nutrition, meal ideas, restaurant suggestions, reviews, "
-    "reservations and how long food lasts.",
-    "home": "Home assistant: music, songs and playlists, reminders, to-do and shopping "
-    "lists, calendar events, online orders and smart home devices like lights.",
-    "auto_and_commute": "Car and commute: directions, traffic, distance, gas and mpg, "
-    "oil changes, tires, car maintenance, jump starts, uber rides and current location.",
-    "travel": "Travel: flights, hotels, car rentals, visas, vaccines, travel alerts, "
-    "luggage, carry-on rules, plug types, exchange rates, time zones and translating "
-    "phrases into another language.",
-    "utility": "Everyday utilities: weather, time and date, alarms, timers, calculator, "
-    "unit conversion, word definitions and spelling, phone calls, text messages, "
-    "finding my phone, sharing location, flipping a coin and rolling dice.",
-    "work": "Work and payroll: paydays, income, direct deposit, W-2 and taxes, 401k, "
-    "insurance benefits, PTO and vacation days, holidays and scheduling meetings.",
-    "small_talk": "Chit-chat with the assistant: greetings, goodbyes, thanks, jokes, fun "
-    "facts, the meaning of life, and questions about the assistant itself such as its "
-    "name, age, creator, hobbies, pets or whether it is a bot.",
-    "meta": "Assistant settings and conversation control: yes, no, maybe, cancel, "
-    "repeat that, change the voice speed, volume, accent, language or whisper mode, my "
-    "user name, the assistant's name, syncing devices and resetting settings.",
+    "banking": "Banking questions about my bank account: its balance, recent transactions "
+    "and spending, transferring money, paying bills and when they are due. Also interest "
+    "rates, routing numbers, ordering checks, changing a PIN, and reporting fraud or a "
+    "frozen or blocked account.",
+    "credit_cards": "Credit card help: my credit limit and credit score, the APR, "
+    "rewards points, applying for a new card, and replacing a card that was lost, "
+    "damaged, declined or expired. Also card fees when traveling abroad.",
+    "kitchen_and_dining": "Cooking and eating: recipes, ingredients and substitutes, "
+    "cooking times, calories and nutrition, and how long food keeps. Also restaurant "
+    "suggestions and reviews, and booking or cancelling a table reservation.",
+    "home": "Help around the house: playing music and songs, playlists, shopping and "
+    "to-do lists, reminders, calendar events, ordering things online and tracking "
+    "orders, and controlling smart home devices like the lights.",
+    "auto_and_commute": "Driving and getting around: directions, traffic and distance, "
+    "gas and fuel mileage, car maintenance such as oil changes, tire pressure and jump "
+    "starting the car, booking an Uber ride, and where I am right now.",
+    "travel": "Planning a trip: booking flights, hotels and rental cars, flight status, "
+    "lost luggage and carry-on rules, visas and vaccines, travel alerts, power plug "
+    "types, currency exchange rates, time zones and translating into another language.",
+    "utility": "Everyday tools: the weather, the time and date, alarms and timers, a "
+    "calculator and unit conversions, word definitions and spelling, calling or texting "
+    "someone, finding my phone, sharing my location, flipping a coin or rolling dice.",
+    "work": "My job: payday and paychecks, income, direct deposit, W-2 forms and taxes, "
+    "the 401k, health insurance benefits, paid time off and vacation days, company "
+    "holidays, and scheduling meetings.",
+    "small_talk": "Casual chat with the assistant: hi, hello, goodbye and thanks, "
+    "jokes, fun facts and the meaning of life, and getting to know the assistant: its "
+    "name, how old it is, where it is from, who made it, who it works for, its hobbies "
+    "and pets, what I can ask it, and whether it is a real person or a robot.",
+    "meta": "Controlling the assistant and the conversation: answering yes, no or maybe, "
+    "cancelling, asking it to repeat or say that again, changing its name or calling me "
+    "by my name, and changing its language, accent, talking speed, volume or whisper "
+    "mode. Also syncing a device and resetting to factory settings.",
 }
 
 

@@ -129,6 +129,16 @@ def test_description_models_are_cached_per_candidate_set() -> None:
     assert len(service._descriptions) == 1
 
 
+@pytest.mark.parametrize("knn_routes", [1, 2, 3])
+def test_knn_routes_keeps_the_best_route_and_scores_every_candidate(knn_routes: int) -> None:
+    """Restricting the kNN part to the closest routes still picks the matching one."""
+    service = LexicalDecisions(EXAMPLES, knn_routes=knn_routes, max_document_frequency=1.0)
+    decision = service.score(request("skip this song please"))
+    assert decision.choice == "music"
+    assert set(decision.scores) == {"weather", "music", "banking"}
+    assert decision.scores["music"] == max(decision.scores.values())
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
@@ -137,6 +147,7 @@ def test_description_models_are_cached_per_candidate_set() -> None:
         ({"min_margin": "x"}, "min_margin"),
         ({"centroid_weight": 2.0}, "centroid_weight"),
         ({"neighbors": 0}, "neighbors"),
+        ({"knn_routes": 0}, "knn_routes"),
         ({"max_document_frequency": True}, "max_document_frequency"),
         ({"char_ngrams": (5, 3)}, "char_ngrams"),
         ({"description_cache_size": 0}, "description_cache_size"),

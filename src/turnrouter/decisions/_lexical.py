@@ -2,9 +2,10 @@
 
 A query is turned into a sparse TF-IDF vector of stemmed word unigrams, word bigrams and
 character n-grams taken inside word boundaries. With example utterances, each route is
-scored by blending the cosine to the route's centroid with the cosine to its nearest
-examples (a small kNN over an inverted index); without examples, by the cosine to the
-route's name and description. Out-of-scope queries are answered with "clarify" when the
+scored by blending the cosine to the route's centroid with the mean cosine of its nearest
+examples (a kNN over per-route inverted indexes, walked only for the `knn_routes` routes
+closest by centroid); without examples, by the cosine to the route's name and
+description. Out-of-scope queries are answered with "clarify" when the
 best score is too low or the best two routes are too close.
 
 Everything expensive is done once: example models at construction, description models
@@ -84,8 +85,8 @@ def _words(text: str) -> list[str]:
 
 
 def _features(text: str, low: int, high: int, *, drop_stopwords: bool = False
-              ) -> tuple[dict[str, int], dict[str, int]]:
-    """Term counts of `text`: (char n-grams + word unigrams + bigrams, word-level only).
+              ) -> dict[str, int]:
+    """Term counts of `text`: stemmed word unigrams and bigrams, then char n-grams.
 
     Stopwords are kept for example models (IDF learns their weight, and "no" or "who are
     you" are intents) and dropped for descriptions, where IDF over a few routes cannot.
@@ -94,18 +95,17 @@ def _features(text: str, low: int, high: int, *, drop_stopwords: bool = False
     if drop_stopwords:
         words = [w for w in words if w not in _STOPWORDS]
     stems = [_stem(w) for w in words]
-    word_counts: dict[str, int] = {}
+    counts: dict[str, int] = {}
     for stem in stems:
         key = "w:" + stem
-        word_counts[key] = word_counts.get(key, 0) + 1
+        counts[key] = counts.get(key, 0) + 1
     for first, second in itertools.pairwise(stems):
         key = f"b:{first} {second}"
-        word_counts[key] = word_counts.get(key, 0) + 1
-    counts = dict(word_counts)
+        counts[key] = counts.get(key, 0) + 1
     for word in words:
         for gram in _char_grams(word, low, high):
             counts[gram] = counts.get(gram, 0) + 1
-    return counts, word_counts
+    return counts
 
 
 def _weigh(counts: Mapping[str, int], idf: Mapping[str, float], unseen: float
@@ -129,8 +129,6 @@ def _idf(documents: Sequence[Iterable[str]]) -> tuple[dict[str, float], float]:
     return idf, math.log(1 + total) + 1.0
 
 
-_second = operator.itemgetter(1)
-
 
 def _normalise(vector: Mapping[str, float]) -> dict[str, float]:
     norm = math.sqrt(sum(v * v for v in vector.values()))
@@ -146,18 +144,22 @@ def _aid_text(aid: RoutingAid) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _ExampleModel:
-    """Centroids and a word-level kNN index built once from the example utterances."""
+    """Centroids and per-route kNN indexes built once from the example utterances."""
 
     idf: dict[str, float]
     unseen: float
-    word_idf: dict[str, float]
-    word_unseen: float
     centroids: dict[str, tuple[float, ...]]
     """feature -> per-route weights of the L2-normalised route centroids."""
-    postings: dict[str, tuple[tuple[int, ...], tuple[float, ...]]]
-    """word feature -> (example ids, weights) of the L2-normalised example vectors."""
-    example_route: tuple[int, ...]
+    features: tuple[dict[str, tuple[int, float]], ...]
+    """per route: feature -> (posting number, the feature's IDF)."""
+    postings: tuple[tuple[tuple[tuple[int, ...], tuple[float, ...]], ...], ...]
+    """per route: posting number -> (example ids, sublinear TF / example norm).
+
+    An example's weight for a feature is the feature's IDF times the posting's factor,
+    so features found in exactly the same examples with the same counts (the character
+    n-grams of one word, mostly) share one posting, walked once per query."""
     routes: tuple[str, ...]
+    positions: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,13 +201,14 @@ class LexicalDecisions:
         self,
         examples: Mapping[str, Sequence[str]] | None = None,
         *,
-        min_example_score: float = 0.17,
+        min_example_score: float = 0.18,
         min_description_score: float = 0.08,
         min_margin: float = 0.01,
         centroid_weight: float = 0.5,
         neighbors: int = 3,
+        knn_routes: int = 2,
         max_document_frequency: float = 0.015,
-        char_ngrams: tuple[int, int] = (3, 5),
+        char_ngrams: tuple[int, int] = (4, 4),
         description_cache_size: int = 256,
     ) -> None:
         self._min_example_score = _check_unit("min_example_score", min_example_score)
@@ -214,6 +217,7 @@ class LexicalDecisions:
         self._min_margin = _check_unit("min_margin", min_margin)
         self._centroid_weight = _check_unit("centroid_weight", centroid_weight)
         self._neighbors = _check_positive_int("neighbors", neighbors)
+        self._knn_routes = _check_positive_int("knn_routes", knn_routes)
         self._max_df = _check_unit("max_document_frequency", max_document_frequency)
         if (
             not isinstance(char_ngrams, tuple)
@@ -225,7 +229,6 @@ class LexicalDecisions:
                 f"char_ngrams must be (low, high) ints with 1 <= low <= high, got {char_ngrams!r}"
             )
         self._low, self._high = char_ngrams
-        self._pool = 8 * self._neighbors
         self._cache_size = _check_positive_int("description_cache_size",
                                                description_cache_size)
         self._descriptions: OrderedDict[tuple[tuple[str, str], ...], _DescriptionModel] = (
@@ -242,7 +245,7 @@ class LexicalDecisions:
                 f"{type(examples).__name__}"
             )
         routes: list[str] = []
-        texts: list[tuple[int, dict[str, int], dict[str, int]]] = []
+        texts: list[tuple[int, dict[str, int]]] = []
         for route, utterances in examples.items():
             if not isinstance(route, str) or not route:
                 raise ConfigurationError(f"examples keys must be route names, got {route!r}")
@@ -258,46 +261,56 @@ class LexicalDecisions:
                     raise ConfigurationError(
                         f"examples[{route!r}][{position}] must be a str, got {text!r:.60}"
                     )
-                counts, word_counts = _features(text, self._low, self._high)
+                counts = _features(text, self._low, self._high)
                 if counts:
-                    texts.append((index, counts, word_counts))
+                    texts.append((index, counts))
         if not texts:
             return None
-        idf, unseen = _idf([counts for _, counts, _ in texts])
-        word_idf, word_unseen = _idf([words for _, _, words in texts])
-        sums: list[dict[str, float]] = [{} for _ in routes]
-        postings: dict[str, tuple[list[int], list[float]]] = {}
-        example_route: list[int] = []
-        max_df = max(1, int(self._max_df * len(texts)))
+        documents = [counts for _, counts in texts]
+        idf, unseen = _idf(documents)
         df: dict[str, int] = {}
-        for _, _, word_counts in texts:
-            for feature in word_counts:
+        for counts in documents:
+            for feature in counts:
                 df[feature] = df.get(feature, 0) + 1
-        for example_id, (route_index, counts, word_counts) in enumerate(texts):
+        max_df = max(1, int(self._max_df * len(texts)))
+        sums: list[dict[str, float]] = [{} for _ in routes]
+        raw: list[dict[str, tuple[list[int], list[float]]]] = [{} for _ in routes]
+        local_ids = [0] * len(routes)
+        for route_index, counts in texts:
             total = sums[route_index]
-            for feature, weight in _weigh(counts, idf, unseen).items():
-                total[feature] = total.get(feature, 0.0) + weight
-            example_route.append(route_index)
-            for feature, weight in _weigh(word_counts, word_idf, word_unseen).items():
-                if df[feature] > max_df:
-                    continue
-                ids, weights = postings.setdefault(feature, ([], []))
-                ids.append(example_id)
-                weights.append(weight)
+            route_raw = raw[route_index]
+            example_id = local_ids[route_index]
+            local_ids[route_index] += 1
+            tf = {f: 1.0 + math.log(c) for f, c in counts.items()}
+            norm = math.sqrt(sum((t * idf[f]) ** 2 for f, t in tf.items()))
+            for feature, value in tf.items():
+                total[feature] = total.get(feature, 0.0) + value * idf[feature] / norm
+                if df[feature] <= max_df:
+                    ids, factors = route_raw.setdefault(feature, ([], []))
+                    ids.append(example_id)
+                    factors.append(value / norm)
+        features: list[dict[str, tuple[int, float]]] = []
+        postings: list[tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]] = []
+        for route_raw in raw:
+            numbers: dict[tuple[tuple[int, ...], tuple[float, ...]], int] = {}
+            mapping: dict[str, tuple[int, float]] = {}
+            for feature, (ids, factors) in route_raw.items():
+                posting = (tuple(ids), tuple(factors))
+                mapping[feature] = (numbers.setdefault(posting, len(numbers)), idf[feature])
+            features.append(mapping)
+            postings.append(tuple(numbers))
         dense: dict[str, list[float]] = {}
         for route_index, total in enumerate(sums):
             for feature, weight in _normalise(total).items():
                 dense.setdefault(feature, [0.0] * len(routes))[route_index] = weight
-        centroids = {f: tuple(row) for f, row in dense.items()}
         return _ExampleModel(
             idf=idf,
             unseen=unseen,
-            word_idf=word_idf,
-            word_unseen=word_unseen,
-            centroids=centroids,
-            postings={f: (tuple(i), tuple(w)) for f, (i, w) in postings.items()},
-            example_route=tuple(example_route),
+            centroids={f: tuple(row) for f, row in dense.items()},
+            features=tuple(features),
+            postings=tuple(postings),
             routes=tuple(routes),
+            positions={route: position for position, route in enumerate(routes)},
         )
 
     def _description_model(self, candidates: Sequence[RoutingAid]) -> _DescriptionModel:
@@ -306,7 +319,7 @@ class LexicalDecisions:
         if cached is not None:
             self._descriptions.move_to_end(key)
             return cached
-        docs = [_features(_aid_text(aid), self._low, self._high, drop_stopwords=True)[0]
+        docs = [_features(_aid_text(aid), self._low, self._high, drop_stopwords=True)
                 for aid in candidates]
         idf, unseen = _idf(docs)
         index: dict[str, list[tuple[int, float]]] = {}
@@ -321,53 +334,54 @@ class LexicalDecisions:
 
     # -- scoring ------------------------------------------------------------------
 
-    def _example_scores(self, model: _ExampleModel, query: str) -> dict[str, float]:
-        counts, word_counts = _features(query, self._low, self._high)
-        scores = [0.0] * len(model.routes)
+    def _example_scores(self, model: _ExampleModel, query: str, wanted: Sequence[int]
+                        ) -> list[float]:
+        """Scores of every model route; only the `wanted` routes get the kNN part."""
+        vector = _weigh(_features(query, self._low, self._high), model.idf, model.unseen)
+        centroids = model.centroids
+        rows: list[tuple[float, ...]] = []
+        values: list[float] = []
+        for feature, value in vector.items():
+            row = centroids.get(feature)
+            if row is not None:
+                rows.append(row)
+                values.append(value)
+        if not rows:
+            return [0.0] * len(model.routes)
+        # Column sums run in C: one dot product per route.
+        centroid = [sum(map(operator.mul, column, values)) for column in zip(*rows, strict=True)]
         weight = self._centroid_weight
-        if weight > 0.0:
-            centroids = model.centroids
-            rows: list[tuple[float, ...]] = []
-            values: list[float] = []
-            for feature, value in _weigh(counts, model.idf, model.unseen).items():
-                row = centroids.get(feature)
-                if row is not None:
-                    rows.append(row)
-                    values.append(value)
-            if rows:
-                # Column sums run in C: one dot product per route.
-                scores = [weight * sum(map(operator.mul, column, values))
-                          for column in zip(*rows, strict=True)]
-        if weight < 1.0:
-            sims: dict[int, float] = {}
-            postings = model.postings
-            for feature, value in _weigh(word_counts, model.word_idf,
-                                         model.word_unseen).items():
-                posting = postings.get(feature)
-                if posting is not None:
-                    get = sims.get
-                    for example_id, example_weight in zip(*posting, strict=True):
-                        sims[example_id] = get(example_id, 0.0) + value * example_weight
-            # The k nearest examples of each route, looked for among the overall nearest
-            # (a route absent from those is too far to matter for the choice).
+        scores = [weight * value for value in centroid]
+        if weight < 1.0 and wanted:
+            # The k nearest examples of the few routes closest by centroid: the others
+            # are too far to be chosen, and skipping them keeps a decision cheap.
             k = self._neighbors
             share = (1.0 - weight) / k
-            taken = [0] * len(model.routes)
-            example_route = model.example_route
-            pool = self._pool
-            nearest = (heapq.nlargest(pool, sims.items(), key=_second)
-                       if len(sims) > pool else sims.items())
-            for example_id, sim in nearest:
-                route_index = example_route[example_id]
-                if taken[route_index] < k:
-                    taken[route_index] += 1
-                    scores[route_index] += share * sim
-        return dict(zip(model.routes, scores, strict=True))
+            items = list(vector.items())
+            for route_index in heapq.nlargest(self._knn_routes, wanted,
+                                              key=centroid.__getitem__):
+                index = model.features[route_index]
+                coefficients: dict[int, float] = {}
+                for feature, value in items:
+                    entry = index.get(feature)
+                    if entry is not None:
+                        number, scale = entry
+                        coefficients[number] = coefficients.get(number, 0.0) + value * scale
+                postings = model.postings[route_index]
+                sims: dict[int, float] = {}
+                get = sims.get
+                for number, coefficient in coefficients.items():
+                    for example_id, factor in zip(*postings[number], strict=True):
+                        sims[example_id] = get(example_id, 0.0) + coefficient * factor
+                if sims:
+                    nearest = sorted(sims.values(), reverse=True)[:k]
+                    scores[route_index] += share * sum(nearest)
+        return scores
 
     def _description_scores(self, candidates: Sequence[RoutingAid], query: str
                             ) -> list[float]:
         model = self._description_model(candidates)
-        counts, _ = _features(query, self._low, self._high, drop_stopwords=True)
+        counts = _features(query, self._low, self._high, drop_stopwords=True)
         scores = [0.0] * len(candidates)
         index = model.index
         for feature, value in _weigh(counts, model.idf, model.unseen).items():
@@ -388,14 +402,21 @@ class LexicalDecisions:
             return RouteDecision(CLARIFY, confidence=0.0, rationale="lexical: no candidates")
         query = request.turn.query
         model = self._examples
-        example_scores = self._example_scores(model, query) if model is not None else {}
+        example_scores: dict[str, float] = {}
+        if model is not None:
+            positions = model.positions
+            wanted = [positions[aid.name] for aid in candidates if aid.name in positions]
+            if wanted:
+                values = self._example_scores(model, query, wanted)
+                example_scores = {model.routes[i]: values[i] for i in wanted}
         needs_description = [aid for aid in candidates if aid.name not in example_scores]
         description_scores: dict[str, float] = {}
         if needs_description:
-            values = self._description_scores(needs_description, query)
-            description_scores = {
-                aid.name: v for aid, v in zip(needs_description, values, strict=True)
-            }
+            description_scores = dict(zip(
+                (aid.name for aid in needs_description),
+                self._description_scores(needs_description, query),
+                strict=True,
+            ))
         ranked: list[tuple[float, int, int, str, float]] = []
         scores: dict[str, float] = {}
         for position, aid in enumerate(candidates):
