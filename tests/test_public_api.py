@@ -63,9 +63,11 @@ def test_interrupted_is_a_cancellation() -> None:
 
 
 def test_library_never_imports_the_otel_sdk() -> None:
-    """Library modules import opentelemetry-api only, never the SDK."""
+    """Library modules import opentelemetry-api only; only the demo application sets up
+    the SDK (and only inside a function, guarded by ImportError)."""
     from pathlib import Path
 
     root = Path(turnrouter.__file__).parent
-    offenders = [str(p) for p in root.rglob("*.py") if "opentelemetry.sdk" in p.read_text()]
+    offenders = [str(p) for p in root.rglob("*.py")
+                 if "opentelemetry.sdk" in p.read_text() and "demo" not in p.parts]
     assert offenders == []

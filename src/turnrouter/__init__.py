@@ -4,6 +4,8 @@ Admission before speech, explicit focus, acknowledgments at a predicted moment, 
 telemetry (OpenTelemetry spans, Prometheus metrics) for every step.
 """
 
+from ._acknowledgment import Acknowledger, AcknowledgmentPolicy, AcknowledgmentRequest
+from ._clock import Clock, SystemClock
 from ._context import RoutingTurnContext, current_turn_context
 from ._contracts import (
     CLARIFY,
@@ -30,32 +32,55 @@ from ._exceptions import (
 from ._llm import LLMService
 from ._observer import RouterObserver, TurnObserver
 from ._router import AgentRouter
+from ._timing import (
+    JsonLinesSink,
+    LLMTimingPredictor,
+    Prediction,
+    RouteTimingPredictor,
+    TimingPredictor,
+    TimingSample,
+    TimingSink,
+    load_samples,
+)
 
 __all__ = [
     "CLARIFY",
+    "Acknowledger",
+    "AcknowledgmentPolicy",
+    "AcknowledgmentRequest",
     "Admission",
     "AgentExchange",
     "AgentRouter",
     "AgentTurn",
+    "Clock",
     "ConfigurationError",
     "ContractTypeError",
     "ContractValueError",
     "DecisionService",
     "DestinationContractError",
     "DestinationResult",
+    "JsonLinesSink",
     "LLMService",
+    "LLMTimingPredictor",
     "LifecycleError",
     "PolicyError",
+    "Prediction",
     "RoutableAgent",
     "RouteDecision",
     "RouteRequest",
+    "RouteTimingPredictor",
     "RouterObserver",
     "RoutingAid",
     "RoutingTurnContext",
+    "SystemClock",
+    "TimingPredictor",
+    "TimingSample",
+    "TimingSink",
     "TurnInterrupted",
     "TurnObserver",
     "TurnrouterError",
     "current_turn_context",
+    "load_samples",
 ]
 
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ without the router knowing what it is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from ._contracts import AgentTurn, DestinationResult, RouteDecision, RouteRequest
@@ -102,7 +103,7 @@ class TurnObserver:
     def focus_transition(self, route: str, transition: FocusTransition) -> None:
         """`route` took, released or lost the participant's focus."""
 
-    def acknowledgment(
+    def acknowledgment(  # started_at / ended_at are time.monotonic() readings
         self, route: str, outcome: AcknowledgmentOutcome, trigger: AcknowledgmentTrigger,
         delay_seconds: float, predicted_first_response: float | None,
         started_at: float, ended_at: float, text: str, error: BaseException | None,
@@ -113,7 +114,12 @@ class TurnObserver:
         """Time from admission to the first thing the participant heard."""
 
     def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
-        """A failure at `stage` that did not end the turn (for example a timed-out admit)."""
+        """A failure not reported by any `*_finished` call's `error` argument.
+
+        Errors passed to `decision_finished`, `admission_finished` (or `timed_out`),
+        `answer_finished`, `release_finished` and failed acknowledgments already count
+        as failures of their stage; do not report them twice.
+        """
 
     def finished(
         self, outcome: TurnOutcome, route: str | None, focus_before: str | None,
@@ -165,6 +171,23 @@ class RouterObserver:
 
     def predicted_first_response(self, route: str, seconds: float) -> None:
         """The timing predictor's current estimate for `route` changed."""
+
+    def message_rejected(self, topic: str, reason: str) -> None:
+        """A runtime message was malformed (`invalid`, `wrong_type`) or refused (`closed`)."""
+
+    def enter_context(self, carrier: Mapping[str, str]) -> object:
+        """Make a remote W3C trace context (from a runtime message) current; return a token."""
+        return None
+
+    def exit_context(self, token: object) -> None:
+        """Undo `enter_context` (same task, reverse order)."""
+
+    def inject_context(self) -> dict[str, str]:
+        """The current trace context as W3C headers for an outgoing message."""
+        return {}
+
+    def context_patch(self, strategy: str, outcome: str) -> None:
+        """A background context patch was applied, held, settled, dropped or refused."""
 
 
 NULL_OBSERVER = RouterObserver()

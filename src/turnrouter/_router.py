@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
+from ._acknowledgment import AcknowledgmentPolicy, TimingEngine, TurnTiming
+from ._clock import Clock, SystemClock
 from ._context import _current
 from ._contracts import (
     CLARIFY,
@@ -52,9 +54,12 @@ from ._observer import (
     TurnObserver,
     TurnOutcome,
 )
+from ._timing import RouteTimingPredictor, TimingPredictor, TimingSink
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
+
+    from .runtime import RouterSubscriber
 
 __all__ = ["AgentRouter", "OutputCallback"]
 
@@ -141,6 +146,34 @@ class _StartSignal:
         self._obs.first_response(self._token, self._route, self._clock() - self._t0)
 
 
+class _TimedStartSignal(_StartSignal):
+    """`started()` when timing is on: also suppresses or awaits the acknowledgment.
+
+    The first call records the sample and suppresses a pending acknowledgment; every
+    call (until `answer()` returns) waits for a committed acknowledgment's delivery.
+    """
+
+    __slots__ = ("_timing",)
+
+    def __init__(
+        self, obs: TurnObserver, token: object, route: str, record: _TurnRecord,
+        clock: Callable[[], float], t0: float, timing: TurnTiming,
+    ) -> None:
+        super().__init__(obs, token, route, record, clock, t0)
+        self._timing = timing
+
+    async def __call__(self) -> None:
+        if self.closed:
+            return
+        if not self._record.started:
+            self._record.started = True
+            now = self._clock()
+            seconds = now - self._t0
+            self._obs.first_response(self._token, self._route, seconds)
+            self._timing.started(now, seconds)
+        await self._timing.wait_delivered()
+
+
 def _check_callable(name: str, value: object, *, optional: bool = True) -> None:
     if value is None and optional:
         return
@@ -210,6 +243,10 @@ class AgentRouter:
         telemetry: RouterObserver | None = None,
         clarification_text: str = DEFAULT_CLARIFICATION_TEXT,
         failure_text: str = DEFAULT_FAILURE_TEXT,
+        acknowledgment_policy: AcknowledgmentPolicy | None = None,
+        timing_predictor: TimingPredictor | None = None,
+        timing_sink: TimingSink | None = None,
+        clock: Clock | None = None,
     ) -> None:
         if not isinstance(destinations, Mapping):
             raise ContractTypeError(
@@ -300,12 +337,44 @@ class AgentRouter:
         self._clarification_text = clarification_text
         self._failure_text = failure_text
         self._clock: Callable[[], float] = time.perf_counter
+        self._timed: TimingEngine | None = None
+        self._timing_sink = timing_sink
+        if acknowledgment_policy is not None and not isinstance(
+            acknowledgment_policy, AcknowledgmentPolicy
+        ):
+            raise ContractTypeError("AgentRouter acknowledgment_policy must be an "
+                                    "AcknowledgmentPolicy")
+        for name, value, method in (("timing_predictor", timing_predictor, "predict"),
+                                    ("timing_sink", timing_sink, "record"),
+                                    ("clock", clock, "sleep_until")):
+            if value is not None and not callable(getattr(value, method, None)):
+                raise ContractTypeError(
+                    f"AgentRouter {name} has no {method}() method, got {type(value).__name__}")
+        if clock is not None:
+            self._clock = clock.now
+        if acknowledgment_llm is not None or timing_predictor is not None or (
+            timing_sink is not None
+        ):
+            if timing_predictor is None and acknowledgment_llm is not None:
+                timing_predictor = RouteTimingPredictor()
+            self._timed = TimingEngine(
+                llm=acknowledgment_llm, delay=acknowledgment_delay_secs,
+                policy=acknowledgment_policy or AcknowledgmentPolicy(),
+                predictor=timing_predictor, sink=timing_sink, clock=clock or SystemClock(),
+                observer=telemetry,
+            )
+            if clock is None:
+                self._clock = self._timed.clock.now
         self._participants: dict[str, _Participant] = {}
+        #: With runtime topics, departed participants stay closed until they rejoin.
+        self._departed: set[str] = set()
         self._stopping: OwnedOperation | None = None
         self._stop_failed = False
         telemetry.configured(
             routes=self._routes, acknowledgment_delay_secs=acknowledgment_delay_secs
         )
+        if self._timed is not None:
+            self._timed.publish_estimates(self._routes)
 
     @staticmethod
     def _check_topics(topics: dict[str, Any]) -> dict[str, Any]:
@@ -316,6 +385,24 @@ class AgentRouter:
         return checked
 
     # ------------------------------------------------------------------ public API
+
+    def runtime_subscriber(self) -> RouterSubscriber:
+        """The runtime agent that delivers the configured topics to this router.
+
+        Register it once with the application's `turnrouter.runtime.AgentRuntime`.
+        Requires `query_topic` and `output_topic` on the constructor.
+        """
+        if self._runtime_config is None:
+            raise ConfigurationError(
+                "runtime_subscriber() requires query_topic and output_topic on AgentRouter"
+            )
+        from .runtime import RouterSubscriber
+
+        return RouterSubscriber(self, self._runtime_config)
+
+    def _participant_joined(self, participant_id: str) -> None:
+        """A participant-joined event reopens admission after a runtime departure."""
+        self._departed.discard(participant_id)
 
     @property
     def destinations(self) -> Mapping[str, RoutableAgent]:
@@ -391,11 +478,12 @@ class AgentRouter:
             except Exception:
                 logger.debug("shutdown failed while %s left", participant_id, exc_info=True)
         state = self._participants.get(participant_id)
-        if state is None:
-            return
-        if state.departure is None or state.departure.done:
-            state.departure = OwnedOperation(self._depart(state))
-        await state.departure.join()
+        if state is not None:
+            if state.departure is None or state.departure.done:
+                state.departure = OwnedOperation(self._depart(state))
+            await state.departure.join()
+        if self._runtime_config is not None:
+            self._departed.add(participant_id)
 
     async def stop(self) -> None:
         """Drain responses and release all participant state in one owned operation."""
@@ -413,6 +501,11 @@ class AgentRouter:
         if self._stop_failed:
             raise LifecycleError(
                 "the router's last stop() failed; handle() is closed until stop() succeeds"
+            )
+        if pid in self._departed:
+            raise LifecycleError(
+                f"participant {pid!r} left; handle() is closed until a participant-joined "
+                "event readmits them"
             )
         state = self._participants.get(pid)
         if state is None:
@@ -436,6 +529,8 @@ class AgentRouter:
             if running is not None:
                 running.cancel("superseded by a newer turn")
         if not await queue.enter(run):
+            self._observer.turn_started(turn, state.focus).finished(
+                "interrupted", None, state.focus, state.focus, 0, None)
             raise TurnInterrupted(pid, turn.turn_id, run.reason)
         record = _TurnRecord(state.focus)
         obs = self._observer.turn_started(turn, state.focus)
@@ -635,12 +730,27 @@ class AgentRouter:
     ) -> DestinationResult:
         state.used.add(route)
         record.route = route
+        timed = self._timed
+        if timed is not None:
+            admitted_at = self._clock()
         if admission is not None and admission.preamble:
+            if timed is not None:
+                obs.silence(route, self._clock() - admitted_at)
             await self._say(turn, route, admission.preamble, emit, record)
         token = obs.answer_started(route, admission is None)
-        signal = _StartSignal(obs, token, route, record, self._clock, self._clock())
+        timing: TurnTiming | None = None
+        if timed is None:
+            signal = _StartSignal(obs, token, route, record, self._clock, self._clock())
+        else:
+            timing = timed.turn(obs, self._agents[route], route, turn, emit, admitted_at,
+                                heard=bool(admission is not None and admission.preamble))
+            signal = _TimedStartSignal(obs, token, route, record, self._clock, self._clock(),
+                                       timing)
         try:
-            result = await self._agents[route].answer(turn, started=signal)
+            if timing is None:
+                result = await self._agents[route].answer(turn, started=signal)
+            else:
+                result = await timing.answer(signal)
             if not isinstance(result, DestinationResult) or result.disposition == "clarify":
                 raise DestinationContractError(
                     f"destination {route!r} answer() must return DestinationResult answer, "
@@ -649,6 +759,8 @@ class AgentRouter:
         except BaseException as exc:
             signal.closed = True
             cancelled = _is_cancel(exc)
+            if timing is not None and cancelled and not record.started:
+                timing.interrupted()  # a censored sample: a lower bound, not a fast answer
             obs.answer_finished(token, route, None, None if cancelled else exc, cancelled)
             raise
         signal.closed = True
@@ -808,6 +920,9 @@ class AgentRouter:
                 f"stop(): {len(errors)} cleanup failure(s); call stop() again to retry", errors
             )
         self._stop_failed = False
+        flush = getattr(self._timing_sink, "flush", None)
+        if callable(flush):  # a restarted router must find every sample on disk
+            flush()
 
 
 def _check_pid(participant_id: object) -> None:

@@ -7,11 +7,14 @@ sleep; gate them with events to test cancellation.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+import asyncio
+import heapq
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from ._contracts import (
     Admission,
@@ -36,6 +39,7 @@ from ._observer import (
 __all__ = [
     "Call",
     "DecisionScript",
+    "ManualClock",
     "OutputRecorder",
     "RecordingObserver",
     "ScriptedAgent",
@@ -409,6 +413,16 @@ class RecordingObserver(RouterObserver):
     def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
         self.events.append(("failure", route, stage, _name(error)))
 
+    def message_rejected(self, topic: str, reason: str) -> None:
+        self.events.append(("message_rejected", topic, reason))
+
+    def enter_context(self, carrier: Mapping[str, str]) -> object:
+        self.events.append(("enter_context", dict(carrier)))
+        return None
+
+    def context_patch(self, strategy: str, outcome: str) -> None:
+        self.events.append(("context_patch", strategy, outcome))
+
 
 def _as_script(value: Any) -> list[Any]:
     if isinstance(value, str | bytes) or not isinstance(value, Iterable):
@@ -421,3 +435,112 @@ def _as_script(value: Any) -> list[Any]:
 
 def _next(script: list[Any]) -> Any:
     return script.pop(0) if len(script) > 1 else script[0]
+
+
+class ManualClock:
+    """A `Clock` that only moves when told: `advance()` wakes sleepers deterministically.
+
+    Sleepers whose deadline is reached are woken in deadline order (ties: in the order
+    they went to sleep). Woken tasks run at the caller's next checkpoint; tests usually
+    `await clock.settle()` after advancing (it lets every other task run until all are
+    blocked, without anyio's 0.1 s polling). `run_until(event)` drives virtual time: it
+    repeatedly settles, then jumps to the next deadline. asyncio only (as turnrouter).
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = float(start)
+        self._seq = 0
+        self._sleepers: list[list[Any]] = []  # heap of [deadline, seq, event, alive]
+        self._changed = anyio.Event()
+
+    def now(self) -> float:
+        return self._now
+
+    @property
+    def sleepers(self) -> int:
+        """How many tasks are sleeping on this clock."""
+        return sum(1 for entry in self._sleepers if entry[3])
+
+    @property
+    def next_deadline(self) -> float | None:
+        """The earliest deadline a task sleeps until, if any."""
+        heap = self._sleepers
+        while heap and not heap[0][3]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    async def sleep_until(self, deadline: float) -> None:
+        if deadline <= self._now:
+            await anyio.lowlevel.checkpoint()
+            return
+        event = anyio.Event()
+        entry: list[Any] = [deadline, self._seq, event, True]
+        self._seq += 1
+        heapq.heappush(self._sleepers, entry)
+        self._changed.set()
+        self._changed = anyio.Event()
+        try:
+            await event.wait()
+        finally:
+            entry[3] = False
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep `seconds` of this clock's time."""
+        await self.sleep_until(self._now + seconds)
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward by `seconds` (>= 0) and wake every sleeper now due."""
+        if seconds < 0:
+            raise ValueError("ManualClock cannot go backwards")
+        self.advance_to(self._now + seconds)
+
+    def advance_to(self, when: float) -> None:
+        """Move time forward to `when` (never backwards) and wake every sleeper due."""
+        if when > self._now:
+            self._now = when
+        heap = self._sleepers
+        while heap and heap[0][0] <= self._now:
+            entry = heapq.heappop(heap)
+            if entry[3]:
+                entry[3] = False
+                entry[2].set()
+
+    @staticmethod
+    async def settle(max_rounds: int = 100_000) -> None:
+        """Let every other task of the loop run until all of them are blocked."""
+        this = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(0)
+        for _ in range(max_rounds):
+            # Pending loop callbacks (e.g. anyio delivering a cancellation) count as work.
+            if getattr(loop, "_ready", None):
+                await asyncio.sleep(0)
+                continue
+            for task in asyncio.all_tasks():
+                if task is this:
+                    continue
+                waiter = getattr(task, "_fut_waiter", None)
+                if waiter is None or waiter.done():
+                    break
+            else:
+                return
+            await asyncio.sleep(0)
+        raise RuntimeError("ManualClock.settle: tasks kept running")
+
+    async def wait_for_sleepers(self, count: int = 1) -> None:
+        """Wait until at least `count` tasks sleep on this clock."""
+        while self.sleepers < count:
+            await self._changed.wait()
+
+    async def run_until(self, done: anyio.Event, *, limit: float = 3600.0) -> None:
+        """Virtual time: until `done` is set, let all tasks run, then jump to the next
+        deadline. Raises RuntimeError when nothing sleeps (a deadlock) or past `limit`."""
+        while not done.is_set():
+            await self.settle()
+            if done.is_set():
+                return
+            deadline = self.next_deadline
+            if deadline is None or deadline > limit:
+                raise RuntimeError(f"ManualClock.run_until: stuck at t={self._now} "
+                                   f"(next deadline {deadline})")
+            self.advance_to(deadline)

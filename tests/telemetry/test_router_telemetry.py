@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import StatusCode, Tracer
 
-from turnrouter import AgentRouter, AgentTurn, DestinationResult, RouteDecision
+from turnrouter import AgentRouter, AgentTurn, DestinationResult, RouteDecision, RouteRequest
 from turnrouter.telemetry import ATTR
 from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions
 
@@ -152,3 +152,28 @@ async def test_failure_before_started(router_rig: Rig, stopped: list[AgentRouter
     assert value("turnrouter_turns_total", route="weather", outcome="failed") == 1
     assert value("turnrouter_first_response_seconds_count", route="weather") is None
     assert value("turnrouter_turns_in_flight") == 0
+
+
+class TracingDecisions(ScriptedDecisions):
+    """Scripted decisions that open a span of their own, as a real classifier would."""
+
+    def __init__(self, tracer: Tracer, *script: str) -> None:
+        super().__init__(*script)
+        self.tracer = tracer
+
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        with self.tracer.start_as_current_span("classify"):
+            return await super().decide(request)
+
+
+async def test_classifier_spans_nest_under_route(router_rig: Rig,
+                                                 stopped: list[AgentRouter]) -> None:
+    """During decide() the route span is current: a classifier's spans are its children."""
+    decisions = TracingDecisions(router_rig.provider.get_tracer("classifier"), "weather")
+    s = Scenario(router_rig, decisions, ScriptedAgent("weather"))
+    stopped.append(s.router)
+    await s.say()
+    classify = router_rig.span("classify")
+    assert classify.parent is not None
+    assert classify.parent.span_id == router_rig.span("turnrouter.route").context.span_id
+    assert s.children() == ["turnrouter.route", "turnrouter.admission", "invoke_agent weather"]

@@ -388,3 +388,64 @@ def test_disabled_records_nothing(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> 
     assert rig.spans() == []
     assert REGISTRY.get_sample_value(
         "turnrouter_turns_total", {"route": "weather", "outcome": "focus"}) == before
+
+
+def test_route_and_admission_spans_are_current_during_their_calls(rig: Rig) -> None:
+    """A classifier's and an admit()'s own spans nest under the route / admission span."""
+    tracer = rig.provider.get_tracer("caller")
+    with tracer.start_as_current_span("caller") as caller:
+        turn = make_turn()
+        obs = rig.telemetry.turn_started(turn, None)
+        request = make_request(turn)
+        token = obs.decision_started(request)
+        with tracer.start_as_current_span("classifier"):
+            pass
+        obs.decision_finished(token, request, RouteDecision("weather"), None)
+        after_decision = trace.get_current_span()
+        token = obs.admission_started("weather", False)
+        with tracer.start_as_current_span("admit check"):
+            pass
+        obs.admission_finished(token, "weather", False, "accept", None)
+        after_admission = trace.get_current_span()
+        obs.finished("answer", "weather", None, None, 1, None)
+        assert trace.get_current_span() is caller
+    turn_id = rig.span("turnrouter.turn").context.span_id
+    assert after_decision.get_span_context().span_id == turn_id
+    assert after_admission.get_span_context().span_id == turn_id
+    route = rig.span("turnrouter.route")
+    admission = rig.span("turnrouter.admission")
+    assert parent_id(route) == turn_id
+    assert parent_id(admission) == turn_id
+    assert parent_id(rig.span("classifier")) == route.context.span_id
+    assert parent_id(rig.span("admit check")) == admission.context.span_id
+
+
+def test_unfinished_decision_is_closed_with_the_turn(rig: Rig) -> None:
+    """A decision call cancelled before decision_finished: finished() closes its span."""
+    with rig.provider.get_tracer("caller").start_as_current_span("caller") as caller:
+        turn = make_turn()
+        obs = rig.telemetry.turn_started(turn, None)
+        obs.decision_started(make_request(turn))
+        obs.finished("interrupted", None, None, None, 1, None)
+        assert trace.get_current_span() is caller
+    route = rig.span("turnrouter.route")
+    assert attrs(route)[ATTR.INTERRUPTED] is True
+    assert parent_id(route) == rig.span("turnrouter.turn").context.span_id
+
+
+def test_metrics_only_turn_tokens_are_start_times(rig: Rig) -> None:
+    """Without a tracer a turn allocates no span bookkeeping, yet times every stage."""
+    telemetry = Telemetry(tracer_provider=NoOpTracerProvider(), registry=rig.registry)
+    turn = make_turn()
+    obs = telemetry.turn_started(turn, None)
+    request = make_request(turn)
+    token = obs.decision_started(request)
+    assert isinstance(token, float)
+    obs.decision_finished(token, request, RouteDecision("weather"), None)
+    token = obs.admission_started("weather", False)
+    obs.admission_finished(token, "weather", False, "accept", None)
+    assert obs.answer_started("weather", False) is None
+    obs.finished("answer", "weather", None, None, 1, None)
+    assert rig.value("turnrouter_decision_duration_seconds_count") == 1
+    assert rig.value("turnrouter_admission_duration_seconds_count", route="weather") == 1
+    assert rig.value("turnrouter_turns_total", route="weather", outcome="answer") == 1

@@ -127,6 +127,11 @@ METRICS: tuple[MetricSpec, ...] = (
         ("strategy", "outcome"),
     ),
     MetricSpec(
+        "turnrouter_runtime_rejected_messages_total", "counter",
+        "Runtime messages rejected by the router's subscriber: invalid, wrong_type, closed.",
+        ("topic", "reason"),
+    ),
+    MetricSpec(
         "turnrouter_active_participants", "gauge",
         "Participants the router currently holds state for.",
     ),

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from contextvars import Token
+from time import perf_counter
 from typing import Generic, TypeVar
 from weakref import WeakKeyDictionary
 
@@ -33,6 +34,7 @@ from opentelemetry.trace import (
     Tracer,
     TracerProvider,
 )
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -120,6 +122,8 @@ class _Families:
             self.ack_delay = self._gauge("turnrouter_acknowledgment_delay_seconds")
             self.predicted = _Family(self._gauge("turnrouter_predicted_first_response_seconds"))
             self.context_patches = _Family(self._counter("turnrouter_context_patches_total"))
+            self.rejected = _Family(
+                self._counter("turnrouter_runtime_rejected_messages_total"))
             self.participants = self._gauge("turnrouter_active_participants")
             self.in_flight = self._gauge("turnrouter_turns_in_flight")
         except BaseException:
@@ -127,6 +131,30 @@ class _Families:
                 registry.unregister(collector)
             raise
         del self._created
+        # Children updated together on every turn, bound once per label combination.
+        self._turn_pairs: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._admission_pairs: dict[tuple[str, str, bool], tuple[Counter, Histogram]] = {}
+
+    def turn_children(self, route: str, outcome: str) -> tuple[Counter, Histogram]:
+        """`turnrouter_turns_total` and `turnrouter_turn_duration_seconds` children."""
+        key = (route, outcome)
+        pair = self._turn_pairs.get(key)
+        if pair is None:
+            pair = self._turn_pairs[key] = (
+                self.turns.get(route, outcome), self.turn_duration.get(route, outcome))
+        return pair
+
+    def admission_children(
+        self, route: str, disposition: str, focused: bool
+    ) -> tuple[Counter, Histogram]:
+        """`turnrouter_admissions_total` and `turnrouter_admission_duration_seconds` children."""
+        key = (route, disposition, focused)
+        pair = self._admission_pairs.get(key)
+        if pair is None:
+            pair = self._admission_pairs[key] = (
+                self.admissions.get(route, disposition, _BOOL[bool(focused)]),
+                self.admission_duration.get(route))
+        return pair
 
     def _spec(self, name: str, kind: str) -> MetricSpec:
         spec = metric(name)
@@ -155,6 +183,8 @@ class _Families:
         return created
 
 
+_PROPAGATOR = TraceContextTextMapPropagator()
+
 _FAMILIES: WeakKeyDictionary[CollectorRegistry, _Families] = WeakKeyDictionary()
 _FAMILIES_LOCK = threading.Lock()
 
@@ -180,12 +210,15 @@ def _set_error(span: Span, error_type: str) -> None:
     span.set_attribute(ATTR.ERROR_TYPE, error_type)
 
 
-def _exemplar(span: Span | None) -> dict[str, str] | None:
-    """A trace exemplar for a recording span, else None."""
-    if span is None:
-        return None
-    ctx = span.get_span_context()
-    return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
+def _admission_label(disposition: str | None, error: BaseException | None,
+                     timed_out: bool) -> str:
+    """The disposition label; an `admit()` that did not return is timeout, error or
+    (cancelled) interrupted."""
+    if timed_out:
+        return "timeout"
+    if error is not None:
+        return "error"
+    return "interrupted" if disposition is None else disposition
 
 
 def _tracer_for(provider: TracerProvider) -> Tracer | None:
@@ -224,20 +257,18 @@ def _capture_from_env() -> bool:
 
 
 class _Op:
-    """The token handed back to `*_finished`: the operation's span and start time."""
+    """The token of a traced operation: its span, start time and, while the span is the
+    current span, the context token that restores the previous one."""
 
-    __slots__ = ("context_token", "span", "t0")
+    __slots__ = ("context_token", "first_response", "span", "t0")
 
     def __init__(
-        self, span: Span | None, t0: float, context_token: Token[Context] | None = None
+        self, span: Span, t0: float, context_token: Token[Context] | None = None
     ) -> None:
         self.span = span
         self.t0 = t0
         self.context_token = context_token
-
-
-def _op(token: object) -> _Op | None:
-    return token if isinstance(token, _Op) else None
+        self.first_response: float | None = None
 
 
 # --------------------------------------------------------------------------- observer
@@ -308,10 +339,11 @@ class Telemetry(RouterObserver):
 
     def turn_started(self, turn: AgentTurn, focus: str | None) -> TurnObserver:
         """Open the `turnrouter.turn` span and make it current until `finished()`."""
-        self._families.in_flight.inc()
+        families = self._families
+        families.in_flight.inc()
         tracer = self._current_tracer()
         if tracer is None:
-            return _TurnTelemetry(self, turn, None, None, None, None)
+            return _TurnMetrics(families, None)
         attributes: Attributes = {
             ATTR.PARTICIPANT_ID: turn.participant_id,
             ATTR.TURN_ID: turn.turn_id,
@@ -325,8 +357,8 @@ class Telemetry(RouterObserver):
         token = otel_context.attach(ctx)
         if not span.is_recording():
             # Unsampled: propagate the context, skip every child span and attribute.
-            return _TurnTelemetry(self, turn, None, None, None, token)
-        return _TurnTelemetry(self, turn, tracer, span, ctx, token)
+            return _TurnMetrics(families, token)
+        return _TracedTurn(families, token, self._capture, turn, focus, tracer, span, ctx)
 
     def participant_added(self, participant_id: str) -> None:
         """Count one more active participant."""
@@ -339,13 +371,12 @@ class Telemetry(RouterObserver):
     def release_started(self, route: str, reason: ReleaseReason) -> object:
         """Open a `turnrouter.release` span under the caller's current span."""
         tracer = self._current_tracer()
-        span: Span | None = None
         if tracer is not None:
             span = tracer.start_span(SPAN_RELEASE, kind=_INTERNAL, attributes={
                 ATTR.ROUTE: route, ATTR.RELEASE_REASON: reason})
-            if not span.is_recording():
-                span = None
-        return _Op(span, 0.0)
+            if span.is_recording():
+                return _Op(span, 0.0)
+        return None
 
     def release_finished(
         self, token: object, route: str, reason: ReleaseReason, error: BaseException | None
@@ -354,11 +385,10 @@ class Telemetry(RouterObserver):
         if error is not None:
             self._families.failures.get(route, "release").inc()
             self._recent_failures.append(error)
-        op = _op(token)
-        if op is not None and op.span is not None:
+        if isinstance(token, _Op):
             if error is not None:
-                _set_error(op.span, _error_type(error))
-            op.span.end()
+                _set_error(token.span, _error_type(error))
+            token.span.end()
 
     def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
         """Count a failure outside any turn (unless already counted for this error)."""
@@ -380,51 +410,48 @@ class Telemetry(RouterObserver):
         """Publish the timing predictor's estimate for `route`."""
         self._families.predicted.get(route).set(seconds)
 
-    # -- not yet part of the observer seam
-
     def context_patch(self, strategy: str, outcome: str) -> None:
         """Count a background context patch by strategy and outcome."""
         self._families.context_patches.get(strategy, outcome).inc()
 
+    def message_rejected(self, topic: str, reason: str) -> None:
+        """Count a runtime message the router's subscriber rejected."""
+        self._families.rejected.get(topic, reason).inc()
 
-class _TurnTelemetry(TurnObserver):
-    """Spans and metrics of one turn. `_span` is None when the turn is not traced."""
+    def enter_context(self, carrier: Mapping[str, str]) -> object:
+        """Continue the publisher's trace: make its W3C context current for the turn."""
+        if not carrier:
+            return None
+        return otel_context.attach(_PROPAGATOR.extract(carrier))
 
-    __slots__ = (
-        "_answer",
-        "_capture",
-        "_ctx",
-        "_done",
-        "_failed",
-        "_fam",
-        "_span",
-        "_t0",
-        "_token",
-        "_tracer",
-        "_turn",
-    )
+    def exit_context(self, token: object) -> None:
+        """Restore the context `enter_context` replaced."""
+        if token is not None:
+            otel_context.detach(token)  # type: ignore[arg-type]
 
-    def __init__(
-        self, telemetry: Telemetry, turn: AgentTurn, tracer: Tracer | None,
-        span: Span | None, ctx: Context | None, token: Token[Context] | None,
-    ) -> None:
-        self._fam = telemetry._families
-        self._capture = telemetry._capture
-        self._turn = turn
-        self._tracer = tracer
-        self._span = span
-        self._ctx = ctx
+    def inject_context(self) -> dict[str, str]:
+        """The current span's W3C headers, for an outgoing runtime message."""
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier)
+        return carrier
+
+
+class _TurnMetrics(TurnObserver):
+    """The metrics of one turn that is not traced (no-op provider, or not sampled).
+
+    Tokens are `perf_counter()` start times or None, so a call allocates nothing but the
+    float; `_token` restores the caller's context when an unsampled turn made its
+    non-recording span current (to propagate the trace context).
+    """
+
+    __slots__ = ("_done", "_failed", "_fam", "_t0", "_token")
+
+    def __init__(self, families: _Families, token: Token[Context] | None) -> None:
+        self._fam = families
         self._token = token
-        self._answer: _Op | None = None
         self._failed: list[tuple[str | None, str, BaseException | None]] | None = None
         self._done = False
-        self._t0 = time.perf_counter()
-
-    def _child(self, name: str, attributes: Attributes) -> Span | None:
-        if self._tracer is None:
-            return None
-        return self._tracer.start_span(
-            name, context=self._ctx, kind=_INTERNAL, attributes=attributes)
+        self._t0 = perf_counter()
 
     def _count_failure(self, route: str | None, stage: str, error: BaseException | None) -> None:
         self._fam.failures.get(route or _NONE, stage).inc()
@@ -432,110 +459,284 @@ class _TurnTelemetry(TurnObserver):
             self._failed = []
         self._failed.append((route, stage, error))
 
+    def _counts_failure(self, route: str | None, stage: str, error: BaseException) -> bool:
+        """Count a failure unless a stage callback already counted it; True if counted."""
+        failed = self._failed
+        if failed:
+            for index, (seen_route, seen_stage, seen) in enumerate(failed):
+                if seen is error or (
+                    seen is None and seen_stage == stage and seen_route == route
+                ):
+                    del failed[index]
+                    return False
+        self._fam.failures.get(route or _NONE, stage).inc()
+        return True
+
+    def _finish_metrics(
+        self, outcome: str, route: str | None, exemplar: dict[str, str] | None
+    ) -> None:
+        fam = self._fam
+        counter, duration = fam.turn_children(route or _NONE, outcome)
+        counter.inc()
+        duration.observe(perf_counter() - self._t0, exemplar)
+        fam.in_flight.dec()
+        if outcome == "interrupted":
+            fam.interruptions.inc()
+
+    # -- decision and admission
+
+    def decision_started(self, request: RouteRequest) -> object:
+        """Note the start time."""
+        return perf_counter()
+
+    def decision_finished(
+        self, token: object, request: RouteRequest, decision: RouteDecision | None,
+        error: BaseException | None,
+    ) -> None:
+        """Record the decision's duration; count a failure at stage `decision` on error."""
+        if isinstance(token, float):
+            self._fam.decision_duration.observe(perf_counter() - token)
+        if error is not None:
+            self._count_failure(None, "decision", error)
+
+    def admission_started(self, route: str, focused: bool) -> object:
+        """Note the start time."""
+        return perf_counter()
+
+    def admission_finished(
+        self, token: object, route: str, focused: bool, disposition: str | None,
+        error: BaseException | None, timed_out: bool = False,
+    ) -> None:
+        """Count the admission by disposition (timeout, error, interrupted if it did not
+        return) and record its duration."""
+        counter, duration = self._fam.admission_children(
+            route, _admission_label(disposition, error, timed_out), focused)
+        counter.inc()
+        if isinstance(token, float):
+            duration.observe(perf_counter() - token)
+        if error is not None or timed_out:
+            self._count_failure(route, "admission", error)
+
+    # -- answer and release (`answer_started` / `release_started`: the base's None)
+
+    def first_response(self, token: object, route: str, seconds: float) -> None:
+        """Record the first-response latency."""
+        self._fam.first_response.get(route).observe(seconds)
+
+    def answer_finished(
+        self, token: object, route: str, result: DestinationResult | None,
+        error: BaseException | None, interrupted: bool,
+    ) -> None:
+        """Count a failure at stage `answer` on error."""
+        if error is not None and not interrupted:
+            self._count_failure(route, "answer", error)
+
+    def release_finished(
+        self, token: object, route: str, reason: ReleaseReason, error: BaseException | None
+    ) -> None:
+        """Count a failure at stage `release` on error."""
+        if error is not None:
+            self._count_failure(route, "release", error)
+
+    # -- counters
+
+    def reroute(self, route: str) -> None:
+        """Count a reroute away from `route`."""
+        self._fam.reroutes.get(route).inc()
+
+    def default_fallback(self, route: str) -> None:
+        """Count a default fallback to `route`."""
+        self._fam.fallbacks.get(route).inc()
+
+    def clarification(self, reason: ClarificationReason) -> None:
+        """Count a clarification by reason."""
+        self._fam.clarifications.get(reason).inc()
+
+    def focus_transition(self, route: str, transition: FocusTransition) -> None:
+        """Count a focus transition."""
+        self._fam.focus.get(route, transition).inc()
+
+    def acknowledgment(
+        self, route: str, outcome: AcknowledgmentOutcome, trigger: AcknowledgmentTrigger,
+        delay_seconds: float, predicted_first_response: float | None,
+        started_at: float, ended_at: float, text: str, error: BaseException | None,
+    ) -> None:
+        """Count the acknowledgment (and a failure at stage `acknowledgment`)."""
+        self._fam.acknowledgments.get(route, outcome, trigger).inc()
+        if outcome == "failed":
+            self._count_failure(route, "acknowledgment", error)
+
+    def silence(self, route: str, seconds: float) -> None:
+        """Record the silence the participant heard after admission."""
+        self._fam.silence.get(route).observe(seconds)
+
+    def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
+        """Count a failure, unless a stage callback already counted this one."""
+        self._counts_failure(route, stage, error)
+
+    # -- end of turn
+
+    def finished(
+        self, outcome: TurnOutcome, route: str | None, focus_before: str | None,
+        focus_after: str | None, attempts: int, error: BaseException | None,
+    ) -> None:
+        """Count the turn and restore the caller's context."""
+        if self._done:
+            return
+        self._done = True
+        self._finish_metrics(outcome, route, None)
+        if self._token is not None:
+            otel_context.detach(self._token)
+            self._token = None
+
+
+class _TracedTurn(_TurnMetrics):
+    """Spans and metrics of one sampled turn.
+
+    Child spans get their attributes at creation where they are known, the rest in one
+    `set_attributes` call at the end. The route, admission and `invoke_agent` spans are
+    the current span while their call runs (decision services, destinations and agents
+    nest their own spans under them); `_open` is that span, closed by `finished()` if
+    its own `*_finished` call never came.
+    """
+
+    __slots__ = (
+        "_answer", "_capture", "_clarification", "_ctx", "_focus_before", "_open", "_span",
+        "_trace_hex", "_tracer", "_turn", "_turn_exemplar",
+    )
+
+    def __init__(
+        self, families: _Families, token: Token[Context], capture: bool, turn: AgentTurn,
+        focus_before: str | None, tracer: Tracer, span: Span, ctx: Context,
+    ) -> None:
+        self._fam = families
+        self._token = token
+        self._failed = None
+        self._done = False
+        self._capture = capture
+        self._turn = turn
+        self._focus_before = focus_before
+        self._tracer = tracer
+        self._span = span
+        self._ctx = ctx
+        self._open: _Op | None = None
+        self._answer: _Op | None = None
+        self._clarification: str | None = None
+        span_context = span.get_span_context()
+        self._trace_hex = format(span_context.trace_id, "032x")
+        self._turn_exemplar = {"trace_id": self._trace_hex,
+                               "span_id": format(span_context.span_id, "016x")}
+        self._t0 = perf_counter()
+
+    def _exemplar(self, span: Span) -> dict[str, str]:
+        return {"trace_id": self._trace_hex,
+                "span_id": format(span.get_span_context().span_id, "016x")}
+
+    def _start_current(self, name: str, attributes: Attributes, t0: float) -> _Op:
+        """Start a child of the turn span and make it current (same task, LIFO)."""
+        span = self._tracer.start_span(
+            name, context=self._ctx, kind=_INTERNAL, attributes=attributes)
+        op = self._open = _Op(span, t0, otel_context.attach(trace.set_span_in_context(span)))
+        return op
+
+    def _detach(self, op: _Op) -> None:
+        if op.context_token is not None:
+            otel_context.detach(op.context_token)
+            op.context_token = None
+        if self._open is op:
+            self._open = None
+
+    def _event(self, name: str, attributes: Attributes) -> None:
+        self._span.add_event(name, attributes)
+
     # -- decision
 
     def decision_started(self, request: RouteRequest) -> object:
-        """Open a `turnrouter.route` span."""
-        span = None
-        if self._tracer is not None:
-            span = self._child(SPAN_ROUTE, {
-                ATTR.DECISION_CANDIDATES: request.candidate_names,
-                ATTR.DECISION_EXCLUDED: tuple(sorted(request.excluded)),
-            })
-        return _Op(span, time.perf_counter())
+        """Open a `turnrouter.route` span, current during the decision call."""
+        excluded = request.excluded
+        return self._start_current(SPAN_ROUTE, {
+            ATTR.DECISION_CANDIDATES: request.candidate_names,
+            ATTR.DECISION_EXCLUDED: tuple(sorted(excluded)) if excluded else (),
+        }, perf_counter())
 
     def decision_finished(
         self, token: object, request: RouteRequest, decision: RouteDecision | None,
         error: BaseException | None,
     ) -> None:
         """Record the decision's duration, choice and scores; close its span."""
-        op = _op(token)
-        span = None if op is None else op.span
-        if op is not None:
-            self._fam.decision_duration.observe(time.perf_counter() - op.t0, _exemplar(span))
+        if not isinstance(token, _Op):
+            super().decision_finished(token, request, decision, error)
+            return
+        elapsed = perf_counter() - token.t0
+        self._detach(token)
+        span = token.span
+        self._fam.decision_duration.observe(elapsed, self._exemplar(span))
+        if decision is not None:
+            span.set_attributes(_decision_attributes(decision, self._capture))
         if error is not None:
             self._count_failure(None, "decision", error)
-        if span is not None:
-            if decision is not None:
-                span.set_attributes(_decision_attributes(decision, self._capture))
-            if error is not None:
-                _set_error(span, _error_type(error))
-            span.end()
+            _set_error(span, _error_type(error))
+        span.end()
 
     # -- admission
 
     def admission_started(self, route: str, focused: bool) -> object:
-        """Open a `turnrouter.admission` span."""
-        span = None
-        if self._tracer is not None:
-            span = self._child(SPAN_ADMISSION, {
-                ATTR.ROUTE: route, ATTR.ADMISSION_FOCUSED: focused})
-        return _Op(span, time.perf_counter())
+        """Open a `turnrouter.admission` span, current during the `admit()` call."""
+        return self._start_current(SPAN_ADMISSION, {
+            ATTR.ROUTE: route, ATTR.ADMISSION_FOCUSED: focused}, perf_counter())
 
     def admission_finished(
         self, token: object, route: str, focused: bool, disposition: str | None,
         error: BaseException | None, timed_out: bool = False,
     ) -> None:
-        """Count the admission by disposition.
-
-        An admission that did not return is counted as `timeout`, `error` or (cancelled)
-        `interrupted`.
-        """
+        """Count the admission by disposition; close its span (timeouts are errors)."""
+        if not isinstance(token, _Op):
+            super().admission_finished(token, route, focused, disposition, error, timed_out)
+            return
+        elapsed = perf_counter() - token.t0
+        self._detach(token)
+        span = token.span
+        label = _admission_label(disposition, error, timed_out)
+        counter, duration = self._fam.admission_children(route, label, focused)
+        counter.inc()
+        duration.observe(elapsed, self._exemplar(span))
+        attributes: Attributes = {ATTR.ADMISSION_DISPOSITION: label}
         if timed_out:
-            label = "timeout"
-        elif error is not None:
-            label = "error"
-        elif disposition is None:
-            label = "interrupted"
-        else:
-            label = disposition
-        fam = self._fam
-        fam.admissions.get(route, label, _BOOL[bool(focused)]).inc()
-        op = _op(token)
-        span = None if op is None else op.span
-        if op is not None:
-            fam.admission_duration.get(route).observe(
-                time.perf_counter() - op.t0, _exemplar(span))
-        if error is not None or timed_out:
             self._count_failure(route, "admission", error)
-        if span is not None:
-            span.set_attribute(ATTR.ADMISSION_DISPOSITION, label)
-            if timed_out:
-                span.set_attribute(ATTR.ADMISSION_TIMED_OUT, True)
-                _set_error(span, "timeout")
-            elif error is not None:
-                _set_error(span, _error_type(error))
-            span.end()
+            attributes[ATTR.ADMISSION_TIMED_OUT] = True
+            attributes[ATTR.ERROR_TYPE] = "timeout"
+            span.set_status(_ERROR_STATUS)
+        elif error is not None:
+            self._count_failure(route, "admission", error)
+            attributes[ATTR.ERROR_TYPE] = _error_type(error)
+            span.set_status(_ERROR_STATUS)
+        span.set_attributes(attributes)
+        span.end()
 
     # -- answer
 
     def answer_started(self, route: str, fallback: bool) -> object:
         """Open `invoke_agent {route}` and make it current, so the agent's spans nest."""
-        t0 = time.perf_counter()
-        if self._tracer is None:
-            op = _Op(None, t0)
-        else:
-            attributes: Attributes = {
-                ATTR.GEN_AI_OPERATION_NAME: "invoke_agent",
-                ATTR.GEN_AI_AGENT_NAME: route,
-                ATTR.FALLBACK: fallback,
-            }
-            if self._capture:
-                attributes[ATTR.GEN_AI_INPUT_MESSAGES] = _messages("user", self._turn.query)
-            span = self._child(SPAN_INVOKE_AGENT_PREFIX + route, attributes)
-            assert span is not None
-            op = _Op(span, t0, otel_context.attach(trace.set_span_in_context(span)))
-        self._answer = op
+        attributes: Attributes = {
+            ATTR.GEN_AI_OPERATION_NAME: "invoke_agent",
+            ATTR.GEN_AI_AGENT_NAME: route,
+            ATTR.FALLBACK: fallback,
+        }
+        if self._capture:
+            attributes[ATTR.GEN_AI_INPUT_MESSAGES] = _messages("user", self._turn.query)
+        op = self._answer = self._start_current(
+            SPAN_INVOKE_AGENT_PREFIX + route, attributes, 0.0)
         return op
 
     def first_response(self, token: object, route: str, seconds: float) -> None:
         """Record the first-response latency and a `turnrouter.first_response` event."""
-        op = _op(token)
-        span = None if op is None else op.span
-        self._fam.first_response.get(route).observe(seconds, _exemplar(span))
-        if span is not None:
-            span.set_attribute(ATTR.FIRST_RESPONSE_SECONDS, seconds)
-            span.add_event(EVENT_FIRST_RESPONSE, {ATTR.FIRST_RESPONSE_SECONDS: seconds})
+        if not isinstance(token, _Op):
+            super().first_response(token, route, seconds)
+            return
+        span = token.span
+        self._fam.first_response.get(route).observe(seconds, self._exemplar(span))
+        token.first_response = seconds  # set as an attribute when the span closes
+        span.add_event(EVENT_FIRST_RESPONSE, {ATTR.FIRST_RESPONSE_SECONDS: seconds})
 
     def answer_finished(
         self, token: object, route: str, result: DestinationResult | None,
@@ -544,9 +745,8 @@ class _TurnTelemetry(TurnObserver):
         """Close the answer span with the result's disposition, error or interruption."""
         if error is not None and not interrupted:
             self._count_failure(route, "answer", error)
-        op = _op(token)
-        if op is not None:
-            self._close_answer(op, result, error, interrupted)
+        if isinstance(token, _Op):
+            self._close_answer(token, result, error, interrupted)
 
     def _close_answer(
         self, op: _Op, result: DestinationResult | None, error: BaseException | None,
@@ -554,17 +754,33 @@ class _TurnTelemetry(TurnObserver):
     ) -> None:
         if self._answer is op:
             self._answer = None
-        if op.context_token is not None:
-            otel_context.detach(op.context_token)
-            op.context_token = None
+        self._detach(op)
         span = op.span
-        if span is None or not span.is_recording():
+        if not span.is_recording():  # already closed
             return
+        attributes: Attributes = {}
+        if op.first_response is not None:
+            attributes[ATTR.FIRST_RESPONSE_SECONDS] = op.first_response
         if result is not None:
-            span.set_attribute(ATTR.RESULT_DISPOSITION, result.disposition)
+            attributes[ATTR.RESULT_DISPOSITION] = result.disposition
             if self._capture and result.text:
-                span.set_attribute(ATTR.GEN_AI_OUTPUT_MESSAGES, _messages(
-                    "assistant", result.text, finish_reason="stop"))
+                attributes[ATTR.GEN_AI_OUTPUT_MESSAGES] = _messages(
+                    "assistant", result.text, finish_reason="stop")
+        if interrupted:
+            attributes[ATTR.INTERRUPTED] = True
+        elif error is not None:
+            attributes[ATTR.ERROR_TYPE] = _error_type(error)
+            span.set_status(_ERROR_STATUS)
+        if attributes:
+            span.set_attributes(attributes)
+        span.end()
+
+    def _close_open(self, op: _Op, error: BaseException | None, interrupted: bool) -> None:
+        """Close a route or admission span whose `*_finished` call never came."""
+        self._detach(op)
+        span = op.span
+        if not span.is_recording():
+            return
         if interrupted:
             span.set_attribute(ATTR.INTERRUPTED, True)
         elif error is not None:
@@ -575,10 +791,9 @@ class _TurnTelemetry(TurnObserver):
 
     def release_started(self, route: str, reason: ReleaseReason) -> object:
         """Open a `turnrouter.release` span."""
-        span = None
-        if self._tracer is not None:
-            span = self._child(SPAN_RELEASE, {ATTR.ROUTE: route, ATTR.RELEASE_REASON: reason})
-        return _Op(span, 0.0)
+        return _Op(self._tracer.start_span(
+            SPAN_RELEASE, context=self._ctx, kind=_INTERNAL,
+            attributes={ATTR.ROUTE: route, ATTR.RELEASE_REASON: reason}), 0.0)
 
     def release_finished(
         self, token: object, route: str, reason: ReleaseReason, error: BaseException | None
@@ -586,38 +801,33 @@ class _TurnTelemetry(TurnObserver):
         """Close the release span; count a failure at stage `release` on error."""
         if error is not None:
             self._count_failure(route, "release", error)
-        op = _op(token)
-        if op is not None and op.span is not None:
+        if isinstance(token, _Op):
             if error is not None:
-                _set_error(op.span, _error_type(error))
-            op.span.end()
+                _set_error(token.span, _error_type(error))
+            token.span.end()
 
-    # -- counters
+    # -- counters and events
 
     def reroute(self, route: str) -> None:
         """Count a reroute away from `route`."""
         self._fam.reroutes.get(route).inc()
-        if self._span is not None:
-            self._span.add_event("turnrouter.reroute", {ATTR.ROUTE: route})
+        self._event("turnrouter.reroute", {ATTR.ROUTE: route})
 
     def default_fallback(self, route: str) -> None:
         """Count a default fallback to `route`."""
         self._fam.fallbacks.get(route).inc()
-        if self._span is not None:
-            self._span.add_event("turnrouter.default_fallback", {ATTR.ROUTE: route})
+        self._event("turnrouter.default_fallback", {ATTR.ROUTE: route})
 
     def clarification(self, reason: ClarificationReason) -> None:
-        """Count a clarification by reason."""
+        """Count a clarification by reason (an attribute of the turn span at its end)."""
         self._fam.clarifications.get(reason).inc()
-        if self._span is not None:
-            self._span.set_attribute("turnrouter.clarification.reason", reason)
+        self._clarification = reason
 
     def focus_transition(self, route: str, transition: FocusTransition) -> None:
         """Count a focus transition."""
         self._fam.focus.get(route, transition).inc()
-        if self._span is not None:
-            self._span.add_event(
-                "turnrouter.focus", {ATTR.ROUTE: route, "turnrouter.focus.transition": transition})
+        self._event("turnrouter.focus",
+                    {ATTR.ROUTE: route, "turnrouter.focus.transition": transition})
 
     def acknowledgment(
         self, route: str, outcome: AcknowledgmentOutcome, trigger: AcknowledgmentTrigger,
@@ -629,11 +839,8 @@ class _TurnTelemetry(TurnObserver):
         Both times are on the `time.monotonic()` clock (`anyio.current_time()` under
         asyncio); the span converts them to wall-clock time.
         """
-        self._fam.acknowledgments.get(route, outcome, trigger).inc()
-        if outcome == "failed":
-            self._count_failure(route, "acknowledgment", error)
-        if self._tracer is None:
-            return
+        super().acknowledgment(route, outcome, trigger, delay_seconds,
+                               predicted_first_response, started_at, ended_at, text, error)
         attributes: Attributes = {
             ATTR.ROUTE: route,
             ATTR.ACK_OUTCOME: outcome,
@@ -644,6 +851,8 @@ class _TurnTelemetry(TurnObserver):
             attributes[ATTR.ACK_PREDICTED_SECONDS] = predicted_first_response
         if self._capture and text:
             attributes[ATTR.ACK_TEXT] = text
+        if outcome == "failed":
+            attributes[ATTR.ERROR_TYPE] = _error_type(error) if error is not None else "_OTHER"
         wall_ns, mono = time.time_ns(), time.monotonic()
         start_ns = wall_ns - int((mono - started_at) * 1e9)
         end_ns = max(start_ns, wall_ns - int((mono - ended_at) * 1e9))
@@ -651,30 +860,21 @@ class _TurnTelemetry(TurnObserver):
             SPAN_ACKNOWLEDGMENT, context=self._ctx, kind=_INTERNAL, attributes=attributes,
             start_time=start_ns)
         if outcome == "failed":
-            _set_error(span, _error_type(error) if error is not None else "_OTHER")
+            span.set_status(_ERROR_STATUS)
         span.end(end_time=end_ns)
 
     def silence(self, route: str, seconds: float) -> None:
         """Record the silence the participant heard after admission."""
-        self._fam.silence.get(route).observe(seconds, _exemplar(self._span))
+        self._fam.silence.get(route).observe(seconds, self._turn_exemplar)
 
     def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
         """Count a failure, unless a stage callback already counted this one."""
-        failed = self._failed
-        if failed:
-            for index, (seen_route, seen_stage, seen) in enumerate(failed):
-                if seen is error or (
-                    seen is None and seen_stage == stage and seen_route == route
-                ):
-                    del failed[index]
-                    return
-        self._fam.failures.get(route or _NONE, stage).inc()
-        if self._span is not None:
+        if self._counts_failure(route, stage, error):
             attributes: Attributes = {"turnrouter.failure.stage": stage,
                                       ATTR.ERROR_TYPE: _error_type(error)}
             if route is not None:
                 attributes[ATTR.ROUTE] = route
-            self._span.add_event("turnrouter.failure", attributes)
+            self._event("turnrouter.failure", attributes)
 
     # -- end of turn
 
@@ -686,32 +886,30 @@ class _TurnTelemetry(TurnObserver):
         if self._done:
             return
         self._done = True
-        fam = self._fam
-        route_label = route or _NONE
-        span = self._span
-        fam.turns.get(route_label, outcome).inc()
-        fam.turn_duration.get(route_label, outcome).observe(
-            time.perf_counter() - self._t0, _exemplar(span))
-        fam.in_flight.dec()
+        self._finish_metrics(outcome, route, self._turn_exemplar)
         interrupted = outcome == "interrupted"
-        if interrupted:
-            fam.interruptions.inc()
+        stale = self._open
+        if stale is not None and stale is not self._answer:
+            self._close_open(stale, error, interrupted)
         if self._answer is not None:  # answer_finished was never called
             self._close_answer(self._answer, None, error, interrupted)
-        if span is not None:
-            attributes: Attributes = {ATTR.OUTCOME: outcome, ATTR.ATTEMPTS: attempts}
-            if route is not None:
-                attributes[ATTR.ROUTE] = route
-            if focus_before is not None:
-                attributes[ATTR.FOCUS_BEFORE] = focus_before
-            if focus_after is not None:
-                attributes[ATTR.FOCUS_AFTER] = focus_after
-            if interrupted:
-                attributes[ATTR.INTERRUPTED] = True
-            span.set_attributes(attributes)
-            if not interrupted and (error is not None or outcome == "failed"):
-                _set_error(span, _error_type(error) if error is not None else "_OTHER")
-            span.end()
+        attributes: Attributes = {ATTR.OUTCOME: outcome, ATTR.ATTEMPTS: attempts}
+        if route is not None:
+            attributes[ATTR.ROUTE] = route
+        if focus_before is not None and focus_before != self._focus_before:
+            attributes[ATTR.FOCUS_BEFORE] = focus_before
+        if focus_after is not None:
+            attributes[ATTR.FOCUS_AFTER] = focus_after
+        if interrupted:
+            attributes[ATTR.INTERRUPTED] = True
+        if self._clarification is not None:
+            attributes["turnrouter.clarification.reason"] = self._clarification
+        span = self._span
+        if not interrupted and (error is not None or outcome == "failed"):
+            attributes[ATTR.ERROR_TYPE] = _error_type(error) if error is not None else "_OTHER"
+            span.set_status(_ERROR_STATUS)
+        span.set_attributes(attributes)
+        span.end()
         if self._token is not None:
             otel_context.detach(self._token)
             self._token = None

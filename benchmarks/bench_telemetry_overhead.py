@@ -1,0 +1,211 @@
+"""Telemetry overhead: AgentRouter.handle() with telemetry off, metrics only, and traced.
+
+Everything is measured in one process and one run, interleaved per repeat, so the ratios
+are meaningful on a shared, noisy machine:
+
+- the minimal hand-written routing loop of `bench_router.py`;
+- AgentRouter with `Telemetry.disabled()`;
+- AgentRouter with metrics on and a no-op tracer provider;
+- AgentRouter with metrics and an OpenTelemetry SDK tracer (BatchSpanProcessor, an
+  exporter that discards);
+- the raw cost of the same number of SDK spans per turn (a turn span and its route,
+  admission and `invoke_agent` children) made in a tight loop with the same processor;
+- for reference, the same spans carrying the contract's attributes and event.
+
+Goals: metrics on at most 7x the minimal loop; fully traced at most 1.3x (minimal loop +
+raw spans).
+
+    .venv/bin/python benchmarks/bench_telemetry_overhead.py [--turns N] [--repeats R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import NoOpTracerProvider
+from prometheus_client import CollectorRegistry
+
+from turnrouter import AgentRouter, AgentTurn, RouterObserver
+from turnrouter.telemetry import Telemetry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_router import (
+    FirstCandidate,
+    InstantAgent,
+    _noop_output,
+    _turns,
+    minimal_loop,
+)
+
+#: Spans of one plain answered turn: turn, route, admission, invoke_agent.
+SPANS_PER_TURN = 4
+_CHILDREN = ("turnrouter.route", "turnrouter.admission", "invoke_agent weather")
+
+METRICS_GOAL = 7.0
+TRACED_GOAL = 1.3
+
+
+class DiscardingExporter(SpanExporter):
+    """Accepts every batch and keeps nothing."""
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def raw_spans(provider: TracerProvider, n: int) -> float:
+    """Seconds for `n` turns' worth of bare SDK spans (one root, three children)."""
+    tracer = provider.get_tracer("bench")
+    set_in_context = trace.set_span_in_context
+    start = time.perf_counter()
+    for _ in range(n):
+        root = tracer.start_span("turnrouter.turn")
+        ctx = set_in_context(root)
+        for name in _CHILDREN:
+            tracer.start_span(name, context=ctx).end()
+        root.end()
+    return time.perf_counter() - start
+
+
+def raw_spans_with_attributes(provider: TracerProvider, n: int) -> float:
+    """Seconds for `n` turns of the same four spans carrying the contract's attributes and
+    first-response event (what the SDK itself charges for a traced turn's data)."""
+    tracer = provider.get_tracer("bench")
+    set_in_context = trace.set_span_in_context
+    candidates = ("weather", "calendar", "conversation")
+    start = time.perf_counter()
+    for i in range(n):
+        root = tracer.start_span("turnrouter.turn", attributes={
+            "turnrouter.participant.id": "p1", "turnrouter.turn.id": f"t{i}"})
+        ctx = set_in_context(root)
+        span = tracer.start_span("turnrouter.route", context=ctx, attributes={
+            "turnrouter.decision.candidates": candidates, "turnrouter.decision.excluded": ()})
+        span.set_attributes({"turnrouter.decision.choice": "weather"})
+        span.end()
+        span = tracer.start_span("turnrouter.admission", context=ctx, attributes={
+            "turnrouter.route": "weather", "turnrouter.admission.focused": False})
+        span.set_attributes({"turnrouter.admission.disposition": "accept"})
+        span.end()
+        span = tracer.start_span("invoke_agent weather", context=ctx, attributes={
+            "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "weather",
+            "turnrouter.fallback": False})
+        span.add_event("turnrouter.first_response", {"turnrouter.first_response.seconds": 0.1})
+        span.set_attributes({"turnrouter.first_response.seconds": 0.1,
+                             "turnrouter.result.disposition": "answer"})
+        span.end()
+        root.set_attributes({"turnrouter.outcome": "answer", "turnrouter.attempts": 1,
+                             "turnrouter.route": "weather"})
+        root.end()
+    return time.perf_counter() - start
+
+
+async def timed_router(observer: RouterObserver, agents: dict[str, InstantAgent],
+                       decisions: FirstCandidate, turns: list[AgentTurn]) -> float:
+    router = AgentRouter(agents, decisions, output=_noop_output, telemetry=observer)
+    handle = router.handle
+    start = time.perf_counter()
+    for turn in turns:
+        await handle(turn)
+    elapsed = time.perf_counter() - start
+    await router.stop()
+    return elapsed
+
+
+async def measure(n: int, repeats: int) -> dict[str, float]:
+    """Median µs per turn of each variant."""
+    agents = {name: InstantAgent(name) for name in ("weather", "calendar", "conversation")}
+    decisions = FirstCandidate()
+    turns = _turns(n, 100)
+    provider = TracerProvider()
+    processor = BatchSpanProcessor(DiscardingExporter())
+    provider.add_span_processor(processor)
+    noop = NoOpTracerProvider()
+    results: dict[str, list[float]] = {
+        "minimal": [], "disabled": [], "metrics": [], "traced": [], "raw_spans": [],
+        "raw_spans_attributes": []}
+    try:
+        for index in range(repeats + 1):  # round 0 warms up and is discarded
+            round_: dict[str, float] = {}
+            gc.collect()
+            start = time.perf_counter()
+            await minimal_loop(agents, decisions, turns)
+            round_["minimal"] = time.perf_counter() - start
+            gc.collect()
+            round_["disabled"] = await timed_router(
+                Telemetry.disabled(), agents, decisions, turns)
+            gc.collect()
+            round_["metrics"] = await timed_router(
+                Telemetry(tracer_provider=noop, registry=CollectorRegistry()),
+                agents, decisions, turns)
+            processor.force_flush()
+            gc.collect()
+            round_["traced"] = await timed_router(
+                Telemetry(tracer_provider=provider, registry=CollectorRegistry()),
+                agents, decisions, turns)
+            processor.force_flush()
+            gc.collect()
+            round_["raw_spans"] = raw_spans(provider, n)
+            processor.force_flush()
+            gc.collect()
+            round_["raw_spans_attributes"] = raw_spans_with_attributes(provider, n)
+            processor.force_flush()
+            if index:
+                for key, value in round_.items():
+                    results[key].append(value)
+    finally:
+        provider.shutdown()
+    return {key: statistics.median(values) / n * 1e6 for key, values in results.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=20000)
+    parser.add_argument("--repeats", type=int, default=5, help="measured rounds (>= 1)")
+    args = parser.parse_args()
+    f = asyncio.run(measure(args.turns, args.repeats))
+    minimal = f["minimal"]
+    traced_budget = minimal + f["raw_spans"]
+    metrics_ratio = f["metrics"] / minimal
+    traced_ratio = f["traced"] / traced_budget
+    print(f"turns {args.turns}, repeats {args.repeats} (median), "
+          f"{SPANS_PER_TURN} spans per traced turn")
+    print(f"minimal loop                    {minimal:8.2f} µs/turn")
+    print(f"router, telemetry disabled      {f['disabled']:8.2f} µs/turn"
+          f"  {f['disabled'] / minimal:5.2f}x minimal")
+    print(f"router, metrics + no-op tracer  {f['metrics']:8.2f} µs/turn"
+          f"  {metrics_ratio:5.2f}x minimal  (goal <= {METRICS_GOAL:g}x)")
+    print(f"router, metrics + SDK tracer    {f['traced']:8.2f} µs/turn"
+          f"  {f['traced'] / minimal:5.2f}x minimal")
+    print(f"raw SDK spans ({SPANS_PER_TURN} per turn)       {f['raw_spans']:8.2f} µs/turn"
+          f"  ({f['raw_spans'] / SPANS_PER_TURN:.2f} µs/span)")
+    print(f"traced / (minimal + raw spans)  {traced_ratio:8.2f}x"
+          f"          (goal <= {TRACED_GOAL:g}x; budget {traced_budget:.2f} µs/turn)")
+    with_data = minimal + f["raw_spans_attributes"]
+    print(f"raw SDK spans with the contract's attributes and event "
+          f"{f['raw_spans_attributes']:.2f} µs/turn; traced / (minimal + those) "
+          f"{f['traced'] / with_data:.2f}x")
+    print(f"telemetry cost per turn: metrics {f['metrics'] - f['disabled']:.2f} µs, "
+          f"traced {f['traced'] - f['disabled']:.2f} µs")
+    met = metrics_ratio <= METRICS_GOAL and traced_ratio <= TRACED_GOAL
+    print("goals met" if met else "goals MISSED")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,454 @@
+"""Route-aware intention acknowledgments, timed by a fallback delay or a prediction.
+
+Used by `AgentRouter` only when `acknowledgment_llm` and `acknowledgment_delay_secs` are
+configured (or a timing predictor/sink is given, for samples only). Per turn, the
+destination's `answer()` starts at once; beside it, in an anyio task group, one
+acknowledgment task:
+
+1. asks the timing predictor for a prediction of this route's first response;
+2. picks the trigger: ``prediction`` when the prediction is confident and its lower
+   bound (by default the 10th percentile) is above the delay - then the acknowledgment
+   is *heard* at `AcknowledgmentPolicy.early_secs` (at most the delay), its generation
+   starting that much earlier than the expected generation time; otherwise ``delay``:
+   generation starts when the fallback delay has passed, and the text is spoken as soon
+   as it is ready;
+3. generates the text (an `Acknowledger`'s structured path, else `LLMService.complete`
+   with the documented prompt, non-reasoning, bounded `max_tokens`), bounded in time;
+4. commits: calls `output(turn, route, text)`.
+
+`started()` before the commit suppresses it; after the commit, `started()` waits until
+the output call returned. Interrupts cancel it. A generation error or timeout means no
+acknowledgment (outcome ``failed``, failure stage ``acknowledgment``); the answer is
+never affected.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+import anyio
+
+from ._clock import Clock
+from ._contracts import AgentTurn, DestinationResult, RoutingAid
+from ._exceptions import ConfigurationError
+from ._llm import LLMService
+from ._observer import AcknowledgmentOutcome, AcknowledgmentTrigger, RouterObserver, TurnObserver
+from ._timing import Prediction, TimingPredictor, TimingSample, TimingSink
+
+if TYPE_CHECKING:
+    from ._contracts import RoutableAgent
+
+__all__ = [
+    "Acknowledger",
+    "AcknowledgmentPolicy",
+    "AcknowledgmentRequest",
+    "acknowledgment_prompt",
+    "clean_acknowledgment",
+]
+
+logger = logging.getLogger("turnrouter")
+T = TypeVar("T")
+
+#: Prompt line prefixes; `turnrouter.llm.TemplateAcknowledger` parses them back.
+PROMPT_ROUTE = "Helper: "
+PROMPT_DESCRIPTION = "Helper description: "
+PROMPT_QUERY = "User request: "
+
+
+@dataclass(frozen=True, slots=True)
+class AcknowledgmentPolicy:
+    """How acknowledgments are generated and timed (defaults suit a voice assistant).
+
+    - `max_tokens`: output-token budget of each generation (bounded, default 32).
+    - `max_chars`: the spoken text is cut at a word boundary to this length.
+    - `timeout_secs`: a generation slower than this is abandoned (outcome failed).
+    - `early_secs`: when a confident prediction says the answer is slower than the delay,
+      the acknowledgment is heard this long after the answer starts (at most the delay).
+    - `expected_generation_secs`: initial guess of the generation time, refined by a
+      moving average of measured generations; an early acknowledgment starts generating
+      this much before it should be heard.
+    - `prediction_timeout_secs`: bound on an awaitable (LLM-assisted) prediction.
+    """
+
+    max_tokens: int = 32
+    max_chars: int = 160
+    timeout_secs: float = 3.0
+    early_secs: float = 0.25
+    expected_generation_secs: float = 0.3
+    prediction_timeout_secs: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_chars"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"AcknowledgmentPolicy {name} must be an int >= 1, "
+                                         f"got {value!r}")
+        for name in ("timeout_secs", "prediction_timeout_secs"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigurationError(f"AcknowledgmentPolicy {name} must be finite and "
+                                         f"positive, got {value!r}")
+        for name in ("early_secs", "expected_generation_secs"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigurationError(f"AcknowledgmentPolicy {name} must be finite and "
+                                         f">= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class AcknowledgmentRequest:
+    """What a structured `Acknowledger` receives: the route's aid, the turn, the budget."""
+
+    route: RoutingAid
+    turn: AgentTurn
+    max_tokens: int
+
+
+@runtime_checkable
+class Acknowledger(Protocol):
+    """The structured acknowledgment path: used instead of `complete()` when present."""
+
+    async def acknowledge(self, request: AcknowledgmentRequest) -> str:
+        """Return the short text to speak for `request` (no promise of a result)."""
+        ...
+
+
+def acknowledgment_prompt(route: RoutingAid, query: str) -> str:
+    """The prompt sent to `LLMService.complete` for an acknowledgment."""
+    lines = [
+        "You are the voice of a realtime assistant. The user's request was handed to a "
+        "helper that is now working on it.",
+        "Say one short spoken sentence (at most 10 words) telling the user what you are "
+        "doing now, e.g. 'Let me check your calendar.'",
+        "Do not answer the request, do not promise or guess a result, no greeting, no "
+        "quotes. Reply with the sentence only.",
+        f"{PROMPT_ROUTE}{route.name}",
+    ]
+    if route.description:
+        lines.append(f"{PROMPT_DESCRIPTION}{' '.join(route.description.split())}")
+    lines.append(f"{PROMPT_QUERY}{' '.join(query.split())[:500]}")
+    return "\n".join(lines)
+
+
+def clean_acknowledgment(text: str, max_chars: int) -> str:
+    """First non-empty line, unquoted, whitespace-normalized, cut at a word boundary."""
+    for raw in text.splitlines():
+        line = " ".join(raw.split()).strip().strip("\"'“”‘’`").strip()
+        if line:
+            break
+    else:
+        return ""
+    if len(line) > max_chars:
+        cut = line[:max_chars].rsplit(" ", 1)[0]
+        line = (cut or line[:max_chars]).rstrip(",;:-")
+    return line
+
+
+async def within(clock: Clock, deadline: float, call: Callable[[], Awaitable[T]]) -> T:
+    """`await call()`, or TimeoutError once `clock` reaches `deadline`."""
+    results: list[T] = []
+    errors: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+        async def watchdog() -> None:
+            await clock.sleep_until(deadline)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watchdog)
+        try:
+            results.append(await call())
+        except Exception as exc:
+            errors.append(exc)
+        tg.cancel_scope.cancel()
+    if results:
+        return results[0]
+    if errors:
+        raise errors[0]
+    raise TimeoutError(f"no reply within {deadline - clock.now():.3f}s of the deadline")
+
+
+class TimingEngine:
+    """Router-wide timing state: predictor, sink, generation-time estimate, clock."""
+
+    __slots__ = ("_published", "acknowledger", "clock", "delay", "expected_generation",
+                 "llm", "observer", "policy", "predictor", "sink")
+
+    def __init__(
+        self, *, llm: LLMService | None, delay: float | None, policy: AcknowledgmentPolicy,
+        predictor: TimingPredictor | None, sink: TimingSink | None, clock: Clock,
+        observer: RouterObserver,
+    ) -> None:
+        self.llm = llm
+        self.acknowledger: Acknowledger | None = (
+            llm if llm is not None and callable(getattr(llm, "acknowledge", None))
+            else None  # type: ignore[assignment]
+        )
+        self.delay = delay
+        self.policy = policy
+        self.predictor = predictor
+        self.sink = sink
+        self.clock = clock
+        self.observer = observer
+        self.expected_generation = policy.expected_generation_secs
+        self._published: dict[str, float] = {}
+
+    def publish_estimates(self, routes: tuple[str, ...]) -> None:
+        """Publish the predictor's current estimates (e.g. after loading samples)."""
+        for route in routes:
+            self._publish(route)
+
+    def _publish(self, route: str) -> None:
+        predictor = self.predictor
+        if predictor is None:
+            return
+        try:
+            estimate = predictor.estimate(route)
+        except Exception:
+            logger.exception("turnrouter: timing predictor estimate(%r) failed", route)
+            return
+        if estimate is None:
+            return
+        last = self._published.get(route)
+        if last is None or abs(estimate - last) > 0.01 * last:
+            self._published[route] = estimate
+            self.observer.predicted_first_response(route, estimate)
+
+    def record(self, route: str, seconds: float, censored: bool, turn: AgentTurn) -> None:
+        """One first-response sample: to the predictor, the sink, and the gauge."""
+        sample = TimingSample(route, seconds, censored, time.time())
+        if self.predictor is not None:
+            try:
+                self.predictor.record(sample, turn)
+            except Exception:
+                logger.exception("turnrouter: timing predictor failed to record a sample")
+            self._publish(route)
+        if self.sink is not None:
+            try:
+                self.sink.record(sample)
+            except Exception:
+                logger.exception("turnrouter: timing sink failed to record a sample")
+
+    def generation_observed(self, seconds: float) -> None:
+        self.expected_generation += 0.2 * (seconds - self.expected_generation)
+
+    def turn(
+        self, obs: TurnObserver, agent: RoutableAgent, route: str, turn: AgentTurn,
+        emit: Callable[[AgentTurn, str, str], Awaitable[None]], admitted_at: float,
+        heard: bool,
+    ) -> TurnTiming:
+        return TurnTiming(self, obs, agent, route, turn, emit, admitted_at, heard)
+
+
+_PENDING, _SUPPRESSED, _FAILED, _COMMITTED, _DONE = range(5)
+
+
+class TurnTiming:
+    """One answered turn's acknowledgment, silence and first-response sample."""
+
+    __slots__ = (
+        "_agent",
+        "_delay_used",
+        "_delivered",
+        "_emit",
+        "_engine",
+        "_obs",
+        "_predicted",
+        "_scope",
+        "_started_at",
+        "_state",
+        "_t0",
+        "_trigger",
+        "admitted_at",
+        "heard",
+        "route",
+        "turn",
+    )
+
+    def __init__(
+        self, engine: TimingEngine, obs: TurnObserver, agent: RoutableAgent, route: str,
+        turn: AgentTurn, emit: Callable[[AgentTurn, str, str], Awaitable[None]],
+        admitted_at: float, heard: bool,
+    ) -> None:
+        self._engine, self._obs, self._agent = engine, obs, agent
+        self.route, self.turn, self._emit = route, turn, emit
+        self.admitted_at = admitted_at
+        self.heard = heard
+        self._t0 = engine.clock.now()
+        self._state = _PENDING
+        self._scope: anyio.CancelScope | None = None
+        self._delivered: anyio.Event | None = None
+        self._trigger: AcknowledgmentTrigger = "delay"
+        self._predicted: float | None = None
+        self._delay_used = engine.delay if engine.delay is not None else 0.0
+        self._started_at: float | None = None
+
+    # -------------------------------------------------------------- the answer side
+
+    async def answer(self, started: Callable[[], Awaitable[None]]) -> DestinationResult:
+        """Run the destination's answer, with the acknowledgment beside it if configured."""
+        agent = self._agent
+        if self._engine.llm is None:
+            self._state = _DONE
+            return await agent.answer(self.turn, started=started)
+        error: Exception | None = None
+        result: Any = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._acknowledge)
+            try:
+                result = await agent.answer(self.turn, started=started)
+            except Exception as exc:  # re-raised below, unwrapped by the task group
+                error = exc
+            if self._state == _PENDING:
+                self._suppress()
+        if error is not None:
+            raise error
+        answer: DestinationResult = result
+        return answer
+
+    def started(self, now: float, seconds: float) -> None:
+        """The destination's first `started()` call, `seconds` after its answer began."""
+        self._started_at = now
+        if self._state == _PENDING:
+            self._suppress()
+        if not self.heard and self._state != _COMMITTED:
+            self.heard = True
+            self._obs.silence(self.route, now - self.admitted_at)
+        self._engine.record(self.route, seconds, False, self.turn)
+
+    async def wait_delivered(self) -> None:
+        """Wait for a committed acknowledgment's delivery (at once if there is none)."""
+        if self._state == _COMMITTED and self._delivered is not None:
+            await self._delivered.wait()
+
+    def interrupted(self) -> None:
+        """The answer was cancelled before `started()`: a censored (lower-bound) sample."""
+        self._engine.record(self.route, self._engine.clock.now() - self._t0, True, self.turn)
+
+    # -------------------------------------------------------------- the acknowledgment
+
+    def _report(self, outcome: AcknowledgmentOutcome, text: str = "",
+                error: BaseException | None = None) -> None:
+        self._obs.acknowledgment(
+            self.route, outcome, self._trigger, self._delay_used, self._predicted,
+            self._t0, self._engine.clock.now(), text, error,
+        )
+
+    def _suppress(self) -> None:
+        self._state = _SUPPRESSED
+        if self._scope is not None:
+            self._scope.cancel()
+        self._report("suppressed")
+
+    def _fail(self, error: BaseException) -> None:
+        self._state = _FAILED
+        logger.warning("turnrouter: acknowledgment for %s failed (none spoken): %r",
+                       self.route, error)
+        self._report("failed", error=error)
+
+    async def _acknowledge(self) -> None:
+        if self._state != _PENDING:
+            return
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                await self._run()
+        except BaseException:
+            # Cancelled from outside (an interrupt): a pending acknowledgment is dropped.
+            if self._state == _PENDING:
+                self._state = _SUPPRESSED
+                self._report("suppressed")
+            raise
+
+    async def _predict(self) -> Prediction | None:
+        engine = self._engine
+        predictor = engine.predictor
+        if predictor is None:
+            return None
+        try:
+            prediction = predictor.predict(self.route, self.turn)
+            if inspect.isawaitable(prediction):
+                waiting = prediction
+
+                async def wait() -> Prediction | None:
+                    return await waiting
+
+                deadline = engine.clock.now() + engine.policy.prediction_timeout_secs
+                prediction = await within(engine.clock, deadline, wait)
+        except Exception as exc:
+            logger.info("turnrouter: timing prediction for %s failed: %r", self.route, exc)
+            return None
+        return prediction if isinstance(prediction, Prediction) else None
+
+    async def _generate(self) -> str:
+        engine = self._engine
+        max_tokens = engine.policy.max_tokens
+        aid = self._agent.routing_aid(self.turn.participant_id)
+        if engine.acknowledger is not None:
+            return await engine.acknowledger.acknowledge(
+                AcknowledgmentRequest(aid, self.turn, max_tokens))
+        assert engine.llm is not None
+        return await engine.llm.complete(acknowledgment_prompt(aid, self.turn.query),
+                                         max_tokens=max_tokens, reasoning=False)
+
+    async def _run(self) -> None:
+        engine = self._engine
+        clock, policy = engine.clock, engine.policy
+        delay = self._delay_used
+        prediction = await self._predict()
+        if prediction is not None:
+            self._predicted = prediction.seconds
+        if prediction is not None and prediction.confident and prediction.lower > delay:
+            self._trigger = "prediction"
+            heard = min(policy.early_secs, delay)
+            self._delay_used = heard
+            start_at = self._t0 + max(0.0, heard - engine.expected_generation)
+            emit_at = self._t0 + heard
+        else:
+            start_at = emit_at = self._t0 + delay
+        if clock.now() < start_at:
+            await clock.sleep_until(start_at)
+        began = clock.now()
+        try:
+            text = await within(clock, began + policy.timeout_secs, self._generate)
+            if not isinstance(text, str):
+                raise TypeError(f"acknowledgment generator returned {type(text).__name__}")
+            text = clean_acknowledgment(text, policy.max_chars)
+            if not text:
+                raise ValueError("acknowledgment generator returned no text")
+        except Exception as exc:
+            self._fail(exc)
+            return
+        engine.generation_observed(clock.now() - began)
+        if clock.now() < emit_at:
+            await clock.sleep_until(emit_at)
+        if self._state != _PENDING:
+            return
+        # Commit: from here on started() waits for this delivery instead of suppressing.
+        self._state = _COMMITTED
+        self._delivered = anyio.Event()
+        committed_at = clock.now()
+        try:
+            await self._emit(self.turn, self.route, text)
+        except Exception as exc:
+            self._fail(exc)
+            if not self.heard and self._started_at is not None:
+                self.heard = True
+                self._obs.silence(self.route, self._started_at - self.admitted_at)
+        except BaseException:
+            # Interrupted while delivering: the router suppresses interrupted control text.
+            self._state = _DONE
+            self._report("suppressed", text)
+            raise
+        else:
+            self._state = _DONE
+            if not self.heard:
+                self.heard = True
+                self._obs.silence(self.route, committed_at - self.admitted_at)
+            self._report("emitted", text)
+        finally:
+            self._delivered.set()

@@ -1,0 +1,114 @@
+"""`TemplateAcknowledger`: route-aware acknowledgments without a model."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Mapping, Sequence
+
+from .._acknowledgment import PROMPT_DESCRIPTION, PROMPT_QUERY, PROMPT_ROUTE, AcknowledgmentRequest
+
+__all__ = ["DEFAULT_PHRASES", "GENERIC_PHRASES", "TemplateAcknowledger"]
+
+#: `{topic}` is the route's spoken topic ("your calendar", "the weather").
+DEFAULT_PHRASES: tuple[str, ...] = (
+    "Let me check {topic}.",
+    "One moment, I'm looking at {topic}.",
+    "Let me look into {topic} for you.",
+    "Give me a second, checking {topic}.",
+    "Okay, I'm pulling up {topic}.",
+    "Let me take a look at {topic}.",
+)
+#: For routes without a useful topic (chit-chat, a general default).
+GENERIC_PHRASES: tuple[str, ...] = (
+    "Let me think about that.",
+    "One moment.",
+    "Give me a second.",
+    "Let me see.",
+)
+_GENERIC_ROUTES = frozenset({
+    "conversation", "chat", "general", "default", "smalltalk", "small_talk", "assistant",
+    "fallback", "other",
+})
+_PERSONAL = re.compile(r"\b(your|user'?s?|my|personal|own)\b", re.IGNORECASE)
+
+
+def spoken_topic(name: str, description: str = "") -> str:
+    """A route's topic as spoken: 'calendar' + "the user's calendar" -> 'your calendar'."""
+    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name)
+    words = re.sub(r"[_\-.]+", " ", words).strip().lower()
+    if not words:
+        return "that"
+    # "Your" when the description ties the topic to the user ("your calendar").
+    first = words.split()[0]
+    for match in re.finditer(rf"((?:[\w']+\s+){{1,2}}){re.escape(first)}", description,
+                             re.IGNORECASE):
+        if any(_PERSONAL.fullmatch(word) for word in match.group(1).split()):
+            return "your " + words
+    if words.startswith("my "):
+        return "your " + words.removeprefix("my ")
+    return "the " + words
+
+
+class TemplateAcknowledger:
+    """An `LLMService` and structured `Acknowledger` that needs no model.
+
+    It speaks short, varied, route-aware phrases ("Let me check your calendar.") built
+    from the routing aid, never a promise of a result. The router uses the structured
+    `acknowledge()` path directly; `complete()` parses the route from the documented
+    acknowledgment prompt, so it also works wherever an `LLMService` is expected.
+
+    - `phrases`: templates with `{topic}`; `topics`: spoken topic per route name (else
+      derived from the route name and description); `generic_routes`: routes answered
+      with generic phrases ("One moment.").
+    Consecutive acknowledgments of one route never repeat the same phrase.
+    """
+
+    def __init__(
+        self, *, phrases: Sequence[str] = DEFAULT_PHRASES,
+        generic_phrases: Sequence[str] = GENERIC_PHRASES,
+        topics: Mapping[str, str] | None = None,
+        generic_routes: frozenset[str] = _GENERIC_ROUTES,
+    ) -> None:
+        if not phrases or not generic_phrases:
+            raise ValueError("TemplateAcknowledger needs at least one phrase of each kind")
+        for phrase in phrases:
+            phrase.format(topic="x")  # fail early on a malformed template
+        self._phrases = tuple(phrases)
+        self._generic = tuple(generic_phrases)
+        self._topics = dict(topics or {})
+        self._generic_routes = generic_routes
+        self._last: dict[str, int] = {}
+
+    def phrase(self, route: str, description: str = "", key: str = "") -> str:
+        """The acknowledgment for `route`; `key` (e.g. a turn id) varies the choice."""
+        generic = route.lower() in self._generic_routes and route not in self._topics
+        choices = self._generic if generic else self._phrases
+        index = zlib.crc32(f"{route}\x00{key}".encode()) % len(choices)
+        if len(choices) > 1 and self._last.get(route) == index:
+            index = (index + 1) % len(choices)
+        if len(self._last) < 1024 or route in self._last:
+            self._last[route] = index
+        if generic:
+            return choices[index]
+        topic = self._topics.get(route) or spoken_topic(route, description)
+        return choices[index].format(topic=topic)
+
+    async def acknowledge(self, request: AcknowledgmentRequest) -> str:
+        """The structured path `AgentRouter` uses."""
+        aid = request.route
+        return self.phrase(aid.name, aid.description, request.turn.turn_id)
+
+    async def complete(self, prompt: str, *, max_tokens: int, reasoning: bool = False) -> str:
+        """Parse `Helper:` / `Helper description:` lines of an acknowledgment prompt."""
+        route = description = query = ""
+        for line in prompt.splitlines():
+            if line.startswith(PROMPT_ROUTE):
+                route = line[len(PROMPT_ROUTE):].strip()
+            elif line.startswith(PROMPT_DESCRIPTION):
+                description = line[len(PROMPT_DESCRIPTION):].strip()
+            elif line.startswith(PROMPT_QUERY):
+                query = line[len(PROMPT_QUERY):].strip()
+        if not route:
+            return self._generic[zlib.crc32(prompt.encode()) % len(self._generic)]
+        return self.phrase(route, description, query)

@@ -1,0 +1,512 @@
+"""Grafana dashboards as plain JSON models, built from `METRICS`.
+
+No Grafana SDK: the dashboards are dicts in Grafana's dashboard JSON model (schema
+version 39, Grafana 10.x/11.x), so generating them needs nothing beyond the standard
+library and the output is stable byte for byte. Every series name goes through `_m()`,
+which looks the metric up in `METRICS`, so a renamed metric fails here first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..telemetry import metric
+from ._promql import le_regex, le_value
+from ._rules import (
+    ACK_OVERUSE_RATIO,
+    CLARIFICATION_CRITICAL,
+    CLARIFICATION_WARNING,
+    DEAD_AIR_SECONDS,
+    DECISION_SLOW_SECONDS,
+    FAILURE_RATIO,
+    SLOW_FIRST_RESPONSE_SECONDS,
+)
+
+__all__ = ["DASHBOARDS", "dashboard_files", "dashboards", "queries", "render_dashboard"]
+
+SCHEMA_VERSION = 39
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+RATE = "$__rate_interval"
+JOB = 'job=~"$job"'
+#: The needless-acknowledgment proxy counts answers that started within this many seconds
+#: (must be a bucket bound of the first-response histogram).
+NEEDLESS_WITHIN_SECONDS = 0.5
+ROUTE = 'route=~"$route"'
+
+
+def _m(name: str, suffix: str = "") -> str:
+    spec = metric(name)
+    if suffix and spec.type != "histogram":
+        raise ValueError(f"{name} is not a histogram")
+    return spec.name + suffix
+
+
+def _sel(name: str, *matchers: str, suffix: str = "") -> str:
+    return f"{_m(name, suffix)}{{{', '.join(matchers)}}}"
+
+
+def _quantile(q: float, name: str, by: str, *matchers: str, window: str = RATE) -> str:
+    by_clause = f"{by}, le" if by else "le"
+    return (f"histogram_quantile({q:g}, sum by ({by_clause}) "
+            f"(rate({_sel(name, *matchers, suffix='_bucket')}[{window}])))")
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def _thresholds(*steps: tuple[str, float | None]) -> dict[str, Any]:
+    return {"mode": "absolute",
+            "steps": [{"color": color, "value": value} for color, value in steps]}
+
+
+def _target(expr: str, legend: str = "", *, ref: str = "A", exemplar: bool = False,
+            instant: bool = False, fmt: str = "time_series") -> dict[str, Any]:
+    return {
+        "datasource": DATASOURCE,
+        "refId": ref,
+        "expr": expr,
+        "legendFormat": legend or "__auto",
+        "range": not instant,
+        "instant": instant,
+        "exemplar": exemplar,
+        "format": fmt,
+    }
+
+
+def _targets(*specs: tuple[str, str], exemplar: bool = False) -> list[dict[str, Any]]:
+    """Range targets A, B, ...; latency quantiles always ask for exemplars."""
+    return [_target(expr, legend, ref=chr(ord("A") + i),
+                    exemplar=exemplar or "histogram_quantile" in expr)
+            for i, (expr, legend) in enumerate(specs)]
+
+
+def _timeseries(title: str, description: str, targets: list[dict[str, Any]], *,
+                unit: str, thresholds: dict[str, Any] | None = None, stack: bool = False,
+                min_: float | None = 0, max_: float | None = None,
+                draw: str = "off") -> dict[str, Any]:
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "color": {"mode": "palette-classic"},
+        "custom": {
+            "drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if stack else 0,
+            "showPoints": "never", "spanNulls": False,
+            "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+            "thresholdsStyle": {"mode": draw},
+        },
+        "thresholds": thresholds or _thresholds(("green", None)),
+    }
+    if min_ is not None:
+        defaults["min"] = min_
+    if max_ is not None:
+        defaults["max"] = max_
+    return {
+        "type": "timeseries", "title": title, "description": description,
+        "datasource": DATASOURCE, "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
+                       "calcs": ["mean", "max", "lastNotNull"]},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
+
+
+def _stat(title: str, description: str, expr: str, *, unit: str,
+          thresholds: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "type": "stat", "title": title, "description": description,
+        "datasource": DATASOURCE, "targets": [_target(expr, title)],
+        "fieldConfig": {"defaults": {
+            "unit": unit, "color": {"mode": "thresholds"},
+            "thresholds": thresholds or _thresholds(("green", None)),
+        }, "overrides": []},
+        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                    "colorMode": "value", "graphMode": "area", "textMode": "auto",
+                    "justifyMode": "auto", "orientation": "auto"},
+    }
+
+
+def _row(title: str) -> dict[str, Any]:
+    return {"type": "row", "title": title, "collapsed": False, "panels": []}
+
+
+def _layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assign ids and grid positions: rows span the width, stats are 6 wide, others 12."""
+    x = y = 0
+    row_height = 0
+    for panel_id, panel in enumerate(panels, start=1):
+        panel["id"] = panel_id
+        width = panel.pop("_w", 24 if panel["type"] == "row" else
+                          6 if panel["type"] == "stat" else 12)
+        height = 1 if panel["type"] == "row" else 4 if panel["type"] == "stat" else 8
+        if panel["type"] == "row" or x + width > 24:
+            x, y = 0, y + row_height
+            row_height = 0
+        panel["gridPos"] = {"h": height, "w": width, "x": x, "y": y}
+        x += width
+        row_height = max(row_height, height)
+        if panel["type"] == "row":
+            x, y, row_height = 0, y + height, 0
+    return panels
+
+
+def _variables() -> list[dict[str, Any]]:
+    turns = _m("turnrouter_turns_total")
+    return [
+        {
+            "name": "datasource", "label": "Data source", "type": "datasource",
+            "query": "prometheus", "current": {}, "hide": 0, "refresh": 1,
+            "regex": "", "options": [], "includeAll": False, "multi": False,
+        },
+        {
+            "name": "job", "label": "Job", "type": "query", "datasource": DATASOURCE,
+            "definition": f"label_values({turns}, job)",
+            "query": {"query": f"label_values({turns}, job)",
+                      "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "current": {}, "hide": 0, "refresh": 2, "regex": "", "sort": 1, "options": [],
+            "includeAll": True, "multi": True, "allValue": ".*",
+        },
+        {
+            "name": "route", "label": "Route", "type": "query", "datasource": DATASOURCE,
+            "definition": f"label_values({turns}{{{JOB}}}, route)",
+            "query": {"query": f"label_values({turns}{{{JOB}}}, route)",
+                      "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "current": {}, "hide": 0, "refresh": 2, "regex": "", "sort": 1, "options": [],
+            "includeAll": True, "multi": True, "allValue": ".*",
+        },
+    ]
+
+
+def _dashboard(uid: str, title: str, description: str,
+               panels: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["turnrouter", "generated"],
+        "editable": True,
+        "graphTooltip": 1,
+        "timezone": "browser",
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "schemaVersion": SCHEMA_VERSION,
+        "version": 1,
+        "annotations": {"list": [{
+            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+            "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
+            "name": "Annotations & Alerts", "type": "dashboard",
+        }]},
+        "links": [{"title": "turnrouter dashboards", "type": "dashboards",
+                   "tags": ["turnrouter"], "asDropdown": True}],
+        "templating": {"list": _variables()},
+        "panels": _layout(panels),
+    }
+
+
+# --------------------------------------------------------------------------- overview
+
+
+def overview() -> dict[str, Any]:
+    """The "turnrouter overview" dashboard."""
+    turns = _m("turnrouter_turns_total")
+    clarifications = _m("turnrouter_clarifications_total")
+    clar_ratio = (
+        f"sum(rate({clarifications}{{{JOB}}}[{RATE}]))\n/\n"
+        f"(sum(rate({turns}{{{JOB}}}[{RATE}])) > 0)"
+    )
+    panels: list[dict[str, Any]] = [
+        _row("Traffic"),
+        _stat("Turns / s", "Turns handled per second, all routes.",
+              f"sum(rate({_sel('turnrouter_turns_total', JOB, ROUTE)}[{RATE}]))", unit="ops"),
+        _stat("Clarification ratio (now)", "Clarifications per turn (the alerted ratio).",
+              clar_ratio, unit="percentunit",
+              thresholds=_thresholds(("green", None), ("orange", CLARIFICATION_WARNING),
+                                     ("red", CLARIFICATION_CRITICAL))),
+        _stat("Active participants", "Participants the router holds state for.",
+              f"sum({_sel('turnrouter_active_participants', JOB)})", unit="short"),
+        _stat("Turns in flight", "Turns being handled right now.",
+              f"sum({_sel('turnrouter_turns_in_flight', JOB)})", unit="short"),
+        _timeseries(
+            "Turns by route and outcome", "Turns per second by answering route and outcome "
+            "(route `none`: no destination answered).",
+            _targets((f"sum by (route, outcome) (rate("
+                      f"{_sel('turnrouter_turns_total', JOB, ROUTE)}[{RATE}]))",
+                      "{{route}} {{outcome}}")),
+            unit="ops", stack=True),
+        _timeseries(
+            "Clarification ratio", "Clarifications per turn, with the warning and critical "
+            "thresholds of TurnrouterHighClarificationRate drawn.",
+            _targets((clar_ratio, "clarification ratio"),
+                     (f"sum by (reason) (rate({_sel('turnrouter_clarifications_total', JOB)}"
+                      f"[{RATE}]))\n/ ignoring (reason) group_left ()\n"
+                      f"(sum(rate({turns}{{{JOB}}}[{RATE}])) > 0)", "{{reason}}")),
+            unit="percentunit", draw="dashed",
+            thresholds=_thresholds(("green", None), ("orange", CLARIFICATION_WARNING),
+                                   ("red", CLARIFICATION_CRITICAL))),
+        _row("Routing"),
+        _timeseries(
+            "Reroutes and default fallbacks", "Turns routed again after a route declined or "
+            "released, and turns the default answered without admission.",
+            _targets((f"sum by (route) (rate({_sel('turnrouter_reroutes_total', JOB, ROUTE)}"
+                      f"[{RATE}]))", "reroute after {{route}}"),
+                     (f"sum by (route) (rate("
+                      f"{_sel('turnrouter_default_fallbacks_total', JOB, ROUTE)}[{RATE}]))",
+                      "fallback to {{route}}")),
+            unit="ops"),
+        _timeseries(
+            "Admissions by disposition", "admit() results per second by route, disposition "
+            "and focus.",
+            _targets((f"sum by (route, disposition, focused) (rate("
+                      f"{_sel('turnrouter_admissions_total', JOB, ROUTE)}[{RATE}]))",
+                      "{{route}} {{disposition}} focused={{focused}}")),
+            unit="ops", stack=True),
+        _timeseries(
+            "Failures by stage", "Failures per second by stage and route, against turns "
+            f"(TurnrouterFailures fires above {FAILURE_RATIO:.0%} of turns per stage).",
+            _targets((f"sum by (stage, route) (rate({_sel('turnrouter_failures_total', JOB)}"
+                      f"[{RATE}]))", "{{stage}} ({{route}})"),
+                     (f"sum(rate({_sel('turnrouter_interruptions_total', JOB)}[{RATE}]))",
+                      "interruptions")),
+            unit="ops", stack=False),
+        _timeseries(
+            "Focus transitions", "Focus taken, released or lost per second, by route.",
+            _targets((f"sum by (route, transition) (rate("
+                      f"{_sel('turnrouter_focus_transitions_total', JOB, ROUTE)}[{RATE}]))",
+                      "{{route}} {{transition}}")),
+            unit="ops"),
+        _row("Latency"),
+        _timeseries(
+            "Decision latency", "Decision-service call duration quantiles (exemplars link "
+            f"to the `turnrouter.route` span). TurnrouterDecisionSlow: p95 above "
+            f"{DECISION_SLOW_SECONDS:g}s.",
+            _targets(*((_quantile(q, "turnrouter_decision_duration_seconds", "", JOB),
+                        f"p{round(q * 100)}") for q in (0.5, 0.95, 0.99)), exemplar=True),
+            unit="s", draw="dashed",
+            thresholds=_thresholds(("green", None), ("red", DECISION_SLOW_SECONDS))),
+        _timeseries(
+            "Admission latency", "admit() duration p95 by route (exemplars link to the "
+            "`turnrouter.admission` span).",
+            _targets((_quantile(0.95, "turnrouter_admission_duration_seconds", "route",
+                                JOB, ROUTE), "p95 {{route}}"), exemplar=True),
+            unit="s"),
+        _timeseries(
+            "Turn duration", "Turn duration p95 by route and outcome (exemplars link to the "
+            "turn span).",
+            _targets((_quantile(0.95, "turnrouter_turn_duration_seconds", "route, outcome",
+                                JOB, ROUTE), "p95 {{route}} {{outcome}}"), exemplar=True),
+            unit="s"),
+        _timeseries(
+            "First response p95 by route", "Time from answer() to started() (exemplars link "
+            "to the `invoke_agent` span). TurnrouterSlowFirstResponse: p95 above "
+            f"{SLOW_FIRST_RESPONSE_SECONDS:g}s.",
+            _targets((_quantile(0.95, "turnrouter_first_response_seconds", "route", JOB,
+                                ROUTE), "p95 {{route}}"), exemplar=True),
+            unit="s", draw="dashed",
+            thresholds=_thresholds(("green", None), ("red", SLOW_FIRST_RESPONSE_SECONDS))),
+        _row("Load and context"),
+        _timeseries(
+            "Participants and turns in flight", "Participants with router state, and turns "
+            "being handled.",
+            _targets((f"sum({_sel('turnrouter_active_participants', JOB)})", "participants"),
+                     (f"sum({_sel('turnrouter_turns_in_flight', JOB)})", "turns in flight")),
+            unit="short"),
+        _timeseries(
+            "Context patches", "Background context patches per second by strategy and "
+            "outcome.",
+            _targets((f"sum by (strategy, outcome) (rate("
+                      f"{_sel('turnrouter_context_patches_total', JOB)}[{RATE}]))",
+                      "{{strategy}} {{outcome}}")),
+            unit="ops"),
+        _timeseries(
+            "Rejected runtime messages", "Runtime messages the router's subscriber rejected "
+            "per second, by topic and reason (invalid, wrong_type, closed).",
+            _targets((f"sum by (topic, reason) (rate("
+                      f"{_sel('turnrouter_runtime_rejected_messages_total', JOB)}[{RATE}]))",
+                      "{{topic}} {{reason}}")),
+            unit="ops"),
+    ]
+    return _dashboard(
+        "turnrouter-overview", "turnrouter overview",
+        "Traffic, routing, failures, latency and load of turnrouter (generated from "
+        "turnrouter.telemetry.METRICS; do not edit, run `python -m turnrouter.ops`).",
+        panels)
+
+
+# --------------------------------------------------------------------------- acknowledgments
+
+
+def acknowledgment_tuning() -> dict[str, Any]:
+    """The "turnrouter acknowledgment tuning" dashboard."""
+    first = metric("turnrouter_first_response_seconds")
+    assert first.buckets is not None
+    bucket = _sel(first.name, JOB, ROUTE, suffix="_bucket")
+    count = _sel(first.name, JOB, ROUTE, suffix="_count")
+    acks = _m("turnrouter_acknowledgments_total")
+    delay = f"max({_sel('turnrouter_acknowledgment_delay_seconds', JOB)})"
+    candidate_buckets = _sel(first.name, JOB, ROUTE, f'le=~"{le_regex(first.buckets)}"',
+                             suffix="_bucket")
+    emitted = _sel(acks, JOB, ROUTE, 'outcome="emitted"')
+    scheduled = _sel(acks, JOB, ROUTE)
+    predicted = _sel("turnrouter_predicted_first_response_seconds", JOB, ROUTE)
+    fast = _sel(first.name, JOB, ROUTE, f'le="{le_value(NEEDLESS_WITHIN_SECONDS)}"',
+                suffix="_bucket")
+    heatmap: dict[str, Any] = {
+        "type": "heatmap", "title": "First response heatmap: $route",
+        "description": "Distribution of first-response time (answer() to started()) for "
+                       "one route per panel; exemplars link to the `invoke_agent` span.",
+        "datasource": DATASOURCE, "repeat": "route", "repeatDirection": "h", "maxPerRow": 3,
+        "targets": [_target(
+            f"sum by (le) (increase({bucket}[{RATE}]))", "{{le}}", exemplar=True,
+            fmt="heatmap")],
+        "fieldConfig": {"defaults": {"unit": "s"}, "overrides": []},
+        "options": {
+            "calculate": False, "cellGap": 1, "yAxis": {"unit": "s", "axisPlacement": "left"},
+            "rowsFrame": {"layout": "auto"},
+            "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64, "exponent": 0.5,
+                      "fill": "dark-orange", "scale": "exponential", "reverse": False},
+            "exemplars": {"color": "rgba(255,0,255,0.7)"},
+            "tooltip": {"mode": "single", "yHistogram": True, "showColorScale": False},
+            "legend": {"show": True},
+            "filterValues": {"le": 1e-9},
+        },
+        "_w": 24,
+    }
+    what_if: dict[str, Any] = {
+        "type": "bargauge", "title": "Acknowledgment rate for each candidate delay",
+        "description": "For each histogram bucket bound d (a candidate acknowledgment "
+                       "delay), the share of answers over the dashboard's time range whose "
+                       "first response came later than d: 1 - bucket{le=d} / count. That is "
+                       "the share of turns a delay of d would acknowledge. Pick the largest "
+                       "d whose rate you accept, and compare with silence p95.",
+        "datasource": DATASOURCE,
+        "targets": [_target(
+            f"1 - (\n  sum by (le) (increase({candidate_buckets}[$__range]))\n"
+            f"  / ignoring (le) group_left ()\n  (sum(increase({count}[$__range])) > 0)\n)",
+            "delay {{le}} s", instant=True)],
+        "fieldConfig": {"defaults": {
+            "unit": "percentunit", "min": 0, "max": 1, "decimals": 1,
+            "color": {"mode": "thresholds"},
+            "thresholds": _thresholds(("green", None), ("orange", 0.3),
+                                      ("red", ACK_OVERUSE_RATIO)),
+        }, "overrides": []},
+        "options": {"orientation": "horizontal", "displayMode": "gradient",
+                    "showUnfilled": True, "valueMode": "color", "namePlacement": "left",
+                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
+                                      "values": False}},
+        "_w": 12,
+    }
+    panels: list[dict[str, Any]] = [
+        _row("First response"),
+        _timeseries(
+            "First response quantiles", "p50, p90 and p95 of the time from answer() to "
+            "started(), by route (exemplars link to the `invoke_agent` span).",
+            _targets(*((_quantile(q, first.name, "route", JOB, ROUTE),
+                        f"p{round(q * 100)} {{{{route}}}}") for q in (0.5, 0.9, 0.95)),
+                     exemplar=True),
+            unit="s", draw="dashed",
+            thresholds=_thresholds(("green", None), ("red", SLOW_FIRST_RESPONSE_SECONDS))),
+        _timeseries(
+            "Predicted vs observed first response", "The timing predictor's current estimate "
+            "against the observed mean and p50 first response, by route; the gap is the "
+            "prediction error.",
+            _targets(
+                (f"max by (route) ({predicted})", "predicted {{route}}"),
+                (f"sum by (route) (rate({_sel(first.name, JOB, ROUTE, suffix='_sum')}[{RATE}]))"
+                 f"\n/\n(sum by (route) (rate({count}[{RATE}])) > 0)", "observed mean {{route}}"),
+                (_quantile(0.5, first.name, "route", JOB, ROUTE), "observed p50 {{route}}"),
+            ),
+            unit="s"),
+        heatmap,
+        _row("Silence and acknowledgments"),
+        _timeseries(
+            "Silence p95 vs configured delay", "p95 of the time from admission to the first "
+            "thing the participant hears, by route, against the configured acknowledgment "
+            f"delay (TurnrouterDeadAir: above {DEAD_AIR_SECONDS:g}s). Exemplars link to the "
+            "turn span.",
+            [_target(_quantile(0.95, "turnrouter_silence_seconds", "route", JOB, ROUTE),
+                     "silence p95 {{route}}", exemplar=True),
+             _target(delay, "configured delay", ref="B")],
+            unit="s", draw="dashed",
+            thresholds=_thresholds(("green", None), ("red", DEAD_AIR_SECONDS))),
+        _timeseries(
+            "Acknowledgments: emitted vs suppressed", "Scheduled acknowledgments per second "
+            "by outcome and trigger: emitted (spoken), suppressed (the answer started "
+            "first) or failed.",
+            _targets((f"sum by (outcome, trigger) (rate({_sel(acks, JOB, ROUTE)}[{RATE}]))",
+                      "{{outcome}} ({{trigger}})")),
+            unit="ops", stack=True),
+        _timeseries(
+            "Acknowledgment ratio by route", "Share of scheduled acknowledgments that were "
+            "spoken, by route (the alerted ratio: TurnrouterAcknowledgmentOveruse above "
+            f"{ACK_OVERUSE_RATIO:.0%}).",
+            _targets((f"sum by (route) (rate({emitted}[{RATE}]))\n/\n"
+                      f"(sum by (route) (rate({scheduled}[{RATE}])) > 0)", "{{route}}")),
+            unit="percentunit", draw="dashed", max_=1,
+            thresholds=_thresholds(("green", None), ("red", ACK_OVERUSE_RATIO))),
+        _timeseries(
+            "Needless acknowledgments (proxy)", "No metric counts needless acknowledgments "
+            "(spoken although the answer started moments later). Proxy: acknowledgments "
+            f"spoken on answers whose first response came within {NEEDLESS_WITHIN_SECONDS:g}s"
+            f", estimated as emitted acknowledgments minus answers slower than "
+            f"{NEEDLESS_WITHIN_SECONDS:g}s, per second, floored at 0.",
+            _targets((
+                f"clamp_min(\n  sum(rate({emitted}[{RATE}]))\n  -\n"
+                f"  (sum(rate({count}[{RATE}])) - sum(rate({fast}[{RATE}]))),\n  0\n)",
+                "needless (proxy)")),
+            unit="ops"),
+        what_if,
+    ]
+    return _dashboard(
+        "turnrouter-acknowledgment-tuning", "turnrouter acknowledgment tuning",
+        "First-response latency, silence and acknowledgments: choose the acknowledgment "
+        "delay (generated from turnrouter.telemetry.METRICS; do not edit, run "
+        "`python -m turnrouter.ops`).",
+        panels)
+
+
+# --------------------------------------------------------------------------- files
+
+#: File name (under `dashboards/`) -> builder.
+DASHBOARDS = {
+    "turnrouter-overview.json": overview,
+    "turnrouter-acknowledgment-tuning.json": acknowledgment_tuning,
+}
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    """Every dashboard, by file name."""
+    return {name: build() for name, build in DASHBOARDS.items()}
+
+
+def render_dashboard(model: dict[str, Any]) -> str:
+    """The checked-in text of a dashboard: sorted-key-free, indented JSON + newline."""
+    return json.dumps(model, indent=2, ensure_ascii=False) + "\n"
+
+
+def dashboard_files() -> dict[str, str]:
+    """File name -> text, as checked in under `dashboards/`."""
+    return {name: render_dashboard(model) for name, model in dashboards().items()}
+
+
+def _walk_panels(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for panel in panels:
+        out.append(panel)
+        out.extend(_walk_panels(panel.get("panels", [])))
+    return out
+
+
+def queries(model: dict[str, Any]) -> list[tuple[str, str]]:
+    """Every PromQL query of a dashboard as (where, expr): panel targets and the
+    `label_values(...)` selectors of query variables."""
+    found: list[tuple[str, str]] = []
+    for panel in _walk_panels(model["panels"]):
+        for target in panel.get("targets", []):
+            found.append((f"{panel['title']} / {target['refId']}", target["expr"]))
+    for variable in model["templating"]["list"]:
+        if variable["type"] == "query":
+            query = variable["query"]["query"]
+            inner = query.removeprefix("label_values(").rsplit(",", 1)[0]
+            found.append((f"variable {variable['name']}", inner))
+    return found

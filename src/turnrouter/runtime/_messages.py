@@ -1,0 +1,88 @@
+"""Typed runtime messages: pydantic-validated, frozen, with publication identity.
+
+Every message carries a publication id, its originating time and, optionally, W3C trace
+context (`traceparent` / `tracestate`), so a turn published by an upstream speech
+recogniser continues that trace through the router.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "Interrupted",
+    "ParticipantJoined",
+    "ParticipantLeft",
+    "ResponseOutput",
+    "RuntimeMessage",
+    "UserQuery",
+]
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class RuntimeMessage(BaseModel):
+    """Fields every published message carries."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    message_id: str = Field(default_factory=_new_id, min_length=1)
+    """Publication identity; a query's becomes its turn id."""
+    timestamp_us: int = Field(default_factory=_now_us, ge=0)
+    """Originating time in Unix microseconds."""
+    traceparent: str | None = None
+    """W3C trace context of the publisher, if any."""
+    tracestate: str | None = None
+
+    def trace_carrier(self) -> dict[str, str]:
+        """The W3C headers as a propagation carrier."""
+        carrier: dict[str, str] = {}
+        if self.traceparent:
+            carrier["traceparent"] = self.traceparent
+            if self.tracestate:
+                carrier["tracestate"] = self.tracestate
+        return carrier
+
+
+class UserQuery(RuntimeMessage):
+    """A participant's finished utterance (one turn)."""
+
+    participant_id: str = Field(min_length=1)
+    text: str
+
+
+class ResponseOutput(RuntimeMessage):
+    """Control text the router publishes for a turn (acknowledgment, clarification, ...)."""
+
+    participant_id: str = Field(min_length=1)
+    request_id: str = Field(min_length=1)
+    """The turn id the text belongs to (the query's message id)."""
+    route: str
+    text: str
+
+
+class ParticipantJoined(RuntimeMessage):
+    """A participant (re)joined: admission reopens for them."""
+
+    participant_id: str = Field(min_length=1)
+
+
+class ParticipantLeft(RuntimeMessage):
+    """A participant left: their state is released."""
+
+    participant_id: str = Field(min_length=1)
+
+
+class Interrupted(RuntimeMessage):
+    """Barge-in: cancel a participant's response work (all participants when None)."""
+
+    participant_id: str | None = Field(default=None, min_length=1)

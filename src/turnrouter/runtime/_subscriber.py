@@ -1,0 +1,156 @@
+"""The runtime side of `AgentRouter`: topics in, router calls and control output out."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .._contracts import AgentTurn
+from .._exceptions import ConfigurationError, ContractTypeError, LifecycleError, TurnInterrupted
+from ._messages import Interrupted, ParticipantJoined, ParticipantLeft, ResponseOutput, UserQuery
+from ._runtime import AgentRuntime, Topic
+
+if TYPE_CHECKING:
+    from .._router import AgentRouter
+
+__all__ = ["RouterSubscriber", "validate_topics"]
+
+logger = logging.getLogger("turnrouter.runtime")
+
+_PAYLOADS: dict[str, type[Any]] = {
+    "query_topic": UserQuery,
+    "output_topic": ResponseOutput,
+    "participant_joined_topic": ParticipantJoined,
+    "participant_left_topic": ParticipantLeft,
+    "interrupted_topic": Interrupted,
+}
+
+
+def validate_topics(topics: dict[str, Any]) -> dict[str, Topic[Any]]:
+    """Check the router's runtime configuration; return the configured topics by role.
+
+    Incomplete configuration raises ValueError; a wrong payload class raises TypeError.
+    """
+    if (topics.get("query_topic") is None) != (topics.get("output_topic") is None):
+        raise ConfigurationError("query_topic and output_topic must be supplied together")
+    if topics.get("query_topic") is None:
+        raise ConfigurationError(
+            "runtime topics need query_topic and output_topic (lifecycle topics alone "
+            "deliver nothing)"
+        )
+    if topics.get("participant_left_topic") is not None and topics.get(
+        "participant_joined_topic"
+    ) is None:
+        raise ConfigurationError(
+            "participant_left_topic requires participant_joined_topic, so a departed "
+            "participant can be readmitted"
+        )
+    checked: dict[str, Topic[Any]] = {}
+    for role, topic in topics.items():
+        if topic is None:
+            continue
+        expected = _PAYLOADS[role]
+        if not isinstance(topic, Topic):
+            raise ContractTypeError(
+                f"{role} must be a turnrouter.runtime.Topic, got {type(topic).__name__}"
+            )
+        if topic.payload is not expected:
+            raise ContractTypeError(
+                f"{role} must carry exactly {expected.__name__}, "
+                f"got {getattr(topic.payload, '__name__', topic.payload)!r}"
+            )
+        checked[role] = topic
+    names = [topic.name for topic in checked.values()]
+    if len(names) != len(set(names)):
+        raise ConfigurationError(f"runtime topic names must be distinct, got {names}")
+    return checked
+
+
+class RouterSubscriber:
+    """Delivers configured topics to an `AgentRouter` (see `AgentRouter.runtime_subscriber`).
+
+    Queries run as runtime-owned background tasks, so one participant's turn never
+    blocks delivery for another; per-participant order is the router's. Malformed
+    messages are logged, counted and dropped; background failures are logged once.
+    """
+
+    def __init__(self, router: AgentRouter, topics: dict[str, Topic[Any]]) -> None:
+        self._router = router
+        self._topics = topics
+        self._output = topics["output_topic"]
+        self._roles = {topic.name: role for role, topic in topics.items()
+                       if role != "output_topic"}
+
+    @property
+    def subscriptions(self) -> tuple[Topic[Any], ...]:
+        return tuple(topic for role, topic in self._topics.items() if role != "output_topic")
+
+    async def deliver(self, topic: Topic[Any], message: Any, runtime: AgentRuntime) -> None:
+        role = self._roles.get(topic.name)
+        if role is None:
+            return
+        expected = self._topics[role]
+        try:
+            payload = expected.coerce(message)
+        except (TypeError, ValueError) as exc:
+            reason = "wrong_type" if isinstance(exc, TypeError) else "invalid"
+            logger.warning("turnrouter: rejected a message on topic %r: %s", topic.name, exc)
+            self._router._observer.message_rejected(topic.name, reason)
+            return
+        if role == "query_topic":
+            runtime.start_soon(self._run_query, payload, runtime,
+                               name=f"turnrouter query {payload.message_id}")
+        elif role == "participant_joined_topic":
+            self._router._participant_joined(payload.participant_id)
+        elif role == "participant_left_topic":
+            runtime.start_soon(self._guard, "participant_left", self._router.participant_left,
+                               payload.participant_id)
+        elif role == "interrupted_topic":
+            runtime.start_soon(self._guard, "interrupt", self._router.interrupt,
+                               payload.participant_id)
+
+    async def _guard(self, what: str, fn: Any, *args: Any) -> None:
+        try:
+            await fn(*args)
+        except Exception:
+            logger.exception("turnrouter: runtime %s%r failed", what, args)
+
+    async def _run_query(self, query: UserQuery, runtime: AgentRuntime) -> None:
+        router = self._router
+        output = self._output
+        pid = query.participant_id
+        turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
+
+        async def emit(turn: AgentTurn, route: str, text: str) -> None:
+            carrier = router._observer.inject_context()
+            await runtime.publish(output, ResponseOutput(
+                participant_id=turn.participant_id, request_id=turn.turn_id, route=route,
+                text=text, traceparent=carrier.get("traceparent"),
+                tracestate=carrier.get("tracestate"),
+            ))
+
+        status = router._set_status
+        token = router._observer.enter_context(query.trace_carrier())
+        try:
+            if status is not None:
+                await self._status(status, "processing", pid)
+            try:
+                await router._handle(turn, emit)
+            except TurnInterrupted:
+                pass  # the participant spoke again, or barged in: not a failure
+            except LifecycleError as exc:
+                logger.warning("turnrouter: dropped query %s: %s", query.message_id, exc)
+                router._observer.message_rejected(self._topics["query_topic"].name, "closed")
+            except Exception:
+                logger.exception("turnrouter: runtime turn %s of %s failed", turn.turn_id, pid)
+            if status is not None:
+                await self._status(status, "idle", pid)
+        finally:
+            router._observer.exit_context(token)
+
+    @staticmethod
+    async def _status(status: Any, value: str, pid: str) -> None:
+        try:
+            await status(value, pid)
+        except Exception:
+            logger.exception("turnrouter: set_status(%r, %r) failed", value, pid)

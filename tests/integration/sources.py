@@ -1,0 +1,37 @@
+"""Where the integration tests get turnrouter metrics from: one function to switch.
+
+`source_command` starts a process that serves turnrouter's `/metrics` on a given port
+and generates traffic until killed. It runs the test driver (`driver.py`); to test
+against the real demo instead, return `demo_command(...)` from it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+__all__ = ["demo_command", "driver_command", "source_command"]
+
+PARTICIPANTS = 8
+
+
+def driver_command(port: int, *, clarify_heavy: bool, seed: int) -> list[str]:
+    """The test driver: a real router, real `Telemetry`, scripted latency-modelled agents."""
+    command = [sys.executable, "-m", "tests.integration.driver", "--metrics-port", str(port),
+               "--participants", str(PARTICIPANTS), "--seed", str(seed)]
+    return [*command, "--clarify-heavy"] if clarify_heavy else command
+
+
+def demo_command(port: int, *, clarify_heavy: bool, seed: int) -> list[str]:
+    """`turnrouter demo --serve` (the console script next to this interpreter)."""
+    script = Path(sys.executable).with_name("turnrouter")
+    executable = str(script) if script.exists() else shutil.which("turnrouter") or "turnrouter"
+    command = [executable, "demo", "--serve", "--quiet", "--metrics-port", str(port),
+               "--participants", str(PARTICIPANTS), "--seed", str(seed)]
+    return [*command, "--clarify-heavy"] if clarify_heavy else command
+
+
+def source_command(port: int, *, clarify_heavy: bool, seed: int) -> list[str]:
+    """The metrics source the integration tests scrape."""
+    return driver_command(port, clarify_heavy=clarify_heavy, seed=seed)

@@ -1,0 +1,247 @@
+"""Schema-aware checks of deploy/: compose, collector, Grafana provisioning, Kubernetes.
+
+Docker cannot run here, so these tests check what can be checked without it: every file
+parses, every referenced file exists, and names, ports and paths agree across files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from turnrouter.ops import K8S_DASHBOARDS, K8S_RULE, RULES_FILE, dashboard_files, rule_groups
+
+from .conftest import DEPLOY, ROOT
+
+COMPOSE_DIR = DEPLOY / "compose"
+K8S_BASE = DEPLOY / "k8s/base"
+METRICS_PORT = 9464
+
+
+def _load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def _compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = _load(COMPOSE_DIR / "compose.yaml")
+    return loaded
+
+
+def _service(name: str) -> dict[str, Any]:
+    service: dict[str, Any] = _compose()["services"][name]
+    return service
+
+
+def _bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """Container path -> host path (resolved against the compose directory)."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("."):
+            mounts[target] = (COMPOSE_DIR / source).resolve()
+    return mounts
+
+
+def _k8s(name: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all((K8S_BASE / name).read_text()) if doc]
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p.relative_to(ROOT).as_posix() for p in DEPLOY.rglob("*")
+                   if p.suffix in {".yml", ".yaml"}))
+def test_every_yaml_file_parses(path: str) -> None:
+    """Every YAML file under deploy/ parses."""
+    documents = list(yaml.safe_load_all((ROOT / path).read_text()))
+    assert documents and all(doc is not None for doc in documents)
+
+
+# ---------------------------------------------------------------- compose
+
+
+def test_compose_has_the_stack() -> None:
+    """The demo, the collector, a trace backend, Prometheus and Grafana are services."""
+    assert set(_compose()["services"]) == {
+        "turnrouter", "otel-collector", "jaeger", "prometheus", "grafana"}
+
+
+def test_compose_bind_mounts_and_build_files_exist() -> None:
+    """Every host path a service mounts, and the demo's build context and Dockerfile, exist."""
+    for name, service in _compose()["services"].items():
+        for target, source in _bind_mounts(service).items():
+            assert source.exists(), f"{name}: {source} (mounted at {target}) is missing"
+    build = _service("turnrouter")["build"]
+    context = (COMPOSE_DIR / build["context"]).resolve()
+    assert context == ROOT
+    assert (context / build["dockerfile"]).is_file()
+
+
+def test_compose_named_volumes_are_declared() -> None:
+    """Named volumes used by services are declared at the top level."""
+    declared = set(_compose()["volumes"])
+    for service in _compose()["services"].values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if not source.startswith((".", "/")):
+                assert source in declared
+
+
+def test_compose_depends_on_known_services() -> None:
+    """depends_on names only services of the file."""
+    services = set(_compose()["services"])
+    for service in _compose()["services"].values():
+        assert set(service.get("depends_on", [])) <= services
+
+
+def test_demo_serves_metrics_on_the_port_prometheus_scrapes() -> None:
+    """The demo command, its published port and Prometheus' scrape target agree on 9464."""
+    demo = _service("turnrouter")
+    command = demo["command"]
+    assert command[:3] == ["turnrouter", "demo", "--serve"]
+    assert command[command.index("--metrics-port") + 1] == str(METRICS_PORT)
+    assert f"{METRICS_PORT}:{METRICS_PORT}" in demo["ports"]
+    scrape = _load(DEPLOY / "prometheus/prometheus.yml")["scrape_configs"]
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in scrape}
+    assert targets["turnrouter"] == [f"turnrouter:{METRICS_PORT}"]
+    dockerfile = (COMPOSE_DIR / "Dockerfile").read_text()
+    assert f"EXPOSE {METRICS_PORT}" in dockerfile
+
+
+def test_prometheus_runs_with_exemplars_and_the_generated_rules() -> None:
+    """Prometheus has exemplar storage on, its config mounted, and the rules directory."""
+    prometheus = _service("prometheus")
+    assert "--enable-feature=exemplar-storage" in prometheus["command"]
+    config_flag = next(f for f in prometheus["command"] if f.startswith("--config.file="))
+    mounts = _bind_mounts(prometheus)
+    assert mounts[config_flag.split("=", 1)[1]] == DEPLOY / "prometheus/prometheus.yml"
+    (rule_glob,) = _load(DEPLOY / "prometheus/prometheus.yml")["rule_files"]
+    rules_dir = mounts[str(Path(rule_glob).parent)]
+    assert rules_dir == (ROOT / RULES_FILE).parent
+    assert sorted(p.name for p in rules_dir.glob(Path(rule_glob).name)) == [
+        Path(RULES_FILE).name]
+
+
+def test_collector_pipeline_memory_limiter_batch_and_trace_backend() -> None:
+    """OTLP in; memory_limiter first, then batch; traces to Jaeger's OTLP port."""
+    config = _load(DEPLOY / "otel-collector/config.yaml")
+    collector = _service("otel-collector")
+    mounted = _bind_mounts(collector)
+    config_flag = next(a for a in collector["command"] if a.startswith("--config="))
+    assert mounted[config_flag.split("=", 1)[1]] == DEPLOY / "otel-collector/config.yaml"
+    pipelines = config["service"]["pipelines"]
+    for pipeline in pipelines.values():
+        assert pipeline["receivers"] == ["otlp"]
+        assert pipeline["processors"] == ["memory_limiter", "batch"]
+        for component in ("receivers", "processors", "exporters"):
+            assert set(pipeline[component]) <= set(config[component])
+    (trace_exporter,) = pipelines["traces"]["exporters"]
+    host, port = config["exporters"][trace_exporter]["endpoint"].split(":")
+    assert host == "jaeger" and port == "4317"
+    assert _service("jaeger")["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    metrics_port = config["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1]
+    scrape = _load(DEPLOY / "prometheus/prometheus.yml")["scrape_configs"]
+    assert {"targets": [f"otel-collector:{metrics_port}"]} in [
+        job["static_configs"][0] for job in scrape]
+
+
+def test_demo_exports_traces_to_a_collector_receiver() -> None:
+    """The demo's OTLP endpoint is the collector's OTLP/HTTP receiver, published by compose."""
+    env = _service("turnrouter")["environment"]
+    config = _load(DEPLOY / "otel-collector/config.yaml")
+    http_port = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)[1]
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://otel-collector:{http_port}"
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
+
+
+def test_grafana_datasources_link_exemplars_to_the_trace_backend() -> None:
+    """Prometheus and Jaeger datasources point at compose services; exemplars link by uid."""
+    provisioning = COMPOSE_DIR / "grafana/provisioning"
+    assert _bind_mounts(_service("grafana"))["/etc/grafana/provisioning"] == provisioning
+    datasources = {d["uid"]: d for d in
+                   _load(provisioning / "datasources/datasources.yaml")["datasources"]}
+    prometheus, jaeger = datasources["prometheus"], datasources["jaeger"]
+    assert prometheus["type"] == "prometheus" and prometheus["url"] == "http://prometheus:9090"
+    assert "9090:9090" in _service("prometheus")["ports"]
+    assert jaeger["type"] == "jaeger" and jaeger["url"] == "http://jaeger:16686"
+    (link,) = prometheus["jsonData"]["exemplarTraceIdDestinations"]
+    assert link["name"] == "trace_id"  # the exemplar label turnrouter writes
+    assert link["datasourceUid"] == jaeger["uid"]
+
+
+def test_grafana_loads_the_generated_dashboards() -> None:
+    """The dashboard provider's path is where compose mounts dashboards/."""
+    providers = _load(COMPOSE_DIR / "grafana/provisioning/dashboards/dashboards.yaml")
+    (provider,) = providers["providers"]
+    mounts = _bind_mounts(_service("grafana"))
+    assert mounts[provider["options"]["path"]] == ROOT / "dashboards"
+    home = _service("grafana")["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert Path(home).parent.as_posix() == provider["options"]["path"]
+    assert Path(home).name in dashboard_files()
+
+
+# ---------------------------------------------------------------- kubernetes
+
+
+def test_kustomization_resources_exist() -> None:
+    """Every resource the kustomizations list exists."""
+    for kustomization in DEPLOY.glob("k8s/**/kustomization.yaml"):
+        for resource in _load(kustomization)["resources"]:
+            assert (kustomization.parent / resource).exists(), f"{kustomization}: {resource}"
+
+
+def test_prometheus_rule_equals_the_rule_file() -> None:
+    """The PrometheusRule's spec is exactly the checked-in rule file."""
+    (rule,) = _k8s(Path(K8S_RULE).name)
+    assert rule["kind"] == "PrometheusRule"
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"] == _load(ROOT / RULES_FILE) == rule_groups()
+
+
+def test_dashboards_configmap_equals_the_dashboard_files() -> None:
+    """The dashboards ConfigMap carries the checked-in dashboard JSON, sidecar-labelled."""
+    (configmap,) = _k8s(Path(K8S_DASHBOARDS).name)
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    on_disk = {p.name: p.read_text() for p in (ROOT / "dashboards").glob("*.json")}
+    assert configmap["data"] == on_disk
+    assert all(json.loads(text)["uid"] for text in configmap["data"].values())
+
+
+def test_deployment_service_and_servicemonitor_agree() -> None:
+    """Selectors match pod labels; the named metrics port and 9464 agree everywhere."""
+    (deployment,) = _k8s("deployment.yaml")
+    (service,) = _k8s("service.yaml")
+    (monitor,) = _k8s("servicemonitor.yaml")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= (
+        service["metadata"]["labels"].items())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (port,) = container["ports"]
+    args = container["args"]
+    assert args[:2] == ["demo", "--serve"]
+    assert int(args[args.index("--metrics-port") + 1]) == port["containerPort"] == METRICS_PORT
+    (service_port,) = service["spec"]["ports"]
+    assert service_port["targetPort"] == port["name"] == service_port["name"]
+    assert service_port["port"] == METRICS_PORT
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service_port["name"] and endpoint["path"] == "/metrics"
+    assert container["readinessProbe"]["httpGet"]["port"] == port["name"]
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/example"])
+def test_kustomize_builds(overlay: str) -> None:
+    """`kubectl kustomize` renders the layout (skipped where kubectl is not installed)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed; the files are validated above")
+    result = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s" / overlay)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc)
+    assert kinds == ["ConfigMap", "Deployment", "PrometheusRule", "Service", "ServiceMonitor"]

@@ -1,0 +1,149 @@
+"""The checked-in dashboards, rules and manifests are exactly what the generator makes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from turnrouter.ops import DASHBOARDS, dashboards, generated_files, main, stale_files
+from turnrouter.ops._dashboards import queries
+from turnrouter.ops._rules import CLARIFICATION_CRITICAL, CLARIFICATION_WARNING
+from turnrouter.telemetry import METRICS
+
+from .conftest import ROOT
+
+MODELS = dashboards()
+
+
+def _panels(model: dict[str, Any]) -> list[dict[str, Any]]:
+    return [panel for panel in model["panels"] if panel["type"] != "row"]
+
+
+def _panel(title: str) -> dict[str, Any]:
+    (found,) = [p for model in MODELS.values() for p in _panels(model) if p["title"] == title]
+    return found
+
+
+def test_checked_in_files_are_up_to_date() -> None:
+    """Regenerating in memory gives the checked-in files (run `python -m turnrouter.ops`)."""
+    stale = stale_files(ROOT)
+    assert stale == {}, "out of date, run `python -m turnrouter.ops`:\n" + "".join(
+        stale.values())
+
+
+def test_check_command_passes_on_the_repository(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m turnrouter.ops --check` exits 0 on the checked-in tree."""
+    assert main(["--check", "--root", str(ROOT)]) == 0
+
+
+def test_check_command_reports_a_stale_file(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--check exits 1 and names the file when a generated file was edited by hand."""
+    assert main(["--root", str(tmp_path)]) == 0
+    target = tmp_path / "dashboards" / "turnrouter-overview.json"
+    target.write_text(target.read_text().replace("turnrouter overview", "edited"))
+    assert main(["--check", "--root", str(tmp_path)]) == 1
+    assert "out of date: dashboards/turnrouter-overview.json" in capsys.readouterr().err
+
+
+def test_generation_is_deterministic() -> None:
+    """Two generations are byte-identical."""
+    assert generated_files() == generated_files()
+
+
+def test_dashboard_files_are_json_with_unique_uids() -> None:
+    """Each dashboard file parses as JSON; uids and titles are unique and as specified."""
+    texts = {name: (ROOT / "dashboards" / name).read_text() for name in DASHBOARDS}
+    loaded = {name: json.loads(text) for name, text in texts.items()}
+    assert sorted(m["title"] for m in loaded.values()) == [
+        "turnrouter acknowledgment tuning", "turnrouter overview"]
+    assert len({m["uid"] for m in loaded.values()}) == len(loaded)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_dashboard_has_datasource_job_and_route_variables(name: str) -> None:
+    """A datasource variable, and multi-value job and route variables on that datasource."""
+    variables = {v["name"]: v for v in MODELS[name]["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for key in ("job", "route"):
+        assert variables[key]["datasource"]["uid"] == "${datasource}"
+        assert variables[key]["includeAll"] and variables[key]["multi"]
+    assert "route" in variables["route"]["query"]["query"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_panel_uses_the_datasource_variable_and_a_unit(name: str) -> None:
+    """Panels and targets query `${datasource}`; every panel states a unit."""
+    for panel in _panels(MODELS[name]):
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
+        assert panel["fieldConfig"]["defaults"].get("unit"), panel["title"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_panels_do_not_overlap(name: str) -> None:
+    """Grid positions stay within 24 columns and never overlap."""
+    cells: set[tuple[int, int]] = set()
+    for panel in MODELS[name]["panels"]:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24
+        mine = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"])
+                for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not cells & mine, panel["title"]
+        cells |= mine
+
+
+def test_latency_panels_show_exemplars() -> None:
+    """Every histogram_quantile / heatmap target asks for exemplars."""
+    latency = [(p["title"], t) for model in MODELS.values() for p in _panels(model)
+               for t in p["targets"]
+               if "histogram_quantile" in t["expr"] or t["format"] == "heatmap"]
+    assert latency
+    assert [title for title, target in latency if not target["exemplar"]] == []
+
+
+def test_clarification_panel_draws_the_alert_thresholds() -> None:
+    """The clarification ratio panel draws the warning and critical alert thresholds."""
+    panel = _panel("Clarification ratio")
+    defaults = panel["fieldConfig"]["defaults"]
+    steps = [step["value"] for step in defaults["thresholds"]["steps"]]
+    assert steps == [None, CLARIFICATION_WARNING, CLARIFICATION_CRITICAL]
+    assert defaults["custom"]["thresholdsStyle"]["mode"] != "off"
+    assert defaults["unit"] == "percentunit"
+
+
+def test_acknowledgment_dashboard_has_the_required_panels() -> None:
+    """First-response quantiles, heatmap by route, silence vs delay, ack outcomes, what-if."""
+    titles = {p["title"] for p in _panels(MODELS["turnrouter-acknowledgment-tuning.json"])}
+    assert {"First response quantiles", "First response heatmap: $route",
+            "Silence p95 vs configured delay", "Acknowledgments: emitted vs suppressed",
+            "Needless acknowledgments (proxy)", "Predicted vs observed first response",
+            "Acknowledgment rate for each candidate delay"} <= titles
+    heatmap = _panel("First response heatmap: $route")
+    assert heatmap["type"] == "heatmap" and heatmap["repeat"] == "route"
+    quantiles = [t["expr"] for t in _panel("First response quantiles")["targets"]]
+    assert [q.split(",")[0] for q in quantiles] == [
+        "histogram_quantile(0.5", "histogram_quantile(0.9", "histogram_quantile(0.95"]
+    silence = " ".join(t["expr"] for t in _panel("Silence p95 vs configured delay")["targets"])
+    assert "turnrouter_acknowledgment_delay_seconds" in silence
+
+
+def test_candidate_delay_panel_covers_every_bucket_bound() -> None:
+    """The what-if query is 1 - bucket/count over exactly the first-response bucket bounds."""
+    (target,) = _panel("Acknowledgment rate for each candidate delay")["targets"]
+    expr = target["expr"]
+    assert expr.startswith("1 - (") and target["instant"]
+    (spec,) = [s for s in METRICS if s.name == "turnrouter_first_response_seconds"]
+    assert spec.buckets is not None
+    regex = expr.split('le=~"')[1].split('"')[0]
+    assert [float(value) for value in regex.split("|")] == list(spec.buckets)
+
+
+def test_overview_covers_every_metric_family_between_the_dashboards() -> None:
+    """Every metric family in METRICS is shown on at least one dashboard."""
+    used = " ".join(expr for model in MODELS.values() for _, expr in queries(model))
+    assert [spec.name for spec in METRICS if spec.name not in used] == []

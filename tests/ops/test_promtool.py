@@ -1,0 +1,54 @@
+"""promtool checks the rule file and the Prometheus config, and runs the rule unit tests."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from .conftest import DEPLOY, require_binary
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([require_binary("promtool"), *args], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_promtool_check_rules() -> None:
+    """`promtool check rules` accepts the generated rule file."""
+    result = _promtool("check", "rules", str(DEPLOY / "prometheus/rules/turnrouter.rules.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_promtool_unit_tests_pass() -> None:
+    """`promtool test rules`: every rule and alert firing, quiet, held and idle."""
+    result = _promtool("test", "rules",
+                       str(DEPLOY / "prometheus/tests/turnrouter.rules.test.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_unit_tests_can_fail(tmp_path: Path) -> None:
+    """A wrong threshold makes the promtool tests fail (the tests do test something)."""
+    rules = (DEPLOY / "prometheus/rules/turnrouter.rules.yml").read_text()
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "rules/turnrouter.rules.yml").write_text(
+        rules.replace("turnrouter:clarification_ratio:rate5m > 0.25",
+                      "turnrouter:clarification_ratio:rate5m > 0.6"))
+    (tmp_path / "tests").mkdir()
+    tests = DEPLOY / "prometheus/tests/turnrouter.rules.test.yml"
+    (tmp_path / "tests" / tests.name).write_text(tests.read_text())
+    result = _promtool("test", "rules", str(tmp_path / "tests" / tests.name))
+    assert result.returncode != 0
+    assert "TurnrouterHighClarificationRate" in result.stdout + result.stderr
+
+
+def test_promtool_check_config_of_the_compose_prometheus(tmp_path: Path) -> None:
+    """The compose Prometheus config is valid, with its rule files where compose mounts them."""
+    config = (DEPLOY / "prometheus/prometheus.yml").read_text()
+    mounted = "/etc/prometheus/rules/*.yml"
+    assert mounted in config
+    local = tmp_path / "prometheus.yml"
+    local.write_text(config.replace(mounted, str(DEPLOY / "prometheus/rules/*.yml")))
+    result = _promtool("check", "config", str(local))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 14 rules found" in result.stdout

@@ -1,0 +1,522 @@
+"""Acknowledgments: timing, suppression, started() delivery, failures, samples (no real sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from turnrouter import (
+    AcknowledgmentPolicy,
+    Admission,
+    AgentRouter,
+    AgentTurn,
+    DestinationResult,
+    RouteDecision,
+    RouteRequest,
+    RouterObserver,
+    RouteTimingPredictor,
+    RoutingAid,
+    TimingSample,
+    TurnInterrupted,
+    TurnObserver,
+)
+from turnrouter._timing import JsonLinesSink, load_samples
+from turnrouter.llm import TemplateAcknowledger
+from turnrouter.testing import ManualClock, OutputRecorder, ScriptedLLM
+
+pytestmark = pytest.mark.anyio
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@dataclass
+class Ack:
+    route: str
+    outcome: str
+    trigger: str
+    delay: float
+    predicted: float | None
+    started_at: float
+    ended_at: float
+    text: str
+    error: BaseException | None
+
+
+class _Turn(TurnObserver):
+    __slots__ = ("_parent",)
+
+    def __init__(self, parent: Observer) -> None:
+        self._parent = parent
+
+    def acknowledgment(self, route: str, outcome: Any, trigger: Any, delay_seconds: float,
+                       predicted_first_response: float | None, started_at: float,
+                       ended_at: float, text: str, error: BaseException | None) -> None:
+        self._parent.acks.append(Ack(route, outcome, trigger, delay_seconds,
+                                     predicted_first_response, started_at, ended_at, text,
+                                     error))
+
+    def silence(self, route: str, seconds: float) -> None:
+        self._parent.silences.append((route, seconds))
+
+    def first_response(self, token: object, route: str, seconds: float) -> None:
+        self._parent.first.append((route, seconds))
+
+
+class Observer(RouterObserver):
+    """Records acknowledgment, silence, first-response and estimate events with values."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.acks: list[Ack] = []
+        self.silences: list[tuple[str, float]] = []
+        self.first: list[tuple[str, float]] = []
+        self.predicted: list[tuple[str, float]] = []
+
+    def turn_started(self, turn: AgentTurn, focus: str | None) -> TurnObserver:
+        return _Turn(self)
+
+    def predicted_first_response(self, route: str, seconds: float) -> None:
+        self.predicted.append((route, seconds))
+
+
+class ClockAgent:
+    """Answers `latency` clock seconds after answer() begins (or when `go` is set)."""
+
+    def __init__(self, name: str, description: str, clock: ManualClock,
+                 latency: float | None = None, preamble: str = "") -> None:
+        self.name, self.description, self.clock, self.latency = name, description, clock, latency
+        self.preamble = preamble
+        self.go = anyio.Event()
+        self.entered = anyio.Event()
+        self.start_called_at: float | None = None
+        self.start_returned_at: float | None = None
+        self.extra_started_calls = 0
+        self.started: Callable[[], Awaitable[None]] | None = None
+        self.task: object = None
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return RoutingAid(self.name, self.description)
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        return Admission("accept", self.preamble)
+
+    async def answer(self, turn: AgentTurn, *,
+                     started: Callable[[], Awaitable[None]]) -> DestinationResult:
+        self.task = asyncio.current_task()
+        self.started = started
+        self.entered.set()
+        if self.latency is None:
+            await self.go.wait()
+        else:
+            await self.clock.sleep(self.latency)
+        self.start_called_at = self.clock.now()
+        await started()
+        self.start_returned_at = self.clock.now()
+        for _ in range(self.extra_started_calls):
+            await started()
+        return DestinationResult("answer", f"{self.name} answer")
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+class Chooser:
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        return RouteDecision(request.candidates[0].name)
+
+
+class ClockLLM:
+    """An LLM that takes `seconds` of the manual clock, or waits for `gate`."""
+
+    def __init__(self, clock: ManualClock, seconds: float = 0.0, text: str = "On it.",
+                 gate: anyio.Event | None = None) -> None:
+        self.clock, self.seconds, self.text, self.gate = clock, seconds, text, gate
+        self.calls: list[float] = []
+        self.cancelled = False
+        self.entered = anyio.Event()
+
+    async def complete(self, prompt: str, *, max_tokens: int, reasoning: bool = False) -> str:
+        self.calls.append(self.clock.now())
+        self.entered.set()
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            await self.clock.sleep(self.seconds)
+        except BaseException:
+            self.cancelled = True
+            raise
+        return self.text
+
+
+class Setup:
+    """A router over one ClockAgent with acknowledgments on a manual clock."""
+
+    def __init__(self, latency: float | None = None, *, llm: Any = None, delay: float = 1.0,
+                 policy: AcknowledgmentPolicy | None = None, predictor: Any = None,
+                 sink: Any = None, preamble: str = "", acks: bool = True,
+                 output: OutputRecorder | None = None) -> None:
+        self.clock = ManualClock()
+        self.agent = ClockAgent("calendar", "Manages the user's calendar and meetings",
+                                self.clock, latency, preamble)
+        self.output = output or OutputRecorder()
+        self.observer = Observer()
+        kwargs: dict[str, Any] = {}
+        if acks:
+            kwargs = {"acknowledgment_llm": llm or TemplateAcknowledger(),
+                      "acknowledgment_delay_secs": delay}
+        self.router = AgentRouter(
+            {"calendar": self.agent}, Chooser(), output=self.output,
+            default_destination="calendar", telemetry=self.observer,
+            acknowledgment_policy=policy, timing_predictor=predictor, timing_sink=sink,
+            clock=self.clock, **kwargs,
+        )
+        self.result: DestinationResult | BaseException | None = None
+        self.done = anyio.Event()
+
+    async def run(self, query: str = "what's on tomorrow", turn_id: str = "t1") -> None:
+        try:
+            self.result = await self.router.handle(AgentTurn("p1", turn_id, query))
+        except (TurnInterrupted, Exception) as exc:
+            self.result = exc
+        finally:
+            self.done.set()
+
+    async def drive(self, query: str = "what's on tomorrow") -> None:
+        """Run one turn to completion in virtual time."""
+        self.done = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.run, query)
+            await self.clock.run_until(self.done)
+
+
+def loaded_predictor(seconds: float, count: int) -> RouteTimingPredictor:
+    predictor = RouteTimingPredictor()
+    predictor.load(TimingSample("calendar", seconds) for _ in range(count))
+    return predictor
+
+
+# ---------------------------------------------------------------- timing
+
+
+async def test_acknowledgment_is_emitted_for_a_slow_answer() -> None:
+    """An answer slower than the delay gets a route-aware acknowledgment first."""
+    s = Setup(latency=2.5)
+    await s.drive()
+    assert isinstance(s.result, DestinationResult)
+    assert len(s.output.spoken) == 1
+    spoken = s.output.spoken[0]
+    assert (spoken.turn_id, spoken.route) == ("t1", "calendar")
+    assert "your calendar" in spoken.text
+    [ack] = s.observer.acks
+    assert (ack.outcome, ack.trigger, ack.ended_at) == ("emitted", "delay", 1.0)
+    assert s.observer.silences == [("calendar", 1.0)]
+    assert s.observer.first == [("calendar", 2.5)]
+
+
+async def test_acknowledgment_is_suppressed_for_a_fast_answer() -> None:
+    """started() before the delay suppresses the acknowledgment: nothing is spoken."""
+    llm = ClockLLM(ManualClock())
+    s = Setup(latency=0.4, llm=llm)
+    await s.drive()
+    assert s.output.spoken == []
+    assert llm.calls == []
+    [ack] = s.observer.acks
+    assert (ack.outcome, ack.trigger) == ("suppressed", "delay")
+    assert s.observer.silences == [("calendar", 0.4)]
+
+
+async def test_started_waits_for_a_committed_acknowledgment() -> None:
+    """started() after the commit returns only once the acknowledgment was delivered."""
+    gate = anyio.Event()
+    s = Setup(latency=None, output=OutputRecorder(gate=gate))
+    s.agent.extra_started_calls = 2
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.run)
+        await s.clock.wait_for_sleepers(1)
+        s.clock.advance(1.0)
+        await s.clock.settle()  # the acknowledgment is committed, output blocked
+        s.clock.advance(0.5)
+        s.agent.go.set()
+        await s.clock.settle()
+        assert s.agent.start_called_at == 1.5
+        assert s.agent.start_returned_at is None  # still waiting for the delivery
+        gate.set()
+        await s.done.wait()
+    assert s.agent.start_returned_at == 1.5
+    assert isinstance(s.result, DestinationResult)
+    assert [a.outcome for a in s.observer.acks] == ["emitted"]
+    assert s.observer.silences == [("calendar", 1.0)]
+    assert s.agent.started is not None
+    await s.agent.started()  # after answer() returned: no effect, returns at once
+    assert len(s.observer.first) == 1
+
+
+async def test_confident_prediction_starts_the_acknowledgment_early() -> None:
+    """A confident slow prediction starts generation early so it is heard at early_secs."""
+    clock_llm_time = 0.2
+    s = Setup(latency=3.0, predictor=loaded_predictor(3.0, 40),
+              policy=AcknowledgmentPolicy(early_secs=0.25, expected_generation_secs=0.2))
+    llm = ClockLLM(s.clock, seconds=clock_llm_time)
+    s.router._timed.llm = llm  # type: ignore[union-attr]
+    s.router._timed.acknowledger = None  # type: ignore[union-attr]
+    await s.drive()
+    assert llm.calls == [pytest.approx(0.05)]
+    [ack] = s.observer.acks
+    assert (ack.outcome, ack.trigger) == ("emitted", "prediction")
+    assert ack.ended_at == pytest.approx(0.25)
+    assert ack.predicted == pytest.approx(3.0, rel=0.1)
+    assert s.observer.silences[0][1] == pytest.approx(0.25)
+    assert s.output.texts == ["On it."]
+
+
+async def test_no_early_start_with_too_few_samples() -> None:
+    """A prediction from a handful of samples is not confident: the delay applies."""
+    s = Setup(latency=3.0, predictor=loaded_predictor(3.0, 5))
+    await s.drive()
+    [ack] = s.observer.acks
+    assert (ack.outcome, ack.trigger, ack.ended_at) == ("emitted", "delay", 1.0)
+
+
+async def test_no_early_start_when_the_route_is_sometimes_fast() -> None:
+    """A bimodal route (lower bound under the delay) keeps the fallback delay."""
+    predictor = RouteTimingPredictor()
+    for i in range(60):
+        predictor.record(TimingSample("calendar", 0.3 if i % 3 == 0 else 3.0))
+    s = Setup(latency=3.0, predictor=predictor)
+    await s.drive()
+    assert [a.trigger for a in s.observer.acks] == ["delay"]
+
+
+async def test_generation_time_delays_a_delay_triggered_acknowledgment() -> None:
+    """With the delay trigger, generation starts at the delay and is spoken when ready."""
+    s = Setup(latency=3.0)
+    llm = ClockLLM(s.clock, seconds=0.3)
+    s.router._timed.llm = llm  # type: ignore[union-attr]
+    s.router._timed.acknowledger = None  # type: ignore[union-attr]
+    await s.drive()
+    assert llm.calls == [1.0]
+    assert s.observer.silences[0][1] == pytest.approx(1.3)
+
+
+async def test_answer_started_during_generation_suppresses_the_acknowledgment() -> None:
+    """started() while the text is being generated cancels it before it is spoken."""
+    s = Setup(latency=1.2)
+    llm = ClockLLM(s.clock, seconds=0.5)
+    s.router._timed.llm = llm  # type: ignore[union-attr]
+    s.router._timed.acknowledger = None  # type: ignore[union-attr]
+    await s.drive()
+    assert s.output.spoken == []
+    assert llm.cancelled
+    assert [a.outcome for a in s.observer.acks] == ["suppressed"]
+    assert s.observer.silences[0][1] == pytest.approx(1.2)
+
+
+async def test_preamble_is_the_first_thing_heard() -> None:
+    """An admission preamble is heard at once; the silence is measured to it."""
+    s = Setup(latency=0.2, preamble="Sure.")
+    await s.drive()
+    assert s.output.texts == ["Sure."]
+    assert s.observer.silences == [("calendar", 0.0)]
+
+
+# ---------------------------------------------------------------- failures, interrupts
+
+
+async def test_llm_failure_means_no_acknowledgment_and_an_unaffected_answer() -> None:
+    """A failing acknowledgment LLM: nothing spoken, outcome failed, answer returned."""
+    s = Setup(latency=2.0, llm=ScriptedLLM(RuntimeError("model down")))
+    await s.drive()
+    assert s.result == DestinationResult("answer", "calendar answer")
+    assert s.output.spoken == []
+    [ack] = s.observer.acks
+    assert ack.outcome == "failed" and isinstance(ack.error, RuntimeError)
+    assert s.observer.silences == [("calendar", 2.0)]
+    assert s.observer.first == [("calendar", 2.0)]
+
+
+async def test_llm_timeout_means_no_acknowledgment_and_an_unaffected_answer() -> None:
+    """A generation slower than timeout_secs is abandoned as failed (TimeoutError)."""
+    s = Setup(latency=5.0, policy=AcknowledgmentPolicy(timeout_secs=0.5))
+    llm = ClockLLM(s.clock, gate=anyio.Event())
+    s.router._timed.llm = llm  # type: ignore[union-attr]
+    s.router._timed.acknowledger = None  # type: ignore[union-attr]
+    await s.drive()
+    assert isinstance(s.result, DestinationResult)
+    assert llm.cancelled
+    [ack] = s.observer.acks
+    assert ack.outcome == "failed" and isinstance(ack.error, TimeoutError)
+    assert ack.ended_at == pytest.approx(1.5)
+    assert s.output.spoken == []
+
+
+async def test_failing_acknowledgment_output_does_not_fail_the_turn() -> None:
+    """An output callback raising on the acknowledgment is recorded as failed only."""
+    s = Setup(latency=2.0, output=OutputRecorder(error=OSError("tts down")))
+    await s.drive()
+    assert isinstance(s.result, DestinationResult)
+    assert [a.outcome for a in s.observer.acks] == ["failed"]
+    assert s.observer.silences == [("calendar", 2.0)]
+
+
+async def test_interrupt_during_generation_cancels_the_acknowledgment() -> None:
+    """An interrupt while the text is generated: nothing spoken, a censored sample."""
+    predictor = RouteTimingPredictor()
+    s = Setup(latency=None, predictor=predictor)
+    llm = ClockLLM(s.clock, gate=anyio.Event())
+    s.router._timed.llm = llm  # type: ignore[union-attr]
+    s.router._timed.acknowledger = None  # type: ignore[union-attr]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.run)
+        await s.clock.wait_for_sleepers(1)
+        s.clock.advance(1.25)
+        await llm.entered.wait()
+        await s.router.interrupt("p1")
+    assert isinstance(s.result, TurnInterrupted)
+    assert llm.cancelled
+    assert s.output.spoken == []
+    assert [a.outcome for a in s.observer.acks] == ["suppressed"]
+    assert s.observer.first == []
+    assert predictor.samples("calendar") == pytest.approx(1.0)
+    median = predictor.quantile("calendar", 0.5)
+    assert median is not None and median >= 1.25  # a lower bound, never a fast answer
+
+
+async def test_interrupted_turn_gives_a_censored_sample(tmp_path: Path) -> None:
+    """A turn interrupted before started() is exported as censored, not as a fast answer."""
+    path = tmp_path / "samples.jsonl"
+    with JsonLinesSink(path) as sink:
+        s = Setup(latency=None, sink=sink, acks=False)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s.run)
+            await s.agent.entered.wait()
+            s.clock.advance(0.7)
+            await s.router.interrupt("p1")
+    [sample] = load_samples(path)
+    assert (sample.route, sample.seconds, sample.censored) == ("calendar", 0.7, True)
+
+
+# ---------------------------------------------------------------- samples
+
+
+async def test_samples_round_trip_through_the_sink(tmp_path: Path) -> None:
+    """Exported samples load into a fresh predictor with the same knowledge."""
+    path = tmp_path / "samples.jsonl"
+    predictor = RouteTimingPredictor()
+    with JsonLinesSink(path) as sink:
+        for latency in (0.5, 2.0, 3.0, 0.5):
+            s = Setup(latency=latency, predictor=predictor, sink=sink)
+            await s.drive()
+    samples = load_samples(path)
+    assert [(x.route, x.seconds, x.censored) for x in samples] == [
+        ("calendar", 0.5, False), ("calendar", 2.0, False), ("calendar", 3.0, False),
+        ("calendar", 0.5, False)]
+    restarted = RouteTimingPredictor()
+    assert restarted.load(samples) == 4
+    assert restarted.estimate("calendar") == predictor.estimate("calendar")
+
+
+async def test_samples_exclude_acknowledgment_waiting_and_preamble() -> None:
+    """The first-response sample runs from answer start to the started() call."""
+    gate = anyio.Event()
+    predictor = RouteTimingPredictor()
+    s = Setup(latency=None, predictor=predictor, output=OutputRecorder(gate=gate))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.run)
+        await s.clock.wait_for_sleepers(1)
+        s.clock.advance(1.0)
+        await s.clock.settle()
+        s.clock.advance(0.25)
+        s.agent.go.set()
+        await s.clock.settle()
+        s.clock.advance(3.0)  # delivery takes long: not part of the sample
+        gate.set()
+    assert s.observer.first == [("calendar", 1.25)]
+    assert predictor.quantile("calendar", 0.5) == pytest.approx(1.25, rel=0.1)
+
+
+async def test_sampling_without_acknowledgments(tmp_path: Path) -> None:
+    """A timing sink alone records samples and silence, and never speaks."""
+    path = tmp_path / "samples.jsonl"
+    with JsonLinesSink(path) as sink:
+        s = Setup(latency=4.0, sink=sink, acks=False)
+        await s.drive()
+    assert s.output.spoken == [] and s.observer.acks == []
+    assert [x.seconds for x in load_samples(path)] == [4.0]
+    assert s.observer.silences == [("calendar", 4.0)]
+
+
+async def test_estimate_changes_are_published() -> None:
+    """predicted_first_response is reported when the route's estimate changes."""
+    s = Setup(latency=2.0, predictor=RouteTimingPredictor())
+    await s.drive()
+    await s.drive()
+    assert [route for route, _ in s.observer.predicted] == ["calendar"]
+    assert s.observer.predicted[0][1] == pytest.approx(2.0, rel=0.1)
+
+
+async def test_loaded_estimates_are_published_at_construction() -> None:
+    """A predictor loaded from a previous run publishes its estimates at once."""
+    s = Setup(latency=1.0, predictor=loaded_predictor(3.0, 10))
+    [(route, seconds)] = s.observer.predicted
+    assert route == "calendar" and seconds == pytest.approx(3.0, rel=0.1)
+
+
+# ---------------------------------------------------------------- prompt and hot path
+
+
+async def test_llm_gets_a_bounded_non_reasoning_route_aware_prompt() -> None:
+    """complete() gets the route name, description and query, max_tokens, no reasoning."""
+    llm = ScriptedLLM('"Let me check your calendar."\nextra line')
+    s = Setup(latency=2.0, llm=llm, policy=AcknowledgmentPolicy(max_tokens=20))
+    await s.drive("am I free at noon")
+    [(prompt, max_tokens, reasoning)] = llm.prompts
+    assert (max_tokens, reasoning) == (20, False)
+    assert "Helper: calendar" in prompt and "user's calendar" in prompt
+    assert "am I free at noon" in prompt
+    assert s.output.texts == ["Let me check your calendar."]
+
+
+async def test_no_task_is_created_per_turn_without_acknowledgments() -> None:
+    """Without acknowledgments, answer() runs in the caller's task with no helper task."""
+    s = Setup(latency=0.0, acks=False)
+    before = len(asyncio.all_tasks())
+    result = await s.router.handle(AgentTurn("p1", "t1", "hi"))
+    assert isinstance(result, DestinationResult)
+    assert s.agent.task is asyncio.current_task()
+    assert len(asyncio.all_tasks()) == before
+    assert s.router._timed is None
+
+
+async def test_policy_validation_names_the_field() -> None:
+    """An invalid AcknowledgmentPolicy value raises a ConfigurationError naming it."""
+    from turnrouter import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="timeout_secs"):
+        AcknowledgmentPolicy(timeout_secs=0)
+    with pytest.raises(ConfigurationError, match="max_tokens"):
+        AcknowledgmentPolicy(max_tokens=0)
+
+
+async def test_destination_error_propagates_unwrapped_with_acknowledgments() -> None:
+    """A destination error before started() propagates as itself (no ExceptionGroup)."""
+
+    class Boom(ClockAgent):
+        async def answer(self, turn: AgentTurn, *,
+                         started: Callable[[], Awaitable[None]]) -> DestinationResult:
+            await self.clock.sleep(0.2)
+            raise LookupError("no such meeting")
+
+    s = Setup(latency=None)
+    s.router._agents["calendar"] = Boom("calendar", "", s.clock)
+    await s.drive()
+    assert isinstance(s.result, LookupError)
+    assert [a.outcome for a in s.observer.acks] == ["suppressed"]
+    assert s.output.texts == ["Sorry, something went wrong. Please try again."]

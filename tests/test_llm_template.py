@@ -1,0 +1,64 @@
+"""TemplateAcknowledger: route-aware, varied acknowledgments without a model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from turnrouter import Acknowledger, AcknowledgmentRequest, AgentTurn, LLMService, RoutingAid
+from turnrouter._acknowledgment import acknowledgment_prompt, clean_acknowledgment
+from turnrouter.llm import TemplateAcknowledger
+from turnrouter.llm._template import spoken_topic
+
+pytestmark = pytest.mark.anyio
+
+_PROMISES = ("found", "here is", "here's", "will have", "the answer", "done")
+
+
+async def test_phrases_name_the_route_topic() -> None:
+    """The structured path speaks about the route ("your calendar", "the weather")."""
+    ack = TemplateAcknowledger()
+    assert isinstance(ack, Acknowledger) and isinstance(ack, LLMService)
+    calendar = RoutingAid("calendar", "Manages the user's calendar")
+    text = await ack.acknowledge(AcknowledgmentRequest(calendar, AgentTurn("p", "t1", "q"), 32))
+    assert "your calendar" in text
+    weather = RoutingAid("weather", "Weather forecasts for any city")
+    text = await ack.acknowledge(AcknowledgmentRequest(weather, AgentTurn("p", "t1", "q"), 32))
+    assert "the weather" in text
+
+
+async def test_phrases_vary_and_never_promise_a_result() -> None:
+    """Over many turns several phrasings occur, consecutive ones differ, none promises."""
+    ack = TemplateAcknowledger()
+    aid = RoutingAid("music", "plays music")
+    texts = [await ack.acknowledge(AcknowledgmentRequest(aid, AgentTurn("p", f"t{i}", "q"), 8))
+             for i in range(30)]
+    assert len(set(texts)) >= 4
+    assert all(a != b for a, b in itertools.pairwise(texts))
+    assert not any(word in text.lower() for text in texts for word in _PROMISES)
+    assert all(len(text.split()) <= 10 for text in texts)
+
+
+async def test_complete_parses_the_acknowledgment_prompt() -> None:
+    """complete() reads the route and description back from the documented prompt."""
+    ack = TemplateAcknowledger(topics={"travel": "your trip"})
+    prompt = acknowledgment_prompt(RoutingAid("travel", "books trips"), "plan Rome")
+    assert "your trip" in await ack.complete(prompt, max_tokens=16)
+    generic = acknowledgment_prompt(RoutingAid("conversation", "small talk"), "hi")
+    assert "conversation" not in await ack.complete(generic, max_tokens=16)
+    assert await ack.complete("no structure at all", max_tokens=16)
+
+
+def test_spoken_topic() -> None:
+    """Route names become spoken topics; personal descriptions use "your"."""
+    assert spoken_topic("smart_home") == "the smart home"
+    assert spoken_topic("emailInbox", "reads your email inbox") == "your email inbox"
+    assert spoken_topic("calendar", "the user's calendar") == "your calendar"
+
+
+def test_clean_acknowledgment() -> None:
+    """The first non-empty line, unquoted, cut at a word boundary."""
+    assert clean_acknowledgment('\n  "Let me   check."  \nmore', 100) == "Let me check."
+    assert clean_acknowledgment("one two three four", 9) == "one two"
+    assert clean_acknowledgment(" \n ", 10) == ""

@@ -1,0 +1,228 @@
+"""Runtime topics: configuration errors, delivery, status, departures, malformed input."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+import pytest
+
+from turnrouter import AgentRouter, AgentTurn, ConfigurationError, LifecycleError
+from turnrouter.runtime import (
+    AgentRuntime,
+    Interrupted,
+    ParticipantJoined,
+    ParticipantLeft,
+    ResponseOutput,
+    Topic,
+    UserQuery,
+)
+from turnrouter.testing import RecordingObserver, ScriptedAgent, ScriptedDecisions
+
+pytestmark = pytest.mark.anyio
+
+QUERY = Topic("q", UserQuery)
+OUTPUT = Topic("o", ResponseOutput)
+JOINED = Topic("j", ParticipantJoined)
+LEFT = Topic("l", ParticipantLeft)
+INTERRUPTED = Topic("i", Interrupted)
+
+
+def make_router(**kwargs: Any) -> tuple[AgentRouter, dict[str, ScriptedAgent],
+                                        RecordingObserver]:
+    agents = {"weather": ScriptedAgent("weather"), "conversation": ScriptedAgent("conversation")}
+    observer = RecordingObserver()
+    topics: dict[str, Any] = {"query_topic": QUERY, "output_topic": OUTPUT,
+                              "participant_joined_topic": JOINED, "participant_left_topic": LEFT,
+                              "interrupted_topic": INTERRUPTED}
+    topics.update(kwargs.pop("topics", {}))
+    router = AgentRouter(agents, kwargs.pop("decisions", ScriptedDecisions("weather")),
+                         telemetry=observer, **topics, **kwargs)
+    return router, agents, observer
+
+
+class Harness:
+    """A running runtime with the router registered and output collected."""
+
+    def __init__(self, router: AgentRouter) -> None:
+        self.router = router
+        self.outputs: list[ResponseOutput] = []
+        self.runtime = AgentRuntime()
+
+    async def collect(self, message: ResponseOutput) -> None:
+        self.outputs.append(message)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("topics", "error", "match"),
+    [
+        ({"output_topic": None}, ValueError, "together"),
+        ({"participant_joined_topic": None}, ValueError, "participant_joined_topic"),
+        ({"query_topic": Topic("q", ResponseOutput)}, TypeError, "exactly UserQuery"),
+        ({"interrupted_topic": Topic("i", ParticipantLeft)}, TypeError, "Interrupted"),
+        ({"query_topic": "q"}, TypeError, "Topic"),
+        ({"interrupted_topic": Topic("q", Interrupted)}, ValueError, "distinct"),
+    ],
+)
+def test_runtime_configuration_errors(topics: dict[str, Any], error: type[Exception],
+                                      match: str) -> None:
+    """Incomplete topics raise ValueError, wrong payload classes TypeError."""
+    with pytest.raises(error, match=match):
+        make_router(topics=topics)
+
+
+def test_runtime_subscriber_requires_topics() -> None:
+    """runtime_subscriber() without query and output topics is a configuration error."""
+    router = AgentRouter({"conversation": ScriptedAgent("conversation")},
+                         ScriptedDecisions("conversation"), telemetry=RecordingObserver())
+    with pytest.raises(ConfigurationError, match="query_topic"):
+        router.runtime_subscriber()
+
+
+def test_topic_validates_its_payload() -> None:
+    """A Topic coerces dicts to its payload and rejects other types."""
+    assert QUERY.coerce({"participant_id": "p", "text": "hi"}).text == "hi"
+    with pytest.raises(ValueError, match="malformed UserQuery"):
+        QUERY.coerce({"participant_id": "", "text": "hi"})
+    with pytest.raises(TypeError, match="carries UserQuery"):
+        QUERY.coerce(ParticipantLeft(participant_id="p"))
+
+
+# ---------------------------------------------------------------- delivery
+
+
+async def _publish_and_drain(router: AgentRouter, *messages: tuple[Topic[Any], Any]
+                             ) -> list[ResponseOutput]:
+    outputs: list[ResponseOutput] = []
+
+    async def collect(message: ResponseOutput) -> None:
+        outputs.append(message)
+
+    async with AgentRuntime() as runtime:
+        runtime.register(router.runtime_subscriber())
+        runtime.subscribe(OUTPUT, collect)
+        for topic, message in messages:
+            await runtime.publish(topic, message)
+    return outputs
+
+
+async def test_query_is_routed_with_publication_identity() -> None:
+    """A published query becomes a turn with the message id and timestamp."""
+    router, _, _ = make_router(decisions=ScriptedDecisions("clarify"))
+    query = UserQuery(participant_id="p1", text="hmm", timestamp_us=1234)
+    outputs = await _publish_and_drain(router, (JOINED, ParticipantJoined(participant_id="p1")),
+                                       (QUERY, query))
+    assert len(outputs) == 1
+    assert outputs[0].request_id == query.message_id
+    assert outputs[0].route == "clarify"
+    assert outputs[0].participant_id == "p1"
+
+
+async def test_destination_sees_runtime_turn() -> None:
+    """Destinations receive the query text, message id and timestamp as the turn."""
+    router, agents, _ = make_router()
+    query = UserQuery(participant_id="p1", text="rain?", timestamp_us=99)
+    await _publish_and_drain(router, (QUERY, query))
+    call = agents["weather"].calls[-1]
+    assert (call.turn_id, call.query) == (query.message_id, "rain?")
+
+
+async def test_set_status_wraps_each_runtime_turn_and_failures_are_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """set_status gets processing then idle; a failing callback does not fail the turn."""
+    seen: list[tuple[str, str]] = []
+
+    async def status(value: str, pid: str) -> None:
+        seen.append((value, pid))
+        if value == "idle":
+            raise RuntimeError("status sink down")
+
+    router, agents, _ = make_router(set_status=status)
+    with caplog.at_level(logging.ERROR, logger="turnrouter.runtime"):
+        await _publish_and_drain(router, (QUERY, UserQuery(participant_id="p1", text="x")))
+    assert seen == [("processing", "p1"), ("idle", "p1")]
+    assert agents["weather"].count("answer") == 1
+    assert sum("set_status" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_malformed_messages_are_rejected_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A malformed query is logged, counted and dropped; other participants go on."""
+    router, agents, observer = make_router()
+    with caplog.at_level(logging.WARNING, logger="turnrouter.runtime"):
+        await _publish_and_drain(
+            router,
+            (QUERY, {"participant_id": "", "text": "x"}),
+            (QUERY, ParticipantLeft(participant_id="p9")),
+            (QUERY, UserQuery(participant_id="p2", text="ok")),
+        )
+    assert observer.events.count(("message_rejected", "q", "invalid")) == 1
+    assert observer.events.count(("message_rejected", "q", "wrong_type")) == 1
+    assert [c.participant_id for c in agents["weather"].calls if c.method == "answer"] == ["p2"]
+    assert sum("rejected a message" in r.getMessage() for r in caplog.records) == 2
+
+
+async def test_background_failure_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A destination failure in a runtime turn is logged exactly once."""
+    router, agents, _ = make_router()
+    agents["weather"]._results = [RuntimeError("weather api down")]
+    with caplog.at_level(logging.ERROR):
+        outputs = await _publish_and_drain(router, (QUERY, UserQuery(participant_id="p",
+                                                                     text="x")))
+    assert len([r for r in caplog.records if r.exc_info]) == 1
+    assert [o.text for o in outputs] == [router._failure_text]
+
+
+async def test_departure_closes_admission_until_rejoin() -> None:
+    """After ParticipantLeft, queries and handle() are refused until ParticipantJoined."""
+    router, agents, observer = make_router()
+    async with AgentRuntime() as runtime:
+        runtime.register(router.runtime_subscriber())
+        await runtime.publish(QUERY, UserQuery(participant_id="p1", text="x"))
+    async with AgentRuntime() as runtime:
+        runtime.register(router.runtime_subscriber())
+        await runtime.publish(LEFT, ParticipantLeft(participant_id="p1"))
+    assert agents["weather"].count("release") == 1
+    async with AgentRuntime() as runtime:
+        runtime.register(router.runtime_subscriber())
+        await runtime.publish(QUERY, UserQuery(participant_id="p1", text="again"))
+    assert ("message_rejected", "q", "closed") in observer.events
+    assert agents["weather"].count("answer") == 1
+    with pytest.raises(LifecycleError, match="joined"):
+        await router._handle(AgentTurn("p1", "t", "x"), _silent)
+    await _publish_and_drain(router, (JOINED, ParticipantJoined(participant_id="p1")),
+                             (QUERY, UserQuery(participant_id="p1", text="back")))
+    assert agents["weather"].count("answer") == 2
+
+
+async def test_interrupted_topic_cancels_the_participants_turn() -> None:
+    """An Interrupted message cancels that participant's running answer."""
+    router, agents, _ = make_router()
+    agent = agents["weather"]
+    agent.answer_gate = anyio.Event()
+    async with AgentRuntime() as runtime:
+        runtime.register(router.runtime_subscriber())
+        await runtime.publish(QUERY, UserQuery(participant_id="p1", text="x"))
+        await agent.answer_entered.wait()
+        await runtime.publish(INTERRUPTED, Interrupted(participant_id="p1"))
+    assert agent.cancelled == ["answer"]
+    assert router.history_of("p1") == ()
+
+
+async def test_trace_context_of_the_query_is_entered() -> None:
+    """The query's W3C trace context is handed to the observer around the turn."""
+    router, _, observer = make_router()
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    await _publish_and_drain(router, (QUERY, UserQuery(participant_id="p", text="x",
+                                                       traceparent=parent)))
+    assert ("enter_context", {"traceparent": parent}) in observer.events
+
+
+async def _silent(turn: AgentTurn, route: str, text: str) -> None:
+    return None

@@ -1,0 +1,241 @@
+"""Timing: the decayed per-route predictor, JSON-lines samples, LLM-assisted prediction, clocks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from turnrouter import (
+    AgentTurn,
+    ConfigurationError,
+    JsonLinesSink,
+    LLMTimingPredictor,
+    RouteTimingPredictor,
+    SystemClock,
+    TimingPredictor,
+    TimingSample,
+    load_samples,
+)
+from turnrouter._timing import parse_seconds
+from turnrouter.testing import ManualClock, ScriptedLLM
+
+
+def test_median_and_bounds_follow_the_samples() -> None:
+    """Quantiles of a steady route land within a bin width of the true values."""
+    predictor = RouteTimingPredictor()
+    for i in range(200):
+        predictor.record(TimingSample("search", 1.0 + (i % 10) * 0.2))  # 1.0 .. 2.8
+    prediction = predictor.predict("search")
+    assert prediction is not None and prediction.confident
+    assert prediction.seconds == pytest.approx(1.9, rel=0.1)
+    assert prediction.lower == pytest.approx(1.1, rel=0.12)
+    assert prediction.upper == pytest.approx(2.7, rel=0.12)
+
+
+def test_unknown_route_has_no_prediction() -> None:
+    """A route without samples predicts nothing and has no estimate."""
+    predictor = RouteTimingPredictor()
+    assert predictor.predict("x") is None
+    assert predictor.estimate("x") is None
+    assert predictor.samples("x") == 0.0
+
+
+def test_confidence_needs_enough_samples() -> None:
+    """Fewer effective (decayed) samples than min_samples is not confident."""
+    predictor = RouteTimingPredictor(min_samples=20)
+    for _ in range(20):
+        predictor.record(TimingSample("r", 2.0))
+    prediction = predictor.predict("r")
+    assert prediction is not None and not prediction.confident
+    assert prediction.samples == pytest.approx(18.7, abs=0.1)
+    for _ in range(2):
+        predictor.record(TimingSample("r", 2.0))
+    prediction = predictor.predict("r")
+    assert prediction is not None and prediction.confident
+
+
+def test_confidence_needs_a_narrow_spread() -> None:
+    """A p90/p10 ratio above max_spread is not confident, however many samples."""
+    predictor = RouteTimingPredictor(max_spread=5.0)
+    for i in range(100):
+        predictor.record(TimingSample("r", 0.1 if i % 2 else 5.0))
+    prediction = predictor.predict("r")
+    assert prediction is not None and not prediction.confident
+
+
+def test_recent_samples_outweigh_old_ones() -> None:
+    """After a drift, the estimate follows the new regime within a few half-lives."""
+    predictor = RouteTimingPredictor(half_life_samples=50)
+    for _ in range(500):
+        predictor.record(TimingSample("r", 0.3))
+    for _ in range(250):
+        predictor.record(TimingSample("r", 3.0))
+    prediction = predictor.predict("r")
+    assert prediction is not None
+    assert prediction.seconds == pytest.approx(3.0, rel=0.1)
+    assert prediction.lower > 1.0
+    assert predictor.samples("r") == pytest.approx(1 / (1 - 2 ** (-1 / 50)), rel=0.02)
+
+
+def test_memory_is_bounded() -> None:
+    """Per-route state has a fixed size however many samples, and routes are capped."""
+    predictor = RouteTimingPredictor(max_routes=3)
+    for i in range(50_000):
+        predictor.record(TimingSample("r", 0.01 + (i % 997) * 0.01))
+    hist = predictor._routes["r"]
+    assert len(hist.weights) == 96
+    assert hist.increment < 1e151  # renormalized, never overflows
+    for name in ("a", "b", "c", "d"):
+        predictor.record(TimingSample(name, 1.0))
+    assert set(predictor.routes) == {"r", "a", "b"}
+
+
+def test_censored_samples_are_lower_bounds() -> None:
+    """Censored samples shift mass above their value, never below."""
+    plain, censored = RouteTimingPredictor(), RouteTimingPredictor()
+    for i in range(100):
+        sample = TimingSample("r", 0.5 + (i % 5))  # 0.5 .. 4.5
+        plain.record(sample)
+        censored.record(sample)
+    for _ in range(50):
+        censored.record(TimingSample("r", 2.0, censored=True))
+    p50_plain, p50_censored = plain.estimate("r"), censored.estimate("r")
+    assert p50_plain is not None and p50_censored is not None
+    assert p50_censored > p50_plain
+    low_plain, low_censored = plain.quantile("r", 0.1), censored.quantile("r", 0.1)
+    assert low_plain is not None and low_censored is not None
+    assert low_censored >= low_plain * 0.999
+
+
+def test_predictor_settings_are_validated() -> None:
+    """Invalid predictor settings raise ConfigurationError naming the setting."""
+    with pytest.raises(ConfigurationError, match="half_life_samples"):
+        RouteTimingPredictor(half_life_samples=0)
+    with pytest.raises(ConfigurationError, match="lower_quantile"):
+        RouteTimingPredictor(lower_quantile=0.7)
+
+
+def test_default_predictor_satisfies_the_protocol() -> None:
+    """RouteTimingPredictor and LLMTimingPredictor are TimingPredictors."""
+    assert isinstance(RouteTimingPredictor(), TimingPredictor)
+    assert isinstance(LLMTimingPredictor(ScriptedLLM("seconds: 1")), TimingPredictor)
+
+
+# ---------------------------------------------------------------- JSON lines
+
+
+def test_sample_json_round_trip() -> None:
+    """A sample survives to_json/from_json unchanged."""
+    sample = TimingSample("calendar", 1.234567, True, 1700000000.5)
+    assert TimingSample.from_json(sample.to_json()) == sample
+
+
+def test_load_samples_names_the_bad_line(tmp_path: Path) -> None:
+    """An invalid line raises ConfigurationError with file and line number."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"route":"a","seconds":1}\n\n{"route":"a","seconds":-1}\n')
+    with pytest.raises(ConfigurationError, match=r"s\.jsonl:3: .*seconds"):
+        load_samples(path)
+
+
+def test_sink_appends_and_flushes(tmp_path: Path) -> None:
+    """JsonLinesSink appends one line per sample and reopens after close()."""
+    path = tmp_path / "s.jsonl"
+    sink = JsonLinesSink(path, flush_every=2)
+    sink.record(TimingSample("a", 1.0))
+    sink.record(TimingSample("a", 2.0))
+    assert len(path.read_text().splitlines()) == 2
+    sink.close()
+    sink.record(TimingSample("b", 3.0, censored=True))
+    sink.close()
+    assert [(s.route, s.seconds, s.censored) for s in load_samples(path)] == [
+        ("a", 1.0, False), ("a", 2.0, False), ("b", 3.0, True)]
+
+
+# ---------------------------------------------------------------- LLM-assisted
+
+
+@pytest.mark.anyio
+async def test_llm_prediction_uses_timing_examples() -> None:
+    """The LLM gets recent timing examples and the query; its seconds become a prediction."""
+    llm = ScriptedLLM("seconds: 4.5")
+    predictor = LLMTimingPredictor(llm, min_examples=2, descriptions={"trip": "plans trips"})
+    turn = AgentTurn("p", "t", "plan a week in Rome")
+    assert await predictor.predict("trip", turn) is None  # too few examples yet
+    predictor.record(TimingSample("trip", 3.0), AgentTurn("p", "a", "book Paris"))
+    predictor.record(TimingSample("trip", 5.0), AgentTurn("p", "b", "plan Japan"))
+    predictor.record(TimingSample("trip", 9.0, censored=True), AgentTurn("p", "c", "hidden"))
+    prediction = await predictor.predict("trip", turn)
+    assert prediction is not None and prediction.confident
+    assert prediction.seconds == 4.5
+    [(prompt, max_tokens, reasoning)] = llm.prompts
+    assert "'book Paris': 3.00" in prompt and "'plan Japan': 5.00" in prompt
+    assert "hidden" not in prompt and "plans trips" in prompt and "Rome" in prompt
+    assert reasoning is False and max_tokens <= 16
+    assert predictor.estimate("trip") is not None
+
+
+@pytest.mark.anyio
+async def test_unparseable_or_failed_llm_prediction_is_no_prediction() -> None:
+    """A reply without seconds, or an LLM error, yields None, never an exception."""
+    for reply in ("I think it takes a while", RuntimeError("down")):
+        predictor = LLMTimingPredictor(ScriptedLLM(reply), min_examples=1)
+        predictor.record(TimingSample("r", 1.0), AgentTurn("p", "a", "q"))
+        assert await predictor.predict("r", AgentTurn("p", "t", "q")) is None
+
+
+def test_parse_seconds_rejects_implausible_values() -> None:
+    """Only a plausible positive `seconds: N` parses."""
+    assert parse_seconds("Seconds = 2.5") == 2.5
+    assert parse_seconds("seconds: 0") is None
+    assert parse_seconds("seconds: 10000") is None
+    assert parse_seconds("about 3") is None
+
+
+# ---------------------------------------------------------------- clocks
+
+
+@pytest.mark.anyio
+async def test_manual_clock_wakes_sleepers_in_deadline_order() -> None:
+    """advance() wakes due sleepers in deadline order and leaves later ones asleep."""
+    clock = ManualClock()
+    woke: list[str] = []
+
+    async def sleeper(name: str, deadline: float) -> None:
+        await clock.sleep_until(deadline)
+        woke.append(name)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sleeper, "late", 2.0)
+        tg.start_soon(sleeper, "early", 1.0)
+        await clock.wait_for_sleepers(2)
+        assert clock.next_deadline == 1.0
+        clock.advance(1.5)
+        await clock.settle()
+        assert woke == ["early"] and clock.sleepers == 1
+        clock.advance(0.5)
+    assert woke == ["early", "late"]
+    assert clock.now() == 2.0
+
+
+@pytest.mark.anyio
+async def test_manual_clock_forgets_cancelled_sleepers() -> None:
+    """A cancelled sleep no longer counts as a sleeper or a deadline."""
+    clock = ManualClock()
+    with anyio.move_on_after(0):
+        await clock.sleep(5.0)
+    assert clock.sleepers == 0 and clock.next_deadline is None
+    with pytest.raises(ValueError, match="backwards"):
+        clock.advance(-1)
+
+
+@pytest.mark.anyio
+async def test_system_clock_is_the_event_loop_clock() -> None:
+    """SystemClock reads the loop's monotonic clock and sleep_until a past deadline returns."""
+    clock = SystemClock()
+    assert abs(clock.now() - anyio.current_time()) < 0.5
+    await clock.sleep_until(clock.now() - 1.0)
+    assert "SystemClock" in repr(clock) and sys.version_info >= (3, 11)
