@@ -33,7 +33,7 @@ from ..runtime import (
 )
 from ..telemetry import Telemetry, serve_metrics
 from ._report import DemoReport
-from ._world import DEFAULT_ROUTE, Sample, build_agents, load_sample
+from ._world import DEFAULT_ROUTE, Sample, SimulatedOutage, build_agents, load_sample
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -142,6 +142,11 @@ class _Crowd:
                     await publish(_Topics.query, UserQuery(participant_id=pid,
                                                            text=self.pick(pid)))
                     self.published += 1
+                    if rng.random() < 0.01:
+                        # A flaky speech recogniser publishes a malformed query now and
+                        # then: the router rejects and counts it.
+                        await publish(_Topics.query, {"participant_id": pid, "text": None})
+                        self.published += 1
                     roll = rng.random()
                     if roll < 0.05:  # barge-in while the answer is on its way
                         await self._sleep(rng.uniform(0.1, 0.6))
@@ -157,8 +162,20 @@ class _Crowd:
             await self._sleep(rng.uniform(0.2, 1.0))
 
 
+class _ExpectedFaults(logging.Filter):
+    """Keep the demo's own injected faults out of the log; real problems still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], SimulatedOutage):
+            return False
+        return "rejected a message" not in record.getMessage()
+
+
 async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoReport:
     """Run the simulated deployment; return (and print) its report."""
+    quiet = _ExpectedFaults()
+    for name in ("turnrouter", "turnrouter.runtime"):
+        logging.getLogger(name).addFilter(quiet)
     rng = random.Random(config.seed)
     sample = load_sample()
     registry = CollectorRegistry()
@@ -216,6 +233,8 @@ async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoRepor
             await router.stop()
         if server is not None:
             server.close()
+        for name in ("turnrouter", "turnrouter.runtime"):
+            logging.getLogger(name).removeFilter(quiet)
     elapsed = time.monotonic() - start
     report = DemoReport.read(registry, elapsed, crowd.published)
     print("\n" + report.render(), file=out)

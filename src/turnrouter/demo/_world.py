@@ -19,7 +19,19 @@ import anyio
 
 from .._contracts import Admission, AgentTurn, DestinationResult, RoutingAid
 
-__all__ = ["DESCRIPTIONS", "Latency", "Sample", "SimulatedAgent", "build_agents", "load_sample"]
+__all__ = [
+    "DESCRIPTIONS",
+    "Latency",
+    "Sample",
+    "SimulatedAgent",
+    "SimulatedOutage",
+    "build_agents",
+    "load_sample",
+]
+
+
+class SimulatedOutage(RuntimeError):
+    """A back end of a simulated destination failed (the demo expects a few)."""
 
 DESCRIPTIONS: dict[str, str] = {
     "banking": "Bank accounts: balances, transfers, bills, transactions, fraud, PIN and "
@@ -115,6 +127,7 @@ class SimulatedAgent:
     def __init__(self, name: str, *, rng: random.Random, truth: dict[str, tuple[str, str]],
                  publish: Publish, speed: float = 1.0, decline_share: float = 0.02,
                  clarify_share: float = 0.0, clarify_text: str = "",
+                 failure_share: float = 0.0,
                  eligible: Callable[[str], bool] | None = None) -> None:
         self.name = name
         self.description = DESCRIPTIONS[name]
@@ -125,6 +138,7 @@ class SimulatedAgent:
         self._decline_share = decline_share
         self._clarify_share = clarify_share
         self._clarify_text = clarify_text
+        self._failure_share = failure_share
         self._eligible = eligible
         self._bookings: dict[str, int] = {}  # participant -> follow-ups left
         self.latency = LATENCIES[name]
@@ -156,6 +170,8 @@ class SimulatedAgent:
         self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
     ) -> DestinationResult:
         await anyio.sleep(self.latency.draw(self._rng) / self._speed)
+        if self._failure_share and self._rng.random() < self._failure_share:
+            raise SimulatedOutage(f"{self.name} back end timed out")
         await started()
         _, intent = self._domain(turn)
         text = f"[{self.name}] Here is what I found about {intent.replace('_', ' ')}."
@@ -212,5 +228,7 @@ def build_agents(sample: Sample, *, rng: random.Random, publish: Publish, speed:
             name, rng=rng, truth=truth, publish=publish, speed=speed,
             decline_share=0.15 if clarify_heavy else 0.02,
             clarify_share=clarify_share, clarify_text=clarify_text, eligible=eligible,
+            # The traffic service behind auto_and_commute times out now and then.
+            failure_share=0.03 if name == "auto_and_commute" else 0.0,
         )
     return agents
