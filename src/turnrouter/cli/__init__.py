@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["demo_parser", "main"]
 
 
 def _positive(value: str) -> float:
@@ -17,7 +17,8 @@ def _positive(value: str) -> float:
     return number
 
 
-def _demo(argv: Sequence[str]) -> int:
+def demo_parser() -> argparse.ArgumentParser:
+    """The `turnrouter demo` flags (deployment files are tested against it)."""
     parser = argparse.ArgumentParser(
         prog="turnrouter demo",
         description="Run a simulated voice-assistant deployment on the embedded defaults.",
@@ -38,6 +39,11 @@ def _demo(argv: Sequence[str]) -> int:
     parser.add_argument("--speed", type=_positive, default=1.0,
                         help="time compression of the simulated conversations")
     parser.add_argument("--quiet", action="store_true", help="no live progress line")
+    return parser
+
+
+def _demo(argv: Sequence[str]) -> int:
+    parser = demo_parser()
     args = parser.parse_args(list(argv))
     if args.participants < 1:
         parser.error("--participants must be at least 1")
