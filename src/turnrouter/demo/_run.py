@@ -179,7 +179,8 @@ async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoRepor
     rng = random.Random(config.seed)
     sample = load_sample()
     registry = CollectorRegistry()
-    telemetry = Telemetry(tracer_provider=_tracer_provider(out), registry=registry)
+    tracer_provider = _tracer_provider(out)
+    telemetry = Telemetry(tracer_provider=tracer_provider, registry=registry)
     runtime = AgentRuntime()
 
     async def publish_answer(turn: AgentTurn, route: str, text: str) -> None:
@@ -233,6 +234,8 @@ async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoRepor
             await router.stop()
         if server is not None:
             server.close()
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # flush the batch exporter before exit
         for name in ("turnrouter", "turnrouter.runtime"):
             logging.getLogger(name).removeFilter(quiet)
     elapsed = time.monotonic() - start
