@@ -15,6 +15,10 @@ CORE = {
     "PolicyError", "RoutableAgent", "RouteDecision", "RouteRequest", "RouterObserver",
     "RoutingAid", "RoutingTurnContext", "TurnInterrupted", "TurnObserver", "TurnrouterError",
     "current_turn_context",
+    # Background context patches.
+    "AppliedContextPatch", "ContextPatch", "ContextState", "MergeStrategy",
+    "PendingContextPatch", "PendingPatchLimitError", "UnknownPatchError",
+    "current_context_patches",
 }
 
 #: Names the contract fixes; they must never disappear.

@@ -25,12 +25,23 @@ from ._exceptions import (
     ContractValueError,
     DestinationContractError,
     LifecycleError,
+    LLMError,
+    PendingPatchLimitError,
     PolicyError,
     TurnInterrupted,
     TurnrouterError,
+    UnknownPatchError,
 )
 from ._llm import LLMService
 from ._observer import RouterObserver, TurnObserver
+from ._patches import (
+    AppliedContextPatch,
+    ContextPatch,
+    ContextState,
+    MergeStrategy,
+    PendingContextPatch,
+    current_context_patches,
+)
 from ._router import AgentRouter
 from ._timing import (
     JsonLinesSink,
@@ -52,17 +63,24 @@ __all__ = [
     "AgentExchange",
     "AgentRouter",
     "AgentTurn",
+    "AppliedContextPatch",
     "Clock",
     "ConfigurationError",
+    "ContextPatch",
+    "ContextState",
     "ContractTypeError",
     "ContractValueError",
     "DecisionService",
     "DestinationContractError",
     "DestinationResult",
     "JsonLinesSink",
+    "LLMError",
     "LLMService",
     "LLMTimingPredictor",
     "LifecycleError",
+    "MergeStrategy",
+    "PendingContextPatch",
+    "PendingPatchLimitError",
     "PolicyError",
     "Prediction",
     "RoutableAgent",
@@ -79,6 +97,8 @@ __all__ = [
     "TurnInterrupted",
     "TurnObserver",
     "TurnrouterError",
+    "UnknownPatchError",
+    "current_context_patches",
     "current_turn_context",
     "load_samples",
 ]

@@ -13,10 +13,13 @@ __all__ = [
     "ContractTypeError",
     "ContractValueError",
     "DestinationContractError",
+    "LLMError",
     "LifecycleError",
+    "PendingPatchLimitError",
     "PolicyError",
     "TurnInterrupted",
     "TurnrouterError",
+    "UnknownPatchError",
 ]
 
 
@@ -46,6 +49,27 @@ class LifecycleError(TurnrouterError, RuntimeError):
     Raised by `handle()` while a departure or shutdown is pending, or after a cleanup
     failed until the caller retried it successfully.
     """
+
+
+class UnknownPatchError(LifecycleError, LookupError):
+    """No pending patch has this id: never held, already settled, or dropped."""
+
+
+class PendingPatchLimitError(LifecycleError):
+    """A human-gated patch was refused: the participant already holds the maximum."""
+
+
+class LLMError(TurnrouterError):
+    """An LLM call failed: HTTP status, unreadable reply, connection error or timeout.
+
+    `status` is the HTTP status (None when no response came back) and `body` the start
+    of the response body, both also named in the message.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, body: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
 
 
 class PolicyError(TurnrouterError, ValueError):

@@ -24,6 +24,7 @@ __all__ = [
     "ClarificationReason",
     "FailureStage",
     "FocusTransition",
+    "PatchOutcome",
     "ReleaseReason",
     "RouterObserver",
     "TurnObserver",
@@ -42,6 +43,9 @@ FocusTransition = Literal["taken", "released", "lost"]
 FailureStage = Literal["decision", "admission", "answer", "acknowledgment", "release", "cleanup"]
 AcknowledgmentOutcome = Literal["emitted", "suppressed", "failed"]
 AcknowledgmentTrigger = Literal["prediction", "delay"]
+PatchOutcome = Literal[
+    "applied", "diverged", "pending", "approved", "rejected", "dropped", "refused"
+]
 
 
 class TurnObserver:
@@ -187,7 +191,19 @@ class RouterObserver:
         return {}
 
     def context_patch(self, strategy: str, outcome: str) -> None:
-        """A background context patch was applied, held, settled, dropped or refused."""
+        """A background context patch was applied, held, settled, dropped or refused.
+
+        `outcome` is a `PatchOutcome`; called once per event (the counter).
+        """
+
+    def context_patch_event(
+        self, participant_id: str, patch_id: str, task_id: str, strategy: str,
+        outcome: PatchOutcome, diverged: bool,
+    ) -> None:
+        """Details of one patch event (every outcome but `refused`), after `context_patch`.
+
+        `diverged`: the participant's context had moved on since the task's stamp.
+        """
 
 
 NULL_OBSERVER = RouterObserver()

@@ -13,6 +13,7 @@ import enum
 import logging
 import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -49,10 +50,23 @@ from ._lifecycle import OwnedOperation, TurnQueue, TurnRun
 from ._llm import LLMService
 from ._observer import (
     ClarificationReason,
+    PatchOutcome,
     ReleaseReason,
     RouterObserver,
     TurnObserver,
     TurnOutcome,
+)
+from ._patches import (
+    AppliedContextPatch,
+    ContextPatch,
+    ContextState,
+    MergeStrategy,
+    PatchExchangeId,
+    PendingContextPatch,
+    PendingPatchLimitError,
+    UnknownPatchError,
+    context_hash,
+    patch_user_text,
 )
 from ._timing import RouteTimingPredictor, TimingPredictor, TimingSink
 
@@ -70,6 +84,9 @@ StatusCallback = Callable[[Literal["processing", "idle"], str], Awaitable[None]]
 ParticipantCallback = Callable[[str], Awaitable[None]]
 
 _DEFAULT_CONTEXT_BUDGET_BYTES = 8192
+_DEFAULT_MAX_PENDING_PATCHES = 8
+#: Route name passed to `output` for the router's questions about human-gated patches.
+PATCH_ROUTE = "background"
 #: Route name passed to `output` for the router's own clarification questions.
 CLARIFY_ROUTE = CLARIFY
 DEFAULT_CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it another way?"
@@ -91,8 +108,8 @@ class _Participant:
     """Router-owned state of one participant (kept small: thousands may be active)."""
 
     __slots__ = (
-        "cleanup_pending", "departure", "focus", "history", "initialized", "phase",
-        "pid", "queue", "unreleased", "used",
+        "cleanup_pending", "departure", "focus", "history", "initialized", "pending",
+        "phase", "pid", "queue", "unreleased", "used",
     )
 
     def __init__(self, pid: str) -> None:
@@ -107,6 +124,8 @@ class _Participant:
         #: Destinations whose departure release failed, to retry (None: not departed yet).
         self.unreleased: set[str] | None = None
         self.cleanup_pending = False
+        #: Human-gated patches awaiting approval, oldest first (None: none held yet).
+        self.pending: dict[str, PendingContextPatch] | None = None
 
 
 class _TurnRecord:
@@ -247,6 +266,7 @@ class AgentRouter:
         timing_predictor: TimingPredictor | None = None,
         timing_sink: TimingSink | None = None,
         clock: Clock | None = None,
+        max_pending_patches: int = _DEFAULT_MAX_PENDING_PATCHES,
     ) -> None:
         if not isinstance(destinations, Mapping):
             raise ContractTypeError(
@@ -281,6 +301,7 @@ class AgentRouter:
                 f"destination (registered: {sorted(agents)})"
             )
         _check_positive("context_budget_bytes", context_budget_bytes, integer=True)
+        _check_positive("max_pending_patches", max_pending_patches, integer=True)
         if (acknowledgment_llm is None) != (acknowledgment_delay_secs is None):
             raise ConfigurationError(
                 "AgentRouter acknowledgment_llm and acknowledgment_delay_secs must be "
@@ -369,6 +390,9 @@ class AgentRouter:
         #: With runtime topics, departed participants stay closed until they rejoin.
         self._departed: set[str] = set()
         self._stopping: OwnedOperation | None = None
+        self._max_pending = max_pending_patches
+        #: Every held patch, by id, with the participant state holding it.
+        self._pending: dict[str, _Participant] = {}
         self._stop_failed = False
         telemetry.configured(
             routes=self._routes, acknowledgment_delay_secs=acknowledgment_delay_secs
@@ -490,6 +514,204 @@ class AgentRouter:
         if self._stopping is None or self._stopping.done:
             self._stopping = OwnedOperation(self._shutdown())
         await self._stopping.join()
+
+    # ------------------------------------------------------------ context patches
+
+    def context_state(self, participant_id: str) -> ContextState:
+        """The participant's context version and hash, to stamp background work with.
+
+        Call it when the work starts (typically inside `answer()`, passing
+        `spawned_from_event_id=turn.turn_id` on the patch). A participant the router
+        holds no state for has version 0 and the hash of an empty context.
+        """
+        _check_pid(participant_id)
+        state = self._participants.get(participant_id)
+        if state is None:
+            return ContextState(0, History().context_hash())
+        history = state.history
+        return ContextState(history.version, history.context_hash())
+
+    def pending_patches(self, participant_id: str) -> tuple[PendingContextPatch, ...]:
+        """The participant's human-gated patches awaiting approval, oldest first."""
+        _check_pid(participant_id)
+        state = self._participants.get(participant_id)
+        if state is None or not state.pending:
+            return ()
+        return tuple(state.pending.values())
+
+    def context_patches_of(self, participant_id: str) -> tuple[AppliedContextPatch, ...]:
+        """The applied patches whose exchanges the participant's history retains."""
+        _check_pid(participant_id)
+        state = self._participants.get(participant_id)
+        if state is None:
+            return ()
+        return tuple(item.applied for item in state.history.ids
+                     if isinstance(item, PatchExchangeId))
+
+    async def apply_context_patch(
+        self, participant_id: str, patch: ContextPatch,
+        strategy: MergeStrategy | str = MergeStrategy.APPEND,
+    ) -> AppliedContextPatch | PendingContextPatch:
+        """Merge a background result into the participant's context, or hold it.
+
+        `append` and `replace` take effect at once and return the `AppliedContextPatch`:
+        a running turn keeps the history it started with, every turn that starts later
+        sees the patch. `human_gated` holds the patch (at most `max_pending_patches` per
+        participant, else `PendingPatchLimitError`), asks the participant through
+        `output`, and returns the `PendingContextPatch`; settle it with `approve_patch` /
+        `reject_patch`. A patch whose stamp no longer matches the context is marked
+        diverged and still merged or held. Raises `LifecycleError` for a participant the
+        router holds no state for, one that is leaving or left, and while stopping.
+        """
+        _check_pid(participant_id)
+        if not isinstance(patch, ContextPatch):
+            raise ContractTypeError(
+                f"apply_context_patch() takes a ContextPatch, got {type(patch).__name__}")
+        try:
+            strategy = MergeStrategy(strategy)
+        except ValueError:
+            raise ContractValueError(
+                f"apply_context_patch() strategy must be one of "
+                f"{[item.value for item in MergeStrategy]}, got {strategy!r}") from None
+        state, refusal = self._patch_target(participant_id)
+        if state is None:
+            self._observer.context_patch(strategy.value, "refused")
+            raise LifecycleError(
+                f"context patch {patch.task_id!r} refused for participant "
+                f"{participant_id!r}: {refusal}")
+        diverged = patch.context_diverged or _diverged(state.history, patch)
+        if diverged and not patch.context_diverged:
+            patch = patch.model_copy(update={"context_diverged": True})
+        patch_id = uuid.uuid4().hex
+        if strategy is not MergeStrategy.HUMAN_GATED:
+            return self._merge(state, patch_id, patch, strategy,
+                               "diverged" if diverged else "applied")
+        pending = state.pending
+        if pending is None:
+            pending = state.pending = {}
+        if len(pending) >= self._max_pending:
+            self._observer.context_patch(strategy.value, "refused")
+            raise PendingPatchLimitError(
+                f"context patch {patch.task_id!r} refused: participant {participant_id!r} "
+                f"already holds {len(pending)} pending patches (max_pending_patches="
+                f"{self._max_pending}); approve or reject some first")
+        held = PendingContextPatch(
+            patch_id=patch_id, participant_id=participant_id, task_id=patch.task_id,
+            patch=patch, strategy=strategy, created_at=time.time(),
+        )
+        pending[patch_id] = held
+        self._pending[patch_id] = state
+        self._patch_event(state.pid, patch_id, patch, strategy, "pending")
+        await self._ask(held)
+        return held
+
+    async def approve_patch(self, patch_id: str) -> AppliedContextPatch:
+        """Merge a held patch (appended, with its divergence as detected when held).
+
+        Takes effect at once, like `append`. Raises `UnknownPatchError` (a
+        `LifecycleError` and a `LookupError`) when no patch with this id is pending:
+        never held, already approved or rejected, or dropped by a departure or `stop()`.
+        """
+        state, held = self._take_pending(patch_id, "approve")
+        _, refusal = self._patch_target(state.pid)
+        if refusal or self._participants.get(state.pid) is not state:
+            self._patch_event(state.pid, held.patch_id, held.patch, held.strategy, "dropped")
+            raise LifecycleError(
+                f"context patch {patch_id!r} dropped, not approved: "
+                f"{refusal or 'the participant left'}")
+        return self._merge(state, held.patch_id, held.patch, MergeStrategy.HUMAN_GATED,
+                           "approved")
+
+    async def reject_patch(self, patch_id: str) -> PendingContextPatch:
+        """Discard a held patch; its context is never merged. Errors as `approve_patch`."""
+        state, held = self._take_pending(patch_id, "reject")
+        self._patch_event(state.pid, held.patch_id, held.patch, held.strategy, "rejected")
+        return held
+
+    def _patch_target(self, pid: str) -> tuple[_Participant | None, str]:
+        """The open participant a patch may reach, or None and why not."""
+        if self._stopping is not None and not self._stopping.done:
+            return None, "the router is shutting down"
+        if self._stop_failed:
+            return None, "the router's last stop() failed"
+        if pid in self._departed:
+            return None, "the participant left"
+        state = self._participants.get(pid)
+        if state is None:
+            return None, ("the router holds no state for this participant (it never had "
+                          "a turn, or it left)")
+        if state.phase is not _Phase.OPEN:
+            return None, f"the participant's departure {state.phase.value}"
+        return state, ""
+
+    def _take_pending(
+        self, patch_id: str, verb: str
+    ) -> tuple[_Participant, PendingContextPatch]:
+        if not isinstance(patch_id, str):
+            raise ContractTypeError(f"patch_id must be a str, got {type(patch_id).__name__}")
+        state = self._pending.pop(patch_id, None)
+        if state is None or state.pending is None or patch_id not in state.pending:
+            raise UnknownPatchError(
+                f"cannot {verb} context patch {patch_id!r}: no such patch is pending (never "
+                "held, already approved or rejected, or dropped when its participant left "
+                "or the router stopped)")
+        return state, state.pending.pop(patch_id)
+
+    def _merge(
+        self, state: _Participant, patch_id: str, patch: ContextPatch,
+        strategy: MergeStrategy, outcome: PatchOutcome,
+    ) -> AppliedContextPatch:
+        diverged = patch.context_diverged
+        applied = AppliedContextPatch(
+            patch_id=patch_id, participant_id=state.pid, task_id=patch.task_id,
+            strategy=strategy, diverged=diverged, patch=patch,
+            exchange_id=f"patch:{patch.task_id}",
+        )
+        stamp = int(patch.completed_at.timestamp() * 1_000_000)
+        state.history.add_background(
+            _exchange(patch_user_text(patch.task_id, diverged), "\n".join(patch.digest)),
+            PatchExchangeId(applied), max(stamp, 0), self._budget,
+            replace=strategy is MergeStrategy.REPLACE,
+        )
+        self._patch_event(state.pid, patch_id, patch, strategy, outcome)
+        return applied
+
+    def _patch_event(
+        self, pid: str, patch_id: str, patch: ContextPatch, strategy: MergeStrategy,
+        outcome: PatchOutcome,
+    ) -> None:
+        observer = self._observer
+        observer.context_patch(strategy.value, outcome)
+        observer.context_patch_event(pid, patch_id, patch.task_id, strategy.value, outcome,
+                                     patch.context_diverged)
+
+    def _drop_pending(self, state: _Participant) -> None:
+        """A departure or shutdown drops the participant's held patches (counted)."""
+        pending = state.pending
+        if not pending:
+            return
+        state.pending = None
+        for held in pending.values():
+            self._pending.pop(held.patch_id, None)
+            self._patch_event(state.pid, held.patch_id, held.patch, held.strategy, "dropped")
+
+    async def _ask(self, held: PendingContextPatch) -> None:
+        """Ask the participant about a held patch through `output` (failures logged)."""
+        output = self._output
+        if output is None:
+            logger.info("turnrouter: no output callback; context patch %s waits for "
+                        "approval without a question", held.patch_id)
+            return
+        digest = held.patch.digest
+        what = f"A background task finished: {digest[0]}" if digest else (
+            "A background task finished")
+        text = f"{what.rstrip('.')}. Should I add this to our conversation?"
+        turn = AgentTurn(held.participant_id, f"patch:{held.patch_id}", "")
+        try:
+            await output(turn, PATCH_ROUTE, text)
+        except Exception:
+            logger.exception("turnrouter: could not ask about context patch %s",
+                             held.patch_id)
 
     # ------------------------------------------------------------------ one turn
 
@@ -881,6 +1103,7 @@ class AgentRouter:
 
     async def _depart(self, state: _Participant) -> None:
         state.phase = _Phase.DEPARTING
+        self._drop_pending(state)
         await self._drain(state, "ended by the participant's departure")
         errors = await self._release_all(state, "departure")
         if errors:
@@ -893,6 +1116,8 @@ class AgentRouter:
         self._forget(state)
 
     async def _shutdown(self) -> None:
+        for state in list(self._participants.values()):
+            self._drop_pending(state)
         for state in list(self._participants.values()):
             if state.departure is not None and not state.departure.done:
                 try:
@@ -923,6 +1148,28 @@ class AgentRouter:
         flush = getattr(self._timing_sink, "flush", None)
         if callable(flush):  # a restarted router must find every sample on disk
             flush()
+
+
+def _diverged(history: History, patch: ContextPatch) -> bool:
+    """Whether the participant's conversation moved on since the patch's stamp.
+
+    Matches when the stamp equals the context now, or equals the context just before the
+    newest conversation exchange and that exchange is the turn that spawned the task.
+    Fields the patch leaves unset are not compared.
+    """
+    version, digest = patch.source_context_version, patch.source_context_hash
+    if version is None and digest is None:
+        return False
+    if (version is None or version == history.version) and (
+        digest is None or digest == history.context_hash()
+    ):
+        return False
+    spawned = patch.spawned_from_event_id
+    if spawned is None or history.version == 0 or history.last_conversation_id() != spawned:
+        return True
+    return not ((version is None or version == history.version - 1) and (
+        digest is None or digest == context_hash(history.prev_exchanges, history.prev_ids)
+    ))
 
 
 def _check_pid(participant_id: object) -> None:

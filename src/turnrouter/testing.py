@@ -30,6 +30,7 @@ from ._observer import (
     ClarificationReason,
     FailureStage,
     FocusTransition,
+    PatchOutcome,
     ReleaseReason,
     RouterObserver,
     TurnObserver,
@@ -422,6 +423,15 @@ class RecordingObserver(RouterObserver):
 
     def context_patch(self, strategy: str, outcome: str) -> None:
         self.events.append(("context_patch", strategy, outcome))
+
+    def context_patch_event(self, participant_id: str, patch_id: str, task_id: str,
+                            strategy: str, outcome: PatchOutcome, diverged: bool) -> None:
+        self.events.append(("context_patch_event", participant_id, task_id, strategy,
+                            outcome, diverged))
+
+    def patch_outcomes(self) -> list[tuple[str, str]]:
+        """(strategy, outcome) of every counted context-patch event, in order."""
+        return [(event[1], event[2]) for event in self.events if event[0] == "context_patch"]
 
 
 def _as_script(value: Any) -> list[Any]:

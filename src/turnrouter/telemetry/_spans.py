@@ -8,6 +8,7 @@ __all__ = [
     "EVENT_FIRST_RESPONSE",
     "SPAN_ACKNOWLEDGMENT",
     "SPAN_ADMISSION",
+    "SPAN_CONTEXT_PATCH",
     "SPAN_INVOKE_AGENT_PREFIX",
     "SPAN_RELEASE",
     "SPAN_ROUTE",
@@ -25,6 +26,7 @@ SPAN_INVOKE_AGENT_PREFIX = "invoke_agent "
 """The answer span is named `invoke_agent {route}` (GenAI semantic conventions)."""
 SPAN_ACKNOWLEDGMENT = "turnrouter.acknowledgment"
 SPAN_RELEASE = "turnrouter.release"
+SPAN_CONTEXT_PATCH = "turnrouter.context_patch"
 
 EVENT_FIRST_RESPONSE = "turnrouter.first_response"
 
@@ -76,5 +78,11 @@ class ATTR:
     ACK_TEXT = "turnrouter.acknowledgment.text"  # content
     # turnrouter.release
     RELEASE_REASON = "turnrouter.release.reason"
+    # turnrouter.context_patch (also turnrouter.participant.id)
+    PATCH_ID = "turnrouter.context_patch.id"
+    PATCH_TASK_ID = "turnrouter.context_patch.task_id"
+    PATCH_STRATEGY = "turnrouter.context_patch.strategy"
+    PATCH_OUTCOME = "turnrouter.context_patch.outcome"
+    PATCH_DIVERGED = "turnrouter.context_patch.diverged"
     # errors
     ERROR_TYPE = "error.type"

@@ -46,6 +46,7 @@ from .._observer import (
     ClarificationReason,
     FailureStage,
     FocusTransition,
+    PatchOutcome,
     ReleaseReason,
     RouterObserver,
     TurnObserver,
@@ -58,6 +59,7 @@ from ._spans import (
     EVENT_FIRST_RESPONSE,
     SPAN_ACKNOWLEDGMENT,
     SPAN_ADMISSION,
+    SPAN_CONTEXT_PATCH,
     SPAN_INVOKE_AGENT_PREFIX,
     SPAN_RELEASE,
     SPAN_ROUTE,
@@ -413,6 +415,27 @@ class Telemetry(RouterObserver):
     def context_patch(self, strategy: str, outcome: str) -> None:
         """Count a background context patch by strategy and outcome."""
         self._families.context_patches.get(strategy, outcome).inc()
+
+    def context_patch_event(
+        self, participant_id: str, patch_id: str, task_id: str, strategy: str,
+        outcome: PatchOutcome, diverged: bool,
+    ) -> None:
+        """Record a `turnrouter.context_patch` span under the caller's current span.
+
+        The counter is `context_patch`'s; this adds the span (when tracing is on).
+        """
+        tracer = self._current_tracer()
+        if tracer is None:
+            return
+        span = tracer.start_span(SPAN_CONTEXT_PATCH, kind=_INTERNAL, attributes={
+            ATTR.PARTICIPANT_ID: participant_id,
+            ATTR.PATCH_ID: patch_id,
+            ATTR.PATCH_TASK_ID: task_id,
+            ATTR.PATCH_STRATEGY: strategy,
+            ATTR.PATCH_OUTCOME: outcome,
+            ATTR.PATCH_DIVERGED: diverged,
+        })
+        span.end()
 
     def message_rejected(self, topic: str, reason: str) -> None:
         """Count a runtime message the router's subscriber rejected."""

@@ -1,0 +1,193 @@
+"""Background context patches: results of slow background work merged into a context.
+
+A destination that starts slow work ("I'll book it and let you know") stamps it with the
+participant's `ContextState` (version and hash); when the work finishes, a `ContextPatch`
+goes to `AgentRouter.apply_context_patch(...)`. The router compares the stamp with the
+participant's context now, marks the patch diverged when the conversation moved on, and
+merges it (append, replace) or holds it for a human (human_gated). See
+`docs/router.md`, "Background context patches".
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ._context import _current
+from ._contracts import AgentExchange
+from ._exceptions import PendingPatchLimitError, UnknownPatchError
+
+__all__ = [
+    "AppliedContextPatch",
+    "ContextPatch",
+    "ContextState",
+    "MergeStrategy",
+    "PatchExchangeId",
+    "PendingContextPatch",
+    "PendingPatchLimitError",
+    "UnknownPatchError",
+    "context_hash",
+    "current_context_patches",
+]
+
+
+class MergeStrategy(enum.StrEnum):
+    """How a patch reaches the participant's context."""
+
+    APPEND = "append"
+    """Add the patch's digest to the context, after what is already there."""
+    REPLACE = "replace"
+    """Remove every earlier background-derived exchange, then add this patch's."""
+    HUMAN_GATED = "human_gated"
+    """Hold the patch and ask the participant; `approve_patch` appends it."""
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class ContextPatch(BaseModel):
+    """Structured summary of a completed background task's contribution to context."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task_id: str = Field(min_length=1, description="Identifier of the task that produced "
+                         "this patch.")
+    spawned_from_event_id: str | None = Field(
+        default=None, description="Turn id of the foreground turn that spawned the task.")
+    source_context_version: int | None = Field(
+        default=None, ge=0, description="Context version the task branched from.")
+    source_context_hash: str | None = Field(
+        default=None, min_length=1, description="Context hash the task branched from.")
+    context_diverged: bool = Field(
+        default=False, description="Whether the context changed since the task was spawned "
+        "(set by the router when it detects it).")
+    completed_at: datetime = Field(default_factory=_utc_now,
+                                   description="When the task completed.")
+    digest: tuple[str, ...] = Field(
+        default=(), description="Short human-readable summary lines of the result.")
+    facts: dict[str, Any] = Field(default_factory=dict,
+                                  description="Structured facts extracted from the task.")
+    artifacts: tuple[dict[str, Any], ...] = Field(
+        default=(), description="Artifacts (files, links, payloads) the task produced.")
+    sources: tuple[dict[str, Any], ...] = Field(
+        default=(), description="Source references the task consulted.")
+    recommended_next_steps: tuple[str, ...] = Field(
+        default=(), description="Suggested follow-up actions.")
+    assumptions: tuple[str, ...] = Field(
+        default=(), description="Assumptions the task made.")
+
+    @field_validator("completed_at")
+    @classmethod
+    def _aware(cls, value: datetime) -> datetime:
+        """Naive times are taken as UTC, so every patch has a comparable instant."""
+        return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+    @field_validator("digest", "recommended_next_steps", "assumptions")
+    @classmethod
+    def _lines(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for line in value:
+            if "\n" in line:
+                raise ValueError("lines must not contain newlines")
+        return value
+
+
+class PendingContextPatch(BaseModel):
+    """A context patch awaiting human approval (`MergeStrategy.HUMAN_GATED`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    patch_id: str = Field(min_length=1, description="Approve or reject it by this id.")
+    participant_id: str = Field(min_length=1)
+    task_id: str = Field(min_length=1)
+    patch: ContextPatch = Field(description="The payload merged (appended) if approved; "
+                                "`context_diverged` as detected when it was held.")
+    strategy: MergeStrategy = MergeStrategy.HUMAN_GATED
+    created_at: float = Field(description="Unix time (seconds) when the patch was held.")
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedContextPatch:
+    """A patch merged into a participant's context (returned, and visible to turns)."""
+
+    patch_id: str
+    participant_id: str
+    task_id: str
+    strategy: MergeStrategy
+    """`append`, `replace`, or `human_gated` for an approved patch (merged as append)."""
+    diverged: bool
+    """The context had moved on since the task branched from it (see the docs)."""
+    patch: ContextPatch
+    """The payload, with `context_diverged` equal to `diverged`."""
+    exchange_id: str
+    """Its exchange's id in the history: `patch:<task_id>`."""
+
+
+class ContextState(NamedTuple):
+    """A participant's context version and hash: stamp background work with it."""
+
+    version: int
+    """Completed conversation exchanges so far (caller-seeded ones included)."""
+    hash: str
+    """blake2b-128 hex digest of the retained conversation exchanges' text."""
+
+
+class PatchExchangeId(str):
+    """The exchange id of a patch's history entry: `patch:<task_id>`, with the patch.
+
+    It is a `str` equal to `"patch:<task_id>"`, so ids compare as plain strings, and
+    `isinstance(exchange_id, PatchExchangeId)` tells background-derived exchanges apart.
+    """
+
+    applied: AppliedContextPatch
+
+    def __new__(cls, applied: AppliedContextPatch) -> PatchExchangeId:
+        made = super().__new__(cls, applied.exchange_id)
+        made.applied = applied
+        return made
+
+
+def context_hash(
+    exchanges: Sequence[AgentExchange], ids: Sequence[object | None]
+) -> str:
+    """Digest of the conversation exchanges (background-derived ones are skipped)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for exchange, exchange_id in zip(exchanges, ids, strict=True):
+        if isinstance(exchange_id, PatchExchangeId):
+            continue
+        for text in (exchange.user, exchange.assistant):
+            data = text.encode()
+            digest.update(len(data).to_bytes(8, "big"))
+            digest.update(data)
+    return digest.hexdigest()
+
+
+EMPTY_CONTEXT_HASH = context_hash((), ())
+
+
+def patch_user_text(task_id: str, diverged: bool) -> str:
+    """The `user` side of a patch's history exchange."""
+    if diverged:
+        return f"[background: {task_id} (context changed since it started)]"
+    return f"[background: {task_id}]"
+
+
+def current_context_patches() -> tuple[AppliedContextPatch, ...]:
+    """The applied patches whose exchanges are in the active turn's history, oldest first.
+
+    Outside a routed turn: `()`. A patch trimmed out of the history budget is not
+    visible, exactly as its exchange is not.
+    """
+    source = _current.get()
+    if source is None:
+        return ()
+    return tuple(
+        exchange_id.applied for exchange_id in source[1]
+        if isinstance(exchange_id, PatchExchangeId)
+    )

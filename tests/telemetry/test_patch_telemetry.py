@@ -1,0 +1,75 @@
+"""Context patches through `AgentRouter` with a real OpenTelemetry SDK and registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from turnrouter import (
+    AgentRouter,
+    AgentTurn,
+    ContextPatch,
+    LifecycleError,
+    PendingContextPatch,
+)
+from turnrouter.telemetry import ATTR, SPAN_CONTEXT_PATCH, Telemetry
+from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions
+
+from .conftest import Rig
+
+pytestmark = pytest.mark.anyio
+
+
+def _router(telemetry: Telemetry) -> AgentRouter:
+    agents = {"booking": ScriptedAgent("booking"), "conversation": ScriptedAgent("conversation")}
+    return AgentRouter(agents, ScriptedDecisions("booking"), output=OutputRecorder(),
+                       telemetry=telemetry)
+
+
+async def test_patch_spans_and_counter(rig: Rig) -> None:
+    """Each patch event is a span with its attributes and a counted outcome."""
+    router = _router(rig.telemetry)
+    await router.handle(AgentTurn("alice", "t1", "book a table"))
+    state = router.context_state("alice")
+    await router.handle(AgentTurn("alice", "t2", "and the weather?"))
+    stale = ContextPatch(task_id="book-1", source_context_version=state.version,
+                         source_context_hash=state.hash, digest=("Booked",))
+    await router.apply_context_patch("alice", stale, "append")
+    held = await router.apply_context_patch("alice", ContextPatch(task_id="b"), "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    await router.approve_patch(held.patch_id)
+    with pytest.raises(LifecycleError):
+        await router.apply_context_patch("bob", ContextPatch(task_id="c"), "replace")
+    await router.stop()
+
+    spans = rig.spans(SPAN_CONTEXT_PATCH)
+    attributes: list[dict[str, Any]] = [dict(span.attributes or {}) for span in spans]
+    assert [(a[ATTR.PATCH_TASK_ID], a[ATTR.PATCH_STRATEGY], a[ATTR.PATCH_OUTCOME],
+             a[ATTR.PATCH_DIVERGED]) for a in attributes] == [
+        ("book-1", "append", "diverged", True),
+        ("b", "human_gated", "pending", False),
+        ("b", "human_gated", "approved", False),
+    ]
+    assert attributes[1][ATTR.PATCH_ID] == held.patch_id
+    assert {a[ATTR.PARTICIPANT_ID] for a in attributes} == {"alice"}
+    for strategy, outcome in (("append", "diverged"), ("human_gated", "pending"),
+                              ("human_gated", "approved"), ("replace", "refused")):
+        assert rig.value("turnrouter_context_patches_total", strategy=strategy,
+                         outcome=outcome) == 1.0, (strategy, outcome)
+    assert rig.value("turnrouter_context_patches_total", strategy="append",
+                     outcome="applied") is None
+
+
+async def test_patch_counter_without_tracing(rig: Rig) -> None:
+    """With a no-op tracer provider patches are still counted, with no span work."""
+    from opentelemetry.trace import NoOpTracerProvider
+
+    telemetry = Telemetry(tracer_provider=NoOpTracerProvider(), registry=rig.registry)
+    router = _router(telemetry)
+    await router.handle(AgentTurn("alice", "t1", "hi"))
+    await router.apply_context_patch("alice", ContextPatch(task_id="a"))
+    await router.stop()
+    assert rig.value("turnrouter_context_patches_total", strategy="append",
+                     outcome="applied") == 1.0
+    assert rig.spans(SPAN_CONTEXT_PATCH) == []

@@ -1,0 +1,537 @@
+"""Background context patches: strategies, divergence, the pending bound, order, lifecycle."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+import pydantic
+import pytest
+
+from turnrouter import (
+    AgentExchange,
+    AgentRouter,
+    AgentTurn,
+    AppliedContextPatch,
+    ConfigurationError,
+    ContextPatch,
+    ContextState,
+    ContractTypeError,
+    ContractValueError,
+    DestinationResult,
+    LifecycleError,
+    MergeStrategy,
+    PendingContextPatch,
+    PendingPatchLimitError,
+    UnknownPatchError,
+    current_context_patches,
+    current_turn_context,
+)
+from turnrouter._patches import EMPTY_CONTEXT_HASH
+from turnrouter.testing import ScriptedAgent, ScriptedDecisions
+
+from .kit import Harness
+
+pytestmark = pytest.mark.anyio
+
+DONE = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+class Booker(ScriptedAgent):
+    """Records what each answer saw and stamps the background work it would start."""
+
+    def __init__(self, name: str = "booking", **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.router: AgentRouter | None = None
+        self.seen_ids: list[tuple[object | None, ...]] = []
+        self.seen_patches: list[tuple[AppliedContextPatch, ...]] = []
+        self.stamps: list[tuple[str, ContextState]] = []
+        self.during: Callable[[AgentTurn], Awaitable[None]] | None = None
+
+    async def answer(
+        self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+    ) -> DestinationResult:
+        assert self.router is not None
+        self.seen_ids.append(current_turn_context().history_exchange_ids)
+        self.seen_patches.append(current_context_patches())
+        self.stamps.append((turn.turn_id, self.router.context_state(turn.participant_id)))
+        if self.during is not None:
+            await self.during(turn)
+        return await super().answer(turn, started=started)
+
+
+def booking(**kwargs: Any) -> tuple[Harness, Booker]:
+    """A harness whose only routed destination is a `Booker`."""
+    agent = Booker(**kwargs)
+    h = Harness(agent, decisions=ScriptedDecisions("booking"))
+    agent.router = h.router
+    return h, agent
+
+
+def patch_from(stamp: tuple[str, ContextState], task_id: str = "book-1",
+               *digest: str) -> ContextPatch:
+    """A patch stamped the way a destination stamps work it starts inside `answer()`."""
+    turn_id, state = stamp
+    return ContextPatch(
+        task_id=task_id, spawned_from_event_id=turn_id, source_context_version=state.version,
+        source_context_hash=state.hash, digest=digest or ("Table for two booked at 7pm",),
+        completed_at=DONE,
+    )
+
+
+def counted(h: Harness) -> list[tuple[str, str]]:
+    """The (strategy, outcome) pairs the router counted, in order."""
+    return h.observer.patch_outcomes()
+
+
+def details(h: Harness) -> list[tuple[object, ...]]:
+    """The detailed patch events (participant, task, strategy, outcome, diverged)."""
+    return [e[1:] for e in h.observer.events if e[0] == "context_patch_event"]
+
+
+# ------------------------------------------------------------------ strategies
+
+
+async def test_append_reaches_the_next_turn_through_history_and_turn_context() -> None:
+    """An appended patch is a history exchange the next turn sees, with its metadata."""
+    h, agent = booking()
+    await h.say("book a table")
+    applied = await h.router.apply_context_patch("p1", patch_from(agent.stamps[0]), "append")
+    assert isinstance(applied, AppliedContextPatch)
+    assert (applied.strategy, applied.diverged, applied.exchange_id) == (
+        MergeStrategy.APPEND, False, "patch:book-1")
+    await h.say("is it booked?")
+    background = AgentExchange("[background: book-1]", "Table for two booked at 7pm")
+    assert agent.calls[-1].history == (
+        AgentExchange("book a table", "booking answer"), background)
+    assert agent.seen_ids[-1] == ("t1", "patch:book-1")
+    assert agent.seen_patches[-1] == (applied,)
+    assert current_context_patches() == ()
+    assert h.router.context_patches_of("p1") == (applied,)
+    assert counted(h) == [("append", "applied")]
+    assert details(h) == [("p1", "book-1", "append", "applied", False)]
+
+
+async def test_append_keeps_earlier_background_exchanges_in_completion_order() -> None:
+    """Appends accumulate, interleaved with conversation exchanges as they completed."""
+    h, _agent = booking()
+    await h.say("one")
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="a", digest=("A",)))
+    await h.say("two")
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="b", digest=("B", "B2")))
+    assert [(e.user, e.assistant) for e in h.router.history_of("p1")] == [
+        ("one", "booking answer"), ("[background: a]", "A"), ("two", "booking answer"),
+        ("[background: b]", "B\nB2"),
+    ]
+
+
+async def test_replace_swaps_the_background_context_and_keeps_the_conversation() -> None:
+    """`replace` removes every earlier background exchange, then adds its own."""
+    h, _agent = booking()
+    await h.say("one")
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="a", digest=("A",)))
+    await h.say("two")
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="b", digest=("B",)))
+    replaced = await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="c", digest=("C",)), MergeStrategy.REPLACE)
+    assert [e.user for e in h.router.history_of("p1")] == ["one", "two", "[background: c]"]
+    assert h.router.context_patches_of("p1") == (replaced,)
+    assert counted(h)[-1] == ("replace", "applied")
+
+
+async def test_human_gated_holds_asks_and_approval_appends() -> None:
+    """A gated patch is held, a short question is said, and approval merges it."""
+    h, agent = booking()
+    await h.say("book a table")
+    held = await h.router.apply_context_patch(
+        "p1", patch_from(agent.stamps[0]), "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    assert (held.participant_id, held.task_id, held.strategy) == (
+        "p1", "book-1", MergeStrategy.HUMAN_GATED)
+    assert h.router.pending_patches("p1") == (held,)
+    spoken = h.output.spoken[-1]
+    assert (spoken.turn_id, spoken.route) == (f"patch:{held.patch_id}", "background")
+    assert spoken.text == ("A background task finished: Table for two booked at 7pm. "
+                           "Should I add this to our conversation?")
+    assert [e.user for e in h.router.history_of("p1")] == ["book a table"]
+    applied = await h.router.approve_patch(held.patch_id)
+    assert (applied.patch_id, applied.strategy, applied.diverged) == (
+        held.patch_id, MergeStrategy.HUMAN_GATED, False)
+    assert h.router.pending_patches("p1") == ()
+    assert h.router.history_of("p1")[-1].user == "[background: book-1]"
+    assert counted(h) == [("human_gated", "pending"), ("human_gated", "approved")]
+
+
+async def test_rejection_discards_and_settled_or_unknown_ids_raise() -> None:
+    """A rejected patch never reaches the context; settled and unknown ids raise."""
+    h, _agent = booking()
+    await h.say("one")
+    held = await h.router.apply_context_patch("p1", ContextPatch(task_id="a"), "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    assert await h.router.reject_patch(held.patch_id) == held
+    assert [e.user for e in h.router.history_of("p1")] == ["one"]
+    for settle in (h.router.approve_patch, h.router.reject_patch):
+        with pytest.raises(UnknownPatchError, match="no such patch is pending"):
+            await settle(held.patch_id)
+    with pytest.raises(LookupError):
+        await h.router.approve_patch("nope")
+    assert counted(h) == [("human_gated", "pending"), ("human_gated", "rejected")]
+
+
+async def test_pending_patches_are_bounded_per_participant() -> None:
+    """Over `max_pending_patches` a gated patch is refused (counted) until one settles."""
+    agent = Booker()
+    h = Harness(agent, decisions=ScriptedDecisions("booking"), max_pending_patches=2)
+    agent.router = h.router
+    await h.say("one")
+    await h.say("one", participant="p2")
+    held = [await h.router.apply_context_patch("p1", ContextPatch(task_id=f"t{i}"),
+                                               "human_gated") for i in range(2)]
+    with pytest.raises(PendingPatchLimitError, match="max_pending_patches=2"):
+        await h.router.apply_context_patch("p1", ContextPatch(task_id="t2"), "human_gated")
+    # The bound is per participant, and append is never bounded.
+    await h.router.apply_context_patch("p2", ContextPatch(task_id="x"), "human_gated")
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="y"), "append")
+    await h.router.reject_patch(held[0].patch_id)
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="t2"), "human_gated")
+    assert [p.task_id for p in h.router.pending_patches("p1")] == ["t1", "t2"]
+    assert counted(h).count(("human_gated", "refused")) == 1
+
+
+async def test_question_failure_keeps_the_patch_pending() -> None:
+    """A failing `output` does not lose the held patch: it can still be approved."""
+    h, _agent = booking()
+    await h.say("one")
+    h.output.error = RuntimeError("speaker down")
+    held = await h.router.apply_context_patch("p1", ContextPatch(task_id="a"), "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    h.output.error = None
+    await h.router.approve_patch(held.patch_id)
+    assert h.router.history_of("p1")[-1] == AgentExchange("[background: a]", "")
+
+
+# ------------------------------------------------------------------ version, hash, divergence
+
+
+async def test_version_and_hash_advance_with_conversation_exchanges_only() -> None:
+    """Completed exchanges advance version and hash; patches and clarifications do not."""
+    h, _agent = booking()
+    assert h.router.context_state("p1") == ContextState(0, EMPTY_CONTEXT_HASH)
+    await h.say("one")
+    first = h.router.context_state("p1")
+    assert first.version == 1 and first.hash != EMPTY_CONTEXT_HASH
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="a", digest=("A",)))
+    assert h.router.context_state("p1") == first
+    await h.say("one")
+    second = h.router.context_state("p1")
+    assert second.version == 2 and second.hash not in (first.hash, EMPTY_CONTEXT_HASH)
+
+
+async def test_patch_from_the_spawning_turn_is_not_diverged() -> None:
+    """Stamped inside `answer()`, merged after that turn's exchange: not diverged."""
+    h, agent = booking()
+    await h.say("zero")
+    await h.say("book a table")
+    applied = await h.router.apply_context_patch("p1", patch_from(agent.stamps[1]))
+    assert isinstance(applied, AppliedContextPatch)
+    assert not applied.diverged and not applied.patch.context_diverged
+    # A sibling task of the same turn is not diverged by the first one's patch either.
+    sibling = await h.router.apply_context_patch("p1", patch_from(agent.stamps[1], "b"))
+    assert isinstance(sibling, AppliedContextPatch) and not sibling.diverged
+
+
+async def test_patch_diverges_when_the_conversation_moved_on() -> None:
+    """A later exchange makes the stamp stale: merged, marked, visible and counted."""
+    h, agent = booking()
+    await h.say("book a table")
+    await h.say("actually, what's the weather?")
+    applied = await h.router.apply_context_patch("p1", patch_from(agent.stamps[0]))
+    assert isinstance(applied, AppliedContextPatch)
+    assert applied.diverged and applied.patch.context_diverged
+    assert h.router.history_of("p1")[-1].user == (
+        "[background: book-1 (context changed since it started)]")
+    await h.say("and?")
+    assert [p.diverged for p in agent.seen_patches[-1]] == [True]
+    assert counted(h) == [("append", "diverged")]
+    assert details(h) == [("p1", "book-1", "append", "diverged", True)]
+
+
+async def test_hash_mismatch_alone_marks_divergence() -> None:
+    """Same version, other hash: diverged; fields left unset are not compared."""
+    h, _agent = booking()
+    await h.say("one")
+    state = h.router.context_state("p1")
+    wrong = ContextPatch(task_id="a", source_context_version=state.version,
+                         source_context_hash="0" * 32)
+    assert (await h.router.apply_context_patch("p1", wrong)).patch.context_diverged
+    by_hash = ContextPatch(task_id="b", source_context_hash=state.hash)
+    assert not (await h.router.apply_context_patch("p1", by_hash)).patch.context_diverged
+    stale = ContextPatch(task_id="c", source_context_version=state.version - 1)
+    assert (await h.router.apply_context_patch("p1", stale)).patch.context_diverged
+    unstamped = ContextPatch(task_id="d")
+    assert not (await h.router.apply_context_patch("p1", unstamped)).patch.context_diverged
+    flagged = ContextPatch(task_id="e", context_diverged=True)
+    assert (await h.router.apply_context_patch("p1", flagged)).patch.context_diverged
+
+
+async def test_held_patch_keeps_the_divergence_detected_when_held() -> None:
+    """A diverged gated patch is held marked, and approval merges it marked."""
+    h, agent = booking()
+    await h.say("book a table")
+    await h.say("something else")
+    held = await h.router.apply_context_patch(
+        "p1", patch_from(agent.stamps[0]), MergeStrategy.HUMAN_GATED)
+    assert isinstance(held, PendingContextPatch) and held.patch.context_diverged
+    applied = await h.router.approve_patch(held.patch_id)
+    assert applied.diverged
+    assert details(h) == [("p1", "book-1", "human_gated", "pending", True),
+                          ("p1", "book-1", "human_gated", "approved", True)]
+
+
+# ------------------------------------------------------------------ order and concurrency
+
+
+async def test_patch_during_a_running_turn_keeps_its_snapshot_and_does_not_cancel_it() -> None:
+    """The running turn keeps its history; the patch reaches the next turn, in order."""
+    h, agent = booking()
+    await h.say("one")
+    agent.answer_gate = anyio.Event()
+    turn = h.turn("two")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, turn)
+        await agent.answer_entered.wait()
+        await h.router.apply_context_patch("p1", ContextPatch(task_id="a", digest=("A",)))
+        agent.answer_gate.set()
+    assert h.outcomes[turn.turn_id] == DestinationResult("answer", "booking answer")
+    assert agent.calls[-1].history == (AgentExchange("one", "booking answer"),)
+    assert [e.user for e in h.router.history_of("p1")] == ["one", "[background: a]", "two"]
+    agent.answer_gate = None
+    await h.say("three")
+    assert agent.seen_ids == [(), ("t1",), ("t1", "patch:a", "t2")]
+
+
+async def test_queued_turn_sees_a_patch_applied_before_it_started() -> None:
+    """A turn waiting behind a running one takes its history when it starts."""
+    h, agent = booking(results=["focus", "release", "answer"])
+    await h.say("one")  # takes focus
+    agent.release_gate = anyio.Event()
+    second, third = h.turn("two"), h.turn("three")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, second)  # releases focus after its answer: protected
+        await agent.release_entered.wait()
+        tg.start_soon(h.capture, third)  # cannot cancel the protected release: waits
+        await anyio.wait_all_tasks_blocked()
+        await h.router.apply_context_patch("p1", ContextPatch(task_id="a"))
+        agent.release_gate.set()
+    assert h.outcomes[second.turn_id] == DestinationResult("release", "booking answer")
+    assert h.outcomes[third.turn_id] == DestinationResult("answer", "booking answer")
+    assert agent.seen_ids == [(), ("t1",), ("t1", "t2", "patch:a")]
+
+
+async def test_concurrent_patches_are_merged_in_call_order() -> None:
+    """Patches from concurrent tasks land in the order they were submitted."""
+    h, _agent = booking()
+    await h.say("one")
+    async with anyio.create_task_group() as tg:
+        for name in "abcd":
+            tg.start_soon(h.router.apply_context_patch, "p1", ContextPatch(task_id=name))
+    assert [p.task_id for p in h.router.context_patches_of("p1")] == list("abcd")
+
+
+async def test_patch_applied_inside_answer_reaches_only_later_turns() -> None:
+    """A destination may apply (or approve) from inside its own answer without waiting."""
+    h, agent = booking()
+    await h.say("one")
+
+    async def apply_now(turn: AgentTurn) -> None:
+        await h.router.apply_context_patch(turn.participant_id, ContextPatch(task_id="now"))
+        assert current_context_patches() == ()
+
+    agent.during = apply_now
+    await h.say("two")
+    agent.during = None
+    await h.say("three")
+    assert agent.seen_ids[-1] == ("t1", "patch:now", "t2")
+
+
+async def test_approval_from_the_participants_reply_turn() -> None:
+    """The reply turn approves inside `answer()`: merged for the turns after it."""
+    h, agent = booking()
+    await h.say("book a table")
+    held = await h.router.apply_context_patch("p1", ContextPatch(task_id="a"), "human_gated")
+    assert isinstance(held, PendingContextPatch)
+
+    async def approve(turn: AgentTurn) -> None:
+        await h.router.approve_patch(held.patch_id)
+
+    agent.during = approve
+    await h.say("yes please")
+    agent.during = None
+    await h.say("thanks")
+    assert agent.seen_ids[1] == ("t1",)
+    assert agent.seen_ids[2] == ("t1", "patch:a", "t2")
+
+
+async def test_approve_and_reject_racing_with_a_running_turn() -> None:
+    """Settling while a turn runs: the turn keeps its snapshot; the first settle wins."""
+    h, agent = booking()
+    await h.say("one")
+    a = await h.router.apply_context_patch("p1", ContextPatch(task_id="a"), "human_gated")
+    b = await h.router.apply_context_patch("p1", ContextPatch(task_id="b"), "human_gated")
+    assert isinstance(a, PendingContextPatch) and isinstance(b, PendingContextPatch)
+    agent.answer_gate = anyio.Event()
+    outcomes: list[str] = []
+
+    async def settle(patch_id: str, approve: bool) -> None:
+        try:
+            if approve:
+                await h.router.approve_patch(patch_id)
+            else:
+                await h.router.reject_patch(patch_id)
+            outcomes.append(f"{'approved' if approve else 'rejected'} {patch_id == a.patch_id}")
+        except UnknownPatchError:
+            outcomes.append("lost")
+
+    turn = h.turn("two")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, turn)
+        await agent.answer_entered.wait()
+        tg.start_soon(settle, a.patch_id, True)
+        tg.start_soon(settle, a.patch_id, False)
+        tg.start_soon(settle, b.patch_id, False)
+        await anyio.wait_all_tasks_blocked()
+        agent.answer_gate.set()
+    assert outcomes == ["approved True", "lost", "rejected False"]
+    assert agent.calls[-1].history == (AgentExchange("one", "booking answer"),)
+    assert [e.user for e in h.router.history_of("p1")] == ["one", "[background: a]", "two"]
+
+
+# ------------------------------------------------------------------ departure and stop
+
+
+async def test_departure_drops_pending_and_refuses_later_patches() -> None:
+    """Held patches are dropped (counted) on departure; later patches are refused."""
+    h, _agent = booking()
+    await h.say("one")
+    held = [await h.router.apply_context_patch("p1", ContextPatch(task_id=name),
+                                               "human_gated") for name in "ab"]
+    await h.router.participant_left("p1")
+    assert counted(h)[-2:] == [("human_gated", "dropped")] * 2
+    with pytest.raises(UnknownPatchError, match="dropped when its participant left"):
+        await h.router.approve_patch(held[0].patch_id)
+    with pytest.raises(LifecycleError, match="holds no state"):
+        await h.router.apply_context_patch("p1", ContextPatch(task_id="c"), "append")
+    assert counted(h)[-1] == ("append", "refused")
+    assert h.router.pending_patches("p1") == ()
+
+
+async def test_settling_and_patching_while_a_departure_runs() -> None:
+    """During a departure pending patches are gone and new ones are refused."""
+    h, agent = booking()
+    await h.say("one")
+    held = await h.router.apply_context_patch("p1", ContextPatch(task_id="a"), "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    agent.release_gate = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.router.participant_left, "p1")
+        await agent.release_entered.wait()
+        with pytest.raises(UnknownPatchError):
+            await h.router.approve_patch(held.patch_id)
+        with pytest.raises(LifecycleError, match="departure departing"):
+            await h.router.apply_context_patch("p1", ContextPatch(task_id="b"))
+        agent.release_gate.set()
+    assert counted(h) == [("human_gated", "pending"), ("human_gated", "dropped"),
+                          ("append", "refused")]
+
+
+async def test_departure_racing_with_an_approval_during_a_turn() -> None:
+    """A departure that interrupts the approving turn still leaves nothing pending."""
+    h, agent = booking()
+    await h.say("one")
+    held = await h.router.apply_context_patch("p1", ContextPatch(task_id="a"), "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    agent.answer_gate = anyio.Event()
+    turn = h.turn("yes")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, turn)
+        await agent.answer_entered.wait()
+        await h.router.participant_left("p1")
+    with pytest.raises(UnknownPatchError):
+        await h.router.approve_patch(held.patch_id)
+    assert counted(h) == [("human_gated", "pending"), ("human_gated", "dropped")]
+    assert h.router.participants == frozenset()
+
+
+async def test_stop_drops_pending_patches_and_refuses_new_ones() -> None:
+    """`stop()` drops every held patch (counted); afterwards patches are refused."""
+    h, _agent = booking()
+    await h.say("one")
+    await h.say("one", participant="p2")
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="a"), "human_gated")
+    await h.router.apply_context_patch("p2", ContextPatch(task_id="b"), "human_gated")
+    await h.router.stop()
+    assert counted(h)[-2:] == [("human_gated", "dropped")] * 2
+    with pytest.raises(LifecycleError):
+        await h.router.apply_context_patch("p1", ContextPatch(task_id="c"), "human_gated")
+    assert counted(h)[-1] == ("human_gated", "refused")
+
+
+async def test_patch_refused_while_stopping_and_for_unknown_participants() -> None:
+    """No state is created for a patch: unknown participants and shutdown refuse it."""
+    h, agent = booking()
+    with pytest.raises(LifecycleError, match="never had a turn"):
+        await h.router.apply_context_patch("ghost", ContextPatch(task_id="a"))
+    assert h.router.participants == frozenset()
+    await h.say("one")
+    agent.release_gate = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.router.stop)
+        await agent.release_entered.wait()
+        with pytest.raises(LifecycleError, match="shutting down"):
+            await h.router.apply_context_patch("p1", ContextPatch(task_id="b"))
+        agent.release_gate.set()
+    assert counted(h) == [("append", "refused"), ("append", "refused")]
+
+
+# ------------------------------------------------------------------ budget and validation
+
+
+async def test_patch_exchanges_count_against_the_history_budget() -> None:
+    """A patch's exchange is budgeted like any other: the oldest whole ones make room."""
+    agent = Booker(answer_text="x" * 10)
+    h = Harness(agent, decisions=ScriptedDecisions("booking"), context_budget_bytes=40)
+    agent.router = h.router
+    await h.say("aa")  # 12 bytes
+    await h.say("bb")  # 12 bytes
+    patch = ContextPatch(task_id="t", digest=("y" * 2,))  # "[background: t]" + 2 = 17 bytes
+    await h.router.apply_context_patch("p1", patch)
+    history = h.router.history_of("p1")
+    assert [e.user for e in history] == ["bb", "[background: t]"]
+    assert sum(e.size_bytes() for e in history) <= 40
+    # The conversation hash follows what is retained; the version counts every exchange.
+    assert h.router.context_state("p1").version == 2
+
+
+async def test_contract_validation() -> None:
+    """Patches, strategies and the pending bound are validated with clear errors."""
+    h, _agent = booking()
+    await h.say("one")
+    with pytest.raises(ContractValueError, match="strategy must be one of"):
+        await h.router.apply_context_patch("p1", ContextPatch(task_id="a"), "merge")
+    with pytest.raises(ContractTypeError, match="takes a ContextPatch"):
+        await h.router.apply_context_patch("p1", {"task_id": "a"})  # type: ignore[arg-type]
+    with pytest.raises(ContractValueError):
+        await h.router.apply_context_patch("", ContextPatch(task_id="a"))
+    with pytest.raises(ContractTypeError):
+        await h.router.approve_patch(3)  # type: ignore[arg-type]
+    for bad in ({"task_id": ""}, {"task_id": "a", "source_context_version": -1},
+                {"task_id": "a", "digest": ["two\nlines"]}, {"task_id": "a", "extra": 1}):
+        with pytest.raises(pydantic.ValidationError):
+            ContextPatch(**bad)
+    naive = ContextPatch(task_id="a", completed_at=datetime(2025, 1, 1))
+    assert naive.completed_at.tzinfo is UTC
+    with pytest.raises(ConfigurationError, match="max_pending_patches"):
+        Harness(ScriptedAgent("x"), max_pending_patches=0)
+    assert counted(h) == []
