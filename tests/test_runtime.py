@@ -226,3 +226,23 @@ async def test_trace_context_of_the_query_is_entered() -> None:
 
 async def _silent(turn: AgentTurn, route: str, text: str) -> None:
     return None
+
+
+async def test_held_patch_question_is_published_on_the_output_topic() -> None:
+    """A human-gated patch's question reaches the output topic of a runtime router."""
+    from turnrouter import ContextPatch
+
+    router, _, _ = make_router()
+    outputs: list[ResponseOutput] = []
+
+    async def collect(message: ResponseOutput) -> None:
+        outputs.append(message)
+
+    async with AgentRuntime() as runtime:
+        runtime.register(router.runtime_subscriber())
+        runtime.subscribe(OUTPUT, collect)
+        await runtime.publish(QUERY, UserQuery(participant_id="p1", text="book it"))
+    held = await router.apply_context_patch(
+        "p1", ContextPatch(task_id="booking", digest=("Table booked for two.",)), "human_gated")
+    assert [o.text for o in outputs][-1].startswith("A background task finished: Table booked")
+    assert outputs[-1].request_id == f"patch:{held.patch_id}"

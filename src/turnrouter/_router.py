@@ -346,6 +346,8 @@ class AgentRouter:
         self._routes = tuple(agents)
         self._decisions = decisions
         self._output = output
+        #: Publishes control text on the output topic once a runtime delivered to us.
+        self._runtime_output: OutputCallback | None = None
         self._default = default_destination
         self._budget = context_budget_bytes
         self._ack_llm = acknowledgment_llm
@@ -697,7 +699,7 @@ class AgentRouter:
 
     async def _ask(self, held: PendingContextPatch) -> None:
         """Ask the participant about a held patch through `output` (failures logged)."""
-        output = self._output
+        output = self._output or self._runtime_output
         if output is None:
             logger.info("turnrouter: no output callback; context patch %s waits for "
                         "approval without a question", held.patch_id)

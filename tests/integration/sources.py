@@ -36,4 +36,4 @@ def demo_command(port: int, *, clarify_heavy: bool, seed: int) -> list[str]:
 
 def source_command(port: int, *, clarify_heavy: bool, seed: int) -> list[str]:
     """The metrics source the integration tests scrape."""
-    return driver_command(port, clarify_heavy=clarify_heavy, seed=seed)
+    return demo_command(port, clarify_heavy=clarify_heavy, seed=seed)

@@ -49,6 +49,7 @@ class DemoReport:
     rejected: float = 0.0
     first_response: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     silence: list[tuple[float, float]] = field(default_factory=list)
+    patches: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def read(cls, registry: CollectorRegistry, elapsed: float, published: int) -> DemoReport:
@@ -68,6 +69,9 @@ class DemoReport:
                         report.acknowledgments.get(outcome, 0.0) + sample.value)
                 elif sample.name == "turnrouter_decision_duration_seconds_count":
                     report.decisions += sample.value
+                elif sample.name == "turnrouter_context_patches_total":
+                    outcome = labels["outcome"]
+                    report.patches[outcome] = report.patches.get(outcome, 0.0) + sample.value
                 elif sample.name == "turnrouter_runtime_rejected_messages_total":
                     report.rejected += sample.value
                 elif sample.name == "turnrouter_first_response_seconds_bucket":
@@ -138,6 +142,9 @@ class DemoReport:
             f"p95 {histogram_quantile(0.95, self.silence):.2f} s "
             "(admission to the first thing heard)",
             "quantiles are estimated from the histogram buckets, as Prometheus would",
+            "background context patches: " + (", ".join(
+                f"{outcome} {count:.0f}" for outcome, count in sorted(self.patches.items()))
+                or "none"),
             f"queries published {self.published}, refused {self.rejected:.0f}, "
             f"lost {self.lost_turns}",
         ]

@@ -8,6 +8,7 @@ and reports to a real `Telemetry` whose registry is served on `/metrics`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -20,6 +21,7 @@ import anyio
 from prometheus_client import CollectorRegistry
 
 from .._contracts import AgentTurn
+from .._exceptions import LifecycleError
 from .._router import AgentRouter
 from ..decisions import LexicalDecisions
 from ..runtime import (
@@ -128,6 +130,14 @@ class _Crowd:
     async def _sleep(self, seconds: float) -> None:
         await anyio.sleep(seconds / self.config.speed)
 
+    async def _settle_patches(self, pid: str) -> None:
+        """The participant answers the router's question about a held background result."""
+        for held in self.router.pending_patches(pid):
+            settle = (self.router.approve_patch if self.rng.random() < 0.7
+                      else self.router.reject_patch)
+            with contextlib.suppress(LifecycleError):  # settled or dropped meanwhile
+                await settle(held.patch_id)
+
     async def participant(self, slot: int) -> None:
         rng, publish = self.rng, self.runtime.publish
         generation = 0
@@ -139,6 +149,7 @@ class _Crowd:
             self.active += 1
             try:
                 for _ in range(rng.randint(3, 10)):
+                    await self._settle_patches(pid)
                     await publish(_Topics.query, UserQuery(participant_id=pid,
                                                            text=self.pick(pid)))
                     self.published += 1
@@ -202,6 +213,8 @@ async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoRepor
         participant_joined_topic=_Topics.joined, participant_left_topic=_Topics.left,
         interrupted_topic=_Topics.interrupted, **ack,
     )
+    for agent in agents.values():
+        agent.router, agent.spawn = router, runtime.start_soon
     server = None
     if config.metrics_port is not None:
         server = serve_metrics(config.metrics_port, registry=registry,

@@ -8,16 +8,23 @@ through a booking's follow-ups.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import anyio
 
 from .._contracts import Admission, AgentTurn, DestinationResult, RoutingAid
+from .._exceptions import LifecycleError
+from .._patches import ContextPatch
+
+if TYPE_CHECKING:
+    from .._router import AgentRouter
 
 __all__ = [
     "DESCRIPTIONS",
@@ -142,6 +149,9 @@ class SimulatedAgent:
         self._eligible = eligible
         self._bookings: dict[str, int] = {}  # participant -> follow-ups left
         self.latency = LATENCIES[name]
+        #: Set by the demo: where background work runs and which router gets its result.
+        self.spawn: Callable[..., None] | None = None
+        self.router: AgentRouter | None = None
 
     def routing_aid(self, participant_id: str) -> RoutingAid:
         eligible = True if self._eligible is None else self._eligible(participant_id)
@@ -186,10 +196,38 @@ class SimulatedAgent:
         if left is not None:
             if left <= 1:
                 self._bookings.pop(pid, None)
-                return DestinationResult("release", text=text + " Your booking is done.")
+                self._confirm_in_background(turn, intent)
+                return DestinationResult(
+                    "release", text=text + " I'll book it and let you know.")
             self._bookings[pid] = left - 1
             return DestinationResult("focus", text=text)
         return DestinationResult("answer", text=text)
+
+    def _confirm_in_background(self, turn: AgentTurn, intent: str) -> None:
+        """Start the slow part of a booking; its result comes back as a context patch."""
+        router, spawn = self.router, self.spawn
+        if router is None or spawn is None:
+            return
+        state = router.context_state(turn.participant_id)
+        roll = self._rng.random()
+        strategy = "append" if roll < 0.7 else "replace" if roll < 0.85 else "human_gated"
+        patch = ContextPatch(
+            task_id=f"booking-{turn.turn_id}", spawned_from_event_id=turn.turn_id,
+            source_context_version=state.version, source_context_hash=state.hash,
+            digest=(f"Your {intent.replace('_', ' ')} is confirmed.",
+                    "The confirmation was sent by email."),
+            facts={"intent": intent}, recommended_next_steps=("Add it to the calendar",),
+        )
+        delay = self._rng.uniform(0.5, 4.0) / self._speed
+        spawn(self._deliver_patch, router, turn.participant_id, patch, strategy, delay)
+
+    @staticmethod
+    async def _deliver_patch(router: AgentRouter, participant_id: str, patch: ContextPatch,
+                             strategy: str, delay: float) -> None:
+        await anyio.sleep(delay)
+        # The participant may have left meanwhile: refused, and counted by the router.
+        with contextlib.suppress(LifecycleError):
+            await router.apply_context_patch(participant_id, patch, strategy)
 
     async def release(self, participant_id: str) -> None:
         self._bookings.pop(participant_id, None)

@@ -85,7 +85,24 @@ class RouterSubscriber:
     def subscriptions(self) -> tuple[Topic[Any], ...]:
         return tuple(topic for role, topic in self._topics.items() if role != "output_topic")
 
+    def _emitter(self, runtime: AgentRuntime) -> Any:
+        """An `output` callback publishing router control text on the output topic."""
+        router, output = self._router, self._output
+
+        async def emit(turn: AgentTurn, route: str, text: str) -> None:
+            carrier = router._observer.inject_context()
+            await runtime.publish(output, ResponseOutput(
+                participant_id=turn.participant_id, request_id=turn.turn_id, route=route,
+                text=text, traceparent=carrier.get("traceparent"),
+                tracestate=carrier.get("tracestate"),
+            ))
+
+        return emit
+
     async def deliver(self, topic: Topic[Any], message: Any, runtime: AgentRuntime) -> None:
+        if self._router._runtime_output is None:
+            # Control text outside turns (a held context patch's question) goes here too.
+            self._router._runtime_output = self._emitter(runtime)
         role = self._roles.get(topic.name)
         if role is None:
             return
@@ -117,17 +134,9 @@ class RouterSubscriber:
 
     async def _run_query(self, query: UserQuery, runtime: AgentRuntime) -> None:
         router = self._router
-        output = self._output
         pid = query.participant_id
         turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
-
-        async def emit(turn: AgentTurn, route: str, text: str) -> None:
-            carrier = router._observer.inject_context()
-            await runtime.publish(output, ResponseOutput(
-                participant_id=turn.participant_id, request_id=turn.turn_id, route=route,
-                text=text, traceparent=carrier.get("traceparent"),
-                tracestate=carrier.get("tracestate"),
-            ))
+        emit = self._emitter(runtime)
 
         status = router._set_status
         token = router._observer.enter_context(query.trace_carrier())
