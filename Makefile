@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The trace backend of the integration tests, kept out of the project's environment.
+PHOENIX_VENV ?= .venv-phoenix
+PHOENIX_STAMP := $(PHOENIX_VENV)/.installed
 
 .PHONY: demo test lint typecheck unit bench clean
 
@@ -11,6 +14,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+$(PHOENIX_STAMP):
+	$(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PHOENIX_VENV)/bin/python -m pip install --quiet 'arize-phoenix==20.26.1'
+	touch $(PHOENIX_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/turnrouter demo $(ARGS)
@@ -21,8 +30,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict src/turnrouter tests benchmarks
 
-unit: $(STAMP)
-	$(BIN)/pytest -q
+unit: $(STAMP) $(PHOENIX_STAMP)
+	TURNROUTER_PHOENIX_PYTHON=$(PHOENIX_VENV)/bin/python $(BIN)/pytest -q
 
 test: lint typecheck unit
 
@@ -31,4 +40,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_decisions.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PHOENIX_VENV) .mypy_cache .pytest_cache .ruff_cache
