@@ -7,14 +7,16 @@ generation time on the same clock. Both policies see the same latencies and gene
 times, at the same fallback delay:
 
 - fixed: no prediction; generation starts at the delay, spoken when ready;
-- predictive: the default `RouteTimingPredictor`; a confident prediction whose lower
-  bound (p10) exceeds the delay makes the acknowledgment heard at `early_secs`.
+- predictive: the default `RouteTimingPredictor` (decayed histogram restarted by its
+  change detector); a confident prediction whose lower bound (p10) exceeds the delay
+  makes the acknowledgment heard at `early_secs`.
 
 Per route: p50/p95 silence (admission to the first thing heard), acknowledgment rate,
 and needless-acknowledgment rate (the answer started within 300 ms after the
 acknowledgment was spoken), per turn.
 
     .venv/bin/python benchmarks/bench_acknowledgments.py [--turns 1000] [--delay 1.0]
+        [--seed 7] [--half-life 100] [--change-threshold 8|none]
 """
 
 from __future__ import annotations
@@ -266,16 +268,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--half-life", type=float, default=100.0,
                         help="RouteTimingPredictor half_life_samples")
+    parser.add_argument("--change-threshold", default="8",
+                        help="RouteTimingPredictor change_threshold ('none': no detection)")
     args = parser.parse_args()
+    threshold = None if args.change_threshold.lower() == "none" else float(args.change_threshold)
     plans = make_plans(args.turns, args.seed)
     policy = AcknowledgmentPolicy(early_secs=args.early)
     began = time.perf_counter()
     fixed = asyncio.run(replay(plans, NoPrediction(), args.delay, policy))
-    predictive = asyncio.run(replay(plans, RouteTimingPredictor(half_life_samples=args.half_life),
-                                  args.delay, policy))
+    predictor = RouteTimingPredictor(half_life_samples=args.half_life,
+                                     change_threshold=threshold)
+    predictive = asyncio.run(replay(plans, predictor, args.delay, policy))
     elapsed = time.perf_counter() - began
     print(f"{len(plans)} turns per policy ({args.turns} per route), delay {args.delay}s, "
-          f"early {args.early}s, half-life {args.half_life:g}, seed {args.seed}, "
+          f"early {args.early}s, half-life {args.half_life:g}, "
+          f"change threshold {args.change_threshold}, seed {args.seed}, "
           f"generation ~0.3s; "
           f"replayed in {elapsed:.1f}s wall")
     print("| route | policy | p50 silence | p95 silence | ack rate | needless rate | "
@@ -290,6 +297,7 @@ def main() -> None:
     overall_a = statistics.fmean(summarize(fixed, r).needless_rate for r in ROUTES)
     overall_b = statistics.fmean(summarize(predictive, r).needless_rate for r in ROUTES)
     print(f"mean needless rate over routes: fixed {overall_a:.2%}, predictive {overall_b:.2%}")
+    print("changes detected: " + ", ".join(f"{r} {predictor.changes(r)}" for r in ROUTES))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""Timing: the decayed per-route predictor, JSON-lines samples, LLM-assisted prediction, clocks."""
+"""Timing: the decayed per-route predictor and its change detector, JSON-lines samples,
+LLM-assisted prediction, clocks."""
 
 from __future__ import annotations
 
+import math
+import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -67,8 +71,8 @@ def test_confidence_needs_a_narrow_spread() -> None:
 
 
 def test_recent_samples_outweigh_old_ones() -> None:
-    """After a drift, the estimate follows the new regime within a few half-lives."""
-    predictor = RouteTimingPredictor(half_life_samples=50)
+    """Without change detection, the estimate follows a drift within a few half-lives."""
+    predictor = RouteTimingPredictor(half_life_samples=50, change_threshold=None)
     for _ in range(500):
         predictor.record(TimingSample("r", 0.3))
     for _ in range(250):
@@ -78,16 +82,149 @@ def test_recent_samples_outweigh_old_ones() -> None:
     assert prediction.seconds == pytest.approx(3.0, rel=0.1)
     assert prediction.lower > 1.0
     assert predictor.samples("r") == pytest.approx(1 / (1 - 2 ** (-1 / 50)), rel=0.02)
+    assert predictor.changes("r") == 0
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
+    return median * math.exp(rng.gauss(0.0, sigma))
+
+
+def _confident_slow(predictor: RouteTimingPredictor, delay: float = 1.0) -> bool:
+    """The acknowledgment policy would start early: confident and p10 above the delay."""
+    prediction = predictor.predict("r")
+    return prediction is not None and prediction.confident and prediction.lower > delay
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_step_change_fast_to_slow_is_confident_slow_within_25_samples(seed: int) -> None:
+    """A route turning from 0.4 s to 2.5 s is detected in a few samples and predicted
+    confident-slow (p10 above a 1 s delay) within N = 25 slow samples (typically 22: ~4
+    to detect, then 20 effective samples of the new regime), not ~330 as by decay."""
+    rng = random.Random(seed)
+    predictor = RouteTimingPredictor()
+    for _ in range(300):
+        predictor.record(TimingSample("r", _lognormal(rng, 0.4, 0.3)))
+        assert not _confident_slow(predictor)
+    needed = 0
+    while not _confident_slow(predictor):
+        predictor.record(TimingSample("r", _lognormal(rng, 2.5, 0.3)))
+        needed += 1
+        assert needed <= 25
+    assert predictor.changes("r") == 1
+    for _ in range(300):  # and it stays there
+        predictor.record(TimingSample("r", _lognormal(rng, 2.5, 0.3)))
+        assert _confident_slow(predictor)
+    assert predictor.changes("r") == 1
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_step_change_slow_to_fast_stops_early_acknowledgments_within_5_samples(
+        seed: int) -> None:
+    """A slow route turning fast stops confident-slow predictions within 5 fast samples
+    (each would be a needless early acknowledgment), then relearns the fast regime."""
+    rng = random.Random(seed)
+    predictor = RouteTimingPredictor()
+    for _ in range(300):
+        predictor.record(TimingSample("r", _lognormal(rng, 2.5, 0.3)))
+    assert _confident_slow(predictor)
+    for _ in range(5):
+        predictor.record(TimingSample("r", _lognormal(rng, 0.4, 0.3)))
+    assert not _confident_slow(predictor)
+    assert predictor.changes("r") == 1
+    for _ in range(30):
+        predictor.record(TimingSample("r", _lognormal(rng, 0.4, 0.3)))
+    prediction = predictor.predict("r")
+    assert prediction is not None and prediction.confident
+    assert prediction.seconds == pytest.approx(0.4, rel=0.25)  # 34 samples: noisy median
+
+
+def test_no_flapping_under_noise_without_a_change() -> None:
+    """Steady noisy routes (lognormal spread 0.35 and 1.0, bimodal, rare 5x outliers)
+    never trigger the change detector in 20 000 samples each, and a steady slow route
+    stays confident-slow on every turn after its warm-up."""
+    rng = random.Random(11)
+    draws: dict[str, Callable[[], float]] = {
+        "spread035": lambda: _lognormal(rng, 2.5, 0.35),
+        "spread1": lambda: _lognormal(rng, 1.0, 1.0),
+        "bimodal": lambda: (_lognormal(rng, 0.3, 0.3) if rng.random() < 0.55
+                            else _lognormal(rng, 3.0, 0.3)),
+        "outliers": lambda: _lognormal(rng, 2.5, 0.3) * (5.0 if rng.random() < 0.05 else 1.0),
+    }
+    for route, draw in draws.items():
+        predictor = RouteTimingPredictor()
+        for i in range(20_000):
+            predictor.record(TimingSample("r", draw()))
+            if route == "spread035" and i >= 25:
+                assert _confident_slow(predictor)
+        assert predictor.changes("r") == 0, route
+
+
+def test_short_outlier_bursts_do_not_restart_a_route() -> None:
+    """Clipped z-scores: three consecutive 30 s outliers on a 1 s route are not a change."""
+    rng = random.Random(5)
+    predictor = RouteTimingPredictor()
+    for _ in range(200):
+        predictor.record(TimingSample("r", _lognormal(rng, 1.0, 0.3)))
+    for _ in range(3):
+        predictor.record(TimingSample("r", 30.0))
+    assert predictor.changes("r") == 0
+    for _ in range(200):
+        predictor.record(TimingSample("r", _lognormal(rng, 1.0, 0.3)))
+    assert predictor.changes("r") == 0
+    prediction = predictor.predict("r")
+    assert prediction is not None and prediction.confident
+
+
+def test_censored_samples_never_signal_a_faster_route() -> None:
+    """Early interrupts (short censored samples) are not evidence of a faster route;
+    long censored samples are evidence of a slower one."""
+    rng = random.Random(2)
+    predictor = RouteTimingPredictor()
+    for _ in range(100):
+        predictor.record(TimingSample("r", _lognormal(rng, 2.5, 0.3)))
+    for _ in range(100):
+        predictor.record(TimingSample("r", 0.1, censored=True))
+    assert predictor.changes("r") == 0
+    for _ in range(10):
+        predictor.record(TimingSample("r", 20.0, censored=True))
+    assert predictor.changes("r") == 1
+    median = predictor.estimate("r")
+    assert median is not None and median >= 20.0
+
+
+def test_change_detection_replays_identically_from_exported_samples(tmp_path: Path) -> None:
+    """Loading exported samples reproduces the detected changes and the estimate."""
+    rng = random.Random(4)
+    path = tmp_path / "s.jsonl"
+    live = RouteTimingPredictor()
+    with JsonLinesSink(path) as sink:
+        for i in range(400):
+            sample = TimingSample("r", _lognormal(rng, 0.4 if i < 200 else 2.5, 0.3))
+            live.record(sample)
+            sink.record(sample)
+    loaded = RouteTimingPredictor()
+    loaded.load(load_samples(path))
+    assert loaded.changes("r") == live.changes("r") == 1
+    assert loaded.estimate("r") == pytest.approx(live.estimate("r"), rel=1e-3)
 
 
 def test_memory_is_bounded() -> None:
-    """Per-route state has a fixed size however many samples, and routes are capped."""
+    """Per-route state has a fixed size however many samples and changes (under 2 KB:
+    96-bin histogram, 32-sample ring buffer, a few floats), and routes are capped."""
     predictor = RouteTimingPredictor(max_routes=3)
     for i in range(50_000):
         predictor.record(TimingSample("r", 0.01 + (i % 997) * 0.01))
-    hist = predictor._routes["r"]
-    assert len(hist.weights) == 96
-    assert hist.increment < 1e151  # renormalized, never overflows
+    rng = random.Random(9)
+    for i in range(20_000):  # the regime flips every 400 samples: 49 restarts
+        predictor.record(TimingSample("r", _lognormal(rng, 0.3 if (i // 400) % 2 else 3.0, 0.3)))
+    model = predictor._routes["r"]
+    assert predictor.changes("r") >= 45
+    assert len(model.hist.weights) == 96
+    assert len(model.recent) == len(model.recent_censored) == 32
+    assert model.hist.increment < 1e151  # renormalized, never overflows
+    size = sum(sys.getsizeof(part) for part in (
+        model, model.hist, model.hist.weights, model.recent, model.recent_censored))
+    assert size < 2048
     for name in ("a", "b", "c", "d"):
         predictor.record(TimingSample(name, 1.0))
     assert set(predictor.routes) == {"r", "a", "b"}
@@ -116,6 +253,10 @@ def test_predictor_settings_are_validated() -> None:
         RouteTimingPredictor(half_life_samples=0)
     with pytest.raises(ConfigurationError, match="lower_quantile"):
         RouteTimingPredictor(lower_quantile=0.7)
+    with pytest.raises(ConfigurationError, match="change_threshold"):
+        RouteTimingPredictor(change_threshold=0)
+    with pytest.raises(ConfigurationError, match="change_threshold"):
+        RouteTimingPredictor(change_threshold=math.inf)
 
 
 def test_default_predictor_satisfies_the_protocol() -> None:

@@ -9,8 +9,10 @@ interrupted before `started()` gives a *censored* sample: the true latency is at
 `RouteTimingPredictor` is the default `TimingPredictor`: per route, an exponentially
 decayed histogram on a fixed log-spaced grid (bounded memory, recency-weighted, O(1) per
 uncensored sample). Censored samples are redistributed to the right (Efron), as the
-Kaplan-Meier estimator does. `LLMTimingPredictor` is the contract's optional LLM-assisted
-prediction on the same protocol.
+Kaplan-Meier estimator does. A CUSUM change detector on log latency restarts a route's
+histogram from the samples of its new regime when its latency shifts (drift).
+`LLMTimingPredictor` is the contract's optional LLM-assisted prediction on the same
+protocol.
 """
 
 from __future__ import annotations
@@ -211,20 +213,118 @@ class _RouteHistogram:
         return self.total / self.increment if self.increment else 0.0
 
 
+#: Change detection (see `_RouteModel`): CUSUM reference value and clip, in standard
+#: deviations of log latency; uncensored samples before the detector runs; the smallest
+#: standard deviation assumed (log units, about one bin); recent samples kept.
+_CHANGE_SLACK = 1.0
+_CHANGE_CLIP = 3.0
+_CHANGE_WARMUP = 10
+_MIN_SIGMA = 0.1
+_RECENT = 32
+
+
+class _RouteModel:
+    """One route: its decayed histogram plus a change detector (fixed size).
+
+    The detector is a two-sided CUSUM on standardized log latency. Its reference is an
+    exponentially weighted mean and standard deviation of log latency with the
+    histogram's half-life (floored at `_MIN_SIGMA`); each sample's z-score is clipped to
+    +-`_CHANGE_CLIP` and the slack `_CHANGE_SLACK` is subtracted, so noise drifts the
+    sums back to zero and a few outliers cannot raise an alarm (with the default
+    threshold 8 it takes at least four consecutive samples). A sum reaching
+    the threshold is a change: the histogram and the reference restart from the trailing
+    run of samples that each pushed that sum up (beyond the slack, so they lie on the
+    new side; at most `_RECENT` of them, kept in a ring buffer). Confidence must then be
+    earned again from samples of the new regime only. Censored samples count as their
+    lower bound for "slower" evidence and never as "faster" evidence, and do not move
+    the reference.
+    """
+
+    __slots__ = ("changes", "down", "down_run", "filled", "head", "hist", "mean",
+                 "recent", "recent_censored", "seen", "up", "up_run", "var")
+
+    def __init__(self) -> None:
+        self.hist = _RouteHistogram()
+        self.recent = array("d", bytes(8 * _RECENT))
+        self.recent_censored = bytearray(_RECENT)
+        self.head = 0
+        self.filled = 0
+        self.changes = 0
+        self._restart()
+
+    def _restart(self) -> None:
+        self.mean = 0.0
+        self.var = 0.0
+        self.seen = 0  # uncensored samples in the reference since the last restart
+        self.up = self.down = 0.0
+        self.up_run = self.down_run = 0
+
+    def _learn(self, seconds: float, censored: bool, growth: float, alpha: float) -> None:
+        self.hist.add(seconds, censored, growth)
+        if censored:
+            return
+        self.seen += 1
+        weight = max(alpha, 1.0 / self.seen)
+        delta = math.log(max(seconds, _LOW)) - self.mean
+        self.mean += weight * delta
+        self.var = (1.0 - weight) * (self.var + weight * delta * delta)
+
+    def add(self, seconds: float, censored: bool, growth: float, alpha: float,
+            threshold: float | None) -> None:
+        self.recent[self.head] = seconds
+        self.recent_censored[self.head] = censored
+        self.head = (self.head + 1) % _RECENT
+        if self.filled < _RECENT:
+            self.filled += 1
+        if threshold is not None and self.seen >= _CHANGE_WARMUP:
+            sigma = max(math.sqrt(self.var), _MIN_SIGMA)
+            z = (math.log(max(seconds, _LOW)) - self.mean) / sigma
+            z = min(max(z, -_CHANGE_CLIP), _CHANGE_CLIP)
+            slower = z - _CHANGE_SLACK
+            self.up = max(0.0, self.up + slower)
+            self.up_run = self.up_run + 1 if slower > 0.0 else 0
+            # A censored sample is a lower bound: never evidence of a faster route.
+            faster = (-max(z, 0.0) if censored else -z) - _CHANGE_SLACK
+            self.down = max(0.0, self.down + faster)
+            self.down_run = self.down_run + 1 if faster > 0.0 else 0
+            if self.up >= threshold or self.down >= threshold:
+                run = self.up_run if self.up >= threshold else self.down_run
+                self._change(min(run, self.filled), growth, alpha)
+                return
+        self._learn(seconds, censored, growth, alpha)
+
+    def _change(self, run: int, growth: float, alpha: float) -> None:
+        """Restart from the last `run` samples (those of the new regime)."""
+        self.changes += 1
+        self.hist = _RouteHistogram()
+        self._restart()
+        start = self.head - run
+        for i in range(start, self.head):
+            self._learn(self.recent[i % _RECENT], bool(self.recent_censored[i % _RECENT]),
+                        growth, alpha)
+
+
 class RouteTimingPredictor:
-    """The default `TimingPredictor`: a decayed histogram of first responses per route.
+    """The default `TimingPredictor`: a decayed histogram of first responses per route,
+    restarted when a change detector sees the route's latency shift.
 
     - `half_life_samples`: a sample's weight halves after this many newer samples of
       the same route (recency; the effective memory is about 1.44x this).
     - `min_samples`: effective samples needed before a prediction is confident.
     - `lower_quantile`: the quantile reported as `Prediction.lower` (default 0.1).
     - `max_spread`: a prediction whose p90/p10 ratio exceeds this is not confident.
-    - `max_routes`: routes tracked at most (memory bound: ~0.8 KB per route).
+    - `max_routes`: routes tracked at most (memory bound: ~1.6 KB per route).
+    - `change_threshold`: the CUSUM threshold (in standard deviations of log latency) of
+      the change detector; a detected change restarts the route from the samples since
+      the change, so a route that turned slow (or fast) is predicted from its new
+      latencies only. Lower is faster but flaps more; None disables detection (the
+      histogram then only decays).
     """
 
     def __init__(
         self, *, half_life_samples: float = 100.0, min_samples: float = 20.0,
         lower_quantile: float = 0.1, max_spread: float = 20.0, max_routes: int = 256,
+        change_threshold: float | None = 8.0,
     ) -> None:
         for name, value in (("half_life_samples", half_life_samples),
                             ("min_samples", min_samples), ("max_spread", max_spread)):
@@ -236,12 +336,19 @@ class RouteTimingPredictor:
                 f"RouteTimingPredictor lower_quantile must be in (0, 0.5), got {lower_quantile!r}")
         if max_routes < 1:
             raise ConfigurationError("RouteTimingPredictor max_routes must be >= 1")
+        if change_threshold is not None and (
+                not math.isfinite(change_threshold) or change_threshold <= 0):
+            raise ConfigurationError(
+                f"RouteTimingPredictor change_threshold must be finite and positive or None, "
+                f"got {change_threshold!r}")
         self._growth = 2.0 ** (1.0 / half_life_samples)
+        self._alpha = 1.0 - 1.0 / self._growth
         self._min_samples = min_samples
         self._lower_q = lower_quantile
         self._max_spread = max_spread
         self._max_routes = max_routes
-        self._routes: dict[str, _RouteHistogram] = {}
+        self._threshold = change_threshold
+        self._routes: dict[str, _RouteModel] = {}
         self._dropped = False
 
     @property
@@ -251,16 +358,16 @@ class RouteTimingPredictor:
 
     def record(self, sample: TimingSample, turn: AgentTurn | None = None) -> None:
         """Add one sample (censored samples count as lower bounds)."""
-        hist = self._routes.get(sample.route)
-        if hist is None:
+        model = self._routes.get(sample.route)
+        if model is None:
             if len(self._routes) >= self._max_routes:
                 if not self._dropped:
                     self._dropped = True
                     logger.warning("turnrouter: timing predictor tracks at most %d routes; "
                                    "ignoring samples of new routes", self._max_routes)
                 return
-            hist = self._routes[sample.route] = _RouteHistogram()
-        hist.add(sample.seconds, sample.censored, self._growth)
+            model = self._routes[sample.route] = _RouteModel()
+        model.add(sample.seconds, sample.censored, self._growth, self._alpha, self._threshold)
 
     def load(self, samples: Iterable[TimingSample]) -> int:
         """Record samples in order (e.g. `load_samples(path)` after a restart)."""
@@ -272,15 +379,20 @@ class RouteTimingPredictor:
 
     def quantile(self, route: str, q: float) -> float | None:
         """The decayed `q` quantile of `route`'s first responses (None without samples)."""
-        hist = self._routes.get(route)
-        if hist is None or hist.total <= 0.0:
+        model = self._routes.get(route)
+        if model is None or model.hist.total <= 0.0:
             return None
-        return hist.quantile(q)
+        return model.hist.quantile(q)
 
     def samples(self, route: str) -> float:
-        """The effective (decayed) sample count of `route`."""
-        hist = self._routes.get(route)
-        return 0.0 if hist is None else hist.effective()
+        """The effective (decayed) sample count of `route` since its last detected change."""
+        model = self._routes.get(route)
+        return 0.0 if model is None else model.hist.effective()
+
+    def changes(self, route: str) -> int:
+        """How many latency changes were detected on `route` (each restarted it)."""
+        model = self._routes.get(route)
+        return 0 if model is None else model.changes
 
     def estimate(self, route: str) -> float | None:
         """The typical (median) first response of `route`."""
@@ -288,9 +400,10 @@ class RouteTimingPredictor:
 
     def predict(self, route: str, turn: AgentTurn | None = None) -> Prediction | None:
         """Median, bounds and confidence for `route`; None before its first sample."""
-        hist = self._routes.get(route)
-        if hist is None or hist.total <= 0.0:
+        model = self._routes.get(route)
+        if model is None or model.hist.total <= 0.0:
             return None
+        hist = model.hist
         lower = hist.quantile(self._lower_q)
         upper = hist.quantile(1.0 - self._lower_q)
         effective = hist.effective()
