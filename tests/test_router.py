@@ -19,6 +19,7 @@ from turnrouter import (
     LifecycleError,
     RouteDecision,
     RouteRequest,
+    RoutingAid,
     current_turn_context,
 )
 from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions, ScriptedLLM
@@ -608,3 +609,26 @@ async def test_failed_initialization_fails_the_turn_and_runs_again() -> None:
     assert h.output.texts == [h.router._failure_text]
     await h.say()
     assert attempts == ["p1", "p1"]
+
+
+async def test_without_a_conversation_route_the_default_is_unavailable() -> None:
+    """Routers over other route names build fine; exhausted declines then clarify."""
+    agents = {"weather": ScriptedAgent("weather", admissions="decline"),
+              "music": ScriptedAgent("music", admissions="decline")}
+    output = OutputRecorder()
+    router = AgentRouter(agents, ScriptedDecisions("weather", "music"), output=output,
+                         telemetry=Harness().observer)
+    result = await router.handle(AgentTurn("p", "t", "q"))
+    assert result.disposition == "clarify"
+    assert len(output.spoken) == 1
+
+
+async def test_routing_aid_names_follow_the_registered_route() -> None:
+    """A routing aid named differently from its registration key is routed by the key."""
+    class Renamed(ScriptedAgent):
+        def routing_aid(self, participant_id: str) -> RoutingAid:
+            return RoutingAid("Weather Agent", "forecasts")
+
+    h = Harness(Renamed("weather"), decisions=ScriptedDecisions("weather"))
+    assert (await h.say()).text == "weather answer"
+    assert h.decisions.requests[0].candidate_names == ("weather", "conversation")

@@ -434,3 +434,15 @@ async def test_turn_waiting_in_queue_is_interrupted_by_stop() -> None:
 
 def _unused(turn: AgentTurn) -> None:  # keeps the import used for typing clarity
     del turn
+
+
+async def test_handle_is_refused_as_soon_as_departure_is_requested() -> None:
+    """A turn issued right after participant_left() was called is refused."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"))
+    await h.say()
+    task = asyncio.get_running_loop().create_task(h.router.participant_left("p1"))
+    await anyio.lowlevel.checkpoint()  # participant_left has started, not finished
+    with pytest.raises(LifecycleError):
+        await h.say()
+    await task
+    assert (await h.say()).text == "weather answer"  # a fresh lifecycle afterwards

@@ -246,3 +246,53 @@ async def test_held_patch_question_is_published_on_the_output_topic() -> None:
         "p1", ContextPatch(task_id="booking", digest=("Table booked for two.",)), "human_gated")
     assert [o.text for o in outputs][-1].startswith("A background task finished: Table booked")
     assert outputs[-1].request_id == f"patch:{held.patch_id}"
+
+
+async def test_left_then_joined_back_to_back_readmits() -> None:
+    """A joined event published right after a left event reopens admission."""
+    router, agents, _ = make_router()
+    await _publish_and_drain(router, (QUERY, UserQuery(participant_id="p1", text="x")))
+    await _publish_and_drain(router, (LEFT, ParticipantLeft(participant_id="p1")),
+                             (JOINED, ParticipantJoined(participant_id="p1")))
+    assert agents["weather"].count("release") == 1
+    await _publish_and_drain(router, (QUERY, UserQuery(participant_id="p1", text="again")))
+    assert agents["weather"].count("answer") == 2
+
+
+async def test_successful_stop_reopens_departed_participants() -> None:
+    """After a successful stop(), departed participants start a fresh lifecycle."""
+    router, agents, _ = make_router()
+    await router.participant_left("p1")
+    with pytest.raises(LifecycleError):
+        await router._handle(AgentTurn("p1", "t", "x"), _silent)
+    await router.stop()
+    await router._handle(AgentTurn("p1", "t2", "x"), _silent)
+    assert agents["weather"].count("answer") == 1
+
+
+async def test_without_a_joined_topic_departure_does_not_lock_out() -> None:
+    """With only query and output topics, a departed participant may come back."""
+    router, agents, _ = make_router(topics={"participant_joined_topic": None,
+                                            "participant_left_topic": None})
+    await router._handle(AgentTurn("p1", "t1", "x"), _silent)
+    await router.participant_left("p1")
+    await router._handle(AgentTurn("p1", "t2", "x"), _silent)
+    assert agents["weather"].count("answer") == 2
+
+
+async def test_status_goes_idle_even_when_the_runtime_cancels_the_turn() -> None:
+    """set_status receives idle after processing even if the runtime is cancelled."""
+    seen: list[str] = []
+
+    async def status(value: str, pid: str) -> None:
+        seen.append(value)
+
+    router, agents, _ = make_router(set_status=status)
+    agent = agents["weather"]
+    agent.answer_gate = anyio.Event()
+    async with AgentRuntime() as runtime:
+        runtime.register(router.runtime_subscriber())
+        await runtime.publish(QUERY, UserQuery(participant_id="p1", text="x"))
+        await agent.answer_entered.wait()
+        runtime.cancel()
+    assert seen == ["processing", "idle"]

@@ -98,6 +98,21 @@ _cancelled_exc = anyio.get_cancelled_exc_class
 _NOTHING_EXCLUDED: frozenset[str] = frozenset()
 
 
+class _DefaultRoute(str):
+    """The default `default_destination`, recognisable by identity.
+
+    A router whose destinations have no "conversation" route and that was not given a
+    default explicitly simply has no default available (the contract's "clarification
+    is also used when the configured default is unavailable"); naming an unknown
+    default explicitly is a configuration error.
+    """
+
+    __slots__ = ()
+
+
+_CONVERSATION = _DefaultRoute("conversation")
+
+
 class _Phase(enum.Enum):
     OPEN = "open"
     DEPARTING = "departing"
@@ -246,7 +261,7 @@ class AgentRouter:
         decisions: DecisionService,
         *,
         output: OutputCallback | None = None,
-        default_destination: str = "conversation",
+        default_destination: str = _CONVERSATION,
         context_budget_bytes: int = _DEFAULT_CONTEXT_BUDGET_BYTES,
         acknowledgment_llm: LLMService | None = None,
         acknowledgment_delay_secs: float | None = None,
@@ -295,7 +310,7 @@ class AgentRouter:
             )
         if not isinstance(default_destination, str):
             raise ContractTypeError("AgentRouter default_destination must be a str")
-        if default_destination not in agents:
+        if default_destination not in agents and default_destination is not _CONVERSATION:
             raise ConfigurationError(
                 f"AgentRouter default_destination {default_destination!r} is not a registered "
                 f"destination (registered: {sorted(agents)})"
@@ -348,7 +363,9 @@ class AgentRouter:
         self._output = output
         #: Publishes control text on the output topic once a runtime delivered to us.
         self._runtime_output: OutputCallback | None = None
-        self._default = default_destination
+        #: None when the implicit "conversation" default is not registered: unavailable.
+        self._default: str | None = (
+            str(default_destination) if default_destination in agents else None)
         self._budget = context_budget_bytes
         self._ack_llm = acknowledgment_llm
         self._ack_delay = acknowledgment_delay_secs
@@ -498,18 +515,33 @@ class AgentRouter:
         ExceptionGroup; until a retry succeeds, `handle()` raises for that participant.
         """
         _check_pid(participant_id)
-        if self._stopping is not None:
+        if self._stopping is not None and not self._stopping.done:
             try:
                 await self._stopping.join()
             except Exception:
                 logger.debug("shutdown failed while %s left", participant_id, exc_info=True)
-        state = self._participants.get(participant_id)
-        if state is not None:
-            if state.departure is None or state.departure.done:
-                state.departure = OwnedOperation(self._depart(state))
-            await state.departure.join()
-        if self._runtime_config is not None:
+        departure = self._start_departure(participant_id)
+        if departure is not None:
+            await departure.join()
+
+    def _start_departure(self, participant_id: str) -> OwnedOperation | None:
+        """Close admission at once and start (or return) the participant's departure.
+
+        Synchronous, so a `handle()` issued right after `participant_left()` was called is
+        refused, and a runtime participant-joined event that follows a participant-left
+        event is applied after it, not before.
+        """
+        if self._runtime_config is not None and (
+            "participant_joined_topic" in self._runtime_config
+        ):
             self._departed.add(participant_id)
+        state = self._participants.get(participant_id)
+        if state is None:
+            return None
+        if state.departure is None or state.departure.done:
+            state.phase = _Phase.DEPARTING
+            state.departure = OwnedOperation(self._depart(state))
+        return state.departure
 
     async def stop(self) -> None:
         """Drain responses and release all participant state in one owned operation."""
@@ -848,7 +880,7 @@ class AgentRouter:
                 # decline: focus stays with the owner, release() is not called.
 
         # 2. At most two routed choices, each excluding every route that declined.
-        aids = {name: agent.routing_aid(pid) for name, agent in agents.items()}
+        aids = {name: _named(agent.routing_aid(pid), name) for name, agent in agents.items()}
         default = self._default
         for _ in range(2):
             candidates = tuple(
@@ -880,7 +912,8 @@ class AgentRouter:
                 await self._release_in_turn(state, chosen, "reroute", obs, run)
 
         # 3. Exhausted: the eligible default answers once without admission.
-        if record.attempts and aids[default].eligible and default not in excluded:
+        if (record.attempts and default is not None and aids[default].eligible
+                and default not in excluded):
             obs.default_fallback(default)
             return await self._answer(state, turn, default, None, emit, obs, record, run)
         reason_: ClarificationReason = (
@@ -904,7 +937,7 @@ class AgentRouter:
             logger.warning("turnrouter: decision service failed: %r", exc)
             # A classifier outage must not silence the assistant.
             default = self._default
-            if aids[default].eligible and default not in excluded:
+            if default is not None and aids[default].eligible and default not in excluded:
                 return default, None
             return None, "decision_failed"
         obs.decision_finished(token, request, decision, None)
@@ -1147,6 +1180,7 @@ class AgentRouter:
                 f"stop(): {len(errors)} cleanup failure(s); call stop() again to retry", errors
             )
         self._stop_failed = False
+        self._departed.clear()  # a fresh lifecycle for everyone
         flush = getattr(self._timing_sink, "flush", None)
         if callable(flush):  # a restarted router must find every sample on disk
             flush()
@@ -1172,6 +1206,18 @@ def _diverged(history: History, patch: ContextPatch) -> bool:
     return not ((version is None or version == history.version - 1) and (
         digest is None or digest == context_hash(history.prev_exchanges, history.prev_ids)
     ))
+
+
+def _named(aid: RoutingAid, name: str) -> RoutingAid:
+    """The aid under its registered route name (the name decisions and labels use)."""
+    if aid.name == name:
+        return aid
+    if not isinstance(aid, RoutingAid):
+        raise DestinationContractError(
+            f"destination {name!r} routing_aid() returned {type(aid).__name__}, "
+            "not a RoutingAid"
+        )
+    return RoutingAid(name, aid.description, aid.priority, aid.eligible, aid.eligibility)
 
 
 def _check_pid(participant_id: object) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from .._contracts import AgentTurn
 from .._exceptions import ConfigurationError, ContractTypeError, LifecycleError, TurnInterrupted
 from ._messages import Interrupted, ParticipantJoined, ParticipantLeft, ResponseOutput, UserQuery
@@ -120,8 +122,15 @@ class RouterSubscriber:
         elif role == "participant_joined_topic":
             self._router._participant_joined(payload.participant_id)
         elif role == "participant_left_topic":
-            runtime.start_soon(self._guard, "participant_left", self._router.participant_left,
-                               payload.participant_id)
+            router = self._router
+            if router._stopping is not None and not router._stopping.done:
+                runtime.start_soon(self._guard, "participant_left", router.participant_left,
+                                   payload.participant_id)
+            else:
+                # Close admission now, so a joined event published after this one wins.
+                departure = router._start_departure(payload.participant_id)
+                if departure is not None:
+                    runtime.start_soon(self._guard, "participant_left", departure.join)
         elif role == "interrupted_topic":
             runtime.start_soon(self._guard, "interrupt", self._router.interrupt,
                                payload.participant_id)
@@ -152,8 +161,10 @@ class RouterSubscriber:
                 router._observer.message_rejected(self._topics["query_topic"].name, "closed")
             except Exception:
                 logger.exception("turnrouter: runtime turn %s of %s failed", turn.turn_id, pid)
-            if status is not None:
-                await self._status(status, "idle", pid)
+            finally:
+                if status is not None:
+                    with anyio.CancelScope(shield=True):  # idle even when cancelled
+                        await self._status(status, "idle", pid)
         finally:
             router._observer.exit_context(token)
 
