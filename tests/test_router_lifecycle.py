@@ -446,3 +446,23 @@ async def test_handle_is_refused_as_soon_as_departure_is_requested() -> None:
         await h.say()
     await task
     assert (await h.say()).text == "weather answer"  # a fresh lifecycle afterwards
+
+
+async def test_cleanup_runs_even_when_a_release_fails() -> None:
+    """cleanup_participant runs once turns drained, even if a release failed; the retry
+    repeats only the failed release."""
+    cleaned: list[str] = []
+
+    async def cleanup(pid: str) -> None:
+        cleaned.append(pid)
+
+    h = Harness(ScriptedAgent("weather", release_error=RuntimeError("w")),
+                decisions=ScriptedDecisions("weather"), cleanup_participant=cleanup)
+    await h.say()
+    with pytest.raises(ExceptionGroup):
+        await h.router.participant_left("p1")
+    assert cleaned == ["p1"]
+    h["weather"].release_error = None
+    await h.router.participant_left("p1")
+    assert cleaned == ["p1"]
+    assert h["weather"].count("release") == 2

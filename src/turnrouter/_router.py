@@ -1120,7 +1120,7 @@ class AgentRouter:
                 continue
             self._observer.release_finished(token, route, reason, None)
             state.unreleased.discard(route)
-        if not errors and state.cleanup_pending:
+        if state.cleanup_pending:  # idempotent: runs once turns drained, whatever releases did
             assert self._cleanup is not None
             try:
                 await self._cleanup(pid)
