@@ -863,21 +863,11 @@ class AgentRouter:
                 obs.focus_transition(owner, "lost")
                 await self._release_in_turn(state, owner, "ineligible", obs, run)
             else:
-                admission = await self._admit(state, turn, owner, True, obs)
-                disposition = admission.disposition
-                if disposition == "accept":
-                    return await self._answer(state, turn, owner, admission, emit, obs, record, run)
-                if disposition == "clarify":
-                    return await self._clarify(turn, owner, admission.text, "destination",
-                                               emit, obs, record)
-                excluded.add(owner)
-                obs.reroute(owner)
-                if disposition == "release":
-                    await self._say(turn, owner, admission.text, emit, record)
-                    state.focus = None
-                    obs.focus_transition(owner, "released")
-                    await self._release_in_turn(state, owner, "reroute", obs, run)
-                # decline: focus stays with the owner, release() is not called.
+                # A decline keeps focus with the owner and does not call release().
+                result = await self._offer(state, turn, owner, True, excluded, emit, obs,
+                                           record, run)
+                if result is not None:
+                    return result
 
         # 2. At most two routed choices, each excluding every route that declined.
         aids = {name: _named(agent.routing_aid(pid), name) for name, agent in agents.items()}
@@ -895,21 +885,10 @@ class AgentRouter:
             if chosen is None:
                 assert reason is not None
                 return await self._clarify(turn, CLARIFY_ROUTE, "", reason, emit, obs, record)
-            admission = await self._admit(state, turn, chosen, state.focus == chosen, obs)
-            disposition = admission.disposition
-            if disposition == "accept":
-                return await self._answer(state, turn, chosen, admission, emit, obs, record, run)
-            if disposition == "clarify":
-                return await self._clarify(turn, chosen, admission.text, "destination",
-                                           emit, obs, record)
-            excluded.add(chosen)
-            obs.reroute(chosen)
-            if disposition == "release":
-                await self._say(turn, chosen, admission.text, emit, record)
-                if state.focus == chosen:
-                    state.focus = None
-                    obs.focus_transition(chosen, "released")
-                await self._release_in_turn(state, chosen, "reroute", obs, run)
+            result = await self._offer(state, turn, chosen, state.focus == chosen, excluded,
+                                       emit, obs, record, run)
+            if result is not None:
+                return result
 
         # 3. Exhausted: the eligible default answers once without admission.
         if (record.attempts and default is not None and aids[default].eligible
@@ -920,6 +899,33 @@ class AgentRouter:
             "default_unavailable" if record.attempts else "no_eligible_route"
         )
         return await self._clarify(turn, CLARIFY_ROUTE, "", reason_, emit, obs, record)
+
+    async def _offer(
+        self, state: _Participant, turn: AgentTurn, route: str, focused: bool,
+        excluded: set[str], emit: OutputCallback, obs: TurnObserver, record: _TurnRecord,
+        run: TurnRun,
+    ) -> DestinationResult | None:
+        """Ask `route` to admit the turn; the turn's result, or None to route on without it.
+
+        A decline or release excludes the route for the rest of this turn; a release also
+        says its text, clears the route's focus and calls its `release()`.
+        """
+        admission = await self._admit(state, turn, route, focused, obs)
+        disposition = admission.disposition
+        if disposition == "accept":
+            return await self._answer(state, turn, route, admission, emit, obs, record, run)
+        if disposition == "clarify":
+            return await self._clarify(turn, route, admission.text, "destination", emit, obs,
+                                       record)
+        excluded.add(route)
+        obs.reroute(route)
+        if disposition == "release":
+            await self._say(turn, route, admission.text, emit, record)
+            if state.focus == route:
+                state.focus = None
+                obs.focus_transition(route, "released")
+            await self._release_in_turn(state, route, "reroute", obs, run)
+        return None
 
     async def _choose(
         self, request: RouteRequest, aids: dict[str, RoutingAid], excluded: set[str],
