@@ -1,8 +1,8 @@
-"""Where the integration tests get turnrouter metrics from: one function to switch.
+"""Where the integration tests get turnrouter metrics from: the real demo.
 
-`source_command` starts a process that serves turnrouter's `/metrics` on a given port
-and generates traffic until killed. It runs the test driver (`driver.py`); to test
-against the real demo instead, return `demo_command(...)` from it.
+`source_command` starts `turnrouter demo --serve`, which serves `/metrics` on a given
+port and generates traffic (40 participants at 4x speed, so every series exists within
+seconds) until killed.
 """
 
 from __future__ import annotations
@@ -11,18 +11,10 @@ import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["demo_command", "driver_command", "source_command"]
+__all__ = ["demo_command", "source_command"]
 
-PARTICIPANTS = 8
 #: The demo at 4x speed with 40 participants produces every series within seconds.
 DEMO_PARTICIPANTS = 40
-
-
-def driver_command(port: int, *, clarify_heavy: bool, seed: int) -> list[str]:
-    """The test driver: a real router, real `Telemetry`, scripted latency-modelled agents."""
-    command = [sys.executable, "-m", "tests.integration.driver", "--metrics-port", str(port),
-               "--participants", str(PARTICIPANTS), "--seed", str(seed)]
-    return [*command, "--clarify-heavy"] if clarify_heavy else command
 
 
 def demo_command(port: int, *, clarify_heavy: bool, seed: int) -> list[str]:
