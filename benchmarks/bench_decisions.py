@@ -26,39 +26,66 @@ from turnrouter.decisions import LexicalDecisions
 DEFAULT_DATA = Path("/work/shared/data/clinc150")
 
 DESCRIPTIONS: dict[str, str] = {
-    "banking": "Banking questions about my bank account: its balance, recent transactions "
-    "and spending, transferring money, paying bills and when they are due. Also interest "
-    "rates, routing numbers, ordering checks, changing a PIN, and reporting fraud or a "
-    "frozen or blocked account.",
-    "credit_cards": "Credit card help: my credit limit and credit score, the APR, "
-    "rewards points, applying for a new card, and replacing a card that was lost, "
-    "damaged, declined or expired. Also card fees when traveling abroad.",
-    "kitchen_and_dining": "Cooking and eating: recipes, ingredients and substitutes, "
-    "cooking times, calories and nutrition, and how long food keeps. Also restaurant "
-    "suggestions and reviews, and booking or cancelling a table reservation.",
-    "home": "Help around the house: playing music and songs, playlists, shopping and "
-    "to-do lists, reminders, calendar events, ordering things online and tracking "
-    "orders, and controlling smart home devices like the lights.",
-    "auto_and_commute": "Driving and getting around: directions, traffic and distance, "
-    "gas and fuel mileage, car maintenance such as oil changes, tire pressure and jump "
-    "starting the car, booking an Uber ride, and where I am right now.",
-    "travel": "Planning a trip: booking flights, hotels and rental cars, flight status, "
-    "lost luggage and carry-on rules, visas and vaccines, travel alerts, power plug "
-    "types, currency exchange rates, time zones and translating into another language.",
-    "utility": "Everyday tools: the weather, the time and date, alarms and timers, a "
-    "calculator and unit conversions, word definitions and spelling, calling or texting "
-    "someone, finding my phone, sharing my location, flipping a coin or rolling dice.",
-    "work": "My job: payday and paychecks, income, direct deposit, W-2 forms and taxes, "
-    "the 401k, health insurance benefits, paid time off and vacation days, company "
-    "holidays, and scheduling meetings.",
-    "small_talk": "Casual chat with the assistant: hi, hello, goodbye and thanks, "
-    "jokes, fun facts and the meaning of life, and getting to know the assistant: its "
-    "name, how old it is, where it is from, who made it, who it works for, its hobbies "
-    "and pets, what I can ask it, and whether it is a real person or a robot.",
-    "meta": "Controlling the assistant and the conversation: answering yes, no or maybe, "
-    "cancelling, asking it to repeat or say that again, changing its name or calling me "
-    "by my name, and changing its language, accent, talking speed, volume or whisper "
-    "mode. Also syncing a device and resetting to factory settings.",
+    "banking": (
+        "Banking questions about my bank account: its balance, recent transactions and "
+        "spending history, transferring money, paying bills, what a bill is and when it is "
+        "due, and the minimum payment. Also interest rates, routing numbers, ordering "
+        "checks, changing a PIN, and reporting fraud or a frozen or blocked account."
+    ),
+    "credit_cards": (
+        "Credit card help: my credit limit and raising it, my credit score and improving it, "
+        "the APR, rewards points and redeeming them, applying for a new card and the "
+        "application status, the card's expiration date, and replacing a card that was lost, "
+        "damaged, declined or expired. Also card fees when traveling abroad."
+    ),
+    "kitchen_and_dining": (
+        "Cooking and eating: recipes, ingredients and substitutes, cooking times, calories "
+        "and nutrition, how long food keeps, and meal ideas. Also restaurant suggestions and "
+        "reviews, how busy a restaurant is, whether it takes reservations, and booking, "
+        "confirming or cancelling a table reservation."
+    ),
+    "home": (
+        "Help around the house: playing music, what song is playing, skipping to the next "
+        "song, playlists, shopping and to-do lists, reminders, calendar events, ordering "
+        "things online and tracking orders, and controlling smart home devices like the "
+        "lights."
+    ),
+    "auto_and_commute": (
+        "Driving and getting around: directions, traffic and distance, gas, the type of gas "
+        "and fuel mileage, car maintenance such as oil changes, tire pressure, changing a "
+        "tire, the last and next service, and jump starting the car, booking an Uber ride, "
+        "and where I am right now."
+    ),
+    "travel": (
+        "Planning a trip: booking flights, hotels and rental cars, flight status, lost "
+        "luggage and carry-on rules, visas and vaccines, travel alerts, telling my bank I am "
+        "traveling, travel suggestions, power plug types, currency exchange rates, time "
+        "zones and translating into another language."
+    ),
+    "utility": (
+        "Everyday tools: the weather forecast, the time and date, alarms and timers, a "
+        "calculator for math and unit conversions, word definitions and spelling, calling or "
+        "texting someone, finding my phone, sharing my location, flipping a coin or rolling "
+        "dice."
+    ),
+    "work": (
+        "My job: payday and paychecks, income, direct deposit, W-2 forms and taxes, rolling "
+        "over the 401k, health insurance benefits and changing them, paid time off (PTO) and "
+        "vacation days: requesting them, the request status, days used and left, company "
+        "holidays, and scheduling meetings."
+    ),
+    "small_talk": (
+        "Casual chat with you, the assistant: hi, hello, goodbye and thank you, jokes, fun "
+        "facts and the meaning of life, and getting to know you: your name, how old you are, "
+        "where you are from, who made you, who you work for, your hobbies and pets, what I "
+        "can ask you, and whether you are a real person or a bot."
+    ),
+    "meta": (
+        "Controlling the assistant and the conversation: answering yes, no or maybe, "
+        "cancelling, asking you to repeat or say that again, changing your name or what you "
+        "call me, and changing your language, accent, talking speed, volume or whisper mode. "
+        "Also syncing a device and resetting to factory settings."
+    ),
 }
 
 

@@ -118,6 +118,42 @@ async def test_no_candidates_clarifies() -> None:
     assert decision.choice == CLARIFY
 
 
+def test_best_phrase_lifts_a_route_whose_long_description_lists_the_query() -> None:
+    """A query naming one item of an enumeration scores higher with the phrase part."""
+    aids = (
+        RoutingAid("travel", "Flights, hotels, rental cars, visas, vaccines, luggage, "
+                   "passports, cruises, trains and time zones."),
+        RoutingAid("utility", "The time of day and alarms."),
+    )
+    query = request("which vaccines do i need", aids)
+    whole_only = LexicalDecisions(phrase_weight=0.0, min_description_score=0.0).score(query)
+    blended = LexicalDecisions(phrase_weight=0.5, min_description_score=0.0).score(query)
+    assert blended.choice == "travel"
+    assert blended.scores["travel"] > whole_only.scores["travel"]
+    assert blended.scores["utility"] == whole_only.scores["utility"] == 0.0
+
+
+def test_route_name_is_a_phrase_of_its_own() -> None:
+    """A query matching only the route name still reaches it through the name phrase."""
+    aids = (RoutingAid("payroll_taxes", "Questions for the finance team."),
+            RoutingAid("music", "Play songs and albums."))
+    decision = LexicalDecisions(min_description_score=0.0).score(
+        request("payroll taxes", aids)
+    )
+    assert decision.choice == "payroll_taxes"
+    assert decision.scores["payroll_taxes"] > 0.5
+
+
+def test_phrase_split_on_punctuation_and_coordination() -> None:
+    """Descriptions split into phrases at punctuation and "and"/"or"; the name is last."""
+    from turnrouter.decisions._lexical import _phrases
+
+    aid = RoutingAid("home_help", "Music, lists and reminders; lights or locks.")
+    assert [p.strip() for p in _phrases(aid)] == [
+        "Music", "lists", "reminders", "lights", "locks", "home help",
+    ]
+
+
 def test_description_models_are_cached_per_candidate_set() -> None:
     """The same candidate descriptions reuse one cached model; the cache is bounded."""
     service = LexicalDecisions(description_cache_size=1)
@@ -145,6 +181,7 @@ def test_knn_routes_keeps_the_best_route_and_scores_every_candidate(knn_routes: 
         ({"min_example_score": 1.5}, "min_example_score"),
         ({"min_description_score": -0.1}, "min_description_score"),
         ({"min_margin": "x"}, "min_margin"),
+        ({"phrase_weight": 1.5}, "phrase_weight"),
         ({"centroid_weight": 2.0}, "centroid_weight"),
         ({"neighbors": 0}, "neighbors"),
         ({"knn_routes": 0}, "knn_routes"),

@@ -4,9 +4,10 @@ A query is turned into a sparse TF-IDF vector of stemmed word unigrams, word big
 character n-grams taken inside word boundaries. With example utterances, each route is
 scored by blending the cosine to the route's centroid with the mean cosine of its nearest
 examples (a kNN over per-route inverted indexes, walked only for the `knn_routes` routes
-closest by centroid); without examples, by the cosine to the route's name and
-description. Out-of-scope queries are answered with "clarify" when the
-best score is too low or the best two routes are too close.
+closest by centroid); without examples, by blending the cosine to the route's whole name
+and description with the cosine to its best-matching phrase (descriptions are mostly
+enumerations, and a query usually asks about one item). Out-of-scope queries are answered
+with "clarify" when the best score is too low or the best two routes are too close.
 
 Everything expensive is done once: example models at construction, description models
 once per distinct set of candidate descriptions (a small LRU cache), so a decision only
@@ -137,9 +138,27 @@ def _normalise(vector: Mapping[str, float]) -> dict[str, float]:
     return {f: v / norm for f, v in vector.items()}
 
 
+def _route_words(name: str) -> str:
+    """A route name with snake/kebab case split into words."""
+    return name.replace("_", " ").replace("-", " ")
+
+
 def _aid_text(aid: RoutingAid) -> str:
     """A route's name (snake/kebab case split into words) followed by its description."""
-    return f"{aid.name.replace('_', ' ').replace('-', ' ')} {aid.description}"
+    return f"{_route_words(aid.name)} {aid.description}"
+
+
+# Phrase boundaries inside a description: punctuation and the coordinating "and"/"or",
+# so "balance, transfers and bills" is three phrases.
+_PHRASE_SPLIT_RE = re.compile(r"[.,;:!?()\[\]/]|\band\b|\bor\b|\s[-\u2013\u2014]\s",
+                              re.IGNORECASE)
+
+
+def _phrases(aid: RoutingAid) -> list[str]:
+    """The route's description split into phrases, plus its name as a phrase of its own."""
+    parts = [part for part in _PHRASE_SPLIT_RE.split(aid.description) if part.strip()]
+    parts.append(_route_words(aid.name))
+    return parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +188,11 @@ class _DescriptionModel:
     idf: dict[str, float]
     unseen: float
     index: dict[str, list[tuple[int, float]]]
-    """feature -> [(candidate position, weight)]."""
+    """feature -> [(candidate position, weight)] for whole name + description vectors."""
+    phrase_index: dict[str, list[tuple[int, float]]]
+    """feature -> [(phrase number, weight)] for each phrase's own L2-normalised vector."""
+    owners: tuple[int, ...]
+    """phrase number -> candidate position."""
 
 
 def _check_unit(name: str, value: object) -> float:
@@ -202,8 +225,9 @@ class LexicalDecisions:
         examples: Mapping[str, Sequence[str]] | None = None,
         *,
         min_example_score: float = 0.18,
-        min_description_score: float = 0.08,
+        min_description_score: float = 0.13,
         min_margin: float = 0.01,
+        phrase_weight: float = 0.3,
         centroid_weight: float = 0.5,
         neighbors: int = 3,
         knn_routes: int = 2,
@@ -215,6 +239,7 @@ class LexicalDecisions:
         self._min_description_score = _check_unit("min_description_score",
                                                   min_description_score)
         self._min_margin = _check_unit("min_margin", min_margin)
+        self._phrase_weight = _check_unit("phrase_weight", phrase_weight)
         self._centroid_weight = _check_unit("centroid_weight", centroid_weight)
         self._neighbors = _check_positive_int("neighbors", neighbors)
         self._knn_routes = _check_positive_int("knn_routes", knn_routes)
@@ -326,7 +351,23 @@ class LexicalDecisions:
         for position, counts in enumerate(docs):
             for feature, weight in _weigh(counts, idf, unseen).items():
                 index.setdefault(feature, []).append((position, weight))
-        model = _DescriptionModel(idf=idf, unseen=unseen, index=index)
+        phrase_index: dict[str, list[tuple[int, float]]] = {}
+        owners: list[int] = []
+        if self._phrase_weight > 0.0:
+            # Each phrase is weighed with the IDF of the whole descriptions: a phrase is a
+            # field of its route, not a document of its own.
+            for position, aid in enumerate(candidates):
+                for phrase in _phrases(aid):
+                    counts = _features(phrase, self._low, self._high, drop_stopwords=True)
+                    vector = _weigh(counts, idf, unseen)
+                    if not vector:
+                        continue
+                    number = len(owners)
+                    owners.append(position)
+                    for feature, weight in vector.items():
+                        phrase_index.setdefault(feature, []).append((number, weight))
+        model = _DescriptionModel(idf=idf, unseen=unseen, index=index,
+                                  phrase_index=phrase_index, owners=tuple(owners))
         self._descriptions[key] = model
         if len(self._descriptions) > self._cache_size:
             self._descriptions.popitem(last=False)
@@ -380,16 +421,31 @@ class LexicalDecisions:
 
     def _description_scores(self, candidates: Sequence[RoutingAid], query: str
                             ) -> list[float]:
+        """(1 - phrase_weight) × cosine to the whole name + description + phrase_weight ×
+        cosine to the route's best-matching phrase (its name is one of them)."""
         model = self._description_model(candidates)
         counts = _features(query, self._low, self._high, drop_stopwords=True)
         scores = [0.0] * len(candidates)
+        phrases = [0.0] * len(model.owners)
         index = model.index
+        phrase_index = model.phrase_index
         for feature, value in _weigh(counts, model.idf, model.unseen).items():
             entries = index.get(feature)
             if entries is not None:
                 for position, weight in entries:
                     scores[position] += value * weight
-        return scores
+                for number, weight in phrase_index.get(feature, ()):
+                    phrases[number] += value * weight
+        share = self._phrase_weight
+        if share == 0.0:
+            return scores
+        best = [0.0] * len(candidates)
+        for number, value in enumerate(phrases):
+            position = model.owners[number]
+            if value > best[position]:
+                best[position] = value
+        return [(1.0 - share) * whole + share * part
+                for whole, part in zip(scores, best, strict=True)]
 
     async def decide(self, request: RouteRequest) -> RouteDecision:
         """Score every candidate and choose the best, or "clarify" when out of scope."""
