@@ -298,8 +298,16 @@ def test_no_content_captured_by_default(rig: Rig) -> None:
     for span in rig.spans():
         assert not CONTENT_KEYS & set(attrs(span)), span.name
         text = repr(attrs(span)) + repr([event.attributes for event in span.events])
-        for secret in ("sunny", "lexical", "jazz", "One moment", "what's"):
+        for secret in ("sunny", "lexical: weather", "jazz", "One moment", "what's"):
             assert secret not in text, (span.name, secret)
+
+
+def test_decision_source_is_recorded_without_content(rig: Rig) -> None:
+    """The rationale's source prefix (not its text) tells policy from classifier choices."""
+    content_turn(rig.telemetry)
+    route = attrs(rig.span("turnrouter.route"))
+    assert route[ATTR.DECISION_SOURCE] == "lexical"
+    assert ATTR.DECISION_RATIONALE not in route
 
 
 def test_content_captured_when_enabled(capture_rig: Rig) -> None:

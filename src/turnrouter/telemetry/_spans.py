@@ -58,6 +58,7 @@ class ATTR:
     DECISION_MARGIN = "turnrouter.decision.margin"
     DECISION_SCORES_PREFIX = "turnrouter.decision.scores."
     DECISION_RATIONALE = "turnrouter.decision.rationale"  # content
+    DECISION_SOURCE = "turnrouter.decision.source"
     # turnrouter.admission
     ADMISSION_DISPOSITION = "turnrouter.admission.disposition"
     ADMISSION_FOCUSED = "turnrouter.admission.focused"

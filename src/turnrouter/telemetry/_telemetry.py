@@ -241,9 +241,26 @@ def _decision_attributes(decision: RouteDecision, capture: bool) -> Attributes:
             attributes[ATTR.DECISION_SCORES_PREFIX + route] = score
         if len(top) >= 2:
             attributes[ATTR.DECISION_MARGIN] = top[0][1] - top[1][1]
-    if capture and decision.rationale:
-        attributes[ATTR.DECISION_RATIONALE] = decision.rationale
+    rationale = decision.rationale
+    if rationale:
+        source = _decision_source(rationale)
+        if source:
+            attributes[ATTR.DECISION_SOURCE] = source
+        if capture:
+            attributes[ATTR.DECISION_RATIONALE] = rationale
     return attributes
+
+
+def _decision_source(rationale: str) -> str:
+    """The rationale's `source:` prefix ("policy", "classifier", "lexical"), if any.
+
+    Not content: a short identifier, so telemetry tells a policy's choice from a
+    classifier's even with content capture off.
+    """
+    head, sep, _ = rationale.partition(":")
+    if sep and 0 < len(head) <= 32 and head.replace("_", "").replace("-", "").isalnum():
+        return head
+    return ""
 
 
 def _messages(role: str, text: str, **extra: str) -> str:
