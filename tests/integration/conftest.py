@@ -18,7 +18,7 @@ import pytest
 
 from turnrouter.ops import render_rules
 
-from .prom import Prometheus, eventually, find_binary, free_port, http_get
+from .prom import Prometheus, eventually, find_binary, free_port, http_get, stop_process
 from .sources import source_command
 
 NORMAL_JOB = "turnrouter-normal"
@@ -59,13 +59,7 @@ class Source:
 
     def stop(self) -> None:
         """Terminate the process (kill after a bounded wait)."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        stop_process(self.process)
         self._log.close()
 
 

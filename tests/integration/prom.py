@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-__all__ = ["Prometheus", "eventually", "find_binary", "free_port", "http_get"]
+__all__ = ["Prometheus", "eventually", "find_binary", "free_port", "http_get", "stop_process"]
 
 T = TypeVar("T")
 
@@ -31,6 +31,17 @@ def find_binary(name: str) -> str:
         pytest.fail(f"{name} is not installed, and CI is set: install the Debian "
                     f"'prometheus' package (see .ci/run)")
     pytest.skip(f"{name} is not installed (apt-get install prometheus)")
+
+
+def stop_process(process: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """Terminate `process`, killing it if it has not exited after `grace` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
 
 
 def free_port() -> int:
@@ -118,11 +129,5 @@ class Prometheus:
 
     def stop(self) -> None:
         """Terminate the server (kill after a bounded wait)."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        stop_process(self.process)
         self._log.close()

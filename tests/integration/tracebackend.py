@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from .prom import eventually, free_port, http_get
+from .prom import eventually, free_port, http_get, stop_process
 
 __all__ = ["DEFAULT_PROJECT", "Phoenix", "require_phoenix"]
 
@@ -135,11 +135,5 @@ class Phoenix:
 
     def stop(self) -> None:
         """Terminate the server (kill after a bounded wait)."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        stop_process(self.process, grace=15)
         self._log.close()
