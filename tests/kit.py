@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from turnrouter import AgentRouter, AgentTurn, DestinationResult, TurnInterrupted
+from turnrouter import AgentRouter, AgentTurn, DestinationResult
 from turnrouter.testing import OutputRecorder, RecordingObserver, ScriptedAgent, ScriptedDecisions
 
 
@@ -41,5 +41,5 @@ class Harness:
         """Run a turn and keep its result or exception (for use in task groups)."""
         try:
             self.outcomes[turn.turn_id] = await self.router.handle(turn)
-        except (TurnInterrupted, Exception) as exc:
+        except Exception as exc:  # TurnInterrupted is a TurnrouterError too
             self.outcomes[turn.turn_id] = exc

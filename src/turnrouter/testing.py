@@ -286,10 +286,11 @@ class ScriptedLLM:
 
 
 class _RecordingTurn(TurnObserver):
-    __slots__ = ("_events",)
+    __slots__ = ("_events", "_owner")
 
-    def __init__(self, events: list[tuple[Any, ...]]) -> None:
+    def __init__(self, events: list[tuple[Any, ...]], owner: RecordingObserver) -> None:
         self._events = events
+        self._owner = owner
 
     def decision_started(self, request: RouteRequest) -> object:
         return ("decision", request.candidate_names)
@@ -347,6 +348,7 @@ class _RecordingTurn(TurnObserver):
 
     def finished(self, outcome: TurnOutcome, route: str | None, focus_before: str | None,
                  focus_after: str | None, attempts: int, error: BaseException | None) -> None:
+        self._owner.in_flight -= 1
         self._events.append(("finished", outcome, route, focus_before, focus_after, attempts,
                              _name(error)))
 
@@ -374,18 +376,7 @@ class RecordingObserver(RouterObserver):
         self.in_flight += 1
         events = self.turns.setdefault(turn.turn_id, [])
         events.append(("started", turn.participant_id, focus))
-        observer = self
-
-        class _Turn(_RecordingTurn):
-            __slots__ = ()
-
-            def finished(self, outcome: TurnOutcome, route: str | None,
-                         focus_before: str | None, focus_after: str | None, attempts: int,
-                         error: BaseException | None) -> None:
-                observer.in_flight -= 1
-                super().finished(outcome, route, focus_before, focus_after, attempts, error)
-
-        return _Turn(events)
+        return _RecordingTurn(events, self)
 
     def outcome(self, turn_id: str) -> TurnOutcome:
         """The recorded outcome of a finished turn."""

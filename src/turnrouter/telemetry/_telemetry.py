@@ -620,14 +620,21 @@ class _TurnMetrics(TurnObserver):
         self, outcome: TurnOutcome, route: str | None, focus_before: str | None,
         focus_after: str | None, attempts: int, error: BaseException | None,
     ) -> None:
-        """Count the turn and restore the caller's context."""
+        """Count the turn (once) and restore the caller's context."""
         if self._done:
             return
         self._done = True
-        self._finish_metrics(outcome, route, None)
+        self._end_turn(outcome, route, focus_before, focus_after, attempts, error)
         if self._token is not None:
             otel_context.detach(self._token)
             self._token = None
+
+    def _end_turn(
+        self, outcome: TurnOutcome, route: str | None, focus_before: str | None,
+        focus_after: str | None, attempts: int, error: BaseException | None,
+    ) -> None:
+        """What ending a turn records; the traced subclass also closes its spans."""
+        self._finish_metrics(outcome, route, None)
 
 
 class _TracedTurn(_TurnMetrics):
@@ -918,14 +925,11 @@ class _TracedTurn(_TurnMetrics):
 
     # -- end of turn
 
-    def finished(
+    def _end_turn(
         self, outcome: TurnOutcome, route: str | None, focus_before: str | None,
         focus_after: str | None, attempts: int, error: BaseException | None,
     ) -> None:
-        """Count the turn, close any open span and restore the caller's context."""
-        if self._done:
-            return
-        self._done = True
+        """Count the turn and close any open span, then the turn span."""
         self._finish_metrics(outcome, route, self._turn_exemplar)
         interrupted = outcome == "interrupted"
         stale = self._open
@@ -950,6 +954,3 @@ class _TracedTurn(_TurnMetrics):
             span.set_status(_ERROR_STATUS)
         span.set_attributes(attributes)
         span.end()
-        if self._token is not None:
-            otel_context.detach(self._token)
-            self._token = None
