@@ -137,10 +137,6 @@ class TurnQueue:
             runs.extend(self._waiting)
         return runs
 
-    @property
-    def idle(self) -> bool:
-        return self.running is None and not self._waiting
-
     async def enter(self, run: TurnRun) -> bool:
         """Wait for `run`'s turn. False if it was cancelled before it could start."""
         if self.running is None and not self._waiting:

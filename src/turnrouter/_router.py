@@ -779,11 +779,9 @@ class AgentRouter:
         state = self._admit_state(pid)
         queue = state.queue
         run = TurnRun(turn.turn_id)
-        if not queue.idle:
-            # The participant spoke again: the running turn is stale.
-            running = queue.running
-            if running is not None:
-                running.cancel("superseded by a newer turn")
+        running = queue.running
+        if running is not None:  # the participant spoke again: the running turn is stale
+            running.cancel("superseded by a newer turn")
         if not await queue.enter(run):
             self._observer.turn_started(turn, state.focus).finished(
                 "interrupted", None, state.focus, state.focus, 0, None)
