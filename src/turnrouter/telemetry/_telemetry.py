@@ -14,6 +14,7 @@ import math
 import os
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Mapping
 from contextvars import Token
@@ -52,7 +53,7 @@ from .._observer import (
     TurnObserver,
     TurnOutcome,
 )
-from ._metrics import MetricSpec, metric
+from ._metrics import LATENCY_BUCKETS, MetricSpec, metric
 from ._spans import (
     ATTR,
     CONTENT_CAPTURE_ENV,
@@ -99,6 +100,67 @@ class _Family(Generic[_M]):
         return child
 
 
+#: At most one trace exemplar per histogram bucket and child in this many seconds.
+EXEMPLAR_INTERVAL_SECS = 1.0
+
+
+class _Latency:
+    """A latency histogram child whose trace exemplars are rate-limited per bucket.
+
+    prometheus_client keeps one exemplar per bucket, the newest, and Prometheus reads it
+    once per scrape (seconds apart); under load almost every exemplar is overwritten
+    unseen, yet each one costs microseconds of validation. So a bucket takes a new
+    exemplar only when its last one is `EXEMPLAR_INTERVAL_SECS` old: a scrape still sees
+    an exemplar in every bucket that had traced observations, at most that much older
+    than the newest, and a quiet deployment keeps every one.
+    """
+
+    __slots__ = ("_last", "child")
+
+    def __init__(self, child: Histogram) -> None:
+        self.child = child
+        self._last = [-math.inf] * (len(LATENCY_BUCKETS) + 1)
+
+    def observe(self, seconds: float) -> None:
+        """Record one observation without an exemplar."""
+        self.child.observe(seconds)
+
+    def observe_traced(
+        self, seconds: float, now: float, trace_id: str, span_id: int | str
+    ) -> None:
+        """Record one observation, with a trace exemplar unless its bucket has a recent one.
+
+        `now` is a `perf_counter()` reading; `span_id` an int (formatted only when an
+        exemplar is due) or the formatted 16-digit hex.
+        """
+        index = bisect_left(LATENCY_BUCKETS, seconds)  # prometheus_client: value <= bound
+        last = self._last
+        if now - last[index] < EXEMPLAR_INTERVAL_SECS:
+            self.child.observe(seconds)
+            return
+        last[index] = now  # a race between threads at worst sets one exemplar more
+        if not isinstance(span_id, str):
+            span_id = format(span_id, "016x")
+        self.child.observe(seconds, {"trace_id": trace_id, "span_id": span_id})
+
+
+class _LatencyFamily:
+    """A labelled latency histogram; children bound once, each with its exemplar limit."""
+
+    __slots__ = ("children", "metric")
+
+    def __init__(self, collector: Histogram) -> None:
+        self.metric = collector
+        self.children: dict[tuple[str, ...], _Latency] = {}
+
+    def get(self, *values: str) -> _Latency:
+        """The child for these label values."""
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = _Latency(self.metric.labels(*values))
+        return child
+
+
 class _Families:
     """Every family of `METRICS`, registered once on one registry."""
 
@@ -114,12 +176,15 @@ class _Families:
             self.failures = _Family(self._counter("turnrouter_failures_total"))
             self.interruptions = self._counter("turnrouter_interruptions_total")
             self.focus = _Family(self._counter("turnrouter_focus_transitions_total"))
-            self.turn_duration = _Family(self._histogram("turnrouter_turn_duration_seconds"))
-            self.decision_duration = self._histogram("turnrouter_decision_duration_seconds")
-            self.admission_duration = _Family(
+            self.turn_duration = _LatencyFamily(
+                self._histogram("turnrouter_turn_duration_seconds"))
+            self.decision_duration = _Latency(
+                self._histogram("turnrouter_decision_duration_seconds"))
+            self.admission_duration = _LatencyFamily(
                 self._histogram("turnrouter_admission_duration_seconds"))
-            self.first_response = _Family(self._histogram("turnrouter_first_response_seconds"))
-            self.silence = _Family(self._histogram("turnrouter_silence_seconds"))
+            self.first_response = _LatencyFamily(
+                self._histogram("turnrouter_first_response_seconds"))
+            self.silence = _LatencyFamily(self._histogram("turnrouter_silence_seconds"))
             self.acknowledgments = _Family(self._counter("turnrouter_acknowledgments_total"))
             self.ack_delay = self._gauge("turnrouter_acknowledgment_delay_seconds")
             self.predicted = _Family(self._gauge("turnrouter_predicted_first_response_seconds"))
@@ -134,10 +199,10 @@ class _Families:
             raise
         del self._created
         # Children updated together on every turn, bound once per label combination.
-        self._turn_pairs: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
-        self._admission_pairs: dict[tuple[str, str, bool], tuple[Counter, Histogram]] = {}
+        self._turn_pairs: dict[tuple[str, str], tuple[Counter, _Latency]] = {}
+        self._admission_pairs: dict[tuple[str, str, bool], tuple[Counter, _Latency]] = {}
 
-    def turn_children(self, route: str, outcome: str) -> tuple[Counter, Histogram]:
+    def turn_children(self, route: str, outcome: str) -> tuple[Counter, _Latency]:
         """`turnrouter_turns_total` and `turnrouter_turn_duration_seconds` children."""
         key = (route, outcome)
         pair = self._turn_pairs.get(key)
@@ -148,7 +213,7 @@ class _Families:
 
     def admission_children(
         self, route: str, disposition: str, focused: bool
-    ) -> tuple[Counter, Histogram]:
+    ) -> tuple[Counter, _Latency]:
         """`turnrouter_admissions_total` and `turnrouter_admission_duration_seconds` children."""
         key = (route, disposition, focused)
         pair = self._admission_pairs.get(key)
@@ -513,12 +578,16 @@ class _TurnMetrics(TurnObserver):
         return True
 
     def _finish_metrics(
-        self, outcome: str, route: str | None, exemplar: dict[str, str] | None
+        self, outcome: str, route: str | None, trace_ids: tuple[str, int] | None
     ) -> None:
         fam = self._fam
         counter, duration = fam.turn_children(route or _NONE, outcome)
         counter.inc()
-        duration.observe(perf_counter() - self._t0, exemplar)
+        now = perf_counter()
+        if trace_ids is None:
+            duration.observe(now - self._t0)
+        else:
+            duration.observe_traced(now - self._t0, now, *trace_ids)
         fam.in_flight.dec()
         if outcome == "interrupted":
             fam.interruptions.inc()
@@ -649,7 +718,7 @@ class _TracedTurn(_TurnMetrics):
 
     __slots__ = (
         "_answer", "_capture", "_clarification", "_ctx", "_focus_before", "_open", "_span",
-        "_trace_hex", "_tracer", "_turn", "_turn_exemplar",
+        "_trace_hex", "_tracer", "_turn", "_turn_ids",
     )
 
     def __init__(
@@ -671,13 +740,8 @@ class _TracedTurn(_TurnMetrics):
         self._clarification: str | None = None
         span_context = span.get_span_context()
         self._trace_hex = format(span_context.trace_id, "032x")
-        self._turn_exemplar = {"trace_id": self._trace_hex,
-                               "span_id": format(span_context.span_id, "016x")}
+        self._turn_ids = (self._trace_hex, span_context.span_id)  # exemplar of the turn
         self._t0 = perf_counter()
-
-    def _exemplar(self, span: Span) -> dict[str, str]:
-        return {"trace_id": self._trace_hex,
-                "span_id": format(span.get_span_context().span_id, "016x")}
 
     def _start_current(self, name: str, attributes: Attributes, t0: float) -> _Op:
         """Start a child of the turn span and make it current (same task, LIFO)."""
@@ -714,10 +778,11 @@ class _TracedTurn(_TurnMetrics):
         if not isinstance(token, _Op):
             super().decision_finished(token, request, decision, error)
             return
-        elapsed = perf_counter() - token.t0
+        now = perf_counter()
         self._detach(token)
         span = token.span
-        self._fam.decision_duration.observe(elapsed, self._exemplar(span))
+        self._fam.decision_duration.observe_traced(
+            now - token.t0, now, self._trace_hex, span.get_span_context().span_id)
         if decision is not None:
             span.set_attributes(_decision_attributes(decision, self._capture))
         if error is not None:
@@ -740,13 +805,14 @@ class _TracedTurn(_TurnMetrics):
         if not isinstance(token, _Op):
             super().admission_finished(token, route, focused, disposition, error, timed_out)
             return
-        elapsed = perf_counter() - token.t0
+        now = perf_counter()
         self._detach(token)
         span = token.span
         label = _admission_label(disposition, error, timed_out)
         counter, duration = self._fam.admission_children(route, label, focused)
         counter.inc()
-        duration.observe(elapsed, self._exemplar(span))
+        duration.observe_traced(
+            now - token.t0, now, self._trace_hex, span.get_span_context().span_id)
         attributes: Attributes = {ATTR.ADMISSION_DISPOSITION: label}
         if timed_out:
             self._count_failure(route, "admission", error)
@@ -781,7 +847,8 @@ class _TracedTurn(_TurnMetrics):
             super().first_response(token, route, seconds)
             return
         span = token.span
-        self._fam.first_response.get(route).observe(seconds, self._exemplar(span))
+        self._fam.first_response.get(route).observe_traced(
+            seconds, perf_counter(), self._trace_hex, span.get_span_context().span_id)
         token.first_response = seconds  # set as an attribute when the span closes
         span.add_event(EVENT_FIRST_RESPONSE, {ATTR.FIRST_RESPONSE_SECONDS: seconds})
 
@@ -912,7 +979,7 @@ class _TracedTurn(_TurnMetrics):
 
     def silence(self, route: str, seconds: float) -> None:
         """Record the silence the participant heard after admission."""
-        self._fam.silence.get(route).observe(seconds, self._turn_exemplar)
+        self._fam.silence.get(route).observe_traced(seconds, perf_counter(), *self._turn_ids)
 
     def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
         """Count a failure, unless a stage callback already counted this one."""
@@ -930,7 +997,7 @@ class _TracedTurn(_TurnMetrics):
         focus_after: str | None, attempts: int, error: BaseException | None,
     ) -> None:
         """Count the turn and close any open span, then the turn span."""
-        self._finish_metrics(outcome, route, self._turn_exemplar)
+        self._finish_metrics(outcome, route, self._turn_ids)
         interrupted = outcome == "interrupted"
         stale = self._open
         if stale is not None and stale is not self._answer:
