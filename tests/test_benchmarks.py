@@ -1,0 +1,63 @@
+"""The benchmarks compare like with like: their baselines make the router's spans."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from turnrouter.telemetry import Telemetry
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_telemetry_overhead as bench
+from bench_router import FirstCandidate, InstantAgent, _turns
+
+Shape = list[tuple[str, str | None, frozenset[str], tuple[str, ...]]]
+
+
+def _shape(spans: tuple[ReadableSpan, ...]) -> Shape:
+    """Name, parent name, attribute keys and event names of each span, in end order."""
+    names = {span.context.span_id: span.name for span in spans if span.context}
+    return [(span.name, names.get(span.parent.span_id) if span.parent else None,
+             frozenset(span.attributes or {}), tuple(event.name for event in span.events))
+            for span in spans]
+
+
+def _recording() -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("current", [False, True])
+async def test_raw_span_baseline_carries_what_the_router_records(current: bool) -> None:
+    """The raw-span baseline makes the router's spans: names, parents, attributes, events."""
+    provider, exporter = _recording()
+    agents = {name: InstantAgent(name) for name in ("weather", "calendar", "conversation")}
+    telemetry = Telemetry(tracer_provider=provider, registry=CollectorRegistry())
+    await bench.timed_router(telemetry, agents, FirstCandidate(), _turns(1, 1))
+    routed = [span for span in exporter.get_finished_spans()
+              if span.name != "turnrouter.release"]  # the shutdown's, not the turn's
+    exporter.clear()
+    bench.raw_spans_with_data(provider, 1, current=current)
+    assert _shape(exporter.get_finished_spans()) == _shape(tuple(routed))
+    provider.shutdown()
+
+
+def test_bare_span_baseline_makes_as_many_spans_as_a_turn() -> None:
+    """The bare baseline makes SPANS_PER_TURN spans per turn: a turn span and its children."""
+    provider, exporter = _recording()
+    bench.raw_spans(provider, 2)
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 2 * bench.SPANS_PER_TURN
+    assert [name for name, parent, _, _ in _shape(spans)[: bench.SPANS_PER_TURN]] == [
+        *bench._CHILDREN, "turnrouter.turn"]
+    provider.shutdown()
