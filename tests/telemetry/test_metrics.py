@@ -7,6 +7,7 @@ import re
 import time
 
 import pytest
+from opentelemetry.trace import NonRecordingSpan, SpanContext
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
 from turnrouter import DestinationResult, RouteDecision
@@ -236,6 +237,11 @@ def _bucket_exemplars(registry: CollectorRegistry) -> dict[str, tuple[str, float
             for sample in family.samples if sample.exemplar is not None}
 
 
+def _span(trace: str, span_id: int) -> NonRecordingSpan:
+    """A span whose context carries these ids (the exemplar's source)."""
+    return NonRecordingSpan(SpanContext(int(trace, 16), span_id, is_remote=False))
+
+
 def _probe() -> tuple[CollectorRegistry, _Latency]:
     registry = CollectorRegistry()
     histogram = Histogram("probe_seconds", "probe", registry=registry,
@@ -246,10 +252,10 @@ def _probe() -> tuple[CollectorRegistry, _Latency]:
 def test_exemplars_are_limited_per_bucket_in_time() -> None:
     """A bucket keeps its exemplar for EXEMPLAR_INTERVAL_SECS, then takes the next one."""
     registry, latency = _probe()
-    latency.observe_traced(0.42, 100.0, "a" * 32, 1)
-    latency.observe_traced(0.43, 100.0 + EXEMPLAR_INTERVAL_SECS / 2, "b" * 32, 2)
+    latency.observe_traced(0.42, 100.0, _span("a" * 32, 1))
+    latency.observe_traced(0.43, 100.0 + EXEMPLAR_INTERVAL_SECS / 2, _span("b" * 32, 2))
     assert _bucket_exemplars(registry) == {"0.5": ("a" * 32, 0.42)}
-    latency.observe_traced(0.44, 100.0 + EXEMPLAR_INTERVAL_SECS, "c" * 32, 3)
+    latency.observe_traced(0.44, 100.0 + EXEMPLAR_INTERVAL_SECS, _span("c" * 32, 3))
     assert _bucket_exemplars(registry) == {"0.5": ("c" * 32, 0.44)}
     assert registry.get_sample_value("probe_seconds_count") == 3
 
@@ -257,20 +263,20 @@ def test_exemplars_are_limited_per_bucket_in_time() -> None:
 def test_exemplar_limit_is_per_bucket() -> None:
     """A recent exemplar in one bucket does not hold back another bucket's (tail included)."""
     registry, latency = _probe()
-    latency.observe_traced(0.1, 5.0, "a" * 32, 1)  # on the bound: bucket le=0.1
-    latency.observe_traced(0.1000001, 5.0, "b" * 32, 2)
-    latency.observe_traced(42.0, 5.0, "c" * 32, "00000000000000ff")
+    latency.observe_traced(0.1, 5.0, _span("a" * 32, 1))  # on the bound: bucket le=0.1
+    latency.observe_traced(0.1000001, 5.0, _span("b" * 32, 2))
+    latency.observe_traced(42.0, 5.0, _span("c" * 32, 3))
     assert _bucket_exemplars(registry) == {
         "0.1": ("a" * 32, 0.1), "0.15": ("b" * 32, 0.1000001), "+Inf": ("c" * 32, 42.0)}
 
 
-def test_exemplar_span_id_is_formatted_as_hex() -> None:
-    """An integer span id becomes the 16-digit hex Prometheus and Grafana expect."""
+def test_exemplar_ids_are_zero_padded_hex() -> None:
+    """Exemplar ids are the 32- and 16-digit hex Prometheus and Grafana expect."""
     registry, latency = _probe()
-    latency.observe_traced(0.2, 0.0, "a" * 32, 255)
+    latency.observe_traced(0.2, 0.0, _span("0" * 31 + "a", 255))
     (family,) = registry.collect()
     (exemplar,) = [sample.exemplar for sample in family.samples if sample.exemplar]
-    assert exemplar.labels == {"trace_id": "a" * 32, "span_id": "00000000000000ff"}
+    assert exemplar.labels == {"trace_id": "0" * 31 + "a", "span_id": "00000000000000ff"}
 
 
 def test_two_telemetry_objects_share_one_registry(rig: Rig) -> None:

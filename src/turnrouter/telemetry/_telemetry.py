@@ -125,23 +125,18 @@ class _Latency:
         """Record one observation without an exemplar."""
         self.child.observe(seconds)
 
-    def observe_traced(
-        self, seconds: float, now: float, trace_id: str, span_id: int | str
-    ) -> None:
-        """Record one observation, with a trace exemplar unless its bucket has a recent one.
-
-        `now` is a `perf_counter()` reading; `span_id` an int (formatted only when an
-        exemplar is due) or the formatted 16-digit hex.
-        """
+    def observe_traced(self, seconds: float, now: float, span: Span) -> None:
+        """Record one observation, with an exemplar pointing at `span` unless its bucket
+        has a recent one (`now` is a `perf_counter()` reading)."""
         index = bisect_left(LATENCY_BUCKETS, seconds)  # prometheus_client: value <= bound
         last = self._last
         if now - last[index] < EXEMPLAR_INTERVAL_SECS:
             self.child.observe(seconds)
             return
         last[index] = now  # a race between threads at worst sets one exemplar more
-        if not isinstance(span_id, str):
-            span_id = format(span_id, "016x")
-        self.child.observe(seconds, {"trace_id": trace_id, "span_id": span_id})
+        context = span.get_span_context()
+        self.child.observe(seconds, {"trace_id": format(context.trace_id, "032x"),
+                                     "span_id": format(context.span_id, "016x")})
 
 
 class _LatencyFamily:
@@ -578,16 +573,16 @@ class _TurnMetrics(TurnObserver):
         return True
 
     def _finish_metrics(
-        self, outcome: str, route: str | None, trace_ids: tuple[str, int] | None
+        self, outcome: str, route: str | None, span: Span | None
     ) -> None:
         fam = self._fam
         counter, duration = fam.turn_children(route or _NONE, outcome)
         counter.inc()
         now = perf_counter()
-        if trace_ids is None:
+        if span is None:
             duration.observe(now - self._t0)
         else:
-            duration.observe_traced(now - self._t0, now, *trace_ids)
+            duration.observe_traced(now - self._t0, now, span)
         fam.in_flight.dec()
         if outcome == "interrupted":
             fam.interruptions.inc()
@@ -718,7 +713,7 @@ class _TracedTurn(_TurnMetrics):
 
     __slots__ = (
         "_answer", "_capture", "_clarification", "_ctx", "_focus_before", "_open", "_span",
-        "_trace_hex", "_tracer", "_turn", "_turn_ids",
+        "_tracer", "_turn",
     )
 
     def __init__(
@@ -738,9 +733,6 @@ class _TracedTurn(_TurnMetrics):
         self._open: _Op | None = None
         self._answer: _Op | None = None
         self._clarification: str | None = None
-        span_context = span.get_span_context()
-        self._trace_hex = format(span_context.trace_id, "032x")
-        self._turn_ids = (self._trace_hex, span_context.span_id)  # exemplar of the turn
         self._t0 = perf_counter()
 
     def _start_current(self, name: str, attributes: Attributes, t0: float) -> _Op:
@@ -781,8 +773,7 @@ class _TracedTurn(_TurnMetrics):
         now = perf_counter()
         self._detach(token)
         span = token.span
-        self._fam.decision_duration.observe_traced(
-            now - token.t0, now, self._trace_hex, span.get_span_context().span_id)
+        self._fam.decision_duration.observe_traced(now - token.t0, now, span)
         if decision is not None:
             span.set_attributes(_decision_attributes(decision, self._capture))
         if error is not None:
@@ -811,8 +802,7 @@ class _TracedTurn(_TurnMetrics):
         label = _admission_label(disposition, error, timed_out)
         counter, duration = self._fam.admission_children(route, label, focused)
         counter.inc()
-        duration.observe_traced(
-            now - token.t0, now, self._trace_hex, span.get_span_context().span_id)
+        duration.observe_traced(now - token.t0, now, span)
         attributes: Attributes = {ATTR.ADMISSION_DISPOSITION: label}
         if timed_out:
             self._count_failure(route, "admission", error)
@@ -847,8 +837,7 @@ class _TracedTurn(_TurnMetrics):
             super().first_response(token, route, seconds)
             return
         span = token.span
-        self._fam.first_response.get(route).observe_traced(
-            seconds, perf_counter(), self._trace_hex, span.get_span_context().span_id)
+        self._fam.first_response.get(route).observe_traced(seconds, perf_counter(), span)
         token.first_response = seconds  # set as an attribute when the span closes
         span.add_event(EVENT_FIRST_RESPONSE, {ATTR.FIRST_RESPONSE_SECONDS: seconds})
 
@@ -979,7 +968,7 @@ class _TracedTurn(_TurnMetrics):
 
     def silence(self, route: str, seconds: float) -> None:
         """Record the silence the participant heard after admission."""
-        self._fam.silence.get(route).observe_traced(seconds, perf_counter(), *self._turn_ids)
+        self._fam.silence.get(route).observe_traced(seconds, perf_counter(), self._span)
 
     def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
         """Count a failure, unless a stage callback already counted this one."""
@@ -997,7 +986,7 @@ class _TracedTurn(_TurnMetrics):
         focus_after: str | None, attempts: int, error: BaseException | None,
     ) -> None:
         """Count the turn and close any open span, then the turn span."""
-        self._finish_metrics(outcome, route, self._turn_ids)
+        self._finish_metrics(outcome, route, self._span)
         interrupted = outcome == "interrupted"
         stale = self._open
         if stale is not None and stale is not self._answer:
