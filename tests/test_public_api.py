@@ -29,6 +29,20 @@ CONTRACT = {
 }
 
 
+#: The public test kit: a fake for every seam, and real telemetry captured in memory.
+TESTING = {
+    "Call", "DecisionScript", "ManualClock", "OutputRecorder", "RecordingObserver",
+    "ScriptedAgent", "ScriptedDecisions", "ScriptedDepartingAgent", "ScriptedLLM", "Spoken",
+    "TelemetryCapture",
+}
+
+
+def test_testing_kit_exports_are_pinned() -> None:
+    """turnrouter.testing exports exactly the pinned kit."""
+    testing = importlib.import_module("turnrouter.testing")
+    assert set(testing.__all__) == TESTING
+
+
 def test_core_exports_are_pinned() -> None:
     """turnrouter.__all__ holds the pinned core names (additions must be deliberate)."""
     assert set(turnrouter.__all__) >= CORE
@@ -67,11 +81,13 @@ def test_interrupted_is_a_cancellation() -> None:
 
 
 def test_library_never_imports_the_otel_sdk() -> None:
-    """Library modules import opentelemetry-api only; only the demo application sets up
-    the SDK (and only inside a function, guarded by ImportError)."""
+    """Library modules import opentelemetry-api only; only the demo application and the
+    test kit's TelemetryCapture use the SDK (lazily; see tests/telemetry/test_contract.py)."""
     from pathlib import Path
 
     root = Path(turnrouter.__file__).parent
+    kit = root / "telemetry" / "_capture.py"
     offenders = [str(p) for p in root.rglob("*.py")
-                 if "opentelemetry.sdk" in p.read_text() and "demo" not in p.parts]
+                 if "opentelemetry.sdk" in p.read_text() and "demo" not in p.parts
+                 and p != kit]
     assert offenders == []

@@ -1,8 +1,9 @@
 """Fakes for every seam of turnrouter, for your tests and ours.
 
 Like httpx's `MockTransport`: scripted decisions, scripted agents that record every
-call, an output recorder and an in-memory observer. They are deterministic and never
-sleep; gate them with events to test cancellation.
+call, an output recorder, an in-memory observer, and `TelemetryCapture`: the real
+telemetry recorded in memory (needs `opentelemetry-sdk`, the `testing` extra). They are
+deterministic and never sleep; gate them with events to test cancellation.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ._observer import (
     TurnObserver,
     TurnOutcome,
 )
+from .telemetry._capture import TelemetryCapture
 
 __all__ = [
     "Call",
@@ -48,6 +50,7 @@ __all__ = [
     "ScriptedDepartingAgent",
     "ScriptedLLM",
     "Spoken",
+    "TelemetryCapture",
 ]
 
 DecisionScript = (

@@ -281,7 +281,7 @@ def test_exemplar_ids_are_zero_padded_hex() -> None:
 
 def test_two_telemetry_objects_share_one_registry(rig: Rig) -> None:
     """Several routers' Telemetry on one registry share families instead of failing."""
-    other = Telemetry(tracer_provider=rig.provider, registry=rig.registry)
+    other = Telemetry(tracer_provider=rig.tracer_provider, registry=rig.registry)
     answer_turn(rig.telemetry)
     answer_turn(other)
     assert rig.value("turnrouter_turns_total", route="weather", outcome="focus") == 2

@@ -169,7 +169,7 @@ class TracingDecisions(ScriptedDecisions):
 async def test_classifier_spans_nest_under_route(router_rig: Rig,
                                                  stopped: list[AgentRouter]) -> None:
     """During decide() the route span is current: a classifier's spans are its children."""
-    decisions = TracingDecisions(router_rig.provider.get_tracer("classifier"), "weather")
+    decisions = TracingDecisions(router_rig.tracer_provider.get_tracer("classifier"), "weather")
     s = Scenario(router_rig, decisions, ScriptedAgent("weather"))
     stopped.append(s.router)
     await s.say()

@@ -50,7 +50,7 @@ def parent_id(span: ReadableSpan) -> int | None:
 
 def test_turn_is_child_of_callers_span_and_children_are_flat(rig: Rig) -> None:
     """The turn span nests under the caller's span; every other span is its direct child."""
-    tracer = rig.provider.get_tracer("caller")
+    tracer = rig.tracer_provider.get_tracer("caller")
     with tracer.start_as_current_span("caller") as caller:
         answer_turn(rig.telemetry)
     turn = rig.span("turnrouter.turn")
@@ -179,7 +179,7 @@ def test_invoke_agent_span(rig: Rig) -> None:
 
 def test_invoke_agent_span_is_current_during_answer(rig: Rig) -> None:
     """The agent's own spans nest under invoke_agent; the caller's context is restored."""
-    tracer = rig.provider.get_tracer("caller")
+    tracer = rig.tracer_provider.get_tracer("caller")
     with tracer.start_as_current_span("caller") as caller:
         obs = rig.telemetry.turn_started(make_turn(), None)
         in_turn = trace.get_current_span()
@@ -227,7 +227,7 @@ def test_interrupted_turn_is_marked_not_failed(rig: Rig) -> None:
 
 def test_unfinished_answer_is_closed_with_the_turn(rig: Rig) -> None:
     """If answer_finished never came, finished() closes invoke_agent and restores context."""
-    with rig.provider.get_tracer("caller").start_as_current_span("caller") as caller:
+    with rig.tracer_provider.get_tracer("caller").start_as_current_span("caller") as caller:
         obs = rig.telemetry.turn_started(make_turn(), None)
         obs.answer_started("weather", False)
         obs.finished("interrupted", "weather", None, None, 1, None)
@@ -241,7 +241,7 @@ def test_release_spans_in_and_outside_turns(rig: Rig) -> None:
     token = obs.release_started("music", "focus_taken")
     obs.release_finished(token, "music", "focus_taken", ValueError("bad"))
     obs.finished("answer", "weather", "music", "weather", 1, None)
-    with rig.provider.get_tracer("caller").start_as_current_span("departure") as departure:
+    with rig.tracer_provider.get_tracer("caller").start_as_current_span("departure") as departure:
         token = rig.telemetry.release_started("weather", "departure")
         rig.telemetry.release_finished(token, "weather", "departure", None)
     in_turn, outside = rig.spans("turnrouter.release")
@@ -356,7 +356,7 @@ def test_global_provider_followed_when_installed_later(
     telemetry = Telemetry(registry=rig.registry)
     answer_turn(telemetry)  # global provider is the API's no-op proxy
     assert rig.spans() == []
-    monkeypatch.setattr(trace, "get_tracer_provider", lambda: rig.provider)
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: rig.tracer_provider)
     answer_turn(telemetry)
     assert len(rig.spans("turnrouter.turn")) == 1
 
@@ -383,7 +383,7 @@ def test_unsampled_turn_records_nothing_but_propagates() -> None:
 
 def test_disabled_records_nothing(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Telemetry.disabled() is a do-nothing observer: no spans, no registry writes."""
-    monkeypatch.setattr(trace, "get_tracer_provider", lambda: rig.provider)
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: rig.tracer_provider)
     disabled = Telemetry.disabled()
     assert isinstance(disabled, RouterObserver)
     assert not isinstance(disabled, Telemetry)
@@ -400,7 +400,7 @@ def test_disabled_records_nothing(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_route_and_admission_spans_are_current_during_their_calls(rig: Rig) -> None:
     """A classifier's and an admit()'s own spans nest under the route / admission span."""
-    tracer = rig.provider.get_tracer("caller")
+    tracer = rig.tracer_provider.get_tracer("caller")
     with tracer.start_as_current_span("caller") as caller:
         turn = make_turn()
         obs = rig.telemetry.turn_started(turn, None)
@@ -430,7 +430,7 @@ def test_route_and_admission_spans_are_current_during_their_calls(rig: Rig) -> N
 
 def test_unfinished_decision_is_closed_with_the_turn(rig: Rig) -> None:
     """A decision call cancelled before decision_finished: finished() closes its span."""
-    with rig.provider.get_tracer("caller").start_as_current_span("caller") as caller:
+    with rig.tracer_provider.get_tracer("caller").start_as_current_span("caller") as caller:
         turn = make_turn()
         obs = rig.telemetry.turn_started(turn, None)
         obs.decision_started(make_request(turn))

@@ -1,0 +1,74 @@
+"""`turnrouter.testing.TelemetryCapture`: a router's real telemetry, recorded in memory."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace
+
+from turnrouter import AgentRouter, AgentTurn
+from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions, TelemetryCapture
+
+pytestmark = pytest.mark.anyio
+
+
+def _router(capture: TelemetryCapture) -> AgentRouter:
+    agents = {"weather": ScriptedAgent("weather", answer_text="sunny"),
+              "conversation": ScriptedAgent("conversation")}
+    return AgentRouter(agents, ScriptedDecisions("weather"), output=OutputRecorder(),
+                       telemetry=capture.telemetry)
+
+
+async def test_capture_records_a_routed_turns_spans_and_metrics() -> None:
+    """Spans and metric samples of a handled turn are readable right after it ends."""
+    with TelemetryCapture() as capture:
+        router = _router(capture)
+        await router.handle(AgentTurn("alice", "t1", "will it rain?"))
+        await router.stop()
+        turn = capture.span("turnrouter.turn")
+        assert turn.attributes is not None
+        assert turn.attributes["turnrouter.route"] == "weather"
+        assert [span.name for span in capture.spans()][:4] == [
+            "turnrouter.route", "turnrouter.admission", "invoke_agent weather",
+            "turnrouter.turn"]
+        assert capture.value("turnrouter_turns_total", route="weather", outcome="answer") == 1
+        assert capture.value("turnrouter_turns_total", route="calendar",
+                             outcome="answer") is None
+        assert 'trace_id="' in capture.openmetrics()
+
+
+async def test_capture_does_not_touch_global_tracing() -> None:
+    """The capture's provider is its own: the global provider is left as it was."""
+    before = trace.get_tracer_provider()
+    with TelemetryCapture() as capture:
+        assert capture.tracer_provider is not before
+        assert capture.telemetry.registry is capture.registry
+    assert trace.get_tracer_provider() is before
+
+
+async def test_span_names_what_ended_when_not_exactly_one() -> None:
+    """span() fails with the names of the spans that did end."""
+    with TelemetryCapture() as capture:
+        router = _router(capture)
+        await router.handle(AgentTurn("alice", "t1", "will it rain?"))
+        with pytest.raises(AssertionError, match=r"found 0: \['turnrouter.route'"):
+            capture.span("turnrouter.acknowledgment")
+
+
+async def test_clear_forgets_spans_but_keeps_metrics() -> None:
+    """clear() empties the span list; cumulative metric values stay."""
+    with TelemetryCapture() as capture:
+        router = _router(capture)
+        await router.handle(AgentTurn("alice", "t1", "will it rain?"))
+        capture.clear()
+        assert capture.spans() == []
+        assert capture.value("turnrouter_turns_total", route="weather", outcome="answer") == 1
+
+
+async def test_content_capture_is_opt_in() -> None:
+    """The query text is on the turn span only with capture_content=True."""
+    for capture_content in (False, True):
+        with TelemetryCapture(capture_content=capture_content) as capture:
+            router = _router(capture)
+            await router.handle(AgentTurn("alice", "t1", "will it rain?"))
+            attributes = capture.span("turnrouter.turn").attributes or {}
+            assert ("will it rain?" in attributes.values()) is capture_content
