@@ -37,12 +37,13 @@ class RoutingTurnContext:
 
 _OUTSIDE = RoutingTurnContext()
 
-#: The router stores (exchange_id, history ids, history timestamps): three immutable
-#: values, so the snapshot built from them on demand is as stable as a built one, and a
-#: turn whose agents never ask costs one tuple instead of a dataclass.
-_current: ContextVar[tuple[object, tuple[object | None, ...], tuple[int | None, ...]] | None] = (
-    ContextVar("turnrouter_turn_context", default=None)
-)
+#: The router stores (exchange_id, history meta): the meta tuple holds one immutable
+#: (id, timestamp, size) triple per retained exchange, so the snapshot built from it on
+#: demand is as stable as a built one, and a turn whose agents never ask costs one tuple
+#: instead of a dataclass and two tuple copies.
+_current: ContextVar[
+    tuple[object, tuple[tuple[object | None, int | None, int], ...]] | None
+] = ContextVar("turnrouter_turn_context", default=None)
 
 
 def current_turn_context() -> RoutingTurnContext:
@@ -50,8 +51,9 @@ def current_turn_context() -> RoutingTurnContext:
     source = _current.get()
     if source is None:
         return _OUTSIDE
+    meta = source[1]
     snapshot = object.__new__(RoutingTurnContext)
     object.__setattr__(snapshot, "exchange_id", source[0])
-    object.__setattr__(snapshot, "history_exchange_ids", source[1])
-    object.__setattr__(snapshot, "history_timestamps", source[2])
+    object.__setattr__(snapshot, "history_exchange_ids", tuple(item[0] for item in meta))
+    object.__setattr__(snapshot, "history_timestamps", tuple(item[1] for item in meta))
     return snapshot

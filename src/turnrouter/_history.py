@@ -10,33 +10,47 @@ from ._patches import EMPTY_CONTEXT_HASH, PatchExchangeId, context_hash
 __all__ = ["History"]
 
 
+#: Per retained exchange: its id (None, a caller's id or a `PatchExchangeId`), its
+#: completion timestamp in microseconds (None if unknown) and its UTF-8 size.
+Meta = tuple[object | None, int | None, int]
+
+
 class History:
     """Newest whole exchanges whose UTF-8 size fits the budget, with ids and timestamps.
 
     The tuples are rebuilt on append (never mutated), so a tuple handed to a destination
-    or a `RoutingTurnContext` snapshot stays stable.
+    or a `RoutingTurnContext` snapshot stays stable. An exchange's id, timestamp and size
+    live in one `meta` tuple, so an append copies two tuples instead of four.
 
     Conversation exchanges (`append`) and background-derived ones (`add_background`,
     with a `PatchExchangeId`) share the tuples, in completion order, and the budget.
-    `version` counts conversation appends; `prev_exchanges` / `prev_ids` are the tuples
+    `version` counts conversation appends; `prev_exchanges` / `prev_meta` are the tuples
     as they were before the latest one (for the divergence rule of a patch spawned by
     that turn). The context hash is computed on demand and cached.
     """
 
-    __slots__ = ("_hash", "_hashed", "exchanges", "ids", "prev_exchanges", "prev_ids",
-                 "sizes", "stamps", "total", "version")
+    __slots__ = ("_hash", "_hashed", "exchanges", "meta", "prev_exchanges", "prev_meta",
+                 "total", "version")
 
     def __init__(self) -> None:
         self.exchanges: tuple[AgentExchange, ...] = ()
-        self.ids: tuple[object | None, ...] = ()
-        self.stamps: tuple[int | None, ...] = ()
-        self.sizes: tuple[int, ...] = ()
+        self.meta: tuple[Meta, ...] = ()
         self.total = 0
         self.version = 0
         self.prev_exchanges: tuple[AgentExchange, ...] = ()
-        self.prev_ids: tuple[object | None, ...] = ()
+        self.prev_meta: tuple[Meta, ...] = ()
         self._hashed: tuple[AgentExchange, ...] | None = None
         self._hash = EMPTY_CONTEXT_HASH
+
+    @property
+    def ids(self) -> tuple[object | None, ...]:
+        """The retained exchanges' ids, oldest first."""
+        return tuple(item[0] for item in self.meta)
+
+    @property
+    def stamps(self) -> tuple[int | None, ...]:
+        """The retained exchanges' completion timestamps (µs), oldest first."""
+        return tuple(item[1] for item in self.meta)
 
     def seed(self, exchanges: Sequence[AgentExchange], budget: int) -> None:
         """Adopt caller-supplied history (ids and timestamps unknown), trimmed to budget."""
@@ -50,31 +64,25 @@ class History:
         """Add a completed exchange and drop the oldest ones until the budget holds."""
         self.version += 1
         self.prev_exchanges = self.exchanges
-        self.prev_ids = self.ids
+        self.prev_meta = self.meta
         size = len(exchange.user.encode()) + len(exchange.assistant.encode())
         total = self.total + size
         if total <= budget:
             self.exchanges += (exchange,)
-            self.ids += (exchange_id,)
-            self.stamps += (stamp,)
-            self.sizes += (size,)
+            self.meta += ((exchange_id, stamp, size),)
             self.total = total
             return
-        exchanges = (*self.exchanges, exchange)
-        ids = (*self.ids, exchange_id)
-        stamps = (*self.stamps, stamp)
-        sizes = (*self.sizes, size)
+        meta = self.meta
         drop = 0
-        while total > budget:
-            total -= sizes[drop]
+        while total > budget and drop < len(meta):
+            total -= meta[drop][2]
             drop += 1
-        if drop:
-            exchanges, ids, stamps, sizes = (
-                exchanges[drop:], ids[drop:], stamps[drop:], sizes[drop:]
-            )
-        self.exchanges, self.ids, self.stamps, self.sizes, self.total = (
-            exchanges, ids, stamps, sizes, total
-        )
+        if total > budget:  # the new exchange alone exceeds the budget
+            self.exchanges, self.meta, self.total = (), (), 0
+            return
+        self.exchanges = (*self.exchanges[drop:], exchange)
+        self.meta = (*meta[drop:], (exchange_id, stamp, size))
+        self.total = total
 
     # ------------------------------------------------------------ background patches
 
@@ -88,17 +96,15 @@ class History:
         the version and the previous-state tuples stay as they were.
         """
         if replace:
-            keep = [index for index, item in enumerate(self.ids)
-                    if not isinstance(item, PatchExchangeId)]
-            if len(keep) != len(self.ids):
+            keep = [index for index, item in enumerate(self.meta)
+                    if not isinstance(item[0], PatchExchangeId)]
+            if len(keep) != len(self.meta):
                 self.exchanges = tuple(self.exchanges[index] for index in keep)
-                self.ids = tuple(self.ids[index] for index in keep)
-                self.stamps = tuple(self.stamps[index] for index in keep)
-                self.sizes = tuple(self.sizes[index] for index in keep)
-                self.total = sum(self.sizes)
-        version, prev_exchanges, prev_ids = self.version, self.prev_exchanges, self.prev_ids
+                self.meta = tuple(self.meta[index] for index in keep)
+                self.total = sum(item[2] for item in self.meta)
+        version, prev_exchanges, prev_meta = self.version, self.prev_exchanges, self.prev_meta
         self.append(exchange, exchange_id, stamp, budget)
-        self.version, self.prev_exchanges, self.prev_ids = version, prev_exchanges, prev_ids
+        self.version, self.prev_exchanges, self.prev_meta = version, prev_exchanges, prev_meta
 
     def context_hash(self) -> str:
         """The hash of the retained conversation exchanges (cached until they change)."""
@@ -109,7 +115,7 @@ class History:
 
     def last_conversation_id(self) -> object | None:
         """The id of the newest retained conversation exchange (None if there is none)."""
-        for exchange_id in reversed(self.ids):
-            if not isinstance(exchange_id, PatchExchangeId):
-                return exchange_id
+        for item in reversed(self.meta):
+            if not isinstance(item[0], PatchExchangeId):
+                return item[0]
         return None

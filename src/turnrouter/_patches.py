@@ -188,6 +188,5 @@ def current_context_patches() -> tuple[AppliedContextPatch, ...]:
     if source is None:
         return ()
     return tuple(
-        exchange_id.applied for exchange_id in source[1]
-        if isinstance(exchange_id, PatchExchangeId)
+        item[0].applied for item in source[1] if isinstance(item[0], PatchExchangeId)
     )

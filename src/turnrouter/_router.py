@@ -839,7 +839,7 @@ class AgentRouter:
             history.seed(turn.history, self._budget)
         if turn.history is not history.exchanges:
             turn = _turn_with_history(turn, history.exchanges)
-        token = _current.set((turn.turn_id, history.ids, history.stamps))
+        token = _current.set((turn.turn_id, history.meta))
         try:
             return await self._route(state, turn, emit, obs, record, run)
         finally:
@@ -1208,7 +1208,8 @@ def _diverged(history: History, patch: ContextPatch) -> bool:
     if spawned is None or history.version == 0 or history.last_conversation_id() != spawned:
         return True
     return not ((version is None or version == history.version - 1) and (
-        digest is None or digest == context_hash(history.prev_exchanges, history.prev_ids)
+        digest is None or digest == context_hash(
+            history.prev_exchanges, [item[0] for item in history.prev_meta])
     ))
 
 
