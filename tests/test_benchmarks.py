@@ -37,6 +37,20 @@ def _recording() -> tuple[TracerProvider, InMemorySpanExporter]:
 
 
 @pytest.mark.anyio
+async def test_interleaved_baseline_makes_the_router_spans_by_hand() -> None:
+    """The interleaved baseline's spans come from turn_spans, none from the router."""
+    provider, exporter = _recording()
+    agents = {name: InstantAgent(name) for name in ("weather", "calendar", "conversation")}
+    await bench.metrics_router_with_hand_spans(provider, agents, FirstCandidate(),
+                                               _turns(3, 1))
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 3 * bench.SPANS_PER_TURN
+    assert [dict(span.attributes or {}).get("turnrouter.turn.id") for span in spans
+            if span.name == "turnrouter.turn"] == [turn.turn_id for turn in _turns(3, 1)]
+    provider.shutdown()
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("current", [False, True])
 async def test_raw_span_baseline_carries_what_the_router_records(current: bool) -> None:
     """The raw-span baseline makes the router's spans: names, parents, attributes, events."""
