@@ -118,12 +118,9 @@ class _Latency:
     __slots__ = ("_last", "child")
 
     def __init__(self, child: Histogram) -> None:
+        #: The prometheus_client child: untraced observations go to it directly.
         self.child = child
         self._last = [-math.inf] * (len(LATENCY_BUCKETS) + 1)
-
-    def observe(self, seconds: float) -> None:
-        """Record one observation without an exemplar."""
-        self.child.observe(seconds)
 
     def observe_traced(self, seconds: float, now: float, span: Span) -> None:
         """Record one observation, with an exemplar pointing at `span` unless its bucket
@@ -580,7 +577,7 @@ class _TurnMetrics(TurnObserver):
         counter.inc()
         now = perf_counter()
         if span is None:
-            duration.observe(now - self._t0)
+            duration.child.observe(now - self._t0)
         else:
             duration.observe_traced(now - self._t0, now, span)
         fam.in_flight.dec()
@@ -599,7 +596,7 @@ class _TurnMetrics(TurnObserver):
     ) -> None:
         """Record the decision's duration; count a failure at stage `decision` on error."""
         if isinstance(token, float):
-            self._fam.decision_duration.observe(perf_counter() - token)
+            self._fam.decision_duration.child.observe(perf_counter() - token)
         if error is not None:
             self._count_failure(None, "decision", error)
 
@@ -617,7 +614,7 @@ class _TurnMetrics(TurnObserver):
             route, _admission_label(disposition, error, timed_out), focused)
         counter.inc()
         if isinstance(token, float):
-            duration.observe(perf_counter() - token)
+            duration.child.observe(perf_counter() - token)
         if error is not None or timed_out:
             self._count_failure(route, "admission", error)
 
@@ -625,7 +622,7 @@ class _TurnMetrics(TurnObserver):
 
     def first_response(self, token: object, route: str, seconds: float) -> None:
         """Record the first-response latency."""
-        self._fam.first_response.get(route).observe(seconds)
+        self._fam.first_response.get(route).child.observe(seconds)
 
     def answer_finished(
         self, token: object, route: str, result: DestinationResult | None,
@@ -672,7 +669,7 @@ class _TurnMetrics(TurnObserver):
 
     def silence(self, route: str, seconds: float) -> None:
         """Record the silence the participant heard after admission."""
-        self._fam.silence.get(route).observe(seconds)
+        self._fam.silence.get(route).child.observe(seconds)
 
     def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
         """Count a failure, unless a stage callback already counted this one."""
