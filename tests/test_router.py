@@ -22,7 +22,14 @@ from turnrouter import (
     RoutingAid,
     current_turn_context,
 )
-from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions, ScriptedLLM
+from turnrouter.testing import (
+    ManualClock,
+    OutputRecorder,
+    RecordingObserver,
+    ScriptedAgent,
+    ScriptedDecisions,
+    ScriptedLLM,
+)
 
 from .kit import Harness
 
@@ -632,3 +639,32 @@ async def test_routing_aid_names_follow_the_registered_route() -> None:
     h = Harness(Renamed("weather"), decisions=ScriptedDecisions("weather"))
     assert (await h.say()).text == "weather answer"
     assert h.decisions.requests[0].candidate_names == ("weather", "conversation")
+
+
+class _SlowStart(ScriptedAgent):
+    """Admits with an optional preamble; answer() lets `latency` pass before started()."""
+
+    def __init__(self, clock: ManualClock, latency: float, preamble: str = "") -> None:
+        super().__init__("weather", admissions=Admission("accept", preamble=preamble))
+        self.clock, self.latency = clock, latency
+
+    async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+        self.clock.advance(self.latency)
+        await started()
+        return DestinationResult(text="sunny")
+
+
+@pytest.mark.parametrize(("preamble", "expected"), [("", 0.7), ("Sure.", 0.0)])
+async def test_silence_is_recorded_without_acknowledgments(preamble: str,
+                                                           expected: float) -> None:
+    """Without acknowledgments, silence runs from admission to the answer's started() or,
+    when the admission has a preamble, to that preamble."""
+    clock = ManualClock(10.0)
+    observer = RecordingObserver()
+    router = AgentRouter({"weather": _SlowStart(clock, 0.7, preamble)},
+                         ScriptedDecisions("weather"), output=OutputRecorder(),
+                         telemetry=observer, clock=clock)
+    await router.handle(AgentTurn("p1", "t1", "rain?"))
+    silences = [event for event in observer.turns["t1"] if event[0] == "silence"]
+    assert silences == [("silence", "weather", pytest.approx(expected))]
+    await router.stop()

@@ -159,25 +159,31 @@ class _TurnRecord:
 class _StartSignal:
     """The `started()` callable handed to `answer()`.
 
-    The first call records the first-response time; later calls, and calls after
-    `answer()` returned, do nothing more.
+    The first call records the first-response time and, when nothing was said since
+    admission, the silence the participant heard (`silent_since`); later calls, and
+    calls after `answer()` returned, do nothing more.
     """
 
-    __slots__ = ("_clock", "_obs", "_record", "_route", "_t0", "_token", "closed")
+    __slots__ = ("_clock", "_obs", "_record", "_route", "_t0", "_token", "closed",
+                 "silent_since")
 
     def __init__(
         self, obs: TurnObserver, token: object, route: str, record: _TurnRecord,
-        clock: Callable[[], float], t0: float,
+        clock: Callable[[], float], t0: float, silent_since: float | None = None,
     ) -> None:
         self._obs, self._token, self._route, self._record = obs, token, route, record
         self._clock, self._t0 = clock, t0
+        self.silent_since = silent_since
         self.closed = False
 
     async def __call__(self) -> None:
         if self.closed or self._record.started:
             return
         self._record.started = True
-        self._obs.first_response(self._token, self._route, self._clock() - self._t0)
+        now = self._clock()
+        self._obs.first_response(self._token, self._route, now - self._t0)
+        if self.silent_since is not None:
+            self._obs.silence(self._route, now - self.silent_since)
 
 
 class _TimedStartSignal(_StartSignal):
@@ -992,19 +998,21 @@ class AgentRouter:
         state.used.add(route)
         record.route = route
         timed = self._timed
-        if timed is not None:
-            admitted_at = self._clock()
-        if admission is not None and admission.preamble:
-            if timed is not None:
-                obs.silence(route, self._clock() - admitted_at)
+        admitted_at = self._clock()
+        preamble = admission is not None and bool(admission.preamble)
+        if preamble:
+            assert admission is not None
+            obs.silence(route, self._clock() - admitted_at)
             await self._say(turn, route, admission.preamble, emit, record)
         token = obs.answer_started(route, admission is None)
         timing: TurnTiming | None = None
         if timed is None:
-            signal = _StartSignal(obs, token, route, record, self._clock, self._clock())
+            # Without acknowledgments the answer (or the preamble) is the first thing heard.
+            signal = _StartSignal(obs, token, route, record, self._clock, self._clock(),
+                                  None if preamble else admitted_at)
         else:
             timing = timed.turn(obs, self._agents[route], route, turn, emit, admitted_at,
-                                heard=bool(admission is not None and admission.preamble))
+                                heard=preamble)
             signal = _TimedStartSignal(obs, token, route, record, self._clock, self._clock(),
                                        timing)
         try:

@@ -344,7 +344,7 @@ class _RecordingTurn(TurnObserver):
         self._events.append(("acknowledgment", route, outcome, trigger))
 
     def silence(self, route: str, seconds: float) -> None:
-        self._events.append(("silence", route))
+        self._events.append(("silence", route, seconds))
 
     def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
         self._events.append(("failure", route, stage, _name(error)))
