@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
+from prometheus_client import REGISTRY
 
-from turnrouter import AgentRouter, AgentTurn, DestinationResult, RouteDecision
-from turnrouter.telemetry import ATTR
+from turnrouter import (
+    AgentRouter,
+    AgentTurn,
+    DestinationResult,
+    RouteDecision,
+    TurnInterrupted,
+    current_turn_context,
+)
+from turnrouter.llm import TemplateAcknowledger
+from turnrouter.telemetry import ATTR, CONTENT_CAPTURE_ENV, Telemetry
 from turnrouter.testing import (
+    ManualClock,
     OutputRecorder,
     ScriptedAgent,
     ScriptedDecisions,
+    ScriptedDepartingAgent,
     TelemetryCapture,
 )
 
@@ -262,3 +276,196 @@ async def test_departure_and_shutdown_release_spans(capture: TelemetryCapture) -
     assert dict(shutdown.attributes or {})[ATTR.RELEASE_REASON] == "shutdown"
     assert capture.spans("turnrouter.turn") == []
     assert o.value("turnrouter_active_participants") == 0
+
+
+async def test_failed_departure_release_is_an_error(capture: TelemetryCapture) -> None:
+    """A participant_left() hook that raises: release span ERROR, counted at stage release."""
+    weather = ScriptedDepartingAgent("weather", results="focus",
+                                     departure_error=RuntimeError("gone"))
+    o = Outcomes(capture, ScriptedDecisions("weather"), weather)
+    await o.say()
+    with pytest.raises(ExceptionGroup):
+        await o.router.participant_left("alice")
+    release = capture.span("turnrouter.release")
+    assert release.status.status_code is StatusCode.ERROR
+    assert dict(release.attributes or {})[ATTR.ERROR_TYPE] == "RuntimeError"
+    assert o.value("turnrouter_failures_total", route="weather", stage="release") == 1
+    weather.departure_error = None
+    await o.router.stop()
+
+
+async def test_cancelled_admission_is_marked_interrupted(capture: TelemetryCapture) -> None:
+    """An interrupt during admit(): the admission span says interrupted, not an error."""
+    weather = ScriptedAgent("weather")
+    weather.admit_gate = anyio.Event()  # never set
+    weather.admit_entered = anyio.Event()
+    o = Outcomes(capture, ScriptedDecisions("weather"), weather)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_interruptible, o.say())
+        await weather.admit_entered.wait()
+        await o.router.interrupt("alice")
+    admission = capture.span("turnrouter.admission")
+    attributes = dict(admission.attributes or {})
+    assert attributes[ATTR.ADMISSION_DISPOSITION] == "interrupted"
+    assert attributes[ATTR.INTERRUPTED] is True
+    assert admission.status.status_code is not StatusCode.ERROR
+    assert o.value("turnrouter_admissions_total", route="weather", disposition="interrupted",
+                   focused="false") == 1
+    assert o.value("turnrouter_failures_total", route="weather", stage="admission") is None
+
+
+async def _interruptible(turn: Awaitable[object]) -> None:
+    """Await a turn that may be interrupted (in a task group, so it must not raise)."""
+    with contextlib.suppress(TurnInterrupted):
+        await turn
+
+
+async def test_queued_turn_cancelled_before_it_ran(capture: TelemetryCapture) -> None:
+    """A turn interrupted while queued is one interrupted turn span with no attempts."""
+    weather = ScriptedAgent("weather", results=["focus", "release"])
+    o = Outcomes(capture, ScriptedDecisions("weather"), weather)
+    await o.say("plan")
+    weather.release_gate = anyio.Event()  # the post-answer release of turn 2 waits here
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_interruptible, o.say("done"))
+        await weather.release_entered.wait()  # turn 2 is in its protected bookkeeping
+        tg.start_soon(_interruptible, o.say("queued"))  # turn 3 queues behind it
+        await anyio.lowlevel.checkpoint()  # asyncio runs it up to its wait in the queue
+        tg.start_soon(o.router.interrupt, "alice")  # waits for turn 2 to drain
+        for _ in range(100):  # until the queued turn has ended, still behind turn 2
+            if [span for span in o.turns() if dict(span.attributes or {})[ATTR.TURN_ID] == "t3"]:
+                break
+            await anyio.lowlevel.checkpoint()
+        weather.release_gate.set()
+    outcomes = {dict(span.attributes or {})[ATTR.TURN_ID]: dict(span.attributes or {})
+                for span in o.turns()}
+    assert outcomes["t2"][ATTR.OUTCOME] == "release"  # protected: completed
+    assert (outcomes["t3"][ATTR.OUTCOME], outcomes["t3"][ATTR.ATTEMPTS]) == ("interrupted", 0)
+    t3 = next(span for span in o.turns() if dict(span.attributes or {})[ATTR.TURN_ID] == "t3")
+    assert o.children(t3) == []
+    assert o.value("turnrouter_turns_in_flight") == 0
+
+
+async def test_turn_context_agrees_with_the_span_context(capture: TelemetryCapture) -> None:
+    """Inside answer(), current_turn_context() names the turn whose invoke_agent span is
+    current."""
+    seen: dict[str, Any] = {}
+
+    class Looking(ScriptedAgent):
+        async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+            seen["exchange_id"] = current_turn_context().exchange_id
+            seen["span"] = trace.get_current_span().get_span_context()
+            return await super().answer(turn, started=started)
+
+    o = Outcomes(capture, ScriptedDecisions("weather"), Looking("weather"))
+    await o.say()
+    invoke = capture.span("invoke_agent weather").context
+    turn = o.turns()[-1]
+    assert seen["exchange_id"] == dict(turn.attributes or {})[ATTR.TURN_ID] == "t1"
+    assert (seen["span"].trace_id, seen["span"].span_id) == (invoke.trace_id, invoke.span_id)
+    assert invoke.trace_id == turn.context.trace_id
+
+
+def _registry_snapshot() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in REGISTRY.collect() for sample in family.samples
+            if sample.name.startswith("turnrouter_")}
+
+
+async def test_disabled_router_writes_nothing(capture: TelemetryCapture) -> None:
+    """Telemetry.disabled(): a router's turns, focus, departure and stop write no metric
+    and make no span."""
+    before = _registry_snapshot()
+    agents = {"weather": ScriptedAgent("weather", results="focus"),
+              "conversation": ScriptedAgent("conversation")}
+    router = AgentRouter(agents, ScriptedDecisions("weather"), output=OutputRecorder(),
+                         telemetry=Telemetry.disabled())
+    await router.handle(AgentTurn("alice", "t1", "plan"))
+    await router.handle(AgentTurn("bob", "t2", "plan"))
+    await router.participant_left("alice")
+    await router.stop()
+    assert _registry_snapshot() == before
+    assert capture.spans() == []
+
+
+async def test_default_telemetry_uses_the_default_registry() -> None:
+    """AgentRouter(telemetry omitted) counts on prometheus_client's default registry."""
+    key = ("turnrouter_turns_total", (("outcome", "answer"), ("route", "weather")))
+    before = _registry_snapshot().get(key, 0.0)
+    router = AgentRouter({"weather": ScriptedAgent("weather"),
+                          "conversation": ScriptedAgent("conversation")},
+                         ScriptedDecisions("weather"), output=OutputRecorder())
+    await router.handle(AgentTurn("alice", "t1", "rain?"))
+    await router.stop()
+    assert _registry_snapshot()[key] == before + 1
+
+
+async def test_content_capture_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true the router's spans carry
+    the query and the answer."""
+    monkeypatch.setenv(CONTENT_CAPTURE_ENV, "true")
+    with TelemetryCapture() as capture:
+        o = Outcomes(capture, ScriptedDecisions("weather"),
+                     ScriptedAgent("weather", answer_text="sunny"))
+        await o.say("rain today?")
+        assert o.last_turn()[ATTR.QUERY] == "rain today?"
+        invoke = dict(capture.span("invoke_agent weather").attributes or {})
+        assert "rain today?" in str(invoke[ATTR.GEN_AI_INPUT_MESSAGES])
+        assert "sunny" in str(invoke[ATTR.GEN_AI_OUTPUT_MESSAGES])
+
+
+async def test_no_ids_in_labels_after_router_scenarios(capture: TelemetryCapture) -> None:
+    """After routed turns, focus, reroutes and a departure, no label value is a participant
+    or turn id."""
+    o = Outcomes(capture, ScriptedDecisions("weather", "music"),
+                 ScriptedAgent("weather", admissions=["decline", "accept"], results="focus"),
+                 ScriptedAgent("music"))
+    await o.say()
+    await o.say()
+    await o.router.participant_left("alice")
+    values = {value for family in capture.registry.collect() for sample in family.samples
+              for value in sample.labels.values()}
+    assert values
+    assert values.isdisjoint({"alice", "t1", "t2"})
+
+
+class _ClockedAgent(ScriptedAgent):
+    """Starts answering `latency` seconds of the manual clock after answer() begins."""
+
+    def __init__(self, clock: ManualClock, latency: float) -> None:
+        super().__init__("calendar")
+        self.clock, self.latency = clock, latency
+
+    async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+        await self.clock.sleep(self.latency)
+        await started()
+        return DestinationResult(text="at nine")
+
+
+async def test_acknowledgment_span_is_a_child_of_its_turn(capture: TelemetryCapture) -> None:
+    """A slow answer's acknowledgment: a turnrouter.acknowledgment span under the turn."""
+    clock = ManualClock()
+    agents = {"calendar": _ClockedAgent(clock, 2.5), "conversation": ScriptedAgent("conversation")}
+    router = AgentRouter(agents, ScriptedDecisions("calendar"), output=OutputRecorder(),
+                         telemetry=capture.telemetry, clock=clock,
+                         acknowledgment_llm=TemplateAcknowledger(),
+                         acknowledgment_delay_secs=1.0)
+    done = anyio.Event()
+
+    async def turn() -> None:
+        await router.handle(AgentTurn("alice", "t1", "what's on tomorrow"))
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turn)
+        await clock.run_until(done)
+    ack = capture.span("turnrouter.acknowledgment")
+    turn_span = capture.span("turnrouter.turn")
+    assert ack.parent is not None
+    assert ack.parent.span_id == turn_span.context.span_id
+    attributes = dict(ack.attributes or {})
+    assert (attributes[ATTR.ACK_OUTCOME], attributes[ATTR.ACK_TRIGGER]) == ("emitted", "delay")
+    assert capture.value("turnrouter_acknowledgments_total", route="calendar",
+                         outcome="emitted", trigger="delay") == 1
+    assert capture.value("turnrouter_silence_seconds_sum", route="calendar") == 1.0
+    await router.stop()

@@ -810,6 +810,8 @@ class _TracedTurn(_TurnMetrics):
             self._count_failure(route, "admission", error)
             attributes[ATTR.ERROR_TYPE] = _error_type(error)
             span.set_status(_ERROR_STATUS)
+        elif disposition is None:  # admit() was cancelled: the turn was interrupted
+            attributes[ATTR.INTERRUPTED] = True
         span.set_attributes(attributes)
         span.end()
 
