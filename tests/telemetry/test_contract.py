@@ -145,3 +145,62 @@ def test_library_imports_only_the_opentelemetry_api() -> None:
                 names = [node.module]
             for name in names:
                 assert not name.startswith("opentelemetry.sdk") or node in lazy, (path, name)
+
+
+def _documented_values(bullet: str) -> list[list[str]]:
+    """The comma-separated value lists of one `Label values` bullet (split at ` / `)."""
+    text = DOCS.read_text()
+    start = text.index(f"- {bullet}:")
+    line = " ".join(text[start:].split("\n- ")[0].split())
+    values = line.split(":", 1)[1].split(".")[0]
+    return [[value.strip() for value in part.split(",")] for part in values.split(" / ")]
+
+
+def test_docs_label_values_match_the_code() -> None:
+    """The label values docs/telemetry.md lists are exactly the code's Literal values."""
+    from typing import get_args
+
+    from turnrouter import MergeStrategy
+    from turnrouter._observer import (
+        AcknowledgmentOutcome,
+        AcknowledgmentTrigger,
+        ClarificationReason,
+        FailureStage,
+        FocusTransition,
+        PatchOutcome,
+        ReleaseReason,
+        TurnOutcome,
+    )
+
+    assert _documented_values("`outcome` (turns)") == [list(get_args(TurnOutcome))]
+    assert _documented_values("`reason` (clarifications)") == [
+        list(get_args(ClarificationReason))]
+    assert _documented_values("`stage` (failures)") == [list(get_args(FailureStage))]
+    assert _documented_values("`transition` (focus)") == [list(get_args(FocusTransition))]
+    assert _documented_values("`outcome` / `trigger` (acknowledgments)") == [
+        list(get_args(AcknowledgmentOutcome)), list(get_args(AcknowledgmentTrigger))]
+    strategies, outcomes = DOCS.read_text().split("- `strategy` / `outcome` (context "
+                                                  "patches): ")[1].split(" / ", 1)
+    assert strategies.split(", ") == [strategy.value for strategy in MergeStrategy]
+    bullet = outcomes.split("\n\n")[0]
+    assert [value for value in get_args(PatchOutcome) if f"`{value}`" not in bullet] == []
+    span_row = next(line for line in DOCS.read_text().splitlines()
+                    if line.startswith("| `turnrouter.release` |"))
+    reasons = span_row.split("`turnrouter.release.reason` (")[1].split(")")[0]
+    assert reasons.split(", ") == list(get_args(ReleaseReason))
+
+
+def test_telemetry_names_come_from_the_constants() -> None:
+    """_telemetry.py spells no span, event or attribute name itself: each is an ATTR /
+    SPAN_* / EVENT_* constant, which the docs test above checks."""
+    path = ROOT / "src" / "turnrouter" / "telemetry" / "_telemetry.py"
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef
+                                | ast.AsyncFunctionDef)
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    spelled = [node.value for node in ast.walk(tree)
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)
+               and id(node) not in docstrings
+               and node.value.startswith(("turnrouter.", "gen_ai.", "invoke_agent "))]
+    assert spelled == []

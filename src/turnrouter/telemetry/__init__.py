@@ -14,7 +14,11 @@ from ._serve import ASGIApp, MetricsServer, metrics_app, serve_metrics
 from ._spans import (
     ATTR,
     CONTENT_CAPTURE_ENV,
+    EVENT_DEFAULT_FALLBACK,
+    EVENT_FAILURE,
     EVENT_FIRST_RESPONSE,
+    EVENT_FOCUS,
+    EVENT_REROUTE,
     SPAN_ACKNOWLEDGMENT,
     SPAN_ADMISSION,
     SPAN_CONTEXT_PATCH,
@@ -30,7 +34,11 @@ from ._telemetry import Telemetry
 __all__ = [
     "ATTR",
     "CONTENT_CAPTURE_ENV",
+    "EVENT_DEFAULT_FALLBACK",
+    "EVENT_FAILURE",
     "EVENT_FIRST_RESPONSE",
+    "EVENT_FOCUS",
+    "EVENT_REROUTE",
     "LATENCY_BUCKETS",
     "METRICS",
     "SPAN_ACKNOWLEDGMENT",

@@ -5,7 +5,11 @@ from __future__ import annotations
 __all__ = [
     "ATTR",
     "CONTENT_CAPTURE_ENV",
+    "EVENT_DEFAULT_FALLBACK",
+    "EVENT_FAILURE",
     "EVENT_FIRST_RESPONSE",
+    "EVENT_FOCUS",
+    "EVENT_REROUTE",
     "SPAN_ACKNOWLEDGMENT",
     "SPAN_ADMISSION",
     "SPAN_CONTEXT_PATCH",
@@ -29,6 +33,12 @@ SPAN_RELEASE = "turnrouter.release"
 SPAN_CONTEXT_PATCH = "turnrouter.context_patch"
 
 EVENT_FIRST_RESPONSE = "turnrouter.first_response"
+"""On `invoke_agent {route}`, at the destination's first `started()`."""
+# Events on the turn span.
+EVENT_REROUTE = "turnrouter.reroute"
+EVENT_DEFAULT_FALLBACK = "turnrouter.default_fallback"
+EVENT_FOCUS = "turnrouter.focus"
+EVENT_FAILURE = "turnrouter.failure"
 
 #: How many of the highest decision scores are recorded on the route span.
 TOP_SCORES = 3
@@ -49,7 +59,11 @@ class ATTR:
     FOCUS_AFTER = "turnrouter.focus.after"
     ATTEMPTS = "turnrouter.attempts"
     INTERRUPTED = "turnrouter.interrupted"
+    CLARIFICATION_REASON = "turnrouter.clarification.reason"
     QUERY = "turnrouter.query"  # content
+    # events on the turn span (with turnrouter.route, error.type)
+    FOCUS_TRANSITION = "turnrouter.focus.transition"
+    FAILURE_STAGE = "turnrouter.failure.stage"
     # turnrouter.route
     DECISION_CHOICE = "turnrouter.decision.choice"
     DECISION_CONFIDENCE = "turnrouter.decision.confidence"

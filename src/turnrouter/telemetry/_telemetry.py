@@ -57,7 +57,11 @@ from ._metrics import LATENCY_BUCKETS, MetricSpec, metric
 from ._spans import (
     ATTR,
     CONTENT_CAPTURE_ENV,
+    EVENT_DEFAULT_FALLBACK,
+    EVENT_FAILURE,
     EVENT_FIRST_RESPONSE,
+    EVENT_FOCUS,
+    EVENT_REROUTE,
     SPAN_ACKNOWLEDGMENT,
     SPAN_ADMISSION,
     SPAN_CONTEXT_PATCH,
@@ -913,12 +917,12 @@ class _TracedTurn(_TurnMetrics):
     def reroute(self, route: str) -> None:
         """Count a reroute away from `route`."""
         self._fam.reroutes.get(route).inc()
-        self._event("turnrouter.reroute", {ATTR.ROUTE: route})
+        self._event(EVENT_REROUTE, {ATTR.ROUTE: route})
 
     def default_fallback(self, route: str) -> None:
         """Count a default fallback to `route`."""
         self._fam.fallbacks.get(route).inc()
-        self._event("turnrouter.default_fallback", {ATTR.ROUTE: route})
+        self._event(EVENT_DEFAULT_FALLBACK, {ATTR.ROUTE: route})
 
     def clarification(self, reason: ClarificationReason) -> None:
         """Count a clarification by reason (an attribute of the turn span at its end)."""
@@ -928,8 +932,7 @@ class _TracedTurn(_TurnMetrics):
     def focus_transition(self, route: str, transition: FocusTransition) -> None:
         """Count a focus transition."""
         self._fam.focus.get(route, transition).inc()
-        self._event("turnrouter.focus",
-                    {ATTR.ROUTE: route, "turnrouter.focus.transition": transition})
+        self._event(EVENT_FOCUS, {ATTR.ROUTE: route, ATTR.FOCUS_TRANSITION: transition})
 
     def acknowledgment(
         self, route: str, outcome: AcknowledgmentOutcome, trigger: AcknowledgmentTrigger,
@@ -972,11 +975,11 @@ class _TracedTurn(_TurnMetrics):
     def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
         """Count a failure, unless a stage callback already counted this one."""
         if self._counts_failure(route, stage, error):
-            attributes: Attributes = {"turnrouter.failure.stage": stage,
+            attributes: Attributes = {ATTR.FAILURE_STAGE: stage,
                                       ATTR.ERROR_TYPE: _error_type(error)}
             if route is not None:
                 attributes[ATTR.ROUTE] = route
-            self._event("turnrouter.failure", attributes)
+            self._event(EVENT_FAILURE, attributes)
 
     # -- end of turn
 
@@ -1002,7 +1005,7 @@ class _TracedTurn(_TurnMetrics):
         if interrupted:
             attributes[ATTR.INTERRUPTED] = True
         if self._clarification is not None:
-            attributes["turnrouter.clarification.reason"] = self._clarification
+            attributes[ATTR.CLARIFICATION_REASON] = self._clarification
         span = self._span
         if not interrupted and (error is not None or outcome == "failed"):
             attributes[ATTR.ERROR_TYPE] = _error_type(error) if error is not None else "_OTHER"
