@@ -72,3 +72,12 @@ async def test_content_capture_is_opt_in() -> None:
             await router.handle(AgentTurn("alice", "t1", "will it rain?"))
             attributes = capture.span("turnrouter.turn").attributes or {}
             assert ("will it rain?" in attributes.values()) is capture_content
+
+
+async def test_pytest_fixture_is_registered(turnrouter_telemetry: TelemetryCapture) -> None:
+    """pytest provides a fresh TelemetryCapture as the turnrouter_telemetry fixture."""
+    router = _router(turnrouter_telemetry)
+    await router.handle(AgentTurn("alice", "t1", "will it rain?"))
+    assert turnrouter_telemetry.value("turnrouter_turns_total", route="weather",
+                                      outcome="answer") == 1
+    assert turnrouter_telemetry.spans("turnrouter.turn")

@@ -1,0 +1,29 @@
+"""pytest fixtures of the `turnrouter.testing` kit.
+
+pytest loads this plugin by itself wherever turnrouter is installed (the `pytest11` entry
+point, as anyio does), so a test only names the fixture:
+
+```python
+async def test_weather_is_traced(turnrouter_telemetry):
+    router = AgentRouter(agents, decisions, output=speak,
+                         telemetry=turnrouter_telemetry.telemetry)
+    ...
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from .testing import TelemetryCapture
+
+__all__ = ["turnrouter_telemetry"]
+
+
+@pytest.fixture
+def turnrouter_telemetry() -> Iterator[TelemetryCapture]:
+    """Real turnrouter spans and metrics, recorded in memory; fresh for each test."""
+    with TelemetryCapture() as capture:
+        yield capture
