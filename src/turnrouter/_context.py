@@ -37,13 +37,13 @@ class RoutingTurnContext:
 
 _OUTSIDE = RoutingTurnContext()
 
-#: The router stores (exchange_id, history meta): the meta tuple holds one immutable
-#: (id, timestamp, size) triple per retained exchange, so the snapshot built from it on
-#: demand is as stable as a built one, and a turn whose agents never ask costs one tuple
-#: instead of a dataclass and two tuple copies.
-_current: ContextVar[
-    tuple[object, tuple[tuple[object | None, int | None, int], ...]] | None
-] = ContextVar("turnrouter_turn_context", default=None)
+#: The router stores (exchange_id, view of the history metadata): `items[start:end]` of
+#: an append-only list of (id, timestamp, size) triples (see `_history.History`), a view
+#: that never changes once taken. The snapshot is built from it on demand, so a turn whose
+#: agents never ask costs one tuple instead of a dataclass and two tuple copies.
+_Meta = tuple[object | None, int | None, int]
+_current: ContextVar[tuple[object, tuple[list[_Meta], int, int]] | None] = ContextVar(
+    "turnrouter_turn_context", default=None)
 
 
 def current_turn_context() -> RoutingTurnContext:
@@ -51,7 +51,8 @@ def current_turn_context() -> RoutingTurnContext:
     source = _current.get()
     if source is None:
         return _OUTSIDE
-    meta = source[1]
+    items, start, end = source[1]
+    meta = items[start:end]
     snapshot = object.__new__(RoutingTurnContext)
     object.__setattr__(snapshot, "exchange_id", source[0])
     object.__setattr__(snapshot, "history_exchange_ids", tuple(item[0] for item in meta))

@@ -7,50 +7,71 @@ from collections.abc import Sequence
 from ._contracts import AgentExchange
 from ._patches import EMPTY_CONTEXT_HASH, PatchExchangeId, context_hash
 
-__all__ = ["History"]
+__all__ = ["History", "Meta", "MetaView", "view_items"]
 
 
 #: Per retained exchange: its id (None, a caller's id or a `PatchExchangeId`), its
 #: completion timestamp in microseconds (None if unknown) and its UTF-8 size.
 Meta = tuple[object | None, int | None, int]
 
+#: A stable view of the retained exchanges' metadata: `items[start:end]` of a list that
+#: is only ever appended to (see `History`), so the view never changes once taken.
+MetaView = tuple[list[Meta], int, int]
+
+#: Trimmed entries at the front of the metadata list before it is copied anew.
+_COMPACT_AFTER = 64
+
+
+def view_items(view: MetaView) -> list[Meta]:
+    """The metadata of a view, oldest first."""
+    items, start, end = view
+    return items[start:end]
+
 
 class History:
     """Newest whole exchanges whose UTF-8 size fits the budget, with ids and timestamps.
 
-    The tuples are rebuilt on append (never mutated), so a tuple handed to a destination
-    or a `RoutingTurnContext` snapshot stays stable. An exchange's id, timestamp and size
-    live in one `meta` tuple, so an append copies two tuples instead of four.
+    `exchanges` is a tuple rebuilt on append (never mutated), so a tuple handed to a
+    destination stays stable. Each exchange's id, timestamp and size live in an
+    append-only list: trimming the oldest only advances `_start`, and once enough
+    trimmed entries accumulate the live ones move to a new list; the old list, still
+    held by earlier views (a `RoutingTurnContext`'s source), never changes. So an append
+    costs one tuple copy, not two, and `view()` costs nothing.
 
     Conversation exchanges (`append`) and background-derived ones (`add_background`,
-    with a `PatchExchangeId`) share the tuples, in completion order, and the budget.
-    `version` counts conversation appends; `prev_exchanges` / `prev_meta` are the tuples
-    as they were before the latest one (for the divergence rule of a patch spawned by
-    that turn). The context hash is computed on demand and cached.
+    with a `PatchExchangeId`) share the exchanges, in completion order, and the budget.
+    `version` counts conversation appends; `prev_exchanges` / `prev_view` are the state
+    before the latest one (for the divergence rule of a patch spawned by that turn). The
+    context hash is computed on demand and cached.
     """
 
-    __slots__ = ("_hash", "_hashed", "exchanges", "meta", "prev_exchanges", "prev_meta",
-                 "total", "version")
+    __slots__ = ("_hash", "_hashed", "_meta", "_start", "exchanges", "prev_exchanges",
+                 "prev_view", "total", "version")
 
     def __init__(self) -> None:
         self.exchanges: tuple[AgentExchange, ...] = ()
-        self.meta: tuple[Meta, ...] = ()
+        self._meta: list[Meta] = []
+        self._start = 0
         self.total = 0
         self.version = 0
         self.prev_exchanges: tuple[AgentExchange, ...] = ()
-        self.prev_meta: tuple[Meta, ...] = ()
+        self.prev_view: MetaView = (self._meta, 0, 0)
         self._hashed: tuple[AgentExchange, ...] | None = None
         self._hash = EMPTY_CONTEXT_HASH
+
+    def view(self) -> MetaView:
+        """A stable view of the retained exchanges' metadata."""
+        return self._meta, self._start, len(self._meta)
 
     @property
     def ids(self) -> tuple[object | None, ...]:
         """The retained exchanges' ids, oldest first."""
-        return tuple(item[0] for item in self.meta)
+        return tuple(item[0] for item in self._meta[self._start:])
 
     @property
     def stamps(self) -> tuple[int | None, ...]:
         """The retained exchanges' completion timestamps (µs), oldest first."""
-        return tuple(item[1] for item in self.meta)
+        return tuple(item[1] for item in self._meta[self._start:])
 
     def seed(self, exchanges: Sequence[AgentExchange], budget: int) -> None:
         """Adopt caller-supplied history (ids and timestamps unknown), trimmed to budget."""
@@ -63,25 +84,30 @@ class History:
     ) -> None:
         """Add a completed exchange and drop the oldest ones until the budget holds."""
         self.version += 1
+        meta = self._meta
         self.prev_exchanges = self.exchanges
-        self.prev_meta = self.meta
+        self.prev_view = (meta, self._start, len(meta))
         size = len(exchange.user.encode()) + len(exchange.assistant.encode())
         total = self.total + size
         if total <= budget:
             self.exchanges += (exchange,)
-            self.meta += ((exchange_id, stamp, size),)
+            meta.append((exchange_id, stamp, size))
             self.total = total
             return
-        meta = self.meta
-        drop = 0
-        while total > budget and drop < len(meta):
-            total -= meta[drop][2]
-            drop += 1
+        start = first = self._start
+        end = len(meta)
+        while total > budget and start < end:
+            total -= meta[start][2]
+            start += 1
         if total > budget:  # the new exchange alone exceeds the budget
-            self.exchanges, self.meta, self.total = (), (), 0
+            self.exchanges, self._meta, self._start, self.total = (), [], 0, 0
             return
-        self.exchanges = (*self.exchanges[drop:], exchange)
-        self.meta = (*meta[drop:], (exchange_id, stamp, size))
+        self.exchanges = (*self.exchanges[start - first:], exchange)
+        if start > _COMPACT_AFTER and 2 * start > end:
+            meta = self._meta = meta[start:]  # a new list: earlier views keep the old one
+            start = 0
+        meta.append((exchange_id, stamp, size))
+        self._start = start
         self.total = total
 
     # ------------------------------------------------------------ background patches
@@ -96,15 +122,17 @@ class History:
         the version and the previous-state tuples stay as they were.
         """
         if replace:
-            keep = [index for index, item in enumerate(self.meta)
+            live = self._meta[self._start:]
+            keep = [index for index, item in enumerate(live)
                     if not isinstance(item[0], PatchExchangeId)]
-            if len(keep) != len(self.meta):
+            if len(keep) != len(live):
                 self.exchanges = tuple(self.exchanges[index] for index in keep)
-                self.meta = tuple(self.meta[index] for index in keep)
-                self.total = sum(item[2] for item in self.meta)
-        version, prev_exchanges, prev_meta = self.version, self.prev_exchanges, self.prev_meta
+                self._meta = [live[index] for index in keep]  # a new list, as above
+                self._start = 0
+                self.total = sum(item[2] for item in self._meta)
+        version, prev_exchanges, prev_view = self.version, self.prev_exchanges, self.prev_view
         self.append(exchange, exchange_id, stamp, budget)
-        self.version, self.prev_exchanges, self.prev_meta = version, prev_exchanges, prev_meta
+        self.version, self.prev_exchanges, self.prev_view = version, prev_exchanges, prev_view
 
     def context_hash(self) -> str:
         """The hash of the retained conversation exchanges (cached until they change)."""
@@ -115,7 +143,9 @@ class History:
 
     def last_conversation_id(self) -> object | None:
         """The id of the newest retained conversation exchange (None if there is none)."""
-        for item in reversed(self.meta):
-            if not isinstance(item[0], PatchExchangeId):
-                return item[0]
+        meta = self._meta
+        for index in range(len(meta) - 1, self._start - 1, -1):
+            exchange_id = meta[index][0]
+            if not isinstance(exchange_id, PatchExchangeId):
+                return exchange_id
         return None

@@ -187,6 +187,7 @@ def current_context_patches() -> tuple[AppliedContextPatch, ...]:
     source = _current.get()
     if source is None:
         return ()
+    items, start, end = source[1]
     return tuple(
-        item[0].applied for item in source[1] if isinstance(item[0], PatchExchangeId)
+        item[0].applied for item in items[start:end] if isinstance(item[0], PatchExchangeId)
     )

@@ -45,7 +45,7 @@ from ._exceptions import (
     LifecycleError,
     TurnInterrupted,
 )
-from ._history import History
+from ._history import History, view_items
 from ._lifecycle import OwnedOperation, TurnQueue, TurnRun
 from ._llm import LLMService
 from ._observer import (
@@ -845,7 +845,7 @@ class AgentRouter:
             history.seed(turn.history, self._budget)
         if turn.history is not history.exchanges:
             turn = _turn_with_history(turn, history.exchanges)
-        token = _current.set((turn.turn_id, history.meta))
+        token = _current.set((turn.turn_id, history.view()))
         try:
             return await self._route(state, turn, emit, obs, record, run)
         finally:
@@ -1217,7 +1217,7 @@ def _diverged(history: History, patch: ContextPatch) -> bool:
         return True
     return not ((version is None or version == history.version - 1) and (
         digest is None or digest == context_hash(
-            history.prev_exchanges, [item[0] for item in history.prev_meta])
+            history.prev_exchanges, [item[0] for item in view_items(history.prev_view)])
     ))
 
 
