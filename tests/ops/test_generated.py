@@ -49,6 +49,33 @@ def test_check_command_reports_a_stale_file(tmp_path: Path,
     assert "out of date: dashboards/turnrouter-overview.json" in capsys.readouterr().err
 
 
+def test_runbook_url_points_every_alert_at_your_runbook(tmp_path: Path) -> None:
+    """--runbook-url writes rules (file and PrometheusRule) linking to that runbook."""
+    import yaml
+
+    base = "https://wiki.example.com/voice/turnrouter-runbook"
+    assert main(["--root", str(tmp_path), "--runbook-url", base]) == 0
+    for path, key in (("deploy/prometheus/rules/turnrouter.rules.yml", None),
+                      ("deploy/k8s/base/prometheusrule.yaml", "spec")):
+        content = yaml.safe_load((tmp_path / path).read_text())
+        groups = (content[key] if key else content)["groups"]
+        alerts = [rule for group in groups for rule in group["rules"] if "alert" in rule]
+        assert alerts
+        for alert in alerts:
+            url = alert["annotations"]["runbook_url"]
+            assert url.startswith(base + "#"), url
+
+
+@pytest.mark.parametrize("argv", [["--runbook-url", "wiki/runbook"],
+                                  ["--check", "--runbook-url", "https://x.example/r"]])
+def test_runbook_url_is_checked(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A runbook URL that is not http(s), or one given with --check, is refused by name."""
+    with pytest.raises(SystemExit) as raised:
+        main([*argv, "--root", str(ROOT)])
+    assert raised.value.code == 2
+    assert "--runbook-url" in capsys.readouterr().err
+
+
 def test_generation_is_deterministic() -> None:
     """Two generations are byte-identical."""
     assert generated_files() == generated_files()

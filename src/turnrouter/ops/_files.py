@@ -34,13 +34,13 @@ _K8S_HEADER = (
 _LABELS = {"app.kubernetes.io/name": "turnrouter", "app.kubernetes.io/part-of": "turnrouter"}
 
 
-def prometheus_rule() -> dict[str, Any]:
+def prometheus_rule(runbook_url: str | None = None) -> dict[str, Any]:
     """The Prometheus Operator `PrometheusRule` carrying exactly the rule file's groups."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": {"name": "turnrouter", "labels": dict(_LABELS)},
-        "spec": rule_groups(),
+        "spec": rule_groups(runbook_url=runbook_url),
     }
 
 
@@ -56,13 +56,14 @@ def dashboards_configmap() -> dict[str, Any]:
     }
 
 
-def generated_files() -> dict[str, str]:
-    """Repository-relative path -> content of every generated file."""
+def generated_files(runbook_url: str | None = None) -> dict[str, str]:
+    """Repository-relative path -> content of every generated file (alerts linking to
+    the runbook at `runbook_url`, default `RUNBOOK_URL`)."""
     from ._yaml import dump
 
     files = {f"{DASHBOARDS_DIR}/{name}": text for name, text in dashboard_files().items()}
-    files[RULES_FILE] = render_rules()
-    files[K8S_RULE] = _K8S_HEADER + dump(prometheus_rule())
+    files[RULES_FILE] = render_rules(runbook_url=runbook_url)
+    files[K8S_RULE] = _K8S_HEADER + dump(prometheus_rule(runbook_url))
     files[K8S_DASHBOARDS] = _K8S_HEADER + dump(dashboards_configmap())
     return files
 
@@ -80,10 +81,10 @@ def stale_files(root: Path) -> dict[str, str]:
     return stale
 
 
-def write_files(root: Path) -> list[str]:
+def write_files(root: Path, runbook_url: str | None = None) -> list[str]:
     """Write every generated file that changed; return their paths."""
     written = []
-    for path, text in generated_files().items():
+    for path, text in generated_files(runbook_url).items():
         target = root / path
         if target.exists() and target.read_text(encoding="utf-8") == text:
             continue
@@ -94,7 +95,7 @@ def write_files(root: Path) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m turnrouter.ops [--check] [--root DIR]`."""
+    """`python -m turnrouter.ops [--check] [--root DIR] [--runbook-url URL]`."""
     parser = argparse.ArgumentParser(
         prog="python -m turnrouter.ops",
         description="Generate the Grafana dashboards, Prometheus rules and Kubernetes "
@@ -103,14 +104,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="repository root (default: the current directory)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a checked-in file is out of date")
+    parser.add_argument("--runbook-url", metavar="URL",
+                        help="base address the alerts' runbook_url annotations point to "
+                             "(your copy of docs/runbook.md; default: turnrouter's own)")
     args = parser.parse_args(argv)
+    if args.runbook_url is not None and not args.runbook_url.startswith(
+            ("https://", "http://")):
+        parser.error(f"--runbook-url must be an http(s) address, got {args.runbook_url!r}")
     if args.check:
+        if args.runbook_url is not None:
+            parser.error("--check compares with the checked-in files; drop --runbook-url")
         stale = stale_files(args.root)
         for diff in stale.values():
             sys.stdout.write(diff)
         for path in stale:
             print(f"out of date: {path}", file=sys.stderr)
         return 1 if stale else 0
-    for path in write_files(args.root):
+    for path in write_files(args.root, args.runbook_url):
         print(f"wrote {path}")
     return 0

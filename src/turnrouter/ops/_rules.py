@@ -111,11 +111,16 @@ class AlertRule:
 
     @property
     def runbook_url(self) -> str:
-        """This alert's runbook section."""
-        return f"{RUNBOOK_URL}#{self.anchor}"
+        """This alert's section of the default runbook."""
+        return self.runbook_section(RUNBOOK_URL)
 
-    def as_dict(self, for_: str | None = None) -> dict[str, Any]:
-        """The rule as it appears in a rule file (`for_` overrides the hold time)."""
+    def runbook_section(self, base: str) -> str:
+        """This alert's section of the runbook at `base`."""
+        return f"{base}#{self.anchor}"
+
+    def as_dict(self, for_: str | None = None, runbook_url: str | None = None) -> dict[str, Any]:
+        """The rule as it appears in a rule file (`for_` overrides the hold time,
+        `runbook_url` the runbook's base address)."""
         return {
             "alert": self.alert,
             "expr": self.expr,
@@ -124,7 +129,7 @@ class AlertRule:
             "annotations": {
                 "summary": self.summary,
                 "description": self.description,
-                "runbook_url": self.runbook_url,
+                "runbook_url": self.runbook_section(runbook_url or RUNBOOK_URL),
             },
         }
 
@@ -226,13 +231,16 @@ ALERTS: tuple[AlertRule, ...] = (
 )
 
 
-def rule_groups(*, interval: str | None = None, for_: str | None = None) -> dict[str, Any]:
+def rule_groups(
+    *, interval: str | None = None, for_: str | None = None, runbook_url: str | None = None,
+) -> dict[str, Any]:
     """The rule file's content. `interval` and `for_` override the evaluation interval
-    and every alert's hold time (for tests against a real server)."""
+    and every alert's hold time (for tests against a real server); `runbook_url` the
+    base address the alerts link to (your own copy of `docs/runbook.md`)."""
     groups: list[dict[str, Any]] = []
     for name, rules in (
         ("turnrouter.recording", [rule.as_dict() for rule in RECORDING_RULES]),
-        ("turnrouter.alerts", [alert.as_dict(for_) for alert in ALERTS]),
+        ("turnrouter.alerts", [alert.as_dict(for_, runbook_url) for alert in ALERTS]),
     ):
         group: dict[str, Any] = {"name": name}
         if interval is not None:
