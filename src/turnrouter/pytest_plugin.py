@@ -14,10 +14,12 @@ async def test_weather_is_traced(turnrouter_telemetry):
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
-from .testing import TelemetryCapture
+if TYPE_CHECKING:  # imported by the fixture, so loading the plugin imports no turnrouter code
+    from .testing import TelemetryCapture
 
 __all__ = ["turnrouter_telemetry"]
 
@@ -25,5 +27,7 @@ __all__ = ["turnrouter_telemetry"]
 @pytest.fixture
 def turnrouter_telemetry() -> Iterator[TelemetryCapture]:
     """Real turnrouter spans and metrics, recorded in memory; fresh for each test."""
+    from .testing import TelemetryCapture
+
     with TelemetryCapture() as capture:
         yield capture

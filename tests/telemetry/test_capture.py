@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry import trace
 
-from turnrouter import AgentRouter, AgentTurn
+from turnrouter import AgentRouter, AgentTurn, ConfigurationError
 from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions, TelemetryCapture
 
 pytestmark = pytest.mark.anyio
@@ -81,3 +81,21 @@ async def test_pytest_fixture_is_registered(turnrouter_telemetry: TelemetryCaptu
     assert turnrouter_telemetry.value("turnrouter_turns_total", route="weather",
                                       outcome="answer") == 1
     assert turnrouter_telemetry.spans("turnrouter.turn")
+
+
+async def test_capture_samples_every_turn_whatever_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTEL_TRACES_SAMPLER=always_off (common in CI) does not hide the captured spans."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    with TelemetryCapture() as capture:
+        router = _router(capture)
+        await router.handle(AgentTurn("alice", "t1", "will it rain?"))
+        assert capture.span("turnrouter.turn").context.trace_flags.sampled
+
+
+def test_a_disabled_sdk_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With OTEL_SDK_DISABLED=true nothing could be captured: a clear error says why."""
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    with pytest.raises(ConfigurationError, match="OTEL_SDK_DISABLED"):
+        TelemetryCapture()

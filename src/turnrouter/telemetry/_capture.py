@@ -9,6 +9,7 @@ imports the SDK.
 
 from __future__ import annotations
 
+import os
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -46,8 +47,10 @@ class TelemetryCapture:
     ```
 
     Spans are exported synchronously as they end (`SimpleSpanProcessor`), so a span is
-    visible as soon as its operation finished. `tracer_provider` is the SDK provider, for
-    the test's own spans (a caller span, an agent's LLM span) in the same traces.
+    visible as soon as its operation finished. Every trace is sampled, whatever
+    `OTEL_TRACES_SAMPLER` says; `OTEL_SDK_DISABLED=true` is refused with a
+    ConfigurationError. `tracer_provider` is the SDK provider, for the test's own spans
+    (a caller span, an agent's LLM span) in the same traces.
     """
 
     def __init__(self, *, capture_content: bool = False) -> None:
@@ -57,13 +60,21 @@ class TelemetryCapture:
             from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
                 InMemorySpanExporter,
             )
+            from opentelemetry.sdk.trace.sampling import ALWAYS_ON
         except ImportError as exc:  # pragma: no cover - the dev environment has the SDK
             raise ConfigurationError(
                 "TelemetryCapture needs the OpenTelemetry SDK: "
                 "pip install 'turnrouter[testing]' (or opentelemetry-sdk)"
             ) from exc
+        if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            # The SDK would hand out no-op tracers: every span assertion would see nothing.
+            raise ConfigurationError(
+                "TelemetryCapture cannot record spans with OTEL_SDK_DISABLED=true in the "
+                "environment; unset it for the tests that capture telemetry"
+            )
         self.exporter: InMemorySpanExporter = InMemorySpanExporter()
-        self.tracer_provider: TracerProvider = TracerProvider()
+        # Every turn sampled, whatever OTEL_TRACES_SAMPLER says (CI jobs often turn it off).
+        self.tracer_provider: TracerProvider = TracerProvider(sampler=ALWAYS_ON)
         self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
         self.registry = CollectorRegistry()
         self.telemetry = Telemetry(tracer_provider=self.tracer_provider,
