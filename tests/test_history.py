@@ -27,18 +27,28 @@ def _patch_id(n: int) -> PatchExchangeId:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops)
-def test_history_matches_a_plain_model_and_views_never_change(sequence: list[Op]) -> None:
-    """Exchanges, ids, stamps and total follow a list model of the budget rule, and every
-    view taken earlier still shows what it showed (compaction and replace included)."""
+@given(ops, st.integers(0, 12))
+def test_history_matches_a_plain_model_and_views_never_change(sequence: list[Op],
+                                                              seed: int) -> None:
+    """Exchanges, ids, stamps and total follow a list model of the budget rule (after a
+    caller seed), the previous state is kept for background appends, and every view taken
+    earlier still shows what it showed (compaction and replace included)."""
     history = History()
+    seeded = [AgentExchange("s" * 7, "x" * (n % 11)) for n in range(seed)]
+    history.seed(seeded, BUDGET)
     model: list[tuple[AgentExchange, object, int | None, int]] = []
+    for exchange in seeded:
+        model.append((exchange, None, None, len(exchange.user) + len(exchange.assistant)))
+        while sum(entry[3] for entry in model) > BUDGET:
+            model.pop(0)
     views: list[tuple[MetaView, list[Meta]]] = []
-    version = 0
+    version = seed
     for n, (kind, user, answer) in enumerate(sequence):
         exchange = AgentExchange("u" * user, "a" * answer)
         size = user + answer
         before = (history.view(), list(view_items(history.view())))
+        prev = (history.prev_exchanges, list(view_items(history.prev_view)))
+        exchanges_before = history.exchanges
         if kind == 0:
             exchange_id: object = f"t{n}"
             history.append(exchange, exchange_id, n, BUDGET)
@@ -56,8 +66,11 @@ def test_history_matches_a_plain_model_and_views_never_change(sequence: list[Op]
         assert history.stamps == tuple(entry[2] for entry in model)
         assert history.total == sum(entry[3] for entry in model) <= BUDGET
         assert history.version == version
-        if kind == 0:
+        if kind == 0:  # the state before this conversation exchange
             assert view_items(history.prev_view) == before[1]
+            assert history.prev_exchanges == exchanges_before
+        else:  # a background exchange leaves the previous state as it was
+            assert (history.prev_exchanges, view_items(history.prev_view)) == prev
         views.append((history.view(), list(view_items(history.view()))))
     for view, seen in views:
         assert view_items(view) == seen

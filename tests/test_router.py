@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Awaitable
 from typing import Any
 
+import anyio
 import pytest
 
 from turnrouter import (
@@ -20,6 +23,7 @@ from turnrouter import (
     RouteDecision,
     RouteRequest,
     RoutingAid,
+    TurnInterrupted,
     current_turn_context,
 )
 from turnrouter.testing import (
@@ -668,3 +672,38 @@ async def test_silence_is_recorded_without_acknowledgments(preamble: str,
     silences = [event for event in observer.turns["t1"] if event[0] == "silence"]
     assert silences == [("silence", "weather", pytest.approx(expected))]
     await router.stop()
+
+
+async def test_silence_of_a_default_fallback_and_none_for_an_interrupted_turn() -> None:
+    """Without acknowledgments a fallback answer records its silence from the start of
+    the answer; a turn interrupted before started() records none."""
+    clock = ManualClock(0.0)
+    observer = RecordingObserver()
+    fallback = _SlowStart(clock, 0.5)
+    router = AgentRouter({"weather": ScriptedAgent("weather", admissions="decline"),
+                          "music": ScriptedAgent("music", admissions="decline"),
+                          "conversation": fallback},
+                         ScriptedDecisions("weather", "music"), output=OutputRecorder(),
+                         telemetry=observer, clock=clock)
+    await router.handle(AgentTurn("p1", "t1", "rain?"))
+    assert ("default_fallback", "conversation") in observer.turns["t1"]
+    assert [event for event in observer.turns["t1"] if event[0] == "silence"] == [
+        ("silence", "conversation", pytest.approx(0.5))]
+
+    gated = ScriptedAgent("weather", call_started=False)
+    gated.answer_gate = anyio.Event()  # never set: the answer hangs until interrupted
+    router2 = AgentRouter({"weather": gated}, ScriptedDecisions("weather"),
+                          output=OutputRecorder(), telemetry=observer, clock=clock)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_ignore_interrupt, router2.handle(AgentTurn("p1", "t2", "rain?")))
+        await gated.answer_entered.wait()
+        await router2.interrupt("p1")
+    assert observer.outcome("t2") == "interrupted"
+    assert [event for event in observer.turns["t2"] if event[0] == "silence"] == []
+    await router.stop()
+    await router2.stop()
+
+
+async def _ignore_interrupt(turn: Awaitable[object]) -> None:
+    with contextlib.suppress(TurnInterrupted):
+        await turn
