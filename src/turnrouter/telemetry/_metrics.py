@@ -102,8 +102,8 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "turnrouter_silence_seconds", "histogram",
-        "Time from admission to the first thing the participant hears "
-        "(acknowledgment or answer), by route.",
+        "Time from admission to the first thing the participant hears (admission "
+        "preamble, acknowledgment or answer), by route; acknowledgments on or off.",
         ("route",), LATENCY_BUCKETS,
     ),
     MetricSpec(
