@@ -51,6 +51,19 @@ async def test_interleaved_baseline_makes_the_router_spans_by_hand() -> None:
 
 
 @pytest.mark.anyio
+async def test_bare_interleaved_baseline_makes_spans_without_attributes() -> None:
+    """With bare=True the hand-made spans are the four per turn with no attributes."""
+    provider, exporter = _recording()
+    agents = {name: InstantAgent(name) for name in ("weather", "calendar", "conversation")}
+    await bench.metrics_router_with_hand_spans(provider, agents, FirstCandidate(),
+                                               _turns(2, 1), bare=True)
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 2 * bench.SPANS_PER_TURN
+    assert all(not span.attributes for span in spans)
+    provider.shutdown()
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("current", [False, True])
 async def test_raw_span_baseline_carries_what_the_router_records(current: bool) -> None:
     """The raw-span baseline makes the router's spans: names, parents, attributes, events."""
