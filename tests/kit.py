@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from turnrouter import AgentRouter, AgentTurn, DestinationResult
+from turnrouter.runtime import AgentRuntime, ResponseOutput, Topic
 from turnrouter.testing import OutputRecorder, RecordingObserver, ScriptedAgent, ScriptedDecisions
 
 
@@ -43,3 +44,20 @@ class Harness:
             self.outcomes[turn.turn_id] = await self.router.handle(turn)
         except Exception as exc:  # TurnInterrupted is a TurnrouterError too
             self.outcomes[turn.turn_id] = exc
+
+
+async def publish_and_drain(router: AgentRouter, output: Topic[ResponseOutput],
+                            *messages: tuple[Topic[Any], Any]) -> list[ResponseOutput]:
+    """Publish `messages` to `router` through an in-process runtime, wait until every
+    runtime task finished, and return what the router published on `output`."""
+    outputs: list[ResponseOutput] = []
+
+    async def collect(message: ResponseOutput) -> None:
+        outputs.append(message)
+
+    async with AgentRuntime() as runtime:
+        runtime.register(router.runtime_subscriber())
+        runtime.subscribe(output, collect)
+        for topic, message in messages:
+            await runtime.publish(topic, message)
+    return outputs

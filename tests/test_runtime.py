@@ -20,6 +20,8 @@ from turnrouter.runtime import (
 )
 from turnrouter.testing import RecordingObserver, ScriptedAgent, ScriptedDecisions
 
+from .kit import publish_and_drain
+
 pytestmark = pytest.mark.anyio
 
 QUERY = Topic("q", UserQuery)
@@ -95,27 +97,14 @@ def test_topic_validates_its_payload() -> None:
 # ---------------------------------------------------------------- delivery
 
 
-async def _publish_and_drain(router: AgentRouter, *messages: tuple[Topic[Any], Any]
-                             ) -> list[ResponseOutput]:
-    outputs: list[ResponseOutput] = []
-
-    async def collect(message: ResponseOutput) -> None:
-        outputs.append(message)
-
-    async with AgentRuntime() as runtime:
-        runtime.register(router.runtime_subscriber())
-        runtime.subscribe(OUTPUT, collect)
-        for topic, message in messages:
-            await runtime.publish(topic, message)
-    return outputs
 
 
 async def test_query_is_routed_with_publication_identity() -> None:
     """A published query becomes a turn with the message id and timestamp."""
     router, _, _ = make_router(decisions=ScriptedDecisions("clarify"))
     query = UserQuery(participant_id="p1", text="hmm", timestamp_us=1234)
-    outputs = await _publish_and_drain(router, (JOINED, ParticipantJoined(participant_id="p1")),
-                                       (QUERY, query))
+    outputs = await publish_and_drain(
+        router, OUTPUT, (JOINED, ParticipantJoined(participant_id="p1")), (QUERY, query))
     assert len(outputs) == 1
     assert outputs[0].request_id == query.message_id
     assert outputs[0].route == "clarify"
@@ -126,7 +115,7 @@ async def test_destination_sees_runtime_turn() -> None:
     """Destinations receive the query text, message id and timestamp as the turn."""
     router, agents, _ = make_router()
     query = UserQuery(participant_id="p1", text="rain?", timestamp_us=99)
-    await _publish_and_drain(router, (QUERY, query))
+    await publish_and_drain(router, OUTPUT, (QUERY, query))
     call = agents["weather"].calls[-1]
     assert (call.turn_id, call.query) == (query.message_id, "rain?")
 
@@ -144,7 +133,7 @@ async def test_set_status_wraps_each_runtime_turn_and_failures_are_logged(
 
     router, agents, _ = make_router(set_status=status)
     with caplog.at_level(logging.ERROR, logger="turnrouter.runtime"):
-        await _publish_and_drain(router, (QUERY, UserQuery(participant_id="p1", text="x")))
+        await publish_and_drain(router, OUTPUT, (QUERY, UserQuery(participant_id="p1", text="x")))
     assert seen == [("processing", "p1"), ("idle", "p1")]
     assert agents["weather"].count("answer") == 1
     assert sum("set_status" in r.getMessage() for r in caplog.records) == 1
@@ -156,8 +145,8 @@ async def test_malformed_messages_are_rejected_and_counted(
     """A malformed query is logged, counted and dropped; other participants go on."""
     router, agents, observer = make_router()
     with caplog.at_level(logging.WARNING, logger="turnrouter.runtime"):
-        await _publish_and_drain(
-            router,
+        await publish_and_drain(
+            router, OUTPUT,
             (QUERY, {"participant_id": "", "text": "x"}),
             (QUERY, ParticipantLeft(participant_id="p9")),
             (QUERY, UserQuery(participant_id="p2", text="ok")),
@@ -173,8 +162,8 @@ async def test_background_failure_is_logged_once(caplog: pytest.LogCaptureFixtur
     router, agents, _ = make_router()
     agents["weather"]._results = [RuntimeError("weather api down")]
     with caplog.at_level(logging.ERROR):
-        outputs = await _publish_and_drain(router, (QUERY, UserQuery(participant_id="p",
-                                                                     text="x")))
+        outputs = await publish_and_drain(
+            router, OUTPUT, (QUERY, UserQuery(participant_id="p", text="x")))
     assert len([r for r in caplog.records if r.exc_info]) == 1
     assert [o.text for o in outputs] == [router._failure_text]
 
@@ -196,8 +185,8 @@ async def test_departure_closes_admission_until_rejoin() -> None:
     assert agents["weather"].count("answer") == 1
     with pytest.raises(LifecycleError, match="joined"):
         await router._handle(AgentTurn("p1", "t", "x"), _silent)
-    await _publish_and_drain(router, (JOINED, ParticipantJoined(participant_id="p1")),
-                             (QUERY, UserQuery(participant_id="p1", text="back")))
+    await publish_and_drain(router, OUTPUT, (JOINED, ParticipantJoined(participant_id="p1")),
+                            (QUERY, UserQuery(participant_id="p1", text="back")))
     assert agents["weather"].count("answer") == 2
 
 
@@ -219,8 +208,8 @@ async def test_trace_context_of_the_query_is_entered() -> None:
     """The query's W3C trace context is handed to the observer around the turn."""
     router, _, observer = make_router()
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    await _publish_and_drain(router, (QUERY, UserQuery(participant_id="p", text="x",
-                                                       traceparent=parent)))
+    await publish_and_drain(
+        router, OUTPUT, (QUERY, UserQuery(participant_id="p", text="x", traceparent=parent)))
     assert ("enter_context", {"traceparent": parent}) in observer.events
 
 
@@ -251,11 +240,11 @@ async def test_held_patch_question_is_published_on_the_output_topic() -> None:
 async def test_left_then_joined_back_to_back_readmits() -> None:
     """A joined event published right after a left event reopens admission."""
     router, agents, _ = make_router()
-    await _publish_and_drain(router, (QUERY, UserQuery(participant_id="p1", text="x")))
-    await _publish_and_drain(router, (LEFT, ParticipantLeft(participant_id="p1")),
-                             (JOINED, ParticipantJoined(participant_id="p1")))
+    await publish_and_drain(router, OUTPUT, (QUERY, UserQuery(participant_id="p1", text="x")))
+    await publish_and_drain(router, OUTPUT, (LEFT, ParticipantLeft(participant_id="p1")),
+                            (JOINED, ParticipantJoined(participant_id="p1")))
     assert agents["weather"].count("release") == 1
-    await _publish_and_drain(router, (QUERY, UserQuery(participant_id="p1", text="again")))
+    await publish_and_drain(router, OUTPUT, (QUERY, UserQuery(participant_id="p1", text="again")))
     assert agents["weather"].count("answer") == 2
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from turnrouter import AgentRouter
-from turnrouter.runtime import AgentRuntime, ResponseOutput, Topic, UserQuery
+from turnrouter.runtime import ResponseOutput, Topic, UserQuery
 from turnrouter.testing import ScriptedAgent, ScriptedDecisions
 
+from ..kit import publish_and_drain
 from .conftest import Rig
 
 pytestmark = pytest.mark.anyio
@@ -25,16 +26,8 @@ async def test_published_turn_continues_the_publishers_trace() -> None:
     router = AgentRouter({"conversation": ScriptedAgent("conversation")},
                          ScriptedDecisions("clarify"), telemetry=rig.telemetry,
                          query_topic=QUERY, output_topic=OUTPUT)
-    outputs: list[ResponseOutput] = []
-
-    async def collect(message: ResponseOutput) -> None:
-        outputs.append(message)
-
-    async with AgentRuntime() as runtime:
-        runtime.register(router.runtime_subscriber())
-        runtime.subscribe(OUTPUT, collect)
-        await runtime.publish(QUERY, UserQuery(
-            participant_id="p1", text="hmm", traceparent=f"00-{TRACE_ID}-{PARENT_ID}-01"))
+    outputs = await publish_and_drain(router, OUTPUT, (QUERY, UserQuery(
+        participant_id="p1", text="hmm", traceparent=f"00-{TRACE_ID}-{PARENT_ID}-01")))
     turn = rig.span("turnrouter.turn")
     assert format(turn.context.trace_id, "032x") == TRACE_ID
     assert turn.parent is not None
@@ -51,8 +44,6 @@ async def test_query_without_trace_context_starts_a_new_trace() -> None:
     router = AgentRouter({"conversation": ScriptedAgent("conversation")},
                          ScriptedDecisions("conversation"), telemetry=rig.telemetry,
                          query_topic=QUERY, output_topic=OUTPUT)
-    async with AgentRuntime() as runtime:
-        runtime.register(router.runtime_subscriber())
-        await runtime.publish(QUERY, UserQuery(participant_id="p1", text="hi"))
+    await publish_and_drain(router, OUTPUT, (QUERY, UserQuery(participant_id="p1", text="hi")))
     assert rig.span("turnrouter.turn").parent is None
     rig.close()
