@@ -10,7 +10,6 @@ import anyio
 import anyio.lowlevel
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 from prometheus_client import REGISTRY
 
@@ -33,44 +32,9 @@ from turnrouter.testing import (
     TelemetryCapture,
 )
 
+from .conftest import Outcomes
+
 pytestmark = pytest.mark.anyio
-
-
-class Outcomes:
-    """A router over scripted agents (plus an eligible "conversation" default), captured."""
-
-    def __init__(self, capture: TelemetryCapture, decisions: ScriptedDecisions,
-                 *agents: ScriptedAgent) -> None:
-        self.capture = capture
-        self.agents = {agent.name: agent for agent in agents}
-        self.agents.setdefault("conversation", ScriptedAgent("conversation"))
-        self.output = OutputRecorder()
-        self.router = AgentRouter(self.agents, decisions, output=self.output,
-                                  telemetry=capture.telemetry)
-        self._turns = 0
-
-    async def say(self, query: str = "hello") -> DestinationResult:
-        """Handle one turn of participant alice."""
-        self._turns += 1
-        return await self.router.handle(AgentTurn("alice", f"t{self._turns}", query))
-
-    def turns(self) -> list[ReadableSpan]:
-        """The turn spans, in end order."""
-        return self.capture.spans("turnrouter.turn")
-
-    def last_turn(self) -> dict[str, Any]:
-        """The attributes of the newest turn span."""
-        return dict(self.turns()[-1].attributes or {})
-
-    def children(self, turn: ReadableSpan | None = None) -> list[tuple[str, dict[str, Any]]]:
-        """(name, attributes) of a turn's direct children (default: the newest), end order."""
-        parent = (turn or self.turns()[-1]).context.span_id
-        return [(span.name, dict(span.attributes or {})) for span in self.capture.spans()
-                if span.parent is not None and span.parent.span_id == parent]
-
-    def value(self, name: str, **labels: str) -> float | None:
-        """A metric sample's value."""
-        return self.capture.value(name, **labels)
 
 
 @pytest.fixture

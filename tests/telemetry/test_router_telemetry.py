@@ -5,46 +5,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode, Tracer
 
-from turnrouter import AgentRouter, AgentTurn, DestinationResult, RouteDecision, RouteRequest
+from turnrouter import AgentRouter, RouteDecision, RouteRequest
 from turnrouter.telemetry import ATTR
-from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions
+from turnrouter.testing import ScriptedAgent, ScriptedDecisions
 
-from .conftest import Rig
+from .conftest import Outcomes, Rig
 
 pytestmark = pytest.mark.anyio
-
-
-class Scenario:
-    """A router over scripted agents, observed by a `Rig`'s Telemetry."""
-
-    def __init__(self, rig: Rig, decisions: ScriptedDecisions, *agents: ScriptedAgent) -> None:
-        self.rig = rig
-        self.agents = {agent.name: agent for agent in agents}
-        self.agents.setdefault("conversation", ScriptedAgent("conversation"))
-        self.output = OutputRecorder()
-        self.router = AgentRouter(self.agents, decisions, output=self.output,
-                                  telemetry=rig.telemetry)
-
-    async def say(self, query: str = "hello", turn_id: str = "t1") -> DestinationResult:
-        """Handle one turn of participant alice."""
-        return await self.router.handle(AgentTurn("alice", turn_id, query))
-
-    def names(self) -> list[str]:
-        """Finished span names, in end order."""
-        return [span.name for span in self.rig.spans()]
-
-    def turn(self) -> ReadableSpan:
-        """The one turn span."""
-        return self.rig.span("turnrouter.turn")
-
-    def children(self) -> list[str]:
-        """Names of the turn's direct children, in end order."""
-        turn_id = self.turn().context.span_id
-        return [span.name for span in self.rig.spans()
-                if span.parent is not None and span.parent.span_id == turn_id]
 
 
 @pytest.fixture
@@ -66,15 +35,15 @@ async def stopped() -> AsyncIterator[list[AgentRouter]]:
 
 async def test_answered_turn(router_rig: Rig, stopped: list[AgentRouter]) -> None:
     """An answered turn: route, admission and invoke_agent under one turn span."""
-    s = Scenario(router_rig, ScriptedDecisions("weather"), ScriptedAgent("weather"))
+    s = Outcomes(router_rig, ScriptedDecisions("weather"), ScriptedAgent("weather"))
     stopped.append(s.router)
     await s.say("rain today?")
-    assert s.children() == ["turnrouter.route", "turnrouter.admission", "invoke_agent weather"]
-    turn = dict(s.turn().attributes or {})
+    assert s.child_names() == ["turnrouter.route", "turnrouter.admission", "invoke_agent weather"]
+    turn = dict(s.turns()[-1].attributes or {})
     assert turn[ATTR.OUTCOME] == "answer"
     assert turn[ATTR.ROUTE] == "weather"
     assert turn[ATTR.ATTEMPTS] == 1
-    invoke = s.rig.span("invoke_agent weather")
+    invoke = s.capture.span("invoke_agent weather")
     assert [event.name for event in invoke.events] == ["turnrouter.first_response"]
     value = router_rig.value
     assert value("turnrouter_turns_total", route="weather", outcome="answer") == 1
@@ -89,13 +58,13 @@ async def test_answered_turn(router_rig: Rig, stopped: list[AgentRouter]) -> Non
 
 async def test_decline_then_reroute(router_rig: Rig, stopped: list[AgentRouter]) -> None:
     """A declining route is counted as a reroute and the second choice answers."""
-    s = Scenario(router_rig, ScriptedDecisions("weather", "music"),
+    s = Outcomes(router_rig, ScriptedDecisions("weather", "music"),
                  ScriptedAgent("weather", admissions="decline"), ScriptedAgent("music"))
     stopped.append(s.router)
     await s.say()
-    assert s.children() == ["turnrouter.route", "turnrouter.admission", "turnrouter.route",
+    assert s.child_names() == ["turnrouter.route", "turnrouter.admission", "turnrouter.route",
                             "turnrouter.admission", "invoke_agent music"]
-    second_route = s.rig.spans("turnrouter.route")[1]
+    second_route = s.capture.spans("turnrouter.route")[1]
     assert dict(second_route.attributes or {})[ATTR.DECISION_EXCLUDED] == ("weather",)
     value = router_rig.value
     assert value("turnrouter_reroutes_total", route="weather") == 1
@@ -106,12 +75,12 @@ async def test_decline_then_reroute(router_rig: Rig, stopped: list[AgentRouter])
 
 async def test_default_fallback(router_rig: Rig, stopped: list[AgentRouter]) -> None:
     """After exhausted declines the default answers without admission (fallback=true)."""
-    s = Scenario(router_rig, ScriptedDecisions("weather", "music"),
+    s = Outcomes(router_rig, ScriptedDecisions("weather", "music"),
                  ScriptedAgent("weather", admissions="decline"),
                  ScriptedAgent("music", admissions="decline"))
     stopped.append(s.router)
     await s.say()
-    invoke = s.rig.span("invoke_agent conversation")
+    invoke = s.capture.span("invoke_agent conversation")
     assert dict(invoke.attributes or {})[ATTR.FALLBACK] is True
     value = router_rig.value
     assert value("turnrouter_default_fallbacks_total", route="conversation") == 1
@@ -120,14 +89,14 @@ async def test_default_fallback(router_rig: Rig, stopped: list[AgentRouter]) -> 
 
 async def test_clarify(router_rig: Rig, stopped: list[AgentRouter]) -> None:
     """A clarify decision without scores ends the turn with a clarification."""
-    s = Scenario(router_rig, ScriptedDecisions(RouteDecision("clarify")),
+    s = Outcomes(router_rig, ScriptedDecisions(RouteDecision("clarify")),
                  ScriptedAgent("weather"))
     stopped.append(s.router)
     await s.say("hmm")
-    turn = dict(s.turn().attributes or {})
+    turn = dict(s.turns()[-1].attributes or {})
     assert turn[ATTR.OUTCOME] == "clarify"
     assert ATTR.ROUTE not in turn
-    assert "invoke_agent weather" not in s.names()
+    assert "invoke_agent weather" not in [span.name for span in s.capture.spans()]
     value = router_rig.value
     assert value("turnrouter_clarifications_total", reason="low_confidence") == 1
     assert value("turnrouter_turns_total", route="none", outcome="clarify") == 1
@@ -135,18 +104,18 @@ async def test_clarify(router_rig: Rig, stopped: list[AgentRouter]) -> None:
 
 async def test_failure_before_started(router_rig: Rig, stopped: list[AgentRouter]) -> None:
     """An answer that fails before started() marks the spans and counts the failure."""
-    s = Scenario(router_rig, ScriptedDecisions("weather"),
+    s = Outcomes(router_rig, ScriptedDecisions("weather"),
                  ScriptedAgent("weather", results=RuntimeError("agent crashed"),
                                call_started=False))
     stopped.append(s.router)
     with pytest.raises(RuntimeError, match="agent crashed"):
         await s.say()
     for name in ("invoke_agent weather", "turnrouter.turn"):
-        span = s.rig.span(name)
+        span = s.capture.span(name)
         assert span.status.status_code is StatusCode.ERROR
         assert dict(span.attributes or {})[ATTR.ERROR_TYPE] == "RuntimeError"
-    assert dict(s.turn().attributes or {})[ATTR.OUTCOME] == "failed"
-    assert s.rig.span("invoke_agent weather").events == ()
+    assert dict(s.turns()[-1].attributes or {})[ATTR.OUTCOME] == "failed"
+    assert s.capture.span("invoke_agent weather").events == ()
     value = router_rig.value
     assert value("turnrouter_failures_total", route="weather", stage="answer") == 1
     assert value("turnrouter_turns_total", route="weather", outcome="failed") == 1
@@ -170,10 +139,10 @@ async def test_classifier_spans_nest_under_route(router_rig: Rig,
                                                  stopped: list[AgentRouter]) -> None:
     """During decide() the route span is current: a classifier's spans are its children."""
     decisions = TracingDecisions(router_rig.tracer_provider.get_tracer("classifier"), "weather")
-    s = Scenario(router_rig, decisions, ScriptedAgent("weather"))
+    s = Outcomes(router_rig, decisions, ScriptedAgent("weather"))
     stopped.append(s.router)
     await s.say()
     classify = router_rig.span("classify")
     assert classify.parent is not None
     assert classify.parent.span_id == router_rig.span("turnrouter.route").context.span_id
-    assert s.children() == ["turnrouter.route", "turnrouter.admission", "invoke_agent weather"]
+    assert s.child_names() == ["turnrouter.route", "turnrouter.admission", "invoke_agent weather"]
