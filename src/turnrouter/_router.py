@@ -999,11 +999,10 @@ class AgentRouter:
         record.route = route
         timed = self._timed
         admitted_at = self._clock()
-        preamble = admission is not None and bool(admission.preamble)
+        preamble = admission.preamble if admission is not None else ""
         if preamble:
-            assert admission is not None
             obs.silence(route, self._clock() - admitted_at)
-            await self._say(turn, route, admission.preamble, emit, record)
+            await self._say(turn, route, preamble, emit, record)
         token = obs.answer_started(route, admission is None)
         timing: TurnTiming | None = None
         if timed is None:
@@ -1012,7 +1011,7 @@ class AgentRouter:
                                   None if preamble else admitted_at)
         else:
             timing = timed.turn(obs, self._agents[route], route, turn, emit, admitted_at,
-                                heard=preamble)
+                                heard=bool(preamble))
             signal = _TimedStartSignal(obs, token, route, record, self._clock, self._clock(),
                                        timing)
         try:

@@ -16,10 +16,10 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import Token
 from time import perf_counter
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 from weakref import WeakKeyDictionary
 
 from opentelemetry import context as otel_context
@@ -85,23 +85,36 @@ Attributes = dict[str, AttributeValue]
 # --------------------------------------------------------------------------- metrics
 
 _M = TypeVar("_M", Counter, Gauge, Histogram)
+_C = TypeVar("_C")
 
 
-class _Family(Generic[_M]):
-    """A labelled metric with its children bound once and cached by label tuple."""
+class _Family(Generic[_C]):
+    """A labelled metric with its children bound once and cached by label tuple; `wrap`
+    turns a prometheus_client child into what callers use (itself, or a `_Latency`)."""
 
-    __slots__ = ("children", "metric")
+    __slots__ = ("_wrap", "children", "metric")
 
-    def __init__(self, collector: _M) -> None:
-        self.metric: _M = collector
-        self.children: dict[tuple[str, ...], _M] = {}
+    def __init__(self, collector: Counter | Gauge | Histogram,
+                 wrap: Callable[[Any], _C]) -> None:
+        self.metric = collector
+        self._wrap = wrap
+        self.children: dict[tuple[str, ...], _C] = {}
 
-    def get(self, *values: str) -> _M:
+    def get(self, *values: str) -> _C:
         """The child for these label values (`labels()` costs microseconds; this does not)."""
         child = self.children.get(values)
         if child is None:
-            child = self.children[values] = self.metric.labels(*values)
+            child = self.children[values] = self._wrap(self.metric.labels(*values))
         return child
+
+
+def _same(child: Any) -> Any:
+    return child
+
+
+def _plain(collector: _M) -> _Family[_M]:
+    """A family whose children are prometheus_client's own."""
+    return _Family(collector, _same)
 
 
 #: At most one trace exemplar per histogram bucket and child in this many seconds.
@@ -140,23 +153,6 @@ class _Latency:
                                      "span_id": format(context.span_id, "016x")})
 
 
-class _LatencyFamily:
-    """A labelled latency histogram; children bound once, each with its exemplar limit."""
-
-    __slots__ = ("children", "metric")
-
-    def __init__(self, collector: Histogram) -> None:
-        self.metric = collector
-        self.children: dict[tuple[str, ...], _Latency] = {}
-
-    def get(self, *values: str) -> _Latency:
-        """The child for these label values."""
-        child = self.children.get(values)
-        if child is None:
-            child = self.children[values] = _Latency(self.metric.labels(*values))
-        return child
-
-
 class _Families:
     """Every family of `METRICS`, registered once on one registry."""
 
@@ -164,29 +160,28 @@ class _Families:
         self._registry = registry
         self._created: list[Counter | Gauge | Histogram] = []
         try:
-            self.turns = _Family(self._counter("turnrouter_turns_total"))
-            self.clarifications = _Family(self._counter("turnrouter_clarifications_total"))
-            self.admissions = _Family(self._counter("turnrouter_admissions_total"))
-            self.reroutes = _Family(self._counter("turnrouter_reroutes_total"))
-            self.fallbacks = _Family(self._counter("turnrouter_default_fallbacks_total"))
-            self.failures = _Family(self._counter("turnrouter_failures_total"))
+            self.turns = _plain(self._counter("turnrouter_turns_total"))
+            self.clarifications = _plain(self._counter("turnrouter_clarifications_total"))
+            self.admissions = _plain(self._counter("turnrouter_admissions_total"))
+            self.reroutes = _plain(self._counter("turnrouter_reroutes_total"))
+            self.fallbacks = _plain(self._counter("turnrouter_default_fallbacks_total"))
+            self.failures = _plain(self._counter("turnrouter_failures_total"))
             self.interruptions = self._counter("turnrouter_interruptions_total")
-            self.focus = _Family(self._counter("turnrouter_focus_transitions_total"))
-            self.turn_duration = _LatencyFamily(
-                self._histogram("turnrouter_turn_duration_seconds"))
+            self.focus = _plain(self._counter("turnrouter_focus_transitions_total"))
+            self.turn_duration = _Family(
+                self._histogram("turnrouter_turn_duration_seconds"), _Latency)
             self.decision_duration = _Latency(
                 self._histogram("turnrouter_decision_duration_seconds"))
-            self.admission_duration = _LatencyFamily(
-                self._histogram("turnrouter_admission_duration_seconds"))
-            self.first_response = _LatencyFamily(
-                self._histogram("turnrouter_first_response_seconds"))
-            self.silence = _LatencyFamily(self._histogram("turnrouter_silence_seconds"))
-            self.acknowledgments = _Family(self._counter("turnrouter_acknowledgments_total"))
+            self.admission_duration = _Family(
+                self._histogram("turnrouter_admission_duration_seconds"), _Latency)
+            self.first_response = _Family(
+                self._histogram("turnrouter_first_response_seconds"), _Latency)
+            self.silence = _Family(self._histogram("turnrouter_silence_seconds"), _Latency)
+            self.acknowledgments = _plain(self._counter("turnrouter_acknowledgments_total"))
             self.ack_delay = self._gauge("turnrouter_acknowledgment_delay_seconds")
-            self.predicted = _Family(self._gauge("turnrouter_predicted_first_response_seconds"))
-            self.context_patches = _Family(self._counter("turnrouter_context_patches_total"))
-            self.rejected = _Family(
-                self._counter("turnrouter_runtime_rejected_messages_total"))
+            self.predicted = _plain(self._gauge("turnrouter_predicted_first_response_seconds"))
+            self.context_patches = _plain(self._counter("turnrouter_context_patches_total"))
+            self.rejected = _plain(self._counter("turnrouter_runtime_rejected_messages_total"))
             self.participants = self._gauge("turnrouter_active_participants")
             self.in_flight = self._gauge("turnrouter_turns_in_flight")
         except BaseException:
