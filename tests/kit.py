@@ -21,9 +21,9 @@ class Harness:
         self.decisions = decisions or ScriptedDecisions(agents[0].name)
         self.output = OutputRecorder()
         self.observer = RecordingObserver()
+        kwargs.setdefault("telemetry", self.observer)
         self.router = AgentRouter(self.agents, self.decisions, output=self.output,
-                                  default_destination=default, telemetry=self.observer,
-                                  **kwargs)
+                                  default_destination=default, **kwargs)
         self.outcomes: dict[str, DestinationResult | BaseException] = {}
         self._count = 0
 

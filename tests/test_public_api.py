@@ -19,6 +19,8 @@ CORE = {
     "AppliedContextPatch", "ContextPatch", "ContextState", "MergeStrategy",
     "PendingContextPatch", "PendingPatchLimitError", "UnknownPatchError",
     "current_context_patches",
+    # The front-end seam (runtimes, framework adapters).
+    "Departure", "ParticipantSnapshot", "RoutedResult",
 }
 
 #: Names the contract fixes; they must never disappear.

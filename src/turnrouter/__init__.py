@@ -32,6 +32,7 @@ from ._exceptions import (
     TurnrouterError,
     UnknownPatchError,
 )
+from ._frontend import Departure, ParticipantSnapshot, RoutedResult
 from ._llm import LLMService
 from ._observer import RouterObserver, TurnObserver
 from ._patches import (
@@ -71,6 +72,7 @@ __all__ = [
     "ContractTypeError",
     "ContractValueError",
     "DecisionService",
+    "Departure",
     "DestinationContractError",
     "DestinationResult",
     "JsonLinesSink",
@@ -79,6 +81,7 @@ __all__ = [
     "LLMTimingPredictor",
     "LifecycleError",
     "MergeStrategy",
+    "ParticipantSnapshot",
     "PendingContextPatch",
     "PendingPatchLimitError",
     "PolicyError",
@@ -87,6 +90,7 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RouteTimingPredictor",
+    "RoutedResult",
     "RouterObserver",
     "RoutingAid",
     "RoutingTurnContext",

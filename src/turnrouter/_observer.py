@@ -31,7 +31,9 @@ __all__ = [
     "TurnOutcome",
 ]
 
-TurnOutcome = Literal["answer", "focus", "release", "clarify", "failed", "interrupted"]
+TurnOutcome = Literal[
+    "answer", "focus", "release", "clarify", "failed", "interrupted", "refused"
+]
 ClarificationReason = Literal[
     "no_eligible_route", "low_confidence", "destination", "default_unavailable",
     "decision_failed",

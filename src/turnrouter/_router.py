@@ -9,12 +9,12 @@ boundary: contract objects coming in are checked once, internal copies are not.
 from __future__ import annotations
 
 import asyncio
-import enum
+import contextlib
 import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -45,8 +45,9 @@ from ._exceptions import (
     LifecycleError,
     TurnInterrupted,
 )
+from ._frontend import Departure, ParticipantSnapshot, RoutedResult
 from ._history import History, view_items
-from ._lifecycle import OwnedOperation, TurnQueue, TurnRun
+from ._lifecycle import OwnedOperation, TurnRun
 from ._llm import LLMService
 from ._observer import (
     ClarificationReason,
@@ -56,6 +57,7 @@ from ._observer import (
     TurnObserver,
     TurnOutcome,
 )
+from ._participants import Participant, Phase, restore, snapshot_of
 from ._patches import (
     AppliedContextPatch,
     ContextPatch,
@@ -113,44 +115,17 @@ class _DefaultRoute(str):
 _CONVERSATION = _DefaultRoute("conversation")
 
 
-class _Phase(enum.Enum):
-    OPEN = "open"
-    DEPARTING = "departing"
-    FAILED = "cleanup failed"
-
-
-class _Participant:
-    """Router-owned state of one participant (kept small: thousands may be active)."""
-
-    __slots__ = (
-        "cleanup_pending", "departure", "focus", "history", "initialized", "pending",
-        "phase", "pid", "queue", "unreleased", "used",
-    )
-
-    def __init__(self, pid: str) -> None:
-        self.pid = pid
-        self.focus: str | None = None
-        self.history = History()
-        self.used: set[str] = set()
-        self.initialized = False
-        self.queue = TurnQueue()
-        self.phase = _Phase.OPEN
-        self.departure: OwnedOperation | None = None
-        #: Destinations whose departure release failed, to retry (None: not departed yet).
-        self.unreleased: set[str] | None = None
-        self.cleanup_pending = False
-        #: Human-gated patches awaiting approval, oldest first (None: none held yet).
-        self.pending: dict[str, PendingContextPatch] | None = None
-
-
 class _TurnRecord:
     """What one turn did so far, for the observer and the failure rule."""
 
-    __slots__ = ("attempts", "focus_before", "output_failed", "route", "started")
+    __slots__ = ("answered_by", "attempts", "focus_before", "output_failed", "route",
+                 "started")
 
     def __init__(self, focus_before: str | None) -> None:
         self.focus_before = focus_before
         self.route: str | None = None
+        #: The route whose answer or admission clarification ended the turn.
+        self.answered_by: str | None = None
         self.attempts = 0
         self.started = False
         self.output_failed = False
@@ -411,13 +386,13 @@ class AgentRouter:
             )
             if clock is None:
                 self._clock = self._timed.clock.now
-        self._participants: dict[str, _Participant] = {}
+        self._participants: dict[str, Participant] = {}
         #: With runtime topics, departed participants stay closed until they rejoin.
         self._departed: set[str] = set()
         self._stopping: OwnedOperation | None = None
         self._max_pending = max_pending_patches
         #: Every held patch, by id, with the participant state holding it.
-        self._pending: dict[str, _Participant] = {}
+        self._pending: dict[str, Participant] = {}
         self._stop_failed = False
         telemetry.configured(
             routes=self._routes, acknowledgment_delay_secs=acknowledgment_delay_secs
@@ -448,10 +423,6 @@ class AgentRouter:
         from .runtime import RouterSubscriber
 
         return RouterSubscriber(self, self._runtime_config)
-
-    def _participant_joined(self, participant_id: str) -> None:
-        """A participant-joined event reopens admission after a runtime departure."""
-        self._departed.discard(participant_id)
 
     @property
     def destinations(self) -> Mapping[str, RoutableAgent]:
@@ -491,7 +462,182 @@ class AgentRouter:
                 "handle() needs the output callback: pass output=... to AgentRouter "
                 "(runtime queries publish through output_topic instead)"
             )
-        return await self._handle(turn, output)
+        return (await self._handle(turn, output))[0]
+
+    # ------------------------------------------------------------ front-end seam
+
+    async def route_turn(
+        self, turn: AgentTurn, *, output: OutputCallback | None = None
+    ) -> RoutedResult:
+        """Run one turn as `handle()` does, for a front end (runtime, framework adapter).
+
+        `output` receives this turn's control text (acknowledgments, preambles,
+        clarification, release and failure text) instead of the constructor's. The
+        result also names the route that answered. Same errors as `handle()`; a refused
+        turn is counted (outcome `refused`) and traced before `LifecycleError` is raised.
+        """
+        if not isinstance(turn, AgentTurn):
+            raise ContractTypeError(
+                f"route_turn() takes an AgentTurn, got {type(turn).__name__}")
+        emit = output if output is not None else self._output
+        if emit is None:
+            raise LifecycleError(
+                "route_turn() needs an output callback: pass output=... to it or to "
+                "AgentRouter")
+        _check_callable("route_turn output", emit)
+        result, route = await self._handle(turn, emit)
+        return RoutedResult(result, route)
+
+    def begin_departure(self, participant_id: str) -> Departure:
+        """Close the participant's admission now and start its departure.
+
+        Synchronous, so a turn offered right after it is refused, and a `readmit()` that
+        follows it is applied after it, not before. `await departure.join()` waits for
+        the releases and cleanup (an `ExceptionGroup` of failures, as
+        `participant_left()` raises). While the router stops, the departure runs after
+        `stop()` ends.
+        """
+        _check_pid(participant_id)
+        if self._stopping is not None and not self._stopping.done:
+            self._close_departed(participant_id)
+            return Departure(self.participant_left(participant_id))
+        operation = self._start_departure(participant_id)
+        if operation is None:
+            return Departure(None)
+        return Departure(operation.join())
+
+    def readmit(self, participant_id: str) -> None:
+        """A participant joined (again): reopen admission after a departure."""
+        _check_pid(participant_id)
+        self._departed.discard(participant_id)
+
+    async def drain(self) -> None:
+        """Wait, cancelling nothing, until no turn is running or queued.
+
+        New turns are still accepted (a front end stops feeding first): call it before
+        `stop()` for a graceful end.
+        """
+        while True:
+            runs = [run for state in self._participants.values()
+                    for run in state.queue.runs()]
+            if not runs:
+                return
+            for run in runs:
+                await run.wait_finished()
+
+    def set_control_output(self, output: OutputCallback) -> None:
+        """Where control text outside any turn goes (a held context patch's question)
+        when the constructor had no `output`."""
+        _check_callable("control output", output, optional=False)
+        self._runtime_output = output
+
+    def report_rejected(self, source: str, reason: str) -> None:
+        """Count an input a front end refused before the router saw it.
+
+        `turnrouter_runtime_rejected_messages_total{topic=source, reason=reason}`: keep
+        both low-cardinality (a topic or subject name, a reason word).
+        """
+        if not isinstance(source, str) or not isinstance(reason, str):
+            raise ContractTypeError("report_rejected() takes two str")
+        self._observer.message_rejected(source, reason)
+
+    async def report_status(
+        self, status: Literal["processing", "idle"], participant_id: str
+    ) -> None:
+        """Call the configured `set_status` callback; its failures are logged only."""
+        callback = self._set_status
+        if callback is None:
+            return
+        try:
+            await callback(status, participant_id)
+        except Exception:
+            logger.exception("turnrouter: set_status(%r, %r) failed", status, participant_id)
+
+    def trace_carrier(self) -> dict[str, str]:
+        """W3C trace headers of the current span, for a message a front end publishes."""
+        return self._observer.inject_context()
+
+    @contextlib.contextmanager
+    def continue_trace(self, carrier: Mapping[str, str]) -> Iterator[None]:
+        """Turns started inside the block are children of the remote span in `carrier`."""
+        token = self._observer.enter_context(carrier)
+        try:
+            yield
+        finally:
+            self._observer.exit_context(token)
+
+    def export_participant(self, participant_id: str) -> ParticipantSnapshot | None:
+        """The participant's movable state, or None when the router holds none."""
+        _check_pid(participant_id)
+        state = self._participants.get(participant_id)
+        if state is None:
+            if participant_id in self._departed:
+                return ParticipantSnapshot(participant_id=participant_id, departed=True)
+            return None
+        return snapshot_of(state, participant_id in self._departed)
+
+    def import_participant(self, snapshot: ParticipantSnapshot) -> None:
+        """Install a participant's state taken from another replica.
+
+        Replaces what this router holds for the participant, unless a turn is in flight
+        or a departure runs (`LifecycleError`). Routes the snapshot names that are not
+        registered here are refused (`ContractValueError`).
+        """
+        if not isinstance(snapshot, ParticipantSnapshot):
+            raise ContractTypeError(
+                f"import_participant() takes a ParticipantSnapshot, "
+                f"got {type(snapshot).__name__}")
+        pid = snapshot.participant_id
+        unknown = {route for route in (*snapshot.used, snapshot.focus)
+                   if route is not None and route not in self._agents}
+        if unknown:
+            raise ContractValueError(
+                f"participant snapshot of {pid!r} names unregistered routes {sorted(unknown)}")
+        for held in snapshot.pending:
+            if held.participant_id != pid:
+                raise ContractValueError(
+                    f"participant snapshot of {pid!r} holds a patch of {held.participant_id!r}")
+        current = self._participants.get(pid)
+        if current is not None and (current.queue.runs() or current.phase is not Phase.OPEN):
+            raise LifecycleError(
+                f"participant {pid!r} has a turn in flight or is departing here; "
+                "import_participant() refused")
+        state = restore(snapshot, self._budget)
+        if current is not None:
+            self._drop_pending(current, outcome=None)
+        else:
+            self._observer.participant_added(pid)
+        self._participants[pid] = state
+        for held in snapshot.pending:
+            self._pending[held.patch_id] = state
+        if snapshot.departed:
+            self._departed.add(pid)
+        else:
+            self._departed.discard(pid)
+
+    async def evict_participant(self, participant_id: str) -> ParticipantSnapshot | None:
+        """Hand a participant over to another replica.
+
+        Cancels its turns (drained), then drops its state without calling `release()`
+        or cleanup (its destinations go on serving it elsewhere). Returns the final
+        snapshot, None when the router held nothing.
+        """
+        _check_pid(participant_id)
+        state = self._participants.get(participant_id)
+        if state is not None and state.departure is not None and not state.departure.done:
+            with contextlib.suppress(Exception):
+                await state.departure.join()
+            state = self._participants.get(participant_id)
+        if state is None:
+            return self.export_participant(participant_id)
+        while state.queue.runs():
+            await self._drain(state, "handed over to another replica")
+        snapshot = snapshot_of(state, participant_id in self._departed)
+        if self._participants.get(participant_id) is state and not state.queue.runs():
+            self._drop_pending(state, outcome=None)
+            self._forget(state)
+            self._departed.discard(participant_id)
+        return snapshot
 
     async def interrupt(self, participant_id: str | None = None) -> None:
         """Cancel active (and queued) turns, keeping completed history and focus.
@@ -500,7 +646,7 @@ class AgentRouter:
         turns have drained.
         """
         if participant_id is None:
-            states: Iterable[_Participant] = list(self._participants.values())
+            states: Iterable[Participant] = list(self._participants.values())
         else:
             _check_pid(participant_id)
             state = self._participants.get(participant_id)
@@ -537,17 +683,21 @@ class AgentRouter:
         refused, and a runtime participant-joined event that follows a participant-left
         event is applied after it, not before.
         """
-        if self._runtime_config is not None and (
-            "participant_joined_topic" in self._runtime_config
-        ):
-            self._departed.add(participant_id)
+        self._close_departed(participant_id)
         state = self._participants.get(participant_id)
         if state is None:
             return None
         if state.departure is None or state.departure.done:
-            state.phase = _Phase.DEPARTING
+            state.phase = Phase.DEPARTING
             state.departure = OwnedOperation(self._depart(state))
         return state.departure
+
+    def _close_departed(self, participant_id: str) -> None:
+        """With a participant-joined topic, a departure closes admission until it fires."""
+        if self._runtime_config is not None and (
+            "participant_joined_topic" in self._runtime_config
+        ):
+            self._departed.add(participant_id)
 
     async def stop(self) -> None:
         """Drain responses and release all participant state in one owned operation."""
@@ -668,7 +818,7 @@ class AgentRouter:
         self._patch_event(state.pid, held.patch_id, held.patch, held.strategy, "rejected")
         return held
 
-    def _patch_target(self, pid: str) -> tuple[_Participant | None, str]:
+    def _patch_target(self, pid: str) -> tuple[Participant | None, str]:
         """The open participant a patch may reach, or None and why not."""
         if self._stopping is not None and not self._stopping.done:
             return None, "the router is shutting down"
@@ -680,13 +830,13 @@ class AgentRouter:
         if state is None:
             return None, ("the router holds no state for this participant (it never had "
                           "a turn, or it left)")
-        if state.phase is not _Phase.OPEN:
+        if state.phase is not Phase.OPEN:
             return None, f"the participant's departure {state.phase.value}"
         return state, ""
 
     def _take_pending(
         self, patch_id: str, verb: str
-    ) -> tuple[_Participant, PendingContextPatch]:
+    ) -> tuple[Participant, PendingContextPatch]:
         if not isinstance(patch_id, str):
             raise ContractTypeError(f"patch_id must be a str, got {type(patch_id).__name__}")
         state = self._pending.pop(patch_id, None)
@@ -698,7 +848,7 @@ class AgentRouter:
         return state, state.pending.pop(patch_id)
 
     def _merge(
-        self, state: _Participant, patch_id: str, patch: ContextPatch,
+        self, state: Participant, patch_id: str, patch: ContextPatch,
         strategy: MergeStrategy, outcome: PatchOutcome,
     ) -> AppliedContextPatch:
         diverged = patch.context_diverged
@@ -725,15 +875,22 @@ class AgentRouter:
         observer.context_patch_event(pid, patch_id, patch.task_id, strategy.value, outcome,
                                      patch.context_diverged)
 
-    def _drop_pending(self, state: _Participant) -> None:
-        """A departure or shutdown drops the participant's held patches (counted)."""
+    def _drop_pending(
+        self, state: Participant, outcome: PatchOutcome | None = "dropped"
+    ) -> None:
+        """A departure or shutdown drops the participant's held patches (counted).
+
+        `outcome=None`: the patches moved with the participant (nothing reported).
+        """
         pending = state.pending
         if not pending:
             return
         state.pending = None
         for held in pending.values():
             self._pending.pop(held.patch_id, None)
-            self._patch_event(state.pid, held.patch_id, held.patch, held.strategy, "dropped")
+            if outcome is not None:
+                self._patch_event(state.pid, held.patch_id, held.patch, held.strategy,
+                                  outcome)
 
     async def _ask(self, held: PendingContextPatch) -> None:
         """Ask the participant about a held patch through `output` (failures logged)."""
@@ -755,7 +912,7 @@ class AgentRouter:
 
     # ------------------------------------------------------------------ one turn
 
-    def _admit_state(self, pid: str) -> _Participant:
+    def _admit_state(self, pid: str) -> Participant:
         if self._stopping is not None and not self._stopping.done:
             raise LifecycleError(
                 "the router is shutting down; handle() is closed until stop() ends"
@@ -771,18 +928,25 @@ class AgentRouter:
             )
         state = self._participants.get(pid)
         if state is None:
-            state = self._participants[pid] = _Participant(pid)
+            state = self._participants[pid] = Participant(pid)
             self._observer.participant_added(pid)
-        elif state.phase is not _Phase.OPEN:
+        elif state.phase is not Phase.OPEN:
             raise LifecycleError(
                 f"participant {pid!r}: departure {state.phase.value}; "
                 "handle() is closed until participant_left() completes"
             )
         return state
 
-    async def _handle(self, turn: AgentTurn, emit: OutputCallback) -> DestinationResult:
+    async def _handle(
+        self, turn: AgentTurn, emit: OutputCallback
+    ) -> tuple[DestinationResult, str | None]:
         pid = turn.participant_id
-        state = self._admit_state(pid)
+        try:
+            state = self._admit_state(pid)
+        except LifecycleError as exc:
+            self._observer.turn_started(turn, None).finished("refused", None, None, None, 0,
+                                                              exc)
+            raise
         queue = state.queue
         run = TurnRun(turn.turn_id)
         running = queue.running
@@ -820,7 +984,7 @@ class AgentRouter:
         outcome: TurnOutcome = result.disposition
         obs.finished(outcome, record.route, record.focus_before, state.focus, record.attempts,
                      None)
-        return result
+        return result, record.answered_by
 
     async def _emit_failure(
         self, turn: AgentTurn, record: _TurnRecord, emit: OutputCallback
@@ -832,7 +996,7 @@ class AgentRouter:
                              turn.turn_id)
 
     async def _run_turn(
-        self, state: _Participant, turn: AgentTurn, emit: OutputCallback, obs: TurnObserver,
+        self, state: Participant, turn: AgentTurn, emit: OutputCallback, obs: TurnObserver,
         record: _TurnRecord, run: TurnRun,
     ) -> DestinationResult:
         pid = turn.participant_id
@@ -852,7 +1016,7 @@ class AgentRouter:
             _current.reset(token)
 
     async def _route(
-        self, state: _Participant, turn: AgentTurn, emit: OutputCallback, obs: TurnObserver,
+        self, state: Participant, turn: AgentTurn, emit: OutputCallback, obs: TurnObserver,
         record: _TurnRecord, run: TurnRun,
     ) -> DestinationResult:
         pid = turn.participant_id
@@ -905,7 +1069,7 @@ class AgentRouter:
         return await self._clarify(turn, CLARIFY_ROUTE, "", reason_, emit, obs, record)
 
     async def _offer(
-        self, state: _Participant, turn: AgentTurn, route: str, focused: bool,
+        self, state: Participant, turn: AgentTurn, route: str, focused: bool,
         excluded: set[str], emit: OutputCallback, obs: TurnObserver, record: _TurnRecord,
         run: TurnRun,
     ) -> DestinationResult | None:
@@ -961,7 +1125,7 @@ class AgentRouter:
         return None, "low_confidence"
 
     async def _admit(
-        self, state: _Participant, turn: AgentTurn, route: str, focused: bool,
+        self, state: Participant, turn: AgentTurn, route: str, focused: bool,
         obs: TurnObserver,
     ) -> Admission:
         state.used.add(route)
@@ -992,11 +1156,11 @@ class AgentRouter:
         return admission
 
     async def _answer(
-        self, state: _Participant, turn: AgentTurn, route: str, admission: Admission | None,
+        self, state: Participant, turn: AgentTurn, route: str, admission: Admission | None,
         emit: OutputCallback, obs: TurnObserver, record: _TurnRecord, run: TurnRun,
     ) -> DestinationResult:
         state.used.add(route)
-        record.route = route
+        record.route = record.answered_by = route
         timed = self._timed
         admitted_at = self._clock()
         preamble = admission.preamble if admission is not None else ""
@@ -1058,6 +1222,8 @@ class AgentRouter:
         emit: OutputCallback, obs: TurnObserver, record: _TurnRecord,
     ) -> DestinationResult:
         obs.clarification(reason)
+        if route != CLARIFY_ROUTE:
+            record.answered_by = route
         await self._say(turn, route, text or self._clarification_text, emit, record)
         return _CLARIFY_RESULT
 
@@ -1074,7 +1240,7 @@ class AgentRouter:
             raise
 
     async def _release_in_turn(
-        self, state: _Participant, route: str, reason: ReleaseReason, obs: TurnObserver,
+        self, state: Participant, route: str, reason: ReleaseReason, obs: TurnObserver,
         run: TurnRun,
     ) -> None:
         """Release during a turn, protected from interrupts; failures are logged only.
@@ -1100,14 +1266,14 @@ class AgentRouter:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def _drain(self, state: _Participant, reason: str) -> None:
+    async def _drain(self, state: Participant, reason: str) -> None:
         runs = state.queue.runs()
         for run in runs:
             run.cancel(reason)
         for run in runs:
             await run.wait_finished()
 
-    async def _release_all(self, state: _Participant, reason: ReleaseReason) -> list[Exception]:
+    async def _release_all(self, state: Participant, reason: ReleaseReason) -> list[Exception]:
         """Departure-style release of every used destination, then application cleanup."""
         pid = state.pid
         if state.unreleased is None:
@@ -1142,18 +1308,18 @@ class AgentRouter:
                 state.cleanup_pending = False
         return errors
 
-    def _forget(self, state: _Participant) -> None:
+    def _forget(self, state: Participant) -> None:
         if self._participants.get(state.pid) is state:
             del self._participants[state.pid]
             self._observer.participant_removed(state.pid)
 
-    async def _depart(self, state: _Participant) -> None:
-        state.phase = _Phase.DEPARTING
+    async def _depart(self, state: Participant) -> None:
+        state.phase = Phase.DEPARTING
         self._drop_pending(state)
         await self._drain(state, "ended by the participant's departure")
         errors = await self._release_all(state, "departure")
         if errors:
-            state.phase = _Phase.FAILED
+            state.phase = Phase.FAILED
             raise ExceptionGroup(
                 f"participant {state.pid!r} departure: {len(errors)} cleanup failure(s); "
                 "call participant_left() again to retry",
@@ -1178,10 +1344,10 @@ class AgentRouter:
             await self._drain(state, "ended by stop()")
         errors: list[Exception] = []
         for state in states:
-            state.phase = _Phase.DEPARTING
+            state.phase = Phase.DEPARTING
             failures = await self._release_all(state, "shutdown")
             if failures:
-                state.phase = _Phase.FAILED
+                state.phase = Phase.FAILED
                 errors.extend(failures)
             else:
                 self._forget(state)

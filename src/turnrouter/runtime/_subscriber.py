@@ -82,6 +82,7 @@ class RouterSubscriber:
         self._output = topics["output_topic"]
         self._roles = {topic.name: role for role, topic in topics.items()
                        if role != "output_topic"}
+        self._control_output_set = False
 
     @property
     def subscriptions(self) -> tuple[Topic[Any], ...]:
@@ -92,7 +93,7 @@ class RouterSubscriber:
         router, output = self._router, self._output
 
         async def emit(turn: AgentTurn, route: str, text: str) -> None:
-            carrier = router._observer.inject_context()
+            carrier = router.trace_carrier()
             await runtime.publish(output, ResponseOutput(
                 participant_id=turn.participant_id, request_id=turn.turn_id, route=route,
                 text=text, traceparent=carrier.get("traceparent"),
@@ -102,9 +103,11 @@ class RouterSubscriber:
         return emit
 
     async def deliver(self, topic: Topic[Any], message: Any, runtime: AgentRuntime) -> None:
-        if self._router._runtime_output is None:
+        router = self._router
+        if not self._control_output_set:
             # Control text outside turns (a held context patch's question) goes here too.
-            self._router._runtime_output = self._emitter(runtime)
+            self._control_output_set = True
+            router.set_control_output(self._emitter(runtime))
         role = self._roles.get(topic.name)
         if role is None:
             return
@@ -114,25 +117,20 @@ class RouterSubscriber:
         except (TypeError, ValueError) as exc:
             reason = "wrong_type" if isinstance(exc, TypeError) else "invalid"
             logger.warning("turnrouter: rejected a message on topic %r: %s", topic.name, exc)
-            self._router._observer.message_rejected(topic.name, reason)
+            router.report_rejected(topic.name, reason)
             return
         if role == "query_topic":
             runtime.start_soon(self._run_query, payload, runtime,
                                name=f"turnrouter query {payload.message_id}")
         elif role == "participant_joined_topic":
-            self._router._participant_joined(payload.participant_id)
+            router.readmit(payload.participant_id)
         elif role == "participant_left_topic":
-            router = self._router
-            if router._stopping is not None and not router._stopping.done:
-                runtime.start_soon(self._guard, "participant_left", router.participant_left,
-                                   payload.participant_id)
-            else:
-                # Close admission now, so a joined event published after this one wins.
-                departure = router._start_departure(payload.participant_id)
-                if departure is not None:
-                    runtime.start_soon(self._guard, "participant_left", departure.join)
+            # Admission closes now, so a joined event published after this one wins.
+            departure = router.begin_departure(payload.participant_id)
+            if not departure.done:
+                runtime.start_soon(self._guard, "participant_left", departure.join)
         elif role == "interrupted_topic":
-            runtime.start_soon(self._guard, "interrupt", self._router.interrupt,
+            runtime.start_soon(self._guard, "interrupt", router.interrupt,
                                payload.participant_id)
 
     async def _guard(self, what: str, fn: Any, *args: Any) -> None:
@@ -146,31 +144,17 @@ class RouterSubscriber:
         pid = query.participant_id
         turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
         emit = self._emitter(runtime)
-
-        status = router._set_status
-        token = router._observer.enter_context(query.trace_carrier())
-        try:
-            if status is not None:
-                await self._status(status, "processing", pid)
+        with router.continue_trace(query.trace_carrier()):
+            await router.report_status("processing", pid)
             try:
-                await router._handle(turn, emit)
+                await router.route_turn(turn, output=emit)
             except TurnInterrupted:
                 pass  # the participant spoke again, or barged in: not a failure
             except LifecycleError as exc:
                 logger.warning("turnrouter: dropped query %s: %s", query.message_id, exc)
-                router._observer.message_rejected(self._topics["query_topic"].name, "closed")
+                router.report_rejected(self._topics["query_topic"].name, "closed")
             except Exception:
                 logger.exception("turnrouter: runtime turn %s of %s failed", turn.turn_id, pid)
             finally:
-                if status is not None:
-                    with anyio.CancelScope(shield=True):  # idle even when cancelled
-                        await self._status(status, "idle", pid)
-        finally:
-            router._observer.exit_context(token)
-
-    @staticmethod
-    async def _status(status: Any, value: str, pid: str) -> None:
-        try:
-            await status(value, pid)
-        except Exception:
-            logger.exception("turnrouter: set_status(%r, %r) failed", value, pid)
+                with anyio.CancelScope(shield=True):  # idle even when cancelled
+                    await router.report_status("idle", pid)

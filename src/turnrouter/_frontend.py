@@ -1,0 +1,143 @@
+"""What front ends (runtimes, framework adapters) exchange with the router.
+
+A front end feeds turns and lifecycle events to an `AgentRouter` through its public
+front-end methods (`route_turn`, `begin_departure`, `readmit`, `drain`, ...). This module
+holds the small value types of that seam: the routed result, the departure handle, and
+the participant snapshot that moves a participant between router replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ._contracts import DestinationResult
+from ._exceptions import ContractTypeError, ContractValueError
+from ._lifecycle import OwnedOperation
+from ._patches import ContextPatch, MergeStrategy, PendingContextPatch
+
+__all__ = [
+    "MAX_SNAPSHOT_BYTES",
+    "Departure",
+    "ParticipantSnapshot",
+    "RoutedResult",
+    "SnapshotExchange",
+    "SnapshotPatch",
+]
+
+#: Largest serialized snapshot `ParticipantSnapshot.from_json` accepts (history is
+#: bounded by the router's byte budget, pending patches by `max_pending_patches`).
+MAX_SNAPSHOT_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedResult:
+    """The outcome of `AgentRouter.route_turn`: the contract's result and who answered."""
+
+    result: DestinationResult
+    """What `handle()` returns for the same turn."""
+    route: str | None
+    """The route whose answer (or admission clarification) ended the turn; None when the
+    router itself asked the participant to clarify."""
+
+
+class Departure:
+    """A participant's departure in progress (see `AgentRouter.begin_departure`).
+
+    Admission is already closed when this handle exists. Any number of callers may
+    `join()`; cancelling a joiner never abandons the departure.
+    """
+
+    __slots__ = ("_operation",)
+
+    def __init__(self, coro: Coroutine[Any, Any, None] | None) -> None:
+        self._operation = None if coro is None else OwnedOperation(coro)
+
+    @property
+    def done(self) -> bool:
+        """Whether the departure finished (successfully or not)."""
+        return self._operation is None or self._operation.done
+
+    async def join(self) -> None:
+        """Wait for the departure; raise its `ExceptionGroup` of release failures."""
+        if self._operation is not None:
+            await self._operation.join()
+
+
+class SnapshotPatch(BaseModel):
+    """An applied context patch, as stored with its history exchange."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    patch_id: str = Field(min_length=1)
+    task_id: str = Field(min_length=1)
+    strategy: MergeStrategy
+    diverged: bool
+    patch: ContextPatch
+
+
+class SnapshotExchange(BaseModel):
+    """One retained exchange with its id and completion time."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    user: str
+    assistant: str
+    turn_id: str | None = None
+    """The conversation turn's id (None for caller-seeded exchanges)."""
+    stamp_us: int | None = None
+    patch: SnapshotPatch | None = None
+    """Set for a background-derived exchange (an applied context patch)."""
+
+
+class ParticipantSnapshot(BaseModel):
+    """A participant's router state, to move it to another router replica.
+
+    Focus, the retained history (ids and timestamps included), the routes used (they
+    are released on departure), held context patches and the lifecycle flags. The
+    divergence rule's "state before the newest exchange" is not carried: a patch
+    spawned by the turn just before a move is compared with the moved context only.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    participant_id: str = Field(min_length=1)
+    focus: str | None = None
+    history: tuple[SnapshotExchange, ...] = ()
+    history_version: int = Field(default=0, ge=0)
+    used: tuple[str, ...] = ()
+    pending: tuple[PendingContextPatch, ...] = ()
+    initialized: bool = False
+    departed: bool = False
+
+    def to_json(self) -> str:
+        """Compact JSON (UTF-8 text)."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> ParticipantSnapshot:
+        """Parse and validate a snapshot; `ContractValueError` names what is wrong."""
+        if not isinstance(data, str | bytes | bytearray):
+            raise ContractTypeError(
+                f"ParticipantSnapshot.from_json takes str or bytes, got {type(data).__name__}")
+        if len(data) > MAX_SNAPSHOT_BYTES:
+            raise ContractValueError(
+                f"participant snapshot of {len(data)} bytes exceeds MAX_SNAPSHOT_BYTES "
+                f"({MAX_SNAPSHOT_BYTES})")
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise ContractValueError(
+                f"invalid participant snapshot: {exc.error_count()} error(s), first: "
+                f"{_first_error(exc)}") from None
+        except (RecursionError, UnicodeDecodeError, ValueError) as exc:
+            raise ContractValueError(f"invalid participant snapshot: {exc!r:.200}") from exc
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors(include_input=False)[0]
+    where = ".".join(str(part) for part in first.get("loc", ())) or "(root)"
+    return f"{where}: {first.get('msg', '')}"

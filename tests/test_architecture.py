@@ -1,0 +1,139 @@
+"""The shape of the source tree: no import cycles, small classes, short signatures."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import turnrouter
+
+SRC = Path(turnrouter.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, tuple[Path, ast.Module]]:
+    return {_module_name(path): (path, ast.parse(path.read_text(), str(path)))
+            for path in sorted(SRC.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, path: Path, tree: ast.Module, known: set[str]) -> set[str]:
+    """Modules of the package `name` imports at run time (TYPE_CHECKING blocks aside)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for branch in node.orelse:
+                visit(branch)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in known else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    # importlib.import_module("turnrouter.x") is an import too.
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
+                and node.args and isinstance(node.args[0], ast.Constant)):
+            found.add(str(node.args[0].value))
+    return {module for module in found if module in known and module != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(name, path, tree, known) for name, (path, tree) in modules.items()}
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """No private module imports another that (directly or not) imports it back."""
+    assert _cycles(_graph()) == []
+
+
+def test_the_router_does_not_import_its_front_ends() -> None:
+    """Front ends depend on the router, never the other way round (except the runtime
+    topics the contract's constructor takes, validated by the runtime package)."""
+    graph = _graph()
+    for module in ("turnrouter._router", "turnrouter._turn"):
+        if module in graph:
+            deps = graph[module]
+            assert not any(dep.startswith("turnrouter.integrations") for dep in deps)
+
+
+def test_runtime_uses_only_public_router_names() -> None:
+    """runtime/ never touches a private attribute of the router."""
+    for path in (SRC / "runtime").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "_router"):
+                raise AssertionError(f"{path.name}:{node.lineno} uses router.{node.attr}")
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id == "router"):
+                raise AssertionError(f"{path.name}:{node.lineno} uses router.{node.attr}")
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    """The checker itself reports a two-module cycle and ignores a chain."""
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -1,0 +1,423 @@
+"""The router's front-end seam: what runtimes and framework adapters call."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from turnrouter import (
+    Admission,
+    AgentTurn,
+    ContextPatch,
+    ContractTypeError,
+    ContractValueError,
+    DestinationResult,
+    LifecycleError,
+    MergeStrategy,
+    ParticipantSnapshot,
+    RoutedResult,
+    TurnInterrupted,
+)
+from turnrouter.runtime import ParticipantJoined, ParticipantLeft, Topic
+from turnrouter.testing import (
+    OutputRecorder,
+    ScriptedAgent,
+    ScriptedDecisions,
+    TelemetryCapture,
+)
+
+from .kit import Harness
+
+pytestmark = pytest.mark.anyio
+
+
+# ---------------------------------------------------------------- route_turn
+
+
+async def test_route_turn_reports_the_answering_route() -> None:
+    """route_turn returns handle()'s result and the route that answered."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"))
+    routed = await h.router.route_turn(h.turn("rain?"))
+    assert routed == RoutedResult(DestinationResult("answer", "weather answer"), "weather")
+
+
+async def test_route_turn_names_the_default_after_exhausted_declines() -> None:
+    """The default fallback's answer is attributed to the default route."""
+    h = Harness(ScriptedAgent("weather", admissions="decline"),
+                ScriptedAgent("music", admissions="decline"),
+                decisions=ScriptedDecisions("weather", "music"))
+    routed = await h.router.route_turn(h.turn())
+    assert routed.route == "conversation"
+
+
+async def test_route_turn_names_a_clarifying_destination_and_not_the_router() -> None:
+    """An admission clarification names its route; the router's own names none."""
+    h = Harness(ScriptedAgent("weather", admissions=Admission("clarify", text="Where?")),
+                decisions=ScriptedDecisions("weather", "clarify"))
+    asked = await h.router.route_turn(h.turn())
+    assert asked == RoutedResult(DestinationResult("clarify"), "weather")
+    router_asked = await h.router.route_turn(h.turn())
+    assert router_asked == RoutedResult(DestinationResult("clarify"), None)
+
+
+async def test_route_turn_speaks_through_its_own_output() -> None:
+    """A per-call output receives the turn's control text instead of the constructor's."""
+    h = Harness(ScriptedAgent("weather", admissions=Admission("accept", preamble="Sure.")),
+                decisions=ScriptedDecisions("weather"))
+    mine = OutputRecorder()
+    await h.router.route_turn(h.turn(), output=mine)
+    assert mine.texts == ["Sure."]
+    assert h.output.texts == []
+
+
+async def test_route_turn_without_any_output_is_refused() -> None:
+    """Without a per-call or constructor output, route_turn raises LifecycleError."""
+    from turnrouter import AgentRouter
+
+    router = AgentRouter({"conversation": ScriptedAgent("conversation")},
+                         ScriptedDecisions("conversation"))
+    with pytest.raises(LifecycleError, match="output callback"):
+        await router.route_turn(AgentTurn("p1", "t1", "hi"))
+    with pytest.raises(ContractTypeError, match="AgentTurn"):
+        await router.route_turn("hi")  # type: ignore[arg-type]
+
+
+async def test_a_refused_turn_is_counted_and_traced(
+        turnrouter_telemetry: TelemetryCapture) -> None:
+    """A turn offered while its participant departs is refused, counted and traced."""
+    from turnrouter import AgentRouter
+
+    agent = ScriptedAgent("conversation")
+    agent.release_gate = anyio.Event()
+    router = AgentRouter({"conversation": agent}, ScriptedDecisions("conversation"),
+                         output=OutputRecorder(), telemetry=turnrouter_telemetry.telemetry)
+    await router.handle(AgentTurn("p1", "t1", "hi"))
+    departure = router.begin_departure("p1")
+    with pytest.raises(LifecycleError):
+        await router.route_turn(AgentTurn("p1", "t2", "again"))
+    agent.release_gate.set()
+    with anyio.fail_after(5):
+        await departure.join()
+    assert turnrouter_telemetry.value(
+        "turnrouter_turns_total", route="none", outcome="refused") == 1
+    [span] = [span for span in turnrouter_telemetry.spans()
+              if span.name == "turnrouter.turn" and span.attributes is not None
+              and span.attributes["turnrouter.turn.id"] == "t2"]
+    assert span.attributes is not None
+    assert span.attributes["turnrouter.outcome"] == "refused"
+    assert span.attributes["error.type"] == "LifecycleError"
+
+
+# ---------------------------------------------------------------- departure, readmission
+
+
+def _joined_topics() -> dict[str, Any]:
+    from turnrouter.runtime import ResponseOutput, UserQuery
+
+    return {"query_topic": Topic("q", UserQuery), "output_topic": Topic("o", ResponseOutput),
+            "participant_joined_topic": Topic("j", ParticipantJoined),
+            "participant_left_topic": Topic("l", ParticipantLeft)}
+
+
+async def test_begin_departure_closes_admission_at_once_until_readmitted() -> None:
+    """With a joined topic, begin_departure closes admission synchronously; readmit
+    reopens it."""
+    h = Harness(ScriptedAgent("conversation"), **_joined_topics())
+    await h.say()
+    departure = h.router.begin_departure("p1")
+    with pytest.raises(LifecycleError):
+        await h.say()
+    with anyio.fail_after(5):
+        await departure.join()
+    assert departure.done
+    assert h["conversation"].methods()[-1] == "release"
+    with pytest.raises(LifecycleError, match="left"):
+        await h.say()
+    h.router.readmit("p1")
+    assert (await h.say()).disposition == "answer"
+
+
+async def test_begin_departure_of_an_unknown_participant_is_done_at_once() -> None:
+    """A participant the router never saw has nothing to release."""
+    h = Harness(ScriptedAgent("conversation"))
+    departure = h.router.begin_departure("nobody")
+    assert departure.done
+    await departure.join()
+
+
+async def test_concurrent_departure_joiners_share_one_departure() -> None:
+    """Two handles for one departure release each destination once."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say()
+    h["conversation"].release_gate = anyio.Event()
+    first = h.router.begin_departure("p1")
+    second = h.router.begin_departure("p1")
+    h["conversation"].release_gate.set()
+    with anyio.fail_after(5):
+        await first.join()
+        await second.join()
+    assert h["conversation"].count("release") == 1
+
+
+async def test_begin_departure_failure_raises_from_join() -> None:
+    """Release failures reach the joiner as an ExceptionGroup."""
+    h = Harness(ScriptedAgent("conversation", release_error=RuntimeError("boom")))
+    await h.say()
+    departure = h.router.begin_departure("p1")
+    with anyio.fail_after(5), pytest.raises(ExceptionGroup):
+        await departure.join()
+
+
+async def test_begin_departure_during_stop_runs_after_stop() -> None:
+    """A departure begun while the router stops waits for the shutdown, then ends."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say()
+    h["conversation"].release_gate = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.router.stop)
+        with anyio.fail_after(5):
+            await h["conversation"].release_entered.wait()
+        departure = h.router.begin_departure("p1")
+        assert not departure.done
+        h["conversation"].release_gate.set()
+        with anyio.fail_after(5):
+            await departure.join()
+    assert h.router.participants == frozenset()
+
+
+# ---------------------------------------------------------------- drain
+
+
+async def test_drain_waits_for_running_turns_without_cancelling_them() -> None:
+    """drain() returns once the running turn answered; nothing was interrupted."""
+    h = Harness(ScriptedAgent("conversation"))
+    h["conversation"].answer_gate = anyio.Event()
+    drained = anyio.Event()
+
+    async def drain() -> None:
+        await h.router.drain()
+        drained.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, h.turn())
+        with anyio.fail_after(5):
+            await h["conversation"].answer_entered.wait()
+        tg.start_soon(drain)
+        await anyio.wait_all_tasks_blocked()
+        assert not drained.is_set()
+        h["conversation"].answer_gate.set()
+    assert drained.is_set()
+    assert h.outcomes["t1"] == DestinationResult("answer", "conversation answer")
+    assert h["conversation"].cancelled == []
+
+
+async def test_drain_with_nothing_running_returns_at_once() -> None:
+    """An idle router drains immediately."""
+    h = Harness(ScriptedAgent("conversation"))
+    with anyio.fail_after(5):
+        await h.router.drain()
+
+
+async def test_cancelled_drain_leaves_turns_running() -> None:
+    """Cancelling a drain waiter cancels nothing else."""
+    h = Harness(ScriptedAgent("conversation"))
+    h["conversation"].answer_gate = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, h.turn())
+        with anyio.fail_after(5):
+            await h["conversation"].answer_entered.wait()
+        with anyio.move_on_after(0):
+            await h.router.drain()
+        h["conversation"].answer_gate.set()
+    assert isinstance(h.outcomes["t1"], DestinationResult)
+
+
+# ---------------------------------------------------------------- small reports
+
+
+async def test_control_output_receives_patch_questions() -> None:
+    """Without a constructor output, a held patch's question goes to the control output."""
+    from turnrouter import AgentRouter
+
+    agent = ScriptedAgent("conversation")
+    router = AgentRouter({"conversation": agent}, ScriptedDecisions("conversation"))
+    control = OutputRecorder()
+    router.set_control_output(control)
+    await router.route_turn(AgentTurn("p1", "t1", "hi"), output=OutputRecorder())
+    await router.apply_context_patch(
+        "p1", ContextPatch(task_id="job", digest=("found it",)), MergeStrategy.HUMAN_GATED)
+    assert len(control.texts) == 1
+    assert "found it" in control.texts[0]
+    with pytest.raises(ContractTypeError):
+        router.set_control_output("nope")  # type: ignore[arg-type]
+
+
+async def test_report_rejected_counts_by_source_and_reason(
+        turnrouter_telemetry: TelemetryCapture) -> None:
+    """A front end's refusals are counted in the runtime rejection family."""
+    h = Harness(ScriptedAgent("conversation"), telemetry=turnrouter_telemetry.telemetry)
+    h.router.report_rejected("turnrouter.query", "not_owned")
+    h.router.report_rejected("turnrouter.query", "not_owned")
+    assert turnrouter_telemetry.value("turnrouter_runtime_rejected_messages_total",
+                                      topic="turnrouter.query", reason="not_owned") == 2
+
+
+async def test_report_status_calls_set_status_and_logs_its_failure(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """report_status forwards to set_status; a failing callback is logged, not raised."""
+    seen: list[tuple[str, str]] = []
+
+    async def status(value: str, pid: str) -> None:
+        seen.append((value, pid))
+        if value == "idle":
+            raise RuntimeError("status sink down")
+
+    h = Harness(ScriptedAgent("conversation"), set_status=status)
+    await h.router.report_status("processing", "p1")
+    await h.router.report_status("idle", "p1")
+    assert seen == [("processing", "p1"), ("idle", "p1")]
+    assert "set_status" in caplog.text
+
+
+async def test_continue_trace_parents_the_turn_under_the_remote_span(
+        turnrouter_telemetry: TelemetryCapture) -> None:
+    """A turn inside continue_trace joins the carrier's trace; trace_carrier exports it."""
+    h = Harness(ScriptedAgent("conversation", admissions=Admission("accept", preamble="ok")),
+                telemetry=turnrouter_telemetry.telemetry)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    carrier = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    seen: dict[str, str] = {}
+
+    async def speak(turn: AgentTurn, route: str, text: str) -> None:
+        seen.update(h.router.trace_carrier())
+
+    with h.router.continue_trace(carrier):
+        await h.router.route_turn(h.turn(), output=speak)
+    span = turnrouter_telemetry.span("turnrouter.turn")
+    assert format(span.context.trace_id, "032x") == trace_id
+    assert seen["traceparent"].split("-")[1] == trace_id
+
+
+# ---------------------------------------------------------------- snapshots
+
+
+async def _router_with_state() -> Harness:
+    h = Harness(ScriptedAgent("weather", results="focus"), ScriptedAgent("conversation"),
+                decisions=ScriptedDecisions("weather"))
+    await h.say("rain?")
+    await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="job", digest=("umbrella sold out",)))
+    await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="held", digest=("ask me",)), MergeStrategy.HUMAN_GATED)
+    return h
+
+
+async def test_snapshot_moves_focus_history_and_patches_to_another_router() -> None:
+    """export on one router, import on another: the next turn sees the same state."""
+    old = await _router_with_state()
+    snapshot = old.router.export_participant("p1")
+    assert snapshot is not None
+    moved = ParticipantSnapshot.from_json(snapshot.to_json())
+    assert moved == snapshot
+    new = Harness(ScriptedAgent("weather", results="focus"), ScriptedAgent("conversation"),
+                  decisions=ScriptedDecisions("conversation"))
+    new.router.import_participant(moved)
+    assert new.router.focus_of("p1") == "weather"
+    assert new.router.history_of("p1") == old.router.history_of("p1")
+    assert new.router.context_state("p1") == old.router.context_state("p1")
+    assert [p.task_id for p in new.router.context_patches_of("p1")] == ["job"]
+    [held] = new.router.pending_patches("p1")
+    assert (await new.router.approve_patch(held.patch_id)).task_id == "held"
+    await new.say("and tomorrow?")
+    assert new["weather"].calls[0].focused is True  # focus moved with the participant
+    departure = new.router.begin_departure("p1")
+    await departure.join()
+    assert new["weather"].count("release") == 1  # "used" moved too
+
+
+async def test_evict_hands_over_without_releasing() -> None:
+    """evict cancels the running turn, drops state and never calls release()."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say()
+    h["conversation"].answer_gate = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, h.turn())
+        with anyio.fail_after(5):
+            await h["conversation"].answer_entered.wait()
+        snapshot = await h.router.evict_participant("p1")
+    assert isinstance(h.outcomes["t2"], TurnInterrupted)
+    assert snapshot is not None and len(snapshot.history) == 1
+    assert h.router.participants == frozenset()
+    assert h["conversation"].count("release") == 0
+    assert await h.router.evict_participant("p1") is None
+
+
+async def test_import_refuses_unknown_routes_and_busy_participants() -> None:
+    """A snapshot naming unregistered routes, or a participant mid-turn, is refused."""
+    h = Harness(ScriptedAgent("conversation"))
+    with pytest.raises(ContractValueError, match="unregistered"):
+        h.router.import_participant(ParticipantSnapshot(participant_id="p1", focus="ghost"))
+    h["conversation"].answer_gate = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, h.turn())
+        with anyio.fail_after(5):
+            await h["conversation"].answer_entered.wait()
+        with pytest.raises(LifecycleError, match="in flight"):
+            h.router.import_participant(ParticipantSnapshot(participant_id="p1"))
+        h["conversation"].answer_gate.set()
+    with pytest.raises(ContractTypeError):
+        h.router.import_participant({"participant_id": "p1"})  # type: ignore[arg-type]
+
+
+async def test_imported_departed_flag_keeps_admission_closed() -> None:
+    """A participant that left elsewhere stays closed here until readmitted."""
+    h = Harness(ScriptedAgent("conversation"), **_joined_topics())
+    h.router.import_participant(ParticipantSnapshot(participant_id="p1", departed=True))
+    with pytest.raises(LifecycleError):
+        await h.say()
+    h.router.readmit("p1")
+    await h.say()
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(
+    st.binary(max_size=300),
+    st.text(max_size=300),
+    _JSON.map(json.dumps),
+    st.fixed_dictionaries({"participant_id": st.text(max_size=5)},
+                          optional={"focus": _JSON, "history": _JSON, "used": _JSON,
+                                    "pending": _JSON, "history_version": _JSON}
+                          ).map(json.dumps),
+))
+def test_snapshot_from_json_accepts_valid_or_names_the_problem(data: str | bytes) -> None:
+    """Junk snapshots raise ContractValueError; nothing else escapes."""
+    try:
+        snapshot = ParticipantSnapshot.from_json(data)
+    except ContractValueError as exc:
+        message = str(exc)
+    else:
+        message = "snapshot"
+        assert snapshot.participant_id
+    assert "snapshot" in message
+
+
+def test_snapshot_from_json_bounds_size_and_nesting() -> None:
+    """Huge and deeply nested input is refused with ContractValueError."""
+    with pytest.raises(ContractValueError, match="MAX_SNAPSHOT_BYTES"):
+        ParticipantSnapshot.from_json(b" " * (5 * 1024 * 1024))
+    with pytest.raises(ContractValueError):
+        ParticipantSnapshot.from_json("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ContractTypeError):
+        ParticipantSnapshot.from_json(42)  # type: ignore[arg-type]
