@@ -22,6 +22,9 @@ from turnrouter.testing import RecordingObserver, ScriptedAgent, ScriptedDecisio
 
 from .kit import publish_and_drain
 
+FAILURE_TEXT = "Sorry, something went wrong. Please try again."
+CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it another way?"
+
 pytestmark = pytest.mark.anyio
 
 QUERY = Topic("q", UserQuery)
@@ -165,7 +168,7 @@ async def test_background_failure_is_logged_once(caplog: pytest.LogCaptureFixtur
         outputs = await publish_and_drain(
             router, OUTPUT, (QUERY, UserQuery(participant_id="p", text="x")))
     assert len([r for r in caplog.records if r.exc_info]) == 1
-    assert [o.text for o in outputs] == [router._failure_text]
+    assert [o.text for o in outputs] == [FAILURE_TEXT]
 
 
 async def test_departure_closes_admission_until_rejoin() -> None:
@@ -184,7 +187,7 @@ async def test_departure_closes_admission_until_rejoin() -> None:
     assert ("message_rejected", "q", "closed") in observer.events
     assert agents["weather"].count("answer") == 1
     with pytest.raises(LifecycleError, match="joined"):
-        await router._handle(AgentTurn("p1", "t", "x"), _silent)
+        await router.route_turn(AgentTurn("p1", "t", "x"), output=_silent)
     await publish_and_drain(router, OUTPUT, (JOINED, ParticipantJoined(participant_id="p1")),
                             (QUERY, UserQuery(participant_id="p1", text="back")))
     assert agents["weather"].count("answer") == 2
@@ -253,9 +256,9 @@ async def test_successful_stop_reopens_departed_participants() -> None:
     router, agents, _ = make_router()
     await router.participant_left("p1")
     with pytest.raises(LifecycleError):
-        await router._handle(AgentTurn("p1", "t", "x"), _silent)
+        await router.route_turn(AgentTurn("p1", "t", "x"), output=_silent)
     await router.stop()
-    await router._handle(AgentTurn("p1", "t2", "x"), _silent)
+    await router.route_turn(AgentTurn("p1", "t2", "x"), output=_silent)
     assert agents["weather"].count("answer") == 1
 
 
@@ -263,9 +266,9 @@ async def test_without_a_joined_topic_departure_does_not_lock_out() -> None:
     """With only query and output topics, a departed participant may come back."""
     router, agents, _ = make_router(topics={"participant_joined_topic": None,
                                             "participant_left_topic": None})
-    await router._handle(AgentTurn("p1", "t1", "x"), _silent)
+    await router.route_turn(AgentTurn("p1", "t1", "x"), output=_silent)
     await router.participant_left("p1")
-    await router._handle(AgentTurn("p1", "t2", "x"), _silent)
+    await router.route_turn(AgentTurn("p1", "t2", "x"), output=_silent)
     assert agents["weather"].count("answer") == 2
 
 

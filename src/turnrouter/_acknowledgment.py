@@ -1,9 +1,9 @@
 """Route-aware intention acknowledgments, timed by a fallback delay or a prediction.
 
 Used by `AgentRouter` only when `acknowledgment_llm` and `acknowledgment_delay_secs` are
-configured (or a timing predictor/sink is given, for samples only). Per turn, the
-destination's `answer()` starts at once; beside it, in an anyio task group, one
-acknowledgment task:
+configured (or a timing predictor/sink is given, for samples only). Per turn, the router
+calls the destination's `answer()` at once; beside it, in an anyio task group, runs one
+`AcknowledgmentSidecar`:
 
 1. asks the timing predictor for a prediction of this route's first response;
 2. picks the trigger: ``prediction`` when the prediction is confident and its lower
@@ -28,14 +28,14 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import anyio
 
 from ._clock import Clock
-from ._contracts import AgentTurn, DestinationResult, RoutingAid
+from ._contracts import AgentTurn, RoutingAid
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
 from ._observer import AcknowledgmentOutcome, AcknowledgmentTrigger, RouterObserver, TurnObserver
@@ -54,6 +54,7 @@ __all__ = [
 
 logger = logging.getLogger("turnrouter")
 T = TypeVar("T")
+Emit = Callable[[AgentTurn, str, str], Awaitable[None]]
 
 #: Prompt line prefixes; `turnrouter.llm.TemplateAcknowledger` parses them back.
 PROMPT_ROUTE = "Helper: "
@@ -175,14 +176,15 @@ async def within(clock: Clock, deadline: float, call: Callable[[], Awaitable[T]]
 class TimingEngine:
     """Router-wide timing state: predictor, sink, generation-time estimate, clock."""
 
-    __slots__ = ("_published", "acknowledger", "clock", "delay", "expected_generation",
-                 "llm", "observer", "policy", "predictor", "sink")
+    __slots__ = ("_published", "acknowledger", "agents", "clock", "delay",
+                 "expected_generation", "llm", "observer", "policy", "predictor", "sink")
 
     def __init__(
         self, *, llm: LLMService | None, delay: float | None, policy: AcknowledgmentPolicy,
         predictor: TimingPredictor | None, sink: TimingSink | None, clock: Clock,
-        observer: RouterObserver,
+        observer: RouterObserver, agents: Mapping[str, RoutableAgent],
     ) -> None:
+        self.agents = agents
         self.llm = llm
         self.acknowledger: Acknowledger | None = (
             llm if llm is not None and callable(getattr(llm, "acknowledge", None))
@@ -236,48 +238,45 @@ class TimingEngine:
     def generation_observed(self, seconds: float) -> None:
         self.expected_generation += 0.2 * (seconds - self.expected_generation)
 
-    def turn(
-        self, obs: TurnObserver, agent: RoutableAgent, route: str, turn: AgentTurn,
-        emit: Callable[[AgentTurn, str, str], Awaitable[None]], admitted_at: float,
-        heard: bool,
-    ) -> TurnTiming:
-        return TurnTiming(self, obs, agent, route, turn, emit, admitted_at, heard)
+    def sidecar(
+        self, obs: TurnObserver, route: str, turn: AgentTurn, emit: Emit,
+        heard: Callable[[float], None],
+    ) -> AcknowledgmentSidecar | None:
+        """The acknowledgment to run beside one answer (None without an LLM).
+
+        `heard(at)` is told when a committed acknowledgment was delivered: the turn,
+        which owns the silence measurement, decides whether that ended the silence.
+        """
+        if self.llm is None:
+            return None
+        return AcknowledgmentSidecar(self, obs, route, turn, emit, heard)
+
+    def aid(self, route: str, turn: AgentTurn) -> RoutingAid:
+        agent = self.agents[route]
+        return agent.routing_aid(turn.participant_id)
 
 
 _PENDING, _SUPPRESSED, _FAILED, _COMMITTED, _DONE = range(5)
 
 
-class TurnTiming:
-    """One answered turn's acknowledgment, silence and first-response sample."""
+class AcknowledgmentSidecar:
+    """One answer's acknowledgment, run beside the destination's `answer()`.
 
-    __slots__ = (
-        "_agent",
-        "_delay_used",
-        "_delivered",
-        "_emit",
-        "_engine",
-        "_obs",
-        "_predicted",
-        "_scope",
-        "_started_at",
-        "_state",
-        "_t0",
-        "_trigger",
-        "admitted_at",
-        "heard",
-        "route",
-        "turn",
-    )
+    The router starts `run()` in a task group next to `answer()` and tells the sidecar
+    when the answer starts (`answer_started`) and when it returned (`answer_finished`):
+    a pending acknowledgment is then suppressed, a committed one is awaited.
+    """
+
+    __slots__ = ("_delay_used", "_delivered", "_emit", "_engine", "_heard", "_obs",
+                 "_predicted", "_scope", "_started_at", "_state", "_t0", "_trigger",
+                 "route", "turn")
 
     def __init__(
-        self, engine: TimingEngine, obs: TurnObserver, agent: RoutableAgent, route: str,
-        turn: AgentTurn, emit: Callable[[AgentTurn, str, str], Awaitable[None]],
-        admitted_at: float, heard: bool,
+        self, engine: TimingEngine, obs: TurnObserver, route: str, turn: AgentTurn,
+        emit: Emit, heard: Callable[[float], None],
     ) -> None:
-        self._engine, self._obs, self._agent = engine, obs, agent
+        self._engine, self._obs, self._heard = engine, obs, heard
         self.route, self.turn, self._emit = route, turn, emit
-        self.admitted_at = admitted_at
-        self.heard = heard
         self._t0 = engine.clock.now()
         self._state = _PENDING
         self._scope: anyio.CancelScope | None = None
@@ -287,49 +286,26 @@ class TurnTiming:
         self._delay_used = engine.delay if engine.delay is not None else 0.0
         self._started_at: float | None = None
 
-    # -------------------------------------------------------------- the answer side
+    @property
+    def committed(self) -> bool:
+        """An acknowledgment is being delivered: the answer's output waits for it."""
+        return self._state == _COMMITTED
 
-    async def answer(self, started: Callable[[], Awaitable[None]]) -> DestinationResult:
-        """Run the destination's answer, with the acknowledgment beside it if configured."""
-        agent = self._agent
-        if self._engine.llm is None:
-            self._state = _DONE
-            return await agent.answer(self.turn, started=started)
-        error: Exception | None = None
-        result: Any = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._acknowledge)
-            try:
-                result = await agent.answer(self.turn, started=started)
-            except Exception as exc:  # re-raised below, unwrapped by the task group
-                error = exc
-            if self._state == _PENDING:
-                self._suppress()
-        if error is not None:
-            raise error
-        answer: DestinationResult = result
-        return answer
-
-    def started(self, now: float, seconds: float) -> None:
-        """The destination's first `started()` call, `seconds` after its answer began."""
+    def answer_started(self, now: float) -> None:
+        """The destination called `started()`: suppress a pending acknowledgment."""
         self._started_at = now
         if self._state == _PENDING:
             self._suppress()
-        if not self.heard and self._state != _COMMITTED:
-            self.heard = True
-            self._obs.silence(self.route, now - self.admitted_at)
-        self._engine.record(self.route, seconds, False, self.turn)
+
+    def answer_finished(self) -> None:
+        """`answer()` returned or raised: a pending acknowledgment is no longer useful."""
+        if self._state == _PENDING:
+            self._suppress()
 
     async def wait_delivered(self) -> None:
         """Wait for a committed acknowledgment's delivery (at once if there is none)."""
         if self._state == _COMMITTED and self._delivered is not None:
             await self._delivered.wait()
-
-    def interrupted(self) -> None:
-        """The answer was cancelled before `started()`: a censored (lower-bound) sample."""
-        self._engine.record(self.route, self._engine.clock.now() - self._t0, True, self.turn)
-
-    # -------------------------------------------------------------- the acknowledgment
 
     def _report(self, outcome: AcknowledgmentOutcome, text: str = "",
                 error: BaseException | None = None) -> None:
@@ -350,7 +326,8 @@ class TurnTiming:
                        self.route, error)
         self._report("failed", error=error)
 
-    async def _acknowledge(self) -> None:
+    async def run(self) -> None:
+        """Predict, wait, generate and deliver the acknowledgment (or be suppressed)."""
         if self._state != _PENDING:
             return
         try:
@@ -387,7 +364,7 @@ class TurnTiming:
     async def _generate(self) -> str:
         engine = self._engine
         max_tokens = engine.policy.max_tokens
-        aid = self._agent.routing_aid(self.turn.participant_id)
+        aid = engine.aid(self.route, self.turn)
         if engine.acknowledger is not None:
             return await engine.acknowledger.acknowledge(
                 AcknowledgmentRequest(aid, self.turn, max_tokens))
@@ -436,9 +413,8 @@ class TurnTiming:
             await self._emit(self.turn, self.route, text)
         except Exception as exc:
             self._fail(exc)
-            if not self.heard and self._started_at is not None:
-                self.heard = True
-                self._obs.silence(self.route, self._started_at - self.admitted_at)
+            if self._started_at is not None:
+                self._heard(self._started_at)  # the answer, not the acknowledgment
         except BaseException:
             # Interrupted while delivering: the router suppresses interrupted control text.
             self._state = _DONE
@@ -446,9 +422,7 @@ class TurnTiming:
             raise
         else:
             self._state = _DONE
-            if not self.heard:
-                self.heard = True
-                self._obs.silence(self.route, committed_at - self.admitted_at)
+            self._heard(committed_at)
             self._report("emitted", text)
         finally:
             self._delivered.set()

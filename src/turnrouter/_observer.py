@@ -178,6 +178,13 @@ class RouterObserver:
     def predicted_first_response(self, route: str, seconds: float) -> None:
         """The timing predictor's current estimate for `route` changed."""
 
+    def heard(self, route: str, first_response_seconds: float,
+              silence_seconds: float | None) -> None:
+        """A front end reported when an answer was first heard (`route_turn(...,
+        report_heard=True)` and `mark_heard`): first response and silence measured to
+        that moment, possibly after the turn ended. `silence_seconds` is None when
+        something else (a preamble, an acknowledgment) had ended the silence."""
+
     def message_rejected(self, topic: str, reason: str) -> None:
         """A runtime message was malformed (`invalid`, `wrong_type`) or refused (`closed`)."""
 

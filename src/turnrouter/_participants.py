@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from ._contracts import AgentExchange
+from ._exceptions import LifecycleError
 from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch
 from ._history import History
 from ._lifecycle import OwnedOperation, TurnQueue
+from ._observer import RouterObserver
 from ._patches import AppliedContextPatch, PatchExchangeId, PendingContextPatch
 
-__all__ = ["Participant", "Phase", "restore", "snapshot_of"]
+if TYPE_CHECKING:
+    from ._turn import Turn
+
+__all__ = ["Participant", "Phase", "Registry", "RouterPhase", "restore", "snapshot_of"]
 
 
 class Phase(enum.Enum):
@@ -23,8 +29,8 @@ class Participant:
     """Router-owned state of one participant (kept small: thousands may be active)."""
 
     __slots__ = (
-        "cleanup_pending", "departure", "focus", "history", "initialized", "pending",
-        "phase", "pid", "queue", "unreleased", "used",
+        "cleanup_pending", "current", "departure", "focus", "history", "initialized",
+        "pending", "phase", "pid", "queue", "unheard", "unreleased", "used",
     )
 
     def __init__(self, pid: str) -> None:
@@ -41,6 +47,79 @@ class Participant:
         self.cleanup_pending = False
         #: Human-gated patches awaiting approval, oldest first (None: none held yet).
         self.pending: dict[str, PendingContextPatch] | None = None
+        #: The running turn, and an answered turn whose first audio is not reported yet.
+        self.current: Turn | None = None
+        self.unheard: Turn | None = None
+
+
+class RouterPhase(enum.Enum):
+    RUNNING = "running"
+    STOPPING = "the router is shutting down"
+    STOP_FAILED = "the router's last stop() failed"
+
+
+class Registry:
+    """The participants the router holds state for, and why anyone is closed.
+
+    `refusal()` is the one place that says why a participant (or the whole router)
+    takes no turn and no context patch right now.
+    """
+
+    __slots__ = ("_observer", "departed", "participants", "phase", "stopping")
+
+    def __init__(self, observer: RouterObserver) -> None:
+        self._observer = observer
+        self.participants: dict[str, Participant] = {}
+        #: With a participant-joined topic, departed participants stay closed until they
+        #: rejoin.
+        self.departed: set[str] = set()
+        self.stopping: OwnedOperation | None = None
+        self.phase = RouterPhase.RUNNING
+
+    def get(self, pid: str) -> Participant | None:
+        return self.participants.get(pid)
+
+    def router_refusal(self) -> str:
+        """Why the router takes nothing now ("" when it is open)."""
+        if self.stopping is not None and not self.stopping.done:
+            return RouterPhase.STOPPING.value
+        if self.phase is RouterPhase.STOP_FAILED:
+            return RouterPhase.STOP_FAILED.value
+        return ""
+
+    def refusal(self, pid: str) -> str:
+        """Why `pid` takes no turn now ("" when open)."""
+        refusal = self.router_refusal()
+        if refusal:
+            return refusal
+        if pid in self.departed:
+            return "the participant left"
+        state = self.participants.get(pid)
+        if state is not None and state.phase is not Phase.OPEN:
+            return f"the participant's departure {state.phase.value}"
+        return ""
+
+    def admit(self, pid: str) -> Participant:
+        """The participant's state for a new turn (created if new), or `LifecycleError`."""
+        refusal = self.refusal(pid)
+        if refusal:
+            until = ("until stop() ends" if refusal == RouterPhase.STOPPING.value else
+                     "until stop() succeeds" if refusal == RouterPhase.STOP_FAILED.value else
+                     "until a participant-joined event readmits them"
+                     if pid in self.departed else
+                     "until participant_left() completes")
+            raise LifecycleError(f"participant {pid!r}: {refusal}; handle() is closed {until}")
+        state = self.participants.get(pid)
+        if state is not None:
+            return state
+        state = self.participants[pid] = Participant(pid)
+        self._observer.participant_added(pid)
+        return state
+
+    def forget(self, state: Participant) -> None:
+        if self.participants.get(state.pid) is state:
+            del self.participants[state.pid]
+            self._observer.participant_removed(state.pid)
 
 
 def snapshot_of(state: Participant, departed: bool) -> ParticipantSnapshot:

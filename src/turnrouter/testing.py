@@ -411,6 +411,10 @@ class RecordingObserver(RouterObserver):
     def message_rejected(self, topic: str, reason: str) -> None:
         self.events.append(("message_rejected", topic, reason))
 
+    def heard(self, route: str, first_response_seconds: float,
+              silence_seconds: float | None) -> None:
+        self.events.append(("heard", route, first_response_seconds, silence_seconds))
+
     def enter_context(self, carrier: Mapping[str, str]) -> object:
         self.events.append(("enter_context", dict(carrier)))
         return None

@@ -485,6 +485,14 @@ class Telemetry(RouterObserver):
         """Publish the timing predictor's estimate for `route`."""
         self._families.predicted.get(route).set(seconds)
 
+    def heard(self, route: str, first_response_seconds: float,
+              silence_seconds: float | None) -> None:
+        """Record first response (and silence) measured to the first audio heard."""
+        families = self._families
+        families.first_response.get(route).child.observe(first_response_seconds)
+        if silence_seconds is not None:
+            families.silence.get(route).child.observe(silence_seconds)
+
     def context_patch(self, strategy: str, outcome: str) -> None:
         """Count a background context patch by strategy and outcome."""
         self._families.context_patches.get(strategy, outcome).inc()

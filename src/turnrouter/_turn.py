@@ -1,0 +1,540 @@
+"""One turn, top down: wait in line, decide, admit, answer, history, focus, finish.
+
+A `Turn` holds everything one turn needs (the router's settings, the participant's
+state, the output callback, the observer, the cancel handle, what happened so far), so
+the steps below take at most a route and an admission. The turn runs in the caller's
+task (no task per turn: an interrupt cancels that task and takes the cancellation back,
+as `asyncio.timeout` does). The acknowledgment runs beside the answer as a sidecar;
+the turn alone measures silence (`Silence`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ._config import CLARIFY_ROUTE, OutputCallback, RouterConfig
+from ._context import _current
+from ._contracts import (
+    Admission,
+    AgentTurn,
+    DestinationResult,
+    RouteDecision,
+    RouteRequest,
+    RoutingAid,
+    _exchange,
+    _request,
+    _turn_with_history,
+)
+from ._exceptions import DestinationContractError, TurnInterrupted
+from ._lifecycle import TurnRun
+from ._observer import ClarificationReason, ReleaseReason, TurnObserver, TurnOutcome
+
+if TYPE_CHECKING:
+    from ._acknowledgment import AcknowledgmentSidecar
+    from ._participants import Participant
+
+__all__ = ["Silence", "Turn"]
+
+logger = logging.getLogger("turnrouter")
+
+_CLARIFY_RESULT = DestinationResult("clarify")
+_TIMED_OUT = Admission("decline")
+_NOTHING_EXCLUDED: frozenset[str] = frozenset()
+_cancelled_exc = anyio.get_cancelled_exc_class
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    return isinstance(exc, _cancelled_exc())
+
+
+class Silence:
+    """The one measurement of the silence a participant heard after admission.
+
+    Whatever is heard first (the admission preamble, a delivered acknowledgment, the
+    answer's start or the audio a front end reports) ends it; later reports do nothing.
+    """
+
+    __slots__ = ("_obs", "_route", "_since", "done")
+
+    def __init__(self, obs: TurnObserver, route: str, since: float) -> None:
+        self._obs, self._route, self._since = obs, route, since
+        self.done = False
+
+    def hear(self, at: float) -> None:
+        seconds = self.take(at)
+        if seconds is not None:
+            self._obs.silence(self._route, seconds)
+
+    def take(self, at: float) -> float | None:
+        """End the silence at `at` without reporting it; None if it had ended already."""
+        if self.done:
+            return None
+        self.done = True
+        return at - self._since
+
+
+class Turn:
+    """One routed turn of one participant; see the module docstring."""
+
+    __slots__ = (
+        "_cfg", "_heard_at", "_sidecar", "_silence", "_started_at", "_t0", "_token",
+        "answered_by", "attempts", "emit", "focus_before", "obs", "output_failed",
+        "report_heard", "route", "run", "started", "state", "turn",
+    )
+
+    def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
+                 emit: OutputCallback, report_heard: bool) -> None:
+        self._cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
+        self.report_heard = report_heard
+        self.run = TurnRun(turn.turn_id)
+        self.focus_before: str | None = None
+        #: The route that answered (for telemetry), and the one that ended the turn.
+        self.route: str | None = None
+        self.answered_by: str | None = None
+        self.attempts = 0
+        self.started = False
+        self.output_failed = False
+        self.obs: TurnObserver
+        self._t0 = 0.0
+        self._token: object = None
+        self._silence: Silence | None = None
+        self._sidecar: AcknowledgmentSidecar | None = None
+        self._started_at: float | None = None
+        self._heard_at: float | None = None
+
+    # ------------------------------------------------------------------ the whole turn
+
+    async def execute(self) -> DestinationResult:
+        """Wait for the participant's earlier turns, run this one, report its outcome."""
+        state, turn, run = self.state, self.turn, self.run
+        queue = state.queue
+        running = queue.running
+        if running is not None:  # the participant spoke again: the running turn is stale
+            running.cancel("superseded by a newer turn")
+        observer = self._cfg.observer
+        if not await queue.enter(run):
+            observer.turn_started(turn, state.focus).finished(
+                "interrupted", None, state.focus, state.focus, 0, None)
+            raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
+        if state.unheard is not None:  # the previous answer was never reported heard
+            state.unheard.resolve_heard(None)
+        self.focus_before = state.focus
+        self.obs = observer.turn_started(turn, state.focus)
+        task = asyncio.current_task()
+        assert task is not None, "turnrouter runs on asyncio"
+        run.attach(task)
+        state.current = self
+        try:
+            result = await self._prepare_and_route()
+        except BaseException as exc:
+            run.protected = True
+            cancelled = _is_cancel(exc)
+            if cancelled and run.reason and not run.consume_cancel():
+                self._finish("interrupted", None)
+                raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason) from None
+            if not cancelled and not self.started and not self.output_failed:
+                await self._emit_failure()
+            self._finish("interrupted" if cancelled else "failed", None if cancelled else exc)
+            raise
+        finally:
+            run.protected = True
+            run.consume_cancel()  # a request that arrived as the turn completed
+            if state.current is self:
+                state.current = None
+            queue.leave(run)
+        self._finish(result.disposition, None)
+        return result
+
+    def _finish(self, outcome: TurnOutcome, error: BaseException | None) -> None:
+        self.obs.finished(outcome, self.route, self.focus_before, self.state.focus,
+                          self.attempts, error)
+
+    async def _emit_failure(self) -> None:
+        try:
+            await self.emit(self.turn, self.route or "none", self._cfg.failure_text)
+        except Exception:
+            logger.exception("turnrouter: could not deliver the failure message of turn %s",
+                             self.turn.turn_id)
+
+    async def _prepare_and_route(self) -> DestinationResult:
+        state, turn, cfg = self.state, self.turn, self._cfg
+        if not state.initialized:
+            if cfg.initialize is not None:
+                await cfg.initialize(turn.participant_id)
+            state.initialized = True
+        history = state.history
+        if not history.exchanges and turn.history:
+            history.seed(turn.history, cfg.budget)
+        if turn.history is not history.exchanges:
+            self.turn = turn = _turn_with_history(turn, history.exchanges)
+        token = _current.set((turn.turn_id, history.view()))
+        try:
+            return await self._route()
+        finally:
+            _current.reset(token)
+
+    # ------------------------------------------------------------------ routing
+
+    async def _route(self) -> DestinationResult:
+        state, cfg = self.state, self._cfg
+        pid = self.turn.participant_id
+        excluded: set[str] = set()
+        agents = cfg.agents
+
+        # 1. Focus first: the owner's admission is not a routing attempt.
+        owner = state.focus
+        if owner is not None:
+            if not agents[owner].routing_aid(pid).eligible:
+                state.focus = None
+                self.obs.focus_transition(owner, "lost")
+                await self._release(owner, "ineligible")
+            else:
+                # A decline keeps focus with the owner and does not call release().
+                result = await self._offer(owner, True, excluded)
+                if result is not None:
+                    return result
+
+        # 2. At most two routed choices, each excluding every route that declined.
+        aids = {name: _named(agent.routing_aid(pid), name) for name, agent in agents.items()}
+        for _ in range(2):
+            candidates = tuple(
+                aid for name, aid in aids.items() if aid.eligible and name not in excluded
+            )
+            if not candidates:
+                break
+            self.attempts += 1
+            request = _request(self.turn, candidates,
+                               frozenset(excluded) if excluded else _NOTHING_EXCLUDED)
+            chosen, reason = await self._choose(request, aids, excluded)
+            if chosen is None:
+                assert reason is not None
+                return await self._clarify(CLARIFY_ROUTE, "", reason)
+            result = await self._offer(chosen, state.focus == chosen, excluded)
+            if result is not None:
+                return result
+
+        # 3. Exhausted: the eligible default answers once without admission.
+        default = cfg.default
+        if (self.attempts and default is not None and aids[default].eligible
+                and default not in excluded):
+            self.obs.default_fallback(default)
+            return await self._answer(default, None)
+        reason_: ClarificationReason = (
+            "default_unavailable" if self.attempts else "no_eligible_route"
+        )
+        return await self._clarify(CLARIFY_ROUTE, "", reason_)
+
+    async def _choose(
+        self, request: RouteRequest, aids: dict[str, RoutingAid], excluded: set[str]
+    ) -> tuple[str | None, ClarificationReason | None]:
+        obs, cfg = self.obs, self._cfg
+        token = obs.decision_started(request)
+        try:
+            decision = await cfg.decisions.decide(request)
+            if not isinstance(decision, RouteDecision):
+                raise DestinationContractError(
+                    f"decision service returned {type(decision).__name__}, not a RouteDecision"
+                )
+        except Exception as exc:
+            obs.decision_finished(token, request, None, exc)
+            logger.warning("turnrouter: decision service failed: %r", exc)
+            # A classifier outage must not silence the assistant.
+            default = cfg.default
+            if default is not None and aids[default].eligible and default not in excluded:
+                return default, None
+            return None, "decision_failed"
+        obs.decision_finished(token, request, decision, None)
+        choice = decision.choice
+        for aid in request.candidates:
+            if aid.name == choice:
+                return choice, None
+        best = _best_scored(request.candidates, decision.scores)
+        if best is not None:
+            return best, None
+        return None, "low_confidence"
+
+    async def _offer(
+        self, route: str, focused: bool, excluded: set[str]
+    ) -> DestinationResult | None:
+        """Ask `route` to admit the turn; the turn's result, or None to route on without it.
+
+        A decline or release excludes the route for the rest of this turn; a release also
+        says its text, clears the route's focus and calls its `release()`.
+        """
+        admission = await self._admit(route, focused)
+        disposition = admission.disposition
+        if disposition == "accept":
+            return await self._answer(route, admission)
+        if disposition == "clarify":
+            return await self._clarify(route, admission.text, "destination")
+        excluded.add(route)
+        self.obs.reroute(route)
+        if disposition == "release":
+            await self._say(route, admission.text)
+            state = self.state
+            if state.focus == route:
+                state.focus = None
+                self.obs.focus_transition(route, "released")
+            await self._release(route, "reroute")
+        return None
+
+    async def _admit(self, route: str, focused: bool) -> Admission:
+        cfg, obs = self._cfg, self.obs
+        self.state.used.add(route)
+        agent = cfg.agents[route]
+        token = obs.admission_started(route, focused)
+        try:
+            timeout = cfg.admission_timeout
+            if timeout is None:
+                admission = await agent.admit(self.turn, focused=focused)
+            else:
+                with anyio.move_on_after(timeout) as scope:
+                    admission = await agent.admit(self.turn, focused=focused)
+                if scope.cancelled_caught:
+                    obs.admission_finished(token, route, focused, "decline", None, timed_out=True)
+                    logger.warning("turnrouter: %s.admit() timed out after %ss; counted as a "
+                                   "decline", route, timeout)
+                    return _TIMED_OUT
+            if not isinstance(admission, Admission):
+                raise DestinationContractError(
+                    f"destination {route!r} admit() returned {type(admission).__name__}, "
+                    "not an Admission"
+                )
+        except BaseException as exc:
+            obs.admission_finished(token, route, focused, None,
+                                   None if _is_cancel(exc) else exc)
+            raise
+        obs.admission_finished(token, route, focused, admission.disposition, None)
+        return admission
+
+    # ------------------------------------------------------------------ answering
+
+    async def _answer(self, route: str, admission: Admission | None) -> DestinationResult:
+        cfg, state, obs = self._cfg, self.state, self.obs
+        state.used.add(route)
+        self.route = self.answered_by = route
+        clock = cfg.clock
+        silence = self._silence = Silence(obs, route, clock())
+        preamble = admission.preamble if admission is not None else ""
+        if preamble:
+            silence.hear(clock())
+            await self._say(route, preamble)
+        self._token = obs.answer_started(route, admission is None)
+        timed = cfg.timed
+        self._sidecar = (
+            None if timed is None
+            else timed.sidecar(obs, route, self.turn, self.emit, silence.hear))
+        signal = _StartSignal(self)
+        self._t0 = clock()
+        try:
+            result = await self._call_answer(route, signal)
+            if not isinstance(result, DestinationResult) or result.disposition == "clarify":
+                raise DestinationContractError(
+                    f"destination {route!r} answer() must return DestinationResult answer, "
+                    f"focus or release, got {result!r:.80}"
+                )
+        except BaseException as exc:
+            signal.closed = True
+            cancelled = _is_cancel(exc)
+            if timed is not None and cancelled and not self.started:
+                # A censored sample: a lower bound, not a fast answer.
+                timed.record(route, clock() - self._t0, True, self.turn)
+            obs.answer_finished(self._token, route, None, None if cancelled else exc,
+                                cancelled)
+            raise
+        signal.closed = True
+        obs.answer_finished(self._token, route, result, None, False)
+        # The answer is complete: its bookkeeping must not be torn by an interrupt.
+        self.run.protected = True
+        await self._complete(route, result)
+        return result
+
+    async def _call_answer(self, route: str, signal: _StartSignal) -> DestinationResult:
+        agent = self._cfg.agents[route]
+        sidecar = self._sidecar
+        if sidecar is None:
+            return await agent.answer(self.turn, started=signal)
+        error: Exception | None = None
+        result: DestinationResult | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sidecar.run)
+            try:
+                result = await agent.answer(self.turn, started=signal)
+            except Exception as exc:  # re-raised below, unwrapped by the task group
+                error = exc
+            sidecar.answer_finished()
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]  # checked by the caller
+
+    def answer_started(self) -> None:
+        """The destination's first `started()` call."""
+        self.started = True
+        now = self._cfg.clock()
+        if self._sidecar is not None:
+            self._sidecar.answer_started(now)
+        if not self.report_heard:
+            self._first_response(now)
+            return
+        self._started_at = now
+        self.state.unheard = self
+        if self._heard_at is not None:
+            self.resolve_heard(self._heard_at)
+
+    def _first_response(self, at: float) -> None:
+        assert self.route is not None and self._silence is not None
+        seconds = at - self._t0
+        self.obs.first_response(self._token, self.route, seconds)
+        if self._sidecar is None or not self._sidecar.committed:
+            self._silence.hear(at)
+        timed = self._cfg.timed
+        if timed is not None:
+            timed.record(self.route, seconds, False, self.turn)
+
+    def mark_heard(self, at: float) -> None:
+        """The front end reports the first audio of this turn's answer heard at `at`."""
+        if self.started:
+            self.resolve_heard(at)
+        else:
+            self._heard_at = at
+
+    def resolve_heard(self, at: float | None) -> None:
+        """Record first response and silence to `at` (None: to `started()`), once."""
+        if self.state.unheard is self:
+            self.state.unheard = None
+        started_at = self._started_at
+        if started_at is None or self.route is None or self._silence is None:
+            return
+        self._started_at = None
+        at = started_at if at is None else max(at, started_at)
+        seconds = at - self._t0
+        silence_seconds = None
+        if self._sidecar is None or not self._sidecar.committed:
+            silence_seconds = self._silence.take(at)
+        self._cfg.observer.heard(self.route, seconds, silence_seconds)
+        timed = self._cfg.timed
+        if timed is not None:
+            timed.record(self.route, seconds, False, self.turn)
+
+    async def _complete(self, route: str, result: DestinationResult) -> None:
+        """History and focus after a complete answer."""
+        state, obs = self.state, self.obs
+        turn = self.turn
+        state.history.append(
+            _exchange(turn.query, result.text), turn.turn_id, turn.timestamp_us,
+            self._cfg.budget,
+        )
+        owner = state.focus
+        if result.disposition == "focus":
+            if owner != route:
+                state.focus = route
+                obs.focus_transition(route, "taken")
+                if owner is not None:
+                    obs.focus_transition(owner, "lost")
+                    await self._release(owner, "focus_taken")
+        elif result.disposition == "release" and owner == route:
+            state.focus = None
+            obs.focus_transition(route, "released")
+            await self._release(route, "post_answer")
+
+    # ------------------------------------------------------------------ speaking, releasing
+
+    async def _clarify(
+        self, route: str, text: str, reason: ClarificationReason
+    ) -> DestinationResult:
+        self.obs.clarification(reason)
+        if route != CLARIFY_ROUTE:
+            self.answered_by = route
+        await self._say(route, text or self._cfg.clarification_text)
+        return _CLARIFY_RESULT
+
+    async def _say(self, route: str, text: str) -> None:
+        if not text:
+            return
+        try:
+            await self.emit(self.turn, route, text)
+        except Exception:
+            self.output_failed = True
+            raise
+
+    async def _release(self, route: str, reason: ReleaseReason) -> None:
+        """Release during a turn, protected from interrupts; failures are logged only.
+
+        An interrupt that arrives meanwhile takes effect once the release is done, unless
+        the answer already completed (then there is nothing left to cancel).
+        """
+        run, obs = self.run, self.obs
+        was_protected = run.protected
+        run.protected = True
+        token = obs.release_started(route, reason)
+        pid = self.turn.participant_id
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._cfg.agents[route].release(pid)
+        except Exception as exc:
+            obs.release_finished(token, route, reason, exc)
+            logger.exception("turnrouter: %s.release(%r) failed (%s)", route, pid, reason)
+        else:
+            obs.release_finished(token, route, reason, None)
+        if not was_protected:
+            run.protected = False
+            if run.reason:
+                raise asyncio.CancelledError(run.reason)
+
+
+class _StartSignal:
+    """The `started()` callable handed to `answer()`.
+
+    The first call marks the answer started (first-response sample, silence, a pending
+    acknowledgment suppressed); every call until `answer()` returns waits for a
+    committed acknowledgment's delivery; calls after that do nothing.
+    """
+
+    __slots__ = ("_turn", "closed")
+
+    def __init__(self, turn: Turn) -> None:
+        self._turn = turn
+        self.closed = False
+
+    async def __call__(self) -> None:
+        if self.closed:
+            return
+        turn = self._turn
+        if not turn.started:
+            turn.answer_started()
+        sidecar = turn._sidecar
+        if sidecar is not None:
+            await sidecar.wait_delivered()
+
+
+def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]) -> str | None:
+    """Highest-scoring candidate with a finite score; priority breaks ties, then order."""
+    best: RoutingAid | None = None
+    best_score = -math.inf
+    for aid in candidates:
+        score = scores.get(aid.name)
+        if score is None or not math.isfinite(score):
+            continue
+        if best is None or score > best_score or (
+            score == best_score and aid.priority > best.priority
+        ):
+            best, best_score = aid, score
+    return None if best is None else best.name
+
+
+def _named(aid: RoutingAid, name: str) -> RoutingAid:
+    """The aid under its registered route name (the name decisions and labels use)."""
+    if aid.name == name:
+        return aid
+    if not isinstance(aid, RoutingAid):
+        raise DestinationContractError(
+            f"destination {name!r} routing_aid() returned {type(aid).__name__}, "
+            "not a RoutingAid"
+        )
+    return RoutingAid(name, aid.description, aid.priority, aid.eligible, aid.eligibility)
