@@ -42,7 +42,7 @@ from ._exceptions import ConfigurationError, ContractTypeError, ContractValueErr
 from ._frontend import Departure, ParticipantSnapshot, RoutedResult
 from ._llm import LLMService
 from ._observer import RouterObserver
-from ._participants import Participant, Phase, Registry, restore, snapshot_of
+from ._participants import Participant, Registry, snapshot_of
 from ._patch_desk import PatchDesk
 from ._patches import (
     AppliedContextPatch,
@@ -315,10 +315,11 @@ class AgentRouter:
         state = self._registry.get(participant_id)
         if state is None:
             return False
-        for running in (state.unheard, state.current):
-            if (running is not None and running.report_heard
-                    and running.turn.turn_id == turn_id):
-                running.mark_heard(self._cfg.clock() if at is None else float(at))
+        current = state.current
+        for answer in (state.unheard, None if current is None else current.answer):
+            if (answer is not None and answer.owner.report_heard
+                    and answer.owner.turn.turn_id == turn_id):
+                answer.mark_heard(self._cfg.clock() if at is None else float(at))
                 return True
         return False
 
@@ -422,33 +423,12 @@ class AgentRouter:
             raise ContractTypeError(
                 f"import_participant() takes a ParticipantSnapshot, "
                 f"got {type(snapshot).__name__}")
-        pid = snapshot.participant_id
-        unknown = {route for route in (*snapshot.used, snapshot.focus)
-                   if route is not None and route not in self._cfg.agents}
-        if unknown:
-            raise ContractValueError(
-                f"participant snapshot of {pid!r} names unregistered routes {sorted(unknown)}")
-        for held in snapshot.pending:
-            if held.participant_id != pid:
-                raise ContractValueError(
-                    f"participant snapshot of {pid!r} holds a patch of {held.participant_id!r}")
-        registry = self._registry
-        current = registry.get(pid)
-        if current is not None and (current.queue.runs() or current.phase is not Phase.OPEN):
-            raise LifecycleError(
-                f"participant {pid!r} has a turn in flight or is departing here; "
-                "import_participant() refused")
-        state = restore(snapshot, self._cfg.budget)
-        if current is not None:
-            self._patches.drop(current, outcome=None)
-        else:
-            self._cfg.observer.participant_added(pid)
-        registry.participants[pid] = state
+        replaced = self._registry.install(snapshot, self._cfg.agents, self._cfg.budget)
+        if replaced is not None:
+            self._patches.drop(replaced, outcome=None)
+        state = self._registry.get(snapshot.participant_id)
+        assert state is not None
         self._patches.hold(state)
-        if snapshot.departed:
-            registry.departed.add(pid)
-        else:
-            registry.departed.discard(pid)
 
     async def evict_participant(self, participant_id: str) -> ParticipantSnapshot | None:
         """Hand a participant over to another replica.

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ._acknowledgment import AcknowledgmentSidecar
     from ._participants import Participant
 
-__all__ = ["Silence", "Turn"]
+__all__ = ["Answer", "Silence", "Turn"]
 
 logger = logging.getLogger("turnrouter")
 
@@ -83,14 +83,13 @@ class Turn:
     """One routed turn of one participant; see the module docstring."""
 
     __slots__ = (
-        "_cfg", "_heard_at", "_sidecar", "_silence", "_started_at", "_t0", "_token",
-        "answered_by", "attempts", "emit", "focus_before", "obs", "output_failed",
-        "report_heard", "route", "run", "started", "state", "turn",
+        "answer", "answered_by", "attempts", "cfg", "emit", "focus_before", "obs",
+        "output_failed", "report_heard", "route", "run", "started", "state", "turn",
     )
 
     def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
                  emit: OutputCallback, report_heard: bool) -> None:
-        self._cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
+        self.cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
         self.report_heard = report_heard
         self.run = TurnRun(turn.turn_id)
         self.focus_before: str | None = None
@@ -101,12 +100,7 @@ class Turn:
         self.started = False
         self.output_failed = False
         self.obs: TurnObserver
-        self._t0 = 0.0
-        self._token: object = None
-        self._silence: Silence | None = None
-        self._sidecar: AcknowledgmentSidecar | None = None
-        self._started_at: float | None = None
-        self._heard_at: float | None = None
+        self.answer: Answer | None = None
 
     # ------------------------------------------------------------------ the whole turn
 
@@ -117,7 +111,7 @@ class Turn:
         running = queue.running
         if running is not None:  # the participant spoke again: the running turn is stale
             running.cancel("superseded by a newer turn")
-        observer = self._cfg.observer
+        observer = self.cfg.observer
         if not await queue.enter(run):
             observer.turn_started(turn, state.focus).finished(
                 "interrupted", None, state.focus, state.focus, 0, None)
@@ -157,13 +151,13 @@ class Turn:
 
     async def _emit_failure(self) -> None:
         try:
-            await self.emit(self.turn, self.route or "none", self._cfg.failure_text)
+            await self.emit(self.turn, self.route or "none", self.cfg.failure_text)
         except Exception:
             logger.exception("turnrouter: could not deliver the failure message of turn %s",
                              self.turn.turn_id)
 
     async def _prepare_and_route(self) -> DestinationResult:
-        state, turn, cfg = self.state, self.turn, self._cfg
+        state, turn, cfg = self.state, self.turn, self.cfg
         if not state.initialized:
             if cfg.initialize is not None:
                 await cfg.initialize(turn.participant_id)
@@ -182,7 +176,7 @@ class Turn:
     # ------------------------------------------------------------------ routing
 
     async def _route(self) -> DestinationResult:
-        state, cfg = self.state, self._cfg
+        state, cfg = self.state, self.cfg
         pid = self.turn.participant_id
         excluded: set[str] = set()
         agents = cfg.agents
@@ -233,7 +227,7 @@ class Turn:
     async def _choose(
         self, request: RouteRequest, aids: dict[str, RoutingAid], excluded: set[str]
     ) -> tuple[str | None, ClarificationReason | None]:
-        obs, cfg = self.obs, self._cfg
+        obs, cfg = self.obs, self.cfg
         token = obs.decision_started(request)
         try:
             decision = await cfg.decisions.decide(request)
@@ -276,7 +270,7 @@ class Turn:
         excluded.add(route)
         self.obs.reroute(route)
         if disposition == "release":
-            await self._say(route, admission.text)
+            await self.say(route, admission.text)
             state = self.state
             if state.focus == route:
                 state.focus = None
@@ -285,7 +279,7 @@ class Turn:
         return None
 
     async def _admit(self, route: str, focused: bool) -> Admission:
-        cfg, obs = self._cfg, self.obs
+        cfg, obs = self.cfg, self.obs
         self.state.used.add(route)
         agent = cfg.agents[route]
         token = obs.admission_started(route, focused)
@@ -316,111 +310,14 @@ class Turn:
     # ------------------------------------------------------------------ answering
 
     async def _answer(self, route: str, admission: Admission | None) -> DestinationResult:
-        cfg, state, obs = self._cfg, self.state, self.obs
-        state.used.add(route)
+        self.state.used.add(route)
         self.route = self.answered_by = route
-        clock = cfg.clock
-        silence = self._silence = Silence(obs, route, clock())
-        preamble = admission.preamble if admission is not None else ""
-        if preamble:
-            silence.hear(clock())
-            await self._say(route, preamble)
-        self._token = obs.answer_started(route, admission is None)
-        timed = cfg.timed
-        self._sidecar = (
-            None if timed is None
-            else timed.sidecar(obs, route, self.turn, self.emit, silence.hear))
-        signal = _StartSignal(self)
-        self._t0 = clock()
-        try:
-            result = await self._call_answer(route, signal)
-            if not isinstance(result, DestinationResult) or result.disposition == "clarify":
-                raise DestinationContractError(
-                    f"destination {route!r} answer() must return DestinationResult answer, "
-                    f"focus or release, got {result!r:.80}"
-                )
-        except BaseException as exc:
-            signal.closed = True
-            cancelled = _is_cancel(exc)
-            if timed is not None and cancelled and not self.started:
-                # A censored sample: a lower bound, not a fast answer.
-                timed.record(route, clock() - self._t0, True, self.turn)
-            obs.answer_finished(self._token, route, None, None if cancelled else exc,
-                                cancelled)
-            raise
-        signal.closed = True
-        obs.answer_finished(self._token, route, result, None, False)
+        self.answer = answer = Answer(self, route)
+        result = await answer.run(admission)
         # The answer is complete: its bookkeeping must not be torn by an interrupt.
         self.run.protected = True
         await self._complete(route, result)
         return result
-
-    async def _call_answer(self, route: str, signal: _StartSignal) -> DestinationResult:
-        agent = self._cfg.agents[route]
-        sidecar = self._sidecar
-        if sidecar is None:
-            return await agent.answer(self.turn, started=signal)
-        error: Exception | None = None
-        result: DestinationResult | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sidecar.run)
-            try:
-                result = await agent.answer(self.turn, started=signal)
-            except Exception as exc:  # re-raised below, unwrapped by the task group
-                error = exc
-            sidecar.answer_finished()
-        if error is not None:
-            raise error
-        return result  # type: ignore[return-value]  # checked by the caller
-
-    def answer_started(self) -> None:
-        """The destination's first `started()` call."""
-        self.started = True
-        now = self._cfg.clock()
-        if self._sidecar is not None:
-            self._sidecar.answer_started(now)
-        if not self.report_heard:
-            self._first_response(now)
-            return
-        self._started_at = now
-        self.state.unheard = self
-        if self._heard_at is not None:
-            self.resolve_heard(self._heard_at)
-
-    def _first_response(self, at: float) -> None:
-        assert self.route is not None and self._silence is not None
-        seconds = at - self._t0
-        self.obs.first_response(self._token, self.route, seconds)
-        if self._sidecar is None or not self._sidecar.committed:
-            self._silence.hear(at)
-        timed = self._cfg.timed
-        if timed is not None:
-            timed.record(self.route, seconds, False, self.turn)
-
-    def mark_heard(self, at: float) -> None:
-        """The front end reports the first audio of this turn's answer heard at `at`."""
-        if self.started:
-            self.resolve_heard(at)
-        else:
-            self._heard_at = at
-
-    def resolve_heard(self, at: float | None) -> None:
-        """Record first response and silence to `at` (None: to `started()`), once."""
-        if self.state.unheard is self:
-            self.state.unheard = None
-        started_at = self._started_at
-        if started_at is None or self.route is None or self._silence is None:
-            return
-        self._started_at = None
-        at = started_at if at is None else max(at, started_at)
-        seconds = at - self._t0
-        silence_seconds = None
-        if self._sidecar is None or not self._sidecar.committed:
-            silence_seconds = self._silence.take(at)
-        self._cfg.observer.heard(self.route, seconds, silence_seconds)
-        timed = self._cfg.timed
-        if timed is not None:
-            timed.record(self.route, seconds, False, self.turn)
 
     async def _complete(self, route: str, result: DestinationResult) -> None:
         """History and focus after a complete answer."""
@@ -428,7 +325,7 @@ class Turn:
         turn = self.turn
         state.history.append(
             _exchange(turn.query, result.text), turn.turn_id, turn.timestamp_us,
-            self._cfg.budget,
+            self.cfg.budget,
         )
         owner = state.focus
         if result.disposition == "focus":
@@ -451,10 +348,10 @@ class Turn:
         self.obs.clarification(reason)
         if route != CLARIFY_ROUTE:
             self.answered_by = route
-        await self._say(route, text or self._cfg.clarification_text)
+        await self.say(route, text or self.cfg.clarification_text)
         return _CLARIFY_RESULT
 
-    async def _say(self, route: str, text: str) -> None:
+    async def say(self, route: str, text: str) -> None:
         if not text:
             return
         try:
@@ -476,7 +373,7 @@ class Turn:
         pid = self.turn.participant_id
         try:
             with anyio.CancelScope(shield=True):
-                await self._cfg.agents[route].release(pid)
+                await self.cfg.agents[route].release(pid)
         except Exception as exc:
             obs.release_finished(token, route, reason, exc)
             logger.exception("turnrouter: %s.release(%r) failed (%s)", route, pid, reason)
@@ -488,6 +385,137 @@ class Turn:
                 raise asyncio.CancelledError(run.reason)
 
 
+class Answer:
+    """The admitted (or fallback) destination's answer within a turn.
+
+    Calls `answer()` with the acknowledgment sidecar beside it, measures first response
+    and silence (to `started()`, or to the audio a front end reports heard), and checks
+    the result.
+    """
+
+    __slots__ = ("_heard_at", "_sidecar", "_silence", "_started_at", "_t0", "_token",
+                 "owner", "route")
+
+    def __init__(self, owner: Turn, route: str) -> None:
+        self.owner, self.route = owner, route
+        self._t0 = 0.0
+        self._token: object = None
+        self._silence = Silence(owner.obs, route, owner.cfg.clock())
+        self._sidecar: AcknowledgmentSidecar | None = None
+        self._started_at: float | None = None
+        self._heard_at: float | None = None
+
+    async def run(self, admission: Admission | None) -> DestinationResult:
+        owner, route = self.owner, self.route
+        cfg, obs = owner.cfg, owner.obs
+        clock = cfg.clock
+        silence = self._silence
+        preamble = admission.preamble if admission is not None else ""
+        if preamble:
+            silence.hear(clock())
+            await owner.say(route, preamble)
+        self._token = obs.answer_started(route, admission is None)
+        timed = cfg.timed
+        self._sidecar = (
+            None if timed is None
+            else timed.sidecar(obs, route, owner.turn, owner.emit, silence.hear))
+        signal = _StartSignal(self)
+        self._t0 = clock()
+        try:
+            result = await self._call(signal)
+            if not isinstance(result, DestinationResult) or result.disposition == "clarify":
+                raise DestinationContractError(
+                    f"destination {route!r} answer() must return DestinationResult answer, "
+                    f"focus or release, got {result!r:.80}"
+                )
+        except BaseException as exc:
+            signal.closed = True
+            cancelled = _is_cancel(exc)
+            if timed is not None and cancelled and not owner.started:
+                # A censored sample: a lower bound, not a fast answer.
+                timed.record(route, clock() - self._t0, True, owner.turn)
+            obs.answer_finished(self._token, route, None, None if cancelled else exc,
+                                cancelled)
+            raise
+        signal.closed = True
+        obs.answer_finished(self._token, route, result, None, False)
+        return result
+
+    async def _call(self, signal: _StartSignal) -> DestinationResult:
+        owner = self.owner
+        agent = owner.cfg.agents[self.route]
+        sidecar = self._sidecar
+        if sidecar is None:
+            return await agent.answer(owner.turn, started=signal)
+        error: Exception | None = None
+        result: DestinationResult | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sidecar.run)
+            try:
+                result = await agent.answer(owner.turn, started=signal)
+            except Exception as exc:  # re-raised below, unwrapped by the task group
+                error = exc
+            sidecar.answer_finished()
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]  # checked by the caller
+
+    def started(self) -> None:
+        """The destination's first `started()` call."""
+        owner = self.owner
+        owner.started = True
+        now = owner.cfg.clock()
+        if self._sidecar is not None:
+            self._sidecar.answer_started(now)
+        if not owner.report_heard:
+            self._first_response(now)
+            return
+        self._started_at = now
+        owner.state.unheard = self
+        if self._heard_at is not None:
+            self.resolve_heard(self._heard_at)
+
+    async def wait_delivered(self) -> None:
+        if self._sidecar is not None:
+            await self._sidecar.wait_delivered()
+
+    def _first_response(self, at: float) -> None:
+        owner = self.owner
+        seconds = at - self._t0
+        owner.obs.first_response(self._token, self.route, seconds)
+        if self._sidecar is None or not self._sidecar.committed:
+            self._silence.hear(at)
+        timed = owner.cfg.timed
+        if timed is not None:
+            timed.record(self.route, seconds, False, owner.turn)
+
+    def mark_heard(self, at: float) -> None:
+        """The front end reports the first audio of this answer heard at `at`."""
+        if self.owner.started:
+            self.resolve_heard(at)
+        else:
+            self._heard_at = at
+
+    def resolve_heard(self, at: float | None) -> None:
+        """Record first response and silence to `at` (None: to `started()`), once."""
+        owner = self.owner
+        if owner.state.unheard is self:
+            owner.state.unheard = None
+        started_at = self._started_at
+        if started_at is None:
+            return
+        self._started_at = None
+        at = started_at if at is None else max(at, started_at)
+        seconds = at - self._t0
+        silence_seconds = None
+        if self._sidecar is None or not self._sidecar.committed:
+            silence_seconds = self._silence.take(at)
+        cfg = owner.cfg
+        cfg.observer.heard(self.route, seconds, silence_seconds)
+        if cfg.timed is not None:
+            cfg.timed.record(self.route, seconds, False, owner.turn)
+
+
 class _StartSignal:
     """The `started()` callable handed to `answer()`.
 
@@ -496,21 +524,19 @@ class _StartSignal:
     committed acknowledgment's delivery; calls after that do nothing.
     """
 
-    __slots__ = ("_turn", "closed")
+    __slots__ = ("_answer", "closed")
 
-    def __init__(self, turn: Turn) -> None:
-        self._turn = turn
+    def __init__(self, answer: Answer) -> None:
+        self._answer = answer
         self.closed = False
 
     async def __call__(self) -> None:
         if self.closed:
             return
-        turn = self._turn
-        if not turn.started:
-            turn.answer_started()
-        sidecar = turn._sidecar
-        if sidecar is not None:
-            await sidecar.wait_delivered()
+        answer = self._answer
+        if not answer.owner.started:
+            answer.started()
+        await answer.wait_delivered()
 
 
 def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]) -> str | None:
