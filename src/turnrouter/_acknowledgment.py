@@ -38,7 +38,14 @@ from ._clock import Clock
 from ._contracts import AgentTurn, RoutingAid
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
-from ._observer import AcknowledgmentOutcome, AcknowledgmentTrigger, RouterObserver, TurnObserver
+from ._observer import (
+    AcknowledgmentFinished,
+    AcknowledgmentOutcome,
+    AcknowledgmentTrigger,
+    EstimateChanged,
+    RouterObserver,
+    TurnObserver,
+)
 from ._timing import Prediction, TimingPredictor, TimingSample, TimingSink
 
 if TYPE_CHECKING:
@@ -218,7 +225,7 @@ class TimingEngine:
         last = self._published.get(route)
         if last is None or abs(estimate - last) > 0.01 * last:
             self._published[route] = estimate
-            self.observer.predicted_first_response(route, estimate)
+            self.observer.predicted_first_response(EstimateChanged(route, estimate))
 
     def record(self, route: str, seconds: float, censored: bool, turn: AgentTurn) -> None:
         """One first-response sample: to the predictor, the sink, and the gauge."""
@@ -309,10 +316,10 @@ class AcknowledgmentSidecar:
 
     def _report(self, outcome: AcknowledgmentOutcome, text: str = "",
                 error: BaseException | None = None) -> None:
-        self._obs.acknowledgment(
+        self._obs.acknowledgment(AcknowledgmentFinished(
             self.route, outcome, self._trigger, self._delay_used, self._predicted,
             self._t0, self._engine.clock.now(), text, error,
-        )
+        ))
 
     def _suppress(self) -> None:
         self._state = _SUPPRESSED

@@ -11,7 +11,7 @@ from ._exceptions import ContractValueError, LifecycleError
 from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch
 from ._history import History
 from ._lifecycle import OwnedOperation, TurnQueue
-from ._observer import RouterObserver
+from ._observer import ParticipantChanged, RouterObserver
 from ._patches import AppliedContextPatch, PatchExchangeId, PendingContextPatch
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class Registry:
         if state is not None:
             return state
         state = self.participants[pid] = Participant(pid)
-        self._observer.participant_added(pid)
+        self._observer.participant_added(ParticipantChanged(pid))
         return state
 
     def install(
@@ -137,7 +137,7 @@ class Registry:
                 f"participant {pid!r} has a turn in flight or is departing here; "
                 "import_participant() refused")
         if current is None:
-            self._observer.participant_added(pid)
+            self._observer.participant_added(ParticipantChanged(pid))
         self.participants[pid] = restore(snapshot, budget)
         if snapshot.departed:
             self.departed.add(pid)
@@ -148,7 +148,7 @@ class Registry:
     def forget(self, state: Participant) -> None:
         if self.participants.get(state.pid) is state:
             del self.participants[state.pid]
-            self._observer.participant_removed(state.pid)
+            self._observer.participant_removed(ParticipantChanged(state.pid))
 
 
 def snapshot_of(state: Participant, departed: bool) -> ParticipantSnapshot:

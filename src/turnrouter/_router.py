@@ -41,7 +41,7 @@ from ._departures import Departures
 from ._exceptions import ConfigurationError, ContractTypeError, ContractValueError, LifecycleError
 from ._frontend import Departure, ParticipantSnapshot, RoutedResult
 from ._llm import LLMService
-from ._observer import RouterObserver
+from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
 from ._participants import Participant, Registry, snapshot_of
 from ._patch_desk import PatchDesk
 from ._patches import (
@@ -374,7 +374,7 @@ class AgentRouter:
         """
         if not isinstance(source, str) or not isinstance(reason, str):
             raise ContractTypeError("report_rejected() takes two str")
-        self._cfg.observer.message_rejected(source, reason)
+        self._cfg.observer.message_rejected(MessageRejected(source, reason))
 
     async def report_status(
         self, status: Literal["processing", "idle"], participant_id: str
@@ -464,8 +464,8 @@ class AgentRouter:
         try:
             state = self._registry.admit(turn.participant_id)
         except LifecycleError as exc:
-            self._cfg.observer.turn_started(turn, None).finished(
-                "refused", None, None, None, 0, exc)
+            self._cfg.observer.turn_started(TurnStarted(turn, None)).finished(
+                TurnFinished("refused", None, None, None, 0, exc))
             raise
         return Turn(self._cfg, state, turn, emit, report_heard)
 

@@ -33,7 +33,29 @@ from ._contracts import (
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
 from ._lifecycle import TurnRun
-from ._observer import ClarificationReason, ReleaseReason, TurnObserver, TurnOutcome
+from ._observer import (
+    NULL_TURN_OBSERVER,
+    AdmissionFinished,
+    AdmissionStarted,
+    AnswerFinished,
+    AnswerStarted,
+    Clarification,
+    ClarificationReason,
+    DecisionFinished,
+    DefaultFallback,
+    FirstResponse,
+    FocusChanged,
+    Heard,
+    ReleaseFinished,
+    ReleaseReason,
+    ReleaseStarted,
+    Rerouted,
+    SilenceMeasured,
+    TurnFinished,
+    TurnObserver,
+    TurnOutcome,
+    TurnStarted,
+)
 
 if TYPE_CHECKING:
     from ._acknowledgment import AcknowledgmentSidecar
@@ -47,6 +69,8 @@ _CLARIFY_RESULT = DestinationResult("clarify")
 _TIMED_OUT = Admission("decline")
 _NOTHING_EXCLUDED: frozenset[str] = frozenset()
 _cancelled_exc = anyio.get_cancelled_exc_class
+#: Builds an event without NamedTuple's keyword handling: events are built on every turn.
+_new = tuple.__new__
 
 
 def _is_cancel(exc: BaseException) -> bool:
@@ -69,7 +93,7 @@ class Silence:
     def hear(self, at: float) -> None:
         seconds = self.take(at)
         if seconds is not None:
-            self._obs.silence(self._route, seconds)
+            self._obs.silence(_new(SilenceMeasured, (self._route, seconds)))
 
     def take(self, at: float) -> float | None:
         """End the silence at `at` without reporting it; None if it had ended already."""
@@ -84,7 +108,8 @@ class Turn:
 
     __slots__ = (
         "answer", "answered_by", "attempts", "cfg", "emit", "focus_before", "obs",
-        "output_failed", "report_heard", "route", "run", "started", "state", "turn",
+        "observing", "output_failed", "report_heard", "route", "run", "started", "state",
+        "turn",
     )
 
     def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
@@ -99,7 +124,9 @@ class Turn:
         self.attempts = 0
         self.started = False
         self.output_failed = False
-        self.obs: TurnObserver
+        #: Whether telemetry listens (else no event is built).
+        self.observing = cfg.observer.enabled
+        self.obs: TurnObserver = NULL_TURN_OBSERVER
         self.answer: Answer | None = None
 
     # ------------------------------------------------------------------ the whole turn
@@ -113,13 +140,15 @@ class Turn:
             running.cancel("superseded by a newer turn")
         observer = self.cfg.observer
         if not await queue.enter(run):
-            observer.turn_started(turn, state.focus).finished(
-                "interrupted", None, state.focus, state.focus, 0, None)
+            if self.observing:
+                observer.turn_started(_new(TurnStarted, (turn, state.focus))).finished(
+                    TurnFinished("interrupted", None, state.focus, state.focus, 0, None))
             raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
         if state.unheard is not None:  # the previous answer was never reported heard
             state.unheard.resolve_heard(None)
         self.focus_before = state.focus
-        self.obs = observer.turn_started(turn, state.focus)
+        if self.observing:
+            self.obs = observer.turn_started(_new(TurnStarted, (turn, state.focus)))
         task = asyncio.current_task()
         assert task is not None, "turnrouter runs on asyncio"
         run.attach(task)
@@ -146,8 +175,10 @@ class Turn:
         return result
 
     def _finish(self, outcome: TurnOutcome, error: BaseException | None) -> None:
-        self.obs.finished(outcome, self.route, self.focus_before, self.state.focus,
-                          self.attempts, error)
+        if self.observing:
+            self.obs.finished(_new(TurnFinished, (
+                outcome, self.route, self.focus_before, self.state.focus, self.attempts,
+                error)))
 
     async def _emit_failure(self) -> None:
         try:
@@ -186,7 +217,7 @@ class Turn:
         if owner is not None:
             if not agents[owner].routing_aid(pid).eligible:
                 state.focus = None
-                self.obs.focus_transition(owner, "lost")
+                self.obs.focus_transition(FocusChanged(owner, "lost"))
                 await self._release(owner, "ineligible")
             else:
                 # A decline keeps focus with the owner and does not call release().
@@ -217,7 +248,7 @@ class Turn:
         default = cfg.default
         if (self.attempts and default is not None and aids[default].eligible
                 and default not in excluded):
-            self.obs.default_fallback(default)
+            self.obs.default_fallback(DefaultFallback(default))
             return await self._answer(default, None)
         reason_: ClarificationReason = (
             "default_unavailable" if self.attempts else "no_eligible_route"
@@ -236,14 +267,15 @@ class Turn:
                     f"decision service returned {type(decision).__name__}, not a RouteDecision"
                 )
         except Exception as exc:
-            obs.decision_finished(token, request, None, exc)
+            obs.decision_finished(token, DecisionFinished(request, None, exc))
             logger.warning("turnrouter: decision service failed: %r", exc)
             # A classifier outage must not silence the assistant.
             default = cfg.default
             if default is not None and aids[default].eligible and default not in excluded:
                 return default, None
             return None, "decision_failed"
-        obs.decision_finished(token, request, decision, None)
+        if self.observing:
+            obs.decision_finished(token, _new(DecisionFinished, (request, decision, None)))
         choice = decision.choice
         for aid in request.candidates:
             if aid.name == choice:
@@ -268,13 +300,13 @@ class Turn:
         if disposition == "clarify":
             return await self._clarify(route, admission.text, "destination")
         excluded.add(route)
-        self.obs.reroute(route)
+        self.obs.reroute(Rerouted(route))
         if disposition == "release":
             await self.say(route, admission.text)
             state = self.state
             if state.focus == route:
                 state.focus = None
-                self.obs.focus_transition(route, "released")
+                self.obs.focus_transition(FocusChanged(route, "released"))
             await self._release(route, "reroute")
         return None
 
@@ -282,7 +314,9 @@ class Turn:
         cfg, obs = self.cfg, self.obs
         self.state.used.add(route)
         agent = cfg.agents[route]
-        token = obs.admission_started(route, focused)
+        observing = self.observing
+        token = obs.admission_started(_new(AdmissionStarted, (route, focused))) if (
+            observing) else None
         try:
             timeout = cfg.admission_timeout
             if timeout is None:
@@ -291,7 +325,8 @@ class Turn:
                 with anyio.move_on_after(timeout) as scope:
                     admission = await agent.admit(self.turn, focused=focused)
                 if scope.cancelled_caught:
-                    obs.admission_finished(token, route, focused, "decline", None, timed_out=True)
+                    obs.admission_finished(token, AdmissionFinished(
+                        route, focused, "decline", None, True))
                     logger.warning("turnrouter: %s.admit() timed out after %ss; counted as a "
                                    "decline", route, timeout)
                     return _TIMED_OUT
@@ -301,10 +336,12 @@ class Turn:
                     "not an Admission"
                 )
         except BaseException as exc:
-            obs.admission_finished(token, route, focused, None,
-                                   None if _is_cancel(exc) else exc)
+            obs.admission_finished(token, AdmissionFinished(
+                route, focused, None, None if _is_cancel(exc) else exc, False))
             raise
-        obs.admission_finished(token, route, focused, admission.disposition, None)
+        if observing:
+            obs.admission_finished(token, _new(AdmissionFinished, (
+                route, focused, admission.disposition, None, False)))
         return admission
 
     # ------------------------------------------------------------------ answering
@@ -331,13 +368,13 @@ class Turn:
         if result.disposition == "focus":
             if owner != route:
                 state.focus = route
-                obs.focus_transition(route, "taken")
+                obs.focus_transition(FocusChanged(route, "taken"))
                 if owner is not None:
-                    obs.focus_transition(owner, "lost")
+                    obs.focus_transition(FocusChanged(owner, "lost"))
                     await self._release(owner, "focus_taken")
         elif result.disposition == "release" and owner == route:
             state.focus = None
-            obs.focus_transition(route, "released")
+            obs.focus_transition(FocusChanged(route, "released"))
             await self._release(route, "post_answer")
 
     # ------------------------------------------------------------------ speaking, releasing
@@ -345,7 +382,7 @@ class Turn:
     async def _clarify(
         self, route: str, text: str, reason: ClarificationReason
     ) -> DestinationResult:
-        self.obs.clarification(reason)
+        self.obs.clarification(Clarification(reason))
         if route != CLARIFY_ROUTE:
             self.answered_by = route
         await self.say(route, text or self.cfg.clarification_text)
@@ -369,16 +406,16 @@ class Turn:
         run, obs = self.run, self.obs
         was_protected = run.protected
         run.protected = True
-        token = obs.release_started(route, reason)
+        token = obs.release_started(ReleaseStarted(route, reason))
         pid = self.turn.participant_id
         try:
             with anyio.CancelScope(shield=True):
                 await self.cfg.agents[route].release(pid)
         except Exception as exc:
-            obs.release_finished(token, route, reason, exc)
+            obs.release_finished(token, ReleaseFinished(route, reason, exc))
             logger.exception("turnrouter: %s.release(%r) failed (%s)", route, pid, reason)
         else:
-            obs.release_finished(token, route, reason, None)
+            obs.release_finished(token, ReleaseFinished(route, reason, None))
         if not was_protected:
             run.protected = False
             if run.reason:
@@ -414,7 +451,8 @@ class Answer:
         if preamble:
             silence.hear(clock())
             await owner.say(route, preamble)
-        self._token = obs.answer_started(route, admission is None)
+        if owner.observing:
+            self._token = obs.answer_started(_new(AnswerStarted, (route, admission is None)))
         timed = cfg.timed
         self._sidecar = (
             None if timed is None
@@ -434,11 +472,12 @@ class Answer:
             if timed is not None and cancelled and not owner.started:
                 # A censored sample: a lower bound, not a fast answer.
                 timed.record(route, clock() - self._t0, True, owner.turn)
-            obs.answer_finished(self._token, route, None, None if cancelled else exc,
-                                cancelled)
+            obs.answer_finished(self._token, AnswerFinished(
+                route, None, None if cancelled else exc, cancelled))
             raise
         signal.closed = True
-        obs.answer_finished(self._token, route, result, None, False)
+        if owner.observing:
+            obs.answer_finished(self._token, _new(AnswerFinished, (route, result, None, False)))
         return result
 
     async def _call(self, signal: _StartSignal) -> DestinationResult:
@@ -482,7 +521,8 @@ class Answer:
     def _first_response(self, at: float) -> None:
         owner = self.owner
         seconds = at - self._t0
-        owner.obs.first_response(self._token, self.route, seconds)
+        if owner.observing:
+            owner.obs.first_response(self._token, _new(FirstResponse, (self.route, seconds)))
         if self._sidecar is None or not self._sidecar.committed:
             self._silence.hear(at)
         timed = owner.cfg.timed
@@ -511,7 +551,7 @@ class Answer:
         if self._sidecar is None or not self._sidecar.committed:
             silence_seconds = self._silence.take(at)
         cfg = owner.cfg
-        cfg.observer.heard(self.route, seconds, silence_seconds)
+        cfg.observer.heard(Heard(self.route, seconds, silence_seconds))
         if cfg.timed is not None:
             cfg.timed.record(self.route, seconds, False, owner.turn)
 
