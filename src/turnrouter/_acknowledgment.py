@@ -245,18 +245,11 @@ class TimingEngine:
     def generation_observed(self, seconds: float) -> None:
         self.expected_generation += 0.2 * (seconds - self.expected_generation)
 
-    def sidecar(
-        self, obs: TurnObserver, route: str, turn: AgentTurn, emit: Emit,
-        heard: Callable[[float], None],
-    ) -> AcknowledgmentSidecar | None:
-        """The acknowledgment to run beside one answer (None without an LLM).
-
-        `heard(at)` is told when a committed acknowledgment was delivered: the turn,
-        which owns the silence measurement, decides whether that ended the silence.
-        """
+    def sidecar(self, answer: Answering) -> AcknowledgmentSidecar | None:
+        """The acknowledgment to run beside one answer (None without an LLM)."""
         if self.llm is None:
             return None
-        return AcknowledgmentSidecar(self, obs, route, turn, emit, heard)
+        return AcknowledgmentSidecar(self, answer)
 
     def aid(self, route: str, turn: AgentTurn) -> RoutingAid:
         agent = self.agents[route]
@@ -264,6 +257,23 @@ class TimingEngine:
 
 
 _PENDING, _SUPPRESSED, _FAILED, _COMMITTED, _DONE = range(5)
+
+
+class Answering(Protocol):
+    """What the sidecar needs of the answer it runs beside."""
+
+    @property
+    def route(self) -> str: ...
+    @property
+    def turn(self) -> AgentTurn: ...
+    @property
+    def obs(self) -> TurnObserver: ...
+    @property
+    def emit(self) -> Emit: ...
+
+    def hear(self, at: float) -> None:
+        """A committed acknowledgment was delivered at `at` (the answer, which owns the
+        silence measurement, decides whether that ended the silence)."""
 
 
 class AcknowledgmentSidecar:
@@ -274,16 +284,14 @@ class AcknowledgmentSidecar:
     a pending acknowledgment is then suppressed, a committed one is awaited.
     """
 
-    __slots__ = ("_delay_used", "_delivered", "_emit", "_engine", "_heard", "_obs",
+    __slots__ = ("_answer", "_delay_used", "_delivered", "_emit", "_engine", "_obs",
                  "_predicted", "_scope", "_started_at", "_state", "_t0", "_trigger",
                  "route", "turn")
 
-    def __init__(
-        self, engine: TimingEngine, obs: TurnObserver, route: str, turn: AgentTurn,
-        emit: Emit, heard: Callable[[float], None],
-    ) -> None:
-        self._engine, self._obs, self._heard = engine, obs, heard
-        self.route, self.turn, self._emit = route, turn, emit
+    def __init__(self, engine: TimingEngine, answer: Answering) -> None:
+        self._engine, self._answer = engine, answer
+        self._obs = answer.obs
+        self.route, self.turn, self._emit = answer.route, answer.turn, answer.emit
         self._t0 = engine.clock.now()
         self._state = _PENDING
         self._scope: anyio.CancelScope | None = None
@@ -421,7 +429,7 @@ class AcknowledgmentSidecar:
         except Exception as exc:
             self._fail(exc)
             if self._started_at is not None:
-                self._heard(self._started_at)  # the answer, not the acknowledgment
+                self._answer.hear(self._started_at)  # the answer, not the acknowledgment
         except BaseException:
             # Interrupted while delivering: the router suppresses interrupted control text.
             self._state = _DONE
@@ -429,7 +437,7 @@ class AcknowledgmentSidecar:
             raise
         else:
             self._state = _DONE
-            self._heard(committed_at)
+            self._answer.hear(committed_at)
             self._report("emitted", text)
         finally:
             self._delivered.set()

@@ -454,9 +454,7 @@ class Answer:
         if owner.observing:
             self._token = obs.answer_started(_new(AnswerStarted, (route, admission is None)))
         timed = cfg.timed
-        self._sidecar = (
-            None if timed is None
-            else timed.sidecar(obs, route, owner.turn, owner.emit, silence.hear))
+        self._sidecar = None if timed is None else timed.sidecar(self)
         signal = _StartSignal(self)
         self._t0 = clock()
         try:
@@ -498,6 +496,23 @@ class Answer:
         if error is not None:
             raise error
         return result  # type: ignore[return-value]  # checked by the caller
+
+    # What the acknowledgment sidecar reads (`_acknowledgment.Answering`).
+
+    @property
+    def turn(self) -> AgentTurn:
+        return self.owner.turn
+
+    @property
+    def obs(self) -> TurnObserver:
+        return self.owner.obs
+
+    @property
+    def emit(self) -> OutputCallback:
+        return self.owner.emit
+
+    def hear(self, at: float) -> None:
+        self._silence.hear(at)
 
     def started(self) -> None:
         """The destination's first `started()` call."""

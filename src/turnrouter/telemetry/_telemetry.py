@@ -149,12 +149,10 @@ class Telemetry(RouterObserver):
         if self._capture:
             attributes[ATTR.QUERY] = turn.query
         span = tracer.start_span(SPAN_TURN, kind=INTERNAL, attributes=attributes)
-        ctx = trace.set_span_in_context(span)
-        token = otel_context.attach(ctx)
         if not span.is_recording():
             # Unsampled: propagate the context, skip every child span and attribute.
-            return TurnMetrics(families, token)
-        return TracedTurn(families, token, self._capture, event, tracer, span, ctx)
+            return TurnMetrics(families, otel_context.attach(trace.set_span_in_context(span)))
+        return TracedTurn(families, self._capture, event, tracer, span)
 
     def participant_added(self, event: ParticipantChanged) -> None:
         """Count one more active participant."""

@@ -317,9 +317,12 @@ class TracedTurn(TurnMetrics):
     )
 
     def __init__(
-        self, families: Families, token: Token[Context], capture: bool,
-        started: TurnStarted, tracer: Tracer, span: Span, ctx: Context,
+        self, families: Families, capture: bool, started: TurnStarted, tracer: Tracer,
+        span: Span,
     ) -> None:
+        """`span` is the turn's recording span; it becomes current until `finished()`."""
+        ctx = trace.set_span_in_context(span)
+        token = otel_context.attach(ctx)
         self._fam = families
         self._token = token
         self._failed = None
