@@ -38,6 +38,7 @@ from ._clock import Clock
 from ._contracts import AgentTurn, RoutingAid
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
+from ._logging import log_failure
 from ._observer import (
     AcknowledgmentFinished,
     AcknowledgmentOutcome,
@@ -217,8 +218,8 @@ class TimingEngine:
             return
         try:
             estimate = predictor.estimate(route)
-        except Exception:
-            logger.exception("turnrouter: timing predictor estimate(%r) failed", route)
+        except Exception as exc:
+            log_failure("timing predictor estimate(%r)", exc, route)
             return
         if estimate is None:
             return
@@ -233,14 +234,14 @@ class TimingEngine:
         if self.predictor is not None:
             try:
                 self.predictor.record(sample, turn)
-            except Exception:
-                logger.exception("turnrouter: timing predictor failed to record a sample")
+            except Exception as exc:
+                log_failure("timing predictor record()", exc)
             self._publish(route)
         if self.sink is not None:
             try:
                 self.sink.record(sample)
-            except Exception:
-                logger.exception("turnrouter: timing sink failed to record a sample")
+            except Exception as exc:
+                log_failure("timing sink record()", exc)
 
     def generation_observed(self, seconds: float) -> None:
         self.expected_generation += 0.2 * (seconds - self.expected_generation)
@@ -337,8 +338,7 @@ class AcknowledgmentSidecar:
 
     def _fail(self, error: BaseException) -> None:
         self._state = _FAILED
-        logger.warning("turnrouter: acknowledgment for %s failed (none spoken): %r",
-                       self.route, error)
+        log_failure("acknowledgment for %s (none spoken)", error, self.route)
         self._report("failed", error=error)
 
     async def run(self) -> None:

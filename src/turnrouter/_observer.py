@@ -40,6 +40,7 @@ __all__ = [
     "FocusChanged",
     "FocusTransition",
     "Heard",
+    "LimitExceeded",
     "MessageRejected",
     "ParticipantChanged",
     "PatchOutcome",
@@ -260,6 +261,14 @@ class Heard(NamedTuple):
     silence_seconds: float | None
 
 
+class LimitExceeded(NamedTuple):
+    """A bound overflowed and something was dropped or refused (see `docs/limits.md`):
+    `history_exchanges`, `seeded_history`, `waiting_turns`, `departed_participants`,
+    `patch_bytes` or `release_timeout`."""
+
+    limit: str
+
+
 class MessageRejected(NamedTuple):
     """A front end refused an input: malformed (`invalid`, `wrong_type`), refused
     (`closed`), or any reason word the front end names."""
@@ -392,6 +401,9 @@ class RouterObserver:
 
     def message_rejected(self, event: MessageRejected) -> None:
         """A front end refused an input before the router saw it."""
+
+    def limit_exceeded(self, event: LimitExceeded) -> None:
+        """A bound overflowed (counted; the router logs it)."""
 
     def context_patch(self, event: ContextPatchEvent) -> None:
         """A context patch event (applied, held, settled, dropped, refused)."""

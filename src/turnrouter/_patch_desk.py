@@ -15,6 +15,7 @@ from ._config import PATCH_ROUTE, OutputCallback, RouterConfig
 from ._contracts import AgentTurn, _exchange
 from ._exceptions import ContractTypeError, ContractValueError, LifecycleError
 from ._history import History, view_items
+from ._logging import log_failure
 from ._observer import ContextPatchEvent, PatchOutcome
 from ._participants import Participant, Registry
 from ._patches import (
@@ -211,9 +212,8 @@ class PatchDesk:
         turn = AgentTurn(held.participant_id, f"patch:{held.patch_id}", "")
         try:
             await output(turn, PATCH_ROUTE, text)
-        except Exception:
-            logger.exception("turnrouter: could not ask about context patch %s",
-                             held.patch_id)
+        except Exception as exc:
+            log_failure("asking about context patch %s", exc, held.patch_id)
 
 
 def _diverged(history: History, patch: ContextPatch) -> bool:

@@ -41,6 +41,7 @@ from ._departures import Departures
 from ._exceptions import ConfigurationError, ContractTypeError, ContractValueError, LifecycleError
 from ._frontend import Departure, ParticipantSnapshot, RoutedResult
 from ._llm import LLMService
+from ._logging import log_failure
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
 from ._participants import Participant, Registry, snapshot_of
 from ._patch_desk import PatchDesk
@@ -385,8 +386,8 @@ class AgentRouter:
             return
         try:
             await callback(status, participant_id)
-        except Exception:
-            logger.exception("turnrouter: set_status(%r, %r) failed", status, participant_id)
+        except Exception as exc:
+            log_failure("set_status(%r, %r)", exc, status, participant_id)
 
     def trace_carrier(self) -> dict[str, str]:
         """W3C trace headers of the current span, for a message a front end publishes."""

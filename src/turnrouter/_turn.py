@@ -33,6 +33,7 @@ from ._contracts import (
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
 from ._lifecycle import TurnRun
+from ._logging import log_failure
 from ._observer import (
     NULL_TURN_OBSERVER,
     AdmissionFinished,
@@ -183,9 +184,8 @@ class Turn:
     async def _emit_failure(self) -> None:
         try:
             await self.emit(self.turn, self.route or "none", self.cfg.failure_text)
-        except Exception:
-            logger.exception("turnrouter: could not deliver the failure message of turn %s",
-                             self.turn.turn_id)
+        except Exception as exc:
+            log_failure("delivering the failure message of turn %s", exc, self.turn.turn_id)
 
     async def _prepare_and_route(self) -> DestinationResult:
         state, turn, cfg = self.state, self.turn, self.cfg
@@ -268,7 +268,7 @@ class Turn:
                 )
         except Exception as exc:
             obs.decision_finished(token, DecisionFinished(request, None, exc))
-            logger.warning("turnrouter: decision service failed: %r", exc)
+            log_failure("decision service", exc)
             # A classifier outage must not silence the assistant.
             default = cfg.default
             if default is not None and aids[default].eligible and default not in excluded:
@@ -413,7 +413,7 @@ class Turn:
                 await self.cfg.agents[route].release(pid)
         except Exception as exc:
             obs.release_finished(token, ReleaseFinished(route, reason, exc))
-            logger.exception("turnrouter: %s.release(%r) failed (%s)", route, pid, reason)
+            log_failure("%s.release(%r) (%s)", exc, route, pid, reason)
         else:
             obs.release_finished(token, ReleaseFinished(route, reason, None))
         if not was_protected:

@@ -38,6 +38,7 @@ from ._observer import (
     FirstResponse,
     FocusChanged,
     Heard,
+    LimitExceeded,
     MessageRejected,
     ParticipantChanged,
     ReleaseFinished,
@@ -416,6 +417,9 @@ class RecordingObserver(RouterObserver):
 
     def message_rejected(self, event: MessageRejected) -> None:
         self.events.append(("message_rejected", event.topic, event.reason))
+
+    def limit_exceeded(self, event: LimitExceeded) -> None:
+        self.events.append(("limit_exceeded", event.limit))
 
     def heard(self, event: Heard) -> None:
         self.events.append(("heard", event.route, event.first_response_seconds,

@@ -37,6 +37,7 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "turnrouter_context_patches_total": ("counter", ("strategy", "outcome")),
     # Beyond telemetry.md: the runtime subscriber counts the messages it rejects.
     "turnrouter_runtime_rejected_messages_total": ("counter", ("topic", "reason")),
+    "turnrouter_limit_overflows_total": ("counter", ("limit",)),
     "turnrouter_active_participants": ("gauge", ()),
     "turnrouter_turns_in_flight": ("gauge", ()),
 }

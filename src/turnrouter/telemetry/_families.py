@@ -129,6 +129,7 @@ class Families:
             self.predicted = _plain(self._gauge("turnrouter_predicted_first_response_seconds"))
             self.context_patches = _plain(self._counter("turnrouter_context_patches_total"))
             self.rejected = _plain(self._counter("turnrouter_runtime_rejected_messages_total"))
+            self.overflows = _plain(self._counter("turnrouter_limit_overflows_total"))
             self.participants = self._gauge("turnrouter_active_participants")
             self.in_flight = self._gauge("turnrouter_turns_in_flight")
         except BaseException:

@@ -33,6 +33,7 @@ from .._observer import (
     EstimateChanged,
     Failure,
     Heard,
+    LimitExceeded,
     MessageRejected,
     ParticipantChanged,
     ReleaseFinished,
@@ -230,6 +231,10 @@ class Telemetry(RouterObserver):
     def message_rejected(self, event: MessageRejected) -> None:
         """Count an input a front end rejected."""
         self._families.rejected.get(event.topic, event.reason).inc()
+
+    def limit_exceeded(self, event: LimitExceeded) -> None:
+        """Count an overflowed bound."""
+        self._families.overflows.get(event.limit).inc()
 
     def enter_context(self, carrier: Mapping[str, str]) -> object:
         """Continue the publisher's trace: make its W3C context current for the turn."""
