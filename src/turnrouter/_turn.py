@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import anyio
 
-from ._config import CLARIFY_ROUTE, OutputCallback, RouterConfig
+from ._config import CLARIFY_ROUTE, DROPPED_TURN_TEXT, OutputCallback, RouterConfig
 from ._context import _current
 from ._contracts import (
     Admission,
@@ -32,7 +32,7 @@ from ._contracts import (
     _turn_with_history,
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
-from ._lifecycle import TurnRun
+from ._lifecycle import DROPPED, TurnRun
 from ._logging import log_failure
 from ._observer import (
     NULL_TURN_OBSERVER,
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from ._acknowledgment import AcknowledgmentSidecar
     from ._participants import Participant
 
-__all__ = ["Answer", "Silence", "Turn"]
+__all__ = ["Answer", "Silence", "Turn", "bounded_release"]
 
 logger = logging.getLogger("turnrouter")
 
@@ -140,10 +140,12 @@ class Turn:
         if running is not None:  # the participant spoke again: the running turn is stale
             running.cancel("superseded by a newer turn")
         observer = self.cfg.observer
-        if not await queue.enter(run):
+        if not await queue.enter(run, self.cfg.max_waiting_turns):
             if self.observing:
                 observer.turn_started(_new(TurnStarted, (turn, state.focus))).finished(
                     TurnFinished("interrupted", None, state.focus, state.focus, 0, None))
+            if run.reason == DROPPED:
+                await self._dropped()
             raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
         if state.unheard is not None:  # the previous answer was never reported heard
             state.unheard.resolve_heard(None)
@@ -175,6 +177,18 @@ class Turn:
         self._finish(result.disposition, None)
         return result
 
+    async def _dropped(self) -> None:
+        """Count a turn dropped from a full queue and tell the participant."""
+        turn = self.turn
+        self.cfg.overflows.report(
+            "waiting_turns", f"turn {turn.turn_id!r} of {turn.participant_id!r} dropped: "
+            f"more than max_waiting_turns ({self.cfg.max_waiting_turns}) waiting")
+        try:
+            await self.emit(turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
+        except Exception as exc:
+            log_failure("telling %r that turn %s was dropped", exc, turn.participant_id,
+                        turn.turn_id)
+
     def _finish(self, outcome: TurnOutcome, error: BaseException | None) -> None:
         if self.observing:
             self.obs.finished(_new(TurnFinished, (
@@ -195,7 +209,10 @@ class Turn:
             state.initialized = True
         history = state.history
         if not history.exchanges and turn.history:
-            history.seed(turn.history, cfg.budget)
+            dropped = history.seed(turn.history)
+            if dropped:
+                cfg.overflows.report("seeded_history", f"{dropped} caller-supplied exchanges "
+                                     f"beyond max_history_exchanges of {turn.participant_id!r}")
         if turn.history is not history.exchanges:
             self.turn = turn = _turn_with_history(turn, history.exchanges)
         token = _current.set((turn.turn_id, history.view()))
@@ -360,10 +377,12 @@ class Turn:
         """History and focus after a complete answer."""
         state, obs = self.state, self.obs
         turn = self.turn
-        state.history.append(
-            _exchange(turn.query, result.text), turn.turn_id, turn.timestamp_us,
-            self.cfg.budget,
-        )
+        dropped = state.history.append(
+            _exchange(turn.query, result.text), turn.turn_id, turn.timestamp_us)
+        if dropped:
+            self.cfg.overflows.report(
+                "history_exchanges", f"{turn.participant_id!r} holds max_history_exchanges "
+                "exchanges: the oldest was dropped")
         owner = state.focus
         if result.disposition == "focus":
             if owner != route:
@@ -410,7 +429,7 @@ class Turn:
         pid = self.turn.participant_id
         try:
             with anyio.CancelScope(shield=True):
-                await self.cfg.agents[route].release(pid)
+                await bounded_release(self.cfg, self.cfg.agents[route].release, pid)
         except Exception as exc:
             obs.release_finished(token, ReleaseFinished(route, reason, exc))
             log_failure("%s.release(%r) (%s)", exc, route, pid, reason)
@@ -592,6 +611,18 @@ class _StartSignal:
         if not answer.owner.started:
             answer.started()
         await answer.wait_delivered()
+
+
+async def bounded_release(
+    cfg: RouterConfig, call: Callable[[str], Awaitable[None]], pid: str
+) -> None:
+    """`await call(pid)` within `release_timeout_secs` (else `TimeoutError`, counted)."""
+    with anyio.move_on_after(cfg.release_timeout) as scope:
+        await call(pid)
+    if scope.cancelled_caught:
+        cfg.overflows.report("release_timeout", f"a release for {pid!r} took longer than "
+                             f"release_timeout_secs ({cfg.release_timeout}s)")
+        raise TimeoutError(f"release did not return within {cfg.release_timeout}s")
 
 
 def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]) -> str | None:
