@@ -65,9 +65,10 @@ class Departures:
 
     async def stop(self) -> None:
         registry = self._registry
-        if registry.stopping is None or registry.stopping.done:
-            registry.stopping = OwnedOperation(self._shutdown())
-        await registry.stopping.join()
+        operation = registry.stopping
+        if operation is None or operation.done:
+            operation = registry.stopping = OwnedOperation(self._shutdown())
+        await operation.join()
 
     async def hand_over(self, pid: str) -> ParticipantSnapshot | None:
         """Drain the participant's turns, snapshot and drop it without any release."""
@@ -148,6 +149,12 @@ class Departures:
         self._registry.forget(state)
 
     async def _shutdown(self) -> None:
+        try:
+            await self._shut_down()
+        finally:
+            self._registry.stopping = None  # joiners keep their own handle
+
+    async def _shut_down(self) -> None:
         registry = self._registry
         for state in list(registry.participants.values()):
             self._patches.drop(state)

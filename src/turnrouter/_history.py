@@ -121,13 +121,13 @@ class History:
         size = len(exchange.user.encode()) + len(exchange.assistant.encode()) + extra_bytes
         total = self.total + size
         budget = self.budget
-        start = first = self._start
-        end = len(meta)
-        if total <= budget and end - start < self.max_exchanges:
+        if total <= budget and len(self.exchanges) < self.max_exchanges:
             self.exchanges += (exchange,)
             meta.append((exchange_id, stamp, size))
             self.total = total
             return 0
+        start = first = self._start
+        end = len(meta)
         while total > budget and start < end:
             total -= meta[start][2]
             start += 1

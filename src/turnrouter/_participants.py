@@ -128,6 +128,10 @@ class Registry:
 
     def admit(self, pid: str) -> Participant:
         """The participant's state for a new turn (created if new), or `LifecycleError`."""
+        state = self.participants.get(pid)
+        if (state is not None and state.phase is Phase.OPEN and self.stopping is None
+                and self.phase is RouterPhase.RUNNING and pid not in self.departed):
+            return state  # the common case, checked without building a refusal
         refusal = self.refusal(pid)
         if refusal:
             until = ("until stop() ends" if refusal == RouterPhase.STOPPING.value else
