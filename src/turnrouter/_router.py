@@ -50,7 +50,7 @@ from ._limits import (
 from ._llm import LLMService
 from ._logging import log_failure
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
-from ._participants import Participant, Registry
+from ._participants import Participant, Registry, RouterPhase
 from ._patch_desk import PatchDesk
 from ._patches import (
     AppliedContextPatch,
@@ -353,11 +353,9 @@ class AgentRouter:
         `stop()` ends.
         """
         _check_pid(participant_id)
-        if self._registry.router_refusal():
-            stopping = self._registry.stopping
-            if stopping is not None and not stopping.done:
-                self._departures.close(participant_id)
-                return Departure(self._departures.leave(participant_id))
+        if self._registry.phase is RouterPhase.STOPPING:
+            self._departures.close(participant_id)
+            return Departure(self._departures.leave(participant_id))
         operation = self._departures.start(participant_id)
         return Departure(None if operation is None else operation.join())
 
