@@ -41,8 +41,10 @@ must match the format exactly so they can be parsed.
 
 _PLACEHOLDERS = frozenset({"route_descriptions", "query"})
 _RAW_LIMIT = 500
-_LINE_RE = re.compile(r"^\s*[*_`\"'#>\-\s]*(route|confidence)[*_`\"'\s]*[:=]\s*(.*)$",
-                      re.IGNORECASE)
+# One character class before the key (it includes whitespace): a separate leading `\s*`
+# made a long run of spaces backtrack quadratically.
+_LINE_RE = re.compile(r"[*_`\"'#>\-\s]*(route|confidence)[*_`\"'\s]*[:=]\s*(.*)",
+                      re.IGNORECASE | re.DOTALL)
 _NUMBER_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(%?)")
 _STRIP = " \t\"'`*_.,;"
 

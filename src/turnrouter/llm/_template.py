@@ -31,6 +31,42 @@ _GENERIC_ROUTES = frozenset({
     "fallback", "other",
 })
 _PERSONAL = re.compile(r"\b(your|user'?s?|my|personal|own)\b", re.IGNORECASE)
+_WORD_TAIL = re.compile(r"[\w']+$")
+_WORD = re.compile(r"[\w']+")
+# How far before a topic word to look for "your"/"user's" (two short words fit).
+_LOOKBEHIND = 64
+#: Only the start of a route description is searched for "your <topic>".
+DESCRIPTION_SCAN_CHARS = 1024
+#: Routes remembered to avoid repeating a phrase (longer names are not remembered).
+_REMEMBERED_ROUTES = 1024
+_REMEMBERED_NAME_CHARS = 256
+
+
+def _personal_before(description: str, first: str) -> bool:
+    """Whether one of the (up to) two words right before `first` is personal.
+
+    One linear pass over `description`: each case-insensitive occurrence of `first` looks
+    back at most `_LOOKBEHIND` characters ("the user's calendar" -> True). A regex with a
+    repeated word group before the topic word would rescan long words (quadratic).
+    """
+    description = description[:DESCRIPTION_SCAN_CHARS]
+    for found in re.finditer(re.escape(first), description, re.IGNORECASE):
+        head = description[max(0, found.start() - _LOOKBEHIND):found.start()]
+        if not head or not head[-1].isspace():
+            continue
+        tokens = head.split()[-2:]
+        if not tokens:
+            continue
+        last = _WORD_TAIL.search(tokens[-1])
+        if last is None:
+            continue
+        if _PERSONAL.fullmatch(last.group(0)):
+            return True
+        if len(tokens) == 2 and _WORD.fullmatch(tokens[-1]):
+            before = _WORD_TAIL.search(tokens[0])
+            if before is not None and _PERSONAL.fullmatch(before.group(0)):
+                return True
+    return False
 
 
 def spoken_topic(name: str, description: str = "") -> str:
@@ -40,11 +76,8 @@ def spoken_topic(name: str, description: str = "") -> str:
     if not words:
         return "that"
     # "Your" when the description ties the topic to the user ("your calendar").
-    first = words.split()[0]
-    for match in re.finditer(rf"((?:[\w']+\s+){{1,2}}){re.escape(first)}", description,
-                             re.IGNORECASE):
-        if any(_PERSONAL.fullmatch(word) for word in match.group(1).split()):
-            return "your " + words
+    if _personal_before(description, words.split()[0]):
+        return "your " + words
     if words.startswith("my "):
         return "your " + words.removeprefix("my ")
     return "the " + words
@@ -87,7 +120,8 @@ class TemplateAcknowledger:
         index = zlib.crc32(f"{route}\x00{key}".encode()) % len(choices)
         if len(choices) > 1 and self._last.get(route) == index:
             index = (index + 1) % len(choices)
-        if len(self._last) < 1024 or route in self._last:
+        if len(route) <= _REMEMBERED_NAME_CHARS and (
+                len(self._last) < _REMEMBERED_ROUTES or route in self._last):
             self._last[route] = index
         if generic:
             return choices[index]
