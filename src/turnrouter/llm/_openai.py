@@ -236,6 +236,7 @@ class OpenAIChatClient:
                    "User-Agent": "turnrouter", **self._headers}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
+        response: http.client.HTTPResponse | None = None
         try:
             call.attach(conn)
             conn.request("POST", path, body=payload, headers=headers)
@@ -248,6 +249,10 @@ class OpenAIChatClient:
             detail = redact_text(f"{type(exc).__name__}: {exc}"[:200], self._secrets)
             raise LLMError(f"chat completion at {self._shown_url} failed: {detail}") from exc
         finally:
+            # Close the response too: its file object keeps the socket open (a cut-off
+            # reply would otherwise stay connected while the error is referenced).
+            if response is not None:
+                response.close()
             conn.close()
 
     def _read(self, response: http.client.HTTPResponse) -> bytes:
