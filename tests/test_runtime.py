@@ -386,7 +386,7 @@ async def test_plain_callbacks_get_only_valid_payloads(
             runtime.subscribe(OUTPUT, collect)
             await runtime.publish(OUTPUT, {"participant_id": "p"})
             await runtime.publish(OUTPUT, good.model_dump())
-            await runtime.publish(OUTPUT, UserQuery(participant_id="p", text="x"))  # type: ignore[arg-type]
+            await runtime.publish(OUTPUT, UserQuery(participant_id="p", text="x"))  # type: ignore[misc]
     assert seen == [good]
     assert runtime.rejected_messages == 2
     assert sum("rejected a message" in r.getMessage() for r in caplog.records) == 2
