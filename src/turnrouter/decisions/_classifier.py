@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from .._contracts import CLARIFY, RouteDecision, RouteRequest
 from .._exceptions import ConfigurationError
 from .._llm import LLMService
+from .._redact import strip_surrogates
 
 __all__ = ["DEFAULT_CLASSIFIER_PROMPT", "ClassifierDecisions", "ParsedClassification",
            "parse_classifier_output"]
@@ -179,6 +180,7 @@ class ClassifierDecisions:
                                        reasoning=False)
         if not isinstance(raw, str):
             raw = str(raw)
+        raw = strip_surrogates(raw)  # a lone surrogate could not be traced or stored
         parsed = parse_classifier_output(raw)
         shown = raw if len(raw) <= _RAW_LIMIT else raw[:_RAW_LIMIT] + "..."
         trace = f"classifier: {shown}"
