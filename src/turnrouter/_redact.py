@@ -30,7 +30,7 @@ _SECRET_PAIR = re.compile(
     r"""secret|password|cookie|set-cookie)(["']?\s{0,8}[:=]\s{0,8}["']?)([^"'\r\n,}]*)""",
     re.IGNORECASE)
 _BEARER = re.compile(r"\b(bearer)(\s{1,8})([A-Za-z0-9._~+/=-]+)", re.IGNORECASE)
-_URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]{0,20}://)[^/@\s\"']{1,256}@", re.IGNORECASE)
+_URL_USERINFO = re.compile(r"([a-z][a-z0-9+.-]{0,20}://)[^/@\s\"']{1,256}@", re.IGNORECASE)
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
@@ -87,6 +87,7 @@ def has_surrogates(text: str) -> bool:
     return not text.isascii() and _SURROGATES.search(text) is not None
 
 
+_PREVIEW_CHARS = 120
 _PREVIEW = reprlib.Repr()
 _PREVIEW.maxlevel = 2
 _PREVIEW.maxstring = 60
@@ -104,6 +105,7 @@ def preview(value: object) -> str:
     message costs little and cannot hit the recursion limit.
     """
     try:
-        return _PREVIEW.repr(value)
+        shown = _PREVIEW.repr(value)
     except Exception:  # a broken __repr__ must not replace the real error
         return f"<{type(value).__name__} object>"
+    return shown if len(shown) <= _PREVIEW_CHARS else shown[:_PREVIEW_CHARS - 3] + "..."

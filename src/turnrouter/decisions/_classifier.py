@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .._contracts import CLARIFY, RouteDecision, RouteRequest
 from .._exceptions import ConfigurationError
 from .._llm import LLMService
-from .._redact import strip_surrogates
+from .._redact import preview, strip_surrogates
 
 __all__ = ["DEFAULT_CLASSIFIER_PROMPT", "ClassifierDecisions", "ParsedClassification",
            "parse_classifier_output"]
@@ -143,16 +143,18 @@ class ClassifierDecisions:
         ):
             raise ConfigurationError(
                 f"require_confidence_above must be within [0, 1], got "
-                f"{require_confidence_above!r}"
+                f"{preview(require_confidence_above)}"
             )
         if fallback_route is not None and (
             not isinstance(fallback_route, str) or not fallback_route
         ):
             raise ConfigurationError(
-                f"fallback_route must be a non-empty route name or None, got {fallback_route!r}"
+                "fallback_route must be a non-empty route name or None, got "
+                f"{preview(fallback_route)}"
             )
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ConfigurationError(f"max_tokens must be a positive int, got {max_tokens!r}")
+            raise ConfigurationError(
+                f"max_tokens must be a positive int, got {preview(max_tokens)}")
         template = DEFAULT_CLASSIFIER_PROMPT if classifier_prompt is None else classifier_prompt
         if not isinstance(template, str):
             raise ConfigurationError(

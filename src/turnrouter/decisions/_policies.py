@@ -67,7 +67,7 @@ def by_query_prefix(separator: str = ":") -> KeyGetter:
     applies). Useful for explicit operator or test commands.
     """
     if not isinstance(separator, str) or not separator:
-        raise ConfigurationError(f"separator must be a non-empty str, got {separator!r}")
+        raise ConfigurationError(f"separator must be a non-empty str, got {preview(separator)}")
 
     def key(request: RouteRequest) -> str | None:
         head, found, _ = request.turn.query.partition(separator)
@@ -155,7 +155,7 @@ class DictRoutingPolicy:
         key_getter: KeyGetter | None = None,
     ) -> None:
         if key_getter is not None and not callable(key_getter):
-            raise ConfigurationError(f"key_getter must be callable, got {key_getter!r:.80}")
+            raise ConfigurationError(f"key_getter must be callable, got {preview(key_getter)}")
         self._mapping = _validate_mapping(mapping)
         self._default = _validate_choice("default", default)
         self._key_getter: KeyGetter = by_participant if key_getter is None else key_getter
@@ -280,10 +280,10 @@ class PolicyDecisions:
 
     def __init__(self, policy: RoutingPolicy, fallback: DecisionService) -> None:
         if not callable(getattr(policy, "select", None)):
-            raise ConfigurationError(f"policy must have a select() method, got {policy!r:.80}")
+            raise ConfigurationError(f"policy must have a select() method, got {preview(policy)}")
         if not callable(getattr(fallback, "decide", None)):
             raise ConfigurationError(
-                f"fallback must be a DecisionService, got {fallback!r:.80}"
+                f"fallback must be a DecisionService, got {preview(fallback)}"
             )
         self._policy = policy
         self._fallback = fallback
@@ -294,7 +294,7 @@ class PolicyDecisions:
         choice = await selected if inspect.isawaitable(selected) else selected
         if choice is not None and not isinstance(choice, str):
             raise PolicyError(
-                f"policy returned {type(choice).__name__} {choice!r:.80}; "
+                f"policy returned {type(choice).__name__} {preview(choice)}; "
                 "expected a route name, 'clarify' or None"
             )
         if not choice:

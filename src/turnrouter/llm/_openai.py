@@ -36,7 +36,7 @@ import anyio
 import anyio.to_thread
 
 from .._exceptions import ConfigurationError
-from .._redact import redact_text, redact_url, strip_surrogates
+from .._redact import preview, redact_text, redact_url, strip_surrogates
 from ._errors import LLMError
 
 __all__ = ["DEFAULT_MAX_REPLY_BYTES", "MODEL_ENV_VARS", "OpenAIChatClient"]
@@ -125,15 +125,17 @@ class OpenAIChatClient:
         if not valid or any(ch.isspace() or not ch.isprintable() for ch in base):
             raise ConfigurationError(
                 f"OpenAIChatClient base_url must be an http(s) URL, got {redact_url(base)!r}")
-        if not (math.isfinite(timeout_secs) and timeout_secs > 0):
-            raise ConfigurationError(
-                f"OpenAIChatClient timeout_secs must be finite and positive, got {timeout_secs!r}")
-        if max_tokens_limit < 1:
+        if (not isinstance(timeout_secs, int | float) or isinstance(timeout_secs, bool)
+                or not (math.isfinite(timeout_secs) and timeout_secs > 0)):
+            raise ConfigurationError("OpenAIChatClient timeout_secs must be finite and "
+                                     f"positive, got {preview(timeout_secs)}")
+        if (not isinstance(max_tokens_limit, int) or isinstance(max_tokens_limit, bool)
+                or max_tokens_limit < 1):
             raise ConfigurationError("OpenAIChatClient max_tokens_limit must be >= 1")
         if (not isinstance(max_reply_bytes, int) or isinstance(max_reply_bytes, bool)
                 or max_reply_bytes < 1):
-            raise ConfigurationError(
-                f"OpenAIChatClient max_reply_bytes must be an int >= 1, got {max_reply_bytes!r}")
+            raise ConfigurationError("OpenAIChatClient max_reply_bytes must be an int >= 1, "
+                                     f"got {preview(max_reply_bytes)}")
         self.model = model
         self.base_url = base.rstrip("/")
         self.url = self.base_url + "/chat/completions"
@@ -166,7 +168,7 @@ class OpenAIChatClient:
                      ) -> dict[str, Any]:
         """The JSON body `complete()` sends (exposed for inspection and tests)."""
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ConfigurationError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+            raise ConfigurationError(f"max_tokens must be an int >= 1, got {preview(max_tokens)}")
         body: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": "user", "content": prompt}],
