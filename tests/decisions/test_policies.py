@@ -364,3 +364,9 @@ def test_unreadable_policy_file_is_a_policy_error(tmp_path: Path) -> None:
     assert isinstance(caught.value.__cause__, FileNotFoundError)
     with pytest.raises(PolicyError, match="cannot be read"):
         DictRoutingPolicy.from_json_file(tmp_path)
+
+
+def test_over_long_integer_literal_is_a_policy_error() -> None:
+    """An integer past Python's int-conversion limit is a PolicyError, not a bare ValueError."""
+    with pytest.raises(PolicyError, match="not valid JSON"):
+        DictRoutingPolicy.from_json('{"p1": ' + "1" * 10_000 + "}")

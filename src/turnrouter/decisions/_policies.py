@@ -134,6 +134,8 @@ def _decode(payload: object, source: str, max_bytes: int) -> object:
     except RecursionError as exc:
         raise PolicyError(f"{source} is nested too deeply (a policy is a flat object)"
                           ) from exc
+    except ValueError as exc:  # e.g. an integer literal over the int-conversion limit
+        raise PolicyError(f"{source} is not valid JSON: {exc}") from exc
 
 
 class DictRoutingPolicy:
