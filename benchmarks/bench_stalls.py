@@ -246,6 +246,16 @@ def _template(size: int) -> Feed:
     return feed
 
 
+def _acknowledge(prompt: str) -> Feed:
+    acknowledger = TemplateAcknowledger()
+
+    async def feed() -> str:
+        await acknowledger.complete(prompt, max_tokens=16)
+        return "ok"
+
+    return feed
+
+
 def _publish(size: int) -> Feed:
     topic = Topic("q", UserQuery)
     text = _fill("é", size)
@@ -310,6 +320,8 @@ BOUNDARIES: list[Boundary] = [
              _classifier),
     Boundary("Template acknowledger", "complete(prompt)", "1 MB description + query",
              _template),
+    Boundary("Template acknowledger", "complete(prompt)", "1 MB route name (é)",
+             lambda size: _acknowledge("Helper: " + _fill("é", size))),
     Boundary("Policies", "DictRoutingPolicy.from_json", "~1 MB object (~28k entries)",
              lambda size: _sync(lambda: DictRoutingPolicy.from_json(_POLICY[size]))),
     Boundary("Policies", "DictRoutingPolicy.from_json", "[ x 1 MB (nested)",

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from turnrouter import CLARIFY, AgentTurn, RouteRequest, RoutingAid
 from turnrouter.decisions import ClassifierDecisions, parse_classifier_output
-from turnrouter.llm import LLMError, OpenAIChatClient
+from turnrouter.llm import LLMError, OpenAIChatClient, TemplateAcknowledger
 from turnrouter.testing import ScriptedLLM
 
 from .fuzz import ANY_TEXT, HUGE_TEXT, NON_UTF8, nested_json, valid_text
@@ -178,3 +178,20 @@ def test_classifier_decisions(text: str, threshold: float) -> None:
         assert len(decision.rationale) < 1000
 
     anyio.run(main)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example,
+                                 HealthCheck.data_too_large])
+@given(st.lists(st.one_of(
+    ANY_TEXT, HUGE_TEXT,
+    st.tuples(st.sampled_from(["Helper: ", "Helper description: ", "User: "]),
+              st.one_of(ANY_TEXT, HUGE_TEXT)).map("".join)), max_size=5).map("\n".join))
+def test_template_acknowledger_any_prompt(prompt: str) -> None:
+    """TemplateAcknowledger.complete: any prompt (surrogates, 1 MB lines) gives a phrase."""
+    acknowledger = TemplateAcknowledger()
+
+    async def main() -> str:
+        return await acknowledger.complete(prompt, max_tokens=16)
+
+    assert valid_text(anyio.run(main))

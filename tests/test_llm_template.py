@@ -69,3 +69,6 @@ def test_spoken_topic_of_a_huge_description_is_linear() -> None:
     assert spoken_topic("calendar", "a" * 1_000_000) == "the calendar"
     assert spoken_topic("calendar", "your " * 200_000 + "calendar") == "the calendar"
     assert spoken_topic("calendar", "reads " * 10 + "your calendar") == "your calendar"
+    assert spoken_topic("a" * 1_000_000, "a" * 1_000_000) == "the " + "a" * 128
+    # "İ".lower() is two characters: the case-insensitive search still finds the topic.
+    assert spoken_topic("calendar", "İ: your Calendar") == "your calendar"
