@@ -303,7 +303,14 @@ def _old_regex(size: int) -> Feed:
     return _sync(lambda: _OLD_THINK.sub("", reply))
 
 
+async def _nothing() -> str:
+    await asyncio.sleep(0.02)
+    return "ok"
+
+
 BOUNDARIES: list[Boundary] = [
+    # The noise floor: heartbeat gaps with no input at all (other processes, the OS).
+    Boundary("(baseline)", "no input, 20 ms idle", "-", lambda size: _nothing),
     Boundary("LLM client", "reply: unclosed <think> tags", "<think> x ~1 MB (JSON body)",
              lambda size: _complete(_reply(_fill("<think>", size - 64)))),
     Boundary("LLM client", "reply: closed <think> blocks", "<think>a</think>b x ~1 MB",
