@@ -278,6 +278,51 @@ def _publish(size: int) -> Feed:
     return feed
 
 
+def _seeded_turn(size: int) -> Feed:
+    """A first turn carrying a caller history of ~`size` bytes in 5-byte exchanges."""
+    from turnrouter import AgentRouter
+    from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions
+
+    history = tuple(AgentExchange("q", "abcd") for _ in range(size // 5))
+    count = itertools.count()
+
+    async def feed() -> str:
+        router = AgentRouter({"conversation": ScriptedAgent("conversation")},
+                             ScriptedDecisions("conversation"), output=OutputRecorder())
+        result = await router.handle(AgentTurn("p", f"t{next(count)}", "hi", history))
+        return "ok" if result.disposition == "answer" else "WRONG"
+
+    return feed
+
+
+def _lexical_turn(size: int) -> Feed:
+    """A turn whose 1 MB query goes through the embedded decision service."""
+    from turnrouter import AgentRouter
+    from turnrouter.decisions import LexicalDecisions
+    from turnrouter.testing import OutputRecorder, ScriptedAgent
+
+    agents = {name: ScriptedAgent(name, f"{name} requests and questions")
+              for name in ("weather", "calendar", "music", "conversation")}
+    query = " ".join(itertools.islice(itertools.cycle(
+        ["will", "it", "rain", "tomorrow", "play", "jazz", "meeting"]), size // 5))
+    count = itertools.count()
+
+    async def feed() -> str:
+        router = AgentRouter(agents, LexicalDecisions(), output=OutputRecorder())
+        await router.handle(AgentTurn("p", f"t{next(count)}", query))
+        return "ok"
+
+    return feed
+
+
+def _snapshot(size: int) -> Feed:
+    from turnrouter import ParticipantSnapshot
+
+    data = json.dumps({"participant_id": "p", "history": [
+        {"user": "q" * 40, "assistant": "a" * 40} for _ in range(size // 100)]})
+    return _sync(lambda: ParticipantSnapshot.from_json(data))
+
+
 class _Inputs(dict[int, str]):
     """Inputs built once per size, before any measurement."""
 
@@ -339,6 +384,12 @@ BOUNDARIES: list[Boundary] = [
     Boundary("Policies", "DictRoutingPolicy.from_env", "~1 MB variable", _policy_env),
     Boundary("Runtime messages", "publish + coerce (3 messages)",
              "1 MB text: valid, lone surrogate, model_construct", _publish),
+    Boundary("Router", "handle(): caller-seeded history", "200,000 exchanges (~1 MB)",
+             _seeded_turn),
+    Boundary("Router", "handle(): query to LexicalDecisions", "1 MB of words",
+             _lexical_turn),
+    Boundary("Router", "ParticipantSnapshot.from_json", "~1 MB history",
+             _snapshot),
     Boundary("Contracts", "AgentTurn", "query of é x 1 MB",
              lambda size: _sync(lambda: AgentTurn("p", "t", _TEXT[size]))),
     Boundary("Contracts", "AgentExchange", "user + assistant, 1 MB",

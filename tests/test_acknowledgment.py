@@ -524,3 +524,11 @@ async def test_destination_error_propagates_unwrapped_with_acknowledgments() -> 
     assert isinstance(s.result, LookupError)
     assert [a.outcome for a in s.observer.acks] == ["suppressed"]
     assert s.output.texts == ["Sorry, something went wrong. Please try again."]
+
+
+async def test_acknowledgment_text_with_lone_surrogates_is_made_storable() -> None:
+    """An LLM reply with a lone surrogate is spoken with U+FFFD instead (UTF-8 safe)."""
+    s = Setup(latency=2.0, llm=ScriptedLLM("Checking \ud800 now."))
+    await s.drive()
+    assert s.output.texts == ["Checking \ufffd now."]
+    s.output.texts[0].encode()

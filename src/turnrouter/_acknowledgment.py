@@ -39,6 +39,7 @@ from ._contracts import AgentTurn, RoutingAid
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
 from ._logging import log_failure
+from ._redact import strip_surrogates
 from ._observer import (
     AcknowledgmentFinished,
     AcknowledgmentOutcome,
@@ -146,8 +147,9 @@ def acknowledgment_prompt(route: RoutingAid, query: str) -> str:
 
 
 def clean_acknowledgment(text: str, max_chars: int) -> str:
-    """First non-empty line, unquoted, whitespace-normalized, cut at a word boundary."""
-    for raw in text.splitlines():
+    """First non-empty line, unquoted, whitespace-normalized, cut at a word boundary;
+    lone surrogates (not storable as UTF-8) become U+FFFD."""
+    for raw in strip_surrogates(text[: max_chars * 4]).splitlines():
         line = " ".join(raw.split()).strip().strip("\"'“”‘’`").strip()
         if line:
             break
