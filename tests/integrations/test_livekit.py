@@ -3,27 +3,39 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from opentelemetry.trace import NoOpTracerProvider
 
 pytest.importorskip("livekit.agents", reason="needs the livekit extra")
 
-from livekit.agents import Agent, AgentSession, AgentStateChangedEvent, llm  # noqa: E402
-from livekit.agents.llm import ChatChunk, ChoiceDelta  # noqa: E402
-from livekit.agents.types import (  # noqa: E402
+from livekit.agents import (
+    Agent,
+    AgentSession,
+    AgentStateChangedEvent,
+    RunResult,
+    llm,
+)
+from livekit.agents.llm import ChatChunk, ChoiceDelta
+from livekit.agents.telemetry import set_tracer_provider
+from livekit.agents.types import (
     DEFAULT_API_CONNECT_OPTIONS,
     NOT_GIVEN,
     APIConnectOptions,
     NotGivenOr,
 )
-from livekit.agents import RunResult  # noqa: E402
-from livekit.agents.voice.io import TextOutput  # noqa: E402
+from livekit.agents.voice.io import TextOutput
 
-from turnrouter import (  # noqa: E402
+from turnrouter import (
     Admission,
     AgentRouter,
     AgentTurn,
@@ -31,7 +43,7 @@ from turnrouter import (  # noqa: E402
     LifecycleError,
     RoutingAid,
 )
-from turnrouter.integrations.livekit import (  # noqa: E402
+from turnrouter.integrations.livekit import (
     HandoffDestination,
     LLMDestination,
     RouterAgent,
@@ -39,8 +51,8 @@ from turnrouter.integrations.livekit import (  # noqa: E402
     speak,
     stop_gracefully,
 )
-from turnrouter.telemetry import Telemetry  # noqa: E402
-from turnrouter.testing import (  # noqa: E402
+from turnrouter.telemetry import Telemetry
+from turnrouter.testing import (
     ManualClock,
     ScriptedAgent,
     ScriptedDecisions,
@@ -157,7 +169,7 @@ class FakeStream(llm.LLMStream):
                 role="assistant", content=text)))
 
 
-class FakeLLM(llm.LLM):
+class FakeLLM(llm.LLM[Any]):
     """A LiveKit LLM streaming a fixed reply word by word; records the prompts."""
 
     def __init__(self, reply: str) -> None:
@@ -212,9 +224,9 @@ def make_router(*agents: Any, decisions: Any, **kwargs: Any) -> AgentRouter:
 
 @asynccontextmanager
 async def session_for(router: AgentRouter, participant_id: str = "alice",
-                      **kwargs: Any) -> AsyncIterator[tuple[AgentSession, Ends]]:
+                      **kwargs: Any) -> AsyncIterator[tuple[AgentSession[Any], Ends]]:
     ends = Ends()
-    session: AgentSession = AgentSession()
+    session: AgentSession[Any] = AgentSession()
     await session.start(RouterAgent(router, participant_id=participant_id,
                                     on_turn_end=ends, **kwargs))
     try:
@@ -223,7 +235,7 @@ async def session_for(router: AgentRouter, participant_id: str = "alice",
         await session.aclose()
 
 
-async def run(session: AgentSession, text: str) -> RunResult[Any]:
+async def run(session: AgentSession[Any], text: str) -> RunResult[Any]:
     with anyio.fail_after(5):
         return await session.run(user_input=text)
 
@@ -294,7 +306,7 @@ async def _acknowledged_run(gated: bool) -> list[str]:
                          acknowledgment_llm=ScriptedLLM("One moment."),
                          acknowledgment_delay_secs=0.5)
     async with session_for(router) as (session, ends):
-        pending = session.run(user_input="what's the forecast?")
+        pending: RunResult[Any] = session.run(user_input="what's the forecast?")
         if gated:
             with anyio.fail_after(5):
                 await weather.entered.wait()
@@ -329,7 +341,7 @@ async def test_barge_in_before_the_answer_interrupts_the_turn() -> None:
     weather.admit_gate = anyio.Event()
     router = make_router(weather, decisions=ScriptedDecisions("weather"))
     async with session_for(router) as (session, ends):
-        pending = session.run(user_input="rain?")
+        pending: RunResult[Any] = session.run(user_input="rain?")
         with anyio.fail_after(5):
             await weather.admit_entered.wait()
         await session.interrupt()
@@ -353,7 +365,7 @@ async def test_barge_in_during_the_answer_cuts_it() -> None:
                 speaking_now.set()
 
         session.on("agent_state_changed", on_state)
-        pending = session.run(user_input="rain?")
+        pending: RunResult[Any] = session.run(user_input="rain?")
         with anyio.fail_after(5):
             await parts.first_said.wait()
             await speaking_now.wait()
@@ -405,8 +417,8 @@ async def test_two_users_in_two_sessions_run_concurrently() -> None:
     router = make_router(parts, decisions=ScriptedDecisions("weather"))
     async with session_for(router, "alice") as (alice, alice_ends), \
             session_for(router, "bob") as (bob, bob_ends):
-        first = alice.run(user_input="rain in Paris?")
-        second = bob.run(user_input="rain in Rome?")
+        first: RunResult[Any] = alice.run(user_input="rain in Paris?")
+        second: RunResult[Any] = bob.run(user_input="rain in Rome?")
         await parts.wait_speakers(2)                     # both answers are under way
         parts.gate.set()
         with anyio.fail_after(5):
@@ -437,12 +449,10 @@ async def test_graceful_end_lets_the_running_turn_finish() -> None:
     parts = TwoParts("weather")
     router = make_router(parts, decisions=ScriptedDecisions("weather"))
     async with session_for(router, depart_on_close=False) as (session, ends):
-        pending = session.run(user_input="rain?")
+        pending: RunResult[Any] = session.run(user_input="rain?")
         with anyio.fail_after(5):
             await parts.first_said.wait()
         stopping = asyncio.ensure_future(stop_gracefully(router))
-        await asyncio.sleep(0)
-        assert not stopping.done()
         parts.gate.set()
         with anyio.fail_after(5):
             assert await stopping is True
@@ -504,6 +514,43 @@ async def test_speak_outside_a_routed_turn_is_refused() -> None:
         await speak("hello")
 
 
+_JUNK = st.one_of(
+    st.text(),                                               # any code point, surrogates too
+    st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1),
+    st.builds(lambda c, n: c * n, st.characters(), st.integers(10_000, 200_000)),  # huge
+    st.binary().map(lambda b: b.decode("utf-8", "surrogateescape")),   # non-UTF-8 bytes
+    st.recursive(st.just("[]"), lambda inner: inner.map(lambda t: f"[{t}]"), max_leaves=60),
+)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(texts=st.lists(_JUNK, min_size=1, max_size=3))
+def test_any_user_text_reaches_the_destination_unchanged(texts: list[str]) -> None:
+    """Whatever LiveKit hands over as user text becomes the routed query, byte for byte."""
+
+    async def scenario() -> list[str | None]:
+        weather = speaking("weather")
+        router = make_router(weather, decisions=ScriptedDecisions("weather"))
+        async with session_for(router) as (session, ends):
+            for text in texts:
+                await run(session, text)
+            await ends.wait(len(texts))
+        return [call.query for call in weather.calls if call.method == "answer"]
+
+    assert asyncio.run(scenario()) == texts
+
+
+def test_the_example_app_runs_offline_and_exits_0() -> None:
+    """examples/livekit_app.py routes its three turns and exits 0."""
+    example = Path(__file__).parents[2] / "examples" / "livekit_app.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "assistant: One moment, checking the forecast." in done.stdout
+    assert "invoke_agent billing <- turnrouter.turn" in done.stdout
+
+
 def test_router_agent_checks_its_arguments() -> None:
     """A wrong router, an empty participant or an LLM are refused by name."""
     router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
@@ -531,7 +578,7 @@ async def test_silence_is_measured_to_the_speech_start() -> None:
             session.say("Welcome!")                      # holds LiveKit's speech queue
             with anyio.fail_after(5):
                 await text_out.entered.wait()
-            pending = session.run(user_input="rain?")
+            pending: RunResult[Any] = session.run(user_input="rain?")
             await ends.wait()                            # answered at t=0, not heard yet
             assert weather.started_called.is_set()
             clock.advance(2.0)
@@ -543,3 +590,44 @@ async def test_silence_is_measured_to_the_speech_start() -> None:
         silence = capture.value("turnrouter_silence_seconds_sum", route="weather")
     assert first_response == pytest.approx(2.0)
     assert silence == pytest.approx(2.0)
+
+
+def _ancestors(span: Any, spans: list[Any]) -> list[Any]:
+    by_id = {item.context.span_id: item for item in spans}
+    chain = []
+    while span.parent is not None and span.parent.span_id in by_id:
+        span = by_id[span.parent.span_id]
+        chain.append(span)
+    return chain
+
+
+async def test_the_turn_span_nests_under_livekits_agent_turn() -> None:
+    """turnrouter's turn span is a plain child of LiveKit's agent_turn, not a second agent."""
+    with TelemetryCapture() as capture:
+        set_tracer_provider(capture.tracer_provider)
+        try:
+            router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"),
+                                 telemetry=capture.telemetry)
+            async with session_for(router) as (session, ends):
+                await run(session, "rain?")
+                await ends.wait()
+        finally:
+            set_tracer_provider(NoOpTracerProvider())
+        spans = capture.spans()
+        turn = capture.span("turnrouter.turn")
+        answer = capture.span("invoke_agent weather")
+    chain = _ancestors(turn, spans)
+    names = [span.name for span in chain]
+    assert names[:2] == ["llm_node", "agent_turn"]    # the reply LiveKit routes through
+    agent_turn = chain[1]
+    assert agent_turn.context.trace_id == turn.context.trace_id
+    assert agent_turn.attributes is not None and turn.attributes is not None
+    assert agent_turn.attributes["gen_ai.operation.name"] == "invoke_agent"
+    assert "gen_ai.operation.name" not in turn.attributes
+    assert str(turn.attributes["turnrouter.turn.id"]).startswith("item_")
+    # The router's invoke_agent is the destination's, one level below the turn span,
+    # and names the route, not LiveKit's agent.
+    assert answer.parent is not None and answer.parent.span_id == turn.context.span_id
+    assert answer.attributes is not None
+    assert answer.attributes["gen_ai.agent.name"] == "weather"
+    assert agent_turn.attributes["gen_ai.agent.name"] != "weather"

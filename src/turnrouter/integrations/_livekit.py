@@ -23,7 +23,12 @@ from livekit.agents import (
     ModelSettings,
     llm,
 )
-from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, APIConnectOptions, NotGivenOr
+from livekit.agents.types import (
+    DEFAULT_API_CONNECT_OPTIONS,
+    NOT_GIVEN,
+    APIConnectOptions,
+    NotGivenOr,
+)
 from livekit.agents.voice import SpeechHandle
 
 from .. import (
@@ -108,7 +113,7 @@ class _TurnVoice:
     LiveKit's speech queue is the order the router spoke in.
     """
 
-    def __init__(self, agent: RouterAgent, session: AgentSession, turn: AgentTurn) -> None:
+    def __init__(self, agent: RouterAgent, session: AgentSession[Any], turn: AgentTurn) -> None:
         self.agent = agent
         self.session = session
         self.turn = turn
@@ -210,7 +215,7 @@ async def speak(text: str | AsyncIterable[str], *, started: Started | None = Non
     return "".join(parts)
 
 
-class _RouterLLM(llm.LLM):
+class _RouterLLM(llm.LLM[Any]):
     """The LLM slot of a `RouterAgent`: LiveKit requires one, the router answers instead."""
 
     @property
@@ -275,8 +280,8 @@ class RouterAgent(Agent):
         self._tasks: set[asyncio.Task[None]] = set()
         self._main_speech: dict[str, _TurnVoice] = {}
         self._routed_ids: deque[str] = deque(maxlen=ROUTED_MESSAGE_MEMORY)
-        self._listening: AgentSession | None = None
-        self._closing_session: AgentSession | None = None
+        self._listening: AgentSession[Any] | None = None
+        self._closing_session: AgentSession[Any] | None = None
 
     @property
     def router(self) -> AgentRouter:
@@ -348,7 +353,7 @@ class RouterAgent(Agent):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _listen(self, session: AgentSession) -> None:
+    def _listen(self, session: AgentSession[Any]) -> None:
         if self._closing_session is not session:
             if self._closing_session is not None:
                 self._closing_session.off("close", self._closed)
@@ -468,7 +473,7 @@ class LLMDestination:
     budget) and the query; the reply is said with `speak()` as it streams.
     """
 
-    def __init__(self, name: str, description: str, model: llm.LLM, *,
+    def __init__(self, name: str, description: str, model: llm.LLM[Any], *,
                  instructions: str, priority: int = 0) -> None:
         self.name = name
         self.description = description
