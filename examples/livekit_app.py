@@ -51,7 +51,8 @@ from turnrouter.integrations.livekit import (
     speak,
     stop_gracefully,
 )
-from turnrouter.testing import ScriptedLLM, TelemetryCapture
+from turnrouter.llm import TemplateAcknowledger
+from turnrouter.testing import TelemetryCapture
 
 FIRST_TOKEN_SECONDS = 0.6        # the fake weather LLM's time to first token
 ACK_DELAY_SECONDS = 0.2          # turnrouter acknowledges answers slower than this
@@ -129,7 +130,7 @@ async def main() -> int:
                 "billing": ["my invoice is wrong", "I was charged twice", "refund"],
             }), default_destination="weather",
             telemetry=capture.telemetry,
-            acknowledgment_llm=ScriptedLLM("One moment, checking the forecast."),
+            acknowledgment_llm=TemplateAcknowledger(),
             acknowledgment_delay_secs=ACK_DELAY_SECONDS,
         )
         routes: list[str | None] = []

@@ -296,6 +296,35 @@ async def test_a_clarification_is_said() -> None:
     assert end.routed is not None and end.routed.route is None
 
 
+async def test_a_preamble_is_its_own_speech_before_the_answer() -> None:
+    """An admission preamble is said first, as a separate speech."""
+    weather = speaking("weather", admissions=Admission("accept", preamble="Let me see."))
+    router = make_router(weather, decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, _):
+        result = await run(session, "rain?")
+    assert said(result) == ["Let me see.", "weather answer"]
+
+
+async def test_a_failing_turn_end_callback_does_not_stop_the_next_turn() -> None:
+    """An on_turn_end callback that raises is logged; routing goes on."""
+    calls: list[str] = []
+
+    def broken(end: TurnEnd) -> None:
+        calls.append(end.turn.query)
+        raise RuntimeError("callback bug")
+
+    router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
+    session: AgentSession[Any] = AgentSession()
+    await session.start(RouterAgent(router, participant_id="alice", on_turn_end=broken))
+    try:
+        await run(session, "one")
+        result = await run(session, "two")
+    finally:
+        await session.aclose()
+    assert said(result) == ["weather answer"]
+    assert calls == ["one", "two"]
+
+
 # ---------------------------------------------------------------- acknowledgments
 
 
@@ -547,7 +576,11 @@ def test_the_example_app_runs_offline_and_exits_0() -> None:
     done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "assistant: One moment, checking the forecast." in done.stdout
+    lines = done.stdout.splitlines()
+    first_reply = lines[lines.index("user:      Will it rain today?") + 1:][:2]
+    assert first_reply[1] == "assistant: Sunny, 24 degrees, no rain today."
+    assert first_reply[0].startswith("assistant: ")          # the acknowledgment
+    assert 'acknowledgments_total{outcome="emitted",route="weather"' in done.stdout
     assert "invoke_agent billing <- turnrouter.turn" in done.stdout
 
 

@@ -21,6 +21,7 @@ from livekit.agents import (
     AgentStateChangedEvent,
     CloseEvent,
     ModelSettings,
+    TurnHandlingOptions,
     llm,
 )
 from livekit.agents.types import (
@@ -79,11 +80,18 @@ class _TextStream:
 
     def __init__(self) -> None:
         self._chunks: deque[str] = deque()
+        self._said = False
         self._closed = False
         self._wake = asyncio.Event()
 
+    @property
+    def said(self) -> bool:
+        """Whether any text was pushed."""
+        return self._said
+
     def push(self, text: str) -> None:
         if text and not self._closed:
+            self._said = True
             self._chunks.append(text)
             self._wake.set()
 
@@ -128,7 +136,7 @@ class _TurnVoice:
         if self.ended or not text:
             return
         if self.stream is not None:
-            self.stream.push(text)
+            self.stream.push(f" {text}" if self.stream.said else text)
             return
         self._track(self.session.say(text), main=False)
         self._open_stream()
@@ -171,7 +179,7 @@ class _TurnVoice:
     def silence(self) -> None:
         """Interrupt every speech of this turn that is still queued or playing."""
         for handle in self.handles:
-            if not handle.done():
+            if not handle.done() and handle.allow_interruptions:
                 handle.interrupt()
 
 
@@ -262,6 +270,7 @@ class RouterAgent(Agent):
         instructions: str = "Replies come from turnrouter.",
         depart_on_close: bool = True,
         on_turn_end: Callable[[TurnEnd], None] | None = None,
+        turn_handling: TurnHandlingOptions | None = None,
         **agent_options: Any,
     ) -> None:
         if not isinstance(router, AgentRouter):
@@ -271,7 +280,12 @@ class RouterAgent(Agent):
         if "llm" in agent_options:
             raise TypeError("RouterAgent takes no llm: its replies come from the router "
                             "(wrap an LLM in LLMDestination instead)")
-        super().__init__(instructions=instructions, llm=_RouterLLM(), **agent_options)
+        # Routing has side effects (admissions, answers, speech), so it starts at the end
+        # of the user's turn, not on a preemptive transcript (unless asked explicitly).
+        handling: TurnHandlingOptions = {"preemptive_generation": {"enabled": False}}
+        handling.update(turn_handling or {})
+        super().__init__(instructions=instructions, llm=_RouterLLM(),
+                         turn_handling=handling, **agent_options)
         self._router = router
         self._pid = participant_id
         self._depart_on_close = depart_on_close
@@ -342,7 +356,10 @@ class RouterAgent(Agent):
                            type(exc).__name__)
         voice.end(interrupted=interrupted)
         if self._on_turn_end is not None:
-            self._on_turn_end(TurnEnd(voice.turn, routed, interrupted, error))
+            try:
+                self._on_turn_end(TurnEnd(voice.turn, routed, interrupted, error))
+            except Exception:
+                logger.exception("RouterAgent on_turn_end callback failed")
 
     def _speech_interrupted(self, voice: _TurnVoice) -> None:
         """A speech of `voice`'s turn was interrupted in LiveKit: stop the turn."""
