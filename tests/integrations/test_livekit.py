@@ -484,7 +484,7 @@ async def test_graceful_end_lets_the_running_turn_finish() -> None:
         stopping = asyncio.ensure_future(stop_gracefully(router))
         parts.gate.set()
         with anyio.fail_after(5):
-            assert await stopping is True
+            await stopping
             result = await pending
         end = (await ends.wait())[0]
     assert not end.interrupted and not parts.cancelled
@@ -501,7 +501,7 @@ async def test_graceful_end_is_bounded() -> None:
         session.generate_reply(user_input="rain?")
         with anyio.fail_after(5):
             await parts.first_said.wait()
-            assert await stop_gracefully(router, timeout_secs=0.01) is False
+            await stop_gracefully(router, timeout_secs=0.01)
         end = (await ends.wait())[0]
     assert end.interrupted and parts.cancelled
 
@@ -585,7 +585,7 @@ def test_the_example_app_runs_offline_and_exits_0() -> None:
 
 
 def test_router_agent_checks_its_arguments() -> None:
-    """A wrong router, an empty participant or an LLM are refused by name."""
+    """A wrong router, no participant, an LLM or a route named as the agent are refused."""
     router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
     with pytest.raises(TypeError, match="AgentRouter"):
         RouterAgent(object(), participant_id="alice")  # type: ignore[arg-type]
@@ -593,6 +593,10 @@ def test_router_agent_checks_its_arguments() -> None:
         RouterAgent(router, participant_id="")
     with pytest.raises(TypeError, match="llm"):
         RouterAgent(router, participant_id="alice", llm=FakeLLM("x"))
+    same_name = make_router(speaking("router_agent"), decisions=ScriptedDecisions("weather"))
+    with pytest.raises(ValueError, match="label"):
+        RouterAgent(same_name, participant_id="alice")
+    assert RouterAgent(same_name, participant_id="alice", id="front").label == "front"
 
 
 # ---------------------------------------------------------------- telemetry
@@ -635,7 +639,7 @@ def _ancestors(span: Any, spans: list[Any]) -> list[Any]:
 
 
 async def test_the_turn_span_nests_under_livekits_agent_turn() -> None:
-    """turnrouter's turn span is a plain child of LiveKit's agent_turn, not a second agent."""
+    """turnrouter's turn span nests under LiveKit's agent_turn without posing as an agent."""
     with TelemetryCapture() as capture:
         set_tracer_provider(capture.tracer_provider)
         try:

@@ -8,6 +8,7 @@ extra into a one-line ImportError.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 from collections import deque
@@ -286,6 +287,11 @@ class RouterAgent(Agent):
         handling.update(turn_handling or {})
         super().__init__(instructions=instructions, llm=_RouterLLM(),
                          turn_handling=handling, **agent_options)
+        if self.label in router.destinations:
+            raise ValueError(
+                f"route {self.label!r} has the RouterAgent's LiveKit label: its invoke_agent "
+                "span would pass for LiveKit's own agent_turn; give the RouterAgent another "
+                "id=")
         self._router = router
         self._pid = participant_id
         self._depart_on_close = depart_on_close
@@ -428,23 +434,19 @@ def _newest_user_message(chat_ctx: llm.ChatContext) -> llm.ChatMessage | None:
     return None
 
 
-async def stop_gracefully(router: AgentRouter, *, timeout_secs: float | None = None) -> bool:
+async def stop_gracefully(router: AgentRouter, *, timeout_secs: float | None = None) -> None:
     """End the router after the turns in flight: `drain()`, then `stop()`.
 
     Stop feeding turns first (close the sessions). With `timeout_secs`, turns still
-    running after it are cancelled by `stop()`. True when the drain completed.
+    running after it are cancelled by `stop()`. Fits `JobContext.add_shutdown_callback`.
     """
-    drained = True
     if timeout_secs is None:
         await router.drain()
     else:
-        try:
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_secs):
                 await router.drain()
-        except TimeoutError:
-            drained = False
     await router.stop()
-    return drained
 
 
 class HandoffDestination:
