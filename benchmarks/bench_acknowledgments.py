@@ -49,6 +49,7 @@ from turnrouter import (
     TimingSample,
     TurnObserver,
 )
+from turnrouter.events import AcknowledgmentFinished, SilenceMeasured, TurnStarted
 from turnrouter.llm import TemplateAcknowledger
 from turnrouter.testing import ManualClock
 
@@ -112,14 +113,12 @@ class _Turn(TurnObserver):
     def __init__(self, facts: TurnFacts) -> None:
         self.facts = facts
 
-    def acknowledgment(self, route: str, outcome: Any, trigger: Any, delay_seconds: float,
-                       predicted_first_response: float | None, started_at: float,
-                       ended_at: float, text: str, error: BaseException | None) -> None:
-        if outcome == "emitted":
-            self.facts.ack_at = ended_at
+    def acknowledgment(self, event: AcknowledgmentFinished) -> None:
+        if event.outcome == "emitted":
+            self.facts.ack_at = event.ended_at
 
-    def silence(self, route: str, seconds: float) -> None:
-        self.facts.silence = seconds
+    def silence(self, event: SilenceMeasured) -> None:
+        self.facts.silence = event.seconds
 
 
 @dataclass
@@ -127,7 +126,7 @@ class Observer(RouterObserver):
     current: TurnFacts | None = None
     turns: list[TurnFacts] = field(default_factory=list)
 
-    def turn_started(self, turn: AgentTurn, focus: str | None) -> TurnObserver:
+    def turn_started(self, event: TurnStarted) -> TurnObserver:
         assert self.current is not None
         return _Turn(self.current)
 

@@ -27,6 +27,13 @@ from turnrouter import (
     TurnObserver,
 )
 from turnrouter._timing import JsonLinesSink, load_samples
+from turnrouter.events import (
+    AcknowledgmentFinished,
+    EstimateChanged,
+    FirstResponse,
+    SilenceMeasured,
+    TurnStarted,
+)
 from turnrouter.llm import TemplateAcknowledger
 from turnrouter.testing import ManualClock, OutputRecorder, ScriptedLLM
 
@@ -55,18 +62,14 @@ class _Turn(TurnObserver):
     def __init__(self, parent: Observer) -> None:
         self._parent = parent
 
-    def acknowledgment(self, route: str, outcome: Any, trigger: Any, delay_seconds: float,
-                       predicted_first_response: float | None, started_at: float,
-                       ended_at: float, text: str, error: BaseException | None) -> None:
-        self._parent.acks.append(Ack(route, outcome, trigger, delay_seconds,
-                                     predicted_first_response, started_at, ended_at, text,
-                                     error))
+    def acknowledgment(self, event: AcknowledgmentFinished) -> None:
+        self._parent.acks.append(Ack(*event))
 
-    def silence(self, route: str, seconds: float) -> None:
-        self._parent.silences.append((route, seconds))
+    def silence(self, event: SilenceMeasured) -> None:
+        self._parent.silences.append((event.route, event.seconds))
 
-    def first_response(self, token: object, route: str, seconds: float) -> None:
-        self._parent.first.append((route, seconds))
+    def first_response(self, token: object, event: FirstResponse) -> None:
+        self._parent.first.append((event.route, event.seconds))
 
 
 class Observer(RouterObserver):
@@ -80,11 +83,11 @@ class Observer(RouterObserver):
         self.first: list[tuple[str, float]] = []
         self.predicted: list[tuple[str, float]] = []
 
-    def turn_started(self, turn: AgentTurn, focus: str | None) -> TurnObserver:
+    def turn_started(self, event: TurnStarted) -> TurnObserver:
         return _Turn(self)
 
-    def predicted_first_response(self, route: str, seconds: float) -> None:
-        self.predicted.append((route, seconds))
+    def predicted_first_response(self, event: EstimateChanged) -> None:
+        self.predicted.append((event.route, event.seconds))
 
 
 class ClockAgent:

@@ -38,7 +38,15 @@ from ._clock import Clock
 from ._contracts import AgentTurn, RoutingAid
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
-from ._observer import AcknowledgmentOutcome, AcknowledgmentTrigger, RouterObserver, TurnObserver
+from ._logging import log_failure
+from ._observer import (
+    AcknowledgmentFinished,
+    AcknowledgmentOutcome,
+    AcknowledgmentTrigger,
+    EstimateChanged,
+    RouterObserver,
+    TurnObserver,
+)
 from ._timing import Prediction, TimingPredictor, TimingSample, TimingSink
 
 if TYPE_CHECKING:
@@ -210,15 +218,15 @@ class TimingEngine:
             return
         try:
             estimate = predictor.estimate(route)
-        except Exception:
-            logger.exception("turnrouter: timing predictor estimate(%r) failed", route)
+        except Exception as exc:
+            log_failure("timing predictor estimate(%r)", exc, route)
             return
         if estimate is None:
             return
         last = self._published.get(route)
         if last is None or abs(estimate - last) > 0.01 * last:
             self._published[route] = estimate
-            self.observer.predicted_first_response(route, estimate)
+            self.observer.predicted_first_response(EstimateChanged(route, estimate))
 
     def record(self, route: str, seconds: float, censored: bool, turn: AgentTurn) -> None:
         """One first-response sample: to the predictor, the sink, and the gauge."""
@@ -226,30 +234,23 @@ class TimingEngine:
         if self.predictor is not None:
             try:
                 self.predictor.record(sample, turn)
-            except Exception:
-                logger.exception("turnrouter: timing predictor failed to record a sample")
+            except Exception as exc:
+                log_failure("timing predictor record()", exc)
             self._publish(route)
         if self.sink is not None:
             try:
                 self.sink.record(sample)
-            except Exception:
-                logger.exception("turnrouter: timing sink failed to record a sample")
+            except Exception as exc:
+                log_failure("timing sink record()", exc)
 
     def generation_observed(self, seconds: float) -> None:
         self.expected_generation += 0.2 * (seconds - self.expected_generation)
 
-    def sidecar(
-        self, obs: TurnObserver, route: str, turn: AgentTurn, emit: Emit,
-        heard: Callable[[float], None],
-    ) -> AcknowledgmentSidecar | None:
-        """The acknowledgment to run beside one answer (None without an LLM).
-
-        `heard(at)` is told when a committed acknowledgment was delivered: the turn,
-        which owns the silence measurement, decides whether that ended the silence.
-        """
+    def sidecar(self, answer: Answering) -> AcknowledgmentSidecar | None:
+        """The acknowledgment to run beside one answer (None without an LLM)."""
         if self.llm is None:
             return None
-        return AcknowledgmentSidecar(self, obs, route, turn, emit, heard)
+        return AcknowledgmentSidecar(self, answer)
 
     def aid(self, route: str, turn: AgentTurn) -> RoutingAid:
         agent = self.agents[route]
@@ -257,6 +258,23 @@ class TimingEngine:
 
 
 _PENDING, _SUPPRESSED, _FAILED, _COMMITTED, _DONE = range(5)
+
+
+class Answering(Protocol):
+    """What the sidecar needs of the answer it runs beside."""
+
+    @property
+    def route(self) -> str: ...
+    @property
+    def turn(self) -> AgentTurn: ...
+    @property
+    def obs(self) -> TurnObserver: ...
+    @property
+    def emit(self) -> Emit: ...
+
+    def hear(self, at: float) -> None:
+        """A committed acknowledgment was delivered at `at` (the answer, which owns the
+        silence measurement, decides whether that ended the silence)."""
 
 
 class AcknowledgmentSidecar:
@@ -267,16 +285,14 @@ class AcknowledgmentSidecar:
     a pending acknowledgment is then suppressed, a committed one is awaited.
     """
 
-    __slots__ = ("_delay_used", "_delivered", "_emit", "_engine", "_heard", "_obs",
+    __slots__ = ("_answer", "_delay_used", "_delivered", "_emit", "_engine", "_obs",
                  "_predicted", "_scope", "_started_at", "_state", "_t0", "_trigger",
                  "route", "turn")
 
-    def __init__(
-        self, engine: TimingEngine, obs: TurnObserver, route: str, turn: AgentTurn,
-        emit: Emit, heard: Callable[[float], None],
-    ) -> None:
-        self._engine, self._obs, self._heard = engine, obs, heard
-        self.route, self.turn, self._emit = route, turn, emit
+    def __init__(self, engine: TimingEngine, answer: Answering) -> None:
+        self._engine, self._answer = engine, answer
+        self._obs = answer.obs
+        self.route, self.turn, self._emit = answer.route, answer.turn, answer.emit
         self._t0 = engine.clock.now()
         self._state = _PENDING
         self._scope: anyio.CancelScope | None = None
@@ -309,10 +325,10 @@ class AcknowledgmentSidecar:
 
     def _report(self, outcome: AcknowledgmentOutcome, text: str = "",
                 error: BaseException | None = None) -> None:
-        self._obs.acknowledgment(
+        self._obs.acknowledgment(AcknowledgmentFinished(
             self.route, outcome, self._trigger, self._delay_used, self._predicted,
             self._t0, self._engine.clock.now(), text, error,
-        )
+        ))
 
     def _suppress(self) -> None:
         self._state = _SUPPRESSED
@@ -322,8 +338,7 @@ class AcknowledgmentSidecar:
 
     def _fail(self, error: BaseException) -> None:
         self._state = _FAILED
-        logger.warning("turnrouter: acknowledgment for %s failed (none spoken): %r",
-                       self.route, error)
+        log_failure("acknowledgment for %s (none spoken)", error, self.route)
         self._report("failed", error=error)
 
     async def run(self) -> None:
@@ -414,7 +429,7 @@ class AcknowledgmentSidecar:
         except Exception as exc:
             self._fail(exc)
             if self._started_at is not None:
-                self._heard(self._started_at)  # the answer, not the acknowledgment
+                self._answer.hear(self._started_at)  # the answer, not the acknowledgment
         except BaseException:
             # Interrupted while delivering: the router suppresses interrupted control text.
             self._state = _DONE
@@ -422,7 +437,7 @@ class AcknowledgmentSidecar:
             raise
         else:
             self._state = _DONE
-            self._heard(committed_at)
+            self._answer.hear(committed_at)
             self._report("emitted", text)
         finally:
             self._delivered.set()

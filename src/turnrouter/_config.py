@@ -18,7 +18,7 @@ from ._clock import Clock, SystemClock
 from ._contracts import CLARIFY, AgentTurn, DecisionService, RoutableAgent
 from ._exceptions import ConfigurationError, ContractTypeError
 from ._llm import LLMService
-from ._observer import RouterObserver
+from ._observer import Configured, RouterObserver
 from ._timing import RouteTimingPredictor, TimingPredictor, TimingSink
 
 __all__ = [
@@ -232,8 +232,7 @@ class RouterConfig:
                 observer=telemetry, agents=agents,
             )
             self.clock = self.timed.clock.now
-        telemetry.configured(routes=self.routes,
-                             acknowledgment_delay_secs=acknowledgment_delay_secs)
+        telemetry.configured(Configured(self.routes, acknowledgment_delay_secs))
         if self.timed is not None:
             self.timed.publish_estimates(self.routes)
 

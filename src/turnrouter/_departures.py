@@ -12,7 +12,7 @@ import logging
 
 from ._config import RouterConfig
 from ._lifecycle import OwnedOperation
-from ._observer import ReleaseReason
+from ._observer import Failure, ReleaseFinished, ReleaseReason, ReleaseStarted
 from ._participants import Participant, Phase, Registry, RouterPhase
 from ._patch_desk import PatchDesk
 
@@ -89,7 +89,7 @@ class Departures:
         errors: list[Exception] = []
         for route in [name for name in cfg.routes if name in state.unreleased]:
             agent = cfg.agents[route]
-            token = observer.release_started(route, reason)
+            token = observer.release_started(ReleaseStarted(route, reason))
             try:
                 hook = getattr(agent, "participant_left", None)
                 if callable(hook):
@@ -97,17 +97,17 @@ class Departures:
                 else:
                     await agent.release(pid)
             except Exception as exc:
-                observer.release_finished(token, route, reason, exc)
+                observer.release_finished(token, ReleaseFinished(route, reason, exc))
                 errors.append(exc)
                 continue
-            observer.release_finished(token, route, reason, None)
+            observer.release_finished(token, ReleaseFinished(route, reason, None))
             state.unreleased.discard(route)
         if state.cleanup_pending:  # idempotent: runs once turns drained, whatever releases did
             assert cfg.cleanup is not None
             try:
                 await cfg.cleanup(pid)
             except Exception as exc:
-                observer.failure(None, "cleanup", exc)
+                observer.failure(Failure(None, "cleanup", exc))
                 errors.append(exc)
             else:
                 state.cleanup_pending = False

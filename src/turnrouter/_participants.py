@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from ._contracts import AgentExchange
-from ._exceptions import LifecycleError
+from ._exceptions import ContractValueError, LifecycleError
 from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch
 from ._history import History
 from ._lifecycle import OwnedOperation, TurnQueue
-from ._observer import RouterObserver
+from ._observer import ParticipantChanged, RouterObserver
 from ._patches import AppliedContextPatch, PatchExchangeId, PendingContextPatch
 
 if TYPE_CHECKING:
-    from ._turn import Turn
+    from ._turn import Answer, Turn
 
 __all__ = ["Participant", "Phase", "Registry", "RouterPhase", "restore", "snapshot_of"]
 
@@ -49,7 +50,7 @@ class Participant:
         self.pending: dict[str, PendingContextPatch] | None = None
         #: The running turn, and an answered turn whose first audio is not reported yet.
         self.current: Turn | None = None
-        self.unheard: Turn | None = None
+        self.unheard: Answer | None = None
 
 
 class RouterPhase(enum.Enum):
@@ -113,13 +114,41 @@ class Registry:
         if state is not None:
             return state
         state = self.participants[pid] = Participant(pid)
-        self._observer.participant_added(pid)
+        self._observer.participant_added(ParticipantChanged(pid))
         return state
+
+    def install(
+        self, snapshot: ParticipantSnapshot, routes: Collection[str], budget: int
+    ) -> Participant | None:
+        """Install a participant from a snapshot; return the state it replaced."""
+        pid = snapshot.participant_id
+        unknown = {route for route in (*snapshot.used, snapshot.focus)
+                   if route is not None and route not in routes}
+        if unknown:
+            raise ContractValueError(
+                f"participant snapshot of {pid!r} names unregistered routes {sorted(unknown)}")
+        for held in snapshot.pending:
+            if held.participant_id != pid:
+                raise ContractValueError(
+                    f"participant snapshot of {pid!r} holds a patch of {held.participant_id!r}")
+        current = self.participants.get(pid)
+        if current is not None and (current.queue.runs() or current.phase is not Phase.OPEN):
+            raise LifecycleError(
+                f"participant {pid!r} has a turn in flight or is departing here; "
+                "import_participant() refused")
+        if current is None:
+            self._observer.participant_added(ParticipantChanged(pid))
+        self.participants[pid] = restore(snapshot, budget)
+        if snapshot.departed:
+            self.departed.add(pid)
+        else:
+            self.departed.discard(pid)
+        return current
 
     def forget(self, state: Participant) -> None:
         if self.participants.get(state.pid) is state:
             del self.participants[state.pid]
-            self._observer.participant_removed(state.pid)
+            self._observer.participant_removed(ParticipantChanged(state.pid))
 
 
 def snapshot_of(state: Participant, departed: bool) -> ParticipantSnapshot:

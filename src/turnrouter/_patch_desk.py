@@ -15,7 +15,8 @@ from ._config import PATCH_ROUTE, OutputCallback, RouterConfig
 from ._contracts import AgentTurn, _exchange
 from ._exceptions import ContractTypeError, ContractValueError, LifecycleError
 from ._history import History, view_items
-from ._observer import PatchOutcome
+from ._logging import log_failure
+from ._observer import ContextPatchEvent, PatchOutcome
 from ._participants import Participant, Registry
 from ._patches import (
     AppliedContextPatch,
@@ -81,7 +82,8 @@ class PatchDesk:
                 f"{[item.value for item in MergeStrategy]}, got {strategy!r}") from None
         state, refusal = self._target(pid)
         if state is None:
-            self._cfg.observer.context_patch(strategy.value, "refused")
+            self._cfg.observer.context_patch(ContextPatchEvent(
+                pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
             raise LifecycleError(
                 f"context patch {patch.task_id!r} refused for participant "
                 f"{pid!r}: {refusal}")
@@ -97,7 +99,8 @@ class PatchDesk:
             pending = state.pending = {}
         limit = self._cfg.max_pending
         if len(pending) >= limit:
-            self._cfg.observer.context_patch(strategy.value, "refused")
+            self._cfg.observer.context_patch(ContextPatchEvent(
+                pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
             raise PendingPatchLimitError(
                 f"context patch {patch.task_id!r} refused: participant {pid!r} "
                 f"already holds {len(pending)} pending patches (max_pending_patches="
@@ -185,17 +188,15 @@ class PatchDesk:
             PatchExchangeId(applied), max(stamp, 0), self._cfg.budget,
             replace=strategy is MergeStrategy.REPLACE,
         )
-        observer = self._cfg.observer
-        observer.context_patch(strategy.value, outcome)
-        observer.context_patch_event(state.pid, patch_id, patch.task_id, strategy.value,
-                                     outcome, patch.context_diverged)
+        self._cfg.observer.context_patch(ContextPatchEvent(
+            state.pid, patch_id, patch.task_id, strategy.value, outcome,
+            patch.context_diverged))
         return applied
 
     def _event(self, pid: str, held: PendingContextPatch, outcome: PatchOutcome) -> None:
-        observer = self._cfg.observer
-        observer.context_patch(held.strategy.value, outcome)
-        observer.context_patch_event(pid, held.patch_id, held.patch.task_id,
-                                     held.strategy.value, outcome, held.patch.context_diverged)
+        self._cfg.observer.context_patch(ContextPatchEvent(
+            pid, held.patch_id, held.patch.task_id, held.strategy.value, outcome,
+            held.patch.context_diverged))
 
     async def _ask(self, held: PendingContextPatch) -> None:
         """Ask the participant about a held patch through `output` (failures logged)."""
@@ -211,9 +212,8 @@ class PatchDesk:
         turn = AgentTurn(held.participant_id, f"patch:{held.patch_id}", "")
         try:
             await output(turn, PATCH_ROUTE, text)
-        except Exception:
-            logger.exception("turnrouter: could not ask about context patch %s",
-                             held.patch_id)
+        except Exception as exc:
+            log_failure("asking about context patch %s", exc, held.patch_id)
 
 
 def _diverged(history: History, patch: ContextPatch) -> bool:

@@ -41,8 +41,9 @@ from ._departures import Departures
 from ._exceptions import ConfigurationError, ContractTypeError, ContractValueError, LifecycleError
 from ._frontend import Departure, ParticipantSnapshot, RoutedResult
 from ._llm import LLMService
-from ._observer import RouterObserver
-from ._participants import Participant, Phase, Registry, restore, snapshot_of
+from ._logging import log_failure
+from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
+from ._participants import Participant, Registry, snapshot_of
 from ._patch_desk import PatchDesk
 from ._patches import (
     AppliedContextPatch,
@@ -315,10 +316,11 @@ class AgentRouter:
         state = self._registry.get(participant_id)
         if state is None:
             return False
-        for running in (state.unheard, state.current):
-            if (running is not None and running.report_heard
-                    and running.turn.turn_id == turn_id):
-                running.mark_heard(self._cfg.clock() if at is None else float(at))
+        current = state.current
+        for answer in (state.unheard, None if current is None else current.answer):
+            if (answer is not None and answer.owner.report_heard
+                    and answer.owner.turn.turn_id == turn_id):
+                answer.mark_heard(self._cfg.clock() if at is None else float(at))
                 return True
         return False
 
@@ -373,7 +375,7 @@ class AgentRouter:
         """
         if not isinstance(source, str) or not isinstance(reason, str):
             raise ContractTypeError("report_rejected() takes two str")
-        self._cfg.observer.message_rejected(source, reason)
+        self._cfg.observer.message_rejected(MessageRejected(source, reason))
 
     async def report_status(
         self, status: Literal["processing", "idle"], participant_id: str
@@ -384,8 +386,8 @@ class AgentRouter:
             return
         try:
             await callback(status, participant_id)
-        except Exception:
-            logger.exception("turnrouter: set_status(%r, %r) failed", status, participant_id)
+        except Exception as exc:
+            log_failure("set_status(%r, %r)", exc, status, participant_id)
 
     def trace_carrier(self) -> dict[str, str]:
         """W3C trace headers of the current span, for a message a front end publishes."""
@@ -422,33 +424,12 @@ class AgentRouter:
             raise ContractTypeError(
                 f"import_participant() takes a ParticipantSnapshot, "
                 f"got {type(snapshot).__name__}")
-        pid = snapshot.participant_id
-        unknown = {route for route in (*snapshot.used, snapshot.focus)
-                   if route is not None and route not in self._cfg.agents}
-        if unknown:
-            raise ContractValueError(
-                f"participant snapshot of {pid!r} names unregistered routes {sorted(unknown)}")
-        for held in snapshot.pending:
-            if held.participant_id != pid:
-                raise ContractValueError(
-                    f"participant snapshot of {pid!r} holds a patch of {held.participant_id!r}")
-        registry = self._registry
-        current = registry.get(pid)
-        if current is not None and (current.queue.runs() or current.phase is not Phase.OPEN):
-            raise LifecycleError(
-                f"participant {pid!r} has a turn in flight or is departing here; "
-                "import_participant() refused")
-        state = restore(snapshot, self._cfg.budget)
-        if current is not None:
-            self._patches.drop(current, outcome=None)
-        else:
-            self._cfg.observer.participant_added(pid)
-        registry.participants[pid] = state
+        replaced = self._registry.install(snapshot, self._cfg.agents, self._cfg.budget)
+        if replaced is not None:
+            self._patches.drop(replaced, outcome=None)
+        state = self._registry.get(snapshot.participant_id)
+        assert state is not None
         self._patches.hold(state)
-        if snapshot.departed:
-            registry.departed.add(pid)
-        else:
-            registry.departed.discard(pid)
 
     async def evict_participant(self, participant_id: str) -> ParticipantSnapshot | None:
         """Hand a participant over to another replica.
@@ -484,8 +465,8 @@ class AgentRouter:
         try:
             state = self._registry.admit(turn.participant_id)
         except LifecycleError as exc:
-            self._cfg.observer.turn_started(turn, None).finished(
-                "refused", None, None, None, 0, exc)
+            self._cfg.observer.turn_started(TurnStarted(turn, None)).finished(
+                TurnFinished("refused", None, None, None, 0, exc))
             raise
         return Turn(self._cfg, state, turn, emit, report_heard)
 

@@ -33,13 +33,36 @@ from ._contracts import (
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
 from ._lifecycle import TurnRun
-from ._observer import ClarificationReason, ReleaseReason, TurnObserver, TurnOutcome
+from ._logging import log_failure
+from ._observer import (
+    NULL_TURN_OBSERVER,
+    AdmissionFinished,
+    AdmissionStarted,
+    AnswerFinished,
+    AnswerStarted,
+    Clarification,
+    ClarificationReason,
+    DecisionFinished,
+    DefaultFallback,
+    FirstResponse,
+    FocusChanged,
+    Heard,
+    ReleaseFinished,
+    ReleaseReason,
+    ReleaseStarted,
+    Rerouted,
+    SilenceMeasured,
+    TurnFinished,
+    TurnObserver,
+    TurnOutcome,
+    TurnStarted,
+)
 
 if TYPE_CHECKING:
     from ._acknowledgment import AcknowledgmentSidecar
     from ._participants import Participant
 
-__all__ = ["Silence", "Turn"]
+__all__ = ["Answer", "Silence", "Turn"]
 
 logger = logging.getLogger("turnrouter")
 
@@ -47,6 +70,8 @@ _CLARIFY_RESULT = DestinationResult("clarify")
 _TIMED_OUT = Admission("decline")
 _NOTHING_EXCLUDED: frozenset[str] = frozenset()
 _cancelled_exc = anyio.get_cancelled_exc_class
+#: Builds an event without NamedTuple's keyword handling: events are built on every turn.
+_new = tuple.__new__
 
 
 def _is_cancel(exc: BaseException) -> bool:
@@ -69,7 +94,7 @@ class Silence:
     def hear(self, at: float) -> None:
         seconds = self.take(at)
         if seconds is not None:
-            self._obs.silence(self._route, seconds)
+            self._obs.silence(_new(SilenceMeasured, (self._route, seconds)))
 
     def take(self, at: float) -> float | None:
         """End the silence at `at` without reporting it; None if it had ended already."""
@@ -83,14 +108,14 @@ class Turn:
     """One routed turn of one participant; see the module docstring."""
 
     __slots__ = (
-        "_cfg", "_heard_at", "_sidecar", "_silence", "_started_at", "_t0", "_token",
-        "answered_by", "attempts", "emit", "focus_before", "obs", "output_failed",
-        "report_heard", "route", "run", "started", "state", "turn",
+        "answer", "answered_by", "attempts", "cfg", "emit", "focus_before", "obs",
+        "observing", "output_failed", "report_heard", "route", "run", "started", "state",
+        "turn",
     )
 
     def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
                  emit: OutputCallback, report_heard: bool) -> None:
-        self._cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
+        self.cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
         self.report_heard = report_heard
         self.run = TurnRun(turn.turn_id)
         self.focus_before: str | None = None
@@ -100,13 +125,10 @@ class Turn:
         self.attempts = 0
         self.started = False
         self.output_failed = False
-        self.obs: TurnObserver
-        self._t0 = 0.0
-        self._token: object = None
-        self._silence: Silence | None = None
-        self._sidecar: AcknowledgmentSidecar | None = None
-        self._started_at: float | None = None
-        self._heard_at: float | None = None
+        #: Whether telemetry listens (else no event is built).
+        self.observing = cfg.observer.enabled
+        self.obs: TurnObserver = NULL_TURN_OBSERVER
+        self.answer: Answer | None = None
 
     # ------------------------------------------------------------------ the whole turn
 
@@ -117,15 +139,17 @@ class Turn:
         running = queue.running
         if running is not None:  # the participant spoke again: the running turn is stale
             running.cancel("superseded by a newer turn")
-        observer = self._cfg.observer
+        observer = self.cfg.observer
         if not await queue.enter(run):
-            observer.turn_started(turn, state.focus).finished(
-                "interrupted", None, state.focus, state.focus, 0, None)
+            if self.observing:
+                observer.turn_started(_new(TurnStarted, (turn, state.focus))).finished(
+                    TurnFinished("interrupted", None, state.focus, state.focus, 0, None))
             raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
         if state.unheard is not None:  # the previous answer was never reported heard
             state.unheard.resolve_heard(None)
         self.focus_before = state.focus
-        self.obs = observer.turn_started(turn, state.focus)
+        if self.observing:
+            self.obs = observer.turn_started(_new(TurnStarted, (turn, state.focus)))
         task = asyncio.current_task()
         assert task is not None, "turnrouter runs on asyncio"
         run.attach(task)
@@ -152,18 +176,19 @@ class Turn:
         return result
 
     def _finish(self, outcome: TurnOutcome, error: BaseException | None) -> None:
-        self.obs.finished(outcome, self.route, self.focus_before, self.state.focus,
-                          self.attempts, error)
+        if self.observing:
+            self.obs.finished(_new(TurnFinished, (
+                outcome, self.route, self.focus_before, self.state.focus, self.attempts,
+                error)))
 
     async def _emit_failure(self) -> None:
         try:
-            await self.emit(self.turn, self.route or "none", self._cfg.failure_text)
-        except Exception:
-            logger.exception("turnrouter: could not deliver the failure message of turn %s",
-                             self.turn.turn_id)
+            await self.emit(self.turn, self.route or "none", self.cfg.failure_text)
+        except Exception as exc:
+            log_failure("delivering the failure message of turn %s", exc, self.turn.turn_id)
 
     async def _prepare_and_route(self) -> DestinationResult:
-        state, turn, cfg = self.state, self.turn, self._cfg
+        state, turn, cfg = self.state, self.turn, self.cfg
         if not state.initialized:
             if cfg.initialize is not None:
                 await cfg.initialize(turn.participant_id)
@@ -182,7 +207,7 @@ class Turn:
     # ------------------------------------------------------------------ routing
 
     async def _route(self) -> DestinationResult:
-        state, cfg = self.state, self._cfg
+        state, cfg = self.state, self.cfg
         pid = self.turn.participant_id
         excluded: set[str] = set()
         agents = cfg.agents
@@ -192,7 +217,7 @@ class Turn:
         if owner is not None:
             if not agents[owner].routing_aid(pid).eligible:
                 state.focus = None
-                self.obs.focus_transition(owner, "lost")
+                self.obs.focus_transition(FocusChanged(owner, "lost"))
                 await self._release(owner, "ineligible")
             else:
                 # A decline keeps focus with the owner and does not call release().
@@ -223,7 +248,7 @@ class Turn:
         default = cfg.default
         if (self.attempts and default is not None and aids[default].eligible
                 and default not in excluded):
-            self.obs.default_fallback(default)
+            self.obs.default_fallback(DefaultFallback(default))
             return await self._answer(default, None)
         reason_: ClarificationReason = (
             "default_unavailable" if self.attempts else "no_eligible_route"
@@ -233,7 +258,7 @@ class Turn:
     async def _choose(
         self, request: RouteRequest, aids: dict[str, RoutingAid], excluded: set[str]
     ) -> tuple[str | None, ClarificationReason | None]:
-        obs, cfg = self.obs, self._cfg
+        obs, cfg = self.obs, self.cfg
         token = obs.decision_started(request)
         try:
             decision = await cfg.decisions.decide(request)
@@ -242,14 +267,15 @@ class Turn:
                     f"decision service returned {type(decision).__name__}, not a RouteDecision"
                 )
         except Exception as exc:
-            obs.decision_finished(token, request, None, exc)
-            logger.warning("turnrouter: decision service failed: %r", exc)
+            obs.decision_finished(token, DecisionFinished(request, None, exc))
+            log_failure("decision service", exc)
             # A classifier outage must not silence the assistant.
             default = cfg.default
             if default is not None and aids[default].eligible and default not in excluded:
                 return default, None
             return None, "decision_failed"
-        obs.decision_finished(token, request, decision, None)
+        if self.observing:
+            obs.decision_finished(token, _new(DecisionFinished, (request, decision, None)))
         choice = decision.choice
         for aid in request.candidates:
             if aid.name == choice:
@@ -274,21 +300,23 @@ class Turn:
         if disposition == "clarify":
             return await self._clarify(route, admission.text, "destination")
         excluded.add(route)
-        self.obs.reroute(route)
+        self.obs.reroute(Rerouted(route))
         if disposition == "release":
-            await self._say(route, admission.text)
+            await self.say(route, admission.text)
             state = self.state
             if state.focus == route:
                 state.focus = None
-                self.obs.focus_transition(route, "released")
+                self.obs.focus_transition(FocusChanged(route, "released"))
             await self._release(route, "reroute")
         return None
 
     async def _admit(self, route: str, focused: bool) -> Admission:
-        cfg, obs = self._cfg, self.obs
+        cfg, obs = self.cfg, self.obs
         self.state.used.add(route)
         agent = cfg.agents[route]
-        token = obs.admission_started(route, focused)
+        observing = self.observing
+        token = obs.admission_started(_new(AdmissionStarted, (route, focused))) if (
+            observing) else None
         try:
             timeout = cfg.admission_timeout
             if timeout is None:
@@ -297,7 +325,8 @@ class Turn:
                 with anyio.move_on_after(timeout) as scope:
                     admission = await agent.admit(self.turn, focused=focused)
                 if scope.cancelled_caught:
-                    obs.admission_finished(token, route, focused, "decline", None, timed_out=True)
+                    obs.admission_finished(token, AdmissionFinished(
+                        route, focused, "decline", None, True))
                     logger.warning("turnrouter: %s.admit() timed out after %ss; counted as a "
                                    "decline", route, timeout)
                     return _TIMED_OUT
@@ -307,120 +336,25 @@ class Turn:
                     "not an Admission"
                 )
         except BaseException as exc:
-            obs.admission_finished(token, route, focused, None,
-                                   None if _is_cancel(exc) else exc)
+            obs.admission_finished(token, AdmissionFinished(
+                route, focused, None, None if _is_cancel(exc) else exc, False))
             raise
-        obs.admission_finished(token, route, focused, admission.disposition, None)
+        if observing:
+            obs.admission_finished(token, _new(AdmissionFinished, (
+                route, focused, admission.disposition, None, False)))
         return admission
 
     # ------------------------------------------------------------------ answering
 
     async def _answer(self, route: str, admission: Admission | None) -> DestinationResult:
-        cfg, state, obs = self._cfg, self.state, self.obs
-        state.used.add(route)
+        self.state.used.add(route)
         self.route = self.answered_by = route
-        clock = cfg.clock
-        silence = self._silence = Silence(obs, route, clock())
-        preamble = admission.preamble if admission is not None else ""
-        if preamble:
-            silence.hear(clock())
-            await self._say(route, preamble)
-        self._token = obs.answer_started(route, admission is None)
-        timed = cfg.timed
-        self._sidecar = (
-            None if timed is None
-            else timed.sidecar(obs, route, self.turn, self.emit, silence.hear))
-        signal = _StartSignal(self)
-        self._t0 = clock()
-        try:
-            result = await self._call_answer(route, signal)
-            if not isinstance(result, DestinationResult) or result.disposition == "clarify":
-                raise DestinationContractError(
-                    f"destination {route!r} answer() must return DestinationResult answer, "
-                    f"focus or release, got {result!r:.80}"
-                )
-        except BaseException as exc:
-            signal.closed = True
-            cancelled = _is_cancel(exc)
-            if timed is not None and cancelled and not self.started:
-                # A censored sample: a lower bound, not a fast answer.
-                timed.record(route, clock() - self._t0, True, self.turn)
-            obs.answer_finished(self._token, route, None, None if cancelled else exc,
-                                cancelled)
-            raise
-        signal.closed = True
-        obs.answer_finished(self._token, route, result, None, False)
+        self.answer = answer = Answer(self, route)
+        result = await answer.run(admission)
         # The answer is complete: its bookkeeping must not be torn by an interrupt.
         self.run.protected = True
         await self._complete(route, result)
         return result
-
-    async def _call_answer(self, route: str, signal: _StartSignal) -> DestinationResult:
-        agent = self._cfg.agents[route]
-        sidecar = self._sidecar
-        if sidecar is None:
-            return await agent.answer(self.turn, started=signal)
-        error: Exception | None = None
-        result: DestinationResult | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sidecar.run)
-            try:
-                result = await agent.answer(self.turn, started=signal)
-            except Exception as exc:  # re-raised below, unwrapped by the task group
-                error = exc
-            sidecar.answer_finished()
-        if error is not None:
-            raise error
-        return result  # type: ignore[return-value]  # checked by the caller
-
-    def answer_started(self) -> None:
-        """The destination's first `started()` call."""
-        self.started = True
-        now = self._cfg.clock()
-        if self._sidecar is not None:
-            self._sidecar.answer_started(now)
-        if not self.report_heard:
-            self._first_response(now)
-            return
-        self._started_at = now
-        self.state.unheard = self
-        if self._heard_at is not None:
-            self.resolve_heard(self._heard_at)
-
-    def _first_response(self, at: float) -> None:
-        assert self.route is not None and self._silence is not None
-        seconds = at - self._t0
-        self.obs.first_response(self._token, self.route, seconds)
-        if self._sidecar is None or not self._sidecar.committed:
-            self._silence.hear(at)
-        timed = self._cfg.timed
-        if timed is not None:
-            timed.record(self.route, seconds, False, self.turn)
-
-    def mark_heard(self, at: float) -> None:
-        """The front end reports the first audio of this turn's answer heard at `at`."""
-        if self.started:
-            self.resolve_heard(at)
-        else:
-            self._heard_at = at
-
-    def resolve_heard(self, at: float | None) -> None:
-        """Record first response and silence to `at` (None: to `started()`), once."""
-        if self.state.unheard is self:
-            self.state.unheard = None
-        started_at = self._started_at
-        if started_at is None or self.route is None or self._silence is None:
-            return
-        self._started_at = None
-        at = started_at if at is None else max(at, started_at)
-        seconds = at - self._t0
-        silence_seconds = None
-        if self._sidecar is None or not self._sidecar.committed:
-            silence_seconds = self._silence.take(at)
-        self._cfg.observer.heard(self.route, seconds, silence_seconds)
-        timed = self._cfg.timed
-        if timed is not None:
-            timed.record(self.route, seconds, False, self.turn)
 
     async def _complete(self, route: str, result: DestinationResult) -> None:
         """History and focus after a complete answer."""
@@ -428,19 +362,19 @@ class Turn:
         turn = self.turn
         state.history.append(
             _exchange(turn.query, result.text), turn.turn_id, turn.timestamp_us,
-            self._cfg.budget,
+            self.cfg.budget,
         )
         owner = state.focus
         if result.disposition == "focus":
             if owner != route:
                 state.focus = route
-                obs.focus_transition(route, "taken")
+                obs.focus_transition(FocusChanged(route, "taken"))
                 if owner is not None:
-                    obs.focus_transition(owner, "lost")
+                    obs.focus_transition(FocusChanged(owner, "lost"))
                     await self._release(owner, "focus_taken")
         elif result.disposition == "release" and owner == route:
             state.focus = None
-            obs.focus_transition(route, "released")
+            obs.focus_transition(FocusChanged(route, "released"))
             await self._release(route, "post_answer")
 
     # ------------------------------------------------------------------ speaking, releasing
@@ -448,13 +382,13 @@ class Turn:
     async def _clarify(
         self, route: str, text: str, reason: ClarificationReason
     ) -> DestinationResult:
-        self.obs.clarification(reason)
+        self.obs.clarification(Clarification(reason))
         if route != CLARIFY_ROUTE:
             self.answered_by = route
-        await self._say(route, text or self._cfg.clarification_text)
+        await self.say(route, text or self.cfg.clarification_text)
         return _CLARIFY_RESULT
 
-    async def _say(self, route: str, text: str) -> None:
+    async def say(self, route: str, text: str) -> None:
         if not text:
             return
         try:
@@ -472,20 +406,169 @@ class Turn:
         run, obs = self.run, self.obs
         was_protected = run.protected
         run.protected = True
-        token = obs.release_started(route, reason)
+        token = obs.release_started(ReleaseStarted(route, reason))
         pid = self.turn.participant_id
         try:
             with anyio.CancelScope(shield=True):
-                await self._cfg.agents[route].release(pid)
+                await self.cfg.agents[route].release(pid)
         except Exception as exc:
-            obs.release_finished(token, route, reason, exc)
-            logger.exception("turnrouter: %s.release(%r) failed (%s)", route, pid, reason)
+            obs.release_finished(token, ReleaseFinished(route, reason, exc))
+            log_failure("%s.release(%r) (%s)", exc, route, pid, reason)
         else:
-            obs.release_finished(token, route, reason, None)
+            obs.release_finished(token, ReleaseFinished(route, reason, None))
         if not was_protected:
             run.protected = False
             if run.reason:
                 raise asyncio.CancelledError(run.reason)
+
+
+class Answer:
+    """The admitted (or fallback) destination's answer within a turn.
+
+    Calls `answer()` with the acknowledgment sidecar beside it, measures first response
+    and silence (to `started()`, or to the audio a front end reports heard), and checks
+    the result.
+    """
+
+    __slots__ = ("_heard_at", "_sidecar", "_silence", "_started_at", "_t0", "_token",
+                 "owner", "route")
+
+    def __init__(self, owner: Turn, route: str) -> None:
+        self.owner, self.route = owner, route
+        self._t0 = 0.0
+        self._token: object = None
+        self._silence = Silence(owner.obs, route, owner.cfg.clock())
+        self._sidecar: AcknowledgmentSidecar | None = None
+        self._started_at: float | None = None
+        self._heard_at: float | None = None
+
+    async def run(self, admission: Admission | None) -> DestinationResult:
+        owner, route = self.owner, self.route
+        cfg, obs = owner.cfg, owner.obs
+        clock = cfg.clock
+        silence = self._silence
+        preamble = admission.preamble if admission is not None else ""
+        if preamble:
+            silence.hear(clock())
+            await owner.say(route, preamble)
+        if owner.observing:
+            self._token = obs.answer_started(_new(AnswerStarted, (route, admission is None)))
+        timed = cfg.timed
+        self._sidecar = None if timed is None else timed.sidecar(self)
+        signal = _StartSignal(self)
+        self._t0 = clock()
+        try:
+            result = await self._call(signal)
+            if not isinstance(result, DestinationResult) or result.disposition == "clarify":
+                raise DestinationContractError(
+                    f"destination {route!r} answer() must return DestinationResult answer, "
+                    f"focus or release, got {result!r:.80}"
+                )
+        except BaseException as exc:
+            signal.closed = True
+            cancelled = _is_cancel(exc)
+            if timed is not None and cancelled and not owner.started:
+                # A censored sample: a lower bound, not a fast answer.
+                timed.record(route, clock() - self._t0, True, owner.turn)
+            obs.answer_finished(self._token, AnswerFinished(
+                route, None, None if cancelled else exc, cancelled))
+            raise
+        signal.closed = True
+        if owner.observing:
+            obs.answer_finished(self._token, _new(AnswerFinished, (route, result, None, False)))
+        return result
+
+    async def _call(self, signal: _StartSignal) -> DestinationResult:
+        owner = self.owner
+        agent = owner.cfg.agents[self.route]
+        sidecar = self._sidecar
+        if sidecar is None:
+            return await agent.answer(owner.turn, started=signal)
+        error: Exception | None = None
+        result: DestinationResult | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sidecar.run)
+            try:
+                result = await agent.answer(owner.turn, started=signal)
+            except Exception as exc:  # re-raised below, unwrapped by the task group
+                error = exc
+            sidecar.answer_finished()
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]  # checked by the caller
+
+    # What the acknowledgment sidecar reads (`_acknowledgment.Answering`).
+
+    @property
+    def turn(self) -> AgentTurn:
+        return self.owner.turn
+
+    @property
+    def obs(self) -> TurnObserver:
+        return self.owner.obs
+
+    @property
+    def emit(self) -> OutputCallback:
+        return self.owner.emit
+
+    def hear(self, at: float) -> None:
+        self._silence.hear(at)
+
+    def started(self) -> None:
+        """The destination's first `started()` call."""
+        owner = self.owner
+        owner.started = True
+        now = owner.cfg.clock()
+        if self._sidecar is not None:
+            self._sidecar.answer_started(now)
+        if not owner.report_heard:
+            self._first_response(now)
+            return
+        self._started_at = now
+        owner.state.unheard = self
+        if self._heard_at is not None:
+            self.resolve_heard(self._heard_at)
+
+    async def wait_delivered(self) -> None:
+        if self._sidecar is not None:
+            await self._sidecar.wait_delivered()
+
+    def _first_response(self, at: float) -> None:
+        owner = self.owner
+        seconds = at - self._t0
+        if owner.observing:
+            owner.obs.first_response(self._token, _new(FirstResponse, (self.route, seconds)))
+        if self._sidecar is None or not self._sidecar.committed:
+            self._silence.hear(at)
+        timed = owner.cfg.timed
+        if timed is not None:
+            timed.record(self.route, seconds, False, owner.turn)
+
+    def mark_heard(self, at: float) -> None:
+        """The front end reports the first audio of this answer heard at `at`."""
+        if self.owner.started:
+            self.resolve_heard(at)
+        else:
+            self._heard_at = at
+
+    def resolve_heard(self, at: float | None) -> None:
+        """Record first response and silence to `at` (None: to `started()`), once."""
+        owner = self.owner
+        if owner.state.unheard is self:
+            owner.state.unheard = None
+        started_at = self._started_at
+        if started_at is None:
+            return
+        self._started_at = None
+        at = started_at if at is None else max(at, started_at)
+        seconds = at - self._t0
+        silence_seconds = None
+        if self._sidecar is None or not self._sidecar.committed:
+            silence_seconds = self._silence.take(at)
+        cfg = owner.cfg
+        cfg.observer.heard(Heard(self.route, seconds, silence_seconds))
+        if cfg.timed is not None:
+            cfg.timed.record(self.route, seconds, False, owner.turn)
 
 
 class _StartSignal:
@@ -496,21 +579,19 @@ class _StartSignal:
     committed acknowledgment's delivery; calls after that do nothing.
     """
 
-    __slots__ = ("_turn", "closed")
+    __slots__ = ("_answer", "closed")
 
-    def __init__(self, turn: Turn) -> None:
-        self._turn = turn
+    def __init__(self, answer: Answer) -> None:
+        self._answer = answer
         self.closed = False
 
     async def __call__(self) -> None:
         if self.closed:
             return
-        turn = self._turn
-        if not turn.started:
-            turn.answer_started()
-        sidecar = turn._sidecar
-        if sidecar is not None:
-            await sidecar.wait_delivered()
+        answer = self._answer
+        if not answer.owner.started:
+            answer.started()
+        await answer.wait_delivered()
 
 
 def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]) -> str | None:

@@ -71,6 +71,7 @@ class ATTR:
     DECISION_EXCLUDED = "turnrouter.decision.excluded"
     DECISION_MARGIN = "turnrouter.decision.margin"
     DECISION_SCORES_PREFIX = "turnrouter.decision.scores."
+    DECISION_DROPPED_SCORES = "turnrouter.decision.dropped_scores"
     DECISION_RATIONALE = "turnrouter.decision.rationale"  # content
     DECISION_SOURCE = "turnrouter.decision.source"
     # turnrouter.admission
