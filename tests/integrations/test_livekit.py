@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -438,6 +439,18 @@ async def test_a_failing_destination_says_the_failure_text() -> None:
         end = (await ends.wait())[0]
     assert said(result) == ["Sorry, that failed."]
     assert isinstance(end.error, RuntimeError) and end.routed is None
+
+
+async def test_failure_logs_carry_no_user_text(caplog: pytest.LogCaptureFixture) -> None:
+    """A failing destination's message (which may quote the user) stays out of warnings."""
+    weather = speaking("weather", results=RuntimeError("secret: my card is 4242"))
+    router = make_router(weather, decisions=ScriptedDecisions("weather"))
+    caplog.set_level(logging.WARNING)
+    async with session_for(router) as (session, ends):
+        await run(session, "rain?")
+        await ends.wait()
+    assert "RuntimeError" in caplog.text
+    assert "4242" not in caplog.text
 
 
 async def test_two_users_in_two_sessions_run_concurrently() -> None:

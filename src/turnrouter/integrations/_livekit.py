@@ -55,6 +55,13 @@ __all__ = [
 
 logger = logging.getLogger("turnrouter.integrations.livekit")
 
+
+def _log_failure(what: str, error: BaseException, *args: object) -> None:
+    """Like turnrouter's own logs: the error's type at WARNING (its message may quote the
+    user), the details at DEBUG."""
+    logger.warning(f"{what} failed ({type(error).__qualname__})", *args)
+    logger.debug(f"{what} failed", *args, exc_info=error)
+
 Started = Callable[[], Awaitable[None]]
 
 ROUTED_MESSAGE_MEMORY = 256
@@ -358,14 +365,13 @@ class RouterAgent(Agent):
             raise
         except Exception as exc:  # the router already said its failure text
             error = exc
-            logger.warning("turn %s of %s failed: %s", voice.turn.turn_id, self._pid,
-                           type(exc).__name__)
+            _log_failure("turn %s of %s", exc, voice.turn.turn_id, self._pid)
         voice.end(interrupted=interrupted)
         if self._on_turn_end is not None:
             try:
                 self._on_turn_end(TurnEnd(voice.turn, routed, interrupted, error))
-            except Exception:
-                logger.exception("RouterAgent on_turn_end callback failed")
+            except Exception as exc:
+                _log_failure("RouterAgent on_turn_end callback", exc)
 
     def _speech_interrupted(self, voice: _TurnVoice) -> None:
         """A speech of `voice`'s turn was interrupted in LiveKit: stop the turn."""
@@ -424,7 +430,7 @@ async def _join(departure: Awaitable[None], participant_id: str) -> None:
     try:
         await departure
     except Exception as exc:
-        logger.warning("departure of %s failed: %r", participant_id, exc)
+        _log_failure("departure of %s", exc, participant_id)
 
 
 def _newest_user_message(chat_ctx: llm.ChatContext) -> llm.ChatMessage | None:
