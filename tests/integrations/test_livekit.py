@@ -441,6 +441,49 @@ async def test_a_failing_destination_says_the_failure_text() -> None:
     assert isinstance(end.error, RuntimeError) and end.routed is None
 
 
+async def test_closing_the_session_interrupts_the_running_turn() -> None:
+    """A session closed mid-turn cancels the turn (LiveKit cancels its reply)."""
+    weather = Slow("weather", gated=True)
+    router = make_router(weather, decisions=ScriptedDecisions("weather"))
+    async with session_for(router, depart_on_close=False) as (session, ends):
+        session.generate_reply(user_input="rain?")
+        with anyio.fail_after(5):
+            await weather.entered.wait()
+    end = (await ends.wait())[0]
+    assert end.interrupted and end.routed is None
+    assert router.history_of("alice") == ()
+
+
+async def test_speak_after_the_turn_ended_is_refused() -> None:
+    """Text a destination tries to say after its turn ended raises LifecycleError."""
+    late: list[BaseException] = []
+    done = asyncio.Event()
+
+    class Lingering(Slow):
+        async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+            result = await super().answer(turn, started=started)
+            asyncio.get_running_loop().create_task(self.later())
+            return result
+
+        async def later(self) -> None:
+            await self.gate.wait()
+            try:
+                await speak("too late")
+            except LifecycleError as exc:
+                late.append(exc)
+            done.set()
+
+    router = make_router(Lingering("weather", gated=False),
+                         decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, ends):
+        result = await run(session, "rain?")
+        await ends.wait()
+        with anyio.fail_after(5):
+            await done.wait()
+    assert said(result) == ["weather answer"]
+    assert len(late) == 1 and "ended" in str(late[0])
+
+
 async def test_failure_logs_carry_no_user_text(caplog: pytest.LogCaptureFixture) -> None:
     """A failing destination's message (which may quote the user) stays out of warnings."""
     weather = speaking("weather", results=RuntimeError("secret: my card is 4242"))

@@ -146,8 +146,11 @@ class _TurnVoice:
         if self.stream is not None:
             self.stream.push(f" {text}" if self.stream.said else text)
             return
-        self._track(self.session.say(text), main=False)
-        self._open_stream()
+        try:
+            self._track(self._say(text), main=False)
+            self._open_stream()
+        except LifecycleError as exc:   # nobody left to hear it: not the turn's failure
+            _log_failure("saying control text of turn %s", exc, self.turn.turn_id)
 
     def answer_text(self, text: str) -> None:
         """Answer text from the destination, in order."""
@@ -160,9 +163,15 @@ class _TurnVoice:
 
     def _open_stream(self) -> None:
         stream = _TextStream()
+        self._track(self._say(stream), main=True)
         self.stream = stream
-        self._track(self.session.say(stream), main=True)
         self.output_ready.set()
+
+    def _say(self, text: str | _TextStream) -> SpeechHandle:
+        try:
+            return self.session.say(text)
+        except RuntimeError as exc:   # LiveKit: the session is closing or draining
+            raise LifecycleError(f"the LiveKit session cannot speak now: {exc}") from exc
 
     def _track(self, handle: SpeechHandle, *, main: bool) -> None:
         self.handles.append(handle)
