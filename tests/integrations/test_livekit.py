@@ -40,6 +40,8 @@ from turnrouter import (
     Admission,
     AgentRouter,
     AgentTurn,
+    ConfigurationError,
+    ContractTypeError,
     DestinationResult,
     LifecycleError,
     RoutingAid,
@@ -640,17 +642,28 @@ def test_the_example_app_runs_offline_and_exits_0() -> None:
     assert "invoke_agent billing <- turnrouter.turn" in done.stdout
 
 
+def test_exports_are_pinned_sorted_and_importable() -> None:
+    """turnrouter.integrations.livekit exports exactly the documented names."""
+    import turnrouter.integrations.livekit as module
+
+    names = list(module.__all__)
+    assert set(names) == {"ROUTED_MESSAGE_MEMORY", "HandoffDestination", "LLMDestination",
+                          "RouterAgent", "TurnEnd", "speak", "stop_gracefully"}
+    assert names == sorted(names, key=lambda n: (not n.isupper(), n))
+    assert all(hasattr(module, name) for name in names)
+
+
 def test_router_agent_checks_its_arguments() -> None:
     """A wrong router, no participant, an LLM or a route named as the agent are refused."""
     router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
-    with pytest.raises(TypeError, match="AgentRouter"):
+    with pytest.raises(ContractTypeError, match="AgentRouter"):
         RouterAgent(object(), participant_id="alice")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="participant_id"):
+    with pytest.raises(ConfigurationError, match="participant_id"):
         RouterAgent(router, participant_id="")
-    with pytest.raises(TypeError, match="llm"):
+    with pytest.raises(ContractTypeError, match="llm"):
         RouterAgent(router, participant_id="alice", llm=FakeLLM("x"))
     same_name = make_router(speaking("router_agent"), decisions=ScriptedDecisions("weather"))
-    with pytest.raises(ValueError, match="label"):
+    with pytest.raises(ConfigurationError, match="label"):
         RouterAgent(same_name, participant_id="alice")
     assert RouterAgent(same_name, participant_id="alice", id="front").label == "front"
 

@@ -37,6 +37,8 @@ from .. import (
     Admission,
     AgentRouter,
     AgentTurn,
+    ConfigurationError,
+    ContractTypeError,
     DestinationResult,
     LifecycleError,
     RoutedResult,
@@ -291,11 +293,12 @@ class RouterAgent(Agent):
         **agent_options: Any,
     ) -> None:
         if not isinstance(router, AgentRouter):
-            raise TypeError(f"RouterAgent needs an AgentRouter, got {type(router).__name__}")
+            raise ContractTypeError(
+                f"RouterAgent needs an AgentRouter, got {type(router).__name__}")
         if not isinstance(participant_id, str) or not participant_id:
-            raise ValueError("RouterAgent needs a non-empty participant_id")
+            raise ConfigurationError("RouterAgent needs a non-empty participant_id")
         if "llm" in agent_options:
-            raise TypeError("RouterAgent takes no llm: its replies come from the router "
+            raise ContractTypeError("RouterAgent takes no llm: its replies come from the router "
                             "(wrap an LLM in LLMDestination instead)")
         # Routing has side effects (admissions, answers, speech), so it starts at the end
         # of the user's turn, not on a preemptive transcript (unless asked explicitly).
@@ -304,7 +307,7 @@ class RouterAgent(Agent):
         super().__init__(instructions=instructions, llm=_RouterLLM(),
                          turn_handling=handling, **agent_options)
         if self.label in router.destinations:
-            raise ValueError(
+            raise ConfigurationError(
                 f"route {self.label!r} has the RouterAgent's LiveKit label: its invoke_agent "
                 "span would pass for LiveKit's own agent_turn; give the RouterAgent another "
                 "id=")
