@@ -428,6 +428,27 @@ async def test_a_new_turn_replaces_the_running_one() -> None:
     assert [exchange.user for exchange in router.history_of("alice")] == ["play jazz"]
 
 
+async def test_the_replaced_turns_cut_speech_does_not_interrupt_its_successor() -> None:
+    """Cutting the replaced turn's speech never interrupts the (slow) turn replacing it."""
+    parts, music = TwoParts("weather"), Slow("music", gated=True)
+    router = make_router(parts, music, decisions=ScriptedDecisions("weather", "music"))
+    async with session_for(router) as (session, ends):
+        session.generate_reply(user_input="rain?")
+        with anyio.fail_after(5):
+            await parts.first_said.wait()
+        pending: RunResult[Any] = session.run(user_input="play jazz")
+        with anyio.fail_after(5):
+            await music.entered.wait()
+        first = (await ends.wait())[0]
+        await ManualClock.settle()                  # the cut speech's callbacks have run
+        music.gate.set()
+        with anyio.fail_after(5):
+            result = await pending
+        second = (await ends.wait(2))[1]
+    assert first.interrupted and not second.interrupted
+    assert said(result) == ["music answer"]
+
+
 # ---------------------------------------------------------------- failures and users
 
 
@@ -540,6 +561,8 @@ async def test_graceful_end_lets_the_running_turn_finish() -> None:
         with anyio.fail_after(5):
             await parts.first_said.wait()
         stopping = asyncio.ensure_future(stop_gracefully(router))
+        await ManualClock.settle()                       # every task ran until blocked
+        assert not stopping.done() and not parts.cancelled   # stop waits, cancels nothing
         parts.gate.set()
         with anyio.fail_after(5):
             await stopping
