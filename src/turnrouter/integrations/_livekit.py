@@ -298,8 +298,8 @@ class RouterAgent(Agent):
         if not isinstance(participant_id, str) or not participant_id:
             raise ConfigurationError("RouterAgent needs a non-empty participant_id")
         if "llm" in agent_options:
-            raise ContractTypeError("RouterAgent takes no llm: its replies come from the router "
-                            "(wrap an LLM in LLMDestination instead)")
+            raise ContractTypeError("RouterAgent takes no llm: its replies come from the "
+                                    "router (wrap an LLM in LLMDestination instead)")
         # Routing has side effects (admissions, answers, speech), so it starts at the end
         # of the user's turn, not on a preemptive transcript (unless asked explicitly).
         handling: TurnHandlingOptions = {"preemptive_generation": {"enabled": False}}
