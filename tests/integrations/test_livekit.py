@@ -41,6 +41,7 @@ from turnrouter import (
     AgentRouter,
     AgentTurn,
     ConfigurationError,
+    ContextPatch,
     ContractTypeError,
     DestinationResult,
     LifecycleError,
@@ -326,6 +327,31 @@ async def test_a_failing_turn_end_callback_does_not_stop_the_next_turn() -> None
         await session.aclose()
     assert said(result) == ["weather answer"]
     assert calls == ["one", "two"]
+
+
+async def test_a_held_patch_question_is_said_in_the_participants_session() -> None:
+    """Control text outside any turn reaches the right session of a shared router."""
+    router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
+    asked = asyncio.Event()
+    heard: dict[str, list[str]] = {"alice": [], "bob": []}
+    async with session_for(router, "alice") as (alice, _), \
+            session_for(router, "bob") as (bob, _):
+        for name, session in (("alice", alice), ("bob", bob)):
+            await run(session, "rain?")
+
+            def record(event: Any, name: str = name) -> None:
+                if event.item.role == "assistant":
+                    heard[name].append(event.item.text_content or "")
+                    asked.set()
+
+            session.on("conversation_item_added", record)
+        await router.apply_context_patch(
+            "bob", ContextPatch(task_id="booking", digest=("Table for two at 8",)),
+            "human_gated")
+        with anyio.fail_after(5):
+            await asked.wait()
+    assert heard["alice"] == []
+    assert len(heard["bob"]) == 1 and "Table for two at 8" in heard["bob"][0]
 
 
 # ---------------------------------------------------------------- acknowledgments

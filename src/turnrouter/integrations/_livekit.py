@@ -266,6 +266,30 @@ class _RouterLLM(llm.LLM[Any]):
         raise LifecycleError("RouterAgent answers through its router; its LLM is never called")
 
 
+class _ControlDispatch:
+    """Control text of one router outside any turn (a held context patch's question),
+    said in the LiveKit session of its participant (`router.set_control_output`)."""
+
+    def __init__(self, router: AgentRouter) -> None:
+        self.router = router
+        self.agents: dict[str, RouterAgent] = {}
+
+    async def __call__(self, turn: AgentTurn, route: str, text: str) -> None:
+        agent = self.agents.get(turn.participant_id)
+        session = None if agent is None else agent._listening
+        if session is None:
+            raise LifecycleError("no LiveKit session is open for this participant")
+        try:
+            session.say(text)
+        except RuntimeError as exc:
+            raise LifecycleError(f"the LiveKit session cannot speak now: {exc}") from exc
+
+
+#: One dispatcher per router with a live `RouterAgent` (dropped with its last session),
+#: keyed by the router's id (routers take no weak references).
+_DISPATCHERS: dict[int, _ControlDispatch] = {}
+
+
 class RouterAgent(Agent):
     """A LiveKit `Agent` whose replies come from an `AgentRouter`.
 
@@ -275,8 +299,10 @@ class RouterAgent(Agent):
     text is said with `session.say`; destinations say their answer with `speak()`.
     A LiveKit interruption of a turn's speech (the user barging in,
     `session.interrupt()`) becomes `router.interrupt(participant_id)` while that turn
-    is the participant's latest and still running. When the session closes, the
-    participant departs (`begin_departure`) unless `depart_on_close=False`.
+    is the participant's latest and still running. Control text outside any turn (a
+    human-gated context patch's question) is said in the participant's session when
+    the router has no constructor `output`. When the session closes, the participant
+    departs (`begin_departure`) unless `depart_on_close=False`.
 
     Subclasses overriding `on_exit` call `super().on_exit()`.
     """
@@ -395,6 +421,11 @@ class RouterAgent(Agent):
         task.add_done_callback(self._tasks.discard)
 
     def _listen(self, session: AgentSession[Any]) -> None:
+        dispatch = _DISPATCHERS.get(id(self._router))
+        if dispatch is None or dispatch.router is not self._router:
+            dispatch = _DISPATCHERS[id(self._router)] = _ControlDispatch(self._router)
+            self._router.set_control_output(dispatch)
+        dispatch.agents[self._pid] = self
         if self._closing_session is not session:
             if self._closing_session is not None:
                 self._closing_session.off("close", self._closed)
@@ -422,6 +453,11 @@ class RouterAgent(Agent):
 
     def _closed(self, event: CloseEvent) -> None:
         self._unlisten()
+        dispatch = _DISPATCHERS.get(id(self._router))
+        if dispatch is not None and dispatch.agents.get(self._pid) is self:
+            del dispatch.agents[self._pid]
+            if not dispatch.agents:
+                del _DISPATCHERS[id(self._router)]
         if self._closing_session is not None:
             self._closing_session.off("close", self._closed)
             self._closing_session = None
