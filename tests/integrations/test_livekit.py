@@ -354,6 +354,17 @@ async def test_a_held_patch_question_is_said_in_the_participants_session() -> No
     assert len(heard["bob"]) == 1 and "Table for two at 8" in heard["bob"][0]
 
 
+async def test_a_patch_question_without_a_session_stays_held() -> None:
+    """With the participant's session closed, the question fails and the patch waits."""
+    router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
+    async with session_for(router, depart_on_close=False) as (session, _):
+        await run(session, "rain?")
+    held = await router.apply_context_patch(
+        "alice", ContextPatch(task_id="booking", digest=("Table for two at 8",)),
+        "human_gated")
+    assert router.pending_patches("alice") == (held,)
+
+
 # ---------------------------------------------------------------- acknowledgments
 
 
