@@ -126,12 +126,14 @@ class Registry:
             return f"the participant's departure {state.phase.value}"
         return ""
 
+    def takes_turns(self, state: Participant) -> bool:
+        """Whether a participant the router holds takes a turn now (the common case,
+        checked without building a refusal)."""
+        return (state.phase is Phase.OPEN and self.stopping is None
+                and self.phase is RouterPhase.RUNNING and state.pid not in self.departed)
+
     def admit(self, pid: str) -> Participant:
         """The participant's state for a new turn (created if new), or `LifecycleError`."""
-        state = self.participants.get(pid)
-        if (state is not None and state.phase is Phase.OPEN and self.stopping is None
-                and self.phase is RouterPhase.RUNNING and pid not in self.departed):
-            return state  # the common case, checked without building a refusal
         refusal = self.refusal(pid)
         if refusal:
             until = ("until stop() ends" if refusal == RouterPhase.STOPPING.value else

@@ -458,13 +458,19 @@ class AgentRouter:
 
     def _turn(self, turn: AgentTurn, emit: OutputCallback, report_heard: bool) -> Turn:
         """A new turn of an open participant; a refusal is reported, then raised."""
+        registry = self._registry
+        state = registry.participants.get(turn.participant_id)
+        if state is None or not registry.takes_turns(state):
+            state = self._admit(turn)
+        return Turn(self._cfg, state, turn, emit, report_heard)
+
+    def _admit(self, turn: AgentTurn) -> Participant:
         try:
-            state = self._registry.admit(turn.participant_id)
+            return self._registry.admit(turn.participant_id)
         except LifecycleError as exc:
             self._cfg.observer.turn_started(TurnStarted(turn, None)).finished(
                 TurnFinished("refused", None, None, None, 0, exc))
             raise
-        return Turn(self._cfg, state, turn, emit, report_heard)
 
 
 def _check_pid(participant_id: object) -> None:

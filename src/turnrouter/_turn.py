@@ -357,11 +357,15 @@ class Turn(TurnRun):
         result = await answer.run(admission)
         # The answer is complete: its bookkeeping must not be torn by an interrupt.
         self.protected = True
-        await self._complete(route, result)
+        released = self._complete(route, result)
+        if released is not None:
+            await self._release(*released)
         return result
 
-    async def _complete(self, route: str, result: DestinationResult) -> None:
-        """History and focus after a complete answer."""
+    def _complete(
+        self, route: str, result: DestinationResult
+    ) -> tuple[str, ReleaseReason] | None:
+        """History and focus after a complete answer; the release it calls for, if any."""
         state, obs = self.state, self.obs
         turn = self.turn
         dropped = state.history.append(
@@ -377,11 +381,12 @@ class Turn(TurnRun):
                 obs.focus_transition(FocusChanged(route, "taken"))
                 if owner is not None:
                     obs.focus_transition(FocusChanged(owner, "lost"))
-                    await self._release(owner, "focus_taken")
+                    return owner, "focus_taken"
         elif result.disposition == "release" and owner == route:
             state.focus = None
             obs.focus_transition(FocusChanged(route, "released"))
-            await self._release(route, "post_answer")
+            return route, "post_answer"
+        return None
 
     # ------------------------------------------------------------------ speaking, releasing
 
