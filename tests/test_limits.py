@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from turnrouter import (
+    Admission,
     AgentExchange,
     AgentRouter,
     AgentTurn,
@@ -154,6 +155,33 @@ async def test_a_release_that_never_returns_times_out_and_is_retried() -> None:
         await h.router.participant_left("p1")
     assert agent.count("release") == 2
     assert h.router.participants == frozenset()
+
+
+async def test_a_hanging_release_during_a_turn_times_out_and_the_turn_goes_on() -> None:
+    """A focus owner whose release() hangs when focus moves: the turn still answers."""
+    weather = ScriptedAgent("weather", results="focus",
+                            admissions=[Admission("accept"), Admission("decline")])
+    weather.release_gate = anyio.Event()  # never set
+    music = ScriptedAgent("music", results="focus")
+    h = Harness(weather, music, decisions=ScriptedDecisions("weather", "music"),
+                release_timeout_secs=0.05)
+    await h.say("rain?")
+    with anyio.fail_after(5):
+        result = await h.say("play jazz")
+    assert result.disposition == "focus"
+    assert h.router.focus_of("p1") == "music"
+    assert overflows(h) == ["release_timeout"]
+    assert ("release", "weather", "focus_taken", "TimeoutError") in h.observer.turns["t2"]
+
+
+async def test_a_release_raising_its_own_timeout_error_is_not_a_limit_overflow() -> None:
+    """Only the router's own deadline counts as release_timeout."""
+    agent = ScriptedAgent("conversation", release_error=TimeoutError("backend"))
+    h = Harness(agent)
+    await h.say()
+    with pytest.raises(ExceptionGroup):
+        await h.router.participant_left("p1")
+    assert overflows(h) == []
 
 
 @pytest.mark.parametrize(("name", "value", "error"), [
