@@ -1,0 +1,1 @@
+"""Adapters for voice frameworks (optional extras)."""
