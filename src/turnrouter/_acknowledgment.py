@@ -39,7 +39,6 @@ from ._contracts import AgentTurn, RoutingAid
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
 from ._logging import log_failure
-from ._redact import strip_surrogates
 from ._observer import (
     AcknowledgmentFinished,
     AcknowledgmentOutcome,
@@ -48,6 +47,7 @@ from ._observer import (
     RouterObserver,
     TurnObserver,
 )
+from ._redact import strip_surrogates
 from ._timing import Prediction, TimingPredictor, TimingSample, TimingSink
 
 if TYPE_CHECKING:

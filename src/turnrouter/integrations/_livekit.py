@@ -45,6 +45,7 @@ from .. import (
     RoutingAid,
     TurnInterrupted,
 )
+from .._redact import strip_surrogates
 
 __all__ = [
     "HandoffDestination",
@@ -374,7 +375,8 @@ class RouterAgent(Agent):
         self._routed_ids.append(message.id)
         session = self.session
         self._listen(session)
-        turn = AgentTurn(self._pid, message.id, message.text_content or "",
+        # A transcript is text: lone surrogates (not storable) become U+FFFD.
+        turn = AgentTurn(self._pid, message.id, strip_surrogates(message.text_content or ""),
                          timestamp_us=max(0, int(message.created_at * 1_000_000)))
         voice = _TurnVoice(self, session, turn)
         self._latest = voice
