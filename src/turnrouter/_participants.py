@@ -143,6 +143,13 @@ class Registry:
         state = self.participants.get(pid)
         if state is not None:
             return state
+        limit = self._cfg.max_participants
+        if len(self.participants) >= limit:
+            self._cfg.overflows.report("participants", f"a new participant refused: the "
+                                       f"router holds max_participants ({limit})")
+            raise LifecycleError(
+                f"participant {pid!r} refused: the router already holds {limit} participants "
+                "(max_participants); departures make room")
         state = self.participants[pid] = Participant(pid, self.new_history())
         self._observer.participant_added(ParticipantChanged(pid))
         return state

@@ -43,6 +43,7 @@ from ._frontend import Departure, ParticipantSnapshot, RoutedResult
 from ._limits import (
     DEFAULT_MAX_DEPARTED_PARTICIPANTS,
     DEFAULT_MAX_HISTORY_EXCHANGES,
+    DEFAULT_MAX_PARTICIPANTS,
     DEFAULT_MAX_PATCH_BYTES,
     DEFAULT_MAX_WAITING_TURNS,
     DEFAULT_RELEASE_TIMEOUT_SECS,
@@ -119,6 +120,7 @@ class AgentRouter:
         max_history_exchanges: int = DEFAULT_MAX_HISTORY_EXCHANGES,
         max_waiting_turns: int = DEFAULT_MAX_WAITING_TURNS,
         max_departed_participants: int = DEFAULT_MAX_DEPARTED_PARTICIPANTS,
+        max_participants: int = DEFAULT_MAX_PARTICIPANTS,
         max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
         release_timeout_secs: float = DEFAULT_RELEASE_TIMEOUT_SECS,
     ) -> None:
@@ -142,6 +144,7 @@ class AgentRouter:
                 "max_history_exchanges": max_history_exchanges,
                 "max_waiting_turns": max_waiting_turns,
                 "max_departed_participants": max_departed_participants,
+                "max_participants": max_participants,
                 "max_patch_bytes": max_patch_bytes,
                 "release_timeout_secs": release_timeout_secs,
             },
