@@ -52,6 +52,7 @@ from ._timing import (
     TimingSample,
     TimingSink,
     load_samples,
+    query_length_class,
 )
 
 __all__ = [
@@ -101,6 +102,7 @@ __all__ = [
     "current_context_patches",
     "current_turn_context",
     "load_samples",
+    "query_length_class",
 ]
 
 __version__ = "0.1.0"

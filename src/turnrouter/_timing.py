@@ -27,7 +27,7 @@ import re
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
@@ -46,6 +46,7 @@ __all__ = [
     "TimingSample",
     "TimingSink",
     "load_samples",
+    "query_length_class",
 ]
 
 logger = logging.getLogger("turnrouter")
@@ -152,6 +153,19 @@ class TimingSink(Protocol):
 
 # ---------------------------------------------------------------- the default predictor
 
+#: Feature classes per route at most, and the effective samples a class needs before
+#: its own prediction replaces the route's.
+_MAX_CLASSES = 4
+_CLASS_MIN_SAMPLES = 8.0
+
+
+def query_length_class(turn: AgentTurn) -> str:
+    """A cheap per-turn feature: the request's length class by words ("short" up to 6,
+    "medium" up to 15, "long" beyond)."""
+    words = len(turn.query.split())
+    return "short" if words <= 6 else "medium" if words <= 15 else "long"
+
+
 class RouteTimingPredictor:
     """The default `TimingPredictor`: per route, a few latency regimes (decayed
     histograms), a change detector, a filter that recognises a regime seen before, and a
@@ -167,10 +181,11 @@ class RouteTimingPredictor:
       needless early acknowledgment costs 3x a turn of avoidable silence.
     - `hysteresis`: the gap between switching early on and off (no flicker).
     - `prior_samples`: the probability is shrunk towards "not late" as if this many
-      early answers had been seen, so a new route needs a few slow samples (6 slow
-      ones with the defaults) before it is acknowledged early.
+      early answers had been seen; with `min_samples` a new route needs a few slow
+      samples (6 with the defaults) before it is acknowledged early.
     - `min_samples`: effective samples needed before a prediction is `confident`.
-    - `max_spread`: a prediction whose p90/p10 ratio exceeds this is not confident.
+    - `max_spread`: when set, a prediction whose p90/p10 ratio exceeds it is not
+      confident (default None: the probability already accounts for a wide spread).
     - `lower_quantile`: the older spelling of the knob: `confidence = 1 - lower_quantile`.
     - `max_routes`: routes tracked at most; `max_regimes`: regimes kept per route (the
       least recently used is forgotten). Memory: ~1.2 KB per regime plus ~0.5 KB per
@@ -181,17 +196,24 @@ class RouteTimingPredictor:
       known regime (the regime filter's hazard).
     - `delay_secs`: the acknowledgment delay, when known: predictions then also carry
       `probability_late` and the trigger's decision `early`.
+    - `feature`: a cheap per-turn class (default `query_length_class`; None: off). A
+      route's samples are also learned per class (at most 4 classes); a class with 8
+      effective samples whose own trigger is early makes that turn early even when the
+      route is not (it never withholds an early acknowledgment the route would give).
+      Classes restart when the route's latency changes; loaded samples carry no class.
     """
 
     def __init__(
         self, *, half_life_samples: float = 100.0, min_samples: float = 5.0,
-        confidence: float = 0.75, hysteresis: float = 0.15, prior_samples: float = 2.0,
-        lower_quantile: float | None = None, max_spread: float = 20.0,
+        confidence: float = 0.75, hysteresis: float = 0.15, prior_samples: float = 1.0,
+        lower_quantile: float | None = None, max_spread: float | None = None,
         max_routes: int = 256, max_regimes: int = 4, change_threshold: float | None = 8.0,
         switch_rate: float = 0.005, delay_secs: float | None = None,
+        feature: Callable[[AgentTurn], str | None] | None = query_length_class,
     ) -> None:
         for name, value in (("half_life_samples", half_life_samples),
-                            ("min_samples", min_samples), ("max_spread", max_spread)):
+                            ("min_samples", min_samples),
+                            ("max_spread", 1.0 if max_spread is None else max_spread)):
             if not math.isfinite(value) or value <= 0:
                 raise ConfigurationError(
                     f"RouteTimingPredictor {name} must be finite and positive, got {value!r}")
@@ -235,6 +257,12 @@ class RouteTimingPredictor:
         self._delay = delay_secs
         self._routes: dict[str, RouteModel] = {}
         self._dropped = False
+        self._feature = feature
+        self._classes: dict[str, tuple[int, dict[str, RouteModel]]] = {}
+        self._class_settings = Settings(
+            half_life=half_life_samples, threshold=None, max_regimes=1, hazard=switch_rate,
+            enter=confidence, exit=confidence - hysteresis, prior=prior_samples)
+        self._class_min = max(min_samples, _CLASS_MIN_SAMPLES)
 
     @classmethod
     def from_samples(cls, *sources: str | Path | Iterable[TimingSample],
@@ -280,6 +308,51 @@ class RouteTimingPredictor:
                 return
             model = self._routes[sample.route] = RouteModel()
         model.add(sample.seconds, sample.censored, self._settings)
+        if self._feature is not None and turn is not None:
+            self._record_class(model, sample, turn)
+
+    def _feature_of(self, turn: AgentTurn) -> str | None:
+        assert self._feature is not None
+        try:
+            value = self._feature(turn)
+        except Exception:
+            logger.exception("turnrouter: timing feature failed (ignored for this turn)")
+            return None
+        return value if isinstance(value, str) else None
+
+    def _record_class(self, model: RouteModel, sample: TimingSample, turn: AgentTurn) -> None:
+        """Learn the sample in its feature class too; a route's classes restart when the
+        route's own latency changes (they then relearn while the route decides)."""
+        key = self._feature_of(turn)
+        if key is None:
+            return
+        synced, classes = self._classes.get(sample.route, (-1, {}))
+        if synced != model.changes:
+            classes = {}
+            self._classes[sample.route] = (model.changes, classes)
+        sub = classes.get(key)
+        if sub is None:
+            if len(classes) >= _MAX_CLASSES:
+                return
+            sub = classes[key] = RouteModel()
+        sub.add(sample.seconds, sample.censored, self._class_settings)
+
+    def _model_for(self, route: str, turn: AgentTurn | None) -> RouteModel | None:
+        """The route's model, or its feature class's when that class alone would be
+        acknowledged early (a class only ever adds early acknowledgments: it has fewer
+        samples than its route, so it never overrules an early route)."""
+        model = self._routes.get(route)
+        if model is None or self._feature is None or turn is None:
+            return model
+        synced, classes = self._classes.get(route, (-1, {}))
+        if synced != model.changes:
+            return model
+        key = self._feature_of(turn)
+        sub = classes.get(key) if key is not None else None
+        if sub is None or sub.bound <= model.bound or RouteModel.effective(
+                sub.parts(self._settings.hazard)) < self._class_min:
+            return model
+        return sub
 
     def load(self, samples: Iterable[TimingSample]) -> int:
         """Record samples in order (e.g. `load_samples(path)` after a restart)."""
@@ -338,7 +411,7 @@ class RouteTimingPredictor:
         (`delay_secs` here or in the constructor) the prediction also carries
         `probability_late` and `early`.
         """
-        model = self._routes.get(route)
+        model = self._model_for(route, turn)
         if model is None:
             return None
         settings = self._settings
@@ -347,7 +420,8 @@ class RouteTimingPredictor:
             return None
         p10, median, p90 = mixture_quantiles(parts, [0.1, 0.5, 0.9])
         effective = RouteModel.effective(parts)
-        confident = effective >= self._min_samples and p90 <= p10 * self._max_spread
+        confident = effective >= self._min_samples and (
+            self._max_spread is None or p90 <= p10 * self._max_spread)
         delay = delay_secs if delay_secs is not None else self._delay
         if delay is None:
             return Prediction(median, model.bound, p90, effective, confident)
@@ -405,14 +479,15 @@ class JsonLinesSink:
 
 def iter_samples(path: str | Path) -> Iterator[TimingSample]:
     """Samples of a JSON-lines file in order; ConfigurationError names a bad line."""
-    with Path(path).open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
+    with Path(path).open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
             try:
-                yield TimingSample.from_json(line)
-            except ValueError as exc:
+                line = raw.decode("utf-8")
+                sample = TimingSample.from_json(line) if line.strip() else None
+            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
                 raise ConfigurationError(f"{path}:{number}: invalid timing sample: {exc}") from exc
+            if sample is not None:
+                yield sample
 
 
 def load_samples(path: str | Path) -> list[TimingSample]:

@@ -43,6 +43,11 @@ _RECENT = 32
 #: no sample is impossible), and the posterior at which the filter switches regimes.
 _FLOOR = 0.01
 _SWITCH_POSTERIOR = 0.75
+#: A sample is learned by the current regime only when the filter is this sure of it;
+#: ambiguous ones wait (at most `_RECENT`) and go to the regime the filter switches to.
+_LEARN_POSTERIOR = 0.9
+#: Effective samples at which the trigger's hysteresis reaches its full width.
+_HYSTERESIS_SAMPLES = 20.0
 #: Mixture parts lighter than this are left out of quantiles.
 _NEGLIGIBLE = 1e-4
 
@@ -205,7 +210,7 @@ class RouteModel:
     """
 
     __slots__ = ("bound", "changes", "cur", "down", "down_run", "filled", "head", "post",
-                 "recent", "recent_censored", "regimes", "tick", "up", "up_run")
+                 "recent", "recent_censored", "regimes", "tick", "unsure", "up", "up_run")
 
     def __init__(self) -> None:
         self.regimes = [Regime(0)]
@@ -218,6 +223,7 @@ class RouteModel:
         self.changes = 0
         self.tick = 0
         self.bound = 0.0
+        self.unsure = 0  # trailing samples no regime learned yet (the filter was unsure)
         self.up = self.down = 0.0
         self.up_run = self.down_run = 0
 
@@ -232,8 +238,9 @@ class RouteModel:
         if self.filled < _RECENT:
             self.filled += 1
         self.tick += 1
+        switched = False
         if len(self.regimes) > 1:
-            self._filter(_bin(seconds), censored, s.hazard)
+            switched = self._filter(_bin(seconds), censored, s.hazard)
         regime = self.regimes[self.cur]
         threshold = s.threshold
         if threshold is not None and regime.seen >= _CHANGE_WARMUP:
@@ -252,26 +259,37 @@ class RouteModel:
                 self._new_regime(min(run, self.filled), s)
                 self._update_bound(s)
                 return
-        regime.learn(seconds, censored, s.growth, s.alpha)
+        if switched:
+            # The unsure samples before the switch were most likely the new regime's.
+            for i in range(self.head - 1 - min(self.unsure, self.filled - 1), self.head - 1):
+                regime.learn(self.recent[i % _RECENT],
+                             bool(self.recent_censored[i % _RECENT]), s.growth, s.alpha)
+        if len(self.regimes) > 1 and self.post[self.cur] < _LEARN_POSTERIOR:
+            self.unsure = min(self.unsure + 1, _RECENT)
+        else:
+            self.unsure = 0
+            regime.learn(seconds, censored, s.growth, s.alpha)
         regime.used = self.tick
         self._update_bound(s)
 
-    def _filter(self, index: int, censored: bool, hazard: float) -> None:
+    def _filter(self, index: int, censored: bool, hazard: float) -> bool:
         """Bayes update of which known regime is current; switch when another one is
-        clearly more likely (its detector then starts afresh)."""
+        clearly more likely (its detector then starts afresh). True on a switch."""
         regimes, post = self.regimes, self.post
         spread = hazard / (len(regimes) - 1)
         new = [((1.0 - hazard) * p + spread * (1.0 - p)) * r.hist.likelihood(index, censored)
                for p, r in zip(post, regimes, strict=True)]
         total = sum(new)
         if not total > 0.0 or not math.isfinite(total):
-            return
+            return False
         self.post = post = [v / total for v in new]
         best = max(range(len(post)), key=post.__getitem__)
         if best != self.cur and post[best] >= _SWITCH_POSTERIOR:
             self.cur = best
             self.changes += 1
             self._reset_detector()
+            return True
+        return False
 
     def _new_regime(self, run: int, s: Settings) -> None:
         """Start a regime from the last `run` samples (those of the new latency)."""
@@ -289,6 +307,7 @@ class RouteModel:
         self.cur = len(regimes) - 1
         self.post = [0.0] * len(regimes)
         self.post[self.cur] = 1.0
+        self.unsure = 0
         self._reset_detector()
         for i in range(self.head - run, self.head):
             regime.learn(self.recent[i % _RECENT], bool(self.recent_censored[i % _RECENT]),
@@ -320,7 +339,10 @@ class RouteModel:
             self.bound = 0.0
             return
         shrink = (n + s.prior) / n
-        low, high = mixture_quantiles(parts, [1.0 - s.enter * shrink, 1.0 - s.exit * shrink])
+        # The hysteresis grows with the evidence: a handful of samples has no steady
+        # estimate to flicker around, and a lucky streak should not hold the decision.
+        exit = s.enter - (s.enter - s.exit) * min(1.0, n / _HYSTERESIS_SAMPLES)
+        low, high = mixture_quantiles(parts, [1.0 - s.enter * shrink, 1.0 - exit * shrink])
         self.bound = min(max(self.bound, low), high)
 
     def probability_late(self, parts: list[tuple[float, Histogram]], delay: float,
