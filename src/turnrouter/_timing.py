@@ -162,7 +162,7 @@ _CLASS_MIN_SAMPLES = 8.0
 def query_length_class(turn: AgentTurn) -> str:
     """A cheap per-turn feature: the request's length class by words ("short" up to 6,
     "medium" up to 15, "long" beyond)."""
-    words = len(turn.query.split())
+    words = len(turn.query[:4000].split())  # bounded work on a huge request
     return "short" if words <= 6 else "medium" if words <= 15 else "long"
 
 

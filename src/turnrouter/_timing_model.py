@@ -137,14 +137,18 @@ def mixture_quantiles(parts: list[tuple[float, Histogram]], levels: list[float])
         else:
             pending.append(level)
     scales = [(weight / hist.total, hist.weights) for weight, hist in parts if hist.total > 0]
+    single = scales[0] if len(scales) == 1 else None
     cumulative = 0.0
     j = 0
     for i in range(_BINS):
         if j >= len(pending):
             break
-        mass = 0.0
-        for scale, weights in scales:
-            mass += scale * weights[i]
+        if single is not None:
+            mass = single[0] * single[1][i]
+        else:
+            mass = 0.0
+            for scale, weights in scales:
+                mass += scale * weights[i]
         if mass <= 0.0:
             continue
         while j < len(pending) and cumulative + mass >= pending[j]:
@@ -342,8 +346,19 @@ class RouteModel:
         # The hysteresis grows with the evidence: a handful of samples has no steady
         # estimate to flicker around, and a lucky streak should not hold the decision.
         exit = s.enter - (s.enter - s.exit) * min(1.0, n / _HYSTERESIS_SAMPLES)
-        low, high = mixture_quantiles(parts, [1.0 - s.enter * shrink, 1.0 - exit * shrink])
-        self.bound = min(max(self.bound, low), high)
+        low_level, high_level = 1.0 - s.enter * shrink, 1.0 - exit * shrink
+        bound = self.bound
+        # Usually the bound stays inside [q(low_level), q(high_level)]: one cumulative
+        # sum at the bound tells, without scanning for both quantiles.
+        if bound <= 0.0:
+            if low_level <= 0.0:
+                return
+        else:
+            below = sum(w * h.below(bound) for w, h in parts)
+            if low_level <= below <= high_level:
+                return
+        low, high = mixture_quantiles(parts, [low_level, high_level])
+        self.bound = min(max(bound, low), high)
 
     def probability_late(self, parts: list[tuple[float, Histogram]], delay: float,
                          prior: float) -> float:
