@@ -227,6 +227,7 @@ def test_memory_is_bounded() -> None:
     for name in ("a", "b", "c", "d"):
         predictor.record(TimingSample(name, 1.0))
     assert set(predictor.routes) == {"r", "a", "b"}
+    assert predictor.overflow == {"routes": 2, "classes": 0}
     assert predictor.regimes("a") == 1 and predictor.memory_bytes("a") < 2048
     assert predictor.memory_bytes("d") == 0
 

@@ -354,7 +354,8 @@ def test_query_length_class_lets_long_requests_be_acknowledged_early() -> None:
 
 def test_feature_class_never_overrules_an_early_route() -> None:
     """A class with a few fast samples does not stop early acknowledgments on a route that
-    is slow overall; a failing feature function is ignored."""
+    is slow overall; classes beyond 4 are counted, not kept; a failing feature function
+    is ignored."""
     predictor = RouteTimingPredictor(feature=lambda turn: turn.query)
     for i in range(200):
         quick = i % 10 == 0
@@ -365,6 +366,11 @@ def test_feature_class_never_overrules_an_early_route() -> None:
 
     def broken(turn: AgentTurn) -> str:
         raise RuntimeError("feature down")
+
+    many = RouteTimingPredictor(feature=lambda turn: turn.query)
+    for query in ("a", "b", "c", "d", "e", "f"):
+        many.record(TimingSample("r", 1.0), AgentTurn("p", "t", query))
+    assert many.overflow == {"routes": 0, "classes": 2}
 
     failing = RouteTimingPredictor(feature=broken)
     failing.record(TimingSample("r", 2.5), AgentTurn("p", "t", "q"))

@@ -257,6 +257,7 @@ class RouteTimingPredictor:
         self._delay = delay_secs
         self._routes: dict[str, RouteModel] = {}
         self._dropped = False
+        self._overflow = {"routes": 0, "classes": 0}
         self._feature = feature
         self._classes: dict[str, tuple[int, dict[str, RouteModel]]] = {}
         self._class_settings = Settings(
@@ -296,11 +297,18 @@ class RouteTimingPredictor:
         """Routes with at least one sample."""
         return tuple(self._routes)
 
+    @property
+    def overflow(self) -> dict[str, int]:
+        """Samples not learned because a bound was full: "routes" (beyond `max_routes`)
+        and "classes" (a feature class beyond the 4 a route keeps; the route learned it)."""
+        return dict(self._overflow)
+
     def record(self, sample: TimingSample, turn: AgentTurn | None = None) -> None:
         """Add one sample (censored samples count as lower bounds)."""
         model = self._routes.get(sample.route)
         if model is None:
             if len(self._routes) >= self._max_routes:
+                self._overflow["routes"] += 1
                 if not self._dropped:
                     self._dropped = True
                     logger.warning("turnrouter: timing predictor tracks at most %d routes; "
@@ -333,6 +341,7 @@ class RouteTimingPredictor:
         sub = classes.get(key)
         if sub is None:
             if len(classes) >= _MAX_CLASSES:
+                self._overflow["classes"] += 1
                 return
             sub = classes[key] = RouteModel()
         sub.add(sample.seconds, sample.censored, self._class_settings)
