@@ -422,10 +422,15 @@ def main() -> None:
             cuts = [1 - b.p95 / a.p95 for a, b in pairs]
             deltas = [b.needless_rate - a.needless_rate for a, b in pairs]
             late = statistics.fmean(a.late_share for a, _ in pairs)
-            target = goal(route, min(a.late_share for a, _ in pairs))
+            # The goal applies per seed: to each sample whose own late share qualifies.
+            targets = [goal(route, a.late_share) for a, _ in pairs]
+            judged = [(cut, t) for cut, t in zip(cuts, targets, strict=True) if t is not None]
+            target = max((t for _, t in judged), default=None)
             verdicts = []
-            if target is not None:
-                verdicts.append("cut ok" if min(cuts) >= target else "CUT MISSED")
+            if judged:
+                missed = sum(cut < t for cut, t in judged)
+                verdicts.append("cut ok" if not missed else
+                                f"CUT MISSED in {missed} of {len(judged)} seeds")
             verdicts.append("needless ok" if max(deltas) <= 0.01 + 1e-9 else "NEEDLESS OVER")
             extra = ""
             if baseline:
@@ -437,12 +442,12 @@ def main() -> None:
                          f"{statistics.fmean(o.needless_rate for o in old):.1%} |")
                 if route in EXISTING:
                     verdicts.append("WORSE THAN BEFORE" if worse else "not worse")
-            failures += sum(v.isupper() for v in verdicts)
+            failures += sum(v.split()[0].isupper() for v in verdicts)
             print(f"| {t} | {route} | {late:.0%} | "
                   f"{statistics.median(a.p95 for a, _ in pairs):.2f}s | "
                   f"{statistics.median(b.p95 for _, b in pairs):.2f}s | "
                   f"{statistics.median(cuts):+.0%} ({min(cuts):+.0%}..{max(cuts):+.0%}) | "
-                  f"{'' if target is None else f'>= {target:.0%}'} | "
+                  f"{'' if target is None else f'>= {target:.0%} ({len(judged)} seeds)'} | "
                   f"{statistics.fmean(a.needless_rate for a, _ in pairs):.1%} -> "
                   f"{statistics.fmean(b.needless_rate for _, b in pairs):.1%} "
                   f"({max(deltas) * 100:+.1f}) |{extra} {', '.join(verdicts)} |")
