@@ -337,8 +337,14 @@ class RouteModel:
 
     def _update_bound(self, s: Settings) -> None:
         """Move the hysteresis bound into [q(enter), q(exit)] (the play operator)."""
-        parts = self.parts(s.hazard)
-        n = self.effective(parts)
+        regimes = self.regimes
+        single = regimes[0].hist if len(regimes) == 1 else None
+        if single is not None:  # the common case, without building the mixture
+            parts = [(1.0, single)] if single.total > 0.0 else []
+            n = single.total / single.increment if parts else 0.0
+        else:
+            parts = self.parts(s.hazard)
+            n = self.effective(parts)
         if n <= 0.0:
             self.bound = 0.0
             return
@@ -354,7 +360,8 @@ class RouteModel:
             if low_level <= 0.0:
                 return
         else:
-            below = sum(w * h.below(bound) for w, h in parts)
+            below = (single.below(bound) if single is not None
+                     else sum(w * h.below(bound) for w, h in parts))
             if low_level <= below <= high_level:
                 return
         low, high = mixture_quantiles(parts, [low_level, high_level])
