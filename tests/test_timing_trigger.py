@@ -259,9 +259,12 @@ def test_from_samples_merges_sources_in_time_order(tmp_path: Path) -> None:
 
 
 def test_from_samples_names_a_missing_file_and_passes_settings(tmp_path: Path) -> None:
-    """A missing file is a ConfigurationError naming it; settings reach the predictor."""
+    """A missing file is a ConfigurationError naming it (unless missing_ok, for the first
+    start); settings reach the predictor."""
     with pytest.raises(ConfigurationError, match=r"nope\.jsonl"):
         RouteTimingPredictor.from_samples(tmp_path / "nope.jsonl")
+    first_start = RouteTimingPredictor.from_samples(tmp_path / "nope.jsonl", missing_ok=True)
+    assert first_start.routes == ()
     with pytest.raises(ConfigurationError, match="confidence"):
         RouteTimingPredictor.from_samples([], confidence=1.5)
 

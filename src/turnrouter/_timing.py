@@ -267,17 +267,20 @@ class RouteTimingPredictor:
 
     @classmethod
     def from_samples(cls, *sources: str | Path | Iterable[TimingSample],
-                     **settings: Any) -> RouteTimingPredictor:
+                     missing_ok: bool = False, **settings: Any) -> RouteTimingPredictor:
         """A predictor warmed up with recorded samples (warm start after a restart).
 
         Each source is a `JsonLinesSink` file or an iterable of samples (e.g. the
         fleet's). Several sources are merged in time order (`TimingSample.at`); a
-        missing or unreadable file raises `ConfigurationError` naming it.
+        missing or unreadable file raises `ConfigurationError` naming it, except a
+        missing one with `missing_ok=True` (the first start, before any sample).
         """
         predictor = cls(**settings)
         streams: list[Iterable[TimingSample]] = []
         for source in sources:
             if isinstance(source, str | Path):
+                if missing_ok and not Path(source).exists():
+                    continue
                 try:
                     streams.append(load_samples(source))
                 except OSError as exc:
