@@ -1,22 +1,28 @@
 """Acknowledgment timing: predictive policy against the fixed delay, through the real router.
 
-Replays turns whose first-response latencies follow route-specific distributions (fast,
-slow, bimodal, drifting up, drifting down) through `AgentRouter` on a `ManualClock`
-(virtual time: deterministic, no sleeping). The acknowledgment LLM takes a random
-generation time on the same clock. Both policies see the same latencies and generation
-times, at the same fallback delay:
+Replays turns whose first-response latencies follow route-specific shapes through
+`AgentRouter` on a `ManualClock` (virtual time: deterministic, no sleeping): the existing
+fast, slow, bimodal, drift_up and drift_down, and mostly_slow / slow85 (about 90 % / 87 %
+of answers a little slower than the delay, the rest just under it), flipflop (fast and
+overloaded regimes alternating every 20-60 turns), cold (a slow route with traffic only
+in the second half), heavy_fast / heavy_slow (4 % of answers 10-30x the median) and
+request (latency grows with the request's length). The acknowledgment LLM takes a
+random generation time on the same clock. Both policies see the same latencies,
+requests and generation times, at the same fallback delay:
 
 - fixed: no prediction; generation starts at the delay, spoken when ready;
-- predictive: the default `RouteTimingPredictor` (decayed histogram restarted by its
-  change detector); a confident prediction whose lower bound (p10) exceeds the delay
+- predictive: `RouteTimingPredictor` (defaults, or `--set name=value`); its trigger
   makes the acknowledgment heard at `early_secs`.
 
-Per route: p50/p95 silence (admission to the first thing heard), acknowledgment rate,
-and needless-acknowledgment rate (the answer started within 300 ms after the
-acknowledgment was spoken), per turn.
+Per route and seed: p50/p95 silence (admission to the first thing heard),
+acknowledgment rate, needless-acknowledgment rate (the answer started within 300 ms
+after the acknowledgment was spoken), and the share of answers later than the delay;
+then a verdict table against the issue's goals over `--turns` x `--seeds` (and against
+another source tree's predictor with `--baseline SRC`).
 
-    .venv/bin/python benchmarks/bench_acknowledgments.py [--turns 1000] [--delay 1.0]
-        [--seed 7] [--half-life 100] [--change-threshold 8|none]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_acknowledgments.py [--turns 300,1000]
+        [--seeds 1,2,3,4,5] [--delay 1.0] [--set confidence=0.8] [--feature none]
+        [--baseline OTHER/src] [--detail]
 """
 
 from __future__ import annotations
