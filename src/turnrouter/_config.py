@@ -240,7 +240,7 @@ class RouterConfig:
             timing_sink is not None
         ):
             if timing_predictor is None and acknowledgment_llm is not None:
-                timing_predictor = RouteTimingPredictor()
+                timing_predictor = RouteTimingPredictor(delay_secs=acknowledgment_delay_secs)
             self.timed = TimingEngine(
                 llm=acknowledgment_llm, delay=acknowledgment_delay_secs,
                 policy=acknowledgment_policy or AcknowledgmentPolicy(),

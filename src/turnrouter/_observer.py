@@ -191,6 +191,9 @@ class AcknowledgmentFinished(NamedTuple):
     ended_at: float
     text: str
     error: BaseException | None
+    probability_late: float | None = None
+    """The predicted probability that the answer starts after the delay, when the
+    predictor knows the delay (the trigger acknowledges early when it is high enough)."""
 
 
 class SilenceMeasured(NamedTuple):
