@@ -513,3 +513,16 @@ async def test_a_cancelled_exit_still_waits_for_background_work() -> None:
                 scope.cancel()
         assert scope.cancelled_caught
     assert finished.is_set()
+
+
+def test_a_validated_message_is_delivered_without_validating_again() -> None:
+    """coerce returns a constructed (validated) message itself; a bypassed one is new."""
+    query = UserQuery(participant_id="p1", text="hi")
+    assert QUERY.coerce(query) is query
+    bypassed = UserQuery.model_construct(participant_id="p1", text="other", message_id="m",
+                                         timestamp_us=1)
+    assert QUERY.coerce(bypassed) is not bypassed
+    broken = UserQuery.model_construct(participant_id="", text="x", message_id="m",
+                                       timestamp_us=1)
+    with pytest.raises(ValueError, match="malformed"):
+        QUERY.coerce(broken)

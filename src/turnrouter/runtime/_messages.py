@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import weakref
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -37,10 +38,21 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
+#: Messages known valid: built by their validating constructor or returned by
+#: `Topic.coerce`. Frozen models compare by value, so an instance equal to a valid one is
+#: valid too; `model_construct()` and `model_copy(update=...)` instances are not in it
+#: (unless equal to a valid message), so `Topic.coerce` validates them.
+VALIDATED: weakref.WeakSet[BaseModel] = weakref.WeakSet()
+
+
 class RuntimeMessage(BaseModel):
     """Fields every published message carries."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    def __init__(self, **data: Any) -> None:
+        super().__init__(**data)
+        VALIDATED.add(self)  # validated just now: delivery need not validate it again
 
     message_id: str = Field(default_factory=_new_id, min_length=1)
     """Publication identity; a query's becomes its turn id."""

@@ -17,6 +17,7 @@ from .._exceptions import (
     ContractValueError,
     LifecycleError,
 )
+from ._messages import VALIDATED
 
 __all__ = ["AgentRuntime", "RuntimeAgent", "Topic"]
 
@@ -51,6 +52,12 @@ class Topic(Generic[M]):
         """
         payload = self.payload
         if type(message) is payload:
+            try:
+                known = message in VALIDATED
+            except TypeError:  # a bypassed instance holding an unhashable value
+                known = False
+            if known:
+                return message
             fields: object = dict(message.__dict__)
         elif isinstance(message, dict):
             fields = message
@@ -59,11 +66,13 @@ class Topic(Generic[M]):
                 f"topic {self.name!r} carries {payload.__name__}, got {type(message).__name__}"
             )
         try:
-            return payload.model_validate(fields)
+            valid = payload.model_validate(fields)
         except ValidationError as exc:
             raise ValueError(f"malformed {payload.__name__}: {_describe(exc)}") from None
         except RecursionError:
             raise ValueError(f"malformed {payload.__name__}: nested too deeply") from None
+        VALIDATED.add(valid)
+        return valid
 
 
 def _describe(exc: ValidationError, limit: int = 5) -> str:
