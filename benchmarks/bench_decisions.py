@@ -9,11 +9,16 @@ oos_val.jsonl: 100 out-of-scope queries), which nothing was tuned on:
 Every parameter (calibrations, floors, margin) is the library default, chosen by
 `benchmarks/sweep_decisions.py` on train + oos_train only (it prints which data each
 choice saw). Balanced score = (in-scope accuracy, clarify counted wrong, + out-of-scope
-clarify recall) / 2. Latency is per `score()` call; the "examples, 11 candidates" row adds
-the demo's description-only `conversation` route to the ten example-backed domains.
-The reliability table bins the chosen candidate's `confidence` on validation, with the
-100 out-of-scope queries weighted to the same total as the 3,000 in-scope ones (the
-balanced score's prior, the one the calibration was fitted for).
+clarify recall) / 2; top-1 = in-scope accuracy of the best-scored route if nothing were
+ever clarified (the ceiling the floor trades against out-of-scope recall).
+
+Latency is per `score()` call: wall clock (median, p99) and the thread's CPU time (p99,
+immune to the scheduler on a shared machine). The "11 candidates" rows add the demo's
+description-only `conversation` route to the ten example-backed domains; the "demo
+sample" row is the service `bench_scale.py` uses. The reliability tables bin the chosen
+candidate's `confidence` on validation, with the 100 out-of-scope queries weighted to the
+same total as the 3,000 in-scope ones (the balanced score's prior, the one the
+calibration was fitted for).
 
 Usage: PYTHONPATH=src .venv/bin/python benchmarks/bench_decisions.py [--data DIR]
 """
@@ -30,6 +35,8 @@ from pathlib import Path
 
 from turnrouter import CLARIFY, AgentTurn, RouteRequest, RoutingAid
 from turnrouter.decisions import LexicalDecisions
+from turnrouter.demo import DESCRIPTIONS as DEMO_DESCRIPTIONS
+from turnrouter.demo import load_sample
 
 DEFAULT_DATA = Path("/work/shared/data/clinc150")
 CONVERSATION = RoutingAid("conversation", "General conversation for anything the other "
@@ -38,63 +45,70 @@ CONVERSATION = RoutingAid("conversation", "General conversation for anything the
 DESCRIPTIONS: dict[str, str] = {
     "banking": (
         "Banking questions about my bank account: its balance, recent transactions and "
-        "spending history, transferring money, paying bills, what a bill is and when it is "
-        "due, and the minimum payment. Also interest rates, routing numbers, ordering "
-        "checks, changing a PIN, and reporting fraud or a frozen or blocked account."
+        "spending history (how much I spent last week or month, purchases and activity), "
+        "transferring money, paying bills, what a bill is and when it is due, and the "
+        "minimum payment. Also interest rates, routing numbers, ordering checks or "
+        "checkbooks, changing a PIN, and reporting fraud or a frozen or blocked account."
     ),
     "credit_cards": (
         "Credit card help: my credit limit and raising it, my credit score and improving it, "
         "the APR, rewards points and redeeming them, applying for a new card and the "
         "application status, the card's expiration date, and replacing a card that was lost, "
-        "damaged, declined or expired. Also card fees when traveling abroad."
+        "stolen, damaged, declined or expired. Also international transaction fees when "
+        "using a Visa or Amex card abroad."
     ),
     "kitchen_and_dining": (
-        "Cooking and eating: recipes, ingredients and substitutes, cooking times, calories "
-        "and nutrition, how long food keeps, and meal ideas. Also restaurant suggestions and "
-        "reviews, how busy a restaurant is, whether it takes reservations, and booking, "
-        "confirming or cancelling a table reservation."
+        "Cooking and eating: recipes and how to make a dish, ingredients and what to use "
+        "instead, cooking times, calories, nutrition and healthy food, how long food keeps in "
+        "the fridge, and meal ideas for dinner. Also restaurant suggestions, reviews and "
+        "ratings, how busy a restaurant is and the wait, whether it takes reservations, and "
+        "booking, confirming or cancelling a table reservation."
     ),
     "home": (
         "Help around the house: playing music, what song is playing, skipping to the next "
-        "song, playlists, shopping and to-do lists, reminders, calendar events, ordering "
-        "things online and tracking orders, and controlling smart home devices like the "
-        "lights."
+        "song, playlists, shopping and to-do lists, reminders, calendar events and what is "
+        "on my schedule, ordering things online and tracking an order or package, and "
+        "controlling smart home devices like the lights, thermostat, fan, AC, TV or door."
     ),
     "auto_and_commute": (
-        "Driving and getting around: directions, traffic and distance, gas, the type of gas "
-        "and fuel mileage, car maintenance such as oil changes, tire pressure, changing a "
-        "tire, the last and next service, and jump starting the car, booking an Uber ride, "
-        "and where I am right now."
+        "Driving and getting around: directions and how to get somewhere, traffic, distance "
+        "and how long it takes, the bus schedule, gas, the type of gas and fuel mileage "
+        "(mpg), car maintenance such as oil changes, tire pressure, changing or replacing "
+        "tires, the last and next service, engine lights and jump starting the car, "
+        "booking an Uber ride, and my current location."
     ),
     "travel": (
         "Planning a trip: booking flights, hotels and rental cars, flight status, lost "
-        "luggage and carry-on rules, visas and vaccines, travel alerts, telling my bank I am "
-        "traveling, travel suggestions, power plug types, currency exchange rates, time "
-        "zones and translating into another language."
+        "luggage and carry-on rules, visas, vaccines and shots, travel alerts, telling my "
+        "bank I am going abroad, tourist suggestions of things to do, power plug and socket "
+        "types or converters, currency exchange rates, the timezone, and how to say or "
+        "translate something in French, Spanish or another language."
     ),
     "utility": (
         "Everyday tools: the weather forecast, the time and date, alarms and timers, a "
-        "calculator for math and unit conversions, word definitions and spelling, calling or "
-        "texting someone, finding my phone, sharing my location, flipping a coin or rolling "
-        "dice."
+        "calculator for math, how many inches or minutes (unit conversions), word "
+        "definitions, meanings and spelling, calling or texting someone, sending a text, "
+        "finding my phone, sharing my location, flipping a coin or rolling dice."
     ),
     "work": (
-        "My job: payday and paychecks, income, direct deposit, W-2 forms and taxes, rolling "
-        "over the 401k, health insurance benefits and changing them, paid time off (PTO) and "
-        "vacation days: requesting them, the request status, days used and left, company "
-        "holidays, and scheduling meetings."
+        "My job: payday, paychecks, salary and income, direct deposit, W-2 forms and taxes, "
+        "rolling over the 401k, health insurance benefits and changing them, paid time off "
+        "(PTO) and vacation days: requesting them, the request status, days used and left, "
+        "company holidays, and scheduling meetings."
     ),
     "small_talk": (
-        "Casual chat with you, the assistant: hi, hello, goodbye and thank you, jokes, fun "
-        "facts and the meaning of life, and getting to know you: your name, how old you are, "
-        "where you are from, who made you, who you work for, your hobbies and pets, what I "
-        "can ask you, and whether you are a real person or a bot."
+        "Casual chat with you, the assistant: hi, hello, goodbye and thank you, tell me a "
+        "joke or something funny, fun facts, trivia and interesting things, the meaning of "
+        "life, and getting to know you as an AI: your name, age, when you were born, where "
+        "you are from, who made you, which company you work for, your hobbies and pets like "
+        "dogs or cats, what I can ask you, and whether you are a real human or a bot."
     ),
     "meta": (
-        "Controlling the assistant and the conversation: answering yes, no or maybe, "
-        "cancelling, asking you to repeat or say that again, changing your name or what you "
-        "call me, and changing your language, accent, talking speed, volume or whisper mode. "
-        "Also syncing a device and resetting to factory settings."
+        "Controlling the assistant and the conversation: answering yes, no, maybe, true or "
+        "false, cancelling or stopping, asking you to repeat or say that again, changing "
+        "your name or what you call me, and changing your language, accent, voice (male or "
+        "female), talking speed, volume or whisper mode. Also syncing or connecting my "
+        "phone or device, and resetting to factory settings."
     ),
 }
 
@@ -127,13 +141,15 @@ def _evaluate(
 ) -> tuple[dict[str, float], list[tuple[float, bool, bool]]]:
     """Figures, and per query (confidence, in scope?, chosen route right?)."""
     timings: list[float] = []
+    cpu: list[float] = []
     outcomes: list[tuple[float, bool, bool]] = []
     correct = clarified = 0
     for rows, inside in ((in_scope, True), (out_of_scope, False)):
         for row in rows:
             request = RouteRequest(AgentTurn("bench", "t", row["text"]), aids)
-            start = time.perf_counter_ns()
+            start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
             decision = service.score(request)
+            cpu.append((time.thread_time_ns() - start_cpu) / 1000.0)
             timings.append((time.perf_counter_ns() - start) / 1000.0)
             top = max(decision.scores, key=decision.scores.__getitem__)
             outcomes.append((decision.confidence or 0.0, inside, inside and top == row["domain"]))
@@ -144,26 +160,33 @@ def _evaluate(
     accuracy = correct / len(in_scope)
     recall = clarified / len(out_of_scope)
     timings.sort()
+    cpu.sort()
     return {
         "balanced": (accuracy + recall) / 2,
         "in_scope_accuracy": accuracy,
         "oos_recall": recall,
+        "top1": sum(right for _, _, right in outcomes) / len(in_scope),
         "median_us": statistics.median(timings),
         "p99_us": timings[int(0.99 * (len(timings) - 1))],
+        "cpu_p99_us": cpu[int(0.99 * (len(cpu) - 1))],
     }, outcomes
 
 
 def _latency(service: LexicalDecisions, aids: tuple[RoutingAid, ...],
-             rows: Sequence[dict[str, str]]) -> tuple[float, float]:
-    """Median and p99 µs per decision over `rows`."""
+             rows: Sequence[dict[str, str]]) -> tuple[float, float, float]:
+    """Median and p99 wall µs, and p99 thread-CPU µs, per decision over `rows`."""
     timings: list[float] = []
+    cpu: list[float] = []
     for row in rows:
         request = RouteRequest(AgentTurn("bench", "t", row["text"]), aids)
-        start = time.perf_counter_ns()
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
         service.score(request)
+        cpu.append((time.thread_time_ns() - start_cpu) / 1000.0)
         timings.append((time.perf_counter_ns() - start) / 1000.0)
     timings.sort()
-    return statistics.median(timings), timings[int(0.99 * (len(timings) - 1))]
+    cpu.sort()
+    last = len(timings) - 1
+    return statistics.median(timings), timings[int(0.99 * last)], cpu[int(0.99 * last)]
 
 
 def _reliability(outcomes: Sequence[tuple[float, bool, bool]], floor: float) -> list[str]:
@@ -196,7 +219,8 @@ def _print(mode: str, figures: dict[str, float]) -> None:
     print(
         f"{mode:<13} balanced {figures['balanced']:.4f}  in-scope acc "
         f"{figures['in_scope_accuracy']:.4f}  oos recall {figures['oos_recall']:.4f}  "
-        f"median {figures['median_us']:.1f} us  p99 {figures['p99_us']:.1f} us"
+        f"top-1 {figures['top1']:.4f}  median {figures['median_us']:.1f} us  "
+        f"p99 {figures['p99_us']:.1f} us (cpu {figures['cpu_p99_us']:.1f})"
     )
 
 
@@ -236,14 +260,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         floor = (service.min_description_score if mode == "descriptions"
                  else service.min_example_score)
         reliability[mode] = _reliability(outcomes, floor)
-    median, p99 = _latency(with_examples, (*bare, CONVERSATION), [*val, *oos_val])
+    median, p99, cpu = _latency(with_examples, (*bare, CONVERSATION), [*val, *oos_val])
     print(f"examples, 11 candidates (10 domains + conversation): median {median:.1f} us  "
-          f"p99 {p99:.1f} us")
+          f"p99 {p99:.1f} us (cpu {cpu:.1f})")
     long_query = " ".join(row["text"] for row in val[:2000])
-    median, p99 = _latency(with_examples, (*bare, CONVERSATION),
+    median, p99, cpu = _latency(with_examples, (*bare, CONVERSATION),
                            [{"text": long_query}] * 50)
     print(f"examples, 11 candidates, a {len(long_query):,}-character query (capped): "
-          f"median {median:.1f} us  p99 {p99:.1f} us")
+          f"median {median:.1f} us  p99 {p99:.1f} us (cpu {cpu:.1f})")
+    sample = load_sample()
+    demo = LexicalDecisions(examples=sample.examples)
+    demo_aids = tuple(RoutingAid(name, text) for name, text in DEMO_DESCRIPTIONS.items())
+    median, p99, cpu = _latency(demo, demo_aids,
+                                [{"text": text} for text, _, _ in sample.queries] * 5)
+    print(f"demo sample (75 examples per route, {len(demo_aids)} candidates, as in "
+          f"bench_scale.py): median {median:.1f} us  p99 {p99:.1f} us (cpu {cpu:.1f})")
     for mode, lines in reliability.items():
         print(f"reliability, {mode} (validation; oos weighted to half):")
         print("\n".join(lines))

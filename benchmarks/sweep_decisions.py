@@ -94,9 +94,9 @@ def _balanced(decisions: Sequence[Decision], calibration: LexicalCalibration,
 
 
 def _floor(decisions: Sequence[Decision], calibration: LexicalCalibration) -> float:
-    """The floor (0.05 steps) maximising the balanced score; ties go to the lower floor."""
-    best = max((_balanced(decisions, calibration, step / 20)[0], -step) for step in range(1, 20))
-    return -best[1] / 20
+    """The floor (0.025 steps) maximising the balanced score; ties go to the lower floor."""
+    best = max((_balanced(decisions, calibration, step / 40)[0], -step) for step in range(1, 40))
+    return -best[1] / 40
 
 
 def _report(mode: str, data: str, decisions: Sequence[Decision],
@@ -106,7 +106,7 @@ def _report(mode: str, data: str, decisions: Sequence[Decision],
     print(f"{mode}: chosen on {data}")
     print(f"  calibration = LexicalCalibration({calibration.weights!r}, {calibration.bias!r})"
           f"  (signals {', '.join(SIGNALS)})")
-    print(f"  floor {floor:.2f}: balanced {balanced:.4f} (in-scope acc {accuracy:.4f}, "
+    print(f"  floor {floor:.3f}: balanced {balanced:.4f} (in-scope acc {accuracy:.4f}, "
           f"oos recall {recall:.4f}) on that data; at 0.50: "
           f"{_balanced(decisions, calibration, 0.5)[0]:.4f}")
 
@@ -117,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--modes", default="examples,few-shot,descriptions")
+    parser.add_argument("--max-document-frequency", type=float, nargs="*", default=[0.002],
+                        help="kNN index cut-offs to compare (examples mode)")
     args = parser.parse_args(argv)
     data: Path = args.data
     modes = set(args.modes.split(","))
@@ -128,24 +130,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("validation split: not read by this script")
 
     if "examples" in modes:
-        start = time.perf_counter()
-        order = list(range(len(train)))
-        random.Random(1).shuffle(order)
-        folds: int = args.folds
-        pooled: list[Decision] = []
-        for fold in range(folds):
-            held = set(order[fold::folds])
-            examples: dict[str, list[str]] = {domain: [] for domain in domains}
-            for i, row in enumerate(train):
-                if i not in held:
-                    examples[row["domain"]].append(row["text"])
-            service = LexicalDecisions(examples, example_calibration=PROBE)
-            pooled += _collect(service, bare, [train[i] for i in sorted(held)])
-            pooled += _collect(service, bare, oos_train)
-        calibration = _fit(pooled, use=(True, True, True, False, False))
-        _report("examples", f"{folds}-fold CV over train ({len(train)}) + oos_train "
-                f"({len(oos_train)}) scored by every fold", pooled, calibration)
-        print(f"  ({time.perf_counter() - start:.0f} s)")
+        for max_df in args.max_document_frequency:
+            start = time.perf_counter()
+            order = list(range(len(train)))
+            random.Random(1).shuffle(order)
+            folds: int = args.folds
+            pooled: list[Decision] = []
+            for fold in range(folds):
+                held = set(order[fold::folds])
+                examples: dict[str, list[str]] = {domain: [] for domain in domains}
+                for i, row in enumerate(train):
+                    if i not in held:
+                        examples[row["domain"]].append(row["text"])
+                service = LexicalDecisions(examples, example_calibration=PROBE,
+                                           max_document_frequency=max_df)
+                pooled += _collect(service, bare, [train[i] for i in sorted(held)])
+                pooled += _collect(service, bare, oos_train)
+            calibration = _fit(pooled, use=(True, True, True, False, False))
+            _report(f"examples (max_document_frequency={max_df})",
+                    f"{folds}-fold CV over train ({len(train)}) + oos_train "
+                    f"({len(oos_train)}) scored by every fold", pooled, calibration)
+            print(f"  ({time.perf_counter() - start:.0f} s)")
 
     if "few-shot" in modes:
         pooled = []

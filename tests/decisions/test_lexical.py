@@ -185,6 +185,7 @@ def test_knn_routes_keeps_the_best_route_and_scores_every_candidate(knn_routes: 
         ({"min_margin": "x"}, "min_margin"),
         ({"phrase_weight": 1.5}, "phrase_weight"),
         ({"epochs": 0}, "epochs"),
+        ({"knn_budget": 0}, "knn_budget"),
         ({"max_query_chars": 0}, "max_query_chars"),
         ({"max_query_words": -1}, "max_query_words"),
         ({"example_calibration": (1.0, 2.0)}, "example_calibration"),
@@ -318,3 +319,23 @@ def test_calibration_confidence_is_a_stable_logistic() -> None:
         1 / (1 + math.exp(-2.0)))
     assert calibration.confidence((1e6, 0.0, 0.0, 0.0, 0.0)) == 1.0
     assert calibration.confidence((-1e6, 0.0, 0.0, 0.0, 0.0)) == 0.0
+
+
+def test_caches_are_bounded_and_count_evictions() -> None:
+    """Unseen query words and description models are cached up to a bound, evictions counted."""
+    service = LexicalDecisions(EXAMPLES, description_cache_size=1)
+    for number in range(4200):
+        service.score(request(f"zq{number}x rain", (*AIDS, RoutingAid("other", f"d{number}"))))
+    stats = service.cache_stats()
+    assert stats["query_words"] == 4096
+    assert stats["query_word_evictions"] == 4200 - 4096
+    assert stats["description_models"] == 1
+    assert stats["description_model_evictions"] == 4199
+
+
+def test_knn_budget_bounds_the_neighbour_walk_but_keeps_the_choice() -> None:
+    """A one-entry kNN budget still ranks by the linear model and answers a candidate."""
+    tight = LexicalDecisions(EXAMPLES, knn_budget=1, min_example_score=0.0)
+    decision = tight.score(request("skip this song please"))
+    assert decision.choice == "music"
+    assert decision.scores == tight.score(request("skip this song please")).scores

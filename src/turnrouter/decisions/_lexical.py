@@ -28,8 +28,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from types import MappingProxyType
 
-from .._contracts import CLARIFY, RouteDecision, RouteRequest, RoutingAid
+from .._contracts import CLARIFY, RouteDecision, RouteRequest, RoutingAid, _unchecked
 from .._exceptions import ConfigurationError
 from ._calibration import LexicalCalibration
 
@@ -38,6 +39,9 @@ __all__ = ["LexicalDecisions"]
 _WORD_RE = re.compile(r"[a-z0-9]+")
 _MAX_WORD = 32
 """Longer words are cut: bounds the character n-grams per word and the word caches."""
+_second = operator.itemgetter(1)
+_WORD_CACHE_SIZE = 4096
+"""Entries of query words not in the examples kept per service (oldest evicted first)."""
 _MIN_KNN_DF = 30
 """Features in at most this many examples always stay in the kNN index (small sets)."""
 
@@ -187,11 +191,11 @@ def _phrases(aid: RoutingAid) -> list[str]:
 # (never on the validation split); signals in `_calibration.SIGNALS` order.
 DEFAULT_EXAMPLE_CALIBRATION = LexicalCalibration((6.9171, 2.0899, 3.896, 0.0, 0.0), -5.2897)
 DEFAULT_FEW_SHOT_CALIBRATION = LexicalCalibration(
-    (3.8873, 3.2352, 2.6545, 5.1538, 5.6174), -3.0175)
-DEFAULT_DESCRIPTION_CALIBRATION = LexicalCalibration((0.0, 0.0, 0.0, 8.0614, 5.286), -2.0315)
+    (3.5908, 3.0126, 2.4676, 5.3128, 6.2481), -3.0052)
+DEFAULT_DESCRIPTION_CALIBRATION = LexicalCalibration((0.0, 0.0, 0.0, 8.2477, 5.2714), -1.9754)
 # Floors maximising the balanced score on the same tuning data, per regime.
-DEFAULT_EXAMPLE_FLOOR = 0.45
-DEFAULT_FEW_SHOT_FLOOR = 0.30
+DEFAULT_EXAMPLE_FLOOR = 0.475
+DEFAULT_FEW_SHOT_FLOOR = 0.3
 DEFAULT_DESCRIPTION_FLOOR = 0.35
 FEW_SHOT_BELOW = 50
 """Example sets averaging fewer examples per route use the few-shot calibration."""
@@ -273,7 +277,7 @@ def _word_entry(stem: str, grams: tuple[str, ...],
         rows.append(entry[1] if count == 1 else tuple(count * v for v in entry[1]))
     if not rows:
         return stem, squares, None
-    return stem, squares, tuple(map(math.fsum, zip(*rows, strict=True))) if width else None
+    return stem, squares, tuple(map(sum, zip(*rows, strict=True))) if width else None
 
 
 def _word_posting(grams: tuple[str, ...], index: Mapping[str, tuple[int, float]]
@@ -288,14 +292,14 @@ def _word_posting(grams: tuple[str, ...], index: Mapping[str, tuple[int, float]]
 
 @dataclass(frozen=True, slots=True)
 class _DescriptionModel:
-    """Per-candidate-set TF-IDF vectors of the routes' names and descriptions."""
+    """Per-candidate-set TF-IDF vectors of the routes' names, descriptions and phrases."""
 
-    idf: dict[str, float]
+    table: dict[str, tuple[float, tuple[tuple[int, float], ...]]]
+    """feature -> (IDF², ((slot, IDF × weight), ...)): slots 0..n-1 are the candidates'
+    whole name + description vectors, the next ones each phrase's own L2-normalised
+    vector (both weighed with the IDF of the whole descriptions)."""
     unseen: float
-    index: dict[str, list[tuple[int, float]]]
-    """feature -> [(candidate position, weight)] for whole name + description vectors."""
-    phrase_index: dict[str, list[tuple[int, float]]]
-    """feature -> [(phrase number, weight)] for each phrase's own L2-normalised vector."""
+    size: int
     owners: tuple[int, ...]
     """phrase number -> candidate position."""
 
@@ -400,6 +404,7 @@ class LexicalDecisions:
         description_calibration: LexicalCalibration | None = None,
         max_query_chars: int = 1000,
         max_query_words: int = 64,
+        knn_budget: int = 400,
     ) -> None:
         explicit_floor = (None if min_example_score is None
                           else _check_unit("min_example_score", min_example_score))
@@ -415,6 +420,7 @@ class LexicalDecisions:
         self._knn_routes = _check_positive_int("knn_routes", knn_routes)
         self._max_df = _check_unit("max_document_frequency", max_document_frequency)
         self._epochs = _check_positive_int("epochs", epochs)
+        self._knn_budget = _check_positive_int("knn_budget", knn_budget)
         self._max_chars = _check_positive_int("max_query_chars", max_query_chars)
         self._max_words = _check_positive_int("max_query_words", max_query_words)
         if (
@@ -435,6 +441,9 @@ class LexicalDecisions:
         self._descriptions: OrderedDict[tuple[tuple[str, str], ...], _DescriptionModel] = (
             OrderedDict()
         )
+        self._description_evictions = 0
+        self._word_cache: dict[str, _WordEntry] = {}
+        self._word_evictions = 0
         self._examples = self._build_examples(examples) if examples else None
         floor = DEFAULT_EXAMPLE_FLOOR
         if self._examples is not None and self._examples.per_route < FEW_SHOT_BELOW:
@@ -451,6 +460,19 @@ class LexicalDecisions:
     def min_description_score(self) -> float:
         """Confidence floor for choosing a route scored from its description."""
         return self._min_description_score
+
+    def cache_stats(self) -> dict[str, int]:
+        """Sizes and eviction counts of the per-service caches (all bounded).
+
+        `description_models` (at most `description_cache_size` candidate sets) and
+        `query_words` (at most 4,096 words not seen in the examples).
+        """
+        return {
+            "description_models": len(self._descriptions),
+            "description_model_evictions": self._description_evictions,
+            "query_words": len(self._word_cache),
+            "query_word_evictions": self._word_evictions,
+        }
 
     # -- construction -------------------------------------------------------------
 
@@ -582,7 +604,6 @@ class LexicalDecisions:
         for position, counts in enumerate(docs):
             for feature, weight in _weigh(counts, idf, unseen).items():
                 index.setdefault(feature, []).append((position, weight))
-        phrase_index: dict[str, list[tuple[int, float]]] = {}
         owners: list[int] = []
         if self._phrase_weight > 0.0:
             # Each phrase is weighed with the IDF of the whole descriptions: a phrase is a
@@ -593,15 +614,18 @@ class LexicalDecisions:
                     vector = _weigh(counts, idf, unseen)
                     if not vector:
                         continue
-                    number = len(owners)
+                    slot = len(candidates) + len(owners)
                     owners.append(position)
                     for feature, weight in vector.items():
-                        phrase_index.setdefault(feature, []).append((number, weight))
-        model = _DescriptionModel(idf=idf, unseen=unseen, index=index,
-                                  phrase_index=phrase_index, owners=tuple(owners))
+                        index.setdefault(feature, []).append((slot, weight))
+        table = {f: (idf[f] ** 2, tuple((slot, idf[f] * w) for slot, w in entries))
+                 for f, entries in index.items()}
+        model = _DescriptionModel(table=table, unseen=unseen, size=len(candidates),
+                                  owners=tuple(owners))
         self._descriptions[key] = model
         if len(self._descriptions) > self._cache_size:
             self._descriptions.popitem(last=False)
+            self._description_evictions += 1
         return model
 
     # -- scoring ------------------------------------------------------------------
@@ -616,9 +640,17 @@ class LexicalDecisions:
         rows: list[tuple[float, ...]] = []
         squares = 0.0
         stems: list[str] = []
-        entry_of = model.word
+        known = model.words.get
+        cache = self._word_cache
         for word in words:
-            stem, square, row = entry_of(word)
+            entry = known(word) or cache.get(word)
+            if entry is None:
+                entry = model.word(word)
+                if len(cache) >= _WORD_CACHE_SIZE:
+                    del cache[next(iter(cache))]
+                    self._word_evictions += 1
+                cache[word] = entry
+            stem, square, row = entry
             squares += square
             if row is not None:
                 rows.append(row)
@@ -657,9 +689,17 @@ class LexicalDecisions:
                 postings = model.postings[route_index]
                 sims: dict[int, float] = {}
                 get = sims.get
-                for number, coefficient in coefficients.items():
-                    for example_id, factor in zip(*postings[number], strict=True):
+                # Heaviest features first, and at most `knn_budget` posting entries: a
+                # query's kNN work is bounded whatever its words.
+                budget = self._knn_budget
+                for number, coefficient in sorted(coefficients.items(), key=_second,
+                                                  reverse=True):
+                    ids, factors = postings[number]
+                    for example_id, factor in zip(ids, factors, strict=True):
                         sims[example_id] = get(example_id, 0.0) + coefficient * factor
+                    budget -= len(ids)
+                    if budget <= 0:
+                        break
                 nearest[route_index] = (sum(heapq.nlargest(k, sims.values())) * scale / k
                                         if sims else 0.0)
         return linear, centroid, nearest
@@ -667,30 +707,48 @@ class LexicalDecisions:
     def _description_scores(self, candidates: Sequence[RoutingAid], words: Sequence[str]
                             ) -> list[float]:
         """(1 - phrase_weight) × cosine to the whole name + description + phrase_weight ×
-        cosine to the route's best-matching phrase (its name is one of them)."""
+        cosine to the route's best-matching phrase (its name is one of them).
+
+        The query side counts every n-gram occurrence on its own (no merging across
+        words, linear TF), so no per-query dictionaries are built.
+        """
         model = self._description_model(candidates)
-        counts = _counts(words, self._low, self._high, True)
-        scores = [0.0] * len(candidates)
-        phrases = [0.0] * len(model.owners)
-        index = model.index
-        phrase_index = model.phrase_index
-        for feature, value in _weigh(counts, model.idf, model.unseen).items():
-            entries = index.get(feature)
-            if entries is not None:
-                for position, weight in entries:
-                    scores[position] += value * weight
-                for number, weight in phrase_index.get(feature, ()):
-                    phrases[number] += value * weight
+        size = model.size
+        sums = [0.0] * (size + len(model.owners))
+        get = model.table.get
+        unseen = model.unseen * model.unseen
+        squares = 0.0
+        low, high = self._low, self._high
+        previous = ""
+        for word in words:
+            if word in _STOPWORDS:
+                continue
+            stem, grams = _word_features(word, low, high)
+            if previous:
+                grams = (*grams, f"b:{previous} {stem}")
+            previous = stem
+            for gram in grams:
+                entry = get(gram)
+                if entry is None:
+                    squares += unseen
+                    continue
+                square, postings = entry
+                squares += square
+                for slot, weight in postings:
+                    sums[slot] += weight
+        if squares == 0.0:
+            return [0.0] * size
+        scale = 1.0 / math.sqrt(squares)
         share = self._phrase_weight
         if share == 0.0:
-            return scores
-        best = [0.0] * len(candidates)
-        for number, value in enumerate(phrases):
-            position = model.owners[number]
+            return [value * scale for value in sums]
+        best = [0.0] * size
+        for number, position in enumerate(model.owners):
+            value = sums[size + number]
             if value > best[position]:
                 best[position] = value
-        return [(1.0 - share) * whole + share * part
-                for whole, part in zip(scores, best, strict=True)]
+        return [((1.0 - share) * whole + share * part) * scale
+                for whole, part in zip(sums, best, strict=False)]
 
     def _signals(self, request: RouteRequest) -> list[tuple[bool, tuple[float, ...]]]:
         """Per candidate: (scored from examples?, raw signals in `SIGNALS` order).
@@ -703,16 +761,20 @@ class LexicalDecisions:
         positions = model.positions if model is not None else {}
         backed = [aid.name in positions for aid in candidates]
         calibration = self._example_calibration
-        use_description = not all(backed) or (
-            calibration.weights[3] != 0.0 or calibration.weights[4] != 0.0)
-        described: list[float] = []
-        if use_description:
-            described = self._description_scores(candidates, words)
-        leads: list[float] = []
+        # Description signals: for every candidate when the example calibration uses
+        # them (few-shot), else only for the candidates without examples.
+        if calibration.weights[3] != 0.0 or calibration.weights[4] != 0.0:
+            described = list(range(len(candidates)))
+        else:
+            described = [number for number, flag in enumerate(backed) if not flag]
+        descriptions = [0.0] * len(candidates)
+        leads = [0.0] * len(candidates)
         if described:
-            first, second = heapq.nlargest(2, described) if len(described) > 1 else (
-                described[0], 0.0)
-            leads = [value - (second if value == first else first) for value in described]
+            values = self._description_scores([candidates[i] for i in described], words)
+            first, second = heapq.nlargest(2, values) if len(values) > 1 else (values[0], 0.0)
+            for number, value in zip(described, values, strict=True):
+                descriptions[number] = value
+                leads[number] = value - (second if value == first else first)
         linear: list[float] = []
         centroid: list[float] = []
         nearest: dict[int, float] = {}
@@ -721,8 +783,8 @@ class LexicalDecisions:
             linear, centroid, nearest = self._example_signals(model, words, wanted)
         out: list[tuple[bool, tuple[float, ...]]] = []
         for number, aid in enumerate(candidates):
-            description = described[number] if described else 0.0
-            lead = leads[number] if leads else 0.0
+            description = descriptions[number]
+            lead = leads[number]
             if backed[number]:
                 i = positions[aid.name]
                 out.append((True, (linear[i], centroid[i], nearest.get(i, 0.0),
@@ -766,11 +828,13 @@ class LexicalDecisions:
         margin = top - second
         summary = f"top={name} {top:.2f} margin {margin:.2f}"
         if top < floor or top == 0.0:
-            return RouteDecision(CLARIFY, confidence=top, scores=scores,
-                                 rationale=f"lexical: clarify, {summary} below {floor:.2f}")
-        if len(ranked) > 1 and margin < self._min_margin:
-            return RouteDecision(
-                CLARIFY, confidence=top, scores=scores,
-                rationale=f"lexical: clarify, {summary} under {self._min_margin:.2f}",
-            )
-        return RouteDecision(name, confidence=top, scores=scores, rationale=f"lexical: {summary}")
+            choice, rationale = CLARIFY, f"lexical: clarify, {summary} below {floor:.2f}"
+        elif len(ranked) > 1 and margin < self._min_margin:
+            choice = CLARIFY
+            rationale = f"lexical: clarify, {summary} under {self._min_margin:.2f}"
+        else:
+            choice, rationale = name, f"lexical: {summary}"
+        # Valid by construction (finite scores in [0, 1], a fresh dict nobody else holds),
+        # so the contract's per-field checks and copy are skipped.
+        return _unchecked(RouteDecision, choice=choice, confidence=top,
+                          scores=MappingProxyType(scores), rationale=rationale)
