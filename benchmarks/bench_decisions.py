@@ -209,7 +209,7 @@ def _reliability(outcomes: Sequence[tuple[float, bool, bool]], floor: float) -> 
     answered = [o for o in outcomes if o[0] >= floor]
     clarify_in = sum(1 for c, i, _ in outcomes if i and c < floor) / inside
     clarify_out = sum(1 for c, i, _ in outcomes if not i and c < floor) / outside
-    lines.append(f"  clarification rate at the default floor {floor:.2f}: {clarify_in:.3f} of "
+    lines.append(f"  clarification rate at the default floor {floor:.3f}: {clarify_in:.3f} of "
                  f"in-scope, {clarify_out:.3f} of out-of-scope queries "
                  f"({len(answered)} of {len(outcomes)} answered)")
     return lines

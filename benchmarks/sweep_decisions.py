@@ -13,10 +13,13 @@ Every choice below sees only train.jsonl (15,000 in-scope utterances) and oos_tr
 - descriptions: no examples; scored on all of train plus oos_train (nothing is fitted to
   the utterances, so no folds are needed).
 
-It prints the values to paste into `_lexical.py` (DEFAULT_*_CALIBRATION) and the
-balanced score each reaches on its own tuning data.
+It prints the values to paste into `_lexical.py` (DEFAULT_*_CALIBRATION and
+DEFAULT_*_FLOOR) and the balanced score each reaches on its own tuning data.
+`--max-document-frequency 0.002 0.005 0.01` compares kNN index cut-offs by the same CV;
+`--neighbors` changes the few-shot neighbour count.
 
-Usage: PYTHONPATH=src .venv/bin/python benchmarks/sweep_decisions.py [--data DIR] [--folds 5]
+Usage: PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/sweep_decisions.py [--data DIR]
+       [--folds 5] [--modes examples,few-shot,descriptions]
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--modes", default="examples,few-shot,descriptions")
+    parser.add_argument("--neighbors", type=int, default=3,
+                        help="nearest examples averaged (few-shot mode)")
     parser.add_argument("--max-document-frequency", type=float, nargs="*", default=[0.002],
                         help="kNN index cut-offs to compare (examples mode)")
     args = parser.parse_args(argv)
@@ -156,12 +161,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         pooled = []
         for seed in range(3):
             examples, rest = few_shot_examples(train, domains, seed=seed)
-            service = LexicalDecisions(examples, few_shot_calibration=PROBE)
+            service = LexicalDecisions(examples, few_shot_calibration=PROBE,
+                                       neighbors=args.neighbors)
             pooled += _collect(service, described, random.Random(seed).sample(rest, 3000))
             pooled += _collect(service, described, oos_train)
         calibration = _fit(pooled, use=(True, True, True, True, True))
-        _report("few-shot", "10 examples per route from train (seeds 0-2), each scoring "
-                "3,000 other train utterances + oos_train", pooled, calibration)
+        _report(f"few-shot (neighbors={args.neighbors})",
+                "10 examples per route from train (seeds 0-2), each scoring 3,000 other "
+                "train utterances + oos_train", pooled, calibration)
 
     if "descriptions" in modes:
         service = LexicalDecisions()

@@ -668,7 +668,7 @@ class LexicalDecisions:
             return [0.0] * size, [0.0] * size, {}
         scale = 1.0 / math.sqrt(squares)
         # Column sums run in C: one sum per route and signal.
-        sums = [sum(column) * scale for column in zip(*rows, strict=True)]
+        sums = [value * scale for value in map(sum, zip(*rows, strict=True))]
         linear, centroid = sums[:size], sums[size:]
         nearest: dict[int, float] = {}
         if self._example_calibration.weights[2] != 0.0:
