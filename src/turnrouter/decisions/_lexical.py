@@ -95,6 +95,15 @@ def _word_features(word: str, low: int, high: int) -> tuple[str, tuple[str, ...]
     return stem, tuple(grams)
 
 
+@lru_cache(maxsize=65536)
+def _gram_counts(word: str, low: int, high: int) -> tuple[tuple[str, int], ...]:
+    """A word's unigram + n-gram features with their counts inside the word (cached)."""
+    counts: dict[str, int] = {}
+    for gram in _word_features(word, low, high)[1]:
+        counts[gram] = counts.get(gram, 0) + 1
+    return tuple(counts.items())
+
+
 def _words(text: str, max_chars: int, max_words: int) -> list[str]:
     """Normalised lower-case alphanumeric words; apostrophes join ("what's" -> "whats").
 
@@ -244,31 +253,24 @@ class _ExampleModel:
         entry = self.words.get(word)
         if entry is not None:
             return entry
-        stem, grams = _word_features(word, self.low, self.high)
-        return _word_entry(stem, grams, self.table, self.unseen, self.size * 2)
+        stem = _word_features(word, self.low, self.high)[0]
+        return _word_entry(stem, _gram_counts(word, self.low, self.high), self.table,
+                           self.unseen, self.size * 2)
 
     def word_posting(self, route: int, word: str) -> tuple[tuple[int, float], ...]:
-        """(posting number, count × IDF) of `word`'s features in `route`'s kNN index."""
+        """(posting number, count × IDF²) of `word`'s features in `route`'s kNN index."""
         entries = self.word_postings[route].get(word)
         if entries is not None or word in self.words:
             return entries or ()
-        _, grams = _word_features(word, self.low, self.high)
-        return _word_posting(grams, self.features[route])
+        return _word_posting(_gram_counts(word, self.low, self.high), self.features[route])
 
 
-def _multiplicity(grams: Iterable[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for gram in grams:
-        counts[gram] = counts.get(gram, 0) + 1
-    return counts
-
-
-def _word_entry(stem: str, grams: tuple[str, ...],
+def _word_entry(stem: str, grams: tuple[tuple[str, int], ...],
                 table: Mapping[str, tuple[float, tuple[float, ...]]], unseen: float,
                 width: int) -> _WordEntry:
     squares = 0.0
     rows: list[tuple[float, ...]] = []
-    for gram, count in _multiplicity(grams).items():
+    for gram, count in grams:
         entry = table.get(gram)
         if entry is None:
             squares += (count * unseen) ** 2
@@ -280,10 +282,10 @@ def _word_entry(stem: str, grams: tuple[str, ...],
     return stem, squares, tuple(map(sum, zip(*rows, strict=True))) if width else None
 
 
-def _word_posting(grams: tuple[str, ...], index: Mapping[str, tuple[int, float]]
-                  ) -> tuple[tuple[int, float], ...]:
+def _word_posting(grams: tuple[tuple[str, int], ...],
+                  index: Mapping[str, tuple[int, float]]) -> tuple[tuple[int, float], ...]:
     summed: dict[int, float] = {}
-    for gram, count in _multiplicity(grams).items():
+    for gram, count in grams:
         entry = index.get(gram)
         if entry is not None:
             summed[entry[0]] = summed.get(entry[0], 0.0) + count * entry[1]
@@ -444,6 +446,8 @@ class LexicalDecisions:
         self._description_evictions = 0
         self._word_cache: dict[str, _WordEntry] = {}
         self._word_evictions = 0
+        self._posting_cache: dict[tuple[int, str], tuple[tuple[int, float], ...]] = {}
+        self._posting_evictions = 0
         self._examples = self._build_examples(examples) if examples else None
         floor = DEFAULT_EXAMPLE_FLOOR
         if self._examples is not None and self._examples.per_route < FEW_SHOT_BELOW:
@@ -464,14 +468,17 @@ class LexicalDecisions:
     def cache_stats(self) -> dict[str, int]:
         """Sizes and eviction counts of the per-service caches (all bounded).
 
-        `description_models` (at most `description_cache_size` candidate sets) and
-        `query_words` (at most 4,096 words not seen in the examples).
+        `description_models` (at most `description_cache_size` candidate sets),
+        `query_words` (at most 4,096 words not seen in the examples) and
+        `query_word_postings` (their kNN postings per route, at most 4,096).
         """
         return {
             "description_models": len(self._descriptions),
             "description_model_evictions": self._description_evictions,
             "query_words": len(self._word_cache),
             "query_word_evictions": self._word_evictions,
+            "query_word_postings": len(self._posting_cache),
+            "query_word_posting_evictions": self._posting_evictions,
         }
 
     # -- construction -------------------------------------------------------------
@@ -519,8 +526,8 @@ class LexicalDecisions:
                 if word not in vocabulary:
                     vocabulary[word] = _word_features(word, low, high)
         word_squares = {
-            word: sum((count * idf[gram]) ** 2 for gram, count in _multiplicity(grams).items())
-            for word, (_, grams) in vocabulary.items()
+            word: sum((count * idf[gram]) ** 2 for gram, count in _gram_counts(word, low, high))
+            for word in vocabulary
         }
         max_df = max(_MIN_KNN_DF, int(self._max_df * len(texts)))
         sums: list[dict[str, float]] = [{} for _ in routes]
@@ -566,13 +573,14 @@ class LexicalDecisions:
             for feature, weight in _normalise(total).items():
                 dense[feature][size + route_index] = weight
         table = {f: (idf[f], tuple(v * idf[f] for v in row)) for f, row in dense.items()}
-        entries = {word: _word_entry(stem, grams, table, unseen, 2 * size)
-                   for word, (stem, grams) in vocabulary.items()}
+        entries = {word: _word_entry(stem, _gram_counts(word, low, high), table, unseen,
+                                     2 * size)
+                   for word, (stem, _) in vocabulary.items()}
         word_postings: list[dict[str, tuple[tuple[int, float], ...]]] = []
         for mapping in features:
             per_word: dict[str, tuple[tuple[int, float], ...]] = {}
-            for word, (_, grams) in vocabulary.items():
-                found = _word_posting(grams, mapping)
+            for word in vocabulary:
+                found = _word_posting(_gram_counts(word, low, high), mapping)
                 if found:
                     per_word[word] = found
             word_postings.append(per_word)
@@ -673,12 +681,26 @@ class LexicalDecisions:
         nearest: dict[int, float] = {}
         if self._example_calibration.weights[2] != 0.0:
             k = self._neighbors
+            posting_cache = self._posting_cache
             for route_index in heapq.nlargest(self._knn_routes, wanted,
                                               key=linear.__getitem__):
                 coefficients: dict[int, float] = {}
                 cget = coefficients.get
+                route_words = model.word_postings[route_index]
                 for word in words:
-                    for number, weight in model.word_posting(route_index, word):
+                    found = route_words.get(word)
+                    if found is None:
+                        if word in model.words:
+                            continue
+                        key = (route_index, word)
+                        found = posting_cache.get(key)
+                        if found is None:
+                            found = model.word_posting(route_index, word)
+                            if len(posting_cache) >= _WORD_CACHE_SIZE:
+                                del posting_cache[next(iter(posting_cache))]
+                                self._posting_evictions += 1
+                            posting_cache[key] = found
+                    for number, weight in found:
                         coefficients[number] = cget(number, 0.0) + weight
                 index = model.features[route_index]
                 for key in bigrams:
