@@ -688,19 +688,19 @@ class LexicalDecisions:
                 cget = coefficients.get
                 route_words = model.word_postings[route_index]
                 for word in words:
-                    found = route_words.get(word)
-                    if found is None:
+                    listed = route_words.get(word)
+                    if listed is None:
                         if word in model.words:
                             continue
-                        key = (route_index, word)
-                        found = posting_cache.get(key)
-                        if found is None:
-                            found = model.word_posting(route_index, word)
+                        cache_key = (route_index, word)
+                        listed = posting_cache.get(cache_key)
+                        if listed is None:
+                            listed = model.word_posting(route_index, word)
                             if len(posting_cache) >= _WORD_CACHE_SIZE:
                                 del posting_cache[next(iter(posting_cache))]
                                 self._posting_evictions += 1
-                            posting_cache[key] = found
-                    for number, weight in found:
+                            posting_cache[cache_key] = listed
+                    for number, weight in listed:
                         coefficients[number] = cget(number, 0.0) + weight
                 index = model.features[route_index]
                 for key in bigrams:
