@@ -122,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--modes", default="examples,few-shot,descriptions")
     parser.add_argument("--neighbors", type=int, default=3,
                         help="nearest examples averaged (few-shot mode)")
+    parser.add_argument("--knn-routes", type=int, default=1,
+                        help="routes given the neighbour signal (few-shot mode)")
     parser.add_argument("--max-document-frequency", type=float, nargs="*", default=[0.002],
                         help="kNN index cut-offs to compare (examples mode)")
     args = parser.parse_args(argv)
@@ -162,11 +164,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         for seed in range(3):
             examples, rest = few_shot_examples(train, domains, seed=seed)
             service = LexicalDecisions(examples, few_shot_calibration=PROBE,
-                                       neighbors=args.neighbors)
+                                       neighbors=args.neighbors, knn_routes=args.knn_routes)
             pooled += _collect(service, described, random.Random(seed).sample(rest, 3000))
             pooled += _collect(service, described, oos_train)
         calibration = _fit(pooled, use=(True, True, True, True, True))
-        _report(f"few-shot (neighbors={args.neighbors})",
+        _report(f"few-shot (neighbors={args.neighbors}, knn_routes={args.knn_routes})",
                 "10 examples per route from train (seeds 0-2), each scoring 3,000 other "
                 "train utterances + oos_train", pooled, calibration)
 

@@ -329,6 +329,7 @@ def test_caches_are_bounded_and_count_evictions() -> None:
     stats = service.cache_stats()
     assert stats["query_words"] == 4096
     assert stats["query_word_evictions"] == 4200 - 4096
+    assert stats["query_word_postings"] <= 4096
     assert stats["description_models"] == 1
     assert stats["description_model_evictions"] == 4199
 
