@@ -39,6 +39,9 @@ __all__ = ["LexicalDecisions"]
 _WORD_RE = re.compile(r"[a-z0-9]+")
 _MAX_WORD = 32
 """Longer words are cut: bounds the character n-grams per word and the word caches."""
+_WORD_CACHE_ENTRIES = 16384
+"""Process-wide LRU bound of each per-word cache (stems, n-grams, n-gram counts): with
+words of at most 32 characters, a flood of distinct junk words holds tens of MB at most."""
 _second = operator.itemgetter(1)
 _WORD_CACHE_SIZE = 4096
 """Entries of query words not in the examples kept per service (oldest evicted first)."""
@@ -66,7 +69,7 @@ _SUFFIXES = ("ations", "ation", "ings", "ing", "edly", "ies", "ied", "ers", "er"
              "ly", "es", "s")
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=_WORD_CACHE_ENTRIES)
 def _stem(word: str) -> str:
     """Strip one common English suffix, keeping a stem of at least three letters."""
     for suffix in _SUFFIXES:
@@ -78,7 +81,7 @@ def _stem(word: str) -> str:
     return word
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=_WORD_CACHE_ENTRIES)
 def _word_features(word: str, low: int, high: int) -> tuple[str, tuple[str, ...]]:
     """A word's stem and its unigram + character n-gram features (cached per word).
 
@@ -95,7 +98,7 @@ def _word_features(word: str, low: int, high: int) -> tuple[str, tuple[str, ...]
     return stem, tuple(grams)
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=_WORD_CACHE_ENTRIES)
 def _gram_counts(word: str, low: int, high: int) -> tuple[tuple[str, int], ...]:
     """A word's unigram + n-gram features with their counts inside the word (cached)."""
     counts: dict[str, int] = {}
