@@ -234,6 +234,7 @@ def test_any_query_and_candidates_yield_a_candidate_or_clarify(
         assert decision.choice in {a.name for a in subset} | {CLARIFY}
         assert set(decision.scores) == {a.name for a in subset}
         assert all(0.0 <= v <= 1.0 for v in decision.scores.values())
+        assert decision.confidence == max(decision.scores.values())
 
 
 @settings(max_examples=150, deadline=None)
@@ -340,3 +341,10 @@ def test_knn_budget_bounds_the_neighbour_walk_but_keeps_the_choice() -> None:
     decision = tight.score(request("skip this song please"))
     assert decision.choice == "music"
     assert decision.scores == tight.score(request("skip this song please")).scores
+
+
+def test_decision_scores_are_read_only() -> None:
+    """The returned scores cannot be mutated by a caller (the service keeps no alias)."""
+    decision = SERVICE.score(request("will it rain tomorrow"))
+    with pytest.raises(TypeError):
+        decision.scores["weather"] = 0.0  # type: ignore[index]
