@@ -1,0 +1,472 @@
+"""The Pipecat adapter: a frame processor in front of an `AgentRouter`.
+
+Only the router's public front-end seam is used (`route_turn`, `mark_heard`, `interrupt`,
+`drain`, `stop`, `continue_trace`, `report_rejected`). Each user turn runs in a task of
+its own: awaiting `route_turn()` inside `process_frame()` would hold Pipecat's frame
+queue, so a new turn could not replace the running one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    CancelFrame,
+    EndFrame,
+    Frame,
+    InterruptionFrame,
+    LLMContextFrame,
+    StartFrame,
+    TranscriptionFrame,
+    TTSSpeakFrame,
+)
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.services.llm_service import LLMService as PipecatLLMService
+
+from .._contracts import Admission, AgentTurn, DestinationResult, RoutingAid
+from .._exceptions import (
+    ConfigurationError,
+    ContractTypeError,
+    ContractValueError,
+    LifecycleError,
+    TurnInterrupted,
+)
+from .._router import AgentRouter
+
+__all__ = [
+    "FrameAgent",
+    "FrameOutput",
+    "PipecatLLMDestination",
+    "TurnRouterProcessor",
+    "frame_output",
+    "turn_from_frame",
+]
+
+logger = logging.getLogger("turnrouter.integrations.pipecat")
+
+#: Rejection source (the `topic` label of turnrouter_runtime_rejected_messages_total).
+SOURCE = "pipecat"
+Started = Callable[[], Awaitable[None]]
+
+
+def _timestamp_us(stamp: object) -> int | None:
+    """A transcription's ISO-8601 timestamp in Unix microseconds (None if unreadable)."""
+    if not isinstance(stamp, str) or len(stamp) > 64:
+        return None
+    try:
+        when = datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    micros = int(when.timestamp() * 1_000_000)
+    return micros if micros >= 0 else None
+
+
+def _last_user_text(context: object) -> str | None:
+    """The text of the newest user message of a Pipecat `LLMContext` (None if absent)."""
+    try:
+        messages = context.messages  # type: ignore[attr-defined]
+    except Exception:  # not an LLMContext, or one whose messages cannot be read
+        return None
+    if not isinstance(messages, list):
+        return None
+    for message in reversed(messages):
+        if not isinstance(message, Mapping) or message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            parts = [part.get("text") for part in content
+                     if isinstance(part, Mapping) and part.get("type") == "text"]
+            texts = [text for text in parts if isinstance(text, str)]
+            return " ".join(texts) if texts else None
+        return None
+    return None
+
+
+def turn_from_frame(
+    frame: object, *, turn_id: str, participant_id: str = "user",
+    max_query_chars: int = 4096,
+) -> AgentTurn | None:
+    """The routed turn a frame carries, or None when it carries no final user turn.
+
+    A `TranscriptionFrame` (STT output) is a turn of its `user_id` (or `participant_id`
+    when empty); a non-speculative `LLMContextFrame` (the user context aggregator's
+    output) is a turn of `participant_id` whose query is the newest user message. Blank
+    text is no turn. A query longer than `max_query_chars` raises `ContractValueError`.
+    """
+    text: str | None
+    if isinstance(frame, TranscriptionFrame):
+        text = frame.text if isinstance(frame.text, str) else None
+        user = frame.user_id if isinstance(frame.user_id, str) and frame.user_id else None
+        stamp = _timestamp_us(frame.timestamp)
+    elif isinstance(frame, LLMContextFrame) and frame.speculation is not True:
+        text, user, stamp = _last_user_text(frame.context), None, None
+    else:
+        return None
+    if text is None or not text.strip():
+        return None
+    if len(text) > max_query_chars:
+        raise ContractValueError(
+            f"user turn of {len(text)} characters exceeds max_query_chars={max_query_chars}")
+    return AgentTurn(user or participant_id, turn_id, text.strip(), timestamp_us=stamp)
+
+
+def _carrier_of(otel_context: object) -> dict[str, str]:
+    """W3C headers of the span held in an OpenTelemetry `Context` (duck-typed, so this
+    module needs no OpenTelemetry import)."""
+    if not isinstance(otel_context, Mapping):
+        return {}
+    for value in otel_context.values():
+        get = getattr(value, "get_span_context", None)
+        if not callable(get):
+            continue
+        span = get()
+        if getattr(span, "is_valid", False):
+            return {"traceparent": f"00-{span.trace_id:032x}-{span.span_id:016x}-"
+                                   f"{int(span.trace_flags):02x}"}
+    return {}
+
+
+@dataclass(eq=False)
+class _TurnSink:
+    """Where one turn's frames go: the processor routing it, while the turn runs."""
+
+    processor: TurnRouterProcessor
+    turn: AgentTurn
+    closed: bool = False
+    outputs: list[FrameOutput] = field(default_factory=list)
+
+
+_CURRENT: contextvars.ContextVar[_TurnSink | None] = contextvars.ContextVar(
+    "turnrouter_pipecat_turn", default=None)
+
+
+class FrameOutput:
+    """Pushes a destination's frames downstream of the `TurnRouterProcessor` routing the
+    current turn (toward the TTS and the output transport), with no back reference.
+
+    The first frame pushed awaits `started()` first, so the router suppresses a pending
+    acknowledgment and records the first response. Once the turn ended (answered,
+    interrupted or replaced) pushing raises `LifecycleError`: no stale audio after a
+    barge-in.
+    """
+
+    __slots__ = ("_sink", "_started", "frames_pushed")
+
+    def __init__(self, sink: _TurnSink, started: Started) -> None:
+        self._sink = sink
+        self._started = started
+        self.frames_pushed = 0
+
+    @property
+    def turn(self) -> AgentTurn:
+        """The turn these frames answer."""
+        return self._sink.turn
+
+    async def push(self, frame: Frame) -> None:
+        """Push one frame downstream (after `started()`, for the first one)."""
+        if not isinstance(frame, Frame):
+            raise ContractTypeError(
+                f"FrameOutput.push() takes a pipecat Frame, got {type(frame).__name__}")
+        if self._sink.closed:
+            raise LifecycleError(f"turn {self._sink.turn.turn_id!r} has ended; its frames "
+                                 "can no longer be pushed")
+        if self.frames_pushed == 0:
+            await self._started()
+        self.frames_pushed += 1
+        await self._sink.processor._deliver(self._sink.turn, frame, answer=True)
+
+    async def say(self, text: str, *, append_to_context: bool = True) -> None:
+        """Speak `text` (a `TTSSpeakFrame`)."""
+        if not isinstance(text, str):
+            raise ContractTypeError(f"FrameOutput.say() takes a str, got {type(text).__name__}")
+        await self.push(TTSSpeakFrame(text, append_to_context=append_to_context))
+
+
+def frame_output(started: Started) -> FrameOutput:
+    """The frame output of the turn being answered, for a destination's `answer()`.
+
+    Call it inside `answer(turn, started=...)` with that `started`; raises
+    `LifecycleError` outside a turn routed by a `TurnRouterProcessor`.
+    """
+    sink = _CURRENT.get()
+    if sink is None:
+        raise LifecycleError("frame_output() is only available while a TurnRouterProcessor "
+                             "routes a turn (inside a destination's answer())")
+    if not callable(started):
+        raise ContractTypeError("frame_output() takes the started() callback of answer()")
+    output = FrameOutput(sink, started)
+    sink.outputs.append(output)
+    return output
+
+
+class FrameAgent:
+    """A destination that answers by pushing Pipecat frames: implement `respond()`.
+
+    It accepts every admission (override `admit()` to decline), and keeps no state per
+    participant (override `release()` when it does).
+    """
+
+    def __init__(self, name: str, description: str, *, priority: int = 0) -> None:
+        self._aid = RoutingAid(name, description, priority)
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return self._aid
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        return Admission("accept")
+
+    async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+        text = await self.respond(turn, frame_output(started))
+        return DestinationResult("answer", text)
+
+    async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+        """Push the answer's frames through `output`; return its text (kept in history)."""
+        raise NotImplementedError
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+class PipecatLLMDestination(FrameAgent):
+    """A destination answered by a Pipecat LLM service (`run_inference`, out of band).
+
+    The turn's history and query become an `LLMContext`; the reply is spoken as one
+    `TTSSpeakFrame`. The service need not sit in the pipeline.
+    """
+
+    def __init__(self, llm: PipecatLLMService, name: str, description: str, *,
+                 system_instruction: str | None = None, max_tokens: int | None = None,
+                 priority: int = 0) -> None:
+        if not callable(getattr(llm, "run_inference", None)):
+            raise ContractTypeError(
+                f"PipecatLLMDestination needs a Pipecat LLMService, got {type(llm).__name__}")
+        super().__init__(name, description, priority=priority)
+        self.llm = llm
+        self.system_instruction = system_instruction
+        self.max_tokens = max_tokens
+
+    def context_for(self, turn: AgentTurn) -> LLMContext:
+        """The LLM context of a turn: its history, then its query."""
+        messages: list[Any] = []
+        for exchange in turn.history:
+            messages.append({"role": "user", "content": exchange.user})
+            messages.append({"role": "assistant", "content": exchange.assistant})
+        messages.append({"role": "user", "content": turn.query})
+        return LLMContext(messages)
+
+    async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+        reply = await self.llm.run_inference(
+            self.context_for(turn), max_tokens=self.max_tokens,
+            system_instruction=self.system_instruction)
+        text = (reply or "").strip()
+        if text:
+            await output.say(text)
+        return text
+
+
+class TurnRouterProcessor(FrameProcessor):
+    """Routes each final user turn through an `AgentRouter`; put it where the LLM was.
+
+    - `TranscriptionFrame`s (place it after the STT) or the user context aggregator's
+      `LLMContextFrame`s (place it after the aggregator) become turns; both are
+      consumed, everything else passes through.
+    - Each turn runs in its own task (`route_turn`), so a newer turn of the same
+      participant replaces the running one, and different participants run concurrently.
+      At most `max_turns` turn tasks run; a turn over the bound is refused and counted
+      (`turnrouter_runtime_rejected_messages_total{topic="pipecat", reason="overflow"}`),
+      as are oversized (`oversized`) and malformed (`invalid`) turns.
+    - Control text (acknowledgments, preambles, clarifications, failure text) is pushed
+      downstream as `TTSSpeakFrame`s; destinations push frames through `frame_output()`.
+    - `InterruptionFrame` interrupts this processor's participants (before it is
+      forwarded); `EndFrame` waits for the turns in flight, then stops the router
+      (`drain()`, `stop()`); `CancelFrame` stops it at once. With `owns_router=False`
+      (a router shared by several pipelines) they wait for, or interrupt, this
+      processor's own turns only.
+    - With `report_heard` (default), `BotStartedSpeakingFrame` reports when the answer
+      was first heard (`mark_heard`), so silence and first response measure the audio.
+    - With Pipecat tracing on, turn spans are children of Pipecat's `turn` span.
+
+    Events (Pipecat event handlers): `on_turn_routed(processor, turn, routed)`,
+    `on_turn_failed(processor, turn, error)`.
+    """
+
+    def __init__(self, router: AgentRouter, *, participant_id: str = "user",
+                 report_heard: bool = True, owns_router: bool = True, max_turns: int = 64,
+                 max_query_chars: int = 4096, **kwargs: Any) -> None:
+        if not isinstance(router, AgentRouter):
+            raise ContractTypeError(
+                f"TurnRouterProcessor needs an AgentRouter, got {type(router).__name__}")
+        if not isinstance(participant_id, str) or not participant_id:
+            raise ConfigurationError("TurnRouterProcessor participant_id must be a non-empty str")
+        for name, value in (("max_turns", max_turns), ("max_query_chars", max_query_chars)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"TurnRouterProcessor {name} must be an int >= 1")
+        super().__init__(**kwargs)
+        self.router = router
+        self.participant_id = participant_id
+        self.report_heard = bool(report_heard)
+        self.owns_router = bool(owns_router)
+        self.max_turns = max_turns
+        self.max_query_chars = max_query_chars
+        self._count = 0
+        self._tasks: dict[asyncio.Task[None], _TurnSink] = {}
+        #: Per participant: the turn whose first frame went out, not yet heard.
+        self._unheard: dict[str, str] = {}
+        self._stopped = False
+        self._register_event_handler("on_turn_routed")
+        self._register_event_handler("on_turn_failed")
+
+    @property
+    def turns_in_flight(self) -> int:
+        """Turn tasks of this processor still running."""
+        return len(self._tasks)
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if isinstance(frame, (TranscriptionFrame, LLMContextFrame)) and (
+                direction == FrameDirection.DOWNSTREAM):
+            self._offer(frame)
+            return
+        if isinstance(frame, InterruptionFrame):
+            await self._interrupt()
+        elif isinstance(frame, BotStartedSpeakingFrame):
+            self._heard()
+        elif isinstance(frame, EndFrame):
+            await self._end()
+        elif isinstance(frame, CancelFrame):
+            await self._cancel()
+        elif isinstance(frame, StartFrame):
+            self._stopped = False
+        await self.push_frame(frame, direction)
+
+    async def cleanup(self) -> None:
+        """Cancel turn tasks still running when the pipeline is torn down."""
+        for task in list(self._tasks):
+            await self.cancel_task(task)
+        await super().cleanup()  # type: ignore[no-untyped-call]
+
+    # -- turns ---------------------------------------------------------------------
+
+    def _offer(self, frame: Frame) -> None:
+        self._count += 1
+        try:
+            turn = turn_from_frame(frame, turn_id=f"pipecat-{self.id}-{self._count}",
+                                   participant_id=self.participant_id,
+                                   max_query_chars=self.max_query_chars)
+        except ContractValueError:
+            self._reject("oversized")
+            return
+        except (ContractTypeError, TypeError, ValueError):
+            self._reject("invalid")
+            return
+        if turn is None:
+            return
+        if len(self._tasks) >= self.max_turns:
+            self._reject("overflow")
+            return
+        sink = _TurnSink(self, turn)
+        task = self.create_task(self._run(sink, self._pipecat_carrier()),
+                                name=f"turn-{turn.turn_id}")
+        self._tasks[task] = sink
+
+    def _reject(self, reason: str) -> None:
+        logger.warning("pipecat turn refused: %s", reason)
+        self.router.report_rejected(SOURCE, reason)
+
+    def _pipecat_carrier(self) -> dict[str, str]:
+        """Trace headers of Pipecat's current turn span (its tracing on), else none."""
+        try:
+            tracing = self.processor_setup.tracing_context
+        except Exception:  # not set up (no StartFrame yet)
+            return {}
+        if tracing is None:
+            return {}
+        return _carrier_of(tracing.get_turn_context() or tracing.get_conversation_context())
+
+    async def _run(self, sink: _TurnSink, carrier: dict[str, str]) -> None:
+        token = _CURRENT.set(sink)
+        turn = sink.turn
+        try:
+            scope = (self.router.continue_trace(carrier) if carrier
+                     else contextlib.nullcontext())
+            with scope:
+                routed = await self.router.route_turn(
+                    turn, output=self._speak, report_heard=self.report_heard)
+            sink.closed = True
+            await self._call_event_handler("on_turn_routed", turn, routed)
+        except TurnInterrupted:
+            sink.closed = True
+        except Exception as exc:
+            sink.closed = True
+            logger.warning("pipecat turn %s failed: %s", turn.turn_id, type(exc).__name__)
+            await self._call_event_handler("on_turn_failed", turn, exc)
+        finally:
+            sink.closed = True
+            _CURRENT.reset(token)
+            task = asyncio.current_task()
+            if task is not None:
+                self._tasks.pop(task, None)
+
+    async def _speak(self, turn: AgentTurn, route: str, text: str) -> None:
+        """The router's control text for a turn: spoken downstream."""
+        await self._deliver(turn, TTSSpeakFrame(text), answer=False)
+
+    async def _deliver(self, turn: AgentTurn, frame: Frame, *, answer: bool) -> None:
+        """Push a turn's frame downstream; the answer's frames (not control text such as
+        an acknowledgment) open the wait for the bot to be heard."""
+        if answer and self.report_heard:
+            self._unheard[turn.participant_id] = turn.turn_id
+        await self.push_frame(frame, FrameDirection.DOWNSTREAM)
+
+    def _heard(self) -> None:
+        """The bot started speaking: the pending turns' answers are being heard."""
+        pending, self._unheard = self._unheard, {}
+        for participant_id, turn_id in pending.items():
+            self.router.mark_heard(participant_id, turn_id)
+
+    # -- interruptions and the end ----------------------------------------------------
+
+    def _participants(self) -> list[str]:
+        return sorted({sink.turn.participant_id for sink in self._tasks.values()})
+
+    async def _interrupt(self) -> None:
+        for participant_id in self._participants():
+            await self.router.interrupt(participant_id)
+        self._unheard.clear()
+
+    async def _wait_own_turns(self) -> None:
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    async def _end(self) -> None:
+        """EndFrame: let the turns in flight finish, then stop the router."""
+        if self.owns_router:
+            await self.router.drain()
+            await self._wait_own_turns()
+            if not self._stopped:
+                self._stopped = True
+                await self.router.stop()
+        else:
+            await self._wait_own_turns()
+
+    async def _cancel(self) -> None:
+        """CancelFrame: stop now (turns in flight are interrupted)."""
+        if self.owns_router:
+            if not self._stopped:
+                self._stopped = True
+                await self.router.stop()
+        else:
+            await self._interrupt()
