@@ -13,9 +13,13 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
         BotStartedSpeakingFrame,
         CancelFrame,
         EndFrame,
+        Frame,
         InterimTranscriptionFrame,
         InterruptionFrame,
         LLMContextFrame,
+        LLMFullResponseEndFrame,
+        LLMFullResponseStartFrame,
+        LLMTextFrame,
         TextFrame,
         TranscriptionFrame,
         TTSAudioRawFrame,
@@ -23,6 +27,7 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
     )
     from pipecat.pipeline.pipeline import Pipeline
     from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.frame_processor import FrameDirection
     from pipecat.services.llm_service import LLMService
     from pipecat.tests.utils import run_test
 
@@ -38,6 +43,7 @@ from turnrouter import (
     AgentTurn,
     ContractValueError,
     LifecycleError,
+    LLMError,
     RoutedResult,
 )
 from turnrouter.integrations.pipecat import (
@@ -425,6 +431,125 @@ async def test_llm_destination_answers_with_a_pipecat_llm_service() -> None:
     messages: list[Any] = chat.context_for(turn).messages
     assert [m["content"] for m in messages] == [
         "hello", "LLM says: hello", "again"]
+
+
+class StreamingLLM(LLMService):
+    """A Pipecat LLM service in the pipeline, streaming like the real ones: start frame,
+    text chunks (the second one after `gate`), an optional error, end frame."""
+
+    def __init__(self, *chunks: str, gate: anyio.Event | None = None,
+                 fail: bool = False) -> None:
+        super().__init__()
+        self.chunks = chunks
+        self.gate = gate
+        self.fail = fail
+        self.contexts: list[list[Any]] = []
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if not isinstance(frame, LLMContextFrame):
+            await self.push_frame(frame, direction)
+            return
+        messages: list[Any] = list(frame.context.messages)
+        self.contexts.append(messages)
+        await self.push_frame(LLMFullResponseStartFrame())
+        try:
+            for index, chunk in enumerate(self.chunks):
+                if index == 1 and self.gate is not None:
+                    await self.gate.wait()
+                await self.push_frame(LLMTextFrame(chunk))
+            if self.fail:
+                await self.push_error(error_msg="quota", exception=RuntimeError("quota"))
+        finally:
+            await self.push_frame(LLMFullResponseEndFrame())
+
+
+def in_pipeline(llm: StreamingLLM, *others: Agent, decisions: tuple[str, ...] = ("chat",),
+                **kwargs: Any) -> tuple[TurnRouterProcessor, Pipeline, RecordingObserver]:
+    observer = RecordingObserver()
+    chat = PipecatLLMDestination(llm, "chat", "small talk", in_pipeline=True,
+                                 system_instruction="Be brief.")
+    agents: dict[str, Any] = {"chat": chat, **{a.routing_aid("x").name: a for a in others}}
+    router = AgentRouter(agents, ScriptedDecisions(*decisions), telemetry=observer, **kwargs)
+    processor = TurnRouterProcessor(router)
+    return processor, Pipeline([processor, llm]), observer
+
+
+async def test_llm_in_the_pipeline_streams_routed_turns() -> None:
+    """in_pipeline: the LLM downstream streams the answer of the turns routed to it; the
+    result is the full text and the first response is its first token, not its end."""
+    clock, gate = ManualClock(), anyio.Event()
+    llm = StreamingLLM("Hello", " there.", gate=gate)
+    processor, pipeline, observer = in_pipeline(llm, clock=clock)
+    turns = Turns(processor)
+    async with Pipe(pipeline) as pipe:
+        await pipe.send(said("alice", "hi"))
+        assert (await pipe.next_down(LLMTextFrame)).text == "Hello"
+        clock.advance(2.0)
+        gate.set()
+        await turns.wait(1)
+        await pipe.end()
+    texts = [frame.text for frame in pipe.seen if isinstance(frame, LLMTextFrame)]
+    assert texts == ["Hello", " there."]
+    assert turns.routed[0][1].result.text == "Hello there."
+    assert [m["content"] for m in llm.contexts[0]] == ["Be brief.", "hi"]
+    heard = [event for event in observer.events if event[0] == "heard"]
+    assert heard == [("heard", "chat", 0.0, 0.0)]  # no audio report: started() time
+
+
+async def test_barge_in_during_a_streamed_llm_answer() -> None:
+    """An InterruptionFrame mid-stream interrupts the turn and the LLM's response: the
+    rest of it never reaches the TTS."""
+    gate = anyio.Event()
+    llm = StreamingLLM("Once upon", " a time.", gate=gate)
+    _, pipeline, observer = in_pipeline(llm)
+    async with Pipe(pipeline) as pipe:
+        await pipe.send(said("alice", "tell me a story"))
+        assert (await pipe.next_down(LLMTextFrame)).text == "Once upon"
+        await pipe.worker.queue_frame(InterruptionFrame())
+        await pipe.next_down(InterruptionFrame)
+        gate.set()
+        await pipe.end()
+    texts = [frame.text for frame in pipe.seen if isinstance(frame, LLMTextFrame)]
+    assert texts == ["Once upon"]
+    (turn_id,) = observer.turns
+    assert observer.outcome(turn_id) == "interrupted"
+
+
+async def test_new_turn_cuts_a_streamed_llm_answer() -> None:
+    """A new turn replacing a streamed answer pushes an InterruptionFrame downstream, so
+    the LLM and TTS drop the old response before the new answer."""
+    gate = anyio.Event()
+    llm = StreamingLLM("Once upon", " a time.", gate=gate)
+    processor, pipeline, _ = in_pipeline(llm, Agent("weather", "Sunny."),
+                                         decisions=("chat", "weather"))
+    turns = Turns(processor)
+    async with Pipe(pipeline) as pipe:
+        await pipe.send(said("alice", "tell me a story"))
+        assert (await pipe.next_down(LLMTextFrame)).text == "Once upon"
+        await pipe.send(said("alice", "no, the weather"))
+        await pipe.next_down(InterruptionFrame)
+        assert (await pipe.next_down(TTSSpeakFrame)).text == "Sunny."
+        gate.set()
+        await turns.wait(1)
+        await pipe.end()
+    texts = [frame.text for frame in pipe.seen if isinstance(frame, LLMTextFrame)]
+    assert texts == ["Once upon"]
+    assert turns.routes == ["weather"]
+
+
+async def test_llm_error_frame_fails_the_turn() -> None:
+    """An error from the LLM service before any token: LLMError, and the router's
+    failure text is spoken."""
+    llm = StreamingLLM(fail=True)
+    processor, pipeline, _ = in_pipeline(llm, failure_text="Sorry, that failed.")
+    turns = Turns(processor)
+    async with Pipe(pipeline) as pipe:
+        await pipe.send(said("alice", "hi"))
+        await turns.wait(1)
+        await pipe.end()
+    assert spoken(pipe.seen) == ["Sorry, that failed."]
+    assert [type(error) for _, error in turns.failed] == [LLMError]
 
 
 async def test_frame_output_outside_a_routed_turn_is_refused() -> None:

@@ -21,9 +21,13 @@ from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     CancelFrame,
     EndFrame,
+    ErrorFrame,
     Frame,
     InterruptionFrame,
     LLMContextFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
     StartFrame,
     TranscriptionFrame,
     TTSSpeakFrame,
@@ -38,6 +42,7 @@ from .._exceptions import (
     ContractTypeError,
     ContractValueError,
     LifecycleError,
+    LLMError,
     TurnInterrupted,
 )
 from .._router import AgentRouter
@@ -157,17 +162,18 @@ class FrameOutput:
     """Pushes a destination's frames downstream of the `TurnRouterProcessor` routing the
     current turn (toward the TTS and the output transport), with no back reference.
 
-    The first frame pushed awaits `started()` first, so the router suppresses a pending
-    acknowledgment and records the first response. Once the turn ended (answered,
+    The first speech frame pushed awaits `started()` first, so the router suppresses a
+    pending acknowledgment and records the first response. Once the turn ended (answered,
     interrupted or replaced) pushing raises `LifecycleError`: no stale audio after a
     barge-in.
     """
 
-    __slots__ = ("_sink", "_started", "frames_pushed")
+    __slots__ = ("_begun", "_sink", "_started", "frames_pushed")
 
     def __init__(self, sink: _TurnSink, started: Started) -> None:
         self._sink = sink
         self._started = started
+        self._begun = False
         self.frames_pushed = 0
 
     @property
@@ -175,18 +181,30 @@ class FrameOutput:
         """The turn these frames answer."""
         return self._sink.turn
 
-    async def push(self, frame: Frame) -> None:
-        """Push one frame downstream (after `started()`, for the first one)."""
+    async def begin(self) -> None:
+        """The answer's first speech is on its way: await `started()` (once) and wait for
+        the bot to be heard. `push()` calls it for the first speech frame; call it
+        yourself when the speech comes from elsewhere (an LLM downstream)."""
+        if self._begun:
+            return
+        self._begun = True
+        await self._started()
+        self._sink.processor._expect_heard(self._sink.turn)
+
+    async def push(self, frame: Frame, *, speech: bool = True) -> None:
+        """Push one frame downstream. A speech frame (the default) calls `begin()` first;
+        pass `speech=False` for frames that are not heard (an `LLMContextFrame` for an
+        LLM service downstream, an `InterruptionFrame`)."""
         if not isinstance(frame, Frame):
             raise ContractTypeError(
                 f"FrameOutput.push() takes a pipecat Frame, got {type(frame).__name__}")
         if self._sink.closed:
             raise LifecycleError(f"turn {self._sink.turn.turn_id!r} has ended; its frames "
                                  "can no longer be pushed")
-        if self.frames_pushed == 0:
-            await self._started()
+        if speech:
+            await self.begin()
         self.frames_pushed += 1
-        await self._sink.processor._deliver(self._sink.turn, frame, answer=True)
+        await self._sink.processor.push_frame(frame, FrameDirection.DOWNSTREAM)
 
     async def say(self, text: str, *, append_to_context: bool = True) -> None:
         """Speak `text` (a `TTSSpeakFrame`)."""
@@ -240,27 +258,62 @@ class FrameAgent:
         return None
 
 
-class PipecatLLMDestination(FrameAgent):
-    """A destination answered by a Pipecat LLM service (`run_inference`, out of band).
+class _Response:
+    """One LLM response the destination waits for (in-pipeline mode)."""
 
-    The turn's history and query become an `LLMContext`; the reply is spoken as one
-    `TTSSpeakFrame`. The service need not sit in the pipeline.
+    def __init__(self, output: FrameOutput) -> None:
+        self.output = output
+        self.begun = False
+        self.texts: list[str] = []
+        self.error: str | None = None
+        self.done = asyncio.Event()
+
+
+class PipecatLLMDestination(FrameAgent):
+    """A destination answered by a Pipecat LLM service.
+
+    The turn's history and query become an `LLMContext` (after `system_instruction`).
+    - `in_pipeline=False` (default): `run_inference()` out of band (the service need not
+      be in the pipeline); the reply is spoken as one `TTSSpeakFrame`.
+    - `in_pipeline=True`: the service sits downstream of the `TurnRouterProcessor` (where
+      it was before turnrouter) and answers only the turns routed here: the destination
+      pushes the `LLMContextFrame` and follows the service's frames (its
+      `on_before_push_frame` event), so the reply streams to the TTS, `started()` is
+      awaited before the first token leaves the service (a pending acknowledgment is
+      spoken first) and the text of the full response is the result. One response at a
+      time (a second turn waits for the first); an error frame from the service raises `LLMError`, and so does no response
+      within `response_timeout_secs`. A cancelled answer pushes an `InterruptionFrame`
+      downstream so the service and TTS drop the rest of it.
     """
 
     def __init__(self, llm: PipecatLLMService, name: str, description: str, *,
                  system_instruction: str | None = None, max_tokens: int | None = None,
+                 in_pipeline: bool = False, response_timeout_secs: float = 60.0,
                  priority: int = 0) -> None:
-        if not callable(getattr(llm, "run_inference", None)):
+        if not isinstance(llm, PipecatLLMService):
             raise ContractTypeError(
                 f"PipecatLLMDestination needs a Pipecat LLMService, got {type(llm).__name__}")
+        if not isinstance(response_timeout_secs, int | float) or not (
+                0 < response_timeout_secs < float("inf")):
+            raise ConfigurationError(
+                "PipecatLLMDestination response_timeout_secs must be finite and positive")
         super().__init__(name, description, priority=priority)
         self.llm = llm
         self.system_instruction = system_instruction
         self.max_tokens = max_tokens
+        self.in_pipeline = bool(in_pipeline)
+        self.response_timeout_secs = float(response_timeout_secs)
+        self._lock = asyncio.Lock()
+        self._response: _Response | None = None
+        if self.in_pipeline:
+            llm.add_event_handler("on_before_push_frame", self._on_llm_frame)
 
-    def context_for(self, turn: AgentTurn) -> LLMContext:
-        """The LLM context of a turn: its history, then its query."""
+    def context_for(self, turn: AgentTurn, *, system: bool = False) -> LLMContext:
+        """The LLM context of a turn: its history, then its query (after the system
+        instruction when `system`)."""
         messages: list[Any] = []
+        if system and self.system_instruction:
+            messages.append({"role": "system", "content": self.system_instruction})
         for exchange in turn.history:
             messages.append({"role": "user", "content": exchange.user})
             messages.append({"role": "assistant", "content": exchange.assistant})
@@ -268,6 +321,8 @@ class PipecatLLMDestination(FrameAgent):
         return LLMContext(messages)
 
     async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+        if self.in_pipeline:
+            return await self._respond_in_pipeline(turn, output)
         reply = await self.llm.run_inference(
             self.context_for(turn), max_tokens=self.max_tokens,
             system_instruction=self.system_instruction)
@@ -275,6 +330,48 @@ class PipecatLLMDestination(FrameAgent):
         if text:
             await output.say(text)
         return text
+
+    async def _on_llm_frame(self, llm: Any, frame: Frame) -> None:
+        """Every frame the service pushes (Pipecat's on_before_push_frame event)."""
+        response = self._response
+        if response is None:
+            return
+        if isinstance(frame, LLMFullResponseStartFrame):
+            response.begun = True
+        elif not response.begun:
+            return
+        elif isinstance(frame, LLMTextFrame):
+            if not response.texts:
+                # In the service's task, before the first token leaves it: the first
+                # response is timed here and a pending acknowledgment goes out first.
+                await response.output.begin()
+            response.texts.append(frame.text)
+        elif isinstance(frame, ErrorFrame):
+            response.error = type(getattr(frame, "exception", None) or frame).__name__
+        elif isinstance(frame, LLMFullResponseEndFrame):
+            response.done.set()
+
+    async def _respond_in_pipeline(self, turn: AgentTurn, output: FrameOutput) -> str:
+        async with self._lock:
+            response = self._response = _Response(output)
+            try:
+                await output.push(LLMContextFrame(self.context_for(turn, system=True)),
+                                  speech=False)
+                async with asyncio.timeout(self.response_timeout_secs):
+                    await response.done.wait()
+            except TimeoutError as exc:
+                raise LLMError(f"Pipecat LLM service {self.llm.name} gave no complete "
+                               f"response within {self.response_timeout_secs:g} s") from exc
+            except asyncio.CancelledError:
+                if not response.done.is_set():
+                    with contextlib.suppress(LifecycleError):
+                        await output.push(InterruptionFrame(), speech=False)
+                raise
+            finally:
+                self._response = None
+        if response.error is not None:
+            raise LLMError(f"Pipecat LLM service {self.llm.name} failed: {response.error}")
+        return "".join(response.texts).strip()
 
 
 class TurnRouterProcessor(FrameProcessor):
@@ -422,14 +519,13 @@ class TurnRouterProcessor(FrameProcessor):
 
     async def _speak(self, turn: AgentTurn, route: str, text: str) -> None:
         """The router's control text for a turn: spoken downstream."""
-        await self._deliver(turn, TTSSpeakFrame(text), answer=False)
+        await self.push_frame(TTSSpeakFrame(text), FrameDirection.DOWNSTREAM)
 
-    async def _deliver(self, turn: AgentTurn, frame: Frame, *, answer: bool) -> None:
-        """Push a turn's frame downstream; the answer's frames (not control text such as
-        an acknowledgment) open the wait for the bot to be heard."""
-        if answer and self.report_heard:
+    def _expect_heard(self, turn: AgentTurn) -> None:
+        """The turn's answer (not control text such as an acknowledgment) is on its way:
+        the next BotStartedSpeakingFrame reports it heard."""
+        if self.report_heard:
             self._unheard[turn.participant_id] = turn.turn_id
-        await self.push_frame(frame, FrameDirection.DOWNSTREAM)
 
     def _heard(self) -> None:
         """The bot started speaking: the pending turns' answers are being heard."""
