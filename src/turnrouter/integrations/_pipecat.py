@@ -282,8 +282,9 @@ class PipecatLLMDestination(FrameAgent):
       awaited before the first token leaves the service (a pending acknowledgment is
       spoken first) and the text of the full response is the result. One response at a
       time (a second turn waits for the first); an error frame from the service raises
-      `LLMError`, and so does no response within `response_timeout_secs`. A cancelled answer pushes an `InterruptionFrame`
-      downstream so the service and TTS drop the rest of it.
+      `LLMError`, and so does no response within `response_timeout_secs`. A cancelled
+      answer pushes an `InterruptionFrame` downstream so the service and TTS drop the
+      rest of it.
     """
 
     def __init__(self, llm: PipecatLLMService, name: str, description: str, *,
