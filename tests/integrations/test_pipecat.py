@@ -26,10 +26,19 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
         TTSSpeakFrame,
     )
     from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.frames.frames import (
+        ProposedUserStartedSpeakingFrame,
+        ProposedUserStoppedSpeakingFrame,
+    )
     from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import (
+        LLMUserAggregator,
+        LLMUserAggregatorParams,
+    )
     from pipecat.processors.frame_processor import FrameDirection
     from pipecat.services.llm_service import LLMService
     from pipecat.tests.utils import run_test
+    from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
 
 from typing import Any
 
@@ -550,6 +559,53 @@ async def test_llm_error_frame_fails_the_turn() -> None:
         await pipe.end()
     assert spoken(pipe.seen) == ["Sorry, that failed."]
     assert [type(error) for _, error in turns.failed] == [LLMError]
+
+
+def user_aggregator(context: LLMContext) -> LLMUserAggregator:
+    """Pipecat's user context aggregator, driven by proposed user-speaking frames (what
+    an STT with its own turn detection sends); it broadcasts the interruptions."""
+    return LLMUserAggregator(context, params=LLMUserAggregatorParams(
+        user_turn_strategies=ExternalUserTurnStrategies()))
+
+
+def user_says(text: str) -> list[Frame]:
+    return [ProposedUserStartedSpeakingFrame(), said("alice", text),
+            ProposedUserStoppedSpeakingFrame()]
+
+
+async def test_behind_the_user_aggregator_the_llm_gets_the_app_context() -> None:
+    """Placed after Pipecat's user aggregator (the LLM after it, as in a stock app), a
+    turn routed to the LLM destination sends the app's own context (system prompt and
+    all) to the LLM service."""
+    llm = StreamingLLM("Rain later.")
+    processor, _, _ = in_pipeline(llm)
+    turns = Turns(processor)
+    context = LLMContext([{"role": "system", "content": "You are a weather bot."}])
+    async with Pipe(Pipeline([user_aggregator(context), processor, llm])) as pipe:
+        await pipe.send(*user_says("will it rain?"))
+        await turns.wait(1)
+        await pipe.end()
+    assert [m["content"] for m in llm.contexts[0]] == ["You are a weather bot.", "will it rain?"]
+    assert turns.routed[0][1].result.text == "Rain later."
+
+
+async def test_user_aggregator_barge_in_interrupts_the_answer() -> None:
+    """The user starting to speak again (the aggregator's interruption) interrupts the
+    turn being answered."""
+    gate = anyio.Event()
+    agent = Agent("weather", "Let me see.", gate=gate, second="Rain later.")
+    observer = RecordingObserver()
+    processor = TurnRouterProcessor(build([agent], "weather", telemetry=observer))
+    async with Pipe(Pipeline([user_aggregator(LLMContext()), processor])) as pipe:
+        await pipe.send(*user_says("will it rain?"))
+        assert (await pipe.next_down(TTSSpeakFrame)).text == "Let me see."
+        await pipe.send(ProposedUserStartedSpeakingFrame())
+        await pipe.next_down(InterruptionFrame)
+        assert agent.outcome == ["CancelledError"]
+        await pipe.end()
+    (turn_id,) = observer.turns
+    assert observer.outcome(turn_id) == "interrupted"
+    assert spoken(pipe.seen) == ["Let me see."]
 
 
 async def test_frame_output_outside_a_routed_turn_is_refused() -> None:

@@ -150,6 +150,7 @@ class _TurnSink:
 
     processor: TurnRouterProcessor
     turn: AgentTurn
+    context: LLMContext | None = None
     closed: bool = False
     outputs: list[FrameOutput] = field(default_factory=list)
 
@@ -180,6 +181,12 @@ class FrameOutput:
     def turn(self) -> AgentTurn:
         """The turn these frames answer."""
         return self._sink.turn
+
+    @property
+    def context(self) -> LLMContext | None:
+        """The Pipecat `LLMContext` the turn came in (the user context aggregator's:
+        system prompt, tools, conversation); None for a turn from a transcription."""
+        return self._sink.context
 
     async def begin(self) -> None:
         """The answer's first speech is on its way: await `started()` (once) and wait for
@@ -272,7 +279,9 @@ class _Response:
 class PipecatLLMDestination(FrameAgent):
     """A destination answered by a Pipecat LLM service.
 
-    The turn's history and query become an `LLMContext` (after `system_instruction`).
+    The turn's history and query become an `LLMContext` (after `system_instruction`);
+    in the pipeline, a turn that came from the user context aggregator keeps the app's own
+    context (its system prompt, tools and conversation) instead.
     - `in_pipeline=False` (default): `run_inference()` out of band (the service need not
       be in the pipeline); the reply is spoken as one `TTSSpeakFrame`.
     - `in_pipeline=True`: the service sits downstream of the `TurnRouterProcessor` (where
@@ -356,8 +365,8 @@ class PipecatLLMDestination(FrameAgent):
         async with self._lock:
             response = self._response = _Response(output)
             try:
-                await output.push(LLMContextFrame(self.context_for(turn, system=True)),
-                                  speech=False)
+                context = output.context or self.context_for(turn, system=True)
+                await output.push(LLMContextFrame(context), speech=False)
                 async with asyncio.timeout(self.response_timeout_secs):
                     await response.done.wait()
             except TimeoutError as exc:
@@ -475,7 +484,8 @@ class TurnRouterProcessor(FrameProcessor):
         if len(self._tasks) >= self.max_turns:
             self._reject("overflow")
             return
-        sink = _TurnSink(self, turn)
+        sink = _TurnSink(self, turn, frame.context if isinstance(frame, LLMContextFrame)
+                         else None)
         task = self.create_task(self._run(sink, self._pipecat_carrier()),
                                 name=f"turn-{turn.turn_id}")
         self._tasks[task] = sink
