@@ -20,16 +20,14 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
         LLMFullResponseEndFrame,
         LLMFullResponseStartFrame,
         LLMTextFrame,
+        ProposedUserStartedSpeakingFrame,
+        ProposedUserStoppedSpeakingFrame,
         TextFrame,
         TranscriptionFrame,
         TTSAudioRawFrame,
         TTSSpeakFrame,
     )
     from pipecat.pipeline.pipeline import Pipeline
-    from pipecat.frames.frames import (
-        ProposedUserStartedSpeakingFrame,
-        ProposedUserStoppedSpeakingFrame,
-    )
     from pipecat.processors.aggregators.llm_context import LLMContext
     from pipecat.processors.aggregators.llm_response_universal import (
         LLMUserAggregator,
