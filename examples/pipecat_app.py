@@ -2,10 +2,11 @@
 
     pip install -e '.[pipecat,demo]' && python examples/pipecat_app.py
 
-The pipeline is `fake STT -> TurnRouterProcessor -> fake TTS/output`, where a real app
-has `transport.input(), stt, ..., tts, transport.output()`. A scripted caller asks three
-questions: the weather agent answers at once, the research agent takes 1.5 s (so the
-router speaks an acknowledgment first), and small talk goes to a Pipecat LLM service.
+The pipeline is a stock Pipecat one with the processor added before the LLM:
+`fake STT -> user context aggregator -> TurnRouterProcessor -> LLM -> fake TTS/output`.
+A scripted caller asks three questions: the weather agent answers at once, the research
+agent takes 1.5 s (so the router speaks an acknowledgment first), and small talk goes to
+the (fake, streaming) Pipecat LLM service downstream.
 Telemetry is on: spans (nested under Pipecat's own turn spans) and Prometheus metrics are
 recorded in memory and summarised at the end. Exits 0 when every turn went where
 expected.
@@ -32,17 +33,26 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
         EndFrame,
         Frame,
         InputTextRawFrame,
+        LLMContextFrame,
+        LLMFullResponseEndFrame,
+        LLMFullResponseStartFrame,
+        LLMTextFrame,
+        ProposedUserStartedSpeakingFrame,
+        ProposedUserStoppedSpeakingFrame,
         TranscriptionFrame,
         TTSAudioRawFrame,
         TTSSpeakFrame,
-        UserStartedSpeakingFrame,
-        UserStoppedSpeakingFrame,
     )
     from pipecat.pipeline.pipeline import Pipeline
     from pipecat.pipeline.worker import PipelineWorker
     from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import (
+        LLMUserAggregator,
+        LLMUserAggregatorParams,
+    )
     from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
     from pipecat.services.llm_service import LLMService
+    from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
     from pipecat.workers.runner import WorkerRunner
     from prometheus_client import CollectorRegistry
 
@@ -66,42 +76,59 @@ CALLER = [
 # -- fake speech services -------------------------------------------------------------
 
 class FakeSTT(FrameProcessor):
-    """Typed text in, final transcriptions out, framed by the user-speaking frames a
-    real VAD and STT emit (Pipecat starts a new turn span on them)."""
+    """Typed text in, final transcriptions out, framed by the user-speaking frames an
+    STT with its own turn detection proposes (the user aggregator decides the turn)."""
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
         if isinstance(frame, InputTextRawFrame):
             print(f"caller: {frame.text}")
-            await self.push_frame(UserStartedSpeakingFrame())
-            await self.push_frame(UserStoppedSpeakingFrame())
+            await self.push_frame(ProposedUserStartedSpeakingFrame())
             await self.push_frame(TranscriptionFrame(
                 frame.text, "caller", datetime.now(UTC).isoformat()))
+            await self.push_frame(ProposedUserStoppedSpeakingFrame())
         else:
             await self.push_frame(frame, direction)
 
 
 class FakeTTSOutput(FrameProcessor):
     """Speech out: 150 ms to the first audio, then BotStarted/StoppedSpeaking broadcast
-    the way Pipecat's output transport does (turnrouter measures silence to it)."""
+    the way Pipecat's output transport does (turnrouter measures silence to it). Speaks
+    TTSSpeakFrames and streamed LLM responses."""
 
     def __init__(self) -> None:
         super().__init__()
         self.spoken: list[str] = []
         self.changed = asyncio.Event()
+        self._stream: list[str] | None = None
+
+    async def _start_speaking(self) -> None:
+        await asyncio.sleep(0.15)
+        await self.broadcast_frame(BotStartedSpeakingFrame)
+        await self.push_frame(TTSAudioRawFrame(b"\0\0" * 160, 16000, 1))
+
+    async def _stop_speaking(self, text: str) -> None:
+        print(f"  bot: {text}")
+        await self.broadcast_frame(BotStoppedSpeakingFrame)
+        self.spoken.append(text)
+        self.changed.set()
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
         if isinstance(frame, TTSSpeakFrame):
-            await asyncio.sleep(0.15)
-            await self.broadcast_frame(BotStartedSpeakingFrame)
-            print(f"  bot: {frame.text}")
-            await self.push_frame(TTSAudioRawFrame(b"\0\0" * 160, 16000, 1))
-            await self.broadcast_frame(BotStoppedSpeakingFrame)
-            self.spoken.append(frame.text)
-            self.changed.set()
-        else:
-            await self.push_frame(frame, direction)
+            await self._start_speaking()
+            await self._stop_speaking(frame.text)
+        elif isinstance(frame, LLMFullResponseStartFrame):
+            self._stream = []
+        elif isinstance(frame, LLMTextFrame) and self._stream is not None:
+            if not self._stream:
+                await self._start_speaking()
+            self._stream.append(frame.text)
+        elif isinstance(frame, LLMFullResponseEndFrame) and self._stream is not None:
+            text, self._stream = "".join(self._stream).strip(), None
+            if text:
+                await self._stop_speaking(text)
+        await self.push_frame(frame, direction)
 
 
 # -- destinations -----------------------------------------------------------------------
@@ -121,13 +148,19 @@ class Research(FrameAgent):
         return text
 
 
-class CannedLLM(LLMService):
-    """A Pipecat LLM service answering out of band without a network."""
+class CannedStreamingLLM(LLMService):
+    """A Pipecat LLM service streaming a canned reply, without a network."""
 
-    async def run_inference(self, context: LLMContext, max_tokens: int | None = None,
-                            system_instruction: str | None = None,
-                            response_schema: dict[str, Any] | None = None) -> str | None:
-        return "I'm doing well, thanks for asking!"
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if not isinstance(frame, LLMContextFrame):
+            await self.push_frame(frame, direction)
+            return
+        await self.push_frame(LLMFullResponseStartFrame())
+        for token in ("I'm doing well,", " thanks", " for asking!"):
+            await asyncio.sleep(0.05)
+            await self.push_frame(LLMTextFrame(token))
+        await self.push_frame(LLMFullResponseEndFrame())
 
 
 class CannedAcknowledgments:
@@ -153,13 +186,14 @@ async def main() -> int:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)  # the app's choice; Pipecat traces through it
     registry = CollectorRegistry()
+    llm = CannedStreamingLLM()
 
     router = AgentRouter(
         {
             "weather": Weather("weather", "weather forecasts, rain, temperature"),
             "research": Research("research", "research a topic, history, facts, reports"),
             "conversation": PipecatLLMDestination(
-                CannedLLM(), "conversation", "small talk, greetings, thanks"),
+                llm, "conversation", "small talk, greetings, thanks", in_pipeline=True),
         },
         LexicalDecisions({
             "weather": ["will it rain", "what is the temperature", "weather forecast"],
@@ -179,8 +213,12 @@ async def main() -> int:
     processor.add_event_handler("on_turn_routed", on_turn_routed)
 
     speech = FakeTTSOutput()
-    worker = PipelineWorker(Pipeline([FakeSTT(), processor, speech]),
-                            enable_tracing=True, cancel_on_idle_timeout=False)
+    context = LLMContext([{"role": "system", "content": "You are a friendly assistant."}])
+    user_aggregator = LLMUserAggregator(context, params=LLMUserAggregatorParams(
+        user_turn_strategies=ExternalUserTurnStrategies()))
+    worker = PipelineWorker(
+        Pipeline([FakeSTT(), user_aggregator, processor, llm, speech]),
+        enable_tracing=True, cancel_on_idle_timeout=False)
 
     async def answered(count: int) -> None:
         """Until `count` turns were routed and the last answer was spoken."""
