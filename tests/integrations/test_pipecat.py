@@ -63,6 +63,7 @@ from turnrouter.telemetry import Telemetry
 from turnrouter.testing import (
     ManualClock,
     RecordingObserver,
+    ScriptedAgent,
     ScriptedDecisions,
     ScriptedLLM,
     TelemetryCapture,
@@ -604,6 +605,63 @@ async def test_user_aggregator_barge_in_interrupts_the_answer() -> None:
     (turn_id,) = observer.turns
     assert observer.outcome(turn_id) == "interrupted"
     assert spoken(pipe.seen) == ["Let me see."]
+
+
+async def test_shared_router_is_not_stopped_by_one_pipeline() -> None:
+    """owns_router=False: EndFrame waits for this pipeline's turns but leaves the shared
+    router running; CancelFrame interrupts this pipeline's turns only."""
+    clock = ManualClock()
+    slow = Agent("research", "Done.", clock=clock, delay=1.0)
+    router = build([slow], "research", clock=clock)
+    ending = TurnRouterProcessor(router, owns_router=False)
+    async with Pipe(ending) as pipe:
+        await pipe.send(said("alice", "research this"))
+        with anyio.fail_after(10):
+            await clock.wait_for_sleepers(1)
+        await pipe.worker.queue_frame(EndFrame())
+        await ManualClock.settle()
+        clock.advance(1.0)
+        await pipe.end_wait()
+    assert slow.outcome == ["done"] and slow.released == []
+    never = anyio.Event()
+    gated = Agent("weather", "Sunny.", before_first=never)
+    shared = AgentRouter({"weather": gated, "conversation": ScriptedAgent("conversation")},
+                         ScriptedDecisions("weather", "conversation"),
+                         telemetry=Telemetry.disabled())
+    cancelled = TurnRouterProcessor(shared, owns_router=False)
+    async with Pipe(cancelled) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        with anyio.fail_after(10):
+            await gated.entered.wait()
+        await pipe.worker.queue_frame(CancelFrame())
+        await pipe.end_wait()
+    assert gated.outcome == ["CancelledError"]
+    routed = await shared.route_turn(AgentTurn("bob", "b1", "hello"), output=_silent)
+    assert routed.route == "conversation"  # still running: not stopped by the pipeline
+
+
+async def _silent(turn: AgentTurn, route: str, text: str) -> None:
+    return None
+
+
+async def test_destination_pushing_junk_fails_its_turn() -> None:
+    """A destination pushing something that is not a Pipecat frame gets ContractTypeError
+    naming the problem; its turn fails with the failure text spoken."""
+    from turnrouter import ContractTypeError
+    from turnrouter.integrations.pipecat import FrameAgent, FrameOutput
+
+    class Junk(FrameAgent):
+        async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+            await output.push("not a frame")  # type: ignore[arg-type]
+            return ""
+
+    processor = TurnRouterProcessor(build(
+        [Junk("weather", "forecasts")], "weather", failure_text="Sorry."))  # type: ignore[list-item]
+    turns = Turns(processor)
+    down, _ = await run_test(processor, frames_to_send=[said("alice", "rain?")])
+    assert spoken(list(down)) == ["Sorry."]
+    (_, error), = turns.failed
+    assert isinstance(error, ContractTypeError) and "pipecat Frame" in str(error)
 
 
 async def test_frame_output_outside_a_routed_turn_is_refused() -> None:
