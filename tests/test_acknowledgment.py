@@ -17,6 +17,7 @@ from turnrouter import (
     AgentRouter,
     AgentTurn,
     DestinationResult,
+    JsonLinesSink,
     RouteDecision,
     RouteRequest,
     RouterObserver,
@@ -25,8 +26,8 @@ from turnrouter import (
     TimingSample,
     TurnInterrupted,
     TurnObserver,
+    load_samples,
 )
-from turnrouter._timing import JsonLinesSink, load_samples
 from turnrouter.events import (
     AcknowledgmentFinished,
     EstimateChanged,

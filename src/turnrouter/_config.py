@@ -17,6 +17,7 @@ from ._acknowledgment import AcknowledgmentPolicy, TimingEngine
 from ._clock import Clock, SystemClock
 from ._contracts import CLARIFY, AgentTurn, DecisionService, RoutableAgent
 from ._exceptions import ConfigurationError, ContractTypeError
+from ._limits import Overflows
 from ._llm import LLMService
 from ._observer import Configured, RouterObserver
 from ._timing import RouteTimingPredictor, TimingPredictor, TimingSink
@@ -44,6 +45,8 @@ DEFAULT_CONTEXT_BUDGET_BYTES = 8192
 DEFAULT_MAX_PENDING_PATCHES = 8
 #: Route name passed to `output` for the router's questions about human-gated patches.
 PATCH_ROUTE = "background"
+#: Said to a participant whose oldest waiting turn was dropped (`max_waiting_turns`).
+DROPPED_TURN_TEXT = "Sorry, I missed part of what you said. Could you repeat it?"
 #: Route name passed to `output` for the router's own clarification questions.
 CLARIFY_ROUTE = CLARIFY
 DEFAULT_CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it another way?"
@@ -112,8 +115,10 @@ class RouterConfig:
 
     __slots__ = (
         "admission_timeout", "agents", "budget", "clarification_text", "cleanup", "clock",
-        "decisions", "default", "failure_text", "initialize", "max_pending", "observer",
-        "output", "routes", "runtime_topics", "set_status", "timed", "timing_sink",
+        "decisions", "default", "failure_text", "initialize", "max_departed_participants",
+        "max_history_exchanges", "max_patch_bytes", "max_pending", "max_waiting_turns",
+        "observer", "output", "overflows", "release_timeout", "routes", "runtime_topics",
+        "set_status", "timed", "timing_sink",
     )
 
     def __init__(
@@ -139,6 +144,7 @@ class RouterConfig:
         timing_sink: TimingSink | None,
         clock: Clock | None,
         max_pending_patches: int,
+        limits: Mapping[str, float | int],
     ) -> None:
         agents = _agents(destinations)
         if not callable(getattr(decisions, "decide", None)):
@@ -155,6 +161,8 @@ class RouterConfig:
             )
         _check_positive("context_budget_bytes", context_budget_bytes, integer=True)
         _check_positive("max_pending_patches", max_pending_patches, integer=True)
+        for limit, bound in limits.items():
+            _check_positive(limit, bound, integer=limit != "release_timeout_secs")
         if (acknowledgment_llm is None) != (acknowledgment_delay_secs is None):
             raise ConfigurationError(
                 "AgentRouter acknowledgment_llm and acknowledgment_delay_secs must be "
@@ -217,6 +225,12 @@ class RouterConfig:
         self.clarification_text = clarification_text
         self.failure_text = failure_text
         self.max_pending = max_pending_patches
+        self.max_history_exchanges = int(limits["max_history_exchanges"])
+        self.max_waiting_turns = int(limits["max_waiting_turns"])
+        self.max_departed_participants = int(limits["max_departed_participants"])
+        self.max_patch_bytes = int(limits["max_patch_bytes"])
+        self.release_timeout = float(limits["release_timeout_secs"])
+        self.overflows = Overflows(telemetry)
         self.timing_sink = timing_sink
         self.clock: Callable[[], float] = time.perf_counter if clock is None else clock.now
         self.timed: TimingEngine | None = None

@@ -11,10 +11,12 @@ import contextlib
 import logging
 
 from ._config import RouterConfig
+from ._frontend import ParticipantSnapshot
 from ._lifecycle import OwnedOperation
 from ._observer import Failure, ReleaseFinished, ReleaseReason, ReleaseStarted
-from ._participants import Participant, Phase, Registry, RouterPhase
+from ._participants import Participant, Phase, Registry, RouterPhase, snapshot_of
 from ._patch_desk import PatchDesk
+from ._turn import bounded_release
 
 __all__ = ["Departures"]
 
@@ -32,7 +34,7 @@ class Departures:
     def close(self, pid: str) -> None:
         """With a participant-joined topic, a departure closes admission until it fires."""
         if self._cfg.joined_topic:
-            self._registry.departed.add(pid)
+            self._registry.close_departed(pid)
 
     def start(self, pid: str) -> OwnedOperation | None:
         """Close admission at once and start (or return) the participant's departure.
@@ -63,9 +65,31 @@ class Departures:
 
     async def stop(self) -> None:
         registry = self._registry
-        if registry.stopping is None or registry.stopping.done:
-            registry.stopping = OwnedOperation(self._shutdown())
-        await registry.stopping.join()
+        operation = registry.stopping
+        if operation is None or operation.done:
+            operation = registry.stopping = OwnedOperation(self._shutdown())
+        await operation.join()
+
+    async def hand_over(self, pid: str) -> ParticipantSnapshot | None:
+        """Drain the participant's turns, snapshot and drop it without any release."""
+        registry = self._registry
+        state = registry.get(pid)
+        if state is not None and state.departure is not None and not state.departure.done:
+            with contextlib.suppress(Exception):  # reported to the departure's joiners
+                await state.departure.join()
+            state = registry.get(pid)
+        if state is None:
+            return registry.export(pid)
+        while state.queue.runs():
+            await self.drain(state, "handed over to another replica")
+        if state.unheard is not None:
+            state.unheard.resolve_heard(None)
+        snapshot = snapshot_of(state, pid in registry.departed)
+        if registry.get(pid) is state:
+            self._patches.drop(state, outcome=None)
+            registry.forget(state)
+            registry.departed.pop(pid, None)
+        return snapshot
 
     async def drain(self, state: Participant, reason: str) -> None:
         """Cancel the participant's running and waiting turns; wait until they ended."""
@@ -92,10 +116,7 @@ class Departures:
             token = observer.release_started(ReleaseStarted(route, reason))
             try:
                 hook = getattr(agent, "participant_left", None)
-                if callable(hook):
-                    await hook(pid)
-                else:
-                    await agent.release(pid)
+                await bounded_release(cfg, hook if callable(hook) else agent.release, pid)
             except Exception as exc:
                 observer.release_finished(token, ReleaseFinished(route, reason, exc))
                 errors.append(exc)
@@ -128,6 +149,12 @@ class Departures:
         self._registry.forget(state)
 
     async def _shutdown(self) -> None:
+        try:
+            await self._shut_down()
+        finally:
+            self._registry.stopping = None  # joiners keep their own handle
+
+    async def _shut_down(self) -> None:
         registry = self._registry
         for state in list(registry.participants.values()):
             self._patches.drop(state)

@@ -11,10 +11,16 @@ from ._exceptions import ContractValueError, LifecycleError
 from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch
 from ._history import History
 from ._lifecycle import OwnedOperation, TurnQueue
-from ._observer import ParticipantChanged, RouterObserver
-from ._patches import AppliedContextPatch, PatchExchangeId, PendingContextPatch
+from ._observer import ParticipantChanged
+from ._patches import (
+    AppliedContextPatch,
+    PatchExchangeId,
+    PendingContextPatch,
+    patch_payload_bytes,
+)
 
 if TYPE_CHECKING:
+    from ._config import RouterConfig
     from ._turn import Answer, Turn
 
 __all__ = ["Participant", "Phase", "Registry", "RouterPhase", "restore", "snapshot_of"]
@@ -34,10 +40,10 @@ class Participant:
         "pending", "phase", "pid", "queue", "unheard", "unreleased", "used",
     )
 
-    def __init__(self, pid: str) -> None:
+    def __init__(self, pid: str, history: History) -> None:
         self.pid = pid
         self.focus: str | None = None
-        self.history = History()
+        self.history = history
         self.used: set[str] = set()
         self.initialized = False
         self.queue = TurnQueue()
@@ -66,19 +72,39 @@ class Registry:
     takes no turn and no context patch right now.
     """
 
-    __slots__ = ("_observer", "departed", "participants", "phase", "stopping")
+    __slots__ = ("_cfg", "_observer", "departed", "participants", "phase", "stopping")
 
-    def __init__(self, observer: RouterObserver) -> None:
-        self._observer = observer
+    def __init__(self, cfg: RouterConfig) -> None:
+        self._cfg = cfg
+        self._observer = cfg.observer
         self.participants: dict[str, Participant] = {}
         #: With a participant-joined topic, departed participants stay closed until they
-        #: rejoin.
-        self.departed: set[str] = set()
+        #: rejoin; oldest first (a dict keeps insertion order), at most
+        #: `max_departed_participants` of them.
+        self.departed: dict[str, None] = {}
         self.stopping: OwnedOperation | None = None
         self.phase = RouterPhase.RUNNING
 
     def get(self, pid: str) -> Participant | None:
         return self.participants.get(pid)
+
+    def new_history(self) -> History:
+        cfg = self._cfg
+        return History(cfg.budget, cfg.max_history_exchanges)
+
+    def close_departed(self, pid: str) -> None:
+        """Keep `pid` closed until it rejoins; forget the oldest beyond the bound."""
+        departed = self.departed
+        departed.pop(pid, None)
+        departed[pid] = None
+        limit = self._cfg.max_departed_participants
+        if len(departed) > limit:
+            oldest = next(iter(departed))
+            del departed[oldest]
+            self._cfg.overflows.report(
+                "departed_participants",
+                f"more than {limit} departed participants: the oldest may take turns again "
+                "without rejoining")
 
     def router_refusal(self) -> str:
         """Why the router takes nothing now ("" when it is open)."""
@@ -100,6 +126,12 @@ class Registry:
             return f"the participant's departure {state.phase.value}"
         return ""
 
+    def takes_turns(self, state: Participant) -> bool:
+        """Whether a participant the router holds takes a turn now (the common case,
+        checked without building a refusal)."""
+        return (state.phase is Phase.OPEN and self.stopping is None
+                and self.phase is RouterPhase.RUNNING and state.pid not in self.departed)
+
     def admit(self, pid: str) -> Participant:
         """The participant's state for a new turn (created if new), or `LifecycleError`."""
         refusal = self.refusal(pid)
@@ -113,12 +145,12 @@ class Registry:
         state = self.participants.get(pid)
         if state is not None:
             return state
-        state = self.participants[pid] = Participant(pid)
+        state = self.participants[pid] = Participant(pid, self.new_history())
         self._observer.participant_added(ParticipantChanged(pid))
         return state
 
     def install(
-        self, snapshot: ParticipantSnapshot, routes: Collection[str], budget: int
+        self, snapshot: ParticipantSnapshot, routes: Collection[str]
     ) -> Participant | None:
         """Install a participant from a snapshot; return the state it replaced."""
         pid = snapshot.participant_id
@@ -138,12 +170,20 @@ class Registry:
                 "import_participant() refused")
         if current is None:
             self._observer.participant_added(ParticipantChanged(pid))
-        self.participants[pid] = restore(snapshot, budget)
+        self.participants[pid] = restore(snapshot, self.new_history())
         if snapshot.departed:
-            self.departed.add(pid)
+            self.close_departed(pid)
         else:
-            self.departed.discard(pid)
+            self.departed.pop(pid, None)
         return current
+
+    def export(self, pid: str) -> ParticipantSnapshot | None:
+        """The participant's movable state (None when nothing is held for it)."""
+        departed = pid in self.departed
+        state = self.participants.get(pid)
+        if state is None:
+            return ParticipantSnapshot(participant_id=pid, departed=True) if departed else None
+        return snapshot_of(state, departed)
 
     def forget(self, state: Participant) -> None:
         if self.participants.get(state.pid) is state:
@@ -177,17 +217,17 @@ def snapshot_of(state: Participant, departed: bool) -> ParticipantSnapshot:
     )
 
 
-def restore(snapshot: ParticipantSnapshot, budget: int) -> Participant:
-    """Participant state rebuilt from a snapshot, its history trimmed to `budget`."""
-    state = Participant(snapshot.participant_id)
+def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
+    """Participant state rebuilt from a snapshot into an empty `history` (its bounds
+    apply)."""
+    state = Participant(snapshot.participant_id, history)
     state.focus = snapshot.focus
     state.used = set(snapshot.used)
     state.initialized = snapshot.initialized
-    history = state.history
     for item in snapshot.history:
         exchange = AgentExchange(item.user, item.assistant)
         if item.patch is None:
-            history.append(exchange, item.turn_id, item.stamp_us, budget)
+            history.append(exchange, item.turn_id, item.stamp_us)
             continue
         patch = item.patch
         applied = AppliedContextPatch(
@@ -195,8 +235,8 @@ def restore(snapshot: ParticipantSnapshot, budget: int) -> Participant:
             task_id=patch.task_id, strategy=patch.strategy, diverged=patch.diverged,
             patch=patch.patch, exchange_id=f"patch:{patch.task_id}",
         )
-        history.add_background(exchange, PatchExchangeId(applied), item.stamp_us, budget,
-                               replace=False)
+        history.add_background(exchange, PatchExchangeId(applied), item.stamp_us,
+                               patch_payload_bytes(patch.patch), replace=False)
     history.version = snapshot.history_version
     history.prev_exchanges, history.prev_view = history.exchanges, history.view()
     if snapshot.pending:

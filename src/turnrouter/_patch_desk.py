@@ -19,6 +19,7 @@ from ._logging import log_failure
 from ._observer import ContextPatchEvent, PatchOutcome
 from ._participants import Participant, Registry
 from ._patches import (
+    EMPTY_CONTEXT_HASH,
     AppliedContextPatch,
     ContextPatch,
     ContextState,
@@ -28,6 +29,8 @@ from ._patches import (
     PendingPatchLimitError,
     UnknownPatchError,
     context_hash,
+    patch_payload_bytes,
+    patch_size_bytes,
     patch_user_text,
 )
 
@@ -51,7 +54,7 @@ class PatchDesk:
     def context_state(self, pid: str) -> ContextState:
         state = self._registry.get(pid)
         if state is None:
-            return ContextState(0, History().context_hash())
+            return ContextState(0, EMPTY_CONTEXT_HASH)
         history = state.history
         return ContextState(history.version, history.context_hash())
 
@@ -74,6 +77,13 @@ class PatchDesk:
         if not isinstance(patch, ContextPatch):
             raise ContractTypeError(
                 f"apply_context_patch() takes a ContextPatch, got {type(patch).__name__}")
+        size, limit = patch_size_bytes(patch), self._cfg.max_patch_bytes
+        if size > limit:
+            self._cfg.overflows.report("patch_bytes", f"context patch {patch.task_id!r} of "
+                                       f"{size} bytes refused")
+            raise ContractValueError(
+                f"context patch {patch.task_id!r} is {size} bytes serialized, over "
+                f"max_patch_bytes ({limit}); keep large payloads elsewhere and reference them")
         try:
             strategy = MergeStrategy(strategy)
         except ValueError:
@@ -182,12 +192,16 @@ class PatchDesk:
             exchange_id=f"patch:{patch.task_id}",
         )
         stamp = int(patch.completed_at.timestamp() * 1_000_000)
-        state.history.add_background(
+        dropped = state.history.add_background(
             _exchange(patch_user_text(patch.task_id, patch.context_diverged),
                       "\n".join(patch.digest)),
-            PatchExchangeId(applied), max(stamp, 0), self._cfg.budget,
+            PatchExchangeId(applied), max(stamp, 0), patch_payload_bytes(patch),
             replace=strategy is MergeStrategy.REPLACE,
         )
+        if dropped:
+            self._cfg.overflows.report(
+                "history_exchanges", f"{state.pid!r} holds max_history_exchanges exchanges: "
+                "the oldest was dropped")
         self._cfg.observer.context_patch(ContextPatchEvent(
             state.pid, patch_id, patch.task_id, strategy.value, outcome,
             patch.context_diverged))

@@ -40,10 +40,17 @@ from ._contracts import (
 from ._departures import Departures
 from ._exceptions import ConfigurationError, ContractTypeError, ContractValueError, LifecycleError
 from ._frontend import Departure, ParticipantSnapshot, RoutedResult
+from ._limits import (
+    DEFAULT_MAX_DEPARTED_PARTICIPANTS,
+    DEFAULT_MAX_HISTORY_EXCHANGES,
+    DEFAULT_MAX_PATCH_BYTES,
+    DEFAULT_MAX_WAITING_TURNS,
+    DEFAULT_RELEASE_TIMEOUT_SECS,
+)
 from ._llm import LLMService
 from ._logging import log_failure
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
-from ._participants import Participant, Registry, snapshot_of
+from ._participants import Participant, Registry
 from ._patch_desk import PatchDesk
 from ._patches import (
     AppliedContextPatch,
@@ -109,6 +116,11 @@ class AgentRouter:
         timing_sink: TimingSink | None = None,
         clock: Clock | None = None,
         max_pending_patches: int = DEFAULT_MAX_PENDING_PATCHES,
+        max_history_exchanges: int = DEFAULT_MAX_HISTORY_EXCHANGES,
+        max_waiting_turns: int = DEFAULT_MAX_WAITING_TURNS,
+        max_departed_participants: int = DEFAULT_MAX_DEPARTED_PARTICIPANTS,
+        max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
+        release_timeout_secs: float = DEFAULT_RELEASE_TIMEOUT_SECS,
     ) -> None:
         cfg = self._cfg = RouterConfig(
             destinations, decisions, output=output, default_destination=default_destination,
@@ -126,8 +138,15 @@ class AgentRouter:
             clarification_text=clarification_text, failure_text=failure_text,
             acknowledgment_policy=acknowledgment_policy, timing_predictor=timing_predictor,
             timing_sink=timing_sink, clock=clock, max_pending_patches=max_pending_patches,
+            limits={
+                "max_history_exchanges": max_history_exchanges,
+                "max_waiting_turns": max_waiting_turns,
+                "max_departed_participants": max_departed_participants,
+                "max_patch_bytes": max_patch_bytes,
+                "release_timeout_secs": release_timeout_secs,
+            },
         )
-        self._registry = Registry(cfg.observer)
+        self._registry = Registry(cfg)
         self._patches = PatchDesk(cfg, self._registry)
         self._departures = Departures(cfg, self._registry, self._patches)
 
@@ -345,7 +364,7 @@ class AgentRouter:
     def readmit(self, participant_id: str) -> None:
         """A participant joined (again): reopen admission after a departure."""
         _check_pid(participant_id)
-        self._registry.departed.discard(participant_id)
+        self._registry.departed.pop(participant_id, None)
 
     async def drain(self) -> None:
         """Wait, cancelling nothing, until no turn is running or queued.
@@ -405,13 +424,7 @@ class AgentRouter:
     def export_participant(self, participant_id: str) -> ParticipantSnapshot | None:
         """The participant's movable state, or None when the router holds none."""
         _check_pid(participant_id)
-        registry = self._registry
-        departed = participant_id in registry.departed
-        state = registry.get(participant_id)
-        if state is None:
-            return ParticipantSnapshot(participant_id=participant_id, departed=True) if (
-                departed) else None
-        return snapshot_of(state, departed)
+        return self._registry.export(participant_id)
 
     def import_participant(self, snapshot: ParticipantSnapshot) -> None:
         """Install a participant's state taken from another replica.
@@ -424,7 +437,7 @@ class AgentRouter:
             raise ContractTypeError(
                 f"import_participant() takes a ParticipantSnapshot, "
                 f"got {type(snapshot).__name__}")
-        replaced = self._registry.install(snapshot, self._cfg.agents, self._cfg.budget)
+        replaced = self._registry.install(snapshot, self._cfg.agents)
         if replaced is not None:
             self._patches.drop(replaced, outcome=None)
         state = self._registry.get(snapshot.participant_id)
@@ -439,36 +452,25 @@ class AgentRouter:
         snapshot, None when the router held nothing.
         """
         _check_pid(participant_id)
-        registry = self._registry
-        state = registry.get(participant_id)
-        if state is not None and state.departure is not None and not state.departure.done:
-            with contextlib.suppress(Exception):
-                await state.departure.join()
-            state = registry.get(participant_id)
-        if state is None:
-            return self.export_participant(participant_id)
-        while state.queue.runs():
-            await self._departures.drain(state, "handed over to another replica")
-        if state.unheard is not None:
-            state.unheard.resolve_heard(None)
-        snapshot = snapshot_of(state, participant_id in registry.departed)
-        if registry.get(participant_id) is state:
-            self._patches.drop(state, outcome=None)
-            registry.forget(state)
-            registry.departed.discard(participant_id)
-        return snapshot
+        return await self._departures.hand_over(participant_id)
 
     # ------------------------------------------------------------------ internals
 
     def _turn(self, turn: AgentTurn, emit: OutputCallback, report_heard: bool) -> Turn:
         """A new turn of an open participant; a refusal is reported, then raised."""
+        registry = self._registry
+        state = registry.participants.get(turn.participant_id)
+        if state is None or not registry.takes_turns(state):
+            state = self._admit(turn)
+        return Turn(self._cfg, state, turn, emit, report_heard)
+
+    def _admit(self, turn: AgentTurn) -> Participant:
         try:
-            state = self._registry.admit(turn.participant_id)
+            return self._registry.admit(turn.participant_id)
         except LifecycleError as exc:
             self._cfg.observer.turn_started(TurnStarted(turn, None)).finished(
                 TurnFinished("refused", None, None, None, 0, exc))
             raise
-        return Turn(self._cfg, state, turn, emit, report_heard)
 
 
 def _check_pid(participant_id: object) -> None:

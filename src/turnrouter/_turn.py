@@ -5,7 +5,7 @@ state, the output callback, the observer, the cancel handle, what happened so fa
 the steps below take at most a route and an admission. The turn runs in the caller's
 task (no task per turn: an interrupt cancels that task and takes the cancellation back,
 as `asyncio.timeout` does). The acknowledgment runs beside the answer as a sidecar;
-the turn alone measures silence (`Silence`).
+its `Answer` alone measures silence.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import anyio
 
-from ._config import CLARIFY_ROUTE, OutputCallback, RouterConfig
+from ._config import CLARIFY_ROUTE, DROPPED_TURN_TEXT, OutputCallback, RouterConfig
 from ._context import _current
 from ._contracts import (
     Admission,
@@ -32,7 +32,7 @@ from ._contracts import (
     _turn_with_history,
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
-from ._lifecycle import TurnRun
+from ._lifecycle import DROPPED, TurnRun
 from ._logging import log_failure
 from ._observer import (
     NULL_TURN_OBSERVER,
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from ._acknowledgment import AcknowledgmentSidecar
     from ._participants import Participant
 
-__all__ = ["Answer", "Silence", "Turn"]
+__all__ = ["Answer", "Turn", "bounded_release"]
 
 logger = logging.getLogger("turnrouter")
 
@@ -78,46 +78,23 @@ def _is_cancel(exc: BaseException) -> bool:
     return isinstance(exc, _cancelled_exc())
 
 
-class Silence:
-    """The one measurement of the silence a participant heard after admission.
+class Turn(TurnRun):
+    """One routed turn of one participant; see the module docstring.
 
-    Whatever is heard first (the admission preamble, a delivered acknowledgment, the
-    answer's start or the audio a front end reports) ends it; later reports do nothing.
+    A turn is its own place in the participant's queue (a `TurnRun`): one object per
+    turn, not two.
     """
-
-    __slots__ = ("_obs", "_route", "_since", "done")
-
-    def __init__(self, obs: TurnObserver, route: str, since: float) -> None:
-        self._obs, self._route, self._since = obs, route, since
-        self.done = False
-
-    def hear(self, at: float) -> None:
-        seconds = self.take(at)
-        if seconds is not None:
-            self._obs.silence(_new(SilenceMeasured, (self._route, seconds)))
-
-    def take(self, at: float) -> float | None:
-        """End the silence at `at` without reporting it; None if it had ended already."""
-        if self.done:
-            return None
-        self.done = True
-        return at - self._since
-
-
-class Turn:
-    """One routed turn of one participant; see the module docstring."""
 
     __slots__ = (
         "answer", "answered_by", "attempts", "cfg", "emit", "focus_before", "obs",
-        "observing", "output_failed", "report_heard", "route", "run", "started", "state",
-        "turn",
+        "observing", "output_failed", "report_heard", "route", "started", "state", "turn",
     )
 
     def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
                  emit: OutputCallback, report_heard: bool) -> None:
+        super().__init__(turn.turn_id)
         self.cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
         self.report_heard = report_heard
-        self.run = TurnRun(turn.turn_id)
         self.focus_before: str | None = None
         #: The route that answered (for telemetry), and the one that ended the turn.
         self.route: str | None = None
@@ -134,16 +111,18 @@ class Turn:
 
     async def execute(self) -> DestinationResult:
         """Wait for the participant's earlier turns, run this one, report its outcome."""
-        state, turn, run = self.state, self.turn, self.run
+        state, turn, run = self.state, self.turn, self
         queue = state.queue
         running = queue.running
         if running is not None:  # the participant spoke again: the running turn is stale
             running.cancel("superseded by a newer turn")
         observer = self.cfg.observer
-        if not await queue.enter(run):
+        if not await queue.enter(run, self.cfg.max_waiting_turns):
             if self.observing:
                 observer.turn_started(_new(TurnStarted, (turn, state.focus))).finished(
                     TurnFinished("interrupted", None, state.focus, state.focus, 0, None))
+            if run.reason == DROPPED:
+                await self._dropped()
             raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
         if state.unheard is not None:  # the previous answer was never reported heard
             state.unheard.resolve_heard(None)
@@ -153,7 +132,8 @@ class Turn:
         task = asyncio.current_task()
         assert task is not None, "turnrouter runs on asyncio"
         run.attach(task)
-        state.current = self
+        if self.report_heard:  # mark_heard() may look for this turn's answer
+            state.current = self
         try:
             result = await self._prepare_and_route()
         except BaseException as exc:
@@ -175,6 +155,18 @@ class Turn:
         self._finish(result.disposition, None)
         return result
 
+    async def _dropped(self) -> None:
+        """Count a turn dropped from a full queue and tell the participant."""
+        turn = self.turn
+        self.cfg.overflows.report(
+            "waiting_turns", f"turn {turn.turn_id!r} of {turn.participant_id!r} dropped: "
+            f"more than max_waiting_turns ({self.cfg.max_waiting_turns}) waiting")
+        try:
+            await self.emit(turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
+        except Exception as exc:
+            log_failure("telling %r that turn %s was dropped", exc, turn.participant_id,
+                        turn.turn_id)
+
     def _finish(self, outcome: TurnOutcome, error: BaseException | None) -> None:
         if self.observing:
             self.obs.finished(_new(TurnFinished, (
@@ -195,7 +187,10 @@ class Turn:
             state.initialized = True
         history = state.history
         if not history.exchanges and turn.history:
-            history.seed(turn.history, cfg.budget)
+            dropped = history.seed(turn.history)
+            if dropped:
+                cfg.overflows.report("seeded_history", f"{dropped} caller-supplied exchanges "
+                                     f"beyond max_history_exchanges of {turn.participant_id!r}")
         if turn.history is not history.exchanges:
             self.turn = turn = _turn_with_history(turn, history.exchanges)
         token = _current.set((turn.turn_id, history.view()))
@@ -226,11 +221,20 @@ class Turn:
                     return result
 
         # 2. At most two routed choices, each excluding every route that declined.
-        aids = {name: _named(agent.routing_aid(pid), name) for name, agent in agents.items()}
-        for _ in range(2):
-            candidates = tuple(
-                aid for name, aid in aids.items() if aid.eligible and name not in excluded
-            )
+        aids: dict[str, RoutingAid] = {}
+        eligible: list[RoutingAid] = []
+        for name, agent in agents.items():
+            aid = agent.routing_aid(pid)
+            if aid.name != name:
+                aid = _named(aid, name)
+            aids[name] = aid
+            if aid.eligible and name not in excluded:
+                eligible.append(aid)
+        candidates = tuple(eligible)
+        for attempt in range(2):
+            if attempt:
+                candidates = tuple(aid for name, aid in aids.items()
+                                   if aid.eligible and name not in excluded)
             if not candidates:
                 break
             self.attempts += 1
@@ -352,18 +356,24 @@ class Turn:
         self.answer = answer = Answer(self, route)
         result = await answer.run(admission)
         # The answer is complete: its bookkeeping must not be torn by an interrupt.
-        self.run.protected = True
-        await self._complete(route, result)
+        self.protected = True
+        released = self._complete(route, result)
+        if released is not None:
+            await self._release(*released)
         return result
 
-    async def _complete(self, route: str, result: DestinationResult) -> None:
-        """History and focus after a complete answer."""
+    def _complete(
+        self, route: str, result: DestinationResult
+    ) -> tuple[str, ReleaseReason] | None:
+        """History and focus after a complete answer; the release it calls for, if any."""
         state, obs = self.state, self.obs
         turn = self.turn
-        state.history.append(
-            _exchange(turn.query, result.text), turn.turn_id, turn.timestamp_us,
-            self.cfg.budget,
-        )
+        dropped = state.history.append(
+            _exchange(turn.query, result.text), turn.turn_id, turn.timestamp_us)
+        if dropped:
+            self.cfg.overflows.report(
+                "history_exchanges", f"{turn.participant_id!r} holds max_history_exchanges "
+                "exchanges: the oldest was dropped")
         owner = state.focus
         if result.disposition == "focus":
             if owner != route:
@@ -371,11 +381,12 @@ class Turn:
                 obs.focus_transition(FocusChanged(route, "taken"))
                 if owner is not None:
                     obs.focus_transition(FocusChanged(owner, "lost"))
-                    await self._release(owner, "focus_taken")
+                    return owner, "focus_taken"
         elif result.disposition == "release" and owner == route:
             state.focus = None
             obs.focus_transition(FocusChanged(route, "released"))
-            await self._release(route, "post_answer")
+            return route, "post_answer"
+        return None
 
     # ------------------------------------------------------------------ speaking, releasing
 
@@ -403,14 +414,14 @@ class Turn:
         An interrupt that arrives meanwhile takes effect once the release is done, unless
         the answer already completed (then there is nothing left to cancel).
         """
-        run, obs = self.run, self.obs
+        run, obs = self, self.obs
         was_protected = run.protected
         run.protected = True
         token = obs.release_started(ReleaseStarted(route, reason))
         pid = self.turn.participant_id
         try:
             with anyio.CancelScope(shield=True):
-                await self.cfg.agents[route].release(pid)
+                await bounded_release(self.cfg, self.cfg.agents[route].release, pid)
         except Exception as exc:
             obs.release_finished(token, ReleaseFinished(route, reason, exc))
             log_failure("%s.release(%r) (%s)", exc, route, pid, reason)
@@ -425,47 +436,54 @@ class Turn:
 class Answer:
     """The admitted (or fallback) destination's answer within a turn.
 
-    Calls `answer()` with the acknowledgment sidecar beside it, measures first response
-    and silence (to `started()`, or to the audio a front end reports heard), and checks
-    the result.
+    Calls `answer()` with the acknowledgment sidecar beside it and checks the result.
+    It is also the `started()` callable handed to `answer()`: the first call marks the
+    answer started (first response, a pending acknowledgment suppressed); every call
+    until `answer()` returns waits for a committed acknowledgment's delivery; calls
+    after that do nothing. And it is the one owner of the silence measurement: whatever
+    is heard first (the preamble, a delivered acknowledgment, the answer's start or the
+    audio a front end reports) ends it.
     """
 
-    __slots__ = ("_heard_at", "_sidecar", "_silence", "_started_at", "_t0", "_token",
-                 "owner", "route")
+    __slots__ = ("_heard_at", "_sidecar", "_silent_since", "_started_at", "_t0", "_token",
+                 "closed", "owner", "route")
 
     def __init__(self, owner: Turn, route: str) -> None:
         self.owner, self.route = owner, route
         self._t0 = 0.0
         self._token: object = None
-        self._silence = Silence(owner.obs, route, owner.cfg.clock())
+        #: When the silence began (admission); None once something was heard.
+        self._silent_since: float | None = owner.cfg.clock()
         self._sidecar: AcknowledgmentSidecar | None = None
         self._started_at: float | None = None
         self._heard_at: float | None = None
+        self.closed = False
 
     async def run(self, admission: Admission | None) -> DestinationResult:
         owner, route = self.owner, self.route
         cfg, obs = owner.cfg, owner.obs
         clock = cfg.clock
-        silence = self._silence
         preamble = admission.preamble if admission is not None else ""
         if preamble:
-            silence.hear(clock())
+            self.hear(clock())
             await owner.say(route, preamble)
         if owner.observing:
             self._token = obs.answer_started(_new(AnswerStarted, (route, admission is None)))
         timed = cfg.timed
         self._sidecar = None if timed is None else timed.sidecar(self)
-        signal = _StartSignal(self)
         self._t0 = clock()
         try:
-            result = await self._call(signal)
+            if self._sidecar is None:  # the common case, without a coroutine layer more
+                result = await cfg.agents[route].answer(owner.turn, started=self)
+            else:
+                result = await self._call_beside_sidecar(self._sidecar)
             if not isinstance(result, DestinationResult) or result.disposition == "clarify":
                 raise DestinationContractError(
                     f"destination {route!r} answer() must return DestinationResult answer, "
                     f"focus or release, got {result!r:.80}"
                 )
         except BaseException as exc:
-            signal.closed = True
+            self.closed = True
             cancelled = _is_cancel(exc)
             if timed is not None and cancelled and not owner.started:
                 # A censored sample: a lower bound, not a fast answer.
@@ -473,29 +491,36 @@ class Answer:
             obs.answer_finished(self._token, AnswerFinished(
                 route, None, None if cancelled else exc, cancelled))
             raise
-        signal.closed = True
+        self.closed = True
         if owner.observing:
             obs.answer_finished(self._token, _new(AnswerFinished, (route, result, None, False)))
         return result
 
-    async def _call(self, signal: _StartSignal) -> DestinationResult:
+    async def _call_beside_sidecar(self, sidecar: AcknowledgmentSidecar) -> DestinationResult:
         owner = self.owner
         agent = owner.cfg.agents[self.route]
-        sidecar = self._sidecar
-        if sidecar is None:
-            return await agent.answer(owner.turn, started=signal)
         error: Exception | None = None
         result: DestinationResult | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(sidecar.run)
             try:
-                result = await agent.answer(owner.turn, started=signal)
+                result = await agent.answer(owner.turn, started=self)
             except Exception as exc:  # re-raised below, unwrapped by the task group
                 error = exc
             sidecar.answer_finished()
         if error is not None:
             raise error
         return result  # type: ignore[return-value]  # checked by the caller
+
+    async def __call__(self) -> None:
+        """`started()`."""
+        if self.closed:
+            return
+        if not self.owner.started:
+            self._start()
+        sidecar = self._sidecar
+        if sidecar is not None:
+            await sidecar.wait_delivered()
 
     # What the acknowledgment sidecar reads (`_acknowledgment.Answering`).
 
@@ -512,34 +537,41 @@ class Answer:
         return self.owner.emit
 
     def hear(self, at: float) -> None:
-        self._silence.hear(at)
+        """Something was heard at `at`: the silence ends (once)."""
+        seconds = self._take_silence(at)
+        if seconds is not None and self.owner.observing:
+            self.owner.obs.silence(_new(SilenceMeasured, (self.route, seconds)))
 
-    def started(self) -> None:
+    def _take_silence(self, at: float) -> float | None:
+        since = self._silent_since
+        if since is None:
+            return None
+        self._silent_since = None
+        return at - since
+
+    def _start(self) -> None:
         """The destination's first `started()` call."""
         owner = self.owner
         owner.started = True
         now = owner.cfg.clock()
-        if self._sidecar is not None:
-            self._sidecar.answer_started(now)
-        if not owner.report_heard:
-            self._first_response(now)
+        sidecar = self._sidecar
+        if sidecar is not None:
+            sidecar.answer_started(now)
+        if owner.report_heard:
+            self._started_at = now
+            owner.state.unheard = self
+            if self._heard_at is not None:
+                self.resolve_heard(self._heard_at)
             return
-        self._started_at = now
-        owner.state.unheard = self
-        if self._heard_at is not None:
-            self.resolve_heard(self._heard_at)
-
-    async def wait_delivered(self) -> None:
-        if self._sidecar is not None:
-            await self._sidecar.wait_delivered()
-
-    def _first_response(self, at: float) -> None:
-        owner = self.owner
-        seconds = at - self._t0
-        if owner.observing:
+        seconds = now - self._t0
+        observing = owner.observing
+        if observing:
             owner.obs.first_response(self._token, _new(FirstResponse, (self.route, seconds)))
-        if self._sidecar is None or not self._sidecar.committed:
-            self._silence.hear(at)
+        since = self._silent_since
+        if since is not None and (sidecar is None or not sidecar.committed):
+            self._silent_since = None  # the answer is heard first (see `hear`)
+            if observing:
+                owner.obs.silence(_new(SilenceMeasured, (self.route, now - since)))
         timed = owner.cfg.timed
         if timed is not None:
             timed.record(self.route, seconds, False, owner.turn)
@@ -564,34 +596,31 @@ class Answer:
         seconds = at - self._t0
         silence_seconds = None
         if self._sidecar is None or not self._sidecar.committed:
-            silence_seconds = self._silence.take(at)
+            silence_seconds = self._take_silence(at)
         cfg = owner.cfg
         cfg.observer.heard(Heard(self.route, seconds, silence_seconds))
         if cfg.timed is not None:
             cfg.timed.record(self.route, seconds, False, owner.turn)
 
 
-class _StartSignal:
-    """The `started()` callable handed to `answer()`.
+async def bounded_release(
+    cfg: RouterConfig, call: Callable[[str], Awaitable[None]], pid: str
+) -> None:
+    """`await call(pid)` within `release_timeout_secs` (else `TimeoutError`, counted).
 
-    The first call marks the answer started (first-response sample, silence, a pending
-    acknowledgment suppressed); every call until `answer()` returns waits for a
-    committed acknowledgment's delivery; calls after that do nothing.
+    `asyncio.timeout` rather than an anyio cancel scope: a departure releases every
+    route a participant used, and a scope costs several times more.
     """
-
-    __slots__ = ("_answer", "closed")
-
-    def __init__(self, answer: Answer) -> None:
-        self._answer = answer
-        self.closed = False
-
-    async def __call__(self) -> None:
-        if self.closed:
-            return
-        answer = self._answer
-        if not answer.owner.started:
-            answer.started()
-        await answer.wait_delivered()
+    deadline = asyncio.timeout(cfg.release_timeout)
+    try:
+        async with deadline:
+            await call(pid)
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # the release's own TimeoutError
+        cfg.overflows.report("release_timeout", f"a release for {pid!r} took longer than "
+                             f"release_timeout_secs ({cfg.release_timeout}s)")
+        raise TimeoutError(f"release did not return within {cfg.release_timeout}s") from None
 
 
 def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]) -> str | None:
@@ -611,8 +640,6 @@ def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]
 
 def _named(aid: RoutingAid, name: str) -> RoutingAid:
     """The aid under its registered route name (the name decisions and labels use)."""
-    if aid.name == name:
-        return aid
     if not isinstance(aid, RoutingAid):
         raise DestinationContractError(
             f"destination {name!r} routing_aid() returned {type(aid).__name__}, "

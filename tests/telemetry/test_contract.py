@@ -163,7 +163,7 @@ def test_docs_label_values_match_the_code() -> None:
     from typing import get_args
 
     from turnrouter import MergeStrategy
-    from turnrouter._observer import (
+    from turnrouter.events import (
         AcknowledgmentOutcome,
         AcknowledgmentTrigger,
         ClarificationReason,
