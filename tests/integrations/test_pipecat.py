@@ -17,6 +17,7 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
         InterimTranscriptionFrame,
         InterruptionFrame,
         LLMContextFrame,
+        LLMContextUserTurnFrame,
         LLMFullResponseEndFrame,
         LLMFullResponseStartFrame,
         LLMTextFrame,
@@ -144,8 +145,9 @@ async def test_declined_route_falls_back_to_the_default() -> None:
 
 
 async def test_user_context_aggregator_output_is_routed() -> None:
-    """An LLMContextFrame (the user aggregator's output) is a turn of the configured
-    participant whose query is the newest user message; a speculative one is not."""
+    """The context frame after the aggregator's LLMContextUserTurnFrame is a turn of the
+    configured participant (query: the newest user message); a speculative one is
+    dropped, and one that is no user turn (LLMRunFrame) passes through to the LLM."""
     weather = Agent("weather", "Sunny.")
     processor = TurnRouterProcessor(build([weather], "weather"), participant_id="caller")
     turns = Turns(processor)
@@ -153,10 +155,15 @@ async def test_user_context_aggregator_output_is_routed() -> None:
                           {"role": "user", "content": "old question"},
                           {"role": "assistant", "content": "old answer"},
                           {"role": "user", "content": [{"type": "text", "text": "rain?"}]}])
+    greeting = LLMContext([{"role": "system", "content": "greet the caller"}])
     down, _ = await run_test(processor, frames_to_send=[
-        LLMContextFrame(context, speculation=True), LLMContextFrame(context)])
+        LLMContextFrame(context, speculation=True),
+        LLMContextUserTurnFrame("rain?", "2026-12-01T08:00:00+00:00"),
+        LLMContextFrame(context), LLMContextFrame(greeting)])
     assert spoken(list(down)) == ["Sunny."]
     assert [(t.participant_id, t.query) for t, _ in turns.routed] == [("caller", "rain?")]
+    passed = [frame for frame in down if isinstance(frame, LLMContextFrame)]
+    assert [frame.context for frame in passed] == [greeting]
 
 
 async def test_acknowledgment_is_spoken_before_a_slow_answer() -> None:

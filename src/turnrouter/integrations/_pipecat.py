@@ -25,6 +25,7 @@ from pipecat.frames.frames import (
     Frame,
     InterruptionFrame,
     LLMContextFrame,
+    LLMContextUserTurnFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
     LLMTextFrame,
@@ -388,8 +389,11 @@ class TurnRouterProcessor(FrameProcessor):
     """Routes each final user turn through an `AgentRouter`; put it where the LLM was.
 
     - `TranscriptionFrame`s (place it after the STT) or the user context aggregator's
-      `LLMContextFrame`s (place it after the aggregator) become turns; both are
-      consumed, everything else passes through.
+      user turns (place it after the aggregator: the `LLMContextFrame` that follows its
+      `LLMContextUserTurnFrame`) become turns and are consumed. Other context frames
+      (`LLMRunFrame`, messages appended with `run_llm`) pass through to the LLM
+      downstream, speculative ones (eager end of turn) are dropped, and everything else
+      passes through.
     - Each turn runs in its own task (`route_turn`), so a newer turn of the same
       participant replaces the running one, and different participants run concurrently.
       At most `max_turns` turn tasks run; a turn over the bound is refused and counted
@@ -433,6 +437,8 @@ class TurnRouterProcessor(FrameProcessor):
         #: Per participant: the turn whose first frame went out, not yet heard.
         self._unheard: dict[str, str] = {}
         self._stopped = False
+        #: The user aggregator announced a user turn: its next context frame is routed.
+        self._user_turn_pending = False
         self._register_event_handler("on_turn_routed")
         self._register_event_handler("on_turn_failed")
 
@@ -443,10 +449,21 @@ class TurnRouterProcessor(FrameProcessor):
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
-        if isinstance(frame, (TranscriptionFrame, LLMContextFrame)) and (
-                direction == FrameDirection.DOWNSTREAM):
+        downstream = direction == FrameDirection.DOWNSTREAM
+        if downstream and isinstance(frame, TranscriptionFrame):
             self._offer(frame)
             return
+        if downstream and isinstance(frame, LLMContextFrame):
+            if frame.speculation is True:
+                return  # eager inference is not routed: the confirmed turn is
+            if self._user_turn_pending:
+                self._user_turn_pending = False
+                self._offer(frame)
+                return
+            # Not a user turn (LLMRunFrame, messages appended with run_llm): the LLM
+            # downstream answers it as it did before turnrouter.
+        elif downstream and isinstance(frame, LLMContextUserTurnFrame):
+            self._user_turn_pending = True
         if isinstance(frame, InterruptionFrame):
             await self._interrupt()
         elif isinstance(frame, BotStartedSpeakingFrame):
