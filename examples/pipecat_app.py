@@ -3,7 +3,7 @@
     pip install -e '.[pipecat,demo]' && python examples/pipecat_app.py
 
 The pipeline is a stock Pipecat one with the processor added before the LLM:
-`fake STT -> user context aggregator -> TurnRouterProcessor -> LLM -> fake TTS/output`.
+`fake STT -> user aggregator -> TurnRouterProcessor -> LLM -> its speaker -> fake TTS`.
 A scripted caller asks three questions: the weather agent answers at once, the research
 agent takes 1.5 s (so the router speaks an acknowledgment first), and small talk goes to
 the (fake, streaming) Pipecat LLM service downstream.
@@ -217,7 +217,7 @@ async def main() -> int:
     user_aggregator = LLMUserAggregator(context, params=LLMUserAggregatorParams(
         user_turn_strategies=ExternalUserTurnStrategies()))
     worker = PipelineWorker(
-        Pipeline([FakeSTT(), user_aggregator, processor, llm, speech]),
+        Pipeline([FakeSTT(), user_aggregator, processor, llm, processor.speaker, speech]),
         enable_tracing=True, cancel_on_idle_timeout=False)
 
     async def answered(count: int) -> None:

@@ -453,10 +453,13 @@ class StreamingLLM(LLMService):
     text chunks (the second one after `gate`), an optional error, end frame."""
 
     def __init__(self, *chunks: str, gate: anyio.Event | None = None,
-                 fail: bool = False) -> None:
+                 fail: bool = False, clock: ManualClock | None = None,
+                 thinking: float = 0.0) -> None:
         super().__init__()
         self.chunks = chunks
         self.gate = gate
+        self.clock = clock
+        self.thinking = thinking
         self.fail = fail
         self.contexts: list[list[Any]] = []
 
@@ -469,6 +472,8 @@ class StreamingLLM(LLMService):
         self.contexts.append(messages)
         await self.push_frame(LLMFullResponseStartFrame())
         try:
+            if self.clock is not None:
+                await self.clock.sleep(self.thinking)
             for index, chunk in enumerate(self.chunks):
                 if index == 1 and self.gate is not None:
                     await self.gate.wait()
@@ -487,7 +492,7 @@ def in_pipeline(llm: StreamingLLM, *others: Agent, decisions: tuple[str, ...] = 
     agents: dict[str, Any] = {"chat": chat, **{a.routing_aid("x").name: a for a in others}}
     router = AgentRouter(agents, ScriptedDecisions(*decisions), telemetry=observer, **kwargs)
     processor = TurnRouterProcessor(router)
-    return processor, Pipeline([processor, llm]), observer
+    return processor, Pipeline([processor, llm, processor.speaker]), observer
 
 
 async def test_llm_in_the_pipeline_streams_routed_turns() -> None:
@@ -510,6 +515,25 @@ async def test_llm_in_the_pipeline_streams_routed_turns() -> None:
     assert [m["content"] for m in llm.contexts[0]] == ["Be brief.", "hi"]
     heard = [event for event in observer.events if event[0] == "heard"]
     assert heard == [("heard", "chat", 0.0, 0.0)]  # no audio report: started() time
+
+
+async def test_acknowledgment_overtakes_a_slow_llm_in_the_pipeline() -> None:
+    """With the processor's speaker before the TTS, an acknowledgment of a slow LLM
+    response is spoken first, not queued behind the response in the LLM service."""
+    clock = ManualClock()
+    llm = StreamingLLM("Here you go.", clock=clock, thinking=2.0)
+    _, pipeline, _ = in_pipeline(
+        llm, clock=clock, acknowledgment_delay_secs=0.5,
+        acknowledgment_llm=ScriptedLLM("One moment."))
+    async with Pipe(pipeline) as pipe:
+        await pipe.send(said("alice", "hi"))
+        with anyio.fail_after(10):
+            await clock.wait_for_sleepers(2)  # the ack timer and the LLM thinking
+        clock.advance(0.5)
+        assert (await pipe.next_down(TTSSpeakFrame)).text == "One moment."
+        clock.advance(1.5)
+        assert (await pipe.next_down(LLMTextFrame)).text == "Here you go."
+        await pipe.end()
 
 
 async def test_barge_in_during_a_streamed_llm_answer() -> None:
@@ -587,7 +611,8 @@ async def test_behind_the_user_aggregator_the_llm_gets_the_app_context() -> None
     processor, _, _ = in_pipeline(llm)
     turns = Turns(processor)
     context = LLMContext([{"role": "system", "content": "You are a weather bot."}])
-    async with Pipe(Pipeline([user_aggregator(context), processor, llm])) as pipe:
+    async with Pipe(Pipeline([user_aggregator(context), processor, llm,
+                              processor.speaker])) as pipe:
         await pipe.send(*user_says("will it rain?"))
         await turns.wait(1)
         await pipe.end()

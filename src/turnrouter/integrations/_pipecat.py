@@ -200,19 +200,25 @@ class FrameOutput:
         self._sink.processor._expect_heard(self._sink.turn)
 
     async def push(self, frame: Frame, *, speech: bool = True) -> None:
-        """Push one frame downstream. A speech frame (the default) calls `begin()` first;
-        pass `speech=False` for frames that are not heard (an `LLMContextFrame` for an
-        LLM service downstream, an `InterruptionFrame`)."""
+        """Push one frame downstream. A speech frame (the default) calls `begin()` first
+        and enters at the processor's `speaker` when that is in the pipeline; pass
+        `speech=False` for frames that are not heard (an `LLMContextFrame` for the LLM
+        service downstream, an `InterruptionFrame`): they leave the processor itself."""
         if not isinstance(frame, Frame):
             raise ContractTypeError(
                 f"FrameOutput.push() takes a pipecat Frame, got {type(frame).__name__}")
         if self._sink.closed:
             raise LifecycleError(f"turn {self._sink.turn.turn_id!r} has ended; its frames "
                                  "can no longer be pushed")
+        self.frames_pushed += 1
+        processor = self._sink.processor
         if speech:
             await self.begin()
-        self.frames_pushed += 1
-        await self._sink.processor.push_frame(frame, FrameDirection.DOWNSTREAM)
+            await processor._push_speech(frame)
+        elif isinstance(frame, InterruptionFrame):
+            await processor._push_through(frame)
+        else:
+            await processor.push_frame(frame, FrameDirection.DOWNSTREAM)
 
     async def say(self, text: str, *, append_to_context: bool = True) -> None:
         """Speak `text` (a `TTSSpeakFrame`)."""
@@ -316,6 +322,7 @@ class PipecatLLMDestination(FrameAgent):
         self.response_timeout_secs = float(response_timeout_secs)
         self._lock = asyncio.Lock()
         self._response: _Response | None = None
+        self._warned = False
         if self.in_pipeline:
             llm.add_event_handler("on_before_push_frame", self._on_llm_frame)
 
@@ -363,6 +370,10 @@ class PipecatLLMDestination(FrameAgent):
             response.done.set()
 
     async def _respond_in_pipeline(self, turn: AgentTurn, output: FrameOutput) -> str:
+        if not self._warned and output._sink.processor.speaker.next is None:
+            self._warned = True
+            logger.warning("PipecatLLMDestination(in_pipeline=True) without the processor's "
+                           "speaker in the pipeline: acknowledgments wait behind the LLM")
         async with self._lock:
             response = self._response = _Response(output)
             try:
@@ -385,6 +396,37 @@ class PipecatLLMDestination(FrameAgent):
         return "".join(response.texts).strip()
 
 
+class _Speaker(FrameProcessor):
+    """Where a `TurnRouterProcessor`'s speech enters the pipeline: place it right before
+    the TTS when an LLM service sits downstream of the processor, so speech (an
+    acknowledgment above all) never waits in the LLM's queue behind a response being
+    generated. Passes every frame through."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: Frames (by id) whose passage someone waits for; at most one per waiter.
+        self._awaited: dict[int, asyncio.Event] = {}
+
+    def expect(self, frame: Frame) -> asyncio.Event:
+        """An event set once `frame` has passed this processor."""
+        event = self._awaited[frame.id] = asyncio.Event()
+        return event
+
+    def forget(self, frame: Frame) -> None:
+        self._awaited.pop(frame.id, None)
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        await self.push_frame(frame, direction)
+        event = self._awaited.pop(frame.id, None)
+        if event is not None:
+            event.set()
+
+
+#: How long an interruption may take to travel from the processor to its speaker.
+_PASSAGE_BOUND_SECS = 2.0
+
+
 class TurnRouterProcessor(FrameProcessor):
     """Routes each final user turn through an `AgentRouter`; put it where the LLM was.
 
@@ -401,6 +443,8 @@ class TurnRouterProcessor(FrameProcessor):
       as are oversized (`oversized`) and malformed (`invalid`) turns.
     - Control text (acknowledgments, preambles, clarifications, failure text) is pushed
       downstream as `TTSSpeakFrame`s; destinations push frames through `frame_output()`.
+      With an LLM service downstream, put `processor.speaker` right before the TTS: the
+      speech then enters there, not behind the LLM's queue.
     - `InterruptionFrame` interrupts this processor's participants (before it is
       forwarded); `EndFrame` waits for the turns in flight, then stops the router
       (`drain()`, `stop()`); `CancelFrame` stops it at once. With `owns_router=False`
@@ -439,8 +483,16 @@ class TurnRouterProcessor(FrameProcessor):
         self._stopped = False
         #: The user aggregator announced a user turn: its next context frame is routed.
         self._user_turn_pending = False
+        self._speaker = _Speaker(name=f"{self.name}::speaker")
         self._register_event_handler("on_turn_routed")
         self._register_event_handler("on_turn_failed")
+
+    @property
+    def speaker(self) -> FrameProcessor:
+        """Put this in the pipeline right before the TTS when an LLM service follows the
+        processor: the router's speech (acknowledgments, clarifications, destinations'
+        frames) then enters there instead of queueing behind the LLM."""
+        return self._speaker
 
     @property
     def turns_in_flight(self) -> int:
@@ -466,6 +518,9 @@ class TurnRouterProcessor(FrameProcessor):
             self._user_turn_pending = True
         if isinstance(frame, InterruptionFrame):
             await self._interrupt()
+            if downstream:
+                await self._push_through(frame)
+                return
         elif isinstance(frame, BotStartedSpeakingFrame):
             self._heard()
         elif isinstance(frame, EndFrame):
@@ -547,7 +602,30 @@ class TurnRouterProcessor(FrameProcessor):
 
     async def _speak(self, turn: AgentTurn, route: str, text: str) -> None:
         """The router's control text for a turn: spoken downstream."""
-        await self.push_frame(TTSSpeakFrame(text), FrameDirection.DOWNSTREAM)
+        await self._push_speech(TTSSpeakFrame(text))
+
+    async def _push_through(self, frame: Frame) -> None:
+        """Push a frame downstream and, with the speaker linked, wait (bounded) until it
+        passed the speaker: speech pushed afterwards at the speaker then follows it, so
+        an interruption never drops the speech of the turn that replaced the cut one."""
+        if self._speaker.next is None:
+            await self.push_frame(frame, FrameDirection.DOWNSTREAM)
+            return
+        passed = self._speaker.expect(frame)
+        try:
+            await self.push_frame(frame, FrameDirection.DOWNSTREAM)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_PASSAGE_BOUND_SECS):
+                    await passed.wait()
+        finally:
+            self._speaker.forget(frame)
+
+    async def _push_speech(self, frame: Frame) -> None:
+        """Speech goes out at the speaker when it is linked into the pipeline."""
+        if self._speaker.next is not None:
+            await self._speaker.push_frame(frame, FrameDirection.DOWNSTREAM)
+        else:
+            await self.push_frame(frame, FrameDirection.DOWNSTREAM)
 
     def _expect_heard(self, turn: AgentTurn) -> None:
         """The turn's answer (not control text such as an acknowledgment) is on its way:
