@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -37,16 +37,19 @@ from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.services.llm_service import LLMService as PipecatLLMService
 
-from .._contracts import Admission, AgentTurn, DestinationResult, RoutingAid
-from .._exceptions import (
+from turnrouter import (
+    Admission,
+    AgentRouter,
+    AgentTurn,
     ConfigurationError,
     ContractTypeError,
     ContractValueError,
+    DestinationResult,
     LifecycleError,
     LLMError,
+    RoutingAid,
     TurnInterrupted,
 )
-from .._router import AgentRouter
 
 __all__ = [
     "FrameAgent",
@@ -153,7 +156,6 @@ class _TurnSink:
     turn: AgentTurn
     context: LLMContext | None = None
     closed: bool = False
-    outputs: list[FrameOutput] = field(default_factory=list)
 
 
 _CURRENT: contextvars.ContextVar[_TurnSink | None] = contextvars.ContextVar(
@@ -239,9 +241,7 @@ def frame_output(started: Started) -> FrameOutput:
                              "routes a turn (inside a destination's answer())")
     if not callable(started):
         raise ContractTypeError("frame_output() takes the started() callback of answer()")
-    output = FrameOutput(sink, started)
-    sink.outputs.append(output)
-    return output
+    return FrameOutput(sink, started)
 
 
 class FrameAgent:
