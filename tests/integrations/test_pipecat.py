@@ -322,6 +322,21 @@ async def test_end_frame_lets_the_answer_finish_then_stops_the_router() -> None:
     assert slow.released == ["alice"]
 
 
+async def test_end_frame_waits_a_bounded_time_for_a_hung_turn() -> None:
+    """A turn that never finishes does not hold the pipeline's end: after
+    end_timeout_secs it is interrupted and the router stops."""
+    never = anyio.Event()
+    hung = Agent("weather", "Sunny.", before_first=never)
+    processor = TurnRouterProcessor(build([hung], "weather"), end_timeout_secs=0.05)
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        with anyio.fail_after(10):
+            await hung.entered.wait()
+        await pipe.end()
+    assert hung.outcome == ["CancelledError"]
+    assert hung.released == ["alice"]
+
+
 async def test_cancel_frame_stops_the_router_at_once() -> None:
     """CancelFrame interrupts the running turn (router stopped) instead of waiting."""
     never = anyio.Event()
@@ -716,6 +731,8 @@ def test_processor_rejects_bad_configuration() -> None:
         TurnRouterProcessor(router, max_turns=0)
     with pytest.raises(ConfigurationError, match="participant_id"):
         TurnRouterProcessor(router, participant_id="")
+    with pytest.raises(ConfigurationError, match="end_timeout_secs"):
+        TurnRouterProcessor(router, end_timeout_secs=float("nan"))
 
 
 junk_text = st.one_of(st.text(), st.text(alphabet=st.characters(codec=None)),

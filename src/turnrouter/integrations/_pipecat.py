@@ -446,10 +446,10 @@ class TurnRouterProcessor(FrameProcessor):
       With an LLM service downstream, put `processor.speaker` right before the TTS: the
       speech then enters there, not behind the LLM's queue.
     - `InterruptionFrame` interrupts this processor's participants (before it is
-      forwarded); `EndFrame` waits for the turns in flight, then stops the router
-      (`drain()`, `stop()`); `CancelFrame` stops it at once. With `owns_router=False`
-      (a router shared by several pipelines) they wait for, or interrupt, this
-      processor's own turns only.
+      forwarded); `EndFrame` waits for the turns in flight (at most `end_timeout_secs`,
+      30 s, then they are interrupted), then stops the router (`drain()`, `stop()`);
+      `CancelFrame` stops it at once. With `owns_router=False` (a router shared by
+      several pipelines) they wait for, or interrupt, this processor's own turns only.
     - With `report_heard` (default), `BotStartedSpeakingFrame` reports when the answer
       was first heard (`mark_heard`), so silence and first response measure the audio.
     - With Pipecat tracing on, turn spans are children of Pipecat's `turn` span.
@@ -460,7 +460,8 @@ class TurnRouterProcessor(FrameProcessor):
 
     def __init__(self, router: AgentRouter, *, participant_id: str = "user",
                  report_heard: bool = True, owns_router: bool = True, max_turns: int = 64,
-                 max_query_chars: int = 4096, **kwargs: Any) -> None:
+                 max_query_chars: int = 4096, end_timeout_secs: float = 30.0,
+                 **kwargs: Any) -> None:
         if not isinstance(router, AgentRouter):
             raise ContractTypeError(
                 f"TurnRouterProcessor needs an AgentRouter, got {type(router).__name__}")
@@ -469,6 +470,10 @@ class TurnRouterProcessor(FrameProcessor):
         for name, value in (("max_turns", max_turns), ("max_query_chars", max_query_chars)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"TurnRouterProcessor {name} must be an int >= 1")
+        if not isinstance(end_timeout_secs, int | float) or isinstance(end_timeout_secs, bool) \
+                or not 0 < end_timeout_secs < float("inf"):
+            raise ConfigurationError(
+                "TurnRouterProcessor end_timeout_secs must be finite and positive")
         super().__init__(**kwargs)
         self.router = router
         self.participant_id = participant_id
@@ -476,6 +481,7 @@ class TurnRouterProcessor(FrameProcessor):
         self.owns_router = bool(owns_router)
         self.max_turns = max_turns
         self.max_query_chars = max_query_chars
+        self.end_timeout_secs = float(end_timeout_secs)
         self._count = 0
         self._tasks: dict[asyncio.Task[None], _TurnSink] = {}
         #: Per participant: the turn whose first frame went out, not yet heard.
@@ -654,15 +660,21 @@ class TurnRouterProcessor(FrameProcessor):
             await asyncio.wait(list(self._tasks))
 
     async def _end(self) -> None:
-        """EndFrame: let the turns in flight finish, then stop the router."""
-        if self.owns_router:
-            await self.router.drain()
-            await self._wait_own_turns()
-            if not self._stopped:
-                self._stopped = True
-                await self.router.stop()
-        else:
-            await self._wait_own_turns()
+        """EndFrame: let the turns in flight finish (at most `end_timeout_secs`, then
+        they are interrupted), then stop the router."""
+        try:
+            async with asyncio.timeout(self.end_timeout_secs):
+                if self.owns_router:
+                    await self.router.drain()
+                await self._wait_own_turns()
+        except TimeoutError:
+            logger.warning("pipecat end: turns still running after %g s are interrupted",
+                           self.end_timeout_secs)
+            if not self.owns_router:
+                await self._interrupt()
+        if self.owns_router and not self._stopped:
+            self._stopped = True
+            await self.router.stop()
 
     async def _cancel(self) -> None:
         """CancelFrame: stop now (turns in flight are interrupted)."""
