@@ -413,6 +413,28 @@ async def test_turn_spans_nest_under_pipecat_turn_span(
         assert ours.context.trace_id == pipecat_turn.context.trace_id
 
 
+async def test_turn_of_a_departing_participant_is_refused_and_counted() -> None:
+    """A transcription from a participant whose departure began is refused by the
+    router: counted (outcome refused), reported through on_turn_failed, nothing said."""
+    gate = anyio.Event()
+    with TelemetryCapture() as capture:
+        agent = ScriptedAgent("weather")
+        agent.release_gate = gate
+        router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"),
+                             telemetry=capture.telemetry)
+        await router.route_turn(AgentTurn("alice", "t0", "hi"), output=_silent)
+        departure = router.begin_departure("alice")  # its release waits for the gate
+        processor = TurnRouterProcessor(router, owns_router=False)
+        turns = Turns(processor)
+        down, _ = await run_test(processor, frames_to_send=[said("alice", "rain?")])
+        gate.set()
+        with anyio.fail_after(10):
+            await departure.join()
+        assert spoken(list(down)) == []
+        assert [type(error) for _, error in turns.failed] == [LifecycleError]
+        assert capture.value("turnrouter_turns_total", route="none", outcome="refused") == 1
+
+
 async def test_turn_overflow_is_refused_and_counted() -> None:
     """Over max_turns running turns, a new turn is refused and counted (overflow)."""
     never = anyio.Event()
