@@ -55,6 +55,7 @@ class Ack:
     ended_at: float
     text: str
     error: BaseException | None
+    probability_late: float | None = None
 
 
 class _Turn(TurnObserver):
@@ -524,3 +525,25 @@ async def test_destination_error_propagates_unwrapped_with_acknowledgments() -> 
     assert isinstance(s.result, LookupError)
     assert [a.outcome for a in s.observer.acks] == ["suppressed"]
     assert s.output.texts == ["Sorry, something went wrong. Please try again."]
+
+
+async def test_acknowledgment_text_with_lone_surrogates_is_made_storable() -> None:
+    """An LLM reply with a lone surrogate is spoken with U+FFFD instead (UTF-8 safe)."""
+    s = Setup(latency=2.0, llm=ScriptedLLM("Checking \ud800 now."))
+    await s.drive()
+    assert s.output.texts == ["Checking \ufffd now."]
+    s.output.texts[0].encode()
+
+
+async def test_a_predictor_that_knows_the_delay_reports_its_probability() -> None:
+    """The trigger's probability that the answer is late reaches the acknowledgment."""
+    predictor = RouteTimingPredictor(delay_secs=1.0)
+    predictor.load(TimingSample("calendar", 3.0) for _ in range(40))
+    s = Setup(latency=3.0, predictor=predictor)
+    await s.drive()
+    [ack] = s.observer.acks
+    assert ack.trigger == "prediction"
+    assert ack.probability_late is not None and ack.probability_late > 0.9
+    without = Setup(latency=3.0, predictor=loaded_predictor(3.0, 40))
+    await without.drive()
+    assert [a.probability_late for a in without.observer.acks] == [None]

@@ -99,6 +99,20 @@ async def test_a_full_queue_drops_the_oldest_waiting_turn_and_says_so() -> None:
     assert len(told) == 2 and all("repeat" in spoken.text for spoken in told)
 
 
+async def test_participants_are_bounded_and_departures_make_room() -> None:
+    """Past max_participants a new participant's turn is refused, counted."""
+    h = Harness(ScriptedAgent("conversation"), max_participants=2)
+    await h.say(participant="a")
+    await h.say(participant="b")
+    with pytest.raises(LifecycleError, match="max_participants"):
+        await h.say(participant="c")
+    assert overflows(h) == ["participants"]
+    assert h.observer.outcome("t3") == "refused"
+    await h.say(participant="a")  # a known participant still talks
+    await h.router.participant_left("a")
+    assert (await h.say(participant="c")).disposition == "answer"
+
+
 def _runtime_topics() -> dict[str, Any]:
     return {"query_topic": Topic("q", UserQuery), "output_topic": Topic("o", ResponseOutput),
             "participant_joined_topic": Topic("j", ParticipantJoined),

@@ -8,7 +8,13 @@ from typing import Any
 import anyio
 import pytest
 
-from turnrouter import AgentRouter, AgentTurn, ConfigurationError, LifecycleError
+from turnrouter import (
+    AgentRouter,
+    AgentTurn,
+    ConfigurationError,
+    ContractValueError,
+    LifecycleError,
+)
 from turnrouter.runtime import (
     AgentRuntime,
     Interrupted,
@@ -298,3 +304,118 @@ async def test_status_goes_idle_even_when_the_runtime_cancels_the_turn() -> None
         await agent.answer_entered.wait()
         runtime.cancel()
     assert seen == ["processing", "idle"]
+
+
+# ---------------------------------------------------------------- bypassed validation
+
+
+def bypassed_messages() -> list[tuple[Topic[Any], Any]]:
+    """One instance per subscribed topic that skipped validation, each invalid."""
+    return [
+        (QUERY, UserQuery.model_construct(participant_id=None, text="secret words")),
+        (QUERY, UserQuery(participant_id="p2", text="x").model_copy(update={"text": 5})),
+        (JOINED, ParticipantJoined.model_construct(participant_id="")),
+        (LEFT, ParticipantLeft(participant_id="p3").model_copy(update={"participant_id": 7})),
+        (INTERRUPTED, Interrupted.model_construct(participant_id="", bogus=1)),
+    ]
+
+
+def test_topic_revalidates_instances_that_skipped_validation() -> None:
+    """coerce() validates payload instances again: bypassed ones raise ValueError."""
+    for topic, message in bypassed_messages():
+        with pytest.raises(ValueError, match=f"malformed {topic.payload.__name__}") as info:
+            topic.coerce(message)
+        assert "secret words" not in str(info.value)
+    valid = UserQuery.model_construct(participant_id="p", text="fine", message_id="m1",
+                                      timestamp_us=5)
+    assert QUERY.coerce(valid) == UserQuery(participant_id="p", text="fine", message_id="m1",
+                                            timestamp_us=5)
+
+
+async def test_bypassed_messages_are_counted_and_do_not_disturb_a_turn_in_flight() -> None:
+    """Bypassed instances reaching the router are rejected; another turn completes."""
+    router, agents, observer = make_router()
+    agent = agents["weather"]
+    agent.answer_gate = anyio.Event()
+    outputs: list[ResponseOutput] = []
+
+    async def collect(message: ResponseOutput) -> None:
+        outputs.append(message)
+
+    subscriber = router.runtime_subscriber()
+    with anyio.fail_after(10):
+        async with AgentRuntime() as runtime:
+            runtime.register(subscriber)
+            runtime.subscribe(OUTPUT, collect)
+            await runtime.publish(QUERY, UserQuery(participant_id="p1", text="rain?"))
+            await agent.answer_entered.wait()
+            for topic, message in bypassed_messages():  # as a networked runtime delivers
+                await subscriber.deliver(topic, message, runtime)
+            agent.answer_gate.set()
+    assert agent.cancelled == []
+    assert [e for e in observer.events if e[0] == "message_rejected"] == [
+        ("message_rejected", "q", "invalid"), ("message_rejected", "q", "invalid"),
+        ("message_rejected", "j", "invalid"), ("message_rejected", "l", "invalid"),
+        ("message_rejected", "i", "invalid")]
+    assert [h.user for h in router.history_of("p1")] == ["rain?"]
+
+
+async def test_publishing_an_own_bypassed_instance_raises_to_the_publisher_only() -> None:
+    """publish() raises ContractValueError for its own bypassed instance; nobody sees it."""
+    router, agents, observer = make_router()
+    agent = agents["weather"]
+    agent.answer_gate = anyio.Event()
+    seen: list[UserQuery] = []
+
+    async def spy(message: UserQuery) -> None:
+        seen.append(message)
+
+    with anyio.fail_after(10):
+        async with AgentRuntime() as runtime:
+            runtime.register(router.runtime_subscriber())
+            runtime.subscribe(QUERY, spy)
+            await runtime.publish(QUERY, UserQuery(participant_id="p1", text="rain?"))
+            await agent.answer_entered.wait()
+            for topic, message in bypassed_messages():
+                with pytest.raises(ContractValueError, match="built without validation"):
+                    await runtime.publish(topic, message)
+            agent.answer_gate.set()
+    assert [m.text for m in seen] == ["rain?"]
+    assert not [e for e in observer.events if e[0] == "message_rejected"]
+    assert agent.count("answer") == 1 and agent.cancelled == []
+
+
+async def test_plain_callbacks_get_only_valid_payloads(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """subscribe() callbacks never see invalid messages; each is logged and counted."""
+    seen: list[ResponseOutput] = []
+
+    async def collect(message: ResponseOutput) -> None:
+        seen.append(message)
+
+    good = ResponseOutput(participant_id="p", request_id="r", route="x", text="hi")
+    with caplog.at_level(logging.WARNING, logger="turnrouter.runtime"):
+        async with AgentRuntime() as runtime:
+            runtime.subscribe(OUTPUT, collect)
+            await runtime.publish(OUTPUT, {"participant_id": "p"})
+            await runtime.publish(OUTPUT, good.model_dump())
+            await runtime.publish(OUTPUT, UserQuery(participant_id="p", text="x"))  # type: ignore[misc]
+    assert seen == [good]
+    assert runtime.rejected_messages == 2
+    assert sum("rejected a message" in r.getMessage() for r in caplog.records) == 2
+
+
+async def test_lone_surrogate_query_is_rejected_before_any_answer() -> None:
+    """A query holding a lone surrogate is rejected and counted; nothing is answered."""
+    router, agents, observer = make_router()
+    outputs = await publish_and_drain(
+        router, OUTPUT, (QUERY, {"participant_id": "p1", "text": "hi \ud800"}),
+        (QUERY, UserQuery(participant_id="p2", text="hi \u00e9")))
+    assert observer.events.count(("message_rejected", "q", "invalid")) == 1
+    assert [c.participant_id for c in agents["weather"].calls if c.method == "answer"] == ["p2"]
+    assert [h.user for h in router.history_of("p2")] == ["hi \u00e9"]
+    assert outputs == []
+    with pytest.raises(ValueError, match="lone surrogate"):
+        UserQuery(participant_id="p", text="\udc80")
+    with pytest.raises(ContractValueError, match=r"AgentTurn\.query .*lone surrogate"):
+        AgentTurn("p", "t", "x\udfff")

@@ -47,6 +47,7 @@ from ._observer import (
     RouterObserver,
     TurnObserver,
 )
+from ._redact import strip_surrogates
 from ._timing import Prediction, TimingPredictor, TimingSample, TimingSink
 
 if TYPE_CHECKING:
@@ -146,8 +147,9 @@ def acknowledgment_prompt(route: RoutingAid, query: str) -> str:
 
 
 def clean_acknowledgment(text: str, max_chars: int) -> str:
-    """First non-empty line, unquoted, whitespace-normalized, cut at a word boundary."""
-    for raw in text.splitlines():
+    """First non-empty line, unquoted, whitespace-normalized, cut at a word boundary;
+    lone surrogates (not storable as UTF-8) become U+FFFD."""
+    for raw in strip_surrogates(text[: max_chars * 4]).splitlines():
         line = " ".join(raw.split()).strip().strip("\"'“”‘’`").strip()
         if line:
             break
@@ -286,8 +288,8 @@ class AcknowledgmentSidecar:
     """
 
     __slots__ = ("_answer", "_delay_used", "_delivered", "_emit", "_engine", "_obs",
-                 "_predicted", "_scope", "_started_at", "_state", "_t0", "_trigger",
-                 "route", "turn")
+                 "_predicted", "_probability", "_scope", "_started_at", "_state", "_t0",
+                 "_trigger", "route", "turn")
 
     def __init__(self, engine: TimingEngine, answer: Answering) -> None:
         self._engine, self._answer = engine, answer
@@ -299,6 +301,7 @@ class AcknowledgmentSidecar:
         self._delivered: anyio.Event | None = None
         self._trigger: AcknowledgmentTrigger = "delay"
         self._predicted: float | None = None
+        self._probability: float | None = None
         self._delay_used = engine.delay if engine.delay is not None else 0.0
         self._started_at: float | None = None
 
@@ -327,7 +330,7 @@ class AcknowledgmentSidecar:
                 error: BaseException | None = None) -> None:
         self._obs.acknowledgment(AcknowledgmentFinished(
             self.route, outcome, self._trigger, self._delay_used, self._predicted,
-            self._t0, self._engine.clock.now(), text, error,
+            self._t0, self._engine.clock.now(), text, error, self._probability,
         ))
 
     def _suppress(self) -> None:
@@ -394,7 +397,11 @@ class AcknowledgmentSidecar:
         prediction = await self._predict()
         if prediction is not None:
             self._predicted = prediction.seconds
-        if prediction is not None and prediction.confident and prediction.lower > delay:
+            self._probability = prediction.probability_late
+        if prediction is not None and (
+            prediction.early if prediction.early is not None
+            else prediction.confident and prediction.lower > delay
+        ):
             self._trigger = "prediction"
             heard = min(policy.early_secs, delay)
             self._delay_used = heard

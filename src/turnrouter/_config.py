@@ -116,7 +116,8 @@ class RouterConfig:
     __slots__ = (
         "admission_timeout", "agents", "budget", "clarification_text", "cleanup", "clock",
         "decisions", "default", "failure_text", "initialize", "max_departed_participants",
-        "max_history_exchanges", "max_patch_bytes", "max_pending", "max_waiting_turns",
+        "max_history_exchanges", "max_participants", "max_patch_bytes", "max_pending",
+        "max_waiting_turns",
         "observer", "output", "overflows", "release_timeout", "routes", "runtime_topics",
         "set_status", "timed", "timing_sink",
     )
@@ -228,6 +229,7 @@ class RouterConfig:
         self.max_history_exchanges = int(limits["max_history_exchanges"])
         self.max_waiting_turns = int(limits["max_waiting_turns"])
         self.max_departed_participants = int(limits["max_departed_participants"])
+        self.max_participants = int(limits["max_participants"])
         self.max_patch_bytes = int(limits["max_patch_bytes"])
         self.release_timeout = float(limits["release_timeout_secs"])
         self.overflows = Overflows(telemetry)
@@ -238,7 +240,7 @@ class RouterConfig:
             timing_sink is not None
         ):
             if timing_predictor is None and acknowledgment_llm is not None:
-                timing_predictor = RouteTimingPredictor()
+                timing_predictor = RouteTimingPredictor(delay_secs=acknowledgment_delay_secs)
             self.timed = TimingEngine(
                 llm=acknowledgment_llm, delay=acknowledgment_delay_secs,
                 policy=acknowledgment_policy or AcknowledgmentPolicy(),

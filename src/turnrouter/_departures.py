@@ -54,7 +54,7 @@ class Departures:
     async def leave(self, pid: str) -> None:
         """`participant_left()`: wait for a running shutdown, then depart."""
         stopping = self._registry.stopping
-        if stopping is not None and not stopping.done:
+        if self._registry.phase is RouterPhase.STOPPING and stopping is not None:
             try:
                 await stopping.join()
             except Exception:
@@ -67,6 +67,7 @@ class Departures:
         registry = self._registry
         operation = registry.stopping
         if operation is None or operation.done:
+            registry.phase = RouterPhase.STOPPING  # admission closes now, not when it runs
             operation = registry.stopping = OwnedOperation(self._shutdown())
         await operation.join()
 
@@ -149,10 +150,16 @@ class Departures:
         self._registry.forget(state)
 
     async def _shutdown(self) -> None:
+        registry = self._registry
         try:
             await self._shut_down()
+        except BaseException:
+            registry.phase = RouterPhase.STOP_FAILED
+            raise
+        else:
+            registry.phase = RouterPhase.RUNNING
         finally:
-            self._registry.stopping = None  # joiners keep their own handle
+            registry.stopping = None  # joiners keep their own handle
 
     async def _shut_down(self) -> None:
         registry = self._registry
@@ -178,11 +185,9 @@ class Departures:
             else:
                 registry.forget(state)
         if errors:
-            registry.phase = RouterPhase.STOP_FAILED
             raise ExceptionGroup(
                 f"stop(): {len(errors)} cleanup failure(s); call stop() again to retry", errors
             )
-        registry.phase = RouterPhase.RUNNING
         registry.departed.clear()  # a fresh lifecycle for everyone
         flush = getattr(self._cfg.timing_sink, "flush", None)
         if callable(flush):  # a restarted router must find every sample on disk

@@ -15,6 +15,7 @@ from ._observer import LimitExceeded, RouterObserver
 __all__ = [
     "DEFAULT_MAX_DEPARTED_PARTICIPANTS",
     "DEFAULT_MAX_HISTORY_EXCHANGES",
+    "DEFAULT_MAX_PARTICIPANTS",
     "DEFAULT_MAX_PATCH_BYTES",
     "DEFAULT_MAX_WAITING_TURNS",
     "DEFAULT_RELEASE_TIMEOUT_SECS",
@@ -27,6 +28,8 @@ logger = logging.getLogger("turnrouter")
 DEFAULT_MAX_HISTORY_EXCHANGES = 256
 #: Turns of one participant waiting behind its running turn.
 DEFAULT_MAX_WAITING_TURNS = 8
+#: Participants one router holds state for at once (a new one past it is refused).
+DEFAULT_MAX_PARTICIPANTS = 100_000
 #: Departed participants remembered (closed until they rejoin) per router.
 DEFAULT_MAX_DEPARTED_PARTICIPANTS = 100_000
 #: Serialized size of one context patch (digest, facts and artifacts).

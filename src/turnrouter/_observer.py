@@ -191,6 +191,9 @@ class AcknowledgmentFinished(NamedTuple):
     ended_at: float
     text: str
     error: BaseException | None
+    probability_late: float | None = None
+    """The predicted probability that the answer starts after the delay, when the
+    predictor knows the delay (the trigger acknowledges early when it is high enough)."""
 
 
 class SilenceMeasured(NamedTuple):
@@ -263,8 +266,8 @@ class Heard(NamedTuple):
 
 class LimitExceeded(NamedTuple):
     """A bound overflowed and something was dropped or refused (see `docs/limits.md`):
-    `history_exchanges`, `seeded_history`, `waiting_turns`, `departed_participants`,
-    `patch_bytes` or `release_timeout`."""
+    `history_exchanges`, `seeded_history`, `waiting_turns`, `participants`,
+    `departed_participants`, `patch_bytes` or `release_timeout`."""
 
     limit: str
 

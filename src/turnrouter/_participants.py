@@ -82,8 +82,9 @@ class Registry:
         #: rejoin; oldest first (a dict keeps insertion order), at most
         #: `max_departed_participants` of them.
         self.departed: dict[str, None] = {}
-        self.stopping: OwnedOperation | None = None
+        #: The router's one state value; `stopping` is the shutdown to join while STOPPING.
         self.phase = RouterPhase.RUNNING
+        self.stopping: OwnedOperation | None = None
 
     def get(self, pid: str) -> Participant | None:
         return self.participants.get(pid)
@@ -108,11 +109,8 @@ class Registry:
 
     def router_refusal(self) -> str:
         """Why the router takes nothing now ("" when it is open)."""
-        if self.stopping is not None and not self.stopping.done:
-            return RouterPhase.STOPPING.value
-        if self.phase is RouterPhase.STOP_FAILED:
-            return RouterPhase.STOP_FAILED.value
-        return ""
+        phase = self.phase
+        return "" if phase is RouterPhase.RUNNING else phase.value
 
     def refusal(self, pid: str) -> str:
         """Why `pid` takes no turn now ("" when open)."""
@@ -129,8 +127,8 @@ class Registry:
     def takes_turns(self, state: Participant) -> bool:
         """Whether a participant the router holds takes a turn now (the common case,
         checked without building a refusal)."""
-        return (state.phase is Phase.OPEN and self.stopping is None
-                and self.phase is RouterPhase.RUNNING and state.pid not in self.departed)
+        return (state.phase is Phase.OPEN and self.phase is RouterPhase.RUNNING
+                and state.pid not in self.departed)
 
     def admit(self, pid: str) -> Participant:
         """The participant's state for a new turn (created if new), or `LifecycleError`."""
@@ -145,6 +143,13 @@ class Registry:
         state = self.participants.get(pid)
         if state is not None:
             return state
+        limit = self._cfg.max_participants
+        if len(self.participants) >= limit:
+            self._cfg.overflows.report("participants", f"a new participant refused: the "
+                                       f"router holds max_participants ({limit})")
+            raise LifecycleError(
+                f"participant {pid!r} refused: the router already holds {limit} participants "
+                "(max_participants); departures make room")
         state = self.participants[pid] = Participant(pid, self.new_history())
         self._observer.participant_added(ParticipantChanged(pid))
         return state

@@ -43,6 +43,7 @@ from ._frontend import Departure, ParticipantSnapshot, RoutedResult
 from ._limits import (
     DEFAULT_MAX_DEPARTED_PARTICIPANTS,
     DEFAULT_MAX_HISTORY_EXCHANGES,
+    DEFAULT_MAX_PARTICIPANTS,
     DEFAULT_MAX_PATCH_BYTES,
     DEFAULT_MAX_WAITING_TURNS,
     DEFAULT_RELEASE_TIMEOUT_SECS,
@@ -50,7 +51,7 @@ from ._limits import (
 from ._llm import LLMService
 from ._logging import log_failure
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
-from ._participants import Participant, Registry
+from ._participants import Participant, Registry, RouterPhase
 from ._patch_desk import PatchDesk
 from ._patches import (
     AppliedContextPatch,
@@ -119,6 +120,7 @@ class AgentRouter:
         max_history_exchanges: int = DEFAULT_MAX_HISTORY_EXCHANGES,
         max_waiting_turns: int = DEFAULT_MAX_WAITING_TURNS,
         max_departed_participants: int = DEFAULT_MAX_DEPARTED_PARTICIPANTS,
+        max_participants: int = DEFAULT_MAX_PARTICIPANTS,
         max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
         release_timeout_secs: float = DEFAULT_RELEASE_TIMEOUT_SECS,
     ) -> None:
@@ -142,6 +144,7 @@ class AgentRouter:
                 "max_history_exchanges": max_history_exchanges,
                 "max_waiting_turns": max_waiting_turns,
                 "max_departed_participants": max_departed_participants,
+                "max_participants": max_participants,
                 "max_patch_bytes": max_patch_bytes,
                 "release_timeout_secs": release_timeout_secs,
             },
@@ -353,11 +356,9 @@ class AgentRouter:
         `stop()` ends.
         """
         _check_pid(participant_id)
-        if self._registry.router_refusal():
-            stopping = self._registry.stopping
-            if stopping is not None and not stopping.done:
-                self._departures.close(participant_id)
-                return Departure(self._departures.leave(participant_id))
+        if self._registry.phase is RouterPhase.STOPPING:
+            self._departures.close(participant_id)
+            return Departure(self._departures.leave(participant_id))
         operation = self._departures.start(participant_id)
         return Departure(None if operation is None else operation.join())
 

@@ -280,7 +280,7 @@ def test_acknowledgment_span_timing_and_attributes(rig: Rig) -> None:
     before_ns = time.time_ns()
     obs.acknowledgment(AcknowledgmentFinished(
         "weather", "emitted", "prediction", 0.8, 1.4, now - 0.5, now - 0.2,
-        "Let me check the forecast.", None))
+        "Let me check the forecast.", None, 0.92))
     obs.acknowledgment(AcknowledgmentFinished(
         "weather", "failed", "delay", 0.8, None, now - 0.1, now, "", TimeoutError()))
     obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
@@ -293,10 +293,12 @@ def test_acknowledgment_span_timing_and_attributes(rig: Rig) -> None:
     assert attrs(emitted) == {
         ATTR.ROUTE: "weather", ATTR.ACK_OUTCOME: "emitted", ATTR.ACK_TRIGGER: "prediction",
         ATTR.ACK_DELAY_SECONDS: 0.8, ATTR.ACK_PREDICTED_SECONDS: 1.4,
+        ATTR.ACK_PROBABILITY_LATE: 0.92,
     }
     assert failed.status.status_code is StatusCode.ERROR
     assert attrs(failed)[ATTR.ERROR_TYPE] == "TimeoutError"
     assert ATTR.ACK_PREDICTED_SECONDS not in attrs(failed)
+    assert ATTR.ACK_PROBABILITY_LATE not in attrs(failed)
 
 
 CONTENT_KEYS = {ATTR.QUERY, ATTR.DECISION_RATIONALE, ATTR.GEN_AI_INPUT_MESSAGES,

@@ -3,14 +3,21 @@
 Every message carries a publication id, its originating time and, optionally, W3C trace
 context (`traceparent` / `tracestate`), so a turn published by an upstream speech
 recogniser continues that trace through the router.
+
+Text fields reject lone surrogate code points (not valid text: the exchange could not be
+stored as UTF-8 later) and `timestamp_us` is bounded like `AgentTurn.timestamp_us`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .._contracts import MAX_TIMESTAMP_US
+from .._redact import has_surrogates
 
 __all__ = [
     "Interrupted",
@@ -37,11 +44,19 @@ class RuntimeMessage(BaseModel):
 
     message_id: str = Field(default_factory=_new_id, min_length=1)
     """Publication identity; a query's becomes its turn id."""
-    timestamp_us: int = Field(default_factory=_now_us, ge=0)
+    timestamp_us: int = Field(default_factory=_now_us, ge=0, le=MAX_TIMESTAMP_US)
     """Originating time in Unix microseconds."""
     traceparent: str | None = None
     """W3C trace context of the publisher, if any."""
     tracestate: str | None = None
+
+    @field_validator("*")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        """Reject text holding a lone surrogate (it cannot be encoded as UTF-8)."""
+        if isinstance(value, str) and has_surrogates(value):
+            raise ValueError("holds a lone surrogate code point, which is not valid text")
+        return value
 
     def trace_carrier(self) -> dict[str, str]:
         """The W3C headers as a propagation carrier."""

@@ -11,7 +11,12 @@ import anyio
 from anyio.abc import TaskGroup
 from pydantic import BaseModel, ValidationError
 
-from .._exceptions import ConfigurationError, ContractTypeError, LifecycleError
+from .._exceptions import (
+    ConfigurationError,
+    ContractTypeError,
+    ContractValueError,
+    LifecycleError,
+)
 
 __all__ = ["AgentRuntime", "RuntimeAgent", "Topic"]
 
@@ -37,17 +42,39 @@ class Topic(Generic[M]):
         return f"Topic({self.name!r}, {self.payload.__name__})"
 
     def coerce(self, message: object) -> M:
-        """The message as this topic's payload, validated; raises ValueError/TypeError."""
-        if type(message) is self.payload:
-            return message
-        if isinstance(message, dict):
-            try:
-                return self.payload.model_validate(message)
-            except ValidationError as exc:
-                raise ValueError(f"malformed {self.payload.__name__}: {exc}") from exc
-        raise TypeError(
-            f"topic {self.name!r} carries {self.payload.__name__}, got {type(message).__name__}"
-        )
+        """The message as this topic's payload, validated; raises ValueError/TypeError.
+
+        A dict is validated; an instance of the payload class is validated again from
+        its fields, because `model_construct()` and `model_copy(update=...)` build
+        instances that skipped validation. The error names fields and problems, never
+        the values (they may hold user text).
+        """
+        payload = self.payload
+        if type(message) is payload:
+            fields: object = dict(message.__dict__)
+        elif isinstance(message, dict):
+            fields = message
+        else:
+            raise TypeError(
+                f"topic {self.name!r} carries {payload.__name__}, got {type(message).__name__}"
+            )
+        try:
+            return payload.model_validate(fields)
+        except ValidationError as exc:
+            raise ValueError(f"malformed {payload.__name__}: {_describe(exc)}") from None
+        except RecursionError:
+            raise ValueError(f"malformed {payload.__name__}: nested too deeply") from None
+
+
+def _describe(exc: ValidationError, limit: int = 5) -> str:
+    """A pydantic validation error as `field: problem` pairs, without the input values."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    shown = [
+        f"{'.'.join(str(part) for part in error['loc'])[:80] or '(message)'}: {error['msg']}"
+        for error in errors[:limit]
+    ]
+    more = f" (+{len(errors) - limit} more)" if len(errors) > limit else ""
+    return "; ".join(shown) + more
 
 
 @runtime_checkable
@@ -75,20 +102,38 @@ class AgentRuntime:
         self._subscribers: dict[str, list[tuple[Topic[Any], RuntimeAgent]]] = {}
         self._tg: TaskGroup | None = None
         self._outputs: list[Callable[[Topic[Any], Any], Awaitable[None]]] = []
+        self._rejected = 0
 
     def register(self, agent: RuntimeAgent) -> None:
         """Subscribe `agent` to its topics."""
         for topic in agent.subscriptions:
             self._subscribers.setdefault(topic.name, []).append((topic, agent))
 
+    @property
+    def rejected_messages(self) -> int:
+        """Messages that plain `subscribe()` callbacks never saw: invalid for their topic
+        (each also logged at WARNING)."""
+        return self._rejected
+
     def subscribe(self, topic: Topic[M], callback: Callable[[M], Awaitable[None]]) -> None:
-        """Subscribe a plain callback (useful for output sinks and tests)."""
+        """Subscribe a plain callback (useful for output sinks and tests).
+
+        The callback receives only valid payloads of `topic` (see `Topic.coerce`); other
+        messages are logged, counted in `rejected_messages` and dropped.
+        """
 
         class _Callback:
             subscriptions = (topic,)
 
             async def deliver(self, t: Topic[Any], message: Any, runtime: AgentRuntime) -> None:
-                await callback(message)
+                try:
+                    payload = t.coerce(message)
+                except (TypeError, ValueError) as exc:
+                    runtime._rejected += 1
+                    logger.warning("turnrouter: a subscriber callback of topic %r rejected a "
+                                   "message: %s", t.name, exc)
+                    return
+                await callback(payload)
 
         self.register(_Callback())
 
@@ -121,9 +166,21 @@ class AgentRuntime:
     async def publish(self, topic: Topic[M], message: M | dict[str, Any]) -> None:
         """Deliver `message` to every subscriber of `topic`'s name.
 
-        Like a networked transport, the runtime does not judge payloads: each subscriber
-        validates what it receives against its own topic (see `Topic.coerce`), so one
-        malformed message is rejected where it lands and never crashes the publisher.
+        Like a networked transport, the runtime does not judge foreign payloads: each
+        subscriber validates what it receives against its own topic (see `Topic.coerce`),
+        so one malformed dict or wrong-type message is rejected (and counted) where it
+        lands and never crashes the publisher or anyone else. An instance of the topic's
+        own payload class that skipped validation (`model_construct()`,
+        `model_copy(update=...)`) is the publisher's own bug: it raises
+        `ContractValueError` here, before any subscriber sees it.
         """
+        if type(message) is topic.payload:
+            try:
+                message = topic.coerce(message)
+            except ValueError as exc:
+                raise ContractValueError(
+                    f"published {topic.payload.__name__} on topic {topic.name!r} is invalid "
+                    f"(built without validation?): {exc}"
+                ) from None
         for subscribed, agent in self._subscribers.get(topic.name, ()):
             await agent.deliver(subscribed, message, self)

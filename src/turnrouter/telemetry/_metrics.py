@@ -134,7 +134,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "turnrouter_limit_overflows_total", "counter",
         "Bounds that overflowed (something dropped or refused), by limit: history_exchanges, "
-        "seeded_history, waiting_turns, departed_participants, patch_bytes, release_timeout.",
+        "seeded_history, waiting_turns, participants, departed_participants, patch_bytes, "
+        "release_timeout.",
         ("limit",),
     ),
     MetricSpec(

@@ -91,6 +91,7 @@ class ATTR:
     ACK_TRIGGER = "turnrouter.acknowledgment.trigger"
     ACK_DELAY_SECONDS = "turnrouter.acknowledgment.delay.seconds"
     ACK_PREDICTED_SECONDS = "turnrouter.acknowledgment.predicted_first_response.seconds"
+    ACK_PROBABILITY_LATE = "turnrouter.acknowledgment.probability_late"
     ACK_TEXT = "turnrouter.acknowledgment.text"  # content
     # turnrouter.release
     RELEASE_REASON = "turnrouter.release.reason"

@@ -549,6 +549,8 @@ class TracedTurn(TurnMetrics):
         }
         if event.predicted_first_response is not None:
             attributes[ATTR.ACK_PREDICTED_SECONDS] = event.predicted_first_response
+        if event.probability_late is not None:
+            attributes[ATTR.ACK_PROBABILITY_LATE] = event.probability_late
         if self._capture and event.text:
             attributes[ATTR.ACK_TEXT] = event.text
         if outcome == "failed":
