@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -757,6 +758,7 @@ def test_processor_rejects_bad_configuration() -> None:
         TurnRouterProcessor(router, end_timeout_secs=float("nan"))
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
 junk_text = st.one_of(st.text(), st.text(alphabet=st.characters(codec=None)),
                       st.binary().map(lambda b: b.decode("utf-8", "surrogateescape")))
 junk_value: st.SearchStrategy[Any] = st.recursive(
@@ -780,7 +782,9 @@ def test_transcription_boundary_takes_junk(text: Any, user: Any, stamp: Any) -> 
     if turn is not None:
         assert isinstance(turn.query, str) and turn.query == turn.query.strip()
         assert 0 < len(turn.query) <= 4096
-        assert turn.participant_id == (user if isinstance(user, str) and user else "user")
+        expected = user if isinstance(user, str) and user else "user"
+        assert turn.participant_id == SURROGATE.sub("\ufffd", expected)
+        assert not SURROGATE.search(turn.query)
 
 
 @settings(max_examples=200, deadline=None)

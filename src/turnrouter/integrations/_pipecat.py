@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -67,6 +68,14 @@ SOURCE = "pipecat"
 Started = Callable[[], Awaitable[None]]
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text(value: str) -> str:
+    """STT output as storable text: lone surrogates (not valid text) become U+FFFD."""
+    return value if value.isascii() else _SURROGATE.sub("\ufffd", value)
+
+
 def _timestamp_us(stamp: object) -> int | None:
     """A transcription's ISO-8601 timestamp in Unix microseconds (None if unreadable)."""
     if not isinstance(stamp, str) or len(stamp) > 64:
@@ -113,7 +122,8 @@ def turn_from_frame(
     A `TranscriptionFrame` (STT output) is a turn of its `user_id` (or `participant_id`
     when empty); a non-speculative `LLMContextFrame` (the user context aggregator's
     output) is a turn of `participant_id` whose query is the newest user message. Blank
-    text is no turn. A query longer than `max_query_chars` raises `ContractValueError`.
+    text is no turn; lone surrogates in the text or user id become U+FFFD. A query longer
+    than `max_query_chars` raises `ContractValueError`.
     """
     text: str | None
     if isinstance(frame, TranscriptionFrame):
@@ -129,7 +139,8 @@ def turn_from_frame(
     if len(text) > max_query_chars:
         raise ContractValueError(
             f"user turn of {len(text)} characters exceeds max_query_chars={max_query_chars}")
-    return AgentTurn(user or participant_id, turn_id, text.strip(), timestamp_us=stamp)
+    return AgentTurn(_text(user or participant_id), turn_id, _text(text.strip()),
+                     timestamp_us=stamp)
 
 
 def _carrier_of(otel_context: object) -> dict[str, str]:
@@ -551,8 +562,8 @@ class TurnRouterProcessor(FrameProcessor):
             turn = turn_from_frame(frame, turn_id=f"pipecat-{self.id}-{self._count}",
                                    participant_id=self.participant_id,
                                    max_query_chars=self.max_query_chars)
-        except ContractValueError:
-            self._reject("oversized")
+        except ContractValueError as exc:
+            self._reject("oversized" if "max_query_chars" in str(exc) else "invalid")
             return
         except (ContractTypeError, TypeError, ValueError):
             self._reject("invalid")
