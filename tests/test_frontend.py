@@ -512,3 +512,13 @@ async def test_a_preamble_ends_the_silence_before_the_audio_report() -> None:
     clock.advance(0.4)
     h.router.mark_heard("p1", "t1")
     assert _heard(h) == [("heard", "conversation", 0.4, None)]
+
+
+def test_reports_status_says_whether_set_status_is_configured() -> None:
+    """reports_status is True only with a set_status callback."""
+
+    async def status(value: str, pid: str) -> None:
+        return None
+
+    assert Harness(ScriptedAgent("conversation")).router.reports_status is False
+    assert Harness(ScriptedAgent("conversation"), set_status=status).router.reports_status

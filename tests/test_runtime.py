@@ -419,3 +419,97 @@ async def test_lone_surrogate_query_is_rejected_before_any_answer() -> None:
         UserQuery(participant_id="p", text="\udc80")
     with pytest.raises(ContractValueError, match=r"AgentTurn\.query .*lone surrogate"):
         AgentTurn("p", "t", "x\udfff")
+
+
+# ---------------------------------------------------------------- background work
+
+
+async def test_background_work_is_drained_on_exit() -> None:
+    """Exiting the runtime waits for its background tasks, including ones they start."""
+    done: list[str] = []
+    gate = anyio.Event()
+
+    async def child() -> None:
+        await gate.wait()
+        done.append("child")
+
+    async def parent(runtime: AgentRuntime) -> None:
+        runtime.start_soon(child)
+        done.append("parent")
+
+    with anyio.fail_after(5):
+        async with AgentRuntime() as runtime:
+            runtime.start_soon(parent, runtime)
+            await anyio.wait_all_tasks_blocked()
+            gate.set()
+    assert done == ["parent", "child"]
+    with pytest.raises(LifecycleError, match="not running"):
+        runtime.start_soon(child)
+
+
+async def test_a_background_failure_cancels_the_rest_and_is_raised() -> None:
+    """As in a task group: one failing task cancels the others; the exit raises it."""
+    cancelled = anyio.Event()
+
+    async def waits() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async def fails() -> None:
+        raise KeyError("boom")
+
+    async def run() -> None:
+        async with AgentRuntime() as runtime:
+            runtime.start_soon(waits)
+            await anyio.wait_all_tasks_blocked()
+            runtime.start_soon(fails)
+
+    with anyio.fail_after(5), pytest.raises(BaseExceptionGroup) as caught:
+        await run()
+    assert caught.group_contains(KeyError)
+    assert cancelled.is_set()
+
+
+async def test_an_error_in_the_body_cancels_background_work() -> None:
+    """The body's own error cancels the background tasks and propagates."""
+    cancelled = anyio.Event()
+
+    async def waits() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async def run() -> None:
+        async with AgentRuntime() as runtime:
+            runtime.start_soon(waits)
+            await anyio.wait_all_tasks_blocked()
+            raise ValueError("body")
+
+    with anyio.fail_after(5), pytest.raises(ValueError, match="body"):
+        await run()
+    assert cancelled.is_set()
+
+
+async def test_a_cancelled_exit_still_waits_for_background_work() -> None:
+    """Cancelling the exit cancels the background work, waits for it, then propagates."""
+    finished = anyio.Event()
+
+    async def slow_cleanup() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.lowlevel.checkpoint()
+            finished.set()
+
+    with anyio.fail_after(5):
+        with anyio.CancelScope() as scope:
+            async with AgentRuntime() as runtime:
+                runtime.start_soon(slow_cleanup)
+                await anyio.wait_all_tasks_blocked()
+                scope.cancel()
+        assert scope.cancelled_caught
+    assert finished.is_set()

@@ -397,6 +397,12 @@ class AgentRouter:
             raise ContractTypeError("report_rejected() takes two str")
         self._cfg.observer.message_rejected(MessageRejected(source, reason))
 
+    @property
+    def reports_status(self) -> bool:
+        """Whether a `set_status` callback is configured (else `report_status` is a no-op
+        a front end may skip)."""
+        return self._cfg.set_status is not None
+
     async def report_status(
         self, status: Literal["processing", "idle"], participant_id: str
     ) -> None:

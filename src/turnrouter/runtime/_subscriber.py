@@ -145,8 +145,10 @@ class RouterSubscriber:
         pid = query.participant_id
         turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
         emit = self._emitter(runtime)
+        reports = router.reports_status
         with router.continue_trace(query.trace_carrier()):
-            await router.report_status("processing", pid)
+            if reports:
+                await router.report_status("processing", pid)
             try:
                 await router.route_turn(turn, output=emit)
             except TurnInterrupted:
@@ -157,5 +159,6 @@ class RouterSubscriber:
             except Exception as exc:
                 log_failure("runtime turn %s of %s", exc, turn.turn_id, pid, log=logger)
             finally:
-                with anyio.CancelScope(shield=True):  # idle even when cancelled
-                    await router.report_status("idle", pid)
+                if reports:
+                    with anyio.CancelScope(shield=True):  # idle even when cancelled
+                        await router.report_status("idle", pid)
