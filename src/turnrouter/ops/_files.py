@@ -7,10 +7,10 @@ import difflib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ._dashboards import dashboard_files
-from ._rules import render_rules, rule_groups
+from ._rules import RouteOverride, load_overrides, render_rules, rule_groups
 
 __all__ = [
     "DASHBOARDS_DIR",
@@ -34,13 +34,14 @@ _K8S_HEADER = (
 _LABELS = {"app.kubernetes.io/name": "turnrouter", "app.kubernetes.io/part-of": "turnrouter"}
 
 
-def prometheus_rule(runbook_url: str | None = None) -> dict[str, Any]:
+def prometheus_rule(runbook_url: str | None = None,
+                    overrides: tuple[RouteOverride, ...] = ()) -> dict[str, Any]:
     """The Prometheus Operator `PrometheusRule` carrying exactly the rule file's groups."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": {"name": "turnrouter", "labels": dict(_LABELS)},
-        "spec": rule_groups(runbook_url=runbook_url),
+        "spec": rule_groups(runbook_url=runbook_url, overrides=overrides),
     }
 
 
@@ -56,14 +57,15 @@ def dashboards_configmap() -> dict[str, Any]:
     }
 
 
-def generated_files(runbook_url: str | None = None) -> dict[str, str]:
+def generated_files(runbook_url: str | None = None,
+                    overrides: tuple[RouteOverride, ...] = ()) -> dict[str, str]:
     """Repository-relative path -> content of every generated file (alerts linking to
-    the runbook at `runbook_url`, default `RUNBOOK_URL`)."""
+    the runbook at `runbook_url`, default `RUNBOOK_URL`; per-route `overrides`)."""
     from ._yaml import dump
 
     files = {f"{DASHBOARDS_DIR}/{name}": text for name, text in dashboard_files().items()}
-    files[RULES_FILE] = render_rules(runbook_url=runbook_url)
-    files[K8S_RULE] = _K8S_HEADER + dump(prometheus_rule(runbook_url))
+    files[RULES_FILE] = render_rules(runbook_url=runbook_url, overrides=overrides)
+    files[K8S_RULE] = _K8S_HEADER + dump(prometheus_rule(runbook_url, overrides))
     files[K8S_DASHBOARDS] = _K8S_HEADER + dump(dashboards_configmap())
     return files
 
@@ -81,10 +83,11 @@ def stale_files(root: Path) -> dict[str, str]:
     return stale
 
 
-def write_files(root: Path, runbook_url: str | None = None) -> list[str]:
+def write_files(root: Path, runbook_url: str | None = None,
+                overrides: tuple[RouteOverride, ...] = ()) -> list[str]:
     """Write every generated file that changed; return their paths."""
     written = []
-    for path, text in generated_files(runbook_url).items():
+    for path, text in generated_files(runbook_url, overrides).items():
         target = root / path
         if target.exists() and target.read_text(encoding="utf-8") == text:
             continue
@@ -94,9 +97,35 @@ def write_files(root: Path, runbook_url: str | None = None) -> list[str]:
     return written
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr and exit status 2 (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def read_overrides(path: Path) -> tuple[RouteOverride, ...]:
+    """Per-route overrides from a YAML (or JSON) file; ValueError naming the problem."""
+    import yaml
+
+    try:
+        text = path.read_bytes()[:1_000_001].decode("utf-8")
+        if len(text) > 1_000_000:
+            raise ValueError("larger than 1 MB")
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as exc:
+        raise ValueError(f"cannot read {path}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+                         ) from exc
+    try:
+        return load_overrides(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m turnrouter.ops [--check] [--root DIR] [--runbook-url URL]`."""
-    parser = argparse.ArgumentParser(
+    """`python -m turnrouter.ops [--check] [--root DIR] [--runbook-url URL]
+    [--overrides FILE]`; usage errors exit 2 with one line."""
+    parser = _Parser(
         prog="python -m turnrouter.ops",
         description="Generate the Grafana dashboards, Prometheus rules and Kubernetes "
                     "manifests from turnrouter.telemetry.METRICS.")
@@ -107,19 +136,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runbook-url", metavar="URL",
                         help="base address the alerts' runbook_url annotations point to "
                              "(your copy of docs/runbook.md; default: turnrouter's own)")
+    parser.add_argument("--overrides", type=Path, metavar="FILE",
+                        help="YAML file of per-route alert overrides (docs/operations.md)")
     args = parser.parse_args(argv)
-    if args.runbook_url is not None and not args.runbook_url.startswith(
-            ("https://", "http://")):
+    if args.runbook_url is not None and (
+            not args.runbook_url.startswith(("https://", "http://"))
+            or not args.runbook_url.isprintable()):
         parser.error(f"--runbook-url must be an http(s) address, got {args.runbook_url!r}")
+    if args.root.exists() and not args.root.is_dir():
+        parser.error(f"--root must be a directory, got the file {str(args.root)!r}")
+    overrides: tuple[RouteOverride, ...] = ()
+    if args.overrides is not None:
+        try:
+            overrides = read_overrides(args.overrides)
+        except ValueError as exc:
+            parser.error(f"--overrides: {exc}")
     if args.check:
-        if args.runbook_url is not None:
-            parser.error("--check compares with the checked-in files; drop --runbook-url")
-        stale = stale_files(args.root)
+        if args.runbook_url is not None or overrides:
+            parser.error("--check compares with the checked-in files; drop --runbook-url "
+                         "and --overrides")
+        try:
+            stale = stale_files(args.root)
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"python -m turnrouter.ops: cannot read {args.root}: {exc}", file=sys.stderr)
+            return 1
         for diff in stale.values():
             sys.stdout.write(diff)
         for path in stale:
             print(f"out of date: {path}", file=sys.stderr)
         return 1 if stale else 0
-    for path in write_files(args.root, args.runbook_url):
+    try:
+        written = write_files(args.root, args.runbook_url, overrides)
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"python -m turnrouter.ops: cannot write under {args.root}: {exc}",
+              file=sys.stderr)
+        return 1
+    for path in written:
         print(f"wrote {path}")
     return 0
