@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turnrouter.cli import demo_parser, main
 
@@ -21,12 +23,80 @@ def test_usage_without_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
 
 
-def test_demo_rejects_bad_flags() -> None:
-    """Non-positive durations and participant counts are usage errors."""
-    with pytest.raises(SystemExit):
-        main(["demo", "--duration", "0"])
-    with pytest.raises(SystemExit):
-        main(["demo", "--participants", "0"])
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--duration", "0"], "--duration"),
+    (["--duration", "nan"], "--duration"),
+    (["--participants", "0"], "--participants"),
+    (["--participants", "10001"], "--participants"),
+    (["--speed", "inf"], "--speed"),
+    (["--speed", "-1"], "--speed"),
+    (["--metrics-port", "99999"], "--metrics-port"),
+    (["--metrics-port", "-1"], "--metrics-port"),
+    (["--metrics-port", "1e3"], "--metrics-port"),
+    (["--metrics-host", "a b"], "--metrics-host"),
+    (["--ack-delay", "-0.5"], "--ack-delay"),
+    (["--ack-delay", "inf"], "--ack-delay"),
+    (["--otlp-endpoint", "file:///etc/passwd"], "--otlp-endpoint"),
+    (["--otlp-protocol", "udp"], "--otlp-protocol"),
+    (["--seed", "x"], "--seed"),
+    (["--no-such-flag"], "unrecognized"),
+])
+def test_demo_usage_errors_exit_2_with_one_line(
+        capsys: pytest.CaptureFixture[str], flags: list[str], named: str) -> None:
+    """Out-of-range or malformed flags: exit 2, one stderr line naming the flag."""
+    assert main(["demo", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("turnrouter demo: error: ") and named in err
+
+
+def test_demo_unknown_metrics_host_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """An address that cannot be served ends in one line, exit 2, before the demo runs."""
+    assert main(["demo", "--metrics-port", "0", "--metrics-host", "no-such-host.invalid",
+                 "--duration", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot serve metrics on 'no-such-host.invalid'" in err
+
+
+def test_demo_unwritable_samples_file_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A samples file that cannot be written ends in one line, exit 2."""
+    assert main(["demo", "--samples", str(tmp_path / "missing" / "s.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--samples" in err
+
+
+def test_demo_help_names_tracing_flags_and_environment(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--help exits 0 and documents the tracing flags and OTEL variables."""
+    assert main(["demo", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("--ack-delay", "--samples", "--otlp-endpoint", "--otlp-protocol",
+                 "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_SAMPLER"):
+        assert text in out
+
+
+FLAGS = ["--duration", "--participants", "--seed", "--metrics-port", "--metrics-host",
+         "--speed", "--ack-delay", "--otlp-endpoint", "--otlp-protocol", "--samples"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FLAGS) | st.text(max_size=12), max_size=6),
+       st.lists(st.text(max_size=30) | st.floats().map(repr) | st.integers().map(str),
+                max_size=6))
+def test_demo_flag_junk_never_tracebacks(flags: list[str], values: list[str]) -> None:
+    """Any flags and values: parsing either succeeds with values in range, or is a usage
+    error (SystemExit 2), never another exception."""
+    argv = [item for pair in zip(flags, values, strict=False) for item in pair]
+    try:
+        args = demo_parser().parse_args(argv)
+    except SystemExit as exc:
+        assert exc.code in (0, 2)
+        return
+    assert 0 < args.duration < float("inf") and 1 <= args.participants <= 10_000
+    assert 0 < args.speed <= 1000
+    assert args.metrics_port is None or 0 <= args.metrics_port <= 65535
+    assert args.ack_delay is None or 0 < args.ack_delay <= 60
 
 
 def _deployed_demo_commands() -> list[list[str]]:
