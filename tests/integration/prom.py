@@ -170,9 +170,19 @@ class Prometheus:
         _, body = http_get(f"{self.url}/api/v1/{path}{query}")
         return json.loads(body)
 
-    def query(self, expr: str) -> dict[str, Any]:
-        """An instant query; the full response (status, data or error)."""
-        response: dict[str, Any] = self.api("query", query=expr)
+    def query(self, expr: str, at: float | None = None) -> dict[str, Any]:
+        """An instant query (POST: the what-if queries are long), at `at` (Unix time) or
+        now; the full response (status, data or error)."""
+        form = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
+        request = urllib.request.Request(
+            f"{self.url}/api/v1/query", data=urllib.parse.urlencode(form).encode(),
+            headers={"Content-Type": "application/x-www-form-urlencoded"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                body = answer.read()
+        except urllib.error.HTTPError as error:
+            body = error.read()
+        response: dict[str, Any] = json.loads(body)
         return response
 
     def wait_ready(self) -> None:

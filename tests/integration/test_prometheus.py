@@ -12,7 +12,8 @@ import pytest
 from turnrouter.ops import ALERTS, RECORDING_RULES, dashboards, metric_names, queries
 from turnrouter.ops._promql import pending_series_names
 from turnrouter.ops._rules import CLARIFICATION_WARNING
-from turnrouter.telemetry import METRICS, metric
+from turnrouter.ops._tuning import candidates
+from turnrouter.telemetry import METRICS
 
 from .conftest import CLARIFY_JOB, NORMAL_JOB, Stack
 from .prom import Prometheus, eventually
@@ -26,6 +27,7 @@ GRAFANA_VARIABLES = {
     "$__interval": "5s",
     "$job": ".*",
     "$route": ".*",
+    "$max_ack_rate": "0.5",
 }
 #: Histograms whose observations carry trace exemplars (docs/telemetry.md).
 EXEMPLAR_HISTOGRAMS = [spec.name for spec in METRICS if spec.type == "histogram"]
@@ -87,20 +89,22 @@ def test_dashboard_query_returns_data(stack: Stack, where: str, expr: str) -> No
     wait_for_values(stack.prometheus, substitute(expr), where)
 
 
-def test_candidate_delay_panel_has_one_series_per_bucket_bound(stack: Stack) -> None:
-    """The what-if panel yields a rate in [0, 1] for every first-response bucket bound."""
+def test_which_delay_table_has_every_candidate_and_route(stack: Stack) -> None:
+    """The what-if table's acknowledgment rate: one row per candidate delay and route,
+    each a share in [0, 1], plus the all-routes rows."""
     (model,) = [m for m in dashboards().values() if m["uid"] == "turnrouter-acknowledgment-tuning"]
-    (panel,) = [p for p in model["panels"] if p["title"].startswith("Acknowledgment rate")]
-    buckets = metric("turnrouter_first_response_seconds").buckets
-    assert buckets is not None
-    response = wait_for_values(stack.prometheus, substitute(panel["targets"][0]["expr"]),
-                               "candidate delays")
-    rates = {float(s["metric"]["le"]): float(s["value"][1])
-             for s in response["data"]["result"]}
-    assert sorted(rates) == sorted(buckets)
-    assert all(0.0 <= rate <= 1.0 for rate in rates.values())
-    ordered = [rates[bound] for bound in sorted(rates)]
-    assert ordered == sorted(ordered, reverse=True)  # a longer delay never acknowledges more
+    (panel,) = [p for p in model["panels"]
+                if p["title"] == "Which delay? What-if per candidate delay and route"]
+    by_ref = {t["refId"]: t["expr"] for t in panel["targets"]}
+    delays = {f"{c.delay:g}" for c in candidates()}
+    response = wait_for_values(stack.prometheus, substitute(by_ref["A"]), "what-if per route")
+    rows = [(s["metric"]["route"], s["metric"]["delay"], float(s["value"][1]))
+            for s in response["data"]["result"]]
+    assert {delay for _, delay, _ in rows} == delays
+    assert all(0.0 <= rate <= 1.0 for _, _, rate in rows if math.isfinite(rate))
+    overall = wait_for_values(stack.prometheus, substitute(by_ref["B"]), "what-if, all routes")
+    assert {s["metric"]["route"] for s in overall["data"]["result"]} == {"(all)"}
+    assert {s["metric"]["delay"] for s in overall["data"]["result"]} == delays
 
 
 @pytest.mark.parametrize("rule", RECORDING_RULES, ids=lambda rule: rule.record)

@@ -361,11 +361,14 @@ def parse_prometheus_answer(payload: object,
 
 
 def from_prometheus(url: str, window: str, routes: set[str] | None, timeout: float,
-                    matchers: str = "") -> dict[str, Distribution]:
+                    matchers: str = "", at: float | None = None) -> dict[str, Distribution]:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc or not url.isprintable():
         raise ValueError(f"--prometheus must be an http(s) URL, got {printable(url[:100])!r}")
-    body = urllib.parse.urlencode({"query": prometheus_query(window, matchers)}).encode()
+    form = {"query": prometheus_query(window, matchers)}
+    if at is not None:
+        form["time"] = f"{at:.3f}"
+    body = urllib.parse.urlencode(form).encode()
     endpoint = url.rstrip("/") + "/api/v1/query"
     request = urllib.request.Request(
         endpoint, data=body, headers={"Content-Type": "application/x-www-form-urlencoded"})
@@ -511,6 +514,8 @@ def _parser() -> argparse.ArgumentParser:
                              'job="voice",namespace="prod"')
     parser.add_argument("--window", type=_window, default="1d",
                         help="Prometheus range for increase() (default 1d)")
+    parser.add_argument("--at", type=_bounded(0.0, 1e11, low_open=True), metavar="UNIX_TIME",
+                        help="evaluate at this instant (default: now)")
     parser.add_argument("--timeout", type=_bounded(0.0, 300.0, low_open=True), default=10.0,
                         help="Prometheus timeout in seconds (default 10)")
     parser.add_argument("--route", action="append", type=_route,
@@ -570,7 +575,7 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         else:
             matchers = selector_matchers(args.selector)
             distributions = from_prometheus(args.prometheus, args.window, routes,
-                                            args.timeout, matchers)
+                                            args.timeout, matchers, args.at)
             source = f"{printable(args.prometheus)} ({prometheus_query(args.window, matchers)})"
     except (OSError, ValueError) as exc:
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

@@ -33,11 +33,12 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 #: Seconds; decisions and admissions. The embedded decision service and in-process
 #: admissions take well under a millisecond, an LLM classifier or a remote admit()
-#: hundreds of ms: steps of at most 2x from 50 us to 5 s (0.3 s is the alert threshold),
-#: so a quantile is not a bucket artefact at either end.
+#: hundreds of ms: steps of at most 1.5x from 50 us to 2 s (0.3 s is the alert
+#: threshold), so a quantile is within 10% at either end (tests/ops/test_buckets.py).
 FAST_BUCKETS: tuple[float, ...] = (
-    0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002,
-    0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
+    0.00005, 0.0001, 0.00015, 0.0002, 0.00025, 0.0003, 0.0004, 0.0005, 0.00075, 0.001,
+    0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
 )
 #: Seconds; first response and silence. Acknowledgment delays live between 0.1 and 1.5 s,
 #: so the steps there are 50 ms (then 100 ms to 2 s): a quantile read from buckets lands
