@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from turnrouter.ops import ALERTS
+from turnrouter.ops import ALERTS, AlertRule
 
 from .conftest import DEPLOY, require_binary
 
@@ -70,3 +70,33 @@ def test_broken_config_is_rejected(tmp_path: Path) -> None:
                                                  "['severity=~\"(critical\"']", 1))
     result = _amtool("check-config", str(broken))
     assert result.returncode != 0
+
+
+RUNBOOK = DEPLOY.parent / "docs/runbook.md"
+
+
+def _section(text: str, alert: str) -> str:
+    start = text.index(f"## {alert}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+@pytest.mark.parametrize("alert", ALERTS, ids=lambda a: f"{a.alert}-{a.severity}")
+def test_runbook_section_matches_what_ships(alert: object) -> None:
+    """Each alert's runbook section names its hold time, its threshold and its traffic
+    floor as the rule file has them (the runbook cannot drift from the rules)."""
+    assert isinstance(alert, AlertRule)
+    section = " ".join(_section(RUNBOOK.read_text(), alert.alert).split())
+    assert f"for {alert.for_.removesuffix('m')} minute" in section
+    seconds = alert.alert in {"TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
+                              "TurnrouterDecisionSlow"}
+    shown = f"{alert.threshold:g} s" if seconds else f"{alert.threshold:.0%}"
+    assert shown in section
+    assert f"{alert.min_turns}" in section
+
+
+def test_runbook_describes_the_shipped_inhibition() -> None:
+    """The runbook's routing paragraph names the shipped Alertmanager file and rules."""
+    text = RUNBOOK.read_text()
+    assert "deploy/alertmanager/alertmanager.yml" in text
+    assert "suppressed" in text and "`pager`" in text and "`tickets`" in text
