@@ -18,8 +18,9 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_promtool_check_rules() -> None:
-    """`promtool check rules` accepts the generated rule file."""
-    result = _promtool("check", "rules", str(DEPLOY / "prometheus/rules/turnrouter.rules.yml"))
+    """`promtool check rules` accepts the generated rule files (shipped and compose)."""
+    result = _promtool("check", "rules", str(DEPLOY / "prometheus/rules/turnrouter.rules.yml"),
+                       str(DEPLOY / "compose/rules/turnrouter.rules.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
@@ -52,7 +53,7 @@ def test_promtool_check_config_of_the_compose_prometheus(tmp_path: Path) -> None
     mounted = "/etc/prometheus/rules/*.yml"
     assert mounted in config
     local = tmp_path / "prometheus.yml"
-    local.write_text(config.replace(mounted, str(DEPLOY / "prometheus/rules/*.yml")))
+    local.write_text(config.replace(mounted, str(DEPLOY / "compose/rules/*.yml")))
     result = _promtool("check", "config", str(local))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(RECORDING_RULES) + len(ALERTS)} rules found" in result.stdout
