@@ -99,6 +99,30 @@ def test_normal_demo_has_nothing_pending_or_firing(stack: Stack) -> None:
         assert holding == [], f"{alert.alert} ({alert.severity}) holds for the normal demo"
 
 
+def test_slow_by_design_route_pages_only_without_its_override(stack: Stack) -> None:
+    """Travel is slow by design (p95 near 3 s): the default first-response condition
+    holds for it, its override (4 s) does not, and it was never pending or firing."""
+    (slow,) = [a for a in ALERTS if a.alert == "TurnrouterSlowFirstResponse"]
+    without = dataclasses.replace(slow, min_turns=0).expression()
+    overrides = read_overrides(DEMO_OVERRIDES)
+    with_override = dataclasses.replace(slow, min_turns=0).expression(
+        tuple(dataclasses.replace(o, min_turns=0) if o.min_turns is not None else o
+              for o in overrides))
+
+    def travel_holds() -> bool | None:
+        result = stack.prometheus.query(without)["data"]["result"]
+        return True if any(s["metric"].get("job") == NORMAL_JOB
+                           and s["metric"].get("route") == "travel" for s in result) else None
+
+    eventually(travel_holds, timeout=TIMEOUT, what="travel's p95 above the default 1.5 s")
+    result = stack.prometheus.query(with_override)["data"]["result"]
+    assert [s["metric"] for s in result if s["metric"].get("job") == NORMAL_JOB
+            and s["metric"].get("route") == "travel"] == []
+    fired = [a for a in _alerts_over_session(stack, NORMAL_JOB)
+             if a.get("alertname") == "TurnrouterSlowFirstResponse"]
+    assert fired == []
+
+
 def test_one_heavy_participant_alone_pages_for_nothing(stack: Stack) -> None:
     """One participant clarified on most turns: its ratio is far above the critical
     threshold, but its turns stay under the floor, and nothing was pending or firing."""

@@ -272,3 +272,10 @@ def test_kustomize_builds(overlay: str) -> None:
     assert result.returncode == 0, result.stderr
     kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc)
     assert kinds == ["ConfigMap", "Deployment", "PrometheusRule", "Service", "ServiceMonitor"]
+
+
+def test_dashboards_configmap_fits_a_client_side_apply() -> None:
+    """The dashboards ConfigMap stays under 256 KiB, the limit of the annotation
+    `kubectl apply` (client-side) stores it in; far under the 1 MiB object limit."""
+    size = len((ROOT / K8S_DASHBOARDS).read_bytes())
+    assert size < 256 * 1024, size
