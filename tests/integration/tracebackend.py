@@ -110,7 +110,8 @@ class Phoenix:
     def get(self, path: str, params: list[tuple[str, str]] | None = None) -> Any:
         """GET /v1/<path>; the decoded JSON body (raises on a non-200 answer)."""
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        status, body = http_get(f"{self.url}/v1/{path}{query}")
+        # Generous: on a loaded machine a page of 1000 spans took over 5 s.
+        status, body = http_get(f"{self.url}/v1/{path}{query}", timeout=60.0)
         if status != 200:
             raise AssertionError(f"GET /v1/{path}{query}: HTTP {status}: {body[:500]!r}")
         return json.loads(body)

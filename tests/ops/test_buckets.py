@@ -75,16 +75,22 @@ def test_silence_quantiles_within_10_percent(route_samples: dict[str, list[float
 
 
 def test_quantiles_of_a_real_demo_run_within_10_percent(tmp_path: Path) -> None:
-    """A short real demo run's own samples (all routes, and each route with 200 or more):
-    bucket quantiles within 10% of exact."""
+    """Real demo runs' own samples (all routes, and each route with 200 or more): bucket
+    quantiles within 10% of exact. Runs of 3 s are repeated (at most 8) until 600
+    samples are in, so a loaded machine only makes the test longer."""
     path = tmp_path / "samples.jsonl"
-    anyio.run(functools.partial(run_demo, out=io.StringIO()),
-              DemoConfig(duration=3.0, participants=40, speed=20.0, progress=False, seed=16,
-                         samples_path=str(path)))
-    samples = [s for s in load_samples(path) if not s.censored]
-    assert len(samples) >= 500
-    by_route: dict[str, list[float]] = {"(all)": [s.seconds for s in samples]}
-    for sample in samples:
+    samples: list[float] = []
+    for seed in range(8):
+        anyio.run(functools.partial(run_demo, out=io.StringIO()),
+                  DemoConfig(duration=3.0, participants=40, speed=20.0, progress=False,
+                             seed=16 + seed, samples_path=str(path)))
+        loaded = [s for s in load_samples(path) if not s.censored]
+        samples = [s.seconds for s in loaded]
+        if len(samples) >= 600:
+            break
+    assert len(samples) >= 600, f"only {len(samples)} samples in 8 runs"
+    by_route: dict[str, list[float]] = {"(all)": samples}
+    for sample in loaded:
         by_route.setdefault(sample.route, []).append(sample.seconds)
     big = {route: values for route, values in by_route.items() if len(values) >= 200}
     assert _worst_error(big, RESPONSE_BUCKETS) <= TOLERANCE
