@@ -31,7 +31,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TextIO
 
@@ -470,7 +470,8 @@ def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None) -
     return None
 
 
-def _bounded(low: float, high: float, *, low_open: bool = False) -> type[float]:
+def _bounded(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (or (low, high])."""
     def parse(value: str) -> float:
         try:
             number = float(value)
@@ -482,7 +483,7 @@ def _bounded(low: float, high: float, *, low_open: bool = False) -> type[float]:
                 f"must be a finite number {'>' if low_open else '>='} {low:g} and "
                 f"<= {high:g}, got {value!r}")
         return number
-    return parse  # type: ignore[return-value]
+    return parse
 
 
 def _window(value: str) -> str:
