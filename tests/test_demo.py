@@ -91,11 +91,9 @@ async def test_samples_flag_writes_first_response_samples_in_simulated_seconds(
                               seed=4, samples_path=str(path)), out=io.StringIO())
     samples = load_samples(path)
     assert len(samples) > 20
-    travel = [s.seconds for s in samples if s.route == "travel" and not s.censored]
-    fast = [s.seconds for s in samples if s.route == "small_talk" and not s.censored]
-    # travel's median is 1.6 s of simulated time (0.16 s of wall time at speed 10).
-    if travel and fast:
-        assert statistics.median(travel) > 0.8 > statistics.median(fast)
+    # The demo's first responses have a median near 0.45 s of simulated time, 0.045 s of
+    # wall time at speed 10 (a loaded machine only makes them longer).
+    assert statistics.median(s.seconds for s in samples if not s.censored) > 0.25
 
 
 def test_ack_delay_off_and_default() -> None:
