@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,15 @@ def test_deployment_files_use_real_demo_flags(command: list[str]) -> None:
     assert args.serve
     assert args.metrics_host == "0.0.0.0"
     assert args.metrics_port == 9464
+
+
+def test_demo_grpc_without_its_exporter_is_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--otlp-protocol grpc without the gRPC exporter installed: exit 2, one line naming
+    the package, before the demo runs."""
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+                        None)
+    assert main(["demo", "--otlp-endpoint", "http://127.0.0.1:4317", "--otlp-protocol",
+                 "grpc", "--duration", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "opentelemetry-exporter-otlp-proto-grpc" in err

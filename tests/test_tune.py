@@ -360,12 +360,17 @@ def prometheus() -> Iterator[tuple[str, list[str], list[Any]]]:
             from urllib.parse import parse_qs
 
             length = int(self.headers.get("Content-Length") or 0)
-            queries.extend(parse_qs(self.rfile.read(length).decode()).get("query", []))
+            query = parse_qs(self.rfile.read(length).decode()).get("query", [""])[0]
+            queries.append(query)
             if self.path != "/api/v1/query":
                 self.send_response(404)
                 self.end_headers()
                 return
-            body = answer[0] if isinstance(answer[0], bytes) else json.dumps(answer[0]).encode()
+            reply = answer[0]
+            if query.startswith("max(turnrouter_acknowledgment_delay_seconds"):
+                reply = {"status": "success", "data": {"resultType": "vector", "result": [
+                    {"metric": {}, "value": [0, "1"]}]}}
+            body = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -396,8 +401,10 @@ def test_reads_first_response_buckets_from_prometheus_with_a_selector(
                         "--generation-secs", "0"])
     assert code == 0
     assert queries == ['sum by (route, le) (increase(turnrouter_first_response_seconds_bucket'
-                       '{job="voice", env=~"prod.*"}[6h]))']
+                       '{job="voice", env=~"prod.*"}[6h]))',
+                       'max(turnrouter_acknowledgment_delay_seconds{job="voice", env=~"prod.*"})']
     assert _row(out, "a", "1.00s")[4] == "50.0%"
+    assert _row(out, "a", "1.00s")[-1] == "current"  # the routers' configured delay
     assert _row(out, "b", "0.50s")[4] == "0.0%"
     assert "recommended acknowledgment_delay_secs=" in out
 

@@ -1,7 +1,7 @@
 """The demo's spans, exported over OTLP/HTTP, land in a real trace backend (Arize Phoenix).
 
-`turnrouter demo` runs for a few seconds with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at a
-Phoenix started on loopback; after it exits, every turn it reports is a `turnrouter.turn`
+`turnrouter demo` runs for a few seconds with `--otlp-endpoint` pointing at a Phoenix
+started on loopback; after it exits, every turn it reports is a `turnrouter.turn`
 span in Phoenix (so the batch exporter was flushed at exit), and one answered turn's trace,
 fetched by its trace id, holds the turn span with its route, admission and `invoke_agent`
 children, as docs/telemetry.md describes.
@@ -59,11 +59,10 @@ def demo_executable() -> str:
 def run_demo(endpoint: str) -> str:
     """Run the demo exporting to `endpoint` until it exits by itself; its output."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
-    env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
     result = subprocess.run(
         [demo_executable(), "demo", "--duration", str(DEMO_SECONDS), "--participants", "20",
-         "--speed", "4", "--seed", "7", "--quiet"],
+         "--speed", "4", "--seed", "7", "--quiet", "--otlp-endpoint", endpoint,
+         "--otlp-protocol", "http/protobuf"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=DEMO_TIMEOUT,
         stdin=subprocess.DEVNULL, check=False)
     output = result.stdout + result.stderr

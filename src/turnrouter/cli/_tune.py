@@ -360,12 +360,16 @@ def parse_prometheus_answer(payload: object,
     return buckets
 
 
-def from_prometheus(url: str, window: str, routes: set[str] | None, timeout: float,
-                    matchers: str = "", at: float | None = None) -> dict[str, Distribution]:
+def _check_url(url: str) -> None:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc or not url.isprintable():
         raise ValueError(f"--prometheus must be an http(s) URL, got {printable(url[:100])!r}")
-    form = {"query": prometheus_query(window, matchers)}
+
+
+def _query(url: str, expr: str, timeout: float, at: float | None) -> object:
+    """POST one instant query; the decoded JSON answer (ValueError for any failure)."""
+    _check_url(url)
+    form = {"query": expr}
     if at is not None:
         form["time"] = f"{at:.3f}"
     body = urllib.parse.urlencode(form).encode()
@@ -383,14 +387,47 @@ def from_prometheus(url: str, window: str, routes: set[str] | None, timeout: flo
     if len(raw) > MAX_RESPONSE_BYTES:
         raise ValueError(f"Prometheus answer larger than {MAX_RESPONSE_BYTES} bytes")
     try:
-        payload = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except RecursionError:
         raise ValueError("Prometheus answer is nested too deeply") from None
     except ValueError as exc:
         raise ValueError(f"Prometheus answer is not JSON: {str(exc)[:100]}") from exc
+
+
+def from_prometheus(url: str, window: str, routes: set[str] | None, timeout: float,
+                    matchers: str = "", at: float | None = None) -> dict[str, Distribution]:
+    payload = _query(url, prometheus_query(window, matchers), timeout, at)
     buckets = parse_prometheus_answer(payload, routes)
     return {route: BucketDistribution(sorted(b.items())) for route, b in sorted(buckets.items())
             if max(b.values(), default=0.0) > 0}
+
+
+DELAY_GAUGE = "turnrouter_acknowledgment_delay_seconds"
+
+
+def configured_delay(url: str, timeout: float, matchers: str = "",
+                     at: float | None = None) -> float | None:
+    """The fallback delay the routers report (`max` of the gauge over the selector), or
+    None when none reports one (acknowledgments off, no data, or an unusable answer)."""
+    selector = f"{{{matchers}}}" if matchers else ""
+    try:
+        payload = _query(url, f"max({DELAY_GAUGE}{selector})", timeout, at)
+    except ValueError:
+        return None
+    if not isinstance(payload, dict) or payload.get("status") != "success":
+        return None
+    data = payload.get("data")
+    result = data.get("result") if isinstance(data, dict) else None
+    if not isinstance(result, list) or len(result) != 1 or not isinstance(result[0], dict):
+        return None
+    value = result[0].get("value")
+    if not isinstance(value, list) or len(value) != 2:
+        return None
+    try:
+        delay = _number(value[1], "delay")
+    except ValueError:
+        return None
+    return delay if math.isfinite(delay) and 0 < delay <= 60 else None
 
 
 # ---------------------------------------------------------------- output
@@ -415,7 +452,7 @@ def print_table(rows: Sequence[TuneRow], out: TextIO, current: float | None = No
         if previous is not None and row.route != previous:
             out.write("\n")
         previous = row.route
-        mark = "  <- current" if current is not None and abs(row.delay - current) < 1e-9 else ""
+        mark = "  <- current" if current is not None and abs(row.delay - current) < 0.025 else ""
         out.write(f"{names[row.route]:<{width}}  {row.delay:5.2f}s  {row.turns:7.0f}  "
                   f"{_trigger(row):>10}  "
                   f"{row.ack_rate:8.1%}  {row.needless_rate:8.1%}  "
@@ -526,7 +563,8 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"acknowledgment generation time modelled "
                              f"(default {GENERATION_SECS:g})")
     parser.add_argument("--current", type=_bounded(0.0, 60.0, low_open=True),
-                        metavar="SECONDS", help="mark the delay configured today")
+                        metavar="SECONDS", help="mark the delay configured today (default "
+                        "with --prometheus: the routers' turnrouter_acknowledgment_delay_seconds)")
     parser.add_argument("--delays", help="comma-separated candidate delays (default: those "
                         "on the histogram's bucket bounds, as the dashboard)")
     target = parser.add_mutually_exclusive_group()
@@ -577,6 +615,9 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
             matchers = selector_matchers(args.selector)
             distributions = from_prometheus(args.prometheus, args.window, routes,
                                             args.timeout, matchers, args.at)
+            if args.current is None:
+                args.current = configured_delay(args.prometheus, args.timeout, matchers,
+                                                args.at)
             source = f"{printable(args.prometheus)} ({prometheus_query(args.window, matchers)})"
     except (OSError, ValueError) as exc:
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -592,6 +633,8 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
     out.write(f"model: acknowledgment generation {args.generation_secs:g}s, early "
               f"acknowledgment at {EARLY_SECS:g}s for routes predicted slow (p10 above the "
               f"delay), needless = answer within {NEEDLESS_WITHIN_SECONDS:g}s of it\n")
+    if args.current is not None:
+        out.write(f"current delay: {args.current:g}s (marked)\n")
     print_table(rows, out, args.current)
     status = 0
     target: tuple[str, float] | None = None
