@@ -140,3 +140,15 @@ def test_demo_grpc_without_its_exporter_is_one_line(
                  "grpc", "--duration", "1", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "opentelemetry-exporter-otlp-proto-grpc" in err
+
+
+def test_demo_write_failure_during_the_run_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A samples file that fails while the demo runs (a full disk: /dev/full) ends in one
+    line and exit 1, not a traceback."""
+    if not Path("/dev/full").exists():
+        pytest.fail("this test needs /dev/full (Linux)")
+    assert main(["demo", "--samples", "/dev/full", "--duration", "1", "--speed", "10",
+                 "--participants", "5", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err

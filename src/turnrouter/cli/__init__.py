@@ -165,6 +165,9 @@ def _demo(argv: Sequence[str]) -> int:
     except ConfigurationError as exc:
         print(f"turnrouter demo: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except OSError as exc:  # e.g. the samples file's disk filled up during the run
+        print(f"turnrouter demo: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
     return 0 if report.lost_turns == 0 else 1
 
 
