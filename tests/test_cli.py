@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -148,7 +149,12 @@ def test_demo_write_failure_during_the_run_is_one_line(
     line and exit 1, not a traceback."""
     if not Path("/dev/full").exists():
         pytest.fail("this test needs /dev/full (Linux)")
+    quiet_filters = [list(logging.getLogger(n).filters) for n in ("turnrouter",
+                                                                   "turnrouter.runtime")]
     assert main(["demo", "--samples", "/dev/full", "--duration", "1", "--speed", "10",
-                 "--participants", "5", "--quiet"]) == 1
+                 "--participants", "5", "--quiet", "--metrics-port", "0"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err
+    # Cleanup ran past the failure: the demo's log filters are gone again.
+    assert [list(logging.getLogger(n).filters) for n in ("turnrouter",
+                                                         "turnrouter.runtime")] == quiet_filters

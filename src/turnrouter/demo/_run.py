@@ -301,14 +301,16 @@ async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoRepor
             logging.getLogger(name).addFilter(quiet)
         report = await _run(config, rng, sample, registry, tracer_provider, sink, out)
     finally:
-        if server is not None:
-            server.close()
-        if tracer_provider is not None:
-            tracer_provider.shutdown()  # flush the batch exporter before exit
-        if sink is not None:
-            sink.close()
+        # Every step runs even if one before it fails (a sink on a full disk raises).
         for name in ("turnrouter", "turnrouter.runtime"):
             logging.getLogger(name).removeFilter(quiet)
+        with contextlib.ExitStack() as cleanup:
+            if sink is not None:
+                cleanup.callback(sink.close)
+            if tracer_provider is not None:
+                cleanup.callback(tracer_provider.shutdown)  # flush the exporter before exit
+            if server is not None:
+                cleanup.callback(server.close)
     print("\n" + report.render(), file=out)
     return report
 
