@@ -77,12 +77,15 @@ def test_silence_quantiles_within_10_percent(route_samples: dict[str, list[float
 def test_quantiles_of_a_real_demo_run_within_10_percent(tmp_path: Path) -> None:
     """Real demo runs' own samples (all routes, and each route with 200 or more): bucket
     quantiles within 10% of exact. Runs of 3 s are repeated (at most 8) until 600
-    samples are in, so a loaded machine only makes the test longer."""
+    samples are in, so a loaded machine only makes the test longer. Speed 5, not more:
+    the demo multiplies the event loop's scheduling lag by its speed, and on a loaded
+    machine a 20x run turned 0.7 s stalls into 14 s "first responses" (beyond the last
+    bucket: what any histogram reports as +Inf)."""
     path = tmp_path / "samples.jsonl"
     samples: list[float] = []
     for seed in range(8):
         anyio.run(functools.partial(run_demo, out=io.StringIO()),
-                  DemoConfig(duration=3.0, participants=40, speed=20.0, progress=False,
+                  DemoConfig(duration=3.0, participants=80, speed=5.0, progress=False,
                              seed=16 + seed, samples_path=str(path)))
         loaded = [s for s in load_samples(path) if not s.censored]
         samples = [s.seconds for s in loaded]
