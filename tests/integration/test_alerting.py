@@ -124,13 +124,18 @@ def test_slow_by_design_route_pages_only_without_its_override(stack: Stack) -> N
 
 
 def test_one_heavy_participant_alone_pages_for_nothing(stack: Stack) -> None:
-    """One participant clarified on most turns: its ratio is far above the critical
+    """One participant clarified on most turns: its ratio goes far above the critical
     threshold, but its turns stay under the floor, and nothing was pending or firing."""
-    _wait_for_traffic(stack, HEAVY_JOB, "turnrouter:turns:increase1m", 3)
-    ratio = stack.prometheus.query(f'turnrouter:clarification_ratio:rate5m{{job="{HEAVY_JOB}"}}')
-    turns = stack.prometheus.query(f'turnrouter:turns:increase1m{{job="{HEAVY_JOB}"}}')
-    (value,) = [float(s["value"][1]) for s in ratio["data"]["result"]]
-    (count,) = [float(s["value"][1]) for s in turns["data"]["result"]]
-    assert value > 0.25
-    assert count < MIN_TURNS_1M
+    def ratio_above_critical() -> float | None:
+        result = stack.prometheus.query(
+            f'turnrouter:clarification_ratio:rate5m{{job="{HEAVY_JOB}"}} > 0.25')
+        values = [float(s["value"][1]) for s in result["data"]["result"]]
+        return values[0] if values else None
+
+    eventually(ratio_above_critical, timeout=180.0, interval=1.0,
+               what="the heavy participant's clarification ratio above 25%")
+    turns = stack.prometheus.query(
+        f'max_over_time(turnrouter:turns:increase1m{{job="{HEAVY_JOB}"}}[1h])')
+    (most,) = [float(s["value"][1]) for s in turns["data"]["result"]]
+    assert 0 < most < MIN_TURNS_1M
     assert _alerts_over_session(stack, HEAVY_JOB) == []
