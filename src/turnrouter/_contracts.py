@@ -265,8 +265,15 @@ class RouteRequest:
         if not isinstance(excluded, frozenset):
             if isinstance(excluded, str) or not isinstance(excluded, Iterable):
                 raise _type_error("RouteRequest", "excluded", "a set of route names", excluded)
-            excluded = frozenset(excluded)
+            try:
+                excluded = frozenset(excluded)
+            except TypeError:  # an unhashable element
+                raise _type_error("RouteRequest", "excluded", "a set of route names",
+                                  excluded) from None
             object.__setattr__(self, "excluded", excluded)
+        for name in excluded:
+            if not isinstance(name, str):
+                raise _type_error("RouteRequest", "excluded", "a set of route names", excluded)
         overlap = seen & excluded
         if overlap:
             raise ContractValueError(
