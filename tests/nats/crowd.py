@@ -1,0 +1,107 @@
+"""Participants talking to a worker fleet over NATS, and what they heard."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from turnrouter.runtime import ResponseOutput, UserQuery
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
+
+FAILURE = NatsConfig().failure_text
+
+
+@dataclass
+class Heard:
+    """Everything the output stream delivered, by turn, in stream order."""
+
+    finals: dict[str, list[ResponseOutput]] = field(default_factory=dict)
+    order: dict[str, list[str]] = field(default_factory=dict)
+    events: dict[str, asyncio.Event] = field(default_factory=dict)
+    at: dict[str, float] = field(default_factory=dict)
+
+    def add(self, message: ResponseOutput) -> None:
+        if message.route not in ("echo", "none"):
+            return
+        self.finals.setdefault(message.request_id, []).append(message)
+        self.order.setdefault(message.participant_id, []).append(message.request_id)
+        self.at.setdefault(message.request_id, time.monotonic())
+        self.events.setdefault(message.request_id, asyncio.Event()).set()
+
+
+@dataclass
+class Sent:
+    participant: str
+    index: int
+    turn_id: str
+    text: str
+    at: float
+
+
+class Crowd:
+    """`participants` each send turns one after the other, waiting for each ending."""
+
+    def __init__(self, front: NatsFrontEnd, participants: int, *, timeout: float = 15.0,
+                 prefix: str = "u") -> None:
+        self.front, self.timeout = front, timeout
+        self.pids = [f"{prefix}{i}" for i in range(participants)]
+        self.heard = Heard()
+        self.sent: dict[str, list[Sent]] = {pid: [] for pid in self.pids}
+        self.unanswered: list[Sent] = []
+        self._stop = asyncio.Event()
+
+    async def listen(self, ready: asyncio.Event) -> None:
+        iterator = self.front.outputs()
+        first = asyncio.ensure_future(anext(iterator))
+        ready.set()
+        self.heard.add(await first)
+        async for message in iterator:
+            self.heard.add(message)
+
+    async def talk(self, pid: str, turns: int | None) -> None:
+        index = 0
+        while (turns is None and not self._stop.is_set()) or (
+                turns is not None and index < turns):
+            query = UserQuery(participant_id=pid, text=f"{pid}#{index}")
+            event = self.heard.events.setdefault(query.message_id, asyncio.Event())
+            sent = Sent(pid, index, query.message_id, query.text, time.monotonic())
+            self.sent[pid].append(sent)
+            await self.front.publish(query)
+            try:
+                await asyncio.wait_for(event.wait(), self.timeout)
+            except TimeoutError:
+                self.unanswered.append(sent)
+            index += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self, gap_bound: float) -> dict[str, float]:
+        """Assert: nothing lost, nothing answered twice, order, history, focus, gap."""
+        assert not self.unanswered, f"lost turns: {self.unanswered[:5]}"
+        worst, failures, answers = 0.0, 0, 0
+        for pid, sent in self.sent.items():
+            turn_ids = [s.turn_id for s in sent]
+            assert self.heard.order.get(pid, []) == turn_ids, f"order of {pid}"
+            previous_answered = "-"
+            answered_before = False
+            for s in sent:
+                finals = self.heard.finals[s.turn_id]
+                assert len(finals) == 1, f"{s.turn_id} ended {len(finals)} times"
+                worst = max(worst, self.heard.at[s.turn_id] - s.at)
+                final = finals[0]
+                if final.route == "none":
+                    assert final.text == FAILURE
+                    failures += 1
+                    continue
+                answers += 1
+                text, previous, flag = final.text.split("|")
+                assert text == s.text
+                assert previous == previous_answered, (
+                    f"{pid} turn {s.index}: history ends with {previous!r}, "
+                    f"expected {previous_answered!r}")
+                assert flag == ("F" if answered_before else "N"), f"focus of {pid}"
+                previous_answered, answered_before = s.text, True
+        assert worst <= gap_bound, f"a turn waited {worst:.2f} s"
+        return {"worst": worst, "failures": failures, "answers": answers}
