@@ -31,6 +31,7 @@ from .._messages import (
 __all__ = [
     "KINDS",
     "MAX_PARTICIPANT_ID_BYTES",
+    "Ending",
     "NatsConfig",
     "Rejected",
     "decode_token",
@@ -38,6 +39,8 @@ __all__ = [
     "kind_of",
     "output_message_id",
     "parse_input",
+    "parse_state",
+    "state_json",
 ]
 
 #: Participant ids longer than this (UTF-8) are refused: they become subject tokens and
@@ -223,20 +226,35 @@ def output_json(message: ResponseOutput) -> bytes:
     return message.model_dump_json().encode("utf-8")
 
 
-def state_json(owner: str, inflight: list[str], snapshot: str | None) -> bytes:
+Ending = tuple[str, str, str]
+"""A turn's terminal output waiting in a participant's record: (turn id, route, text)."""
+
+
+def state_json(owner: str, inflight: list[str], snapshot: str | None,
+               outbox: list[Ending] | None = None) -> bytes:
     """The key-value record of one participant."""
-    return json.dumps({"owner": owner, "inflight": inflight, "snapshot": snapshot},
+    return json.dumps({"owner": owner, "inflight": inflight, "snapshot": snapshot,
+                       "outbox": [list(e) for e in outbox or ()]},
                       separators=(",", ":")).encode("utf-8")
 
 
-def parse_state(data: bytes) -> tuple[list[str], str | None]:
-    """(in-flight turn ids, snapshot JSON) of a key-value record (ValueError on junk)."""
-    record: Any = json.loads(data)
+def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
+    """(in-flight turn ids, snapshot JSON, endings to publish) of a key-value record
+    (ValueError naming the problem on junk)."""
+    try:
+        record: Any = json.loads(data)
+    except RecursionError as exc:
+        raise ValueError("state record nested too deeply") from exc
     if not isinstance(record, dict):
         raise ValueError("state record is not a JSON object")
     inflight, snapshot = record.get("inflight", []), record.get("snapshot")
+    outbox = record.get("outbox", [])
     if not (isinstance(inflight, list) and all(isinstance(t, str) for t in inflight)):
         raise ValueError("state record 'inflight' is not a list of turn ids")
     if snapshot is not None and not isinstance(snapshot, str):
         raise ValueError("state record 'snapshot' is not a string")
-    return inflight, snapshot
+    if not (isinstance(outbox, list) and all(
+            isinstance(e, list) and len(e) == 3 and all(isinstance(x, str) for x in e)
+            for e in outbox)):
+        raise ValueError("state record 'outbox' is not a list of [turn, route, text]")
+    return inflight, snapshot, [(e[0], e[1], e[2]) for e in outbox]

@@ -49,6 +49,7 @@ from .._messages import ResponseOutput, UserQuery
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._setup import GROUP, api_request, ensure_deployment
 from ._wire import (
+    Ending,
     NatsConfig,
     Rejected,
     encode_token,
@@ -82,8 +83,10 @@ class WorkerContext:
         self.timing_sink = _FleetTimingSink(worker)
 
     async def answer(self, turn: AgentTurn, route: str, text: str) -> None:
-        await self._worker.publish_output(turn.participant_id, turn.turn_id, route, text,
-                                          final=True)
+        """The turn's answer: published once the participant's state (with this
+        exchange) is written, so a replica taking over publishes it, or the failure text,
+        never neither and never both. Outside a running turn it is published at once."""
+        await self._worker._answer(turn, route, text)
 
     def learn_from_fleet(self, predictor: TimingPredictor) -> None:
         self._worker._predictors.append(predictor)
@@ -104,6 +107,7 @@ class _Participant:
     partition: int
     revision: int = 0
     inflight: list[str] = field(default_factory=list)
+    outbox: list[Ending] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     fenced: bool = False
 
@@ -135,6 +139,7 @@ class NatsWorker:
         self._peers: dict[str, tuple[float, int]] = {}
         self._shed_after = 0.0
         self._turns_of: dict[str, set[asyncio.Task[None]]] = {}
+        self._held: dict[str, Ending] = {}
         self._pulling = True
         self.ready = asyncio.Event()
 
@@ -287,7 +292,7 @@ class NatsWorker:
         horizon = now - 3 * self.config.probe_interval
         share = self._fair_share()
         if any(seen >= horizon and owned < share for seen, owned in self._peers.values()):
-            self._shed_after = now + self.config.probe_interval
+            self._shed_after = now + self.config.probe_interval / 2
             return True
         return False
 
@@ -405,10 +410,10 @@ class NatsWorker:
                 await watcher.stop()
         for entry in entries:
             try:
-                inflight, _ = parse_state(entry.value or b"{}")
+                inflight, _, outbox = parse_state(entry.value or b"{}")
             except ValueError:
                 continue
-            if inflight:
+            if inflight or outbox:
                 pid = _pid_of_key(entry.key)
                 if pid is not None:
                     await self._participant(pid, n)
@@ -424,6 +429,7 @@ class NatsWorker:
         for _attempt in range(3):
             revision, snapshot = 0, None
             inflight: list[str] = []
+            outbox: list[Ending] = []
             try:
                 entry = await self._kv.get(key)
             except NatsError:
@@ -431,11 +437,12 @@ class NatsWorker:
             if entry is not None and entry.value is not None:
                 revision = entry.revision or 0
                 try:
-                    inflight, snapshot = parse_state(entry.value)
+                    inflight, snapshot, outbox = parse_state(entry.value)
                 except ValueError:
                     logger.warning("turnrouter: unreadable state of a participant; "
                                    "starting it afresh")
-            claim = state_json(self.replica, [], snapshot)
+            # The claim keeps what the previous owner left, until it is published.
+            claim = state_json(self.replica, inflight, snapshot, outbox)
             try:
                 revision = await self._kv.update(key, claim, last=revision)
             except KeyWrongLastSequenceError:
@@ -455,11 +462,18 @@ class NatsWorker:
                 self.router.import_participant(ParticipantSnapshot.from_json(snapshot))
             except (ContractValueError, LifecycleError) as exc:
                 logger.warning("turnrouter: participant state not imported: %s", exc)
+        answered = {turn_id for turn_id, _, _ in outbox}
+        for turn_id, route, text in outbox:
+            await self.publish_output(pid, turn_id, route, text, final=True)
         for turn_id in inflight:
+            if turn_id in answered:
+                continue
             if self._metrics is not None:
                 self._metrics.inflight_failed.inc()
             await self.publish_output(pid, turn_id, "none", self.config.failure_text,
                                       final=True)
+        if (inflight or outbox) and not await self._write(pid, state):
+            return None
         return state
 
     async def _write(self, pid: str, state: _Participant) -> bool:
@@ -469,7 +483,8 @@ class NatsWorker:
                 return False
             snapshot = self.router.export_participant(pid)
             data = state_json(self.replica, state.inflight[-_MAX_INFLIGHT:],
-                              None if snapshot is None else snapshot.to_json())
+                              None if snapshot is None else snapshot.to_json(),
+                              state.outbox)
             key = f"{state.partition}.{encode_token(pid)}"
             t0 = time.perf_counter()
             try:
@@ -593,8 +608,24 @@ class NatsWorker:
             self._running.pop(query.message_id, None)
             with contextlib.suppress(ValueError):
                 state.inflight.remove(query.message_id)
+            held = self._held.pop(query.message_id, None)
+            if held is not None:
+                state.outbox.append(held)
             if not state.fenced:
-                await asyncio.shield(self._write(pid, state))
+                await asyncio.shield(self._finish(pid, state, held))
+
+    async def _finish(self, pid: str, state: _Participant, held: Ending | None) -> None:
+        """Write the finished exchange, then publish the answer it holds (if any)."""
+        if await self._write(pid, state) and held is not None:
+            await self.publish_output(pid, held[0], held[1], held[2], final=True)
+            with contextlib.suppress(ValueError):
+                state.outbox.remove(held)  # the next write drops it from the record
+
+    async def _answer(self, turn: AgentTurn, route: str, text: str) -> None:
+        if turn.turn_id in self._running and turn.turn_id not in self._held:
+            self._held[turn.turn_id] = (turn.turn_id, route, text)
+            return
+        await self.publish_output(turn.participant_id, turn.turn_id, route, text, final=True)
 
     # ------------------------------------------------------------------ outputs
     async def publish_output(self, pid: str, turn_id: str, route: str, text: str, *,
