@@ -130,11 +130,12 @@ def nats_server() -> Iterator[NatsServer]:
         server.close()
 
 
-def metric_value(text: str, name: str) -> float:
-    """Sum of the samples of `name` (any labels) in a Prometheus exposition."""
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """Sum of the samples of `name` (with `labels`, e.g. 'how="lost"', when given) in a
+    Prometheus exposition."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
+        if line.startswith(name) and line[len(name)] in " {" and labels in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 

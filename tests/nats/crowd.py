@@ -20,10 +20,22 @@ class Heard:
     order: dict[str, list[str]] = field(default_factory=dict)
     events: dict[str, asyncio.Event] = field(default_factory=dict)
     at: dict[str, float] = field(default_factory=dict)
+    count: int = 0
+    waiters: list[tuple[int, asyncio.Event]] = field(default_factory=list)
+
+    async def more(self, turns: int) -> None:
+        """Until `turns` more turns ended (the caller bounds the wait)."""
+        event = asyncio.Event()
+        self.waiters.append((self.count + turns, event))
+        await event.wait()
 
     def add(self, message: ResponseOutput) -> None:
         if message.route not in ("echo", "none"):
             return
+        self.count += 1
+        for goal, event in self.waiters:
+            if goal <= self.count:
+                event.set()
         self.finals.setdefault(message.request_id, []).append(message)
         self.order.setdefault(message.participant_id, []).append(message.request_id)
         self.at.setdefault(message.request_id, time.monotonic())
@@ -43,8 +55,8 @@ class Crowd:
     """`participants` each send turns one after the other, waiting for each ending."""
 
     def __init__(self, front: NatsFrontEnd, participants: int, *, timeout: float = 15.0,
-                 prefix: str = "u") -> None:
-        self.front, self.timeout = front, timeout
+                 prefix: str = "u", pause: float = 0.0) -> None:
+        self.front, self.timeout, self.pause = front, timeout, pause
         self.pids = [f"{prefix}{i}" for i in range(participants)]
         self.heard = Heard()
         self.sent: dict[str, list[Sent]] = {pid: [] for pid in self.pids}
@@ -73,6 +85,8 @@ class Crowd:
             except TimeoutError:
                 self.unanswered.append(sent)
             index += 1
+            if self.pause:  # pacing of the load, not a wait for async work
+                await asyncio.sleep(self.pause)
 
     def stop(self) -> None:
         self._stop.set()
