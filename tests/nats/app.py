@@ -3,6 +3,7 @@
 One destination, `echo`, takes focus and answers `<query>|<previous user text or ->|<F
 when it was admitted focused, else N>` after `TR_TEST_ANSWER_SECS` (default 0.05 s), so
 the listener can check order, history and focus after a move from the answers alone.
+A query starting with `slow` first says "working on it" and answers after a minute.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from turnrouter import (
 from turnrouter.runtime.nats import WorkerContext
 from turnrouter.telemetry import Telemetry
 
+PREAMBLE = "working on it"
+
 
 class Echo:
     """Answers with the query, the previous user text and the focus flag."""
@@ -36,12 +39,14 @@ class Echo:
 
     async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
         self._focused[turn.turn_id] = focused
+        if turn.query.startswith("slow"):  # says it started, then answers after a minute
+            return Admission("accept", preamble=PREAMBLE)
         return Admission("accept")
 
     async def answer(self, turn: AgentTurn, *,
                      started: Callable[[], Awaitable[None]]) -> DestinationResult:
         await started()
-        await asyncio.sleep(self._delay)
+        await asyncio.sleep(60.0 if turn.query.startswith("slow") else self._delay)
         previous = turn.history[-1].user if turn.history else "-"
         flag = "F" if self._focused.pop(turn.turn_id, False) else "N"
         text = f"{turn.query}|{previous}|{flag}"

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from turnrouter.runtime import ResponseOutput, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
 
+from .app import PREAMBLE
+
 FAILURE = NatsConfig().failure_text
 
 
@@ -30,7 +32,7 @@ class Heard:
         await event.wait()
 
     def add(self, message: ResponseOutput) -> None:
-        if message.route not in ("echo", "none"):
+        if message.route not in ("echo", "none") or message.text == PREAMBLE:
             return
         self.count += 1
         for goal, event in self.waiters:

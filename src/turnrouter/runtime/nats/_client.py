@@ -12,6 +12,7 @@ import nats
 
 from ..._exceptions import ContractTypeError, LifecycleError
 from .._messages import Interrupted, ResponseOutput, RuntimeMessage
+from ._setup import ensure_deployment
 from ._wire import NatsConfig, kind_of
 
 __all__ = ["NatsFrontEnd"]
@@ -33,11 +34,17 @@ class NatsFrontEnd:
 
     @classmethod
     async def connect(cls, config: NatsConfig, **options: Any) -> NatsFrontEnd:
-        """Connect to `config.url` (options go to `nats.connect`)."""
+        """Connect to `config.url` (options go to `nats.connect`) and make sure the
+        streams exist, so a front end may start before any worker."""
         try:
             nc = await nats.connect(config.url, **options)
         except (NatsError, OSError) as exc:
             raise LifecycleError(f"cannot connect to NATS at {config.url}: {exc!r}") from exc
+        try:
+            await ensure_deployment(nc, config)
+        except BaseException:
+            await nc.close()
+            raise
         return cls(nc, config)
 
     @property
