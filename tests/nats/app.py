@@ -19,6 +19,7 @@ from turnrouter import (
     DestinationResult,
     RouteDecision,
     RouteRequest,
+    RouteTimingPredictor,
     RoutingAid,
 )
 from turnrouter.runtime.nats import WorkerContext
@@ -66,5 +67,13 @@ class Always:
 
 def make_router(ctx: WorkerContext) -> AgentRouter:
     delay = float(os.environ.get("TR_TEST_ANSWER_SECS", "0.05"))
+    predictor = RouteTimingPredictor()
+    ctx.learn_from_fleet(predictor)  # samples of the other replicas reach this predictor
     return AgentRouter({"echo": Echo(ctx, delay)}, Always(), default_destination="echo",
-                       telemetry=Telemetry(registry=ctx.registry))
+                       telemetry=Telemetry(registry=ctx.registry),
+                       timing_predictor=predictor, timing_sink=ctx.timing_sink)
+
+
+def not_a_router(ctx: WorkerContext) -> object:
+    """A broken factory: the worker must say what is wrong and exit."""
+    return object()

@@ -148,3 +148,25 @@ async def test_interrupts_reach_the_owner_and_everyone(
     finally:
         for w in workers:
             w.close()
+
+
+async def test_timing_samples_reach_every_replica(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """Each replica's first-response samples are learned by every other replica."""
+    fe, heard = front
+    workers = [Worker(nats_server.url, f"t{n}") for n in range(2)]
+    try:
+        for i in range(16):
+            assert await ask(fe, heard, f"s{i}", "hi") == "hi|-|N"
+        name = "turnrouter_nats_timing_samples_total"
+        for _ in range(100):  # polling the workers' /metrics: at most 10 s
+            sent = [metric_value(w.metrics(), name, 'direction="sent"') for w in workers]
+            got = [metric_value(w.metrics(), name, 'direction="received"') for w in workers]
+            if sum(sent) >= 16 and got == sent[::-1]:
+                break
+            await asyncio.sleep(0.1)
+        assert sum(sent) >= 16
+        assert got == sent[::-1]
+    finally:
+        for w in workers:
+            w.close()

@@ -162,3 +162,12 @@ def test_metric_families_register_once_per_registry() -> None:
     registry = CollectorRegistry()
     assert runtime_metrics(registry) is runtime_metrics(registry)
     assert runtime_metrics(CollectorRegistry()) is not runtime_metrics(registry)
+
+
+def test_public_names_are_pinned() -> None:
+    """turnrouter.runtime.nats exports exactly the documented names."""
+    import turnrouter.runtime.nats as module
+
+    assert set(module.__all__) == {
+        "MAX_PARTICIPANT_ID_BYTES", "NatsConfig", "NatsFrontEnd", "NatsWorker",
+        "WorkerContext", "decode_token", "encode_token"}

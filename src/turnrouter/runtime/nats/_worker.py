@@ -65,6 +65,7 @@ logger = logging.getLogger("turnrouter.runtime.nats")
 
 _RECENT = 4096  # bound of the handled-input id memory (duplicates beyond it are re-run)
 _MAX_INFLIGHT = 64  # bound of one participant's in-flight ids in its record
+_RECONNECTS = 120  # reconnect attempts (0.5 s apart) after the first connection
 
 
 class WorkerContext:
@@ -161,11 +162,22 @@ class NatsWorker:
     async def run(self) -> None:
         """Serve until `request_stop()`; then drain and hand the partitions over."""
         config = self.config
+        lost = asyncio.Event()
+
+        async def closed() -> None:
+            if not self._stop.is_set():
+                lost.set()
+                self._stop.set()
+
         try:
-            self._nc = await nats.connect(config.url, max_reconnect_attempts=-1,
-                                          name=f"turnrouter-{self.replica}")
-        except (NatsError, OSError) as exc:
+            self._nc = await nats.connect(
+                config.url, name=f"turnrouter-{self.replica}", connect_timeout=2,
+                max_reconnect_attempts=3, reconnect_time_wait=0.5, closed_cb=closed)
+        except (NatsError, OSError, TimeoutError) as exc:
             raise LifecycleError(f"cannot connect to NATS at {config.url}: {exc!r}") from exc
+        # Connected once: now ride out a server outage of about a minute (nats-py reads
+        # this option on every reconnect); past it the worker exits with an error.
+        self._nc.options["max_reconnect_attempts"] = _RECONNECTS
         nc = self._nc
         try:
             await ensure_deployment(nc, config)
@@ -190,11 +202,18 @@ class NatsWorker:
             probe = asyncio.create_task(self._probe_loop(), name="probes")
             self.ready.set()
             await self._stop.wait()
+            if lost.is_set():
+                raise LifecycleError(f"lost the connection to NATS at {config.url}")
             await self._shutdown(loops, probe)
-            presence.cancel()
         finally:
-            for task in list(self._tasks):
+            background = [*self._tasks, *loops, presence, probe] if self.ready.is_set() \
+                else list(self._tasks)
+            for task in background:
                 task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            if self._router is not None and lost.is_set():
+                with contextlib.suppress(Exception):
+                    await self._router.stop()
             with contextlib.suppress(Exception):
                 await nc.drain()
 
