@@ -170,3 +170,22 @@ async def test_timing_samples_reach_every_replica(
     finally:
         for w in workers:
             w.close()
+
+
+async def test_example_app_serves_a_deployment(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """The factory the deployment files run answers through a real worker."""
+    fe, _ = front
+    worker = Worker(nats_server.url, "ex", app="turnrouter.runtime.nats.example:make_router")
+    try:
+        query = UserQuery(participant_id="dee", text="hello")
+        outputs = fe.outputs(deliver_new=False)
+        await fe.publish(query)
+        async with asyncio.timeout(15):
+            async for message in outputs:
+                if message.request_id == query.message_id:
+                    assert (message.route, message.text) == ("echo", "you said: hello")
+                    break
+        await outputs.aclose()
+    finally:
+        worker.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from nats.aio.client import Client
@@ -74,7 +74,8 @@ class NatsFrontEnd:
         except NatsError as exc:
             raise LifecycleError(f"publishing {kind} failed: {exc!r}") from exc
 
-    async def outputs(self, *, deliver_new: bool = True) -> AsyncIterator[ResponseOutput]:
+    async def outputs(self, *, deliver_new: bool = True
+                      ) -> AsyncGenerator[ResponseOutput, None]:
         """Outputs from the output stream, in stream order (ordered consumer)."""
         from nats.js.api import DeliverPolicy
 
