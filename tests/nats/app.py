@@ -69,8 +69,13 @@ def make_router(ctx: WorkerContext) -> AgentRouter:
     delay = float(os.environ.get("TR_TEST_ANSWER_SECS", "0.05"))
     predictor = RouteTimingPredictor()
     ctx.learn_from_fleet(predictor)  # samples of the other replicas reach this predictor
+    telemetry = Telemetry(registry=ctx.registry)
+    if os.environ.get("TR_TEST_TRACING"):  # a local SDK provider (never the global one)
+        from opentelemetry.sdk.trace import TracerProvider
+
+        telemetry = Telemetry(tracer_provider=TracerProvider(), registry=ctx.registry)
     return AgentRouter({"echo": Echo(ctx, delay)}, Always(), default_destination="echo",
-                       telemetry=Telemetry(registry=ctx.registry),
+                       telemetry=telemetry,
                        timing_predictor=predictor, timing_sink=ctx.timing_sink)
 
 

@@ -115,9 +115,13 @@ async def test_paused_replica_is_fenced_and_catches_up(nats_server: NatsServer) 
                 paused.signal(signal.SIGCONT)
             await until_owned([other])
             await served(crowd, 300)
-            lost = metric_value(paused.metrics(), "turnrouter_nats_partitions_lost_total",
-                                'how="lost"')
-            assert lost > 0
+            text = paused.metrics()
+            assert metric_value(text, "turnrouter_nats_partitions_lost_total",
+                                'how="lost"') > 0
+            # Fenced, it published nothing for moved participants: not even a duplicate
+            # the output stream would have dropped.
+            assert metric_value(text, "turnrouter_nats_duplicates_dropped_total",
+                                'where="output"') == 0
         crowd.check(DOCUMENTED_GAP)
         await until_owned(workers)
 

@@ -189,3 +189,26 @@ async def test_example_app_serves_a_deployment(
         await outputs.aclose()
     finally:
         worker.close()
+
+
+async def test_trace_continues_from_publisher_to_output(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """W3C context in the NATS headers: the answer carries the publisher's trace id, in
+    a span of the replica's turn (a different span id)."""
+    fe, heard = front
+    worker = Worker(nats_server.url, "tr", env={"TR_TEST_TRACING": "1"})
+    try:
+        trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        query = UserQuery(participant_id="eve", text="hi",
+                          traceparent=f"00-{trace_id}-{span_id}-01")
+        event = heard.events.setdefault(query.message_id, asyncio.Event())
+        await fe.publish(query)
+        async with asyncio.timeout(15):
+            await event.wait()
+        (answer,) = heard.finals[query.message_id]
+        assert answer.traceparent is not None
+        _, answer_trace, answer_span, _ = answer.traceparent.split("-")
+        assert answer_trace == trace_id
+        assert answer_span != span_id
+    finally:
+        worker.close()

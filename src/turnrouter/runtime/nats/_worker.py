@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -141,6 +142,7 @@ class NatsWorker:
         self._shed_after = 0.0
         self._turns_of: dict[str, set[asyncio.Task[None]]] = {}
         self._held: dict[str, Ending] = {}
+        self._held_trace: dict[str, dict[str, str]] = {}
         self._pulling = True
         self.ready = asyncio.Event()
 
@@ -259,43 +261,55 @@ class NatsWorker:
         expires = int(config.pull_expires * 1e9)
         try:
             while self._pulling:
-                share = self._fair_share()
-                if n in self._pins and len(self._pins) > share and self._may_shed():
-                    await self._hand_over(n)
-                    continue
-                if n not in self._pins and len(self._pins) >= share and (
-                        await self._pinned_elsewhere(n)):
-                    await asyncio.sleep(self.config.probe_interval)
-                    continue
-                request: dict[str, Any] = {"batch": 1, "expires": expires, "group": GROUP}
-                pin = self._pins.get(n)
-                if pin is not None:
-                    request["id"] = pin
-                await nc.publish(next_subject, json.dumps(request).encode(), reply=inbox)
                 try:
-                    msg = await asyncio.wait_for(queue.get(), config.pull_expires + 2.0)
-                except TimeoutError:
-                    continue  # a lost reply (reconnect): ask again
-                status = (msg.headers or {}).get("Status")
-                if status is not None:
-                    if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
-                        await self._lose(n, "lost")
-                    elif status not in ("404", "408", "409", "100"):
-                        logger.warning("turnrouter: pull on partition %d: status %s", n,
-                                       status)
-                    if status == "409":
-                        await asyncio.sleep(0.05)
-                    continue
-                new_pin = (msg.headers or {}).get("Nats-Pin-Id")
-                if new_pin is not None and new_pin != self._pins.get(n):
-                    if n in self._pins:
-                        await self._lose(n, "lost")
-                    self._pins[n] = new_pin
-                    self._set_owned()
-                    await self._take_over(n)
-                await self._handle(n, msg)
+                    await self._pull_once(n, nc, queue, inbox, next_subject, expires)
+                except Exception:
+                    # The loop outlives any one failure: a message not acknowledged
+                    # comes back (and ends with the failure text if it was a query).
+                    logger.exception("turnrouter: partition %d: pull failed", n)
+                    await asyncio.sleep(0.1)
         finally:
             await sub.unsubscribe()
+
+    async def _pull_once(self, n: int, nc: Client, queue: asyncio.Queue[Msg], inbox: str,
+                         next_subject: str, expires: int) -> None:
+        """One pull on partition `n` (or a pause while balance says not to pull)."""
+        config = self.config
+        share = self._fair_share()
+        if n in self._pins and len(self._pins) > share and self._may_shed():
+            await self._hand_over(n)
+            return
+        if n not in self._pins and len(self._pins) >= share and (
+                await self._pinned_elsewhere(n)):
+            await asyncio.sleep(self.config.probe_interval)
+            return
+        request: dict[str, Any] = {"batch": 1, "expires": expires, "group": GROUP}
+        pin = self._pins.get(n)
+        if pin is not None:
+            request["id"] = pin
+        await nc.publish(next_subject, json.dumps(request).encode(), reply=inbox)
+        try:
+            msg = await asyncio.wait_for(queue.get(), config.pull_expires + 2.0)
+        except TimeoutError:
+            return  # a lost reply (reconnect): ask again
+        status = (msg.headers or {}).get("Status")
+        if status is not None:
+            if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
+                await self._lose(n, "lost")
+            elif status not in ("404", "408", "409", "100"):
+                logger.warning("turnrouter: pull on partition %d: status %s", n,
+                               status)
+            if status == "409":
+                await asyncio.sleep(0.05)
+            return
+        new_pin = (msg.headers or {}).get("Nats-Pin-Id")
+        if new_pin is not None and new_pin != self._pins.get(n):
+            if n in self._pins:
+                await self._lose(n, "lost")
+            self._pins[n] = new_pin
+            self._set_owned()
+            await self._take_over(n)
+        await self._handle(n, msg)
 
     def _fair_share(self) -> int:
         """Partitions per live replica (rounded up): balance, not ownership."""
@@ -569,9 +583,8 @@ class NatsWorker:
                 state.inflight.append(message.message_id)
                 task = self._running[message.message_id] = self._spawn(
                     self._turn(pid, state, message, carrier), f"turn {message.message_id}")
-                turns = self._turns_of.setdefault(pid, set())
-                turns.add(task)
-                task.add_done_callback(turns.discard)
+                self._turns_of.setdefault(pid, set()).add(task)
+                task.add_done_callback(functools.partial(self._turn_done, pid))
                 if not await self._write(pid, state):
                     return
         elif kind == "joined":
@@ -584,6 +597,13 @@ class NatsWorker:
             await router.interrupt(pid)
         self._remember(message.message_id)
         await self._ack(msg)
+
+    def _turn_done(self, pid: str, task: asyncio.Task[None]) -> None:
+        turns = self._turns_of.get(pid)
+        if turns is not None:
+            turns.discard(task)
+            if not turns:
+                del self._turns_of[pid]
 
     def _remember(self, message_id: str) -> None:
         self._recent[message_id] = None
@@ -622,37 +642,43 @@ class NatsWorker:
             # Every turn ends audibly: the failure text under the terminal id is dropped
             # by the output stream when the router or the destination already ended it.
             await self.publish_output(pid, turn.turn_id, "none", self.config.failure_text,
-                                      final=True)
+                                      final=True, carrier=carrier)
         finally:
             self._running.pop(query.message_id, None)
             with contextlib.suppress(ValueError):
                 state.inflight.remove(query.message_id)
             held = self._held.pop(query.message_id, None)
+            trace = self._held_trace.pop(query.message_id, {})
             if held is not None:
                 state.outbox.append(held)
             if not state.fenced:
-                await asyncio.shield(self._finish(pid, state, held))
+                await asyncio.shield(self._finish(pid, state, held, trace))
 
-    async def _finish(self, pid: str, state: _Participant, held: Ending | None) -> None:
+    async def _finish(self, pid: str, state: _Participant, held: Ending | None,
+                      trace: dict[str, str]) -> None:
         """Write the finished exchange, then publish the answer it holds (if any)."""
         if await self._write(pid, state) and held is not None:
-            await self.publish_output(pid, held[0], held[1], held[2], final=True)
+            await self.publish_output(pid, held[0], held[1], held[2], final=True,
+                                      carrier=trace)
             with contextlib.suppress(ValueError):
                 state.outbox.remove(held)  # the next write drops it from the record
 
     async def _answer(self, turn: AgentTurn, route: str, text: str) -> None:
         if turn.turn_id in self._running and turn.turn_id not in self._held:
             self._held[turn.turn_id] = (turn.turn_id, route, text)
+            self._held_trace[turn.turn_id] = self.router.trace_carrier()  # the turn's span
             return
         await self.publish_output(turn.participant_id, turn.turn_id, route, text, final=True)
 
     # ------------------------------------------------------------------ outputs
     async def publish_output(self, pid: str, turn_id: str, route: str, text: str, *,
-                             final: bool) -> None:
-        """Publish one output to the output stream under its deduplication id."""
+                             final: bool, carrier: dict[str, str] | None = None) -> None:
+        """Publish one output to the output stream under its deduplication id, with the
+        W3C context of `carrier` (default: the current span's)."""
         assert self._nc is not None
         router = self._router
-        carrier = router.trace_carrier() if router is not None else {}
+        if carrier is None:
+            carrier = router.trace_carrier() if router is not None else {}
         message = ResponseOutput(participant_id=pid, request_id=turn_id, route=route,
                                  text=text, traceparent=carrier.get("traceparent"),
                                  tracestate=carrier.get("tracestate"))
