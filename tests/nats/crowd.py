@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from turnrouter.runtime import ResponseOutput, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
@@ -63,9 +64,19 @@ class Crowd:
         self.heard = Heard()
         self.sent: dict[str, list[Sent]] = {pid: [] for pid in self.pids}
         self.unanswered: list[Sent] = []
+        self.published: dict[str, set[str]] = {}
         self._stop = asyncio.Event()
 
     async def listen(self, ready: asyncio.Event) -> None:
+        # Every publish, duplicates included (a plain subscription, before the stream's
+        # deduplication): a turn must never be ended with two different texts.
+        async def raw(msg: Any) -> None:
+            message = ResponseOutput.model_validate_json(msg.data)
+            if message.route in ("echo", "none") and message.text != PREAMBLE:
+                self.published.setdefault(message.request_id, set()).add(message.text)
+
+        await self.front.connection.subscribe("turnrouter.out.*", cb=raw)
+        await self.front.connection.flush()  # the server has the subscription now
         iterator = self.front.outputs()
         first = asyncio.ensure_future(anext(iterator))
         ready.set()
@@ -105,6 +116,8 @@ class Crowd:
             for s in sent:
                 finals = self.heard.finals[s.turn_id]
                 assert len(finals) == 1, f"{s.turn_id} ended {len(finals)} times"
+                texts = self.published.get(s.turn_id, set())
+                assert len(texts) == 1, f"{s.turn_id} was ended with {texts} (published)"
                 worst = max(worst, self.heard.at[s.turn_id] - s.at)
                 final = finals[0]
                 if final.route == "none":

@@ -118,8 +118,9 @@ def test_validation_bypassing_bodies_are_rejected(value: object) -> None:
 
 def test_state_records_round_trip() -> None:
     """A participant record keeps its in-flight ids, snapshot and held endings."""
-    data = state_json("w1", ["t1"], '{"participant_id":"ann"}', [("t0", "echo", "hi")])
-    assert parse_state(data) == (["t1"], '{"participant_id":"ann"}', [("t0", "echo", "hi")])
+    ending = ("t0", "echo", "hi", 1700000000.5)
+    data = state_json("w1", ["t1"], '{"participant_id":"ann"}', [ending])
+    assert parse_state(data) == (["t1"], '{"participant_id":"ann"}', [ending])
 
 
 @given(st.binary(max_size=500) | JUNK.map(lambda v: json.dumps(v).encode()))

@@ -13,6 +13,7 @@ import base64
 import binascii
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,8 +227,10 @@ def output_json(message: ResponseOutput) -> bytes:
     return message.model_dump_json().encode("utf-8")
 
 
-Ending = tuple[str, str, str]
-"""A turn's terminal output waiting in a participant's record: (turn id, route, text)."""
+Ending = tuple[str, str, str, float]
+"""A turn's terminal output in a participant's record: (turn id, route, text, Unix time
+it was recorded). Republished on takeover only while the output stream's deduplication
+window still covers it."""
 
 
 def state_json(owner: str, inflight: list[str], snapshot: str | None,
@@ -254,7 +257,8 @@ def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
     if snapshot is not None and not isinstance(snapshot, str):
         raise ValueError("state record 'snapshot' is not a string")
     if not (isinstance(outbox, list) and all(
-            isinstance(e, list) and len(e) == 3 and all(isinstance(x, str) for x in e)
-            for e in outbox)):
-        raise ValueError("state record 'outbox' is not a list of [turn, route, text]")
-    return inflight, snapshot, [(e[0], e[1], e[2]) for e in outbox]
+            isinstance(e, list) and len(e) == 4 and all(isinstance(x, str) for x in e[:3])
+            and isinstance(e[3], int | float) and not isinstance(e[3], bool)
+            and math.isfinite(e[3]) for e in outbox)):
+        raise ValueError("state record 'outbox' is not a list of [turn, route, text, time]")
+    return inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]

@@ -112,6 +112,8 @@ class _Participant:
     outbox: list[Ending] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     fenced: bool = False
+    ended: frozenset[str] = frozenset()
+    """Turns the claimed record had already ended (in flight: failure text; held answer)."""
 
 
 RouterFactory = Callable[[WorkerContext], "AgentRouter | Awaitable[AgentRouter]"]
@@ -488,16 +490,22 @@ class NatsWorker:
             break
         else:
             return None
-        state = _Participant(partition=n, revision=revision)
+        state = _Participant(partition=n, revision=revision,
+                             ended=frozenset(inflight) | {e[0] for e in outbox})
         self._people[pid] = state
         if snapshot is not None:
             try:
                 self.router.import_participant(ParticipantSnapshot.from_json(snapshot))
             except (ContractValueError, LifecycleError) as exc:
                 logger.warning("turnrouter: participant state not imported: %s", exc)
-        answered = {turn_id for turn_id, _, _ in outbox}
-        for turn_id, route, text in outbox:
-            await self.publish_output(pid, turn_id, route, text, final=True)
+        answered = {ending[0] for ending in outbox}
+        horizon = time.time() - self.config.dedup_window / 2
+        for turn_id, route, text, at in outbox:
+            # Younger than half the deduplication window: maybe never published (the
+            # owner died between the write and the publish); a duplicate is dropped.
+            # Older ones were published long ago: republishing could be heard twice.
+            if at >= horizon:
+                await self.publish_output(pid, turn_id, route, text, final=True)
         for turn_id in inflight:
             if turn_id in answered:
                 continue
@@ -572,11 +580,13 @@ class NatsWorker:
             assert isinstance(message, UserQuery)
             if delivered > 1:
                 # A previous owner received it and may have started answering: end it
-                # the way a turn in flight on a dead owner ends.
-                if self._metrics is not None:
-                    self._metrics.inflight_failed.inc()
-                await self.publish_output(pid, message.message_id, "none",
-                                          self.config.failure_text, final=True)
+                # the way a turn in flight on a dead owner ends (unless the claimed
+                # record already ended it: its held answer, or the failure text).
+                if message.message_id not in state.ended:
+                    if self._metrics is not None:
+                        self._metrics.inflight_failed.inc()
+                    await self.publish_output(pid, message.message_id, "none",
+                                              self.config.failure_text, final=True)
             else:
                 carrier = {k: v for k, v in (msg.headers or {}).items()
                            if k in ("traceparent", "tracestate")} or message.trace_carrier()
@@ -665,7 +675,7 @@ class NatsWorker:
 
     async def _answer(self, turn: AgentTurn, route: str, text: str) -> None:
         if turn.turn_id in self._running and turn.turn_id not in self._held:
-            self._held[turn.turn_id] = (turn.turn_id, route, text)
+            self._held[turn.turn_id] = (turn.turn_id, route, text, time.time())
             self._held_trace[turn.turn_id] = self.router.trace_carrier()  # the turn's span
             return
         await self.publish_output(turn.participant_id, turn.turn_id, route, text, final=True)
