@@ -74,6 +74,45 @@ async def test_cancelled_run_leaves_no_task(nats_server: NatsServer) -> None:
     assert asyncio.all_tasks() - before - {asyncio.current_task()} == set()
 
 
+async def test_drain_is_bounded_and_the_cut_turn_ends_with_failure_text(
+        nats_server: NatsServer) -> None:
+    """A turn that outlasts drain_timeout does not hold the graceful end; it is cut and
+    ends with the failure text, and the next replica serves the participant."""
+    config = NatsConfig(url=nats_server.url, drain_timeout=0.5)
+    first = NatsWorker(make_router, config, registry=CollectorRegistry(), replica="a")
+    run = asyncio.create_task(first.run())
+    async with asyncio.timeout(15):
+        await first.ready.wait()
+    front = await NatsFrontEnd.connect(config)
+    outputs = front.outputs(deliver_new=False)
+    try:
+        slow = UserQuery(participant_id="zed", text="slow")
+        await front.publish(slow)
+        async with asyncio.timeout(15):
+            async for message in outputs:  # its preamble: the slow turn is running
+                if message.request_id == slow.message_id:
+                    break
+            first.request_stop()
+            await run
+        async with asyncio.timeout(15):
+            async for message in outputs:
+                if message.request_id == slow.message_id:
+                    assert (message.route, message.text) == ("none", config.failure_text)
+                    break
+        second = NatsWorker(make_router, config, registry=CollectorRegistry(),
+                            replica="b")
+        other = asyncio.create_task(second.run())
+        try:
+            assert await answered(front, "zed") == "hi|-|N"
+        finally:
+            second.request_stop()
+            async with asyncio.timeout(20):
+                await other
+    finally:
+        await outputs.aclose()
+        await front.close()
+
+
 def metric_value_of(registry: CollectorRegistry, name: str) -> float:
     from prometheus_client import generate_latest
 

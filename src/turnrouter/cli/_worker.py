@@ -28,6 +28,8 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="seconds without pulls before a partition moves (default 1)")
     parser.add_argument("--ack-wait", type=float, default=1.5,
                         help="seconds before an unacknowledged input is redelivered")
+    parser.add_argument("--drain-timeout", type=float, default=20.0,
+                        help="seconds a graceful end waits for running turns (default 20)")
     parser.add_argument("--replica", default=None, help="replica name (default random)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
@@ -65,7 +67,8 @@ def worker_main(argv: Sequence[str]) -> int:
     try:
         factory = load_factory(args.app)
         config = NatsConfig(url=args.nats, prefix=args.prefix, partitions=args.partitions,
-                            failover_timeout=args.failover_timeout, ack_wait=args.ack_wait)
+                            failover_timeout=args.failover_timeout, ack_wait=args.ack_wait,
+                            drain_timeout=args.drain_timeout)
     except (ValueError, TurnrouterError) as exc:
         parser.error(str(exc))
     from prometheus_client import CollectorRegistry

@@ -65,6 +65,7 @@ class NatsConfig:
     `failover_timeout` is the pinned consumer's `priority_timeout`: a replica that stops
     pulling for that long loses its partitions; `ack_wait` bounds how long a message
     delivered to a dead replica waits before it is redelivered. Both set the failover gap.
+    `drain_timeout` bounds a graceful end's wait for running turns (and a handover's).
     """
 
     url: str = "nats://127.0.0.1:4222"
@@ -78,6 +79,7 @@ class NatsConfig:
     output_max_age: float = 3600.0
     max_queued_per_participant: int = 1000
     probe_interval: float = 0.5
+    drain_timeout: float = 20.0
     failure_text: str = "Sorry, something went wrong. Please try again."
 
     def __post_init__(self) -> None:
@@ -88,7 +90,7 @@ class NatsConfig:
             raise ConfigurationError(
                 f"NatsConfig.partitions must be in 1..1024, got {self.partitions}")
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
-                     "output_max_age", "probe_interval"):
+                     "output_max_age", "probe_interval", "drain_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0):
                 raise ConfigurationError(f"NatsConfig.{name} must be > 0, got {value!r}")

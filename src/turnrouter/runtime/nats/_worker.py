@@ -228,7 +228,14 @@ class NatsWorker:
         # Outstanding pulls expire within pull_expires; what they deliver is still run.
         await asyncio.gather(*loops, return_exceptions=True)
         router = self.router
-        await router.drain()
+        try:
+            async with asyncio.timeout(self.config.drain_timeout):
+                await router.drain()
+        except TimeoutError:
+            # Cut the turns still running: each ends with the failure text (_turn).
+            logger.warning("turnrouter: drain took over %.1f s; interrupting the turns "
+                           "still running", self.config.drain_timeout)
+            await router.interrupt(None)
         pending = [t for t in self._tasks if not t.done()]
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
@@ -350,7 +357,7 @@ class NatsWorker:
         pids = [p for p, s in self._people.items() if s.partition == n]
         turns = [t for p in pids for t in self._turns_of.get(p, ()) if not t.done()]
         if turns:
-            await asyncio.wait(turns, timeout=30.0)
+            await asyncio.wait(turns, timeout=self.config.drain_timeout)
         self._pins.pop(n, None)
         self._set_owned()
         for pid in pids:
@@ -436,10 +443,11 @@ class NatsWorker:
         watcher = await self._kv.watch(f"{n}.*", ignore_deletes=True)
         entries = []
         try:
-            async for entry in watcher:
-                if entry is None:
-                    break
-                entries.append(entry)
+            async with asyncio.timeout(10.0):  # bounded: the initial values, then None
+                async for entry in watcher:
+                    if entry is None:
+                        break
+                    entries.append(entry)
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
@@ -643,10 +651,14 @@ class NatsWorker:
                     await router.route_turn(turn, output=emit)
                 finally:
                     await router.report_status("idle", pid)
-        except TurnInterrupted:
-            pass
-        except LifecycleError as exc:
-            logger.info("turnrouter: turn %s refused: %s", turn.turn_id, exc)
+        except (TurnInterrupted, LifecycleError) as exc:
+            if self._stop.is_set() and query.message_id not in self._held:
+                # Cut short by a graceful end that outlasted drain_timeout: say so.
+                await self.publish_output(pid, turn.turn_id, "none",
+                                          self.config.failure_text, final=True,
+                                          carrier=carrier)
+            elif isinstance(exc, LifecycleError):
+                logger.info("turnrouter: turn %s refused: %s", turn.turn_id, exc)
         except Exception:
             logger.exception("turnrouter: turn %s failed", turn.turn_id)
             # Every turn ends audibly: the failure text under the terminal id is dropped
