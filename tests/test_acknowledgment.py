@@ -17,6 +17,7 @@ from turnrouter import (
     AgentRouter,
     AgentTurn,
     DestinationResult,
+    JsonLinesSink,
     RouteDecision,
     RouteRequest,
     RouterObserver,
@@ -25,8 +26,15 @@ from turnrouter import (
     TimingSample,
     TurnInterrupted,
     TurnObserver,
+    load_samples,
 )
-from turnrouter._timing import JsonLinesSink, load_samples
+from turnrouter.events import (
+    AcknowledgmentFinished,
+    EstimateChanged,
+    FirstResponse,
+    SilenceMeasured,
+    TurnStarted,
+)
 from turnrouter.llm import TemplateAcknowledger
 from turnrouter.testing import ManualClock, OutputRecorder, ScriptedLLM
 
@@ -47,6 +55,7 @@ class Ack:
     ended_at: float
     text: str
     error: BaseException | None
+    probability_late: float | None = None
 
 
 class _Turn(TurnObserver):
@@ -55,18 +64,14 @@ class _Turn(TurnObserver):
     def __init__(self, parent: Observer) -> None:
         self._parent = parent
 
-    def acknowledgment(self, route: str, outcome: Any, trigger: Any, delay_seconds: float,
-                       predicted_first_response: float | None, started_at: float,
-                       ended_at: float, text: str, error: BaseException | None) -> None:
-        self._parent.acks.append(Ack(route, outcome, trigger, delay_seconds,
-                                     predicted_first_response, started_at, ended_at, text,
-                                     error))
+    def acknowledgment(self, event: AcknowledgmentFinished) -> None:
+        self._parent.acks.append(Ack(*event))
 
-    def silence(self, route: str, seconds: float) -> None:
-        self._parent.silences.append((route, seconds))
+    def silence(self, event: SilenceMeasured) -> None:
+        self._parent.silences.append((event.route, event.seconds))
 
-    def first_response(self, token: object, route: str, seconds: float) -> None:
-        self._parent.first.append((route, seconds))
+    def first_response(self, token: object, event: FirstResponse) -> None:
+        self._parent.first.append((event.route, event.seconds))
 
 
 class Observer(RouterObserver):
@@ -80,11 +85,11 @@ class Observer(RouterObserver):
         self.first: list[tuple[str, float]] = []
         self.predicted: list[tuple[str, float]] = []
 
-    def turn_started(self, turn: AgentTurn, focus: str | None) -> TurnObserver:
+    def turn_started(self, event: TurnStarted) -> TurnObserver:
         return _Turn(self)
 
-    def predicted_first_response(self, route: str, seconds: float) -> None:
-        self.predicted.append((route, seconds))
+    def predicted_first_response(self, event: EstimateChanged) -> None:
+        self.predicted.append((event.route, event.seconds))
 
 
 class ClockAgent:
@@ -162,10 +167,15 @@ class Setup:
     def __init__(self, latency: float | None = None, *, llm: Any = None, delay: float = 1.0,
                  policy: AcknowledgmentPolicy | None = None, predictor: Any = None,
                  sink: Any = None, preamble: str = "", acks: bool = True,
-                 output: OutputRecorder | None = None) -> None:
+                 output: OutputRecorder | None = None, clock_llm: dict[str, Any] | None = None,
+                 agent_class: type[ClockAgent] | None = None) -> None:
         self.clock = ManualClock()
-        self.agent = ClockAgent("calendar", "Manages the user's calendar and meetings",
-                                self.clock, latency, preamble)
+        self.agent = (agent_class or ClockAgent)(
+            "calendar", "Manages the user's calendar and meetings", self.clock, latency,
+            preamble)
+        #: A `ClockLLM` on this setup's clock when `clock_llm` gives its arguments.
+        self.llm = ClockLLM(self.clock, **clock_llm) if clock_llm is not None else None
+        llm = self.llm or llm
         self.output = output or OutputRecorder()
         self.observer = Observer()
         kwargs: dict[str, Any] = {}
@@ -263,10 +273,10 @@ async def test_confident_prediction_starts_the_acknowledgment_early() -> None:
     """A confident slow prediction starts generation early so it is heard at early_secs."""
     clock_llm_time = 0.2
     s = Setup(latency=3.0, predictor=loaded_predictor(3.0, 40),
-              policy=AcknowledgmentPolicy(early_secs=0.25, expected_generation_secs=0.2))
-    llm = ClockLLM(s.clock, seconds=clock_llm_time)
-    s.router._timed.llm = llm  # type: ignore[union-attr]
-    s.router._timed.acknowledger = None  # type: ignore[union-attr]
+              policy=AcknowledgmentPolicy(early_secs=0.25, expected_generation_secs=0.2),
+              clock_llm=dict(seconds=clock_llm_time))
+    llm = s.llm
+    assert llm is not None
     await s.drive()
     assert llm.calls == [pytest.approx(0.05)]
     [ack] = s.observer.acks
@@ -297,10 +307,9 @@ async def test_no_early_start_when_the_route_is_sometimes_fast() -> None:
 
 async def test_generation_time_delays_a_delay_triggered_acknowledgment() -> None:
     """With the delay trigger, generation starts at the delay and is spoken when ready."""
-    s = Setup(latency=3.0)
-    llm = ClockLLM(s.clock, seconds=0.3)
-    s.router._timed.llm = llm  # type: ignore[union-attr]
-    s.router._timed.acknowledger = None  # type: ignore[union-attr]
+    s = Setup(latency=3.0, clock_llm=dict(seconds=0.3))
+    llm = s.llm
+    assert llm is not None
     await s.drive()
     assert llm.calls == [1.0]
     assert s.observer.silences[0][1] == pytest.approx(1.3)
@@ -308,10 +317,9 @@ async def test_generation_time_delays_a_delay_triggered_acknowledgment() -> None
 
 async def test_answer_started_during_generation_suppresses_the_acknowledgment() -> None:
     """started() while the text is being generated cancels it before it is spoken."""
-    s = Setup(latency=1.2)
-    llm = ClockLLM(s.clock, seconds=0.5)
-    s.router._timed.llm = llm  # type: ignore[union-attr]
-    s.router._timed.acknowledger = None  # type: ignore[union-attr]
+    s = Setup(latency=1.2, clock_llm=dict(seconds=0.5))
+    llm = s.llm
+    assert llm is not None
     await s.drive()
     assert s.output.spoken == []
     assert llm.cancelled
@@ -344,10 +352,10 @@ async def test_llm_failure_means_no_acknowledgment_and_an_unaffected_answer() ->
 
 async def test_llm_timeout_means_no_acknowledgment_and_an_unaffected_answer() -> None:
     """A generation slower than timeout_secs is abandoned as failed (TimeoutError)."""
-    s = Setup(latency=5.0, policy=AcknowledgmentPolicy(timeout_secs=0.5))
-    llm = ClockLLM(s.clock, gate=anyio.Event())
-    s.router._timed.llm = llm  # type: ignore[union-attr]
-    s.router._timed.acknowledger = None  # type: ignore[union-attr]
+    s = Setup(latency=5.0, policy=AcknowledgmentPolicy(timeout_secs=0.5),
+              clock_llm=dict(gate=anyio.Event()))
+    llm = s.llm
+    assert llm is not None
     await s.drive()
     assert isinstance(s.result, DestinationResult)
     assert llm.cancelled
@@ -369,10 +377,9 @@ async def test_failing_acknowledgment_output_does_not_fail_the_turn() -> None:
 async def test_interrupt_during_generation_cancels_the_acknowledgment() -> None:
     """An interrupt while the text is generated: nothing spoken, a censored sample."""
     predictor = RouteTimingPredictor()
-    s = Setup(latency=None, predictor=predictor)
-    llm = ClockLLM(s.clock, gate=anyio.Event())
-    s.router._timed.llm = llm  # type: ignore[union-attr]
-    s.router._timed.acknowledger = None  # type: ignore[union-attr]
+    s = Setup(latency=None, predictor=predictor, clock_llm=dict(gate=anyio.Event()))
+    llm = s.llm
+    assert llm is not None
     async with anyio.create_task_group() as tg:
         tg.start_soon(s.run)
         await s.clock.wait_for_sleepers(1)
@@ -492,7 +499,6 @@ async def test_no_task_is_created_per_turn_without_acknowledgments() -> None:
     assert isinstance(result, DestinationResult)
     assert s.agent.task is asyncio.current_task()
     assert len(asyncio.all_tasks()) == before
-    assert s.router._timed is None
 
 
 async def test_policy_validation_names_the_field() -> None:
@@ -514,9 +520,30 @@ async def test_destination_error_propagates_unwrapped_with_acknowledgments() -> 
             await self.clock.sleep(0.2)
             raise LookupError("no such meeting")
 
-    s = Setup(latency=None)
-    s.router._agents["calendar"] = Boom("calendar", "", s.clock)
+    s = Setup(latency=None, agent_class=Boom)
     await s.drive()
     assert isinstance(s.result, LookupError)
     assert [a.outcome for a in s.observer.acks] == ["suppressed"]
     assert s.output.texts == ["Sorry, something went wrong. Please try again."]
+
+
+async def test_acknowledgment_text_with_lone_surrogates_is_made_storable() -> None:
+    """An LLM reply with a lone surrogate is spoken with U+FFFD instead (UTF-8 safe)."""
+    s = Setup(latency=2.0, llm=ScriptedLLM("Checking \ud800 now."))
+    await s.drive()
+    assert s.output.texts == ["Checking \ufffd now."]
+    s.output.texts[0].encode()
+
+
+async def test_a_predictor_that_knows_the_delay_reports_its_probability() -> None:
+    """The trigger's probability that the answer is late reaches the acknowledgment."""
+    predictor = RouteTimingPredictor(delay_secs=1.0)
+    predictor.load(TimingSample("calendar", 3.0) for _ in range(40))
+    s = Setup(latency=3.0, predictor=predictor)
+    await s.drive()
+    [ack] = s.observer.acks
+    assert ack.trigger == "prediction"
+    assert ack.probability_late is not None and ack.probability_late > 0.9
+    without = Setup(latency=3.0, predictor=loaded_predictor(3.0, 40))
+    await without.drive()
+    assert [a.probability_late for a in without.observer.acks] == [None]

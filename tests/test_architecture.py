@@ -137,3 +137,53 @@ def test_the_cycle_finder_finds_cycles() -> None:
     """The checker itself reports a two-module cycle and ignores a chain."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+#: Modules a turn runs through; the router's and settings' constructors mirror the
+#: contract's keyword arguments and are not on the per-turn path.
+TURN_PATH = ("_turn.py", "_acknowledgment.py", "_participants.py", "_history.py",
+             "_lifecycle.py", "_router.py", "_observer.py", "telemetry/_turns.py")
+
+
+def test_no_class_over_four_hundred_lines() -> None:
+    """Every class stays readable: at most ~400 lines."""
+    big = [(path.name, node.name, node.end_lineno - node.lineno + 1)
+           for path, tree in ((p, ast.parse(p.read_text())) for p in SRC.rglob("*.py"))
+           for node in ast.walk(tree)
+           if isinstance(node, ast.ClassDef) and node.end_lineno is not None
+           and node.end_lineno - node.lineno + 1 > 400]
+    assert big == []
+
+
+def _built_once() -> set[tuple[str, str, int]]:
+    """Constructors of objects built once per router (they mirror its settings)."""
+    found = set()
+    for name, owner in (("_router.py", "AgentRouter"), ("_acknowledgment.py", "TimingEngine")):
+        for node in ast.walk(ast.parse((SRC / name).read_text())):
+            if isinstance(node, ast.ClassDef) and node.name == owner:
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                        found.add((name, "__init__", item.lineno))
+    return found
+
+
+_BUILT_ONCE = _built_once()
+
+
+def test_turn_path_functions_take_at_most_five_parameters() -> None:
+    """On the turn path no function takes more than five parameters besides self."""
+    long = []
+    for name in TURN_PATH:
+        tree = ast.parse((SRC / name).read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if (name, node.name, node.lineno) in _BUILT_ONCE:
+                continue
+            args = node.args
+            params = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+            if params and params[0].arg in ("self", "cls"):
+                params = params[1:]
+            if len(params) > 5:
+                long.append(f"{name}:{node.lineno} {node.name}({len(params)})")
+    assert long == []

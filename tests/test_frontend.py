@@ -25,6 +25,7 @@ from turnrouter import (
 )
 from turnrouter.runtime import ParticipantJoined, ParticipantLeft, Topic
 from turnrouter.testing import (
+    ManualClock,
     OutputRecorder,
     ScriptedAgent,
     ScriptedDecisions,
@@ -421,3 +422,103 @@ def test_snapshot_from_json_bounds_size_and_nesting() -> None:
         ParticipantSnapshot.from_json("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ContractTypeError):
         ParticipantSnapshot.from_json(42)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- heard reports
+
+
+def _heard(h: Harness) -> list[tuple[object, ...]]:
+    return [event for event in h.observer.events if event[0] == "heard"]
+
+
+async def test_report_heard_measures_to_the_reported_audio() -> None:
+    """First response and silence run to mark_heard, even after the turn returned."""
+    from turnrouter import TimingSample
+
+    clock = ManualClock()
+    samples: list[TimingSample] = []
+
+    class Sink:
+        def record(self, sample: TimingSample) -> None:
+            samples.append(sample)
+
+    h = Harness(ScriptedAgent("conversation"), clock=clock, timing_sink=Sink())
+    await h.router.route_turn(h.turn(), report_heard=True)
+    assert _heard(h) == []
+    assert [e for e in h.observer.turns["t1"] if e[0] == "first_response"] == []
+    clock.advance(0.7)
+    assert h.router.mark_heard("p1", "t1") is True
+    assert _heard(h) == [("heard", "conversation", 0.7, 0.7)]
+    assert [sample.seconds for sample in samples] == [0.7]
+    assert h.router.mark_heard("p1", "t1") is False  # measured once
+
+
+async def test_unreported_audio_falls_back_to_started_at_the_next_turn() -> None:
+    """Without mark_heard, the next turn records the measurement at started()."""
+    clock = ManualClock()
+    h = Harness(ScriptedAgent("conversation"), clock=clock)
+    await h.router.route_turn(h.turn(), report_heard=True)
+    clock.advance(2.0)
+    await h.router.route_turn(h.turn())
+    assert _heard(h) == [("heard", "conversation", 0.0, 0.0)]
+
+
+async def test_unreported_audio_falls_back_on_departure() -> None:
+    """A departure closes an open heard measurement at started()."""
+    h = Harness(ScriptedAgent("conversation"), clock=ManualClock())
+    await h.router.route_turn(h.turn(), report_heard=True)
+    await h.router.participant_left("p1")
+    assert _heard(h) == [("heard", "conversation", 0.0, 0.0)]
+
+
+async def test_mark_heard_of_an_unknown_or_ordinary_turn_matches_nothing() -> None:
+    """mark_heard is False for unknown participants, turns, and turns without reports."""
+    h = Harness(ScriptedAgent("conversation"), clock=ManualClock())
+    assert h.router.mark_heard("nobody", "t1") is False
+    await h.router.route_turn(h.turn())
+    assert h.router.mark_heard("p1", "t1") is False
+    await h.router.route_turn(h.turn(), report_heard=True)
+    assert h.router.mark_heard("p1", "t1") is False
+    assert h.router.mark_heard("p1", "t2", at=0.5) is True
+    with pytest.raises(ContractTypeError):
+        h.router.mark_heard("p1", 2)  # type: ignore[arg-type]
+
+
+async def test_audio_heard_while_the_answer_runs_is_measured_at_once() -> None:
+    """A report that arrives while answer() still runs records before the turn ends."""
+    clock = ManualClock()
+    h = Harness(ScriptedAgent("conversation"), clock=clock)
+    h["conversation"].answer_gate = anyio.Event()
+
+    async def run() -> None:
+        await h.router.route_turn(h.turn(), report_heard=True)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        with anyio.fail_after(5):
+            await h["conversation"].started_called.wait()
+        clock.advance(0.3)
+        assert h.router.mark_heard("p1", "t1") is True
+        assert _heard(h) == [("heard", "conversation", 0.3, 0.3)]
+        h["conversation"].answer_gate.set()
+
+
+async def test_a_preamble_ends_the_silence_before_the_audio_report() -> None:
+    """When the preamble was heard first, the report carries no silence."""
+    clock = ManualClock()
+    h = Harness(ScriptedAgent("conversation", admissions=Admission("accept", preamble="Ok.")),
+                clock=clock)
+    await h.router.route_turn(h.turn(), report_heard=True)
+    clock.advance(0.4)
+    h.router.mark_heard("p1", "t1")
+    assert _heard(h) == [("heard", "conversation", 0.4, None)]
+
+
+def test_reports_status_says_whether_set_status_is_configured() -> None:
+    """reports_status is True only with a set_status callback."""
+
+    async def status(value: str, pid: str) -> None:
+        return None
+
+    assert Harness(ScriptedAgent("conversation")).router.reports_status is False
+    assert Harness(ScriptedAgent("conversation"), set_status=status).router.reports_status

@@ -33,9 +33,9 @@ def test_history_matches_a_plain_model_and_views_never_change(sequence: list[Op]
     """Exchanges, ids, stamps and total follow a list model of the budget rule (after a
     caller seed), the previous state is kept for background appends, and every view taken
     earlier still shows what it showed (compaction and replace included)."""
-    history = History()
+    history = History(BUDGET, 10**6)
     seeded = [AgentExchange("s" * 7, "x" * (n % 11)) for n in range(seed)]
-    history.seed(seeded, BUDGET)
+    history.seed(seeded)
     model: list[tuple[AgentExchange, object, int | None, int]] = []
     for exchange in seeded:
         model.append((exchange, None, None, len(exchange.user) + len(exchange.assistant)))
@@ -51,11 +51,11 @@ def test_history_matches_a_plain_model_and_views_never_change(sequence: list[Op]
         exchanges_before = history.exchanges
         if kind == 0:
             exchange_id: object = f"t{n}"
-            history.append(exchange, exchange_id, n, BUDGET)
+            history.append(exchange, exchange_id, n)
             version += 1
         else:
             exchange_id = _patch_id(n)
-            history.add_background(exchange, exchange_id, n, BUDGET, replace=kind == 2)
+            history.add_background(exchange, exchange_id, n, 0, replace=kind == 2)
             if kind == 2:
                 model = [entry for entry in model if not isinstance(entry[1], PatchExchangeId)]
         model.append((exchange, exchange_id, n, size))
@@ -78,11 +78,11 @@ def test_history_matches_a_plain_model_and_views_never_change(sequence: list[Op]
 
 def test_long_conversations_compact_the_metadata_list() -> None:
     """Trimmed metadata does not accumulate: the list is renewed, earlier views intact."""
-    history = History()
+    history = History(BUDGET, 10**6)
     exchange = AgentExchange("q" * 10, "a" * 10)  # 20 bytes: three fit in 60
     first = None
     for n in range(1000):
-        history.append(exchange, n, n, BUDGET)
+        history.append(exchange, n, n)
         if n == 10:
             first = history.view()
     assert len(history.ids) == 3
@@ -96,18 +96,18 @@ def test_long_conversations_compact_the_metadata_list() -> None:
 
 def test_an_exchange_over_the_budget_empties_the_history() -> None:
     """An exchange larger than the whole budget leaves nothing retained."""
-    history = History()
-    history.append(AgentExchange("q", "a"), "t1", 1, BUDGET)
-    history.append(AgentExchange("q" * BUDGET, "a"), "t2", 2, BUDGET)
+    history = History(BUDGET, 10**6)
+    history.append(AgentExchange("q", "a"), "t1", 1)
+    history.append(AgentExchange("q" * BUDGET, "a"), "t2", 2)
     assert (history.exchanges, history.ids, history.total) == ((), (), 0)
-    history.append(AgentExchange("q", "a"), "t3", 3, BUDGET)
+    history.append(AgentExchange("q", "a"), "t3", 3)
     assert history.ids == ("t3",)
 
 
 def test_last_conversation_id_skips_background_exchanges() -> None:
     """The newest retained conversation id is found behind background entries."""
-    history = History()
+    history = History(BUDGET, 10**6)
     assert history.last_conversation_id() is None
-    history.append(AgentExchange("q", "a"), "t1", 1, BUDGET)
-    history.add_background(AgentExchange("bg", "x"), _patch_id(2), 2, BUDGET, replace=False)
+    history.append(AgentExchange("q", "a"), "t1", 1)
+    history.add_background(AgentExchange("bg", "x"), _patch_id(2), 2, 0, replace=False)
     assert history.last_conversation_id() == "t1"

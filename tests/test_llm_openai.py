@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -25,36 +26,67 @@ class Script:
     body: Any = field(default_factory=lambda: {
         "choices": [{"message": {"role": "assistant", "content": "  Let me check.  "}}]})
     hold: threading.Event | None = None
+    #: Send the body in chunks (Transfer-Encoding: chunked) instead of Content-Length.
+    chunks: Callable[[], Iterator[bytes]] | None = None
+    #: Answer with the request's headers and body (an echoing error page).
+    echo: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     arrived: threading.Event = field(default_factory=threading.Event)
+    sent_chunks: int = 0
+    #: Set when the server stopped writing chunks (client gone or chunks exhausted).
+    chunks_done: threading.Event = field(default_factory=threading.Event)
 
 
-@pytest.fixture
-def server() -> Iterator[tuple[str, Script]]:
-    """A threaded HTTP server speaking the chat-completions format."""
-    script = Script()
+def serve(script: Script) -> tuple[ThreadingHTTPServer, threading.Thread]:
+    """A threaded HTTP server speaking the chat-completions format on a free port."""
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length", "0"))
-            script.received.append(json.loads(self.rfile.read(length)))
+            raw = self.rfile.read(length)
+            script.received.append(json.loads(raw))
             script.headers.append(dict(self.headers))
             script.paths.append(self.path)
             script.arrived.set()
             if script.hold is not None:
                 script.hold.wait(10)
-            payload = script.body if isinstance(script.body, bytes) else json.dumps(
-                script.body).encode()
             try:
+                if script.chunks is not None:
+                    self._send_chunks(script.chunks())
+                    return
+                if script.echo:
+                    payload = json.dumps({"error": "bad request", "headers": dict(self.headers),
+                                          "request": raw.decode()}).encode()
+                elif isinstance(script.body, bytes):
+                    payload = script.body
+                else:
+                    payload = json.dumps(script.body).encode()
                 self.send_response(script.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
+                self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(payload)
             except OSError:
-                pass  # the client went away (timeout / cancellation tests)
+                pass  # the client went away (timeout / cancellation / cut-off tests)
+
+        def _send_chunks(self, chunks: Iterator[bytes]) -> None:
+            self.send_response(script.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                for chunk in chunks:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    script.sent_chunks += 1
+                self.wfile.write(b"0\r\n\r\n")
+            finally:
+                script.chunks_done.set()
 
         def log_message(self, format: str, *args: Any) -> None:
             return None
@@ -63,6 +95,14 @@ def server() -> Iterator[tuple[str, Script]]:
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, args=(0.01,), daemon=True)
     thread.start()
+    return httpd, thread
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, Script]]:
+    """A local chat-completions server and its script, stopped after the test."""
+    script = Script()
+    httpd, thread = serve(script)
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", script
     finally:
@@ -192,3 +232,167 @@ def test_invalid_configuration_is_rejected(monkeypatch: pytest.MonkeyPatch) -> N
         OpenAIChatClient("m", base_url="http://x", timeout_secs=0)
     with pytest.raises(ConfigurationError, match="max_tokens"):
         OpenAIChatClient("m", base_url="http://x").request_body("p", max_tokens=0)
+
+
+def reply(content: Any) -> dict[str, Any]:
+    """A chat-completions reply carrying `content`."""
+    return {"choices": [{"message": {"role": "assistant", "content": content}}]}
+
+
+@pytest.mark.anyio
+async def test_reply_announced_over_the_cap_is_cut_off_and_counted(
+        server: tuple[str, Script], caplog: pytest.LogCaptureFixture) -> None:
+    """A Content-Length over max_reply_bytes raises LLMError, counts and logs the cut-off."""
+    url, script = server
+    script.body = reply("x" * 5000)
+    client = OpenAIChatClient("m", base_url=url, max_reply_bytes=1000)
+    with caplog.at_level("WARNING", logger="turnrouter.llm"), pytest.raises(
+            LLMError, match="max_reply_bytes=1000") as info:
+        await client.complete("x", max_tokens=5)
+    assert info.value.status == 200
+    assert client.oversized_replies == 1
+    assert any("max_reply_bytes=1000" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.anyio
+async def test_endless_chunked_reply_is_cut_off_at_the_cap(server: tuple[str, Script]) -> None:
+    """An endless chunked body stops being read at the cap: LLMError, counted, socket closed."""
+    url, script = server
+    script.chunks = lambda: itertools.repeat(b"x" * 4096, 64 * 1024)  # 256 MiB at most
+    client = OpenAIChatClient("m", base_url=url, max_reply_bytes=64 * 1024, timeout_secs=30)
+    with pytest.raises(LLMError, match="longer than max_reply_bytes=65536"):
+        await client.complete("x", max_tokens=5)
+    assert client.oversized_replies == 1
+    assert await anyio.to_thread.run_sync(script.chunks_done.wait, 10)
+    assert script.sent_chunks < 64 * 1024  # the server stopped: the client hung up
+
+
+@pytest.mark.anyio
+async def test_chunked_reply_within_the_cap_is_read(server: tuple[str, Script]) -> None:
+    """A chunked reply under the cap is reassembled and parsed."""
+    url, script = server
+    payload = json.dumps(reply("Chunked hello.")).encode()
+    script.chunks = lambda: iter([payload[:7], payload[7:20], payload[20:]])
+    client = OpenAIChatClient("m", base_url=url, max_reply_bytes=len(payload))
+    assert await client.complete("x", max_tokens=5) == "Chunked hello."
+    assert client.oversized_replies == 0
+
+
+def test_max_reply_bytes_must_be_positive() -> None:
+    """max_reply_bytes below 1 (or not an int) is a ConfigurationError."""
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ConfigurationError, match="max_reply_bytes"):
+            OpenAIChatClient("m", base_url="http://x", max_reply_bytes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_unclosed_think_tags_in_a_big_reply_are_kept(server: tuple[str, Script]) -> None:
+    """Opening tags without a closing tag stay text (as the regex did), even in 900 kB."""
+    url, script = server
+    content = "<think>" * 130_000  # 910 kB: the quadratic regex needed minutes here
+    script.body = reply(content)
+    assert await OpenAIChatClient("m", base_url=url).complete("x", max_tokens=5) == content
+
+
+@pytest.mark.anyio
+async def test_every_closed_think_block_is_removed(server: tuple[str, Script]) -> None:
+    """Many closed blocks, in any case, are all removed and the rest joined."""
+    url, script = server
+    script.body = reply("<THINK>a</think>One<think>b</Think> " * 20_000 + "end <think>")
+    text = await OpenAIChatClient("m", base_url=url).complete("x", max_tokens=5)
+    assert text == "One " * 20_000 + "end <think>"
+
+
+@pytest.mark.anyio
+async def test_deeply_nested_reply_is_an_llm_error(server: tuple[str, Script]) -> None:
+    """A reply nested past the recursion limit raises LLMError, not RecursionError."""
+    url, script = server
+    script.body = b'{"choices": ' + b"[" * 200_000
+    with pytest.raises(LLMError, match="nested too deeply"):
+        await OpenAIChatClient("m", base_url=url).complete("x", max_tokens=5)
+
+
+@pytest.mark.anyio
+async def test_non_utf8_reply_bytes_are_replaced(server: tuple[str, Script]) -> None:
+    """Invalid UTF-8 in the content becomes U+FFFD; an invalid body is an LLMError."""
+    url, script = server
+    script.body = json.dumps(reply("ok")).encode().replace(b"ok", b"o\xffk")
+    assert await OpenAIChatClient("m", base_url=url).complete("x", max_tokens=5) == "o\ufffdk"
+    script.body = b"\xff\xfe\x00{"
+    with pytest.raises(LLMError, match="unreadable reply"):
+        await OpenAIChatClient("m", base_url=url).complete("x", max_tokens=5)
+
+
+@pytest.mark.anyio
+async def test_lone_surrogate_in_content_is_replaced(server: tuple[str, Script]) -> None:
+    """A JSON-escaped lone surrogate cannot reach callers: it becomes U+FFFD."""
+    url, script = server
+    script.body = b'{"choices": [{"message": {"content": "a\\ud800b"}}]}'
+    text = await OpenAIChatClient("m", base_url=url).complete("x", max_tokens=5)
+    assert text == "a\ufffdb"
+    text.encode("utf-8")  # storable
+
+
+@pytest.mark.anyio
+async def test_content_parts_without_text_strings_are_skipped(
+        server: tuple[str, Script]) -> None:
+    """Content parts whose text is missing or not a string are ignored, not a TypeError."""
+    url, script = server
+    script.body = reply([{"text": 5}, "junk", {"text": "Fine."}, {"type": "image"}])
+    assert await OpenAIChatClient("m", base_url=url).complete("x", max_tokens=5) == "Fine."
+
+
+@pytest.mark.anyio
+async def test_credentials_in_the_base_url_are_redacted(server: tuple[str, Script]) -> None:
+    """A password or key in the base URL never shows in repr() or in an LLMError."""
+    url, script = server
+    secret_url = url.replace("http://", "http://bob:pa55word@") + "?api_key=k-secret-1"
+    client = OpenAIChatClient("m", base_url=secret_url)
+    assert "pa55word" not in repr(client) and "k-secret-1" not in repr(client)
+    assert "bob:***@" in repr(client) and "api_key=***" in repr(client)
+    script.status, script.body = 500, {"error": "boom"}
+    with pytest.raises(LLMError) as info:
+        await client.complete("x", max_tokens=5)
+    assert "pa55word" not in str(info.value) and "k-secret-1" not in str(info.value)
+    assert "bob:***@" in str(info.value)
+    with pytest.raises(ConfigurationError) as bad:
+        OpenAIChatClient("m", base_url="ftp://bob:pa55word@host/")
+    assert "pa55word" not in str(bad.value)
+
+
+@pytest.mark.anyio
+async def test_echoed_authorization_and_prompt_never_reach_the_error(
+        server: tuple[str, Script]) -> None:
+    """An error page echoing the request withholds it; the key is masked in any case."""
+    url, script = server
+    script.status, script.echo = 400, True
+    client = OpenAIChatClient("m", base_url=url, api_key="sk-live-abcdef",
+                              headers={"X-Custom-Token": "tok-998877"})
+    prompt = "My card number is 4111 1111 1111 1111, please route me."
+    with pytest.raises(LLMError, match="HTTP 400") as info:
+        await client.complete(prompt, max_tokens=5)
+    shown = str(info.value) + info.value.body
+    for secret in ("sk-live-abcdef", "tok-998877", "4111 1111", "card number"):
+        assert secret not in shown
+    assert "withheld" in info.value.body
+
+
+@pytest.mark.anyio
+async def test_authorization_header_in_an_error_body_is_masked(
+        server: tuple[str, Script]) -> None:
+    """Credential-looking pairs in an error body are masked even for an unknown key."""
+    url, script = server
+    script.status = 401
+    script.body = {"error": "invalid key", "Authorization": "Bearer sk-other-777",
+                   "note": "see https://user:hunter2@proxy.example/"}
+    with pytest.raises(LLMError, match="invalid key") as info:
+        await OpenAIChatClient("m", base_url=url).complete("x", max_tokens=5)
+    for secret in ("sk-other-777", "hunter2"):
+        assert secret not in str(info.value) and secret not in info.value.body
+
+
+def test_malformed_base_urls_are_configuration_errors() -> None:
+    """A bad port, whitespace or an unparsable host is a ConfigurationError, not ValueError."""
+    for bad in ("http://h:99999/v1", "http://h/v 1", "http://[::1/v1", "http://h/\nx"):
+        with pytest.raises(ConfigurationError, match="base_url"):
+            OpenAIChatClient("m", base_url=bad)

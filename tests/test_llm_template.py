@@ -62,3 +62,13 @@ def test_clean_acknowledgment() -> None:
     assert clean_acknowledgment('\n  "Let me   check."  \nmore', 100) == "Let me check."
     assert clean_acknowledgment("one two three four", 9) == "one two"
     assert clean_acknowledgment(" \n ", 10) == ""
+
+
+def test_spoken_topic_of_a_huge_description_is_linear() -> None:
+    """A megabyte of description words is scanned once; only its start is considered."""
+    assert spoken_topic("calendar", "a" * 1_000_000) == "the calendar"
+    assert spoken_topic("calendar", "your " * 200_000 + "calendar") == "the calendar"
+    assert spoken_topic("calendar", "reads " * 10 + "your calendar") == "your calendar"
+    assert spoken_topic("a" * 1_000_000, "a" * 1_000_000) == "the " + "a" * 128
+    # "İ".lower() is two characters: the case-insensitive search still finds the topic.
+    assert spoken_topic("calendar", "İ: your Calendar") == "your calendar"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -29,10 +30,12 @@ from turnrouter import (
     current_context_patches,
     current_turn_context,
 )
-from turnrouter._patches import EMPTY_CONTEXT_HASH
 from turnrouter.testing import ScriptedAgent, ScriptedDecisions
 
 from .kit import Harness
+
+#: The documented hash of an empty context: blake2b-128 of no exchange at all.
+EMPTY_CONTEXT_HASH = hashlib.blake2b(digest_size=16).hexdigest()
 
 pytestmark = pytest.mark.anyio
 

@@ -37,6 +37,9 @@ from turnrouter.testing import (
 
 from .kit import Harness
 
+FAILURE_TEXT = "Sorry, something went wrong. Please try again."
+CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it another way?"
+
 pytestmark = pytest.mark.anyio
 
 
@@ -113,7 +116,7 @@ async def test_default_that_declined_this_turn_is_not_retried() -> None:
     assert result.disposition == "clarify"
     assert h["conversation"].methods() == ["admit"]
     assert ("clarification", "default_unavailable") in h.observer.turns["t1"]
-    assert h.output.texts == [h.router._clarification_text]
+    assert h.output.texts == [CLARIFICATION_TEXT]
 
 
 async def test_ineligible_default_means_clarification_after_declines() -> None:
@@ -459,7 +462,7 @@ async def test_failure_before_started_speaks_one_failure_message_and_propagates(
                 decisions=ScriptedDecisions("weather"))
     with pytest.raises(ValueError, match="broken"):
         await h.say()
-    assert h.output.texts == [h.router._failure_text]
+    assert h.output.texts == [FAILURE_TEXT]
     assert h.observer.outcome("t1") == "failed"
 
 
@@ -479,7 +482,7 @@ async def test_admit_failure_is_reported_once_and_propagates() -> None:
                 decisions=ScriptedDecisions("weather"))
     with pytest.raises(KeyError):
         await h.say()
-    assert h.output.texts == [h.router._failure_text]
+    assert h.output.texts == [FAILURE_TEXT]
 
 
 async def test_failed_turn_keeps_history_and_focus() -> None:
@@ -617,7 +620,7 @@ async def test_failed_initialization_fails_the_turn_and_runs_again() -> None:
                 initialize_participant=initialize)
     with pytest.raises(RuntimeError):
         await h.say()
-    assert h.output.texts == [h.router._failure_text]
+    assert h.output.texts == [FAILURE_TEXT]
     await h.say()
     assert attempts == ["p1", "p1"]
 

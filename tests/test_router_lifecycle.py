@@ -134,8 +134,9 @@ async def test_interrupt_one_participant_leaves_others_running() -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(h.capture, h.turn("x", "a"))
         tg.start_soon(h.capture, h.turn("y", "b"))
-        while agent.count("answer") < 2:
-            await anyio.lowlevel.checkpoint()
+        with anyio.fail_after(5):
+            while agent.count("answer") < 2:
+                await anyio.lowlevel.checkpoint()
         await h.router.interrupt("a")
         assert isinstance(h.outcomes["t1"], TurnInterrupted)
         assert "t2" not in h.outcomes
@@ -151,8 +152,9 @@ async def test_interrupt_all_cancels_every_participant() -> None:
     async with anyio.create_task_group() as tg:
         for pid in ("a", "b", "c"):
             tg.start_soon(h.capture, h.turn("x", pid))
-        while agent.count("answer") < 3:
-            await anyio.lowlevel.checkpoint()
+        with anyio.fail_after(5):
+            while agent.count("answer") < 3:
+                await anyio.lowlevel.checkpoint()
         await h.router.interrupt()
     assert all(isinstance(v, TurnInterrupted) for v in h.outcomes.values())
     assert len(h.outcomes) == 3

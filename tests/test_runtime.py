@@ -8,7 +8,13 @@ from typing import Any
 import anyio
 import pytest
 
-from turnrouter import AgentRouter, AgentTurn, ConfigurationError, LifecycleError
+from turnrouter import (
+    AgentRouter,
+    AgentTurn,
+    ConfigurationError,
+    ContractValueError,
+    LifecycleError,
+)
 from turnrouter.runtime import (
     AgentRuntime,
     Interrupted,
@@ -21,6 +27,9 @@ from turnrouter.runtime import (
 from turnrouter.testing import RecordingObserver, ScriptedAgent, ScriptedDecisions
 
 from .kit import publish_and_drain
+
+FAILURE_TEXT = "Sorry, something went wrong. Please try again."
+CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it another way?"
 
 pytestmark = pytest.mark.anyio
 
@@ -132,7 +141,7 @@ async def test_set_status_wraps_each_runtime_turn_and_failures_are_logged(
             raise RuntimeError("status sink down")
 
     router, agents, _ = make_router(set_status=status)
-    with caplog.at_level(logging.ERROR, logger="turnrouter.runtime"):
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
         await publish_and_drain(router, OUTPUT, (QUERY, UserQuery(participant_id="p1", text="x")))
     assert seen == [("processing", "p1"), ("idle", "p1")]
     assert agents["weather"].count("answer") == 1
@@ -154,18 +163,28 @@ async def test_malformed_messages_are_rejected_and_counted(
     assert observer.events.count(("message_rejected", "q", "invalid")) == 1
     assert observer.events.count(("message_rejected", "q", "wrong_type")) == 1
     assert [c.participant_id for c in agents["weather"].calls if c.method == "answer"] == ["p2"]
-    assert sum("rejected a message" in r.getMessage() for r in caplog.records) == 2
+    assert sum("(rejected) failed" in r.getMessage() for r in caplog.records) == 2
 
 
 async def test_background_failure_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    """A destination failure in a runtime turn is logged exactly once."""
+    """A destination failure in a runtime turn is logged once, by type: its message (which
+    may quote the user) only at DEBUG."""
     router, agents, _ = make_router()
-    agents["weather"]._results = [RuntimeError("weather api down")]
-    with caplog.at_level(logging.ERROR):
+    agents["weather"]._results = [RuntimeError("user said: my secret address")]
+    with caplog.at_level(logging.WARNING):
         outputs = await publish_and_drain(
             router, OUTPUT, (QUERY, UserQuery(participant_id="p", text="x")))
-    assert len([r for r in caplog.records if r.exc_info]) == 1
-    assert [o.text for o in outputs] == [router._failure_text]
+    failures = [r for r in caplog.records if "runtime turn" in r.getMessage()]
+    assert len(failures) == 1
+    assert "RuntimeError" in failures[0].getMessage()
+    assert "secret" not in caplog.text
+    assert [o.text for o in outputs] == [FAILURE_TEXT]
+    caplog.clear()
+    agents["weather"]._results = [RuntimeError("user said: my secret address")]
+    with caplog.at_level(logging.DEBUG):
+        await publish_and_drain(
+            router, OUTPUT, (QUERY, UserQuery(participant_id="p", text="x")))
+    assert "secret" in caplog.text
 
 
 async def test_departure_closes_admission_until_rejoin() -> None:
@@ -184,7 +203,7 @@ async def test_departure_closes_admission_until_rejoin() -> None:
     assert ("message_rejected", "q", "closed") in observer.events
     assert agents["weather"].count("answer") == 1
     with pytest.raises(LifecycleError, match="joined"):
-        await router._handle(AgentTurn("p1", "t", "x"), _silent)
+        await router.route_turn(AgentTurn("p1", "t", "x"), output=_silent)
     await publish_and_drain(router, OUTPUT, (JOINED, ParticipantJoined(participant_id="p1")),
                             (QUERY, UserQuery(participant_id="p1", text="back")))
     assert agents["weather"].count("answer") == 2
@@ -253,9 +272,9 @@ async def test_successful_stop_reopens_departed_participants() -> None:
     router, agents, _ = make_router()
     await router.participant_left("p1")
     with pytest.raises(LifecycleError):
-        await router._handle(AgentTurn("p1", "t", "x"), _silent)
+        await router.route_turn(AgentTurn("p1", "t", "x"), output=_silent)
     await router.stop()
-    await router._handle(AgentTurn("p1", "t2", "x"), _silent)
+    await router.route_turn(AgentTurn("p1", "t2", "x"), output=_silent)
     assert agents["weather"].count("answer") == 1
 
 
@@ -263,9 +282,9 @@ async def test_without_a_joined_topic_departure_does_not_lock_out() -> None:
     """With only query and output topics, a departed participant may come back."""
     router, agents, _ = make_router(topics={"participant_joined_topic": None,
                                             "participant_left_topic": None})
-    await router._handle(AgentTurn("p1", "t1", "x"), _silent)
+    await router.route_turn(AgentTurn("p1", "t1", "x"), output=_silent)
     await router.participant_left("p1")
-    await router._handle(AgentTurn("p1", "t2", "x"), _silent)
+    await router.route_turn(AgentTurn("p1", "t2", "x"), output=_silent)
     assert agents["weather"].count("answer") == 2
 
 
@@ -285,3 +304,225 @@ async def test_status_goes_idle_even_when_the_runtime_cancels_the_turn() -> None
         await agent.answer_entered.wait()
         runtime.cancel()
     assert seen == ["processing", "idle"]
+
+
+# ---------------------------------------------------------------- bypassed validation
+
+
+def bypassed_messages() -> list[tuple[Topic[Any], Any]]:
+    """One instance per subscribed topic that skipped validation, each invalid."""
+    return [
+        (QUERY, UserQuery.model_construct(participant_id=None, text="secret words")),
+        (QUERY, UserQuery(participant_id="p2", text="x").model_copy(update={"text": 5})),
+        (JOINED, ParticipantJoined.model_construct(participant_id="")),
+        (LEFT, ParticipantLeft(participant_id="p3").model_copy(update={"participant_id": 7})),
+        (INTERRUPTED, Interrupted.model_construct(participant_id="", bogus=1)),
+    ]
+
+
+def test_topic_revalidates_instances_that_skipped_validation() -> None:
+    """coerce() validates payload instances again: bypassed ones raise ValueError."""
+    for topic, message in bypassed_messages():
+        with pytest.raises(ValueError, match=f"malformed {topic.payload.__name__}") as info:
+            topic.coerce(message)
+        assert "secret words" not in str(info.value)
+    valid = UserQuery.model_construct(participant_id="p", text="fine", message_id="m1",
+                                      timestamp_us=5)
+    assert QUERY.coerce(valid) == UserQuery(participant_id="p", text="fine", message_id="m1",
+                                            timestamp_us=5)
+
+
+async def test_bypassed_messages_are_counted_and_do_not_disturb_a_turn_in_flight() -> None:
+    """Bypassed instances reaching the router are rejected; another turn completes."""
+    router, agents, observer = make_router()
+    agent = agents["weather"]
+    agent.answer_gate = anyio.Event()
+    outputs: list[ResponseOutput] = []
+
+    async def collect(message: ResponseOutput) -> None:
+        outputs.append(message)
+
+    subscriber = router.runtime_subscriber()
+    with anyio.fail_after(10):
+        async with AgentRuntime() as runtime:
+            runtime.register(subscriber)
+            runtime.subscribe(OUTPUT, collect)
+            await runtime.publish(QUERY, UserQuery(participant_id="p1", text="rain?"))
+            await agent.answer_entered.wait()
+            for topic, message in bypassed_messages():  # as a networked runtime delivers
+                await subscriber.deliver(topic, message, runtime)
+            agent.answer_gate.set()
+    assert agent.cancelled == []
+    assert [e for e in observer.events if e[0] == "message_rejected"] == [
+        ("message_rejected", "q", "invalid"), ("message_rejected", "q", "invalid"),
+        ("message_rejected", "j", "invalid"), ("message_rejected", "l", "invalid"),
+        ("message_rejected", "i", "invalid")]
+    assert [h.user for h in router.history_of("p1")] == ["rain?"]
+
+
+async def test_publishing_an_own_bypassed_instance_raises_to_the_publisher_only() -> None:
+    """publish() raises ContractValueError for its own bypassed instance; nobody sees it."""
+    router, agents, observer = make_router()
+    agent = agents["weather"]
+    agent.answer_gate = anyio.Event()
+    seen: list[UserQuery] = []
+
+    async def spy(message: UserQuery) -> None:
+        seen.append(message)
+
+    with anyio.fail_after(10):
+        async with AgentRuntime() as runtime:
+            runtime.register(router.runtime_subscriber())
+            runtime.subscribe(QUERY, spy)
+            await runtime.publish(QUERY, UserQuery(participant_id="p1", text="rain?"))
+            await agent.answer_entered.wait()
+            for topic, message in bypassed_messages():
+                with pytest.raises(ContractValueError, match="built without validation"):
+                    await runtime.publish(topic, message)
+            agent.answer_gate.set()
+    assert [m.text for m in seen] == ["rain?"]
+    assert not [e for e in observer.events if e[0] == "message_rejected"]
+    assert agent.count("answer") == 1 and agent.cancelled == []
+
+
+async def test_plain_callbacks_get_only_valid_payloads(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """subscribe() callbacks never see invalid messages; each is logged and counted."""
+    seen: list[ResponseOutput] = []
+
+    async def collect(message: ResponseOutput) -> None:
+        seen.append(message)
+
+    good = ResponseOutput(participant_id="p", request_id="r", route="x", text="hi")
+    with caplog.at_level(logging.WARNING, logger="turnrouter.runtime"):
+        async with AgentRuntime() as runtime:
+            runtime.subscribe(OUTPUT, collect)
+            await runtime.publish(OUTPUT, {"participant_id": "p"})
+            await runtime.publish(OUTPUT, good.model_dump())
+            await runtime.publish(OUTPUT, UserQuery(participant_id="p", text="x"))  # type: ignore[misc]
+    assert seen == [good]
+    assert runtime.rejected_messages == 2
+    assert sum("rejected a message" in r.getMessage() for r in caplog.records) == 2
+
+
+async def test_lone_surrogate_query_is_rejected_before_any_answer() -> None:
+    """A query holding a lone surrogate is rejected and counted; nothing is answered."""
+    router, agents, observer = make_router()
+    outputs = await publish_and_drain(
+        router, OUTPUT, (QUERY, {"participant_id": "p1", "text": "hi \ud800"}),
+        (QUERY, UserQuery(participant_id="p2", text="hi \u00e9")))
+    assert observer.events.count(("message_rejected", "q", "invalid")) == 1
+    assert [c.participant_id for c in agents["weather"].calls if c.method == "answer"] == ["p2"]
+    assert [h.user for h in router.history_of("p2")] == ["hi \u00e9"]
+    assert outputs == []
+    with pytest.raises(ValueError, match="lone surrogate"):
+        UserQuery(participant_id="p", text="\udc80")
+    with pytest.raises(ContractValueError, match=r"AgentTurn\.query .*lone surrogate"):
+        AgentTurn("p", "t", "x\udfff")
+
+
+# ---------------------------------------------------------------- background work
+
+
+async def test_background_work_is_drained_on_exit() -> None:
+    """Exiting the runtime waits for its background tasks, including ones they start."""
+    done: list[str] = []
+    gate = anyio.Event()
+
+    async def child() -> None:
+        await gate.wait()
+        done.append("child")
+
+    async def parent(runtime: AgentRuntime) -> None:
+        runtime.start_soon(child)
+        done.append("parent")
+
+    with anyio.fail_after(5):
+        async with AgentRuntime() as runtime:
+            runtime.start_soon(parent, runtime)
+            await anyio.wait_all_tasks_blocked()
+            gate.set()
+    assert done == ["parent", "child"]
+    with pytest.raises(LifecycleError, match="not running"):
+        runtime.start_soon(child)
+
+
+async def test_a_background_failure_cancels_the_rest_and_is_raised() -> None:
+    """As in a task group: one failing task cancels the others; the exit raises it."""
+    cancelled = anyio.Event()
+
+    async def waits() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async def fails() -> None:
+        raise KeyError("boom")
+
+    async def run() -> None:
+        async with AgentRuntime() as runtime:
+            runtime.start_soon(waits)
+            await anyio.wait_all_tasks_blocked()
+            runtime.start_soon(fails)
+
+    with anyio.fail_after(5), pytest.raises(BaseExceptionGroup) as caught:
+        await run()
+    assert caught.group_contains(KeyError)
+    assert cancelled.is_set()
+
+
+async def test_an_error_in_the_body_cancels_background_work() -> None:
+    """The body's own error cancels the background tasks and propagates."""
+    cancelled = anyio.Event()
+
+    async def waits() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async def run() -> None:
+        async with AgentRuntime() as runtime:
+            runtime.start_soon(waits)
+            await anyio.wait_all_tasks_blocked()
+            raise ValueError("body")
+
+    with anyio.fail_after(5), pytest.raises(ValueError, match="body"):
+        await run()
+    assert cancelled.is_set()
+
+
+async def test_a_cancelled_exit_still_waits_for_background_work() -> None:
+    """Cancelling the exit cancels the background work, waits for it, then propagates."""
+    finished = anyio.Event()
+
+    async def slow_cleanup() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.lowlevel.checkpoint()
+            finished.set()
+
+    with anyio.fail_after(5):
+        with anyio.CancelScope() as scope:
+            async with AgentRuntime() as runtime:
+                runtime.start_soon(slow_cleanup)
+                await anyio.wait_all_tasks_blocked()
+                scope.cancel()
+        assert scope.cancelled_caught
+    assert finished.is_set()
+
+
+def test_a_validated_message_is_delivered_without_validating_again() -> None:
+    """coerce returns a constructed (validated) message itself; a bypassed one is new."""
+    query = UserQuery(participant_id="p1", text="hi")
+    assert QUERY.coerce(query) is query
+    bypassed = UserQuery.model_construct(participant_id="p1", text="other", message_id="m",
+                                         timestamp_us=1)
+    assert QUERY.coerce(bypassed) is not bypassed
+    broken = UserQuery.model_construct(participant_id="", text="x", message_id="m",
+                                       timestamp_us=1)
+    with pytest.raises(ValueError, match="malformed"):
+        QUERY.coerce(broken)

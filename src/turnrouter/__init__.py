@@ -53,6 +53,7 @@ from ._timing import (
     TimingSample,
     TimingSink,
     load_samples,
+    query_length_class,
 )
 
 __all__ = [
@@ -105,6 +106,7 @@ __all__ = [
     "current_context_patches",
     "current_turn_context",
     "load_samples",
+    "query_length_class",
 ]
 
 __version__ = "0.1.0"

@@ -1,9 +1,9 @@
 """Route-aware intention acknowledgments, timed by a fallback delay or a prediction.
 
 Used by `AgentRouter` only when `acknowledgment_llm` and `acknowledgment_delay_secs` are
-configured (or a timing predictor/sink is given, for samples only). Per turn, the
-destination's `answer()` starts at once; beside it, in an anyio task group, one
-acknowledgment task:
+configured (or a timing predictor/sink is given, for samples only). Per turn, the router
+calls the destination's `answer()` at once; beside it, in an anyio task group, runs one
+`AcknowledgmentSidecar`:
 
 1. asks the timing predictor for a prediction of this route's first response;
 2. picks the trigger: ``prediction`` when the prediction is confident and its lower
@@ -28,17 +28,26 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import anyio
 
 from ._clock import Clock
-from ._contracts import AgentTurn, DestinationResult, RoutingAid
+from ._contracts import AgentTurn, RoutingAid
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
-from ._observer import AcknowledgmentOutcome, AcknowledgmentTrigger, RouterObserver, TurnObserver
+from ._logging import log_failure
+from ._observer import (
+    AcknowledgmentFinished,
+    AcknowledgmentOutcome,
+    AcknowledgmentTrigger,
+    EstimateChanged,
+    RouterObserver,
+    TurnObserver,
+)
+from ._redact import strip_surrogates
 from ._timing import Prediction, TimingPredictor, TimingSample, TimingSink
 
 if TYPE_CHECKING:
@@ -54,6 +63,7 @@ __all__ = [
 
 logger = logging.getLogger("turnrouter")
 T = TypeVar("T")
+Emit = Callable[[AgentTurn, str, str], Awaitable[None]]
 
 #: Prompt line prefixes; `turnrouter.llm.TemplateAcknowledger` parses them back.
 PROMPT_ROUTE = "Helper: "
@@ -137,8 +147,9 @@ def acknowledgment_prompt(route: RoutingAid, query: str) -> str:
 
 
 def clean_acknowledgment(text: str, max_chars: int) -> str:
-    """First non-empty line, unquoted, whitespace-normalized, cut at a word boundary."""
-    for raw in text.splitlines():
+    """First non-empty line, unquoted, whitespace-normalized, cut at a word boundary;
+    lone surrogates (not storable as UTF-8) become U+FFFD."""
+    for raw in strip_surrogates(text[: max_chars * 4]).splitlines():
         line = " ".join(raw.split()).strip().strip("\"'“”‘’`").strip()
         if line:
             break
@@ -175,14 +186,15 @@ async def within(clock: Clock, deadline: float, call: Callable[[], Awaitable[T]]
 class TimingEngine:
     """Router-wide timing state: predictor, sink, generation-time estimate, clock."""
 
-    __slots__ = ("_published", "acknowledger", "clock", "delay", "expected_generation",
-                 "llm", "observer", "policy", "predictor", "sink")
+    __slots__ = ("_published", "acknowledger", "agents", "clock", "delay",
+                 "expected_generation", "llm", "observer", "policy", "predictor", "sink")
 
     def __init__(
         self, *, llm: LLMService | None, delay: float | None, policy: AcknowledgmentPolicy,
         predictor: TimingPredictor | None, sink: TimingSink | None, clock: Clock,
-        observer: RouterObserver,
+        observer: RouterObserver, agents: Mapping[str, RoutableAgent],
     ) -> None:
+        self.agents = agents
         self.llm = llm
         self.acknowledger: Acknowledger | None = (
             llm if llm is not None and callable(getattr(llm, "acknowledge", None))
@@ -208,15 +220,15 @@ class TimingEngine:
             return
         try:
             estimate = predictor.estimate(route)
-        except Exception:
-            logger.exception("turnrouter: timing predictor estimate(%r) failed", route)
+        except Exception as exc:
+            log_failure("timing predictor estimate(%r)", exc, route)
             return
         if estimate is None:
             return
         last = self._published.get(route)
         if last is None or abs(estimate - last) > 0.01 * last:
             self._published[route] = estimate
-            self.observer.predicted_first_response(route, estimate)
+            self.observer.predicted_first_response(EstimateChanged(route, estimate))
 
     def record(self, route: str, seconds: float, censored: bool, turn: AgentTurn) -> None:
         """One first-response sample: to the predictor, the sink, and the gauge."""
@@ -224,119 +236,102 @@ class TimingEngine:
         if self.predictor is not None:
             try:
                 self.predictor.record(sample, turn)
-            except Exception:
-                logger.exception("turnrouter: timing predictor failed to record a sample")
+            except Exception as exc:
+                log_failure("timing predictor record()", exc)
             self._publish(route)
         if self.sink is not None:
             try:
                 self.sink.record(sample)
-            except Exception:
-                logger.exception("turnrouter: timing sink failed to record a sample")
+            except Exception as exc:
+                log_failure("timing sink record()", exc)
 
     def generation_observed(self, seconds: float) -> None:
         self.expected_generation += 0.2 * (seconds - self.expected_generation)
 
-    def turn(
-        self, obs: TurnObserver, agent: RoutableAgent, route: str, turn: AgentTurn,
-        emit: Callable[[AgentTurn, str, str], Awaitable[None]], admitted_at: float,
-        heard: bool,
-    ) -> TurnTiming:
-        return TurnTiming(self, obs, agent, route, turn, emit, admitted_at, heard)
+    def sidecar(self, answer: Answering) -> AcknowledgmentSidecar | None:
+        """The acknowledgment to run beside one answer (None without an LLM)."""
+        if self.llm is None:
+            return None
+        return AcknowledgmentSidecar(self, answer)
+
+    def aid(self, route: str, turn: AgentTurn) -> RoutingAid:
+        agent = self.agents[route]
+        return agent.routing_aid(turn.participant_id)
 
 
 _PENDING, _SUPPRESSED, _FAILED, _COMMITTED, _DONE = range(5)
 
 
-class TurnTiming:
-    """One answered turn's acknowledgment, silence and first-response sample."""
+class Answering(Protocol):
+    """What the sidecar needs of the answer it runs beside."""
 
-    __slots__ = (
-        "_agent",
-        "_delay_used",
-        "_delivered",
-        "_emit",
-        "_engine",
-        "_obs",
-        "_predicted",
-        "_scope",
-        "_started_at",
-        "_state",
-        "_t0",
-        "_trigger",
-        "admitted_at",
-        "heard",
-        "route",
-        "turn",
-    )
+    @property
+    def route(self) -> str: ...
+    @property
+    def turn(self) -> AgentTurn: ...
+    @property
+    def obs(self) -> TurnObserver: ...
+    @property
+    def emit(self) -> Emit: ...
 
-    def __init__(
-        self, engine: TimingEngine, obs: TurnObserver, agent: RoutableAgent, route: str,
-        turn: AgentTurn, emit: Callable[[AgentTurn, str, str], Awaitable[None]],
-        admitted_at: float, heard: bool,
-    ) -> None:
-        self._engine, self._obs, self._agent = engine, obs, agent
-        self.route, self.turn, self._emit = route, turn, emit
-        self.admitted_at = admitted_at
-        self.heard = heard
+    def hear(self, at: float) -> None:
+        """A committed acknowledgment was delivered at `at` (the answer, which owns the
+        silence measurement, decides whether that ended the silence)."""
+
+
+class AcknowledgmentSidecar:
+    """One answer's acknowledgment, run beside the destination's `answer()`.
+
+    The router starts `run()` in a task group next to `answer()` and tells the sidecar
+    when the answer starts (`answer_started`) and when it returned (`answer_finished`):
+    a pending acknowledgment is then suppressed, a committed one is awaited.
+    """
+
+    __slots__ = ("_answer", "_delay_used", "_delivered", "_emit", "_engine", "_obs",
+                 "_predicted", "_probability", "_scope", "_started_at", "_state", "_t0",
+                 "_trigger", "route", "turn")
+
+    def __init__(self, engine: TimingEngine, answer: Answering) -> None:
+        self._engine, self._answer = engine, answer
+        self._obs = answer.obs
+        self.route, self.turn, self._emit = answer.route, answer.turn, answer.emit
         self._t0 = engine.clock.now()
         self._state = _PENDING
         self._scope: anyio.CancelScope | None = None
         self._delivered: anyio.Event | None = None
         self._trigger: AcknowledgmentTrigger = "delay"
         self._predicted: float | None = None
+        self._probability: float | None = None
         self._delay_used = engine.delay if engine.delay is not None else 0.0
         self._started_at: float | None = None
 
-    # -------------------------------------------------------------- the answer side
+    @property
+    def committed(self) -> bool:
+        """An acknowledgment is being delivered: the answer's output waits for it."""
+        return self._state == _COMMITTED
 
-    async def answer(self, started: Callable[[], Awaitable[None]]) -> DestinationResult:
-        """Run the destination's answer, with the acknowledgment beside it if configured."""
-        agent = self._agent
-        if self._engine.llm is None:
-            self._state = _DONE
-            return await agent.answer(self.turn, started=started)
-        error: Exception | None = None
-        result: Any = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._acknowledge)
-            try:
-                result = await agent.answer(self.turn, started=started)
-            except Exception as exc:  # re-raised below, unwrapped by the task group
-                error = exc
-            if self._state == _PENDING:
-                self._suppress()
-        if error is not None:
-            raise error
-        answer: DestinationResult = result
-        return answer
-
-    def started(self, now: float, seconds: float) -> None:
-        """The destination's first `started()` call, `seconds` after its answer began."""
+    def answer_started(self, now: float) -> None:
+        """The destination called `started()`: suppress a pending acknowledgment."""
         self._started_at = now
         if self._state == _PENDING:
             self._suppress()
-        if not self.heard and self._state != _COMMITTED:
-            self.heard = True
-            self._obs.silence(self.route, now - self.admitted_at)
-        self._engine.record(self.route, seconds, False, self.turn)
+
+    def answer_finished(self) -> None:
+        """`answer()` returned or raised: a pending acknowledgment is no longer useful."""
+        if self._state == _PENDING:
+            self._suppress()
 
     async def wait_delivered(self) -> None:
         """Wait for a committed acknowledgment's delivery (at once if there is none)."""
         if self._state == _COMMITTED and self._delivered is not None:
             await self._delivered.wait()
 
-    def interrupted(self) -> None:
-        """The answer was cancelled before `started()`: a censored (lower-bound) sample."""
-        self._engine.record(self.route, self._engine.clock.now() - self._t0, True, self.turn)
-
-    # -------------------------------------------------------------- the acknowledgment
-
     def _report(self, outcome: AcknowledgmentOutcome, text: str = "",
                 error: BaseException | None = None) -> None:
-        self._obs.acknowledgment(
+        self._obs.acknowledgment(AcknowledgmentFinished(
             self.route, outcome, self._trigger, self._delay_used, self._predicted,
-            self._t0, self._engine.clock.now(), text, error,
-        )
+            self._t0, self._engine.clock.now(), text, error, self._probability,
+        ))
 
     def _suppress(self) -> None:
         self._state = _SUPPRESSED
@@ -346,11 +341,11 @@ class TurnTiming:
 
     def _fail(self, error: BaseException) -> None:
         self._state = _FAILED
-        logger.warning("turnrouter: acknowledgment for %s failed (none spoken): %r",
-                       self.route, error)
+        log_failure("acknowledgment for %s (none spoken)", error, self.route)
         self._report("failed", error=error)
 
-    async def _acknowledge(self) -> None:
+    async def run(self) -> None:
+        """Predict, wait, generate and deliver the acknowledgment (or be suppressed)."""
         if self._state != _PENDING:
             return
         try:
@@ -387,7 +382,7 @@ class TurnTiming:
     async def _generate(self) -> str:
         engine = self._engine
         max_tokens = engine.policy.max_tokens
-        aid = self._agent.routing_aid(self.turn.participant_id)
+        aid = engine.aid(self.route, self.turn)
         if engine.acknowledger is not None:
             return await engine.acknowledger.acknowledge(
                 AcknowledgmentRequest(aid, self.turn, max_tokens))
@@ -402,7 +397,11 @@ class TurnTiming:
         prediction = await self._predict()
         if prediction is not None:
             self._predicted = prediction.seconds
-        if prediction is not None and prediction.confident and prediction.lower > delay:
+            self._probability = prediction.probability_late
+        if prediction is not None and (
+            prediction.early if prediction.early is not None
+            else prediction.confident and prediction.lower > delay
+        ):
             self._trigger = "prediction"
             heard = min(policy.early_secs, delay)
             self._delay_used = heard
@@ -436,9 +435,8 @@ class TurnTiming:
             await self._emit(self.turn, self.route, text)
         except Exception as exc:
             self._fail(exc)
-            if not self.heard and self._started_at is not None:
-                self.heard = True
-                self._obs.silence(self.route, self._started_at - self.admitted_at)
+            if self._started_at is not None:
+                self._answer.hear(self._started_at)  # the answer, not the acknowledgment
         except BaseException:
             # Interrupted while delivering: the router suppresses interrupted control text.
             self._state = _DONE
@@ -446,9 +444,7 @@ class TurnTiming:
             raise
         else:
             self._state = _DONE
-            if not self.heard:
-                self.heard = True
-                self._obs.silence(self.route, committed_at - self.admitted_at)
+            self._answer.hear(committed_at)
             self._report("emitted", text)
         finally:
             self._delivered.set()

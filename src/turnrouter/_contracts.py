@@ -1,6 +1,8 @@
 """Immutable contract objects exchanged between the router, destinations and deciders.
 
-Public constructors validate their input and name the offending field. The router
+Public constructors validate their input and name the offending field (never echoing
+text, which may be user content). Text fields reject lone surrogate code points, which
+cannot be encoded as UTF-8 (history and telemetry store UTF-8). The router
 builds its own internal copies through `_unchecked` constructors: those values were
 validated once at the boundary, so re-checking them on every turn would only cost time.
 """
@@ -14,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Protocol, TypeVar, get_args, runtime_checkable
 
 from ._exceptions import ContractTypeError, ContractValueError
+from ._redact import has_surrogates, preview
 
 __all__ = [
     "CLARIFY",
@@ -37,14 +40,24 @@ _RESULT_DISPOSITIONS: frozenset[str] = frozenset(get_args(ResultDisposition))
 
 #: The decision choice meaning "ask the participant to clarify".
 CLARIFY = "clarify"
+#: Largest accepted `timestamp_us`: nanoseconds derived from it still fit a signed
+#: 64-bit integer (telemetry timestamps), i.e. until the year 2262.
+MAX_TIMESTAMP_US = (2**63 - 1) // 1000
 
 _T = TypeVar("_T")
 
 
+def _shown(value: object) -> str:
+    """The offending value for an error message: its type, plus the value itself only
+    for numbers, booleans and None (text may be user content and is never echoed)."""
+    kind = type(value).__name__
+    if value is None or isinstance(value, bool | int | float):
+        return f"{kind} {preview(value)}"
+    return kind
+
+
 def _type_error(cls: str, name: str, expected: str, value: object) -> ContractTypeError:
-    return ContractTypeError(
-        f"{cls}.{name} must be {expected}, got {type(value).__name__} {value!r:.80}"
-    )
+    return ContractTypeError(f"{cls}.{name} must be {expected}, got {_shown(value)}")
 
 
 def _check_str(cls: str, name: str, value: object, *, nonempty: bool = False) -> None:
@@ -52,6 +65,11 @@ def _check_str(cls: str, name: str, value: object, *, nonempty: bool = False) ->
         raise _type_error(cls, name, "a str", value)
     if nonempty and not value:
         raise ContractValueError(f"{cls}.{name} must not be empty")
+    if not value.isascii() and has_surrogates(value):
+        raise ContractValueError(
+            f"{cls}.{name} holds a lone surrogate code point: it is not valid text and "
+            "cannot be stored as UTF-8"
+        )
 
 
 def _check_choice(cls: str, name: str, value: object, allowed: frozenset[str]) -> None:
@@ -59,7 +77,7 @@ def _check_choice(cls: str, name: str, value: object, allowed: frozenset[str]) -
         raise _type_error(cls, name, "a str", value)
     if value not in allowed:
         raise ContractValueError(
-            f"{cls}.{name} must be one of {sorted(allowed)}, got {value!r}"
+            f"{cls}.{name} must be one of {sorted(allowed)}, got {preview(value)}"
         )
 
 
@@ -169,8 +187,10 @@ class AgentTurn:
         if ts is not None:
             if not isinstance(ts, int) or isinstance(ts, bool):
                 raise _type_error("AgentTurn", "timestamp_us", "an int or None", ts)
-            if ts < 0:
-                raise ContractValueError(f"AgentTurn.timestamp_us must be >= 0, got {ts}")
+            if not 0 <= ts <= MAX_TIMESTAMP_US:
+                raise ContractValueError(
+                    f"AgentTurn.timestamp_us must be within [0, {MAX_TIMESTAMP_US}], "
+                    f"got {preview(ts)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +258,8 @@ class RouteRequest:
             if not isinstance(aid, RoutingAid):
                 raise _type_error("RouteRequest", f"candidates[{index}]", "a RoutingAid", aid)
             if aid.name in seen:
-                raise ContractValueError(f"RouteRequest.candidates has {aid.name!r} twice")
+                raise ContractValueError(
+                    f"RouteRequest.candidates has {preview(aid.name)} twice")
             seen.add(aid.name)
         excluded = self.excluded
         if not isinstance(excluded, frozenset):
@@ -249,7 +270,7 @@ class RouteRequest:
         overlap = seen & excluded
         if overlap:
             raise ContractValueError(
-                f"RouteRequest.candidates include excluded routes {sorted(overlap)}"
+                f"RouteRequest.candidates include excluded routes {preview(sorted(overlap))}"
             )
 
     @property
@@ -283,7 +304,7 @@ class RouteDecision:
                 raise _type_error("RouteDecision", "confidence", "a float or None", confidence)
             if not 0.0 <= confidence <= 1.0:
                 raise ContractValueError(
-                    f"RouteDecision.confidence must be within [0, 1], got {confidence!r}"
+                    f"RouteDecision.confidence must be within [0, 1], got {preview(confidence)}"
                 )
             object.__setattr__(self, "confidence", float(confidence))
         scores = self.scores
@@ -295,11 +316,19 @@ class RouteDecision:
             for key, value in scores.items():
                 if not isinstance(key, str):
                     raise _type_error("RouteDecision", "scores key", "a str", key)
+                _check_str("RouteDecision", "scores key", key)
                 if not isinstance(value, int | float) or isinstance(value, bool):
-                    raise _type_error("RouteDecision", f"scores[{key!r}]", "a float", value)
-                if math.isnan(value):
-                    raise ContractValueError(f"RouteDecision.scores[{key!r}] is NaN")
-                frozen[key] = float(value)
+                    raise _type_error("RouteDecision", f"scores[{preview(key)}]", "a float",
+                                      value)
+                try:
+                    number = float(value)
+                except OverflowError:
+                    raise ContractValueError(
+                        f"RouteDecision.scores[{preview(key)}] is too large for a float"
+                    ) from None
+                if math.isnan(number):
+                    raise ContractValueError(f"RouteDecision.scores[{preview(key)}] is NaN")
+                frozen[key] = number
             object.__setattr__(self, "scores", MappingProxyType(frozen))
         _check_str("RouteDecision", "rationale", self.rationale)
 

@@ -63,7 +63,9 @@ class LLMError(TurnrouterError):
     """An LLM call failed: HTTP status, unreadable reply, connection error or timeout.
 
     `status` is the HTTP status (None when no response came back) and `body` the start
-    of the response body, both also named in the message.
+    of the response body, both also named in the message. Neither ever carries a
+    credential (URLs are redacted, echoed keys and `Authorization` values masked) nor
+    the prompt (a body echoing the request is withheld).
     """
 
     def __init__(self, message: str, *, status: int | None = None, body: str = "") -> None:

@@ -1,4 +1,4 @@
-"""Completed exchanges kept per participant under a UTF-8 byte budget."""
+"""Completed exchanges kept per participant under a UTF-8 byte budget and a count bound."""
 
 from __future__ import annotations
 
@@ -43,12 +43,17 @@ class History:
     `version` counts conversation appends; `prev_exchanges` / `prev_view` are the state
     before the latest one (for the divergence rule of a patch spawned by that turn). The
     context hash is computed on demand and cached.
+
+    The history owns its bounds: `budget` UTF-8 bytes (the contract's) and at most
+    `max_exchanges` exchanges, so even empty exchanges cannot pile up.
     """
 
-    __slots__ = ("_hash", "_hashed", "_meta", "_start", "exchanges", "prev_exchanges",
-                 "prev_view", "total", "version")
+    __slots__ = ("_hash", "_hashed", "_meta", "_start", "budget", "exchanges",
+                 "max_exchanges", "prev_exchanges", "prev_view", "total", "version")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int, max_exchanges: int) -> None:
+        self.budget = budget
+        self.max_exchanges = max_exchanges
         self.exchanges: tuple[AgentExchange, ...] = ()
         self._meta: list[Meta] = []
         self._start = 0
@@ -73,35 +78,67 @@ class History:
         """The retained exchanges' completion timestamps (µs), oldest first."""
         return tuple(item[1] for item in self._meta[self._start:])
 
-    def seed(self, exchanges: Sequence[AgentExchange], budget: int) -> None:
-        """Adopt caller-supplied history (ids and timestamps unknown), trimmed to budget."""
-        for exchange in exchanges:
-            self.append(exchange, None, None, budget)
+    def seed(self, exchanges: Sequence[AgentExchange]) -> int:
+        """Adopt caller-supplied history (ids and timestamps unknown), trimmed to the
+        bounds. Only the newest exchanges that can be kept are read, so a huge history
+        costs no more than a small one. Returns how many the count bound dropped."""
+        budget, room = self.budget, self.max_exchanges
+        kept: list[tuple[AgentExchange, int]] = []
+        total = 0
+        index = len(exchanges)
+        while index > 0 and len(kept) < room:
+            exchange = exchanges[index - 1]
+            size = len(exchange.user.encode()) + len(exchange.assistant.encode())
+            if total + size > budget:
+                break
+            total += size
+            kept.append((exchange, size))
+            index -= 1
+        dropped = index if len(kept) == room else 0
+        kept.reverse()
+        self.version += len(exchanges)
+        self.exchanges = tuple(exchange for exchange, _ in kept)
+        meta = self._meta = [(None, None, size) for _, size in kept]
+        self._start, self.total = 0, total
+        # As if appended one by one: the state before the newest seeded exchange.
+        self.prev_exchanges = self.exchanges[:-1]
+        self.prev_view = (meta, 0, max(len(meta) - 1, 0))
+        return dropped
 
     def append(
         self, exchange: AgentExchange, exchange_id: object | None, stamp: int | None,
-        budget: int,
-    ) -> None:
-        """Add a completed exchange and drop the oldest ones until the budget holds."""
+        extra_bytes: int = 0,
+    ) -> int:
+        """Add a completed exchange and drop the oldest ones until the bounds hold.
+
+        `extra_bytes` counts a payload kept with the exchange (a patch's facts and
+        artifacts) against the budget. Returns how many the count bound dropped.
+        """
         self.version += 1
         meta = self._meta
         self.prev_exchanges = self.exchanges
         self.prev_view = (meta, self._start, len(meta))
-        size = len(exchange.user.encode()) + len(exchange.assistant.encode())
+        size = len(exchange.user.encode()) + len(exchange.assistant.encode()) + extra_bytes
         total = self.total + size
-        if total <= budget:
+        budget = self.budget
+        if total <= budget and len(self.exchanges) < self.max_exchanges:
             self.exchanges += (exchange,)
             meta.append((exchange_id, stamp, size))
             self.total = total
-            return
+            return 0
         start = first = self._start
         end = len(meta)
         while total > budget and start < end:
             total -= meta[start][2]
             start += 1
+        by_count = 0
+        while end - start >= self.max_exchanges:
+            total -= meta[start][2]
+            start += 1
+            by_count += 1
         if total > budget:  # the new exchange alone exceeds the budget
             self.exchanges, self._meta, self._start, self.total = (), [], 0, 0
-            return
+            return by_count
         self.exchanges = (*self.exchanges[start - first:], exchange)
         if start > _COMPACT_AFTER and 2 * start > end:
             meta = self._meta = meta[start:]  # a new list: earlier views keep the old one
@@ -109,13 +146,14 @@ class History:
         meta.append((exchange_id, stamp, size))
         self._start = start
         self.total = total
+        return by_count
 
     # ------------------------------------------------------------ background patches
 
     def add_background(
         self, exchange: AgentExchange, exchange_id: PatchExchangeId, stamp: int | None,
-        budget: int, *, replace: bool,
-    ) -> None:
+        extra_bytes: int, *, replace: bool,
+    ) -> int:
         """Add a patch's exchange (after removing earlier ones when `replace`).
 
         Counts against the budget like any exchange, but is not a conversation exchange:
@@ -131,8 +169,9 @@ class History:
                 self._start = 0
                 self.total = sum(item[2] for item in self._meta)
         version, prev_exchanges, prev_view = self.version, self.prev_exchanges, self.prev_view
-        self.append(exchange, exchange_id, stamp, budget)
+        dropped = self.append(exchange, exchange_id, stamp, extra_bytes)
         self.version, self.prev_exchanges, self.prev_view = version, prev_exchanges, prev_view
+        return dropped
 
     def context_hash(self) -> str:
         """The hash of the retained conversation exchanges (cached until they change)."""

@@ -15,7 +15,10 @@ from typing import Any
 
 import anyio
 
-__all__ = ["OwnedOperation", "TurnQueue", "TurnRun"]
+__all__ = ["DROPPED", "OwnedOperation", "TurnQueue", "TurnRun"]
+
+#: The reason of a waiting turn dropped because too many turns were waiting.
+DROPPED = "dropped: too many turns waiting (max_waiting_turns)"
 
 
 class OwnedOperation:
@@ -137,15 +140,23 @@ class TurnQueue:
             runs.extend(self._waiting)
         return runs
 
-    async def enter(self, run: TurnRun) -> bool:
-        """Wait for `run`'s turn. False if it was cancelled before it could start."""
+    async def enter(self, run: TurnRun, max_waiting: int) -> bool:
+        """Wait for `run`'s turn. False if it was cancelled before it could start.
+
+        With `max_waiting` turns already waiting, the oldest waiting one is dropped
+        (cancelled with `DROPPED`): it is stale, newer turns of the participant follow.
+        """
         if self.running is None and not self._waiting:
             self.running = run
             return True
-        if self._waiting is None:
-            self._waiting = deque()
+        waiting = self._waiting
+        if waiting is None:
+            waiting = self._waiting = deque()
+        live = [queued for queued in waiting if not queued.reason]
+        if len(live) >= max_waiting:
+            live[0].cancel(DROPPED)
         run._wake = anyio.Event()
-        self._waiting.append(run)
+        waiting.append(run)
         try:
             await run._wake.wait()
         except BaseException:

@@ -1,34 +1,59 @@
 """The one seam between routing logic and telemetry.
 
 The router reports what happens to a `RouterObserver`; every method of the base
-classes does nothing, so an unobserved router pays a few attribute look-ups per turn.
-`turnrouter.telemetry.Telemetry` is the OpenTelemetry + Prometheus implementation and
-`turnrouter.testing.RecordingObserver` an in-memory one. Only those modules import
-telemetry libraries.
+classes does nothing, so an unobserved router pays a few attribute look-ups per turn
+(and builds no event: it checks `enabled` first). `turnrouter.telemetry.Telemetry` is
+the OpenTelemetry + Prometheus implementation and `turnrouter.testing.RecordingObserver`
+an in-memory one. Only those modules import telemetry libraries.
 
-Methods named `*_started` return an opaque token that the router hands back to the
-matching `*_finished` call, so an implementation can keep a span (or a start time)
-without the router knowing what it is.
+Each hook takes one frozen event (a `NamedTuple` from `turnrouter.events`), so a field
+added later breaks no observer. Methods named `*_started` return an opaque token that
+the router hands back to the matching `*_finished` call, so an implementation can keep
+a span (or a start time) without the router knowing what it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from ._contracts import AgentTurn, DestinationResult, RouteDecision, RouteRequest
 
 __all__ = [
+    "AcknowledgmentFinished",
     "AcknowledgmentOutcome",
     "AcknowledgmentTrigger",
+    "AdmissionFinished",
+    "AdmissionStarted",
+    "AnswerFinished",
+    "AnswerStarted",
+    "Clarification",
     "ClarificationReason",
+    "Configured",
+    "ContextPatchEvent",
+    "DecisionFinished",
+    "DefaultFallback",
+    "EstimateChanged",
+    "Failure",
     "FailureStage",
+    "FirstResponse",
+    "FocusChanged",
     "FocusTransition",
+    "Heard",
+    "LimitExceeded",
+    "MessageRejected",
+    "ParticipantChanged",
     "PatchOutcome",
+    "ReleaseFinished",
     "ReleaseReason",
+    "ReleaseStarted",
+    "Rerouted",
     "RouterObserver",
+    "SilenceMeasured",
+    "TurnFinished",
     "TurnObserver",
     "TurnOutcome",
+    "TurnStarted",
 ]
 
 TurnOutcome = Literal[
@@ -50,6 +75,229 @@ PatchOutcome = Literal[
 ]
 
 
+# ------------------------------------------------------------------ events of one turn
+
+
+class TurnStarted(NamedTuple):
+    """A turn begins (after ordering)."""
+
+    turn: AgentTurn
+    focus: str | None
+    """The route holding the participant's focus when the turn began."""
+
+
+class DecisionFinished(NamedTuple):
+    """The decision-service call returned `decision` or raised `error`."""
+
+    request: RouteRequest
+    decision: RouteDecision | None
+    error: BaseException | None
+
+
+class AdmissionStarted(NamedTuple):
+    """An `admit()` call begins."""
+
+    route: str
+    focused: bool
+
+
+class AdmissionFinished(NamedTuple):
+    """`admit()` returned `disposition`, raised `error`, or timed out (a decline)."""
+
+    route: str
+    focused: bool
+    disposition: str | None
+    """None when `admit()` raised or was cancelled."""
+    error: BaseException | None
+    timed_out: bool
+
+
+class AnswerStarted(NamedTuple):
+    """An `answer()` call begins; `fallback`: the default answered without admit()."""
+
+    route: str
+    fallback: bool
+
+
+class FirstResponse(NamedTuple):
+    """The destination called `started()` `seconds` after its answer began."""
+
+    route: str
+    seconds: float
+
+
+class AnswerFinished(NamedTuple):
+    """`answer()` returned `result`, raised `error`, or was interrupted."""
+
+    route: str
+    result: DestinationResult | None
+    error: BaseException | None
+    interrupted: bool
+
+
+class ReleaseStarted(NamedTuple):
+    """A `release()` / `participant_left()` call on a destination begins."""
+
+    route: str
+    reason: ReleaseReason
+
+
+class ReleaseFinished(NamedTuple):
+    """The release call finished, successfully or with `error`."""
+
+    route: str
+    reason: ReleaseReason
+    error: BaseException | None
+
+
+class Rerouted(NamedTuple):
+    """`route` declined or released; the turn is routed again without it."""
+
+    route: str
+
+
+class DefaultFallback(NamedTuple):
+    """The default destination answers without admission after exhausted declines."""
+
+    route: str
+
+
+class Clarification(NamedTuple):
+    """The router asks the participant to clarify, for `reason`."""
+
+    reason: ClarificationReason
+
+
+class FocusChanged(NamedTuple):
+    """`route` took, released or lost the participant's focus."""
+
+    route: str
+    transition: FocusTransition
+
+
+class AcknowledgmentFinished(NamedTuple):
+    """An acknowledgment was emitted, suppressed by `started()`, or failed.
+
+    `started_at` / `ended_at` are readings of the router's clock (monotonic seconds).
+    """
+
+    route: str
+    outcome: AcknowledgmentOutcome
+    trigger: AcknowledgmentTrigger
+    delay_seconds: float
+    """When it was due to be heard, after the answer began."""
+    predicted_first_response: float | None
+    started_at: float
+    ended_at: float
+    text: str
+    error: BaseException | None
+    probability_late: float | None = None
+    """The predicted probability that the answer starts after the delay, when the
+    predictor knows the delay (the trigger acknowledges early when it is high enough)."""
+
+
+class SilenceMeasured(NamedTuple):
+    """Time from admission to the first thing the participant heard."""
+
+    route: str
+    seconds: float
+
+
+class Failure(NamedTuple):
+    """A failure not reported by any `*_finished` event's `error`.
+
+    Errors in `DecisionFinished`, `AdmissionFinished` (or its `timed_out`),
+    `AnswerFinished`, `ReleaseFinished` and failed acknowledgments already count as
+    failures of their stage; they are not reported twice.
+    """
+
+    route: str | None
+    stage: FailureStage
+    error: BaseException
+
+
+class TurnFinished(NamedTuple):
+    """The turn ended with `outcome`; `route` answered, if any destination did."""
+
+    outcome: TurnOutcome
+    route: str | None
+    focus_before: str | None
+    focus_after: str | None
+    attempts: int
+    """Routed choices made (the focus owner's admission is not one)."""
+    error: BaseException | None
+
+
+# ------------------------------------------------------------------ router-wide events
+
+
+class ParticipantChanged(NamedTuple):
+    """The router began or stopped holding state for a participant."""
+
+    participant_id: str
+
+
+class Configured(NamedTuple):
+    """The router was constructed with these routes and acknowledgment delay."""
+
+    routes: tuple[str, ...]
+    acknowledgment_delay_secs: float | None
+
+
+class EstimateChanged(NamedTuple):
+    """The timing predictor's estimate of `route`'s first response changed."""
+
+    route: str
+    seconds: float
+
+
+class Heard(NamedTuple):
+    """A front end reported when an answer was first heard (`route_turn(...,
+    report_heard=True)` and `mark_heard`), possibly after its turn ended.
+
+    `silence_seconds` is None when something else (a preamble, an acknowledgment) had
+    ended the silence.
+    """
+
+    route: str
+    first_response_seconds: float
+    silence_seconds: float | None
+
+
+class LimitExceeded(NamedTuple):
+    """A bound overflowed and something was dropped or refused (see `docs/limits.md`):
+    `history_exchanges`, `seeded_history`, `waiting_turns`, `participants`,
+    `departed_participants`, `patch_bytes` or `release_timeout`."""
+
+    limit: str
+
+
+class MessageRejected(NamedTuple):
+    """A front end refused an input: malformed (`invalid`, `wrong_type`), refused
+    (`closed`), or any reason word the front end names."""
+
+    topic: str
+    reason: str
+
+
+class ContextPatchEvent(NamedTuple):
+    """A background context patch was applied, held, settled, dropped or refused.
+
+    `patch_id` is None for a refused patch (it never got one). `diverged`: the
+    participant's context had moved on since the task's stamp.
+    """
+
+    participant_id: str
+    patch_id: str | None
+    task_id: str
+    strategy: str
+    outcome: PatchOutcome
+    diverged: bool
+
+
+# ------------------------------------------------------------------ observers
+
+
 class TurnObserver:
     """Receives the events of one turn, in order. The base class ignores them all."""
 
@@ -59,79 +307,56 @@ class TurnObserver:
         """A decision-service call begins."""
         return None
 
-    def decision_finished(
-        self, token: object, request: RouteRequest, decision: RouteDecision | None,
-        error: BaseException | None,
-    ) -> None:
-        """The decision-service call returned `decision` or raised `error`."""
+    def decision_finished(self, token: object, event: DecisionFinished) -> None:
+        """The decision-service call ended."""
 
-    def admission_started(self, route: str, focused: bool) -> object:
+    def admission_started(self, event: AdmissionStarted) -> object:
         """An `admit()` call begins."""
         return None
 
-    def admission_finished(
-        self, token: object, route: str, focused: bool, disposition: str | None,
-        error: BaseException | None, timed_out: bool = False,
-    ) -> None:
-        """`admit()` returned `disposition`, raised `error`, or timed out (a decline)."""
+    def admission_finished(self, token: object, event: AdmissionFinished) -> None:
+        """The `admit()` call ended."""
 
-    def answer_started(self, route: str, fallback: bool) -> object:
-        """An `answer()` call begins; `fallback` means the default answered without admit()."""
+    def answer_started(self, event: AnswerStarted) -> object:
+        """An `answer()` call begins."""
         return None
 
-    def first_response(self, token: object, route: str, seconds: float) -> None:
-        """The destination called `started()` `seconds` after its answer began."""
+    def first_response(self, token: object, event: FirstResponse) -> None:
+        """The destination called `started()`."""
 
-    def answer_finished(
-        self, token: object, route: str, result: DestinationResult | None,
-        error: BaseException | None, interrupted: bool,
-    ) -> None:
-        """`answer()` returned `result`, raised `error`, or was interrupted."""
+    def answer_finished(self, token: object, event: AnswerFinished) -> None:
+        """The `answer()` call ended."""
 
-    def release_started(self, route: str, reason: ReleaseReason) -> object:
-        """A `release()` / `participant_left()` call on a destination begins."""
+    def release_started(self, event: ReleaseStarted) -> object:
+        """A release during the turn begins."""
         return None
 
-    def release_finished(
-        self, token: object, route: str, reason: ReleaseReason, error: BaseException | None
-    ) -> None:
-        """The release call finished, successfully or with `error`."""
+    def release_finished(self, token: object, event: ReleaseFinished) -> None:
+        """That release ended."""
 
-    def reroute(self, route: str) -> None:
-        """`route` declined or released; the turn is routed again without it."""
+    def reroute(self, event: Rerouted) -> None:
+        """A route declined or released; the turn is routed again without it."""
 
-    def default_fallback(self, route: str) -> None:
-        """The default destination answers without admission after exhausted declines."""
+    def default_fallback(self, event: DefaultFallback) -> None:
+        """The default answers without admission."""
 
-    def clarification(self, reason: ClarificationReason) -> None:
-        """The router asks the participant to clarify, for `reason`."""
+    def clarification(self, event: Clarification) -> None:
+        """The router asks the participant to clarify."""
 
-    def focus_transition(self, route: str, transition: FocusTransition) -> None:
-        """`route` took, released or lost the participant's focus."""
+    def focus_transition(self, event: FocusChanged) -> None:
+        """A route took, released or lost focus."""
 
-    def acknowledgment(  # started_at / ended_at are time.monotonic() readings
-        self, route: str, outcome: AcknowledgmentOutcome, trigger: AcknowledgmentTrigger,
-        delay_seconds: float, predicted_first_response: float | None,
-        started_at: float, ended_at: float, text: str, error: BaseException | None,
-    ) -> None:
-        """An acknowledgment was emitted, suppressed by `started()`, or failed."""
+    def acknowledgment(self, event: AcknowledgmentFinished) -> None:
+        """An acknowledgment ended (emitted, suppressed or failed)."""
 
-    def silence(self, route: str, seconds: float) -> None:
-        """Time from admission to the first thing the participant heard."""
+    def silence(self, event: SilenceMeasured) -> None:
+        """The silence after admission ended."""
 
-    def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
-        """A failure not reported by any `*_finished` call's `error` argument.
+    def failure(self, event: Failure) -> None:
+        """A failure not reported by any `*_finished` event."""
 
-        Errors passed to `decision_finished`, `admission_finished` (or `timed_out`),
-        `answer_finished`, `release_finished` and failed acknowledgments already count
-        as failures of their stage; do not report them twice.
-        """
-
-    def finished(
-        self, outcome: TurnOutcome, route: str | None, focus_before: str | None,
-        focus_after: str | None, attempts: int, error: BaseException | None,
-    ) -> None:
-        """The turn ended with `outcome`; `route` answered, if any destination did."""
+    def finished(self, event: TurnFinished) -> None:
+        """The turn ended."""
 
 
 NULL_TURN_OBSERVER = TurnObserver()
@@ -145,41 +370,46 @@ class RouterObserver:
 
     __slots__ = ()
 
-    #: False when every method is a no-op, so callers may skip building arguments.
+    #: False when every method is a no-op, so callers may skip building events.
     enabled: bool = False
 
-    def turn_started(self, turn: AgentTurn, focus: str | None) -> TurnObserver:
-        """A turn begins (after ordering and initialization); return its observer."""
+    def turn_started(self, event: TurnStarted) -> TurnObserver:
+        """A turn begins (after ordering); return its observer."""
         return NULL_TURN_OBSERVER
 
-    def participant_added(self, participant_id: str) -> None:
+    def participant_added(self, event: ParticipantChanged) -> None:
         """The router holds state for a new participant."""
 
-    def participant_removed(self, participant_id: str) -> None:
-        """The router dropped a participant's state (departure or shutdown)."""
+    def participant_removed(self, event: ParticipantChanged) -> None:
+        """The router dropped a participant's state (departure, shutdown, hand-over)."""
 
-    def release_started(self, route: str, reason: ReleaseReason) -> object:
+    def release_started(self, event: ReleaseStarted) -> object:
         """A release outside any turn (departure, shutdown) begins."""
         return None
 
-    def release_finished(
-        self, token: object, route: str, reason: ReleaseReason, error: BaseException | None
-    ) -> None:
-        """That release finished."""
+    def release_finished(self, token: object, event: ReleaseFinished) -> None:
+        """That release ended."""
 
-    def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
+    def failure(self, event: Failure) -> None:
         """A failure outside any turn (for example `cleanup_participant`)."""
 
-    def configured(
-        self, *, routes: tuple[str, ...], acknowledgment_delay_secs: float | None
-    ) -> None:
-        """The router was constructed with these routes and acknowledgment delay."""
+    def configured(self, event: Configured) -> None:
+        """The router was constructed."""
 
-    def predicted_first_response(self, route: str, seconds: float) -> None:
-        """The timing predictor's current estimate for `route` changed."""
+    def predicted_first_response(self, event: EstimateChanged) -> None:
+        """The timing predictor's estimate for a route changed."""
 
-    def message_rejected(self, topic: str, reason: str) -> None:
-        """A runtime message was malformed (`invalid`, `wrong_type`) or refused (`closed`)."""
+    def heard(self, event: Heard) -> None:
+        """A front end reported when an answer was first heard."""
+
+    def message_rejected(self, event: MessageRejected) -> None:
+        """A front end refused an input before the router saw it."""
+
+    def limit_exceeded(self, event: LimitExceeded) -> None:
+        """A bound overflowed (counted; the router logs it)."""
+
+    def context_patch(self, event: ContextPatchEvent) -> None:
+        """A context patch event (applied, held, settled, dropped, refused)."""
 
     def enter_context(self, carrier: Mapping[str, str]) -> object:
         """Make a remote W3C trace context (from a runtime message) current; return a token."""
@@ -191,21 +421,6 @@ class RouterObserver:
     def inject_context(self) -> dict[str, str]:
         """The current trace context as W3C headers for an outgoing message."""
         return {}
-
-    def context_patch(self, strategy: str, outcome: str) -> None:
-        """A background context patch was applied, held, settled, dropped or refused.
-
-        `outcome` is a `PatchOutcome`; called once per event (the counter).
-        """
-
-    def context_patch_event(
-        self, participant_id: str, patch_id: str, task_id: str, strategy: str,
-        outcome: PatchOutcome, diverged: bool,
-    ) -> None:
-        """Details of one patch event (every outcome but `refused`), after `context_patch`.
-
-        `diverged`: the participant's context had moved on since the task's stamp.
-        """
 
 
 NULL_OBSERVER = RouterObserver()

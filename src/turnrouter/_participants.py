@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from ._contracts import AgentExchange
+from ._exceptions import ContractValueError, LifecycleError
 from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch
 from ._history import History
 from ._lifecycle import OwnedOperation, TurnQueue
-from ._patches import AppliedContextPatch, PatchExchangeId, PendingContextPatch
+from ._observer import ParticipantChanged
+from ._patches import (
+    AppliedContextPatch,
+    PatchExchangeId,
+    PendingContextPatch,
+    patch_payload_bytes,
+)
 
-__all__ = ["Participant", "Phase", "restore", "snapshot_of"]
+if TYPE_CHECKING:
+    from ._config import RouterConfig
+    from ._turn import Answer, Turn
+
+__all__ = ["Participant", "Phase", "Registry", "RouterPhase", "restore", "snapshot_of"]
 
 
 class Phase(enum.Enum):
@@ -23,14 +36,14 @@ class Participant:
     """Router-owned state of one participant (kept small: thousands may be active)."""
 
     __slots__ = (
-        "cleanup_pending", "departure", "focus", "history", "initialized", "pending",
-        "phase", "pid", "queue", "unreleased", "used",
+        "cleanup_pending", "current", "departure", "focus", "history", "initialized",
+        "pending", "phase", "pid", "queue", "unheard", "unreleased", "used",
     )
 
-    def __init__(self, pid: str) -> None:
+    def __init__(self, pid: str, history: History) -> None:
         self.pid = pid
         self.focus: str | None = None
-        self.history = History()
+        self.history = history
         self.used: set[str] = set()
         self.initialized = False
         self.queue = TurnQueue()
@@ -41,6 +54,146 @@ class Participant:
         self.cleanup_pending = False
         #: Human-gated patches awaiting approval, oldest first (None: none held yet).
         self.pending: dict[str, PendingContextPatch] | None = None
+        #: The running turn, and an answered turn whose first audio is not reported yet.
+        self.current: Turn | None = None
+        self.unheard: Answer | None = None
+
+
+class RouterPhase(enum.Enum):
+    RUNNING = "running"
+    STOPPING = "the router is shutting down"
+    STOP_FAILED = "the router's last stop() failed"
+
+
+class Registry:
+    """The participants the router holds state for, and why anyone is closed.
+
+    `refusal()` is the one place that says why a participant (or the whole router)
+    takes no turn and no context patch right now.
+    """
+
+    __slots__ = ("_cfg", "_observer", "departed", "participants", "phase", "stopping")
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self._cfg = cfg
+        self._observer = cfg.observer
+        self.participants: dict[str, Participant] = {}
+        #: With a participant-joined topic, departed participants stay closed until they
+        #: rejoin; oldest first (a dict keeps insertion order), at most
+        #: `max_departed_participants` of them.
+        self.departed: dict[str, None] = {}
+        #: The router's one state value; `stopping` is the shutdown to join while STOPPING.
+        self.phase = RouterPhase.RUNNING
+        self.stopping: OwnedOperation | None = None
+
+    def get(self, pid: str) -> Participant | None:
+        return self.participants.get(pid)
+
+    def new_history(self) -> History:
+        cfg = self._cfg
+        return History(cfg.budget, cfg.max_history_exchanges)
+
+    def close_departed(self, pid: str) -> None:
+        """Keep `pid` closed until it rejoins; forget the oldest beyond the bound."""
+        departed = self.departed
+        departed.pop(pid, None)
+        departed[pid] = None
+        limit = self._cfg.max_departed_participants
+        if len(departed) > limit:
+            oldest = next(iter(departed))
+            del departed[oldest]
+            self._cfg.overflows.report(
+                "departed_participants",
+                f"more than {limit} departed participants: the oldest may take turns again "
+                "without rejoining")
+
+    def router_refusal(self) -> str:
+        """Why the router takes nothing now ("" when it is open)."""
+        phase = self.phase
+        return "" if phase is RouterPhase.RUNNING else phase.value
+
+    def refusal(self, pid: str) -> str:
+        """Why `pid` takes no turn now ("" when open)."""
+        refusal = self.router_refusal()
+        if refusal:
+            return refusal
+        if pid in self.departed:
+            return "the participant left"
+        state = self.participants.get(pid)
+        if state is not None and state.phase is not Phase.OPEN:
+            return f"the participant's departure {state.phase.value}"
+        return ""
+
+    def takes_turns(self, state: Participant) -> bool:
+        """Whether a participant the router holds takes a turn now (the common case,
+        checked without building a refusal)."""
+        return (state.phase is Phase.OPEN and self.phase is RouterPhase.RUNNING
+                and state.pid not in self.departed)
+
+    def admit(self, pid: str) -> Participant:
+        """The participant's state for a new turn (created if new), or `LifecycleError`."""
+        refusal = self.refusal(pid)
+        if refusal:
+            until = ("until stop() ends" if refusal == RouterPhase.STOPPING.value else
+                     "until stop() succeeds" if refusal == RouterPhase.STOP_FAILED.value else
+                     "until a participant-joined event readmits them"
+                     if pid in self.departed else
+                     "until participant_left() completes")
+            raise LifecycleError(f"participant {pid!r}: {refusal}; handle() is closed {until}")
+        state = self.participants.get(pid)
+        if state is not None:
+            return state
+        limit = self._cfg.max_participants
+        if len(self.participants) >= limit:
+            self._cfg.overflows.report("participants", f"a new participant refused: the "
+                                       f"router holds max_participants ({limit})")
+            raise LifecycleError(
+                f"participant {pid!r} refused: the router already holds {limit} participants "
+                "(max_participants); departures make room")
+        state = self.participants[pid] = Participant(pid, self.new_history())
+        self._observer.participant_added(ParticipantChanged(pid))
+        return state
+
+    def install(
+        self, snapshot: ParticipantSnapshot, routes: Collection[str]
+    ) -> Participant | None:
+        """Install a participant from a snapshot; return the state it replaced."""
+        pid = snapshot.participant_id
+        unknown = {route for route in (*snapshot.used, snapshot.focus)
+                   if route is not None and route not in routes}
+        if unknown:
+            raise ContractValueError(
+                f"participant snapshot of {pid!r} names unregistered routes {sorted(unknown)}")
+        for held in snapshot.pending:
+            if held.participant_id != pid:
+                raise ContractValueError(
+                    f"participant snapshot of {pid!r} holds a patch of {held.participant_id!r}")
+        current = self.participants.get(pid)
+        if current is not None and (current.queue.runs() or current.phase is not Phase.OPEN):
+            raise LifecycleError(
+                f"participant {pid!r} has a turn in flight or is departing here; "
+                "import_participant() refused")
+        if current is None:
+            self._observer.participant_added(ParticipantChanged(pid))
+        self.participants[pid] = restore(snapshot, self.new_history())
+        if snapshot.departed:
+            self.close_departed(pid)
+        else:
+            self.departed.pop(pid, None)
+        return current
+
+    def export(self, pid: str) -> ParticipantSnapshot | None:
+        """The participant's movable state (None when nothing is held for it)."""
+        departed = pid in self.departed
+        state = self.participants.get(pid)
+        if state is None:
+            return ParticipantSnapshot(participant_id=pid, departed=True) if departed else None
+        return snapshot_of(state, departed)
+
+    def forget(self, state: Participant) -> None:
+        if self.participants.get(state.pid) is state:
+            del self.participants[state.pid]
+            self._observer.participant_removed(ParticipantChanged(state.pid))
 
 
 def snapshot_of(state: Participant, departed: bool) -> ParticipantSnapshot:
@@ -69,17 +222,17 @@ def snapshot_of(state: Participant, departed: bool) -> ParticipantSnapshot:
     )
 
 
-def restore(snapshot: ParticipantSnapshot, budget: int) -> Participant:
-    """Participant state rebuilt from a snapshot, its history trimmed to `budget`."""
-    state = Participant(snapshot.participant_id)
+def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
+    """Participant state rebuilt from a snapshot into an empty `history` (its bounds
+    apply)."""
+    state = Participant(snapshot.participant_id, history)
     state.focus = snapshot.focus
     state.used = set(snapshot.used)
     state.initialized = snapshot.initialized
-    history = state.history
     for item in snapshot.history:
         exchange = AgentExchange(item.user, item.assistant)
         if item.patch is None:
-            history.append(exchange, item.turn_id, item.stamp_us, budget)
+            history.append(exchange, item.turn_id, item.stamp_us)
             continue
         patch = item.patch
         applied = AppliedContextPatch(
@@ -87,8 +240,8 @@ def restore(snapshot: ParticipantSnapshot, budget: int) -> Participant:
             task_id=patch.task_id, strategy=patch.strategy, diverged=patch.diverged,
             patch=patch.patch, exchange_id=f"patch:{patch.task_id}",
         )
-        history.add_background(exchange, PatchExchangeId(applied), item.stamp_us, budget,
-                               replace=False)
+        history.add_background(exchange, PatchExchangeId(applied), item.stamp_us,
+                               patch_payload_bytes(patch.patch), replace=False)
     history.version = snapshot.history_version
     history.prev_exchanges, history.prev_view = history.exchanges, history.view()
     if snapshot.pending:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ._context import _current
 from ._contracts import AgentExchange
-from ._exceptions import PendingPatchLimitError, UnknownPatchError
+from ._exceptions import ContractValueError, PendingPatchLimitError, UnknownPatchError
 
 __all__ = [
     "AppliedContextPatch",
@@ -169,6 +169,37 @@ def context_hash(
 
 
 EMPTY_CONTEXT_HASH = context_hash((), ())
+
+
+def patch_size_bytes(patch: ContextPatch) -> int:
+    """The patch's serialized (JSON, UTF-8) size: what it costs to keep and to move.
+
+    Raises `ContractValueError` for a patch whose facts or artifacts are not JSON data.
+    """
+    try:
+        return len(patch.model_dump_json().encode())
+    except (ValueError, TypeError, RecursionError) as exc:  # PydanticSerializationError too
+        raise ContractValueError(
+            f"context patch {patch.task_id!r} is not JSON-serializable: facts, artifacts "
+            f"and sources must be JSON data ({type(exc).__name__})") from None
+
+
+_PAYLOAD = ("facts", "artifacts", "sources", "recommended_next_steps", "assumptions")
+
+
+def patch_payload_bytes(patch: ContextPatch) -> int:
+    """What a retained patch holds beyond its history exchange's text (the digest): the
+    serialized size of its non-empty facts, artifacts, sources, next steps and
+    assumptions (0 for a digest-only patch)."""
+    fields = {name for name in _PAYLOAD if getattr(patch, name)}
+    if not fields:
+        return 0
+    try:
+        return len(patch.model_dump_json(include=fields).encode())
+    except (ValueError, TypeError, RecursionError) as exc:  # PydanticSerializationError too
+        raise ContractValueError(
+            f"context patch {patch.task_id!r} is not JSON-serializable: facts, artifacts "
+            f"and sources must be JSON data ({type(exc).__name__})") from None
 
 
 def patch_user_text(task_id: str, diverged: bool) -> str:

@@ -6,11 +6,14 @@ preamble delivery, waiting for a committed acknowledgment, and audio playback. A
 interrupted before `started()` gives a *censored* sample: the true latency is at least
 `seconds`, so it is a lower bound, never a fast answer.
 
-`RouteTimingPredictor` is the default `TimingPredictor`: per route, an exponentially
-decayed histogram on a fixed log-spaced grid (bounded memory, recency-weighted, O(1) per
-uncensored sample). Censored samples are redistributed to the right (Efron), as the
-Kaplan-Meier estimator does. A CUSUM change detector on log latency restarts a route's
-histogram from the samples of its new regime when its latency shifts (drift).
+`RouteTimingPredictor` is the default `TimingPredictor`: per route, a small library of
+latency regimes (exponentially decayed histograms on a fixed log-spaced grid: bounded
+memory, recency-weighted), a CUSUM change detector that starts a new regime when the
+latency shifts, a filter that recognises a return to a known regime within a sample or
+two, and a trigger with hysteresis on the probability that the answer comes after the
+delay (see `_timing_model`). Censored samples are redistributed to the right (Efron), as
+the Kaplan-Meier estimator does. `RouteTimingPredictor.from_samples` warm-starts it from
+recorded samples.
 `LLMTimingPredictor` is the contract's optional LLM-assisted prediction on the same
 protocol.
 """
@@ -21,17 +24,18 @@ import json
 import logging
 import math
 import re
+import sys
 import time
-from array import array
 from collections import deque
-from collections.abc import Awaitable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, runtime_checkable
 
 from ._contracts import AgentTurn
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
+from ._timing_model import RouteModel, Settings, mixture_quantiles
 
 __all__ = [
     "JsonLinesSink",
@@ -42,6 +46,7 @@ __all__ = [
     "TimingSample",
     "TimingSink",
     "load_samples",
+    "query_length_class",
 ]
 
 logger = logging.getLogger("turnrouter")
@@ -92,11 +97,16 @@ class TimingSample:
 class Prediction:
     """A first-response prediction for one route.
 
-    `seconds` is the typical (median) first response, `lower` the conservative bound the
-    acknowledgment policy compares with the delay (by default the 10th percentile: the
-    answer is predicted to be later than `lower` nine times out of ten), `upper` the
-    90th percentile. `samples` is the effective (decayed) sample count. Only a
-    `confident` prediction can start an acknowledgment early.
+    `seconds` is the typical (median) first response, `upper` the 90th percentile,
+    `samples` the effective (decayed) sample count. `lower` is the bound the
+    acknowledgment policy compares with the delay: a `confident` prediction with
+    `lower > delay` starts the acknowledgment early. For `RouteTimingPredictor` it is the
+    trigger's hysteresis bound (above a delay once P(answer later than it) reached the
+    predictor's `confidence`); for other predictors a conservative low quantile.
+
+    When the predictor knows the delay, `probability_late` is the predicted probability
+    that the first response comes after it and `early` the trigger's decision (equal to
+    `confident and lower > delay`); both are None otherwise.
     """
 
     seconds: float
@@ -104,6 +114,8 @@ class Prediction:
     upper: float
     samples: float
     confident: bool
+    probability_late: float | None = None
+    early: bool | None = None
 
 
 @runtime_checkable
@@ -139,235 +151,220 @@ class TimingSink(Protocol):
         ...
 
 
-# ---------------------------------------------------------------- decayed histogram
+# ---------------------------------------------------------------- the default predictor
 
-_LOW, _HIGH, _BINS = 0.01, 120.0, 96
-_LOG_LOW = math.log(_LOW)
-_STEP = (math.log(_HIGH) - _LOG_LOW) / _BINS
-#: Bin edges: bin i covers [_EDGES[i], _EDGES[i + 1]); values outside are clamped.
-_EDGES = tuple(math.exp(_LOG_LOW + i * _STEP) for i in range(_BINS + 1))
-_RENORMALIZE_ABOVE = 1e150
+#: Feature classes per route at most, and the effective samples a class needs before
+#: its own prediction replaces the route's.
+_MAX_CLASSES = 4
+_CLASS_MIN_SAMPLES = 8.0
 
 
-def _bin(seconds: float) -> int:
-    if seconds <= _LOW:
-        return 0
-    index = int((math.log(seconds) - _LOG_LOW) / _STEP)
-    return index if index < _BINS else _BINS - 1
-
-
-class _RouteHistogram:
-    """Exponentially decayed histogram of one route (fixed size: _BINS doubles)."""
-
-    __slots__ = ("count", "increment", "total", "weights")
-
-    def __init__(self) -> None:
-        self.weights = array("d", bytes(8 * _BINS))
-        self.total = 0.0
-        #: Weight of the next sample; grows by 1/alpha per sample instead of decaying
-        #: every bin (O(1) per sample), renormalized before it overflows.
-        self.increment = 1.0
-        self.count = 0
-
-    def add(self, seconds: float, censored: bool, growth: float) -> None:
-        self.increment *= growth
-        if self.increment > _RENORMALIZE_ABOVE:
-            scale = 1.0 / self.increment
-            for i in range(_BINS):
-                self.weights[i] *= scale
-            self.total *= scale
-            self.increment = 1.0
-        weight = self.increment
-        self.count += 1
-        index = _bin(seconds)
-        if censored:
-            # Redistribute to the right: the true latency is above `seconds`, so share
-            # this weight among the longer latencies seen so far, in proportion.
-            above = sum(self.weights[index + 1:])
-            if above > 0.0:
-                factor = weight / above
-                for i in range(index + 1, _BINS):
-                    self.weights[i] += self.weights[i] * factor
-                self.total += weight
-                return
-            # Nothing longer known yet: keep the lower bound itself (conservative).
-            index = min(index + 1, _BINS - 1)
-        self.weights[index] += weight
-        self.total += weight
-
-    def quantile(self, q: float) -> float:
-        target = q * self.total
-        cumulative = 0.0
-        weights = self.weights
-        for i in range(_BINS):
-            w = weights[i]
-            if w <= 0.0:
-                continue
-            if cumulative + w >= target:
-                fraction = (target - cumulative) / w
-                return math.exp(_LOG_LOW + (i + fraction) * _STEP)
-            cumulative += w
-        return _EDGES[-1]
-
-    def effective(self) -> float:
-        return self.total / self.increment if self.increment else 0.0
-
-
-#: Change detection (see `_RouteModel`): CUSUM reference value and clip, in standard
-#: deviations of log latency; uncensored samples before the detector runs; the smallest
-#: standard deviation assumed (log units, about one bin); recent samples kept.
-_CHANGE_SLACK = 1.0
-_CHANGE_CLIP = 3.0
-_CHANGE_WARMUP = 10
-_MIN_SIGMA = 0.1
-_RECENT = 32
-
-
-class _RouteModel:
-    """One route: its decayed histogram plus a change detector (fixed size).
-
-    The detector is a two-sided CUSUM on standardized log latency. Its reference is an
-    exponentially weighted mean and standard deviation of log latency with the
-    histogram's half-life (floored at `_MIN_SIGMA`); each sample's z-score is clipped to
-    +-`_CHANGE_CLIP` and the slack `_CHANGE_SLACK` is subtracted, so noise drifts the
-    sums back to zero and a few outliers cannot raise an alarm (with the default
-    threshold 8 it takes at least four consecutive samples). A sum reaching
-    the threshold is a change: the histogram and the reference restart from the trailing
-    run of samples that each pushed that sum up (beyond the slack, so they lie on the
-    new side; at most `_RECENT` of them, kept in a ring buffer). Confidence must then be
-    earned again from samples of the new regime only. Censored samples count as their
-    lower bound for "slower" evidence and never as "faster" evidence, and do not move
-    the reference.
-    """
-
-    __slots__ = ("changes", "down", "down_run", "filled", "head", "hist", "mean",
-                 "recent", "recent_censored", "seen", "up", "up_run", "var")
-
-    def __init__(self) -> None:
-        self.hist = _RouteHistogram()
-        self.recent = array("d", bytes(8 * _RECENT))
-        self.recent_censored = bytearray(_RECENT)
-        self.head = 0
-        self.filled = 0
-        self.changes = 0
-        self._restart()
-
-    def _restart(self) -> None:
-        self.mean = 0.0
-        self.var = 0.0
-        self.seen = 0  # uncensored samples in the reference since the last restart
-        self.up = self.down = 0.0
-        self.up_run = self.down_run = 0
-
-    def _learn(self, seconds: float, censored: bool, growth: float, alpha: float) -> None:
-        self.hist.add(seconds, censored, growth)
-        if censored:
-            return
-        self.seen += 1
-        weight = max(alpha, 1.0 / self.seen)
-        delta = math.log(max(seconds, _LOW)) - self.mean
-        self.mean += weight * delta
-        self.var = (1.0 - weight) * (self.var + weight * delta * delta)
-
-    def add(self, seconds: float, censored: bool, growth: float, alpha: float,
-            threshold: float | None) -> None:
-        self.recent[self.head] = seconds
-        self.recent_censored[self.head] = censored
-        self.head = (self.head + 1) % _RECENT
-        if self.filled < _RECENT:
-            self.filled += 1
-        if threshold is not None and self.seen >= _CHANGE_WARMUP:
-            sigma = max(math.sqrt(self.var), _MIN_SIGMA)
-            z = (math.log(max(seconds, _LOW)) - self.mean) / sigma
-            z = min(max(z, -_CHANGE_CLIP), _CHANGE_CLIP)
-            slower = z - _CHANGE_SLACK
-            self.up = max(0.0, self.up + slower)
-            self.up_run = self.up_run + 1 if slower > 0.0 else 0
-            # A censored sample is a lower bound: never evidence of a faster route.
-            faster = (-max(z, 0.0) if censored else -z) - _CHANGE_SLACK
-            self.down = max(0.0, self.down + faster)
-            self.down_run = self.down_run + 1 if faster > 0.0 else 0
-            if self.up >= threshold or self.down >= threshold:
-                run = self.up_run if self.up >= threshold else self.down_run
-                self._change(min(run, self.filled), growth, alpha)
-                return
-        self._learn(seconds, censored, growth, alpha)
-
-    def _change(self, run: int, growth: float, alpha: float) -> None:
-        """Restart from the last `run` samples (those of the new regime)."""
-        self.changes += 1
-        self.hist = _RouteHistogram()
-        self._restart()
-        start = self.head - run
-        for i in range(start, self.head):
-            self._learn(self.recent[i % _RECENT], bool(self.recent_censored[i % _RECENT]),
-                        growth, alpha)
+def query_length_class(turn: AgentTurn) -> str:
+    """A cheap per-turn feature: the request's length class by words ("short" up to 6,
+    "medium" up to 15, "long" beyond)."""
+    words = len(turn.query[:4000].split())  # bounded work on a huge request
+    return "short" if words <= 6 else "medium" if words <= 15 else "long"
 
 
 class RouteTimingPredictor:
-    """The default `TimingPredictor`: a decayed histogram of first responses per route,
-    restarted when a change detector sees the route's latency shift.
+    """The default `TimingPredictor`: per route, a few latency regimes (decayed
+    histograms), a change detector, a filter that recognises a regime seen before, and a
+    trigger with hysteresis on the probability that the answer comes after the delay.
 
     - `half_life_samples`: a sample's weight halves after this many newer samples of
-      the same route (recency; the effective memory is about 1.44x this).
-    - `min_samples`: effective samples needed before a prediction is confident.
-    - `lower_quantile`: the quantile reported as `Prediction.lower` (default 0.1).
-    - `max_spread`: a prediction whose p90/p10 ratio exceeds this is not confident.
-    - `max_routes`: routes tracked at most (memory bound: ~1.6 KB per route).
-    - `change_threshold`: the CUSUM threshold (in standard deviations of log latency) of
-      the change detector; a detected change restarts the route from the samples since
-      the change, so a route that turned slow (or fast) is predicted from its new
-      latencies only. Lower is faster but flaps more; None disables detection (the
-      histogram then only decays).
+      the same regime (recency; the effective memory is about 1.44x this).
+    - `confidence`: the trigger's knob. `Prediction.lower` rises above a delay once the
+      probability that the first response comes later than that delay reaches
+      `confidence`, and falls back under it only when that probability drops below
+      `confidence - hysteresis`. Early acknowledgment is the cheaper decision when
+      P(late) >= C_needless / (C_needless + C_silence), so `confidence` 0.75 says a
+      needless early acknowledgment costs 3x a turn of avoidable silence.
+    - `hysteresis`: the gap between switching early on and off (no flicker).
+    - `prior_samples`: the probability is shrunk towards "not late" as if this many
+      early answers had been seen; with `min_samples` a new route needs a few slow
+      samples (6 with the defaults) before it is acknowledged early.
+    - `min_samples`: effective samples needed before a prediction is `confident`.
+    - `max_spread`: when set, a prediction whose p90/p10 ratio exceeds it is not
+      confident (default None: the probability already accounts for a wide spread).
+    - `lower_quantile`: the older spelling of the knob: `confidence = 1 - lower_quantile`.
+    - `max_routes`: routes tracked at most; `max_regimes`: regimes kept per route (the
+      least recently used is forgotten). Memory: ~1.2 KB per regime plus ~0.5 KB per
+      route (`memory_bytes()`).
+    - `change_threshold`: the CUSUM threshold (standard deviations of log latency) that
+      starts a new regime; lower is faster but flaps more; None disables detection.
+    - `switch_rate`: the prior probability per sample that a route returns to another
+      known regime (the regime filter's hazard).
+    - `delay_secs`: the acknowledgment delay, when known: predictions then also carry
+      `probability_late` and the trigger's decision `early`.
+    - `feature`: a cheap per-turn class (default `query_length_class`; None: off). A
+      route's samples are also learned per class (at most 4 classes); a class with 8
+      effective samples whose own trigger is early makes that turn early even when the
+      route is not (it never withholds an early acknowledgment the route would give).
+      Classes restart when the route's latency changes; loaded samples carry no class.
     """
 
     def __init__(
-        self, *, half_life_samples: float = 100.0, min_samples: float = 20.0,
-        lower_quantile: float = 0.1, max_spread: float = 20.0, max_routes: int = 256,
-        change_threshold: float | None = 8.0,
+        self, *, half_life_samples: float = 100.0, min_samples: float = 5.0,
+        confidence: float = 0.75, hysteresis: float = 0.15, prior_samples: float = 1.0,
+        lower_quantile: float | None = None, max_spread: float | None = None,
+        max_routes: int = 256, max_regimes: int = 4, change_threshold: float | None = 8.0,
+        switch_rate: float = 0.005, delay_secs: float | None = None,
+        feature: Callable[[AgentTurn], str | None] | None = query_length_class,
     ) -> None:
         for name, value in (("half_life_samples", half_life_samples),
-                            ("min_samples", min_samples), ("max_spread", max_spread)):
+                            ("min_samples", min_samples),
+                            ("max_spread", 1.0 if max_spread is None else max_spread)):
             if not math.isfinite(value) or value <= 0:
                 raise ConfigurationError(
                     f"RouteTimingPredictor {name} must be finite and positive, got {value!r}")
-        if not 0.0 < lower_quantile < 0.5:
+        if lower_quantile is not None:
+            if not 0.0 < lower_quantile < 0.5:
+                raise ConfigurationError(f"RouteTimingPredictor lower_quantile must be in "
+                                         f"(0, 0.5), got {lower_quantile!r}")
+            confidence = 1.0 - lower_quantile
+        if not 0.5 < confidence < 1.0:
             raise ConfigurationError(
-                f"RouteTimingPredictor lower_quantile must be in (0, 0.5), got {lower_quantile!r}")
+                f"RouteTimingPredictor confidence must be in (0.5, 1), got {confidence!r}")
+        if not 0.0 <= hysteresis < confidence - 0.5 + 1e-12:
+            raise ConfigurationError(
+                f"RouteTimingPredictor hysteresis must be in [0, confidence - 0.5], "
+                f"got {hysteresis!r}")
+        if not math.isfinite(prior_samples) or prior_samples < 0:
+            raise ConfigurationError(f"RouteTimingPredictor prior_samples must be finite and "
+                                     f">= 0, got {prior_samples!r}")
         if max_routes < 1:
             raise ConfigurationError("RouteTimingPredictor max_routes must be >= 1")
+        if max_regimes < 1:
+            raise ConfigurationError("RouteTimingPredictor max_regimes must be >= 1")
         if change_threshold is not None and (
                 not math.isfinite(change_threshold) or change_threshold <= 0):
             raise ConfigurationError(
                 f"RouteTimingPredictor change_threshold must be finite and positive or None, "
                 f"got {change_threshold!r}")
-        self._growth = 2.0 ** (1.0 / half_life_samples)
-        self._alpha = 1.0 - 1.0 / self._growth
+        if not 0.0 < switch_rate < 0.5:
+            raise ConfigurationError(
+                f"RouteTimingPredictor switch_rate must be in (0, 0.5), got {switch_rate!r}")
+        if delay_secs is not None and (not math.isfinite(delay_secs) or delay_secs <= 0):
+            raise ConfigurationError(f"RouteTimingPredictor delay_secs must be finite and "
+                                     f"positive or None, got {delay_secs!r}")
+        self._settings = Settings(
+            half_life=half_life_samples, threshold=change_threshold, max_regimes=max_regimes,
+            hazard=switch_rate, enter=confidence, exit=confidence - hysteresis,
+            prior=prior_samples)
         self._min_samples = min_samples
-        self._lower_q = lower_quantile
         self._max_spread = max_spread
         self._max_routes = max_routes
-        self._threshold = change_threshold
-        self._routes: dict[str, _RouteModel] = {}
+        self._delay = delay_secs
+        self._routes: dict[str, RouteModel] = {}
         self._dropped = False
+        self._overflow = {"routes": 0, "classes": 0}
+        self._feature = feature
+        self._classes: dict[str, tuple[int, dict[str, RouteModel]]] = {}
+        self._class_settings = Settings(
+            half_life=half_life_samples, threshold=None, max_regimes=1, hazard=switch_rate,
+            enter=confidence, exit=confidence - hysteresis, prior=prior_samples)
+        self._class_min = max(min_samples, _CLASS_MIN_SAMPLES)
+
+    @classmethod
+    def from_samples(cls, *sources: str | Path | Iterable[TimingSample],
+                     missing_ok: bool = False, **settings: Any) -> RouteTimingPredictor:
+        """A predictor warmed up with recorded samples (warm start after a restart).
+
+        Each source is a `JsonLinesSink` file or an iterable of samples (e.g. the
+        fleet's). Several sources are merged in time order (`TimingSample.at`); a
+        missing or unreadable file raises `ConfigurationError` naming it, except a
+        missing one with `missing_ok=True` (the first start, before any sample).
+        """
+        predictor = cls(**settings)
+        streams: list[Iterable[TimingSample]] = []
+        for source in sources:
+            if isinstance(source, str | Path):
+                if missing_ok and not Path(source).exists():
+                    continue
+                try:
+                    streams.append(load_samples(source))
+                except OSError as exc:
+                    raise ConfigurationError(
+                        f"cannot read timing samples from {source}: {exc}") from exc
+            else:
+                streams.append(source)
+        if len(streams) == 1:
+            predictor.load(streams[0])
+        elif streams:
+            predictor.load(sorted((s for stream in streams for s in stream),
+                                  key=lambda s: s.at))
+        return predictor
 
     @property
     def routes(self) -> tuple[str, ...]:
         """Routes with at least one sample."""
         return tuple(self._routes)
 
+    @property
+    def overflow(self) -> dict[str, int]:
+        """Samples not learned because a bound was full: "routes" (beyond `max_routes`)
+        and "classes" (a feature class beyond the 4 a route keeps; the route learned it)."""
+        return dict(self._overflow)
+
     def record(self, sample: TimingSample, turn: AgentTurn | None = None) -> None:
         """Add one sample (censored samples count as lower bounds)."""
         model = self._routes.get(sample.route)
         if model is None:
             if len(self._routes) >= self._max_routes:
+                self._overflow["routes"] += 1
                 if not self._dropped:
                     self._dropped = True
                     logger.warning("turnrouter: timing predictor tracks at most %d routes; "
                                    "ignoring samples of new routes", self._max_routes)
                 return
-            model = self._routes[sample.route] = _RouteModel()
-        model.add(sample.seconds, sample.censored, self._growth, self._alpha, self._threshold)
+            model = self._routes[sample.route] = RouteModel()
+        model.add(sample.seconds, sample.censored, self._settings)
+        if self._feature is not None and turn is not None:
+            self._record_class(model, sample, turn)
+
+    def _feature_of(self, turn: AgentTurn) -> str | None:
+        assert self._feature is not None
+        try:
+            value = self._feature(turn)
+        except Exception:
+            logger.exception("turnrouter: timing feature failed (ignored for this turn)")
+            return None
+        return value if isinstance(value, str) else None
+
+    def _record_class(self, model: RouteModel, sample: TimingSample, turn: AgentTurn) -> None:
+        """Learn the sample in its feature class too; a route's classes restart when the
+        route's own latency changes (they then relearn while the route decides)."""
+        key = self._feature_of(turn)
+        if key is None:
+            return
+        synced, classes = self._classes.get(sample.route, (-1, {}))
+        if synced != model.changes:
+            classes = {}
+            self._classes[sample.route] = (model.changes, classes)
+        sub = classes.get(key)
+        if sub is None:
+            if len(classes) >= _MAX_CLASSES:
+                self._overflow["classes"] += 1
+                return
+            sub = classes[key] = RouteModel()
+        sub.add(sample.seconds, sample.censored, self._class_settings)
+
+    def _model_for(self, route: str, turn: AgentTurn | None) -> RouteModel | None:
+        """The route's model, or its feature class's when that class alone would be
+        acknowledged early (a class only ever adds early acknowledgments: it has fewer
+        samples than its route, so it never overrules an early route)."""
+        model = self._routes.get(route)
+        if model is None or self._feature is None or turn is None:
+            return model
+        synced, classes = self._classes.get(route, (-1, {}))
+        if synced != model.changes:
+            return model
+        key = self._feature_of(turn)
+        sub = classes.get(key) if key is not None else None
+        if sub is None or sub.bound <= model.bound or RouteModel.effective(
+                sub.parts(self._settings.hazard)) < self._class_min:
+            return model
+        return sub
 
     def load(self, samples: Iterable[TimingSample]) -> int:
         """Record samples in order (e.g. `load_samples(path)` after a restart)."""
@@ -378,37 +375,71 @@ class RouteTimingPredictor:
         return count
 
     def quantile(self, route: str, q: float) -> float | None:
-        """The decayed `q` quantile of `route`'s first responses (None without samples)."""
+        """The `q` quantile of `route`'s next first response (None without samples)."""
         model = self._routes.get(route)
-        if model is None or model.hist.total <= 0.0:
+        if model is None:
             return None
-        return model.hist.quantile(q)
+        parts = model.parts(self._settings.hazard)
+        return mixture_quantiles(parts, [q])[0] if parts else None
 
     def samples(self, route: str) -> float:
-        """The effective (decayed) sample count of `route` since its last detected change."""
+        """The effective (decayed) sample count behind `route`'s next prediction."""
         model = self._routes.get(route)
-        return 0.0 if model is None else model.hist.effective()
+        return 0.0 if model is None else RouteModel.effective(
+            model.parts(self._settings.hazard))
 
     def changes(self, route: str) -> int:
-        """How many latency changes were detected on `route` (each restarted it)."""
+        """How many latency changes were detected on `route`: new regimes started by the
+        change detector plus returns to a regime seen before."""
         model = self._routes.get(route)
         return 0 if model is None else model.changes
+
+    def regimes(self, route: str) -> int:
+        """How many latency regimes `route` remembers (at most `max_regimes`)."""
+        model = self._routes.get(route)
+        return 0 if model is None else len(model.regimes)
+
+    def memory_bytes(self, route: str) -> int:
+        """The size of `route`'s state (`sys.getsizeof` of its parts; 0 if unknown)."""
+        model = self._routes.get(route)
+        if model is None:
+            return 0
+        size = sum(sys.getsizeof(part) for part in (
+            model, model.recent, model.recent_censored, model.regimes, model.post))
+        for regime in model.regimes:
+            size += sum(sys.getsizeof(part) for part in (
+                regime, regime.hist, regime.hist.weights))
+        return size
 
     def estimate(self, route: str) -> float | None:
         """The typical (median) first response of `route`."""
         return self.quantile(route, 0.5)
 
-    def predict(self, route: str, turn: AgentTurn | None = None) -> Prediction | None:
-        """Median, bounds and confidence for `route`; None before its first sample."""
-        model = self._routes.get(route)
-        if model is None or model.hist.total <= 0.0:
+    def predict(self, route: str, turn: AgentTurn | None = None, *,
+                delay_secs: float | None = None) -> Prediction | None:
+        """The prediction for `route`'s next turn; None before its first sample.
+
+        `lower` is the trigger's bound (above the delay: acknowledge early); with a delay
+        (`delay_secs` here or in the constructor) the prediction also carries
+        `probability_late` and `early`.
+        """
+        model = self._model_for(route, turn)
+        if model is None:
             return None
-        hist = model.hist
-        lower = hist.quantile(self._lower_q)
-        upper = hist.quantile(1.0 - self._lower_q)
-        effective = hist.effective()
-        confident = effective >= self._min_samples and upper <= lower * self._max_spread
-        return Prediction(hist.quantile(0.5), lower, upper, effective, confident)
+        settings = self._settings
+        parts = model.parts(settings.hazard)
+        if not parts:
+            return None
+        p10, median, p90 = mixture_quantiles(parts, [0.1, 0.5, 0.9])
+        effective = RouteModel.effective(parts)
+        confident = effective >= self._min_samples and (
+            self._max_spread is None or p90 <= p10 * self._max_spread)
+        delay = delay_secs if delay_secs is not None else self._delay
+        if delay is None:
+            return Prediction(median, model.bound, p90, effective, confident)
+        late = model.probability_late(parts, delay, settings.prior)
+        return Prediction(median, model.bound, p90, effective, confident, late,
+                          confident and model.bound > delay)
 
 
 # ---------------------------------------------------------------- JSON lines
@@ -460,14 +491,15 @@ class JsonLinesSink:
 
 def iter_samples(path: str | Path) -> Iterator[TimingSample]:
     """Samples of a JSON-lines file in order; ConfigurationError names a bad line."""
-    with Path(path).open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
+    with Path(path).open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
             try:
-                yield TimingSample.from_json(line)
-            except ValueError as exc:
+                line = raw.decode("utf-8")
+                sample = TimingSample.from_json(line) if line.strip() else None
+            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
                 raise ConfigurationError(f"{path}:{number}: invalid timing sample: {exc}") from exc
+            if sample is not None:
+                yield sample
 
 
 def load_samples(path: str | Path) -> list[TimingSample]:

@@ -26,16 +26,29 @@ from ._contracts import (
     RoutingAid,
 )
 from ._observer import (
-    AcknowledgmentOutcome,
-    AcknowledgmentTrigger,
-    ClarificationReason,
-    FailureStage,
-    FocusTransition,
-    PatchOutcome,
-    ReleaseReason,
+    AcknowledgmentFinished,
+    AdmissionFinished,
+    AnswerFinished,
+    AnswerStarted,
+    Clarification,
+    ContextPatchEvent,
+    DecisionFinished,
+    DefaultFallback,
+    Failure,
+    FirstResponse,
+    FocusChanged,
+    Heard,
+    LimitExceeded,
+    MessageRejected,
+    ParticipantChanged,
+    ReleaseFinished,
+    Rerouted,
     RouterObserver,
+    SilenceMeasured,
+    TurnFinished,
     TurnObserver,
     TurnOutcome,
+    TurnStarted,
 )
 from .telemetry._capture import TelemetryCapture
 
@@ -298,62 +311,56 @@ class _RecordingTurn(TurnObserver):
     def decision_started(self, request: RouteRequest) -> object:
         return ("decision", request.candidate_names)
 
-    def decision_finished(self, token: object, request: RouteRequest,
-                          decision: RouteDecision | None, error: BaseException | None) -> None:
+    def decision_finished(self, token: object, event: DecisionFinished) -> None:
+        decision = event.decision
         self._events.append(("decision", None if decision is None else decision.choice,
-                             _name(error)))
+                             _name(event.error)))
 
-    def admission_finished(self, token: object, route: str, focused: bool,
-                           disposition: str | None, error: BaseException | None,
-                           timed_out: bool = False) -> None:
-        self._events.append(("admission", route, disposition, focused, timed_out, _name(error)))
+    def admission_finished(self, token: object, event: AdmissionFinished) -> None:
+        self._events.append(("admission", event.route, event.disposition, event.focused,
+                             event.timed_out, _name(event.error)))
 
-    def answer_started(self, route: str, fallback: bool) -> object:
-        self._events.append(("answer_started", route, fallback))
-        return route
+    def answer_started(self, event: AnswerStarted) -> object:
+        self._events.append(("answer_started", event.route, event.fallback))
+        return event.route
 
-    def first_response(self, token: object, route: str, seconds: float) -> None:
-        self._events.append(("first_response", route))
+    def first_response(self, token: object, event: FirstResponse) -> None:
+        self._events.append(("first_response", event.route))
 
-    def answer_finished(self, token: object, route: str, result: DestinationResult | None,
-                        error: BaseException | None, interrupted: bool) -> None:
-        self._events.append(("answer_finished", route,
-                             None if result is None else result.disposition, _name(error),
-                             interrupted))
+    def answer_finished(self, token: object, event: AnswerFinished) -> None:
+        result = event.result
+        self._events.append(("answer_finished", event.route,
+                             None if result is None else result.disposition,
+                             _name(event.error), event.interrupted))
 
-    def release_finished(self, token: object, route: str, reason: ReleaseReason,
-                         error: BaseException | None) -> None:
-        self._events.append(("release", route, reason, _name(error)))
+    def release_finished(self, token: object, event: ReleaseFinished) -> None:
+        self._events.append(("release", event.route, event.reason, _name(event.error)))
 
-    def reroute(self, route: str) -> None:
-        self._events.append(("reroute", route))
+    def reroute(self, event: Rerouted) -> None:
+        self._events.append(("reroute", event.route))
 
-    def default_fallback(self, route: str) -> None:
-        self._events.append(("default_fallback", route))
+    def default_fallback(self, event: DefaultFallback) -> None:
+        self._events.append(("default_fallback", event.route))
 
-    def clarification(self, reason: ClarificationReason) -> None:
-        self._events.append(("clarification", reason))
+    def clarification(self, event: Clarification) -> None:
+        self._events.append(("clarification", event.reason))
 
-    def focus_transition(self, route: str, transition: FocusTransition) -> None:
-        self._events.append(("focus", route, transition))
+    def focus_transition(self, event: FocusChanged) -> None:
+        self._events.append(("focus", event.route, event.transition))
 
-    def acknowledgment(self, route: str, outcome: AcknowledgmentOutcome,
-                       trigger: AcknowledgmentTrigger, delay_seconds: float,
-                       predicted_first_response: float | None, started_at: float,
-                       ended_at: float, text: str, error: BaseException | None) -> None:
-        self._events.append(("acknowledgment", route, outcome, trigger))
+    def acknowledgment(self, event: AcknowledgmentFinished) -> None:
+        self._events.append(("acknowledgment", event.route, event.outcome, event.trigger))
 
-    def silence(self, route: str, seconds: float) -> None:
-        self._events.append(("silence", route, seconds))
+    def silence(self, event: SilenceMeasured) -> None:
+        self._events.append(("silence", event.route, event.seconds))
 
-    def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
-        self._events.append(("failure", route, stage, _name(error)))
+    def failure(self, event: Failure) -> None:
+        self._events.append(("failure", event.route, event.stage, _name(event.error)))
 
-    def finished(self, outcome: TurnOutcome, route: str | None, focus_before: str | None,
-                 focus_after: str | None, attempts: int, error: BaseException | None) -> None:
+    def finished(self, event: TurnFinished) -> None:
         self._owner.in_flight -= 1
-        self._events.append(("finished", outcome, route, focus_before, focus_after, attempts,
-                             _name(error)))
+        self._events.append(("finished", event.outcome, event.route, event.focus_before,
+                             event.focus_after, event.attempts, _name(event.error)))
 
 
 def _name(error: BaseException | None) -> str | None:
@@ -375,10 +382,11 @@ class RecordingObserver(RouterObserver):
         self.in_flight = 0
         self.active_participants = 0
 
-    def turn_started(self, turn: AgentTurn, focus: str | None) -> TurnObserver:
+    def turn_started(self, event: TurnStarted) -> TurnObserver:
         self.in_flight += 1
+        turn = event.turn
         events = self.turns.setdefault(turn.turn_id, [])
-        events.append(("started", turn.participant_id, focus))
+        events.append(("started", turn.participant_id, event.focus))
         return _RecordingTurn(events, self)
 
     def outcome(self, turn_id: str) -> TurnOutcome:
@@ -393,35 +401,39 @@ class RecordingObserver(RouterObserver):
         """Event kinds of one turn, in order."""
         return [event[0] for event in self.turns[turn_id]]
 
-    def participant_added(self, participant_id: str) -> None:
+    def participant_added(self, event: ParticipantChanged) -> None:
         self.active_participants += 1
-        self.events.append(("participant_added", participant_id))
+        self.events.append(("participant_added", event.participant_id))
 
-    def participant_removed(self, participant_id: str) -> None:
+    def participant_removed(self, event: ParticipantChanged) -> None:
         self.active_participants -= 1
-        self.events.append(("participant_removed", participant_id))
+        self.events.append(("participant_removed", event.participant_id))
 
-    def release_finished(self, token: object, route: str, reason: ReleaseReason,
-                         error: BaseException | None) -> None:
-        self.events.append(("release", route, reason, _name(error)))
+    def release_finished(self, token: object, event: ReleaseFinished) -> None:
+        self.events.append(("release", event.route, event.reason, _name(event.error)))
 
-    def failure(self, route: str | None, stage: FailureStage, error: BaseException) -> None:
-        self.events.append(("failure", route, stage, _name(error)))
+    def failure(self, event: Failure) -> None:
+        self.events.append(("failure", event.route, event.stage, _name(event.error)))
 
-    def message_rejected(self, topic: str, reason: str) -> None:
-        self.events.append(("message_rejected", topic, reason))
+    def message_rejected(self, event: MessageRejected) -> None:
+        self.events.append(("message_rejected", event.topic, event.reason))
+
+    def limit_exceeded(self, event: LimitExceeded) -> None:
+        self.events.append(("limit_exceeded", event.limit))
+
+    def heard(self, event: Heard) -> None:
+        self.events.append(("heard", event.route, event.first_response_seconds,
+                            event.silence_seconds))
 
     def enter_context(self, carrier: Mapping[str, str]) -> object:
         self.events.append(("enter_context", dict(carrier)))
         return None
 
-    def context_patch(self, strategy: str, outcome: str) -> None:
-        self.events.append(("context_patch", strategy, outcome))
-
-    def context_patch_event(self, participant_id: str, patch_id: str, task_id: str,
-                            strategy: str, outcome: PatchOutcome, diverged: bool) -> None:
-        self.events.append(("context_patch_event", participant_id, task_id, strategy,
-                            outcome, diverged))
+    def context_patch(self, event: ContextPatchEvent) -> None:
+        self.events.append(("context_patch", event.strategy, event.outcome))
+        if event.patch_id is not None:
+            self.events.append(("context_patch_event", event.participant_id, event.task_id,
+                                event.strategy, event.outcome, event.diverged))
 
     def patch_outcomes(self) -> list[tuple[str, str]]:
         """(strategy, outcome) of every counted context-patch event, in order."""

@@ -7,7 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnrouter import CLARIFY, AgentTurn, ConfigurationError, RouteRequest, RoutingAid
-from turnrouter.decisions import ClassifierDecisions, parse_classifier_output
+from turnrouter.decisions import (
+    ClassifierDecisions,
+    ParsedClassification,
+    parse_classifier_output,
+)
 
 AIDS = (
     RoutingAid("billing", "Invoices, payments and refunds."),
@@ -217,3 +221,10 @@ def test_any_llm_text_yields_a_candidate_or_clarify(
     decision = anyio.run(service.decide, request("q", tuple(subset)))
     assert decision.choice in {a.name for a in subset} | {CLARIFY}
     assert decision.confidence is None or 0.0 <= decision.confidence <= 1.0
+
+
+def test_long_lines_of_padding_parse_in_one_pass() -> None:
+    """Long runs of spaces or markup before a key still parse (the scan is linear)."""
+    padded = " " * 300_000 + "route: billing\n" + "*" * 300_000 + "confidence: 0.5"
+    assert parse_classifier_output(padded) == ParsedClassification("billing", 0.5)
+    assert parse_classifier_output(" " * 300_000) == ParsedClassification(None, None)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnrouter import CLARIFY, AgentTurn, ConfigurationError, RouteRequest, RoutingAid
-from turnrouter.decisions import LexicalDecisions
+from turnrouter.decisions import LexicalCalibration, LexicalDecisions
 
 EXAMPLES = {
     "weather": ["what is the weather today", "will it rain tomorrow", "is it sunny outside",
@@ -130,7 +132,7 @@ def test_best_phrase_lifts_a_route_whose_long_description_lists_the_query() -> N
     blended = LexicalDecisions(phrase_weight=0.5, min_description_score=0.0).score(query)
     assert blended.choice == "travel"
     assert blended.scores["travel"] > whole_only.scores["travel"]
-    assert blended.scores["utility"] == whole_only.scores["utility"] == 0.0
+    assert blended.scores["utility"] < blended.scores["travel"]
 
 
 def test_route_name_is_a_phrase_of_its_own() -> None:
@@ -182,7 +184,13 @@ def test_knn_routes_keeps_the_best_route_and_scores_every_candidate(knn_routes: 
         ({"min_description_score": -0.1}, "min_description_score"),
         ({"min_margin": "x"}, "min_margin"),
         ({"phrase_weight": 1.5}, "phrase_weight"),
-        ({"centroid_weight": 2.0}, "centroid_weight"),
+        ({"epochs": 0}, "epochs"),
+        ({"knn_budget": 0}, "knn_budget"),
+        ({"max_query_chars": 0}, "max_query_chars"),
+        ({"max_query_words": -1}, "max_query_words"),
+        ({"example_calibration": (1.0, 2.0)}, "example_calibration"),
+        ({"few_shot_calibration": "x"}, "few_shot_calibration"),
+        ({"description_calibration": 3}, "description_calibration"),
         ({"neighbors": 0}, "neighbors"),
         ({"knn_routes": 0}, "knn_routes"),
         ({"max_document_frequency": True}, "max_document_frequency"),
@@ -226,3 +234,119 @@ def test_any_query_and_candidates_yield_a_candidate_or_clarify(
         assert decision.choice in {a.name for a in subset} | {CLARIFY}
         assert set(decision.scores) == {a.name for a in subset}
         assert all(0.0 <= v <= 1.0 for v in decision.scores.values())
+        assert decision.confidence == max(decision.scores.values())
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    query=st.one_of(
+        st.text(max_size=2000),
+        st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), max_size=50),
+        st.binary(max_size=500).map(lambda b: b.decode("utf-8", "surrogateescape")),
+        st.builds(lambda word, n: word * n, st.text(min_size=1, max_size=20),
+                  st.integers(min_value=1, max_value=50_000)),
+    ),
+)
+def test_junk_huge_and_surrogate_queries_never_raise(query: str) -> None:
+    """Huge, junk and undecodable-byte queries answer a candidate or clarify (lone
+    surrogates reach a decision service as U+FFFD: contracts refuse them as text)."""
+    query = query.encode("utf-8", "replace").decode("utf-8")
+    for service in (SERVICE, DESCRIBED):
+        decision = service.score(request(query))
+        assert decision.choice in {a.name for a in AIDS} | {CLARIFY}
+        assert all(0.0 <= v <= 1.0 for v in decision.scores.values())
+
+
+@pytest.mark.parametrize("service", [SERVICE, DESCRIBED], ids=["examples", "descriptions"])
+def test_a_megabyte_query_is_scored_on_its_first_max_query_chars(
+    service: LexicalDecisions,
+) -> None:
+    """Only the first max_query_chars characters of a query are read (bounded work)."""
+    head = "will it rain this weekend " * 38
+    huge = head[:1000] + "play some jazz music " * 50_000
+    assert len(huge) > 1_000_000
+    assert service.score(request(huge)).scores == service.score(request(head[:1000])).scores
+
+
+def test_words_beyond_max_query_words_are_ignored() -> None:
+    """A query is cut to max_query_words words."""
+    service = LexicalDecisions(EXAMPLES, max_query_words=4)
+    assert (service.score(request("will it rain tomorrow play some jazz music")).scores
+            == service.score(request("will it rain tomorrow")).scores)
+
+
+def test_confidence_is_the_calibrated_score_of_the_choice() -> None:
+    """confidence equals the chosen route's score, which the calibration maps from signals."""
+    decision = SERVICE.score(request("will it rain tomorrow"))
+    assert decision.choice == "weather"
+    assert decision.confidence == decision.scores["weather"]
+    flat = LexicalCalibration((0.0, 0.0, 0.0, 0.0, 0.0), 0.0)
+    neutral = LexicalDecisions(EXAMPLES, few_shot_calibration=flat, min_example_score=0.0)
+    assert set(neutral.score(request("will it rain tomorrow")).scores.values()) == {0.5}
+
+
+def test_few_shot_calibration_applies_to_small_example_sets_only() -> None:
+    """Routes averaging fewer than 50 examples use few_shot_calibration, larger sets do not."""
+    high = LexicalCalibration((0.0, 0.0, 0.0, 0.0, 0.0), 3.0)
+    low = LexicalCalibration((0.0, 0.0, 0.0, 0.0, 0.0), -3.0)
+    small = LexicalDecisions(EXAMPLES, few_shot_calibration=high, example_calibration=low)
+    assert small.score(request("rain")).confidence == pytest.approx(0.9526, abs=1e-4)
+    many = {route: texts * 20 for route, texts in EXAMPLES.items()}
+    large = LexicalDecisions(many, few_shot_calibration=high, example_calibration=low)
+    assert large.score(request("rain")).confidence == pytest.approx(0.0474, abs=1e-4)
+    assert large.score(request("rain")).choice == CLARIFY
+
+
+def test_floors_are_exposed_and_default_to_the_swept_values() -> None:
+    """The clarify floors are readable, so an operator can see the threshold in force."""
+    service = LexicalDecisions(min_example_score=0.7, min_description_score=0.2)
+    assert (service.min_example_score, service.min_description_score) == (0.7, 0.2)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"weights": (1.0, 2.0), "bias": 0.0}, {"weights": (1.0, 1.0, 1.0, 1.0, float("nan")),
+                                            "bias": 0.0},
+     {"weights": (0.0,) * 5, "bias": float("inf")}, {"weights": (0.0,) * 5, "bias": True}],
+)
+def test_invalid_calibration_raises_configuration_error(kwargs: dict[str, object]) -> None:
+    """A calibration needs five finite weights and a finite bias."""
+    with pytest.raises(ConfigurationError, match="LexicalCalibration"):
+        LexicalCalibration(**kwargs)  # type: ignore[arg-type]
+
+
+def test_calibration_confidence_is_a_stable_logistic() -> None:
+    """confidence = sigmoid(bias + weights · signals), finite for extreme inputs."""
+    calibration = LexicalCalibration((2.0, 0.0, 0.0, 0.0, -1.0), 0.5)
+    assert calibration.confidence((1.0, 9.0, 9.0, 9.0, 0.5)) == pytest.approx(
+        1 / (1 + math.exp(-2.0)))
+    assert calibration.confidence((1e6, 0.0, 0.0, 0.0, 0.0)) == 1.0
+    assert calibration.confidence((-1e6, 0.0, 0.0, 0.0, 0.0)) == 0.0
+
+
+def test_caches_are_bounded_and_count_evictions() -> None:
+    """Unseen query words and description models are cached up to a bound, evictions counted."""
+    service = LexicalDecisions(EXAMPLES, description_cache_size=1)
+    for number in range(4200):
+        service.score(request(f"zq{number}x rain", (*AIDS, RoutingAid("other", f"d{number}"))))
+    stats = service.cache_stats()
+    assert stats["query_words"] == 4096
+    assert stats["query_word_evictions"] == 4200 - 4096
+    assert stats["query_word_postings"] <= 4096
+    assert stats["description_models"] == 1
+    assert stats["description_model_evictions"] == 4199
+
+
+def test_knn_budget_bounds_the_neighbour_walk_but_keeps_the_choice() -> None:
+    """A one-entry kNN budget still ranks by the linear model and answers a candidate."""
+    tight = LexicalDecisions(EXAMPLES, knn_budget=1, min_example_score=0.0)
+    decision = tight.score(request("skip this song please"))
+    assert decision.choice == "music"
+    assert decision.scores == tight.score(request("skip this song please")).scores
+
+
+def test_decision_scores_are_read_only() -> None:
+    """The returned scores cannot be mutated by a caller (the service keeps no alias)."""
+    decision = SERVICE.score(request("will it rain tomorrow"))
+    with pytest.raises(TypeError):
+        decision.scores["weather"] = 0.0  # type: ignore[index]

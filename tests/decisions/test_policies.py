@@ -293,3 +293,80 @@ async def test_policy_in_front_of_lexical_composes() -> None:
     assert (pinned.choice, pinned.rationale) == ("support", "policy: key=vip -> support")
     other = await service.decide(request("p2", "my invoice"))
     assert other.rationale.startswith("lexical:")
+
+
+# ---------------------------------------------------------------- bounds and bad input
+
+
+def test_policy_longer_than_max_bytes_is_a_policy_error(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Documents over max_bytes raise PolicyError from every loader; a larger cap loads them."""
+    payload = json.dumps({f"p{i}": "billing" for i in range(100)})
+    with pytest.raises(PolicyError, match="max_bytes=100"):
+        DictRoutingPolicy.from_json(payload, max_bytes=100)
+    assert len(DictRoutingPolicy.from_json(payload, max_bytes=len(payload)).mapping) == 100
+    path = tmp_path / "big.json"
+    path.write_text(payload, encoding="utf-8")
+    with pytest.raises(PolicyError, match="max_bytes=100"):
+        DictRoutingPolicy.from_json_file(path, max_bytes=100)
+    monkeypatch.setenv("TURNROUTER_TEST_POLICY", payload)
+    with pytest.raises(PolicyError, match="max_bytes=100"):
+        DictRoutingPolicy.from_env("TURNROUTER_TEST_POLICY", max_bytes=100)
+    with pytest.raises(PolicyError, match="max_bytes=100"):
+        DictRoutingPolicy.from_env("TURNROUTER_TEST_POLICY", max_bytes=100, loader=json.loads)
+    with pytest.raises(ConfigurationError, match="max_bytes"):
+        DictRoutingPolicy.from_json("{}", max_bytes=0)
+
+
+def test_default_cap_is_one_mebibyte() -> None:
+    """Without max_bytes, a document just over 1 MiB is refused."""
+    payload = '{"p": "billing"}' + " " * (1 << 20)
+    with pytest.raises(PolicyError, match="max_bytes=1048576"):
+        DictRoutingPolicy.from_json(payload)
+
+
+def test_non_utf8_policies_are_policy_errors(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invalid UTF-8 bytes, files and environment values raise PolicyError, chained."""
+    with pytest.raises(PolicyError, match="UTF-8") as caught:
+        DictRoutingPolicy.from_json(b'{"p1": "bill\xffing"}')
+    assert isinstance(caught.value.__cause__, UnicodeDecodeError)
+    path = tmp_path / "latin1.json"
+    path.write_bytes('{"p1": "caf\u00e9"}'.encode("latin-1"))
+    with pytest.raises(PolicyError, match=r"latin1\.json.*UTF-8"):
+        DictRoutingPolicy.from_json_file(path)
+    monkeypatch.setenv("TURNROUTER_TEST_POLICY", '{"p1": "caf\udce9"}')  # undecodable byte
+    with pytest.raises(PolicyError, match="UTF-8"):
+        DictRoutingPolicy.from_env("TURNROUTER_TEST_POLICY")
+
+
+def test_deeply_nested_policy_is_a_policy_error() -> None:
+    """JSON nested past the recursion limit raises PolicyError, not RecursionError."""
+    with pytest.raises(PolicyError, match="nested too deeply") as caught:
+        DictRoutingPolicy.from_json('{"p1": ' + "[" * 100_000)
+    assert isinstance(caught.value.__cause__, RecursionError)
+    with pytest.raises(PolicyError, match="p1"):
+        DictRoutingPolicy.from_json('{"p1": ' + "[" * 500 + "]" * 500 + "}")
+
+
+def test_escaped_lone_surrogates_are_policy_errors() -> None:
+    """Keys or routes holding a JSON-escaped lone surrogate are not valid text."""
+    with pytest.raises(PolicyError, match="lone surrogate"):
+        DictRoutingPolicy.from_json('{"p\\ud800": "billing"}')
+    with pytest.raises(PolicyError, match="lone surrogate"):
+        DictRoutingPolicy.from_json('{"p1": "bill\\udc00"}')
+
+
+def test_unreadable_policy_file_is_a_policy_error(tmp_path: Path) -> None:
+    """A missing file or a directory raises PolicyError chained from the OSError."""
+    with pytest.raises(PolicyError, match="cannot be read") as caught:
+        DictRoutingPolicy.from_json_file(tmp_path / "missing.json")
+    assert isinstance(caught.value.__cause__, FileNotFoundError)
+    with pytest.raises(PolicyError, match="cannot be read"):
+        DictRoutingPolicy.from_json_file(tmp_path)
+
+
+def test_over_long_integer_literal_is_a_policy_error() -> None:
+    """An integer past Python's int-conversion limit is a PolicyError, not a bare ValueError."""
+    with pytest.raises(PolicyError, match="not valid JSON"):
+        DictRoutingPolicy.from_json('{"p1": ' + "1" * 10_000 + "}")

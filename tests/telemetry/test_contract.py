@@ -6,6 +6,7 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import turnrouter.telemetry as telemetry_pkg
@@ -36,6 +37,7 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "turnrouter_context_patches_total": ("counter", ("strategy", "outcome")),
     # Beyond telemetry.md: the runtime subscriber counts the messages it rejects.
     "turnrouter_runtime_rejected_messages_total": ("counter", ("topic", "reason")),
+    "turnrouter_limit_overflows_total": ("counter", ("limit",)),
     "turnrouter_active_participants": ("gauge", ()),
     "turnrouter_turns_in_flight": ("gauge", ()),
 }
@@ -161,7 +163,7 @@ def test_docs_label_values_match_the_code() -> None:
     from typing import get_args
 
     from turnrouter import MergeStrategy
-    from turnrouter._observer import (
+    from turnrouter.events import (
         AcknowledgmentOutcome,
         AcknowledgmentTrigger,
         ClarificationReason,
@@ -190,10 +192,11 @@ def test_docs_label_values_match_the_code() -> None:
     assert reasons.split(", ") == list(get_args(ReleaseReason))
 
 
-def test_telemetry_names_come_from_the_constants() -> None:
-    """_telemetry.py spells no span, event or attribute name itself: each is an ATTR /
-    SPAN_* / EVENT_* constant, which the docs test above checks."""
-    path = ROOT / "src" / "turnrouter" / "telemetry" / "_telemetry.py"
+@pytest.mark.parametrize("module", ["_telemetry.py", "_turns.py", "_families.py"])
+def test_telemetry_names_come_from_the_constants(module: str) -> None:
+    """The telemetry modules spell no span, event or attribute name themselves: each is
+    an ATTR / SPAN_* / EVENT_* constant, which the docs test above checks."""
+    path = ROOT / "src" / "turnrouter" / "telemetry" / module
     tree = ast.parse(path.read_text())
     docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                   if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef

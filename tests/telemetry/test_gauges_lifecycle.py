@@ -34,15 +34,17 @@ async def test_gauges_follow_interrupts_supersession_departure_and_stop() -> Non
     async with anyio.create_task_group() as tg:
         for pid in ("a", "b", "c"):
             tg.start_soon(turn, pid, f"{pid}1")
-        while agent.count("answer") < 3:
-            await anyio.lowlevel.checkpoint()
+        with anyio.fail_after(5):
+            while agent.count("answer") < 3:
+                await anyio.lowlevel.checkpoint()
         assert gauge("turnrouter_turns_in_flight") == 3
         assert gauge("turnrouter_active_participants") == 3
         await router.interrupt("a")
         assert gauge("turnrouter_turns_in_flight") == 2
         tg.start_soon(turn, "b", "b2")  # supersedes b1, then waits on the gate itself
-        while agent.count("answer") < 4:
-            await anyio.lowlevel.checkpoint()
+        with anyio.fail_after(5):
+            while agent.count("answer") < 4:
+                await anyio.lowlevel.checkpoint()
         assert gauge("turnrouter_turns_in_flight") == 2
         await router.participant_left("c")
         assert gauge("turnrouter_active_participants") == 2

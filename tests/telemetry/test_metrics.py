@@ -11,8 +11,29 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
 from turnrouter import DestinationResult, RouteDecision
+from turnrouter.events import (
+    AcknowledgmentFinished,
+    AdmissionFinished,
+    AdmissionStarted,
+    AnswerFinished,
+    AnswerStarted,
+    Clarification,
+    Configured,
+    ContextPatchEvent,
+    DecisionFinished,
+    DefaultFallback,
+    EstimateChanged,
+    Failure,
+    FocusChanged,
+    ParticipantChanged,
+    ReleaseFinished,
+    ReleaseStarted,
+    Rerouted,
+    TurnFinished,
+    TurnStarted,
+)
 from turnrouter.telemetry import LATENCY_BUCKETS, METRICS, Telemetry
-from turnrouter.telemetry._telemetry import EXEMPLAR_INTERVAL_SECS, _Latency
+from turnrouter.telemetry._families import EXEMPLAR_INTERVAL_SECS, Latency
 
 from .conftest import Rig, make_request, make_turn
 from .test_spans import answer_turn
@@ -40,9 +61,9 @@ def test_answered_turn_metrics(rig: Rig) -> None:
 
 def test_turn_without_destination_has_route_none(rig: Rig) -> None:
     """A turn no destination answered is labelled route="none"."""
-    obs = rig.telemetry.turn_started(make_turn(), None)
-    obs.clarification("no_eligible_route")
-    obs.finished("clarify", None, None, None, 0, None)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))
+    obs.clarification(Clarification("no_eligible_route"))
+    obs.finished(TurnFinished("clarify", None, None, None, 0, None))
     assert rig.value("turnrouter_turns_total", route="none", outcome="clarify") == 1
     assert rig.value("turnrouter_clarifications_total", reason="no_eligible_route") == 1
 
@@ -51,26 +72,26 @@ def test_turn_without_destination_has_route_none(rig: Rig) -> None:
                                     "default_unavailable", "decision_failed"])
 def test_clarification_reasons(rig: Rig, reason: str) -> None:
     """Every clarification reason of the contract is a label value."""
-    obs = rig.telemetry.turn_started(make_turn(), None)
-    obs.clarification(reason)  # type: ignore[arg-type]
-    obs.finished("clarify", None, None, None, 1, None)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))
+    obs.clarification(Clarification(reason))  # type: ignore[arg-type]
+    obs.finished(TurnFinished("clarify", None, None, None, 1, None))
     assert rig.value("turnrouter_clarifications_total", reason=reason) == 1
 
 
 def test_reroute_fallback_and_focused_admission(rig: Rig) -> None:
     """Reroutes, default fallbacks and focused admissions are counted per route."""
-    obs = rig.telemetry.turn_started(make_turn(), "music")
-    token = obs.admission_started("music", True)
-    obs.admission_finished(token, "music", True, "release", None)
-    obs.focus_transition("music", "released")
-    obs.reroute("music")
-    token = obs.admission_started("weather", False)
-    obs.admission_finished(token, "weather", False, "decline", None)
-    obs.reroute("weather")
-    obs.default_fallback("conversation")
-    token = obs.answer_started("conversation", True)
-    obs.answer_finished(token, "conversation", DestinationResult(), None, False)
-    obs.finished("answer", "conversation", "music", None, 3, None)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), "music"))
+    token = obs.admission_started(AdmissionStarted("music", True))
+    obs.admission_finished(token, AdmissionFinished("music", True, "release", None, False))
+    obs.focus_transition(FocusChanged("music", "released"))
+    obs.reroute(Rerouted("music"))
+    token = obs.admission_started(AdmissionStarted("weather", False))
+    obs.admission_finished(token, AdmissionFinished("weather", False, "decline", None, False))
+    obs.reroute(Rerouted("weather"))
+    obs.default_fallback(DefaultFallback("conversation"))
+    token = obs.answer_started(AnswerStarted("conversation", True))
+    obs.answer_finished(token, AnswerFinished("conversation", DestinationResult(), None, False))
+    obs.finished(TurnFinished("answer", "conversation", "music", None, 3, None))
     value = rig.value
     assert value("turnrouter_admissions_total", route="music", disposition="release",
                  focused="true") == 1
@@ -85,22 +106,23 @@ def test_reroute_fallback_and_focused_admission(rig: Rig) -> None:
 def test_failure_stages(rig: Rig) -> None:
     """Each failing stage is counted once, under its route (none without one)."""
     turn = make_turn()
-    obs = rig.telemetry.turn_started(turn, None)
+    obs = rig.telemetry.turn_started(TurnStarted(turn, None))
     request = make_request(turn)
     token = obs.decision_started(request)
-    obs.decision_finished(token, request, None, ConnectionError())
-    token = obs.admission_started("weather", False)
-    obs.admission_finished(token, "weather", False, "decline", None, timed_out=True)
-    token = obs.admission_started("music", False)
-    obs.admission_finished(token, "music", False, None, KeyError("x"))
+    obs.decision_finished(token, DecisionFinished(request, None, ConnectionError()))
+    token = obs.admission_started(AdmissionStarted("weather", False))
+    obs.admission_finished(token, AdmissionFinished("weather", False, "decline", None, True))
+    token = obs.admission_started(AdmissionStarted("music", False))
+    obs.admission_finished(token, AdmissionFinished("music", False, None, KeyError("x"), False))
     now = time.monotonic()
-    obs.acknowledgment("news", "failed", "delay", 0.8, None, now, now, "", RuntimeError())
-    token = obs.release_started("news", "reroute")
-    obs.release_finished(token, "news", "reroute", RuntimeError())
-    token = obs.answer_started("conversation", True)
+    obs.acknowledgment(AcknowledgmentFinished(
+        "news", "failed", "delay", 0.8, None, now, now, "", RuntimeError()))
+    token = obs.release_started(ReleaseStarted("news", "reroute"))
+    obs.release_finished(token, ReleaseFinished("news", "reroute", RuntimeError()))
+    token = obs.answer_started(AnswerStarted("conversation", True))
     error = RuntimeError("boom")
-    obs.answer_finished(token, "conversation", None, error, False)
-    obs.finished("failed", "conversation", None, None, 2, error)
+    obs.answer_finished(token, AnswerFinished("conversation", None, error, False))
+    obs.finished(TurnFinished("failed", "conversation", None, None, 2, error))
     value = rig.value
     assert value("turnrouter_failures_total", route="none", stage="decision") == 1
     assert value("turnrouter_failures_total", route="weather", stage="admission") == 1
@@ -119,16 +141,16 @@ def test_failure_stages(rig: Rig) -> None:
 
 def test_failure_call_for_an_already_counted_error_is_not_double_counted(rig: Rig) -> None:
     """failure() for an error a stage callback already reported does not count it again."""
-    obs = rig.telemetry.turn_started(make_turn(), None)
-    token = obs.answer_started("weather", False)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))
+    token = obs.answer_started(AnswerStarted("weather", False))
     error = RuntimeError("boom")
-    obs.answer_finished(token, "weather", None, error, False)
-    obs.failure("weather", "answer", error)
-    token = obs.admission_started("music", False)
-    obs.admission_finished(token, "music", False, "decline", None, timed_out=True)
-    obs.failure("music", "admission", TimeoutError())
-    obs.failure("weather", "answer", RuntimeError("another"))
-    obs.finished("failed", "weather", None, None, 1, error)
+    obs.answer_finished(token, AnswerFinished("weather", None, error, False))
+    obs.failure(Failure("weather", "answer", error))
+    token = obs.admission_started(AdmissionStarted("music", False))
+    obs.admission_finished(token, AdmissionFinished("music", False, "decline", None, True))
+    obs.failure(Failure("music", "admission", TimeoutError()))
+    obs.failure(Failure("weather", "answer", RuntimeError("another")))
+    obs.finished(TurnFinished("failed", "weather", None, None, 1, error))
     assert rig.value("turnrouter_failures_total", route="weather", stage="answer") == 2
     assert rig.value("turnrouter_failures_total", route="music", stage="admission") == 1
 
@@ -137,20 +159,20 @@ def test_router_level_failures(rig: Rig) -> None:
     """Departure release failures and cleanup failures are counted outside turns."""
     telemetry = rig.telemetry
     error = RuntimeError("release failed")
-    token = telemetry.release_started("weather", "departure")
-    telemetry.release_finished(token, "weather", "departure", error)
-    telemetry.failure("weather", "release", error)
-    telemetry.failure(None, "cleanup", ValueError())
+    token = telemetry.release_started(ReleaseStarted("weather", "departure"))
+    telemetry.release_finished(token, ReleaseFinished("weather", "departure", error))
+    telemetry.failure(Failure("weather", "release", error))
+    telemetry.failure(Failure(None, "cleanup", ValueError()))
     assert rig.value("turnrouter_failures_total", route="weather", stage="release") == 1
     assert rig.value("turnrouter_failures_total", route="none", stage="cleanup") == 1
 
 
 def test_interrupted_turn_counts_interruption_not_failure(rig: Rig) -> None:
     """An interrupted answer counts an interruption and no answer failure."""
-    obs = rig.telemetry.turn_started(make_turn(), None)
-    token = obs.answer_started("weather", False)
-    obs.answer_finished(token, "weather", None, None, True)
-    obs.finished("interrupted", "weather", None, None, 1, None)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))
+    token = obs.answer_started(AnswerStarted("weather", False))
+    obs.answer_finished(token, AnswerFinished("weather", None, None, True))
+    obs.finished(TurnFinished("interrupted", "weather", None, None, 1, None))
     assert rig.value("turnrouter_interruptions_total") == 1
     assert rig.value("turnrouter_turns_total", route="weather", outcome="interrupted") == 1
     assert rig.value("turnrouter_failures_total", route="weather", stage="answer") is None
@@ -159,27 +181,27 @@ def test_interrupted_turn_counts_interruption_not_failure(rig: Rig) -> None:
 def test_in_flight_and_participant_gauges(rig: Rig) -> None:
     """Gauges follow turns and participants, and a repeated finished() is ignored."""
     telemetry = rig.telemetry
-    telemetry.participant_added("alice")
-    telemetry.participant_added("bob")
-    first = telemetry.turn_started(make_turn(), None)
-    second = telemetry.turn_started(make_turn(participant="bob"), None)
+    telemetry.participant_added(ParticipantChanged("alice"))
+    telemetry.participant_added(ParticipantChanged("bob"))
+    first = telemetry.turn_started(TurnStarted(make_turn(), None))
+    second = telemetry.turn_started(TurnStarted(make_turn(participant="bob"), None))
     assert rig.value("turnrouter_turns_in_flight") == 2
-    second.finished("answer", "weather", None, None, 1, None)
-    first.finished("answer", "weather", None, None, 1, None)
-    first.finished("answer", "weather", None, None, 1, None)
+    second.finished(TurnFinished("answer", "weather", None, None, 1, None))
+    first.finished(TurnFinished("answer", "weather", None, None, 1, None))
+    first.finished(TurnFinished("answer", "weather", None, None, 1, None))
     assert rig.value("turnrouter_turns_in_flight") == 0
     assert rig.value("turnrouter_turns_total", route="weather", outcome="answer") == 2
-    telemetry.participant_removed("alice")
+    telemetry.participant_removed(ParticipantChanged("alice"))
     assert rig.value("turnrouter_active_participants") == 1
 
 
 def test_configured_and_predicted_gauges(rig: Rig) -> None:
     """configured() publishes the delay (NaN when off); predictions are per route."""
-    rig.telemetry.configured(routes=("weather",), acknowledgment_delay_secs=0.8)
+    rig.telemetry.configured(Configured(("weather",), 0.8))
     assert rig.value("turnrouter_acknowledgment_delay_seconds") == 0.8
-    rig.telemetry.predicted_first_response("weather", 1.25)
+    rig.telemetry.predicted_first_response(EstimateChanged("weather", 1.25))
     assert rig.value("turnrouter_predicted_first_response_seconds", route="weather") == 1.25
-    rig.telemetry.configured(routes=("weather",), acknowledgment_delay_secs=None)
+    rig.telemetry.configured(Configured(("weather",), None))
     delay = rig.value("turnrouter_acknowledgment_delay_seconds")
     assert delay is not None
     assert math.isnan(delay)
@@ -187,12 +209,15 @@ def test_configured_and_predicted_gauges(rig: Rig) -> None:
 
 def test_acknowledgment_counter_and_context_patches(rig: Rig) -> None:
     """Acknowledgments count by route, outcome and trigger; patches by strategy, outcome."""
-    obs = rig.telemetry.turn_started(make_turn(), None)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))
     now = time.monotonic()
-    obs.acknowledgment("weather", "emitted", "prediction", 0.8, 1.5, now, now, "ok", None)
-    obs.acknowledgment("weather", "suppressed", "delay", 0.8, None, now, now, "", None)
-    obs.finished("answer", "weather", None, None, 1, None)
-    rig.telemetry.context_patch("append", "applied")
+    obs.acknowledgment(AcknowledgmentFinished(
+        "weather", "emitted", "prediction", 0.8, 1.5, now, now, "ok", None))
+    obs.acknowledgment(AcknowledgmentFinished(
+        "weather", "suppressed", "delay", 0.8, None, now, now, "", None))
+    obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
+    rig.telemetry.context_patch(
+        ContextPatchEvent("p1", "patch-1", "task-1", "append", "applied", False))
     assert rig.value("turnrouter_acknowledgments_total", route="weather", outcome="emitted",
                      trigger="prediction") == 1
     assert rig.value("turnrouter_acknowledgments_total", route="weather", outcome="suppressed",
@@ -242,11 +267,11 @@ def _span(trace: str, span_id: int) -> NonRecordingSpan:
     return NonRecordingSpan(SpanContext(int(trace, 16), span_id, is_remote=False))
 
 
-def _probe() -> tuple[CollectorRegistry, _Latency]:
+def _probe() -> tuple[CollectorRegistry, Latency]:
     registry = CollectorRegistry()
     histogram = Histogram("probe_seconds", "probe", registry=registry,
                           buckets=LATENCY_BUCKETS)
-    return registry, _Latency(histogram)
+    return registry, Latency(histogram)
 
 
 def test_exemplars_are_limited_per_bucket_in_time() -> None:
@@ -324,11 +349,11 @@ def test_no_high_cardinality_labels(rig: Rig) -> None:
 
 def test_boolean_labels_are_true_false(rig: Rig) -> None:
     """The focused label takes the values "true" and "false"."""
-    obs = rig.telemetry.turn_started(make_turn(), "weather")
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), "weather"))
     for focused in (True, False):
-        token = obs.admission_started("weather", focused)
-        obs.admission_finished(token, "weather", focused, "accept", None)
-    obs.finished("answer", "weather", "weather", "weather", 1, None)
+        token = obs.admission_started(AdmissionStarted("weather", focused))
+        obs.admission_finished(token, AdmissionFinished("weather", focused, "accept", None, False))
+    obs.finished(TurnFinished("answer", "weather", "weather", "weather", 1, None))
     values = {sample.labels["focused"] for family in rig.registry.collect()
               if family.name == "turnrouter_admissions" for sample in family.samples
               if "focused" in sample.labels}
@@ -338,9 +363,9 @@ def test_boolean_labels_are_true_false(rig: Rig) -> None:
 def test_decision_only_counts_duration(rig: Rig) -> None:
     """A decision without scores still observes decision latency."""
     turn = make_turn()
-    obs = rig.telemetry.turn_started(turn, None)
+    obs = rig.telemetry.turn_started(TurnStarted(turn, None))
     request = make_request(turn)
     token = obs.decision_started(request)
-    obs.decision_finished(token, request, RouteDecision("weather"), None)
-    obs.finished("answer", "weather", None, None, 1, None)
+    obs.decision_finished(token, DecisionFinished(request, RouteDecision("weather"), None))
+    obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
     assert rig.value("turnrouter_decision_duration_seconds_count") == 1

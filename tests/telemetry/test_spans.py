@@ -14,6 +14,24 @@ from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from turnrouter import DestinationResult, RouteDecision, RouterObserver
+from turnrouter.events import (
+    AcknowledgmentFinished,
+    AdmissionFinished,
+    AdmissionStarted,
+    AnswerFinished,
+    AnswerStarted,
+    Clarification,
+    Configured,
+    DecisionFinished,
+    FirstResponse,
+    FocusChanged,
+    ParticipantChanged,
+    ReleaseFinished,
+    ReleaseStarted,
+    SilenceMeasured,
+    TurnFinished,
+    TurnStarted,
+)
 from turnrouter.telemetry import ATTR, CONTENT_CAPTURE_ENV, EVENT_FIRST_RESPONSE, Telemetry
 
 from .conftest import Rig, make_request, make_turn, openmetrics_latest
@@ -22,20 +40,21 @@ from .conftest import Rig, make_request, make_turn, openmetrics_latest
 def answer_turn(telemetry: RouterObserver, *, focus: str | None = None) -> None:
     """Drive one routed, admitted, answered turn through the observer seam."""
     turn = make_turn()
-    obs = telemetry.turn_started(turn, focus)
+    obs = telemetry.turn_started(TurnStarted(turn, focus))
     request = make_request(turn)
     token = obs.decision_started(request)
-    obs.decision_finished(token, request, RouteDecision(
+    obs.decision_finished(token, DecisionFinished(request, RouteDecision(
         "weather", 0.9, {"weather": 0.9, "music": 0.2, "news": 0.1, "sport": 0.05},
-        rationale="lexical: weather"), None)
-    token = obs.admission_started("weather", False)
-    obs.admission_finished(token, "weather", False, "accept", None)
-    token = obs.answer_started("weather", False)
-    obs.first_response(token, "weather", 0.42)
-    obs.silence("weather", 0.45)
-    obs.answer_finished(token, "weather", DestinationResult("focus", "It is sunny"), None, False)
-    obs.focus_transition("weather", "taken")
-    obs.finished("focus", "weather", focus, "weather", 1, None)
+        rationale="lexical: weather"), None))
+    token = obs.admission_started(AdmissionStarted("weather", False))
+    obs.admission_finished(token, AdmissionFinished("weather", False, "accept", None, False))
+    token = obs.answer_started(AnswerStarted("weather", False))
+    obs.first_response(token, FirstResponse("weather", 0.42))
+    obs.silence(SilenceMeasured("weather", 0.45))
+    obs.answer_finished(token, AnswerFinished(
+        "weather", DestinationResult("focus", "It is sunny"), None, False))
+    obs.focus_transition(FocusChanged("weather", "taken"))
+    obs.finished(TurnFinished("focus", "weather", focus, "weather", 1, None))
 
 
 def attrs(span: ReadableSpan) -> dict[str, object]:
@@ -92,12 +111,12 @@ def test_turn_attributes_for_an_answered_turn(rig: Rig) -> None:
 def test_route_span_attributes(rig: Rig) -> None:
     """The route span records choice, confidence, candidates, exclusions, margin, top 3."""
     turn = make_turn()
-    obs = rig.telemetry.turn_started(turn, None)
+    obs = rig.telemetry.turn_started(TurnStarted(turn, None))
     request = make_request(turn, ("weather", "music", "news", "sport"), excluded=("home",))
     token = obs.decision_started(request)
-    obs.decision_finished(token, request, RouteDecision(
-        "weather", 0.75, {"weather": 0.9, "music": 0.2, "news": 0.1, "sport": 0.05}), None)
-    obs.finished("answer", "weather", None, None, 1, None)
+    obs.decision_finished(token, DecisionFinished(request, RouteDecision(
+        "weather", 0.75, {"weather": 0.9, "music": 0.2, "news": 0.1, "sport": 0.05}), None))
+    obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
     route = attrs(rig.span("turnrouter.route"))
     assert route[ATTR.DECISION_CHOICE] == "weather"
     assert route[ATTR.DECISION_CONFIDENCE] == 0.75
@@ -114,12 +133,12 @@ def test_route_span_attributes(rig: Rig) -> None:
 def test_route_span_without_scores_has_no_margin(rig: Rig) -> None:
     """A bare decision records its choice and no score attributes."""
     turn = make_turn()
-    obs = rig.telemetry.turn_started(turn, None)
+    obs = rig.telemetry.turn_started(TurnStarted(turn, None))
     request = make_request(turn)
     token = obs.decision_started(request)
-    obs.decision_finished(token, request, RouteDecision("clarify"), None)
-    obs.clarification("low_confidence")
-    obs.finished("clarify", None, None, None, 1, None)
+    obs.decision_finished(token, DecisionFinished(request, RouteDecision("clarify"), None))
+    obs.clarification(Clarification("low_confidence"))
+    obs.finished(TurnFinished("clarify", None, None, None, 1, None))
     route = attrs(rig.span("turnrouter.route"))
     assert route[ATTR.DECISION_CHOICE] == "clarify"
     assert ATTR.DECISION_MARGIN not in route
@@ -133,11 +152,12 @@ def test_route_span_without_scores_has_no_margin(rig: Rig) -> None:
 def test_decision_error_marks_route_span(rig: Rig) -> None:
     """A failed decision call sets status ERROR and error.type on the route span."""
     turn = make_turn()
-    obs = rig.telemetry.turn_started(turn, None)
+    obs = rig.telemetry.turn_started(TurnStarted(turn, None))
     request = make_request(turn)
     token = obs.decision_started(request)
-    obs.decision_finished(token, request, None, ConnectionError("classifier down"))
-    obs.finished("answer", "conversation", None, None, 1, None)
+    obs.decision_finished(
+        token, DecisionFinished(request, None, ConnectionError("classifier down")))
+    obs.finished(TurnFinished("answer", "conversation", None, None, 1, None))
     route = rig.span("turnrouter.route")
     assert route.status.status_code is StatusCode.ERROR
     assert attrs(route)[ATTR.ERROR_TYPE] == "ConnectionError"
@@ -146,12 +166,12 @@ def test_decision_error_marks_route_span(rig: Rig) -> None:
 
 def test_admission_span_attributes(rig: Rig) -> None:
     """Admission spans record route, disposition, focus, and timeouts as errors."""
-    obs = rig.telemetry.turn_started(make_turn(), "weather")
-    token = obs.admission_started("weather", True)
-    obs.admission_finished(token, "weather", True, "decline", None)
-    token = obs.admission_started("music", False)
-    obs.admission_finished(token, "music", False, "decline", None, timed_out=True)
-    obs.finished("clarify", None, "weather", "weather", 2, None)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), "weather"))
+    token = obs.admission_started(AdmissionStarted("weather", True))
+    obs.admission_finished(token, AdmissionFinished("weather", True, "decline", None, False))
+    token = obs.admission_started(AdmissionStarted("music", False))
+    obs.admission_finished(token, AdmissionFinished("music", False, "decline", None, True))
+    obs.finished(TurnFinished("clarify", None, "weather", "weather", 2, None))
     first, second = rig.spans("turnrouter.admission")
     assert attrs(first) == {ATTR.ROUTE: "weather", ATTR.ADMISSION_FOCUSED: True,
                             ATTR.ADMISSION_DISPOSITION: "decline"}
@@ -181,14 +201,14 @@ def test_invoke_agent_span_is_current_during_answer(rig: Rig) -> None:
     """The agent's own spans nest under invoke_agent; the caller's context is restored."""
     tracer = rig.tracer_provider.get_tracer("caller")
     with tracer.start_as_current_span("caller") as caller:
-        obs = rig.telemetry.turn_started(make_turn(), None)
+        obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))
         in_turn = trace.get_current_span()
-        token = obs.answer_started("weather", True)
+        token = obs.answer_started(AnswerStarted("weather", True))
         with tracer.start_as_current_span("agent work"):
             pass
-        obs.answer_finished(token, "weather", DestinationResult(), None, False)
+        obs.answer_finished(token, AnswerFinished("weather", DestinationResult(), None, False))
         after_answer = trace.get_current_span()
-        obs.finished("answer", "weather", None, None, 1, None)
+        obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
         assert trace.get_current_span() is caller
     turn = rig.span("turnrouter.turn")
     assert in_turn.get_span_context().span_id == turn.context.span_id
@@ -200,11 +220,11 @@ def test_invoke_agent_span_is_current_during_answer(rig: Rig) -> None:
 
 def test_failed_answer_marks_invoke_and_turn(rig: Rig) -> None:
     """An answer that raises sets ERROR and error.type on invoke_agent and the turn."""
-    obs = rig.telemetry.turn_started(make_turn(), None)
-    token = obs.answer_started("weather", False)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))
+    token = obs.answer_started(AnswerStarted("weather", False))
     error = RuntimeError("agent crashed")
-    obs.answer_finished(token, "weather", None, error, False)
-    obs.finished("failed", "weather", None, None, 1, error)
+    obs.answer_finished(token, AnswerFinished("weather", None, error, False))
+    obs.finished(TurnFinished("failed", "weather", None, None, 1, error))
     for name in ("invoke_agent weather", "turnrouter.turn"):
         span = rig.span(name)
         assert span.status.status_code is StatusCode.ERROR
@@ -214,10 +234,10 @@ def test_failed_answer_marks_invoke_and_turn(rig: Rig) -> None:
 
 def test_interrupted_turn_is_marked_not_failed(rig: Rig) -> None:
     """An interrupted turn says so and is not an error."""
-    obs = rig.telemetry.turn_started(make_turn(), None)
-    token = obs.answer_started("weather", False)
-    obs.answer_finished(token, "weather", None, None, True)
-    obs.finished("interrupted", "weather", None, None, 1, None)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))
+    token = obs.answer_started(AnswerStarted("weather", False))
+    obs.answer_finished(token, AnswerFinished("weather", None, None, True))
+    obs.finished(TurnFinished("interrupted", "weather", None, None, 1, None))
     for name in ("invoke_agent weather", "turnrouter.turn"):
         span = rig.span(name)
         assert attrs(span)[ATTR.INTERRUPTED] is True
@@ -228,22 +248,22 @@ def test_interrupted_turn_is_marked_not_failed(rig: Rig) -> None:
 def test_unfinished_answer_is_closed_with_the_turn(rig: Rig) -> None:
     """If answer_finished never came, finished() closes invoke_agent and restores context."""
     with rig.tracer_provider.get_tracer("caller").start_as_current_span("caller") as caller:
-        obs = rig.telemetry.turn_started(make_turn(), None)
-        obs.answer_started("weather", False)
-        obs.finished("interrupted", "weather", None, None, 1, None)
+        obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))
+        obs.answer_started(AnswerStarted("weather", False))
+        obs.finished(TurnFinished("interrupted", "weather", None, None, 1, None))
         assert trace.get_current_span() is caller
     assert attrs(rig.span("invoke_agent weather"))[ATTR.INTERRUPTED] is True
 
 
 def test_release_spans_in_and_outside_turns(rig: Rig) -> None:
     """Releases in a turn are its children; departures nest under the caller's span."""
-    obs = rig.telemetry.turn_started(make_turn(), "music")
-    token = obs.release_started("music", "focus_taken")
-    obs.release_finished(token, "music", "focus_taken", ValueError("bad"))
-    obs.finished("answer", "weather", "music", "weather", 1, None)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), "music"))
+    token = obs.release_started(ReleaseStarted("music", "focus_taken"))
+    obs.release_finished(token, ReleaseFinished("music", "focus_taken", ValueError("bad")))
+    obs.finished(TurnFinished("answer", "weather", "music", "weather", 1, None))
     with rig.tracer_provider.get_tracer("caller").start_as_current_span("departure") as departure:
-        token = rig.telemetry.release_started("weather", "departure")
-        rig.telemetry.release_finished(token, "weather", "departure", None)
+        token = rig.telemetry.release_started(ReleaseStarted("weather", "departure"))
+        rig.telemetry.release_finished(token, ReleaseFinished("weather", "departure", None))
     in_turn, outside = rig.spans("turnrouter.release")
     assert parent_id(in_turn) == rig.span("turnrouter.turn").context.span_id
     assert attrs(in_turn)[ATTR.RELEASE_REASON] == "focus_taken"
@@ -255,14 +275,15 @@ def test_release_spans_in_and_outside_turns(rig: Rig) -> None:
 
 def test_acknowledgment_span_timing_and_attributes(rig: Rig) -> None:
     """The acknowledgment span spans its monotonic start and end, as a child of the turn."""
-    obs = rig.telemetry.turn_started(make_turn(), None)
+    obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))
     now = time.monotonic()
     before_ns = time.time_ns()
-    obs.acknowledgment("weather", "emitted", "prediction", 0.8, 1.4, now - 0.5, now - 0.2,
-                       "Let me check the forecast.", None)
-    obs.acknowledgment("weather", "failed", "delay", 0.8, None, now - 0.1, now,
-                       "", TimeoutError())
-    obs.finished("answer", "weather", None, None, 1, None)
+    obs.acknowledgment(AcknowledgmentFinished(
+        "weather", "emitted", "prediction", 0.8, 1.4, now - 0.5, now - 0.2,
+        "Let me check the forecast.", None, 0.92))
+    obs.acknowledgment(AcknowledgmentFinished(
+        "weather", "failed", "delay", 0.8, None, now - 0.1, now, "", TimeoutError()))
+    obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
     emitted, failed = rig.spans("turnrouter.acknowledgment")
     assert parent_id(emitted) == rig.span("turnrouter.turn").context.span_id
     assert emitted.start_time is not None
@@ -272,10 +293,12 @@ def test_acknowledgment_span_timing_and_attributes(rig: Rig) -> None:
     assert attrs(emitted) == {
         ATTR.ROUTE: "weather", ATTR.ACK_OUTCOME: "emitted", ATTR.ACK_TRIGGER: "prediction",
         ATTR.ACK_DELAY_SECONDS: 0.8, ATTR.ACK_PREDICTED_SECONDS: 1.4,
+        ATTR.ACK_PROBABILITY_LATE: 0.92,
     }
     assert failed.status.status_code is StatusCode.ERROR
     assert attrs(failed)[ATTR.ERROR_TYPE] == "TimeoutError"
     assert ATTR.ACK_PREDICTED_SECONDS not in attrs(failed)
+    assert ATTR.ACK_PROBABILITY_LATE not in attrs(failed)
 
 
 CONTENT_KEYS = {ATTR.QUERY, ATTR.DECISION_RATIONALE, ATTR.GEN_AI_INPUT_MESSAGES,
@@ -285,10 +308,11 @@ CONTENT_KEYS = {ATTR.QUERY, ATTR.DECISION_RATIONALE, ATTR.GEN_AI_INPUT_MESSAGES,
 def content_turn(telemetry: RouterObserver) -> None:
     """A turn whose every step carries text."""
     answer_turn(telemetry)
-    obs = telemetry.turn_started(make_turn("play some jazz", turn_id="t2"), None)
+    obs = telemetry.turn_started(TurnStarted(make_turn("play some jazz", turn_id="t2"), None))
     now = time.monotonic()
-    obs.acknowledgment("music", "emitted", "delay", 0.8, None, now, now, "One moment.", None)
-    obs.finished("answer", "music", None, None, 1, None)
+    obs.acknowledgment(AcknowledgmentFinished(
+        "music", "emitted", "delay", 0.8, None, now, now, "One moment.", None))
+    obs.finished(TurnFinished("answer", "music", None, None, 1, None))
 
 
 def test_no_content_captured_by_default(rig: Rig) -> None:
@@ -341,10 +365,10 @@ def test_noop_provider_makes_no_spans_but_counts(rig: Rig) -> None:
     """A no-op tracer provider skips span work; metrics are still recorded."""
     telemetry = Telemetry(tracer_provider=NoOpTracerProvider(), registry=rig.registry)
     before = trace.get_current_span()
-    obs = telemetry.turn_started(make_turn(), None)
+    obs = telemetry.turn_started(TurnStarted(make_turn(), None))
     assert trace.get_current_span() is before
     answer_turn(telemetry)
-    obs.finished("answer", "weather", None, None, 1, None)
+    obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
     assert rig.spans() == []
     assert rig.value("turnrouter_turns_total", route="weather", outcome="answer") == 1
 
@@ -368,11 +392,11 @@ def test_unsampled_turn_records_nothing_but_propagates() -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     registry = CollectorRegistry()
     telemetry = Telemetry(tracer_provider=provider, registry=registry)
-    obs = telemetry.turn_started(make_turn(), None)
+    obs = telemetry.turn_started(TurnStarted(make_turn(), None))
     current = trace.get_current_span()
     assert current.get_span_context().is_valid
     assert not current.is_recording()
-    obs.finished("answer", "weather", None, None, 1, None)
+    obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
     answer_turn(telemetry)
     provider.shutdown()
     assert exporter.get_finished_spans() == ()
@@ -390,8 +414,8 @@ def test_disabled_records_nothing(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> 
     assert disabled.enabled is False
     before = REGISTRY.get_sample_value(
         "turnrouter_turns_total", {"route": "weather", "outcome": "focus"})
-    disabled.configured(routes=("weather",), acknowledgment_delay_secs=1.0)
-    disabled.participant_added("alice")
+    disabled.configured(Configured(("weather",), 1.0))
+    disabled.participant_added(ParticipantChanged("alice"))
     answer_turn(disabled)
     assert rig.spans() == []
     assert REGISTRY.get_sample_value(
@@ -403,19 +427,19 @@ def test_route_and_admission_spans_are_current_during_their_calls(rig: Rig) -> N
     tracer = rig.tracer_provider.get_tracer("caller")
     with tracer.start_as_current_span("caller") as caller:
         turn = make_turn()
-        obs = rig.telemetry.turn_started(turn, None)
+        obs = rig.telemetry.turn_started(TurnStarted(turn, None))
         request = make_request(turn)
         token = obs.decision_started(request)
         with tracer.start_as_current_span("classifier"):
             pass
-        obs.decision_finished(token, request, RouteDecision("weather"), None)
+        obs.decision_finished(token, DecisionFinished(request, RouteDecision("weather"), None))
         after_decision = trace.get_current_span()
-        token = obs.admission_started("weather", False)
+        token = obs.admission_started(AdmissionStarted("weather", False))
         with tracer.start_as_current_span("admit check"):
             pass
-        obs.admission_finished(token, "weather", False, "accept", None)
+        obs.admission_finished(token, AdmissionFinished("weather", False, "accept", None, False))
         after_admission = trace.get_current_span()
-        obs.finished("answer", "weather", None, None, 1, None)
+        obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
         assert trace.get_current_span() is caller
     turn_id = rig.span("turnrouter.turn").context.span_id
     assert after_decision.get_span_context().span_id == turn_id
@@ -432,9 +456,9 @@ def test_unfinished_decision_is_closed_with_the_turn(rig: Rig) -> None:
     """A decision call cancelled before decision_finished: finished() closes its span."""
     with rig.tracer_provider.get_tracer("caller").start_as_current_span("caller") as caller:
         turn = make_turn()
-        obs = rig.telemetry.turn_started(turn, None)
+        obs = rig.telemetry.turn_started(TurnStarted(turn, None))
         obs.decision_started(make_request(turn))
-        obs.finished("interrupted", None, None, None, 1, None)
+        obs.finished(TurnFinished("interrupted", None, None, None, 1, None))
         assert trace.get_current_span() is caller
     route = rig.span("turnrouter.route")
     assert attrs(route)[ATTR.INTERRUPTED] is True
@@ -445,15 +469,15 @@ def test_metrics_only_turn_tokens_are_start_times(rig: Rig) -> None:
     """Without a tracer a turn allocates no span bookkeeping, yet times every stage."""
     telemetry = Telemetry(tracer_provider=NoOpTracerProvider(), registry=rig.registry)
     turn = make_turn()
-    obs = telemetry.turn_started(turn, None)
+    obs = telemetry.turn_started(TurnStarted(turn, None))
     request = make_request(turn)
     token = obs.decision_started(request)
     assert isinstance(token, float)
-    obs.decision_finished(token, request, RouteDecision("weather"), None)
-    token = obs.admission_started("weather", False)
-    obs.admission_finished(token, "weather", False, "accept", None)
-    assert obs.answer_started("weather", False) is None
-    obs.finished("answer", "weather", None, None, 1, None)
+    obs.decision_finished(token, DecisionFinished(request, RouteDecision("weather"), None))
+    token = obs.admission_started(AdmissionStarted("weather", False))
+    obs.admission_finished(token, AdmissionFinished("weather", False, "accept", None, False))
+    assert obs.answer_started(AnswerStarted("weather", False)) is None
+    obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
     assert rig.value("turnrouter_decision_duration_seconds_count") == 1
     assert rig.value("turnrouter_admission_duration_seconds_count", route="weather") == 1
     assert rig.value("turnrouter_turns_total", route="weather", outcome="answer") == 1

@@ -6,6 +6,7 @@
 pin or override routes before falling back to another service.
 """
 
+from ._calibration import LexicalCalibration
 from ._classifier import (
     DEFAULT_CLASSIFIER_PROMPT,
     ClassifierDecisions,
@@ -28,6 +29,7 @@ __all__ = [
     "ClassifierDecisions",
     "DictRoutingPolicy",
     "KeyGetter",
+    "LexicalCalibration",
     "LexicalDecisions",
     "ParsedClassification",
     "PolicyChoice",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from .._contracts import CLARIFY, RouteDecision, RouteRequest
 from .._exceptions import ConfigurationError
 from .._llm import LLMService
+from .._redact import preview, strip_surrogates
 
 __all__ = ["DEFAULT_CLASSIFIER_PROMPT", "ClassifierDecisions", "ParsedClassification",
            "parse_classifier_output"]
@@ -41,8 +42,10 @@ must match the format exactly so they can be parsed.
 
 _PLACEHOLDERS = frozenset({"route_descriptions", "query"})
 _RAW_LIMIT = 500
-_LINE_RE = re.compile(r"^\s*[*_`\"'#>\-\s]*(route|confidence)[*_`\"'\s]*[:=]\s*(.*)$",
-                      re.IGNORECASE)
+# One character class before the key (it includes whitespace): a separate leading `\s*`
+# made a long run of spaces backtrack quadratically.
+_LINE_RE = re.compile(r"[*_`\"'#>\-\s]*(route|confidence)[*_`\"'\s]*[:=]\s*(.*)",
+                      re.IGNORECASE | re.DOTALL)
 _NUMBER_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(%?)")
 _STRIP = " \t\"'`*_.,;"
 
@@ -140,16 +143,18 @@ class ClassifierDecisions:
         ):
             raise ConfigurationError(
                 f"require_confidence_above must be within [0, 1], got "
-                f"{require_confidence_above!r}"
+                f"{preview(require_confidence_above)}"
             )
         if fallback_route is not None and (
             not isinstance(fallback_route, str) or not fallback_route
         ):
             raise ConfigurationError(
-                f"fallback_route must be a non-empty route name or None, got {fallback_route!r}"
+                "fallback_route must be a non-empty route name or None, got "
+                f"{preview(fallback_route)}"
             )
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ConfigurationError(f"max_tokens must be a positive int, got {max_tokens!r}")
+            raise ConfigurationError(
+                f"max_tokens must be a positive int, got {preview(max_tokens)}")
         template = DEFAULT_CLASSIFIER_PROMPT if classifier_prompt is None else classifier_prompt
         if not isinstance(template, str):
             raise ConfigurationError(
@@ -177,6 +182,7 @@ class ClassifierDecisions:
                                        reasoning=False)
         if not isinstance(raw, str):
             raw = str(raw)
+        raw = strip_surrogates(raw)  # a lone surrogate could not be traced or stored
         parsed = parse_classifier_output(raw)
         shown = raw if len(raw) <= _RAW_LIMIT else raw[:_RAW_LIMIT] + "..."
         trace = f"classifier: {shown}"

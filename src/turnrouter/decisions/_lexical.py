@@ -1,17 +1,18 @@
 """`LexicalDecisions`: the embedded default decision service (pure Python, no model).
 
 A query is turned into a sparse TF-IDF vector of stemmed word unigrams, word bigrams and
-character n-grams taken inside word boundaries. With example utterances, each route is
-scored by blending the cosine to the route's centroid with the mean cosine of its nearest
-examples (a kNN over per-route inverted indexes, walked only for the `knn_routes` routes
-closest by centroid); without examples, by blending the cosine to the route's whole name
-and description with the cosine to its best-matching phrase (descriptions are mostly
-enumerations, and a query usually asks about one item). Out-of-scope queries are answered
-with "clarify" when the best score is too low or the best two routes are too close.
+character n-grams taken inside word boundaries. With example utterances, routes are
+ranked by a linear model trained on the examples at construction (an averaged
+perceptron); the best route's cosine to its example centroid and to its nearest examples
+say how close the query is to anything seen. Without examples, a route is scored from its
+name and description (whole text and best-matching phrase). The raw signals are mapped to
+a calibrated `confidence` (probability that the choice is right, see `_calibration.py`);
+"clarify" is answered when it is below the floor.
 
 Everything expensive is done once: example models at construction, description models
-once per distinct set of candidate descriptions (a small LRU cache), so a decision only
-walks the query's own features.
+once per distinct set of candidate descriptions (a small LRU cache). The work per
+decision is bounded: the query is cut to `max_query_chars` characters and
+`max_query_words` words, and each word to `_MAX_WORD` characters.
 """
 
 from __future__ import annotations
@@ -20,19 +21,32 @@ import heapq
 import itertools
 import math
 import operator
+import random
 import re
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from types import MappingProxyType
 
-from .._contracts import CLARIFY, RouteDecision, RouteRequest, RoutingAid
+from .._contracts import CLARIFY, RouteDecision, RouteRequest, RoutingAid, _unchecked
 from .._exceptions import ConfigurationError
+from ._calibration import LexicalCalibration
 
 __all__ = ["LexicalDecisions"]
 
 _WORD_RE = re.compile(r"[a-z0-9]+")
+_MAX_WORD = 32
+"""Longer words are cut: bounds the character n-grams per word and the word caches."""
+_WORD_CACHE_ENTRIES = 16384
+"""Process-wide LRU bound of each per-word cache (stems, n-grams, n-gram counts): with
+words of at most 32 characters, a flood of distinct junk words holds tens of MB at most."""
+_second = operator.itemgetter(1)
+_WORD_CACHE_SIZE = 4096
+"""Entries of query words not in the examples kept per service (oldest evicted first)."""
+_MIN_KNN_DF = 30
+"""Features in at most this many examples always stay in the kNN index (small sets)."""
 
 # Function words: dropped from description matching, where an IDF over a handful of
 # routes cannot learn that they carry no routing signal.
@@ -50,11 +64,12 @@ _STOPWORDS = frozenset(
     )
 )
 
+
 _SUFFIXES = ("ations", "ation", "ings", "ing", "edly", "ies", "ied", "ers", "er", "ed",
              "ly", "es", "s")
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=_WORD_CACHE_ENTRIES)
 def _stem(word: str) -> str:
     """Strip one common English suffix, keeping a stem of at least three letters."""
     for suffix in _SUFFIXES:
@@ -66,46 +81,70 @@ def _stem(word: str) -> str:
     return word
 
 
-@lru_cache(maxsize=65536)
-def _char_grams(word: str, low: int, high: int) -> tuple[str, ...]:
-    """Character n-grams of `word` padded with spaces, so boundaries are features too."""
+@lru_cache(maxsize=_WORD_CACHE_ENTRIES)
+def _word_features(word: str, low: int, high: int) -> tuple[str, tuple[str, ...]]:
+    """A word's stem and its unigram + character n-gram features (cached per word).
+
+    N-grams are taken from the word padded with spaces, so boundaries are features too.
+    """
+    stem = _stem(word)
     padded = f" {word} "
-    grams: list[str] = []
+    grams: list[str] = ["w:" + stem]
     size = len(padded)
     for n in range(low, high + 1):
         if n > size:
             break
         grams.extend(padded[i : i + n] for i in range(size - n + 1))
-    return tuple(grams)
+    return stem, tuple(grams)
 
 
-def _words(text: str) -> list[str]:
-    """Normalised lower-case alphanumeric words; apostrophes join ("what's" -> "whats")."""
-    text = unicodedata.normalize("NFKC", text).lower().replace("'", "").replace("\u2019", "")
-    return _WORD_RE.findall(text)
+@lru_cache(maxsize=_WORD_CACHE_ENTRIES)
+def _gram_counts(word: str, low: int, high: int) -> tuple[tuple[str, int], ...]:
+    """A word's unigram + n-gram features with their counts inside the word (cached)."""
+    counts: dict[str, int] = {}
+    for gram in _word_features(word, low, high)[1]:
+        counts[gram] = counts.get(gram, 0) + 1
+    return tuple(counts.items())
 
 
-def _features(text: str, low: int, high: int, *, drop_stopwords: bool = False
-              ) -> dict[str, int]:
+def _words(text: str, max_chars: int, max_words: int) -> list[str]:
+    """Normalised lower-case alphanumeric words; apostrophes join ("what's" -> "whats").
+
+    At most `max_chars` characters are read and `max_words` words (each cut to
+    `_MAX_WORD` characters) kept, so any input costs bounded work.
+    """
+    text = unicodedata.normalize("NFKC", text[:max_chars]).lower()
+    text = text.replace("'", "").replace("\u2019", "")
+    words = _WORD_RE.findall(text, 0, max_chars * 2)[:max_words]
+    return [w if len(w) <= _MAX_WORD else w[:_MAX_WORD] for w in words]
+
+
+def _features(text: str, low: int, high: int, *, drop_stopwords: bool = False,
+              max_chars: int = 1_000_000, max_words: int = 1_000_000) -> dict[str, int]:
     """Term counts of `text`: stemmed word unigrams and bigrams, then char n-grams.
 
     Stopwords are kept for example models (IDF learns their weight, and "no" or "who are
     you" are intents) and dropped for descriptions, where IDF over a few routes cannot.
     """
-    words = _words(text)
+    return _counts(_words(text, max_chars, max_words), low, high, drop_stopwords)
+
+
+def _counts(words: Sequence[str], low: int, high: int, drop_stopwords: bool
+            ) -> dict[str, int]:
+    """The term counts of `_features` from already split words."""
     if drop_stopwords:
         words = [w for w in words if w not in _STOPWORDS]
-    stems = [_stem(w) for w in words]
     counts: dict[str, int] = {}
-    for stem in stems:
-        key = "w:" + stem
-        counts[key] = counts.get(key, 0) + 1
-    for first, second in itertools.pairwise(stems):
-        key = f"b:{first} {second}"
-        counts[key] = counts.get(key, 0) + 1
+    get = counts.get
+    previous = ""
     for word in words:
-        for gram in _char_grams(word, low, high):
-            counts[gram] = counts.get(gram, 0) + 1
+        stem, grams = _word_features(word, low, high)
+        for gram in grams:
+            counts[gram] = get(gram, 0) + 1
+        if previous:
+            key = f"b:{previous} {stem}"
+            counts[key] = get(key, 0) + 1
+        previous = stem
     return counts
 
 
@@ -128,7 +167,6 @@ def _idf(documents: Sequence[Iterable[str]]) -> tuple[dict[str, float], float]:
     total = len(documents)
     idf = {f: math.log((1 + total) / (1 + n)) + 1.0 for f, n in df.items()}
     return idf, math.log(1 + total) + 1.0
-
 
 
 def _normalise(vector: Mapping[str, float]) -> dict[str, float]:
@@ -161,36 +199,112 @@ def _phrases(aid: RoutingAid) -> list[str]:
     return parts
 
 
+# Calibrations fitted by `benchmarks/sweep_decisions.py` on CLINC150 train + oos_train
+# (never on the validation split); signals in `_calibration.SIGNALS` order.
+DEFAULT_EXAMPLE_CALIBRATION = LexicalCalibration((6.9171, 2.0899, 3.896, 0.0, 0.0), -5.2897)
+DEFAULT_FEW_SHOT_CALIBRATION = LexicalCalibration(
+    (3.5908, 3.0126, 2.4676, 5.3128, 6.2481), -3.0052)
+DEFAULT_DESCRIPTION_CALIBRATION = LexicalCalibration((0.0, 0.0, 0.0, 8.2477, 5.2714), -1.9754)
+# Floors maximising the balanced score on the same tuning data, per regime.
+DEFAULT_EXAMPLE_FLOOR = 0.475
+DEFAULT_FEW_SHOT_FLOOR = 0.3
+DEFAULT_DESCRIPTION_FLOOR = 0.35
+FEW_SHOT_BELOW = 50
+"""Example sets averaging fewer examples per route use the few-shot calibration."""
+
+
+_WordEntry = tuple[str, float, tuple[float, ...] | None]
+"""A word's stem, squared norm and summed IDF-weighted row (None: no known feature)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _ExampleModel:
-    """Centroids and per-route kNN indexes built once from the example utterances."""
+    """Linear model, centroids and per-route kNN indexes built once from the examples.
 
-    idf: dict[str, float]
+    A text's vector is the sum of its words' vectors (the word's unigram and character
+    n-grams) and of its bigrams, each feature weighted by count × IDF, divided by the
+    root of the summed squared norms of those parts (n-grams shared by two words are not
+    merged for the norm). So a query's scores are plain sums of precomputed per-word rows.
+    """
+
+    table: dict[str, tuple[float, tuple[float, ...]]]
+    """feature -> (IDF, row): row = per-route linear weights then centroid weights, both
+    already multiplied by the IDF."""
+    words: dict[str, _WordEntry]
+    """every word of the examples -> its entry (other words are computed per query)."""
     unseen: float
-    centroids: dict[str, tuple[float, ...]]
-    """feature -> per-route weights of the L2-normalised route centroids."""
+    size: int
     features: tuple[dict[str, tuple[int, float]], ...]
-    """per route: feature -> (posting number, the feature's IDF)."""
+    """per route: feature -> (posting number, the feature's IDF squared)."""
+    word_postings: tuple[dict[str, tuple[tuple[int, float], ...]], ...]
+    """per route: word -> ((posting number, summed count × IDF²), ...)."""
     postings: tuple[tuple[tuple[tuple[int, ...], tuple[float, ...]], ...], ...]
-    """per route: posting number -> (example ids, sublinear TF / example norm).
+    """per route: posting number -> (example ids, count / example norm).
 
     An example's weight for a feature is the feature's IDF times the posting's factor,
     so features found in exactly the same examples with the same counts (the character
     n-grams of one word, mostly) share one posting, walked once per query."""
     routes: tuple[str, ...]
     positions: dict[str, int]
+    per_route: float
+    """Mean number of examples per route (chooses the few-shot calibration)."""
+    low: int
+    high: int
+
+    def word(self, word: str) -> _WordEntry:
+        """The entry of `word`: precomputed for example words, else computed now."""
+        entry = self.words.get(word)
+        if entry is not None:
+            return entry
+        stem = _word_features(word, self.low, self.high)[0]
+        return _word_entry(stem, _gram_counts(word, self.low, self.high), self.table,
+                           self.unseen, self.size * 2)
+
+    def word_posting(self, route: int, word: str) -> tuple[tuple[int, float], ...]:
+        """(posting number, count × IDF²) of `word`'s features in `route`'s kNN index."""
+        entries = self.word_postings[route].get(word)
+        if entries is not None or word in self.words:
+            return entries or ()
+        return _word_posting(_gram_counts(word, self.low, self.high), self.features[route])
+
+
+def _word_entry(stem: str, grams: tuple[tuple[str, int], ...],
+                table: Mapping[str, tuple[float, tuple[float, ...]]], unseen: float,
+                width: int) -> _WordEntry:
+    squares = 0.0
+    rows: list[tuple[float, ...]] = []
+    for gram, count in grams:
+        entry = table.get(gram)
+        if entry is None:
+            squares += (count * unseen) ** 2
+            continue
+        squares += (count * entry[0]) ** 2
+        rows.append(entry[1] if count == 1 else tuple(count * v for v in entry[1]))
+    if not rows:
+        return stem, squares, None
+    return stem, squares, tuple(map(sum, zip(*rows, strict=True))) if width else None
+
+
+def _word_posting(grams: tuple[tuple[str, int], ...],
+                  index: Mapping[str, tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    summed: dict[int, float] = {}
+    for gram, count in grams:
+        entry = index.get(gram)
+        if entry is not None:
+            summed[entry[0]] = summed.get(entry[0], 0.0) + count * entry[1]
+    return tuple(summed.items())
 
 
 @dataclass(frozen=True, slots=True)
 class _DescriptionModel:
-    """Per-candidate-set TF-IDF vectors of the routes' names and descriptions."""
+    """Per-candidate-set TF-IDF vectors of the routes' names, descriptions and phrases."""
 
-    idf: dict[str, float]
+    table: dict[str, tuple[float, tuple[tuple[int, float], ...]]]
+    """feature -> (IDF², ((slot, IDF × weight), ...)): slots 0..n-1 are the candidates'
+    whole name + description vectors, the next ones each phrase's own L2-normalised
+    vector (both weighed with the IDF of the whole descriptions)."""
     unseen: float
-    index: dict[str, list[tuple[int, float]]]
-    """feature -> [(candidate position, weight)] for whole name + description vectors."""
-    phrase_index: dict[str, list[tuple[int, float]]]
-    """feature -> [(phrase number, weight)] for each phrase's own L2-normalised vector."""
+    size: int
     owners: tuple[int, ...]
     """phrase number -> candidate position."""
 
@@ -209,41 +323,111 @@ def _check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def _check_calibration(name: str, value: object, default: LexicalCalibration
+                       ) -> LexicalCalibration:
+    if value is None:
+        return default
+    if not isinstance(value, LexicalCalibration):
+        raise ConfigurationError(
+            f"{name} must be a LexicalCalibration or None, got {type(value).__name__}"
+        )
+    return value
+
+
+def _train_linear(
+    vectors: Sequence[tuple[tuple[str, ...], tuple[float, ...]]],
+    labels: Sequence[int],
+    routes: int,
+    epochs: int,
+) -> dict[str, list[float]]:
+    """Averaged multi-class perceptron over normalised TF-IDF vectors (deterministic order).
+
+    Mistake-driven updates touch two routes of the example's own features only, so a
+    pass over 15,000 utterances takes a fraction of a second.
+    """
+    weights: dict[str, list[float]] = {}
+    totals: dict[str, list[float]] = {}
+    for names, _ in vectors:
+        for name in names:
+            if name not in weights:
+                weights[name] = [0.0] * routes
+                totals[name] = [0.0] * routes
+    order = list(range(len(vectors)))
+    shuffle = random.Random(0).shuffle
+    step = 1
+    mul = operator.mul
+    for _ in range(epochs):
+        shuffle(order)
+        for i in order:
+            names, values = vectors[i]
+            label = labels[i]
+            rows = [weights[name] for name in names]
+            scores = [sum(map(mul, column, values)) for column in zip(*rows, strict=True)]
+            guess = max(range(routes), key=scores.__getitem__)
+            if guess != label:
+                for name, value, row in zip(names, values, rows, strict=True):
+                    row[label] += value
+                    row[guess] -= value
+                    total = totals[name]
+                    total[label] += step * value
+                    total[guess] -= step * value
+            step += 1
+    return {name: [w - t / step for w, t in zip(row, totals[name], strict=True)]
+            for name, row in weights.items()}
+
+
 class LexicalDecisions:
     """Embedded default decision service: lexical similarity, no network, no model.
 
     `examples` maps a route name to example utterances; routes without examples (and
     every route when `examples` is None) are scored from their routing aid's name and
-    description. Scores are in [0, 1]; the best candidate is chosen unless its score is
-    below the applicable `min_*_score` or it leads the runner-up by less than
-    `min_margin`, in which case the answer is "clarify" with all scores kept. Exact ties
-    go to the higher `RoutingAid.priority`, then to the earlier candidate.
+    description. Every candidate's score is a calibrated confidence in [0, 1] (the
+    probability that choosing it is right, fitted with equal weight on in-scope and
+    out-of-scope traffic); the best candidate is chosen unless its score is below
+    `min_example_score` (a route with examples) / `min_description_score` (a route
+    scored from its description) or leads the runner-up by less than `min_margin`, in
+    which case the answer is "clarify" with all scores kept. Exact ties go to the higher
+    `RoutingAid.priority`, then to the earlier candidate. See docs/decisions.md.
     """
 
     def __init__(
         self,
         examples: Mapping[str, Sequence[str]] | None = None,
         *,
-        min_example_score: float = 0.18,
-        min_description_score: float = 0.13,
-        min_margin: float = 0.01,
+        min_example_score: float | None = None,
+        min_description_score: float = DEFAULT_DESCRIPTION_FLOOR,
+        min_margin: float = 0.0,
         phrase_weight: float = 0.3,
-        centroid_weight: float = 0.5,
         neighbors: int = 3,
-        knn_routes: int = 2,
-        max_document_frequency: float = 0.015,
+        knn_routes: int = 1,
+        max_document_frequency: float = 0.002,
         char_ngrams: tuple[int, int] = (4, 4),
         description_cache_size: int = 256,
+        epochs: int = 4,
+        example_calibration: LexicalCalibration | None = None,
+        few_shot_calibration: LexicalCalibration | None = None,
+        description_calibration: LexicalCalibration | None = None,
+        max_query_chars: int = 1000,
+        max_query_words: int = 64,
+        knn_budget: int = 400,
     ) -> None:
-        self._min_example_score = _check_unit("min_example_score", min_example_score)
+        explicit_floor = (None if min_example_score is None
+                          else _check_unit("min_example_score", min_example_score))
+        calibration = _check_calibration("example_calibration", example_calibration,
+                                         DEFAULT_EXAMPLE_CALIBRATION)
+        few_shot = _check_calibration("few_shot_calibration", few_shot_calibration,
+                                      DEFAULT_FEW_SHOT_CALIBRATION)
         self._min_description_score = _check_unit("min_description_score",
                                                   min_description_score)
         self._min_margin = _check_unit("min_margin", min_margin)
         self._phrase_weight = _check_unit("phrase_weight", phrase_weight)
-        self._centroid_weight = _check_unit("centroid_weight", centroid_weight)
         self._neighbors = _check_positive_int("neighbors", neighbors)
         self._knn_routes = _check_positive_int("knn_routes", knn_routes)
         self._max_df = _check_unit("max_document_frequency", max_document_frequency)
+        self._epochs = _check_positive_int("epochs", epochs)
+        self._knn_budget = _check_positive_int("knn_budget", knn_budget)
+        self._max_chars = _check_positive_int("max_query_chars", max_query_chars)
+        self._max_words = _check_positive_int("max_query_words", max_query_words)
         if (
             not isinstance(char_ngrams, tuple)
             or len(char_ngrams) != 2
@@ -256,10 +440,49 @@ class LexicalDecisions:
         self._low, self._high = char_ngrams
         self._cache_size = _check_positive_int("description_cache_size",
                                                description_cache_size)
+        self._description_calibration = _check_calibration(
+            "description_calibration", description_calibration,
+            DEFAULT_DESCRIPTION_CALIBRATION)
         self._descriptions: OrderedDict[tuple[tuple[str, str], ...], _DescriptionModel] = (
             OrderedDict()
         )
+        self._description_evictions = 0
+        self._word_cache: dict[str, _WordEntry] = {}
+        self._word_evictions = 0
+        self._posting_cache: dict[tuple[int, str], tuple[tuple[int, float], ...]] = {}
+        self._posting_evictions = 0
         self._examples = self._build_examples(examples) if examples else None
+        floor = DEFAULT_EXAMPLE_FLOOR
+        if self._examples is not None and self._examples.per_route < FEW_SHOT_BELOW:
+            calibration, floor = few_shot, DEFAULT_FEW_SHOT_FLOOR
+        self._example_calibration = calibration
+        self._min_example_score = floor if explicit_floor is None else explicit_floor
+
+    @property
+    def min_example_score(self) -> float:
+        """Confidence floor for choosing a route scored from its examples."""
+        return self._min_example_score
+
+    @property
+    def min_description_score(self) -> float:
+        """Confidence floor for choosing a route scored from its description."""
+        return self._min_description_score
+
+    def cache_stats(self) -> dict[str, int]:
+        """Sizes and eviction counts of the per-service caches (all bounded).
+
+        `description_models` (at most `description_cache_size` candidate sets),
+        `query_words` (at most 4,096 words not seen in the examples) and
+        `query_word_postings` (their kNN postings per route, at most 4,096).
+        """
+        return {
+            "description_models": len(self._descriptions),
+            "description_model_evictions": self._description_evictions,
+            "query_words": len(self._word_cache),
+            "query_word_evictions": self._word_evictions,
+            "query_word_postings": len(self._posting_cache),
+            "query_word_posting_evictions": self._posting_evictions,
+        }
 
     # -- construction -------------------------------------------------------------
 
@@ -270,7 +493,8 @@ class LexicalDecisions:
                 f"{type(examples).__name__}"
             )
         routes: list[str] = []
-        texts: list[tuple[int, dict[str, int]]] = []
+        texts: list[tuple[int, list[str], dict[str, int]]] = []
+        low, high = self._low, self._high
         for route, utterances in examples.items():
             if not isinstance(route, str) or not route:
                 raise ConfigurationError(f"examples keys must be route names, got {route!r}")
@@ -286,34 +510,52 @@ class LexicalDecisions:
                     raise ConfigurationError(
                         f"examples[{route!r}][{position}] must be a str, got {text!r:.60}"
                     )
-                counts = _features(text, self._low, self._high)
+                words = _words(text, self._max_chars, self._max_words)
+                counts = _counts(words, low, high, False)
                 if counts:
-                    texts.append((index, counts))
+                    texts.append((index, words, counts))
         if not texts:
             return None
-        documents = [counts for _, counts in texts]
+        size = len(routes)
+        documents = [counts for _, _, counts in texts]
         idf, unseen = _idf(documents)
         df: dict[str, int] = {}
         for counts in documents:
             for feature in counts:
                 df[feature] = df.get(feature, 0) + 1
-        max_df = max(1, int(self._max_df * len(texts)))
+        vocabulary: dict[str, tuple[str, tuple[str, ...]]] = {}
+        for _, words, _ in texts:
+            for word in words:
+                if word not in vocabulary:
+                    vocabulary[word] = _word_features(word, low, high)
+        word_squares = {
+            word: sum((count * idf[gram]) ** 2 for gram, count in _gram_counts(word, low, high))
+            for word in vocabulary
+        }
+        max_df = max(_MIN_KNN_DF, int(self._max_df * len(texts)))
         sums: list[dict[str, float]] = [{} for _ in routes]
         raw: list[dict[str, tuple[list[int], list[float]]]] = [{} for _ in routes]
-        local_ids = [0] * len(routes)
-        for route_index, counts in texts:
+        local_ids = [0] * size
+        vectors: list[tuple[tuple[str, ...], tuple[float, ...]]] = []
+        labels: list[int] = []
+        for route_index, words, counts in texts:
             total = sums[route_index]
             route_raw = raw[route_index]
             example_id = local_ids[route_index]
             local_ids[route_index] += 1
-            tf = {f: 1.0 + math.log(c) for f, c in counts.items()}
-            norm = math.sqrt(sum((t * idf[f]) ** 2 for f, t in tf.items()))
-            for feature, value in tf.items():
-                total[feature] = total.get(feature, 0.0) + value * idf[feature] / norm
+            squares = sum(word_squares[word] for word in words) + sum(
+                count * idf[f] ** 2 for f, count in counts.items() if f.startswith("b:"))
+            norm = math.sqrt(squares)
+            names = tuple(counts)
+            values = tuple(counts[f] * idf[f] / norm for f in names)
+            vectors.append((names, values))
+            labels.append(route_index)
+            for feature, value in zip(names, values, strict=True):
+                total[feature] = total.get(feature, 0.0) + value
                 if df[feature] <= max_df:
                     ids, factors = route_raw.setdefault(feature, ([], []))
                     ids.append(example_id)
-                    factors.append(value / norm)
+                    factors.append(counts[feature] / norm)
         features: list[dict[str, tuple[int, float]]] = []
         postings: list[tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]] = []
         for route_raw in raw:
@@ -321,21 +563,43 @@ class LexicalDecisions:
             mapping: dict[str, tuple[int, float]] = {}
             for feature, (ids, factors) in route_raw.items():
                 posting = (tuple(ids), tuple(factors))
-                mapping[feature] = (numbers.setdefault(posting, len(numbers)), idf[feature])
+                # IDF squared: once for the query's weight, once for the example's.
+                mapping[feature] = (numbers.setdefault(posting, len(numbers)),
+                                    idf[feature] ** 2)
             features.append(mapping)
             postings.append(tuple(numbers))
-        dense: dict[str, list[float]] = {}
+        linear = _train_linear(vectors, labels, size, self._epochs) if size > 1 else {}
+        dense: dict[str, list[float]] = {f: [0.0] * (2 * size) for f in idf}
+        for feature, row in linear.items():
+            dense[feature][:size] = row
         for route_index, total in enumerate(sums):
             for feature, weight in _normalise(total).items():
-                dense.setdefault(feature, [0.0] * len(routes))[route_index] = weight
+                dense[feature][size + route_index] = weight
+        table = {f: (idf[f], tuple(v * idf[f] for v in row)) for f, row in dense.items()}
+        entries = {word: _word_entry(stem, _gram_counts(word, low, high), table, unseen,
+                                     2 * size)
+                   for word, (stem, _) in vocabulary.items()}
+        word_postings: list[dict[str, tuple[tuple[int, float], ...]]] = []
+        for mapping in features:
+            per_word: dict[str, tuple[tuple[int, float], ...]] = {}
+            for word in vocabulary:
+                found = _word_posting(_gram_counts(word, low, high), mapping)
+                if found:
+                    per_word[word] = found
+            word_postings.append(per_word)
         return _ExampleModel(
-            idf=idf,
+            table=table,
+            words=entries,
             unseen=unseen,
-            centroids={f: tuple(row) for f, row in dense.items()},
+            size=size,
             features=tuple(features),
+            word_postings=tuple(word_postings),
             postings=tuple(postings),
             routes=tuple(routes),
             positions={route: position for position, route in enumerate(routes)},
+            per_route=len(texts) / size,
+            low=low,
+            high=high,
         )
 
     def _description_model(self, candidates: Sequence[RoutingAid]) -> _DescriptionModel:
@@ -351,7 +615,6 @@ class LexicalDecisions:
         for position, counts in enumerate(docs):
             for feature, weight in _weigh(counts, idf, unseen).items():
                 index.setdefault(feature, []).append((position, weight))
-        phrase_index: dict[str, list[tuple[int, float]]] = {}
         owners: list[int] = []
         if self._phrase_weight > 0.0:
             # Each phrase is weighed with the IDF of the whole descriptions: a phrase is a
@@ -362,90 +625,198 @@ class LexicalDecisions:
                     vector = _weigh(counts, idf, unseen)
                     if not vector:
                         continue
-                    number = len(owners)
+                    slot = len(candidates) + len(owners)
                     owners.append(position)
                     for feature, weight in vector.items():
-                        phrase_index.setdefault(feature, []).append((number, weight))
-        model = _DescriptionModel(idf=idf, unseen=unseen, index=index,
-                                  phrase_index=phrase_index, owners=tuple(owners))
+                        index.setdefault(feature, []).append((slot, weight))
+        table = {f: (idf[f] ** 2, tuple((slot, idf[f] * w) for slot, w in entries))
+                 for f, entries in index.items()}
+        model = _DescriptionModel(table=table, unseen=unseen, size=len(candidates),
+                                  owners=tuple(owners))
         self._descriptions[key] = model
         if len(self._descriptions) > self._cache_size:
             self._descriptions.popitem(last=False)
+            self._description_evictions += 1
         return model
 
     # -- scoring ------------------------------------------------------------------
 
-    def _example_scores(self, model: _ExampleModel, query: str, wanted: Sequence[int]
-                        ) -> list[float]:
-        """Scores of every model route; only the `wanted` routes get the kNN part."""
-        vector = _weigh(_features(query, self._low, self._high), model.idf, model.unseen)
-        centroids = model.centroids
+    def _example_signals(self, model: _ExampleModel, words: Sequence[str],
+                         wanted: Sequence[int]) -> tuple[list[float], list[float],
+                                                         dict[int, float]]:
+        """Linear scores and centroid cosines of every model route, and the mean cosine
+        of the nearest examples of the `knn_routes` best `wanted` routes."""
+        size = model.size
+        table = model.table
         rows: list[tuple[float, ...]] = []
-        values: list[float] = []
-        for feature, value in vector.items():
-            row = centroids.get(feature)
+        squares = 0.0
+        stems: list[str] = []
+        known = model.words.get
+        cache = self._word_cache
+        for word in words:
+            entry = known(word) or cache.get(word)
+            if entry is None:
+                entry = model.word(word)
+                if len(cache) >= _WORD_CACHE_SIZE:
+                    del cache[next(iter(cache))]
+                    self._word_evictions += 1
+                cache[word] = entry
+            stem, square, row = entry
+            squares += square
             if row is not None:
                 rows.append(row)
-                values.append(value)
+            stems.append(stem)
+        bigrams = [f"b:{first} {second}" for first, second in itertools.pairwise(stems)]
+        unseen = model.unseen
+        for key in bigrams:
+            found = table.get(key)
+            if found is None:
+                squares += unseen * unseen
+            else:
+                squares += found[0] * found[0]
+                rows.append(found[1])
         if not rows:
-            return [0.0] * len(model.routes)
-        # Column sums run in C: one dot product per route.
-        centroid = [sum(map(operator.mul, column, values)) for column in zip(*rows, strict=True)]
-        weight = self._centroid_weight
-        scores = [weight * value for value in centroid]
-        if weight < 1.0 and wanted:
-            # The k nearest examples of the few routes closest by centroid: the others
-            # are too far to be chosen, and skipping them keeps a decision cheap.
+            return [0.0] * size, [0.0] * size, {}
+        scale = 1.0 / math.sqrt(squares)
+        # Column sums run in C: one sum per route and signal.
+        sums = [value * scale for value in map(sum, zip(*rows, strict=True))]
+        linear, centroid = sums[:size], sums[size:]
+        nearest: dict[int, float] = {}
+        if self._example_calibration.weights[2] != 0.0:
             k = self._neighbors
-            share = (1.0 - weight) / k
-            items = list(vector.items())
+            posting_cache = self._posting_cache
             for route_index in heapq.nlargest(self._knn_routes, wanted,
-                                              key=centroid.__getitem__):
-                index = model.features[route_index]
+                                              key=linear.__getitem__):
                 coefficients: dict[int, float] = {}
-                for feature, value in items:
-                    entry = index.get(feature)
-                    if entry is not None:
-                        number, scale = entry
-                        coefficients[number] = coefficients.get(number, 0.0) + value * scale
+                cget = coefficients.get
+                route_words = model.word_postings[route_index]
+                for word in words:
+                    listed = route_words.get(word)
+                    if listed is None:
+                        if word in model.words:
+                            continue
+                        cache_key = (route_index, word)
+                        listed = posting_cache.get(cache_key)
+                        if listed is None:
+                            listed = model.word_posting(route_index, word)
+                            if len(posting_cache) >= _WORD_CACHE_SIZE:
+                                del posting_cache[next(iter(posting_cache))]
+                                self._posting_evictions += 1
+                            posting_cache[cache_key] = listed
+                    for number, weight in listed:
+                        coefficients[number] = cget(number, 0.0) + weight
+                index = model.features[route_index]
+                for key in bigrams:
+                    posting = index.get(key)
+                    if posting is not None:
+                        number, weight = posting
+                        coefficients[number] = cget(number, 0.0) + weight
                 postings = model.postings[route_index]
                 sims: dict[int, float] = {}
                 get = sims.get
-                for number, coefficient in coefficients.items():
-                    for example_id, factor in zip(*postings[number], strict=True):
+                # Heaviest features first, and at most `knn_budget` posting entries: a
+                # query's kNN work is bounded whatever its words.
+                budget = self._knn_budget
+                for number, coefficient in sorted(coefficients.items(), key=_second,
+                                                  reverse=True):
+                    ids, factors = postings[number]
+                    for example_id, factor in zip(ids, factors, strict=True):
                         sims[example_id] = get(example_id, 0.0) + coefficient * factor
-                if sims:
-                    nearest = sorted(sims.values(), reverse=True)[:k]
-                    scores[route_index] += share * sum(nearest)
-        return scores
+                    budget -= len(ids)
+                    if budget <= 0:
+                        break
+                nearest[route_index] = (sum(heapq.nlargest(k, sims.values())) * scale / k
+                                        if sims else 0.0)
+        return linear, centroid, nearest
 
-    def _description_scores(self, candidates: Sequence[RoutingAid], query: str
+    def _description_scores(self, candidates: Sequence[RoutingAid], words: Sequence[str]
                             ) -> list[float]:
         """(1 - phrase_weight) × cosine to the whole name + description + phrase_weight ×
-        cosine to the route's best-matching phrase (its name is one of them)."""
+        cosine to the route's best-matching phrase (its name is one of them).
+
+        The query side counts every n-gram occurrence on its own (no merging across
+        words, linear TF), so no per-query dictionaries are built.
+        """
         model = self._description_model(candidates)
-        counts = _features(query, self._low, self._high, drop_stopwords=True)
-        scores = [0.0] * len(candidates)
-        phrases = [0.0] * len(model.owners)
-        index = model.index
-        phrase_index = model.phrase_index
-        for feature, value in _weigh(counts, model.idf, model.unseen).items():
-            entries = index.get(feature)
-            if entries is not None:
-                for position, weight in entries:
-                    scores[position] += value * weight
-                for number, weight in phrase_index.get(feature, ()):
-                    phrases[number] += value * weight
+        size = model.size
+        sums = [0.0] * (size + len(model.owners))
+        get = model.table.get
+        unseen = model.unseen * model.unseen
+        squares = 0.0
+        low, high = self._low, self._high
+        previous = ""
+        for word in words:
+            if word in _STOPWORDS:
+                continue
+            stem, grams = _word_features(word, low, high)
+            if previous:
+                grams = (*grams, f"b:{previous} {stem}")
+            previous = stem
+            for gram in grams:
+                entry = get(gram)
+                if entry is None:
+                    squares += unseen
+                    continue
+                square, postings = entry
+                squares += square
+                for slot, weight in postings:
+                    sums[slot] += weight
+        if squares == 0.0:
+            return [0.0] * size
+        scale = 1.0 / math.sqrt(squares)
         share = self._phrase_weight
         if share == 0.0:
-            return scores
-        best = [0.0] * len(candidates)
-        for number, value in enumerate(phrases):
-            position = model.owners[number]
+            return [value * scale for value in sums]
+        best = [0.0] * size
+        for number, position in enumerate(model.owners):
+            value = sums[size + number]
             if value > best[position]:
                 best[position] = value
-        return [(1.0 - share) * whole + share * part
-                for whole, part in zip(scores, best, strict=True)]
+        return [((1.0 - share) * whole + share * part) * scale
+                for whole, part in zip(sums, best, strict=False)]
+
+    def _signals(self, request: RouteRequest) -> list[tuple[bool, tuple[float, ...]]]:
+        """Per candidate: (scored from examples?, raw signals in `SIGNALS` order).
+
+        Used by `score` and by the benchmark's calibration sweep.
+        """
+        candidates = request.candidates
+        words = _words(request.turn.query, self._max_chars, self._max_words)
+        model = self._examples
+        positions = model.positions if model is not None else {}
+        backed = [aid.name in positions for aid in candidates]
+        calibration = self._example_calibration
+        # Description signals: for every candidate when the example calibration uses
+        # them (few-shot), else only for the candidates without examples.
+        if calibration.weights[3] != 0.0 or calibration.weights[4] != 0.0:
+            described = list(range(len(candidates)))
+        else:
+            described = [number for number, flag in enumerate(backed) if not flag]
+        descriptions = [0.0] * len(candidates)
+        leads = [0.0] * len(candidates)
+        if described:
+            values = self._description_scores([candidates[i] for i in described], words)
+            first, second = heapq.nlargest(2, values) if len(values) > 1 else (values[0], 0.0)
+            for number, value in zip(described, values, strict=True):
+                descriptions[number] = value
+                leads[number] = value - (second if value == first else first)
+        linear: list[float] = []
+        centroid: list[float] = []
+        nearest: dict[int, float] = {}
+        if model is not None and any(backed):
+            wanted = [positions[aid.name] for aid in candidates if aid.name in positions]
+            linear, centroid, nearest = self._example_signals(model, words, wanted)
+        out: list[tuple[bool, tuple[float, ...]]] = []
+        for number, aid in enumerate(candidates):
+            description = descriptions[number]
+            lead = leads[number]
+            if backed[number]:
+                i = positions[aid.name]
+                out.append((True, (linear[i], centroid[i], nearest.get(i, 0.0),
+                                   description, lead)))
+            else:
+                out.append((False, (0.0, 0.0, 0.0, description, lead)))
+        return out
 
     async def decide(self, request: RouteRequest) -> RouteDecision:
         """Score every candidate and choose the best, or "clarify" when out of scope."""
@@ -456,31 +827,24 @@ class LexicalDecisions:
         candidates = request.candidates
         if not candidates:
             return RouteDecision(CLARIFY, confidence=0.0, rationale="lexical: no candidates")
-        query = request.turn.query
-        model = self._examples
-        example_scores: dict[str, float] = {}
-        if model is not None:
-            positions = model.positions
-            wanted = [positions[aid.name] for aid in candidates if aid.name in positions]
-            if wanted:
-                values = self._example_scores(model, query, wanted)
-                example_scores = {model.routes[i]: values[i] for i in wanted}
-        needs_description = [aid for aid in candidates if aid.name not in example_scores]
-        description_scores: dict[str, float] = {}
-        if needs_description:
-            description_scores = dict(zip(
-                (aid.name for aid in needs_description),
-                self._description_scores(needs_description, query),
-                strict=True,
-            ))
         ranked: list[tuple[float, int, int, str, float]] = []
         scores: dict[str, float] = {}
-        for position, aid in enumerate(candidates):
-            if aid.name in example_scores:
-                value, floor = example_scores[aid.name], self._min_example_score
+        (a, b, c, d, e), bias = self._example_calibration.weights, self._example_calibration.bias
+        (_, _, _, dd, de), dbias = (self._description_calibration.weights,
+                                    self._description_calibration.bias)
+        exp = math.exp
+        for position, (aid, (backed, signals)) in enumerate(
+            zip(candidates, self._signals(request), strict=True)
+        ):
+            linear, centroid, nearest, description, lead = signals
+            if backed:
+                z = bias + a * linear + b * centroid + c * nearest + d * description + e * lead
+                floor = self._min_example_score
             else:
-                value, floor = description_scores[aid.name], self._min_description_score
-            value = min(1.0, max(0.0, value))
+                z = dbias + dd * description + de * lead
+                floor = self._min_description_score
+            # A logistic that cannot overflow: exp of a non-positive number only.
+            value = 1.0 / (1.0 + exp(-z)) if z >= 0.0 else 1.0 - 1.0 / (1.0 + exp(z))
             scores[aid.name] = value
             ranked.append((value, aid.priority, -position, aid.name, floor))
         ranked.sort(reverse=True)
@@ -489,11 +853,13 @@ class LexicalDecisions:
         margin = top - second
         summary = f"top={name} {top:.2f} margin {margin:.2f}"
         if top < floor or top == 0.0:
-            return RouteDecision(CLARIFY, confidence=top, scores=scores,
-                                 rationale=f"lexical: clarify, {summary} below {floor:.2f}")
-        if len(ranked) > 1 and margin < self._min_margin:
-            return RouteDecision(
-                CLARIFY, confidence=top, scores=scores,
-                rationale=f"lexical: clarify, {summary} under {self._min_margin:.2f}",
-            )
-        return RouteDecision(name, confidence=top, scores=scores, rationale=f"lexical: {summary}")
+            choice, rationale = CLARIFY, f"lexical: clarify, {summary} below {floor:.2f}"
+        elif len(ranked) > 1 and margin < self._min_margin:
+            choice = CLARIFY
+            rationale = f"lexical: clarify, {summary} under {self._min_margin:.2f}"
+        else:
+            choice, rationale = name, f"lexical: {summary}"
+        # Valid by construction (finite scores in [0, 1], a fresh dict nobody else holds),
+        # so the contract's per-field checks and copy are skipped.
+        return _unchecked(RouteDecision, choice=choice, confidence=top,
+                          scores=MappingProxyType(scores), rationale=rationale)

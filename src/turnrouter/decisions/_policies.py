@@ -5,6 +5,11 @@ a route name (pin it) or "clarify" (force clarification). `DictRoutingPolicy` lo
 choice up in a mapping keyed by `key_getter(request)` (the participant id by default),
 loadable from JSON, a file or an environment variable, and hot-reloadable with
 `update_mapping`. `PolicyDecisions` applies a policy in front of a fallback service.
+
+Loading is bounded (docs/limits.md): a document longer than `max_bytes` (1 MiB by
+default), text that is not UTF-8, JSON nested past the interpreter's recursion limit,
+or keys and values that are not valid text all raise `PolicyError`, never a lower-level
+error.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._contracts import CLARIFY, DecisionService, RouteDecision, RouteRequest
 from .._exceptions import ConfigurationError, ContractTypeError, PolicyError
+from .._redact import has_surrogates, preview
 
 __all__ = [
+    "DEFAULT_MAX_POLICY_BYTES",
     "DictRoutingPolicy",
     "KeyGetter",
     "PolicyChoice",
@@ -28,6 +35,9 @@ __all__ = [
     "by_participant",
     "by_query_prefix",
 ]
+
+#: Default cap on a policy document: bytes (or characters, for text) of JSON.
+DEFAULT_MAX_POLICY_BYTES = 1 << 20
 
 PolicyChoice = str | None
 """None: no decision (fall through); a route name: pin it; "clarify": force clarification."""
@@ -57,7 +67,7 @@ def by_query_prefix(separator: str = ":") -> KeyGetter:
     applies). Useful for explicit operator or test commands.
     """
     if not isinstance(separator, str) or not separator:
-        raise ConfigurationError(f"separator must be a non-empty str, got {separator!r}")
+        raise ConfigurationError(f"separator must be a non-empty str, got {preview(separator)}")
 
     def key(request: RouteRequest) -> str | None:
         head, found, _ = request.turn.query.partition(separator)
@@ -73,8 +83,10 @@ def _validate_choice(where: str, value: object) -> PolicyChoice:
     if not isinstance(value, str) or not value:
         raise PolicyError(
             f"{where} must be a route name, 'clarify' or None, got "
-            f"{type(value).__name__} {value!r:.80}"
+            f"{type(value).__name__} {preview(value)}"
         )
+    if has_surrogates(value):
+        raise PolicyError(f"{where} is not valid text (it holds a lone surrogate)")
     return value
 
 
@@ -86,16 +98,49 @@ def _validate_mapping(mapping: object) -> Mapping[str, PolicyChoice]:
         )
     frozen: dict[str, PolicyChoice] = {}
     for key, value in mapping.items():
+        # Fast path (the common case: ASCII ids and route names); messages are built
+        # only for a bad entry, so a 1 MiB policy validates in a few milliseconds.
+        if type(key) is str and key.isascii() and (
+                value is None or (type(value) is str and value and value.isascii())):
+            frozen[key] = value
+            continue
         if not isinstance(key, str):
-            raise PolicyError(f"policy mapping key must be a str, got {key!r:.80}")
-        frozen[key] = _validate_choice(f"policy mapping[{key!r}]", value)
+            raise PolicyError(f"policy mapping key must be a str, got {preview(key)}")
+        if has_surrogates(key):
+            raise PolicyError(f"policy mapping key {preview(key)} is not valid text "
+                              "(it holds a lone surrogate)")
+        frozen[key] = _validate_choice(f"policy mapping[{preview(key)}]", value)
     return MappingProxyType(frozen)
 
 
-def _decode(payload: str | bytes, source: str) -> object:
+def _check_max_bytes(max_bytes: object) -> int:
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1:
+        raise ConfigurationError(f"max_bytes must be an int >= 1, got {preview(max_bytes)}")
+    return max_bytes
+
+
+def _decode(payload: object, source: str, max_bytes: int) -> object:
+    """Parse a JSON policy document; every failure is a PolicyError naming `source`."""
+    if not isinstance(payload, str | bytes | bytearray):
+        raise ContractTypeError(
+            f"{source} must be str or bytes, got {type(payload).__name__}")
+    if len(payload) > max_bytes:
+        raise PolicyError(
+            f"{source} is {len(payload)} long, over max_bytes={max_bytes} "
+            "(pass a larger max_bytes to load it)")
+    if isinstance(payload, str) and has_surrogates(payload):
+        raise PolicyError(f"{source} is not valid UTF-8 text (it holds a lone surrogate)")
     try:
         return json.loads(payload)
     except json.JSONDecodeError as exc:
+        raise PolicyError(f"{source} is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"{source} is not valid UTF-8: {exc.reason} at byte {exc.start}"
+                          ) from exc
+    except RecursionError as exc:
+        raise PolicyError(f"{source} is nested too deeply (a policy is a flat object)"
+                          ) from exc
+    except ValueError as exc:  # e.g. an integer literal over the int-conversion limit
         raise PolicyError(f"{source} is not valid JSON: {exc}") from exc
 
 
@@ -118,24 +163,49 @@ class DictRoutingPolicy:
         key_getter: KeyGetter | None = None,
     ) -> None:
         if key_getter is not None and not callable(key_getter):
-            raise ConfigurationError(f"key_getter must be callable, got {key_getter!r:.80}")
+            raise ConfigurationError(f"key_getter must be callable, got {preview(key_getter)}")
         self._mapping = _validate_mapping(mapping)
         self._default = _validate_choice("default", default)
         self._key_getter: KeyGetter = by_participant if key_getter is None else key_getter
 
     @classmethod
-    def from_json(cls, payload: str | bytes, **kwargs: Any) -> DictRoutingPolicy:
+    def from_json(cls, payload: str | bytes, *, max_bytes: int = DEFAULT_MAX_POLICY_BYTES,
+                  **kwargs: Any) -> DictRoutingPolicy:
         """Build from a JSON object string; TypeError if it is not an object,
-        PolicyError (a ValueError) if it is not valid JSON."""
-        return cls(_as_mapping(_decode(payload, "policy JSON"), "policy JSON"), **kwargs)
+        PolicyError (a ValueError) if it is not valid JSON or UTF-8, longer than
+        `max_bytes`, nested too deeply or holds an invalid key or value."""
+        source = "policy JSON"
+        data = _decode(payload, source, _check_max_bytes(max_bytes))
+        return cls(_as_mapping(data, source), **kwargs)
 
     @classmethod
-    def from_json_file(cls, path: str | os.PathLike[str], **kwargs: Any) -> DictRoutingPolicy:
-        """Build from a UTF-8 JSON file holding an object (errors as `from_json`)."""
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-        source = f"policy file {os.fspath(path)!r}"
-        return cls(_as_mapping(_decode(text, source), source), **kwargs)
+    def from_json_file(cls, path: str | os.PathLike[str], *,
+                       max_bytes: int = DEFAULT_MAX_POLICY_BYTES,
+                       **kwargs: Any) -> DictRoutingPolicy:
+        """Build from a UTF-8 JSON file holding an object (errors as `from_json`).
+
+        A file that cannot be read (missing, a directory, no permission) also raises
+        PolicyError, chained from the OSError; at most `max_bytes` + 1 bytes are read.
+        """
+        limit = _check_max_bytes(max_bytes)
+        source = f"policy file {preview(os.fspath(path))}"
+        try:
+            with open(path, "rb") as handle:
+                raw = handle.read(limit + 1)
+        except OSError as exc:
+            raise PolicyError(f"{source} cannot be read: {exc.strerror or exc}") from exc
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if len(raw) > limit:
+                text = ""  # the size error below names the real problem
+            else:
+                raise PolicyError(f"{source} is not valid UTF-8: {exc.reason} at byte "
+                                  f"{exc.start}") from exc
+        if len(raw) > limit:
+            raise PolicyError(f"{source} is longer than max_bytes={limit} "
+                              "(pass a larger max_bytes to load it)")
+        return cls(_as_mapping(_decode(text, source, limit), source), **kwargs)
 
     @classmethod
     def from_env(
@@ -145,17 +215,27 @@ class DictRoutingPolicy:
         loader: Callable[[str], Mapping[str, PolicyChoice]] | None = None,
         default: PolicyChoice = None,
         key_getter: KeyGetter | None = None,
+        max_bytes: int = DEFAULT_MAX_POLICY_BYTES,
     ) -> DictRoutingPolicy:
         """Build from environment variable `env_var`, parsed by `loader` (JSON by default).
 
         KeyError if the variable is not set; TypeError if the parsed data is not a
-        mapping; PolicyError if the default JSON loader cannot parse it.
+        mapping; PolicyError if the value is longer than `max_bytes`, holds bytes that are
+        not UTF-8, or the default JSON loader cannot parse it.
         """
+        limit = _check_max_bytes(max_bytes)
         raw = os.environ.get(env_var)
         if raw is None:
             raise KeyError(env_var)
-        source = f"environment variable {env_var!r}"
-        data: object = _decode(raw, source) if loader is None else loader(raw)
+        source = f"environment variable {preview(env_var)}"
+        if loader is None:
+            data: object = _decode(raw, source, limit)
+        else:
+            if len(raw) > limit:
+                raise PolicyError(f"{source} is longer than max_bytes={limit}")
+            if has_surrogates(raw):
+                raise PolicyError(f"{source} is not valid UTF-8 text")
+            data = loader(raw)
         return cls(_as_mapping(data, source), default=default, key_getter=key_getter)
 
     @property
@@ -208,10 +288,10 @@ class PolicyDecisions:
 
     def __init__(self, policy: RoutingPolicy, fallback: DecisionService) -> None:
         if not callable(getattr(policy, "select", None)):
-            raise ConfigurationError(f"policy must have a select() method, got {policy!r:.80}")
+            raise ConfigurationError(f"policy must have a select() method, got {preview(policy)}")
         if not callable(getattr(fallback, "decide", None)):
             raise ConfigurationError(
-                f"fallback must be a DecisionService, got {fallback!r:.80}"
+                f"fallback must be a DecisionService, got {preview(fallback)}"
             )
         self._policy = policy
         self._fallback = fallback
@@ -222,7 +302,7 @@ class PolicyDecisions:
         choice = await selected if inspect.isawaitable(selected) else selected
         if choice is not None and not isinstance(choice, str):
             raise PolicyError(
-                f"policy returned {type(choice).__name__} {choice!r:.80}; "
+                f"policy returned {type(choice).__name__} {preview(choice)}; "
                 "expected a route name, 'clarify' or None"
             )
         if not choice:

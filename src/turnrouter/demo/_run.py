@@ -103,6 +103,10 @@ class _Topics:
     interrupted: Topic[Interrupted] = Topic("turnrouter.demo.interrupted", Interrupted)
 
 
+#: Exchanges each demo participant's history keeps (sessions run 3 to 10 turns).
+DEMO_HISTORY_EXCHANGES = 8
+
+
 class _Crowd:
     """Participants joining, talking, interrupting and leaving through the topics."""
 
@@ -211,7 +215,10 @@ async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoRepor
         default_destination=DEFAULT_ROUTE, telemetry=telemetry,
         query_topic=_Topics.query, output_topic=_Topics.output,
         participant_joined_topic=_Topics.joined, participant_left_topic=_Topics.left,
-        interrupted_topic=_Topics.interrupted, **ack,
+        interrupted_topic=_Topics.interrupted,
+        # A short memory, as voice sessions keep: longer sessions overflow it now and
+        # then, so the overflow panel and counter have real data.
+        max_history_exchanges=DEMO_HISTORY_EXCHANGES, **ack,
     )
     for agent in agents.values():
         agent.router, agent.spawn = router, runtime.start_soon

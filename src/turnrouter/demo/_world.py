@@ -149,14 +149,19 @@ class SimulatedAgent:
         self._eligible = eligible
         self._bookings: dict[str, int] = {}  # participant -> follow-ups left
         self.latency = LATENCIES[name]
+        #: The two aids this agent ever returns (built once: they are immutable).
+        self._aids = {
+            True: RoutingAid(name, self.description),
+            False: RoutingAid(name, self.description, eligible=False,
+                              eligibility="unavailable"),
+        }
         #: Set by the demo: where background work runs and which router gets its result.
         self.spawn: Callable[..., None] | None = None
         self.router: AgentRouter | None = None
 
     def routing_aid(self, participant_id: str) -> RoutingAid:
         eligible = True if self._eligible is None else self._eligible(participant_id)
-        return RoutingAid(self.name, self.description, eligible=eligible,
-                          eligibility="available" if eligible else "unavailable")
+        return self._aids[eligible]
 
     def _domain(self, turn: AgentTurn) -> tuple[str, str]:
         return self._truth.get(turn.query, ("oos", "oos"))

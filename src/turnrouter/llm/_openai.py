@@ -7,6 +7,13 @@ request per slow turn. `http.client` runs in an anyio worker thread
 at once and shuts the socket down so the thread ends too. No connection pooling: a new
 connection per call (TLS included) - fine at acknowledgment rates; put a local gateway
 in front for very high rates.
+
+Bounds (see docs/limits.md): the reply body is read in chunks up to `max_reply_bytes`
+(1 MiB by default; a bigger or endless reply raises `LLMError` and is counted in
+`oversized_replies`), and decoding, JSON parsing and reasoning-tag stripping all run in
+the worker thread, inside the timeout, so a big reply never blocks the event loop.
+Exceptions never carry credentials (URLs are shown redacted, echoed headers masked) nor
+the prompt (a server body that echoes the request is withheld).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import math
 import os
 import re
@@ -28,15 +36,26 @@ import anyio
 import anyio.to_thread
 
 from .._exceptions import ConfigurationError
+from .._redact import preview, redact_text, redact_url, strip_surrogates
 from ._errors import LLMError
 
-__all__ = ["MODEL_ENV_VARS", "OpenAIChatClient"]
+__all__ = ["DEFAULT_MAX_REPLY_BYTES", "MODEL_ENV_VARS", "OpenAIChatClient"]
+
+logger = logging.getLogger("turnrouter.llm")
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 #: Environment variables naming the model, first set wins.
 MODEL_ENV_VARS = ("TURNROUTER_LLM_MODEL", "OPENAI_MODEL")
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+#: Default cap on a reply body (bytes); past it the call raises LLMError.
+DEFAULT_MAX_REPLY_BYTES = 1 << 20
+_THINK_OPEN = re.compile(r"<think>", re.IGNORECASE)
+_THINK_CLOSE = re.compile(r"</think>", re.IGNORECASE)
 _BODY_PREVIEW = 500
+_READ_CHUNK = 64 * 1024
+# A body sharing an aligned window of this many characters with the prompt is withheld
+# from errors (the server echoed the request, user text included).
+_ECHO_WINDOW = 12
+_WITHHELD = "[body withheld: it echoes the request]"
 
 
 class _Call:
@@ -76,8 +95,11 @@ class OpenAIChatClient:
     - `max_tokens` is required per call and capped at `max_tokens_limit`; the field name
       is `max_tokens_field` ("max_tokens", or "max_completion_tokens" for providers that
       want it).
-    - `timeout_secs` bounds the whole call (connect, send, reply).
-    Failures raise `turnrouter.llm.LLMError` naming the URL, HTTP status and body.
+    - `timeout_secs` bounds the whole call (connect, send, reply, parsing).
+    - `max_reply_bytes` caps the reply body (default 1 MiB); a longer or endless reply
+      raises LLMError and adds one to `oversized_replies`.
+    Failures raise `turnrouter.llm.LLMError` naming the (redacted) URL, HTTP status and
+    the start of the body, with credentials masked and request echoes withheld.
     """
 
     def __init__(
@@ -86,6 +108,7 @@ class OpenAIChatClient:
         temperature: float | None = 0.7, reasoning_effort: str = "low",
         max_tokens_field: str = "max_tokens", extra_body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     ) -> None:
         model = model or next((os.environ[v] for v in MODEL_ENV_VARS if os.environ.get(v)), None)
         if not model:
@@ -93,36 +116,59 @@ class OpenAIChatClient:
                 "OpenAIChatClient needs a model: pass model=... or set "
                 + " or ".join(f"${v}" for v in MODEL_ENV_VARS))
         base = base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
-        parts = urllib.parse.urlsplit(base)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urllib.parse.urlsplit(base)
+            valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+            parts.port  # noqa: B018 - raises ValueError for a port outside 0-65535
+        except ValueError:
+            valid = False
+        if not valid or any(ch.isspace() or not ch.isprintable() for ch in base):
             raise ConfigurationError(
-                f"OpenAIChatClient base_url must be an http(s) URL, got {base!r}")
-        if not (math.isfinite(timeout_secs) and timeout_secs > 0):
-            raise ConfigurationError(
-                f"OpenAIChatClient timeout_secs must be finite and positive, got {timeout_secs!r}")
-        if max_tokens_limit < 1:
+                f"OpenAIChatClient base_url must be an http(s) URL, got {redact_url(base)!r}")
+        if (not isinstance(timeout_secs, int | float) or isinstance(timeout_secs, bool)
+                or not (math.isfinite(timeout_secs) and timeout_secs > 0)):
+            raise ConfigurationError("OpenAIChatClient timeout_secs must be finite and "
+                                     f"positive, got {preview(timeout_secs)}")
+        if (not isinstance(max_tokens_limit, int) or isinstance(max_tokens_limit, bool)
+                or max_tokens_limit < 1):
             raise ConfigurationError("OpenAIChatClient max_tokens_limit must be >= 1")
+        if (not isinstance(max_reply_bytes, int) or isinstance(max_reply_bytes, bool)
+                or max_reply_bytes < 1):
+            raise ConfigurationError("OpenAIChatClient max_reply_bytes must be an int >= 1, "
+                                     f"got {preview(max_reply_bytes)}")
         self.model = model
         self.base_url = base.rstrip("/")
         self.url = self.base_url + "/chat/completions"
+        self._shown_url = redact_url(self.url)
         self._parts = urllib.parse.urlsplit(self.url)
         self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.timeout_secs = timeout_secs
         self.max_tokens_limit = max_tokens_limit
+        self.max_reply_bytes = max_reply_bytes
         self.temperature = temperature
         self.reasoning_effort = reasoning_effort
         self.max_tokens_field = max_tokens_field
         self._extra = dict(extra_body or {})
         self._headers = dict(headers or {})
+        secrets = [value for value in self._headers.values() if isinstance(value, str)]
+        userinfo = self._parts.password
+        self._secrets = tuple(s for s in (self._api_key, userinfo, *secrets) if s)
+        self._count_lock = threading.Lock()
+        self._oversized = 0
 
     def __repr__(self) -> str:
-        return f"OpenAIChatClient(model={self.model!r}, base_url={self.base_url!r})"
+        return f"OpenAIChatClient(model={self.model!r}, base_url={redact_url(self.base_url)!r})"
+
+    @property
+    def oversized_replies(self) -> int:
+        """How many replies were cut off at `max_reply_bytes` (each raised LLMError)."""
+        return self._oversized
 
     def request_body(self, prompt: str, *, max_tokens: int, reasoning: bool = False
                      ) -> dict[str, Any]:
         """The JSON body `complete()` sends (exposed for inspection and tests)."""
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ConfigurationError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+            raise ConfigurationError(f"max_tokens must be an int >= 1, got {preview(max_tokens)}")
         body: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": "user", "content": prompt}],
@@ -137,26 +183,43 @@ class OpenAIChatClient:
         return body
 
     async def complete(self, prompt: str, *, max_tokens: int, reasoning: bool = False) -> str:
-        """The assistant message text of one chat completion."""
-        payload = json.dumps(self.request_body(prompt, max_tokens=max_tokens,
-                                               reasoning=reasoning)).encode()
+        """The assistant message text of one chat completion.
+
+        Everything proportional to the prompt or reply size (JSON encoding, reading,
+        decoding, parsing) runs in the worker thread under `timeout_secs`.
+        """
+        if not isinstance(prompt, str):
+            raise ConfigurationError(f"prompt must be a str, got {type(prompt).__name__}")
+        body = self.request_body(prompt, max_tokens=max_tokens, reasoning=reasoning)
         call = _Call()
+        text = ""
         with anyio.move_on_after(self.timeout_secs) as scope:
             try:
-                status, raw = await anyio.to_thread.run_sync(
-                    self._post, payload, call, abandon_on_cancel=True)
+                text = await anyio.to_thread.run_sync(
+                    self._exchange, body, prompt, call, abandon_on_cancel=True)
             except BaseException:
                 call.abort()
                 raise
         if scope.cancelled_caught:
             call.abort()
-            raise LLMError(f"chat completion at {self.url} timed out after "
+            raise LLMError(f"chat completion at {self._shown_url} timed out after "
                            f"{self.timeout_secs}s")
+        return text
+
+    def _exchange(self, body: dict[str, Any], prompt: str, call: _Call) -> str:
+        """Worker thread: encode, post, read (capped), decode and parse one completion."""
+        try:
+            payload = json.dumps(body).encode()
+        except (TypeError, ValueError, RecursionError) as exc:  # extra_body not JSON-able
+            raise LLMError(f"chat completion request for {self._shown_url} is not "
+                           f"JSON-serialisable: {type(exc).__name__}") from exc
+        status, raw = self._post(payload, call)
         text = raw.decode("utf-8", "replace")
         if not 200 <= status < 300:
-            raise LLMError(f"chat completion at {self.url} returned HTTP {status}: "
-                           f"{text[:_BODY_PREVIEW]}", status=status, body=text[:_BODY_PREVIEW])
-        return _content(text, self.url, status)
+            shown = self._preview(text, prompt)
+            raise LLMError(f"chat completion at {self._shown_url} returned HTTP {status}: "
+                           f"{shown}", status=status, body=shown)
+        return self._content(text, status, prompt)
 
     def _post(self, payload: bytes, call: _Call) -> tuple[int, bytes]:
         parts = self._parts
@@ -175,31 +238,117 @@ class OpenAIChatClient:
                    "User-Agent": "turnrouter", **self._headers}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
+        response: http.client.HTTPResponse | None = None
         try:
             call.attach(conn)
             conn.request("POST", path, body=payload, headers=headers)
             response = conn.getresponse()
-            return response.status, response.read()
+            return response.status, self._read(response)
         except LLMError:
             raise
-        except (OSError, http.client.HTTPException) as exc:
-            raise LLMError(f"chat completion at {self.url} failed: {exc!r}") from exc
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            # ValueError: an invalid header value or URL character, rejected by http.client.
+            detail = redact_text(f"{type(exc).__name__}: {exc}"[:200], self._secrets)
+            raise LLMError(f"chat completion at {self._shown_url} failed: {detail}") from exc
         finally:
+            # Close the response too: its file object keeps the socket open (a cut-off
+            # reply would otherwise stay connected while the error is referenced).
+            if response is not None:
+                response.close()
             conn.close()
 
+    def _read(self, response: http.client.HTTPResponse) -> bytes:
+        """The body, at most `max_reply_bytes`; an announced or actual overflow raises."""
+        cap = self.max_reply_bytes
+        if response.length is not None and response.length > cap:
+            self._overflow(response.status, f"announces {response.length} bytes")
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            chunk = response.read(min(_READ_CHUNK, cap + 1 - total))
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > cap:
+                self._overflow(response.status, "is longer")
 
-def _content(text: str, url: str, status: int) -> str:
-    try:
-        data = json.loads(text)
-        message = data["choices"][0]["message"]
-        content = message.get("content")
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        raise LLMError(f"chat completion at {url} returned an unreadable reply (HTTP "
-                       f"{status}): {text[:_BODY_PREVIEW]}", status=status,
-                       body=text[:_BODY_PREVIEW]) from None
-    if isinstance(content, list):  # content parts
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    if not isinstance(content, str):
-        raise LLMError(f"chat completion at {url} returned no text content (HTTP {status}): "
-                       f"{text[:_BODY_PREVIEW]}", status=status, body=text[:_BODY_PREVIEW])
-    return _THINK.sub("", content).strip()
+    def _overflow(self, status: int, how: str) -> None:
+        with self._count_lock:
+            self._oversized += 1
+        message = (f"chat completion at {self._shown_url} (HTTP {status}): the reply {how} "
+                   f"than max_reply_bytes={self.max_reply_bytes}")
+        logger.warning("turnrouter: %s; cut off", message)
+        raise LLMError(message, status=status)
+
+    def _preview(self, text: str, prompt: str) -> str:
+        """The start of a body for an error: credentials masked, request echoes withheld."""
+        head = redact_text(text[:2 * _BODY_PREVIEW], self._secrets)[:_BODY_PREVIEW]
+        return _WITHHELD if _echoes(head, prompt) else head
+
+    def _content(self, text: str, status: int, prompt: str) -> str:
+        problem = ""
+        content: object = None
+        try:
+            data = json.loads(text)
+            message = data["choices"][0]["message"]
+            content = message.get("content")
+        except RecursionError:
+            problem = "a reply nested too deeply"
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            problem = "an unreadable reply"
+        if not problem:
+            if isinstance(content, list):  # content parts
+                content = "".join(part["text"] for part in content
+                                  if isinstance(part, dict) and isinstance(part.get("text"), str))
+            if not isinstance(content, str):
+                problem = "no text content"
+        if problem:
+            shown = self._preview(text, prompt)
+            raise LLMError(f"chat completion at {self._shown_url} returned {problem} (HTTP "
+                           f"{status}): {shown}", status=status, body=shown)
+        assert isinstance(content, str)
+        return strip_reasoning(strip_surrogates(content)).strip()
+
+
+def strip_reasoning(text: str) -> str:
+    """`text` without `<think>...</think>` blocks (any case), in one linear scan.
+
+    Same result as removing the regex `<think>.*?</think>` (leftmost, shortest): an
+    opening tag without a closing one is kept as text. A regex doing this rescans the
+    rest of the reply for every unclosed opening tag (quadratic); this scan stops at the
+    first opening tag that has no closing tag after it.
+    """
+    pieces: list[str] = []
+    position = 0
+    while True:
+        opening = _THINK_OPEN.search(text, position)
+        if opening is None:
+            break
+        closing = _THINK_CLOSE.search(text, opening.end())
+        if closing is None:
+            break
+        pieces.append(text[position:opening.start()])
+        position = closing.end()
+    if not pieces:
+        return text[position:]
+    pieces.append(text[position:])
+    return "".join(pieces)
+
+
+def _echoes(body: str, prompt: str) -> bool:
+    """Whether `body` repeats any run of about 2 x `_ECHO_WINDOW` prompt characters.
+
+    Checks aligned windows of the body against the prompt as sent (raw and JSON-escaped),
+    so an echo of the user's text is caught even when the server truncated it.
+    """
+    if not prompt or not body:
+        return False
+    variants = {prompt, json.dumps(prompt)[1:-1], json.dumps(prompt, ensure_ascii=False)[1:-1]}
+    step = _ECHO_WINDOW // 2
+    windows = {body[i:i + _ECHO_WINDOW] for i in range(0, max(1, len(body) - step), step)}
+    if len(prompt) < _ECHO_WINDOW:  # a short prompt: withhold on a whole occurrence
+        return len(prompt) >= _ECHO_WINDOW // 2 and any(v in body for v in variants)
+    return any(len(window) == _ECHO_WINDOW and window in variant
+               for window in windows for variant in variants)
+

@@ -7,6 +7,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 
 from .._acknowledgment import PROMPT_DESCRIPTION, PROMPT_QUERY, PROMPT_ROUTE, AcknowledgmentRequest
+from .._redact import strip_surrogates
 
 __all__ = ["DEFAULT_PHRASES", "GENERIC_PHRASES", "TemplateAcknowledger"]
 
@@ -31,20 +32,74 @@ _GENERIC_ROUTES = frozenset({
     "fallback", "other",
 })
 _PERSONAL = re.compile(r"\b(your|user'?s?|my|personal|own)\b", re.IGNORECASE)
+_WORD_TAIL = re.compile(r"[\w']+$")
+_WORD = re.compile(r"[\w']+")
+# How far before a topic word to look for "your"/"user's" (two short words fit).
+_LOOKBEHIND = 64
+#: Only the start of a route name becomes the spoken topic.
+TOPIC_NAME_CHARS = 128
+#: Only the start of a route description is searched for "your <topic>".
+DESCRIPTION_SCAN_CHARS = 1024
+#: Routes remembered to avoid repeating a phrase (longer names are not remembered).
+_REMEMBERED_ROUTES = 1024
+_REMEMBERED_NAME_CHARS = 256
+
+
+def _occurrences(text: str, word: str) -> list[int]:
+    """Start indexes of case-insensitive occurrences of `word` in `text`, left to right,
+    not overlapping (like `re.finditer`), without compiling `word` as a pattern."""
+    folded, key = text.lower(), word.lower()
+    if len(folded) != len(text) or len(key) != len(word):  # lower() changed a length
+        return [m.start() for m in re.finditer(re.escape(word), text, re.IGNORECASE)]
+    starts: list[int] = []
+    index = folded.find(key)
+    while index >= 0:
+        starts.append(index)
+        index = folded.find(key, index + len(key))
+    return starts
+
+
+def _personal_before(description: str, first: str) -> bool:
+    """Whether one of the (up to) two words right before `first` is personal.
+
+    One linear pass over `description`: each case-insensitive occurrence of `first` looks
+    back at most `_LOOKBEHIND` characters ("the user's calendar" -> True). A regex with a
+    repeated word group before the topic word would rescan long words (quadratic).
+    """
+    description = description[:DESCRIPTION_SCAN_CHARS]
+    if not first or len(first) > len(description):
+        return False
+    for start in _occurrences(description, first):
+        head = description[max(0, start - _LOOKBEHIND):start]
+        if not head or not head[-1].isspace():
+            continue
+        tokens = head.split()[-2:]
+        if not tokens:
+            continue
+        last = _WORD_TAIL.search(tokens[-1])
+        if last is None:
+            continue
+        if _PERSONAL.fullmatch(last.group(0)):
+            return True
+        if len(tokens) == 2 and _WORD.fullmatch(tokens[-1]):
+            before = _WORD_TAIL.search(tokens[0])
+            if before is not None and _PERSONAL.fullmatch(before.group(0)):
+                return True
+    return False
 
 
 def spoken_topic(name: str, description: str = "") -> str:
-    """A route's topic as spoken: 'calendar' + "the user's calendar" -> 'your calendar'."""
-    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name)
+    """A route's topic as spoken: 'calendar' + "the user's calendar" -> 'your calendar'.
+
+    Only the first `TOPIC_NAME_CHARS` characters of the name are spoken.
+    """
+    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name[:TOPIC_NAME_CHARS])
     words = re.sub(r"[_\-.]+", " ", words).strip().lower()
     if not words:
         return "that"
     # "Your" when the description ties the topic to the user ("your calendar").
-    first = words.split()[0]
-    for match in re.finditer(rf"((?:[\w']+\s+){{1,2}}){re.escape(first)}", description,
-                             re.IGNORECASE):
-        if any(_PERSONAL.fullmatch(word) for word in match.group(1).split()):
-            return "your " + words
+    if _personal_before(description, words.split()[0]):
+        return "your " + words
     if words.startswith("my "):
         return "your " + words.removeprefix("my ")
     return "the " + words
@@ -84,10 +139,11 @@ class TemplateAcknowledger:
         """The acknowledgment for `route`; `key` (e.g. a turn id) varies the choice."""
         generic = route.lower() in self._generic_routes and route not in self._topics
         choices = self._generic if generic else self._phrases
-        index = zlib.crc32(f"{route}\x00{key}".encode()) % len(choices)
+        index = zlib.crc32(f"{route}\x00{key}".encode("utf-8", "surrogatepass")) % len(choices)
         if len(choices) > 1 and self._last.get(route) == index:
             index = (index + 1) % len(choices)
-        if len(self._last) < 1024 or route in self._last:
+        if len(route) <= _REMEMBERED_NAME_CHARS and (
+                len(self._last) < _REMEMBERED_ROUTES or route in self._last):
             self._last[route] = index
         if generic:
             return choices[index]
@@ -102,6 +158,7 @@ class TemplateAcknowledger:
     async def complete(self, prompt: str, *, max_tokens: int, reasoning: bool = False) -> str:
         """Parse `Helper:` / `Helper description:` lines of an acknowledgment prompt."""
         route = description = query = ""
+        prompt = strip_surrogates(prompt)  # the phrase may quote the route: keep it text
         for line in prompt.splitlines():
             if line.startswith(PROMPT_ROUTE):
                 route = line[len(PROMPT_ROUTE):].strip()

@@ -325,6 +325,13 @@ def overview() -> dict[str, Any]:
                       f"{_sel('turnrouter_runtime_rejected_messages_total', JOB)}[{RATE}]))",
                       "{{topic}} {{reason}}")),
             unit="ops"),
+        _timeseries(
+            "Limit overflows", "Bounds that overflowed per second, by limit (something was "
+            "dropped or refused; see docs/limits.md).",
+            _targets((f"sum by (limit) (rate("
+                      f"{_sel('turnrouter_limit_overflows_total', JOB)}[{RATE}]))",
+                      "{{limit}}")),
+            unit="ops"),
     ]
     return _dashboard(
         "turnrouter-overview", "turnrouter overview",

@@ -3,14 +3,22 @@
 Every message carries a publication id, its originating time and, optionally, W3C trace
 context (`traceparent` / `tracestate`), so a turn published by an upstream speech
 recogniser continues that trace through the router.
+
+Text fields reject lone surrogate code points (not valid text: the exchange could not be
+stored as UTF-8 later) and `timestamp_us` is bounded like `AgentTurn.timestamp_us`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+import weakref
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .._contracts import MAX_TIMESTAMP_US
+from .._redact import has_surrogates
 
 __all__ = [
     "Interrupted",
@@ -30,18 +38,37 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
+#: Messages known valid: built by their validating constructor or returned by
+#: `Topic.coerce`. Frozen models compare by value, so an instance equal to a valid one is
+#: valid too; `model_construct()` and `model_copy(update=...)` instances are not in it
+#: (unless equal to a valid message), so `Topic.coerce` validates them.
+VALIDATED: weakref.WeakSet[BaseModel] = weakref.WeakSet()
+
+
 class RuntimeMessage(BaseModel):
     """Fields every published message carries."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
+    def __init__(self, **data: Any) -> None:
+        super().__init__(**data)
+        VALIDATED.add(self)  # validated just now: delivery need not validate it again
+
     message_id: str = Field(default_factory=_new_id, min_length=1)
     """Publication identity; a query's becomes its turn id."""
-    timestamp_us: int = Field(default_factory=_now_us, ge=0)
+    timestamp_us: int = Field(default_factory=_now_us, ge=0, le=MAX_TIMESTAMP_US)
     """Originating time in Unix microseconds."""
     traceparent: str | None = None
     """W3C trace context of the publisher, if any."""
     tracestate: str | None = None
+
+    @field_validator("*")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        """Reject text holding a lone surrogate (it cannot be encoded as UTF-8)."""
+        if isinstance(value, str) and has_surrogates(value):
+            raise ValueError("holds a lone surrogate code point, which is not valid text")
+        return value
 
     def trace_carrier(self) -> dict[str, str]:
         """The W3C headers as a propagation carrier."""

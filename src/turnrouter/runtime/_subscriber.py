@@ -9,6 +9,7 @@ import anyio
 
 from .._contracts import AgentTurn
 from .._exceptions import ConfigurationError, ContractTypeError, LifecycleError, TurnInterrupted
+from .._logging import log_failure
 from ._messages import Interrupted, ParticipantJoined, ParticipantLeft, ResponseOutput, UserQuery
 from ._runtime import AgentRuntime, Topic
 
@@ -116,7 +117,7 @@ class RouterSubscriber:
             payload = expected.coerce(message)
         except (TypeError, ValueError) as exc:
             reason = "wrong_type" if isinstance(exc, TypeError) else "invalid"
-            logger.warning("turnrouter: rejected a message on topic %r: %s", topic.name, exc)
+            log_failure("a message on topic %r (rejected)", exc, topic.name, log=logger)
             router.report_rejected(topic.name, reason)
             return
         if role == "query_topic":
@@ -136,16 +137,18 @@ class RouterSubscriber:
     async def _guard(self, what: str, fn: Any, *args: Any) -> None:
         try:
             await fn(*args)
-        except Exception:
-            logger.exception("turnrouter: runtime %s%r failed", what, args)
+        except Exception as exc:
+            log_failure("runtime %s%r", exc, what, args, log=logger)
 
     async def _run_query(self, query: UserQuery, runtime: AgentRuntime) -> None:
         router = self._router
         pid = query.participant_id
         turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
         emit = self._emitter(runtime)
+        reports = router.reports_status
         with router.continue_trace(query.trace_carrier()):
-            await router.report_status("processing", pid)
+            if reports:
+                await router.report_status("processing", pid)
             try:
                 await router.route_turn(turn, output=emit)
             except TurnInterrupted:
@@ -153,8 +156,9 @@ class RouterSubscriber:
             except LifecycleError as exc:
                 logger.warning("turnrouter: dropped query %s: %s", query.message_id, exc)
                 router.report_rejected(self._topics["query_topic"].name, "closed")
-            except Exception:
-                logger.exception("turnrouter: runtime turn %s of %s failed", turn.turn_id, pid)
+            except Exception as exc:
+                log_failure("runtime turn %s of %s", exc, turn.turn_id, pid, log=logger)
             finally:
-                with anyio.CancelScope(shield=True):  # idle even when cancelled
-                    await router.report_status("idle", pid)
+                if reports:
+                    with anyio.CancelScope(shield=True):  # idle even when cancelled
+                        await router.report_status("idle", pid)

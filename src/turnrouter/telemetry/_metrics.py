@@ -132,6 +132,13 @@ METRICS: tuple[MetricSpec, ...] = (
         ("topic", "reason"),
     ),
     MetricSpec(
+        "turnrouter_limit_overflows_total", "counter",
+        "Bounds that overflowed (something dropped or refused), by limit: history_exchanges, "
+        "seeded_history, waiting_turns, participants, departed_participants, patch_bytes, "
+        "release_timeout.",
+        ("limit",),
+    ),
+    MetricSpec(
         "turnrouter_active_participants", "gauge",
         "Participants the router currently holds state for.",
     ),

@@ -71,6 +71,7 @@ class ATTR:
     DECISION_EXCLUDED = "turnrouter.decision.excluded"
     DECISION_MARGIN = "turnrouter.decision.margin"
     DECISION_SCORES_PREFIX = "turnrouter.decision.scores."
+    DECISION_DROPPED_SCORES = "turnrouter.decision.dropped_scores"
     DECISION_RATIONALE = "turnrouter.decision.rationale"  # content
     DECISION_SOURCE = "turnrouter.decision.source"
     # turnrouter.admission
@@ -90,6 +91,7 @@ class ATTR:
     ACK_TRIGGER = "turnrouter.acknowledgment.trigger"
     ACK_DELAY_SECONDS = "turnrouter.acknowledgment.delay.seconds"
     ACK_PREDICTED_SECONDS = "turnrouter.acknowledgment.predicted_first_response.seconds"
+    ACK_PROBABILITY_LATE = "turnrouter.acknowledgment.probability_late"
     ACK_TEXT = "turnrouter.acknowledgment.text"  # content
     # turnrouter.release
     RELEASE_REASON = "turnrouter.release.reason"

@@ -1,0 +1,259 @@
+"""`AgentRouter`'s constructor arguments, validated once into one settings object.
+
+Every check names the argument it refuses. What the turn path reads (agents, default,
+budget, texts, callbacks, the clock, the timing engine) is resolved here, so the router
+and the turn never re-check it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Literal
+
+from ._acknowledgment import AcknowledgmentPolicy, TimingEngine
+from ._clock import Clock, SystemClock
+from ._contracts import CLARIFY, AgentTurn, DecisionService, RoutableAgent
+from ._exceptions import ConfigurationError, ContractTypeError
+from ._limits import Overflows
+from ._llm import LLMService
+from ._observer import Configured, RouterObserver
+from ._timing import RouteTimingPredictor, TimingPredictor, TimingSink
+
+__all__ = [
+    "CLARIFY_ROUTE",
+    "CONVERSATION",
+    "DEFAULT_CLARIFICATION_TEXT",
+    "DEFAULT_CONTEXT_BUDGET_BYTES",
+    "DEFAULT_FAILURE_TEXT",
+    "DEFAULT_MAX_PENDING_PATCHES",
+    "PATCH_ROUTE",
+    "OutputCallback",
+    "ParticipantCallback",
+    "RouterConfig",
+    "StatusCallback",
+    "check_callable",
+]
+
+OutputCallback = Callable[[AgentTurn, str, str], Awaitable[None]]
+StatusCallback = Callable[[Literal["processing", "idle"], str], Awaitable[None]]
+ParticipantCallback = Callable[[str], Awaitable[None]]
+
+DEFAULT_CONTEXT_BUDGET_BYTES = 8192
+DEFAULT_MAX_PENDING_PATCHES = 8
+#: Route name passed to `output` for the router's questions about human-gated patches.
+PATCH_ROUTE = "background"
+#: Said to a participant whose oldest waiting turn was dropped (`max_waiting_turns`).
+DROPPED_TURN_TEXT = "Sorry, I missed part of what you said. Could you repeat it?"
+#: Route name passed to `output` for the router's own clarification questions.
+CLARIFY_ROUTE = CLARIFY
+DEFAULT_CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it another way?"
+DEFAULT_FAILURE_TEXT = "Sorry, something went wrong. Please try again."
+
+
+class _DefaultRoute(str):
+    """The default `default_destination`, recognisable by identity.
+
+    A router whose destinations have no "conversation" route and that was not given a
+    default explicitly simply has no default available (the contract's "clarification
+    is also used when the configured default is unavailable"); naming an unknown
+    default explicitly is a configuration error.
+    """
+
+    __slots__ = ()
+
+
+CONVERSATION: str = _DefaultRoute("conversation")
+
+
+def check_callable(name: str, value: object, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not callable(value):
+        raise ContractTypeError(f"AgentRouter {name} must be callable, got {type(value).__name__}")
+
+
+def _check_positive(name: str, value: object, *, integer: bool = False) -> None:
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    if not isinstance(value, int | float) or not isinstance(value, kinds) or isinstance(
+        value, bool
+    ):
+        kind = "an int" if integer else "a number"
+        raise ContractTypeError(f"AgentRouter {name} must be {kind}, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigurationError(f"AgentRouter {name} must be finite and positive, got {value!r}")
+
+
+def _agents(destinations: object) -> dict[str, RoutableAgent]:
+    if not isinstance(destinations, Mapping):
+        raise ContractTypeError(
+            f"AgentRouter destinations must be a mapping of route name to agent, "
+            f"got {type(destinations).__name__}"
+        )
+    if not destinations:
+        raise ConfigurationError("AgentRouter destinations must not be empty")
+    agents: dict[str, RoutableAgent] = {}
+    for name, agent in destinations.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(
+                f"AgentRouter destination names must be non-empty str, got {name!r}"
+            )
+        for method in ("routing_aid", "admit", "answer", "release"):
+            if not callable(getattr(agent, method, None)):
+                raise ContractTypeError(
+                    f"AgentRouter destination {name!r} has no {method}() method: "
+                    "it is not a RoutableAgent"
+                )
+        agents[name] = agent
+    return agents
+
+
+class RouterConfig:
+    """The router's validated settings (read-only after construction)."""
+
+    __slots__ = (
+        "admission_timeout", "agents", "budget", "clarification_text", "cleanup", "clock",
+        "decisions", "default", "failure_text", "initialize", "max_departed_participants",
+        "max_history_exchanges", "max_participants", "max_patch_bytes", "max_pending",
+        "max_waiting_turns",
+        "observer", "output", "overflows", "release_timeout", "routes", "runtime_topics",
+        "set_status", "timed", "timing_sink",
+    )
+
+    def __init__(
+        self,
+        destinations: Mapping[str, RoutableAgent],
+        decisions: DecisionService,
+        *,
+        output: OutputCallback | None,
+        default_destination: str,
+        context_budget_bytes: int,
+        acknowledgment_llm: LLMService | None,
+        acknowledgment_delay_secs: float | None,
+        topics: dict[str, Any],
+        initialize_participant: ParticipantCallback | None,
+        cleanup_participant: ParticipantCallback | None,
+        set_status: StatusCallback | None,
+        admission_timeout_secs: float | None,
+        telemetry: RouterObserver | None,
+        clarification_text: str,
+        failure_text: str,
+        acknowledgment_policy: AcknowledgmentPolicy | None,
+        timing_predictor: TimingPredictor | None,
+        timing_sink: TimingSink | None,
+        clock: Clock | None,
+        max_pending_patches: int,
+        limits: Mapping[str, float | int],
+    ) -> None:
+        agents = _agents(destinations)
+        if not callable(getattr(decisions, "decide", None)):
+            raise ContractTypeError(
+                f"AgentRouter decisions must have an async decide(request) method, "
+                f"got {type(decisions).__name__}"
+            )
+        if not isinstance(default_destination, str):
+            raise ContractTypeError("AgentRouter default_destination must be a str")
+        if default_destination not in agents and default_destination is not CONVERSATION:
+            raise ConfigurationError(
+                f"AgentRouter default_destination {default_destination!r} is not a registered "
+                f"destination (registered: {sorted(agents)})"
+            )
+        _check_positive("context_budget_bytes", context_budget_bytes, integer=True)
+        _check_positive("max_pending_patches", max_pending_patches, integer=True)
+        for limit, bound in limits.items():
+            _check_positive(limit, bound, integer=limit != "release_timeout_secs")
+        if (acknowledgment_llm is None) != (acknowledgment_delay_secs is None):
+            raise ConfigurationError(
+                "AgentRouter acknowledgment_llm and acknowledgment_delay_secs must be "
+                "supplied together"
+            )
+        if acknowledgment_delay_secs is not None:
+            _check_positive("acknowledgment_delay_secs", acknowledgment_delay_secs)
+            if not callable(getattr(acknowledgment_llm, "complete", None)):
+                raise ContractTypeError(
+                    "AgentRouter acknowledgment_llm must have an async complete() method"
+                )
+        if admission_timeout_secs is not None:
+            _check_positive("admission_timeout_secs", admission_timeout_secs)
+        check_callable("output", output)
+        check_callable("initialize_participant", initialize_participant)
+        check_callable("cleanup_participant", cleanup_participant)
+        check_callable("set_status", set_status)
+        for name, text in (("clarification_text", clarification_text),
+                           ("failure_text", failure_text)):
+            if not isinstance(text, str) or not text:
+                raise ConfigurationError(f"AgentRouter {name} must be a non-empty str")
+        self.runtime_topics: dict[str, Any] | None = None
+        if any(topic is not None for topic in topics.values()):
+            # The runtime package validates its own topics (the contract's ValueError /
+            # TypeError); plain handle() use never imports it.
+            runtime = importlib.import_module("turnrouter.runtime")
+            self.runtime_topics = runtime.validate_topics(topics)
+        if telemetry is None:
+            telemetry = importlib.import_module("turnrouter.telemetry").Telemetry()
+        elif not isinstance(telemetry, RouterObserver):
+            raise ContractTypeError(
+                f"AgentRouter telemetry must be a Telemetry or RouterObserver, "
+                f"got {type(telemetry).__name__}"
+            )
+        if acknowledgment_policy is not None and not isinstance(
+            acknowledgment_policy, AcknowledgmentPolicy
+        ):
+            raise ContractTypeError("AgentRouter acknowledgment_policy must be an "
+                                    "AcknowledgmentPolicy")
+        for name, value, method in (("timing_predictor", timing_predictor, "predict"),
+                                    ("timing_sink", timing_sink, "record"),
+                                    ("clock", clock, "sleep_until")):
+            if value is not None and not callable(getattr(value, method, None)):
+                raise ContractTypeError(
+                    f"AgentRouter {name} has no {method}() method, got {type(value).__name__}")
+
+        self.agents = agents
+        self.routes = tuple(agents)
+        self.decisions = decisions
+        self.output = output
+        #: None when the implicit "conversation" default is not registered: unavailable.
+        self.default: str | None = (
+            str(default_destination) if default_destination in agents else None)
+        self.budget = context_budget_bytes
+        self.initialize = initialize_participant
+        self.cleanup = cleanup_participant
+        self.set_status = set_status
+        self.admission_timeout = admission_timeout_secs
+        self.observer: RouterObserver = telemetry
+        self.clarification_text = clarification_text
+        self.failure_text = failure_text
+        self.max_pending = max_pending_patches
+        self.max_history_exchanges = int(limits["max_history_exchanges"])
+        self.max_waiting_turns = int(limits["max_waiting_turns"])
+        self.max_departed_participants = int(limits["max_departed_participants"])
+        self.max_participants = int(limits["max_participants"])
+        self.max_patch_bytes = int(limits["max_patch_bytes"])
+        self.release_timeout = float(limits["release_timeout_secs"])
+        self.overflows = Overflows(telemetry)
+        self.timing_sink = timing_sink
+        self.clock: Callable[[], float] = time.perf_counter if clock is None else clock.now
+        self.timed: TimingEngine | None = None
+        if acknowledgment_llm is not None or timing_predictor is not None or (
+            timing_sink is not None
+        ):
+            if timing_predictor is None and acknowledgment_llm is not None:
+                timing_predictor = RouteTimingPredictor(delay_secs=acknowledgment_delay_secs)
+            self.timed = TimingEngine(
+                llm=acknowledgment_llm, delay=acknowledgment_delay_secs,
+                policy=acknowledgment_policy or AcknowledgmentPolicy(),
+                predictor=timing_predictor, sink=timing_sink, clock=clock or SystemClock(),
+                observer=telemetry, agents=agents,
+            )
+            self.clock = self.timed.clock.now
+        telemetry.configured(Configured(self.routes, acknowledgment_delay_secs))
+        if self.timed is not None:
+            self.timed.publish_estimates(self.routes)
+
+    @property
+    def joined_topic(self) -> bool:
+        """Whether a participant-joined topic readmits departed participants."""
+        return self.runtime_topics is not None and (
+            "participant_joined_topic" in self.runtime_topics)

@@ -1,0 +1,253 @@
+"""Background results merged into a participant's context: append, replace, human-gated.
+
+The desk holds the human-gated patches awaiting approval, asks the participant about
+them through the control output, and merges approved or ungated patches into the
+participant's history (see `docs/router.md`, "Background context patches").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from ._config import PATCH_ROUTE, OutputCallback, RouterConfig
+from ._contracts import AgentTurn, _exchange
+from ._exceptions import ContractTypeError, ContractValueError, LifecycleError
+from ._history import History, view_items
+from ._logging import log_failure
+from ._observer import ContextPatchEvent, PatchOutcome
+from ._participants import Participant, Registry
+from ._patches import (
+    EMPTY_CONTEXT_HASH,
+    AppliedContextPatch,
+    ContextPatch,
+    ContextState,
+    MergeStrategy,
+    PatchExchangeId,
+    PendingContextPatch,
+    PendingPatchLimitError,
+    UnknownPatchError,
+    context_hash,
+    patch_payload_bytes,
+    patch_size_bytes,
+    patch_user_text,
+)
+
+__all__ = ["PatchDesk"]
+
+logger = logging.getLogger("turnrouter")
+
+
+class PatchDesk:
+    """Applies, holds and settles a router's context patches."""
+
+    __slots__ = ("_cfg", "_registry", "control_output", "pending")
+
+    def __init__(self, cfg: RouterConfig, registry: Registry) -> None:
+        self._cfg, self._registry = cfg, registry
+        #: Every held patch, by id, with the participant state holding it.
+        self.pending: dict[str, Participant] = {}
+        #: Control text outside turns when the constructor had no `output`.
+        self.control_output: OutputCallback | None = None
+
+    def context_state(self, pid: str) -> ContextState:
+        state = self._registry.get(pid)
+        if state is None:
+            return ContextState(0, EMPTY_CONTEXT_HASH)
+        history = state.history
+        return ContextState(history.version, history.context_hash())
+
+    def pending_of(self, pid: str) -> tuple[PendingContextPatch, ...]:
+        state = self._registry.get(pid)
+        if state is None or not state.pending:
+            return ()
+        return tuple(state.pending.values())
+
+    def applied_of(self, pid: str) -> tuple[AppliedContextPatch, ...]:
+        state = self._registry.get(pid)
+        if state is None:
+            return ()
+        return tuple(item.applied for item in state.history.ids
+                     if isinstance(item, PatchExchangeId))
+
+    async def apply(
+        self, pid: str, patch: ContextPatch, strategy: MergeStrategy | str
+    ) -> AppliedContextPatch | PendingContextPatch:
+        if not isinstance(patch, ContextPatch):
+            raise ContractTypeError(
+                f"apply_context_patch() takes a ContextPatch, got {type(patch).__name__}")
+        size, limit = patch_size_bytes(patch), self._cfg.max_patch_bytes
+        if size > limit:
+            self._cfg.overflows.report("patch_bytes", f"context patch {patch.task_id!r} of "
+                                       f"{size} bytes refused")
+            raise ContractValueError(
+                f"context patch {patch.task_id!r} is {size} bytes serialized, over "
+                f"max_patch_bytes ({limit}); keep large payloads elsewhere and reference them")
+        try:
+            strategy = MergeStrategy(strategy)
+        except ValueError:
+            raise ContractValueError(
+                f"apply_context_patch() strategy must be one of "
+                f"{[item.value for item in MergeStrategy]}, got {strategy!r}") from None
+        state, refusal = self._target(pid)
+        if state is None:
+            self._cfg.observer.context_patch(ContextPatchEvent(
+                pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
+            raise LifecycleError(
+                f"context patch {patch.task_id!r} refused for participant "
+                f"{pid!r}: {refusal}")
+        diverged = patch.context_diverged or _diverged(state.history, patch)
+        if diverged and not patch.context_diverged:
+            patch = patch.model_copy(update={"context_diverged": True})
+        patch_id = uuid.uuid4().hex
+        if strategy is not MergeStrategy.HUMAN_GATED:
+            return self._merge(state, patch_id, patch, strategy,
+                               "diverged" if diverged else "applied")
+        pending = state.pending
+        if pending is None:
+            pending = state.pending = {}
+        limit = self._cfg.max_pending
+        if len(pending) >= limit:
+            self._cfg.observer.context_patch(ContextPatchEvent(
+                pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
+            raise PendingPatchLimitError(
+                f"context patch {patch.task_id!r} refused: participant {pid!r} "
+                f"already holds {len(pending)} pending patches (max_pending_patches="
+                f"{limit}); approve or reject some first")
+        held = PendingContextPatch(
+            patch_id=patch_id, participant_id=pid, task_id=patch.task_id,
+            patch=patch, strategy=strategy, created_at=time.time(),
+        )
+        pending[patch_id] = held
+        self.pending[patch_id] = state
+        self._event(state.pid, held, "pending")
+        await self._ask(held)
+        return held
+
+    def approve(self, patch_id: str) -> AppliedContextPatch:
+        state, held = self._take(patch_id, "approve")
+        _, refusal = self._target(state.pid)
+        if refusal or self._registry.get(state.pid) is not state:
+            self._event(state.pid, held, "dropped")
+            raise LifecycleError(
+                f"context patch {patch_id!r} dropped, not approved: "
+                f"{refusal or 'the participant left'}")
+        return self._merge(state, held.patch_id, held.patch, MergeStrategy.HUMAN_GATED,
+                           "approved")
+
+    def reject(self, patch_id: str) -> PendingContextPatch:
+        state, held = self._take(patch_id, "reject")
+        self._event(state.pid, held, "rejected")
+        return held
+
+    def hold(self, state: Participant) -> None:
+        """Index the patches a restored participant holds."""
+        for patch_id in state.pending or ():
+            self.pending[patch_id] = state
+
+    def drop(self, state: Participant, outcome: PatchOutcome | None = "dropped") -> None:
+        """A departure or shutdown drops the participant's held patches (counted).
+
+        `outcome=None`: the patches moved with the participant (nothing reported).
+        """
+        pending = state.pending
+        if not pending:
+            return
+        state.pending = None
+        for held in pending.values():
+            self.pending.pop(held.patch_id, None)
+            if outcome is not None:
+                self._event(state.pid, held, outcome)
+
+    def _target(self, pid: str) -> tuple[Participant | None, str]:
+        """The open participant a patch may reach, or None and why not."""
+        refusal = self._registry.refusal(pid)
+        if refusal:
+            return None, refusal
+        state = self._registry.get(pid)
+        if state is None:
+            return None, ("the router holds no state for this participant (it never had "
+                          "a turn, or it left)")
+        return state, ""
+
+    def _take(self, patch_id: str, verb: str) -> tuple[Participant, PendingContextPatch]:
+        if not isinstance(patch_id, str):
+            raise ContractTypeError(f"patch_id must be a str, got {type(patch_id).__name__}")
+        state = self.pending.pop(patch_id, None)
+        if state is None or state.pending is None or patch_id not in state.pending:
+            raise UnknownPatchError(
+                f"cannot {verb} context patch {patch_id!r}: no such patch is pending (never "
+                "held, already approved or rejected, or dropped when its participant left "
+                "or the router stopped)")
+        return state, state.pending.pop(patch_id)
+
+    def _merge(
+        self, state: Participant, patch_id: str, patch: ContextPatch,
+        strategy: MergeStrategy, outcome: PatchOutcome,
+    ) -> AppliedContextPatch:
+        applied = AppliedContextPatch(
+            patch_id=patch_id, participant_id=state.pid, task_id=patch.task_id,
+            strategy=strategy, diverged=patch.context_diverged, patch=patch,
+            exchange_id=f"patch:{patch.task_id}",
+        )
+        stamp = int(patch.completed_at.timestamp() * 1_000_000)
+        dropped = state.history.add_background(
+            _exchange(patch_user_text(patch.task_id, patch.context_diverged),
+                      "\n".join(patch.digest)),
+            PatchExchangeId(applied), max(stamp, 0), patch_payload_bytes(patch),
+            replace=strategy is MergeStrategy.REPLACE,
+        )
+        if dropped:
+            self._cfg.overflows.report(
+                "history_exchanges", f"{state.pid!r} holds max_history_exchanges exchanges: "
+                "the oldest was dropped")
+        self._cfg.observer.context_patch(ContextPatchEvent(
+            state.pid, patch_id, patch.task_id, strategy.value, outcome,
+            patch.context_diverged))
+        return applied
+
+    def _event(self, pid: str, held: PendingContextPatch, outcome: PatchOutcome) -> None:
+        self._cfg.observer.context_patch(ContextPatchEvent(
+            pid, held.patch_id, held.patch.task_id, held.strategy.value, outcome,
+            held.patch.context_diverged))
+
+    async def _ask(self, held: PendingContextPatch) -> None:
+        """Ask the participant about a held patch through `output` (failures logged)."""
+        output = self._cfg.output or self.control_output
+        if output is None:
+            logger.info("turnrouter: no output callback; context patch %s waits for "
+                        "approval without a question", held.patch_id)
+            return
+        digest = held.patch.digest
+        what = f"A background task finished: {digest[0]}" if digest else (
+            "A background task finished")
+        text = f"{what.rstrip('.')}. Should I add this to our conversation?"
+        turn = AgentTurn(held.participant_id, f"patch:{held.patch_id}", "")
+        try:
+            await output(turn, PATCH_ROUTE, text)
+        except Exception as exc:
+            log_failure("asking about context patch %s", exc, held.patch_id)
+
+
+def _diverged(history: History, patch: ContextPatch) -> bool:
+    """Whether the participant's conversation moved on since the patch's stamp.
+
+    Matches when the stamp equals the context now, or equals the context just before the
+    newest conversation exchange and that exchange is the turn that spawned the task.
+    Fields the patch leaves unset are not compared.
+    """
+    version, digest = patch.source_context_version, patch.source_context_hash
+    if version is None and digest is None:
+        return False
+    if (version is None or version == history.version) and (
+        digest is None or digest == history.context_hash()
+    ):
+        return False
+    spawned = patch.spawned_from_event_id
+    if spawned is None or history.version == 0 or history.last_conversation_id() != spawned:
+        return True
+    return not ((version is None or version == history.version - 1) and (
+        digest is None or digest == context_hash(
+            history.prev_exchanges, [item[0] for item in view_items(history.prev_view)])
+    ))

@@ -1,0 +1,111 @@
+"""Redaction helpers shared by every module that shows a URL, an error body or a value.
+
+Why one module: credentials in a URL (`https://user:secret@host/?api_key=...`), an
+`Authorization` header echoed back in a server's error body, or user text repeated in a
+reply must never reach `repr()`, exceptions, logs or telemetry. Each helper is linear in
+its input and never raises.
+"""
+
+from __future__ import annotations
+
+import re
+import reprlib
+import urllib.parse
+from collections.abc import Iterable
+
+__all__ = [
+    "REDACTED", "has_surrogates", "preview", "redact_text", "redact_url", "strip_surrogates",
+]
+
+#: What replaces a secret.
+REDACTED = "***"
+
+_SECRET_QUERY_KEY = re.compile(
+    r"(?:key|token|secret|passw|pwd|auth|sig|credential|session)", re.IGNORECASE)
+# Header-like "name: value" / "name=value" / JSON "name": "value" pairs that carry
+# credentials. Each alternative is a bounded literal followed by one greedy class run,
+# so the scan is linear.
+_SECRET_PAIR = re.compile(
+    r"""((?:proxy-)?authorization|x-api-key|api[-_]?key|access[-_]?token|"""
+    r"""secret|password|cookie|set-cookie)(["']?\s{0,8}[:=]\s{0,8}["']?)([^"'\r\n,}]*)""",
+    re.IGNORECASE)
+_BEARER = re.compile(r"\b(bearer)(\s{1,8})([A-Za-z0-9._~+/=-]+)", re.IGNORECASE)
+_URL_USERINFO = re.compile(r"([a-z][a-z0-9+.-]{0,20}://)[^/@\s\"']{1,256}@", re.IGNORECASE)
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (or whole user info) and secret-looking query values masked.
+
+    `https://bob:pw@host/v1?api_key=k&x=1` -> `https://bob:***@host/v1?api_key=***&x=1`.
+    A string that does not parse as a URL comes back with any `scheme://user@` part
+    masked, so the helper is safe on arbitrary text.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return _URL_USERINFO.sub(rf"\g<1>{REDACTED}@", url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, has_password, _ = userinfo.partition(":")
+        netloc = f"{user}:{REDACTED}@{hostport}" if has_password else f"{REDACTED}@{hostport}"
+    query = parts.query
+    if query:
+        pairs = []
+        for item in query.split("&"):
+            name, eq, _ = item.partition("=")
+            secret = eq and _SECRET_QUERY_KEY.search(urllib.parse.unquote(name))
+            pairs.append(f"{name}={REDACTED}" if secret else item)
+        query = "&".join(pairs)
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
+    """`text` with known `secrets` (>= 4 characters) and credential-looking pairs masked.
+
+    Masks every exact occurrence of each secret, `Authorization: ...`-style header lines
+    and JSON pairs, `Bearer <token>` and `scheme://user:password@` URL user info.
+    """
+    for secret in secrets:
+        if secret and len(secret) >= 4 and secret in text:
+            text = text.replace(secret, REDACTED)
+    text = _SECRET_PAIR.sub(rf"\g<1>\g<2>{REDACTED}", text)
+    text = _BEARER.sub(rf"\g<1>\g<2>{REDACTED}", text)
+    return _URL_USERINFO.sub(rf"\g<1>{REDACTED}@", text)
+
+
+def strip_surrogates(text: str) -> str:
+    """`text` with lone surrogate code points (not encodable as UTF-8) replaced by U+FFFD."""
+    if text.isascii() or _SURROGATES.search(text) is None:
+        return text
+    return _SURROGATES.sub("\ufffd", text)
+
+
+def has_surrogates(text: str) -> bool:
+    """Whether `text` holds a lone surrogate code point (so it cannot be stored as UTF-8)."""
+    return not text.isascii() and _SURROGATES.search(text) is not None
+
+
+_PREVIEW_CHARS = 120
+_PREVIEW = reprlib.Repr()
+_PREVIEW.maxlevel = 2
+_PREVIEW.maxstring = 60
+_PREVIEW.maxother = 60
+_PREVIEW.maxlong = 40
+for _name in ("maxtuple", "maxlist", "maxarray", "maxdict", "maxset", "maxfrozenset",
+              "maxdeque"):
+    setattr(_PREVIEW, _name, 4)
+
+
+def preview(value: object) -> str:
+    """A short, bounded repr of a configuration value for an error message; never raises.
+
+    Deeply nested or huge containers are abbreviated (`[[[...]]]`), so building the
+    message costs little and cannot hit the recursion limit.
+    """
+    try:
+        shown = _PREVIEW.repr(value)
+    except Exception:  # a broken __repr__ must not replace the real error
+        return f"<{type(value).__name__} object>"
+    return shown if len(shown) <= _PREVIEW_CHARS else shown[:_PREVIEW_CHARS - 3] + "..."

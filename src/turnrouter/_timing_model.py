@@ -1,0 +1,377 @@
+"""The per-route latency model behind `RouteTimingPredictor` (private).
+
+A route is a small library of *regimes* (at most `max_regimes`, 4 by default), each an
+exponentially decayed histogram of first responses on a fixed log-spaced grid plus an
+exponentially weighted reference of its log latency. One regime is current:
+
+- a two-sided CUSUM on the current regime's standardized log latency detects a shift to
+  latencies no known regime explains: a new regime starts from the trailing run of
+  samples that pushed the sum (the least recently used regime is forgotten when the
+  library is full);
+- a forward filter (a hidden Markov model whose states are the known regimes, switching
+  with probability `hazard` per sample) recognises a return to a regime seen before from
+  one or two samples, so a route alternating between two states does not relearn;
+- a regime learns only while current, so a stored regime keeps what it knew.
+
+The trigger is a *backlash* (play operator) on the predictive distribution: the bound
+`bound` is kept between the quantiles at which the shrunken probability of a late answer
+equals `enter` and `exit`. For every delay d, `bound > d` switches on when
+P(late) >= enter and off only when P(late) < exit: hysteresis without knowing d.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+
+_LOW, _HIGH, _BINS = 0.01, 120.0, 96
+_LOG_LOW = math.log(_LOW)
+_STEP = (math.log(_HIGH) - _LOG_LOW) / _BINS
+#: Bin edges: bin i covers [_EDGES[i], _EDGES[i + 1]); values outside are clamped.
+_EDGES = tuple(math.exp(_LOG_LOW + i * _STEP) for i in range(_BINS + 1))
+_RENORMALIZE_ABOVE = 1e150
+
+#: Change detection: CUSUM reference value and clip, in standard deviations of log
+#: latency; uncensored samples before the detector runs; the smallest standard deviation
+#: assumed (log units, about one bin); recent samples kept.
+_CHANGE_SLACK = 1.0
+_CHANGE_CLIP = 3.0
+_CHANGE_WARMUP = 10
+_MIN_SIGMA = 0.1
+_RECENT = 32
+#: Regime recognition: share of a regime's likelihood spread uniformly over the grid (so
+#: no sample is impossible), and the posterior at which the filter switches regimes.
+_FLOOR = 0.01
+_SWITCH_POSTERIOR = 0.75
+#: A sample is learned by the current regime only when the filter is this sure of it;
+#: ambiguous ones wait (at most `_RECENT`) and go to the regime the filter switches to.
+_LEARN_POSTERIOR = 0.9
+#: Effective samples at which the trigger's hysteresis reaches its full width.
+_HYSTERESIS_SAMPLES = 20.0
+#: Mixture parts lighter than this are left out of quantiles.
+_NEGLIGIBLE = 1e-4
+
+
+def _bin(seconds: float) -> int:
+    if seconds <= _LOW:
+        return 0
+    index = int((math.log(seconds) - _LOG_LOW) / _STEP)
+    return index if index < _BINS else _BINS - 1
+
+
+class Histogram:
+    """Exponentially decayed histogram of one regime (fixed size: _BINS doubles)."""
+
+    __slots__ = ("count", "increment", "total", "weights")
+
+    def __init__(self) -> None:
+        self.weights = array("d", bytes(8 * _BINS))
+        self.total = 0.0
+        #: Weight of the next sample; grows by 1/alpha per sample instead of decaying
+        #: every bin (O(1) per sample), renormalized before it overflows.
+        self.increment = 1.0
+        self.count = 0
+
+    def add(self, seconds: float, censored: bool, growth: float) -> None:
+        self.increment *= growth
+        if self.increment > _RENORMALIZE_ABOVE:
+            scale = 1.0 / self.increment
+            for i in range(_BINS):
+                self.weights[i] *= scale
+            self.total *= scale
+            self.increment = 1.0
+        weight = self.increment
+        self.count += 1
+        index = _bin(seconds)
+        if censored:
+            # Redistribute to the right: the true latency is above `seconds`, so share
+            # this weight among the longer latencies seen so far, in proportion.
+            above = sum(self.weights[index + 1:])
+            if above > 0.0:
+                factor = weight / above
+                for i in range(index + 1, _BINS):
+                    self.weights[i] += self.weights[i] * factor
+                self.total += weight
+                return
+            # Nothing longer known yet: keep the lower bound itself (conservative).
+            index = min(index + 1, _BINS - 1)
+        self.weights[index] += weight
+        self.total += weight
+
+    def effective(self) -> float:
+        return self.total / self.increment if self.increment else 0.0
+
+    def below(self, seconds: float) -> float:
+        """Share of the mass below `seconds` (linear within a bin in log space)."""
+        if self.total <= 0.0:
+            return 0.0
+        index = _bin(seconds)
+        position = (math.log(max(seconds, _LOW)) - _LOG_LOW) / _STEP - index
+        fraction = min(max(position, 0.0), 1.0)
+        mass = sum(self.weights[:index]) + self.weights[index] * fraction
+        return mass / self.total
+
+    def likelihood(self, index: int, censored: bool) -> float:
+        """Probability of a sample in bin `index` (of one above it, when censored),
+        smoothed over neighbouring bins and floored so that nothing is impossible."""
+        total = self.total
+        if total <= 0.0:
+            return 1.0 / _BINS
+        weights = self.weights
+        if censored:
+            mass = (sum(weights[index + 1:]) + 0.5 * weights[index]) / total
+            return (1.0 - _FLOOR) * mass + _FLOOR * (_BINS - index - 0.5) / _BINS
+        low, high = max(index - 1, 0), min(index + 1, _BINS - 1)
+        mass = (weights[low] + weights[index] + weights[high]) / (3.0 * total)
+        return (1.0 - _FLOOR) * mass + _FLOOR / _BINS
+
+
+def mixture_quantiles(parts: list[tuple[float, Histogram]], levels: list[float]) -> list[float]:
+    """Quantiles of the mixture `sum(weight * histogram)` at increasing `levels`
+    (a level <= 0 gives 0.0: no latency is that certain)."""
+    out: list[float] = []
+    pending = []
+    for level in levels:
+        if level <= 0.0:
+            out.append(0.0)
+        else:
+            pending.append(level)
+    scales = [(weight / hist.total, hist.weights) for weight, hist in parts if hist.total > 0]
+    single = scales[0] if len(scales) == 1 else None
+    cumulative = 0.0
+    j = 0
+    for i in range(_BINS):
+        if j >= len(pending):
+            break
+        if single is not None:
+            mass = single[0] * single[1][i]
+        else:
+            mass = 0.0
+            for scale, weights in scales:
+                mass += scale * weights[i]
+        if mass <= 0.0:
+            continue
+        while j < len(pending) and cumulative + mass >= pending[j]:
+            fraction = (pending[j] - cumulative) / mass
+            out.append(math.exp(_LOG_LOW + (i + fraction) * _STEP))
+            j += 1
+        cumulative += mass
+    out.extend(_EDGES[-1] for _ in range(len(pending) - j))
+    return out
+
+
+class Regime:
+    """One latency regime: its histogram and its log-latency reference (fixed size)."""
+
+    __slots__ = ("hist", "mean", "seen", "used", "var")
+
+    def __init__(self, used: int) -> None:
+        self.hist = Histogram()
+        self.mean = 0.0
+        self.var = 0.0
+        self.seen = 0  # uncensored samples in the reference
+        self.used = used  # the model's sample counter when this regime was last current
+
+    def learn(self, seconds: float, censored: bool, growth: float, alpha: float) -> None:
+        self.hist.add(seconds, censored, growth)
+        if censored:
+            return
+        self.seen += 1
+        weight = max(alpha, 1.0 / self.seen)
+        delta = math.log(max(seconds, _LOW)) - self.mean
+        self.mean += weight * delta
+        self.var = (1.0 - weight) * (self.var + weight * delta * delta)
+
+
+class Settings:
+    """A predictor's model settings, shared by its routes."""
+
+    __slots__ = ("alpha", "enter", "exit", "growth", "hazard", "max_regimes", "prior",
+                 "threshold")
+
+    def __init__(self, *, half_life: float, threshold: float | None, max_regimes: int,
+                 hazard: float, enter: float, exit: float, prior: float) -> None:
+        self.growth = 2.0 ** (1.0 / half_life)
+        self.alpha = 1.0 - 1.0 / self.growth
+        self.threshold = threshold
+        self.max_regimes = max_regimes
+        self.hazard = hazard
+        self.enter = enter
+        self.exit = exit
+        self.prior = prior
+
+
+class RouteModel:
+    """One route: a library of regimes, the current one, a change detector, a regime
+    filter and the trigger's hysteresis bound (fixed size; see the module docstring).
+
+    The CUSUM runs on the current regime's reference (mean and standard deviation of log
+    latency, floored at `_MIN_SIGMA`); each sample's z-score is clipped to
+    +-`_CHANGE_CLIP` and the slack `_CHANGE_SLACK` subtracted, so noise drifts the sums
+    back to zero and a few outliers cannot raise an alarm (threshold 8: at least four
+    consecutive samples). Censored samples count as their lower bound for "slower"
+    evidence and never as "faster" evidence.
+    """
+
+    __slots__ = ("bound", "changes", "cur", "down", "down_run", "filled", "head", "post",
+                 "recent", "recent_censored", "regimes", "tick", "unsure", "up", "up_run")
+
+    def __init__(self) -> None:
+        self.regimes = [Regime(0)]
+        self.post = [1.0]
+        self.cur = 0
+        self.recent = array("d", bytes(8 * _RECENT))
+        self.recent_censored = bytearray(_RECENT)
+        self.head = 0
+        self.filled = 0
+        self.changes = 0
+        self.tick = 0
+        self.bound = 0.0
+        self.unsure = 0  # trailing samples no regime learned yet (the filter was unsure)
+        self.up = self.down = 0.0
+        self.up_run = self.down_run = 0
+
+    def _reset_detector(self) -> None:
+        self.up = self.down = 0.0
+        self.up_run = self.down_run = 0
+
+    def add(self, seconds: float, censored: bool, s: Settings) -> None:
+        self.recent[self.head] = seconds
+        self.recent_censored[self.head] = censored
+        self.head = (self.head + 1) % _RECENT
+        if self.filled < _RECENT:
+            self.filled += 1
+        self.tick += 1
+        switched = False
+        if len(self.regimes) > 1:
+            switched = self._filter(_bin(seconds), censored, s.hazard)
+        regime = self.regimes[self.cur]
+        threshold = s.threshold
+        if threshold is not None and regime.seen >= _CHANGE_WARMUP:
+            sigma = max(math.sqrt(regime.var), _MIN_SIGMA)
+            z = (math.log(max(seconds, _LOW)) - regime.mean) / sigma
+            z = min(max(z, -_CHANGE_CLIP), _CHANGE_CLIP)
+            slower = z - _CHANGE_SLACK
+            self.up = max(0.0, self.up + slower)
+            self.up_run = self.up_run + 1 if slower > 0.0 else 0
+            # A censored sample is a lower bound: never evidence of a faster route.
+            faster = (-max(z, 0.0) if censored else -z) - _CHANGE_SLACK
+            self.down = max(0.0, self.down + faster)
+            self.down_run = self.down_run + 1 if faster > 0.0 else 0
+            if self.up >= threshold or self.down >= threshold:
+                run = self.up_run if self.up >= threshold else self.down_run
+                self._new_regime(min(run, self.filled), s)
+                self._update_bound(s)
+                return
+        if switched:
+            # The unsure samples before the switch were most likely the new regime's.
+            for i in range(self.head - 1 - min(self.unsure, self.filled - 1), self.head - 1):
+                regime.learn(self.recent[i % _RECENT],
+                             bool(self.recent_censored[i % _RECENT]), s.growth, s.alpha)
+        if len(self.regimes) > 1 and self.post[self.cur] < _LEARN_POSTERIOR:
+            self.unsure = min(self.unsure + 1, _RECENT)
+        else:
+            self.unsure = 0
+            regime.learn(seconds, censored, s.growth, s.alpha)
+        regime.used = self.tick
+        self._update_bound(s)
+
+    def _filter(self, index: int, censored: bool, hazard: float) -> bool:
+        """Bayes update of which known regime is current; switch when another one is
+        clearly more likely (its detector then starts afresh). True on a switch."""
+        regimes, post = self.regimes, self.post
+        spread = hazard / (len(regimes) - 1)
+        new = [((1.0 - hazard) * p + spread * (1.0 - p)) * r.hist.likelihood(index, censored)
+               for p, r in zip(post, regimes, strict=True)]
+        total = sum(new)
+        if not total > 0.0 or not math.isfinite(total):
+            return False
+        self.post = post = [v / total for v in new]
+        best = max(range(len(post)), key=post.__getitem__)
+        if best != self.cur and post[best] >= _SWITCH_POSTERIOR:
+            self.cur = best
+            self.changes += 1
+            self._reset_detector()
+            return True
+        return False
+
+    def _new_regime(self, run: int, s: Settings) -> None:
+        """Start a regime from the last `run` samples (those of the new latency)."""
+        self.changes += 1
+        regimes = self.regimes
+        if len(regimes) >= s.max_regimes:
+            if s.max_regimes == 1:
+                regimes.clear()
+            else:
+                victim = min((i for i in range(len(regimes)) if i != self.cur),
+                             key=lambda i: regimes[i].used)
+                del regimes[victim]
+        regime = Regime(self.tick)
+        regimes.append(regime)
+        self.cur = len(regimes) - 1
+        self.post = [0.0] * len(regimes)
+        self.post[self.cur] = 1.0
+        self.unsure = 0
+        self._reset_detector()
+        for i in range(self.head - run, self.head):
+            regime.learn(self.recent[i % _RECENT], bool(self.recent_censored[i % _RECENT]),
+                         s.growth, s.alpha)
+
+    # -------------------------------------------------------------- predictions
+
+    def parts(self, hazard: float) -> list[tuple[float, Histogram]]:
+        """The next sample's distribution: regimes weighted by the filter's prediction."""
+        regimes = self.regimes
+        if len(regimes) == 1:
+            return [(1.0, regimes[0].hist)] if regimes[0].hist.total > 0.0 else []
+        spread = hazard / (len(regimes) - 1)
+        weighted = [((1.0 - hazard) * p + spread * (1.0 - p), r.hist)
+                    for p, r in zip(self.post, regimes, strict=True)]
+        kept = [(w, h) for w, h in weighted if w > _NEGLIGIBLE and h.total > 0.0]
+        total = sum(w for w, _ in kept)
+        return [(w / total, h) for w, h in kept] if total > 0.0 else []
+
+    @staticmethod
+    def effective(parts: list[tuple[float, Histogram]]) -> float:
+        return sum(w * h.effective() for w, h in parts)
+
+    def _update_bound(self, s: Settings) -> None:
+        """Move the hysteresis bound into [q(enter), q(exit)] (the play operator)."""
+        regimes = self.regimes
+        single = regimes[0].hist if len(regimes) == 1 else None
+        if single is not None:  # the common case, without building the mixture
+            parts = [(1.0, single)] if single.total > 0.0 else []
+            n = single.total / single.increment if parts else 0.0
+        else:
+            parts = self.parts(s.hazard)
+            n = self.effective(parts)
+        if n <= 0.0:
+            self.bound = 0.0
+            return
+        shrink = (n + s.prior) / n
+        # The hysteresis grows with the evidence: a handful of samples has no steady
+        # estimate to flicker around, and a lucky streak should not hold the decision.
+        exit = s.enter - (s.enter - s.exit) * min(1.0, n / _HYSTERESIS_SAMPLES)
+        low_level, high_level = 1.0 - s.enter * shrink, 1.0 - exit * shrink
+        bound = self.bound
+        # Usually the bound stays inside [q(low_level), q(high_level)]: one cumulative
+        # sum at the bound tells, without scanning for both quantiles.
+        if bound <= 0.0:
+            if low_level <= 0.0:
+                return
+        else:
+            below = (single.below(bound) if single is not None
+                     else sum(w * h.below(bound) for w, h in parts))
+            if low_level <= below <= high_level:
+                return
+        low, high = mixture_quantiles(parts, [low_level, high_level])
+        self.bound = min(max(bound, low), high)
+
+    def probability_late(self, parts: list[tuple[float, Histogram]], delay: float,
+                         prior: float) -> float:
+        """P(first response > delay), shrunk towards "not late" by `prior` samples."""
+        n = self.effective(parts)
+        if n <= 0.0:
+            return 0.0
+        late = sum(w * (1.0 - h.below(delay)) for w, h in parts)
+        return n * late / (n + prior)

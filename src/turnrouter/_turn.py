@@ -1,0 +1,648 @@
+"""One turn, top down: wait in line, decide, admit, answer, history, focus, finish.
+
+A `Turn` holds everything one turn needs (the router's settings, the participant's
+state, the output callback, the observer, the cancel handle, what happened so far), so
+the steps below take at most a route and an admission. The turn runs in the caller's
+task (no task per turn: an interrupt cancels that task and takes the cancellation back,
+as `asyncio.timeout` does). The acknowledgment runs beside the answer as a sidecar;
+its `Answer` alone measures silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ._config import CLARIFY_ROUTE, DROPPED_TURN_TEXT, OutputCallback, RouterConfig
+from ._context import _current
+from ._contracts import (
+    Admission,
+    AgentTurn,
+    DestinationResult,
+    RouteDecision,
+    RouteRequest,
+    RoutingAid,
+    _exchange,
+    _request,
+    _turn_with_history,
+)
+from ._exceptions import DestinationContractError, TurnInterrupted
+from ._lifecycle import DROPPED, TurnRun
+from ._logging import log_failure
+from ._observer import (
+    NULL_TURN_OBSERVER,
+    AdmissionFinished,
+    AdmissionStarted,
+    AnswerFinished,
+    AnswerStarted,
+    Clarification,
+    ClarificationReason,
+    DecisionFinished,
+    DefaultFallback,
+    FirstResponse,
+    FocusChanged,
+    Heard,
+    ReleaseFinished,
+    ReleaseReason,
+    ReleaseStarted,
+    Rerouted,
+    SilenceMeasured,
+    TurnFinished,
+    TurnObserver,
+    TurnOutcome,
+    TurnStarted,
+)
+
+if TYPE_CHECKING:
+    from ._acknowledgment import AcknowledgmentSidecar
+    from ._participants import Participant
+
+__all__ = ["Answer", "Turn", "bounded_release"]
+
+logger = logging.getLogger("turnrouter")
+
+_CLARIFY_RESULT = DestinationResult("clarify")
+_TIMED_OUT = Admission("decline")
+_NOTHING_EXCLUDED: frozenset[str] = frozenset()
+_cancelled_exc = anyio.get_cancelled_exc_class
+#: Builds an event without NamedTuple's keyword handling: events are built on every turn.
+_new = tuple.__new__
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    return isinstance(exc, _cancelled_exc())
+
+
+class Turn(TurnRun):
+    """One routed turn of one participant; see the module docstring.
+
+    A turn is its own place in the participant's queue (a `TurnRun`): one object per
+    turn, not two.
+    """
+
+    __slots__ = (
+        "answer", "answered_by", "attempts", "cfg", "emit", "focus_before", "obs",
+        "observing", "output_failed", "report_heard", "route", "started", "state", "turn",
+    )
+
+    def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
+                 emit: OutputCallback, report_heard: bool) -> None:
+        super().__init__(turn.turn_id)
+        self.cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
+        self.report_heard = report_heard
+        self.focus_before: str | None = None
+        #: The route that answered (for telemetry), and the one that ended the turn.
+        self.route: str | None = None
+        self.answered_by: str | None = None
+        self.attempts = 0
+        self.started = False
+        self.output_failed = False
+        #: Whether telemetry listens (else no event is built).
+        self.observing = cfg.observer.enabled
+        self.obs: TurnObserver = NULL_TURN_OBSERVER
+        self.answer: Answer | None = None
+
+    # ------------------------------------------------------------------ the whole turn
+
+    async def execute(self) -> DestinationResult:
+        """Wait for the participant's earlier turns, run this one, report its outcome."""
+        state, turn, run = self.state, self.turn, self
+        queue = state.queue
+        running = queue.running
+        if running is not None:  # the participant spoke again: the running turn is stale
+            running.cancel("superseded by a newer turn")
+        observer = self.cfg.observer
+        if not await queue.enter(run, self.cfg.max_waiting_turns):
+            if self.observing:
+                observer.turn_started(_new(TurnStarted, (turn, state.focus))).finished(
+                    TurnFinished("interrupted", None, state.focus, state.focus, 0, None))
+            if run.reason == DROPPED:
+                await self._dropped()
+            raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
+        if state.unheard is not None:  # the previous answer was never reported heard
+            state.unheard.resolve_heard(None)
+        self.focus_before = state.focus
+        if self.observing:
+            self.obs = observer.turn_started(_new(TurnStarted, (turn, state.focus)))
+        task = asyncio.current_task()
+        assert task is not None, "turnrouter runs on asyncio"
+        run.attach(task)
+        if self.report_heard:  # mark_heard() may look for this turn's answer
+            state.current = self
+        try:
+            result = await self._prepare_and_route()
+        except BaseException as exc:
+            run.protected = True
+            cancelled = _is_cancel(exc)
+            if cancelled and run.reason and not run.consume_cancel():
+                self._finish("interrupted", None)
+                raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason) from None
+            if not cancelled and not self.started and not self.output_failed:
+                await self._emit_failure()
+            self._finish("interrupted" if cancelled else "failed", None if cancelled else exc)
+            raise
+        finally:
+            run.protected = True
+            run.consume_cancel()  # a request that arrived as the turn completed
+            if state.current is self:
+                state.current = None
+            queue.leave(run)
+        self._finish(result.disposition, None)
+        return result
+
+    async def _dropped(self) -> None:
+        """Count a turn dropped from a full queue and tell the participant."""
+        turn = self.turn
+        self.cfg.overflows.report(
+            "waiting_turns", f"turn {turn.turn_id!r} of {turn.participant_id!r} dropped: "
+            f"more than max_waiting_turns ({self.cfg.max_waiting_turns}) waiting")
+        try:
+            await self.emit(turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
+        except Exception as exc:
+            log_failure("telling %r that turn %s was dropped", exc, turn.participant_id,
+                        turn.turn_id)
+
+    def _finish(self, outcome: TurnOutcome, error: BaseException | None) -> None:
+        if self.observing:
+            self.obs.finished(_new(TurnFinished, (
+                outcome, self.route, self.focus_before, self.state.focus, self.attempts,
+                error)))
+
+    async def _emit_failure(self) -> None:
+        try:
+            await self.emit(self.turn, self.route or "none", self.cfg.failure_text)
+        except Exception as exc:
+            log_failure("delivering the failure message of turn %s", exc, self.turn.turn_id)
+
+    async def _prepare_and_route(self) -> DestinationResult:
+        state, turn, cfg = self.state, self.turn, self.cfg
+        if not state.initialized:
+            if cfg.initialize is not None:
+                await cfg.initialize(turn.participant_id)
+            state.initialized = True
+        history = state.history
+        if not history.exchanges and turn.history:
+            dropped = history.seed(turn.history)
+            if dropped:
+                cfg.overflows.report("seeded_history", f"{dropped} caller-supplied exchanges "
+                                     f"beyond max_history_exchanges of {turn.participant_id!r}")
+        if turn.history is not history.exchanges:
+            self.turn = turn = _turn_with_history(turn, history.exchanges)
+        token = _current.set((turn.turn_id, history.view()))
+        try:
+            return await self._route()
+        finally:
+            _current.reset(token)
+
+    # ------------------------------------------------------------------ routing
+
+    async def _route(self) -> DestinationResult:
+        state, cfg = self.state, self.cfg
+        pid = self.turn.participant_id
+        excluded: set[str] = set()
+        agents = cfg.agents
+
+        # 1. Focus first: the owner's admission is not a routing attempt.
+        owner = state.focus
+        if owner is not None:
+            if not agents[owner].routing_aid(pid).eligible:
+                state.focus = None
+                self.obs.focus_transition(FocusChanged(owner, "lost"))
+                await self._release(owner, "ineligible")
+            else:
+                # A decline keeps focus with the owner and does not call release().
+                result = await self._offer(owner, True, excluded)
+                if result is not None:
+                    return result
+
+        # 2. At most two routed choices, each excluding every route that declined.
+        aids: dict[str, RoutingAid] = {}
+        eligible: list[RoutingAid] = []
+        for name, agent in agents.items():
+            aid = agent.routing_aid(pid)
+            if aid.name != name:
+                aid = _named(aid, name)
+            aids[name] = aid
+            if aid.eligible and name not in excluded:
+                eligible.append(aid)
+        candidates = tuple(eligible)
+        for attempt in range(2):
+            if attempt:
+                candidates = tuple(aid for name, aid in aids.items()
+                                   if aid.eligible and name not in excluded)
+            if not candidates:
+                break
+            self.attempts += 1
+            request = _request(self.turn, candidates,
+                               frozenset(excluded) if excluded else _NOTHING_EXCLUDED)
+            chosen, reason = await self._choose(request, aids, excluded)
+            if chosen is None:
+                assert reason is not None
+                return await self._clarify(CLARIFY_ROUTE, "", reason)
+            result = await self._offer(chosen, state.focus == chosen, excluded)
+            if result is not None:
+                return result
+
+        # 3. Exhausted: the eligible default answers once without admission.
+        default = cfg.default
+        if (self.attempts and default is not None and aids[default].eligible
+                and default not in excluded):
+            self.obs.default_fallback(DefaultFallback(default))
+            return await self._answer(default, None)
+        reason_: ClarificationReason = (
+            "default_unavailable" if self.attempts else "no_eligible_route"
+        )
+        return await self._clarify(CLARIFY_ROUTE, "", reason_)
+
+    async def _choose(
+        self, request: RouteRequest, aids: dict[str, RoutingAid], excluded: set[str]
+    ) -> tuple[str | None, ClarificationReason | None]:
+        obs, cfg = self.obs, self.cfg
+        token = obs.decision_started(request)
+        try:
+            decision = await cfg.decisions.decide(request)
+            if not isinstance(decision, RouteDecision):
+                raise DestinationContractError(
+                    f"decision service returned {type(decision).__name__}, not a RouteDecision"
+                )
+        except Exception as exc:
+            obs.decision_finished(token, DecisionFinished(request, None, exc))
+            log_failure("decision service", exc)
+            # A classifier outage must not silence the assistant.
+            default = cfg.default
+            if default is not None and aids[default].eligible and default not in excluded:
+                return default, None
+            return None, "decision_failed"
+        if self.observing:
+            obs.decision_finished(token, _new(DecisionFinished, (request, decision, None)))
+        choice = decision.choice
+        for aid in request.candidates:
+            if aid.name == choice:
+                return choice, None
+        best = _best_scored(request.candidates, decision.scores)
+        if best is not None:
+            return best, None
+        return None, "low_confidence"
+
+    async def _offer(
+        self, route: str, focused: bool, excluded: set[str]
+    ) -> DestinationResult | None:
+        """Ask `route` to admit the turn; the turn's result, or None to route on without it.
+
+        A decline or release excludes the route for the rest of this turn; a release also
+        says its text, clears the route's focus and calls its `release()`.
+        """
+        admission = await self._admit(route, focused)
+        disposition = admission.disposition
+        if disposition == "accept":
+            return await self._answer(route, admission)
+        if disposition == "clarify":
+            return await self._clarify(route, admission.text, "destination")
+        excluded.add(route)
+        self.obs.reroute(Rerouted(route))
+        if disposition == "release":
+            await self.say(route, admission.text)
+            state = self.state
+            if state.focus == route:
+                state.focus = None
+                self.obs.focus_transition(FocusChanged(route, "released"))
+            await self._release(route, "reroute")
+        return None
+
+    async def _admit(self, route: str, focused: bool) -> Admission:
+        cfg, obs = self.cfg, self.obs
+        self.state.used.add(route)
+        agent = cfg.agents[route]
+        observing = self.observing
+        token = obs.admission_started(_new(AdmissionStarted, (route, focused))) if (
+            observing) else None
+        try:
+            timeout = cfg.admission_timeout
+            if timeout is None:
+                admission = await agent.admit(self.turn, focused=focused)
+            else:
+                with anyio.move_on_after(timeout) as scope:
+                    admission = await agent.admit(self.turn, focused=focused)
+                if scope.cancelled_caught:
+                    obs.admission_finished(token, AdmissionFinished(
+                        route, focused, "decline", None, True))
+                    logger.warning("turnrouter: %s.admit() timed out after %ss; counted as a "
+                                   "decline", route, timeout)
+                    return _TIMED_OUT
+            if not isinstance(admission, Admission):
+                raise DestinationContractError(
+                    f"destination {route!r} admit() returned {type(admission).__name__}, "
+                    "not an Admission"
+                )
+        except BaseException as exc:
+            obs.admission_finished(token, AdmissionFinished(
+                route, focused, None, None if _is_cancel(exc) else exc, False))
+            raise
+        if observing:
+            obs.admission_finished(token, _new(AdmissionFinished, (
+                route, focused, admission.disposition, None, False)))
+        return admission
+
+    # ------------------------------------------------------------------ answering
+
+    async def _answer(self, route: str, admission: Admission | None) -> DestinationResult:
+        self.state.used.add(route)
+        self.route = self.answered_by = route
+        self.answer = answer = Answer(self, route)
+        result = await answer.run(admission)
+        # The answer is complete: its bookkeeping must not be torn by an interrupt.
+        self.protected = True
+        released = self._complete(route, result)
+        if released is not None:
+            await self._release(*released)
+        return result
+
+    def _complete(
+        self, route: str, result: DestinationResult
+    ) -> tuple[str, ReleaseReason] | None:
+        """History and focus after a complete answer; the release it calls for, if any."""
+        state, obs = self.state, self.obs
+        turn = self.turn
+        dropped = state.history.append(
+            _exchange(turn.query, result.text), turn.turn_id, turn.timestamp_us)
+        if dropped:
+            self.cfg.overflows.report(
+                "history_exchanges", f"{turn.participant_id!r} holds max_history_exchanges "
+                "exchanges: the oldest was dropped")
+        owner = state.focus
+        if result.disposition == "focus":
+            if owner != route:
+                state.focus = route
+                obs.focus_transition(FocusChanged(route, "taken"))
+                if owner is not None:
+                    obs.focus_transition(FocusChanged(owner, "lost"))
+                    return owner, "focus_taken"
+        elif result.disposition == "release" and owner == route:
+            state.focus = None
+            obs.focus_transition(FocusChanged(route, "released"))
+            return route, "post_answer"
+        return None
+
+    # ------------------------------------------------------------------ speaking, releasing
+
+    async def _clarify(
+        self, route: str, text: str, reason: ClarificationReason
+    ) -> DestinationResult:
+        self.obs.clarification(Clarification(reason))
+        if route != CLARIFY_ROUTE:
+            self.answered_by = route
+        await self.say(route, text or self.cfg.clarification_text)
+        return _CLARIFY_RESULT
+
+    async def say(self, route: str, text: str) -> None:
+        if not text:
+            return
+        try:
+            await self.emit(self.turn, route, text)
+        except Exception:
+            self.output_failed = True
+            raise
+
+    async def _release(self, route: str, reason: ReleaseReason) -> None:
+        """Release during a turn, protected from interrupts; failures are logged only.
+
+        An interrupt that arrives meanwhile takes effect once the release is done, unless
+        the answer already completed (then there is nothing left to cancel).
+        """
+        run, obs = self, self.obs
+        was_protected = run.protected
+        run.protected = True
+        token = obs.release_started(ReleaseStarted(route, reason))
+        pid = self.turn.participant_id
+        try:
+            with anyio.CancelScope(shield=True):
+                await bounded_release(self.cfg, self.cfg.agents[route].release, pid)
+        except Exception as exc:
+            obs.release_finished(token, ReleaseFinished(route, reason, exc))
+            log_failure("%s.release(%r) (%s)", exc, route, pid, reason)
+        else:
+            obs.release_finished(token, ReleaseFinished(route, reason, None))
+        if not was_protected:
+            run.protected = False
+            if run.reason:
+                raise asyncio.CancelledError(run.reason)
+
+
+class Answer:
+    """The admitted (or fallback) destination's answer within a turn.
+
+    Calls `answer()` with the acknowledgment sidecar beside it and checks the result.
+    It is also the `started()` callable handed to `answer()`: the first call marks the
+    answer started (first response, a pending acknowledgment suppressed); every call
+    until `answer()` returns waits for a committed acknowledgment's delivery; calls
+    after that do nothing. And it is the one owner of the silence measurement: whatever
+    is heard first (the preamble, a delivered acknowledgment, the answer's start or the
+    audio a front end reports) ends it.
+    """
+
+    __slots__ = ("_heard_at", "_sidecar", "_silent_since", "_started_at", "_t0", "_token",
+                 "closed", "owner", "route")
+
+    def __init__(self, owner: Turn, route: str) -> None:
+        self.owner, self.route = owner, route
+        self._t0 = 0.0
+        self._token: object = None
+        #: When the silence began (admission); None once something was heard.
+        self._silent_since: float | None = owner.cfg.clock()
+        self._sidecar: AcknowledgmentSidecar | None = None
+        self._started_at: float | None = None
+        self._heard_at: float | None = None
+        self.closed = False
+
+    async def run(self, admission: Admission | None) -> DestinationResult:
+        owner, route = self.owner, self.route
+        cfg, obs = owner.cfg, owner.obs
+        clock = cfg.clock
+        preamble = admission.preamble if admission is not None else ""
+        if preamble:
+            self.hear(clock())
+            await owner.say(route, preamble)
+        if owner.observing:
+            self._token = obs.answer_started(_new(AnswerStarted, (route, admission is None)))
+        timed = cfg.timed
+        self._sidecar = None if timed is None else timed.sidecar(self)
+        self._t0 = clock()
+        try:
+            if self._sidecar is None:  # the common case, without a coroutine layer more
+                result = await cfg.agents[route].answer(owner.turn, started=self)
+            else:
+                result = await self._call_beside_sidecar(self._sidecar)
+            if not isinstance(result, DestinationResult) or result.disposition == "clarify":
+                raise DestinationContractError(
+                    f"destination {route!r} answer() must return DestinationResult answer, "
+                    f"focus or release, got {result!r:.80}"
+                )
+        except BaseException as exc:
+            self.closed = True
+            cancelled = _is_cancel(exc)
+            if timed is not None and cancelled and not owner.started:
+                # A censored sample: a lower bound, not a fast answer.
+                timed.record(route, clock() - self._t0, True, owner.turn)
+            obs.answer_finished(self._token, AnswerFinished(
+                route, None, None if cancelled else exc, cancelled))
+            raise
+        self.closed = True
+        if owner.observing:
+            obs.answer_finished(self._token, _new(AnswerFinished, (route, result, None, False)))
+        return result
+
+    async def _call_beside_sidecar(self, sidecar: AcknowledgmentSidecar) -> DestinationResult:
+        owner = self.owner
+        agent = owner.cfg.agents[self.route]
+        error: Exception | None = None
+        result: DestinationResult | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sidecar.run)
+            try:
+                result = await agent.answer(owner.turn, started=self)
+            except Exception as exc:  # re-raised below, unwrapped by the task group
+                error = exc
+            sidecar.answer_finished()
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]  # checked by the caller
+
+    async def __call__(self) -> None:
+        """`started()`."""
+        if self.closed:
+            return
+        if not self.owner.started:
+            self._start()
+        sidecar = self._sidecar
+        if sidecar is not None:
+            await sidecar.wait_delivered()
+
+    # What the acknowledgment sidecar reads (`_acknowledgment.Answering`).
+
+    @property
+    def turn(self) -> AgentTurn:
+        return self.owner.turn
+
+    @property
+    def obs(self) -> TurnObserver:
+        return self.owner.obs
+
+    @property
+    def emit(self) -> OutputCallback:
+        return self.owner.emit
+
+    def hear(self, at: float) -> None:
+        """Something was heard at `at`: the silence ends (once)."""
+        seconds = self._take_silence(at)
+        if seconds is not None and self.owner.observing:
+            self.owner.obs.silence(_new(SilenceMeasured, (self.route, seconds)))
+
+    def _take_silence(self, at: float) -> float | None:
+        since = self._silent_since
+        if since is None:
+            return None
+        self._silent_since = None
+        return at - since
+
+    def _start(self) -> None:
+        """The destination's first `started()` call."""
+        owner = self.owner
+        owner.started = True
+        now = owner.cfg.clock()
+        sidecar = self._sidecar
+        if sidecar is not None:
+            sidecar.answer_started(now)
+        if owner.report_heard:
+            self._started_at = now
+            owner.state.unheard = self
+            if self._heard_at is not None:
+                self.resolve_heard(self._heard_at)
+            return
+        seconds = now - self._t0
+        observing = owner.observing
+        if observing:
+            owner.obs.first_response(self._token, _new(FirstResponse, (self.route, seconds)))
+        since = self._silent_since
+        if since is not None and (sidecar is None or not sidecar.committed):
+            self._silent_since = None  # the answer is heard first (see `hear`)
+            if observing:
+                owner.obs.silence(_new(SilenceMeasured, (self.route, now - since)))
+        timed = owner.cfg.timed
+        if timed is not None:
+            timed.record(self.route, seconds, False, owner.turn)
+
+    def mark_heard(self, at: float) -> None:
+        """The front end reports the first audio of this answer heard at `at`."""
+        if self.owner.started:
+            self.resolve_heard(at)
+        else:
+            self._heard_at = at
+
+    def resolve_heard(self, at: float | None) -> None:
+        """Record first response and silence to `at` (None: to `started()`), once."""
+        owner = self.owner
+        if owner.state.unheard is self:
+            owner.state.unheard = None
+        started_at = self._started_at
+        if started_at is None:
+            return
+        self._started_at = None
+        at = started_at if at is None else max(at, started_at)
+        seconds = at - self._t0
+        silence_seconds = None
+        if self._sidecar is None or not self._sidecar.committed:
+            silence_seconds = self._take_silence(at)
+        cfg = owner.cfg
+        cfg.observer.heard(Heard(self.route, seconds, silence_seconds))
+        if cfg.timed is not None:
+            cfg.timed.record(self.route, seconds, False, owner.turn)
+
+
+async def bounded_release(
+    cfg: RouterConfig, call: Callable[[str], Awaitable[None]], pid: str
+) -> None:
+    """`await call(pid)` within `release_timeout_secs` (else `TimeoutError`, counted).
+
+    `asyncio.timeout` rather than an anyio cancel scope: a departure releases every
+    route a participant used, and a scope costs several times more.
+    """
+    deadline = asyncio.timeout(cfg.release_timeout)
+    try:
+        async with deadline:
+            await call(pid)
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # the release's own TimeoutError
+        cfg.overflows.report("release_timeout", f"a release for {pid!r} took longer than "
+                             f"release_timeout_secs ({cfg.release_timeout}s)")
+        raise TimeoutError(f"release did not return within {cfg.release_timeout}s") from None
+
+
+def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]) -> str | None:
+    """Highest-scoring candidate with a finite score; priority breaks ties, then order."""
+    best: RoutingAid | None = None
+    best_score = -math.inf
+    for aid in candidates:
+        score = scores.get(aid.name)
+        if score is None or not math.isfinite(score):
+            continue
+        if best is None or score > best_score or (
+            score == best_score and aid.priority > best.priority
+        ):
+            best, best_score = aid, score
+    return None if best is None else best.name
+
+
+def _named(aid: RoutingAid, name: str) -> RoutingAid:
+    """The aid under its registered route name (the name decisions and labels use)."""
+    if not isinstance(aid, RoutingAid):
+        raise DestinationContractError(
+            f"destination {name!r} routing_aid() returned {type(aid).__name__}, "
+            "not a RoutingAid"
+        )
+    return RoutingAid(name, aid.description, aid.priority, aid.eligible, aid.eligibility)

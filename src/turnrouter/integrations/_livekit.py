@@ -1,0 +1,583 @@
+"""LiveKit Agents adapter: an `Agent` whose replies come from an `AgentRouter`.
+
+Only public turnrouter names are used here (the front-end seam of docs/router.md). The
+module imports `livekit.agents`; `turnrouter.integrations.livekit` turns a missing
+extra into a one-line ImportError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from livekit.agents import (
+    Agent,
+    AgentSession,
+    AgentStateChangedEvent,
+    CloseEvent,
+    ModelSettings,
+    TurnHandlingOptions,
+    llm,
+)
+from livekit.agents.types import (
+    DEFAULT_API_CONNECT_OPTIONS,
+    NOT_GIVEN,
+    APIConnectOptions,
+    NotGivenOr,
+)
+from livekit.agents.voice import SpeechHandle
+
+from .. import (
+    Admission,
+    AgentRouter,
+    AgentTurn,
+    ConfigurationError,
+    ContractTypeError,
+    DestinationResult,
+    LifecycleError,
+    RoutedResult,
+    RoutingAid,
+    TurnInterrupted,
+)
+from .._redact import strip_surrogates
+
+__all__ = [
+    "HandoffDestination",
+    "LLMDestination",
+    "RouterAgent",
+    "TurnEnd",
+    "speak",
+    "stop_gracefully",
+]
+
+logger = logging.getLogger("turnrouter.integrations.livekit")
+
+
+def _log_failure(what: str, error: BaseException, *args: object) -> None:
+    """Like turnrouter's own logs: the error's type at WARNING (its message may quote the
+    user), the details at DEBUG."""
+    logger.warning(f"{what} failed ({type(error).__qualname__})", *args)
+    logger.debug(f"{what} failed", *args, exc_info=error)
+
+Started = Callable[[], Awaitable[None]]
+
+ROUTED_MESSAGE_MEMORY = 256
+"""How many routed user-message ids a `RouterAgent` remembers (so a reply LiveKit
+generates again for the same message, e.g. after a tool step, is not routed twice)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnEnd:
+    """How one routed turn ended, as given to `RouterAgent(on_turn_end=...)`."""
+
+    turn: AgentTurn
+    routed: RoutedResult | None
+    """The router's result; None when the turn was interrupted, refused or failed."""
+    interrupted: bool = False
+    error: BaseException | None = None
+
+
+class _TextStream:
+    """Text for one LiveKit speech, produced while it plays (an async iterable).
+
+    Holds only what LiveKit has not consumed yet; LiveKit reads it as it is produced.
+    """
+
+    def __init__(self) -> None:
+        self._chunks: deque[str] = deque()
+        self._said = False
+        self._closed = False
+        self._wake = asyncio.Event()
+
+    @property
+    def said(self) -> bool:
+        """Whether any text was pushed."""
+        return self._said
+
+    def push(self, text: str) -> None:
+        if text and not self._closed:
+            self._said = True
+            self._chunks.append(text)
+            self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[str]:
+        while True:
+            while self._chunks:
+                yield self._chunks.popleft()
+            if self._closed:
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+
+class _TurnVoice:
+    """What one routed turn says through the LiveKit session.
+
+    The first control text before the answer (an acknowledgment, a preamble, a
+    clarification, failure text) is its own speech (`session.say`); from the first
+    output on, a second speech streams everything else (the answer), so the order of
+    LiveKit's speech queue is the order the router spoke in.
+    """
+
+    def __init__(self, agent: RouterAgent, session: AgentSession[Any], turn: AgentTurn) -> None:
+        self.agent = agent
+        self.session = session
+        self.turn = turn
+        self.output_ready = asyncio.Event()
+        self.handles: list[SpeechHandle] = []
+        self.stream: _TextStream | None = None
+        self.ended = False
+        self.heard = False
+
+    async def control(self, turn: AgentTurn, route: str, text: str) -> None:
+        """The router's control text for this turn."""
+        if self.ended or not text:
+            return
+        if self.stream is not None:
+            self.stream.push(f" {text}" if self.stream.said else text)
+            return
+        try:
+            self._track(self._say(text), main=False)
+            self._open_stream()
+        except LifecycleError as exc:   # nobody left to hear it: not the turn's failure
+            _log_failure("saying control text of turn %s", exc, self.turn.turn_id)
+
+    def answer_text(self, text: str) -> None:
+        """Answer text from the destination, in order."""
+        if self.ended:
+            raise LifecycleError("speak(): this turn already ended (interrupted or replaced)")
+        if self.stream is None:
+            self._open_stream()
+        assert self.stream is not None
+        self.stream.push(text)
+
+    def _open_stream(self) -> None:
+        stream = _TextStream()
+        self._track(self._say(stream), main=True)
+        self.stream = stream
+        self.output_ready.set()
+
+    def _say(self, text: str | _TextStream) -> SpeechHandle:
+        try:
+            return self.session.say(text)
+        except RuntimeError as exc:   # LiveKit: the session is closing or draining
+            raise LifecycleError(f"the LiveKit session cannot speak now: {exc}") from exc
+
+    def _track(self, handle: SpeechHandle, *, main: bool) -> None:
+        self.handles.append(handle)
+        if main:
+            self.agent._main_speech[handle.id] = self
+        handle.add_done_callback(self._speech_done)
+
+    def _speech_done(self, handle: SpeechHandle) -> None:
+        self.agent._main_speech.pop(handle.id, None)
+        if handle.interrupted:
+            self.agent._speech_interrupted(self)
+
+    def end(self, *, interrupted: bool) -> None:
+        """The routed turn is over: close the answer speech (cut it when interrupted)."""
+        self.ended = True
+        if self.stream is not None:
+            self.stream.close()
+        self.output_ready.set()
+        if interrupted:
+            self.silence()
+
+    def silence(self) -> None:
+        """Interrupt every speech of this turn that is still queued or playing."""
+        for handle in self.handles:
+            if not handle.done() and handle.allow_interruptions:
+                handle.interrupt()
+
+
+_CURRENT: contextvars.ContextVar[_TurnVoice] = contextvars.ContextVar("turnrouter_livekit_turn")
+
+
+def _current(caller: str) -> _TurnVoice:
+    voice = _CURRENT.get(None)
+    if voice is None:
+        raise LifecycleError(
+            f"{caller} speaks for a turn routed by RouterAgent; call it from a "
+            "destination's answer()")
+    return voice
+
+
+async def speak(text: str | AsyncIterable[str], *, started: Started | None = None) -> str:
+    """Say answer text in the LiveKit session of the turn being routed; return the text.
+
+    Call it from a destination's `answer()` (no reference to the session needed). A
+    string is said at once; an async iterable of text chunks (an LLM stream) is said as
+    it arrives. `started` (the `answer()` argument) is awaited just before the first
+    text is handed to LiveKit, so a pending acknowledgment is suppressed then and the
+    router's first-response time is the time to the first text; the time the user
+    started hearing it is reported separately (`mark_heard`) from LiveKit's speech
+    events. Returns when all text was handed over, not when it finished playing.
+    """
+    voice = _current("speak()")
+    if isinstance(text, str):
+        if started is not None:
+            await started()
+        voice.answer_text(text)
+        return text
+    parts: list[str] = []
+    async for chunk in text:
+        if not chunk:
+            continue
+        if not parts and started is not None:
+            await started()
+        parts.append(chunk)
+        voice.answer_text(chunk)
+    return "".join(parts)
+
+
+class _RouterLLM(llm.LLM[Any]):
+    """The LLM slot of a `RouterAgent`: LiveKit requires one, the router answers instead."""
+
+    @property
+    def model(self) -> str:
+        return "turnrouter"
+
+    @property
+    def provider(self) -> str:
+        return "turnrouter"
+
+    def chat(
+        self,
+        *,
+        chat_ctx: llm.ChatContext,
+        tools: list[llm.Tool] | None = None,
+        conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS,
+        parallel_tool_calls: NotGivenOr[bool] = NOT_GIVEN,
+        tool_choice: NotGivenOr[llm.ToolChoice] = NOT_GIVEN,
+        extra_kwargs: NotGivenOr[dict[str, Any]] = NOT_GIVEN,
+    ) -> llm.LLMStream:
+        raise LifecycleError("RouterAgent answers through its router; its LLM is never called")
+
+
+class _ControlDispatch:
+    """Control text of one router outside any turn (a held context patch's question),
+    said in the LiveKit session of its participant (`router.set_control_output`)."""
+
+    def __init__(self, router: AgentRouter) -> None:
+        self.router = router
+        self.agents: dict[str, RouterAgent] = {}
+
+    async def __call__(self, turn: AgentTurn, route: str, text: str) -> None:
+        agent = self.agents.get(turn.participant_id)
+        session = None if agent is None else agent._listening
+        if session is None:
+            raise LifecycleError("no LiveKit session is open for this participant")
+        try:
+            session.say(text)
+        except RuntimeError as exc:
+            raise LifecycleError(f"the LiveKit session cannot speak now: {exc}") from exc
+
+
+#: One dispatcher per router with a live `RouterAgent` (dropped with its last session),
+#: keyed by the router's id (routers take no weak references).
+_DISPATCHERS: dict[int, _ControlDispatch] = {}
+
+
+class RouterAgent(Agent):
+    """A LiveKit `Agent` whose replies come from an `AgentRouter`.
+
+    Each new user message becomes `router.route_turn(AgentTurn(participant_id,
+    <message id>, <text>), output=..., report_heard=True)`, run in a task of its own
+    (so a newer turn replaces a running one, as the router's contract says). Control
+    text is said with `session.say`; destinations say their answer with `speak()`.
+    A LiveKit interruption of a turn's speech (the user barging in,
+    `session.interrupt()`) becomes `router.interrupt(participant_id)` while that turn
+    is the participant's latest and still running. Control text outside any turn (a
+    human-gated context patch's question) is said in the participant's session when
+    the router has no constructor `output`. When the session closes, the participant
+    departs (`begin_departure`) unless `depart_on_close=False`.
+
+    Subclasses overriding `on_exit` call `super().on_exit()`.
+    """
+
+    def __init__(
+        self,
+        router: AgentRouter,
+        *,
+        participant_id: str,
+        instructions: str = "Replies come from turnrouter.",
+        depart_on_close: bool = True,
+        on_turn_end: Callable[[TurnEnd], None] | None = None,
+        turn_handling: TurnHandlingOptions | None = None,
+        **agent_options: Any,
+    ) -> None:
+        if not isinstance(router, AgentRouter):
+            raise ContractTypeError(
+                f"RouterAgent needs an AgentRouter, got {type(router).__name__}")
+        if not isinstance(participant_id, str) or not participant_id:
+            raise ConfigurationError("RouterAgent needs a non-empty participant_id")
+        if "llm" in agent_options:
+            raise ContractTypeError("RouterAgent takes no llm: its replies come from the "
+                                    "router (wrap an LLM in LLMDestination instead)")
+        # Routing has side effects (admissions, answers, speech), so it starts at the end
+        # of the user's turn, not on a preemptive transcript (unless asked explicitly).
+        handling: TurnHandlingOptions = {"preemptive_generation": {"enabled": False}}
+        handling.update(turn_handling or {})
+        super().__init__(instructions=instructions, llm=_RouterLLM(),
+                         turn_handling=handling, **agent_options)
+        if self.label in router.destinations:
+            raise ConfigurationError(
+                f"route {self.label!r} has the RouterAgent's LiveKit label: its invoke_agent "
+                "span would pass for LiveKit's own agent_turn; give the RouterAgent another "
+                "id=")
+        self._router = router
+        self._pid = participant_id
+        self._depart_on_close = depart_on_close
+        self._on_turn_end = on_turn_end
+        self._latest: _TurnVoice | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._main_speech: dict[str, _TurnVoice] = {}
+        self._routed_ids: deque[str] = deque(maxlen=ROUTED_MESSAGE_MEMORY)
+        self._listening: AgentSession[Any] | None = None
+        self._closing_session: AgentSession[Any] | None = None
+
+    @property
+    def router(self) -> AgentRouter:
+        """The router this agent routes through."""
+        return self._router
+
+    @property
+    def participant_id(self) -> str:
+        """The participant whose turns this agent routes."""
+        return self._pid
+
+    async def llm_node(
+        self, chat_ctx: llm.ChatContext, tools: list[llm.Tool], model_settings: ModelSettings,
+    ) -> None:
+        """Route the newest user message; return once its first speech is queued.
+
+        LiveKit plays one speech at a time, so this reply stays empty and the turn
+        speaks through speeches of its own, queued before this returns (a `run()`
+        result records them). The turn's span is a child of the current span (LiveKit's
+        `llm_node`, under its `agent_turn`).
+        """
+        message = _newest_user_message(chat_ctx)
+        if message is None or message.id in self._routed_ids:
+            return
+        self._routed_ids.append(message.id)
+        session = self.session
+        self._listen(session)
+        # A transcript is text: lone surrogates (not storable) become U+FFFD.
+        turn = AgentTurn(self._pid, message.id, strip_surrogates(message.text_content or ""),
+                         timestamp_us=max(0, int(message.created_at * 1_000_000)))
+        voice = _TurnVoice(self, session, turn)
+        self._latest = voice
+        task = asyncio.create_task(self._run(voice), name=f"turnrouter turn {turn.turn_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            await voice.output_ready.wait()
+        except asyncio.CancelledError:
+            # LiveKit cancelled the reply: it was interrupted before the turn spoke.
+            self._speech_interrupted(voice)
+            raise
+
+    async def _run(self, voice: _TurnVoice) -> None:
+        _CURRENT.set(voice)
+        routed: RoutedResult | None = None
+        error: BaseException | None = None
+        interrupted = False
+        try:
+            routed = await self._router.route_turn(
+                voice.turn, output=voice.control, report_heard=True)
+        except TurnInterrupted:
+            interrupted = True
+        except asyncio.CancelledError:
+            voice.end(interrupted=True)
+            raise
+        except Exception as exc:  # the router already said its failure text
+            error = exc
+            _log_failure("turn %s of %s", exc, voice.turn.turn_id, self._pid)
+        voice.end(interrupted=interrupted)
+        if self._on_turn_end is not None:
+            try:
+                self._on_turn_end(TurnEnd(voice.turn, routed, interrupted, error))
+            except Exception as exc:
+                _log_failure("RouterAgent on_turn_end callback", exc)
+
+    def _speech_interrupted(self, voice: _TurnVoice) -> None:
+        """A speech of `voice`'s turn was interrupted in LiveKit: stop the turn."""
+        voice.silence()
+        if voice.ended or voice is not self._latest:
+            return
+        task = asyncio.get_running_loop().create_task(self._router.interrupt(self._pid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _listen(self, session: AgentSession[Any]) -> None:
+        dispatch = _DISPATCHERS.get(id(self._router))
+        if dispatch is None or dispatch.router is not self._router:
+            dispatch = _DISPATCHERS[id(self._router)] = _ControlDispatch(self._router)
+            self._router.set_control_output(dispatch)
+        dispatch.agents[self._pid] = self
+        if self._closing_session is not session:
+            if self._closing_session is not None:
+                self._closing_session.off("close", self._closed)
+            session.on("close", self._closed)
+            self._closing_session = session
+        if self._listening is not session:
+            self._unlisten()
+            session.on("agent_state_changed", self._state_changed)
+            self._listening = session
+
+    def _unlisten(self) -> None:
+        session, self._listening = self._listening, None
+        if session is not None:
+            session.off("agent_state_changed", self._state_changed)
+
+    def _state_changed(self, event: AgentStateChangedEvent) -> None:
+        """The agent started speaking: if it is a turn's answer, report it heard."""
+        if event.new_state != "speaking" or self._listening is None:
+            return
+        speech = self._listening.current_speech
+        voice = None if speech is None else self._main_speech.get(speech.id)
+        if voice is not None and not voice.heard:
+            voice.heard = True
+            self._router.mark_heard(self._pid, voice.turn.turn_id)
+
+    def _closed(self, event: CloseEvent) -> None:
+        self._unlisten()
+        dispatch = _DISPATCHERS.get(id(self._router))
+        if dispatch is not None and dispatch.agents.get(self._pid) is self:
+            del dispatch.agents[self._pid]
+            if not dispatch.agents:
+                del _DISPATCHERS[id(self._router)]
+        if self._closing_session is not None:
+            self._closing_session.off("close", self._closed)
+            self._closing_session = None
+        if self._depart_on_close:
+            departure = self._router.begin_departure(self._pid)
+            task = asyncio.get_running_loop().create_task(_join(departure.join(), self._pid))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def on_exit(self) -> None:
+        """Stop reporting speech events to the router (a handoff or the session's end).
+
+        The session's close still makes the participant depart after a handoff."""
+        self._unlisten()
+
+
+async def _join(departure: Awaitable[None], participant_id: str) -> None:
+    try:
+        await departure
+    except Exception as exc:
+        _log_failure("departure of %s", exc, participant_id)
+
+
+def _newest_user_message(chat_ctx: llm.ChatContext) -> llm.ChatMessage | None:
+    for item in reversed(chat_ctx.items):
+        if isinstance(item, llm.ChatMessage) and item.role == "user":
+            return item
+    return None
+
+
+async def stop_gracefully(router: AgentRouter, *, timeout_secs: float | None = None) -> None:
+    """End the router after the turns in flight: `drain()`, then `stop()`.
+
+    Stop feeding turns first (close the sessions). With `timeout_secs`, turns still
+    running after it are cancelled by `stop()`. Fits `JobContext.add_shutdown_callback`.
+    """
+    if timeout_secs is None:
+        await router.drain()
+    else:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_secs):
+                await router.drain()
+    await router.stop()
+
+
+class HandoffDestination:
+    """A destination that hands the LiveKit session over to another LiveKit `Agent`.
+
+    Its answer says `text` (if any) and calls `session.update_agent(make_agent(turn))`:
+    from then on LiveKit's own agent (instructions, LLM, tools) answers the user, and
+    turns reach the router again when that agent hands back (returns the `RouterAgent`
+    from a tool, or calls `session.update_agent(router_agent)`).
+    """
+
+    def __init__(self, name: str, description: str, make_agent: Callable[[AgentTurn], Agent],
+                 *, text: str = "", priority: int = 0) -> None:
+        self.name = name
+        self.description = description
+        self.priority = priority
+        self._make_agent = make_agent
+        self._text = text
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return RoutingAid(self.name, self.description, self.priority)
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        return Admission("accept")
+
+    async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+        voice = _current("HandoffDestination.answer()")
+        if self._text:
+            await speak(self._text, started=started)
+        else:
+            await started()
+        voice.session.update_agent(self._make_agent(turn))
+        return DestinationResult("answer", self._text)
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+class LLMDestination:
+    """A destination answering with a LiveKit `llm.LLM` (any plugin), streamed as speech.
+
+    The prompt is `instructions`, the turn's history (the router's, within its byte
+    budget) and the query; the reply is said with `speak()` as it streams.
+    """
+
+    def __init__(self, name: str, description: str, model: llm.LLM[Any], *,
+                 instructions: str, priority: int = 0) -> None:
+        self.name = name
+        self.description = description
+        self.priority = priority
+        self._llm = model
+        self._instructions = instructions
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return RoutingAid(self.name, self.description, self.priority)
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        return Admission("accept")
+
+    async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+        chat_ctx = llm.ChatContext.empty()
+        chat_ctx.add_message(role="system", content=self._instructions)
+        for exchange in turn.history:
+            chat_ctx.add_message(role="user", content=exchange.user)
+            chat_ctx.add_message(role="assistant", content=exchange.assistant)
+        chat_ctx.add_message(role="user", content=turn.query)
+        async with self._llm.chat(chat_ctx=chat_ctx) as stream:
+            text = await speak(_deltas(stream), started=started)
+        return DestinationResult("answer", text)
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+async def _deltas(stream: llm.LLMStream) -> AsyncIterator[str]:
+    async for chunk in stream:
+        if chunk.delta is not None and chunk.delta.content:
+            yield chunk.delta.content

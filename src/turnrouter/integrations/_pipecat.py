@@ -1,0 +1,697 @@
+"""The Pipecat adapter: a frame processor in front of an `AgentRouter`.
+
+Only the router's public front-end seam is used (`route_turn`, `mark_heard`, `interrupt`,
+`drain`, `stop`, `continue_trace`, `report_rejected`). Each user turn runs in a task of
+its own: awaiting `route_turn()` inside `process_frame()` would hold Pipecat's frame
+queue, so a new turn could not replace the running one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    CancelFrame,
+    EndFrame,
+    ErrorFrame,
+    Frame,
+    InterruptionFrame,
+    LLMContextFrame,
+    LLMContextUserTurnFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    StartFrame,
+    TranscriptionFrame,
+    TTSSpeakFrame,
+)
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.services.llm_service import LLMService as PipecatLLMService
+
+from turnrouter import (
+    Admission,
+    AgentRouter,
+    AgentTurn,
+    ConfigurationError,
+    ContractTypeError,
+    ContractValueError,
+    DestinationResult,
+    LifecycleError,
+    LLMError,
+    RoutingAid,
+    TurnInterrupted,
+)
+
+__all__ = [
+    "FrameAgent",
+    "FrameOutput",
+    "PipecatLLMDestination",
+    "TurnRouterProcessor",
+    "frame_output",
+    "turn_from_frame",
+]
+
+logger = logging.getLogger("turnrouter.integrations.pipecat")
+
+#: Rejection source (the `topic` label of turnrouter_runtime_rejected_messages_total).
+SOURCE = "pipecat"
+Started = Callable[[], Awaitable[None]]
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text(value: str) -> str:
+    """STT output as storable text: lone surrogates (not valid text) become U+FFFD."""
+    return value if value.isascii() else _SURROGATE.sub("\ufffd", value)
+
+
+def _timestamp_us(stamp: object) -> int | None:
+    """A transcription's ISO-8601 timestamp in Unix microseconds (None if unreadable)."""
+    if not isinstance(stamp, str) or len(stamp) > 64:
+        return None
+    try:
+        when = datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    micros = int(when.timestamp() * 1_000_000)
+    return micros if micros >= 0 else None
+
+
+def _last_user_text(context: object) -> str | None:
+    """The text of the newest user message of a Pipecat `LLMContext` (None if absent)."""
+    try:
+        messages = context.messages  # type: ignore[attr-defined]
+    except Exception:  # not an LLMContext, or one whose messages cannot be read
+        return None
+    if not isinstance(messages, list):
+        return None
+    for message in reversed(messages):
+        if not isinstance(message, Mapping) or message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            parts = [part.get("text") for part in content
+                     if isinstance(part, Mapping) and part.get("type") == "text"]
+            texts = [text for text in parts if isinstance(text, str)]
+            return " ".join(texts) if texts else None
+        return None
+    return None
+
+
+def turn_from_frame(
+    frame: object, *, turn_id: str, participant_id: str = "user",
+    max_query_chars: int = 4096,
+) -> AgentTurn | None:
+    """The routed turn a frame carries, or None when it carries no final user turn.
+
+    A `TranscriptionFrame` (STT output) is a turn of its `user_id` (or `participant_id`
+    when empty); a non-speculative `LLMContextFrame` (the user context aggregator's
+    output) is a turn of `participant_id` whose query is the newest user message. Blank
+    text is no turn; lone surrogates in the text or user id become U+FFFD. A query longer
+    than `max_query_chars` raises `ContractValueError`.
+    """
+    text: str | None
+    if isinstance(frame, TranscriptionFrame):
+        text = frame.text if isinstance(frame.text, str) else None
+        user = frame.user_id if isinstance(frame.user_id, str) and frame.user_id else None
+        stamp = _timestamp_us(frame.timestamp)
+    elif isinstance(frame, LLMContextFrame) and frame.speculation is not True:
+        text, user, stamp = _last_user_text(frame.context), None, None
+    else:
+        return None
+    if text is None or not text.strip():
+        return None
+    if len(text) > max_query_chars:
+        raise ContractValueError(
+            f"user turn of {len(text)} characters exceeds max_query_chars={max_query_chars}")
+    return AgentTurn(_text(user or participant_id), turn_id, _text(text.strip()),
+                     timestamp_us=stamp)
+
+
+def _carrier_of(otel_context: object) -> dict[str, str]:
+    """W3C headers of the span held in an OpenTelemetry `Context` (duck-typed, so this
+    module needs no OpenTelemetry import)."""
+    if not isinstance(otel_context, Mapping):
+        return {}
+    for value in otel_context.values():
+        get = getattr(value, "get_span_context", None)
+        if not callable(get):
+            continue
+        span = get()
+        if getattr(span, "is_valid", False):
+            return {"traceparent": f"00-{span.trace_id:032x}-{span.span_id:016x}-"
+                                   f"{int(span.trace_flags):02x}"}
+    return {}
+
+
+@dataclass(eq=False)
+class _TurnSink:
+    """Where one turn's frames go: the processor routing it, while the turn runs."""
+
+    processor: TurnRouterProcessor
+    turn: AgentTurn
+    context: LLMContext | None = None
+    closed: bool = False
+
+
+_CURRENT: contextvars.ContextVar[_TurnSink | None] = contextvars.ContextVar(
+    "turnrouter_pipecat_turn", default=None)
+
+
+class FrameOutput:
+    """Pushes a destination's frames downstream of the `TurnRouterProcessor` routing the
+    current turn (toward the TTS and the output transport), with no back reference.
+
+    The first speech frame pushed awaits `started()` first, so the router suppresses a
+    pending acknowledgment and records the first response. Once the turn ended (answered,
+    interrupted or replaced) pushing raises `LifecycleError`: no stale audio after a
+    barge-in.
+    """
+
+    __slots__ = ("_begun", "_sink", "_started", "frames_pushed")
+
+    def __init__(self, sink: _TurnSink, started: Started) -> None:
+        self._sink = sink
+        self._started = started
+        self._begun = False
+        self.frames_pushed = 0
+
+    @property
+    def turn(self) -> AgentTurn:
+        """The turn these frames answer."""
+        return self._sink.turn
+
+    @property
+    def context(self) -> LLMContext | None:
+        """The Pipecat `LLMContext` the turn came in (the user context aggregator's:
+        system prompt, tools, conversation); None for a turn from a transcription."""
+        return self._sink.context
+
+    async def begin(self) -> None:
+        """The answer's first speech is on its way: await `started()` (once) and wait for
+        the bot to be heard. `push()` calls it for the first speech frame; call it
+        yourself when the speech comes from elsewhere (an LLM downstream)."""
+        if self._begun:
+            return
+        self._begun = True
+        await self._started()
+        self._sink.processor._expect_heard(self._sink.turn)
+
+    async def push(self, frame: Frame, *, speech: bool = True) -> None:
+        """Push one frame downstream. A speech frame (the default) calls `begin()` first
+        and enters at the processor's `speaker` when that is in the pipeline; pass
+        `speech=False` for frames that are not heard (an `LLMContextFrame` for the LLM
+        service downstream, an `InterruptionFrame`): they leave the processor itself."""
+        if not isinstance(frame, Frame):
+            raise ContractTypeError(
+                f"FrameOutput.push() takes a pipecat Frame, got {type(frame).__name__}")
+        if self._sink.closed:
+            raise LifecycleError(f"turn {self._sink.turn.turn_id!r} has ended; its frames "
+                                 "can no longer be pushed")
+        self.frames_pushed += 1
+        processor = self._sink.processor
+        if speech:
+            await self.begin()
+            await processor._push_speech(frame)
+        elif isinstance(frame, InterruptionFrame):
+            await processor._push_through(frame)
+        else:
+            await processor.push_frame(frame, FrameDirection.DOWNSTREAM)
+
+    async def say(self, text: str, *, append_to_context: bool = True) -> None:
+        """Speak `text` (a `TTSSpeakFrame`)."""
+        if not isinstance(text, str):
+            raise ContractTypeError(f"FrameOutput.say() takes a str, got {type(text).__name__}")
+        await self.push(TTSSpeakFrame(text, append_to_context=append_to_context))
+
+
+def frame_output(started: Started) -> FrameOutput:
+    """The frame output of the turn being answered, for a destination's `answer()`.
+
+    Call it inside `answer(turn, started=...)` with that `started`; raises
+    `LifecycleError` outside a turn routed by a `TurnRouterProcessor`.
+    """
+    sink = _CURRENT.get()
+    if sink is None:
+        raise LifecycleError("frame_output() is only available while a TurnRouterProcessor "
+                             "routes a turn (inside a destination's answer())")
+    if not callable(started):
+        raise ContractTypeError("frame_output() takes the started() callback of answer()")
+    return FrameOutput(sink, started)
+
+
+class FrameAgent:
+    """A destination that answers by pushing Pipecat frames: implement `respond()`.
+
+    It accepts every admission (override `admit()` to decline), and keeps no state per
+    participant (override `release()` when it does).
+    """
+
+    def __init__(self, name: str, description: str, *, priority: int = 0) -> None:
+        self._aid = RoutingAid(name, description, priority)
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return self._aid
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        return Admission("accept")
+
+    async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+        text = await self.respond(turn, frame_output(started))
+        return DestinationResult("answer", text)
+
+    async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+        """Push the answer's frames through `output`; return its text (kept in history)."""
+        raise NotImplementedError
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+class _Response:
+    """One LLM response the destination waits for (in-pipeline mode)."""
+
+    def __init__(self, output: FrameOutput) -> None:
+        self.output = output
+        self.begun = False
+        self.texts: list[str] = []
+        self.error: str | None = None
+        self.done = asyncio.Event()
+
+
+class PipecatLLMDestination(FrameAgent):
+    """A destination answered by a Pipecat LLM service.
+
+    The turn's history and query become an `LLMContext` (after `system_instruction`);
+    in the pipeline, a turn that came from the user context aggregator keeps the app's own
+    context (its system prompt, tools and conversation) instead.
+    - `in_pipeline=False` (default): `run_inference()` out of band (the service need not
+      be in the pipeline); the reply is spoken as one `TTSSpeakFrame`.
+    - `in_pipeline=True`: the service sits downstream of the `TurnRouterProcessor` (where
+      it was before turnrouter) and answers only the turns routed here: the destination
+      pushes the `LLMContextFrame` and follows the service's frames (its
+      `on_before_push_frame` event), so the reply streams to the TTS, `started()` is
+      awaited before the first token leaves the service (a pending acknowledgment is
+      spoken first) and the text of the full response is the result. One response at a
+      time (a second turn waits for the first); an error frame from the service raises
+      `LLMError`, and so does no response within `response_timeout_secs`. A cancelled
+      answer pushes an `InterruptionFrame` downstream so the service and TTS drop the
+      rest of it.
+    """
+
+    def __init__(self, llm: PipecatLLMService, name: str, description: str, *,
+                 system_instruction: str | None = None, max_tokens: int | None = None,
+                 in_pipeline: bool = False, response_timeout_secs: float = 60.0,
+                 priority: int = 0) -> None:
+        if not isinstance(llm, PipecatLLMService):
+            raise ContractTypeError(
+                f"PipecatLLMDestination needs a Pipecat LLMService, got {type(llm).__name__}")
+        if not isinstance(response_timeout_secs, int | float) or not (
+                0 < response_timeout_secs < float("inf")):
+            raise ConfigurationError(
+                "PipecatLLMDestination response_timeout_secs must be finite and positive")
+        super().__init__(name, description, priority=priority)
+        self.llm = llm
+        self.system_instruction = system_instruction
+        self.max_tokens = max_tokens
+        self.in_pipeline = bool(in_pipeline)
+        self.response_timeout_secs = float(response_timeout_secs)
+        self._lock = asyncio.Lock()
+        self._response: _Response | None = None
+        self._warned = False
+        if self.in_pipeline:
+            llm.add_event_handler("on_before_push_frame", self._on_llm_frame)
+
+    def context_for(self, turn: AgentTurn, *, system: bool = False) -> LLMContext:
+        """The LLM context of a turn: its history, then its query (after the system
+        instruction when `system`)."""
+        messages: list[Any] = []
+        if system and self.system_instruction:
+            messages.append({"role": "system", "content": self.system_instruction})
+        for exchange in turn.history:
+            messages.append({"role": "user", "content": exchange.user})
+            messages.append({"role": "assistant", "content": exchange.assistant})
+        messages.append({"role": "user", "content": turn.query})
+        return LLMContext(messages)
+
+    async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+        if self.in_pipeline:
+            return await self._respond_in_pipeline(turn, output)
+        reply = await self.llm.run_inference(
+            self.context_for(turn), max_tokens=self.max_tokens,
+            system_instruction=self.system_instruction)
+        text = (reply or "").strip()
+        if text:
+            await output.say(text)
+        return text
+
+    async def _on_llm_frame(self, llm: Any, frame: Frame) -> None:
+        """Every frame the service pushes (Pipecat's on_before_push_frame event)."""
+        response = self._response
+        if response is None:
+            return
+        if isinstance(frame, LLMFullResponseStartFrame):
+            response.begun = True
+        elif not response.begun:
+            return
+        elif isinstance(frame, LLMTextFrame):
+            if not response.texts:
+                # In the service's task, before the first token leaves it: the first
+                # response is timed here and a pending acknowledgment goes out first.
+                await response.output.begin()
+            response.texts.append(frame.text)
+        elif isinstance(frame, ErrorFrame):
+            response.error = type(getattr(frame, "exception", None) or frame).__name__
+        elif isinstance(frame, LLMFullResponseEndFrame):
+            response.done.set()
+
+    async def _respond_in_pipeline(self, turn: AgentTurn, output: FrameOutput) -> str:
+        if not self._warned and output._sink.processor.speaker.next is None:
+            self._warned = True
+            logger.warning("PipecatLLMDestination(in_pipeline=True) without the processor's "
+                           "speaker in the pipeline: acknowledgments wait behind the LLM")
+        async with self._lock:
+            response = self._response = _Response(output)
+            try:
+                context = output.context or self.context_for(turn, system=True)
+                await output.push(LLMContextFrame(context), speech=False)
+                async with asyncio.timeout(self.response_timeout_secs):
+                    await response.done.wait()
+            except TimeoutError as exc:
+                raise LLMError(f"Pipecat LLM service {self.llm.name} gave no complete "
+                               f"response within {self.response_timeout_secs:g} s") from exc
+            except asyncio.CancelledError:
+                if not response.done.is_set():
+                    with contextlib.suppress(LifecycleError):
+                        await output.push(InterruptionFrame(), speech=False)
+                raise
+            finally:
+                self._response = None
+        if response.error is not None:
+            raise LLMError(f"Pipecat LLM service {self.llm.name} failed: {response.error}")
+        return "".join(response.texts).strip()
+
+
+class _Speaker(FrameProcessor):
+    """Where a `TurnRouterProcessor`'s speech enters the pipeline: place it right before
+    the TTS when an LLM service sits downstream of the processor, so speech (an
+    acknowledgment above all) never waits in the LLM's queue behind a response being
+    generated. Passes every frame through."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: Frames (by id) whose passage someone waits for; at most one per waiter.
+        self._awaited: dict[int, asyncio.Event] = {}
+
+    def expect(self, frame: Frame) -> asyncio.Event:
+        """An event set once `frame` has passed this processor."""
+        event = self._awaited[frame.id] = asyncio.Event()
+        return event
+
+    def forget(self, frame: Frame) -> None:
+        self._awaited.pop(frame.id, None)
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        await self.push_frame(frame, direction)
+        event = self._awaited.pop(frame.id, None)
+        if event is not None:
+            event.set()
+
+
+#: How long an interruption may take to travel from the processor to its speaker.
+_PASSAGE_BOUND_SECS = 2.0
+
+
+class TurnRouterProcessor(FrameProcessor):
+    """Routes each final user turn through an `AgentRouter`; put it where the LLM was.
+
+    - `TranscriptionFrame`s (place it after the STT) or the user context aggregator's
+      user turns (place it after the aggregator: the `LLMContextFrame` that follows its
+      `LLMContextUserTurnFrame`) become turns and are consumed. Other context frames
+      (`LLMRunFrame`, messages appended with `run_llm`) pass through to the LLM
+      downstream, speculative ones (eager end of turn) are dropped, and everything else
+      passes through.
+    - Each turn runs in its own task (`route_turn`), so a newer turn of the same
+      participant replaces the running one, and different participants run concurrently.
+      At most `max_turns` turn tasks run; a turn over the bound is refused and counted
+      (`turnrouter_runtime_rejected_messages_total{topic="pipecat", reason="overflow"}`),
+      as are oversized (`oversized`) and malformed (`invalid`) turns.
+    - Control text (acknowledgments, preambles, clarifications, failure text) is pushed
+      downstream as `TTSSpeakFrame`s; destinations push frames through `frame_output()`.
+      With an LLM service downstream, put `processor.speaker` right before the TTS: the
+      speech then enters there, not behind the LLM's queue.
+    - `InterruptionFrame` interrupts this processor's participants (before it is
+      forwarded); `EndFrame` waits for the turns in flight (at most `end_timeout_secs`,
+      30 s, then they are interrupted), then stops the router (`drain()`, `stop()`);
+      `CancelFrame` stops it at once. With `owns_router=False` (a router shared by
+      several pipelines) they wait for, or interrupt, this processor's own turns only.
+    - With `report_heard` (default), `BotStartedSpeakingFrame` reports when the answer
+      was first heard (`mark_heard`), so silence and first response measure the audio.
+    - With Pipecat tracing on, turn spans are children of Pipecat's `turn` span.
+
+    Events (Pipecat event handlers): `on_turn_routed(processor, turn, routed)`,
+    `on_turn_failed(processor, turn, error)`.
+    """
+
+    def __init__(self, router: AgentRouter, *, participant_id: str = "user",
+                 report_heard: bool = True, owns_router: bool = True, max_turns: int = 64,
+                 max_query_chars: int = 4096, end_timeout_secs: float = 30.0,
+                 **kwargs: Any) -> None:
+        if not isinstance(router, AgentRouter):
+            raise ContractTypeError(
+                f"TurnRouterProcessor needs an AgentRouter, got {type(router).__name__}")
+        if not isinstance(participant_id, str) or not participant_id:
+            raise ConfigurationError("TurnRouterProcessor participant_id must be a non-empty str")
+        for name, value in (("max_turns", max_turns), ("max_query_chars", max_query_chars)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"TurnRouterProcessor {name} must be an int >= 1")
+        if not isinstance(end_timeout_secs, int | float) or isinstance(end_timeout_secs, bool) \
+                or not 0 < end_timeout_secs < float("inf"):
+            raise ConfigurationError(
+                "TurnRouterProcessor end_timeout_secs must be finite and positive")
+        super().__init__(**kwargs)
+        self.router = router
+        self.participant_id = participant_id
+        self.report_heard = bool(report_heard)
+        self.owns_router = bool(owns_router)
+        self.max_turns = max_turns
+        self.max_query_chars = max_query_chars
+        self.end_timeout_secs = float(end_timeout_secs)
+        self._count = 0
+        self._tasks: dict[asyncio.Task[None], _TurnSink] = {}
+        #: Per participant: the turn whose first frame went out, not yet heard.
+        self._unheard: dict[str, str] = {}
+        self._stopped = False
+        #: The user aggregator announced a user turn: its next context frame is routed.
+        self._user_turn_pending = False
+        self._speaker = _Speaker(name=f"{self.name}::speaker")
+        self._register_event_handler("on_turn_routed")
+        self._register_event_handler("on_turn_failed")
+
+    @property
+    def speaker(self) -> FrameProcessor:
+        """Put this in the pipeline right before the TTS when an LLM service follows the
+        processor: the router's speech (acknowledgments, clarifications, destinations'
+        frames) then enters there instead of queueing behind the LLM."""
+        return self._speaker
+
+    @property
+    def turns_in_flight(self) -> int:
+        """Turn tasks of this processor still running."""
+        return len(self._tasks)
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        downstream = direction == FrameDirection.DOWNSTREAM
+        if downstream and isinstance(frame, TranscriptionFrame):
+            self._offer(frame)
+            return
+        if downstream and isinstance(frame, LLMContextFrame):
+            if frame.speculation is True:
+                return  # eager inference is not routed: the confirmed turn is
+            if self._user_turn_pending:
+                self._user_turn_pending = False
+                self._offer(frame)
+                return
+            # Not a user turn (LLMRunFrame, messages appended with run_llm): the LLM
+            # downstream answers it as it did before turnrouter.
+        elif downstream and isinstance(frame, LLMContextUserTurnFrame):
+            self._user_turn_pending = True
+        if isinstance(frame, InterruptionFrame):
+            await self._interrupt()
+            if downstream:
+                await self._push_through(frame)
+                return
+        elif isinstance(frame, BotStartedSpeakingFrame):
+            self._heard()
+        elif isinstance(frame, EndFrame):
+            await self._end()
+        elif isinstance(frame, CancelFrame):
+            await self._cancel()
+        elif isinstance(frame, StartFrame):
+            self._stopped = False
+        await self.push_frame(frame, direction)
+
+    async def cleanup(self) -> None:
+        """Cancel turn tasks still running when the pipeline is torn down."""
+        for task in list(self._tasks):
+            await self.cancel_task(task)
+        await super().cleanup()  # type: ignore[no-untyped-call]
+
+    # -- turns ---------------------------------------------------------------------
+
+    def _offer(self, frame: Frame) -> None:
+        self._count += 1
+        try:
+            turn = turn_from_frame(frame, turn_id=f"pipecat-{self.id}-{self._count}",
+                                   participant_id=self.participant_id,
+                                   max_query_chars=self.max_query_chars)
+        except ContractValueError as exc:
+            self._reject("oversized" if "max_query_chars" in str(exc) else "invalid")
+            return
+        except (ContractTypeError, TypeError, ValueError):
+            self._reject("invalid")
+            return
+        if turn is None:
+            return
+        if len(self._tasks) >= self.max_turns:
+            self._reject("overflow")
+            return
+        sink = _TurnSink(self, turn, frame.context if isinstance(frame, LLMContextFrame)
+                         else None)
+        task = self.create_task(self._run(sink, self._pipecat_carrier()),
+                                name=f"turn-{turn.turn_id}")
+        self._tasks[task] = sink
+
+    def _reject(self, reason: str) -> None:
+        logger.warning("pipecat turn refused: %s", reason)
+        self.router.report_rejected(SOURCE, reason)
+
+    def _pipecat_carrier(self) -> dict[str, str]:
+        """Trace headers of Pipecat's current turn span (its tracing on), else none."""
+        try:
+            tracing = self.processor_setup.tracing_context
+        except Exception:  # not set up (no StartFrame yet)
+            return {}
+        if tracing is None:
+            return {}
+        return _carrier_of(tracing.get_turn_context() or tracing.get_conversation_context())
+
+    async def _run(self, sink: _TurnSink, carrier: dict[str, str]) -> None:
+        token = _CURRENT.set(sink)
+        turn = sink.turn
+        try:
+            scope = (self.router.continue_trace(carrier) if carrier
+                     else contextlib.nullcontext())
+            with scope:
+                routed = await self.router.route_turn(
+                    turn, output=self._speak, report_heard=self.report_heard)
+            sink.closed = True
+            await self._call_event_handler("on_turn_routed", turn, routed)
+        except TurnInterrupted:
+            sink.closed = True
+        except Exception as exc:
+            sink.closed = True
+            logger.warning("pipecat turn %s failed: %s", turn.turn_id, type(exc).__name__)
+            await self._call_event_handler("on_turn_failed", turn, exc)
+        finally:
+            sink.closed = True
+            _CURRENT.reset(token)
+            task = asyncio.current_task()
+            if task is not None:
+                self._tasks.pop(task, None)
+
+    async def _speak(self, turn: AgentTurn, route: str, text: str) -> None:
+        """The router's control text for a turn: spoken downstream."""
+        await self._push_speech(TTSSpeakFrame(text))
+
+    async def _push_through(self, frame: Frame) -> None:
+        """Push a frame downstream and, with the speaker linked, wait (bounded) until it
+        passed the speaker: speech pushed afterwards at the speaker then follows it, so
+        an interruption never drops the speech of the turn that replaced the cut one."""
+        if self._speaker.next is None:
+            await self.push_frame(frame, FrameDirection.DOWNSTREAM)
+            return
+        passed = self._speaker.expect(frame)
+        try:
+            await self.push_frame(frame, FrameDirection.DOWNSTREAM)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_PASSAGE_BOUND_SECS):
+                    await passed.wait()
+        finally:
+            self._speaker.forget(frame)
+
+    async def _push_speech(self, frame: Frame) -> None:
+        """Speech goes out at the speaker when it is linked into the pipeline."""
+        if self._speaker.next is not None:
+            await self._speaker.push_frame(frame, FrameDirection.DOWNSTREAM)
+        else:
+            await self.push_frame(frame, FrameDirection.DOWNSTREAM)
+
+    def _expect_heard(self, turn: AgentTurn) -> None:
+        """The turn's answer (not control text such as an acknowledgment) is on its way:
+        the next BotStartedSpeakingFrame reports it heard."""
+        if self.report_heard:
+            self._unheard[turn.participant_id] = turn.turn_id
+
+    def _heard(self) -> None:
+        """The bot started speaking: the pending turns' answers are being heard."""
+        pending, self._unheard = self._unheard, {}
+        for participant_id, turn_id in pending.items():
+            self.router.mark_heard(participant_id, turn_id)
+
+    # -- interruptions and the end ----------------------------------------------------
+
+    def _participants(self) -> list[str]:
+        return sorted({sink.turn.participant_id for sink in self._tasks.values()})
+
+    async def _interrupt(self) -> None:
+        for participant_id in self._participants():
+            await self.router.interrupt(participant_id)
+        self._unheard.clear()
+
+    async def _wait_own_turns(self) -> None:
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    async def _end(self) -> None:
+        """EndFrame: let the turns in flight finish (at most `end_timeout_secs`, then
+        they are interrupted), then stop the router."""
+        try:
+            async with asyncio.timeout(self.end_timeout_secs):
+                if self.owns_router:
+                    await self.router.drain()
+                await self._wait_own_turns()
+        except TimeoutError:
+            logger.warning("pipecat end: turns still running after %g s are interrupted",
+                           self.end_timeout_secs)
+            if not self.owns_router:
+                await self._interrupt()
+        if self.owns_router and not self._stopped:
+            self._stopped = True
+            await self.router.stop()
+
+    async def _cancel(self) -> None:
+        """CancelFrame: stop now (turns in flight are interrupted)."""
+        if self.owns_router:
+            if not self._stopped:
+                self._stopped = True
+                await self.router.stop()
+        else:
+            await self._interrupt()

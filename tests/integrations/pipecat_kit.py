@@ -1,0 +1,193 @@
+"""A running Pipecat pipeline for the adapter tests, built from Pipecat's own test parts.
+
+`Pipe` is Pipecat's `run_test` (its `QueuedFrameProcessor` at both ends, a
+`PipelineWorker` on a `WorkerRunner`) kept open, so a test can send frames, wait for
+what comes out, and end the pipeline when it chooses. Import only after Pipecat was
+found (the test modules skip without it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+
+with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.11-3.12
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from pipecat.frames.frames import (
+        BotStartedSpeakingFrame,
+        BotStoppedSpeakingFrame,
+        CancelFrame,
+        EndFrame,
+        Frame,
+        TTSAudioRawFrame,
+        TTSSpeakFrame,
+    )
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+    from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+    from pipecat.tests.utils import QueuedFrameProcessor
+    from pipecat.workers.runner import WorkerRunner
+
+from turnrouter import AgentTurn
+from turnrouter.integrations.pipecat import FrameAgent, FrameOutput
+from turnrouter.testing import ManualClock
+
+F = TypeVar("F", bound=Frame)
+BOUND = 10.0
+
+
+class Pipe:
+    """source -> processors -> sink, running until `end()` (or the context exits)."""
+
+    def __init__(self, *processors: FrameProcessor, enable_tracing: bool = False) -> None:
+        self.down: asyncio.Queue[Frame] = asyncio.Queue()
+        self.up: asyncio.Queue[Frame] = asyncio.Queue()
+        self.seen: list[Frame] = []
+        source = QueuedFrameProcessor(queue=self.up, queue_direction=FrameDirection.UPSTREAM)
+        sink = QueuedFrameProcessor(queue=self.down, queue_direction=FrameDirection.DOWNSTREAM)
+        self.worker = PipelineWorker(
+            Pipeline([source, *processors, sink]), cancel_on_idle_timeout=False,
+            enable_tracing=enable_tracing, params=PipelineParams())
+        self._started = asyncio.Event()
+        self._run: asyncio.Task[None] | None = None
+
+        @self.worker.event_handler("on_pipeline_started")
+        async def _started(worker: Any, frame: Frame) -> None:
+            self._started.set()
+
+    async def __aenter__(self) -> Pipe:
+        runner = WorkerRunner(handle_sigint=False)
+        await runner.add_workers(self.worker)
+        self._run = asyncio.create_task(runner.run())
+        with anyio.fail_after(BOUND):
+            await self._started.wait()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._run is not None
+        if not self._run.done():
+            await self.worker.queue_frame(CancelFrame())
+            with anyio.fail_after(BOUND):
+                await self._run
+
+    async def send(self, *frames: Frame) -> None:
+        """Queue frames downstream at the pipeline's start."""
+        for frame in frames:
+            await self.worker.queue_frame(frame)
+
+    async def next_down(self, kind: type[F]) -> F:
+        """The next frame of `kind` reaching the sink (others are kept in `seen`)."""
+        with anyio.fail_after(BOUND):
+            while True:
+                frame = await self.down.get()
+                self.seen.append(frame)
+                if isinstance(frame, kind):
+                    return frame
+
+    async def end_wait(self) -> None:
+        """Wait for the pipeline to finish (an EndFrame or CancelFrame already sent)."""
+        assert self._run is not None
+        with anyio.fail_after(BOUND):
+            await self._run
+
+    async def end(self) -> list[Frame]:
+        """Send EndFrame, wait for the pipeline to finish; every frame that reached the
+        sink since the last `next_down`, EndFrame included."""
+        await self.worker.queue_frame(EndFrame())
+        assert self._run is not None
+        with anyio.fail_after(BOUND):
+            await self._run
+        rest: list[Frame] = []
+        while not self.down.empty():
+            rest.append(self.down.get_nowait())
+        self.seen.extend(rest)
+        return rest
+
+
+def spoken(frames: list[Frame]) -> list[str]:
+    """Texts of the TTSSpeakFrames among `frames`, in order."""
+    return [frame.text for frame in frames if isinstance(frame, TTSSpeakFrame)]
+
+
+Respond = Callable[[AgentTurn, FrameOutput], Awaitable[str]]
+
+
+class Agent(FrameAgent):
+    """A `FrameAgent` that says `text`, optionally after a gate or a clock sleep, and
+    records what happened."""
+
+    def __init__(self, name: str, text: str = "", *, decline: bool = False,
+                 gate: anyio.Event | None = None, before_first: anyio.Event | None = None,
+                 clock: ManualClock | None = None, delay: float = 0.0,
+                 error: BaseException | None = None, second: str = "") -> None:
+        super().__init__(name, f"the {name} agent")
+        self.text = text or f"{name} answer"
+        self.decline = decline
+        self.gate = gate
+        self.before_first = before_first
+        self.clock = clock
+        self.delay = delay
+        self.error = error
+        self.second = second
+        self.entered = anyio.Event()
+        self.pushed_first = anyio.Event()
+        self.outcome: list[str] = []
+        self.released: list[str] = []
+        self.output: FrameOutput | None = None
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Any:
+        from turnrouter import Admission
+
+        return Admission("decline" if self.decline else "accept")
+
+    async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+        self.output = output
+        self.entered.set()
+        try:
+            if self.error is not None:
+                raise self.error
+            if self.clock is not None and self.delay:
+                await self.clock.sleep(self.delay)
+            if self.before_first is not None:
+                await self.before_first.wait()
+            await output.say(self.text)
+            self.pushed_first.set()
+            if self.gate is not None:
+                await self.gate.wait()
+            if self.second:
+                await output.say(self.second)
+        except BaseException as exc:
+            self.outcome.append(type(exc).__name__)
+            raise
+        self.outcome.append("done")
+        return self.text
+
+    async def release(self, participant_id: str) -> None:
+        self.released.append(participant_id)
+
+
+class FakeSpeech(FrameProcessor):
+    """Fake TTS plus output transport: each TTSSpeakFrame becomes, after `ttfb` seconds
+    of `clock`, a TTSAudioRawFrame downstream, with BotStarted/StoppedSpeaking broadcast
+    (upstream too, as Pipecat's output transport does)."""
+
+    def __init__(self, clock: ManualClock | None = None, ttfb: float = 0.0) -> None:
+        super().__init__()
+        self.clock = clock
+        self.ttfb = ttfb
+        self.spoken: list[str] = []
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if isinstance(frame, TTSSpeakFrame):
+            if self.clock is not None and self.ttfb:
+                await self.clock.sleep(self.ttfb)
+            self.spoken.append(frame.text)
+            await self.broadcast_frame(BotStartedSpeakingFrame)
+            await self.push_frame(TTSAudioRawFrame(b"\0\0" * 160, 16000, 1))
+            await self.broadcast_frame(BotStoppedSpeakingFrame)
+        await self.push_frame(frame, direction)

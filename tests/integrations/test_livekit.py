@@ -1,0 +1,802 @@
+"""The LiveKit adapter driven through LiveKit Agents' own text-mode `AgentSession`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from opentelemetry.trace import NoOpTracerProvider
+
+pytest.importorskip("livekit.agents", reason="needs the livekit extra")
+
+from livekit.agents import (
+    Agent,
+    AgentSession,
+    AgentStateChangedEvent,
+    RunResult,
+    llm,
+)
+from livekit.agents.llm import ChatChunk, ChoiceDelta
+from livekit.agents.telemetry import set_tracer_provider
+from livekit.agents.types import (
+    DEFAULT_API_CONNECT_OPTIONS,
+    NOT_GIVEN,
+    APIConnectOptions,
+    NotGivenOr,
+)
+from livekit.agents.voice.io import TextOutput
+
+from turnrouter import (
+    Admission,
+    AgentRouter,
+    AgentTurn,
+    ConfigurationError,
+    ContextPatch,
+    ContractTypeError,
+    DestinationResult,
+    LifecycleError,
+    RoutingAid,
+)
+from turnrouter.integrations.livekit import (
+    HandoffDestination,
+    LLMDestination,
+    RouterAgent,
+    TurnEnd,
+    speak,
+    stop_gracefully,
+)
+from turnrouter.telemetry import Telemetry
+from turnrouter.testing import (
+    ManualClock,
+    ScriptedAgent,
+    ScriptedDecisions,
+    ScriptedLLM,
+    TelemetryCapture,
+)
+
+pytestmark = pytest.mark.anyio
+
+Started = Callable[[], Awaitable[None]]
+
+
+async def _say(turn: AgentTurn, route: str, text: str) -> None:
+    await speak(text)
+
+
+def speaking(name: str, **kwargs: Any) -> ScriptedAgent:
+    """A scripted destination that says its answer in the LiveKit session."""
+    return ScriptedAgent(name, output=_say, **kwargs)
+
+
+class Ends:
+    """`on_turn_end` recorder with a bounded wait."""
+
+    def __init__(self) -> None:
+        self.items: list[TurnEnd] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, end: TurnEnd) -> None:
+        self.items.append(end)
+        self._changed.set()
+
+    async def wait(self, count: int = 1) -> list[TurnEnd]:
+        with anyio.fail_after(5):
+            while len(self.items) < count:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.items
+
+
+class TwoParts:
+    """A destination that says one part, waits for `gate`, then says a second part."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.gate = asyncio.Event()
+        self.first_said = asyncio.Event()
+        self.cancelled = False
+        self.speakers: list[str] = []
+        self._spoke = asyncio.Event()
+
+    async def wait_speakers(self, count: int) -> None:
+        """Wait (bounded) until `count` turns said their first part."""
+        with anyio.fail_after(5):
+            while len(self.speakers) < count:
+                self._spoke.clear()
+                await self._spoke.wait()
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return RoutingAid(self.name, f"handles {self.name}")
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        return Admission("accept")
+
+    async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+        await speak("Part one.", started=started)
+        self.first_said.set()
+        self.speakers.append(turn.participant_id)
+        self._spoke.set()
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        await speak(" Part two.")
+        return DestinationResult("answer", "Part one. Part two.")
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+class Slow:
+    """A destination that starts speaking only once `gate` opens."""
+
+    def __init__(self, name: str, *, gated: bool) -> None:
+        self.name = name
+        self.gate = asyncio.Event()
+        if not gated:
+            self.gate.set()
+        self.entered = asyncio.Event()
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return RoutingAid(self.name, f"handles {self.name}")
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        return Admission("accept")
+
+    async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+        self.entered.set()
+        await self.gate.wait()
+        text = await speak(f"{self.name} answer", started=started)
+        return DestinationResult("answer", text)
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+class FakeStream(llm.LLMStream):
+    async def _run(self) -> None:
+        reply = self._llm.reply  # type: ignore[attr-defined]
+        for index, word in enumerate(reply.split(" ")):
+            text = word if index == 0 else f" {word}"
+            self._event_ch.send_nowait(ChatChunk(id=f"c{index}", delta=ChoiceDelta(
+                role="assistant", content=text)))
+
+
+class FakeLLM(llm.LLM[Any]):
+    """A LiveKit LLM streaming a fixed reply word by word; records the prompts."""
+
+    def __init__(self, reply: str) -> None:
+        super().__init__()
+        self.reply = reply
+        self.prompts: list[llm.ChatContext] = []
+
+    def chat(
+        self,
+        *,
+        chat_ctx: llm.ChatContext,
+        tools: list[llm.Tool] | None = None,
+        conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS,
+        parallel_tool_calls: NotGivenOr[bool] = NOT_GIVEN,
+        tool_choice: NotGivenOr[llm.ToolChoice] = NOT_GIVEN,
+        extra_kwargs: NotGivenOr[dict[str, Any]] = NOT_GIVEN,
+    ) -> llm.LLMStream:
+        self.prompts.append(chat_ctx)
+        return FakeStream(self, chat_ctx=chat_ctx, tools=tools or [],
+                          conn_options=conn_options)
+
+
+class GatedText(TextOutput):
+    """A session text output that holds the first text it gets until `gate` opens."""
+
+    def __init__(self) -> None:
+        super().__init__(label="gated", next_in_chain=None)
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def capture_text(self, text: str) -> None:
+        self.entered.set()
+        await self.gate.wait()
+
+    def flush(self) -> None:
+        return None
+
+
+def said(result: RunResult[Any]) -> list[str]:
+    """The assistant messages a run recorded, in order."""
+    texts = []
+    for event in result.events:
+        if event.type == "message" and event.item.role == "assistant":
+            texts.append(event.item.text_content or "")
+    return texts
+
+
+def make_router(*agents: Any, decisions: Any, **kwargs: Any) -> AgentRouter:
+    kwargs.setdefault("telemetry", Telemetry.disabled())
+    return AgentRouter({agent.name: agent for agent in agents}, decisions, **kwargs)
+
+
+@asynccontextmanager
+async def session_for(router: AgentRouter, participant_id: str = "alice",
+                      **kwargs: Any) -> AsyncIterator[tuple[AgentSession[Any], Ends]]:
+    ends = Ends()
+    session: AgentSession[Any] = AgentSession()
+    await session.start(RouterAgent(router, participant_id=participant_id,
+                                    on_turn_end=ends, **kwargs))
+    try:
+        yield session, ends
+    finally:
+        await session.aclose()
+
+
+async def run(session: AgentSession[Any], text: str) -> RunResult[Any]:
+    with anyio.fail_after(5):
+        return await session.run(user_input=text)
+
+
+# ---------------------------------------------------------------- routing
+
+
+async def test_a_turn_is_routed_and_the_answer_is_said() -> None:
+    """The router's choice answers; its text is the session's reply."""
+    weather, music = speaking("weather"), speaking("music")
+    router = make_router(weather, music, decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, ends):
+        result = await run(session, "will it rain?")
+        assert said(result) == ["weather answer"]
+        end = (await ends.wait())[0]
+    assert end.routed is not None and end.routed.route == "weather"
+    assert weather.calls[-1].query == "will it rain?"
+    assert music.count("answer") == 0
+
+
+async def test_the_default_answers_after_declines() -> None:
+    """Declined routes fall back to the default destination."""
+    weather = speaking("weather", admissions="decline")
+    music = speaking("music", admissions="decline")
+    chat = speaking("conversation")
+    router = make_router(weather, music, chat,
+                         decisions=ScriptedDecisions("weather", "music"))
+    async with session_for(router) as (session, ends):
+        result = await run(session, "hello")
+        assert said(result) == ["conversation answer"]
+        end = (await ends.wait())[0]
+    assert end.routed is not None and end.routed.route == "conversation"
+
+
+async def test_turn_ids_are_livekit_message_ids_and_history_builds_up() -> None:
+    """Each user message is one turn (its LiveKit item id); answers enter history."""
+    weather = speaking("weather")
+    router = make_router(weather, decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, ends):
+        await run(session, "one")
+        await run(session, "two")
+        first, second = await ends.wait(2)
+        user_ids = [item.id for item in session.history.items
+                    if isinstance(item, llm.ChatMessage) and item.role == "user"]
+    assert [first.turn.turn_id, second.turn.turn_id] == user_ids
+    assert [exchange.user for exchange in router.history_of("alice")] == ["one", "two"]
+
+
+async def test_a_clarification_is_said() -> None:
+    """With no usable choice the router's clarification question is the reply."""
+    weather = speaking("weather")
+    router = make_router(weather, decisions=ScriptedDecisions("clarify"),
+                         clarification_text="Which one?")
+    async with session_for(router) as (session, ends):
+        result = await run(session, "hmm")
+        assert said(result) == ["Which one?"]
+        end = (await ends.wait())[0]
+    assert end.routed is not None and end.routed.route is None
+
+
+async def test_a_preamble_is_its_own_speech_before_the_answer() -> None:
+    """An admission preamble is said first, as a separate speech."""
+    weather = speaking("weather", admissions=Admission("accept", preamble="Let me see."))
+    router = make_router(weather, decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, _):
+        result = await run(session, "rain?")
+    assert said(result) == ["Let me see.", "weather answer"]
+
+
+async def test_a_failing_turn_end_callback_does_not_stop_the_next_turn() -> None:
+    """An on_turn_end callback that raises is logged; routing goes on."""
+    calls: list[str] = []
+
+    def broken(end: TurnEnd) -> None:
+        calls.append(end.turn.query)
+        raise RuntimeError("callback bug")
+
+    router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
+    session: AgentSession[Any] = AgentSession()
+    await session.start(RouterAgent(router, participant_id="alice", on_turn_end=broken))
+    try:
+        await run(session, "one")
+        result = await run(session, "two")
+    finally:
+        await session.aclose()
+    assert said(result) == ["weather answer"]
+    assert calls == ["one", "two"]
+
+
+async def test_a_held_patch_question_is_said_in_the_participants_session() -> None:
+    """Control text outside any turn reaches the right session of a shared router."""
+    router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
+    asked = asyncio.Event()
+    heard: dict[str, list[str]] = {"alice": [], "bob": []}
+    async with session_for(router, "alice") as (alice, _), \
+            session_for(router, "bob") as (bob, _):
+        for name, session in (("alice", alice), ("bob", bob)):
+            await run(session, "rain?")
+
+            def record(event: Any, name: str = name) -> None:
+                if event.item.role == "assistant":
+                    heard[name].append(event.item.text_content or "")
+                    asked.set()
+
+            session.on("conversation_item_added", record)
+        await router.apply_context_patch(
+            "bob", ContextPatch(task_id="booking", digest=("Table for two at 8",)),
+            "human_gated")
+        with anyio.fail_after(5):
+            await asked.wait()
+    assert heard["alice"] == []
+    assert len(heard["bob"]) == 1 and "Table for two at 8" in heard["bob"][0]
+
+
+async def test_a_patch_question_without_a_session_stays_held() -> None:
+    """With the participant's session closed, the question fails and the patch waits."""
+    router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
+    async with session_for(router, depart_on_close=False) as (session, _):
+        await run(session, "rain?")
+    held = await router.apply_context_patch(
+        "alice", ContextPatch(task_id="booking", digest=("Table for two at 8",)),
+        "human_gated")
+    assert router.pending_patches("alice") == (held,)
+
+
+# ---------------------------------------------------------------- acknowledgments
+
+
+async def _acknowledged_run(gated: bool) -> list[str]:
+    clock = ManualClock()
+    weather = Slow("weather", gated=gated)
+    router = make_router(weather, decisions=ScriptedDecisions("weather"), clock=clock,
+                         acknowledgment_llm=ScriptedLLM("One moment."),
+                         acknowledgment_delay_secs=0.5)
+    async with session_for(router) as (session, ends):
+        pending: RunResult[Any] = session.run(user_input="what's the forecast?")
+        if gated:
+            with anyio.fail_after(5):
+                await weather.entered.wait()
+                await clock.wait_for_sleepers()
+            clock.advance(1.0)
+            await clock.settle()                 # the acknowledgment is said
+            weather.gate.set()
+        with anyio.fail_after(5):
+            result = await pending
+        await ends.wait()
+    return said(result)
+
+
+async def test_an_acknowledgment_is_its_own_speech_before_a_slow_answer() -> None:
+    """A slow answer is preceded by the acknowledgment, said as a separate speech."""
+    texts = await _acknowledged_run(gated=True)
+    assert texts == ["One moment.", "weather answer"]
+
+
+async def test_no_acknowledgment_before_a_fast_answer() -> None:
+    """An answer that starts before the acknowledgment is due is said alone."""
+    texts = await _acknowledged_run(gated=False)
+    assert texts == ["weather answer"]
+
+
+# ---------------------------------------------------------------- interruptions
+
+
+async def test_barge_in_before_the_answer_interrupts_the_turn() -> None:
+    """A LiveKit interruption while the route admits cancels the router's turn."""
+    weather = speaking("weather")
+    weather.admit_gate = anyio.Event()
+    router = make_router(weather, decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, ends):
+        pending: RunResult[Any] = session.run(user_input="rain?")
+        with anyio.fail_after(5):
+            await weather.admit_entered.wait()
+        await session.interrupt()
+        end = (await ends.wait())[0]
+        with anyio.fail_after(5):
+            result = await pending
+    assert end.interrupted and end.routed is None
+    assert weather.cancelled == ["admit"]
+    assert said(result) == []
+
+
+async def test_barge_in_during_the_answer_cuts_it() -> None:
+    """Interrupting the answer's speech cancels the destination mid-answer."""
+    parts = TwoParts("weather")
+    router = make_router(parts, decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, ends):
+        speaking_now = asyncio.Event()
+
+        def on_state(event: AgentStateChangedEvent) -> None:
+            if event.new_state == "speaking":
+                speaking_now.set()
+
+        session.on("agent_state_changed", on_state)
+        pending: RunResult[Any] = session.run(user_input="rain?")
+        with anyio.fail_after(5):
+            await parts.first_said.wait()
+            await speaking_now.wait()
+        await session.interrupt()
+        end = (await ends.wait())[0]
+        with anyio.fail_after(5):
+            result = await pending
+    assert end.interrupted
+    assert parts.cancelled
+    assert said(result) == ["Part one."]
+    assert router.history_of("alice") == ()
+
+
+async def test_a_new_turn_replaces_the_running_one() -> None:
+    """A second user message cancels the first turn's answer; the second is said."""
+    parts = TwoParts("weather")
+    router = make_router(parts, speaking("music"),
+                         decisions=ScriptedDecisions("weather", "music"))
+    async with session_for(router) as (session, ends):
+        session.generate_reply(user_input="rain?")
+        with anyio.fail_after(5):
+            await parts.first_said.wait()
+        result = await run(session, "play jazz")
+        first, second = await ends.wait(2)
+    assert first.interrupted and parts.cancelled
+    assert second.routed is not None and second.routed.route == "music"
+    assert said(result) == ["music answer"]
+    assert [exchange.user for exchange in router.history_of("alice")] == ["play jazz"]
+
+
+async def test_the_replaced_turns_cut_speech_does_not_interrupt_its_successor() -> None:
+    """Cutting the replaced turn's speech never interrupts the (slow) turn replacing it."""
+    parts, music = TwoParts("weather"), Slow("music", gated=True)
+    router = make_router(parts, music, decisions=ScriptedDecisions("weather", "music"))
+    async with session_for(router) as (session, ends):
+        session.generate_reply(user_input="rain?")
+        with anyio.fail_after(5):
+            await parts.first_said.wait()
+        pending: RunResult[Any] = session.run(user_input="play jazz")
+        with anyio.fail_after(5):
+            await music.entered.wait()
+        first = (await ends.wait())[0]
+        await ManualClock.settle()                  # the cut speech's callbacks have run
+        music.gate.set()
+        with anyio.fail_after(5):
+            result = await pending
+        second = (await ends.wait(2))[1]
+    assert first.interrupted and not second.interrupted
+    assert said(result) == ["music answer"]
+
+
+# ---------------------------------------------------------------- failures and users
+
+
+async def test_a_failing_destination_says_the_failure_text() -> None:
+    """A destination failing before it spoke gets the router's failure text."""
+    weather = speaking("weather", results=RuntimeError("backend down"))
+    router = make_router(weather, decisions=ScriptedDecisions("weather"),
+                         failure_text="Sorry, that failed.")
+    async with session_for(router) as (session, ends):
+        result = await run(session, "rain?")
+        end = (await ends.wait())[0]
+    assert said(result) == ["Sorry, that failed."]
+    assert isinstance(end.error, RuntimeError) and end.routed is None
+
+
+async def test_closing_the_session_interrupts_the_running_turn() -> None:
+    """A session closed mid-turn cancels the turn (LiveKit cancels its reply)."""
+    weather = Slow("weather", gated=True)
+    router = make_router(weather, decisions=ScriptedDecisions("weather"))
+    async with session_for(router, depart_on_close=False) as (session, ends):
+        session.generate_reply(user_input="rain?")
+        with anyio.fail_after(5):
+            await weather.entered.wait()
+    end = (await ends.wait())[0]
+    assert end.interrupted and end.routed is None
+    assert router.history_of("alice") == ()
+
+
+async def test_speak_after_the_turn_ended_is_refused() -> None:
+    """Text a destination tries to say after its turn ended raises LifecycleError."""
+    late: list[BaseException] = []
+    done = asyncio.Event()
+
+    class Lingering(Slow):
+        async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+            result = await super().answer(turn, started=started)
+            asyncio.get_running_loop().create_task(self.later())
+            return result
+
+        async def later(self) -> None:
+            await self.gate.wait()
+            try:
+                await speak("too late")
+            except LifecycleError as exc:
+                late.append(exc)
+            done.set()
+
+    router = make_router(Lingering("weather", gated=False),
+                         decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, ends):
+        result = await run(session, "rain?")
+        await ends.wait()
+        with anyio.fail_after(5):
+            await done.wait()
+    assert said(result) == ["weather answer"]
+    assert len(late) == 1 and "ended" in str(late[0])
+
+
+async def test_failure_logs_carry_no_user_text(caplog: pytest.LogCaptureFixture) -> None:
+    """A failing destination's message (which may quote the user) stays out of warnings."""
+    weather = speaking("weather", results=RuntimeError("secret: my card is 4242"))
+    router = make_router(weather, decisions=ScriptedDecisions("weather"))
+    caplog.set_level(logging.WARNING)
+    async with session_for(router) as (session, ends):
+        await run(session, "rain?")
+        await ends.wait()
+    assert "RuntimeError" in caplog.text
+    assert "4242" not in caplog.text
+
+
+async def test_two_users_in_two_sessions_run_concurrently() -> None:
+    """Two sessions on one router: each participant's turn is its own and concurrent."""
+    parts = TwoParts("weather")
+    router = make_router(parts, decisions=ScriptedDecisions("weather"))
+    async with session_for(router, "alice") as (alice, alice_ends), \
+            session_for(router, "bob") as (bob, bob_ends):
+        first: RunResult[Any] = alice.run(user_input="rain in Paris?")
+        second: RunResult[Any] = bob.run(user_input="rain in Rome?")
+        await parts.wait_speakers(2)                     # both answers are under way
+        parts.gate.set()
+        with anyio.fail_after(5):
+            alice_result, bob_result = await first, await second
+        await alice_ends.wait()
+        await bob_ends.wait()
+        assert [e.user for e in router.history_of("alice")] == ["rain in Paris?"]
+        assert [e.user for e in router.history_of("bob")] == ["rain in Rome?"]
+    assert sorted(parts.speakers) == ["alice", "bob"]
+    assert said(alice_result) == said(bob_result) == ["Part one. Part two."]
+
+
+async def test_closing_the_session_departs_the_participant() -> None:
+    """The session's close releases the participant's state in the router."""
+    weather = speaking("weather")
+    router = make_router(weather, decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, _):
+        await run(session, "rain?")
+        assert router.participants == frozenset({"alice"})
+    with anyio.fail_after(5):
+        await weather.release_entered.wait()
+    assert weather.calls[-1].method == "release"
+    assert weather.calls[-1].participant_id == "alice"
+
+
+async def test_graceful_end_lets_the_running_turn_finish() -> None:
+    """stop_gracefully drains the turn in flight, then stops the router."""
+    parts = TwoParts("weather")
+    router = make_router(parts, decisions=ScriptedDecisions("weather"))
+    async with session_for(router, depart_on_close=False) as (session, ends):
+        pending: RunResult[Any] = session.run(user_input="rain?")
+        with anyio.fail_after(5):
+            await parts.first_said.wait()
+        stopping = asyncio.ensure_future(stop_gracefully(router))
+        await ManualClock.settle()                       # every task ran until blocked
+        assert not stopping.done() and not parts.cancelled   # stop waits, cancels nothing
+        parts.gate.set()
+        with anyio.fail_after(5):
+            await stopping
+            result = await pending
+        end = (await ends.wait())[0]
+    assert not end.interrupted and not parts.cancelled
+    assert said(result) == ["Part one. Part two."]
+    with pytest.raises(LifecycleError):
+        await router.route_turn(AgentTurn("alice", "late", "hello?"))
+
+
+async def test_graceful_end_is_bounded() -> None:
+    """Past its timeout, stop_gracefully stops anyway and the turn is interrupted."""
+    parts = TwoParts("weather")
+    router = make_router(parts, decisions=ScriptedDecisions("weather"))
+    async with session_for(router, depart_on_close=False) as (session, ends):
+        session.generate_reply(user_input="rain?")
+        with anyio.fail_after(5):
+            await parts.first_said.wait()
+            await stop_gracefully(router, timeout_secs=0.01)
+        end = (await ends.wait())[0]
+    assert end.interrupted and parts.cancelled
+
+
+# ---------------------------------------------------------------- destinations
+
+
+async def test_llm_destination_streams_a_livekit_llm() -> None:
+    """LLMDestination prompts a LiveKit LLM with history and says its stream."""
+    model = FakeLLM("It will be sunny.")
+    router = make_router(LLMDestination("weather", "forecasts", model,
+                                        instructions="You forecast."),
+                         decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, _):
+        await run(session, "first?")
+        result = await run(session, "rain?")
+    assert said(result) == ["It will be sunny."]
+    prompt = [(m.role, m.text_content) for m in model.prompts[-1].messages()]
+    assert prompt == [("system", "You forecast."), ("user", "first?"),
+                      ("assistant", "It will be sunny."), ("user", "rain?")]
+
+
+async def test_handoff_destination_hands_the_session_to_a_livekit_agent() -> None:
+    """A handoff route says its text and makes another LiveKit agent current."""
+    target = Agent(instructions="You are the billing agent.")
+    handoff = HandoffDestination("billing", "billing questions", lambda turn: target,
+                                 text="Passing you to billing.")
+    router = make_router(handoff, decisions=ScriptedDecisions("billing"))
+    async with session_for(router) as (session, ends):
+        result = await run(session, "my invoice is wrong")
+        await ends.wait()
+        assert session.current_agent is target
+    assert said(result) == ["Passing you to billing."]
+
+
+async def test_speak_outside_a_routed_turn_is_refused() -> None:
+    """speak() names its misuse instead of saying text nowhere."""
+    with pytest.raises(LifecycleError, match="speak"):
+        await speak("hello")
+
+
+_JUNK = st.one_of(
+    st.text(),                                               # any code point, surrogates too
+    st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1),
+    st.builds(lambda c, n: c * n, st.characters(), st.integers(10_000, 200_000)),  # huge
+    st.binary().map(lambda b: b.decode("utf-8", "surrogateescape")),   # non-UTF-8 bytes
+    st.recursive(st.just("[]"), lambda inner: inner.map(lambda t: f"[{t}]"), max_leaves=60),
+)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(texts=st.lists(_JUNK, min_size=1, max_size=3))
+def test_any_user_text_reaches_the_destination_unchanged(texts: list[str]) -> None:
+    """Whatever LiveKit hands over as user text becomes the routed query, byte for byte
+    (lone surrogates, which are not text, become U+FFFD)."""
+
+    async def scenario() -> list[str | None]:
+        weather = speaking("weather")
+        router = make_router(weather, decisions=ScriptedDecisions("weather"))
+        async with session_for(router) as (session, ends):
+            for text in texts:
+                await run(session, text)
+            await ends.wait(len(texts))
+        return [call.query for call in weather.calls if call.method == "answer"]
+
+    expected = [re.sub("[\ud800-\udfff]", "\ufffd", text) for text in texts]
+    assert asyncio.run(scenario()) == expected
+
+
+def test_the_example_app_runs_offline_and_exits_0() -> None:
+    """examples/livekit_app.py routes its three turns and exits 0."""
+    example = Path(__file__).parents[2] / "examples" / "livekit_app.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    first_reply = lines[lines.index("user:      Will it rain today?") + 1:][:2]
+    assert first_reply[1] == "assistant: Sunny, 24 degrees, no rain today."
+    assert first_reply[0].startswith("assistant: ")          # the acknowledgment
+    assert 'acknowledgments_total{outcome="emitted",route="weather"' in done.stdout
+    assert "invoke_agent billing <- turnrouter.turn" in done.stdout
+
+
+def test_exports_are_pinned_sorted_and_importable() -> None:
+    """turnrouter.integrations.livekit exports exactly the documented names."""
+    import turnrouter.integrations.livekit as module
+
+    names = list(module.__all__)
+    assert set(names) == {"ROUTED_MESSAGE_MEMORY", "HandoffDestination", "LLMDestination",
+                          "RouterAgent", "TurnEnd", "speak", "stop_gracefully"}
+    assert names == sorted(names, key=lambda n: (not n.isupper(), n))
+    assert all(hasattr(module, name) for name in names)
+
+
+def test_router_agent_checks_its_arguments() -> None:
+    """A wrong router, no participant, an LLM or a route named as the agent are refused."""
+    router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
+    with pytest.raises(ContractTypeError, match="AgentRouter"):
+        RouterAgent(object(), participant_id="alice")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="participant_id"):
+        RouterAgent(router, participant_id="")
+    with pytest.raises(ContractTypeError, match="llm"):
+        RouterAgent(router, participant_id="alice", llm=FakeLLM("x"))
+    same_name = make_router(speaking("router_agent"), decisions=ScriptedDecisions("weather"))
+    with pytest.raises(ConfigurationError, match="label"):
+        RouterAgent(same_name, participant_id="alice")
+    assert RouterAgent(same_name, participant_id="alice", id="front").label == "front"
+
+
+# ---------------------------------------------------------------- telemetry
+
+
+async def test_silence_is_measured_to_the_speech_start() -> None:
+    """First response and silence run until LiveKit starts the answer's speech."""
+    clock = ManualClock()
+    weather = speaking("weather")
+    with TelemetryCapture() as capture:
+        router = make_router(weather, decisions=ScriptedDecisions("weather"), clock=clock,
+                             telemetry=capture.telemetry)
+        text_out = GatedText()
+        async with session_for(router) as (session, ends):
+            session.output.transcription = text_out
+            session.say("Welcome!")                      # holds LiveKit's speech queue
+            with anyio.fail_after(5):
+                await text_out.entered.wait()
+            pending: RunResult[Any] = session.run(user_input="rain?")
+            await ends.wait()                            # answered at t=0, not heard yet
+            assert weather.started_called.is_set()
+            clock.advance(2.0)
+            text_out.gate.set()
+            with anyio.fail_after(5):
+                await pending
+        first_response = capture.value("turnrouter_first_response_seconds_sum",
+                                       route="weather")
+        silence = capture.value("turnrouter_silence_seconds_sum", route="weather")
+    assert first_response == pytest.approx(2.0)
+    assert silence == pytest.approx(2.0)
+
+
+def _ancestors(span: Any, spans: list[Any]) -> list[Any]:
+    by_id = {item.context.span_id: item for item in spans}
+    chain = []
+    while span.parent is not None and span.parent.span_id in by_id:
+        span = by_id[span.parent.span_id]
+        chain.append(span)
+    return chain
+
+
+async def test_the_turn_span_nests_under_livekits_agent_turn() -> None:
+    """turnrouter's turn span nests under LiveKit's agent_turn without posing as an agent."""
+    with TelemetryCapture() as capture:
+        set_tracer_provider(capture.tracer_provider)
+        try:
+            router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"),
+                                 telemetry=capture.telemetry)
+            async with session_for(router) as (session, ends):
+                await run(session, "rain?")
+                await ends.wait()
+        finally:
+            set_tracer_provider(NoOpTracerProvider())
+        spans = capture.spans()
+        turn = capture.span("turnrouter.turn")
+        answer = capture.span("invoke_agent weather")
+    chain = _ancestors(turn, spans)
+    names = [span.name for span in chain]
+    assert names[:2] == ["llm_node", "agent_turn"]    # the reply LiveKit routes through
+    agent_turn = chain[1]
+    assert agent_turn.context.trace_id == turn.context.trace_id
+    assert agent_turn.attributes is not None and turn.attributes is not None
+    assert agent_turn.attributes["gen_ai.operation.name"] == "invoke_agent"
+    assert "gen_ai.operation.name" not in turn.attributes
+    assert str(turn.attributes["turnrouter.turn.id"]).startswith("item_")
+    # The router's invoke_agent is the destination's, one level below the turn span,
+    # and names the route, not LiveKit's agent.
+    assert answer.parent is not None and answer.parent.span_id == turn.context.span_id
+    assert answer.attributes is not None
+    assert answer.attributes["gen_ai.agent.name"] == "weather"
+    assert agent_turn.attributes["gen_ai.agent.name"] != "weather"

@@ -1,0 +1,197 @@
+"""Fuzz: LLM replies (real local HTTP server) and classifier reply parsing.
+
+Rule for `OpenAIChatClient.complete`: storable text or `LLMError`, whose message never
+holds the API key or the prompt, for any body: junk, huge, nested, non-UTF-8, chunked
+or endless. Rule for classifier parsing: a valid `ParsedClassification` /
+`RouteDecision` for any reply text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from turnrouter import CLARIFY, AgentTurn, RouteRequest, RoutingAid
+from turnrouter.decisions import ClassifierDecisions, parse_classifier_output
+from turnrouter.llm import LLMError, OpenAIChatClient, TemplateAcknowledger
+from turnrouter.testing import ScriptedLLM
+
+from .fuzz import ANY_TEXT, HUGE_TEXT, NON_UTF8, nested_json, valid_text
+from .test_llm_openai import Script, serve
+
+FUZZ = settings(max_examples=60, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example,
+                                       HealthCheck.function_scoped_fixture])
+API_KEY = "sk-fuzz-0123456789"
+PROMPT = "Route this for me: my account password is hunter2-fuzz, thanks."
+CAP = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[tuple[str, Script]]:
+    """One local chat-completions server for every example of this module."""
+    script = Script()
+    httpd, thread = serve(script)
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", script
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+def reply(content: Any) -> bytes:
+    return json.dumps({"choices": [{"message": {"content": content}}]}).encode()
+
+
+JSON_JUNK = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), ANY_TEXT),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.sampled_from(["choices", "message", "content",
+                                                             "text", "x"]), inner,
+                                            max_size=3)),
+    max_leaves=12,
+)
+BODIES = st.one_of(
+    st.binary(max_size=200),
+    NON_UTF8,
+    JSON_JUNK.map(lambda value: json.dumps(value).encode()),
+    JSON_JUNK.map(reply),
+    ANY_TEXT.map(lambda text: reply(text).replace(b"\\\\", b"\\")),  # raw escapes
+    HUGE_TEXT.map(reply),
+    st.sampled_from([10, 5_000, 200_000]).map(
+        lambda depth: b'{"choices": ' + nested_json(depth).encode() + b"}"),
+    st.just(reply("<think>" * 100_000)),
+    st.just(b"\xff" * (CAP + 10)),
+)
+
+
+def complete(url: str) -> str | LLMError:
+    client = OpenAIChatClient("m", base_url=url, api_key=API_KEY, timeout_secs=30,
+                              max_reply_bytes=CAP)
+
+    async def main() -> str | LLMError:
+        with anyio.fail_after(60):
+            try:
+                return await client.complete(PROMPT, max_tokens=8)
+            except LLMError as exc:
+                return exc
+
+    return anyio.run(main)
+
+
+def check(outcome: str | LLMError) -> None:
+    if isinstance(outcome, str):
+        assert valid_text(outcome)
+        return
+    shown = f"{outcome} {outcome.body}"
+    assert API_KEY not in shown and "hunter2" not in shown
+    assert len(str(outcome)) < 2000
+
+
+@FUZZ
+@given(st.sampled_from([200, 200, 400, 500]), BODIES, st.booleans())
+def test_any_reply_body(shared: tuple[str, Script], status: int, body: bytes,
+                        chunked: bool) -> None:
+    """Any status and body, sent whole or chunked: text or LLMError, nothing else."""
+    url, script = shared
+    script.status, script.body, script.echo = status, body, False
+    pieces = [body[i:i + 4096] for i in range(0, len(body), 4096)]
+    script.chunks = (lambda: iter(pieces)) if chunked else None
+    check(complete(url))
+
+
+@FUZZ
+@given(st.sampled_from([200, 401, 422]))
+def test_echoing_and_endless_servers(shared: tuple[str, Script], status: int) -> None:
+    """A server echoing the request, or streaming forever: LLMError without secrets."""
+    url, script = shared
+    script.status, script.chunks, script.echo = status, None, True
+    outcome = complete(url)
+    if status != 200:
+        assert isinstance(outcome, LLMError)
+    check(outcome)
+    script.echo = False
+    script.chunks = lambda: itertools.repeat(b"{" * 4096, 16 * 1024)
+    outcome = complete(url)
+    assert isinstance(outcome, LLMError) and "max_reply_bytes" in str(outcome)
+    check(outcome)
+
+
+THINK_TOKENS = st.lists(st.sampled_from(["<think>", "</think>", "<THINK>", "</Think>", "a",
+                                         " ", "\n", "<", ">", "é"]), max_size=30).map("".join)
+THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+
+
+@FUZZ
+@given(THINK_TOKENS)
+def test_think_stripping_matches_the_regex(shared: tuple[str, Script], content: str) -> None:
+    """The linear tag scan gives exactly what the (quadratic) regex gave."""
+    url, script = shared
+    script.status, script.body, script.chunks, script.echo = 200, reply(content), None, False
+    assert complete(url) == THINK.sub("", content).strip()
+
+
+CLASSIFIER_LINES = st.lists(st.one_of(
+    ANY_TEXT,
+    st.tuples(st.sampled_from(["route", "ROUTE", "**route**", "> route", "confidence",
+                               "Confidence"]),
+              st.sampled_from([":", "=", " : "]),
+              st.one_of(ANY_TEXT, st.sampled_from(["billing", "support", "0.7", "85%",
+                                                   "1e400", "nan", "-3"]))).map("".join),
+    HUGE_TEXT,
+), max_size=6).map("\n".join)
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
+@given(CLASSIFIER_LINES)
+def test_classifier_parsing(text: str) -> None:
+    """parse_classifier_output: a stripped route or None, a confidence in [0, 1] or None."""
+    parsed = parse_classifier_output(text)
+    assert parsed.route is None or (parsed.route and parsed.route == parsed.route.strip())
+    assert parsed.confidence is None or 0.0 <= parsed.confidence <= 1.0
+
+
+AIDS = (RoutingAid("billing", "Invoices."), RoutingAid("support", "Outages."))
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
+@given(CLASSIFIER_LINES, st.sampled_from([0.0, 0.5]))
+def test_classifier_decisions(text: str, threshold: float) -> None:
+    """ClassifierDecisions: any reply becomes a candidate or clarify, with a short rationale."""
+    service = ClassifierDecisions(ScriptedLLM(text), require_confidence_above=threshold)
+    request = RouteRequest(AgentTurn("p", "t", "my invoice"), AIDS)
+
+    async def main() -> None:
+        decision = await service.decide(request)
+        assert decision.choice in ("billing", "support", CLARIFY)
+        assert len(decision.rationale) < 1000
+
+    anyio.run(main)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example,
+                                 HealthCheck.data_too_large])
+@given(st.lists(st.one_of(
+    ANY_TEXT, HUGE_TEXT,
+    st.tuples(st.sampled_from(["Helper: ", "Helper description: ", "User: "]),
+              st.one_of(ANY_TEXT, HUGE_TEXT)).map("".join)), max_size=5).map("\n".join))
+def test_template_acknowledger_any_prompt(prompt: str) -> None:
+    """TemplateAcknowledger.complete: any prompt (surrogates, 1 MB lines) gives a phrase."""
+    acknowledger = TemplateAcknowledger()
+
+    async def main() -> str:
+        return await acknowledger.complete(prompt, max_tokens=16)
+
+    assert valid_text(anyio.run(main))
