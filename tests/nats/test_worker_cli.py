@@ -8,6 +8,8 @@ import sys
 import urllib.request
 
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from turnrouter.cli import main
 from turnrouter.cli._worker import load_factory, worker_parser
@@ -36,6 +38,15 @@ def test_bad_app_specs_name_the_problem(spec: str, message: str) -> None:
     """--app must name an importable callable; the error says which part is wrong."""
     with pytest.raises(ValueError, match=message):
         load_factory(spec)
+
+
+@given(st.text(max_size=60), st.text(max_size=30))
+def test_junk_app_specs_raise_value_error(module: str, attribute: str) -> None:
+    """Junk (relative, empty, non-identifier, NUL, huge) --app values raise ValueError,
+    nothing else; names that could import real modules are not generated."""
+    assume(not all(part.isidentifier() for part in module.split(".")))
+    with pytest.raises(ValueError, match="--app"):
+        load_factory(f"{module}:{attribute}")
 
 
 def test_missing_flags_are_usage_errors() -> None:

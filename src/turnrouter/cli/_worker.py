@@ -45,7 +45,7 @@ def load_factory(spec: str) -> Any:
         raise ValueError(f"--app must be module:factory, got {spec!r}")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except (ImportError, ValueError, TypeError) as exc:  # relative or malformed names too
         raise ValueError(f"--app: cannot import {module_name!r}: {exc}") from exc
     factory = getattr(module, attribute, None)
     if not callable(factory):
