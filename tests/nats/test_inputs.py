@@ -212,3 +212,17 @@ async def test_trace_continues_from_publisher_to_output(
         assert answer_span != span_id
     finally:
         worker.close()
+
+
+async def test_a_retried_publish_runs_once(
+        worker: Worker, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """Publishing the same message twice (a publisher's retry) runs one turn."""
+    fe, heard = front
+    query = UserQuery(participant_id="fay", text="hi")
+    event = heard.events.setdefault(query.message_id, asyncio.Event())
+    await fe.publish(query)
+    await fe.publish(query)
+    async with asyncio.timeout(15):
+        await event.wait()
+    assert await ask(fe, heard, "fay", "next") == "next|hi|F"
+    assert metric_value(worker.metrics(), "turnrouter_turns_total") == 2
