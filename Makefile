@@ -25,10 +25,10 @@ demo: $(STAMP)
 	$(BIN)/turnrouter demo $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 
 typecheck: $(STAMP)
-	$(BIN)/mypy --strict src/turnrouter tests benchmarks
+	$(BIN)/mypy --strict src/turnrouter tests benchmarks examples
 
 unit: $(STAMP) $(PHOENIX_STAMP)
 	TURNROUTER_PHOENIX_PYTHON=$(PHOENIX_VENV)/bin/python $(BIN)/pytest -q

@@ -6,7 +6,7 @@ Same user messages, same fake LLM streaming the same reply: a plain LiveKit `Age
 answering with it, and a `RouterAgent` whose one route is an `LLMDestination` around it
 (telemetry off, then on with the SDK recording in memory). Rounds are interleaved and the
 median per-turn time of each is reported with its ratio to the plain agent. The machine
-is noisy: compare ratios from one run. Results: docs/integrations-livekit.md.
+is noisy: compare ratios from one run. Results: docs/integrations.md.
 """
 
 from __future__ import annotations

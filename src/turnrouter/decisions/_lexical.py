@@ -451,7 +451,7 @@ class LexicalDecisions:
         self._word_evictions = 0
         self._posting_cache: dict[tuple[int, str], tuple[tuple[int, float], ...]] = {}
         self._posting_evictions = 0
-        self._examples = self._build_examples(examples) if examples else None
+        self._examples = _build_examples(self, examples) if examples else None
         floor = DEFAULT_EXAMPLE_FLOOR
         if self._examples is not None and self._examples.per_route < FEW_SHOT_BELOW:
             calibration, floor = few_shot, DEFAULT_FEW_SHOT_FLOOR
@@ -485,122 +485,6 @@ class LexicalDecisions:
         }
 
     # -- construction -------------------------------------------------------------
-
-    def _build_examples(self, examples: Mapping[str, Sequence[str]]) -> _ExampleModel | None:
-        if not isinstance(examples, Mapping):
-            raise ConfigurationError(
-                f"examples must be a mapping of route name to utterances, got "
-                f"{type(examples).__name__}"
-            )
-        routes: list[str] = []
-        texts: list[tuple[int, list[str], dict[str, int]]] = []
-        low, high = self._low, self._high
-        for route, utterances in examples.items():
-            if not isinstance(route, str) or not route:
-                raise ConfigurationError(f"examples keys must be route names, got {route!r}")
-            if isinstance(utterances, str) or not isinstance(utterances, Sequence):
-                raise ConfigurationError(
-                    f"examples[{route!r}] must be a sequence of str, got "
-                    f"{type(utterances).__name__}"
-                )
-            index = len(routes)
-            routes.append(route)
-            for position, text in enumerate(utterances):
-                if not isinstance(text, str):
-                    raise ConfigurationError(
-                        f"examples[{route!r}][{position}] must be a str, got {text!r:.60}"
-                    )
-                words = _words(text, self._max_chars, self._max_words)
-                counts = _counts(words, low, high, False)
-                if counts:
-                    texts.append((index, words, counts))
-        if not texts:
-            return None
-        size = len(routes)
-        documents = [counts for _, _, counts in texts]
-        idf, unseen = _idf(documents)
-        df: dict[str, int] = {}
-        for counts in documents:
-            for feature in counts:
-                df[feature] = df.get(feature, 0) + 1
-        vocabulary: dict[str, tuple[str, tuple[str, ...]]] = {}
-        for _, words, _ in texts:
-            for word in words:
-                if word not in vocabulary:
-                    vocabulary[word] = _word_features(word, low, high)
-        word_squares = {
-            word: sum((count * idf[gram]) ** 2 for gram, count in _gram_counts(word, low, high))
-            for word in vocabulary
-        }
-        max_df = max(_MIN_KNN_DF, int(self._max_df * len(texts)))
-        sums: list[dict[str, float]] = [{} for _ in routes]
-        raw: list[dict[str, tuple[list[int], list[float]]]] = [{} for _ in routes]
-        local_ids = [0] * size
-        vectors: list[tuple[tuple[str, ...], tuple[float, ...]]] = []
-        labels: list[int] = []
-        for route_index, words, counts in texts:
-            total = sums[route_index]
-            route_raw = raw[route_index]
-            example_id = local_ids[route_index]
-            local_ids[route_index] += 1
-            squares = sum(word_squares[word] for word in words) + sum(
-                count * idf[f] ** 2 for f, count in counts.items() if f.startswith("b:"))
-            norm = math.sqrt(squares)
-            names = tuple(counts)
-            values = tuple(counts[f] * idf[f] / norm for f in names)
-            vectors.append((names, values))
-            labels.append(route_index)
-            for feature, value in zip(names, values, strict=True):
-                total[feature] = total.get(feature, 0.0) + value
-                if df[feature] <= max_df:
-                    ids, factors = route_raw.setdefault(feature, ([], []))
-                    ids.append(example_id)
-                    factors.append(counts[feature] / norm)
-        features: list[dict[str, tuple[int, float]]] = []
-        postings: list[tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]] = []
-        for route_raw in raw:
-            numbers: dict[tuple[tuple[int, ...], tuple[float, ...]], int] = {}
-            mapping: dict[str, tuple[int, float]] = {}
-            for feature, (ids, factors) in route_raw.items():
-                posting = (tuple(ids), tuple(factors))
-                # IDF squared: once for the query's weight, once for the example's.
-                mapping[feature] = (numbers.setdefault(posting, len(numbers)),
-                                    idf[feature] ** 2)
-            features.append(mapping)
-            postings.append(tuple(numbers))
-        linear = _train_linear(vectors, labels, size, self._epochs) if size > 1 else {}
-        dense: dict[str, list[float]] = {f: [0.0] * (2 * size) for f in idf}
-        for feature, row in linear.items():
-            dense[feature][:size] = row
-        for route_index, total in enumerate(sums):
-            for feature, weight in _normalise(total).items():
-                dense[feature][size + route_index] = weight
-        table = {f: (idf[f], tuple(v * idf[f] for v in row)) for f, row in dense.items()}
-        entries = {word: _word_entry(stem, _gram_counts(word, low, high), table, unseen,
-                                     2 * size)
-                   for word, (stem, _) in vocabulary.items()}
-        word_postings: list[dict[str, tuple[tuple[int, float], ...]]] = []
-        for mapping in features:
-            per_word: dict[str, tuple[tuple[int, float], ...]] = {}
-            for word in vocabulary:
-                found = _word_posting(_gram_counts(word, low, high), mapping)
-                if found:
-                    per_word[word] = found
-            word_postings.append(per_word)
-        return _ExampleModel(
-            table=table,
-            words=entries,
-            unseen=unseen,
-            size=size,
-            features=tuple(features),
-            word_postings=tuple(word_postings),
-            postings=tuple(postings),
-            routes=tuple(routes),
-            positions={route: position for position, route in enumerate(routes)},
-            per_route=len(texts) / size,
-            low=low,
-            high=high,
-        )
 
     def _description_model(self, candidates: Sequence[RoutingAid]) -> _DescriptionModel:
         key = tuple((aid.name, aid.description) for aid in candidates)
@@ -863,3 +747,123 @@ class LexicalDecisions:
         # so the contract's per-field checks and copy are skipped.
         return _unchecked(RouteDecision, choice=choice, confidence=top,
                           scores=MappingProxyType(scores), rationale=rationale)
+
+
+def _build_examples(
+    service: LexicalDecisions, examples: Mapping[str, Sequence[str]]
+) -> _ExampleModel | None:
+    """The example model of `service` (trained once, at construction)."""
+    if not isinstance(examples, Mapping):
+        raise ConfigurationError(
+            f"examples must be a mapping of route name to utterances, got "
+            f"{type(examples).__name__}"
+        )
+    routes: list[str] = []
+    texts: list[tuple[int, list[str], dict[str, int]]] = []
+    low, high = service._low, service._high
+    for route, utterances in examples.items():
+        if not isinstance(route, str) or not route:
+            raise ConfigurationError(f"examples keys must be route names, got {route!r}")
+        if isinstance(utterances, str) or not isinstance(utterances, Sequence):
+            raise ConfigurationError(
+                f"examples[{route!r}] must be a sequence of str, got "
+                f"{type(utterances).__name__}"
+            )
+        index = len(routes)
+        routes.append(route)
+        for position, text in enumerate(utterances):
+            if not isinstance(text, str):
+                raise ConfigurationError(
+                    f"examples[{route!r}][{position}] must be a str, got {text!r:.60}"
+                )
+            words = _words(text, service._max_chars, service._max_words)
+            counts = _counts(words, low, high, False)
+            if counts:
+                texts.append((index, words, counts))
+    if not texts:
+        return None
+    size = len(routes)
+    documents = [counts for _, _, counts in texts]
+    idf, unseen = _idf(documents)
+    df: dict[str, int] = {}
+    for counts in documents:
+        for feature in counts:
+            df[feature] = df.get(feature, 0) + 1
+    vocabulary: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for _, words, _ in texts:
+        for word in words:
+            if word not in vocabulary:
+                vocabulary[word] = _word_features(word, low, high)
+    word_squares = {
+        word: sum((count * idf[gram]) ** 2 for gram, count in _gram_counts(word, low, high))
+        for word in vocabulary
+    }
+    max_df = max(_MIN_KNN_DF, int(service._max_df * len(texts)))
+    sums: list[dict[str, float]] = [{} for _ in routes]
+    raw: list[dict[str, tuple[list[int], list[float]]]] = [{} for _ in routes]
+    local_ids = [0] * size
+    vectors: list[tuple[tuple[str, ...], tuple[float, ...]]] = []
+    labels: list[int] = []
+    for route_index, words, counts in texts:
+        total = sums[route_index]
+        route_raw = raw[route_index]
+        example_id = local_ids[route_index]
+        local_ids[route_index] += 1
+        squares = sum(word_squares[word] for word in words) + sum(
+            count * idf[f] ** 2 for f, count in counts.items() if f.startswith("b:"))
+        norm = math.sqrt(squares)
+        names = tuple(counts)
+        values = tuple(counts[f] * idf[f] / norm for f in names)
+        vectors.append((names, values))
+        labels.append(route_index)
+        for feature, value in zip(names, values, strict=True):
+            total[feature] = total.get(feature, 0.0) + value
+            if df[feature] <= max_df:
+                ids, factors = route_raw.setdefault(feature, ([], []))
+                ids.append(example_id)
+                factors.append(counts[feature] / norm)
+    features: list[dict[str, tuple[int, float]]] = []
+    postings: list[tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]] = []
+    for route_raw in raw:
+        numbers: dict[tuple[tuple[int, ...], tuple[float, ...]], int] = {}
+        mapping: dict[str, tuple[int, float]] = {}
+        for feature, (ids, factors) in route_raw.items():
+            posting = (tuple(ids), tuple(factors))
+            # IDF squared: once for the query's weight, once for the example's.
+            mapping[feature] = (numbers.setdefault(posting, len(numbers)),
+                                idf[feature] ** 2)
+        features.append(mapping)
+        postings.append(tuple(numbers))
+    linear = _train_linear(vectors, labels, size, service._epochs) if size > 1 else {}
+    dense: dict[str, list[float]] = {f: [0.0] * (2 * size) for f in idf}
+    for feature, row in linear.items():
+        dense[feature][:size] = row
+    for route_index, total in enumerate(sums):
+        for feature, weight in _normalise(total).items():
+            dense[feature][size + route_index] = weight
+    table = {f: (idf[f], tuple(v * idf[f] for v in row)) for f, row in dense.items()}
+    entries = {word: _word_entry(stem, _gram_counts(word, low, high), table, unseen,
+                                 2 * size)
+               for word, (stem, _) in vocabulary.items()}
+    word_postings: list[dict[str, tuple[tuple[int, float], ...]]] = []
+    for mapping in features:
+        per_word: dict[str, tuple[tuple[int, float], ...]] = {}
+        for word in vocabulary:
+            found = _word_posting(_gram_counts(word, low, high), mapping)
+            if found:
+                per_word[word] = found
+        word_postings.append(per_word)
+    return _ExampleModel(
+        table=table,
+        words=entries,
+        unseen=unseen,
+        size=size,
+        features=tuple(features),
+        word_postings=tuple(word_postings),
+        postings=tuple(postings),
+        routes=tuple(routes),
+        positions={route: position for position, route in enumerate(routes)},
+        per_route=len(texts) / size,
+        low=low,
+        high=high,
+    )

@@ -3,7 +3,7 @@
 `RouterAgent` is a LiveKit `Agent` whose replies come from an `AgentRouter`;
 destinations say their answers with `speak()`; `LLMDestination` wraps a LiveKit LLM,
 `HandoffDestination` hands the session to another LiveKit agent; `stop_gracefully()`
-drains the router before stopping it. See docs/integrations-livekit.md.
+drains the router before stopping it. See docs/integrations.md.
 """
 
 try:

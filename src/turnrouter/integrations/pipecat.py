@@ -4,7 +4,7 @@
 routed turns, speaks the router's control text, maps interruptions and end frames, and
 reports when the bot was heard. Destinations push their own frames through
 `frame_output(started)`, or subclass `FrameAgent`; `PipecatLLMDestination` wraps a
-Pipecat LLM service. See docs/integrations-pipecat.md.
+Pipecat LLM service. See docs/integrations.md.
 """
 
 try:

@@ -38,11 +38,35 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
-#: Messages known valid: built by their validating constructor or returned by
-#: `Topic.coerce`. Frozen models compare by value, so an instance equal to a valid one is
-#: valid too; `model_construct()` and `model_copy(update=...)` instances are not in it
-#: (unless equal to a valid message), so `Topic.coerce` validates them.
-VALIDATED: weakref.WeakSet[BaseModel] = weakref.WeakSet()
+class _Validated:
+    """The message instances known valid, by identity (weakly held).
+
+    Built by their validating constructor or returned by `Topic.coerce`; instances from
+    `model_construct()` or `model_copy(update=...)` are never in it (identity, not
+    equality: a bypassed copy can compare equal yet carry junk), so `Topic.coerce`
+    validates them.
+    """
+
+    __slots__ = ("_refs",)
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[BaseModel]] = {}
+
+    def add(self, message: BaseModel) -> None:
+        key = id(message)
+        refs = self._refs
+
+        def forget(_: object, key: int = key) -> None:
+            refs.pop(key, None)
+
+        refs[key] = weakref.ref(message, forget)
+
+    def __contains__(self, message: object) -> bool:
+        ref = self._refs.get(id(message))
+        return ref is not None and ref() is message
+
+
+VALIDATED = _Validated()
 
 
 class RuntimeMessage(BaseModel):

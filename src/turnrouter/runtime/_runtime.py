@@ -52,11 +52,7 @@ class Topic(Generic[M]):
         """
         payload = self.payload
         if type(message) is payload:
-            try:
-                known = message in VALIDATED
-            except TypeError:  # a bypassed instance holding an unhashable value
-                known = False
-            if known:
+            if message in VALIDATED:
                 return message
             fields: object = dict(message.__dict__)
         elif isinstance(message, dict):
