@@ -94,6 +94,10 @@ class Ledger:
                     if entry is None:
                         break
                     entries.append(entry)
+        except TimeoutError:
+            logger.warning("turnrouter: partition %d: read %d records in 10 s; the rest "
+                           "end their unfinished turns when their participant talks",
+                           n, len(entries))
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
