@@ -30,6 +30,8 @@ from turnrouter import (
 )
 from turnrouter.events import (
     AcknowledgmentFinished,
+    AcknowledgmentGenerated,
+    AnswerAfterAcknowledgment,
     EstimateChanged,
     FirstResponse,
     SilenceMeasured,
@@ -73,6 +75,12 @@ class _Turn(TurnObserver):
     def first_response(self, token: object, event: FirstResponse) -> None:
         self._parent.first.append((event.route, event.seconds))
 
+    def acknowledgment_generated(self, event: AcknowledgmentGenerated) -> None:
+        self._parent.generated.append((event.route, event.seconds))
+
+    def answer_after_acknowledgment(self, event: AnswerAfterAcknowledgment) -> None:
+        self._parent.after.append((event.route, event.trigger, event.seconds))
+
 
 class Observer(RouterObserver):
     """Records acknowledgment, silence, first-response and estimate events with values."""
@@ -83,6 +91,8 @@ class Observer(RouterObserver):
         self.acks: list[Ack] = []
         self.silences: list[tuple[str, float]] = []
         self.first: list[tuple[str, float]] = []
+        self.generated: list[tuple[str, float]] = []
+        self.after: list[tuple[str, str, float]] = []
         self.predicted: list[tuple[str, float]] = []
 
     def turn_started(self, event: TurnStarted) -> TurnObserver:
@@ -547,3 +557,35 @@ async def test_a_predictor_that_knows_the_delay_reports_its_probability() -> Non
     without = Setup(latency=3.0, predictor=loaded_predictor(3.0, 40))
     await without.drive()
     assert [a.probability_late for a in without.observer.acks] == [None]
+
+
+async def test_generation_time_and_the_gap_to_the_answer_are_reported() -> None:
+    """A spoken acknowledgment reports its generation time and the answer's gap after it."""
+    s = Setup(latency=2.5, clock_llm=dict(seconds=0.3))
+    await s.drive()
+    [(route, generated)] = s.observer.generated
+    assert route == "calendar" and generated == pytest.approx(0.3)
+    [(route, trigger, gap)] = s.observer.after
+    assert (route, trigger) == ("calendar", "delay") and gap == pytest.approx(1.2)
+
+
+async def test_no_gap_is_reported_for_a_suppressed_acknowledgment() -> None:
+    """An acknowledgment never spoken has no answer after it."""
+    s = Setup(latency=0.4)
+    await s.drive()
+    assert s.observer.after == []
+
+
+async def test_an_answer_during_delivery_is_reported_right_after_it() -> None:
+    """started() while the acknowledgment is delivered: the gap is measured at once."""
+    gate = anyio.Event()
+    s = Setup(latency=None, output=OutputRecorder(gate=gate))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.run)
+        await s.clock.wait_for_sleepers(1)
+        s.clock.advance(1.0)
+        await s.clock.settle()  # committed, delivery blocked
+        s.agent.go.set()
+        await s.clock.settle()  # started() waits for the delivery
+        gate.set()
+    assert s.observer.after == [("calendar", "delay", 0.0)]

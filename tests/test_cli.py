@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turnrouter.cli import demo_parser, main
 
@@ -21,12 +25,85 @@ def test_usage_without_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
 
 
-def test_demo_rejects_bad_flags() -> None:
-    """Non-positive durations and participant counts are usage errors."""
-    with pytest.raises(SystemExit):
-        main(["demo", "--duration", "0"])
-    with pytest.raises(SystemExit):
-        main(["demo", "--participants", "0"])
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--duration", "0"], "--duration"),
+    (["--duration", "nan"], "--duration"),
+    (["--participants", "0"], "--participants"),
+    (["--participants", "10001"], "--participants"),
+    (["--speed", "inf"], "--speed"),
+    (["--speed", "-1"], "--speed"),
+    (["--metrics-port", "99999"], "--metrics-port"),
+    (["--metrics-port", "-1"], "--metrics-port"),
+    (["--metrics-port", "1e3"], "--metrics-port"),
+    (["--metrics-host", "a b"], "--metrics-host"),
+    (["--ack-delay", "-0.5"], "--ack-delay"),
+    (["--ack-delay", "inf"], "--ack-delay"),
+    (["--otlp-endpoint", "file:///etc/passwd"], "--otlp-endpoint"),
+    (["--otlp-protocol", "udp"], "--otlp-protocol"),
+    (["--seed", "x"], "--seed"),
+    (["--no-such-flag"], "unrecognized"),
+])
+def test_demo_usage_errors_exit_2_with_one_line(
+        capsys: pytest.CaptureFixture[str], flags: list[str], named: str) -> None:
+    """Out-of-range or malformed flags: exit 2, one stderr line naming the flag."""
+    assert main(["demo", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("turnrouter demo: error: ") and named in err
+
+
+def test_demo_unknown_metrics_host_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """An address that cannot be served ends in one line, exit 2, before the demo runs."""
+    assert main(["demo", "--metrics-port", "0", "--metrics-host", "no-such-host.invalid",
+                 "--duration", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot serve metrics on 'no-such-host.invalid'" in err
+
+
+def test_demo_unwritable_samples_file_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A samples file that cannot be written ends in one line, exit 2."""
+    assert main(["demo", "--samples", str(tmp_path / "missing" / "s.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--samples" in err
+
+
+def test_demo_help_names_tracing_flags_and_environment(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--help exits 0 and documents the tracing flags and OTEL variables."""
+    assert main(["demo", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("--ack-delay", "--samples", "--otlp-endpoint", "--otlp-protocol",
+                 "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_SAMPLER"):
+        assert text in out
+
+
+FLAGS = ["--duration", "--participants", "--seed", "--metrics-port", "--metrics-host",
+         "--speed", "--ack-delay", "--otlp-endpoint", "--otlp-protocol", "--samples"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FLAGS) | st.text(max_size=12), max_size=6),
+       st.lists(st.text(max_size=30) | st.floats().map(repr) | st.integers().map(str),
+                max_size=6))
+def test_demo_flag_junk_never_tracebacks(flags: list[str], values: list[str]) -> None:
+    """Any flags and values: parsing either succeeds with values in range, or is a usage
+    error (SystemExit 2), never another exception."""
+    argv = [item for pair in zip(flags, values, strict=False) for item in pair]
+    try:
+        args = demo_parser().parse_args(argv)
+    except SystemExit as exc:
+        code = exc.code
+        args = None
+    else:
+        code = None
+    if args is None:
+        assert code in (0, 2)
+        return
+    assert 0 < args.duration < float("inf") and 1 <= args.participants <= 10_000
+    assert 0 < args.speed <= 1000
+    assert args.metrics_port is None or 0 <= args.metrics_port <= 65535
+    assert args.ack_delay is None or 0 < args.ack_delay <= 60
 
 
 def _deployed_demo_commands() -> list[list[str]]:
@@ -52,3 +129,32 @@ def test_deployment_files_use_real_demo_flags(command: list[str]) -> None:
     assert args.serve
     assert args.metrics_host == "0.0.0.0"
     assert args.metrics_port == 9464
+
+
+def test_demo_grpc_without_its_exporter_is_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--otlp-protocol grpc without the gRPC exporter installed: exit 2, one line naming
+    the package, before the demo runs."""
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+                        None)
+    assert main(["demo", "--otlp-endpoint", "http://127.0.0.1:4317", "--otlp-protocol",
+                 "grpc", "--duration", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "opentelemetry-exporter-otlp-proto-grpc" in err
+
+
+def test_demo_write_failure_during_the_run_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A samples file that fails while the demo runs (a full disk: /dev/full) ends in one
+    line and exit 1, not a traceback."""
+    if not Path("/dev/full").exists():
+        pytest.fail("this test needs /dev/full (Linux)")
+    quiet_filters = [list(logging.getLogger(n).filters) for n in ("turnrouter",
+                                                                   "turnrouter.runtime")]
+    assert main(["demo", "--samples", "/dev/full", "--duration", "1", "--speed", "10",
+                 "--participants", "5", "--quiet", "--metrics-port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err
+    # Cleanup ran past the failure: the demo's log filters are gone again.
+    assert [list(logging.getLogger(n).filters) for n in ("turnrouter",
+                                                         "turnrouter.runtime")] == quiet_filters

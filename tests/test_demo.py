@@ -5,16 +5,22 @@ from __future__ import annotations
 import io
 import math
 import random
+import statistics
+from pathlib import Path
 
 import pytest
 
-from turnrouter import AgentTurn
+from turnrouter import AgentTurn, ConfigurationError, load_samples
 from turnrouter.demo import (
+    DEFAULT_ACK_DELAY,
     DESCRIPTIONS,
     DemoConfig,
     build_agents,
+    demo_resource,
+    demo_tracer_provider,
     histogram_quantile,
     load_sample,
+    otlp_settings,
     run_demo,
 )
 
@@ -74,3 +80,83 @@ async def test_short_demo_run_loses_no_turn() -> None:
                 if outcome == "answer" and n}
     assert len(answered) >= 6
     assert "lost 0" in out.getvalue()
+
+
+async def test_samples_flag_writes_first_response_samples_in_simulated_seconds(
+        tmp_path: Path) -> None:
+    """`samples_path` gets one JSON line per first response, readable by tune, in
+    seconds of the simulated conversations (the demo's speed undone)."""
+    path = tmp_path / "samples.jsonl"
+    await run_demo(DemoConfig(duration=1.5, participants=20, speed=10.0, progress=False,
+                              seed=4, samples_path=str(path)), out=io.StringIO())
+    samples = load_samples(path)
+    assert len(samples) > 20
+    # The demo's first responses have a median near 0.45 s of simulated time, 0.045 s of
+    # wall time at speed 10 (a loaded machine only makes them longer).
+    assert statistics.median(s.seconds for s in samples if not s.censored) > 0.25
+
+
+def test_ack_delay_off_and_default() -> None:
+    """The default acknowledgment delay is DEFAULT_ACK_DELAY; None switches it off."""
+    assert DemoConfig().acknowledgment_delay == DEFAULT_ACK_DELAY
+    assert DemoConfig(acknowledgment_delay=None).acknowledgment_delay is None
+
+
+def test_otlp_settings_prefer_flags_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flags win over OTEL_EXPORTER_OTLP_* variables; traces-specific variables win over
+    the general ones; HTTP is the default protocol; an unknown protocol is an error."""
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        monkeypatch.delenv(name, raising=False)
+    assert otlp_settings(DemoConfig()) == (None, "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://general:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    assert otlp_settings(DemoConfig()) == ("http://general:4318", "grpc")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4318/v1/traces")
+    assert otlp_settings(DemoConfig())[0] == "http://traces:4318/v1/traces"
+    assert otlp_settings(DemoConfig(otlp_endpoint="http://flag:4318",
+                                    otlp_protocol="http/protobuf")) == (
+        "http://flag:4318", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    with pytest.raises(ConfigurationError, match="http/json"):
+        otlp_settings(DemoConfig())
+
+
+def test_resource_honours_otel_service_name_and_attributes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES set the resource; without them the
+    service is turnrouter-demo."""
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    assert demo_resource().attributes["service.name"] == "turnrouter-demo"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging,"
+                                                   "service.name=from-attributes")
+    resource = demo_resource().attributes
+    assert resource["service.name"] == "from-attributes"
+    assert resource["deployment.environment"] == "staging"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "voice-router")
+    assert demo_resource().attributes["service.name"] == "voice-router"
+
+
+@pytest.mark.parametrize(("sampler", "arg", "description"), [
+    (None, None, "ParentBased{root:AlwaysOnSampler"),
+    ("always_off", None, "AlwaysOffSampler"),
+    ("traceidratio", "0.25", "TraceIdRatioBased{0.25}"),
+])
+def test_tracer_provider_honours_the_sampler_environment(
+        monkeypatch: pytest.MonkeyPatch, sampler: str | None, arg: str | None,
+        description: str) -> None:
+    """OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG choose the demo's sampler."""
+    for name, value in (("OTEL_TRACES_SAMPLER", sampler), ("OTEL_TRACES_SAMPLER_ARG", arg)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    provider = demo_tracer_provider(DemoConfig(), io.StringIO())
+    try:
+        assert provider.sampler.get_description().startswith(description)
+    finally:
+        provider.shutdown()

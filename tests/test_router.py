@@ -710,3 +710,13 @@ async def test_silence_of_a_default_fallback_and_none_for_an_interrupted_turn() 
 async def _ignore_interrupt(turn: Awaitable[object]) -> None:
     with contextlib.suppress(TurnInterrupted):
         await turn
+
+
+async def test_ineligible_candidates_are_reported_with_their_reason() -> None:
+    """Each ineligible route of a routed turn is reported with its eligibility state."""
+    h = Harness(ScriptedAgent("weather"), ScriptedAgent("calendar", eligible=False),
+                decisions=ScriptedDecisions("weather"))
+    await h.say()
+    assert ("route_ineligible", "calendar", "unavailable") in h.observer.turns["t1"]
+    assert not any(event[0] == "route_ineligible" and event[1] != "calendar"
+                   for event in h.observer.turns["t1"])

@@ -1,10 +1,12 @@
-"""`turnrouter tune`: what-if table, recommendation and plot from samples or Prometheus."""
+"""`turnrouter tune`: the what-if model, recommendation and plot from samples or
+Prometheus, and its boundaries (samples files, Prometheus answers, flags)."""
 
 from __future__ import annotations
 
 import io
 import json
 import math
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -13,9 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from turnrouter import JsonLinesSink, TimingSample
-from turnrouter.cli._tune import BucketDistribution, SampleDistribution, tune_main
+from turnrouter.cli._tune import (
+    BucketDistribution,
+    SampleDistribution,
+    analyse,
+    parse_prometheus_answer,
+    printable,
+    read_samples,
+    tune_main,
+)
 
 
 def _write(path: Path, samples: list[TimingSample]) -> Path:
@@ -41,36 +53,71 @@ def run(argv: list[str]) -> tuple[int, str, str]:
 def _row(text: str, route: str, delay: str) -> list[str]:
     for line in text.splitlines():
         fields = line.split()
-        if len(fields) >= 6 and fields[0] == route and fields[1] == delay:
+        if len(fields) >= 8 and fields[0] == route and fields[1] == delay:
             return fields
     raise AssertionError(f"no row {route} {delay} in:\n{text}")
 
 
-def test_table_lists_each_route_and_candidate_delay(samples: Path) -> None:
-    """Each route gets ack rate and p50/p95 silence per telemetry bucket bound."""
-    code, out, _ = run(["--samples", str(samples)])
+def test_table_models_generation_time_and_needless(samples: Path) -> None:
+    """Each route gets trigger, ack rate, needless rate and silence per candidate delay,
+    the acknowledgment heard at delay + generation time."""
+    code, out, _ = run(["--samples", str(samples), "--delays", "0.2,1", "--generation-secs",
+                        "0.1"])
     assert code == 0
-    assert _row(out, "a", "1.00s")[3:6] == ["50.0%", "0.10s", "1.00s"]
-    assert _row(out, "a", "0.05s")[3] == "100.0%"
-    assert _row(out, "b", "1.00s")[3:6] == ["0.0%", "0.30s", "0.30s"]
-    assert _row(out, "(all)", "1.00s")[3] == "25.0%"
-    assert len([line for line in out.splitlines() if line.startswith("a ")]) == 14
+    # a at 1 s: heard at 1.1 s; half the turns answer at 2 s (acknowledged, not needless).
+    assert _row(out, "a", "1.00s")[3:8] == ["delay", "50.0%", "0.0%", "0.10s", "1.10s"]
+    # b at 0.2 s: p10 0.3 s > 0.2 s, predicted slow: heard at 0.2 s, the answer 0.1 s
+    # later: every acknowledgment needless.
+    assert _row(out, "b", "0.20s")[3:8] == ["prediction", "100.0%", "100.0%", "0.20s",
+                                            "0.20s"]
+    assert _row(out, "(all)", "1.00s")[4] == "25.0%"
 
 
-def test_recommends_the_shortest_delay_within_an_ack_rate(samples: Path) -> None:
-    """--max-ack-rate picks the shortest candidate whose overall rate fits."""
-    code, out, _ = run(["--samples", str(samples), "--max-ack-rate", "0.3"])
+def test_routes_predicted_slow_are_acknowledged_early() -> None:
+    """A route whose p10 is above the delay is acknowledged by prediction, heard at
+    max(min(early, delay), generation)."""
+    slow = SampleDistribution([(2.0 + i / 100, False) for i in range(100)])
+    (row, _all) = analyse({"slow": slow}, [0.5], generation=0.3)
+    assert row.predicted and row.ack_rate == 1.0
+    assert row.p95_silence == pytest.approx(0.3)
+    fast = SampleDistribution([(0.1, False)] * 100)
+    (row, _all) = analyse({"fast": fast}, [0.5], generation=0.3)
+    assert not row.predicted and row.ack_rate == 0.0
+
+
+def test_needless_counts_answers_just_after_the_acknowledgment() -> None:
+    """Answers starting within 0.5 s after the acknowledgment is heard make it needless."""
+    dist = SampleDistribution([(0.05, False)] * 10 + [(0.9, False)] * 45
+                              + [(3.0, False)] * 45)
+    (row, _all) = analyse({"r": dist}, [0.5], generation=0.1)  # heard at 0.6 s
+    assert not row.predicted
+    assert row.ack_rate == pytest.approx(0.9) and row.needless_rate == pytest.approx(0.45)
+
+
+def test_recommends_one_router_wide_delay(samples: Path) -> None:
+    """--max-ack-rate picks the shortest candidate whose all-routes rate fits; no
+    per-route recommendations for a router-wide setting."""
+    code, out, _ = run(["--samples", str(samples), "--max-ack-rate", "0.3",
+                        "--generation-secs", "0", "--delays", "0.1,0.2,0.3,0.5,1"])
     assert code == 0
     assert "recommended acknowledgment_delay_secs=0.3 " in out
-    assert "  a: 2s" in out and "  b: 0.3s" in out
+    assert "over all routes" in out and "\n  a: " not in out
 
 
 def test_recommends_the_longest_delay_within_a_silence_target(samples: Path) -> None:
-    """--max-silence-p95 picks the longest candidate whose overall p95 silence fits."""
+    """--max-silence-p95 picks the longest candidate whose all-routes p95 silence fits."""
     code, out, _ = run(["--samples", str(samples), "--max-silence-p95", "0.6",
-                        "--generation-secs", "0.1"])
+                        "--generation-secs", "0.1", "--delays", "0.2,0.3,0.5,1"])
     assert code == 0
     assert "recommended acknowledgment_delay_secs=0.5 " in out
+
+
+def test_current_delay_is_marked(samples: Path) -> None:
+    """--current marks the configured delay's rows."""
+    code, out, _ = run(["--samples", str(samples), "--delays", "0.5,1", "--current", "1"])
+    assert code == 0
+    assert _row(out, "(all)", "1.00s")[-1] == "current"
+    assert "current" not in " ".join(_row(out, "(all)", "0.50s"))
 
 
 def test_unmet_target_exits_1(samples: Path) -> None:
@@ -83,9 +130,9 @@ def test_censored_samples_count_as_slow(tmp_path: Path) -> None:
     """Interrupted turns are lower bounds (Kaplan-Meier), not fast answers."""
     path = _write(tmp_path / "c.jsonl", [TimingSample("a", 0.2)] * 50
                   + [TimingSample("a", 0.5, censored=True)] * 50)
-    code, out, _ = run(["--samples", str(path), "--delays", "0.4,1"])
+    code, out, _ = run(["--samples", str(path), "--delays", "0.4,1", "--generation-secs", "0"])
     assert code == 0
-    assert _row(out, "a", "1.00s")[3] == "50.0%"  # censored beyond 0.5 s: still silent at 1 s
+    assert _row(out, "a", "1.00s")[4] == "50.0%"  # censored beyond 0.5 s: still silent at 1 s
 
 
 def test_plot_without_matplotlib_still_prints_the_table(
@@ -107,41 +154,6 @@ def test_plot_is_written_with_matplotlib(samples: Path, tmp_path: Path) -> None:
     assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_plot_drives_matplotlib(
-    samples: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """--plot draws ack rate and p95 silence per route and saves a PNG (stand-in module)."""
-    import types
-    from unittest import mock
-
-    figure, top, bottom = mock.MagicMock(), mock.MagicMock(), mock.MagicMock()
-    pyplot = types.ModuleType("matplotlib.pyplot")
-    pyplot.subplots = mock.MagicMock(return_value=(figure, (top, bottom)))  # type: ignore[attr-defined]
-    pyplot.close = mock.MagicMock()  # type: ignore[attr-defined]
-    matplotlib = types.ModuleType("matplotlib")
-    matplotlib.use = mock.MagicMock()  # type: ignore[attr-defined]
-    matplotlib.pyplot = pyplot  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
-    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
-    target = str(tmp_path / "p.png")
-    code, out, _ = run(["--samples", str(samples), "--max-ack-rate", "0.3", "--plot", target])
-    assert code == 0 and f"plot written to {target}" in out
-    matplotlib.use.assert_called_once_with("Agg")
-    assert top.plot.call_count == 3 and bottom.plot.call_count == 3  # a, b, (all)
-    top.axhline.assert_called_once()
-    figure.savefig.assert_called_once_with(target, format="png")
-
-
-def test_bad_input_exits_2(tmp_path: Path) -> None:
-    """A missing or invalid samples file is reported with exit status 2."""
-    code, _, err = run(["--samples", str(tmp_path / "missing.jsonl")])
-    assert code == 2 and "missing.jsonl" in err
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("not json\n")
-    code, _, err = run(["--samples", str(bad)])
-    assert code == 2 and "bad.jsonl:1" in err
-
-
 def test_distributions() -> None:
     """Kaplan-Meier and bucket interpolation give the expected survival and quantiles."""
     km = SampleDistribution([(1.0, False), (2.0, False), (3.0, True), (4.0, False)])
@@ -155,27 +167,210 @@ def test_distributions() -> None:
     assert buckets.quantile(0.99) == 1.0
 
 
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--generation-secs", "-1"], "--generation-secs"),
+    (["--generation-secs", "nan"], "--generation-secs"),
+    (["--max-ack-rate", "1.5"], "--max-ack-rate"),
+    (["--max-silence-p95", "inf"], "--max-silence-p95"),
+    (["--timeout", "0"], "--timeout"),
+    (["--window", "1d; drop"], "--window"),
+    (["--route", "a\x1bb"], "--route"),
+])
+def test_flag_errors_exit_2_with_one_line(
+        samples: Path, flags: list[str], named: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad flag values: exit 2 and one stderr line naming the flag."""
+    assert tune_main(["--samples", str(samples), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err and "\x1b" not in err
+
+
+@pytest.mark.parametrize(("delays", "problem"), [
+    ("0,1", "(0, 60]"), ("nan", "(0, 60]"), ("x", "not a number"), ("", "1 to 100")])
+def test_bad_delays_exit_2(samples: Path, delays: str, problem: str) -> None:
+    """--delays must be 1-100 finite positive numbers."""
+    code, _, err = run(["--samples", str(samples), "--delays", delays or ","])
+    assert code == 2 and problem in err
+
+
+def test_bad_samples_files_exit_2_naming_the_line(tmp_path: Path) -> None:
+    """Missing files, junk, non-UTF-8, deeply nested and overlong lines: exit 2, the
+    file and line named, one line."""
+    code, _, err = run(["--samples", str(tmp_path / "missing.jsonl")])
+    assert code == 2 and "missing.jsonl" in err
+    cases = {
+        "junk.jsonl": b"not json\n",
+        "bytes.jsonl": b'{"route": "a", "seconds": 1}\n\xff\xfe\n',
+        "deep.jsonl": b"[" * 200_000 + b"]" * 200_000 + b"\n",
+        "negative.jsonl": b'{"route": "a", "seconds": -1}\n',
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        code, _, err = run(["--samples", str(tmp_path / name)])
+        assert code == 2, name
+        assert f"{name}:" in err and err.count("\n") == 1, err
+
+
+def test_control_characters_in_route_names_are_escaped(tmp_path: Path) -> None:
+    """A route name with terminal escapes is printed escaped."""
+    path = _write(tmp_path / "s.jsonl", [TimingSample("evil\x1b[2J\x07", 0.4)] * 10)
+    code, out, _ = run(["--samples", str(path), "--delays", "0.5"])
+    assert code == 0
+    assert "\x1b" not in out and "\x07" not in out
+    assert "evil\\x1b[2J\\x07" in out
+    assert printable("a\nb\tc\u202e") == "a\\nb\\tc\\u202e"
+
+
+def test_file_url_is_refused(tmp_path: Path) -> None:
+    """--prometheus accepts http(s) only: a file:// URL is not read."""
+    secret = tmp_path / "secret"
+    secret.write_text('{"status": "success"}')
+    code, _, err = run(["--prometheus", f"file://{secret}"])
+    assert code == 2 and "http(s)" in err
+
+
+def test_selector_only_with_prometheus_and_validated(samples: Path) -> None:
+    """--selector is Prometheus label matchers, for --prometheus only."""
+    code, _, err = run(["--samples", str(samples), "--selector", 'job="x"'])
+    assert code == 2 and "--prometheus only" in err
+    code, _, err = run(["--prometheus", "http://127.0.0.1:9", "--selector", 'job="x"} or up'])
+    assert code == 2 and "--selector" in err
+
+
+def _series(route: object, le: object, value: object) -> dict[str, Any]:
+    return {"metric": {"route": route, "le": le}, "value": [0, value]}
+
+
+@pytest.mark.parametrize(("payload", "problem"), [
+    ([], "not a JSON object"),
+    ({"status": "error", "error": "bad\x1b"}, "query failed: bad\\x1b"),
+    ({"status": "success", "data": []}, "no vector"),
+    ({"status": "success", "data": {"resultType": "vector", "result": {}}}, "not a list"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [1]}}, "not an object"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
+        {"metric": [], "value": [0, "1"]}]}}, "'metric'"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
+        _series("a", "0.5", "1")["metric"] | {}]}}, "'metric'"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
+        _series("a", "NaN", "1")]}}, "bucket bound"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
+        _series("a", "0.5", "-3")]}}, "finite number >= 0"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
+        _series("a", "0.5", "NaN")]}}, "finite number >= 0"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
+        _series("a", "x", "1")]}}, "not a number"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
+        _series(1, "0.5", "1")]}}, "string 'route'"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
+        {"metric": {"route": "a", "le": "1"}, "value": "1"}]}}, "[time, value]"),
+])
+def test_structurally_wrong_prometheus_answers_are_named(payload: object,
+                                                        problem: str) -> None:
+    """Every malformed answer is a ValueError saying what is wrong."""
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_prometheus_answer(payload, None)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=30)
+SERIES = st.fixed_dictionaries({
+    "metric": st.dictionaries(st.sampled_from(["route", "le", "job"]),
+                              st.text(max_size=8) | st.sampled_from(["+Inf", "0.5", "NaN"])
+                              | JSON, max_size=3),
+    "value": st.lists(JSON | st.sampled_from(["1", "-1", "NaN", "Inf", "1e400"]),
+                      max_size=3)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON | st.fixed_dictionaries({
+    "status": st.sampled_from(["success", "error"]) | JSON,
+    "data": st.fixed_dictionaries({"resultType": st.sampled_from(["vector", "matrix"]),
+                                   "result": st.lists(SERIES, max_size=6) | JSON})}))
+def test_any_prometheus_answer_parses_or_names_the_problem(payload: object) -> None:
+    """Any JSON answer: valid finite non-negative buckets, or a ValueError."""
+    try:
+        buckets = parse_prometheus_answer(payload, None)
+    except ValueError as exc:
+        buckets, message = {}, str(exc)
+    else:
+        message = "ok"
+    assert message
+    for per_route in buckets.values():
+        for bound, count in per_route.items():
+            assert bound > 0 and math.isfinite(count) and count >= 0
+            BucketDistribution(sorted(per_route.items())).quantile(0.95)
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.binary(max_size=80) | JSON.map(lambda v: json.dumps(v).encode())
+                | st.builds(lambda r, s: json.dumps({"route": r, "seconds": s}).encode(),
+                            st.text(max_size=6), st.floats()), max_size=8))
+def test_any_samples_file_reads_or_names_the_line(tmp_path: Path, lines: list[bytes]) -> None:
+    """Any bytes: samples (finite, >= 0) or a ValueError naming file and line."""
+    path = tmp_path / "fuzz.jsonl"
+    path.write_bytes(b"\n".join(line.replace(b"\n", b" ") for line in lines))
+    try:
+        read = read_samples(str(path), None)
+    except ValueError as exc:
+        read, message = {}, str(exc)
+    else:
+        message = "fuzz.jsonl"
+    assert "fuzz.jsonl" in message
+    for values in read.values():
+        assert all(math.isfinite(s) and s >= 0 for s, _ in values)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["--window", "--timeout", "--route", "--generation-secs",
+                                 "--delays", "--max-ack-rate", "--max-silence-p95",
+                                 "--selector", "--current"]) | st.text(max_size=8),
+                max_size=5),
+       st.lists(st.text(max_size=20) | st.floats().map(repr), max_size=5))
+def test_any_flags_end_in_a_status_never_a_traceback(flags: list[str],
+                                                     values: list[str]) -> None:
+    """Any flags (with an unreadable samples file): an exit status 0-2, nothing raised."""
+    argv = ["--samples", "/nonexistent/samples.jsonl",
+            *[item for pair in zip(flags, values, strict=False) for item in pair]]
+    assert tune_main(argv, out=io.StringIO(), err=io.StringIO()) in (0, 1, 2)
+
+
+# ---------------------------------------------------------------- Prometheus source
+
+
 @pytest.fixture
-def prometheus() -> Iterator[tuple[str, list[str]]]:
-    """A local server answering /api/v1/query with a first-response bucket vector."""
+def prometheus() -> Iterator[tuple[str, list[str], list[Any]]]:
+    """A local server answering /api/v1/query (POST) with a bucket vector it is given."""
     queries: list[str] = []
+    answer: list[Any] = [None]
     series: list[dict[str, Any]] = []
     for route, counts in (("a", (0, 50, 50, 100)), ("b", (0, 100, 100, 100))):
         for le, count in zip(("0.1", "0.5", "1", "+Inf"), counts, strict=True):
             series.append({"metric": {"route": route, "le": le}, "value": [0, str(count)]})
+    answer[0] = {"status": "success", "data": {"resultType": "vector", "result": series}}
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            from urllib.parse import parse_qs, urlsplit
+        def do_POST(self) -> None:
+            from urllib.parse import parse_qs
 
-            parts = urlsplit(self.path)
-            queries.extend(parse_qs(parts.query).get("query", []))
-            if parts.path != "/api/v1/query":
+            length = int(self.headers.get("Content-Length") or 0)
+            query = parse_qs(self.rfile.read(length).decode()).get("query", [""])[0]
+            queries.append(query)
+            if self.path != "/api/v1/query":
                 self.send_response(404)
                 self.end_headers()
                 return
-            body = json.dumps({"status": "success",
-                               "data": {"resultType": "vector", "result": series}}).encode()
+            reply = answer[0]
+            if query.startswith("max(turnrouter_acknowledgment_delay_seconds"):
+                reply = {"status": "success", "data": {"resultType": "vector", "result": [
+                    {"metric": {}, "value": [0, "1"]}]}}
+            body = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -189,29 +384,39 @@ def prometheus() -> Iterator[tuple[str, list[str]]]:
     thread = threading.Thread(target=httpd.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", queries
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", queries, answer
     finally:
         httpd.shutdown()
         httpd.server_close()
         thread.join()
 
 
-def test_reads_first_response_buckets_from_prometheus(
-    prometheus: tuple[str, list[str]]
+def test_reads_first_response_buckets_from_prometheus_with_a_selector(
+    prometheus: tuple[str, list[str], list[Any]]
 ) -> None:
-    """--prometheus queries the bucket increase by route and le through /api/v1/query."""
-    url, queries = prometheus
-    code, out, _ = run(["--prometheus", url, "--window", "6h", "--max-ack-rate", "0.3"])
+    """--prometheus queries the bucket increase by route and le, narrowed by --selector."""
+    url, queries, _ = prometheus
+    code, out, _ = run(["--prometheus", url, "--window", "6h", "--max-ack-rate", "0.3",
+                        "--selector", '{job="voice", env=~"prod.*"}', "--delays", "0.5,1",
+                        "--generation-secs", "0"])
     assert code == 0
-    assert queries == [
-        "sum by (route, le) (increase(turnrouter_first_response_seconds_bucket[6h]))"]
-    assert _row(out, "a", "1.00s")[3] == "50.0%"
-    assert _row(out, "b", "0.50s")[3] == "0.0%"
+    assert queries == ['sum by (route, le) (increase(turnrouter_first_response_seconds_bucket'
+                       '{job="voice", env=~"prod.*"}[6h]))',
+                       'max(turnrouter_acknowledgment_delay_seconds{job="voice", env=~"prod.*"})']
+    assert _row(out, "a", "1.00s")[4] == "50.0%"
+    assert _row(out, "a", "1.00s")[-1] == "current"  # the routers' configured delay
+    assert _row(out, "b", "0.50s")[4] == "0.0%"
     assert "recommended acknowledgment_delay_secs=" in out
 
 
-def test_prometheus_errors_exit_2(prometheus: tuple[str, list[str]]) -> None:
-    """An HTTP error from Prometheus is reported with exit status 2."""
-    url, _ = prometheus
+def test_prometheus_errors_exit_2(prometheus: tuple[str, list[str], list[Any]]) -> None:
+    """An HTTP error, a deeply nested or a non-JSON answer: exit 2 with one line."""
+    url, _, answer = prometheus
     code, _, err = run(["--prometheus", url + "/nope"])
     assert code == 2 and "HTTP 404" in err
+    answer[0] = b"[" * 100_000 + b"]" * 100_000
+    code, _, err = run(["--prometheus", url])
+    assert code == 2 and "nested too deeply" in err and err.count("\n") == 1
+    answer[0] = b"\xff not json"
+    code, _, err = run(["--prometheus", url])
+    assert code == 2 and "not JSON" in err

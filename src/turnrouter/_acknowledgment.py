@@ -41,8 +41,10 @@ from ._llm import LLMService
 from ._logging import log_failure
 from ._observer import (
     AcknowledgmentFinished,
+    AcknowledgmentGenerated,
     AcknowledgmentOutcome,
     AcknowledgmentTrigger,
+    AnswerAfterAcknowledgment,
     EstimateChanged,
     RouterObserver,
     TurnObserver,
@@ -287,9 +289,9 @@ class AcknowledgmentSidecar:
     a pending acknowledgment is then suppressed, a committed one is awaited.
     """
 
-    __slots__ = ("_answer", "_delay_used", "_delivered", "_emit", "_engine", "_obs",
-                 "_predicted", "_probability", "_scope", "_started_at", "_state", "_t0",
-                 "_trigger", "route", "turn")
+    __slots__ = ("_answer", "_delay_used", "_delivered", "_emit", "_engine", "_heard_at",
+                 "_obs", "_predicted", "_probability", "_scope", "_started_at", "_state",
+                 "_t0", "_trigger", "route", "turn")
 
     def __init__(self, engine: TimingEngine, answer: Answering) -> None:
         self._engine, self._answer = engine, answer
@@ -304,6 +306,8 @@ class AcknowledgmentSidecar:
         self._probability: float | None = None
         self._delay_used = engine.delay if engine.delay is not None else 0.0
         self._started_at: float | None = None
+        #: When the spoken acknowledgment was heard (its delivery began).
+        self._heard_at: float | None = None
 
     @property
     def committed(self) -> bool:
@@ -315,6 +319,14 @@ class AcknowledgmentSidecar:
         self._started_at = now
         if self._state == _PENDING:
             self._suppress()
+        elif self._heard_at is not None:  # the acknowledgment was spoken before
+            self._answered_after(now)
+
+    def _answered_after(self, now: float) -> None:
+        heard_at = self._heard_at
+        assert heard_at is not None
+        self._obs.answer_after_acknowledgment(
+            AnswerAfterAcknowledgment(self.route, self._trigger, max(0.0, now - heard_at)))
 
     def answer_finished(self) -> None:
         """`answer()` returned or raised: a pending acknowledgment is no longer useful."""
@@ -422,7 +434,9 @@ class AcknowledgmentSidecar:
         except Exception as exc:
             self._fail(exc)
             return
-        engine.generation_observed(clock.now() - began)
+        generated = clock.now() - began
+        engine.generation_observed(generated)
+        self._obs.acknowledgment_generated(AcknowledgmentGenerated(self.route, generated))
         if clock.now() < emit_at:
             await clock.sleep_until(emit_at)
         if self._state != _PENDING:
@@ -444,7 +458,10 @@ class AcknowledgmentSidecar:
             raise
         else:
             self._state = _DONE
+            self._heard_at = committed_at
             self._answer.hear(committed_at)
             self._report("emitted", text)
+            if self._started_at is not None:  # the answer started during the delivery
+                self._answered_after(self._started_at)
         finally:
             self._delivered.set()

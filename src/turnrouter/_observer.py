@@ -21,10 +21,12 @@ from ._contracts import AgentTurn, DestinationResult, RouteDecision, RouteReques
 
 __all__ = [
     "AcknowledgmentFinished",
+    "AcknowledgmentGenerated",
     "AcknowledgmentOutcome",
     "AcknowledgmentTrigger",
     "AdmissionFinished",
     "AdmissionStarted",
+    "AnswerAfterAcknowledgment",
     "AnswerFinished",
     "AnswerStarted",
     "Clarification",
@@ -48,6 +50,7 @@ __all__ = [
     "ReleaseReason",
     "ReleaseStarted",
     "Rerouted",
+    "RouteIneligible",
     "RouterObserver",
     "SilenceMeasured",
     "TurnFinished",
@@ -194,6 +197,32 @@ class AcknowledgmentFinished(NamedTuple):
     probability_late: float | None = None
     """The predicted probability that the answer starts after the delay, when the
     predictor knows the delay (the trigger acknowledges early when it is high enough)."""
+
+
+class AcknowledgmentGenerated(NamedTuple):
+    """The acknowledgment generator returned after `seconds` (whether or not the text
+    was then spoken)."""
+
+    route: str
+    seconds: float
+
+
+class AnswerAfterAcknowledgment(NamedTuple):
+    """The answer started `seconds` after a spoken acknowledgment was heard (0 when it
+    started while the acknowledgment was being delivered): a short gap means the
+    acknowledgment was needless."""
+
+    route: str
+    trigger: AcknowledgmentTrigger
+    seconds: float
+
+
+class RouteIneligible(NamedTuple):
+    """A candidate route was found ineligible while the turn was routed; `reason` is
+    its routing aid's `eligibility`."""
+
+    route: str
+    reason: str
 
 
 class SilenceMeasured(NamedTuple):
@@ -348,6 +377,15 @@ class TurnObserver:
 
     def acknowledgment(self, event: AcknowledgmentFinished) -> None:
         """An acknowledgment ended (emitted, suppressed or failed)."""
+
+    def acknowledgment_generated(self, event: AcknowledgmentGenerated) -> None:
+        """The acknowledgment text was generated."""
+
+    def answer_after_acknowledgment(self, event: AnswerAfterAcknowledgment) -> None:
+        """The answer started after a spoken acknowledgment."""
+
+    def route_ineligible(self, event: RouteIneligible) -> None:
+        """A route was ineligible for this turn."""
 
     def silence(self, event: SilenceMeasured) -> None:
         """The silence after admission ended."""

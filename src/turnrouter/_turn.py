@@ -51,6 +51,7 @@ from ._observer import (
     ReleaseReason,
     ReleaseStarted,
     Rerouted,
+    RouteIneligible,
     SilenceMeasured,
     TurnFinished,
     TurnObserver,
@@ -228,8 +229,11 @@ class Turn(TurnRun):
             if aid.name != name:
                 aid = _named(aid, name)
             aids[name] = aid
-            if aid.eligible and name not in excluded:
-                eligible.append(aid)
+            if aid.eligible:
+                if name not in excluded:
+                    eligible.append(aid)
+            elif self.observing:
+                self.obs.route_ineligible(RouteIneligible(name, aid.eligibility))
         candidates = tuple(eligible)
         for attempt in range(2):
             if attempt:

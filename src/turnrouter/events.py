@@ -6,10 +6,12 @@ call for `*_finished` hooks), so a field added in a later release breaks no obse
 
 from ._observer import (
     AcknowledgmentFinished,
+    AcknowledgmentGenerated,
     AcknowledgmentOutcome,
     AcknowledgmentTrigger,
     AdmissionFinished,
     AdmissionStarted,
+    AnswerAfterAcknowledgment,
     AnswerFinished,
     AnswerStarted,
     Clarification,
@@ -33,6 +35,7 @@ from ._observer import (
     ReleaseReason,
     ReleaseStarted,
     Rerouted,
+    RouteIneligible,
     SilenceMeasured,
     TurnFinished,
     TurnOutcome,
@@ -41,10 +44,12 @@ from ._observer import (
 
 __all__ = [
     "AcknowledgmentFinished",
+    "AcknowledgmentGenerated",
     "AcknowledgmentOutcome",
     "AcknowledgmentTrigger",
     "AdmissionFinished",
     "AdmissionStarted",
+    "AnswerAfterAcknowledgment",
     "AnswerFinished",
     "AnswerStarted",
     "Clarification",
@@ -68,6 +73,7 @@ __all__ = [
     "ReleaseReason",
     "ReleaseStarted",
     "Rerouted",
+    "RouteIneligible",
     "SilenceMeasured",
     "TurnFinished",
     "TurnOutcome",

@@ -27,7 +27,9 @@ from ._contracts import (
 )
 from ._observer import (
     AcknowledgmentFinished,
+    AcknowledgmentGenerated,
     AdmissionFinished,
+    AnswerAfterAcknowledgment,
     AnswerFinished,
     AnswerStarted,
     Clarification,
@@ -43,6 +45,7 @@ from ._observer import (
     ParticipantChanged,
     ReleaseFinished,
     Rerouted,
+    RouteIneligible,
     RouterObserver,
     SilenceMeasured,
     TurnFinished,
@@ -350,6 +353,16 @@ class _RecordingTurn(TurnObserver):
 
     def acknowledgment(self, event: AcknowledgmentFinished) -> None:
         self._events.append(("acknowledgment", event.route, event.outcome, event.trigger))
+
+    def acknowledgment_generated(self, event: AcknowledgmentGenerated) -> None:
+        self._events.append(("acknowledgment_generated", event.route, event.seconds))
+
+    def answer_after_acknowledgment(self, event: AnswerAfterAcknowledgment) -> None:
+        self._events.append(("answer_after_acknowledgment", event.route, event.trigger,
+                             event.seconds))
+
+    def route_ineligible(self, event: RouteIneligible) -> None:
+        self._events.append(("route_ineligible", event.route, event.reason))
 
     def silence(self, event: SilenceMeasured) -> None:
         self._events.append(("silence", event.route, event.seconds))

@@ -17,7 +17,16 @@ from typing import Any, TypeVar
 
 import pytest
 
-__all__ = ["Prometheus", "eventually", "find_binary", "free_port", "http_get", "stop_process"]
+__all__ = [
+    "Alertmanager",
+    "Prometheus",
+    "eventually",
+    "find_binary",
+    "free_port",
+    "http_get",
+    "stop_process",
+    "wait_until_ready",
+]
 
 T = TypeVar("T")
 
@@ -29,8 +38,8 @@ def find_binary(name: str) -> str:
         return path
     if os.environ.get("CI"):
         pytest.fail(f"{name} is not installed, and CI is set: install the Debian "
-                    f"'prometheus' package (see .ci/run)")
-    pytest.skip(f"{name} is not installed (apt-get install prometheus)")
+                    f"'prometheus' and 'prometheus-alertmanager' packages (see .ci/run)")
+    pytest.skip(f"{name} is not installed (apt-get install prometheus prometheus-alertmanager)")
 
 
 def stop_process(process: subprocess.Popen[bytes], grace: float = 10.0) -> None:
@@ -81,6 +90,54 @@ def eventually(probe: Callable[[], T | None], *, timeout: float, what: str,
         time.sleep(interval)
 
 
+def _cpu_ticks(pid: int) -> int | None:
+    """User + system CPU ticks of `pid` (None where /proc is unavailable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+def wait_until_ready(probe: Callable[[], bool], process: subprocess.Popen[bytes], *,
+                     what: str, log_path: Path, stall: float = 60.0, overall: float = 600.0,
+                     interval: float = 0.5) -> float:
+    """Poll `probe` until it is true; return the seconds it took.
+
+    Robust to a slow, loaded machine without hiding a server that never comes up: fails
+    at once if the process exits, after `stall` seconds in which it neither used CPU nor
+    wrote to its log (hung), and in any case after `overall` seconds.
+    """
+    start = time.monotonic()
+    last_progress = start
+    last_mark: tuple[int | None, int] = (_cpu_ticks(process.pid), -1)
+    last_error: BaseException | None = None
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"{what}: the process exited with {process.returncode}")
+        try:
+            if probe():
+                return time.monotonic() - start
+        except (OSError, ValueError, KeyError) as exc:  # not up yet
+            last_error = exc
+        now = time.monotonic()
+        try:
+            size = log_path.stat().st_size
+        except OSError:
+            size = -1
+        mark = (_cpu_ticks(process.pid), size)
+        if mark != last_mark:
+            last_mark, last_progress = mark, now
+        detail = f" (last error: {last_error!r})" if last_error else ""
+        if now - last_progress > stall:
+            raise AssertionError(f"{what}: no progress (no CPU time, no log output) for "
+                                 f"{stall:g}s after {now - start:.0f}s{detail}")
+        if now - start > overall:
+            raise AssertionError(f"{what}: not ready after {overall:g}s although still "
+                                 f"making progress{detail}")
+        time.sleep(interval)
+
+
 class Prometheus:
     """A `prometheus` process on a free local port with its own config and data dir."""
 
@@ -113,19 +170,76 @@ class Prometheus:
         _, body = http_get(f"{self.url}/api/v1/{path}{query}")
         return json.loads(body)
 
-    def query(self, expr: str) -> dict[str, Any]:
-        """An instant query; the full response (status, data or error)."""
-        response: dict[str, Any] = self.api("query", query=expr)
+    def query(self, expr: str, at: float | None = None) -> dict[str, Any]:
+        """An instant query (POST: the what-if queries are long), at `at` (Unix time) or
+        now; the full response (status, data or error)."""
+        form = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
+        request = urllib.request.Request(
+            f"{self.url}/api/v1/query", data=urllib.parse.urlencode(form).encode(),
+            headers={"Content-Type": "application/x-www-form-urlencoded"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                body = answer.read()
+        except urllib.error.HTTPError as error:
+            body = error.read()
+        response: dict[str, Any] = json.loads(body)
         return response
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        """Wait until the server answers /-/ready (fails early if the process died)."""
-        def ready() -> bool | None:
-            if self.process.poll() is not None:
-                raise AssertionError(f"prometheus exited:\n{self.log_tail()}")
-            status, _ = http_get(f"{self.url}/-/ready", timeout=1.0)
-            return True if status == 200 else None
-        eventually(ready, timeout=timeout, what="prometheus to be ready")
+    def wait_ready(self) -> None:
+        """Wait until the server answers /-/ready (see `wait_until_ready`)."""
+        def ready() -> bool:
+            return http_get(f"{self.url}/-/ready", timeout=2.0)[0] == 200
+        try:
+            wait_until_ready(ready, self.process, what="prometheus", log_path=self.log_path,
+                             overall=180.0)
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{self.log_tail()}") from None
+
+    def stop(self) -> None:
+        """Terminate the server (kill after a bounded wait)."""
+        stop_process(self.process)
+        self._log.close()
+
+
+class Alertmanager:
+    """A Debian `prometheus-alertmanager` on a free local port, clustering off."""
+
+    def __init__(self, binary: str, workdir: Path, config: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config_path = workdir / "alertmanager.yml"
+        config_path.write_text(config, encoding="utf-8")
+        self.log_path = workdir / "alertmanager.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [binary, f"--config.file={config_path}",
+             f"--storage.path={workdir / 'alertmanager-data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}",
+             "--cluster.listen-address=", "--log.level=warn"],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of the server's log, for failure messages."""
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self) -> None:
+        """Wait until the server answers /-/ready (see `wait_until_ready`)."""
+        def ready() -> bool:
+            return http_get(f"{self.url}/-/ready", timeout=2.0)[0] == 200
+        try:
+            wait_until_ready(ready, self.process, what="alertmanager", log_path=self.log_path,
+                             overall=180.0)
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{self.log_tail()}") from None
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Every alert it holds (`/api/v2/alerts`), active, suppressed or unprocessed."""
+        status, body = http_get(f"{self.url}/api/v2/alerts")
+        if status != 200:
+            raise AssertionError(f"alertmanager /api/v2/alerts: HTTP {status}: {body[:300]!r}")
+        alerts: list[dict[str, Any]] = json.loads(body)
+        return alerts
 
     def stop(self) -> None:
         """Terminate the server (kill after a bounded wait)."""

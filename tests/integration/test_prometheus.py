@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
-from turnrouter.ops import ALERTS, RECORDING_RULES, dashboards, queries
+from turnrouter.ops import ALERTS, RECORDING_RULES, dashboards, metric_names, queries
+from turnrouter.ops._promql import pending_series_names
 from turnrouter.ops._rules import CLARIFICATION_WARNING
-from turnrouter.telemetry import METRICS, metric
+from turnrouter.ops._tuning import candidates
+from turnrouter.telemetry import METRICS
 
 from .conftest import CLARIFY_JOB, NORMAL_JOB, Stack
 from .prom import Prometheus, eventually
@@ -25,6 +27,7 @@ GRAFANA_VARIABLES = {
     "$__interval": "5s",
     "$job": ".*",
     "$route": ".*",
+    "$max_ack_rate": "0.5",
 }
 #: Histograms whose observations carry trace exemplars (docs/telemetry.md).
 EXEMPLAR_HISTOGRAMS = [spec.name for spec in METRICS if spec.type == "histogram"]
@@ -70,31 +73,48 @@ def test_both_targets_are_scraped(stack: Stack) -> None:
         assert values == [1.0]
 
 
+def _pending(expr: str) -> bool:
+    """Whether the query reads a family the router does not emit yet (PENDING_METRICS)."""
+    return bool(metric_names(expr) & pending_series_names())
+
+
 @pytest.mark.parametrize(("where", "expr"), DASHBOARD_QUERIES)
 def test_dashboard_query_returns_data(stack: Stack, where: str, expr: str) -> None:
-    """The dashboard query parses and returns finite samples from real runs."""
+    """The dashboard query parses and returns finite samples from real runs (queries of
+    families the router does not emit yet must parse)."""
+    if _pending(expr):
+        response = stack.prometheus.query(substitute(expr))
+        assert response["status"] == "success", response
+        return
     wait_for_values(stack.prometheus, substitute(expr), where)
 
 
-def test_candidate_delay_panel_has_one_series_per_bucket_bound(stack: Stack) -> None:
-    """The what-if panel yields a rate in [0, 1] for every first-response bucket bound."""
+def test_which_delay_table_has_every_candidate_and_route(stack: Stack) -> None:
+    """The what-if table's acknowledgment rate: one row per candidate delay and route,
+    each a share in [0, 1], plus the all-routes rows."""
     (model,) = [m for m in dashboards().values() if m["uid"] == "turnrouter-acknowledgment-tuning"]
-    (panel,) = [p for p in model["panels"] if p["title"].startswith("Acknowledgment rate")]
-    buckets = metric("turnrouter_first_response_seconds").buckets
-    assert buckets is not None
-    response = wait_for_values(stack.prometheus, substitute(panel["targets"][0]["expr"]),
-                               "candidate delays")
-    rates = {float(s["metric"]["le"]): float(s["value"][1])
-             for s in response["data"]["result"]}
-    assert sorted(rates) == sorted(buckets)
-    assert all(0.0 <= rate <= 1.0 for rate in rates.values())
-    ordered = [rates[bound] for bound in sorted(rates)]
-    assert ordered == sorted(ordered, reverse=True)  # a longer delay never acknowledges more
+    (panel,) = [p for p in model["panels"]
+                if p["title"] == "Which delay? What-if per candidate delay and route"]
+    by_ref = {t["refId"]: t["expr"] for t in panel["targets"]}
+    delays = {f"{c.delay:g}" for c in candidates()}
+    response = wait_for_values(stack.prometheus, substitute(by_ref["A"]), "what-if per route")
+    rows = [(s["metric"]["route"], s["metric"]["delay"], float(s["value"][1]))
+            for s in response["data"]["result"]]
+    assert {delay for _, delay, _ in rows} == delays
+    assert all(0.0 <= rate <= 1.0 for _, _, rate in rows if math.isfinite(rate))
+    overall = wait_for_values(stack.prometheus, substitute(by_ref["B"]), "what-if, all routes")
+    assert {s["metric"]["route"] for s in overall["data"]["result"]} == {"(all)"}
+    assert {s["metric"]["delay"] for s in overall["data"]["result"]} == delays
 
 
 @pytest.mark.parametrize("rule", RECORDING_RULES, ids=lambda rule: rule.record)
 def test_recording_rule_expression_returns_data(stack: Stack, rule: Any) -> None:
-    """The recording rule's expression returns data, and the server records it."""
+    """The recording rule's expression returns data, and the server records it (rules
+    of families the router does not emit yet must parse)."""
+    if _pending(rule.expr):
+        response = stack.prometheus.query(rule.expr)
+        assert response["status"] == "success", response
+        return
     wait_for_values(stack.prometheus, rule.expr, rule.record)
     wait_for_values(stack.prometheus, rule.record, f"recorded {rule.record}")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from .prom import eventually, free_port, http_get, stop_process
+from .prom import free_port, http_get, stop_process, wait_until_ready
 
 __all__ = ["DEFAULT_PROJECT", "Phoenix", "require_phoenix"]
 
@@ -94,19 +94,24 @@ class Phoenix:
         text = self.log_path.read_text(encoding="utf-8", errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        """Wait until `/healthz` answers (fails early if the process died)."""
-        def ready() -> bool | None:
-            if self.process.poll() is not None:
-                raise AssertionError(f"phoenix exited:\n{self.log_tail()}")
-            status, _ = http_get(f"{self.url}/healthz", timeout=1.0)
-            return True if status == 200 else None
-        eventually(ready, timeout=timeout, what="phoenix to be ready", interval=0.5)
+    def wait_ready(self) -> float:
+        """Wait until `/healthz` answers; the seconds it took. On a loaded 2-core machine
+        Phoenix's start-up (imports, migrations) took over 90 s: the wait lasts while the
+        process is alive and making progress (CPU time or log output), up to 15 minutes,
+        and fails at once if it exits (see `wait_until_ready`)."""
+        def ready() -> bool:
+            return http_get(f"{self.url}/healthz", timeout=2.0)[0] == 200
+        try:
+            return wait_until_ready(ready, self.process, what="phoenix",
+                                    log_path=self.log_path, stall=120.0, overall=900.0)
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{self.log_tail()}") from None
 
     def get(self, path: str, params: list[tuple[str, str]] | None = None) -> Any:
         """GET /v1/<path>; the decoded JSON body (raises on a non-200 answer)."""
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        status, body = http_get(f"{self.url}/v1/{path}{query}")
+        # Generous: on a loaded machine a page of 1000 spans took over 5 s.
+        status, body = http_get(f"{self.url}/v1/{path}{query}", timeout=60.0)
         if status != 200:
             raise AssertionError(f"GET /v1/{path}{query}: HTTP {status}: {body[:500]!r}")
         return json.loads(body)

@@ -18,5 +18,6 @@ def require_binary(name: str) -> str:
     if path is not None:
         return path
     if os.environ.get("CI"):
-        pytest.fail(f"{name} is required in CI: install the Debian 'prometheus' package")
-    pytest.skip(f"{name} is not installed (apt-get install prometheus)")
+        pytest.fail(f"{name} is required in CI: install the Debian 'prometheus' and "
+                    "'prometheus-alertmanager' packages (see .ci/run)")
+    pytest.skip(f"{name} is not installed (apt-get install prometheus prometheus-alertmanager)")

@@ -15,7 +15,16 @@ from typing import Any
 import pytest
 import yaml
 
-from turnrouter.ops import K8S_DASHBOARDS, K8S_RULE, RULES_FILE, dashboard_files, rule_groups
+from turnrouter.ops import (
+    K8S_DASHBOARDS,
+    K8S_RULE,
+    RULES_FILE,
+    dashboard_files,
+    read_overrides,
+    render_rules,
+    rule_groups,
+)
+from turnrouter.ops._files import COMPOSE_RULES, DEMO_OVERRIDES
 
 from .conftest import DEPLOY, ROOT
 
@@ -65,9 +74,10 @@ def test_every_yaml_file_parses(path: str) -> None:
 
 
 def test_compose_has_the_stack() -> None:
-    """The demo, the collector, a trace backend, Prometheus and Grafana are services."""
+    """The demo, the collector, a trace backend, Prometheus, Alertmanager and Grafana are
+    services."""
     assert set(_compose()["services"]) == {
-        "turnrouter", "otel-collector", "jaeger", "prometheus", "grafana"}
+        "turnrouter", "otel-collector", "jaeger", "prometheus", "alertmanager", "grafana"}
 
 
 def test_compose_bind_mounts_and_build_files_exist() -> None:
@@ -121,9 +131,26 @@ def test_prometheus_runs_with_exemplars_and_the_generated_rules() -> None:
     assert mounts[config_flag.split("=", 1)[1]] == DEPLOY / "prometheus/prometheus.yml"
     (rule_glob,) = _load(DEPLOY / "prometheus/prometheus.yml")["rule_files"]
     rules_dir = mounts[str(Path(rule_glob).parent)]
-    assert rules_dir == (ROOT / RULES_FILE).parent
+    assert rules_dir == (ROOT / COMPOSE_RULES).parent
     assert sorted(p.name for p in rules_dir.glob(Path(rule_glob).name)) == [
-        Path(RULES_FILE).name]
+        Path(COMPOSE_RULES).name]
+
+
+def test_compose_rules_are_the_shipped_rules_with_the_demo_overrides() -> None:
+    """The compose Prometheus loads the shipped rules with the demo's overrides (its slow
+    routes do not page) and sends alerts to the compose Alertmanager, which mounts the
+    shipped configuration."""
+    rules = (ROOT / COMPOSE_RULES).read_text()
+    expected = render_rules(overrides=read_overrides(ROOT / DEMO_OVERRIDES))
+    assert rules.endswith(expected)
+    assert 'route="travel"' in rules
+    alertmanager = _service("alertmanager")
+    config_flag = next(f for f in alertmanager["command"] if f.startswith("--config.file="))
+    assert _bind_mounts(alertmanager)[config_flag.split("=", 1)[1]] == (
+        DEPLOY / "alertmanager/alertmanager.yml")
+    (target,) = _load(DEPLOY / "prometheus/prometheus.yml")["alerting"]["alertmanagers"]
+    assert target["static_configs"][0]["targets"] == ["alertmanager:9093"]
+    assert "9093:9093" in alertmanager["ports"]
 
 
 def test_collector_pipeline_memory_limiter_batch_and_trace_backend() -> None:
@@ -245,3 +272,10 @@ def test_kustomize_builds(overlay: str) -> None:
     assert result.returncode == 0, result.stderr
     kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc)
     assert kinds == ["ConfigMap", "Deployment", "PrometheusRule", "Service", "ServiceMonitor"]
+
+
+def test_dashboards_configmap_fits_a_client_side_apply() -> None:
+    """The dashboards ConfigMap stays under 256 KiB, the limit of the annotation
+    `kubectl apply` (client-side) stores it in; far under the 1 MiB object limit."""
+    size = len((ROOT / K8S_DASHBOARDS).read_bytes())
+    assert size < 256 * 1024, size

@@ -11,6 +11,7 @@ import pytest
 from turnrouter.ops import DASHBOARDS, dashboards, generated_files, main, stale_files
 from turnrouter.ops._dashboards import queries
 from turnrouter.ops._rules import CLARIFICATION_CRITICAL, CLARIFICATION_WARNING
+from turnrouter.ops._tuning import candidates
 from turnrouter.telemetry import METRICS
 
 from .conftest import ROOT
@@ -125,10 +126,13 @@ def test_panels_do_not_overlap(name: str) -> None:
 
 
 def test_latency_panels_show_exemplars() -> None:
-    """Every histogram_quantile / heatmap target asks for exemplars."""
+    """Every range histogram_quantile / heatmap target over an exemplar-carrying
+    histogram (METRICS) asks for exemplars."""
+    traced = [spec.name for spec in METRICS if spec.type == "histogram"]
     latency = [(p["title"], t) for model in MODELS.values() for p in _panels(model)
                for t in p["targets"]
-               if "histogram_quantile" in t["expr"] or t["format"] == "heatmap"]
+               if t["range"] and any(name in t["expr"] for name in traced)
+               and ("histogram_quantile" in t["expr"] or t["format"] == "heatmap")]
     assert latency
     assert [title for title, target in latency if not target["exemplar"]] == []
 
@@ -148,8 +152,9 @@ def test_acknowledgment_dashboard_has_the_required_panels() -> None:
     titles = {p["title"] for p in _panels(MODELS["turnrouter-acknowledgment-tuning.json"])}
     assert {"First response quantiles", "First response heatmap: $route",
             "Silence p95 vs configured delay", "Acknowledgments: emitted vs suppressed",
-            "Needless acknowledgments (proxy)", "Predicted vs observed first response",
-            "Acknowledgment rate for each candidate delay"} <= titles
+            "Needless acknowledgments", "Predicted vs observed first response",
+            "Which delay? What-if per candidate delay and route", "Recommended delay",
+            "Configured delay", "Acknowledgment generation time"} <= titles
     heatmap = _panel("First response heatmap: $route")
     assert heatmap["type"] == "heatmap" and heatmap["repeat"] == "route"
     quantiles = [t["expr"] for t in _panel("First response quantiles")["targets"]]
@@ -159,15 +164,27 @@ def test_acknowledgment_dashboard_has_the_required_panels() -> None:
     assert "turnrouter_acknowledgment_delay_seconds" in silence
 
 
-def test_candidate_delay_panel_covers_every_bucket_bound() -> None:
-    """The what-if query is 1 - bucket/count over exactly the first-response bucket bounds."""
-    (target,) = _panel("Acknowledgment rate for each candidate delay")["targets"]
-    expr = target["expr"]
-    assert expr.startswith("1 - (") and target["instant"]
+def test_which_delay_table_covers_every_candidate_and_marks_the_current_one() -> None:
+    """The what-if table has ack, needless and silence per route and over all routes, for
+    every candidate delay, and a `current` marker from the configured-delay gauge."""
+    panel = _panel("Which delay? What-if per candidate delay and route")
+    targets = panel["targets"]
+    assert all(t["instant"] and t["format"] == "table" for t in targets)
+    delays = [f'"delay", "{c.delay:g}"' for c in candidates()]
+    assert len(delays) >= 10
+    for target in targets:
+        assert all(d in target["expr"] for d in delays), target["refId"]
+    assert "turnrouter_acknowledgment_delay_seconds" in targets[-1]["expr"]
+    assert '"route", "(all)"' in targets[1]["expr"]
+
+
+def test_every_candidate_reads_buckets_on_bounds() -> None:
+    """Every instant the model reads falls on a first-response bucket bound."""
     (spec,) = [s for s in METRICS if s.name == "turnrouter_first_response_seconds"]
     assert spec.buckets is not None
-    regex = expr.split('le=~"')[1].split('"')[0]
-    assert [float(value) for value in regex.split("|")] == list(spec.buckets)
+    bounds = {round(b, 6) for b in spec.buckets}
+    for c in candidates():
+        assert {c.heard, c.heard_early, c.needless_until, c.needless_early_until} <= bounds
 
 
 def test_overview_covers_every_metric_family_between_the_dashboards() -> None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from turnrouter.ops import ALERTS, RECORDING_RULES, read_overrides, render_rules
+
 from .conftest import DEPLOY, require_binary
+
+DEMO_OVERRIDES = DEPLOY / "prometheus/overrides.demo.yml"
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -14,8 +18,9 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_promtool_check_rules() -> None:
-    """`promtool check rules` accepts the generated rule file."""
-    result = _promtool("check", "rules", str(DEPLOY / "prometheus/rules/turnrouter.rules.yml"))
+    """`promtool check rules` accepts the generated rule files (shipped and compose)."""
+    result = _promtool("check", "rules", str(DEPLOY / "prometheus/rules/turnrouter.rules.yml"),
+                       str(DEPLOY / "compose/rules/turnrouter.rules.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
@@ -32,8 +37,8 @@ def test_promtool_unit_tests_can_fail(tmp_path: Path) -> None:
     rules = (DEPLOY / "prometheus/rules/turnrouter.rules.yml").read_text()
     (tmp_path / "rules").mkdir()
     (tmp_path / "rules/turnrouter.rules.yml").write_text(
-        rules.replace("turnrouter:clarification_ratio:rate5m > 0.25",
-                      "turnrouter:clarification_ratio:rate5m > 0.6"))
+        rules.replace("turnrouter:clarification_ratio:rate1m > 0.25",
+                      "turnrouter:clarification_ratio:rate1m > 0.6"))
     (tmp_path / "tests").mkdir()
     tests = DEPLOY / "prometheus/tests/turnrouter.rules.test.yml"
     (tmp_path / "tests" / tests.name).write_text(tests.read_text())
@@ -48,7 +53,23 @@ def test_promtool_check_config_of_the_compose_prometheus(tmp_path: Path) -> None
     mounted = "/etc/prometheus/rules/*.yml"
     assert mounted in config
     local = tmp_path / "prometheus.yml"
-    local.write_text(config.replace(mounted, str(DEPLOY / "prometheus/rules/*.yml")))
+    local.write_text(config.replace(mounted, str(DEPLOY / "compose/rules/*.yml")))
     result = _promtool("check", "config", str(local))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 14 rules found" in result.stdout
+    assert f"SUCCESS: {len(RECORDING_RULES) + len(ALERTS)} rules found" in result.stdout
+
+
+def test_promtool_unit_tests_of_per_route_overrides(tmp_path: Path) -> None:
+    """Rules generated with the demo's overrides: routes slow by design do not page,
+    other routes keep the defaults, and an overridden route pages above its own bound."""
+    tests = DEPLOY / "prometheus/tests/overrides.test.yml"
+    (tmp_path / tests.name).write_text(tests.read_text())
+    (tmp_path / "turnrouter-demo.rules.yml").write_text(
+        render_rules(overrides=read_overrides(DEMO_OVERRIDES)))
+    result = _promtool("test", "rules", str(tmp_path / tests.name))
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Without the overrides the same data pages for the slow-by-design route.
+    (tmp_path / "turnrouter-demo.rules.yml").write_text(render_rules())
+    result = _promtool("test", "rules", str(tmp_path / tests.name))
+    assert result.returncode != 0
+    assert "route=\"travel\"" in result.stdout + result.stderr

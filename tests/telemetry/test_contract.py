@@ -10,7 +10,15 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import turnrouter.telemetry as telemetry_pkg
-from turnrouter.telemetry import ATTR, LATENCY_BUCKETS, METRICS, Telemetry, metric
+from turnrouter.telemetry import (
+    ATTR,
+    FAST_BUCKETS,
+    LATENCY_BUCKETS,
+    METRICS,
+    RESPONSE_BUCKETS,
+    Telemetry,
+    metric,
+)
 from turnrouter.telemetry._metrics import metrics_markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +50,15 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "turnrouter_turns_in_flight": ("gauge", ()),
 }
 CONTRACT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
+#: Buckets chosen for what each histogram measures (issue 16): sub-millisecond steps for
+#: decisions and admissions, fine steps across acknowledgment delays for the others.
+BUCKETS_BY_FAMILY = {
+    "turnrouter_turn_duration_seconds": LATENCY_BUCKETS,
+    "turnrouter_decision_duration_seconds": FAST_BUCKETS,
+    "turnrouter_admission_duration_seconds": FAST_BUCKETS,
+    "turnrouter_first_response_seconds": RESPONSE_BUCKETS,
+    "turnrouter_silence_seconds": RESPONSE_BUCKETS,
+}
 
 
 def test_definitions_match_the_contract() -> None:
@@ -49,7 +66,7 @@ def test_definitions_match_the_contract() -> None:
     assert {spec.name: (spec.type, spec.labels) for spec in METRICS} == CONTRACT
     assert LATENCY_BUCKETS == CONTRACT_BUCKETS
     for spec in METRICS:
-        expected = CONTRACT_BUCKETS if spec.type == "histogram" else None
+        expected = BUCKETS_BY_FAMILY.get(spec.name)
         assert spec.buckets == expected, spec.name
         assert spec.documentation
         assert (spec.type == "counter") == spec.name.endswith("_total"), spec.name
@@ -73,7 +90,7 @@ def test_registered_families_match_the_contract() -> None:
             bounds = [sample.labels["le"] for sample in family.samples
                       if sample.name.endswith("_bucket")]
             if bounds:  # labelled histograms have no samples before first use
-                assert bounds == [*map(repr, map(float, CONTRACT_BUCKETS)), "+Inf"]
+                assert bounds == [*map(repr, map(float, BUCKETS_BY_FAMILY[name])), "+Inf"]
 
 
 def _docs_metrics() -> dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None]]:

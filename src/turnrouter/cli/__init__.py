@@ -1,75 +1,179 @@
-"""The `turnrouter` command: `demo` (the main job) and `tune` (acknowledgment delay)."""
+"""The `turnrouter` command: `demo` (the main job) and `tune` (acknowledgment delay).
+
+Usage errors (a bad flag, a value out of range, an address that cannot be served) exit 2
+with one line on stderr and no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-__all__ = ["demo_parser", "main"]
+__all__ = ["OneLineParser", "demo_parser", "main"]
+
+#: Upper bounds of the demo's numeric flags (beyond them the run is pointless or unsafe).
+MAX_DURATION = 365 * 86400.0
+MAX_SPEED = 1000.0
+MAX_PARTICIPANTS = 10_000
+MAX_ACK_DELAY = 60.0
 
 
-def _positive(value: str) -> float:
-    number = float(value)
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _number(value: str, *, low: float, high: float, low_open: bool) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not math.isfinite(number) or number > high or (
+            number <= low if low_open else number < low):
+        bound = f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
+        raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {value!r}")
     return number
+
+
+def _duration(value: str) -> float:
+    return _number(value, low=0.0, high=MAX_DURATION, low_open=True)
+
+
+def _speed(value: str) -> float:
+    return _number(value, low=0.0, high=MAX_SPEED, low_open=True)
+
+
+def _ack_delay(value: str) -> float | None:
+    if value.strip().lower() == "off":
+        return None
+    return _number(value, low=0.0, high=MAX_ACK_DELAY, low_open=True)
+
+
+def _integer(value: str, low: int, high: int) -> int:
+    try:
+        number = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if not low <= number <= high:
+        raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value!r}")
+    return number
+
+
+def _participants(value: str) -> int:
+    return _integer(value, 1, MAX_PARTICIPANTS)
+
+
+def _port(value: str) -> int:
+    return _integer(value, 0, 65535)
+
+
+def _seed(value: str) -> int:
+    return _integer(value, -(2**63), 2**63 - 1)
+
+
+def _host(value: str) -> str:
+    if not value or len(value) > 253 or not value.isprintable() or any(
+            c.isspace() for c in value):
+        raise argparse.ArgumentTypeError(f"not a host name or address: {value!r}")
+    return value
+
+
+def _endpoint(value: str) -> str:
+    if (not value.startswith(("http://", "https://")) or len(value) > 2000
+            or not value.isprintable() or any(c.isspace() for c in value)):
+        raise argparse.ArgumentTypeError(f"must be an http(s) URL, got {value!r}")
+    return value
 
 
 def demo_parser() -> argparse.ArgumentParser:
     """The `turnrouter demo` flags (deployment files are tested against it)."""
-    parser = argparse.ArgumentParser(
+    from ..demo import DEFAULT_ACK_DELAY, OTLP_PROTOCOLS
+
+    parser = OneLineParser(
         prog="turnrouter demo",
-        description="Run a simulated voice-assistant deployment on the embedded defaults.",
+        description="Run a simulated voice-assistant deployment on the embedded defaults. "
+                    "Tracing: spans go to --otlp-endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT); "
+                    "OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER and "
+                    "OTEL_TRACES_SAMPLER_ARG are honoured.",
     )
-    parser.add_argument("--duration", type=_positive, default=30.0,
+    parser.add_argument("--duration", type=_duration, default=30.0,
                         help="seconds to run (default 30)")
     parser.add_argument("--serve", action="store_true",
                         help="keep running until interrupted (for dashboards)")
-    parser.add_argument("--participants", type=int, default=40,
-                        help="concurrent participants (default 40)")
-    parser.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
+    parser.add_argument("--participants", type=_participants, default=40,
+                        help=f"concurrent participants, 1-{MAX_PARTICIPANTS} (default 40)")
+    parser.add_argument("--seed", type=_seed, default=7, help="random seed (default 7)")
     parser.add_argument("--clarify-heavy", action="store_true",
                         help="scenario for alert testing: the general agent is down")
-    parser.add_argument("--metrics-port", type=int, default=None,
+    parser.add_argument("--metrics-port", type=_port, default=None,
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
-    parser.add_argument("--metrics-host", default="127.0.0.1",
+    parser.add_argument("--metrics-host", type=_host, default="127.0.0.1",
                         help="address to serve /metrics on (0.0.0.0 in containers)")
-    parser.add_argument("--speed", type=_positive, default=1.0,
-                        help="time compression of the simulated conversations")
+    parser.add_argument("--speed", type=_speed, default=1.0,
+                        help=f"time compression of the simulated conversations "
+                             f"(up to {MAX_SPEED:g})")
+    parser.add_argument("--ack-delay", type=_ack_delay, default=DEFAULT_ACK_DELAY,
+                        metavar="SECONDS",
+                        help=f"fallback acknowledgment delay in simulated seconds, or 'off' "
+                             f"(default {DEFAULT_ACK_DELAY:g})")
+    parser.add_argument("--samples", metavar="FILE",
+                        help="append first-response timing samples (JSON lines, for "
+                             "`turnrouter tune --samples`) to FILE")
+    parser.add_argument("--otlp-endpoint", type=_endpoint, metavar="URL",
+                        help="export spans over OTLP to URL (default: "
+                             "OTEL_EXPORTER_OTLP_ENDPOINT; unset: no export)")
+    parser.add_argument("--otlp-protocol", choices=OTLP_PROTOCOLS,
+                        help="OTLP protocol (default: OTEL_EXPORTER_OTLP_PROTOCOL or "
+                             "http/protobuf; grpc needs opentelemetry-exporter-otlp-proto-grpc)")
     parser.add_argument("--quiet", action="store_true", help="no live progress line")
     return parser
 
 
 def _demo(argv: Sequence[str]) -> int:
-    parser = demo_parser()
-    args = parser.parse_args(list(argv))
-    if args.participants < 1:
-        parser.error("--participants must be at least 1")
+    args = demo_parser().parse_args(list(argv))
 
     import anyio
 
+    from .._exceptions import ConfigurationError
     from ..demo import DemoConfig, run_demo
 
+    if args.samples is not None:
+        try:
+            with open(args.samples, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            print(f"turnrouter demo: error: --samples: cannot write {args.samples!r}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 2
     config = DemoConfig(duration=args.duration, serve=args.serve,
                         participants=args.participants, seed=args.seed,
                         clarify_heavy=args.clarify_heavy, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host,
-                        speed=args.speed, progress=not args.quiet)
+                        speed=args.speed, progress=not args.quiet,
+                        acknowledgment_delay=args.ack_delay, samples_path=args.samples,
+                        otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol)
     try:
         report = anyio.run(run_demo, config)
     except KeyboardInterrupt:
         return 130
+    except ConfigurationError as exc:
+        print(f"turnrouter demo: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. the samples file's disk filled up during the run
+        print(f"turnrouter demo: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
     return 0 if report.lost_turns == 0 else 1
 
 
 def _tune(argv: Sequence[str]) -> int:
-    try:
-        from ._tune import tune_main
-    except ImportError as exc:  # pragma: no cover - lands with acknowledgments
-        print(f"turnrouter tune is unavailable: {exc}", file=sys.stderr)
-        return 2
+    from ._tune import tune_main
+
     return tune_main(list(argv))
 
 
@@ -80,7 +184,8 @@ def _worker(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `turnrouter` command."""
+    """Entry point of the `turnrouter` command; returns the exit status (usage errors: 2,
+    one line on stderr)."""
     args = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": _demo, "tune": _tune, "worker": _worker}
     if not args or args[0] in {"-h", "--help"} or args[0] not in commands:
@@ -90,7 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "  worker one router replica on NATS JetStream", file=sys.stderr)
         return 0 if args and args[0] in {"-h", "--help"} else 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return commands[args[0]](args[1:])
+    try:
+        return commands[args[0]](args[1:])
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2, already printed)
+        return exc.code if isinstance(exc.code, int) else 2
 
 
 if __name__ == "__main__":  # pragma: no cover

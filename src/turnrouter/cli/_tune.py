@@ -1,19 +1,22 @@
-"""`turnrouter tune`: what-if analysis of the acknowledgment delay.
+"""`turnrouter tune`: which acknowledgment delay? The what-if of `turnrouter.ops._tuning`.
 
-For each candidate delay (the telemetry latency bucket bounds) and each route, from
-recorded first-response samples (the `JsonLinesSink` export) or a Prometheus server's
-`turnrouter_first_response_seconds_bucket` histogram:
+For each candidate delay and each route (and all routes together), from recorded
+first-response samples (the `JsonLinesSink` export, e.g. `turnrouter demo --samples`) or
+a Prometheus server's `turnrouter_first_response_seconds` histogram (optionally narrowed
+by a label selector such as `job="voice"`): the acknowledgment rate, the needless rate
+(acknowledgment heard, answer started within `NEEDLESS_WITHIN_SECONDS`), p50 / p95
+silence, and whether the route is acknowledged early by prediction at that delay, with
+the acknowledgment generation time modelled (`--generation-secs`). The tuning dashboard
+computes the same numbers in PromQL; a test checks they agree.
 
-- acknowledgment rate: the share of turns whose first response comes after
-  delay + generation time (those hear the fallback acknowledgment);
-- p50 / p95 silence: silence is min(first response, delay + generation time).
+The delay is one router-wide setting, so the recommendation is over all routes
+(`--max-ack-rate`: the shortest delay within it; `--max-silence-p95`: the longest delay
+within it); per-route rows show who pays for it. A PNG plot is optional (`--plot`, needs
+matplotlib: the `turnrouter[plot]` extra).
 
-It recommends a delay for a target (`--max-ack-rate`: the shortest delay within it;
-`--max-silence-p95`: the longest delay within it, fewest acknowledgments) and can write
-a PNG plot (`--plot`, needs matplotlib: the `turnrouter[plot]` extra).
-
-Exit status: 0 done, 1 the target cannot be met by any candidate, 2 bad input.
-Censored samples (interrupted turns) are handled by the Kaplan-Meier estimator.
+Exit status: 0 done, 1 the target cannot be met by any candidate, 2 bad input (one line
+on stderr, never a traceback). Censored samples (interrupted turns) are handled by the
+Kaplan-Meier estimator.
 """
 
 from __future__ import annotations
@@ -23,18 +26,51 @@ import bisect
 import importlib
 import json
 import math
+import re
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TextIO
 
-__all__ = ["BucketDistribution", "SampleDistribution", "TuneRow", "analyse", "tune_main"]
+from ..ops._tuning import (
+    ALL_ROUTES,
+    EARLY_SECS,
+    GENERATION_SECS,
+    PREDICTION_QUANTILE,
+    Candidate,
+    candidate,
+    candidates,
+)
+from ..telemetry import NEEDLESS_WITHIN_SECONDS
+from . import OneLineParser
 
-ALL_ROUTES = "(all)"
+__all__ = [
+    "MAX_LINE_BYTES",
+    "MAX_RESPONSE_BYTES",
+    "MAX_SAMPLES",
+    "BucketDistribution",
+    "SampleDistribution",
+    "TuneRow",
+    "analyse",
+    "parse_prometheus_answer",
+    "printable",
+    "read_samples",
+    "tune_main",
+]
+
 PROMETHEUS_METRIC = "turnrouter_first_response_seconds_bucket"
+#: Bounds on what tune reads (beyond them: a clear error, exit 2).
+MAX_SAMPLES = 5_000_000
+MAX_LINE_BYTES = 65_536
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+MAX_SERIES = 200_000
+
+_MATCHER = r'[A-Za-z_][A-Za-z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\\n]|\\.)*"'
+_SELECTOR = re.compile(rf"\s*\{{?\s*(?:{_MATCHER}(?:\s*,\s*{_MATCHER})*)?\s*,?\s*\}}?\s*")
+_DURATION = re.compile(r"(?:[0-9]{1,9}(?:ms|s|m|h|d|w|y))+")
 
 
 class Distribution(Protocol):
@@ -87,12 +123,17 @@ class SampleDistribution:
 
 
 class BucketDistribution:
-    """A cumulative histogram (Prometheus buckets), linearly interpolated within buckets."""
+    """A cumulative histogram (Prometheus buckets), linearly interpolated within buckets
+    as `histogram_quantile` does (counts made monotonic, as Prometheus does)."""
 
     def __init__(self, buckets: Sequence[tuple[float, float]]) -> None:
         ordered = sorted(buckets)
         self._bounds = [b for b, _ in ordered]
-        self._counts = [c for _, c in ordered]
+        self._counts: list[float] = []
+        running = 0.0
+        for _, count in ordered:
+            running = max(running, count)
+            self._counts.append(running)
         self.turns = self._counts[-1] if self._counts else 0.0
 
     def _cdf(self, t: float) -> float:
@@ -130,82 +171,263 @@ class BucketDistribution:
 
 @dataclass(frozen=True, slots=True)
 class TuneRow:
+    """The what-if of one route (or all routes) at one candidate delay."""
+
     route: str
     delay: float
     turns: float
+    predicted: bool
+    """Acknowledged early by prediction at this delay (first-response p10 above it)."""
     ack_rate: float
+    needless_rate: float
     p50_silence: float
     p95_silence: float
 
 
+def _route_row(route: str, dist: Distribution, c: Candidate) -> TuneRow:
+    predicted = dist.quantile(PREDICTION_QUANTILE) > c.delay
+    heard = c.heard_early if predicted else c.heard
+    ack = dist.survival(heard)
+    needless = ack - dist.survival(heard + NEEDLESS_WITHIN_SECONDS)
+    return TuneRow(route, c.delay, dist.turns, predicted, ack, max(0.0, needless),
+                   min(dist.quantile(0.5), heard), min(dist.quantile(0.95), heard))
+
+
+def _mixture_quantile(parts: list[tuple[float, Distribution, float]], q: float) -> float:
+    """Quantile of silence over routes: each `(weight, X, h)` contributes min(X, h)."""
+    total = sum(weight for weight, _, _ in parts)
+    if total <= 0:
+        return math.nan
+
+    def cdf(s: float) -> float:
+        return sum(weight * (1.0 if s >= heard else 1.0 - dist.survival(s))
+                   for weight, dist, heard in parts) / total
+
+    low, high = 0.0, max(heard for _, _, heard in parts)
+    if cdf(high) < q - 1e-12:
+        return high
+    for _ in range(60):
+        middle = (low + high) / 2
+        if cdf(middle) >= q - 1e-12:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
 def analyse(distributions: dict[str, Distribution], delays: Sequence[float],
-            generation: float = 0.0) -> list[TuneRow]:
-    """One row per route and candidate delay (routes in the given order)."""
-    rows = []
-    for route, dist in distributions.items():
-        for delay in delays:
-            threshold = delay + generation
-            rows.append(TuneRow(
-                route, delay, dist.turns, dist.survival(threshold),
-                min(dist.quantile(0.5), threshold), min(dist.quantile(0.95), threshold)))
-    return rows
+            generation: float = GENERATION_SECS, early: float = EARLY_SECS) -> list[TuneRow]:
+    """Rows per route and candidate delay (routes in the given order), then the
+    all-routes rows (rates weighted by each route's turns)."""
+    rows: list[TuneRow] = []
+    overall: list[TuneRow] = []
+    routes = [r for r in distributions if r != ALL_ROUTES]
+    for route in routes:
+        rows.extend(_route_row(route, distributions[route], candidate(d, generation, early))
+                    for d in delays)
+    total = sum(distributions[r].turns for r in routes)
+    for d in delays:
+        c = candidate(d, generation, early)
+        mine = [r for r in rows if r.delay == c.delay]
+        if total <= 0 or not mine:
+            continue
+        parts = [(distributions[r.route].turns, distributions[r.route],
+                  c.heard_early if r.predicted else c.heard) for r in mine]
+        overall.append(TuneRow(
+            ALL_ROUTES, c.delay, total, all(r.predicted for r in mine),
+            sum(r.ack_rate * r.turns for r in mine) / total,
+            sum(r.needless_rate * r.turns for r in mine) / total,
+            _mixture_quantile(parts, 0.5), _mixture_quantile(parts, 0.95)))
+    return rows + overall
 
 
 # ---------------------------------------------------------------- sources
 
-def from_samples(paths: Sequence[str], routes: set[str] | None) -> dict[str, Distribution]:
-    from .._timing import iter_samples
+def printable(text: str) -> str:
+    """`text` with control and other unprintable characters escaped (safe for a
+    terminal)."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def read_samples(path: str, routes: set[str] | None) -> dict[str, list[tuple[float, bool]]]:
+    """(seconds, censored) per route from a JSON-lines samples file; ValueError naming
+    the file and line for anything malformed (junk, non-UTF-8, too deep, too long)."""
+    from .._timing import TimingSample
 
     by_route: dict[str, list[tuple[float, bool]]] = {}
-    for path in paths:
-        for sample in iter_samples(path):
+    count = 0
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""),
+                                     1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
+            try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                sample = TimingSample.from_json(line)
+            except RecursionError:
+                raise ValueError(f"{path}:{number}: invalid timing sample: nested too "
+                                 "deeply") from None
+            except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError
+                reason = " ".join(str(exc).split())[:200]
+                raise ValueError(f"{path}:{number}: invalid timing sample: {reason}") from exc
+            count += 1
+            if count > MAX_SAMPLES:
+                raise ValueError(f"{path}: more than {MAX_SAMPLES} samples")
             if routes is None or sample.route in routes:
                 by_route.setdefault(sample.route, []).append((sample.seconds, sample.censored))
-    result: dict[str, Distribution] = {r: SampleDistribution(v) for r, v in
-                                       sorted(by_route.items())}
-    if len(by_route) > 1:
-        result[ALL_ROUTES] = SampleDistribution(x for v in by_route.values() for x in v)
-    return result
+    return by_route
 
 
-def prometheus_query(window: str) -> str:
-    return f"sum by (route, le) (increase({PROMETHEUS_METRIC}[{window}]))"
+def from_samples(paths: Sequence[str], routes: set[str] | None) -> dict[str, Distribution]:
+    merged: dict[str, list[tuple[float, bool]]] = {}
+    for path in paths:
+        for route, samples in read_samples(path, routes).items():
+            merged.setdefault(route, []).extend(samples)
+    return {r: SampleDistribution(v) for r, v in sorted(merged.items())}
 
 
-def from_prometheus(url: str, window: str, routes: set[str] | None,
-                    timeout: float) -> dict[str, Distribution]:
-    query = urllib.parse.urlencode({"query": prometheus_query(window)})
-    endpoint = url.rstrip("/") + "/api/v1/query?" + query
+def selector_matchers(selector: str | None) -> str:
+    """The label matchers of `--selector` without braces (ValueError if malformed)."""
+    if not selector or not selector.strip():
+        return ""
+    if len(selector) > 2000 or not _SELECTOR.fullmatch(selector):
+        raise ValueError(f"--selector must be Prometheus label matchers such as "
+                         f'job="voice",namespace=~"prod.*", got {printable(selector[:100])!r}')
+    return selector.strip().removeprefix("{").removesuffix("}").strip().rstrip(",").strip()
+
+
+def prometheus_query(window: str, matchers: str = "") -> str:
+    """The bucket query tune sends."""
+    return f"sum by (route, le) (increase({PROMETHEUS_METRIC}{{{matchers}}}[{window}]))" \
+        if matchers else f"sum by (route, le) (increase({PROMETHEUS_METRIC}[{window}]))"
+
+
+def _number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"{what} is not a number: {printable(repr(value)[:60])}")
     try:
-        with urllib.request.urlopen(endpoint, timeout=timeout) as response:
-            payload = json.load(response)
-    except urllib.error.HTTPError as exc:
-        body = exc.read().decode("utf-8", "replace")[:300]
-        raise ValueError(f"Prometheus {endpoint} returned HTTP {exc.code}: {body}") from exc
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"Prometheus {endpoint} failed: {exc}") from exc
-    if not isinstance(payload, dict) or payload.get("status") != "success":
-        raise ValueError(f"Prometheus query failed: {str(payload)[:300]}")
+        return float(value)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{what} is not a number: {printable(repr(value)[:60])}") from None
+
+
+def parse_prometheus_answer(payload: object,
+                            routes: set[str] | None) -> dict[str, dict[float, float]]:
+    """route -> {bucket bound: count} from an /api/v1/query answer; ValueError naming
+    what is wrong for any answer that is not a vector of finite, non-negative counts
+    with numeric `le` bounds."""
+    if not isinstance(payload, dict):
+        raise ValueError("Prometheus answer is not a JSON object")
+    if payload.get("status") != "success":
+        error = payload.get("error")
+        detail = printable(str(error)[:200]) if isinstance(error, str) else "no error given"
+        raise ValueError(f"Prometheus query failed: {detail}")
+    data = payload.get("data")
+    if not isinstance(data, dict) or data.get("resultType") != "vector":
+        raise ValueError("Prometheus answer has no vector 'data'")
+    result = data.get("result")
+    if not isinstance(result, list):
+        raise ValueError("Prometheus answer 'data.result' is not a list")
+    if len(result) > MAX_SERIES:
+        raise ValueError(f"Prometheus answer has more than {MAX_SERIES} series")
     buckets: dict[str, dict[float, float]] = {}
-    for series in payload.get("data", {}).get("result", []):
-        labels = series.get("metric", {})
+    for index, series in enumerate(result):
+        where = f"series {index}"
+        if not isinstance(series, dict):
+            raise ValueError(f"Prometheus {where} is not an object")
+        labels, value = series.get("metric"), series.get("value")
+        if not isinstance(labels, dict):
+            raise ValueError(f"Prometheus {where} has no 'metric' labels")
         route, le = labels.get("route"), labels.get("le")
-        if route is None or le is None or (routes is not None and route not in routes):
+        if not isinstance(route, str) or not isinstance(le, str):
+            raise ValueError(f"Prometheus {where} lacks string 'route' and 'le' labels")
+        if not isinstance(value, list) or len(value) != 2:
+            raise ValueError(f"Prometheus {where} 'value' is not [time, value]")
+        bound = math.inf if le in ("+Inf", "Inf", "inf") else _number(le, f"{where} le")
+        count = _number(value[1], f"{where} value")
+        if math.isnan(bound) or bound <= 0:
+            raise ValueError(f"Prometheus {where}: bucket bound le={printable(le[:30])!r} "
+                             "is not a positive number")
+        if not math.isfinite(count) or count < 0:
+            raise ValueError(f"Prometheus {where}: bucket count {count!r} is not a finite "
+                             "number >= 0")
+        if routes is not None and route not in routes:
             continue
-        value = float(series["value"][1])
-        bound = math.inf if le in ("+Inf", "Inf") else float(le)
         per_route = buckets.setdefault(route, {})
-        per_route[bound] = per_route.get(bound, 0.0) + (value if math.isfinite(value) else 0.0)
-    result: dict[str, Distribution] = {
-        route: BucketDistribution(sorted(b.items())) for route, b in sorted(buckets.items())
-        if max(b.values(), default=0.0) > 0}
-    if len(result) > 1:
-        total: dict[float, float] = {}
-        for b in buckets.values():
-            for bound, count in b.items():
-                total[bound] = total.get(bound, 0.0) + count
-        result[ALL_ROUTES] = BucketDistribution(sorted(total.items()))
-    return result
+        per_route[bound] = per_route.get(bound, 0.0) + count
+    return buckets
+
+
+def _check_url(url: str) -> None:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or not url.isprintable():
+        raise ValueError(f"--prometheus must be an http(s) URL, got {printable(url[:100])!r}")
+
+
+def _query(url: str, expr: str, timeout: float, at: float | None) -> object:
+    """POST one instant query; the decoded JSON answer (ValueError for any failure)."""
+    _check_url(url)
+    form = {"query": expr}
+    if at is not None:
+        form["time"] = f"{at:.3f}"
+    body = urllib.parse.urlencode(form).encode()
+    endpoint = url.rstrip("/") + "/api/v1/query"
+    request = urllib.request.Request(
+        endpoint, data=body, headers={"Content-Type": "application/x-www-form-urlencoded"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read(MAX_RESPONSE_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        detail = printable(exc.read(300).decode("utf-8", "replace"))
+        raise ValueError(f"Prometheus {endpoint} returned HTTP {exc.code}: {detail}") from exc
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"Prometheus {endpoint} failed: {printable(str(exc))}") from exc
+    if len(raw) > MAX_RESPONSE_BYTES:
+        raise ValueError(f"Prometheus answer larger than {MAX_RESPONSE_BYTES} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("Prometheus answer is nested too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"Prometheus answer is not JSON: {str(exc)[:100]}") from exc
+
+
+def from_prometheus(url: str, window: str, routes: set[str] | None, timeout: float,
+                    matchers: str = "", at: float | None = None) -> dict[str, Distribution]:
+    payload = _query(url, prometheus_query(window, matchers), timeout, at)
+    buckets = parse_prometheus_answer(payload, routes)
+    return {route: BucketDistribution(sorted(b.items())) for route, b in sorted(buckets.items())
+            if max(b.values(), default=0.0) > 0}
+
+
+DELAY_GAUGE = "turnrouter_acknowledgment_delay_seconds"
+
+
+def configured_delay(url: str, timeout: float, matchers: str = "",
+                     at: float | None = None) -> float | None:
+    """The fallback delay the routers report (`max` of the gauge over the selector), or
+    None when none reports one (acknowledgments off, no data, or an unusable answer)."""
+    selector = f"{{{matchers}}}" if matchers else ""
+    try:
+        payload = _query(url, f"max({DELAY_GAUGE}{selector})", timeout, at)
+    except ValueError:
+        return None
+    if not isinstance(payload, dict) or payload.get("status") != "success":
+        return None
+    data = payload.get("data")
+    result = data.get("result") if isinstance(data, dict) else None
+    if not isinstance(result, list) or len(result) != 1 or not isinstance(result[0], dict):
+        return None
+    value = result[0].get("value")
+    if not isinstance(value, list) or len(value) != 2:
+        return None
+    try:
+        delay = _number(value[1], "delay")
+    except ValueError:
+        return None
+    return delay if math.isfinite(delay) and 0 < delay <= 60 else None
 
 
 # ---------------------------------------------------------------- output
@@ -214,23 +436,33 @@ def _fmt(seconds: float) -> str:
     return "    n/a" if math.isnan(seconds) else f"{seconds:6.2f}s"
 
 
-def print_table(rows: Sequence[TuneRow], out: TextIO) -> None:
-    width = max([len("route"), *(len(r.route) for r in rows)])
-    out.write(f"{'route':<{width}}  {'delay':>6}  {'turns':>7}  {'ack rate':>8}  "
-              f"{'p50 silence':>11}  {'p95 silence':>11}\n")
+def _trigger(row: TuneRow) -> str:
+    if row.route == ALL_ROUTES:
+        return "-"
+    return "prediction" if row.predicted else "delay"
+
+
+def print_table(rows: Sequence[TuneRow], out: TextIO, current: float | None = None) -> None:
+    names = {row.route: printable(row.route) for row in rows}
+    width = max([len("route"), *(len(n) for n in names.values())])
+    out.write(f"{'route':<{width}}  {'delay':>6}  {'turns':>7}  {'trigger':>10}  "
+              f"{'ack rate':>8}  {'needless':>8}  {'p50 silence':>11}  {'p95 silence':>11}\n")
     previous = None
     for row in rows:
         if previous is not None and row.route != previous:
             out.write("\n")
         previous = row.route
-        out.write(f"{row.route:<{width}}  {row.delay:5.2f}s  {row.turns:7.0f}  "
-                  f"{row.ack_rate:8.1%}  {_fmt(row.p50_silence):>11}  "
-                  f"{_fmt(row.p95_silence):>11}\n")
+        mark = "  <- current" if current is not None and abs(row.delay - current) < 0.025 else ""
+        out.write(f"{names[row.route]:<{width}}  {row.delay:5.2f}s  {row.turns:7.0f}  "
+                  f"{_trigger(row):>10}  "
+                  f"{row.ack_rate:8.1%}  {row.needless_rate:8.1%}  "
+                  f"{_fmt(row.p50_silence):>11}  {_fmt(row.p95_silence):>11}{mark}\n")
 
 
-def recommend(rows: Sequence[TuneRow], route: str, *, max_ack_rate: float | None,
+def recommend(rows: Sequence[TuneRow], *, max_ack_rate: float | None,
               max_silence_p95: float | None) -> TuneRow | None:
-    mine = [r for r in rows if r.route == route]
+    """The all-routes row meeting the target (None if none does)."""
+    mine = [r for r in rows if r.route == ALL_ROUTES]
     if max_ack_rate is not None:
         fits = [r for r in mine if r.ack_rate <= max_ack_rate + 1e-12]
         return min(fits, key=lambda r: r.delay) if fits else None
@@ -254,83 +486,157 @@ def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None) -
         mine = [r for r in rows if r.route == route]
         delays = [r.delay for r in mine]
         style = "k--" if route == ALL_ROUTES else "-o"
-        top.plot(delays, [r.ack_rate for r in mine], style, label=route, markersize=3)
-        bottom.plot(delays, [r.p95_silence for r in mine], style, label=route, markersize=3)
+        top.plot(delays, [r.ack_rate for r in mine], style, label=printable(route),
+                 markersize=3)
+        bottom.plot(delays, [r.p95_silence for r in mine], style, label=printable(route),
+                    markersize=3)
     if target is not None:
         (top if target[0] == "ack" else bottom).axhline(target[1], color="red", linewidth=1)
     top.set_ylabel("acknowledgment rate")
     bottom.set_ylabel("p95 silence (s)")
     bottom.set_xlabel("acknowledgment delay (s)")
-    top.set_xscale("log")
     top.legend(fontsize="small")
     top.set_title("turnrouter tune: acknowledgment delay what-if")
-    figure.tight_layout()
-    figure.savefig(path, format="png")
-    plt.close(figure)
+    try:
+        figure.tight_layout()
+        figure.savefig(path, format="png")
+    except (OSError, ValueError) as exc:
+        return f"cannot write the plot {printable(path)!r}: {exc}"
+    finally:
+        plt.close(figure)
     return None
 
 
+def _bounded(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (or (low, high])."""
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+        if not math.isfinite(number) or number > high or (
+                number <= low if low_open else number < low):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>' if low_open else '>='} {low:g} and "
+                f"<= {high:g}, got {value!r}")
+        return number
+    return parse
+
+
+def _window(value: str) -> str:
+    if len(value) > 32 or not _DURATION.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"must be a Prometheus duration such as 1d or "
+                                         f"6h30m, got {printable(value[:40])!r}")
+    return value
+
+
+def _route(value: str) -> str:
+    if not value or len(value) > 200 or not value.isprintable():
+        raise argparse.ArgumentTypeError(f"not a route name: {printable(value[:40])!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="turnrouter tune",
-        description="What-if analysis of the acknowledgment delay: acknowledgment rate and "
-                    "silence per route for each candidate delay.")
+        description="Which acknowledgment delay? Acknowledgment rate, needless "
+                    "acknowledgments and silence per candidate delay, per route and over "
+                    "all routes (the setting is router-wide).")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--samples", action="append", metavar="FILE",
                         help="JSON-lines samples written by JsonLinesSink (repeatable)")
     source.add_argument("--prometheus", metavar="URL",
                         help="Prometheus base URL (reads turnrouter_first_response_seconds)")
-    parser.add_argument("--window", default="1d",
+    parser.add_argument("--selector", metavar="MATCHERS",
+                        help='Prometheus label matchers narrowing the series, e.g. '
+                             'job="voice",namespace="prod"')
+    parser.add_argument("--window", type=_window, default="1d",
                         help="Prometheus range for increase() (default 1d)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="Prometheus timeout (s)")
-    parser.add_argument("--route", action="append", help="only these routes (repeatable)")
-    parser.add_argument("--generation-secs", type=float, default=0.0,
-                        help="expected acknowledgment generation time added to the delay")
-    parser.add_argument("--delays", help="comma-separated candidate delays "
-                        "(default: the telemetry latency buckets)")
+    parser.add_argument("--at", type=_bounded(0.0, 1e11, low_open=True), metavar="UNIX_TIME",
+                        help="evaluate at this instant (default: now)")
+    parser.add_argument("--timeout", type=_bounded(0.0, 300.0, low_open=True), default=10.0,
+                        help="Prometheus timeout in seconds (default 10)")
+    parser.add_argument("--route", action="append", type=_route,
+                        help="only these routes (repeatable)")
+    parser.add_argument("--generation-secs", type=_bounded(0.0, 10.0),
+                        default=GENERATION_SECS,
+                        help=f"acknowledgment generation time modelled "
+                             f"(default {GENERATION_SECS:g})")
+    parser.add_argument("--current", type=_bounded(0.0, 60.0, low_open=True),
+                        metavar="SECONDS", help="mark the delay configured today (default "
+                        "with --prometheus: the routers' turnrouter_acknowledgment_delay_seconds)")
+    parser.add_argument("--delays", help="comma-separated candidate delays (default: those "
+                        "on the histogram's bucket bounds, as the dashboard)")
     target = parser.add_mutually_exclusive_group()
-    target.add_argument("--max-ack-rate", type=float, metavar="RATE",
+    target.add_argument("--max-ack-rate", type=_bounded(0.0, 1.0), metavar="RATE",
                         help="recommend the shortest delay whose acknowledgment rate <= RATE")
-    target.add_argument("--max-silence-p95", type=float, metavar="SECONDS",
+    target.add_argument("--max-silence-p95", type=_bounded(0.0, 60.0, low_open=True),
+                        metavar="SECONDS",
                         help="recommend the longest delay whose p95 silence <= SECONDS")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG plot (needs matplotlib)")
     return parser
+
+
+def _delays(text: str | None, generation: float) -> list[float]:
+    if not text:
+        return [c.delay for c in candidates(generation)] or [0.5, 1.0]
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or len(items) > 100:
+        raise ValueError("--delays must list 1 to 100 numbers")
+    delays: set[float] = set()
+    for item in items:
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"--delays: not a number: {printable(item[:30])!r}") from None
+        if not math.isfinite(value) or not 0 < value <= 60:
+            raise ValueError(f"--delays must be numbers in (0, 60], got {printable(item)!r}")
+        delays.add(value)
+    return sorted(delays)
 
 
 def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Entry point of `turnrouter tune ARGS...`; returns the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
     routes = set(args.route) if args.route else None
     try:
-        if args.delays:
-            delays = sorted({float(x) for x in args.delays.split(",") if x.strip()})
-        else:
-            from ..telemetry import LATENCY_BUCKETS
-
-            delays = list(LATENCY_BUCKETS)
-        if not delays or any(not math.isfinite(d) or d <= 0 for d in delays):
-            raise ValueError("--delays must be positive numbers")
+        delays = _delays(args.delays, args.generation_secs)
         if args.samples:
+            if args.selector:
+                raise ValueError("--selector applies to --prometheus only")
             distributions = from_samples(args.samples, routes)
-            source = ", ".join(args.samples)
+            source = ", ".join(printable(path) for path in args.samples)
         else:
-            distributions = from_prometheus(args.prometheus, args.window, routes, args.timeout)
-            source = f"{args.prometheus} ({prometheus_query(args.window)})"
+            matchers = selector_matchers(args.selector)
+            distributions = from_prometheus(args.prometheus, args.window, routes,
+                                            args.timeout, matchers, args.at)
+            if args.current is None:
+                args.current = configured_delay(args.prometheus, args.timeout, matchers,
+                                                args.at)
+            source = f"{printable(args.prometheus)} ({prometheus_query(args.window, matchers)})"
     except (OSError, ValueError) as exc:
-        err.write(f"turnrouter tune: {exc}\n")
+        message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        filename = getattr(exc, "filename", None)
+        prefix = f"{printable(str(filename))}: " if isinstance(exc, OSError) and filename else ""
+        err.write(f"turnrouter tune: error: {prefix}{' '.join(printable(message).split())}\n")
         return 2
     if not distributions:
-        err.write("turnrouter tune: no first-response samples found\n")
+        err.write("turnrouter tune: error: no first-response samples found\n")
         return 2
     rows = analyse(distributions, delays, args.generation_secs)
     out.write(f"source: {source}\n")
-    if args.generation_secs:
-        out.write(f"generation time: {args.generation_secs:g}s added to each delay\n")
-    print_table(rows, out)
+    out.write(f"model: acknowledgment generation {args.generation_secs:g}s, early "
+              f"acknowledgment at {EARLY_SECS:g}s for routes predicted slow (p10 above the "
+              f"delay), needless = answer within {NEEDLESS_WITHIN_SECONDS:g}s of it\n")
+    if args.current is not None:
+        out.write(f"current delay: {args.current:g}s (marked)\n")
+    print_table(rows, out, args.current)
     status = 0
-    overall = ALL_ROUTES if ALL_ROUTES in distributions else next(iter(distributions))
     target: tuple[str, float] | None = None
     if args.max_ack_rate is not None or args.max_silence_p95 is not None:
         if args.max_ack_rate is not None:
@@ -339,27 +645,25 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         else:
             target, label = ("silence", args.max_silence_p95), (
                 f"p95 silence <= {args.max_silence_p95:g}s")
-        best = recommend(rows, overall, max_ack_rate=args.max_ack_rate,
+        best = recommend(rows, max_ack_rate=args.max_ack_rate,
                          max_silence_p95=args.max_silence_p95)
         out.write("\n")
         if best is None:
-            out.write(f"no candidate delay meets {label} (over {overall})\n")
+            out.write(f"no candidate delay meets {label} over all routes\n")
             status = 1
         else:
             out.write(f"recommended acknowledgment_delay_secs={best.delay:g} for {label} "
-                      f"(over {overall}: ack rate {best.ack_rate:.1%}, p95 silence "
-                      f"{best.p95_silence:.2f}s)\n")
-        for route in distributions:
-            if route == overall:
-                continue
-            mine = recommend(rows, route, max_ack_rate=args.max_ack_rate,
-                             max_silence_p95=args.max_silence_p95)
-            out.write(f"  {route}: " + ("none meets it\n" if mine is None else
-                                        f"{mine.delay:g}s\n"))
+                      f"over all routes (ack rate {best.ack_rate:.1%}, needless "
+                      f"{best.needless_rate:.1%}, p95 silence {best.p95_silence:.2f}s)\n")
+            paying = [r for r in rows if r.route != ALL_ROUTES and r.delay == best.delay]
+            worst = max(paying, key=lambda r: r.p95_silence, default=None)
+            if worst is not None:
+                out.write(f"  longest p95 silence at that delay: {printable(worst.route)} "
+                          f"{worst.p95_silence:.2f}s\n")
     if args.plot:
         problem = plot(rows, args.plot, target)
         if problem is None:
-            out.write(f"plot written to {args.plot}\n")
+            out.write(f"plot written to {printable(args.plot)}\n")
         else:
             err.write(f"turnrouter tune: {problem}\n")
     return status

@@ -1,18 +1,31 @@
 """`turnrouter demo`: a realistic simulated deployment on the embedded defaults."""
 
 from ._report import DemoReport, histogram_quantile
-from ._run import DemoConfig, run_demo
+from ._run import (
+    DEFAULT_ACK_DELAY,
+    OTLP_PROTOCOLS,
+    DemoConfig,
+    demo_resource,
+    demo_tracer_provider,
+    otlp_settings,
+    run_demo,
+)
 from ._world import DESCRIPTIONS, Latency, Sample, SimulatedAgent, build_agents, load_sample
 
 __all__ = [
+    "DEFAULT_ACK_DELAY",
     "DESCRIPTIONS",
+    "OTLP_PROTOCOLS",
     "DemoConfig",
     "DemoReport",
     "Latency",
     "Sample",
     "SimulatedAgent",
     "build_agents",
+    "demo_resource",
+    "demo_tracer_provider",
     "histogram_quantile",
     "load_sample",
+    "otlp_settings",
     "run_demo",
 ]

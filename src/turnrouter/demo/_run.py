@@ -9,6 +9,7 @@ and reports to a real `Telemetry` whose registry is served on `/metrics`.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import random
@@ -21,8 +22,9 @@ import anyio
 from prometheus_client import CollectorRegistry
 
 from .._contracts import AgentTurn
-from .._exceptions import LifecycleError
+from .._exceptions import ConfigurationError, LifecycleError
 from .._router import AgentRouter
+from .._timing import JsonLinesSink, TimingSample
 from ..decisions import LexicalDecisions
 from ..runtime import (
     AgentRuntime,
@@ -37,7 +39,22 @@ from ..telemetry import Telemetry, serve_metrics
 from ._report import DemoReport
 from ._world import DEFAULT_ROUTE, Sample, SimulatedOutage, build_agents, load_sample
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = [
+    "DEFAULT_ACK_DELAY",
+    "OTLP_PROTOCOLS",
+    "DemoConfig",
+    "demo_resource",
+    "demo_tracer_provider",
+    "otlp_settings",
+    "run_demo",
+]
+
+#: Seconds of the fallback acknowledgment delay by default. Chosen with `turnrouter tune`
+#: on the demo's own latencies: at 0.8 s no route but travel (acknowledged early, by
+#: prediction, on purpose) acknowledges most of its turns, and silence p95 stays near 1 s.
+DEFAULT_ACK_DELAY = 0.8
+#: OTLP trace export protocols, as in OTEL_EXPORTER_OTLP_PROTOCOL.
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 
 logger = logging.getLogger("turnrouter.demo")
 
@@ -56,34 +73,106 @@ class DemoConfig:
     speed: float = 1.0
     """Time compression: 2.0 runs the same conversations twice as fast."""
     progress: bool = True
-    acknowledgment_delay: float = 0.6
+    acknowledgment_delay: float | None = DEFAULT_ACK_DELAY
+    """Seconds of simulated time before the fallback acknowledgment; None: off."""
+    samples_path: str | None = None
+    """Append every first-response timing sample (JSON lines, `turnrouter tune
+    --samples`) here, in seconds of the simulated conversations (times `speed`)."""
+    otlp_endpoint: str | None = None
+    """Export spans here (default: OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT; none: no export)."""
+    otlp_protocol: str | None = None
+    """`http/protobuf` or `grpc` (default: OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL or HTTP)."""
 
 
-def _tracer_provider(out: TextIO) -> Any:
+def _env(*names: str) -> str | None:
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def otlp_settings(config: DemoConfig) -> tuple[str | None, str]:
+    """(endpoint, protocol) of the span export: flags first, then the standard
+    OpenTelemetry environment variables. ConfigurationError for an unknown protocol."""
+    endpoint = config.otlp_endpoint or _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                                            "OTEL_EXPORTER_OTLP_ENDPOINT")
+    protocol = config.otlp_protocol or _env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                                            "OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    if protocol not in OTLP_PROTOCOLS:
+        raise ConfigurationError(f"OTLP protocol must be one of {', '.join(OTLP_PROTOCOLS)}, "
+                                 f"got {protocol!r}")
+    return endpoint, protocol
+
+
+def demo_resource() -> Any:
+    """The SDK resource: OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES as the SDK reads
+    them; `service.name` is `turnrouter-demo` only when neither names the service."""
+    from opentelemetry.sdk.resources import Resource
+
+    resource = Resource.create({})
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "turnrouter-demo"}))
+    return resource
+
+
+def _exporter(endpoint: str, protocol: str) -> Any:
+    """An OTLP span exporter for `endpoint` (a base URL: `/v1/traces` is added for HTTP,
+    as for OTEL_EXPORTER_OTLP_ENDPOINT). ConfigurationError if it is not installed."""
+    if protocol == "grpc":
+        try:
+            module = importlib.import_module(
+                "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+        except ImportError as exc:
+            raise ConfigurationError("--otlp-protocol grpc needs "
+                                     "opentelemetry-exporter-otlp-proto-grpc") from exc
+        return module.OTLPSpanExporter(endpoint=endpoint)
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        raise ConfigurationError("exporting spans needs "
+                                 "opentelemetry-exporter-otlp-proto-http") from exc
+    traces = endpoint if _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == endpoint else (
+        endpoint.rstrip("/") + "/v1/traces")
+    return OTLPSpanExporter(endpoint=traces)
+
+
+def demo_tracer_provider(config: DemoConfig, out: TextIO) -> Any:
     """An SDK tracer provider owned by the demo (the library never configures one).
 
-    Spans are sampled so metrics carry exemplars; they are exported over OTLP/HTTP when
-    OTEL_EXPORTER_OTLP_ENDPOINT is set and the exporter is installed.
+    The sampler comes from OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (default: every
+    turn, so metrics carry exemplars); spans are exported over OTLP when an endpoint is
+    given (flag or environment).
     """
     try:
-        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:
         print("tracing: opentelemetry-sdk not installed; spans off", file=out)
         return None
-    provider = TracerProvider(resource=Resource.create({"service.name": "turnrouter-demo"}))
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        except ImportError:
-            print("tracing: install opentelemetry-exporter-otlp-proto-http to export spans",
-                  file=out)
-        else:
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-            print(f"tracing: exporting spans to {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']}",
-                  file=out)
+    endpoint, protocol = otlp_settings(config)
+    exporter = _exporter(endpoint, protocol) if endpoint else None
+    provider = TracerProvider(resource=demo_resource())
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        print(f"tracing: exporting spans to {endpoint} ({protocol})", file=out)
     return provider
+
+
+class _SpeedSink:
+    """Timing samples in seconds of the simulated conversations (the demo compresses
+    time by `speed`), appended to a JSON-lines file."""
+
+    def __init__(self, path: str, speed: float) -> None:
+        self._sink = JsonLinesSink(path, flush_every=100)
+        self._speed = speed
+
+    def record(self, sample: TimingSample) -> None:
+        self._sink.record(TimingSample(sample.route, sample.seconds * self._speed,
+                                       sample.censored, sample.at))
+
+    def close(self) -> None:
+        self._sink.close()
 
 
 def _acknowledger() -> Any:
@@ -187,14 +276,52 @@ class _ExpectedFaults(logging.Filter):
 
 
 async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoReport:
-    """Run the simulated deployment; return (and print) its report."""
-    quiet = _ExpectedFaults()
-    for name in ("turnrouter", "turnrouter.runtime"):
-        logging.getLogger(name).addFilter(quiet)
+    """Run the simulated deployment; return (and print) its report.
+
+    ConfigurationError (before anything runs) when the OTLP settings are invalid or the
+    exporter is missing, or `/metrics` cannot be served on the configured host and port.
+    """
+    otlp_settings(config)  # validate before starting anything
     rng = random.Random(config.seed)
     sample = load_sample()
     registry = CollectorRegistry()
-    tracer_provider = _tracer_provider(out)
+    server = None
+    if config.metrics_port is not None:
+        try:
+            server = serve_metrics(config.metrics_port, registry=registry,
+                                   addr=config.metrics_host)
+        except (OSError, ValueError) as exc:  # unknown host, port in use, bad address
+            raise ConfigurationError(
+                f"cannot serve metrics on {config.metrics_host!r} port "
+                f"{config.metrics_port}: {exc}") from exc
+        print(f"metrics: http://{config.metrics_host}:{server.port}/metrics", file=out,
+              flush=True)
+    quiet = _ExpectedFaults()
+    tracer_provider = sink = None
+    try:
+        tracer_provider = demo_tracer_provider(config, out)
+        sink = _SpeedSink(config.samples_path, config.speed) if config.samples_path else None
+        for name in ("turnrouter", "turnrouter.runtime"):
+            logging.getLogger(name).addFilter(quiet)
+        report = await _run(config, rng, sample, registry, tracer_provider, sink, out)
+    finally:
+        # Every step runs even if one before it fails (a sink on a full disk raises).
+        for name in ("turnrouter", "turnrouter.runtime"):
+            logging.getLogger(name).removeFilter(quiet)
+        with contextlib.ExitStack() as cleanup:
+            if sink is not None:
+                cleanup.callback(sink.close)
+            if tracer_provider is not None:
+                cleanup.callback(tracer_provider.shutdown)  # flush the exporter before exit
+            if server is not None:
+                cleanup.callback(server.close)
+    print("\n" + report.render(), file=out)
+    return report
+
+
+async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
+               registry: CollectorRegistry, tracer_provider: Any, sink: _SpeedSink | None,
+               out: TextIO) -> DemoReport:
     telemetry = Telemetry(tracer_provider=tracer_provider, registry=registry)
     runtime = AgentRuntime()
 
@@ -207,9 +334,11 @@ async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoRepor
                           clarify_heavy=config.clarify_heavy)
     acknowledger = _acknowledger()
     ack: dict[str, Any] = {}
-    if acknowledger is not None:
+    if acknowledger is not None and config.acknowledgment_delay is not None:
         ack = {"acknowledgment_llm": acknowledger,
                "acknowledgment_delay_secs": config.acknowledgment_delay / config.speed}
+    if sink is not None:
+        ack["timing_sink"] = sink
     router = AgentRouter(
         agents, LexicalDecisions(examples=sample.examples),
         default_destination=DEFAULT_ROUTE, telemetry=telemetry,
@@ -222,12 +351,6 @@ async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoRepor
     )
     for agent in agents.values():
         agent.router, agent.spawn = router, runtime.start_soon
-    server = None
-    if config.metrics_port is not None:
-        server = serve_metrics(config.metrics_port, registry=registry,
-                               addr=config.metrics_host)
-        print(f"metrics: http://{config.metrics_host}:{server.port}/metrics", file=out,
-              flush=True)
     crowd = _Crowd(runtime, router, sample, config, rng)
     heard: list[int] = [0]
 
@@ -252,16 +375,8 @@ async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoRepor
     finally:
         with anyio.CancelScope(shield=True):
             await router.stop()
-        if server is not None:
-            server.close()
-        if tracer_provider is not None:
-            tracer_provider.shutdown()  # flush the batch exporter before exit
-        for name in ("turnrouter", "turnrouter.runtime"):
-            logging.getLogger(name).removeFilter(quiet)
     elapsed = time.monotonic() - start
-    report = DemoReport.read(registry, elapsed, crowd.published)
-    print("\n" + report.render(), file=out)
-    return report
+    return DemoReport.read(registry, elapsed, crowd.published)
 
 
 async def _progress(registry: CollectorRegistry, crowd: _Crowd, start: float,

@@ -14,11 +14,21 @@ from ._files import (
     RULES_FILE,
     generated_files,
     main,
+    read_overrides,
     stale_files,
     write_files,
 )
 from ._promql import exposed_series_names, le_value, metric_names
-from ._rules import ALERTS, RECORDING_RULES, AlertRule, RecordingRule, render_rules, rule_groups
+from ._rules import (
+    ALERTS,
+    RECORDING_RULES,
+    AlertRule,
+    RecordingRule,
+    RouteOverride,
+    load_overrides,
+    render_rules,
+    rule_groups,
+)
 
 __all__ = [
     "ALERTS",
@@ -29,14 +39,17 @@ __all__ = [
     "RULES_FILE",
     "AlertRule",
     "RecordingRule",
+    "RouteOverride",
     "dashboard_files",
     "dashboards",
     "exposed_series_names",
     "generated_files",
     "le_value",
+    "load_overrides",
     "main",
     "metric_names",
     "queries",
+    "read_overrides",
     "render_rules",
     "rule_groups",
     "stale_files",

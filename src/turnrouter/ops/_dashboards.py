@@ -12,7 +12,6 @@ import json
 from typing import Any
 
 from ..telemetry import metric
-from ._promql import le_regex, le_value
 from ._rules import (
     ACK_OVERUSE_RATIO,
     CLARIFICATION_CRITICAL,
@@ -22,6 +21,13 @@ from ._rules import (
     FAILURE_RATIO,
     SLOW_FIRST_RESPONSE_SECONDS,
 )
+from ._tuning import (
+    ALL_ROUTES,
+    GENERATION_SECS,
+    candidates,
+    recommended_delay_query,
+    whatif_queries,
+)
 
 __all__ = ["DASHBOARDS", "dashboard_files", "dashboards", "queries", "render_dashboard"]
 
@@ -29,9 +35,8 @@ SCHEMA_VERSION = 39
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
 JOB = 'job=~"$job"'
-#: The needless-acknowledgment proxy counts answers that started within this many seconds
-#: (must be a bucket bound of the first-response histogram).
-NEEDLESS_WITHIN_SECONDS = 0.5
+#: Choices of the "which delay?" target variable (all-routes acknowledgment rate).
+ACK_RATE_TARGETS = ("0.1", "0.2", "0.3", "0.4", "0.5")
 ROUTE = 'route=~"$route"'
 
 
@@ -113,10 +118,10 @@ def _timeseries(title: str, description: str, targets: list[dict[str, Any]], *,
 
 
 def _stat(title: str, description: str, expr: str, *, unit: str,
-          thresholds: dict[str, Any] | None = None) -> dict[str, Any]:
+          thresholds: dict[str, Any] | None = None, instant: bool = False) -> dict[str, Any]:
     return {
         "type": "stat", "title": title, "description": description,
-        "datasource": DATASOURCE, "targets": [_target(expr, title)],
+        "datasource": DATASOURCE, "targets": [_target(expr, title, instant=instant)],
         "fieldConfig": {"defaults": {
             "unit": unit, "color": {"mode": "thresholds"},
             "thresholds": thresholds or _thresholds(("green", None)),
@@ -178,8 +183,19 @@ def _variables() -> list[dict[str, Any]]:
     ]
 
 
+def _ack_rate_variable() -> dict[str, Any]:
+    options = [{"text": f"{float(v):.0%}", "value": v, "selected": v == "0.3"}
+               for v in ACK_RATE_TARGETS]
+    return {
+        "name": "max_ack_rate", "label": "Target acknowledgment rate", "type": "custom",
+        "query": ",".join(ACK_RATE_TARGETS), "current": {"text": "30%", "value": "0.3"},
+        "options": options, "hide": 0, "includeAll": False, "multi": False,
+    }
+
+
 def _dashboard(uid: str, title: str, description: str,
-               panels: list[dict[str, Any]]) -> dict[str, Any]:
+               panels: list[dict[str, Any]],
+               extra_variables: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
         "uid": uid,
         "title": title,
@@ -199,7 +215,7 @@ def _dashboard(uid: str, title: str, description: str,
         }]},
         "links": [{"title": "turnrouter dashboards", "type": "dashboards",
                    "tags": ["turnrouter"], "asDropdown": True}],
-        "templating": {"list": _variables()},
+        "templating": {"list": [*_variables(), *(extra_variables or [])]},
         "panels": _layout(panels),
     }
 
@@ -260,6 +276,16 @@ def overview() -> dict[str, Any]:
             _targets((f"sum by (route, disposition, focused) (rate("
                       f"{_sel('turnrouter_admissions_total', JOB, ROUTE)}[{RATE}]))",
                       "{{route}} {{disposition}} focused={{focused}}")),
+            unit="ops", stack=True),
+        _timeseries(
+            "Ineligible routes by reason", "Candidate routes skipped as ineligible per "
+            "second, by route and reason (unavailable, capacity, policy, not_candidate): "
+            "the destination status behind `no_eligible_route` clarifications and "
+            "reroutes. Empty until the router records "
+            "turnrouter_ineligible_routes_total.",
+            _targets((f"sum by (route, reason) (rate("
+                      f"{_sel('turnrouter_ineligible_routes_total', JOB, ROUTE)}[{RATE}]))",
+                      "{{route}} {{reason}}")),
             unit="ops", stack=True),
         _timeseries(
             "Failures by stage", "Failures per second by stage and route, against turns "
@@ -351,13 +377,9 @@ def acknowledgment_tuning() -> dict[str, Any]:
     count = _sel(first.name, JOB, ROUTE, suffix="_count")
     acks = _m("turnrouter_acknowledgments_total")
     delay = f"max({_sel('turnrouter_acknowledgment_delay_seconds', JOB)})"
-    candidate_buckets = _sel(first.name, JOB, ROUTE, f'le=~"{le_regex(first.buckets)}"',
-                             suffix="_bucket")
     emitted = _sel(acks, JOB, ROUTE, 'outcome="emitted"')
     scheduled = _sel(acks, JOB, ROUTE)
     predicted = _sel("turnrouter_predicted_first_response_seconds", JOB, ROUTE)
-    fast = _sel(first.name, JOB, ROUTE, f'le="{le_value(NEEDLESS_WITHIN_SECONDS)}"',
-                suffix="_bucket")
     heatmap: dict[str, Any] = {
         "type": "heatmap", "title": "First response heatmap: $route",
         "description": "Distribution of first-response time (answer() to started()) for "
@@ -379,30 +401,61 @@ def acknowledgment_tuning() -> dict[str, Any]:
         },
         "_w": 24,
     }
-    what_if: dict[str, Any] = {
-        "type": "bargauge", "title": "Acknowledgment rate for each candidate delay",
-        "description": "For each histogram bucket bound d (a candidate acknowledgment "
-                       "delay), the share of answers over the dashboard's time range whose "
-                       "first response came later than d: 1 - bucket{le=d} / count. That is "
-                       "the share of turns a delay of d would acknowledge. Pick the largest "
-                       "d whose rate you accept, and compare with silence p95.",
-        "datasource": DATASOURCE,
-        "targets": [_target(
-            f"1 - (\n  sum by (le) (increase({candidate_buckets}[$__range]))\n"
-            f"  / ignoring (le) group_left ()\n  (sum(increase({count}[$__range])) > 0)\n)",
-            "delay {{le}} s", instant=True)],
-        "fieldConfig": {"defaults": {
-            "unit": "percentunit", "min": 0, "max": 1, "decimals": 1,
-            "color": {"mode": "thresholds"},
-            "thresholds": _thresholds(("green", None), ("orange", 0.3),
-                                      ("red", ACK_OVERUSE_RATIO)),
-        }, "overrides": []},
-        "options": {"orientation": "horizontal", "displayMode": "gradient",
-                    "showUnfilled": True, "valueMode": "color", "namePlacement": "left",
-                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
-                                      "values": False}},
-        "_w": 12,
+    matchers = f"{JOB}, {ROUTE}"
+    whatif = whatif_queries(matchers, "$__range")
+    chosen = candidates()
+    current = "\nor\n".join(
+        f'label_replace((abs({delay} - {c.delay:g}) < 0.025) * 0 + 1, "delay", '
+        f'"{c.delay:g}", "__name__", ".*")' for c in chosen)
+    table_targets = [
+        _target(whatif["ack"], "", ref="A", instant=True, fmt="table"),
+        _target(whatif["ack_all"], "", ref="B", instant=True, fmt="table"),
+        _target(whatif["needless"], "", ref="C", instant=True, fmt="table"),
+        _target(whatif["needless_all"], "", ref="D", instant=True, fmt="table"),
+        _target(whatif["silence_p95"], "", ref="E", instant=True, fmt="table"),
+        _target(current, "", ref="F", instant=True, fmt="table"),
+    ]
+    which_delay: dict[str, Any] = {
+        "type": "table", "title": "Which delay? What-if per candidate delay and route",
+        "description": "For each candidate acknowledgment delay (rows) and route, over the "
+                       "dashboard's time range: the share of turns that would hear an "
+                       "acknowledgment, the share whose acknowledgment would be needless "
+                       "(the answer started within 0.5 s of it), and the p95 silence. "
+                       f"Modelled: acknowledgment generation takes {GENERATION_SECS:g} s "
+                       "(see the measured time below); routes whose first-response p10 is "
+                       "above the delay are acknowledged early, by prediction. "
+                       f"Route {ALL_ROUTES}: all routes, weighted by turns (the delay is "
+                       "router-wide). `current` = 1 marks the configured delay. "
+                       "`turnrouter tune` computes the same numbers.",
+        "datasource": DATASOURCE, "targets": table_targets,
+        "transformations": [
+            {"id": "merge", "options": {}},
+            {"id": "organize", "options": {
+                "excludeByName": {"Time": True},
+                "renameByName": {"Value #A": "ack rate", "Value #B": "ack rate",
+                                 "Value #C": "needless", "Value #D": "needless",
+                                 "Value #E": "p95 silence", "Value #F": "current"}}},
+            {"id": "sortBy", "options": {"sort": [{"field": "delay"}]}},
+        ],
+        "fieldConfig": {"defaults": {"unit": "percentunit", "decimals": 1}, "overrides": [
+            {"matcher": {"id": "byName", "options": "p95 silence"},
+             "properties": [{"id": "unit", "value": "s"}, {"id": "decimals", "value": 2}]},
+            {"matcher": {"id": "byName", "options": "current"},
+             "properties": [{"id": "unit", "value": "none"}, {"id": "decimals", "value": 0}]},
+        ]},
+        "options": {"showHeader": True, "cellHeight": "sm"},
+        "_w": 24,
     }
+    recommended = _stat(
+        "Recommended delay", "The shortest candidate delay whose all-routes acknowledgment "
+        "rate over the time range is within the target ($max_ack_rate), as `turnrouter "
+        "tune --max-ack-rate` recommends.",
+        recommended_delay_query(matchers, "$__range", "$max_ack_rate"), unit="s",
+        instant=True)
+    configured = _stat("Configured delay", "The router's fallback acknowledgment delay now.",
+                       delay, unit="s")
+    generation = _sel("turnrouter_acknowledgment_generation_seconds", JOB, ROUTE,
+                      suffix="_bucket")
     panels: list[dict[str, Any]] = [
         _row("First response"),
         _timeseries(
@@ -452,24 +505,36 @@ def acknowledgment_tuning() -> dict[str, Any]:
             unit="percentunit", draw="dashed", max_=1,
             thresholds=_thresholds(("green", None), ("red", ACK_OVERUSE_RATIO))),
         _timeseries(
-            "Needless acknowledgments (proxy)", "No metric counts needless acknowledgments "
-            "(spoken although the answer started moments later). Proxy: acknowledgments "
-            f"spoken on answers whose first response came within {NEEDLESS_WITHIN_SECONDS:g}s"
-            f", estimated as emitted acknowledgments minus answers slower than "
-            f"{NEEDLESS_WITHIN_SECONDS:g}s, per second, floored at 0.",
-            _targets((
-                f"clamp_min(\n  sum(rate({emitted}[{RATE}]))\n  -\n"
-                f"  (sum(rate({count}[{RATE}])) - sum(rate({fast}[{RATE}]))),\n  0\n)",
-                "needless (proxy)")),
-            unit="ops"),
-        what_if,
+            "Needless acknowledgments", "Share of spoken acknowledgments followed by the "
+            "answer's start within 0.5 s, by route (turnrouter_needless_acknowledgments_total; "
+            "empty until the router records it).",
+            _targets((f"sum by (route) (rate("
+                      f"{_sel('turnrouter_needless_acknowledgments_total', JOB, ROUTE)}"
+                      f"[{RATE}]))\n/\n(sum by (route) (rate({emitted}[{RATE}])) > 0)",
+                      "{{route}}")),
+            unit="percentunit", max_=1),
+        _timeseries(
+            "Acknowledgment generation time", "p50 and p95 of the acknowledgment LLM's "
+            "generation time, against the value the what-if models "
+            f"({GENERATION_SECS:g} s, the dashed line); empty until the router records "
+            "turnrouter_acknowledgment_generation_seconds.",
+            [_target(f"histogram_quantile(0.5, sum by (le) (rate({generation}[{RATE}])))",
+                     "p50", ref="A"),
+             _target(f"histogram_quantile(0.95, sum by (le) (rate({generation}[{RATE}])))",
+                     "p95", ref="B")],
+            unit="s", draw="dashed",
+            thresholds=_thresholds(("green", None), ("orange", GENERATION_SECS))),
+        _row("Which delay?"),
+        configured,
+        recommended,
+        which_delay,
     ]
     return _dashboard(
         "turnrouter-acknowledgment-tuning", "turnrouter acknowledgment tuning",
         "First-response latency, silence and acknowledgments: choose the acknowledgment "
         "delay (generated from turnrouter.telemetry.METRICS; do not edit, run "
         "`python -m turnrouter.ops`).",
-        panels)
+        panels, [_ack_rate_variable()])
 
 
 # --------------------------------------------------------------------------- files

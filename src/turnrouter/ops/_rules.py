@@ -3,12 +3,29 @@
 `rule_groups()` returns the rule file's content (a dict); `render_rules()` its YAML text,
 which is checked in as `deploy/prometheus/rules/turnrouter.rules.yml` and wrapped in the
 Kubernetes `PrometheusRule`. Thresholds are module constants so the dashboards draw the
-same lines the alerts fire on. Every ratio divides by a denominator filtered with `> 0`,
-so an idle router produces no sample (not NaN or +Inf) and cannot page.
+same lines the alerts fire on.
+
+Three rules keep the alerts trustworthy:
+
+- every alert is gated on enough traffic *in its own window*, as a count (turns,
+  answers, acknowledgments or decisions), above what one participant can produce
+  (a participant speaks at most about one turn per 2 s: 150 in 5 minutes), so one heavy
+  participant or a quiet night never pages;
+- route-labelled alerts take per-route overrides (`RouteOverride`: another threshold,
+  another traffic floor, or off for a route slow by design);
+- the clarification critical is multi-window: the 1-minute ratio above 25% for 2 minutes
+  while the 5-minute ratio confirms it (above 10%), so a sustained jump pages within
+  3 minutes of onset while a blip of up to a minute never does (promtool tests pin both).
+
+Every ratio divides by a denominator filtered with `> 0`, so an idle router produces no
+sample (not NaN or +Inf) and cannot page.
 """
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,17 +34,21 @@ from ..telemetry import metric
 __all__ = [
     "ACK_OVERUSE_RATIO",
     "ALERTS",
+    "CLARIFICATION_CONFIRM",
     "CLARIFICATION_CRITICAL",
     "CLARIFICATION_WARNING",
     "DEAD_AIR_SECONDS",
     "DECISION_SLOW_SECONDS",
     "FAILURE_RATIO",
-    "MIN_TURN_RATE",
+    "MIN_TURNS",
+    "MIN_TURNS_1M",
     "RECORDING_RULES",
     "RUNBOOK_URL",
     "SLOW_FIRST_RESPONSE_SECONDS",
     "AlertRule",
     "RecordingRule",
+    "RouteOverride",
+    "load_overrides",
     "render_rules",
     "rule_groups",
 ]
@@ -38,14 +59,20 @@ RUNBOOK_URL = "https://github.com/turnrouter/turnrouter/blob/main/docs/runbook.m
 #: Clarification ratio (clarifications / turns) thresholds.
 CLARIFICATION_WARNING = 0.10
 CLARIFICATION_CRITICAL = 0.25
-#: Turns per second below which clarification and acknowledgment ratios do not page
-#: (0.05/s = 15 turns in the 5 minute window: too few for a ratio to mean much).
-MIN_TURN_RATE = 0.05
+#: The 5-minute ratio that must confirm the 1-minute one for the critical to fire.
+CLARIFICATION_CONFIRM = CLARIFICATION_WARNING
+#: Least turns (answers, acknowledgments, decisions) in a 5-minute window for any alert
+#: of that window to fire: more than one participant can produce (about one turn per
+#: 2 s, 150 in 5 minutes). Per-route alerts take another floor through `RouteOverride`.
+MIN_TURNS = 150
+#: The same floor for the 1-minute window of the clarification critical.
+MIN_TURNS_1M = 30
 #: Seconds: p95 from answer() to started() per route.
 SLOW_FIRST_RESPONSE_SECONDS = 1.5
 #: Seconds: p95 from admission to the first thing heard ("dead air" target).
 DEAD_AIR_SECONDS = 2.0
-#: Share of scheduled acknowledgments that were emitted.
+#: Share of scheduled acknowledgments spoken because the fallback delay ran out
+#: (prediction-triggered ones are intended and do not count).
 ACK_OVERUSE_RATIO = 0.5
 #: Failures per turn, per stage.
 FAILURE_RATIO = 0.05
@@ -67,11 +94,25 @@ TURNS = _name("turnrouter_turns_total")
 CLARIFICATIONS = _name("turnrouter_clarifications_total")
 FAILURES = _name("turnrouter_failures_total")
 ACKS = _name("turnrouter_acknowledgments_total")
+NEEDLESS = _name("turnrouter_needless_acknowledgments_total")
+INELIGIBLE = _name("turnrouter_ineligible_routes_total")
 FIRST_RESPONSE_BUCKET = _name("turnrouter_first_response_seconds", "_bucket")
+FIRST_RESPONSE_COUNT = _name("turnrouter_first_response_seconds", "_count")
 SILENCE_BUCKET = _name("turnrouter_silence_seconds", "_bucket")
+SILENCE_COUNT = _name("turnrouter_silence_seconds", "_count")
 DECISION_BUCKET = _name("turnrouter_decision_duration_seconds", "_bucket")
+DECISION_COUNT = _name("turnrouter_decision_duration_seconds", "_count")
 
-_TURN_RATE = f"sum by (job) (rate({TURNS}[5m]))"
+
+def _turn_rate(window: str) -> str:
+    return f"sum by (job) (rate({TURNS}[{window}]))"
+
+
+def _ratio(numerator: str, denominator: str) -> str:
+    """numerator / denominator, 0 when traffic but no numerator, absent without traffic."""
+    return f"(\n  {numerator}\n  or\n  {denominator} * 0\n)\n/\n({denominator} > 0)"
+
+
 _ACK_RATE = f"sum by (job, route) (rate({ACKS}[5m]))"
 
 
@@ -87,9 +128,107 @@ class RecordingRule:
         return {"record": self.record, "expr": self.expr}
 
 
+RECORDING_RULES: tuple[RecordingRule, ...] = (
+    RecordingRule("turnrouter:turns:rate5m", _turn_rate("5m")),
+    RecordingRule("turnrouter:turns:increase5m", f"sum by (job) (increase({TURNS}[5m]))"),
+    RecordingRule("turnrouter:turns:increase1m", f"sum by (job) (increase({TURNS}[1m]))"),
+    RecordingRule(
+        "turnrouter:clarification_ratio:rate5m",
+        _ratio(f"sum by (job) (rate({CLARIFICATIONS}[5m]))", _turn_rate("5m"))),
+    RecordingRule(
+        "turnrouter:clarification_ratio:rate1m",
+        _ratio(f"sum by (job) (rate({CLARIFICATIONS}[1m]))", _turn_rate("1m"))),
+    RecordingRule(
+        "turnrouter:first_response_seconds:p95_5m",
+        f"histogram_quantile(0.95, sum by (job, route, le) (rate({FIRST_RESPONSE_BUCKET}[5m])))",
+    ),
+    RecordingRule(
+        "turnrouter:first_responses:increase5m",
+        f"sum by (job, route) (increase({FIRST_RESPONSE_COUNT}[5m]))"),
+    RecordingRule(
+        "turnrouter:silence_seconds:p95_5m",
+        f"histogram_quantile(0.95, sum by (job, le) (rate({SILENCE_BUCKET}[5m])))",
+    ),
+    RecordingRule(
+        "turnrouter:silences:increase5m", f"sum by (job) (increase({SILENCE_COUNT}[5m]))"),
+    RecordingRule(
+        "turnrouter:acknowledgment_ratio:rate5m",
+        _ratio(f'sum by (job, route) (rate({ACKS}{{outcome="emitted"}}[5m]))', _ACK_RATE)),
+    RecordingRule(
+        "turnrouter:delay_acknowledgment_ratio:rate5m",
+        _ratio(f'sum by (job, route) (rate({ACKS}{{outcome="emitted", trigger="delay"}}[5m]))',
+               _ACK_RATE)),
+    RecordingRule(
+        "turnrouter:acknowledgments:increase5m",
+        f"sum by (job, route) (increase({ACKS}[5m]))"),
+    RecordingRule(
+        "turnrouter:needless_acknowledgment_ratio:rate5m",
+        _ratio(f"sum by (job, route) (rate({NEEDLESS}[5m]))",
+               f'sum by (job, route) (rate({ACKS}{{outcome="emitted"}}[5m]))')),
+    RecordingRule(
+        "turnrouter:ineligible_routes:rate5m",
+        f"sum by (job, route, reason) (rate({INELIGIBLE}[5m]))"),
+    RecordingRule(
+        "turnrouter:decision_duration_seconds:p95_5m",
+        f"histogram_quantile(0.95, sum by (job, le) (rate({DECISION_BUCKET}[5m])))",
+    ),
+    RecordingRule(
+        "turnrouter:decisions:increase5m", f"sum by (job) (increase({DECISION_COUNT}[5m]))"),
+    RecordingRule(
+        "turnrouter:failure_ratio:rate5m",
+        f"sum by (job, stage) (rate({FAILURES}[5m]))\n/ on (job) group_left ()\n"
+        f"({_turn_rate('5m')} > 0)",
+    ),
+)
+
+_ROUTE_NAME = re.compile(r"[^\x00-\x1f\x7f\"\\]{1,100}")
+_REGEX_SPECIAL = re.compile(r"([.+*?()|\[\]{}^$])")
+
+
+def _promql_regex_literal(text: str) -> str:
+    """`text` as a literal inside a PromQL (RE2) regex in a double-quoted string."""
+    return _REGEX_SPECIAL.sub(r"\\\\\1", text)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteOverride:
+    """One route's own setting for one route-labelled alert.
+
+    `threshold` replaces the alert's threshold for this route (None: keep it),
+    `min_turns` its traffic floor (None: keep it); `disabled=True` means the alert
+    never fires for this route (a route slow by design, acknowledged by design).
+    """
+
+    route: str
+    alert: str
+    threshold: float | None = None
+    min_turns: int | None = None
+    disabled: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.route, str) or not _ROUTE_NAME.fullmatch(self.route):
+            raise ValueError(f"override route must be 1-100 printable characters without "
+                             f"quotes or backslashes, got {self.route!r}")
+        per_route = {a.alert for a in ALERTS if a.per_route}
+        if self.alert not in per_route:
+            raise ValueError(f"override alert must be one of {sorted(per_route)}, "
+                             f"got {self.alert!r}")
+        if self.threshold is not None and (
+                isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float)
+                or not math.isfinite(self.threshold) or self.threshold < 0):
+            raise ValueError(f"override threshold must be a finite number >= 0, "
+                             f"got {self.threshold!r}")
+        if self.min_turns is not None and (
+                isinstance(self.min_turns, bool) or not isinstance(self.min_turns, int)
+                or not 0 <= self.min_turns <= 10**9):
+            raise ValueError(f"override min_turns must be an integer in [0, 1e9], "
+                             f"got {self.min_turns!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class AlertRule:
-    """An alert: `signal > threshold` (and `guard`, if any) held for `for_`."""
+    """An alert: `signal > threshold` while `volume >= min_turns` (and `confirm`, if
+    any), held for `for_`. `per_route` alerts take `RouteOverride`s."""
 
     alert: str
     signal: str
@@ -99,15 +238,46 @@ class AlertRule:
     summary: str
     description: str
     anchor: str
-    guard: str | None = None
-    """An extra condition joined with `and` (a minimum traffic)."""
+    volume: str
+    """A recorded count of the signal's traffic in its window, same labels as `signal`."""
+    min_turns: int = MIN_TURNS
+    per_route: bool = False
+    confirm: str | None = None
+    """An extra condition joined with `and` (the clarification critical's long window)."""
+    keep_firing_for: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
+
+    def _on(self) -> str:
+        return "on (job, route)" if self.per_route else "on (job)"
+
+    def _branch(self, matcher: str, threshold: float, min_turns: int) -> str:
+        selector = f"{{{matcher}}}" if matcher else ""
+        lines = [f"{self.signal}{selector} > {threshold:g}",
+                 f"and {self._on()}",
+                 f"{self.volume}{selector} >= {min_turns:d}"]
+        if self.confirm:
+            lines += [f"and {self._on()}", self.confirm]
+        return "\n".join(lines)
+
+    def expression(self, overrides: Sequence[RouteOverride] = ()) -> str:
+        """The alert expression, with this alert's `overrides` applied."""
+        mine = {o.route: o for o in overrides if o.alert == self.alert}
+        if not mine:
+            return self._branch("", self.threshold, self.min_turns)
+        routes = "|".join(_promql_regex_literal(route) for route in sorted(mine))
+        branches = [self._branch(f'route!~"{routes}"', self.threshold, self.min_turns)]
+        for route, override in sorted(mine.items()):
+            if override.disabled:
+                continue
+            threshold = self.threshold if override.threshold is None else override.threshold
+            floor = self.min_turns if override.min_turns is None else override.min_turns
+            branches.append(self._branch(f'route="{route}"', threshold, floor))
+        return "\nor\n".join(f"(\n{branch}\n)" for branch in branches)
 
     @property
     def expr(self) -> str:
-        """The alert expression."""
-        expr = f"{self.signal} > {self.threshold:g}"
-        return f"{expr}\nand\n{self.guard}" if self.guard else expr
+        """The alert expression without overrides."""
+        return self.expression()
 
     @property
     def runbook_url(self) -> str:
@@ -118,52 +288,25 @@ class AlertRule:
         """This alert's section of the runbook at `base`."""
         return f"{base}#{self.anchor}"
 
-    def as_dict(self, for_: str | None = None, runbook_url: str | None = None) -> dict[str, Any]:
+    def as_dict(self, for_: str | None = None, runbook_url: str | None = None,
+                overrides: Sequence[RouteOverride] = ()) -> dict[str, Any]:
         """The rule as it appears in a rule file (`for_` overrides the hold time,
         `runbook_url` the runbook's base address)."""
-        return {
+        rule: dict[str, Any] = {
             "alert": self.alert,
-            "expr": self.expr,
+            "expr": self.expression(overrides),
             "for": for_ or self.for_,
-            "labels": {"severity": self.severity, **self.labels},
-            "annotations": {
-                "summary": self.summary,
-                "description": self.description,
-                "runbook_url": self.runbook_section(runbook_url or RUNBOOK_URL),
-            },
         }
+        if self.keep_firing_for:
+            rule["keep_firing_for"] = for_ or self.keep_firing_for
+        rule["labels"] = {"severity": self.severity, **self.labels}
+        rule["annotations"] = {
+            "summary": self.summary,
+            "description": self.description,
+            "runbook_url": self.runbook_section(runbook_url or RUNBOOK_URL),
+        }
+        return rule
 
-
-RECORDING_RULES: tuple[RecordingRule, ...] = (
-    RecordingRule("turnrouter:turns:rate5m", _TURN_RATE),
-    RecordingRule(
-        "turnrouter:clarification_ratio:rate5m",
-        f"(\n  sum by (job) (rate({CLARIFICATIONS}[5m]))\n  or\n  {_TURN_RATE} * 0\n)\n"
-        f"/\n({_TURN_RATE} > 0)",
-    ),
-    RecordingRule(
-        "turnrouter:first_response_seconds:p95_5m",
-        f"histogram_quantile(0.95, sum by (job, route, le) (rate({FIRST_RESPONSE_BUCKET}[5m])))",
-    ),
-    RecordingRule(
-        "turnrouter:silence_seconds:p95_5m",
-        f"histogram_quantile(0.95, sum by (job, le) (rate({SILENCE_BUCKET}[5m])))",
-    ),
-    RecordingRule(
-        "turnrouter:acknowledgment_ratio:rate5m",
-        f'(\n  sum by (job, route) (rate({ACKS}{{outcome="emitted"}}[5m]))\n  or\n'
-        f"  {_ACK_RATE} * 0\n)\n/\n({_ACK_RATE} > 0)",
-    ),
-    RecordingRule(
-        "turnrouter:decision_duration_seconds:p95_5m",
-        f"histogram_quantile(0.95, sum by (job, le) (rate({DECISION_BUCKET}[5m])))",
-    ),
-    RecordingRule(
-        "turnrouter:failure_ratio:rate5m",
-        f"sum by (job, stage) (rate({FAILURES}[5m]))\n/ on (job) group_left ()\n"
-        f"({_TURN_RATE} > 0)",
-    ),
-)
 
 _PCT = "{{ $value | humanizePercentage }}"
 _SECS = "{{ $value | humanizeDuration }}"
@@ -174,26 +317,29 @@ ALERTS: tuple[AlertRule, ...] = (
         CLARIFICATION_WARNING, "10m", "warning",
         "turnrouter {{ $labels.job }} asks participants to clarify too often",
         f"{_PCT} of turns ended in a clarification question over the last 5 minutes "
-        f"(warning above {CLARIFICATION_WARNING:.0%}).",
+        f"(warning above {CLARIFICATION_WARNING:.0%}, at least {MIN_TURNS} turns).",
         "turnrouterhighclarificationrate",
-        guard=f"on (job) {_TURN_RATE} >= {MIN_TURN_RATE:g}",
+        volume="turnrouter:turns:increase5m",
     ),
     AlertRule(
-        "TurnrouterHighClarificationRate", "turnrouter:clarification_ratio:rate5m",
-        CLARIFICATION_CRITICAL, "5m", "critical",
+        "TurnrouterHighClarificationRate", "turnrouter:clarification_ratio:rate1m",
+        CLARIFICATION_CRITICAL, "2m", "critical",
         "turnrouter {{ $labels.job }} asks participants to clarify too often",
-        f"{_PCT} of turns ended in a clarification question over the last 5 minutes "
-        f"(critical above {CLARIFICATION_CRITICAL:.0%}).",
+        f"{_PCT} of turns ended in a clarification question over the last minute, for 2 "
+        f"minutes (critical above {CLARIFICATION_CRITICAL:.0%}, confirmed by the 5-minute "
+        f"ratio above {CLARIFICATION_CONFIRM:.0%}, at least {MIN_TURNS_1M} turns a minute).",
         "turnrouterhighclarificationrate",
-        guard=f"on (job) {_TURN_RATE} >= {MIN_TURN_RATE:g}",
+        volume="turnrouter:turns:increase1m", min_turns=MIN_TURNS_1M,
+        confirm=f"turnrouter:clarification_ratio:rate5m > {CLARIFICATION_CONFIRM:g}",
     ),
     AlertRule(
         "TurnrouterSlowFirstResponse", "turnrouter:first_response_seconds:p95_5m",
         SLOW_FIRST_RESPONSE_SECONDS, "10m", "warning",
         "Route {{ $labels.route }} of {{ $labels.job }} is slow to start answering",
         f"p95 time from answer() to started() is {_SECS} "
-        f"(target {SLOW_FIRST_RESPONSE_SECONDS:g}s).",
+        f"(default target {SLOW_FIRST_RESPONSE_SECONDS:g}s; routes may have their own).",
         "turnrouterslowfirstresponse",
+        volume="turnrouter:first_responses:increase5m", per_route=True, keep_firing_for="5m",
     ),
     AlertRule(
         "TurnrouterDeadAir", "turnrouter:silence_seconds:p95_5m",
@@ -202,15 +348,17 @@ ALERTS: tuple[AlertRule, ...] = (
         f"p95 silence from admission to the first acknowledgment or answer is {_SECS} "
         f"(target {DEAD_AIR_SECONDS:g}s).",
         "turnrouterdeadair",
+        volume="turnrouter:silences:increase5m",
     ),
     AlertRule(
-        "TurnrouterAcknowledgmentOveruse", "turnrouter:acknowledgment_ratio:rate5m",
+        "TurnrouterAcknowledgmentOveruse", "turnrouter:delay_acknowledgment_ratio:rate5m",
         ACK_OVERUSE_RATIO, "15m", "warning",
         "Route {{ $labels.route }} of {{ $labels.job }} acknowledges most turns",
-        f"{_PCT} of scheduled acknowledgments were spoken (above {ACK_OVERUSE_RATIO:.0%}): "
-        "the acknowledgment delay is probably too short for this route.",
+        f"{_PCT} of scheduled acknowledgments were spoken because the fallback delay ran "
+        f"out (default threshold {ACK_OVERUSE_RATIO:.0%}): the delay is probably too short "
+        "for this route. Prediction-triggered acknowledgments do not count.",
         "turnrouteracknowledgmentoveruse",
-        guard=f"on (job, route) {_ACK_RATE} >= {MIN_TURN_RATE:g}",
+        volume="turnrouter:acknowledgments:increase5m", per_route=True, keep_firing_for="5m",
     ),
     AlertRule(
         "TurnrouterFailures", "turnrouter:failure_ratio:rate5m",
@@ -219,6 +367,7 @@ ALERTS: tuple[AlertRule, ...] = (
         f"{_PCT} failures per turn at stage {{{{ $labels.stage }}}} "
         f"(threshold {FAILURE_RATIO:.0%}).",
         "turnrouterfailures",
+        volume="turnrouter:turns:increase5m",
     ),
     AlertRule(
         "TurnrouterDecisionSlow", "turnrouter:decision_duration_seconds:p95_5m",
@@ -227,20 +376,58 @@ ALERTS: tuple[AlertRule, ...] = (
         f"p95 decision-service call duration is {_SECS} "
         f"(target {DECISION_SLOW_SECONDS:g}s); every routed turn waits for it.",
         "turnrouterdecisionslow",
+        volume="turnrouter:decisions:increase5m",
     ),
 )
 
 
+def load_overrides(data: object) -> tuple[RouteOverride, ...]:
+    """Overrides from parsed YAML/JSON: `{"overrides": [{"route": ..., "alert": ...,
+    "threshold" | "min_turns" | "disabled": ...}, ...]}` (ValueError naming the entry)."""
+    if not isinstance(data, Mapping) or set(data) - {"overrides"}:
+        raise ValueError("overrides must be a mapping with one key, 'overrides'")
+    entries = data.get("overrides") or []
+    if not isinstance(entries, list) or len(entries) > 1000:
+        raise ValueError("'overrides' must be a list of at most 1000 entries")
+    out: list[RouteOverride] = []
+    seen: set[tuple[str, str]] = set()
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"overrides[{index}] must be a mapping")
+        unknown = set(entry) - {"route", "alert", "threshold", "min_turns", "disabled"}
+        if unknown:
+            raise ValueError(f"overrides[{index}]: unknown keys {sorted(map(str, unknown))}")
+        disabled = entry.get("disabled", False)
+        if not isinstance(disabled, bool):
+            raise ValueError(f"overrides[{index}]: 'disabled' must be true or false")
+        try:
+            override = RouteOverride(entry.get("route"), entry.get("alert"),  # type: ignore[arg-type]
+                                     entry.get("threshold"), entry.get("min_turns"), disabled)
+        except ValueError as exc:
+            raise ValueError(f"overrides[{index}]: {exc}") from exc
+        key = (override.route, override.alert)
+        if key in seen:
+            raise ValueError(f"overrides[{index}]: a second override of {key[1]} for "
+                             f"route {key[0]!r}")
+        seen.add(key)
+        out.append(override)
+    return tuple(out)
+
+
 def rule_groups(
     *, interval: str | None = None, for_: str | None = None, runbook_url: str | None = None,
+    overrides: Iterable[RouteOverride] = (),
 ) -> dict[str, Any]:
     """The rule file's content. `interval` and `for_` override the evaluation interval
     and every alert's hold time (for tests against a real server); `runbook_url` the
-    base address the alerts link to (your own copy of `docs/runbook.md`)."""
+    base address the alerts link to (your own copy of `docs/runbook.md`); `overrides`
+    per-route thresholds of route-labelled alerts."""
+    chosen = tuple(overrides)
     groups: list[dict[str, Any]] = []
     for name, rules in (
         ("turnrouter.recording", [rule.as_dict() for rule in RECORDING_RULES]),
-        ("turnrouter.alerts", [alert.as_dict(for_, runbook_url) for alert in ALERTS]),
+        ("turnrouter.alerts", [alert.as_dict(for_, runbook_url, chosen)
+                               for alert in ALERTS]),
     ):
         group: dict[str, Any] = {"name": name}
         if interval is not None:
@@ -256,8 +443,12 @@ HEADER = (
 )
 
 
-def render_rules(**overrides: str | None) -> str:
+def render_rules(*, interval: str | None = None, for_: str | None = None,
+                 runbook_url: str | None = None,
+                 overrides: Iterable[RouteOverride] = ()) -> str:
     """The rule file as YAML text (needs PyYAML, a dev dependency)."""
     from ._yaml import dump
 
-    return HEADER + dump(rule_groups(**overrides))
+    return HEADER + dump(rule_groups(interval=interval, for_=for_, runbook_url=runbook_url,
+                                     overrides=overrides))
+

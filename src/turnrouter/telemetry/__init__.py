@@ -9,7 +9,19 @@ router = AgentRouter(..., telemetry=Telemetry.disabled())   # no spans, no metri
 ```
 """
 
-from ._metrics import LATENCY_BUCKETS, METRICS, MetricSpec, MetricType, metric
+from ._metrics import (
+    FAST_BUCKETS,
+    INELIGIBLE_REASONS,
+    LATENCY_BUCKETS,
+    METRICS,
+    NEEDLESS_WITHIN_SECONDS,
+    PENDING_METRICS,
+    RESPONSE_BUCKETS,
+    MetricSpec,
+    MetricType,
+    RouterSignals,
+    metric,
+)
 from ._serve import ASGIApp, MetricsServer, metrics_app, serve_metrics
 from ._spans import (
     ATTR,
@@ -39,8 +51,13 @@ __all__ = [
     "EVENT_FIRST_RESPONSE",
     "EVENT_FOCUS",
     "EVENT_REROUTE",
+    "FAST_BUCKETS",
+    "INELIGIBLE_REASONS",
     "LATENCY_BUCKETS",
     "METRICS",
+    "NEEDLESS_WITHIN_SECONDS",
+    "PENDING_METRICS",
+    "RESPONSE_BUCKETS",
     "SPAN_ACKNOWLEDGMENT",
     "SPAN_ADMISSION",
     "SPAN_CONTEXT_PATCH",
@@ -54,6 +71,7 @@ __all__ = [
     "MetricSpec",
     "MetricType",
     "MetricsServer",
+    "RouterSignals",
     "Telemetry",
     "metric",
     "metrics_app",

@@ -11,19 +11,43 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "FAST_BUCKETS",
+    "INELIGIBLE_REASONS",
     "LATENCY_BUCKETS",
     "METRICS",
+    "NEEDLESS_WITHIN_SECONDS",
+    "PENDING_METRICS",
+    "RESPONSE_BUCKETS",
     "MetricSpec",
     "MetricType",
+    "RouterSignals",
     "metric",
     "metrics_markdown_table",
 ]
 
 MetricType = Literal["counter", "gauge", "histogram"]
 
-#: Seconds; suited to voice latency (a first answer should start well under a second).
+#: Seconds; whole turns (routing, admission, answer playback): tens of ms to seconds.
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
+)
+#: Seconds; decisions and admissions. The embedded decision service and in-process
+#: admissions take well under a millisecond, an LLM classifier or a remote admit()
+#: hundreds of ms: steps of at most 1.5x from 50 us to 2 s (0.3 s is the alert
+#: threshold), so a quantile is within 10% at either end (tests/ops/test_buckets.py).
+FAST_BUCKETS: tuple[float, ...] = (
+    0.00005, 0.0001, 0.00015, 0.0002, 0.00025, 0.0003, 0.0004, 0.0005, 0.00075, 0.001,
+    0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+)
+#: Seconds; first response and silence. Acknowledgment delays live between 0.1 and 1.5 s,
+#: so the steps there are 50 ms (then 100 ms to 2 s): a quantile read from buckets lands
+#: within 10% of the exact one (tests/ops/test_buckets.py checks it on the demo's
+#: latencies), and every candidate delay of the tuning view, plus the generation time and
+#: the needless window, falls on a bound (no interpolation in the what-if).
+RESPONSE_BUCKETS: tuple[float, ...] = (
+    *(round(0.05 * i, 2) for i in range(1, 31)),
+    1.6, 1.7, 1.8, 1.9, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 7.5, 10.0,
 )
 
 
@@ -88,23 +112,23 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "turnrouter_decision_duration_seconds", "histogram",
         "Decision-service call duration.",
-        (), LATENCY_BUCKETS,
+        (), FAST_BUCKETS,
     ),
     MetricSpec(
         "turnrouter_admission_duration_seconds", "histogram",
         "admit() call duration, by route.",
-        ("route",), LATENCY_BUCKETS,
+        ("route",), FAST_BUCKETS,
     ),
     MetricSpec(
         "turnrouter_first_response_seconds", "histogram",
         "Time from the start of answer() to the destination's started() signal, by route.",
-        ("route",), LATENCY_BUCKETS,
+        ("route",), RESPONSE_BUCKETS,
     ),
     MetricSpec(
         "turnrouter_silence_seconds", "histogram",
         "Time from admission to the first thing the participant hears (admission "
         "preamble, acknowledgment or answer), by route; acknowledgments on or off.",
-        ("route",), LATENCY_BUCKETS,
+        ("route",), RESPONSE_BUCKETS,
     ),
     MetricSpec(
         "turnrouter_acknowledgments_total", "counter",
@@ -148,12 +172,100 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
-_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+#: Seconds the answer may start after a spoken acknowledgment for that acknowledgment
+#: to count as needless (the participant heard "one moment" and then, at once, the answer).
+NEEDLESS_WITHIN_SECONDS = 0.5
+
+#: Families the router does not emit yet (issue 16): the rules and dashboards use them,
+#: `RouterSignals` records them. The router engineer moves them into `METRICS` when
+#: `Telemetry` registers them (then `RouterSignals` is only the reference of what to call).
+PENDING_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "turnrouter_ineligible_routes_total", "counter",
+        "Candidate routes skipped as ineligible when a turn was routed, by route and "
+        "reason (unavailable, capacity, policy, not_candidate).",
+        ("route", "reason"),
+    ),
+    MetricSpec(
+        "turnrouter_needless_acknowledgments_total", "counter",
+        "Spoken acknowledgments followed by the answer's start within "
+        f"{NEEDLESS_WITHIN_SECONDS:g} s (heard, but the answer was right behind), by route.",
+        ("route",),
+    ),
+    MetricSpec(
+        "turnrouter_acknowledgment_generation_seconds", "histogram",
+        "Time to generate an acknowledgment (the acknowledgment LLM's call), by route.",
+        ("route",), RESPONSE_BUCKETS,
+    ),
+)
+
+#: Reasons `turnrouter_ineligible_routes_total` accepts (anything else is `other`).
+INELIGIBLE_REASONS = frozenset({"unavailable", "capacity", "policy", "not_candidate"})
+
+_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in (*METRICS, *PENDING_METRICS)}
 
 
 def metric(name: str) -> MetricSpec:
-    """Return the definition of the metric exposed as `name` (KeyError if unknown)."""
+    """Return the definition of the metric exposed as `name` (KeyError if unknown);
+    `PENDING_METRICS` included."""
     return _BY_NAME[name]
+
+
+class RouterSignals:
+    """The `PENDING_METRICS` families on one registry, with one recording method each.
+
+    What the router calls (and when), until `Telemetry` takes these over:
+
+    - `ineligible(route, reason)`: once per candidate route found ineligible while a turn
+      is routed (before admission), `reason` one of `INELIGIBLE_REASONS`;
+    - `acknowledgment_finished(route, heard_at, answer_started_at)`: when the answer of a
+      turn whose acknowledgment was spoken starts (`started()`), with both instants on
+      one monotonic clock; counts it needless when the gap is within
+      `NEEDLESS_WITHIN_SECONDS`;
+    - `acknowledgment_generated(route, seconds)`: when the acknowledgment LLM returns.
+    """
+
+    def __init__(self, registry: object) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        if not isinstance(registry, CollectorRegistry):
+            raise TypeError("registry must be a prometheus_client CollectorRegistry")
+        ineligible, needless, generation = PENDING_METRICS
+        self._ineligible = Counter(ineligible.name, ineligible.documentation,
+                                   ineligible.labels, registry=registry)
+        try:
+            self._needless = Counter(needless.name, needless.documentation, needless.labels,
+                                     registry=registry)
+            try:
+                self._generation = Histogram(generation.name, generation.documentation,
+                                             generation.labels, registry=registry,
+                                             buckets=generation.buckets or ())
+            except BaseException:
+                registry.unregister(self._needless)
+                raise
+        except BaseException:
+            registry.unregister(self._ineligible)
+            raise
+
+    def ineligible(self, route: str, reason: str) -> None:
+        """Count one candidate route skipped as ineligible."""
+        self._ineligible.labels(route, reason if reason in INELIGIBLE_REASONS
+                                else "other").inc()
+
+    def acknowledgment_finished(self, route: str, heard_at: float,
+                                answer_started_at: float) -> bool:
+        """Count the spoken acknowledgment needless if the answer started within
+        `NEEDLESS_WITHIN_SECONDS` of it; return whether it was."""
+        gap = answer_started_at - heard_at
+        needless = 0.0 <= gap <= NEEDLESS_WITHIN_SECONDS
+        if needless:
+            self._needless.labels(route).inc()
+        return needless
+
+    def acknowledgment_generated(self, route: str, seconds: float) -> None:
+        """Record one acknowledgment's generation time (negative or NaN ignored)."""
+        if seconds >= 0:
+            self._generation.labels(route).observe(seconds)
 
 
 def _format_bucket(bound: float) -> str:

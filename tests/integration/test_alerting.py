@@ -1,0 +1,141 @@
+"""Alerts end to end: Prometheus evaluates the shipped rules (with the demo's per-route
+overrides) on real router processes and sends them to a real Alertmanager, which routes
+them by severity and inhibits the warning while the critical fires.
+
+The clarification-heavy job pages; the normal job and one heavy participant alone have
+nothing pending or firing over the whole session (every `for:` is cut to 2 s here, so
+whatever would be pending in production is firing in this test); the conditions of every
+alert, traffic floors removed, are false for the normal job too, so its quiet is not only
+the floors'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from turnrouter.ops import ALERTS, read_overrides
+from turnrouter.ops._rules import MIN_TURNS_1M
+
+from .conftest import CLARIFY_JOB, DEMO_OVERRIDES, HEAVY_JOB, NORMAL_JOB, Stack
+from .prom import eventually
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT = 90.0
+CLARIFICATION = "TurnrouterHighClarificationRate"
+
+
+def _am_clarification(stack: Stack, severity: str) -> dict[str, Any] | None:
+    for alert in stack.alertmanager.alerts():
+        labels = alert["labels"]
+        if (labels.get("alertname") == CLARIFICATION and labels.get("job") == CLARIFY_JOB
+                and labels.get("severity") == severity):
+            return alert
+    return None
+
+
+def test_alertmanager_pages_the_critical_and_inhibits_the_warning(stack: Stack) -> None:
+    """The critical reaches the pager receiver; the warning of the same alert and job is
+    held by Alertmanager as suppressed, inhibited by the critical."""
+    def paged() -> list[dict[str, Any]] | None:
+        found = [a for a in stack.webhook.notifications("pager")
+                 if a["labels"].get("alertname") == CLARIFICATION
+                 and a["labels"].get("job") == CLARIFY_JOB and a["status"] == "firing"]
+        return found or None
+
+    (first, *_) = eventually(paged, timeout=TIMEOUT, what="the page for the clarify job")
+    assert first["labels"]["severity"] == "critical"
+    assert first["annotations"]["runbook_url"].endswith("#turnrouterhighclarificationrate")
+
+    def inhibited() -> dict[str, Any] | None:
+        critical = _am_clarification(stack, "critical")
+        warning = _am_clarification(stack, "warning")
+        if critical is None or warning is None:
+            return None
+        return warning if warning["status"]["state"] == "suppressed" else None
+
+    warning = eventually(inhibited, timeout=TIMEOUT, what="the inhibited warning")
+    critical = _am_clarification(stack, "critical")
+    assert critical is not None
+    assert critical["status"]["state"] == "active"
+    assert warning["status"]["inhibitedBy"] == [critical["fingerprint"]]
+    assert [r["name"] for r in critical["receivers"]] == ["pager"]
+    assert [r["name"] for r in warning["receivers"]] == ["tickets"]
+
+
+def _alerts_over_session(stack: Stack, job: str) -> list[dict[str, Any]]:
+    """Every pending or firing alert of `job` at any evaluation in the last hour."""
+    response = stack.prometheus.query(f'max_over_time(ALERTS{{job="{job}"}}[1h])')
+    assert response["status"] == "success", response
+    return [series["metric"] for series in response["data"]["result"]]
+
+
+def _wait_for_traffic(stack: Stack, job: str, expr: str, floor: float) -> None:
+    def enough() -> bool | None:
+        result = stack.prometheus.query(expr.replace("{", f'{{job="{job}", ', 1)
+                                        if "{" in expr else f'{expr}{{job="{job}"}}'
+                                        )["data"]["result"]
+        return True if result and float(result[0]["value"][1]) >= floor else None
+    eventually(enough, timeout=240.0, interval=1.0, what=f"{expr} >= {floor} for {job}")
+
+
+def test_normal_demo_has_nothing_pending_or_firing(stack: Stack) -> None:
+    """With the largest route past its traffic floor, the normal job has had no alert
+    pending or firing, and no alert condition (floors removed) holds for it."""
+    _wait_for_traffic(stack, NORMAL_JOB,
+                      'turnrouter:first_responses:increase5m{route="conversation"}', 150)
+    assert _alerts_over_session(stack, NORMAL_JOB) == []
+    overrides = tuple(dataclasses.replace(o, min_turns=None if o.min_turns is None else 0)
+                      for o in read_overrides(DEMO_OVERRIDES))
+    for alert in ALERTS:
+        expr = dataclasses.replace(alert, min_turns=0).expression(overrides)
+        response = stack.prometheus.query(expr)
+        assert response["status"] == "success", response
+        holding = [s["metric"] for s in response["data"]["result"]
+                   if s["metric"].get("job") == NORMAL_JOB]
+        assert holding == [], f"{alert.alert} ({alert.severity}) holds for the normal demo"
+
+
+def test_slow_by_design_route_pages_only_without_its_override(stack: Stack) -> None:
+    """Travel is slow by design (p95 near 3 s): the default first-response condition
+    holds for it, its override (4 s) does not, and it was never pending or firing."""
+    (slow,) = [a for a in ALERTS if a.alert == "TurnrouterSlowFirstResponse"]
+    without = dataclasses.replace(slow, min_turns=0).expression()
+    overrides = read_overrides(DEMO_OVERRIDES)
+    with_override = dataclasses.replace(slow, min_turns=0).expression(
+        tuple(dataclasses.replace(o, min_turns=0) if o.min_turns is not None else o
+              for o in overrides))
+
+    def travel_holds() -> bool | None:
+        result = stack.prometheus.query(without)["data"]["result"]
+        return True if any(s["metric"].get("job") == NORMAL_JOB
+                           and s["metric"].get("route") == "travel" for s in result) else None
+
+    eventually(travel_holds, timeout=TIMEOUT, what="travel's p95 above the default 1.5 s")
+    result = stack.prometheus.query(with_override)["data"]["result"]
+    assert [s["metric"] for s in result if s["metric"].get("job") == NORMAL_JOB
+            and s["metric"].get("route") == "travel"] == []
+    fired = [a for a in _alerts_over_session(stack, NORMAL_JOB)
+             if a.get("alertname") == "TurnrouterSlowFirstResponse"]
+    assert fired == []
+
+
+def test_one_heavy_participant_alone_pages_for_nothing(stack: Stack) -> None:
+    """One participant clarified on most turns: its ratio goes far above the critical
+    threshold, but its turns stay under the floor, and nothing was pending or firing."""
+    def ratio_above_critical() -> float | None:
+        result = stack.prometheus.query(
+            f'turnrouter:clarification_ratio:rate5m{{job="{HEAVY_JOB}"}} > 0.25')
+        values = [float(s["value"][1]) for s in result["data"]["result"]]
+        return values[0] if values else None
+
+    eventually(ratio_above_critical, timeout=180.0, interval=1.0,
+               what="the heavy participant's clarification ratio above 25%")
+    turns = stack.prometheus.query(
+        f'max_over_time(turnrouter:turns:increase1m{{job="{HEAVY_JOB}"}}[1h])')
+    (most,) = [float(s["value"][1]) for s in turns["data"]["result"]]
+    assert 0 < most < MIN_TURNS_1M
+    assert _alerts_over_session(stack, HEAVY_JOB) == []

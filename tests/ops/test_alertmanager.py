@@ -1,0 +1,102 @@
+"""The shipped Alertmanager configuration: valid for `amtool`, routes every alert by
+severity, and inhibits the warning while the critical of the same alert and job fires."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from turnrouter.ops import ALERTS, AlertRule
+
+from .conftest import DEPLOY, require_binary
+
+CONFIG = DEPLOY / "alertmanager/alertmanager.yml"
+RECEIVER = {"critical": "pager", "warning": "tickets"}
+
+
+def _amtool(*args: str) -> subprocess.CompletedProcess[str]:
+    binary = require_binary("amtool")
+    return subprocess.run([binary, *args], capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def test_amtool_check_config() -> None:
+    """`amtool check-config` accepts the configuration (routes, inhibit rules, receivers)."""
+    result = _amtool("check-config", str(CONFIG))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+    assert "2 inhibit rules" in result.stdout
+
+
+@pytest.mark.parametrize("alert", ALERTS, ids=lambda a: f"{a.alert}-{a.severity}")
+def test_every_alert_routes_to_its_severity_receiver(alert: object) -> None:
+    """`amtool config routes test`: criticals page, warnings open tickets."""
+    severity = alert.severity  # type: ignore[attr-defined]
+    result = _amtool("config", "routes", "test", f"--config.file={CONFIG}",
+                     f"--verify.receivers={RECEIVER[severity]}",
+                     f"alertname={alert.alert}", f"severity={severity}",  # type: ignore[attr-defined]
+                     "job=turnrouter")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_routes_test_can_fail() -> None:
+    """A warning does not resolve to the pager (the routing test tests something)."""
+    result = _amtool("config", "routes", "test", f"--config.file={CONFIG}",
+                     "--verify.receivers=pager", "alertname=TurnrouterDecisionSlow",
+                     "severity=warning")
+    assert result.returncode != 0
+
+
+def test_warning_is_inhibited_by_the_critical_of_the_same_alert_and_job() -> None:
+    """The first inhibit rule: critical suppresses warning with equal alertname and job,
+    and every alert name that has both severities is covered by it."""
+    config = yaml.safe_load(CONFIG.read_text())
+    rule = config["inhibit_rules"][0]
+    assert rule["source_matchers"] == ['severity="critical"']
+    assert rule["target_matchers"] == ['severity="warning"']
+    assert set(rule["equal"]) == {"alertname", "job"}
+    both = {a.alert for a in ALERTS if a.severity == "critical"} & {
+        a.alert for a in ALERTS if a.severity == "warning"}
+    assert "TurnrouterHighClarificationRate" in both
+
+
+def test_broken_config_is_rejected(tmp_path: Path) -> None:
+    """amtool rejects an inhibit rule with an invalid matcher (the check checks)."""
+    broken = tmp_path / "alertmanager.yml"
+    broken.write_text(CONFIG.read_text().replace("['severity=\"critical\"']",
+                                                 "['severity=~\"(critical\"']", 1))
+    result = _amtool("check-config", str(broken))
+    assert result.returncode != 0
+
+
+RUNBOOK = DEPLOY.parent / "docs/runbook.md"
+
+
+def _section(text: str, alert: str) -> str:
+    start = text.index(f"## {alert}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+@pytest.mark.parametrize("alert", ALERTS, ids=lambda a: f"{a.alert}-{a.severity}")
+def test_runbook_section_matches_what_ships(alert: object) -> None:
+    """Each alert's runbook section names its hold time, its threshold and its traffic
+    floor as the rule file has them (the runbook cannot drift from the rules)."""
+    assert isinstance(alert, AlertRule)
+    section = " ".join(_section(RUNBOOK.read_text(), alert.alert).split())
+    assert f"for {alert.for_.removesuffix('m')} minute" in section
+    seconds = alert.alert in {"TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
+                              "TurnrouterDecisionSlow"}
+    shown = f"{alert.threshold:g} s" if seconds else f"{alert.threshold:.0%}"
+    assert shown in section
+    assert f"{alert.min_turns}" in section
+
+
+def test_runbook_describes_the_shipped_inhibition() -> None:
+    """The runbook's routing paragraph names the shipped Alertmanager file and rules."""
+    text = RUNBOOK.read_text()
+    assert "deploy/alertmanager/alertmanager.yml" in text
+    assert "suppressed" in text and "`pager`" in text and "`tickets`" in text

@@ -1,0 +1,176 @@
+"""Per-route alert overrides, the traffic floors, and `python -m turnrouter.ops` edges."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turnrouter.ops import ALERTS, RouteOverride, load_overrides, main, read_overrides, rule_groups
+from turnrouter.ops._rules import MIN_TURNS
+
+from .conftest import DEPLOY
+
+PER_ROUTE = sorted({alert.alert for alert in ALERTS if alert.per_route})
+
+
+def _expr(alert: str, overrides: tuple[RouteOverride, ...]) -> str:
+    rules = rule_groups(overrides=overrides)["groups"][1]["rules"]
+    (rule,) = [r for r in rules if r["alert"] == alert]
+    expr: str = rule["expr"]
+    return expr
+
+
+def test_every_alert_is_gated_on_a_count_of_turns_in_its_window() -> None:
+    """Each alert requires a recorded traffic count (increase over its window) >= a floor."""
+    for alert in ALERTS:
+        assert ":increase" in alert.volume, alert.alert
+        assert f"{alert.volume} >= {alert.min_turns}" in alert.expr
+        assert alert.min_turns >= 30
+
+
+def test_override_replaces_threshold_and_excludes_route_from_default() -> None:
+    """An overridden route leaves the default branch and gets its own threshold/floor."""
+    expr = _expr("TurnrouterSlowFirstResponse", (
+        RouteOverride("travel", "TurnrouterSlowFirstResponse", threshold=4.0, min_turns=20),))
+    assert 'turnrouter:first_response_seconds:p95_5m{route!~"travel"} > 1.5' in expr
+    assert 'turnrouter:first_response_seconds:p95_5m{route="travel"} > 4' in expr
+    assert 'turnrouter:first_responses:increase5m{route="travel"} >= 20' in expr
+    assert f'turnrouter:first_responses:increase5m{{route!~"travel"}} >= {MIN_TURNS}' in expr
+
+
+def test_disabled_override_drops_the_route_and_leaves_other_alerts_alone() -> None:
+    """`disabled` removes the route from that alert only."""
+    overrides = (RouteOverride("travel", "TurnrouterAcknowledgmentOveruse", disabled=True),)
+    expr = _expr("TurnrouterAcknowledgmentOveruse", overrides)
+    assert 'route!~"travel"' in expr
+    assert 'route="travel"' not in expr
+    assert "travel" not in _expr("TurnrouterSlowFirstResponse", overrides)
+
+
+def test_route_names_with_regex_characters_are_matched_literally() -> None:
+    """A route with regex metacharacters is escaped in the `!~` matcher."""
+    expr = _expr("TurnrouterSlowFirstResponse",
+                 (RouteOverride("a.b(c)", "TurnrouterSlowFirstResponse", threshold=2.0),))
+    assert 'route!~"a\\\\.b\\\\(c\\\\)"' in expr
+    assert 'route="a.b(c)"' in expr
+
+
+@pytest.mark.parametrize(("entry", "problem"), [
+    ({"route": "", "alert": PER_ROUTE[0]}, "route"),
+    ({"route": 'a"b', "alert": PER_ROUTE[0]}, "route"),
+    ({"route": "a\nb", "alert": PER_ROUTE[0]}, "route"),
+    ({"route": "a", "alert": "TurnrouterDeadAir"}, "alert must be one of"),
+    ({"route": "a", "alert": PER_ROUTE[0], "threshold": float("nan")}, "threshold"),
+    ({"route": "a", "alert": PER_ROUTE[0], "threshold": -1}, "threshold"),
+    ({"route": "a", "alert": PER_ROUTE[0], "threshold": True}, "threshold"),
+    ({"route": "a", "alert": PER_ROUTE[0], "min_turns": 1.5}, "min_turns"),
+    ({"route": "a", "alert": PER_ROUTE[0], "disabled": "yes"}, "disabled"),
+    ({"route": "a", "alert": PER_ROUTE[0], "colour": 1}, "unknown keys"),
+])
+def test_bad_override_entries_are_named(entry: dict[str, object], problem: str) -> None:
+    """Each invalid entry is a ValueError naming its index and the problem."""
+    with pytest.raises(ValueError, match=r"overrides\[0\]") as info:
+        load_overrides({"overrides": [entry]})
+    assert problem in str(info.value)
+
+
+def test_duplicate_override_is_rejected() -> None:
+    """Two overrides of one alert for one route are an error, not a silent pick."""
+    entry = {"route": "a", "alert": PER_ROUTE[0], "threshold": 1.0}
+    with pytest.raises(ValueError, match="second override"):
+        load_overrides({"overrides": [entry, entry]})
+
+
+def test_shipped_demo_overrides_load() -> None:
+    """deploy/prometheus/overrides.demo.yml is valid."""
+    overrides = read_overrides(DEPLOY / "prometheus/overrides.demo.yml")
+    assert {(o.route, o.alert) for o in overrides} >= {
+        ("travel", "TurnrouterSlowFirstResponse"), ("travel", "TurnrouterAcknowledgmentOveruse")}
+
+
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
+                                                                 max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(JUNK | st.fixed_dictionaries({"overrides": st.lists(
+    st.dictionaries(st.sampled_from(["route", "alert", "threshold", "min_turns", "disabled",
+                                     "x"]), JUNK, max_size=5), max_size=3)}))
+def test_load_overrides_accepts_or_names_the_problem(data: object) -> None:
+    """Any parsed YAML either loads into valid overrides or raises ValueError."""
+    try:
+        overrides = load_overrides(data)
+    except ValueError as exc:
+        message = str(exc)
+        overrides = ()
+    else:
+        message = "ok"
+    assert message
+    rule_groups(overrides=overrides)  # and renders
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(max_size=300))
+def test_overrides_file_junk_bytes_exit_2_with_one_line(tmp_path_factory: pytest.TempPathFactory,
+                                                        data: bytes) -> None:
+    """Any file content: the generator writes or exits 2 with one line, no traceback."""
+    root = tmp_path_factory.mktemp("root")
+    path = root / "overrides.yml"
+    path.write_bytes(data)
+    try:
+        code = main(["--root", str(root / "out"), "--overrides", str(path)])
+    except SystemExit as exc:
+        code = exc.code  # type: ignore[assignment]
+    assert code in (0, 2)
+
+
+def test_deeply_nested_overrides_file_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A deeply nested YAML document ends in one error line, exit 2."""
+    path = tmp_path / "deep.yml"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SystemExit) as info:
+        main(["--root", str(tmp_path / "out"), "--overrides", str(path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--overrides" in err
+
+
+def test_root_that_is_a_file_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--root FILE` exits 2 with one line naming the flag."""
+    file = tmp_path / "file"
+    file.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        main(["--root", str(file)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--root must be a directory" in err
+
+
+def test_root_under_a_file_fails_with_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A root that cannot be created (its parent is a file) exits 1 with one line."""
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert main(["--root", str(file / "sub")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write" in err
+
+
+def test_generation_with_overrides_writes_them(tmp_path: Path) -> None:
+    """`--overrides` lands in the rule file and the PrometheusRule."""
+    path = tmp_path / "o.json"
+    path.write_text(json.dumps({"overrides": [
+        {"route": "travel", "alert": "TurnrouterSlowFirstResponse", "threshold": 9}]}))
+    assert main(["--root", str(tmp_path / "out"), "--overrides", str(path)]) == 0
+    for name in ("deploy/prometheus/rules/turnrouter.rules.yml",
+                 "deploy/k8s/base/prometheusrule.yaml"):
+        assert 'route="travel"} > 9' in (tmp_path / "out" / name).read_text()
