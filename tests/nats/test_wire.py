@@ -151,6 +151,7 @@ def test_terminal_outputs_share_one_id_and_control_text_is_by_content() -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("prefix", "a.b"), ("prefix", ""), ("partitions", 0), ("partitions", 5000),
     ("failover_timeout", 0), ("pull_expires", 2.0), ("max_message_bytes", 10),
+    ("ack_wait", float("inf")), ("drain_timeout", float("nan")), ("dedup_window", True),
 ])
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     """An impossible configuration raises ConfigurationError naming the field."""

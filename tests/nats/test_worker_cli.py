@@ -49,6 +49,19 @@ def test_junk_app_specs_raise_value_error(module: str, attribute: str) -> None:
         load_factory(f"{module}:{attribute}")
 
 
+@pytest.mark.parametrize("flags", [
+    ["--metrics-port", "70000"], ["--metrics-port", "x"], ["--failover-timeout", "inf"],
+    ["--ack-wait", "nan"], ["--drain-timeout", "-1"], ["--partitions", "0"],
+    ["--prefix", "a.b"],
+])
+def test_bad_flags_are_one_line_usage_errors(flags: list[str]) -> None:
+    """Out-of-range or malformed flags exit 2 with one line on stderr, no traceback."""
+    done = run_worker("--nats", "nats://127.0.0.1:1", "--app",
+                      "tests.nats.app:make_router", *flags)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
 def test_missing_flags_are_usage_errors() -> None:
     """--nats and --app are required."""
     with pytest.raises(SystemExit):

@@ -8,14 +8,31 @@ import importlib
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["load_factory", "worker_main", "worker_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr, exit status 2 (as `turnrouter demo`)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _port(value: str) -> int:
+    try:
+        number = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value!r}")
+    return number
+
+
 def worker_parser() -> argparse.ArgumentParser:
     """The `turnrouter worker` flags (deployment files are tested against it)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="turnrouter worker",
         description="Run one replica of your router on NATS JetStream.")
     parser.add_argument("--nats", required=True, help="NATS server URL (nats://host:4222)")
@@ -31,7 +48,7 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, default=20.0,
                         help="seconds a graceful end waits for running turns (default 20)")
     parser.add_argument("--replica", default=None, help="replica name (default random)")
-    parser.add_argument("--metrics-port", type=int, default=None,
+    parser.add_argument("--metrics-port", type=_port, default=None,
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address to serve /metrics on (0.0.0.0 in containers)")
@@ -91,7 +108,13 @@ def worker_main(argv: Sequence[str]) -> int:
 
     server = None
     if args.metrics_port is not None:
-        server = serve_metrics(args.metrics_port, registry=registry, addr=args.metrics_host)
+        try:
+            server = serve_metrics(args.metrics_port, registry=registry,
+                                   addr=args.metrics_host)
+        except (OSError, OverflowError, ValueError) as exc:
+            print(f"turnrouter worker: error: cannot serve /metrics on "
+                  f"{args.metrics_host}:{args.metrics_port}: {exc}", file=sys.stderr)
+            return 2
         print(f"metrics: {server.url}", flush=True)
     try:
         asyncio.run(run())

@@ -92,8 +92,11 @@ class NatsConfig:
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
                      "output_max_age", "probe_interval", "drain_timeout"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and value > 0):
-                raise ConfigurationError(f"NatsConfig.{name} must be > 0, got {value!r}")
+            if not (isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value) and 0 < value <= 366 * 86400):
+                raise ConfigurationError(
+                    f"NatsConfig.{name} must be a finite number of seconds in (0, 1 year], "
+                    f"got {value!r}")
         if self.pull_expires >= self.failover_timeout:
             raise ConfigurationError(
                 "NatsConfig.pull_expires must be shorter than failover_timeout, or the "
