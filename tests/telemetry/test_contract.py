@@ -46,6 +46,9 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     # Beyond telemetry.md: the runtime subscriber counts the messages it rejects.
     "turnrouter_runtime_rejected_messages_total": ("counter", ("topic", "reason")),
     "turnrouter_limit_overflows_total": ("counter", ("limit",)),
+    "turnrouter_ineligible_routes_total": ("counter", ("route", "reason")),
+    "turnrouter_needless_acknowledgments_total": ("counter", ("route",)),
+    "turnrouter_acknowledgment_generation_seconds": ("histogram", ("route",)),
     "turnrouter_active_participants": ("gauge", ()),
     "turnrouter_turns_in_flight": ("gauge", ()),
 }
@@ -58,6 +61,7 @@ BUCKETS_BY_FAMILY = {
     "turnrouter_admission_duration_seconds": FAST_BUCKETS,
     "turnrouter_first_response_seconds": RESPONSE_BUCKETS,
     "turnrouter_silence_seconds": RESPONSE_BUCKETS,
+    "turnrouter_acknowledgment_generation_seconds": RESPONSE_BUCKETS,
 }
 
 

@@ -11,7 +11,8 @@ import logging
 import math
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+
+from ._parser import OneLineParser
 
 __all__ = ["OneLineParser", "demo_parser", "main"]
 
@@ -20,13 +21,6 @@ MAX_DURATION = 365 * 86400.0
 MAX_SPEED = 1000.0
 MAX_PARTICIPANTS = 10_000
 MAX_ACK_DELAY = 60.0
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line on stderr, exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _number(value: str, *, low: float, high: float, low_open: bool) -> float:

@@ -45,7 +45,7 @@ from ..ops._tuning import (
     candidates,
 )
 from ..telemetry import NEEDLESS_WITHIN_SECONDS
-from . import OneLineParser
+from ._parser import OneLineParser
 
 __all__ = [
     "MAX_LINE_BYTES",

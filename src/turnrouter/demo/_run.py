@@ -275,12 +275,13 @@ class _ExpectedFaults(logging.Filter):
         return "rejected a message" not in record.getMessage()
 
 
-async def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout) -> DemoReport:
+async def run_demo(config: DemoConfig, *, out: TextIO | None = None) -> DemoReport:
     """Run the simulated deployment; return (and print) its report.
 
     ConfigurationError (before anything runs) when the OTLP settings are invalid or the
     exporter is missing, or `/metrics` cannot be served on the configured host and port.
     """
+    out = sys.stdout if out is None else out  # the stream current now, not at import
     otlp_settings(config)  # validate before starting anything
     rng = random.Random(config.seed)
     sample = load_sample()

@@ -506,8 +506,8 @@ def acknowledgment_tuning() -> dict[str, Any]:
             thresholds=_thresholds(("green", None), ("red", ACK_OVERUSE_RATIO))),
         _timeseries(
             "Needless acknowledgments", "Share of spoken acknowledgments followed by the "
-            "answer's start within 0.5 s, by route (turnrouter_needless_acknowledgments_total; "
-            "empty until the router records it).",
+            "answer's start within 0.5 s, by route "
+            "(turnrouter_needless_acknowledgments_total).",
             _targets((f"sum by (route) (rate("
                       f"{_sel('turnrouter_needless_acknowledgments_total', JOB, ROUTE)}"
                       f"[{RATE}]))\n/\n(sum by (route) (rate({emitted}[{RATE}])) > 0)",
@@ -516,12 +516,11 @@ def acknowledgment_tuning() -> dict[str, Any]:
         _timeseries(
             "Acknowledgment generation time", "p50 and p95 of the acknowledgment LLM's "
             "generation time, against the value the what-if models "
-            f"({GENERATION_SECS:g} s, the dashed line); empty until the router records "
-            "turnrouter_acknowledgment_generation_seconds.",
+            f"({GENERATION_SECS:g} s, the dashed line; exemplars link to the turn).",
             [_target(f"histogram_quantile(0.5, sum by (le) (rate({generation}[{RATE}])))",
-                     "p50", ref="A"),
+                     "p50", ref="A", exemplar=True),
              _target(f"histogram_quantile(0.95, sum by (le) (rate({generation}[{RATE}])))",
-                     "p95", ref="B")],
+                     "p95", ref="B", exemplar=True)],
             unit="s", draw="dashed",
             thresholds=_thresholds(("green", None), ("orange", GENERATION_SECS))),
         _row("Which delay?"),

@@ -210,7 +210,7 @@ class RouteOverride:
             raise ValueError(f"override route must be 1-100 printable characters without "
                              f"quotes or backslashes, got {self.route!r}")
         per_route = {a.alert for a in ALERTS if a.per_route}
-        if self.alert not in per_route:
+        if not isinstance(self.alert, str) or self.alert not in per_route:
             raise ValueError(f"override alert must be one of {sorted(per_route)}, "
                              f"got {self.alert!r}")
         if self.threshold is not None and (

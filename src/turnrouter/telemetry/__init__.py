@@ -19,7 +19,6 @@ from ._metrics import (
     RESPONSE_BUCKETS,
     MetricSpec,
     MetricType,
-    RouterSignals,
     metric,
 )
 from ._serve import ASGIApp, MetricsServer, metrics_app, serve_metrics
@@ -71,7 +70,6 @@ __all__ = [
     "MetricSpec",
     "MetricType",
     "MetricsServer",
-    "RouterSignals",
     "Telemetry",
     "metric",
     "metrics_app",

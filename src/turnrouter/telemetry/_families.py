@@ -79,17 +79,19 @@ class Latency:
     than the newest, and a quiet deployment keeps every one.
     """
 
-    __slots__ = ("_last", "child")
+    __slots__ = ("_bounds", "_last", "child")
 
-    def __init__(self, child: Histogram) -> None:
+    def __init__(self, child: Histogram, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
         #: The prometheus_client child: untraced observations go to it directly.
         self.child = child
-        self._last = [-math.inf] * (len(LATENCY_BUCKETS) + 1)
+        #: The family's bucket upper bounds (`+Inf` implicit), to find a value's bucket.
+        self._bounds = bounds
+        self._last = [-math.inf] * (len(bounds) + 1)
 
     def observe_traced(self, seconds: float, now: float, span: Span) -> None:
         """Record one observation, with an exemplar pointing at `span` unless its bucket
         has a recent one (`now` is a `perf_counter()` reading)."""
-        index = bisect_left(LATENCY_BUCKETS, seconds)  # prometheus_client: value <= bound
+        index = bisect_left(self._bounds, seconds)  # prometheus_client: value <= bound
         last = self._last
         if now - last[index] < EXEMPLAR_INTERVAL_SECS:
             self.child.observe(seconds)
@@ -115,21 +117,22 @@ class Families:
             self.failures = _plain(self._counter("turnrouter_failures_total"))
             self.interruptions = self._counter("turnrouter_interruptions_total")
             self.focus = _plain(self._counter("turnrouter_focus_transitions_total"))
-            self.turn_duration = _Family(
-                self._histogram("turnrouter_turn_duration_seconds"), Latency)
+            self.turn_duration = self._latency("turnrouter_turn_duration_seconds")
             self.decision_duration = Latency(
-                self._histogram("turnrouter_decision_duration_seconds"))
-            self.admission_duration = _Family(
-                self._histogram("turnrouter_admission_duration_seconds"), Latency)
-            self.first_response = _Family(
-                self._histogram("turnrouter_first_response_seconds"), Latency)
-            self.silence = _Family(self._histogram("turnrouter_silence_seconds"), Latency)
+                self._histogram("turnrouter_decision_duration_seconds"),
+                self._bounds("turnrouter_decision_duration_seconds"))
+            self.admission_duration = self._latency("turnrouter_admission_duration_seconds")
+            self.first_response = self._latency("turnrouter_first_response_seconds")
+            self.silence = self._latency("turnrouter_silence_seconds")
             self.acknowledgments = _plain(self._counter("turnrouter_acknowledgments_total"))
             self.ack_delay = self._gauge("turnrouter_acknowledgment_delay_seconds")
             self.predicted = _plain(self._gauge("turnrouter_predicted_first_response_seconds"))
             self.context_patches = _plain(self._counter("turnrouter_context_patches_total"))
             self.rejected = _plain(self._counter("turnrouter_runtime_rejected_messages_total"))
             self.overflows = _plain(self._counter("turnrouter_limit_overflows_total"))
+            self.ineligible = _plain(self._counter("turnrouter_ineligible_routes_total"))
+            self.needless = _plain(self._counter("turnrouter_needless_acknowledgments_total"))
+            self.ack_generation = self._latency("turnrouter_acknowledgment_generation_seconds")
             self.participants = self._gauge("turnrouter_active_participants")
             self.in_flight = self._gauge("turnrouter_turns_in_flight")
         except BaseException:
@@ -179,6 +182,16 @@ class Families:
         created = Gauge(spec.name, spec.documentation, spec.labels, registry=self._registry)
         self._created.append(created)
         return created
+
+    def _bounds(self, name: str) -> tuple[float, ...]:
+        buckets = self._spec(name, "histogram").buckets
+        assert buckets is not None
+        return buckets
+
+    def _latency(self, name: str) -> _Family[Latency]:
+        """A labelled latency family whose children know the family's buckets."""
+        bounds = self._bounds(name)
+        return _Family(self._histogram(name), lambda child: Latency(child, bounds))
 
     def _histogram(self, name: str) -> Histogram:
         spec = self._spec(name, "histogram")

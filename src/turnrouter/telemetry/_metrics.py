@@ -20,7 +20,6 @@ __all__ = [
     "RESPONSE_BUCKETS",
     "MetricSpec",
     "MetricType",
-    "RouterSignals",
     "metric",
     "metrics_markdown_table",
 ]
@@ -62,6 +61,10 @@ class MetricSpec:
     buckets: tuple[float, ...] | None = None
     """Histogram bucket upper bounds in seconds (`+Inf` is implicit); None otherwise."""
 
+
+#: Seconds the answer may start after a spoken acknowledgment for that acknowledgment
+#: to count as needless (the participant heard "one moment" and then, at once, the answer).
+NEEDLESS_WITHIN_SECONDS = 0.5
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -170,16 +173,6 @@ METRICS: tuple[MetricSpec, ...] = (
         "turnrouter_turns_in_flight", "gauge",
         "Turns currently being handled.",
     ),
-)
-
-#: Seconds the answer may start after a spoken acknowledgment for that acknowledgment
-#: to count as needless (the participant heard "one moment" and then, at once, the answer).
-NEEDLESS_WITHIN_SECONDS = 0.5
-
-#: Families the router does not emit yet (issue 16): the rules and dashboards use them,
-#: `RouterSignals` records them. The router engineer moves them into `METRICS` when
-#: `Telemetry` registers them (then `RouterSignals` is only the reference of what to call).
-PENDING_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "turnrouter_ineligible_routes_total", "counter",
         "Candidate routes skipped as ineligible when a turn was routed, by route and "
@@ -199,6 +192,10 @@ PENDING_METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
+#: Families defined but not recorded by the router: none (kept for the generator, which
+#: lets a query of such a family return no data).
+PENDING_METRICS: tuple[MetricSpec, ...] = ()
+
 #: Reasons `turnrouter_ineligible_routes_total` accepts (anything else is `other`).
 INELIGIBLE_REASONS = frozenset({"unavailable", "capacity", "policy", "not_candidate"})
 
@@ -209,63 +206,6 @@ def metric(name: str) -> MetricSpec:
     """Return the definition of the metric exposed as `name` (KeyError if unknown);
     `PENDING_METRICS` included."""
     return _BY_NAME[name]
-
-
-class RouterSignals:
-    """The `PENDING_METRICS` families on one registry, with one recording method each.
-
-    What the router calls (and when), until `Telemetry` takes these over:
-
-    - `ineligible(route, reason)`: once per candidate route found ineligible while a turn
-      is routed (before admission), `reason` one of `INELIGIBLE_REASONS`;
-    - `acknowledgment_finished(route, heard_at, answer_started_at)`: when the answer of a
-      turn whose acknowledgment was spoken starts (`started()`), with both instants on
-      one monotonic clock; counts it needless when the gap is within
-      `NEEDLESS_WITHIN_SECONDS`;
-    - `acknowledgment_generated(route, seconds)`: when the acknowledgment LLM returns.
-    """
-
-    def __init__(self, registry: object) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-
-        if not isinstance(registry, CollectorRegistry):
-            raise TypeError("registry must be a prometheus_client CollectorRegistry")
-        ineligible, needless, generation = PENDING_METRICS
-        self._ineligible = Counter(ineligible.name, ineligible.documentation,
-                                   ineligible.labels, registry=registry)
-        try:
-            self._needless = Counter(needless.name, needless.documentation, needless.labels,
-                                     registry=registry)
-            try:
-                self._generation = Histogram(generation.name, generation.documentation,
-                                             generation.labels, registry=registry,
-                                             buckets=generation.buckets or ())
-            except BaseException:
-                registry.unregister(self._needless)
-                raise
-        except BaseException:
-            registry.unregister(self._ineligible)
-            raise
-
-    def ineligible(self, route: str, reason: str) -> None:
-        """Count one candidate route skipped as ineligible."""
-        self._ineligible.labels(route, reason if reason in INELIGIBLE_REASONS
-                                else "other").inc()
-
-    def acknowledgment_finished(self, route: str, heard_at: float,
-                                answer_started_at: float) -> bool:
-        """Count the spoken acknowledgment needless if the answer started within
-        `NEEDLESS_WITHIN_SECONDS` of it; return whether it was."""
-        gap = answer_started_at - heard_at
-        needless = 0.0 <= gap <= NEEDLESS_WITHIN_SECONDS
-        if needless:
-            self._needless.labels(route).inc()
-        return needless
-
-    def acknowledgment_generated(self, route: str, seconds: float) -> None:
-        """Record one acknowledgment's generation time (negative or NaN ignored)."""
-        if seconds >= 0:
-            self._generation.labels(route).observe(seconds)
 
 
 def _format_bucket(bound: float) -> str:

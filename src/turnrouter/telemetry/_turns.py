@@ -22,8 +22,10 @@ from opentelemetry.util.types import AttributeValue
 from .._contracts import CLARIFY, AgentTurn, DestinationResult, RouteDecision, RouteRequest
 from .._observer import (
     AcknowledgmentFinished,
+    AcknowledgmentGenerated,
     AdmissionFinished,
     AdmissionStarted,
+    AnswerAfterAcknowledgment,
     AnswerFinished,
     AnswerStarted,
     Clarification,
@@ -35,6 +37,7 @@ from .._observer import (
     ReleaseFinished,
     ReleaseStarted,
     Rerouted,
+    RouteIneligible,
     SilenceMeasured,
     TurnFinished,
     TurnObserver,
@@ -42,6 +45,7 @@ from .._observer import (
     TurnStarted,
 )
 from ._families import NONE_LABEL, Families
+from ._metrics import INELIGIBLE_REASONS, NEEDLESS_WITHIN_SECONDS
 from ._spans import (
     ATTR,
     EVENT_DEFAULT_FALLBACK,
@@ -279,6 +283,22 @@ class TurnMetrics(TurnObserver):
     def silence(self, event: SilenceMeasured) -> None:
         """Record the silence the participant heard after admission."""
         self._fam.silence.get(event.route).child.observe(event.seconds)
+
+    def acknowledgment_generated(self, event: AcknowledgmentGenerated) -> None:
+        """Record the acknowledgment's generation time."""
+        if event.seconds >= 0:
+            self._fam.ack_generation.get(event.route).child.observe(event.seconds)
+
+    def answer_after_acknowledgment(self, event: AnswerAfterAcknowledgment) -> None:
+        """Count the spoken acknowledgment needless when the answer was right behind it."""
+        if 0.0 <= event.seconds <= NEEDLESS_WITHIN_SECONDS:
+            self._fam.needless.get(event.route).inc()
+
+    def route_ineligible(self, event: RouteIneligible) -> None:
+        """Count an ineligible candidate by route and reason (unknown reasons: other)."""
+        reason = event.reason
+        self._fam.ineligible.get(
+            event.route, reason if reason in INELIGIBLE_REASONS else "other").inc()
 
     def failure(self, event: Failure) -> None:
         """Count a failure, unless a stage callback already counted this one."""
@@ -570,6 +590,12 @@ class TracedTurn(TurnMetrics):
         """Record the silence the participant heard after admission."""
         self._fam.silence.get(event.route).observe_traced(
             event.seconds, perf_counter(), self._span)
+
+    def acknowledgment_generated(self, event: AcknowledgmentGenerated) -> None:
+        """Record the generation time, with an exemplar pointing at the turn."""
+        if event.seconds >= 0:
+            self._fam.ack_generation.get(event.route).observe_traced(
+                event.seconds, perf_counter(), self._span)
 
     def failure(self, event: Failure) -> None:
         """Count a failure, unless a stage callback already counted this one."""
