@@ -53,7 +53,8 @@ def test_core_exports_are_pinned() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["turnrouter", "turnrouter.decisions", "turnrouter.telemetry", "turnrouter.testing"],
+    ["turnrouter", "turnrouter.decisions", "turnrouter.runtime.nats", "turnrouter.telemetry",
+     "turnrouter.testing"],
 )
 def test_all_is_sorted_unique_and_importable(module: str) -> None:
     """Every public module's __all__ is sorted, has no duplicates, and resolves."""

@@ -171,15 +171,22 @@ def _tune(argv: Sequence[str]) -> int:
     return tune_main(list(argv))
 
 
+def _worker(argv: Sequence[str]) -> int:
+    from ._worker import worker_main
+
+    return worker_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `turnrouter` command; returns the exit status (usage errors: 2,
     one line on stderr)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": _demo, "tune": _tune}
+    commands = {"demo": _demo, "tune": _tune, "worker": _worker}
     if not args or args[0] in {"-h", "--help"} or args[0] not in commands:
-        print("usage: turnrouter {demo,tune} [options]\n\n"
+        print("usage: turnrouter {demo,tune,worker} [options]\n\n"
               "  demo   run a simulated deployment (the main job)\n"
-              "  tune   what-if analysis of the acknowledgment delay", file=sys.stderr)
+              "  tune   what-if analysis of the acknowledgment delay\n"
+              "  worker one router replica on NATS JetStream", file=sys.stderr)
         return 0 if args and args[0] in {"-h", "--help"} else 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -1,0 +1,79 @@
+"""Prometheus metric families of the NATS runtime (the only module here importing
+prometheus_client). Registered once per registry; labels are low-cardinality."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["RuntimeMetrics", "runtime_metrics"]
+
+_WRITE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class RuntimeMetrics:
+    """The families; see docs/distributed.md ("Telemetry")."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.partitions_owned = Gauge(
+            "turnrouter_nats_partitions_owned",
+            "Partitions this replica currently consumes (pinned client)",
+            registry=registry)
+        self.partitions = Gauge(
+            "turnrouter_nats_partitions",
+            "Partitions of the deployment (to compare with the fleet's owned sum)",
+            registry=registry)
+        self.takeovers = Counter(
+            "turnrouter_nats_takeovers_total",
+            "Partitions this replica took over (pinned after another owner or none)",
+            registry=registry)
+        self.partitions_lost = Counter(
+            "turnrouter_nats_partitions_lost_total",
+            "Partitions this replica lost (pin moved away) or handed over",
+            ["how"], registry=registry)
+        self.redeliveries = Counter(
+            "turnrouter_nats_redeliveries_total",
+            "Input messages delivered more than once", registry=registry)
+        self.duplicates = Counter(
+            "turnrouter_nats_duplicates_dropped_total",
+            "Duplicates dropped: input already handled here, output refused by the "
+            "output stream's deduplication", ["where"], registry=registry)
+        self.inflight_failed = Counter(
+            "turnrouter_nats_inflight_failed_total",
+            "Turns found in flight on a dead or paused owner, ended with the failure text",
+            registry=registry)
+        self.state_write = Histogram(
+            "turnrouter_nats_state_write_seconds",
+            "Revision-checked participant state writes to the key-value bucket",
+            buckets=_WRITE_BUCKETS, registry=registry)
+        self.state_refused = Counter(
+            "turnrouter_nats_state_writes_refused_total",
+            "State writes refused for a newer revision (participant fenced off here)",
+            registry=registry)
+        self.timing_samples = Counter(
+            "turnrouter_nats_timing_samples_total",
+            "First-response timing samples published to / learned from the fleet",
+            ["direction"], registry=registry)
+        self.partitions.set(0)
+        for how in ("lost", "handed_over"):
+            self.partitions_lost.labels(how)
+        for where in ("input", "output"):
+            self.duplicates.labels(where)
+        for direction in ("sent", "received"):
+            self.timing_samples.labels(direction)
+
+
+_LOCK = threading.Lock()
+_BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, RuntimeMetrics] = (
+    weakref.WeakKeyDictionary())
+
+
+def runtime_metrics(registry: CollectorRegistry) -> RuntimeMetrics:
+    """The families registered on `registry` (created on first use)."""
+    with _LOCK:
+        metrics = _BY_REGISTRY.get(registry)
+        if metrics is None:
+            metrics = _BY_REGISTRY[registry] = RuntimeMetrics(registry)
+        return metrics

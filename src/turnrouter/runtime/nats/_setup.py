@@ -1,0 +1,101 @@
+"""Idempotent creation of the streams, consumers and bucket a deployment uses.
+
+nats-py has no API for priority groups yet, so streams and consumers are created with
+plain JetStream API requests (`$JS.API...`), which also keeps their exact configuration
+visible here. Every worker runs this at start; identical configurations are accepted by
+the server, a different existing one is reported as a `ConfigurationError`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+
+from ..._exceptions import ConfigurationError, LifecycleError
+from ._wire import NatsConfig
+
+__all__ = ["api_request", "ensure_deployment"]
+
+_NS = 1_000_000_000
+GROUP = "turnrouter"
+
+
+async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = None,
+                      wait: float = 5.0) -> dict[str, Any]:
+    """One JetStream API request; the server's error becomes a `ConfigurationError`."""
+    try:
+        reply = await nc.request(subject, json.dumps(body or {}).encode(), timeout=wait)
+    except (NatsError, TimeoutError) as exc:
+        raise LifecycleError(f"JetStream API {subject} failed: {exc!r}") from exc
+    data: dict[str, Any] = json.loads(reply.data)
+    if "error" in data:
+        raise ConfigurationError(f"JetStream API {subject} refused: {data['error']}")
+    return data
+
+
+def _input_stream(config: NatsConfig) -> dict[str, Any]:
+    p, n = config.prefix, config.partitions
+    return {
+        "name": config.stream,
+        "subjects": [f"{p}.in.*.*", f"{p}.probe.*"],
+        "subject_transform": {
+            "src": f"{p}.in.*.*",
+            "dest": f"{p}.p.{{{{partition({n},1)}}}}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}",
+        },
+        "retention": "workqueue",
+        "storage": "file",
+        "max_msgs_per_subject": config.max_queued_per_participant,
+        "discard": "old",
+        "duplicate_window": int(config.dedup_window * _NS),
+    }
+
+
+def _output_stream(config: NatsConfig) -> dict[str, Any]:
+    return {
+        "name": config.output_stream,
+        "subjects": [f"{config.prefix}.out.*"],
+        "retention": "limits",
+        "storage": "file",
+        "max_age": int(config.output_max_age * _NS),
+        "duplicate_window": int(config.dedup_window * _NS),
+    }
+
+
+def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
+    """One partition's durable consumer: one pinned client, one message in flight."""
+    return {
+        "durable_name": config.consumer(partition),
+        "filter_subjects": [f"{config.prefix}.p.{partition}.>",
+                            config.probe_subject(partition)],
+        "ack_policy": "explicit",
+        "ack_wait": int(config.ack_wait * _NS),
+        "max_ack_pending": 1,
+        "deliver_policy": "all",
+        "priority_policy": "pinned_client",
+        "priority_groups": [GROUP],
+        "priority_timeout": int(config.failover_timeout * _NS),
+    }
+
+
+async def ensure_deployment(nc: Client, config: NatsConfig) -> None:
+    """Create (or accept the identical existing) streams, consumers and state bucket."""
+    for stream in (_input_stream(config), _output_stream(config)):
+        await api_request(nc, f"$JS.API.STREAM.CREATE.{stream['name']}", stream)
+    for partition in range(config.partitions):
+        name = config.consumer(partition)
+        await api_request(nc, f"$JS.API.CONSUMER.CREATE.{config.stream}.{name}",
+                          {"stream_name": config.stream,
+                           "config": consumer_config(config, partition)})
+    js = nc.jetstream()
+    try:
+        await js.key_value(config.bucket)
+    except NatsError:
+        from nats.js.api import KeyValueConfig
+
+        try:
+            await js.create_key_value(KeyValueConfig(bucket=config.bucket, history=1))
+        except NatsError as exc:
+            raise LifecycleError(f"cannot create bucket {config.bucket}: {exc!r}") from exc

@@ -1,0 +1,269 @@
+"""Subjects, participant tokens and message (de)serialisation of the NATS runtime.
+
+Publishers put one participant's messages on `<prefix>.in.<token>.<kind>`; the input
+stream's subject transform maps them to `<prefix>.p.<partition>.<token>.<kind>` with the
+server's `{{partition(n,1)}}` function, so the partition of a participant is decided by
+the engine and is the same for every publisher. The token is the participant id in
+unpadded base64url (a valid subject token and key-value key).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..._exceptions import ConfigurationError, ContractValueError
+from .._messages import (
+    Interrupted,
+    ParticipantJoined,
+    ParticipantLeft,
+    ResponseOutput,
+    RuntimeMessage,
+    UserQuery,
+)
+
+__all__ = [
+    "KINDS",
+    "MAX_PARTICIPANT_ID_BYTES",
+    "Ending",
+    "NatsConfig",
+    "Rejected",
+    "decode_token",
+    "encode_token",
+    "kind_of",
+    "output_message_id",
+    "parse_input",
+    "parse_state",
+    "state_json",
+]
+
+#: Participant ids longer than this (UTF-8) are refused: they become subject tokens and
+#: key-value keys, which the server bounds.
+MAX_PARTICIPANT_ID_BYTES = 256
+
+#: The kinds of input on a participant's subject, and their payload classes.
+KINDS: dict[str, type[RuntimeMessage]] = {
+    "query": UserQuery,
+    "joined": ParticipantJoined,
+    "left": ParticipantLeft,
+    "interrupt": Interrupted,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class NatsConfig:
+    """Names and timings shared by every worker and publisher of one deployment.
+
+    `partitions` is fixed for the life of the streams (changing it remaps participants).
+    `failover_timeout` is the pinned consumer's `priority_timeout`: a replica that stops
+    pulling for that long loses its partitions; `ack_wait` bounds how long a message
+    delivered to a dead replica waits before it is redelivered. Both set the failover gap.
+    `drain_timeout` bounds a graceful end's wait for running turns (and a handover's).
+    """
+
+    url: str = "nats://127.0.0.1:4222"
+    prefix: str = "turnrouter"
+    partitions: int = 16
+    failover_timeout: float = 1.0
+    ack_wait: float = 1.5
+    pull_expires: float = 0.4
+    max_message_bytes: int = 64 * 1024
+    dedup_window: float = 120.0
+    output_max_age: float = 3600.0
+    max_queued_per_participant: int = 1000
+    probe_interval: float = 0.5
+    drain_timeout: float = 20.0
+    failure_text: str = "Sorry, something went wrong. Please try again."
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in " .*>\t\r\n"):
+            raise ConfigurationError(
+                f"NatsConfig.prefix must be one subject token, got {self.prefix!r}")
+        if not 1 <= self.partitions <= 1024:
+            raise ConfigurationError(
+                f"NatsConfig.partitions must be in 1..1024, got {self.partitions}")
+        for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
+                     "output_max_age", "probe_interval", "drain_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value) and 0 < value <= 366 * 86400):
+                raise ConfigurationError(
+                    f"NatsConfig.{name} must be a finite number of seconds in (0, 1 year], "
+                    f"got {value!r}")
+        if self.pull_expires >= self.failover_timeout:
+            raise ConfigurationError(
+                "NatsConfig.pull_expires must be shorter than failover_timeout, or the "
+                "owning replica loses its partitions while it waits")
+        if self.max_message_bytes < 1024:
+            raise ConfigurationError("NatsConfig.max_message_bytes must be at least 1024")
+
+    @property
+    def stream(self) -> str:
+        """The input stream (work queue, one message per participant event)."""
+        return f"{self.prefix.upper()}_IN"
+
+    @property
+    def output_stream(self) -> str:
+        """The output stream: deduplicated router and destination output."""
+        return f"{self.prefix.upper()}_OUT"
+
+    @property
+    def bucket(self) -> str:
+        """The key-value bucket holding participant state."""
+        return f"{self.prefix}_state"
+
+    def input_subject(self, participant_id: str, kind: str) -> str:
+        return f"{self.prefix}.in.{encode_token(participant_id)}.{kind}"
+
+    def output_subject(self, participant_id: str) -> str:
+        return f"{self.prefix}.out.{encode_token(participant_id)}"
+
+    def consumer(self, partition: int) -> str:
+        return f"p{partition}"
+
+    @property
+    def interrupt_all_subject(self) -> str:
+        return f"{self.prefix}.ctl.interrupt"
+
+    @property
+    def timing_subject(self) -> str:
+        return f"{self.prefix}.timing"
+
+    def probe_subject(self, partition: int) -> str:
+        return f"{self.prefix}.probe.{partition}"
+
+
+def encode_token(participant_id: str) -> str:
+    """The participant id as a subject token / key (unpadded base64url of its UTF-8)."""
+    raw = participant_id.encode("utf-8")
+    if not raw or len(raw) > MAX_PARTICIPANT_ID_BYTES:
+        raise ContractValueError(
+            f"participant id must be 1..{MAX_PARTICIPANT_ID_BYTES} UTF-8 bytes, "
+            f"got {len(raw)}")
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def decode_token(token: str) -> str:
+    """Inverse of `encode_token`; ValueError for anything `encode_token` cannot produce."""
+    if not token or len(token) > 4 * MAX_PARTICIPANT_ID_BYTES // 3 + 4:
+        raise ValueError("participant token of bad length")
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        pid = raw.decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"participant token is not base64url UTF-8: {exc}") from exc
+    if not pid or encode_token(pid) != token:
+        raise ValueError("participant token is not canonical")
+    return pid
+
+
+def kind_of(message: RuntimeMessage) -> str:
+    """The subject kind of a typed input message (TypeError for other messages)."""
+    for kind, payload in KINDS.items():
+        if type(message) is payload:
+            return kind
+    raise TypeError(f"not a runtime input message: {type(message).__name__}")
+
+
+class Rejected(Exception):
+    """An input refused before the router saw it; `reason` is a low-cardinality label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def parse_input(
+    config: NatsConfig, subject: str, data: bytes
+) -> tuple[int, str | None, str, RuntimeMessage | None]:
+    """Check one delivered input: (partition, participant id, kind, message).
+
+    Probes (`kind == "probe"`) carry no participant and no message. Raises `Rejected`
+    naming what is wrong: `unknown_subject`, `oversized`, `invalid`.
+    """
+    parts = subject.split(".")
+    if len(parts) == 3 and parts[1] == "probe" and parts[2].isdigit():
+        return int(parts[2]), None, "probe", None
+    if len(parts) != 5 or parts[0] != config.prefix or parts[1] != "p" or not (
+        parts[2].isdigit() and int(parts[2]) < config.partitions
+    ):
+        raise Rejected("unknown_subject", f"subject {subject[:200]!r} is not an input subject")
+    partition, token, kind = int(parts[2]), parts[3], parts[4]
+    payload = KINDS.get(kind)
+    if payload is None:
+        raise Rejected("unknown_subject", f"unknown input kind {kind[:50]!r}")
+    if len(data) > config.max_message_bytes:
+        raise Rejected("oversized", f"{len(data)} bytes > {config.max_message_bytes}")
+    try:
+        pid = decode_token(token)
+    except ValueError as exc:
+        raise Rejected("invalid", str(exc)) from None
+    try:
+        message = payload.model_validate_json(data)
+    except ValidationError as exc:
+        raise Rejected("invalid", f"malformed {payload.__name__}: {exc.error_count()} "
+                                  f"error(s)") from None
+    except (ValueError, RecursionError) as exc:
+        raise Rejected("invalid", f"malformed {payload.__name__}: {exc}") from None
+    message_pid = getattr(message, "participant_id", None)
+    if message_pid != pid:
+        raise Rejected("invalid", "participant_id does not match the subject")
+    return partition, pid, kind, message
+
+
+def output_message_id(turn_id: str, route: str, text: str, *, final: bool) -> str:
+    """The deduplication id of one output: a turn's terminal output (its answer, or the
+    failure text) is `<turn>.final` whoever publishes it, so the output stream keeps only
+    the first; control text is identified by its content."""
+    if final:
+        return f"{turn_id}.final"
+    digest = hashlib.blake2b(f"{route}\0{text}".encode(), digest_size=8).hexdigest()
+    return f"{turn_id}.{digest}"
+
+
+def output_json(message: ResponseOutput) -> bytes:
+    return message.model_dump_json().encode("utf-8")
+
+
+Ending = tuple[str, str, str, float]
+"""A turn's terminal output in a participant's record: (turn id, route, text, Unix time
+it was recorded). Republished on takeover only while the output stream's deduplication
+window still covers it."""
+
+
+def state_json(owner: str, inflight: list[str], snapshot: str | None,
+               outbox: list[Ending] | None = None) -> bytes:
+    """The key-value record of one participant."""
+    return json.dumps({"owner": owner, "inflight": inflight, "snapshot": snapshot,
+                       "outbox": [list(e) for e in outbox or ()]},
+                      separators=(",", ":")).encode("utf-8")
+
+
+def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
+    """(in-flight turn ids, snapshot JSON, endings to publish) of a key-value record
+    (ValueError naming the problem on junk)."""
+    try:
+        record: Any = json.loads(data)
+    except RecursionError as exc:
+        raise ValueError("state record nested too deeply") from exc
+    if not isinstance(record, dict):
+        raise ValueError("state record is not a JSON object")
+    inflight, snapshot = record.get("inflight", []), record.get("snapshot")
+    outbox = record.get("outbox", [])
+    if not (isinstance(inflight, list) and all(isinstance(t, str) for t in inflight)):
+        raise ValueError("state record 'inflight' is not a list of turn ids")
+    if snapshot is not None and not isinstance(snapshot, str):
+        raise ValueError("state record 'snapshot' is not a string")
+    if not (isinstance(outbox, list) and all(
+            isinstance(e, list) and len(e) == 4 and all(isinstance(x, str) for x in e[:3])
+            and isinstance(e[3], int | float) and not isinstance(e[3], bool)
+            and math.isfinite(e[3]) for e in outbox)):
+        raise ValueError("state record 'outbox' is not a list of [turn, route, text, time]")
+    return inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]

@@ -1,0 +1,84 @@
+"""The router the NATS tests run in worker processes (`--app tests.nats.app:make_router`).
+
+One destination, `echo`, takes focus and answers `<query>|<previous user text or ->|<F
+when it was admitted focused, else N>` after `TR_TEST_ANSWER_SECS` (default 0.05 s), so
+the listener can check order, history and focus after a move from the answers alone.
+A query starting with `slow` first says "working on it" and answers after a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+
+from turnrouter import (
+    Admission,
+    AgentRouter,
+    AgentTurn,
+    DestinationResult,
+    RouteDecision,
+    RouteRequest,
+    RouteTimingPredictor,
+    RoutingAid,
+)
+from turnrouter.runtime.nats import WorkerContext
+from turnrouter.telemetry import Telemetry
+
+PREAMBLE = "working on it"
+
+
+class Echo:
+    """Answers with the query, the previous user text and the focus flag."""
+
+    def __init__(self, ctx: WorkerContext, delay: float) -> None:
+        self._ctx, self._delay = ctx, delay
+        self._focused: dict[str, bool] = {}
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return RoutingAid("echo", "echoes")
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        self._focused[turn.turn_id] = focused
+        if turn.query.startswith("slow"):  # says it started, then answers after a minute
+            return Admission("accept", preamble=PREAMBLE)
+        return Admission("accept")
+
+    async def answer(self, turn: AgentTurn, *,
+                     started: Callable[[], Awaitable[None]]) -> DestinationResult:
+        await started()
+        await asyncio.sleep(60.0 if turn.query.startswith("slow") else self._delay)
+        previous = turn.history[-1].user if turn.history else "-"
+        flag = "F" if self._focused.pop(turn.turn_id, False) else "N"
+        text = f"{turn.query}|{previous}|{flag}"
+        await self._ctx.answer(turn, "echo", text)
+        return DestinationResult("focus", text)
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+class Always:
+    """Chooses `echo`."""
+
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        return RouteDecision("echo")
+
+
+def make_router(ctx: WorkerContext) -> AgentRouter:
+    delay = float(os.environ.get("TR_TEST_ANSWER_SECS", "0.05"))
+    predictor = RouteTimingPredictor()
+    ctx.learn_from_fleet(predictor)  # samples of the other replicas reach this predictor
+    telemetry = Telemetry(registry=ctx.registry)
+    if os.environ.get("TR_TEST_TRACING"):  # a local SDK provider (never the global one)
+        from opentelemetry.sdk.trace import TracerProvider
+
+        telemetry = Telemetry(tracer_provider=TracerProvider(), registry=ctx.registry)
+    return AgentRouter({"echo": Echo(ctx, delay)}, Always(), default_destination="echo",
+                       telemetry=telemetry,
+                       timing_predictor=predictor, timing_sink=ctx.timing_sink)
+
+
+def not_a_router(ctx: WorkerContext) -> object:
+    """A broken factory: the worker must say what is wrong and exit."""
+    return object()

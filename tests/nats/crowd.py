@@ -1,0 +1,136 @@
+"""Participants talking to a worker fleet over NATS, and what they heard."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnrouter.runtime import ResponseOutput, UserQuery
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
+
+from .app import PREAMBLE
+
+FAILURE = NatsConfig().failure_text
+
+
+@dataclass
+class Heard:
+    """Everything the output stream delivered, by turn, in stream order."""
+
+    finals: dict[str, list[ResponseOutput]] = field(default_factory=dict)
+    order: dict[str, list[str]] = field(default_factory=dict)
+    events: dict[str, asyncio.Event] = field(default_factory=dict)
+    at: dict[str, float] = field(default_factory=dict)
+    count: int = 0
+    waiters: list[tuple[int, asyncio.Event]] = field(default_factory=list)
+
+    async def more(self, turns: int) -> None:
+        """Until `turns` more turns ended (the caller bounds the wait)."""
+        event = asyncio.Event()
+        self.waiters.append((self.count + turns, event))
+        await event.wait()
+
+    def add(self, message: ResponseOutput) -> None:
+        if message.route not in ("echo", "none") or message.text == PREAMBLE:
+            return
+        self.count += 1
+        for goal, event in self.waiters:
+            if goal <= self.count:
+                event.set()
+        self.finals.setdefault(message.request_id, []).append(message)
+        self.order.setdefault(message.participant_id, []).append(message.request_id)
+        self.at.setdefault(message.request_id, time.monotonic())
+        self.events.setdefault(message.request_id, asyncio.Event()).set()
+
+
+@dataclass
+class Sent:
+    participant: str
+    index: int
+    turn_id: str
+    text: str
+    at: float
+
+
+class Crowd:
+    """`participants` each send turns one after the other, waiting for each ending."""
+
+    def __init__(self, front: NatsFrontEnd, participants: int, *, timeout: float = 15.0,
+                 prefix: str = "u", pause: float = 0.0) -> None:
+        self.front, self.timeout, self.pause = front, timeout, pause
+        self.pids = [f"{prefix}{i}" for i in range(participants)]
+        self.heard = Heard()
+        self.sent: dict[str, list[Sent]] = {pid: [] for pid in self.pids}
+        self.unanswered: list[Sent] = []
+        self.published: dict[str, set[str]] = {}
+        self._stop = asyncio.Event()
+
+    async def listen(self, ready: asyncio.Event) -> None:
+        # Every publish, duplicates included (a plain subscription, before the stream's
+        # deduplication): a turn must never be ended with two different texts.
+        async def raw(msg: Any) -> None:
+            message = ResponseOutput.model_validate_json(msg.data)
+            if message.route in ("echo", "none") and message.text != PREAMBLE:
+                self.published.setdefault(message.request_id, set()).add(message.text)
+
+        await self.front.connection.subscribe("turnrouter.out.*", cb=raw)
+        await self.front.connection.flush()  # the server has the subscription now
+        iterator = self.front.outputs()
+        first = asyncio.ensure_future(anext(iterator))
+        ready.set()
+        self.heard.add(await first)
+        async for message in iterator:
+            self.heard.add(message)
+
+    async def talk(self, pid: str, turns: int | None) -> None:
+        index = 0
+        while (turns is None and not self._stop.is_set()) or (
+                turns is not None and index < turns):
+            query = UserQuery(participant_id=pid, text=f"{pid}#{index}")
+            event = self.heard.events.setdefault(query.message_id, asyncio.Event())
+            sent = Sent(pid, index, query.message_id, query.text, time.monotonic())
+            self.sent[pid].append(sent)
+            await self.front.publish(query)
+            try:
+                await asyncio.wait_for(event.wait(), self.timeout)
+            except TimeoutError:
+                self.unanswered.append(sent)
+            index += 1
+            if self.pause:  # pacing of the load, not a wait for async work
+                await asyncio.sleep(self.pause)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self, gap_bound: float) -> dict[str, float]:
+        """Assert: nothing lost, nothing answered twice, order, history, focus, gap."""
+        assert not self.unanswered, f"lost turns: {self.unanswered[:5]}"
+        worst, failures, answers = 0.0, 0, 0
+        for pid, sent in self.sent.items():
+            turn_ids = [s.turn_id for s in sent]
+            assert self.heard.order.get(pid, []) == turn_ids, f"order of {pid}"
+            previous_answered = "-"
+            answered_before = False
+            for s in sent:
+                finals = self.heard.finals[s.turn_id]
+                assert len(finals) == 1, f"{s.turn_id} ended {len(finals)} times"
+                texts = self.published.get(s.turn_id, set())
+                assert len(texts) == 1, f"{s.turn_id} was ended with {texts} (published)"
+                worst = max(worst, self.heard.at[s.turn_id] - s.at)
+                final = finals[0]
+                if final.route == "none":
+                    assert final.text == FAILURE
+                    failures += 1
+                    continue
+                answers += 1
+                text, previous, flag = final.text.split("|")
+                assert text == s.text
+                assert previous == previous_answered, (
+                    f"{pid} turn {s.index}: history ends with {previous!r}, "
+                    f"expected {previous_answered!r}")
+                assert flag == ("F" if answered_before else "N"), f"focus of {pid}"
+                previous_answered, answered_before = s.text, True
+        assert worst <= gap_bound, f"a turn waited {worst:.2f} s"
+        return {"worst": worst, "failures": failures, "answers": answers}

@@ -1,0 +1,154 @@
+"""deploy/ files of the NATS runtime: compose, Kubernetes, alerts, the fleet dashboard."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from turnrouter.cli._worker import load_factory, worker_parser
+from turnrouter.runtime.nats._metrics import runtime_metrics
+from turnrouter.telemetry import METRICS
+
+from .conftest import ROOT
+
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "compose/compose.nats.yaml"
+K8S = DEPLOY / "k8s/nats"
+RULES = DEPLOY / "prometheus/rules-nats/turnrouter-nats.rules.yml"
+RULE_TESTS = DEPLOY / "prometheus/tests-nats/turnrouter-nats.rules.test.yml"
+DASHBOARD = K8S / "turnrouter-fleet.json"
+
+
+def load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def k8s(name: str) -> dict[str, dict[str, Any]]:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all((K8S / name).read_text()) if doc}
+
+
+def exposed_names() -> set[str]:
+    """Series names the worker exposes: the runtime's families and the router's."""
+    names = {spec.name for spec in METRICS}
+    registry = CollectorRegistry()
+    runtime_metrics(registry)
+    for family in registry.collect():
+        names.update(sample.name for sample in family.samples)
+    return names | {name + suffix for name in set(names)
+                    for suffix in ("_bucket", "_sum", "_count")}
+
+
+def check_worker_args(args: list[str]) -> Any:
+    """Worker flags parse, the app resolves, and /metrics is on 0.0.0.0:9464."""
+    assert args[0] == "worker"
+    parsed = worker_parser().parse_args(args[1:])
+    assert callable(load_factory(parsed.app))
+    assert (parsed.metrics_host, parsed.metrics_port) == ("0.0.0.0", 9464)
+    return parsed
+
+
+def test_compose_runs_nats_with_jetstream_and_three_workers() -> None:
+    """Compose: NATS with JetStream on a volume; three workers on it, all scraped."""
+    compose = load(COMPOSE)
+    services = compose["services"]
+    assert services["nats"]["command"][0] == "-js"
+    workers = sorted(name for name in services if name.startswith("worker-"))
+    assert workers == ["worker-1", "worker-2", "worker-3"]
+    for name in workers:
+        command = services[name]["command"]
+        assert command[0] == "turnrouter"
+        parsed = check_worker_args(command[1:])
+        assert parsed.nats == "nats://nats:4222"
+        assert services[name]["stop_signal"] == "SIGTERM"
+    scrape = load(DEPLOY / "prometheus/prometheus.nats.yml")["scrape_configs"]
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in scrape}
+    assert targets["turnrouter"] == [f"{name}:9464" for name in workers]
+
+
+def test_compose_mounts_and_volumes_exist() -> None:
+    """Every host path mounted exists; named volumes are declared."""
+    compose = load(COMPOSE)
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (COMPOSE.parent / source).resolve().exists(), f"{name}: {source}"
+            else:
+                assert source in compose["volumes"]
+    prometheus = compose["services"]["prometheus"]
+    assert "../prometheus/rules-nats:/etc/prometheus/rules:ro" in prometheus["volumes"]
+
+
+def test_kubernetes_runs_three_workers_against_the_nats_service() -> None:
+    """Kubernetes: three workers whose flags parse, pointing at the nats Service's client
+    port; labels, selectors and the metrics port agree."""
+    kustomization = load(K8S / "kustomization.yaml")
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).is_file()
+    for generator in kustomization["configMapGenerator"]:
+        assert all((K8S / f).is_file() for f in generator["files"])
+    workers = k8s("workers.yaml")
+    deployment = workers["Deployment"]
+    assert deployment["spec"]["replicas"] == 3
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    parsed = check_worker_args(container["args"])
+    nats = k8s("nats.yaml")
+    client = next(p for p in nats["Service"]["spec"]["ports"] if p["name"] == "client")
+    assert parsed.nats == f"nats://{nats['Service']['metadata']['name']}:{client['port']}"
+    assert nats["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["args"][0] == "-js"
+    assert workers["Service"]["spec"]["selector"].items() <= labels.items()
+    assert workers["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items() <= (
+        workers["Service"]["metadata"]["labels"].items())
+    assert container["ports"][0]["containerPort"] == 9464
+
+
+def test_prometheus_rule_equals_the_rule_file() -> None:
+    """The PrometheusRule's spec is exactly the compose rule file."""
+    rule = k8s("prometheusrule-nats.yaml")["PrometheusRule"]
+    assert rule["spec"] == load(RULES)
+
+
+def test_fleet_dashboard_queries_only_exposed_series() -> None:
+    """Every query of the fleet dashboard selects series a worker exposes."""
+    model = json.loads(DASHBOARD.read_text())
+    assert model["uid"] == "turnrouter-fleet"
+    exposed = exposed_names()
+    exprs = [t["expr"] for p in model["panels"] for t in p["targets"]]
+    exprs.append(model["templating"]["list"][0]["definition"])
+    for expr in exprs:
+        for name in re.findall(r"\bturnrouter_[a-z_]+", expr):
+            assert name in exposed, f"{name} in {expr!r} is not exposed"
+    titles = {p["title"] for p in model["panels"]}
+    assert "Partitions owned per replica" in titles
+
+
+def test_alerts_read_only_exposed_series() -> None:
+    """The alert expressions select series a worker exposes."""
+    exposed = exposed_names()
+    for group in load(RULES)["groups"]:
+        for rule in group["rules"]:
+            for name in re.findall(r"\bturnrouter_[a-z_]+", rule["expr"]):
+                assert name in exposed
+
+
+@pytest.mark.parametrize("command", [["check", "rules", str(RULES)],
+                                     ["test", "rules", str(RULE_TESTS)]])
+def test_promtool_accepts_and_tests_the_alerts(command: list[str]) -> None:
+    """promtool (Debian package) checks the rules and runs their unit tests: the partition
+    alert fires after a minute without an owner and stays quiet otherwise."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    result = subprocess.run([promtool, *command], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,228 @@
+"""Inputs on the wire against real worker processes: junk, lifecycle, interrupts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+import nats
+from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, UserQuery
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
+
+from .app import PREAMBLE
+from .conftest import NatsServer, Worker, metric_value
+from .crowd import Heard
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def worker(nats_server: NatsServer) -> Iterator[Worker]:
+    w = Worker(nats_server.url, "solo")
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture
+async def front(nats_server: NatsServer) -> AsyncIterator[tuple[NatsFrontEnd, Heard]]:
+    """A front end and everything the output stream delivered (all routes)."""
+    fe = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    heard = Heard()
+    ready = asyncio.Event()
+
+    async def listen() -> None:
+        iterator = fe.outputs()
+        first = asyncio.ensure_future(anext(iterator))
+        ready.set()
+        message = await first
+        while True:
+            heard.add(message)
+            if message.text == PREAMBLE:
+                heard.events.setdefault(f"started {message.request_id}", asyncio.Event()).set()
+            message = await anext(iterator)
+
+    task = asyncio.create_task(listen())
+    await ready.wait()
+    try:
+        yield fe, heard
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await fe.close()
+
+
+async def ask(fe: NatsFrontEnd, heard: Heard, pid: str, text: str) -> str:
+    """Publish one query; its terminal output's text (bounded wait)."""
+    query = UserQuery(participant_id=pid, text=text)
+    event = heard.events.setdefault(query.message_id, asyncio.Event())
+    await fe.publish(query)
+    async with asyncio.timeout(15):
+        await event.wait()
+    return heard.finals[query.message_id][0].text
+
+
+async def counted(worker: Worker, name: str, labels: str, goal: float) -> None:
+    for _ in range(100):  # polling the worker's /metrics: at most 10 s
+        if await asyncio.to_thread(
+                lambda: metric_value(worker.metrics(), name, labels)) >= goal:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{name}{{{labels}}} never reached {goal}")
+
+
+async def test_bad_input_is_rejected_counted_and_disturbs_nothing(
+        nats_server: NatsServer, worker: Worker,
+        front: tuple[NatsFrontEnd, Heard]) -> None:
+    """Unknown kinds, oversized, malformed, non-UTF-8, mismatched and badly named
+    inputs are refused and counted by reason; the next query is answered."""
+    fe, heard = front
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    ann = encode_token("ann")
+    try:
+        for subject, data in [
+            (f"turnrouter.in.{ann}.bogus", b"{}"),
+            (f"turnrouter.in.{ann}.query", b"x" * (64 * 1024 + 10)),
+            (f"turnrouter.in.{ann}.query", b"{not json"),
+            (f"turnrouter.in.{ann}.query", b"\xff\xfe\x00"),
+            (f"turnrouter.in.{ann}.query", b'{"participant_id":"bob","text":"hi"}'),
+            ("turnrouter.in.%%%.query", b'{"participant_id":"ann","text":"hi"}'),
+        ]:
+            await js.publish(subject, data)
+    finally:
+        await nc.close()
+    name = "turnrouter_runtime_rejected_messages_total"
+    await counted(worker, name, 'reason="unknown_subject"', 1)
+    await counted(worker, name, 'reason="oversized"', 1)
+    await counted(worker, name, 'reason="invalid"', 4)
+    assert await ask(fe, heard, "ann", "hello") == "hello|-|N"
+    assert await ask(fe, heard, "ann", "again") == "again|hello|F"
+
+
+async def test_departure_and_rejoin_travel_in_order(
+        worker: Worker, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """left then joined then a query, published back to back, arrive in that order: the
+    query is served, and the departure released the participant's state."""
+    fe, heard = front
+    assert await ask(fe, heard, "cy", "one") == "one|-|N"
+    await fe.publish(ParticipantLeft(participant_id="cy"))
+    await fe.publish(ParticipantJoined(participant_id="cy"))
+    assert await ask(fe, heard, "cy", "two") == "two|-|N"
+
+
+async def test_interrupts_reach_the_owner_and_everyone(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """A participant's interrupt ends their running turn on its owner; a global
+    interrupt ends every running turn on every replica; history stays consistent."""
+    fe, heard = front
+    workers = [Worker(nats_server.url, f"i{n}") for n in range(2)]
+    try:
+        pids = [f"p{i}" for i in range(8)]
+        for pid in pids:
+            assert await ask(fe, heard, pid, "hi") == "hi|-|N"
+        started = [UserQuery(participant_id=pid, text="slow") for pid in pids]
+        for query in started:
+            await fe.publish(query)
+        async with asyncio.timeout(15):
+            for query in started:  # every slow turn said its preamble: it is running
+                await heard.events.setdefault(f"started {query.message_id}",
+                                              asyncio.Event()).wait()
+        await fe.publish(Interrupted(participant_id="p0"))
+        await fe.publish(Interrupted())
+        name = "turnrouter_turns_total"
+        total = 0.0
+        for _ in range(100):  # polling the workers' /metrics: at most 10 s
+            total = sum(metric_value(w.metrics(), name, 'outcome="interrupted"')
+                        for w in workers)
+            if total >= len(pids):
+                break
+            await asyncio.sleep(0.1)
+        assert total == len(pids)
+        for pid in pids:
+            assert await ask(fe, heard, pid, "next") == "next|hi|F"
+        assert [heard.finals.get(q.message_id) for q in started] == [None] * len(pids)
+    finally:
+        for w in workers:
+            w.close()
+
+
+async def test_timing_samples_reach_every_replica(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """Each replica's first-response samples are learned by every other replica."""
+    fe, heard = front
+    workers = [Worker(nats_server.url, f"t{n}") for n in range(2)]
+    try:
+        for i in range(16):
+            assert await ask(fe, heard, f"s{i}", "hi") == "hi|-|N"
+        name = "turnrouter_nats_timing_samples_total"
+        for _ in range(100):  # polling the workers' /metrics: at most 10 s
+            sent = [metric_value(w.metrics(), name, 'direction="sent"') for w in workers]
+            got = [metric_value(w.metrics(), name, 'direction="received"') for w in workers]
+            if sum(sent) >= 16 and got == sent[::-1]:
+                break
+            await asyncio.sleep(0.1)
+        assert sum(sent) >= 16
+        assert got == sent[::-1]
+    finally:
+        for w in workers:
+            w.close()
+
+
+async def test_example_app_serves_a_deployment(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """The factory the deployment files run answers through a real worker."""
+    fe, _ = front
+    worker = Worker(nats_server.url, "ex", app="turnrouter.runtime.nats.example:make_router")
+    try:
+        query = UserQuery(participant_id="dee", text="hello")
+        outputs = fe.outputs(deliver_new=False)
+        await fe.publish(query)
+        async with asyncio.timeout(15):
+            async for message in outputs:
+                if message.request_id == query.message_id:
+                    assert (message.route, message.text) == ("echo", "you said: hello")
+                    break
+        await outputs.aclose()
+    finally:
+        worker.close()
+
+
+async def test_trace_continues_from_publisher_to_output(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """W3C context in the NATS headers: the answer carries the publisher's trace id, in
+    a span of the replica's turn (a different span id)."""
+    fe, heard = front
+    worker = Worker(nats_server.url, "tr", env={"TR_TEST_TRACING": "1"})
+    try:
+        trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        query = UserQuery(participant_id="eve", text="hi",
+                          traceparent=f"00-{trace_id}-{span_id}-01")
+        event = heard.events.setdefault(query.message_id, asyncio.Event())
+        await fe.publish(query)
+        async with asyncio.timeout(15):
+            await event.wait()
+        (answer,) = heard.finals[query.message_id]
+        assert answer.traceparent is not None
+        _, answer_trace, answer_span, _ = answer.traceparent.split("-")
+        assert answer_trace == trace_id
+        assert answer_span != span_id
+    finally:
+        worker.close()
+
+
+async def test_a_retried_publish_runs_once(
+        worker: Worker, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """Publishing the same message twice (a publisher's retry) runs one turn."""
+    fe, heard = front
+    query = UserQuery(participant_id="fay", text="hi")
+    event = heard.events.setdefault(query.message_id, asyncio.Event())
+    await fe.publish(query)
+    await fe.publish(query)
+    async with asyncio.timeout(15):
+        await event.wait()
+    assert await ask(fe, heard, "fay", "next") == "next|hi|F"
+    assert metric_value(worker.metrics(), "turnrouter_turns_total") == 2

@@ -1,0 +1,175 @@
+"""The NATS runtime's boundaries without a server: subjects, tokens, records, config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from turnrouter import ConfigurationError, ContractValueError
+from turnrouter.runtime import Interrupted, ParticipantLeft, UserQuery
+from turnrouter.runtime.nats import (
+    MAX_PARTICIPANT_ID_BYTES,
+    NatsConfig,
+    decode_token,
+    encode_token,
+)
+from turnrouter.runtime.nats._metrics import runtime_metrics
+from turnrouter.runtime.nats._wire import (
+    Rejected,
+    kind_of,
+    output_message_id,
+    parse_input,
+    parse_state,
+    state_json,
+)
+
+CONFIG = NatsConfig(prefix="tr", partitions=8)
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=50),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10),
+                                                                 inner, max_size=5),
+    max_leaves=30)
+
+
+def delivered(pid: str, kind: str, partition: int = 3) -> str:
+    """The subject the stream's transform gives a participant's input."""
+    return f"tr.p.{partition}.{encode_token(pid)}.{kind}"
+
+
+@given(st.text(min_size=1, max_size=80).filter(lambda s: 0 < len(s.encode()) <= 256))
+def test_tokens_round_trip_and_are_subject_safe(pid: str) -> None:
+    """Any participant id becomes one subject token / key and decodes back."""
+    token = encode_token(pid)
+    assert decode_token(token) == pid
+    assert all(c.isalnum() or c in "-_" for c in token)
+
+
+@given(st.text(max_size=400))
+def test_junk_tokens_are_refused_with_value_error(token: str) -> None:
+    """A token encode_token cannot produce raises ValueError, nothing else."""
+    try:
+        pid = decode_token(token)
+    except ValueError:
+        return
+    assert encode_token(pid) == token
+
+
+def test_overlong_participant_ids_are_refused() -> None:
+    """Participant ids over the documented bound are a ContractValueError."""
+    with pytest.raises(ContractValueError, match="participant id"):
+        encode_token("x" * (MAX_PARTICIPANT_ID_BYTES + 1))
+
+
+def test_valid_inputs_parse_to_their_typed_messages() -> None:
+    """A query, a departure and an interrupt parse with their partition and participant."""
+    query = UserQuery(participant_id="ann", text="hi")
+    assert parse_input(CONFIG, delivered("ann", "query"),
+                       query.model_dump_json().encode()) == (3, "ann", "query", query)
+    left = ParticipantLeft(participant_id="ann")
+    assert parse_input(CONFIG, delivered("ann", "left"), left.model_dump_json().encode())[3] \
+        == left
+    assert parse_input(CONFIG, "tr.probe.5", b"") == (5, None, "probe", None)
+    assert kind_of(Interrupted(participant_id="ann")) == "interrupt"
+
+
+@pytest.mark.parametrize(("subject", "data", "reason"), [
+    ("tr.p.3.YW5u.bogus", b"{}", "unknown_subject"),
+    ("tr.p.99.YW5u.query", b"{}", "unknown_subject"),
+    ("other.p.3.YW5u.query", b"{}", "unknown_subject"),
+    ("tr.p.3.YW5u.query", b"x" * (64 * 1024 + 1), "oversized"),
+    ("tr.p.3.YW5u.query", b"{not json", "invalid"),
+    ("tr.p.3.YW5u.query", b'{"participant_id":"bob","text":"hi"}', "invalid"),
+    ("tr.p.3.!!.query", b'{"participant_id":"ann","text":"hi"}', "invalid"),
+    ("tr.p.3.YW5u.query", b"\xff\xfe\xfa", "invalid"),
+    ("tr.p.3.YW5u.query", b"[" * 60_000, "invalid"),
+])
+def test_bad_inputs_are_rejected_with_a_reason(subject: str, data: bytes,
+                                               reason: str) -> None:
+    """Unknown subjects, oversized, malformed, non-UTF-8, deeply nested and mismatched
+    inputs raise Rejected with a low-cardinality reason."""
+    with pytest.raises(Rejected) as info:
+        parse_input(CONFIG, subject, data)
+    assert info.value.reason == reason
+
+
+@settings(max_examples=200)
+@given(subject=st.text(max_size=120), data=st.binary(max_size=2000) | JUNK.map(
+    lambda v: json.dumps(v).encode()))
+def test_any_input_parses_or_is_rejected(subject: str, data: bytes) -> None:
+    """Whatever arrives, parse_input returns a typed message or raises Rejected."""
+    reason = "parsed"
+    try:
+        parse_input(CONFIG, subject, data)
+    except Rejected as exc:
+        reason = exc.reason
+    assert reason in {"parsed", "unknown_subject", "oversized", "invalid"}
+
+
+@given(JUNK)
+def test_validation_bypassing_bodies_are_rejected(value: object) -> None:
+    """Well-formed JSON of the wrong shape on a query subject is rejected as invalid."""
+    with pytest.raises(Rejected, match="invalid"):
+        parse_input(CONFIG, delivered("ann", "query"), json.dumps({"body": value}).encode())
+
+
+def test_state_records_round_trip() -> None:
+    """A participant record keeps its in-flight ids, snapshot and held endings."""
+    ending = ("t0", "echo", "hi", 1700000000.5)
+    data = state_json("w1", ["t1"], '{"participant_id":"ann"}', [ending])
+    assert parse_state(data) == (["t1"], '{"participant_id":"ann"}', [ending])
+
+
+@given(st.binary(max_size=500) | JUNK.map(lambda v: json.dumps(v).encode()))
+def test_junk_state_records_raise_value_error(data: bytes) -> None:
+    """An unreadable record raises ValueError (the worker then starts afresh)."""
+    try:
+        inflight, snapshot, outbox = parse_state(data)
+    except ValueError:
+        return
+    assert isinstance(inflight, list) and isinstance(outbox, list)
+    assert snapshot is None or isinstance(snapshot, str)
+
+
+def test_deeply_nested_state_record_is_a_value_error() -> None:
+    """A record nested past the parser's depth is refused as ValueError."""
+    with pytest.raises(ValueError, match="nested too deeply"):
+        parse_state(b"[" * 200_000 + b"]" * 200_000)
+
+
+def test_terminal_outputs_share_one_id_and_control_text_is_by_content() -> None:
+    """An answer and the failure text of one turn deduplicate; control text does not."""
+    assert output_message_id("t", "echo", "a", final=True) == output_message_id(
+        "t", "none", "sorry", final=True)
+    assert output_message_id("t", "echo", "a", final=False) != output_message_id(
+        "t", "echo", "b", final=False)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("prefix", "a.b"), ("prefix", ""), ("partitions", 0), ("partitions", 5000),
+    ("failover_timeout", 0), ("pull_expires", 2.0), ("max_message_bytes", 10),
+    ("ack_wait", float("inf")), ("drain_timeout", float("nan")), ("dedup_window", True),
+])
+def test_bad_config_names_the_field(field: str, value: object) -> None:
+    """An impossible configuration raises ConfigurationError naming the field."""
+    with pytest.raises(ConfigurationError, match=field):
+        NatsConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_metric_families_register_once_per_registry() -> None:
+    """Two workers on one registry share one set of families."""
+    registry = CollectorRegistry()
+    assert runtime_metrics(registry) is runtime_metrics(registry)
+    assert runtime_metrics(CollectorRegistry()) is not runtime_metrics(registry)
+
+
+def test_public_names_are_pinned() -> None:
+    """turnrouter.runtime.nats exports exactly the documented names."""
+    import turnrouter.runtime.nats as module
+
+    assert set(module.__all__) == {
+        "MAX_PARTICIPANT_ID_BYTES", "NatsConfig", "NatsFrontEnd", "NatsWorker",
+        "WorkerContext", "decode_token", "encode_token"}

@@ -1,0 +1,99 @@
+"""`turnrouter worker`: flags, bad factories, unreachable servers, /metrics."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from turnrouter.cli import main
+from turnrouter.cli._worker import load_factory, worker_parser
+
+from .conftest import ROOT, NatsServer, Worker, metric_value
+
+
+def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    return subprocess.run([sys.executable, "-m", "turnrouter", "worker", *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+
+
+def test_usage_lists_the_worker(capsys: pytest.CaptureFixture[str]) -> None:
+    """`turnrouter --help` names the worker command."""
+    assert main(["--help"]) == 0
+    assert "worker" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("tests.nats.app", "module:factory"),
+    ("no_such_module_xyz:f", "cannot import"),
+    ("tests.nats.app:PREAMBLE", "not a callable"),
+])
+def test_bad_app_specs_name_the_problem(spec: str, message: str) -> None:
+    """--app must name an importable callable; the error says which part is wrong."""
+    with pytest.raises(ValueError, match=message):
+        load_factory(spec)
+
+
+@given(st.text(max_size=60), st.text(max_size=30))
+def test_junk_app_specs_raise_value_error(module: str, attribute: str) -> None:
+    """Junk (relative, empty, non-identifier, NUL, huge) --app values raise ValueError,
+    nothing else; names that could import real modules are not generated."""
+    assume(not all(part.isidentifier() for part in module.split(".")))
+    with pytest.raises(ValueError, match="--app"):
+        load_factory(f"{module}:{attribute}")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--metrics-port", "70000"], ["--metrics-port", "x"], ["--failover-timeout", "inf"],
+    ["--ack-wait", "nan"], ["--drain-timeout", "-1"], ["--partitions", "0"],
+    ["--prefix", "a.b"],
+])
+def test_bad_flags_are_one_line_usage_errors(flags: list[str]) -> None:
+    """Out-of-range or malformed flags exit 2 with one line on stderr, no traceback."""
+    done = run_worker("--nats", "nats://127.0.0.1:1", "--app",
+                      "tests.nats.app:make_router", *flags)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_missing_flags_are_usage_errors() -> None:
+    """--nats and --app are required."""
+    with pytest.raises(SystemExit):
+        worker_parser().parse_args(["--app", "tests.nats.app:make_router"])
+
+
+def test_unreachable_server_exits_with_a_clear_error() -> None:
+    """A worker that cannot reach NATS says so and exits 1 (bounded retries)."""
+    done = run_worker("--nats", "nats://127.0.0.1:1", "--app", "tests.nats.app:make_router")
+    assert done.returncode == 1
+    assert "cannot connect to NATS" in done.stderr
+
+
+def test_factory_returning_something_else_is_refused(nats_server: NatsServer) -> None:
+    """A factory that does not return an AgentRouter stops the worker with a message."""
+    done = run_worker("--nats", nats_server.url, "--app", "tests.nats.app:not_a_router")
+    assert done.returncode == 1
+    assert "must return an AgentRouter" in done.stderr
+
+
+def test_worker_serves_its_metric_families(nats_server: NatsServer) -> None:
+    """/metrics of a running worker carries the runtime's and the router's families."""
+    worker = Worker(nats_server.url, "m0")
+    try:
+        with urllib.request.urlopen(worker.metrics_url, timeout=5) as reply:
+            text = reply.read().decode()
+        assert metric_value(text, "turnrouter_nats_partitions") == 16
+        for family in ("turnrouter_nats_partitions_owned", "turnrouter_nats_takeovers_total",
+                       "turnrouter_nats_state_write_seconds_count",
+                       "turnrouter_nats_state_writes_refused_total",
+                       "turnrouter_nats_redeliveries_total",
+                       "turnrouter_nats_duplicates_dropped_total"):
+            assert family in text
+    finally:
+        worker.close()
