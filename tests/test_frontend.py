@@ -522,3 +522,9 @@ def test_reports_status_says_whether_set_status_is_configured() -> None:
 
     assert Harness(ScriptedAgent("conversation")).router.reports_status is False
     assert Harness(ScriptedAgent("conversation"), set_status=status).router.reports_status
+
+
+def test_failure_text_is_the_routers_own() -> None:
+    """failure_text is what the router says for a turn that fails before it started."""
+    h = Harness(ScriptedAgent("conversation"), failure_text="Oops, try again.")
+    assert h.router.failure_text == "Oops, try again."

@@ -398,6 +398,12 @@ class AgentRouter:
         self._cfg.observer.message_rejected(MessageRejected(source, reason))
 
     @property
+    def failure_text(self) -> str:
+        """What the router says when a turn fails before its answer started (a front end
+        that ends such a turn itself, e.g. after a replica crash, says the same)."""
+        return self._cfg.failure_text
+
+    @property
     def reports_status(self) -> bool:
         """Whether a `set_status` callback is configured (else `report_status` is a no-op
         a front end may skip)."""

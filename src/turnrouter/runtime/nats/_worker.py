@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -215,6 +216,9 @@ class NatsWorker:
                     f"the router factory must return an AgentRouter, got "
                     f"{type(router).__name__}")
             self._router = router
+            # The router's own failure text is what a takeover says for a lost turn.
+            config = self.config = dataclasses.replace(config,
+                                                       failure_text=router.failure_text)
             router.set_control_output(self._control_output)
             if self._metrics is not None:
                 self._metrics.partitions.set(config.partitions)
