@@ -92,6 +92,16 @@ class Departures:
             registry.departed.pop(pid, None)
         return snapshot
 
+    async def wait_idle(self) -> None:
+        """Wait, cancelling nothing, until no participant has a turn running or queued."""
+        while True:
+            runs = [run for state in self._registry.participants.values()
+                    for run in state.queue.runs()]
+            if not runs:
+                return
+            for run in runs:
+                await run.wait_finished()
+
     async def drain(self, state: Participant, reason: str) -> None:
         """Cancel the participant's running and waiting turns; wait until they ended."""
         runs = state.queue.runs()

@@ -190,6 +190,18 @@ class Registry:
             return ParticipantSnapshot(participant_id=pid, departed=True) if departed else None
         return snapshot_of(state, departed)
 
+    def heard_answer(self, pid: str, turn_id: str) -> Answer | None:
+        """The answer of turn `turn_id` whose heard time a front end may report."""
+        state = self.participants.get(pid)
+        if state is None:
+            return None
+        current = state.current
+        for answer in (state.unheard, None if current is None else current.answer):
+            if (answer is not None and answer.owner.report_heard
+                    and answer.owner.turn.turn_id == turn_id):
+                return answer
+        return None
+
     def forget(self, state: Participant) -> None:
         if self.participants.get(state.pid) is state:
             del self.participants[state.pid]

@@ -335,16 +335,10 @@ class AgentRouter:
         _check_pid(participant_id)
         if not isinstance(turn_id, str):
             raise ContractTypeError(f"turn_id must be a str, got {type(turn_id).__name__}")
-        state = self._registry.get(participant_id)
-        if state is None:
-            return False
-        current = state.current
-        for answer in (state.unheard, None if current is None else current.answer):
-            if (answer is not None and answer.owner.report_heard
-                    and answer.owner.turn.turn_id == turn_id):
-                answer.mark_heard(self._cfg.clock() if at is None else float(at))
-                return True
-        return False
+        answer = self._registry.heard_answer(participant_id, turn_id)
+        if answer is not None:
+            answer.mark_heard(self._cfg.clock() if at is None else float(at))
+        return answer is not None
 
     def begin_departure(self, participant_id: str) -> Departure:
         """Close the participant's admission now and start its departure.
@@ -373,13 +367,7 @@ class AgentRouter:
         New turns are still accepted (a front end stops feeding first): call it before
         `stop()` for a graceful end.
         """
-        while True:
-            runs = [run for state in self._registry.participants.values()
-                    for run in state.queue.runs()]
-            if not runs:
-                return
-            for run in runs:
-                await run.wait_finished()
+        await self._departures.wait_idle()
 
     def set_control_output(self, output: OutputCallback) -> None:
         """Where control text outside any turn goes (a held context patch's question)
