@@ -1,0 +1,151 @@
+"""Per-turn cost of the router, deterministic and A/B against another source tree.
+
+Two measures of one plain answered turn (instant agents, first-candidate decisions):
+
+- bytecodes executed per turn (`sys.settrace` opcode events): deterministic, so it
+  compares two versions on a machine too noisy for wall-clock ratios;
+- microseconds per turn, both versions imported into one process and measured in
+  interleaved rounds (minimum and median over the rounds).
+
+    .venv/bin/python benchmarks/bench_turn_cost.py [--metrics] [--baseline OLD/src]
+
+`--baseline` names another checkout's `src` directory (e.g. `git worktree add /tmp/old
+<commit>`, then `/tmp/old/src`); its `turnrouter` is copied under another package name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+_ROUTES = ("weather", "calendar", "conversation")
+
+
+def build(pkg: types.ModuleType, metrics: bool, turns: int) -> tuple[Any, list[Any]]:
+    """A router over instant agents, and `turns` turns for 100 participants."""
+    accept, result = pkg.Admission("accept"), pkg.DestinationResult("answer", "done")
+
+    class Agent:
+        def __init__(self, name: str) -> None:
+            self.aid = pkg.RoutingAid(name, f"{name} requests")
+
+        def routing_aid(self, participant_id: str) -> Any:
+            return self.aid
+
+        async def admit(self, turn: Any, *, focused: bool) -> Any:
+            return accept
+
+        async def answer(self, turn: Any, *, started: Any) -> Any:
+            await started()
+            return result
+
+        async def release(self, participant_id: str) -> None:
+            return None
+
+    class First:
+        async def decide(self, request: Any) -> Any:
+            return pkg.RouteDecision(request.candidates[0].name)
+
+    async def output(turn: Any, route: str, text: str) -> None:
+        return None
+
+    import importlib
+
+    from prometheus_client import CollectorRegistry
+
+    telemetry_module = importlib.import_module(f"{pkg.__name__}.telemetry")
+    telemetry = (telemetry_module.Telemetry(registry=CollectorRegistry()) if metrics
+                 else telemetry_module.Telemetry.disabled())
+    router = pkg.AgentRouter({name: Agent(name) for name in _ROUTES}, First(),
+                             output=output, telemetry=telemetry)
+    return router, [pkg.AgentTurn(f"p{i % 100}", f"t{i}", "what's the weather")
+                    for i in range(turns)]
+
+
+def bytecodes_per_turn(pkg: types.ModuleType, metrics: bool) -> float:
+    router, turns = build(pkg, metrics, 2000)
+    count = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return tracer
+
+    async def run() -> None:
+        for turn in turns[:200]:  # warm the caches (children, label tuples)
+            await router.handle(turn)
+        sys.settrace(tracer)
+        try:
+            for turn in turns[200:]:
+                await router.handle(turn)
+        finally:
+            sys.settrace(None)
+
+    asyncio.run(run())
+    return count / 1800
+
+
+def microseconds(packages: dict[str, types.ModuleType], metrics: bool, rounds: int,
+                 turns: int) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {name: [] for name in packages}
+
+    async def run(router: Any, batch: list[Any]) -> float:
+        start = time.perf_counter()
+        for turn in batch:
+            await router.handle(turn)
+        return (time.perf_counter() - start) / len(batch) * 1e6
+
+    for _ in range(rounds):
+        for name, pkg in packages.items():
+            router, batch = build(pkg, metrics, turns)
+            results[name].append(asyncio.run(run(router, batch)))
+    return results
+
+
+def load_baseline(src: Path) -> types.ModuleType:
+    """The other tree's `turnrouter`, imported as `turnrouter_baseline`."""
+    target = Path(tempfile.mkdtemp()) / "turnrouter_baseline"
+    shutil.copytree(src / "turnrouter", target)
+    sys.path.insert(0, str(target.parent))
+    import importlib
+
+    return importlib.import_module("turnrouter_baseline")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--metrics", action="store_true", help="telemetry with metrics on")
+    parser.add_argument("--baseline", type=Path, help="another checkout's src directory")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--turns", type=int, default=5000)
+    args = parser.parse_args()
+    import turnrouter
+
+    packages = {"this tree": turnrouter}
+    if args.baseline is not None:
+        packages["baseline"] = load_baseline(args.baseline)
+    mode = "metrics on" if args.metrics else "telemetry off"
+    for name, pkg in packages.items():
+        count = bytecodes_per_turn(pkg, args.metrics)
+        print(f"{name:10} bytecodes per turn ({mode}): {count:8.0f}")
+    times = microseconds(packages, args.metrics, args.rounds, args.turns)
+    for name, values in times.items():
+        print(f"{name:10} µs per turn ({mode}): min {min(values):6.2f}  "
+              f"median {statistics.median(values):6.2f}  ({args.rounds} interleaved rounds)")
+    if "baseline" in times:
+        ratio = min(times["this tree"]) / min(times["baseline"])
+        print(f"this tree / baseline (minimum): {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
