@@ -134,7 +134,13 @@ class Families:
             self.needless = _plain(self._counter("turnrouter_needless_acknowledgments_total"))
             self.ack_generation = self._latency("turnrouter_acknowledgment_generation_seconds")
             self.participants = self._gauge("turnrouter_active_participants")
-            self.in_flight = self._gauge("turnrouter_turns_in_flight")
+            # Turns in flight change twice per turn: plain counts read at scrape time
+            # instead of two locked gauge updates per turn (the event loop's thread
+            # updates them; several routers may share them through one registry).
+            self.turns_begun = 0
+            self.turns_ended = 0
+            self._gauge("turnrouter_turns_in_flight").set_function(
+                lambda: self.turns_begun - self.turns_ended)
         except BaseException:
             for collector in self._created:  # leave the registry as it was
                 registry.unregister(collector)

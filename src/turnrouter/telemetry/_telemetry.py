@@ -136,7 +136,7 @@ class Telemetry(RouterObserver):
     def turn_started(self, event: TurnStarted) -> TurnObserver:
         """Open the `turnrouter.turn` span and make it current until `finished()`."""
         families = self._families
-        families.in_flight.inc()
+        families.turns_begun += 1
         tracer = self._current_tracer()
         if tracer is None:
             return TurnMetrics(families, None)

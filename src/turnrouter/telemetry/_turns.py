@@ -207,7 +207,7 @@ class TurnMetrics(TurnObserver):
             duration.child.observe(now - self._t0)
         else:
             duration.observe_traced(now - self._t0, now, span)
-        fam.in_flight.dec()
+        fam.turns_ended += 1
         if outcome == "interrupted":
             fam.interruptions.inc()
 
