@@ -106,7 +106,10 @@ class Crowd:
 
     def check(self, gap_bound: float) -> dict[str, float]:
         """Assert: nothing lost, nothing answered twice, order, history, focus, gap."""
-        assert not self.unanswered, f"lost turns: {self.unanswered[:5]}"
+        # A turn not answered within the talk timeout may still have ended since (late,
+        # not lost: the gap bound below judges lateness).
+        lost = [s for s in self.unanswered if s.turn_id not in self.heard.finals]
+        assert not lost, f"lost turns: {lost[:5]}"
         worst, failures, answers = 0.0, 0, 0
         for pid, sent in self.sent.items():
             turn_ids = [s.turn_id for s in sent]

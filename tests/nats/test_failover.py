@@ -80,6 +80,7 @@ async def test_kill_nine_three_times_loses_nothing(nats_server: NatsServer) -> N
     """kill -9 of the busiest replica, three times: nothing lost, doubled or reordered;
     history and focus move; every turn ends within the documented gap."""
     with fleet(nats_server, 3) as workers:
+        await until_owned(workers)  # start-up is not failover: talk once all are served
         async with talking(nats_server, 200, pause=0.5) as crowd:
             await served(crowd, 400)
             for kill in range(3):
@@ -104,6 +105,7 @@ async def test_paused_replica_is_fenced_and_catches_up(nats_server: NatsServer) 
     """SIGSTOP past the failover timeout: the paused replica answers nobody that moved,
     and serves again cleanly after SIGCONT."""
     with fleet(nats_server, 2) as workers:
+        await until_owned(workers)
         async with talking(nats_server, 60, pause=0.2) as crowd:
             await served(crowd, 200)
             paused = max(workers, key=owned)
@@ -128,6 +130,7 @@ async def test_sigterm_hands_over_without_failure_text(nats_server: NatsServer) 
     """SIGTERM: the replica drains and hands its partitions over; nobody hears the
     failure text and the process exits 0."""
     with fleet(nats_server, 3) as workers:
+        await until_owned(workers)
         async with talking(nats_server, 60, pause=0.2) as crowd:
             await served(crowd, 200)
             leaving = max(workers, key=owned)
