@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -447,15 +448,24 @@ async def test_background_work_is_drained_on_exit() -> None:
         runtime.start_soon(child)
 
 
-async def test_a_background_failure_cancels_the_rest_and_is_raised() -> None:
-    """As in a task group: one failing task cancels the others; the exit raises it."""
-    cancelled = anyio.Event()
+def _waits_until_cancelled(
+    cancelled: anyio.Event,
+) -> Callable[[], Coroutine[Any, Any, None]]:
+    """Background work that waits forever and sets `cancelled` when it is cancelled."""
 
     async def waits() -> None:
         try:
             await anyio.sleep_forever()
         finally:
             cancelled.set()
+
+    return waits
+
+
+async def test_a_background_failure_cancels_the_rest_and_is_raised() -> None:
+    """As in a task group: one failing task cancels the others; the exit raises it."""
+    cancelled = anyio.Event()
+    waits = _waits_until_cancelled(cancelled)
 
     async def fails() -> None:
         raise KeyError("boom")
@@ -475,12 +485,7 @@ async def test_a_background_failure_cancels_the_rest_and_is_raised() -> None:
 async def test_an_error_in_the_body_cancels_background_work() -> None:
     """The body's own error cancels the background tasks and propagates."""
     cancelled = anyio.Event()
-
-    async def waits() -> None:
-        try:
-            await anyio.sleep_forever()
-        finally:
-            cancelled.set()
+    waits = _waits_until_cancelled(cancelled)
 
     async def run() -> None:
         async with AgentRuntime() as runtime:
