@@ -138,7 +138,27 @@ def wait_until_ready(probe: Callable[[], bool], process: subprocess.Popen[bytes]
         time.sleep(interval)
 
 
-class Prometheus:
+class _LocalServer:
+    """A server process on a free local port, its output in a log file of `workdir`."""
+
+    def __init__(self, workdir: Path, name: str, argv: list[str]) -> None:
+        self.log_path = workdir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                        cwd=workdir)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of the server's log, for failure messages."""
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Terminate the server (kill after a bounded wait)."""
+        stop_process(self.process)
+        self._log.close()
+
+
+class Prometheus(_LocalServer):
     """A `prometheus` process on a free local port with its own config and data dir."""
 
     def __init__(self, binary: str, workdir: Path, config: Mapping[str, Any],
@@ -150,19 +170,11 @@ class Prometheus:
         config_path = workdir / "prometheus.yml"
         config_path.write_text(json.dumps({**config, "rule_files": ["rules.yml"]}),
                                encoding="utf-8")
-        self.log_path = workdir / "prometheus.log"
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [binary, f"--config.file={config_path}",
-             f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}",
-             "--enable-feature=exemplar-storage", "--log.level=warn"],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir)
-
-    def log_tail(self, lines: int = 30) -> str:
-        """The end of the server's log, for failure messages."""
-        text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
+        super().__init__(workdir, "prometheus", [
+            binary, f"--config.file={config_path}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--enable-feature=exemplar-storage", "--log.level=warn"])
 
     def api(self, path: str, **params: str) -> Any:
         """GET /api/v1/<path>; return the decoded JSON body (any status)."""
@@ -195,13 +207,8 @@ class Prometheus:
         except AssertionError as error:
             raise AssertionError(f"{error}\n{self.log_tail()}") from None
 
-    def stop(self) -> None:
-        """Terminate the server (kill after a bounded wait)."""
-        stop_process(self.process)
-        self._log.close()
 
-
-class Alertmanager:
+class Alertmanager(_LocalServer):
     """A Debian `prometheus-alertmanager` on a free local port, clustering off."""
 
     def __init__(self, binary: str, workdir: Path, config: str) -> None:
@@ -209,19 +216,11 @@ class Alertmanager:
         self.url = f"http://127.0.0.1:{self.port}"
         config_path = workdir / "alertmanager.yml"
         config_path.write_text(config, encoding="utf-8")
-        self.log_path = workdir / "alertmanager.log"
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [binary, f"--config.file={config_path}",
-             f"--storage.path={workdir / 'alertmanager-data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}",
-             "--cluster.listen-address=", "--log.level=warn"],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir)
-
-    def log_tail(self, lines: int = 30) -> str:
-        """The end of the server's log, for failure messages."""
-        text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
+        super().__init__(workdir, "alertmanager", [
+            binary, f"--config.file={config_path}",
+            f"--storage.path={workdir / 'alertmanager-data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--cluster.listen-address=", "--log.level=warn"])
 
     def wait_ready(self) -> None:
         """Wait until the server answers /-/ready (see `wait_until_ready`)."""
@@ -240,8 +239,3 @@ class Alertmanager:
             raise AssertionError(f"alertmanager /api/v2/alerts: HTTP {status}: {body[:300]!r}")
         alerts: list[dict[str, Any]] = json.loads(body)
         return alerts
-
-    def stop(self) -> None:
-        """Terminate the server (kill after a bounded wait)."""
-        stop_process(self.process)
-        self._log.close()

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from prometheus_client.utils import floatToGoString
 
-from ..telemetry import METRICS, PENDING_METRICS, MetricSpec
+from ..telemetry import METRICS, MetricSpec
 
 __all__ = [
     "HISTOGRAM_SUFFIXES",
@@ -19,7 +19,6 @@ __all__ = [
     "le_regex",
     "le_value",
     "metric_names",
-    "pending_series_names",
 ]
 
 #: Series a prometheus_client histogram family exposes, by suffix.
@@ -122,15 +121,9 @@ def _series(specs: Iterable[MetricSpec]) -> frozenset[str]:
 
 
 def exposed_series_names() -> frozenset[str]:
-    """Every series name the `METRICS` and `PENDING_METRICS` families expose (histograms
-    as their parts): what rules and dashboards may read."""
-    return _series((*METRICS, *PENDING_METRICS))
-
-
-def pending_series_names() -> frozenset[str]:
-    """Series of `PENDING_METRICS`: defined, not emitted by the router yet (a query of
-    them parses but returns no data until the router records them)."""
-    return _series(PENDING_METRICS) - _series(METRICS)
+    """Every series name the `METRICS` families expose (histograms as their parts): what
+    rules and dashboards may read."""
+    return _series(METRICS)
 
 
 def le_value(bound: float) -> str:

@@ -16,7 +16,6 @@ __all__ = [
     "LATENCY_BUCKETS",
     "METRICS",
     "NEEDLESS_WITHIN_SECONDS",
-    "PENDING_METRICS",
     "RESPONSE_BUCKETS",
     "MetricSpec",
     "MetricType",
@@ -192,19 +191,14 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
-#: Families defined but not recorded by the router: none (kept for the generator, which
-#: lets a query of such a family return no data).
-PENDING_METRICS: tuple[MetricSpec, ...] = ()
-
 #: Reasons `turnrouter_ineligible_routes_total` accepts (anything else is `other`).
 INELIGIBLE_REASONS = frozenset({"unavailable", "capacity", "policy", "not_candidate"})
 
-_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in (*METRICS, *PENDING_METRICS)}
+_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 
 
 def metric(name: str) -> MetricSpec:
-    """Return the definition of the metric exposed as `name` (KeyError if unknown);
-    `PENDING_METRICS` included."""
+    """Return the definition of the metric exposed as `name` (KeyError if unknown)."""
     return _BY_NAME[name]
 
 
