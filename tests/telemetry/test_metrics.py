@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import re
+import sys
+import threading
 import time
 
 import pytest
-from opentelemetry.trace import NonRecordingSpan, SpanContext
-from prometheus_client import REGISTRY, CollectorRegistry, Histogram
+from opentelemetry.trace import NonRecordingSpan, NoOpTracerProvider, SpanContext
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 
 from turnrouter import DestinationResult, RouteDecision
 from turnrouter.events import (
@@ -25,6 +28,7 @@ from turnrouter.events import (
     EstimateChanged,
     Failure,
     FocusChanged,
+    Heard,
     ParticipantChanged,
     ReleaseFinished,
     ReleaseStarted,
@@ -32,8 +36,13 @@ from turnrouter.events import (
     TurnFinished,
     TurnStarted,
 )
-from turnrouter.telemetry import LATENCY_BUCKETS, METRICS, Telemetry
-from turnrouter.telemetry._families import EXEMPLAR_INTERVAL_SECS, Latency
+from turnrouter.telemetry import METRICS, Telemetry
+from turnrouter.telemetry._families import (
+    EXEMPLAR_INTERVAL_SECS,
+    Families,
+    Latency,
+    families_for,
+)
 
 from .conftest import Rig, make_request, make_turn
 from .test_spans import answer_turn
@@ -257,7 +266,8 @@ def test_latency_histograms_carry_trace_exemplars(rig: Rig) -> None:
 
 def _bucket_exemplars(registry: CollectorRegistry) -> dict[str, tuple[str, float]]:
     """`le` -> (trace id, value) of each bucket exemplar of the probe histogram."""
-    (family,) = registry.collect()
+    (family,) = [family for family in registry.collect()
+                 if family.name == "turnrouter_turn_duration_seconds"]
     return {sample.labels["le"]: (sample.exemplar.labels["trace_id"], sample.exemplar.value)
             for sample in family.samples if sample.exemplar is not None}
 
@@ -267,11 +277,15 @@ def _span(trace: str, span_id: int) -> NonRecordingSpan:
     return NonRecordingSpan(SpanContext(int(trace, 16), span_id, is_remote=False))
 
 
+_SHARDS: list[Families] = []  # the probes' shards, kept alive for the test's reads
+
+
 def _probe() -> tuple[CollectorRegistry, Latency]:
+    """One turn-duration child (LATENCY_BUCKETS) on a fresh registry."""
     registry = CollectorRegistry()
-    histogram = Histogram("probe_seconds", "probe", registry=registry,
-                          buckets=LATENCY_BUCKETS)
-    return registry, Latency(histogram)
+    shard = families_for(registry)
+    _SHARDS.append(shard)
+    return registry, shard.turn_duration.get("weather", "answer")
 
 
 def test_exemplars_are_limited_per_bucket_in_time() -> None:
@@ -282,7 +296,9 @@ def test_exemplars_are_limited_per_bucket_in_time() -> None:
     assert _bucket_exemplars(registry) == {"0.5": ("a" * 32, 0.42)}
     latency.observe_traced(0.44, 100.0 + EXEMPLAR_INTERVAL_SECS, _span("c" * 32, 3))
     assert _bucket_exemplars(registry) == {"0.5": ("c" * 32, 0.44)}
-    assert registry.get_sample_value("probe_seconds_count") == 3
+    assert registry.get_sample_value(
+        "turnrouter_turn_duration_seconds_count",
+        {"route": "weather", "outcome": "answer"}) == 3
 
 
 def test_exemplar_limit_is_per_bucket() -> None:
@@ -299,7 +315,8 @@ def test_exemplar_ids_are_zero_padded_hex() -> None:
     """Exemplar ids are the 32- and 16-digit hex Prometheus and Grafana expect."""
     registry, latency = _probe()
     latency.observe_traced(0.2, 0.0, _span("0" * 31 + "a", 255))
-    (family,) = registry.collect()
+    (family,) = [family for family in registry.collect()
+                 if family.name == "turnrouter_turn_duration_seconds"]
     (exemplar,) = [sample.exemplar for sample in family.samples if sample.exemplar]
     assert exemplar.labels == {"trace_id": "0" * 31 + "a", "span_id": "00000000000000ff"}
 
@@ -369,3 +386,102 @@ def test_decision_only_counts_duration(rig: Rig) -> None:
     obs.decision_finished(token, DecisionFinished(request, RouteDecision("weather"), None))
     obs.finished(TurnFinished("answer", "weather", None, None, 1, None))
     assert rig.value("turnrouter_decision_duration_seconds_count") == 1
+
+
+def _heard(telemetry: Telemetry, route: str, first: float, silence: float | None) -> None:
+    telemetry.heard(Heard(route, first, silence))
+
+
+def test_exposition_matches_prometheus_client_classes() -> None:
+    """Counters and histograms expose exactly the series prometheus_client's own would."""
+    ours, reference = CollectorRegistry(), CollectorRegistry()
+    telemetry = Telemetry(tracer_provider=NoOpTracerProvider(), registry=ours)
+    spec = {s.name: s for s in METRICS}
+    first = spec["turnrouter_first_response_seconds"]
+    histogram = Histogram(first.name, first.documentation, first.labels,
+                          registry=reference, buckets=first.buckets or ())
+    rerouted = spec["turnrouter_reroutes_total"]
+    counter = Counter(rerouted.name, rerouted.documentation, rerouted.labels,
+                      registry=reference)
+    observer = telemetry.turn_started(TurnStarted(make_turn(), None))
+    for route, seconds in (("weather", 0.05), ("weather", 0.25), ("music", 12.0),
+                           ("weather", 0.0), ("music", 0.051)):
+        _heard(telemetry, route, seconds, None)
+        histogram.labels(route).observe(seconds)
+        observer.reroute(Rerouted(route))
+        counter.labels(route).inc()
+    observer.finished(TurnFinished("answer", "weather", None, None, 1, None))
+
+    def series(registry: CollectorRegistry, name: str) -> list[tuple[str, str, float]]:
+        (family,) = [f for f in registry.collect() if f.name == name]
+        return sorted((s.name, repr(sorted(s.labels.items())), s.value)
+                      for s in family.samples if not s.name.endswith("_created"))
+
+    for name in ("turnrouter_first_response_seconds", "turnrouter_reroutes"):
+        assert series(ours, name) == series(reference, name)
+    created = [s for f in ours.collect() for s in f.samples if s.name.endswith("_created")]
+    assert created and all(abs(s.value - time.time()) < 3600 for s in created)
+
+
+def test_counts_of_a_collected_telemetry_stay_in_the_registry() -> None:
+    """A Telemetry that is garbage-collected leaves its counts behind (counters never drop)."""
+    registry = CollectorRegistry()
+    telemetry = Telemetry(tracer_provider=NoOpTracerProvider(), registry=registry)
+    answer_turn(telemetry)
+    _heard(telemetry, "weather", 0.3, 0.2)
+    del telemetry
+    gc.collect()
+    labels = {"route": "weather", "outcome": "focus"}
+    assert registry.get_sample_value("turnrouter_turns_total", labels) == 1
+    assert registry.get_sample_value("turnrouter_first_response_seconds_count",
+                                     {"route": "weather"}) == 2
+    assert registry.get_sample_value("turnrouter_interruptions_total") == 0
+    answer_turn(Telemetry(tracer_provider=NoOpTracerProvider(), registry=registry))
+    assert registry.get_sample_value("turnrouter_turns_total", labels) == 2
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-telemetry", "one-per-thread"])
+def test_threads_recording_at_once_lose_no_update(shared: bool) -> None:
+    """Threads recording through one Telemetry or one each, one registry: every count
+    arrives, with scrapes meanwhile."""
+    registry = CollectorRegistry()
+    per_thread, threads = 1500, 4
+    start = threading.Barrier(threads + 1)
+    common = Telemetry(tracer_provider=NoOpTracerProvider(), registry=registry)
+
+    def work() -> None:
+        telemetry = common if shared else Telemetry(
+            tracer_provider=NoOpTracerProvider(), registry=registry)
+        start.wait(timeout=30)
+        for index in range(per_thread):
+            observer = telemetry.turn_started(TurnStarted(make_turn(), None))
+            observer.reroute(Rerouted("weather"))
+            # The threads create the same new child at once (a race unless each thread
+            # has its own children).
+            observer.reroute(Rerouted(f"route-{index}"))
+            observer.finished(TurnFinished("answer", "weather", None, None, 1, None))
+            _heard(telemetry, "weather", 0.1, None)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often enough to make races show
+    try:
+        for worker in workers:
+            worker.start()
+        start.wait(timeout=30)
+        while any(worker.is_alive() for worker in workers):  # scrape while they count
+            generate_latest(registry)
+            workers[0].join(timeout=0.05)
+        for worker in workers:
+            worker.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    total = per_thread * threads
+    assert registry.get_sample_value("turnrouter_reroutes_total", {"route": "weather"}) == total
+    assert all(registry.get_sample_value("turnrouter_reroutes_total", {"route": f"route-{i}"})
+               == threads for i in range(per_thread))
+    assert registry.get_sample_value(
+        "turnrouter_turns_total", {"route": "weather", "outcome": "answer"}) == total
+    assert registry.get_sample_value("turnrouter_first_response_seconds_count",
+                                     {"route": "weather"}) == total
+    assert registry.get_sample_value("turnrouter_turns_in_flight") == 0

@@ -1,27 +1,46 @@
 """Metric families: every family of `METRICS`, registered once per registry.
 
-Labelled children are bound once and cached by label tuple (`labels()` costs
-microseconds); latency histograms rate-limit their trace exemplars per bucket.
+Counters and histograms are turnrouter's own prometheus_client *collectors*: a turn
+updates plain numbers (a counter child is one float, a histogram child a list of bucket
+counts found with `bisect`), and the registry reads them at scrape time. prometheus_client's
+own `Counter` and `Histogram` take a lock and validate on every update: about twenty
+updates per turn made them the largest entry of a turn's profile. The exposition is the
+same series prometheus_client's classes would expose (`_total`, `_bucket`/`_count`/
+`_sum`, `_created`, exemplars).
+
+Each `Telemetry` keeps one *shard* of children per thread that records through it
+(usually just its router's event loop), written only by that thread, so updates need no
+lock; a scrape adds up every live shard of the registry plus what shards that were
+garbage-collected (a finished thread's, a dropped `Telemetry`'s) left behind. Gauges (set
+rarely) stay prometheus_client's.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
+import weakref
 from bisect import bisect_left
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterable
+from functools import lru_cache, partial
+from typing import Generic, TypeVar
 from weakref import WeakKeyDictionary
 
+import prometheus_client.metrics
 from opentelemetry.trace import Span
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Exemplar
+from prometheus_client.utils import floatToGoString
 
-from ._metrics import LATENCY_BUCKETS, MetricSpec, metric
+from ._metrics import METRICS, MetricSpec, metric
 
 __all__ = [
     "BOOL_LABEL",
     "EXEMPLAR_INTERVAL_SECS",
     "NONE_LABEL",
+    "Count",
     "Families",
     "Latency",
     "families_for",
@@ -31,126 +50,303 @@ __all__ = [
 NONE_LABEL = "none"
 BOOL_LABEL = {True: "true", False: "false"}
 
-_M = TypeVar("_M", Counter, Gauge, Histogram)
-_C = TypeVar("_C")
-
-
-class _Family(Generic[_C]):
-    """A labelled metric with its children bound once and cached by label tuple; `wrap`
-    turns a prometheus_client child into what callers use (itself, or a `Latency`)."""
-
-    __slots__ = ("_wrap", "children", "metric")
-
-    def __init__(self, collector: Counter | Gauge | Histogram,
-                 wrap: Callable[[Any], _C]) -> None:
-        self.metric = collector
-        self._wrap = wrap
-        self.children: dict[tuple[str, ...], _C] = {}
-
-    def get(self, *values: str) -> _C:
-        """The child for these label values (`labels()` costs microseconds; this does not)."""
-        child = self.children.get(values)
-        if child is None:
-            child = self.children[values] = self._wrap(self.metric.labels(*values))
-        return child
-
-
-def _same(child: Any) -> Any:
-    return child
-
-
-def _plain(collector: _M) -> _Family[_M]:
-    """A family whose children are prometheus_client's own."""
-    return _Family(collector, _same)
-
-
 #: At most one trace exemplar per histogram bucket and child in this many seconds.
 EXEMPLAR_INTERVAL_SECS = 1.0
 
 
+class Count:
+    """One counter child: a float only its shard's thread increments."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self) -> None:
+        """Add one."""
+        self.value += 1.0
+
+    def _merge(self, other: Count) -> None:
+        self.value += other.value
+        self.created = min(self.created, other.created)
+
+
 class Latency:
-    """A latency histogram child whose trace exemplars are rate-limited per bucket.
+    """One histogram child: bucket counts, a sum, and rate-limited trace exemplars.
 
     prometheus_client keeps one exemplar per bucket, the newest, and Prometheus reads it
     once per scrape (seconds apart); under load almost every exemplar is overwritten
-    unseen, yet each one costs microseconds of validation. So a bucket takes a new
-    exemplar only when its last one is `EXEMPLAR_INTERVAL_SECS` old: a scrape still sees
-    an exemplar in every bucket that had traced observations, at most that much older
-    than the newest, and a quiet deployment keeps every one.
+    unseen. So a bucket takes a new exemplar only when its last one is
+    `EXEMPLAR_INTERVAL_SECS` old: a scrape still sees an exemplar in every bucket that had
+    traced observations, at most that much older than the newest, and a quiet deployment
+    keeps every one.
     """
 
-    __slots__ = ("_bounds", "_last", "child")
+    __slots__ = ("_last", "bounds", "counts", "created", "exemplars", "sum")
 
-    def __init__(self, child: Histogram, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        #: The prometheus_client child: untraced observations go to it directly.
-        self.child = child
-        #: The family's bucket upper bounds (`+Inf` implicit), to find a value's bucket.
-        self._bounds = bounds
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        #: The family's bucket upper bounds (`+Inf` implicit).
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.created = time.time()
+        self.exemplars: list[Exemplar | None] = [None] * (len(bounds) + 1)
         self._last = [-math.inf] * (len(bounds) + 1)
+
+    def observe(self, seconds: float) -> None:
+        """Record one observation (a value on a bound falls in that bound's bucket)."""
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
 
     def observe_traced(self, seconds: float, now: float, span: Span) -> None:
         """Record one observation, with an exemplar pointing at `span` unless its bucket
         has a recent one (`now` is a `perf_counter()` reading)."""
-        index = bisect_left(self._bounds, seconds)  # prometheus_client: value <= bound
+        index = bisect_left(self.bounds, seconds)
+        self.counts[index] += 1
+        self.sum += seconds
         last = self._last
         if now - last[index] < EXEMPLAR_INTERVAL_SECS:
-            self.child.observe(seconds)
             return
-        last[index] = now  # a race between threads at worst sets one exemplar more
+        last[index] = now
         context = span.get_span_context()
-        self.child.observe(seconds, {"trace_id": format(context.trace_id, "032x"),
-                                     "span_id": format(context.span_id, "016x")})
+        self.exemplars[index] = Exemplar(
+            {"trace_id": format(context.trace_id, "032x"),
+             "span_id": format(context.span_id, "016x")}, seconds, time.time())
+
+    def _merge(self, other: Latency) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.sum += other.sum
+        self.created = min(self.created, other.created)
+        self.exemplars = [_newer(a, b) for a, b in zip(self.exemplars, other.exemplars,
+                                                        strict=True)]
+
+
+def _newer(a: Exemplar | None, b: Exemplar | None) -> Exemplar | None:
+    if a is None or b is None:
+        return a or b
+    return a if _stamp(a) >= _stamp(b) else b
+
+
+def _stamp(exemplar: Exemplar) -> float:
+    stamp = exemplar.timestamp
+    return stamp if isinstance(stamp, float) else 0.0
+
+
+_C = TypeVar("_C", Count, Latency)
+
+
+class _Family(Generic[_C]):
+    """One shard's children of a labelled family, bound once per label tuple."""
+
+    __slots__ = ("__weakref__", "_make", "_width", "children")
+
+    def __init__(self, make: Callable[[], _C], width: int) -> None:
+        self._make: Callable[[], _C] = make
+        self._width = width
+        self.children: dict[tuple[str, ...], _C] = {}
+
+    def get(self, *values: str) -> _C:
+        """The child for these label values."""
+        child = self.children.get(values)
+        if child is None:
+            if len(values) != self._width:
+                raise ValueError(f"expected {self._width} label values, got {values!r}")
+            child = self.children[values] = self._make()
+        return child
+
+
+def _use_created() -> bool:
+    """Whether `_created` series are exposed, as prometheus_client decides it."""
+    return bool(getattr(prometheus_client.metrics, "_use_created", True))
+
+
+class _Collector(Generic[_C]):
+    """A family registered on a registry: adds up its shards' children at scrape time."""
+
+    def __init__(self, spec: MetricSpec, make: Callable[[], _C]) -> None:
+        self.spec = spec
+        self._make: Callable[[], _C] = make
+        self._kind = spec.type
+        self._name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
+        self._lock = threading.Lock()
+        self._shards: weakref.WeakSet[_Family[_C]] = weakref.WeakSet()
+        #: What shards that were garbage-collected had counted.
+        self._retired: dict[tuple[str, ...], _C] = {}
+
+    def shard(self) -> _Family[_C]:
+        """A new shard of children for one `Telemetry`."""
+        family: _Family[_C] = _Family(self._make, len(self.spec.labels))
+        with self._lock:
+            self._shards.add(family)
+        weakref.finalize(family, self._retire, family.children)
+        return family
+
+    def _retire(self, children: dict[tuple[str, ...], _C]) -> None:
+        with self._lock:
+            _fold(self._retired, children, self._make)
+
+    def describe(self) -> Iterable[Metric]:
+        return [Metric(self._name, self.spec.documentation, self._kind)]
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            shards = list(self._shards)
+            totals: dict[tuple[str, ...], _C] = {}
+            _fold(totals, self._retired, self._make)
+        for shard in shards:
+            _fold(totals, shard.children.copy(), self._make)
+        out = Metric(self._name, self.spec.documentation, self._kind)
+        names, created = self.spec.labels, _use_created()
+        for values, child in totals.items():
+            labels = dict(zip(names, values, strict=True))
+            if isinstance(child, Count):
+                out.add_sample(self._name + "_total", labels, child.value)
+            else:
+                total = 0.0
+                for le, count, exemplar in zip(_les(child.bounds), child.counts,
+                                               child.exemplars, strict=True):
+                    total += count
+                    out.add_sample(self._name + "_bucket", {**labels, "le": le}, total,
+                                   exemplar=exemplar)
+                out.add_sample(self._name + "_count", labels, total)
+                out.add_sample(self._name + "_sum", labels, child.sum)
+            if created:
+                out.add_sample(self._name + "_created", labels, child.created)
+        return [out]
+
+
+@lru_cache(maxsize=16)
+def _les(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The `le` label values prometheus_client exposes for these bounds (and `+Inf`)."""
+    return tuple(floatToGoString(bound) for bound in (*bounds, math.inf))  # type: ignore[no-untyped-call]
+
+
+def _fold(into: dict[tuple[str, ...], _C], children: dict[tuple[str, ...], _C],
+          make: Callable[[], _C]) -> None:
+    """Add `children` (a snapshot: the dict is not iterated while it may grow) to `into`."""
+    for values, child in list(children.items()):
+        total: _C | None = into.get(values)
+        if total is None:
+            total = into[values] = make()
+            total.created = child.created
+        total._merge(child)
+
+
+class _Registered:
+    """The collectors and gauges of `METRICS` on one registry, registered once."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.collectors: dict[str, _Collector[Count] | _Collector[Latency]] = {}
+        self.shards: weakref.WeakSet[Families] = weakref.WeakSet()
+        self.lock = threading.Lock()
+        registered: list[object] = []
+        try:
+            for name in _COUNTERS:
+                self._add(registry, registered, _Collector(_spec(name, "counter"), Count))
+            for name in _HISTOGRAMS:
+                spec = _spec(name, "histogram")
+                bounds = spec.buckets
+                assert bounds is not None
+                self._add(registry, registered, _Collector(spec, partial(Latency, bounds)))
+            self.gauges = {name: self._gauge(registry, registered, name) for name in _GAUGES}
+            # Turns in flight change twice per turn: plain counts read at scrape time.
+            self.gauges["turnrouter_turns_in_flight"].set_function(self._in_flight)
+        except BaseException:
+            for collector in registered:  # leave the registry as it was
+                registry.unregister(collector)  # type: ignore[arg-type]
+            raise
+
+    def _add(self, registry: CollectorRegistry, registered: list[object],
+             collector: _Collector[Count] | _Collector[Latency]) -> None:
+        registry.register(collector)
+        registered.append(collector)
+        self.collectors[collector.spec.name] = collector
+
+    @staticmethod
+    def _gauge(registry: CollectorRegistry, registered: list[object], name: str) -> Gauge:
+        spec = _spec(name, "gauge")
+        gauge = Gauge(spec.name, spec.documentation, spec.labels, registry=registry)
+        registered.append(gauge)
+        return gauge
+
+    def _in_flight(self) -> float:
+        with self.lock:
+            shards = list(self.shards)
+        return float(sum(shard.turns_begun - shard.turns_ended for shard in shards))
+
+
+_COUNTERS = tuple(spec.name for spec in METRICS if spec.type == "counter")
+_HISTOGRAMS = tuple(spec.name for spec in METRICS if spec.type == "histogram")
+_GAUGES = tuple(spec.name for spec in METRICS if spec.type == "gauge")
+
+
+def _spec(name: str, kind: str) -> MetricSpec:
+    spec = metric(name)
+    if spec.type != kind:  # pragma: no cover - guards edits of METRICS
+        raise TypeError(f"{name} is defined as a {spec.type}, not a {kind}")
+    return spec
 
 
 class Families:
-    """Every family of `METRICS`, registered once on one registry."""
+    """One thread's shard of every family of `METRICS` for one `Telemetry` (see the
+    module docstring)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-        self._created: list[Counter | Gauge | Histogram] = []
-        try:
-            self.turns = _plain(self._counter("turnrouter_turns_total"))
-            self.clarifications = _plain(self._counter("turnrouter_clarifications_total"))
-            self.admissions = _plain(self._counter("turnrouter_admissions_total"))
-            self.reroutes = _plain(self._counter("turnrouter_reroutes_total"))
-            self.fallbacks = _plain(self._counter("turnrouter_default_fallbacks_total"))
-            self.failures = _plain(self._counter("turnrouter_failures_total"))
-            self.interruptions = self._counter("turnrouter_interruptions_total")
-            self.focus = _plain(self._counter("turnrouter_focus_transitions_total"))
-            self.turn_duration = self._latency("turnrouter_turn_duration_seconds")
-            self.decision_duration = Latency(
-                self._histogram("turnrouter_decision_duration_seconds"),
-                self._bounds("turnrouter_decision_duration_seconds"))
-            self.admission_duration = self._latency("turnrouter_admission_duration_seconds")
-            self.first_response = self._latency("turnrouter_first_response_seconds")
-            self.silence = self._latency("turnrouter_silence_seconds")
-            self.acknowledgments = _plain(self._counter("turnrouter_acknowledgments_total"))
-            self.ack_delay = self._gauge("turnrouter_acknowledgment_delay_seconds")
-            self.predicted = _plain(self._gauge("turnrouter_predicted_first_response_seconds"))
-            self.context_patches = _plain(self._counter("turnrouter_context_patches_total"))
-            self.rejected = _plain(self._counter("turnrouter_runtime_rejected_messages_total"))
-            self.overflows = _plain(self._counter("turnrouter_limit_overflows_total"))
-            self.ineligible = _plain(self._counter("turnrouter_ineligible_routes_total"))
-            self.needless = _plain(self._counter("turnrouter_needless_acknowledgments_total"))
-            self.ack_generation = self._latency("turnrouter_acknowledgment_generation_seconds")
-            self.participants = self._gauge("turnrouter_active_participants")
-            # Turns in flight change twice per turn: plain counts read at scrape time
-            # instead of two locked gauge updates per turn (the event loop's thread
-            # updates them; several routers may share them through one registry).
-            self.turns_begun = 0
-            self.turns_ended = 0
-            self._gauge("turnrouter_turns_in_flight").set_function(
-                lambda: self.turns_begun - self.turns_ended)
-        except BaseException:
-            for collector in self._created:  # leave the registry as it was
-                registry.unregister(collector)
-            raise
-        del self._created
+    __slots__ = (
+        "__weakref__", "_admission_pairs", "_turn_pairs", "_unlabelled", "ack_delay",
+        "ack_generation", "acknowledgments", "admission_duration", "admissions", "clarifications",
+        "context_patches", "decision_duration", "failures", "fallbacks", "first_response",
+        "focus", "ineligible", "interruptions", "needless", "overflows", "participants",
+        "predicted", "rejected", "reroutes", "silence", "turn_duration", "turns",
+        "turns_begun", "turns_ended",
+    )
+
+    def __init__(self, registered: _Registered) -> None:
+        def counter(name: str) -> _Family[Count]:
+            return registered.collectors[name].shard()  # type: ignore[return-value]
+
+        def histogram(name: str) -> _Family[Latency]:
+            return registered.collectors[name].shard()  # type: ignore[return-value]
+
+        self.turns = counter("turnrouter_turns_total")
+        self.clarifications = counter("turnrouter_clarifications_total")
+        self.admissions = counter("turnrouter_admissions_total")
+        self.reroutes = counter("turnrouter_reroutes_total")
+        self.fallbacks = counter("turnrouter_default_fallbacks_total")
+        self.failures = counter("turnrouter_failures_total")
+        interruptions = counter("turnrouter_interruptions_total")
+        self.interruptions = interruptions.get()
+        self.focus = counter("turnrouter_focus_transitions_total")
+        self.acknowledgments = counter("turnrouter_acknowledgments_total")
+        self.context_patches = counter("turnrouter_context_patches_total")
+        self.rejected = counter("turnrouter_runtime_rejected_messages_total")
+        self.overflows = counter("turnrouter_limit_overflows_total")
+        self.ineligible = counter("turnrouter_ineligible_routes_total")
+        self.needless = counter("turnrouter_needless_acknowledgments_total")
+        self.turn_duration = histogram("turnrouter_turn_duration_seconds")
+        decisions = histogram("turnrouter_decision_duration_seconds")
+        self.decision_duration = decisions.get()
+        # The unlabelled families' shards: alive as long as this object (a shard that
+        # is garbage-collected is folded into its collector's retired totals).
+        self._unlabelled = (interruptions, decisions)
+        self.admission_duration = histogram("turnrouter_admission_duration_seconds")
+        self.first_response = histogram("turnrouter_first_response_seconds")
+        self.silence = histogram("turnrouter_silence_seconds")
+        self.ack_generation = histogram("turnrouter_acknowledgment_generation_seconds")
+        gauges = registered.gauges
+        self.ack_delay = gauges["turnrouter_acknowledgment_delay_seconds"]
+        self.predicted = gauges["turnrouter_predicted_first_response_seconds"]
+        self.participants = gauges["turnrouter_active_participants"]
+        #: Turns begun and ended on this shard (`turnrouter_turns_in_flight` at scrape).
+        self.turns_begun = 0
+        self.turns_ended = 0
         # Children updated together on every turn, bound once per label combination.
-        self._turn_pairs: dict[tuple[str, str], tuple[Counter, Latency]] = {}
-        self._admission_pairs: dict[tuple[str, str, bool], tuple[Counter, Latency]] = {}
+        self._turn_pairs: dict[tuple[str, str], tuple[Count, Latency]] = {}
+        self._admission_pairs: dict[tuple[str, str, bool], tuple[Count, Latency]] = {}
+        with registered.lock:
+            registered.shards.add(self)
 
-    def turn_children(self, route: str, outcome: str) -> tuple[Counter, Latency]:
+    def turn_children(self, route: str, outcome: str) -> tuple[Count, Latency]:
         """`turnrouter_turns_total` and `turnrouter_turn_duration_seconds` children."""
         key = (route, outcome)
         pair = self._turn_pairs.get(key)
@@ -161,7 +357,7 @@ class Families:
 
     def admission_children(
         self, route: str, disposition: str, focused: bool
-    ) -> tuple[Counter, Latency]:
+    ) -> tuple[Count, Latency]:
         """`turnrouter_admissions_total` and `turnrouter_admission_duration_seconds` children."""
         key = (route, disposition, focused)
         pair = self._admission_pairs.get(key)
@@ -171,53 +367,15 @@ class Families:
                 self.admission_duration.get(route))
         return pair
 
-    def _spec(self, name: str, kind: str) -> MetricSpec:
-        spec = metric(name)
-        if spec.type != kind:  # pragma: no cover - guards edits of METRICS
-            raise TypeError(f"{name} is defined as a {spec.type}, not a {kind}")
-        return spec
 
-    def _counter(self, name: str) -> Counter:
-        spec = self._spec(name, "counter")
-        created = Counter(spec.name, spec.documentation, spec.labels, registry=self._registry)
-        self._created.append(created)
-        return created
-
-    def _gauge(self, name: str) -> Gauge:
-        spec = self._spec(name, "gauge")
-        created = Gauge(spec.name, spec.documentation, spec.labels, registry=self._registry)
-        self._created.append(created)
-        return created
-
-    def _bounds(self, name: str) -> tuple[float, ...]:
-        buckets = self._spec(name, "histogram").buckets
-        assert buckets is not None
-        return buckets
-
-    def _latency(self, name: str) -> _Family[Latency]:
-        """A labelled latency family whose children know the family's buckets."""
-        bounds = self._bounds(name)
-        return _Family(self._histogram(name), lambda child: Latency(child, bounds))
-
-    def _histogram(self, name: str) -> Histogram:
-        spec = self._spec(name, "histogram")
-        assert spec.buckets is not None
-        created = Histogram(spec.name, spec.documentation, spec.labels,
-                            registry=self._registry, buckets=spec.buckets)
-        self._created.append(created)
-        return created
-
-
-_FAMILIES: WeakKeyDictionary[CollectorRegistry, Families] = WeakKeyDictionary()
-_FAMILIES_LOCK = threading.Lock()
+_REGISTERED: WeakKeyDictionary[CollectorRegistry, _Registered] = WeakKeyDictionary()
+_REGISTERED_LOCK = threading.Lock()
 
 
 def families_for(registry: CollectorRegistry) -> Families:
-    """The families registered on `registry`, registering them on first use."""
-    with _FAMILIES_LOCK:
-        families = _FAMILIES.get(registry)
-        if families is None:
-            families = _FAMILIES[registry] = Families(registry)
-        return families
-
-
+    """A new shard of the families registered on `registry` (registered on first use)."""
+    with _REGISTERED_LOCK:
+        registered = _REGISTERED.get(registry)
+        if registered is None:
+            registered = _REGISTERED[registry] = _Registered(registry)
+    return Families(registered)

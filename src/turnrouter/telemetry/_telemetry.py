@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import deque
 from collections.abc import Mapping
 
@@ -42,7 +43,7 @@ from .._observer import (
     TurnObserver,
     TurnStarted,
 )
-from ._families import NONE_LABEL, families_for
+from ._families import NONE_LABEL, Families, families_for
 from ._spans import (
     ATTR,
     CONTENT_CAPTURE_ENV,
@@ -76,12 +77,15 @@ class Telemetry(RouterObserver):
     `tracer_provider=None` follows the global provider (re-checked cheaply per turn, so
     an SDK installed after construction is picked up); `registry=None` uses
     prometheus_client's default registry. Several `Telemetry` objects may share one
-    registry. Query, answer, acknowledgment and rationale text are recorded only with
-    `capture_content=True` or `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`.
+    registry (a scrape adds up their counts). Each thread that records through a
+    `Telemetry` (a router's event loop, usually one) writes its own lock-free shard of
+    the counters and histograms. Query, answer, acknowledgment and rationale text are
+    recorded only with `capture_content=True` or
+    `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`.
     """
 
     __slots__ = (
-        "_capture", "_families", "_follow_global", "_provider", "_recent_failures",
+        "_capture", "_follow_global", "_local", "_provider", "_recent_failures",
         "_registry", "_tracer",
     )
 
@@ -94,7 +98,10 @@ class Telemetry(RouterObserver):
         capture_content: bool = False,
     ) -> None:
         self._registry = REGISTRY if registry is None else registry
-        self._families = families_for(self._registry)
+        # Each thread's shard of the metric families (see `_families`); this thread's is
+        # made now, so the families are registered when the constructor returns.
+        self._local = threading.local()
+        self._local.families = families_for(self._registry)
         self._capture = bool(capture_content) or _capture_from_env()
         self._follow_global = tracer_provider is None or isinstance(
             tracer_provider, ProxyTracerProvider)
@@ -122,6 +129,15 @@ class Telemetry(RouterObserver):
     def registry(self) -> CollectorRegistry:
         """The Prometheus registry the metrics are registered on."""
         return self._registry
+
+    @property
+    def _families(self) -> Families:
+        """The calling thread's shard: updates need no lock, a scrape adds shards up."""
+        try:
+            return self._local.families  # type: ignore[no-any-return]
+        except AttributeError:
+            families = self._local.families = families_for(self._registry)
+            return families
 
     def _current_tracer(self) -> Tracer | None:
         if self._follow_global:
@@ -200,14 +216,14 @@ class Telemetry(RouterObserver):
 
     def predicted_first_response(self, event: EstimateChanged) -> None:
         """Publish the timing predictor's estimate for a route."""
-        self._families.predicted.get(event.route).set(event.seconds)
+        self._families.predicted.labels(event.route).set(event.seconds)
 
     def heard(self, event: Heard) -> None:
         """Record first response (and silence) measured to the first audio heard."""
         families = self._families
-        families.first_response.get(event.route).child.observe(event.first_response_seconds)
+        families.first_response.get(event.route).observe(event.first_response_seconds)
         if event.silence_seconds is not None:
-            families.silence.get(event.route).child.observe(event.silence_seconds)
+            families.silence.get(event.route).observe(event.silence_seconds)
 
     def context_patch(self, event: ContextPatchEvent) -> None:
         """Count a context patch event; record a `turnrouter.context_patch` span under the

@@ -204,7 +204,7 @@ class TurnMetrics(TurnObserver):
         counter.inc()
         now = perf_counter()
         if span is None:
-            duration.child.observe(now - self._t0)
+            duration.observe(now - self._t0)
         else:
             duration.observe_traced(now - self._t0, now, span)
         fam.turns_ended += 1
@@ -220,7 +220,7 @@ class TurnMetrics(TurnObserver):
     def decision_finished(self, token: object, event: DecisionFinished) -> None:
         """Record the decision's duration; count a failure at stage `decision` on error."""
         if isinstance(token, float):
-            self._fam.decision_duration.child.observe(perf_counter() - token)
+            self._fam.decision_duration.observe(perf_counter() - token)
         if event.error is not None:
             self._count_failure(None, "decision", event.error)
 
@@ -236,7 +236,7 @@ class TurnMetrics(TurnObserver):
             route, _admission_label(event.disposition, error, timed_out), event.focused)
         counter.inc()
         if isinstance(token, float):
-            duration.child.observe(perf_counter() - token)
+            duration.observe(perf_counter() - token)
         if error is not None or timed_out:
             self._count_failure(route, "admission", error)
 
@@ -244,7 +244,7 @@ class TurnMetrics(TurnObserver):
 
     def first_response(self, token: object, event: FirstResponse) -> None:
         """Record the first-response latency."""
-        self._fam.first_response.get(event.route).child.observe(event.seconds)
+        self._fam.first_response.get(event.route).observe(event.seconds)
 
     def answer_finished(self, token: object, event: AnswerFinished) -> None:
         """Count a failure at stage `answer` on error."""
@@ -282,12 +282,12 @@ class TurnMetrics(TurnObserver):
 
     def silence(self, event: SilenceMeasured) -> None:
         """Record the silence the participant heard after admission."""
-        self._fam.silence.get(event.route).child.observe(event.seconds)
+        self._fam.silence.get(event.route).observe(event.seconds)
 
     def acknowledgment_generated(self, event: AcknowledgmentGenerated) -> None:
         """Record the acknowledgment's generation time."""
         if event.seconds >= 0:
-            self._fam.ack_generation.get(event.route).child.observe(event.seconds)
+            self._fam.ack_generation.get(event.route).observe(event.seconds)
 
     def answer_after_acknowledgment(self, event: AnswerAfterAcknowledgment) -> None:
         """Count the spoken acknowledgment needless when the answer was right behind it."""
