@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -531,3 +533,28 @@ def test_a_validated_message_is_delivered_without_validating_again() -> None:
                                        timestamp_us=1)
     with pytest.raises(ValueError, match="malformed"):
         QUERY.coerce(broken)
+
+
+def test_publication_ids_are_unique_hex_and_fresh_in_a_forked_child() -> None:
+    """Message ids are 32 hex digits, never repeat, and a forked child draws a new prefix."""
+    ids = [UserQuery(participant_id="p", text="x").message_id for _ in range(5000)]
+    ids += [ParticipantJoined(participant_id="p").message_id for _ in range(5000)]
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(r"[0-9a-f]{32}", message_id) for message_id in ids)
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe()
+    process = context.Process(target=_send_an_id, args=(child,), daemon=True)
+    process.start()
+    try:
+        assert parent.poll(30), "the forked child sent no id"
+        forked = parent.recv()
+    finally:
+        process.join(timeout=30)
+    assert isinstance(forked, str) and len(forked) == 32
+    assert forked[:16] != ids[0][:16]  # another prefix, not the parent's counter continued
+    assert forked not in ids
+
+
+def _send_an_id(connection: Any) -> None:
+    connection.send(UserQuery(participant_id="p", text="x").message_id)
+    connection.close()

@@ -8,9 +8,7 @@ the participant snapshot that moves a participant between router replicas.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -53,8 +51,8 @@ class Departure:
 
     __slots__ = ("_operation",)
 
-    def __init__(self, coro: Coroutine[Any, Any, None] | None) -> None:
-        self._operation = None if coro is None else OwnedOperation(coro)
+    def __init__(self, operation: OwnedOperation | None) -> None:
+        self._operation = operation
 
     @property
     def done(self) -> bool:

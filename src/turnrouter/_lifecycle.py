@@ -39,6 +39,18 @@ class OwnedOperation:
 
     async def join(self) -> None:
         """Wait for the operation; re-raise its error (a fresh copy for groups)."""
+        if not self._task.done():
+            await self._wait()
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        error = self._task.exception()
+        if error is None:
+            return
+        if isinstance(error, BaseExceptionGroup):
+            raise error.derive(error.exceptions) from None
+        raise error
+
+    async def _wait(self) -> None:
+        """Wait for the task, shielded from the joiner's cancellation until it is done."""
         cancelled: BaseException | None = None
         with anyio.CancelScope(shield=True):
             while not self._task.done():
@@ -51,13 +63,6 @@ class OwnedOperation:
                     cancelled = exc
         if cancelled is not None:
             raise cancelled
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        error = self._task.exception()
-        if error is None:
-            return
-        if isinstance(error, BaseExceptionGroup):
-            raise error.derive(error.exceptions) from None
-        raise error
 
 
 class TurnRun:

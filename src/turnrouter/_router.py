@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,6 +41,7 @@ from ._contracts import (
 from ._departures import Departures
 from ._exceptions import ConfigurationError, ContractTypeError, ContractValueError, LifecycleError
 from ._frontend import Departure, ParticipantSnapshot, RoutedResult
+from ._lifecycle import OwnedOperation
 from ._limits import (
     DEFAULT_MAX_DEPARTED_PARTICIPANTS,
     DEFAULT_MAX_HISTORY_EXCHANGES,
@@ -352,9 +354,8 @@ class AgentRouter:
         _check_pid(participant_id)
         if self._registry.phase is RouterPhase.STOPPING:
             self._departures.close(participant_id)
-            return Departure(self._departures.leave(participant_id))
-        operation = self._departures.start(participant_id)
-        return Departure(None if operation is None else operation.join())
+            return Departure(OwnedOperation(self._departures.leave(participant_id)))
+        return Departure(self._departures.start(participant_id))
 
     def readmit(self, participant_id: str) -> None:
         """A participant joined (again): reopen admission after a departure."""
@@ -413,14 +414,12 @@ class AgentRouter:
         """W3C trace headers of the current span, for a message a front end publishes."""
         return self._cfg.observer.inject_context()
 
-    @contextlib.contextmanager
-    def continue_trace(self, carrier: Mapping[str, str]) -> Iterator[None]:
-        """Turns started inside the block are children of the remote span in `carrier`."""
-        token = self._cfg.observer.enter_context(carrier)
-        try:
-            yield
-        finally:
-            self._cfg.observer.exit_context(token)
+    def continue_trace(self, carrier: Mapping[str, str]) -> AbstractContextManager[None]:
+        """Turns started inside the block are children of the remote span in `carrier`
+        (an empty carrier changes nothing)."""
+        if not carrier:
+            return _NO_TRACE
+        return _ContinuedTrace(self._cfg.observer, carrier)
 
     def export_participant(self, participant_id: str) -> ParticipantSnapshot | None:
         """The participant's movable state, or None when the router holds none."""
@@ -472,6 +471,25 @@ class AgentRouter:
             self._cfg.observer.turn_started(TurnStarted(turn, None)).finished(
                 TurnFinished("refused", None, None, None, 0, exc))
             raise
+
+
+_NO_TRACE: AbstractContextManager[None] = contextlib.nullcontext()
+
+
+class _ContinuedTrace:
+    """`continue_trace()`'s block: the carrier's context is current inside it."""
+
+    __slots__ = ("_carrier", "_observer", "_token")
+
+    def __init__(self, observer: RouterObserver, carrier: Mapping[str, str]) -> None:
+        self._observer, self._carrier = observer, carrier
+        self._token: object = None
+
+    def __enter__(self) -> None:
+        self._token = self._observer.enter_context(self._carrier)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._observer.exit_context(self._token)
 
 
 def _check_pid(participant_id: object) -> None:

@@ -10,8 +10,9 @@ stored as UTF-8 later) and `timestamp_us` is bounded like `AgentTurn.timestamp_u
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
-import uuid
 import weakref
 from typing import Any
 
@@ -30,8 +31,34 @@ __all__ = [
 ]
 
 
+class _Ids:
+    """Publication ids: 32 hex digits, a random 64-bit prefix per process and a counter.
+
+    Unique across processes and publishers like a `uuid4()` (which costs a system call
+    and an object per message: most of a message's cost after validation), but not
+    unpredictable: an id identifies, it does not authorise. A forked child draws a new
+    prefix.
+    """
+
+    __slots__ = ("_count", "prefix")
+
+    def __init__(self) -> None:
+        self.renew()
+
+    def renew(self) -> None:
+        self.prefix = os.urandom(8).hex()
+        self._count = itertools.count(1).__next__
+
+    def new(self) -> str:
+        return f"{self.prefix}{self._count():016x}"
+
+
+_IDS = _Ids()
+os.register_at_fork(after_in_child=_IDS.renew)
+
+
 def _new_id() -> str:
-    return uuid.uuid4().hex
+    return _IDS.new()
 
 
 def _now_us() -> int:

@@ -84,13 +84,19 @@ class RouterSubscriber:
         self._roles = {topic.name: role for role, topic in topics.items()
                        if role != "output_topic"}
         self._control_output_set = False
+        #: The output callback of the runtime last delivering here (one per runtime).
+        self._emit: tuple[AgentRuntime, Any] | None = None
 
     @property
     def subscriptions(self) -> tuple[Topic[Any], ...]:
         return tuple(topic for role, topic in self._topics.items() if role != "output_topic")
 
     def _emitter(self, runtime: AgentRuntime) -> Any:
-        """An `output` callback publishing router control text on the output topic."""
+        """The `output` callback publishing router control text on `runtime`'s output
+        topic (made once per runtime, not per turn)."""
+        cached = self._emit
+        if cached is not None and cached[0] is runtime:
+            return cached[1]
         router, output = self._router, self._output
 
         async def emit(turn: AgentTurn, route: str, text: str) -> None:
@@ -101,6 +107,7 @@ class RouterSubscriber:
                 tracestate=carrier.get("tracestate"),
             ))
 
+        self._emit = (runtime, emit)
         return emit
 
     async def deliver(self, topic: Topic[Any], message: Any, runtime: AgentRuntime) -> None:

@@ -74,8 +74,8 @@ def _capture_from_env() -> bool:
 class Telemetry(RouterObserver):
     """OpenTelemetry spans and Prometheus metrics for an `AgentRouter`.
 
-    `tracer_provider=None` follows the global provider (re-checked cheaply per turn, so
-    an SDK installed after construction is picked up); `registry=None` uses
+    `tracer_provider=None` follows the global provider (re-checked cheaply at each
+    turn's start, so an SDK installed after construction is picked up); `registry=None` uses
     prometheus_client's default registry. Several `Telemetry` objects may share one
     registry (a scrape adds up their counts). Each thread that records through a
     `Telemetry` (a router's event loop, usually one) writes its own lock-free shard of
@@ -111,6 +111,8 @@ class Telemetry(RouterObserver):
             assert tracer_provider is not None
             self._provider = tracer_provider
             self._tracer = _tracer_for(tracer_provider)
+        else:
+            self._current_tracer()
         # Errors already counted by a router-level release, so that a matching
         # `failure()` call for the same exception is not counted twice.
         self._recent_failures: deque[BaseException] = deque(maxlen=8)
@@ -181,7 +183,7 @@ class Telemetry(RouterObserver):
 
     def release_started(self, event: ReleaseStarted) -> object:
         """Open a `turnrouter.release` span under the caller's current span."""
-        tracer = self._current_tracer()
+        tracer = self._tracer  # as found at the latest turn's start
         if tracer is not None:
             span = tracer.start_span(SPAN_RELEASE, kind=INTERNAL, attributes={
                 ATTR.ROUTE: event.route, ATTR.RELEASE_REASON: event.reason})
@@ -231,7 +233,7 @@ class Telemetry(RouterObserver):
         self._families.context_patches.get(event.strategy, event.outcome).inc()
         if event.patch_id is None:
             return
-        tracer = self._current_tracer()
+        tracer = self._tracer  # as found at the latest turn's start
         if tracer is None:
             return
         span = tracer.start_span(SPAN_CONTEXT_PATCH, kind=INTERNAL, attributes={
