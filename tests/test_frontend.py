@@ -174,6 +174,34 @@ async def test_begin_departure_failure_raises_from_join() -> None:
         await departure.join()
 
 
+async def test_departure_done_callback_gets_none_or_the_failure() -> None:
+    """add_done_callback reports None for a clean departure, the ExceptionGroup for a
+    failed one, and None soon for a departure that had nothing to do."""
+    h = Harness(ScriptedAgent("conversation", release_error=RuntimeError("boom")),
+                ScriptedAgent("weather"), decisions=ScriptedDecisions("weather", "conversation"))
+    await h.say()  # p1 used weather: its departure succeeds
+    await h.say(participant="p2")  # p2 used conversation, whose release fails
+    seen: dict[str, BaseException | None] = {}
+    called = {pid: anyio.Event() for pid in ("p1", "p2", "nobody")}
+
+    def record(pid: str) -> Any:
+        def callback(error: BaseException | None) -> None:
+            seen[pid] = error
+            called[pid].set()
+        return callback
+
+    for pid in ("p1", "p2", "nobody"):
+        h.router.begin_departure(pid).add_done_callback(record(pid))
+    assert seen == {}  # never called synchronously
+    with anyio.fail_after(5):
+        for event in called.values():
+            await event.wait()
+    assert seen["p1"] is None and seen["nobody"] is None
+    failure = seen["p2"]
+    assert isinstance(failure, ExceptionGroup)
+    assert [str(error) for error in failure.exceptions] == ["boom"]
+
+
 async def test_begin_departure_during_stop_runs_after_stop() -> None:
     """A departure begun while the router stops waits for the shutdown, then ends."""
     h = Harness(ScriptedAgent("conversation"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import re
@@ -448,6 +449,46 @@ async def test_background_work_is_drained_on_exit() -> None:
     assert done == ["parent", "child"]
     with pytest.raises(LifecycleError, match="not running"):
         runtime.start_soon(child)
+
+
+async def test_exit_waits_for_tracked_futures_and_cancels_them_on_error() -> None:
+    """A tracked future is waited for on exit; a failing body cancels it instead."""
+    loop = asyncio.get_running_loop()
+    finished = loop.create_future()
+    with anyio.fail_after(5):
+        async with AgentRuntime() as runtime:
+            runtime.track(finished)
+            loop.call_soon(finished.set_result, None)
+    assert finished.done() and not finished.cancelled()
+    forever = loop.create_future()
+    with anyio.fail_after(5), pytest.raises(ZeroDivisionError):
+        async with AgentRuntime() as runtime:
+            runtime.track(forever)
+            _ = 1 / 0
+    assert forever.cancelled()
+    with pytest.raises(LifecycleError, match="not running"):
+        runtime.track(loop.create_future())
+
+
+async def test_runtime_departure_failure_is_logged_and_waited_for(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ParticipantLeft whose release fails is logged once by type; the runtime's exit
+    waits for the departure and does not raise."""
+    router, agents, _ = make_router()
+    agents["weather"].release_error = RuntimeError("secret detail")
+    await publish_and_drain(router, OUTPUT, (QUERY, UserQuery(participant_id="p", text="x")))
+    agents["weather"].release_gate = anyio.Event()
+    with caplog.at_level(logging.WARNING), anyio.fail_after(5):
+        async with AgentRuntime() as runtime:
+            runtime.register(router.runtime_subscriber())
+            await runtime.publish(LEFT, ParticipantLeft(participant_id="p"))
+            await agents["weather"].release_entered.wait()
+            agents["weather"].release_gate.set()
+    # Logged when the departure ended: by the exit, with no await since.
+    failures = [r.getMessage() for r in caplog.records if "participant_left" in r.getMessage()]
+    assert len(failures) == 1 and "ExceptionGroup" in failures[0]
+    assert "secret" not in caplog.text
 
 
 def _waits_until_cancelled(

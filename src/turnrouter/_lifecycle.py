@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -36,6 +36,14 @@ class OwnedOperation:
     @property
     def done(self) -> bool:
         return self._task.done()
+
+    def add_done_callback(self, callback: Callable[[BaseException | None], object]) -> None:
+        """Call `callback(error)` on the event loop once the operation ended (None on
+        success); the error counts as retrieved."""
+        def done(task: asyncio.Task[None]) -> None:
+            callback(asyncio.CancelledError() if task.cancelled() else task.exception())
+
+        self._task.add_done_callback(done)
 
     async def join(self) -> None:
         """Wait for the operation; re-raise its error (a fresh copy for groups)."""

@@ -109,8 +109,8 @@ class AgentRuntime:
 
     def __init__(self) -> None:
         self._subscribers: dict[str, list[tuple[Topic[Any], RuntimeAgent]]] = {}
-        self._tasks: set[asyncio.Task[Any]] | None = None
-        self._cancelled: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+        self._tasks: set[asyncio.Future[Any]] | None = None
+        self._cancelled: weakref.WeakSet[asyncio.Future[Any]] = weakref.WeakSet()
         self._errors: list[BaseException] = []
         self._outputs: list[Callable[[Topic[Any], Any], Awaitable[None]]] = []
         self._rejected = 0
@@ -199,7 +199,17 @@ class AgentRuntime:
         tasks.add(task)
         task.add_done_callback(self._finished)
 
-    def _finished(self, task: asyncio.Task[Any]) -> None:
+    def track(self, future: asyncio.Future[Any]) -> None:
+        """Own `future` like background work: the runtime's exit waits for it (and
+        cancels it when the body failed). For work already running elsewhere, such as a
+        departure the router runs in its own task, without a task that waits for it."""
+        tasks = self._tasks
+        if tasks is None:
+            raise LifecycleError("AgentRuntime is not running: use `async with AgentRuntime()`")
+        tasks.add(future)
+        future.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Future[Any]) -> None:
         if self._tasks is not None:
             self._tasks.discard(task)
         if task.cancelled():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -133,10 +135,14 @@ class RouterSubscriber:
         elif role == "participant_joined_topic":
             router.readmit(payload.participant_id)
         elif role == "participant_left_topic":
-            # Admission closes now, so a joined event published after this one wins.
+            # Admission closes now, so a joined event published after this one wins. The
+            # departure runs in the router's own task: the runtime waits for its end (no
+            # task of ours joins it) and its failure is logged.
             departure = router.begin_departure(payload.participant_id)
             if not departure.done:
-                runtime.start_soon(self._guard, "participant_left", departure.join)
+                ended = asyncio.get_running_loop().create_future()
+                departure.add_done_callback(partial(_departed, payload.participant_id, ended))
+                runtime.track(ended)
         elif role == "interrupted_topic":
             runtime.start_soon(self._guard, "interrupt", router.interrupt,
                                payload.participant_id)
@@ -169,3 +175,10 @@ class RouterSubscriber:
                 if reports:
                     with anyio.CancelScope(shield=True):  # idle even when cancelled
                         await router.report_status("idle", pid)
+
+
+def _departed(pid: str, ended: asyncio.Future[None], error: BaseException | None) -> None:
+    if error is not None:
+        log_failure("runtime participant_left(%r)", error, pid, log=logger)
+    if not ended.done():  # not cancelled by the runtime meanwhile
+        ended.set_result(None)
