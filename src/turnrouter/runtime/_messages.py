@@ -74,19 +74,22 @@ class _Validated:
     validates them.
     """
 
-    __slots__ = ("_refs",)
+    __slots__ = ("_forget", "_refs")
 
     def __init__(self) -> None:
-        self._refs: dict[int, weakref.ref[BaseModel]] = {}
+        self._refs: dict[int, weakref.KeyedRef[int, BaseModel]] = {}
+        refs = self._refs
+
+        def forget(ref: weakref.KeyedRef[int, BaseModel]) -> None:
+            if refs.get(ref.key) is ref:
+                del refs[ref.key]
+
+        # One callback for every entry: a message costs one weak reference, no closure.
+        self._forget = forget
 
     def add(self, message: BaseModel) -> None:
         key = id(message)
-        refs = self._refs
-
-        def forget(_: object, key: int = key) -> None:
-            refs.pop(key, None)
-
-        refs[key] = weakref.ref(message, forget)
+        self._refs[key] = weakref.KeyedRef(message, self._forget, key)
 
     def __contains__(self, message: object) -> bool:
         ref = self._refs.get(id(message))

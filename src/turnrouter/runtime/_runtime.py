@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
@@ -114,6 +115,9 @@ class AgentRuntime:
         self._errors: list[BaseException] = []
         self._outputs: list[Callable[[Topic[Any], Any], Awaitable[None]]] = []
         self._rejected = 0
+        # Done callbacks made once: per task, neither a bound method nor a copied context.
+        self._on_done = self._finished
+        self._done_context = contextvars.Context()
 
     def register(self, agent: RuntimeAgent) -> None:
         """Subscribe `agent` to its topics."""
@@ -197,7 +201,7 @@ class AgentRuntime:
             raise LifecycleError("AgentRuntime is not running: use `async with AgentRuntime()`")
         task = asyncio.get_running_loop().create_task(fn(*args), name=name or None)
         tasks.add(task)
-        task.add_done_callback(self._finished)
+        task.add_done_callback(self._on_done, context=self._done_context)
 
     def track(self, future: asyncio.Future[Any]) -> None:
         """Own `future` like background work: the runtime's exit waits for it (and
@@ -207,7 +211,7 @@ class AgentRuntime:
         if tasks is None:
             raise LifecycleError("AgentRuntime is not running: use `async with AgentRuntime()`")
         tasks.add(future)
-        future.add_done_callback(self._finished)
+        future.add_done_callback(self._on_done, context=self._done_context)
 
     def _finished(self, task: asyncio.Future[Any]) -> None:
         if self._tasks is not None:
