@@ -74,6 +74,8 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool
         tracemalloc.start()
     base_memory = tracemalloc.get_traced_memory()[0]
     published = 0
+    collector = _CollectorTime()
+    gc.callbacks.append(collector)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     peak_state = 0
     async with AgentRuntime() as runtime:
@@ -92,6 +94,7 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool
             await runtime.publish(LEFT, ParticipantLeft(participant_id=f"p{i}"))
     await router.stop()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    gc.callbacks.remove(collector)
     _, peak = tracemalloc.get_traced_memory()
     if trace_memory:
         tracemalloc.stop()
@@ -103,7 +106,26 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool
         "participants": participants, "published": published, "finished": finished,
         "wall": wall, "cpu": cpu, "peak": peak - base_memory, "state": peak_state,
         "held": held, "after_stop": len(router.participants), "tasks_left": len(leftover),
+        "gc": sum(collector.seconds), "gc_full": collector.seconds[2],
+        "gc_full_runs": collector.runs[2],
     }
+
+
+class _CollectorTime:
+    """Time spent in the cyclic garbage collector, per generation (a `gc.callbacks` hook)."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.runs = [0, 0, 0]
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            generation = info["generation"]
+            self.seconds[generation] += time.perf_counter() - self._t0
+            self.runs[generation] += 1
 
 
 def main() -> None:
@@ -123,6 +145,11 @@ def main() -> None:
           f"(wall {r['wall']:.2f} s)")
     print(f"router CPU per turn     {r['cpu'] / r['finished'] * 1e6:.0f} µs "
           "(whole process: lexical decisions, telemetry, runtime included)")
+    print(f"one core holds          {r['finished'] / r['cpu']:.0f} turns/s "
+          "(1 / CPU per turn: what the wall figure is on an otherwise idle core)")
+    print(f"garbage collector       {r['gc'] / r['finished'] * 1e6:.0f} µs per turn, of it "
+          f"{r['gc_full'] / r['finished'] * 1e6:.0f} µs in {r['gc_full_runs']} full "
+          "collections (their count and cost grow with the participants held)")
     print(f"peak traced memory      {r['peak'] / 1e6:.1f} MB; state held with every "
           f"participant present: {r['state'] / 1e6:.1f} MB "
           f"({r['state'] / r['participants']:.0f} B/participant)")
