@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
+import pstats
 import random
 import resource
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import anyio
 from prometheus_client import CollectorRegistry
@@ -128,12 +131,35 @@ class _CollectorTime:
             self.runs[generation] += 1
 
 
+def profile(participants: int, turns: int, seed: int, top: int) -> None:
+    """Print the `top` functions by own time of one pass, as shares of the whole."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    r = asyncio.run(run(participants, turns, seed, trace_memory=False))
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    entries = stats.stats  # type: ignore[attr-defined]
+    total = sum(entry[2] for entry in entries.values())
+    print(f"profile of {r['finished']:.0f} turns: top {top} functions by own time")
+    ranked = sorted(entries.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    for (path, line, name), (_, calls, own, _cumulative, _) in ranked:
+        where = f"{Path(path).name}:{line}" if line else path
+        print(f"  {own / total * 100:5.1f}%  {calls / r['finished']:6.2f} calls/turn  "
+              f"{name} ({where})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--participants", type=int, default=10_000)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="instead, profile one timing pass and print its top N "
+                             "functions by own time (cProfile: slower, shares are what count)")
     args = parser.parse_args()
+    if args.profile:
+        profile(args.participants, args.turns, args.seed, args.profile)
+        return
     # Timing and memory in separate passes: tracemalloc slows Python down severalfold.
     r = asyncio.run(run(args.participants, args.turns, args.seed, trace_memory=False))
     m = asyncio.run(run(args.participants, args.turns, args.seed, trace_memory=True))
