@@ -461,10 +461,14 @@ async def test_exit_waits_for_tracked_futures_and_cancels_them_on_error() -> Non
             loop.call_soon(finished.set_result, None)
     assert finished.done() and not finished.cancelled()
     forever = loop.create_future()
-    with anyio.fail_after(5), pytest.raises(ZeroDivisionError):
+
+    async def failing_body() -> None:
         async with AgentRuntime() as runtime:
             runtime.track(forever)
-            _ = 1 / 0
+            raise ZeroDivisionError
+
+    with anyio.fail_after(5), pytest.raises(ZeroDivisionError):
+        await failing_body()
     assert forever.cancelled()
     with pytest.raises(LifecycleError, match="not running"):
         runtime.track(loop.create_future())
