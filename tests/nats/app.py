@@ -3,7 +3,10 @@
 One destination, `echo`, takes focus and answers `<query>|<previous user text or ->|<F
 when it was admitted focused, else N>` after `TR_TEST_ANSWER_SECS` (default 0.05 s), so
 the listener can check order, history and focus after a move from the answers alone.
-A query starting with `slow` first says "working on it" and answers after a minute.
+A query starting with `slow` first says "working on it" and answers after a minute. A
+participant whose id starts with `q` is answered at once: its turn ends before the
+worker's `mark_after`, so its message is acknowledged after the finished record, with no
+in-flight mark (the other participants' turns are marked).
 """
 
 from __future__ import annotations
@@ -47,7 +50,10 @@ class Echo:
     async def answer(self, turn: AgentTurn, *,
                      started: Callable[[], Awaitable[None]]) -> DestinationResult:
         await started()
-        await asyncio.sleep(60.0 if turn.query.startswith("slow") else self._delay)
+        if turn.query.startswith("slow"):
+            await asyncio.sleep(60.0)
+        elif not turn.participant_id.startswith("q"):
+            await asyncio.sleep(self._delay)
         previous = turn.history[-1].user if turn.history else "-"
         flag = "F" if self._focused.pop(turn.turn_id, False) else "N"
         text = f"{turn.query}|{previous}|{flag}"

@@ -58,9 +58,10 @@ class Crowd:
     """`participants` each send turns one after the other, waiting for each ending."""
 
     def __init__(self, front: NatsFrontEnd, participants: int, *, timeout: float = 15.0,
-                 prefix: str = "u", pause: float = 0.0) -> None:
+                 prefix: str = "u", pause: float = 0.0, quick: int = 0) -> None:
         self.front, self.timeout, self.pause = front, timeout, pause
-        self.pids = [f"{prefix}{i}" for i in range(participants)]
+        # The first `quick` participants are answered at once (tests/nats/app.py).
+        self.pids = [f"{'q' if i < quick else prefix}{i}" for i in range(participants)]
         self.heard = Heard()
         self.sent: dict[str, list[Sent]] = {pid: [] for pid in self.pids}
         self.unanswered: list[Sent] = []

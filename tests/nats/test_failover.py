@@ -35,9 +35,10 @@ def fleet(server: NatsServer, count: int, prefix: str = "w") -> Iterator[list[Wo
 @asynccontextmanager
 async def talking(server: NatsServer, participants: int,
                   pause: float) -> AsyncIterator[Crowd]:
-    """A crowd talking until the block ends; then every turn is waited for."""
+    """A crowd talking until the block ends; then every turn is waited for. Half of it
+    is answered at once (no in-flight mark), half after 50 ms (marked in flight)."""
     front = await NatsFrontEnd.connect(NatsConfig(url=server.url))
-    crowd = Crowd(front, participants, timeout=10.0, pause=pause)
+    crowd = Crowd(front, participants, timeout=10.0, pause=pause, quick=participants // 2)
     ready = asyncio.Event()
     listener = asyncio.create_task(crowd.listen(ready))
     await ready.wait()
@@ -78,7 +79,9 @@ async def served(crowd: Crowd, turns: int) -> None:
 
 async def test_kill_nine_three_times_loses_nothing(nats_server: NatsServer) -> None:
     """kill -9 of the busiest replica, three times: nothing lost, doubled or reordered;
-    history and focus move; every turn ends within the documented gap."""
+    history and focus move; every turn ends within the documented gap; both ways of
+    acknowledging a query (after its finished record, or after an in-flight mark) were
+    taken."""
     with fleet(nats_server, 3) as workers:
         await until_owned(workers)  # start-up is not failover: talk once all are served
         async with talking(nats_server, 200, pause=0.5) as crowd:
@@ -99,6 +102,9 @@ async def test_kill_nine_three_times_loses_nothing(nats_server: NatsServer) -> N
         figures = crowd.check(DOCUMENTED_GAP)
         assert figures["answers"] > 1000
         await until_owned(workers)
+        marked = total(workers, "turnrouter_nats_inflight_marks_total")
+        turns = total(workers, "turnrouter_turns_total")
+        assert 0 < marked < turns
 
 
 async def test_paused_replica_is_fenced_and_catches_up(nats_server: NatsServer) -> None:

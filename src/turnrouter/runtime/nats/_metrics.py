@@ -44,6 +44,10 @@ class RuntimeMetrics:
             "turnrouter_nats_inflight_failed_total",
             "Turns found in flight on a dead or paused owner, ended with the failure text",
             registry=registry)
+        self.inflight_marks = Counter(
+            "turnrouter_nats_inflight_marks_total",
+            "Turns still running after mark_after, marked in flight in their record "
+            "(one more write) before their message was acknowledged", registry=registry)
         self.state_write = Histogram(
             "turnrouter_nats_state_write_seconds",
             "Revision-checked participant state writes to the key-value bucket",
