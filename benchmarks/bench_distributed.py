@@ -96,16 +96,11 @@ class Load:
         self.count = 0
 
     async def listen(self, ready: asyncio.Event) -> None:
-        iterator = self.front.outputs()
-        first = asyncio.ensure_future(anext(iterator))
-        ready.set()
-        message = await first
-        while True:
+        async for message in self.front.outputs(subscribed=ready):
             if message.route in ("instant", "none"):
                 self.final[message.request_id] = (time.monotonic(), message)
                 self.done.setdefault(message.request_id, asyncio.Event()).set()
                 self.count += 1
-            message = await anext(iterator)
 
     async def turn(self, pid: str, wait: float = 20.0) -> tuple[float, float, str]:
         query = UserQuery(participant_id=pid, text="hi")

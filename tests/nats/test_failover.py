@@ -9,10 +9,10 @@ from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
 from .conftest import NatsServer, Worker, metric_value
-from .crowd import Crowd
+from .crowd import Crowd, Heard, ask, listen
 
 #: The failover gap docs/distributed.md promises (bounded under this test's load).
 DOCUMENTED_GAP = 5.0
@@ -148,3 +148,32 @@ async def test_sigterm_hands_over_without_failure_text(nats_server: NatsServer) 
             await served(crowd, 200)
         figures = crowd.check(DOCUMENTED_GAP)
         assert figures["failures"] == 0
+
+
+async def test_a_patch_between_turns_survives_a_crash(nats_server: NatsServer) -> None:
+    """A context patch applied after a turn ended is saved to the participant's record
+    without waiting for a next turn: kill -9 of the owner, and the new owner's next turn
+    has the patch in its history."""
+    front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    heard = Heard()
+    ready = asyncio.Event()
+    listener = asyncio.create_task(listen(front, heard, ready))
+    await ready.wait()
+    kv = await front.connection.jetstream().key_value(NatsConfig().bucket)
+    records = await kv.watch(f"*.{encode_token('pat')}")
+    try:
+        with fleet(nats_server, 1, prefix="a") as (owner,):
+            assert await ask(front, heard, "pat", "patch me") == "patch me|-|N"
+            async with asyncio.timeout(10):  # the record, rewritten with the patch
+                async for entry in records:
+                    if entry is not None and b"[background: job-pat]" in (entry.value or b""):
+                        break
+            owner.signal(signal.SIGKILL)
+            with fleet(nats_server, 1, prefix="b"):
+                assert await ask(front, heard, "pat", "after") == (
+                    "after|[background: job-pat]|F")
+    finally:
+        await records.stop()  # type: ignore[no-untyped-call]  # nats-py leaves it untyped
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await front.close()

@@ -214,6 +214,19 @@ class Inputs:
             self._metrics.inflight_marks.inc()
         return await self._ledger.write(pid, state, fresh=False)
 
+    def changed(self, pid: str) -> None:
+        """The router changed a participant outside its turns (a context patch): save
+        its record soon, off any turn's path (one save for changes close together)."""
+        state = self._ledger.people.get(pid)
+        if state is None or state.fenced or state.saving:
+            return
+        state.saving = True
+        self._spawn(self._save(pid, state), "state save")
+
+    async def _save(self, pid: str, state: Participant) -> None:
+        state.saving = False  # a change after this point schedules another save
+        await self._ledger.write(pid, state)
+
     async def _after(self, work: Awaitable[None], pid: str, state: Participant) -> None:
         try:
             await work

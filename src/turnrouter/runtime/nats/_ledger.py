@@ -47,6 +47,8 @@ class Participant:
     fenced: bool = False
     ended: frozenset[str] = frozenset()
     """Turns the claimed record had already ended (in flight: failure text; held answer)."""
+    saving: bool = False
+    """A save after an out-of-turn change (a context patch) is scheduled."""
     snapshot: bytes | None = None
     """The snapshot JSON of the last record written or claimed (an in-flight mark
     reuses it: nothing but turns and patches change it, and they write a fresh one)."""

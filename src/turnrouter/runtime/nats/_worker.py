@@ -186,6 +186,7 @@ class NatsWorker:
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
                                            self._metrics, self._spawn, self._stop.is_set)
             router.set_control_output(inputs.control_output)
+            router.on_participant_changed(inputs.changed)
             self._fleet = Fleet(nc, config, self.replica, lambda: self._pins,
                                 lambda: len(self._pins), self._metrics, self._spawn,
                                 router.report_rejected)
