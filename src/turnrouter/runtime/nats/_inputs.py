@@ -278,7 +278,9 @@ class Inputs:
             if state.fenced:
                 run.settle(False)
             else:
-                await asyncio.shield(self._finish(pid, state, run))
+                # Not shielded: the task is cancelled only when the worker goes down, and
+                # a record write cut then is a crash like any other (module doc).
+                await self._finish(pid, state, run)
 
     async def _finish(self, pid: str, state: Participant, run: _Running) -> None:
         """Write the finished exchange, then publish the answer it holds (if any)."""
