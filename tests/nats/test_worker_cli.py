@@ -52,7 +52,7 @@ def test_junk_app_specs_raise_value_error(module: str, attribute: str) -> None:
 @pytest.mark.parametrize("flags", [
     ["--metrics-port", "70000"], ["--metrics-port", "x"], ["--failover-timeout", "inf"],
     ["--ack-wait", "nan"], ["--drain-timeout", "-1"], ["--partitions", "0"],
-    ["--prefix", "a.b"],
+    ["--prefix", "a.b"], ["--mark-after", "1"], ["--mark-after", "0"],
 ])
 def test_bad_flags_are_one_line_usage_errors(flags: list[str]) -> None:
     """Out-of-range or malformed flags exit 2 with one line on stderr, no traceback."""
