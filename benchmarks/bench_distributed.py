@@ -139,14 +139,17 @@ class Load:
                 self.done.setdefault(message.request_id, asyncio.Event()).set()
                 self.count += 1
 
-    async def turn(self, pid: str, wait: float = 20.0) -> tuple[float, float, str]:
+    async def turn(self, pid: str, wait: float = 20.0) -> tuple[float, float, str, float]:
+        """(sent, answered, text, ms from the query's creation until its publish was
+        acknowledged) of one turn."""
         query = UserQuery(participant_id=pid, text="hi")
         event = self.done.setdefault(query.message_id, asyncio.Event())
         sent = time.monotonic()
         await self.front.publish(query)
+        stored = (time.time_ns() // 1000 - query.timestamp_us) / 1000
         await asyncio.wait_for(event.wait(), wait)
         at, message = self.final[query.message_id]
-        return sent, at, message.text
+        return sent, at, message.text, stored
 
 
 async def closed_loop(load: Load, participants: int, seconds: float,
@@ -165,14 +168,18 @@ async def closed_loop(load: Load, participants: int, seconds: float,
     return (load.count - start_count) / (time.monotonic() - t0)
 
 
-async def open_loop(load: Load, rate: float, seconds: float) -> list[float]:
-    """Publish at `rate` turns/s; the publish-to-answer() delays in milliseconds."""
+async def open_loop(load: Load, rate: float, seconds: float
+                    ) -> tuple[list[float], list[float]]:
+    """Publish at `rate` turns/s; the publish-to-answer() delays in milliseconds, and
+    the part of each until the publish was acknowledged to the generator."""
     delays: list[float] = []
+    stored: list[float] = []
 
     async def one(i: int) -> None:
-        _, _, text = await load.turn(f"o{i % 500}")
+        _, _, text, acknowledged = await load.turn(f"o{i % 500}")
         if text.count(" ") == 2:
             delays.append(int(text.split(" ")[1]) / 1000)
+            stored.append(acknowledged)
 
     tasks = []
     t0 = time.monotonic()
@@ -180,7 +187,7 @@ async def open_loop(load: Load, rate: float, seconds: float) -> list[float]:
         await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
         tasks.append(asyncio.create_task(one(i)))
     await asyncio.gather(*tasks)
-    return delays
+    return delays, stored
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -205,7 +212,7 @@ async def failover(url: str, fleet: list[Any], kills: int) -> list[float]:
 
     async def talk(pid: str) -> None:
         while not stopping.is_set():
-            _, at, text = await load.turn(pid)
+            _, at, text, _ = await load.turn(pid)
             died = killed_at.pop(pid, None)
             if died is not None:
                 gaps.append(at - died)
@@ -415,12 +422,14 @@ async def scale(url: str, count: int, seconds: float, server_pid: int,
             for share, name in ((0.25, "latency_quarter_load_ms"),
                                 (0.5, "latency_half_load_ms")):
                 usage = Usage(pids)
-                delays = await open_loop(load, rate * share, seconds)
+                delays, stored = await open_loop(load, rate * share, seconds)
                 waited = usage.waiting()
                 out[name] = {
                     "rate": round(rate * share), "p50": round(_pct(delays, 0.5), 2),
                     "p90": round(_pct(delays, 0.9), 2), "p99": round(_pct(delays, 0.99), 2),
                     "max": round(max(delays), 1), "n": len(delays),
+                    "publish_acknowledged_p50_p99": [round(_pct(stored, 0.5), 2),
+                                                     round(_pct(stored, 0.99), 2)],
                     "cpu_wait_ms_per_s": {k: round(v / seconds * 1000)
                                           for k, v in waited.items()}}
         listener.cancel()
