@@ -379,6 +379,29 @@ async def ab(baseline: Path, seconds: float, rounds: int = 3) -> None:
     print(json.dumps(report, indent=2))
 
 
+def _buckets(workers: list[Any], stage: str) -> dict[float, float]:
+    """Cumulative counts of the workers' input wait histogram at `stage`, by bound."""
+    counts: dict[float, float] = {}
+    for worker in workers:
+        for line in worker.metrics().splitlines():
+            if line.startswith("turnrouter_nats_input_wait_seconds_bucket") and (
+                    f'stage="{stage}"' in line):
+                bound = float(line.split('le="')[1].split('"')[0])
+                counts[bound] = counts.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _bucket_quantile(before: dict[float, float], after: dict[float, float],
+                     q: float) -> float:
+    """The upper bound (ms) of the bucket holding quantile `q` of the window."""
+    delta = {bound: after[bound] - before.get(bound, 0.0) for bound in sorted(after)}
+    total = delta.get(float("inf"), 0.0)
+    for bound, count in delta.items():
+        if total and count >= q * total:
+            return bound * 1000
+    return float("nan")
+
+
 def _pinned(cpu: int | None) -> list[str]:
     return [] if cpu is None else ["taskset", "-c", str(cpu)]
 
@@ -422,14 +445,19 @@ async def scale(url: str, count: int, seconds: float, server_pid: int,
             for share, name in ((0.25, "latency_quarter_load_ms"),
                                 (0.5, "latency_half_load_ms")):
                 usage = Usage(pids)
+                waits = {st: _buckets(workers, st) for st in ("delivery", "queued")}
                 delays, stored = await open_loop(load, rate * share, seconds)
                 waited = usage.waiting()
+                after = {st: _buckets(workers, st) for st in ("delivery", "queued")}
                 out[name] = {
                     "rate": round(rate * share), "p50": round(_pct(delays, 0.5), 2),
                     "p90": round(_pct(delays, 0.9), 2), "p99": round(_pct(delays, 0.99), 2),
                     "max": round(max(delays), 1), "n": len(delays),
                     "publish_acknowledged_p50_p99": [round(_pct(stored, 0.5), 2),
                                                      round(_pct(stored, 0.99), 2)],
+                    "worker_input_wait_bucket_ms_p50_p99": {
+                        st: [_bucket_quantile(waits[st], after[st], q) for q in (0.5, 0.99)]
+                        for st in waits},
                     "cpu_wait_ms_per_s": {k: round(v / seconds * 1000)
                                           for k, v in waited.items()}}
         listener.cancel()

@@ -94,7 +94,8 @@ def test_worker_serves_its_metric_families(nats_server: NatsServer) -> None:
                        "turnrouter_nats_state_writes_refused_total",
                        "turnrouter_nats_redeliveries_total",
                        "turnrouter_nats_duplicates_dropped_total",
-                       "turnrouter_nats_inflight_marks_total"):
+                       "turnrouter_nats_inflight_marks_total",
+                       "turnrouter_nats_input_wait_seconds_count"):
             assert family in text
     finally:
         worker.close()

@@ -80,6 +80,17 @@ def fleet_dashboard() -> dict[str, Any]:
                              (f"histogram_quantile(0.99, sum by (le) "
                               f"(rate({write}{{{JOB}}}[{RATE}])))", "p99")),
                     unit="s"),
+        _timeseries("Input wait",
+                    "p99 by stage: delivery (stored in the stream until a replica received "
+                    "it; includes clock skew between hosts) and queued (received until "
+                    "handled, behind the partition's previous message).",
+                    _targets((f"histogram_quantile(0.99, sum by (stage, le) (rate("
+                              f"turnrouter_nats_input_wait_seconds_bucket{{{JOB}}}[{RATE}])))",
+                              "p99 {{stage}}"),
+                             (f"histogram_quantile(0.5, sum by (stage, le) (rate("
+                              f"turnrouter_nats_input_wait_seconds_bucket{{{JOB}}}[{RATE}])))",
+                              "p50 {{stage}}")),
+                    unit="s"),
         _timeseries("Turns marked in flight",
                     "Turns still running after mark_after, recorded in flight before their "
                     "message was acknowledged (the others need no mark).",

@@ -135,9 +135,10 @@ class Inputs:
         logger.warning("turnrouter: rejected input on %s: %s", msg.subject[:200], detail)
         self._router.report_rejected("nats_input", reason)
 
-    async def handle(self, n: int, msg: Msg, owned: bool) -> None:
+    async def handle(self, n: int, msg: Msg, owned: bool, received: float) -> None:
         """Check and run one message delivered on partition `n` (owned: this replica
-        holds its pin), then acknowledge it when its outcome is recorded."""
+        holds its pin; received: its arrival, `time.monotonic()`), then acknowledge it
+        when its outcome is recorded."""
         try:
             partition, pid, kind, message = parse_input(self._config, msg.subject, msg.data)
             if partition != n:
@@ -152,10 +153,15 @@ class Inputs:
         if not owned:
             self._reject(msg, "not_owned", f"partition {n} is not owned here")
             return  # not acknowledged: the owner gets it
-        delivered = _delivery_count(msg.reply)
+        delivered, stored_ns = _delivery(msg.reply)
         metrics = self._metrics
-        if delivered > 1 and metrics is not None:
-            metrics.redeliveries.inc()
+        if metrics is not None:
+            if delivered > 1:
+                metrics.redeliveries.inc()
+            wait = metrics.input_wait
+            wait.labels("queued").observe(time.monotonic() - received)
+            if stored_ns:
+                wait.labels("delivery").observe(max(0.0, time.time() - stored_ns / 1e9))
         message_id = message.message_id
         if message_id in self._recent or message_id in self._running:
             if metrics is not None:
@@ -351,12 +357,16 @@ class Inputs:
                 message.model_dump_json().encode(), headers)
 
 
-def _delivery_count(reply: str | None) -> int:
-    """The delivery count in a JetStream ack subject ($JS.ACK.<stream>.<consumer>.<n>...)."""
+def _delivery(reply: str | None) -> tuple[int, int]:
+    """The delivery count and the stored time (Unix ns; 0 when unknown) in a JetStream
+    ack subject: $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>,
+    or with <domain>.<account hash> after ACK and a token at the end."""
     if not reply:
-        return 1
+        return 1, 0
     parts = reply.split(".")
     try:
-        return int(parts[4]) if len(parts) == 9 else int(parts[6])
+        if len(parts) == 9:
+            return int(parts[4]), int(parts[7])
+        return int(parts[6]), int(parts[9])
     except (IndexError, ValueError):
-        return 1
+        return 1, 0

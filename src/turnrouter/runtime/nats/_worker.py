@@ -23,6 +23,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -289,9 +290,10 @@ class NatsWorker:
         await nc.publish(next_subject, json.dumps(request).encode(), reply=subject)
         handle = self.inputs.handle
         for _ in range(_BATCH):
-            msg = await inbox.get(config.pull_expires + 2.0)
-            if msg is None:
+            got = await inbox.get(config.pull_expires + 2.0)
+            if got is None:
                 return  # a lost reply (reconnect): ask again
+            msg, received = got
             headers = msg.headers
             if headers:
                 status = headers.get("Status")
@@ -305,7 +307,7 @@ class NatsWorker:
                     self._pins[n] = new_pin
                     self._set_owned()
                     await self._take_over(n)
-            await handle(n, msg, n in self._pins)
+            await handle(n, msg, n in self._pins, received)
 
     async def _status(self, n: int, status: str) -> None:
         """A pull request ended with a status instead of a message."""
@@ -378,17 +380,18 @@ class _Inbox:
     __slots__ = ("_msgs", "_waiter")
 
     def __init__(self) -> None:
-        self._msgs: deque[Msg] = deque()
+        self._msgs: deque[tuple[Msg, float]] = deque()
         self._waiter: asyncio.Future[None] | None = None
 
     async def put(self, msg: Msg) -> None:
-        self._msgs.append(msg)
+        self._msgs.append((msg, time.monotonic()))
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def get(self, wait: float) -> Msg | None:
-        """The next message, or None after `wait` seconds without one."""
+    async def get(self, wait: float) -> tuple[Msg, float] | None:
+        """The next message and when it arrived (`time.monotonic()`), or None after
+        `wait` seconds without one."""
         if not self._msgs:
             loop = asyncio.get_running_loop()
             waiter = self._waiter = loop.create_future()
