@@ -17,9 +17,11 @@ from turnrouter.runtime.nats import (
     decode_token,
     encode_token,
 )
+from turnrouter.runtime.nats._link import pub_ack
 from turnrouter.runtime.nats._metrics import runtime_metrics
 from turnrouter.runtime.nats._wire import (
     Rejected,
+    ack_metadata,
     kind_of,
     output_message_id,
     parse_input,
@@ -195,3 +197,46 @@ def test_public_names_are_pinned() -> None:
     assert set(module.__all__) == {
         "MAX_PARTICIPANT_ID_BYTES", "NatsConfig", "NatsFrontEnd", "NatsWorker",
         "WorkerContext", "decode_token", "encode_token"}
+
+
+def test_publish_acknowledgments_parse_to_a_sequence_or_an_error() -> None:
+    """A stored publish's reply gives its sequence; a refusal gives the server's error."""
+    assert pub_ack(b'{"stream":"KV_s","seq":42}') == (42, None)
+    wrong = {"code": 400, "err_code": 10071, "description": "wrong last sequence: 41"}
+    assert pub_ack(json.dumps({"error": wrong}).encode()) == (None, wrong)
+
+
+@given(st.binary(max_size=300) | JUNK.map(lambda v: json.dumps(v).encode()))
+def test_junk_publish_acknowledgments_raise_value_error(data: bytes) -> None:
+    """Whatever the reply holds, pub_ack returns a non-negative int sequence or an
+    error, or raises ValueError (the record write then logs it)."""
+    try:
+        seq, error = pub_ack(data)
+    except ValueError:
+        return
+    assert (isinstance(seq, int) and seq >= 0 and error is None) or (
+        seq is None and error is not None)
+
+
+def test_deeply_nested_acknowledgment_is_a_value_error() -> None:
+    """A reply nested past the parser's depth is refused as ValueError."""
+    with pytest.raises(ValueError, match="nested"):
+        pub_ack(b"[" * 200_000 + b"]" * 200_000)
+
+
+def test_ack_subjects_give_the_delivery_count_and_stored_time() -> None:
+    """Both ack subject layouts (with and without domain and account) are read."""
+    assert ack_metadata("$JS.ACK.TR_IN.p3.2.17.9.1700000000123456789.0") == (
+        2, 1700000000123456789)
+    assert ack_metadata("$JS.ACK.dom.acc.TR_IN.p3.3.17.9.1700000000123456789.0.x") == (
+        3, 1700000000123456789)
+    assert ack_metadata(None) == (1, 0)
+
+
+@given(st.text(max_size=200))
+def test_junk_ack_subjects_give_defaults(reply: str) -> None:
+    """Any reply subject gives two ints (count 1 and no stored time when unreadable);
+    a stored time is a nanosecond count a float holds."""
+    count, stored = ack_metadata(reply)
+    assert isinstance(count, int) and isinstance(stored, int) and 0 <= stored < 2**63
+    assert ack_metadata("$JS.ACK.S.c.1.2.3." + "9" * 400 + ".0") == (1, 0)

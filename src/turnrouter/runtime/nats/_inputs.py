@@ -36,6 +36,7 @@ from ._wire import (
     Ending,
     NatsConfig,
     Rejected,
+    ack_metadata,
     encode_token,
     output_message_id,
     parse_input,
@@ -153,7 +154,7 @@ class Inputs:
         if not owned:
             self._reject(msg, "not_owned", f"partition {n} is not owned here")
             return  # not acknowledged: the owner gets it
-        delivered, stored_ns = _delivery(msg.reply)
+        delivered, stored_ns = ack_metadata(msg.reply)
         metrics = self._metrics
         if metrics is not None:
             if delivered > 1:
@@ -355,18 +356,3 @@ class Inputs:
                    **carrier}
         return (f"{self._out_prefix}{encode_token(pid)}",
                 message.model_dump_json().encode(), headers)
-
-
-def _delivery(reply: str | None) -> tuple[int, int]:
-    """The delivery count and the stored time (Unix ns; 0 when unknown) in a JetStream
-    ack subject: $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>,
-    or with <domain>.<account hash> after ACK and a token at the end."""
-    if not reply:
-        return 1, 0
-    parts = reply.split(".")
-    try:
-        if len(parts) == 9:
-            return int(parts[4]), int(parts[7])
-        return int(parts[6]), int(parts[9])
-    except (IndexError, ValueError):
-        return 1, 0

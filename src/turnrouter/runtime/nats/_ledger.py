@@ -203,15 +203,14 @@ class Ledger:
                               state.snapshot, state.outbox)
             t0 = time.perf_counter()
             try:
-                reply = pub_ack(await self._link.request(
+                seq, error = pub_ack(await self._link.request(
                     f"{self._subject}{state.partition}.{encode_token(pid)}", data,
                     {"Nats-Expected-Last-Subject-Sequence": str(state.revision)}))
             except (RequestFailed, ValueError) as exc:
                 logger.warning("turnrouter: state write failed: %r", exc)
                 return True
-            error = reply.get("error")
-            if error is None:
-                state.revision = int(reply["seq"])
+            if seq is not None:
+                state.revision = seq
             elif not (isinstance(error, dict) and error.get("err_code") in _WRONG_LAST):
                 logger.warning("turnrouter: state write refused by the server: %s", error)
                 return True

@@ -109,10 +109,18 @@ def _expire(future: asyncio.Future[bytes]) -> None:
         future.set_exception(RequestFailed("no reply in time"))
 
 
-def pub_ack(data: bytes) -> dict[str, Any]:
-    """A JetStream publish acknowledgment (`{"stream":..., "seq":...}`) or its error
-    (`{"error": {...}}`); ValueError when it is neither."""
-    reply = json.loads(data)
-    if not isinstance(reply, dict) or not ("seq" in reply or "error" in reply):
-        raise ValueError(f"not a publish acknowledgment: {data[:200]!r}")
-    return reply
+def pub_ack(data: bytes) -> tuple[int | None, Any]:
+    """A JetStream publish acknowledgment: `(seq, None)` for `{"stream":..., "seq":...}`,
+    `(None, error)` for `{"error": ...}`; ValueError naming the problem otherwise."""
+    try:
+        reply = json.loads(data)
+    except RecursionError as exc:
+        raise ValueError("publish acknowledgment nested too deeply") from exc
+    if isinstance(reply, dict):
+        error = reply.get("error")
+        if error is not None:
+            return None, error
+        seq = reply.get("seq")
+        if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0:
+            return seq, None
+    raise ValueError(f"not a publish acknowledgment: {data[:200]!r}")

@@ -35,6 +35,7 @@ __all__ = [
     "Ending",
     "NatsConfig",
     "Rejected",
+    "ack_metadata",
     "decode_token",
     "encode_token",
     "kind_of",
@@ -284,3 +285,18 @@ def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
             and math.isfinite(e[3]) for e in outbox)):
         raise ValueError("state record 'outbox' is not a list of [turn, route, text, time]")
     return inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]
+
+
+def ack_metadata(reply: str | None) -> tuple[int, int]:
+    """The delivery count and the stored time (Unix ns; 0 when unknown) in a JetStream
+    ack subject: $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>,
+    or with <domain>.<account hash> after ACK and a token at the end."""
+    if not reply:
+        return 1, 0
+    parts = reply.split(".")
+    try:
+        count, stored = ((int(parts[4]), int(parts[7])) if len(parts) == 9
+                         else (int(parts[6]), int(parts[9])))
+    except (IndexError, ValueError):
+        return 1, 0
+    return count, stored if 0 < stored < 2**63 else 0
