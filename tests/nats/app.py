@@ -3,7 +3,12 @@
 One destination, `echo`, takes focus and answers `<query>|<previous user text or ->|<F
 when it was admitted focused, else N>` after `TR_TEST_ANSWER_SECS` (default 0.05 s), so
 the listener can check order, history and focus after a move from the answers alone.
-A query starting with `slow` first says "working on it" and answers after a minute.
+A query starting with `slow` first says "working on it" and answers after a minute. A
+participant whose id starts with `q` is answered at once: its turn ends before the
+worker's `mark_after`, so its message is acknowledged after the finished record, with no
+in-flight mark (the other participants' turns are marked). A query starting with
+`patch` is answered, and 0.3 s later (between turns) a background job's context patch
+`job-<participant>` is appended to the participant's history.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from turnrouter import (
     Admission,
     AgentRouter,
     AgentTurn,
+    ContextPatch,
     DestinationResult,
     RouteDecision,
     RouteRequest,
@@ -34,6 +40,8 @@ class Echo:
     def __init__(self, ctx: WorkerContext, delay: float) -> None:
         self._ctx, self._delay = ctx, delay
         self._focused: dict[str, bool] = {}
+        self._jobs: set[asyncio.Task[None]] = set()
+        self.router: AgentRouter | None = None
 
     def routing_aid(self, participant_id: str) -> RoutingAid:
         return RoutingAid("echo", "echoes")
@@ -47,12 +55,25 @@ class Echo:
     async def answer(self, turn: AgentTurn, *,
                      started: Callable[[], Awaitable[None]]) -> DestinationResult:
         await started()
-        await asyncio.sleep(60.0 if turn.query.startswith("slow") else self._delay)
+        if turn.query.startswith("slow"):
+            await asyncio.sleep(60.0)
+        elif not turn.participant_id.startswith("q"):
+            await asyncio.sleep(self._delay)
         previous = turn.history[-1].user if turn.history else "-"
         flag = "F" if self._focused.pop(turn.turn_id, False) else "N"
         text = f"{turn.query}|{previous}|{flag}"
         await self._ctx.answer(turn, "echo", text)
+        if turn.query.startswith("patch"):
+            job = asyncio.create_task(self._background_job(turn.participant_id))
+            self._jobs.add(job)
+            job.add_done_callback(self._jobs.discard)
         return DestinationResult("focus", text)
+
+    async def _background_job(self, pid: str) -> None:
+        await asyncio.sleep(0.3)  # the job's own duration: it ends after the turn
+        assert self.router is not None
+        await self.router.apply_context_patch(
+            pid, ContextPatch(task_id=f"job-{pid}", digest=("job done",)))
 
     async def release(self, participant_id: str) -> None:
         return None
@@ -74,9 +95,11 @@ def make_router(ctx: WorkerContext) -> AgentRouter:
         from opentelemetry.sdk.trace import TracerProvider
 
         telemetry = Telemetry(tracer_provider=TracerProvider(), registry=ctx.registry)
-    return AgentRouter({"echo": Echo(ctx, delay)}, Always(), default_destination="echo",
-                       telemetry=telemetry,
-                       timing_predictor=predictor, timing_sink=ctx.timing_sink)
+    echo = Echo(ctx, delay)
+    echo.router = AgentRouter({"echo": echo}, Always(), default_destination="echo",
+                              telemetry=telemetry,
+                              timing_predictor=predictor, timing_sink=ctx.timing_sink)
+    return echo.router
 
 
 def not_a_router(ctx: WorkerContext) -> object:

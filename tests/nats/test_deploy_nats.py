@@ -14,6 +14,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from turnrouter.cli._worker import load_factory, worker_parser
+from turnrouter.ops import generated_files, queries
 from turnrouter.runtime.nats._metrics import runtime_metrics
 from turnrouter.telemetry import METRICS
 
@@ -119,17 +120,32 @@ def test_prometheus_rule_equals_the_rule_file() -> None:
 
 
 def test_fleet_dashboard_queries_only_exposed_series() -> None:
-    """Every query of the fleet dashboard selects series a worker exposes."""
+    """Every query of the fleet dashboard (generated) selects series a worker exposes,
+    and every runtime family has a panel."""
     model = json.loads(DASHBOARD.read_text())
     assert model["uid"] == "turnrouter-fleet"
     exposed = exposed_names()
-    exprs = [t["expr"] for p in model["panels"] for t in p["targets"]]
-    exprs.append(model["templating"]["list"][0]["definition"])
-    for expr in exprs:
+    used = set()
+    for where, expr in queries(model):
         for name in re.findall(r"\bturnrouter_[a-z_]+", expr):
-            assert name in exposed, f"{name} in {expr!r} is not exposed"
+            assert name in exposed, f"{name} in {where} ({expr!r}) is not exposed"
+            used.add(name.removesuffix("_bucket"))
+    registry = CollectorRegistry()
+    runtime_metrics(registry)
+    families = {f.name + ("_total" if f.type == "counter" else "")
+                for f in registry.collect()}
+    assert families <= used, families - used
     titles = {p["title"] for p in model["panels"]}
     assert "Partitions owned per replica" in titles
+
+
+def test_fleet_files_are_generated_by_turnrouter_ops() -> None:
+    """The fleet dashboard, its rule file and PrometheusRule come from
+    `python -m turnrouter.ops` (the checked-in copies are what it writes)."""
+    generated = generated_files()
+    for path in (DASHBOARD, RULES, K8S / "prometheusrule-nats.yaml"):
+        relative = str(path.relative_to(ROOT))
+        assert generated[relative] == path.read_text(), relative
 
 
 def test_alerts_read_only_exposed_series() -> None:

@@ -9,10 +9,10 @@ from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
 from .conftest import NatsServer, Worker, metric_value
-from .crowd import Crowd
+from .crowd import Crowd, Heard, ask, listen
 
 #: The failover gap docs/distributed.md promises (bounded under this test's load).
 DOCUMENTED_GAP = 5.0
@@ -35,9 +35,10 @@ def fleet(server: NatsServer, count: int, prefix: str = "w") -> Iterator[list[Wo
 @asynccontextmanager
 async def talking(server: NatsServer, participants: int,
                   pause: float) -> AsyncIterator[Crowd]:
-    """A crowd talking until the block ends; then every turn is waited for."""
+    """A crowd talking until the block ends; then every turn is waited for. Half of it
+    is answered at once (no in-flight mark), half after 50 ms (marked in flight)."""
     front = await NatsFrontEnd.connect(NatsConfig(url=server.url))
-    crowd = Crowd(front, participants, timeout=10.0, pause=pause)
+    crowd = Crowd(front, participants, timeout=10.0, pause=pause, quick=participants // 2)
     ready = asyncio.Event()
     listener = asyncio.create_task(crowd.listen(ready))
     await ready.wait()
@@ -78,7 +79,9 @@ async def served(crowd: Crowd, turns: int) -> None:
 
 async def test_kill_nine_three_times_loses_nothing(nats_server: NatsServer) -> None:
     """kill -9 of the busiest replica, three times: nothing lost, doubled or reordered;
-    history and focus move; every turn ends within the documented gap."""
+    history and focus move; every turn ends within the documented gap; both ways of
+    acknowledging a query (after its finished record, or after an in-flight mark) were
+    taken."""
     with fleet(nats_server, 3) as workers:
         await until_owned(workers)  # start-up is not failover: talk once all are served
         async with talking(nats_server, 200, pause=0.5) as crowd:
@@ -99,6 +102,9 @@ async def test_kill_nine_three_times_loses_nothing(nats_server: NatsServer) -> N
         figures = crowd.check(DOCUMENTED_GAP)
         assert figures["answers"] > 1000
         await until_owned(workers)
+        marked = total(workers, "turnrouter_nats_inflight_marks_total")
+        turns = total(workers, "turnrouter_turns_total")
+        assert 0 < marked < turns
 
 
 async def test_paused_replica_is_fenced_and_catches_up(nats_server: NatsServer) -> None:
@@ -142,3 +148,32 @@ async def test_sigterm_hands_over_without_failure_text(nats_server: NatsServer) 
             await served(crowd, 200)
         figures = crowd.check(DOCUMENTED_GAP)
         assert figures["failures"] == 0
+
+
+async def test_a_patch_between_turns_survives_a_crash(nats_server: NatsServer) -> None:
+    """A context patch applied after a turn ended is saved to the participant's record
+    without waiting for a next turn: kill -9 of the owner, and the new owner's next turn
+    has the patch in its history."""
+    front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    heard = Heard()
+    ready = asyncio.Event()
+    listener = asyncio.create_task(listen(front, heard, ready))
+    await ready.wait()
+    kv = await front.connection.jetstream().key_value(NatsConfig().bucket)
+    records = await kv.watch(f"*.{encode_token('pat')}")
+    try:
+        with fleet(nats_server, 1, prefix="a") as (owner,):
+            assert await ask(front, heard, "pat", "patch me") == "patch me|-|N"
+            async with asyncio.timeout(10):  # the record, rewritten with the patch
+                async for entry in records:
+                    if entry is not None and b"[background: job-pat]" in (entry.value or b""):
+                        break
+            owner.signal(signal.SIGKILL)
+            with fleet(nats_server, 1, prefix="b"):
+                assert await ask(front, heard, "pat", "after") == (
+                    "after|[background: job-pat]|F")
+    finally:
+        await records.stop()  # type: ignore[no-untyped-call]  # nats-py leaves it untyped
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await front.close()

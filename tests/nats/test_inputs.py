@@ -11,9 +11,8 @@ import nats
 from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
-from .app import PREAMBLE
 from .conftest import NatsServer, Worker, metric_value
-from .crowd import Heard
+from .crowd import Heard, ask, listen
 
 pytestmark = pytest.mark.anyio
 
@@ -33,19 +32,7 @@ async def front(nats_server: NatsServer) -> AsyncIterator[tuple[NatsFrontEnd, He
     fe = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
     heard = Heard()
     ready = asyncio.Event()
-
-    async def listen() -> None:
-        iterator = fe.outputs()
-        first = asyncio.ensure_future(anext(iterator))
-        ready.set()
-        message = await first
-        while True:
-            heard.add(message)
-            if message.text == PREAMBLE:
-                heard.events.setdefault(f"started {message.request_id}", asyncio.Event()).set()
-            message = await anext(iterator)
-
-    task = asyncio.create_task(listen())
+    task = asyncio.create_task(listen(fe, heard, ready))
     await ready.wait()
     try:
         yield fe, heard
@@ -53,16 +40,6 @@ async def front(nats_server: NatsServer) -> AsyncIterator[tuple[NatsFrontEnd, He
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await fe.close()
-
-
-async def ask(fe: NatsFrontEnd, heard: Heard, pid: str, text: str) -> str:
-    """Publish one query; its terminal output's text (bounded wait)."""
-    query = UserQuery(participant_id=pid, text=text)
-    event = heard.events.setdefault(query.message_id, asyncio.Event())
-    await fe.publish(query)
-    async with asyncio.timeout(15):
-        await event.wait()
-    return heard.finals[query.message_id][0].text
 
 
 async def counted(worker: Worker, name: str, labels: str, goal: float) -> None:

@@ -17,9 +17,11 @@ from turnrouter.runtime.nats import (
     decode_token,
     encode_token,
 )
+from turnrouter.runtime.nats._link import pub_ack
 from turnrouter.runtime.nats._metrics import runtime_metrics
 from turnrouter.runtime.nats._wire import (
     Rejected,
+    ack_metadata,
     kind_of,
     output_message_id,
     parse_input,
@@ -118,9 +120,30 @@ def test_validation_bypassing_bodies_are_rejected(value: object) -> None:
 
 def test_state_records_round_trip() -> None:
     """A participant record keeps its in-flight ids, snapshot and held endings."""
-    ending = ("t0", "echo", "hi", 1700000000.5)
+    ending = ("t0", "echo", 'said "hi" \u00e9\n', 1700000000.5)
     data = state_json("w1", ["t1"], '{"participant_id":"ann"}', [ending])
     assert parse_state(data) == (["t1"], '{"participant_id":"ann"}', [ending])
+    assert parse_state(state_json("w1", [], None)) == ([], None, [])
+
+
+def test_records_of_the_earlier_format_are_read() -> None:
+    """A record written as one JSON object (the snapshot a string field) still reads."""
+    old = json.dumps({"owner": "w1", "inflight": ["t1"], "snapshot": '{"a":1}',
+                      "outbox": [["t0", "echo", "hi", 1.5]]}).encode()
+    assert parse_state(old) == (["t1"], '{"a":1}', [("t0", "echo", "hi", 1.5)])
+
+
+@given(st.lists(st.text(max_size=20), max_size=3), st.text(max_size=30),
+       st.lists(st.tuples(st.text(max_size=10), st.text(max_size=10), st.text(max_size=40),
+                          st.floats(0, 2e9)), max_size=3))
+def test_any_record_written_reads_back(inflight: list[str], snapshot: str,
+                                       outbox: list[tuple[str, str, str, float]]) -> None:
+    """Whatever ids, snapshot text and endings (lone surrogates included) go in, the
+    record reads back the same (the snapshot part is bytes of the router's JSON)."""
+    if any("\ud800" <= c <= "\udfff" for c in snapshot):
+        snapshot = "{}"
+    assert parse_state(state_json("w", inflight, snapshot, outbox)) == (
+        inflight, snapshot, outbox)
 
 
 @given(st.binary(max_size=500) | JUNK.map(lambda v: json.dumps(v).encode()))
@@ -152,6 +175,7 @@ def test_terminal_outputs_share_one_id_and_control_text_is_by_content() -> None:
     ("prefix", "a.b"), ("prefix", ""), ("partitions", 0), ("partitions", 5000),
     ("failover_timeout", 0), ("pull_expires", 2.0), ("max_message_bytes", 10),
     ("ack_wait", float("inf")), ("drain_timeout", float("nan")), ("dedup_window", True),
+    ("mark_after", 0), ("mark_after", 1.0),
 ])
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     """An impossible configuration raises ConfigurationError naming the field."""
@@ -173,3 +197,46 @@ def test_public_names_are_pinned() -> None:
     assert set(module.__all__) == {
         "MAX_PARTICIPANT_ID_BYTES", "NatsConfig", "NatsFrontEnd", "NatsWorker",
         "WorkerContext", "decode_token", "encode_token"}
+
+
+def test_publish_acknowledgments_parse_to_a_sequence_or_an_error() -> None:
+    """A stored publish's reply gives its sequence; a refusal gives the server's error."""
+    assert pub_ack(b'{"stream":"KV_s","seq":42}') == (42, None)
+    wrong = {"code": 400, "err_code": 10071, "description": "wrong last sequence: 41"}
+    assert pub_ack(json.dumps({"error": wrong}).encode()) == (None, wrong)
+
+
+@given(st.binary(max_size=300) | JUNK.map(lambda v: json.dumps(v).encode()))
+def test_junk_publish_acknowledgments_raise_value_error(data: bytes) -> None:
+    """Whatever the reply holds, pub_ack returns a non-negative int sequence or an
+    error, or raises ValueError (the record write then logs it)."""
+    try:
+        seq, error = pub_ack(data)
+    except ValueError:
+        return
+    assert (isinstance(seq, int) and seq >= 0 and error is None) or (
+        seq is None and error is not None)
+
+
+def test_deeply_nested_acknowledgment_is_a_value_error() -> None:
+    """A reply nested past the parser's depth is refused as ValueError."""
+    with pytest.raises(ValueError, match="nested"):
+        pub_ack(b"[" * 200_000 + b"]" * 200_000)
+
+
+def test_ack_subjects_give_the_delivery_count_and_stored_time() -> None:
+    """Both ack subject layouts (with and without domain and account) are read."""
+    assert ack_metadata("$JS.ACK.TR_IN.p3.2.17.9.1700000000123456789.0") == (
+        2, 1700000000123456789)
+    assert ack_metadata("$JS.ACK.dom.acc.TR_IN.p3.3.17.9.1700000000123456789.0.x") == (
+        3, 1700000000123456789)
+    assert ack_metadata(None) == (1, 0)
+
+
+@given(st.text(max_size=200))
+def test_junk_ack_subjects_give_defaults(reply: str) -> None:
+    """Any reply subject gives two ints (count 1 and no stored time when unreadable);
+    a stored time is a nanosecond count a float holds."""
+    count, stored = ack_metadata(reply)
+    assert isinstance(count, int) and isinstance(stored, int) and 0 <= stored < 2**63
+    assert ack_metadata("$JS.ACK.S.c.1.2.3." + "9" * 400 + ".0") == (1, 0)

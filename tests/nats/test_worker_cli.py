@@ -52,7 +52,7 @@ def test_junk_app_specs_raise_value_error(module: str, attribute: str) -> None:
 @pytest.mark.parametrize("flags", [
     ["--metrics-port", "70000"], ["--metrics-port", "x"], ["--failover-timeout", "inf"],
     ["--ack-wait", "nan"], ["--drain-timeout", "-1"], ["--partitions", "0"],
-    ["--prefix", "a.b"],
+    ["--prefix", "a.b"], ["--mark-after", "1"], ["--mark-after", "0"],
 ])
 def test_bad_flags_are_one_line_usage_errors(flags: list[str]) -> None:
     """Out-of-range or malformed flags exit 2 with one line on stderr, no traceback."""
@@ -93,7 +93,9 @@ def test_worker_serves_its_metric_families(nats_server: NatsServer) -> None:
                        "turnrouter_nats_state_write_seconds_count",
                        "turnrouter_nats_state_writes_refused_total",
                        "turnrouter_nats_redeliveries_total",
-                       "turnrouter_nats_duplicates_dropped_total"):
+                       "turnrouter_nats_duplicates_dropped_total",
+                       "turnrouter_nats_inflight_marks_total",
+                       "turnrouter_nats_input_wait_seconds_count"):
             assert family in text
     finally:
         worker.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ._dashboards import dashboard_files
+from ._fleet import fleet_files
 from ._rules import RouteOverride, load_overrides, render_rules, rule_groups
 
 __all__ = [
@@ -79,6 +80,7 @@ def generated_files(runbook_url: str | None = None,
     files[RULES_FILE] = render_rules(runbook_url=runbook_url, overrides=overrides)
     files[K8S_RULE] = _K8S_HEADER + dump(prometheus_rule(runbook_url, overrides))
     files[K8S_DASHBOARDS] = _K8S_HEADER + dump(dashboards_configmap())
+    files.update(fleet_files())  # the NATS runtime's dashboard and alerts
     if root is not None and (root / DEMO_OVERRIDES).is_file():
         files[COMPOSE_RULES] = _COMPOSE_HEADER + render_rules(
             runbook_url=runbook_url, overrides=read_overrides(root / DEMO_OVERRIDES))

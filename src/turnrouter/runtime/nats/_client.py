@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -74,14 +75,21 @@ class NatsFrontEnd:
         except NatsError as exc:
             raise LifecycleError(f"publishing {kind} failed: {exc!r}") from exc
 
-    async def outputs(self, *, deliver_new: bool = True
+    async def outputs(self, *, deliver_new: bool = True,
+                      subscribed: asyncio.Event | None = None
                       ) -> AsyncGenerator[ResponseOutput, None]:
-        """Outputs from the output stream, in stream order (ordered consumer)."""
+        """Outputs from the output stream, in stream order (ordered consumer).
+
+        With `deliver_new` (the default) only outputs stored after the subscription are
+        read: pass `subscribed` and publish once it is set, or an early answer may be
+        stored before the subscription exists and never be read."""
         from nats.js.api import DeliverPolicy
 
         sub = await self._js.subscribe(
             f"{self._config.prefix}.out.*", ordered_consumer=True,
             deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL)
+        if subscribed is not None:
+            subscribed.set()
         try:
             async for msg in sub.messages:
                 yield ResponseOutput.model_validate_json(msg.data)

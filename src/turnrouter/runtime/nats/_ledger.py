@@ -22,6 +22,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from ..._exceptions import ContractValueError, LifecycleError
 from ..._frontend import ParticipantSnapshot
 from ..._router import AgentRouter
+from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._wire import Ending, NatsConfig, decode_token, encode_token, parse_state, state_json
 
@@ -30,6 +31,8 @@ __all__ = ["Ledger", "Participant"]
 logger = logging.getLogger("turnrouter.runtime.nats")
 
 _MAX_INFLIGHT = 64  # bound of one participant's in-flight ids in its record
+#: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
+_WRONG_LAST = (10071, 10164)
 
 
 @dataclass
@@ -44,6 +47,11 @@ class Participant:
     fenced: bool = False
     ended: frozenset[str] = frozenset()
     """Turns the claimed record had already ended (in flight: failure text; held answer)."""
+    saving: bool = False
+    """A save after an out-of-turn change (a context patch) is scheduled."""
+    snapshot: bytes | None = None
+    """The snapshot JSON of the last record written or claimed (an in-flight mark
+    reuses it: nothing but turns and patches change it, and they write a fresh one)."""
 
 
 class Publish(Protocol):
@@ -54,11 +62,12 @@ class Publish(Protocol):
 class Ledger:
     """The records of the participants this replica serves."""
 
-    def __init__(self, kv: Any, config: NatsConfig, replica: str,
+    def __init__(self, kv: Any, link: Link, config: NatsConfig, replica: str,
                  router: Callable[[], AgentRouter], publish: Publish,
                  metrics: RuntimeMetrics | None) -> None:
-        self._kv, self._config, self._replica = kv, config, replica
+        self._kv, self._link, self._config, self._replica = kv, link, config, replica
         self._router, self._publish, self._metrics = router, publish, metrics
+        self._subject = f"$KV.{config.bucket}."
         self.people: dict[str, Participant] = {}
 
     def of_partition(self, n: int) -> list[str]:
@@ -154,6 +163,8 @@ class Ledger:
                 self._router().import_participant(ParticipantSnapshot.from_json(snapshot))
             except (ContractValueError, LifecycleError) as exc:
                 logger.warning("turnrouter: participant state not imported: %s", exc)
+            else:
+                state.snapshot = snapshot.encode()
         await self._end_unfinished(pid, inflight, outbox)
         if (inflight or outbox) and not await self.write(pid, state):
             return None
@@ -177,29 +188,35 @@ class Ledger:
             await self._publish(pid, turn_id, "none", self._config.failure_text,
                                 final=True)
 
-    async def write(self, pid: str, state: Participant) -> bool:
-        """Revision-checked write of `pid`'s record; False (and fenced) when refused."""
+    async def write(self, pid: str, state: Participant, *, fresh: bool = True) -> bool:
+        """Revision-checked write of `pid`'s record; False (and fenced) when refused.
+
+        `fresh=False` (an in-flight mark) writes the snapshot of the previous write
+        instead of exporting the participant again."""
         async with state.lock:
             if state.fenced:
                 return False
-            snapshot = self._router().export_participant(pid)
+            if fresh or state.snapshot is None:
+                exported = self._router().export_participant(pid)
+                state.snapshot = None if exported is None else exported.to_json().encode()
             data = state_json(self._replica, state.inflight[-_MAX_INFLIGHT:],
-                              None if snapshot is None else snapshot.to_json(),
-                              state.outbox)
-            key = f"{state.partition}.{encode_token(pid)}"
+                              state.snapshot, state.outbox)
             t0 = time.perf_counter()
             try:
-                state.revision = await self._kv.update(key, data, last=state.revision)
-            except KeyWrongLastSequenceError:
-                refused = True
-            except NatsError as exc:
+                seq, error = pub_ack(await self._link.request(
+                    f"{self._subject}{state.partition}.{encode_token(pid)}", data,
+                    {"Nats-Expected-Last-Subject-Sequence": str(state.revision)}))
+            except (RequestFailed, ValueError) as exc:
                 logger.warning("turnrouter: state write failed: %r", exc)
                 return True
-            else:
-                refused = False
+            if seq is not None:
+                state.revision = seq
+            elif not (isinstance(error, dict) and error.get("err_code") in _WRONG_LAST):
+                logger.warning("turnrouter: state write refused by the server: %s", error)
+                return True
             if self._metrics is not None:
                 self._metrics.state_write.observe(time.perf_counter() - t0)
-        if refused:
+        if error is not None:
             await self.fence(pid, refused=True)
             return False
         return True

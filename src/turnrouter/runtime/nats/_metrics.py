@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 __all__ = ["RuntimeMetrics", "runtime_metrics"]
 
 _WRITE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 
 class RuntimeMetrics:
@@ -44,10 +45,20 @@ class RuntimeMetrics:
             "turnrouter_nats_inflight_failed_total",
             "Turns found in flight on a dead or paused owner, ended with the failure text",
             registry=registry)
+        self.inflight_marks = Counter(
+            "turnrouter_nats_inflight_marks_total",
+            "Turns still running after mark_after, marked in flight in their record "
+            "(one more write) before their message was acknowledged", registry=registry)
         self.state_write = Histogram(
             "turnrouter_nats_state_write_seconds",
             "Revision-checked participant state writes to the key-value bucket",
             buckets=_WRITE_BUCKETS, registry=registry)
+        self.input_wait = Histogram(
+            "turnrouter_nats_input_wait_seconds",
+            "How long an input waited: stage=delivery from stored in the stream until this "
+            "replica received it (server clock against ours), stage=queued from received "
+            "until its handling began (behind its partition's previous message)",
+            ["stage"], buckets=_WAIT_BUCKETS, registry=registry)
         self.state_refused = Counter(
             "turnrouter_nats_state_writes_refused_total",
             "State writes refused for a newer revision (participant fenced off here)",
@@ -61,6 +72,8 @@ class RuntimeMetrics:
             self.partitions_lost.labels(how)
         for where in ("input", "output"):
             self.duplicates.labels(where)
+        for stage in ("delivery", "queued"):
+            self.input_wait.labels(stage)
         for direction in ("sent", "received"):
             self.timing_samples.labels(direction)
 

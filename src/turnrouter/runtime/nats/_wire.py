@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,7 +25,6 @@ from .._messages import (
     Interrupted,
     ParticipantJoined,
     ParticipantLeft,
-    ResponseOutput,
     RuntimeMessage,
     UserQuery,
 )
@@ -35,6 +35,7 @@ __all__ = [
     "Ending",
     "NatsConfig",
     "Rejected",
+    "ack_metadata",
     "decode_token",
     "encode_token",
     "kind_of",
@@ -66,6 +67,10 @@ class NatsConfig:
     pulling for that long loses its partitions; `ack_wait` bounds how long a message
     delivered to a dead replica waits before it is redelivered. Both set the failover gap.
     `drain_timeout` bounds a graceful end's wait for running turns (and a handover's).
+    `mark_after`: a turn still running this long after its message arrived is marked in
+    flight in its record (one write) so its message can be acknowledged; a turn ending
+    sooner needs no mark (its finished record comes first). It is also the longest the
+    partition's next message waits behind a turn that just started.
     """
 
     url: str = "nats://127.0.0.1:4222"
@@ -80,6 +85,7 @@ class NatsConfig:
     max_queued_per_participant: int = 1000
     probe_interval: float = 0.5
     drain_timeout: float = 20.0
+    mark_after: float = 0.005
     failure_text: str = "Sorry, something went wrong. Please try again."
 
     def __post_init__(self) -> None:
@@ -90,7 +96,7 @@ class NatsConfig:
             raise ConfigurationError(
                 f"NatsConfig.partitions must be in 1..1024, got {self.partitions}")
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
-                     "output_max_age", "probe_interval", "drain_timeout"):
+                     "output_max_age", "probe_interval", "drain_timeout", "mark_after"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and not isinstance(value, bool)
                     and math.isfinite(value) and 0 < value <= 366 * 86400):
@@ -101,6 +107,10 @@ class NatsConfig:
             raise ConfigurationError(
                 "NatsConfig.pull_expires must be shorter than failover_timeout, or the "
                 "owning replica loses its partitions while it waits")
+        if self.mark_after >= self.ack_wait / 2:
+            raise ConfigurationError(
+                "NatsConfig.mark_after must be under half of ack_wait, or a held message "
+                "is redelivered while its turn still runs")
         if self.max_message_bytes < 1024:
             raise ConfigurationError("NatsConfig.max_message_bytes must be at least 1024")
 
@@ -228,35 +238,43 @@ def output_message_id(turn_id: str, route: str, text: str, *, final: bool) -> st
     return f"{turn_id}.{digest}"
 
 
-def output_json(message: ResponseOutput) -> bytes:
-    return message.model_dump_json().encode("utf-8")
-
-
 Ending = tuple[str, str, str, float]
 """A turn's terminal output in a participant's record: (turn id, route, text, Unix time
 it was recorded). Republished on takeover only while the output stream's deduplication
 window still covers it."""
 
 
-def state_json(owner: str, inflight: list[str], snapshot: str | None,
+def state_json(owner: str, inflight: list[str], snapshot: str | bytes | None,
                outbox: list[Ending] | None = None) -> bytes:
-    """The key-value record of one participant."""
-    return json.dumps({"owner": owner, "inflight": inflight, "snapshot": snapshot,
-                       "outbox": [list(e) for e in outbox or ()]},
-                      separators=(",", ":")).encode("utf-8")
+    """The key-value record of one participant: a JSON header line (owner, turns in
+    flight, endings to publish), then the snapshot's own JSON as is (not re-escaped
+    inside the header: the snapshot is most of the record and written every turn)."""
+    endings = ",".join(f"[{_json_str(t)},{_json_str(r)},{_json_str(x)},{float(at)!r}]"
+                       for t, r, x, at in outbox or ())
+    head = (f'{{"owner":{_json_str(owner)},"inflight":[{",".join(map(_json_str, inflight))}'
+            f'],"outbox":[{endings}]}}')
+    if snapshot is None:
+        return head.encode("ascii")
+    return b"%s\n%s" % (head.encode("ascii"), snapshot.encode("utf-8")
+                         if isinstance(snapshot, str) else snapshot)
 
 
 def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
     """(in-flight turn ids, snapshot JSON, endings to publish) of a key-value record
-    (ValueError naming the problem on junk)."""
+    (ValueError naming the problem on junk). Records of the earlier one-object format
+    (the snapshot as a string field) are read too."""
+    head, newline, snapshot_json = data.partition(b"\n")
     try:
-        record: Any = json.loads(data)
+        record: Any = json.loads(head)
     except RecursionError as exc:
         raise ValueError("state record nested too deeply") from exc
     if not isinstance(record, dict):
         raise ValueError("state record is not a JSON object")
-    inflight, snapshot = record.get("inflight", []), record.get("snapshot")
-    outbox = record.get("outbox", [])
+    inflight, outbox = record.get("inflight", []), record.get("outbox", [])
+    if newline:
+        snapshot: Any = snapshot_json.decode("utf-8")  # UnicodeDecodeError: a ValueError
+    else:
+        snapshot = record.get("snapshot")
     if not (isinstance(inflight, list) and all(isinstance(t, str) for t in inflight)):
         raise ValueError("state record 'inflight' is not a list of turn ids")
     if snapshot is not None and not isinstance(snapshot, str):
@@ -267,3 +285,18 @@ def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
             and math.isfinite(e[3]) for e in outbox)):
         raise ValueError("state record 'outbox' is not a list of [turn, route, text, time]")
     return inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]
+
+
+def ack_metadata(reply: str | None) -> tuple[int, int]:
+    """The delivery count and the stored time (Unix ns; 0 when unknown) in a JetStream
+    ack subject: $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>,
+    or with <domain>.<account hash> after ACK and a token at the end."""
+    if not reply:
+        return 1, 0
+    parts = reply.split(".")
+    try:
+        count, stored = ((int(parts[4]), int(parts[7])) if len(parts) == 9
+                         else (int(parts[6]), int(parts[9])))
+    except (IndexError, ValueError):
+        return 1, 0
+    return count, stored if 0 < stored < 2**63 else 0

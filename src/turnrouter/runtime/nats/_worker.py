@@ -20,13 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import inspect
 import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,32 +36,27 @@ from nats.errors import Error as NatsError
 import nats
 
 from ..._contracts import AgentTurn
-from ..._exceptions import (
-    ContractValueError,
-    LifecycleError,
-    TurnInterrupted,
-)
+from ..._exceptions import ContractValueError, LifecycleError
 from ..._router import AgentRouter
 from ..._timing import TimingPredictor, TimingSample
-from .._messages import ResponseOutput, UserQuery
 from ._fleet import Fleet
-from ._ledger import Ledger, Participant
+from ._inputs import Inputs
+from ._ledger import Ledger
+from ._link import Link
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._setup import GROUP, api_request, ensure_deployment
-from ._wire import (
-    Ending,
-    NatsConfig,
-    Rejected,
-    output_message_id,
-    parse_input,
-)
+from ._wire import NatsConfig
 
 __all__ = ["NatsWorker", "WorkerContext"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
-_RECENT = 4096  # bound of the handled-input id memory (duplicates beyond it are re-run)
 _RECONNECTS = 120  # reconnect attempts (0.5 s apart) after the first connection
+#: Messages one pull request may deliver. The consumer still hands out one at a time
+#: (`max_ack_pending=1`): a request waits at the server, and the next message goes to it
+#: as soon as the previous one is acknowledged, so a busy partition needs no pull per
+#: message.
+_BATCH = 256
 
 
 class WorkerContext:
@@ -100,44 +94,6 @@ class _FleetTimingSink:
         self._worker._send_sample(sample)
 
 
-class _Recent:
-    """The last `bound` handled input ids (duplicates older than that run again; the
-    input stream's own deduplication window covers republished ids)."""
-
-    def __init__(self, bound: int) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        self._bound = bound
-
-    def __contains__(self, message_id: object) -> bool:
-        return message_id in self._ids
-
-    def add(self, message_id: str) -> None:
-        self._ids[message_id] = None
-        if len(self._ids) > self._bound:
-            self._ids.popitem(last=False)
-
-
-class _TurnIndex:
-    """Running turn tasks by participant (entries go when their last task ends)."""
-
-    def __init__(self) -> None:
-        self._tasks: dict[str, set[asyncio.Task[None]]] = {}
-
-    def of(self, pid: str) -> tuple[asyncio.Task[None], ...]:
-        return tuple(self._tasks.get(pid, ()))
-
-    def add(self, pid: str, task: asyncio.Task[None]) -> None:
-        self._tasks.setdefault(pid, set()).add(task)
-        task.add_done_callback(functools.partial(self._done, pid))
-
-    def _done(self, pid: str, task: asyncio.Task[None]) -> None:
-        tasks = self._tasks.get(pid)
-        if tasks is not None:
-            tasks.discard(task)
-            if not tasks:
-                del self._tasks[pid]
-
-
 RouterFactory = Callable[[WorkerContext], "AgentRouter | Awaitable[AgentRouter]"]
 
 
@@ -157,14 +113,10 @@ class NatsWorker:
         self._pins: dict[int, str] = {}
         self._ledger: Ledger | None = None
         self._fleet: Fleet | None = None
-        self._running: dict[str, asyncio.Task[None]] = {}
-        self._recent = _Recent(_RECENT)
+        self._inputs: Inputs | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._predictors: list[TimingPredictor] = []
         self._stop = asyncio.Event()
-        self._turns_of = _TurnIndex()
-        self._held: dict[str, Ending] = {}
-        self._held_trace: dict[str, dict[str, str]] = {}
         self._pulling = True
         self.ready = asyncio.Event()
 
@@ -186,6 +138,12 @@ class NatsWorker:
         if self._fleet is None:
             raise LifecycleError("the worker is not running")
         return self._fleet
+
+    @property
+    def inputs(self) -> Inputs:
+        if self._inputs is None:
+            raise LifecycleError("the worker is not running")
+        return self._inputs
 
     @property
     def owned_partitions(self) -> frozenset[int]:
@@ -219,12 +177,17 @@ class NatsWorker:
             # The router's own failure text is what a takeover says for a lost turn.
             config = self.config = dataclasses.replace(config,
                                                        failure_text=router.failure_text)
-            router.set_control_output(self._control_output)
             if self._metrics is not None:
                 self._metrics.partitions.set(config.partitions)
-            self._ledger = Ledger(await nc.jetstream().key_value(config.bucket), config,
-                                  self.replica, lambda: self.router, self.publish_output,
-                                  self._metrics)
+            link = Link(nc, self._duplicate_output)
+            await link.start()
+            self._ledger = Ledger(await nc.jetstream().key_value(config.bucket), link,
+                                  config, self.replica, lambda: self.router,
+                                  self._publish_output, self._metrics)
+            inputs = self._inputs = Inputs(config, router, self._ledger, link,
+                                           self._metrics, self._spawn, self._stop.is_set)
+            router.set_control_output(inputs.control_output)
+            router.on_participant_changed(inputs.changed)
             self._fleet = Fleet(nc, config, self.replica, lambda: self._pins,
                                 lambda: len(self._pins), self._metrics, self._spawn,
                                 router.report_rejected)
@@ -262,7 +225,7 @@ class NatsWorker:
             async with asyncio.timeout(self.config.drain_timeout):
                 await router.drain()
         except TimeoutError:
-            # Cut the turns still running: each ends with the failure text (_turn).
+            # Cut the turns still running: each ends with the failure text (_inputs).
             logger.warning("turnrouter: drain took over %.1f s; interrupting the turns "
                            "still running", self.config.drain_timeout)
             await router.interrupt(None)
@@ -289,19 +252,14 @@ class NatsWorker:
     async def _partition_loop(self, n: int) -> None:
         assert self._nc is not None
         nc, config = self._nc, self.config
-        queue: asyncio.Queue[Msg] = asyncio.Queue()
-
-        async def put(msg: Msg) -> None:
-            queue.put_nowait(msg)
-
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, cb=put)
+        inbox = _Inbox()
+        subject = nc.new_inbox()
+        sub = await nc.subscribe(subject, cb=inbox.put)
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
-        expires = int(config.pull_expires * 1e9)
         try:
             while self._pulling:
                 try:
-                    await self._pull_once(n, nc, queue, inbox, next_subject, expires)
+                    await self._pull_once(n, nc, inbox, subject, next_subject)
                 except Exception:
                     # The loop outlives any one failure: a message not acknowledged
                     # comes back (and ends with the failure text if it was a query).
@@ -310,9 +268,11 @@ class NatsWorker:
         finally:
             await sub.unsubscribe()
 
-    async def _pull_once(self, n: int, nc: Client, queue: asyncio.Queue[Msg], inbox: str,
-                         next_subject: str, expires: int) -> None:
-        """One pull on partition `n` (or a pause while balance says not to pull)."""
+    async def _pull_once(self, n: int, nc: Client, inbox: _Inbox, subject: str,
+                         next_subject: str) -> None:
+        """One pull request on partition `n` and the messages it delivers (one at a
+        time: the next comes once this one is acknowledged), or a pause while balance
+        says not to pull."""
         config = self.config
         share = self.fleet.fair_share()
         if n in self._pins and len(self._pins) > share and self.fleet.may_shed():
@@ -320,41 +280,49 @@ class NatsWorker:
             return
         if n not in self._pins and len(self._pins) >= share and (
                 await self.fleet.pinned_elsewhere(n)):
-            await asyncio.sleep(self.config.probe_interval)
+            await asyncio.sleep(config.probe_interval)
             return
-        request: dict[str, Any] = {"batch": 1, "expires": expires, "group": GROUP}
+        request: dict[str, Any] = {"batch": _BATCH, "expires": int(config.pull_expires * 1e9),
+                                   "group": GROUP}
         pin = self._pins.get(n)
         if pin is not None:
             request["id"] = pin
-        await nc.publish(next_subject, json.dumps(request).encode(), reply=inbox)
-        try:
-            msg = await asyncio.wait_for(queue.get(), config.pull_expires + 2.0)
-        except TimeoutError:
-            return  # a lost reply (reconnect): ask again
-        status = (msg.headers or {}).get("Status")
-        if status is not None:
-            if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
-                await self._lose(n, "lost")
-            elif status not in ("404", "408", "409", "100"):
-                logger.warning("turnrouter: pull on partition %d: status %s", n,
-                               status)
-            if status == "409":
-                await asyncio.sleep(0.05)
-            return
-        new_pin = (msg.headers or {}).get("Nats-Pin-Id")
-        if new_pin is not None and new_pin != self._pins.get(n):
-            if n in self._pins:
-                await self._lose(n, "lost")
-            self._pins[n] = new_pin
-            self._set_owned()
-            await self._take_over(n)
-        await self._handle(n, msg)
+        await nc.publish(next_subject, json.dumps(request).encode(), reply=subject)
+        handle = self.inputs.handle
+        for _ in range(_BATCH):
+            got = await inbox.get(config.pull_expires + 2.0)
+            if got is None:
+                return  # a lost reply (reconnect): ask again
+            msg, received = got
+            headers = msg.headers
+            if headers:
+                status = headers.get("Status")
+                if status is not None:
+                    await self._status(n, status)
+                    return
+                new_pin = headers.get("Nats-Pin-Id")
+                if new_pin is not None and new_pin != self._pins.get(n):
+                    if n in self._pins:
+                        await self._lose(n, "lost")
+                    self._pins[n] = new_pin
+                    self._set_owned()
+                    await self._take_over(n)
+            await handle(n, msg, n in self._pins, received)
+
+    async def _status(self, n: int, status: str) -> None:
+        """A pull request ended with a status instead of a message."""
+        if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
+            await self._lose(n, "lost")
+        elif status not in ("404", "408", "409", "100"):
+            logger.warning("turnrouter: pull on partition %d: status %s", n, status)
+        if status == "409":
+            await asyncio.sleep(0.05)
 
     async def _hand_over(self, n: int) -> None:
         """Give partition `n` away without failure text: let its turns finish (their
         state is written), drop its participants, then unpin it for the next puller."""
         pids = self.ledger.of_partition(n)
-        turns = [t for p in pids for t in self._turns_of.of(p) if not t.done()]
+        turns = [t for p in pids for t in self.inputs.turns_of.of(p) if not t.done()]
         if turns:
             await asyncio.wait(turns, timeout=self.config.drain_timeout)
         self._pins.pop(n, None)
@@ -367,12 +335,6 @@ class NatsWorker:
                               f"{self.config.consumer(n)}", {"group": GROUP})
         if self._metrics is not None:
             self._metrics.partitions_lost.labels("handed_over").inc()
-
-    async def _ack(self, msg: Msg, how: bytes = b"+ACK") -> None:
-        if msg.reply:
-            assert self._nc is not None
-            with contextlib.suppress(NatsError):
-                await self._nc.publish(msg.reply, how)
 
     # ------------------------------------------------------------------ ownership
     async def _lose(self, n: int, how: str) -> None:
@@ -390,148 +352,17 @@ class NatsWorker:
             self._metrics.takeovers.inc()
         await self.ledger.scan(n)
 
-    # ------------------------------------------------------------------ inputs
-    def _reject(self, msg: Msg, reason: str, detail: str) -> None:
-        logger.warning("turnrouter: rejected input on %s: %s", msg.subject[:200], detail)
-        self.router.report_rejected("nats_input", reason)
-
-    async def _handle(self, n: int, msg: Msg) -> None:
-        try:
-            partition, pid, kind, message = parse_input(self.config, msg.subject, msg.data)
-            if partition != n:
-                raise Rejected("not_owned", f"partition {partition} delivered on {n}")
-        except Rejected as exc:
-            self._reject(msg, exc.reason, str(exc))
-            await self._ack(msg, b"+TERM")
-            return
-        if kind == "probe" or pid is None or message is None:
-            await self._ack(msg)
-            return
-        if n not in self._pins:
-            self._reject(msg, "not_owned", f"partition {n} is not owned here")
-            return  # not acknowledged: the owner gets it
-        delivered = _delivery_count(msg.reply)
-        if delivered > 1 and self._metrics is not None:
-            self._metrics.redeliveries.inc()
-        if message.message_id in self._recent or message.message_id in self._running:
-            if self._metrics is not None:
-                self._metrics.duplicates.labels("input").inc()
-            await self._ack(msg)
-            return
-        state = await self.ledger.claim(pid, n)
-        if state is None:
-            return  # fenced: another replica owns the participant
-        router = self.router
-        if kind == "query":
-            assert isinstance(message, UserQuery)
-            if delivered > 1:
-                # A previous owner received it and may have started answering: end it
-                # the way a turn in flight on a dead owner ends (unless the claimed
-                # record already ended it: its held answer, or the failure text).
-                if message.message_id not in state.ended:
-                    if self._metrics is not None:
-                        self._metrics.inflight_failed.inc()
-                    await self.publish_output(pid, message.message_id, "none",
-                                              self.config.failure_text, final=True)
-            else:
-                carrier = {k: v for k, v in (msg.headers or {}).items()
-                           if k in ("traceparent", "tracestate")} or message.trace_carrier()
-                state.inflight.append(message.message_id)
-                task = self._running[message.message_id] = self._spawn(
-                    self._turn(pid, state, message, carrier), f"turn {message.message_id}")
-                self._turns_of.add(pid, task)
-                if not await self.ledger.write(pid, state):
-                    return
-        elif kind == "joined":
-            router.readmit(pid)
-            self._spawn(self.ledger.write(pid, state), "state write")
-        elif kind == "left":
-            departure = router.begin_departure(pid)
-            self._spawn(self._after(departure.join(), pid, state), "departure")
-        elif kind == "interrupt":
-            await router.interrupt(pid)
-        self._recent.add(message.message_id)
-        await self._ack(msg)
-
-    async def _after(self, work: Awaitable[None], pid: str, state: Participant) -> None:
-        try:
-            await work
-        except Exception:
-            logger.exception("turnrouter: departure failed")
-        await self.ledger.write(pid, state)
-
-    async def _turn(self, pid: str, state: Participant, query: UserQuery,
-                    carrier: dict[str, str]) -> None:
-        router = self.router
-        turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
-
-        async def emit(turn: AgentTurn, route: str, text: str) -> None:
-            await self.publish_output(turn.participant_id, turn.turn_id, route, text,
-                                      final=route == "none")
-
-        try:
-            with router.continue_trace(carrier):
-                await router.report_status("processing", pid)
-                try:
-                    await router.route_turn(turn, output=emit)
-                finally:
-                    await router.report_status("idle", pid)
-        except (TurnInterrupted, LifecycleError) as exc:
-            if self._stop.is_set() and query.message_id not in self._held:
-                # Cut short by a graceful end that outlasted drain_timeout: say so.
-                await self.publish_output(pid, turn.turn_id, "none",
-                                          self.config.failure_text, final=True,
-                                          carrier=carrier)
-            elif isinstance(exc, LifecycleError):
-                logger.info("turnrouter: turn %s refused: %s", turn.turn_id, exc)
-        except Exception:
-            logger.exception("turnrouter: turn %s failed", turn.turn_id)
-            # Every turn ends audibly: the failure text under the terminal id is dropped
-            # by the output stream when the router or the destination already ended it.
-            await self.publish_output(pid, turn.turn_id, "none", self.config.failure_text,
-                                      final=True, carrier=carrier)
-        finally:
-            self._running.pop(query.message_id, None)
-            with contextlib.suppress(ValueError):
-                state.inflight.remove(query.message_id)
-            held = self._held.pop(query.message_id, None)
-            trace = self._held_trace.pop(query.message_id, {})
-            if held is not None:
-                state.outbox.append(held)
-            if not state.fenced:
-                await asyncio.shield(self._finish(pid, state, held, trace))
-
-    async def _finish(self, pid: str, state: Participant, held: Ending | None,
-                      trace: dict[str, str]) -> None:
-        """Write the finished exchange, then publish the answer it holds (if any)."""
-        if await self.ledger.write(pid, state) and held is not None:
-            await self.publish_output(pid, held[0], held[1], held[2], final=True,
-                                      carrier=trace)
-            with contextlib.suppress(ValueError):
-                state.outbox.remove(held)  # the next write drops it from the record
-
-    async def _answer(self, turn: AgentTurn, route: str, text: str) -> None:
-        if turn.turn_id in self._running and turn.turn_id not in self._held:
-            self._held[turn.turn_id] = (turn.turn_id, route, text, time.time())
-            self._held_trace[turn.turn_id] = self.router.trace_carrier()  # the turn's span
-            return
-        await self.publish_output(turn.participant_id, turn.turn_id, route, text, final=True)
-
     # ------------------------------------------------------------------ outputs
-    async def publish_output(self, pid: str, turn_id: str, route: str, text: str, *,
-                             final: bool, carrier: dict[str, str] | None = None) -> None:
-        """Publish one output to the output stream under its deduplication id, with the
-        W3C context of `carrier` (default: the current span's)."""
-        assert self._nc is not None
-        if carrier is None:
-            carrier = self._router.trace_carrier() if self._router is not None else {}
-        if await _publish(self._nc, self.config, pid, turn_id, route, text, final,
-                          carrier) and self._metrics is not None:
+    async def _publish_output(self, pid: str, turn_id: str, route: str, text: str, *,
+                              final: bool) -> None:
+        await self.inputs.publish_output(pid, turn_id, route, text, final=final)
+
+    def _duplicate_output(self) -> None:
+        if self._metrics is not None:
             self._metrics.duplicates.labels("output").inc()
 
-    async def _control_output(self, turn: AgentTurn, route: str, text: str) -> None:
-        await self.publish_output(turn.participant_id, turn.turn_id, route, text,
-                                  final=False)
+    async def _answer(self, turn: AgentTurn, route: str, text: str) -> None:
+        await self.inputs.answer(turn, route, text)
 
     # ------------------------------------------------------------------ fleet-wide
     async def _on_interrupt_all(self, msg: Msg) -> None:
@@ -542,15 +373,42 @@ class NatsWorker:
             self._fleet.send_sample(sample)
 
 
-def _delivery_count(reply: str | None) -> int:
-    """The delivery count in a JetStream ack subject ($JS.ACK.<stream>.<consumer>.<n>...)."""
-    if not reply:
-        return 1
-    parts = reply.split(".")
-    try:
-        return int(parts[4]) if len(parts) == 9 else int(parts[6])
-    except (IndexError, ValueError):
-        return 1
+class _Inbox:
+    """What one partition's pull requests deliver, in order (filled by the
+    subscription's callback, read by the partition's loop)."""
+
+    __slots__ = ("_msgs", "_waiter")
+
+    def __init__(self) -> None:
+        self._msgs: deque[tuple[Msg, float]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    async def put(self, msg: Msg) -> None:
+        self._msgs.append((msg, time.monotonic()))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self, wait: float) -> tuple[Msg, float] | None:
+        """The next message and when it arrived (`time.monotonic()`), or None after
+        `wait` seconds without one."""
+        if not self._msgs:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(wait, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._msgs:
+                return None
+        return self._msgs.popleft()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 async def _connect(config: NatsConfig, replica: str,
@@ -565,21 +423,3 @@ async def _connect(config: NatsConfig, replica: str,
         raise LifecycleError(f"cannot connect to NATS at {config.url}: {exc!r}") from exc
     nc.options["max_reconnect_attempts"] = _RECONNECTS
     return nc
-
-
-async def _publish(nc: Client, config: NatsConfig, pid: str, turn_id: str, route: str,
-                   text: str, final: bool, carrier: dict[str, str]) -> bool:
-    """One output on the output stream; True when the stream dropped it as a duplicate."""
-    message = ResponseOutput(participant_id=pid, request_id=turn_id, route=route, text=text,
-                             traceparent=carrier.get("traceparent"),
-                             tracestate=carrier.get("tracestate"))
-    headers = {"Nats-Msg-Id": output_message_id(turn_id, route, text, final=final),
-               **carrier}
-    try:
-        ack = await nc.jetstream().publish(config.output_subject(pid),
-                                           message.model_dump_json().encode(),
-                                           headers=headers)
-    except (NatsError, TimeoutError) as exc:
-        logger.warning("turnrouter: output for turn %s not published: %r", turn_id, exc)
-        return False
-    return bool(ack.duplicate)

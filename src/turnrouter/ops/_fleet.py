@@ -1,0 +1,175 @@
+"""The NATS runtime's fleet view: its Grafana dashboard and its alerts, generated.
+
+The runtime's families (`turnrouter_nats_*`, docs/distributed.md "Telemetry") live in
+`turnrouter.runtime.nats`, which needs nats-py, so they are named here rather than read
+from `turnrouter.telemetry.METRICS`; a test checks every name against what a worker
+exposes. Written by `python -m turnrouter.ops` with the other generated files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._dashboards import JOB, RATE, _dashboard, _targets, _timeseries, render_dashboard
+
+__all__ = ["FLEET_ALERTS", "FLEET_DASHBOARD", "FLEET_K8S_RULE", "FLEET_RULES",
+           "fleet_dashboard", "fleet_files", "fleet_rule_groups"]
+
+FLEET_DASHBOARD = "deploy/k8s/nats/turnrouter-fleet.json"
+FLEET_RULES = "deploy/prometheus/rules-nats/turnrouter-nats.rules.yml"
+FLEET_K8S_RULE = "deploy/k8s/nats/prometheusrule-nats.yaml"
+
+_OWNED = "turnrouter_nats_partitions_owned"
+_PARTITIONS = "turnrouter_nats_partitions"
+_REFUSED = "turnrouter_nats_state_writes_refused_total"
+
+
+def _rate(name: str, by: str, *matchers: str) -> str:
+    selector = ", ".join((JOB, *matchers))
+    return f"sum by ({by}) (rate({name}{{{selector}}}[{RATE}]))" if by else (
+        f"sum(rate({name}{{{selector}}}[{RATE}]))")
+
+
+def fleet_dashboard() -> dict[str, Any]:
+    """`turnrouter-fleet`: ownership, failover and fencing per replica and in total."""
+    write = "turnrouter_nats_state_write_seconds_bucket"
+    panels = [
+        _timeseries("Partitions owned per replica",
+                    "Pinned partitions each replica consumes (balance: about partitions / "
+                    "replicas).",
+                    _targets((f"sum by (instance) ({_OWNED}{{{JOB}}})", "{{instance}}")),
+                    unit="short"),
+        _timeseries("Partitions: fleet total vs deployment",
+                    "A gap means a partition nobody consumes (alert "
+                    "TurnrouterPartitionUnconsumed).",
+                    _targets((f"sum({_OWNED}{{{JOB}}})", "owned by the fleet"),
+                             (f"max({_PARTITIONS}{{{JOB}}})", "partitions")),
+                    unit="short"),
+        _timeseries("Turns per replica and total", "Turns each replica ran, and the fleet.",
+                    _targets((_rate("turnrouter_turns_total", "instance"), "{{instance}}"),
+                             (_rate("turnrouter_turns_total", ""), "fleet")),
+                    unit="reqps"),
+        _timeseries("Takeovers and partitions lost",
+                    "A replica pinned after another owner (or none), and pins that moved "
+                    "away or were handed over.",
+                    _targets((_rate("turnrouter_nats_takeovers_total", "instance"),
+                              "takeovers {{instance}}"),
+                             (_rate("turnrouter_nats_partitions_lost_total", "instance, how"),
+                              "{{how}} {{instance}}")),
+                    unit="ops"),
+        _timeseries("Refused state writes (fencing) and turns ended by a takeover",
+                    "Refused writes: another replica claimed the participant. Failure text: "
+                    "turns found unfinished on a dead or paused owner.",
+                    _targets((_rate(_REFUSED, "instance"), "refused {{instance}}"),
+                             (_rate("turnrouter_nats_inflight_failed_total", "instance"),
+                              "failure text {{instance}}")),
+                    unit="ops"),
+        _timeseries("Redeliveries and duplicates dropped",
+                    "Inputs delivered again (after a crash or a pause), inputs handled "
+                    "already, outputs the stream dropped as duplicates.",
+                    _targets((_rate("turnrouter_nats_redeliveries_total", "instance"),
+                              "redelivered {{instance}}"),
+                             (_rate("turnrouter_nats_duplicates_dropped_total", "where"),
+                              "duplicate {{where}}")),
+                    unit="ops"),
+        _timeseries("State write latency",
+                    "Revision-checked record writes: one per finished turn, one more for "
+                    "a turn still running after mark_after.",
+                    _targets((f"histogram_quantile(0.5, sum by (le) "
+                              f"(rate({write}{{{JOB}}}[{RATE}])))", "p50"),
+                             (f"histogram_quantile(0.99, sum by (le) "
+                              f"(rate({write}{{{JOB}}}[{RATE}])))", "p99")),
+                    unit="s"),
+        _timeseries("Input wait",
+                    "p99 by stage: delivery (stored in the stream until a replica received "
+                    "it; includes clock skew between hosts) and queued (received until "
+                    "handled, behind the partition's previous message).",
+                    _targets((f"histogram_quantile(0.99, sum by (stage, le) (rate("
+                              f"turnrouter_nats_input_wait_seconds_bucket{{{JOB}}}[{RATE}])))",
+                              "p99 {{stage}}"),
+                             (f"histogram_quantile(0.5, sum by (stage, le) (rate("
+                              f"turnrouter_nats_input_wait_seconds_bucket{{{JOB}}}[{RATE}])))",
+                              "p50 {{stage}}")),
+                    unit="s"),
+        _timeseries("Turns marked in flight",
+                    "Turns still running after mark_after, recorded in flight before their "
+                    "message was acknowledged (the others need no mark).",
+                    _targets((_rate("turnrouter_nats_inflight_marks_total", "instance"),
+                              "marked {{instance}}"),
+                             (_rate("turnrouter_turns_total", "instance"),
+                              "turns {{instance}}")),
+                    unit="ops"),
+        _timeseries("Rejected inputs and fleet timing samples",
+                    "Inputs refused before the router (by reason) and first-response "
+                    "samples shared with the fleet.",
+                    _targets((_rate("turnrouter_runtime_rejected_messages_total", "reason",
+                                    'topic="nats_input"'), "rejected {{reason}}"),
+                             (_rate("turnrouter_nats_timing_samples_total", "direction"),
+                              "samples {{direction}}")),
+                    unit="ops"),
+    ]
+    model = _dashboard("turnrouter-fleet", "turnrouter fleet (NATS runtime)",
+                       "Router replicas on NATS JetStream: ownership, failover, fencing "
+                       "(docs/distributed.md).", panels)
+    model["tags"] = [*model["tags"], "nats"]
+    return model
+
+
+#: The fleet's alerts, as they appear in the rule file.
+FLEET_ALERTS: tuple[dict[str, Any], ...] = (
+    {
+        "alert": "TurnrouterPartitionUnconsumed",
+        "expr": f"max by (job) ({_PARTITIONS})\n  - sum by (job) ({_OWNED}) > 0",
+        "for": "1m",
+        "labels": {"severity": "critical"},
+        "annotations": {
+            "summary": "A partition of the NATS runtime has had no replica for a minute",
+            "description": "{{ $value }} partition(s) of job {{ $labels.job }} are consumed "
+                           "by no replica: their participants are not served. Check that "
+                           "replicas run and reach NATS (docs/distributed.md).",
+        },
+    },
+    {
+        "alert": "TurnrouterFencedWrites",
+        "expr": f"sum by (job) (rate({_REFUSED}[5m])) > 0.1",
+        "for": "10m",
+        "labels": {"severity": "warning"},
+        "annotations": {
+            "summary": "Replicas keep losing participants to each other",
+            "description": "State writes of job {{ $labels.job }} are refused for a newer "
+                           "revision ({{ $value }}/s): partitions move back and forth "
+                           "(replicas pausing, restarting or overloaded past the failover "
+                           "timeout).",
+        },
+    },
+)
+
+
+def fleet_rule_groups() -> dict[str, Any]:
+    """The fleet rule file's content (one group)."""
+    return {"groups": [{"name": "turnrouter.nats", "rules": [dict(a) for a in FLEET_ALERTS]}]}
+
+
+_HEADER = ("# Generated by `python -m turnrouter.ops` (src/turnrouter/ops/_fleet.py). Do not "
+           "edit by hand.\n")
+
+
+def fleet_files() -> dict[str, str]:
+    """Repository-relative path -> content of the fleet's generated files."""
+    from ._yaml import dump
+
+    rule = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "turnrouter-nats",
+                     "labels": {"app.kubernetes.io/name": "turnrouter-worker"}},
+        "spec": fleet_rule_groups(),
+    }
+    return {
+        FLEET_DASHBOARD: render_dashboard(fleet_dashboard()),
+        FLEET_RULES: _HEADER + "# Alerts of the NATS runtime (docs/distributed.md, "
+                     "\"Telemetry\"); promtool tests in\n# deploy/prometheus/tests-nats/.\n"
+                     + dump(fleet_rule_groups()),
+        FLEET_K8S_RULE: _HEADER + "# The alerts of " + FLEET_RULES + " as a PrometheusRule.\n"
+                        + dump(rule),
+    }

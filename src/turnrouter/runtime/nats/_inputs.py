@@ -1,0 +1,358 @@
+"""One delivered input on an owned partition: checked, run, recorded, acknowledged.
+
+A query's message is acknowledged only once a record says what became of its turn, so a
+crash never loses it silently. A turn that reaches its end within `mark_after` is
+acknowledged after its finished record (the exchange, and the answer in its outbox) is
+written: until then the unacknowledged message itself is the mark, and a new owner gets
+it again and ends it with the failure text. A longer turn is marked in flight in the
+record (one write, reusing the last snapshot) and acknowledged then, so the partition's
+next message (an interrupt, say) is not held behind it. Either way one record write
+stands between a message's delivery and its acknowledgment, as the partition has one
+message in flight at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
+from ..._contracts import AgentTurn
+from ..._exceptions import ContractValueError, LifecycleError, TurnInterrupted
+from ..._router import AgentRouter
+from .._messages import ResponseOutput, UserQuery
+from ._ledger import Ledger, Participant
+from ._link import Link
+from ._metrics import RuntimeMetrics
+from ._wire import (
+    Ending,
+    NatsConfig,
+    Rejected,
+    ack_metadata,
+    encode_token,
+    output_message_id,
+    parse_input,
+)
+
+__all__ = ["Inputs"]
+
+logger = logging.getLogger("turnrouter.runtime.nats")
+
+_RECENT = 4096  # bound of the handled-input id memory (duplicates beyond it are re-run)
+
+
+class _Recent:
+    """The last `bound` handled input ids (duplicates older than that run again; the
+    input stream's own deduplication window covers republished ids)."""
+
+    def __init__(self, bound: int) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._bound = bound
+
+    def __contains__(self, message_id: object) -> bool:
+        return message_id in self._ids
+
+    def add(self, message_id: str) -> None:
+        self._ids[message_id] = None
+        if len(self._ids) > self._bound:
+            self._ids.popitem(last=False)
+
+
+class _TurnIndex:
+    """Running turn tasks by participant (entries go when their last task ends)."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, set[asyncio.Task[None]]] = {}
+
+    def of(self, pid: str) -> tuple[asyncio.Task[None], ...]:
+        return tuple(self._tasks.get(pid, ()))
+
+    def add(self, pid: str, task: asyncio.Task[None]) -> None:
+        self._tasks.setdefault(pid, set()).add(task)
+        task.add_done_callback(functools.partial(self._done, pid))
+
+    def _done(self, pid: str, task: asyncio.Task[None]) -> None:
+        tasks = self._tasks.get(pid)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._tasks[pid]
+
+
+class _Running:
+    """A turn started from a query message, and when that message may be acknowledged.
+
+    `gate` resolves first: None when `mark_after` passed before the turn began to
+    finish (mark it in flight), else the finished write's result; `written` is that
+    result (True: recorded, acknowledge; False: fenced, leave it to the new owner)."""
+
+    __slots__ = ("finishing", "gate", "held", "output", "written")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.finishing = False
+        self.gate: asyncio.Future[bool | None] = loop.create_future()
+        self.written: asyncio.Future[bool] = loop.create_future()
+        self.held: Ending | None = None
+        self.output: _Output | None = None
+
+    def due(self) -> None:
+        if not self.finishing and not self.gate.done():
+            self.gate.set_result(None)
+
+    def settle(self, ok: bool) -> None:
+        if not self.written.done():
+            self.written.set_result(ok)
+        if not self.gate.done():
+            self.gate.set_result(ok)
+
+
+Spawn = Callable[[Awaitable[Any], str], "asyncio.Task[Any]"]
+_Output = tuple[str, bytes, dict[str, str]]  # subject, body, headers
+
+
+class Inputs:
+    """Runs the inputs of the partitions a worker owns on its router."""
+
+    def __init__(self, config: NatsConfig, router: AgentRouter, ledger: Ledger, link: Link,
+                 metrics: RuntimeMetrics | None, spawn: Spawn,
+                 stopping: Callable[[], bool]) -> None:
+        self._config, self._router, self._ledger, self._link = config, router, ledger, link
+        self._metrics, self._spawn, self._stopping = metrics, spawn, stopping
+        self._running: dict[str, _Running] = {}
+        self._recent = _Recent(_RECENT)
+        self.turns_of = _TurnIndex()
+        self._out_prefix = f"{config.prefix}.out."
+
+    # ------------------------------------------------------------------ inputs
+    def _reject(self, msg: Msg, reason: str, detail: str) -> None:
+        logger.warning("turnrouter: rejected input on %s: %s", msg.subject[:200], detail)
+        self._router.report_rejected("nats_input", reason)
+
+    async def handle(self, n: int, msg: Msg, owned: bool, received: float) -> None:
+        """Check and run one message delivered on partition `n` (owned: this replica
+        holds its pin; received: its arrival, `time.monotonic()`), then acknowledge it
+        when its outcome is recorded."""
+        try:
+            partition, pid, kind, message = parse_input(self._config, msg.subject, msg.data)
+            if partition != n:
+                raise Rejected("not_owned", f"partition {partition} delivered on {n}")
+        except Rejected as exc:
+            self._reject(msg, exc.reason, str(exc))
+            await self._ack(msg, b"+TERM")
+            return
+        if kind == "probe" or pid is None or message is None:
+            await self._ack(msg)
+            return
+        if not owned:
+            self._reject(msg, "not_owned", f"partition {n} is not owned here")
+            return  # not acknowledged: the owner gets it
+        delivered, stored_ns = ack_metadata(msg.reply)
+        metrics = self._metrics
+        if metrics is not None:
+            if delivered > 1:
+                metrics.redeliveries.inc()
+            wait = metrics.input_wait
+            wait.labels("queued").observe(time.monotonic() - received)
+            if stored_ns:
+                wait.labels("delivery").observe(max(0.0, time.time() - stored_ns / 1e9))
+        message_id = message.message_id
+        if message_id in self._recent or message_id in self._running:
+            if metrics is not None:
+                metrics.duplicates.labels("input").inc()
+            await self._ack(msg)
+            return
+        state = await self._ledger.claim(pid, n)
+        if state is None:
+            return  # fenced: another replica owns the participant
+        router = self._router
+        if kind == "query":
+            assert isinstance(message, UserQuery)
+            if delivered > 1:
+                # A previous owner received it and may have started answering: end it
+                # the way a turn in flight on a dead owner ends (unless the claimed
+                # record already ended it: its held answer, or the failure text).
+                if message_id not in state.ended:
+                    if metrics is not None:
+                        metrics.inflight_failed.inc()
+                    await self.publish_output(pid, message_id, "none",
+                                              self._config.failure_text, final=True)
+            elif not await self._start(pid, state, message, msg):
+                return  # fenced meanwhile: the message is the new owner's now
+        elif kind == "joined":
+            router.readmit(pid)
+            self._spawn(self._ledger.write(pid, state), "state write")
+        elif kind == "left":
+            departure = router.begin_departure(pid)
+            self._spawn(self._after(departure.join(), pid, state), "departure")
+        elif kind == "interrupt":
+            await router.interrupt(pid)
+        self._recent.add(message_id)
+        await self._ack(msg)
+
+    async def _start(self, pid: str, state: Participant, query: UserQuery, msg: Msg) -> bool:
+        """Start the turn; True once its message may be acknowledged (module doc)."""
+        headers = msg.headers
+        carrier = ({k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
+                   if headers else {}) or query.trace_carrier()
+        loop = asyncio.get_running_loop()
+        run = self._running[query.message_id] = _Running(loop)
+        task = self._spawn(self._turn(pid, state, query, carrier, run),
+                           f"turn {query.message_id}")
+        self.turns_of.add(pid, task)
+        timer = loop.call_later(self._config.mark_after, run.due)
+        try:
+            outcome = await run.gate
+        finally:
+            timer.cancel()
+        if outcome is not None:
+            return outcome
+        if run.finishing:  # it began to finish since the deadline: no mark needed
+            return await run.written
+        state.inflight.append(query.message_id)
+        if self._metrics is not None:
+            self._metrics.inflight_marks.inc()
+        return await self._ledger.write(pid, state, fresh=False)
+
+    def changed(self, pid: str) -> None:
+        """The router changed a participant outside its turns (a context patch): save
+        its record soon, off any turn's path (one save for changes close together)."""
+        state = self._ledger.people.get(pid)
+        if state is None or state.fenced or state.saving:
+            return
+        state.saving = True
+        self._spawn(self._save(pid, state), "state save")
+
+    async def _save(self, pid: str, state: Participant) -> None:
+        state.saving = False  # a change after this point schedules another save
+        await self._ledger.write(pid, state)
+
+    async def _after(self, work: Awaitable[None], pid: str, state: Participant) -> None:
+        try:
+            await work
+        except Exception:
+            logger.exception("turnrouter: departure failed")
+        await self._ledger.write(pid, state)
+
+    async def _ack(self, msg: Msg, how: bytes = b"+ACK") -> None:
+        if msg.reply:
+            await self._link.send(msg.reply, how)
+
+    # ------------------------------------------------------------------ turns
+    async def _turn(self, pid: str, state: Participant, query: UserQuery,
+                    carrier: dict[str, str], run: _Running) -> None:
+        router = self._router
+        turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
+        status = router.reports_status
+        try:
+            with router.continue_trace(carrier):
+                if status:
+                    await router.report_status("processing", pid)
+                try:
+                    await router.route_turn(turn, output=self._emit)
+                finally:
+                    if status:
+                        await router.report_status("idle", pid)
+        except (TurnInterrupted, LifecycleError) as exc:
+            if self._stopping() and run.held is None:
+                # Cut short by a graceful end that outlasted drain_timeout: say so.
+                await self.publish_output(pid, turn.turn_id, "none",
+                                          self._config.failure_text, final=True,
+                                          carrier=carrier)
+            elif isinstance(exc, LifecycleError):
+                logger.info("turnrouter: turn %s refused: %s", turn.turn_id, exc)
+        except Exception:
+            logger.exception("turnrouter: turn %s failed", turn.turn_id)
+            # Every turn ends audibly: the failure text under the terminal id is dropped
+            # by the output stream when the router or the destination already ended it.
+            await self.publish_output(pid, turn.turn_id, "none", self._config.failure_text,
+                                      final=True, carrier=carrier)
+        finally:
+            run.finishing = True
+            del self._running[query.message_id]
+            with contextlib.suppress(ValueError):
+                state.inflight.remove(query.message_id)
+            held = run.held
+            if held is not None:
+                state.outbox.append(held)
+            if state.fenced:
+                run.settle(False)
+            else:
+                # Not shielded: the task is cancelled only when the worker goes down, and
+                # a record write cut then is a crash like any other (module doc).
+                await self._finish(pid, state, run)
+
+    async def _finish(self, pid: str, state: Participant, run: _Running) -> None:
+        """Write the finished exchange, then publish the answer it holds (if any)."""
+        ok = False
+        try:
+            ok = await self._ledger.write(pid, state)
+            held, output = run.held, run.output
+            if ok and held is not None and output is not None:
+                await self._link.publish_stored(*output)
+                with contextlib.suppress(ValueError):
+                    state.outbox.remove(held)  # the next write drops it from the record
+        except Exception:
+            logger.exception("turnrouter: finishing a turn failed")
+        finally:
+            run.settle(ok)
+
+    async def answer(self, turn: AgentTurn, route: str, text: str) -> None:
+        """A destination's answer: held until the turn's record is written (running
+        turn), else published at once."""
+        run = self._running.get(turn.turn_id)
+        if run is not None and run.held is None:
+            # Checked now, so a text that cannot go out fails the destination's answer()
+            # (the router then says its failure text) instead of ending nothing later.
+            run.output = self._output(turn.participant_id, turn.turn_id, route, text, True,
+                                      self._router.trace_carrier())  # the turn's span
+            run.held = (turn.turn_id, route, text, time.time())
+            return
+        await self.publish_output(turn.participant_id, turn.turn_id, route, text, final=True)
+
+    # ------------------------------------------------------------------ outputs
+    async def _emit(self, turn: AgentTurn, route: str, text: str) -> None:
+        await self.publish_output(turn.participant_id, turn.turn_id, route, text,
+                                  final=route == "none")
+
+    async def control_output(self, turn: AgentTurn, route: str, text: str) -> None:
+        await self.publish_output(turn.participant_id, turn.turn_id, route, text,
+                                  final=False)
+
+    async def publish_output(self, pid: str, turn_id: str, route: str, text: str, *,
+                             final: bool, carrier: dict[str, str] | None = None) -> None:
+        """Publish one output to the output stream under its deduplication id, with the
+        W3C context of `carrier` (default: the current span's). Not waited for: the
+        connection keeps it ahead of the participant's next record write."""
+        if carrier is None:
+            carrier = self._router.trace_carrier()
+        try:
+            output = self._output(pid, turn_id, route, text, final, carrier)
+        except ContractValueError as exc:
+            logger.warning("turnrouter: %s", exc)
+            return
+        await self._link.publish_stored(*output)
+
+    def _output(self, pid: str, turn_id: str, route: str, text: str, final: bool,
+                carrier: dict[str, str]) -> _Output:
+        """An output's subject, body and headers (`ContractValueError` for text that is
+        not valid output, e.g. holding a lone surrogate)."""
+        try:
+            message = ResponseOutput(participant_id=pid, request_id=turn_id, route=route,
+                                     text=text, traceparent=carrier.get("traceparent"),
+                                     tracestate=carrier.get("tracestate"))
+        except ValidationError as exc:
+            raise ContractValueError(
+                f"output of turn {turn_id!r} refused: {exc.error_count()} invalid "
+                f"field(s)") from None
+        headers = {"Nats-Msg-Id": output_message_id(turn_id, route, text, final=final),
+                   **carrier}
+        return (f"{self._out_prefix}{encode_token(pid)}",
+                message.model_dump_json().encode(), headers)

@@ -1,0 +1,126 @@
+"""The worker's hot path to the server: lean requests and stored publishes.
+
+nats-py's `request()` and `JetStreamContext.publish()` cost a task-less `wait_for`, a
+fresh inbox token and a parsed `PubAck` per call. A turn needs one request (its record
+write) and one stored publish (its answer), so the worker keeps one wildcard reply
+subscription: a request is a publish with a reply token and a future; the answer's
+publish does not wait at all, and its acknowledgment is read off the turn's path (to
+count duplicates the output stream dropped and to log a refused publish).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+
+__all__ = ["Link", "RequestFailed", "pub_ack"]
+
+logger = logging.getLogger("turnrouter.runtime.nats")
+
+_STORED = "s"  # reply token of the stored publishes whose acknowledgment nobody awaits
+
+
+class RequestFailed(Exception):
+    """A request got no reply in time, or the connection refused it."""
+
+
+class Link:
+    """Requests and stored publishes over one connection and one reply subscription."""
+
+    def __init__(self, nc: Client, on_duplicate: Callable[[], None]) -> None:
+        self._nc = nc
+        self._prefix = nc.new_inbox()
+        self._waiting: dict[str, asyncio.Future[bytes]] = {}
+        self._next = 0
+        self._on_duplicate = on_duplicate
+        self._stored_reply = f"{self._prefix}.{_STORED}"
+
+    async def start(self) -> None:
+        await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
+
+    async def request(self, subject: str, payload: bytes, headers: dict[str, str],
+                      wait: float = 5.0) -> bytes:
+        """Publish with a reply token and wait up to `wait` seconds for the reply's body
+        (`RequestFailed` without a reply in time, no responders, or a closed
+        connection)."""
+        self._next += 1
+        token = str(self._next)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bytes] = loop.create_future()
+        self._waiting[token] = future
+        timer = loop.call_later(wait, _expire, future)
+        try:
+            await self._nc.publish(subject, payload, reply=f"{self._prefix}.{token}",
+                                   headers=headers)
+            return await future
+        except NatsError as exc:
+            raise RequestFailed(repr(exc)) from exc
+        finally:
+            timer.cancel()
+            del self._waiting[token]
+
+    async def send(self, subject: str, payload: bytes) -> None:
+        """A plain publish (an acknowledgment); a closed connection is ignored (the
+        message comes back to whoever owns its partition then)."""
+        with contextlib.suppress(NatsError):
+            await self._nc.publish(subject, payload)
+
+    async def publish_stored(self, subject: str, payload: bytes,
+                             headers: dict[str, str]) -> None:
+        """Publish to a stream without waiting for its acknowledgment; a duplicate the
+        stream dropped is counted and a refusal logged when the acknowledgment comes."""
+        try:
+            await self._nc.publish(subject, payload, reply=self._stored_reply,
+                                   headers=headers)
+        except NatsError as exc:
+            logger.warning("turnrouter: output not published: %r", exc)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        token = msg.subject[len(self._prefix) + 1:]
+        if token == _STORED:
+            self._stored_ack(msg.data)
+            return
+        future = self._waiting.get(token)
+        if future is None or future.done():
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            future.set_exception(RequestFailed("no responders"))
+        else:
+            future.set_result(msg.data)
+
+    def _stored_ack(self, data: bytes) -> None:
+        if b'"duplicate":true' in data:
+            self._on_duplicate()
+        elif b'"error"' in data or not data:
+            logger.warning("turnrouter: the output stream refused an output: %s",
+                           data[:300].decode("utf-8", "replace"))
+
+
+def _expire(future: asyncio.Future[bytes]) -> None:
+    if not future.done():
+        future.set_exception(RequestFailed("no reply in time"))
+
+
+def pub_ack(data: bytes) -> tuple[int | None, Any]:
+    """A JetStream publish acknowledgment: `(seq, None)` for `{"stream":..., "seq":...}`,
+    `(None, error)` for `{"error": ...}`; ValueError naming the problem otherwise."""
+    try:
+        reply = json.loads(data)
+    except RecursionError as exc:
+        raise ValueError("publish acknowledgment nested too deeply") from exc
+    if isinstance(reply, dict):
+        error = reply.get("error")
+        if error is not None:
+            return None, error
+        seq = reply.get("seq")
+        if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0:
+            return seq, None
+    raise ValueError(f"not a publish acknowledgment: {data[:200]!r}")
