@@ -435,3 +435,61 @@ def test_knn_routes_accepts_none_or_a_positive_int_only(value: object) -> None:
         return
     service = LexicalDecisions(EXAMPLES, knn_routes=value)  # type: ignore[arg-type]
     assert service.score(request("skip this song")).choice in {"music", CLARIFY}
+
+
+def test_description_phrases_train_the_example_model() -> None:
+    """descriptions= adds each described route's phrases to its examples: a query worded
+    like a phrase but like no example reaches that route through the example model."""
+    query = request("karaoke duets", AIDS[:2])
+    plain = LexicalDecisions(EXAMPLES)
+    taught = LexicalDecisions(EXAMPLES, descriptions={
+        "weather": "Forecasts.", "music": "Songs, karaoke duets and albums."})
+    def linear(service: LexicalDecisions) -> float:
+        return service.signals(query)[1][1][0]
+    assert linear(taught) > linear(plain)
+    assert taught.score(query).scores["music"] > plain.score(query).scores["music"]
+
+
+def test_description_phrases_neither_add_routes_nor_change_the_regime() -> None:
+    """A described route without examples stays description-scored, and phrases do not
+    count as examples when choosing the few-shot calibration."""
+    long = {"weather": ", ".join(f"topic {n}" for n in range(200)), "chat": "Anything."}
+    service = LexicalDecisions(EXAMPLES, descriptions=long)
+    assert service.example_calibration == LexicalDecisions(EXAMPLES).example_calibration
+    aids = (*AIDS, RoutingAid("chat", "Anything."))
+    assert [backed for backed, _ in service.signals(request("hello", aids))] == [
+        True, True, True, False]
+
+
+@pytest.mark.parametrize(
+    "descriptions",
+    ["weather", {"weather": 3}, {"": "x"}, {3: "x"}, [("weather", "x")]],
+)
+def test_invalid_descriptions_raise_configuration_error(descriptions: object) -> None:
+    """descriptions must map route names to str; anything else is refused naming it."""
+    with pytest.raises(ConfigurationError, match="descriptions"):
+        LexicalDecisions(EXAMPLES, descriptions=descriptions)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(descriptions=st.one_of(
+    st.dictionaries(st.text(max_size=12), st.text(max_size=300), max_size=5),
+    st.dictionaries(st.sampled_from(sorted(EXAMPLES)),
+                    st.builds(lambda part, n: part * n, st.text(min_size=1, max_size=8),
+                              st.integers(1, 3000)), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers() | st.none() | st.binary(max_size=4),
+                    min_size=1, max_size=2),
+))
+def test_any_descriptions_build_a_service_or_raise_configuration_error(
+    descriptions: dict[object, object],
+) -> None:
+    """Junk, huge and wrongly typed descriptions either build a working service or raise
+    ConfigurationError naming descriptions: nothing else escapes."""
+    try:
+        service = LexicalDecisions(EXAMPLES, descriptions=descriptions)  # type: ignore[arg-type]
+    except ConfigurationError as error:
+        assert "descriptions" in str(error)
+        return
+    decision = service.score(request("will it rain tomorrow"))
+    assert decision.choice in {a.name for a in AIDS} | {CLARIFY}
+    assert all(0.0 <= v <= 1.0 for v in decision.scores.values())

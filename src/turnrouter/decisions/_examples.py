@@ -20,24 +20,27 @@ import itertools
 import math
 import operator
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from array import array
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from .._exceptions import ConfigurationError
 from ._text import counts, gram_counts, inverse_frequencies, word_features, words
 
 __all__ = ["ExampleModel", "build_examples"]
 
-Hits = tuple[tuple[int, float], ...]
-"""(example id, partial dot product with the example), heaviest first."""
+Hits = tuple["array[int]", "array[float]"]
+"""(example ids, partial dot products with those examples), heaviest first: two
+arrays, a few bytes per hit, since every word of the examples carries its own."""
 RouteHits = dict[int, Hits]
 """route position -> the hits among that route's examples."""
 FeatureEntry = tuple[float, tuple[float, ...], RouteHits]
 """A feature's IDF, linear row (weights × IDF) and hits per route."""
 Follow = dict[str, FeatureEntry]
 """The bigrams starting with one stem: next stem -> the bigram's entry."""
-WordEntry = tuple[str, float, tuple[float, ...] | None, RouteHits, Follow]
+WordEntry = tuple[str, float, tuple[float, ...] | None, RouteHits | None, Follow]
 """A word's stem, squared norm, summed IDF-weighted linear row (None: no known feature),
-its nearest-example hits per route and the bigrams its stem starts."""
+its nearest-example hits per route (None: a word not in the examples, whose hits are
+computed per route when needed) and the bigrams its stem starts."""
 
 MIN_KNN_DF = 30
 """Features in at most this many examples always stay in the nearest-example index."""
@@ -58,19 +61,21 @@ class ExampleModel:
         "_unseen",
         "evictions",
         "high",
+        "hit_evictions",
         "low",
         "owners",
         "per_route",
         "positions",
         "routes",
         "size",
+        "unseen_hits",
         "unseen_words",
         "words",
     )
 
     def __init__(self, tables: tuple[dict[str, FeatureEntry], dict[str, Follow]],
                  entries: dict[str, WordEntry], routes: tuple[str, ...],
-                 owners: tuple[int, ...], ngrams: tuple[int, int, float]) -> None:
+                 owners: tuple[int, ...], shape: tuple[int, int, float, float]) -> None:
         self._table, self._follow = tables
         """word features -> entry; first stem -> the bigrams it starts."""
         self.words = entries
@@ -80,11 +85,14 @@ class ExampleModel:
         self.size = len(routes)
         self.owners = owners
         """example id -> route position."""
-        self.per_route = len(owners) / len(routes)
-        """Mean number of examples per route (chooses the few-shot calibration)."""
-        self.low, self.high, self._unseen = ngrams
+        self.low, self.high, self._unseen, self.per_route = shape
+        """n-gram sizes, the IDF of an unseen feature, and the mean number of examples
+        per route (chooses the few-shot calibration)."""
         self.unseen_words: dict[str, WordEntry] = {}
         self.evictions = 0
+        self.unseen_hits: dict[tuple[int, str], Hits | None] = {}
+        """(route, query word not in the examples) -> its hits there (bounded)."""
+        self.hit_evictions = 0
 
     def word(self, word: str) -> WordEntry:
         """The entry of `word`: precomputed for example words, else computed (cached)."""
@@ -93,13 +101,33 @@ class ExampleModel:
             return entry
         stem = word_features(word, self.low, self.high)[0]
         entry = _word_entry(stem, gram_counts(word, self.low, self.high), self._table,
-                            self._unseen, self._follow.get(stem, _NO_FOLLOW))
+                            self._unseen, self._follow.get(stem, _NO_FOLLOW), False)
         cache = self.unseen_words
         if len(cache) >= UNSEEN_CACHE_SIZE:
             del cache[next(iter(cache))]
             self.evictions += 1
         cache[word] = entry
         return entry
+
+    def _hits(self, route: int, word: str) -> Hits | None:
+        """The hits of a word not in the examples among `route`'s examples (cached)."""
+        key = (route, word)
+        if key in self.unseen_hits:
+            return self.unseen_hits[key]
+        merged: dict[int, float] = {}
+        for gram, count in gram_counts(word, self.low, self.high):
+            entry = self._table.get(gram)
+            found = entry[2].get(route) if entry is not None else None
+            if found is not None:
+                for example, value in zip(*found, strict=True):
+                    merged[example] = merged.get(example, 0.0) + count * value
+        hits = _by_route({route: merged})[route] if merged else None
+        cache = self.unseen_hits
+        if len(cache) >= UNSEEN_CACHE_SIZE:
+            del cache[next(iter(cache))]
+            self.hit_evictions += 1
+        cache[key] = hits
+        return hits
 
     def signals(self, split: Sequence[str], neighbors: int, budget: int,
                 routes: tuple[Sequence[int], int | None]
@@ -113,6 +141,7 @@ class ExampleModel:
         size = self.size
         rows: list[tuple[float, ...]] = []
         lists: list[RouteHits] = []
+        unknown: list[str] = []
         squares = 0.0
         known = self.words.get
         unseen = self._unseen * self._unseen
@@ -124,6 +153,8 @@ class ExampleModel:
                 rows.append(row)
             if hits:
                 lists.append(hits)
+            elif hits is None:
+                unknown.append(word)
             if follow is not None:
                 # The bigram (previous stem, this stem).
                 found = follow.get(stem)
@@ -150,23 +181,29 @@ class ExampleModel:
             sims: dict[int, float] = {}
             get = sims.get
             picked = [among for by_route in lists if (among := by_route.get(route))]
+            if unknown:
+                picked += [among for word in unknown if (among := self._hits(route, word))]
             if len(picked) == 1:
-                values = [value for _, value in picked[0][:budget]]
-            else:
-                for example, value in _bounded(picked, budget):
-                    sims[example] = get(example, 0.0) + value
-                values = list(sims.values())
-            if values:
-                values.sort(reverse=True)
+                # One word's hits: already heaviest first.
+                nearest[route] = sum(picked[0][1][:min(neighbors, budget)]) * factor
+                return linear, nearest
+            for example, value in _bounded(picked, budget):
+                sims[example] = get(example, 0.0) + value
+            if sims:
+                values = sorted(sims.values(), reverse=True)
                 nearest[route] = sum(values[:neighbors]) * factor
             return linear, nearest
         if count is None and len(wanted) == size:
+            chosen: Collection[int] = range(size)
             picked = [among for by_route in lists for among in by_route.values()]
         else:
             chosen = set(wanted if count is None
                          else heapq.nlargest(count, wanted, key=linear.__getitem__))
             picked = [among for by_route in lists for route, among in by_route.items()
                       if route in chosen]
+        if unknown:
+            picked += [among for word in unknown for route in chosen
+                       if (among := self._hits(route, word))]
         taken = [0] * size
         owners = self.owners
         for example, value in sorted(_walk(picked, budget).items(), key=_second,
@@ -181,10 +218,12 @@ class ExampleModel:
 def _bounded(lists: list[Hits], budget: int) -> Iterable[tuple[int, float]]:
     """The hits of `lists`, at most `budget` of them: the heaviest lists first when
     there are more (bounded work whatever the query)."""
-    if sum(map(len, lists)) <= budget:
-        return itertools.chain.from_iterable(lists)
-    lists.sort(key=lambda hits: hits[0][1], reverse=True)
-    return itertools.islice(itertools.chain.from_iterable(lists), budget)
+    pairs = itertools.chain.from_iterable(itertools.starmap(zip, lists))
+    if sum(len(ids) for ids, _ in lists) <= budget:
+        return pairs
+    lists.sort(key=lambda hits: hits[1][0], reverse=True)
+    return itertools.islice(itertools.chain.from_iterable(itertools.starmap(zip, lists)),
+                            budget)
 
 
 def _walk(lists: list[Hits], budget: int) -> dict[int, float]:
@@ -197,8 +236,9 @@ def _walk(lists: list[Hits], budget: int) -> dict[int, float]:
 
 
 def _word_entry(stem: str, grams: tuple[tuple[str, int], ...],
-                table: Mapping[str, FeatureEntry], unseen: float, follow: Follow
-                ) -> WordEntry:
+                table: Mapping[str, FeatureEntry], unseen: float, follow: Follow,
+                with_hits: bool = True) -> WordEntry:
+    """A word's entry; without `with_hits`, hits are left to `ExampleModel._hits`."""
     squares = 0.0
     rows: list[tuple[float, ...]] = []
     merged: dict[int, dict[int, float]] = {}
@@ -211,18 +251,26 @@ def _word_entry(stem: str, grams: tuple[tuple[str, int], ...],
         squares += (count * idf) ** 2
         if row:
             rows.append(row if count == 1 else tuple(count * v for v in row))
-        for route, hits in by_route.items():
+        if not with_hits:
+            continue
+        for route, (ids, values) in by_route.items():
             sums = merged.setdefault(route, {})
-            for example, value in hits:
+            for example, value in zip(ids, values, strict=True):
                 sums[example] = sums.get(example, 0.0) + count * value
     summed = tuple(map(sum, zip(*rows, strict=True))) if rows else None
+    if not with_hits:
+        return stem, squares, summed, None, follow
     return stem, squares, summed, _by_route(merged) if merged else _NO_HITS, follow
 
 
 def _by_route(merged: Mapping[int, Mapping[int, float]]) -> RouteHits:
     """Per route, its examples' summed values as hits, heaviest first."""
-    return {route: tuple(sorted(sums.items(), key=_second, reverse=True))
-            for route, sums in merged.items()}
+    out: RouteHits = {}
+    for route, sums in merged.items():
+        ranked = sorted(sums.items(), key=_second, reverse=True)
+        out[route] = (array("i", [example for example, _ in ranked]),
+                      array("d", [value for _, value in ranked]))
+    return out
 
 
 def train_linear(
@@ -267,9 +315,12 @@ def train_linear(
             for name, row in weights.items()}
 
 
-def _texts(examples: Mapping[str, Sequence[str]], limits: tuple[int, int, int, int]
-           ) -> tuple[list[str], list[tuple[int, list[str], dict[str, int]]]]:
-    """Route names and, per usable utterance, (route position, words, term counts)."""
+def _texts(examples: Mapping[str, Sequence[str]], limits: tuple[int, int, int, int],
+           extra: Mapping[str, Sequence[str]]
+           ) -> tuple[list[str], list[tuple[int, list[str], dict[str, int]]], int]:
+    """Route names; per usable utterance, (route position, words, term counts); and how
+    many of those are examples (the `extra` texts of a route with examples follow its
+    own)."""
     if not isinstance(examples, Mapping):
         raise ConfigurationError(
             f"examples must be a mapping of route name to utterances, got "
@@ -297,17 +348,27 @@ def _texts(examples: Mapping[str, Sequence[str]], limits: tuple[int, int, int, i
             term_counts = counts(split, low, high, False)
             if term_counts:
                 texts.append((index, split, term_counts))
-    return routes, texts
+    own = len(texts)
+    for index, route in enumerate(routes):
+        for text in extra.get(route, ()):
+            split = words(text, max_chars, max_words)
+            term_counts = counts(split, low, high, False)
+            if term_counts:
+                texts.append((index, split, term_counts))
+    return routes, texts, own
 
 
 def build_examples(examples: Mapping[str, Sequence[str]], limits: tuple[int, int, int, int],
-                   max_df: float, epochs: int) -> ExampleModel | None:
-    """The example model (None when no utterance has a feature).
+                   max_df: float, epochs: int, extra: Mapping[str, Sequence[str]]
+                   ) -> ExampleModel | None:
+    """The example model (None when no example has a feature).
 
-    `limits` = (max query chars, max query words, low, high n-gram sizes).
+    `limits` = (max query chars, max query words, low, high n-gram sizes); `extra` =
+    more texts per route (its description's phrases), trained on as examples but not
+    counted in `per_route`.
     """
-    routes, texts = _texts(examples, limits)
-    if not texts:
+    routes, texts, own = _texts(examples, limits, extra)
+    if not own:
         return None
     low, high = limits[2], limits[3]
     size = len(routes)
@@ -360,4 +421,4 @@ def build_examples(examples: Mapping[str, Sequence[str]], limits: tuple[int, int
                                  follows.get(stem, _NO_FOLLOW))
                for word, stem in vocabulary.items()}
     return ExampleModel((table, follows), entries, tuple(routes), tuple(owners),
-                        (low, high, unseen))
+                        (low, high, unseen, own / size))

@@ -30,7 +30,7 @@ from .._exceptions import ConfigurationError
 from ._calibration import LexicalCalibration
 from ._descriptions import DescriptionModel, build_descriptions
 from ._examples import ExampleModel, build_examples
-from ._text import STOPWORDS, words
+from ._text import STOPWORDS, description_phrases, words
 
 __all__ = ["LexicalDecisions"]
 
@@ -39,11 +39,13 @@ __all__ = ["LexicalDecisions"]
 DEFAULT_EXAMPLE_CALIBRATION = LexicalCalibration(
     (6.2543, 3.2141, 0.0, 0.0, 3.0742), -7.0441)
 DEFAULT_FEW_SHOT_CALIBRATION = LexicalCalibration(
-    (3.2585, 2.2564, 4.3506, 6.8949, 2.0205), -3.3473)
+    (4.1552, 3.4151, 2.8291, 4.9809, 1.9196), -3.7504)
+"""Fitted with the routes' descriptions passed as `descriptions=` (their phrases train
+the example model)."""
 DEFAULT_DESCRIPTION_CALIBRATION = LexicalCalibration((0.0, 0.0, 8.2477, 5.2714, 0.0), -1.9754)
 # Floors maximising the balanced score on the same tuning data, per regime.
 DEFAULT_EXAMPLE_FLOOR = 0.45
-DEFAULT_FEW_SHOT_FLOOR = 0.325
+DEFAULT_FEW_SHOT_FLOOR = 0.4
 DEFAULT_DESCRIPTION_FLOOR = 0.35
 # Routes given the neighbour signal (the best by linear score; None: every route).
 DEFAULT_EXAMPLE_KNN_ROUTES: int | None = 1
@@ -100,6 +102,25 @@ def _check_calibration(name: str, value: object, default: LexicalCalibration
     return value
 
 
+def _description_texts(descriptions: object) -> dict[str, list[str]]:
+    """The phrases of each route's description (validated), trained on as examples."""
+    if descriptions is None:
+        return {}
+    if not isinstance(descriptions, Mapping):
+        raise ConfigurationError(
+            f"descriptions must be a mapping of route name to description, got "
+            f"{type(descriptions).__name__}")
+    out: dict[str, list[str]] = {}
+    for route, text in descriptions.items():
+        if not isinstance(route, str) or not route:
+            raise ConfigurationError(f"descriptions keys must be route names, got {route!r:.60}")
+        if not isinstance(text, str):
+            raise ConfigurationError(
+                f"descriptions[{route!r:.60}] must be a str, got {type(text).__name__}")
+        out[route] = description_phrases(route, text)
+    return out
+
+
 def _check_ngrams(value: object) -> tuple[int, int]:
     if (
         not isinstance(value, tuple)
@@ -131,6 +152,7 @@ class LexicalDecisions:
         self,
         examples: Mapping[str, Sequence[str]] | None = None,
         *,
+        descriptions: Mapping[str, str] | None = None,
         min_example_score: float | None = None,
         min_description_score: float = DEFAULT_DESCRIPTION_FLOOR,
         min_margin: float = 0.0,
@@ -176,8 +198,9 @@ class LexicalDecisions:
         self._last: tuple[tuple[RoutingAid, ...], _Plan] = ((), _EMPTY_PLAN)
         self._plan_evictions = 0
         limits = (self._max_chars, self._max_words, *self._ngrams)
+        extra = _description_texts(descriptions)
         self._examples: ExampleModel | None = (
-            build_examples(examples, limits, max_df, epochs) if examples else None)
+            build_examples(examples, limits, max_df, epochs, extra) if examples else None)
         floor, routes = DEFAULT_EXAMPLE_FLOOR, DEFAULT_EXAMPLE_KNN_ROUTES
         if self._examples is not None and self._examples.per_route < FEW_SHOT_BELOW:
             calibration, floor = few_shot, DEFAULT_FEW_SHOT_FLOOR
@@ -210,8 +233,9 @@ class LexicalDecisions:
         """Sizes and eviction counts of the per-service caches (all bounded).
 
         `description_models` (at most `description_cache_size` candidate sets, each
-        keeping at most 2,048 query words) and `query_words` (at most 4,096 words not
-        seen in the examples).
+        keeping at most 2,048 query words), `query_words` (at most 4,096 words not
+        seen in the examples) and `query_word_hits` (their nearest-example hits per
+        route, at most 4,096).
         """
         model = self._examples
         return {
@@ -219,6 +243,8 @@ class LexicalDecisions:
             "description_model_evictions": self._plan_evictions,
             "query_words": len(model.unseen_words) if model is not None else 0,
             "query_word_evictions": model.evictions if model is not None else 0,
+            "query_word_hits": len(model.unseen_hits) if model is not None else 0,
+            "query_word_hit_evictions": model.hit_evictions if model is not None else 0,
         }
 
     def _plan(self, candidates: tuple[RoutingAid, ...]) -> _Plan:

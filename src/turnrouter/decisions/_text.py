@@ -172,6 +172,11 @@ _PHRASE_SPLIT_RE = re.compile(r"[.,;:!?()\[\]/]|\band\b|\bor\b|\s[-\u2013\u2014]
 
 def phrases(aid: RoutingAid) -> list[str]:
     """The route's description split into phrases, plus its name as a phrase of its own."""
-    parts = [part for part in _PHRASE_SPLIT_RE.split(aid.description) if part.strip()]
-    parts.append(route_words(aid.name))
+    return description_phrases(aid.name, aid.description)
+
+
+def description_phrases(name: str, description: str) -> list[str]:
+    """`description` split into phrases, plus the route `name` as a phrase of its own."""
+    parts = [part for part in _PHRASE_SPLIT_RE.split(description) if part.strip()]
+    parts.append(route_words(name))
     return parts
