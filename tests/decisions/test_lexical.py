@@ -455,10 +455,25 @@ def test_description_phrases_neither_add_routes_nor_change_the_regime() -> None:
     count as examples when choosing the few-shot calibration."""
     long = {"weather": ", ".join(f"topic {n}" for n in range(200)), "chat": "Anything."}
     service = LexicalDecisions(EXAMPLES, descriptions=long)
-    assert service.example_calibration == LexicalDecisions(EXAMPLES).example_calibration
+    short = LexicalDecisions(EXAMPLES, descriptions={"weather": "Forecasts."})
+    assert service.example_calibration == short.example_calibration
+    assert service.example_calibration != MANY.example_calibration
     aids = (*AIDS, RoutingAid("chat", "Anything."))
     assert [backed for backed, _ in service.signals(request("hello", aids))] == [
         True, True, True, False]
+
+
+def test_few_shot_default_calibration_follows_whether_phrases_were_trained_on() -> None:
+    """Few-shot services with and without description phrases get the default fitted
+    for each; descriptions of routes without examples add no phrases."""
+    plain = LexicalDecisions(EXAMPLES)
+    described = LexicalDecisions(EXAMPLES, descriptions={"music": "Songs."})
+    assert plain.example_calibration != described.example_calibration
+    assert plain.min_example_score != described.min_example_score
+    unrelated = LexicalDecisions(EXAMPLES, descriptions={"chat": "Anything."})
+    assert unrelated.example_calibration == plain.example_calibration
+    chosen = LexicalCalibration((1.0, 0.0, 0.0, 0.0, 0.0), 0.0)
+    assert LexicalDecisions(EXAMPLES, few_shot_calibration=chosen).example_calibration == chosen
 
 
 @pytest.mark.parametrize(

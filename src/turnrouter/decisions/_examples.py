@@ -59,6 +59,7 @@ class ExampleModel:
         "_follow",
         "_table",
         "_unseen",
+        "described",
         "evictions",
         "high",
         "hit_evictions",
@@ -75,7 +76,8 @@ class ExampleModel:
 
     def __init__(self, tables: tuple[dict[str, FeatureEntry], dict[str, Follow]],
                  entries: dict[str, WordEntry], routes: tuple[str, ...],
-                 owners: tuple[int, ...], shape: tuple[int, int, float, float]) -> None:
+                 owners: tuple[int, ...], shape: tuple[int, int, float, float],
+                 described: bool) -> None:
         self._table, self._follow = tables
         """word features -> entry; first stem -> the bigrams it starts."""
         self.words = entries
@@ -88,6 +90,8 @@ class ExampleModel:
         self.low, self.high, self._unseen, self.per_route = shape
         """n-gram sizes, the IDF of an unseen feature, and the mean number of examples
         per route (chooses the few-shot calibration)."""
+        self.described = described
+        """Whether description phrases were trained on (chooses the few-shot default)."""
         self.unseen_words: dict[str, WordEntry] = {}
         self.evictions = 0
         self.unseen_hits: dict[tuple[int, str], Hits | None] = {}
@@ -421,4 +425,4 @@ def build_examples(examples: Mapping[str, Sequence[str]], limits: tuple[int, int
                                  follows.get(stem, _NO_FOLLOW))
                for word, stem in vocabulary.items()}
     return ExampleModel((table, follows), entries, tuple(routes), tuple(owners),
-                        (low, high, unseen, own / size))
+                        (low, high, unseen, own / size), len(texts) > own)

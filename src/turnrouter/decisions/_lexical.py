@@ -40,12 +40,15 @@ DEFAULT_EXAMPLE_CALIBRATION = LexicalCalibration(
     (6.2543, 3.2141, 0.0, 0.0, 3.0742), -7.0441)
 DEFAULT_FEW_SHOT_CALIBRATION = LexicalCalibration(
     (4.1552, 3.4151, 2.8291, 4.9809, 1.9196), -3.7504)
-"""Fitted with the routes' descriptions passed as `descriptions=` (their phrases train
-the example model)."""
+"""Few-shot with `descriptions=` (their phrases train the example model)."""
+DEFAULT_FEW_SHOT_PLAIN_CALIBRATION = LexicalCalibration(
+    (3.0075, 2.3666, 4.446, 6.8374, 2.1246), -3.4071)
+"""Few-shot without `descriptions=`."""
 DEFAULT_DESCRIPTION_CALIBRATION = LexicalCalibration((0.0, 0.0, 8.2477, 5.2714, 0.0), -1.9754)
 # Floors maximising the balanced score on the same tuning data, per regime.
 DEFAULT_EXAMPLE_FLOOR = 0.45
 DEFAULT_FEW_SHOT_FLOOR = 0.4
+DEFAULT_FEW_SHOT_PLAIN_FLOOR = 0.325
 DEFAULT_DESCRIPTION_FLOOR = 0.35
 # Routes given the neighbour signal (the best by linear score; None: every route).
 DEFAULT_EXAMPLE_KNN_ROUTES: int | None = 1
@@ -176,6 +179,7 @@ class LexicalDecisions:
                                          DEFAULT_EXAMPLE_CALIBRATION)
         few_shot = _check_calibration("few_shot_calibration", few_shot_calibration,
                                       DEFAULT_FEW_SHOT_CALIBRATION)
+        explicit_few_shot = few_shot_calibration is not None
         self._min_description_score = _check_unit("min_description_score",
                                                   min_description_score)
         self._min_margin = _check_unit("min_margin", min_margin)
@@ -204,6 +208,11 @@ class LexicalDecisions:
         floor, routes = DEFAULT_EXAMPLE_FLOOR, DEFAULT_EXAMPLE_KNN_ROUTES
         if self._examples is not None and self._examples.per_route < FEW_SHOT_BELOW:
             calibration, floor = few_shot, DEFAULT_FEW_SHOT_FLOOR
+            if not self._examples.described:
+                # Fitted without description phrases: the other default applies.
+                floor = DEFAULT_FEW_SHOT_PLAIN_FLOOR
+                if not explicit_few_shot:
+                    calibration = DEFAULT_FEW_SHOT_PLAIN_CALIBRATION
             routes = DEFAULT_FEW_SHOT_KNN_ROUTES
         self._example_calibration = calibration
         self._knn_routes = routes if explicit_routes is None else explicit_routes
