@@ -212,7 +212,8 @@ def _knobs(train: Sequence[dict[str, str]], domains: Sequence[str],
     A knob value replaces the default only if its mean beats the default's by more
     than `TOLERANCE` and its worst held-out draw is no worse (robust, not lucky).
     """
-    print("few-shot knobs (every route + coverage; the same draws, leave-one-draw-out):")
+    print("few-shot knobs (examples + description phrases, every route + coverage; the "
+          "same draws, leave-one-draw-out):")
     knobs: list[tuple[str, dict[str, object]]] = [
         ("defaults (neighbors 3, char_ngrams (4, 4), epochs 4, phrase_weight 0.3)", {}),
         ("neighbors 1", {"neighbors": 1}), ("neighbors 2", {"neighbors": 2}),
@@ -226,8 +227,9 @@ def _knobs(train: Sequence[dict[str, str]], domains: Sequence[str],
         draws = []
         for seed in range(count):
             examples, rest = few_shot_examples(train, domains, seed=seed)
-            service = LexicalDecisions(examples, few_shot_calibration=PROBE,
-                                       knn_routes=len(domains), **knob)  # type: ignore[arg-type]
+            service = LexicalDecisions(examples, descriptions=DESCRIPTIONS,
+                                       few_shot_calibration=PROBE, knn_routes=len(domains),
+                                       **knob)  # type: ignore[arg-type]
             draws.append(_collect(service, described, random.Random(seed).sample(rest, 3000))
                          + _collect(service, described, oos_train))
         figures = _held_out(draws, (True, True, True, True, True))
