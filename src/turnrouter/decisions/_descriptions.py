@@ -30,6 +30,9 @@ __all__ = ["DescriptionModel", "build_descriptions"]
 WORD_CACHE_SIZE = 2048
 """Query words whose contributions one description model keeps (oldest evicted first)."""
 
+_Entry = tuple[float, tuple[tuple[int, float], ...]]
+"""A feature's IDF² and ((slot, IDF × weight), ...)."""
+_NO_FOLLOW: dict[str, _Entry] = {}
 _Contribution = tuple[str, float, tuple[tuple[int, float], ...]]
 """A query word's stem, squared norm and ((slot, summed weight), ...)."""
 
@@ -38,14 +41,19 @@ class DescriptionModel:
     """Per-candidate-set vectors: slots 0..n-1 are the candidates' whole name +
     description, the next ones each phrase's own L2-normalised vector."""
 
-    __slots__ = ("_cache", "_owners", "_table", "_unseen", "evictions", "high", "low",
+    __slots__ = ("_cache", "_follow", "_owners", "_table", "_unseen", "evictions", "high", "low",
                  "size", "vocabulary")
 
-    def __init__(self, table: dict[str, tuple[float, tuple[tuple[int, float], ...]]],
+    def __init__(self, table: dict[str, _Entry],
                  unseen: float, size: int, owners: tuple[int, ...],
                  vocabulary: frozenset[str], ngrams: tuple[int, int]) -> None:
         self._table = table
-        """feature -> (IDF², ((slot, IDF × weight), ...))."""
+        """word feature -> (IDF², ((slot, IDF × weight), ...))."""
+        self._follow: dict[str, dict[str, _Entry]] = {}
+        """first stem -> second stem -> the bigram's entry (moved out of `_table`)."""
+        for feature in [f for f in table if f.startswith("b:")]:
+            first, _, second = feature[2:].partition(" ")
+            self._follow.setdefault(first, {})[second] = table.pop(feature)
         self._unseen = unseen * unseen
         self.size = size
         self._owners = owners
@@ -89,20 +97,23 @@ class DescriptionModel:
         """
         size = self.size
         sums = [0.0] * (size + len(self._owners))
-        get = self._table.get
+        cached = self._cache.get
+        follows = self._follow.get
+        unseen = self._unseen
         squares = 0.0
-        previous = ""
+        previous: str | None = None
         for word in split:
             if word in STOPWORDS:
                 continue
-            stem, square, parts = self._word(word)
+            stem, square, parts = cached(word) or self._word(word)
             squares += square
             for slot, weight in parts:
                 sums[slot] += weight
-            if previous:
-                entry = get(f"b:{previous} {stem}")
+            if previous is not None:
+                # The bigram (previous stem, this stem), without building its key.
+                entry = follows(previous, _NO_FOLLOW).get(stem)
                 if entry is None:
-                    squares += self._unseen
+                    squares += unseen
                 else:
                     squares += entry[0]
                     for slot, weight in entry[1]:

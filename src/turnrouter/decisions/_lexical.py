@@ -336,9 +336,11 @@ class LexicalDecisions:
                       or self._description_calibration.weights[4] != 0.0):
             content = [word for word in split if word not in STOPWORDS] or split
             known = model.words if model is not None else {}
-            vocabulary = plan.vocabulary
-            coverage = sum(1 for word in content
-                           if word in known or word in vocabulary) / len(content)
+            missing = [word for word in content if word not in known]
+            found = len(content) - len(missing)
+            if missing:
+                found += sum(map(plan.vocabulary.__contains__, missing))
+            coverage = found / len(content)
         return plan, linear, nearest, descriptions, leads, coverage
 
     def signals(self, request: RouteRequest) -> list[tuple[bool, Signals]]:
