@@ -156,6 +156,16 @@ def test_phrase_split_on_punctuation_and_coordination() -> None:
     ]
 
 
+def test_candidate_sets_share_the_model_of_their_described_routes() -> None:
+    """Candidate sets that score the same routes from descriptions share one model."""
+    chat = RoutingAid("chat", "Jokes and trivia.")
+    service = LexicalDecisions({route: texts * 12 for route, texts in EXAMPLES.items()})
+    for aids in ((*AIDS, chat), (AIDS[0], chat), (AIDS[1], chat)):
+        service.score(request("tell me a joke", aids))
+    stats = service.cache_stats()
+    assert (stats["candidate_sets"], stats["description_models"]) == (3, 1)
+
+
 def test_description_models_are_cached_per_candidate_set() -> None:
     """The same candidate set reuses one cached model; the cache is bounded."""
     service = LexicalDecisions(description_cache_size=2)
@@ -334,6 +344,8 @@ def test_caches_are_bounded_and_count_evictions() -> None:
     stats = service.cache_stats()
     assert stats["query_words"] == 4096
     assert stats["query_word_evictions"] == 4200 - 4096
+    assert stats["query_word_hits"] <= 4096
+    assert (stats["candidate_sets"], stats["candidate_set_evictions"]) == (1, 4199)
     assert stats["description_models"] == 1
     assert stats["description_model_evictions"] == 4199
 

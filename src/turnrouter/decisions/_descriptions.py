@@ -27,22 +27,17 @@ from ._text import (
 
 __all__ = ["DescriptionModel", "build_descriptions"]
 
-WORD_CACHE_SIZE = 2048
-"""Query words whose contributions one description model keeps (oldest evicted first)."""
-
 _Entry = tuple[float, tuple[tuple[int, float], ...]]
 """A feature's IDF² and ((slot, IDF × weight), ...)."""
 _NO_FOLLOW: dict[str, _Entry] = {}
-_Contribution = tuple[str, float, tuple[tuple[int, float], ...]]
-"""A query word's stem, squared norm and ((slot, summed weight), ...)."""
 
 
 class DescriptionModel:
     """Per-candidate-set vectors: slots 0..n-1 are the candidates' whole name +
     description, the next ones each phrase's own L2-normalised vector."""
 
-    __slots__ = ("_cache", "_follow", "_owners", "_table", "_unseen", "evictions", "high", "low",
-                 "size", "vocabulary")
+    __slots__ = ("_follow", "_owners", "_table", "_unseen", "high", "low", "size",
+                 "vocabulary")
 
     def __init__(self, table: dict[str, _Entry],
                  unseen: float, size: int, owners: tuple[int, ...],
@@ -61,54 +56,36 @@ class DescriptionModel:
         self.vocabulary = vocabulary
         """The words of the candidates' names and descriptions (for `coverage`)."""
         self.low, self.high = ngrams
-        self._cache: dict[str, _Contribution] = {}
-        self.evictions = 0
-
-    def _word(self, word: str) -> _Contribution:
-        """A word's stem and its summed contribution to every slot (cached per model)."""
-        found = self._cache.get(word)
-        if found is not None:
-            return found
-        stem, grams = word_features(word, self.low, self.high)
-        squares = 0.0
-        summed: dict[int, float] = {}
-        get = self._table.get
-        for gram in grams:
-            entry = get(gram)
-            if entry is None:
-                squares += self._unseen
-                continue
-            squares += entry[0]
-            for slot, weight in entry[1]:
-                summed[slot] = summed.get(slot, 0.0) + weight
-        contribution = (stem, squares, tuple(summed.items()))
-        if len(self._cache) >= WORD_CACHE_SIZE:
-            del self._cache[next(iter(self._cache))]
-            self.evictions += 1
-        self._cache[word] = contribution
-        return contribution
 
     def scores(self, split: Sequence[str], phrase_weight: float) -> list[float]:
         """Per candidate: (1 - phrase_weight) × cosine to the whole name + description +
         phrase_weight × cosine to its best-matching phrase.
 
         The query side counts every n-gram occurrence on its own (no merging across
-        words, linear TF), so a query's score is a sum of cached per-word parts.
+        words, linear TF), so no per-query dictionaries are built. (Nothing is cached
+        per query word: the words of a deployment's traffic would cost more memory
+        than the ~2 µs a cache saves.)
         """
         size = self.size
         sums = [0.0] * (size + len(self._owners))
-        cached = self._cache.get
+        get = self._table.get
         follows = self._follow.get
         unseen = self._unseen
+        low, high = self.low, self.high
         squares = 0.0
         previous: str | None = None
         for word in split:
             if word in STOPWORDS:
                 continue
-            stem, square, parts = cached(word) or self._word(word)
-            squares += square
-            for slot, weight in parts:
-                sums[slot] += weight
+            stem, grams = word_features(word, low, high)
+            for gram in grams:
+                found = get(gram)
+                if found is None:
+                    squares += unseen
+                    continue
+                squares += found[0]
+                for slot, weight in found[1]:
+                    sums[slot] += weight
             if previous is not None:
                 # The bigram (previous stem, this stem), without building its key.
                 entry = follows(previous, _NO_FOLLOW).get(stem)

@@ -199,6 +199,9 @@ class LexicalDecisions:
             "description_calibration", description_calibration,
             DEFAULT_DESCRIPTION_CALIBRATION)
         self._plans: OrderedDict[tuple[tuple[str, str, int], ...], _Plan] = OrderedDict()
+        self._descriptions: OrderedDict[tuple[tuple[str, str], ...], DescriptionModel] = (
+            OrderedDict())
+        self._description_evictions = 0
         self._last: tuple[tuple[RoutingAid, ...], _Plan] = ((), _EMPTY_PLAN)
         self._plan_evictions = 0
         limits = (self._max_chars, self._max_words, *self._ngrams)
@@ -241,20 +244,38 @@ class LexicalDecisions:
     def cache_stats(self) -> dict[str, int]:
         """Sizes and eviction counts of the per-service caches (all bounded).
 
-        `description_models` (at most `description_cache_size` candidate sets, each
-        keeping at most 2,048 query words), `query_words` (at most 4,096 words not
+        `candidate_sets` (scoring plans, at most `description_cache_size`),
+        `description_models` (one per distinct set of description-scored candidates, at
+        most `description_cache_size`), `query_words` (at most 4,096 words not
         seen in the examples) and `query_word_hits` (their nearest-example hits per
         route, at most 4,096).
         """
         model = self._examples
         return {
-            "description_models": len(self._plans),
-            "description_model_evictions": self._plan_evictions,
+            "candidate_sets": len(self._plans),
+            "candidate_set_evictions": self._plan_evictions,
+            "description_models": len(self._descriptions),
+            "description_model_evictions": self._description_evictions,
             "query_words": len(model.unseen_words) if model is not None else 0,
             "query_word_evictions": model.evictions if model is not None else 0,
             "query_word_hits": len(model.unseen_hits) if model is not None else 0,
             "query_word_hit_evictions": model.hit_evictions if model is not None else 0,
         }
+
+    def _description_model(self, described: Sequence[RoutingAid]) -> DescriptionModel:
+        """The description model of these candidates, shared by every candidate set that
+        scores the same ones from their descriptions (LRU)."""
+        key = tuple((aid.name, aid.description) for aid in described)
+        model = self._descriptions.get(key)
+        if model is not None:
+            self._descriptions.move_to_end(key)
+            return model
+        model = build_descriptions(described, self._ngrams, self._phrase_weight)
+        self._descriptions[key] = model
+        if len(self._descriptions) > self._cache_size:
+            self._descriptions.popitem(last=False)
+            self._description_evictions += 1
+        return model
 
     def _plan(self, candidates: tuple[RoutingAid, ...]) -> _Plan:
         """What scoring this candidate set needs, built once per distinct set (LRU)."""
@@ -277,8 +298,8 @@ class LexicalDecisions:
         everyone = weights[2] != 0.0 or weights[3] != 0.0
         described = tuple(number for number, route in enumerate(routes)
                           if route is None or everyone)
-        descriptions = (build_descriptions([candidates[i] for i in described], self._ngrams,
-                                           self._phrase_weight) if described else None)
+        descriptions = (self._description_model([candidates[i] for i in described])
+                        if described else None)
         plan = _Plan(
             rows=tuple((aid.name, route, (aid.priority, -number))
                        for number, (aid, route) in enumerate(zip(candidates, routes,
