@@ -37,7 +37,7 @@ FeatureEntry = tuple[float, tuple[float, ...], RouteHits]
 """A feature's IDF, linear row (weights × IDF) and hits per route."""
 Follow = dict[str, FeatureEntry]
 """The bigrams starting with one stem: next stem -> the bigram's entry."""
-WordEntry = tuple[str, float, tuple[float, ...] | None, RouteHits | None, Follow]
+WordEntry = tuple[str, float, Sequence[float] | None, RouteHits | None, Follow]
 """A word's stem, squared norm, summed IDF-weighted linear row (None: no known feature),
 its nearest-example hits per route (None: a word not in the examples, whose hits are
 computed per route when needed) and the bigrams its stem starts."""
@@ -104,8 +104,11 @@ class ExampleModel:
         if entry is not None:
             return entry
         stem = word_features(word, self.low, self.high)[0]
-        entry = _word_entry(stem, gram_counts(word, self.low, self.high), self._table,
-                            self._unseen, self._follow.get(stem, _NO_FOLLOW), False)
+        stem, squares, row, hits, follow = _word_entry(
+            stem, gram_counts(word, self.low, self.high), self._table, self._unseen,
+            self._follow.get(stem, _NO_FOLLOW), False)
+        # Cached per service: the row as 8-byte doubles, not float objects.
+        entry = (stem, squares, array("d", row) if row is not None else None, hits, follow)
         cache = self.unseen_words
         if len(cache) >= UNSEEN_CACHE_SIZE:
             del cache[next(iter(cache))]
@@ -143,7 +146,7 @@ class ExampleModel:
         the best by linear score; None: all). Other routes get 0.
         """
         size = self.size
-        rows: list[tuple[float, ...]] = []
+        rows: list[Sequence[float]] = []
         lists: list[RouteHits] = []
         unknown: list[str] = []
         squares = 0.0
