@@ -94,8 +94,8 @@ class ExampleModel:
         """Whether description phrases were trained on (chooses the few-shot default)."""
         self.unseen_words: dict[str, WordEntry] = {}
         self.evictions = 0
-        self.unseen_hits: dict[tuple[int, str], Hits | None] = {}
-        """(route, query word not in the examples) -> its hits there (bounded)."""
+        self.unseen_hits: dict[tuple[int, str], RouteHits] = {}
+        """(route or -1 for every route, query word not in the examples) -> its hits."""
         self.hit_evictions = 0
 
     def word(self, word: str) -> WordEntry:
@@ -116,19 +116,30 @@ class ExampleModel:
         cache[word] = entry
         return entry
 
-    def _hits(self, route: int, word: str) -> Hits | None:
-        """The hits of a word not in the examples among `route`'s examples (cached)."""
-        key = (route, word)
-        if key in self.unseen_hits:
-            return self.unseen_hits[key]
-        merged: dict[int, float] = {}
+    def _hits(self, route: int | None, word: str) -> RouteHits:
+        """The hits of a word not in the examples among `route`'s examples (None: every
+        route's), per route; cached, at most `UNSEEN_CACHE_SIZE` (route, word) entries."""
+        key = (-1 if route is None else route, word)
+        found = self.unseen_hits.get(key)
+        if found is not None:
+            return found
+        merged: dict[int, dict[int, float]] = {}
         for gram, count in gram_counts(word, self.low, self.high):
             entry = self._table.get(gram)
-            found = entry[2].get(route) if entry is not None else None
-            if found is not None:
-                for example, value in zip(*found, strict=True):
-                    merged[example] = merged.get(example, 0.0) + count * value
-        hits = _by_route({route: merged})[route] if merged else None
+            if entry is None:
+                continue
+            by_route = entry[2]
+            if route is None:
+                parts: Iterable[tuple[int, Hits]] = by_route.items()
+            elif route in by_route:
+                parts = ((route, by_route[route]),)
+            else:
+                continue
+            for number, (ids, values) in parts:
+                sums = merged.setdefault(number, {})
+                for example, value in zip(ids, values, strict=True):
+                    sums[example] = sums.get(example, 0.0) + count * value
+        hits = _by_route(merged) if merged else _NO_HITS
         cache = self.unseen_hits
         if len(cache) >= UNSEEN_CACHE_SIZE:
             del cache[next(iter(cache))]
@@ -189,7 +200,8 @@ class ExampleModel:
             get = sims.get
             picked = [among for by_route in lists if (among := by_route.get(route))]
             if unknown:
-                picked += [among for word in unknown if (among := self._hits(route, word))]
+                picked += [among for word in unknown
+                           if (among := self._hits(route, word).get(route))]
             if len(picked) == 1:
                 # One word's hits: already heaviest first.
                 nearest[route] = sum(picked[0][1][:min(neighbors, budget)]) * factor
@@ -208,9 +220,9 @@ class ExampleModel:
                          else heapq.nlargest(count, wanted, key=linear.__getitem__))
             picked = [among for by_route in lists for route, among in by_route.items()
                       if route in chosen]
-        if unknown:
-            picked += [among for word in unknown for route in chosen
-                       if (among := self._hits(route, word))]
+        for word in unknown:
+            by_route = self._hits(None, word)
+            picked += [among for route, among in by_route.items() if route in chosen]
         taken = [0] * size
         owners = self.owners
         for example, value in sorted(_walk(picked, budget).items(), key=_second,
