@@ -348,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     pooled: list[Outcome] = []
     few_shot_floor = 0.0
     without: list[dict[str, float]] = []
+    pooled_without: list[Outcome] = []
+    plain_floor = 0.0
     for seed in seeds:
         shots, _ = few_shot_examples(train, domains, seed=seed)
         few_shot = LexicalDecisions(shots, descriptions=DESCRIPTIONS)
@@ -355,10 +357,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         figures, found = _evaluate(few_shot, described, val, oos_val)
         draws.append(figures)
         pooled += found
-        without.append(_evaluate(LexicalDecisions(shots), described, val, oos_val)[0])
+        plain = LexicalDecisions(shots)
+        plain_floor = plain.min_example_score
+        figures, found = _evaluate(plain, described, val, oos_val)
+        without.append(figures)
+        pooled_without += found
     _spread(f"few-shot (seeds {seeds[0]}-{seeds[-1]})", draws)
     _spread("  without descriptions=", without)
     outcomes[f"few-shot ({len(draws)} draws pooled)"] = (pooled, few_shot_floor)
+    outcomes[f"few-shot without descriptions= ({len(draws)} draws pooled)"] = (
+        pooled_without, plain_floor)
     figures, _ = _evaluate(LexicalDecisions(few_shot_examples(train, domains, seed=0)[0],
                                             descriptions=DESCRIPTIONS),
                            described, val, oos_val)
