@@ -4,23 +4,31 @@ Three modes, all reported on the validation split (val.jsonl: 3,000 in-scope, an
 oos_val.jsonl: 100 out-of-scope queries), which nothing was tuned on:
 - examples: fit on all train.jsonl utterances per domain;
 - descriptions: no examples, only the domain descriptions below;
-- few-shot: ten train utterances per domain (seed 0) plus the descriptions.
+- few-shot: ten train utterances per domain plus the descriptions (also passed as
+  `descriptions=`, so their phrases train the example model), for several draws (seeds
+  100-104 by default: none of them is a draw the sweep tuned on), reported as the mean
+  with the range and standard deviation over the draws; the same without
+  `descriptions=` for comparison.
 
-Every parameter (calibrations, floors, margin) is the library default, chosen by
-`benchmarks/sweep_decisions.py` on train + oos_train only (it prints which data each
-choice saw). Balanced score = (in-scope accuracy, clarify counted wrong, + out-of-scope
-clarify recall) / 2; top-1 = in-scope accuracy of the best-scored route if nothing were
-ever clarified (the ceiling the floor trades against out-of-scope recall).
+Every parameter (calibrations, floors, neighbour routes) is the library default, chosen
+by `benchmarks/sweep_decisions.py` on train + oos_train only; the table of which data
+each choice saw is printed first. Balanced score = (in-scope accuracy, clarify counted
+wrong, + out-of-scope clarify recall) / 2; top-1 = in-scope accuracy of the best-scored
+route if nothing were ever clarified (the ceiling the floor trades against out-of-scope
+recall).
 
 Latency is per `score()` call: wall clock (median, p99) and the thread's CPU time (p99,
 immune to the scheduler on a shared machine). The "11 candidates" rows add the demo's
 description-only `conversation` route to the ten example-backed domains; the "demo
-sample" row is the service `bench_scale.py` uses. The reliability tables bin the chosen
+sample" row is the service `bench_scale.py` uses. Memory: the traced size of each
+service after construction, and per decision the traced peak and what stays allocated
+after 10,000 decisions (bounded caches). The reliability tables bin the chosen
 candidate's `confidence` on validation, with the 100 out-of-scope queries weighted to the
 same total as the 3,000 in-scope ones (the balanced score's prior, the one the
 calibration was fitted for).
 
 Usage: PYTHONPATH=src .venv/bin/python benchmarks/bench_decisions.py [--data DIR]
+       [--draws 5] [--first-seed 100]
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Sequence
+import tracemalloc
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from turnrouter import CLARIFY, AgentTurn, RouteRequest, RoutingAid
@@ -113,6 +122,21 @@ DESCRIPTIONS: dict[str, str] = {
 }
 
 
+CHOSEN_ON = (
+    ("examples", "calibration (linear, neighbors, coverage), floor, knn_routes=1: 5-fold "
+     "CV over train (15,000) + oos_train (100) scored by every fold"),
+    ("few-shot", "calibration (all five signals), floor, knn_routes=every route, "
+     "descriptions= (their phrases as examples): ten examples per domain from train "
+     "(seeds 0-9) + these descriptions, each draw scoring 3,000 other train utterances + "
+     "oos_train; leave-one-draw-out"),
+    ("descriptions", "calibration (description, lead), floor: train + oos_train; the "
+     "description texts revised from training-set misroutes"),
+    ("all modes", "neighbors=3, char_ngrams=(4, 4), epochs=4, phrase_weight=0.3 compared "
+     "on the few-shot training draws (sweep --knobs); max_document_frequency=0.002 by "
+     "the examples CV (an earlier sweep)"),
+)
+
+
 def _load(path: Path) -> list[dict[str, str]]:
     with path.open(encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
@@ -133,16 +157,20 @@ def few_shot_examples(train: Sequence[dict[str, str]], domains: Sequence[str], *
     return examples, [row for i, row in enumerate(train) if i not in chosen]
 
 
+Outcome = tuple[float, bool, bool]
+"""Per query: (confidence, in scope?, chosen route right?)."""
+
+
 def _evaluate(
     service: LexicalDecisions,
     aids: tuple[RoutingAid, ...],
     in_scope: Sequence[dict[str, str]],
     out_of_scope: Sequence[dict[str, str]],
-) -> tuple[dict[str, float], list[tuple[float, bool, bool]]]:
+) -> tuple[dict[str, float], list[Outcome]]:
     """Figures, and per query (confidence, in scope?, chosen route right?)."""
     timings: list[float] = []
     cpu: list[float] = []
-    outcomes: list[tuple[float, bool, bool]] = []
+    outcomes: list[Outcome] = []
     correct = clarified = 0
     for rows, inside in ((in_scope, True), (out_of_scope, False)):
         for row in rows:
@@ -173,23 +201,65 @@ def _evaluate(
 
 
 def _latency(service: LexicalDecisions, aids: tuple[RoutingAid, ...],
-             rows: Sequence[dict[str, str]]) -> tuple[float, float, float]:
-    """Median and p99 wall µs, and p99 thread-CPU µs, per decision over `rows`."""
+             rows: Sequence[dict[str, str]], passes: int = 3) -> str:
+    """Per decision over `rows`, `passes` times: median wall µs (and each pass's), p99
+    wall µs, and the thread-CPU median and p99 (immune to the scheduler)."""
+    requests = [RouteRequest(AgentTurn("bench", "t", row["text"]), aids) for row in rows]
+    for request in requests[:200]:
+        service.score(request)
+    medians: list[float] = []
     timings: list[float] = []
     cpu: list[float] = []
-    for row in rows:
-        request = RouteRequest(AgentTurn("bench", "t", row["text"]), aids)
-        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
-        service.score(request)
-        cpu.append((time.thread_time_ns() - start_cpu) / 1000.0)
-        timings.append((time.perf_counter_ns() - start) / 1000.0)
+    for _ in range(passes):
+        walls: list[float] = []
+        for request in requests:
+            start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+            service.score(request)
+            cpu.append((time.thread_time_ns() - start_cpu) / 1000.0)
+            walls.append((time.perf_counter_ns() - start) / 1000.0)
+        medians.append(statistics.median(walls))
+        timings += walls
     timings.sort()
     cpu.sort()
     last = len(timings) - 1
-    return statistics.median(timings), timings[int(0.99 * last)], cpu[int(0.99 * last)]
+    return (f"median {statistics.median(timings):.1f} us (passes "
+            + " / ".join(f"{m:.1f}" for m in medians)
+            + f")  p99 {timings[int(0.99 * last)]:.1f} us; cpu median "
+            f"{statistics.median(cpu):.1f} us, p99 {cpu[int(0.99 * last)]:.1f} us")
 
 
-def _reliability(outcomes: Sequence[tuple[float, bool, bool]], floor: float) -> list[str]:
+def _traced(build: Callable[[], LexicalDecisions]) -> tuple[LexicalDecisions, float]:
+    """A service and its traced size in MB after construction."""
+    tracemalloc.start()
+    try:
+        service = build()
+        return service, tracemalloc.get_traced_memory()[0] / 1e6
+    finally:
+        tracemalloc.stop()
+
+
+def _allocations(service: LexicalDecisions, aids: tuple[RoutingAid, ...],
+                 rows: Sequence[dict[str, str]]) -> tuple[float, float]:
+    """Median traced peak (bytes) of one decision, and the KB still allocated after
+    10,000 decisions over `rows` (what the bounded caches keep)."""
+    requests = [RouteRequest(AgentTurn("bench", "t", row["text"]), aids) for row in rows]
+    peaks: list[int] = []
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for number in range(10_000):
+            request = requests[number % len(requests)]
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            service.score(request)
+            peaks.append(tracemalloc.get_traced_memory()[1] - before)
+        kept = (tracemalloc.get_traced_memory()[0] - base) / 1000.0
+    finally:
+        tracemalloc.stop()
+    return statistics.median(peaks), kept
+
+
+def _reliability(outcomes: Sequence[Outcome], floor: float) -> list[str]:
     """Confidence bins: weighted share of queries, mean confidence, observed accuracy."""
     inside = sum(1 for _, i, _ in outcomes if i)
     outside = len(outcomes) - inside
@@ -217,17 +287,31 @@ def _reliability(outcomes: Sequence[tuple[float, bool, bool]], floor: float) -> 
 
 def _print(mode: str, figures: dict[str, float]) -> None:
     print(
-        f"{mode:<13} balanced {figures['balanced']:.4f}  in-scope acc "
+        f"{mode:<22} balanced {figures['balanced']:.4f}  in-scope acc "
         f"{figures['in_scope_accuracy']:.4f}  oos recall {figures['oos_recall']:.4f}  "
         f"top-1 {figures['top1']:.4f}  median {figures['median_us']:.1f} us  "
         f"p99 {figures['p99_us']:.1f} us (cpu {figures['cpu_p99_us']:.1f})"
     )
 
 
+def _spread(label: str, draws: Sequence[dict[str, float]]) -> None:
+    """Mean over draws, with the range and standard deviation of the balanced score."""
+    mean = {key: statistics.mean(d[key] for d in draws) for key in draws[0]}
+    _print(label, mean)
+    balanced = [d["balanced"] for d in draws]
+    deviation = statistics.stdev(balanced) if len(balanced) > 1 else 0.0
+    print(f"{'':<22} balanced over {len(draws)} draws: min {min(balanced):.4f}  max "
+          f"{max(balanced):.4f}  sd {deviation:.4f}  ("
+          + ", ".join(f"{value:.4f}" for value in balanced) + ")")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the three modes on the validation split and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--draws", type=int, default=5, help="few-shot draws")
+    parser.add_argument("--first-seed", type=int, default=100,
+                        help="seed of the first few-shot draw (the sweep tunes on 0-4)")
     args = parser.parse_args(argv)
     data: Path = args.data
     domains = list(json.loads((data / "domains.json").read_text(encoding="utf-8")))
@@ -243,41 +327,75 @@ def main(argv: Sequence[str] | None = None) -> None:
     build = time.perf_counter() - start
     bare = tuple(RoutingAid(domain, "") for domain in domains)
     described = tuple(RoutingAid(domain, DESCRIPTIONS[domain]) for domain in domains)
-    shots, _ = few_shot_examples(train, domains, seed=0)
-    few_shot = LexicalDecisions(shots)
     descriptions_only = LexicalDecisions()
 
     print(f"CLINC150 validation: {len(val)} in-scope, {len(oos_val)} out-of-scope queries; "
           f"examples model built from {len(train)} utterances in {build:.2f} s")
-    print("every parameter: library defaults, chosen on train + oos_train only "
-          "(benchmarks/sweep_decisions.py); validation read only here")
-    reliability: dict[str, list[str]] = {}
+    print("every parameter is a library default, chosen on training data only "
+          "(benchmarks/sweep_decisions.py); validation is read only here:")
+    for mode, chosen in CHOSEN_ON:
+        print(f"  {mode}: {chosen}")
+    outcomes: dict[str, tuple[list[Outcome], float]] = {}
     for mode, service, aids in (("examples", with_examples, bare),
-                                ("descriptions", descriptions_only, described),
-                                ("few-shot", few_shot, described)):
-        figures, outcomes = _evaluate(service, aids, val, oos_val)
+                                ("descriptions", descriptions_only, described)):
+        figures, found = _evaluate(service, aids, val, oos_val)
         _print(mode, figures)
         floor = (service.min_description_score if mode == "descriptions"
                  else service.min_example_score)
-        reliability[mode] = _reliability(outcomes, floor)
-    median, p99, cpu = _latency(with_examples, (*bare, CONVERSATION), [*val, *oos_val])
-    print(f"examples, 11 candidates (10 domains + conversation): median {median:.1f} us  "
-          f"p99 {p99:.1f} us (cpu {cpu:.1f})")
+        outcomes[mode] = (found, floor)
+    seeds = range(args.first_seed, args.first_seed + args.draws)
+    draws: list[dict[str, float]] = []
+    pooled: list[Outcome] = []
+    few_shot_floor = 0.0
+    without: list[dict[str, float]] = []
+    pooled_without: list[Outcome] = []
+    plain_floor = 0.0
+    for seed in seeds:
+        shots, _ = few_shot_examples(train, domains, seed=seed)
+        few_shot = LexicalDecisions(shots, descriptions=DESCRIPTIONS)
+        few_shot_floor = few_shot.min_example_score
+        figures, found = _evaluate(few_shot, described, val, oos_val)
+        draws.append(figures)
+        pooled += found
+        plain = LexicalDecisions(shots)
+        plain_floor = plain.min_example_score
+        figures, found = _evaluate(plain, described, val, oos_val)
+        without.append(figures)
+        pooled_without += found
+    _spread(f"few-shot (seeds {seeds[0]}-{seeds[-1]})", draws)
+    _spread("  without descriptions=", without)
+    outcomes[f"few-shot ({len(draws)} draws pooled)"] = (pooled, few_shot_floor)
+    outcomes[f"few-shot without descriptions= ({len(draws)} draws pooled)"] = (
+        pooled_without, plain_floor)
+    figures, _ = _evaluate(LexicalDecisions(few_shot_examples(train, domains, seed=0)[0],
+                                            descriptions=DESCRIPTIONS),
+                           described, val, oos_val)
+    _print("few-shot (seed 0)", figures)
+
+    figures_11 = _latency(with_examples, (*bare, CONVERSATION), [*val, *oos_val])
+    print(f"examples, 11 candidates (10 domains + conversation): {figures_11}")
     long_query = " ".join(row["text"] for row in val[:2000])
-    median, p99, cpu = _latency(with_examples, (*bare, CONVERSATION),
-                           [{"text": long_query}] * 50)
+    figures_long = _latency(with_examples, (*bare, CONVERSATION),
+                            [{"text": long_query}] * 250)
     print(f"examples, 11 candidates, a {len(long_query):,}-character query (capped): "
-          f"median {median:.1f} us  p99 {p99:.1f} us (cpu {cpu:.1f})")
+          f"{figures_long}")
     sample = load_sample()
-    demo = LexicalDecisions(examples=sample.examples)
+    demo, demo_mb = _traced(lambda: LexicalDecisions(examples=sample.examples))
     demo_aids = tuple(RoutingAid(name, text) for name, text in DEMO_DESCRIPTIONS.items())
-    median, p99, cpu = _latency(demo, demo_aids,
-                                [{"text": text} for text, _, _ in sample.queries] * 5)
+    demo_rows = [{"text": text} for text, _, _ in sample.queries]
     print(f"demo sample (75 examples per route, {len(demo_aids)} candidates, as in "
-          f"bench_scale.py): median {median:.1f} us  p99 {p99:.1f} us (cpu {cpu:.1f})")
-    for mode, lines in reliability.items():
+          f"bench_scale.py): {_latency(demo, demo_aids, demo_rows * 5)}")
+    _, clinc_mb = _traced(lambda: LexicalDecisions(examples))
+    peak, kept = _allocations(with_examples, (*bare, CONVERSATION), [*val, *oos_val])
+    demo_peak, demo_kept = _allocations(demo, demo_aids, demo_rows)
+    print(f"memory: CLINC150 examples service {clinc_mb:.1f} MB, demo service "
+          f"{demo_mb:.1f} MB (traced, once per service, shared by every participant); "
+          f"per decision: traced peak median {peak / 1000:.1f} KB (demo "
+          f"{demo_peak / 1000:.1f} KB), kept after 10,000 decisions {kept:.0f} KB (demo "
+          f"{demo_kept:.0f} KB)")
+    for mode, (found, floor) in outcomes.items():
         print(f"reliability, {mode} (validation; oos weighted to half):")
-        print("\n".join(lines))
+        print("\n".join(_reliability(found, floor)))
 
 
 if __name__ == "__main__":

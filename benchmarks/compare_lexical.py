@@ -8,7 +8,7 @@ machine's scheduler does not count), and the medians and their ratio are printed
   (11 candidates), the 3,000 validation queries;
 - demo sample: the shipped sample's examples and 11 routes, its queries five times.
 
-Usage: PYTHONPATH=src .venv/bin/python benchmarks/compare_lexical.py [--ref 02c4a46]
+Usage: PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/compare_lexical.py [--ref 0fd4331]
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _compare(label: str, old: Any, new: LexicalDecisions,
 def main(argv: Sequence[str] | None = None) -> None:
     """Compare both workloads and print medians and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--ref", default="02c4a46")
+    parser.add_argument("--ref", default="0fd4331",
+                        help="the commit to compare with (default: before issue 18's second pass)")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args(argv)

@@ -148,23 +148,34 @@ def test_route_name_is_a_phrase_of_its_own() -> None:
 
 def test_phrase_split_on_punctuation_and_coordination() -> None:
     """Descriptions split into phrases at punctuation and "and"/"or"; the name is last."""
-    from turnrouter.decisions._lexical import _phrases
+    from turnrouter.decisions._text import phrases
 
     aid = RoutingAid("home_help", "Music, lists and reminders; lights or locks.")
-    assert [p.strip() for p in _phrases(aid)] == [
+    assert [p.strip() for p in phrases(aid)] == [
         "Music", "lists", "reminders", "lights", "locks", "home help",
     ]
 
 
+def test_candidate_sets_share_the_model_of_their_described_routes() -> None:
+    """Candidate sets that score the same routes from descriptions share one model."""
+    chat = RoutingAid("chat", "Jokes and trivia.")
+    service = LexicalDecisions({route: texts * 12 for route, texts in EXAMPLES.items()})
+    for aids in ((*AIDS, chat), (AIDS[0], chat), (AIDS[1], chat)):
+        service.score(request("tell me a joke", aids))
+    stats = service.cache_stats()
+    assert (stats["candidate_sets"], stats["description_models"]) == (3, 1)
+
+
 def test_description_models_are_cached_per_candidate_set() -> None:
-    """The same candidate descriptions reuse one cached model; the cache is bounded."""
-    service = LexicalDecisions(description_cache_size=1)
+    """The same candidate set reuses one cached model; the cache is bounded."""
+    service = LexicalDecisions(description_cache_size=2)
     service.score(request("rain"))
-    first = service._descriptions[tuple((a.name, a.description) for a in AIDS)]
     service.score(request("song"))
-    assert service._descriptions[tuple((a.name, a.description) for a in AIDS)] is first
+    assert service.cache_stats()["description_models"] == 1
     service.score(request("song", AIDS[:2]))
-    assert len(service._descriptions) == 1
+    service.score(request("song", AIDS[1:]))
+    stats = service.cache_stats()
+    assert (stats["description_models"], stats["description_model_evictions"]) == (2, 1)
 
 
 @pytest.mark.parametrize("knn_routes", [1, 2, 3])
@@ -193,6 +204,7 @@ def test_knn_routes_keeps_the_best_route_and_scores_every_candidate(knn_routes: 
         ({"description_calibration": 3}, "description_calibration"),
         ({"neighbors": 0}, "neighbors"),
         ({"knn_routes": 0}, "knn_routes"),
+        ({"knn_routes": 1.5}, "knn_routes"),
         ({"max_document_frequency": True}, "max_document_frequency"),
         ({"char_ngrams": (5, 3)}, "char_ngrams"),
         ({"description_cache_size": 0}, "description_cache_size"),
@@ -332,7 +344,8 @@ def test_caches_are_bounded_and_count_evictions() -> None:
     stats = service.cache_stats()
     assert stats["query_words"] == 4096
     assert stats["query_word_evictions"] == 4200 - 4096
-    assert stats["query_word_postings"] <= 4096
+    assert stats["query_word_hits"] <= 4096
+    assert (stats["candidate_sets"], stats["candidate_set_evictions"]) == (1, 4199)
     assert stats["description_models"] == 1
     assert stats["description_model_evictions"] == 4199
 
@@ -350,3 +363,162 @@ def test_decision_scores_are_read_only() -> None:
     decision = SERVICE.score(request("will it rain tomorrow"))
     with pytest.raises(TypeError):
         decision.scores["weather"] = 0.0  # type: ignore[index]
+
+
+def _confidences(service: LexicalDecisions, query: RouteRequest) -> list[float]:
+    """Each candidate's confidence recomputed from `signals` with the service's calibrations."""
+    return [(service.example_calibration if backed else service.description_calibration)
+            .confidence(values) for backed, values in service.signals(query)]
+
+
+FEW_SHOT = LexicalDecisions(EXAMPLES)
+MANY = LexicalDecisions({route: texts * 12 for route, texts in EXAMPLES.items()})
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    query=st.text(alphabet=st.sampled_from("abcdefghijklmnoprstuwy '"), max_size=60)
+    | st.sampled_from(["will it rain tomorrow", "skip this song please", "what is my balance",
+                       "tell me about xylophones", "what is it", ""]),
+    subset=st.lists(st.sampled_from((*AIDS, RoutingAid("chat", "Anything else."))),
+                    min_size=1, max_size=4, unique_by=lambda a: a.name),
+)
+def test_scores_are_the_calibrated_signals(query: str, subset: list[RoutingAid]) -> None:
+    """Every score is its calibration applied to what `signals` reports for it."""
+    for service in (SERVICE, FEW_SHOT, MANY, DESCRIBED):
+        turn = request(query, tuple(subset))
+        signals = service.signals(turn)
+        assert [backed for backed, _ in signals] == [
+            aid.name in EXAMPLES and service is not DESCRIBED for aid in subset]
+        assert all(math.isfinite(v) for _, values in signals for v in values)
+        assert all(0.0 <= values[4] <= 1.0 for _, values in signals)
+        assert list(service.score(turn).scores.values()) == pytest.approx(
+            _confidences(service, turn), abs=1e-12)
+
+
+def test_coverage_is_the_share_of_content_words_the_routes_know() -> None:
+    """coverage counts content words found in examples or descriptions; only stopwords:
+    all words count."""
+    aids = (*AIDS[:2], RoutingAid("chat", "Jokes and trivia."))
+    def coverage(query: str) -> float:
+        return MANY.signals(request(query, aids))[0][1][4]
+    assert coverage("will it rain tomorrow") == 1.0  # "will", "it": stopwords
+    assert coverage("rain zzyzx") == 0.5
+    assert coverage("tell me trivia") == 0.5  # "trivia" from chat's description
+    assert coverage("what is it") == 1.0  # only stopwords: all count, all in examples
+    assert coverage("would you") == 0.0  # only stopwords, none in the examples
+    assert coverage("what is the weather") == 1.0
+    assert coverage("") == 0.0
+
+
+def test_unknown_words_lower_the_confidence_of_the_same_route() -> None:
+    """A query padded with words no route knows keeps its route but loses confidence."""
+    plain = MANY.score(request("will it rain tomorrow"))
+    padded = MANY.score(request("will it rain tomorrow zzyzx qwoph"))
+    assert max(plain.scores, key=plain.scores.__getitem__) == "weather"
+    assert max(padded.scores, key=padded.scores.__getitem__) == "weather"
+    assert padded.scores["weather"] < plain.scores["weather"]
+
+
+def test_neighbour_signal_for_every_route_in_few_shot_and_the_best_one_otherwise() -> None:
+    """Small example sets give every route its nearest-example signal; large ones only
+    the best by linear score, unless knn_routes says otherwise."""
+    query = request("play the weather music balance")
+    def with_neighbors(service: LexicalDecisions) -> int:
+        return sum(1 for _, values in service.signals(query) if values[1] > 0.0)
+    assert with_neighbors(FEW_SHOT) == 3
+    assert with_neighbors(MANY) == 1
+    many = {route: texts * 12 for route, texts in EXAMPLES.items()}
+    assert with_neighbors(LexicalDecisions(many, knn_routes=3)) == 3
+    assert with_neighbors(LexicalDecisions(EXAMPLES, knn_routes=1)) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=st.one_of(st.none(), st.integers(-5, 50), st.floats(allow_nan=True),
+                       st.booleans(), st.text(max_size=3), st.just(10**30)))
+def test_knn_routes_accepts_none_or_a_positive_int_only(value: object) -> None:
+    """knn_routes is None (the regime's default) or an int >= 1; anything else is refused
+    naming it, and an accepted value still answers a candidate or clarify."""
+    valid = value is None or (isinstance(value, int) and not isinstance(value, bool)
+                              and value >= 1)
+    if not valid:
+        with pytest.raises(ConfigurationError, match="knn_routes"):
+            LexicalDecisions(EXAMPLES, knn_routes=value)  # type: ignore[arg-type]
+        return
+    service = LexicalDecisions(EXAMPLES, knn_routes=value)  # type: ignore[arg-type]
+    assert service.score(request("skip this song")).choice in {"music", CLARIFY}
+
+
+def test_description_phrases_train_the_example_model() -> None:
+    """descriptions= adds each described route's phrases to its examples: a query worded
+    like a phrase but like no example reaches that route through the example model."""
+    query = request("karaoke duets", AIDS[:2])
+    plain = LexicalDecisions(EXAMPLES)
+    taught = LexicalDecisions(EXAMPLES, descriptions={
+        "weather": "Forecasts.", "music": "Songs, karaoke duets and albums."})
+    def linear(service: LexicalDecisions) -> float:
+        return service.signals(query)[1][1][0]
+    assert linear(taught) > linear(plain)
+    assert taught.score(query).scores["music"] > plain.score(query).scores["music"]
+
+
+def test_description_phrases_neither_add_routes_nor_change_the_regime() -> None:
+    """A described route without examples stays description-scored, and phrases do not
+    count as examples when choosing the few-shot calibration."""
+    long = {"weather": ", ".join(f"topic {n}" for n in range(200)), "chat": "Anything."}
+    service = LexicalDecisions(EXAMPLES, descriptions=long)
+    short = LexicalDecisions(EXAMPLES, descriptions={"weather": "Forecasts."})
+    assert service.example_calibration == short.example_calibration
+    assert service.example_calibration != MANY.example_calibration
+    aids = (*AIDS, RoutingAid("chat", "Anything."))
+    assert [backed for backed, _ in service.signals(request("hello", aids))] == [
+        True, True, True, False]
+
+
+def test_few_shot_default_calibration_follows_whether_phrases_were_trained_on() -> None:
+    """Few-shot services with and without description phrases get the default fitted
+    for each; descriptions of routes without examples add no phrases."""
+    plain = LexicalDecisions(EXAMPLES)
+    described = LexicalDecisions(EXAMPLES, descriptions={"music": "Songs."})
+    assert plain.example_calibration != described.example_calibration
+    assert plain.min_example_score != described.min_example_score
+    unrelated = LexicalDecisions(EXAMPLES, descriptions={"chat": "Anything."})
+    assert unrelated.example_calibration == plain.example_calibration
+    chosen = LexicalCalibration((1.0, 0.0, 0.0, 0.0, 0.0), 0.0)
+    assert LexicalDecisions(EXAMPLES, few_shot_calibration=chosen).example_calibration == chosen
+
+
+@pytest.mark.parametrize(
+    "descriptions",
+    ["weather", {"weather": 3}, {"": "x"}, {3: "x"}, [("weather", "x")]],
+)
+def test_invalid_descriptions_raise_configuration_error(descriptions: object) -> None:
+    """descriptions must map route names to str; anything else is refused naming it."""
+    with pytest.raises(ConfigurationError, match="descriptions"):
+        LexicalDecisions(EXAMPLES, descriptions=descriptions)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(descriptions=st.one_of(
+    st.dictionaries(st.text(max_size=12), st.text(max_size=300), max_size=5),
+    st.dictionaries(st.sampled_from(sorted(EXAMPLES)),
+                    st.builds(lambda part, n: part * n, st.text(min_size=1, max_size=8),
+                              st.integers(1, 3000)), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers() | st.none() | st.binary(max_size=4),
+                    min_size=1, max_size=2),
+))
+def test_any_descriptions_build_a_service_or_raise_configuration_error(
+    descriptions: dict[object, object],
+) -> None:
+    """Junk, huge and wrongly typed descriptions either build a working service or raise
+    ConfigurationError naming descriptions: nothing else escapes."""
+    valid = all(isinstance(key, str) and key and isinstance(value, str)
+                for key, value in descriptions.items())
+    if not valid:
+        with pytest.raises(ConfigurationError, match="descriptions"):
+            LexicalDecisions(EXAMPLES, descriptions=descriptions)  # type: ignore[arg-type]
+        return
+    service = LexicalDecisions(EXAMPLES, descriptions=descriptions)  # type: ignore[arg-type]
+    decision = service.score(request("will it rain tomorrow"))
+    assert decision.choice in {a.name for a in AIDS} | {CLARIFY}
+    assert all(0.0 <= v <= 1.0 for v in decision.scores.values())

@@ -17,15 +17,17 @@ from .._exceptions import ConfigurationError
 
 __all__ = ["SIGNALS", "LexicalCalibration", "fit_calibration"]
 
-SIGNALS: tuple[str, ...] = ("linear", "centroid", "neighbors", "description", "lead")
+SIGNALS: tuple[str, ...] = ("linear", "neighbors", "description", "lead", "coverage")
 """Raw per-candidate signals, in weight order:
 
 - `linear`: the route's score from the linear model trained on the examples;
-- `centroid`: cosine of the query to the route's example centroid;
-- `neighbors`: mean cosine of the route's `neighbors` nearest examples (0 for routes
-  outside the `knn_routes` best by the linear score);
+- `neighbors`: mean cosine of the route's `neighbors` nearest examples;
 - `description`: the name + description + best-phrase similarity;
-- `lead`: `description` minus the best other candidate's `description`.
+- `lead`: `description` minus the best other candidate's `description`;
+- `coverage`: the share of the query's content words (stopwords left out, unless the
+  query has nothing else) found in the examples or in the names and descriptions of the
+  candidates scored from them: queries about something no route mentions score low.
+  The same for every candidate of a request.
 """
 
 
