@@ -22,7 +22,9 @@ immune to the scheduler on a shared machine). The "11 candidates" rows add the d
 description-only `conversation` route to the ten example-backed domains; the "demo
 sample" row is the service `bench_scale.py` uses. Memory: the traced size of each
 service after construction, and per decision the traced peak and what stays allocated
-after 10,000 decisions (bounded caches). The reliability tables bin the chosen
+after 10,000 decisions (bounded caches); and how many objects the cyclic garbage
+collector tracks that building each service adds (what every full collection walks:
+at scale it is CPU per turn). The reliability tables bin the chosen
 candidate's `confidence` on validation, with the 100 out-of-scope queries weighted to the
 same total as the 3,000 in-scope ones (the balanced score's prior, the one the
 calibration was fitted for).
@@ -34,6 +36,7 @@ Usage: PYTHONPATH=src .venv/bin/python benchmarks/bench_decisions.py [--data DIR
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -238,6 +241,21 @@ def _traced(build: Callable[[], LexicalDecisions]) -> tuple[LexicalDecisions, fl
         tracemalloc.stop()
 
 
+def _tracked(build: Callable[[], object]) -> tuple[int, int]:
+    """How many more objects the cyclic garbage collector tracks (walks in every full
+    collection) once a service is built: after one full collection and after a second
+    (a pass untracks a tuple whose items are untracked, one level of nesting at a time)."""
+    gc.collect()
+    before = len(gc.get_objects())
+    service = build()
+    gc.collect()
+    first = len(gc.get_objects()) - before
+    gc.collect()
+    second = len(gc.get_objects()) - before
+    del service
+    return first, second
+
+
 def _allocations(service: LexicalDecisions, aids: tuple[RoutingAid, ...],
                  rows: Sequence[dict[str, str]]) -> tuple[float, float]:
     """Median traced peak (bytes) of one decision, and the KB still allocated after
@@ -393,6 +411,11 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"per decision: traced peak median {peak / 1000:.1f} KB (demo "
           f"{demo_peak / 1000:.1f} KB), kept after 10,000 decisions {kept:.0f} KB (demo "
           f"{demo_kept:.0f} KB)")
+    clinc_gc, demo_gc = _tracked(lambda: LexicalDecisions(examples)), _tracked(
+        lambda: LexicalDecisions(examples=sample.examples))
+    print(f"garbage collector: objects it tracks added by building the CLINC150 examples "
+          f"service {clinc_gc[0]:,} after one full collection, {clinc_gc[1]:,} after two; "
+          f"the demo service {demo_gc[0]:,}, {demo_gc[1]:,}")
     for mode, (found, floor) in outcomes.items():
         print(f"reliability, {mode} (validation; oos weighted to half):")
         print("\n".join(_reliability(found, floor)))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import random
+import types
 
 import pytest
 from hypothesis import given, settings
@@ -348,6 +351,47 @@ def test_caches_are_bounded_and_count_evictions() -> None:
     assert (stats["candidate_sets"], stats["candidate_set_evictions"]) == (1, 4199)
     assert stats["description_models"] == 1
     assert stats["description_model_evictions"] == 4199
+
+
+def _tracked_from(root: object) -> int:
+    """How many objects the garbage collector tracks among those reachable from `root`
+    (not through classes, modules or functions), after two full collections: the
+    collector untracks a tuple or dict of untracked contents in a pass, one level of
+    nesting at a time. Counted by reachability, so other threads' objects do not count."""
+    gc.collect()
+    gc.collect()
+    opaque = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+              types.MethodType)
+    seen = {id(root)}
+    stack = [root]
+    tracked = 0
+    while stack:
+        found = stack.pop()
+        tracked += gc.is_tracked(found)
+        for referent in gc.get_referents(found):
+            if id(referent) not in seen and not isinstance(referent, opaque):
+                seen.add(id(referent))
+                stack.append(referent)
+    return tracked
+
+
+def test_example_model_keeps_few_objects_tracked_by_the_garbage_collector() -> None:
+    """A service built from examples holds a few dozen objects the cyclic collector
+    walks, however large its vocabulary, and decisions filling its caches of unseen
+    words add none per word."""
+    rng = random.Random(7)
+    vocabulary = ["".join(rng.choices("abcdefghijklmnop", k=7)) for _ in range(3000)]
+    large = {route: [" ".join(rng.sample(vocabulary, 6)) for _ in range(300)]
+             for route in ("weather", "music", "banking")}
+    small = LexicalDecisions(EXAMPLES)
+    service = LexicalDecisions(large)
+    few, many = _tracked_from(small), _tracked_from(service)
+    assert few <= 40
+    assert many <= few + 5  # ~30,000 features: the vocabulary adds nothing
+    for number in range(600):
+        service.score(request(f"{vocabulary[number]}q zq{number}x {vocabulary[-number]}"))
+    assert service.cache_stats()["query_words"] >= 1200
+    assert _tracked_from(service) <= many + 5
 
 
 def test_knn_budget_bounds_the_neighbour_walk_but_keeps_the_choice() -> None:

@@ -11,6 +11,16 @@ precomputed per-word parts:
   features found in at most `max(30, max_document_frequency × examples)` examples. Each
   word carries its merged hits (example id, partial dot product), heaviest first, so
   the walk is one dictionary update per hit, at most `knn_budget` hits per query.
+
+Layout: a model is tens of thousands of per-word parts held for the process's life, and
+CPython's cyclic garbage collector walks every object it tracks in each full collection.
+So the parts are built from objects it does not track: a route's hits of one feature
+are packed records in one `bytes` (never tracked, 12 bytes a hit, read back in C by
+`struct.iter_unpack`); the routes that have hits are a `str` (route position i as
+`chr(i)`, found with `str.find`); entries are tuples of those, of floats and of tuples
+of floats, which the collector stops tracking in its first passes. No dict sits inside
+a tuple or another dict (that would keep both tracked): the few objects left tracked
+are per model, not per word.
 """
 
 from __future__ import annotations
@@ -20,27 +30,28 @@ import itertools
 import math
 import operator
 import random
-from array import array
-from collections.abc import Collection, Iterable, Mapping, Sequence
+import struct
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 from .._exceptions import ConfigurationError
 from ._text import counts, gram_counts, inverse_frequencies, word_features, words
 
 __all__ = ["ExampleModel", "build_examples"]
 
-Hits = tuple["array[int]", "array[float]"]
-"""(example ids, partial dot products with those examples), heaviest first: two
-arrays, a few bytes per hit, since every word of the examples carries its own."""
-RouteHits = dict[int, Hits]
-"""route position -> the hits among that route's examples."""
-FeatureEntry = tuple[float, tuple[float, ...], RouteHits]
-"""A feature's IDF, linear row (weights × IDF) and hits per route."""
+_RECORD = struct.Struct("=id")
+"""One hit: the example id (int32) and the partial dot product (float64), unaligned."""
+Hits = bytes
+"""One route's hits of one feature, heaviest first: `_RECORD`s packed in a `bytes`."""
+RouteHits = tuple[str, tuple[Hits, ...]]
+"""The routes with hits (route position i as `chr(i)`) and, in that order, their hits."""
+FeatureEntry = tuple[float, float, tuple[float, ...], str, tuple[Hits, ...]]
+"""A feature's IDF, IDF², linear row (weights × IDF), routes with hits and their hits."""
 Follow = dict[str, FeatureEntry]
 """The bigrams starting with one stem: next stem -> the bigram's entry."""
-WordEntry = tuple[str, float, Sequence[float] | None, RouteHits | None, Follow]
+WordEntry = tuple[str, float, tuple[float, ...] | None, str | None, tuple[Hits, ...]]
 """A word's stem, squared norm, summed IDF-weighted linear row (None: no known feature),
-its nearest-example hits per route (None: a word not in the examples, whose hits are
-computed per route when needed) and the bigrams its stem starts."""
+the routes with nearest-example hits and their hits (routes None: a word not in the
+examples, whose hits are computed per route when needed)."""
 
 MIN_KNN_DF = 30
 """Features in at most this many examples always stay in the nearest-example index."""
@@ -48,8 +59,28 @@ UNSEEN_CACHE_SIZE = 4096
 """Entries of query words not in the examples kept per model (oldest evicted first)."""
 
 _second = operator.itemgetter(1)
-_NO_HITS: RouteHits = {}
+_records = _RECORD.iter_unpack
+_NO_HITS: RouteHits = ("", ())
 _NO_FOLLOW: Follow = {}
+
+
+def _pack(sums: Mapping[int, float]) -> Hits:
+    """`sums` (example id -> value) as hits, heaviest first."""
+    ranked = sorted(sums.items(), key=_second, reverse=True)
+    return b"".join(itertools.starmap(_RECORD.pack, ranked))
+
+
+def _heaviest(hits: Hits) -> float:
+    """The value of the first (heaviest) hit."""
+    value: float = _RECORD.unpack_from(hits)[1]
+    return value
+
+
+def _by_route(merged: Mapping[int, Mapping[int, float]]) -> RouteHits:
+    """Per route (in `merged`'s order), its examples' summed values as hits."""
+    if not merged:
+        return _NO_HITS
+    return "".join(map(chr, merged)), tuple(map(_pack, merged.values()))
 
 
 class ExampleModel:
@@ -76,8 +107,7 @@ class ExampleModel:
 
     def __init__(self, tables: tuple[dict[str, FeatureEntry], dict[str, Follow]],
                  entries: dict[str, WordEntry], routes: tuple[str, ...],
-                 owners: tuple[int, ...], shape: tuple[int, int, float, float],
-                 described: bool) -> None:
+                 owners: tuple[int, ...], shape: tuple[int, int, float, float, bool]) -> None:
         self._table, self._follow = tables
         """word features -> entry; first stem -> the bigrams it starts."""
         self.words = entries
@@ -87,11 +117,10 @@ class ExampleModel:
         self.size = len(routes)
         self.owners = owners
         """example id -> route position."""
-        self.low, self.high, self._unseen, self.per_route = shape
-        """n-gram sizes, the IDF of an unseen feature, and the mean number of examples
-        per route (chooses the few-shot calibration)."""
-        self.described = described
-        """Whether description phrases were trained on (chooses the few-shot default)."""
+        self.low, self.high, self._unseen, self.per_route, self.described = shape
+        """n-gram sizes, the IDF of an unseen feature, the mean number of examples per
+        route (chooses the few-shot calibration) and whether description phrases were
+        trained on (chooses the few-shot default)."""
         self.unseen_words: dict[str, WordEntry] = {}
         self.evictions = 0
         self.unseen_hits: dict[tuple[int, str], RouteHits] = {}
@@ -103,12 +132,9 @@ class ExampleModel:
         entry = self.words.get(word) or self.unseen_words.get(word)
         if entry is not None:
             return entry
-        stem = word_features(word, self.low, self.high)[0]
-        stem, squares, row, hits, follow = _word_entry(
-            stem, gram_counts(word, self.low, self.high), self._table, self._unseen,
-            self._follow.get(stem, _NO_FOLLOW), False)
-        # Cached per service: the row as 8-byte doubles, not float objects.
-        entry = (stem, squares, array("d", row) if row is not None else None, hits, follow)
+        squares, row = _linear_part(gram_counts(word, self.low, self.high),
+                                    self._table, self._unseen)
+        entry = (word_features(word, self.low, self.high)[0], squares, row, None, ())
         cache = self.unseen_words
         if len(cache) >= UNSEEN_CACHE_SIZE:
             del cache[next(iter(cache))]
@@ -124,28 +150,29 @@ class ExampleModel:
         if found is not None:
             return found
         merged: dict[int, dict[int, float]] = {}
+        wanted = "" if route is None else chr(route)
         for gram, count in gram_counts(word, self.low, self.high):
             entry = self._table.get(gram)
-            if entry is None:
+            if entry is None or not entry[3]:
                 continue
-            by_route = entry[2]
+            _, _, _, routes, lists = entry
             if route is None:
-                parts: Iterable[tuple[int, Hits]] = by_route.items()
-            elif route in by_route:
-                parts = ((route, by_route[route]),)
+                parts: Iterable[tuple[str, Hits]] = zip(routes, lists, strict=True)
+            elif (index := routes.find(wanted)) >= 0:
+                parts = ((wanted, lists[index]),)
             else:
                 continue
-            for number, (ids, values) in parts:
-                sums = merged.setdefault(number, {})
-                for example, value in zip(ids, values, strict=True):
+            for number, hits in parts:
+                sums = merged.setdefault(ord(number), {})
+                for example, value in _records(hits):
                     sums[example] = sums.get(example, 0.0) + count * value
-        hits = _by_route(merged) if merged else _NO_HITS
+        found = _by_route(merged)
         cache = self.unseen_hits
         if len(cache) >= UNSEEN_CACHE_SIZE:
             del cache[next(iter(cache))]
             self.hit_evictions += 1
-        cache[key] = hits
-        return hits
+        cache[key] = found
+        return found
 
     def signals(self, split: Sequence[str], neighbors: int, budget: int,
                 routes: tuple[Sequence[int], int | None]
@@ -162,28 +189,29 @@ class ExampleModel:
         unknown: list[str] = []
         squares = 0.0
         known = self.words.get
+        follows = self._follow.get
         unseen = self._unseen * self._unseen
-        follow: Follow | None = None
+        previous: str | None = None
         for word in split:
-            stem, square, row, hits, following = known(word) or self.word(word)
+            stem, square, row, found, hits = known(word) or self.word(word)
             squares += square
             if row is not None:
                 rows.append(row)
-            if hits:
-                lists.append(hits)
-            elif hits is None:
+            if found:
+                lists.append((found, hits))
+            elif found is None:
                 unknown.append(word)
-            if follow is not None:
+            if previous is not None:
                 # The bigram (previous stem, this stem).
-                found = follow.get(stem)
-                if found is None:
+                bigram = follows(previous, _NO_FOLLOW).get(stem)
+                if bigram is None:
                     squares += unseen
                 else:
-                    squares += found[0] * found[0]
-                    rows.append(found[1])
-                    if found[2]:
-                        lists.append(found[2])
-            follow = following
+                    squares += bigram[1]
+                    rows.append(bigram[2])
+                    if bigram[3]:
+                        lists.append((bigram[3], bigram[4]))
+            previous = stem
         if not rows:
             return [0.0] * size, [0.0] * size if neighbors else None
         scale = 1.0 / math.sqrt(squares)
@@ -196,33 +224,31 @@ class ExampleModel:
         wanted, count = routes
         if count == 1:
             route = max(wanted, key=linear.__getitem__)
-            sims: dict[int, float] = {}
-            get = sims.get
-            picked = [among for by_route in lists if (among := by_route.get(route))]
+            key = chr(route)
             if unknown:
-                picked += [among for word in unknown
-                           if (among := self._hits(route, word).get(route))]
+                lists += [self._hits(route, word) for word in unknown]
+            picked = [among[index] for found, among in lists
+                      if (index := found.find(key)) >= 0]
             if len(picked) == 1:
                 # One word's hits: already heaviest first.
-                nearest[route] = sum(picked[0][1][:min(neighbors, budget)]) * factor
+                top = itertools.islice(_records(picked[0]), min(neighbors, budget))
+                nearest[route] = sum(map(_second, top)) * factor
                 return linear, nearest
-            for example, value in _bounded(picked, budget):
-                sims[example] = get(example, 0.0) + value
+            sims = _walk(picked, budget)
             if sims:
                 values = sorted(sims.values(), reverse=True)
                 nearest[route] = sum(values[:neighbors]) * factor
             return linear, nearest
+        lists += [self._hits(None, word) for word in unknown]
         if count is None and len(wanted) == size:
-            chosen: Collection[int] = range(size)
-            picked = [among for by_route in lists for among in by_route.values()]
+            picked = [hits for _, among in lists for hits in among]
         else:
-            chosen = set(wanted if count is None
-                         else heapq.nlargest(count, wanted, key=linear.__getitem__))
-            picked = [among for by_route in lists for route, among in by_route.items()
-                      if route in chosen]
-        for word in unknown:
-            by_route = self._hits(None, word)
-            picked += [among for route, among in by_route.items() if route in chosen]
+            chosen: Collection[int] = set(
+                wanted if count is None
+                else heapq.nlargest(count, wanted, key=linear.__getitem__))
+            picked = [hits for found, among in lists
+                      for number, hits in zip(found, among, strict=True)
+                      if ord(number) in chosen]
         taken = [0] * size
         owners = self.owners
         for example, value in sorted(_walk(picked, budget).items(), key=_second,
@@ -234,15 +260,14 @@ class ExampleModel:
         return linear, [value * factor for value in nearest]
 
 
-def _bounded(lists: list[Hits], budget: int) -> Iterable[tuple[int, float]]:
+def _bounded(lists: list[Hits], budget: int) -> Iterator[tuple[int, float]]:
     """The hits of `lists`, at most `budget` of them: the heaviest lists first when
     there are more (bounded work whatever the query)."""
-    pairs = itertools.chain.from_iterable(itertools.starmap(zip, lists))
-    if sum(len(ids) for ids, _ in lists) <= budget:
+    pairs: Iterator[tuple[int, float]] = itertools.chain.from_iterable(map(_records, lists))
+    if sum(map(len, lists)) <= budget * _RECORD.size:
         return pairs
-    lists.sort(key=lambda hits: hits[1][0], reverse=True)
-    return itertools.islice(itertools.chain.from_iterable(itertools.starmap(zip, lists)),
-                            budget)
+    lists.sort(key=_heaviest, reverse=True)
+    return itertools.islice(itertools.chain.from_iterable(map(_records, lists)), budget)
 
 
 def _walk(lists: list[Hits], budget: int) -> dict[int, float]:
@@ -254,42 +279,36 @@ def _walk(lists: list[Hits], budget: int) -> dict[int, float]:
     return sims
 
 
-def _word_entry(stem: str, grams: tuple[tuple[str, int], ...],
-                table: Mapping[str, FeatureEntry], unseen: float, follow: Follow,
-                with_hits: bool = True) -> WordEntry:
-    """A word's entry; without `with_hits`, hits are left to `ExampleModel._hits`."""
+def _linear_part(grams: tuple[tuple[str, int], ...], table: Mapping[str, FeatureEntry],
+                 unseen: float) -> tuple[float, tuple[float, ...] | None]:
+    """A word's squared norm and summed linear row (None: no known feature)."""
     squares = 0.0
     rows: list[tuple[float, ...]] = []
-    merged: dict[int, dict[int, float]] = {}
     for gram, count in grams:
         entry = table.get(gram)
         if entry is None:
             squares += (count * unseen) ** 2
             continue
-        idf, row, by_route = entry
+        idf, _, row, _, _ = entry
         squares += (count * idf) ** 2
         if row:
             rows.append(row if count == 1 else tuple(count * v for v in row))
-        if not with_hits:
+    return squares, tuple(map(sum, zip(*rows, strict=True))) if rows else None
+
+
+def _word_hits(grams: tuple[tuple[str, int], ...], table: Mapping[str, FeatureEntry]
+               ) -> RouteHits:
+    """A word's hits: its n-grams' hits summed per example, per route."""
+    merged: dict[int, dict[int, float]] = {}
+    for gram, count in grams:
+        entry = table.get(gram)
+        if entry is None:
             continue
-        for route, (ids, values) in by_route.items():
-            sums = merged.setdefault(route, {})
-            for example, value in zip(ids, values, strict=True):
+        for number, hits in zip(entry[3], entry[4], strict=True):
+            sums = merged.setdefault(ord(number), {})
+            for example, value in _records(hits):
                 sums[example] = sums.get(example, 0.0) + count * value
-    summed = tuple(map(sum, zip(*rows, strict=True))) if rows else None
-    if not with_hits:
-        return stem, squares, summed, None, follow
-    return stem, squares, summed, _by_route(merged) if merged else _NO_HITS, follow
-
-
-def _by_route(merged: Mapping[int, Mapping[int, float]]) -> RouteHits:
-    """Per route, its examples' summed values as hits, heaviest first."""
-    out: RouteHits = {}
-    for route, sums in merged.items():
-        ranked = sorted(sums.items(), key=_second, reverse=True)
-        out[route] = (array("i", [example for example, _ in ranked]),
-                      array("d", [value for _, value in ranked]))
-    return out
+    return _by_route(merged)
 
 
 def train_linear(
@@ -429,15 +448,20 @@ def build_examples(examples: Mapping[str, Sequence[str]], limits: tuple[int, int
     table: dict[str, FeatureEntry] = {}
     for feature, weight in idf.items():
         row = linear.get(feature)
-        posting = postings.get(feature)
-        table[feature] = (weight, tuple(v * weight for v in row) if row else zero,
-                          _by_route(posting) if posting else _NO_HITS)
+        found, hits = _by_route(postings.get(feature, {}))
+        table[feature] = (weight, weight * weight,
+                          tuple(v * weight for v in row) if row else zero, found, hits)
+    # Bigram keys are the word entries' own stem objects: lookups match by identity.
+    stems = {stem: stem for stem in vocabulary.values()}
     follows: dict[str, Follow] = {}
     for feature in [f for f in table if f.startswith("b:")]:
         first, _, second = feature[2:].partition(" ")
-        follows.setdefault(first, {})[second] = table.pop(feature)
-    entries = {word: _word_entry(stem, gram_counts(word, low, high), table, unseen,
-                                 follows.get(stem, _NO_FOLLOW))
-               for word, stem in vocabulary.items()}
+        follows.setdefault(stems.get(first, first), {})[stems.get(second, second)] = (
+            table.pop(feature))
+    entries: dict[str, WordEntry] = {}
+    for word, stem in vocabulary.items():
+        grams = gram_counts(word, low, high)
+        squares, summed = _linear_part(grams, table, unseen)
+        entries[word] = (stem, squares, summed, *_word_hits(grams, table))
     return ExampleModel((table, follows), entries, tuple(routes), tuple(owners),
-                        (low, high, unseen, own / size), len(texts) > own)
+                        (low, high, unseen, own / size, len(texts) > own))
