@@ -39,6 +39,22 @@ TESTING = {
 }
 
 
+#: Names other public modules export for users (each documented in docs/): they must
+#: never disappear.
+PINNED = {
+    "turnrouter.telemetry": {
+        # docs/telemetry.md: the exemplar interval, and the metrics table it shows.
+        "EXEMPLAR_INTERVAL_SECS", "METRICS", "metrics_markdown_table",
+    },
+}
+
+
+@pytest.mark.parametrize("module", sorted(PINNED))
+def test_documented_names_of_other_modules_are_exported(module: str) -> None:
+    """Each public module still exports the names its docs page tells users to use."""
+    assert set(importlib.import_module(module).__all__) >= PINNED[module]
+
+
 def test_testing_kit_exports_are_pinned() -> None:
     """turnrouter.testing exports exactly the pinned kit."""
     testing = importlib.import_module("turnrouter.testing")
