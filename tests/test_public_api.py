@@ -42,6 +42,8 @@ TESTING = {
 #: Names other public modules export for users (each documented in docs/): they must
 #: never disappear.
 PINNED = {
+    # docs/distributed.md: parse a deployment's `turnrouter worker` command with it.
+    "turnrouter.cli": {"demo_parser", "main", "worker_parser"},
     "turnrouter.telemetry": {
         # docs/telemetry.md: the exemplar interval, and the metrics table it shows.
         "EXEMPLAR_INTERVAL_SECS", "METRICS", "metrics_markdown_table",
@@ -69,8 +71,8 @@ def test_core_exports_are_pinned() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["turnrouter", "turnrouter.decisions", "turnrouter.runtime.nats", "turnrouter.telemetry",
-     "turnrouter.testing"],
+    ["turnrouter", "turnrouter.cli", "turnrouter.decisions", "turnrouter.runtime.nats",
+     "turnrouter.telemetry", "turnrouter.testing"],
 )
 def test_all_is_sorted_unique_and_importable(module: str) -> None:
     """Every public module's __all__ is sorted, has no duplicates, and resolves."""
