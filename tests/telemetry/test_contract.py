@@ -18,8 +18,8 @@ from turnrouter.telemetry import (
     RESPONSE_BUCKETS,
     Telemetry,
     metric,
+    metrics_markdown_table,
 )
-from turnrouter.telemetry._metrics import metrics_markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "telemetry.md"
