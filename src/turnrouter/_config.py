@@ -8,7 +8,6 @@ and the turn never re-check it.
 from __future__ import annotations
 
 import importlib
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
@@ -19,7 +18,9 @@ from ._contracts import CLARIFY, AgentTurn, DecisionService, RoutableAgent
 from ._exceptions import ConfigurationError, ContractTypeError
 from ._limits import Overflows
 from ._llm import LLMService
+from ._numbers import finite
 from ._observer import Configured, RouterObserver
+from ._redact import preview
 from ._timing import RouteTimingPredictor, TimingPredictor, TimingSink
 
 __all__ = [
@@ -83,9 +84,10 @@ def _check_positive(name: str, value: object, *, integer: bool = False) -> None:
         value, bool
     ):
         kind = "an int" if integer else "a number"
-        raise ContractTypeError(f"AgentRouter {name} must be {kind}, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigurationError(f"AgentRouter {name} must be finite and positive, got {value!r}")
+        raise ContractTypeError(f"AgentRouter {name} must be {kind}, got {preview(value)}")
+    if not (finite(value) and value > 0):
+        raise ConfigurationError(
+            f"AgentRouter {name} must be finite and positive, got {preview(value)}")
 
 
 def _agents(destinations: object) -> dict[str, RoutableAgent]:

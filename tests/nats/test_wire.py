@@ -115,7 +115,7 @@ def test_overlong_participant_ids_are_refused() -> None:
     ("prefix", "a.b"), ("prefix", ""), ("partitions", 0), ("partitions", 5000),
     ("failover_timeout", 0), ("pull_expires", 2.0), ("max_message_bytes", 10),
     ("ack_wait", float("inf")), ("drain_timeout", float("nan")), ("dedup_window", True),
-    ("mark_after", 0), ("mark_after", 1.0),
+    ("mark_after", 0), ("mark_after", 1.0), ("ack_wait", 10**400),
 ])
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     """An impossible configuration raises ConfigurationError naming the field."""

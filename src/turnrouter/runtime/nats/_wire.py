@@ -21,6 +21,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..._exceptions import ConfigurationError, ContractValueError
+from ..._numbers import finite
+from ..._redact import preview
 from .._messages import (
     Interrupted,
     ParticipantJoined,
@@ -98,11 +100,10 @@ class NatsConfig:
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
                      "output_max_age", "probe_interval", "drain_timeout", "mark_after"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and not isinstance(value, bool)
-                    and math.isfinite(value) and 0 < value <= 366 * 86400):
+            if not (finite(value) and 0 < value <= 366 * 86400):
                 raise ConfigurationError(
                     f"NatsConfig.{name} must be a finite number of seconds in (0, 1 year], "
-                    f"got {value!r}")
+                    f"got {preview(value)}")
         if self.pull_expires >= self.failover_timeout:
             raise ConfigurationError(
                 "NatsConfig.pull_expires must be shorter than failover_timeout, or the "
