@@ -201,8 +201,7 @@ class Ledger:
             if state.fenced:
                 return False
             if fresh or state.snapshot is None:
-                exported = self._router().export_participant(pid)
-                state.snapshot = None if exported is None else exported.to_json().encode()
+                state.snapshot = self._router().export_participant_json(pid)
             data = state_json(self._replica, state.inflight[-_MAX_INFLIGHT:],
                               state.snapshot, state.outbox)
             t0 = time.perf_counter()
