@@ -422,8 +422,8 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
-def _verdicts(route: str, t: int, seeds: list[int], pairs: list[tuple[Row, Row]],
-              before: list[Row] | None) -> list[str]:
+def _verdicts(route: str, seeds: list[int], pairs: list[tuple[Row, Row]],
+              befores: dict[str, list[Row]]) -> list[str]:
     """The goals judged on one route over the seeds (upper case: missed)."""
     cuts = [1 - b.p95 / a.p95 for a, b in pairs]
     deltas = [b.needless_rate - a.needless_rate for a, b in pairs]
@@ -440,11 +440,14 @@ def _verdicts(route: str, t: int, seeds: list[int], pairs: list[tuple[Row, Row]]
     over = [(seed, d) for seed, d in zip(seeds, deltas, strict=True) if d > 0.01 + 1e-9]
     verdicts.append("needless ok" if not over else "NEEDLESS OVER in " + ", ".join(
         f"seed {s} ({d * 100:+.1f})" for s, d in over))
-    if before is not None and route in EXISTING:
+    for name, before in befores.items():
+        if route not in EXISTING:
+            break
         worse = [seed for seed, (_, b), o in zip(seeds, pairs, before, strict=True)
                  if b.p95 > o.p95 * 1.02 + 1e-9 or b.needless_rate > o.needless_rate + 0.005]
-        verdicts.append("not worse" if not worse else
-                        "WORSE THAN BEFORE in seeds " + ", ".join(map(str, worse)))
+        label = name.split(" ")[0]
+        verdicts.append(f"not worse than {label}" if not worse else
+                        f"WORSE THAN {label} in seeds " + ", ".join(map(str, worse)))
     return verdicts
 
 
@@ -469,8 +472,9 @@ def report(results: dict[tuple[int, int], dict[str, tuple[Row, Row]]], turns_lis
             deltas = [b.needless_rate - a.needless_rate for a, b in pairs]
             targets = [g for a, _ in pairs if (g := goal(route, a.late_share)) is not None]
             switches = [b.switches for _, b in pairs]
-            before = [baselines[names[0]][t, seed][route][1] for seed in seeds] if names else None
-            verdicts = _verdicts(route, t, seeds, pairs, before)
+            befores = {name: [baselines[name][t, seed][route][1] for seed in seeds]
+                       for name in names}
+            verdicts = _verdicts(route, seeds, pairs, befores)
             failures += sum(v.split()[0].isupper() for v in verdicts)
             extra = "".join(
                 f" {statistics.median(o[t, s][route][1].p95 for s in seeds):.2f}s / "
@@ -501,7 +505,8 @@ def main() -> None:
     parser.add_argument("--baseline", action="append", default=[], metavar="SRC",
                         help="also replay the default RouteTimingPredictor of another source "
                              "tree (its src directory), through this tree's router; the "
-                             "first is 'before' for the not-worse goal (repeatable)")
+                             "existing shapes must be no worse than with any of them "
+                             "(repeatable)")
     parser.add_argument("--feature", choices=("default", "none", "query_length"),
                         default="default",
                         help="RouteTimingPredictor feature (per-turn query length classes)")

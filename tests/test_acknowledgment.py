@@ -588,6 +588,16 @@ async def test_generation_time_and_the_gap_to_the_answer_are_reported() -> None:
     assert (route, trigger) == ("calendar", "delay") and gap == pytest.approx(1.2)
 
 
+async def test_an_early_acknowledgment_right_before_the_answer_is_reported_as_such() -> None:
+    """An early (prediction-triggered) acknowledgment the answer follows at once reports
+    its gap with trigger `prediction`, which telemetry counts as an early acknowledgment
+    that turned out needless."""
+    s = Setup(latency=0.45, predictor=loaded_predictor(3.0, 40))
+    await s.drive()
+    [(route, trigger, gap)] = s.observer.after
+    assert (route, trigger) == ("calendar", "prediction") and gap == pytest.approx(0.2)
+
+
 async def test_no_gap_is_reported_for_a_suppressed_acknowledgment() -> None:
     """An acknowledgment never spoken has no answer after it."""
     s = Setup(latency=0.4)

@@ -177,6 +177,9 @@ class TimingSink(Protocol):
 _MAX_CLASSES = 4
 #: The needless window the trigger prices (the telemetry's `NEEDLESS_WITHIN_SECONDS`).
 NEEDLESS_SECS = 0.5
+#: The trigger's defaults (`turnrouter tune` and the tuning dashboard model them).
+DEFAULT_CONFIDENCE = 0.75
+DEFAULT_HYSTERESIS = 0.05
 
 
 def query_length_class(turn: AgentTurn) -> str:
@@ -228,7 +231,8 @@ class RouteTimingPredictor:
 
     def __init__(
         self, *, half_life_samples: float = 100.0, min_samples: float = 5.0,
-        confidence: float = 0.75, hysteresis: float = 0.05, prior_samples: float = 1.0,
+        confidence: float = DEFAULT_CONFIDENCE, hysteresis: float = DEFAULT_HYSTERESIS,
+        prior_samples: float = 1.0,
         lower_quantile: float | None = None, max_spread: float | None = None,
         max_routes: int = 256, max_regimes: int = 4, change_threshold: float | None = 8.0,
         switch_rate: float = 0.005, delay_secs: float | None = None,
