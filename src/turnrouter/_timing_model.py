@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from array import array
 from bisect import bisect_left
+from collections.abc import Sequence
 from itertools import accumulate
 
 _LOW, _HIGH, _BINS = 0.01, 120.0, 96
@@ -127,22 +128,24 @@ class Histogram:
 
 class Mixture:
     """A distribution of first responses: histograms mixed with weights summing to 1
-    (one cumulative sum over the grid, so each question is a bisection or a lookup)."""
+    (one cumulative sum over the grid, so each question is a bisection or a lookup; a
+    single histogram is read in place, scaled at the answer)."""
 
-    __slots__ = ("cumulative", "mass")
+    __slots__ = ("cumulative", "mass", "scale")
 
     def __init__(self, parts: list[tuple[float, Histogram]]) -> None:
         if len(parts) == 1:
             weight, hist = parts[0]
-            scale = weight / hist.total
-            mass = [scale * w for w in hist.weights]
+            self.scale = weight / hist.total
+            self.mass: Sequence[float] = hist.weights
         else:
+            self.scale = 1.0
             mass = [0.0] * _BINS
             for weight, hist in parts:
                 scale = weight / hist.total
                 mass = [m + scale * w for m, w in zip(mass, hist.weights, strict=True)]
-        self.mass = mass
-        self.cumulative = list(accumulate(mass))
+            self.mass = mass
+        self.cumulative = list(accumulate(self.mass))
 
     def below(self, seconds: float) -> float:
         """P(first response < seconds) (linear within a bin in log space)."""
@@ -151,21 +154,22 @@ class Mixture:
         position = (math.log(seconds) - _LOG_LOW) / _STEP
         index = int(position)
         if index >= _BINS:
-            return self.cumulative[-1]
+            return self.cumulative[-1] * self.scale
         before = self.cumulative[index - 1] if index else 0.0
-        return before + self.mass[index] * (position - index)
+        return (before + self.mass[index] * (position - index)) * self.scale
 
     def quantile(self, level: float) -> float:
         """The `level` quantile (0.0 for a level <= 0: no latency is that certain)."""
         if level <= 0.0:
             return 0.0
+        target = level / self.scale
         cumulative = self.cumulative
-        index = bisect_left(cumulative, level)
+        index = bisect_left(cumulative, target)
         if index >= _BINS:
             return _EDGES[-1]
         mass = self.mass[index]
         before = cumulative[index - 1] if index else 0.0
-        fraction = (level - before) / mass if mass > 0.0 else 1.0
+        fraction = (target - before) / mass if mass > 0.0 else 1.0
         return math.exp(_LOG_LOW + (index + min(max(fraction, 0.0), 1.0)) * _STEP)
 
 
