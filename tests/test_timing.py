@@ -3,6 +3,7 @@ LLM-assisted prediction, clocks."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import sys
@@ -175,6 +176,22 @@ def test_a_run_held_by_the_detector_is_learned_when_it_breaks() -> None:
     assert detecting.changes("r") == 0
     assert detecting.samples("r") == pytest.approx(plain.samples("r"))
     assert detecting.quantile("r", 0.5) == pytest.approx(plain.quantile("r", 0.5))
+
+
+def test_at_most_31_samples_are_held() -> None:
+    """A run pushing the detector's sum that neither breaks nor raises the alarm is held
+    in the route's 32-sample ring: from the 32nd sample on, the oldest is learned."""
+    predictor = RouteTimingPredictor(change_threshold=1000.0, feature=None)
+    rng = random.Random(5)
+    for _ in range(100):
+        predictor.record(TimingSample("r", _lognormal(rng, 1.0, 0.3)))
+    before = predictor.samples("r")
+    counts = []
+    for _ in range(40):
+        predictor.record(TimingSample("r", 2.0))  # 2.3 sd above: every sample pushes
+        counts.append(predictor.samples("r"))
+    assert counts[30] == pytest.approx(before)  # 31 held
+    assert all(b > a for a, b in itertools.pairwise(counts[30:]))  # then one learned each
 
 
 def test_a_new_regime_starts_from_the_shifted_samples_only() -> None:

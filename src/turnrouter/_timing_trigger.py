@@ -63,11 +63,22 @@ class Trigger:
                   generation: float) -> tuple[float, float]:
         """(A, P(late)): the expected advantage of acknowledging early at `delay` and the
         probability that the first response comes after it, both shrunk by `prior`."""
-        c = self.confidence
-        advantage, late = advantage_at(mixture.below, delay, generation, self.early_secs,
-                                       self.needless_secs, c)
+        advantage, late = self.advantage_of(mixture.below, delay, generation)
         weight = samples / (samples + self.prior)
-        return advantage * weight - c * (1.0 - weight), late * weight
+        return advantage * weight - self.confidence * (1.0 - weight), late * weight
+
+    def advantage_of(self, below: Callable[[float], float], delay: float,
+                     generation: float) -> tuple[float, float]:
+        """(A, P(late)) of a distribution given by `below(t) = P(X < t)`, unshrunk (the
+        module docstring's formula; `turnrouter tune` applies it to recorded histograms)."""
+        c, window = self.confidence, self.needless_secs
+        early = min(self.early_secs, delay)
+        heard = max(early, generation)
+        late = min(max(1.0 - below(delay), 0.0), 1.0)  # rounding never leaves [0, 1]
+        needless_early = max(0.0, below(heard + window) - below(early))
+        needless_delay = max(0.0, below(delay + generation + window)
+                             - below(delay + generation))
+        return (1.0 - c) * late + c * (needless_delay - needless_early), late
 
     def decide(self, model: RouteModel, advantage: float, delay: float,
                confident: bool) -> bool:
@@ -78,19 +89,6 @@ class Trigger:
         early = confident and advantage >= (0.0 if model.early else self.hysteresis)
         model.early = early
         return early
-
-
-def advantage_at(below: Callable[[float], float], delay: float, generation: float,
-                 early: float, window: float, confidence: float) -> tuple[float, float]:
-    """(A, P(late)) of a distribution given by `below(t) = P(X < t)`, unshrunk (the
-    module docstring's formula; `turnrouter tune` applies it to recorded histograms)."""
-    c = confidence
-    early = min(early, delay)
-    heard = max(early, generation)
-    late = min(max(1.0 - below(delay), 0.0), 1.0)  # rounding never leaves [0, 1]
-    needless_early = max(0.0, below(heard + window) - below(early))
-    needless_delay = max(0.0, below(delay + generation + window) - below(delay + generation))
-    return (1.0 - c) * late + c * (needless_delay - needless_early), late
 
 
 def class_weight(route: RouteModel, classes: dict[str, RouteModel], mine: RouteModel) -> float:

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._timing import DEFAULT_CONFIDENCE, DEFAULT_HYSTERESIS
-from .._timing_trigger import advantage_at
+from .._timing_trigger import Trigger
 from ..telemetry import NEEDLESS_WITHIN_SECONDS, RESPONSE_BUCKETS, metric
 from ._promql import le_regex, le_value
 
@@ -129,8 +129,10 @@ def early_at(survival: Callable[[float], float], c: Candidate,
     """The approximated trigger: early at `c` for a route with this stationary
     `survival` when the advantage of acknowledging early reaches the hysteresis."""
     generation = _r(c.heard - c.delay)
-    advantage, _ = advantage_at(lambda t: 1.0 - survival(t), c.delay, generation,
-                                c.early_from, NEEDLESS_WITHIN_SECONDS, confidence)
+    trigger = Trigger(confidence=confidence, hysteresis=hysteresis, prior=0.0,
+                      min_samples=0.0, early_secs=c.early_from, generation_secs=generation,
+                      needless_secs=NEEDLESS_WITHIN_SECONDS)
+    advantage, _ = trigger.advantage_of(lambda t: 1.0 - survival(t), c.delay, generation)
     return advantage >= hysteresis - 1e-12
 
 
