@@ -40,6 +40,10 @@ _MIN_VARIANCE = 0.01
 #: the estimate of the classes' spread too noisy: a class holding a route's few fast
 #: answers by chance would overrule it).
 _CLASS_MIN_SEEN = 5
+#: The classes' spread must exceed this many times their sampling noise before it
+#: counts: with 3-4 classes of a few samples each the plain moment estimate is noisy
+#: (a class holding a route's few fast answers by chance looked different).
+_SPREAD_NOISE = 2.0
 
 
 class Trigger:
@@ -94,7 +98,8 @@ class Trigger:
 def class_weight(route: RouteModel, classes: dict[str, RouteModel], mine: RouteModel) -> float:
     """The weight of class `mine` against its route `route`: tau^2 / (tau^2 + v), with
     tau^2 the method-of-moments variance of the classes' mean log latencies around the
-    route's (beyond what their sampling noise explains) and v `mine`'s sampling noise."""
+    route's beyond `_SPREAD_NOISE` times what their sampling noise explains, and v
+    `mine`'s sampling noise."""
     own = mine.regimes[0]
     if own.seen < _CLASS_MIN_SEEN:
         return 0.0
@@ -103,7 +108,8 @@ def class_weight(route: RouteModel, classes: dict[str, RouteModel], mine: RouteM
     total = sum(n for _, n in members)
     within = max(sum(r.var * n for r, n in members) / total, _MIN_VARIANCE)
     centre = route.regimes[route.cur].mean
-    tau2 = sum((r.mean - centre) ** 2 - within / n for r, n in members) / len(members)
+    tau2 = sum((r.mean - centre) ** 2 - _SPREAD_NOISE * within / n
+               for r, n in members) / len(members)
     if tau2 <= 0.0:
         return 0.0
     return tau2 / (tau2 + within / own.hist.effective())
