@@ -243,11 +243,13 @@ class RouterConfig:
         if acknowledgment_llm is not None or timing_predictor is not None or (
             timing_sink is not None
         ):
+            policy = acknowledgment_policy or AcknowledgmentPolicy()
             if timing_predictor is None and acknowledgment_llm is not None:
-                timing_predictor = RouteTimingPredictor(delay_secs=acknowledgment_delay_secs)
+                timing_predictor = RouteTimingPredictor(
+                    delay_secs=acknowledgment_delay_secs, early_secs=policy.early_secs,
+                    generation_secs=policy.expected_generation_secs)
             self.timed = TimingEngine(
-                llm=acknowledgment_llm, delay=acknowledgment_delay_secs,
-                policy=acknowledgment_policy or AcknowledgmentPolicy(),
+                llm=acknowledgment_llm, delay=acknowledgment_delay_secs, policy=policy,
                 predictor=timing_predictor, sink=timing_sink, clock=clock or SystemClock(),
                 observer=telemetry, agents=agents,
             )
