@@ -520,6 +520,10 @@ async def test_policy_validation_names_the_field() -> None:
         AcknowledgmentPolicy(timeout_secs=0)
     with pytest.raises(ConfigurationError, match="max_tokens"):
         AcknowledgmentPolicy(max_tokens=0)
+    with pytest.raises(ConfigurationError, match="early_secs"):
+        AcknowledgmentPolicy(early_secs=10**400)
+    with pytest.raises(ConfigurationError, match="prediction_timeout_secs"):
+        AcknowledgmentPolicy(prediction_timeout_secs="soon")  # type: ignore[arg-type]
 
 
 async def test_destination_error_propagates_unwrapped_with_acknowledgments() -> None:

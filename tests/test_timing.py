@@ -336,6 +336,18 @@ def test_load_samples_names_the_bad_line(tmp_path: Path) -> None:
         load_samples(path)
 
 
+@pytest.mark.parametrize(("line", "field"), [
+    ('{"route":"a","seconds":1%s}' % ("0" * 400), "'seconds'"),
+    ('{"route":"a","seconds":1,"at":1%s}' % ("0" * 400), "'at'"),
+    ('{"route":"a","seconds":1,"at":"now"}', "'at'"),
+])
+def test_sample_numbers_too_large_for_a_float_are_refused(line: str, field: str) -> None:
+    """A sample whose seconds or time is an integer too large for a float is a ValueError
+    naming the field, not an OverflowError."""
+    with pytest.raises(ValueError, match=field):
+        TimingSample.from_json(line)
+
+
 def test_sink_appends_and_flushes(tmp_path: Path) -> None:
     """JsonLinesSink appends one line per sample and reopens after close()."""
     path = tmp_path / "s.jsonl"

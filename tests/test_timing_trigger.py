@@ -342,7 +342,12 @@ def test_trigger_settings_are_validated() -> None:
     settings: list[dict[str, Any]] = [
         {"confidence": 0.5}, {"hysteresis": 0.6}, {"prior_samples": -1.0},
         {"switch_rate": 0.0}, {"delay_secs": math.nan}, {"max_regimes": 0},
-        {"early_secs": -0.1}, {"generation_secs": math.inf}, {"needless_secs": 0.0}]
+        {"early_secs": -0.1}, {"generation_secs": math.inf}, {"needless_secs": 0.0},
+        # Too large for a float, or not a number at all: still a ConfigurationError.
+        {"prior_samples": 10**400}, {"delay_secs": 10**400}, {"early_secs": 10**400},
+        {"half_life_samples": 10**400}, {"change_threshold": 10**400},
+        {"confidence": "high"}, {"hysteresis": None}, {"switch_rate": 10**400},
+        {"max_routes": 2.5}, {"max_regimes": True}]
     for bad in settings:
         with pytest.raises(ConfigurationError, match=next(iter(bad))):
             RouteTimingPredictor(**bad)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from ._contracts import AgentTurn, RoutingAid
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
 from ._logging import log_failure
+from ._numbers import finite
 from ._observer import (
     AcknowledgmentFinished,
     AcknowledgmentGenerated,
@@ -111,12 +111,12 @@ class AcknowledgmentPolicy:
                                          f"got {value!r}")
         for name in ("timeout_secs", "prediction_timeout_secs"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
+            if not finite(value) or value <= 0:
                 raise ConfigurationError(f"AcknowledgmentPolicy {name} must be finite and "
                                          f"positive, got {value!r}")
         for name in ("early_secs", "expected_generation_secs"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
+            if not finite(value) or value < 0:
                 raise ConfigurationError(f"AcknowledgmentPolicy {name} must be finite and "
                                          f">= 0, got {value!r}")
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import sys
 import time
@@ -35,6 +34,7 @@ from typing import IO, Any, Protocol, runtime_checkable
 from ._contracts import AgentTurn
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
+from ._numbers import finite
 from ._timing_model import Histogram, Mixture, RouteModel, Settings
 from ._timing_trigger import Trigger, class_weight, pooled
 
@@ -92,16 +92,15 @@ class TimingSample:
         route, seconds = data.get("route"), data.get("seconds")
         if not isinstance(route, str) or not route:
             raise ValueError(f"timing sample 'route' must be a non-empty string, got {route!r}")
-        if (not isinstance(seconds, int | float) or isinstance(seconds, bool)
-                or not math.isfinite(seconds) or seconds < 0):
+        if not finite(seconds) or seconds < 0:
             raise ValueError(f"timing sample 'seconds' must be a finite number >= 0, "
                              f"got {seconds!r}")
         censored = data.get("censored", False)
         if not isinstance(censored, bool):
             raise ValueError(f"timing sample 'censored' must be a boolean, got {censored!r}")
         at = data.get("at", 0.0)
-        if not isinstance(at, int | float) or isinstance(at, bool):
-            raise ValueError(f"timing sample 'at' must be a number, got {at!r}")
+        if not finite(at):
+            raise ValueError(f"timing sample 'at' must be a finite number, got {at!r}")
         feature = data.get("feature")
         if feature is not None and not valid_feature(feature):
             raise ValueError(f"timing sample 'feature' must be a non-empty string of at most "
@@ -244,40 +243,40 @@ class RouteTimingPredictor:
                             ("min_samples", min_samples),
                             ("max_spread", 1.0 if max_spread is None else max_spread),
                             ("needless_secs", needless_secs)):
-            if not math.isfinite(value) or value <= 0:
+            if not finite(value) or value <= 0:
                 raise ConfigurationError(
                     f"RouteTimingPredictor {name} must be finite and positive, got {value!r}")
         for name, value in (("early_secs", early_secs), ("generation_secs", generation_secs)):
-            if not math.isfinite(value) or value < 0:
+            if not finite(value) or value < 0:
                 raise ConfigurationError(
                     f"RouteTimingPredictor {name} must be finite and >= 0, got {value!r}")
         if lower_quantile is not None:
-            if not 0.0 < lower_quantile < 0.5:
+            if not finite(lower_quantile) or not 0.0 < lower_quantile < 0.5:
                 raise ConfigurationError(f"RouteTimingPredictor lower_quantile must be in "
                                          f"(0, 0.5), got {lower_quantile!r}")
             confidence = 1.0 - lower_quantile
-        if not 0.5 < confidence < 1.0:
+        if not finite(confidence) or not 0.5 < confidence < 1.0:
             raise ConfigurationError(
                 f"RouteTimingPredictor confidence must be in (0.5, 1), got {confidence!r}")
-        if not 0.0 <= hysteresis <= 0.5:
+        if not finite(hysteresis) or not 0.0 <= hysteresis <= 0.5:
             raise ConfigurationError(
                 f"RouteTimingPredictor hysteresis must be in [0, 0.5], got {hysteresis!r}")
-        if not math.isfinite(prior_samples) or prior_samples < 0:
+        if not finite(prior_samples) or prior_samples < 0:
             raise ConfigurationError(f"RouteTimingPredictor prior_samples must be finite and "
                                      f">= 0, got {prior_samples!r}")
-        if max_routes < 1:
-            raise ConfigurationError("RouteTimingPredictor max_routes must be >= 1")
-        if max_regimes < 1:
-            raise ConfigurationError("RouteTimingPredictor max_regimes must be >= 1")
+        for name, count in (("max_routes", max_routes), ("max_regimes", max_regimes)):
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ConfigurationError(
+                    f"RouteTimingPredictor {name} must be an int >= 1, got {count!r}")
         if change_threshold is not None and (
-                not math.isfinite(change_threshold) or change_threshold <= 0):
+                not finite(change_threshold) or change_threshold <= 0):
             raise ConfigurationError(
                 f"RouteTimingPredictor change_threshold must be finite and positive or None, "
                 f"got {change_threshold!r}")
-        if not 0.0 < switch_rate < 0.5:
+        if not finite(switch_rate) or not 0.0 < switch_rate < 0.5:
             raise ConfigurationError(
                 f"RouteTimingPredictor switch_rate must be in (0, 0.5), got {switch_rate!r}")
-        if delay_secs is not None and (not math.isfinite(delay_secs) or delay_secs <= 0):
+        if delay_secs is not None and (not finite(delay_secs) or delay_secs <= 0):
             raise ConfigurationError(f"RouteTimingPredictor delay_secs must be finite and "
                                      f"positive or None, got {delay_secs!r}")
         self._settings = Settings(half_life=half_life_samples, threshold=change_threshold,

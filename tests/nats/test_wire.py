@@ -599,6 +599,14 @@ def test_any_record_written_reads_back(inflight: list[str], snapshot: str,
         inflight, snapshot, outbox)
 
 
+def test_a_record_time_too_large_for_a_float_is_refused() -> None:
+    """An outbox entry whose time is an integer too large for a float is a ValueError
+    naming the outbox (the record is then unreadable, its participant starts afresh)."""
+    record = json.dumps({"owner": "w", "inflight": [], "outbox": [["t", "r", "x", 10**400]]})
+    with pytest.raises(ValueError, match="outbox"):
+        parse_state(record.encode())
+
+
 def test_publish_acknowledgments_parse_to_a_sequence_or_an_error() -> None:
     """A stored publish's reply gives its sequence; a refusal gives the server's error."""
     assert pub_ack(b'{"stream":"KV_s","seq":42}') == (42, None)

@@ -13,7 +13,6 @@ import base64
 import binascii
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
@@ -282,8 +281,7 @@ def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
         raise ValueError("state record 'snapshot' is not a string")
     if not (isinstance(outbox, list) and all(
             isinstance(e, list) and len(e) == 4 and all(isinstance(x, str) for x in e[:3])
-            and isinstance(e[3], int | float) and not isinstance(e[3], bool)
-            and math.isfinite(e[3]) for e in outbox)):
+            and finite(e[3]) for e in outbox)):
         raise ValueError("state record 'outbox' is not a list of [turn, route, text, time]")
     return inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]
 
