@@ -7,21 +7,22 @@ calls it on an int a user passed would fail with the wrong error. `finite` answe
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 __all__ = ["finite", "is_number"]
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[float]:
     """Whether `value` is an int or float (a bool is not a number here)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def finite(value: object) -> bool:
+def finite(value: object) -> TypeGuard[float]:
     """Whether `value` is a number that is finite as a float (an int too large for a
     float is not)."""
     if not is_number(value):
         return False
     try:
-        return math.isfinite(value)  # type: ignore[arg-type]
+        return math.isfinite(value)
     except OverflowError:
         return False
