@@ -15,30 +15,34 @@ requests and generation times, at the same fallback delay:
   makes the acknowledgment heard at `early_secs`.
 
 Per route and seed: p50/p95 silence (admission to the first thing heard),
-acknowledgment rate, needless-acknowledgment rate (the answer started within 300 ms
-after the acknowledgment was spoken), and the share of answers later than the delay;
-then a verdict table against the issue's goals over `--turns` x `--seeds` (and against
-another source tree's predictor with `--baseline SRC`).
+acknowledgment rate, needless-acknowledgment rate (the answer started within
+`--needless-window` after the acknowledgment was spoken: 0.5 s by default, as
+`turnrouter_needless_acknowledgments_total` counts), the share of answers later than
+the delay, and how often the trigger's decision changed; then a verdict table against
+the issue's goals over `--turns` x `--seeds` (and against other source trees'
+predictors with `--baseline SRC`, repeatable).
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_acknowledgments.py [--turns 300,1000]
-        [--seeds 1,2,3,4,5] [--delay 1.0] [--set confidence=0.8] [--feature none]
-        [--baseline OTHER/src] [--detail]
+        [--seeds 1-20] [--delay 1.0] [--set confidence=0.8] [--feature none]
+        [--routes slow85,bimodal] [--needless-window 0.3] [--baseline OTHER/src] [--detail]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import importlib.util
+import inspect
+import itertools
 import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -58,12 +62,16 @@ from turnrouter import (
     TimingPredictor,
     TimingSample,
     TurnObserver,
+    query_length_class,
 )
 from turnrouter.events import AcknowledgmentFinished, SilenceMeasured, TurnStarted
 from turnrouter.llm import TemplateAcknowledger
 from turnrouter.testing import ManualClock
 
-NEEDLESS_WINDOW = 0.3
+try:  # the metric's window; older trees (--baseline) may not have it
+    from turnrouter.telemetry import NEEDLESS_WITHIN_SECONDS as NEEDLESS_WINDOW
+except ImportError:  # pragma: no cover - only under an old --baseline tree
+    NEEDLESS_WINDOW = 0.5
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
@@ -149,6 +157,7 @@ class TurnFacts:
     silence: float | None = None
     ack_at: float | None = None
     started_at: float | None = None
+    trigger: str | None = None
 
 
 class NoPrediction:
@@ -171,6 +180,7 @@ class _Turn(TurnObserver):
         self.facts = facts
 
     def acknowledgment(self, event: AcknowledgmentFinished) -> None:
+        self.facts.trigger = event.trigger
         if event.outcome == "emitted":
             self.facts.ack_at = event.ended_at
 
@@ -180,6 +190,7 @@ class _Turn(TurnObserver):
 
 @dataclass
 class Observer(RouterObserver):
+    enabled = True  # the router builds events only for an enabled observer
     current: TurnFacts | None = None
     turns: list[TurnFacts] = field(default_factory=list)
 
@@ -289,17 +300,22 @@ class Row:
     ack_rate: float
     needless_rate: float
     late_share: float
+    switches: int = 0
 
 
-def summarize(facts: list[TurnFacts], plans: list[Plan], route: str, delay: float) -> Row:
+def summarize(facts: list[TurnFacts], plans: list[Plan], route: str, delay: float,
+              window: float = NEEDLESS_WINDOW) -> Row:
     mine = [f for f in facts if f.route == route]
     late = [p for p in plans if p.route == route and p.latency > delay]
     silences = [f.silence for f in mine if f.silence is not None]
     acks = [f for f in mine if f.ack_at is not None]
     needless = [f for f in acks if f.started_at is not None and f.ack_at is not None
-                and 0.0 <= f.started_at - f.ack_at <= NEEDLESS_WINDOW]
+                and 0.0 <= f.started_at - f.ack_at <= window]
+    triggers = [f.trigger for f in mine if f.trigger is not None]
+    switches = sum(a != b for a, b in itertools.pairwise(triggers))
     return Row(route, len(mine), _quantile(silences, 0.5), _quantile(silences, 0.95),
-               len(acks) / len(mine), len(needless) / len(mine), len(late) / len(mine))
+               len(acks) / len(mine), len(needless) / len(mine), len(late) / len(mine),
+               switches)
 
 
 def make_plans(turns: int, seed: int, delay: float,
@@ -328,14 +344,17 @@ def make_plans(turns: int, seed: int, delay: float,
 
 
 def run_case(turns: int, seed: int, delay: float, early: float,
-             make_predictor: Callable[[], TimingPredictor]) -> dict[str, tuple[Row, Row]]:
-    """Fixed delay and predictive replays of one seed: (fixed, predictive) per route."""
-    plans = make_plans(turns, seed, delay)
+             make_predictor: Callable[[], TimingPredictor], routes: tuple[str, ...] = ROUTES,
+             window: float = NEEDLESS_WINDOW) -> dict[str, tuple[Row, Row]]:
+    """Fixed delay and predictive replays of one seed: (fixed, predictive) per route.
+    The plans are those of all routes (the same for any `routes`), replayed for
+    `routes` only."""
+    plans = [p for p in make_plans(turns, seed, delay) if p.route in routes]
     policy = AcknowledgmentPolicy(early_secs=early)
     fixed = asyncio.run(replay(plans, NoPrediction(), delay, policy))
     predictive = asyncio.run(replay(plans, make_predictor(), delay, policy))
-    return {route: (summarize(fixed, plans, route, delay),
-                    summarize(predictive, plans, route, delay)) for route in ROUTES}
+    return {route: (summarize(fixed, plans, route, delay, window),
+                    summarize(predictive, plans, route, delay, window)) for route in routes}
 
 
 def goal(route: str, late_share: float) -> float | None:
@@ -347,26 +366,163 @@ def goal(route: str, late_share: float) -> float | None:
     return None
 
 
+# ---------------------------------------------------------------- other trees' predictors
+
+
+class Foreign:
+    """Another source tree's `RouteTimingPredictor` behind this tree's protocol (its
+    predictions converted), so both run through this tree's router."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._with_turn = len(inspect.signature(inner.record).parameters) > 1
+
+    def predict(self, route: str, turn: AgentTurn) -> Prediction | None:
+        p = self.inner.predict(route, turn)
+        if p is None:
+            return None
+        return Prediction(p.seconds, p.lower, p.upper, p.samples, p.confident,
+                          getattr(p, "probability_late", None), getattr(p, "early", None))
+
+    def record(self, sample: TimingSample, turn: AgentTurn | None = None) -> None:
+        if self._with_turn:
+            self.inner.record(sample, turn)
+        else:
+            self.inner.record(sample)
+
+    def estimate(self, route: str) -> float | None:
+        value = self.inner.estimate(route)
+        return None if value is None else float(value)
+
+
+def foreign_factory(src: str, alias: str, delay: float) -> Callable[[], TimingPredictor]:
+    """A factory of `src`'s default predictor (its package imported as `alias`)."""
+    init = Path(src) / "turnrouter" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        alias, init, submodule_search_locations=[str(init.parent)])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {src}: no turnrouter package there")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = module
+    spec.loader.exec_module(module)
+    cls = module.RouteTimingPredictor
+    kwargs = {"delay_secs": delay} if "delay_secs" in inspect.signature(cls).parameters else {}
+    return lambda: Foreign(cls(**kwargs))
+
+
+# ---------------------------------------------------------------- the report
+
+
+def _seeds(text: str) -> list[int]:
+    """"1,2,5" or "1-20" (or a mix: "1-5,9")."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        seeds.extend(range(int(low), int(high) + 1) if high else [int(low)])
+    return seeds
+
+
+def _verdicts(route: str, seeds: list[int], pairs: list[tuple[Row, Row]],
+              befores: dict[str, list[Row]]) -> list[str]:
+    """The goals judged on one route over the seeds (upper case: missed)."""
+    cuts = [1 - b.p95 / a.p95 for a, b in pairs]
+    deltas = [b.needless_rate - a.needless_rate for a, b in pairs]
+    verdicts = []
+    if any(math.isnan(c) for c in cuts):
+        verdicts.append("NO SILENCE MEASURED")
+    # The goal applies per seed: to each sample whose own late share qualifies.
+    missed = [(seed, cut) for seed, cut, (a, _) in zip(seeds, cuts, pairs, strict=True)
+              if (target := goal(route, a.late_share)) is not None and cut < target]
+    judged = sum(goal(route, a.late_share) is not None for a, _ in pairs)
+    if judged:
+        verdicts.append("cut ok" if not missed else f"CUT MISSED in {len(missed)} of {judged} "
+                        "seeds (" + ", ".join(f"seed {s}: {c:+.0%}" for s, c in missed) + ")")
+    over = [(seed, d) for seed, d in zip(seeds, deltas, strict=True) if d > 0.01 + 1e-9]
+    verdicts.append("needless ok" if not over else "NEEDLESS OVER in " + ", ".join(
+        f"seed {s} ({d * 100:+.1f})" for s, d in over))
+    for name, before in befores.items():
+        if route not in EXISTING:
+            break
+        worse = [seed for seed, (_, b), o in zip(seeds, pairs, before, strict=True)
+                 if b.p95 > o.p95 * 1.02 + 1e-9 or b.needless_rate > o.needless_rate + 0.005]
+        label = name.split(" ")[0]
+        verdicts.append(f"not worse than {label}" if not worse else
+                        f"WORSE THAN {label} in seeds " + ", ".join(map(str, worse)))
+    return verdicts
+
+
+def report(results: dict[tuple[int, int], dict[str, tuple[Row, Row]]], turns_list: list[int],
+           seeds: list[int], routes: tuple[str, ...],
+           baselines: dict[str, dict[tuple[int, int], dict[str, tuple[Row, Row]]]]) -> int:
+    """Print the goal table; the number of goals missed."""
+    names = list(baselines)
+    header = ("| turns | route | late | fixed p95 | predictive p95 | p95 cut median (min..max) "
+              "| goal | needless fixed -> predictive (worst delta) | decision changes med/max |")
+    header += "".join(f" {name}: p95 / needless |" for name in names)
+    print("\nPer route over the seeds (median p95; cut range over seeds; needless: mean "
+          "rates, worst per-seed difference in points; decision changes: trigger switches "
+          "per run):")
+    print(header + " verdict |")
+    print("|---|---|---:|---:|---:|---|---|---|---|" + "---|" * len(names) + "---|")
+    failures = 0
+    for t in turns_list:
+        for route in routes:
+            pairs = [results[t, seed][route] for seed in seeds]
+            cuts = [1 - b.p95 / a.p95 for a, b in pairs]
+            deltas = [b.needless_rate - a.needless_rate for a, b in pairs]
+            targets = [g for a, _ in pairs if (g := goal(route, a.late_share)) is not None]
+            switches = [b.switches for _, b in pairs]
+            befores = {name: [baselines[name][t, seed][route][1] for seed in seeds]
+                       for name in names}
+            verdicts = _verdicts(route, seeds, pairs, befores)
+            failures += sum(v.split()[0].isupper() for v in verdicts)
+            extra = "".join(
+                f" {statistics.median(o[t, s][route][1].p95 for s in seeds):.2f}s / "
+                f"{statistics.fmean(o[t, s][route][1].needless_rate for s in seeds):.1%} |"
+                for o in baselines.values())
+            print(f"| {t} | {route} | {statistics.fmean(a.late_share for a, _ in pairs):.0%} | "
+                  f"{statistics.median(a.p95 for a, _ in pairs):.2f}s | "
+                  f"{statistics.median(b.p95 for _, b in pairs):.2f}s | "
+                  f"{statistics.median(cuts):+.0%} ({min(cuts):+.0%}..{max(cuts):+.0%}) | "
+                  f"{f'>= {max(targets):.0%} ({len(targets)} seeds)' if targets else ''} | "
+                  f"{statistics.fmean(a.needless_rate for a, _ in pairs):.1%} -> "
+                  f"{statistics.fmean(b.needless_rate for _, b in pairs):.1%} "
+                  f"({max(deltas) * 100:+.1f}) | "
+                  f"{statistics.median(switches):g} / {max(switches)} |{extra} "
+                  f"{', '.join(verdicts)} |")
+    return failures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", default="300,1000", help="turns per route (list)")
-    parser.add_argument("--seeds", default="1,2,3,4,5")
+    parser.add_argument("--seeds", default="1-20", help='seeds: "1,2,3" or "1-20"')
     parser.add_argument("--delay", type=float, default=1.0)
     parser.add_argument("--early", type=float, default=0.25)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a RouteTimingPredictor setting, e.g. --set confidence=0.8")
-    parser.add_argument("--baseline", default=None, metavar="SRC",
-                        help="also replay the RouteTimingPredictor of another source tree "
-                             "(e.g. a checkout of the previous commit's src) and compare")
+    parser.add_argument("--baseline", action="append", default=[], metavar="SRC",
+                        help="also replay the default RouteTimingPredictor of another source "
+                             "tree (its src directory), through this tree's router; the "
+                             "existing shapes must be no worse than with any of them "
+                             "(repeatable)")
     parser.add_argument("--feature", choices=("default", "none", "query_length"),
                         default="default",
                         help="RouteTimingPredictor feature (per-turn query length classes)")
-    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--routes", default=",".join(ROUTES),
+                        help="only these routes (their latencies are drawn as in a full run)")
+    parser.add_argument("--needless-window", type=float, default=NEEDLESS_WINDOW,
+                        help=f"seconds after an acknowledgment within which the answer "
+                             f"makes it needless (default {NEEDLESS_WINDOW:g}, the metric's)")
     parser.add_argument("--detail", action="store_true", help="print every seed's table")
     args = parser.parse_args()
     turns_list = [int(x) for x in args.turns.split(",")]
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = _seeds(args.seeds)
+    routes = tuple(r for r in args.routes.split(",") if r)
+    unknown = set(routes) - set(ROUTES)
+    if unknown:
+        parser.error(f"unknown routes {sorted(unknown)}; known: {', '.join(ROUTES)}")
     settings: dict[str, Any] = {}
     for item in args.set:
         name, _, value = item.partition("=")
@@ -374,88 +530,39 @@ def main() -> None:
     if args.feature == "none":
         settings["feature"] = None
     elif args.feature == "query_length":
-        from turnrouter import query_length_class  # not in older trees (--baseline)
-
         settings["feature"] = query_length_class
 
-    began = time.perf_counter()
-    results = {(t, seed): run_case(t, seed, args.delay, args.early,
-                                   lambda: RouteTimingPredictor(**settings))
-               for t in turns_list for seed in seeds}
-    elapsed = time.perf_counter() - began
-    if args.json:
-        print(json.dumps({f"{t}/{seed}": {r: [asdict(a), asdict(b)] for r, (a, b) in case.items()}
-                          for (t, seed), case in results.items()}))
-        return
-    baseline: dict[tuple[int, int], dict[str, Row]] = {}
-    if args.baseline:
-        command = [sys.executable, __file__, "--json", "--turns", args.turns,
-                   "--seeds", args.seeds, "--delay", str(args.delay), "--early", str(args.early)]
-        env = dict(os.environ, PYTHONPATH=args.baseline)
-        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
-        for key, case in json.loads(out.stdout).items():
-            t, seed = (int(x) for x in key.split("/"))
-            baseline[t, seed] = {r: Row(**pair[1]) for r, pair in case.items()}
+    Results = dict[tuple[int, int], dict[str, tuple[Row, Row]]]
 
+    def run(make: Callable[[], TimingPredictor]) -> Results:
+        return {(t, seed): run_case(t, seed, args.delay, args.early, make, routes,
+                                    args.needless_window)
+                for t in turns_list for seed in seeds}
+
+    began = time.perf_counter()
+    results = run(lambda: RouteTimingPredictor(**settings))
+    elapsed = time.perf_counter() - began
+    baselines = {f"b{i + 1} ({src})": run(foreign_factory(src, f"_baseline{i}", args.delay))
+                 for i, src in enumerate(args.baseline)}
     described = ", ".join(f"{k}={getattr(v, '__name__', v)}" for k, v in settings.items())
-    described = described or "defaults"
-    print(f"delay {args.delay}s, early {args.early}s, generation ~0.3s, turns per route "
-          f"{args.turns}, seeds {args.seeds}, RouteTimingPredictor({described}); "
-          f"{sum(len(ROUTES) * 2 * t for t, _ in results)} turns replayed in {elapsed:.0f}s wall")
+    print(f"delay {args.delay}s, early {args.early}s, generation ~0.3s, needless window "
+          f"{args.needless_window:g}s, turns per route {args.turns}, seeds {args.seeds}, "
+          f"RouteTimingPredictor({described or 'defaults'}); "
+          f"{sum(len(routes) * 2 * t for t, _ in results)} turns replayed in {elapsed:.0f}s "
+          f"wall (load average {os.getloadavg()[0]:.1f})")
     if args.detail:
         for (t, seed), case in results.items():
             print(f"\n{t} turns per route, seed {seed}")
             print("| route | late | policy | p50 silence | p95 silence | ack rate | needless "
-                  "| p95 cut |")
-            print("|---|---:|---|---:|---:|---:|---:|---:|")
+                  "| p95 cut | decision changes |")
+            print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
             for route, (a, b) in case.items():
                 print(f"| {route} | {a.late_share:.0%} | fixed | {a.p50:.2f}s | {a.p95:.2f}s | "
-                      f"{a.ack_rate:.1%} | {a.needless_rate:.1%} | |")
+                      f"{a.ack_rate:.1%} | {a.needless_rate:.1%} | | |")
                 print(f"| {route} | | predictive | {b.p50:.2f}s | {b.p95:.2f}s | "
-                      f"{b.ack_rate:.1%} | {b.needless_rate:.1%} | {1 - b.p95 / a.p95:+.0%} |")
-    header = "| turns | route | late | fixed p95 | predictive p95 | p95 cut (min..max) | goal "
-    header += "| needless fixed -> predictive (worst delta) |"
-    header += " previous p95 / needless |" if baseline else ""
-    print("\nPer route over the seeds (median p95; cut range over seeds; needless: mean "
-          "rates, worst per-seed difference in points):")
-    print(header + " verdict |")
-    print("|---|---|---:|---:|---:|---|---|---|" + ("---|" if baseline else "") + "---|")
-    failures = 0
-    for t in turns_list:
-        for route in ROUTES:
-            pairs = [results[t, seed][route] for seed in seeds]
-            cuts = [1 - b.p95 / a.p95 for a, b in pairs]
-            deltas = [b.needless_rate - a.needless_rate for a, b in pairs]
-            late = statistics.fmean(a.late_share for a, _ in pairs)
-            # The goal applies per seed: to each sample whose own late share qualifies.
-            targets = [goal(route, a.late_share) for a, _ in pairs]
-            judged = [(cut, t) for cut, t in zip(cuts, targets, strict=True) if t is not None]
-            target = max((t for _, t in judged), default=None)
-            verdicts = []
-            if judged:
-                missed = sum(cut < t for cut, t in judged)
-                verdicts.append("cut ok" if not missed else
-                                f"CUT MISSED in {missed} of {len(judged)} seeds")
-            verdicts.append("needless ok" if max(deltas) <= 0.01 + 1e-9 else "NEEDLESS OVER")
-            extra = ""
-            if baseline:
-                old = [baseline[t, seed][route] for seed in seeds]
-                worse = any(b.p95 > o.p95 * 1.02 + 1e-9
-                            or b.needless_rate > o.needless_rate + 0.005
-                            for (_, b), o in zip(pairs, old, strict=True))
-                extra = (f" {statistics.median(o.p95 for o in old):.2f}s / "
-                         f"{statistics.fmean(o.needless_rate for o in old):.1%} |")
-                if route in EXISTING:
-                    verdicts.append("WORSE THAN BEFORE" if worse else "not worse")
-            failures += sum(v.split()[0].isupper() for v in verdicts)
-            print(f"| {t} | {route} | {late:.0%} | "
-                  f"{statistics.median(a.p95 for a, _ in pairs):.2f}s | "
-                  f"{statistics.median(b.p95 for _, b in pairs):.2f}s | "
-                  f"{statistics.median(cuts):+.0%} ({min(cuts):+.0%}..{max(cuts):+.0%}) | "
-                  f"{'' if target is None else f'>= {target:.0%} ({len(judged)} seeds)'} | "
-                  f"{statistics.fmean(a.needless_rate for a, _ in pairs):.1%} -> "
-                  f"{statistics.fmean(b.needless_rate for _, b in pairs):.1%} "
-                  f"({max(deltas) * 100:+.1f}) |{extra} {', '.join(verdicts)} |")
+                      f"{b.ack_rate:.1%} | {b.needless_rate:.1%} | {1 - b.p95 / a.p95:+.0%} | "
+                      f"{b.switches} |")
+    failures = report(results, turns_list, seeds, routes, baselines)
     print(f"\n{failures} goal(s) missed")
 
 

@@ -1,9 +1,11 @@
 """Cost of the timing predictor: microseconds per `record()` and per `predict()`.
 
 Steady slow route (lognormal 2.5 s), a flip-flopping one (two regimes), with the default
-feature classes and without; median of `--repeat` runs. `--baseline SRC` also times the
-`RouteTimingPredictor` of another source tree (e.g. the previous commit's `src`) in a
-subprocess, for a ratio measured in the same run.
+feature classes and without; `predict` is asked as the router asks it (with the delay,
+so the trigger decides). `--baseline SRC` (repeatable) also times the default
+`RouteTimingPredictor` of another source tree (its package imported under another
+name), in the same process and interleaved round by round with this tree's, so the
+ratios hold on a shared machine; medians of `--repeat` rounds.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_timing_predictor.py [--samples 20000]
         [--repeat 5] [--baseline OTHER/src]
@@ -12,17 +14,21 @@ subprocess, for a ratio measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
+import inspect
 import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from turnrouter import AgentTurn, RouteTimingPredictor, TimingSample
+
+SHAPES = ("steady", "flipflop")
 
 
 def _samples(shape: str, count: int) -> list[TimingSample]:
@@ -34,26 +40,45 @@ def _samples(shape: str, count: int) -> list[TimingSample]:
     return out
 
 
-def measure(count: int, repeat: int, settings: dict[str, Any]) -> dict[str, float]:
-    """Median microseconds per record() and predict() for each shape."""
-    turn = AgentTurn("p", "t", "what is on my calendar tomorrow afternoon")
-    results: dict[str, float] = {}
-    for shape in ("steady", "flipflop"):
-        samples = _samples(shape, count)
-        records, predicts = [], []
-        for _ in range(repeat):
-            predictor = RouteTimingPredictor(**settings)
-            began = time.perf_counter()
-            for sample in samples:
-                predictor.record(sample, turn)
-            records.append((time.perf_counter() - began) / count * 1e6)
-            began = time.perf_counter()
-            for _ in range(count // 4):
-                predictor.predict("r", turn)
-            predicts.append((time.perf_counter() - began) / (count // 4) * 1e6)
-        results[f"{shape} record"] = statistics.median(records)
-        results[f"{shape} predict"] = statistics.median(predicts)
-    return results
+def _other_tree(src: str, alias: str) -> Any:
+    """Another tree's `RouteTimingPredictor` class (its package imported as `alias`)."""
+    init = Path(src) / "turnrouter" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        alias, init, submodule_search_locations=[str(init.parent)])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {src}: no turnrouter package there")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = module
+    spec.loader.exec_module(module)
+    return module.RouteTimingPredictor
+
+
+def _asker(predictor: Any) -> Callable[[str, AgentTurn], object]:
+    """`predict` as the router calls it: with the delay when the predictor takes it."""
+    parameters = inspect.signature(predictor.predict).parameters
+    if "generation_secs" in parameters:
+        return lambda route, turn: predictor.predict(route, turn, delay_secs=1.0,
+                                                     generation_secs=0.3)
+    if "delay_secs" in parameters:
+        return lambda route, turn: predictor.predict(route, turn, delay_secs=1.0)
+    return lambda route, turn: predictor.predict(route, turn)
+
+
+def measure_once(make: Callable[[], Any], samples: list[TimingSample],
+                 turn: AgentTurn) -> tuple[float, float]:
+    """Microseconds per record() over `samples`, then per predict() (a quarter as many)."""
+    predictor = make()
+    record = predictor.record
+    began = time.perf_counter()
+    for sample in samples:
+        record(sample, turn)
+    recorded = (time.perf_counter() - began) / len(samples) * 1e6
+    ask = _asker(predictor)
+    calls = max(1, len(samples) // 4)
+    began = time.perf_counter()
+    for _ in range(calls):
+        ask("r", turn)
+    return recorded, (time.perf_counter() - began) / calls * 1e6
 
 
 def main() -> None:
@@ -61,28 +86,35 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--baseline", default=None, metavar="SRC")
-    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--no-feature", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline", action="append", default=[], metavar="SRC")
     args = parser.parse_args()
-    if args.json:
-        settings: dict[str, Any] = {"feature": None} if args.no_feature else {}
-        print(json.dumps(measure(args.samples, args.repeat, settings)))
-        return
-    rows = {"default": measure(args.samples, args.repeat, {}),
-            "feature=None": measure(args.samples, args.repeat, {"feature": None})}
-    if args.baseline:
-        command = [sys.executable, __file__, "--json", "--samples", str(args.samples),
-                   "--repeat", str(args.repeat)]
-        out = subprocess.run(command, env=dict(os.environ, PYTHONPATH=args.baseline),
-                             check=True, capture_output=True, text=True)
-        rows["baseline"] = json.loads(out.stdout)
-    keys = list(rows["default"])
-    print(f"{args.samples} samples, median of {args.repeat}; microseconds per call")
-    print("| predictor | " + " | ".join(keys) + " |")
-    print("|---|" + "---:|" * len(keys))
-    for name, values in rows.items():
-        print(f"| {name} | " + " | ".join(f"{values[k]:.1f}" for k in keys) + " |")
+    variants: dict[str, Callable[[], Any]] = {
+        "default": RouteTimingPredictor,
+        "feature=None": lambda: RouteTimingPredictor(feature=None),
+    }
+    for i, src in enumerate(args.baseline):
+        other = _other_tree(src, f"_baseline{i}")
+        variants[f"b{i + 1} ({src})"] = other
+    turn = AgentTurn("p", "t", "what is on my calendar tomorrow afternoon")
+    data = {shape: _samples(shape, args.samples) for shape in SHAPES}
+    times: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for _ in range(args.repeat):  # interleaved: every variant once per round
+        for shape in SHAPES:
+            for name, make in variants.items():
+                times.setdefault((name, shape), []).append(
+                    measure_once(make, data[shape], turn))
+    print(f"{args.samples} samples, median of {args.repeat} interleaved rounds; "
+          f"microseconds per call (load average {os.getloadavg()[0]:.1f})")
+    print("| predictor | steady record | steady predict | flip-flop record | "
+          "flip-flop predict |")
+    print("|---|---:|---:|---:|---:|")
+    for name in variants:
+        cells = []
+        for shape in SHAPES:
+            rounds = times[name, shape]
+            cells += [statistics.median(r for r, _ in rounds),
+                      statistics.median(p for _, p in rounds)]
+        print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from turnrouter import (
     AgentTurn,
     DestinationResult,
     JsonLinesSink,
+    Prediction,
     RouteDecision,
     RouteRequest,
     RouterObserver,
@@ -519,6 +520,10 @@ async def test_policy_validation_names_the_field() -> None:
         AcknowledgmentPolicy(timeout_secs=0)
     with pytest.raises(ConfigurationError, match="max_tokens"):
         AcknowledgmentPolicy(max_tokens=0)
+    with pytest.raises(ConfigurationError, match="early_secs"):
+        AcknowledgmentPolicy(early_secs=10**400)
+    with pytest.raises(ConfigurationError, match="prediction_timeout_secs"):
+        AcknowledgmentPolicy(prediction_timeout_secs="soon")  # type: ignore[arg-type]
 
 
 async def test_destination_error_propagates_unwrapped_with_acknowledgments() -> None:
@@ -545,18 +550,36 @@ async def test_acknowledgment_text_with_lone_surrogates_is_made_storable() -> No
     s.output.texts[0].encode()
 
 
-async def test_a_predictor_that_knows_the_delay_reports_its_probability() -> None:
-    """The trigger's probability that the answer is late reaches the acknowledgment."""
-    predictor = RouteTimingPredictor(delay_secs=1.0)
-    predictor.load(TimingSample("calendar", 3.0) for _ in range(40))
-    s = Setup(latency=3.0, predictor=predictor)
+class LowerBoundPredictor:
+    """A predictor that does not decide: a confident prediction with a lower bound."""
+
+    def __init__(self, lower: float) -> None:
+        self.lower = lower
+
+    def predict(self, route: str, turn: AgentTurn) -> Prediction:
+        return Prediction(self.lower * 1.5, self.lower, self.lower * 2, 40.0, True)
+
+    def record(self, sample: TimingSample, turn: AgentTurn | None = None) -> None:
+        return None
+
+    def estimate(self, route: str) -> float | None:
+        return None
+
+
+async def test_the_trigger_decides_and_reports_its_probability() -> None:
+    """A `RouteTimingPredictor`, even one built without the delay, is told the delay and
+    decides; its probability that the answer is late reaches the acknowledgment. A
+    predictor that does not decide is followed by its lower bound, with no probability."""
+    s = Setup(latency=3.0, predictor=loaded_predictor(3.0, 40))
     await s.drive()
     [ack] = s.observer.acks
     assert ack.trigger == "prediction"
     assert ack.probability_late is not None and ack.probability_late > 0.9
-    without = Setup(latency=3.0, predictor=loaded_predictor(3.0, 40))
-    await without.drive()
-    assert [a.probability_late for a in without.observer.acks] == [None]
+    for lower, trigger in ((1.5, "prediction"), (0.5, "delay")):
+        other = Setup(latency=3.0, predictor=LowerBoundPredictor(lower))
+        await other.drive()
+        assert [(a.trigger, a.probability_late) for a in other.observer.acks] == [
+            (trigger, None)]
 
 
 async def test_generation_time_and_the_gap_to_the_answer_are_reported() -> None:
@@ -567,6 +590,16 @@ async def test_generation_time_and_the_gap_to_the_answer_are_reported() -> None:
     assert route == "calendar" and generated == pytest.approx(0.3)
     [(route, trigger, gap)] = s.observer.after
     assert (route, trigger) == ("calendar", "delay") and gap == pytest.approx(1.2)
+
+
+async def test_an_early_acknowledgment_right_before_the_answer_is_reported_as_such() -> None:
+    """An early (prediction-triggered) acknowledgment the answer follows at once reports
+    its gap with trigger `prediction`, which telemetry counts as an early acknowledgment
+    that turned out needless."""
+    s = Setup(latency=0.45, predictor=loaded_predictor(3.0, 40))
+    await s.drive()
+    [(route, trigger, gap)] = s.observer.after
+    assert (route, trigger) == ("calendar", "prediction") and gap == pytest.approx(0.2)
 
 
 async def test_no_gap_is_reported_for_a_suppressed_acknowledgment() -> None:

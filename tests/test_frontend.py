@@ -408,6 +408,47 @@ async def test_snapshot_moves_focus_history_and_patches_to_another_router() -> N
     assert new["weather"].count("release") == 1  # "used" moved too
 
 
+_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("say"), st.text(min_size=0, max_size=60)),
+    st.tuples(st.just("patch"), st.sampled_from(["append", "replace", "human_gated"])),
+), min_size=1, max_size=12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_STEPS)
+def test_json_export_is_the_snapshot_json_after_every_step(steps: list[tuple[str, str]]) -> None:
+    """export_participant_json equals export_participant(...).to_json() byte for byte,
+    after turns, patches and history trimming (each exchange's JSON is reused)."""
+
+    async def main() -> None:
+        h = Harness(ScriptedAgent("conversation"), context_budget_bytes=120)
+        assert h.router.export_participant_json("p1") is None
+        for number, (kind, value) in enumerate(steps):
+            if kind == "say":
+                await h.say(value)
+            elif h.router.participants:
+                await h.router.apply_context_patch(
+                    "p1", ContextPatch(task_id=f"job{number}", digest=(value,)), value)
+            snapshot = h.router.export_participant("p1")
+            data = h.router.export_participant_json("p1")
+            assert (data is None) == (snapshot is None)
+            if snapshot is not None:
+                assert data == snapshot.to_json().encode()
+                assert ParticipantSnapshot.from_json(data) == snapshot
+
+    anyio.run(main)
+
+
+async def test_json_export_of_a_departed_participant() -> None:
+    """A participant known only as departed exports its departed flag as JSON too."""
+    h = Harness(ScriptedAgent("conversation"), **_joined_topics())
+    await h.say()
+    await h.router.participant_left("p1")
+    snapshot = h.router.export_participant("p1")
+    assert snapshot is not None and snapshot.departed
+    assert h.router.export_participant_json("p1") == snapshot.to_json().encode()
+
+
 async def test_evict_hands_over_without_releasing() -> None:
     """evict cancels the running turn, drops state and never calls release()."""
     h = Harness(ScriptedAgent("conversation"))

@@ -230,6 +230,8 @@ def test_invalid_configuration_is_rejected(monkeypatch: pytest.MonkeyPatch) -> N
         OpenAIChatClient("m", base_url="ftp://x")
     with pytest.raises(ConfigurationError, match="timeout_secs"):
         OpenAIChatClient("m", base_url="http://x", timeout_secs=0)
+    with pytest.raises(ConfigurationError, match="timeout_secs"):  # not an OverflowError
+        OpenAIChatClient("m", base_url="http://x", timeout_secs=10**400)
     with pytest.raises(ConfigurationError, match="max_tokens"):
         OpenAIChatClient("m", base_url="http://x").request_body("p", max_tokens=0)
 

@@ -39,6 +39,24 @@ TESTING = {
 }
 
 
+#: Names other public modules export for users (each documented in docs/): they must
+#: never disappear.
+PINNED = {
+    # docs/distributed.md: parse a deployment's `turnrouter worker` command with it.
+    "turnrouter.cli": {"demo_parser", "main", "worker_parser"},
+    "turnrouter.telemetry": {
+        # docs/telemetry.md: the exemplar interval, and the metrics table it shows.
+        "EXEMPLAR_INTERVAL_SECS", "METRICS", "metrics_markdown_table",
+    },
+}
+
+
+@pytest.mark.parametrize("module", sorted(PINNED))
+def test_documented_names_of_other_modules_are_exported(module: str) -> None:
+    """Each public module still exports the names its docs page tells users to use."""
+    assert set(importlib.import_module(module).__all__) >= PINNED[module]
+
+
 def test_testing_kit_exports_are_pinned() -> None:
     """turnrouter.testing exports exactly the pinned kit."""
     testing = importlib.import_module("turnrouter.testing")
@@ -53,8 +71,8 @@ def test_core_exports_are_pinned() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["turnrouter", "turnrouter.decisions", "turnrouter.runtime.nats", "turnrouter.telemetry",
-     "turnrouter.testing"],
+    ["turnrouter", "turnrouter.cli", "turnrouter.decisions", "turnrouter.runtime.nats",
+     "turnrouter.telemetry", "turnrouter.testing"],
 )
 def test_all_is_sorted_unique_and_importable(module: str) -> None:
     """Every public module's __all__ is sorted, has no duplicates, and resolves."""

@@ -558,6 +558,12 @@ def _agents() -> dict[str, ScriptedAgent]:
         ({"context_budget_bytes": 0}, "context_budget_bytes"),
         ({"context_budget_bytes": -5}, "context_budget_bytes"),
         ({"admission_timeout_secs": 0.0}, "admission_timeout_secs"),
+        # Ints too large for a float are not finite (not an OverflowError).
+        ({"acknowledgment_llm": ScriptedLLM("ok"), "acknowledgment_delay_secs": 10**400},
+         "acknowledgment_delay_secs"),
+        ({"admission_timeout_secs": 10**400}, "admission_timeout_secs"),
+        ({"release_timeout_secs": 10**400}, "release_timeout_secs"),
+        ({"context_budget_bytes": 10**5000}, "context_budget_bytes"),
     ],
 )
 def test_constructor_rejects_bad_configuration(kwargs: dict[str, Any], match: str) -> None:

@@ -4,6 +4,7 @@ warm start through the public router, per-turn feature classes, and junk sample 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 from collections.abc import Awaitable, Callable
@@ -81,25 +82,52 @@ def test_mostly_slow_route_is_acknowledged_early_on_every_turn_without_flicker()
 
 
 def test_hysteresis_holds_the_decision_between_the_two_thresholds() -> None:
-    """Between the exit (0.6) and enter (0.8) probabilities the decision holds: a route
-    70 % late stays early once it entered, and one 70 % late from the start never
-    enters, for 1 000 samples each; well under the exit it leaves."""
+    """With answers at 2.0 s (late, no needless delay acknowledgment) or 0.5 s (right
+    behind an early one), the advantage of early is P(late) - confidence: at 80 % late
+    (advantage ~0.04, inside [0, hysteresis 0.1)) a route early from the start stays
+    early and a fresh one never enters, for 1 000 samples each; at 60 % it leaves."""
     def draw(i: int, fast: tuple[int, ...]) -> float:
         return 0.5 if i % 10 in fast else 2.0
 
-    entered = RouteTimingPredictor(confidence=0.8, hysteresis=0.2)
+    entered = RouteTimingPredictor(hysteresis=0.1)
     for i in range(300):
         entered.record(TimingSample("r", draw(i, ())))
+        _early(entered)
     assert _early(entered)
-    fresh = RouteTimingPredictor(confidence=0.8, hysteresis=0.2)
+    fresh = RouteTimingPredictor(hysteresis=0.1)
     for i in range(1_000):
-        entered.record(TimingSample("r", draw(i, (0, 4, 7))))
-        fresh.record(TimingSample("r", draw(i, (0, 4, 7))))
+        entered.record(TimingSample("r", draw(i, (0, 5))))
+        fresh.record(TimingSample("r", draw(i, (0, 5))))
         assert _early(entered)
         assert not _early(fresh)
     for i in range(300):
-        entered.record(TimingSample("r", draw(i, (0, 2, 4, 6, 8))))
+        entered.record(TimingSample("r", draw(i, (0, 2, 4, 6))))
     assert not _early(entered)
+
+
+def test_answers_just_under_the_delay_do_not_hold_back_early_acknowledgment() -> None:
+    """The cold start that missed before (slow85, seed 1 of the benchmark): 9 of the first
+    13 answers late, the others 0.7-0.96 s, well after an early acknowledgment. Early
+    from the 7th turn on every turn after (the P(late) rule flickered: on at 9, off at
+    13, on again at 32); a bimodal route with its fast answers right behind an early
+    acknowledgment (0.3 s) is never early."""
+    start = [1.39, 1.53, 1.55, 1.59, 0.72, 1.31, 1.43, 1.38, 1.35, 1.63, 0.94, 0.80, 0.80,
+             2.03, 0.95, 1.33, 1.27, 0.96, 1.42, 1.33, 0.77, 1.48]
+    rng = random.Random(1)
+    predictor = RouteTimingPredictor()
+    decisions = []
+    for i in range(300):
+        decisions.append(_early(predictor))
+        late = rng.random() < 0.87
+        seconds = start[i] if i < len(start) else (
+            1.02 + _lognormal(rng, 0.45, 0.5) if late else rng.uniform(0.7, 0.98))
+        predictor.record(TimingSample("r", seconds))
+    assert decisions.index(True) <= 7 and all(decisions[7:])
+    bimodal = RouteTimingPredictor()
+    for i in range(1_000):
+        assert not _early(bimodal)
+        late = i * 9 % 20 < 9  # 45 %, spread out
+        bimodal.record(TimingSample("r", _lognormal(rng, 3.0 if late else 0.3, 0.3)))
 
 
 def test_confidence_is_the_cost_knob() -> None:
@@ -184,7 +212,7 @@ def test_least_recently_used_regime_is_forgotten() -> None:
 class SlowAgent:
     """Answers `latency` seconds of the manual clock after answer() begins."""
 
-    def __init__(self, clock: ManualClock, latency: float) -> None:
+    def __init__(self, clock: ManualClock, latency: Callable[[str], float]) -> None:
         self.clock, self.latency = clock, latency
 
     def routing_aid(self, participant_id: str) -> RoutingAid:
@@ -195,7 +223,7 @@ class SlowAgent:
 
     async def answer(self, turn: AgentTurn, *,
                      started: Callable[[], Awaitable[None]]) -> DestinationResult:
-        await self.clock.sleep(self.latency)
+        await self.clock.sleep(self.latency(turn.query))
         await started()
         return DestinationResult("answer", "done")
 
@@ -203,12 +231,18 @@ class SlowAgent:
         return None
 
 
+TRAIN = "find me a train to Lyon"
+
+
 async def _turns(predictor: RouteTimingPredictor, count: int, *,
-                 sink: JsonLinesSink | None = None) -> list[tuple[Any, ...]]:
-    """`count` turns of a 2.5 s route through a fresh AgentRouter; its acknowledgments."""
+                 sink: JsonLinesSink | None = None, queries: tuple[str, ...] = (TRAIN,),
+                 latency: Callable[[str], float] = lambda query: 2.5,
+                 ) -> list[tuple[Any, ...]]:
+    """`count` turns (cycling through `queries`) of a route answering after
+    `latency(query)` through a fresh AgentRouter; its acknowledgments."""
     clock = ManualClock()
     observer = RecordingObserver()
-    router = AgentRouter({"travel": SlowAgent(clock, 2.5)}, ScriptedDecisions("travel"),
+    router = AgentRouter({"travel": SlowAgent(clock, latency)}, ScriptedDecisions("travel"),
                          output=OutputRecorder(), default_destination="travel",
                          acknowledgment_llm=TemplateAcknowledger(),
                          acknowledgment_delay_secs=1.0, timing_predictor=predictor,
@@ -223,7 +257,7 @@ async def _turns(predictor: RouteTimingPredictor, count: int, *,
                 done.set()
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run, AgentTurn("p", f"t{index}", "find me a train to Lyon"))
+            tg.start_soon(run, AgentTurn("p", f"t{index}", queries[index % len(queries)]))
             await clock.run_until(done, limit=clock.now() + 60)
     return [event for events in observer.turns.values() for event in events
             if event[0] == "acknowledgment"]
@@ -242,6 +276,40 @@ async def test_restart_with_loaded_samples_acknowledges_the_first_turn_early(
     [warm] = await _turns(RouteTimingPredictor.from_samples(path), 1)
     assert "delay" in cold and "emitted" in cold
     assert "prediction" in warm and "emitted" in warm
+
+
+LONG = "compare every train and flight from Paris to Lyon next week with prices and " \
+    "times for two adults and one child"
+
+
+@pytest.mark.anyio
+async def test_restart_restores_feature_classes_from_the_samples(tmp_path: Path) -> None:
+    """Samples carry the turn's feature class (never its request): after a restart on a
+    route slow only for long requests, the first long request is acknowledged early and
+    the first short one waits; from the same samples without their class (an older
+    file), the long one waits too."""
+    path = tmp_path / "samples.jsonl"
+
+    def latency(query: str) -> float:
+        return 2.5 if query == LONG else 0.4
+
+    with JsonLinesSink(path) as sink:
+        await _turns(RouteTimingPredictor(), 40, sink=sink, queries=(TRAIN, LONG),
+                     latency=latency)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert {json.loads(line)["feature"] for line in lines} == {"short", "long"}
+    assert not any("Lyon" in line for line in lines)
+    for first, trigger in ((LONG, "prediction"), (TRAIN, "delay")):
+        [ack] = await _turns(RouteTimingPredictor.from_samples(path), 1, queries=(first,),
+                             latency=latency)
+        assert trigger in ack, first
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items()
+                                        if k != "feature"}) + "\n" for line in lines),
+                   encoding="utf-8")
+    [ack] = await _turns(RouteTimingPredictor.from_samples(old), 1, queries=(LONG,),
+                         latency=latency)
+    assert "delay" in ack
 
 
 def test_from_samples_merges_sources_in_time_order(tmp_path: Path) -> None:
@@ -272,8 +340,14 @@ def test_from_samples_names_a_missing_file_and_passes_settings(tmp_path: Path) -
 def test_trigger_settings_are_validated() -> None:
     """Invalid trigger settings raise ConfigurationError naming the setting."""
     settings: list[dict[str, Any]] = [
-        {"confidence": 0.5}, {"hysteresis": 0.3}, {"prior_samples": -1.0},
-        {"switch_rate": 0.0}, {"delay_secs": math.nan}, {"max_regimes": 0}]
+        {"confidence": 0.5}, {"hysteresis": 0.6}, {"prior_samples": -1.0},
+        {"switch_rate": 0.0}, {"delay_secs": math.nan}, {"max_regimes": 0},
+        {"early_secs": -0.1}, {"generation_secs": math.inf}, {"needless_secs": 0.0},
+        # Too large for a float, or not a number at all: still a ConfigurationError.
+        {"prior_samples": 10**400}, {"delay_secs": 10**400}, {"early_secs": 10**400},
+        {"half_life_samples": 10**400}, {"change_threshold": 10**400},
+        {"confidence": "high"}, {"hysteresis": None}, {"switch_rate": 10**400},
+        {"max_routes": 2.5}, {"max_regimes": True}]
     for bad in settings:
         with pytest.raises(ConfigurationError, match=next(iter(bad))):
             RouteTimingPredictor(**bad)
@@ -290,6 +364,14 @@ _junk = st.one_of(
         f'{{"route":{route!r},"seconds":{seconds},"censored":{censored}}}'.replace("'", '"')),
         st.text(max_size=10), st.floats(allow_nan=True, allow_infinity=True),
         st.sampled_from(["true", "false", "1", "null"])),
+    # Valid samples whose feature class is junk: any JSON value, empty, huge, control
+    # characters, a deeply nested structure.
+    st.builds(lambda feature: json.dumps({"route": "r", "seconds": 1.0, "feature": feature}),
+              st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),
+                        st.text(max_size=100), st.text(min_size=60, max_size=5000),
+                        st.lists(st.text(max_size=3), max_size=3),
+                        st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))),
+    st.just('{"route":"r","seconds":1,"feature":' + "[" * 5000 + "]" * 5000 + "}"),
 )
 
 
@@ -312,6 +394,35 @@ def test_junk_sample_files_load_or_fail_clearly(tmp_path: Path, lines: list[str]
             prediction = predictor.predict(route, delay_secs=1.0)
             assert prediction is None or 0.0 <= (prediction.probability_late or 0.0) <= 1.0
     assert message == "" or "junk.jsonl" in message
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=40), st.floats(0.0, 1e9, allow_nan=False), st.booleans(),
+       st.floats(-1e12, 1e12, allow_nan=False),
+       st.none() | st.text(min_size=1, max_size=64))
+def test_any_sample_round_trips_through_its_json_line(route: str, seconds: float,
+                                                      censored: bool, at: float,
+                                                      feature: str | None) -> None:
+    """Any sample, feature class included (any text up to 64 characters), is written
+    and read back as itself (times rounded as the line format says)."""
+    sample = TimingSample(route, seconds, censored, at, feature)
+    line = sample.to_json()
+    assert "\n" not in line and ('"feature"' in line) == (feature is not None)
+    back = TimingSample.from_json(line)
+    assert back == TimingSample(route, round(seconds, 6), censored, round(at, 3), feature)
+
+
+def test_feature_classes_in_sample_lines_are_validated() -> None:
+    """A line without a class loads with none; a class that is not a non-empty string of
+    at most 64 characters is refused with an error naming the field."""
+    assert TimingSample.from_json('{"route":"r","seconds":1}').feature is None
+    assert TimingSample.from_json('{"route":"r","seconds":1,"feature":"long"}').feature == "long"
+    for bad in ('""', "3", "true", '["long"]', json.dumps("x" * 65)):
+        with pytest.raises(ValueError, match="feature"):
+            TimingSample.from_json('{"route":"r","seconds":1,"feature":' + bad + "}")
+    predictor = RouteTimingPredictor(feature=lambda turn: "x" * 65)
+    assert predictor.feature_of(AgentTurn("p", "t", "q")) is None
+    assert RouteTimingPredictor(feature=None).feature_of(AgentTurn("p", "t", "q")) is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -355,16 +466,20 @@ def test_query_length_class_lets_long_requests_be_acknowledged_early() -> None:
     assert query_length_class(short) == "short" and query_length_class(long) == "long"
 
 
-def test_feature_class_never_overrules_an_early_route() -> None:
-    """A class with a few fast samples does not stop early acknowledgments on a route that
-    is slow overall; classes beyond 4 are counted, not kept; a failing feature function
-    is ignored."""
+def test_feature_classes_count_only_as_much_as_they_differ() -> None:
+    """On a route whose latency does not depend on the class, a class that happens to
+    hold its few fast answers does not stop early acknowledgments: classes are pooled
+    with the route by how much the route's classes really differ; classes beyond 4 are
+    counted, not kept; a failing feature function is ignored."""
+    rng = random.Random(7)
     predictor = RouteTimingPredictor(feature=lambda turn: turn.query)
-    for i in range(200):
-        quick = i % 10 == 0
-        predictor.record(TimingSample("r", 0.9 if quick else 2.5),
-                         AgentTurn("p", "t", "quick" if quick else "slow"))
-    assert _early(predictor, turn=AgentTurn("p", "t", "quick"))
+    for i in range(300):
+        query = "quick" if i < 12 else rng.choice(("quick", "slow"))
+        seconds = 0.9 if i < 6 else (2.5 if rng.random() < 0.9 else 0.5)
+        predictor.record(TimingSample("r", seconds), AgentTurn("p", "t", query))
+        if i >= 30:
+            assert _early(predictor, turn=AgentTurn("p", "t", "quick"))
+            assert _early(predictor, turn=AgentTurn("p", "t", "slow"))
     assert predictor.changes("r") == 0
 
     def broken(turn: AgentTurn) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import random
 import re
 import sys
 import threading
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from turnrouter import JsonLinesSink, TimingSample
+from turnrouter import JsonLinesSink, RouteTimingPredictor, TimingSample
 from turnrouter.cli._tune import (
     BucketDistribution,
     SampleDistribution,
@@ -26,6 +27,7 @@ from turnrouter.cli._tune import (
     parse_prometheus_answer,
     printable,
     read_samples,
+    replay_splits,
     tune_main,
 )
 
@@ -51,65 +53,115 @@ def run(argv: list[str]) -> tuple[int, str, str]:
 
 
 def _row(text: str, route: str, delay: str) -> list[str]:
+    """route, delay, turns, fixed ack, needless, p95 silence, then predictive early
+    share, ack, needless, p95 silence (and a current mark)."""
     for line in text.splitlines():
         fields = line.split()
-        if len(fields) >= 8 and fields[0] == route and fields[1] == delay:
+        if len(fields) >= 10 and fields[0] == route and fields[1] == delay:
             return fields
     raise AssertionError(f"no row {route} {delay} in:\n{text}")
 
 
 def test_table_models_generation_time_and_needless(samples: Path) -> None:
-    """Each route gets trigger, ack rate, needless rate and silence per candidate delay,
-    the acknowledgment heard at delay + generation time."""
+    """Each route gets the fixed delay's ack rate, needless rate and p95 silence per
+    candidate delay, the acknowledgment heard at delay + generation time, and the
+    predictive policy's beside it."""
     code, out, _ = run(["--samples", str(samples), "--delays", "0.2,1", "--generation-secs",
                         "0.1"])
     assert code == 0
     # a at 1 s: heard at 1.1 s; half the turns answer at 2 s (acknowledged, not needless).
-    assert _row(out, "a", "1.00s")[3:8] == ["delay", "50.0%", "0.0%", "0.10s", "1.10s"]
-    # b at 0.2 s: p10 0.3 s > 0.2 s, predicted slow: heard at 0.2 s, the answer 0.1 s
-    # later: every acknowledgment needless.
-    assert _row(out, "b", "0.20s")[3:8] == ["prediction", "100.0%", "100.0%", "0.20s",
-                                            "0.20s"]
-    assert _row(out, "(all)", "1.00s")[4] == "25.0%"
+    assert _row(out, "a", "1.00s")[3:6] == ["50.0%", "0.0%", "1.10s"]
+    # b at 0.2 s: every answer (0.3 s) would come right behind an early acknowledgment,
+    # so the trigger never acknowledges early, and the delay's comes after the answer.
+    assert _row(out, "b", "0.20s")[3:10] == ["0.0%", "0.0%", "0.30s", "0.0%", "0.0%",
+                                             "0.0%", "0.30s"]
+    assert _row(out, "(all)", "1.00s")[3] == "25.0%"
+    assert "replayed in order" in out
 
 
 def test_routes_predicted_slow_are_acknowledged_early() -> None:
-    """A route whose p10 is above the delay is acknowledged by prediction, heard at
-    max(min(early, delay), generation)."""
+    """Without turn order (a distribution), a route is approximated as early when the
+    trigger would be on its distribution: heard at max(min(early, delay), generation)."""
     slow = SampleDistribution([(2.0 + i / 100, False) for i in range(100)])
     (row, _all) = analyse({"slow": slow}, [0.5], generation=0.3)
-    assert row.predicted and row.ack_rate == 1.0
+    assert row.early == 1.0 and row.ack_rate == 1.0 and not row.replayed
     assert row.p95_silence == pytest.approx(0.3)
+    assert row.fixed_p95_silence == pytest.approx(0.8)
     fast = SampleDistribution([(0.1, False)] * 100)
     (row, _all) = analyse({"fast": fast}, [0.5], generation=0.3)
-    assert not row.predicted and row.ack_rate == 0.0
+    assert row.early == 0.0 and row.ack_rate == 0.0
 
 
 def test_needless_counts_answers_just_after_the_acknowledgment() -> None:
-    """Answers starting within 0.5 s after the acknowledgment is heard make it needless."""
+    """Answers starting within 0.5 s after the acknowledgment is heard make it needless:
+    those at 0.9 s are right behind the delay's (0.6 s), not the early one (0.25 s)."""
     dist = SampleDistribution([(0.05, False)] * 10 + [(0.9, False)] * 45
                               + [(3.0, False)] * 45)
     (row, _all) = analyse({"r": dist}, [0.5], generation=0.1)  # heard at 0.6 s
-    assert not row.predicted
-    assert row.ack_rate == pytest.approx(0.9) and row.needless_rate == pytest.approx(0.45)
+    assert row.fixed_ack_rate == pytest.approx(0.9)
+    assert row.fixed_needless_rate == pytest.approx(0.45)
+    assert row.early == 1.0
+    assert row.ack_rate == pytest.approx(0.9) and row.needless_rate == pytest.approx(0.0)
+
+
+def test_samples_are_replayed_through_the_real_trigger(tmp_path: Path) -> None:
+    """From samples, each turn's decision is the trigger's replayed in order (cold start
+    included): the early share is exactly what `RouteTimingPredictor.replay` decides,
+    and only the turns decided early are acknowledged early."""
+    rng = random.Random(4)
+    recorded = [TimingSample("slow85", 1.02 + 0.45 * math.exp(rng.gauss(0, 0.5))
+                             if rng.random() < 0.87 else rng.uniform(0.7, 0.98),
+                             at=float(i)) for i in range(300)]
+    path = _write(tmp_path / "r.jsonl", recorded)
+    decided = [p is not None and p.early is True for _, p in RouteTimingPredictor().replay(
+        recorded, delay_secs=1.0, generation_secs=0.3)]
+    splits = replay_splits(recorded, [1.0], generation=0.3)
+    assert splits["slow85", 1.0].early is not None
+    assert splits["slow85", 1.0].early.turns == sum(decided)
+    code, out, _ = run(["--samples", str(path), "--delays", "1"])
+    assert code == 0
+    fields = _row(out, "slow85", "1.00s")
+    assert fields[6] == f"{sum(decided) / 300:.1%}"
+    fixed_needless, needless = float(fields[4][:-1]), float(fields[8][:-1])
+    assert needless < fixed_needless / 4  # the delay's acknowledgment lands right before
+    assert float(fields[9][:-1]) < 0.5 < float(fields[5][:-1])  # p95 silence
+
+
+def test_replay_reads_the_most_recent_samples_only(samples: Path) -> None:
+    """--replay-samples bounds the replay to the newest samples, and says so."""
+    code, out, _ = run(["--samples", str(samples), "--delays", "1", "--replay-samples", "10"])
+    assert code == 0 and "10 samples replayed" in out
+    code, _, err = run(["--samples", str(samples), "--replay-samples", "0"])
+    assert code == 2 and "--replay-samples" in err
 
 
 def test_recommends_one_router_wide_delay(samples: Path) -> None:
     """--max-ack-rate picks the shortest candidate whose all-routes rate fits; no
-    per-route recommendations for a router-wide setting."""
+    per-route recommendations for a router-wide setting; --policy fixed reads the fixed
+    delay's figures, the default the predictive policy's."""
+    code, out, _ = run(["--samples", str(samples), "--max-ack-rate", "0.3", "--policy",
+                        "fixed", "--generation-secs", "0", "--delays", "0.1,0.2,0.3,0.5,1"])
+    assert code == 0
+    assert "recommended acknowledgment_delay_secs=0.3 for acknowledgment rate <= 30.0% " \
+           "(fixed)" in out
+    assert "over all routes" in out and "\n  a: " not in out
     code, out, _ = run(["--samples", str(samples), "--max-ack-rate", "0.3",
                         "--generation-secs", "0", "--delays", "0.1,0.2,0.3,0.5,1"])
-    assert code == 0
-    assert "recommended acknowledgment_delay_secs=0.3 " in out
-    assert "over all routes" in out and "\n  a: " not in out
+    assert "(predictive)" in out
 
 
 def test_recommends_the_longest_delay_within_a_silence_target(samples: Path) -> None:
-    """--max-silence-p95 picks the longest candidate whose all-routes p95 silence fits."""
-    code, out, _ = run(["--samples", str(samples), "--max-silence-p95", "0.6",
-                        "--generation-secs", "0.1", "--delays", "0.2,0.3,0.5,1"])
+    """--max-silence-p95 picks the longest candidate whose all-routes p95 silence fits:
+    0.5 s with the fixed delay; 1 s with the predictive policy, whose early
+    acknowledgments keep the slow half of route a at 0.3 s at any delay."""
+    flags = ["--samples", str(samples), "--max-silence-p95", "0.6", "--generation-secs",
+             "0.1", "--delays", "0.2,0.3,0.5,1"]
+    code, out, _ = run([*flags, "--policy", "fixed"])
     assert code == 0
     assert "recommended acknowledgment_delay_secs=0.5 " in out
+    code, out, _ = run(flags)
+    assert code == 0
+    assert "recommended acknowledgment_delay_secs=1 " in out
 
 
 def test_current_delay_is_marked(samples: Path) -> None:
@@ -132,7 +184,7 @@ def test_censored_samples_count_as_slow(tmp_path: Path) -> None:
                   + [TimingSample("a", 0.5, censored=True)] * 50)
     code, out, _ = run(["--samples", str(path), "--delays", "0.4,1", "--generation-secs", "0"])
     assert code == 0
-    assert _row(out, "a", "1.00s")[4] == "50.0%"  # censored beyond 0.5 s: still silent at 1 s
+    assert _row(out, "a", "1.00s")[3] == "50.0%"  # censored beyond 0.5 s: still silent at 1 s
 
 
 def test_plot_without_matplotlib_still_prints_the_table(
@@ -172,6 +224,10 @@ def test_distributions() -> None:
 
 @pytest.mark.parametrize(("flags", "named"), [
     (["--generation-secs", "-1"], "--generation-secs"),
+    (["--confidence", "0.5"], "--confidence"),
+    (["--confidence", "1"], "--confidence"),
+    (["--policy", "both"], "--policy"),
+    (["--replay-samples", "x"], "--replay-samples"),
     (["--generation-secs", "nan"], "--generation-secs"),
     (["--max-ack-rate", "1.5"], "--max-ack-rate"),
     (["--max-silence-p95", "inf"], "--max-silence-p95"),
@@ -319,18 +375,18 @@ def test_any_samples_file_reads_or_names_the_line(tmp_path: Path, lines: list[by
     try:
         read = read_samples(str(path), None)
     except ValueError as exc:
-        read, message = {}, str(exc)
+        read, message = [], str(exc)
     else:
         message = "fuzz.jsonl"
     assert "fuzz.jsonl" in message
-    for values in read.values():
-        assert all(math.isfinite(s) and s >= 0 for s, _ in values)
+    assert all(math.isfinite(s.seconds) and s.seconds >= 0 for s in read)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from(["--window", "--timeout", "--route", "--generation-secs",
                                  "--delays", "--max-ack-rate", "--max-silence-p95",
-                                 "--selector", "--current"]) | st.text(max_size=8),
+                                 "--selector", "--current", "--policy", "--confidence",
+                                 "--replay-samples"]) | st.text(max_size=8),
                 max_size=5),
        st.lists(st.text(max_size=20) | st.floats().map(repr), max_size=5))
 def test_any_flags_end_in_a_status_never_a_traceback(flags: list[str],
@@ -403,10 +459,11 @@ def test_reads_first_response_buckets_from_prometheus_with_a_selector(
     assert queries == ['sum by (route, le) (increase(turnrouter_first_response_seconds_bucket'
                        '{job="voice", env=~"prod.*"}[6h]))',
                        'max(turnrouter_acknowledgment_delay_seconds{job="voice", env=~"prod.*"})']
-    assert _row(out, "a", "1.00s")[4] == "50.0%"
+    assert _row(out, "a", "1.00s")[3] == "50.0%"
     assert _row(out, "a", "1.00s")[-1] == "current"  # the routers' configured delay
-    assert _row(out, "b", "0.50s")[4] == "0.0%"
+    assert _row(out, "b", "0.50s")[3] == "0.0%"
     assert "recommended acknowledgment_delay_secs=" in out
+    assert "APPROXIMATION" in out  # no turn order in a histogram
 
 
 def test_prometheus_errors_exit_2(prometheus: tuple[str, list[str], list[Any]]) -> None:

@@ -6,10 +6,12 @@ calls the destination's `answer()` at once; beside it, in an anyio task group, r
 `AcknowledgmentSidecar`:
 
 1. asks the timing predictor for a prediction of this route's first response;
-2. picks the trigger: ``prediction`` when the prediction is confident and its lower
-   bound (by default the 10th percentile) is above the delay - then the acknowledgment
-   is *heard* at `AcknowledgmentPolicy.early_secs` (at most the delay), its generation
-   starting that much earlier than the expected generation time; otherwise ``delay``:
+2. picks the trigger: ``prediction`` when the predictor decides so (`Prediction.early`;
+   `RouteTimingPredictor` is told the delay and the expected generation time), or, for
+   a predictor that does not decide, when the prediction is confident and its lower
+   bound is above the delay - then the acknowledgment is *heard* at
+   `AcknowledgmentPolicy.early_secs` (at most the delay), its generation starting that
+   much earlier than the expected generation time; otherwise ``delay``:
    generation starts when the fallback delay has passed, and the text is spoken as soon
    as it is ready;
 3. generates the text (an `Acknowledger`'s structured path, else `LLMService.complete`
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from ._contracts import AgentTurn, RoutingAid
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
 from ._logging import log_failure
+from ._numbers import finite
 from ._observer import (
     AcknowledgmentFinished,
     AcknowledgmentGenerated,
@@ -50,7 +52,13 @@ from ._observer import (
     TurnObserver,
 )
 from ._redact import strip_surrogates
-from ._timing import Prediction, TimingPredictor, TimingSample, TimingSink
+from ._timing import (
+    Prediction,
+    RouteTimingPredictor,
+    TimingPredictor,
+    TimingSample,
+    TimingSink,
+)
 
 if TYPE_CHECKING:
     from ._contracts import RoutableAgent
@@ -103,12 +111,12 @@ class AcknowledgmentPolicy:
                                          f"got {value!r}")
         for name in ("timeout_secs", "prediction_timeout_secs"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
+            if not finite(value) or value <= 0:
                 raise ConfigurationError(f"AcknowledgmentPolicy {name} must be finite and "
                                          f"positive, got {value!r}")
         for name in ("early_secs", "expected_generation_secs"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
+            if not finite(value) or value < 0:
                 raise ConfigurationError(f"AcknowledgmentPolicy {name} must be finite and "
                                          f">= 0, got {value!r}")
 
@@ -188,8 +196,9 @@ async def within(clock: Clock, deadline: float, call: Callable[[], Awaitable[T]]
 class TimingEngine:
     """Router-wide timing state: predictor, sink, generation-time estimate, clock."""
 
-    __slots__ = ("_published", "acknowledger", "agents", "clock", "delay",
-                 "expected_generation", "llm", "observer", "policy", "predictor", "sink")
+    __slots__ = ("_published", "acknowledger", "agents", "clock", "decides", "delay",
+                 "expected_generation", "feature_of", "llm", "observer", "policy",
+                 "predictor", "sink")
 
     def __init__(
         self, *, llm: LLMService | None, delay: float | None, policy: AcknowledgmentPolicy,
@@ -205,6 +214,12 @@ class TimingEngine:
         self.delay = delay
         self.policy = policy
         self.predictor = predictor
+        #: The predictor takes the delay and decides itself (`Prediction.early`).
+        self.decides = isinstance(predictor, RouteTimingPredictor)
+        #: The predictor's per-turn feature class, recorded with each sample.
+        feature_of = getattr(predictor, "feature_of", None)
+        self.feature_of: Callable[[AgentTurn], str | None] | None = (
+            feature_of if callable(feature_of) else None)
         self.sink = sink
         self.clock = clock
         self.observer = observer
@@ -234,7 +249,13 @@ class TimingEngine:
 
     def record(self, route: str, seconds: float, censored: bool, turn: AgentTurn) -> None:
         """One first-response sample: to the predictor, the sink, and the gauge."""
-        sample = TimingSample(route, seconds, censored, time.time())
+        feature = None
+        if self.feature_of is not None:
+            try:
+                feature = self.feature_of(turn)
+            except Exception as exc:
+                log_failure("timing predictor feature_of()", exc)
+        sample = TimingSample(route, seconds, censored, time.time(), feature)
         if self.predictor is not None:
             try:
                 self.predictor.record(sample, turn)
@@ -377,7 +398,14 @@ class AcknowledgmentSidecar:
         if predictor is None:
             return None
         try:
-            prediction = predictor.predict(self.route, self.turn)
+            prediction: Prediction | Awaitable[Prediction | None] | None
+            if engine.decides:
+                assert isinstance(predictor, RouteTimingPredictor)
+                prediction = predictor.predict(
+                    self.route, self.turn, delay_secs=self._delay_used,
+                    generation_secs=engine.expected_generation)
+            else:
+                prediction = predictor.predict(self.route, self.turn)
             if inspect.isawaitable(prediction):
                 waiting = prediction
 

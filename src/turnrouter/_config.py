@@ -8,7 +8,6 @@ and the turn never re-check it.
 from __future__ import annotations
 
 import importlib
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
@@ -19,7 +18,9 @@ from ._contracts import CLARIFY, AgentTurn, DecisionService, RoutableAgent
 from ._exceptions import ConfigurationError, ContractTypeError
 from ._limits import Overflows
 from ._llm import LLMService
+from ._numbers import finite
 from ._observer import Configured, RouterObserver
+from ._redact import preview
 from ._timing import RouteTimingPredictor, TimingPredictor, TimingSink
 
 __all__ = [
@@ -83,9 +84,10 @@ def _check_positive(name: str, value: object, *, integer: bool = False) -> None:
         value, bool
     ):
         kind = "an int" if integer else "a number"
-        raise ContractTypeError(f"AgentRouter {name} must be {kind}, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigurationError(f"AgentRouter {name} must be finite and positive, got {value!r}")
+        raise ContractTypeError(f"AgentRouter {name} must be {kind}, got {preview(value)}")
+    if not (finite(value) and value > 0):
+        raise ConfigurationError(
+            f"AgentRouter {name} must be finite and positive, got {preview(value)}")
 
 
 def _agents(destinations: object) -> dict[str, RoutableAgent]:
@@ -241,11 +243,13 @@ class RouterConfig:
         if acknowledgment_llm is not None or timing_predictor is not None or (
             timing_sink is not None
         ):
+            policy = acknowledgment_policy or AcknowledgmentPolicy()
             if timing_predictor is None and acknowledgment_llm is not None:
-                timing_predictor = RouteTimingPredictor(delay_secs=acknowledgment_delay_secs)
+                timing_predictor = RouteTimingPredictor(
+                    delay_secs=acknowledgment_delay_secs, early_secs=policy.early_secs,
+                    generation_secs=policy.expected_generation_secs)
             self.timed = TimingEngine(
-                llm=acknowledgment_llm, delay=acknowledgment_delay_secs,
-                policy=acknowledgment_policy or AcknowledgmentPolicy(),
+                llm=acknowledgment_llm, delay=acknowledgment_delay_secs, policy=policy,
                 predictor=timing_predictor, sink=timing_sink, clock=clock or SystemClock(),
                 observer=telemetry, agents=agents,
             )

@@ -102,6 +102,21 @@ class Departures:
             for run in runs:
                 await run.wait_finished()
 
+    async def interrupt(self, pid: str | None) -> None:
+        """Cancel `pid`'s running and waiting turns (everyone's when None); wait until
+        they ended."""
+        registry = self._registry
+        if pid is None:
+            states = list(registry.participants.values())
+        else:
+            state = registry.get(pid)
+            states = [] if state is None else [state]
+        runs = [run for state in states for run in state.queue.runs()]
+        for run in runs:
+            run.cancel("interrupted")
+        for run in runs:
+            await run.wait_finished()
+
     async def drain(self, state: Participant, reason: str) -> None:
         """Cancel the participant's running and waiting turns; wait until they ended."""
         runs = state.queue.runs()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ._contracts import AgentExchange
 from ._exceptions import ContractValueError, LifecycleError
 from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch
-from ._history import History
+from ._history import History, Meta, view_items
 from ._lifecycle import OwnedOperation, TurnQueue
 from ._observer import ParticipantChanged
 from ._patches import (
@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from ._config import RouterConfig
     from ._turn import Answer, Turn
 
-__all__ = ["Participant", "Phase", "Registry", "RouterPhase", "restore", "snapshot_of"]
+__all__ = [
+    "Participant", "Phase", "Registry", "RouterPhase", "restore", "snapshot_json", "snapshot_of",
+]
 
 
 class Phase(enum.Enum):
@@ -36,8 +38,8 @@ class Participant:
     """Router-owned state of one participant (kept small: thousands may be active)."""
 
     __slots__ = (
-        "cleanup_pending", "current", "departure", "focus", "history", "initialized",
-        "pending", "phase", "pid", "queue", "unheard", "unreleased", "used",
+        "cleanup_pending", "current", "departure", "exported", "focus", "history",
+        "initialized", "pending", "phase", "pid", "queue", "unheard", "unreleased", "used",
     )
 
     def __init__(self, pid: str, history: History) -> None:
@@ -57,6 +59,8 @@ class Participant:
         #: The running turn, and an answered turn whose first audio is not reported yet.
         self.current: Turn | None = None
         self.unheard: Answer | None = None
+        #: The JSON of each exchange at the latest `export_json` (None: never exported).
+        self.exported: dict[int, tuple[Meta, AgentExchange, bytes]] | None = None
 
 
 class RouterPhase(enum.Enum):
@@ -190,6 +194,15 @@ class Registry:
             return ParticipantSnapshot(participant_id=pid, departed=True) if departed else None
         return snapshot_of(state, departed)
 
+    def export_json(self, pid: str) -> bytes | None:
+        """`export(pid)` as its JSON (UTF-8), each exchange serialized once (see
+        `snapshot_json`)."""
+        state = self.participants.get(pid)
+        if state is None:
+            snapshot = self.export(pid)
+            return None if snapshot is None else snapshot.to_json().encode()
+        return snapshot_json(state, pid in self.departed)
+
     def heard_answer(self, pid: str, turn_id: str) -> Answer | None:
         """The answer of turn `turn_id` whose heard time a front end may report."""
         state = self.participants.get(pid)
@@ -211,24 +224,54 @@ class Registry:
 def snapshot_of(state: Participant, departed: bool) -> ParticipantSnapshot:
     """The participant's movable state (see `ParticipantSnapshot`)."""
     history = state.history
-    exchanges = []
-    for exchange, exchange_id, stamp in zip(
-        history.exchanges, history.ids, history.stamps, strict=True
-    ):
-        patch = None
-        turn_id = None
-        if isinstance(exchange_id, PatchExchangeId):
-            applied = exchange_id.applied
-            patch = SnapshotPatch(patch_id=applied.patch_id, task_id=applied.task_id,
-                                  strategy=applied.strategy, diverged=applied.diverged,
-                                  patch=applied.patch)
-        elif exchange_id is not None:
-            turn_id = str(exchange_id)
-        exchanges.append(SnapshotExchange(user=exchange.user, assistant=exchange.assistant,
-                                          turn_id=turn_id, stamp_us=stamp, patch=patch))
+    exchanges = tuple(_exchange_snapshot(exchange, meta) for exchange, meta in zip(
+        history.exchanges, view_items(history.view()), strict=True))
+    return _snapshot(state, departed, exchanges)
+
+
+def snapshot_json(state: Participant, departed: bool) -> bytes:
+    """`snapshot_of(state, departed).to_json()` as UTF-8, from each exchange's JSON kept
+    since the previous call: a front end saving the participant after every exchange
+    pays for the new exchanges, not for the whole history each time. (Retained exchanges
+    and their metadata never change, so an exchange is known by identity.)"""
+    history = state.history
+    previous = state.exported or {}
+    kept: dict[int, tuple[Meta, AgentExchange, bytes]] = {}
+    pieces: list[bytes] = []
+    for exchange, meta in zip(history.exchanges, view_items(history.view()), strict=True):
+        known = previous.get(id(meta))
+        if known is not None and known[0] is meta and known[1] is exchange:
+            piece = known[2]
+        else:
+            piece = _exchange_snapshot(exchange, meta).model_dump_json().encode()
+        kept[id(meta)] = (meta, exchange, piece)
+        pieces.append(piece)
+    state.exported = kept
+    # Field values are JSON-escaped strings, so the first `"history":[]` is the field.
+    return _snapshot(state, departed, ()).model_dump_json().encode().replace(
+        b'"history":[]', b'"history":[' + b",".join(pieces) + b"]", 1)
+
+
+def _exchange_snapshot(exchange: AgentExchange, meta: Meta) -> SnapshotExchange:
+    exchange_id, stamp, _ = meta
+    patch = None
+    turn_id = None
+    if isinstance(exchange_id, PatchExchangeId):
+        applied = exchange_id.applied
+        patch = SnapshotPatch(patch_id=applied.patch_id, task_id=applied.task_id,
+                              strategy=applied.strategy, diverged=applied.diverged,
+                              patch=applied.patch)
+    elif exchange_id is not None:
+        turn_id = str(exchange_id)
+    return SnapshotExchange(user=exchange.user, assistant=exchange.assistant,
+                            turn_id=turn_id, stamp_us=stamp, patch=patch)
+
+
+def _snapshot(state: Participant, departed: bool,
+              exchanges: tuple[SnapshotExchange, ...]) -> ParticipantSnapshot:
     return ParticipantSnapshot(
-        participant_id=state.pid, focus=state.focus, history=tuple(exchanges),
-        history_version=history.version, used=tuple(sorted(state.used)),
+        participant_id=state.pid, focus=state.focus, history=exchanges,
+        history_version=state.history.version, used=tuple(sorted(state.used)),
         pending=tuple(state.pending.values()) if state.pending else (),
         initialized=state.initialized, departed=departed,
     )

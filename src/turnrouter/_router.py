@@ -217,18 +217,9 @@ class AgentRouter:
         With `participant_id=None`, every participant's turns. Returns once the cancelled
         turns have drained.
         """
-        registry = self._registry
-        if participant_id is None:
-            states: list[Participant] = list(registry.participants.values())
-        else:
+        if participant_id is not None:
             _check_pid(participant_id)
-            state = registry.get(participant_id)
-            states = [] if state is None else [state]
-        runs = [run for state in states for run in state.queue.runs()]
-        for run in runs:
-            run.cancel("interrupted")
-        for run in runs:
-            await run.wait_finished()
+        await self._departures.interrupt(participant_id)
 
     async def participant_left(self, participant_id: str) -> None:
         """Release one participant's state and history (an owned operation).
@@ -431,6 +422,12 @@ class AgentRouter:
         """The participant's movable state, or None when the router holds none."""
         _check_pid(participant_id)
         return self._registry.export(participant_id)
+
+    def export_participant_json(self, participant_id: str) -> bytes | None:
+        """`export_participant(pid).to_json()` as UTF-8, each retained exchange
+        serialized once across calls (for a front end saving state every exchange)."""
+        _check_pid(participant_id)
+        return self._registry.export_json(participant_id)
 
     def import_participant(self, snapshot: ParticipantSnapshot) -> None:
         """Install a participant's state taken from another replica.

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import sys
 import time
@@ -35,7 +34,9 @@ from typing import IO, Any, Protocol, runtime_checkable
 from ._contracts import AgentTurn
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
-from ._timing_model import RouteModel, Settings, mixture_quantiles
+from ._numbers import finite
+from ._timing_model import Histogram, Mixture, RouteModel, Settings
+from ._timing_trigger import Trigger, class_weight, pooled
 
 __all__ = [
     "JsonLinesSink",
@@ -52,61 +53,79 @@ __all__ = [
 logger = logging.getLogger("turnrouter")
 
 
+#: Longest feature class a sample carries (a class name, never request text).
+MAX_FEATURE_CHARS = 64
+
+
 @dataclass(frozen=True, slots=True)
 class TimingSample:
     """One first-response latency of one route.
 
     `censored=True`: the turn was interrupted after `seconds` without a response start,
     so the true latency is at least `seconds`. `at` is the Unix time it was recorded.
+    `feature` is the turn's feature class when the predictor has a per-turn feature
+    (e.g. "long" from `query_length_class`; never the request itself), so that a warm
+    start restores the classes too.
     """
 
     route: str
     seconds: float
     censored: bool = False
     at: float = 0.0
+    feature: str | None = None
 
     def to_json(self) -> str:
-        """One JSON object, the line format of `JsonLinesSink`."""
-        return json.dumps({"route": self.route, "seconds": round(self.seconds, 6),
-                           "censored": self.censored, "at": round(self.at, 3)},
-                          separators=(",", ":"))
+        """One JSON object, the line format of `JsonLinesSink` (`feature` only when set)."""
+        data: dict[str, object] = {"route": self.route, "seconds": round(self.seconds, 6),
+                                   "censored": self.censored, "at": round(self.at, 3)}
+        if self.feature is not None:
+            data["feature"] = self.feature
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, line: str) -> TimingSample:
-        """Parse one line written by `to_json` (ValueError naming the problem)."""
+        """Parse one line written by `to_json` (ValueError naming the problem); lines
+        without `feature` (older files) load with none."""
         data = json.loads(line)
         if not isinstance(data, dict):
             raise ValueError("a timing sample must be a JSON object")
         route, seconds = data.get("route"), data.get("seconds")
         if not isinstance(route, str) or not route:
             raise ValueError(f"timing sample 'route' must be a non-empty string, got {route!r}")
-        if (not isinstance(seconds, int | float) or isinstance(seconds, bool)
-                or not math.isfinite(seconds) or seconds < 0):
+        if not finite(seconds) or seconds < 0:
             raise ValueError(f"timing sample 'seconds' must be a finite number >= 0, "
                              f"got {seconds!r}")
         censored = data.get("censored", False)
         if not isinstance(censored, bool):
             raise ValueError(f"timing sample 'censored' must be a boolean, got {censored!r}")
         at = data.get("at", 0.0)
-        if not isinstance(at, int | float) or isinstance(at, bool):
-            raise ValueError(f"timing sample 'at' must be a number, got {at!r}")
-        return cls(route, float(seconds), censored, float(at))
+        if not finite(at):
+            raise ValueError(f"timing sample 'at' must be a finite number, got {at!r}")
+        feature = data.get("feature")
+        if feature is not None and not valid_feature(feature):
+            raise ValueError(f"timing sample 'feature' must be a non-empty string of at most "
+                             f"{MAX_FEATURE_CHARS} characters, got {str(feature)[:80]!r}")
+        return cls(route, float(seconds), censored, float(at), feature)
+
+
+def valid_feature(value: object) -> bool:
+    """A usable feature class: a non-empty str of at most `MAX_FEATURE_CHARS`."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_FEATURE_CHARS
 
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """A first-response prediction for one route.
 
-    `seconds` is the typical (median) first response, `upper` the 90th percentile,
-    `samples` the effective (decayed) sample count. `lower` is the bound the
-    acknowledgment policy compares with the delay: a `confident` prediction with
-    `lower > delay` starts the acknowledgment early. For `RouteTimingPredictor` it is the
-    trigger's hysteresis bound (above a delay once P(answer later than it) reached the
-    predictor's `confidence`); for other predictors a conservative low quantile.
+    `seconds` is the typical (median) first response, `lower` and `upper` the 10th and
+    90th percentiles, `samples` the effective (decayed) sample count. Without a decision
+    from the predictor, the acknowledgment code starts early when the prediction is
+    `confident` and `lower > delay`.
 
-    When the predictor knows the delay, `probability_late` is the predicted probability
-    that the first response comes after it and `early` the trigger's decision (equal to
-    `confident and lower > delay`); both are None otherwise.
+    When the predictor knows the delay (`RouteTimingPredictor` always does when the
+    router asks), `probability_late` is the predicted probability that the first
+    response comes after it and `early` the trigger's decision, which the acknowledgment
+    code follows; both are None otherwise.
     """
 
     seconds: float
@@ -153,10 +172,13 @@ class TimingSink(Protocol):
 
 # ---------------------------------------------------------------- the default predictor
 
-#: Feature classes per route at most, and the effective samples a class needs before
-#: its own prediction replaces the route's.
+#: Feature classes per route at most.
 _MAX_CLASSES = 4
-_CLASS_MIN_SAMPLES = 8.0
+#: The needless window the trigger prices (the telemetry's `NEEDLESS_WITHIN_SECONDS`).
+NEEDLESS_SECS = 0.5
+#: The trigger's defaults (`turnrouter tune` and the tuning dashboard model them).
+DEFAULT_CONFIDENCE = 0.75
+DEFAULT_HYSTERESIS = 0.05
 
 
 def query_length_class(turn: AgentTurn) -> str:
@@ -169,24 +191,28 @@ def query_length_class(turn: AgentTurn) -> str:
 class RouteTimingPredictor:
     """The default `TimingPredictor`: per route, a few latency regimes (decayed
     histograms), a change detector, a filter that recognises a regime seen before, and a
-    trigger with hysteresis on the probability that the answer comes after the delay.
+    trigger that acknowledges early when that is expected to cost less than waiting for
+    the delay (see `docs/acknowledgments.md`).
 
     - `half_life_samples`: a sample's weight halves after this many newer samples of
       the same regime (recency; the effective memory is about 1.44x this).
-    - `confidence`: the trigger's knob. `Prediction.lower` rises above a delay once the
-      probability that the first response comes later than that delay reaches
-      `confidence`, and falls back under it only when that probability drops below
-      `confidence - hysteresis`. Early acknowledgment is the cheaper decision when
-      P(late) >= C_needless / (C_needless + C_silence), so `confidence` 0.75 says a
-      needless early acknowledgment costs 3x a turn of avoidable silence.
-    - `hysteresis`: the gap between switching early on and off (no flicker).
-    - `prior_samples`: the probability is shrunk towards "not late" as if this many
-      early answers had been seen; with `min_samples` a new route needs a few slow
-      samples (6 with the defaults) before it is acknowledged early.
+    - `confidence`: the trigger's knob, the share of a needless acknowledgment in the
+      two costs it weighs: `C_needless / (C_needless + C_silence)`. 0.75 says a needless
+      early acknowledgment costs 3x a turn of avoidable silence (0.8: 4x, 0.9: 9x).
+      Early wins when (1 - c) P(late) + c P(the delay's acknowledgment is needless)
+      exceeds c P(the early one is needless).
+    - `hysteresis`: early switches on once it is better by this much expected cost per
+      turn (in units of C_needless + C_silence) and off once it is no longer better.
+    - `prior_samples`: the estimate is shrunk as if this many needless answers had been
+      seen; with `min_samples` a new slow route is acknowledged early from its 6th turn.
     - `min_samples`: effective samples needed before a prediction is `confident`.
     - `max_spread`: when set, a prediction whose p90/p10 ratio exceeds it is not
-      confident (default None: the probability already accounts for a wide spread).
-    - `lower_quantile`: the older spelling of the knob: `confidence = 1 - lower_quantile`.
+      confident (default None: the trigger already prices a wide spread).
+    - `lower_quantile`: an older spelling of the knob: `confidence = 1 - lower_quantile`.
+    - `early_secs`, `generation_secs`, `needless_secs`: when an early acknowledgment is
+      due (`AcknowledgmentPolicy.early_secs`), the generation time expected when the
+      router does not say (`expected_generation_secs`), and the needless window (0.5 s,
+      as `turnrouter_needless_acknowledgments_total` counts).
     - `max_routes`: routes tracked at most; `max_regimes`: regimes kept per route (the
       least recently used is forgotten). Memory: ~1.2 KB per regime plus ~0.5 KB per
       route (`memory_bytes()`).
@@ -197,73 +223,78 @@ class RouteTimingPredictor:
     - `delay_secs`: the acknowledgment delay, when known: predictions then also carry
       `probability_late` and the trigger's decision `early`.
     - `feature`: a cheap per-turn class (default `query_length_class`; None: off). A
-      route's samples are also learned per class (at most 4 classes); a class with 8
-      effective samples whose own trigger is early makes that turn early even when the
-      route is not (it never withholds an early acknowledgment the route would give).
-      Classes restart when the route's latency changes; loaded samples carry no class.
+      route's samples are also learned per class (at most 4 classes) and a turn's class
+      is pooled with its route by how much the route's classes really differ. Samples
+      carry the class (`TimingSample.feature`), so `from_samples` restores it.
     """
 
     def __init__(
         self, *, half_life_samples: float = 100.0, min_samples: float = 5.0,
-        confidence: float = 0.75, hysteresis: float = 0.15, prior_samples: float = 1.0,
+        confidence: float = DEFAULT_CONFIDENCE, hysteresis: float = DEFAULT_HYSTERESIS,
+        prior_samples: float = 1.0,
         lower_quantile: float | None = None, max_spread: float | None = None,
         max_routes: int = 256, max_regimes: int = 4, change_threshold: float | None = 8.0,
         switch_rate: float = 0.005, delay_secs: float | None = None,
+        early_secs: float = 0.25, generation_secs: float = 0.3,
+        needless_secs: float = NEEDLESS_SECS,
         feature: Callable[[AgentTurn], str | None] | None = query_length_class,
     ) -> None:
         for name, value in (("half_life_samples", half_life_samples),
                             ("min_samples", min_samples),
-                            ("max_spread", 1.0 if max_spread is None else max_spread)):
-            if not math.isfinite(value) or value <= 0:
+                            ("max_spread", 1.0 if max_spread is None else max_spread),
+                            ("needless_secs", needless_secs)):
+            if not finite(value) or value <= 0:
                 raise ConfigurationError(
                     f"RouteTimingPredictor {name} must be finite and positive, got {value!r}")
+        for name, value in (("early_secs", early_secs), ("generation_secs", generation_secs)):
+            if not finite(value) or value < 0:
+                raise ConfigurationError(
+                    f"RouteTimingPredictor {name} must be finite and >= 0, got {value!r}")
         if lower_quantile is not None:
-            if not 0.0 < lower_quantile < 0.5:
+            if not finite(lower_quantile) or not 0.0 < lower_quantile < 0.5:
                 raise ConfigurationError(f"RouteTimingPredictor lower_quantile must be in "
                                          f"(0, 0.5), got {lower_quantile!r}")
             confidence = 1.0 - lower_quantile
-        if not 0.5 < confidence < 1.0:
+        if not finite(confidence) or not 0.5 < confidence < 1.0:
             raise ConfigurationError(
                 f"RouteTimingPredictor confidence must be in (0.5, 1), got {confidence!r}")
-        if not 0.0 <= hysteresis < confidence - 0.5 + 1e-12:
+        if not finite(hysteresis) or not 0.0 <= hysteresis <= 0.5:
             raise ConfigurationError(
-                f"RouteTimingPredictor hysteresis must be in [0, confidence - 0.5], "
-                f"got {hysteresis!r}")
-        if not math.isfinite(prior_samples) or prior_samples < 0:
+                f"RouteTimingPredictor hysteresis must be in [0, 0.5], got {hysteresis!r}")
+        if not finite(prior_samples) or prior_samples < 0:
             raise ConfigurationError(f"RouteTimingPredictor prior_samples must be finite and "
                                      f">= 0, got {prior_samples!r}")
-        if max_routes < 1:
-            raise ConfigurationError("RouteTimingPredictor max_routes must be >= 1")
-        if max_regimes < 1:
-            raise ConfigurationError("RouteTimingPredictor max_regimes must be >= 1")
+        for name, count in (("max_routes", max_routes), ("max_regimes", max_regimes)):
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ConfigurationError(
+                    f"RouteTimingPredictor {name} must be an int >= 1, got {count!r}")
         if change_threshold is not None and (
-                not math.isfinite(change_threshold) or change_threshold <= 0):
+                not finite(change_threshold) or change_threshold <= 0):
             raise ConfigurationError(
                 f"RouteTimingPredictor change_threshold must be finite and positive or None, "
                 f"got {change_threshold!r}")
-        if not 0.0 < switch_rate < 0.5:
+        if not finite(switch_rate) or not 0.0 < switch_rate < 0.5:
             raise ConfigurationError(
                 f"RouteTimingPredictor switch_rate must be in (0, 0.5), got {switch_rate!r}")
-        if delay_secs is not None and (not math.isfinite(delay_secs) or delay_secs <= 0):
+        if delay_secs is not None and (not finite(delay_secs) or delay_secs <= 0):
             raise ConfigurationError(f"RouteTimingPredictor delay_secs must be finite and "
                                      f"positive or None, got {delay_secs!r}")
-        self._settings = Settings(
-            half_life=half_life_samples, threshold=change_threshold, max_regimes=max_regimes,
-            hazard=switch_rate, enter=confidence, exit=confidence - hysteresis,
-            prior=prior_samples)
-        self._min_samples = min_samples
+        self._settings = Settings(half_life=half_life_samples, threshold=change_threshold,
+                                  max_regimes=max_regimes, hazard=switch_rate)
+        self._class_settings = Settings(half_life=half_life_samples, threshold=None,
+                                        max_regimes=1, hazard=switch_rate)
+        self._trigger = Trigger(
+            confidence=confidence, hysteresis=hysteresis, prior=prior_samples,
+            min_samples=min_samples, early_secs=early_secs, generation_secs=generation_secs,
+            needless_secs=needless_secs)
         self._max_spread = max_spread
         self._max_routes = max_routes
         self._delay = delay_secs
         self._routes: dict[str, RouteModel] = {}
         self._dropped = False
         self._overflow = {"routes": 0, "classes": 0}
-        self._feature = feature
+        self.feature = feature
         self._classes: dict[str, tuple[int, dict[str, RouteModel]]] = {}
-        self._class_settings = Settings(
-            half_life=half_life_samples, threshold=None, max_regimes=1, hazard=switch_rate,
-            enter=confidence, exit=confidence - hysteresis, prior=prior_samples)
-        self._class_min = max(min_samples, _CLASS_MIN_SAMPLES)
 
     @classmethod
     def from_samples(cls, *sources: str | Path | Iterable[TimingSample],
@@ -301,13 +332,31 @@ class RouteTimingPredictor:
         return tuple(self._routes)
 
     @property
+    def confidence(self) -> float:
+        """The trigger's knob (see the class docstring)."""
+        return self._trigger.confidence
+
+    @property
     def overflow(self) -> dict[str, int]:
         """Samples not learned because a bound was full: "routes" (beyond `max_routes`)
         and "classes" (a feature class beyond the 4 a route keeps; the route learned it)."""
         return dict(self._overflow)
 
+    def feature_of(self, turn: AgentTurn) -> str | None:
+        """The turn's feature class (None: no feature, it failed, or it returned anything
+        but a non-empty str of at most 64 characters)."""
+        if self.feature is None:
+            return None
+        try:
+            value = self.feature(turn)
+        except Exception:
+            logger.exception("turnrouter: timing feature failed (ignored for this turn)")
+            return None
+        return value if valid_feature(value) else None
+
     def record(self, sample: TimingSample, turn: AgentTurn | None = None) -> None:
-        """Add one sample (censored samples count as lower bounds)."""
+        """Add one sample (censored samples count as lower bounds), and to its feature
+        class: `sample.feature`, else the class of `turn`."""
         model = self._routes.get(sample.route)
         if model is None:
             if len(self._routes) >= self._max_routes:
@@ -319,24 +368,15 @@ class RouteTimingPredictor:
                 return
             model = self._routes[sample.route] = RouteModel()
         model.add(sample.seconds, sample.censored, self._settings)
-        if self._feature is not None and turn is not None:
-            self._record_class(model, sample, turn)
+        if self.feature is not None:
+            key = sample.feature if sample.feature is not None else (
+                self.feature_of(turn) if turn is not None else None)
+            if key is not None:
+                self._record_class(model, sample, key)
 
-    def _feature_of(self, turn: AgentTurn) -> str | None:
-        assert self._feature is not None
-        try:
-            value = self._feature(turn)
-        except Exception:
-            logger.exception("turnrouter: timing feature failed (ignored for this turn)")
-            return None
-        return value if isinstance(value, str) else None
-
-    def _record_class(self, model: RouteModel, sample: TimingSample, turn: AgentTurn) -> None:
+    def _record_class(self, model: RouteModel, sample: TimingSample, key: str) -> None:
         """Learn the sample in its feature class too; a route's classes restart when the
         route's own latency changes (they then relearn while the route decides)."""
-        key = self._feature_of(turn)
-        if key is None:
-            return
         synced, classes = self._classes.get(sample.route, (-1, {}))
         if synced != model.changes:
             classes = {}
@@ -349,23 +389,6 @@ class RouteTimingPredictor:
             sub = classes[key] = RouteModel()
         sub.add(sample.seconds, sample.censored, self._class_settings)
 
-    def _model_for(self, route: str, turn: AgentTurn | None) -> RouteModel | None:
-        """The route's model, or its feature class's when that class alone would be
-        acknowledged early (a class only ever adds early acknowledgments: it has fewer
-        samples than its route, so it never overrules an early route)."""
-        model = self._routes.get(route)
-        if model is None or self._feature is None or turn is None:
-            return model
-        synced, classes = self._classes.get(route, (-1, {}))
-        if synced != model.changes:
-            return model
-        key = self._feature_of(turn)
-        sub = classes.get(key) if key is not None else None
-        if sub is None or sub.bound <= model.bound or RouteModel.effective(
-                sub.parts(self._settings.hazard)) < self._class_min:
-            return model
-        return sub
-
     def load(self, samples: Iterable[TimingSample]) -> int:
         """Record samples in order (e.g. `load_samples(path)` after a restart)."""
         count = 0
@@ -374,13 +397,41 @@ class RouteTimingPredictor:
             count += 1
         return count
 
-    def quantile(self, route: str, q: float) -> float | None:
-        """The `q` quantile of `route`'s next first response (None without samples)."""
+    def replay(self, samples: Iterable[TimingSample], *, delay_secs: float,
+               generation_secs: float | None = None,
+               ) -> Iterator[tuple[TimingSample, Prediction | None]]:
+        """Each sample, in order, with the prediction this predictor makes for its turn
+        (its route and feature class, at `delay_secs`) just before learning it: what the
+        router would have decided on those turns (`turnrouter tune` replays files so)."""
+        for sample in samples:
+            yield sample, self._predict(sample.route, sample.feature, delay_secs,
+                                        generation_secs)
+            self.record(sample)
+
+    def _distribution(self, route: str, key: str | None,
+                      ) -> tuple[RouteModel, RouteModel, list[tuple[float, Histogram]]] | None:
+        """The route's model, the model holding this turn's decision (its class's, when
+        it has one), and the turn's distribution (the class pooled with the route)."""
         model = self._routes.get(route)
         if model is None:
             return None
         parts = model.parts(self._settings.hazard)
-        return mixture_quantiles(parts, [q])[0] if parts else None
+        if not parts:
+            return None
+        holder = model
+        if key is not None:
+            synced, classes = self._classes.get(route, (-1, {}))
+            sub = classes.get(key) if synced == model.changes else None
+            if sub is not None:
+                holder = sub
+                parts = pooled(parts, sub.parts(self._settings.hazard),
+                               class_weight(model, classes, sub))
+        return model, holder, parts
+
+    def quantile(self, route: str, q: float) -> float | None:
+        """The `q` quantile of `route`'s next first response (None without samples)."""
+        found = self._distribution(route, None)
+        return None if found is None else Mixture(found[2]).quantile(q)
 
     def samples(self, route: str) -> float:
         """The effective (decayed) sample count behind `route`'s next prediction."""
@@ -416,30 +467,39 @@ class RouteTimingPredictor:
         return self.quantile(route, 0.5)
 
     def predict(self, route: str, turn: AgentTurn | None = None, *,
-                delay_secs: float | None = None) -> Prediction | None:
-        """The prediction for `route`'s next turn; None before its first sample.
+                delay_secs: float | None = None,
+                generation_secs: float | None = None) -> Prediction | None:
+        """The prediction for `route`'s next turn (`turn` gives its feature class); None
+        before the route's first sample.
 
-        `lower` is the trigger's bound (above the delay: acknowledge early); with a delay
-        (`delay_secs` here or in the constructor) the prediction also carries
-        `probability_late` and `early`.
+        With a delay (`delay_secs` here or in the constructor) it carries
+        `probability_late` and the trigger's decision `early`; `generation_secs` is the
+        acknowledgment generation time expected now (default: the constructor's).
         """
-        model = self._model_for(route, turn)
-        if model is None:
+        key = self.feature_of(turn) if turn is not None else None
+        return self._predict(route, key, delay_secs, generation_secs)
+
+    def _predict(self, route: str, key: str | None, delay_secs: float | None,
+                 generation_secs: float | None) -> Prediction | None:
+        found = self._distribution(route, key)
+        if found is None:
             return None
-        settings = self._settings
-        parts = model.parts(settings.hazard)
-        if not parts:
-            return None
-        p10, median, p90 = mixture_quantiles(parts, [0.1, 0.5, 0.9])
+        model, holder, parts = found
+        mixture = Mixture(parts)
+        p10, median, p90 = (mixture.quantile(q) for q in (0.1, 0.5, 0.9))
         effective = RouteModel.effective(parts)
-        confident = effective >= self._min_samples and (
+        trigger = self._trigger
+        # Confidence rests on the route's evidence; a class only refines the estimate.
+        confident = (effective if holder is model else RouteModel.effective(
+            model.parts(self._settings.hazard))) >= trigger.min_samples and (
             self._max_spread is None or p90 <= p10 * self._max_spread)
         delay = delay_secs if delay_secs is not None else self._delay
         if delay is None:
-            return Prediction(median, model.bound, p90, effective, confident)
-        late = model.probability_late(parts, delay, settings.prior)
-        return Prediction(median, model.bound, p90, effective, confident, late,
-                          confident and model.bound > delay)
+            return Prediction(median, p10, p90, effective, confident)
+        generation = trigger.generation_secs if generation_secs is None else generation_secs
+        advantage, late = trigger.advantage(mixture, effective, delay, generation)
+        return Prediction(median, p10, p90, effective, confident, late,
+                          trigger.decide(holder, advantage, delay, confident))
 
 
 # ---------------------------------------------------------------- JSON lines
@@ -582,6 +642,10 @@ class LLMTimingPredictor:
 
     def estimate(self, route: str) -> float | None:
         return self.base.estimate(route)
+
+    def feature_of(self, turn: AgentTurn) -> str | None:
+        """The base predictor's feature class of `turn` (recorded with its sample)."""
+        return self.base.feature_of(turn)
 
     async def predict(self, route: str, turn: AgentTurn) -> Prediction | None:
         examples = self._examples.get(route)

@@ -13,16 +13,18 @@ exponentially weighted reference of its log latency. One regime is current:
   one or two samples, so a route alternating between two states does not relearn;
 - a regime learns only while current, so a stored regime keeps what it knew.
 
-The trigger is a *backlash* (play operator) on the predictive distribution: the bound
-`bound` is kept between the quantiles at which the shrunken probability of a late answer
-equals `enter` and `exit`. For every delay d, `bound > d` switches on when
-P(late) >= enter and off only when P(late) < exit: hysteresis without knowing d.
+The trigger (in `_timing`) reads the next turn's distribution, a `Mixture` of the
+regimes weighted by the filter's prediction, at the few instants that decide what an
+early acknowledgment would cost or save.
 """
 
 from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_left
+from collections.abc import Sequence
+from itertools import accumulate
 
 _LOW, _HIGH, _BINS = 0.01, 120.0, 96
 _LOG_LOW = math.log(_LOW)
@@ -46,8 +48,6 @@ _SWITCH_POSTERIOR = 0.75
 #: A sample is learned by the current regime only when the filter is this sure of it;
 #: ambiguous ones wait (at most `_RECENT`) and go to the regime the filter switches to.
 _LEARN_POSTERIOR = 0.9
-#: Effective samples at which the trigger's hysteresis reaches its full width.
-_HYSTERESIS_SAMPLES = 20.0
 #: Mixture parts lighter than this are left out of quantiles.
 _NEGLIGIBLE = 1e-4
 
@@ -126,38 +126,51 @@ class Histogram:
         return (1.0 - _FLOOR) * mass + _FLOOR / _BINS
 
 
-def mixture_quantiles(parts: list[tuple[float, Histogram]], levels: list[float]) -> list[float]:
-    """Quantiles of the mixture `sum(weight * histogram)` at increasing `levels`
-    (a level <= 0 gives 0.0: no latency is that certain)."""
-    out: list[float] = []
-    pending = []
-    for level in levels:
+class Mixture:
+    """A distribution of first responses: histograms mixed with weights summing to 1
+    (one cumulative sum over the grid, so each question is a bisection or a lookup; a
+    single histogram is read in place, scaled at the answer)."""
+
+    __slots__ = ("cumulative", "mass", "scale")
+
+    def __init__(self, parts: list[tuple[float, Histogram]]) -> None:
+        if len(parts) == 1:
+            weight, hist = parts[0]
+            self.scale = weight / hist.total
+            self.mass: Sequence[float] = hist.weights
+        else:
+            self.scale = 1.0
+            mass = [0.0] * _BINS
+            for weight, hist in parts:
+                scale = weight / hist.total
+                mass = [m + scale * w for m, w in zip(mass, hist.weights, strict=True)]
+            self.mass = mass
+        self.cumulative = list(accumulate(self.mass))
+
+    def below(self, seconds: float) -> float:
+        """P(first response < seconds) (linear within a bin in log space)."""
+        if seconds <= _LOW:
+            return 0.0
+        position = (math.log(seconds) - _LOG_LOW) / _STEP
+        index = int(position)
+        if index >= _BINS:
+            return self.cumulative[-1] * self.scale
+        before = self.cumulative[index - 1] if index else 0.0
+        return (before + self.mass[index] * (position - index)) * self.scale
+
+    def quantile(self, level: float) -> float:
+        """The `level` quantile (0.0 for a level <= 0: no latency is that certain)."""
         if level <= 0.0:
-            out.append(0.0)
-        else:
-            pending.append(level)
-    scales = [(weight / hist.total, hist.weights) for weight, hist in parts if hist.total > 0]
-    single = scales[0] if len(scales) == 1 else None
-    cumulative = 0.0
-    j = 0
-    for i in range(_BINS):
-        if j >= len(pending):
-            break
-        if single is not None:
-            mass = single[0] * single[1][i]
-        else:
-            mass = 0.0
-            for scale, weights in scales:
-                mass += scale * weights[i]
-        if mass <= 0.0:
-            continue
-        while j < len(pending) and cumulative + mass >= pending[j]:
-            fraction = (pending[j] - cumulative) / mass
-            out.append(math.exp(_LOG_LOW + (i + fraction) * _STEP))
-            j += 1
-        cumulative += mass
-    out.extend(_EDGES[-1] for _ in range(len(pending) - j))
-    return out
+            return 0.0
+        target = level / self.scale
+        cumulative = self.cumulative
+        index = bisect_left(cumulative, target)
+        if index >= _BINS:
+            return _EDGES[-1]
+        mass = self.mass[index]
+        before = cumulative[index - 1] if index else 0.0
+        fraction = (target - before) / mass if mass > 0.0 else 1.0
+        return math.exp(_LOG_LOW + (index + min(max(fraction, 0.0), 1.0)) * _STEP)
 
 
 class Regime:
@@ -186,35 +199,36 @@ class Regime:
 class Settings:
     """A predictor's model settings, shared by its routes."""
 
-    __slots__ = ("alpha", "enter", "exit", "growth", "hazard", "max_regimes", "prior",
-                 "threshold")
+    __slots__ = ("alpha", "growth", "hazard", "max_regimes", "threshold")
 
     def __init__(self, *, half_life: float, threshold: float | None, max_regimes: int,
-                 hazard: float, enter: float, exit: float, prior: float) -> None:
+                 hazard: float) -> None:
         self.growth = 2.0 ** (1.0 / half_life)
         self.alpha = 1.0 - 1.0 / self.growth
         self.threshold = threshold
         self.max_regimes = max_regimes
         self.hazard = hazard
-        self.enter = enter
-        self.exit = exit
-        self.prior = prior
 
 
 class RouteModel:
-    """One route: a library of regimes, the current one, a change detector, a regime
-    filter and the trigger's hysteresis bound (fixed size; see the module docstring).
+    """One route (or one feature class of a route): a library of regimes, the current
+    one, a change detector, a regime filter, and the trigger's last decision (fixed
+    size; see the module docstring).
 
     The CUSUM runs on the current regime's reference (mean and standard deviation of log
     latency, floored at `_MIN_SIGMA`); each sample's z-score is clipped to
     +-`_CHANGE_CLIP` and the slack `_CHANGE_SLACK` subtracted, so noise drifts the sums
     back to zero and a few outliers cannot raise an alarm (threshold 8: at least four
     consecutive samples). Censored samples count as their lower bound for "slower"
-    evidence and never as "faster" evidence.
+    evidence and never as "faster" evidence. The run of samples pushing a sum is held
+    back from the regime until it breaks (then learned) or raises the alarm (then it
+    starts the new regime, from the suffix that fits one new level): a shift neither
+    widens the reference it is measured against nor smears the old regime.
     """
 
-    __slots__ = ("bound", "changes", "cur", "down", "down_run", "filled", "head", "post",
-                 "recent", "recent_censored", "regimes", "tick", "unsure", "up", "up_run")
+    __slots__ = ("changes", "cur", "decided_for", "down", "down_run", "early", "filled",
+                 "head", "held", "pending", "post", "recent", "recent_censored", "regimes",
+                 "tick", "up", "up_run")
 
     def __init__(self) -> None:
         self.regimes = [Regime(0)]
@@ -226,8 +240,13 @@ class RouteModel:
         self.filled = 0
         self.changes = 0
         self.tick = 0
-        self.bound = 0.0
-        self.unsure = 0  # trailing samples no regime learned yet (the filter was unsure)
+        #: The trigger's last decision (its hysteresis state), and the delay it was for.
+        self.early = False
+        self.decided_for = -1.0
+        #: Trailing samples no regime learned yet: held while the filter is unsure of
+        #: them or a change detector sum is accumulating (at most _RECENT - 1).
+        self.pending = 0
+        self.held = 0  # the direction of the detector run holding them (0: the filter)
         self.up = self.down = 0.0
         self.up_run = self.down_run = 0
 
@@ -242,10 +261,12 @@ class RouteModel:
         if self.filled < _RECENT:
             self.filled += 1
         self.tick += 1
-        switched = False
-        if len(self.regimes) > 1:
-            switched = self._filter(_bin(seconds), censored, s.hazard)
+        before = self.cur
+        if len(self.regimes) > 1 and self._filter(_bin(seconds), censored, s.hazard):
+            # Held samples go to whichever of the two regimes explains them better.
+            self._sort_pending(self.regimes[before], s)
         regime = self.regimes[self.cur]
+        direction = 0
         threshold = s.threshold
         if threshold is not None and regime.seen >= _CHANGE_WARMUP:
             sigma = max(math.sqrt(regime.var), _MIN_SIGMA)
@@ -259,22 +280,69 @@ class RouteModel:
             self.down = max(0.0, self.down + faster)
             self.down_run = self.down_run + 1 if faster > 0.0 else 0
             if self.up >= threshold or self.down >= threshold:
-                run = self.up_run if self.up >= threshold else self.down_run
-                self._new_regime(min(run, self.filled), s)
-                self._update_bound(s)
+                unlearned = self.pending + 1
+                run = min(self.up_run if self.up >= threshold else self.down_run, unlearned)
+                run = self._shifted(run, regime.mean)
+                # Held samples before the run were the old latency's.
+                self._learn_trailing(unlearned - run, run, regime, s)
+                self._new_regime(run, s)
                 return
-        if switched:
-            # The unsure samples before the switch were most likely the new regime's.
-            for i in range(self.head - 1 - min(self.unsure, self.filled - 1), self.head - 1):
-                regime.learn(self.recent[i % _RECENT],
-                             bool(self.recent_censored[i % _RECENT]), s.growth, s.alpha)
-        if len(self.regimes) > 1 and self.post[self.cur] < _LEARN_POSTERIOR:
-            self.unsure = min(self.unsure + 1, _RECENT)
+            # A run of samples pushing one sum is held: a shift must not widen the
+            # reference it is measured against, nor smear this regime's histogram.
+            # A sample that does not push it releases the run to this regime.
+            direction = 1 if slower > 0.0 else -1 if faster > 0.0 else 0
+            if self.pending and self.held and direction != self.held:
+                self._learn_trailing(self.pending, 1, regime, s)
+                self.pending = 0
+        if direction or (len(self.regimes) > 1 and self.post[self.cur] < _LEARN_POSTERIOR):
+            self.held = direction
+            self.pending += 1
+            if self.pending >= _RECENT:  # the ring is full: the oldest is learned now
+                self.pending -= 1
+                self._learn_trailing(1, self.pending, regime, s)
         else:
-            self.unsure = 0
-            regime.learn(seconds, censored, s.growth, s.alpha)
+            self._learn_trailing(self.pending + 1, 0, regime, s)
+            self.pending = self.held = 0
         regime.used = self.tick
-        self._update_bound(s)
+
+    def _shifted(self, run: int, mean: float) -> int:
+        """How many of the last `run` samples are the new latency's: the suffix that
+        best fits one new level, the samples before it fitting the old `mean` (least
+        squares on log latency), so the new regime does not start from the noise that
+        began the run."""
+        logs = [math.log(max(self.recent[i % _RECENT], _LOW))
+                for i in range(self.head - run, self.head)]
+        best, best_cost = run, math.inf
+        before = 0.0  # squared error of logs[:k] against the old mean
+        for k in range(run):
+            tail = logs[k:]
+            level = sum(tail) / len(tail)
+            cost = before + sum((y - level) ** 2 for y in tail)
+            if cost < best_cost:
+                best, best_cost = run - k, cost
+            before += (logs[k] - mean) ** 2
+        return best
+
+    def _learn_trailing(self, count: int, skip: int, regime: Regime, s: Settings) -> None:
+        """`regime` learns `count` recent samples, oldest first, leaving the newest
+        `skip` aside."""
+        end = self.head - skip
+        for i in range(end - count, end):
+            regime.learn(self.recent[i % _RECENT], bool(self.recent_censored[i % _RECENT]),
+                         s.growth, s.alpha)
+
+    def _sort_pending(self, old: Regime, s: Settings) -> None:
+        """After a switch away from `old`: each held sample (not the newest) is learned
+        by `old` or the new current regime, whichever gives it the higher likelihood."""
+        new = self.regimes[self.cur]
+        for i in range(self.head - 1 - self.pending, self.head - 1):
+            seconds = self.recent[i % _RECENT]
+            censored = bool(self.recent_censored[i % _RECENT])
+            index = _bin(seconds)
+            target = (old if old.hist.likelihood(index, censored)
+                      > new.hist.likelihood(index, censored) else new)
+            target.learn(seconds, censored, s.growth, s.alpha)
+        self.pending = self.held = 0
 
     def _filter(self, index: int, censored: bool, hazard: float) -> bool:
         """Bayes update of which known regime is current; switch when another one is
@@ -311,11 +379,9 @@ class RouteModel:
         self.cur = len(regimes) - 1
         self.post = [0.0] * len(regimes)
         self.post[self.cur] = 1.0
-        self.unsure = 0
         self._reset_detector()
-        for i in range(self.head - run, self.head):
-            regime.learn(self.recent[i % _RECENT], bool(self.recent_censored[i % _RECENT]),
-                         s.growth, s.alpha)
+        self._learn_trailing(run, 0, regime, s)
+        self.pending = self.held = 0
 
     # -------------------------------------------------------------- predictions
 
@@ -334,44 +400,3 @@ class RouteModel:
     @staticmethod
     def effective(parts: list[tuple[float, Histogram]]) -> float:
         return sum(w * h.effective() for w, h in parts)
-
-    def _update_bound(self, s: Settings) -> None:
-        """Move the hysteresis bound into [q(enter), q(exit)] (the play operator)."""
-        regimes = self.regimes
-        single = regimes[0].hist if len(regimes) == 1 else None
-        if single is not None:  # the common case, without building the mixture
-            parts = [(1.0, single)] if single.total > 0.0 else []
-            n = single.total / single.increment if parts else 0.0
-        else:
-            parts = self.parts(s.hazard)
-            n = self.effective(parts)
-        if n <= 0.0:
-            self.bound = 0.0
-            return
-        shrink = (n + s.prior) / n
-        # The hysteresis grows with the evidence: a handful of samples has no steady
-        # estimate to flicker around, and a lucky streak should not hold the decision.
-        exit = s.enter - (s.enter - s.exit) * min(1.0, n / _HYSTERESIS_SAMPLES)
-        low_level, high_level = 1.0 - s.enter * shrink, 1.0 - exit * shrink
-        bound = self.bound
-        # Usually the bound stays inside [q(low_level), q(high_level)]: one cumulative
-        # sum at the bound tells, without scanning for both quantiles.
-        if bound <= 0.0:
-            if low_level <= 0.0:
-                return
-        else:
-            below = (single.below(bound) if single is not None
-                     else sum(w * h.below(bound) for w, h in parts))
-            if low_level <= below <= high_level:
-                return
-        low, high = mixture_quantiles(parts, [low_level, high_level])
-        self.bound = min(max(bound, low), high)
-
-    def probability_late(self, parts: list[tuple[float, Histogram]], delay: float,
-                         prior: float) -> float:
-        """P(first response > delay), shrunk towards "not late" by `prior` samples."""
-        n = self.effective(parts)
-        if n <= 0.0:
-            return 0.0
-        late = sum(w * (1.0 - h.below(delay)) for w, h in parts)
-        return n * late / (n + prior)

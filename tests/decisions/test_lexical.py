@@ -322,7 +322,8 @@ def test_floors_are_exposed_and_default_to_the_swept_values() -> None:
     "kwargs",
     [{"weights": (1.0, 2.0), "bias": 0.0}, {"weights": (1.0, 1.0, 1.0, 1.0, float("nan")),
                                             "bias": 0.0},
-     {"weights": (0.0,) * 5, "bias": float("inf")}, {"weights": (0.0,) * 5, "bias": True}],
+     {"weights": (0.0,) * 5, "bias": float("inf")}, {"weights": (0.0,) * 5, "bias": True},
+     {"weights": (10**400,) + (0.0,) * 4, "bias": 0.0}, {"weights": (0.0,) * 5, "bias": 10**400}],
 )
 def test_invalid_calibration_raises_configuration_error(kwargs: dict[str, object]) -> None:
     """A calibration needs five finite weights and a finite bias."""

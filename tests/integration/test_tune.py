@@ -33,21 +33,36 @@ def _grafana(expr: str) -> str:
             .replace("$__range", WINDOW).replace("$max_ack_rate", TARGET))
 
 
-def _tune_rows(output: str, route: str) -> dict[str, tuple[float, float]]:
-    """delay -> (ack rate, needless rate) of `route`'s rows in tune's table."""
+def _tune_rows(output: str, route: str | None = None,
+               ) -> dict[tuple[str, str], list[float]]:
+    """(route, delay) -> [fixed ack, fixed needless, early share, ack, needless] of tune's
+    table (the rows of `route` only, when given)."""
     rows = {}
     for line in output.splitlines():
         fields = line.split()
-        if len(fields) >= 8 and fields[0] == route and fields[1].endswith("s"):
-            rows[f"{float(fields[1][:-1]):g}"] = (float(fields[4][:-1]) / 100,
-                                                  float(fields[5][:-1]) / 100)
+        if len(fields) >= 10 and fields[1].endswith("s") and route in (None, fields[0]):
+            try:
+                values = [float(fields[i][:-1]) / 100 for i in (3, 4, 6, 7, 8)]
+            except ValueError:
+                continue
+            rows[fields[0], f"{float(fields[1][:-1]):g}"] = values
     return rows
+
+
+def _dashboard(table: dict[str, str], ref: str, at: float,
+               stack: Stack) -> dict[tuple[str, str], float]:
+    """(route, delay) -> value of one what-if target."""
+    response = stack.prometheus.query(_grafana(table[ref]), at=at)
+    assert response["status"] == "success", response
+    return {(series["metric"]["route"], series["metric"]["delay"]): float(series["value"][1])
+            for series in response["data"]["result"]}
 
 
 def test_tune_and_dashboard_agree_on_the_same_data(stack: Stack) -> None:
     """At one instant, over one window and job: tune's all-routes acknowledgment and
-    needless rates per candidate delay are within 2 points of the dashboard's, and both
-    recommend the same delay for the same target."""
+    needless rates per candidate delay are within 2 points of the dashboard's, for the
+    fixed delay and the (approximated) predictive policy; both approximate the same
+    routes as acknowledged early; and both recommend the same delay for the same target."""
     def enough() -> bool | None:
         result = stack.prometheus.query(
             f'sum(increase(turnrouter_first_response_seconds_count{{job="{NORMAL_JOB}"}}'
@@ -66,16 +81,19 @@ def test_tune_and_dashboard_agree_on_the_same_data(stack: Stack) -> None:
     assert len(tune) >= 10, done.stdout
 
     table = _panel_exprs("Which delay? What-if per candidate delay and route")
-    dashboard: dict[str, list[float]] = {}
-    for ref in ("B", "D"):  # all-routes ack rate, all-routes needless rate
-        response = stack.prometheus.query(_grafana(table[ref]), at=at)
-        assert response["status"] == "success", response
-        for series in response["data"]["result"]:
-            dashboard.setdefault(series["metric"]["delay"], []).append(float(series["value"][1]))
-    assert set(dashboard) == set(tune)
-    for delay, (ack, needless) in tune.items():
-        assert abs(dashboard[delay][0] - ack) <= 0.02, (delay, dashboard[delay], ack)
-        assert abs(dashboard[delay][1] - needless) <= 0.02, (delay, dashboard[delay], needless)
+    # tune's column -> the dashboard's all-routes target
+    for column, ref in ((0, "I"), (1, "K"), (3, "B"), (4, "D")):
+        dashboard = _dashboard(table, ref, at, stack)
+        assert set(dashboard) == set(tune), ref
+        for key, values in tune.items():
+            assert abs(dashboard[key] - values[column]) <= 0.02, (ref, key, dashboard[key],
+                                                                  values)
+    early = _dashboard(table, "G", at, stack)
+    per_route = {key: values for key, values in _tune_rows(done.stdout).items()
+                 if key[0] != "(all)"}
+    assert early and set(early) == set(per_route)
+    assert {key: value == 1.0 for key, value in early.items()} == {
+        key: values[2] == 1.0 for key, values in per_route.items()}
 
     (recommended_expr,) = _panel_exprs("Recommended delay").values()
     response = stack.prometheus.query(_grafana(recommended_expr), at=at)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shutil
@@ -13,11 +14,12 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from turnrouter.cli._worker import load_factory, worker_parser
+from turnrouter.cli import worker_parser
 from turnrouter.ops import generated_files, queries
-from turnrouter.runtime.nats._metrics import runtime_metrics
+from turnrouter.runtime.nats import NatsConfig, NatsWorker
 from turnrouter.telemetry import METRICS
 
+from .app import make_router
 from .conftest import ROOT
 
 DEPLOY = ROOT / "deploy"
@@ -36,12 +38,17 @@ def k8s(name: str) -> dict[str, dict[str, Any]]:
     return {doc["kind"]: doc for doc in yaml.safe_load_all((K8S / name).read_text()) if doc}
 
 
+def runtime_registry() -> CollectorRegistry:
+    """A registry holding the runtime's families, as a worker registers them."""
+    registry = CollectorRegistry()
+    NatsWorker(make_router, NatsConfig(), registry=registry)
+    return registry
+
+
 def exposed_names() -> set[str]:
     """Series names the worker exposes: the runtime's families and the router's."""
     names = {spec.name for spec in METRICS}
-    registry = CollectorRegistry()
-    runtime_metrics(registry)
-    for family in registry.collect():
+    for family in runtime_registry().collect():
         names.update(sample.name for sample in family.samples)
     return names | {name + suffix for name in set(names)
                     for suffix in ("_bucket", "_sum", "_count")}
@@ -51,7 +58,8 @@ def check_worker_args(args: list[str]) -> Any:
     """Worker flags parse, the app resolves, and /metrics is on 0.0.0.0:9464."""
     assert args[0] == "worker"
     parsed = worker_parser().parse_args(args[1:])
-    assert callable(load_factory(parsed.app))
+    module, _, attribute = parsed.app.partition(":")
+    assert callable(getattr(importlib.import_module(module), attribute))
     assert (parsed.metrics_host, parsed.metrics_port) == ("0.0.0.0", 9464)
     return parsed
 
@@ -130,10 +138,8 @@ def test_fleet_dashboard_queries_only_exposed_series() -> None:
         for name in re.findall(r"\bturnrouter_[a-z_]+", expr):
             assert name in exposed, f"{name} in {where} ({expr!r}) is not exposed"
             used.add(name.removesuffix("_bucket"))
-    registry = CollectorRegistry()
-    runtime_metrics(registry)
     families = {f.name + ("_total" if f.type == "counter" else "")
-                for f in registry.collect()}
+                for f in runtime_registry().collect()}
     assert families <= used, families - used
     titles = {p["title"] for p in model["panels"]}
     assert "Partitions owned per replica" in titles

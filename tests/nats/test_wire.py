@@ -1,45 +1,90 @@
-"""The NATS runtime's boundaries without a server: subjects, tokens, records, config."""
+"""The NATS runtime's wire: subjects, tokens, inputs, records, output ids, config.
+
+What a deployment can put on the wire goes to a real nats-server and one in-process
+`NatsWorker` (one partition, so inputs are handled in the order they were published):
+junk inputs are rejected with their documented reason, records in the bucket are read in
+both formats or start the participant afresh, and outputs carry the documented ids.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import string
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 
-from turnrouter import ConfigurationError, ContractValueError
-from turnrouter.runtime import Interrupted, ParticipantLeft, UserQuery
+from turnrouter import (
+    Admission,
+    AgentRouter,
+    AgentTurn,
+    ConfigurationError,
+    ContractTypeError,
+    ContractValueError,
+    DestinationResult,
+    ParticipantSnapshot,
+    RoutingAid,
+)
+from turnrouter.events import MessageRejected
+from turnrouter.runtime import (
+    Interrupted,
+    ParticipantJoined,
+    ParticipantLeft,
+    ResponseOutput,
+    RuntimeMessage,
+    UserQuery,
+)
 from turnrouter.runtime.nats import (
     MAX_PARTICIPANT_ID_BYTES,
     NatsConfig,
+    NatsFrontEnd,
+    NatsWorker,
+    WorkerContext,
     decode_token,
     encode_token,
 )
+
+# Private names, only for the last section: what no deployment can put on the wire.
 from turnrouter.runtime.nats._link import pub_ack
-from turnrouter.runtime.nats._metrics import runtime_metrics
 from turnrouter.runtime.nats._wire import (
     Rejected,
     ack_metadata,
-    kind_of,
-    output_message_id,
     parse_input,
     parse_state,
     state_json,
 )
+from turnrouter.testing import RecordingObserver, ScriptedLLM
 
+from ..fuzz import valid_text
+from .app import Always, make_router
+from .conftest import NatsServer
+
+T = TypeVar("T")
 CONFIG = NatsConfig(prefix="tr", partitions=8)
 JUNK = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=50),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10),
                                                                  inner, max_size=5),
     max_leaves=30)
+#: The documented kinds of input and their payload classes (docs/distributed.md).
+PAYLOADS: dict[str, type[RuntimeMessage]] = {
+    "query": UserQuery, "joined": ParticipantJoined, "left": ParticipantLeft,
+    "interrupt": Interrupted}
+ACK = "One moment."
+PREAMBLE = "working on it"
 
 
-def delivered(pid: str, kind: str, partition: int = 3) -> str:
-    """The subject the stream's transform gives a participant's input."""
-    return f"tr.p.{partition}.{encode_token(pid)}.{kind}"
+# ---------------------------------------------------------------- no server needed
 
 
 @given(st.text(min_size=1, max_size=80).filter(lambda s: 0 < len(s.encode()) <= 256))
@@ -66,116 +111,11 @@ def test_overlong_participant_ids_are_refused() -> None:
         encode_token("x" * (MAX_PARTICIPANT_ID_BYTES + 1))
 
 
-def test_valid_inputs_parse_to_their_typed_messages() -> None:
-    """A query, a departure and an interrupt parse with their partition and participant."""
-    query = UserQuery(participant_id="ann", text="hi")
-    assert parse_input(CONFIG, delivered("ann", "query"),
-                       query.model_dump_json().encode()) == (3, "ann", "query", query)
-    left = ParticipantLeft(participant_id="ann")
-    assert parse_input(CONFIG, delivered("ann", "left"), left.model_dump_json().encode())[3] \
-        == left
-    assert parse_input(CONFIG, "tr.probe.5", b"") == (5, None, "probe", None)
-    assert kind_of(Interrupted(participant_id="ann")) == "interrupt"
-
-
-@pytest.mark.parametrize(("subject", "data", "reason"), [
-    ("tr.p.3.YW5u.bogus", b"{}", "unknown_subject"),
-    ("tr.p.99.YW5u.query", b"{}", "unknown_subject"),
-    ("other.p.3.YW5u.query", b"{}", "unknown_subject"),
-    ("tr.p.3.YW5u.query", b"x" * (64 * 1024 + 1), "oversized"),
-    ("tr.p.3.YW5u.query", b"{not json", "invalid"),
-    ("tr.p.3.YW5u.query", b'{"participant_id":"bob","text":"hi"}', "invalid"),
-    ("tr.p.3.!!.query", b'{"participant_id":"ann","text":"hi"}', "invalid"),
-    ("tr.p.3.YW5u.query", b"\xff\xfe\xfa", "invalid"),
-    ("tr.p.3.YW5u.query", b"[" * 60_000, "invalid"),
-])
-def test_bad_inputs_are_rejected_with_a_reason(subject: str, data: bytes,
-                                               reason: str) -> None:
-    """Unknown subjects, oversized, malformed, non-UTF-8, deeply nested and mismatched
-    inputs raise Rejected with a low-cardinality reason."""
-    with pytest.raises(Rejected) as info:
-        parse_input(CONFIG, subject, data)
-    assert info.value.reason == reason
-
-
-@settings(max_examples=200)
-@given(subject=st.text(max_size=120), data=st.binary(max_size=2000) | JUNK.map(
-    lambda v: json.dumps(v).encode()))
-def test_any_input_parses_or_is_rejected(subject: str, data: bytes) -> None:
-    """Whatever arrives, parse_input returns a typed message or raises Rejected."""
-    reason = "parsed"
-    try:
-        parse_input(CONFIG, subject, data)
-    except Rejected as exc:
-        reason = exc.reason
-    assert reason in {"parsed", "unknown_subject", "oversized", "invalid"}
-
-
-@given(JUNK)
-def test_validation_bypassing_bodies_are_rejected(value: object) -> None:
-    """Well-formed JSON of the wrong shape on a query subject is rejected as invalid."""
-    with pytest.raises(Rejected, match="invalid"):
-        parse_input(CONFIG, delivered("ann", "query"), json.dumps({"body": value}).encode())
-
-
-def test_state_records_round_trip() -> None:
-    """A participant record keeps its in-flight ids, snapshot and held endings."""
-    ending = ("t0", "echo", 'said "hi" \u00e9\n', 1700000000.5)
-    data = state_json("w1", ["t1"], '{"participant_id":"ann"}', [ending])
-    assert parse_state(data) == (["t1"], '{"participant_id":"ann"}', [ending])
-    assert parse_state(state_json("w1", [], None)) == ([], None, [])
-
-
-def test_records_of_the_earlier_format_are_read() -> None:
-    """A record written as one JSON object (the snapshot a string field) still reads."""
-    old = json.dumps({"owner": "w1", "inflight": ["t1"], "snapshot": '{"a":1}',
-                      "outbox": [["t0", "echo", "hi", 1.5]]}).encode()
-    assert parse_state(old) == (["t1"], '{"a":1}', [("t0", "echo", "hi", 1.5)])
-
-
-@given(st.lists(st.text(max_size=20), max_size=3), st.text(max_size=30),
-       st.lists(st.tuples(st.text(max_size=10), st.text(max_size=10), st.text(max_size=40),
-                          st.floats(0, 2e9)), max_size=3))
-def test_any_record_written_reads_back(inflight: list[str], snapshot: str,
-                                       outbox: list[tuple[str, str, str, float]]) -> None:
-    """Whatever ids, snapshot text and endings (lone surrogates included) go in, the
-    record reads back the same (the snapshot part is bytes of the router's JSON)."""
-    if any("\ud800" <= c <= "\udfff" for c in snapshot):
-        snapshot = "{}"
-    assert parse_state(state_json("w", inflight, snapshot, outbox)) == (
-        inflight, snapshot, outbox)
-
-
-@given(st.binary(max_size=500) | JUNK.map(lambda v: json.dumps(v).encode()))
-def test_junk_state_records_raise_value_error(data: bytes) -> None:
-    """An unreadable record raises ValueError (the worker then starts afresh)."""
-    try:
-        inflight, snapshot, outbox = parse_state(data)
-    except ValueError:
-        return
-    assert isinstance(inflight, list) and isinstance(outbox, list)
-    assert snapshot is None or isinstance(snapshot, str)
-
-
-def test_deeply_nested_state_record_is_a_value_error() -> None:
-    """A record nested past the parser's depth is refused as ValueError."""
-    with pytest.raises(ValueError, match="nested too deeply"):
-        parse_state(b"[" * 200_000 + b"]" * 200_000)
-
-
-def test_terminal_outputs_share_one_id_and_control_text_is_by_content() -> None:
-    """An answer and the failure text of one turn deduplicate; control text does not."""
-    assert output_message_id("t", "echo", "a", final=True) == output_message_id(
-        "t", "none", "sorry", final=True)
-    assert output_message_id("t", "echo", "a", final=False) != output_message_id(
-        "t", "echo", "b", final=False)
-
-
 @pytest.mark.parametrize(("field", "value"), [
     ("prefix", "a.b"), ("prefix", ""), ("partitions", 0), ("partitions", 5000),
     ("failover_timeout", 0), ("pull_expires", 2.0), ("max_message_bytes", 10),
     ("ack_wait", float("inf")), ("drain_timeout", float("nan")), ("dedup_window", True),
-    ("mark_after", 0), ("mark_after", 1.0),
+    ("mark_after", 0), ("mark_after", 1.0), ("ack_wait", 10**400),
 ])
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     """An impossible configuration raises ConfigurationError naming the field."""
@@ -183,11 +123,20 @@ def test_bad_config_names_the_field(field: str, value: object) -> None:
         NatsConfig(**{field: value})  # type: ignore[arg-type]
 
 
+def family_names(registry: CollectorRegistry) -> list[str]:
+    return [family.name for family in registry.collect()]
+
+
 def test_metric_families_register_once_per_registry() -> None:
-    """Two workers on one registry share one set of families."""
-    registry = CollectorRegistry()
-    assert runtime_metrics(registry) is runtime_metrics(registry)
-    assert runtime_metrics(CollectorRegistry()) is not runtime_metrics(registry)
+    """Two workers on one registry share one set of families (a second registration
+    would raise); a worker on another registry registers its own there."""
+    registry, other = CollectorRegistry(), CollectorRegistry()
+    NatsWorker(make_router, CONFIG, registry=registry)
+    names = family_names(registry)
+    NatsWorker(make_router, CONFIG, registry=registry)
+    assert family_names(registry) == names and "turnrouter_nats_partitions" in names
+    NatsWorker(make_router, CONFIG, registry=other)
+    assert family_names(other) == names
 
 
 def test_public_names_are_pinned() -> None:
@@ -197,6 +146,465 @@ def test_public_names_are_pinned() -> None:
     assert set(module.__all__) == {
         "MAX_PARTICIPANT_ID_BYTES", "NatsConfig", "NatsFrontEnd", "NatsWorker",
         "WorkerContext", "decode_token", "encode_token"}
+
+
+# ---------------------------------------------------------------- one worker on a server
+
+
+class Probe:
+    """The one destination: answers `<query>|<previous user text or ->|<F or N>` through
+    `ctx.answer`. A participant whose id starts with `ack-` is admitted with a preamble
+    and answers only once its acknowledgment went out: two control texts in one turn."""
+
+    def __init__(self, ctx: WorkerContext, wire: Wire) -> None:
+        self._ctx, self._wire = ctx, wire
+        self._focused: dict[str, bool] = {}
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return RoutingAid("echo", "echoes")
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        self._focused[turn.turn_id] = focused
+        if turn.participant_id.startswith("ack-"):
+            return Admission("accept", preamble=PREAMBLE)
+        return Admission("accept")
+
+    async def answer(self, turn: AgentTurn, *,
+                     started: Callable[[], Awaitable[None]]) -> DestinationResult:
+        if turn.participant_id.startswith("ack-"):
+            await self._wire.until(lambda: ACK in self._wire.texts(turn.turn_id))
+        await started()
+        previous = turn.history[-1].user if turn.history else "-"
+        text = f"{turn.query}|{previous}|{'F' if self._focused.pop(turn.turn_id) else 'N'}"
+        await self._ctx.answer(turn, "echo", text)
+        return DestinationResult("focus", text)
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+class Watch(RecordingObserver):
+    """The router's telemetry: wakes the test at every rejected input."""
+
+    def __init__(self, wire: Wire) -> None:
+        super().__init__()
+        self.rejected: list[str] = []
+        self._wire = wire
+
+    def message_rejected(self, event: MessageRejected) -> None:
+        super().message_rejected(event)
+        self.rejected.append(event.reason)
+        self._wire.changed.set()
+
+
+class Wire:
+    """A nats-server and one in-process worker (prefix `tr`, one partition) with a front
+    end and a reader of the output stream (headers included), on an event loop in a
+    background thread, so property tests can use them example after example."""
+
+    def __init__(self) -> None:
+        self.server = NatsServer()
+        self.config = NatsConfig(url=self.server.url, prefix="tr", partitions=1)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        #: Per request id: each output heard, with its Nats-Msg-Id.
+        self.heard: dict[str, list[tuple[ResponseOutput, str]]] = {}
+        try:
+            self.call(self._start())
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, work: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        """Run `work` on the wire's loop (bounded)."""
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout)
+
+    def _factory(self, ctx: WorkerContext) -> AgentRouter:
+        return AgentRouter({"echo": Probe(ctx, self)}, Always(), default_destination="echo",
+                           telemetry=self.watch, acknowledgment_llm=ScriptedLLM(ACK),
+                           acknowledgment_delay_secs=0.05)
+
+    async def _start(self) -> None:
+        self.changed = asyncio.Event()
+        self.watch = Watch(self)
+        self.worker = NatsWorker(self._factory, self.config, registry=CollectorRegistry(),
+                                 replica="wire")
+        self.run = asyncio.create_task(self.worker.run())
+        async with asyncio.timeout(15):
+            await self.worker.ready.wait()
+        self.front = await NatsFrontEnd.connect(self.config)
+        self.js = self.front.connection.jetstream()
+        self.kv: KeyValue = await self.js.key_value(f"{self.config.prefix}_state")
+        self.sub = await self.js.subscribe(f"{self.config.prefix}.out.*",
+                                           ordered_consumer=True,
+                                           deliver_policy=DeliverPolicy.NEW)
+        self.reader = asyncio.create_task(self._read(self.sub))
+
+    async def _read(self, sub: Any) -> None:
+        async for msg in sub.messages:
+            output = ResponseOutput.model_validate_json(msg.data)
+            headers = msg.headers or {}
+            self.heard.setdefault(output.request_id, []).append(
+                (output, headers.get("Nats-Msg-Id", "")))
+            self.changed.set()
+
+    async def until(self, done: Callable[[], bool], seconds: float = 15) -> None:
+        """Until `done()` holds (re-checked at each output and rejection; bounded)."""
+        async with asyncio.timeout(seconds):
+            while not done():
+                self.changed.clear()
+                await self.changed.wait()
+
+    def texts(self, request_id: str) -> list[str]:
+        return [output.text for output, _ in self.heard.get(request_id, ())]
+
+    async def ask(self, query: UserQuery) -> str:
+        """Publish a query; the text of its answer (its final output)."""
+        await self.front.publish(query)
+        await self.until(lambda: any(msg_id.endswith(".final")
+                                     for _, msg_id in self.heard.get(query.message_id, ())))
+        return next(output.text for output, msg_id in self.heard[query.message_id]
+                    if msg_id.endswith(".final"))
+
+    async def record(self, pid: str) -> bytes:
+        entry = await self.kv.get(f"0.{encode_token(pid)}")
+        assert entry.value is not None
+        return entry.value
+
+    def close(self) -> None:
+        async def stop() -> None:
+            if hasattr(self, "reader"):
+                self.reader.cancel()
+                await asyncio.gather(self.reader, return_exceptions=True)
+                await self.sub.unsubscribe()
+                await self.front.close()
+            if hasattr(self, "run"):
+                self.worker.request_stop()
+                async with asyncio.timeout(20):
+                    await self.run
+
+        try:
+            self.call(stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+            self.server.close()
+
+
+@pytest.fixture(scope="module")
+def wire() -> Iterator[Wire]:
+    made = Wire()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+_pids = iter(range(10**9))
+
+
+def fresh(prefix: str = "p") -> str:
+    """A participant id no earlier test or example used."""
+    return f"{prefix}{next(_pids)}"
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def test_typed_messages_go_to_their_kind_subjects(wire: Wire) -> None:
+    """The front end publishes each input message on `<prefix>.in.<token>.<kind>` with
+    its documented kind; anything but an input message is a ContractTypeError."""
+    pid = fresh("i")
+
+    async def main() -> list[str]:
+        nc = wire.front.connection
+        subjects: list[str] = []
+        got = asyncio.Event()
+
+        async def collect(msg: Msg) -> None:
+            subjects.append(msg.subject)
+            if len(subjects) == len(PAYLOADS):
+                got.set()
+
+        sub = await nc.subscribe("tr.in.>", cb=collect)
+        try:
+            for message in (UserQuery(participant_id=pid, text="hi"),
+                            ParticipantJoined(participant_id=pid),
+                            ParticipantLeft(participant_id=pid),
+                            Interrupted(participant_id=pid)):
+                await wire.front.publish(message)
+            async with asyncio.timeout(10):
+                await got.wait()
+            with pytest.raises(ContractTypeError, match="ResponseOutput"):
+                await wire.front.publish(ResponseOutput(
+                    participant_id=pid, request_id="r", route="echo", text="x"))
+        finally:
+            await sub.unsubscribe()
+        return subjects
+
+    token = encode_token(pid)
+    assert wire.call(main()) == [f"tr.in.{token}.{kind}" for kind in PAYLOADS]
+
+
+def expected_reason(config: NatsConfig, token: str, kind: str, data: bytes) -> str | None:
+    """The rejection reason docs/distributed.md gives for an input (None: accepted)."""
+    payload = PAYLOADS.get(kind)
+    if payload is None:
+        return "unknown_subject"
+    if len(data) > config.max_message_bytes:
+        return "oversized"
+    try:
+        pid = decode_token(token)
+        message = payload.model_validate_json(data)
+    except ValueError:  # pydantic's ValidationError is one
+        return "invalid"
+    return None if getattr(message, "participant_id", None) == pid else "invalid"
+
+
+Input = tuple[str, str, bytes]  # token, kind, body
+
+
+async def deliver(wire: Wire, inputs: list[Input]) -> None:
+    """Publish raw inputs, then a query behind them; check each was rejected with its
+    documented reason, in order, or answered (accepted queries)."""
+    start = len(wire.watch.rejected)
+    for token, kind, data in inputs:
+        await wire.js.publish(f"tr.in.{token}.{kind}", data)
+    assert await wire.ask(UserQuery(participant_id=fresh("s"), text="after")) == "after|-|N"
+    reasons = [expected_reason(wire.config, *item) for item in inputs]
+    assert wire.watch.rejected[start:] == [reason for reason in reasons if reason]
+    accepted = [UserQuery.model_validate_json(data) for (_, kind, data), reason
+                in zip(inputs, reasons, strict=True) if reason is None and kind == "query"]
+    await wire.until(lambda: all(wire.heard.get(query.message_id) for query in accepted))
+
+
+@pytest.mark.parametrize(("token", "kind", "data", "reason"), [
+    ("YW5u", "bogus", b"{}", "unknown_subject"),
+    ("YW5u", "query", b"x" * (64 * 1024 + 1), "oversized"),
+    ("YW5u", "query", b"{not json", "invalid"),
+    ("YW5u", "query", b'{"participant_id":"bob","text":"hi"}', "invalid"),
+    ("!!", "query", b'{"participant_id":"ann","text":"hi"}', "invalid"),
+    ("YW5uPQ", "query", b'{"participant_id":"ann","text":"hi"}', "invalid"),
+    ("YW5u", "query", b"\xff\xfe\xfa", "invalid"),
+    ("YW5u", "query", b"[" * 60_000, "invalid"),
+    ("YW5u", "left", b'{"participant_id":"bob"}', "invalid"),
+])
+def test_bad_inputs_are_rejected_with_a_reason(wire: Wire, token: str, kind: str,
+                                               data: bytes, reason: str) -> None:
+    """Unknown kinds, oversized, malformed, non-UTF-8, deeply nested, badly named and
+    mismatched inputs are rejected with a low-cardinality reason; the next is answered."""
+    assert expected_reason(wire.config, token, kind, data) == reason
+    wire.call(deliver(wire, [(token, kind, data)]))
+
+
+#: Subject-safe token text (NATS tokens hold no dot, wildcard or whitespace).
+TOKEN_CHARS = string.ascii_letters + string.digits + "-_=!%~"
+PIDS = st.text(min_size=1, max_size=30).filter(
+    lambda s: valid_text(s) and len(s.encode()) <= 256 and not s.startswith("ack-"))
+
+
+@st.composite
+def inputs(draw: st.DrawFn) -> Input:
+    """One input of any shape a publisher could send: a valid or junk token, any kind,
+    a valid, mismatched, junk, oversized or deeply nested body."""
+    pid = draw(PIDS)
+    token = draw(st.one_of(st.just(encode_token(pid)),
+                           st.text(TOKEN_CHARS, min_size=1, max_size=24)))
+    kind = draw(st.sampled_from([*PAYLOADS, "bogus", "Query"]))
+    text = draw(st.text(max_size=30).filter(valid_text))
+    data = draw(st.one_of(
+        st.just(UserQuery(participant_id=pid, text=text).model_dump_json().encode()),
+        st.just(json.dumps({"participant_id": pid + "x", "text": text}).encode()),
+        st.binary(max_size=300),
+        JUNK.map(lambda value: json.dumps(value).encode()),
+        JUNK.map(lambda value: json.dumps({"participant_id": pid, "body": value}).encode()),
+        st.sampled_from([b"x" * (64 * 1024 + 1), b"[" * 60_000])))
+    return token, kind, data
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(st.lists(inputs(), min_size=1, max_size=6))
+def test_any_input_is_answered_or_rejected_with_its_reason(wire: Wire,
+                                                           batch: list[Input]) -> None:
+    """Whatever a publisher sends (junk, huge, validation-bypassing bodies), the worker
+    rejects it with the documented reason or handles it, and goes on serving."""
+    wire.call(deliver(wire, batch))
+
+
+# ---------------------------------------------------------------- records
+
+
+def test_a_turn_leaves_the_documented_record(wire: Wire) -> None:
+    """After a turn, its participant's record is a JSON header line (owner, turns in
+    flight, the outbox holding the answer exactly) then the snapshot's own JSON."""
+    pid = fresh()
+    text = 'said "hi" \u00e9\n\\ {x}'
+
+    async def main() -> None:
+        query = UserQuery(participant_id=pid, text=text)
+        answer = await wire.ask(query)
+        assert answer == f"{text}|-|N"
+        head, newline, snapshot = (await wire.record(pid)).partition(b"\n")
+        assert newline
+        header = json.loads(head)
+        assert header["owner"] == "wire" and header["inflight"] == []
+        [[turn_id, route, said, at]] = header["outbox"]
+        assert (turn_id, route, said) == (query.message_id, "echo", answer)
+        assert abs(at - time.time()) < 60
+        moved = ParticipantSnapshot.from_json(snapshot)
+        assert moved.participant_id == pid
+        assert [(item.user, item.assistant) for item in moved.history] == [(text, answer)]
+
+    wire.call(main())
+
+
+def left_behind(pid: str, *, old_format: bool) -> bytes:
+    """A record a previous owner left: one exchange in the snapshot, an answer in the
+    outbox not yet heard (turn `<pid>-1`), and a turn in flight (`<pid>-2`)."""
+    snapshot = ParticipantSnapshot.from_json(json.dumps({
+        "participant_id": pid, "focus": "echo", "used": ["echo"], "initialized": True,
+        "history_version": 1,
+        "history": [{"user": "earlier", "assistant": "before", "turn_id": "old-0"}],
+    })).to_json()
+    outbox = [[f"{pid}-1", "echo", 'said "hi" \u00e9\n', time.time()]]
+    inflight = [f"{pid}-2"]
+    if old_format:
+        return json.dumps({"owner": "gone", "inflight": inflight, "snapshot": snapshot,
+                           "outbox": outbox}).encode()
+    head = json.dumps({"owner": "gone", "inflight": inflight, "outbox": outbox})
+    return f"{head}\n{snapshot}".encode()
+
+
+@pytest.mark.parametrize("old_format", [False, True])
+def test_records_left_by_a_previous_owner_are_taken_over(wire: Wire,
+                                                         old_format: bool) -> None:
+    """A record of either format (the earlier one-object format too) is read when its
+    participant talks: the history goes on, the unheard answer is published, and the
+    turn in flight ends with the failure text, both under `<turn id>.final`."""
+    pid = fresh()
+
+    async def main() -> None:
+        await wire.kv.put(f"0.{encode_token(pid)}", left_behind(pid, old_format=old_format))
+        assert await wire.ask(UserQuery(participant_id=pid, text="again")) == (
+            "again|earlier|F")
+        [(answered, msg_id)] = wire.heard[f"{pid}-1"]
+        assert (answered.participant_id, answered.route, answered.text, msg_id) == (
+            pid, "echo", 'said "hi" \u00e9\n', f"{pid}-1.final")
+        [(failed, msg_id)] = wire.heard[f"{pid}-2"]
+        assert (failed.participant_id, failed.route, failed.text, msg_id) == (
+            pid, "none", wire.config.failure_text, f"{pid}-2.final")
+
+    wire.call(main())
+
+
+#: The empty record included: nats-py reads an empty value as None, which once made the
+#: claim expect no record and be refused forever, holding the partition.
+RECORDS = st.one_of(
+    st.just(b""),
+    st.binary(max_size=500),
+    JUNK.map(lambda value: json.dumps(value).encode()),
+    st.fixed_dictionaries({}, optional={
+        "owner": JUNK, "inflight": JUNK, "outbox": JUNK, "snapshot": JUNK,
+    }).map(lambda value: json.dumps(value).encode()),
+    JUNK.map(lambda value: b'{"owner":"x"}\n' + json.dumps(value).encode()),
+    st.just(b"[" * 200_000 + b"]" * 200_000),
+)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.lists(RECORDS, min_size=1, max_size=4))
+def test_unreadable_records_start_their_participant_afresh(wire: Wire,
+                                                           records: list[bytes]) -> None:
+    """A record of junk (any bytes, wrong shapes, nested past the parser's depth) makes
+    its participant start afresh when it talks; the worker goes on serving."""
+
+    async def main() -> None:
+        pids = [fresh() for _ in records]
+        for pid, data in zip(pids, records, strict=True):
+            await wire.kv.put(f"0.{encode_token(pid)}", data)
+        for pid in pids:
+            assert await wire.ask(UserQuery(participant_id=pid, text="hi")) == "hi|-|N"
+
+    wire.call(main())
+
+
+# ---------------------------------------------------------------- output ids
+
+
+def test_outputs_carry_their_deduplication_ids(wire: Wire) -> None:
+    """A turn's answer goes out as `<turn id>.final`; each of its control texts (the
+    preamble, the acknowledgment) under an id of its own, by content."""
+    query = UserQuery(participant_id=fresh("ack-"), text="book a table for two tonight")
+
+    async def main() -> None:
+        answer = await wire.ask(query)
+        ids = {output.text: msg_id for output, msg_id in wire.heard[query.message_id]}
+        assert list(ids) == [PREAMBLE, ACK, answer]
+        assert ids[answer] == f"{query.message_id}.final"
+        assert len({ids[PREAMBLE], ids[ACK], ids[answer]}) == 3
+        assert all(ids[text].startswith(f"{query.message_id}.") for text in (PREAMBLE, ACK))
+
+    wire.call(main())
+
+
+
+# ---------------------------------------------------------------- unreachable from outside
+#
+# What no deployment can put on the wire, so only private names reach it: the server's
+# own replies (JetStream ack subjects, publish acknowledgments) and subjects outside the
+# stream's transform. These parsers guard against a server that changed or misbehaves.
+
+
+@pytest.mark.parametrize("subject", [
+    "tr.p.99.YW5u.query",  # a partition the deployment does not have
+    "other.p.3.YW5u.query",  # another deployment's prefix
+    "tr.p.3.YW5u",  # too few tokens
+])
+def test_subjects_outside_the_transform_are_unknown(subject: str) -> None:
+    """Subjects the input stream's transform never produces are rejected as unknown."""
+    with pytest.raises(Rejected) as info:
+        parse_input(CONFIG, subject, b'{"participant_id":"ann","text":"hi"}')
+    assert info.value.reason == "unknown_subject"
+
+
+@settings(max_examples=200)
+@given(subject=st.text(max_size=120), data=st.binary(max_size=2000) | JUNK.map(
+    lambda v: json.dumps(v).encode()))
+def test_any_subject_parses_or_is_rejected(subject: str, data: bytes) -> None:
+    """Whatever the subject (any text, not only what the server delivers), parse_input
+    returns a typed message or raises Rejected with a documented reason."""
+    reason = "parsed"
+    try:
+        parse_input(CONFIG, subject, data)
+    except Rejected as exc:
+        reason = exc.reason
+    assert reason in {"parsed", "unknown_subject", "oversized", "invalid"}
+
+
+@given(st.lists(st.text(max_size=20), max_size=3), st.text(max_size=30),
+       st.lists(st.tuples(st.text(max_size=10), st.text(max_size=10), st.text(max_size=40),
+                          st.floats(0, 2e9)), max_size=3))
+def test_any_record_written_reads_back(inflight: list[str], snapshot: str,
+                                       outbox: list[tuple[str, str, str, float]]) -> None:
+    """Whatever ids, snapshot text and endings go in (lone surrogates included, which no
+    validated message carries), the record reads back the same."""
+    if any("\ud800" <= c <= "\udfff" for c in snapshot):
+        snapshot = "{}"
+    assert parse_state(state_json("w", inflight, snapshot, outbox)) == (
+        inflight, snapshot, outbox)
+
+
+def test_a_record_time_too_large_for_a_float_is_refused() -> None:
+    """An outbox entry whose time is an integer too large for a float is a ValueError
+    naming the outbox (the record is then unreadable, its participant starts afresh)."""
+    record = json.dumps({"owner": "w", "inflight": [], "outbox": [["t", "r", "x", 10**400]]})
+    with pytest.raises(ValueError, match="outbox"):
+        parse_state(record.encode())
 
 
 def test_publish_acknowledgments_parse_to_a_sequence_or_an_error() -> None:

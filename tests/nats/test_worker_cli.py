@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -12,7 +14,6 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from turnrouter.cli import main
-from turnrouter.cli._worker import load_factory, worker_parser
 
 from .conftest import ROOT, NatsServer, Worker, metric_value
 
@@ -21,6 +22,15 @@ def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     return subprocess.run([sys.executable, "-m", "turnrouter", "worker", *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+
+
+def worker_usage(*args: str) -> tuple[int, str]:
+    """`turnrouter worker ARGS` in this process: exit status and stderr (for usage errors,
+    which end before any connection)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(["worker", *args])
+    return status, err.getvalue()
 
 
 def test_usage_lists_the_worker(capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,18 +45,20 @@ def test_usage_lists_the_worker(capsys: pytest.CaptureFixture[str]) -> None:
     ("tests.nats.app:PREAMBLE", "not a callable"),
 ])
 def test_bad_app_specs_name_the_problem(spec: str, message: str) -> None:
-    """--app must name an importable callable; the error says which part is wrong."""
-    with pytest.raises(ValueError, match=message):
-        load_factory(spec)
+    """--app must name an importable callable; the usage error says which part is wrong."""
+    status, err = worker_usage("--nats", "nats://127.0.0.1:1", f"--app={spec}")
+    assert status == 2
+    assert err.startswith("turnrouter worker: error: --app") and message in err
 
 
 @given(st.text(max_size=60), st.text(max_size=30))
-def test_junk_app_specs_raise_value_error(module: str, attribute: str) -> None:
-    """Junk (relative, empty, non-identifier, NUL, huge) --app values raise ValueError,
-    nothing else; names that could import real modules are not generated."""
+def test_junk_app_specs_are_usage_errors(module: str, attribute: str) -> None:
+    """Junk (relative, empty, non-identifier, NUL, huge) --app values are usage errors
+    naming --app, nothing else; names that could import real modules are not generated."""
     assume(not all(part.isidentifier() for part in module.split(".")))
-    with pytest.raises(ValueError, match="--app"):
-        load_factory(f"{module}:{attribute}")
+    status, err = worker_usage("--nats", "nats://127.0.0.1:1", f"--app={module}:{attribute}")
+    assert status == 2
+    assert err.startswith("turnrouter worker: error: --app") and "Traceback" not in err
 
 
 @pytest.mark.parametrize("flags", [
@@ -64,8 +76,10 @@ def test_bad_flags_are_one_line_usage_errors(flags: list[str]) -> None:
 
 def test_missing_flags_are_usage_errors() -> None:
     """--nats and --app are required."""
-    with pytest.raises(SystemExit):
-        worker_parser().parse_args(["--app", "tests.nats.app:make_router"])
+    status, err = worker_usage("--app", "tests.nats.app:make_router")
+    assert status == 2 and "--nats" in err
+    status, err = worker_usage("--nats", "nats://127.0.0.1:1")
+    assert status == 2 and "--app" in err
 
 
 def test_unreachable_server_exits_with_a_clear_error() -> None:

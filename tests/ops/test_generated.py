@@ -166,16 +166,29 @@ def test_acknowledgment_dashboard_has_the_required_panels() -> None:
 
 def test_which_delay_table_covers_every_candidate_and_marks_the_current_one() -> None:
     """The what-if table has ack, needless and silence per route and over all routes, for
-    every candidate delay, and a `current` marker from the configured-delay gauge."""
+    every candidate delay, under the predictive policy (with the approximated trigger's
+    `early` column) and the fixed delay, and a `current` marker from the
+    configured-delay gauge."""
     panel = _panel("Which delay? What-if per candidate delay and route")
-    targets = panel["targets"]
-    assert all(t["instant"] and t["format"] == "table" for t in targets)
+    targets = {t["refId"]: t for t in panel["targets"]}
+    assert all(t["instant"] and t["format"] == "table" for t in targets.values())
     delays = [f'"delay", "{c.delay:g}"' for c in candidates()]
     assert len(delays) >= 10
-    for target in targets:
+    for target in targets.values():
         assert all(d in target["expr"] for d in delays), target["refId"]
-    assert "turnrouter_acknowledgment_delay_seconds" in targets[-1]["expr"]
-    assert '"route", "(all)"' in targets[1]["expr"]
+    assert "turnrouter_acknowledgment_delay_seconds" in targets["F"]["expr"]
+    for ref in ("B", "D", "I", "K"):
+        assert '"route", "(all)"' in targets[ref]["expr"], ref
+    names = panel["transformations"][1]["options"]["renameByName"]
+    assert {names[f"Value #{ref}"] for ref in targets} == {
+        "early", "ack rate", "needless", "p95 silence", "fixed: ack rate", "fixed: needless",
+        "fixed: p95 silence", "current"}
+    # The predictive columns and `early` read the trigger's decision; the fixed ones not.
+    for ref in ("A", "B", "C", "D", "E", "G"):
+        assert "group_left" in targets[ref]["expr"], ref
+    for ref in ("H", "I", "J", "K", "L"):
+        assert "group_left" not in targets[ref]["expr"], ref
+    assert "APPROXIMATION" in panel["description"]
 
 
 def test_every_candidate_reads_buckets_on_bounds() -> None:
@@ -184,7 +197,7 @@ def test_every_candidate_reads_buckets_on_bounds() -> None:
     assert spec.buckets is not None
     bounds = {round(b, 6) for b in spec.buckets}
     for c in candidates():
-        assert {c.heard, c.heard_early, c.needless_until, c.needless_early_until} <= bounds
+        assert c.instants <= bounds
 
 
 def test_overview_covers_every_metric_family_between_the_dashboards() -> None:

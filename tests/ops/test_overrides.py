@@ -67,6 +67,7 @@ def test_route_names_with_regex_characters_are_matched_literally() -> None:
     ({"route": "a", "alert": PER_ROUTE[0], "threshold": float("nan")}, "threshold"),
     ({"route": "a", "alert": PER_ROUTE[0], "threshold": -1}, "threshold"),
     ({"route": "a", "alert": PER_ROUTE[0], "threshold": True}, "threshold"),
+    ({"route": "a", "alert": PER_ROUTE[0], "threshold": 10**400}, "threshold"),
     ({"route": "a", "alert": PER_ROUTE[0], "min_turns": 1.5}, "min_turns"),
     ({"route": "a", "alert": PER_ROUTE[0], "disabled": "yes"}, "disabled"),
     ({"route": "a", "alert": PER_ROUTE[0], "colour": 1}, "unknown keys"),

@@ -18,8 +18,8 @@ from turnrouter.telemetry import (
     RESPONSE_BUCKETS,
     Telemetry,
     metric,
+    metrics_markdown_table,
 )
-from turnrouter.telemetry._metrics import metrics_markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "telemetry.md"
@@ -47,7 +47,7 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "turnrouter_runtime_rejected_messages_total": ("counter", ("topic", "reason")),
     "turnrouter_limit_overflows_total": ("counter", ("limit",)),
     "turnrouter_ineligible_routes_total": ("counter", ("route", "reason")),
-    "turnrouter_needless_acknowledgments_total": ("counter", ("route",)),
+    "turnrouter_needless_acknowledgments_total": ("counter", ("route", "trigger")),
     "turnrouter_acknowledgment_generation_seconds": ("histogram", ("route",)),
     "turnrouter_active_participants": ("gauge", ()),
     "turnrouter_turns_in_flight": ("gauge", ()),

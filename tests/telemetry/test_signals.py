@@ -61,15 +61,23 @@ def test_unknown_eligibility_states_are_counted_as_other(
     (2.0, False)])
 def test_an_answer_right_behind_its_acknowledgment_makes_it_needless(
         gap: float, needless: bool, turnrouter_telemetry: TelemetryCapture) -> None:
-    """Needless: the answer started within NEEDLESS_WITHIN_SECONDS of the acknowledgment."""
+    """Needless: the answer started within NEEDLESS_WITHIN_SECONDS of the acknowledgment;
+    counted by trigger, so early (prediction-triggered) ones that turned out needless
+    are told from the delay's."""
     telemetry = turnrouter_telemetry.telemetry
     observer = telemetry.turn_started(TurnStarted(AgentTurn("p", "t", "q"), None))
     observer.answer_after_acknowledgment(AnswerAfterAcknowledgment("calendar", "delay", gap))
     observer.acknowledgment_generated(AcknowledgmentGenerated("calendar", 0.31))
     observer.finished(TurnFinished("answer", "calendar", None, None, 1, None))
+    early = telemetry.turn_started(TurnStarted(AgentTurn("p", "t2", "q"), None))
+    early.answer_after_acknowledgment(AnswerAfterAcknowledgment("calendar", "prediction", gap))
+    early.answer_after_acknowledgment(AnswerAfterAcknowledgment("calendar", "prediction", gap))
+    early.finished(TurnFinished("answer", "calendar", None, None, 1, None))
     value = turnrouter_telemetry.value
-    assert value("turnrouter_needless_acknowledgments_total",
-                 route="calendar") == (1.0 if needless else None)
+    assert value("turnrouter_needless_acknowledgments_total", route="calendar",
+                 trigger="delay") == (1.0 if needless else None)
+    assert value("turnrouter_needless_acknowledgments_total", route="calendar",
+                 trigger="prediction") == (2.0 if needless else None)
     assert value("turnrouter_acknowledgment_generation_seconds_count", route="calendar") == 1
     assert value("turnrouter_acknowledgment_generation_seconds_sum",
                  route="calendar") == pytest.approx(0.31)

@@ -1,4 +1,5 @@
-"""The `turnrouter` command: `demo` (the main job) and `tune` (acknowledgment delay).
+"""The `turnrouter` command: `demo` (the main job), `tune` (acknowledgment delay) and
+`worker` (one replica on NATS JetStream).
 
 Usage errors (a bad flag, a value out of range, an address that cannot be served) exit 2
 with one line on stderr and no traceback.
@@ -13,8 +14,9 @@ import sys
 from collections.abc import Sequence
 
 from ._parser import OneLineParser
+from ._worker import worker_parser
 
-__all__ = ["OneLineParser", "demo_parser", "main"]
+__all__ = ["OneLineParser", "demo_parser", "main", "worker_parser"]
 
 #: Upper bounds of the demo's numeric flags (beyond them the run is pointless or unsafe).
 MAX_DURATION = 365 * 86400.0

@@ -4,14 +4,18 @@ For each candidate delay and each route (and all routes together), from recorded
 first-response samples (the `JsonLinesSink` export, e.g. `turnrouter demo --samples`) or
 a Prometheus server's `turnrouter_first_response_seconds` histogram (optionally narrowed
 by a label selector such as `job="voice"`): the acknowledgment rate, the needless rate
-(acknowledgment heard, answer started within `NEEDLESS_WITHIN_SECONDS`), p50 / p95
-silence, and whether the route is acknowledged early by prediction at that delay, with
-the acknowledgment generation time modelled (`--generation-secs`). The tuning dashboard
+(acknowledgment heard, answer started within `NEEDLESS_WITHIN_SECONDS`) and p95 silence
+under two policies side by side: the fixed delay, and the predictive policy the router
+really runs (its `RouteTimingPredictor` acknowledging some turns early), with the share
+of turns it acknowledges early. Samples are replayed in order through the real trigger
+for each candidate delay; a histogram has no order, so from Prometheus the predictive
+policy is approximated per route (see `turnrouter.ops._tuning`). The tuning dashboard
 computes the same numbers in PromQL; a test checks they agree.
 
 The delay is one router-wide setting, so the recommendation is over all routes
 (`--max-ack-rate`: the shortest delay within it; `--max-silence-p95`: the longest delay
-within it); per-route rows show who pays for it. A PNG plot is optional (`--plot`, needs
+within it; `--policy` says which policy's figures it reads, predictive by default);
+per-route rows show who pays for it. A PNG plot is optional (`--plot`, needs
 matplotlib: the `turnrouter[plot]` extra).
 
 Exit status: 0 done, 1 the target cannot be met by any candidate, 2 bad input (one line
@@ -35,29 +39,35 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TextIO
 
+from .._timing import RouteTimingPredictor, TimingSample
 from ..ops._tuning import (
     ALL_ROUTES,
+    CONFIDENCE,
     EARLY_SECS,
     GENERATION_SECS,
-    PREDICTION_QUANTILE,
+    HYSTERESIS,
     Candidate,
     candidate,
     candidates,
+    early_at,
 )
 from ..telemetry import NEEDLESS_WITHIN_SECONDS
 from ._parser import OneLineParser
 
 __all__ = [
     "MAX_LINE_BYTES",
+    "MAX_REPLAY_SAMPLES",
     "MAX_RESPONSE_BYTES",
     "MAX_SAMPLES",
     "BucketDistribution",
     "SampleDistribution",
+    "Split",
     "TuneRow",
     "analyse",
     "parse_prometheus_answer",
     "printable",
     "read_samples",
+    "replay_splits",
     "tune_main",
 ]
 
@@ -67,6 +77,10 @@ MAX_SAMPLES = 5_000_000
 MAX_LINE_BYTES = 65_536
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 MAX_SERIES = 200_000
+#: The replay reads at most this many of the most recent samples by default (each
+#: candidate delay replays them all through a predictor: ~22 us per sample and delay,
+#: ~9 s for the default 20 candidates).
+MAX_REPLAY_SAMPLES = 20_000
 
 _MATCHER = r'[A-Za-z_][A-Za-z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\\n]|\\.)*"'
 _SELECTOR = re.compile(rf"\s*\{{?\s*(?:{_MATCHER}(?:\s*,\s*{_MATCHER})*)?\s*,?\s*\}}?\s*")
@@ -171,30 +185,49 @@ class BucketDistribution:
 
 @dataclass(frozen=True, slots=True)
 class TuneRow:
-    """The what-if of one route (or all routes) at one candidate delay."""
+    """The what-if of one route (or all routes) at one candidate delay: the predictive
+    policy (what the router does) and the fixed delay."""
 
     route: str
     delay: float
     turns: float
-    predicted: bool
-    """Acknowledged early by prediction at this delay (first-response p10 above it)."""
+    early: float
+    """Share of turns the trigger acknowledges early (approximated: 0 or 1)."""
     ack_rate: float
     needless_rate: float
     p50_silence: float
     p95_silence: float
+    fixed_ack_rate: float
+    fixed_needless_rate: float
+    fixed_p50_silence: float
+    fixed_p95_silence: float
+    replayed: bool
+    """The predictive figures come from replaying samples (else: approximated)."""
+
+    def figures(self, policy: str) -> tuple[float, float, float]:
+        """(ack rate, needless rate, p95 silence) of `policy` ("predictive" or "fixed")."""
+        if policy == "fixed":
+            return self.fixed_ack_rate, self.fixed_needless_rate, self.fixed_p95_silence
+        return self.ack_rate, self.needless_rate, self.p95_silence
 
 
-def _route_row(route: str, dist: Distribution, c: Candidate) -> TuneRow:
-    predicted = dist.quantile(PREDICTION_QUANTILE) > c.delay
-    heard = c.heard_early if predicted else c.heard
+@dataclass(frozen=True, slots=True)
+class Split:
+    """One route's turns at one candidate delay, split by the replayed trigger's decision."""
+
+    early: Distribution | None
+    waited: Distribution | None
+
+
+def _outcome(dist: Distribution, heard: float) -> tuple[float, float]:
+    """(ack rate, needless rate) of turns from `dist` acknowledged at `heard`."""
     ack = dist.survival(heard)
-    needless = ack - dist.survival(heard + NEEDLESS_WITHIN_SECONDS)
-    return TuneRow(route, c.delay, dist.turns, predicted, ack, max(0.0, needless),
-                   min(dist.quantile(0.5), heard), min(dist.quantile(0.95), heard))
+    return ack, max(0.0, ack - dist.survival(heard + NEEDLESS_WITHIN_SECONDS))
 
 
 def _mixture_quantile(parts: list[tuple[float, Distribution, float]], q: float) -> float:
-    """Quantile of silence over routes: each `(weight, X, h)` contributes min(X, h)."""
+    """Quantile of silence over groups of turns: each `(weight, X, h)` contributes
+    min(X, h)."""
     total = sum(weight for weight, _, _ in parts)
     if total <= 0:
         return math.nan
@@ -215,30 +248,107 @@ def _mixture_quantile(parts: list[tuple[float, Distribution, float]], q: float) 
     return high
 
 
+def _groups(dist: Distribution, c: Candidate, split: Split | None, confidence: float,
+            hysteresis: float) -> tuple[list[tuple[float, Distribution, float]], bool]:
+    """The predictive policy's groups of turns `(turns, X, heard)`: the replay's split,
+    else the approximation (the whole route early or not); and whether replayed."""
+    if split is None:
+        early = early_at(dist.survival, c, confidence, hysteresis)
+        return [(dist.turns, dist, c.heard_early if early else c.heard)], False
+    groups = [(d.turns, d, heard) for d, heard in ((split.early, c.heard_early),
+                                                   (split.waited, c.heard))
+              if d is not None and d.turns > 0]
+    return groups, True
+
+
+def _row(route: str, dist: Distribution, c: Candidate,
+         groups: list[tuple[float, Distribution, float]], replayed: bool) -> TuneRow:
+    fixed_ack, fixed_needless = _outcome(dist, c.heard)
+    turns = sum(weight for weight, _, _ in groups) or 1.0
+    ack = needless = early = 0.0
+    for weight, group, heard in groups:
+        a, n = _outcome(group, heard)
+        ack += weight * a / turns
+        needless += weight * n / turns
+        early += weight / turns if heard == c.heard_early and heard != c.heard else 0.0
+    return TuneRow(route, c.delay, dist.turns, early, ack, needless,
+                   _mixture_quantile(groups, 0.5), _mixture_quantile(groups, 0.95),
+                   fixed_ack, fixed_needless, min(dist.quantile(0.5), c.heard),
+                   min(dist.quantile(0.95), c.heard), replayed)
+
+
 def analyse(distributions: dict[str, Distribution], delays: Sequence[float],
-            generation: float = GENERATION_SECS, early: float = EARLY_SECS) -> list[TuneRow]:
+            generation: float = GENERATION_SECS, early: float = EARLY_SECS, *,
+            splits: dict[tuple[str, float], Split] | None = None,
+            confidence: float = CONFIDENCE, hysteresis: float = HYSTERESIS,
+            ) -> list[TuneRow]:
     """Rows per route and candidate delay (routes in the given order), then the
-    all-routes rows (rates weighted by each route's turns)."""
+    all-routes rows (rates weighted by each route's turns). With `splits` (from
+    `replay_splits`, keyed by route and candidate delay) the predictive policy is the
+    replayed one, else it is approximated from each route's distribution."""
     rows: list[TuneRow] = []
     overall: list[TuneRow] = []
     routes = [r for r in distributions if r != ALL_ROUTES]
+    grouped: dict[tuple[str, float], list[tuple[float, Distribution, float]]] = {}
     for route in routes:
-        rows.extend(_route_row(route, distributions[route], candidate(d, generation, early))
-                    for d in delays)
+        dist = distributions[route]
+        for d in delays:
+            c = candidate(d, generation, early)
+            split = None if splits is None else splits.get((route, c.delay), Split(None, None))
+            groups, replayed = _groups(dist, c, split, confidence, hysteresis)
+            if replayed and not groups:  # nothing replayed for this route: its history
+                groups = [(dist.turns, dist, c.heard)]
+            grouped[route, c.delay] = groups
+            rows.append(_row(route, dist, c, groups, replayed))
     total = sum(distributions[r].turns for r in routes)
     for d in delays:
         c = candidate(d, generation, early)
         mine = [r for r in rows if r.delay == c.delay]
         if total <= 0 or not mine:
             continue
-        parts = [(distributions[r.route].turns, distributions[r.route],
-                  c.heard_early if r.predicted else c.heard) for r in mine]
+        # Each route weighs its turns, however many of them were replayed.
+        parts: list[tuple[float, Distribution, float]] = []
+        for r in mine:
+            groups = grouped[r.route, c.delay]
+            scale = r.turns / (sum(w for w, _, _ in groups) or 1.0)
+            parts.extend((w * scale, dist, heard) for w, dist, heard in groups)
+        fixed = [(r.turns, distributions[r.route], c.heard) for r in mine]
+
+        def weighted(field: str, rows: list[TuneRow] = mine) -> float:
+            return float(sum(getattr(r, field) * r.turns for r in rows)) / total
+
         overall.append(TuneRow(
-            ALL_ROUTES, c.delay, total, all(r.predicted for r in mine),
-            sum(r.ack_rate * r.turns for r in mine) / total,
-            sum(r.needless_rate * r.turns for r in mine) / total,
-            _mixture_quantile(parts, 0.5), _mixture_quantile(parts, 0.95)))
+            ALL_ROUTES, c.delay, total, weighted("early"), weighted("ack_rate"),
+            weighted("needless_rate"), _mixture_quantile(parts, 0.5),
+            _mixture_quantile(parts, 0.95), weighted("fixed_ack_rate"),
+            weighted("fixed_needless_rate"), _mixture_quantile(fixed, 0.5),
+            _mixture_quantile(fixed, 0.95), all(r.replayed for r in mine)))
     return rows + overall
+
+
+def replay_splits(samples: Sequence[TimingSample], delays: Sequence[float],
+                  generation: float = GENERATION_SECS, early: float = EARLY_SECS, *,
+                  confidence: float = CONFIDENCE, hysteresis: float = HYSTERESIS,
+                  ) -> dict[tuple[str, float], Split]:
+    """For each candidate delay, replay `samples` (in order) through a fresh default
+    predictor and split each route's turns by its trigger's decision."""
+    splits: dict[tuple[str, float], Split] = {}
+    for d in delays:
+        c = candidate(d, generation, early)
+        predictor = RouteTimingPredictor(
+            confidence=confidence, hysteresis=hysteresis, early_secs=early,
+            generation_secs=generation, delay_secs=c.delay)
+        groups: dict[str, tuple[list[tuple[float, bool]], list[tuple[float, bool]]]] = {}
+        for sample, prediction in predictor.replay(samples, delay_secs=c.delay,
+                                                   generation_secs=generation):
+            early_turns, waited = groups.setdefault(sample.route, ([], []))
+            chosen = early_turns if prediction is not None and prediction.early else waited
+            chosen.append((sample.seconds, sample.censored))
+        for route, (early_turns, waited) in groups.items():
+            splits[route, c.delay] = Split(
+                SampleDistribution(early_turns) if early_turns else None,
+                SampleDistribution(waited) if waited else None)
+    return splits
 
 
 # ---------------------------------------------------------------- sources
@@ -249,12 +359,11 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
-def read_samples(path: str, routes: set[str] | None) -> dict[str, list[tuple[float, bool]]]:
-    """(seconds, censored) per route from a JSON-lines samples file; ValueError naming
-    the file and line for anything malformed (junk, non-UTF-8, too deep, too long)."""
-    from .._timing import TimingSample
-
-    by_route: dict[str, list[tuple[float, bool]]] = {}
+def read_samples(path: str, routes: set[str] | None) -> list[TimingSample]:
+    """The samples of a JSON-lines samples file in file order (of `routes` only, when
+    given); ValueError naming the file and line for anything malformed (junk,
+    non-UTF-8, too deep, too long)."""
+    samples: list[TimingSample] = []
     count = 0
     with open(path, "rb") as handle:
         for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""),
@@ -276,16 +385,23 @@ def read_samples(path: str, routes: set[str] | None) -> dict[str, list[tuple[flo
             if count > MAX_SAMPLES:
                 raise ValueError(f"{path}: more than {MAX_SAMPLES} samples")
             if routes is None or sample.route in routes:
-                by_route.setdefault(sample.route, []).append((sample.seconds, sample.censored))
-    return by_route
+                samples.append(sample)
+    return samples
 
 
-def from_samples(paths: Sequence[str], routes: set[str] | None) -> dict[str, Distribution]:
-    merged: dict[str, list[tuple[float, bool]]] = {}
+def from_samples(paths: Sequence[str], routes: set[str] | None,
+                 ) -> tuple[dict[str, Distribution], list[TimingSample]]:
+    """Each route's distribution, and all samples in time order (files merged by `at`,
+    as `RouteTimingPredictor.from_samples` merges them)."""
+    merged: list[TimingSample] = []
     for path in paths:
-        for route, samples in read_samples(path, routes).items():
-            merged.setdefault(route, []).extend(samples)
-    return {r: SampleDistribution(v) for r, v in sorted(merged.items())}
+        merged.extend(read_samples(path, routes))
+    if len(paths) > 1:
+        merged.sort(key=lambda sample: sample.at)
+    by_route: dict[str, list[tuple[float, bool]]] = {}
+    for sample in merged:
+        by_route.setdefault(sample.route, []).append((sample.seconds, sample.censored))
+    return {r: SampleDistribution(v) for r, v in sorted(by_route.items())}, merged
 
 
 def selector_matchers(selector: str | None) -> str:
@@ -436,17 +552,16 @@ def _fmt(seconds: float) -> str:
     return "    n/a" if math.isnan(seconds) else f"{seconds:6.2f}s"
 
 
-def _trigger(row: TuneRow) -> str:
-    if row.route == ALL_ROUTES:
-        return "-"
-    return "prediction" if row.predicted else "delay"
-
-
 def print_table(rows: Sequence[TuneRow], out: TextIO, current: float | None = None) -> None:
+    """Per route and candidate: the fixed delay's figures, then the predictive policy's
+    (the share of turns it acknowledges early first)."""
     names = {row.route: printable(row.route) for row in rows}
     width = max([len("route"), *(len(n) for n in names.values())])
-    out.write(f"{'route':<{width}}  {'delay':>6}  {'turns':>7}  {'trigger':>10}  "
-              f"{'ack rate':>8}  {'needless':>8}  {'p50 silence':>11}  {'p95 silence':>11}\n")
+    lead = " " * (width + 19)
+    out.write(f"{lead}  {'fixed delay':-^30}  {'predictive (what the router does)':-^40}\n")
+    out.write(f"{'route':<{width}}  {'delay':>6}  {'turns':>7}  {'ack rate':>8}  "
+              f"{'needless':>8}  {'p95 sil.':>8}  {'early':>7}  {'ack rate':>8}  "
+              f"{'needless':>8}  {'p95 sil.':>9}\n")
     previous = None
     for row in rows:
         if previous is not None and row.route != previous:
@@ -454,20 +569,21 @@ def print_table(rows: Sequence[TuneRow], out: TextIO, current: float | None = No
         previous = row.route
         mark = "  <- current" if current is not None and abs(row.delay - current) < 0.025 else ""
         out.write(f"{names[row.route]:<{width}}  {row.delay:5.2f}s  {row.turns:7.0f}  "
-                  f"{_trigger(row):>10}  "
+                  f"{row.fixed_ack_rate:8.1%}  {row.fixed_needless_rate:8.1%}  "
+                  f"{_fmt(row.fixed_p95_silence):>8}  {row.early:7.1%}  "
                   f"{row.ack_rate:8.1%}  {row.needless_rate:8.1%}  "
-                  f"{_fmt(row.p50_silence):>11}  {_fmt(row.p95_silence):>11}{mark}\n")
+                  f"{_fmt(row.p95_silence):>9}{mark}\n")
 
 
 def recommend(rows: Sequence[TuneRow], *, max_ack_rate: float | None,
-              max_silence_p95: float | None) -> TuneRow | None:
-    """The all-routes row meeting the target (None if none does)."""
+              max_silence_p95: float | None, policy: str = "predictive") -> TuneRow | None:
+    """The all-routes row meeting the target under `policy` (None if none does)."""
     mine = [r for r in rows if r.route == ALL_ROUTES]
     if max_ack_rate is not None:
-        fits = [r for r in mine if r.ack_rate <= max_ack_rate + 1e-12]
+        fits = [r for r in mine if r.figures(policy)[0] <= max_ack_rate + 1e-12]
         return min(fits, key=lambda r: r.delay) if fits else None
     if max_silence_p95 is not None:
-        fits = [r for r in mine if r.p95_silence <= max_silence_p95 + 1e-12]
+        fits = [r for r in mine if r.figures(policy)[2] <= max_silence_p95 + 1e-12]
         return max(fits, key=lambda r: r.delay) if fits else None
     return None
 
@@ -490,6 +606,10 @@ def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None) -
                  markersize=3)
         bottom.plot(delays, [r.p95_silence for r in mine], style, label=printable(route),
                     markersize=3)
+        if route == ALL_ROUTES:  # what the fixed delay alone would give
+            top.plot(delays, [r.fixed_ack_rate for r in mine], "k:", label="(all) fixed delay")
+            bottom.plot(delays, [r.fixed_p95_silence for r in mine], "k:",
+                        label="(all) fixed delay")
     if target is not None:
         (top if target[0] == "ack" else bottom).axhline(target[1], color="red", linewidth=1)
     top.set_ylabel("acknowledgment rate")
@@ -573,6 +693,16 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--max-silence-p95", type=_bounded(0.0, 60.0, low_open=True),
                         metavar="SECONDS",
                         help="recommend the longest delay whose p95 silence <= SECONDS")
+    parser.add_argument("--policy", choices=("predictive", "fixed"), default="predictive",
+                        help="which policy's figures the recommendation reads (default "
+                             "predictive: what the router does with its default predictor)")
+    parser.add_argument("--confidence", type=_bounded(0.5, 1.0, low_open=True),
+                        default=CONFIDENCE,
+                        help=f"the trigger's RouteTimingPredictor confidence (default "
+                             f"{CONFIDENCE:g})")
+    parser.add_argument("--replay-samples", type=int, default=MAX_REPLAY_SAMPLES,
+                        metavar="N", help="replay at most the N most recent samples through "
+                        f"the trigger (default {MAX_REPLAY_SAMPLES:,})")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG plot (needs matplotlib)")
     return parser
 
@@ -604,13 +734,22 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     routes = set(args.route) if args.route else None
+    splits: dict[tuple[str, float], Split] | None = None
     try:
         delays = _delays(args.delays, args.generation_secs)
+        if args.confidence >= 1.0 or not 1 <= args.replay_samples <= MAX_SAMPLES:
+            raise ValueError(f"--confidence must be below 1 and --replay-samples in 1.."
+                             f"{MAX_SAMPLES:,}")
         if args.samples:
             if args.selector:
                 raise ValueError("--selector applies to --prometheus only")
-            distributions = from_samples(args.samples, routes)
+            distributions, ordered = from_samples(args.samples, routes)
+            splits = replay_splits(ordered[-args.replay_samples:], delays,
+                                   args.generation_secs, confidence=args.confidence)
             source = ", ".join(printable(path) for path in args.samples)
+            replayed = min(len(ordered), args.replay_samples)
+            model = (f"predictive = {replayed:,} samples replayed in order through "
+                     f"RouteTimingPredictor(confidence={args.confidence:g}) per delay")
         else:
             matchers = selector_matchers(args.selector)
             distributions = from_prometheus(args.prometheus, args.window, routes,
@@ -619,6 +758,10 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
                 args.current = configured_delay(args.prometheus, args.timeout, matchers,
                                                 args.at)
             source = f"{printable(args.prometheus)} ({prometheus_query(args.window, matchers)})"
+            model = ("predictive = APPROXIMATION (a histogram has no turn order): a route is "
+                     f"early when the trigger (confidence {args.confidence:g}) would be on "
+                     "its whole-window distribution; no warm-up, regime changes or feature "
+                     "classes")
     except (OSError, ValueError) as exc:
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         filename = getattr(exc, "filename", None)
@@ -628,11 +771,13 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
     if not distributions:
         err.write("turnrouter tune: error: no first-response samples found\n")
         return 2
-    rows = analyse(distributions, delays, args.generation_secs)
+    rows = analyse(distributions, delays, args.generation_secs, splits=splits,
+                   confidence=args.confidence)
     out.write(f"source: {source}\n")
-    out.write(f"model: acknowledgment generation {args.generation_secs:g}s, early "
-              f"acknowledgment at {EARLY_SECS:g}s for routes predicted slow (p10 above the "
-              f"delay), needless = answer within {NEEDLESS_WITHIN_SECONDS:g}s of it\n")
+    out.write(f"model: acknowledgment generation {args.generation_secs:g}s; fixed delay = "
+              f"heard at delay + generation; early = heard at {EARLY_SECS:g}s (or when "
+              f"ready); needless = answer within {NEEDLESS_WITHIN_SECONDS:g}s of it\n")
+    out.write(f"       {model}\n")
     if args.current is not None:
         out.write(f"current delay: {args.current:g}s (marked)\n")
     print_table(rows, out, args.current)
@@ -645,21 +790,26 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         else:
             target, label = ("silence", args.max_silence_p95), (
                 f"p95 silence <= {args.max_silence_p95:g}s")
+        label += f" ({args.policy})"
         best = recommend(rows, max_ack_rate=args.max_ack_rate,
-                         max_silence_p95=args.max_silence_p95)
+                         max_silence_p95=args.max_silence_p95, policy=args.policy)
         out.write("\n")
         if best is None:
             out.write(f"no candidate delay meets {label} over all routes\n")
             status = 1
         else:
+            ack, needless, p95 = best.figures(args.policy)
             out.write(f"recommended acknowledgment_delay_secs={best.delay:g} for {label} "
-                      f"over all routes (ack rate {best.ack_rate:.1%}, needless "
-                      f"{best.needless_rate:.1%}, p95 silence {best.p95_silence:.2f}s)\n")
+                      f"over all routes (ack rate {ack:.1%}, needless {needless:.1%}, p95 "
+                      f"silence {p95:.2f}s; fixed delay: {best.fixed_ack_rate:.1%}, "
+                      f"{best.fixed_needless_rate:.1%}, {best.fixed_p95_silence:.2f}s; "
+                      f"predictive: {best.ack_rate:.1%}, {best.needless_rate:.1%}, "
+                      f"{best.p95_silence:.2f}s)\n")
             paying = [r for r in rows if r.route != ALL_ROUTES and r.delay == best.delay]
-            worst = max(paying, key=lambda r: r.p95_silence, default=None)
+            worst = max(paying, key=lambda r: r.figures(args.policy)[2], default=None)
             if worst is not None:
                 out.write(f"  longest p95 silence at that delay: {printable(worst.route)} "
-                          f"{worst.p95_silence:.2f}s\n")
+                          f"{worst.figures(args.policy)[2]:.2f}s\n")
     if args.plot:
         problem = plot(rows, args.plot, target)
         if problem is None:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._exceptions import ConfigurationError
+from .._numbers import finite
+from .._redact import preview
 
 __all__ = ["SIGNALS", "LexicalCalibration", "fit_calibration"]
 
@@ -46,17 +48,16 @@ class LexicalCalibration:
         if (
             not isinstance(weights, tuple)
             or len(weights) != len(SIGNALS)
-            or not all(isinstance(w, int | float) and not isinstance(w, bool)
-                       and math.isfinite(w) for w in weights)
+            or not all(finite(w) for w in weights)
         ):
             raise ConfigurationError(
                 f"LexicalCalibration.weights must be {len(SIGNALS)} finite floats "
-                f"({', '.join(SIGNALS)}), got {weights!r}"
+                f"({', '.join(SIGNALS)}), got {preview(weights)}"
             )
         bias = self.bias
-        if not isinstance(bias, int | float) or isinstance(bias, bool) or not math.isfinite(bias):
+        if not finite(bias):
             raise ConfigurationError(
-                f"LexicalCalibration.bias must be a finite float, got {bias!r}")
+                f"LexicalCalibration.bias must be a finite float, got {preview(bias)}")
 
     def confidence(self, signals: Sequence[float]) -> float:
         """The calibrated probability for one candidate's signals."""

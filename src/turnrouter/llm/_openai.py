@@ -22,7 +22,6 @@ import contextlib
 import http.client
 import json
 import logging
-import math
 import os
 import re
 import socket
@@ -36,6 +35,7 @@ import anyio
 import anyio.to_thread
 
 from .._exceptions import ConfigurationError
+from .._numbers import finite
 from .._redact import preview, redact_text, redact_url, strip_surrogates
 from ._errors import LLMError
 
@@ -125,8 +125,7 @@ class OpenAIChatClient:
         if not valid or any(ch.isspace() or not ch.isprintable() for ch in base):
             raise ConfigurationError(
                 f"OpenAIChatClient base_url must be an http(s) URL, got {redact_url(base)!r}")
-        if (not isinstance(timeout_secs, int | float) or isinstance(timeout_secs, bool)
-                or not (math.isfinite(timeout_secs) and timeout_secs > 0)):
+        if not (finite(timeout_secs) and timeout_secs > 0):
             raise ConfigurationError("OpenAIChatClient timeout_secs must be finite and "
                                      f"positive, got {preview(timeout_secs)}")
         if (not isinstance(max_tokens_limit, int) or isinstance(max_tokens_limit, bool)

@@ -23,7 +23,10 @@ from ._rules import (
 )
 from ._tuning import (
     ALL_ROUTES,
+    CONFIDENCE,
+    EARLY_SECS,
     GENERATION_SECS,
+    HYSTERESIS,
     candidates,
     recommended_delay_query,
     whatif_queries,
@@ -414,42 +417,69 @@ def acknowledgment_tuning() -> dict[str, Any]:
         _target(whatif["needless_all"], "", ref="D", instant=True, fmt="table"),
         _target(whatif["silence_p95"], "", ref="E", instant=True, fmt="table"),
         _target(current, "", ref="F", instant=True, fmt="table"),
+        _target(whatif["early"], "", ref="G", instant=True, fmt="table"),
+        _target(whatif["ack_fixed"], "", ref="H", instant=True, fmt="table"),
+        _target(whatif["ack_fixed_all"], "", ref="I", instant=True, fmt="table"),
+        _target(whatif["needless_fixed"], "", ref="J", instant=True, fmt="table"),
+        _target(whatif["needless_fixed_all"], "", ref="K", instant=True, fmt="table"),
+        _target(whatif["silence_p95_fixed"], "", ref="L", instant=True, fmt="table"),
     ]
     which_delay: dict[str, Any] = {
         "type": "table", "title": "Which delay? What-if per candidate delay and route",
         "description": "For each candidate acknowledgment delay (rows) and route, over the "
-                       "dashboard's time range: the share of turns that would hear an "
+                       "dashboard's time range, under the predictive policy (what the "
+                       "router does with its default timing predictor) and, beside it, the "
+                       "fixed delay alone: the share of turns that would hear an "
                        "acknowledgment, the share whose acknowledgment would be needless "
                        "(the answer started within 0.5 s of it), and the p95 silence. "
                        f"Modelled: acknowledgment generation takes {GENERATION_SECS:g} s "
-                       "(see the measured time below); routes whose first-response p10 is "
-                       "above the delay are acknowledged early, by prediction. "
+                       "(see the measured time below). `early` = 1: the route is "
+                       "acknowledged early by prediction, heard at "
+                       f"{EARLY_SECS:g} s (or when its text is ready). APPROXIMATION: a "
+                       "histogram has no turn order, so the trigger is evaluated once on "
+                       "the route's distribution over the range (confidence "
+                       f"{CONFIDENCE:g}, hysteresis {HYSTERESIS:g}): no warm-up, regime "
+                       "changes or feature classes; `turnrouter tune --samples` replays "
+                       "recorded samples through the real trigger instead. "
                        f"Route {ALL_ROUTES}: all routes, weighted by turns (the delay is "
                        "router-wide). `current` = 1 marks the configured delay. "
-                       "`turnrouter tune` computes the same numbers.",
+                       "`turnrouter tune --prometheus` computes the same numbers.",
         "datasource": DATASOURCE, "targets": table_targets,
         "transformations": [
             {"id": "merge", "options": {}},
             {"id": "organize", "options": {
                 "excludeByName": {"Time": True},
+                "indexByName": {"delay": 0, "route": 1, "Value #G": 2, "Value #A": 3,
+                                "Value #B": 3, "Value #C": 4, "Value #D": 4,
+                                "Value #E": 5, "Value #H": 6, "Value #I": 6,
+                                "Value #J": 7, "Value #K": 7, "Value #L": 8,
+                                "Value #F": 9},
                 "renameByName": {"Value #A": "ack rate", "Value #B": "ack rate",
                                  "Value #C": "needless", "Value #D": "needless",
-                                 "Value #E": "p95 silence", "Value #F": "current"}}},
+                                 "Value #E": "p95 silence", "Value #F": "current",
+                                 "Value #G": "early",
+                                 "Value #H": "fixed: ack rate", "Value #I": "fixed: ack rate",
+                                 "Value #J": "fixed: needless",
+                                 "Value #K": "fixed: needless",
+                                 "Value #L": "fixed: p95 silence"}}},
             {"id": "sortBy", "options": {"sort": [{"field": "delay"}]}},
         ],
         "fieldConfig": {"defaults": {"unit": "percentunit", "decimals": 1}, "overrides": [
-            {"matcher": {"id": "byName", "options": "p95 silence"},
-             "properties": [{"id": "unit", "value": "s"}, {"id": "decimals", "value": 2}]},
-            {"matcher": {"id": "byName", "options": "current"},
-             "properties": [{"id": "unit", "value": "none"}, {"id": "decimals", "value": 0}]},
+            *({"matcher": {"id": "byName", "options": name},
+               "properties": [{"id": "unit", "value": "s"}, {"id": "decimals", "value": 2}]}
+              for name in ("p95 silence", "fixed: p95 silence")),
+            *({"matcher": {"id": "byName", "options": name},
+               "properties": [{"id": "unit", "value": "none"}, {"id": "decimals", "value": 0}]}
+              for name in ("current", "early")),
         ]},
         "options": {"showHeader": True, "cellHeight": "sm"},
         "_w": 24,
     }
     recommended = _stat(
         "Recommended delay", "The shortest candidate delay whose all-routes acknowledgment "
-        "rate over the time range is within the target ($max_ack_rate), as `turnrouter "
-        "tune --max-ack-rate` recommends.",
+        "rate over the time range, under the predictive policy (approximated, see the "
+        "table), is within the target ($max_ack_rate), as `turnrouter tune --max-ack-rate` "
+        "recommends.",
         recommended_delay_query(matchers, "$__range", "$max_ack_rate"), unit="s",
         instant=True)
     configured = _stat("Configured delay", "The router's fallback acknowledgment delay now.",
@@ -506,12 +536,13 @@ def acknowledgment_tuning() -> dict[str, Any]:
             thresholds=_thresholds(("green", None), ("red", ACK_OVERUSE_RATIO))),
         _timeseries(
             "Needless acknowledgments", "Share of spoken acknowledgments followed by the "
-            "answer's start within 0.5 s, by route "
+            "answer's start within 0.5 s, by route and trigger: `prediction` are early "
+            "acknowledgments that turned out needless, `delay` the fallback delay's "
             "(turnrouter_needless_acknowledgments_total).",
-            _targets((f"sum by (route) (rate("
+            _targets((f"sum by (route, trigger) (rate("
                       f"{_sel('turnrouter_needless_acknowledgments_total', JOB, ROUTE)}"
-                      f"[{RATE}]))\n/\n(sum by (route) (rate({emitted}[{RATE}])) > 0)",
-                      "{{route}}")),
+                      f"[{RATE}]))\n/\n(sum by (route, trigger) (rate({emitted}[{RATE}])) > 0)",
+                      "{{route}} ({{trigger}})")),
             unit="percentunit", max_=1),
         _timeseries(
             "Acknowledgment generation time", "p50 and p95 of the acknowledgment LLM's "

@@ -23,12 +23,12 @@ sample (not NaN or +Inf) and cannot page.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .._numbers import finite
 from ..telemetry import metric
 
 __all__ = [
@@ -214,8 +214,7 @@ class RouteOverride:
             raise ValueError(f"override alert must be one of {sorted(per_route)}, "
                              f"got {self.alert!r}")
         if self.threshold is not None and (
-                isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float)
-                or not math.isfinite(self.threshold) or self.threshold < 0):
+                not finite(self.threshold) or self.threshold < 0):
             raise ValueError(f"override threshold must be a finite number >= 0, "
                              f"got {self.threshold!r}")
         if self.min_turns is not None and (

@@ -9,6 +9,7 @@ router = AgentRouter(..., telemetry=Telemetry.disabled())   # no spans, no metri
 ```
 """
 
+from ._families import EXEMPLAR_INTERVAL_SECS
 from ._metrics import (
     FAST_BUCKETS,
     INELIGIBLE_REASONS,
@@ -19,6 +20,7 @@ from ._metrics import (
     MetricSpec,
     MetricType,
     metric,
+    metrics_markdown_table,
 )
 from ._serve import ASGIApp, MetricsServer, metrics_app, serve_metrics
 from ._spans import (
@@ -49,6 +51,7 @@ __all__ = [
     "EVENT_FIRST_RESPONSE",
     "EVENT_FOCUS",
     "EVENT_REROUTE",
+    "EXEMPLAR_INTERVAL_SECS",
     "FAST_BUCKETS",
     "INELIGIBLE_REASONS",
     "LATENCY_BUCKETS",
@@ -71,5 +74,6 @@ __all__ = [
     "Telemetry",
     "metric",
     "metrics_app",
+    "metrics_markdown_table",
     "serve_metrics",
 ]

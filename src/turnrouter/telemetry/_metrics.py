@@ -181,8 +181,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "turnrouter_needless_acknowledgments_total", "counter",
         "Spoken acknowledgments followed by the answer's start within "
-        f"{NEEDLESS_WITHIN_SECONDS:g} s (heard, but the answer was right behind), by route.",
-        ("route",),
+        f"{NEEDLESS_WITHIN_SECONDS:g} s (heard, but the answer was right behind), by route "
+        "and trigger (prediction: an early acknowledgment that turned out needless; delay).",
+        ("route", "trigger"),
     ),
     MetricSpec(
         "turnrouter_acknowledgment_generation_seconds", "histogram",

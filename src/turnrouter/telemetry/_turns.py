@@ -290,9 +290,10 @@ class TurnMetrics(TurnObserver):
             self._fam.ack_generation.get(event.route).observe(event.seconds)
 
     def answer_after_acknowledgment(self, event: AnswerAfterAcknowledgment) -> None:
-        """Count the spoken acknowledgment needless when the answer was right behind it."""
+        """Count the spoken acknowledgment needless when the answer was right behind it,
+        by its trigger (an early one that turned out needless, or the delay's)."""
         if 0.0 <= event.seconds <= NEEDLESS_WITHIN_SECONDS:
-            self._fam.needless.get(event.route).inc()
+            self._fam.needless.get(event.route, event.trigger).inc()
 
     def route_ineligible(self, event: RouteIneligible) -> None:
         """Count an ineligible candidate by route and reason (unknown reasons: other)."""

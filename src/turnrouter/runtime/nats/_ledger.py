@@ -134,10 +134,12 @@ class Ledger:
                 entry = await self._kv.get(key)
             except NatsError:
                 entry = None
-            if entry is not None and entry.value is not None:
+            if entry is not None:
+                # The revision even of an empty record (nats-py reads an empty value as
+                # None): the claim's write must expect it, or it is refused every time.
                 revision = entry.revision or 0
                 try:
-                    inflight, snapshot, outbox = parse_state(entry.value)
+                    inflight, snapshot, outbox = parse_state(entry.value or b"")
                 except ValueError:
                     logger.warning("turnrouter: unreadable state of a participant; "
                                    "starting it afresh")
@@ -154,6 +156,8 @@ class Ledger:
                 return None
             break
         else:
+            logger.warning("turnrouter: partition %d: a participant's record was claimed "
+                           "by a newer write three times in a row; its input is retried", n)
             return None
         state = Participant(partition=n, revision=revision,
                             ended=frozenset(inflight) | {e[0] for e in outbox})
@@ -197,8 +201,7 @@ class Ledger:
             if state.fenced:
                 return False
             if fresh or state.snapshot is None:
-                exported = self._router().export_participant(pid)
-                state.snapshot = None if exported is None else exported.to_json().encode()
+                state.snapshot = self._router().export_participant_json(pid)
             data = state_json(self._replica, state.inflight[-_MAX_INFLIGHT:],
                               state.snapshot, state.outbox)
             t0 = time.perf_counter()

@@ -13,7 +13,6 @@ import base64
 import binascii
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
@@ -21,6 +20,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..._exceptions import ConfigurationError, ContractValueError
+from ..._numbers import finite
+from ..._redact import preview
 from .._messages import (
     Interrupted,
     ParticipantJoined,
@@ -98,11 +99,10 @@ class NatsConfig:
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
                      "output_max_age", "probe_interval", "drain_timeout", "mark_after"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and not isinstance(value, bool)
-                    and math.isfinite(value) and 0 < value <= 366 * 86400):
+            if not (finite(value) and 0 < value <= 366 * 86400):
                 raise ConfigurationError(
                     f"NatsConfig.{name} must be a finite number of seconds in (0, 1 year], "
-                    f"got {value!r}")
+                    f"got {preview(value)}")
         if self.pull_expires >= self.failover_timeout:
             raise ConfigurationError(
                 "NatsConfig.pull_expires must be shorter than failover_timeout, or the "
@@ -281,8 +281,7 @@ def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
         raise ValueError("state record 'snapshot' is not a string")
     if not (isinstance(outbox, list) and all(
             isinstance(e, list) and len(e) == 4 and all(isinstance(x, str) for x in e[:3])
-            and isinstance(e[3], int | float) and not isinstance(e[3], bool)
-            and math.isfinite(e[3]) for e in outbox)):
+            and finite(e[3]) for e in outbox)):
         raise ValueError("state record 'outbox' is not a list of [turn, route, text, time]")
     return inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]
 
