@@ -6,6 +6,7 @@ second, router CPU per turn, peak and per-participant memory, and checks that no
 lost and no task is left after stop().
 
     .venv/bin/python benchmarks/bench_scale.py [--participants 10000] [--turns 3]
+        [--freeze] [--profile N]
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class InstantAgent(SimulatedAgent):
         return DestinationResult("answer", text=f"[{self.name}] done")
 
 
-async def run(participants: int, turns: int, seed: int, *, trace_memory: bool
-              ) -> dict[str, float]:
+async def run(participants: int, turns: int, seed: int, *, trace_memory: bool,
+              freeze: bool = False) -> dict[str, float]:
     rng = random.Random(seed)
     sample = load_sample()
     truth = {text: (domain, intent) for text, domain, intent in sample.queries}
@@ -73,6 +74,10 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool
                          participant_joined_topic=JOINED, participant_left_topic=LEFT)
     queries = [text for text, _, _ in sample.queries]
     gc.collect()
+    if freeze:
+        # What `turnrouter worker` does once the app is built: start-up objects (imported
+        # modules, the decision model) leave the collector's generations for good.
+        gc.freeze()
     if trace_memory:
         tracemalloc.start()
     base_memory = tracemalloc.get_traced_memory()[0]
@@ -98,6 +103,7 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool
     await router.stop()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     gc.callbacks.remove(collector)
+    gc.unfreeze()
     _, peak = tracemalloc.get_traced_memory()
     if trace_memory:
         tracemalloc.stop()
@@ -153,6 +159,9 @@ def main() -> None:
     parser.add_argument("--participants", type=int, default=10_000)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--freeze", action="store_true",
+                        help="call gc.freeze() once the router is built, as the worker CLI "
+                             "does (start-up objects no longer walked by full collections)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="instead, profile one timing pass and print its top N "
                              "functions by own time (cProfile: slower, shares are what count)")
@@ -161,8 +170,10 @@ def main() -> None:
         profile(args.participants, args.turns, args.seed, args.profile)
         return
     # Timing and memory in separate passes: tracemalloc slows Python down severalfold.
-    r = asyncio.run(run(args.participants, args.turns, args.seed, trace_memory=False))
-    m = asyncio.run(run(args.participants, args.turns, args.seed, trace_memory=True))
+    r = asyncio.run(run(args.participants, args.turns, args.seed, trace_memory=False,
+                        freeze=args.freeze))
+    m = asyncio.run(run(args.participants, args.turns, args.seed, trace_memory=True,
+                        freeze=args.freeze))
     r["peak"], r["state"] = m["peak"], m["state"]
     print(f"participants            {r['participants']:.0f} concurrent, {args.turns} turns each")
     print(f"turns                   {r['finished']:.0f} finished of {r['published']:.0f} "
