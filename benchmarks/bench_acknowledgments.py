@@ -31,21 +31,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import inspect
 import itertools
 import math
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
+from _trees import import_tree
 
 from turnrouter import (
     AcknowledgmentPolicy,
@@ -397,15 +395,7 @@ class Foreign:
 
 def foreign_factory(src: str, alias: str, delay: float) -> Callable[[], TimingPredictor]:
     """A factory of `src`'s default predictor (its package imported as `alias`)."""
-    init = Path(src) / "turnrouter" / "__init__.py"
-    spec = importlib.util.spec_from_file_location(
-        alias, init, submodule_search_locations=[str(init.parent)])
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"--baseline {src}: no turnrouter package there")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[alias] = module
-    spec.loader.exec_module(module)
-    cls = module.RouteTimingPredictor
+    cls = import_tree(src, alias).RouteTimingPredictor
     kwargs = {"delay_secs": delay} if "delay_secs" in inspect.signature(cls).parameters else {}
     return lambda: Foreign(cls(**kwargs))
 

@@ -14,17 +14,16 @@ ratios hold on a shared machine; medians of `--repeat` rounds.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import math
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from _trees import import_tree
 
 from turnrouter import AgentTurn, RouteTimingPredictor, TimingSample
 
@@ -42,15 +41,7 @@ def _samples(shape: str, count: int) -> list[TimingSample]:
 
 def _other_tree(src: str, alias: str) -> Any:
     """Another tree's `RouteTimingPredictor` class (its package imported as `alias`)."""
-    init = Path(src) / "turnrouter" / "__init__.py"
-    spec = importlib.util.spec_from_file_location(
-        alias, init, submodule_search_locations=[str(init.parent)])
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"--baseline {src}: no turnrouter package there")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[alias] = module
-    spec.loader.exec_module(module)
-    return module.RouteTimingPredictor
+    return import_tree(src, alias).RouteTimingPredictor
 
 
 def _asker(predictor: Any) -> Callable[[str, AgentTurn], object]:
