@@ -64,6 +64,14 @@ def test_prediction_reports_probability_late_and_decision_with_a_delay() -> None
     assert no_delay is not None and no_delay.probability_late is None and no_delay.early is None
 
 
+def _mostly_slow(rng: random.Random, share: float) -> float:
+    """An answer of the benchmark's mostly-slow shape: `share` of them a little slower
+    than the 1 s delay, the rest just under it."""
+    if rng.random() < share:
+        return 1.02 + _lognormal(rng, 0.45, 0.5)
+    return rng.uniform(0.7, 0.98)
+
+
 def test_mostly_slow_route_is_acknowledged_early_on_every_turn_without_flicker() -> None:
     """90 % of answers a little slower than the delay, 10 % just under it: once warmed
     up the decision is early on every one of 2 000 turns (the p10 rule flickered)."""
@@ -72,9 +80,7 @@ def test_mostly_slow_route_is_acknowledged_early_on_every_turn_without_flicker()
     decisions = []
     for _ in range(2_000):
         decisions.append(_early(predictor))
-        late = rng.random() < 0.9
-        seconds = 1.02 + _lognormal(rng, 0.45, 0.5) if late else rng.uniform(0.7, 0.98)
-        predictor.record(TimingSample("r", seconds))
+        predictor.record(TimingSample("r", _mostly_slow(rng, 0.9)))
     first = decisions.index(True)
     assert first <= 30
     assert all(decisions[first + 20:])
@@ -118,9 +124,7 @@ def test_answers_just_under_the_delay_do_not_hold_back_early_acknowledgment() ->
     decisions = []
     for i in range(300):
         decisions.append(_early(predictor))
-        late = rng.random() < 0.87
-        seconds = start[i] if i < len(start) else (
-            1.02 + _lognormal(rng, 0.45, 0.5) if late else rng.uniform(0.7, 0.98))
+        seconds = start[i] if i < len(start) else _mostly_slow(rng, 0.87)
         predictor.record(TimingSample("r", seconds))
     assert decisions.index(True) <= 7 and all(decisions[7:])
     bimodal = RouteTimingPredictor()
