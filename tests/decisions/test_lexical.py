@@ -567,3 +567,16 @@ def test_any_descriptions_build_a_service_or_raise_configuration_error(
     decision = service.score(request("will it rain tomorrow"))
     assert decision.choice in {a.name for a in AIDS} | {CLARIFY}
     assert all(0.0 <= v <= 1.0 for v in decision.scores.values())
+
+
+def test_examples_for_more_routes_than_a_model_holds_raise_configuration_error() -> None:
+    """Examples for 4,097 routes raise ConfigurationError naming the bound (4,096 routes:
+    every feature keeps a weight per route); 300 routes build and decide."""
+    too_many = {f"route{i}": [f"word{i} thing"] for i in range(4097)}
+    with pytest.raises(ConfigurationError, match="more than 4096 routes"):
+        LexicalDecisions(too_many)
+    many = {f"route{i}": [f"word{i} thing", f"other{i} stuff"] for i in range(300)}
+    service = LexicalDecisions(many)
+    aids = tuple(RoutingAid(name, f"{name} things") for name in list(many)[:11])
+    turn = AgentTurn(participant_id="p", turn_id="t", query="word3 thing")
+    assert service.score(RouteRequest(turn=turn, candidates=aids)).choice == "route3"

@@ -53,6 +53,12 @@ WordEntry = tuple[str, float, tuple[float, ...] | None, str | None, tuple[Hits, 
 the routes with nearest-example hits and their hits (routes None: a word not in the
 examples, whose hits are computed per route when needed)."""
 
+MAX_ROUTES = 4096
+"""Routes with examples one model holds: every feature keeps a linear row of this many
+floats, and a route's position is stored as one character (`chr`)."""
+MAX_EXAMPLES = 2**31 - 1
+"""Usable utterances one model holds (an example id is stored as an int32)."""
+
 MIN_KNN_DF = 30
 """Features in at most this many examples always stay in the nearest-example index."""
 UNSEEN_CACHE_SIZE = 4096
@@ -376,6 +382,10 @@ def _texts(examples: Mapping[str, Sequence[str]], limits: tuple[int, int, int, i
                 f"{type(utterances).__name__}"
             )
         index = len(routes)
+        if index == MAX_ROUTES:
+            raise ConfigurationError(
+                f"examples holds more than {MAX_ROUTES} routes; route {route!r:.60} is one "
+                "too many (every feature keeps a linear weight per route)")
         routes.append(route)
         for position, text in enumerate(utterances):
             if not isinstance(text, str):
@@ -393,6 +403,9 @@ def _texts(examples: Mapping[str, Sequence[str]], limits: tuple[int, int, int, i
             term_counts = counts(split, low, high, False)
             if term_counts:
                 texts.append((index, split, term_counts))
+    if len(texts) > MAX_EXAMPLES:
+        raise ConfigurationError(
+            f"examples holds {len(texts)} usable utterances, more than {MAX_EXAMPLES}")
     return routes, texts, own
 
 
