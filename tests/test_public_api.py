@@ -48,6 +48,23 @@ PINNED = {
         # docs/telemetry.md: the exemplar interval, and the metrics table it shows.
         "EXEMPLAR_INTERVAL_SECS", "METRICS", "metrics_markdown_table",
     },
+    "turnrouter.ops": {
+        # docs/operations.md: the alert thresholds and where runbook links point.
+        "ACK_OVERUSE_RATIO", "CLARIFICATION_CONFIRM", "CLARIFICATION_CRITICAL",
+        "CLARIFICATION_WARNING", "DEAD_AIR_SECONDS", "DECISION_SLOW_SECONDS",
+        "FAILURE_RATIO", "MIN_TURNS", "MIN_TURNS_1M", "RUNBOOK_URL",
+        "SLOW_FIRST_RESPONSE_SECONDS",
+        # docs/operations.md: the generated and hand-written files of the demo's stack.
+        "COMPOSE_RULES", "DEMO_OVERRIDES",
+        # docs/operations.md: the acknowledgment-delay what-if model.
+        "EARLY_SECS", "GENERATION_SECS", "Candidate", "candidates",
+        # PromQL helpers the generated queries are checked with.
+        "exposed_series_names", "le_regex", "le_value", "metric_names", "queries",
+    },
+    "turnrouter.demo": {
+        # docs/operations.md: the demo's per-route latency models.
+        "LATENCIES",
+    },
 }
 
 
@@ -71,7 +88,8 @@ def test_core_exports_are_pinned() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["turnrouter", "turnrouter.cli", "turnrouter.decisions", "turnrouter.runtime.nats",
+    ["turnrouter", "turnrouter.cli", "turnrouter.decisions", "turnrouter.demo",
+     "turnrouter.llm", "turnrouter.ops", "turnrouter.runtime", "turnrouter.runtime.nats",
      "turnrouter.telemetry", "turnrouter.testing"],
 )
 def test_all_is_sorted_unique_and_importable(module: str) -> None:
