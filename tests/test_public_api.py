@@ -61,6 +61,10 @@ PINNED = {
         # PromQL helpers the generated queries are checked with.
         "exposed_series_names", "le_regex", "le_value", "metric_names", "queries",
     },
+    "turnrouter.decisions": {
+        # docs/decisions.md: fit a calibration to your own decisions; see the phrases.
+        "SIGNALS", "description_phrases", "fit_calibration",
+    },
     "turnrouter.demo": {
         # docs/operations.md: the demo's per-route latency models.
         "LATENCIES",
