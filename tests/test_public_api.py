@@ -21,6 +21,8 @@ CORE = {
     "current_context_patches",
     # The front-end seam (runtimes, framework adapters).
     "Departure", "ParticipantSnapshot", "RoutedResult",
+    # docs/acknowledgments.md: the prompt an LLMService gets, and how its reply is cleaned.
+    "acknowledgment_prompt", "clean_acknowledgment",
 }
 
 #: Names the contract fixes; they must never disappear.
@@ -47,6 +49,10 @@ PINNED = {
     "turnrouter.telemetry": {
         # docs/telemetry.md: the exemplar interval, and the metrics table it shows.
         "EXEMPLAR_INTERVAL_SECS", "METRICS", "metrics_markdown_table",
+    },
+    "turnrouter.llm": {
+        # docs/acknowledgments.md: how TemplateAcknowledger names a route.
+        "spoken_topic",
     },
     "turnrouter.ops": {
         # docs/operations.md: the alert thresholds and where runbook links point.
