@@ -46,6 +46,10 @@ TESTING = {
 PINNED = {
     # docs/distributed.md: parse a deployment's `turnrouter worker` command with it.
     "turnrouter.cli": {"demo_parser", "main", "worker_parser"},
+    "turnrouter.runtime.nats": {
+        # docs/distributed.md: read (and write) a participant's record in the bucket.
+        "Ending", "parse_state", "state_json",
+    },
     "turnrouter.telemetry": {
         # docs/telemetry.md: the exemplar interval, and the metrics table it shows.
         "EXEMPLAR_INTERVAL_SECS", "METRICS", "metrics_markdown_table",
