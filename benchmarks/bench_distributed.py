@@ -247,6 +247,14 @@ def _bench_env() -> dict[str, str]:
                                            str(ROOT / "benchmarks")])}
 
 
+async def _jetstream_api(nc: Any, subject: str, body: dict[str, Any]) -> None:
+    """One JetStream API request (nats-py has no API for priority groups); raises on the
+    server's error."""
+    reply = json.loads((await nc.request(subject, json.dumps(body).encode(), timeout=5.0)).data)
+    if "error" in reply:
+        raise RuntimeError(f"JetStream API {subject} refused: {reply['error']}")
+
+
 async def ack_pending_experiment(url: str, unacked: int, subjects: int = 20,
                                  per_subject: int = 30) -> int:
     """Reorderings after a consumer dies, with `unacked` messages allowed in flight on
@@ -257,13 +265,12 @@ async def ack_pending_experiment(url: str, unacked: int, subjects: int = 20,
     whose effective handling order (the first consumer's acknowledged messages, then the
     second's deliveries) differs from publication order."""
     import nats
-    from turnrouter.runtime.nats._setup import api_request
 
     nc = await nats.connect(url)
     stream = f"ORDER{unacked}_{random.randrange(10**6)}"
-    await api_request(nc, f"$JS.API.STREAM.CREATE.{stream}", {
+    await _jetstream_api(nc, f"$JS.API.STREAM.CREATE.{stream}", {
         "name": stream, "subjects": [f"{stream}.>"], "retention": "workqueue"})
-    await api_request(nc, f"$JS.API.CONSUMER.CREATE.{stream}.c", {
+    await _jetstream_api(nc, f"$JS.API.CONSUMER.CREATE.{stream}.c", {
         "stream_name": stream, "config": {
             "durable_name": "c", "ack_policy": "explicit", "ack_wait": 1_500_000_000,
             "max_ack_pending": unacked, "priority_policy": "pinned_client",

@@ -28,8 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from turnrouter import AgentRouter, AgentTurn, DestinationResult
 from turnrouter.decisions import LexicalDecisions
-from turnrouter.demo import DESCRIPTIONS, load_sample
-from turnrouter.demo._world import SimulatedAgent
+from turnrouter.demo import DESCRIPTIONS, SimulatedAgent, load_sample
 from turnrouter.runtime import (
     AgentRuntime,
     ParticipantJoined,

@@ -45,8 +45,7 @@ from pathlib import Path
 from bench_decisions import DEFAULT_DATA, DESCRIPTIONS, few_shot_examples
 
 from turnrouter import AgentTurn, RouteRequest, RoutingAid
-from turnrouter.decisions import LexicalCalibration, LexicalDecisions
-from turnrouter.decisions._calibration import SIGNALS, fit_calibration
+from turnrouter.decisions import SIGNALS, LexicalCalibration, LexicalDecisions, fit_calibration
 
 PROBE = LexicalCalibration((1.0, 1.0, 1.0, 1.0, 1.0), 0.0)
 """Non-zero weights, so the service computes every signal while the sweep collects them."""

@@ -6,10 +6,16 @@ import itertools
 
 import pytest
 
-from turnrouter import Acknowledger, AcknowledgmentRequest, AgentTurn, LLMService, RoutingAid
-from turnrouter._acknowledgment import acknowledgment_prompt, clean_acknowledgment
-from turnrouter.llm import TemplateAcknowledger
-from turnrouter.llm._template import spoken_topic
+from turnrouter import (
+    Acknowledger,
+    AcknowledgmentRequest,
+    AgentTurn,
+    LLMService,
+    RoutingAid,
+    acknowledgment_prompt,
+    clean_acknowledgment,
+)
+from turnrouter.llm import TemplateAcknowledger, spoken_topic
 
 pytestmark = pytest.mark.anyio
 

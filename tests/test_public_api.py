@@ -21,6 +21,8 @@ CORE = {
     "current_context_patches",
     # The front-end seam (runtimes, framework adapters).
     "Departure", "ParticipantSnapshot", "RoutedResult",
+    # docs/acknowledgments.md: the prompt an LLMService gets, and how its reply is cleaned.
+    "acknowledgment_prompt", "clean_acknowledgment",
 }
 
 #: Names the contract fixes; they must never disappear.
@@ -44,9 +46,38 @@ TESTING = {
 PINNED = {
     # docs/distributed.md: parse a deployment's `turnrouter worker` command with it.
     "turnrouter.cli": {"demo_parser", "main", "worker_parser"},
+    "turnrouter.runtime.nats": {
+        # docs/distributed.md: read (and write) a participant's record in the bucket.
+        "Ending", "parse_state", "state_json",
+    },
     "turnrouter.telemetry": {
         # docs/telemetry.md: the exemplar interval, and the metrics table it shows.
         "EXEMPLAR_INTERVAL_SECS", "METRICS", "metrics_markdown_table",
+    },
+    "turnrouter.llm": {
+        # docs/acknowledgments.md: how TemplateAcknowledger names a route.
+        "spoken_topic",
+    },
+    "turnrouter.ops": {
+        # docs/operations.md: the alert thresholds and where runbook links point.
+        "ACK_OVERUSE_RATIO", "CLARIFICATION_CONFIRM", "CLARIFICATION_CRITICAL",
+        "CLARIFICATION_WARNING", "DEAD_AIR_SECONDS", "DECISION_SLOW_SECONDS",
+        "FAILURE_RATIO", "MIN_TURNS", "MIN_TURNS_1M", "RUNBOOK_URL",
+        "SLOW_FIRST_RESPONSE_SECONDS",
+        # docs/operations.md: the generated and hand-written files of the demo's stack.
+        "COMPOSE_RULES", "DEMO_OVERRIDES",
+        # docs/operations.md: the acknowledgment-delay what-if model.
+        "EARLY_SECS", "GENERATION_SECS", "Candidate", "candidates",
+        # PromQL helpers the generated queries are checked with.
+        "exposed_series_names", "le_regex", "le_value", "metric_names", "queries",
+    },
+    "turnrouter.decisions": {
+        # docs/decisions.md: fit a calibration to your own decisions; see the phrases.
+        "SIGNALS", "description_phrases", "fit_calibration",
+    },
+    "turnrouter.demo": {
+        # docs/operations.md: the demo's per-route latency models.
+        "LATENCIES",
     },
 }
 
@@ -71,7 +102,8 @@ def test_core_exports_are_pinned() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["turnrouter", "turnrouter.cli", "turnrouter.decisions", "turnrouter.runtime.nats",
+    ["turnrouter", "turnrouter.cli", "turnrouter.decisions", "turnrouter.demo",
+     "turnrouter.llm", "turnrouter.ops", "turnrouter.runtime", "turnrouter.runtime.nats",
      "turnrouter.telemetry", "turnrouter.testing"],
 )
 def test_all_is_sorted_unique_and_importable(module: str) -> None:

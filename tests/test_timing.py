@@ -24,7 +24,6 @@ from turnrouter import (
     TimingSample,
     load_samples,
 )
-from turnrouter._timing import parse_seconds
 from turnrouter.testing import ManualClock, ScriptedLLM
 
 
@@ -394,12 +393,21 @@ async def test_unparseable_or_failed_llm_prediction_is_no_prediction() -> None:
         assert await predictor.predict("r", AgentTurn("p", "t", "q")) is None
 
 
-def test_parse_seconds_rejects_implausible_values() -> None:
-    """Only a plausible positive `seconds: N` parses."""
-    assert parse_seconds("Seconds = 2.5") == 2.5
-    assert parse_seconds("seconds: 0") is None
-    assert parse_seconds("seconds: 10000") is None
-    assert parse_seconds("about 3") is None
+async def _llm_seconds(reply: str) -> float | None:
+    """The seconds LLMTimingPredictor predicts when its LLM replies `reply` (None: none)."""
+    predictor = LLMTimingPredictor(ScriptedLLM(reply), min_examples=1)
+    predictor.record(TimingSample("r", 1.0), AgentTurn("p", "a", "q"))
+    prediction = await predictor.predict("r", AgentTurn("p", "t", "q"))
+    return None if prediction is None else prediction.seconds
+
+
+@pytest.mark.anyio
+async def test_llm_reply_seconds_must_be_plausible() -> None:
+    """Only a plausible positive `seconds: N` in the LLM's reply becomes a prediction."""
+    assert await _llm_seconds("Seconds = 2.5") == 2.5
+    assert await _llm_seconds("seconds: 0") is None
+    assert await _llm_seconds("seconds: 10000") is None
+    assert await _llm_seconds("about 3") is None
 
 
 # ---------------------------------------------------------------- clocks

@@ -4,7 +4,13 @@ Admission before speech, explicit focus, acknowledgments at a predicted moment, 
 telemetry (OpenTelemetry spans, Prometheus metrics) for every step.
 """
 
-from ._acknowledgment import Acknowledger, AcknowledgmentPolicy, AcknowledgmentRequest
+from ._acknowledgment import (
+    Acknowledger,
+    AcknowledgmentPolicy,
+    AcknowledgmentRequest,
+    acknowledgment_prompt,
+    clean_acknowledgment,
+)
 from ._clock import Clock, SystemClock
 from ._context import RoutingTurnContext, current_turn_context
 from ._contracts import (
@@ -103,6 +109,8 @@ __all__ = [
     "TurnObserver",
     "TurnrouterError",
     "UnknownPatchError",
+    "acknowledgment_prompt",
+    "clean_acknowledgment",
     "current_context_patches",
     "current_turn_context",
     "load_samples",

@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrouter.decisions._calibration import SIGNALS, fit_calibration
+from turnrouter.decisions import SIGNALS, fit_calibration
 
 
 def test_fit_recovers_a_monotone_relation_and_skips_unused_signals() -> None:

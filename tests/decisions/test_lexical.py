@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnrouter import CLARIFY, AgentTurn, ConfigurationError, RouteRequest, RoutingAid
-from turnrouter.decisions import LexicalCalibration, LexicalDecisions
+from turnrouter.decisions import LexicalCalibration, LexicalDecisions, description_phrases
 
 EXAMPLES = {
     "weather": ["what is the weather today", "will it rain tomorrow", "is it sunny outside",
@@ -151,10 +151,8 @@ def test_route_name_is_a_phrase_of_its_own() -> None:
 
 def test_phrase_split_on_punctuation_and_coordination() -> None:
     """Descriptions split into phrases at punctuation and "and"/"or"; the name is last."""
-    from turnrouter.decisions._text import phrases
-
     aid = RoutingAid("home_help", "Music, lists and reminders; lights or locks.")
-    assert [p.strip() for p in phrases(aid)] == [
+    assert [p.strip() for p in description_phrases(aid.name, aid.description)] == [
         "Music", "lists", "reminders", "lights", "locks", "home help",
     ]
 

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from turnrouter.ops import ALERTS, read_overrides
-from turnrouter.ops._rules import MIN_TURNS_1M
+from turnrouter.ops import ALERTS, MIN_TURNS_1M, read_overrides
 
 from .conftest import CLARIFY_JOB, DEMO_OVERRIDES, HEAVY_JOB, NORMAL_JOB, Stack
 from .prom import eventually

@@ -9,9 +9,14 @@ from typing import Any
 
 import pytest
 
-from turnrouter.ops import ALERTS, RECORDING_RULES, dashboards, queries
-from turnrouter.ops._rules import CLARIFICATION_WARNING
-from turnrouter.ops._tuning import candidates
+from turnrouter.ops import (
+    ALERTS,
+    CLARIFICATION_WARNING,
+    RECORDING_RULES,
+    candidates,
+    dashboards,
+    queries,
+)
 from turnrouter.telemetry import METRICS
 
 from .conftest import CLARIFY_JOB, NORMAL_JOB, Stack

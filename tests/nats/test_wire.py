@@ -52,17 +52,13 @@ from turnrouter.runtime.nats import (
     WorkerContext,
     decode_token,
     encode_token,
+    parse_state,
+    state_json,
 )
 
 # Private names, only for the last section: what no deployment can put on the wire.
 from turnrouter.runtime.nats._link import pub_ack
-from turnrouter.runtime.nats._wire import (
-    Rejected,
-    ack_metadata,
-    parse_input,
-    parse_state,
-    state_json,
-)
+from turnrouter.runtime.nats._wire import Rejected, ack_metadata, parse_input
 from turnrouter.testing import RecordingObserver, ScriptedLLM
 
 from ..fuzz import valid_text
@@ -144,8 +140,8 @@ def test_public_names_are_pinned() -> None:
     import turnrouter.runtime.nats as module
 
     assert set(module.__all__) == {
-        "MAX_PARTICIPANT_ID_BYTES", "NatsConfig", "NatsFrontEnd", "NatsWorker",
-        "WorkerContext", "decode_token", "encode_token"}
+        "MAX_PARTICIPANT_ID_BYTES", "Ending", "NatsConfig", "NatsFrontEnd", "NatsWorker",
+        "WorkerContext", "decode_token", "encode_token", "parse_state", "state_json"}
 
 
 # ---------------------------------------------------------------- one worker on a server
@@ -533,6 +529,27 @@ def test_unreadable_records_start_their_participant_afresh(wire: Wire,
     wire.call(main())
 
 
+@given(st.lists(st.text(max_size=20), max_size=3), st.text(max_size=30),
+       st.lists(st.tuples(st.text(max_size=10), st.text(max_size=10), st.text(max_size=40),
+                          st.floats(0, 2e9)), max_size=3))
+def test_any_record_written_reads_back(inflight: list[str], snapshot: str,
+                                       outbox: list[tuple[str, str, str, float]]) -> None:
+    """Whatever ids, snapshot text and endings go in (lone surrogates included, which no
+    validated message carries), the record reads back the same."""
+    if any("\ud800" <= c <= "\udfff" for c in snapshot):
+        snapshot = "{}"
+    assert parse_state(state_json("w", inflight, snapshot, outbox)) == (
+        inflight, snapshot, outbox)
+
+
+def test_a_record_time_too_large_for_a_float_is_refused() -> None:
+    """An outbox entry whose time is an integer too large for a float is a ValueError
+    naming the outbox (the record is then unreadable, its participant starts afresh)."""
+    record = json.dumps({"owner": "w", "inflight": [], "outbox": [["t", "r", "x", 10**400]]})
+    with pytest.raises(ValueError, match="outbox"):
+        parse_state(record.encode())
+
+
 # ---------------------------------------------------------------- output ids
 
 
@@ -584,27 +601,6 @@ def test_any_subject_parses_or_is_rejected(subject: str, data: bytes) -> None:
     except Rejected as exc:
         reason = exc.reason
     assert reason in {"parsed", "unknown_subject", "oversized", "invalid"}
-
-
-@given(st.lists(st.text(max_size=20), max_size=3), st.text(max_size=30),
-       st.lists(st.tuples(st.text(max_size=10), st.text(max_size=10), st.text(max_size=40),
-                          st.floats(0, 2e9)), max_size=3))
-def test_any_record_written_reads_back(inflight: list[str], snapshot: str,
-                                       outbox: list[tuple[str, str, str, float]]) -> None:
-    """Whatever ids, snapshot text and endings go in (lone surrogates included, which no
-    validated message carries), the record reads back the same."""
-    if any("\ud800" <= c <= "\udfff" for c in snapshot):
-        snapshot = "{}"
-    assert parse_state(state_json("w", inflight, snapshot, outbox)) == (
-        inflight, snapshot, outbox)
-
-
-def test_a_record_time_too_large_for_a_float_is_refused() -> None:
-    """An outbox entry whose time is an integer too large for a float is a ValueError
-    naming the outbox (the record is then unreadable, its participant starts afresh)."""
-    record = json.dumps({"owner": "w", "inflight": [], "outbox": [["t", "r", "x", 10**400]]})
-    with pytest.raises(ValueError, match="outbox"):
-        parse_state(record.encode())
 
 
 def test_publish_acknowledgments_parse_to_a_sequence_or_an_error() -> None:

@@ -16,9 +16,14 @@ import anyio
 import pytest
 
 from turnrouter import load_samples
-from turnrouter.demo import DEFAULT_ACK_DELAY, DemoConfig, histogram_quantile, run_demo
-from turnrouter.demo._world import LATENCIES
-from turnrouter.ops._tuning import GENERATION_SECS
+from turnrouter.demo import (
+    DEFAULT_ACK_DELAY,
+    LATENCIES,
+    DemoConfig,
+    histogram_quantile,
+    run_demo,
+)
+from turnrouter.ops import GENERATION_SECS
 from turnrouter.telemetry import FAST_BUCKETS, LATENCY_BUCKETS, RESPONSE_BUCKETS
 
 QUANTILES = (0.5, 0.9, 0.95)

@@ -16,6 +16,8 @@ import pytest
 import yaml
 
 from turnrouter.ops import (
+    COMPOSE_RULES,
+    DEMO_OVERRIDES,
     K8S_DASHBOARDS,
     K8S_RULE,
     RULES_FILE,
@@ -24,7 +26,6 @@ from turnrouter.ops import (
     render_rules,
     rule_groups,
 )
-from turnrouter.ops._files import COMPOSE_RULES, DEMO_OVERRIDES
 
 from .conftest import DEPLOY, ROOT
 

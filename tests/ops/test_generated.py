@@ -8,10 +8,17 @@ from typing import Any
 
 import pytest
 
-from turnrouter.ops import DASHBOARDS, dashboards, generated_files, main, stale_files
-from turnrouter.ops._dashboards import queries
-from turnrouter.ops._rules import CLARIFICATION_CRITICAL, CLARIFICATION_WARNING
-from turnrouter.ops._tuning import candidates
+from turnrouter.ops import (
+    CLARIFICATION_CRITICAL,
+    CLARIFICATION_WARNING,
+    DASHBOARDS,
+    candidates,
+    dashboards,
+    generated_files,
+    main,
+    queries,
+    stale_files,
+)
 from turnrouter.telemetry import METRICS
 
 from .conftest import ROOT

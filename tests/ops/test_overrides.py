@@ -9,8 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrouter.ops import ALERTS, RouteOverride, load_overrides, main, read_overrides, rule_groups
-from turnrouter.ops._rules import MIN_TURNS
+from turnrouter.ops import (
+    ALERTS,
+    MIN_TURNS,
+    RouteOverride,
+    load_overrides,
+    main,
+    read_overrides,
+    rule_groups,
+)
 
 from .conftest import DEPLOY
 

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from turnrouter.ops import ALERTS, RECORDING_RULES, dashboards, queries
-from turnrouter.ops._promql import exposed_series_names, le_regex, le_value, metric_names
+from turnrouter.ops import (
+    ALERTS,
+    RECORDING_RULES,
+    dashboards,
+    exposed_series_names,
+    le_regex,
+    le_value,
+    metric_names,
+    queries,
+)
 
 ALLOWED = exposed_series_names()
 RECORDED = frozenset(rule.record for rule in RECORDING_RULES)

@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from turnrouter.ops import ALERTS, RECORDING_RULES, RULES_FILE, rule_groups
-from turnrouter.ops._rules import RUNBOOK_URL
+from turnrouter.ops import ALERTS, RECORDING_RULES, RULES_FILE, RUNBOOK_URL, rule_groups
 
 from .conftest import ROOT
 

@@ -4,9 +4,13 @@
 `ClassifierDecisions` asks an `LLMService` with the `route:` / `confidence:` format.
 `PolicyDecisions` lets a config-driven `RoutingPolicy` (such as `DictRoutingPolicy`)
 pin or override routes before falling back to another service.
+
+`fit_calibration` fits a `LexicalCalibration` (weights over `SIGNALS`) to your own
+held-out decisions; `description_phrases` shows how a description is split into the
+phrases `LexicalDecisions` scores.
 """
 
-from ._calibration import LexicalCalibration
+from ._calibration import SIGNALS, LexicalCalibration, fit_calibration
 from ._classifier import (
     DEFAULT_CLASSIFIER_PROMPT,
     ClassifierDecisions,
@@ -23,9 +27,11 @@ from ._policies import (
     by_participant,
     by_query_prefix,
 )
+from ._text import description_phrases
 
 __all__ = [
     "DEFAULT_CLASSIFIER_PROMPT",
+    "SIGNALS",
     "ClassifierDecisions",
     "DictRoutingPolicy",
     "KeyGetter",
@@ -37,5 +43,7 @@ __all__ = [
     "RoutingPolicy",
     "by_participant",
     "by_query_prefix",
+    "description_phrases",
+    "fit_calibration",
     "parse_classifier_output",
 ]

@@ -10,11 +10,20 @@ from ._run import (
     otlp_settings,
     run_demo,
 )
-from ._world import DESCRIPTIONS, Latency, Sample, SimulatedAgent, build_agents, load_sample
+from ._world import (
+    DESCRIPTIONS,
+    LATENCIES,
+    Latency,
+    Sample,
+    SimulatedAgent,
+    build_agents,
+    load_sample,
+)
 
 __all__ = [
     "DEFAULT_ACK_DELAY",
     "DESCRIPTIONS",
+    "LATENCIES",
     "OTLP_PROTOCOLS",
     "DemoConfig",
     "DemoReport",

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DESCRIPTIONS",
+    "LATENCIES",
     "Latency",
     "Sample",
     "SimulatedAgent",
@@ -124,6 +125,8 @@ LATENCIES: dict[str, Latency] = {
     "travel": Latency(1.6, 0.35),
     "conversation": Latency(0.7, 0.4),
 }
+"""Each simulated destination's first-response latency model, by route (what the
+histogram buckets are checked against: fast, slow and bimodal shapes)."""
 
 Publish = Callable[[AgentTurn, str, str], Awaitable[None]]
 

@@ -3,13 +3,13 @@
 - `OpenAIChatClient`: any OpenAI-compatible chat-completions server, over the standard
   library's `http.client` in a worker thread (no extra dependency).
 - `TemplateAcknowledger`: route-aware acknowledgments without a model (the embedded
-  default of the demo).
+  default of the demo); `spoken_topic` is how it names a route ("your calendar").
 """
 
 from .._llm import LLMService
 from ._errors import LLMError
 from ._openai import OpenAIChatClient
-from ._template import DEFAULT_PHRASES, GENERIC_PHRASES, TemplateAcknowledger
+from ._template import DEFAULT_PHRASES, GENERIC_PHRASES, TemplateAcknowledger, spoken_topic
 
 __all__ = [
     "DEFAULT_PHRASES",
@@ -18,4 +18,5 @@ __all__ = [
     "LLMService",
     "OpenAIChatClient",
     "TemplateAcknowledger",
+    "spoken_topic",
 ]

@@ -5,10 +5,17 @@ Grafana dashboards (`dashboards/*.json`), Prometheus recording and alert rules
 (`deploy/k8s/base/`) are built here as data and checked in. Regenerate them with
 `python -m turnrouter.ops`; `python -m turnrouter.ops --check` (and a test) fails when a
 checked-in file is out of date. Writing YAML needs PyYAML (a dev dependency).
+
+The alert thresholds (`CLARIFICATION_WARNING`, `MIN_TURNS`, ...) and the what-if model
+of the acknowledgment delay (`Candidate`, `candidates`, `GENERATION_SECS`) are exported
+so a deployment's own checks and dashboards can use the numbers the alerts fire on
+(see docs/operations.md).
 """
 
 from ._dashboards import DASHBOARDS, dashboard_files, dashboards, queries
 from ._files import (
+    COMPOSE_RULES,
+    DEMO_OVERRIDES,
     K8S_DASHBOARDS,
     K8S_RULE,
     RULES_FILE,
@@ -18,10 +25,21 @@ from ._files import (
     stale_files,
     write_files,
 )
-from ._promql import exposed_series_names, le_value, metric_names
+from ._promql import exposed_series_names, le_regex, le_value, metric_names
 from ._rules import (
+    ACK_OVERUSE_RATIO,
     ALERTS,
+    CLARIFICATION_CONFIRM,
+    CLARIFICATION_CRITICAL,
+    CLARIFICATION_WARNING,
+    DEAD_AIR_SECONDS,
+    DECISION_SLOW_SECONDS,
+    FAILURE_RATIO,
+    MIN_TURNS,
+    MIN_TURNS_1M,
     RECORDING_RULES,
+    RUNBOOK_URL,
+    SLOW_FIRST_RESPONSE_SECONDS,
     AlertRule,
     RecordingRule,
     RouteOverride,
@@ -29,21 +47,40 @@ from ._rules import (
     render_rules,
     rule_groups,
 )
+from ._tuning import EARLY_SECS, GENERATION_SECS, Candidate, candidates
 
 __all__ = [
+    "ACK_OVERUSE_RATIO",
     "ALERTS",
+    "CLARIFICATION_CONFIRM",
+    "CLARIFICATION_CRITICAL",
+    "CLARIFICATION_WARNING",
+    "COMPOSE_RULES",
     "DASHBOARDS",
+    "DEAD_AIR_SECONDS",
+    "DECISION_SLOW_SECONDS",
+    "DEMO_OVERRIDES",
+    "EARLY_SECS",
+    "FAILURE_RATIO",
+    "GENERATION_SECS",
     "K8S_DASHBOARDS",
     "K8S_RULE",
+    "MIN_TURNS",
+    "MIN_TURNS_1M",
     "RECORDING_RULES",
     "RULES_FILE",
+    "RUNBOOK_URL",
+    "SLOW_FIRST_RESPONSE_SECONDS",
     "AlertRule",
+    "Candidate",
     "RecordingRule",
     "RouteOverride",
+    "candidates",
     "dashboard_files",
     "dashboards",
     "exposed_series_names",
     "generated_files",
+    "le_regex",
     "le_value",
     "load_overrides",
     "main",

@@ -33,6 +33,7 @@ K8S_DASHBOARDS = "deploy/k8s/base/dashboards-configmap.yaml"
 #: The compose stack runs the demo: its Prometheus loads the rules generated with the
 #: demo's per-route overrides (written when the root holds `DEMO_OVERRIDES`).
 COMPOSE_RULES = "deploy/compose/rules/turnrouter.rules.yml"
+#: The demo's per-route alert overrides (its slow-by-design routes), relative to the root.
 DEMO_OVERRIDES = "deploy/prometheus/overrides.demo.yml"
 _COMPOSE_HEADER = (
     "# The demo's rules for deploy/compose: the shipped rules with the per-route overrides of\n"

@@ -2,18 +2,31 @@
 
 Install `turnrouter[nats]`. Run replicas with `turnrouter worker --nats URL --app
 module:factory` (or `NatsWorker`), publish with `NatsFrontEnd`. See docs/distributed.md.
+`parse_state` reads a participant's record in the key-value bucket (`state_json`
+writes one), to inspect what a deployment holds.
 """
 
 from ._client import NatsFrontEnd
-from ._wire import MAX_PARTICIPANT_ID_BYTES, NatsConfig, decode_token, encode_token
+from ._wire import (
+    MAX_PARTICIPANT_ID_BYTES,
+    Ending,
+    NatsConfig,
+    decode_token,
+    encode_token,
+    parse_state,
+    state_json,
+)
 from ._worker import NatsWorker, WorkerContext
 
 __all__ = [
     "MAX_PARTICIPANT_ID_BYTES",
+    "Ending",
     "NatsConfig",
     "NatsFrontEnd",
     "NatsWorker",
     "WorkerContext",
     "decode_token",
     "encode_token",
+    "parse_state",
+    "state_json",
 ]
