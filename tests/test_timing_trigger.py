@@ -87,6 +87,40 @@ def test_mostly_slow_route_is_acknowledged_early_on_every_turn_without_flicker()
     assert sum(a != b for a, b in itertools.pairwise(decisions)) <= 3
 
 
+def test_a_route_spread_around_the_delay_is_not_acknowledged_early_on_noise() -> None:
+    """Answers spread widely around the delay (lognormal, median 1 s, sigma 0.8): early
+    is expected to cost slightly more than waiting (A ~ -0.03). Over eight seeded runs of
+    1,000 turns the evidence margin keeps the decision off on all but a quarter as many
+    turns as without it (evidence 0), where the estimate's noise switches it on in most
+    runs."""
+    def early_turns(seed: int, evidence: float) -> int:
+        rng = random.Random(seed)
+        predictor = RouteTimingPredictor(evidence=evidence, feature=None)
+        early = 0
+        for _ in range(1_000):
+            early += _early(predictor)
+            predictor.record(TimingSample("r", _lognormal(rng, 1.0, 0.8)))
+        return early
+
+    margin = [early_turns(seed, 1.0) for seed in range(1, 9)]
+    noise = [early_turns(seed, 0.0) for seed in range(1, 9)]
+    assert sum(1 for turns in noise if turns) >= 4
+    assert sum(1 for turns in margin if turns) <= 1
+    assert sum(margin) * 4 <= sum(noise)
+
+
+def test_the_evidence_margin_keeps_a_slow_route_early_from_its_first_turns() -> None:
+    """A new route slower than the delay on every answer is still acknowledged early
+    within its first 8 turns with the default evidence margin, and stays early."""
+    rng = random.Random(2)
+    predictor = RouteTimingPredictor()
+    decisions = []
+    for _ in range(200):
+        decisions.append(_early(predictor))
+        predictor.record(TimingSample("r", _lognormal(rng, 2.5, 0.3)))
+    assert decisions.index(True) <= 8 and all(decisions[8:])
+
+
 def test_hysteresis_holds_the_decision_between_the_two_thresholds() -> None:
     """With answers at 2.0 s (late, no needless delay acknowledgment) or 0.5 s (right
     behind an early one), the advantage of early is P(late) - confidence: at 80 % late
@@ -351,7 +385,8 @@ def test_trigger_settings_are_validated() -> None:
         {"prior_samples": 10**400}, {"delay_secs": 10**400}, {"early_secs": 10**400},
         {"half_life_samples": 10**400}, {"change_threshold": 10**400},
         {"confidence": "high"}, {"hysteresis": None}, {"switch_rate": 10**400},
-        {"max_routes": 2.5}, {"max_regimes": True}]
+        {"max_routes": 2.5}, {"max_regimes": True},
+        {"evidence": -1.0}, {"evidence": math.inf}, {"evidence": 10**400}]
     for bad in settings:
         with pytest.raises(ConfigurationError, match=next(iter(bad))):
             RouteTimingPredictor(**bad)

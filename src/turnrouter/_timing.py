@@ -179,6 +179,7 @@ NEEDLESS_SECS = 0.5
 #: The trigger's defaults (`turnrouter tune` and the tuning dashboard model them).
 DEFAULT_CONFIDENCE = 0.75
 DEFAULT_HYSTERESIS = 0.05
+DEFAULT_EVIDENCE = 1.0
 
 
 def query_length_class(turn: AgentTurn) -> str:
@@ -203,6 +204,9 @@ class RouteTimingPredictor:
       exceeds c P(the early one is needless).
     - `hysteresis`: early switches on once it is better by this much expected cost per
       turn (in units of C_needless + C_silence) and off once it is no longer better.
+    - `evidence`: switching on also needs that advantage to clear this many standard
+      errors of its own estimate (0: off), so a route whose answers are spread around
+      the delay is not switched on by the estimate's noise.
     - `prior_samples`: the estimate is shrunk as if this many needless answers had been
       seen; with `min_samples` a new slow route is acknowledged early from its 6th turn.
     - `min_samples`: effective samples needed before a prediction is `confident`.
@@ -231,7 +235,7 @@ class RouteTimingPredictor:
     def __init__(
         self, *, half_life_samples: float = 100.0, min_samples: float = 5.0,
         confidence: float = DEFAULT_CONFIDENCE, hysteresis: float = DEFAULT_HYSTERESIS,
-        prior_samples: float = 1.0,
+        evidence: float = DEFAULT_EVIDENCE, prior_samples: float = 1.0,
         lower_quantile: float | None = None, max_spread: float | None = None,
         max_routes: int = 256, max_regimes: int = 4, change_threshold: float | None = 8.0,
         switch_rate: float = 0.005, delay_secs: float | None = None,
@@ -261,6 +265,9 @@ class RouteTimingPredictor:
         if not finite(hysteresis) or not 0.0 <= hysteresis <= 0.5:
             raise ConfigurationError(
                 f"RouteTimingPredictor hysteresis must be in [0, 0.5], got {hysteresis!r}")
+        if not finite(evidence) or evidence < 0:
+            raise ConfigurationError(f"RouteTimingPredictor evidence must be finite and "
+                                     f">= 0, got {evidence!r}")
         if not finite(prior_samples) or prior_samples < 0:
             raise ConfigurationError(f"RouteTimingPredictor prior_samples must be finite and "
                                      f">= 0, got {prior_samples!r}")
@@ -286,7 +293,7 @@ class RouteTimingPredictor:
         self._trigger = Trigger(
             confidence=confidence, hysteresis=hysteresis, prior=prior_samples,
             min_samples=min_samples, early_secs=early_secs, generation_secs=generation_secs,
-            needless_secs=needless_secs)
+            needless_secs=needless_secs, evidence=evidence)
         self._max_spread = max_spread
         self._max_routes = max_routes
         self._delay = delay_secs
@@ -498,8 +505,9 @@ class RouteTimingPredictor:
             return Prediction(median, p10, p90, effective, confident)
         generation = trigger.generation_secs if generation_secs is None else generation_secs
         advantage, late = trigger.advantage(mixture, effective, delay, generation)
-        return Prediction(median, p10, p90, effective, confident, late,
-                          trigger.decide(holder, advantage, delay, confident))
+        early = trigger.decide(holder, advantage, delay, confident, lambda: trigger.margin(
+            mixture, effective, delay, generation))
+        return Prediction(median, p10, p90, effective, confident, late, early)
 
 
 # ---------------------------------------------------------------- JSON lines

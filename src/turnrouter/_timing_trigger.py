@@ -30,6 +30,7 @@ latency does not depend on the class, about 1 on one where it clearly does).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from ._timing_model import Histogram, Mixture, RouteModel
@@ -49,14 +50,15 @@ _SPREAD_NOISE = 2.0
 class Trigger:
     """The trigger's settings and its decision (see the module docstring)."""
 
-    __slots__ = ("confidence", "early_secs", "generation_secs", "hysteresis", "min_samples",
-                 "needless_secs", "prior")
+    __slots__ = ("confidence", "early_secs", "evidence", "generation_secs", "hysteresis",
+                 "min_samples", "needless_secs", "prior")
 
     def __init__(self, *, confidence: float, hysteresis: float, prior: float,
                  min_samples: float, early_secs: float, generation_secs: float,
-                 needless_secs: float) -> None:
+                 needless_secs: float, evidence: float = 0.0) -> None:
         self.confidence = confidence
         self.hysteresis = hysteresis
+        self.evidence = evidence
         self.prior = prior
         self.min_samples = min_samples
         self.early_secs = early_secs
@@ -71,6 +73,37 @@ class Trigger:
         weight = samples / (samples + self.prior)
         return advantage * weight - self.confidence * (1.0 - weight), late * weight
 
+    def margin(self, mixture: Mixture, samples: float, delay: float,
+               generation: float) -> float:
+        """What A must clear on top of the hysteresis to switch early on: `evidence`
+        standard errors of A's estimate from `samples` effective samples."""
+        if not self.evidence or samples <= 0.0:
+            return 0.0
+        below = mixture.below
+        advantage, _ = self.advantage_of(below, delay, generation)
+        variance = self.second_moment(below, delay, generation) - advantage * advantage
+        return self.evidence * math.sqrt(max(variance, 0.0) / samples)
+
+    def second_moment(self, below: Callable[[float], float], delay: float,
+                      generation: float) -> float:
+        """E[a^2] of one turn's advantage `a = (1 - c) L + c D - c E` (L: late, D: the
+        delay's acknowledgment needless, E: the early one needless; D lies within L):
+        with A = E[a], what the spread of A's estimate follows from."""
+        c, window = self.confidence, self.needless_secs
+        early = min(self.early_secs, delay)
+        heard = max(early, generation)
+        def between(low: float, high: float) -> float:
+            return max(0.0, below(high) - below(low)) if high > low else 0.0
+        late = min(max(1.0 - below(delay), 0.0), 1.0)
+        d_start = delay + generation
+        needless_delay = between(d_start, d_start + window)
+        needless_early = between(early, heard + window)
+        late_and_early = between(delay, heard + window)
+        both = between(max(early, d_start), min(heard + window, d_start + window))
+        return ((1.0 - c) ** 2 * late + c * c * (needless_delay + needless_early)
+                + 2.0 * (1.0 - c) * c * (needless_delay - late_and_early)
+                - 2.0 * c * c * both)
+
     def advantage_of(self, below: Callable[[float], float], delay: float,
                      generation: float) -> tuple[float, float]:
         """(A, P(late)) of a distribution given by `below(t) = P(X < t)`, unshrunk (the
@@ -84,13 +117,19 @@ class Trigger:
                              - below(delay + generation))
         return (1.0 - c) * late + c * (needless_delay - needless_early), late
 
-    def decide(self, model: RouteModel, advantage: float, delay: float,
-               confident: bool) -> bool:
-        """Early or not, with hysteresis kept on `model` (per delay)."""
+    def decide(self, model: RouteModel, advantage: float, delay: float, confident: bool,
+               margin: Callable[[], float]) -> bool:
+        """Early or not, with hysteresis kept on `model` (per delay): on once A clears
+        the hysteresis by `margin()` (asked only then: it costs a few more reads of the
+        distribution), off once A is no longer positive."""
         if model.decided_for != delay:
             model.decided_for = delay
             model.early = False
-        early = confident and advantage >= (0.0 if model.early else self.hysteresis)
+        if model.early:
+            early = confident and advantage >= 0.0
+        else:
+            early = (confident and advantage >= self.hysteresis
+                     and advantage - margin() >= self.hysteresis)
         model.early = early
         return early
 
