@@ -133,12 +133,40 @@ class Shape:
             # Latency grows with the request: short lookups are fast, long asks slow.
             words = rng.choice((2, 3, 4, 5, 6)) if rng.random() < 0.5 else rng.randint(14, 40)
             return ln(rng, 0.08 * words + 0.1, 0.25), _words(rng, words)
+        return self.probe(route, index, query)
+
+    def probe(self, route: str, index: int, query: str) -> tuple[float, str]:
+        """The probe shapes (`PROBES`): not the issue's, shapes its goals were not tuned
+        on, to see how the trigger holds up beyond them."""
+        rng, total, delay = self.rng, self.total, self.delay
+        ln = _lognormal
+        if route == "wide":
+            # One broad distribution centred on the delay: early is about as costly as not.
+            return delay * ln(rng, 1.0, 0.8), query
+        if route == "ramp":
+            # A back end slowing down steadily over the run, 0.4 s to 2.5 s.
+            return ln(rng, 0.4 + 2.1 * index / total, 0.3), query
+        if route == "just_over":
+            # Nearly every answer a little after the delay.
+            return delay * ln(rng, 1.15, 0.08), query
+        if route == "periodic":
+            # Slow for a third of every 90 turns (a daily peak, compressed).
+            return ln(rng, 2.0 if index % 90 < 30 else 0.4, 0.3), query
+        if route == "near_fast":
+            # Mostly a little under the delay, 15 % at 1.5x it.
+            return delay * (ln(rng, 1.5, 0.2) if rng.random() < 0.15 else ln(rng, 0.8, 0.1)), query
+        if route == "slow_tail90":
+            # 90 % far slower than the delay, the rest instant.
+            return (ln(rng, 4.0, 0.3) if rng.random() < 0.9 else ln(rng, 0.2, 0.3)), query
         raise ValueError(route)
 
 
 ROUTES = ("fast", "slow", "bimodal", "drift_up", "drift_down", "mostly_slow", "slow85",
           "flipflop", "cold", "heavy_fast", "heavy_slow", "request")
 EXISTING = ("fast", "slow", "bimodal", "drift_up", "drift_down")
+PROBES = ("wide", "ramp", "just_over", "periodic", "near_fast", "slow_tail90")
+"""Shapes beyond the issue's (`--probes`): drawn after every default route's, so adding
+them leaves the default routes' plans as they were."""
 
 
 @dataclass
@@ -347,7 +375,8 @@ def run_case(turns: int, seed: int, delay: float, early: float,
     """Fixed delay and predictive replays of one seed: (fixed, predictive) per route.
     The plans are those of all routes (the same for any `routes`), replayed for
     `routes` only."""
-    plans = [p for p in make_plans(turns, seed, delay) if p.route in routes]
+    probes = tuple(route for route in PROBES if route in routes)
+    plans = [p for p in make_plans(turns, seed, delay, ROUTES + probes) if p.route in routes]
     policy = AcknowledgmentPolicy(early_secs=early)
     fixed = asyncio.run(replay(plans, NoPrediction(), delay, policy))
     predictive = asyncio.run(replay(plans, make_predictor(), delay, policy))
@@ -443,8 +472,10 @@ def _verdicts(route: str, seeds: list[int], pairs: list[tuple[Row, Row]],
 
 def report(results: dict[tuple[int, int], dict[str, tuple[Row, Row]]], turns_list: list[int],
            seeds: list[int], routes: tuple[str, ...],
-           baselines: dict[str, dict[tuple[int, int], dict[str, tuple[Row, Row]]]]) -> int:
-    """Print the goal table; the number of goals missed."""
+           baselines: dict[str, dict[tuple[int, int], dict[str, tuple[Row, Row]]]]
+           ) -> tuple[int, int]:
+    """Print the goal table; the number of goals missed on the issue's shapes and on
+    the probe shapes."""
     names = list(baselines)
     header = ("| turns | route | late | fixed p95 | predictive p95 | p95 cut median (min..max) "
               "| goal | needless fixed -> predictive (worst delta) | decision changes med/max |")
@@ -454,7 +485,7 @@ def report(results: dict[tuple[int, int], dict[str, tuple[Row, Row]]], turns_lis
           "per run):")
     print(header + " verdict |")
     print("|---|---|---:|---:|---:|---|---|---|---|" + "---|" * len(names) + "---|")
-    failures = 0
+    failures = [0, 0]
     for t in turns_list:
         for route in routes:
             pairs = [results[t, seed][route] for seed in seeds]
@@ -465,7 +496,7 @@ def report(results: dict[tuple[int, int], dict[str, tuple[Row, Row]]], turns_lis
             befores = {name: [baselines[name][t, seed][route][1] for seed in seeds]
                        for name in names}
             verdicts = _verdicts(route, seeds, pairs, befores)
-            failures += sum(v.split()[0].isupper() for v in verdicts)
+            failures[route in PROBES] += sum(v.split()[0].isupper() for v in verdicts)
             extra = "".join(
                 f" {statistics.median(o[t, s][route][1].p95 for s in seeds):.2f}s / "
                 f"{statistics.fmean(o[t, s][route][1].needless_rate for s in seeds):.1%} |"
@@ -480,7 +511,7 @@ def report(results: dict[tuple[int, int], dict[str, tuple[Row, Row]]], turns_lis
                   f"({max(deltas) * 100:+.1f}) | "
                   f"{statistics.median(switches):g} / {max(switches)} |{extra} "
                   f"{', '.join(verdicts)} |")
-    return failures
+    return failures[0], failures[1]
 
 
 def main() -> None:
@@ -502,6 +533,9 @@ def main() -> None:
                         help="RouteTimingPredictor feature (per-turn query length classes)")
     parser.add_argument("--routes", default=",".join(ROUTES),
                         help="only these routes (their latencies are drawn as in a full run)")
+    parser.add_argument("--probes", action="store_true",
+                        help="also replay the probe shapes (" + ", ".join(PROBES) + "): "
+                             "beyond the issue's, their goals reported apart")
     parser.add_argument("--needless-window", type=float, default=NEEDLESS_WINDOW,
                         help=f"seconds after an acknowledgment within which the answer "
                              f"makes it needless (default {NEEDLESS_WINDOW:g}, the metric's)")
@@ -510,9 +544,12 @@ def main() -> None:
     turns_list = [int(x) for x in args.turns.split(",")]
     seeds = _seeds(args.seeds)
     routes = tuple(r for r in args.routes.split(",") if r)
-    unknown = set(routes) - set(ROUTES)
+    if args.probes:
+        routes += tuple(r for r in PROBES if r not in routes)
+    unknown = set(routes) - set(ROUTES) - set(PROBES)
     if unknown:
-        parser.error(f"unknown routes {sorted(unknown)}; known: {', '.join(ROUTES)}")
+        parser.error(f"unknown routes {sorted(unknown)}; known: "
+                     f"{', '.join(ROUTES + PROBES)}")
     settings: dict[str, Any] = {}
     for item in args.set:
         name, _, value = item.partition("=")
@@ -552,8 +589,10 @@ def main() -> None:
                 print(f"| {route} | | predictive | {b.p50:.2f}s | {b.p95:.2f}s | "
                       f"{b.ack_rate:.1%} | {b.needless_rate:.1%} | {1 - b.p95 / a.p95:+.0%} | "
                       f"{b.switches} |")
-    failures = report(results, turns_list, seeds, routes, baselines)
+    failures, probes = report(results, turns_list, seeds, routes, baselines)
     print(f"\n{failures} goal(s) missed")
+    if any(route in PROBES for route in routes):
+        print(f"{probes} goal(s) missed on the probe shapes (not the issue's)")
 
 
 if __name__ == "__main__":

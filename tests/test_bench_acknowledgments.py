@@ -33,3 +33,15 @@ def test_a_run_without_measured_silence_is_a_missed_goal() -> None:
     verdicts = bench._verdicts("slow", [1], [(empty, empty)], {})
     assert verdicts[0] == "NO SILENCE MEASURED"
     assert sum(v.split()[0].isupper() for v in verdicts) >= 1
+
+
+def test_probe_shapes_leave_the_default_routes_plans_unchanged() -> None:
+    """Adding the probe shapes to a run draws them after every default route, so each
+    default route's latencies and order are what they are without them; the probes get
+    their turns too."""
+    plain = bench.make_plans(50, 3, 1.0)
+    probed = bench.make_plans(50, 3, 1.0, bench.ROUTES + bench.PROBES)
+    for route in bench.ROUTES:
+        assert ([p.latency for p in plain if p.route == route]
+                == [p.latency for p in probed if p.route == route])
+    assert all(sum(p.route == route for p in probed) == 50 for route in bench.PROBES)
