@@ -279,7 +279,7 @@ async def replay(plans: list[Plan], predictor: TimingPredictor, delay: float,
                  policy: AcknowledgmentPolicy) -> list[TurnFacts]:
     clock = ManualClock()
     observer = Observer()
-    agents = {name: Agent(name, clock, observer) for name in ROUTES}
+    agents = {name: Agent(name, clock, observer) for name in ROUTES + PROBES}
     llm = ClockLLM(clock)
     chooser = Chooser()
     router = AgentRouter(agents, chooser, output=_noop, default_destination="fast",

@@ -45,3 +45,6 @@ def test_probe_shapes_leave_the_default_routes_plans_unchanged() -> None:
         assert ([p.latency for p in plain if p.route == route]
                 == [p.latency for p in probed if p.route == route])
     assert all(sum(p.route == route for p in probed) == 50 for route in bench.PROBES)
+    case = bench.run_case(60, 1, 1.0, 0.25, RouteTimingPredictor, routes=("slow", "wide"))
+    assert case["wide"][0].turns == case["wide"][1].turns == 60
+    assert math.isfinite(case["wide"][1].p95)
