@@ -505,8 +505,16 @@ class RouteTimingPredictor:
             return Prediction(median, p10, p90, effective, confident)
         generation = trigger.generation_secs if generation_secs is None else generation_secs
         advantage, late = trigger.advantage(mixture, effective, delay, generation)
-        early = trigger.decide(holder, advantage, delay, confident, lambda: trigger.margin(
-            mixture, effective, delay, generation))
+
+        def margin() -> float:
+            # The noise of the route's own estimate: a class's distribution is already
+            # shrunk to the route's by the pooling, so its fewer samples do not count twice.
+            if holder is model:
+                return trigger.margin(mixture, effective, delay, generation)
+            own = model.parts(self._settings.hazard)
+            return trigger.margin(Mixture(own), RouteModel.effective(own), delay, generation)
+
+        early = trigger.decide(holder, advantage, delay, confident, margin)
         return Prediction(median, p10, p90, effective, confident, late, early)
 
 
