@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
+
 from turnrouter import AgentRouter, AgentTurn, DestinationResult
+from turnrouter.llm import LLMError, OpenAIChatClient
 from turnrouter.runtime import AgentRuntime, ResponseOutput, Topic
 from turnrouter.testing import OutputRecorder, RecordingObserver, ScriptedAgent, ScriptedDecisions
 
@@ -61,3 +64,16 @@ async def publish_and_drain(router: AgentRouter, output: Topic[ResponseOutput],
         for topic, message in messages:
             await runtime.publish(topic, message)
     return outputs
+
+
+def completion(client: OpenAIChatClient, prompt: str) -> str | LLMError:
+    """One completion's text, or the LLMError it raised (bounded at 60 s)."""
+
+    async def main() -> str | LLMError:
+        with anyio.fail_after(60):
+            try:
+                return await client.complete(prompt, max_tokens=8)
+            except LLMError as exc:
+                return exc
+
+    return anyio.run(main)

@@ -25,6 +25,7 @@ from turnrouter.llm import LLMError, OpenAIChatClient, TemplateAcknowledger
 from turnrouter.testing import ScriptedLLM
 
 from .fuzz import ANY_TEXT, HUGE_TEXT, NON_UTF8, nested_json, valid_text
+from .kit import completion
 from .test_llm_openai import Script, serve
 
 FUZZ = settings(max_examples=60, deadline=None,
@@ -77,15 +78,7 @@ BODIES = st.one_of(
 def complete(url: str) -> str | LLMError:
     client = OpenAIChatClient("m", base_url=url, api_key=API_KEY, timeout_secs=30,
                               max_reply_bytes=CAP)
-
-    async def main() -> str | LLMError:
-        with anyio.fail_after(60):
-            try:
-                return await client.complete(PROMPT, max_tokens=8)
-            except LLMError as exc:
-                return exc
-
-    return anyio.run(main)
+    return completion(client, PROMPT)
 
 
 def check(outcome: str | LLMError) -> None:

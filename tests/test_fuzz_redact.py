@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,6 +18,7 @@ from turnrouter import ConfigurationError
 from turnrouter.llm import LLMError, OpenAIChatClient
 
 from .fuzz import ANY_CHAR, ANY_TEXT, HUGE_TEXT, JUNK, valid_text
+from .kit import completion
 from .test_llm_openai import Script, serve
 
 FUZZ = settings(max_examples=200, deadline=None,
@@ -51,15 +51,7 @@ def shared() -> Iterator[tuple[int, Script]]:
 
 def complete(client: OpenAIChatClient) -> str | LLMError:
     """One completion's text, or the LLMError it raised (bounded)."""
-
-    async def main() -> str | LLMError:
-        with anyio.fail_after(60):
-            try:
-                return await client.complete(PROMPT, max_tokens=8)
-            except LLMError as exc:
-                return exc
-
-    return anyio.run(main)
+    return completion(client, PROMPT)
 
 
 @FUZZ
