@@ -34,6 +34,7 @@ from turnrouter import (
     DestinationResult,
     ParticipantSnapshot,
     RoutingAid,
+    TurnrouterError,
 )
 from turnrouter.events import MessageRejected
 from turnrouter.runtime import (
@@ -49,16 +50,18 @@ from turnrouter.runtime.nats import (
     NatsConfig,
     NatsFrontEnd,
     NatsWorker,
+    Rejected,
     WorkerContext,
     decode_token,
     encode_token,
+    parse_input,
     parse_state,
     state_json,
 )
 
 # Private names, only for the last section: what no deployment can put on the wire.
 from turnrouter.runtime.nats._link import pub_ack
-from turnrouter.runtime.nats._wire import Rejected, ack_metadata, parse_input
+from turnrouter.runtime.nats._wire import ack_metadata
 from turnrouter.testing import RecordingObserver, ScriptedLLM
 
 from ..fuzz import valid_text
@@ -141,7 +144,8 @@ def test_public_names_are_pinned() -> None:
 
     assert set(module.__all__) == {
         "MAX_PARTICIPANT_ID_BYTES", "Ending", "NatsConfig", "NatsFrontEnd", "NatsWorker",
-        "WorkerContext", "decode_token", "encode_token", "parse_state", "state_json"}
+        "Rejected", "WorkerContext", "decode_token", "encode_token", "parse_input",
+        "parse_state", "state_json"}
 
 
 # ---------------------------------------------------------------- one worker on a server
@@ -587,6 +591,7 @@ def test_subjects_outside_the_transform_are_unknown(subject: str) -> None:
     with pytest.raises(Rejected) as info:
         parse_input(CONFIG, subject, b'{"participant_id":"ann","text":"hi"}')
     assert info.value.reason == "unknown_subject"
+    assert isinstance(info.value, TurnrouterError) and isinstance(info.value, ValueError)
 
 
 @settings(max_examples=200)

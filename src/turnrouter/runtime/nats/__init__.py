@@ -3,7 +3,8 @@
 Install `turnrouter[nats]`. Run replicas with `turnrouter worker --nats URL --app
 module:factory` (or `NatsWorker`), publish with `NatsFrontEnd`. See docs/distributed.md.
 `parse_state` reads a participant's record in the key-value bucket (`state_json`
-writes one), to inspect what a deployment holds.
+writes one), to inspect what a deployment holds; `parse_input` checks one input as a
+replica does (raising `Rejected` with the reason it counts).
 """
 
 from ._client import NatsFrontEnd
@@ -11,8 +12,10 @@ from ._wire import (
     MAX_PARTICIPANT_ID_BYTES,
     Ending,
     NatsConfig,
+    Rejected,
     decode_token,
     encode_token,
+    parse_input,
     parse_state,
     state_json,
 )
@@ -24,9 +27,11 @@ __all__ = [
     "NatsConfig",
     "NatsFrontEnd",
     "NatsWorker",
+    "Rejected",
     "WorkerContext",
     "decode_token",
     "encode_token",
+    "parse_input",
     "parse_state",
     "state_json",
 ]

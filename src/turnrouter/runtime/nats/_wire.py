@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..._exceptions import ConfigurationError, ContractValueError
+from ..._exceptions import ConfigurationError, ContractValueError, TurnrouterError
 from ..._numbers import finite
 from ..._redact import preview
 from .._messages import (
@@ -182,8 +182,9 @@ def kind_of(message: RuntimeMessage) -> str:
     raise TypeError(f"not a runtime input message: {type(message).__name__}")
 
 
-class Rejected(Exception):
-    """An input refused before the router saw it; `reason` is a low-cardinality label."""
+class Rejected(TurnrouterError, ValueError):
+    """An input refused before the router saw it; `reason` is a low-cardinality label
+    (`unknown_subject`, `oversized`, `invalid`)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
