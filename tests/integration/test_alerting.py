@@ -81,16 +81,26 @@ def _wait_for_traffic(stack: Stack, job: str, expr: str, floor: float) -> None:
     eventually(enough, timeout=240.0, interval=1.0, what=f"{expr} >= {floor} for {job}")
 
 
+#: The traffic floor the normal job's alert conditions are checked at: far under the
+#: rules' own (150 turns in 5 minutes), but not zero: a p95 over a handful of samples is
+#: one sample's noise (a route with a 1.16 s p95 has a 1-in-5 chance that one of 20
+#: answers is over the 1.5 s target).
+SAMPLE_FLOOR = 30
+
+
 def test_normal_demo_has_nothing_pending_or_firing(stack: Stack) -> None:
     """With the largest route past its traffic floor, the normal job has had no alert
-    pending or firing, and no alert condition (floors removed) holds for it."""
+    pending or firing, and no alert condition holds for it with the traffic floors
+    lowered to SAMPLE_FLOOR turns."""
     _wait_for_traffic(stack, NORMAL_JOB,
                       'turnrouter:first_responses:increase5m{route="conversation"}', 150)
     assert _alerts_over_session(stack, NORMAL_JOB) == []
-    overrides = tuple(dataclasses.replace(o, min_turns=None if o.min_turns is None else 0)
-                      for o in read_overrides(DEMO_OVERRIDES))
+    overrides = tuple(dataclasses.replace(
+        o, min_turns=None if o.min_turns is None else min(o.min_turns, SAMPLE_FLOOR))
+        for o in read_overrides(DEMO_OVERRIDES))
     for alert in ALERTS:
-        expr = dataclasses.replace(alert, min_turns=0).expression(overrides)
+        floor = min(alert.min_turns, SAMPLE_FLOOR)
+        expr = dataclasses.replace(alert, min_turns=floor).expression(overrides)
         response = stack.prometheus.query(expr)
         assert response["status"] == "success", response
         holding = [s["metric"] for s in response["data"]["result"]
