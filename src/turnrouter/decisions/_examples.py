@@ -155,24 +155,7 @@ class ExampleModel:
         found = self.unseen_hits.get(key)
         if found is not None:
             return found
-        merged: dict[int, dict[int, float]] = {}
-        wanted = "" if route is None else chr(route)
-        for gram, count in gram_counts(word, self.low, self.high):
-            entry = self._table.get(gram)
-            if entry is None or not entry[3]:
-                continue
-            _, _, _, routes, lists = entry
-            if route is None:
-                parts: Iterable[tuple[str, Hits]] = zip(routes, lists, strict=True)
-            elif (index := routes.find(wanted)) >= 0:
-                parts = ((wanted, lists[index]),)
-            else:
-                continue
-            for number, hits in parts:
-                sums = merged.setdefault(ord(number), {})
-                for example, value in _records(hits):
-                    sums[example] = sums.get(example, 0.0) + count * value
-        found = _by_route(merged)
+        found = _word_hits(gram_counts(word, self.low, self.high), self._table, route)
         cache = self.unseen_hits
         if len(cache) >= UNSEEN_CACHE_SIZE:
             del cache[next(iter(cache))]
@@ -302,15 +285,24 @@ def _linear_part(grams: tuple[tuple[str, int], ...], table: Mapping[str, Feature
     return squares, tuple(map(sum, zip(*rows, strict=True))) if rows else None
 
 
-def _word_hits(grams: tuple[tuple[str, int], ...], table: Mapping[str, FeatureEntry]
-               ) -> RouteHits:
-    """A word's hits: its n-grams' hits summed per example, per route."""
+def _word_hits(grams: tuple[tuple[str, int], ...], table: Mapping[str, FeatureEntry],
+               route: int | None = None) -> RouteHits:
+    """A word's hits: its n-grams' hits summed per example, per route (only `route`'s
+    when given)."""
     merged: dict[int, dict[int, float]] = {}
+    wanted = "" if route is None else chr(route)
     for gram, count in grams:
         entry = table.get(gram)
         if entry is None:
             continue
-        for number, hits in zip(entry[3], entry[4], strict=True):
+        _, _, _, routes, lists = entry
+        if route is None:
+            parts: Iterable[tuple[str, Hits]] = zip(routes, lists, strict=True)
+        elif (index := routes.find(wanted)) >= 0:
+            parts = ((wanted, lists[index]),)
+        else:
+            continue
+        for number, hits in parts:
             sums = merged.setdefault(ord(number), {})
             for example, value in _records(hits):
                 sums[example] = sums.get(example, 0.0) + count * value
