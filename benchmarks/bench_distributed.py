@@ -47,6 +47,7 @@ from turnrouter import (  # noqa: E402
     DestinationResult,
     RouteDecision,
     RouteRequest,
+    RouteTimingPredictor,
     RoutingAid,
 )
 from turnrouter.runtime import ResponseOutput, UserQuery  # noqa: E402
@@ -86,9 +87,13 @@ class First:
 
 
 def make_router(ctx: WorkerContext) -> AgentRouter:
-    """The benchmark's router: one instant destination, telemetry on."""
+    """The benchmark's router: one instant destination, telemetry on, and a timing
+    predictor learning from the fleet's samples, as docs/distributed.md deploys it."""
+    predictor = RouteTimingPredictor()
+    ctx.learn_from_fleet(predictor)
     return AgentRouter({"instant": Instant(ctx)}, First(), default_destination="instant",
-                       telemetry=Telemetry(registry=ctx.registry))
+                       telemetry=Telemetry(registry=ctx.registry),
+                       timing_predictor=predictor, timing_sink=ctx.timing_sink)
 
 
 def _cpu_seconds(pid: int) -> float:

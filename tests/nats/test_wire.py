@@ -34,6 +34,7 @@ from turnrouter import (
     DestinationResult,
     ParticipantSnapshot,
     RoutingAid,
+    TimingSample,
     TurnrouterError,
 )
 from turnrouter.events import MessageRejected
@@ -55,7 +56,9 @@ from turnrouter.runtime.nats import (
     decode_token,
     encode_token,
     parse_input,
+    parse_samples,
     parse_state,
+    samples_body,
     state_json,
 )
 
@@ -145,7 +148,7 @@ def test_public_names_are_pinned() -> None:
     assert set(module.__all__) == {
         "MAX_PARTICIPANT_ID_BYTES", "Ending", "NatsConfig", "NatsFrontEnd", "NatsWorker",
         "Rejected", "WorkerContext", "decode_token", "encode_token", "parse_input",
-        "parse_state", "state_json"}
+        "parse_samples", "parse_state", "samples_body", "state_json"}
 
 
 # ---------------------------------------------------------------- one worker on a server
@@ -606,6 +609,52 @@ def test_any_subject_parses_or_is_rejected(subject: str, data: bytes) -> None:
     except Rejected as exc:
         reason = exc.reason
     assert reason in {"parsed", "unknown_subject", "oversized", "invalid"}
+
+
+SAMPLES = st.builds(
+    TimingSample, st.text(min_size=1, max_size=40),
+    st.floats(min_value=0, max_value=1e6, allow_nan=False),
+    st.booleans(), st.floats(min_value=-1e9, max_value=1e10, allow_nan=False,
+                             allow_infinity=False),
+    st.none() | st.text(min_size=1, max_size=20))
+
+
+@given(st.lists(SAMPLES, min_size=1, max_size=70))
+def test_timing_samples_round_trip_through_one_message(samples: list[TimingSample]) -> None:
+    """A batch of samples written by samples_body reads back as the same samples (times
+    rounded as the sample files round them), with no line refused."""
+    got, errors = parse_samples(CONFIG, samples_body([x.to_json() for x in samples]))
+    assert errors == []
+    assert got == [TimingSample.from_json(x.to_json()) for x in samples]
+
+
+@settings(max_examples=200)
+@given(st.binary(max_size=3000) | st.lists(
+    st.text(max_size=60) | JUNK.map(json.dumps) | SAMPLES.map(TimingSample.to_json),
+    max_size=8).map(lambda lines: "\n".join(lines).encode()))
+def test_any_timing_message_parses_line_by_line_or_is_rejected(data: bytes) -> None:
+    """Whatever the body, parse_samples returns samples and one error per bad line (at
+    most one per line), or raises Rejected with a documented reason."""
+    reason = "parsed"
+    samples: list[TimingSample] = []
+    errors: list[str] = []
+    try:
+        samples, errors = parse_samples(CONFIG, data)
+    except Rejected as exc:
+        reason = exc.reason
+    assert reason in {"parsed", "invalid"}
+    assert len(samples) + len(errors) <= data.count(b"\n") + 1
+    assert all(isinstance(x, TimingSample) and x.route for x in samples)
+
+
+def test_oversized_and_deep_timing_messages_are_refused_by_name() -> None:
+    """A body over max_message_bytes is `oversized`; a line nested past the parser's
+    depth is one refused line, not a crash."""
+    with pytest.raises(Rejected, match="oversized"):
+        parse_samples(CONFIG, b"\n" * (CONFIG.max_message_bytes + 1))
+    good = TimingSample("r", 1.0).to_json()
+    samples, errors = parse_samples(CONFIG, samples_body(["[" * 5000, good]))
+    assert (len(samples), errors) == (1, ["a timing sample nested too deeply"])
 
 
 def test_publish_acknowledgments_parse_to_a_sequence_or_an_error() -> None:

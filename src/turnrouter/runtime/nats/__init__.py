@@ -4,7 +4,8 @@ Install `turnrouter[nats]`. Run replicas with `turnrouter worker --nats URL --ap
 module:factory` (or `NatsWorker`), publish with `NatsFrontEnd`. See docs/distributed.md.
 `parse_state` reads a participant's record in the key-value bucket (`state_json`
 writes one), to inspect what a deployment holds; `parse_input` checks one input as a
-replica does (raising `Rejected` with the reason it counts).
+replica does (raising `Rejected` with the reason it counts); `samples_body` and
+`parse_samples` are the fleet's timing-sample messages.
 """
 
 from ._client import NatsFrontEnd
@@ -16,7 +17,9 @@ from ._wire import (
     decode_token,
     encode_token,
     parse_input,
+    parse_samples,
     parse_state,
+    samples_body,
     state_json,
 )
 from ._worker import NatsWorker, WorkerContext
@@ -32,6 +35,8 @@ __all__ = [
     "decode_token",
     "encode_token",
     "parse_input",
+    "parse_samples",
     "parse_state",
+    "samples_body",
     "state_json",
 ]

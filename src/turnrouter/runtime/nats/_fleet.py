@@ -3,7 +3,10 @@
 Ownership is the server's pin. Replicas announce how many partitions they hold, so one
 over its share hands a partition over and one at its share leaves pinned partitions
 alone; probes make the server pin a survivor on idle partitions; first-response timing
-samples are published so every replica's predictor learns from all of them.
+samples are published so every replica's predictor learns from all of them, in batches:
+a sample waits at most `SAMPLE_FLUSH_SECS` for others, so one message carries up to
+`SAMPLE_BATCH` of them (every replica receives every message: a message per sample would
+cost each replica a delivery per turn of the whole fleet).
 """
 
 from __future__ import annotations
@@ -23,13 +26,17 @@ from nats.errors import Error as NatsError
 from ..._timing import TimingPredictor, TimingSample
 from ._metrics import RuntimeMetrics
 from ._setup import api_request
-from ._wire import NatsConfig
+from ._wire import NatsConfig, Rejected, parse_samples, samples_body
 
-__all__ = ["Fleet"]
+__all__ = ["SAMPLE_BATCH", "SAMPLE_FLUSH_SECS", "Fleet"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
 _MAX_PEERS = 1024  # bound of the presence table (more peers are ignored for balance)
+
+#: Timing samples per fleet message at most, and how long a sample waits for others.
+SAMPLE_BATCH = 64
+SAMPLE_FLUSH_SECS = 0.05
 
 
 class Fleet:
@@ -46,6 +53,17 @@ class Fleet:
         self._peers: dict[str, tuple[float, int]] = {}
         self._shed_after = time.monotonic() + 2 * config.failover_timeout
         self.predictors: list[TimingPredictor] = []
+        self._samples: list[str] = []
+        self._sample_bytes = 0
+        self._flush: asyncio.TimerHandle | None = None
+        self._publishing: set[asyncio.Future[Any]] = set()
+        self._closed = False
+        sent = received = dropped = None
+        if metrics is not None:
+            samples = metrics.timing_samples
+            sent, received, dropped = (samples.labels("sent"), samples.labels("received"),
+                                       samples.labels("dropped"))
+        self._sent, self._received, self._dropped = sent, received, dropped
 
     async def start(self) -> list[asyncio.Task[None]]:
         """Subscribe and start the presence and probe loops (returned, to cancel)."""
@@ -122,25 +140,81 @@ class Fleet:
 
     # ------------------------------------------------------------------ timing samples
     def send_sample(self, sample: TimingSample) -> None:
-        """Publish one local first-response sample to the other replicas."""
-        if self._nc.is_closed:
+        """Queue one local first-response sample for the other replicas (sent within
+        `SAMPLE_FLUSH_SECS`, or at once when a batch is full)."""
+        if self._closed or self._nc.is_closed:
+            if self._dropped is not None:
+                self._dropped.inc()
             return
-        if self._metrics is not None:
-            self._metrics.timing_samples.labels("sent").inc()
-        self._spawn(self._nc.publish(self._config.timing_subject, sample.to_json().encode(),
-                                     headers={"Turnrouter-Replica": self._replica}),
-                    "timing sample")
+        line = sample.to_json()
+        size = len(line) + 1
+        if self._samples and self._sample_bytes + size > self._config.max_message_bytes:
+            self.flush_samples()
+        self._samples.append(line)
+        self._sample_bytes += size
+        if len(self._samples) >= SAMPLE_BATCH:
+            self.flush_samples()
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(SAMPLE_FLUSH_SECS,
+                                                                self.flush_samples)
+
+    def flush_samples(self) -> None:
+        """Send the queued samples now (in a task of the worker's)."""
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        if self._samples:
+            lines, self._samples, self._sample_bytes = self._samples, [], 0
+            task = self._spawn(self._publish_samples(lines), "timing samples")
+            self._publishing.add(task)
+            task.add_done_callback(self._publishing.discard)
+
+    async def close(self) -> None:
+        """Send what is queued before the connection drains (a graceful end loses no
+        sample); later samples are dropped and counted."""
+        self._closed = True
+        self.flush_samples()
+        await asyncio.gather(*self._publishing, return_exceptions=True)
+
+    def abandon(self) -> None:
+        """The worker ends without a graceful close: no flush is left scheduled, and the
+        samples still queued (and any later one) are counted as dropped."""
+        self._closed = True
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        if self._dropped is not None and self._samples:
+            self._dropped.inc(len(self._samples))
+        self._samples, self._sample_bytes = [], 0
+
+    async def _publish_samples(self, lines: list[str]) -> None:
+        try:
+            await self._nc.publish(self._config.timing_subject, samples_body(lines),
+                                   headers={"Turnrouter-Replica": self._replica})
+        except NatsError as exc:  # closed or over the client's buffer: counted, not raised
+            logger.warning("turnrouter: %d timing samples not sent: %r", len(lines), exc)
+            if self._dropped is not None:
+                self._dropped.inc(len(lines))
+        else:
+            if self._sent is not None:
+                self._sent.inc(len(lines))
 
     async def _on_sample(self, msg: Msg) -> None:
         if (msg.headers or {}).get("Turnrouter-Replica") == self._replica:
             return
         try:
-            sample = TimingSample.from_json(msg.data.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:
-            logger.warning("turnrouter: rejected a timing sample: %s", exc)
-            self._reject("nats_timing", "invalid")
+            samples, errors = parse_samples(self._config, msg.data)
+        except Rejected as exc:
+            logger.warning("turnrouter: rejected a timing samples message: %s", exc)
+            self._reject("nats_timing", exc.reason)
             return
-        if self._metrics is not None:
-            self._metrics.timing_samples.labels("received").inc()
-        for predictor in self.predictors:
-            predictor.record(sample)
+        if errors:
+            logger.warning("turnrouter: rejected %d timing sample(s): %s", len(errors),
+                           errors[0])
+            for _ in errors:
+                self._reject("nats_timing", "invalid")
+        if self._received is not None and samples:
+            self._received.inc(len(samples))
+        for sample in samples:
+            for predictor in self.predictors:
+                predictor.record(sample)

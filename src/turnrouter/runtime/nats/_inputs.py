@@ -159,14 +159,13 @@ class Inputs:
         if metrics is not None:
             if delivered > 1:
                 metrics.redeliveries.inc()
-            wait = metrics.input_wait
-            wait.labels("queued").observe(time.monotonic() - received)
+            metrics.wait_queued.observe(time.monotonic() - received)
             if stored_ns:
-                wait.labels("delivery").observe(max(0.0, time.time() - stored_ns / 1e9))
+                metrics.wait_delivery.observe(max(0.0, time.time() - stored_ns / 1e9))
         message_id = message.message_id
         if message_id in self._recent or message_id in self._running:
             if metrics is not None:
-                metrics.duplicates.labels("input").inc()
+                metrics.duplicate_inputs.inc()
             await self._ack(msg)
             return
         state = await self._ledger.claim(pid, n)

@@ -65,16 +65,18 @@ class RuntimeMetrics:
             registry=registry)
         self.timing_samples = Counter(
             "turnrouter_nats_timing_samples_total",
-            "First-response timing samples published to / learned from the fleet",
+            "First-response timing samples sent to / learned from the fleet, or dropped "
+            "(not sent: the connection was closed or its buffer full)",
             ["direction"], registry=registry)
         self.partitions.set(0)
         for how in ("lost", "handed_over"):
             self.partitions_lost.labels(how)
-        for where in ("input", "output"):
-            self.duplicates.labels(where)
-        for stage in ("delivery", "queued"):
-            self.input_wait.labels(stage)
-        for direction in ("sent", "received"):
+        self.duplicates.labels("output")
+        # The children used per message, looked up once.
+        self.wait_delivery = self.input_wait.labels("delivery")
+        self.wait_queued = self.input_wait.labels("queued")
+        self.duplicate_inputs = self.duplicates.labels("input")
+        for direction in ("sent", "received", "dropped"):
             self.timing_samples.labels(direction)
 
 

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from ..._exceptions import ConfigurationError, ContractValueError, TurnrouterError
 from ..._numbers import finite
 from ..._redact import preview
+from ..._timing import TimingSample
 from .._messages import (
     Interrupted,
     ParticipantJoined,
@@ -42,7 +43,9 @@ __all__ = [
     "kind_of",
     "output_message_id",
     "parse_input",
+    "parse_samples",
     "parse_state",
+    "samples_body",
     "state_json",
 ]
 
@@ -285,6 +288,39 @@ def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
             and finite(e[3]) for e in outbox)):
         raise ValueError("state record 'outbox' is not a list of [turn, route, text, time]")
     return inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]
+
+
+def samples_body(lines: list[str]) -> bytes:
+    """One fleet message of timing samples: their `TimingSample.to_json` lines, one per
+    line (a single sample is the one-object message of earlier versions)."""
+    return "\n".join(lines).encode("utf-8")
+
+
+def parse_samples(config: NatsConfig, data: bytes) -> tuple[list[TimingSample], list[str]]:
+    """The timing samples of one fleet message, and why each refused line was refused.
+
+    A message over `max_message_bytes` or not UTF-8 raises `Rejected` (`oversized`,
+    `invalid`); otherwise each line stands alone, so one bad line costs only itself.
+    Empty lines are skipped.
+    """
+    if len(data) > config.max_message_bytes:
+        raise Rejected("oversized", f"{len(data)} bytes > {config.max_message_bytes}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Rejected("invalid", f"timing samples are not UTF-8: {exc.reason}") from None
+    samples: list[TimingSample] = []
+    errors: list[str] = []
+    for line in text.split("\n"):
+        if not line.strip():
+            continue
+        try:
+            samples.append(TimingSample.from_json(line))
+        except RecursionError:
+            errors.append("a timing sample nested too deeply")
+        except ValueError as exc:
+            errors.append(str(exc)[:200])
+    return samples, errors
 
 
 def ack_metadata(reply: str | None) -> tuple[int, int]:

@@ -204,6 +204,8 @@ class NatsWorker:
         finally:
             background = [*self._tasks, *loops, *helpers] if self.ready.is_set() \
                 else list(self._tasks)
+            if self._fleet is not None:
+                self._fleet.abandon()
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -234,6 +236,7 @@ class NatsWorker:
             await asyncio.gather(*pending, return_exceptions=True)
         await asyncio.gather(*(self._hand_over(n) for n in sorted(self._pins)))
         await router.stop()
+        await self.fleet.close()
         self._pins.clear()
         self._set_owned()
 
