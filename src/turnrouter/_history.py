@@ -48,8 +48,9 @@ class History:
     `max_exchanges` exchanges, so even empty exchanges cannot pile up.
     """
 
-    __slots__ = ("_hash", "_hashed", "_meta", "_start", "budget", "exchanges",
-                 "max_exchanges", "prev_exchanges", "prev_view", "total", "version")
+    __slots__ = ("_hash", "_hashed", "_meta", "_prev_end", "_prev_meta", "_prev_start",
+                 "_start", "budget", "exchanges", "max_exchanges", "prev_exchanges", "total",
+                 "version")
 
     def __init__(self, budget: int, max_exchanges: int) -> None:
         self.budget = budget
@@ -60,13 +61,26 @@ class History:
         self.total = 0
         self.version = 0
         self.prev_exchanges: tuple[AgentExchange, ...] = ()
-        self.prev_view: MetaView = (self._meta, 0, 0)
+        # `prev_view` in parts: a tuple holding the list would be one more object per
+        # participant for the garbage collector to walk, and it is rarely read.
+        self._prev_meta, self._prev_start, self._prev_end = self._meta, 0, 0
         self._hashed: tuple[AgentExchange, ...] | None = None
         self._hash = EMPTY_CONTEXT_HASH
 
     def view(self) -> MetaView:
         """A stable view of the retained exchanges' metadata."""
         return self._meta, self._start, len(self._meta)
+
+    @property
+    def prev_view(self) -> MetaView:
+        """The view before the latest conversation append."""
+        return self._prev_meta, self._prev_start, self._prev_end
+
+    def settle(self) -> None:
+        """Take the current exchanges as the state before the latest append (a history
+        rebuilt from a snapshot, whose previous state is not known)."""
+        self.prev_exchanges = self.exchanges
+        self._prev_meta, self._prev_start, self._prev_end = self.view()
 
     @property
     def ids(self) -> tuple[object | None, ...]:
@@ -102,7 +116,7 @@ class History:
         self._start, self.total = 0, total
         # As if appended one by one: the state before the newest seeded exchange.
         self.prev_exchanges = self.exchanges[:-1]
-        self.prev_view = (meta, 0, max(len(meta) - 1, 0))
+        self._prev_meta, self._prev_start, self._prev_end = meta, 0, max(len(meta) - 1, 0)
         return dropped
 
     def append(
@@ -117,7 +131,7 @@ class History:
         self.version += 1
         meta = self._meta
         self.prev_exchanges = self.exchanges
-        self.prev_view = (meta, self._start, len(meta))
+        self._prev_meta, self._prev_start, self._prev_end = meta, self._start, len(meta)
         size = len(exchange.user.encode()) + len(exchange.assistant.encode()) + extra_bytes
         total = self.total + size
         budget = self.budget
@@ -168,9 +182,11 @@ class History:
                 self._meta = [live[index] for index in keep]  # a new list, as above
                 self._start = 0
                 self.total = sum(item[2] for item in self._meta)
-        version, prev_exchanges, prev_view = self.version, self.prev_exchanges, self.prev_view
+        version, prev_exchanges = self.version, self.prev_exchanges
+        prev = self._prev_meta, self._prev_start, self._prev_end
         dropped = self.append(exchange, exchange_id, stamp, extra_bytes)
-        self.version, self.prev_exchanges, self.prev_view = version, prev_exchanges, prev_view
+        self.version, self.prev_exchanges = version, prev_exchanges
+        self._prev_meta, self._prev_start, self._prev_end = prev
         return dropped
 
     def context_hash(self) -> str:

@@ -46,7 +46,9 @@ class Participant:
         self.pid = pid
         self.focus: str | None = None
         self.history = history
-        self.used: set[str] = set()
+        #: Destinations admitted or answering for this participant, in first-use order
+        #: (a tuple: a handful of routes, and the collector does not track it).
+        self.used: tuple[str, ...] = ()
         self.initialized = False
         self.queue = TurnQueue()
         self.phase = Phase.OPEN
@@ -282,7 +284,7 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
     apply)."""
     state = Participant(snapshot.participant_id, history)
     state.focus = snapshot.focus
-    state.used = set(snapshot.used)
+    state.used = tuple(dict.fromkeys(snapshot.used))
     state.initialized = snapshot.initialized
     for item in snapshot.history:
         exchange = AgentExchange(item.user, item.assistant)
@@ -298,7 +300,7 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
         history.add_background(exchange, PatchExchangeId(applied), item.stamp_us,
                                patch_payload_bytes(patch.patch), replace=False)
     history.version = snapshot.history_version
-    history.prev_exchanges, history.prev_view = history.exchanges, history.view()
+    history.settle()
     if snapshot.pending:
         state.pending = {held.patch_id: held for held in snapshot.pending}
     return state

@@ -320,7 +320,9 @@ class Turn(TurnRun):
 
     async def _admit(self, route: str, focused: bool) -> Admission:
         cfg, obs = self.cfg, self.obs
-        self.state.used.add(route)
+        state = self.state
+        if route not in state.used:
+            state.used += (route,)
         agent = cfg.agents[route]
         observing = self.observing
         token = obs.admission_started(_new(AdmissionStarted, (route, focused))) if (
@@ -355,7 +357,9 @@ class Turn(TurnRun):
     # ------------------------------------------------------------------ answering
 
     async def _answer(self, route: str, admission: Admission | None) -> DestinationResult:
-        self.state.used.add(route)
+        state = self.state
+        if route not in state.used:
+            state.used += (route,)
         self.route = self.answered_by = route
         self.answer = answer = Answer(self, route)
         result = await answer.run(admission)
