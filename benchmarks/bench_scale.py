@@ -115,7 +115,7 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool,
         "wall": wall, "cpu": cpu, "peak": peak - base_memory, "state": peak_state,
         "held": held, "after_stop": len(router.participants), "tasks_left": len(leftover),
         "gc": sum(collector.seconds), "gc_full": collector.seconds[2],
-        "gc_full_runs": collector.runs[2],
+        "gc_full_runs": collector.runs[2], "gc_longest": collector.longest[2],
     }
 
 
@@ -125,6 +125,7 @@ class _CollectorTime:
     def __init__(self) -> None:
         self.seconds = [0.0, 0.0, 0.0]
         self.runs = [0, 0, 0]
+        self.longest = [0.0, 0.0, 0.0]
         self._t0 = 0.0
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
@@ -132,8 +133,10 @@ class _CollectorTime:
             self._t0 = time.perf_counter()
         else:
             generation = info["generation"]
-            self.seconds[generation] += time.perf_counter() - self._t0
+            pause = time.perf_counter() - self._t0
+            self.seconds[generation] += pause
             self.runs[generation] += 1
+            self.longest[generation] = max(self.longest[generation], pause)
 
 
 def profile(participants: int, turns: int, seed: int, top: int) -> None:
@@ -185,7 +188,8 @@ def main() -> None:
           "(1 / CPU per turn: what the wall figure is on an otherwise idle core)")
     print(f"garbage collector       {r['gc'] / r['finished'] * 1e6:.0f} µs per turn, of it "
           f"{r['gc_full'] / r['finished'] * 1e6:.0f} µs in {r['gc_full_runs']} full "
-          "collections (their count and cost grow with the participants held)")
+          "collections (their count and cost grow with the participants held); the "
+          f"longest stalled the event loop {r['gc_longest'] * 1e3:.0f} ms")
     print(f"peak traced memory      {r['peak'] / 1e6:.1f} MB; state held with every "
           f"participant present: {r['state'] / 1e6:.1f} MB "
           f"({r['state'] / r['participants']:.0f} B/participant)")
