@@ -70,6 +70,7 @@ PINNED = {
         "EARLY_SECS", "GENERATION_SECS", "Candidate", "candidates",
         # PromQL helpers the generated queries are checked with.
         "exposed_series_names", "le_regex", "le_value", "metric_names", "queries",
+        "Selector", "grouping_labels", "selectors",
     },
     "turnrouter.decisions": {
         # docs/decisions.md: fit a calibration to your own decisions; see the phrases.

@@ -12,8 +12,8 @@ import time
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import NonRecordingSpan, NoOpTracerProvider, SpanContext
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, Sampler, SamplingResult
+from opentelemetry.trace import NonRecordingSpan, NoOpTracerProvider, SpanContext, TraceFlags
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 
 from turnrouter import DestinationResult, RouteDecision, RouterObserver
@@ -43,7 +43,7 @@ from turnrouter.events import (
 from turnrouter.telemetry import EXEMPLAR_INTERVAL_SECS, METRICS, Telemetry
 from turnrouter.telemetry._families import Latency, families_for
 
-from .conftest import Rig, make_request, make_turn
+from .conftest import Rig, make_request, make_turn, openmetrics_latest
 from .test_spans import answer_turn
 
 
@@ -263,6 +263,29 @@ def test_latency_histograms_carry_trace_exemplars(rig: Rig) -> None:
     }
 
 
+class _RecordOnly(Sampler):
+    """Records every span without sampling it (the SDK's RECORD_ONLY decision)."""
+
+    def should_sample(self, *args: object, **kwargs: object) -> SamplingResult:
+        return SamplingResult(Decision.RECORD_ONLY)
+
+    def get_description(self) -> str:
+        return "record only"
+
+
+def test_exemplars_come_from_sampled_spans_only() -> None:
+    """A recorded but unsampled turn (a RECORD_ONLY sampler: its trace is never exported)
+    leaves no exemplar pointing at it; its observations are still counted."""
+    registry = CollectorRegistry()
+    telemetry = Telemetry(tracer_provider=TracerProvider(sampler=_RecordOnly()),
+                          registry=registry)
+    answer_turn(telemetry)
+    exposition = openmetrics_latest(registry).decode()
+    assert EXEMPLAR.findall(exposition) == []
+    assert registry.get_sample_value(
+        "turnrouter_first_response_seconds_count", {"route": "weather"}) == 1
+
+
 def _bucket_exemplars(registry: CollectorRegistry, name: str = "turnrouter_silence_seconds",
                       ) -> dict[str, tuple[str, float]]:
     """`le` -> (trace id, value) of each bucket exemplar of one histogram family."""
@@ -320,7 +343,8 @@ def _probe() -> tuple[CollectorRegistry, Latency]:
 
 def _span(trace: str, span_id: int) -> NonRecordingSpan:
     """A span whose context carries these ids (the exemplar's source)."""
-    return NonRecordingSpan(SpanContext(int(trace, 16), span_id, is_remote=False))
+    return NonRecordingSpan(SpanContext(int(trace, 16), span_id, is_remote=False,
+                                        trace_flags=TraceFlags(TraceFlags.SAMPLED)))
 
 
 def test_exemplars_are_limited_per_bucket_in_time() -> None:

@@ -25,7 +25,15 @@ from ._files import (
     stale_files,
     write_files,
 )
-from ._promql import exposed_series_names, le_regex, le_value, metric_names
+from ._promql import (
+    Selector,
+    exposed_series_names,
+    grouping_labels,
+    le_regex,
+    le_value,
+    metric_names,
+    selectors,
+)
 from ._rules import (
     ACK_OVERUSE_RATIO,
     ALERTS,
@@ -75,11 +83,13 @@ __all__ = [
     "Candidate",
     "RecordingRule",
     "RouteOverride",
+    "Selector",
     "candidates",
     "dashboard_files",
     "dashboards",
     "exposed_series_names",
     "generated_files",
+    "grouping_labels",
     "le_regex",
     "le_value",
     "load_overrides",
@@ -89,6 +99,7 @@ __all__ = [
     "read_overrides",
     "render_rules",
     "rule_groups",
+    "selectors",
     "stale_files",
     "write_files",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from prometheus_client.utils import floatToGoString
 
@@ -15,10 +16,13 @@ from ..telemetry import METRICS, MetricSpec
 
 __all__ = [
     "HISTOGRAM_SUFFIXES",
+    "Selector",
     "exposed_series_names",
+    "grouping_labels",
     "le_regex",
     "le_value",
     "metric_names",
+    "selectors",
 ]
 
 #: Series a prometheus_client histogram family exposes, by suffix.
@@ -108,6 +112,100 @@ def metric_names(expr: str) -> set[str]:
         else:
             i += 1
     return names
+
+
+class Selector(NamedTuple):
+    """One vector selector of a query: the metric name and its label matchers, each
+    `(label, operator, value)` (operator `=`, `!=`, `=~` or `!~`; value unquoted)."""
+
+    name: str
+    matchers: tuple[tuple[str, str, str], ...]
+
+
+_MATCHER = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*")
+_LABEL_LIST = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _matchers(expr: str, i: int) -> tuple[tuple[tuple[str, str, str], ...], int]:
+    """Parse the matchers of a `{...}` block whose `{` is at `i - 1`; return them and
+    the index after `}`."""
+    end = _skip_until(expr, i, "}")
+    found: list[tuple[str, str, str]] = []
+    while i < end - 1:
+        match = _MATCHER.match(expr, i)
+        if match is None:
+            raise ValueError(f"unreadable label matcher at {expr[i:i + 40]!r} in {expr!r}")
+        i = match.end()
+        if i >= end - 1 or expr[i] not in "\"'`":
+            raise ValueError(f"label matcher without a quoted value in {expr!r}")
+        close = _skip_string(expr, i)
+        found.append((match.group(1), match.group(2), expr[i + 1:close - 1]))
+        i = close
+        while i < end - 1 and (expr[i].isspace() or expr[i] == ","):
+            i += 1
+    return tuple(found), end
+
+
+def _scan(expr: str) -> tuple[list[Selector], set[str]]:
+    """The selectors of `expr` and the labels its `by`/`without`/`on`/`ignoring`/
+    `group_left`/`group_right` lists name (the same walk as `metric_names`)."""
+    found: list[Selector] = []
+    grouping: set[str] = set()
+    i = 0
+    while i < len(expr):
+        char = expr[i]
+        if char in "\"'`":
+            i = _skip_string(expr, i)
+        elif char == "$" and (variable := _VARIABLE.match(expr, i)) is not None:
+            i = variable.end()
+        elif char == "{":
+            bare, i = _matchers(expr, i + 1)
+            found.append(Selector("", bare))
+        elif char == "[":
+            i = _skip_until(expr, i + 1, "]")
+        elif char == "#":
+            newline = expr.find("\n", i)
+            i = len(expr) if newline < 0 else newline
+        elif char.isdigit() or (char == "." and i + 1 < len(expr) and expr[i + 1].isdigit()):
+            match = _NUMBER.match(expr, i)
+            assert match is not None
+            i = match.end()
+            while i < len(expr) and expr[i].isalnum():
+                i += 1
+        elif (match := _IDENT.match(expr, i)) is not None:
+            word = match.group()
+            i = match.end()
+            lowered = word.lower()
+            j = i
+            while j < len(expr) and expr[j].isspace():
+                j += 1
+            if lowered in _LABEL_LIST_KEYWORDS:
+                if expr[j:j + 1] == "(":
+                    i = _skip_until(expr, j + 1, ")")
+                    grouping.update(_LABEL_LIST.findall(expr, j + 1, i - 1))
+                continue
+            if lowered in _KEYWORDS or word in _FUNCTIONS:
+                continue
+            matchers: tuple[tuple[str, str, str], ...] = ()
+            if expr[j:j + 1] == "{":
+                matchers, i = _matchers(expr, j + 1)
+            found.append(Selector(word, matchers))
+        else:
+            i += 1
+    return found, grouping
+
+
+def selectors(expr: str) -> list[Selector]:
+    """Every vector selector of a PromQL expression, in order, with its label matchers
+    (Grafana `$variables` outside strings are skipped; inside a matcher's value they are
+    kept as written). Raises ValueError on unbalanced or unreadable input."""
+    return _scan(expr)[0]
+
+
+def grouping_labels(expr: str) -> set[str]:
+    """The label names of an expression's `by`, `without`, `on`, `ignoring`,
+    `group_left` and `group_right` lists."""
+    return _scan(expr)[1]
 
 
 def _series(specs: Iterable[MetricSpec]) -> frozenset[str]:

@@ -101,15 +101,19 @@ class Latency:
 
     def observe_traced(self, seconds: float, now: float, span: Span) -> None:
         """Record one observation, with an exemplar pointing at `span` unless its bucket
-        has a recent one (`now` is a `perf_counter()` reading)."""
+        has a recent one or the span is not sampled (recorded only: its trace is never
+        exported, so the exemplar would lead nowhere); `now` is a `perf_counter()`
+        reading."""
         index = bisect_left(self.bounds, seconds)
         self.counts[index] += 1
         self.sum += seconds
         last = self._last
         if now - last[index] < EXEMPLAR_INTERVAL_SECS:
             return
-        last[index] = now
         context = span.get_span_context()
+        if not context.trace_flags.sampled:
+            return
+        last[index] = now
         self.exemplars[index] = Exemplar(
             {"trace_id": format(context.trace_id, "032x"),
              "span_id": format(context.span_id, "016x")}, seconds, time.time())
