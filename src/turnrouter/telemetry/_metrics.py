@@ -154,7 +154,9 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "turnrouter_runtime_rejected_messages_total", "counter",
-        "Runtime messages rejected by the router's subscriber: invalid, wrong_type, closed.",
+        "Inputs refused before the router handled them, by topic (a runtime topic's name, "
+        "nats_input, nats_timing, pipecat) and reason (invalid, wrong_type, closed, "
+        "oversized, unknown_subject, not_owned, overflow).",
         ("topic", "reason"),
     ),
     MetricSpec(
