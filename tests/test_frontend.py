@@ -554,6 +554,8 @@ async def test_report_heard_measures_to_the_reported_audio() -> None:
     await h.router.route_turn(h.turn(), report_heard=True)
     assert _heard(h) == []
     assert [e for e in h.observer.turns["t1"] if e[0] == "first_response"] == []
+    assert [e for e in h.observer.turns["t1"] if e[0] == "output_started"] == [
+        ("output_started", "conversation")]
     clock.advance(0.7)
     assert h.router.mark_heard("p1", "t1") is True
     assert _heard(h) == [("heard", "conversation", 0.7, 0.7)]

@@ -353,6 +353,11 @@ class TurnObserver:
     def first_response(self, token: object, event: FirstResponse) -> None:
         """The destination called `started()`."""
 
+    def output_started(self, token: object, event: FirstResponse) -> None:
+        """The destination called `started()` in a turn whose first response is measured
+        to the first audio heard (`route_turn(..., report_heard=True)`): `event.seconds`
+        is to `started()`; the latency itself comes later, as `RouterObserver.heard`."""
+
     def answer_finished(self, token: object, event: AnswerFinished) -> None:
         """The `answer()` call ended."""
 

@@ -567,6 +567,9 @@ class Answer:
             sidecar.answer_started(now)
         if owner.report_heard:
             self._started_at = now
+            if owner.observing:
+                owner.obs.output_started(self._token,
+                                         _new(FirstResponse, (self.route, now - self._t0)))
             owner.state.unheard = self
             if self._heard_at is not None:
                 self.resolve_heard(self._heard_at)

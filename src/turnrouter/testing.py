@@ -330,6 +330,9 @@ class _RecordingTurn(TurnObserver):
     def first_response(self, token: object, event: FirstResponse) -> None:
         self._events.append(("first_response", event.route))
 
+    def output_started(self, token: object, event: FirstResponse) -> None:
+        self._events.append(("output_started", event.route))
+
     def answer_finished(self, token: object, event: AnswerFinished) -> None:
         result = event.result
         self._events.append(("answer_finished", event.route,

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from opentelemetry.trace import StatusCode, Tracer
 
-from turnrouter import AgentRouter, RouteDecision, RouteRequest
+from turnrouter import AgentRouter, AgentTurn, RouteDecision, RouteRequest
 from turnrouter.telemetry import ATTR
 from turnrouter.testing import ScriptedAgent, ScriptedDecisions
 
@@ -146,3 +146,21 @@ async def test_classifier_spans_nest_under_route(router_rig: Rig,
     assert classify.parent is not None
     assert classify.parent.span_id == router_rig.span("turnrouter.route").context.span_id
     assert s.child_names() == ["turnrouter.route", "turnrouter.admission", "invoke_agent weather"]
+
+
+async def test_heard_turn_marks_started_on_the_span_and_measures_to_the_audio(
+        router_rig: Rig, stopped: list[AgentRouter]) -> None:
+    """With report_heard=True, invoke_agent still gets its first-response event and
+    seconds at started(); the histogram waits for the reported audio."""
+    s = Outcomes(router_rig, ScriptedDecisions("weather"), ScriptedAgent("weather"))
+    stopped.append(s.router)
+    routed = await s.router.route_turn(AgentTurn("alice", "t1", "rain?"), report_heard=True)
+    assert routed.route == "weather"
+    invoke = s.capture.span("invoke_agent weather")
+    assert [event.name for event in invoke.events] == ["turnrouter.first_response"]
+    seconds = dict(invoke.attributes or {})[ATTR.FIRST_RESPONSE_SECONDS]
+    assert isinstance(seconds, float) and seconds >= 0.0
+    value = router_rig.value
+    assert value("turnrouter_first_response_seconds_count", route="weather") in (None, 0)
+    assert s.router.mark_heard("alice", "t1") is True
+    assert value("turnrouter_first_response_seconds_count", route="weather") == 1

@@ -466,6 +466,14 @@ class TracedTurn(TurnMetrics):
         token.first_response = seconds  # set as an attribute when the span closes
         span.add_event(EVENT_FIRST_RESPONSE, {ATTR.FIRST_RESPONSE_SECONDS: seconds})
 
+    def output_started(self, token: object, event: FirstResponse) -> None:
+        """The span's first-response event and attribute at `started()`, when the
+        histogram waits for the first audio heard (the front end's report)."""
+        if isinstance(token, Op):
+            token.first_response = event.seconds
+            token.span.add_event(EVENT_FIRST_RESPONSE,
+                                 {ATTR.FIRST_RESPONSE_SECONDS: event.seconds})
+
     def answer_finished(self, token: object, event: AnswerFinished) -> None:
         """Close the answer span with the result's disposition, error or interruption."""
         error, interrupted = event.error, event.interrupted
