@@ -72,12 +72,17 @@ class Harness:
 # ---------------------------------------------------------------- configuration
 
 
+class _SpokenQuery(UserQuery):
+    """A subclass of UserQuery: not the exact payload class a query topic must carry."""
+
+
 @pytest.mark.parametrize(
     ("topics", "error", "match"),
     [
         ({"output_topic": None}, ValueError, "together"),
         ({"participant_joined_topic": None}, ValueError, "participant_joined_topic"),
         ({"query_topic": Topic("q", ResponseOutput)}, TypeError, "exactly UserQuery"),
+        ({"query_topic": Topic("q", _SpokenQuery)}, TypeError, "exactly UserQuery"),
         ({"interrupted_topic": Topic("i", ParticipantLeft)}, TypeError, "Interrupted"),
         ({"query_topic": "q"}, TypeError, "Topic"),
         ({"interrupted_topic": Topic("q", Interrupted)}, ValueError, "distinct"),
@@ -96,6 +101,16 @@ def test_runtime_subscriber_requires_topics() -> None:
                          ScriptedDecisions("conversation"), telemetry=RecordingObserver())
     with pytest.raises(ConfigurationError, match="query_topic"):
         router.runtime_subscriber()
+
+
+def test_only_explicitly_supplied_topics_are_subscribed() -> None:
+    """The subscriber listens to the configured input topics only, never to its output."""
+    router, _, _ = make_router(topics={"participant_joined_topic": None,
+                                       "participant_left_topic": None,
+                                       "interrupted_topic": None})
+    assert router.runtime_subscriber().subscriptions == (QUERY,)
+    router, _, _ = make_router(topics={"participant_left_topic": None})
+    assert router.runtime_subscriber().subscriptions == (QUERY, JOINED, INTERRUPTED)
 
 
 def test_topic_validates_its_payload() -> None:
