@@ -194,6 +194,17 @@ async def test_failing_decision_service_without_default_clarifies() -> None:
     assert ("clarification", "decision_failed") in h.observer.turns["t1"]
 
 
+async def test_failing_reroute_decision_never_readmits_a_default_that_declined() -> None:
+    """A decision failure on the reroute does not offer the turn again to the default that
+    declined it: the router asks for clarification."""
+    h = Harness(ScriptedAgent("weather"), ScriptedAgent("conversation", admissions="decline"),
+                decisions=ScriptedDecisions("conversation", RuntimeError("down")))
+    assert (await h.say()).disposition == "clarify"
+    assert h["conversation"].methods() == ["admit"]
+    assert h["weather"].calls == []
+    assert ("clarification", "decision_failed") in h.observer.turns["t1"]
+
+
 async def test_decision_service_returning_garbage_is_a_decision_failure() -> None:
     """A decide() result that is not a RouteDecision is recorded as a failure."""
     h = Harness(ScriptedAgent("weather"),
