@@ -233,6 +233,16 @@ async def test_unfocused_release_admission_speaks_releases_and_reroutes() -> Non
     assert h.decisions.requests[1].excluded == {"weather"}
 
 
+async def test_release_text_is_spoken_before_the_rerouted_destination() -> None:
+    """A release admission's text precedes everything the rerouted turn says."""
+    h = Harness(ScriptedAgent("weather", admissions=Admission("release", text="Passing on.")),
+                ScriptedAgent("music", admissions=Admission("accept", "Queueing it.")),
+                decisions=ScriptedDecisions("weather", "music"))
+    h["music"].output = h.output
+    await h.say()
+    assert h.output.texts == ["Passing on.", "Queueing it.", "music answer"]
+
+
 async def test_no_eligible_route_clarifies_without_deciding() -> None:
     """With no eligible destination, the router asks for clarification directly."""
     h = Harness(ScriptedAgent("weather", eligible=False),
