@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+import turnrouter
 from turnrouter import (
     Admission,
     AgentExchange,
@@ -592,6 +597,31 @@ def test_constructor_rejects_bad_configuration(kwargs: dict[str, Any], match: st
     with pytest.raises(ConfigurationError, match=match) as info:
         AgentRouter(_agents(), ScriptedDecisions("conversation"), **kwargs)
     assert isinstance(info.value, ValueError)
+
+
+_DIRECT_HANDLE = """
+import asyncio, sys
+from turnrouter import AgentRouter, AgentTurn
+from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions
+
+async def main() -> None:
+    router = AgentRouter({"conversation": ScriptedAgent("conversation")},
+                         ScriptedDecisions("conversation"), output=OutputRecorder())
+    await router.handle(AgentTurn("p", "t", "hi"))
+    await router.stop()
+
+asyncio.run(main())
+print(sorted(name for name in sys.modules if name.startswith("turnrouter.runtime")))
+"""
+
+
+def test_direct_handle_never_imports_the_runtime() -> None:
+    """Ordinary handle() use imports neither the runtime nor its message classes."""
+    src = Path(turnrouter.__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _DIRECT_HANDLE], capture_output=True,
+                          text=True, timeout=120, check=True,
+                          env={**os.environ, "PYTHONPATH": str(src)})
+    assert done.stdout.strip() == "[]"
 
 
 def test_constructor_rejects_non_agents_and_non_deciders() -> None:
