@@ -682,6 +682,30 @@ async def test_failed_initialization_fails_the_turn_and_runs_again() -> None:
     assert attempts == ["p1", "p1"]
 
 
+async def test_interrupted_initialization_runs_again_on_the_next_turn() -> None:
+    """An initialization interrupted before it finished is awaited again on the next turn."""
+    attempts: list[str] = []
+    entered = anyio.Event()
+
+    async def initialize(pid: str) -> None:
+        attempts.append(pid)
+        if len(attempts) == 1:
+            entered.set()
+            await anyio.Event().wait()  # only an interrupt ends it
+
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"),
+                initialize_participant=initialize)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(h.capture, h.turn())
+            await entered.wait()
+            await h.router.interrupt("p1")
+    assert isinstance(h.outcomes["t1"], TurnInterrupted)
+    assert h["weather"].calls == [] and h.output.texts == []
+    assert (await h.say()).text == "weather answer"
+    assert attempts == ["p1", "p1"]
+
+
 async def test_without_a_conversation_route_the_default_is_unavailable() -> None:
     """Routers over other route names build fine; exhausted declines then clarify."""
     agents = {"weather": ScriptedAgent("weather", admissions="decline"),
