@@ -248,6 +248,22 @@ async def test_departure_failures_are_grouped_retried_and_block_turns() -> None:
     assert (await h.say()).text == "weather answer"
 
 
+async def test_departure_attempts_every_used_destination_despite_failures() -> None:
+    """A failing release does not end the departure: every used destination is attempted
+    and the failures are raised together."""
+    h = Harness(ScriptedAgent("booking", admissions="decline", release_error=RuntimeError("b")),
+                ScriptedAgent("weather", release_error=ValueError("w")),
+                ScriptedAgent("music"), decisions=ScriptedDecisions("booking", "weather"))
+    await h.say()
+    with pytest.raises(ExceptionGroup) as info:
+        await h.router.participant_left("p1")
+    assert sorted(type(e).__name__ for e in info.value.exceptions) == ["RuntimeError",
+                                                                        "ValueError"]
+    assert h["booking"].methods() == ["admit", "release"]
+    assert h["weather"].methods() == ["admit", "answer", "release"]
+    assert h["music"].calls == []
+
+
 async def test_concurrent_departures_join_one_operation() -> None:
     """Concurrent participant_left() callers share one departure."""
     h = Harness(ScriptedDepartingAgent("weather"), decisions=ScriptedDecisions("weather"))
