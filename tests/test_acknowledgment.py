@@ -280,6 +280,50 @@ async def test_started_waits_for_a_committed_acknowledgment() -> None:
     assert len(s.observer.first) == 1
 
 
+class _TwoStarters(ClockAgent):
+    """Once `go` is set, calls started() from two tasks at once; records each return."""
+
+    returned: list[float]
+
+    async def answer(self, turn: AgentTurn, *,
+                     started: Callable[[], Awaitable[None]]) -> DestinationResult:
+        self.returned = []
+        self.entered.set()
+        await self.go.wait()
+
+        async def start() -> None:
+            await started()
+            self.returned.append(self.clock.now())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(start)
+            tg.start_soon(start)
+        return DestinationResult("answer", f"{self.name} answer")
+
+
+async def test_repeated_started_calls_wait_for_the_same_delivery() -> None:
+    """Every started() call made while a committed acknowledgment is delivered waits for it."""
+    gate = anyio.Event()
+    s = Setup(latency=None, output=OutputRecorder(gate=gate), agent_class=_TwoStarters)
+    agent = s.agent
+    assert isinstance(agent, _TwoStarters)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s.run)
+            await s.clock.wait_for_sleepers(1)
+            s.clock.advance(1.0)
+            await s.clock.settle()  # the acknowledgment is committed, output blocked
+            agent.go.set()
+            await s.clock.settle()
+            assert agent.returned == []  # neither call returned before the delivery
+            s.clock.advance(0.5)
+            gate.set()
+            await s.done.wait()
+    assert agent.returned == [1.5, 1.5]
+    assert [a.outcome for a in s.observer.acks] == ["emitted"]
+    assert len(s.observer.first) == 1
+
+
 async def test_confident_prediction_starts_the_acknowledgment_early() -> None:
     """A confident slow prediction starts generation early so it is heard at early_secs."""
     clock_llm_time = 0.2

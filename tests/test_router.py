@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+import turnrouter
 from turnrouter import (
     Admission,
     AgentExchange,
@@ -194,6 +199,17 @@ async def test_failing_decision_service_without_default_clarifies() -> None:
     assert ("clarification", "decision_failed") in h.observer.turns["t1"]
 
 
+async def test_failing_reroute_decision_never_readmits_a_default_that_declined() -> None:
+    """A decision failure on the reroute does not offer the turn again to the default that
+    declined it: the router asks for clarification."""
+    h = Harness(ScriptedAgent("weather"), ScriptedAgent("conversation", admissions="decline"),
+                decisions=ScriptedDecisions("conversation", RuntimeError("down")))
+    assert (await h.say()).disposition == "clarify"
+    assert h["conversation"].methods() == ["admit"]
+    assert h["weather"].calls == []
+    assert ("clarification", "decision_failed") in h.observer.turns["t1"]
+
+
 async def test_decision_service_returning_garbage_is_a_decision_failure() -> None:
     """A decide() result that is not a RouteDecision is recorded as a failure."""
     h = Harness(ScriptedAgent("weather"),
@@ -220,6 +236,16 @@ async def test_unfocused_release_admission_speaks_releases_and_reroutes() -> Non
     assert h.output.texts[0] == "Passing on."
     assert h["weather"].methods() == ["admit", "release"]
     assert h.decisions.requests[1].excluded == {"weather"}
+
+
+async def test_release_text_is_spoken_before_the_rerouted_destination() -> None:
+    """A release admission's text precedes everything the rerouted turn says."""
+    h = Harness(ScriptedAgent("weather", admissions=Admission("release", text="Passing on.")),
+                ScriptedAgent("music", admissions=Admission("accept", "Queueing it.")),
+                decisions=ScriptedDecisions("weather", "music"))
+    h["music"].output = h.output
+    await h.say()
+    assert h.output.texts == ["Passing on.", "Queueing it.", "music answer"]
 
 
 async def test_no_eligible_route_clarifies_without_deciding() -> None:
@@ -573,6 +599,31 @@ def test_constructor_rejects_bad_configuration(kwargs: dict[str, Any], match: st
     assert isinstance(info.value, ValueError)
 
 
+_DIRECT_HANDLE = """
+import asyncio, sys
+from turnrouter import AgentRouter, AgentTurn
+from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions
+
+async def main() -> None:
+    router = AgentRouter({"conversation": ScriptedAgent("conversation")},
+                         ScriptedDecisions("conversation"), output=OutputRecorder())
+    await router.handle(AgentTurn("p", "t", "hi"))
+    await router.stop()
+
+asyncio.run(main())
+print(sorted(name for name in sys.modules if name.startswith("turnrouter.runtime")))
+"""
+
+
+def test_direct_handle_never_imports_the_runtime() -> None:
+    """Ordinary handle() use imports neither the runtime nor its message classes."""
+    src = Path(turnrouter.__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _DIRECT_HANDLE], capture_output=True,
+                          text=True, timeout=120, check=True,
+                          env={**os.environ, "PYTHONPATH": str(src)})
+    assert done.stdout.strip() == "[]"
+
+
 def test_constructor_rejects_non_agents_and_non_deciders() -> None:
     """Destinations without the agent methods, or deciders without decide(), are TypeErrors."""
     with pytest.raises(TypeError, match="'conversation' has no routing_aid"):
@@ -628,6 +679,30 @@ async def test_failed_initialization_fails_the_turn_and_runs_again() -> None:
         await h.say()
     assert h.output.texts == [FAILURE_TEXT]
     await h.say()
+    assert attempts == ["p1", "p1"]
+
+
+async def test_interrupted_initialization_runs_again_on_the_next_turn() -> None:
+    """An initialization interrupted before it finished is awaited again on the next turn."""
+    attempts: list[str] = []
+    entered = anyio.Event()
+
+    async def initialize(pid: str) -> None:
+        attempts.append(pid)
+        if len(attempts) == 1:
+            entered.set()
+            await anyio.Event().wait()  # only an interrupt ends it
+
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"),
+                initialize_participant=initialize)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(h.capture, h.turn())
+            await entered.wait()
+            await h.router.interrupt("p1")
+    assert isinstance(h.outcomes["t1"], TurnInterrupted)
+    assert h["weather"].calls == [] and h.output.texts == []
+    assert (await h.say()).text == "weather answer"
     assert attempts == ["p1", "p1"]
 
 

@@ -7,7 +7,7 @@ import asyncio
 import anyio
 import pytest
 
-from turnrouter import AgentTurn, DestinationResult, LifecycleError, TurnInterrupted
+from turnrouter import Admission, AgentTurn, DestinationResult, LifecycleError, TurnInterrupted
 from turnrouter.testing import ScriptedAgent, ScriptedDecisions, ScriptedDepartingAgent
 
 from .kit import Harness
@@ -127,6 +127,34 @@ async def test_interrupt_after_started_cancels_the_answer() -> None:
     assert "first_response" in h.observer.kinds("t1")
 
 
+async def test_interrupt_during_a_release_ends_the_turn_once_released() -> None:
+    """An interrupt while a released owner's release() runs lets it finish, then ends the
+    turn: the query is not rerouted and nothing more is said."""
+    h = Harness(ScriptedAgent("booking", results="focus",
+                              admissions=["accept", Admission("release", text="Done here.")]),
+                ScriptedAgent("weather"), decisions=ScriptedDecisions("booking", "weather"))
+    booking = h["booking"]
+    await h.say("book")
+    gate = booking.release_gate = anyio.Event()
+
+    async def open_gate() -> None:
+        gate.set()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(h.capture, h.turn("what's the weather"))
+            await booking.release_entered.wait()
+            tg.start_soon(open_gate)  # runs once interrupt() has asked for the cancel
+            await h.router.interrupt("p1")
+    assert isinstance(h.outcomes["t2"], TurnInterrupted)
+    assert booking.methods() == ["admit", "answer", "admit", "release"]
+    assert ("release", "booking", "reroute", None) in h.observer.turns["t2"]  # not torn
+    assert h["weather"].calls == [] and len(h.decisions.requests) == 1
+    assert h.output.texts == ["Done here."]
+    assert h.router.focus_of("p1") is None
+    assert h.observer.outcome("t2") == "interrupted"
+
+
 async def test_interrupt_one_participant_leaves_others_running() -> None:
     """interrupt(pid) cancels only that participant's turn."""
     h = Harness(gated("weather"), decisions=ScriptedDecisions("weather"))
@@ -218,6 +246,22 @@ async def test_departure_failures_are_grouped_retried_and_block_turns() -> None:
     await h.router.participant_left("p1")
     assert h["weather"].count("release") == 2
     assert (await h.say()).text == "weather answer"
+
+
+async def test_departure_attempts_every_used_destination_despite_failures() -> None:
+    """A failing release does not end the departure: every used destination is attempted
+    and the failures are raised together."""
+    h = Harness(ScriptedAgent("booking", admissions="decline", release_error=RuntimeError("b")),
+                ScriptedAgent("weather", release_error=ValueError("w")),
+                ScriptedAgent("music"), decisions=ScriptedDecisions("booking", "weather"))
+    await h.say()
+    with pytest.raises(ExceptionGroup) as info:
+        await h.router.participant_left("p1")
+    assert sorted(type(e).__name__ for e in info.value.exceptions) == ["RuntimeError",
+                                                                        "ValueError"]
+    assert h["booking"].methods() == ["admit", "release"]
+    assert h["weather"].methods() == ["admit", "answer", "release"]
+    assert h["music"].calls == []
 
 
 async def test_concurrent_departures_join_one_operation() -> None:

@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from turnrouter import (
+    Admission,
     AgentRouter,
     AgentTurn,
     ConfigurationError,
@@ -72,12 +73,17 @@ class Harness:
 # ---------------------------------------------------------------- configuration
 
 
+class _SpokenQuery(UserQuery):
+    """A subclass of UserQuery: not the exact payload class a query topic must carry."""
+
+
 @pytest.mark.parametrize(
     ("topics", "error", "match"),
     [
         ({"output_topic": None}, ValueError, "together"),
         ({"participant_joined_topic": None}, ValueError, "participant_joined_topic"),
         ({"query_topic": Topic("q", ResponseOutput)}, TypeError, "exactly UserQuery"),
+        ({"query_topic": Topic("q", _SpokenQuery)}, TypeError, "exactly UserQuery"),
         ({"interrupted_topic": Topic("i", ParticipantLeft)}, TypeError, "Interrupted"),
         ({"query_topic": "q"}, TypeError, "Topic"),
         ({"interrupted_topic": Topic("q", Interrupted)}, ValueError, "distinct"),
@@ -96,6 +102,16 @@ def test_runtime_subscriber_requires_topics() -> None:
                          ScriptedDecisions("conversation"), telemetry=RecordingObserver())
     with pytest.raises(ConfigurationError, match="query_topic"):
         router.runtime_subscriber()
+
+
+def test_only_explicitly_supplied_topics_are_subscribed() -> None:
+    """The subscriber listens to the configured input topics only, never to its output."""
+    router, _, _ = make_router(topics={"participant_joined_topic": None,
+                                       "participant_left_topic": None,
+                                       "interrupted_topic": None})
+    assert router.runtime_subscriber().subscriptions == (QUERY,)
+    router, _, _ = make_router(topics={"participant_left_topic": None})
+    assert router.runtime_subscriber().subscriptions == (QUERY, JOINED, INTERRUPTED)
 
 
 def test_topic_validates_its_payload() -> None:
@@ -126,11 +142,20 @@ async def test_query_is_routed_with_publication_identity() -> None:
 
 async def test_destination_sees_runtime_turn() -> None:
     """Destinations receive the query text, message id and timestamp as the turn."""
-    router, agents, _ = make_router()
+    seen: list[AgentTurn] = []
+
+    def admit(turn: AgentTurn, focused: bool) -> Admission:
+        seen.append(turn)
+        return Admission("accept")
+
+    router = AgentRouter({"weather": ScriptedAgent("weather", admissions=admit)},
+                         ScriptedDecisions("weather"), query_topic=QUERY, output_topic=OUTPUT,
+                         telemetry=RecordingObserver())
     query = UserQuery(participant_id="p1", text="rain?", timestamp_us=99)
     await publish_and_drain(router, OUTPUT, (QUERY, query))
-    call = agents["weather"].calls[-1]
-    assert (call.turn_id, call.query) == (query.message_id, "rain?")
+    [turn] = seen
+    assert (turn.participant_id, turn.turn_id, turn.query, turn.timestamp_us) == (
+        "p1", query.message_id, "rain?", 99)
 
 
 async def test_set_status_wraps_each_runtime_turn_and_failures_are_logged(
@@ -225,6 +250,25 @@ async def test_interrupted_topic_cancels_the_participants_turn() -> None:
         await runtime.publish(INTERRUPTED, Interrupted(participant_id="p1"))
     assert agent.cancelled == ["answer"]
     assert router.history_of("p1") == ()
+
+
+async def test_interrupted_without_a_participant_cancels_every_turn() -> None:
+    """An Interrupted message naming no participant cancels every participant's answer."""
+    router, agents, _ = make_router(decisions=ScriptedDecisions(
+        lambda request: "weather" if request.turn.participant_id == "p1" else "conversation"))
+    for agent in agents.values():
+        agent.answer_gate = anyio.Event()
+    with anyio.fail_after(10):
+        async with AgentRuntime() as runtime:
+            runtime.register(router.runtime_subscriber())
+            await runtime.publish(QUERY, UserQuery(participant_id="p1", text="x"))
+            await runtime.publish(QUERY, UserQuery(participant_id="p2", text="y"))
+            await agents["weather"].started_called.wait()
+            await agents["conversation"].started_called.wait()
+            await runtime.publish(INTERRUPTED, Interrupted())
+    assert agents["weather"].cancelled == ["answer"]
+    assert agents["conversation"].cancelled == ["answer"]
+    assert router.history_of("p1") == () and router.history_of("p2") == ()
 
 
 async def test_trace_context_of_the_query_is_entered() -> None:
