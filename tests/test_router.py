@@ -401,6 +401,17 @@ async def test_caller_history_seeds_only_a_participant_without_history() -> None
     assert h["weather"].calls[-1].history == (*seed, AgentExchange("one", "weather answer"))
 
 
+async def test_caller_history_is_ignored_once_the_router_completed_an_exchange() -> None:
+    """A participant whose completed exchange exceeded the budget (nothing retained)
+    still has history of its own: a later caller history does not seed it."""
+    h = Harness(ScriptedAgent("weather", answer_text="x" * 100),
+                decisions=ScriptedDecisions("weather"), context_budget_bytes=50)
+    await h.say("q")
+    assert h.router.history_of("p1") == ()
+    await h.say("two", history=(AgentExchange("other", "thing"),))
+    assert h["weather"].calls[-1].history == ()
+
+
 async def test_seeded_history_is_trimmed_to_budget() -> None:
     """Seeded history keeps only the newest whole exchanges within the budget."""
     h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"),

@@ -187,7 +187,9 @@ class Turn(TurnRun):
                 await cfg.initialize(turn.participant_id)
             state.initialized = True
         history = state.history
-        if not history.exchanges and turn.history:
+        # Seeded only while the router has completed no exchange of its own (version 0):
+        # one it completed and the budget dropped is still its history.
+        if not history.exchanges and turn.history and not history.version:
             dropped = history.seed(turn.history)
             if dropped:
                 cfg.overflows.report("seeded_history", f"{dropped} caller-supplied exchanges "
