@@ -286,6 +286,24 @@ async def test_focused_decline_keeps_focus_without_release() -> None:
     assert h["booking"].calls[-2].focused is True
 
 
+async def test_focus_owner_admission_is_not_a_routing_attempt() -> None:
+    """After the focus owner declines, the router still makes two routed choices (the
+    first and one reroute) before the default fallback; the turn counts two attempts."""
+    h = Harness(ScriptedAgent("booking", admissions=["accept", "decline"], results="focus"),
+                ScriptedAgent("weather", admissions="decline"),
+                ScriptedAgent("music", admissions="decline"),
+                decisions=ScriptedDecisions("booking", "weather", "music"))
+    await h.say("book")
+    result = await h.say("anything else?")
+    assert result.text == "conversation answer"
+    assert [r.excluded for r in h.decisions.requests[1:]] == [
+        {"booking"}, {"booking", "weather"}]
+    assert h["music"].methods() == ["admit"]
+    assert h["conversation"].methods() == ["answer"]
+    (finished,) = [e for e in h.observer.turns["t2"] if e[0] == "finished"]
+    assert finished[5] == 2  # attempts: the routed choices, not the owner's admission
+
+
 async def test_focused_release_admission_releases_and_reroutes_same_query() -> None:
     """A focused release admission emits text, releases, and reroutes the same query."""
     h = Harness(ScriptedAgent("booking", results="focus",
