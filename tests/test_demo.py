@@ -16,6 +16,7 @@ from turnrouter.demo import (
     DEFAULT_ACK_DELAY,
     DESCRIPTIONS,
     DemoConfig,
+    DemoReport,
     build_agents,
     demo_resource,
     demo_tracer_provider,
@@ -78,13 +79,22 @@ async def test_short_demo_run_loses_no_turn(caplog: pytest.LogCaptureFixture) ->
         report = await run_demo(DemoConfig(duration=2.0, participants=30, speed=10.0,
                                            progress=False, seed=3), out=out)
     assert [r.getMessage() for r in caplog.records
-            if "(rejected)" in r.getMessage() or "SimulatedOutage" in r.getMessage()] == []
+            if "(rejected)" in r.getMessage() or "SimulatedOutage" in r.getMessage()
+            or "history_exchanges" in r.getMessage()] == []
     assert report.lost_turns == 0
     assert report.total_turns > 50
     answered = {route for (route, outcome), n in report.turns.items()
                 if outcome == "answer" and n}
     assert len(answered) >= 6
     assert "lost 0" in out.getvalue()
+
+
+def test_report_counts_the_bounds_that_overflowed() -> None:
+    """The report lists each overflowed bound with its count (the demo's short history
+    overflows by design, so it is reported there rather than logged)."""
+    assert "bounds overflowed: none" in DemoReport(elapsed=1.0).render()
+    report = DemoReport(elapsed=1.0, overflows={"history_exchanges": 3.0, "participants": 1.0})
+    assert "bounds overflowed: history_exchanges 3, participants 1" in report.render()
 
 
 async def test_samples_flag_writes_first_response_samples_in_simulated_seconds(

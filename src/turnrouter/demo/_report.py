@@ -50,6 +50,7 @@ class DemoReport:
     first_response: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     silence: list[tuple[float, float]] = field(default_factory=list)
     patches: dict[str, float] = field(default_factory=dict)
+    overflows: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def read(cls, registry: CollectorRegistry, elapsed: float, published: int) -> DemoReport:
@@ -72,6 +73,8 @@ class DemoReport:
                 elif sample.name == "turnrouter_context_patches_total":
                     outcome = labels["outcome"]
                     report.patches[outcome] = report.patches.get(outcome, 0.0) + sample.value
+                elif sample.name == "turnrouter_limit_overflows_total" and sample.value:
+                    report.overflows[labels["limit"]] = sample.value
                 elif sample.name == "turnrouter_runtime_rejected_messages_total":
                     report.rejected += sample.value
                 elif sample.name == "turnrouter_first_response_seconds_bucket":
@@ -145,6 +148,9 @@ class DemoReport:
             "background context patches: " + (", ".join(
                 f"{outcome} {count:.0f}" for outcome, count in sorted(self.patches.items()))
                 or "none"),
+            "bounds overflowed: " + (", ".join(
+                f"{limit} {count:.0f}" for limit, count in sorted(self.overflows.items()))
+                or "none") + " (docs/limits.md)",
             f"queries published {self.published}, refused {self.rejected:.0f}, "
             f"lost {self.lost_turns}",
         ]
