@@ -439,6 +439,30 @@ def test_json_export_is_the_snapshot_json_after_every_step(steps: list[tuple[str
     anyio.run(main)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 130), st.booleans()), min_size=1, max_size=160))
+def test_json_export_stays_exact_across_compaction_and_skipped_exports(
+        steps: list[tuple[int, bool]]) -> None:
+    """Long runs of turns (the history's metadata compacts after 64 trimmed), an exchange
+    bigger than the budget, and exports skipped for many turns: the JSON export still
+    equals the snapshot's."""
+
+    async def main() -> None:
+        h = Harness(ScriptedAgent("conversation"), context_budget_bytes=120,
+                    max_history_exchanges=5)
+        for size, export in steps:
+            await h.say("q" * size)
+            if export:
+                snapshot = h.router.export_participant("p1")
+                assert snapshot is not None
+                assert h.router.export_participant_json("p1") == snapshot.to_json().encode()
+        snapshot = h.router.export_participant("p1")
+        assert snapshot is not None
+        assert h.router.export_participant_json("p1") == snapshot.to_json().encode()
+
+    anyio.run(main)
+
+
 async def test_json_export_of_a_departed_participant() -> None:
     """A participant known only as departed exports its departed flag as JSON too."""
     h = Harness(ScriptedAgent("conversation"), **_joined_topics())

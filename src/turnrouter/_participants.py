@@ -61,8 +61,9 @@ class Participant:
         #: The running turn, and an answered turn whose first audio is not reported yet.
         self.current: Turn | None = None
         self.unheard: Answer | None = None
-        #: The JSON of each exchange at the latest `export_json` (None: never exported).
-        self.exported: dict[int, tuple[Meta, AgentExchange, bytes]] | None = None
+        #: The JSON of the exchanges at the latest `export_json` (None: never exported):
+        #: (the history's metadata list, the index in it of the first piece, the pieces).
+        self.exported: tuple[list[Meta], int, list[bytes]] | None = None
 
 
 class RouterPhase(enum.Enum):
@@ -234,21 +235,29 @@ def snapshot_of(state: Participant, departed: bool) -> ParticipantSnapshot:
 def snapshot_json(state: Participant, departed: bool) -> bytes:
     """`snapshot_of(state, departed).to_json()` as UTF-8, from each exchange's JSON kept
     since the previous call: a front end saving the participant after every exchange
-    pays for the new exchanges, not for the whole history each time. (Retained exchanges
-    and their metadata never change, so an exchange is known by identity.)"""
+    pays for the new exchanges, not for the whole history each time.
+
+    The history's metadata list is only ever appended to (trimming advances its start;
+    any other change makes a new list, see `History`), and `exchanges[i]` goes with
+    `items[start + i]`; so while the list is the same object, the pieces of the
+    positions exported before are still right, and only the positions after them are
+    new.
+    """
     history = state.history
-    previous = state.exported or {}
-    kept: dict[int, tuple[Meta, AgentExchange, bytes]] = {}
-    pieces: list[bytes] = []
-    for exchange, meta in zip(history.exchanges, view_items(history.view()), strict=True):
-        known = previous.get(id(meta))
-        if known is not None and known[0] is meta and known[1] is exchange:
-            piece = known[2]
-        else:
-            piece = _exchange_snapshot(exchange, meta).model_dump_json().encode()
-        kept[id(meta)] = (meta, exchange, piece)
-        pieces.append(piece)
-    state.exported = kept
+    items, start, end = history.view()
+    exported = state.exported
+    if exported is not None and exported[0] is items and exported[1] <= start:
+        _, first, pieces = exported
+        if start > first:
+            del pieces[:start - first]
+    else:
+        pieces = []
+    done = start + len(pieces)
+    if done < end:
+        exchanges = history.exchanges
+        pieces += [_exchange_snapshot(exchanges[index - start], items[index])
+                   .model_dump_json().encode() for index in range(done, end)]
+    state.exported = (items, start, pieces)
     # Field values are JSON-escaped strings, so the first `"history":[]` is the field.
     return _snapshot(state, departed, ()).model_dump_json().encode().replace(
         b'"history":[]', b'"history":[' + b",".join(pieces) + b"]", 1)
