@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -538,3 +539,73 @@ async def test_contract_validation() -> None:
     with pytest.raises(ConfigurationError, match="max_pending_patches"):
         Harness(ScriptedAgent("x"), max_pending_patches=0)
     assert counted(h) == []
+
+
+# ------------------------------------------------------------------ the reference's contract
+
+
+async def test_a_patch_without_completed_at_is_stamped_now_in_utc() -> None:
+    """`completed_at` defaults to the moment the patch is built, timezone-aware (UTC)."""
+    before = datetime.now(UTC)
+    patch = ContextPatch(task_id="a")
+    after = datetime.now(UTC)
+    assert patch.completed_at.tzinfo is UTC
+    assert before <= patch.completed_at <= after
+    assert (patch.digest, patch.facts, patch.artifacts, patch.sources) == ((), {}, (), ())
+    assert (patch.recommended_next_steps, patch.assumptions) == ((), ())
+    assert not patch.context_diverged
+
+
+async def test_held_patch_records_the_unix_time_it_was_queued() -> None:
+    """A pending patch's `created_at` is the Unix time (seconds) when it was held."""
+    h, _agent = booking()
+    await h.say("one")
+    before = time.time()
+    held = await h.router.apply_context_patch("p1", ContextPatch(task_id="a"), "human_gated")
+    after = time.time()
+    assert isinstance(held, PendingContextPatch)
+    assert before <= held.created_at <= after
+
+
+async def test_two_held_patches_of_one_task_get_distinct_ids_and_settle_apart() -> None:
+    """Each held patch has its own id, even for the same task, and settles on its own."""
+    h, _agent = booking()
+    await h.say("one")
+    first = await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="a", digest=("first",)), "human_gated")
+    second = await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="a", digest=("second",)), "human_gated")
+    assert isinstance(first, PendingContextPatch) and isinstance(second, PendingContextPatch)
+    assert first.patch_id != second.patch_id
+    assert h.router.pending_patches("p1") == (first, second)
+    await h.router.reject_patch(first.patch_id)
+    applied = await h.router.approve_patch(second.patch_id)
+    assert applied.patch.digest == ("second",)
+    assert h.router.history_of("p1")[-1] == AgentExchange("[background: a]", "second")
+
+
+async def test_approval_appends_the_held_payload_and_keeps_earlier_background() -> None:
+    """An approved patch merges its own payload as `append`: earlier patches stay."""
+    h, _agent = booking()
+    await h.say("one")
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="a", digest=("A",)))
+    held = await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="b", digest=("B",), facts={"k": 1}), "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    applied = await h.router.approve_patch(held.patch_id)
+    assert applied.patch == held.patch
+    assert [(e.user, e.assistant) for e in h.router.history_of("p1")] == [
+        ("one", "booking answer"), ("[background: a]", "A"), ("[background: b]", "B")]
+    assert [p.task_id for p in h.router.context_patches_of("p1")] == ["a", "b"]
+
+
+async def test_a_patch_the_caller_flagged_diverged_is_merged_marked_and_counted() -> None:
+    """`context_diverged=True` set by the caller is honoured like a detected divergence."""
+    h, _agent = booking()
+    await h.say("one")
+    applied = await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="a", context_diverged=True), MergeStrategy.REPLACE)
+    assert isinstance(applied, AppliedContextPatch) and applied.diverged
+    assert h.router.history_of("p1")[-1].user == (
+        "[background: a (context changed since it started)]")
+    assert details(h) == [("p1", "a", "replace", "diverged", True)]

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrouter import CLARIFY, AgentTurn, ConfigurationError, RouteRequest, RoutingAid
+from turnrouter import (
+    CLARIFY,
+    AgentRouter,
+    AgentTurn,
+    ConfigurationError,
+    RouteRequest,
+    RoutingAid,
+)
 from turnrouter.decisions import (
+    DEFAULT_CLASSIFIER_PROMPT,
     ClassifierDecisions,
     ParsedClassification,
     parse_classifier_output,
 )
+from turnrouter.testing import OutputRecorder, ScriptedAgent
+from turnrouter.testing import ScriptedLLM as RecordedLLM
 
 AIDS = (
     RoutingAid("billing", "Invoices, payments and refunds."),
@@ -228,3 +239,51 @@ def test_long_lines_of_padding_parse_in_one_pass() -> None:
     padded = " " * 300_000 + "route: billing\n" + "*" * 300_000 + "confidence: 0.5"
     assert parse_classifier_output(padded) == ParsedClassification("billing", 0.5)
     assert parse_classifier_output(" " * 300_000) == ParsedClassification(None, None)
+
+
+# ------------------------------------------------------------- the reference's contract
+
+
+@pytest.mark.anyio
+async def test_first_route_and_confidence_lines_win_over_later_lines() -> None:
+    """The answer is the first route and confidence lines; repeated lines never override."""
+    reply = "route: billing\nroute: support\nconfidence: 0.8\nconfidence: 0.1"
+    assert parse_classifier_output(reply) == ParsedClassification("billing", 0.8)
+    swapped = "confidence: 0.8\nconfidence: 0.1\nroute: billing\nroute: support"
+    assert parse_classifier_output(swapped) == ParsedClassification("billing", 0.8)
+    service = ClassifierDecisions(RecordedLLM(reply), require_confidence_above=0.5)
+    decision = await service.decide(request())
+    assert decision.choice == "billing"
+    assert decision.confidence == pytest.approx(0.8)
+
+
+@pytest.mark.anyio
+async def test_default_prompt_asks_for_the_two_lines_the_parser_reads() -> None:
+    """The default prompt asks for route then confidence; a reply filled in from it parses."""
+    llm = RecordedLLM("route: billing")
+    await ClassifierDecisions(llm).decide(request())
+    prompt = llm.prompts[0][0]
+    assert prompt == DEFAULT_CLASSIFIER_PROMPT.format(
+        route_descriptions="- billing: Invoices, payments and refunds.\n"
+        "- support: Technical problems and outages.", query="my invoice is wrong")
+    _, _, instructions = prompt.partition("Output exactly two lines, in this order:\n")
+    route_line, confidence_line = instructions.splitlines()[:2]
+    reply = "\n".join([route_line.split("<")[0] + "support",
+                       confidence_line.split("<")[0] + "0.75"])
+    assert parse_classifier_output(reply) == ParsedClassification("support", 0.75)
+
+
+@pytest.mark.anyio
+async def test_classified_specialist_alone_answers_and_its_output_is_the_result() -> None:
+    """Through the router, only the classified destination answers, and its answer is returned."""
+    agents = {name: ScriptedAgent(name) for name in ("billing", "support", "conversation")}
+    llm = RecordedLLM("route: support\nconfidence: 0.9")
+    router = AgentRouter(agents, ClassifierDecisions(llm, require_confidence_above=0.5),
+                         output=OutputRecorder())
+    with anyio.fail_after(10):
+        result = await router.handle(AgentTurn("p1", "t1", "the app crashed"))
+    assert (result.disposition, result.text) == ("answer", "support answer")
+    assert agents["support"].methods()[-1] == "answer"
+    assert "answer" not in agents["billing"].methods()
+    assert "answer" not in agents["conversation"].methods()
+    assert len(llm.prompts) == 1

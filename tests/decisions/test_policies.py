@@ -221,6 +221,8 @@ async def test_policy_pins_candidate_route_with_policy_rationale() -> None:
     )
     assert decision.choice == "billing"
     assert decision.rationale == "policy: key=p1 -> billing"
+    assert decision.confidence == 1.0
+    assert dict(decision.scores) == {"billing": 1.0}
     assert fallback.calls == 0
 
 
@@ -370,3 +372,48 @@ def test_over_long_integer_literal_is_a_policy_error() -> None:
     """An integer past Python's int-conversion limit is a PolicyError, not a bare ValueError."""
     with pytest.raises(PolicyError, match="not valid JSON"):
         DictRoutingPolicy.from_json('{"p1": ' + "1" * 10_000 + "}")
+
+
+# ---------------------------------------------------------------- the reference's contract
+
+
+def test_key_getter_returning_none_gets_the_default() -> None:
+    """A request the key_getter gives no key falls back to the configured default."""
+    policy = DictRoutingPolicy({"billing": "billing"}, default="support",
+                               key_getter=by_query_prefix())
+    assert policy.select(request(query="no prefix here")) == "support"
+    assert policy.select(request(query="billing: refund")) == "billing"
+
+
+def test_loaders_forward_default_and_key_getter(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_json, from_json_file and from_env pass default and key_getter to the policy."""
+    payload = '{"billing": "billing"}'
+    path = tmp_path / "policy.json"
+    path.write_text(payload, encoding="utf-8")
+    monkeypatch.setenv("TURNROUTER_TEST_POLICY", payload)
+    prefix = by_query_prefix()
+    policies = [
+        DictRoutingPolicy.from_json(payload, default="support", key_getter=prefix),
+        DictRoutingPolicy.from_json_file(path, default="support", key_getter=prefix),
+        DictRoutingPolicy.from_env("TURNROUTER_TEST_POLICY", default="support",
+                                   key_getter=prefix),
+    ]
+    for policy in policies:
+        assert policy.select(request("p1", "billing: refund")) == "billing"
+        assert policy.select(request("billing", "no prefix")) == "support"
+        assert policy.default == "support"
+
+
+def test_constructor_default_is_validated() -> None:
+    """A default that is not a route name, 'clarify' or None raises PolicyError naming it."""
+    with pytest.raises(PolicyError, match="default"):
+        DictRoutingPolicy({}, default=3)  # type: ignore[arg-type]
+    with pytest.raises(PolicyError, match="default"):
+        DictRoutingPolicy({}, default="")
+
+
+def test_dict_policy_satisfies_the_protocol() -> None:
+    """DictRoutingPolicy is a RoutingPolicy (the protocol is runtime-checkable)."""
+    assert isinstance(DictRoutingPolicy({}), RoutingPolicy)
+    assert not isinstance(object(), RoutingPolicy)
