@@ -365,7 +365,11 @@ def read_samples(path: str, routes: set[str] | None) -> list[TimingSample]:
     non-UTF-8, too deep, too long)."""
     samples: list[TimingSample] = []
     count = 0
-    with open(path, "rb") as handle:
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 (closed by the with below)
+    except ValueError as exc:  # a NUL or a lone surrogate in the path
+        raise ValueError(f"{printable(path)}: cannot open: {exc}") from exc
+    with handle:
         for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""),
                                      1):
             if len(raw) > MAX_LINE_BYTES:
