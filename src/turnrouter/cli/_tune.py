@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import http.client
 import importlib
 import json
 import math
@@ -500,10 +501,15 @@ def _query(url: str, expr: str, timeout: float, at: float | None) -> object:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             raw = response.read(MAX_RESPONSE_BYTES + 1)
     except urllib.error.HTTPError as exc:
-        detail = printable(exc.read(300).decode("utf-8", "replace"))
+        try:
+            detail = printable(exc.read(300).decode("utf-8", "replace"))
+        except (OSError, http.client.HTTPException):  # the error body itself is broken
+            detail = "(unreadable body)"
         raise ValueError(f"Prometheus {endpoint} returned HTTP {exc.code}: {detail}") from exc
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"Prometheus {endpoint} failed: {printable(str(exc))}") from exc
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        # HTTPException: a broken reply (bad status line, truncated chunk, header flood).
+        detail = printable(f"{type(exc).__name__}: {exc}"[:200])
+        raise ValueError(f"Prometheus {endpoint} failed: {detail}") from exc
     if len(raw) > MAX_RESPONSE_BYTES:
         raise ValueError(f"Prometheus answer larger than {MAX_RESPONSE_BYTES} bytes")
     try:
