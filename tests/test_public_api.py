@@ -20,7 +20,7 @@ CORE = {
     "PendingContextPatch", "PendingPatchLimitError", "UnknownPatchError",
     "current_context_patches",
     # The front-end seam (runtimes, framework adapters).
-    "Departure", "ParticipantSnapshot", "RoutedResult",
+    "Departure", "MAX_SNAPSHOT_BYTES", "ParticipantSnapshot", "RoutedResult",
     # docs/acknowledgments.md: the prompt an LLMService gets, and how its reply is cleaned.
     "acknowledgment_prompt", "clean_acknowledgment",
 }

@@ -41,7 +41,7 @@ from ._contracts import (
 )
 from ._departures import Departures
 from ._exceptions import ConfigurationError, ContractTypeError, ContractValueError, LifecycleError
-from ._frontend import Departure, ParticipantSnapshot, RoutedResult
+from ._frontend import Departure, ParticipantSnapshot, RoutedResult, checked_snapshot
 from ._lifecycle import OwnedOperation
 from ._limits import (
     DEFAULT_MAX_DEPARTED_PARTICIPANTS,
@@ -440,6 +440,7 @@ class AgentRouter:
             raise ContractTypeError(
                 f"import_participant() takes a ParticipantSnapshot, "
                 f"got {type(snapshot).__name__}")
+        snapshot = checked_snapshot(snapshot)  # model_construct() skipped validation
         replaced = self._registry.install(snapshot, self._cfg.agents)
         if replaced is not None:
             self._patches.drop(replaced, outcome=None)
