@@ -203,6 +203,7 @@ class AgentRouter:
         """
         if not isinstance(turn, AgentTurn):
             raise ContractTypeError(f"handle() takes an AgentTurn, got {type(turn).__name__}")
+        turn.__post_init__()  # again: object.__new__ / copy tricks skip validation
         output = self._cfg.output
         if output is None:
             raise LifecycleError(
@@ -310,6 +311,7 @@ class AgentRouter:
         if not isinstance(turn, AgentTurn):
             raise ContractTypeError(
                 f"route_turn() takes an AgentTurn, got {type(turn).__name__}")
+        turn.__post_init__()  # again: object.__new__ / copy tricks skip validation
         emit = output if output is not None else self._cfg.output
         if emit is None:
             raise LifecycleError(
