@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 from typing import Any
 
 import anyio
@@ -77,3 +79,66 @@ def completion(client: OpenAIChatClient, prompt: str) -> str | LLMError:
                 return exc
 
     return anyio.run(main)
+
+
+class RawReplyServer:
+    """A local TCP server that answers every request with the raw bytes in `reply` (any
+    framing: broken status lines, truncated chunks, header floods), then closes."""
+
+    def __init__(self) -> None:
+        self.reply = b""
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.05)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """http://127.0.0.1:PORT"""
+        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(5)
+                try:
+                    head = b""
+                    while b"\r\n\r\n" not in head and len(head) < 1 << 20:
+                        data = conn.recv(65536)
+                        if not data:
+                            break
+                        head += data
+                    conn.sendall(self.reply)
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """Stop serving and wait for the thread (bounded)."""
+        self._stop.set()
+        self._thread.join(10)
+        self._sock.close()
+
+
+#: Raw HTTP replies whose framing is broken or hostile, with a JSON body `{}` where any.
+BROKEN_HTTP_REPLIES = [
+    b"",
+    b"garbage\r\n\r\n",
+    b"HTTP/1.1 999999999999 OK\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 400 + b"\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab",
+    b"HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffffff\r\nab",
+    b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 200 + b"\r\n{}",
+    b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70_000 + b"\r\n\r\n{}",
+    b"HTTP/1.1 302 Found\r\nLocation: file:///etc/passwd\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 401 No\r\nContent-Length: 5\r\n\r\n\xff\xfe\x00ab",
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n" + b"\x00" * 100,
+]

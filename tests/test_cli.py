@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
+import math
 import re
 import sys
 from pathlib import Path
@@ -13,7 +16,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrouter.cli import demo_parser, main
+from turnrouter import ConfigurationError
+from turnrouter.cli import demo_parser, main, worker_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,3 +162,83 @@ def test_demo_write_failure_during_the_run_is_one_line(
     # Cleanup ran past the failure: the demo's log filters are gone again.
     assert [list(logging.getLogger(n).filters) for n in ("turnrouter",
                                                          "turnrouter.runtime")] == quiet_filters
+
+
+#: Flag values an operator (or a script) can pass: any code point (lone surrogates, NUL),
+#: numbers too large for a float or an int parse, NaN and infinities, huge texts.
+ARG_JUNK = st.one_of(
+    st.text(st.characters(exclude_categories=()), max_size=30),
+    st.sampled_from(["1e400", "-1e400", "nan", "inf", "-0", "0x10", "1_000", "\x00", "\ud800",
+                     "9" * 5000, "off", "OFF "]),
+    st.builds(lambda char, size: char * size, st.sampled_from(["9", "é", "\ud800", " "]),
+              st.sampled_from([10_000, 100_000])),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(FLAGS), ARG_JUNK), max_size=4))
+def test_demo_flags_take_any_code_point_and_huge_values(pairs: list[tuple[str, str]]) -> None:
+    """Junk, huge and unencodable flag values parse into range or are a usage error (2)."""
+    argv = [item for pair in pairs for item in pair]
+    try:
+        args = demo_parser().parse_args(argv)
+    except SystemExit as exc:
+        code = exc.code
+        assert code == 2
+        return
+    assert 0 < args.duration <= 365 * 86400 and 1 <= args.participants <= 10_000
+    assert 0 < args.speed <= 1000 and -(2**63) <= args.seed < 2**63
+    assert args.ack_delay is None or 0 < args.ack_delay <= 60
+    assert args.metrics_host.isprintable() and len(args.metrics_host) <= 253
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=20), st.sampled_from(["\x00", "\ud800", "\udbff"]), st.text(max_size=20))
+def test_demo_unopenable_samples_paths_are_one_line(head: str, bad: str, tail: str) -> None:
+    """A --samples path with a NUL or a high lone surrogate (no file name can hold it)
+    exits 2 with one line naming the flag, before any demo runs."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(["demo", "--samples", head + bad + tail, "--quiet"])
+    assert status == 2
+    message = err.getvalue()
+    assert message.count("\n") == 1 and message.startswith("turnrouter demo: error: --samples")
+
+
+def test_each_command_runs_twice_in_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    """main() dispatches tune and worker the same way on every call, not only the first."""
+    for _ in range(2):
+        assert main(["tune", "--samples", "/nonexistent/samples.jsonl"]) == 2
+        assert "samples.jsonl" in capsys.readouterr().err
+        assert main(["worker", "--app", "x:y"]) == 2
+        assert "--nats" in capsys.readouterr().err
+
+
+WORKER_FLAGS = ["--nats", "--app", "--prefix", "--partitions", "--failover-timeout",
+                "--ack-wait", "--drain-timeout", "--mark-after", "--replica", "--metrics-port",
+                "--metrics-host"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(WORKER_FLAGS), ARG_JUNK), max_size=5))
+def test_worker_flags_are_a_config_or_a_usage_error(pairs: list[tuple[str, str]]) -> None:
+    """Junk worker flag values: a usage error (2), or a NatsConfig (or its documented
+    ConfigurationError) built from them, as `turnrouter worker` builds it."""
+    from turnrouter.runtime.nats import NatsConfig
+
+    argv = ["--nats", "nats://127.0.0.1:1", "--app", "os:getcwd",
+            *[item for pair in pairs for item in pair]]
+    try:
+        args = worker_parser().parse_args(argv)
+    except SystemExit as exc:
+        code = exc.code
+        assert code == 2
+        return
+    assert args.metrics_port is None or 0 <= args.metrics_port <= 65535
+    try:
+        config = NatsConfig(url=args.nats, prefix=args.prefix, partitions=args.partitions,
+                            failover_timeout=args.failover_timeout, ack_wait=args.ack_wait,
+                            drain_timeout=args.drain_timeout, mark_after=args.mark_after)
+    except ConfigurationError:
+        return
+    assert 1 <= config.partitions <= 1024 and math.isfinite(config.failover_timeout)

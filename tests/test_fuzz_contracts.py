@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from turnrouter import (
     Admission,
     AgentExchange,
+    AgentRouter,
     AgentTurn,
     ContextPatch,
     ContractTypeError,
@@ -26,7 +28,9 @@ from turnrouter import (
     RouteDecision,
     RouteRequest,
     RoutingAid,
+    TurnrouterError,
 )
+from turnrouter.testing import OutputRecorder, ScriptedAgent, ScriptedDecisions
 
 from .fuzz import ANY_TEXT, JUNK, MOSTLY_TEXT, NESTED, SCALARS, VALID_TEXT, valid_text
 
@@ -209,3 +213,69 @@ def test_huge_numbers_are_contract_errors() -> None:
         AgentTurn("p", "t", "q", timestamp_us=10**5000)
     with pytest.raises(ContractValueError, match="confidence"):
         RouteDecision("a", confidence=10**5000)
+
+
+def bypassed(valid: Any, field: str, value: Any) -> Any:
+    """A copy of `valid` with `field` set to `value` by object.__new__ (no validation)."""
+    obj = object.__new__(type(valid))
+    for f in dataclasses.fields(valid):
+        object.__setattr__(obj, f.name, value if f.name == field else getattr(valid, f.name))
+    return obj
+
+
+def _route(turn: AgentTurn, agent: ScriptedAgent | None = None,
+           decision: Any = "conversation") -> DestinationResult | TurnrouterError:
+    """One turn through a fresh router (bounded), then a plain turn must still work."""
+    router = AgentRouter({"conversation": agent or ScriptedAgent("conversation")},
+                         ScriptedDecisions(decision, "conversation"),
+                         output=OutputRecorder(), default_destination="conversation")
+
+    async def main() -> DestinationResult | TurnrouterError:
+        with anyio.fail_after(30):
+            try:
+                outcome: DestinationResult | TurnrouterError = await router.handle(turn)
+            except TurnrouterError as exc:
+                outcome = exc
+            assert len(str(outcome)) < MESSAGE_LIMIT or isinstance(outcome, DestinationResult)
+            await router.handle(AgentTurn("p2", "t2", "hello"))  # the router still works
+            await router.stop()
+            return outcome
+
+    return anyio.run(main)
+
+
+_VALID_TURN = AgentTurn("p1", "t1", "hello", (AgentExchange("u", "a"),), 5)
+
+
+@FUZZ
+@given(st.sampled_from([f.name for f in dataclasses.fields(AgentTurn)]), JUNK,
+       st.sampled_from(["user", "assistant"]), st.one_of(JUNK, VALID_TEXT))
+def test_bypassed_turns_are_validated_by_the_router(field: str, junk: Any, exchange_field: str,
+                                                    exchange_junk: Any) -> None:
+    """handle() of an AgentTurn (or its history) built with object.__new__ and junk:
+    the contract error naming the field, or a routed turn; never another exception."""
+    outcome = _route(bypassed(_VALID_TURN, field, junk))
+    if isinstance(outcome, TurnrouterError):
+        assert isinstance(outcome, ContractTypeError | ContractValueError)
+        assert f"AgentTurn.{field}" in str(outcome)
+    exchange = bypassed(_VALID_TURN.history[0], exchange_field, exchange_junk)
+    outcome = _route(AgentTurn("p1", "t1", "hello", (exchange,)))
+    if isinstance(outcome, TurnrouterError):
+        assert f"AgentExchange.{exchange_field}" in str(outcome)
+
+
+@FUZZ
+@given(st.sampled_from(["result", "admission", "decision"]), st.data())
+def test_bypassed_plugin_returns_are_contract_failures(kind: str, data: st.DataObject) -> None:
+    """A destination or decision service returning a contract object built with
+    object.__new__ and junk: a routed turn or a turnrouter error, never a crash."""
+    valid: Any = {"result": DestinationResult("answer", "ok"), "admission": Admission("accept"),
+                  "decision": RouteDecision("conversation", 0.9, {"conversation": 0.9})}[kind]
+    field = data.draw(st.sampled_from([f.name for f in dataclasses.fields(valid)]))
+    junk = bypassed(valid, field, data.draw(JUNK))
+    agent = ScriptedAgent(
+        "conversation", results=[junk, "answer"] if kind == "result" else "answer",
+        admissions=[junk, "accept"] if kind == "admission" else "accept")
+    outcome = _route(_VALID_TURN, agent, junk if kind == "decision" else "conversation")
+    if isinstance(outcome, DestinationResult):
+        texts_are_valid(outcome)

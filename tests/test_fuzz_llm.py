@@ -25,7 +25,7 @@ from turnrouter.llm import LLMError, OpenAIChatClient, TemplateAcknowledger
 from turnrouter.testing import ScriptedLLM
 
 from .fuzz import ANY_TEXT, HUGE_TEXT, NON_UTF8, nested_json, valid_text
-from .kit import completion
+from .kit import BROKEN_HTTP_REPLIES, RawReplyServer, completion
 from .test_llm_openai import Script, serve
 
 FUZZ = settings(max_examples=60, deadline=None,
@@ -188,3 +188,24 @@ def test_template_acknowledger_any_prompt(prompt: str) -> None:
         return await acknowledger.complete(prompt, max_tokens=16)
 
     assert valid_text(anyio.run(main))
+
+
+@pytest.fixture(scope="module")
+def raw_server() -> Iterator[RawReplyServer]:
+    """One raw TCP 'LLM server' for every example: it answers whatever bytes it is given."""
+    server = RawReplyServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@settings(max_examples=len(BROKEN_HTTP_REPLIES) * 3, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(BROKEN_HTTP_REPLIES))
+def test_broken_http_framing(raw_server: RawReplyServer, reply: bytes) -> None:
+    """Broken status lines, truncated chunks and header floods: LLMError, nothing else."""
+    raw_server.reply = reply
+    outcome = complete(raw_server.url + "/v1")
+    assert isinstance(outcome, LLMError)
+    check(outcome)

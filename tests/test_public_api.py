@@ -20,7 +20,7 @@ CORE = {
     "PendingContextPatch", "PendingPatchLimitError", "UnknownPatchError",
     "current_context_patches",
     # The front-end seam (runtimes, framework adapters).
-    "Departure", "ParticipantSnapshot", "RoutedResult",
+    "Departure", "MAX_SNAPSHOT_BYTES", "ParticipantSnapshot", "RoutedResult",
     # docs/acknowledgments.md: the prompt an LLMService gets, and how its reply is cleaned.
     "acknowledgment_prompt", "clean_acknowledgment",
 }
@@ -65,7 +65,7 @@ PINNED = {
         "FAILURE_RATIO", "MIN_TURNS", "MIN_TURNS_1M", "RUNBOOK_URL",
         "SLOW_FIRST_RESPONSE_SECONDS",
         # docs/operations.md: the generated and hand-written files of the demo's stack.
-        "COMPOSE_RULES", "DEMO_OVERRIDES",
+        "COMPOSE_RULES", "DEMO_OVERRIDES", "MAX_OVERRIDES_BYTES",
         # docs/operations.md: the acknowledgment-delay what-if model.
         "EARLY_SECS", "GENERATION_SECS", "Candidate", "candidates",
         # PromQL helpers the generated queries are checked with.

@@ -4,6 +4,7 @@ LLM-assisted prediction, clocks."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import anyio
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from turnrouter import (
     AgentTurn,
@@ -25,6 +28,8 @@ from turnrouter import (
     load_samples,
 )
 from turnrouter.testing import ManualClock, ScriptedLLM
+
+from . import fuzz
 
 
 def test_median_and_bounds_follow_the_samples() -> None:
@@ -454,3 +459,39 @@ async def test_system_clock_is_the_event_loop_clock() -> None:
     assert abs(clock.now() - anyio.current_time()) < 0.5
     await clock.sleep_until(clock.now() - 1.0)
     assert "SystemClock" in repr(clock) and sys.version_info >= (3, 11)
+
+
+def _sample_line(field: str, value: str) -> str:
+    fields = {"route": '"r"', "seconds": "1.5", "censored": "false", "at": "0"}
+    fields[field] = value
+    return "{" + ",".join(f'"{key}":{raw}' for key, raw in fields.items()) + "}"
+
+
+HOSTILE_VALUES = st.one_of(
+    st.sampled_from(["1" + "0" * 400, "-1" + "0" * 400, "1e400", "NaN", "-Infinity",
+                     "9" * 5000, '"\\ud800"', '"a\\udfffb"', "[" * 3000 + "]" * 3000,
+                     '"' + "x" * 70_000 + '"', "[" + "0," * 20_000 + "0]", "null", "true",
+                     '"' + "é" * 30 + '"', '{"a": [1, 2]}']),
+    st.text(fuzz.ANY_CHAR, max_size=20).map(json.dumps),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr), st.integers().map(str),
+)
+
+
+@pytest.mark.parametrize("field", ["route", "seconds", "censored", "at", "feature"])
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(HOSTILE_VALUES, st.sampled_from([b"", b"\xff\xfe", b"\x00"]))
+def test_hostile_sample_lines_warm_start_or_name_the_line(
+        tmp_path: Path, field: str, value: str, tail: bytes) -> None:
+    """Huge, nested, non-finite or unencodable values: a predictor or a short
+    ConfigurationError naming file:line."""
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(_sample_line(field, value).encode("utf-8", "surrogatepass") + tail
+                     + b"\n")
+    try:
+        predictor = RouteTimingPredictor.from_samples(path)
+    except ConfigurationError as exc:
+        message = str(exc)
+        assert f"{path}:1:" in message and len(message) < 600, message[:300]
+        return
+    assert all(fuzz.valid_text(route) for route in predictor.routes)

@@ -31,6 +31,8 @@ from turnrouter.cli._tune import (
     tune_main,
 )
 
+from .kit import BROKEN_HTTP_REPLIES, RawReplyServer
+
 
 def _write(path: Path, samples: list[TimingSample]) -> Path:
     with JsonLinesSink(path) as sink:
@@ -477,3 +479,48 @@ def test_prometheus_errors_exit_2(prometheus: tuple[str, list[str], list[Any]]) 
     answer[0] = b"\xff not json"
     code, _, err = run(["--prometheus", url])
     assert code == 2 and "not JSON" in err
+
+
+@pytest.fixture(scope="module")
+def raw_prometheus() -> Iterator[RawReplyServer]:
+    """One raw TCP 'Prometheus' for every example: it answers whatever bytes it is given."""
+    server = RawReplyServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _framed(body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def _vector(value: str) -> bytes:
+    return ('{"status": "success", "data": {"resultType": "vector", "result": '
+            '[{"metric": {"route": "a", "le": "+Inf"}, "value": [0, ' + value + ']}]}}'
+            ).encode()
+
+
+REPLY_BODIES = st.one_of(
+    st.binary(max_size=200),
+    JSON.map(lambda value: json.dumps(value).encode()),
+    st.sampled_from(["1" + "0" * 400, "1e400", "-1e400", "NaN", "Infinity", "1" * 5000,
+                     '"\\ud800"', '"' + "9" * 100_000 + '"', "[" * 50_000 + "]" * 50_000,
+                     '{"k":' * 50_000 + "1" + "}" * 50_000]).map(_vector),
+    st.sampled_from([b"[" * 200_000, b"\xff" * 1000, b'"' + "é".encode() * 1_000_000 + b'"']),
+)
+
+
+@settings(max_examples=120, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.one_of(st.sampled_from(BROKEN_HTTP_REPLIES), REPLY_BODIES.map(_framed)))
+def test_any_prometheus_reply_on_the_wire_is_a_status(raw_prometheus: RawReplyServer,
+                                                     reply: bytes) -> None:
+    """Any bytes Prometheus sends (broken framing, huge, nested, NaN): exit 0-2 and at
+    most one stderr line, never a traceback."""
+    raw_prometheus.reply = reply
+    code, _, err = run(["--prometheus", raw_prometheus.url, "--timeout", "5"])
+    assert code in (0, 1, 2)
+    assert err.count("\n") <= 1 and "Traceback" not in err
+    assert code != 2 or err.startswith("turnrouter tune: error: ")

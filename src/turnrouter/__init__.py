@@ -38,7 +38,7 @@ from ._exceptions import (
     TurnrouterError,
     UnknownPatchError,
 )
-from ._frontend import Departure, ParticipantSnapshot, RoutedResult
+from ._frontend import MAX_SNAPSHOT_BYTES, Departure, ParticipantSnapshot, RoutedResult
 from ._llm import LLMService
 from ._observer import RouterObserver, TurnObserver
 from ._patches import (
@@ -64,6 +64,7 @@ from ._timing import (
 
 __all__ = [
     "CLARIFY",
+    "MAX_SNAPSHOT_BYTES",
     "Acknowledger",
     "AcknowledgmentPolicy",
     "AcknowledgmentRequest",

@@ -9,15 +9,19 @@ the participant snapshot that moves a participant between router replicas.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticSerializationError
 
-from ._contracts import DestinationResult
+from ._contracts import MAX_TIMESTAMP_US, DestinationResult
 from ._exceptions import ContractTypeError, ContractValueError
 from ._lifecycle import OwnedOperation
 from ._patches import ContextPatch, MergeStrategy, PendingContextPatch
+from ._redact import has_surrogates
 
 __all__ = [
     "MAX_SNAPSHOT_BYTES",
@@ -27,6 +31,8 @@ __all__ = [
     "SnapshotExchange",
     "SnapshotPatch",
 ]
+
+_Text = TypeVar("_Text", str, str | None, tuple[str, ...])
 
 #: Largest serialized snapshot `ParticipantSnapshot.from_json` accepts (history is
 #: bounded by the router's byte budget, pending patches by `max_pending_patches`).
@@ -98,9 +104,14 @@ class SnapshotExchange(BaseModel):
     assistant: str
     turn_id: str | None = None
     """The conversation turn's id (None for caller-seeded exchanges)."""
-    stamp_us: int | None = None
+    stamp_us: int | None = Field(default=None, ge=0, le=MAX_TIMESTAMP_US)
     patch: SnapshotPatch | None = None
     """Set for a background-derived exchange (an applied context patch)."""
+
+    @field_validator("user", "assistant", "turn_id")
+    @classmethod
+    def _text(cls, value: str | None) -> str | None:
+        return _storable(value)
 
 
 class ParticipantSnapshot(BaseModel):
@@ -117,11 +128,21 @@ class ParticipantSnapshot(BaseModel):
     participant_id: str = Field(min_length=1)
     focus: str | None = None
     history: tuple[SnapshotExchange, ...] = ()
-    history_version: int = Field(default=0, ge=0)
+    history_version: int = Field(default=0, ge=0, le=2**63 - 1)
     used: tuple[str, ...] = ()
     pending: tuple[PendingContextPatch, ...] = ()
     initialized: bool = False
     departed: bool = False
+
+    @field_validator("participant_id", "focus", "used")
+    @classmethod
+    def _text(cls, value: _Text) -> _Text:
+        return _storable(value)
+
+    @model_validator(mode="after")
+    def _known_valid(self) -> ParticipantSnapshot:
+        _VALIDATED[id(self)] = self
+        return self
 
     def to_json(self) -> str:
         """Compact JSON (UTF-8 text)."""
@@ -145,6 +166,38 @@ class ParticipantSnapshot(BaseModel):
                 f"{_first_error(exc)}") from None
         except (RecursionError, UnicodeDecodeError, ValueError) as exc:
             raise ContractValueError(f"invalid participant snapshot: {exc!r:.200}") from exc
+
+
+def _storable(value: _Text) -> _Text:
+    """Text (or a tuple of texts) storable as UTF-8: no lone surrogate code points."""
+    for text in (value,) if value is None or isinstance(value, str) else value:
+        if text is not None and not text.isascii() and has_surrogates(text):
+            raise ValueError("holds a lone surrogate code point (not valid text)")
+    return value
+
+
+#: Snapshots built by validation, by identity (weakly held): `model_construct()` and
+#: `model_copy(update=...)` skip validation, so `checked_snapshot` validates those again.
+_VALIDATED: weakref.WeakValueDictionary[int, ParticipantSnapshot] = (
+    weakref.WeakValueDictionary())
+
+
+def checked_snapshot(snapshot: ParticipantSnapshot) -> ParticipantSnapshot:
+    """`snapshot` if validation built it, else a validated copy of its fields (nested
+    values too); `ContractValueError` names the first bad field."""
+    if _VALIDATED.get(id(snapshot)) is snapshot:
+        return snapshot
+    try:
+        fields = snapshot.model_dump(warnings=False)
+        return ParticipantSnapshot.model_validate(fields)
+    except ValidationError as exc:
+        raise ContractValueError(
+            f"invalid participant snapshot: {exc.error_count()} error(s), first: "
+            f"{_first_error(exc)}") from None
+    except (PydanticSerializationError, RecursionError, TypeError, ValueError,
+            AttributeError) as exc:
+        raise ContractValueError(
+            f"invalid participant snapshot: {type(exc).__name__} reading its fields") from exc
 
 
 def _first_error(exc: ValidationError) -> str:

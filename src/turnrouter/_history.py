@@ -102,6 +102,7 @@ class History:
         index = len(exchanges)
         while index > 0 and len(kept) < room:
             exchange = exchanges[index - 1]
+            exchange.__post_init__()  # only those read: a bypassed one names its field
             size = len(exchange.user.encode()) + len(exchange.assistant.encode())
             if total + size > budget:
                 break

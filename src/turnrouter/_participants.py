@@ -18,6 +18,7 @@ from ._patches import (
     PendingContextPatch,
     patch_payload_bytes,
 )
+from ._redact import preview
 
 if TYPE_CHECKING:
     from ._config import RouterConfig
@@ -169,8 +170,11 @@ class Registry:
         unknown = {route for route in (*snapshot.used, snapshot.focus)
                    if route is not None and route not in routes}
         if unknown:
+            shown = ", ".join(preview(route) for route in sorted(unknown)[:3])
+            more = f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else ""
             raise ContractValueError(
-                f"participant snapshot of {pid!r} names unregistered routes {sorted(unknown)}")
+                f"participant snapshot of {preview(pid)} names unregistered routes: "
+                f"{shown}{more}")
         for held in snapshot.pending:
             if held.participant_id != pid:
                 raise ContractValueError(
@@ -180,9 +184,24 @@ class Registry:
             raise LifecycleError(
                 f"participant {pid!r} has a turn in flight or is departing here; "
                 "import_participant() refused")
+        limit = self._cfg.max_pending
+        if len(snapshot.pending) > limit:
+            self._cfg.overflows.report("pending_patches", f"a snapshot holding "
+                                       f"{len(snapshot.pending)} patches refused")
+            raise ContractValueError(
+                f"participant snapshot of {pid!r} holds {len(snapshot.pending)} pending "
+                f"patches, over max_pending_patches ({limit}); import_participant() refused")
+        limit = self._cfg.max_participants
+        if current is None and len(self.participants) >= limit:
+            self._cfg.overflows.report("participants", f"an imported participant refused: "
+                                       f"the router holds max_participants ({limit})")
+            raise LifecycleError(
+                f"participant {pid!r} refused: the router already holds {limit} participants "
+                "(max_participants); import_participant() refused")
+        restored = restore(snapshot, self.new_history())  # may raise: nothing changed yet
         if current is None:
             self._observer.participant_added(ParticipantChanged(pid))
-        self.participants[pid] = restore(snapshot, self.new_history())
+        self.participants[pid] = restored
         if snapshot.departed:
             self.close_departed(pid)
         else:

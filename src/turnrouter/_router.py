@@ -41,7 +41,7 @@ from ._contracts import (
 )
 from ._departures import Departures
 from ._exceptions import ConfigurationError, ContractTypeError, ContractValueError, LifecycleError
-from ._frontend import Departure, ParticipantSnapshot, RoutedResult
+from ._frontend import Departure, ParticipantSnapshot, RoutedResult, checked_snapshot
 from ._lifecycle import OwnedOperation
 from ._limits import (
     DEFAULT_MAX_DEPARTED_PARTICIPANTS,
@@ -203,6 +203,7 @@ class AgentRouter:
         """
         if not isinstance(turn, AgentTurn):
             raise ContractTypeError(f"handle() takes an AgentTurn, got {type(turn).__name__}")
+        turn.__post_init__()  # again: object.__new__ / copy tricks skip validation
         output = self._cfg.output
         if output is None:
             raise LifecycleError(
@@ -310,6 +311,7 @@ class AgentRouter:
         if not isinstance(turn, AgentTurn):
             raise ContractTypeError(
                 f"route_turn() takes an AgentTurn, got {type(turn).__name__}")
+        turn.__post_init__()  # again: object.__new__ / copy tricks skip validation
         emit = output if output is not None else self._cfg.output
         if emit is None:
             raise LifecycleError(
@@ -440,6 +442,7 @@ class AgentRouter:
             raise ContractTypeError(
                 f"import_participant() takes a ParticipantSnapshot, "
                 f"got {type(snapshot).__name__}")
+        snapshot = checked_snapshot(snapshot)  # model_construct() skipped validation
         replaced = self._registry.install(snapshot, self._cfg.agents)
         if replaced is not None:
             self._patches.drop(replaced, outcome=None)

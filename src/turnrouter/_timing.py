@@ -35,6 +35,7 @@ from ._contracts import AgentTurn
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
 from ._numbers import finite
+from ._redact import has_surrogates, preview
 from ._timing_model import Histogram, Mixture, RouteModel, Settings
 from ._timing_trigger import Trigger, class_weight, pooled
 
@@ -55,6 +56,8 @@ logger = logging.getLogger("turnrouter")
 
 #: Longest feature class a sample carries (a class name, never request text).
 MAX_FEATURE_CHARS = 64
+#: Longest line of a samples file (a `JsonLinesSink` line is about 100 bytes).
+MAX_SAMPLE_LINE_BYTES = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,21 +93,26 @@ class TimingSample:
         if not isinstance(data, dict):
             raise ValueError("a timing sample must be a JSON object")
         route, seconds = data.get("route"), data.get("seconds")
+        # Values are shown bounded (`preview`): a line may hold a megabyte-long value.
         if not isinstance(route, str) or not route:
-            raise ValueError(f"timing sample 'route' must be a non-empty string, got {route!r}")
+            raise ValueError(f"timing sample 'route' must be a non-empty string, "
+                             f"got {preview(route)}")
+        if has_surrogates(route):
+            raise ValueError("timing sample 'route' holds a lone surrogate: not a route name")
         if not finite(seconds) or seconds < 0:
             raise ValueError(f"timing sample 'seconds' must be a finite number >= 0, "
-                             f"got {seconds!r}")
+                             f"got {preview(seconds)}")
         censored = data.get("censored", False)
         if not isinstance(censored, bool):
-            raise ValueError(f"timing sample 'censored' must be a boolean, got {censored!r}")
+            raise ValueError(f"timing sample 'censored' must be a boolean, "
+                             f"got {preview(censored)}")
         at = data.get("at", 0.0)
         if not finite(at):
-            raise ValueError(f"timing sample 'at' must be a finite number, got {at!r}")
+            raise ValueError(f"timing sample 'at' must be a finite number, got {preview(at)}")
         feature = data.get("feature")
         if feature is not None and not valid_feature(feature):
             raise ValueError(f"timing sample 'feature' must be a non-empty string of at most "
-                             f"{MAX_FEATURE_CHARS} characters, got {str(feature)[:80]!r}")
+                             f"{MAX_FEATURE_CHARS} characters, got {preview(feature)}")
         return cls(route, float(seconds), censored, float(at), feature)
 
 
@@ -566,9 +574,14 @@ class JsonLinesSink:
 
 
 def iter_samples(path: str | Path) -> Iterator[TimingSample]:
-    """Samples of a JSON-lines file in order; ConfigurationError names a bad line."""
+    """Samples of a JSON-lines file in order; ConfigurationError names a bad line (one
+    longer than `MAX_SAMPLE_LINE_BYTES` too: it is never read whole)."""
     with Path(path).open("rb") as handle:
-        for number, raw in enumerate(handle, 1):
+        lines = iter(lambda: handle.readline(MAX_SAMPLE_LINE_BYTES + 1), b"")
+        for number, raw in enumerate(lines, 1):
+            if len(raw) > MAX_SAMPLE_LINE_BYTES:
+                raise ConfigurationError(f"{path}:{number}: invalid timing sample: line "
+                                         f"longer than {MAX_SAMPLE_LINE_BYTES} bytes")
             try:
                 line = raw.decode("utf-8")
                 sample = TimingSample.from_json(line) if line.strip() else None

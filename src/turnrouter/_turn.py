@@ -276,6 +276,7 @@ class Turn(TurnRun):
                 raise DestinationContractError(
                     f"decision service returned {type(decision).__name__}, not a RouteDecision"
                 )
+            decision.__post_init__()  # again: object.__new__ / copy tricks skip validation
         except Exception as exc:
             obs.decision_finished(token, DecisionFinished(request, None, exc))
             log_failure("decision service", exc)
@@ -347,6 +348,7 @@ class Turn(TurnRun):
                     f"destination {route!r} admit() returned {type(admission).__name__}, "
                     "not an Admission"
                 )
+            admission.__post_init__()  # again: object.__new__ skips validation
         except BaseException as exc:
             obs.admission_finished(token, AdmissionFinished(
                 route, focused, None, None if _is_cancel(exc) else exc, False))
@@ -490,8 +492,10 @@ class Answer:
             if not isinstance(result, DestinationResult) or result.disposition == "clarify":
                 raise DestinationContractError(
                     f"destination {route!r} answer() must return DestinationResult answer, "
-                    f"focus or release, got {result!r:.80}"
+                    f"focus or release, got {type(result).__name__}"
+                    + ("(clarify)" if isinstance(result, DestinationResult) else "")
                 )
+            result.__post_init__()  # again: object.__new__ skips validation
         except BaseException as exc:
             self.closed = True
             cancelled = _is_cancel(exc)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 
 from turnrouter.ops import (
     ALERTS,
+    MAX_OVERRIDES_BYTES,
     MIN_TURNS,
     RouteOverride,
     load_overrides,
@@ -182,3 +185,52 @@ def test_generation_with_overrides_writes_them(tmp_path: Path) -> None:
     for name in ("deploy/prometheus/rules/turnrouter.rules.yml",
                  "deploy/k8s/base/prometheusrule.yaml"):
         assert 'route="travel"} > 9' in (tmp_path / "out" / name).read_text()
+
+
+def _alias_bomb(levels: int) -> str:
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+HOSTILE_FILES = st.one_of(
+    st.sampled_from([
+        b"#" + "\u00e9".encode() * (MAX_OVERRIDES_BYTES // 2 + 1),  # over the bound in bytes
+        b" " * (MAX_OVERRIDES_BYTES + 1),
+        _alias_bomb(9).encode(),
+        ("overrides: [" + ", ".join(["*e"] * 2000) + "]\n").encode(),
+        b"overrides:\n- {route: a, threshold: 1" + b"0" * 5000 + b"}\n",
+        b"overrides:\n- {route: a, threshold: .nan}\n- {route: b, threshold: -.inf}\n",
+        ("overrides:\n- {" + ", ".join(f"k{i}{'x' * 200}: 1" for i in range(2000))
+         + "}\n").encode(),
+        b"overrides:\n- {route: \"\\ud800\", threshold: 1}\n",
+        b"[" * 50_000,
+    ]),
+    st.builds(lambda key, value: f"overrides:\n- {{{key}: {value}}}\n".encode(
+        "utf-8", "surrogatepass"), st.text(max_size=10), st.text(max_size=10)),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(HOSTILE_FILES)
+def test_hostile_overrides_files_exit_2_with_one_short_line(
+        tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
+    """Oversized (in bytes), alias bombs, huge ints, NaN, thousands of keys, surrogates:
+    the generator writes or exits 2 with one short line naming --overrides."""
+    root = tmp_path_factory.mktemp("root")
+    path = root / "overrides.yml"
+    path.write_bytes(data)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+        main(["--root", str(root / "out"), "--overrides", str(path)])
+    message = err.getvalue()
+    assert message == "" or (message.count("\n") == 1 and "--overrides" in message
+                             and len(message) < 2000), message[:300]
+    if len(data) > MAX_OVERRIDES_BYTES:  # refused by size, never parsed truncated
+        assert "larger than" in message
+
+
+def test_an_endless_overrides_file_is_refused_after_the_bound(tmp_path: Path) -> None:
+    """A file that never ends (/dev/zero) is read only up to the bound, then refused."""
+    with pytest.raises(ValueError, match="larger than"):
+        read_overrides(Path("/dev/zero"))

@@ -143,9 +143,9 @@ def _demo(argv: Sequence[str]) -> int:
         try:
             with open(args.samples, "a", encoding="utf-8"):
                 pass
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL or a lone surrogate
             print(f"turnrouter demo: error: --samples: cannot write {args.samples!r}: "
-                  f"{exc.strerror or exc}", file=sys.stderr)
+                  f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
             return 2
     config = DemoConfig(duration=args.duration, serve=args.serve,
                         participants=args.participants, seed=args.seed,
@@ -167,13 +167,14 @@ def _demo(argv: Sequence[str]) -> int:
     return 0 if report.lost_turns == 0 else 1
 
 
-def _tune(argv: Sequence[str]) -> int:
+def _tune_command(argv: Sequence[str]) -> int:
+    # Not named `_tune`: importing the submodule `._tune` binds that name in this module.
     from ._tune import tune_main
 
     return tune_main(list(argv))
 
 
-def _worker(argv: Sequence[str]) -> int:
+def _worker_command(argv: Sequence[str]) -> int:
     from ._worker import worker_main
 
     return worker_main(argv)
@@ -183,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `turnrouter` command; returns the exit status (usage errors: 2,
     one line on stderr)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": _demo, "tune": _tune, "worker": _worker}
+    commands = {"demo": _demo, "tune": _tune_command, "worker": _worker_command}
     if not args or args[0] in {"-h", "--help"} or args[0] not in commands:
         print("usage: turnrouter {demo,tune,worker} [options]\n\n"
               "  demo   run a simulated deployment (the main job)\n"

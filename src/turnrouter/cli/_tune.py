@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import http.client
 import importlib
 import json
 import math
@@ -365,7 +366,11 @@ def read_samples(path: str, routes: set[str] | None) -> list[TimingSample]:
     non-UTF-8, too deep, too long)."""
     samples: list[TimingSample] = []
     count = 0
-    with open(path, "rb") as handle:
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 (closed by the with below)
+    except ValueError as exc:  # a NUL or a lone surrogate in the path
+        raise ValueError(f"{printable(path)}: cannot open: {exc}") from exc
+    with handle:
         for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""),
                                      1):
             if len(raw) > MAX_LINE_BYTES:
@@ -496,10 +501,15 @@ def _query(url: str, expr: str, timeout: float, at: float | None) -> object:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             raw = response.read(MAX_RESPONSE_BYTES + 1)
     except urllib.error.HTTPError as exc:
-        detail = printable(exc.read(300).decode("utf-8", "replace"))
+        try:
+            detail = printable(exc.read(300).decode("utf-8", "replace"))
+        except (OSError, http.client.HTTPException):  # the error body itself is broken
+            detail = "(unreadable body)"
         raise ValueError(f"Prometheus {endpoint} returned HTTP {exc.code}: {detail}") from exc
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"Prometheus {endpoint} failed: {printable(str(exc))}") from exc
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        # HTTPException: a broken reply (bad status line, truncated chunk, header flood).
+        detail = printable(f"{type(exc).__name__}: {exc}"[:200])
+        raise ValueError(f"Prometheus {endpoint} failed: {detail}") from exc
     if len(raw) > MAX_RESPONSE_BYTES:
         raise ValueError(f"Prometheus answer larger than {MAX_RESPONSE_BYTES} bytes")
     try:

@@ -19,6 +19,7 @@ __all__ = [
     "DEMO_OVERRIDES",
     "K8S_DASHBOARDS",
     "K8S_RULE",
+    "MAX_OVERRIDES_BYTES",
     "RULES_FILE",
     "generated_files",
     "main",
@@ -122,16 +123,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+#: Largest overrides file `read_overrides` reads (docs/limits.md).
+MAX_OVERRIDES_BYTES = 1_000_000
+
+
 def read_overrides(path: Path) -> tuple[RouteOverride, ...]:
     """Per-route overrides from a YAML (or JSON) file; ValueError naming the problem."""
     import yaml
 
     try:
-        text = path.read_bytes()[:1_000_001].decode("utf-8")
-        if len(text) > 1_000_000:
-            raise ValueError("larger than 1 MB")
-        data = yaml.safe_load(text)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as exc:
+        with path.open("rb") as handle:  # never more than the bound (a FIFO, /dev/zero)
+            raw = handle.read(MAX_OVERRIDES_BYTES + 1)
+        if len(raw) > MAX_OVERRIDES_BYTES:
+            raise ValueError(f"larger than {MAX_OVERRIDES_BYTES} bytes")
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as exc:
+        # ValueError: not UTF-8, too large, or an int over Python's digit limit.
         raise ValueError(f"cannot read {path}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
                          ) from exc
     try:

@@ -395,7 +395,9 @@ def load_overrides(data: object) -> tuple[RouteOverride, ...]:
             raise ValueError(f"overrides[{index}] must be a mapping")
         unknown = set(entry) - {"route", "alert", "threshold", "min_turns", "disabled"}
         if unknown:
-            raise ValueError(f"overrides[{index}]: unknown keys {sorted(map(str, unknown))}")
+            shown = ", ".join(repr(str(key)[:40]) for key in sorted(map(str, unknown))[:5])
+            more = f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""
+            raise ValueError(f"overrides[{index}]: unknown keys {shown}{more}")
         disabled = entry.get("disabled", False)
         if not isinstance(disabled, bool):
             raise ValueError(f"overrides[{index}]: 'disabled' must be true or false")
