@@ -30,6 +30,7 @@ from ._contracts import (
     _exchange,
     _request,
     _turn_with_history,
+    checked_shape,
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
 from ._lifecycle import DROPPED, TurnRun
@@ -276,7 +277,8 @@ class Turn(TurnRun):
                 raise DestinationContractError(
                     f"decision service returned {type(decision).__name__}, not a RouteDecision"
                 )
-            decision.__post_init__()  # again: object.__new__ / copy tricks skip validation
+            if not checked_shape(decision):  # built around its constructor
+                decision.__post_init__()
         except Exception as exc:
             obs.decision_finished(token, DecisionFinished(request, None, exc))
             log_failure("decision service", exc)
