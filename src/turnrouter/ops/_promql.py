@@ -87,15 +87,8 @@ def metric_names(expr: str) -> set[str]:
             i = _skip_until(expr, i + 1, "}")
         elif char == "[":
             i = _skip_until(expr, i + 1, "]")
-        elif char == "#":
-            newline = expr.find("\n", i)
-            i = len(expr) if newline < 0 else newline
-        elif char.isdigit() or (char == "." and i + 1 < len(expr) and expr[i + 1].isdigit()):
-            match = _NUMBER.match(expr, i)
-            assert match is not None
-            i = match.end()
-            while i < len(expr) and expr[i].isalnum():  # durations such as 5m, 1h30m
-                i += 1
+        elif (skipped := _skip_literal(expr, i)) is not None:
+            i = skipped
         elif (match := _IDENT.match(expr, i)) is not None:
             word = match.group()
             i = match.end()
@@ -163,15 +156,8 @@ def _scan(expr: str) -> tuple[list[Selector], set[str]]:
             found.append(Selector("", bare))
         elif char == "[":
             i = _skip_until(expr, i + 1, "]")
-        elif char == "#":
-            newline = expr.find("\n", i)
-            i = len(expr) if newline < 0 else newline
-        elif char.isdigit() or (char == "." and i + 1 < len(expr) and expr[i + 1].isdigit()):
-            match = _NUMBER.match(expr, i)
-            assert match is not None
-            i = match.end()
-            while i < len(expr) and expr[i].isalnum():
-                i += 1
+        elif (skipped := _skip_literal(expr, i)) is not None:
+            i = skipped
         elif (match := _IDENT.match(expr, i)) is not None:
             word = match.group()
             i = match.end()
@@ -236,3 +222,20 @@ def le_regex(bounds: Iterable[float]) -> str:
     Dots are left unescaped (a backslash would need escaping again inside a PromQL
     string); `.` also matches itself, and no other `le` value of the family matches."""
     return "|".join(le_value(bound) for bound in bounds)
+
+
+def _skip_literal(expr: str, i: int) -> int | None:
+    """Past a comment or a number (durations such as 5m, 1h30m included) at `i`; None
+    when neither starts there."""
+    char = expr[i]
+    if char == "#":
+        newline = expr.find("\n", i)
+        return len(expr) if newline < 0 else newline
+    if char.isdigit() or (char == "." and i + 1 < len(expr) and expr[i + 1].isdigit()):
+        match = _NUMBER.match(expr, i)
+        assert match is not None
+        i = match.end()
+        while i < len(expr) and expr[i].isalnum():
+            i += 1
+        return i
+    return None
