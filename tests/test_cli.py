@@ -199,7 +199,8 @@ def test_demo_unopenable_samples_paths_are_one_line(head: str, bad: str, tail: s
     exits 2 with one line naming the flag, before any demo runs."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        status = main(["demo", "--samples", head + bad + tail, "--quiet"])
+        # `--samples=PATH`: a path starting with "-" is still the flag's value.
+        status = main(["demo", f"--samples={head + bad + tail}", "--quiet"])
     assert status == 2
     message = err.getvalue()
     assert message.count("\n") == 1 and message.startswith("turnrouter demo: error: --samples")
