@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from turnrouter import (
+    MAX_ID_CHARS,
     MAX_SNAPSHOT_BYTES,
     Admission,
     AgentRouter,
@@ -746,14 +747,20 @@ def test_imports_respect_the_participant_and_pending_patch_bounds(
     assert limits.count("pending_patches") == (pending > max_pending)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: turn ids have no length bound, so the "
-                   "history holds them beyond its byte budget and the export can exceed "
-                   "MAX_SNAPSHOT_BYTES (docs/limits.md)")
 async def test_an_export_always_fits_a_snapshot_import() -> None:
-    """Whatever turns the router accepted, its export can be imported by another replica."""
-    h = Harness(ScriptedAgent("conversation"))
-    for index in range(5):
-        await h.router.handle(AgentTurn("p1", f"{index}" + "x" * 1_000_000, "hello"))
-    exported = h.router.export_participant_json("p1")
+    """Ids are bounded (MAX_ID_CHARS), so a participant holding the most exchanges, each
+    under the longest non-ASCII turn id, still exports what another replica imports."""
+    with pytest.raises(ContractValueError, match="turn_id must be at most MAX_ID_CHARS"):
+        AgentTurn("p1", "x" * (MAX_ID_CHARS + 1), "hello")
+    with pytest.raises(ContractValueError, match="participant_id"):
+        AgentTurn("p" * (MAX_ID_CHARS + 1), "t1", "hello")
+    h = Harness(ScriptedAgent("conversation", answer_text=""), context_budget_bytes=1_000_000)
+    pid = "\U0001f600" * MAX_ID_CHARS
+    for index in range(300):  # past max_history_exchanges (256)
+        turn_id = f"{index}".ljust(MAX_ID_CHARS, "\U0001f600")
+        await h.router.handle(AgentTurn(pid, turn_id, ""))
+    exported = h.router.export_participant_json(pid)
     assert exported is not None
-    ParticipantSnapshot.from_json(exported)
+    assert len(exported) <= MAX_SNAPSHOT_BYTES
+    imported = ParticipantSnapshot.from_json(exported)
+    assert (imported.participant_id, len(imported.history)) == (pid, 256)

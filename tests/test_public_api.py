@@ -21,6 +21,8 @@ CORE = {
     "current_context_patches",
     # The front-end seam (runtimes, framework adapters).
     "Departure", "MAX_SNAPSHOT_BYTES", "ParticipantSnapshot", "RoutedResult",
+    # docs/limits.md: the longest participant and turn id.
+    "MAX_ID_CHARS",
     # docs/acknowledgments.md: the prompt an LLMService gets, and how its reply is cleaned.
     "acknowledgment_prompt", "clean_acknowledgment",
 }

@@ -44,6 +44,12 @@ CLARIFY = "clarify"
 #: 64-bit integer (telemetry timestamps), i.e. until the year 2262.
 MAX_TIMESTAMP_US = (2**63 - 1) // 1000
 
+#: Longest accepted `AgentTurn.participant_id` / `turn_id`, in characters. Retained
+#: exchanges keep their turn id outside the history's byte budget, so unbounded ids would
+#: let a participant's snapshot outgrow `MAX_SNAPSHOT_BYTES` (what another replica
+#: imports); 256 is also what the NATS front end allows a participant id in UTF-8 bytes.
+MAX_ID_CHARS = 256
+
 _T = TypeVar("_T")
 
 
@@ -173,6 +179,11 @@ class AgentTurn:
     def __post_init__(self) -> None:
         _check_str("AgentTurn", "participant_id", self.participant_id, nonempty=True)
         _check_str("AgentTurn", "turn_id", self.turn_id, nonempty=True)
+        if len(self.participant_id) > MAX_ID_CHARS or len(self.turn_id) > MAX_ID_CHARS:
+            name = "participant_id" if len(self.participant_id) > MAX_ID_CHARS else "turn_id"
+            raise ContractValueError(
+                f"AgentTurn.{name} must be at most MAX_ID_CHARS ({MAX_ID_CHARS}) characters, "
+                f"got {len(getattr(self, name))}")
         _check_str("AgentTurn", "query", self.query)
         history = self.history
         if not isinstance(history, tuple):

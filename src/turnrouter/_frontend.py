@@ -17,7 +17,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticSerializationError
 
-from ._contracts import MAX_TIMESTAMP_US, DestinationResult
+from ._contracts import MAX_ID_CHARS, MAX_TIMESTAMP_US, DestinationResult
 from ._exceptions import ContractTypeError, ContractValueError
 from ._lifecycle import OwnedOperation
 from ._patches import ContextPatch, MergeStrategy, PendingContextPatch
@@ -102,7 +102,7 @@ class SnapshotExchange(BaseModel):
 
     user: str
     assistant: str
-    turn_id: str | None = None
+    turn_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     """The conversation turn's id (None for caller-seeded exchanges)."""
     stamp_us: int | None = Field(default=None, ge=0, le=MAX_TIMESTAMP_US)
     patch: SnapshotPatch | None = None
@@ -125,7 +125,7 @@ class ParticipantSnapshot(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    participant_id: str = Field(min_length=1)
+    participant_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     focus: str | None = None
     history: tuple[SnapshotExchange, ...] = ()
     history_version: int = Field(default=0, ge=0, le=2**63 - 1)

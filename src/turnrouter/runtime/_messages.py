@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .._contracts import MAX_TIMESTAMP_US
+from .._contracts import MAX_ID_CHARS, MAX_TIMESTAMP_US
 from .._redact import has_surrogates
 
 __all__ = [
@@ -108,7 +108,7 @@ class RuntimeMessage(BaseModel):
         super().__init__(**data)
         VALIDATED.add(self)  # validated just now: delivery need not validate it again
 
-    message_id: str = Field(default_factory=_new_id, min_length=1)
+    message_id: str = Field(default_factory=_new_id, min_length=1, max_length=MAX_ID_CHARS)
     """Publication identity; a query's becomes its turn id."""
     timestamp_us: int = Field(default_factory=_now_us, ge=0, le=MAX_TIMESTAMP_US)
     """Originating time in Unix microseconds."""
@@ -137,15 +137,15 @@ class RuntimeMessage(BaseModel):
 class UserQuery(RuntimeMessage):
     """A participant's finished utterance (one turn)."""
 
-    participant_id: str = Field(min_length=1)
+    participant_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     text: str
 
 
 class ResponseOutput(RuntimeMessage):
     """Control text the router publishes for a turn (acknowledgment, clarification, ...)."""
 
-    participant_id: str = Field(min_length=1)
-    request_id: str = Field(min_length=1)
+    participant_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    request_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     """The turn id the text belongs to (the query's message id)."""
     route: str
     text: str
@@ -154,16 +154,16 @@ class ResponseOutput(RuntimeMessage):
 class ParticipantJoined(RuntimeMessage):
     """A participant (re)joined: admission reopens for them."""
 
-    participant_id: str = Field(min_length=1)
+    participant_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
 
 
 class ParticipantLeft(RuntimeMessage):
     """A participant left: their state is released."""
 
-    participant_id: str = Field(min_length=1)
+    participant_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
 
 
 class Interrupted(RuntimeMessage):
     """Barge-in: cancel a participant's response work (all participants when None)."""
 
-    participant_id: str | None = Field(default=None, min_length=1)
+    participant_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
