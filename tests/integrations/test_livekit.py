@@ -38,6 +38,7 @@ from livekit.agents.types import (
 from livekit.agents.voice.io import TextOutput
 
 from turnrouter import (
+    MAX_ID_CHARS,
     Admission,
     AgentRouter,
     AgentTurn,
@@ -723,6 +724,8 @@ def test_router_agent_checks_its_arguments() -> None:
         RouterAgent(object(), participant_id="alice")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="participant_id"):
         RouterAgent(router, participant_id="")
+    with pytest.raises(ConfigurationError, match="MAX_ID_CHARS"):
+        RouterAgent(router, participant_id="a" * (MAX_ID_CHARS + 1))
     with pytest.raises(ContractTypeError, match="llm"):
         RouterAgent(router, participant_id="alice", llm=FakeLLM("x"))
     same_name = make_router(speaking("router_agent"), decisions=ScriptedDecisions("weather"))

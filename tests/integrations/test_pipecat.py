@@ -745,7 +745,7 @@ async def test_frame_output_outside_a_routed_turn_is_refused() -> None:
 
 def test_processor_rejects_bad_configuration() -> None:
     """Wrong router type or bounds are refused with errors naming the argument."""
-    from turnrouter import ConfigurationError, ContractTypeError
+    from turnrouter import MAX_ID_CHARS, ConfigurationError, ContractTypeError
 
     with pytest.raises(ContractTypeError, match="AgentRouter"):
         TurnRouterProcessor(object())  # type: ignore[arg-type]
@@ -754,6 +754,8 @@ def test_processor_rejects_bad_configuration() -> None:
         TurnRouterProcessor(router, max_turns=0)
     with pytest.raises(ConfigurationError, match="participant_id"):
         TurnRouterProcessor(router, participant_id="")
+    with pytest.raises(ConfigurationError, match="MAX_ID_CHARS"):
+        TurnRouterProcessor(router, participant_id="a" * (MAX_ID_CHARS + 1))
     with pytest.raises(ConfigurationError, match="end_timeout_secs"):
         TurnRouterProcessor(router, end_timeout_secs=float("nan"))
 

@@ -34,6 +34,7 @@ from livekit.agents.types import (
 from livekit.agents.voice import SpeechHandle
 
 from .. import (
+    MAX_ID_CHARS,
     Admission,
     AgentRouter,
     AgentTurn,
@@ -322,8 +323,10 @@ class RouterAgent(Agent):
         if not isinstance(router, AgentRouter):
             raise ContractTypeError(
                 f"RouterAgent needs an AgentRouter, got {type(router).__name__}")
-        if not isinstance(participant_id, str) or not participant_id:
-            raise ConfigurationError("RouterAgent needs a non-empty participant_id")
+        if not isinstance(participant_id, str) or not 0 < len(participant_id) <= MAX_ID_CHARS:
+            raise ConfigurationError(
+                "RouterAgent needs a non-empty participant_id of at most MAX_ID_CHARS "
+                f"({MAX_ID_CHARS}) characters")
         if "llm" in agent_options:
             raise ContractTypeError("RouterAgent takes no llm: its replies come from the "
                                     "router (wrap an LLM in LLMDestination instead)")

@@ -39,6 +39,7 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.services.llm_service import LLMService as PipecatLLMService
 
 from turnrouter import (
+    MAX_ID_CHARS,
     Admission,
     AgentRouter,
     AgentTurn,
@@ -476,8 +477,10 @@ class TurnRouterProcessor(FrameProcessor):
         if not isinstance(router, AgentRouter):
             raise ContractTypeError(
                 f"TurnRouterProcessor needs an AgentRouter, got {type(router).__name__}")
-        if not isinstance(participant_id, str) or not participant_id:
-            raise ConfigurationError("TurnRouterProcessor participant_id must be a non-empty str")
+        if not isinstance(participant_id, str) or not 0 < len(participant_id) <= MAX_ID_CHARS:
+            raise ConfigurationError(
+                "TurnRouterProcessor participant_id must be a non-empty str of at most "
+                f"MAX_ID_CHARS ({MAX_ID_CHARS}) characters")
         for name, value in (("max_turns", max_turns), ("max_query_chars", max_query_chars)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"TurnRouterProcessor {name} must be an int >= 1")
