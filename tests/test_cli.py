@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -175,16 +176,23 @@ ARG_JUNK = st.one_of(
 )
 
 
+def parsed_or_usage_error(parser: argparse.ArgumentParser,
+                          argv: list[str]) -> argparse.Namespace | None:
+    """The parsed flags, or None after a usage error (which must exit 2)."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exc:
+        code = exc.code
+        assert code == 2
+        return None
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(FLAGS), ARG_JUNK), max_size=4))
 def test_demo_flags_take_any_code_point_and_huge_values(pairs: list[tuple[str, str]]) -> None:
     """Junk, huge and unencodable flag values parse into range or are a usage error (2)."""
-    argv = [item for pair in pairs for item in pair]
-    try:
-        args = demo_parser().parse_args(argv)
-    except SystemExit as exc:
-        code = exc.code
-        assert code == 2
+    args = parsed_or_usage_error(demo_parser(), [item for pair in pairs for item in pair])
+    if args is None:
         return
     assert 0 < args.duration <= 365 * 86400 and 1 <= args.participants <= 10_000
     assert 0 < args.speed <= 1000 and -(2**63) <= args.seed < 2**63
@@ -229,11 +237,8 @@ def test_worker_flags_are_a_config_or_a_usage_error(pairs: list[tuple[str, str]]
 
     argv = ["--nats", "nats://127.0.0.1:1", "--app", "os:getcwd",
             *[item for pair in pairs for item in pair]]
-    try:
-        args = worker_parser().parse_args(argv)
-    except SystemExit as exc:
-        code = exc.code
-        assert code == 2
+    args = parsed_or_usage_error(worker_parser(), argv)
+    if args is None:
         return
     assert args.metrics_port is None or 0 <= args.metrics_port <= 65535
     try:
