@@ -7,6 +7,12 @@ lost and no task is left after stop().
 
     .venv/bin/python benchmarks/bench_scale.py [--participants 10000] [--turns 3]
         [--freeze] [--profile N]
+    .venv/bin/python benchmarks/bench_scale.py --baseline TREE [--rounds 3]
+
+`--baseline TREE` compares another checkout (e.g. `git worktree add /tmp/old REV`) with
+this one: the timing pass of this very script runs in a fresh process per tree and round
+(`PYTHONPATH=<tree>/src`), interleaved, so both trees see the same machine; the ratio of
+what one core holds is what to quote on a shared machine whose speed drifts.
 """
 
 from __future__ import annotations
@@ -15,9 +21,14 @@ import argparse
 import asyncio
 import cProfile
 import gc
+import json
+import os
 import pstats
 import random
 import resource
+import statistics
+import subprocess
+import sys
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
@@ -156,6 +167,36 @@ def profile(participants: int, turns: int, seed: int, top: int) -> None:
               f"{name} ({where})")
 
 
+def compare(baseline: Path, rounds: int, extra: list[str]) -> None:
+    """Interleaved rounds of the timing pass, `baseline`'s tree then this one, each in
+    a fresh process; prints what one core holds per round and the ratio of medians."""
+    trees = {"baseline": baseline.resolve() / "src",
+             "this": Path(__file__).resolve().parents[1] / "src"}
+    if not (trees["baseline"] / "turnrouter" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {baseline}: no src/turnrouter there")
+    held: dict[str, list[float]] = {name: [] for name in trees}
+    for _ in range(rounds):
+        for name, src in trees.items():
+            out = subprocess.run(
+                [sys.executable, __file__, "--json", *extra], check=True, text=True,
+                capture_output=True, env={**os.environ, "PYTHONPATH": str(src)},
+            ).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            if r["finished"] != r["published"]:
+                raise SystemExit(f"{name}: {r['published'] - r['finished']:.0f} turns lost")
+            held[name].append(r["finished"] / r["cpu"])
+    medians = {name: statistics.median(values) for name, values in held.items()}
+    print(json.dumps({
+        "one_core_holds_turns_per_s": {name: [round(v) for v in values]
+                                       for name, values in held.items()},
+        "median": {name: round(v) for name, v in medians.items()},
+        "ratio_this_over_baseline": round(medians["this"] / medians["baseline"], 3),
+        "ratio_by_round": [round(t / b, 3) for b, t in zip(held["baseline"], held["this"],
+                                                             strict=True)],
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--participants", type=int, default=10_000)
@@ -167,7 +208,21 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="instead, profile one timing pass and print its top N "
                              "functions by own time (cProfile: slower, shares are what count)")
+    parser.add_argument("--json", action="store_true",
+                        help="run the timing pass only and print its figures as JSON")
+    parser.add_argument("--baseline", type=Path, metavar="TREE",
+                        help="compare another checkout with this one, interleaved")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.baseline is not None:
+        extra = [f"--participants={args.participants}", f"--turns={args.turns}",
+                 f"--seed={args.seed}", *(["--freeze"] if args.freeze else [])]
+        compare(args.baseline, args.rounds, extra)
+        return
+    if args.json:
+        print(json.dumps(asyncio.run(run(args.participants, args.turns, args.seed,
+                                         trace_memory=False, freeze=args.freeze))))
+        return
     if args.profile:
         profile(args.participants, args.turns, args.seed, args.profile)
         return
