@@ -17,14 +17,26 @@ router answers at once (`bench_distributed:make_router`), then measures:
 worker CPU per turn of another checkout's worker (e.g. `git worktree add /tmp/old REV`)
 with this tree's, one worker each, in interleaved rounds on fresh servers.
 
+`--floor` measures what nats-py alone costs a replica per turn: a bare replica (plain
+nats-py, one connection, no turnrouter code, in a process of its own) pulls every
+partition's pinned consumer as the worker does and per input sends what a worker sends
+per turn (the revision-checked record write awaiting its reply, the answer's stored
+publish, the input's +ACK). Its CPU per turn and the server's, against the real
+worker's, closed loop and then paced at `--rate` turns/s (400 unless given; the same
+for both), in interleaved rounds (floor, real, x3) on fresh servers, each with the
+messages per turn the server counted on the replica's connection (/connz) and, for the
+worker, its in-flight marks and timing samples per turn.
+
     PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py [--seconds 8] [--pin]
     PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py --baseline /tmp/old
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py --floor [--seconds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -349,6 +361,105 @@ async def ack_pending_experiment(url: str, unacked: int, subjects: int = 20,
                if (merged := first.get(s, []) + second.get(s, [])) != sorted(merged))
 
 
+async def _measured(url: str, server: Any, replica_pid: int, connection: str,
+                    seconds: float, metrics: Callable[[], str] | None = None,
+                    paced: float | None = None) -> dict[str, float]:
+    """CPU per turn of one replica process (and of the server) over `seconds` of closed
+    loop with 200 participants, after a 1 s warm-up with 100 others; with the messages
+    the server counted on the replica's connection (`connection`, its client name) per
+    turn, and (given the replica's Prometheus text) its in-flight marks and timing
+    samples per turn. `paced`: then also `seconds` of the same participants at that
+    many turns/s (`paced_*`)."""
+    from tests.nats.conftest import metric_value
+
+    front = await NatsFrontEnd.connect(NatsConfig(url=url), name="generator")
+    load = Load(front)
+    ready = asyncio.Event()
+    listener = asyncio.create_task(load.listen(ready))
+    await ready.wait()
+    await closed_loop(load, 100, 1.0, prefix="w")
+    counted = ("turnrouter_nats_inflight_marks_total",
+               'turnrouter_nats_timing_samples_total{direction="sent"}')
+    before = metrics() if metrics is not None else ""
+    wire = _wire_counts(server.monitor, connection)
+    usage = Usage({"worker": [replica_pid], "server": [server.proc.pid]})
+    served = load.count
+    rate = await closed_loop(load, 200, seconds)
+    turns = max(1, load.count - served)
+    cpu = usage.cpu()
+    wire = {k: v - wire[k] for k, v in _wire_counts(server.monitor, connection).items()}
+    out = {"turns_per_s": rate, "worker_us": cpu["worker"] / turns * 1e6,
+           "server_us": cpu["server"] / turns * 1e6,
+           "sent_per_turn": wire["in_msgs"] / turns,  # the server's in = the replica's out
+           "received_per_turn": wire["out_msgs"] / turns,
+           "record_bytes": await _mean_record_bytes(front)}
+    if metrics is not None:
+        after = metrics()
+        for name, key in zip(counted, ("inflight_marks_per_turn",
+                                       "timing_samples_per_turn"), strict=True):
+            metric, _, labels = name.partition("{")
+            out[key] = (metric_value(after, metric, labels.rstrip("}"))
+                        - metric_value(before, metric, labels.rstrip("}"))) / turns
+    if paced is not None:
+        # The same (already known) participants at a fixed rate: CPU per turn at a rate
+        # both replicas sustain, so neither gains from busier batching than the other.
+        usage = Usage({"worker": [replica_pid], "server": [server.proc.pid]})
+        served = load.count
+        out["paced_turns_per_s"] = await paced_loop(load, 200, paced, seconds)
+        turns = max(1, load.count - served)
+        cpu = usage.cpu()
+        out["paced_worker_us"] = cpu["worker"] / turns * 1e6
+        out["paced_server_us"] = cpu["server"] / turns * 1e6
+    listener.cancel()
+    await front.close()
+    return out
+
+
+async def paced_loop(load: Load, participants: int, rate: float, seconds: float,
+                     prefix: str = "c") -> float:
+    """Turns per second with `participants` (ids `<prefix><n>`) taking turns at `rate`
+    in all: each sends one every `participants / rate` seconds (or, when its previous
+    turn took longer, as soon as it ended)."""
+    period = participants / rate
+    t0 = time.monotonic()
+    stop = t0 + seconds
+    start_count = load.count
+
+    async def talk(i: int) -> None:
+        at = t0 + i / rate
+        while at < stop:
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            await load.turn(f"{prefix}{i}")
+            at += period
+
+    await asyncio.gather(*(talk(i) for i in range(participants)))
+    return (load.count - start_count) / (time.monotonic() - t0)
+
+
+def _wire_counts(monitor: int, connection: str) -> dict[str, float]:
+    """Messages and bytes the server received from (`in_*`) and sent to (`out_*`) the
+    client connection named `connection` (the server's /connz)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/connz?limit=4096",
+                                timeout=5) as reply:
+        connz = json.load(reply)
+    for conn in connz.get("connections") or []:
+        if conn.get("name") == connection:
+            return {k: float(conn[k]) for k in ("in_msgs", "out_msgs", "in_bytes",
+                                                "out_bytes")}
+    raise RuntimeError(f"no connection named {connection!r} on the server")
+
+
+async def _mean_record_bytes(front: NatsFrontEnd) -> float:
+    """Mean stored size (value, key and headers) of the records in the state bucket."""
+    bucket = NatsConfig().bucket
+    reply = await front.connection.request(f"$JS.API.STREAM.INFO.KV_{bucket}", b"",
+                                           timeout=5.0)
+    state = json.loads(reply.data).get("state", {})
+    return float(state.get("bytes", 0)) / max(1, int(state.get("messages", 0)))
+
+
 async def ab(baseline: Path, seconds: float, rounds: int = 3) -> None:
     """Worker CPU per turn, `baseline` tree vs this one, interleaved (one worker each)."""
     from tests.nats.conftest import NatsServer, Worker
@@ -362,22 +473,9 @@ async def ab(baseline: Path, seconds: float, rounds: int = 3) -> None:
                                                    str(tree / "benchmarks")])}
             worker = Worker(server.url, f"ab{round_}", app=APP, env=env)
             try:
-                front = await NatsFrontEnd.connect(NatsConfig(url=server.url))
-                load = Load(front)
-                ready = asyncio.Event()
-                listener = asyncio.create_task(load.listen(ready))
-                await ready.wait()
-                await closed_loop(load, 100, 1.0, prefix="w")
-                usage = Usage({"worker": [worker.proc.pid], "server": [server.proc.pid]})
-                served = load.count
-                rate = await closed_loop(load, 200, seconds)
-                turns = max(1, load.count - served)
-                cpu = usage.cpu()
-                results[name].append({"turns_per_s": rate,
-                                      "worker_us": cpu["worker"] / turns * 1e6,
-                                      "server_us": cpu["server"] / turns * 1e6})
-                listener.cancel()
-                await front.close()
+                results[name].append(await _measured(
+                    server.url, server, worker.proc.pid, f"turnrouter-ab{round_}",
+                    seconds))
             finally:
                 worker.close()
                 server.close()
@@ -388,6 +486,272 @@ async def ab(baseline: Path, seconds: float, rounds: int = 3) -> None:
     report["worker_us_by_round"] = {name: [round(r["worker_us"]) for r in runs]
                                     for name, runs in results.items()}
     report["load_average"] = os.getloadavg()
+    print(json.dumps(report, indent=2))
+
+
+# ---------------------------------------------------------------------- the nats-py floor
+FLOOR_NAME = "floor-replica"
+#: The floor's record write: about the size of the real worker's records in this
+#: benchmark (its output reports both as `record_bytes`, stored size with key and headers).
+FLOOR_RECORD_BYTES = 2048
+
+
+def floor_answer(participant_id: str, turn_id: str, text: str, message_id: str,
+                 timestamp_us: int) -> bytes:
+    """A `ResponseOutput` as JSON, built without pydantic (what the floor publishes)."""
+    return json.dumps({"message_id": message_id, "timestamp_us": timestamp_us,
+                       "traceparent": None, "tracestate": None,
+                       "participant_id": participant_id, "request_id": turn_id,
+                       "route": "instant", "text": text}, separators=(",", ":")).encode()
+
+
+class _FloorInbox:
+    """One partition's pull deliveries in order (the worker's `_Inbox`, re-done here
+    so the floor runs no turnrouter code)."""
+
+    def __init__(self) -> None:
+        self.msgs: collections.deque[Any] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    async def put(self, msg: Any) -> None:
+        self.msgs.append(msg)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self, wait: float) -> Any:
+        if not self.msgs:
+            loop = asyncio.get_running_loop()
+            waiter = self.waiter = loop.create_future()
+            timer = loop.call_later(wait, _floor_expire, waiter, None)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self.waiter = None
+            if not self.msgs:
+                return None
+        return self.msgs.popleft()
+
+
+def _floor_expire(future: asyncio.Future[Any], error: BaseException | None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+
+async def floor_replica(spec: dict[str, Any]) -> None:
+    """The bare replica: plain nats-py, one connection, no turnrouter code. Pulls every
+    partition's consumer as the worker does (pull requests of up to `batch` messages in
+    the priority group, with the pin id once pinned) and, per delivered input, sends
+    what a worker sends per turn: the record write (`$KV.<bucket>.<partition>.<token>`,
+    `record_bytes` bytes, with Nats-Expected-Last-Subject-Sequence; its reply awaited on
+    one wildcard reply subscription with a future per request), the answer (a
+    ResponseOutput to the output stream with a Nats-Msg-Id and a stored reply, not
+    awaited) and the input's +ACK. Prints `ready` once pulling, and its counts as JSON
+    on SIGTERM."""
+    import base64
+
+    import nats
+
+    nc = await nats.connect(spec["url"], name=FLOOR_NAME)
+    loop = asyncio.get_running_loop()
+    prefix = nc.new_inbox()
+    stored_reply = f"{prefix}.s"
+    waiting: dict[str, asyncio.Future[bytes]] = {}
+    counts = {"turns": 0, "record_refused": 0, "answer_refused": 0}
+    revisions: dict[str, int] = {}
+    record = b"r" * spec["record_bytes"]
+    kv = f"$KV.{spec['bucket']}."
+    out = spec["output_prefix"]
+    tokens = iter(range(1, 2**62))
+
+    async def on_reply(msg: Any) -> None:
+        token = msg.subject[len(prefix) + 1:]
+        if token == "s":  # an answer's publish acknowledgment: only errors are counted
+            if b'"error"' in msg.data or not msg.data:
+                counts["answer_refused"] += 1
+            return
+        future = waiting.get(token)
+        if future is not None and not future.done():
+            future.set_result(msg.data)
+
+    await nc.subscribe(f"{prefix}.*", cb=on_reply)
+
+    async def request(subject: str, payload: bytes, headers: dict[str, str]) -> bytes:
+        token = str(next(tokens))
+        future: asyncio.Future[bytes] = loop.create_future()
+        waiting[token] = future
+        timer = loop.call_later(5.0, _floor_expire, future, TimeoutError())
+        try:
+            await nc.publish(subject, payload, reply=f"{prefix}.{token}", headers=headers)
+            return await future
+        finally:
+            timer.cancel()
+            del waiting[token]
+
+    async def turn(n: int, msg: Any) -> None:
+        token = msg.subject.split(".")[3]  # <prefix>.p.<partition>.<token>.<kind>
+        key = f"{n}.{token}"
+        ack = json.loads(await request(
+            kv + key, record,
+            {"Nats-Expected-Last-Subject-Sequence": str(revisions.get(key, 0))}))
+        seq = ack.get("seq")
+        if isinstance(seq, int):
+            revisions[key] = seq
+        else:
+            counts["record_refused"] += 1
+        turn_id = msg.headers["Nats-Msg-Id"]  # the query's message id (the front end's)
+        now_us = time.time_ns() // 1000
+        # Microseconds since the input was stored (the ack subject's timestamp, in its
+        # short form or with domain and account hash).
+        parts = msg.reply.split(".")
+        waited = now_us - int(parts[7] if len(parts) == 9 else parts[9]) // 1000
+        participant = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        body = floor_answer(participant, turn_id, f"floor {waited} 0",
+                            f"floor-{next(tokens)}", now_us)
+        await nc.publish(out + token, body, reply=stored_reply,
+                         headers={"Nats-Msg-Id": f"{turn_id}.final"})
+        await nc.publish(msg.reply, b"+ACK")
+        counts["turns"] += 1
+
+    async def partition(n: int, consumer: str, inbox: _FloorInbox, subject: str) -> None:
+        pin: str | None = None
+        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{spec['stream']}.{consumer}"
+        while True:
+            request_body: dict[str, Any] = {"batch": spec["batch"],
+                                            "expires": spec["expires_ns"],
+                                            "group": spec["group"]}
+            if pin is not None:
+                request_body["id"] = pin
+            await nc.publish(next_subject, json.dumps(request_body).encode(), reply=subject)
+            for _ in range(spec["batch"]):
+                msg = await inbox.get(spec["expires_ns"] / 1e9 + 2.0)
+                if msg is None:
+                    break
+                headers = msg.headers
+                if headers:
+                    status = headers.get("Status")
+                    if status is not None:
+                        if status == "423":
+                            pin = None
+                        elif status == "409":
+                            await asyncio.sleep(0.05)
+                        break
+                    pin = headers.get("Nats-Pin-Id", pin)
+                await turn(n, msg)
+
+    loops = []
+    for n, consumer in enumerate(spec["consumers"]):
+        inbox = _FloorInbox()
+        subject = nc.new_inbox()
+        await nc.subscribe(subject, cb=inbox.put)
+        loops.append(asyncio.create_task(partition(n, consumer, inbox, subject)))
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    print("ready", flush=True)
+    await stop.wait()
+    for task in loops:
+        task.cancel()
+    await asyncio.gather(*loops, return_exceptions=True)
+    print(json.dumps(counts), flush=True)
+    await nc.close()
+
+
+class FloorReplica:
+    """`floor_replica` in an OS process of its own (`--floor-child SPEC`)."""
+
+    def __init__(self, url: str) -> None:
+        import subprocess
+
+        from turnrouter.runtime.nats._setup import GROUP
+        from turnrouter.runtime.nats._worker import _BATCH
+
+        config = NatsConfig(url=url)
+        spec = {"url": url, "stream": config.stream, "group": GROUP, "batch": _BATCH,
+                "expires_ns": int(config.pull_expires * 1e9),
+                "consumers": [config.consumer(n) for n in range(config.partitions)],
+                "bucket": config.bucket, "output_prefix": f"{config.prefix}.out.",
+                "record_bytes": FLOOR_RECORD_BYTES}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--floor-child",
+             json.dumps(spec)], stdout=subprocess.PIPE, text=True, env={
+                **os.environ, **_bench_env()})
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError("the floor replica did not start")
+
+    def close(self) -> dict[str, int]:
+        """Stop it (SIGTERM); its counts."""
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=10)
+        counts: dict[str, int] = json.loads(out.strip().splitlines()[-1])
+        return counts
+
+
+async def floor(seconds: float, rate: float, rounds: int = 3) -> None:
+    """Worker CPU per turn of the bare nats-py replica (`floor_replica`) vs the real
+    worker, interleaved, one replica each on a fresh server per measurement: closed
+    loop, then paced at `rate` turns/s (the same rate for both)."""
+    from tests.nats.conftest import NatsServer, Worker
+
+    started = os.getloadavg()
+    kinds = ("floor", "real")
+    results: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
+    floor_counts: list[dict[str, int]] = []
+    for round_ in range(rounds):
+        for kind in kinds:
+            server = NatsServer()
+            try:
+                if kind == "floor":
+                    # The streams, consumers and bucket a worker would create.
+                    setup = await NatsFrontEnd.connect(NatsConfig(url=server.url))
+                    await setup.close()
+                    replica = FloorReplica(server.url)
+                    try:
+                        results[kind].append(await _measured(
+                            server.url, server, replica.proc.pid, FLOOR_NAME, seconds,
+                            paced=rate))
+                    finally:
+                        floor_counts.append(replica.close())
+                else:
+                    worker = Worker(server.url, f"real{round_}", app=APP,
+                                    env=_bench_env())
+                    try:
+                        results[kind].append(await _measured(
+                            server.url, server, worker.proc.pid,
+                            f"turnrouter-real{round_}", seconds, metrics=worker.metrics,
+                            paced=rate))
+                    finally:
+                        worker.close()
+            finally:
+                server.close()
+    report: dict[str, Any] = {"seconds": seconds, "participants": 200, "paced_rate": rate}
+    for kind, runs in results.items():
+        report[kind] = {
+            f"{key}_per_turn_median": round(statistics.median(r[key] for r in runs))
+            for key in ("worker_us", "server_us", "paced_worker_us", "paced_server_us")}
+        report[kind] |= {
+            "by_round": [{k: round(v, 3 if "per_turn" in k else 0) for k, v in r.items()}
+                         for r in runs]}
+    report["floor_counts_by_round"] = floor_counts
+    report["notes"] = [
+        "sent/received_per_turn: messages the server counted from/to the replica's "
+        "connection per answered turn; the floor's 3 + 3 are the per-turn minimum (pull "
+        "requests and their expiry statuses are the rest)",
+        "the worker's extra messages: first contact of each of the 200 measured "
+        "participants (a record read and a claim write, two requests each), timing "
+        "samples (one message per 50 ms or 64 samples, received back too), presence "
+        "(2/s), in-flight marks (one more write for a turn over mark_after, 5 ms)",
+        "record_bytes: mean stored size of a record (value, key, headers)"]
+    for mode in ("", "paced_"):
+        floor_us = report["floor"][f"{mode}worker_us_per_turn_median"]
+        real_us = report["real"][f"{mode}worker_us_per_turn_median"]
+        report[f"{mode}real_minus_floor_us"] = real_us - floor_us
+        report[f"{mode}floor_share_of_real"] = round(floor_us / max(1, real_us), 2)
+    report["load_average"] = {"before": started, "after": os.getloadavg()}
     print(json.dumps(report, indent=2))
 
 
@@ -528,8 +892,17 @@ if __name__ == "__main__":
                         help="server and generator on CPU 0, workers on CPU 1 (taskset)")
     parser.add_argument("--baseline", type=Path, metavar="TREE",
                         help="compare worker CPU per turn with another checkout's worker")
+    parser.add_argument("--floor", action="store_true",
+                        help="worker CPU per turn of a bare nats-py replica vs the worker")
+    parser.add_argument("--rate", type=float, default=400.0,
+                        help="--floor: the paced rate (turns/s) both replicas are measured at")
+    parser.add_argument("--floor-child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.baseline is not None:
+    if args.floor_child is not None:
+        asyncio.run(floor_replica(json.loads(args.floor_child)))
+    elif args.floor:
+        asyncio.run(floor(args.seconds, args.rate))
+    elif args.baseline is not None:
         asyncio.run(ab(args.baseline.resolve(), args.seconds))
     else:
         asyncio.run(main(args.seconds, args.pin))

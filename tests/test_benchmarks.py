@@ -88,3 +88,14 @@ def test_bare_span_baseline_makes_as_many_spans_as_a_turn() -> None:
     assert [name for name, parent, _, _ in _shape(spans)[: bench.SPANS_PER_TURN]] == [
         *bench._CHILDREN, "turnrouter.turn"]
     provider.shutdown()
+
+
+def test_the_nats_floor_answers_outputs_the_distributed_load_counts() -> None:
+    import bench_distributed
+
+    from turnrouter.runtime import ResponseOutput
+
+    body = bench_distributed.floor_answer("c7", "turn-1", "floor 12 0", "floor-1", 5)
+    output = ResponseOutput.model_validate_json(body)
+    assert (output.participant_id, output.request_id, output.route, output.text) == (
+        "c7", "turn-1", "instant", "floor 12 0")
