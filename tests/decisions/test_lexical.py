@@ -353,6 +353,25 @@ def test_caches_are_bounded_and_count_evictions() -> None:
     assert stats["description_model_evictions"] == 4199
 
 
+def test_description_word_cache_is_bounded_across_models_and_counts_evictions() -> None:
+    """Query words scored from descriptions are cached (summed once per word and model),
+    at most 4,096 in all across the service's description models, evictions counted,
+    and a cached word scores exactly as it did when it was first seen."""
+    service = LexicalDecisions()
+    first = request("weather zqfirstx", AIDS)
+    before = dict(service.score(first).scores)
+    for number in range(5000):
+        aids = (*AIDS, RoutingAid("other", f"d{number % 3}"))
+        service.score(request(f"zq{number}x", aids))
+    stats = service.cache_stats()
+    assert stats["description_models"] == 4
+    assert stats["description_words"] == 4096
+    assert stats["description_word_evictions"] == 2 + 5000 - 4096
+    again = LexicalDecisions()
+    again.score(first)  # fills the cache
+    assert dict(again.score(first).scores) == before
+
+
 def _tracked_from(root: object) -> int:
     """How many objects the garbage collector tracks among those reachable from `root`
     (not through classes, modules or functions), after two full collections: the

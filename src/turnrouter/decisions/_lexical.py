@@ -28,7 +28,7 @@ from types import MappingProxyType
 from .._contracts import CLARIFY, RouteDecision, RouteRequest, RoutingAid, _unchecked
 from .._exceptions import ConfigurationError
 from ._calibration import LexicalCalibration
-from ._descriptions import DescriptionModel, build_descriptions
+from ._descriptions import DescriptionModel, WordCache, build_descriptions
 from ._examples import ExampleModel, build_examples
 from ._text import STOPWORDS, description_phrases, words
 
@@ -202,6 +202,7 @@ class LexicalDecisions:
         self._descriptions: OrderedDict[tuple[tuple[str, str], ...], DescriptionModel] = (
             OrderedDict())
         self._description_evictions = 0
+        self._description_words = WordCache()
         self._last: tuple[tuple[RoutingAid, ...], _Plan] = ((), _EMPTY_PLAN)
         self._plan_evictions = 0
         limits = (self._max_chars, self._max_words, *self._ngrams)
@@ -246,9 +247,10 @@ class LexicalDecisions:
 
         `candidate_sets` (scoring plans, at most `description_cache_size`),
         `description_models` (one per distinct set of description-scored candidates, at
-        most `description_cache_size`), `query_words` (at most 4,096 words not
-        seen in the examples) and `query_word_hits` (their nearest-example hits per
-        route, at most 4,096).
+        most `description_cache_size`), `description_words` (query words' summed
+        n-gram parts per description model, at most 4,096 in all), `query_words` (at
+        most 4,096 words not seen in the examples) and `query_word_hits` (their
+        nearest-example hits per route, at most 4,096).
         """
         model = self._examples
         return {
@@ -256,6 +258,8 @@ class LexicalDecisions:
             "candidate_set_evictions": self._plan_evictions,
             "description_models": len(self._descriptions),
             "description_model_evictions": self._description_evictions,
+            "description_words": len(self._description_words.entries),
+            "description_word_evictions": self._description_words.evictions,
             "query_words": len(model.unseen_words) if model is not None else 0,
             "query_word_evictions": model.evictions if model is not None else 0,
             "query_word_hits": len(model.unseen_hits) if model is not None else 0,
@@ -270,7 +274,8 @@ class LexicalDecisions:
         if model is not None:
             self._descriptions.move_to_end(key)
             return model
-        model = build_descriptions(described, self._ngrams, self._phrase_weight)
+        model = build_descriptions(described, self._ngrams, self._phrase_weight,
+                                   self._description_words)
         self._descriptions[key] = model
         if len(self._descriptions) > self._cache_size:
             self._descriptions.popitem(last=False)
