@@ -15,7 +15,8 @@ router answers at once (`bench_distributed:make_router`), then measures:
 `--pin` runs the NATS server and the load generator on CPU 0 and the workers on CPU 1
 (`taskset`), so one worker has a core of its own. `--baseline TREE` instead compares the
 worker CPU per turn of another checkout's worker (e.g. `git worktree add /tmp/old REV`)
-with this tree's, one worker each, in interleaved rounds on fresh servers.
+with this tree's, one worker each, in interleaved rounds on fresh servers: closed loop,
+then paced at `--rate` turns/s.
 
 `--floor` measures what nats-py alone costs a replica per turn: a bare replica (plain
 nats-py, one connection, no turnrouter code, in a process of its own) pulls every
@@ -460,8 +461,10 @@ async def _mean_record_bytes(front: NatsFrontEnd) -> float:
     return float(state.get("bytes", 0)) / max(1, int(state.get("messages", 0)))
 
 
-async def ab(baseline: Path, seconds: float, rounds: int = 3) -> None:
-    """Worker CPU per turn, `baseline` tree vs this one, interleaved (one worker each)."""
+async def ab(baseline: Path, seconds: float, rate: float, rounds: int = 3) -> None:
+    """Worker CPU per turn, `baseline` tree vs this one, interleaved (one worker each):
+    in a closed loop, then paced at `rate` turns/s (where each turn wakes the worker on
+    its own more often, so per-wake-up costs show)."""
     from tests.nats.conftest import NatsServer, Worker
 
     trees = {"baseline": baseline, "this": ROOT}
@@ -475,16 +478,18 @@ async def ab(baseline: Path, seconds: float, rounds: int = 3) -> None:
             try:
                 results[name].append(await _measured(
                     server.url, server, worker.proc.pid, f"turnrouter-ab{round_}",
-                    seconds))
+                    seconds, paced=rate))
             finally:
                 worker.close()
                 server.close()
     report: dict[str, Any] = {
         name: {key: round(statistics.median(r[key] for r in runs))
-               for key in ("turns_per_s", "worker_us", "server_us")}
+               for key in ("turns_per_s", "worker_us", "server_us", "paced_worker_us")}
         for name, runs in results.items()}
     report["worker_us_by_round"] = {name: [round(r["worker_us"]) for r in runs]
                                     for name, runs in results.items()}
+    report["paced_worker_us_by_round"] = {
+        name: [round(r["paced_worker_us"]) for r in runs] for name, runs in results.items()}
     report["load_average"] = os.getloadavg()
     print(json.dumps(report, indent=2))
 
@@ -904,6 +909,6 @@ if __name__ == "__main__":
     elif args.floor:
         asyncio.run(floor(args.seconds, args.rate))
     elif args.baseline is not None:
-        asyncio.run(ab(args.baseline.resolve(), args.seconds))
+        asyncio.run(ab(args.baseline.resolve(), args.seconds, args.rate))
     else:
         asyncio.run(main(args.seconds, args.pin))
