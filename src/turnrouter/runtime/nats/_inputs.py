@@ -293,6 +293,11 @@ class Inputs:
         ok = False
         try:
             ok = await self._ledger.write(pid, state)
+            # Settled before the answer is published: the message's acknowledgment then
+            # joins the answer in the connection's next flush (one socket write, not
+            # two), still behind it. Were it sent first and the replica died, the answer
+            # is in the record's outbox, which the next owner publishes.
+            run.settle(ok)
             held, output = run.held, run.output
             if ok and held is not None and output is not None:
                 await self._link.publish_stored(*output)
