@@ -74,6 +74,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.disturb < 0 or args.disturb >= _JUNK:
         parser.error(f"--disturb must be in [0, {_JUNK})")
+    if args.passes < 1:
+        parser.error("--passes must be at least 1")
     junk = [[float(i)] for i in range(_JUNK)]
     trees = {"this": _workload(turnrouter, "turnrouter")}
     if args.baseline:
