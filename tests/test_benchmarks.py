@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def test_bare_span_baseline_makes_as_many_spans_as_a_turn() -> None:
 
 
 def test_the_nats_floor_answers_outputs_the_distributed_load_counts() -> None:
+    """The bare nats-py replica's answer is a final output the load generator counts."""
     import bench_distributed
 
     from turnrouter.runtime import ResponseOutput
@@ -99,3 +101,18 @@ def test_the_nats_floor_answers_outputs_the_distributed_load_counts() -> None:
     output = ResponseOutput.model_validate_json(body)
     assert (output.participant_id, output.request_id, output.route, output.text) == (
         "c7", "turn-1", "instant", "floor 12 0")
+
+
+def test_scale_comparison_runs_each_tree_in_a_process_of_its_own(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_scale --baseline times each tree in a fresh process and prints the rounds and
+    their ratio (this tree against itself here); a folder without turnrouter is refused."""
+    import bench_scale
+
+    root = Path(__file__).resolve().parents[1]
+    bench_scale.compare(root, 1, ["--participants=20", "--turns=1"])
+    report = json.loads(capsys.readouterr().out)
+    assert [len(v) for v in report["one_core_holds_turns_per_s"].values()] == [1, 1]
+    assert report["ratio_by_round"][0] > 0
+    with pytest.raises(SystemExit, match="no src/turnrouter"):
+        bench_scale.compare(root / "docs", 1, [])
