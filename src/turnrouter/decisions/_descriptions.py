@@ -67,7 +67,7 @@ class DescriptionModel:
     def __init__(self, table: dict[str, _Entry],
                  unseen: float, size: int, owners: tuple[int, ...],
                  vocabulary: frozenset[str], ngrams: tuple[int, int],
-                 cache: WordCache | None = None) -> None:
+                 cache: WordCache) -> None:
         self._table = table
         """word feature -> (IDF², ((slot, IDF × weight), ...))."""
         self._follow: dict[str, dict[str, _Entry]] = {}
@@ -82,9 +82,9 @@ class DescriptionModel:
         self.vocabulary = vocabulary
         """The words of the candidates' names and descriptions (for `coverage`)."""
         self.low, self.high = ngrams
-        self._cache = cache if cache is not None else WordCache()
-        self._cache.serials += 1
-        self._serial = self._cache.serials
+        self._cache = cache
+        cache.serials += 1
+        self._serial = cache.serials
 
     def word(self, word: str) -> _Word:
         """A query word's stem, squared norm and per-slot weights summed over its
@@ -154,8 +154,7 @@ class DescriptionModel:
 
 
 def build_descriptions(candidates: Sequence[RoutingAid], ngrams: tuple[int, int],
-                       phrase_weight: float, cache: WordCache | None = None
-                       ) -> DescriptionModel:
+                       phrase_weight: float, cache: WordCache) -> DescriptionModel:
     """The description model of one candidate set (its query words cached in `cache`,
     shared by a service's models)."""
     low, high = ngrams

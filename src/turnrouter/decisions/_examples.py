@@ -292,10 +292,8 @@ def _linear_part(grams: tuple[tuple[str, int], ...], table: Mapping[str, Feature
 
 
 def _packed(row: Sequence[float]) -> bytes:
-    """`row` as packed doubles in a `bytes`: under a third of a tuple of floats' memory,
-    not walked by the garbage collector, and contiguous. A query sums about fifteen rows;
-    as tuples, their float objects lay scattered over the heap and each cost a cache miss
-    once a busy router's own state had evicted the model."""
+    """`row` as packed doubles in a `bytes`: under a third of a tuple of floats' memory
+    and not walked by the garbage collector; a query unpacks the fifteen or so it sums."""
     return struct.pack(f"={len(row)}d", *row)
 
 
