@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import subprocess
@@ -13,6 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
+from prometheus_client import CollectorRegistry
 
 import turnrouter
 from turnrouter import (
@@ -31,6 +33,7 @@ from turnrouter import (
     TurnInterrupted,
     current_turn_context,
 )
+from turnrouter.telemetry import Telemetry
 from turnrouter.testing import (
     ManualClock,
     OutputRecorder,
@@ -830,3 +833,26 @@ async def test_ineligible_candidates_are_reported_with_their_reason() -> None:
     assert ("route_ineligible", "calendar", "unavailable") in h.observer.turns["t1"]
     assert not any(event[0] == "route_ineligible" and event[1] != "calendar"
                    for event in h.observer.turns["t1"])
+
+
+# ---------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("telemetry", ["recording", "prometheus"])
+async def test_finished_turns_leave_no_reference_cycles(telemetry: str) -> None:
+    """A finished turn is freed by reference counting alone: thousands of turns a
+    second must not feed the cyclic garbage collector."""
+    observer = (RecordingObserver() if telemetry == "recording"
+                else Telemetry(registry=CollectorRegistry()))
+    router = AgentRouter({"weather": ScriptedAgent("weather")}, ScriptedDecisions("weather"),
+                         telemetry=observer, output=OutputRecorder())
+    await router.handle(AgentTurn("p", "warm-up", "rain?"))  # caches, first exchange
+    gc.collect()
+    gc.disable()
+    try:
+        for n in range(20):
+            await router.handle(AgentTurn("p", f"t{n}", "rain?"))
+        unreachable = gc.collect()
+    finally:
+        gc.enable()
+    assert unreachable == 0

@@ -539,6 +539,58 @@ async def test_runtime_departure_failure_is_logged_and_waited_for(
     assert "secret" not in caplog.text
 
 
+class _GatedRelease(ScriptedAgent):
+    """Releases each participant when its own gate opens; `failing` ones then raise."""
+
+    def __init__(self, name: str, gates: dict[str, anyio.Event], failing: set[str]) -> None:
+        super().__init__(name)
+        self.gates, self.failing = gates, failing
+
+    async def release(self, participant_id: str) -> None:
+        await self.gates[participant_id].wait()
+        if participant_id in self.failing:
+            raise RuntimeError("hidden detail")
+
+
+async def test_runtime_exit_waits_for_the_last_of_concurrent_departures(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Departures in flight together and one started after another ended: the runtime's
+    exit returns only once the last ended, and each failure is logged once."""
+    gates = {pid: anyio.Event() for pid in ("a", "b", "c")}
+    router = AgentRouter({"weather": _GatedRelease("weather", gates, {"b"})},
+                         ScriptedDecisions("weather"), telemetry=RecordingObserver(),
+                         query_topic=QUERY, output_topic=OUTPUT,
+                         participant_joined_topic=JOINED, participant_left_topic=LEFT)
+    await publish_and_drain(router, OUTPUT, *[
+        (QUERY, UserQuery(participant_id=pid, text="x")) for pid in gates])
+    exited = anyio.Event()
+
+    async def runtime_body() -> None:
+        async with AgentRuntime() as runtime:
+            runtime.register(router.runtime_subscriber())
+            for pid in ("a", "b"):
+                await runtime.publish(LEFT, ParticipantLeft(participant_id=pid))
+            await runtime.publish(QUERY, UserQuery(participant_id="c", text="x"))
+            gates["a"].set()
+            gates["b"].set()
+            await anyio.wait_all_tasks_blocked()
+            assert set(router.participants) == {"b", "c"}  # b's failed departure is kept
+            await runtime.publish(LEFT, ParticipantLeft(participant_id="c"))
+        exited.set()
+
+    with caplog.at_level(logging.WARNING), anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runtime_body)
+            await anyio.wait_all_tasks_blocked()
+            assert not exited.is_set() and set(router.participants) == {"b", "c"}
+            gates["c"].set()
+    assert exited.is_set() and set(router.participants) == {"b"}
+    failures = [r.getMessage() for r in caplog.records if "participant_left" in r.getMessage()]
+    assert len(failures) == 1 and "'b'" in failures[0]
+    assert "hidden" not in caplog.text
+
+
 def _waits_until_cancelled(
     cancelled: anyio.Event,
 ) -> Callable[[], Coroutine[Any, Any, None]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Any
 
 import anyio
@@ -40,10 +41,7 @@ class OwnedOperation:
     def add_done_callback(self, callback: Callable[[BaseException | None], object]) -> None:
         """Call `callback(error)` on the event loop once the operation ended (None on
         success); the error counts as retrieved."""
-        def done(task: asyncio.Task[None]) -> None:
-            callback(asyncio.CancelledError() if task.cancelled() else task.exception())
-
-        self._task.add_done_callback(done)
+        self._task.add_done_callback(partial(_report_end, callback))
 
     async def join(self) -> None:
         """Wait for the operation; re-raise its error (a fresh copy for groups)."""
@@ -71,6 +69,11 @@ class OwnedOperation:
                     cancelled = exc
         if cancelled is not None:
             raise cancelled
+
+
+def _report_end(callback: Callable[[BaseException | None], object],
+                task: asyncio.Task[None]) -> None:
+    callback(asyncio.CancelledError() if task.cancelled() else task.exception())
 
 
 class TurnRun:

@@ -16,6 +16,7 @@ from ._messages import Interrupted, ParticipantJoined, ParticipantLeft, Response
 from ._runtime import AgentRuntime, Topic
 
 if TYPE_CHECKING:
+    from .._frontend import Departure
     from .._router import AgentRouter
 
 __all__ = ["RouterSubscriber", "validate_topics"]
@@ -88,6 +89,8 @@ class RouterSubscriber:
         self._control_output_set = False
         #: The output callback of the runtime last delivering here (one per runtime).
         self._emit: tuple[AgentRuntime, Any] | None = None
+        #: The departures the runtime last delivering here waits for.
+        self._departures: _Departing | None = None
 
     @property
     def subscriptions(self) -> tuple[Topic[Any], ...]:
@@ -111,6 +114,12 @@ class RouterSubscriber:
 
         self._emit = (runtime, emit)
         return emit
+
+    def _departing(self, runtime: AgentRuntime) -> _Departing:
+        departing = self._departures
+        if departing is None or departing.runtime is not runtime:
+            departing = self._departures = _Departing(runtime)
+        return departing
 
     async def deliver(self, topic: Topic[Any], message: Any, runtime: AgentRuntime) -> None:
         router = self._router
@@ -140,9 +149,7 @@ class RouterSubscriber:
             # task of ours joins it) and its failure is logged.
             departure = router.begin_departure(payload.participant_id)
             if not departure.done:
-                ended = asyncio.get_running_loop().create_future()
-                departure.add_done_callback(partial(_departed, payload.participant_id, ended))
-                runtime.track(ended)
+                self._departing(runtime).add(payload.participant_id, departure)
         elif role == "interrupted_topic":
             runtime.start_soon(self._guard, "interrupt", router.interrupt,
                                payload.participant_id)
@@ -177,8 +184,34 @@ class RouterSubscriber:
                         await router.report_status("idle", pid)
 
 
-def _departed(pid: str, ended: asyncio.Future[None], error: BaseException | None) -> None:
-    if error is not None:
-        log_failure("runtime participant_left(%r)", error, pid, log=logger)
-    if not ended.done():  # not cancelled by the runtime meanwhile
-        ended.set_result(None)
+class _Departing:
+    """The departures one runtime waits for on exit, as one future it tracks while any
+    runs (not a future and a callback chain per departure: a crowd may leave at once).
+    Each departure's failure is logged when it ends.
+    """
+
+    __slots__ = ("_count", "_ended", "_on_departed", "runtime")
+
+    def __init__(self, runtime: AgentRuntime) -> None:
+        self.runtime = runtime
+        self._ended: asyncio.Future[None] | None = None
+        self._count = 0
+        self._on_departed = self._departed  # bound once, not per departure
+
+    def add(self, pid: str, departure: Departure) -> None:
+        ended = self._ended
+        if ended is None or ended.done():  # none running, or cancelled by the runtime
+            ended = self._ended = asyncio.get_running_loop().create_future()
+            self._count = 0
+            self.runtime.track(ended)
+        self._count += 1
+        departure.add_done_callback(partial(self._on_departed, pid, ended))
+
+    def _departed(self, pid: str, ended: asyncio.Future[None],
+                  error: BaseException | None) -> None:
+        if error is not None:
+            log_failure("runtime participant_left(%r)", error, pid, log=logger)
+        if ended is self._ended:
+            self._count -= 1
+            if not self._count and not ended.done():
+                ended.set_result(None)
