@@ -33,6 +33,7 @@ import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 from prometheus_client import CollectorRegistry
@@ -67,7 +68,7 @@ class InstantAgent(SimulatedAgent):
 
 
 async def run(participants: int, turns: int, seed: int, *, trace_memory: bool,
-              freeze: bool = False) -> dict[str, float]:
+              freeze: bool = False) -> dict[str, Any]:
     rng = random.Random(seed)
     sample = load_sample()
     truth = {text: (domain, intent) for text, domain, intent in sample.queries}
@@ -95,22 +96,26 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool,
     collector = _CollectorTime()
     gc.callbacks.append(collector)
     cpu0, wall0 = time.process_time(), time.perf_counter()
+    phases = _Phases(collector)
     peak_state = 0
     async with AgentRuntime() as runtime:
         runtime.register(router.runtime_subscriber())
         for i in range(participants):
             await runtime.publish(JOINED, ParticipantJoined(participant_id=f"p{i}"))
+        phases.mark("joins")
         for _ in range(turns):
             for i in range(participants):
                 await runtime.publish(QUERY, UserQuery(participant_id=f"p{i}",
                                                        text=rng.choice(queries)))
                 published += 1
             await anyio.wait_all_tasks_blocked()
+            phases.mark("turns")
         peak_state = tracemalloc.get_traced_memory()[0] - base_memory
         held = len(router.participants)
         for i in range(participants):
             await runtime.publish(LEFT, ParticipantLeft(participant_id=f"p{i}"))
     await router.stop()
+    phases.mark("departures")
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     gc.callbacks.remove(collector)
     gc.unfreeze()
@@ -127,7 +132,25 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool,
         "held": held, "after_stop": len(router.participants), "tasks_left": len(leftover),
         "gc": sum(collector.seconds), "gc_full": collector.seconds[2],
         "gc_full_runs": collector.runs[2], "gc_longest": collector.longest[2],
+        "phases": phases.totals,
     }
+
+
+class _Phases:
+    """CPU and collector seconds per phase of a pass (joins, turn rounds, departures
+    with stop()), summed by phase name."""
+
+    def __init__(self, collector: _CollectorTime) -> None:
+        self._collector = collector
+        self._cpu, self._gc = time.process_time(), sum(collector.seconds)
+        self.totals: dict[str, dict[str, float]] = {}
+
+    def mark(self, name: str) -> None:
+        cpu, gc_seconds = time.process_time(), sum(self._collector.seconds)
+        total = self.totals.setdefault(name, {"cpu": 0.0, "gc": 0.0})
+        total["cpu"] += cpu - self._cpu
+        total["gc"] += gc_seconds - self._gc
+        self._cpu, self._gc = cpu, gc_seconds
 
 
 class _CollectorTime:
@@ -245,6 +268,12 @@ def main() -> None:
           f"{r['gc_full'] / r['finished'] * 1e6:.0f} µs in {r['gc_full_runs']} full "
           "collections (their count and cost grow with the participants held); the "
           f"longest stalled the event loop {r['gc_longest'] * 1e3:.0f} ms")
+    counts = {"joins": r["participants"], "turns": r["finished"],
+              "departures": r["participants"]}
+    print("by phase                " + "; ".join(
+        f"{name} {phase['cpu'] / counts[name] * 1e6:.0f} µs each "
+        f"({phase['gc'] / counts[name] * 1e6:.0f} µs collector)"
+        for name, phase in r["phases"].items()))
     print(f"peak traced memory      {r['peak'] / 1e6:.1f} MB; state held with every "
           f"participant present: {r['state'] / 1e6:.1f} MB "
           f"({r['state'] / r['participants']:.0f} B/participant)")
