@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from turnrouter import ContractValueError
+from turnrouter import ConfigurationError, ContractValueError
 from turnrouter.runtime import (
     AgentRuntime,
     Interrupted,
@@ -143,3 +143,16 @@ async def publish(topic: Topic[Any], message: RuntimeMessage, sink: Any,
     else:
         assert len(received) == 1
         check_valid(received[0])
+
+
+@FUZZ
+@given(st.one_of(JUNK, st.integers(max_value=0), st.integers(min_value=2**64)))
+def test_runtime_publish_batch(value: Any) -> None:
+    """AgentRuntime(publish_batch=...) takes an int of at least 1; anything else is a
+    ConfigurationError naming the parameter, with the value shown short."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        assert AgentRuntime(publish_batch=value) is not None
+        return
+    with pytest.raises(ConfigurationError, match="publish_batch") as caught:
+        AgentRuntime(publish_batch=value)
+    assert len(str(caught.value)) < 200

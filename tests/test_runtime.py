@@ -591,6 +591,52 @@ async def test_runtime_exit_waits_for_the_last_of_concurrent_departures(
     assert "hidden" not in caplog.text
 
 
+class _StartsWork:
+    """A subscriber that starts one background task per message; records which ran."""
+
+    def __init__(self, topic: Topic[Any]) -> None:
+        self.subscriptions = (topic,)
+        self.ran: list[str] = []
+
+    async def deliver(self, topic: Topic[Any], message: Any, runtime: AgentRuntime) -> None:
+        runtime.start_soon(self._work, message.participant_id)
+
+    async def _work(self, pid: str) -> None:
+        self.ran.append(pid)
+
+
+async def test_a_publish_burst_lets_its_work_run_every_batch() -> None:
+    """A publisher that never awaits anything else still lets the work its messages
+    started run: at most `publish_batch` of it waits when publish() returns."""
+    subscriber = _StartsWork(JOINED)
+    waiting: list[int] = []
+    with anyio.fail_after(5):
+        async with AgentRuntime(publish_batch=4) as runtime:
+            runtime.register(subscriber)
+            for n in range(1, 11):
+                await runtime.publish(JOINED, ParticipantJoined(participant_id=f"p{n}"))
+                waiting.append(n - len(subscriber.ran))
+            assert subscriber.ran == [f"p{n}" for n in range(1, 8)]
+    assert max(waiting) == 4 and min(waiting) == 1
+    assert len(subscriber.ran) == 10
+
+
+async def test_a_publisher_cancelled_at_its_scheduling_point_delivers_nothing() -> None:
+    """The yielding publish() of a cancelled publisher raises the cancellation before
+    any subscriber sees its message; the others were delivered."""
+    subscriber = _StartsWork(JOINED)
+    with anyio.fail_after(5):
+        async with AgentRuntime(publish_batch=2) as runtime:
+            runtime.register(subscriber)
+            await runtime.publish(JOINED, ParticipantJoined(participant_id="first"))
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await runtime.publish(JOINED, ParticipantJoined(participant_id="second"))
+            assert scope.cancelled_caught
+            await runtime.publish(JOINED, ParticipantJoined(participant_id="third"))
+    assert subscriber.ran == ["first", "third"]
+
+
 def _waits_until_cancelled(
     cancelled: anyio.Event,
 ) -> Callable[[], Coroutine[Any, Any, None]]:

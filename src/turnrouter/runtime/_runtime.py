@@ -18,6 +18,7 @@ from .._exceptions import (
     ContractValueError,
     LifecycleError,
 )
+from .._redact import preview
 from ._messages import VALIDATED
 
 __all__ = ["AgentRuntime", "RuntimeAgent", "Topic"]
@@ -97,6 +98,10 @@ class RuntimeAgent(Protocol):
         ...
 
 
+#: Publications between two scheduling points of `AgentRuntime.publish` by default.
+PUBLISH_BATCH = 64
+
+
 class AgentRuntime:
     """Delivers published messages to subscribers, in process, in publication order.
 
@@ -106,9 +111,19 @@ class AgentRuntime:
     `ExceptionGroup`) on exit, an error in the body cancels the background work, and a
     cancelled exit still waits for it. Tasks are plain asyncio tasks (an anyio task
     group's `start_soon` costs several times more, and runs once per query).
+
+    Every `publish_batch`-th publication is a scheduling point: the publisher yields to
+    the event loop before delivering it, so a burst of messages lets the work it
+    started run (and the loop's I/O with it) instead of piling up unstarted tasks.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, publish_batch: int = PUBLISH_BATCH) -> None:
+        if (not isinstance(publish_batch, int) or isinstance(publish_batch, bool)
+                or publish_batch < 1):
+            raise ConfigurationError(
+                f"publish_batch must be an int of at least 1, got {preview(publish_batch)}")
+        self._batch = publish_batch
+        self._unyielded = 0
         self._subscribers: dict[str, list[tuple[Topic[Any], RuntimeAgent]]] = {}
         self._tasks: set[asyncio.Future[Any]] | None = None
         self._cancelled: weakref.WeakSet[asyncio.Future[Any]] = weakref.WeakSet()
@@ -233,6 +248,11 @@ class AgentRuntime:
         own payload class that skipped validation (`model_construct()`,
         `model_copy(update=...)`) is the publisher's own bug: it raises
         `ContractValueError` here, before any subscriber sees it.
+
+        Every `publish_batch`-th call first yields to the event loop (see the class):
+        the messages published since the last yield have their background work started,
+        at most `publish_batch` of them wait to run when a call returns. A publisher
+        cancelled at that point delivers nothing.
         """
         if type(message) is topic.payload:
             try:
@@ -242,5 +262,12 @@ class AgentRuntime:
                     f"published {topic.payload.__name__} on topic {topic.name!r} is invalid "
                     f"(built without validation?): {exc}"
                 ) from None
+        self._unyielded += 1
+        if self._unyielded >= self._batch:
+            # Not on every call: each yield costs an event-loop pass (a selector poll),
+            # which per message costs more than the piled-up tasks it avoids
+            # (docs/performance.md, "publish batch").
+            self._unyielded = 0
+            await asyncio.sleep(0)
         for subscribed, agent in self._subscribers.get(topic.name, ()):
             await agent.deliver(subscribed, message, self)
