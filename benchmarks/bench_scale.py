@@ -8,11 +8,13 @@ lost and no task is left after stop().
     .venv/bin/python benchmarks/bench_scale.py [--participants 10000] [--turns 3]
         [--freeze] [--profile N]
     .venv/bin/python benchmarks/bench_scale.py --baseline TREE [--rounds 3]
+    .venv/bin/python benchmarks/bench_scale.py --publish-batches 1,16,64 [--rounds 3]
 
 `--baseline TREE` compares another checkout (e.g. `git worktree add /tmp/old REV`) with
 this one: the timing pass of this very script runs in a fresh process per tree and round
 (`PYTHONPATH=<tree>/src`), interleaved, so both trees see the same machine; the ratio of
 what one core holds is what to quote on a shared machine whose speed drifts.
+`--publish-batches` interleaves this tree under several `AgentRuntime(publish_batch=)`.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class InstantAgent(SimulatedAgent):
 
 
 async def run(participants: int, turns: int, seed: int, *, trace_memory: bool,
-              freeze: bool = False) -> dict[str, Any]:
+              freeze: bool = False, publish_batch: int | None = None) -> dict[str, Any]:
     rng = random.Random(seed)
     sample = load_sample()
     truth = {text: (domain, intent) for text, domain, intent in sample.queries}
@@ -98,7 +100,8 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool,
     cpu0, wall0 = time.process_time(), time.perf_counter()
     phases = _Phases(collector)
     peak_state = 0
-    async with AgentRuntime() as runtime:
+    batch = {} if publish_batch is None else {"publish_batch": publish_batch}
+    async with AgentRuntime(**batch) as runtime:
         runtime.register(router.runtime_subscriber())
         for i in range(participants):
             await runtime.publish(JOINED, ParticipantJoined(participant_id=f"p{i}"))
@@ -193,21 +196,10 @@ def profile(participants: int, turns: int, seed: int, top: int) -> None:
 def compare(baseline: Path, rounds: int, extra: list[str]) -> None:
     """Interleaved rounds of the timing pass, `baseline`'s tree then this one, each in
     a fresh process; prints what one core holds per round and the ratio of medians."""
-    trees = {"baseline": baseline.resolve() / "src",
-             "this": Path(__file__).resolve().parents[1] / "src"}
+    trees = {"baseline": baseline.resolve() / "src", "this": THIS_TREE}
     if not (trees["baseline"] / "turnrouter" / "__init__.py").is_file():
         raise SystemExit(f"--baseline {baseline}: no src/turnrouter there")
-    held: dict[str, list[float]] = {name: [] for name in trees}
-    for _ in range(rounds):
-        for name, src in trees.items():
-            out = subprocess.run(
-                [sys.executable, __file__, "--json", *extra], check=True, text=True,
-                capture_output=True, env={**os.environ, "PYTHONPATH": str(src)},
-            ).stdout
-            r = json.loads(out.strip().splitlines()[-1])
-            if r["finished"] != r["published"]:
-                raise SystemExit(f"{name}: {r['published'] - r['finished']:.0f} turns lost")
-            held[name].append(r["finished"] / r["cpu"])
+    held, _ = _interleaved({name: (src, extra) for name, src in trees.items()}, rounds)
     medians = {name: statistics.median(values) for name, values in held.items()}
     print(json.dumps({
         "one_core_holds_turns_per_s": {name: [round(v) for v in values]
@@ -220,6 +212,49 @@ def compare(baseline: Path, rounds: int, extra: list[str]) -> None:
     }, indent=2))
 
 
+def sweep_batches(batches: list[int], rounds: int, extra: list[str]) -> None:
+    """Interleaved rounds of this tree's timing pass under each `publish_batch`; prints
+    what one core holds and each phase's CPU per item, as medians, and each batch's
+    ratio to the first."""
+    runs = {f"publish_batch={n}": (THIS_TREE, [*extra, f"--publish-batch={n}"])
+            for n in batches}
+    held, phases = _interleaved(runs, rounds)
+    first = statistics.median(next(iter(held.values())))
+    print(json.dumps({name: {
+        "one_core_holds_turns_per_s": round(statistics.median(values)),
+        "ratio_to_first": round(statistics.median(values) / first, 3),
+        "us_each_by_phase": {phase: round(statistics.median(p[phase] for p in phases[name]))
+                             for phase in phases[name][0]},
+    } for name, values in held.items()} | {
+        "load_average": [round(x, 2) for x in os.getloadavg()]}, indent=2))
+
+
+THIS_TREE = Path(__file__).resolve().parents[1] / "src"
+
+
+def _interleaved(runs: dict[str, tuple[Path, list[str]]], rounds: int
+                 ) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
+    """`rounds` rounds of the timing pass for each (tree, arguments) in turn, each in a
+    fresh process: what one core holds, and µs per item by phase, per round."""
+    held: dict[str, list[float]] = {name: [] for name in runs}
+    phases: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (src, extra) in runs.items():
+            out = subprocess.run(
+                [sys.executable, __file__, "--json", *extra], check=True, text=True,
+                capture_output=True, env={**os.environ, "PYTHONPATH": str(src)},
+            ).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            if r["finished"] != r["published"]:
+                raise SystemExit(f"{name}: {r['published'] - r['finished']:.0f} turns lost")
+            held[name].append(r["finished"] / r["cpu"])
+            counts = {"turns": r["finished"]}
+            phases[name].append({
+                phase: spent["cpu"] / counts.get(phase, r["participants"]) * 1e6
+                for phase, spent in r.get("phases", {}).items()})
+    return held, phases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--participants", type=int, default=10_000)
@@ -228,6 +263,9 @@ def main() -> None:
     parser.add_argument("--freeze", action="store_true",
                         help="call gc.freeze() once the router is built, as the worker CLI "
                              "does (start-up objects no longer walked by full collections)")
+    parser.add_argument("--publish-batch", type=int, metavar="N",
+                        help="AgentRuntime(publish_batch=N): publications between the "
+                             "publisher's yields to the loop (default: the runtime's)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="instead, profile one timing pass and print its top N "
                              "functions by own time (cProfile: slower, shares are what count)")
@@ -236,24 +274,38 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, metavar="TREE",
                         help="compare another checkout with this one, interleaved")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--publish-batches", metavar="N,N,...",
+                        help="compare publish batches on this tree, interleaved")
     args = parser.parse_args()
     if args.baseline is not None:
         extra = [f"--participants={args.participants}", f"--turns={args.turns}",
-                 f"--seed={args.seed}", *(["--freeze"] if args.freeze else [])]
+                 f"--seed={args.seed}", *(["--freeze"] if args.freeze else []),
+                 *([f"--publish-batch={args.publish_batch}"]
+                   if args.publish_batch is not None else [])]
         compare(args.baseline, args.rounds, extra)
+        return
+    if args.publish_batches is not None:
+        try:
+            batches = [int(n) for n in args.publish_batches.split(",")]
+        except ValueError:
+            parser.error(f"--publish-batches takes integers separated by commas, got "
+                         f"{args.publish_batches[:40]!r}")
+        sweep_batches(batches, args.rounds, [f"--participants={args.participants}",
+                                             f"--turns={args.turns}", f"--seed={args.seed}"])
         return
     if args.json:
         print(json.dumps(asyncio.run(run(args.participants, args.turns, args.seed,
-                                         trace_memory=False, freeze=args.freeze))))
+                                         trace_memory=False, freeze=args.freeze,
+                                         publish_batch=args.publish_batch))))
         return
     if args.profile:
         profile(args.participants, args.turns, args.seed, args.profile)
         return
     # Timing and memory in separate passes: tracemalloc slows Python down severalfold.
     r = asyncio.run(run(args.participants, args.turns, args.seed, trace_memory=False,
-                        freeze=args.freeze))
+                        freeze=args.freeze, publish_batch=args.publish_batch))
     m = asyncio.run(run(args.participants, args.turns, args.seed, trace_memory=True,
-                        freeze=args.freeze))
+                        freeze=args.freeze, publish_batch=args.publish_batch))
     r["peak"], r["state"] = m["peak"], m["state"]
     print(f"participants            {r['participants']:.0f} concurrent, {args.turns} turns each")
     print(f"turns                   {r['finished']:.0f} finished of {r['published']:.0f} "

@@ -116,3 +116,18 @@ def test_scale_comparison_runs_each_tree_in_a_process_of_its_own(
     assert report["ratio_by_round"][0] > 0
     with pytest.raises(SystemExit, match="no src/turnrouter"):
         bench_scale.compare(root / "docs", 1, [])
+
+
+def test_scale_batch_sweep_reports_each_batch_by_phase(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_scale --publish-batches times this tree under each publish batch and
+    reports what one core holds, the ratio to the first batch and µs per phase item."""
+    import bench_scale
+
+    bench_scale.sweep_batches([1, 64], 1, ["--participants=20", "--turns=1"])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {"publish_batch=1", "publish_batch=64", "load_average"}
+    assert report["publish_batch=1"]["ratio_to_first"] == 1.0
+    for name in ("publish_batch=1", "publish_batch=64"):
+        assert report[name]["one_core_holds_turns_per_s"] > 0
+        assert set(report[name]["us_each_by_phase"]) == {"joins", "turns", "departures"}
