@@ -266,7 +266,7 @@ class AgentRuntime:
         if self._unyielded >= self._batch:
             # Not on every call: each yield costs an event-loop pass (a selector poll),
             # which per message costs more than the piled-up tasks it avoids
-            # (docs/performance.md, "publish batch").
+            # (docs/performance.md, the "publish batches" row of 2026-12-02, day).
             self._unyielded = 0
             await asyncio.sleep(0)
         for subscribed, agent in self._subscribers.get(topic.name, ()):
