@@ -57,6 +57,8 @@ QUERY = Topic("scale.query", UserQuery)
 OUTPUT = Topic("scale.output", ResponseOutput)
 JOINED = Topic("scale.joined", ParticipantJoined)
 LEFT = Topic("scale.left", ParticipantLeft)
+#: This checkout's sources (what `--baseline` and `--publish-batches` time as "this").
+THIS_TREE = Path(__file__).resolve().parents[1] / "src"
 
 
 class InstantAgent(SimulatedAgent):
@@ -105,20 +107,20 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool,
         runtime.register(router.runtime_subscriber())
         for i in range(participants):
             await runtime.publish(JOINED, ParticipantJoined(participant_id=f"p{i}"))
-        phases.mark("joins")
+        phases.mark("joins", participants)
         for _ in range(turns):
             for i in range(participants):
                 await runtime.publish(QUERY, UserQuery(participant_id=f"p{i}",
                                                        text=rng.choice(queries)))
                 published += 1
             await anyio.wait_all_tasks_blocked()
-            phases.mark("turns")
+            phases.mark("turns", participants)
         peak_state = tracemalloc.get_traced_memory()[0] - base_memory
         held = len(router.participants)
         for i in range(participants):
             await runtime.publish(LEFT, ParticipantLeft(participant_id=f"p{i}"))
     await router.stop()
-    phases.mark("departures")
+    phases.mark("departures", participants)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     gc.callbacks.remove(collector)
     gc.unfreeze()
@@ -141,16 +143,17 @@ async def run(participants: int, turns: int, seed: int, *, trace_memory: bool,
 
 class _Phases:
     """CPU and collector seconds per phase of a pass (joins, turn rounds, departures
-    with stop()), summed by phase name."""
+    with stop()) and the items (joins, turns, departures) they cover, summed by name."""
 
     def __init__(self, collector: _CollectorTime) -> None:
         self._collector = collector
         self._cpu, self._gc = time.process_time(), sum(collector.seconds)
         self.totals: dict[str, dict[str, float]] = {}
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str, items: int) -> None:
         cpu, gc_seconds = time.process_time(), sum(self._collector.seconds)
-        total = self.totals.setdefault(name, {"cpu": 0.0, "gc": 0.0})
+        total = self.totals.setdefault(name, {"cpu": 0.0, "gc": 0.0, "items": 0})
+        total["items"] += items
         total["cpu"] += cpu - self._cpu
         total["gc"] += gc_seconds - self._gc
         self._cpu, self._gc = cpu, gc_seconds
@@ -229,9 +232,6 @@ def sweep_batches(batches: list[int], rounds: int, extra: list[str]) -> None:
         "load_average": [round(x, 2) for x in os.getloadavg()]}, indent=2))
 
 
-THIS_TREE = Path(__file__).resolve().parents[1] / "src"
-
-
 def _interleaved(runs: dict[str, tuple[Path, list[str]]], rounds: int
                  ) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
     """`rounds` rounds of the timing pass for each (tree, arguments) in turn, each in a
@@ -248,10 +248,8 @@ def _interleaved(runs: dict[str, tuple[Path, list[str]]], rounds: int
             if r["finished"] != r["published"]:
                 raise SystemExit(f"{name}: {r['published'] - r['finished']:.0f} turns lost")
             held[name].append(r["finished"] / r["cpu"])
-            counts = {"turns": r["finished"]}
-            phases[name].append({
-                phase: spent["cpu"] / counts.get(phase, r["participants"]) * 1e6
-                for phase, spent in r.get("phases", {}).items()})
+            phases[name].append({phase: spent["cpu"] / spent["items"] * 1e6
+                                 for phase, spent in r.get("phases", {}).items()})
     return held, phases
 
 
@@ -265,7 +263,8 @@ def main() -> None:
                              "does (start-up objects no longer walked by full collections)")
     parser.add_argument("--publish-batch", type=int, metavar="N",
                         help="AgentRuntime(publish_batch=N): publications between the "
-                             "publisher's yields to the loop (default: the runtime's)")
+                             "publisher's yields to the loop (default: the runtime's; with "
+                             "--baseline, both trees must accept it)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="instead, profile one timing pass and print its top N "
                              "functions by own time (cProfile: slower, shares are what count)")
@@ -320,11 +319,9 @@ def main() -> None:
           f"{r['gc_full'] / r['finished'] * 1e6:.0f} µs in {r['gc_full_runs']} full "
           "collections (their count and cost grow with the participants held); the "
           f"longest stalled the event loop {r['gc_longest'] * 1e3:.0f} ms")
-    counts = {"joins": r["participants"], "turns": r["finished"],
-              "departures": r["participants"]}
     print("by phase                " + "; ".join(
-        f"{name} {phase['cpu'] / counts[name] * 1e6:.0f} µs each "
-        f"({phase['gc'] / counts[name] * 1e6:.0f} µs collector)"
+        f"{name} {phase['cpu'] / phase['items'] * 1e6:.0f} µs each "
+        f"({phase['gc'] / phase['items'] * 1e6:.0f} µs collector)"
         for name, phase in r["phases"].items()))
     print(f"peak traced memory      {r['peak'] / 1e6:.1f} MB; state held with every "
           f"participant present: {r['state'] / 1e6:.1f} MB "
