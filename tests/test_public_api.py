@@ -15,6 +15,8 @@ CORE = {
     "PolicyError", "RoutableAgent", "RouteDecision", "RouteRequest", "RouterObserver",
     "RoutingAid", "RoutingTurnContext", "TurnInterrupted", "TurnObserver", "TurnrouterError",
     "current_turn_context",
+    # A destination written in one class (README, docs/quickstart.md).
+    "Destination",
     # Background context patches.
     "AppliedContextPatch", "ContextPatch", "ContextState", "MergeStrategy",
     "PendingContextPatch", "PendingPatchLimitError", "UnknownPatchError",

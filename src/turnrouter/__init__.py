@@ -26,6 +26,7 @@ from ._contracts import (
     RouteRequest,
     RoutingAid,
 )
+from ._destination import Destination
 from ._exceptions import (
     ConfigurationError,
     ContractTypeError,
@@ -83,6 +84,7 @@ __all__ = [
     "ContractValueError",
     "DecisionService",
     "Departure",
+    "Destination",
     "DestinationContractError",
     "DestinationResult",
     "JsonLinesSink",

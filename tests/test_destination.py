@@ -1,0 +1,120 @@
+"""`Destination`: a destination in one class, with the defaults the router relies on."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from turnrouter import (
+    AgentRouter,
+    AgentTurn,
+    ContractTypeError,
+    ContractValueError,
+    Destination,
+    DestinationResult,
+    RoutableAgent,
+    RouteRequest,
+)
+from turnrouter.testing import OutputRecorder, ScriptedDecisions
+
+pytestmark = pytest.mark.anyio
+
+
+class Weather(Destination):
+    description = "forecasts, rain, temperature"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heard: list[str] = []
+
+    async def answer(
+        self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+    ) -> DestinationResult:
+        await started()
+        self.heard.append(turn.query)
+        return DestinationResult(text="Sunny all day.")
+
+
+class MembersOnly(Destination):
+    def is_eligible(self, participant_id: str) -> bool:
+        return not participant_id.startswith("guest")
+
+    async def answer(
+        self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+    ) -> DestinationResult:
+        await started()
+        return DestinationResult(text="members area")
+
+
+def test_routing_aid_comes_from_class_attributes_or_arguments() -> None:
+    aid = Weather().routing_aid("alice")
+    assert (aid.name, aid.description, aid.priority, aid.eligible) == (
+        "weather", "forecasts, rain, temperature", 0, True)
+    aid = MembersOnly("the members' area", name="members", priority=3).routing_aid("alice")
+    assert (aid.name, aid.description, aid.priority, aid.eligible) == (
+        "members", "the members' area", 3, True)
+
+
+def test_is_eligible_makes_the_aid_ineligible() -> None:
+    aid = MembersOnly("members").routing_aid("guest-1")
+    assert aid.eligible is False
+    assert aid.eligibility == "ineligible"
+
+
+def test_a_destination_is_a_routable_agent() -> None:
+    assert isinstance(Weather(), RoutableAgent)
+
+
+async def test_defaults_accept_and_release_nothing() -> None:
+    weather = Weather()
+    turn = AgentTurn("alice", "t1", "rain?")
+    assert (await weather.admit(turn, focused=False)).disposition == "accept"
+    assert await weather.release("alice") is None
+
+
+async def test_answer_must_be_implemented() -> None:
+    class Empty(Destination):
+        pass
+
+    async def started() -> None:
+        return None
+
+    with pytest.raises(NotImplementedError, match="Empty must implement answer"):
+        await Empty("nothing").answer(AgentTurn("alice", "t1", "hi"), started=started)
+
+
+async def test_routed_through_the_router_and_ineligible_routes_hidden() -> None:
+    weather, members = Weather(), MembersOnly("members area")
+    seen: list[RouteRequest] = []
+
+    def choose(request: RouteRequest) -> str:
+        seen.append(request)
+        return "weather"
+
+    output = OutputRecorder()
+    router = AgentRouter({"weather": weather, "members": members}, ScriptedDecisions(choose),
+                         output=output, default_destination="weather")
+    result = await router.handle(AgentTurn("guest-1", "t1", "will it rain?"))
+    assert result.text == "Sunny all day."
+    assert weather.heard == ["will it rain?"]
+    assert [aid.name for aid in seen[0].candidates] == ["weather"]
+    await router.stop()
+
+
+@given(description=st.one_of(st.none(), st.integers(), st.binary(), st.text(max_size=50),
+                             st.text(min_size=5000, max_size=6000)),
+       name=st.one_of(st.none(), st.integers(), st.text(max_size=50)),
+       priority=st.one_of(st.none(), st.booleans(), st.floats(), st.integers()))
+def test_junk_arguments_raise_a_contract_error_naming_the_field(
+        description: object, name: object, priority: object) -> None:
+    try:
+        agent = Weather.__new__(Weather)
+        Destination.__init__(agent, description, name=name, priority=priority)  # type: ignore[arg-type]
+    except (ContractTypeError, ContractValueError) as exc:
+        assert any(field in str(exc) for field in ("name", "description", "priority"))
+    else:
+        aid = agent.routing_aid("alice")
+        assert isinstance(aid.description, str) and aid.name
