@@ -2,10 +2,11 @@
 
 Sybil (https://sybil.readthedocs.io) collects the blocks. The blocks of one page share a
 namespace and run in order, in a scratch directory that links the checkout's top-level
-entries (so `examples/...`, `deploy/...` and `.venv/bin/python` resolve, and files a
-block writes vanish afterwards). Python blocks run as written (no top-level `await`:
-write a complete script with `asyncio.run`). Shell blocks run with `bash -eo pipefail`,
-`turnrouter` on PATH, each bounded by `SHELL_TIMEOUT_SECS`.
+entries (so `examples/...`, `deploy/...` and `.venv/bin/python` resolve; `deploy/` and
+`dashboards/` are copies, and files a block writes vanish afterwards). Python blocks run
+as written (no top-level `await`: write a complete script with `asyncio.run`). Shell
+blocks run with `bash -eo pipefail`, `turnrouter` on PATH, each bounded by
+`SHELL_TIMEOUT_SECS`.
 
 A block that cannot run in the test suite (it needs Docker, Kubernetes, a cluster, a
 model provider's key) is preceded by a skip marker whose reason is shown to the reader:
@@ -31,15 +32,19 @@ from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipP
 
 ROOT = Path(__file__).resolve().parent
 SHELL_TIMEOUT_SECS = 180.0
-#: What a block may expect in its working directory (links to the checkout).
-_LINKED = ("benchmarks", "dashboards", "deploy", "docs", "examples", "src", "tests",
-           "Makefile", "pyproject.toml", "README.md")
+#: What a block may expect in its working directory: links to the checkout, and copies
+#: of what a documented command may rewrite (`python -m turnrouter.ops` regenerates).
+_LINKED = ("benchmarks", "docs", "examples", "src", "tests", "Makefile", "pyproject.toml",
+           "README.md")
+_COPIED = ("dashboards", "deploy")
 
 
 def _setup(namespace: dict[str, Any]) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="turnrouter-docs-"))
     for name in _LINKED:
         (workdir / name).symlink_to(ROOT / name)
+    for name in _COPIED:
+        shutil.copytree(ROOT / name, workdir / name, symlinks=True)
     # `.venv/bin/python` in a block is the interpreter running the tests.
     (workdir / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
     namespace["__docs_cwd__"] = os.getcwd()

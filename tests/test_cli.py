@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import io
 import json
 import logging
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+import turnrouter
 from turnrouter import ConfigurationError
 from turnrouter.cli import demo_parser, main, worker_parser
 
@@ -24,10 +26,61 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_usage_without_a_command(capsys: pytest.CaptureFixture[str]) -> None:
-    """No command prints usage and exits 2; --help exits 0."""
+    """No command prints usage on stderr and exits 2."""
     assert main([]) == 2
-    assert "usage: turnrouter" in capsys.readouterr().err
-    assert main(["--help"]) == 0
+    captured = capsys.readouterr()
+    assert "turnrouter: error: no command given" in captured.err
+    assert "usage: turnrouter" in captured.err
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_goes_to_stdout(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([flag]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("usage: turnrouter")
+    assert "demo" in captured.out and "worker" in captured.out
+    assert captured.err == ""
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([flag]) == 0
+    assert capsys.readouterr().out == f"turnrouter {turnrouter.__version__}\n"
+
+
+def test_version_matches_the_package_metadata() -> None:
+    assert turnrouter.__version__ == importlib.metadata.version("turnrouter")
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["dmeo"], "unknown command 'dmeo'"),
+    (["--verbose", "demo"], "unknown option '--verbose'"),
+    (["bad\nname"], "unknown command 'bad\\nname'"),
+])
+def test_an_unknown_command_is_named(argv: list[str], named: str,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    first = err.splitlines()[0]
+    assert first.startswith("turnrouter: error: ") and named in first
+    assert "choose from demo, tune, worker" in first
+
+
+@given(st.lists(st.text(max_size=300), min_size=1, max_size=3))
+def test_junk_commands_are_a_one_line_usage_error(argv: list[str]) -> None:
+    assume(argv[0] not in {"demo", "tune", "worker", "-h", "--help", "-V", "--version"})
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(argv) == 2
+    first = err.getvalue().splitlines()[0]
+    assert first.startswith("turnrouter: error: ") and len(first) < 400
+
+
+def test_subcommand_help_goes_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--help"]) == 0
+    captured = capsys.readouterr()
+    assert "usage: turnrouter demo" in captured.out and captured.err == ""
 
 
 @pytest.mark.parametrize(("flags", "named"), [

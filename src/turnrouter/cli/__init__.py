@@ -180,17 +180,39 @@ def _worker_command(argv: Sequence[str]) -> int:
     return worker_main(argv)
 
 
+USAGE = """usage: turnrouter [--version] [--help] {demo,tune,worker} [options]
+
+  demo   run a simulated deployment (the main job)
+  tune   what-if analysis of the acknowledgment delay
+  worker one router replica on NATS JetStream
+
+`turnrouter COMMAND --help` describes a command's options."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `turnrouter` command; returns the exit status (usage errors: 2,
-    one line on stderr)."""
+    """Entry point of the `turnrouter` command; returns the exit status.
+
+    `--help` prints the usage on stdout (status 0), `--version` the version; a missing or
+    unknown command is a usage error: its name and the usage on stderr, status 2.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": _demo, "tune": _tune_command, "worker": _worker_command}
-    if not args or args[0] in {"-h", "--help"} or args[0] not in commands:
-        print("usage: turnrouter {demo,tune,worker} [options]\n\n"
-              "  demo   run a simulated deployment (the main job)\n"
-              "  tune   what-if analysis of the acknowledgment delay\n"
-              "  worker one router replica on NATS JetStream", file=sys.stderr)
-        return 0 if args and args[0] in {"-h", "--help"} else 2
+    if args and args[0] in {"-h", "--help"}:
+        print(USAGE)
+        return 0
+    if args and args[0] in {"-V", "--version"}:
+        from .. import __version__
+
+        print(f"turnrouter {__version__}")
+        return 0
+    if not args or args[0] not in commands:
+        word = args[0][:100] if args else ""  # repr: one line, whatever it holds
+        problem = ("no command given" if not args else
+                   f"unknown option {word!r}" if word.startswith("-") else
+                   f"unknown command {word!r}")
+        print(f"turnrouter: error: {problem} (choose from demo, tune, worker)\n{USAGE}",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return commands[args[0]](args[1:])

@@ -1,0 +1,102 @@
+"""The docs test itself (conftest.py at the repository root): what it runs, what it
+refuses, and that a broken documented example fails the suite."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\S*)", re.MULTILINE)
+SKIP = re.compile(r"<!--\s*skip:\s*(\w+)(.*?)-->", re.DOTALL)
+#: Languages of blocks that are data or output, not something to run.
+SHOWN = {"", "text", "yaml", "json", "promql", "jsonl"}
+SHELL_ALIASES = {"bash", "shell", "console", "shell-session", "zsh", "sh-session"}
+
+
+def fences(text: str) -> list[str]:
+    """The language tags of the opening fences of `text` (closing fences dropped)."""
+    tags = [match.group(1) for match in FENCE.finditer(text)]
+    return tags[0::2]
+
+
+def skip_problems(text: str) -> list[str]:
+    """Skip markers without a quoted reason (the reader must see why a block is not run)."""
+    problems = []
+    for action, rest in SKIP.findall(text):
+        if action not in {"next", "start", "end"}:
+            problems.append(f"unknown skip action {action!r}")
+        elif action != "end" and not re.fullmatch(r'\s*"[^"]{8,}"\s*', rest):
+            problems.append(f"skip: {action} without a quoted reason: {rest.strip()!r}")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_skip_marker_gives_its_reason(page: Path) -> None:
+    assert skip_problems(page.read_text(encoding="utf-8")) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_commands_are_tagged_so_the_docs_test_runs_them(page: Path) -> None:
+    """`bash`/`console` blocks would be skipped silently: shell is tagged `sh`."""
+    tags = set(fences(page.read_text(encoding="utf-8")))
+    assert not tags & SHELL_ALIASES, f"{page.name}: tag shell blocks `sh`"
+    assert tags <= SHOWN | {"python", "sh"}, f"{page.name}: unknown block tags {tags - SHOWN}"
+
+
+def test_the_checker_flags_markers_without_reason() -> None:
+    assert skip_problems('<!-- skip: next "needs Docker here" -->') == []
+    assert skip_problems("<!-- skip: next -->") != []
+    assert skip_problems('<!-- skip: next "x" -->') != []       # a reason says something
+    assert skip_problems("<!-- skip: later -->") != []
+
+
+@given(st.text(max_size=200))
+def test_the_checkers_take_any_text(text: str) -> None:
+    assert isinstance(skip_problems(text), list)
+    assert isinstance(fences(text), list)
+
+
+def _run_docs_test(tmp_path: Path, page: str) -> subprocess.CompletedProcess[str]:
+    """Run the repository's docs test on a checkout holding one page, in a subprocess."""
+    for name in ("src", "examples", "benchmarks", "tests", "deploy", "dashboards"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "Makefile").write_text("", encoding="utf-8")
+    (tmp_path / "pyproject.toml").write_text("", encoding="utf-8")
+    (tmp_path / "README.md").write_text(page, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "README.md"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_a_broken_python_block_fails_the_docs_test(tmp_path: Path) -> None:
+    page = ("# page\n\n```python\nfrom turnrouter import AgentRouter\n"
+            "AgentRouter({}, None)\n```\n")
+    result = _run_docs_test(tmp_path, page)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAILED README.md::line:3" in result.stdout
+    assert "ConfigurationError" in result.stdout
+
+
+def test_a_failing_command_and_a_skip_marker(tmp_path: Path) -> None:
+    page = ('# page\n\n```sh\nturnrouter --no-such-flag\n```\n\n'
+            '<!-- skip: next "needs Docker here" -->\n```sh\ndocker compose up\n```\n'
+            "\n```python\nprint('ran')\n```\n")
+    result = _run_docs_test(tmp_path, page)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAILED README.md::line:3" in result.stdout
+    assert "shell block exited 2" in result.stdout
+    assert "needs Docker here" in result.stdout      # the skip, with its reason
+    assert "1 failed, 2 passed, 1 skipped" in result.stdout
