@@ -89,6 +89,76 @@ class AgentRouter:
     declines, clarifies, releases) before any output, at most two routed choices are
     tried, then the eligible default answers once without admission, else the router asks
     the participant to clarify.
+
+    Args:
+        destinations: Route name -> destination (a `RoutableAgent`, e.g. a `Destination`
+            subclass). The names are the routes of decisions, metrics and traces.
+        decisions: The `DecisionService` choosing a route per turn (`LexicalDecisions`,
+            `ClassifierDecisions`, `PolicyDecisions`, or your own `decide()`).
+        output: `async output(turn, route, text)`: speaks the router's own words
+            (admission preambles, clarification questions, acknowledgments, failure
+            messages). Destinations deliver their answers themselves. Required by
+            `handle()`; runtime use publishes through `output_topic` instead.
+        default_destination: The route that answers once, without admission, when the
+            routed choices declined (default `"conversation"`; with no such route there
+            is simply no default, naming another unregistered one is an error).
+        context_budget_bytes: UTF-8 bytes of completed exchanges a destination gets as
+            `AgentTurn.history` (newest whole exchanges first; default 8192).
+        acknowledgment_llm: The `LLMService` that words a short "let me check" while a
+            slow destination works (`turnrouter.llm.TemplateAcknowledger` needs no
+            model). Give it together with `acknowledgment_delay_secs`.
+        acknowledgment_delay_secs: Seconds of silence after admission before the
+            acknowledgment is said (earlier when the route is predicted slow);
+            None (default) turns acknowledgments off. docs/acknowledgments.md.
+        query_topic: Runtime topic of `UserQuery` messages to route (with
+            `output_topic`; register `runtime_subscriber()` with an `AgentRuntime`).
+        output_topic: Runtime topic the router publishes its `ResponseOutput` to.
+        participant_joined_topic: Optional runtime topic of `ParticipantJoined` messages.
+        participant_left_topic: Optional runtime topic of `ParticipantLeft` messages
+            (each ends that participant's state, as `participant_left()` does).
+        interrupted_topic: Optional runtime topic of `Interrupted` messages (barge-in:
+            cancels the participant's running turn, as `interrupt()` does).
+        initialize_participant: `async f(participant_id)`, awaited once before a
+            participant's first turn (retried on the next turn if it fails).
+        cleanup_participant: `async f(participant_id)`, awaited when a participant leaves,
+            after its destinations released it.
+        set_status: `async f("processing" | "idle", participant_id)` around each turn
+            (e.g. a "thinking" indicator); its failures are logged, never raised.
+        admission_timeout_secs: Longest `admit()` call; a slower one is cancelled and
+            counted as a decline (default None: no limit).
+        telemetry: The `RouterObserver` reporting every step; default `Telemetry()`
+            (global tracer provider, prometheus_client's default registry).
+            `Telemetry.disabled()` reports nothing. docs/telemetry.md.
+        clarification_text: What the router says when no destination can take the turn
+            (default "Sorry, I didn't catch that. Could you say it another way?").
+        failure_text: What the router says when a turn fails before its destination
+            started answering (default "Sorry, something went wrong. Please try again.").
+        acknowledgment_policy: Budget, timeouts and early moment of acknowledgments
+            (`AcknowledgmentPolicy`; default values when None).
+        timing_predictor: Predicts each route's first-response time, so slow routes are
+            acknowledged early (default `RouteTimingPredictor()` when acknowledging).
+        timing_sink: Receives every first-response `TimingSample` (e.g.
+            `JsonLinesSink("samples.jsonl")` for `turnrouter tune`).
+        clock: Time source (default `SystemClock()`; tests use
+            `turnrouter.testing.ManualClock`).
+        max_pending_patches: Held (human-gated) context patches per participant
+            (default 8); one more raises `PendingPatchLimitError`. docs/limits.md.
+        max_history_exchanges: Completed exchanges kept per participant (default 256;
+            the oldest is dropped and counted).
+        max_waiting_turns: Turns queued behind a participant's running turn (default 8;
+            the oldest waiting one is dropped: its caller gets `TurnInterrupted`).
+        max_departed_participants: Departed participant ids remembered as closed
+            (default 100,000; the oldest is forgotten).
+        max_participants: Participants held at once (default 100,000; a new
+            participant's turn past it raises `LifecycleError`).
+        max_patch_bytes: Largest serialized context patch (default 64 KiB).
+        release_timeout_secs: Longest `release()` / `participant_left()` call of a
+            destination (default 10 s; a slower one is counted as a failed release).
+
+    Raises:
+        ConfigurationError: A value out of range or inconsistent (e.g. an
+            acknowledgment LLM without its delay), naming the argument.
+        ContractTypeError: A destination or service without the methods it needs.
     """
 
     __slots__ = ("_cfg", "_departures", "_patches", "_registry")
