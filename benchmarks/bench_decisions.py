@@ -50,7 +50,8 @@ from turnrouter.decisions import LexicalDecisions
 from turnrouter.demo import DESCRIPTIONS as DEMO_DESCRIPTIONS
 from turnrouter.demo import load_sample
 
-DEFAULT_DATA = Path("/work/shared/data/clinc150")
+#: The CLINC150 splits shipped with the benchmarks (CC BY 3.0: data/clinc150/NOTICE.md).
+DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "clinc150"
 CONVERSATION = RoutingAid("conversation", "General conversation for anything the other "
                           "destinations do not cover.")
 

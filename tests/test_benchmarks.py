@@ -131,3 +131,20 @@ def test_scale_batch_sweep_reports_each_batch_by_phase(
     for name in ("publish_batch=1", "publish_batch=64"):
         assert report[name]["one_core_holds_turns_per_s"] > 0
         assert set(report[name]["us_each_by_phase"]) == {"joins", "turns", "departures"}
+
+
+def test_routing_benchmarks_read_the_shipped_clinc150_splits() -> None:
+    """bench_decisions.py (and compare_lexical.py, sweep_decisions.py) need no data from
+    outside the checkout: the splits ship under benchmarks/data/clinc150 with their licence."""
+    import bench_decisions
+
+    data = bench_decisions.DEFAULT_DATA
+    assert data.is_relative_to(Path(__file__).resolve().parents[1])
+    assert "Attribution 3.0" in (data / "LICENSE").read_text(encoding="utf-8")
+    assert "CC BY 3.0" in (data / "NOTICE.md").read_text(encoding="utf-8")
+    domains = list(json.loads((data / "domains.json").read_text(encoding="utf-8")))
+    sizes = {name: len(bench_decisions._load(data / f"{name}.jsonl"))
+             for name in ("train", "val", "oos_train", "oos_val")}
+    assert sizes == {"train": 15_000, "val": 3_000, "oos_train": 100, "oos_val": 100}
+    rows = bench_decisions._load(data / "val.jsonl")
+    assert {row["domain"] for row in rows} == set(domains)

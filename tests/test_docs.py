@@ -100,3 +100,46 @@ def test_a_failing_command_and_a_skip_marker(tmp_path: Path) -> None:
     assert "shell block exited 2" in result.stdout
     assert "needs Docker here" in result.stdout      # the skip, with its reason
     assert "1 failed, 2 passed, 1 skipped" in result.stdout
+
+
+#: What a user page must not hold: dated work logs, commit hashes, machine paths.
+NOTEBOOK = re.compile(
+    r"\b20\d\d-\d\d-\d\d\b"                              # a date
+    r"|<[0-9a-f]{7,40}>"                                  # a commit placeholder
+    r"|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"  # a commit hash
+    r"|(?<![\w.])/(?:work|home|root|tmp)/"               # a machine path
+    r"|\b[Ss]ession of\b|\blast session\b")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_user_pages_hold_no_work_log(page: Path) -> None:
+    """Measurements with dates and trees go to benchmarks/reports/, not to user pages."""
+    found = [(number, match.group(0))
+             for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+             for match in NOTEBOOK.finditer(line)]
+    assert found == [], f"{page.name}: move these to benchmarks/reports/: {found}"
+
+
+def test_the_work_log_check_finds_what_it_looks_for() -> None:
+    for line in ("run of 2026-12-02", "`<0fd4331>/src`", "main at 0fd4331",
+                 "tar -C /tmp/base", "/" + "work/shared/data", "Session of today"):
+        assert NOTEBOOK.search(line), line
+    for line in ('"at":1764547200.123', "deadline", "a 1,000-turn run", "cafe"):
+        assert not NOTEBOOK.search(line), line
+
+
+def test_no_absolute_machine_paths_in_the_tree() -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, check=False)
+    if files.returncode != 0:
+        pytest.skip("not a git checkout")
+    pattern = re.compile(r"(?<![\w.])/(?:work|home|root)/")
+    found = []
+    for name in files.stdout.splitlines():
+        path = ROOT / name
+        if not path.is_file() or path.suffix in {".jsonl", ".png", ".whl"}:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        found += [f"{name}:{number}" for number, line in enumerate(text.splitlines(), 1)
+                  if pattern.search(line)]
+    assert found == []
