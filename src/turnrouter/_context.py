@@ -19,8 +19,11 @@ class RoutingTurnContext:
     """
 
     exchange_id: object | None = None
+    """Identity of the current exchange, when one is active."""
     history_exchange_ids: tuple[object | None, ...] = ()
+    """Exchange identities aligned with the active bounded history."""
     history_timestamps: tuple[int | None, ...] = ()
+    """History timestamps aligned with the active history, in Unix microseconds."""
 
     def __post_init__(self) -> None:
         ids, stamps = self.history_exchange_ids, self.history_timestamps

@@ -137,6 +137,7 @@ class Admission:
     """
 
     disposition: AdmissionDisposition
+    """`"accept"`, `"decline"`, `"clarify"` or `"release"`."""
     preamble: str = ""
     """Optional short acknowledgment, emitted only after acceptance."""
     text: str = ""
@@ -153,7 +154,10 @@ class AgentExchange:
     """One completed user request and destination-provided response context."""
 
     user: str
+    """User request in the completed exchange."""
     assistant: str
+    """Completed response context (the destination's `DestinationResult.text`),
+    excluding progress acknowledgments."""
 
     def __post_init__(self) -> None:
         _check_str("AgentExchange", "user", self.user)
@@ -169,8 +173,11 @@ class AgentTurn:
     """The current user turn and the complete exchanges selected for a destination."""
 
     participant_id: str
+    """Participant whose state and focus apply to this turn (at most `MAX_ID_CHARS`)."""
     turn_id: str
+    """Stable identity used to correlate streamed output and cancellation."""
     query: str
+    """Unmodified current user request."""
     history: tuple[AgentExchange, ...] = ()
     """Newest whole completed exchanges that fit the router's byte budget."""
     timestamp_us: int | None = None
@@ -214,7 +221,10 @@ class DestinationResult:
     """
 
     disposition: ResultDisposition = "answer"
+    """`"answer"` (focus unchanged), `"focus"` (take the participant's next turns) or
+    `"release"` (clear focus after this answer); `"clarify"` only from the router."""
     text: str = ""
+    """Completed response context kept in history (not spoken by the router)."""
 
     def __post_init__(self) -> None:
         _check_choice("DestinationResult", "disposition", self.disposition, _RESULT_DISPOSITIONS)
@@ -226,7 +236,9 @@ class RoutingAid:
     """Brief routing metadata, separate from the destination's full instructions."""
 
     name: str
+    """Stable route name used for attribution and decision labels."""
     description: str
+    """Concise description used as a route-selection hint, not an authorization rule."""
     priority: int = 0
     """Tie-breaking preference after request relevance (higher wins)."""
     eligible: bool = True
@@ -249,6 +261,7 @@ class RouteRequest:
     """What a decision service sees: the turn and the routes it may choose from."""
 
     turn: AgentTurn
+    """The turn to route."""
     candidates: tuple[RoutingAid, ...]
     """Eligible routes not excluded for this turn, in registration order."""
     excluded: frozenset[str] = frozenset()
@@ -310,9 +323,13 @@ class RouteDecision:
     """
 
     choice: str
+    """A candidate's route name, or `"clarify"`."""
     confidence: float | None = None
+    """The service's confidence in `choice`, in [0, 1] (None: not given)."""
     scores: Mapping[str, float] = field(default_factory=lambda: _EMPTY_SCORES)
+    """Route -> score, higher is better (kept read-only)."""
     rationale: str = ""
+    """Where the choice came from (`lexical: ...`, `classifier: ...`, `policy: ...`)."""
 
     def __post_init__(self) -> None:
         _check_str("RouteDecision", "choice", self.choice, nonempty=True)

@@ -104,11 +104,17 @@ class Call:
     """One recorded call on a scripted agent."""
 
     method: str
+    """`"routing_aid"`, `"admit"`, `"answer"`, `"release"` or `"participant_left"`."""
     participant_id: str
+    """The participant the call was for."""
     turn_id: str | None = None
+    """The turn's id (admit and answer)."""
     query: str | None = None
+    """The turn's query (admit and answer)."""
     focused: bool | None = None
+    """`admit(..., focused=)`."""
     history: tuple[Any, ...] = ()
+    """The turn's history as the agent received it."""
 
 
 AdmitScript = Admission | str | BaseException | Callable[[AgentTurn, bool], Admission]
@@ -257,9 +263,13 @@ class Spoken:
     """One piece of router control text delivered through `output`."""
 
     participant_id: str
+    """The participant it was said to."""
     turn_id: str
+    """The turn it belongs to."""
     route: str
+    """The route it was said for (`"clarify"` for the router's own questions)."""
     text: str
+    """What was said."""
 
 
 @dataclass
@@ -267,8 +277,11 @@ class OutputRecorder:
     """An `output` callback that records what the router said, in order."""
 
     spoken: list[Spoken] = field(default_factory=list)
+    """Everything said so far, in delivery order."""
     error: BaseException | None = None
+    """When set, every call raises it (a failing speaker)."""
     gate: anyio.Event | None = None
+    """When set, every call waits for it first (a slow speaker)."""
 
     async def __call__(self, turn: AgentTurn, route: str, text: str) -> None:
         if self.gate is not None:
@@ -477,6 +490,9 @@ class ManualClock:
     `await clock.settle()` after advancing (it lets every other task run until all are
     blocked, without anyio's 0.1 s polling). `run_until(event)` drives virtual time: it
     repeatedly settles, then jumps to the next deadline. asyncio only (as turnrouter).
+
+    Args:
+        start: The clock's initial reading, in seconds.
     """
 
     def __init__(self, start: float = 0.0) -> None:

@@ -51,6 +51,10 @@ class TelemetryCapture:
     `OTEL_TRACES_SAMPLER` says; `OTEL_SDK_DISABLED=true` is refused with a
     ConfigurationError. `tracer_provider` is the SDK provider, for the test's own spans
     (a caller span, an agent's LLM span) in the same traces.
+
+    Args:
+        capture_content: Record query and answer text on the spans, as
+            `Telemetry(capture_content=True)` does (default False).
     """
 
     def __init__(self, *, capture_content: bool = False) -> None:

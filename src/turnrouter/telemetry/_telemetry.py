@@ -82,6 +82,15 @@ class Telemetry(RouterObserver):
     the counters and histograms. Query, answer, acknowledgment and rationale text are
     recorded only with `capture_content=True` or
     `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`.
+
+    Args:
+        tracer_provider: Where spans go; None follows the global OpenTelemetry provider
+            (a no-op until the application installs an SDK, and then span work is
+            skipped).
+        registry: The Prometheus registry the metric families are registered in, once
+            per registry; None uses prometheus_client's default `REGISTRY`.
+        capture_content: Record query, answer, acknowledgment and rationale text on
+            spans (default False: no user text leaves the process).
     """
 
     __slots__ = (
