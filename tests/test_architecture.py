@@ -145,13 +145,23 @@ TURN_PATH = ("_turn.py", "_acknowledgment.py", "_participants.py", "_history.py"
              "_lifecycle.py", "_router.py", "_observer.py", "telemetry/_turns.py")
 
 
+def _code_lines(node: ast.ClassDef) -> int:
+    """A class's lines without its own docstring (the API reference's argument list)."""
+    assert node.end_lineno is not None
+    lines = node.end_lineno - node.lineno + 1
+    first = node.body[0] if node.body else None
+    if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str) and first.end_lineno is not None):
+        lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
 def test_no_class_over_four_hundred_lines() -> None:
-    """Every class stays readable: at most ~400 lines."""
-    big = [(path.name, node.name, node.end_lineno - node.lineno + 1)
+    """Every class stays readable: at most ~400 lines of code (its docstring aside)."""
+    big = [(path.name, node.name, _code_lines(node))
            for path, tree in ((p, ast.parse(p.read_text())) for p in SRC.rglob("*.py"))
            for node in ast.walk(tree)
-           if isinstance(node, ast.ClassDef) and node.end_lineno is not None
-           and node.end_lineno - node.lineno + 1 > 400]
+           if isinstance(node, ast.ClassDef) and _code_lines(node) > 400]
     assert big == []
 
 
