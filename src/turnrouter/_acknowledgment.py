@@ -126,8 +126,11 @@ class AcknowledgmentRequest:
     """What a structured `Acknowledger` receives: the route's aid, the turn, the budget."""
 
     route: RoutingAid
+    """The routing aid of the route that is answering."""
     turn: AgentTurn
+    """The turn being answered."""
     max_tokens: int
+    """Output-token budget of the acknowledgment (`AcknowledgmentPolicy.max_tokens`)."""
 
 
 @runtime_checkable

@@ -55,6 +55,10 @@ class Departure:
 
     Admission is already closed when this handle exists. Any number of callers may
     `join()`; cancelling a joiner never abandons the departure.
+
+    Args:
+        operation: The router's departure operation (None: nothing left to wait for).
+            Front ends get a `Departure` from `AgentRouter.begin_departure`, never build one.
     """
 
     __slots__ = ("_operation",)

@@ -117,8 +117,11 @@ class AppliedContextPatch:
     """A patch merged into a participant's context (returned, and visible to turns)."""
 
     patch_id: str
+    """The id `apply_context_patch` returned for this patch."""
     participant_id: str
+    """The participant whose context it was merged into."""
     task_id: str
+    """The background task's id (`ContextPatch.task_id`)."""
     strategy: MergeStrategy
     """`append`, `replace`, or `human_gated` for an approved patch (merged as append)."""
     diverged: bool

@@ -72,10 +72,15 @@ class TimingSample:
     """
 
     route: str
+    """The route that answered."""
     seconds: float
+    """From admission to the destination's `started()` (or to the interruption)."""
     censored: bool = False
+    """The turn was interrupted first: the true latency is at least `seconds`."""
     at: float = 0.0
+    """Unix time the sample was recorded."""
     feature: str | None = None
+    """The turn's feature class (e.g. "long"), when the predictor uses one."""
 
     def to_json(self) -> str:
         """One JSON object, the line format of `JsonLinesSink` (`feature` only when set)."""
@@ -137,12 +142,19 @@ class Prediction:
     """
 
     seconds: float
+    """Typical (median) first response, in seconds."""
     lower: float
+    """10th percentile, in seconds."""
     upper: float
+    """90th percentile, in seconds."""
     samples: float
+    """Effective (decayed) sample count behind the prediction."""
     confident: bool
+    """Whether there are enough samples to act on it."""
     probability_late: float | None = None
+    """Predicted probability that the first response comes after the delay."""
     early: bool | None = None
+    """The trigger's decision: acknowledge early (None: no decision)."""
 
 
 @runtime_checkable
@@ -221,13 +233,15 @@ class RouteTimingPredictor:
     - `max_spread`: when set, a prediction whose p90/p10 ratio exceeds it is not
       confident (default None: the trigger already prices a wide spread).
     - `lower_quantile`: an older spelling of the knob: `confidence = 1 - lower_quantile`.
-    - `early_secs`, `generation_secs`, `needless_secs`: when an early acknowledgment is
-      due (`AcknowledgmentPolicy.early_secs`), the generation time expected when the
-      router does not say (`expected_generation_secs`), and the needless window (0.5 s,
-      as `turnrouter_needless_acknowledgments_total` counts).
-    - `max_routes`: routes tracked at most; `max_regimes`: regimes kept per route (the
-      least recently used is forgotten). Memory: ~1.2 KB per regime plus ~0.5 KB per
-      route (`memory_bytes()`).
+    - `early_secs`: when an early acknowledgment is due
+      (`AcknowledgmentPolicy.early_secs`).
+    - `generation_secs`: the generation time expected when the router does not say
+      (`expected_generation_secs`).
+    - `needless_secs`: the needless window (0.5 s, as
+      `turnrouter_needless_acknowledgments_total` counts).
+    - `max_routes`: routes tracked at most (the least recently used is forgotten).
+    - `max_regimes`: regimes kept per route (the least recently used is forgotten).
+      Memory: ~1.2 KB per regime plus ~0.5 KB per route (`memory_bytes()`).
     - `change_threshold`: the CUSUM threshold (standard deviations of log latency) that
       starts a new regime; lower is faster but flaps more; None disables detection.
     - `switch_rate`: the prior probability per sample that a route returns to another
@@ -535,6 +549,10 @@ class JsonLinesSink:
     The file is opened lazily in append mode and flushed every `flush_every` samples
     (default: every sample); call `close()` (or use it as a context manager) at exit.
     Read it back with `load_samples()`, or analyse it with `turnrouter tune --samples`.
+
+    Args:
+        path: The JSON-lines file (created if missing, appended to otherwise).
+        flush_every: Flush after this many samples (default 1: every sample).
     """
 
     def __init__(self, path: str | Path, *, flush_every: int = 1) -> None:
@@ -639,6 +657,14 @@ class LLMTimingPredictor:
     no prediction (never a failed turn). Samples are learned by `base` (a
     `RouteTimingPredictor` by default), which also supplies `estimate()`. Example
     queries live only in memory (`examples` per route) and are never exported.
+
+    Args:
+        llm: The `LLMService` asked for `seconds: <number>`.
+        base: The predictor that learns the samples (default `RouteTimingPredictor()`).
+        descriptions: Route -> description, shown to the model.
+        examples: Recent (query, seconds) examples kept per route (default 8).
+        min_examples: Examples a route needs before the model is asked (default 4).
+        max_tokens: Output-token budget of each prediction (default 12).
     """
 
     def __init__(

@@ -134,6 +134,15 @@ class ScriptedAgent:
       `call_started`), so tests can interrupt a running answer; `answer_entered` is set
       when `answer()` begins, `started_called` once `started()` returned.
     - `output`: optional callback `answer()` uses to speak `answer_text` itself.
+
+    Args:
+        name: The route name of its routing aid.
+        description: The routing aid's description.
+        priority: The routing aid's priority.
+        eligible: Whether the routing aid says it is eligible.
+        answer_text: The result text (default: "<name> answer").
+        fail_after_started: Raise a scripted exception only after `started()`.
+        release_error: An exception `release()` raises (after recording the call).
     """
 
     def __init__(
@@ -242,7 +251,13 @@ class ScriptedAgent:
 
 
 class ScriptedDepartingAgent(ScriptedAgent):
-    """A `ScriptedAgent` with the optional `participant_left()` departure hook."""
+    """A `ScriptedAgent` with the optional `participant_left()` departure hook.
+
+    Args:
+        name: As `ScriptedAgent`.
+        description: As `ScriptedAgent`.
+        departure_error: An exception `participant_left()` raises (after recording it).
+    """
 
     def __init__(self, name: str, description: str = "", *,
                  departure_error: BaseException | None = None, **kwargs: Any) -> None:

@@ -41,7 +41,9 @@ class LexicalCalibration:
     """
 
     weights: tuple[float, float, float, float, float]
+    """One finite weight per signal, in `SIGNALS` order (0 skips the signal)."""
     bias: float
+    """The finite intercept."""
 
     def __post_init__(self) -> None:
         weights = self.weights

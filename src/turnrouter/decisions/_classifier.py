@@ -55,7 +55,9 @@ class ParsedClassification:
     """What a classifier reply said: the route text (if any) and the confidence (if any)."""
 
     route: str | None
+    """The route text of the `route:` line (None: no such line)."""
     confidence: float | None
+    """The `confidence:` value clamped to [0, 1] (None: missing or unparsable)."""
 
 
 def parse_classifier_output(text: str) -> ParsedClassification:
@@ -120,6 +122,14 @@ class ClassifierDecisions:
     `fallback_route` is used instead of "clarify" for unknown routes or low confidence,
     but only when it is a candidate of the request. `classifier_prompt` is a
     `str.format` template with the `{route_descriptions}` and `{query}` placeholders.
+
+    Args:
+        llm: The `LLMService` asked to classify (its reply: `route:` and `confidence:`
+            lines, parsed by `parse_classifier_output`).
+        require_confidence_above: See above (default 0.0: any parsed route counts).
+        fallback_route: See above (default None: "clarify").
+        classifier_prompt: See above (default `DEFAULT_CLASSIFIER_PROMPT`).
+        max_tokens: Output-token budget of each classification (default 32).
     """
 
     def __init__(

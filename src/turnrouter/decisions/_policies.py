@@ -153,6 +153,13 @@ class DictRoutingPolicy:
     with `default="route"`. `update_mapping` validates first, then swaps a new frozen
     mapping in one assignment, so concurrent `select` calls see the old or the new
     mapping, never a mix.
+
+    Args:
+        mapping: Key -> a route name, "clarify" or None (no opinion).
+        default: The choice for a key that is missing, None or unmapped (default None:
+            fall through to the next decision service).
+        key_getter: Derives the key from a `RouteRequest` (default `by_participant`;
+            `by_query_prefix()` keys "billing: ..." by "billing").
     """
 
     def __init__(
@@ -284,6 +291,10 @@ class PolicyDecisions:
     "policy: key=... -> route"); "clarify" forces clarification; None, or a pinned route
     that is not a candidate now, falls through to `fallback`, whose decision is returned
     unchanged.
+
+    Args:
+        policy: The `RoutingPolicy` consulted first (e.g. a `DictRoutingPolicy`).
+        fallback: The `DecisionService` deciding when the policy has no opinion.
     """
 
     def __init__(self, policy: RoutingPolicy, fallback: DecisionService) -> None:

@@ -100,6 +100,19 @@ class OpenAIChatClient:
       raises LLMError and adds one to `oversized_replies`.
     Failures raise `turnrouter.llm.LLMError` naming the (redacted) URL, HTTP status and
     the start of the body, with credentials masked and request echoes withheld.
+
+    Args:
+        model: The model name (see above for the environment fallbacks).
+        base_url: The API's base URL (see above).
+        api_key: The bearer token (see above).
+        timeout_secs: Bound on a whole call (default 10 s).
+        max_tokens_limit: Cap on any call's `max_tokens` (default 1024).
+        temperature: Sampling temperature sent with each call (None: not sent).
+        reasoning_effort: Sent only for calls with `reasoning=True` (default "low").
+        max_tokens_field: The request field carrying the token budget.
+        extra_body: Provider-specific fields added to every request body.
+        headers: Extra HTTP headers (e.g. an organisation or project id).
+        max_reply_bytes: Cap on a reply body (default 1 MiB).
     """
 
     def __init__(

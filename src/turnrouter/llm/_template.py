@@ -113,10 +113,14 @@ class TemplateAcknowledger:
     `acknowledge()` path directly; `complete()` parses the route from the documented
     acknowledgment prompt, so it also works wherever an `LLMService` is expected.
 
-    - `phrases`: templates with `{topic}`; `topics`: spoken topic per route name (else
-      derived from the route name and description); `generic_routes`: routes answered
-      with generic phrases ("One moment.").
     Consecutive acknowledgments of one route never repeat the same phrase.
+
+    Args:
+        phrases: Templates with `{topic}` ("Let me check {topic}.").
+        generic_phrases: Phrases without a topic ("One moment."), for generic routes.
+        topics: Spoken topic per route name (else derived from the route's name and
+            description).
+        generic_routes: Routes answered with generic phrases.
     """
 
     def __init__(

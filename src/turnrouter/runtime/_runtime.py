@@ -29,7 +29,12 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class Topic(Generic[M]):
-    """A named channel carrying one exact payload class."""
+    """A named channel carrying one exact payload class.
+
+    Args:
+        name: The topic's non-empty name.
+        payload: The pydantic model class its messages are validated as.
+    """
 
     __slots__ = ("name", "payload")
 
@@ -115,6 +120,9 @@ class AgentRuntime:
     Every `publish_batch`-th publication is a scheduling point: the publisher yields to
     the event loop before delivering it, so a burst of messages lets the work it
     started run (and the loop's I/O with it) instead of piling up unstarted tasks.
+
+    Args:
+        publish_batch: Publications between two scheduling points (default 64).
     """
 
     def __init__(self, *, publish_batch: int = PUBLISH_BATCH) -> None:

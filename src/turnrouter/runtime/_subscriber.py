@@ -78,6 +78,11 @@ class RouterSubscriber:
     Queries run as runtime-owned background tasks, so one participant's turn never
     blocks delivery for another; per-participant order is the router's. Malformed
     messages are logged, counted and dropped; background failures are logged once.
+
+    Args:
+        router: The router the messages are delivered to.
+        topics: Role (`query_topic`, `output_topic`, ...) -> topic, as the router was
+            configured.
     """
 
     def __init__(self, router: AgentRouter, topics: dict[str, Topic[Any]]) -> None:

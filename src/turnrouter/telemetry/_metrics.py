@@ -54,9 +54,13 @@ class MetricSpec:
     """One Prometheus metric family as exposed (counter names include `_total`)."""
 
     name: str
+    """The family's name as exposed (counters end in `_total`)."""
     type: MetricType
+    """`"counter"`, `"gauge"` or `"histogram"`."""
     documentation: str
+    """The HELP text."""
     labels: tuple[str, ...] = ()
+    """Label names, all low-cardinality (never participant, turn or trace ids)."""
     buckets: tuple[float, ...] | None = None
     """Histogram bucket upper bounds in seconds (`+Inf` is implicit); None otherwise."""
 

@@ -25,7 +25,12 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class MetricsServer:
-    """A running `/metrics` HTTP server on a daemon thread; `close()` stops it."""
+    """A running `/metrics` HTTP server on a daemon thread; `close()` stops it.
+
+    Args:
+        server: The bound WSGI server (`serve_metrics` builds it).
+        thread: The daemon thread serving it.
+    """
 
     def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
         self._server = server
