@@ -143,3 +143,41 @@ def test_no_absolute_machine_paths_in_the_tree() -> None:
         found += [f"{name}:{number}" for number, line in enumerate(text.splitlines(), 1)
                   if pattern.search(line)]
     assert found == []
+
+
+def _first_python_block(page: Path) -> str:
+    text = page.read_text(encoding="utf-8")
+    start = text.index("```python\n") + len("```python\n")
+    return text[start:text.index("```", start)]
+
+
+def _run_script(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "app.py"
+    script.write_text(source, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "METRICS_PORT": "0"}
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_readme_first_block_is_a_script_that_runs_as_is(tmp_path: Path) -> None:
+    """`python first_router.py` with the README's first block, in a directory of its own."""
+    result = _run_script(tmp_path, _first_python_block(ROOT / "README.md"))
+    assert result.returncode == 0, result.stderr
+    assert "> will it rain tomorrow?\n  Sunny, 24 degrees." in result.stdout
+    assert "Your last invoice is paid." in result.stdout
+    assert result.stderr == ""
+
+
+def test_quickstart_app_fits_in_forty_lines_and_runs(tmp_path: Path) -> None:
+    """Three destinations, acknowledgments, metrics and a routing policy in <= 40 lines."""
+    source = _first_python_block(ROOT / "docs" / "quickstart.md")
+    assert len(source.splitlines()) <= 40
+    for feature in ("acknowledgment_delay_secs", "Telemetry()", "serve_metrics",
+                    "PolicyDecisions"):
+        assert feature in source
+    result = _run_script(tmp_path, source)
+    assert result.returncode == 0, result.stderr
+    assert "metrics on http://127.0.0.1:" in result.stdout
+    assert "(billing) " in result.stdout               # the acknowledgment, before...
+    assert result.stdout.index("(billing) ") < result.stdout.index("Your invoice is paid.")
+    assert "lobby-kiosk> rain?\n  Happy to chat!" in result.stdout   # pinned by the policy
