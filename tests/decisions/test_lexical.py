@@ -54,12 +54,17 @@ async def test_descriptions_only_choose_matching_route() -> None:
 
 
 @pytest.mark.anyio
-async def test_unrelated_query_clarifies_and_keeps_scores() -> None:
-    """A query matching no route well enough answers clarify, scores kept."""
-    decision = await LexicalDecisions(EXAMPLES).decide(request("xylophone zebra quantum"))
+async def test_unrelated_query_clarifies_without_usable_scores() -> None:
+    """A query matching no route well enough answers clarify with no score a router
+    could pick from; keep_scores=True shows them all."""
+    service = LexicalDecisions(EXAMPLES)
+    decision = await service.decide(request("xylophone zebra quantum"))
     assert decision.choice == CLARIFY
-    assert set(decision.scores) == {"weather", "music", "banking"}
+    assert dict(decision.scores) == {}
     assert "clarify" in decision.rationale
+    kept = service.score(request("xylophone zebra quantum"), keep_scores=True)
+    assert set(kept.scores) == {"weather", "music", "banking"}
+    assert kept.confidence == decision.confidence == max(kept.scores.values())
 
 
 @pytest.mark.anyio
@@ -95,14 +100,17 @@ async def test_min_score_threshold_controls_clarify() -> None:
     strict = LexicalDecisions(EXAMPLES, min_example_score=1.0)
     decision = await strict.decide(request("will it rain tomorrow"))
     assert decision.choice == CLARIFY
-    assert decision.scores["weather"] > 0.0
+    assert dict(decision.scores) == {}
+    assert strict.score(request("will it rain tomorrow"), keep_scores=True
+                        ).scores["weather"] > 0.0
 
 
 @pytest.mark.anyio
 async def test_examples_of_non_candidates_are_ignored() -> None:
     """Only the request's candidates are scored and chosen."""
     aids = (AIDS[1], AIDS[2])
-    decision = await LexicalDecisions(EXAMPLES).decide(request("will it rain tomorrow", aids))
+    decision = LexicalDecisions(EXAMPLES).score(request("will it rain tomorrow", aids),
+                                                keep_scores=True)
     assert set(decision.scores) == {"music", "banking"}
     assert decision.choice in {"music", "banking", CLARIFY}
 
@@ -242,13 +250,21 @@ DESCRIBED = LexicalDecisions()
 def test_any_query_and_candidates_yield_a_candidate_or_clarify(
     query: str, subset: list[RoutingAid]
 ) -> None:
-    """Whatever the text and candidate subset, the choice is a candidate or clarify."""
+    """Whatever the text and candidate subset, the choice is a candidate or clarify; a
+    clarify under the floor carries no scores, a choice every candidate's score."""
     for service in (SERVICE, DESCRIBED):
         decision = service.score(request(query, tuple(subset)))
+        everything = service.score(request(query, tuple(subset)), keep_scores=True)
+        assert decision.choice == everything.choice
         assert decision.choice in {a.name for a in subset} | {CLARIFY}
-        assert set(decision.scores) == {a.name for a in subset}
-        assert all(0.0 <= v <= 1.0 for v in decision.scores.values())
-        assert decision.confidence == max(decision.scores.values())
+        assert set(everything.scores) == {a.name for a in subset}
+        assert all(0.0 <= v <= 1.0 for v in everything.scores.values())
+        assert decision.confidence == everything.confidence == max(everything.scores.values())
+        if decision.choice == CLARIFY:
+            assert all(v >= min(service.min_example_score, service.min_description_score)
+                       for v in decision.scores.values())
+        else:
+            assert decision.scores == everything.scores
 
 
 @settings(max_examples=150, deadline=None)
@@ -476,7 +492,7 @@ def test_scores_are_the_calibrated_signals(query: str, subset: list[RoutingAid])
             aid.name in EXAMPLES and service is not DESCRIBED for aid in subset]
         assert all(math.isfinite(v) for _, values in signals for v in values)
         assert all(0.0 <= values[4] <= 1.0 for _, values in signals)
-        assert list(service.score(turn).scores.values()) == pytest.approx(
+        assert list(service.score(turn, keep_scores=True).scores.values()) == pytest.approx(
             _confidences(service, turn), abs=1e-12)
 
 
@@ -497,8 +513,8 @@ def test_coverage_is_the_share_of_content_words_the_routes_know() -> None:
 
 def test_unknown_words_lower_the_confidence_of_the_same_route() -> None:
     """A query padded with words no route knows keeps its route but loses confidence."""
-    plain = MANY.score(request("will it rain tomorrow"))
-    padded = MANY.score(request("will it rain tomorrow zzyzx qwoph"))
+    plain = MANY.score(request("will it rain tomorrow"), keep_scores=True)
+    padded = MANY.score(request("will it rain tomorrow zzyzx qwoph"), keep_scores=True)
     assert max(plain.scores, key=plain.scores.__getitem__) == "weather"
     assert max(padded.scores, key=padded.scores.__getitem__) == "weather"
     assert padded.scores["weather"] < plain.scores["weather"]
@@ -543,7 +559,8 @@ def test_description_phrases_train_the_example_model() -> None:
     def linear(service: LexicalDecisions) -> float:
         return service.signals(query)[1][1][0]
     assert linear(taught) > linear(plain)
-    assert taught.score(query).scores["music"] > plain.score(query).scores["music"]
+    assert (taught.score(query, keep_scores=True).scores["music"]
+            > plain.score(query, keep_scores=True).scores["music"])
 
 
 def test_description_phrases_neither_add_routes_nor_change_the_regime() -> None:

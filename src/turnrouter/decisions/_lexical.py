@@ -146,15 +146,34 @@ class LexicalDecisions:
     probability that choosing it is right, fitted with equal weight on in-scope and
     out-of-scope traffic); the best candidate is chosen unless its score is below
     `min_example_score` (a route with examples) / `min_description_score` (a route
-    scored from its description) or leads the runner-up by less than `min_margin`, in
-    which case the answer is "clarify" with all scores kept. Exact ties go to the higher
-    `RoutingAid.priority`, then to the earlier candidate. See docs/decisions.md.
+    scored from its description) or leads the runner-up by less than `min_margin`.
+
+    Under the floor the answer is `fallback_route` when it is a candidate, else "clarify"
+    with no usable scores: `scores` of a "clarify" keep only candidates at or above their
+    floor, so a router (which asks the best-scored candidate when a "clarify" carries
+    scores) never sends a near-zero match such as "hi there" to a domain route. A
+    "clarify" for a small margin keeps the close candidates' scores. Exact ties go to
+    the higher `RoutingAid.priority`, then to the earlier candidate. See
+    docs/decisions.md.
+
+    Args:
+        examples: route name -> example utterances (None: every route is scored from
+            its routing aid's name and description).
+        fallback_route: the route chosen when the best score is under its floor (as
+            `ClassifierDecisions(fallback_route=...)`); usually the router's
+            `default_destination`. None, or not a candidate: "clarify".
+        min_example_score: the confidence floor of routes with examples (None: the
+            default of the regime, few-shot or not).
+        min_description_score: the confidence floor of routes scored from their
+            descriptions.
+        min_margin: the least lead over the runner-up for a choice.
     """
 
     def __init__(
         self,
         examples: Mapping[str, Sequence[str]] | None = None,
         *,
+        fallback_route: str | None = None,
         descriptions: Mapping[str, str] | None = None,
         min_example_score: float | None = None,
         min_description_score: float = DEFAULT_DESCRIPTION_FLOOR,
@@ -183,6 +202,12 @@ class LexicalDecisions:
         self._min_description_score = _check_unit("min_description_score",
                                                   min_description_score)
         self._min_margin = _check_unit("min_margin", min_margin)
+        if fallback_route is not None and (not isinstance(fallback_route, str)
+                                           or not fallback_route):
+            raise ConfigurationError(
+                f"fallback_route must be a non-empty route name or None, got "
+                f"{fallback_route!r:.60}")
+        self._fallback = fallback_route
         self._phrase_weight = _check_unit("phrase_weight", phrase_weight)
         self._neighbors = _check_positive_int("neighbors", neighbors)
         explicit_routes = (None if knn_routes is None
@@ -226,6 +251,11 @@ class LexicalDecisions:
     def min_example_score(self) -> float:
         """Confidence floor for choosing a route scored from its examples."""
         return self._min_example_score
+
+    @property
+    def fallback_route(self) -> str | None:
+        """The route chosen when the best score is under its floor (None: clarify)."""
+        return self._fallback
 
     @property
     def min_description_score(self) -> float:
@@ -393,8 +423,13 @@ class LexicalDecisions:
         """Score every candidate and choose the best, or "clarify" when out of scope."""
         return self.score(request)
 
-    def score(self, request: RouteRequest) -> RouteDecision:
-        """The synchronous body of `decide` (useful for benchmarks and batch scoring)."""
+    def score(self, request: RouteRequest, *, keep_scores: bool = False) -> RouteDecision:
+        """The synchronous body of `decide` (useful for benchmarks and batch scoring).
+
+        `keep_scores=True` keeps every candidate's score in a "clarify" too (for
+        analysis: a router given such a decision would ask the best-scored candidate
+        even under the floor).
+        """
         candidates = request.candidates
         if not candidates:
             return RouteDecision(CLARIFY, confidence=0.0, rationale="lexical: no candidates")
@@ -432,14 +467,36 @@ class LexicalDecisions:
         floor = self._min_example_score if backed else self._min_description_score
         margin = top - max(second, 0.0)
         summary = f"top={name} {top:.2f} margin {margin:.2f}"
+        kept = scores
         if top < floor or top == 0.0:
-            choice, rationale = CLARIFY, f"lexical: clarify, {summary} below {floor:.2f}"
+            fallback = self._fallback
+            if fallback is not None and fallback in scores:
+                choice = fallback
+                rationale = f"lexical: fallback {fallback}, {summary} below {floor:.2f}"
+            else:
+                choice, rationale = CLARIFY, f"lexical: clarify, {summary} below {floor:.2f}"
+                if not keep_scores:
+                    kept = {}  # none usable: the router must not pick a near-zero match
         elif len(candidates) > 1 and margin < self._min_margin:
             choice = CLARIFY
             rationale = f"lexical: clarify, {summary} under {self._min_margin:.2f}"
+            if not keep_scores:
+                kept = self._usable(plan, scores, linear is not None)
         else:
             choice, rationale = name, f"lexical: {summary}"
         # Valid by construction (finite scores in [0, 1], a fresh dict nobody else holds),
         # so the contract's per-field checks and copy are skipped.
         return _unchecked(RouteDecision, choice=choice, confidence=top,
-                          scores=MappingProxyType(scores), rationale=rationale)
+                          scores=MappingProxyType(kept), rationale=rationale)
+
+    def _usable(self, plan: _Plan, scores: dict[str, float], backed: bool
+                ) -> dict[str, float]:
+        """The scores at or above their candidate's floor (what a router may pick from)."""
+        example_floor, description_floor = self._min_example_score, self._min_description_score
+        out: dict[str, float] = {}
+        for candidate, route, _ in plan.rows:
+            value = scores[candidate]
+            if value > 0.0 and value >= (example_floor if backed and route is not None
+                                         else description_floor):
+                out[candidate] = value
+        return out

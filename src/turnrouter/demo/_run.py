@@ -346,7 +346,7 @@ async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
     if sink is not None:
         ack["timing_sink"] = sink
     router = AgentRouter(
-        agents, LexicalDecisions(examples=sample.examples),
+        agents, LexicalDecisions(examples=sample.examples, fallback_route=DEFAULT_ROUTE),
         default_destination=DEFAULT_ROUTE, telemetry=telemetry,
         query_topic=_Topics.query, output_topic=_Topics.output,
         participant_joined_topic=_Topics.joined, participant_left_topic=_Topics.left,
