@@ -40,6 +40,9 @@ _RESULT_DISPOSITIONS: frozenset[str] = frozenset(get_args(ResultDisposition))
 
 #: The decision choice meaning "ask the participant to clarify".
 CLARIFY = "clarify"
+#: How `PolicyDecisions` rationales start: a "clarify" with this prefix was forced by a
+#: routing policy, and the router counts it under its own clarification reason.
+POLICY_RATIONALE = "policy:"
 #: Largest accepted `timestamp_us`: nanoseconds derived from it still fit a signed
 #: 64-bit integer (telemetry timestamps), i.e. until the year 2262.
 MAX_TIMESTAMP_US = (2**63 - 1) // 1000

@@ -64,7 +64,7 @@ TurnOutcome = Literal[
 ]
 ClarificationReason = Literal[
     "no_eligible_route", "low_confidence", "destination", "default_unavailable",
-    "decision_failed",
+    "decision_failed", "policy",
 ]
 ReleaseReason = Literal[
     "reroute", "focus_taken", "post_answer", "ineligible", "departure", "shutdown"

@@ -21,6 +21,7 @@ import anyio
 from ._config import CLARIFY_ROUTE, DROPPED_TURN_TEXT, OutputCallback, RouterConfig
 from ._context import _current
 from ._contracts import (
+    POLICY_RATIONALE,
     Admission,
     AgentTurn,
     DestinationResult,
@@ -299,6 +300,10 @@ class Turn(TurnRun):
         best = _best_scored(request.candidates, decision.scores)
         if best is not None:
             return best, None
+        # A routing policy asked for it (the rationale prefix PolicyDecisions writes):
+        # not a decision-service confidence problem, so not counted as one.
+        if decision.rationale.startswith(POLICY_RATIONALE):
+            return None, "policy"
         return None, "low_confidence"
 
     async def _offer(

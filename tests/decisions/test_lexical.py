@@ -161,9 +161,21 @@ def test_route_name_is_a_phrase_of_its_own() -> None:
 def test_phrase_split_on_punctuation_and_coordination() -> None:
     """Descriptions split into phrases at punctuation and "and"/"or"; the name is last."""
     aid = RoutingAid("home_help", "Music, lists and reminders; lights or locks.")
-    assert [p.strip() for p in description_phrases(aid.name, aid.description)] == [
+    assert description_phrases(aid.name, aid.description) == [
         "Music", "lists", "reminders", "lights", "locks", "home help",
     ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.text(min_size=1, max_size=30), description=st.text(max_size=300)
+       | st.builds(lambda word, n: (word + ", ") * n, st.text(max_size=8),
+                   st.integers(0, 5_000)))
+def test_description_phrases_are_trimmed_and_never_empty(name: str, description: str) -> None:
+    """Every phrase comes without surrounding whitespace, and none is empty but the
+    name's (a name of symbols only has no words)."""
+    phrases = description_phrases(name, description)
+    assert all(phrase == phrase.strip() for phrase in phrases)
+    assert all(phrases[:-1])
 
 
 def test_candidate_sets_share_the_model_of_their_described_routes() -> None:

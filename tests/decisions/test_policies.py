@@ -11,6 +11,7 @@ import pytest
 
 from turnrouter import (
     CLARIFY,
+    AgentRouter,
     AgentTurn,
     ConfigurationError,
     PolicyError,
@@ -26,6 +27,7 @@ from turnrouter.decisions import (
     by_participant,
     by_query_prefix,
 )
+from turnrouter.testing import OutputRecorder, RecordingObserver, ScriptedAgent
 
 AIDS = (RoutingAid("billing", "Invoices."), RoutingAid("support", "Outages."))
 
@@ -417,3 +419,25 @@ def test_dict_policy_satisfies_the_protocol() -> None:
     """DictRoutingPolicy is a RoutingPolicy (the protocol is runtime-checkable)."""
     assert isinstance(DictRoutingPolicy({}), RoutingPolicy)
     assert not isinstance(object(), RoutingPolicy)
+
+
+@pytest.mark.anyio
+async def test_a_policy_forced_clarification_is_counted_as_policy_not_low_confidence() -> None:
+    """Through the router: a policy's "clarify" is reason "policy"; a fallback service's
+    clarify without scores stays "low_confidence"."""
+    agents = {"billing": ScriptedAgent("billing"), "support": ScriptedAgent("support")}
+    observer = RecordingObserver()
+    policy = DictRoutingPolicy({"p1": CLARIFY})
+    router = AgentRouter(agents, PolicyDecisions(policy, FixedDecisions(
+        RouteDecision(CLARIFY, rationale="lexical: clarify"))), output=OutputRecorder(),
+        default_destination="support", telemetry=observer)
+    try:
+        await router.handle(AgentTurn("p1", "t1", "hello"))
+        await router.handle(AgentTurn("p2", "t2", "hello"))
+    finally:
+        await router.stop()
+    def reasons(turn_id: str) -> list[str]:
+        return [event[1] for event in observer.turns[turn_id] if event[0] == "clarification"]
+    assert reasons("t1") == ["policy"]
+    assert reasons("t2") == ["low_confidence"]
+    assert agents["billing"].count("answer") == agents["support"].count("answer") == 0

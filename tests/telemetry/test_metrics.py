@@ -77,7 +77,7 @@ def test_turn_without_destination_has_route_none(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize("reason", ["no_eligible_route", "low_confidence", "destination",
-                                    "default_unavailable", "decision_failed"])
+                                    "default_unavailable", "decision_failed", "policy"])
 def test_clarification_reasons(rig: Rig, reason: str) -> None:
     """Every clarification reason of the contract is a label value."""
     obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))

@@ -152,6 +152,8 @@ def _ineligible(name: str, **kwargs: Any) -> ScriptedAgent:
       ScriptedAgent("music", admissions="decline"), _ineligible("conversation")], 2),
     ("decision_failed", ScriptedDecisions(RuntimeError("classifier down")),
      [ScriptedAgent("weather"), _ineligible("conversation")], 1),
+    ("policy", ScriptedDecisions(RouteDecision("clarify", rationale="policy: -> clarify")),
+     [ScriptedAgent("weather")], 1),
 ])
 async def test_clarification_reasons(
     capture: TelemetryCapture, reason: str, decisions: ScriptedDecisions,

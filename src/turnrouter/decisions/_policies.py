@@ -21,7 +21,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
-from .._contracts import CLARIFY, DecisionService, RouteDecision, RouteRequest
+from .._contracts import (
+    CLARIFY,
+    POLICY_RATIONALE,
+    DecisionService,
+    RouteDecision,
+    RouteRequest,
+)
 from .._exceptions import ConfigurationError, ContractTypeError, PolicyError
 from .._redact import has_surrogates, preview
 
@@ -320,7 +326,8 @@ class PolicyDecisions:
             return await self._fallback.decide(request)
         lookup = getattr(self._policy, "lookup_key", None)
         key = lookup(request) if callable(lookup) else None
-        label = f"policy: key={key} -> {choice}" if key is not None else f"policy: -> {choice}"
+        label = (f"{POLICY_RATIONALE} key={key} -> {choice}" if key is not None
+                 else f"{POLICY_RATIONALE} -> {choice}")
         if choice == CLARIFY:
             return RouteDecision(CLARIFY, confidence=1.0, rationale=label)
         if choice in request.candidate_names:

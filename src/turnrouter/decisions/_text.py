@@ -176,7 +176,9 @@ def phrases(aid: RoutingAid) -> list[str]:
 
 
 def description_phrases(name: str, description: str) -> list[str]:
-    """`description` split into phrases, plus the route `name` as a phrase of its own."""
-    parts = [part for part in _PHRASE_SPLIT_RE.split(description) if part.strip()]
-    parts.append(route_words(name))
+    """`description` split into phrases (surrounding spaces removed, empty ones dropped),
+    plus the route `name` as a phrase of its own."""
+    parts = [part.strip() for part in _PHRASE_SPLIT_RE.split(description)]
+    parts = [part for part in parts if part]
+    parts.append(route_words(name).strip())
     return parts
