@@ -119,18 +119,48 @@ def test_echoing_and_endless_servers(shared: tuple[str, Script], status: int) ->
     check(outcome)
 
 
+THINK_CLOSE = re.compile(r"</think>", re.IGNORECASE)
 THINK_TOKENS = st.lists(st.sampled_from(["<think>", "</think>", "<THINK>", "</Think>", "a",
                                          " ", "\n", "<", ">", "é"]), max_size=30).map("".join)
-THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+# Reasoning: closed blocks, and an unclosed opening tag with everything after it.
+THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL | re.IGNORECASE)
 
 
 @FUZZ
 @given(THINK_TOKENS)
 def test_think_stripping_matches_the_regex(shared: tuple[str, Script], content: str) -> None:
-    """The linear tag scan gives exactly what the (quadratic) regex gave."""
+    """The linear tag scan gives exactly what the (quadratic) regex gives; a reply left
+    with no visible text is an LLMError, never an empty or reasoning string."""
     url, script = shared
     script.status, script.body, script.chunks, script.echo = 200, reply(content), None, False
-    assert complete(url) == THINK.sub("", content).strip()
+    visible = THINK.sub("", content).strip()
+    outcome = complete(url)
+    if visible:
+        assert outcome == visible
+    else:
+        assert isinstance(outcome, LLMError)
+        assert "no visible text" in str(outcome)
+
+
+@FUZZ
+@given(visible=st.text(st.characters(exclude_categories=("Cs",)), max_size=200),
+       reasoning=st.one_of(ANY_TEXT, HUGE_TEXT),
+       tag=st.sampled_from(["<think>", "<THINK>", "<Think>"]))
+def test_nothing_after_an_unclosed_think_tag_is_ever_returned(
+    shared: tuple[str, Script], visible: str, reasoning: str, tag: str,
+) -> None:
+    """Text, an opening tag, then anything without a closing tag: at most the text
+    before the tag comes back (or LLMError when that is blank), never the reasoning."""
+    url, script = shared
+    reasoning = THINK_CLOSE.sub("", reasoning)
+    content = visible + tag + reasoning
+    script.status, script.body, script.chunks, script.echo = 200, reply(content), None, False
+    outcome = complete(url)
+    expected = THINK.sub("", visible + tag).strip()
+    if isinstance(outcome, LLMError):  # blank before the tag, or a reply over the cap
+        assert not expected or "max_reply_bytes" in str(outcome)
+    else:
+        assert outcome == expected
 
 
 CLASSIFIER_LINES = st.lists(st.one_of(

@@ -288,12 +288,51 @@ def test_max_reply_bytes_must_be_positive() -> None:
 
 
 @pytest.mark.anyio
-async def test_unclosed_think_tags_in_a_big_reply_are_kept(server: tuple[str, Script]) -> None:
-    """Opening tags without a closing tag stay text (as the regex did), even in 900 kB."""
+async def test_a_reply_of_unclosed_think_tags_is_an_llm_error(server: tuple[str, Script]
+                                                              ) -> None:
+    """Opening tags without a closing tag are reasoning cut off, never spoken: 900 kB of
+    them (the quadratic regex needed minutes here) is an LLMError, counted."""
     url, script = server
-    content = "<think>" * 130_000  # 910 kB: the quadratic regex needed minutes here
+    script.body = reply("<think>" * 130_000)
+    client = OpenAIChatClient("m", base_url=url)
+    with pytest.raises(LLMError, match="only reasoning") as info:
+        await client.complete("x", max_tokens=5)
+    assert info.value.status == 200
+    assert client.empty_replies == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("content", "why"), [
+    ("<think>The user wants a forecast, so I should", "only reasoning"),
+    ("<THINK>a</think> \n <think>b", "only reasoning"),
+    ("<think>done</think>   ", "only reasoning"),
+    ("", "an empty reply"),
+    (" \n\t", "an empty reply"),
+])
+async def test_a_reply_with_no_visible_text_is_an_llm_error(
+    server: tuple[str, Script], content: str, why: str,
+) -> None:
+    """A reasoning model cut off by its token limit (or an empty reply) gives nothing to
+    speak: LLMError, counted in empty_replies; the next good reply still works."""
+    url, script = server
+    client = OpenAIChatClient("m", base_url=url)
     script.body = reply(content)
-    assert await OpenAIChatClient("m", base_url=url).complete("x", max_tokens=5) == content
+    with pytest.raises(LLMError, match=why):
+        await client.complete("x", max_tokens=5)
+    assert client.empty_replies == 1
+    script.body = reply("Sure.")
+    assert await client.complete("x", max_tokens=5) == "Sure."
+    assert client.empty_replies == 1
+
+
+@pytest.mark.anyio
+async def test_text_before_an_unclosed_think_tag_is_kept(server: tuple[str, Script]) -> None:
+    """Visible text, then reasoning cut off: only the text before the opening tag."""
+    url, script = server
+    script.body = reply("One moment. <think>I should also mention the rain")
+    client = OpenAIChatClient("m", base_url=url)
+    assert await client.complete("x", max_tokens=5) == "One moment."
+    assert client.empty_replies == 0
 
 
 @pytest.mark.anyio
@@ -302,7 +341,7 @@ async def test_every_closed_think_block_is_removed(server: tuple[str, Script]) -
     url, script = server
     script.body = reply("<THINK>a</think>One<think>b</Think> " * 20_000 + "end <think>")
     text = await OpenAIChatClient("m", base_url=url).complete("x", max_tokens=5)
-    assert text == "One " * 20_000 + "end <think>"
+    assert text == "One " * 20_000 + "end"
 
 
 @pytest.mark.anyio

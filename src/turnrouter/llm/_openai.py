@@ -167,9 +167,16 @@ class OpenAIChatClient:
         self._secrets = tuple(s for s in (self._api_key, userinfo, *secrets) if s)
         self._count_lock = threading.Lock()
         self._oversized = 0
+        self._empty = 0
 
     def __repr__(self) -> str:
         return f"OpenAIChatClient(model={self.model!r}, base_url={redact_url(self.base_url)!r})"
+
+    @property
+    def empty_replies(self) -> int:
+        """How many replies had no visible text once reasoning was removed (each raised
+        LLMError): only `<think>` blocks, closed or cut off, or nothing at all."""
+        return self._empty
 
     @property
     def oversized_replies(self) -> int:
@@ -320,16 +327,27 @@ class OpenAIChatClient:
             raise LLMError(f"chat completion at {self._shown_url} returned {problem} (HTTP "
                            f"{status}): {shown}", status=status, body=shown)
         assert isinstance(content, str)
-        return strip_reasoning(strip_surrogates(content)).strip()
+        visible = strip_reasoning(strip_surrogates(content)).strip()
+        if not visible:
+            # A reasoning model cut off by its token limit replies "<think>..." only:
+            # nothing of it may be spoken, and an empty string is no answer either.
+            with self._count_lock:
+                self._empty += 1
+            what = "only reasoning" if _THINK_OPEN.search(content) else "an empty reply"
+            raise LLMError(f"chat completion at {self._shown_url} returned {what}, no "
+                           f"visible text (HTTP {status})", status=status)
+        return visible
 
 
 def strip_reasoning(text: str) -> str:
-    """`text` without `<think>...</think>` blocks (any case), in one linear scan.
+    """`text` without reasoning, in one linear scan: `<think>...</think>` blocks (any
+    case) removed, and an opening tag that is never closed removed with everything after
+    it (a reasoning model cut off by its token limit: only the text before it is visible).
 
-    Same result as removing the regex `<think>.*?</think>` (leftmost, shortest): an
-    opening tag without a closing one is kept as text. A regex doing this rescans the
-    rest of the reply for every unclosed opening tag (quadratic); this scan stops at the
-    first opening tag that has no closing tag after it.
+    Same result as removing the regex `<think>.*?(</think>|\\Z)` (leftmost, shortest,
+    dot matching newlines). A regex doing this rescans the rest of the reply for every
+    opening tag (quadratic on many unclosed ones); this scan stops at the first opening
+    tag that has no closing tag after it.
     """
     pieces: list[str] = []
     position = 0
@@ -337,13 +355,13 @@ def strip_reasoning(text: str) -> str:
         opening = _THINK_OPEN.search(text, position)
         if opening is None:
             break
+        pieces.append(text[position:opening.start()])
         closing = _THINK_CLOSE.search(text, opening.end())
         if closing is None:
-            break
-        pieces.append(text[position:opening.start()])
+            return "".join(pieces)  # unclosed: the rest is reasoning
         position = closing.end()
     if not pieces:
-        return text[position:]
+        return text
     pieces.append(text[position:])
     return "".join(pieces)
 
