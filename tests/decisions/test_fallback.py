@@ -134,7 +134,7 @@ def test_fallback_route_is_a_route_name_or_none(value: object) -> None:
     """Junk is refused naming the argument; any name is accepted (it may be a route
     added later) and only used while it is a candidate."""
     if value is None or (isinstance(value, str) and value):
-        service = LexicalDecisions(EXAMPLES, fallback_route=value)  # type: ignore[arg-type]
+        service = LexicalDecisions(EXAMPLES, fallback_route=value)
         aids = tuple(RoutingAid(name, "") for name in EXAMPLES)
         decision = service.score(RouteRequest(AgentTurn("p", "t", "hi there"), aids))
         assert decision.choice == (value if value in EXAMPLES else CLARIFY)
