@@ -3,7 +3,10 @@
 Three modes, all reported on the validation split (val.jsonl: 3,000 in-scope, and
 oos_val.jsonl: 100 out-of-scope queries), which nothing was tuned on:
 - examples: fit on all train.jsonl utterances per domain;
-- descriptions: no examples, only the domain descriptions below;
+- descriptions: no examples, only the domain descriptions below (`tuned`, revised from
+  training-set misroutes) and, per writing style, those of `description_styles.py`
+  (keywords, one-liner, prose, second person: how well description routing
+  generalises to descriptions written another way);
 - few-shot: ten train utterances per domain plus the descriptions (also passed as
   `descriptions=`, so their phrases train the example model), for several draws (seeds
   100-104 by default: none of them is a draw the sweep tuned on), reported as the mean
@@ -29,8 +32,16 @@ candidate's `confidence` on validation, with the 100 out-of-scope queries weight
 same total as the 3,000 in-scope ones (the balanced score's prior, the one the
 calibration was fitted for).
 
+Each mode also prints the figures "as routed": what reaches the participant when a
+router asks the best usable score of a "clarify" (in-scope queries reaching their
+domain, out-of-scope ones reaching a clarification), beside the same with every score
+kept in a "clarify" (what routers saw before scores under the floor were dropped).
+
 Usage: PYTHONPATH=src .venv/bin/python benchmarks/bench_decisions.py [--data DIR]
        [--draws 5] [--first-seed 100]
+`--data` defaults to benchmarks/data/clinc150 beside this file; the directory holds
+domains.json, train.jsonl, val.jsonl, oos_train.jsonl and oos_val.jsonl (CLINC150,
+Larson et al. 2019, CC BY 3.0; one {"text", "intent", "domain"} object per line).
 """
 
 from __future__ import annotations
@@ -45,13 +56,17 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from description_styles import STYLES
+
 from turnrouter import CLARIFY, AgentTurn, RouteRequest, RoutingAid
 from turnrouter.decisions import LexicalDecisions
 from turnrouter.demo import DESCRIPTIONS as DEMO_DESCRIPTIONS
 from turnrouter.demo import load_sample
 
-#: The CLINC150 splits shipped with the benchmarks (CC BY 3.0: data/clinc150/NOTICE.md).
+#: The CLINC150 splits shipped with the benchmarks (CC BY 3.0: data/clinc150/NOTICE.md);
+#: `--data DIR` reads them from elsewhere.
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "clinc150"
+DATA_FILES = ("domains.json", "train.jsonl", "val.jsonl", "oos_train.jsonl", "oos_val.jsonl")
 CONVERSATION = RoutingAid("conversation", "General conversation for anything the other "
                           "destinations do not cover.")
 
@@ -146,6 +161,19 @@ def _load(path: Path) -> list[dict[str, str]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
+def require_data(data: Path) -> Path:
+    """`data` if it holds the CLINC150 files, else exit naming what is missing."""
+    missing = [name for name in DATA_FILES if not (data / name).is_file()]
+    if missing:
+        raise SystemExit(
+            f"CLINC150 data not found in {data} (missing {', '.join(missing)}). Pass "
+            f"--data DIR: a directory with {', '.join(DATA_FILES)}; the .jsonl files hold "
+            'one {"text", "intent", "domain"} object per line ("oos" for out-of-scope) '
+            "and domains.json maps each of the ten domains to its intents. Source: "
+            "CLINC150 (Larson et al., EMNLP 2019, github.com/clinc/oos-eval, CC BY 3.0).")
+    return data
+
+
 def few_shot_examples(train: Sequence[dict[str, str]], domains: Sequence[str], *,
                       seed: int, shots: int = 10
                       ) -> tuple[dict[str, list[str]], list[dict[str, str]]]:
@@ -176,6 +204,12 @@ def _evaluate(
     cpu: list[float] = []
     outcomes: list[Outcome] = []
     correct = clarified = 0
+    routed = {True: 0, False: 0}
+    """As a router goes on: in-scope queries reaching their domain, out-of-scope ones
+    reaching a clarification (a "clarify" with usable scores asks the best of them)."""
+    before = {True: 0, False: 0}
+    """The same with every score kept in a "clarify" (what the router saw before
+    `LexicalDecisions` dropped the scores under the floor)."""
     for rows, inside in ((in_scope, True), (out_of_scope, False)):
         for row in rows:
             request = RouteRequest(AgentTurn("bench", "t", row["text"]), aids)
@@ -183,12 +217,18 @@ def _evaluate(
             decision = service.score(request)
             cpu.append((time.thread_time_ns() - start_cpu) / 1000.0)
             timings.append((time.perf_counter_ns() - start) / 1000.0)
-            top = max(decision.scores, key=decision.scores.__getitem__)
+            every = service.score(request, keep_scores=True).scores
+            top = max(every, key=every.__getitem__)
             outcomes.append((decision.confidence or 0.0, inside, inside and top == row["domain"]))
             if inside:
                 correct += decision.choice == row["domain"]
             else:
                 clarified += decision.choice == CLARIFY
+            for tally, scores in ((routed, decision.scores), (before, every)):
+                goes = decision.choice
+                if goes == CLARIFY and scores:
+                    goes = max(scores, key=scores.__getitem__)
+                tally[inside] += (goes == row["domain"]) if inside else (goes == CLARIFY)
     accuracy = correct / len(in_scope)
     recall = clarified / len(out_of_scope)
     timings.sort()
@@ -198,6 +238,10 @@ def _evaluate(
         "in_scope_accuracy": accuracy,
         "oos_recall": recall,
         "top1": sum(right for _, _, right in outcomes) / len(in_scope),
+        "routed_in_scope": routed[True] / len(in_scope),
+        "routed_oos": routed[False] / len(out_of_scope),
+        "before_in_scope": before[True] / len(in_scope),
+        "before_oos": before[False] / len(out_of_scope),
         "median_us": statistics.median(timings),
         "p99_us": timings[int(0.99 * (len(timings) - 1))],
         "cpu_p99_us": cpu[int(0.99 * (len(cpu) - 1))],
@@ -311,6 +355,9 @@ def _print(mode: str, figures: dict[str, float]) -> None:
         f"top-1 {figures['top1']:.4f}  median {figures['median_us']:.1f} us  "
         f"p99 {figures['p99_us']:.1f} us (cpu {figures['cpu_p99_us']:.1f})"
     )
+    print(f"{'':<22} as routed: in-scope to their domain {figures['routed_in_scope']:.4f}, "
+          f"out-of-scope to a clarification {figures['routed_oos']:.4f} (every score kept "
+          f"in a clarify: {figures['before_in_scope']:.4f}, {figures['before_oos']:.4f})")
 
 
 def _spread(label: str, draws: Sequence[dict[str, float]]) -> None:
@@ -332,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--first-seed", type=int, default=100,
                         help="seed of the first few-shot draw (the sweep tunes on 0-4)")
     args = parser.parse_args(argv)
-    data: Path = args.data
+    data = require_data(args.data)
     domains = list(json.loads((data / "domains.json").read_text(encoding="utf-8")))
     train = _load(data / "train.jsonl")
     val = _load(data / "val.jsonl")
@@ -362,6 +409,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         floor = (service.min_description_score if mode == "descriptions"
                  else service.min_example_score)
         outcomes[mode] = (found, floor)
+    styled: dict[str, float] = {}
+    for style, texts in STYLES.items():
+        aids = tuple(RoutingAid(domain, texts[domain]) for domain in domains)
+        figures, _ = _evaluate(descriptions_only, aids, val, oos_val)
+        _print(f"descriptions, {style}", figures)
+        styled[style] = figures["balanced"]
+    print(f"descriptions over the {len(styled)} styles of description_styles.py: balanced "
+          f"mean {statistics.mean(styled.values()):.4f}, lowest {min(styled.values()):.4f} "
+          f"({min(styled, key=styled.__getitem__)})")
     seeds = range(args.first_seed, args.first_seed + args.draws)
     draws: list[dict[str, float]] = []
     pooled: list[Outcome] = []

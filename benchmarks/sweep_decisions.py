@@ -13,8 +13,11 @@ Every choice below sees only train.jsonl (15,000 in-scope utterances) and oos_tr
   each draw scores 3,000 other train utterances plus oos_train. The figure each
   variant is chosen by is leave-one-draw-out: calibration and floor fitted on the other
   draws, scored on the held-out one (mean and range over the draws);
-- descriptions: no examples; scored on all of train plus oos_train (nothing is fitted to
-  the utterances, so no folds are needed).
+- descriptions: no examples; scored on all of train plus oos_train under each of five
+  description sets written in different styles (the benchmark's tuned descriptions and
+  the four of `description_styles.py`); the figure is leave-one-style-out (calibration
+  and floor fitted on four styles, scored on the fifth), for `phrase_weight` 0.3, 0 and
+  0.6, so the choice must carry over to descriptions written another way.
 
 Each mode compares variants (which signals the calibration weighs, and whether every
 route or only the best by the linear score gets the neighbour signal), listed from the
@@ -42,7 +45,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench_decisions import DEFAULT_DATA, DESCRIPTIONS, few_shot_examples
+from bench_decisions import DEFAULT_DATA, DESCRIPTIONS, few_shot_examples, require_data
+from description_styles import STYLES
 
 from turnrouter import AgentTurn, RouteRequest, RoutingAid
 from turnrouter.decisions import SIGNALS, LexicalCalibration, LexicalDecisions, fit_calibration
@@ -175,8 +179,11 @@ def _choose(mode: str, data: str, pools: Sequence[Sequence[Decision]],
             figure = _balanced(everything, calibration, floor)[0]
             spread = ()
         results.append((figure, variant, calibration, floor, spread))
-        detail = (f" (per held-out draw {min(spread):.4f}-{max(spread):.4f})" if spread
-                  else "")
+        detail = ""
+        if len(spread) > 5:
+            detail = f" (per held-out draw {min(spread):.4f}-{max(spread):.4f})"
+        elif spread:
+            detail = " (per held-out group " + ", ".join(f"{v:.4f}" for v in spread) + ")"
         print(f"  {label:<52} balanced {figure:.4f}{detail}")
     best = max(r[0] for r in results)
     figure, (label, _, top_only), calibration, floor, _ = next(
@@ -252,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="few-shot: also compare neighbors, char_ngrams, epochs and "
                              "phrase_weight (the chosen variant, leave-one-draw-out)")
     args = parser.parse_args(argv)
-    data: Path = args.data
+    data = require_data(args.data)
     modes = set(args.modes.split(","))
     domains = list(json.loads((data / "domains.json").read_text(encoding="utf-8")))
     train = _load(data / "train.jsonl")
@@ -323,13 +330,33 @@ def main(argv: Sequence[str] | None = None) -> None:
         _knobs(train, domains, described, oos_train, args.draws)
 
     if "descriptions" in modes:
-        service = LexicalDecisions(description_calibration=PROBE)
-        pooled = _collect(service, described, train) + _collect(service, described, oos_train)
-        _choose("descriptions", f"train ({len(train)}) + oos_train ({len(oos_train)})",
-                [pooled], [
-                    ("description + lead", (False, False, True, True, False), False),
-                    ("description + lead + coverage", (False, False, True, True, True), False),
-                ], held_out=False)
+        # One pool per writing style (the benchmark's tuned descriptions and the four of
+        # description_styles.py), each scoring all of train + oos_train: the figure of a
+        # variant is leave-one-style-out (calibration and floor fitted on the other
+        # styles, scored on the held-out one), so what is chosen must carry over to
+        # descriptions written in a way it never saw.
+        styles = {"tuned": DESCRIPTIONS, **STYLES}
+        variants: list[Variant] = [
+            ("description + lead", (False, False, True, True, False), False),
+            ("description + lead + coverage", (False, False, True, True, True), False),
+        ]
+        best_figure, best_weight = -1.0, 0.3
+        for phrase_weight in (0.3, 0.0, 0.6):
+            service = LexicalDecisions(description_calibration=PROBE,
+                                       phrase_weight=phrase_weight)
+            pools = []
+            for texts in styles.values():
+                aids = tuple(RoutingAid(domain, texts[domain]) for domain in domains)
+                pools.append(_collect(service, aids, train) + _collect(service, aids, oos_train))
+            figure = _choose(
+                f"descriptions, phrase_weight {phrase_weight}",
+                f"train ({len(train)}) + oos_train ({len(oos_train)}) under each of "
+                f"{len(styles)} description styles ({', '.join(styles)}); figure: "
+                "leave-one-style-out", pools, variants, held_out=True)
+            if figure > best_figure + TOLERANCE:
+                best_figure, best_weight = figure, phrase_weight
+        print(f"descriptions: phrase_weight {best_weight} (the default 0.3 unless another "
+              f"beats it by more than {TOLERANCE}; {best_figure:.4f})")
 
 
 if __name__ == "__main__":
