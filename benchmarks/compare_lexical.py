@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_decisions import CONVERSATION, DEFAULT_DATA
+from bench_decisions import CONVERSATION, DEFAULT_DATA, require_data
 
 from turnrouter import AgentTurn, RouteRequest, RoutingAid
 from turnrouter.decisions import LexicalDecisions
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args(argv)
     reference = _load_reference(args.ref)
-    data: Path = args.data
+    data = require_data(args.data)
     examples: dict[str, list[str]] = {}
     with (data / "train.jsonl").open(encoding="utf-8") as handle:
         for line in handle:
