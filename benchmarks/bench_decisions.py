@@ -148,8 +148,9 @@ CHOSEN_ON = (
      "descriptions= (their phrases as examples): ten examples per domain from train "
      "(seeds 0-9) + these descriptions, each draw scoring 3,000 other train utterances + "
      "oos_train; leave-one-draw-out"),
-    ("descriptions", "calibration (description, lead), floor: train + oos_train; the "
-     "description texts revised from training-set misroutes"),
+    ("descriptions", "calibration (description, lead), floor, phrase_weight: "
+     "leave-one-style-out over five description styles (these descriptions, revised from "
+     "training-set misroutes, and description_styles.py), each scoring train + oos_train"),
     ("all modes", "neighbors=3, char_ngrams=(4, 4), epochs=4, phrase_weight=0.3 compared "
      "on the few-shot training draws (sweep --knobs); max_document_frequency=0.002 by "
      "the examples CV (an earlier sweep)"),
