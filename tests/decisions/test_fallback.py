@@ -141,3 +141,18 @@ def test_fallback_route_is_a_route_name_or_none(value: object) -> None:
         return
     with pytest.raises(ConfigurationError, match="fallback_route"):
         LexicalDecisions(EXAMPLES, fallback_route=value)  # type: ignore[arg-type]
+
+
+def test_a_clarify_for_a_small_margin_keeps_only_the_usable_scores() -> None:
+    """min_margin answers "clarify" above the floor: the scores kept are the candidates
+    at or above their floor (the router asks the best of them), none under it."""
+    service = LexicalDecisions(EXAMPLES, min_margin=1.0)
+    aids = tuple(RoutingAid(name, "") for name in EXAMPLES)
+    request = RouteRequest(AgentTurn("p", "t", "will it rain this weekend"), aids)
+    decision = service.score(request)
+    every = service.score(request, keep_scores=True).scores
+    assert decision.choice == CLARIFY
+    assert "under 1.00" in decision.rationale
+    assert dict(decision.scores) == {name: value for name, value in every.items()
+                                     if value >= service.min_example_score}
+    assert max(decision.scores, key=decision.scores.__getitem__) == "weather"
