@@ -32,7 +32,7 @@ DEFAULT_*_KNN_ROUTES).
 default only if its mean gains more than `TOLERANCE` and its worst draw is no worse).
 
 Usage: PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/sweep_decisions.py [--data DIR]
-       [--folds 5] [--modes examples,few-shot,descriptions] [--draws 10] [--knobs]
+       [--folds 5] [--modes examples,few-shot,descriptions,small-apps] [--draws 10] [--knobs]
 """
 
 from __future__ import annotations
@@ -246,6 +246,45 @@ def _knobs(train: Sequence[dict[str, str]], domains: Sequence[str],
               f"{min(figures):.4f}-{max(figures):.4f}){'  -> better' if taken else ''}")
 
 
+def _small_apps(train: Sequence[dict[str, str]], domains: Sequence[str],
+                oos_train: Sequence[dict[str, str]]) -> None:
+    """Few-shot without `descriptions=` (what an application written from the quickstart
+    builds): apps of 3, 5 and 10 routes drawn from the domains, 5 or 10 examples each,
+    routing aids described in no words, one-liners or keyword lists. Each app scores 300
+    other train utterances of its domains and, as out-of-scope, 200 of the other domains
+    plus oos_train. Figure: leave-one-app-shape-out (calibration and floor fitted on the
+    other (routes, examples) shapes)."""
+    from description_styles import KEYWORDS, ONE_LINER
+
+    texts: list[dict[str, str]] = [{}, ONE_LINER, KEYWORDS]
+    groups: dict[tuple[int, int], list[Decision]] = {}
+    for routes in (3, 5, 10):
+        for shots in (5, 10):
+            pool: list[Decision] = []
+            for seed in range(3):
+                rng = random.Random(1000 * routes + 100 * shots + seed)
+                chosen = rng.sample(list(domains), routes)
+                examples = {d: [r["text"] for r in rng.sample(
+                    [r for r in train if r["domain"] == d], shots)] for d in chosen}
+                used = {text for texts_ in examples.values() for text in texts_}
+                service = LexicalDecisions(examples, few_shot_calibration=PROBE,
+                                           knn_routes=routes)
+                aids = tuple(RoutingAid(d, texts[seed].get(d, "")) for d in chosen)
+                inside = rng.sample([r for r in train if r["domain"] in chosen
+                                     and r["text"] not in used], 300)
+                others = [r for r in train if r["domain"] not in chosen]
+                outside = [*(rng.sample(others, 200) if others else []), *oos_train]
+                pool += _collect(service, aids, inside) + _collect(service, aids, outside)
+            groups[(routes, shots)] = pool
+    _choose("few-shot without descriptions=, small apps",
+            "apps of 3/5/10 routes x 5/10 train examples (3 draws each, aids described in "
+            "no words, one-liners or keywords), each scoring 300 other train utterances "
+            "of its domains + 200 of the others and oos_train; figure: "
+            "leave-one-app-shape-out", list(groups.values()), [
+                ("linear + neighbors + description + lead (every route) + coverage",
+                 (True, True, True, True, True), False)], held_out=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the three sweeps and print the chosen values with the data they saw."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -328,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if "few-shot" in modes and args.knobs:
         _knobs(train, domains, described, oos_train, args.draws)
+
+    if "small-apps" in modes:
+        _small_apps(train, domains, oos_train)
 
     if "descriptions" in modes:
         # One pool per writing style (the benchmark's tuned descriptions and the four of

@@ -43,8 +43,11 @@ DEFAULT_FEW_SHOT_CALIBRATION = LexicalCalibration(
     (4.1552, 3.4151, 2.8291, 4.9809, 1.9196), -3.7504)
 """Few-shot with `descriptions=` (their phrases train the example model)."""
 DEFAULT_FEW_SHOT_PLAIN_CALIBRATION = LexicalCalibration(
-    (3.0075, 2.3666, 4.446, 6.8374, 2.1246), -3.4071)
-"""Few-shot without `descriptions=`."""
+    (3.1696, 3.2847, 3.0578, 4.6253, 1.7879), -2.4381)
+"""Few-shot without `descriptions=`: fitted on apps of 3, 5 and 10 routes with 5 or 10
+examples each and routing aids described in no words, one-liners or keyword lists
+(`sweep_decisions.py --modes small-apps`), what an application written from the
+quickstart looks like."""
 DEFAULT_DESCRIPTION_CALIBRATION = LexicalCalibration((0.0, 0.0, 7.7941, 4.7411, 0.0), -2.0705)
 """Descriptions only: fitted leave-one-style-out over five description sets written in
 different styles (`benchmarks/description_styles.py`), so it does not depend on one way
