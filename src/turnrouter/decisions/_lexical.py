@@ -173,7 +173,29 @@ class LexicalDecisions:
             default of the regime, few-shot or not).
         min_description_score: the confidence floor of routes scored from their
             descriptions.
-        min_margin: the least lead over the runner-up for a choice.
+        min_margin: the least lead over the runner-up for a choice (0: none).
+        descriptions: route name -> description; its phrases are trained on as extra
+            examples of routes that have examples (pass the routing aids' text).
+        phrase_weight: the share of a description score that comes from the route's
+            best-matching phrase rather than its whole description.
+        neighbors: how many nearest examples a route's neighbour signal averages.
+        knn_routes: how many routes (best by the linear score) get the neighbour signal
+            (None: 1 with 50 or more examples per route, else every route).
+        max_document_frequency: features found in more than this share of the
+            examples (and in more than 30) are left out of the nearest-example index.
+        char_ngrams: (low, high) lengths of the character n-grams taken inside words.
+        description_cache_size: scoring plans and description models kept (LRU), one
+            per distinct candidate set.
+        epochs: training passes of the averaged perceptron over the examples.
+        example_calibration: the calibration of routes with 50 or more examples each
+            (None: the fitted default).
+        few_shot_calibration: the calibration of smaller example sets (None: the
+            fitted default, with or without `descriptions=`).
+        description_calibration: the calibration of routes scored from their
+            descriptions (None: the fitted default).
+        max_query_chars: characters of a query read (the rest is ignored).
+        max_query_words: words of a query scored.
+        knn_budget: nearest-example hits walked per query.
     """
 
     def __init__(
