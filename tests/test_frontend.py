@@ -652,6 +652,28 @@ async def test_a_preamble_ends_the_silence_before_the_audio_report() -> None:
     assert _heard(h) == [("heard", "conversation", 0.4, None)]
 
 
+async def test_control_text_heard_ends_the_silence_not_the_first_response() -> None:
+    """A preamble reported heard (control=True) ends the silence at its audio; the
+    answer's own report sets the first response; unreported control text falls back to
+    the moment it was said."""
+    clock = ManualClock()
+    h = Harness(ScriptedAgent("conversation", admissions=Admission("accept", preamble="Ok.")),
+                clock=clock)
+    await h.router.route_turn(h.turn(), report_heard=True)
+    clock.advance(0.3)
+    assert h.router.mark_heard("p1", "t1", control=True) is True
+    clock.advance(0.4)
+    assert h.router.mark_heard("p1", "t1") is True
+    assert _heard(h) == [("heard", "conversation", 0.7, None)]
+    silences = [event for event in h.observer.turns["t1"] if event[0] == "silence"]
+    assert silences == [("silence", "conversation", pytest.approx(0.3))]
+    await h.router.route_turn(h.turn(), report_heard=True)
+    clock.advance(0.5)
+    assert h.router.mark_heard("p1", "t2") is True
+    silences = [event for event in h.observer.turns["t2"] if event[0] == "silence"]
+    assert silences == [("silence", "conversation", 0.0)]
+
+
 def test_reports_status_says_whether_set_status_is_configured() -> None:
     """reports_status is True only with a set_status callback."""
 

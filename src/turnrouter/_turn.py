@@ -467,8 +467,8 @@ class Answer:
     audio a front end reports) ends it.
     """
 
-    __slots__ = ("_heard_at", "_sidecar", "_silent_since", "_started_at", "_t0", "_token",
-                 "closed", "owner", "route")
+    __slots__ = ("_heard_at", "_said_at", "_sidecar", "_silent_since", "_started_at", "_t0",
+                 "_token", "closed", "owner", "route")
 
     def __init__(self, owner: Turn, route: str) -> None:
         self.owner, self.route = owner, route
@@ -479,6 +479,9 @@ class Answer:
         self._sidecar: AcknowledgmentSidecar | None = None
         self._started_at: float | None = None
         self._heard_at: float | None = None
+        #: With heard reports: when control text (a preamble, an acknowledgment) was
+        #: first said, the silence's end when no report says when it was heard.
+        self._said_at: float | None = None
         self.closed = False
 
     async def run(self, admission: Admission | None) -> DestinationResult:
@@ -508,6 +511,7 @@ class Answer:
             result.__post_init__()  # again: object.__new__ skips validation
         except BaseException as exc:
             self.closed = True
+            self._close_silence()
             cancelled = _is_cancel(exc)
             if timed is not None and cancelled and not owner.started:
                 # A censored sample: a lower bound, not a fast answer.
@@ -516,6 +520,7 @@ class Answer:
                 route, None, None if cancelled else exc, cancelled))
             raise
         self.closed = True
+        self._close_silence()
         if owner.observing:
             obs.answer_finished(self._token, _new(AnswerFinished, (route, result, None, False)))
         return result
@@ -561,10 +566,30 @@ class Answer:
         return self.owner.emit
 
     def hear(self, at: float) -> None:
-        """Something was heard at `at`: the silence ends (once)."""
+        """Control text (a preamble, a delivered acknowledgment) was said at `at`: the
+        silence ends (once). With heard reports the front end says when it was heard
+        (`control_heard`); `at` is then only the fallback."""
+        if self.owner.report_heard:
+            if self._said_at is None:
+                self._said_at = at
+            return
+        self._silence_at(at)
+
+    def control_heard(self, at: float) -> None:
+        """The front end reports this turn's control text heard at `at` (its audio
+        began): that ends the silence if nothing was heard before."""
+        self._silence_at(at)
+
+    def _silence_at(self, at: float) -> None:
         seconds = self._take_silence(at)
         if seconds is not None and self.owner.observing:
             self.owner.obs.silence(_new(SilenceMeasured, (self.route, seconds)))
+
+    def _close_silence(self) -> None:
+        """The answer ended without starting: control text said but never reported
+        heard ends the silence when it was said."""
+        if self._started_at is None and not self.owner.started and self._said_at is not None:
+            self._silence_at(self._said_at)
 
     def _take_silence(self, at: float) -> float | None:
         since = self._silent_since
@@ -622,7 +647,12 @@ class Answer:
         at = started_at if at is None else max(at, started_at)
         seconds = at - self._t0
         silence_seconds = None
-        if self._sidecar is None or not self._sidecar.committed:
+        said_at = self._said_at
+        if said_at is not None:
+            # Control text was said before the answer was heard and no report said when
+            # it was heard: it ended the silence when it was said.
+            self._silence_at(min(said_at, at))
+        elif self._sidecar is None or not self._sidecar.committed:
             silence_seconds = self._take_silence(at)
         cfg = owner.cfg
         cfg.observer.heard(Heard(self.route, seconds, silence_seconds))
