@@ -137,6 +137,7 @@ class Agent(FrameAgent):
         self.pushed_first = anyio.Event()
         self.outcome: list[str] = []
         self.released: list[str] = []
+        self.release_seen = anyio.Event()
         self.output: FrameOutput | None = None
 
     async def admit(self, turn: AgentTurn, *, focused: bool) -> Any:
@@ -168,6 +169,7 @@ class Agent(FrameAgent):
 
     async def release(self, participant_id: str) -> None:
         self.released.append(participant_id)
+        self.release_seen.set()
 
 
 class FakeSpeech(FrameProcessor):

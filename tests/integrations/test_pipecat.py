@@ -678,8 +678,9 @@ async def test_user_aggregator_barge_in_interrupts_the_answer() -> None:
 
 
 async def test_shared_router_is_not_stopped_by_one_pipeline() -> None:
-    """owns_router=False: EndFrame waits for this pipeline's turns but leaves the shared
-    router running; CancelFrame interrupts this pipeline's turns only."""
+    """owns_router=False: EndFrame waits for this pipeline's turns and lets its
+    participants depart, but leaves the shared router running; CancelFrame interrupts
+    this pipeline's turns only."""
     clock = ManualClock()
     slow = Agent("research", "Done.", clock=clock, delay=1.0)
     router = build([slow], "research", clock=clock)
@@ -692,7 +693,10 @@ async def test_shared_router_is_not_stopped_by_one_pipeline() -> None:
         await ManualClock.settle()
         clock.advance(1.0)
         await pipe.end_wait()
-    assert slow.outcome == ["done"] and slow.released == []
+    assert slow.outcome == ["done"]
+    with anyio.fail_after(10):
+        await slow.release_seen.wait()  # the call's participant departed
+    assert slow.released == ["alice"]
     never = anyio.Event()
     gated = Agent("weather", "Sunny.", before_first=never)
     shared = AgentRouter({"weather": gated, "conversation": ScriptedAgent("conversation")},

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import itertools
 import logging
 import re
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,22 +23,37 @@ from typing import Any
 from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     CancelFrame,
+    ControlFrame,
     EndFrame,
     ErrorFrame,
     Frame,
+    FunctionCallResultFrame,
+    FunctionCallsStartedFrame,
     InterruptionFrame,
     LLMContextFrame,
     LLMContextUserTurnFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
+    LLMMessagesAppendFrame,
+    LLMMessagesUpdateFrame,
+    LLMRunFrame,
+    LLMSetToolsFrame,
     LLMTextFrame,
+    OutputAudioRawFrame,
     StartFrame,
+    TextFrame,
     TranscriptionFrame,
     TTSSpeakFrame,
 )
+from pipecat.observers.base_observer import BaseObserver, FramePushed
 from pipecat.processors.aggregators.llm_context import LLMContext
-from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.processors.frame_processor import (
+    FrameDirection,
+    FrameProcessor,
+    FrameProcessorSetup,
+)
 from pipecat.services.llm_service import LLMService as PipecatLLMService
+from pipecat.transports.base_output import BaseOutputTransport
 
 from turnrouter import (
     MAX_ID_CHARS,
@@ -168,10 +185,30 @@ class _TurnSink:
     turn: AgentTurn
     context: LLMContext | None = None
     closed: bool = False
+    #: The mark of this turn's answer in the speech path, once its speech went out.
+    answer_mark: _Mark | None = None
 
 
 _CURRENT: contextvars.ContextVar[_TurnSink | None] = contextvars.ContextVar(
     "turnrouter_pipecat_turn", default=None)
+
+
+#: Frames meant for the LLM service downstream of the processor, not for the TTS: a
+#: destination's `push()` sends them from the processor itself.
+_FOR_THE_LLM = (LLMContextFrame, LLMMessagesAppendFrame, LLMMessagesUpdateFrame, LLMRunFrame,
+                LLMSetToolsFrame)
+
+
+def _is_speech(frame: Frame) -> bool:
+    """Whether the user hears `frame`: text the TTS speaks (a `TTSSpeakFrame`, a text
+    frame with text not marked `skip_tts`) or audio. LLM response boundaries, context
+    and control frames are not speech."""
+    if isinstance(frame, TTSSpeakFrame | OutputAudioRawFrame):
+        return True
+    if isinstance(frame, TextFrame) and not isinstance(frame, TranscriptionFrame):
+        text = frame.text
+        return isinstance(text, str) and bool(text.strip()) and frame.skip_tts is not True
+    return False
 
 
 class FrameOutput:
@@ -204,20 +241,24 @@ class FrameOutput:
         return self._sink.context
 
     async def begin(self) -> None:
-        """The answer's first speech is on its way: await `started()` (once) and wait for
-        the bot to be heard. `push()` calls it for the first speech frame; call it
-        yourself when the speech comes from elsewhere (an LLM downstream)."""
+        """The answer's first speech is on its way: await `started()` (once). `push()`
+        calls it for the first speech frame; call it yourself when the speech comes
+        from elsewhere (an LLM downstream)."""
         if self._begun:
             return
         self._begun = True
         await self._started()
-        self._sink.processor._expect_heard(self._sink.turn)
 
-    async def push(self, frame: Frame, *, speech: bool = True) -> None:
-        """Push one frame downstream. A speech frame (the default) calls `begin()` first
-        and enters at the processor's `speaker` when that is in the pipeline; pass
-        `speech=False` for frames that are not heard (an `LLMContextFrame` for the LLM
-        service downstream, an `InterruptionFrame`): they leave the processor itself."""
+    async def push(self, frame: Frame, *, speech: bool | None = None) -> None:
+        """Push one frame downstream.
+
+        Speech (when `speech` is None: a `TTSSpeakFrame`, text the TTS speaks, audio)
+        calls `begin()` first. Frames for the LLM service downstream (`LLMContextFrame`,
+        `LLMMessagesAppendFrame`, ...), an `InterruptionFrame` and frames pushed with
+        `speech=False` leave the processor itself; everything else (speech, and
+        `LLMFullResponseStartFrame`/`...EndFrame`, which are not speech) enters at the
+        processor's `speaker` when it is in the pipeline, in the order pushed.
+        """
         if not isinstance(frame, Frame):
             raise ContractTypeError(
                 f"FrameOutput.push() takes a pipecat Frame, got {type(frame).__name__}")
@@ -226,13 +267,21 @@ class FrameOutput:
                                  "can no longer be pushed")
         self.frames_pushed += 1
         processor = self._sink.processor
+        if isinstance(frame, InterruptionFrame):
+            await processor._push_through(frame)
+            return
+        if isinstance(frame, _FOR_THE_LLM) or speech is False:
+            await processor.push_frame(frame, FrameDirection.DOWNSTREAM)
+            return
+        if speech is None:
+            speech = _is_speech(frame)
         if speech:
             await self.begin()
-            await processor._push_speech(frame)
-        elif isinstance(frame, InterruptionFrame):
-            await processor._push_through(frame)
+            if self._sink.closed:  # interrupted while waiting for an acknowledgment
+                raise LifecycleError(f"turn {self._sink.turn.turn_id!r} has ended")
+            await processor._push_answer(self._sink, frame)
         else:
-            await processor.push_frame(frame, FrameDirection.DOWNSTREAM)
+            await processor._push_speech(frame)
 
     async def say(self, text: str, *, append_to_context: bool = True) -> None:
         """Speak `text` (a `TTSSpeakFrame`)."""
@@ -285,13 +334,18 @@ class FrameAgent:
 
 
 class _Response:
-    """One LLM response the destination waits for (in-pipeline mode)."""
+    """One LLM turn the destination waits for (in-pipeline mode): one or more LLM
+    responses, the later ones after tool calls."""
 
     def __init__(self, output: FrameOutput) -> None:
         self.output = output
         self.begun = False
         self.texts: list[str] = []
         self.error: str | None = None
+        #: Tool calls of the current response, then results still awaited.
+        self.calls = 0
+        self.results = 0
+        self.rerun = False
         self.done = asyncio.Event()
 
 
@@ -362,23 +416,51 @@ class PipecatLLMDestination(FrameAgent):
         return text
 
     async def _on_llm_frame(self, llm: Any, frame: Frame) -> None:
-        """Every frame the service pushes (Pipecat's on_before_push_frame event)."""
+        """Every frame the service pushes (Pipecat's on_before_push_frame event).
+
+        A response that calls tools is not the end of the turn: the service runs them
+        and answers again (its context aggregator asks for another inference); the
+        turn ends with the response after the last results, or with results that ask
+        for no more inference.
+        """
         response = self._response
         if response is None:
             return
         if isinstance(frame, LLMFullResponseStartFrame):
             response.begun = True
+            response.calls = 0
+            response.rerun = False
+        elif isinstance(frame, FunctionCallsStartedFrame):
+            count = len(frame.function_calls) if isinstance(frame.function_calls, list) else 1
+            response.calls += count
+            response.results += count
+        elif isinstance(frame, FunctionCallResultFrame):
+            if getattr(frame.properties, "is_final", True) is not False:
+                response.results = max(0, response.results - 1)
+                rerun = frame.run_llm
+                if frame.properties is not None and frame.properties.run_llm is not None:
+                    rerun = frame.properties.run_llm
+                response.rerun = response.rerun or rerun is not False
+                if not response.results and not response.rerun and not response.calls:
+                    response.done.set()  # no inference follows the results
         elif not response.begun:
             return
         elif isinstance(frame, LLMTextFrame):
-            if not response.texts:
+            if not response.texts and frame.text.strip():
                 # In the service's task, before the first token leaves it: the first
                 # response is timed here and a pending acknowledgment goes out first.
                 await response.output.begin()
-            response.texts.append(frame.text)
+            if response.texts or frame.text.strip():
+                response.texts.append(frame.text)
         elif isinstance(frame, ErrorFrame):
             response.error = type(getattr(frame, "exception", None) or frame).__name__
         elif isinstance(frame, LLMFullResponseEndFrame):
+            response.begun = False
+            if response.calls and response.error is None:
+                response.calls = 0  # tools run now; the answer comes in the next response
+                if not response.results and not response.rerun:
+                    response.done.set()
+                return
             response.done.set()
 
     async def _respond_in_pipeline(self, turn: AgentTurn, output: FrameOutput) -> str:
@@ -388,6 +470,8 @@ class PipecatLLMDestination(FrameAgent):
                            "speaker in the pipeline: acknowledgments wait behind the LLM")
         async with self._lock:
             response = self._response = _Response(output)
+            processor = output._sink.processor
+            processor._llm_turn = output._sink
             try:
                 context = output.context or self.context_for(turn, system=True)
                 await output.push(LLMContextFrame(context), speech=False)
@@ -403,19 +487,96 @@ class PipecatLLMDestination(FrameAgent):
                 raise
             finally:
                 self._response = None
+                if processor._llm_turn is output._sink:
+                    processor._llm_turn = None
         if response.error is not None:
             raise LLMError(f"Pipecat LLM service {self.llm.name} failed: {response.error}")
         return "".join(response.texts).strip()
+
+
+@dataclass(eq=False)
+class _Mark(ControlFrame):
+    """Rides the speech path just before one utterance of a routed turn (`end=False`)
+    or after it (`end=True`), so the processor can tell, from the frames an output
+    transport sends on once it played them, whose audio the user is hearing. Pipecat
+    processors pass unknown frames on in order (the TTS queues them behind the audio
+    of earlier speech), and an interruption drops them with the speech they mark."""
+
+    owner: int = 0
+    seq: int = 0
+    participant_id: str = ""
+    turn_id: str = ""
+    kind: str = "answer"
+    end: bool = False
+
+
+class _Ears(BaseObserver):
+    """Watches the pipeline's frames (a Pipecat observer the processor adds to its
+    worker) and reports each marked utterance heard when the first audio after its
+    mark leaves an output transport: an output plays its queue in order, then passes
+    each frame on, so the audio that follows a mark there is the marked utterance's."""
+
+    def __init__(self, processor: TurnRouterProcessor) -> None:
+        super().__init__()
+        self._processor = processor
+        #: Per output (processor id): the start mark it passed on last, until its
+        #: utterance was heard or ended.
+        self._armed: dict[int, _Mark] = {}
+        #: Processors known to play audio (they sent a BotStartedSpeakingFrame).
+        self._outputs: set[int] = set()
+        self.output_seen = False
+
+    def _is_output(self, source: FrameProcessor) -> bool:
+        if isinstance(source, BaseOutputTransport):
+            self.output_seen = True
+            return True
+        return source.id in self._outputs
+
+    async def on_push_frame(self, data: FramePushed) -> None:
+        frame = data.frame
+        if isinstance(frame, _Mark):
+            if frame.owner != self._processor.id:
+                return
+            source = data.source
+            armed = self._armed.get(source.id)
+            output = self._is_output(source)
+            if armed is not None and output and armed is not frame:
+                self._processor._resolved(armed)  # ended (or superseded) without audio
+            if frame.end:
+                if armed is not None and armed.seq == frame.seq:
+                    del self._armed[source.id]
+            else:
+                self._armed[source.id] = frame
+            return
+        if isinstance(frame, BotStartedSpeakingFrame):
+            source = data.source
+            self._outputs.add(source.id)
+            self.output_seen = True
+        elif isinstance(frame, OutputAudioRawFrame):
+            if data.direction != FrameDirection.DOWNSTREAM or not self._is_output(data.source):
+                return
+        elif isinstance(frame, InterruptionFrame):
+            if self._is_output(data.source):
+                mark = self._armed.pop(data.source.id, None)
+                self._processor._cut_at_output(mark)
+            return
+        else:
+            return
+        mark = self._armed.pop(data.source.id, None)
+        if mark is not None:
+            self._processor._heard(mark)
 
 
 class _Speaker(FrameProcessor):
     """Where a `TurnRouterProcessor`'s speech enters the pipeline: place it right before
     the TTS when an LLM service sits downstream of the processor, so speech (an
     acknowledgment above all) never waits in the LLM's queue behind a response being
-    generated. Passes every frame through."""
+    generated. Passes every frame through; marks the responses of the LLM that answer a
+    routed turn (for the heard reports)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, owner: TurnRouterProcessor, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._owner = owner
         #: Frames (by id) whose passage someone waits for; at most one per waiter.
         self._awaited: dict[int, asyncio.Event] = {}
 
@@ -429,6 +590,11 @@ class _Speaker(FrameProcessor):
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
+        if isinstance(frame, LLMFullResponseStartFrame) and direction == (
+                FrameDirection.DOWNSTREAM):
+            sink = self._owner._llm_turn
+            if sink is not None and not sink.closed:
+                await self._owner._open_answer(sink, here=True)
         await self.push_frame(frame, direction)
         event = self._awaited.pop(frame.id, None)
         if event is not None:
@@ -437,6 +603,17 @@ class _Speaker(FrameProcessor):
 
 #: How long an interruption may take to travel from the processor to its speaker.
 _PASSAGE_BOUND_SECS = 2.0
+
+
+#: Distinct participants one processor routes turns for (one call: its users).
+MAX_CALL_PARTICIPANTS = 64
+
+
+def _power_of_ten(count: int) -> bool:
+    """1, 10, 100, ...: when a repeated overflow is logged again."""
+    while count % 10 == 0:
+        count //= 10
+    return count == 1
 
 
 class TurnRouterProcessor(FrameProcessor):
@@ -448,35 +625,45 @@ class TurnRouterProcessor(FrameProcessor):
       (`LLMRunFrame`, messages appended with `run_llm`) pass through to the LLM
       downstream, speculative ones (eager end of turn) are dropped, and everything else
       passes through.
+    - One call, one participant: without `participant_id` the processor gets an id of
+      its own (`call-<uuid>`), so calls sharing a router never share a history or
+      replace each other's turns. A transcription's non-empty `user_id` (the transport's
+      id of that user) is its participant instead.
     - Each turn runs in its own task (`route_turn`), so a newer turn of the same
       participant replaces the running one, and different participants run concurrently.
-      At most `max_turns` turn tasks run; a turn over the bound is refused and counted
+      At most `max_turns` turn tasks run: over it, the oldest is cancelled for the new
+      one and the overflow counted
       (`turnrouter_runtime_rejected_messages_total{topic="pipecat", reason="overflow"}`),
-      as are oversized (`oversized`) and malformed (`invalid`) turns.
+      as are oversized (`oversized`) and malformed (`invalid`) turns, which are refused.
     - Control text (acknowledgments, preambles, clarifications, failure text) is pushed
       downstream as `TTSSpeakFrame`s; destinations push frames through `frame_output()`.
       With an LLM service downstream, put `processor.speaker` right before the TTS: the
       speech then enters there, not behind the LLM's queue.
     - `InterruptionFrame` interrupts this processor's participants (before it is
-      forwarded); `EndFrame` waits for the turns in flight (at most `end_timeout_secs`,
-      30 s, then they are interrupted), then stops the router (`drain()`, `stop()`);
-      `CancelFrame` stops it at once. With `owns_router=False` (a router shared by
-      several pipelines) they wait for, or interrupt, this processor's own turns only.
-    - With `report_heard` (default), `BotStartedSpeakingFrame` reports when the answer
-      was first heard (`mark_heard`), so silence and first response measure the audio.
+      forwarded); `EndFrame` waits for the turns in flight and for the audio of what
+      they said to start playing (at most `end_timeout_secs`, 30 s, in all; then they
+      are interrupted), then stops the router (`drain()`, `stop()`); `CancelFrame`
+      stops it at once. With `owns_router=False` (a router shared by several
+      pipelines) they wait for, or interrupt, this processor's own turns only, and its
+      participants depart (`begin_departure`).
+    - With `report_heard` (default), each utterance (acknowledgment, other control
+      text, answer) is reported heard when its own first audio leaves the output
+      transport: silence ends at the first of them, first response at the answer's.
     - With Pipecat tracing on, turn spans are children of Pipecat's `turn` span.
 
     Events (Pipecat event handlers): `on_turn_routed(processor, turn, routed)`,
     `on_turn_failed(processor, turn, error)`.
     """
 
-    def __init__(self, router: AgentRouter, *, participant_id: str = "user",
+    def __init__(self, router: AgentRouter, *, participant_id: str | None = None,
                  report_heard: bool = True, owns_router: bool = True, max_turns: int = 64,
                  max_query_chars: int = 4096, end_timeout_secs: float = 30.0,
                  **kwargs: Any) -> None:
         if not isinstance(router, AgentRouter):
             raise ContractTypeError(
                 f"TurnRouterProcessor needs an AgentRouter, got {type(router).__name__}")
+        if participant_id is None:
+            participant_id = f"call-{uuid.uuid4().hex}"
         if not isinstance(participant_id, str) or not 0 < len(participant_id) <= MAX_ID_CHARS:
             raise ConfigurationError(
                 "TurnRouterProcessor participant_id must be a non-empty str of at most "
@@ -498,12 +685,22 @@ class TurnRouterProcessor(FrameProcessor):
         self.end_timeout_secs = float(end_timeout_secs)
         self._count = 0
         self._tasks: dict[asyncio.Task[None], _TurnSink] = {}
-        #: Per participant: the turn whose first frame went out, not yet heard.
-        self._unheard: dict[str, str] = {}
+        #: Participants this processor routed turns for (at most MAX_CALL_PARTICIPANTS).
+        self._callers: dict[str, None] = {}
+        self._refusals: dict[str, int] = {}
         self._stopped = False
         #: The user aggregator announced a user turn: its next context frame is routed.
         self._user_turn_pending = False
-        self._speaker = _Speaker(name=f"{self.name}::speaker")
+        self._speaker = _Speaker(self, name=f"{self.name}::speaker")
+        #: The turn an LLM service downstream is answering (PipecatLLMDestination).
+        self._llm_turn: _TurnSink | None = None
+        # Heard reports: marks in the speech path, watched at the output transport.
+        self._ears = _Ears(self)
+        self._seq = itertools.count(1)
+        self._stream_mark: _Mark | None = None
+        self._pending: dict[int, _Mark] = {}
+        self._pending_changed = asyncio.Event()
+        self._cut_seq = 0
         self._register_event_handler("on_turn_routed")
         self._register_event_handler("on_turn_failed")
 
@@ -518,6 +715,11 @@ class TurnRouterProcessor(FrameProcessor):
     def turns_in_flight(self) -> int:
         """Turn tasks of this processor still running."""
         return len(self._tasks)
+
+    async def setup(self, setup: FrameProcessorSetup) -> None:
+        await super().setup(setup)
+        if self.report_heard:
+            setup.pipeline_worker.add_observer(self._ears)
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
@@ -541,8 +743,6 @@ class TurnRouterProcessor(FrameProcessor):
             if downstream:
                 await self._push_through(frame)
                 return
-        elif isinstance(frame, BotStartedSpeakingFrame):
-            self._heard()
         elif isinstance(frame, EndFrame):
             await self._end()
         elif isinstance(frame, CancelFrame):
@@ -555,6 +755,8 @@ class TurnRouterProcessor(FrameProcessor):
         """Cancel turn tasks still running when the pipeline is torn down."""
         for task in list(self._tasks):
             await self.cancel_task(task)
+        with contextlib.suppress(Exception):  # no worker (never set up)
+            await self.pipeline_worker.remove_observer(self._ears)
         await super().cleanup()  # type: ignore[no-untyped-call]
 
     # -- turns ---------------------------------------------------------------------
@@ -573,9 +775,17 @@ class TurnRouterProcessor(FrameProcessor):
             return
         if turn is None:
             return
-        if len(self._tasks) >= self.max_turns:
+        pid = turn.participant_id
+        if pid not in self._callers:
+            if len(self._callers) >= MAX_CALL_PARTICIPANTS:
+                self._reject("overflow")
+                return
+            self._callers[pid] = None
+        running = [task for task in self._tasks if not task.cancelling()]
+        if len(running) >= self.max_turns:
+            # The newest utterance wins: the oldest running turn makes way for it.
             self._reject("overflow")
-            return
+            running[0].cancel("turn bound: the oldest turn made way for a newer one")
         sink = _TurnSink(self, turn, frame.context if isinstance(frame, LLMContextFrame)
                          else None)
         task = self.create_task(self._run(sink, self._pipecat_carrier()),
@@ -583,7 +793,13 @@ class TurnRouterProcessor(FrameProcessor):
         self._tasks[task] = sink
 
     def _reject(self, reason: str) -> None:
-        logger.warning("pipecat turn refused: %s", reason)
+        """Count a refused (or, for `overflow`, evicted) turn; logged the first time
+        and at every power of ten of its count."""
+        count = self._refusals[reason] = self._refusals.get(reason, 0) + 1
+        if _power_of_ten(count):
+            logger.warning("pipecat turn %s (%d so far in this pipeline)",
+                           "bound overflowed" if reason == "overflow" else
+                           f"refused: {reason}", count)
         self.router.report_rejected(SOURCE, reason)
 
     def _pipecat_carrier(self) -> dict[str, str]:
@@ -606,11 +822,13 @@ class TurnRouterProcessor(FrameProcessor):
                 routed = await self.router.route_turn(
                     turn, output=self._speak, report_heard=self.report_heard)
             sink.closed = True
+            await self._close_answer(sink)
             await self._call_event_handler("on_turn_routed", turn, routed)
         except TurnInterrupted:
             sink.closed = True
         except Exception as exc:
             sink.closed = True
+            await self._close_answer(sink)
             logger.warning("pipecat turn %s failed: %s", turn.turn_id, type(exc).__name__)
             await self._call_event_handler("on_turn_failed", turn, exc)
         finally:
@@ -621,13 +839,85 @@ class TurnRouterProcessor(FrameProcessor):
                 self._tasks.pop(task, None)
 
     async def _speak(self, turn: AgentTurn, route: str, text: str) -> None:
-        """The router's control text for a turn: spoken downstream."""
-        await self._push_speech(TTSSpeakFrame(text))
+        """The router's control text for a turn: spoken downstream, between marks."""
+        frame = TTSSpeakFrame(text)
+        if not self.report_heard:
+            await self._push_speech(frame)
+            return
+        mark = self._mark(turn, "control")
+        await self._push_speech(mark)
+        await self._push_speech(frame)
+        await self._push_speech(_Mark(owner=self.id, seq=mark.seq, end=True))
+
+    # -- heard reports -----------------------------------------------------------------
+
+    def _mark(self, turn: AgentTurn, kind: str) -> _Mark:
+        mark = _Mark(owner=self.id, seq=next(self._seq), participant_id=turn.participant_id,
+                     turn_id=turn.turn_id, kind=kind)
+        self._stream_mark = mark if kind == "answer" else None
+        self._pending[mark.seq] = mark
+        return mark
+
+    async def _open_answer(self, sink: _TurnSink, *, here: bool = False) -> None:
+        """Mark the answer's speech in the speech path (again if other speech went out
+        since), so its first audio is reported as the answer's. `here`: called by the
+        speaker while it passes the LLM's response on."""
+        if not self.report_heard or (
+                sink.answer_mark is not None and self._stream_mark is sink.answer_mark):
+            return
+        mark = sink.answer_mark = self._mark(sink.turn, "answer")
+        if here:
+            await self._speaker.push_frame(mark, FrameDirection.DOWNSTREAM)
+        else:
+            await self._push_speech(mark)
+
+    async def _push_answer(self, sink: _TurnSink, frame: Frame) -> None:
+        await self._open_answer(sink)
+        await self._push_speech(frame)
+
+    async def _close_answer(self, sink: _TurnSink) -> None:
+        """The turn is over: its answer's speech ends in the speech path."""
+        mark = sink.answer_mark
+        if mark is None or self._stream_mark is not mark:
+            return
+        self._stream_mark = None
+        with contextlib.suppress(Exception):  # the pipeline is being torn down
+            await self._push_speech(_Mark(owner=self.id, seq=mark.seq, end=True))
+
+    def _heard(self, mark: _Mark) -> None:
+        """The first audio after `mark` left the output transport (an observer call)."""
+        if self._pending.pop(mark.seq, None) is None:
+            return
+        self._pending_changed.set()
+        with contextlib.suppress(Exception):  # an unknown participant or a stopped router
+            self.router.mark_heard(mark.participant_id, mark.turn_id,
+                                   control=mark.kind != "answer")
+
+    def _resolved(self, mark: _Mark) -> None:
+        """`mark`'s utterance passed the output with no audio."""
+        if self._pending.pop(mark.seq, None) is not None:
+            self._pending_changed.set()
+
+    def _cut_at_output(self, mark: _Mark | None) -> None:
+        """An interruption reached the output: what was marked before it is dropped."""
+        for seq in [seq for seq in self._pending if seq <= self._cut_seq]:
+            del self._pending[seq]
+        self._pending_changed.set()
+
+    async def _drain_audio(self) -> None:
+        """Wait until every marked utterance was heard, or passed the output with no
+        audio (bounded by the caller). Only when an output transport is in the pipeline."""
+        while self._pending and self._ears.output_seen:
+            self._pending_changed.clear()
+            await self._pending_changed.wait()
 
     async def _push_through(self, frame: Frame) -> None:
         """Push a frame downstream and, with the speaker linked, wait (bounded) until it
         passed the speaker: speech pushed afterwards at the speaker then follows it, so
         an interruption never drops the speech of the turn that replaced the cut one."""
+        if isinstance(frame, InterruptionFrame):
+            self._cut_seq = next(self._seq)
+            self._stream_mark = None
         if self._speaker.next is None:
             await self.push_frame(frame, FrameDirection.DOWNSTREAM)
             return
@@ -647,18 +937,6 @@ class TurnRouterProcessor(FrameProcessor):
         else:
             await self.push_frame(frame, FrameDirection.DOWNSTREAM)
 
-    def _expect_heard(self, turn: AgentTurn) -> None:
-        """The turn's answer (not control text such as an acknowledgment) is on its way:
-        the next BotStartedSpeakingFrame reports it heard."""
-        if self.report_heard:
-            self._unheard[turn.participant_id] = turn.turn_id
-
-    def _heard(self) -> None:
-        """The bot started speaking: the pending turns' answers are being heard."""
-        pending, self._unheard = self._unheard, {}
-        for participant_id, turn_id in pending.items():
-            self.router.mark_heard(participant_id, turn_id)
-
     # -- interruptions and the end ----------------------------------------------------
 
     def _participants(self) -> list[str]:
@@ -667,34 +945,45 @@ class TurnRouterProcessor(FrameProcessor):
     async def _interrupt(self) -> None:
         for participant_id in self._participants():
             await self.router.interrupt(participant_id)
-        self._unheard.clear()
 
     async def _wait_own_turns(self) -> None:
         while self._tasks:
             await asyncio.wait(list(self._tasks))
 
     async def _end(self) -> None:
-        """EndFrame: let the turns in flight finish (at most `end_timeout_secs`, then
-        they are interrupted), then stop the router."""
+        """EndFrame: let the turns in flight finish and their speech start playing (at
+        most `end_timeout_secs` in all, then they are interrupted), then stop the
+        router (or, sharing it, let this call's participants depart)."""
         try:
             async with asyncio.timeout(self.end_timeout_secs):
                 if self.owns_router:
                     await self.router.drain()
                 await self._wait_own_turns()
+                await self._drain_audio()
         except TimeoutError:
-            logger.warning("pipecat end: turns still running after %g s are interrupted",
+            logger.warning("pipecat end: turns or their audio still pending after %g s",
                            self.end_timeout_secs)
             if not self.owns_router:
                 await self._interrupt()
-        if self.owns_router and not self._stopped:
-            self._stopped = True
+        await self._finish()
+
+    async def _finish(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.owns_router:
             await self.router.stop()
+            return
+        callers, self._callers = list(self._callers), {}
+        for participant_id in callers:
+            try:
+                self.router.begin_departure(participant_id)
+            except Exception as exc:  # the router stopped meanwhile
+                logger.debug("pipecat end: departure of a participant: %s",
+                             type(exc).__name__)
 
     async def _cancel(self) -> None:
         """CancelFrame: stop now (turns in flight are interrupted)."""
-        if self.owns_router:
-            if not self._stopped:
-                self._stopped = True
-                await self.router.stop()
-        else:
+        if not self.owns_router:
             await self._interrupt()
+        await self._finish()
