@@ -193,3 +193,93 @@ class FakeSpeech(FrameProcessor):
             await self.push_frame(TTSAudioRawFrame(b"\0\0" * 160, 16000, 1))
             await self.broadcast_frame(BotStoppedSpeakingFrame)
         await self.push_frame(frame, direction)
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from pipecat.frames.frames import OutputAudioRawFrame, StartFrame
+    from pipecat.services.settings import TTSSettings
+    from pipecat.services.tts_service import TTSService
+    from pipecat.transports.base_output import BaseOutputTransport
+    from pipecat.transports.base_transport import TransportParams
+
+RATE = 16000
+
+
+class ClockTTS(TTSService):
+    """A real Pipecat `TTSService`: each text becomes `chunks` chunks of `chunk_secs`
+    audio after `ttfb` seconds of `clock` (`ttfb_for` per text). Every sample of a
+    text's audio carries the text's number in `tags`, so the output can tell whose audio
+    it plays."""
+
+    def __init__(self, clock: ManualClock, *, ttfb: float = 0.2, chunk_secs: float = 0.1,
+                 chunks: int = 3, ttfb_for: dict[str, float] | None = None) -> None:
+        super().__init__(sample_rate=RATE, push_start_frame=True, push_stop_frames=True,
+                         settings=TTSSettings(model=None, voice=None, language=None))
+        self.clock = clock
+        self.ttfb = ttfb
+        self.ttfb_for = ttfb_for or {}
+        self.chunk_secs = chunk_secs
+        self.chunks = chunks
+        self.tags: dict[str, int] = {}
+
+    def tag(self, text: str) -> int:
+        return self.tags.setdefault(text.strip(), len(self.tags) + 1)
+
+    async def run_tts(self, text: str, context_id: str) -> Any:
+        tag = self.tag(text)
+        await self.clock.sleep(self.ttfb_for.get(text.strip(), self.ttfb))
+        samples = int(RATE * self.chunk_secs)
+        for _ in range(self.chunks):
+            yield TTSAudioRawFrame(bytes([tag, 0]) * samples, RATE, 1, context_id=context_id)
+
+
+class PlayingOutput(BaseOutputTransport):
+    """A real Pipecat output transport that plays audio in (clock) real time: writing a
+    chunk takes its duration on `clock`. `played` records when each utterance's audio
+    (by its tag) first started playing."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        super().__init__(TransportParams(audio_out_enabled=True, audio_out_sample_rate=RATE))
+        self.clock = clock
+        self.played: dict[int, float] = {}
+
+    async def start(self, frame: StartFrame) -> None:
+        await super().start(frame)
+        await self.set_transport_ready(frame)
+
+    async def write_audio_frame(self, frame: OutputAudioRawFrame) -> bool:
+        tag = frame.audio[0] if frame.audio else 0
+        if tag:
+            self.played.setdefault(tag, self.clock.now())
+        await self.clock.sleep(len(frame.audio) / 2 / RATE)
+        return True
+
+
+async def run_clock(clock: ManualClock, until: Callable[[], bool], *,
+                    limit: float = 30.0) -> None:
+    """Let the pipeline run on `clock`'s time: settle, then jump to the next sleeper's
+    deadline, until `until()` holds (bounded by `limit` clock seconds)."""
+    start = clock.now()
+    while True:
+        await ManualClock.settle()
+        if until():
+            return
+        deadline = clock.next_deadline
+        if deadline is None or deadline - start > limit:
+            await asyncio.sleep(0.01)  # real-time work of Pipecat (its own timers)
+            if clock.now() - start > limit:
+                raise TimeoutError("the pipeline did not get there in time")
+            continue
+        clock.advance_to(deadline)
+
+
+async def end_on_clock(pipe: Pipe, clock: ManualClock) -> None:
+    """Send EndFrame and run `clock` until the pipeline finished (an output transport
+    plays its closing silence on the clock)."""
+    await pipe.worker.queue_frame(EndFrame())
+    run = pipe._run
+    assert run is not None
+    with anyio.fail_after(BOUND):
+        await run_clock(clock, run.done)
+        await run

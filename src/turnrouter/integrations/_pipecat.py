@@ -510,18 +510,27 @@ class _Mark(ControlFrame):
     end: bool = False
 
 
+#: Marked utterances an output may hold open at once (passed on, neither heard nor
+#: ended); beyond it the oldest is forgotten (its turn falls back to `started()`).
+_MAX_OPEN_MARKS = 32
+
+
 class _Ears(BaseObserver):
     """Watches the pipeline's frames (a Pipecat observer the processor adds to its
-    worker) and reports each marked utterance heard when the first audio after its
-    mark leaves an output transport: an output plays its queue in order, then passes
-    each frame on, so the audio that follows a mark there is the marked utterance's."""
+    worker) and reports marked utterances heard when the output transport that passed
+    their marks on starts speaking (`BotStartedSpeakingFrame`, sent as it writes an
+    utterance's first audio). An output plays its queue in order and stops speaking at
+    the end of each TTS utterance (`TTSStoppedFrame`), so each start of speech belongs
+    to the newest marked utterance it passed on that is neither heard nor ended: an
+    acknowledgment marked after an answer's mark is heard first, and the answer's audio
+    that follows it is the answer's. (Audio chunks themselves are no guide: the output
+    holds back the tail of an utterance's audio, which a mark may overtake.)"""
 
     def __init__(self, processor: TurnRouterProcessor) -> None:
         super().__init__()
         self._processor = processor
-        #: Per output (processor id): the start mark it passed on last, until its
-        #: utterance was heard or ended.
-        self._armed: dict[int, _Mark] = {}
+        #: Per processor (by id): the start marks it passed on, neither heard nor ended.
+        self._open: dict[int, list[_Mark]] = {}
         #: Processors known to play audio (they sent a BotStartedSpeakingFrame).
         self._outputs: set[int] = set()
         self.output_seen = False
@@ -538,33 +547,29 @@ class _Ears(BaseObserver):
             if frame.owner != self._processor.id:
                 return
             source = data.source
-            armed = self._armed.get(source.id)
-            output = self._is_output(source)
-            if armed is not None and output and armed is not frame:
-                self._processor._resolved(armed)  # ended (or superseded) without audio
-            if frame.end:
-                if armed is not None and armed.seq == frame.seq:
-                    del self._armed[source.id]
-            else:
-                self._armed[source.id] = frame
-            return
-        if isinstance(frame, BotStartedSpeakingFrame):
-            source = data.source
-            self._outputs.add(source.id)
-            self.output_seen = True
-        elif isinstance(frame, OutputAudioRawFrame):
-            if data.direction != FrameDirection.DOWNSTREAM or not self._is_output(data.source):
+            marks = self._open.setdefault(source.id, [])
+            if not frame.end:
+                marks.append(frame)
+                if len(marks) > _MAX_OPEN_MARKS:
+                    del marks[0]
                 return
-        elif isinstance(frame, InterruptionFrame):
-            if self._is_output(data.source):
-                mark = self._armed.pop(data.source.id, None)
-                self._processor._cut_at_output(mark)
-            return
-        else:
-            return
-        mark = self._armed.pop(data.source.id, None)
-        if mark is not None:
-            self._processor._heard(mark)
+            for index, mark in enumerate(marks):
+                if mark.seq == frame.seq:
+                    del marks[index]
+                    if self._is_output(source):
+                        self._processor._resolved(mark)  # ended without audio
+                    break
+        elif isinstance(frame, BotStartedSpeakingFrame):
+            if not data.first_push or data.direction != FrameDirection.DOWNSTREAM:
+                return  # passed on, or the upstream copy: only the output's own counts
+            self._outputs.add(data.source.id)
+            self.output_seen = True
+            started = self._open.get(data.source.id)
+            if started:
+                self._processor._heard(started.pop())
+        elif isinstance(frame, InterruptionFrame) and self._is_output(data.source):
+            self._open.pop(data.source.id, None)
+            self._processor._cut_at_output()
 
 
 class _Speaker(FrameProcessor):
@@ -600,6 +605,9 @@ class _Speaker(FrameProcessor):
         if event is not None:
             event.set()
 
+
+#: How many linked processors the processor looks through for an output transport.
+_MAX_WALK = 1000
 
 #: How long an interruption may take to travel from the processor to its speaker.
 _PASSAGE_BOUND_SECS = 2.0
@@ -716,7 +724,7 @@ class TurnRouterProcessor(FrameProcessor):
         """Turn tasks of this processor still running."""
         return len(self._tasks)
 
-    async def setup(self, setup: FrameProcessorSetup) -> None:
+    async def setup(self, setup: FrameProcessorSetup) -> None:  # type: ignore[override]
         await super().setup(setup)
         if self.report_heard:
             setup.pipeline_worker.add_observer(self._ears)
@@ -898,7 +906,7 @@ class TurnRouterProcessor(FrameProcessor):
         if self._pending.pop(mark.seq, None) is not None:
             self._pending_changed.set()
 
-    def _cut_at_output(self, mark: _Mark | None) -> None:
+    def _cut_at_output(self) -> None:
         """An interruption reached the output: what was marked before it is dropped."""
         for seq in [seq for seq in self._pending if seq <= self._cut_seq]:
             del self._pending[seq]
@@ -907,9 +915,24 @@ class TurnRouterProcessor(FrameProcessor):
     async def _drain_audio(self) -> None:
         """Wait until every marked utterance was heard, or passed the output with no
         audio (bounded by the caller). Only when an output transport is in the pipeline."""
-        while self._pending and self._ears.output_seen:
+        if not (self._ears.output_seen or self._output_downstream()):
+            return
+        while self._pending:
             self._pending_changed.clear()
             await self._pending_changed.wait()
+
+    def _output_downstream(self) -> bool:
+        """Whether an output transport follows (walking the linked processors)."""
+        node: FrameProcessor | None = (
+            self._speaker if self._speaker.next is not None else self)
+        for _ in range(_MAX_WALK):
+            assert node is not None
+            node = node.next
+            if node is None:
+                return False
+            if isinstance(node, BaseOutputTransport):
+                return True
+        return False
 
     async def _push_through(self, frame: Frame) -> None:
         """Push a frame downstream and, with the speaker linked, wait (bounded) until it

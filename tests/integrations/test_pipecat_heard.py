@@ -1,0 +1,343 @@
+"""The Pipecat adapter against what the user heard: a real `TTSService` subclass making
+audio on a controlled clock, a real output transport playing it in (clock) real time,
+and calls sharing one router."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import anyio
+import pytest
+
+with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.11-3.12
+    warnings.simplefilter("ignore", DeprecationWarning)
+    pytest.importorskip("pipecat")
+    from pipecat.frames.frames import (
+        Frame,
+        FunctionCallFromLLM,
+        LLMContextFrame,
+        LLMFullResponseEndFrame,
+        LLMFullResponseStartFrame,
+        LLMTextFrame,
+        ProposedUserStartedSpeakingFrame,
+        ProposedUserStoppedSpeakingFrame,
+        TranscriptionFrame,
+    )
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import (
+        LLMAssistantAggregator,
+        LLMUserAggregator,
+        LLMUserAggregatorParams,
+    )
+    from pipecat.processors.frame_processor import FrameDirection
+    from pipecat.services.llm_service import FunctionCallParams, LLMService
+    from pipecat.services.settings import LLMSettings
+    from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
+
+from turnrouter import AgentRouter, AgentTurn, RoutedResult
+from turnrouter.integrations.pipecat import (
+    FrameAgent,
+    FrameOutput,
+    PipecatLLMDestination,
+    TurnRouterProcessor,
+)
+from turnrouter.telemetry import Telemetry
+from turnrouter.testing import (
+    ManualClock,
+    RecordingObserver,
+    ScriptedDecisions,
+    ScriptedLLM,
+    TelemetryCapture,
+)
+
+from .pipecat_kit import Agent, ClockTTS, Pipe, PlayingOutput, end_on_clock, run_clock
+
+_LLM_SETTINGS = ("model", "system_instruction", "temperature", "max_tokens", "top_p", "top_k",
+                 "frequency_penalty", "presence_penalty", "seed", "filter_incomplete_user_turns",
+                 "user_turn_completion_config")
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+
+def said(text: str, user: str = "") -> TranscriptionFrame:
+    return TranscriptionFrame(text, user, "2026-12-01T08:00:00+00:00")
+
+
+def measured(observer: RecordingObserver) -> tuple[Any, Any]:
+    """(first response, silence) of the one turn recorded."""
+    (turn_id,) = observer.turns
+    (heard,) = [event for event in observer.events if event[0] == "heard"]
+    silences = [event[2] for event in observer.turns[turn_id] if event[0] == "silence"]
+    silence = heard[3] if heard[3] is not None else silences[0]
+    return heard[2], silence
+
+
+def voice(agent: FrameAgent, clock: ManualClock, **kwargs: Any) -> tuple[
+        AgentRouter, RecordingObserver]:
+    observer = RecordingObserver()
+    name = agent.routing_aid("x").name
+    router = AgentRouter({name: agent}, ScriptedDecisions(name), clock=clock,
+                         telemetry=observer, **kwargs)
+    return router, observer
+
+
+async def test_acknowledged_turn_silence_is_the_acknowledgments_audio() -> None:
+    """The acknowledgment pushed at 0.5 s is heard at 0.7 s (the TTS's first byte); the
+    answer pushed at 1.0 s is heard at 1.2 s: silence ends at the acknowledgment's
+    audio, the first response is the answer's own audio, not its neighbour's."""
+    clock = ManualClock()
+    agent = Agent("research", "Here is the report.", clock=clock, delay=1.0)
+    router, observer = voice(agent, clock, acknowledgment_delay_secs=0.5,
+                             acknowledgment_llm=ScriptedLLM("One moment."))
+    tts, out = ClockTTS(clock, ttfb=0.2), PlayingOutput(clock)
+    async with Pipe(TurnRouterProcessor(router), tts, out) as pipe:
+        await pipe.send(said("research this"))
+        with anyio.fail_after(20):
+            await run_clock(clock, lambda: len(out.played) == 2)
+        await end_on_clock(pipe, clock)
+    ack, answer = out.played[tts.tag("One moment.")], out.played[tts.tag("Here is the report.")]
+    assert ack == pytest.approx(0.7) and answer == pytest.approx(1.2)
+    assert measured(observer) == (pytest.approx(answer), pytest.approx(ack))
+
+
+async def test_fast_turn_is_measured_to_its_audio() -> None:
+    """No acknowledgment: first response and silence both end at the answer's audio."""
+    clock = ManualClock()
+    agent = Agent("weather", "Sunny.", clock=clock, delay=0.1)
+    router, observer = voice(agent, clock, acknowledgment_delay_secs=0.5,
+                             acknowledgment_llm=ScriptedLLM("One moment."))
+    tts, out = ClockTTS(clock, ttfb=0.3), PlayingOutput(clock)
+    async with Pipe(TurnRouterProcessor(router), tts, out) as pipe:
+        await pipe.send(said("rain?"))
+        with anyio.fail_after(20):
+            await run_clock(clock, lambda: bool(out.played))
+        await end_on_clock(pipe, clock)
+    heard_at = out.played[tts.tag("Sunny.")]
+    assert heard_at == pytest.approx(0.4)
+    assert measured(observer) == (pytest.approx(heard_at), pytest.approx(heard_at))
+
+
+async def test_last_turn_of_the_call_is_measured_to_its_audio() -> None:
+    """EndFrame right after the answer went out: the router stops only once the answer
+    was heard, so the call's last turn is measured to its audio, not to started()."""
+    clock = ManualClock()
+    agent = Agent("weather", "Sunny.")
+    router, observer = voice(agent, clock)
+    tts, out = ClockTTS(clock, ttfb=0.6), PlayingOutput(clock)
+    async with Pipe(TurnRouterProcessor(router), tts, out) as pipe:
+        await pipe.send(said("rain?"))
+        with anyio.fail_after(10):
+            await agent.pushed_first.wait()
+        await end_on_clock(pipe, clock)
+    assert out.played[tts.tag("Sunny.")] == pytest.approx(0.6)
+    assert measured(observer) == (pytest.approx(0.6), pytest.approx(0.6))
+    assert [pid[:5] for pid in agent.released] == ["call-"]  # the router stopped after
+
+
+class Remembering(FrameAgent):
+    """Says a fixed answer and remembers the history each turn came with."""
+
+    def __init__(self, gate: anyio.Event | None = None) -> None:
+        super().__init__("conversation", "anything")
+        self.histories: list[tuple[str, tuple[str, ...]]] = []
+        self.gate = gate
+        self.entered = anyio.Event()
+        self.cancelled = 0
+
+    async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+        self.histories.append((turn.query, tuple(e.user for e in turn.history)))
+        self.entered.set()
+        if self.gate is not None and turn.query.startswith("A"):
+            try:
+                await self.gate.wait()
+            except BaseException:
+                self.cancelled += 1
+                raise
+        await output.say(f"re: {turn.query}")
+        return f"re: {turn.query}"
+
+
+async def test_two_calls_on_one_router_never_share_a_participant() -> None:
+    """Two pipelines (two calls) on one router, no participant_id given: call B's turn
+    does not cancel call A's, and neither call sees the other's exchanges."""
+    gate = anyio.Event()
+    agent = Remembering(gate)
+    router = AgentRouter({"conversation": agent}, ScriptedDecisions("conversation"),
+                         telemetry=Telemetry.disabled())
+    call_a = TurnRouterProcessor(router, owns_router=False)
+    call_b = TurnRouterProcessor(router, owns_router=False)
+    assert call_a.participant_id != call_b.participant_id
+    routed: list[RoutedResult] = []
+    both = anyio.Event()
+
+    @call_b.event_handler("on_turn_routed")
+    async def _routed(proc: Any, turn: AgentTurn, result: RoutedResult) -> None:
+        routed.append(result)
+        if len(routed) == 2:
+            both.set()
+
+    async with Pipe(call_a) as a, Pipe(call_b) as b:
+        await a.send(said("A: my account number is 1234"))
+        with anyio.fail_after(10):
+            await agent.entered.wait()
+        await b.send(said("B: hello"), said("B: what did I say?"))
+        with anyio.fail_after(10):
+            await both.wait()
+        gate.set()
+        await a.end()
+        await b.end()
+    assert agent.cancelled == 0
+    assert ("B: what did I say?", ("B: hello",)) in agent.histories
+    assert all("A:" not in user for query, users in agent.histories if query.startswith("B")
+               for user in users)
+
+
+class Streaming(FrameAgent):
+    """Streams its answer as an LLM service does: the response start at once, the text
+    `delay` clock seconds later."""
+
+    def __init__(self, clock: ManualClock, delay: float) -> None:
+        super().__init__("research", "reports")
+        self.clock = clock
+        self.delay = delay
+
+    async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+        await output.push(LLMFullResponseStartFrame())
+        await self.clock.sleep(self.delay)
+        await output.push(LLMTextFrame("Here it is."))
+        await output.push(LLMFullResponseEndFrame())
+        return "Here it is."
+
+
+async def test_a_response_start_frame_is_not_speech() -> None:
+    """Pushing LLMFullResponseStartFrame first (as Pipecat LLM services do) does not
+    count as the answer starting: the acknowledgment is still spoken, at its place in
+    the speech path, and the first response is the text's audio."""
+    clock = ManualClock()
+    router, observer = voice(Streaming(clock, 2.0), clock, acknowledgment_delay_secs=0.5,
+                             acknowledgment_llm=ScriptedLLM("One moment."))
+    tts, out = ClockTTS(clock, ttfb=0.1), PlayingOutput(clock)
+    async with Pipe(TurnRouterProcessor(router), tts, out) as pipe:
+        await pipe.send(said("research this"))
+        with anyio.fail_after(20):
+            await run_clock(clock, lambda: len(out.played) == 2)
+        await end_on_clock(pipe, clock)
+    ack, answer = out.played[tts.tag("One moment.")], out.played[tts.tag("Here it is.")]
+    assert ack == pytest.approx(0.6) and answer == pytest.approx(2.1)
+    assert measured(observer) == (pytest.approx(answer), pytest.approx(ack))
+
+
+async def test_the_turn_bound_keeps_the_newest_utterance(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Over max_turns running turns the oldest makes way for the newest (another user's
+    included), each overflow counted, logged the first time and at powers of ten."""
+    never = anyio.Event()
+    agent = Agent("weather", "Sunny.", before_first=never)
+    with TelemetryCapture() as capture:
+        router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"),
+                             telemetry=capture.telemetry)
+        processor = TurnRouterProcessor(router, max_turns=2)
+        seen: list[str] = []
+        entered = anyio.Event()
+        original = agent.respond
+
+        async def respond(turn: AgentTurn, output: FrameOutput) -> str:
+            seen.append(turn.participant_id)
+            if turn.participant_id == "zoe":
+                entered.set()
+            return await original(turn, output)
+
+        agent.respond = respond  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, "turnrouter.integrations.pipecat"):
+            async with Pipe(processor) as pipe:
+                await pipe.send(*[said(f"question {n}", f"user{n}") for n in range(12)])
+                await pipe.send(said("and me?", "zoe"))
+                with anyio.fail_after(10):
+                    await entered.wait()
+        assert capture.value("turnrouter_runtime_rejected_messages_total",
+                             topic="pipecat", reason="overflow") == 11
+    logged = [r.getMessage() for r in caplog.records if "overflow" in r.getMessage()]
+    assert [message.split("(")[1] for message in logged] == [
+        "1 so far in this pipeline)", "10 so far in this pipeline)"]
+    assert "zoe" in seen
+
+
+
+
+class ToolLLM(LLMService):
+    """A Pipecat LLM service that first calls a tool (Pipecat runs it; the assistant
+    aggregator asks for another inference with its result), then answers from it,
+    `thinking` clock seconds after each context."""
+
+    def __init__(self, clock: ManualClock, thinking: float = 0.0) -> None:
+        unset: dict[str, Any] = {name: None for name in _LLM_SETTINGS}
+        super().__init__(settings=LLMSettings(**unset))
+        self.clock = clock
+        self.thinking = thinking
+        self.inferences = 0
+
+        async def weather(params: FunctionCallParams) -> None:
+            await params.result_callback({"sky": "sunny"})
+
+        self.register_function("weather", weather)
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if not isinstance(frame, LLMContextFrame):
+            await self.push_frame(frame, direction)
+            return
+        self.inferences += 1
+        await self.push_frame(LLMFullResponseStartFrame())
+        await self.clock.sleep(self.thinking)
+        messages: list[Any] = list(frame.context.messages)
+        tool = [m for m in messages if m.get("role") == "tool"]
+        if not tool:
+            await self.run_function_calls([FunctionCallFromLLM(
+                function_name="weather", tool_call_id="call-1", arguments={},
+                context=frame.context)])
+        else:
+            await self.push_frame(LLMTextFrame("It is sunny."))
+        await self.push_frame(LLMFullResponseEndFrame())
+
+
+async def test_llm_turn_with_a_tool_call_ends_with_the_final_answer() -> None:
+    """In-pipeline LLM calling a tool: the turn ends with the answer after the tool's
+    result, its text is the turn's result and history, and the answer's audio (not the
+    acknowledgment's) is its first response."""
+    clock = ManualClock()
+    llm = ToolLLM(clock, thinking=0.4)
+    observer = RecordingObserver()
+    chat = PipecatLLMDestination(llm, "chat", "anything", in_pipeline=True)
+    router = AgentRouter({"chat": chat}, ScriptedDecisions("chat"), clock=clock,
+                         telemetry=observer, acknowledgment_delay_secs=0.5,
+                         acknowledgment_llm=ScriptedLLM("One moment."))
+    processor = TurnRouterProcessor(router)
+    routed: list[RoutedResult] = []
+
+    @processor.event_handler("on_turn_routed")
+    async def _routed(proc: Any, turn: AgentTurn, result: RoutedResult) -> None:
+        routed.append(result)
+
+    context = LLMContext([{"role": "system", "content": "You are a weather bot."}])
+    user = LLMUserAggregator(context, params=LLMUserAggregatorParams(
+        user_turn_strategies=ExternalUserTurnStrategies()))
+    tts, out = ClockTTS(clock, ttfb=0.1), PlayingOutput(clock)
+    async with Pipe(user, processor, llm, processor.speaker, tts, out,
+                    LLMAssistantAggregator(context)) as pipe:
+        await pipe.send(ProposedUserStartedSpeakingFrame(), said("weather?", "alice"),
+                        ProposedUserStoppedSpeakingFrame())
+        with anyio.fail_after(20):
+            await run_clock(clock, lambda: bool(routed) and len(out.played) == 2)
+        history = router.history_of(processor.participant_id)
+        await end_on_clock(pipe, clock)
+    assert llm.inferences == 2
+    assert routed[0].result.text == "It is sunny."
+    assert [(e.user, e.assistant) for e in history] == [("weather?", "It is sunny.")]
+    ack, answer = out.played[tts.tag("One moment.")], out.played[tts.tag("It is sunny.")]
+    assert ack < answer
+    assert measured(observer) == (pytest.approx(answer), pytest.approx(ack))
