@@ -302,13 +302,13 @@ async def test_a_clarification_is_said() -> None:
     assert end.routed is not None and end.routed.route is None
 
 
-async def test_a_preamble_is_its_own_speech_before_the_answer() -> None:
-    """An admission preamble is said first, as a separate speech."""
+async def test_a_preamble_is_said_before_the_answer_in_the_turns_reply() -> None:
+    """An admission preamble is said first, in the one reply of the turn."""
     weather = speaking("weather", admissions=Admission("accept", preamble="Let me see."))
     router = make_router(weather, decisions=ScriptedDecisions("weather"))
     async with session_for(router) as (session, _):
         result = await run(session, "rain?")
-    assert said(result) == ["Let me see.", "weather answer"]
+    assert said(result) == ["Let me see. weather answer"]
 
 
 async def test_a_failing_turn_end_callback_does_not_stop_the_next_turn() -> None:
@@ -391,10 +391,10 @@ async def _acknowledged_run(gated: bool) -> list[str]:
     return said(result)
 
 
-async def test_an_acknowledgment_is_its_own_speech_before_a_slow_answer() -> None:
-    """A slow answer is preceded by the acknowledgment, said as a separate speech."""
+async def test_an_acknowledgment_is_said_before_a_slow_answer() -> None:
+    """A slow answer is preceded by the acknowledgment, in the turn's one reply."""
     texts = await _acknowledged_run(gated=True)
-    assert texts == ["One moment.", "weather answer"]
+    assert texts == ["One moment. weather answer"]
 
 
 async def test_no_acknowledgment_before_a_fast_answer() -> None:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import uuid
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from livekit.agents import (
     AgentSession,
     AgentStateChangedEvent,
     CloseEvent,
+    FlushSentinel,
     ModelSettings,
     TurnHandlingOptions,
     llm,
@@ -32,6 +34,7 @@ from livekit.agents.types import (
     NotGivenOr,
 )
 from livekit.agents.voice import SpeechHandle
+from livekit.agents.voice.io import AudioOutput
 
 from .. import (
     MAX_ID_CHARS,
@@ -84,40 +87,49 @@ class TurnEnd:
     error: BaseException | None = None
 
 
-class _TextStream:
-    """Text for one LiveKit speech, produced while it plays (an async iterable).
+class _Reply:
+    """The text of one routed turn's reply, as the agent's `llm_node` streams it to
+    LiveKit: the router's control text and the answer, in the order they were said.
+    Each utterance (an acknowledgment, a preamble, other control text, the answer) is a
+    segment of its own (a `FlushSentinel` between them: LiveKit synthesizes and plays
+    each in turn), so its playback start tells when that utterance was heard.
 
-    Holds only what LiveKit has not consumed yet; LiveKit reads it as it is produced.
+    Holds only what LiveKit has not read yet; LiveKit reads it as it is produced.
     """
 
     def __init__(self) -> None:
-        self._chunks: deque[str] = deque()
-        self._said = False
+        self._items: deque[str | FlushSentinel] = deque()
+        self._kind: str | None = None
         self._closed = False
         self._wake = asyncio.Event()
+        #: The kinds ("control" or "answer") of the segments produced, in order.
+        self.kinds: deque[str] = deque()
 
     @property
     def said(self) -> bool:
         """Whether any text was pushed."""
-        return self._said
+        return self._kind is not None
 
-    def push(self, text: str) -> None:
-        if text and not self._closed:
-            self._said = True
-            self._chunks.append(text)
-            self._wake.set()
+    def push(self, text: str, kind: str) -> None:
+        if not text or self._closed:
+            return
+        if kind == "control" or kind != self._kind:
+            if self._kind is not None:
+                self._items.append(FlushSentinel())
+                text = f" {text.lstrip()}"
+            self.kinds.append(kind)
+            self._kind = kind
+        self._items.append(text)
+        self._wake.set()
 
     def close(self) -> None:
         self._closed = True
         self._wake.set()
 
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[str | FlushSentinel]:
         while True:
-            while self._chunks:
-                yield self._chunks.popleft()
+            while self._items:
+                yield self._items.popleft()
             if self._closed:
                 return
             self._wake.clear()
@@ -125,83 +137,43 @@ class _TextStream:
 
 
 class _TurnVoice:
-    """What one routed turn says through the LiveKit session.
-
-    The first control text before the answer (an acknowledgment, a preamble, a
-    clarification, failure text) is its own speech (`session.say`); from the first
-    output on, a second speech streams everything else (the answer), so the order of
-    LiveKit's speech queue is the order the router spoke in.
-    """
+    """What one routed turn says: the reply LiveKit generates for the user's message
+    (the agent's `llm_node` streams it), so draining, shutdown, interruptions and one
+    reply per turn work as for any LiveKit agent, and the router's speech keeps its
+    order (acknowledgment, then answer) inside it."""
 
     def __init__(self, agent: RouterAgent, session: AgentSession[Any], turn: AgentTurn) -> None:
         self.agent = agent
         self.session = session
         self.turn = turn
-        self.output_ready = asyncio.Event()
-        self.handles: list[SpeechHandle] = []
-        self.stream: _TextStream | None = None
+        self.reply = _Reply()
+        self.speech_id: str | None = None
         self.ended = False
-        self.heard = False
 
     async def control(self, turn: AgentTurn, route: str, text: str) -> None:
         """The router's control text for this turn."""
-        if self.ended or not text:
-            return
-        if self.stream is not None:
-            self.stream.push(f" {text}" if self.stream.said else text)
-            return
-        try:
-            self._track(self._say(text), main=False)
-            self._open_stream()
-        except LifecycleError as exc:   # nobody left to hear it: not the turn's failure
-            _log_failure("saying control text of turn %s", exc, self.turn.turn_id)
+        if not self.ended:
+            self.reply.push(text, "control")
 
     def answer_text(self, text: str) -> None:
         """Answer text from the destination, in order."""
         if self.ended:
             raise LifecycleError("speak(): this turn already ended (interrupted or replaced)")
-        if self.stream is None:
-            self._open_stream()
-        assert self.stream is not None
-        self.stream.push(text)
+        self.reply.push(text, "answer")
 
-    def _open_stream(self) -> None:
-        stream = _TextStream()
-        self._track(self._say(stream), main=True)
-        self.stream = stream
-        self.output_ready.set()
-
-    def _say(self, text: str | _TextStream) -> SpeechHandle:
-        try:
-            return self.session.say(text)
-        except RuntimeError as exc:   # LiveKit: the session is closing or draining
-            raise LifecycleError(f"the LiveKit session cannot speak now: {exc}") from exc
-
-    def _track(self, handle: SpeechHandle, *, main: bool) -> None:
-        self.handles.append(handle)
-        if main:
-            self.agent._main_speech[handle.id] = self
-        handle.add_done_callback(self._speech_done)
-
-    def _speech_done(self, handle: SpeechHandle) -> None:
-        self.agent._main_speech.pop(handle.id, None)
-        if handle.interrupted:
-            self.agent._speech_interrupted(self)
+    def segment_heard(self) -> None:
+        """LiveKit started playing this reply's next segment: report it heard."""
+        kinds = self.reply.kinds
+        if not kinds:
+            return
+        kind = kinds.popleft()
+        self.agent._router.mark_heard(self.agent._pid, self.turn.turn_id,
+                                      control=kind == "control")
 
     def end(self, *, interrupted: bool) -> None:
-        """The routed turn is over: close the answer speech (cut it when interrupted)."""
+        """The routed turn is over: its reply ends (LiveKit plays what it holds)."""
         self.ended = True
-        if self.stream is not None:
-            self.stream.close()
-        self.output_ready.set()
-        if interrupted:
-            self.silence()
-
-    def silence(self) -> None:
-        """Interrupt every speech of this turn that is still queued or playing."""
-        for handle in self.handles:
-            if not handle.done() and handle.allow_interruptions:
-                handle.interrupt()
+        self.reply.close()
 
 
 _CURRENT: contextvars.ContextVar[_TurnVoice] = contextvars.ContextVar("turnrouter_livekit_turn")
@@ -297,14 +269,21 @@ class RouterAgent(Agent):
 
     Each new user message becomes `router.route_turn(AgentTurn(participant_id,
     <message id>, <text>), output=..., report_heard=True)`, run in a task of its own
-    (so a newer turn replaces a running one, as the router's contract says). Control
-    text is said with `session.say`; destinations say their answer with `speak()`.
-    A LiveKit interruption of a turn's speech (the user barging in,
-    `session.interrupt()`) becomes `router.interrupt(participant_id)` while that turn
-    is the participant's latest and still running. Control text outside any turn (a
-    human-gated context patch's question) is said in the participant's session when
-    the router has no constructor `output`. When the session closes, the participant
-    departs (`begin_departure`) unless `depart_on_close=False`.
+    (so a newer turn replaces a running one, as the router's contract says). The reply
+    LiveKit generates for the message is the turn's: the agent's `llm_node` streams the
+    router's control text (an acknowledgment, a preamble) and the destination's answer
+    (said with `speak()`) into it, in order, each utterance a segment of its own. So
+    `session.shutdown(drain=True)`, a job's shutdown, interruptions and one reply per
+    message behave as for a plain `Agent`. A LiveKit interruption of the reply (the
+    user barging in, `session.interrupt()`) becomes `router.interrupt(participant_id)`
+    while that turn is the participant's latest and still running. A reply LiveKit asks
+    for without a new user message but with instructions (`generate_reply(
+    instructions=...)`: a greeting) is routed with the instructions as its query.
+    Control text outside any turn (a human-gated context patch's question) is said in
+    the participant's session when the router has no constructor `output`. When the
+    session closes, the participant departs (`begin_departure`) unless
+    `depart_on_close=False`. Without `participant_id` the agent gets an id of its own
+    (`livekit-<uuid>`): one session, one participant, never another call's history.
 
     Subclasses overriding `on_exit` call `super().on_exit()`.
     """
@@ -313,7 +292,7 @@ class RouterAgent(Agent):
         self,
         router: AgentRouter,
         *,
-        participant_id: str,
+        participant_id: str | None = None,
         instructions: str = "Replies come from turnrouter.",
         depart_on_close: bool = True,
         on_turn_end: Callable[[TurnEnd], None] | None = None,
@@ -323,6 +302,8 @@ class RouterAgent(Agent):
         if not isinstance(router, AgentRouter):
             raise ContractTypeError(
                 f"RouterAgent needs an AgentRouter, got {type(router).__name__}")
+        if participant_id is None:
+            participant_id = f"livekit-{uuid.uuid4().hex}"
         if not isinstance(participant_id, str) or not 0 < len(participant_id) <= MAX_ID_CHARS:
             raise ConfigurationError(
                 "RouterAgent needs a non-empty participant_id of at most MAX_ID_CHARS "
@@ -347,9 +328,11 @@ class RouterAgent(Agent):
         self._on_turn_end = on_turn_end
         self._latest: _TurnVoice | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._main_speech: dict[str, _TurnVoice] = {}
+        #: Replies being spoken, by LiveKit speech id (for the heard reports).
+        self._replies: dict[str, _TurnVoice] = {}
         self._routed_ids: deque[str] = deque(maxlen=ROUTED_MESSAGE_MEMORY)
         self._listening: AgentSession[Any] | None = None
+        self._audio: AudioOutput | None = None
         self._closing_session: AgentSession[Any] | None = None
 
     @property
@@ -362,36 +345,65 @@ class RouterAgent(Agent):
         """The participant whose turns this agent routes."""
         return self._pid
 
-    async def llm_node(
+    async def llm_node(  # type: ignore[override]
         self, chat_ctx: llm.ChatContext, tools: list[llm.Tool], model_settings: ModelSettings,
-    ) -> None:
-        """Route the newest user message; return once its first speech is queued.
+    ) -> AsyncIterator[str | FlushSentinel]:
+        """Route the newest user message and stream the turn's reply: control text and
+        answer in the order the router said them, until the turn ends.
 
-        LiveKit plays one speech at a time, so this reply stays empty and the turn
-        speaks through speeches of its own, queued before this returns (a `run()`
-        result records them). The turn's span is a child of the current span (LiveKit's
-        `llm_node`, under its `agent_turn`).
-        """
-        message = _newest_user_message(chat_ctx)
-        if message is None or message.id in self._routed_ids:
+        The turn's span is a child of the current span (LiveKit's `llm_node`, under its
+        `agent_turn`)."""
+        turn = self._turn_for(chat_ctx)
+        if turn is None:
             return
-        self._routed_ids.append(message.id)
         session = self.session
         self._listen(session)
-        # A transcript is text: lone surrogates (not storable) become U+FFFD.
-        turn = AgentTurn(self._pid, message.id, strip_surrogates(message.text_content or ""),
-                         timestamp_us=max(0, int(message.created_at * 1_000_000)))
         voice = _TurnVoice(self, session, turn)
         self._latest = voice
+        speech = _current_speech()
+        if speech is not None:
+            voice.speech_id = speech.id
+            self._replies[speech.id] = voice
+            speech.add_done_callback(self._reply_done)
         task = asyncio.create_task(self._run(voice), name=f"turnrouter turn {turn.turn_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        finished = False
         try:
-            await voice.output_ready.wait()
-        except asyncio.CancelledError:
-            # LiveKit cancelled the reply: it was interrupted before the turn spoke.
-            self._speech_interrupted(voice)
-            raise
+            async for item in voice.reply.stream():
+                yield item
+            finished = True
+        finally:
+            if not finished and not voice.ended:
+                # LiveKit dropped the reply (interrupted, or the session closing).
+                self._speech_interrupted(voice)
+
+    def _turn_for(self, chat_ctx: llm.ChatContext) -> AgentTurn | None:
+        """The turn a reply stands for: the newest user message not routed yet, else
+        the instructions of `generate_reply(instructions=...)`; None for a reply LiveKit
+        generates again (a step after a tool call)."""
+        items = chat_ctx.items
+        for index in range(len(items) - 1, -1, -1):
+            item = items[index]
+            if not isinstance(item, llm.ChatMessage):
+                continue
+            if item.role == "user":
+                if item.id in self._routed_ids:
+                    return None
+                self._routed_ids.append(item.id)
+                # A transcript is text: lone surrogates (not storable) become U+FFFD.
+                return AgentTurn(self._pid, item.id,
+                                 strip_surrogates(item.text_content or ""),
+                                 timestamp_us=max(0, int(item.created_at * 1_000_000)))
+            if item.role in ("system", "developer") and index == len(items) - 1 and (
+                    index > 0 and item.id not in self._routed_ids):
+                text = (item.text_content or "").strip()
+                if not text or text == self.instructions:
+                    return None
+                self._routed_ids.append(item.id)
+                return AgentTurn(self._pid, item.id, strip_surrogates(text),
+                                 timestamp_us=max(0, int(item.created_at * 1_000_000)))
+        return None
 
     async def _run(self, voice: _TurnVoice) -> None:
         _CURRENT.set(voice)
@@ -416,11 +428,17 @@ class RouterAgent(Agent):
             except Exception as exc:
                 _log_failure("RouterAgent on_turn_end callback", exc)
 
+    def _reply_done(self, handle: SpeechHandle) -> None:
+        voice = self._replies.pop(handle.id, None)
+        if voice is not None and handle.interrupted:
+            self._speech_interrupted(voice)
+
     def _speech_interrupted(self, voice: _TurnVoice) -> None:
-        """A speech of `voice`'s turn was interrupted in LiveKit: stop the turn."""
-        voice.silence()
+        """The reply of `voice`'s turn was interrupted in LiveKit: stop the turn."""
         if voice.ended or voice is not self._latest:
             return
+        voice.ended = True
+        voice.reply.close()
         task = asyncio.get_running_loop().create_task(self._router.interrupt(self._pid))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -440,21 +458,41 @@ class RouterAgent(Agent):
             self._unlisten()
             session.on("agent_state_changed", self._state_changed)
             self._listening = session
+        audio = session.output.audio
+        if audio is not self._audio:
+            if self._audio is not None:
+                self._audio.off("playback_started", self._playback_started)
+            if audio is not None:
+                audio.on("playback_started", self._playback_started)
+            self._audio = audio
 
     def _unlisten(self) -> None:
         session, self._listening = self._listening, None
         if session is not None:
             session.off("agent_state_changed", self._state_changed)
+        audio, self._audio = self._audio, None
+        if audio is not None:
+            audio.off("playback_started", self._playback_started)
+
+    def _playing(self) -> _TurnVoice | None:
+        session = self._listening
+        speech = None if session is None else session.current_speech
+        return None if speech is None else self._replies.get(speech.id)
+
+    def _playback_started(self, event: Any) -> None:
+        """The audio output started playing: the next segment of the current reply."""
+        voice = self._playing()
+        if voice is not None:
+            voice.segment_heard()
 
     def _state_changed(self, event: AgentStateChangedEvent) -> None:
-        """The agent started speaking: if it is a turn's answer, report it heard."""
-        if event.new_state != "speaking" or self._listening is None:
+        """Without an audio output, the agent speaking is the reply's first segment
+        heard (text sessions)."""
+        if event.new_state != "speaking" or self._audio is not None:
             return
-        speech = self._listening.current_speech
-        voice = None if speech is None else self._main_speech.get(speech.id)
-        if voice is not None and not voice.heard:
-            voice.heard = True
-            self._router.mark_heard(self._pid, voice.turn.turn_id)
+        voice = self._playing()
+        if voice is not None:
+            voice.segment_heard()
 
     def _closed(self, event: CloseEvent) -> None:
         self._unlisten()
@@ -479,18 +517,20 @@ class RouterAgent(Agent):
         self._unlisten()
 
 
+def _current_speech() -> SpeechHandle | None:
+    """The LiveKit speech whose reply is being generated (LiveKit's own context)."""
+    try:
+        from livekit.agents.voice.agent_activity import _SpeechHandleContextVar
+    except ImportError:  # pragma: no cover - a LiveKit without it: no heard reports
+        return None
+    return _SpeechHandleContextVar.get(None)
+
+
 async def _join(departure: Awaitable[None], participant_id: str) -> None:
     try:
         await departure
     except Exception as exc:
         _log_failure("departure of %s", exc, participant_id)
-
-
-def _newest_user_message(chat_ctx: llm.ChatContext) -> llm.ChatMessage | None:
-    for item in reversed(chat_ctx.items):
-        if isinstance(item, llm.ChatMessage) and item.role == "user":
-            return item
-    return None
 
 
 async def stop_gracefully(router: AgentRouter, *, timeout_secs: float | None = None) -> None:
