@@ -100,6 +100,7 @@ class _Reply:
     def __init__(self) -> None:
         self._items: deque[str | FlushSentinel] = deque()
         self._kind: str | None = None
+        self._open = False
         self._closed = False
         self._wake = asyncio.Event()
         #: The kinds ("control" or "answer") of the segments produced, in order.
@@ -113,13 +114,21 @@ class _Reply:
     def push(self, text: str, kind: str) -> None:
         if not text or self._closed:
             return
-        if kind == "control" or kind != self._kind:
-            if self._kind is not None:
-                self._items.append(FlushSentinel())
-                text = f" {text.lstrip()}"
+        if self._kind is not None:
+            text = f" {text.lstrip()}" if not self._open else text
+        if not self._open:
             self.kinds.append(kind)
-            self._kind = kind
+        elif kind == "control":  # an utterance of its own, after the open answer
+            self._items.append(FlushSentinel())
+            self.kinds.append(kind)
+            text = f" {text.lstrip()}"
+        self._kind = kind
         self._items.append(text)
+        # Control text ends its segment at once, so LiveKit speaks it without waiting
+        # for the answer's text; the answer's segment stays open while it streams.
+        self._open = kind == "answer"
+        if not self._open:
+            self._items.append(FlushSentinel())
         self._wake.set()
 
     def close(self) -> None:
@@ -345,7 +354,7 @@ class RouterAgent(Agent):
         """The participant whose turns this agent routes."""
         return self._pid
 
-    async def llm_node(  # type: ignore[override]
+    async def llm_node(
         self, chat_ctx: llm.ChatContext, tools: list[llm.Tool], model_settings: ModelSettings,
     ) -> AsyncIterator[str | FlushSentinel]:
         """Route the newest user message and stream the turn's reply: control text and
