@@ -341,3 +341,67 @@ async def test_llm_turn_with_a_tool_call_ends_with_the_final_answer() -> None:
     ack, answer = out.played[tts.tag("One moment.")], out.played[tts.tag("It is sunny.")]
     assert ack < answer
     assert measured(observer) == (pytest.approx(answer), pytest.approx(ack))
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from pipecat.utils.tracing.service_decorators import traced_llm
+
+
+class TracedLLM(LLMService):
+    """A Pipecat LLM service whose inference is traced as Pipecat's own services are
+    (its `llm` span)."""
+
+    def __init__(self) -> None:
+        unset: dict[str, Any] = {name: None for name in _LLM_SETTINGS}
+        super().__init__(settings=LLMSettings(**unset))
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if isinstance(frame, LLMContextFrame):
+            await self._infer(frame.context)
+        else:
+            await self.push_frame(frame, direction)
+
+    @traced_llm
+    async def _infer(self, context: LLMContext) -> None:
+        await self.push_frame(LLMFullResponseStartFrame())
+        await self.push_frame(LLMTextFrame("Sunny."))
+        await self.push_frame(LLMFullResponseEndFrame())
+
+
+async def test_pipecat_llm_span_nests_in_the_destinations_span(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Pipecat tracing on: Pipecat's `llm` span of a routed answer is a child of the
+    destination's `invoke_agent` span, and the release spans of the router's stop at the
+    call's end are children of Pipecat's conversation span, not roots."""
+    from opentelemetry import trace
+
+    with TelemetryCapture() as capture:
+        monkeypatch.setattr(trace, "get_tracer_provider", lambda: capture.tracer_provider)
+        llm = TracedLLM()
+        chat = PipecatLLMDestination(llm, "chat", "anything", in_pipeline=True)
+        router = AgentRouter({"chat": chat}, ScriptedDecisions("chat"),
+                             telemetry=capture.telemetry)
+        processor = TurnRouterProcessor(router)
+        routed = anyio.Event()
+
+        @processor.event_handler("on_turn_routed")
+        async def _routed(proc: Any, turn: AgentTurn, result: RoutedResult) -> None:
+            routed.set()
+
+        async with Pipe(processor, llm, processor.speaker, enable_tracing=True) as pipe:
+            await pipe.send(said("rain?"))
+            with anyio.fail_after(10):
+                await routed.wait()
+            await pipe.end()
+        invoke = capture.span("invoke_agent chat")
+        llm_span = capture.span("llm")
+        assert llm_span.parent is not None
+        assert llm_span.parent.span_id == invoke.context.span_id
+        conversation = capture.span("conversation")
+        releases = [span for span in capture.spans() if span.name == "turnrouter.release"]
+        assert releases
+        assert all(span.parent is not None
+                   and span.parent.span_id == conversation.context.span_id
+                   for span in releases)

@@ -15,7 +15,7 @@ import itertools
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -175,6 +175,50 @@ def _carrier_of(otel_context: object) -> dict[str, str]:
             return {"traceparent": f"00-{span.trace_id:032x}-{span.span_id:016x}-"
                                    f"{int(span.trace_flags):02x}"}
     return {}
+
+
+def _span_context_of(otel_context: object) -> object | None:
+    """The span context held in an OpenTelemetry `Context` (duck-typed), if valid."""
+    if not isinstance(otel_context, Mapping):
+        return None
+    for value in otel_context.values():
+        get = getattr(value, "get_span_context", None)
+        if callable(get):
+            span: object = get()
+            if getattr(span, "is_valid", False):
+                return span
+    return None
+
+
+def _current_span_context() -> object | None:
+    """The current span's context (the destination's `invoke_agent` span inside
+    `answer()`), through the OpenTelemetry API Pipecat's tracing already uses."""
+    try:
+        from opentelemetry import trace
+    except ImportError:  # pragma: no cover - Pipecat without tracing
+        return None
+    span: object = trace.get_current_span().get_span_context()
+    return span if getattr(span, "is_valid", False) else None
+
+
+@contextlib.contextmanager
+def _framework_spans_under_current(tracing: Any) -> Iterator[None]:
+    """While a routed answer runs in the pipeline, Pipecat's service spans (its `llm`
+    span) are children of the current span (the destination's `invoke_agent`), not
+    siblings of it under Pipecat's `turn` span. Pipecat's turn context is put back
+    afterwards, unless Pipecat moved on to another turn meanwhile."""
+    span = _current_span_context() if tracing is not None else None
+    if span is None:
+        yield
+        return
+    before = tracing.get_turn_context()
+    tracing.set_turn_context(span)
+    ours = tracing.get_turn_context()
+    try:
+        yield
+    finally:
+        if tracing.get_turn_context() is ours:
+            tracing.set_turn_context(_span_context_of(before))
 
 
 @dataclass(eq=False)
@@ -474,9 +518,10 @@ class PipecatLLMDestination(FrameAgent):
             processor._llm_turn = output._sink
             try:
                 context = output.context or self.context_for(turn, system=True)
-                await output.push(LLMContextFrame(context), speech=False)
-                async with asyncio.timeout(self.response_timeout_secs):
-                    await response.done.wait()
+                with _framework_spans_under_current(processor._tracing()):
+                    await output.push(LLMContextFrame(context), speech=False)
+                    async with asyncio.timeout(self.response_timeout_secs):
+                        await response.done.wait()
             except TimeoutError as exc:
                 raise LLMError(f"Pipecat LLM service {self.llm.name} gave no complete "
                                f"response within {self.response_timeout_secs:g} s") from exc
@@ -810,14 +855,21 @@ class TurnRouterProcessor(FrameProcessor):
                            f"refused: {reason}", count)
         self.router.report_rejected(SOURCE, reason)
 
-    def _pipecat_carrier(self) -> dict[str, str]:
-        """Trace headers of Pipecat's current turn span (its tracing on), else none."""
+    def _tracing(self) -> Any:
+        """Pipecat's tracing context (None without tracing, or before setup)."""
         try:
-            tracing = self.processor_setup.tracing_context
+            return self.processor_setup.tracing_context
         except Exception:  # not set up (no StartFrame yet)
-            return {}
+            return None
+
+    def _pipecat_carrier(self, *, call: bool = False) -> dict[str, str]:
+        """Trace headers of Pipecat's current turn span (`call`: its conversation span,
+        the call's) with its tracing on, else none."""
+        tracing = self._tracing()
         if tracing is None:
             return {}
+        if call:
+            return _carrier_of(tracing.get_conversation_context())
         return _carrier_of(tracing.get_turn_context() or tracing.get_conversation_context())
 
     async def _run(self, sink: _TurnSink, carrier: dict[str, str]) -> None:
@@ -991,19 +1043,22 @@ class TurnRouterProcessor(FrameProcessor):
         await self._finish()
 
     async def _finish(self) -> None:
+        """Stop the router, or let this call's participants depart: their release
+        spans are children of Pipecat's conversation span (the call's) when traced."""
         if self._stopped:
             return
         self._stopped = True
-        if self.owns_router:
-            await self.router.stop()
-            return
-        callers, self._callers = list(self._callers), {}
-        for participant_id in callers:
-            try:
-                self.router.begin_departure(participant_id)
-            except Exception as exc:  # the router stopped meanwhile
-                logger.debug("pipecat end: departure of a participant: %s",
-                             type(exc).__name__)
+        with self.router.continue_trace(self._pipecat_carrier(call=True)):
+            if self.owns_router:
+                await self.router.stop()
+                return
+            callers, self._callers = list(self._callers), {}
+            for participant_id in callers:
+                try:
+                    self.router.begin_departure(participant_id)
+                except Exception as exc:  # the router stopped meanwhile
+                    logger.debug("pipecat end: departure of a participant: %s",
+                                 type(exc).__name__)
 
     async def _cancel(self) -> None:
         """CancelFrame: stop now (turns in flight are interrupted)."""
