@@ -52,6 +52,7 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
     )
     from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
     from pipecat.services.llm_service import LLMService
+    from pipecat.services.settings import LLMSettings
     from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
     from pipecat.workers.runner import WorkerRunner
     from prometheus_client import CollectorRegistry
@@ -149,7 +150,16 @@ class Research(FrameAgent):
 
 
 class CannedStreamingLLM(LLMService):
-    """A Pipecat LLM service streaming a canned reply, without a network."""
+    """A Pipecat LLM service streaming a canned reply, without a network. Its system
+    prompt is on the service (`system_instruction`), where Pipecat wants it."""
+
+    def __init__(self, system_instruction: str) -> None:
+        settings: dict[str, Any] = dict.fromkeys((
+            "model", "temperature", "max_tokens", "top_p", "top_k", "frequency_penalty",
+            "presence_penalty", "seed", "filter_incomplete_user_turns",
+            "user_turn_completion_config"))
+        super().__init__(settings=LLMSettings(system_instruction=system_instruction,
+                                              **settings))
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
@@ -186,7 +196,7 @@ async def main() -> int:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)  # the app's choice; Pipecat traces through it
     registry = CollectorRegistry()
-    llm = CannedStreamingLLM()
+    llm = CannedStreamingLLM("You are a friendly assistant.")
 
     router = AgentRouter(
         {
@@ -213,7 +223,7 @@ async def main() -> int:
     processor.add_event_handler("on_turn_routed", on_turn_routed)
 
     speech = FakeTTSOutput()
-    context = LLMContext([{"role": "system", "content": "You are a friendly assistant."}])
+    context = LLMContext()  # the system prompt is the LLM service's system_instruction
     user_aggregator = LLMUserAggregator(context, params=LLMUserAggregatorParams(
         user_turn_strategies=ExternalUserTurnStrategies()))
     worker = PipelineWorker(

@@ -25,3 +25,5 @@ def test_pipecat_example_routes_three_destinations_and_exits_0() -> None:
     assert "(answered by research)" in run.stdout
     assert "bot: Let me look into that." in run.stdout
     assert "    turnrouter.turn\n" in run.stdout
+    logged = run.stdout + run.stderr
+    assert "| ERROR" not in logged and "deprecated" not in logged  # a clean run
