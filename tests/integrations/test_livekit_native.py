@@ -236,3 +236,28 @@ async def test_agents_without_an_id_never_share_a_participant() -> None:
     assert router.history_of(second.participant_id)[0].user == "what did I say?"
     assert all("4321" not in exchange.user
                for exchange in router.history_of(second.participant_id))
+
+
+async def test_last_turn_drained_is_measured_to_its_audio() -> None:
+    """The call ends (shutdown(drain=True)) right after the answer went out: the answer
+    plays, and its first response is measured to its audio (the TTS's 0.4 s included),
+    not to the moment it was handed over."""
+    observer = RecordingObserver()
+    agent = Slow("weather", "Sunny.", gated=False)
+    router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"), telemetry=observer)
+    speaker = Speaker()
+    session: AgentSession[Any] = AgentSession(tts=ToneTTS(ttfb=0.4, seconds=0.2))
+    session.output.audio = speaker
+    closed = asyncio.Event()
+    session.on("close", lambda event: closed.set())
+    await session.start(RouterAgent(router))
+    session.generate_reply(user_input="rain?")
+    with anyio.fail_after(5):
+        await agent.entered.wait()
+    session.shutdown(drain=True)
+    with anyio.fail_after(10):
+        await closed.wait()
+    await speaker.aclose()
+    assert len(speaker.starts) == 1  # the answer played
+    (heard,) = [event for event in observer.events if event[0] == "heard"]
+    assert heard[2] >= 0.4  # its audio, after the TTS's time to first byte

@@ -343,6 +343,7 @@ class RouterAgent(Agent):
         self._listening: AgentSession[Any] | None = None
         self._audio: AudioOutput | None = None
         self._closing_session: AgentSession[Any] | None = None
+        self._exited = False
 
     @property
     def router(self) -> AgentRouter:
@@ -366,6 +367,7 @@ class RouterAgent(Agent):
         if turn is None:
             return
         session = self.session
+        self._exited = False
         self._listen(session)
         voice = _TurnVoice(self, session, turn)
         self._latest = voice
@@ -441,6 +443,8 @@ class RouterAgent(Agent):
         voice = self._replies.pop(handle.id, None)
         if voice is not None and handle.interrupted:
             self._speech_interrupted(voice)
+        if self._exited and not self._replies:
+            self._unlisten()
 
     def _speech_interrupted(self, voice: _TurnVoice) -> None:
         """The reply of `voice`'s turn was interrupted in LiveKit: stop the turn."""
@@ -520,10 +524,13 @@ class RouterAgent(Agent):
             task.add_done_callback(self._tasks.discard)
 
     async def on_exit(self) -> None:
-        """Stop reporting speech events to the router (a handoff or the session's end).
+        """Stop reporting speech events to the router (a handoff or the session's end)
+        once this agent's replies in flight were played (a drained session plays them).
 
         The session's close still makes the participant depart after a handoff."""
-        self._unlisten()
+        self._exited = True
+        if not self._replies:
+            self._unlisten()
 
 
 def _current_speech() -> SpeechHandle | None:
