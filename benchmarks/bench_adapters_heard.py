@@ -2,9 +2,10 @@
 
     PYTHONPATH=src python benchmarks/bench_adapters_heard.py
 
-Three turns per adapter: an acknowledged turn (the answer is slower than the
-acknowledgment delay), a fast turn (no acknowledgment) and a call's last turn (the call
-ends right after the answer went out). The speech path is real: Pipecat with a
+Four turns per adapter: an acknowledged turn (the answer is slower than the
+acknowledgment delay), one whose answer goes out after the acknowledgment but before the
+acknowledgment's audio plays, a fast turn (no acknowledgment) and a call's last turn (the
+call ends right after the answer went out). The speech path is real: Pipecat with a
 `TTSService` subclass and an output transport playing in (virtual) real time on a
 `ManualClock`, so its figures are exact; LiveKit with a TTS and an audio output playing
 in real time, so its figures carry the machine's scheduling noise (a few ms). "played"
@@ -29,6 +30,7 @@ ACK_DELAY = 0.5
 TTFB = 0.2
 SLOW = 1.0   # the acknowledged turn's answer starts after this long
 FAST = 0.1   # the fast turn's
+CLOSE = 0.6  # an answer right behind the acknowledgment, before its audio plays
 
 
 def recorded(observer: RecordingObserver) -> tuple[float | None, float | None]:
@@ -280,8 +282,9 @@ def main() -> None:
           "the first played) | first response recorded (should be the answer played) |")
     print("|---|---|---|---|---|---|")
     for adapter, scenario in (("Pipecat", pipecat_scenario), ("LiveKit", livekit_scenario)):
-        for name, delay, last in (("acknowledged", SLOW, False), ("fast", FAST, False),
-                                  ("last of the call", FAST, True)):
+        for name, delay, last in (("acknowledged", SLOW, False),
+                                  ("acknowledged, answer before its audio", CLOSE, False),
+                                  ("fast", FAST, False), ("last of the call", FAST, True)):
             try:
                 row = scenario(delay, last)
             except Exception as exc:  # a tree where the scenario cannot run

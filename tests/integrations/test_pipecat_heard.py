@@ -405,3 +405,22 @@ async def test_pipecat_llm_span_nests_in_the_destinations_span(
         assert all(span.parent is not None
                    and span.parent.span_id == conversation.context.span_id
                    for span in releases)
+
+
+async def test_answer_sent_before_the_acknowledgments_audio_is_not_credited_with_it() -> None:
+    """The answer goes out at 0.6 s, after the acknowledgment (0.5 s) but before its
+    audio (0.7 s): the acknowledgment's audio is not the answer's first response; the
+    answer's own audio (after the acknowledgment's) is."""
+    clock = ManualClock()
+    agent = Agent("research", "Here is the report.", clock=clock, delay=0.6)
+    router, observer = voice(agent, clock, acknowledgment_delay_secs=0.5,
+                             acknowledgment_llm=ScriptedLLM("One moment."))
+    tts, out = ClockTTS(clock, ttfb=0.2), PlayingOutput(clock)
+    async with Pipe(TurnRouterProcessor(router), tts, out) as pipe:
+        await pipe.send(said("research this"))
+        with anyio.fail_after(20):
+            await run_clock(clock, lambda: len(out.played) == 2)
+        await end_on_clock(pipe, clock)
+    ack, answer = out.played[tts.tag("One moment.")], out.played[tts.tag("Here is the report.")]
+    assert ack == pytest.approx(0.7) and answer > ack + 0.25
+    assert measured(observer) == (pytest.approx(answer), pytest.approx(ack))
