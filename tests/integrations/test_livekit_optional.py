@@ -27,4 +27,4 @@ def test_a_missing_extra_names_it_in_one_line() -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1
-    assert "pip install 'turnrouter[livekit]'" in lines[0]
+    assert "livekit extra" in lines[0] and "pip install -e '.[livekit]'" in lines[0]

@@ -27,5 +27,5 @@ def test_missing_extra_gives_one_line_error_naming_it(monkeypatch: pytest.Monkey
     with pytest.raises(ImportError) as info:
         importlib.import_module("turnrouter.integrations.pipecat")
     message = str(info.value)
-    assert "turnrouter[pipecat]" in message
+    assert "pipecat extra" in message and "pip install -e '.[pipecat]'" in message
     assert "\n" not in message

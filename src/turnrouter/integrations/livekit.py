@@ -1,4 +1,4 @@
-"""turnrouter inside LiveKit Agents (`pip install 'turnrouter[livekit]'`).
+"""turnrouter inside LiveKit Agents (the `livekit` extra: `pip install -e '.[livekit]'`).
 
 `RouterAgent` is a LiveKit `Agent` whose replies come from an `AgentRouter`;
 destinations say their answers with `speak()`; `LLMDestination` wraps a LiveKit LLM,
@@ -10,8 +10,8 @@ try:
     import livekit.agents  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
-        "turnrouter.integrations.livekit needs LiveKit Agents: "
-        "pip install 'turnrouter[livekit]'") from exc
+        "turnrouter.integrations.livekit needs LiveKit Agents: install turnrouter's "
+        "livekit extra (from a checkout: pip install -e '.[livekit]')") from exc
 
 from ._livekit import (
     ROUTED_MESSAGE_MEMORY,

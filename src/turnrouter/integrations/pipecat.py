@@ -1,4 +1,4 @@
-"""turnrouter inside a Pipecat pipeline (`pip install 'turnrouter[pipecat]'`).
+"""turnrouter inside a Pipecat pipeline (the `pipecat` extra: `pip install -e '.[pipecat]'`).
 
 `TurnRouterProcessor` takes the place of the LLM service: it turns final user turns into
 routed turns, speaks the router's control text, maps interruptions and end frames, and
@@ -11,7 +11,8 @@ try:
     import pipecat.frames.frames  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised in a test that hides pipecat
     raise ImportError(
-        "turnrouter.integrations.pipecat needs Pipecat: pip install 'turnrouter[pipecat]'"
+        "turnrouter.integrations.pipecat needs Pipecat: install turnrouter's pipecat extra "
+        "(from a checkout: pip install -e '.[pipecat]')"
     ) from exc
 
 from ._pipecat import (
