@@ -394,14 +394,10 @@ class AgentRouter:
 
     def mark_heard(self, participant_id: str, turn_id: str, at: float | None = None, *,
                    control: bool = False) -> bool:
-        """The participant started hearing turn `turn_id`'s answer at `at`.
-
-        `at` is a reading of the router's clock (now when None). True when it matched a
-        turn routed with `report_heard=True` whose measurement was still open. With
-        `control=True` what was heard is the turn's control text before its answer (a
-        preamble, an acknowledgment): that ends the silence, if nothing was heard
-        before, and leaves the first response to the answer's own report. Control text
-        never reported heard ends the silence when it was said.
+        """The participant started hearing turn `turn_id`'s answer (`control=True`: its
+        control text, an acknowledgment or preamble, which ends the silence only) at
+        `at`, a reading of the router's clock (now when None). True when it matched a
+        turn routed with `report_heard=True` whose measurement was still open.
         """
         _check_pid(participant_id)
         if not isinstance(turn_id, str):
@@ -409,10 +405,7 @@ class AgentRouter:
         answer = self._registry.heard_answer(participant_id, turn_id)
         if answer is not None:
             when = self._cfg.clock() if at is None else float(at)
-            if control:
-                answer.control_heard(when)
-            else:
-                answer.mark_heard(when)
+            (answer.control_heard if control else answer.mark_heard)(when)
         return answer is not None
 
     def begin_departure(self, participant_id: str) -> Departure:
