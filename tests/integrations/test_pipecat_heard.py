@@ -424,3 +424,30 @@ async def test_answer_sent_before_the_acknowledgments_audio_is_not_credited_with
     ack, answer = out.played[tts.tag("One moment.")], out.played[tts.tag("Here is the report.")]
     assert ack == pytest.approx(0.7) and answer > ack + 0.25
     assert measured(observer) == (pytest.approx(answer), pytest.approx(ack))
+
+
+@pytest.mark.parametrize("with_speaker", [True, False])
+async def test_llm_answer_is_measured_to_its_audio(with_speaker: bool) -> None:
+    """An in-pipeline LLM's streamed answer, with or without the processor's speaker
+    before the TTS: first response and silence end at its audio."""
+    clock = ManualClock()
+    llm = ToolLLM(clock, thinking=0.3)
+    observer = RecordingObserver()
+    chat = PipecatLLMDestination(llm, "chat", "anything", in_pipeline=True)
+    router = AgentRouter({"chat": chat}, ScriptedDecisions("chat"), clock=clock,
+                         telemetry=observer)
+    processor = TurnRouterProcessor(router)
+    tts, out = ClockTTS(clock, ttfb=0.2), PlayingOutput(clock)
+    context = LLMContext([{"role": "tool", "content": "sunny", "tool_call_id": "call-1"}])
+    user = LLMUserAggregator(context, params=LLMUserAggregatorParams(
+        user_turn_strategies=ExternalUserTurnStrategies()))
+    speaker = [processor.speaker] if with_speaker else []
+    async with Pipe(user, processor, llm, *speaker, tts, out) as pipe:
+        await pipe.send(ProposedUserStartedSpeakingFrame(), said("weather?", "alice"),
+                        ProposedUserStoppedSpeakingFrame())
+        with anyio.fail_after(20):
+            await run_clock(clock, lambda: bool(out.played))
+        await end_on_clock(pipe, clock)
+    answer = out.played[tts.tag("It is sunny.")]
+    assert answer == pytest.approx(0.5)
+    assert measured(observer) == (pytest.approx(answer), pytest.approx(answer))

@@ -231,6 +231,10 @@ class _TurnSink:
     closed: bool = False
     #: The mark of this turn's answer in the speech path, once its speech went out.
     answer_mark: _Mark | None = None
+    #: Answered by the LLM service downstream: the speaker ends its answer's speech
+    #: after the final response (`llm_done`) passes it.
+    via_llm: bool = False
+    llm_done: bool = False
 
 
 _CURRENT: contextvars.ContextVar[_TurnSink | None] = contextvars.ContextVar(
@@ -392,6 +396,11 @@ class _Response:
         self.rerun = False
         self.done = asyncio.Event()
 
+    def finish(self) -> None:
+        """The turn's final response ended (its end frame is about to leave the LLM)."""
+        self.output._sink.llm_done = True
+        self.done.set()
+
 
 class PipecatLLMDestination(FrameAgent):
     """A destination answered by a Pipecat LLM service.
@@ -486,7 +495,7 @@ class PipecatLLMDestination(FrameAgent):
                     rerun = frame.properties.run_llm
                 response.rerun = response.rerun or rerun is not False
                 if not response.results and not response.rerun and not response.calls:
-                    response.done.set()  # no inference follows the results
+                    response.finish()  # no inference follows the results
         elif not response.begun:
             return
         elif isinstance(frame, LLMTextFrame):
@@ -503,9 +512,9 @@ class PipecatLLMDestination(FrameAgent):
             if response.calls and response.error is None:
                 response.calls = 0  # tools run now; the answer comes in the next response
                 if not response.results and not response.rerun:
-                    response.done.set()
+                    response.finish()
                 return
-            response.done.set()
+            response.finish()
 
     async def _respond_in_pipeline(self, turn: AgentTurn, output: FrameOutput) -> str:
         if not self._warned and output._sink.processor.speaker.next is None:
@@ -516,8 +525,11 @@ class PipecatLLMDestination(FrameAgent):
             response = self._response = _Response(output)
             processor = output._sink.processor
             processor._llm_turn = output._sink
+            output._sink.via_llm = True
             try:
                 context = output.context or self.context_for(turn, system=True)
+                if processor.speaker.next is None:  # else the speaker marks each response
+                    await processor._open_answer(output._sink)
                 with _framework_spans_under_current(processor._tracing()):
                     await output.push(LLMContextFrame(context), speech=False)
                     async with asyncio.timeout(self.response_timeout_secs):
@@ -629,6 +641,8 @@ class _Speaker(FrameProcessor):
         self._owner = owner
         #: Frames (by id) whose passage someone waits for; at most one per waiter.
         self._awaited: dict[int, asyncio.Event] = {}
+        #: The routed turn whose LLM response passes here.
+        self._llm_sink: _TurnSink | None = None
 
     def expect(self, frame: Frame) -> asyncio.Event:
         """An event set once `frame` has passed this processor."""
@@ -640,12 +654,19 @@ class _Speaker(FrameProcessor):
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
-        if isinstance(frame, LLMFullResponseStartFrame) and direction == (
-                FrameDirection.DOWNSTREAM):
+        downstream = direction == FrameDirection.DOWNSTREAM
+        if isinstance(frame, LLMFullResponseStartFrame) and downstream:
             sink = self._owner._llm_turn
             if sink is not None and not sink.closed:
+                self._llm_sink = sink
                 await self._owner._open_answer(sink, here=True)
         await self.push_frame(frame, direction)
+        if isinstance(frame, LLMFullResponseEndFrame) and downstream:
+            sink, self._llm_sink = self._llm_sink, None
+            if sink is not None and sink.llm_done:
+                await self._owner._end_answer(sink, here=True)
+            elif sink is not None:
+                self._llm_sink = sink  # tools run: the answer comes in a later response
         event = self._awaited.pop(frame.id, None)
         if event is not None:
             event.set()
@@ -936,13 +957,22 @@ class TurnRouterProcessor(FrameProcessor):
         await self._push_speech(frame)
 
     async def _close_answer(self, sink: _TurnSink) -> None:
-        """The turn is over: its answer's speech ends in the speech path."""
+        """The turn is over: its answer's speech ends in the speech path (for an LLM
+        service's answer, the speaker does that once the final response passed it)."""
+        if not sink.via_llm or self._speaker.next is None:
+            await self._end_answer(sink)
+
+    async def _end_answer(self, sink: _TurnSink, *, here: bool = False) -> None:
         mark = sink.answer_mark
         if mark is None or self._stream_mark is not mark:
             return
         self._stream_mark = None
+        end = _Mark(owner=self.id, seq=mark.seq, end=True)
         with contextlib.suppress(Exception):  # the pipeline is being torn down
-            await self._push_speech(_Mark(owner=self.id, seq=mark.seq, end=True))
+            if here:
+                await self._speaker.push_frame(end, FrameDirection.DOWNSTREAM)
+            else:
+                await self._push_speech(end)
 
     def _heard(self, mark: _Mark) -> None:
         """The first audio after `mark` left the output transport (an observer call)."""
