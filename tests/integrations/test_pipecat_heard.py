@@ -148,6 +148,12 @@ class Remembering(FrameAgent):
         self.gate = gate
         self.entered = anyio.Event()
         self.cancelled = 0
+        self.released: set[str] = set()
+        self.release_seen = anyio.Event()
+
+    async def release(self, participant_id: str) -> None:
+        self.released.add(participant_id)
+        self.release_seen.set()
 
     async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
         self.histories.append((turn.query, tuple(e.user for e in turn.history)))
@@ -451,3 +457,32 @@ async def test_llm_answer_is_measured_to_its_audio(with_speaker: bool) -> None:
     answer = out.played[tts.tag("It is sunny.")]
     assert answer == pytest.approx(0.5)
     assert measured(observer) == (pytest.approx(answer), pytest.approx(answer))
+
+
+async def test_many_users_then_one_more_on_a_shared_router() -> None:
+    """A call sharing its router hears 70 users, then one more: the newest is routed,
+    and every participant of the call departs at its end."""
+    agent = Remembering()
+    router = AgentRouter({"conversation": agent}, ScriptedDecisions("conversation"),
+                         telemetry=Telemetry.disabled())
+    processor = TurnRouterProcessor(router, owns_router=False, max_turns=128)
+    routed: list[str] = []
+    last = anyio.Event()
+
+    @processor.event_handler("on_turn_routed")
+    async def _routed(proc: Any, turn: AgentTurn, result: RoutedResult) -> None:
+        routed.append(turn.participant_id)
+        if turn.participant_id == "newest":
+            last.set()
+
+    async with Pipe(processor) as pipe:
+        await pipe.send(*[said(f"hello {n}", f"user{n}") for n in range(70)])
+        await pipe.send(said("and me?", "newest"))
+        with anyio.fail_after(10):
+            await last.wait()
+        await pipe.end()
+    with anyio.fail_after(10):
+        while len(agent.released) < 71:  # every participant of the call departs
+            agent.release_seen = anyio.Event()
+            await agent.release_seen.wait()
+    assert "newest" in routed

@@ -679,8 +679,9 @@ _MAX_WALK = 1000
 _PASSAGE_BOUND_SECS = 2.0
 
 
-#: Distinct participants one processor routes turns for (one call: its users).
-MAX_CALL_PARTICIPANTS = 64
+#: Distinct participants a processor sharing its router remembers, to let them depart at
+#: the call's end (one call: its users; far more than any call has).
+MAX_CALL_PARTICIPANTS = 1024
 
 
 def _power_of_ten(count: int) -> bool:
@@ -759,7 +760,8 @@ class TurnRouterProcessor(FrameProcessor):
         self.end_timeout_secs = float(end_timeout_secs)
         self._count = 0
         self._tasks: dict[asyncio.Task[None], _TurnSink] = {}
-        #: Participants this processor routed turns for (at most MAX_CALL_PARTICIPANTS).
+        #: Participants this processor routed turns for, sharing the router (at most
+        #: MAX_CALL_PARTICIPANTS), in arrival order.
         self._callers: dict[str, None] = {}
         self._refusals: dict[str, int] = {}
         self._stopped = False
@@ -849,12 +851,8 @@ class TurnRouterProcessor(FrameProcessor):
             return
         if turn is None:
             return
-        pid = turn.participant_id
-        if pid not in self._callers:
-            if len(self._callers) >= MAX_CALL_PARTICIPANTS:
-                self._reject("overflow")
-                return
-            self._callers[pid] = None
+        if not self.owns_router:
+            self._track_caller(turn.participant_id)
         running = [task for task in self._tasks if not task.cancelling()]
         if len(running) >= self.max_turns:
             # The newest utterance wins: the oldest running turn makes way for it.
@@ -865,6 +863,17 @@ class TurnRouterProcessor(FrameProcessor):
         task = self.create_task(self._run(sink, self._pipecat_carrier()),
                                 name=f"turn-{turn.turn_id}")
         self._tasks[task] = sink
+
+    def _track_caller(self, pid: str) -> None:
+        """Remember a participant of this call, to depart at its end (the router is
+        shared). Past MAX_CALL_PARTICIPANTS a newcomer is routed but not remembered
+        (counted as an overflow): its state stays until it departs otherwise."""
+        if pid in self._callers:
+            return
+        if len(self._callers) >= MAX_CALL_PARTICIPANTS:
+            self._reject("overflow")
+            return
+        self._callers[pid] = None
 
     def _reject(self, reason: str) -> None:
         """Count a refused (or, for `overflow`, evicted) turn; logged the first time
