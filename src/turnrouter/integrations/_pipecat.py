@@ -863,6 +863,8 @@ class TurnRouterProcessor(FrameProcessor):
         task = self.create_task(self._run(sink, self._pipecat_carrier()),
                                 name=f"turn-{turn.turn_id}")
         self._tasks[task] = sink
+        # Also when cancelled before it ran (the turn bound): `_run` never starts then.
+        task.add_done_callback(self._forget_task)
 
     def _track_caller(self, pid: str) -> None:
         """Remember a participant of this call, to depart at its end (the router is
@@ -874,6 +876,9 @@ class TurnRouterProcessor(FrameProcessor):
             self._reject("overflow")
             return
         self._callers[pid] = None
+
+    def _forget_task(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
 
     def _reject(self, reason: str) -> None:
         """Count a refused (or, for `overflow`, evicted) turn; logged the first time
