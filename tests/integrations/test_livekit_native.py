@@ -18,7 +18,7 @@ from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, APIConnectOptions
 from livekit.agents.voice.io import AudioOutput, AudioOutputCapabilities
 
 from turnrouter import Admission, AgentRouter, AgentTurn, DestinationResult, RoutingAid
-from turnrouter.integrations.livekit import RouterAgent, TurnEnd, speak
+from turnrouter.integrations.livekit import RouterAgent, TurnEnd, speak, stop_gracefully
 from turnrouter.testing import RecordingObserver, ScriptedDecisions, ScriptedLLM
 
 pytestmark = pytest.mark.anyio
@@ -261,3 +261,26 @@ async def test_last_turn_drained_is_measured_to_its_audio() -> None:
     assert len(speaker.starts) == 1  # the answer played
     (heard,) = [event for event in observer.events if event[0] == "heard"]
     assert heard[2] >= 0.4  # its audio, after the TTS's time to first byte
+
+
+async def test_graceful_stop_with_the_session_speaks_the_answer_in_flight() -> None:
+    """stop_gracefully(router, session) (a job's shutdown callback) while a turn
+    answers: the session plays the answer to its end, then the router stops; the turn
+    ends answered."""
+    agent = Slow("weather", "Sunny all day.")
+    router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"))
+    ends: list[TurnEnd] = []
+    session: AgentSession[Any] = AgentSession()
+    await session.start(RouterAgent(router, on_turn_end=ends.append))
+    try:
+        session.generate_reply(user_input="rain?")
+        with anyio.fail_after(5):
+            await agent.entered.wait()
+        stopping = asyncio.ensure_future(stop_gracefully(router, session, timeout_secs=5))
+        agent.gate.set()
+        with anyio.fail_after(10):
+            await stopping
+        assert "Sunny all day." in assistant_texts(session)
+        assert [(end.routed is not None, end.error) for end in ends] == [(True, None)]
+    finally:
+        await session.aclose()

@@ -549,18 +549,28 @@ async def _join(departure: Awaitable[None], participant_id: str) -> None:
         _log_failure("departure of %s", exc, participant_id)
 
 
-async def stop_gracefully(router: AgentRouter, *, timeout_secs: float | None = None) -> None:
-    """End the router after the turns in flight: `drain()`, then `stop()`.
+async def stop_gracefully(router: AgentRouter, *sessions: AgentSession[Any],
+                          timeout_secs: float | None = None) -> None:
+    """End the router after the turns in flight: the given sessions play the replies
+    they are speaking to their end (`session.drain()`), then the router `drain()`s and
+    `stop()`s.
 
-    Stop feeding turns first (close the sessions). With `timeout_secs`, turns still
-    running after it are cancelled by `stop()`. Fits `JobContext.add_shutdown_callback`.
+    Fits `JobContext.add_shutdown_callback` (pass the job's session: a job's shutdown
+    then speaks the answer in flight, as a plain `Agent`'s would). With `timeout_secs`
+    (for all of it), what is still running after it is cancelled by `stop()`.
     """
-    if timeout_secs is None:
+    async def drain() -> None:
+        for session in sessions:
+            with contextlib.suppress(RuntimeError):  # not running (closed already)
+                await session.drain()
         await router.drain()
+
+    if timeout_secs is None:
+        await drain()
     else:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_secs):
-                await router.drain()
+                await drain()
     await router.stop()
 
 
