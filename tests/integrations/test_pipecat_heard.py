@@ -488,3 +488,46 @@ async def test_many_users_then_one_more_on_a_shared_router(max_turns: int) -> No
             agent.release_seen = anyio.Event()
             await agent.release_seen.wait()
     assert "newest" in routed
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from pipecat.frames.frames import (
+        BotStartedSpeakingFrame,
+        BotStoppedSpeakingFrame,
+        TTSSpeakFrame,
+    )
+    from pipecat.processors.frame_processor import FrameProcessor
+
+
+class UpstreamOnlyOutput(FrameProcessor):
+    """A hand-written output (no BaseOutputTransport): speaks each TTSSpeakFrame after
+    `ttfb` clock seconds and tells only upstream when the bot starts and stops."""
+
+    def __init__(self, clock: ManualClock, ttfb: float) -> None:
+        super().__init__()
+        self.clock, self.ttfb = clock, ttfb
+        self.started: list[float] = []
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        await self.push_frame(frame, direction)
+        if isinstance(frame, TTSSpeakFrame):
+            await self.clock.sleep(self.ttfb)
+            self.started.append(self.clock.now())
+            await self.push_frame(BotStartedSpeakingFrame(), FrameDirection.UPSTREAM)
+            await self.push_frame(BotStoppedSpeakingFrame(), FrameDirection.UPSTREAM)
+
+
+async def test_an_output_telling_only_upstream_is_heard() -> None:
+    """An output that sends BotStartedSpeakingFrame upstream only still reports the
+    answer heard at its audio."""
+    clock = ManualClock()
+    router, observer = voice(Agent("weather", "Sunny."), clock)
+    out = UpstreamOnlyOutput(clock, ttfb=0.3)
+    async with Pipe(TurnRouterProcessor(router), out) as pipe:
+        await pipe.send(said("rain?"))
+        with anyio.fail_after(20):
+            await run_clock(clock, lambda: bool(out.started))
+        await end_on_clock(pipe, clock)
+    assert measured(observer) == (pytest.approx(0.3), pytest.approx(0.3))

@@ -15,6 +15,7 @@ import itertools
 import logging
 import re
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -591,6 +592,8 @@ class _Ears(BaseObserver):
         #: Processors known to play audio (they sent a BotStartedSpeakingFrame).
         self._outputs: set[int] = set()
         self.output_seen = False
+        #: The latest BotStartedSpeakingFrames counted (a broadcast sends two copies).
+        self._started_ids: deque[int] = deque(maxlen=8)
 
     def _is_output(self, source: FrameProcessor) -> bool:
         if isinstance(source, BaseOutputTransport):
@@ -617,8 +620,10 @@ class _Ears(BaseObserver):
                         self._processor._resolved(mark)  # ended without audio
                     break
         elif isinstance(frame, BotStartedSpeakingFrame):
-            if not data.first_push or data.direction != FrameDirection.DOWNSTREAM:
-                return  # passed on, or the upstream copy: only the output's own counts
+            if not data.first_push or frame.id in self._started_ids or getattr(
+                    frame, "broadcast_sibling_id", None) in self._started_ids:
+                return  # passed on, or the other copy of a broadcast: counted once
+            self._started_ids.append(frame.id)
             self._outputs.add(data.source.id)
             self.output_seen = True
             started = self._open.get(data.source.id)
