@@ -568,6 +568,54 @@ class _Mark(ControlFrame):
     end: bool = False
 
 
+class _Ledger:
+    """The marked utterances of one processor not yet heard nor ended at the output,
+    and the heard reports to the router."""
+
+    def __init__(self, router: AgentRouter) -> None:
+        self._router = router
+        self._seq = itertools.count(1)
+        self._pending: dict[int, _Mark] = {}
+        self._changed = asyncio.Event()
+        self._cut_seq = 0
+
+    def mark(self, owner: int, turn: AgentTurn, kind: str) -> _Mark:
+        mark = _Mark(owner=owner, seq=next(self._seq), participant_id=turn.participant_id,
+                     turn_id=turn.turn_id, kind=kind)
+        self._pending[mark.seq] = mark
+        return mark
+
+    def heard(self, mark: _Mark) -> None:
+        """The output started speaking `mark`'s utterance (an observer call)."""
+        if self._pending.pop(mark.seq, None) is None:
+            return
+        self._changed.set()
+        with contextlib.suppress(Exception):  # an unknown participant or a stopped router
+            self._router.mark_heard(mark.participant_id, mark.turn_id,
+                                    control=mark.kind != "answer")
+
+    def resolved(self, mark: _Mark) -> None:
+        """`mark`'s utterance passed the output with no audio."""
+        if self._pending.pop(mark.seq, None) is not None:
+            self._changed.set()
+
+    def cut(self) -> None:
+        """An interruption leaves the processor: what was marked so far is dropped."""
+        self._cut_seq = next(self._seq)
+
+    def cut_at_output(self) -> None:
+        """An interruption reached the output: what was marked before it is gone."""
+        for seq in [seq for seq in self._pending if seq <= self._cut_seq]:
+            del self._pending[seq]
+        self._changed.set()
+
+    async def wait_empty(self) -> None:
+        """Until every marked utterance was heard or passed the output with no audio."""
+        while self._pending:
+            self._changed.clear()
+            await self._changed.wait()
+
+
 #: Marked utterances an output may hold open at once (passed on, neither heard nor
 #: ended); beyond it the oldest is forgotten (its turn falls back to `started()`).
 _MAX_OPEN_MARKS = 32
@@ -584,9 +632,10 @@ class _Ears(BaseObserver):
     that follows it is the answer's. (Audio chunks themselves are no guide: the output
     holds back the tail of an utterance's audio, which a mark may overtake.)"""
 
-    def __init__(self, processor: TurnRouterProcessor) -> None:
+    def __init__(self, owner: int, ledger: _Ledger) -> None:
         super().__init__()
-        self._processor = processor
+        self._owner = owner
+        self._ledger = ledger
         #: Per processor (by id): the start marks it passed on, neither heard nor ended.
         self._open: dict[int, list[_Mark]] = {}
         #: Processors known to play audio (they sent a BotStartedSpeakingFrame).
@@ -604,7 +653,7 @@ class _Ears(BaseObserver):
     async def on_push_frame(self, data: FramePushed) -> None:
         frame = data.frame
         if isinstance(frame, _Mark):
-            if frame.owner != self._processor.id:
+            if frame.owner != self._owner:
                 return
             source = data.source
             marks = self._open.setdefault(source.id, [])
@@ -617,7 +666,7 @@ class _Ears(BaseObserver):
                 if mark.seq == frame.seq:
                     del marks[index]
                     if self._is_output(source):
-                        self._processor._resolved(mark)  # ended without audio
+                        self._ledger.resolved(mark)  # ended without audio
                     break
         elif isinstance(frame, BotStartedSpeakingFrame):
             if not data.first_push or frame.id in self._started_ids or getattr(
@@ -628,10 +677,10 @@ class _Ears(BaseObserver):
             self.output_seen = True
             started = self._open.get(data.source.id)
             if started:
-                self._processor._heard(started.pop())
+                self._ledger.heard(started.pop())
         elif isinstance(frame, InterruptionFrame) and self._is_output(data.source):
             self._open.pop(data.source.id, None)
-            self._processor._cut_at_output()
+            self._ledger.cut_at_output()
 
 
 class _Speaker(FrameProcessor):
@@ -776,12 +825,9 @@ class TurnRouterProcessor(FrameProcessor):
         #: The turn an LLM service downstream is answering (PipecatLLMDestination).
         self._llm_turn: _TurnSink | None = None
         # Heard reports: marks in the speech path, watched at the output transport.
-        self._ears = _Ears(self)
-        self._seq = itertools.count(1)
+        self._ledger = _Ledger(router)
+        self._ears = _Ears(self.id, self._ledger)
         self._stream_mark: _Mark | None = None
-        self._pending: dict[int, _Mark] = {}
-        self._pending_changed = asyncio.Event()
-        self._cut_seq = 0
         self._register_event_handler("on_turn_routed")
         self._register_event_handler("on_turn_failed")
 
@@ -952,10 +998,8 @@ class TurnRouterProcessor(FrameProcessor):
     # -- heard reports -----------------------------------------------------------------
 
     def _mark(self, turn: AgentTurn, kind: str) -> _Mark:
-        mark = _Mark(owner=self.id, seq=next(self._seq), participant_id=turn.participant_id,
-                     turn_id=turn.turn_id, kind=kind)
+        mark = self._ledger.mark(self.id, turn, kind)
         self._stream_mark = mark if kind == "answer" else None
-        self._pending[mark.seq] = mark
         return mark
 
     async def _open_answer(self, sink: _TurnSink, *, here: bool = False) -> None:
@@ -993,34 +1037,11 @@ class TurnRouterProcessor(FrameProcessor):
             else:
                 await self._push_speech(end)
 
-    def _heard(self, mark: _Mark) -> None:
-        """The first audio after `mark` left the output transport (an observer call)."""
-        if self._pending.pop(mark.seq, None) is None:
-            return
-        self._pending_changed.set()
-        with contextlib.suppress(Exception):  # an unknown participant or a stopped router
-            self.router.mark_heard(mark.participant_id, mark.turn_id,
-                                   control=mark.kind != "answer")
-
-    def _resolved(self, mark: _Mark) -> None:
-        """`mark`'s utterance passed the output with no audio."""
-        if self._pending.pop(mark.seq, None) is not None:
-            self._pending_changed.set()
-
-    def _cut_at_output(self) -> None:
-        """An interruption reached the output: what was marked before it is dropped."""
-        for seq in [seq for seq in self._pending if seq <= self._cut_seq]:
-            del self._pending[seq]
-        self._pending_changed.set()
-
     async def _drain_audio(self) -> None:
         """Wait until every marked utterance was heard, or passed the output with no
         audio (bounded by the caller). Only when an output transport is in the pipeline."""
-        if not (self._ears.output_seen or self._output_downstream()):
-            return
-        while self._pending:
-            self._pending_changed.clear()
-            await self._pending_changed.wait()
+        if self._ears.output_seen or self._output_downstream():
+            await self._ledger.wait_empty()
 
     def _output_downstream(self) -> bool:
         """Whether an output transport follows (walking the linked processors)."""
@@ -1040,7 +1061,7 @@ class TurnRouterProcessor(FrameProcessor):
         passed the speaker: speech pushed afterwards at the speaker then follows it, so
         an interruption never drops the speech of the turn that replaced the cut one."""
         if isinstance(frame, InterruptionFrame):
-            self._cut_seq = next(self._seq)
+            self._ledger.cut()
             self._stream_mark = None
         if self._speaker.next is None:
             await self.push_frame(frame, FrameDirection.DOWNSTREAM)
