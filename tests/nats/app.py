@@ -105,3 +105,15 @@ def make_router(ctx: WorkerContext) -> AgentRouter:
 def not_a_router(ctx: WorkerContext) -> object:
     """A broken factory: the worker must say what is wrong and exit."""
     return object()
+
+
+async def hanging(ctx: WorkerContext) -> AgentRouter:
+    """A factory that never finishes (waiting for a dependency that never comes): the
+    worker must still honour SIGTERM."""
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+def raising(ctx: WorkerContext) -> AgentRouter:
+    """A factory that fails: one line on stderr, exit 1."""
+    raise KeyError("OPENAI_API_KEY is not set")

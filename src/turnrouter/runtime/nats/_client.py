@@ -9,11 +9,10 @@ from typing import Any
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
-import nats
-
-from ..._exceptions import ContractTypeError, LifecycleError
+from ..._exceptions import ContractTypeError, LifecycleError, TurnrouterError
 from .._messages import Interrupted, ResponseOutput, RuntimeMessage
-from ._setup import ensure_deployment
+from ._security import connect
+from ._setup import api_request, ensure_deployment
 from ._wire import NatsConfig, kind_of
 
 __all__ = ["NatsFrontEnd"]
@@ -35,14 +34,14 @@ class NatsFrontEnd:
 
     @classmethod
     async def connect(cls, config: NatsConfig, **options: Any) -> NatsFrontEnd:
-        """Connect to `config.url` (options go to `nats.connect`) and make sure the
-        streams exist, so a front end may start before any worker."""
+        """Connect to `config.url` (options go to `nats.connect`, over the credentials
+        and TLS of `config`) and make sure the streams exist, so a front end may start
+        before any worker. Streams that exist are left alone: a front end of a locked
+        deployment (deploy/nats/) may only look them up, the workers create them."""
+        nc = await connect(config, "frontend", **options)
         try:
-            nc = await nats.connect(config.url, **options)
-        except (NatsError, OSError) as exc:
-            raise LifecycleError(f"cannot connect to NATS at {config.url}: {exc!r}") from exc
-        try:
-            await ensure_deployment(nc, config)
+            if not await _deployment_exists(nc, config):
+                await ensure_deployment(nc, config)
         except BaseException:
             await nc.close()
             raise
@@ -95,3 +94,13 @@ class NatsFrontEnd:
                 yield ResponseOutput.model_validate_json(msg.data)
         finally:
             await sub.unsubscribe()
+
+
+async def _deployment_exists(nc: Client, config: NatsConfig) -> bool:
+    """Whether both streams exist (a look-up a front end's permissions allow)."""
+    for name in (config.stream, config.output_stream):
+        try:
+            await api_request(nc, f"$JS.API.STREAM.INFO.{name}", wait=2.0)
+        except TurnrouterError:
+            return False
+    return True

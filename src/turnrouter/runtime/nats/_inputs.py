@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from ..._contracts import AgentTurn
 from ..._exceptions import ContractValueError, LifecycleError, TurnInterrupted
+from ..._logging import log_failure
 from ..._router import AgentRouter
 from .._messages import ResponseOutput, UserQuery
 from ._ledger import Ledger, Participant
@@ -236,8 +237,8 @@ class Inputs:
     async def _after(self, work: Awaitable[None], pid: str, state: Participant) -> None:
         try:
             await work
-        except Exception:
-            logger.exception("turnrouter: departure failed")
+        except Exception as exc:  # user text may be in it: its type only (_logging)
+            log_failure("departure", exc, log=logger)
         await self._ledger.write(pid, state)
 
     async def _ack(self, msg: Msg, how: bytes = b"+ACK") -> None:
@@ -267,8 +268,8 @@ class Inputs:
                                           carrier=carrier)
             elif isinstance(exc, LifecycleError):
                 logger.info("turnrouter: turn %s refused: %s", turn.turn_id, exc)
-        except Exception:
-            logger.exception("turnrouter: turn %s failed", turn.turn_id)
+        except Exception as exc:  # user text may be in it: its type only (_logging)
+            log_failure("turn %s", exc, turn.turn_id, log=logger)
             # Every turn ends audibly: the failure text under the terminal id is dropped
             # by the output stream when the router or the destination already ended it.
             await self.publish_output(pid, turn.turn_id, "none", self._config.failure_text,
@@ -303,8 +304,8 @@ class Inputs:
                 await self._link.publish_stored(*output)
                 with contextlib.suppress(ValueError):
                     state.outbox.remove(held)  # the next write drops it from the record
-        except Exception:
-            logger.exception("turnrouter: finishing a turn failed")
+        except Exception as exc:
+            log_failure("finishing a turn", exc, log=logger)
         finally:
             run.settle(ok)
 

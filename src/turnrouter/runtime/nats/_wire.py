@@ -13,7 +13,7 @@ import base64
 import binascii
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from ..._exceptions import ConfigurationError, ContractValueError, TurnrouterError
 from ..._numbers import finite
-from ..._redact import preview
+from ..._redact import REDACTED, preview, redact_url
 from ..._timing import TimingSample
 from .._messages import (
     Interrupted,
@@ -62,7 +62,14 @@ KINDS: dict[str, type[RuntimeMessage]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+#: The credential and TLS fields of `NatsConfig` (paths or names; secrets hidden in repr).
+_SECRET_FIELDS = ("password", "token")
+_AUTH_FIELDS = ("token", "creds_file", "nkey_seed_file")
+_TEXT_FIELDS = ("user", "password", "token", "creds_file", "nkey_seed_file",
+                "tls_ca_file", "tls_cert_file", "tls_key_file")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
 class NatsConfig:
     """Names and timings shared by every worker and publisher of one deployment.
 
@@ -75,6 +82,14 @@ class NatsConfig:
     flight in its record (one write) so its message can be acknowledged; a turn ending
     sooner needs no mark (its finished record comes first). It is also the longest the
     partition's next message waits behind a turn that just started.
+
+    Security (see docs/distributed.md, "Trust"): at most one way to authenticate:
+    `user` + `password`, `token`, `creds_file` (a `.creds` file: user JWT and nkey
+    seed) or `nkey_seed_file` (a file holding an nkey seed); credentials in the URL
+    (`nats://user:password@host`) work too. `tls_ca_file` verifies the server,
+    `tls_cert_file` + `tls_key_file` present a client certificate (use a `tls://` URL or a
+    server that requires TLS). `repr()` and every error show the URL with its password
+    masked and never the password or token.
     """
 
     url: str = "nats://127.0.0.1:4222"
@@ -91,8 +106,55 @@ class NatsConfig:
     drain_timeout: float = 20.0
     mark_after: float = 0.005
     failure_text: str = "Sorry, something went wrong. Please try again."
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    creds_file: str | None = None
+    nkey_seed_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    def __repr__(self) -> str:
+        shown = []
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name == "url":
+                value = redact_url(value) if isinstance(value, str) else value
+            elif item.name in _SECRET_FIELDS and value is not None:
+                value = REDACTED
+            shown.append(f"{item.name}={value!r}")
+        return f"NatsConfig({', '.join(shown)})"
+
+    @property
+    def safe_url(self) -> str:
+        """The URL with any password or token masked (what errors and logs show)."""
+        return redact_url(self.url)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url or len(self.url) > 4096 or any(
+                c in self.url for c in " \t\r\n\0"):
+            raise ConfigurationError("NatsConfig.url must be a NATS URL (nats://host:4222)")
+        for name in _TEXT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value
+                                          and len(value) <= 4096 and "\0" not in value
+                                          and "\n" not in value):
+                # Never show the value: it may be a secret.
+                raise ConfigurationError(
+                    f"NatsConfig.{name} must be a non-empty one-line string or None")
+        ways = [name for name in _AUTH_FIELDS if getattr(self, name) is not None]
+        if self.user is not None or self.password is not None:
+            ways.append("user/password")
+            if self.user is None or self.password is None:
+                raise ConfigurationError(
+                    "NatsConfig.user and NatsConfig.password go together")
+        if len(ways) > 1:
+            raise ConfigurationError(
+                f"NatsConfig: one way to authenticate at most, got {', '.join(ways)}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigurationError(
+                "NatsConfig.tls_cert_file and NatsConfig.tls_key_file go together")
         if not self.prefix or any(c in self.prefix for c in " .*>\t\r\n"):
             raise ConfigurationError(
                 f"NatsConfig.prefix must be one subject token, got {self.prefix!r}")

@@ -31,12 +31,10 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
-
-import nats
 
 from ..._contracts import AgentTurn
 from ..._exceptions import ContractValueError, LifecycleError
+from ..._logging import log_failure
 from ..._router import AgentRouter
 from ..._timing import TimingPredictor, TimingSample
 from ._fleet import Fleet
@@ -44,6 +42,7 @@ from ._inputs import Inputs
 from ._ledger import Ledger
 from ._link import Link
 from ._metrics import RuntimeMetrics, runtime_metrics
+from ._security import connect
 from ._setup import GROUP, api_request, ensure_deployment
 from ._wire import NatsConfig
 
@@ -199,7 +198,7 @@ class NatsWorker:
             self.ready.set()
             await self._stop.wait()
             if lost.is_set():
-                raise LifecycleError(f"lost the connection to NATS at {config.url}")
+                raise LifecycleError(f"lost the connection to NATS at {config.safe_url}")
             await self._shutdown(loops, helpers)
         finally:
             background = [*self._tasks, *loops, *helpers] if self.ready.is_set() \
@@ -263,10 +262,10 @@ class NatsWorker:
             while self._pulling:
                 try:
                     await self._pull_once(n, nc, inbox, subject, next_subject)
-                except Exception:
+                except Exception as exc:
                     # The loop outlives any one failure: a message not acknowledged
                     # comes back (and ends with the failure text if it was a query).
-                    logger.exception("turnrouter: partition %d: pull failed", n)
+                    log_failure("partition %d: pull", exc, n, log=logger)
                     await asyncio.sleep(0.1)
         finally:
             await sub.unsubscribe()
@@ -418,11 +417,7 @@ async def _connect(config: NatsConfig, replica: str,
                    closed: Callable[[], Awaitable[None]]) -> Client:
     """Connect with bounded first attempts, then ride out a server outage of about a
     minute (nats-py reads this option on every reconnect); past it the worker exits."""
-    try:
-        nc = await nats.connect(config.url, name=f"turnrouter-{replica}", connect_timeout=2,
-                                max_reconnect_attempts=3, reconnect_time_wait=0.5,
-                                closed_cb=closed)
-    except (NatsError, OSError, TimeoutError) as exc:
-        raise LifecycleError(f"cannot connect to NATS at {config.url}: {exc!r}") from exc
+    nc = await connect(config, "worker", name=f"turnrouter-{replica}", connect_timeout=2,
+                       max_reconnect_attempts=3, reconnect_time_wait=0.5, closed_cb=closed)
     nc.options["max_reconnect_attempts"] = _RECONNECTS
     return nc

@@ -1,0 +1,140 @@
+"""How workers and front ends connect: credentials, TLS, inboxes, and quiet errors.
+
+Trust is NATS's own (accounts, users, subject permissions, TLS; see deploy/nats/ and
+docs/distributed.md): this module only turns a `NatsConfig` into `nats.connect` options.
+Each role gets its own inbox prefix (`_INBOX_<prefix>_worker`, `_INBOX_<prefix>_frontend`)
+so a server configuration can let front ends subscribe to their replies only, never to a
+worker's (which carry participant state). nats-py's default error callback logs a
+traceback per failed attempt; ours logs one line with every secret masked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+
+from ..._exceptions import LifecycleError
+from ..._redact import redact_text
+from ._wire import NatsConfig
+
+__all__ = ["connect", "connect_options", "inbox_prefix", "safe_error", "secrets_of"]
+
+logger = logging.getLogger("turnrouter.runtime.nats")
+
+
+def inbox_prefix(config: NatsConfig, role: str) -> str:
+    """The reply-subject prefix of one role (`worker` or `frontend`)."""
+    return f"_INBOX_{config.prefix}_{role}"
+
+
+def secrets_of(config: NatsConfig) -> tuple[str, ...]:
+    """The secrets a configuration holds: its password, token and URL user info."""
+    found = [s for s in (config.password, config.token) if s]
+    for server in config.url.split(","):
+        head, sep, _ = server.partition("@")
+        if sep:
+            userinfo = head.rpartition("//")[2]
+            found.append(userinfo.partition(":")[2] or userinfo)
+    return tuple(s for s in found if s)
+
+
+def safe_error(config: NatsConfig, exc: BaseException) -> str:
+    """`repr(exc)` with the configuration's secrets and any URL user info masked."""
+    return redact_text(repr(exc)[:500], secrets_of(config))
+
+
+async def connect(config: NatsConfig, role: str, **options: Any) -> Client:
+    """A connection with the configuration's credentials and TLS (`options` go to
+    `nats.connect` and win). A refusal of the credentials or of TLS ends the first
+    connection at once: nats-py would otherwise retry the same refused credentials
+    until its attempts run out. `LifecycleError` with the URL and error masked."""
+    refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+    merged = {**connect_options(config, role, refused), **options}
+    nc = Client()
+    connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(config.url, **merged))
+    either: list[asyncio.Future[Any]] = [connecting, refused]
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            await asyncio.gather(nc.close(), return_exceptions=True)
+    if connecting.cancelled() or connecting.exception() is not None:
+        error = connecting.exception() if not connecting.cancelled() else refused.result()
+        assert error is not None
+        raise LifecycleError(f"cannot connect to NATS at {config.safe_url}: "
+                             f"{safe_error(config, error)}") from None
+    return nc
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    if isinstance(exc, ssl.SSLError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, NatsError) and ("authorization" in text
+                                           or "authentication" in text)
+
+
+def connect_options(config: NatsConfig, role: str,
+                    refused: asyncio.Future[BaseException] | None = None) -> dict[str, Any]:
+    """`nats.connect` keyword arguments for the configuration's credentials and TLS
+    (`LifecycleError` naming the file, never its content, when one cannot be used)."""
+    options: dict[str, Any] = {"inbox_prefix": inbox_prefix(config, role),
+                               "error_cb": _error_callback(config, refused)}
+    if config.user is not None:
+        options["user"], options["password"] = config.user, config.password
+    if config.token is not None:
+        options["token"] = config.token
+    if config.creds_file is not None or config.nkey_seed_file is not None:
+        try:
+            import nkeys  # noqa: F401  # nats-py signs the server's nonce with it
+        except ImportError as exc:
+            raise LifecycleError("NATS creds and nkey files need the nkeys package "
+                                 "(pip install 'turnrouter[nats]')") from exc
+        for path in (config.creds_file, config.nkey_seed_file):
+            if path is not None:
+                _readable(path)
+        if config.creds_file is not None:
+            options["user_credentials"] = config.creds_file
+        else:
+            options["nkeys_seed"] = config.nkey_seed_file
+    if config.tls_ca_file is not None or config.tls_cert_file is not None:
+        options["tls"] = _tls_context(config)
+    return options
+
+
+def _readable(path: str) -> None:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise LifecycleError(f"cannot read {path!r}: {exc.strerror}") from None
+
+
+def _tls_context(config: NatsConfig) -> ssl.SSLContext:
+    try:
+        context = ssl.create_default_context(cafile=config.tls_ca_file)
+        if config.tls_cert_file is not None and config.tls_key_file is not None:
+            context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        # The message names the file and the problem, not what the file holds.
+        raise LifecycleError(f"cannot load the TLS files: {type(exc).__name__}: "
+                             f"{getattr(exc, 'strerror', None) or exc.args[-1]}") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def _error_callback(config: NatsConfig, refused: asyncio.Future[BaseException] | None
+                    ) -> Callable[[Exception], Awaitable[None]]:
+    async def on_error(exc: Exception) -> None:
+        logger.warning("turnrouter: NATS at %s: %s", config.safe_url, safe_error(config, exc))
+        if refused is not None and not refused.done() and _is_refusal(exc):
+            refused.set_result(exc)
+    return on_error

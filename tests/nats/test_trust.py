@@ -1,0 +1,395 @@
+"""Trust through NATS's own security: the shipped server configuration (deploy/nats/),
+credentials and TLS in `turnrouter worker` and `NatsFrontEnd`, and secrets that never
+reach an error, a log line or a repr.
+
+Every test here runs a real nats-server with `deploy/nats/nats-server.conf` (or, for
+nkeys and tokens, a configuration including its `permissions.conf`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from nats.aio.msg import Msg
+from prometheus_client import CollectorRegistry
+
+import nats
+from turnrouter import ConfigurationError, LifecycleError
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
+
+from .conftest import ROOT, NatsServer, Worker
+from .crowd import Heard, ask, listen
+
+pytestmark = pytest.mark.anyio
+
+DEPLOY = ROOT / "deploy" / "nats"
+PASSWORDS = {"TURNROUTER_WORKER_PASSWORD": "worker-secret-5150",
+             "TURNROUTER_FRONTEND_PASSWORD": "frontend-secret-8086"}
+WORKER_ENV = {"TURNROUTER_NATS_PASSWORD": PASSWORDS["TURNROUTER_WORKER_PASSWORD"]}
+
+
+def frontend_config(url: str, tls_ca_file: str | None = None) -> NatsConfig:
+    return NatsConfig(url=url, user="frontend", tls_ca_file=tls_ca_file,
+                      password=PASSWORDS["TURNROUTER_FRONTEND_PASSWORD"])
+
+
+@pytest.fixture
+def locked() -> Iterator[NatsServer]:
+    """nats-server running the shipped configuration."""
+    server = NatsServer(config=DEPLOY / "nats-server.conf", env=PASSWORDS)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+async def answered_by_fleet(front: NatsFrontEnd, pid: str, text: str) -> str:
+    heard = Heard()
+    ready = asyncio.Event()
+    task = asyncio.create_task(listen(front, heard, ready))
+    try:
+        async with asyncio.timeout(15):
+            await ready.wait()
+        return await ask(front, heard, pid, text)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+# ---------------------------------------------------------------- the shipped configuration
+async def test_locked_fleet_answers_with_the_right_credentials(locked: NatsServer) -> None:
+    """A worker (`--nats-user worker`, password from the environment) and a front end
+    (`NatsConfig(user=..., password=...)`) of the shipped configuration work end to end;
+    the password is nowhere on the worker's command line."""
+    worker = Worker(locked.url, "locked", "--nats-user", "worker", env=WORKER_ENV)
+    try:
+        front = await NatsFrontEnd.connect(frontend_config(locked.url))
+        try:
+            assert await answered_by_fleet(front, "ann", "hello") == "hello|-|N"
+        finally:
+            await front.close()
+    finally:
+        worker.close()
+
+
+async def test_front_end_may_not_publish_what_only_workers_publish(
+        locked: NatsServer) -> None:
+    """A front end's user publishing on control, presence, timing or output subjects, or
+    touching participant state or a worker's replies, is refused by the server; a worker
+    subscribed to those subjects receives none of it."""
+    worker_nc = await nats.connect(locked.url, user="worker",
+                                   password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"],
+                                   inbox_prefix="_INBOX_turnrouter_worker")
+    received: list[str] = []
+
+    async def keep(msg: Msg) -> None:
+        received.append(msg.subject)
+
+    for subject in ("turnrouter.ctl.interrupt", "turnrouter.presence", "turnrouter.timing"):
+        await worker_nc.subscribe(subject, cb=keep)
+    await worker_nc.flush()
+    refusals: list[str] = []
+    all_refused = asyncio.Event()
+    expected = 10  # the eight publishes and two subscriptions below
+
+    async def collect(exc: Exception) -> None:
+        if "permissions violation" in str(exc).lower():
+            refusals.append(str(exc).lower())
+            if len(refusals) >= expected:
+                all_refused.set()
+
+    front_nc = await nats.connect(locked.url, user="frontend",
+                                  password=PASSWORDS["TURNROUTER_FRONTEND_PASSWORD"],
+                                  error_cb=collect)
+    forbidden = ["turnrouter.ctl.interrupt", "turnrouter.presence", "turnrouter.timing",
+                 "turnrouter.out.YWxpY2U", "turnrouter.probe.0",
+                 "$KV.turnrouter_state.0.YWxpY2U", "$JS.API.STREAM.DELETE.TURNROUTER_IN",
+                 "$JS.API.CONSUMER.CREATE.TURNROUTER_IN.p0"]
+    try:
+        for subject in forbidden:
+            await front_nc.publish(subject, b'{"replica":"fake","owned":0}')
+        await front_nc.subscribe("_INBOX_turnrouter_worker.>", cb=keep)
+        await front_nc.subscribe("turnrouter.>", cb=keep)
+        await front_nc.flush()
+        async with asyncio.timeout(10):
+            await all_refused.wait()
+        await worker_nc.flush()
+        refused = " ".join(refusals)
+        for subject in forbidden:
+            assert subject.lower() in refused
+        assert received == []
+    finally:
+        await front_nc.close()
+        await worker_nc.close()
+
+
+async def test_unauthenticated_and_wrong_credentials_are_refused(
+        locked: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """No credentials, or a wrong password, cannot connect; neither the error nor any log
+    line shows the password."""
+    wrong = "wrong-secret-0451"
+    with caplog.at_level(logging.DEBUG):
+        for config in (NatsConfig(url=locked.url),
+                       NatsConfig(url=locked.url, user="frontend", password=wrong),
+                       NatsConfig(url=locked.url.replace("://", f"://frontend:{wrong}@"))):
+            with pytest.raises(LifecycleError, match="cannot connect") as caught:
+                await NatsFrontEnd.connect(config, max_reconnect_attempts=1)
+            assert wrong not in str(caught.value) and wrong not in repr(config)
+    assert wrong not in caplog.text and "Traceback" not in caplog.text
+
+
+# ---------------------------------------------------------------- nkeys and tokens
+def nkey_user() -> tuple[str, str]:
+    """A fresh user nkey: (seed, public key)."""
+    import os
+
+    import nkeys
+
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode(), nkeys.from_seed(seed).public_key.decode()
+
+
+async def test_nkey_users_with_the_shipped_permissions(tmp_path: Path) -> None:
+    """Workers and front ends authenticated by nkey seed files (`--nats-nkey`,
+    `NatsConfig(nkey_seed_file=...)`) under the shipped permissions work end to end."""
+    (worker_seed, worker_key), (front_seed, front_key) = nkey_user(), nkey_user()
+    shutil.copy(DEPLOY / "permissions.conf", tmp_path / "permissions.conf")
+    conf = tmp_path / "nkeys.conf"
+    conf.write_text(
+        "include ./permissions.conf\n"
+        "accounts { TURNROUTER { jetstream: enabled, users: [\n"
+        f"  {{nkey: {worker_key}, permissions: $WORKER_PERMISSIONS}}\n"
+        f"  {{nkey: {front_key}, permissions: $FRONTEND_PERMISSIONS}}\n"
+        "] } }\n")
+    for name, seed in (("worker.nk", worker_seed), ("front.nk", front_seed)):
+        (tmp_path / name).write_text(seed + "\n")
+    server = NatsServer(config=conf)
+    worker = None
+    try:
+        worker = Worker(server.url, "nkeyed", "--nats-nkey", str(tmp_path / "worker.nk"))
+        front = await NatsFrontEnd.connect(
+            NatsConfig(url=server.url, nkey_seed_file=str(tmp_path / "front.nk")))
+        try:
+            assert await answered_by_fleet(front, "nia", "hi") == "hi|-|N"
+        finally:
+            await front.close()
+    finally:
+        if worker is not None:
+            worker.close()
+        server.close()
+
+
+async def test_token_authentication(caplog: pytest.LogCaptureFixture) -> None:
+    """`NatsConfig(token=...)` connects to a server requiring that token; a wrong token is
+    refused without showing it."""
+    server = NatsServer(args=["--auth", "right-token-2112"])
+    try:
+        front = await NatsFrontEnd.connect(NatsConfig(url=server.url,
+                                                      token="right-token-2112"))
+        await front.close()
+        with caplog.at_level(logging.DEBUG), pytest.raises(LifecycleError) as caught:
+            await NatsFrontEnd.connect(NatsConfig(url=server.url, token="bad-token-1984"),
+                                       max_reconnect_attempts=1)
+        assert "bad-token-1984" not in str(caught.value) + caplog.text
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------- TLS
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def certificates() -> Iterator[Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    folder = Path(tempfile.mkdtemp(prefix="tr-tls-"))
+    try:
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                "-subj", "/CN=turnrouter test CA", "-keyout", str(folder / "ca-key.pem"),
+                "-out", str(folder / "ca.pem"))
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+                "-keyout", str(folder / "server-key.pem"), "-out", str(folder / "server.csr"))
+        (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        openssl("x509", "-req", "-in", str(folder / "server.csr"), "-CA",
+                str(folder / "ca.pem"), "-CAkey", str(folder / "ca-key.pem"),
+                "-CAcreateserial", "-days", "2", "-extfile", str(folder / "san.ext"),
+                "-out", str(folder / "server.pem"))
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_end_to_end_over_tls(certificates: Path) -> None:
+    """The shipped configuration over TLS: a worker (`--tls-ca`) and a front end
+    (`tls_ca_file`) verify the server's certificate and work end to end; a client
+    without the CA is refused."""
+    server = NatsServer(config=DEPLOY / "nats-server.conf", env=PASSWORDS, scheme="tls",
+                        args=["--tls", "--tlscert", str(certificates / "server.pem"),
+                              "--tlskey", str(certificates / "server-key.pem")])
+    worker = None
+    try:
+        worker = Worker(server.url, "tls", "--nats-user", "worker", "--tls-ca",
+                        str(certificates / "ca.pem"), env=WORKER_ENV)
+        front = await NatsFrontEnd.connect(
+            frontend_config(server.url, tls_ca_file=str(certificates / "ca.pem")))
+        try:
+            assert await answered_by_fleet(front, "tia", "secure") == "secure|-|N"
+        finally:
+            await front.close()
+        with pytest.raises(LifecycleError, match="cannot connect"):
+            await NatsFrontEnd.connect(frontend_config(server.url),
+                                       max_reconnect_attempts=1)
+    finally:
+        if worker is not None:
+            worker.close()
+        server.close()
+
+
+async def test_unreadable_tls_and_key_files_are_named_not_shown(tmp_path: Path) -> None:
+    """A missing or malformed TLS or nkey file is a LifecycleError naming the file;
+    nothing of the file's content is shown."""
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not-a-cert secret-in-file-6502\n")
+    for config in (NatsConfig(tls_ca_file=str(tmp_path / "missing.pem")),
+                   NatsConfig(tls_ca_file=str(junk)),
+                   NatsConfig(nkey_seed_file=str(tmp_path / "missing.nk"))):
+        with pytest.raises(LifecycleError) as caught:
+            await NatsFrontEnd.connect(config)
+        assert "secret-in-file-6502" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- secrets stay hidden
+SECRET = st.text(st.characters(codec="ascii", categories=["L", "N"]), min_size=6,
+                 max_size=40)
+
+
+@given(SECRET, SECRET)
+def test_repr_never_shows_a_secret(password: str, token: str) -> None:
+    """repr() of a configuration with a password (field or URL) or a token shows neither."""
+    for config in (NatsConfig(user="svc", password=password),
+                   NatsConfig(token=token),
+                   NatsConfig(url=f"nats://svc:{password}@host:4222"),
+                   NatsConfig(url=f"nats://{token}@host:4222")):
+        shown = repr(config) + str(config) + config.safe_url
+        assert password not in shown or password in "NatsConfig nats svc host 4222"
+        assert token not in shown or token in "NatsConfig nats svc host 4222"
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"user": "svc"}, "go together"), ({"password": "pw"}, "go together"),
+    ({"user": "svc", "password": "pw", "token": "t"}, "one way"),
+    ({"token": "t", "creds_file": "x.creds"}, "one way"),
+    ({"tls_cert_file": "c.pem"}, "go together"),
+    ({"password": "a\nb", "user": "u"}, "password"), ({"token": ""}, "token"),
+    ({"url": ""}, "url"), ({"url": "nats://a b"}, "url"),
+])
+def test_contradictory_security_settings_name_the_field(fields: dict[str, str],
+                                                        message: str) -> None:
+    """Impossible credential settings are a ConfigurationError that never shows the
+    value."""
+    with pytest.raises(ConfigurationError, match=message) as caught:
+        NatsConfig(**fields)  # type: ignore[arg-type]
+    assert "a\nb" not in str(caught.value)
+
+
+async def test_worker_cli_never_prints_the_password() -> None:
+    """`--nats nats://svc:pw@...` against nothing: one short error, password masked, no
+    traceback (nats-py's per-attempt tracebacks are one line each, masked too)."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [*_worker_command(), "--nats", "nats://svc:hunter2-0042@127.0.0.1:1",
+         "--app", "tests.nats.app:make_router"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=_env())
+    assert done.returncode == 1
+    assert "hunter2-0042" not in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "svc:***@" in done.stderr
+    assert len(done.stderr.splitlines()) <= 10
+
+
+def _worker_command() -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "turnrouter", "worker"]
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+
+
+# ---------------------------------------------------------------- user text stays out
+class Failing:
+    """A destination whose error quotes the user's text."""
+
+    async def admit(self, turn: object, *, focused: bool) -> object:
+        from turnrouter import Admission
+
+        return Admission("accept")
+
+    def routing_aid(self, participant_id: str) -> object:
+        from turnrouter import RoutingAid
+
+        return RoutingAid("boom", "fails")
+
+    async def answer(self, turn: object, *, started: object) -> object:
+        query = getattr(turn, "query", "")
+        raise ValueError(f"cannot handle {query!r}")
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+@pytest.fixture
+async def failing_worker(nats_server: NatsServer) -> AsyncIterator[NatsWorker]:
+    from turnrouter import AgentRouter
+
+    from .app import Always
+
+    def factory(ctx: object) -> AgentRouter:
+        return AgentRouter({"echo": Failing()}, Always(),  # type: ignore[dict-item]
+                           default_destination="echo")
+
+    worker = NatsWorker(factory, NatsConfig(url=nats_server.url),
+                        registry=CollectorRegistry(), replica="failing")
+    run = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        yield worker
+    finally:
+        worker.request_stop()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+
+
+async def test_destination_errors_quoting_user_text_stay_out_of_the_logs(
+        nats_server: NatsServer, failing_worker: NatsWorker,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A destination error that quotes the query: the participant hears the failure
+    text; no log record at INFO or above carries the query (only DEBUG, which an
+    operator enables on purpose)."""
+    front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    secret_text = "my card is 4111-1111"
+    try:
+        with caplog.at_level(logging.INFO):
+            text = await answered_by_fleet(front, "pat", secret_text)
+        assert text == NatsConfig().failure_text
+        shown = [r for r in caplog.records if r.levelno >= logging.INFO]
+        assert all(secret_text not in r.getMessage() and (
+            r.exc_info is None or secret_text not in str(r.exc_info[1])) for r in shown)
+    finally:
+        await front.close()
+
