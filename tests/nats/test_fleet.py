@@ -56,7 +56,9 @@ class Running:
         self.ctx = ctx
         ctx.learn_from_fleet(self.learner)
         echo = Echo(ctx, 0.0)
-        return AgentRouter({"echo": echo}, Always(), default_destination="echo",
+        # Fleet samples are learned for the router's own routes only.
+        return AgentRouter({"echo": echo, "good": echo, "sentinel": echo}, Always(),
+                           default_destination="echo",
                            telemetry=Telemetry(registry=ctx.registry),
                            timing_sink=ctx.timing_sink)
 
@@ -76,6 +78,9 @@ async def running(nats_server: NatsServer) -> AsyncIterator[Running]:
         r.worker.request_stop()
         async with asyncio.timeout(20):
             await task
+
+
+PEER = {"Turnrouter-Replica": "peer"}  # the publisher every fleet sample names
 
 
 def sample(route: str, seconds: float = 0.25) -> TimingSample:
@@ -154,10 +159,11 @@ async def test_junk_on_the_timing_subject_is_refused_line_by_line(
                      samples_body([good[0], "{not json", '{"route": "", "seconds": 1}',
                                    "[" * 10_000, good[1], ""]),
                      b'{"route": "r", "seconds": 1e999}'):
-            await nc.publish(config.timing_subject, body)
+            await nc.publish(config.timing_subject, body, headers=PEER)
         await nc.publish(config.timing_subject, sample("own").to_json().encode(),
                          headers={"Turnrouter-Replica": "fleet-test"})
-        await nc.publish(config.timing_subject, sample("sentinel").to_json().encode())
+        await nc.publish(config.timing_subject, sample("sentinel").to_json().encode(),
+                         headers=PEER)
         async with asyncio.timeout(10):  # one subscription: handled in publish order
             await running.learner.arrived.wait()
     finally:

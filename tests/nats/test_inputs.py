@@ -14,6 +14,8 @@ from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 from .conftest import NatsServer, Worker, metric_value
 from .crowd import Heard, ask, listen
 
+SAMPLE_FLOOR = 8  # docs/distributed.md: a publisher's samples always learned per window
+
 pytestmark = pytest.mark.anyio
 
 
@@ -129,7 +131,8 @@ async def test_interrupts_reach_the_owner_and_everyone(
 
 async def test_timing_samples_reach_every_replica(
         nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
-    """Each replica's first-response samples are learned by every other replica."""
+    """Each replica's first-response samples are learned by every other replica, each
+    publisher's within its share (all of them up to the floor of 8 per window)."""
     fe, heard = front
     workers = [Worker(nats_server.url, f"t{n}") for n in range(2)]
     try:
@@ -139,11 +142,13 @@ async def test_timing_samples_reach_every_replica(
         for _ in range(100):  # polling the workers' /metrics: at most 10 s
             sent = [metric_value(w.metrics(), name, 'direction="sent"') for w in workers]
             got = [metric_value(w.metrics(), name, 'direction="received"') for w in workers]
-            if sum(sent) >= 16 and got == sent[::-1]:
+            if sum(sent) >= 16 and all(
+                    min(s, SAMPLE_FLOOR) <= g for s, g in zip(sent[::-1], got, strict=True)):
                 break
             await asyncio.sleep(0.1)
         assert sum(sent) >= 16
-        assert got == sent[::-1]
+        for other_sent, received in zip(sent[::-1], got, strict=True):
+            assert min(other_sent, SAMPLE_FLOOR) <= received <= other_sent
     finally:
         for w in workers:
             w.close()

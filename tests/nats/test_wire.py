@@ -148,7 +148,7 @@ def test_public_names_are_pinned() -> None:
     assert set(module.__all__) == {
         "MAX_PARTICIPANT_ID_BYTES", "Ending", "NatsConfig", "NatsFrontEnd", "NatsWorker",
         "Rejected", "WorkerContext", "decode_token", "encode_token", "parse_input",
-        "parse_samples", "parse_state", "samples_body", "state_json"}
+        "parse_presence", "parse_samples", "parse_state", "samples_body", "state_json"}
 
 
 # ---------------------------------------------------------------- one worker on a server

@@ -162,7 +162,10 @@ def worker_main(argv: Sequence[str]) -> int:
     from ..telemetry import serve_metrics
 
     registry = CollectorRegistry()
-    worker = NatsWorker(factory, config, registry=registry, replica=args.replica)
+    try:
+        worker = NatsWorker(factory, config, registry=registry, replica=args.replica)
+    except TurnrouterError as exc:
+        parser.error(f"--replica: {exc}")
     stopped_early = False
 
     async def run() -> None:

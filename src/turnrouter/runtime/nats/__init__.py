@@ -5,10 +5,12 @@ module:factory` (or `NatsWorker`), publish with `NatsFrontEnd`. See docs/distrib
 `parse_state` reads a participant's record in the key-value bucket (`state_json`
 writes one), to inspect what a deployment holds; `parse_input` checks one input as a
 replica does (raising `Rejected` with the reason it counts); `samples_body` and
-`parse_samples` are the fleet's timing-sample messages.
+`parse_samples` are the fleet's timing-sample messages, `parse_presence` checks a presence
+message as a replica does.
 """
 
 from ._client import NatsFrontEnd
+from ._fleet import parse_presence
 from ._wire import (
     MAX_PARTICIPANT_ID_BYTES,
     Ending,
@@ -35,6 +37,7 @@ __all__ = [
     "decode_token",
     "encode_token",
     "parse_input",
+    "parse_presence",
     "parse_samples",
     "parse_state",
     "samples_body",

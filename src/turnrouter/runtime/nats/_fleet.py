@@ -15,8 +15,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
-from collections.abc import Callable, Container, Coroutine
+from collections.abc import Callable, Container, Coroutine, Mapping
 from typing import Any
 
 from nats.aio.client import Client
@@ -38,6 +39,50 @@ _MAX_PEERS = 1024  # bound of the presence table (more peers are ignored for bal
 SAMPLE_BATCH = 64
 SAMPLE_FLUSH_SECS = 0.05
 
+#: A fleet sample's `seconds` must be in (0, MAX_SAMPLE_SECS]: a first response slower
+#: than ten minutes is no latency a prediction should learn.
+MAX_SAMPLE_SECS = 600.0
+#: One publisher's share of a route's samples (this replica's own included) within a
+#: window of SAMPLE_WINDOW_SECS is at most SAMPLE_SHARE, past SAMPLE_FLOOR samples: one
+#: replica, or one forged publisher, cannot outvote the rest of the fleet.
+SAMPLE_WINDOW_SECS = 10.0
+SAMPLE_SHARE = 0.5
+SAMPLE_FLOOR = 8
+#: Distinct sample publishers tracked per window (more are refused as `overflow`).
+MAX_SAMPLE_PUBLISHERS = 64
+#: Presence messages longer than this are refused; replica names are 1..64 characters.
+MAX_PRESENCE_BYTES = 256
+_REPLICA_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def valid_replica(name: object) -> bool:
+    """Whether `name` is a usable replica name (1..64 of `A-Za-z0-9_.:-`)."""
+    return isinstance(name, str) and _REPLICA_NAME.fullmatch(name) is not None
+
+
+def parse_presence(data: bytes, partitions: int) -> tuple[str, int]:
+    """(replica, partitions owned) of one presence message; `Rejected` (`oversized`,
+    `invalid`) for anything else: no traceback for Infinity, NaN or deep nesting."""
+    if len(data) > MAX_PRESENCE_BYTES:
+        raise Rejected("oversized", f"{len(data)} bytes > {MAX_PRESENCE_BYTES}")
+    try:
+        body = json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        raise Rejected("invalid", "presence is not a JSON object") from None
+    if not isinstance(body, dict) or set(body) != {"replica", "owned"}:
+        raise Rejected("invalid", "presence must be {replica, owned}")
+    replica, owned = body["replica"], body["owned"]
+    if not valid_replica(replica):
+        raise Rejected("invalid", "presence 'replica' is not a replica name")
+    if not (isinstance(owned, int) and not isinstance(owned, bool)
+            and 0 <= owned <= partitions):
+        raise Rejected("invalid", "presence 'owned' is not a partition count")
+    return replica, owned
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
 
 class Fleet:
     """This replica's view of the others, and what it tells them."""
@@ -58,6 +103,10 @@ class Fleet:
         self._flush: asyncio.TimerHandle | None = None
         self._publishing: set[asyncio.Future[Any]] = set()
         self._closed = False
+        #: The routes fleet samples may name (the router's destinations).
+        self.routes: Callable[[], Mapping[str, Any] | Container[str]] = dict
+        self._window_start = time.monotonic()
+        self._shares: dict[str, dict[str, int]] = {}
         sent = received = dropped = None
         if metrics is not None:
             samples = metrics.timing_samples
@@ -113,12 +162,13 @@ class Fleet:
 
     async def _on_presence(self, msg: Msg) -> None:
         try:
-            data = json.loads(msg.data)
-            replica, owned = str(data["replica"]), int(data["owned"])
-        except (ValueError, KeyError, TypeError):
+            replica, owned = parse_presence(msg.data, self._config.partitions)
+        except Rejected as exc:
+            self._reject("nats_presence", exc.reason)
             return
         if replica != self._replica:
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
+                self._reject("nats_presence", "overflow")
                 return
             self._peers[replica] = (time.monotonic(), owned)
 
@@ -146,6 +196,7 @@ class Fleet:
             if self._dropped is not None:
                 self._dropped.inc()
             return
+        self._admit(self._replica, sample.route, time.monotonic())  # our own share
         line = sample.to_json()
         size = len(line) + 1
         if self._samples and self._sample_bytes + size > self._config.max_message_bytes:
@@ -200,8 +251,13 @@ class Fleet:
                 self._sent.inc(len(lines))
 
     async def _on_sample(self, msg: Msg) -> None:
-        if (msg.headers or {}).get("Turnrouter-Replica") == self._replica:
+        publisher = (msg.headers or {}).get("Turnrouter-Replica")
+        if publisher == self._replica:
             return
+        if not valid_replica(publisher):
+            self._reject("nats_timing", "invalid")  # who sent it decides its weight
+            return
+        assert isinstance(publisher, str)
         try:
             samples, errors = parse_samples(self._config, msg.data)
         except Rejected as exc:
@@ -213,8 +269,42 @@ class Fleet:
                            errors[0])
             for _ in errors:
                 self._reject("nats_timing", "invalid")
-        if self._received is not None and samples:
-            self._received.inc(len(samples))
+        routes, now = self.routes(), time.monotonic()
+        kept = []
         for sample in samples:
+            if sample.route not in routes:
+                reason = "unknown_route"  # the route table holds this fleet's routes only
+            elif not 0 < sample.seconds <= MAX_SAMPLE_SECS:
+                reason = "out_of_range"
+            else:
+                reason = self._admit(publisher, sample.route, now)
+            if reason:
+                self._reject("nats_timing", reason)
+            else:
+                kept.append(sample)
+        if self._received is not None and kept:
+            self._received.inc(len(kept))
+        for sample in kept:
             for predictor in self.predictors:
                 predictor.record(sample)
+
+    def _admit(self, publisher: str, route: str, now: float) -> str:
+        """Count one sample of `publisher` for `route` in the current window; the reason
+        to refuse it ('' to keep it): past `SAMPLE_FLOOR`, no publisher holds more than
+        `SAMPLE_SHARE` of a route's samples in the window."""
+        if now - self._window_start >= SAMPLE_WINDOW_SECS:
+            self._window_start, self._shares = now, {}
+        counts = self._shares.get(route)
+        if counts is None:
+            if len(self._shares) >= 4 * MAX_SAMPLE_PUBLISHERS:
+                return "overflow"
+            counts = self._shares[route] = {}
+        mine = counts.get(publisher, 0)
+        if publisher not in counts and len(counts) >= MAX_SAMPLE_PUBLISHERS:
+            return "overflow"
+        total = sum(counts.values())
+        if publisher != self._replica and mine >= max(
+                SAMPLE_FLOOR, SAMPLE_SHARE * (total + 1)):
+            return "over_share"
+        counts[publisher] = mine + 1
+        return ""

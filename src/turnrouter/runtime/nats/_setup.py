@@ -40,7 +40,8 @@ def _input_stream(config: NatsConfig) -> dict[str, Any]:
     p, n = config.prefix, config.partitions
     return {
         "name": config.stream,
-        "subjects": [f"{p}.in.*.*", f"{p}.probe.*"],
+        # The partitions' probe subjects only: nothing else can be stored unread.
+        "subjects": [f"{p}.in.*.*", *(config.probe_subject(k) for k in range(n))],
         "subject_transform": {
             "src": f"{p}.in.*.*",
             "dest": f"{p}.p.{{{{partition({n},1)}}}}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}",
@@ -48,6 +49,9 @@ def _input_stream(config: NatsConfig) -> dict[str, Any]:
         "retention": "workqueue",
         "storage": "file",
         "max_msgs_per_subject": config.max_queued_per_participant,
+        "max_bytes": config.input_max_bytes,
+        "max_age": int(config.input_max_age * _NS),
+        "max_msg_size": config.max_message_bytes + 4096,  # the body bound, plus headers
         "discard": "old",
         "duplicate_window": int(config.dedup_window * _NS),
     }

@@ -102,6 +102,8 @@ class NatsConfig:
     dedup_window: float = 120.0
     output_max_age: float = 3600.0
     max_queued_per_participant: int = 1000
+    input_max_bytes: int = 1024**3
+    input_max_age: float = 86400.0
     probe_interval: float = 0.5
     drain_timeout: float = 20.0
     mark_after: float = 0.005
@@ -162,7 +164,8 @@ class NatsConfig:
             raise ConfigurationError(
                 f"NatsConfig.partitions must be in 1..1024, got {self.partitions}")
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
-                     "output_max_age", "probe_interval", "drain_timeout", "mark_after"):
+                     "output_max_age", "probe_interval", "drain_timeout", "mark_after",
+                     "input_max_age"):
             value = getattr(self, name)
             if not (finite(value) and 0 < value <= 366 * 86400):
                 raise ConfigurationError(
@@ -178,6 +181,11 @@ class NatsConfig:
                 "is redelivered while its turn still runs")
         if self.max_message_bytes < 1024:
             raise ConfigurationError("NatsConfig.max_message_bytes must be at least 1024")
+        if not (isinstance(self.input_max_bytes, int)
+                and 64 * self.max_message_bytes <= self.input_max_bytes <= 2**50):
+            raise ConfigurationError(
+                "NatsConfig.input_max_bytes must be an int of at least 64 messages "
+                "(64 * max_message_bytes) and at most 1 PiB")
 
     @property
     def stream(self) -> str:

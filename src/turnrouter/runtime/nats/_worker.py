@@ -37,7 +37,8 @@ from ..._exceptions import ContractValueError, LifecycleError
 from ..._logging import log_failure
 from ..._router import AgentRouter
 from ..._timing import TimingPredictor, TimingSample
-from ._fleet import Fleet
+from .._messages import Interrupted
+from ._fleet import Fleet, valid_replica
 from ._inputs import Inputs
 from ._ledger import Ledger
 from ._link import Link
@@ -103,6 +104,8 @@ class NatsWorker:
                  registry: Any = None, replica: str | None = None) -> None:
         self.config = config
         self.replica = replica or uuid.uuid4().hex[:12]
+        if not valid_replica(self.replica):
+            raise ContractValueError("replica must be 1..64 characters of A-Za-z0-9_.:-")
         self._factory = factory
         self._registry = registry
         self._metrics: RuntimeMetrics | None = (
@@ -117,6 +120,7 @@ class NatsWorker:
         self._predictors: list[TimingPredictor] = []
         self._stop = asyncio.Event()
         self._pulling = True
+        self._interrupt_pending = False
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -191,6 +195,7 @@ class NatsWorker:
                                 lambda: len(self._pins), self._metrics, self._spawn,
                                 router.report_rejected)
             self._fleet.predictors = self._predictors
+            self._fleet.routes = lambda: router.destinations
             await nc.subscribe(config.interrupt_all_subject, cb=self._on_interrupt_all)
             helpers = await self._fleet.start()
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
@@ -368,7 +373,21 @@ class NatsWorker:
 
     # ------------------------------------------------------------------ fleet-wide
     async def _on_interrupt_all(self, msg: Msg) -> None:
-        self._spawn(self.router.interrupt(None), "interrupt all")
+        """A fleet-wide interrupt: an `Interrupted` without a participant, else refused
+        and counted. A flood starts at most one interrupt beside the one running: those
+        arriving while one is pending join it (counted as `coalesced`)."""
+        reason = _interrupt_problem(self.config, msg.data)
+        if reason:
+            self.router.report_rejected("nats_control", reason)
+        elif self._interrupt_pending:
+            self.router.report_rejected("nats_control", "coalesced")
+        else:
+            self._interrupt_pending = True
+            self._spawn(self._interrupt_all(), "interrupt all")
+
+    async def _interrupt_all(self) -> None:
+        self._interrupt_pending = False  # from here on, a new request needs a new pass
+        await self.router.interrupt(None)
 
     def _send_sample(self, sample: TimingSample) -> None:
         if self._fleet is not None:
@@ -421,3 +440,14 @@ async def _connect(config: NatsConfig, replica: str,
                        max_reconnect_attempts=3, reconnect_time_wait=0.5, closed_cb=closed)
     nc.options["max_reconnect_attempts"] = _RECONNECTS
     return nc
+
+
+def _interrupt_problem(config: NatsConfig, data: bytes) -> str:
+    """Why a message on the fleet-wide interrupt subject is refused ('' if it is not)."""
+    if len(data) > config.max_message_bytes:
+        return "oversized"
+    try:
+        message = Interrupted.model_validate_json(data)
+    except (ValueError, RecursionError):  # pydantic's ValidationError is a ValueError
+        return "invalid"
+    return "invalid" if message.participant_id is not None else ""

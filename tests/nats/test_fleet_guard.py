@@ -1,0 +1,183 @@
+"""Defence in depth: what a permitted publisher can still put on the fleet subjects
+(fleet-wide interrupts, presence, timing samples) is validated, bounded and counted.
+
+One in-process `NatsWorker` on a real nats-server; a raw connection plays the publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from nats.aio.client import Client
+from prometheus_client import CollectorRegistry
+
+import nats
+from turnrouter import ContractValueError, TimingSample
+from turnrouter.runtime import Interrupted
+from turnrouter.runtime.nats import (
+    NatsConfig,
+    NatsWorker,
+    Rejected,
+    parse_presence,
+    samples_body,
+)
+
+from .app import make_router
+from .conftest import NatsServer
+
+pytestmark = pytest.mark.anyio
+
+REJECTED = "turnrouter_runtime_rejected_messages_total"
+
+
+class Running:
+    def __init__(self, worker: NatsWorker, registry: CollectorRegistry,
+                 nc: Client) -> None:
+        self.worker, self.registry, self.nc = worker, registry, nc
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    async def until(self, goal: float, name: str, **labels: str) -> None:
+        """Until the counter reaches `goal` (polling the registry: at most 10 s)."""
+        await self.nc.flush()
+        for _ in range(1000):  # as tests/nats/test_inputs.py's `counted`: at most 10 s
+            if self.value(name, **labels) >= goal:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{name}{labels} never reached {goal}")
+
+
+@pytest.fixture
+async def running(nats_server: NatsServer) -> AsyncIterator[Running]:
+    registry = CollectorRegistry()
+    worker = NatsWorker(make_router, NatsConfig(url=nats_server.url, partitions=2),
+                        registry=registry, replica="guarded")
+    run = asyncio.create_task(worker.run())
+    nc = await nats.connect(nats_server.url)
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        yield Running(worker, registry, nc)
+    finally:
+        await nc.close()
+        worker.request_stop()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+
+
+async def test_fleet_interrupts_are_validated_and_a_flood_is_coalesced(
+        running: Running) -> None:
+    """Junk, oversized or participant-scoped messages on `<prefix>.ctl.interrupt` are
+    refused and counted; a flood of valid ones starts at most two interrupt passes at a
+    time (the rest are counted as coalesced), and the worker keeps serving."""
+    subject = running.worker.config.interrupt_all_subject
+    for body in (b"", b"junk", b"[" * 5000, b"x" * 70_000,
+                 Interrupted(participant_id="alice").model_dump_json().encode()):
+        await running.nc.publish(subject, body)
+    await running.until(4, REJECTED, topic="nats_control", reason="invalid")
+    await running.until(1, REJECTED, topic="nats_control", reason="oversized")
+    before = len(asyncio.all_tasks())
+    flood = 2000
+    body = Interrupted().model_dump_json().encode()
+    for _ in range(flood):
+        await running.nc.publish(subject, body)
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, len(asyncio.all_tasks()) - before)
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await running.nc.publish(subject, b"sentinel")  # handled after the whole flood
+        await running.until(5, REJECTED, topic="nats_control", reason="invalid")
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    assert peak <= 4  # the watcher, the waiter, at most one pending and one running pass
+
+
+async def test_presence_junk_is_refused_without_tracebacks(
+        running: Running, caplog: pytest.LogCaptureFixture) -> None:
+    """Infinity, NaN, deep nesting, long or odd names and impossible counts on
+    `<prefix>.presence` are counted, never logged with a traceback, and do not enter
+    the peer table (the fair share stays that of a lone replica)."""
+    subject = f"{running.worker.config.prefix}.presence"
+    junk = [b'{"replica":"x","owned":Infinity}', b'{"replica":"x","owned":NaN}',
+            b"[" * 100, json.dumps({"replica": "x" * 65, "owned": 0}).encode(),
+            json.dumps({"replica": "a b", "owned": 0}).encode(),
+            json.dumps({"replica": "x", "owned": 3}).encode(),
+            json.dumps({"replica": "x", "owned": True}).encode(),
+            json.dumps({"replica": "x", "owned": 0, "more": 1}).encode()]
+    with caplog.at_level(logging.DEBUG):
+        for body in [*junk, b"{" + b" " * 300 + b"}"]:
+            await running.nc.publish(subject, body)
+        await running.until(len(junk), REJECTED, topic="nats_presence", reason="invalid")
+        await running.until(1, REJECTED, topic="nats_presence", reason="oversized")
+    assert "Traceback" not in caplog.text
+    assert running.worker.fleet.fair_share() == 2
+
+
+async def test_timing_samples_are_range_checked_and_weighted_per_publisher(
+        running: Running) -> None:
+    """Fleet samples naming unknown routes or out-of-range seconds are refused; one
+    publisher flooding a route is held to its share (the floor, with no other samples);
+    a message without its publisher's name is refused."""
+    subject = running.worker.config.timing_subject
+    headers = {"Turnrouter-Replica": "mallory"}
+    bad = [TimingSample(f"fake-{i}", 0.5).to_json() for i in range(256)]
+    await running.nc.publish(subject, samples_body(bad), headers=headers)
+    await running.until(256, REJECTED, topic="nats_timing", reason="unknown_route")
+    await running.nc.publish(subject, samples_body(
+        [TimingSample("echo", 1e300).to_json(), TimingSample("echo", 0.0).to_json()]),
+        headers=headers)
+    await running.until(2, REJECTED, topic="nats_timing", reason="out_of_range")
+    forged = [TimingSample("echo", 0.001).to_json() for _ in range(64)]
+    await running.nc.publish(subject, samples_body(forged), headers=headers)
+    await running.until(64 - 8, REJECTED, topic="nats_timing", reason="over_share")
+    assert running.value("turnrouter_nats_timing_samples_total", direction="received") == 8
+    await running.nc.publish(subject, samples_body(forged[:1]))  # no publisher header
+    await running.until(1, REJECTED, topic="nats_timing", reason="invalid")
+
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=80),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8),
+                                                                 inner, max_size=4),
+    max_leaves=20)
+
+
+@given(st.binary(max_size=400) | JSONISH.map(lambda v: json.dumps(v).encode()))
+def test_presence_parser_refuses_junk_with_rejected(data: bytes) -> None:
+    """Any bytes: a (replica, owned) within bounds, or `Rejected`, nothing else."""
+    try:
+        replica, owned = parse_presence(data, 16)
+    except Rejected as exc:
+        reason = exc.reason
+    else:
+        assert 1 <= len(replica) <= 64 and 0 <= owned <= 16
+        return
+    assert reason in ("invalid", "oversized")
+
+
+@given(st.text(min_size=1, max_size=64, alphabet="abcXYZ019_.:-"), st.integers(0, 16))
+def test_presence_parser_reads_what_replicas_send(replica: str, owned: int) -> None:
+    """What a replica publishes is read back unchanged."""
+    body = json.dumps({"replica": replica, "owned": owned}).encode()
+    assert parse_presence(body, 16) == (replica, owned)
+
+
+@pytest.mark.parametrize("name", ["", "x" * 65, "a b", "é", "a\nb"])
+def test_replica_names_are_bounded(name: str) -> None:
+    """A replica name peers would refuse is refused up front."""
+    with pytest.raises(ContractValueError, match="replica"):
+        NatsWorker(make_router, NatsConfig(), replica=name or "\0")
