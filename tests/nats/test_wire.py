@@ -536,17 +536,78 @@ def test_unreadable_records_start_their_participant_afresh(wire: Wire,
     wire.call(main())
 
 
-@given(st.lists(st.text(max_size=20), max_size=3), st.text(max_size=30),
-       st.lists(st.tuples(st.text(max_size=10), st.text(max_size=10), st.text(max_size=40),
+def test_untrusted_records_are_quarantined_and_their_participant_starts_clean(
+        wire: Wire) -> None:
+    """Alice's snapshot in mallory's record, 45,000 turns in flight, a history_version
+    at the type's end: each record is set aside under `quarantine.<key>` and counted
+    (`nats_state`); its participant starts clean, no failure text is published for the
+    in-flight ids, alice keeps her own history, and later turns work."""
+
+    async def main() -> None:
+        alice, mallory, crowd, maxed = fresh("alice"), fresh("mallory"), fresh(), fresh()
+        assert await wire.ask(UserQuery(participant_id=alice, text="secret")) \
+            == "secret|-|N"
+        await wire.kv.put(f"0.{encode_token(mallory)}", await wire.record(alice))
+        await wire.kv.put(f"0.{encode_token(crowd)}",
+                          state_json("old", [f"t{i}" for i in range(45_000)], None))
+        await wire.kv.put(f"0.{encode_token(maxed)}", state_json("old", [], (
+            ParticipantSnapshot(participant_id=maxed, history_version=2**63 - 1).to_json())))
+        before = sum(1 for r in wire.watch.rejected if r in ("invalid", "invalid_snapshot"))
+        for pid in (mallory, crowd, maxed):
+            assert await wire.ask(UserQuery(participant_id=pid, text="hi")) == "hi|-|N"
+            assert await wire.ask(UserQuery(participant_id=pid, text="2")) == "2|hi|F"
+            quarantined = await wire.kv.get(f"quarantine.0.{encode_token(pid)}")
+            assert quarantined.value
+        assert "t1" not in wire.heard and "t44999" not in wire.heard
+        assert await wire.ask(UserQuery(participant_id=alice, text="me")) == "me|secret|F"
+        after = sum(1 for r in wire.watch.rejected if r in ("invalid", "invalid_snapshot"))
+        assert after - before >= 3
+
+    wire.call(main())
+
+
+ID = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=20)
+
+
+@given(st.lists(ID, max_size=3), st.text(max_size=30),
+       st.lists(st.tuples(ID, st.text(max_size=10), st.text(max_size=40).filter(valid_text),
                           st.floats(0, 2e9)), max_size=3))
 def test_any_record_written_reads_back(inflight: list[str], snapshot: str,
                                        outbox: list[tuple[str, str, str, float]]) -> None:
-    """Whatever ids, snapshot text and endings go in (lone surrogates included, which no
-    validated message carries), the record reads back the same."""
+    """Whatever ids, snapshot text and endings a worker writes (ids of validated
+    messages: non-empty, no lone surrogate), the record reads back the same."""
     if any("\ud800" <= c <= "\udfff" for c in snapshot):
         snapshot = "{}"
     assert parse_state(state_json("w", inflight, snapshot, outbox)) == (
         inflight, snapshot, outbox)
+
+
+@given(st.lists(st.text(max_size=300), min_size=0, max_size=80),
+       st.lists(st.tuples(st.text(max_size=300), st.text(max_size=300), st.text(max_size=20),
+                          st.floats(0, 2e9)), max_size=80))
+def test_records_past_their_bounds_are_refused(inflight: list[str],
+                                               outbox: list[tuple[str, str, str, float]]
+                                               ) -> None:
+    """A record holding more than 64 turns in flight or endings, an empty or over-long
+    id, or a lone surrogate is a ValueError; one within every bound reads back."""
+    data = state_json("w", inflight, None, outbox)
+    ids = [*inflight, *(e[0] for e in outbox)]
+    within = (len(inflight) <= 64 and len(outbox) <= 64
+              and all(0 < len(i) <= 256 for i in ids)
+              and all(len(e[1]) <= 256 for e in outbox)
+              and not any("\ud800" <= c <= "\udfff" for e in outbox for c in e[0] + e[2]))
+    try:
+        read = parse_state(data)
+    except ValueError:
+        assert not within
+        return
+    assert within and read == (inflight, None, outbox)
+
+
+def test_oversized_records_are_refused_before_parsing() -> None:
+    """A record over MAX_STATE_BYTES is refused by its size."""
+    with pytest.raises(ValueError, match="bytes"):
+        parse_state(state_json("w", [], "x" * (5 * 1024 * 1024)))
 
 
 def test_a_record_time_too_large_for_a_float_is_refused() -> None:

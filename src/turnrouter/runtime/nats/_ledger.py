@@ -24,13 +24,24 @@ from ..._frontend import ParticipantSnapshot
 from ..._router import AgentRouter
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
-from ._wire import Ending, NatsConfig, decode_token, encode_token, parse_state, state_json
+from ._wire import (
+    MAX_STATE_BYTES,
+    MAX_STATE_HISTORY_VERSION,
+    MAX_STATE_INFLIGHT,
+    MAX_STATE_OUTBOX,
+    Ending,
+    NatsConfig,
+    decode_token,
+    encode_token,
+    parse_state,
+    state_json,
+)
 
 __all__ = ["Ledger", "Participant"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
-_MAX_INFLIGHT = 64  # bound of one participant's in-flight ids in its record
+_MAX_INFLIGHT = MAX_STATE_INFLIGHT  # bound of one participant's in-flight ids in its record
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
 
@@ -140,9 +151,8 @@ class Ledger:
                 revision = entry.revision or 0
                 try:
                     inflight, snapshot, outbox = parse_state(entry.value or b"")
-                except ValueError:
-                    logger.warning("turnrouter: unreadable state of a participant; "
-                                   "starting it afresh")
+                except ValueError as exc:
+                    await self._quarantine(key, entry.value or b"", "invalid", exc)
             # The claim keeps what the previous owner left, until it is published.
             claim = state_json(self._replica, inflight, snapshot, outbox)
             try:
@@ -164,15 +174,36 @@ class Ledger:
         self.people[pid] = state
         if snapshot is not None:
             try:
-                self._router().import_participant(ParticipantSnapshot.from_json(snapshot))
+                parsed = ParticipantSnapshot.from_json(snapshot)
+                if parsed.participant_id != pid:  # alice's snapshot in mallory's record
+                    raise ContractValueError("the snapshot's participant_id is not the "
+                                             "record's participant")
+                if parsed.history_version > MAX_STATE_HISTORY_VERSION:
+                    raise ContractValueError("the snapshot's history_version is over "
+                                             "MAX_STATE_HISTORY_VERSION")
+                self._router().import_participant(parsed)
             except (ContractValueError, LifecycleError) as exc:
-                logger.warning("turnrouter: participant state not imported: %s", exc)
+                await self._quarantine(key, snapshot.encode("utf-8", "replace"),
+                                       "invalid_snapshot", exc)
             else:
                 state.snapshot = snapshot.encode()
         await self._end_unfinished(pid, inflight, outbox)
         if (inflight or outbox) and not await self.write(pid, state):
             return None
         return state
+
+    async def _quarantine(self, key: str, data: bytes, reason: str,
+                          exc: BaseException) -> None:
+        """A record (or its snapshot) that cannot be trusted: kept aside under
+        `quarantine.<key>` for an operator (one per participant, best effort), counted
+        as `turnrouter_runtime_rejected_messages_total{topic="nats_state"}`; the
+        participant starts clean. The log line names the problem, not the content."""
+        logger.warning("turnrouter: a participant's record was quarantined (%s): %s",
+                       reason, str(exc)[:200])
+        with contextlib.suppress(Exception):
+            self._router().report_rejected("nats_state", reason)
+        with contextlib.suppress(Exception):
+            await self._kv.put(f"quarantine.{key}", data[:MAX_STATE_BYTES])
 
     async def _end_unfinished(self, pid: str, inflight: list[str],
                               outbox: list[Ending]) -> None:
@@ -203,7 +234,7 @@ class Ledger:
             if fresh or state.snapshot is None:
                 state.snapshot = self._router().export_participant_json(pid)
             data = state_json(self._replica, state.inflight[-_MAX_INFLIGHT:],
-                              state.snapshot, state.outbox)
+                              state.snapshot, state.outbox[-MAX_STATE_OUTBOX:])
             t0 = time.perf_counter()
             try:
                 seq, error = pub_ack(await self._link.request(

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from ..._exceptions import ConfigurationError, ContractValueError, TurnrouterError
 from ..._numbers import finite
-from ..._redact import REDACTED, preview, redact_url
+from ..._redact import REDACTED, has_surrogates, preview, redact_url
 from ..._timing import TimingSample
 from .._messages import (
     Interrupted,
@@ -48,6 +48,8 @@ __all__ = [
     "samples_body",
     "state_json",
 ]
+
+_MAX_ID = 256  # turnrouter.MAX_ID_CHARS: turn ids in a record
 
 #: Participant ids longer than this (UTF-8) are refused: they become subject tokens and
 #: key-value keys, which the server bounds.
@@ -333,10 +335,24 @@ def state_json(owner: str, inflight: list[str], snapshot: str | bytes | None,
                          if isinstance(snapshot, str) else snapshot)
 
 
+#: Bounds of a participant's record, checked on every read: its size (a snapshot's own
+#: bound plus the header), the turns in flight and the endings it holds.
+MAX_STATE_BYTES = 4 * 1024 * 1024 + 256 * 1024
+MAX_STATE_INFLIGHT = 64
+MAX_STATE_OUTBOX = 64
+#: A snapshot's `history_version` read from a record is at most this: a version near
+#: the type's end would make every later exchange of the participant fail.
+MAX_STATE_HISTORY_VERSION = 2**53
+
+
 def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
     """(in-flight turn ids, snapshot JSON, endings to publish) of a key-value record
-    (ValueError naming the problem on junk). Records of the earlier one-object format
-    (the snapshot as a string field) are read too."""
+    (ValueError naming the problem on junk or past a bound: `MAX_STATE_BYTES`,
+    `MAX_STATE_INFLIGHT`, `MAX_STATE_OUTBOX`, ids over 256 characters, lone
+    surrogates). Records of the earlier one-object format (the snapshot as a string
+    field) are read too."""
+    if len(data) > MAX_STATE_BYTES:
+        raise ValueError(f"state record of {len(data)} bytes > {MAX_STATE_BYTES}")
     head, newline, snapshot_json = data.partition(b"\n")
     try:
         record: Any = json.loads(head)
@@ -357,6 +373,13 @@ def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
             isinstance(e, list) and len(e) == 4 and all(isinstance(x, str) for x in e[:3])
             and finite(e[3]) for e in outbox)):
         raise ValueError("state record 'outbox' is not a list of [turn, route, text, time]")
+    if len(inflight) > MAX_STATE_INFLIGHT or len(outbox) > MAX_STATE_OUTBOX:
+        raise ValueError(f"state record holds over {MAX_STATE_INFLIGHT} turns in flight or "
+                         f"endings")
+    if any(not 0 < len(t) <= _MAX_ID for t in inflight) or any(
+            not 0 < len(e[0]) <= _MAX_ID or len(e[1]) > _MAX_ID
+            or has_surrogates(e[2]) or has_surrogates(e[0]) for e in outbox):
+        raise ValueError("state record holds an id or a text out of bounds")
     return inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]
 
 
