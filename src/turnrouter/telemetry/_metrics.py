@@ -159,8 +159,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "turnrouter_runtime_rejected_messages_total", "counter",
         "Inputs refused before the router handled them, by topic (a runtime topic's name, "
-        "nats_input, nats_timing, pipecat) and reason (invalid, wrong_type, closed, "
-        "oversized, unknown_subject, not_owned, overflow).",
+        "nats_input, nats_timing, nats_control, nats_presence, nats_state, pipecat) and "
+        "reason (invalid, wrong_type, closed, oversized, unknown_subject, not_owned, "
+        "overflow, coalesced, unknown_route, out_of_range, over_share, invalid_snapshot).",
         ("topic", "reason"),
     ),
     MetricSpec(
