@@ -38,7 +38,7 @@ def worker_usage(*args: str) -> tuple[int, str]:
 def test_usage_lists_the_worker(capsys: pytest.CaptureFixture[str]) -> None:
     """`turnrouter --help` names the worker command."""
     assert main(["--help"]) == 0
-    assert "worker" in capsys.readouterr().err
+    assert "worker" in capsys.readouterr().out  # --help goes to stdout
 
 
 @pytest.mark.parametrize(("spec", "message"), [
