@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 import nats
 from turnrouter import ConfigurationError, LifecycleError
+from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
 
 from .conftest import ROOT, NatsServer, Worker
@@ -393,3 +394,40 @@ async def test_destination_errors_quoting_user_text_stay_out_of_the_logs(
     finally:
         await front.close()
 
+
+
+async def test_trace_headers_are_bounded_and_never_echoed(
+        nats_server: NatsServer, failing_worker: NatsWorker) -> None:
+    """A publisher's headers beyond a well-formed W3C context (a malformed traceparent,
+    a huge tracestate, any other header) are not echoed into the turn's output."""
+    front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    huge = "k=" + "v" * 5000
+    parent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    seen: list[tuple[str | None, str | None]] = []
+    ready = asyncio.Event()
+
+    async def read(goal: int) -> None:
+        async for out in front.outputs(subscribed=ready):
+            if out.route == "none":
+                seen.append((out.traceparent, out.tracestate))
+                if len(seen) == goal:
+                    return
+
+    reader = asyncio.create_task(read(2))
+    try:
+        async with asyncio.timeout(15):
+            await ready.wait()
+            for headers in ({"traceparent": "junk-" + "z" * 300, "tracestate": huge,
+                             "X-Internal": "do-not-echo"},
+                            {"traceparent": parent, "tracestate": huge}):
+                await front.publish(UserQuery(participant_id="hal", text="x"),
+                                    headers=headers)
+            await reader
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await front.close()
+    for traceparent, tracestate in seen:
+        assert traceparent is None or len(traceparent) == 55
+        assert tracestate is None or len(tracestate) <= 512
+    assert "z" * 300 not in repr(seen) and "do-not-echo" not in repr(seen)

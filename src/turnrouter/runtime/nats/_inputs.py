@@ -41,6 +41,7 @@ from ._wire import (
     encode_token,
     output_message_id,
     parse_input,
+    trace_context,
 )
 
 __all__ = ["Inputs"]
@@ -200,8 +201,9 @@ class Inputs:
     async def _start(self, pid: str, state: Participant, query: UserQuery, msg: Msg) -> bool:
         """Start the turn; True once its message may be acknowledged (module doc)."""
         headers = msg.headers
-        carrier = ({k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
-                   if headers else {}) or query.trace_carrier()
+        carrier = trace_context(
+            ({k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
+             if headers else {}) or query.trace_carrier())  # bounded, never echoed raw
         loop = asyncio.get_running_loop()
         run = self._running[query.message_id] = _Running(loop)
         task = self._spawn(self._turn(pid, state, query, carrier, run),

@@ -13,6 +13,7 @@ import base64
 import binascii
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field, fields
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
@@ -47,6 +48,7 @@ __all__ = [
     "parse_state",
     "samples_body",
     "state_json",
+    "trace_context",
 ]
 
 _MAX_ID = 256  # turnrouter.MAX_ID_CHARS: turn ids in a record
@@ -302,6 +304,26 @@ def parse_input(
     if message_pid != pid:
         raise Rejected("invalid", "participant_id does not match the subject")
     return partition, pid, kind, message
+
+
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE = re.compile(r"[\x20-\x7e]{1,512}")
+#: The W3C limit of a `tracestate` header (512 characters).
+MAX_TRACESTATE_CHARS = 512
+
+
+def trace_context(carrier: dict[str, str]) -> dict[str, str]:
+    """The input's W3C trace context as it may travel on: a well-formed `traceparent`
+    and, with it, a printable `tracestate` of at most 512 characters. Anything else of
+    a publisher's headers (or a malformed or huge context) is never echoed into outputs."""
+    parent = carrier.get("traceparent")
+    if not (isinstance(parent, str) and _TRACEPARENT.fullmatch(parent)):
+        return {}
+    kept = {"traceparent": parent}
+    state = carrier.get("tracestate")
+    if isinstance(state, str) and _TRACESTATE.fullmatch(state):
+        kept["tracestate"] = state
+    return kept
 
 
 def output_message_id(turn_id: str, route: str, text: str, *, final: bool) -> str:
