@@ -786,3 +786,29 @@ async def test_an_export_always_fits_a_snapshot_import() -> None:
     assert len(exported) <= MAX_SNAPSHOT_BYTES
     imported = ParticipantSnapshot.from_json(exported)
     assert (imported.participant_id, len(imported.history)) == (pid, 256)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["alice", "mallory"]), st.text(min_size=1, max_size=12))
+def test_a_snapshot_cannot_take_over_another_participants_patch(
+        claimed_owner: str, patch_id: str) -> None:
+    """Mallory's snapshot holding a pending patch with alice's patch id (or naming alice
+    as its participant) is refused with nothing installed: approving the id still
+    approves alice's patch."""
+    h = Harness(ScriptedAgent("conversation"))
+
+    def held(pid: str) -> PendingContextPatch:
+        return PendingContextPatch(patch_id=patch_id, participant_id=pid, task_id="t",
+                                   patch=ContextPatch(task_id="t"), created_at=0.0)
+
+    h.router.import_participant(ParticipantSnapshot(participant_id="alice",
+                                                    pending=(held("alice"),)))
+    with pytest.raises(ContractValueError, match="another participant"):
+        h.router.import_participant(ParticipantSnapshot(participant_id="mallory",
+                                                        pending=(held(claimed_owner),)))
+    assert h.router.export_participant("mallory") is None
+
+    async def approve() -> str:
+        return (await h.router.approve_patch(patch_id)).participant_id
+
+    assert anyio.run(approve) == "alice"

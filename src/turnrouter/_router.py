@@ -63,6 +63,7 @@ from ._patches import (
     MergeStrategy,
     PendingContextPatch,
 )
+from ._redact import preview
 from ._timing import TimingPredictor, TimingSink
 from ._turn import Turn
 
@@ -515,6 +516,15 @@ class AgentRouter:
                 f"import_participant() takes a ParticipantSnapshot, "
                 f"got {type(snapshot).__name__}")
         snapshot = checked_snapshot(snapshot)  # model_construct() skipped validation
+        pid = snapshot.participant_id
+        for held in snapshot.pending:
+            # Patch ids are the participant's: a snapshot cannot take over (and so
+            # approve or reject) a patch another participant holds.
+            owner = self._patches.pending.get(held.patch_id)
+            if held.participant_id != pid or (owner is not None and owner.pid != pid):
+                raise ContractValueError(
+                    f"snapshot pending patch {preview(held.patch_id)} belongs to another "
+                    f"participant; nothing installed")
         replaced = self._registry.install(snapshot, self._cfg.agents)
         if replaced is not None:
             self._patches.drop(replaced, outcome=None)
