@@ -812,3 +812,36 @@ def test_a_snapshot_cannot_take_over_another_participants_patch(
         return (await h.router.approve_patch(patch_id)).participant_id
 
     assert anyio.run(approve) == "alice"
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from([2**63 - 1, 2**63 - 2]),
+       st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([-1.0, 1e300]))
+def test_export_never_fails_on_state_import_accepted(version: int, created_at: float) -> None:
+    """A snapshot at the end of history_version's range is imported, takes a turn and
+    exports (the version wraps); a pending patch's created_at that is not a time up to
+    year 9999 (NaN, Infinity, negative, 1e300) is refused at import, never at export."""
+    h = Harness(ScriptedAgent("conversation"))
+    h.router.import_participant(ParticipantSnapshot(participant_id="p1",
+                                                    history_version=version))
+
+    async def talk() -> None:
+        await h.say(participant="p1")
+        await h.say(participant="p1")
+
+    anyio.run(talk)
+    exported = h.router.export_participant_json("p1")
+    assert exported is not None
+    again = ParticipantSnapshot.from_json(exported)
+    assert again.history_version != version
+    valid = 0 <= created_at <= 253_402_300_799  # False for NaN
+    patch = {"patch_id": "x", "participant_id": "p2", "task_id": "t",
+             "patch": {"task_id": "t"}, "created_at": created_at}
+    data = json.dumps({"participant_id": "p2", "pending": [patch]})
+    if not valid:
+        with pytest.raises(ContractValueError, match="created_at"):
+            ParticipantSnapshot.from_json(data)
+        return
+    h.router.import_participant(ParticipantSnapshot.from_json(data))
+    exported = h.router.export_participant_json("p2")
+    assert exported is not None and ParticipantSnapshot.from_json(exported).pending

@@ -27,6 +27,8 @@ def view_items(view: MetaView) -> list[Meta]:
     items, start, end = view
     return items[start:end]
 
+_MAX_VERSION = 2**63 - 1  # ParticipantSnapshot.history_version's bound
+
 
 class History:
     """Newest whole exchanges whose UTF-8 size fits the budget, with ids and timestamps.
@@ -129,7 +131,9 @@ class History:
         `extra_bytes` counts a payload kept with the exchange (a patch's facts and
         artifacts) against the budget. Returns how many the count bound dropped.
         """
-        self.version += 1
+        # Wraps at the snapshot's bound (2^63 - 1, reachable only by an imported
+        # snapshot), so the next export still validates: the version only has to change.
+        self.version = self.version + 1 if self.version < _MAX_VERSION else 0
         meta = self._meta
         self.prev_exchanges = self.exchanges
         self._prev_meta, self._prev_start, self._prev_end = meta, self._start, len(meta)

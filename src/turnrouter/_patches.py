@@ -109,7 +109,9 @@ class PendingContextPatch(BaseModel):
     patch: ContextPatch = Field(description="The payload merged (appended) if approved; "
                                 "`context_diverged` as detected when it was held.")
     strategy: MergeStrategy = MergeStrategy.HUMAN_GATED
-    created_at: float = Field(description="Unix time (seconds) when the patch was held.")
+    created_at: float = Field(
+        ge=0, le=253_402_300_799, allow_inf_nan=False,  # up to 9999-12-31: exportable
+        description="Unix time (seconds) when the patch was held.")
 
 
 @dataclass(frozen=True, slots=True)
