@@ -57,6 +57,8 @@ _RECONNECTS = 120  # reconnect attempts (0.5 s apart) after the first connection
 #: as soon as the previous one is acknowledged, so a busy partition needs no pull per
 #: message.
 _BATCH = 256
+#: Fleet-subject callbacks between two returns to the event loop (a flood's bound).
+_YIELD_EVERY = 64
 
 
 class WorkerContext:
@@ -121,6 +123,7 @@ class NatsWorker:
         self._stop = asyncio.Event()
         self._pulling = True
         self._interrupt_pending = False
+        self._interrupts_seen = 0
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -376,6 +379,11 @@ class NatsWorker:
         """A fleet-wide interrupt: an `Interrupted` without a participant, else refused
         and counted. A flood starts at most one interrupt beside the one running: those
         arriving while one is pending join it (counted as `coalesced`)."""
+        self._interrupts_seen += 1
+        if not self._interrupts_seen % _YIELD_EVERY:
+            # nats-py hands a subscription's queued messages over without returning to
+            # the loop: a flood would hold it for as long as the queue is long.
+            await asyncio.sleep(0)
         reason = _interrupt_problem(self.config, msg.data)
         if reason:
             self.router.report_rejected("nats_control", reason)
