@@ -1,27 +1,33 @@
-"""Telemetry overhead: AgentRouter.handle() with telemetry off, metrics only, and traced.
+"""Telemetry overhead: AgentRouter.handle() off, with metrics, traced and head-sampled,
+against a minimal hand-written loop with and without the same raw SDK spans.
 
-Everything is measured in one process and one run, interleaved per repeat, so the ratios
-are meaningful on a shared, noisy machine:
+One process runs every variant, interleaved round by round (the first round warms up and
+is discarded), so the ratios hold on a shared, noisy machine:
 
-- the minimal hand-written routing loop of `bench_router.py`;
-- AgentRouter with `Telemetry.disabled()`;
-- AgentRouter with metrics on and a no-op tracer provider;
-- AgentRouter with metrics and an OpenTelemetry SDK tracer (BatchSpanProcessor, an
-  exporter that discards);
-- the raw cost of the same number of SDK spans per turn (a turn span and its route,
-  admission and `invoke_agent` children) made in a tight loop with the same processor;
-- for reference, the same spans carrying the contract's attributes and event, and the
-  same again made current while their operation runs, as the router does;
-- the metrics-only router with those spans made by hand after each turn: the SDK's cost
-  for the same data paid between the router's work instead of in a tight loop. Traced
-  divided by this is what turnrouter's tracing adds beyond the SDK's own cost;
-- the same with bare spans (no attributes): the floor of any router that keeps these
-  metrics and makes these four spans, against the goal's budget.
+- `loop`: a minimal hand-written router loop: per turn decide, admit, answer (the agent
+  calls `started()` and speaks through the output callback), remember the exchange;
+- `loop+spans`: the same loop making, with the SDK (`TracerProvider` +
+  `BatchSpanProcessor`, an exporter that discards), the spans turnrouter makes for such
+  a turn: `turnrouter.turn` and its `turnrouter.route`, `turnrouter.admission` and
+  `invoke_agent {route}` children, with the same attributes and the one
+  `turnrouter.first_response` event (`tests/test_benchmarks.py` checks they are the
+  router's, name for name, parent for parent, key for key);
+- `off`: AgentRouter with `Telemetry.disabled()`;
+- `metrics`: metrics on, a `NoOpTracerProvider`;
+- `traced`: metrics and the SDK provider of `loop+spans`;
+- `sampled10`: the same with `ParentBased(TraceIdRatioBased(0.1))`: one turn in ten traced;
+- `sampled0`: the same sampler at 0: every turn's root span is non-recording.
 
-Goals: metrics on at most 7x the minimal loop; fully traced at most 1.3x (minimal loop +
-raw spans).
+Goals (issue #32): traced <= 1.2x loop+spans; sampled10 <= 1.2x metrics; off <= 3.6x loop.
 
-    .venv/bin/python benchmarks/bench_telemetry_overhead.py [--turns N] [--repeats R]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_telemetry_overhead.py [--turns N]
+        [--repeats R]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_telemetry_overhead.py --baseline TREE
+        [--rounds K]
+
+`--baseline TREE` (another checkout, e.g. `git worktree add /tmp/old REV`) runs this
+script in a fresh process per tree and round (`PYTHONPATH=<tree>/src`), the trees
+alternating, and prints each tree's medians over rounds side by side.
 """
 
 from __future__ import annotations
@@ -29,44 +35,55 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.trace import NoOpTracerProvider, Tracer
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.trace import NoOpTracerProvider, Span, Tracer
 from prometheus_client import CollectorRegistry
 
-from turnrouter import AgentRouter, AgentTurn, RouterObserver
+from turnrouter import (
+    Admission,
+    AgentRouter,
+    AgentTurn,
+    DestinationResult,
+    RouteDecision,
+    RouteRequest,
+    RouterObserver,
+    RoutingAid,
+)
 from turnrouter.telemetry import Telemetry
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_router import (
-    FirstCandidate,
-    InstantAgent,
-    _noop_output,
-    _turns,
-    minimal_loop,
-)
-
+#: This checkout's sources (what `--baseline` times as "this").
+THIS_TREE = Path(__file__).resolve().parents[1] / "src"
 #: Spans of one plain answered turn: turn, route, admission, invoke_agent.
 SPANS_PER_TURN = 4
-_CHILDREN = ("turnrouter.route", "turnrouter.admission", "invoke_agent weather")
+ROUTES = ("weather", "calendar", "conversation")
+VARIANTS = ("loop", "loop+spans", "off", "metrics", "traced", "sampled10", "sampled0")
+GOALS = {"traced / loop+spans": 1.2, "sampled10 / metrics": 1.2, "off / loop": 3.6}
 
-METRICS_GOAL = 7.0
-TRACED_GOAL = 1.3
+_ACCEPT = Admission("accept")
+_RESULT = DestinationResult("answer", "done")
+Output = Callable[[AgentTurn, str, str], Awaitable[None]]
 
 
 class DiscardingExporter(SpanExporter):
-    """Accepts every batch and keeps nothing."""
+    """Counts each batch's spans and keeps nothing."""
+
+    def __init__(self) -> None:
+        self.exported = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.exported += len(spans)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
@@ -76,105 +93,129 @@ class DiscardingExporter(SpanExporter):
         return True
 
 
-def bare_turn_spans(tracer: Tracer) -> None:
-    """One turn's worth of bare SDK spans: a root and three children, no attributes."""
-    root = tracer.start_span("turnrouter.turn")
-    ctx = trace.set_span_in_context(root)
-    for name in _CHILDREN:
-        tracer.start_span(name, context=ctx).end()
-    root.end()
+class SpeakingAgent:
+    """Admits every turn and answers at once, speaking its answer through `output`."""
+
+    def __init__(self, name: str, output: Output) -> None:
+        self.aid = RoutingAid(name, f"{name} requests")
+        self.name = name
+        self.output = output
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return self.aid
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        return _ACCEPT
+
+    async def answer(
+        self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+    ) -> DestinationResult:
+        await started()
+        await self.output(turn, self.name, _RESULT.text)
+        return _RESULT
+
+    async def release(self, participant_id: str) -> None:
+        return None
 
 
-def raw_spans(provider: TracerProvider, n: int) -> float:
-    """Seconds for `n` turns' worth of bare SDK spans in a tight loop (the goal's budget)."""
-    tracer = provider.get_tracer("bench")
-    start = time.perf_counter()
-    for _ in range(n):
-        bare_turn_spans(tracer)
-    return time.perf_counter() - start
+class FirstCandidate:
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        return RouteDecision(request.candidates[0].name)
 
 
-_CANDIDATES = ("weather", "calendar", "conversation")
+async def _discard(turn: AgentTurn, route: str, text: str) -> None:
+    return None
 
 
-def turn_spans(tracer: Tracer, turn_id: str, current: bool) -> None:
-    """One plain answered turn's four spans, made by hand with the contract's data.
-
-    With `current`, each span is also the current span while its operation would run
-    (what lets decision services and agents nest their own spans), as the router does.
-    `tests/test_benchmarks.py` checks these spans carry what the router's spans carry.
-    """
-    set_in_context = trace.set_span_in_context
-    attach, detach = otel_context.attach, otel_context.detach
-    root = tracer.start_span("turnrouter.turn", attributes={
-        "turnrouter.participant.id": "p1", "turnrouter.turn.id": turn_id})
-    ctx = set_in_context(root)
-    turn_token = attach(ctx) if current else None
-    span = tracer.start_span("turnrouter.route", context=ctx, attributes={
-        "turnrouter.decision.candidates": _CANDIDATES, "turnrouter.decision.excluded": ()})
-    if current:
-        detach(attach(set_in_context(span)))
-    span.set_attributes({"turnrouter.decision.choice": "weather"})
-    span.end()
-    span = tracer.start_span("turnrouter.admission", context=ctx, attributes={
-        "turnrouter.route": "weather", "turnrouter.admission.focused": False})
-    if current:
-        detach(attach(set_in_context(span)))
-    span.set_attributes({"turnrouter.admission.disposition": "accept"})
-    span.end()
-    span = tracer.start_span("invoke_agent weather", context=ctx, attributes={
-        "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "weather",
-        "turnrouter.fallback": False})
-    token = attach(set_in_context(span)) if current else None
-    span.add_event("turnrouter.first_response", {"turnrouter.first_response.seconds": 0.1})
-    if token is not None:
-        detach(token)
-    span.set_attributes({"turnrouter.first_response.seconds": 0.1,
-                         "turnrouter.result.disposition": "answer"})
-    span.end()
-    root.set_attributes({"turnrouter.outcome": "answer", "turnrouter.attempts": 1,
-                         "turnrouter.route": "weather"})
-    root.end()
-    if turn_token is not None:
-        detach(turn_token)
+async def _nothing() -> None:
+    return None
 
 
-def raw_spans_with_data(provider: TracerProvider, n: int, *, current: bool = False) -> float:
-    """Seconds for `n` turns of `turn_spans` in a tight loop: what the SDK itself charges
-    for a traced turn's data."""
-    tracer = provider.get_tracer("bench")
-    start = time.perf_counter()
-    for i in range(n):
-        turn_spans(tracer, f"t{i}", current)
-    return time.perf_counter() - start
+def agents() -> dict[str, SpeakingAgent]:
+    return {name: SpeakingAgent(name, _discard) for name in ROUTES}
 
 
-async def metrics_router_with_hand_spans(
-    provider: TracerProvider, agents: dict[str, InstantAgent], decisions: FirstCandidate,
-    turns: list[AgentTurn], *, bare: bool = False,
-) -> float:
-    """Seconds for the metrics-only router plus, after each turn, `turn_spans` made by hand
-    (current): the SDK's cost paid between the router's work rather than in a tight loop,
-    where its code and data stay hot in the CPU caches. With `bare`, the spans carry no
-    attributes at all: the floor of any router with metrics and these four spans."""
-    router = AgentRouter(agents, decisions, output=_noop_output, telemetry=Telemetry(
-        tracer_provider=NoOpTracerProvider(), registry=CollectorRegistry()))
-    handle, tracer = router.handle, provider.get_tracer("bench")
-    start = time.perf_counter()
+def turns(n: int, participants: int = 100) -> list[AgentTurn]:
+    return [AgentTurn(f"p{i % participants}", f"t{i}", "what's the weather")
+            for i in range(n)]
+
+
+async def loop(agents: dict[str, SpeakingAgent], decisions: FirstCandidate,
+               turns: list[AgentTurn]) -> None:
+    """The least a router must do per turn: decide, admit, answer (which outputs),
+    remember the exchange."""
+    history: dict[str, list[tuple[str, str]]] = {}
     for turn in turns:
-        await handle(turn)
-        if bare:
-            bare_turn_spans(tracer)
-        else:
-            turn_spans(tracer, turn.turn_id, True)
-    elapsed = time.perf_counter() - start
-    await router.stop()
-    return elapsed
+        candidates = tuple(agent.routing_aid(turn.participant_id) for agent in agents.values())
+        decision = await decisions.decide(RouteRequest(turn, candidates))
+        agent = agents[decision.choice]
+        admission = await agent.admit(turn, focused=False)
+        if admission.disposition == "accept":
+            result = await agent.answer(turn, started=_nothing)
+            history.setdefault(turn.participant_id, []).append((turn.query, result.text))
 
 
-async def timed_router(observer: RouterObserver, agents: dict[str, InstantAgent],
+class _FirstResponse:
+    """`started()` of the traced loop: the first call adds the first-response event."""
+
+    __slots__ = ("seconds", "span", "t0")
+
+    def __init__(self, span: Span, t0: float) -> None:
+        self.span, self.t0 = span, t0
+        self.seconds: float | None = None
+
+    async def __call__(self) -> None:
+        if self.seconds is None:
+            self.seconds = seconds = time.perf_counter() - self.t0
+            self.span.add_event("turnrouter.first_response",
+                                {"turnrouter.first_response.seconds": seconds})
+
+
+async def loop_with_spans(agents: dict[str, SpeakingAgent], decisions: FirstCandidate,
+                          turns: list[AgentTurn], tracer: Tracer) -> None:
+    """`loop` making the spans turnrouter makes for a plain answered turn, with the SDK
+    as a hand-written router would: attributes known up front at `start_span`, the
+    rest in one `set_attributes` call at the end, the event at `started()`."""
+    history: dict[str, list[tuple[str, str]]] = {}
+    set_in_context, start_span = trace.set_span_in_context, tracer.start_span
+    for turn in turns:
+        root = start_span("turnrouter.turn", attributes={
+            "turnrouter.participant.id": turn.participant_id,
+            "turnrouter.turn.id": turn.turn_id})
+        ctx = set_in_context(root)
+        candidates = tuple(agent.routing_aid(turn.participant_id) for agent in agents.values())
+        span = start_span("turnrouter.route", context=ctx, attributes={
+            "turnrouter.decision.candidates": tuple(aid.name for aid in candidates),
+            "turnrouter.decision.excluded": ()})
+        decision = await decisions.decide(RouteRequest(turn, candidates))
+        choice = decision.choice
+        span.set_attributes({"turnrouter.decision.choice": choice})
+        span.end()
+        agent = agents[choice]
+        span = start_span("turnrouter.admission", context=ctx, attributes={
+            "turnrouter.route": choice, "turnrouter.admission.focused": False})
+        admission = await agent.admit(turn, focused=False)
+        span.set_attributes({"turnrouter.admission.disposition": admission.disposition})
+        span.end()
+        if admission.disposition == "accept":
+            span = start_span("invoke_agent " + choice, context=ctx, attributes={
+                "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": choice,
+                "turnrouter.fallback": False})
+            started = _FirstResponse(span, time.perf_counter())
+            result = await agent.answer(turn, started=started)
+            span.set_attributes({"turnrouter.first_response.seconds": started.seconds or 0.0,
+                                 "turnrouter.result.disposition": result.disposition})
+            span.end()
+            history.setdefault(turn.participant_id, []).append((turn.query, result.text))
+            root.set_attributes({"turnrouter.outcome": result.disposition,
+                                 "turnrouter.attempts": 1, "turnrouter.route": choice})
+        root.end()
+
+
+async def router_turns(observer: RouterObserver, agents: dict[str, SpeakingAgent],
                        decisions: FirstCandidate, turns: list[AgentTurn]) -> float:
-    router = AgentRouter(agents, decisions, output=_noop_output, telemetry=observer)
+    """Seconds for a fresh router with `observer` to handle `turns` one after another."""
+    router = AgentRouter(agents, decisions, output=_discard, telemetry=observer)
     handle = router.handle
     start = time.perf_counter()
     for turn in turns:
@@ -184,106 +225,154 @@ async def timed_router(observer: RouterObserver, agents: dict[str, InstantAgent]
     return elapsed
 
 
+def sdk_provider(sampler: Sampler | None = None) -> tuple[TracerProvider, DiscardingExporter]:
+    """An SDK provider with a batch processor and an exporter that discards."""
+    exporter = DiscardingExporter()
+    provider = TracerProvider() if sampler is None else TracerProvider(sampler=sampler)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider, exporter
+
+
 async def measure(n: int, repeats: int) -> dict[str, float]:
-    """Median µs per turn of each variant."""
-    agents = {name: InstantAgent(name) for name in ("weather", "calendar", "conversation")}
-    decisions = FirstCandidate()
-    turns = _turns(n, 100)
-    provider = TracerProvider()
-    processor = BatchSpanProcessor(DiscardingExporter())
-    provider.add_span_processor(processor)
+    """Median µs per turn of each variant (and spans exported per turn of the traced
+    ones, as `spans/<variant>`)."""
+    agents_, decisions, turns_ = agents(), FirstCandidate(), turns(n)
+    providers = {name: sdk_provider(sampler) for name, sampler in (
+        ("traced", None), ("sampled10", ParentBased(TraceIdRatioBased(0.1))),
+        ("sampled0", ParentBased(TraceIdRatioBased(0.0))))}
+    raw_provider, raw_exporter = sdk_provider()
     noop = NoOpTracerProvider()
-    results: dict[str, list[float]] = {
-        "minimal": [], "disabled": [], "metrics": [], "traced": [], "raw_spans": [],
-        "raw_data": [], "raw_data_current": [], "interleaved": [], "interleaved_bare": []}
+
+    async def run(variant: str) -> float:
+        if variant == "loop":
+            start = time.perf_counter()
+            await loop(agents_, decisions, turns_)
+            return time.perf_counter() - start
+        if variant == "loop+spans":
+            tracer = raw_provider.get_tracer("bench")
+            start = time.perf_counter()
+            await loop_with_spans(agents_, decisions, turns_, tracer)
+            return time.perf_counter() - start
+        observer: RouterObserver
+        if variant == "off":
+            observer = Telemetry.disabled()
+        elif variant == "metrics":
+            observer = Telemetry(tracer_provider=noop, registry=CollectorRegistry())
+        else:
+            observer = Telemetry(tracer_provider=providers[variant][0],
+                                 registry=CollectorRegistry())
+        return await router_turns(observer, agents_, decisions, turns_)
+
+    results: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    exported = {"loop+spans": 0, **{name: 0 for name in providers}}
     try:
         for index in range(repeats + 1):  # round 0 warms up and is discarded
-            round_: dict[str, float] = {}
-            gc.collect()
-            start = time.perf_counter()
-            await minimal_loop(agents, decisions, turns)
-            round_["minimal"] = time.perf_counter() - start
-            gc.collect()
-            round_["disabled"] = await timed_router(
-                Telemetry.disabled(), agents, decisions, turns)
-            gc.collect()
-            round_["metrics"] = await timed_router(
-                Telemetry(tracer_provider=noop, registry=CollectorRegistry()),
-                agents, decisions, turns)
-            processor.force_flush()
-            gc.collect()
-            round_["traced"] = await timed_router(
-                Telemetry(tracer_provider=provider, registry=CollectorRegistry()),
-                agents, decisions, turns)
-            processor.force_flush()
-            gc.collect()
-            round_["raw_spans"] = raw_spans(provider, n)
-            processor.force_flush()
-            gc.collect()
-            round_["raw_data"] = raw_spans_with_data(provider, n)
-            processor.force_flush()
-            gc.collect()
-            round_["raw_data_current"] = raw_spans_with_data(provider, n, current=True)
-            processor.force_flush()
-            gc.collect()
-            round_["interleaved"] = await metrics_router_with_hand_spans(
-                provider, agents, decisions, turns)
-            processor.force_flush()
-            gc.collect()
-            round_["interleaved_bare"] = await metrics_router_with_hand_spans(
-                provider, agents, decisions, turns, bare=True)
-            processor.force_flush()
-            if index:
-                for key, value in round_.items():
-                    results[key].append(value)
+            for variant in VARIANTS:
+                gc.collect()
+                seconds = await run(variant)
+                for provider, _ in (*providers.values(), (raw_provider, raw_exporter)):
+                    provider.force_flush()
+                if index:
+                    results[variant].append(seconds)
+            if not index:
+                raw_exporter.exported = 0
+                for _, exporter in providers.values():
+                    exporter.exported = 0
+        exported["loop+spans"] = raw_exporter.exported
+        for name, (_, exporter) in providers.items():
+            exported[name] = exporter.exported
     finally:
-        provider.shutdown()
-    return {key: statistics.median(values) / n * 1e6 for key, values in results.items()}
+        for provider, _ in (*providers.values(), (raw_provider, raw_exporter)):
+            provider.shutdown()
+    figures = {key: statistics.median(values) / n * 1e6 for key, values in results.items()}
+    for name, count in exported.items():
+        # A router's count includes the release spans of its `stop()` (one per
+        # participant and route used: 100 a round).
+        figures[f"spans/{name}"] = count / (repeats * n)
+    return figures
+
+
+def ratios(f: dict[str, float]) -> dict[str, float]:
+    return {
+        "off / loop": f["off"] / f["loop"],
+        "metrics / loop": f["metrics"] / f["loop"],
+        "traced / loop+spans": f["traced"] / f["loop+spans"],
+        "sampled10 / metrics": f["sampled10"] / f["metrics"],
+        "sampled0 / metrics": f["sampled0"] / f["metrics"],
+        # Any router that keeps the metrics and traces one turn in ten pays at least
+        # the metrics plus a tenth of what the SDK charges for the spans.
+        "floor of sampled10 / metrics": (
+            f["metrics"] + 0.1 * (f["loop+spans"] - f["loop"])) / f["metrics"],
+    }
+
+
+def report(f: dict[str, float]) -> str:
+    lines = [f"{variant:<12} {f[variant]:9.2f} µs/turn  {f[variant] / f['loop']:6.2f}x loop"
+             for variant in VARIANTS]
+    lines.append("spans exported per turn: " + ", ".join(
+        f"{key[6:]} {value:.2f}" for key, value in f.items() if key.startswith("spans/")))
+    for name, value in ratios(f).items():
+        goal = GOALS.get(name)
+        verdict = "" if goal is None else (
+            f"  goal <= {goal:g}x: {'met' if value <= goal else 'MISSED'}")
+        lines.append(f"{name:<30} {value:6.2f}x{verdict}")
+    return "\n".join(lines)
+
+
+def compare(baseline: Path, rounds: int, extra: list[str]) -> dict[str, object]:
+    """`rounds` rounds of this script's measurement, `baseline`'s tree then this one,
+    each in a fresh process; each tree's medians over rounds of the figures and of the
+    ratios (a ratio's median is taken over rounds, each measured within one process)."""
+    trees = {"baseline": baseline.resolve() / "src", "this": THIS_TREE}
+    if not (trees["baseline"] / "turnrouter" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {baseline}: no src/turnrouter there")
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    for _ in range(rounds):
+        for name, src in trees.items():
+            out = subprocess.run(
+                [sys.executable, __file__, "--json", *extra], check=True, text=True,
+                capture_output=True, env={**os.environ, "PYTHONPATH": str(src)},
+            ).stdout
+            runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    result: dict[str, object] = {}
+    for name, figures in runs.items():
+        result[name] = {
+            "us_per_turn": {key: round(statistics.median(f[key] for f in figures), 2)
+                            for key in figures[0]},
+            "ratios": {key: round(statistics.median(ratios(f)[key] for f in figures), 3)
+                       for key in ratios(figures[0])},
+            "ratios_by_round": {key: [round(ratios(f)[key], 2) for f in figures]
+                                for key in GOALS},
+        }
+    result["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--turns", type=int, default=20000)
+    parser.add_argument("--turns", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=5, help="measured rounds (>= 1)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--baseline", type=Path, metavar="TREE",
+                        help="compare another checkout with this one, interleaved")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --baseline: processes per tree, alternating")
     args = parser.parse_args()
-    f = asyncio.run(measure(args.turns, args.repeats))
-    minimal = f["minimal"]
-    traced_budget = minimal + f["raw_spans"]
-    metrics_ratio = f["metrics"] / minimal
-    traced_ratio = f["traced"] / traced_budget
+    if args.turns < 1 or args.repeats < 1 or args.rounds < 1:
+        parser.error("--turns, --repeats and --rounds take a positive count")
+    if args.baseline is not None:
+        print(json.dumps(compare(args.baseline, args.rounds,
+                                 [f"--turns={args.turns}", f"--repeats={args.repeats}"]),
+                         indent=2))
+        return
+    figures = asyncio.run(measure(args.turns, args.repeats))
+    if args.json:
+        print(json.dumps(figures))
+        return
     print(f"turns {args.turns}, repeats {args.repeats} (median), "
           f"{SPANS_PER_TURN} spans per traced turn")
-    print(f"minimal loop                    {minimal:8.2f} µs/turn")
-    print(f"router, telemetry disabled      {f['disabled']:8.2f} µs/turn"
-          f"  {f['disabled'] / minimal:5.2f}x minimal")
-    print(f"router, metrics + no-op tracer  {f['metrics']:8.2f} µs/turn"
-          f"  {metrics_ratio:5.2f}x minimal  (goal <= {METRICS_GOAL:g}x)")
-    print(f"router, metrics + SDK tracer    {f['traced']:8.2f} µs/turn"
-          f"  {f['traced'] / minimal:5.2f}x minimal")
-    print(f"raw SDK spans ({SPANS_PER_TURN} per turn)       {f['raw_spans']:8.2f} µs/turn"
-          f"  ({f['raw_spans'] / SPANS_PER_TURN:.2f} µs/span)")
-    print(f"traced / (minimal + raw spans)  {traced_ratio:8.2f}x"
-          f"          (goal <= {TRACED_GOAL:g}x; budget {traced_budget:.2f} µs/turn)")
-    for key, label in (("raw_data", "with the contract's attributes and event"),
-                       ("raw_data_current", "with that data, current while their call runs")):
-        print(f"raw SDK spans {label:<47} {f[key]:8.2f} µs/turn; traced / (minimal + "
-              f"those) {f['traced'] / (minimal + f[key]):.2f}x")
-    print(f"the SDK's own cost of the contract's data alone: (minimal + raw spans with data) "
-          f"/ (minimal + raw spans) = {(minimal + f['raw_data']) / traced_budget:.2f}x")
-    print(f"metrics-only router + the same spans by hand after each turn "
-          f"{f['interleaved']:8.2f} µs/turn; traced / that {f['traced'] / f['interleaved']:.2f}x"
-          f"\n  (what turnrouter's tracing adds beyond the SDK's own cost for the data; the "
-          f"hand-made spans cost {f['interleaved'] - f['metrics']:.2f} µs/turn there)")
-    print(f"metrics-only router + bare spans (no attributes) by hand after each turn "
-          f"{f['interleaved_bare']:8.2f} µs/turn = {f['interleaved_bare'] / traced_budget:.2f}x "
-          f"the goal's budget\n  (the floor of any router with these metrics and four spans)")
-    print(f"telemetry cost per turn: metrics {f['metrics'] - f['disabled']:.2f} µs, "
-          f"traced {f['traced'] - f['disabled']:.2f} µs")
-    for goal, ratio, limit in (("metrics", metrics_ratio, METRICS_GOAL),
-                               ("fully traced", traced_ratio, TRACED_GOAL)):
-        verdict = "met" if ratio <= limit else "MISSED"
-        print(f"goal {goal} <= {limit:g}x: {verdict} ({ratio:.2f}x)")
+    print(report(figures))
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
+from turnrouter import AgentTurn
 from turnrouter.telemetry import Telemetry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_telemetry_overhead as bench
-from bench_router import FirstCandidate, InstantAgent, _turns
 
 Shape = list[tuple[str, str | None, frozenset[str], tuple[str, ...]]]
 
@@ -38,57 +38,66 @@ def _recording() -> tuple[TracerProvider, InMemorySpanExporter]:
 
 
 @pytest.mark.anyio
-async def test_interleaved_baseline_makes_the_router_spans_by_hand() -> None:
-    """The interleaved baseline's spans come from turn_spans, none from the router."""
+async def test_the_traced_loop_makes_the_router_spans() -> None:
+    """The hand-written loop's raw spans are the router's for the same turns: names,
+    parents, attribute keys and events, span for span."""
     provider, exporter = _recording()
-    agents = {name: InstantAgent(name) for name in ("weather", "calendar", "conversation")}
-    await bench.metrics_router_with_hand_spans(provider, agents, FirstCandidate(),
-                                               _turns(3, 1))
-    spans = exporter.get_finished_spans()
-    assert len(spans) == 3 * bench.SPANS_PER_TURN
-    assert [dict(span.attributes or {}).get("turnrouter.turn.id") for span in spans
-            if span.name == "turnrouter.turn"] == [turn.turn_id for turn in _turns(3, 1)]
-    provider.shutdown()
-
-
-@pytest.mark.anyio
-async def test_bare_interleaved_baseline_makes_spans_without_attributes() -> None:
-    """With bare=True the hand-made spans are the four per turn with no attributes."""
-    provider, exporter = _recording()
-    agents = {name: InstantAgent(name) for name in ("weather", "calendar", "conversation")}
-    await bench.metrics_router_with_hand_spans(provider, agents, FirstCandidate(),
-                                               _turns(2, 1), bare=True)
-    spans = exporter.get_finished_spans()
-    assert len(spans) == 2 * bench.SPANS_PER_TURN
-    assert all(not span.attributes for span in spans)
-    provider.shutdown()
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("current", [False, True])
-async def test_raw_span_baseline_carries_what_the_router_records(current: bool) -> None:
-    """The raw-span baseline makes the router's spans: names, parents, attributes, events."""
-    provider, exporter = _recording()
-    agents = {name: InstantAgent(name) for name in ("weather", "calendar", "conversation")}
     telemetry = Telemetry(tracer_provider=provider, registry=CollectorRegistry())
-    await bench.timed_router(telemetry, agents, FirstCandidate(), _turns(1, 1))
+    await bench.router_turns(telemetry, bench.agents(), bench.FirstCandidate(),
+                             bench.turns(2))
     routed = [span for span in exporter.get_finished_spans()
-              if span.name != "turnrouter.release"]  # the shutdown's, not the turn's
+              if span.name != "turnrouter.release"]  # the shutdown's, not the turns'
     exporter.clear()
-    bench.raw_spans_with_data(provider, 1, current=current)
-    assert _shape(exporter.get_finished_spans()) == _shape(tuple(routed))
+    await bench.loop_with_spans(bench.agents(), bench.FirstCandidate(), bench.turns(2),
+                                provider.get_tracer("bench"))
+    made = exporter.get_finished_spans()
+    assert len(made) == 2 * bench.SPANS_PER_TURN
+    assert _shape(made) == _shape(tuple(routed))
     provider.shutdown()
 
 
-def test_bare_span_baseline_makes_as_many_spans_as_a_turn() -> None:
-    """The bare baseline makes SPANS_PER_TURN spans per turn: a turn span and its children."""
-    provider, exporter = _recording()
-    bench.raw_spans(provider, 2)
-    spans = exporter.get_finished_spans()
-    assert len(spans) == 2 * bench.SPANS_PER_TURN
-    assert [name for name, parent, _, _ in _shape(spans)[: bench.SPANS_PER_TURN]] == [
-        *bench._CHILDREN, "turnrouter.turn"]
+@pytest.mark.anyio
+async def test_the_loops_answer_and_speak_every_turn() -> None:
+    """Both loops decide, admit and answer every turn, the agent speaking its answer."""
+    spoken: list[str] = []
+
+    async def output(turn: AgentTurn, route: str, text: str) -> None:
+        spoken.append(turn.turn_id)
+
+    agents = {name: bench.SpeakingAgent(name, output) for name in bench.ROUTES}
+    provider, _ = _recording()
+    await bench.loop(agents, bench.FirstCandidate(), bench.turns(3))
+    await bench.loop_with_spans(agents, bench.FirstCandidate(), bench.turns(3),
+                                provider.get_tracer("bench"))
+    assert spoken == ["t0", "t1", "t2"] * 2
     provider.shutdown()
+
+
+@pytest.mark.anyio
+async def test_every_variant_is_measured_and_sampling_thins_the_spans() -> None:
+    """measure() times every variant; the raw loop exports four spans a turn, the
+    0% sampler none."""
+    figures = await bench.measure(20, 1)
+    assert set(bench.VARIANTS) <= set(figures)
+    assert all(figures[variant] > 0 for variant in bench.VARIANTS)
+    assert figures["spans/loop+spans"] == bench.SPANS_PER_TURN
+    assert figures["spans/traced"] >= bench.SPANS_PER_TURN
+    assert figures["spans/sampled0"] == 0
+    assert set(bench.GOALS) <= set(bench.ratios(figures))
+
+
+def test_telemetry_comparison_runs_each_tree_in_a_process_of_its_own() -> None:
+    """bench_telemetry_overhead --baseline measures each tree in a fresh process and
+    reports both trees' figures and ratios; a folder without turnrouter is refused."""
+    root = Path(__file__).resolve().parents[1]
+    report = bench.compare(root, 1, ["--turns=20", "--repeats=1"])
+    for tree in ("baseline", "this"):
+        entry = report[tree]
+        assert isinstance(entry, dict)
+        assert set(bench.VARIANTS) <= set(entry["us_per_turn"])
+        assert set(bench.GOALS) == set(entry["ratios_by_round"])
+    with pytest.raises(SystemExit, match="no src/turnrouter"):
+        bench.compare(root / "docs", 1, [])
 
 
 def test_the_nats_floor_answers_outputs_the_distributed_load_counts() -> None:
