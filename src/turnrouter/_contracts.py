@@ -147,9 +147,14 @@ class Admission:
     """Optional text for clarification or release; release text precedes rerouting."""
 
     def __post_init__(self) -> None:
-        _check_choice("Admission", "disposition", self.disposition, _ADMISSION_DISPOSITIONS)
-        _check_str("Admission", "preamble", self.preamble)
-        _check_str("Admission", "text", self.text)
+        disposition, preamble, text = self.disposition, self.preamble, self.text
+        if (type(disposition) is str and disposition in _ADMISSION_DISPOSITIONS
+                and type(preamble) is str and preamble.isascii()
+                and type(text) is str and text.isascii()):
+            return  # the common case, checked inline (validated on every turn)
+        _check_choice("Admission", "disposition", disposition, _ADMISSION_DISPOSITIONS)
+        _check_str("Admission", "preamble", preamble)
+        _check_str("Admission", "text", text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,14 +192,11 @@ class AgentTurn:
     """Originating input time in Unix microseconds, when supplied by the caller."""
 
     def __post_init__(self) -> None:
-        _check_str("AgentTurn", "participant_id", self.participant_id, nonempty=True)
-        _check_str("AgentTurn", "turn_id", self.turn_id, nonempty=True)
-        if len(self.participant_id) > MAX_ID_CHARS or len(self.turn_id) > MAX_ID_CHARS:
-            name = "participant_id" if len(self.participant_id) > MAX_ID_CHARS else "turn_id"
-            raise ContractValueError(
-                f"AgentTurn.{name} must be at most MAX_ID_CHARS ({MAX_ID_CHARS}) characters, "
-                f"got {len(getattr(self, name))}")
-        _check_str("AgentTurn", "query", self.query)
+        pid, turn_id, query = self.participant_id, self.turn_id, self.query
+        if not (type(pid) is str and type(turn_id) is str and type(query) is str
+                and 0 < len(pid) <= MAX_ID_CHARS and 0 < len(turn_id) <= MAX_ID_CHARS
+                and pid.isascii() and turn_id.isascii() and query.isascii()):
+            self._check_text()  # else the common case, checked inline (on every turn)
         history = self.history
         if not isinstance(history, tuple):
             if isinstance(history, str | bytes | Mapping) or not isinstance(history, Iterable):
@@ -213,6 +215,16 @@ class AgentTurn:
                     f"AgentTurn.timestamp_us must be within [0, {MAX_TIMESTAMP_US}], "
                     f"got {preview(ts)}")
 
+    def _check_text(self) -> None:
+        _check_str("AgentTurn", "participant_id", self.participant_id, nonempty=True)
+        _check_str("AgentTurn", "turn_id", self.turn_id, nonempty=True)
+        if len(self.participant_id) > MAX_ID_CHARS or len(self.turn_id) > MAX_ID_CHARS:
+            name = "participant_id" if len(self.participant_id) > MAX_ID_CHARS else "turn_id"
+            raise ContractValueError(
+                f"AgentTurn.{name} must be at most MAX_ID_CHARS ({MAX_ID_CHARS}) characters, "
+                f"got {len(getattr(self, name))}")
+        _check_str("AgentTurn", "query", self.query)
+
 
 @dataclass(frozen=True, slots=True)
 class DestinationResult:
@@ -230,8 +242,12 @@ class DestinationResult:
     """Completed response context kept in history (not spoken by the router)."""
 
     def __post_init__(self) -> None:
-        _check_choice("DestinationResult", "disposition", self.disposition, _RESULT_DISPOSITIONS)
-        _check_str("DestinationResult", "text", self.text)
+        disposition, text = self.disposition, self.text
+        if (type(disposition) is str and disposition in _RESULT_DISPOSITIONS
+                and type(text) is str and text.isascii()):
+            return  # the common case, checked inline (validated on every turn)
+        _check_choice("DestinationResult", "disposition", disposition, _RESULT_DISPOSITIONS)
+        _check_str("DestinationResult", "text", text)
 
 
 @dataclass(frozen=True, slots=True)

@@ -274,7 +274,7 @@ class Turn(TurnRun):
         self, request: RouteRequest, aids: dict[str, RoutingAid], excluded: set[str]
     ) -> tuple[str | None, ClarificationReason | None]:
         obs, cfg = self.obs, self.cfg
-        token = obs.decision_started(request)
+        token = obs.decision_started(request) if self.observing else None
         try:
             decision = await cfg.decisions.decide(request)
             if not isinstance(decision, RouteDecision):

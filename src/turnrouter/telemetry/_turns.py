@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from contextvars import Token
 from time import perf_counter
+from types import MappingProxyType
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -69,6 +70,29 @@ _NONE = NONE_LABEL
 
 Attributes = dict[str, AttributeValue]
 
+_attach_context, _detach_context = otel_context.attach, otel_context.detach
+_in_context = trace.set_span_in_context
+
+#: Per-route `invoke_agent` span names and start attributes, made once instead of on
+#: every turn (read-only: the SDK copies what it keeps). Bounded: routes are routers'
+#: registered names, and at most `_CACHED_ROUTES` are kept.
+_INVOKE: dict[tuple[str, bool], tuple[str, Mapping[str, AttributeValue]]] = {}
+_CACHED_ROUTES = 4096
+
+
+def _invoke_span(route: str, fallback: bool) -> tuple[str, Mapping[str, AttributeValue]]:
+    """The `invoke_agent {route}` span's name and start attributes (no content)."""
+    found = _INVOKE.get((route, fallback))
+    if found is None:
+        found = (SPAN_INVOKE_AGENT_PREFIX + route, MappingProxyType({
+            ATTR.GEN_AI_OPERATION_NAME: "invoke_agent",
+            ATTR.GEN_AI_AGENT_NAME: route,
+            ATTR.FALLBACK: fallback,
+        }))
+        if len(_INVOKE) < _CACHED_ROUTES:
+            _INVOKE[(route, fallback)] = found
+    return found
+
 
 def error_type(error: BaseException) -> str:
     return type(error).__qualname__
@@ -91,12 +115,11 @@ def _admission_label(disposition: str | None, error: BaseException | None,
 
 
 def _decision_attributes(
-    decision: RouteDecision, request: RouteRequest, capture: bool
+    decision: RouteDecision, names: tuple[str, ...], capture: bool
 ) -> Attributes:
-    """The route span's decision attributes. Only candidates' names become attribute
-    names or values: a decision service cannot mint attribute keys (or leak content)
-    through its choice or score keys; dropped score keys are counted instead."""
-    names = request.candidate_names
+    """The route span's decision attributes. Only candidates' names (`names`) become
+    attribute names or values: a decision service cannot mint attribute keys (or leak
+    content) through its choice or score keys; dropped score keys are counted instead."""
     choice = decision.choice
     attributes: Attributes = {
         ATTR.DECISION_CHOICE: choice if choice == CLARIFY or choice in names else "_OTHER"}
@@ -314,7 +337,7 @@ class TurnMetrics(TurnObserver):
         self._done = True
         self._end_turn(event)
         if self._token is not None:
-            otel_context.detach(self._token)
+            _detach_context(self._token)
             self._token = None
 
     def _end_turn(self, event: TurnFinished) -> None:
@@ -333,8 +356,8 @@ class TracedTurn(TurnMetrics):
     """
 
     __slots__ = (
-        "_answer", "_capture", "_clarification", "_ctx", "_focus_before", "_open", "_span",
-        "_tracer", "_turn",
+        "_answer", "_capture", "_clarification", "_ctx", "_focus_before", "_named", "_names",
+        "_open", "_span", "_start_span", "_turn",
     )
 
     def __init__(
@@ -342,8 +365,8 @@ class TracedTurn(TurnMetrics):
         span: Span,
     ) -> None:
         """`span` is the turn's recording span; it becomes current until `finished()`."""
-        ctx = trace.set_span_in_context(span)
-        token = otel_context.attach(ctx)
+        ctx = _in_context(span)
+        token = _attach_context(ctx)
         self._fam = families
         self._token = token
         self._failed = None
@@ -351,24 +374,30 @@ class TracedTurn(TurnMetrics):
         self._capture = capture
         self._turn: AgentTurn = started.turn
         self._focus_before = started.focus
-        self._tracer = tracer
+        self._start_span = tracer.start_span
         self._span = span
         self._ctx = ctx
+        self._named: RouteRequest | None = None  # the request `_names` are of
+        self._names: tuple[str, ...] = ()
         self._open: Op | None = None
         self._answer: Op | None = None
         self._clarification: str | None = None
         self._t0 = perf_counter()
 
-    def _start_current(self, name: str, attributes: Attributes, t0: float) -> Op:
-        """Start a child of the turn span and make it current (same task, LIFO)."""
-        span = self._tracer.start_span(
-            name, context=self._ctx, kind=INTERNAL, attributes=attributes)
-        op = self._open = Op(span, t0, otel_context.attach(trace.set_span_in_context(span)))
+    def _start_current(
+        self, name: str, attributes: Mapping[str, AttributeValue], t0: float
+    ) -> Op:
+        """Start a child of the turn span and make it current (same task, LIFO): the
+        turn's context plus the child, so the current context is not read again."""
+        ctx = self._ctx
+        span = self._start_span(name, ctx, INTERNAL, attributes)
+        op = self._open = Op(span, t0, _attach_context(_in_context(span, ctx)))
         return op
 
     def _detach(self, op: Op) -> None:
-        if op.context_token is not None:
-            otel_context.detach(op.context_token)
+        token = op.context_token
+        if token is not None:
+            _detach_context(token)
             op.context_token = None
         if self._open is op:
             self._open = None
@@ -381,8 +410,10 @@ class TracedTurn(TurnMetrics):
     def decision_started(self, request: RouteRequest) -> object:
         """Open a `turnrouter.route` span, current during the decision call."""
         excluded = request.excluded
+        names = self._names = request.candidate_names
+        self._named = request
         return self._start_current(SPAN_ROUTE, {
-            ATTR.DECISION_CANDIDATES: request.candidate_names,
+            ATTR.DECISION_CANDIDATES: names,
             ATTR.DECISION_EXCLUDED: tuple(sorted(excluded)) if excluded else (),
         }, perf_counter())
 
@@ -397,7 +428,9 @@ class TracedTurn(TurnMetrics):
         self._fam.decision_duration.observe_traced(now - token.t0, now, span)
         decision, error = event.decision, event.error
         if decision is not None:
-            span.set_attributes(_decision_attributes(decision, event.request, self._capture))
+            request = event.request
+            names = self._names if request is self._named else request.candidate_names
+            span.set_attributes(_decision_attributes(decision, names, self._capture))
         if error is not None:
             self._count_failure(None, "decision", error)
             set_error(span, error_type(error))
@@ -443,16 +476,11 @@ class TracedTurn(TurnMetrics):
 
     def answer_started(self, event: AnswerStarted) -> object:
         """Open `invoke_agent {route}` and make it current, so the agent's spans nest."""
-        route = event.route
-        attributes: Attributes = {
-            ATTR.GEN_AI_OPERATION_NAME: "invoke_agent",
-            ATTR.GEN_AI_AGENT_NAME: route,
-            ATTR.FALLBACK: event.fallback,
-        }
+        name, attributes = _invoke_span(event.route, event.fallback)
         if self._capture:
-            attributes[ATTR.GEN_AI_INPUT_MESSAGES] = _messages("user", self._turn.query)
-        op = self._answer = self._start_current(
-            SPAN_INVOKE_AGENT_PREFIX + route, attributes, 0.0)
+            attributes = {**attributes,
+                          ATTR.GEN_AI_INPUT_MESSAGES: _messages("user", self._turn.query)}
+        op = self._answer = self._start_current(name, attributes, 0.0)
         return op
 
     def first_response(self, token: object, event: FirstResponse) -> None:
@@ -525,9 +553,9 @@ class TracedTurn(TurnMetrics):
 
     def release_started(self, event: ReleaseStarted) -> object:
         """Open a `turnrouter.release` span."""
-        return Op(self._tracer.start_span(
-            SPAN_RELEASE, context=self._ctx, kind=INTERNAL,
-            attributes={ATTR.ROUTE: event.route, ATTR.RELEASE_REASON: event.reason}), 0.0)
+        return Op(self._start_span(
+            SPAN_RELEASE, self._ctx, INTERNAL,
+            {ATTR.ROUTE: event.route, ATTR.RELEASE_REASON: event.reason}), 0.0)
 
     def release_finished(self, token: object, event: ReleaseFinished) -> None:
         """Close the release span; count a failure at stage `release` on error."""
@@ -588,9 +616,8 @@ class TracedTurn(TurnMetrics):
         wall_ns, mono = time.time_ns(), time.monotonic()
         start_ns = wall_ns - int((mono - event.started_at) * 1e9)
         end_ns = max(start_ns, wall_ns - int((mono - event.ended_at) * 1e9))
-        span = self._tracer.start_span(
-            SPAN_ACKNOWLEDGMENT, context=self._ctx, kind=INTERNAL, attributes=attributes,
-            start_time=start_ns)
+        span = self._start_span(
+            SPAN_ACKNOWLEDGMENT, self._ctx, INTERNAL, attributes, start_time=start_ns)
         if outcome == "failed":
             span.set_status(ERROR_STATUS)
         span.end(end_time=end_ns)
