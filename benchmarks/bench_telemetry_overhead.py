@@ -43,6 +43,8 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -216,13 +218,17 @@ async def router_turns(observer: RouterObserver, agents: dict[str, SpeakingAgent
                        decisions: FirstCandidate, turns: list[AgentTurn]) -> float:
     """Seconds for a fresh router with `observer` to handle `turns` one after another."""
     router = AgentRouter(agents, decisions, output=_discard, telemetry=observer)
-    handle = router.handle
     start = time.perf_counter()
-    for turn in turns:
-        await handle(turn)
+    await _drive(router.handle, turns)
     elapsed = time.perf_counter() - start
     await router.stop()
     return elapsed
+
+
+async def _drive(handle: Callable[[AgentTurn], Awaitable[DestinationResult]],
+                 turns: list[AgentTurn]) -> None:
+    for turn in turns:
+        await handle(turn)
 
 
 def sdk_provider(sampler: Sampler | None = None) -> tuple[TracerProvider, DiscardingExporter]:
@@ -233,76 +239,127 @@ def sdk_provider(sampler: Sampler | None = None) -> tuple[TracerProvider, Discar
     return provider, exporter
 
 
-async def measure(n: int, repeats: int) -> dict[str, float]:
-    """Median µs per turn of each variant (and spans exported per turn of the traced
-    ones, as `spans/<variant>`)."""
-    agents_, decisions, turns_ = agents(), FirstCandidate(), turns(n)
-    providers = {name: sdk_provider(sampler) for name, sampler in (
-        ("traced", None), ("sampled10", ParentBased(TraceIdRatioBased(0.1))),
-        ("sampled0", ParentBased(TraceIdRatioBased(0.0))))}
-    raw_provider, raw_exporter = sdk_provider()
-    noop = NoOpTracerProvider()
+class OpcodeCounter:
+    """Counts the bytecodes this thread executes in frames started inside the block
+    (`sys.settrace`): deterministic, where wall-clock time on a shared machine is not.
+    The batch processor's export thread is not counted (background work)."""
 
-    async def run(variant: str) -> float:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> OpcodeCounter:
+        sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+
+    def _trace(self, frame: FrameType, event: str, arg: object) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            self.count += 1
+        return self._trace
+
+
+class Variants:
+    """Each variant's way of running a list of turns, over shared agents and providers."""
+
+    def __init__(self) -> None:
+        self.agents, self.decisions = agents(), FirstCandidate()
+        self.providers = {name: sdk_provider(sampler) for name, sampler in (
+            ("loop+spans", None), ("traced", None),
+            ("sampled10", ParentBased(TraceIdRatioBased(0.1))),
+            ("sampled0", ParentBased(TraceIdRatioBased(0.0))))}
+        self.noop = NoOpTracerProvider()
+
+    def runner(self, variant: str) -> tuple[Callable[[list[AgentTurn]], Awaitable[None]],
+                                            Callable[[], Awaitable[None]]]:
+        """`(run, close)`: `run(turns)` handles turns (a router's state is kept from
+        one call to the next), `close()` stops the router."""
+        agents_, decisions = self.agents, self.decisions
         if variant == "loop":
-            start = time.perf_counter()
-            await loop(agents_, decisions, turns_)
-            return time.perf_counter() - start
+            return (lambda turns: loop(agents_, decisions, turns)), _nothing
         if variant == "loop+spans":
-            tracer = raw_provider.get_tracer("bench")
-            start = time.perf_counter()
-            await loop_with_spans(agents_, decisions, turns_, tracer)
-            return time.perf_counter() - start
+            tracer = self.providers[variant][0].get_tracer("bench")
+            return (lambda turns: loop_with_spans(agents_, decisions, turns, tracer)), _nothing
         observer: RouterObserver
         if variant == "off":
             observer = Telemetry.disabled()
         elif variant == "metrics":
-            observer = Telemetry(tracer_provider=noop, registry=CollectorRegistry())
+            observer = Telemetry(tracer_provider=self.noop, registry=CollectorRegistry())
         else:
-            observer = Telemetry(tracer_provider=providers[variant][0],
+            observer = Telemetry(tracer_provider=self.providers[variant][0],
                                  registry=CollectorRegistry())
-        return await router_turns(observer, agents_, decisions, turns_)
+        router = AgentRouter(agents_, decisions, output=_discard, telemetry=observer)
+        handle = router.handle
+        return (lambda turns: _drive(handle, turns)), router.stop
 
+    def flush(self) -> None:
+        for provider, _ in self.providers.values():
+            provider.force_flush()
+
+    def shutdown(self) -> None:
+        for provider, _ in self.providers.values():
+            provider.shutdown()
+
+
+async def measure(n: int, repeats: int, bytecodes: int = 0) -> dict[str, float]:
+    """Median µs per turn of each variant, spans exported per turn (`spans/<variant>`:
+    a router's count includes the release spans of its `stop()`, 100 a round) and, with
+    `bytecodes` > 0, bytecodes per turn over that many turns after 200 of warm-up
+    (`bytecodes/<variant>`)."""
+    variants, turns_ = Variants(), turns(n)
     results: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    exported = {"loop+spans": 0, **{name: 0 for name in providers}}
+    figures: dict[str, float] = {}
     try:
         for index in range(repeats + 1):  # round 0 warms up and is discarded
             for variant in VARIANTS:
+                run, close = variants.runner(variant)
                 gc.collect()
-                seconds = await run(variant)
-                for provider, _ in (*providers.values(), (raw_provider, raw_exporter)):
-                    provider.force_flush()
+                start = time.perf_counter()
+                await run(turns_)
+                seconds = time.perf_counter() - start
+                await close()
+                variants.flush()
                 if index:
                     results[variant].append(seconds)
             if not index:
-                raw_exporter.exported = 0
-                for _, exporter in providers.values():
+                for _, exporter in variants.providers.values():
                     exporter.exported = 0
-        exported["loop+spans"] = raw_exporter.exported
-        for name, (_, exporter) in providers.items():
-            exported[name] = exporter.exported
+        for name, (_, exporter) in variants.providers.items():
+            if name in VARIANTS:
+                figures[f"spans/{name}"] = exporter.exported / (repeats * n)
+        if bytecodes > 0:
+            counted = turns(200 + bytecodes)
+            for variant in VARIANTS:
+                run, close = variants.runner(variant)
+                await run(counted[:200])
+                with OpcodeCounter() as counter:
+                    await run(counted[200:])
+                await close()
+                figures[f"bytecodes/{variant}"] = counter.count / bytecodes
     finally:
-        for provider, _ in (*providers.values(), (raw_provider, raw_exporter)):
-            provider.shutdown()
-    figures = {key: statistics.median(values) / n * 1e6 for key, values in results.items()}
-    for name, count in exported.items():
-        # A router's count includes the release spans of its `stop()` (one per
-        # participant and route used: 100 a round).
-        figures[f"spans/{name}"] = count / (repeats * n)
-    return figures
+        variants.shutdown()
+    return {key: statistics.median(values) / n * 1e6
+            for key, values in results.items()} | figures
 
 
-def ratios(f: dict[str, float]) -> dict[str, float]:
+def ratios(f: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """The goals' ratios of time per turn (or, with `prefix="bytecodes/"`, of
+    bytecodes per turn), and the floor any router meets for the sampled goal."""
+    def g(variant: str) -> float:
+        return f[prefix + variant]
+
     return {
-        "off / loop": f["off"] / f["loop"],
-        "metrics / loop": f["metrics"] / f["loop"],
-        "traced / loop+spans": f["traced"] / f["loop+spans"],
-        "sampled10 / metrics": f["sampled10"] / f["metrics"],
-        "sampled0 / metrics": f["sampled0"] / f["metrics"],
+        "off / loop": g("off") / g("loop"),
+        "metrics / loop": g("metrics") / g("loop"),
+        "traced / loop+spans": g("traced") / g("loop+spans"),
+        "sampled10 / metrics": g("sampled10") / g("metrics"),
+        "sampled0 / metrics": g("sampled0") / g("metrics"),
         # Any router that keeps the metrics and traces one turn in ten pays at least
         # the metrics plus a tenth of what the SDK charges for the spans.
         "floor of sampled10 / metrics": (
-            f["metrics"] + 0.1 * (f["loop+spans"] - f["loop"])) / f["metrics"],
+            g("metrics") + 0.1 * (g("loop+spans") - g("loop"))) / g("metrics"),
     }
 
 
@@ -316,6 +373,11 @@ def report(f: dict[str, float]) -> str:
         verdict = "" if goal is None else (
             f"  goal <= {goal:g}x: {'met' if value <= goal else 'MISSED'}")
         lines.append(f"{name:<30} {value:6.2f}x{verdict}")
+    if "bytecodes/loop" in f:
+        lines.append("bytecodes per turn: " + ", ".join(
+            f"{variant} {f['bytecodes/' + variant]:.0f}" for variant in VARIANTS))
+        lines.extend(f"  {name:<28} {value:6.2f}x" for name, value in
+                     ratios(f, "bytecodes/").items())
     return "\n".join(lines)
 
 
@@ -336,14 +398,18 @@ def compare(baseline: Path, rounds: int, extra: list[str]) -> dict[str, object]:
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
     result: dict[str, object] = {}
     for name, figures in runs.items():
-        result[name] = {
-            "us_per_turn": {key: round(statistics.median(f[key] for f in figures), 2)
-                            for key in figures[0]},
+        entry: dict[str, object] = {
+            "per_turn": {key: round(statistics.median(f[key] for f in figures), 2)
+                         for key in figures[0]},
             "ratios": {key: round(statistics.median(ratios(f)[key] for f in figures), 3)
                        for key in ratios(figures[0])},
             "ratios_by_round": {key: [round(ratios(f)[key], 2) for f in figures]
                                 for key in GOALS},
         }
+        if "bytecodes/loop" in figures[0]:  # deterministic: the first round's
+            entry["bytecode_ratios"] = {key: round(value, 3) for key, value in
+                                        ratios(figures[0], "bytecodes/").items()}
+        result[name] = entry
     result["load_average"] = [round(x, 2) for x in os.getloadavg()]
     return result
 
@@ -353,20 +419,23 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=5, help="measured rounds (>= 1)")
+    parser.add_argument("--bytecodes", type=int, default=0, metavar="N",
+                        help="also count bytecodes per turn over N turns (deterministic)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--baseline", type=Path, metavar="TREE",
                         help="compare another checkout with this one, interleaved")
     parser.add_argument("--rounds", type=int, default=3,
                         help="with --baseline: processes per tree, alternating")
     args = parser.parse_args()
-    if args.turns < 1 or args.repeats < 1 or args.rounds < 1:
-        parser.error("--turns, --repeats and --rounds take a positive count")
+    if args.turns < 1 or args.repeats < 1 or args.rounds < 1 or args.bytecodes < 0:
+        parser.error("--turns, --repeats and --rounds take a positive count, --bytecodes "
+                     "a count >= 0")
     if args.baseline is not None:
-        print(json.dumps(compare(args.baseline, args.rounds,
-                                 [f"--turns={args.turns}", f"--repeats={args.repeats}"]),
-                         indent=2))
+        print(json.dumps(compare(args.baseline, args.rounds, [
+            f"--turns={args.turns}", f"--repeats={args.repeats}",
+            f"--bytecodes={args.bytecodes}"]), indent=2))
         return
-    figures = asyncio.run(measure(args.turns, args.repeats))
+    figures = asyncio.run(measure(args.turns, args.repeats, args.bytecodes))
     if args.json:
         print(json.dumps(figures))
         return

@@ -75,11 +75,14 @@ async def test_the_loops_answer_and_speak_every_turn() -> None:
 
 @pytest.mark.anyio
 async def test_every_variant_is_measured_and_sampling_thins_the_spans() -> None:
-    """measure() times every variant; the raw loop exports four spans a turn, the
-    0% sampler none."""
-    figures = await bench.measure(20, 1)
+    """measure() times every variant and counts its bytecodes; the raw loop exports four
+    spans a turn, the 0% sampler none."""
+    figures = await bench.measure(20, 1, bytecodes=10)
     assert set(bench.VARIANTS) <= set(figures)
     assert all(figures[variant] > 0 for variant in bench.VARIANTS)
+    # Each loop runs its own code; the router's spans cost more bytecodes than none.
+    assert figures["bytecodes/loop+spans"] > figures["bytecodes/loop"] > 0
+    assert figures["bytecodes/traced"] > figures["bytecodes/metrics"]
     assert figures["spans/loop+spans"] == bench.SPANS_PER_TURN
     assert figures["spans/traced"] >= bench.SPANS_PER_TURN
     assert figures["spans/sampled0"] == 0
@@ -94,7 +97,7 @@ def test_telemetry_comparison_runs_each_tree_in_a_process_of_its_own() -> None:
     for tree in ("baseline", "this"):
         entry = report[tree]
         assert isinstance(entry, dict)
-        assert set(bench.VARIANTS) <= set(entry["us_per_turn"])
+        assert set(bench.VARIANTS) <= set(entry["per_turn"])
         assert set(bench.GOALS) == set(entry["ratios_by_round"])
     with pytest.raises(SystemExit, match="no src/turnrouter"):
         bench.compare(root / "docs", 1, [])
