@@ -14,6 +14,8 @@ is discarded), so the ratios hold on a shared, noisy machine:
   router's, name for name, parent for parent, key for key);
 - `off`: AgentRouter with `Telemetry.disabled()`;
 - `metrics`: metrics on, a `NoOpTracerProvider`;
+- `metrics+spans`: the `metrics` router, each turn followed by the spans of `loop+spans`
+  made by hand: what the SDK charges for those spans, paid between the router's work;
 - `traced`: metrics and the SDK provider of `loop+spans`;
 - `sampled10`: the same with `ParentBased(TraceIdRatioBased(0.1))`: one turn in ten traced;
 - `sampled0`: the same sampler at 0: every turn's root span is non-recording.
@@ -70,7 +72,8 @@ THIS_TREE = Path(__file__).resolve().parents[1] / "src"
 #: Spans of one plain answered turn: turn, route, admission, invoke_agent.
 SPANS_PER_TURN = 4
 ROUTES = ("weather", "calendar", "conversation")
-VARIANTS = ("loop", "loop+spans", "off", "metrics", "traced", "sampled10", "sampled0")
+VARIANTS = ("loop", "loop+spans", "off", "metrics", "metrics+spans", "traced", "sampled10",
+            "sampled0")
 GOALS = {"traced / loop+spans": 1.2, "sampled10 / metrics": 1.2, "off / loop": 3.6}
 
 _ACCEPT = Admission("accept")
@@ -214,6 +217,46 @@ async def loop_with_spans(agents: dict[str, SpeakingAgent], decisions: FirstCand
         root.end()
 
 
+def hand_spans(tracer: Tracer, turn: AgentTurn, candidates: tuple[str, ...],
+               choice: str) -> None:
+    """The spans of `loop_with_spans` for one answered turn, made in one go."""
+    start_span = tracer.start_span
+    root = start_span("turnrouter.turn", attributes={
+        "turnrouter.participant.id": turn.participant_id,
+        "turnrouter.turn.id": turn.turn_id})
+    ctx = trace.set_span_in_context(root)
+    span = start_span("turnrouter.route", context=ctx, attributes={
+        "turnrouter.decision.candidates": candidates, "turnrouter.decision.excluded": ()})
+    span.set_attributes({"turnrouter.decision.choice": choice})
+    span.end()
+    span = start_span("turnrouter.admission", context=ctx, attributes={
+        "turnrouter.route": choice, "turnrouter.admission.focused": False})
+    span.set_attributes({"turnrouter.admission.disposition": "accept"})
+    span.end()
+    span = start_span("invoke_agent " + choice, context=ctx, attributes={
+        "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": choice,
+        "turnrouter.fallback": False})
+    span.add_event("turnrouter.first_response", {"turnrouter.first_response.seconds": 0.0})
+    span.set_attributes({"turnrouter.first_response.seconds": 0.0,
+                         "turnrouter.result.disposition": "answer"})
+    span.end()
+    root.set_attributes({"turnrouter.outcome": "answer", "turnrouter.attempts": 1,
+                         "turnrouter.route": choice})
+    root.end()
+
+
+async def _drive_with_hand_spans(
+    handle: Callable[[AgentTurn], Awaitable[DestinationResult]], turns: list[AgentTurn],
+    tracer: Tracer,
+) -> None:
+    """The metrics-only router, each turn followed by its spans made by hand: the SDK's
+    charge for the spans, paid between the router's work as the traced router pays it."""
+    candidates = ROUTES
+    for turn in turns:
+        await handle(turn)
+        hand_spans(tracer, turn, candidates, candidates[0])
+
+
 async def router_turns(observer: RouterObserver, agents: dict[str, SpeakingAgent],
                        decisions: FirstCandidate, turns: list[AgentTurn]) -> float:
     """Seconds for a fresh router with `observer` to handle `turns` one after another."""
@@ -267,7 +310,7 @@ class Variants:
     def __init__(self) -> None:
         self.agents, self.decisions = agents(), FirstCandidate()
         self.providers = {name: sdk_provider(sampler) for name, sampler in (
-            ("loop+spans", None), ("traced", None),
+            ("loop+spans", None), ("metrics+spans", None), ("traced", None),
             ("sampled10", ParentBased(TraceIdRatioBased(0.1))),
             ("sampled0", ParentBased(TraceIdRatioBased(0.0))))}
         self.noop = NoOpTracerProvider()
@@ -285,13 +328,16 @@ class Variants:
         observer: RouterObserver
         if variant == "off":
             observer = Telemetry.disabled()
-        elif variant == "metrics":
+        elif variant in ("metrics", "metrics+spans"):
             observer = Telemetry(tracer_provider=self.noop, registry=CollectorRegistry())
         else:
             observer = Telemetry(tracer_provider=self.providers[variant][0],
                                  registry=CollectorRegistry())
         router = AgentRouter(agents_, decisions, output=_discard, telemetry=observer)
         handle = router.handle
+        if variant == "metrics+spans":
+            tracer = self.providers[variant][0].get_tracer("bench")
+            return (lambda turns: _drive_with_hand_spans(handle, turns, tracer)), router.stop
         return (lambda turns: _drive(handle, turns)), router.stop
 
     def flush(self) -> None:
@@ -356,6 +402,10 @@ def ratios(f: dict[str, float], prefix: str = "") -> dict[str, float]:
         "traced / loop+spans": g("traced") / g("loop+spans"),
         "sampled10 / metrics": g("sampled10") / g("metrics"),
         "sampled0 / metrics": g("sampled0") / g("metrics"),
+        # What turnrouter's tracing adds to what the SDK charges for the same spans.
+        "traced / metrics+spans": g("traced") / g("metrics+spans"),
+        # The goal's ratio for any router with these metrics and the SDK's spans.
+        "floor of traced / loop+spans": g("metrics+spans") / g("loop+spans"),
         # Any router that keeps the metrics and traces one turn in ten pays at least
         # the metrics plus a tenth of what the SDK charges for the spans.
         "floor of sampled10 / metrics": (

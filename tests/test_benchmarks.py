@@ -39,8 +39,8 @@ def _recording() -> tuple[TracerProvider, InMemorySpanExporter]:
 
 @pytest.mark.anyio
 async def test_the_traced_loop_makes_the_router_spans() -> None:
-    """The hand-written loop's raw spans are the router's for the same turns: names,
-    parents, attribute keys and events, span for span."""
+    """The hand-written loop's raw spans, and those made by hand after a turn, are the
+    router's for the same turns: names, parents, attribute keys and events."""
     provider, exporter = _recording()
     telemetry = Telemetry(tracer_provider=provider, registry=CollectorRegistry())
     await bench.router_turns(telemetry, bench.agents(), bench.FirstCandidate(),
@@ -53,6 +53,10 @@ async def test_the_traced_loop_makes_the_router_spans() -> None:
     made = exporter.get_finished_spans()
     assert len(made) == 2 * bench.SPANS_PER_TURN
     assert _shape(made) == _shape(tuple(routed))
+    exporter.clear()
+    for turn in bench.turns(2):  # the spans metrics+spans makes after each turn
+        bench.hand_spans(provider.get_tracer("bench"), turn, bench.ROUTES, "weather")
+    assert _shape(exporter.get_finished_spans()) == _shape(tuple(routed))
     provider.shutdown()
 
 
