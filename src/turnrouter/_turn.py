@@ -63,6 +63,7 @@ from ._observer import (
 
 if TYPE_CHECKING:
     from ._acknowledgment import AcknowledgmentSidecar
+    from ._history import History
     from ._participants import Participant
 
 __all__ = ["Answer", "Turn", "bounded_release"]
@@ -138,7 +139,21 @@ class Turn(TurnRun):
         if self.report_heard:  # mark_heard() may look for this turn's answer
             state.current = self
         try:
-            result = await self._prepare_and_route()
+            # One coroutine layer less than a `_prepare_and_route()` call (every turn).
+            if not state.initialized:
+                await self._initialize()
+            history = state.history
+            # Seeded only while the router has completed no exchange of its own (version
+            # 0): one it completed and the budget dropped is still its history.
+            if not history.exchanges and turn.history and not history.version:
+                self._seed(history)
+            if turn.history is not history.exchanges:
+                self.turn = turn = _turn_with_history(turn, history.exchanges)
+            token = _current.set((turn.turn_id, history.view()))
+            try:
+                result = await self._route()
+            finally:
+                _current.reset(token)
         except BaseException as exc:
             run.protected = True
             cancelled = _is_cancel(exc)
@@ -185,27 +200,20 @@ class Turn(TurnRun):
         except Exception as exc:
             log_failure("delivering the failure message of turn %s", exc, self.turn.turn_id)
 
-    async def _prepare_and_route(self) -> DestinationResult:
-        state, turn, cfg = self.state, self.turn, self.cfg
-        if not state.initialized:
-            if cfg.initialize is not None:
-                await cfg.initialize(turn.participant_id)
-            state.initialized = True
-        history = state.history
-        # Seeded only while the router has completed no exchange of its own (version 0):
-        # one it completed and the budget dropped is still its history.
-        if not history.exchanges and turn.history and not history.version:
-            dropped = history.seed(turn.history)
-            if dropped:
-                cfg.overflows.report("seeded_history", f"{dropped} caller-supplied exchanges "
-                                     f"beyond max_history_exchanges of {turn.participant_id!r}")
-        if turn.history is not history.exchanges:
-            self.turn = turn = _turn_with_history(turn, history.exchanges)
-        token = _current.set((turn.turn_id, history.view()))
-        try:
-            return await self._route()
-        finally:
-            _current.reset(token)
+    async def _initialize(self) -> None:
+        """The participant's first turn: the router's `initialize` callback, once."""
+        initialize = self.cfg.initialize
+        if initialize is not None:
+            await initialize(self.turn.participant_id)
+        self.state.initialized = True
+
+    def _seed(self, history: History) -> None:
+        """Seed the participant's history with the caller's (counting what is dropped)."""
+        turn = self.turn
+        dropped = history.seed(turn.history)
+        if dropped:
+            self.cfg.overflows.report("seeded_history", f"{dropped} caller-supplied exchanges "
+                                      f"beyond max_history_exchanges of {turn.participant_id!r}")
 
     # ------------------------------------------------------------------ routing
 

@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Mapping
 from contextvars import Token
+from operator import attrgetter
 from time import perf_counter
 from types import MappingProxyType
 
@@ -72,6 +73,7 @@ Attributes = dict[str, AttributeValue]
 
 _attach_context, _detach_context = otel_context.attach, otel_context.detach
 _in_context = trace.set_span_in_context
+_name_of = attrgetter("name")
 
 #: Per-route `invoke_agent` span names and start attributes, made once instead of on
 #: every turn (read-only: the SDK copies what it keeps). Bounded: routes are routers'
@@ -410,7 +412,8 @@ class TracedTurn(TurnMetrics):
     def decision_started(self, request: RouteRequest) -> object:
         """Open a `turnrouter.route` span, current during the decision call."""
         excluded = request.excluded
-        names = self._names = request.candidate_names
+        # `request.candidate_names`, without a generator frame per name
+        names = self._names = tuple(map(_name_of, request.candidates))
         self._named = request
         return self._start_current(SPAN_ROUTE, {
             ATTR.DECISION_CANDIDATES: names,
