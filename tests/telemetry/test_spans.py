@@ -481,3 +481,26 @@ def test_metrics_only_turn_tokens_are_start_times(rig: Rig) -> None:
     assert rig.value("turnrouter_decision_duration_seconds_count") == 1
     assert rig.value("turnrouter_admission_duration_seconds_count", route="weather") == 1
     assert rig.value("turnrouter_turns_total", route="weather", outcome="answer") == 1
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_configured_routes_answer_spans_match_unconfigured_ones(capture: bool) -> None:
+    """A configured route's `invoke_agent` span (its name and start attributes made once
+    at configuration) carries what an unconfigured route's does, turn after turn; with
+    content capture, each turn's own query is added without touching the shared ones."""
+    spans: dict[bool, list[tuple[str, dict[str, object]]]] = {}
+    for configured in (False, True):
+        rig = Rig(capture_content=capture)
+        if configured:
+            rig.telemetry.configured(Configured(("weather", "music"), None))
+        answer_turn(rig.telemetry)
+        answer_turn(rig.telemetry)
+        spans[configured] = [(span.name, attrs(span)) for span in rig.spans()
+                             if span.name.startswith("invoke_agent")]
+        rig.close()
+    assert spans[True] == spans[False]
+    assert [name for name, _ in spans[True]] == ["invoke_agent weather"] * 2
+    for _, attributes in spans[True]:
+        assert attributes[ATTR.GEN_AI_AGENT_NAME] == "weather"
+        assert attributes[ATTR.FALLBACK] is False
+        assert (ATTR.GEN_AI_INPUT_MESSAGES in attributes) is capture

@@ -52,7 +52,17 @@ from ._spans import (
     SPAN_TURN,
     TRACER_NAME,
 )
-from ._turns import INTERNAL, Attributes, Op, TracedTurn, TurnMetrics, error_type, set_error
+from ._turns import (
+    INTERNAL,
+    Attributes,
+    InvokeSpans,
+    Op,
+    TracedTurn,
+    TurnMetrics,
+    error_type,
+    invoke_span,
+    set_error,
+)
 
 __all__ = ["Telemetry"]
 
@@ -94,7 +104,7 @@ class Telemetry(RouterObserver):
     """
 
     __slots__ = (
-        "_capture", "_follow_global", "_local", "_provider", "_recent_failures",
+        "_capture", "_follow_global", "_invoke", "_local", "_provider", "_recent_failures",
         "_registry", "_tracer",
     )
 
@@ -125,6 +135,8 @@ class Telemetry(RouterObserver):
         # Errors already counted by a router-level release, so that a matching
         # `failure()` call for the same exception is not counted twice.
         self._recent_failures: deque[BaseException] = deque(maxlen=8)
+        # The configured routes' answer span names and start attributes, made once.
+        self._invoke: InvokeSpans = {}
 
     @staticmethod
     def disabled() -> RouterObserver:
@@ -180,7 +192,7 @@ class Telemetry(RouterObserver):
         if not span.is_recording():
             # Unsampled: propagate the context, skip every child span and attribute.
             return TurnMetrics(families, otel_context.attach(trace.set_span_in_context(span)))
-        return TracedTurn(families, self._capture, event, tracer, span)
+        return TracedTurn(families, self._capture, event, tracer, span, self._invoke)
 
     def participant_added(self, event: ParticipantChanged) -> None:
         """Count one more active participant."""
@@ -221,9 +233,14 @@ class Telemetry(RouterObserver):
         self._families.failures.get(event.route or NONE_LABEL, event.stage).inc()
 
     def configured(self, event: Configured) -> None:
-        """Publish the fallback acknowledgment delay (NaN when acknowledgments are off)."""
+        """Publish the fallback acknowledgment delay (NaN when acknowledgments are off);
+        make the routes' answer span names and start attributes once."""
         delay = event.acknowledgment_delay_secs
         self._families.ack_delay.set(math.nan if delay is None else delay)
+        # Bounded by the routers' configurations (a shared Telemetry: all their routes).
+        for route in event.routes:
+            for fallback in (False, True):
+                self._invoke[(route, fallback)] = invoke_span(route, fallback)
 
     def predicted_first_response(self, event: EstimateChanged) -> None:
         """Publish the timing predictor's estimate for a route."""

@@ -63,7 +63,10 @@ from ._spans import (
     TOP_SCORES,
 )
 
-__all__ = ["Attributes", "Op", "TracedTurn", "TurnMetrics", "error_type", "set_error"]
+__all__ = [
+    "Attributes", "InvokeSpans", "Op", "TracedTurn", "TurnMetrics", "error_type", "invoke_span",
+    "set_error",
+]
 
 INTERNAL = SpanKind.INTERNAL
 ERROR_STATUS = Status(StatusCode.ERROR)
@@ -75,25 +78,19 @@ _attach_context, _detach_context = otel_context.attach, otel_context.detach
 _in_context = trace.set_span_in_context
 _name_of = attrgetter("name")
 
-#: Per-route `invoke_agent` span names and start attributes, made once instead of on
-#: every turn (read-only: the SDK copies what it keeps). Bounded: routes are routers'
-#: registered names, and at most `_CACHED_ROUTES` are kept.
-_INVOKE: dict[tuple[str, bool], tuple[str, Mapping[str, AttributeValue]]] = {}
-_CACHED_ROUTES = 4096
+#: A route's `invoke_agent` span name and start attributes, by (route, fallback).
+InvokeSpans = dict[tuple[str, bool], tuple[str, Mapping[str, AttributeValue]]]
 
 
-def _invoke_span(route: str, fallback: bool) -> tuple[str, Mapping[str, AttributeValue]]:
-    """The `invoke_agent {route}` span's name and start attributes (no content)."""
-    found = _INVOKE.get((route, fallback))
-    if found is None:
-        found = (SPAN_INVOKE_AGENT_PREFIX + route, MappingProxyType({
-            ATTR.GEN_AI_OPERATION_NAME: "invoke_agent",
-            ATTR.GEN_AI_AGENT_NAME: route,
-            ATTR.FALLBACK: fallback,
-        }))
-        if len(_INVOKE) < _CACHED_ROUTES:
-            _INVOKE[(route, fallback)] = found
-    return found
+def invoke_span(route: str, fallback: bool) -> tuple[str, Mapping[str, AttributeValue]]:
+    """The `invoke_agent {route}` span's name and start attributes (no content),
+    read-only: made once per configured route (`Telemetry.configured`), not per turn;
+    the SDK copies what it keeps."""
+    return SPAN_INVOKE_AGENT_PREFIX + route, MappingProxyType({
+        ATTR.GEN_AI_OPERATION_NAME: "invoke_agent",
+        ATTR.GEN_AI_AGENT_NAME: route,
+        ATTR.FALLBACK: fallback,
+    })
 
 
 def error_type(error: BaseException) -> str:
@@ -358,15 +355,16 @@ class TracedTurn(TurnMetrics):
     """
 
     __slots__ = (
-        "_answer", "_capture", "_clarification", "_ctx", "_focus_before", "_named", "_names",
-        "_open", "_span", "_start_span", "_turn",
+        "_answer", "_capture", "_clarification", "_ctx", "_focus_before", "_invoke", "_named",
+        "_names", "_open", "_span", "_start_span", "_turn",
     )
 
     def __init__(
         self, families: Families, capture: bool, started: TurnStarted, tracer: Tracer,
-        span: Span,
+        span: Span, invoke: InvokeSpans,
     ) -> None:
-        """`span` is the turn's recording span; it becomes current until `finished()`."""
+        """`span` is the turn's recording span; it becomes current until `finished()`.
+        `invoke` holds the configured routes' `invoke_span()`s."""
         ctx = _in_context(span)
         token = _attach_context(ctx)
         self._fam = families
@@ -377,6 +375,7 @@ class TracedTurn(TurnMetrics):
         self._turn: AgentTurn = started.turn
         self._focus_before = started.focus
         self._start_span = tracer.start_span
+        self._invoke = invoke
         self._span = span
         self._ctx = ctx
         self._named: RouteRequest | None = None  # the request `_names` are of
@@ -479,7 +478,9 @@ class TracedTurn(TurnMetrics):
 
     def answer_started(self, event: AnswerStarted) -> object:
         """Open `invoke_agent {route}` and make it current, so the agent's spans nest."""
-        name, attributes = _invoke_span(event.route, event.fallback)
+        route, fallback = event.route, event.fallback
+        found = self._invoke.get((route, fallback))
+        name, attributes = invoke_span(route, fallback) if found is None else found
         if self._capture:
             attributes = {**attributes,
                           ATTR.GEN_AI_INPUT_MESSAGES: _messages("user", self._turn.query)}
