@@ -1,8 +1,9 @@
 """Telemetry overhead: AgentRouter.handle() off, with metrics, traced and head-sampled,
 against a minimal hand-written loop with and without the same raw SDK spans.
 
-One process runs every variant, interleaved round by round (the first round warms up and
-is discarded), so the ratios hold on a shared, noisy machine:
+One process runs every variant, interleaved chunk by chunk of turns within each round
+(the first round warms up and is discarded), so the ratios hold on a shared, noisy
+machine:
 
 - `loop`: a minimal hand-written router loop: per turn decide, admit, answer (the agent
   calls `started()` and speaks through the output callback), remember the exchange;
@@ -349,27 +350,39 @@ class Variants:
             provider.shutdown()
 
 
-async def measure(n: int, repeats: int, bytecodes: int = 0) -> dict[str, float]:
+async def measure(n: int, repeats: int, bytecodes: int = 0,
+                  chunk: int = 250) -> dict[str, float]:
     """Median µs per turn of each variant, spans exported per turn (`spans/<variant>`:
     a router's count includes the release spans of its `stop()`, 100 a round) and, with
     `bytecodes` > 0, bytecodes per turn over that many turns after 200 of warm-up
-    (`bytecodes/<variant>`)."""
+    (`bytecodes/<variant>`).
+
+    Each round gives every variant a fresh router (or loop) and the same `n` turns in
+    chunks of `chunk`, the variants taking turns chunk by chunk (in an order that
+    rotates), so a burst of load on a shared machine falls on all of them alike."""
     variants, turns_ = Variants(), turns(n)
+    chunks = [turns_[i:i + chunk] for i in range(0, n, chunk)]
     results: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     figures: dict[str, float] = {}
     try:
         for index in range(repeats + 1):  # round 0 warms up and is discarded
-            for variant in VARIANTS:
-                run, close = variants.runner(variant)
-                gc.collect()
-                start = time.perf_counter()
-                await run(turns_)
-                seconds = time.perf_counter() - start
+            runners = {variant: variants.runner(variant) for variant in VARIANTS}
+            spent = dict.fromkeys(VARIANTS, 0.0)
+            gc.collect()
+            for number, part in enumerate(chunks):
+                shift = number % len(VARIANTS)
+                for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+                    run = runners[variant][0]
+                    start = time.perf_counter()
+                    await run(part)
+                    spent[variant] += time.perf_counter() - start
+            for _, close in runners.values():
                 await close()
-                variants.flush()
-                if index:
+            variants.flush()
+            if index:
+                for variant, seconds in spent.items():
                     results[variant].append(seconds)
-            if not index:
+            else:
                 for _, exporter in variants.providers.values():
                     exporter.exported = 0
         for name, (_, exporter) in variants.providers.items():
@@ -469,6 +482,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=5, help="measured rounds (>= 1)")
+    parser.add_argument("--chunk", type=int, default=250,
+                        help="turns a variant runs before the next variant's turn")
     parser.add_argument("--bytecodes", type=int, default=0, metavar="N",
                         help="also count bytecodes per turn over N turns (deterministic)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -477,15 +492,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="with --baseline: processes per tree, alternating")
     args = parser.parse_args()
-    if args.turns < 1 or args.repeats < 1 or args.rounds < 1 or args.bytecodes < 0:
-        parser.error("--turns, --repeats and --rounds take a positive count, --bytecodes "
-                     "a count >= 0")
+    if min(args.turns, args.repeats, args.rounds, args.chunk) < 1 or args.bytecodes < 0:
+        parser.error("--turns, --repeats, --rounds and --chunk take a positive count, "
+                     "--bytecodes a count >= 0")
     if args.baseline is not None:
         print(json.dumps(compare(args.baseline, args.rounds, [
-            f"--turns={args.turns}", f"--repeats={args.repeats}",
+            f"--turns={args.turns}", f"--repeats={args.repeats}", f"--chunk={args.chunk}",
             f"--bytecodes={args.bytecodes}"]), indent=2))
         return
-    figures = asyncio.run(measure(args.turns, args.repeats, args.bytecodes))
+    figures = asyncio.run(measure(args.turns, args.repeats, args.bytecodes, args.chunk))
     if args.json:
         print(json.dumps(figures))
         return
