@@ -58,6 +58,7 @@ from ._turns import (
     InvokeSpans,
     Op,
     TracedTurn,
+    TraceSettings,
     TurnMetrics,
     error_type,
     invoke_span,
@@ -105,7 +106,7 @@ class Telemetry(RouterObserver):
 
     __slots__ = (
         "_capture", "_follow_global", "_invoke", "_local", "_provider", "_recent_failures",
-        "_registry", "_tracer",
+        "_registry", "_settings", "_tracer",
     )
 
     enabled = True
@@ -126,6 +127,7 @@ class Telemetry(RouterObserver):
             tracer_provider, ProxyTracerProvider)
         self._provider: TracerProvider | None = None
         self._tracer: Tracer | None = None
+        self._settings: TraceSettings | None = None
         if not self._follow_global:
             assert tracer_provider is not None
             self._provider = tracer_provider
@@ -192,7 +194,11 @@ class Telemetry(RouterObserver):
         if not span.is_recording():
             # Unsampled: propagate the context, skip every child span and attribute.
             return TurnMetrics(families, otel_context.attach(trace.set_span_in_context(span)))
-        return TracedTurn(families, self._capture, event, tracer, span, self._invoke)
+        settings = self._settings
+        if settings is None or settings.tracer is not tracer:
+            settings = self._settings = TraceSettings(
+                tracer, tracer.start_span, self._capture, self._invoke)
+        return TracedTurn(families, settings, event, span)
 
     def participant_added(self, event: ParticipantChanged) -> None:
         """Count one more active participant."""

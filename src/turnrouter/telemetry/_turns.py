@@ -9,11 +9,12 @@ from __future__ import annotations
 import heapq
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import Token
 from operator import attrgetter
 from time import perf_counter
 from types import MappingProxyType
+from typing import NamedTuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -64,8 +65,8 @@ from ._spans import (
 )
 
 __all__ = [
-    "Attributes", "InvokeSpans", "Op", "TracedTurn", "TurnMetrics", "error_type", "invoke_span",
-    "set_error",
+    "Attributes", "InvokeSpans", "Op", "TraceSettings", "TracedTurn", "TurnMetrics", "error_type",
+    "invoke_span", "set_error",
 ]
 
 INTERNAL = SpanKind.INTERNAL
@@ -80,6 +81,17 @@ _name_of = attrgetter("name")
 
 #: A route's `invoke_agent` span name and start attributes, by (route, fallback).
 InvokeSpans = dict[tuple[str, bool], tuple[str, Mapping[str, AttributeValue]]]
+
+
+class TraceSettings(NamedTuple):
+    """What every traced turn of one `Telemetry` shares (made once per tracer)."""
+
+    tracer: Tracer
+    #: `tracer.start_span`, bound once rather than on every turn.
+    start_span: Callable[..., Span]
+    capture: bool
+    #: The configured routes' `invoke_span()`s (filled by `Telemetry.configured`).
+    invoke: InvokeSpans
 
 
 def invoke_span(route: str, fallback: bool) -> tuple[str, Mapping[str, AttributeValue]]:
@@ -360,22 +372,20 @@ class TracedTurn(TurnMetrics):
     )
 
     def __init__(
-        self, families: Families, capture: bool, started: TurnStarted, tracer: Tracer,
-        span: Span, invoke: InvokeSpans,
+        self, families: Families, settings: TraceSettings, started: TurnStarted, span: Span,
     ) -> None:
-        """`span` is the turn's recording span; it becomes current until `finished()`.
-        `invoke` holds the configured routes' `invoke_span()`s."""
+        """`span` is the turn's recording span; it becomes current until `finished()`."""
         ctx = _in_context(span)
         token = _attach_context(ctx)
         self._fam = families
         self._token = token
         self._failed = None
         self._done = False
-        self._capture = capture
+        self._capture = settings.capture
         self._turn: AgentTurn = started.turn
         self._focus_before = started.focus
-        self._start_span = tracer.start_span
-        self._invoke = invoke
+        self._start_span = settings.start_span
+        self._invoke = settings.invoke
         self._span = span
         self._ctx = ctx
         self._named: RouteRequest | None = None  # the request `_names` are of
