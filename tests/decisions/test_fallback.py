@@ -156,3 +156,47 @@ def test_a_clarify_for_a_small_margin_keeps_only_the_usable_scores() -> None:
     assert dict(decision.scores) == {name: value for name, value in every.items()
                                      if value >= service.min_example_score}
     assert max(decision.scores, key=decision.scores.__getitem__) == "weather"
+
+
+def test_with_many_examples_an_uncertain_query_is_asked_of_its_best_route() -> None:
+    """With 50+ examples per route (the demo's sample), a query between the usable floor
+    and the confidence floor is a "clarify" that keeps its usable scores (the router asks
+    the best of them, whose admission decides), while a query sharing nothing with any
+    route goes to the fallback route: the demo's domains keep their uncertain traffic."""
+    from turnrouter.demo import DESCRIPTIONS, load_sample
+
+    sample = load_sample()
+    service = LexicalDecisions(examples=sample.examples, fallback_route="conversation")
+    assert service.min_usable_score < service.min_example_score
+    aids = tuple(RoutingAid(route, DESCRIPTIONS[route]) for route in
+                 [*sample.examples, "conversation"])
+    bands = {"confident": 0, "uncertain": 0, "fallback": 0}
+    for number, (text, _domain, _) in enumerate(sample.queries):
+        decision = service.score(RouteRequest(AgentTurn("p", f"t{number}", text), aids,
+                                              frozenset()))
+        top = decision.confidence or 0.0
+        every = service.score(RouteRequest(AgentTurn("p", f"t{number}", text), aids,
+                                           frozenset()), keep_scores=True).scores
+        if max(every, key=lambda route: every[route]) == "conversation":
+            continue  # scored from its description: one floor, no uncertain band
+        if top >= service.min_example_score:
+            assert decision.choice != CLARIFY
+            bands["confident"] += 1
+        elif top >= service.min_usable_score:
+            assert decision.choice == CLARIFY
+            assert decision.scores
+            assert min(decision.scores.values()) >= service.min_usable_score
+            bands["uncertain"] += 1
+        else:
+            assert decision.choice == "conversation"
+            bands["fallback"] += 1
+    assert all(bands.values()), bands
+
+
+def test_min_usable_score_is_checked_and_never_above_the_floor() -> None:
+    with pytest.raises(ConfigurationError, match="min_usable_score"):
+        LexicalDecisions(EXAMPLES, min_usable_score=1.5)
+    service = LexicalDecisions(EXAMPLES, min_example_score=0.2, min_usable_score=0.6)
+    assert service.min_usable_score == 0.2
+    few_shot = LexicalDecisions(EXAMPLES)
+    assert few_shot.min_usable_score == few_shot.min_example_score

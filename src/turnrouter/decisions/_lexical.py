@@ -57,6 +57,11 @@ DEFAULT_EXAMPLE_FLOOR = 0.45
 DEFAULT_FEW_SHOT_FLOOR = 0.4
 DEFAULT_FEW_SHOT_PLAIN_FLOOR = 0.325
 DEFAULT_DESCRIPTION_FLOOR = 0.35
+DEFAULT_EXAMPLE_USABLE = 0.15
+"""With 50 or more examples per route, a query sharing no feature with any route scores
+about 0.11 (the calibration's bias): between this and the floor a route is asked, under
+it the query is out of scope. Smaller example sets and descriptions score unrelated
+chit-chat up to ~0.3, so there the usable floor is the confidence floor itself."""
 # Routes given the neighbour signal (the best by linear score; None: every route).
 DEFAULT_EXAMPLE_KNN_ROUTES: int | None = 1
 DEFAULT_FEW_SHOT_KNN_ROUTES: int | None = None
@@ -155,11 +160,12 @@ class LexicalDecisions:
     `min_example_score` (a route with examples) / `min_description_score` (a route
     scored from its description) or leads the runner-up by less than `min_margin`.
 
-    Under the floor the answer is `fallback_route` when it is a candidate, else "clarify"
-    with no usable scores: `scores` of a "clarify" keep only candidates at or above their
-    floor, so a router (which asks the best-scored candidate when a "clarify" carries
-    scores) never sends a near-zero match such as "hi there" to a domain route. A
-    "clarify" for a small margin keeps the close candidates' scores. Exact ties go to
+    Under the floor but at or above `min_usable_score`, the answer is "clarify" with the
+    usable scores: the router asks the best of them, whose admission decides (the
+    contract's clarify-with-scores). Under the usable floor (a near-zero match such as
+    "hi there") the answer is `fallback_route` when it is a candidate, else "clarify"
+    with no scores, so a router never sends it to a domain route. A "clarify" for a
+    small margin keeps the close candidates' usable scores. Exact ties go to
     the higher `RoutingAid.priority`, then to the earlier candidate. See
     docs/decisions.md.
 
@@ -172,7 +178,11 @@ class LexicalDecisions:
         min_example_score: the confidence floor of routes with examples (None: the
             default of the regime, few-shot or not).
         min_description_score: the confidence floor of routes scored from their
-            descriptions.
+            descriptions (also their usable floor).
+        min_usable_score: the least score of a route with examples that the router may
+            still ask when the best is under `min_example_score` (None: the regime's
+            default, 0.15 with 50 or more examples per route, else the confidence
+            floor; never above the confidence floor).
         min_margin: the least lead over the runner-up for a choice (0: none).
         descriptions: route name -> description; its phrases are trained on as extra
             examples of routes that have examples (pass the routing aids' text).
@@ -206,6 +216,7 @@ class LexicalDecisions:
         descriptions: Mapping[str, str] | None = None,
         min_example_score: float | None = None,
         min_description_score: float = DEFAULT_DESCRIPTION_FLOOR,
+        min_usable_score: float | None = None,
         min_margin: float = 0.0,
         phrase_weight: float = 0.3,
         neighbors: int = 3,
@@ -275,6 +286,12 @@ class LexicalDecisions:
         self._example_calibration = calibration
         self._knn_routes = routes if explicit_routes is None else explicit_routes
         self._min_example_score = floor if explicit_floor is None else explicit_floor
+        few_shot_regime = (self._examples is not None
+                           and self._examples.per_route < FEW_SHOT_BELOW)
+        usable = self._min_example_score if few_shot_regime else DEFAULT_EXAMPLE_USABLE
+        if min_usable_score is not None:
+            usable = _check_unit("min_usable_score", min_usable_score)
+        self._min_usable_score = min(usable, self._min_example_score)
 
     @property
     def min_example_score(self) -> float:
@@ -285,6 +302,11 @@ class LexicalDecisions:
     def fallback_route(self) -> str | None:
         """The route chosen when the best score is under its floor (None: clarify)."""
         return self._fallback
+
+    @property
+    def min_usable_score(self) -> float:
+        """Least score of a route with examples that may still be asked under the floor."""
+        return self._min_usable_score
 
     @property
     def min_description_score(self) -> float:
@@ -497,7 +519,13 @@ class LexicalDecisions:
         margin = top - max(second, 0.0)
         summary = f"top={name} {top:.2f} margin {margin:.2f}"
         kept = scores
-        if top < floor or top == 0.0:
+        usable_floor = self._min_usable_score if backed else floor
+        if top < floor and top >= usable_floor and top > 0.0:
+            # Uncertain, not out of scope: the router asks the best usable candidate.
+            choice, rationale = CLARIFY, f"lexical: clarify, {summary} below {floor:.2f}"
+            if not keep_scores:
+                kept = self._usable(plan, scores, linear is not None, usable=True)
+        elif top < floor or top == 0.0:
             fallback = self._fallback
             if fallback is not None and fallback in scores:
                 choice = fallback
@@ -518,10 +546,12 @@ class LexicalDecisions:
         return _unchecked(RouteDecision, choice=choice, confidence=top,
                           scores=MappingProxyType(kept), rationale=rationale)
 
-    def _usable(self, plan: _Plan, scores: dict[str, float], backed: bool
-                ) -> dict[str, float]:
-        """The scores at or above their candidate's floor (what a router may pick from)."""
-        example_floor, description_floor = self._min_example_score, self._min_description_score
+    def _usable(self, plan: _Plan, scores: dict[str, float], backed: bool, *,
+                usable: bool = False) -> dict[str, float]:
+        """The scores at or above their candidate's floor (what a router may pick from):
+        the confidence floor, or with `usable` the usable floor of routes with examples."""
+        example_floor = self._min_usable_score if usable else self._min_example_score
+        description_floor = self._min_description_score
         out: dict[str, float] = {}
         for candidate, route, _ in plan.rows:
             value = scores[candidate]
