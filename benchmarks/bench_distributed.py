@@ -608,7 +608,8 @@ async def floor_replica(spec: dict[str, Any]) -> None:
             revisions[key] = seq
         else:
             counts["record_refused"] += 1
-        turn_id = msg.headers["Nats-Msg-Id"]  # the query's message id (the front end's)
+        # The query's message id: the front end's Nats-Msg-Id is `<token>.<message id>`.
+        turn_id = msg.headers["Nats-Msg-Id"].split(".", 1)[1]
         now_us = time.time_ns() // 1000
         # Microseconds since the input was stored (the ack subject's timestamp, in its
         # short form or with domain and account hash).
@@ -618,7 +619,7 @@ async def floor_replica(spec: dict[str, Any]) -> None:
         body = floor_answer(participant, turn_id, f"floor {waited} 0",
                             f"floor-{next(tokens)}", now_us)
         await nc.publish(out + token, body, reply=stored_reply,
-                         headers={"Nats-Msg-Id": f"{turn_id}.final"})
+                         headers={"Nats-Msg-Id": f"{token}.{turn_id}.final"})
         await nc.publish(msg.reply, b"+ACK")
         counts["turns"] += 1
 

@@ -53,6 +53,8 @@ PINNED = {
     "turnrouter.runtime.nats": {
         # docs/distributed.md: read (and write) a participant's record in the bucket.
         "Ending", "parse_state", "state_json",
+        # docs/distributed.md: the whole record, with the turns it says ended.
+        "MAX_ENDED", "StateRecord", "parse_record",
     },
     "turnrouter.telemetry": {
         # docs/telemetry.md: the exemplar interval, and the metrics table it shows.

@@ -138,6 +138,7 @@ async def test_query_is_routed_with_publication_identity() -> None:
     assert outputs[0].request_id == query.message_id
     assert outputs[0].route == "clarify"
     assert outputs[0].participant_id == "p1"
+    assert outputs[0].final is False  # a clarification is control text
 
 
 async def test_destination_sees_runtime_turn() -> None:
@@ -207,7 +208,7 @@ async def test_background_failure_is_logged_once(caplog: pytest.LogCaptureFixtur
     assert len(failures) == 1
     assert "RuntimeError" in failures[0].getMessage()
     assert "secret" not in caplog.text
-    assert [o.text for o in outputs] == [FAILURE_TEXT]
+    assert [(o.text, o.final) for o in outputs] == [(FAILURE_TEXT, True)]  # the ending
     caplog.clear()
     agents["weather"]._results = [RuntimeError("user said: my secret address")]
     with caplog.at_level(logging.DEBUG):

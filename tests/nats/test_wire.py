@@ -146,9 +146,10 @@ def test_public_names_are_pinned() -> None:
     import turnrouter.runtime.nats as module
 
     assert set(module.__all__) == {
-        "MAX_PARTICIPANT_ID_BYTES", "Ending", "NatsConfig", "NatsFrontEnd", "NatsWorker",
-        "Rejected", "WorkerContext", "decode_token", "encode_token", "parse_input",
-        "parse_presence", "parse_samples", "parse_state", "samples_body", "state_json"}
+        "MAX_ENDED", "MAX_PARTICIPANT_ID_BYTES", "Ending", "NatsConfig", "NatsFrontEnd",
+        "NatsWorker", "Rejected", "StateRecord", "WorkerContext", "decode_token",
+        "encode_token", "parse_input", "parse_presence", "parse_record", "parse_samples",
+        "parse_state", "samples_body", "state_json"}
 
 
 # ---------------------------------------------------------------- one worker on a server
@@ -487,7 +488,7 @@ def test_records_left_by_a_previous_owner_are_taken_over(wire: Wire,
                                                          old_format: bool) -> None:
     """A record of either format (the earlier one-object format too) is read when its
     participant talks: the history goes on, the unheard answer is published, and the
-    turn in flight ends with the failure text, both under `<turn id>.final`."""
+    turn in flight ends with the failure text, both under `<token>.<turn id>.final`."""
     pid = fresh()
 
     async def main() -> None:
@@ -496,10 +497,10 @@ def test_records_left_by_a_previous_owner_are_taken_over(wire: Wire,
             "again|earlier|F")
         [(answered, msg_id)] = wire.heard[f"{pid}-1"]
         assert (answered.participant_id, answered.route, answered.text, msg_id) == (
-            pid, "echo", 'said "hi" \u00e9\n', f"{pid}-1.final")
+            pid, "echo", 'said "hi" \u00e9\n', f"{encode_token(pid)}.{pid}-1.final")
         [(failed, msg_id)] = wire.heard[f"{pid}-2"]
         assert (failed.participant_id, failed.route, failed.text, msg_id) == (
-            pid, "none", wire.config.failure_text, f"{pid}-2.final")
+            pid, "none", wire.config.failure_text, f"{encode_token(pid)}.{pid}-2.final")
 
     wire.call(main())
 
@@ -622,17 +623,21 @@ def test_a_record_time_too_large_for_a_float_is_refused() -> None:
 
 
 def test_outputs_carry_their_deduplication_ids(wire: Wire) -> None:
-    """A turn's answer goes out as `<turn id>.final`; each of its control texts (the
-    preamble, the acknowledgment) under an id of its own, by content."""
+    """A turn's answer goes out as `<token>.<turn id>.final` (scoped to its participant),
+    marked final; each of its control texts (the preamble, the acknowledgment) under an
+    id of its own, by content, not final."""
     query = UserQuery(participant_id=fresh("ack-"), text="book a table for two tonight")
 
     async def main() -> None:
         answer = await wire.ask(query)
         ids = {output.text: msg_id for output, msg_id in wire.heard[query.message_id]}
         assert list(ids) == [PREAMBLE, ACK, answer]
-        assert ids[answer] == f"{query.message_id}.final"
+        scope = f"{encode_token(query.participant_id)}.{query.message_id}"
+        assert ids[answer] == f"{scope}.final"
         assert len({ids[PREAMBLE], ids[ACK], ids[answer]}) == 3
-        assert all(ids[text].startswith(f"{query.message_id}.") for text in (PREAMBLE, ACK))
+        assert all(ids[text].startswith(f"{scope}.") for text in (PREAMBLE, ACK))
+        finals = {output.text: output.final for output, _ in wire.heard[query.message_id]}
+        assert finals == {PREAMBLE: False, ACK: False, answer: True}
 
     wire.call(main())
 

@@ -67,6 +67,7 @@ def test_junk_app_specs_are_usage_errors(module: str, attribute: str) -> None:
     ["--metrics-port", "70000"], ["--metrics-port", "x"], ["--failover-timeout", "inf"],
     ["--ack-wait", "nan"], ["--drain-timeout", "-1"], ["--partitions", "0"],
     ["--prefix", "a.b"], ["--mark-after", "1"], ["--mark-after", "0"],
+    ["--reconnect-for", "0"], ["--reconnect-for", "nan"], ["--reconnect-for", "x"],
 ])
 def test_bad_flags_are_one_line_usage_errors(flags: list[str]) -> None:
     """Out-of-range or malformed flags exit 2 with one line on stderr, no traceback."""

@@ -86,6 +86,10 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mark-after", type=float, default=0.005,
                         help="seconds a turn may run before it is marked in flight so its "
                              "message can be acknowledged (default 0.005)")
+    parser.add_argument("--reconnect-for", type=float, default=60.0,
+                        help="seconds to ride out a lost NATS server (retrying every "
+                             "0.5 s, one log line per attempt) before exiting with an "
+                             "error (default 60)")
     parser.add_argument("--replica", default=None, help="replica name (default random)")
     parser.add_argument("--metrics-port", type=_port, default=None,
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
@@ -152,7 +156,7 @@ def worker_main(argv: Sequence[str]) -> int:
         config = NatsConfig(prefix=args.prefix, partitions=args.partitions,
                             failover_timeout=args.failover_timeout, ack_wait=args.ack_wait,
                             drain_timeout=args.drain_timeout, mark_after=args.mark_after,
-                            **settings)
+                            reconnect_for=args.reconnect_for, **settings)
     except (ValueError, TurnrouterError) as exc:
         if args.debug:
             traceback.print_exc()

@@ -142,13 +142,17 @@ class UserQuery(RuntimeMessage):
 
 
 class ResponseOutput(RuntimeMessage):
-    """Control text the router publishes for a turn (acknowledgment, clarification, ...)."""
+    """Text said for a turn: control text (acknowledgment, preamble, clarification) or
+    the turn's final output (its answer, or the failure text)."""
 
     participant_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     request_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     """The turn id the text belongs to (the query's message id)."""
     route: str
     text: str
+    final: bool = False
+    """True for the turn's final output (its answer, or the failure text: one per turn),
+    False for control text said along the way."""
 
 
 class ParticipantJoined(RuntimeMessage):

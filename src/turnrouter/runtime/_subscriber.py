@@ -113,7 +113,8 @@ class RouterSubscriber:
             carrier = router.trace_carrier()
             await runtime.publish(output, ResponseOutput(
                 participant_id=turn.participant_id, request_id=turn.turn_id, route=route,
-                text=text, traceparent=carrier.get("traceparent"),
+                text=text, final=route == "none" or text == router.failure_text,
+                traceparent=carrier.get("traceparent"),
                 tracestate=carrier.get("tracestate"),
             ))
 

@@ -2,23 +2,26 @@
 
 Install `turnrouter[nats]`. Run replicas with `turnrouter worker --nats URL --app
 module:factory` (or `NatsWorker`), publish with `NatsFrontEnd`. See docs/distributed.md.
-`parse_state` reads a participant's record in the key-value bucket (`state_json`
-writes one), to inspect what a deployment holds; `parse_input` checks one input as a
-replica does (raising `Rejected` with the reason it counts); `samples_body` and
-`parse_samples` are the fleet's timing-sample messages, `parse_presence` checks a presence
-message as a replica does.
+`parse_state` reads a participant's record in the key-value bucket (`parse_record` all
+of it, as a `StateRecord`; `state_json` writes one), to inspect what a deployment
+holds; `parse_input` checks one input as a replica does (raising `Rejected` with the
+reason it counts); `samples_body` and `parse_samples` are the fleet's timing-sample
+messages, `parse_presence` checks a presence message as a replica does.
 """
 
 from ._client import NatsFrontEnd
 from ._fleet import parse_presence
 from ._wire import (
+    MAX_ENDED,
     MAX_PARTICIPANT_ID_BYTES,
     Ending,
     NatsConfig,
     Rejected,
+    StateRecord,
     decode_token,
     encode_token,
     parse_input,
+    parse_record,
     parse_samples,
     parse_state,
     samples_body,
@@ -27,17 +30,20 @@ from ._wire import (
 from ._worker import NatsWorker, WorkerContext
 
 __all__ = [
+    "MAX_ENDED",
     "MAX_PARTICIPANT_ID_BYTES",
     "Ending",
     "NatsConfig",
     "NatsFrontEnd",
     "NatsWorker",
     "Rejected",
+    "StateRecord",
     "WorkerContext",
     "decode_token",
     "encode_token",
     "parse_input",
     "parse_presence",
+    "parse_record",
     "parse_samples",
     "parse_state",
     "samples_body",

@@ -1,21 +1,49 @@
-"""The publishing side: front ends put typed messages on the wire and read outputs."""
+"""The publishing side: front ends put typed messages on the wire and read outputs.
+
+Outputs are read through an ephemeral push consumer of the output stream that this
+module keeps itself (not nats-py's ordered consumer, which lives in the server's memory
+and is recreated only after two missed 5 s heartbeats): it is recreated from the last
+stream sequence read as soon as the connection comes back, when its 0.5 s heartbeats
+stop, or when a consumer sequence is skipped, so a restarted server costs about a
+second of outputs, none lost or repeated.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from pydantic import ValidationError
 
-from ..._exceptions import ContractTypeError, LifecycleError, TurnrouterError
+from ..._exceptions import (
+    ContractTypeError,
+    ContractValueError,
+    LifecycleError,
+    TurnrouterError,
+)
 from .._messages import Interrupted, ResponseOutput, RuntimeMessage
 from ._security import connect
 from ._setup import api_request, ensure_deployment
-from ._wire import NatsConfig, kind_of
+from ._wire import NatsConfig, input_message_id, kind_of
 
 __all__ = ["NatsFrontEnd"]
+
+logger = logging.getLogger("turnrouter.runtime.nats")
+
+_HEARTBEAT = 0.5  # the output consumer's idle heartbeat (seconds)
+_SILENCE = 2.5 * _HEARTBEAT  # no message nor heartbeat for this long: recreate it
+_TICK = 0.2  # how often a waiting reader checks for silence and reconnects
+_NS = 1_000_000_000
 
 
 class NatsFrontEnd:
@@ -31,13 +59,21 @@ class NatsFrontEnd:
     def __init__(self, nc: Client, config: NatsConfig) -> None:
         self._nc, self._config = nc, config
         self._js = nc.jetstream()
+        self.outputs_skipped = 0
+        """Messages on the output subjects that `outputs()` skipped: not a valid
+        `ResponseOutput`, or one for another participant than its subject's."""
 
     @classmethod
     async def connect(cls, config: NatsConfig, **options: Any) -> NatsFrontEnd:
         """Connect to `config.url` (options go to `nats.connect`, over the credentials
         and TLS of `config`) and make sure the streams exist, so a front end may start
         before any worker. Streams that exist are left alone: a front end of a locked
-        deployment (deploy/nats/) may only look them up, the workers create them."""
+        deployment (deploy/nats/) may only look them up, the workers create them. Unless
+        `options` say otherwise, the connection retries a lost server every 0.25 s for
+        ever (`reconnect_time_wait`, `max_reconnect_attempts=-1`), so outputs resume
+        within about a second of the server's return."""
+        options.setdefault("reconnect_time_wait", 0.25)
+        options.setdefault("max_reconnect_attempts", -1)
         nc = await connect(config, "frontend", **options)
         try:
             if not await _deployment_exists(nc, config):
@@ -61,14 +97,15 @@ class NatsFrontEnd:
             kind = kind_of(message)
         except TypeError as exc:
             raise ContractTypeError(str(exc)) from exc
-        hdrs = {"Nats-Msg-Id": message.message_id, **message.trace_carrier(),
-                **(headers or {})}
+        pid = getattr(message, "participant_id", None)
+        # Scoped to the participant: two participants may reuse a message id.
+        msg_id = message.message_id if pid is None else input_message_id(pid, message.message_id)
+        hdrs = {"Nats-Msg-Id": msg_id, **message.trace_carrier(), **(headers or {})}
         data = message.model_dump_json().encode("utf-8")
         try:
             if isinstance(message, Interrupted) and message.participant_id is None:
                 await self._nc.publish(self._config.interrupt_all_subject, data, headers=hdrs)
                 return
-            pid = getattr(message, "participant_id", None)
             assert isinstance(pid, str)
             await self._js.publish(self._config.input_subject(pid, kind), data, headers=hdrs)
         except NatsError as exc:
@@ -77,23 +114,210 @@ class NatsFrontEnd:
     async def outputs(self, *, deliver_new: bool = True,
                       subscribed: asyncio.Event | None = None
                       ) -> AsyncGenerator[ResponseOutput, None]:
-        """Outputs from the output stream, in stream order (ordered consumer).
+        """Outputs from the output stream, in stream order, each once.
 
-        With `deliver_new` (the default) only outputs stored after the subscription are
-        read: pass `subscribed` and publish once it is set, or an early answer may be
-        stored before the subscription exists and never be read."""
-        from nats.js.api import DeliverPolicy
-
-        sub = await self._js.subscribe(
-            f"{self._config.prefix}.out.*", ordered_consumer=True,
-            deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL)
-        if subscribed is not None:
-            subscribed.set()
+        `ResponseOutput.final` tells a turn's final output (its answer or the failure
+        text, one per turn) from control text. With `deliver_new` (the default) only
+        outputs stored after the subscription are read: pass `subscribed` and publish
+        once it is set, or an early answer may be stored before the subscription exists
+        and never be read. A server restart or a lost connection is ridden out (reading
+        resumes where it stopped, about a second after the server is back); a message
+        that is not a valid output is skipped, logged and counted in `outputs_skipped`.
+        It ends when the connection is closed (`close()`).
+        """
+        reader = _OutputReader(self, deliver_new)
         try:
-            async for msg in sub.messages:
-                yield ResponseOutput.model_validate_json(msg.data)
+            await reader.open()
+            if subscribed is not None:
+                subscribed.set()
+            while (output := await reader.next()) is not None:
+                yield output
         finally:
-            await sub.unsubscribe()
+            await reader.close()
+
+    def _skipped(self, why: str) -> None:
+        self.outputs_skipped += 1
+        count = self.outputs_skipped
+        if count & (count - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
+            logger.warning("turnrouter: skipped an invalid output (%d so far): %s",
+                           count, why)
+
+
+class _OutputReader:
+    """One `outputs()` reader: its consumer, recreated from the last stream sequence
+    read whenever it may be gone (see the module doc)."""
+
+    def __init__(self, front: NatsFrontEnd, deliver_new: bool) -> None:
+        self._front, self._nc, self._config = front, front._nc, front._config
+        self._deliver_new = deliver_new
+        self._last: int | None = None if deliver_new else 0  # last stream sequence read
+        self._next_cseq = 1
+        self._inbox = ""
+        self._sub: Any = None
+        self._consumer: str | None = None
+        self._msgs: deque[Msg] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._heard = time.monotonic()
+        self._reconnects = 0
+        self._generation = 0  # of the consumer: what an earlier one sent is ignored
+
+    async def open(self) -> None:
+        """The first consumer (LifecycleError when the server refuses it)."""
+        if not await self._create():
+            raise LifecycleError("cannot read the output stream "
+                                 f"{self._config.output_stream}")
+
+    async def _create(self) -> bool:
+        """A fresh consumer from the last sequence read; False when the server cannot
+        make one now (retried at the next tick)."""
+        nc, config = self._nc, self._config
+        self._reconnects = nc.stats["reconnects"]
+        self._heard = time.monotonic()
+        await self._drop()
+        self._inbox = nc.new_inbox()
+        self._msgs.clear()
+        self._generation += 1
+        self._sub = await nc.subscribe(self._inbox,
+                                       cb=functools.partial(self._put, self._generation))
+        consumer: dict[str, Any] = {
+            "deliver_subject": self._inbox, "filter_subject": f"{config.prefix}.out.*",
+            "ack_policy": "none", "max_deliver": 1, "flow_control": True,
+            "idle_heartbeat": int(_HEARTBEAT * _NS), "mem_storage": True,
+            "num_replicas": 1, "inactive_threshold": 5 * _NS, "replay_policy": "instant"}
+        if self._last is None:
+            consumer["deliver_policy"] = "new"
+        else:
+            consumer["deliver_policy"] = "by_start_sequence"
+            consumer["opt_start_seq"] = self._last + 1
+        try:
+            reply = await nc.request(
+                f"$JS.API.CONSUMER.CREATE.{config.output_stream}",
+                json.dumps({"stream_name": config.output_stream,
+                            "config": consumer}).encode(), timeout=2.0)
+            info = json.loads(reply.data)
+            name = info["name"]
+        except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
+            # The server is not ready (JetStream still starting, say): again in a tick.
+            self._heard = time.monotonic() - _SILENCE
+            return False
+        self._consumer, self._next_cseq = str(name), 1
+        if self._last is None:
+            # "new": it starts after what the stream held when it was made.
+            delivered = info.get("delivered") or {}
+            seq = delivered.get("stream_seq")
+            self._last = seq if isinstance(seq, int) and seq >= 0 else 0
+        return True
+
+    async def _drop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(NatsError):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    async def close(self) -> None:
+        await self._drop()
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None and self._nc.is_connected:
+            with contextlib.suppress(NatsError, TimeoutError):
+                await self._nc.request(f"$JS.API.CONSUMER.DELETE."
+                                       f"{self._config.output_stream}.{consumer}",
+                                       b"", timeout=0.5)
+
+    async def _put(self, generation: int, msg: Msg) -> None:
+        if generation != self._generation:
+            return
+        self._msgs.append(msg)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> Msg | None:
+        if not self._msgs:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(_TICK, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._msgs:
+                return None
+        return self._msgs.popleft()
+
+    async def next(self) -> ResponseOutput | None:
+        """The next valid output (waits for it, riding out server restarts); None once
+        the connection is closed."""
+        nc, front = self._nc, self._front
+        while True:
+            msg = await self._wait()
+            if msg is None:
+                if nc.is_closed:
+                    return None
+                if (time.monotonic() - self._heard > _SILENCE
+                        or nc.stats["reconnects"] != self._reconnects) and nc.is_connected:
+                    await self._create()  # gone with the server, or stalled
+                continue
+            self._heard = time.monotonic()
+            headers = msg.headers
+            status = headers.get("Status") if headers else None
+            if status is not None:
+                assert headers is not None
+                if status != "100":  # the consumer was deleted or went wrong
+                    await self._create()
+                elif msg.reply:  # flow control: everything before it was read
+                    with contextlib.suppress(NatsError):
+                        await nc.publish(msg.reply, b"")
+                else:  # an idle heartbeat, naming the last consumer sequence sent
+                    stalled = headers.get("Nats-Consumer-Stalled")
+                    if stalled:
+                        with contextlib.suppress(NatsError):
+                            await nc.publish(stalled, b"")
+                    if headers.get("Nats-Last-Consumer", str(self._next_cseq - 1)) != str(
+                            self._next_cseq - 1):
+                        await self._create()  # a message was lost on the way
+                continue
+            seqs = _sequences(msg.reply)
+            if seqs is None:
+                front._skipped("not a message of the output stream")
+                continue
+            stream_seq, consumer_seq = seqs
+            if consumer_seq != self._next_cseq:
+                await self._create()  # a message was lost on the way: read it again
+                continue
+            self._next_cseq += 1
+            self._last = stream_seq
+            try:
+                output = ResponseOutput.model_validate_json(msg.data)
+            except (ValidationError, ValueError, RecursionError) as exc:
+                front._skipped(f"{type(exc).__name__} on {msg.subject[:100]!r}")
+                continue
+            try:
+                subject = self._config.output_subject(output.participant_id)
+            except ContractValueError:
+                subject = ""
+            if msg.subject != subject:
+                front._skipped("participant_id does not match the subject")
+                continue
+            return output
+
+
+def _sequences(reply: str | None) -> tuple[int, int] | None:
+    """(stream sequence, consumer sequence) of a JetStream ack subject."""
+    if not reply or not reply.startswith("$JS.ACK."):
+        return None
+    parts = reply.split(".")
+    try:
+        if len(parts) == 9:
+            return int(parts[5]), int(parts[6])
+        return int(parts[7]), int(parts[8])
+    except (IndexError, ValueError):
+        return None
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 async def _deployment_exists(nc: Client, config: NatsConfig) -> bool:

@@ -52,18 +52,20 @@ _RECENT = 4096  # bound of the handled-input id memory (duplicates beyond it are
 
 
 class _Recent:
-    """The last `bound` handled input ids (duplicates older than that run again; the
-    input stream's own deduplication window covers republished ids)."""
+    """The last `bound` handled inputs, by (participant, message id): two participants
+    may use the same message id (duplicates older than that run again, unless their
+    participant's record says their turn ended; the input stream's own deduplication
+    window covers republished ids)."""
 
     def __init__(self, bound: int) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._bound = bound
 
-    def __contains__(self, message_id: object) -> bool:
-        return message_id in self._ids
+    def __contains__(self, key: object) -> bool:
+        return key in self._ids
 
-    def add(self, message_id: str) -> None:
-        self._ids[message_id] = None
+    def add(self, key: tuple[str, str]) -> None:
+        self._ids[key] = None
         if len(self._ids) > self._bound:
             self._ids.popitem(last=False)
 
@@ -128,7 +130,7 @@ class Inputs:
                  stopping: Callable[[], bool]) -> None:
         self._config, self._router, self._ledger, self._link = config, router, ledger, link
         self._metrics, self._spawn, self._stopping = metrics, spawn, stopping
-        self._running: dict[str, _Running] = {}
+        self._running: dict[tuple[str, str], _Running] = {}  # by (participant, turn)
         self._recent = _Recent(_RECENT)
         self.turns_of = _TurnIndex()
         self._out_prefix = f"{config.prefix}.out."
@@ -165,7 +167,8 @@ class Inputs:
             if stored_ns:
                 metrics.wait_delivery.observe(max(0.0, time.time() - stored_ns / 1e9))
         message_id = message.message_id
-        if message_id in self._recent or message_id in self._running:
+        key = (pid, message_id)
+        if key in self._recent or key in self._running:
             if metrics is not None:
                 metrics.duplicate_inputs.inc()
             await self._ack(msg)
@@ -176,15 +179,26 @@ class Inputs:
         router = self._router
         if kind == "query":
             assert isinstance(message, UserQuery)
-            if delivered > 1:
+            if message_id in state.ended:
+                # The record says this turn ended (its answer or failure text is out, or
+                # in the outbox the claim published): it never runs again, whatever the
+                # delivery count (after a server crash a message delivered and not
+                # acknowledged comes back as delivery 1).
+                if metrics is not None:
+                    metrics.duplicate_inputs.inc()
+            elif delivered > 1:
                 # A previous owner received it and may have started answering: end it
-                # the way a turn in flight on a dead owner ends (unless the claimed
-                # record already ended it: its held answer, or the failure text).
-                if message_id not in state.ended:
-                    if metrics is not None:
-                        metrics.inflight_failed.inc()
-                    await self.publish_output(pid, message_id, "none",
-                                              self._config.failure_text, final=True)
+                # the way a turn in flight on a dead owner ends, recorded (ended, and
+                # the failure text in the outbox) before it is said and acknowledged,
+                # so it never runs after all.
+                if metrics is not None:
+                    metrics.inflight_failed.inc()
+                ending = (message_id, "none", self._config.failure_text, time.time())
+                state.outbox.append(ending)
+                state.end(message_id)
+                if not await self._ledger.write(pid, state, fresh=False):
+                    return  # fenced meanwhile: the message is the new owner's now
+                await self.publish_ending(pid, state, ending)
             elif not await self._start(pid, state, message, msg):
                 return  # fenced meanwhile: the message is the new owner's now
         elif kind == "joined":
@@ -195,7 +209,7 @@ class Inputs:
             self._spawn(self._after(departure.join(), pid, state), "departure")
         elif kind == "interrupt":
             await router.interrupt(pid)
-        self._recent.add(message_id)
+        self._recent.add(key)
         await self._ack(msg)
 
     async def _start(self, pid: str, state: Participant, query: UserQuery, msg: Msg) -> bool:
@@ -205,7 +219,7 @@ class Inputs:
             ({k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
              if headers else {}) or query.trace_carrier())  # bounded, never echoed raw
         loop = asyncio.get_running_loop()
-        run = self._running[query.message_id] = _Running(loop)
+        run = self._running[(pid, query.message_id)] = _Running(loop)
         task = self._spawn(self._turn(pid, state, query, carrier, run),
                            f"turn {query.message_id}")
         self.turns_of.add(pid, task)
@@ -278,9 +292,10 @@ class Inputs:
                                       final=True, carrier=carrier)
         finally:
             run.finishing = True
-            del self._running[query.message_id]
+            del self._running[(pid, query.message_id)]
             with contextlib.suppress(ValueError):
                 state.inflight.remove(query.message_id)
+            state.end(query.message_id)
             held = run.held
             if held is not None:
                 state.outbox.append(held)
@@ -303,9 +318,11 @@ class Inputs:
             run.settle(ok)
             held, output = run.held, run.output
             if ok and held is not None and output is not None:
-                await self._link.publish_stored(*output)
-                with contextlib.suppress(ValueError):
-                    state.outbox.remove(held)  # the next write drops it from the record
+                # Kept in the outbox until the stream acknowledged it (then the next
+                # write drops it from the record): lost with a server crash, it is
+                # published again on reconnect (`republish`).
+                await self._link.publish_stored(
+                    *output, confirmed=functools.partial(_forget, state.outbox, held))
         except Exception as exc:
             log_failure("finishing a turn", exc, log=logger)
         finally:
@@ -314,7 +331,7 @@ class Inputs:
     async def answer(self, turn: AgentTurn, route: str, text: str) -> None:
         """A destination's answer: held until the turn's record is written (running
         turn), else published at once."""
-        run = self._running.get(turn.turn_id)
+        run = self._running.get((turn.participant_id, turn.turn_id))
         if run is not None and run.held is None:
             # Checked now, so a text that cannot go out fails the destination's answer()
             # (the router then says its failure text) instead of ending nothing later.
@@ -326,18 +343,21 @@ class Inputs:
 
     # ------------------------------------------------------------------ outputs
     async def _emit(self, turn: AgentTurn, route: str, text: str) -> None:
+        # The router's failure text ends the turn, whatever route it was on.
         await self.publish_output(turn.participant_id, turn.turn_id, route, text,
-                                  final=route == "none")
+                                  final=route == "none" or text == self._config.failure_text)
 
     async def control_output(self, turn: AgentTurn, route: str, text: str) -> None:
         await self.publish_output(turn.participant_id, turn.turn_id, route, text,
                                   final=False)
 
     async def publish_output(self, pid: str, turn_id: str, route: str, text: str, *,
-                             final: bool, carrier: dict[str, str] | None = None) -> None:
+                             final: bool, carrier: dict[str, str] | None = None,
+                             confirmed: Callable[[], None] | None = None) -> None:
         """Publish one output to the output stream under its deduplication id, with the
         W3C context of `carrier` (default: the current span's). Not waited for: the
-        connection keeps it ahead of the participant's next record write."""
+        connection keeps it ahead of the participant's next record write; `confirmed`
+        is called once the stream acknowledged it."""
         if carrier is None:
             carrier = self._router.trace_carrier()
         try:
@@ -345,7 +365,29 @@ class Inputs:
         except ContractValueError as exc:
             logger.warning("turnrouter: %s", exc)
             return
-        await self._link.publish_stored(*output)
+        await self._link.publish_stored(*output, confirmed=confirmed)
+
+    async def publish_ending(self, pid: str, state: Participant, ending: Ending) -> None:
+        """Publish an ending of `state`'s outbox (a takeover's, or again after a
+        reconnect); it leaves the outbox once the stream acknowledged it."""
+        turn_id, route, text, _ = ending
+        await self.publish_output(pid, turn_id, route, text, final=True,
+                                  confirmed=functools.partial(_forget, state.outbox, ending))
+
+    async def republish(self) -> int:
+        """After a reconnect: publish again every ending a written record holds that the
+        stream did not acknowledge (a server crash may have lost it; the stream drops
+        what it already holds); how many."""
+        self._link.forget_unconfirmed()
+        self._link.fail_waiting()
+        horizon = time.time() - self._config.dedup_window / 2
+        count = 0
+        for pid, state in list(self._ledger.people.items()):
+            for ending in list(state.outbox):
+                if ending[3] >= horizon and ending[0] in state.recorded and not state.fenced:
+                    await self.publish_ending(pid, state, ending)
+                    count += 1
+        return count
 
     def _output(self, pid: str, turn_id: str, route: str, text: str, final: bool,
                 carrier: dict[str, str]) -> _Output:
@@ -353,13 +395,20 @@ class Inputs:
         not valid output, e.g. holding a lone surrogate)."""
         try:
             message = ResponseOutput(participant_id=pid, request_id=turn_id, route=route,
-                                     text=text, traceparent=carrier.get("traceparent"),
+                                     text=text, final=final,
+                                     traceparent=carrier.get("traceparent"),
                                      tracestate=carrier.get("tracestate"))
         except ValidationError as exc:
             raise ContractValueError(
                 f"output of turn {turn_id!r} refused: {exc.error_count()} invalid "
                 f"field(s)") from None
-        headers = {"Nats-Msg-Id": output_message_id(turn_id, route, text, final=final),
+        headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
                    **carrier}
         return (f"{self._out_prefix}{encode_token(pid)}",
                 message.model_dump_json().encode(), headers)
+
+
+def _forget(outbox: list[Ending], ending: Ending) -> None:
+    """The stream acknowledged `ending`: the participant's next write drops it."""
+    with contextlib.suppress(ValueError):
+        outbox.remove(ending)

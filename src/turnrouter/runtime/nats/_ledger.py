@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyWrongLastSequenceError
@@ -25,6 +26,7 @@ from ..._router import AgentRouter
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._wire import (
+    MAX_ENDED,
     MAX_STATE_BYTES,
     MAX_STATE_HISTORY_VERSION,
     MAX_STATE_INFLIGHT,
@@ -33,7 +35,9 @@ from ._wire import (
     NatsConfig,
     decode_token,
     encode_token,
+    parse_record,
     parse_state,
+    record_json,
     state_json,
 )
 
@@ -42,6 +46,8 @@ __all__ = ["Ledger", "Participant"]
 logger = logging.getLogger("turnrouter.runtime.nats")
 
 _MAX_INFLIGHT = MAX_STATE_INFLIGHT  # bound of one participant's in-flight ids in its record
+_MAX_OUTBOX = MAX_STATE_OUTBOX  # bound of one participant's unconfirmed endings in its record
+_MAX_UNSURE = 4096  # bound of the participants awaiting a reclaim
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
 
@@ -56,30 +62,47 @@ class Participant:
     outbox: list[Ending] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     fenced: bool = False
-    ended: frozenset[str] = frozenset()
-    """Turns the claimed record had already ended (in flight: failure text; held answer)."""
+    ended: dict[str, str] = field(default_factory=dict)
+    """The last `MAX_ENDED` turns that ended (in order, each with its id as a JSON
+    string, as the record holds them): the claimed record's, those it left in flight or
+    answered, and those ended here since. A query whose id is here never runs again,
+    whatever its delivery count."""
+    recorded: frozenset[str] = frozenset()
+    """Turn ids of the outbox entries the last record written holds: only these may be
+    published again after a reconnect (an entry whose write got no reply may not be in
+    the record, and its participant is claimed again from what the record holds)."""
     saving: bool = False
     """A save after an out-of-turn change (a context patch) is scheduled."""
     snapshot: bytes | None = None
     """The snapshot JSON of the last record written or claimed (an in-flight mark
     reuses it: nothing but turns and patches change it, and they write a fresh one)."""
 
+    def end(self, turn_id: str) -> None:
+        """Remember that turn `turn_id` ended (written with the next record)."""
+        ended = self.ended
+        ended[turn_id] = ended.pop(turn_id, "") or json.dumps(turn_id)
+        if len(ended) > MAX_ENDED:
+            del ended[next(iter(ended))]
 
-class Publish(Protocol):
-    def __call__(self, pid: str, turn_id: str, route: str, text: str, *,
-                 final: bool) -> Awaitable[None]: ...
+
+PublishEnding = Callable[[str, "Participant", Ending], Awaitable[None]]
 
 
 class Ledger:
     """The records of the participants this replica serves."""
 
     def __init__(self, kv: Any, link: Link, config: NatsConfig, replica: str,
-                 router: Callable[[], AgentRouter], publish: Publish,
+                 router: Callable[[], AgentRouter], publish_ending: PublishEnding,
                  metrics: RuntimeMetrics | None) -> None:
         self._kv, self._link, self._config, self._replica = kv, link, config, replica
-        self._router, self._publish, self._metrics = router, publish, metrics
+        self._router, self._publish_ending, self._metrics = router, publish_ending, metrics
         self._subject = f"$KV.{config.bucket}."
         self.people: dict[str, Participant] = {}
+        self._claiming: dict[str, list[Any]] = {}  # pid -> [lock, claims waiting]
+        self.unsure: dict[str, int] = {}
+        """Participants dropped after a write got no reply, by partition: to claim
+        again (`reclaim`), as their record may hold a turn no input will come back for."""
+        self.on_unsure: Callable[[str, int], None] = lambda pid, n: None
 
     def of_partition(self, n: int) -> list[str]:
         return [pid for pid, state in self.people.items() if state.partition == n]
@@ -132,15 +155,45 @@ class Ledger:
 
     async def claim(self, pid: str, n: int) -> Participant | None:
         """This replica's state of `pid`, claiming the record on first contact and
-        publishing what the previous owner left unfinished. None when refused."""
+        publishing what the previous owner left unfinished. None when refused. One
+        claim of a participant at a time (an input and a reclaim may ask together)."""
         state = self.people.get(pid)
         if state is not None:
             return state
+        entry = self._claiming.get(pid)
+        if entry is None:
+            entry = self._claiming[pid] = [asyncio.Lock(), 0]
+        lock: asyncio.Lock = entry[0]
+        entry[1] += 1
+        try:
+            async with lock:
+                state = self.people.get(pid)
+                return state if state is not None else await self._claim(pid, n)
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._claiming[pid]
+
+    async def reclaim(self, pid: str, n: int) -> bool:
+        """Claim `pid` again after a write whose outcome is unknown (`unsure`), so what
+        its record left unfinished (a turn marked in flight, an answer in the outbox)
+        ends now rather than at the participant's next input; False when the server
+        cannot be asked now (tried again after the next reconnect)."""
+        if pid in self.people:
+            self.unsure.pop(pid, None)
+            return True
+        if await self.claim(pid, n) is None:
+            return False
+        self.unsure.pop(pid, None)
+        return True
+
+    async def _claim(self, pid: str, n: int) -> Participant | None:
         key = f"{n}.{encode_token(pid)}"
         for _attempt in range(3):
             revision, snapshot = 0, None
             inflight: list[str] = []
             outbox: list[Ending] = []
+            ended: list[str] = []
             try:
                 entry = await self._kv.get(key)
             except NatsError:
@@ -150,11 +203,14 @@ class Ledger:
                 # None): the claim's write must expect it, or it is refused every time.
                 revision = entry.revision or 0
                 try:
-                    inflight, snapshot, outbox = parse_state(entry.value or b"")
+                    record = parse_record(entry.value or b"")
                 except ValueError as exc:
                     await self._quarantine(key, entry.value or b"", "invalid", exc)
+                else:
+                    inflight, snapshot = record.inflight, record.snapshot
+                    outbox, ended = record.outbox, record.ended
             # The claim keeps what the previous owner left, until it is published.
-            claim = state_json(self._replica, inflight, snapshot, outbox)
+            claim = state_json(self._replica, inflight, snapshot, outbox, ended)
             try:
                 revision = await self._kv.update(key, claim, last=revision)
             except KeyWrongLastSequenceError:
@@ -169,8 +225,9 @@ class Ledger:
             logger.warning("turnrouter: partition %d: a participant's record was claimed "
                            "by a newer write three times in a row; its input is retried", n)
             return None
-        state = Participant(partition=n, revision=revision,
-                            ended=frozenset(inflight) | {e[0] for e in outbox})
+        state = Participant(partition=n, revision=revision)
+        for turn_id in [*ended, *(e[0] for e in outbox), *inflight]:
+            state.end(turn_id)  # ended now (in flight: its failure text, below)
         self.people[pid] = state
         if snapshot is not None:
             try:
@@ -187,9 +244,14 @@ class Ledger:
                                        "invalid_snapshot", exc)
             else:
                 state.snapshot = snapshot.encode()
-        await self._end_unfinished(pid, inflight, outbox)
+        unfinished = self._unfinished(inflight, outbox)
+        # Recorded before they are published (as a turn's answer is), and kept in the
+        # outbox until the stream acknowledges them: a server crash loses none.
+        state.outbox.extend(unfinished)
         if (inflight or outbox) and not await self.write(pid, state):
             return None
+        for ending in unfinished:
+            await self._publish_ending(pid, state, ending)
         return state
 
     async def _quarantine(self, key: str, data: bytes, reason: str,
@@ -205,23 +267,23 @@ class Ledger:
         with contextlib.suppress(Exception):
             await self._kv.put(f"quarantine.{key}", data[:MAX_STATE_BYTES])
 
-    async def _end_unfinished(self, pid: str, inflight: list[str],
-                              outbox: list[Ending]) -> None:
+    def _unfinished(self, inflight: list[str], outbox: list[Ending]) -> list[Ending]:
+        """The endings a claimed record asks for: its outbox's answers (younger than
+        half the deduplication window: maybe never published, the owner having died
+        between its write and its publish, and a duplicate is dropped; older ones were
+        published long ago and could be heard twice), and the failure text for each
+        turn it left in flight."""
         horizon = time.time() - self._config.dedup_window / 2
-        for turn_id, route, text, at in outbox:
-            # Younger than half the deduplication window: maybe never published (the
-            # owner died between the write and the publish); a duplicate is dropped.
-            # Older ones were published long ago: republishing could be heard twice.
-            if at >= horizon:
-                await self._publish(pid, turn_id, route, text, final=True)
+        endings = [ending for ending in outbox if ending[3] >= horizon]
         answered = {ending[0] for ending in outbox}
+        now = time.time()
         for turn_id in inflight:
             if turn_id in answered:
                 continue
             if self._metrics is not None:
                 self._metrics.inflight_failed.inc()
-            await self._publish(pid, turn_id, "none", self._config.failure_text,
-                                final=True)
+            endings.append((turn_id, "none", self._config.failure_text, now))
+        return endings
 
     async def write(self, pid: str, state: Participant, *, fresh: bool = True) -> bool:
         """Revision-checked write of `pid`'s record; False (and fenced) when refused.
@@ -233,23 +295,47 @@ class Ledger:
                 return False
             if fresh or state.snapshot is None:
                 state.snapshot = self._router().export_participant_json(pid)
-            data = state_json(self._replica, state.inflight[-_MAX_INFLIGHT:],
-                              state.snapshot, state.outbox[-MAX_STATE_OUTBOX:])
+            outbox = state.outbox
+            if outbox:
+                # Endings past the horizon are never republished (_end_unfinished).
+                horizon = time.time() - self._config.dedup_window / 2
+                if len(outbox) > _MAX_OUTBOX or any(e[3] < horizon for e in outbox):
+                    outbox[:] = [e for e in outbox if e[3] >= horizon][-_MAX_OUTBOX:]
+            data = record_json(self._replica, state.inflight[-_MAX_INFLIGHT:],
+                               state.snapshot, outbox, ",".join(state.ended.values()))
+            written = frozenset(e[0] for e in outbox)
             t0 = time.perf_counter()
+            uncertain = False
             try:
                 seq, error = pub_ack(await self._link.request(
                     f"{self._subject}{state.partition}.{encode_token(pid)}", data,
                     {"Nats-Expected-Last-Subject-Sequence": str(state.revision)}))
             except (RequestFailed, ValueError) as exc:
                 logger.warning("turnrouter: state write failed: %r", exc)
-                return True
+                seq, error, uncertain = None, None, True
             if seq is not None:
-                state.revision = seq
-            elif not (isinstance(error, dict) and error.get("err_code") in _WRONG_LAST):
+                state.revision, state.recorded = seq, written
+            elif not uncertain and not (isinstance(error, dict)
+                                        and error.get("err_code") in _WRONG_LAST):
                 logger.warning("turnrouter: state write refused by the server: %s", error)
-                return True
-            if self._metrics is not None:
+                uncertain = True
+            if seq is not None and self._metrics is not None:
                 self._metrics.state_write.observe(time.perf_counter() - t0)
+        if uncertain:
+            # Whether the record holds this write is unknown (no reply: the server may
+            # have stored it and crashed), or it does not: the record, not this replica's
+            # memory, says what the participant heard. Drop the participant here; its next
+            # input claims the record again (what that write left unfinished is ended
+            # then, and the input that caused it comes back unacknowledged; a turn
+            # marked in flight has no input coming back: `reclaim` ends it).
+            await self.fence(pid, refused=False)
+            if len(self.unsure) < _MAX_UNSURE or pid in self.unsure:
+                self.unsure[pid] = state.partition
+                self.on_unsure(pid, state.partition)
+            else:
+                logger.warning("turnrouter: %d participants await a reclaim; this one "
+                               "is claimed at its next input", len(self.unsure))
+            return False
         if error is not None:
             await self.fence(pid, refused=True)
             return False

@@ -42,6 +42,9 @@ class Link:
         self._next = 0
         self._on_duplicate = on_duplicate
         self._stored_reply = f"{self._prefix}.{_STORED}"
+        #: Callbacks of stored publishes awaiting their acknowledgment, by reply token
+        #: (bounded: dropped at each reconnect, when their owners publish again).
+        self._confirming: dict[str, Callable[[], None]] = {}
 
     async def start(self) -> None:
         await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
@@ -73,20 +76,43 @@ class Link:
         with contextlib.suppress(NatsError):
             await self._nc.publish(subject, payload)
 
-    async def publish_stored(self, subject: str, payload: bytes,
-                             headers: dict[str, str]) -> None:
+    async def publish_stored(self, subject: str, payload: bytes, headers: dict[str, str],
+                             confirmed: Callable[[], None] | None = None) -> None:
         """Publish to a stream without waiting for its acknowledgment; a duplicate the
-        stream dropped is counted and a refusal logged when the acknowledgment comes."""
+        stream dropped is counted and a refusal logged when the acknowledgment comes.
+        `confirmed` is called once the stream acknowledged it (stored or a duplicate of
+        a stored one); never when the acknowledgment is lost (`forget_unconfirmed`)."""
+        reply = self._stored_reply
+        if confirmed is not None:
+            self._next += 1
+            token = f"{_STORED}{self._next}"
+            self._confirming[token] = confirmed
+            reply = f"{self._prefix}.{token}"
         try:
-            await self._nc.publish(subject, payload, reply=self._stored_reply,
-                                   headers=headers)
+            await self._nc.publish(subject, payload, reply=reply, headers=headers)
         except NatsError as exc:
             logger.warning("turnrouter: output not published: %r", exc)
 
+    def fail_waiting(self) -> None:
+        """After a reconnect: the replies of requests sent before it never come (a
+        restarted server forgot them), so their waits end now (`RequestFailed`)."""
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(RequestFailed("connection lost before the reply"))
+
+    def forget_unconfirmed(self) -> int:
+        """Drop the callbacks of publishes not acknowledged yet (after a reconnect their
+        acknowledgment never comes: their owners publish again); how many."""
+        count = len(self._confirming)
+        self._confirming.clear()
+        return count
+
     async def _on_reply(self, msg: Msg) -> None:
         token = msg.subject[len(self._prefix) + 1:]
-        if token == _STORED:
-            self._stored_ack(msg.data)
+        if token[:1] == _STORED:
+            confirmed = self._confirming.pop(token, None) if len(token) > 1 else None
+            if self._stored_ack(msg.data) and confirmed is not None:
+                confirmed()
             return
         future = self._waiting.get(token)
         if future is None or future.done():
@@ -96,12 +122,15 @@ class Link:
         else:
             future.set_result(msg.data)
 
-    def _stored_ack(self, data: bytes) -> None:
+    def _stored_ack(self, data: bytes) -> bool:
+        """Whether the stream holds the output (stored now or before)."""
         if b'"duplicate":true' in data:
             self._on_duplicate()
         elif b'"error"' in data or not data:
             logger.warning("turnrouter: the output stream refused an output: %s",
                            data[:300].decode("utf-8", "replace"))
+            return False
+        return True
 
 
 def _expire(future: asyncio.Future[bytes]) -> None:

@@ -34,18 +34,23 @@ from .._messages import (
 
 __all__ = [
     "KINDS",
+    "MAX_ENDED",
     "MAX_PARTICIPANT_ID_BYTES",
     "Ending",
     "NatsConfig",
     "Rejected",
+    "StateRecord",
     "ack_metadata",
     "decode_token",
     "encode_token",
+    "input_message_id",
     "kind_of",
     "output_message_id",
     "parse_input",
+    "parse_record",
     "parse_samples",
     "parse_state",
+    "record_json",
     "samples_body",
     "state_json",
     "trace_context",
@@ -94,6 +99,9 @@ class NatsConfig:
     `tls_cert_file` + `tls_key_file` present a client certificate (use a `tls://` URL or a
     server that requires TLS). `repr()` and every error show the URL with its password
     masked and never the password or token.
+
+    `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
+    before it exits with an error.
     """
 
     url: str = "nats://127.0.0.1:4222"
@@ -111,6 +119,7 @@ class NatsConfig:
     probe_interval: float = 0.5
     drain_timeout: float = 20.0
     mark_after: float = 0.005
+    reconnect_for: float = 60.0
     failure_text: str = "Sorry, something went wrong. Please try again."
     user: str | None = None
     password: str | None = field(default=None, repr=False)
@@ -169,7 +178,7 @@ class NatsConfig:
                 f"NatsConfig.partitions must be in 1..1024, got {self.partitions}")
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
                      "output_max_age", "probe_interval", "drain_timeout", "mark_after",
-                     "input_max_age"):
+                     "input_max_age", "reconnect_for"):
             value = getattr(self, name)
             if not (finite(value) and 0 < value <= 366 * 86400):
                 raise ConfigurationError(
@@ -326,14 +335,23 @@ def trace_context(carrier: dict[str, str]) -> dict[str, str]:
     return kept
 
 
-def output_message_id(turn_id: str, route: str, text: str, *, final: bool) -> str:
-    """The deduplication id of one output: a turn's terminal output (its answer, or the
-    failure text) is `<turn>.final` whoever publishes it, so the output stream keeps only
-    the first; control text is identified by its content."""
+def input_message_id(participant_id: str, message_id: str) -> str:
+    """The input stream's deduplication id of one input: `<token>.<message id>`, scoped
+    to its participant, so two participants may use the same message id."""
+    return f"{encode_token(participant_id)}.{message_id}"
+
+
+def output_message_id(participant_id: str, turn_id: str, route: str, text: str, *,
+                      final: bool) -> str:
+    """The deduplication id of one output, scoped to its participant (`<token>.`): a
+    turn's terminal output (its answer, or the failure text) is `<token>.<turn>.final`
+    whoever publishes it, so the output stream keeps only the first; control text is
+    identified by its content."""
+    token = encode_token(participant_id)
     if final:
-        return f"{turn_id}.final"
+        return f"{token}.{turn_id}.final"
     digest = hashlib.blake2b(f"{route}\0{text}".encode(), digest_size=8).hexdigest()
-    return f"{turn_id}.{digest}"
+    return f"{token}.{turn_id}.{digest}"
 
 
 Ending = tuple[str, str, str, float]
@@ -342,15 +360,32 @@ it was recorded). Republished on takeover only while the output stream's dedupli
 window still covers it."""
 
 
+#: Turn ids a record keeps as ended (the most recent ones): a redelivered query whose id
+#: is among them never runs its destination again. A participant has one turn running at
+#: a time, so a server crash leaves only its last turn or two unacknowledged; every id
+#: kept costs its bytes in every record write.
+MAX_ENDED = 16
+
+
 def state_json(owner: str, inflight: list[str], snapshot: str | bytes | None,
-               outbox: list[Ending] | None = None) -> bytes:
+               outbox: list[Ending] | None = None, ended: list[str] | None = None) -> bytes:
     """The key-value record of one participant: a JSON header line (owner, turns in
-    flight, endings to publish), then the snapshot's own JSON as is (not re-escaped
-    inside the header: the snapshot is most of the record and written every turn)."""
+    flight, endings to publish, the last `MAX_ENDED` turns ended), then the snapshot's
+    own JSON as is (not re-escaped inside the header: the snapshot is most of the record
+    and written every turn)."""
+    return record_json(owner, inflight, snapshot, outbox,
+                       ",".join(map(_json_str, ended[-MAX_ENDED:])) if ended else "")
+
+
+def record_json(owner: str, inflight: list[str], snapshot: str | bytes | None,
+                outbox: list[Ending] | None, ended_json: str) -> bytes:
+    """`state_json` with the ended ids already JSON strings joined by commas (a worker
+    keeps them so, written every turn)."""
     endings = ",".join(f"[{_json_str(t)},{_json_str(r)},{_json_str(x)},{float(at)!r}]"
                        for t, r, x, at in outbox or ())
     head = (f'{{"owner":{_json_str(owner)},"inflight":[{",".join(map(_json_str, inflight))}'
-            f'],"outbox":[{endings}]}}')
+            f'],"outbox":[{endings}]')
+    head += f',"ended":[{ended_json}]}}' if ended_json else "}"
     if snapshot is None:
         return head.encode("ascii")
     return b"%s\n%s" % (head.encode("ascii"), snapshot.encode("utf-8")
@@ -403,6 +438,34 @@ def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
             or has_surrogates(e[2]) or has_surrogates(e[0]) for e in outbox):
         raise ValueError("state record holds an id or a text out of bounds")
     return inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]
+
+
+@dataclass(frozen=True, slots=True)
+class StateRecord:
+    """A participant's record as `parse_record` reads it."""
+
+    inflight: list[str]
+    """Turns the owner marked in flight (a new owner ends them with the failure text)."""
+    snapshot: str | None
+    """The router snapshot's JSON (`ParticipantSnapshot.from_json`)."""
+    outbox: list[Ending]
+    """Endings recorded and maybe not yet heard (republished on takeover)."""
+    ended: list[str]
+    """The last `MAX_ENDED` turns the record says ended: a query whose id is here (or in
+    flight, or in the outbox) never runs its destination again."""
+
+
+def parse_record(data: bytes) -> StateRecord:
+    """The whole record `state_json` writes (`parse_state` gives its first three parts);
+    ValueError naming the problem on junk."""
+    inflight, snapshot, outbox = parse_state(data)
+    head = data.partition(b"\n")[0]
+    ended: Any = json.loads(head).get("ended", [])  # parse_state read this header
+    if not (isinstance(ended, list) and all(isinstance(t, str) for t in ended)):
+        raise ValueError("state record 'ended' is not a list of turn ids")
+    if len(ended) > MAX_STATE_INFLIGHT or any(not 0 < len(t) <= _MAX_ID for t in ended):
+        raise ValueError("state record 'ended' holds an id out of bounds or too many ids")
+    return StateRecord(inflight, snapshot, outbox, ended[-MAX_ENDED:])
 
 
 def samples_body(lines: list[str]) -> bytes:

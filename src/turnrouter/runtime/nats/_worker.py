@@ -40,18 +40,18 @@ from ..._timing import TimingPredictor, TimingSample
 from .._messages import Interrupted
 from ._fleet import Fleet, valid_replica
 from ._inputs import Inputs
-from ._ledger import Ledger
+from ._ledger import Ledger, Participant
 from ._link import Link
 from ._metrics import RuntimeMetrics, runtime_metrics
-from ._security import connect
+from ._security import connect, safe_error
 from ._setup import GROUP, api_request, ensure_deployment
-from ._wire import NatsConfig
+from ._wire import Ending, NatsConfig
 
 __all__ = ["NatsWorker", "WorkerContext"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
-_RECONNECTS = 120  # reconnect attempts (0.5 s apart) after the first connection
+_RECONNECT_WAIT = 0.5  # seconds between reconnect attempts
 #: Messages one pull request may deliver. The consumer still hands out one at a time
 #: (`max_ack_pending=1`): a request waits at the server, and the next message goes to it
 #: as soon as the previous one is acknowledged, so a busy partition needs no pull per
@@ -124,6 +124,7 @@ class NatsWorker:
         self._pulling = True
         self._interrupt_pending = False
         self._interrupts_seen = 0
+        self._inboxes: list[_Inbox] = []
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -169,8 +170,8 @@ class NatsWorker:
                 lost.set()
                 self._stop.set()
 
-        self._nc = await _connect(config, self.replica, closed)
-        nc = self._nc
+        connection = _Connection(config, closed, self._reconnected)
+        self._nc = nc = await connection.connect(self.replica)
         try:
             await ensure_deployment(nc, config)
             built = self._factory(WorkerContext(self, self._registry))
@@ -189,7 +190,8 @@ class NatsWorker:
             await link.start()
             self._ledger = Ledger(await nc.jetstream().key_value(config.bucket), link,
                                   config, self.replica, lambda: self.router,
-                                  self._publish_output, self._metrics)
+                                  self._publish_ending, self._metrics)
+            self._ledger.on_unsure = self._reclaim_soon
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
                                            self._metrics, self._spawn, self._stop.is_set)
             router.set_control_output(inputs.control_output)
@@ -206,7 +208,7 @@ class NatsWorker:
             self.ready.set()
             await self._stop.wait()
             if lost.is_set():
-                raise LifecycleError(f"lost the connection to NATS at {config.safe_url}")
+                raise LifecycleError(connection.why_lost())
             await self._shutdown(loops, helpers)
         finally:
             background = [*self._tasks, *loops, *helpers] if self.ready.is_set() \
@@ -220,7 +222,10 @@ class NatsWorker:
                 with contextlib.suppress(Exception):
                     await self._router.stop()
             with contextlib.suppress(Exception):
-                await nc.drain()
+                if lost.is_set():
+                    await nc.close()  # nothing to drain to: the server is gone
+                else:
+                    await nc.drain()
 
     async def _shutdown(self, loops: list[asyncio.Task[None]],
                         helpers: list[asyncio.Task[None]]) -> None:
@@ -263,6 +268,7 @@ class NatsWorker:
         assert self._nc is not None
         nc, config = self._nc, self.config
         inbox = _Inbox()
+        self._inboxes.append(inbox)
         subject = nc.new_inbox()
         sub = await nc.subscribe(subject, cb=inbox.put)
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
@@ -363,13 +369,39 @@ class NatsWorker:
         await self.ledger.scan(n)
 
     # ------------------------------------------------------------------ outputs
-    async def _publish_output(self, pid: str, turn_id: str, route: str, text: str, *,
-                              final: bool) -> None:
-        await self.inputs.publish_output(pid, turn_id, route, text, final=final)
+    async def _publish_ending(self, pid: str, state: Participant, ending: Ending) -> None:
+        await self.inputs.publish_ending(pid, state, ending)
 
     def _duplicate_output(self) -> None:
         if self._metrics is not None:
             self._metrics.duplicates.labels("output").inc()
+
+    def _reconnected(self) -> None:
+        """Back on a server that may have lost what was sent just before it went away:
+        publish again the answers it did not acknowledge, and pull every partition at
+        once (a pull sent before the outage is never answered)."""
+        if self._inputs is not None:
+            self._spawn(self._inputs.republish(), "republish")
+        if self._ledger is not None:
+            for pid, n in list(self._ledger.unsure.items()):
+                self._reclaim_soon(pid, n)
+        for inbox in self._inboxes:
+            inbox.wake()
+
+    def _reclaim_soon(self, pid: str, n: int) -> None:
+        self._spawn(self._reclaim(pid, n), "reclaim")
+
+    async def _reclaim(self, pid: str, n: int) -> None:
+        """Claim again a participant dropped after a write got no reply (while this
+        replica owns its partition; a new owner's takeover claims it otherwise)."""
+        ledger = self.ledger
+        if n not in self._pins:
+            ledger.unsure.pop(pid, None)
+            return
+        try:
+            await ledger.reclaim(pid, n)
+        except Exception:
+            logger.exception("turnrouter: claiming a participant again failed")
 
     async def _answer(self, turn: AgentTurn, route: str, text: str) -> None:
         await self.inputs.answer(turn, route, text)
@@ -418,6 +450,12 @@ class _Inbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def wake(self) -> None:
+        """End a wait for the next message now (`get` returns None: pull again)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def get(self, wait: float) -> tuple[Msg, float] | None:
         """The next message and when it arrived (`time.monotonic()`), or None after
         `wait` seconds without one."""
@@ -440,14 +478,74 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-async def _connect(config: NatsConfig, replica: str,
-                   closed: Callable[[], Awaitable[None]]) -> Client:
-    """Connect with bounded first attempts, then ride out a server outage of about a
-    minute (nats-py reads this option on every reconnect); past it the worker exits."""
-    nc = await connect(config, "worker", name=f"turnrouter-{replica}", connect_timeout=2,
-                       max_reconnect_attempts=3, reconnect_time_wait=0.5, closed_cb=closed)
-    nc.options["max_reconnect_attempts"] = _RECONNECTS
-    return nc
+class _Connection:
+    """The worker's connection: bounded first attempts, then a server outage ridden out
+    for `config.reconnect_for` seconds, one log line per reconnect attempt; past that the
+    connection is closed and the worker exits (`why_lost` says why)."""
+
+    def __init__(self, config: NatsConfig, closed: Callable[[], Awaitable[None]],
+                 reconnected: Callable[[], None]) -> None:
+        self._config, self._closed, self._reconnected = config, closed, reconnected
+        self._nc: Client | None = None
+        self._down_since: float | None = None
+        self._attempts = 0
+        self._gave_up = False
+
+    async def connect(self, replica: str) -> Client:
+        config = self._config
+        nc = self._nc = await connect(
+            config, "worker", name=f"turnrouter-{replica}", connect_timeout=2,
+            max_reconnect_attempts=3, reconnect_time_wait=_RECONNECT_WAIT,
+            closed_cb=self._closed, disconnected_cb=self._disconnected,
+            reconnected_cb=self._back)
+        # From now on the bound is reconnect_for (checked at each attempt), not a count
+        # (nats-py reads this option at every reconnect), and errors go through
+        # `_error` (the first connection's callback spots refused credentials; nats-py
+        # reads its error callback at every call).
+        nc.options["max_reconnect_attempts"] = -1
+        nc._error_cb = self._error
+        return nc
+
+    def why_lost(self) -> str:
+        if self._gave_up and self._down_since is not None:
+            return (f"the NATS server at {self._config.safe_url} stayed unreachable for "
+                    f"{time.monotonic() - self._down_since:.1f} s (reconnect_for is "
+                    f"{self._config.reconnect_for:g} s, {self._attempts} attempts); "
+                    f"exiting")
+        return f"lost the connection to NATS at {self._config.safe_url}"
+
+    async def _disconnected(self) -> None:
+        if self._down_since is None and self._nc is not None and not self._nc.is_closed:
+            self._down_since, self._attempts = time.monotonic(), 0
+            logger.warning("turnrouter: lost the connection to NATS; reconnecting for up "
+                           "to %g s", self._config.reconnect_for)
+
+    async def _back(self) -> None:
+        down = time.monotonic() - self._down_since if self._down_since is not None else 0.0
+        logger.warning("turnrouter: reconnected to NATS after %.1f s (%d attempts)", down,
+                       self._attempts)
+        self._down_since, self._attempts = None, 0
+        self._reconnected()
+
+    async def _error(self, exc: Exception) -> None:
+        """nats-py's error callback: one line, never a traceback; while reconnecting it
+        is called once per failed attempt, which is where the outage bound is kept."""
+        nc = self._nc
+        what = safe_error(self._config, exc)[:300]
+        if nc is None or not nc.is_reconnecting:
+            logger.warning("turnrouter: NATS connection error: %s", what)
+            return
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+        self._attempts += 1
+        down = time.monotonic() - self._down_since
+        logger.warning("turnrouter: NATS reconnect attempt %d failed (%.1f s of %g s): %s",
+                       self._attempts, down, self._config.reconnect_for, what)
+        if down >= self._config.reconnect_for and not self._gave_up:
+            self._gave_up = True
+            # nats-py drops a server tried more often than this and, with none left,
+            # closes the connection: closed_cb then stops the worker.
+            nc.options["max_reconnect_attempts"] = 1
 
 
 def _interrupt_problem(config: NatsConfig, data: bytes) -> str:

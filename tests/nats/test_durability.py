@@ -1,0 +1,404 @@
+"""Durability and identity on a real nats-server: a turn its record says ended never
+runs again, ids are scoped per participant, outputs survive a server restart and junk,
+and a worker rides out an outage up to its bound (docs/distributed.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from turnrouter import ConfigurationError, ParticipantSnapshot
+from turnrouter.cli import worker_parser
+from turnrouter.runtime import ResponseOutput, UserQuery
+from turnrouter.runtime.nats import (
+    MAX_ENDED,
+    NatsConfig,
+    NatsFrontEnd,
+    encode_token,
+    parse_record,
+    parse_state,
+    state_json,
+)
+
+from .conftest import NatsServer, Worker
+from .test_wire import JUNK, Wire, fresh
+
+pytestmark = pytest.mark.anyio
+
+FAILURE = NatsConfig().failure_text
+
+
+@pytest.fixture(scope="module")
+def wire() -> Iterator[Wire]:
+    made = Wire()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def runs(wire: Wire, pid: str, turn_id: str) -> int:
+    """How often the worker's router started turn `turn_id` of `pid`."""
+    return sum(1 for event in wire.watch.turns.get(turn_id, ())
+               if event[0] == "started" and event[1] == pid)
+
+
+def snapshot_with(pid: str, *exchanges: tuple[str, str, str]) -> str:
+    """A snapshot whose history holds (user, assistant, turn id) exchanges."""
+    return ParticipantSnapshot.from_json(json.dumps({
+        "participant_id": pid, "focus": "echo", "used": ["echo"], "initialized": True,
+        "history_version": len(exchanges),
+        "history": [{"user": u, "assistant": a, "turn_id": t} for u, a, t in exchanges],
+    })).to_json()
+
+
+# ---------------------------------------------------------------- a turn ends once
+
+
+@pytest.mark.parametrize("how", ["ended", "inflight", "outbox"])
+def test_a_turn_its_record_says_ended_never_runs_again(wire: Wire, how: str) -> None:
+    """A query delivered for the first time (as after a server crash) whose turn the
+    participant's record says ended (in its ended list, left in flight, or answered in
+    its outbox) is acknowledged without running its destination; the history holds its
+    exchange once, and the next turn runs after it."""
+    pid = fresh("e")
+    t1, t2 = f"{pid}-1", f"{pid}-2"
+    answer = "first|-|N"
+    history = [("first", answer, t1)] if how != "inflight" else []
+    record = state_json(
+        "gone", [t1] if how == "inflight" else [], snapshot_with(pid, *history),
+        [(t1, "echo", answer, time.time())] if how == "outbox" else [],
+        [t1] if how == "ended" else [])
+
+    async def main() -> None:
+        await wire.kv.put(f"0.{encode_token(pid)}", record)
+        await wire.front.publish(UserQuery(participant_id=pid, text="first",
+                                           message_id=t1))
+        previous = "-" if how == "inflight" else "first"
+        assert await wire.ask(UserQuery(participant_id=pid, text="second",
+                                        message_id=t2)) == f"second|{previous}|F"
+        assert runs(wire, pid, t1) == 0
+        assert runs(wire, pid, t2) == 1
+        texts = wire.texts(t1)
+        assert texts == ([] if how == "ended" else [FAILURE if how == "inflight" else answer])
+        saved = parse_record(await wire.record(pid))
+        assert saved.snapshot is not None
+        moved = ParticipantSnapshot.from_json(saved.snapshot)
+        assert [item.turn_id for item in moved.history] == (
+            [t2] if how == "inflight" else [t1, t2])
+        assert saved.ended[-2:] == [t1, t2]
+
+    wire.call(main())
+
+
+def test_two_participants_may_reuse_a_turn_id(wire: Wire) -> None:
+    """Two participants both sending `turn-1` are both answered, each once, under output
+    ids scoped to the participant; a participant's own retry still runs once."""
+    ann, bob = fresh("a"), fresh("b")
+
+    async def main() -> None:
+        first = UserQuery(participant_id=ann, text="hi ann", message_id="turn-1")
+        await wire.front.publish(first)
+        await wire.front.publish(first)  # ann's retry: deduplicated
+        second = UserQuery(participant_id=bob, text="hi bob", message_id="turn-1")
+        await wire.front.publish(second)
+        await wire.until(lambda: {o.participant_id for o, msg_id in wire.heard.get("turn-1", ())
+                                  if o.final} >= {ann, bob})
+        assert await wire.ask(UserQuery(participant_id=ann, text="next")) == (
+            "next|hi ann|F")
+        finals = {(o.participant_id, o.text, msg_id) for o, msg_id in wire.heard["turn-1"]
+                  if o.final and o.participant_id in (ann, bob)}
+        assert finals == {(ann, "hi ann|-|N", f"{encode_token(ann)}.turn-1.final"),
+                          (bob, "hi bob|-|N", f"{encode_token(bob)}.turn-1.final")}
+        assert runs(wire, ann, "turn-1") == 1
+        assert runs(wire, bob, "turn-1") == 1
+
+    wire.call(main())
+
+
+@given(st.lists(st.text(min_size=1, max_size=20), max_size=3), st.text(max_size=30),
+       st.lists(st.text(min_size=1, max_size=20), max_size=MAX_ENDED + 5))
+def test_a_record_keeps_its_last_ended_turns(inflight: list[str], snapshot: str,
+                                             ended: list[str]) -> None:
+    """The ended turn ids written in a record read back (the last MAX_ENDED of them);
+    `parse_state` still reads the same record."""
+    if any("\ud800" <= c <= "\udfff" for c in snapshot):
+        snapshot = "{}"
+    data = state_json("w", inflight, snapshot, [], ended)
+    record = parse_record(data)
+    assert (record.inflight, record.snapshot, record.outbox) == (inflight, snapshot, [])
+    assert record.ended == ended[-MAX_ENDED:]
+    assert parse_state(data) == (inflight, snapshot, [])
+
+
+@given(JUNK)
+def test_a_junk_ended_list_is_a_value_error(junk: object) -> None:
+    """An `ended` field that is not a list of turn ids (1-256 characters, at most 64 of
+    them) makes the record unreadable (ValueError naming it; its participant then
+    starts afresh, the record quarantined)."""
+    data = json.dumps({"owner": "w", "inflight": [], "outbox": [], "ended": junk}).encode()
+    if isinstance(junk, list) and all(isinstance(t, str) and 0 < len(t) <= 256
+                                      for t in junk) and len(junk) <= 64:
+        assert parse_record(data).ended == junk[-MAX_ENDED:]
+    else:
+        with pytest.raises(ValueError, match="ended"):
+            parse_record(data)
+
+
+# ---------------------------------------------------------------- outputs
+
+
+async def _read_until(front: NatsFrontEnd, request_id: str,
+                      got: list[ResponseOutput], subscribed: asyncio.Event) -> None:
+    async for output in front.outputs(subscribed=subscribed):
+        got.append(output)
+        if output.request_id == request_id:
+            return
+
+
+def output(pid: str, request_id: str, **extra: object) -> bytes:
+    return ResponseOutput(participant_id=pid, request_id=request_id, route="r", text="x",
+                          **extra).model_dump_json().encode()  # type: ignore[arg-type]
+
+
+JUNK_OUTPUTS = st.one_of(
+    st.binary(max_size=300),
+    JUNK.map(lambda value: json.dumps(value).encode()),
+    st.just(b"[" * 100_000 + b"]" * 100_000),
+    st.sampled_from([output("mallory", "forged"), output("zed", "ok", final=True),
+                     b'{"participant_id":"zed","request_id":"r","route":"r","text":"x",'
+                     b'"final":"yes"}']),
+)
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(JUNK_OUTPUTS, st.sampled_from(["zed", "x"]))
+def test_junk_on_the_output_subject_is_skipped_and_counted(wire: Wire, data: bytes,
+                                                           token_of: str) -> None:
+    """Anything on `<prefix>.out.<token>` (bytes, JSON of any shape, an output for
+    another participant than its subject's, a bad token) is either a valid output of
+    that participant or skipped and counted: `outputs()` goes on to the next one."""
+    subject = f"tr.out.{encode_token('zed') if token_of == 'zed' else 'x'}"
+
+    async def main() -> None:
+        front = wire.front
+        got: list[ResponseOutput] = []
+        subscribed = asyncio.Event()
+        reader = asyncio.create_task(_read_until(front, "sentinel", got, subscribed))
+        try:
+            async with asyncio.timeout(15):
+                await subscribed.wait()
+                skipped = front.outputs_skipped
+                await wire.js.publish(subject, data)
+                await wire.js.publish(f"tr.out.{encode_token('zed')}",
+                                      output("zed", "sentinel"))
+                await reader
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        assert got[-1].request_id == "sentinel"
+        assert len(got) - 1 + front.outputs_skipped - skipped == 1
+        if len(got) == 2:
+            assert got[0].participant_id == "zed" and token_of == "zed"
+
+    wire.call(main())
+
+
+async def test_outputs_resume_soon_after_a_server_restart(nats_server: NatsServer) -> None:
+    """kill -9 of nats-server and its restart: a reader of `outputs()` gets the next
+    output stored after the restart within seconds (not after the 10 s of missed
+    heartbeats an ordered consumer waits), nothing read twice."""
+    config = NatsConfig(url=nats_server.url)
+    front = await NatsFrontEnd.connect(config)
+    got: list[ResponseOutput] = []
+    subscribed = asyncio.Event()
+    reader = asyncio.create_task(_read_until(front, "after", got, subscribed))
+    try:
+        async with asyncio.timeout(15):
+            await subscribed.wait()
+        js = front.connection.jetstream()
+        await js.publish(config.output_subject("zed"), output("zed", "before"))
+        await asyncio.to_thread(nats_server.crash)
+        await asyncio.to_thread(nats_server.restart)
+        publisher = await NatsFrontEnd.connect(config)
+        try:
+            await publisher.connection.jetstream().publish(config.output_subject("zed"),
+                                                           output("zed", "after"))
+            async with asyncio.timeout(4.0):  # the documented resume is ~1-2 s
+                await reader
+        finally:
+            await publisher.close()
+        assert [o.request_id for o in got] == ["before", "after"]
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await front.close()
+
+
+async def test_outputs_end_when_the_front_end_closes(nats_server: NatsServer) -> None:
+    """`outputs()` ends (no error, no task left) once its front end is closed."""
+    front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    got: list[ResponseOutput] = []
+    subscribed = asyncio.Event()
+    reader = asyncio.create_task(_read_until(front, "never", got, subscribed))
+    async with asyncio.timeout(15):
+        await subscribed.wait()
+        await front.close()
+        await reader
+    assert got == []
+
+
+# ---------------------------------------------------------------- a server crash
+
+
+@dataclass
+class Talk:
+    """Participants each sending turns one after the other, riding out a server outage
+    (a publish that fails is retried with the same message id: deduplicated)."""
+
+    front: NatsFrontEnd
+    pids: list[str]
+    finals: dict[str, list[ResponseOutput]] = field(default_factory=dict)
+    sent: dict[str, list[str]] = field(default_factory=dict)
+    events: dict[str, asyncio.Event] = field(default_factory=dict)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    turns: int = 0
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def listen(self, subscribed: asyncio.Event) -> None:
+        async for message in self.front.outputs(subscribed=subscribed):
+            if message.final:
+                self.finals.setdefault(message.request_id, []).append(message)
+                self.turns += 1
+                self.progress.set()
+                self.events.setdefault(message.request_id, asyncio.Event()).set()
+
+    async def talk(self, pid: str) -> None:
+        index = 0
+        while not self.stop.is_set():
+            query = UserQuery(participant_id=pid, text=f"{pid}#{index}")
+            self.sent.setdefault(pid, []).append(query.message_id)
+            event = self.events.setdefault(query.message_id, asyncio.Event())
+            for _ in range(100):  # bounded: the server is back within seconds
+                try:
+                    await self.front.publish(query)
+                    break
+                except Exception:
+                    await asyncio.sleep(0.1)  # pacing the retries of a lost server
+            async with asyncio.timeout(20):
+                await event.wait()
+            index += 1
+
+    async def more(self, turns: int) -> None:
+        goal = self.turns + turns
+        async with asyncio.timeout(30):
+            while self.turns < goal:
+                self.progress.clear()
+                await self.progress.wait()
+
+
+@pytest.fixture
+def synced_server() -> Iterator[NatsServer]:
+    server = NatsServer(sync_always=True)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+async def test_server_kill_nine_mid_turn_history_equals_what_was_heard(
+        synced_server: NatsServer) -> None:
+    """kill -9 of nats-server while turns run on two workers (half answered at once,
+    half marked in flight), then its restart: the workers ride it out (partitions may
+    change hands as pins start afresh), every turn ends exactly once,
+    and each participant's history (its record, read after the run) holds exactly the
+    answers that were heard, in order."""
+    workers = [Worker(synced_server.url, f"w{i}") for i in range(2)]
+    config = NatsConfig(url=synced_server.url)
+    front = await NatsFrontEnd.connect(config)
+    talk = Talk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(16)])
+    subscribed = asyncio.Event()
+    listener = asyncio.create_task(talk.listen(subscribed))
+    talkers: asyncio.Future[list[None]] | None = None
+    try:
+        async with asyncio.timeout(15):
+            await subscribed.wait()
+        talkers = asyncio.gather(*(talk.talk(pid) for pid in talk.pids))
+        await talk.more(100)
+        await asyncio.to_thread(synced_server.crash)
+        await asyncio.to_thread(synced_server.restart)
+        await talk.more(200)
+        talk.stop.set()
+        async with asyncio.timeout(30):
+            await talkers
+        for worker in workers:
+            assert worker.proc.poll() is None, worker.stderr()
+        kv = await front.connection.jetstream().key_value(config.bucket)
+        for pid in talk.pids:
+            for turn_id in talk.sent[pid]:
+                assert len(talk.finals[turn_id]) == 1, f"{turn_id} ended twice"
+            heard = [t for t in talk.sent[pid] if talk.finals[t][0].route == "echo"]
+            keys = [k for k in await kv.keys() if k.endswith(f".{encode_token(pid)}")]
+            entry = await kv.get(keys[0])
+            record = parse_record(entry.value or b"")
+            assert record.snapshot is not None
+            history = ParticipantSnapshot.from_json(record.snapshot).history
+            assert [item.turn_id for item in history] == heard, (
+                pid, [talk.finals[t][0].text for t in talk.sent[pid]],
+                [item.user for item in history])
+    finally:
+        talk.stop.set()
+        if talkers is not None:
+            talkers.cancel()
+            await asyncio.gather(talkers, return_exceptions=True)
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await front.close()
+        for worker in workers:
+            worker.close()
+
+
+# ---------------------------------------------------------------- a worker's outage bound
+
+
+def test_reconnect_bound_is_a_flag_and_a_config_field() -> None:
+    """`--reconnect-for` sets `NatsConfig.reconnect_for` (default 60 s); a bound that is
+    not a positive finite number of seconds is refused naming the field."""
+    assert worker_parser().parse_args(["--nats", "n", "--app", "a:b"]).reconnect_for == 60
+    assert worker_parser().parse_args(
+        ["--nats", "n", "--app", "a:b", "--reconnect-for", "2.5"]).reconnect_for == 2.5
+    assert NatsConfig().reconnect_for == 60
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ConfigurationError, match="reconnect_for"):
+            NatsConfig(reconnect_for=bad)
+
+
+async def test_a_worker_exits_once_the_server_stays_away_past_its_bound(
+        nats_server: NatsServer) -> None:
+    """A worker whose server is gone longer than `--reconnect-for` logs one line per
+    reconnect attempt, then exits non-zero saying why."""
+    worker = Worker(nats_server.url, "bounded", "--reconnect-for", "1.5")
+    try:
+        await asyncio.to_thread(nats_server.crash)
+        code = await asyncio.to_thread(worker.proc.wait, 30)
+        err = worker.stderr()
+        assert code == 1, err
+        attempts = [line for line in err.splitlines() if "reconnect attempt" in line]
+        assert len(attempts) >= 2
+        assert [f"attempt {i} failed" in line for i, line in enumerate(attempts, 1)] == (
+            [True] * len(attempts))
+        assert "Traceback" not in err
+        assert "stayed unreachable" in err.splitlines()[-1]
+    finally:
+        if worker.proc.poll() is None:
+            worker.signal(signal.SIGKILL)
+        worker.close()
