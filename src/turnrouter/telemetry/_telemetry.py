@@ -35,12 +35,14 @@ from .._observer import (
     Failure,
     Heard,
     LimitExceeded,
+    LoadSampled,
     MessageRejected,
     ParticipantChanged,
     ReleaseFinished,
     ReleaseStarted,
     RouterObserver,
     TurnObserver,
+    TurnShed,
     TurnStarted,
 )
 from ._families import NONE_LABEL, Families, families_for
@@ -285,6 +287,17 @@ class Telemetry(RouterObserver):
     def limit_exceeded(self, event: LimitExceeded) -> None:
         """Count an overflowed bound."""
         self._families.overflows.get(event.limit).inc()
+
+    def load_sampled(self, event: LoadSampled) -> None:
+        """Record a saturation sample: loop lag, longest wait, admission state."""
+        families = self._families
+        families.loop_lag.observe(event.lag_secs)
+        families.turn_wait.set(event.wait_secs)
+        families.overload_state.set(event.state)
+
+    def turn_shed(self, event: TurnShed) -> None:
+        """Count a turn refused for load, by reason."""
+        self._families.shed.get(event.reason).inc()
 
     def enter_context(self, carrier: Mapping[str, str]) -> object:
         """Continue the publisher's trace: make its W3C context current for the turn."""
