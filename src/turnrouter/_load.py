@@ -22,7 +22,7 @@ from typing import Literal
 from ._contracts import CLARIFY, AgentTurn
 from ._exceptions import ConfigurationError, ContractTypeError, RouterBusyError
 from ._logging import log_failure
-from ._observer import LoadSampled, RouterObserver, TurnFinished, TurnShed, TurnStarted
+from ._observer import LoadSampled, RouterObserver, TurnShed
 
 __all__ = [
     "DEFAULT_BUSY_TEXT",
@@ -49,7 +49,8 @@ class OverloadPolicy:
     """When the router refuses work to keep answering the work it admitted.
 
     `busy_lag_secs`: event-loop lag at which the router turns busy (new participants
-    refused, readiness fails); it is ready again when the lag falls below half of it.
+    refused, readiness fails) when two samples in a row reach it; it is ready again
+    when a sample falls below half of it.
     `shed_lag_secs`: lag at which new turns of admitted participants are refused too
     (again until it falls below half). `sample_secs`: how often the lag is sampled.
     `busy_text`: what a refused participant hears. Pass `overload=None` to
@@ -161,10 +162,7 @@ class LoadMonitor:
         reason = self.refusal(known)
         if reason is None:
             return
-        observer = self._observer
-        observer.turn_shed(TurnShed(reason))
-        observer.turn_started(TurnStarted(turn, None)).finished(
-            TurnFinished("busy", None, None, None, 0, None))
+        self._observer.turn_shed(TurnShed(turn, reason))
         assert self.policy is not None
         try:
             await emit(turn, CLARIFY, self.policy.busy_text)
@@ -210,10 +208,14 @@ class LoadMonitor:
                 start = clock()
                 await asyncio.sleep(period)
                 lag = clock() - start - period
-                lag = self.lag = lag if lag > 0.0 else 0.0
-                # Hysteresis: on at the threshold, off below half of it.
-                self.busy = lag >= (busy_on / 2 if self.busy else busy_on)
-                self.shedding = lag >= (shed_on / 2 if self.shedding else shed_on)
+                lag = lag if lag > 0.0 else 0.0
+                # On when two samples in a row reach the threshold (one collector pause
+                # is not saturation), off below half of it.
+                sustained = lag if lag < self.lag else self.lag
+                self.lag = lag
+                self.busy = (lag >= busy_on / 2) if self.busy else (sustained >= busy_on)
+                self.shedding = (lag >= shed_on / 2) if self.shedding else (
+                    sustained >= shed_on)
                 wait, self.wait_max = self.wait_max, 0.0
                 if observer.enabled:
                     observer.load_sampled(LoadSampled(

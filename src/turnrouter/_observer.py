@@ -316,9 +316,11 @@ class LoadSampled(NamedTuple):
 
 
 class TurnShed(NamedTuple):
-    """A turn was refused for load (outcome `busy`): `new_participant` (busy) or
-    `shedding`."""
+    """A turn was refused for load before any work: the whole turn, reported once (no
+    `turn_started`: a shed turn must cost next to nothing). Its outcome is `busy`;
+    `reason` is `new_participant` (busy) or `shedding`."""
 
+    turn: AgentTurn
     reason: str
 
 
@@ -479,7 +481,7 @@ class RouterObserver:
         """The router sampled its saturation (see `OverloadPolicy`)."""
 
     def turn_shed(self, event: TurnShed) -> None:
-        """A turn was refused for load; its `busy` outcome is reported as a turn too."""
+        """A turn was refused for load (outcome `busy`); no other event reports it."""
 
     def enter_context(self, carrier: Mapping[str, str]) -> object:
         """Make a remote W3C trace context (from a runtime message) current; return a token."""

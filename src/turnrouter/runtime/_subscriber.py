@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._contracts import AgentTurn
-from .._exceptions import ConfigurationError, ContractTypeError, LifecycleError, TurnInterrupted
+from .._exceptions import (
+    ConfigurationError,
+    ContractTypeError,
+    LifecycleError,
+    RouterBusyError,
+    TurnInterrupted,
+)
 from .._logging import log_failure
 from ._messages import Interrupted, ParticipantJoined, ParticipantLeft, ResponseOutput, UserQuery
 from ._runtime import AgentRuntime, Topic
@@ -178,6 +184,8 @@ class RouterSubscriber:
                 await router.route_turn(turn, output=emit)
             except TurnInterrupted:
                 pass  # the participant spoke again, or barged in: not a failure
+            except RouterBusyError:
+                pass  # shed for load: counted (outcome busy) and told by the router
             except LifecycleError as exc:
                 logger.warning("turnrouter: dropped query %s: %s", query.message_id, exc)
                 router.report_rejected(self._topics["query_topic"].name, "closed")

@@ -296,8 +296,11 @@ class Telemetry(RouterObserver):
         families.overload_state.set(event.state)
 
     def turn_shed(self, event: TurnShed) -> None:
-        """Count a turn refused for load, by reason."""
-        self._families.shed.get(event.reason).inc()
+        """Count a turn refused for load: by reason, and as a turn (route none, outcome
+        busy; no span and no duration: shedding must stay cheap)."""
+        families = self._families
+        families.shed.get(event.reason).inc()
+        families.turns.get(NONE_LABEL, "busy").inc()
 
     def enter_context(self, carrier: Mapping[str, str]) -> object:
         """Continue the publisher's trace: make its W3C context current for the turn."""
