@@ -243,7 +243,7 @@ class RouterConfig:
         self.max_patch_bytes = int(limits["max_patch_bytes"])
         self.release_timeout = float(limits["release_timeout_secs"])
         self.overflows = Overflows(telemetry)
-        self.load = LoadMonitor(overload, telemetry)
+        self.load = LoadMonitor(overload, telemetry, clock or SystemClock())
         self.timing_sink = timing_sink
         self.clock: Callable[[], float] = time.perf_counter if clock is None else clock.now
         self.timed: TimingEngine | None = None

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ._clock import Clock
 from ._contracts import CLARIFY, AgentTurn
 from ._exceptions import ConfigurationError, ContractTypeError, RouterBusyError
 from ._logging import log_failure
@@ -117,11 +118,13 @@ class LoadMonitor:
     attribute read (`busy`) and two counter updates.
     """
 
-    __slots__ = ("_idle", "_observer", "busy", "in_flight", "lag", "policy", "shedding",
-                 "task", "wait_max")
+    __slots__ = ("_clock", "_idle", "_observer", "busy", "in_flight", "lag", "policy",
+                 "shedding", "task", "wait_max")
 
-    def __init__(self, policy: OverloadPolicy | None, observer: RouterObserver) -> None:
+    def __init__(self, policy: OverloadPolicy | None, observer: RouterObserver,
+                 clock: Clock) -> None:
         self.policy = policy
+        self._clock = clock
         self._observer = observer
         self.busy = False
         self.shedding = False
@@ -197,17 +200,16 @@ class LoadMonitor:
             self.lag = self.wait_max = 0.0
 
     async def _sample(self, policy: OverloadPolicy) -> None:
-        loop = asyncio.get_running_loop()
-        clock, period = loop.time, policy.sample_secs
+        now, sleep_until, period = self._clock.now, self._clock.sleep_until, policy.sample_secs
         busy_on, shed_on = policy.busy_lag_secs, policy.shed_lag_secs
         observer = self._observer
         task = asyncio.current_task()
         assert task is not None
         try:
             while True:
-                start = clock()
-                await asyncio.sleep(period)
-                lag = clock() - start - period
+                deadline = now() + period
+                await sleep_until(deadline)
+                lag = now() - deadline
                 lag = lag if lag > 0.0 else 0.0
                 # On when two samples in a row reach the threshold (one collector pause
                 # is not saturation), off below half of it.
