@@ -83,12 +83,12 @@ def measure(trees: dict[str, Path], args: argparse.Namespace) -> list[Step]:
                 order.reverse()
             for name, tree in order:
                 speed = args.speed * multiple
-                figures = run_step(tree, args.participants, speed, args.duration)
-                runs.setdefault((name, multiple), []).append(figures)
+                one = run_step(tree, args.participants, speed, args.duration)
+                runs.setdefault((name, multiple), []).append(one)
                 print(f"round {round_ + 1} {name:>5} x{multiple:g} (speed {speed:g}): "
-                      f"{figures['answered'] / figures['elapsed']:.0f} answers/s, "
-                      f"{figures['busy'] / figures['elapsed']:.0f} shed/s, p95 "
-                      f"{figures['p95'] * speed:.2f} s", file=sys.stderr, flush=True)
+                      f"{one['answered'] / one['elapsed']:.0f} answers/s, "
+                      f"{one['busy'] / one['elapsed']:.0f} shed/s, p95 "
+                      f"{one['p95'] * speed:.2f} s", file=sys.stderr, flush=True)
     steps = []
     for (name, multiple), figures in runs.items():
         speed = args.speed * multiple

@@ -53,6 +53,10 @@ def harness(clock: ManualClock, **kwargs: Any) -> Harness:
                    clock=clock, **kwargs)
 
 
+def status(h: Harness) -> str:
+    return h.router.load.status
+
+
 async def lag(clock: ManualClock, seconds: float, samples: int = 2) -> None:
     """`samples` lag samples of `seconds` each: the sampler's deadline passed by that."""
     for _ in range(samples):
@@ -110,15 +114,15 @@ async def test_shedding_refuses_admitted_participants_then_recovers() -> None:
         gate = await hold_turn(h, tg, "p0")
         await h.say("hello", "p1")
         await lag(clock, 0.6)
-        assert h.router.load.status == "shedding"
+        assert status(h) == "shedding"
         turn = h.turn("more", "p1")
         with pytest.raises(RouterBusyError, match="shedding"):
             await h.router.handle(turn)
         assert ("shed", "p1", "shedding") in h.observer.events
         await lag(clock, 0.2, samples=1)  # above half the busy threshold: still busy
-        assert h.router.load.status == "busy"
+        assert status(h) == "busy"
         await lag(clock, 0.0, samples=1)
-        assert h.router.load.status == "ready"
+        assert status(h) == "ready"
         assert (await h.say("hi", "p2")).text == "weather answer"
         gate.set()
     await h.router.stop()
@@ -133,8 +137,8 @@ async def test_samples_report_lag_turns_in_flight_and_wait() -> None:
         await lag(clock, 0.2)
         gate.set()
     samples = h.observer.load_samples
-    assert [(s.lag_secs, s.turns_in_flight, s.state) for s in samples[-2:]] == [
-        (pytest.approx(0.2), 1, 0), (pytest.approx(0.2), 1, 1)]
+    assert [(round(s.lag_secs, 6), s.turns_in_flight, s.state) for s in samples[-2:]] == [
+        (0.2, 1, 0), (0.2, 1, 1)]
     await h.router.stop()
     assert h.observer.load_samples[-1].state == 0
 
@@ -309,8 +313,8 @@ def test_router_refuses_a_non_policy() -> None:
 
 def test_a_scaled_policy_divides_its_durations() -> None:
     scaled = POLICY.scaled(10)
-    assert (scaled.busy_lag_secs, scaled.shed_lag_secs, scaled.sample_secs) == (
-        pytest.approx(0.01), pytest.approx(0.05), pytest.approx(0.001))
+    assert [round(v, 9) for v in (scaled.busy_lag_secs, scaled.shed_lag_secs,
+                                  scaled.sample_secs)] == [0.01, 0.05, 0.001]
     with pytest.raises(ConfigurationError):
         POLICY.scaled(0)
 
@@ -326,3 +330,32 @@ async def test_overflows_are_logged_first_then_at_powers_of_ten(
             await h.say(participant=f"refused-{n}")
     logged = [r.getMessage() for r in caplog.records if "limit participants" in r.getMessage()]
     assert [m.split("(")[1].split(" ")[0] for m in logged] == ["1", "10", "100", "1000"]
+
+
+async def test_wait_ready_returns_when_the_router_calms_and_can_be_cancelled() -> None:
+    """wait_ready() returns at once while ready, else once the lag falls; a cancelled
+    waiter leaves nothing behind."""
+    clock = ManualClock()
+    h = harness(clock)
+    with anyio.fail_after(5):
+        await h.router.wait_ready()  # ready: at once
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg)
+        await lag(clock, 0.2)
+        calmed = anyio.Event()
+
+        async def waiter() -> None:
+            await h.router.wait_ready()
+            calmed.set()
+
+        with anyio.CancelScope() as scope:  # a waiter cancelled while busy
+            scope.cancel()
+            await h.router.wait_ready()
+        tg.start_soon(waiter)
+        await clock.settle()
+        assert not calmed.is_set()
+        await lag(clock, 0.0, samples=1)
+        with anyio.fail_after(5):
+            await calmed.wait()
+        gate.set()
+    await h.router.stop()

@@ -118,8 +118,8 @@ class LoadMonitor:
     attribute read (`busy`) and two counter updates.
     """
 
-    __slots__ = ("_clock", "_idle", "_observer", "busy", "in_flight", "lag", "policy",
-                 "shedding", "task", "wait_max")
+    __slots__ = ("_calm", "_clock", "_idle", "_observer", "busy", "in_flight", "lag",
+                 "policy", "shedding", "task", "wait_max")
 
     def __init__(self, policy: OverloadPolicy | None, observer: RouterObserver,
                  clock: Clock) -> None:
@@ -132,6 +132,8 @@ class LoadMonitor:
         self.lag = 0.0
         self.wait_max = 0.0
         self._idle = 0
+        #: Set (and dropped) when the router turns ready again; made by `wait_ready`.
+        self._calm: asyncio.Event | None = None
         #: The sampler, while it runs.
         self.task: asyncio.Task[None] | None = None
 
@@ -177,6 +179,19 @@ class LoadMonitor:
             f"{'shedding' if reason == 'shedding' else 'busy'} (event-loop lag "
             f"{self.lag:.3f}s); the participants it admitted keep their answers")
 
+    async def wait_ready(self) -> None:
+        """Return once the router is not busy (at once when it is not)."""
+        while self.busy:
+            calm = self._calm
+            if calm is None:
+                calm = self._calm = asyncio.Event()
+            await calm.wait()
+
+    def _calmed(self) -> None:
+        calm, self._calm = self._calm, None
+        if calm is not None:
+            calm.set()
+
     def waited(self, seconds: float) -> None:
         """A turn waited `seconds` before its routing began."""
         if seconds > self.wait_max:
@@ -198,6 +213,7 @@ class LoadMonitor:
             self.task = None
             self.busy = self.shedding = False
             self.lag = self.wait_max = 0.0
+            self._calmed()
 
     async def _sample(self, policy: OverloadPolicy) -> None:
         now, sleep_until, period = self._clock.now, self._clock.sleep_until, policy.sample_secs
@@ -215,7 +231,10 @@ class LoadMonitor:
                 # is not saturation), off below half of it.
                 sustained = lag if lag < self.lag else self.lag
                 self.lag = lag
+                was_busy = self.busy
                 self.busy = (lag >= busy_on / 2) if self.busy else (sustained >= busy_on)
+                if was_busy and not self.busy:
+                    self._calmed()
                 self.shedding = (lag >= shed_on / 2) if self.shedding else (
                     sustained >= shed_on)
                 wait, self.wait_max = self.wait_max, 0.0

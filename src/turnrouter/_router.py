@@ -561,6 +561,10 @@ class AgentRouter:
         """Whether new participants are refused now: the readiness signal."""
         return self._cfg.load.busy
 
+    async def wait_ready(self) -> None:
+        """Return once the router is not busy (a front end's backpressure)."""
+        await self._cfg.load.wait_ready()
+
 
 async def _run(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: OutputCallback,
                report_heard: bool) -> tuple[DestinationResult, Turn]:
