@@ -8,6 +8,10 @@ times the step's multiple; `--speed` is the load one process serves (calibrate i
 step also runs the tree in `DIR` (e.g. `git worktree add /tmp/base 0fb9f9a`), and the
 two trees alternate step by step, round by round, so a noisy machine hits both alike.
 
+`--cost` instead measures what admission control costs an unloaded router: the same
+turns through `AgentRouter.handle()` with `overload=None` and with the default policy,
+alternating, in one process (µs per turn, median of the rounds).
+
 Per step and tree: answers/s (turns answered: answer, focus or release), shed turns/s
 (outcome `busy`), interrupted turns/s, and the p95 first response of answered turns in
 seconds of the simulated conversations (times the step's speed, so steps compare).
@@ -20,13 +24,20 @@ seconds of the simulated conversations (times the step's speed, so steps compare
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
+
+from bench_router import FirstCandidate, InstantAgent, _noop_output, _turns
+
+from turnrouter import AgentRouter, OverloadPolicy
+from turnrouter.telemetry import Telemetry
 
 #: Run inside the fresh interpreter (either tree): one demo run, its figures as JSON.
 CHILD = r"""
@@ -133,10 +144,43 @@ def plot(steps: list[Step], path: Path) -> None:
     fig.savefig(path, format="png")
 
 
+async def _timed(overload: OverloadPolicy | None, turns: int) -> float:
+    """CPU seconds per turn of `turns` sequential turns (100 participants), telemetry
+    on; the sampler runs beside them (every turn yields to the loop once)."""
+    from prometheus_client import CollectorRegistry
+
+    agents = {name: InstantAgent(name) for name in ("weather", "calendar", "conversation")}
+    router = AgentRouter(agents, FirstCandidate(), output=_noop_output, overload=overload,
+                         telemetry=Telemetry(registry=CollectorRegistry()))
+    batch = _turns(turns, 100)
+    start = time.process_time()  # CPU time: less exposed to a shared machine's noise
+    for turn in batch:
+        await router.handle(turn)
+        await asyncio.sleep(0)
+    elapsed = time.process_time() - start
+    await router.stop()
+    return elapsed / turns
+
+
+def cost(turns: int, rounds: int) -> str:
+    """Admission control's cost per turn: off and on alternating, medians (CPU time)."""
+    seconds: dict[str, list[float]] = {"off": [], "on": []}
+    for round_ in range(rounds):
+        order = [("off", None), ("on", OverloadPolicy())]
+        for name, policy in order if round_ % 2 == 0 else order[::-1]:
+            seconds[name].append(asyncio.run(_timed(policy, turns)))
+    off, on = median(seconds["off"]), median(seconds["on"])
+    return (f"admission control off: {off * 1e6:.1f} us/turn, on: {on * 1e6:.1f} us/turn "
+            f"({(on / off - 1) * 100:+.1f}%, median of {rounds} alternating rounds of "
+            f"{turns} turns)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--speed", type=float, required=True,
+    parser.add_argument("--speed", type=float, default=1.0,
                         help="demo speed one process serves (the 1x step)")
+    parser.add_argument("--cost", action="store_true",
+                        help="measure admission control's per-turn cost instead")
     parser.add_argument("--participants", type=int, default=1000)
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=1)
@@ -146,6 +190,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
+    if args.cost:
+        print(cost(20_000, max(args.rounds, 5)))
+        return
     here = Path(__file__).resolve().parents[1]
     trees = {"after": here}
     if args.base is not None:
