@@ -359,3 +359,11 @@ async def test_wait_ready_returns_when_the_router_calms_and_can_be_cancelled() -
             await calmed.wait()
         gate.set()
     await h.router.stop()
+
+
+def test_the_demo_sheds_unless_told_not_to() -> None:
+    """`turnrouter demo --no-shedding` turns admission control off; it is on by default."""
+    from turnrouter.cli import demo_parser
+
+    assert demo_parser().parse_args([]).no_shedding is False
+    assert demo_parser().parse_args(["--no-shedding"]).no_shedding is True
