@@ -367,3 +367,17 @@ def test_the_demo_sheds_unless_told_not_to() -> None:
 
     assert demo_parser().parse_args([]).no_shedding is False
     assert demo_parser().parse_args(["--no-shedding"]).no_shedding is True
+
+
+@given(junk=st.one_of(st.integers(), st.text(max_size=5), st.booleans(), st.floats()))
+def test_serve_metrics_refuses_a_ready_check_that_is_not_callable(junk: Any) -> None:
+    with pytest.raises(ContractTypeError, match="ready"):
+        serve_metrics(0, registry=CollectorRegistry(), ready=junk)
+
+
+async def test_the_readiness_server_answers_junk_paths_with_metrics_not_errors() -> None:
+    """Only /ready and /readyz are the check; any other path is the metrics app."""
+    with serve_metrics(0, registry=CollectorRegistry(), ready=lambda: False) as srv:
+        base = f"http://127.0.0.1:{srv.port}"
+        for path in ("/", "/ready/x", "/READY", "/metrics?x=1"):
+            assert await anyio.to_thread.run_sync(_status, base + path) == 200

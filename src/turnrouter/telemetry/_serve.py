@@ -25,6 +25,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from .._exceptions import ContractTypeError
+
 __all__ = ["ASGIApp", "MetricsServer", "metrics_app", "serve_metrics"]
 
 Scope = MutableMapping[str, Any]
@@ -100,7 +102,8 @@ def serve_metrics(
         server, thread = start_http_server(port, addr=addr, registry=registry)
         return MetricsServer(server, thread)
     if not callable(ready):
-        raise TypeError(f"serve_metrics ready must be callable, got {type(ready).__name__}")
+        raise ContractTypeError(
+            f"serve_metrics ready must be callable, got {type(ready).__name__}")
     family = _family(addr, port)
 
     class Server(_ThreadingServer):
