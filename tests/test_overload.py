@@ -121,6 +121,8 @@ async def test_shedding_refuses_admitted_participants_then_recovers() -> None:
         assert ("shed", "p1", "shedding") in h.observer.events
         await lag(clock, 0.2, samples=1)  # above half the busy threshold: still busy
         assert status(h) == "busy"
+        await lag(clock, 0.0, samples=POLICY.calm_samples - 1)
+        assert status(h) == "busy"  # calm must hold before admissions resume
         await lag(clock, 0.0, samples=1)
         assert status(h) == "ready"
         assert (await h.say("hi", "p2")).text == "weather answer"
@@ -235,7 +237,7 @@ async def test_readiness_endpoint_flips_with_the_router() -> None:
             assert await anyio.to_thread.run_sync(_status, base + "/ready") == 503
             assert await anyio.to_thread.run_sync(_status, base + "/readyz") == 503
             assert await anyio.to_thread.run_sync(_status, base + "/metrics") == 200
-            await lag(clock, 0.0, samples=1)
+            await lag(clock, 0.0, samples=POLICY.calm_samples)
             assert await anyio.to_thread.run_sync(_status, base + "/readyz") == 200
             gate.set()
     await h.router.stop()
@@ -288,12 +290,13 @@ async def test_runtime_sheds_quietly_and_balances(caplog: pytest.LogCaptureFixtu
        shed=st.one_of(st.floats(allow_nan=True), st.integers(min_value=-10**30,
                                                               max_value=10**30)),
        sample=st.one_of(st.floats(allow_nan=True), st.integers(), st.none()),
-       text=st.one_of(st.text(max_size=5), st.none(), st.integers()))
+       text=st.one_of(st.text(max_size=5), st.none(), st.integers()),
+       calm=st.one_of(st.integers(min_value=-5, max_value=2000), st.floats(), st.booleans()))
 def test_overload_policy_accepts_only_sane_settings(busy: Any, shed: Any, sample: Any,
-                                                    text: Any) -> None:
+                                                    text: Any, calm: Any) -> None:
     """Any junk is refused with an error naming the setting; what is accepted is sane."""
     try:
-        policy = OverloadPolicy(busy, shed, sample, text)
+        policy = OverloadPolicy(busy, shed, sample, text, calm)
     except (ConfigurationError, ContractTypeError) as exc:
         error: Exception | None = exc
     else:
@@ -302,7 +305,7 @@ def test_overload_policy_accepts_only_sane_settings(busy: Any, shed: Any, sample
         assert "OverloadPolicy" in str(error)
         return
     assert 0 < policy.busy_lag_secs <= policy.shed_lag_secs
-    assert policy.sample_secs > 0 and policy.busy_text
+    assert policy.sample_secs > 0 and policy.busy_text and 1 <= policy.calm_samples <= 1000
 
 
 def test_router_refuses_a_non_policy() -> None:
@@ -354,7 +357,7 @@ async def test_wait_ready_returns_when_the_router_calms_and_can_be_cancelled() -
         tg.start_soon(waiter)
         await clock.settle()
         assert not calmed.is_set()
-        await lag(clock, 0.0, samples=1)
+        await lag(clock, 0.0, samples=POLICY.calm_samples)
         with anyio.fail_after(5):
             await calmed.wait()
         gate.set()

@@ -51,7 +51,8 @@ class OverloadPolicy:
 
     `busy_lag_secs`: event-loop lag at which the router turns busy (new participants
     refused, readiness fails) when two samples in a row reach it; it is ready again
-    when a sample falls below half of it.
+    after `calm_samples` samples in a row below half of it (every participant admitted
+    adds load for a whole conversation, so admission resumes only once calm holds).
     `shed_lag_secs`: lag at which new turns of admitted participants are refused too
     (again until it falls below half). `sample_secs`: how often the lag is sampled.
     `busy_text`: what a refused participant hears. Pass `overload=None` to
@@ -62,6 +63,7 @@ class OverloadPolicy:
     shed_lag_secs: float = 0.25
     sample_secs: float = 0.025
     busy_text: str = DEFAULT_BUSY_TEXT
+    calm_samples: int = 4
 
     def __post_init__(self) -> None:
         for name in ("busy_lag_secs", "shed_lag_secs", "sample_secs"):
@@ -76,6 +78,10 @@ class OverloadPolicy:
             raise ConfigurationError(
                 f"OverloadPolicy shed_lag_secs ({self.shed_lag_secs!r}) must be at least "
                 f"busy_lag_secs ({self.busy_lag_secs!r})")
+        calm = self.calm_samples
+        if not isinstance(calm, int) or isinstance(calm, bool) or not 1 <= calm <= 1000:
+            raise ConfigurationError(
+                f"OverloadPolicy calm_samples must be an int in 1..1000, got {calm!r}")
         if not isinstance(self.busy_text, str) or not self.busy_text:
             raise ConfigurationError("OverloadPolicy busy_text must be a non-empty str")
 
@@ -85,7 +91,7 @@ class OverloadPolicy:
         if not isinstance(factor, int | float) or not (math.isfinite(factor) and factor > 0):
             raise ConfigurationError(f"OverloadPolicy scale must be positive, got {factor!r}")
         return OverloadPolicy(self.busy_lag_secs / factor, self.shed_lag_secs / factor,
-                              self.sample_secs / factor, self.busy_text)
+                              self.sample_secs / factor, self.busy_text, self.calm_samples)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +224,7 @@ class LoadMonitor:
     async def _sample(self, policy: OverloadPolicy) -> None:
         now, sleep_until, period = self._clock.now, self._clock.sleep_until, policy.sample_secs
         busy_on, shed_on = policy.busy_lag_secs, policy.shed_lag_secs
+        calm, calm_needed = 0, policy.calm_samples
         observer = self._observer
         task = asyncio.current_task()
         assert task is not None
@@ -231,10 +238,16 @@ class LoadMonitor:
                 # is not saturation), off below half of it.
                 sustained = lag if lag < self.lag else self.lag
                 self.lag = lag
-                was_busy = self.busy
-                self.busy = (lag >= busy_on / 2) if self.busy else (sustained >= busy_on)
-                if was_busy and not self.busy:
-                    self._calmed()
+                if not self.busy:
+                    self.busy = sustained >= busy_on
+                    calm = 0
+                elif lag < busy_on / 2:
+                    calm += 1
+                    if calm >= calm_needed:  # admissions resume: new participants add load
+                        self.busy = False
+                        self._calmed()
+                else:
+                    calm = 0
                 self.shedding = (lag >= shed_on / 2) if self.shedding else (
                     sustained >= shed_on)
                 wait, self.wait_max = self.wait_max, 0.0
