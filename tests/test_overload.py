@@ -90,6 +90,7 @@ async def test_busy_refuses_new_participants_and_keeps_admitted_ones() -> None:
         await lag(clock, 0.2)
         assert h.router.busy and h.router.load.status == "busy"
         assert h.router.load.turns_in_flight == 1
+        assert h.router.sheds("p2") and not h.router.sheds("p1")
         newcomer = h.turn("hi", "p2")
         with pytest.raises(RouterBusyError, match="busy") as refused:
             await h.router.handle(newcomer)
@@ -115,6 +116,7 @@ async def test_shedding_refuses_admitted_participants_then_recovers() -> None:
         await h.say("hello", "p1")
         await lag(clock, 0.6)
         assert status(h) == "shedding"
+        assert h.router.sheds("p1")
         turn = h.turn("more", "p1")
         with pytest.raises(RouterBusyError, match="shedding"):
             await h.router.handle(turn)

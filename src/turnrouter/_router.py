@@ -309,8 +309,7 @@ class AgentRouter:
         await self._departures.leave(participant_id)
 
     async def stop(self) -> None:
-        """Drain responses and release all participant state in one owned operation;
-        the load sampler ends too."""
+        """Drain, release all participant state (one owned operation), end the sampler."""
         try:
             await self._departures.stop()
         finally:
@@ -398,8 +397,7 @@ class AgentRouter:
                 "route_turn() needs an output callback: pass output=... to it or to "
                 "AgentRouter")
         check_callable("route_turn output", emit)
-        result, running = await _run(self._cfg, self._registry, turn, emit,
-                                     bool(report_heard))
+        result, running = await _run(self._cfg, self._registry, turn, emit, report_heard)
         return RoutedResult(result, running.answered_by)
 
     def mark_heard(self, participant_id: str, turn_id: str, at: float | None = None, *,
@@ -561,6 +559,10 @@ class AgentRouter:
         """Whether new participants are refused now: the readiness signal."""
         return self._cfg.load.busy
 
+    def sheds(self, participant_id: str) -> bool:
+        """Whether a new turn of `participant_id` would be shed now (no task needed)."""
+        return self._cfg.load.refusal(participant_id in self._registry.participants) is not None
+
     async def wait_ready(self) -> None:
         """Return once the router is not busy (a front end's backpressure)."""
         await self._cfg.load.wait_ready()
@@ -572,7 +574,7 @@ async def _run(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: Out
     load = cfg.load
     if load.busy:
         await load.refuse(turn, emit, turn.participant_id in registry.participants)
-    running = _new_turn(cfg, registry, turn, emit, report_heard)
+    running = _new_turn(cfg, registry, turn, emit, bool(report_heard))
     if load.task is None:
         load.ensure_sampling()
     load.in_flight += 1

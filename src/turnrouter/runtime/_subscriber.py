@@ -150,6 +150,11 @@ class RouterSubscriber:
             router.report_rejected(topic.name, reason)
             return
         if role == "query_topic":
+            if router.busy and router.sheds(payload.participant_id):
+                # Shed at once, in the publisher's call: a task per refused query would
+                # cost more than the refusal itself.
+                await self._run_query(payload, runtime)
+                return
             runtime.start_soon(self._run_query, payload, runtime,
                                name=f"turnrouter query {payload.message_id}")
         elif role == "participant_joined_topic":
