@@ -386,3 +386,29 @@ async def test_the_readiness_server_answers_junk_paths_with_metrics_not_errors()
         base = f"http://127.0.0.1:{srv.port}"
         for path in ("/", "/ready/x", "/READY", "/metrics?x=1"):
             assert await anyio.to_thread.run_sync(_status, base + path) == 200
+
+
+async def test_a_shed_turn_cancelled_while_being_told_is_not_counted() -> None:
+    """Cancelling the caller while the busy text is delivered takes the turn back: it is
+    not counted (the query's publisher did not finish publishing it either)."""
+    clock = ManualClock()
+    h = harness(clock)
+    telling = anyio.Event()
+
+    async def slow_output(turn: AgentTurn, route: str, text: str) -> None:
+        telling.set()
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg)
+        await lag(clock, 0.2)
+        newcomer = h.turn("hi", "p2")
+        async with anyio.create_task_group() as inner:
+            inner.start_soon(partial(h.router.route_turn, newcomer, output=slow_output))
+            with anyio.fail_after(5):
+                await telling.wait()
+            inner.cancel_scope.cancel()
+        assert newcomer.turn_id not in h.observer.turns
+        assert not [e for e in h.observer.events if e[0] == "shed"]
+        gate.set()
+    await h.router.stop()

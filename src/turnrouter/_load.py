@@ -173,13 +173,15 @@ class LoadMonitor:
         reason = self.refusal(known)
         if reason is None:
             return
-        self._observer.turn_shed(TurnShed(turn, reason))
         assert self.policy is not None
         try:
             await emit(turn, CLARIFY, self.policy.busy_text)
         except Exception as exc:
             log_failure("telling %r that turn %s was shed", exc, turn.participant_id,
                         turn.turn_id)
+        # Counted once told: a caller cancelled meanwhile (the in-process runtime sheds in
+        # the publisher's call) took the query back, and it is not counted as a turn.
+        self._observer.turn_shed(TurnShed(turn, reason))
         raise RouterBusyError(
             f"turn {turn.turn_id!r} of {turn.participant_id!r} refused: the router is "
             f"{'shedding' if reason == 'shedding' else 'busy'} (event-loop lag "
