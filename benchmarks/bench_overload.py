@@ -5,7 +5,7 @@ schedule, as real callers do, and speak again when an answer is late) in a fresh
 interpreter, at `--participants` participants and a time compression of `--speed`
 times the step's multiple; `--speed` is the load one process serves (calibrate it with
 `--probe`, which prints the steps of the starting tree only). With `--base DIR` every
-step also runs the tree in `DIR` (e.g. `git worktree add /tmp/base 0fb9f9a`), and the
+step also runs the tree in `DIR` (e.g. `git worktree add ../base <the starting commit>`), and the
 two trees alternate step by step, round by round, so a noisy machine hits both alike.
 
 `--cost` instead measures what admission control costs an unloaded router: the same
@@ -16,7 +16,7 @@ Per step and tree: answers/s (turns answered: answer, focus or release), shed tu
 (outcome `busy`), interrupted turns/s, and the p95 first response of answered turns in
 seconds of the simulated conversations (times the step's speed, so steps compare).
 
-    .venv/bin/python benchmarks/bench_overload.py --speed 1.5 --base /tmp/base-overload \\
+    .venv/bin/python benchmarks/bench_overload.py --speed 1 --base ../base-overload \\
         [--participants 1000] [--duration 20] [--rounds 1] [--steps 0.5,1,2,3,4] \\
         [--json out.json] [--plot docs/overload.png]
 """

@@ -309,11 +309,8 @@ class AgentRouter:
         await self._departures.leave(participant_id)
 
     async def stop(self) -> None:
-        """Drain, release all participant state (one owned operation), end the sampler."""
-        try:
-            await self._departures.stop()
-        finally:
-            await self._cfg.load.stop()
+        """Drain responses and release all participant state in one owned operation."""
+        await self._departures.stop()
 
     # ------------------------------------------------------------ context patches
 
