@@ -36,12 +36,14 @@ from ._exceptions import (
     LLMError,
     PendingPatchLimitError,
     PolicyError,
+    RouterBusyError,
     TurnInterrupted,
     TurnrouterError,
     UnknownPatchError,
 )
 from ._frontend import MAX_SNAPSHOT_BYTES, Departure, ParticipantSnapshot, RoutedResult
 from ._llm import LLMService
+from ._load import OverloadPolicy, RouterLoad
 from ._observer import RouterObserver, TurnObserver
 from ._patches import (
     AppliedContextPatch,
@@ -93,6 +95,7 @@ __all__ = [
     "LLMTimingPredictor",
     "LifecycleError",
     "MergeStrategy",
+    "OverloadPolicy",
     "ParticipantSnapshot",
     "PendingContextPatch",
     "PendingPatchLimitError",
@@ -103,6 +106,8 @@ __all__ = [
     "RouteRequest",
     "RouteTimingPredictor",
     "RoutedResult",
+    "RouterBusyError",
+    "RouterLoad",
     "RouterObserver",
     "RoutingAid",
     "RoutingTurnContext",

@@ -18,6 +18,7 @@ from ._contracts import CLARIFY, AgentTurn, DecisionService, RoutableAgent
 from ._exceptions import ConfigurationError, ContractTypeError
 from ._limits import Overflows
 from ._llm import LLMService
+from ._load import LoadMonitor, OverloadPolicy
 from ._numbers import finite
 from ._observer import Configured, RouterObserver
 from ._redact import preview
@@ -119,7 +120,7 @@ class RouterConfig:
 
     __slots__ = (
         "admission_timeout", "agents", "budget", "clarification_text", "cleanup", "clock",
-        "decisions", "default", "failure_text", "initialize", "max_departed_participants",
+        "decisions", "default", "failure_text", "initialize", "load", "max_departed_participants",
         "max_history_exchanges", "max_participants", "max_patch_bytes", "max_pending",
         "max_waiting_turns",
         "observer", "output", "overflows", "release_timeout", "routes", "runtime_topics",
@@ -150,6 +151,7 @@ class RouterConfig:
         clock: Clock | None,
         max_pending_patches: int,
         limits: Mapping[str, float | int],
+        overload: OverloadPolicy | None,
     ) -> None:
         agents = _agents(destinations)
         if not callable(getattr(decisions, "decide", None)):
@@ -202,6 +204,10 @@ class RouterConfig:
                 f"AgentRouter telemetry must be a Telemetry or RouterObserver, "
                 f"got {type(telemetry).__name__}"
             )
+        if overload is not None and not isinstance(overload, OverloadPolicy):
+            raise ContractTypeError(
+                f"AgentRouter overload must be an OverloadPolicy or None, "
+                f"got {type(overload).__name__}")
         if acknowledgment_policy is not None and not isinstance(
             acknowledgment_policy, AcknowledgmentPolicy
         ):
@@ -237,6 +243,7 @@ class RouterConfig:
         self.max_patch_bytes = int(limits["max_patch_bytes"])
         self.release_timeout = float(limits["release_timeout_secs"])
         self.overflows = Overflows(telemetry)
+        self.load = LoadMonitor(overload, telemetry, clock or SystemClock())
         self.timing_sink = timing_sink
         self.clock: Callable[[], float] = time.perf_counter if clock is None else clock.now
         self.timed: TimingEngine | None = None

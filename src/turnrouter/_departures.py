@@ -185,6 +185,7 @@ class Departures:
             registry.phase = RouterPhase.RUNNING
         finally:
             registry.stopping = None  # joiners keep their own handle
+            await self._cfg.load.stop()  # the load sampler ends with the router
 
     async def _shut_down(self) -> None:
         registry = self._registry

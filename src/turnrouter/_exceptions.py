@@ -17,6 +17,7 @@ __all__ = [
     "LifecycleError",
     "PendingPatchLimitError",
     "PolicyError",
+    "RouterBusyError",
     "TurnInterrupted",
     "TurnrouterError",
     "UnknownPatchError",
@@ -48,6 +49,14 @@ class LifecycleError(TurnrouterError, RuntimeError):
 
     Raised by `handle()` while a departure or shutdown is pending, or after a cleanup
     failed until the caller retried it successfully.
+    """
+
+
+class RouterBusyError(LifecycleError):
+    """The router shed the turn for load (outcome `busy`, see `OverloadPolicy`).
+
+    The participant was already told (the policy's `busy_text` went to the turn's
+    output); retry later or place the participant on another replica.
     """
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_MAX_WAITING_TURNS",
     "DEFAULT_RELEASE_TIMEOUT_SECS",
     "Overflows",
+    "is_logged",
 ]
 
 logger = logging.getLogger("turnrouter")
@@ -39,6 +40,16 @@ DEFAULT_MAX_PATCH_BYTES = 64 * 1024
 DEFAULT_RELEASE_TIMEOUT_SECS = 10.0
 
 
+def is_logged(count: int) -> bool:
+    """Whether the `count`-th overflow of a limit is logged: the first, then at every
+    power of ten (10, 100, 1000, ...)."""
+    if count < 1:
+        return False
+    while count % 10 == 0:
+        count //= 10
+    return count == 1
+
+
 class Overflows:
     """Counts and logs the overflows of one router's bounds."""
 
@@ -53,6 +64,6 @@ class Overflows:
         count = self._counts.get(limit, 0) + 1
         self._counts[limit] = count
         self._observer.limit_exceeded(LimitExceeded(limit))
-        if count & (count - 1) == 0 or count % 1000 == 0:
+        if is_logged(count):
             logger.warning("turnrouter: limit %s exceeded (%d times so far): %s",
                            limit, count, detail)

@@ -43,6 +43,7 @@ __all__ = [
     "FocusTransition",
     "Heard",
     "LimitExceeded",
+    "LoadSampled",
     "MessageRejected",
     "ParticipantChanged",
     "PatchOutcome",
@@ -56,11 +57,12 @@ __all__ = [
     "TurnFinished",
     "TurnObserver",
     "TurnOutcome",
+    "TurnShed",
     "TurnStarted",
 ]
 
 TurnOutcome = Literal[
-    "answer", "focus", "release", "clarify", "failed", "interrupted", "refused"
+    "answer", "focus", "release", "clarify", "failed", "interrupted", "refused", "busy"
 ]
 ClarificationReason = Literal[
     "no_eligible_route", "low_confidence", "destination", "default_unavailable",
@@ -301,6 +303,27 @@ class LimitExceeded(NamedTuple):
     limit: str
 
 
+class LoadSampled(NamedTuple):
+    """The router sampled its saturation (every `OverloadPolicy.sample_secs` while
+    turns run): event-loop lag, turns in flight, the longest wait before routing over
+    the period, and the state (0 ready, 1 busy: new participants refused, 2 shedding:
+    new turns refused too)."""
+
+    lag_secs: float
+    turns_in_flight: int
+    wait_secs: float
+    state: int
+
+
+class TurnShed(NamedTuple):
+    """A turn was refused for load before any work: the whole turn, reported once (no
+    `turn_started`: a shed turn must cost next to nothing). Its outcome is `busy`;
+    `reason` is `new_participant` (busy) or `shedding`."""
+
+    turn: AgentTurn
+    reason: str
+
+
 class MessageRejected(NamedTuple):
     """A front end refused an input: malformed (`invalid`, `wrong_type`), refused
     (`closed`), or any reason word the front end names."""
@@ -453,6 +476,12 @@ class RouterObserver:
 
     def context_patch(self, event: ContextPatchEvent) -> None:
         """A context patch event (applied, held, settled, dropped, refused)."""
+
+    def load_sampled(self, event: LoadSampled) -> None:
+        """The router sampled its saturation (see `OverloadPolicy`)."""
+
+    def turn_shed(self, event: TurnShed) -> None:
+        """A turn was refused for load (outcome `busy`); no other event reports it."""
 
     def enter_context(self, carrier: Mapping[str, str]) -> object:
         """Make a remote W3C trace context (from a runtime message) current; return a token."""

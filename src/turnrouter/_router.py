@@ -52,9 +52,10 @@ from ._limits import (
     DEFAULT_RELEASE_TIMEOUT_SECS,
 )
 from ._llm import LLMService
+from ._load import OverloadPolicy, RouterLoad
 from ._logging import log_failure
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
-from ._participants import Participant, Registry, RouterPhase
+from ._participants import Registry, RouterPhase
 from ._patch_desk import PatchDesk
 from ._patches import (
     AppliedContextPatch,
@@ -80,6 +81,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("turnrouter")
+
+_DEFAULT_OVERLOAD = OverloadPolicy()
 
 
 class AgentRouter:
@@ -197,6 +200,7 @@ class AgentRouter:
         max_participants: int = DEFAULT_MAX_PARTICIPANTS,
         max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
         release_timeout_secs: float = DEFAULT_RELEASE_TIMEOUT_SECS,
+        overload: OverloadPolicy | None = _DEFAULT_OVERLOAD,
     ) -> None:
         cfg = self._cfg = RouterConfig(
             destinations, decisions, output=output, default_destination=default_destination,
@@ -222,6 +226,7 @@ class AgentRouter:
                 "max_patch_bytes": max_patch_bytes,
                 "release_timeout_secs": release_timeout_secs,
             },
+            overload=overload,
         )
         self._registry = Registry(cfg)
         self._patches = PatchDesk(cfg, self._registry)
@@ -281,7 +286,7 @@ class AgentRouter:
                 "handle() needs the output callback: pass output=... to AgentRouter "
                 "(runtime queries publish through output_topic instead)"
             )
-        return await self._turn(turn, output, False).execute()
+        return (await _run(self._cfg, self._registry, turn, output, False))[0]
 
     async def interrupt(self, participant_id: str | None = None) -> None:
         """Cancel active (and queued) turns, keeping completed history and focus.
@@ -389,8 +394,7 @@ class AgentRouter:
                 "route_turn() needs an output callback: pass output=... to it or to "
                 "AgentRouter")
         check_callable("route_turn output", emit)
-        running = self._turn(turn, emit, bool(report_heard))
-        result = await running.execute()
+        result, running = await _run(self._cfg, self._registry, turn, emit, report_heard)
         return RoutedResult(result, running.answered_by)
 
     def mark_heard(self, participant_id: str, turn_id: str, at: float | None = None, *,
@@ -542,23 +546,53 @@ class AgentRouter:
         _check_pid(participant_id)
         return await self._departures.hand_over(participant_id)
 
-    # ------------------------------------------------------------------ internals
+    @property
+    def load(self) -> RouterLoad:
+        """Saturation as last sampled: status, loop lag, turns in flight, longest wait."""
+        return self._cfg.load.snapshot()
 
-    def _turn(self, turn: AgentTurn, emit: OutputCallback, report_heard: bool) -> Turn:
-        """A new turn of an open participant; a refusal is reported, then raised."""
-        registry = self._registry
-        state = registry.participants.get(turn.participant_id)
-        if state is None or not registry.takes_turns(state):
-            state = self._admit(turn)
-        return Turn(self._cfg, state, turn, emit, report_heard)
+    @property
+    def busy(self) -> bool:
+        """Whether new participants are refused now: the readiness signal."""
+        return self._cfg.load.busy
 
-    def _admit(self, turn: AgentTurn) -> Participant:
+    def sheds(self, participant_id: str) -> bool:
+        """Whether a new turn of `participant_id` would be shed now (no task needed)."""
+        return self._cfg.load.refusal(participant_id in self._registry.participants) is not None
+
+    async def wait_ready(self) -> None:
+        """Return once the router is not busy (a front end's backpressure)."""
+        await self._cfg.load.wait_ready()
+
+
+async def _run(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: OutputCallback,
+               report_heard: bool) -> tuple[DestinationResult, Turn]:
+    """Admission control (`RouterBusyError`), then the turn, counted in flight."""
+    load = cfg.load
+    if load.busy:
+        await load.refuse(turn, emit, turn.participant_id in registry.participants)
+    running = _new_turn(cfg, registry, turn, emit, bool(report_heard))
+    if load.task is None:
+        load.ensure_sampling()
+    load.in_flight += 1
+    try:
+        return await running.execute(), running
+    finally:
+        load.in_flight -= 1
+
+
+def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: OutputCallback,
+              report_heard: bool) -> Turn:
+    """A new turn of an open participant; a refusal is reported, then raised."""
+    state = registry.participants.get(turn.participant_id)
+    if state is None or not registry.takes_turns(state):
         try:
-            return self._registry.admit(turn.participant_id)
+            state = registry.admit(turn.participant_id)
         except LifecycleError as exc:
-            self._cfg.observer.turn_started(TurnStarted(turn, None)).finished(
+            cfg.observer.turn_started(TurnStarted(turn, None)).finished(
                 TurnFinished("refused", None, None, None, 0, exc))
             raise
+    return Turn(cfg, state, turn, emit, report_heard)
 
 
 _NO_TRACE: AbstractContextManager[None] = contextlib.nullcontext()

@@ -90,7 +90,7 @@ class Turn(TurnRun):
     """
 
     __slots__ = (
-        "answer", "answered_by", "attempts", "cfg", "emit", "focus_before", "obs",
+        "answer", "answered_by", "attempts", "cfg", "created", "emit", "focus_before", "obs",
         "observing", "output_failed", "report_heard", "route", "started", "state", "turn",
     )
 
@@ -99,6 +99,8 @@ class Turn(TurnRun):
         super().__init__(turn.turn_id)
         self.cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
         self.report_heard = report_heard
+        #: When the front end handed the turn over (its wait before routing is measured).
+        self.created = cfg.clock()
         self.focus_before: str | None = None
         #: The route that answered (for telemetry), and the one that ended the turn.
         self.route: str | None = None
@@ -130,6 +132,10 @@ class Turn(TurnRun):
             raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
         if state.unheard is not None:  # the previous answer was never reported heard
             state.unheard.resolve_heard(None)
+        load = self.cfg.load
+        waited = self.cfg.clock() - self.created
+        if waited > load.wait_max:
+            load.wait_max = waited
         self.focus_before = state.focus
         if self.observing:
             self.obs = observer.turn_started(_new(TurnStarted, (turn, state.focus)))

@@ -28,6 +28,7 @@ from ._observer import (
     FocusTransition,
     Heard,
     LimitExceeded,
+    LoadSampled,
     MessageRejected,
     ParticipantChanged,
     PatchOutcome,
@@ -39,6 +40,7 @@ from ._observer import (
     SilenceMeasured,
     TurnFinished,
     TurnOutcome,
+    TurnShed,
     TurnStarted,
 )
 
@@ -66,6 +68,7 @@ __all__ = [
     "FocusTransition",
     "Heard",
     "LimitExceeded",
+    "LoadSampled",
     "MessageRejected",
     "ParticipantChanged",
     "PatchOutcome",
@@ -77,5 +80,6 @@ __all__ = [
     "SilenceMeasured",
     "TurnFinished",
     "TurnOutcome",
+    "TurnShed",
     "TurnStarted",
 ]

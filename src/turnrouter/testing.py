@@ -41,6 +41,7 @@ from ._observer import (
     FocusChanged,
     Heard,
     LimitExceeded,
+    LoadSampled,
     MessageRejected,
     ParticipantChanged,
     ReleaseFinished,
@@ -51,6 +52,7 @@ from ._observer import (
     TurnFinished,
     TurnObserver,
     TurnOutcome,
+    TurnShed,
     TurnStarted,
 )
 from .telemetry._capture import TelemetryCapture
@@ -425,6 +427,8 @@ class RecordingObserver(RouterObserver):
         self.events: list[tuple[Any, ...]] = []
         self.in_flight = 0
         self.active_participants = 0
+        #: Every saturation sample, oldest first.
+        self.load_samples: list[LoadSampled] = []
 
     def turn_started(self, event: TurnStarted) -> TurnObserver:
         self.in_flight += 1
@@ -432,6 +436,15 @@ class RecordingObserver(RouterObserver):
         events = self.turns.setdefault(turn.turn_id, [])
         events.append(("started", turn.participant_id, event.focus))
         return _RecordingTurn(events, self)
+
+    def turn_shed(self, event: TurnShed) -> None:
+        turn = event.turn
+        self.turns.setdefault(turn.turn_id, []).append(
+            ("finished", "busy", None, None, None, 0, None))
+        self.events.append(("shed", turn.participant_id, event.reason))
+
+    def load_sampled(self, event: LoadSampled) -> None:
+        self.load_samples.append(event)
 
     def outcome(self, turn_id: str) -> TurnOutcome:
         """The recorded outcome of a finished turn."""

@@ -89,7 +89,7 @@ def test_runbook_section_matches_what_ships(alert: object) -> None:
     section = " ".join(_section(RUNBOOK.read_text(), alert.alert).split())
     assert f"for {alert.for_.removesuffix('m')} minute" in section
     seconds = alert.alert in {"TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
-                              "TurnrouterDecisionSlow"}
+                              "TurnrouterDecisionSlow", "TurnrouterSaturated"}
     shown = f"{alert.threshold:g} s" if seconds else f"{alert.threshold:.0%}"
     assert shown in section
     assert f"{alert.min_turns}" in section

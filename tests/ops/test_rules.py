@@ -21,6 +21,7 @@ REQUIRED_RECORDS = {
 REQUIRED_ALERTS = {
     "TurnrouterHighClarificationRate", "TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
     "TurnrouterAcknowledgmentOveruse", "TurnrouterFailures", "TurnrouterDecisionSlow",
+    "TurnrouterSaturated",
 }
 
 

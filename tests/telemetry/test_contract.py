@@ -51,6 +51,11 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "turnrouter_acknowledgment_generation_seconds": ("histogram", ("route",)),
     "turnrouter_active_participants": ("gauge", ()),
     "turnrouter_turns_in_flight": ("gauge", ()),
+    # Saturation and admission control (issue 33).
+    "turnrouter_event_loop_lag_seconds": ("histogram", ()),
+    "turnrouter_turn_wait_seconds": ("gauge", ()),
+    "turnrouter_overload_state": ("gauge", ()),
+    "turnrouter_shed_turns_total": ("counter", ("reason",)),
 }
 CONTRACT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
 #: Buckets chosen for what each histogram measures (issue 16): sub-millisecond steps for
@@ -62,6 +67,7 @@ BUCKETS_BY_FAMILY = {
     "turnrouter_first_response_seconds": RESPONSE_BUCKETS,
     "turnrouter_silence_seconds": RESPONSE_BUCKETS,
     "turnrouter_acknowledgment_generation_seconds": RESPONSE_BUCKETS,
+    "turnrouter_event_loop_lag_seconds": FAST_BUCKETS,
 }
 
 

@@ -127,6 +127,9 @@ def demo_parser() -> argparse.ArgumentParser:
     parser.add_argument("--otlp-protocol", choices=OTLP_PROTOCOLS,
                         help="OTLP protocol (default: OTEL_EXPORTER_OTLP_PROTOCOL or "
                              "http/protobuf; grpc needs opentelemetry-exporter-otlp-proto-grpc)")
+    parser.add_argument("--no-shedding", action="store_true",
+                        help="turn admission control off (a saturated router then keeps "
+                             "taking every turn; see docs/limits.md)")
     parser.add_argument("--quiet", action="store_true", help="no live progress line")
     return parser
 
@@ -153,7 +156,8 @@ def _demo(argv: Sequence[str]) -> int:
                         metrics_host=args.metrics_host,
                         speed=args.speed, progress=not args.quiet,
                         acknowledgment_delay=args.ack_delay, samples_path=args.samples,
-                        otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol)
+                        otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
+                        shedding=not args.no_shedding)
     try:
         report = anyio.run(run_demo, config)
     except KeyboardInterrupt:

@@ -89,6 +89,11 @@ class DemoReport:
     def total_turns(self) -> float:
         return sum(self.turns.values())
 
+    @property
+    def answered(self) -> float:
+        """Turns a destination answered (outcome answer, focus or release)."""
+        return sum(v for (_, o), v in self.turns.items() if o in ("answer", "focus", "release"))
+
     def outcome_total(self, outcome: str) -> float:
         return sum(v for (_, o), v in self.turns.items() if o == outcome)
 
@@ -151,6 +156,9 @@ class DemoReport:
             "bounds overflowed: " + (", ".join(
                 f"{limit} {count:.0f}" for limit, count in sorted(self.overflows.items()))
                 or "none") + " (docs/limits.md)",
+            f"answered {self.answered:.0f} ({self.answered / max(self.elapsed, 1e-9):.1f}/s), "
+            f"shed for load {self.outcome_total('busy'):.0f} (outcome busy, "
+            "docs/limits.md: Overload)",
             f"queries published {self.published}, refused {self.rejected:.0f}, "
             f"lost {self.lost_turns}",
         ]

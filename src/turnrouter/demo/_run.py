@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from .._contracts import AgentTurn
 from .._exceptions import ConfigurationError, LifecycleError
+from .._load import OverloadPolicy
 from .._router import AgentRouter
 from .._timing import JsonLinesSink, TimingSample
 from ..decisions import LexicalDecisions
@@ -82,6 +83,9 @@ class DemoConfig:
     """Export spans here (default: OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT; none: no export)."""
     otlp_protocol: str | None = None
     """`http/protobuf` or `grpc` (default: OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL or HTTP)."""
+    shedding: bool = True
+    """Admission control: the default `OverloadPolicy`, its durations divided by `speed`
+    (False: off)."""
 
 
 def _env(*names: str) -> str | None:
@@ -292,10 +296,12 @@ async def run_demo(config: DemoConfig, *, out: TextIO | None = None) -> DemoRepo
     sample = load_sample()
     registry = CollectorRegistry()
     server = None
+    routers: list[AgentRouter] = []  # the one the run builds: `/ready` reads it
     if config.metrics_port is not None:
         try:
             server = serve_metrics(config.metrics_port, registry=registry,
-                                   addr=config.metrics_host)
+                                   addr=config.metrics_host,
+                                   ready=lambda: not any(r.busy for r in routers))
         except (OSError, ValueError) as exc:  # unknown host, port in use, bad address
             raise ConfigurationError(
                 f"cannot serve metrics on {config.metrics_host!r} port "
@@ -309,7 +315,8 @@ async def run_demo(config: DemoConfig, *, out: TextIO | None = None) -> DemoRepo
         sink = _SpeedSink(config.samples_path, config.speed) if config.samples_path else None
         for name in ("turnrouter", "turnrouter.runtime"):
             logging.getLogger(name).addFilter(quiet)
-        report = await _run(config, rng, sample, registry, tracer_provider, sink, out)
+        report = await _run(config, rng, sample, registry, tracer_provider, sink, out,
+                            routers)
     finally:
         # Every step runs even if one before it fails (a sink on a full disk raises).
         for name in ("turnrouter", "turnrouter.runtime"):
@@ -327,7 +334,7 @@ async def run_demo(config: DemoConfig, *, out: TextIO | None = None) -> DemoRepo
 
 async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
                registry: CollectorRegistry, tracer_provider: Any, sink: _SpeedSink | None,
-               out: TextIO) -> DemoReport:
+               out: TextIO, routers: list[AgentRouter]) -> DemoReport:
     telemetry = Telemetry(tracer_provider=tracer_provider, registry=registry)
     runtime = AgentRuntime()
 
@@ -353,8 +360,10 @@ async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
         interrupted_topic=_Topics.interrupted,
         # A short memory, as voice sessions keep: longer sessions overflow it now and
         # then, so the overflow panel and counter have real data.
-        max_history_exchanges=DEMO_HISTORY_EXCHANGES, **ack,
+        max_history_exchanges=DEMO_HISTORY_EXCHANGES,
+        overload=OverloadPolicy().scaled(config.speed) if config.shedding else None, **ack,
     )
+    routers.append(router)
     for agent in agents.values():
         agent.router, agent.spawn = router, runtime.start_soon
     crowd = _Crowd(runtime, router, sample, config, rng)

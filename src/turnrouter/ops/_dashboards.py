@@ -19,6 +19,7 @@ from ._rules import (
     DEAD_AIR_SECONDS,
     DECISION_SLOW_SECONDS,
     FAILURE_RATIO,
+    SATURATION_LAG_SECONDS,
     SLOW_FIRST_RESPONSE_SECONDS,
 )
 from ._tuning import (
@@ -340,6 +341,21 @@ def overview() -> dict[str, Any]:
             _targets((f"sum({_sel('turnrouter_active_participants', JOB)})", "participants"),
                      (f"sum({_sel('turnrouter_turns_in_flight', JOB)})", "turns in flight")),
             unit="short"),
+        _timeseries(
+            "Saturation", "Event-loop lag p95 per instance (TurnrouterSaturated above "
+            f"{SATURATION_LAG_SECONDS:g}s), the longest wait before routing, the admission "
+            "state (0 ready, 1 busy: new participants refused, 2 shedding) and the turns shed "
+            "per second by reason (docs/limits.md, Overload).",
+            _targets((_quantile(0.95, "turnrouter_event_loop_lag_seconds", "instance", JOB),
+                      "lag p95 {{instance}}"),
+                     (f"max by (instance) ({_sel('turnrouter_turn_wait_seconds', JOB)})",
+                      "longest wait {{instance}}"),
+                     (f"max by (instance) ({_sel('turnrouter_overload_state', JOB)})",
+                      "state {{instance}}"),
+                     (f"sum by (reason) (rate({_sel('turnrouter_shed_turns_total', JOB)}"
+                      f"[{RATE}]))", "shed {{reason}} /s")),
+            unit="short", draw="dashed",
+            thresholds=_thresholds(("green", None), ("red", SATURATION_LAG_SECONDS))),
         _timeseries(
             "Context patches", "Background context patches per second by strategy and "
             "outcome.",

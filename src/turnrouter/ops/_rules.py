@@ -44,6 +44,7 @@ __all__ = [
     "MIN_TURNS_1M",
     "RECORDING_RULES",
     "RUNBOOK_URL",
+    "SATURATION_LAG_SECONDS",
     "SLOW_FIRST_RESPONSE_SECONDS",
     "AlertRule",
     "RecordingRule",
@@ -78,6 +79,9 @@ ACK_OVERUSE_RATIO = 0.5
 FAILURE_RATIO = 0.05
 #: Seconds: p95 of a decision-service call.
 DECISION_SLOW_SECONDS = 0.3
+#: Seconds: p95 event-loop lag of one router process (the default
+#: `OverloadPolicy.busy_lag_secs`: past it the router sheds new participants).
+SATURATION_LAG_SECONDS = 0.1
 
 Severity = Literal["warning", "critical"]
 
@@ -102,6 +106,8 @@ SILENCE_BUCKET = _name("turnrouter_silence_seconds", "_bucket")
 SILENCE_COUNT = _name("turnrouter_silence_seconds", "_count")
 DECISION_BUCKET = _name("turnrouter_decision_duration_seconds", "_bucket")
 DECISION_COUNT = _name("turnrouter_decision_duration_seconds", "_count")
+LAG_BUCKET = _name("turnrouter_event_loop_lag_seconds", "_bucket")
+SHED = _name("turnrouter_shed_turns_total")
 
 
 def _turn_rate(window: str) -> str:
@@ -174,6 +180,13 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
     ),
     RecordingRule(
         "turnrouter:decisions:increase5m", f"sum by (job) (increase({DECISION_COUNT}[5m]))"),
+    # Saturation is per process: by instance, so one saturated replica is not averaged away.
+    RecordingRule(
+        "turnrouter:event_loop_lag_seconds:p95_5m",
+        f"histogram_quantile(0.95, sum by (job, instance, le) (rate({LAG_BUCKET}[5m])))",
+    ),
+    RecordingRule(
+        "turnrouter:shed_turns:rate5m", f"sum by (job, instance) (rate({SHED}[5m]))"),
     RecordingRule(
         "turnrouter:failure_ratio:rate5m",
         f"sum by (job, stage) (rate({FAILURES}[5m]))\n/ on (job) group_left ()\n"
@@ -376,6 +389,16 @@ ALERTS: tuple[AlertRule, ...] = (
         f"(target {DECISION_SLOW_SECONDS:g}s); every routed turn waits for it.",
         "turnrouterdecisionslow",
         volume="turnrouter:decisions:increase5m",
+    ),
+    AlertRule(
+        "TurnrouterSaturated", "turnrouter:event_loop_lag_seconds:p95_5m",
+        SATURATION_LAG_SECONDS, "5m", "warning",
+        "turnrouter {{ $labels.instance }} of {{ $labels.job }} is saturated",
+        f"p95 event-loop lag is {_SECS} (threshold {SATURATION_LAG_SECONDS:g}s): turns wait "
+        "for the loop, the router refuses new participants (readiness fails) and may shed "
+        "turns (turnrouter_shed_turns_total). Add replicas or find what blocks the loop.",
+        "turnroutersaturated",
+        volume="turnrouter:turns:increase5m",
     ),
 )
 

@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._contracts import AgentTurn
-from .._exceptions import ConfigurationError, ContractTypeError, LifecycleError, TurnInterrupted
+from .._exceptions import (
+    ConfigurationError,
+    ContractTypeError,
+    LifecycleError,
+    RouterBusyError,
+    TurnInterrupted,
+)
 from .._logging import log_failure
 from ._messages import Interrupted, ParticipantJoined, ParticipantLeft, ResponseOutput, UserQuery
 from ._runtime import AgentRuntime, Topic
@@ -145,6 +151,11 @@ class RouterSubscriber:
             router.report_rejected(topic.name, reason)
             return
         if role == "query_topic":
+            if router.busy and router.sheds(payload.participant_id):
+                # Shed at once, in the publisher's call: a task per refused query would
+                # cost more than the refusal itself.
+                await self._run_query(payload, runtime)
+                return
             runtime.start_soon(self._run_query, payload, runtime,
                                name=f"turnrouter query {payload.message_id}")
         elif role == "participant_joined_topic":
@@ -179,6 +190,8 @@ class RouterSubscriber:
                 await router.route_turn(turn, output=emit)
             except TurnInterrupted:
                 pass  # the participant spoke again, or barged in: not a failure
+            except RouterBusyError:
+                pass  # shed for load: counted (outcome busy) and told by the router
             except LifecycleError as exc:
                 logger.warning("turnrouter: dropped query %s: %s", query.message_id, exc)
                 router.report_rejected(self._topics["query_topic"].name, "closed")

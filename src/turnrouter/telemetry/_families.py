@@ -297,12 +297,39 @@ class Families:
     module docstring)."""
 
     __slots__ = (
-        "__weakref__", "_admission_pairs", "_turn_pairs", "_unlabelled", "ack_delay",
-        "ack_generation", "acknowledgments", "admission_duration", "admissions", "clarifications",
-        "context_patches", "decision_duration", "failures", "fallbacks", "first_response",
-        "focus", "ineligible", "interruptions", "needless", "overflows", "participants",
-        "predicted", "rejected", "reroutes", "silence", "turn_duration", "turns",
-        "turns_begun", "turns_ended",
+        "__weakref__",
+        "_admission_pairs",
+        "_turn_pairs",
+        "_unlabelled",
+        "ack_delay",
+        "ack_generation",
+        "acknowledgments",
+        "admission_duration",
+        "admissions",
+        "clarifications",
+        "context_patches",
+        "decision_duration",
+        "failures",
+        "fallbacks",
+        "first_response",
+        "focus",
+        "ineligible",
+        "interruptions",
+        "loop_lag",
+        "needless",
+        "overflows",
+        "overload_state",
+        "participants",
+        "predicted",
+        "rejected",
+        "reroutes",
+        "shed",
+        "silence",
+        "turn_duration",
+        "turn_wait",
+        "turns",
+        "turns_begun",
+        "turns_ended",
     )
 
     def __init__(self, registered: _Registered) -> None:
@@ -327,12 +354,15 @@ class Families:
         self.overflows = counter("turnrouter_limit_overflows_total")
         self.ineligible = counter("turnrouter_ineligible_routes_total")
         self.needless = counter("turnrouter_needless_acknowledgments_total")
+        self.shed = counter("turnrouter_shed_turns_total")
         self.turn_duration = histogram("turnrouter_turn_duration_seconds")
         decisions = histogram("turnrouter_decision_duration_seconds")
         self.decision_duration = decisions.get()
         # The unlabelled families' shards: alive as long as this object (a shard that
         # is garbage-collected is folded into its collector's retired totals).
-        self._unlabelled = (interruptions, decisions)
+        lag = histogram("turnrouter_event_loop_lag_seconds")
+        self.loop_lag = lag.get()
+        self._unlabelled = (interruptions, decisions, lag)
         self.admission_duration = histogram("turnrouter_admission_duration_seconds")
         self.first_response = histogram("turnrouter_first_response_seconds")
         self.silence = histogram("turnrouter_silence_seconds")
@@ -341,6 +371,8 @@ class Families:
         self.ack_delay = gauges["turnrouter_acknowledgment_delay_seconds"]
         self.predicted = gauges["turnrouter_predicted_first_response_seconds"]
         self.participants = gauges["turnrouter_active_participants"]
+        self.turn_wait = gauges["turnrouter_turn_wait_seconds"]
+        self.overload_state = gauges["turnrouter_overload_state"]
         #: Turns begun and ended on this shard (`turnrouter_turns_in_flight` at scrape).
         self.turns_begun = 0
         self.turns_ended = 0

@@ -180,6 +180,28 @@ METRICS: tuple[MetricSpec, ...] = (
         "Turns currently being handled.",
     ),
     MetricSpec(
+        "turnrouter_event_loop_lag_seconds", "histogram",
+        "How late the router's event loop ran a timer, sampled every "
+        "OverloadPolicy.sample_secs while turns run: saturation (see docs/limits.md).",
+        (), FAST_BUCKETS,
+    ),
+    MetricSpec(
+        "turnrouter_turn_wait_seconds", "gauge",
+        "The longest time a turn waited (behind its participant's earlier turn) before its "
+        "routing began, over the latest lag sample period.",
+    ),
+    MetricSpec(
+        "turnrouter_overload_state", "gauge",
+        "Admission control: 0 ready, 1 busy (new participants refused, readiness fails), "
+        "2 shedding (new turns of admitted participants refused too).",
+    ),
+    MetricSpec(
+        "turnrouter_shed_turns_total", "counter",
+        "Turns refused for load (outcome busy), by reason: new_participant (busy) or "
+        "shedding.",
+        ("reason",),
+    ),
+    MetricSpec(
         "turnrouter_ineligible_routes_total", "counter",
         "Candidate routes skipped as ineligible when a turn was routed, by route and "
         "reason (unavailable, capacity, policy, not_candidate).",

@@ -2,18 +2,30 @@
 
 Both servers answer `Accept: application/openmetrics-text` with the OpenMetrics format
 (which carries trace exemplars) and anything else with the classic text format; that is
-prometheus_client's `choose_encoder`, used by its WSGI and ASGI apps.
+prometheus_client's `choose_encoder`, used by its WSGI and ASGI apps. With a `ready`
+callable, `/ready` and `/readyz` answer 200 while it returns True and 503 otherwise (a
+Kubernetes readiness probe takes a busy replica out of rotation).
 """
 
 from __future__ import annotations
 
+import socket
 import threading
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from socketserver import ThreadingMixIn
 from types import TracebackType
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    make_asgi_app,
+    make_wsgi_app,
+    start_http_server,
+)
+
+from .._exceptions import ContractTypeError
 
 __all__ = ["ASGIApp", "MetricsServer", "metrics_app", "serve_metrics"]
 
@@ -72,13 +84,71 @@ class MetricsServer:
         self.close()
 
 
+#: The paths of the readiness endpoint.
+READY_PATHS = frozenset({"/ready", "/readyz"})
+
+
 def serve_metrics(
-    port: int, registry: CollectorRegistry | None = None, addr: str = "127.0.0.1"
+    port: int, registry: CollectorRegistry | None = None, addr: str = "127.0.0.1",
+    ready: Callable[[], bool] | None = None,
 ) -> MetricsServer:
-    """Serve `registry` (default: prometheus_client's) over HTTP; `port=0` picks a free one."""
-    server, thread = start_http_server(
-        port, addr=addr, registry=REGISTRY if registry is None else registry)
-    return MetricsServer(server, thread)
+    """Serve `registry` (default: prometheus_client's) over HTTP; `port=0` picks a free one.
+
+    `ready` (for example `lambda: not router.busy`) adds `/ready` and `/readyz`: 200
+    `ready` while it returns True, 503 `busy` otherwise (and when it raises).
+    """
+    registry = REGISTRY if registry is None else registry
+    if ready is None:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+        return MetricsServer(server, thread)
+    if not callable(ready):
+        raise ContractTypeError(
+            f"serve_metrics ready must be callable, got {type(ready).__name__}")
+    family = _family(addr, port)
+
+    class Server(_ThreadingServer):
+        address_family = family
+
+    httpd = make_server(addr, port, _with_readiness(make_wsgi_app(registry), ready), Server,
+                        handler_class=_QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True,
+                              name="turnrouter metrics")
+    thread.start()
+    return MetricsServer(httpd, thread)
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Probes every few seconds: no access log on stderr."""
+
+
+def _family(addr: str, port: int) -> socket.AddressFamily:
+    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return infos[0][0]
+
+
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def _with_readiness(metrics: WSGIApp, ready: Callable[[], bool]) -> WSGIApp:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") not in READY_PATHS:
+            return metrics(environ, start_response)
+        try:
+            ok = bool(ready())
+        except Exception:  # a failing check must not say ready
+            ok = False
+        body = b"ready\n" if ok else b"busy\n"
+        start_response("200 OK" if ok else "503 Service Unavailable",
+                       [("Content-Type", "text/plain; charset=utf-8"),
+                        ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
 
 
 def metrics_app(registry: CollectorRegistry | None = None) -> ASGIApp:

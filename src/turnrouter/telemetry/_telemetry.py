@@ -35,12 +35,14 @@ from .._observer import (
     Failure,
     Heard,
     LimitExceeded,
+    LoadSampled,
     MessageRejected,
     ParticipantChanged,
     ReleaseFinished,
     ReleaseStarted,
     RouterObserver,
     TurnObserver,
+    TurnShed,
     TurnStarted,
 )
 from ._families import NONE_LABEL, Families, families_for
@@ -285,6 +287,20 @@ class Telemetry(RouterObserver):
     def limit_exceeded(self, event: LimitExceeded) -> None:
         """Count an overflowed bound."""
         self._families.overflows.get(event.limit).inc()
+
+    def load_sampled(self, event: LoadSampled) -> None:
+        """Record a saturation sample: loop lag, longest wait, admission state."""
+        families = self._families
+        families.loop_lag.observe(event.lag_secs)
+        families.turn_wait.set(event.wait_secs)
+        families.overload_state.set(event.state)
+
+    def turn_shed(self, event: TurnShed) -> None:
+        """Count a turn refused for load: by reason, and as a turn (route none, outcome
+        busy; no span and no duration: shedding must stay cheap)."""
+        families = self._families
+        families.shed.get(event.reason).inc()
+        families.turns.get(NONE_LABEL, "busy").inc()
 
     def enter_context(self, carrier: Mapping[str, str]) -> object:
         """Continue the publisher's trace: make its W3C context current for the turn."""

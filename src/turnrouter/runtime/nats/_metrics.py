@@ -41,6 +41,12 @@ class RuntimeMetrics:
             "turnrouter_nats_duplicates_dropped_total",
             "Duplicates dropped: input already handled here, output refused by the "
             "output stream's deduplication", ["where"], registry=registry)
+        self.backpressure = Counter(
+            "turnrouter_nats_backpressure_total",
+            "Saturation (the router busy): pauses before taking the next message "
+            "(what=paused), queries dropped unrun because a newer query of the same "
+            "participant was queued behind them (what=superseded)",
+            ["what"], registry=registry)
         self.inflight_failed = Counter(
             "turnrouter_nats_inflight_failed_total",
             "Turns found in flight on a dead or paused owner, ended with the failure text",

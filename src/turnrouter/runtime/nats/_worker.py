@@ -33,7 +33,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from ..._contracts import AgentTurn
-from ..._exceptions import ContractValueError, LifecycleError
+from ..._exceptions import ConfigurationError, ContractValueError, LifecycleError
 from ..._logging import log_failure
 from ..._router import AgentRouter
 from ..._timing import TimingPredictor, TimingSample
@@ -323,7 +323,41 @@ class NatsWorker:
                     self._pins[n] = new_pin
                     self._set_owned()
                     await self._take_over(n)
+            if self.router.busy and n in self._pins and await self._backpressure(nc, msg):
+                continue
             await handle(n, msg, n in self._pins, received)
+
+    async def _backpressure(self, nc: Client, msg: Msg) -> bool:
+        """The router is saturated: take no new message until it is ready again (the
+        partition's next messages wait in the stream, `max_ack_pending=1`), for at most
+        `pull_expires`. True when the held message is a query a newer query of the same
+        participant already follows in the stream: it is acknowledged and counted
+        (`rejected{reason=superseded}`) without any work, as the router would have
+        superseded it anyway."""
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.backpressure.labels("paused").inc()
+        config, router = self.config, self.router
+        # Bounded by pull_expires: well inside ack_wait (no redelivery) and the pin's
+        # failover_timeout (the partition stays here).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(config.pull_expires):
+                await router.wait_ready()
+        if not msg.subject.endswith(".query") or not msg.reply:
+            return False
+        try:
+            last = await api_request(nc, f"$JS.API.STREAM.MSG.GET.{self.config.stream}",
+                                     {"last_by_subj": msg.subject})
+            newest = int(last["message"]["seq"])
+        except (LifecycleError, ConfigurationError, KeyError, TypeError, ValueError):
+            return False  # none newer (404) or unknown: run it
+        if newest <= _stream_sequence(msg.reply):
+            return False
+        await nc.publish(msg.reply, b"+ACK")
+        router.report_rejected("nats_input", "superseded")
+        if metrics is not None:
+            metrics.backpressure.labels("superseded").inc()
+        return True
 
     async def _status(self, n: int, status: str) -> None:
         """A pull request ended with a status instead of a message."""
@@ -471,6 +505,16 @@ class _Inbox:
             if not self._msgs:
                 return None
         return self._msgs.popleft()
+
+
+def _stream_sequence(reply: str) -> int:
+    """The stream sequence in a JetStream ack subject (see `ack_metadata`); a huge
+    number when unreadable, so nothing counts as newer."""
+    parts = reply.split(".")
+    try:
+        return int(parts[5] if len(parts) == 9 else parts[7])
+    except (IndexError, ValueError):
+        return 2**63
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -1,0 +1,269 @@
+"""Saturation and admission control: measure the event loop, refuse work past capacity.
+
+A router whose event loop is saturated does not fail loudly: every turn waits longer
+for the loop, the participant speaks again before the answer starts, the new turn
+supersedes the waiting one, and goodput collapses to zero while every counter balances.
+`LoadMonitor` measures the saturation cheaply (one timer task sampling the event-loop
+lag, the turns in flight, the longest wait before routing) and, under an
+`OverloadPolicy`, turns it into two levels: *busy* (lag past `busy_lag_secs`: new
+participants are refused) and *shedding* (lag past `shed_lag_secs`: new turns of
+admitted participants are refused too). A refused turn costs a counter, a span and one
+short control text, so the participants already admitted keep getting answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from ._clock import Clock
+from ._contracts import CLARIFY, AgentTurn
+from ._exceptions import ConfigurationError, ContractTypeError, RouterBusyError
+from ._logging import log_failure
+from ._observer import LoadSampled, RouterObserver, TurnShed
+
+__all__ = [
+    "DEFAULT_BUSY_TEXT",
+    "LoadMonitor",
+    "OverloadPolicy",
+    "RouterLoad",
+    "ShedReason",
+]
+
+#: What a participant refused for load hears.
+DEFAULT_BUSY_TEXT = "Sorry, I'm very busy right now. Please try again in a moment."
+
+#: Why a turn was shed: a participant the router holds no state for while busy, or any
+#: new turn while shedding.
+ShedReason = Literal["new_participant", "shedding"]
+
+#: Consecutive idle samples (no turn in flight, not busy) after which the sampler ends;
+#: the next turn starts it again.
+IDLE_SAMPLES = 50
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadPolicy:
+    """When the router refuses work to keep answering the work it admitted.
+
+    `busy_lag_secs`: event-loop lag at which the router turns busy (new participants
+    refused, readiness fails) when two samples in a row reach it; it is ready again
+    after `calm_samples` samples in a row below half of it (every participant admitted
+    adds load for a whole conversation, so admission resumes only once calm holds).
+    `shed_lag_secs`: lag at which new turns of admitted participants are refused too
+    (again until it falls below half). `sample_secs`: how often the lag is sampled.
+    `busy_text`: what a refused participant hears. Pass `overload=None` to
+    `AgentRouter` to turn admission control off (saturation is then not measured).
+    """
+
+    busy_lag_secs: float = 0.1
+    shed_lag_secs: float = 0.25
+    sample_secs: float = 0.025
+    busy_text: str = DEFAULT_BUSY_TEXT
+    calm_samples: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("busy_lag_secs", "shed_lag_secs", "sample_secs"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ContractTypeError(
+                    f"OverloadPolicy {name} must be a number, got {type(value).__name__}")
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigurationError(
+                    f"OverloadPolicy {name} must be finite and positive, got {value!r}")
+        if self.shed_lag_secs < self.busy_lag_secs:
+            raise ConfigurationError(
+                f"OverloadPolicy shed_lag_secs ({self.shed_lag_secs!r}) must be at least "
+                f"busy_lag_secs ({self.busy_lag_secs!r})")
+        calm = self.calm_samples
+        if not isinstance(calm, int) or isinstance(calm, bool) or not 1 <= calm <= 1000:
+            raise ConfigurationError(
+                f"OverloadPolicy calm_samples must be an int in 1..1000, got {calm!r}")
+        if not isinstance(self.busy_text, str) or not self.busy_text:
+            raise ConfigurationError("OverloadPolicy busy_text must be a non-empty str")
+
+    def scaled(self, factor: float) -> OverloadPolicy:
+        """The same policy with every duration divided by `factor` (a simulation that
+        compresses time, as the demo's `--speed`, scales its thresholds with it)."""
+        if not isinstance(factor, int | float) or not (math.isfinite(factor) and factor > 0):
+            raise ConfigurationError(f"OverloadPolicy scale must be positive, got {factor!r}")
+        return OverloadPolicy(self.busy_lag_secs / factor, self.shed_lag_secs / factor,
+                              self.sample_secs / factor, self.busy_text, self.calm_samples)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterLoad:
+    """The router's saturation as last sampled (`AgentRouter.load`).
+
+    `status` is "ready", "busy" (new participants refused) or "shedding" (new turns
+    refused too); `lag_secs` the latest event-loop lag sample; `turns_in_flight` the
+    turns being handled now; `wait_secs` the longest time a turn waited before its
+    routing began, over the latest sample period.
+    """
+
+    status: Literal["ready", "busy", "shedding"]
+    lag_secs: float
+    turns_in_flight: int
+    wait_secs: float
+
+    @property
+    def busy(self) -> bool:
+        """Whether the router refuses new participants (busy or shedding)."""
+        return self.status != "ready"
+
+
+class LoadMonitor:
+    """One router's saturation: the lag sampler, turns in flight, busy and shedding.
+
+    The sampler is one task owned by the router: started by the first turn on a running
+    loop, ended by `stop()` or by itself after `IDLE_SAMPLES` idle samples (so it never
+    outlives the work; the next turn starts it again). Per turn the router pays an
+    attribute read (`busy`) and two counter updates.
+    """
+
+    __slots__ = ("_calm", "_clock", "_idle", "_observer", "busy", "in_flight", "lag",
+                 "policy", "shedding", "task", "wait_max")
+
+    def __init__(self, policy: OverloadPolicy | None, observer: RouterObserver,
+                 clock: Clock) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._observer = observer
+        self.busy = False
+        self.shedding = False
+        self.in_flight = 0
+        self.lag = 0.0
+        self.wait_max = 0.0
+        self._idle = 0
+        #: Set (and dropped) when the router turns ready again; made by `wait_ready`.
+        self._calm: asyncio.Event | None = None
+        #: The sampler, while it runs.
+        self.task: asyncio.Task[None] | None = None
+
+    def snapshot(self) -> RouterLoad:
+        status: Literal["ready", "busy", "shedding"] = (
+            "shedding" if self.shedding else "busy" if self.busy else "ready")
+        return RouterLoad(status, self.lag, self.in_flight, self.wait_max)
+
+    def ensure_sampling(self) -> None:
+        """Start the sampler if a policy asks for it and none runs (called per turn)."""
+        if self.task is None and self.policy is not None:
+            self._idle = 0
+            self.task = asyncio.get_running_loop().create_task(
+                self._sample(self.policy), name="turnrouter load sampler")
+
+    def refusal(self, known: bool) -> ShedReason | None:
+        """Why a new turn is refused now (None: admitted); `known`: the router holds
+        the participant's state."""
+        if self.shedding:
+            return "shedding"
+        if self.busy and not known:
+            return "new_participant"
+        return None
+
+    async def refuse(self, turn: AgentTurn,
+                     emit: Callable[[AgentTurn, str, str], Awaitable[None]],
+                     known: bool) -> None:
+        """Shed `turn` if the load calls for it (`known`: the router holds the
+        participant): counted (outcome `busy` and its reason), the participant told
+        `busy_text`, `RouterBusyError` raised. Returns when the turn is admitted."""
+        reason = self.refusal(known)
+        if reason is None:
+            return
+        assert self.policy is not None
+        try:
+            await emit(turn, CLARIFY, self.policy.busy_text)
+        except Exception as exc:
+            log_failure("telling %r that turn %s was shed", exc, turn.participant_id,
+                        turn.turn_id)
+        # Counted once told: a caller cancelled meanwhile (the in-process runtime sheds in
+        # the publisher's call) took the query back, and it is not counted as a turn.
+        self._observer.turn_shed(TurnShed(turn, reason))
+        raise RouterBusyError(
+            f"turn {turn.turn_id!r} of {turn.participant_id!r} refused: the router is "
+            f"{'shedding' if reason == 'shedding' else 'busy'} (event-loop lag "
+            f"{self.lag:.3f}s); the participants it admitted keep their answers")
+
+    async def wait_ready(self) -> None:
+        """Return once the router is not busy (at once when it is not)."""
+        while self.busy:
+            calm = self._calm
+            if calm is None:
+                calm = self._calm = asyncio.Event()
+            await calm.wait()
+
+    def _calmed(self) -> None:
+        calm, self._calm = self._calm, None
+        if calm is not None:
+            calm.set()
+
+    def waited(self, seconds: float) -> None:
+        """A turn waited `seconds` before its routing began."""
+        if seconds > self.wait_max:
+            self.wait_max = seconds
+
+    async def stop(self) -> None:
+        """End the sampler (the router stops) and report the router ready again."""
+        task = self.task
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await asyncio.wait((task,))
+        finally:
+            self._ended(task)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if self.task is task:
+            self.task = None
+            self.busy = self.shedding = False
+            self.lag = self.wait_max = 0.0
+            self._calmed()
+
+    async def _sample(self, policy: OverloadPolicy) -> None:
+        now, sleep_until, period = self._clock.now, self._clock.sleep_until, policy.sample_secs
+        busy_on, shed_on = policy.busy_lag_secs, policy.shed_lag_secs
+        calm, calm_needed = 0, policy.calm_samples
+        observer = self._observer
+        task = asyncio.current_task()
+        assert task is not None
+        try:
+            while True:
+                deadline = now() + period
+                await sleep_until(deadline)
+                lag = now() - deadline
+                lag = lag if lag > 0.0 else 0.0
+                # On when two samples in a row reach the threshold (one collector pause
+                # is not saturation), off below half of it.
+                sustained = lag if lag < self.lag else self.lag
+                self.lag = lag
+                if not self.busy:
+                    self.busy = sustained >= busy_on
+                    calm = 0
+                elif lag < busy_on / 2:
+                    calm += 1
+                    if calm >= calm_needed:  # admissions resume: new participants add load
+                        self.busy = False
+                        self._calmed()
+                else:
+                    calm = 0
+                self.shedding = (lag >= shed_on / 2) if self.shedding else (
+                    sustained >= shed_on)
+                wait, self.wait_max = self.wait_max, 0.0
+                if observer.enabled:
+                    observer.load_sampled(LoadSampled(
+                        lag, self.in_flight, wait,
+                        2 if self.shedding else 1 if self.busy else 0))
+                if self.in_flight or self.busy:
+                    self._idle = 0
+                    continue
+                self._idle += 1
+                if self._idle >= IDLE_SAMPLES:
+                    return
+        finally:
+            self._ended(task)
+            if observer.enabled:
+                observer.load_sampled(LoadSampled(0.0, self.in_flight, 0.0, 0))

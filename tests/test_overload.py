@@ -1,0 +1,414 @@
+"""Admission control: a saturated router refuses new work visibly and keeps answering.
+
+Saturation is driven by a `ManualClock`: the lag sampler sleeps on the router's clock,
+so advancing the clock past a sample's deadline by `x` is an event-loop lag of `x`,
+with no real waiting and no timing assertion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.error
+import urllib.request
+from functools import partial
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from turnrouter import (
+    AgentRouter,
+    AgentTurn,
+    ConfigurationError,
+    ContractTypeError,
+    LifecycleError,
+    OverloadPolicy,
+    RouterBusyError,
+)
+from turnrouter.runtime import ResponseOutput, Topic, UserQuery
+from turnrouter.telemetry import Telemetry, serve_metrics
+from turnrouter.testing import (
+    ManualClock,
+    OutputRecorder,
+    RecordingObserver,
+    ScriptedAgent,
+    ScriptedDecisions,
+)
+
+from .kit import Harness, publish_and_drain
+
+pytestmark = pytest.mark.anyio
+
+POLICY = OverloadPolicy(busy_lag_secs=0.1, shed_lag_secs=0.5, sample_secs=0.01,
+                        busy_text="Busy, call back soon.")
+
+
+def harness(clock: ManualClock, **kwargs: Any) -> Harness:
+    kwargs.setdefault("overload", POLICY)
+    return Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"),
+                   clock=clock, **kwargs)
+
+
+def status(h: Harness) -> str:
+    return h.router.load.status
+
+
+async def lag(clock: ManualClock, seconds: float, samples: int = 2) -> None:
+    """`samples` lag samples of `seconds` each: the sampler's deadline passed by that."""
+    for _ in range(samples):
+        with anyio.fail_after(5):
+            await clock.wait_for_sleepers(1)
+        clock.advance(POLICY.sample_secs + seconds)
+        await clock.settle()
+
+
+async def hold_turn(h: Harness, tg: Any, participant: str = "p1") -> anyio.Event:
+    """Start a turn whose answer waits on a gate (the router has work in flight)."""
+    agent = h["weather"]
+    gate = agent.answer_gate = anyio.Event()
+    tg.start_soon(h.capture, h.turn("hold", participant))
+    with anyio.fail_after(5):
+        await agent.answer_entered.wait()
+    agent.answer_gate = None
+    return gate
+
+
+async def test_busy_refuses_new_participants_and_keeps_admitted_ones() -> None:
+    """Past busy_lag_secs a new participant's turn is shed: counted (outcome busy,
+    reason new_participant), told busy_text, RouterBusyError; an admitted one goes on."""
+    clock = ManualClock()
+    h = harness(clock)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg)
+        assert h.router.load.status == "ready" and not h.router.busy
+        await lag(clock, 0.2, samples=1)
+        assert not h.router.busy  # one sample is a pause, not saturation
+        await lag(clock, 0.2)
+        assert h.router.busy and h.router.load.status == "busy"
+        assert h.router.load.turns_in_flight == 1
+        assert h.router.sheds("p2") and not h.router.sheds("p1")
+        newcomer = h.turn("hi", "p2")
+        with pytest.raises(RouterBusyError, match="busy") as refused:
+            await h.router.handle(newcomer)
+        assert isinstance(refused.value, LifecycleError)
+        assert h.observer.outcome(newcomer.turn_id) == "busy"
+        assert ("shed", "p2", "new_participant") in h.observer.events
+        assert [(s.turn_id, s.text) for s in h.output.spoken] == [
+            (newcomer.turn_id, "Busy, call back soon.")]
+        assert "p2" not in h.router.participants
+        # The admitted participant's next turn is still served.
+        assert (await h.say("again", "p1")).text == "weather answer"
+        gate.set()
+    await h.router.stop()
+
+
+async def test_shedding_refuses_admitted_participants_then_recovers() -> None:
+    """Past shed_lag_secs turns of admitted participants are shed too; below half the
+    thresholds the router is ready again and admits everyone."""
+    clock = ManualClock()
+    h = harness(clock)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        await h.say("hello", "p1")
+        await lag(clock, 0.6)
+        assert status(h) == "shedding"
+        assert h.router.sheds("p1")
+        turn = h.turn("more", "p1")
+        with pytest.raises(RouterBusyError, match="shedding"):
+            await h.router.handle(turn)
+        assert ("shed", "p1", "shedding") in h.observer.events
+        await lag(clock, 0.2, samples=1)  # above half the busy threshold: still busy
+        assert status(h) == "busy"
+        await lag(clock, 0.0, samples=POLICY.calm_samples - 1)
+        assert status(h) == "busy"  # calm must hold before admissions resume
+        await lag(clock, 0.0, samples=1)
+        assert status(h) == "ready"
+        assert (await h.say("hi", "p2")).text == "weather answer"
+        gate.set()
+    await h.router.stop()
+
+
+async def test_samples_report_lag_turns_in_flight_and_wait() -> None:
+    """Each sample reports the lag, the turns in flight and the state to the observer."""
+    clock = ManualClock()
+    h = harness(clock)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg)
+        await lag(clock, 0.2)
+        gate.set()
+    samples = h.observer.load_samples
+    assert [(round(s.lag_secs, 6), s.turns_in_flight, s.state) for s in samples[-2:]] == [
+        (0.2, 1, 0), (0.2, 1, 1)]
+    await h.router.stop()
+    assert h.observer.load_samples[-1].state == 0
+
+
+async def test_the_sampler_belongs_to_the_router() -> None:
+    """The sampler starts with the first turn, ends with stop() (cancelled, awaited) and
+    ends on its own once idle; the next turn starts it again."""
+    clock = ManualClock()
+    h = harness(clock)
+
+    def samplers() -> int:
+        return sum(1 for task in asyncio.all_tasks()
+                   if task.get_name() == "turnrouter load sampler" and not task.done())
+
+    assert samplers() == 0
+    await h.say()
+    assert samplers() == 1
+    # Idle: no turn in flight, not busy. It ends by itself after a bounded count.
+    for _ in range(200):
+        if not samplers():
+            break
+        await lag(clock, 0.0, samples=1)
+    assert samplers() == 0
+    await h.say()
+    assert samplers() == 1
+    await h.router.stop()
+    assert samplers() == 0
+
+
+async def test_cancelling_a_turn_while_busy_leaks_nothing() -> None:
+    """A caller cancelled while its turn is counted in flight leaves the count right."""
+    clock = ManualClock()
+    h = harness(clock)
+    async with anyio.create_task_group() as tg:
+        await hold_turn(h, tg)
+        assert h.router.load.turns_in_flight == 1
+        tg.cancel_scope.cancel()
+    assert h.router.load.turns_in_flight == 0
+    await h.router.stop()
+
+
+async def test_overload_none_turns_admission_control_off() -> None:
+    """With overload=None the router never samples and never sheds."""
+    clock = ManualClock()
+    h = harness(clock, overload=None)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg)
+        assert clock.sleepers == 0  # no sampler sleeps
+        assert (await h.say("hi", "p2")).text == "weather answer"
+        gate.set()
+    assert h.observer.load_samples == []
+    assert h.router.load.status == "ready"
+
+
+async def test_telemetry_counts_shed_turns_and_samples() -> None:
+    """Telemetry: turns_total{outcome=busy}, shed reason, lag histogram, state gauge."""
+    clock = ManualClock()
+    registry = CollectorRegistry()
+    h = harness(clock, telemetry=Telemetry(registry=registry))
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg)
+        await lag(clock, 0.2)
+        with pytest.raises(RouterBusyError):
+            await h.say("hi", "p2")
+        get = registry.get_sample_value
+        assert get("turnrouter_turns_total", {"route": "none", "outcome": "busy"}) == 1
+        assert get("turnrouter_shed_turns_total", {"reason": "new_participant"}) == 1
+        assert get("turnrouter_overload_state") == 1
+        assert get("turnrouter_event_loop_lag_seconds_count") == 2
+        assert get("turnrouter_event_loop_lag_seconds_bucket", {"le": "0.2"}) == 2
+        gate.set()
+    await h.router.stop()
+    assert registry.get_sample_value("turnrouter_overload_state") == 0
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+async def test_readiness_endpoint_flips_with_the_router() -> None:
+    """`/ready` and `/readyz` answer 200 while ready and 503 while busy (real HTTP)."""
+    clock = ManualClock()
+    h = harness(clock)
+    with serve_metrics(0, registry=CollectorRegistry(), ready=lambda: not h.router.busy) as srv:
+        base = f"http://127.0.0.1:{srv.port}"
+        assert await anyio.to_thread.run_sync(_status, base + "/ready") == 200
+        async with anyio.create_task_group() as tg:
+            gate = await hold_turn(h, tg)
+            await lag(clock, 0.2)
+            assert await anyio.to_thread.run_sync(_status, base + "/ready") == 503
+            assert await anyio.to_thread.run_sync(_status, base + "/readyz") == 503
+            assert await anyio.to_thread.run_sync(_status, base + "/metrics") == 200
+            await lag(clock, 0.0, samples=POLICY.calm_samples)
+            assert await anyio.to_thread.run_sync(_status, base + "/readyz") == 200
+            gate.set()
+    await h.router.stop()
+
+
+async def test_a_failing_readiness_check_reads_busy() -> None:
+    """A `ready` callable that raises answers 503, never 200."""
+    def broken() -> bool:
+        raise RuntimeError("no router yet")
+
+    with serve_metrics(0, registry=CollectorRegistry(), ready=broken) as srv:
+        url = f"http://127.0.0.1:{srv.port}/ready"
+        assert await anyio.to_thread.run_sync(_status, url) == 503
+
+
+async def test_runtime_sheds_quietly_and_balances(caplog: pytest.LogCaptureFixture) -> None:
+    """Through the runtime a shed query is told busy_text and counted once, as a turn
+    with outcome busy: neither logged as dropped nor counted as rejected."""
+    clock = ManualClock()
+    observer = RecordingObserver()
+    query: Topic[UserQuery] = Topic("q", UserQuery)
+    output: Topic[ResponseOutput] = Topic("o", ResponseOutput)
+    agent = ScriptedAgent("weather")
+    router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"),
+                         default_destination="weather", query_topic=query,
+                         output_topic=output, telemetry=observer, clock=clock,
+                         overload=POLICY)
+    caplog.set_level(logging.WARNING)
+    async with anyio.create_task_group() as tg:
+        gate = agent.answer_gate = anyio.Event()
+        tg.start_soon(partial(router.route_turn, AgentTurn("p1", "t0", "hold"),
+                              output=OutputRecorder()))
+        with anyio.fail_after(5):
+            await agent.answer_entered.wait()
+        agent.answer_gate = None
+        await lag(clock, 0.2)
+        message = UserQuery(participant_id="p2", text="hi")
+        outputs = await publish_and_drain(router, output, (query, message))
+        gate.set()
+    assert [(o.request_id, o.text) for o in outputs] == [
+        (message.message_id, POLICY.busy_text)]
+    assert observer.outcome(message.message_id) == "busy"
+    assert not [e for e in observer.events if e[0] == "message_rejected"]
+    assert not [r for r in caplog.records if "dropped query" in r.getMessage()]
+    await router.stop()
+
+
+@given(busy=st.one_of(st.floats(allow_nan=True), st.integers(), st.text(max_size=3),
+                      st.none(), st.booleans()),
+       shed=st.one_of(st.floats(allow_nan=True), st.integers(min_value=-10**30,
+                                                              max_value=10**30)),
+       sample=st.one_of(st.floats(allow_nan=True), st.integers(), st.none()),
+       text=st.one_of(st.text(max_size=5), st.none(), st.integers()),
+       calm=st.one_of(st.integers(min_value=-5, max_value=2000), st.floats(), st.booleans()))
+def test_overload_policy_accepts_only_sane_settings(busy: Any, shed: Any, sample: Any,
+                                                    text: Any, calm: Any) -> None:
+    """Any junk is refused with an error naming the setting; what is accepted is sane."""
+    try:
+        policy = OverloadPolicy(busy, shed, sample, text, calm)
+    except (ConfigurationError, ContractTypeError) as exc:
+        error: Exception | None = exc
+    else:
+        error = None
+    if error is not None:
+        assert "OverloadPolicy" in str(error)
+        return
+    assert 0 < policy.busy_lag_secs <= policy.shed_lag_secs
+    assert policy.sample_secs > 0 and policy.busy_text and 1 <= policy.calm_samples <= 1000
+
+
+def test_router_refuses_a_non_policy() -> None:
+    with pytest.raises(ContractTypeError, match="overload"):
+        AgentRouter({"conversation": ScriptedAgent("conversation")},
+                    ScriptedDecisions("conversation"), overload=0.1)  # type: ignore[arg-type]
+
+
+def test_a_scaled_policy_divides_its_durations() -> None:
+    scaled = POLICY.scaled(10)
+    assert [round(v, 9) for v in (scaled.busy_lag_secs, scaled.shed_lag_secs,
+                                  scaled.sample_secs)] == [0.01, 0.05, 0.001]
+    with pytest.raises(ConfigurationError):
+        POLICY.scaled(0)
+
+
+async def test_overflows_are_logged_first_then_at_powers_of_ten(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The 1st, 10th, 100th and 1,000th overflow of a limit are logged, no other."""
+    h = Harness(ScriptedAgent("conversation"), max_participants=1, overload=None)
+    await h.say(participant="a")
+    caplog.set_level(logging.WARNING, logger="turnrouter")
+    for n in range(1500):
+        with pytest.raises(LifecycleError):
+            await h.say(participant=f"refused-{n}")
+    logged = [r.getMessage() for r in caplog.records if "limit participants" in r.getMessage()]
+    assert [m.split("(")[1].split(" ")[0] for m in logged] == ["1", "10", "100", "1000"]
+
+
+async def test_wait_ready_returns_when_the_router_calms_and_can_be_cancelled() -> None:
+    """wait_ready() returns at once while ready, else once the lag falls; a cancelled
+    waiter leaves nothing behind."""
+    clock = ManualClock()
+    h = harness(clock)
+    with anyio.fail_after(5):
+        await h.router.wait_ready()  # ready: at once
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg)
+        await lag(clock, 0.2)
+        calmed = anyio.Event()
+
+        async def waiter() -> None:
+            await h.router.wait_ready()
+            calmed.set()
+
+        with anyio.CancelScope() as scope:  # a waiter cancelled while busy
+            scope.cancel()
+            await h.router.wait_ready()
+        tg.start_soon(waiter)
+        await clock.settle()
+        assert not calmed.is_set()
+        await lag(clock, 0.0, samples=POLICY.calm_samples)
+        with anyio.fail_after(5):
+            await calmed.wait()
+        gate.set()
+    await h.router.stop()
+
+
+def test_the_demo_sheds_unless_told_not_to() -> None:
+    """`turnrouter demo --no-shedding` turns admission control off; it is on by default."""
+    from turnrouter.cli import demo_parser
+
+    assert demo_parser().parse_args([]).no_shedding is False
+    assert demo_parser().parse_args(["--no-shedding"]).no_shedding is True
+
+
+@given(junk=st.one_of(st.integers(), st.text(max_size=5), st.booleans(), st.floats()))
+def test_serve_metrics_refuses_a_ready_check_that_is_not_callable(junk: Any) -> None:
+    with pytest.raises(ContractTypeError, match="ready"):
+        serve_metrics(0, registry=CollectorRegistry(), ready=junk)
+
+
+async def test_the_readiness_server_answers_junk_paths_with_metrics_not_errors() -> None:
+    """Only /ready and /readyz are the check; any other path is the metrics app."""
+    with serve_metrics(0, registry=CollectorRegistry(), ready=lambda: False) as srv:
+        base = f"http://127.0.0.1:{srv.port}"
+        for path in ("/", "/ready/x", "/READY", "/metrics?x=1"):
+            assert await anyio.to_thread.run_sync(_status, base + path) == 200
+
+
+async def test_a_shed_turn_cancelled_while_being_told_is_not_counted() -> None:
+    """Cancelling the caller while the busy text is delivered takes the turn back: it is
+    not counted (the query's publisher did not finish publishing it either)."""
+    clock = ManualClock()
+    h = harness(clock)
+    telling = anyio.Event()
+
+    async def slow_output(turn: AgentTurn, route: str, text: str) -> None:
+        telling.set()
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg)
+        await lag(clock, 0.2)
+        newcomer = h.turn("hi", "p2")
+        async with anyio.create_task_group() as inner:
+            inner.start_soon(partial(h.router.route_turn, newcomer, output=slow_output))
+            with anyio.fail_after(5):
+                await telling.wait()
+            inner.cancel_scope.cancel()
+        assert newcomer.turn_id not in h.observer.turns
+        assert not [e for e in h.observer.events if e[0] == "shed"]
+        gate.set()
+    await h.router.stop()
