@@ -51,6 +51,8 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "turnrouter_acknowledgment_generation_seconds": ("histogram", ("route",)),
     "turnrouter_active_participants": ("gauge", ()),
     "turnrouter_turns_in_flight": ("gauge", ()),
+    "turnrouter_window_participants": ("gauge", ()),
+    "turnrouter_window_clarified_participants": ("gauge", ()),
 }
 CONTRACT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
 #: Buckets chosen for what each histogram measures (issue 16): sub-millisecond steps for
@@ -61,7 +63,8 @@ BUCKETS_BY_FAMILY = {
     "turnrouter_admission_duration_seconds": FAST_BUCKETS,
     "turnrouter_first_response_seconds": RESPONSE_BUCKETS,
     "turnrouter_silence_seconds": RESPONSE_BUCKETS,
-    "turnrouter_acknowledgment_generation_seconds": RESPONSE_BUCKETS,
+    # A template acknowledger answers in microseconds, an LLM in hundreds of ms.
+    "turnrouter_acknowledgment_generation_seconds": FAST_BUCKETS,
 }
 
 

@@ -42,6 +42,7 @@ from ._spans import (
     TRACER_NAME,
 )
 from ._telemetry import Telemetry
+from ._window import MAX_WINDOW_PARTICIPANTS, PARTICIPANT_WINDOW_SECS, ParticipantWindow
 
 __all__ = [
     "ATTR",
@@ -55,8 +56,10 @@ __all__ = [
     "FAST_BUCKETS",
     "INELIGIBLE_REASONS",
     "LATENCY_BUCKETS",
+    "MAX_WINDOW_PARTICIPANTS",
     "METRICS",
     "NEEDLESS_WITHIN_SECONDS",
+    "PARTICIPANT_WINDOW_SECS",
     "RESPONSE_BUCKETS",
     "SPAN_ACKNOWLEDGMENT",
     "SPAN_ADMISSION",
@@ -71,6 +74,7 @@ __all__ = [
     "MetricSpec",
     "MetricType",
     "MetricsServer",
+    "ParticipantWindow",
     "Telemetry",
     "metric",
     "metrics_app",

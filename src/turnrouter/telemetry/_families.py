@@ -35,6 +35,7 @@ from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
 from ._metrics import METRICS, MetricSpec, metric
+from ._window import ParticipantWindow
 
 __all__ = [
     "BOOL_LABEL",
@@ -256,6 +257,11 @@ class _Registered:
             self.gauges = {name: self._gauge(registry, registered, name) for name in _GAUGES}
             # Turns in flight change twice per turn: plain counts read at scrape time.
             self.gauges["turnrouter_turns_in_flight"].set_function(self._in_flight)
+            # Distinct participants in the sliding windows: the union over shards.
+            self.gauges["turnrouter_window_participants"].set_function(
+                partial(self._distinct, "speakers"))
+            self.gauges["turnrouter_window_clarified_participants"].set_function(
+                partial(self._distinct, "clarified"))
         except BaseException:
             for collector in registered:  # leave the registry as it was
                 registry.unregister(collector)  # type: ignore[arg-type]
@@ -279,6 +285,14 @@ class _Registered:
             shards = list(self.shards)
         return float(sum(shard.turns_begun - shard.turns_ended for shard in shards))
 
+    def _distinct(self, window: str) -> float:
+        with self.lock:
+            shards = list(self.shards)
+        ids: set[str] = set()
+        for shard in shards:
+            ids.update(getattr(shard, window).live())
+        return float(len(ids))
+
 
 _COUNTERS = tuple(spec.name for spec in METRICS if spec.type == "counter")
 _HISTOGRAMS = tuple(spec.name for spec in METRICS if spec.type == "histogram")
@@ -297,12 +311,37 @@ class Families:
     module docstring)."""
 
     __slots__ = (
-        "__weakref__", "_admission_pairs", "_turn_pairs", "_unlabelled", "ack_delay",
-        "ack_generation", "acknowledgments", "admission_duration", "admissions", "clarifications",
-        "context_patches", "decision_duration", "failures", "fallbacks", "first_response",
-        "focus", "ineligible", "interruptions", "needless", "overflows", "participants",
-        "predicted", "rejected", "reroutes", "silence", "turn_duration", "turns",
-        "turns_begun", "turns_ended",
+        "__weakref__",
+        "_admission_pairs",
+        "_turn_pairs",
+        "_unlabelled",
+        "ack_delay",
+        "ack_generation",
+        "acknowledgments",
+        "admission_duration",
+        "admissions",
+        "clarifications",
+        "clarified",
+        "context_patches",
+        "decision_duration",
+        "failures",
+        "fallbacks",
+        "first_response",
+        "focus",
+        "ineligible",
+        "interruptions",
+        "needless",
+        "overflows",
+        "participants",
+        "predicted",
+        "rejected",
+        "reroutes",
+        "silence",
+        "speakers",
+        "turn_duration",
+        "turns",
+        "turns_begun",
+        "turns_ended",
     )
 
     def __init__(self, registered: _Registered) -> None:
@@ -344,11 +383,24 @@ class Families:
         #: Turns begun and ended on this shard (`turnrouter_turns_in_flight` at scrape).
         self.turns_begun = 0
         self.turns_ended = 0
+        #: Distinct participants with a turn / a clarification in the sliding window.
+        self.speakers = ParticipantWindow()
+        self.clarified = ParticipantWindow()
         # Children updated together on every turn, bound once per label combination.
         self._turn_pairs: dict[tuple[str, str], tuple[Count, Latency]] = {}
         self._admission_pairs: dict[tuple[str, str, bool], tuple[Count, Latency]] = {}
         with registered.lock:
             registered.shards.add(self)
+
+    def note_speaker(self, participant_id: str) -> None:
+        """A turn of `participant_id` began (the window's overflow is counted)."""
+        if not self.speakers.note(participant_id):
+            self.overflows.get("participant_window").inc()
+
+    def note_clarified(self, participant_id: str) -> None:
+        """`participant_id` was asked to clarify."""
+        if not self.clarified.note(participant_id):
+            self.overflows.get("participant_window").inc()
 
     def turn_children(self, route: str, outcome: str) -> tuple[Count, Latency]:
         """`turnrouter_turns_total` and `turnrouter_turn_duration_seconds` children."""

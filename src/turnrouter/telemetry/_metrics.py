@@ -180,6 +180,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "Turns currently being handled.",
     ),
     MetricSpec(
+        "turnrouter_window_participants", "gauge",
+        "Distinct participants with a turn in the last 60 s (a sliding window of at most "
+        "10000 ids per thread; the denominator of the broad-clarification page).",
+    ),
+    MetricSpec(
+        "turnrouter_window_clarified_participants", "gauge",
+        "Distinct participants asked to clarify at least once in the last 60 s (same "
+        "window): one loud client counts once.",
+    ),
+    MetricSpec(
         "turnrouter_ineligible_routes_total", "counter",
         "Candidate routes skipped as ineligible when a turn was routed, by route and "
         "reason (unavailable, capacity, policy, not_candidate).",
@@ -194,8 +204,9 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "turnrouter_acknowledgment_generation_seconds", "histogram",
-        "Time to generate an acknowledgment (the acknowledgment LLM's call), by route.",
-        ("route",), RESPONSE_BUCKETS,
+        "Time to generate an acknowledgment (the acknowledgment LLM's call, or a template's "
+        "microseconds), by route.",
+        ("route",), FAST_BUCKETS,
     ),
 )
 

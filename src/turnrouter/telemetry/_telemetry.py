@@ -178,10 +178,11 @@ class Telemetry(RouterObserver):
         """Open the `turnrouter.turn` span and make it current until `finished()`."""
         families = self._families
         families.turns_begun += 1
+        turn, focus = event.turn, event.focus
+        families.note_speaker(turn.participant_id)
         tracer = self._current_tracer()
         if tracer is None:
-            return TurnMetrics(families, None)
-        turn, focus = event.turn, event.focus
+            return TurnMetrics(families, None, turn.participant_id)
         attributes: Attributes = {
             ATTR.PARTICIPANT_ID: turn.participant_id,
             ATTR.TURN_ID: turn.turn_id,
@@ -193,7 +194,8 @@ class Telemetry(RouterObserver):
         span = tracer.start_span(SPAN_TURN, kind=INTERNAL, attributes=attributes)
         if not span.is_recording():
             # Unsampled: propagate the context, skip every child span and attribute.
-            return TurnMetrics(families, otel_context.attach(trace.set_span_in_context(span)))
+            return TurnMetrics(families, otel_context.attach(trace.set_span_in_context(span)),
+                               turn.participant_id)
         settings = self._settings
         if settings is None or settings.tracer is not tracer:
             settings = self._settings = TraceSettings(
