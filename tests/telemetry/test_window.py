@@ -70,11 +70,14 @@ def test_default_bound_is_documented() -> None:
 @pytest.mark.anyio
 async def test_the_gauges_count_distinct_participants_and_clarified_ones() -> None:
     """Five participants speak, one of them is clarified on every turn: the window holds
-    five speakers and one clarified participant, however many turns it took."""
+    five speakers and one clarified participant, however many turns it took; once its
+    latest turn is answered it is no longer counted as clarified."""
     registry = CollectorRegistry()
     telemetry = Telemetry(registry=registry)
+    decisions_flip = [False]
     decisions = ScriptedDecisions(
-        lambda request: "clarify" if request.turn.participant_id == "loud" else "weather")
+        lambda request: "clarify" if request.turn.participant_id == "loud"
+        and not decisions_flip[0] else "weather")
     router = AgentRouter({"weather": ScriptedAgent("weather")}, decisions,
                          output=OutputRecorder(), telemetry=telemetry)
     try:
@@ -82,9 +85,14 @@ async def test_the_gauges_count_distinct_participants_and_clarified_ones() -> No
             await router.handle(AgentTurn("loud", f"loud-{turn}", "what?"))
         for name in ("a", "b", "c", "d"):
             await router.handle(AgentTurn(name, f"{name}-1", "will it rain?"))
+        assert registry.get_sample_value("turnrouter_window_participants") == 5
+        assert registry.get_sample_value("turnrouter_window_clarified_participants") == 1
+        # A clarified participant whose next turn is answered no longer counts.
+        decisions_flip[0] = True
+        await router.handle(AgentTurn("loud", "loud-answered", "will it rain?"))
+        assert registry.get_sample_value("turnrouter_window_clarified_participants") == 0
+        assert registry.get_sample_value("turnrouter_window_participants") == 5
     finally:
         await router.stop()
-    assert registry.get_sample_value("turnrouter_window_participants") == 5
-    assert registry.get_sample_value("turnrouter_window_clarified_participants") == 1
     assert registry.get_sample_value("turnrouter_clarifications_total",
                                      {"reason": "low_confidence"}) == 20

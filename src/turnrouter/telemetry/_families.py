@@ -393,7 +393,9 @@ class Families:
             registered.shards.add(self)
 
     def note_speaker(self, participant_id: str) -> None:
-        """A turn of `participant_id` began (the window's overflow is counted)."""
+        """A turn of `participant_id` began: a speaker of the window, no longer counted as
+        clarified until this turn is (the window's overflow is counted)."""
+        self.clarified.discard(participant_id)
         if not self.speakers.note(participant_id):
             self.overflows.get("participant_window").inc()
 

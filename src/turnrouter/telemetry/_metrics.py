@@ -186,8 +186,8 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "turnrouter_window_clarified_participants", "gauge",
-        "Distinct participants asked to clarify at least once in the last 60 s (same "
-        "window): one loud client counts once.",
+        "Distinct participants of turnrouter_window_participants whose latest turn was "
+        "answered with a clarification question: one loud client counts once.",
     ),
     MetricSpec(
         "turnrouter_ineligible_routes_total", "counter",

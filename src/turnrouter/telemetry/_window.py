@@ -4,9 +4,11 @@ The clarification page must tell a broad incident (many participants asked to cl
 from one loud client (one participant clarified on every turn): a ratio of counters
 cannot, since one looping client can make most of the turns. Two gauges can: how many
 distinct participants had a turn in the last `PARTICIPANT_WINDOW_SECS`, and how many of
-them were asked to clarify. Participant ids never become labels; only the counts do.
+them had their latest turn answered with a clarification question (their share estimates
+the clarification ratio *per participant*, whatever each one's turn rate: one loud client
+counts once). Participant ids never become labels; only the counts do.
 
-Cost: one dict update per turn (and per clarification) on the recording thread, no lock
+Cost: two dict updates per turn (and one per clarification) on the recording thread, no lock
 (each thread's shard has its own windows; a scrape takes the union). Bound:
 `MAX_WINDOW_PARTICIPANTS` ids per window and shard; past it the oldest id is dropped
 and, if it was still inside the window, `turnrouter_limit_overflows_total
@@ -69,6 +71,10 @@ class ParticipantWindow:
             stamp = seen.pop(oldest)
             return stamp < horizon
         return True
+
+    def discard(self, participant_id: str) -> None:
+        """Forget `participant_id` (its latest turn no longer counts)."""
+        self._seen.pop(participant_id, None)
 
     def live(self) -> Iterable[str]:
         """The ids noted inside the window (a snapshot)."""
