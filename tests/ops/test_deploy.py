@@ -227,15 +227,16 @@ def test_prometheus_rule_equals_the_rule_file() -> None:
     (rule,) = _k8s(Path(K8S_RULE).name)
     assert rule["kind"] == "PrometheusRule"
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
-    assert rule["spec"] == _load(ROOT / RULES_FILE) == rule_groups()
+    assert rule["spec"] == _load(ROOT / RULES_FILE) == rule_groups(
+        overrides=read_overrides(ROOT / DEMO_OVERRIDES))
 
 
 def test_dashboards_configmap_equals_the_dashboard_files() -> None:
     """The dashboards ConfigMap carries the checked-in dashboard JSON, sidecar-labelled."""
     (configmap,) = _k8s(Path(K8S_DASHBOARDS).name)
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
-    on_disk = {p.name: p.read_text() for p in (ROOT / "dashboards").glob("*.json")}
-    assert configmap["data"] == on_disk
+    on_disk = {p.name: json.loads(p.read_text()) for p in (ROOT / "dashboards").glob("*.json")}
+    assert {name: json.loads(text) for name, text in configmap["data"].items()} == on_disk
     assert all(json.loads(text)["uid"] for text in configmap["data"].values())
 
 

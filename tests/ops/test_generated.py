@@ -159,7 +159,7 @@ def test_acknowledgment_dashboard_has_the_required_panels() -> None:
     titles = {p["title"] for p in _panels(MODELS["turnrouter-acknowledgment-tuning.json"])}
     assert {"First response quantiles", "First response heatmap: $route",
             "Silence p95 vs configured delay", "Acknowledgments: emitted vs suppressed",
-            "Needless acknowledgments", "Predicted vs observed first response",
+            "Needless acknowledgments per turn", "Predicted vs observed first response",
             "Which delay? What-if per candidate delay and route", "Recommended delay",
             "Configured delay", "Acknowledgment generation time"} <= titles
     heatmap = _panel("First response heatmap: $route")

@@ -9,6 +9,7 @@ which looks the metric up in `METRICS`, so a renamed metric fails here first.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ..telemetry import metric
@@ -19,7 +20,10 @@ from ._rules import (
     DEAD_AIR_SECONDS,
     DECISION_SLOW_SECONDS,
     FAILURE_RATIO,
+    GROUP_LABELS,
+    MIN_CLARIFIED_PARTICIPANTS,
     SLOW_FIRST_RESPONSE_SECONDS,
+    check_group_labels,
 )
 from ._tuning import (
     ALL_ROUTES,
@@ -41,6 +45,8 @@ JOB = 'job=~"$job"'
 #: Choices of the "which delay?" target variable (all-routes acknowledgment rate).
 ACK_RATE_TARGETS = ("0.1", "0.2", "0.3", "0.4", "0.5")
 ROUTE = 'route=~"$route"'
+#: The alerts' window: panels that show an alerted ratio use it, not `$__rate_interval`.
+ALERT_WINDOW = "5m"
 
 
 def _m(name: str, suffix: str = "") -> str:
@@ -55,9 +61,13 @@ def _sel(name: str, *matchers: str, suffix: str = "") -> str:
 
 
 def _quantile(q: float, name: str, by: str, *matchers: str, window: str = RATE) -> str:
+    """A quantile by `by`, only where the window holds observations (no NaN for a route
+    or outcome without any: it shows as a gap)."""
     by_clause = f"{by}, le" if by else "le"
     return (f"histogram_quantile({q:g}, sum by ({by_clause}) "
-            f"(rate({_sel(name, *matchers, suffix='_bucket')}[{window}])))")
+            f"(rate({_sel(name, *matchers, suffix='_bucket')}[{window}])))\n"
+            f"and on ({by}) (sum by ({by}) "
+            f"(rate({_sel(name, *matchers, suffix='_count')}[{window}])) > 0)")
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -230,15 +240,20 @@ def overview() -> dict[str, Any]:
     """The "turnrouter overview" dashboard."""
     turns = _m("turnrouter_turns_total")
     clarifications = _m("turnrouter_clarifications_total")
+    # The alerts' own windows (5 minutes) and sums, so the panels show what they fire on.
     clar_ratio = (
-        f"sum(rate({clarifications}{{{JOB}}}[{RATE}]))\n/\n"
-        f"(sum(rate({turns}{{{JOB}}}[{RATE}])) > 0)"
+        f"sum(rate({clarifications}{{{JOB}}}[{ALERT_WINDOW}]))\n/\n"
+        f"(sum(rate({turns}{{{JOB}}}[{ALERT_WINDOW}])) > 0)"
     )
+    clarified_share = (
+        f"sum({_sel('turnrouter_window_clarified_participants', JOB)})\n/\n"
+        f"(sum({_sel('turnrouter_window_participants', JOB)}) > 0)")
     panels: list[dict[str, Any]] = [
         _row("Traffic"),
         _stat("Turns / s", "Turns handled per second, all routes.",
               f"sum(rate({_sel('turnrouter_turns_total', JOB, ROUTE)}[{RATE}]))", unit="ops"),
-        _stat("Clarification ratio (now)", "Clarifications per turn (the alerted ratio).",
+        _stat("Clarification ratio (5m)", "Clarifications per turn over 5 minutes (the "
+              "ticket's ratio, TurnrouterHighClarificationRate warning).",
               clar_ratio, unit="percentunit",
               thresholds=_thresholds(("green", None), ("orange", CLARIFICATION_WARNING),
                                      ("red", CLARIFICATION_CRITICAL))),
@@ -254,12 +269,19 @@ def overview() -> dict[str, Any]:
                       "{{route}} {{outcome}}")),
             unit="ops", stack=True),
         _timeseries(
-            "Clarification ratio", "Clarifications per turn, with the warning and critical "
-            "thresholds of TurnrouterHighClarificationRate drawn.",
-            _targets((clar_ratio, "clarification ratio"),
+            "Clarification ratio", "Clarifications per turn over 5 minutes (the ticket fires "
+            f"above {CLARIFICATION_WARNING:.0%}), by reason, and the page's signal: the share "
+            "of the last minute's distinct participants whose latest turn was clarified "
+            f"(TurnrouterHighClarificationRate critical above {CLARIFICATION_CRITICAL:.0%}, "
+            f"with at least {MIN_CLARIFIED_PARTICIPANTS} of them: one loud client counts "
+            "once).",
+            _targets((clar_ratio, "clarification ratio (turns, 5m)"),
                      (f"sum by (reason) (rate({_sel('turnrouter_clarifications_total', JOB)}"
-                      f"[{RATE}]))\n/ ignoring (reason) group_left ()\n"
-                      f"(sum(rate({turns}{{{JOB}}}[{RATE}])) > 0)", "{{reason}}")),
+                      f"[{ALERT_WINDOW}]))\n/ ignoring (reason) group_left ()\n"
+                      f"(sum(rate({turns}{{{JOB}}}[{ALERT_WINDOW}])) > 0)", "{{reason}}"),
+                     (clarified_share, "participants clarified (page)"),
+                     (f"sum({_sel('turnrouter_window_clarified_participants', JOB)})",
+                      "participants clarified (count, right axis)")),
             unit="percentunit", draw="dashed",
             thresholds=_thresholds(("green", None), ("orange", CLARIFICATION_WARNING),
                                    ("red", CLARIFICATION_CRITICAL))),
@@ -291,13 +313,17 @@ def overview() -> dict[str, Any]:
                       "{{route}} {{reason}}")),
             unit="ops", stack=True),
         _timeseries(
-            "Failures by stage", "Failures per second by stage and route, against turns "
-            f"(TurnrouterFailures fires above {FAILURE_RATIO:.0%} of turns per stage).",
-            _targets((f"sum by (stage, route) (rate({_sel('turnrouter_failures_total', JOB)}"
-                      f"[{RATE}]))", "{{stage}} ({{route}})"),
-                     (f"sum(rate({_sel('turnrouter_interruptions_total', JOB)}[{RATE}]))",
-                      "interruptions")),
-            unit="ops", stack=False),
+            "Failures by stage", "Failures per turn by stage over 5 minutes, as "
+            f"TurnrouterFailures computes it (it fires above {FAILURE_RATIO:.0%} of turns per "
+            "stage, the dashed line), and interrupted turns per turn.",
+            _targets((f"sum by (stage) (rate({_sel('turnrouter_failures_total', JOB)}"
+                      f"[{ALERT_WINDOW}]))\n/ ignoring (stage) group_left ()\n"
+                      f"(sum(rate({turns}{{{JOB}}}[{ALERT_WINDOW}])) > 0)", "{{stage}}"),
+                     (f"sum(rate({_sel('turnrouter_interruptions_total', JOB)}"
+                      f"[{ALERT_WINDOW}]))\n/\n"
+                      f"(sum(rate({turns}{{{JOB}}}[{ALERT_WINDOW}])) > 0)", "interrupted")),
+            unit="percentunit", stack=False, draw="dashed",
+            thresholds=_thresholds(("green", None), ("red", FAILURE_RATIO))),
         _timeseries(
             "Focus transitions", "Focus taken, released or lost per second, by route.",
             _targets((f"sum by (route, transition) (rate("
@@ -381,6 +407,7 @@ def acknowledgment_tuning() -> dict[str, Any]:
     acks = _m("turnrouter_acknowledgments_total")
     delay = f"max({_sel('turnrouter_acknowledgment_delay_seconds', JOB)})"
     emitted = _sel(acks, JOB, ROUTE, 'outcome="emitted"')
+    delay_emitted = _sel(acks, JOB, ROUTE, 'outcome="emitted"', 'trigger="delay"')
     scheduled = _sel(acks, JOB, ROUTE)
     predicted = _sel("turnrouter_predicted_first_response_seconds", JOB, ROUTE)
     heatmap: dict[str, Any] = {
@@ -527,21 +554,30 @@ def acknowledgment_tuning() -> dict[str, Any]:
                       "{{outcome}} ({{trigger}})")),
             unit="ops", stack=True),
         _timeseries(
-            "Acknowledgment ratio by route", "Share of scheduled acknowledgments that were "
-            "spoken, by route (the alerted ratio: TurnrouterAcknowledgmentOveruse above "
-            f"{ACK_OVERUSE_RATIO:.0%}).",
-            _targets((f"sum by (route) (rate({emitted}[{RATE}]))\n/\n"
-                      f"(sum by (route) (rate({scheduled}[{RATE}])) > 0)", "{{route}}")),
+            "Acknowledgment ratio by route", "Share of scheduled acknowledgments spoken "
+            "because the fallback delay ran out, by route, over 5 minutes: the alerted ratio "
+            f"(TurnrouterAcknowledgmentOveruse above {ACK_OVERUSE_RATIO:.0%}, the dashed "
+            "line; routes may have their own or none). Prediction-triggered "
+            "acknowledgments are intended and do not count; all spoken ones are drawn "
+            "beside it for reference.",
+            _targets((f"sum by (route) (rate({delay_emitted}[{ALERT_WINDOW}]))\n/\n"
+                      f"(sum by (route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
+                      "{{route}} (alerted: delay)"),
+                     (f"sum by (route) (rate({emitted}[{ALERT_WINDOW}]))\n/\n"
+                      f"(sum by (route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
+                      "{{route}} (all spoken)")),
             unit="percentunit", draw="dashed", max_=1,
             thresholds=_thresholds(("green", None), ("red", ACK_OVERUSE_RATIO))),
         _timeseries(
-            "Needless acknowledgments", "Share of spoken acknowledgments followed by the "
-            "answer's start within 0.5 s, by route and trigger: `prediction` are early "
-            "acknowledgments that turned out needless, `delay` the fallback delay's "
-            "(turnrouter_needless_acknowledgments_total).",
+            "Needless acknowledgments per turn", "Needless acknowledgments (spoken, and the "
+            "answer started within 0.5 s) per turn, by route and trigger, over 5 minutes: "
+            "the same per-turn share as the `needless` column of *Which delay?* "
+            "(`prediction`: early acknowledgments that turned out needless; `delay`: the "
+            "fallback delay's).",
             _targets((f"sum by (route, trigger) (rate("
                       f"{_sel('turnrouter_needless_acknowledgments_total', JOB, ROUTE)}"
-                      f"[{RATE}]))\n/\n(sum by (route, trigger) (rate({emitted}[{RATE}])) > 0)",
+                      f"[{ALERT_WINDOW}]))\n/ on (route) group_left ()\n"
+                      f"(sum by (route) (rate({count}[{ALERT_WINDOW}])) > 0)",
                       "{{route}} ({{trigger}})")),
             unit="percentunit", max_=1),
         _timeseries(
@@ -576,9 +612,49 @@ DASHBOARDS = {
 }
 
 
-def dashboards() -> dict[str, dict[str, Any]]:
-    """Every dashboard, by file name."""
-    return {name: build() for name, build in DASHBOARDS.items()}
+def _group_variable(label: str, before: Sequence[str]) -> dict[str, Any]:
+    turns = _m("turnrouter_turns_total")
+    matchers = ", ".join(f'{name}=~"${name}"' for name in before)
+    series = f"{turns}{{{matchers}}}" if matchers else turns
+    return {
+        "name": label, "label": label.replace("_", " ").capitalize(), "type": "query",
+        "datasource": DATASOURCE,
+        "definition": f"label_values({series}, {label})",
+        "query": {"query": f"label_values({series}, {label})",
+                  "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "current": {}, "hide": 0, "refresh": 2, "regex": "", "sort": 1, "options": [],
+        "includeAll": True, "multi": True, "allValue": ".*",
+    }
+
+
+def _regroup(value: Any, matchers: str) -> Any:
+    """`value` with every `job=~"$job"` matcher replaced by the group labels' matchers."""
+    if isinstance(value, str):
+        return value.replace(JOB, matchers)
+    if isinstance(value, list):
+        return [_regroup(item, matchers) for item in value]
+    if isinstance(value, dict):
+        return {key: _regroup(item, matchers) for key, item in value.items()}
+    return value
+
+
+def _with_group_labels(model: dict[str, Any], labels: Sequence[str]) -> dict[str, Any]:
+    """The dashboard filtered on every group label (a variable each, chained in order:
+    cluster, then namespace, then job), as the alerts aggregate by them."""
+    matchers = ", ".join(f'{label}=~"${label}"' for label in labels)
+    variables = model["templating"]["list"]
+    out = _regroup(model, matchers)
+    chained = [_group_variable(label, labels[:index]) for index, label in enumerate(labels)]
+    at = next(i for i, v in enumerate(variables) if v["name"] == "job")
+    out["templating"]["list"][at:at + 1] = chained
+    return out  # type: ignore[no-any-return]
+
+
+def dashboards(group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, dict[str, Any]]:
+    """Every dashboard, by file name, filtered on `group_labels` (default cluster,
+    namespace, job: the labels the alerts aggregate by)."""
+    labels = check_group_labels(group_labels)
+    return {name: _with_group_labels(build(), labels) for name, build in DASHBOARDS.items()}
 
 
 def render_dashboard(model: dict[str, Any]) -> str:
@@ -586,9 +662,9 @@ def render_dashboard(model: dict[str, Any]) -> str:
     return json.dumps(model, indent=2, ensure_ascii=False) + "\n"
 
 
-def dashboard_files() -> dict[str, str]:
+def dashboard_files(group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, str]:
     """File name -> text, as checked in under `dashboards/`."""
-    return {name: render_dashboard(model) for name, model in dashboards().items()}
+    return {name: render_dashboard(model) for name, model in dashboards(group_labels).items()}
 
 
 def _walk_panels(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
