@@ -240,6 +240,15 @@ def test_dashboards_configmap_equals_the_dashboard_files() -> None:
     assert all(json.loads(text)["uid"] for text in configmap["data"].values())
 
 
+def test_servicemonitor_sets_job_from_a_label() -> None:
+    """`jobLabel`: the job is the app's name label, not the Service's name, so the rules'
+    cluster/namespace/job grouping keeps two deployments apart."""
+    (monitor,) = _k8s("servicemonitor.yaml")
+    label = monitor["spec"]["jobLabel"]
+    (service,) = _k8s("service.yaml")
+    assert service["metadata"]["labels"][label] == "turnrouter"
+
+
 def test_deployment_service_and_servicemonitor_agree() -> None:
     """Selectors match pod labels; the named metrics port and 9464 agree everywhere."""
     (deployment,) = _k8s("deployment.yaml")
