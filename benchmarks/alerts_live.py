@@ -319,18 +319,17 @@ def _table(fired: dict[tuple[str, ...], float],
     for name in SCENARIOS:
         job = f"turnrouter-{name}"
         notified: dict[tuple[str, ...], float] = {}
-        for at, receiver, alert in received:
+        for at, _receiver, alert in received:
             labels = alert["labels"]
             if labels.get("job") != job or alert["status"] != "firing":
                 continue
-            key = (job, labels["alertname"], labels.get("severity", ""),
-                   labels.get("route", ""))
-            notified.setdefault(key, at)
+            notified.setdefault((job, labels["alertname"], labels.get("severity", ""),
+                                 labels.get("route", "")), at)
         keys = sorted(set(notified) | {k for k in fired if k[0] == job},
                       key=lambda k: fired.get(k, notified.get(k, 0.0)))
         alerts, fire_times, notify_times, false = [], [], [], []
         for key in keys:
-            _, alertname, severity, route = key
+            alertname, severity, route = key[1], key[2], key[3]
             label = f"{alertname}/{severity}" + (f"/{route}" if route else "")
             alerts.append(label)
             fire = fired.get(key)

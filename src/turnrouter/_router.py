@@ -174,6 +174,7 @@ class AgentRouter:
         context_budget_bytes: int = DEFAULT_CONTEXT_BUDGET_BYTES,
         acknowledgment_llm: LLMService | None = None,
         acknowledgment_delay_secs: float | None = None,
+        acknowledgment_route_delays: Mapping[str, float] | None = None,
         query_topic: Any = None,
         output_topic: Any = None,
         participant_joined_topic: Any = None,
@@ -202,6 +203,7 @@ class AgentRouter:
             destinations, decisions, output=output, default_destination=default_destination,
             context_budget_bytes=context_budget_bytes, acknowledgment_llm=acknowledgment_llm,
             acknowledgment_delay_secs=acknowledgment_delay_secs,
+            acknowledgment_route_delays=acknowledgment_route_delays,
             topics={
                 "query_topic": query_topic, "output_topic": output_topic,
                 "participant_joined_topic": participant_joined_topic,

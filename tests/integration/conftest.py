@@ -63,13 +63,18 @@ ALERTMANAGER_CONFIG = ROOT / "deploy/alertmanager/alertmanager.yml"
 class Source:
     """A metrics source process serving `/metrics` on a free port."""
 
-    def __init__(self, workdir: Path, name: str, args: list[str]) -> None:
+    def __init__(self, workdir: Path, name: str, args: list[str],
+                 otlp_endpoint: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/metrics"
         self.log_path = workdir / f"{name}.log"
         self._log = self.log_path.open("wb")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+        if otlp_endpoint is not None:
+            # Spans exported (to a sink that accepts and drops them): the demo records
+            # spans, and trace exemplars, only when something receives them.
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
         self.process = subprocess_popen(source_command(self.port, args), self._log, env)
 
     def log_tail(self, lines: int = 30) -> str:
@@ -120,7 +125,14 @@ def _serve_webhook(hook: Webhook) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             length = min(int(self.headers.get("Content-Length") or 0), 10_000_000)
-            body = json.loads(self.rfile.read(length) or b"{}")
+            raw = self.rfile.read(length)
+            if self.path.startswith("/v1/traces"):  # the sources' OTLP spans: dropped
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = json.loads(raw or b"{}")
             with hook.lock:
                 hook.received.setdefault(self.path.strip("/"), []).append(body)
             self.send_response(200)
@@ -175,8 +187,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("prometheus")
     hook = Webhook()
     hook_server = _serve_webhook(hook)
+    sink = f"http://127.0.0.1:{hook_server.server_address[1]}"
     sources = {
-        NORMAL_JOB: Source(workdir, "normal", ["--seed", "1"]),
+        NORMAL_JOB: Source(workdir, "normal", ["--seed", "1"], otlp_endpoint=sink),
         CLARIFY_JOB: Source(workdir, "clarify", ["--clarify-heavy", "--speed", "4",
                                                   "--seed", "2"]),
         HEAVY_JOB: Source(workdir, "heavy", ["--clarify-heavy", "--participants", "1",

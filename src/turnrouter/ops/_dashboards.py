@@ -23,6 +23,8 @@ from ._rules import (
     GROUP_LABELS,
     MIN_CLARIFIED_PARTICIPANTS,
     SLOW_FIRST_RESPONSE_SECONDS,
+    RouteOverride,
+    _promql_regex_literal,
     check_group_labels,
 )
 from ._tuning import (
@@ -71,6 +73,29 @@ def _quantile(q: float, name: str, by: str, *matchers: str, window: str = RATE) 
 
 
 # --------------------------------------------------------------------------- building blocks
+
+#: The per-route overrides the dashboards being built draw (set by `dashboards()`).
+_OVERRIDES: list[tuple[RouteOverride, ...]] = [()]
+
+
+def _slow_first_response_targets() -> str:
+    """Each route's TurnrouterSlowFirstResponse threshold as a series (its override, or
+    the default), only for routes with answers in the alert's window."""
+    count = _m("turnrouter_first_response_seconds", "_count")
+    mine = {o.route: o for o in _OVERRIDES[0] if o.alert == "TurnrouterSlowFirstResponse"}
+
+    def line(matcher: str, threshold: float) -> str:
+        return (f"(sum by (route) (rate({count}{{{JOB}, {ROUTE}{matcher}}}[{ALERT_WINDOW}])) "
+                f"> 0) * 0 + {threshold:g}")
+
+    if not mine:
+        return line("", SLOW_FIRST_RESPONSE_SECONDS)
+    routes = "|".join(_promql_regex_literal(route) for route in sorted(mine))
+    parts = [line(f', route!~"{routes}"', SLOW_FIRST_RESPONSE_SECONDS)]
+    parts += [line(f', route="{route}"', o.threshold if o.threshold is not None
+                   else SLOW_FIRST_RESPONSE_SECONDS)
+              for route, o in sorted(mine.items()) if not o.disabled]
+    return "\nor\n".join(parts)
 
 
 def _thresholds(*steps: tuple[str, float | None]) -> dict[str, Any]:
@@ -353,10 +378,12 @@ def overview() -> dict[str, Any]:
             unit="s"),
         _timeseries(
             "First response p95 by route", "Time from answer() to started() (exemplars link "
-            "to the `invoke_agent` span). TurnrouterSlowFirstResponse: p95 above "
-            f"{SLOW_FIRST_RESPONSE_SECONDS:g}s.",
-            _targets((_quantile(0.95, "turnrouter_first_response_seconds", "route", JOB,
-                                ROUTE), "p95 {{route}}"), exemplar=True),
+            "to the `invoke_agent` span), and each route's TurnrouterSlowFirstResponse "
+            f"threshold (the default {SLOW_FIRST_RESPONSE_SECONDS:g}s, dashed, or the "
+            "route's own override).",
+            [*_targets((_quantile(0.95, "turnrouter_first_response_seconds", "route", JOB,
+                                  ROUTE), "p95 {{route}}"), exemplar=True),
+             _target(_slow_first_response_targets(), "alert threshold {{route}}", ref="B")],
             unit="s", draw="dashed",
             thresholds=_thresholds(("green", None), ("red", SLOW_FIRST_RESPONSE_SECONDS))),
         _row("Load and context"),
@@ -434,9 +461,18 @@ def acknowledgment_tuning() -> dict[str, Any]:
     matchers = f"{JOB}, {ROUTE}"
     whatif = whatif_queries(matchers, "$__range")
     chosen = candidates()
-    current = "\nor\n".join(
+    marker = "\nor\n".join(
         f'label_replace((abs({delay} - {c.delay:g}) < 0.025) * 0 + 1, "delay", '
         f'"{c.delay:g}", "__name__", ".*")' for c in chosen)
+    # One row per (delay, route) the other columns have (the all-routes row included),
+    # so the marker is a column of those rows, never a row of its own.
+    turns = f"sum by (route) (increase({count}[$__range]))"
+    skeleton = "\nor\n".join(
+        f'label_replace(({turns} > 0) * 0, "delay", "{c.delay:g}", "__name__", ".*")\nor\n'
+        f'label_replace(label_replace((sum({turns}) > 0) * 0, "delay", "{c.delay:g}", '
+        f'"__name__", ".*"), "route", "{ALL_ROUTES}", "__name__", ".*")' for c in chosen)
+    current = (f"(\n{skeleton}\n) + on (delay) group_left ()\n(\n{marker}\n)\n"
+               f"or\n(\n{skeleton}\n)")
     table_targets = [
         _target(whatif["ack"], "", ref="A", instant=True, fmt="table"),
         _target(whatif["ack_all"], "", ref="B", instant=True, fmt="table"),
@@ -491,7 +527,12 @@ def acknowledgment_tuning() -> dict[str, Any]:
                                  "Value #L": "fixed: p95 silence"}}},
             {"id": "sortBy", "options": {"sort": [{"field": "delay"}]}},
         ],
-        "fieldConfig": {"defaults": {"unit": "percentunit", "decimals": 1}, "overrides": [
+        "fieldConfig": {"defaults": {
+            "unit": "percentunit", "decimals": 1,
+            "noValue": "No first responses in the time range for these routes (or the "
+                       "routers export no turnrouter_first_response_seconds): widen the "
+                       "range or check the job and route variables."},
+            "overrides": [
             *({"matcher": {"id": "byName", "options": name},
                "properties": [{"id": "unit", "value": "s"}, {"id": "decimals", "value": 2}]}
               for name in ("p95 silence", "fixed: p95 silence")),
@@ -517,10 +558,12 @@ def acknowledgment_tuning() -> dict[str, Any]:
         _row("First response"),
         _timeseries(
             "First response quantiles", "p50, p90 and p95 of the time from answer() to "
-            "started(), by route (exemplars link to the `invoke_agent` span).",
-            _targets(*((_quantile(q, first.name, "route", JOB, ROUTE),
-                        f"p{round(q * 100)} {{{{route}}}}") for q in (0.5, 0.9, 0.95)),
-                     exemplar=True),
+            "started(), by route (exemplars link to the `invoke_agent` span), and each "
+            "route's TurnrouterSlowFirstResponse threshold (per-route overrides included).",
+            [*_targets(*((_quantile(q, first.name, "route", JOB, ROUTE),
+                          f"p{round(q * 100)} {{{{route}}}}") for q in (0.5, 0.9, 0.95)),
+                       exemplar=True),
+             _target(_slow_first_response_targets(), "alert threshold {{route}}", ref="D")],
             unit="s", draw="dashed",
             thresholds=_thresholds(("green", None), ("red", SLOW_FIRST_RESPONSE_SECONDS))),
         _timeseries(
@@ -650,11 +693,18 @@ def _with_group_labels(model: dict[str, Any], labels: Sequence[str]) -> dict[str
     return out  # type: ignore[no-any-return]
 
 
-def dashboards(group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, dict[str, Any]]:
+def dashboards(group_labels: Sequence[str] = GROUP_LABELS,
+               overrides: Sequence[RouteOverride] = ()) -> dict[str, dict[str, Any]]:
     """Every dashboard, by file name, filtered on `group_labels` (default cluster,
-    namespace, job: the labels the alerts aggregate by)."""
+    namespace, job: the labels the alerts aggregate by), drawing the per-route alert
+    `overrides` the rules were generated with."""
     labels = check_group_labels(group_labels)
-    return {name: _with_group_labels(build(), labels) for name, build in DASHBOARDS.items()}
+    _OVERRIDES[0] = tuple(overrides)
+    try:
+        return {name: _with_group_labels(build(), labels)
+                for name, build in DASHBOARDS.items()}
+    finally:
+        _OVERRIDES[0] = ()
 
 
 def render_dashboard(model: dict[str, Any]) -> str:
@@ -662,9 +712,11 @@ def render_dashboard(model: dict[str, Any]) -> str:
     return json.dumps(model, indent=2, ensure_ascii=False) + "\n"
 
 
-def dashboard_files(group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, str]:
+def dashboard_files(group_labels: Sequence[str] = GROUP_LABELS,
+                    overrides: Sequence[RouteOverride] = ()) -> dict[str, str]:
     """File name -> text, as checked in under `dashboards/`."""
-    return {name: render_dashboard(model) for name, model in dashboards(group_labels).items()}
+    return {name: render_dashboard(model)
+            for name, model in dashboards(group_labels, overrides).items()}
 
 
 def _walk_panels(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -70,7 +70,8 @@ def prometheus_rule(runbook_url: str | None = None,
     }
 
 
-def dashboards_configmap(group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, Any]:
+def dashboards_configmap(group_labels: Sequence[str] = GROUP_LABELS,
+                         overrides: Sequence[RouteOverride] = ()) -> dict[str, Any]:
     """A ConfigMap of the dashboards, labelled for the Grafana dashboard sidecar."""
     return {
         "apiVersion": "v1",
@@ -80,7 +81,7 @@ def dashboards_configmap(group_labels: Sequence[str] = GROUP_LABELS) -> dict[str
                      "annotations": {"grafana_folder": "turnrouter"}},
         # Compact JSON: the ConfigMap must stay under kubectl apply's 256 KiB annotation.
         "data": {name: json.dumps(model, ensure_ascii=False, separators=(",", ":"))
-                 for name, model in dashboards(group_labels).items()},
+                 for name, model in dashboards(group_labels, overrides).items()},
     }
 
 
@@ -99,12 +100,12 @@ def generated_files(runbook_url: str | None = None,
         if root is not None and (root / DEMO_OVERRIDES).is_file():
             overrides = read_overrides(root / DEMO_OVERRIDES)
     files = {f"{DASHBOARDS_DIR}/{name}": text
-             for name, text in dashboard_files(group_labels).items()}
+             for name, text in dashboard_files(group_labels, overrides).items()}
     files[RULES_FILE] = render_rules(runbook_url=runbook_url, overrides=overrides,
                                      group_labels=group_labels)
     files[K8S_RULE] = _K8S_HEADER + dump(prometheus_rule(runbook_url, overrides,
                                                          group_labels))
-    files[K8S_DASHBOARDS] = _K8S_HEADER + dump(dashboards_configmap(group_labels))
+    files[K8S_DASHBOARDS] = _K8S_HEADER + dump(dashboards_configmap(group_labels, overrides))
     files[ALERTMANAGER_FILE] = render_alertmanager(PLACEHOLDER_URLS, group_labels)
     files.update(fleet_files())  # the NATS runtime's dashboard and alerts
     return files

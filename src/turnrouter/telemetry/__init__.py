@@ -41,7 +41,7 @@ from ._spans import (
     TOP_SCORES,
     TRACER_NAME,
 )
-from ._telemetry import Telemetry
+from ._telemetry import MAX_TRACED_PARTICIPANTS, Telemetry
 from ._window import MAX_WINDOW_PARTICIPANTS, PARTICIPANT_WINDOW_SECS, ParticipantWindow
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "FAST_BUCKETS",
     "INELIGIBLE_REASONS",
     "LATENCY_BUCKETS",
+    "MAX_TRACED_PARTICIPANTS",
     "MAX_WINDOW_PARTICIPANTS",
     "METRICS",
     "NEEDLESS_WITHIN_SECONDS",
