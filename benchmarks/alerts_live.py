@@ -66,6 +66,7 @@ async def _drive(scenario: str, port: int, onset: float, seed: int) -> None:
         RouteRequest,
         RoutingAid,
     )
+    from turnrouter.llm import TemplateAcknowledger
     from turnrouter.telemetry import Telemetry, serve_metrics
 
     rng = random.Random(seed)
@@ -116,7 +117,11 @@ async def _drive(scenario: str, port: int, onset: float, seed: int) -> None:
     async def speak(turn: AgentTurn, route: str, text: str) -> None:
         return None
 
+    # Acknowledgments on, as in the demo (1 s fallback delay): without them a slow route's
+    # silence is its whole first response, and TurnrouterDeadAir rightly pages.
     router = AgentRouter(agents, Decisions(), output=speak,
+                         acknowledgment_llm=TemplateAcknowledger(),
+                         acknowledgment_delay_secs=1.0,
                          telemetry=Telemetry(registry=registry))
     server = serve_metrics(port, registry)
 
