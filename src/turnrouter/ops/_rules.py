@@ -19,7 +19,8 @@ Rules that keep the alerts trustworthy:
 - the clarification page fires for broad incidents only: the share of the distinct
   participants of the last minute whose latest turn was clarified (the
   `turnrouter_window_*participants` gauges: one loud client counts once), with at least
-  `MIN_CLARIFIED_PARTICIPANTS` of them, confirmed by the 5-minute ratio;
+  `MIN_CLARIFIED_PARTICIPANTS` of them, confirmed by the 5-minute ratio over at least
+  `MIN_TURNS` turns;
 - every traffic alert requires its target up (`up`), so an alert whose source died clears
   instead of opening a late ticket; `TurnrouterTargetDown` and `TurnrouterAbsent` page for
   the outage itself, and `TurnrouterWatchdog` always fires (a dead man's switch for the
@@ -151,14 +152,19 @@ _ACK_RATE = f"sum by ({G}, route) (rate({ACKS}[5m]))"
 
 @dataclass(frozen=True, slots=True)
 class RecordingRule:
-    """A recording rule."""
+    """A recording rule; `template` is its expression with the group labels left open."""
 
     record: str
-    expr: str
+    template: str
+
+    @property
+    def expr(self) -> str:
+        """The expression, aggregated by the default `GROUP_LABELS`."""
+        return _grouped(self.template, GROUP_LABELS)
 
     def as_dict(self, group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, Any]:
         """The rule as it appears in a rule file, aggregated by `group_labels`."""
-        return {"record": self.record, "expr": _grouped(self.expr, group_labels)}
+        return {"record": self.record, "expr": _grouped(self.template, group_labels)}
 
 
 RECORDING_RULES: tuple[RecordingRule, ...] = (
@@ -380,11 +386,13 @@ ALERTS: tuple[AlertRule, ...] = (
         f"{_PCT} of the participants of the last minute had their latest turn answered with "
         f"a clarification question (page above {CLARIFICATION_CRITICAL:.0%}, at least "
         f"{MIN_CLARIFIED_PARTICIPANTS} participants, confirmed by the 5-minute ratio of turns "
-        f"above {CLARIFICATION_CONFIRM:.0%}): a broad incident, not one loud client.",
+        f"above {CLARIFICATION_CONFIRM:.0%} over at least {MIN_TURNS} turns): a broad "
+        "incident, not one loud client.",
         "turnrouterhighclarificationrate",
         volume="turnrouter:window_clarified_participants:sum",
         min_turns=MIN_CLARIFIED_PARTICIPANTS,
-        confirm=f"turnrouter:clarification_ratio:rate5m > {CLARIFICATION_CONFIRM:g}",
+        confirm=f"turnrouter:clarification_ratio:rate5m > {CLARIFICATION_CONFIRM:g}\n"
+                f"and on ({G})\nturnrouter:turns:increase5m >= {MIN_TURNS:d}",
     ),
     AlertRule(
         "TurnrouterSlowFirstResponse", "turnrouter:first_response_seconds:p95_5m",
