@@ -220,8 +220,7 @@ class AgentRouter:
                 "max_history_exchanges": max_history_exchanges,
                 "max_waiting_turns": max_waiting_turns,
                 "max_departed_participants": max_departed_participants,
-                "max_participants": max_participants,
-                "max_patch_bytes": max_patch_bytes,
+                "max_participants": max_participants, "max_patch_bytes": max_patch_bytes,
                 "release_timeout_secs": release_timeout_secs,
             },
         )
