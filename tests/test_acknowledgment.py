@@ -547,8 +547,10 @@ async def test_llm_gets_a_bounded_non_reasoning_route_aware_prompt() -> None:
 
 
 async def test_no_task_is_created_per_turn_without_acknowledgments() -> None:
-    """Without acknowledgments, answer() runs in the caller's task with no helper task."""
+    """Without acknowledgments, answer() runs in the caller's task with no helper task
+    (the router's one load sampler, started by its first turn, is not per turn)."""
     s = Setup(latency=0.0, acks=False)
+    await s.router.handle(AgentTurn("p1", "t0", "hi"))
     before = len(asyncio.all_tasks())
     result = await s.router.handle(AgentTurn("p1", "t1", "hi"))
     assert isinstance(result, DestinationResult)
@@ -666,3 +668,42 @@ async def test_an_answer_during_delivery_is_reported_right_after_it() -> None:
         await s.clock.settle()  # started() waits for the delivery
         gate.set()
     assert s.observer.after == [("calendar", "delay", 0.0)]
+
+
+# ---------------------------------------------------------------- per-route delays
+
+
+async def test_a_route_delay_replaces_the_router_wide_one_for_that_route() -> None:
+    """`acknowledgment_route_delays`: the route's own fallback delay is the one the
+    router waits (2.0 s instead of 1.0 s): a 1.5 s answer is not acknowledged on it, and
+    a 2.5 s answer is acknowledged at 2.0 s."""
+    for latency, outcome, heard in ((1.5, "suppressed", None), (2.5, "emitted", 2.0)):
+        s = Setup(latency=latency)
+        s.router = AgentRouter(
+            {"calendar": s.agent}, Chooser(), output=s.output, default_destination="calendar",
+            telemetry=s.observer, clock=s.clock, acknowledgment_llm=TemplateAcknowledger(),
+            acknowledgment_delay_secs=1.0, acknowledgment_route_delays={"calendar": 2.0})
+        await s.drive()
+        [ack] = s.observer.acks
+        assert (ack.outcome, ack.trigger, ack.delay) == (outcome, "delay", 2.0)
+        if heard is not None:
+            assert ack.ended_at == heard
+            assert s.observer.silences == [("calendar", heard)]
+
+
+@pytest.mark.parametrize(("delays", "kwargs", "error"), [
+    ({"nowhere": 1.0}, {}, "'nowhere' is not a registered destination"),
+    ({"calendar": 0.0}, {}, "acknowledgment_route_delays"),
+    ({"calendar": float("nan")}, {}, "acknowledgment_route_delays"),
+    ({"calendar": 1.0}, {"acks": False}, "needs acknowledgment_delay_secs"),
+    ([("calendar", 1.0)], {}, "must be a mapping"),
+])
+async def test_route_delays_are_checked(delays: Any, kwargs: dict[str, Any], error: str) -> None:
+    from turnrouter import ConfigurationError, ContractTypeError
+
+    extra: dict[str, Any] = {} if kwargs.get("acks") is False else {
+        "acknowledgment_llm": TemplateAcknowledger(), "acknowledgment_delay_secs": 1.0}
+    with pytest.raises((ConfigurationError, ContractTypeError), match=error):
+        AgentRouter({"calendar": ClockAgent("calendar", "cal", ManualClock(), 1.0, "")},
+                    Chooser(), output=OutputRecorder(), default_destination="calendar",
+                    acknowledgment_route_delays=delays, **extra)

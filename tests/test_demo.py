@@ -168,10 +168,85 @@ def test_tracer_provider_honours_the_sampler_environment(
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    provider = demo_tracer_provider(DemoConfig(), io.StringIO())
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    out = io.StringIO()
+    provider = demo_tracer_provider(DemoConfig(), out)
     try:
         assert provider.sampler.get_description().startswith(description)
+        # Nothing is exported when nothing is sampled: no "exporting spans" line then.
+        assert ("exporting spans to" in out.getvalue()) == (sampler != "always_off")
     finally:
         provider.shutdown()
+
+
+@pytest.fixture
+def otel_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """A clean OpenTelemetry environment with an OTLP endpoint set."""
+    for name in ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER",
+                 "OTEL_TRACES_SAMPLER_ARG", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    return monkeypatch
+
+
+@pytest.mark.parametrize(("name", "value", "said"), [
+    ("OTEL_TRACES_EXPORTER", "none", ""),
+    ("OTEL_TRACES_EXPORTER", "zipkin-ish", "unknown OTEL_TRACES_EXPORTER 'zipkin-ish'"),
+    ("OTEL_SDK_DISABLED", "true", "OTEL_SDK_DISABLED"),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "", ""),
+])
+def test_no_provider_when_nothing_is_exported(otel_env: pytest.MonkeyPatch, name: str,
+                                              value: str, said: str) -> None:
+    """OTEL_TRACES_EXPORTER=none, an unknown exporter alone, OTEL_SDK_DISABLED or no
+    endpoint: no provider (no spans, no exemplars linking to unexported traces), and no
+    "exporting spans" line."""
+    otel_env.setenv(name, value)
+    out = io.StringIO()
+    assert demo_tracer_provider(DemoConfig(), out) is None
+    assert "exporting spans" not in out.getvalue()
+    assert said in out.getvalue()
+
+
+def test_an_unknown_sampler_is_warned_about(otel_env: pytest.MonkeyPatch) -> None:
+    """An unknown OTEL_TRACES_SAMPLER is named in a warning and the SDK's default,
+    parentbased_always_on, is used (not a silent fallback)."""
+    otel_env.setenv("OTEL_TRACES_SAMPLER", "sometimes")
+    out = io.StringIO()
+    provider = demo_tracer_provider(DemoConfig(), out)
+    try:
+        assert "unknown OTEL_TRACES_SAMPLER 'sometimes'" in out.getvalue()
+        assert provider.sampler.get_description().startswith(
+            "ParentBased{root:AlwaysOnSampler")
+    finally:
+        provider.shutdown()
+
+
+def test_the_worker_setup_installs_the_global_provider_from_the_environment() -> None:
+    """`install_env_tracing` (what `turnrouter worker` calls) installs the provider the
+    environment asks for as the global one, and installs nothing for
+    OTEL_TRACES_EXPORTER=none (run in fresh interpreters: the global provider is set once)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from opentelemetry import trace\n"
+              "from turnrouter.demo import install_env_tracing\n"
+              "provider = install_env_tracing('turnrouter-worker', sys.stdout)\n"
+              "print('installed', provider is not None "
+              "and trace.get_tracer_provider() is provider)\n"
+              "if provider is not None:\n"
+              "    print(provider.resource.attributes['service.name'])\n"
+              "    provider.shutdown()\n")
+    base = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
+    for exporter, expected in (("console", "installed True"), ("none", "installed False")):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                                text=True, timeout=60, check=False,
+                                env={**base, "OTEL_TRACES_EXPORTER": exporter})
+        assert result.returncode == 0, result.stderr
+        assert expected in result.stdout
+        if exporter == "console":
+            assert "exporting spans to the console" in result.stdout
+            assert "turnrouter-worker" in result.stdout

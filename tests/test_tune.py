@@ -152,6 +152,18 @@ def test_recommends_one_router_wide_delay(samples: Path) -> None:
     assert "(predictive)" in out
 
 
+def test_a_route_of_its_own_gets_a_route_delay(samples: Path) -> None:
+    """--route X: the figures and the recommendation speak for that route (its own
+    `acknowledgment_route_delays` entry), never "over all routes"."""
+    code, out, _ = run(["--samples", str(samples), "--route", "b", "--max-ack-rate", "0.3",
+                        "--policy", "fixed", "--generation-secs", "0", "--delays",
+                        "0.1,0.2,0.3,0.5,1"])
+    assert code == 0
+    assert "recommended acknowledgment_route_delays={'b': 0.3}" in out
+    assert "for route b (" in out
+    assert "over all routes" not in out
+
+
 def test_recommends_the_longest_delay_within_a_silence_target(samples: Path) -> None:
     """--max-silence-p95 picks the longest candidate whose all-routes p95 silence fits:
     0.5 s with the fixed delay; 1 s with the predictive policy, whose early

@@ -201,14 +201,17 @@ class TimingEngine:
 
     __slots__ = ("_published", "acknowledger", "agents", "clock", "decides", "delay",
                  "expected_generation", "feature_of", "llm", "observer", "policy",
-                 "predictor", "sink")
+                 "predictor", "route_delays", "sink")
 
     def __init__(
         self, *, llm: LLMService | None, delay: float | None, policy: AcknowledgmentPolicy,
         predictor: TimingPredictor | None, sink: TimingSink | None, clock: Clock,
         observer: RouterObserver, agents: Mapping[str, RoutableAgent],
+        route_delays: Mapping[str, float] | None = None,
     ) -> None:
         self.agents = agents
+        #: Routes with their own fallback delay (`acknowledgment_route_delays`).
+        self.route_delays = dict(route_delays or {})
         self.llm = llm
         self.acknowledger: Acknowledger | None = (
             llm if llm is not None and callable(getattr(llm, "acknowledge", None))
@@ -228,6 +231,10 @@ class TimingEngine:
         self.observer = observer
         self.expected_generation = policy.expected_generation_secs
         self._published: dict[str, float] = {}
+
+    def delay_for(self, route: str) -> float | None:
+        """The fallback delay of `route`: its own, else the router-wide one."""
+        return self.route_delays.get(route, self.delay)
 
     def publish_estimates(self, routes: tuple[str, ...]) -> None:
         """Publish the predictor's current estimates (e.g. after loading samples)."""
@@ -328,7 +335,8 @@ class AcknowledgmentSidecar:
         self._trigger: AcknowledgmentTrigger = "delay"
         self._predicted: float | None = None
         self._probability: float | None = None
-        self._delay_used = engine.delay if engine.delay is not None else 0.0
+        delay = engine.delay_for(answer.route)
+        self._delay_used = delay if delay is not None else 0.0
         self._started_at: float | None = None
         #: When the spoken acknowledgment was heard (its delivery began).
         self._heard_at: float | None = None

@@ -91,6 +91,31 @@ def _check_positive(name: str, value: object, *, integer: bool = False) -> None:
             f"AgentRouter {name} must be finite and positive, got {preview(value)}")
 
 
+def _route_delays(delays: object, agents: Mapping[str, RoutableAgent],
+                  default: float | None) -> dict[str, float]:
+    """`acknowledgment_route_delays` checked: registered routes to finite positive
+    seconds, only with a router-wide `acknowledgment_delay_secs` (the other routes')."""
+    if delays is None:
+        return {}
+    if not isinstance(delays, Mapping):
+        raise ContractTypeError(
+            f"AgentRouter acknowledgment_route_delays must be a mapping of route name to "
+            f"seconds, got {type(delays).__name__}")
+    if default is None and delays:
+        raise ConfigurationError(
+            "AgentRouter acknowledgment_route_delays needs acknowledgment_delay_secs (the "
+            "delay of every other route) and acknowledgment_llm")
+    out: dict[str, float] = {}
+    for route, seconds in delays.items():
+        if not isinstance(route, str) or route not in agents:
+            raise ConfigurationError(
+                f"AgentRouter acknowledgment_route_delays: {str(route)[:100]!r} is not a "
+                f"registered destination (registered: {sorted(agents)[:20]})")
+        _check_positive(f"acknowledgment_route_delays[{route[:100]!r}]", seconds)
+        out[route] = float(seconds)
+    return out
+
+
 def _agents(destinations: object) -> dict[str, RoutableAgent]:
     if not isinstance(destinations, Mapping):
         raise ContractTypeError(
@@ -152,6 +177,7 @@ class RouterConfig:
         max_pending_patches: int,
         limits: Mapping[str, float | int],
         overload: OverloadPolicy | None,
+        acknowledgment_route_delays: Mapping[str, float] | None = None,
     ) -> None:
         agents = _agents(destinations)
         if not callable(getattr(decisions, "decide", None)):
@@ -175,6 +201,8 @@ class RouterConfig:
                 "AgentRouter acknowledgment_llm and acknowledgment_delay_secs must be "
                 "supplied together"
             )
+        route_delays = _route_delays(acknowledgment_route_delays, agents,
+                                     acknowledgment_delay_secs)
         if acknowledgment_delay_secs is not None:
             _check_positive("acknowledgment_delay_secs", acknowledgment_delay_secs)
             if not callable(getattr(acknowledgment_llm, "complete", None)):
@@ -257,6 +285,7 @@ class RouterConfig:
                     generation_secs=policy.expected_generation_secs)
             self.timed = TimingEngine(
                 llm=acknowledgment_llm, delay=acknowledgment_delay_secs, policy=policy,
+                route_delays=route_delays,
                 predictor=timing_predictor, sink=timing_sink, clock=clock or SystemClock(),
                 observer=telemetry, agents=agents,
             )

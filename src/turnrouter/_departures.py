@@ -139,7 +139,7 @@ class Departures:
         errors: list[Exception] = []
         for route in [name for name in cfg.routes if name in state.unreleased]:
             agent = cfg.agents[route]
-            token = observer.release_started(ReleaseStarted(route, reason))
+            token = observer.release_started(ReleaseStarted(route, reason, pid))
             try:
                 hook = getattr(agent, "participant_left", None)
                 await bounded_release(cfg, hook if callable(hook) else agent.release, pid)

@@ -141,10 +141,12 @@ class AnswerFinished(NamedTuple):
 
 
 class ReleaseStarted(NamedTuple):
-    """A `release()` / `participant_left()` call on a destination begins."""
+    """A `release()` / `participant_left()` call on a destination begins (for
+    `participant_id`, when known: a departure's releases run outside any turn)."""
 
     route: str
     reason: ReleaseReason
+    participant_id: str = ""
 
 
 class ReleaseFinished(NamedTuple):

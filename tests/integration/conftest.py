@@ -5,7 +5,11 @@ three real metrics sources (`turnrouter demo --serve`), one job each.
   pending or firing for it;
 - `turnrouter-clarify`: `--clarify-heavy` at 4x speed: the clarification critical fires,
   reaches Alertmanager, and its warning is inhibited there;
-- `turnrouter-heavy`: one participant alone, clarify-heavy, real time: nothing pages.
+- `turnrouter-heavy`: one participant alone, clarify-heavy, real time: nothing pages;
+- `turnrouter-doomed`: two participants, stopped by a test: TurnrouterTargetDown pages.
+
+Alertmanager runs the configuration `python -m turnrouter.ops alertmanager` prints with
+the receivers set through the documented environment variables (the local webhook).
 
 The rules are the shipped ones generated with the demo's per-route overrides
 (deploy/prometheus/overrides.demo.yml), evaluated every second with every `for:` cut to
@@ -30,7 +34,7 @@ from typing import Any
 import pytest
 import yaml
 
-from turnrouter.ops import read_overrides, render_rules
+from turnrouter.ops import ALERTMANAGER_ENV, read_overrides, render_rules
 
 from .prom import (
     Alertmanager,
@@ -47,6 +51,7 @@ from .sources import source_command
 NORMAL_JOB = "turnrouter-normal"
 CLARIFY_JOB = "turnrouter-clarify"
 HEAVY_JOB = "turnrouter-heavy"
+DOOMED_JOB = "turnrouter-doomed"
 #: Test copy of the rules: evaluated every second, alerts held for 2s instead of minutes.
 RULE_INTERVAL = "1s"
 ALERT_FOR = "2s"
@@ -58,13 +63,18 @@ ALERTMANAGER_CONFIG = ROOT / "deploy/alertmanager/alertmanager.yml"
 class Source:
     """A metrics source process serving `/metrics` on a free port."""
 
-    def __init__(self, workdir: Path, name: str, args: list[str]) -> None:
+    def __init__(self, workdir: Path, name: str, args: list[str],
+                 otlp_endpoint: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/metrics"
         self.log_path = workdir / f"{name}.log"
         self._log = self.log_path.open("wb")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+        if otlp_endpoint is not None:
+            # Spans exported (to a sink that accepts and drops them): the demo records
+            # spans, and trace exemplars, only when something receives them.
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
         self.process = subprocess_popen(source_command(self.port, args), self._log, env)
 
     def log_tail(self, lines: int = 30) -> str:
@@ -115,7 +125,14 @@ def _serve_webhook(hook: Webhook) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             length = min(int(self.headers.get("Content-Length") or 0), 10_000_000)
-            body = json.loads(self.rfile.read(length) or b"{}")
+            raw = self.rfile.read(length)
+            if self.path.startswith("/v1/traces"):  # the sources' OTLP spans: dropped
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = json.loads(raw or b"{}")
             with hook.lock:
                 hook.received.setdefault(self.path.strip("/"), []).append(body)
             self.send_response(200)
@@ -130,12 +147,18 @@ def _serve_webhook(hook: Webhook) -> ThreadingHTTPServer:
 
 
 def alertmanager_test_config(webhook_url: str) -> str:
-    """The shipped Alertmanager config, receivers pointed at the test webhook and the
-    waits cut to a second (routes and inhibit rules unchanged)."""
-    config = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
-    for receiver in config["receivers"]:
-        for hook in receiver["webhook_configs"]:
-            hook["url"] = f"{webhook_url}/{receiver['name']}"
+    """The configuration `python -m turnrouter.ops alertmanager` prints with the receivers
+    set through their environment variables (pointed at the test webhook), the waits
+    cut to a second (routes and inhibit rules unchanged)."""
+    import subprocess
+
+    env = {**os.environ, **{variable: f"{webhook_url}/{name}"
+                            for name, variable in ALERTMANAGER_ENV.items()},
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                        os.environ.get("PYTHONPATH")]))}
+    printed = subprocess.run([sys.executable, "-m", "turnrouter.ops", "alertmanager"],
+                             capture_output=True, text=True, env=env, timeout=60, check=True)
+    config = yaml.safe_load(printed.stdout)
     for route in [config["route"], *config["route"]["routes"]]:
         for key in ("group_wait", "group_interval"):
             if key in route:
@@ -153,6 +176,7 @@ class Stack:
     normal: Source
     clarify: Source
     heavy: Source
+    doomed: Source
 
 
 @pytest.fixture(scope="session")
@@ -163,12 +187,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("prometheus")
     hook = Webhook()
     hook_server = _serve_webhook(hook)
+    sink = f"http://127.0.0.1:{hook_server.server_address[1]}"
     sources = {
-        NORMAL_JOB: Source(workdir, "normal", ["--seed", "1"]),
+        NORMAL_JOB: Source(workdir, "normal", ["--seed", "1"], otlp_endpoint=sink),
         CLARIFY_JOB: Source(workdir, "clarify", ["--clarify-heavy", "--speed", "4",
                                                   "--seed", "2"]),
         HEAVY_JOB: Source(workdir, "heavy", ["--clarify-heavy", "--participants", "1",
                                               "--seed", "3"]),
+        DOOMED_JOB: Source(workdir, "doomed", ["--participants", "2", "--seed", "4"]),
     }
     prometheus: Prometheus | None = None
     alertmanager: Alertmanager | None = None
@@ -199,7 +225,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
         eventually(targets_up, timeout=60, what="every scrape target to be up")
         yield Stack(prometheus, alertmanager, hook, sources[NORMAL_JOB],
-                    sources[CLARIFY_JOB], sources[HEAVY_JOB])
+                    sources[CLARIFY_JOB], sources[HEAVY_JOB], sources[DOOMED_JOB])
     except BaseException:
         if prometheus is not None:
             print(f"prometheus log:\n{prometheus.log_tail()}", file=sys.stderr)

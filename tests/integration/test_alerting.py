@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from turnrouter.ops import ALERTS, MIN_TURNS_1M, read_overrides
+from turnrouter.ops import ALERTS, MIN_TURNS, read_overrides
 
-from .conftest import CLARIFY_JOB, DEMO_OVERRIDES, HEAVY_JOB, NORMAL_JOB, Stack
+from .conftest import CLARIFY_JOB, DEMO_OVERRIDES, DOOMED_JOB, HEAVY_JOB, NORMAL_JOB, Stack
 from .prom import eventually
 
 pytestmark = pytest.mark.integration
@@ -65,11 +65,18 @@ def test_alertmanager_pages_the_critical_and_inhibits_the_warning(stack: Stack) 
     assert [r["name"] for r in warning["receivers"]] == ["tickets"]
 
 
+#: Availability alerts: with a 1 s scrape timeout on a busy shared machine a scrape is
+#: sometimes missed (`up` 0 for a second, and every `for:` is 2 s here), so they are
+#: tested on their own (a router stopped on purpose), not in the quiet checks below.
+AVAILABILITY = {"TurnrouterTargetDown", "TurnrouterAbsent", "TurnrouterWatchdog"}
+
+
 def _alerts_over_session(stack: Stack, job: str) -> list[dict[str, Any]]:
-    """Every pending or firing alert of `job` at any evaluation in the last hour."""
+    """Every pending or firing traffic alert of `job` at any evaluation in the last hour."""
     response = stack.prometheus.query(f'max_over_time(ALERTS{{job="{job}"}}[1h])')
     assert response["status"] == "success", response
-    return [series["metric"] for series in response["data"]["result"]]
+    return [series["metric"] for series in response["data"]["result"]
+            if series["metric"].get("alertname") not in AVAILABILITY]
 
 
 def _wait_for_traffic(stack: Stack, job: str, expr: str, floor: float) -> None:
@@ -122,6 +129,8 @@ def test_normal_demo_has_nothing_pending_or_firing(stack: Stack) -> None:
         o, min_turns=None if o.min_turns is None else min(o.min_turns, SAMPLE_FLOOR))
         for o in read_overrides(DEMO_OVERRIDES))
     for alert in ALERTS:
+        if alert.raw:  # availability and the watchdog: no traffic condition to replay
+            continue
         floor = min(alert.min_turns, SAMPLE_FLOOR)
         expr = dataclasses.replace(alert, min_turns=floor).expression(overrides)
         response = stack.prometheus.query(_held_for_its_window(expr, alert.for_))
@@ -156,8 +165,9 @@ def test_slow_by_design_route_pages_only_without_its_override(stack: Stack) -> N
 
 
 def test_one_heavy_participant_alone_pages_for_nothing(stack: Stack) -> None:
-    """One participant clarified on most turns: its ratio goes far above the critical
-    threshold, but its turns stay under the floor, and nothing was pending or firing."""
+    """One participant at a time, clarified on most turns: its ratio goes far above the
+    critical threshold, but its turns stay under the floor every clarification alert
+    needs (the page too), and nothing was pending or firing."""
     def ratio_above_critical() -> float | None:
         result = stack.prometheus.query(
             f'turnrouter:clarification_ratio:rate5m{{job="{HEAVY_JOB}"}} > 0.25')
@@ -167,7 +177,39 @@ def test_one_heavy_participant_alone_pages_for_nothing(stack: Stack) -> None:
     eventually(ratio_above_critical, timeout=180.0, interval=1.0,
                what="the heavy participant's clarification ratio above 25%")
     turns = stack.prometheus.query(
-        f'max_over_time(turnrouter:turns:increase1m{{job="{HEAVY_JOB}"}}[1h])')
+        f'max_over_time(turnrouter:turns:increase5m{{job="{HEAVY_JOB}"}}[1h])')
     (most,) = [float(s["value"][1]) for s in turns["data"]["result"]]
-    assert 0 < most < MIN_TURNS_1M
+    assert 0 < most < MIN_TURNS
     assert _alerts_over_session(stack, HEAVY_JOB) == []
+
+
+def test_the_watchdog_reaches_its_receiver(stack: Stack) -> None:
+    """TurnrouterWatchdog always fires and is delivered to the `watchdog` receiver (the
+    dead man's switch), not to the pager."""
+    def delivered() -> list[dict[str, Any]] | None:
+        found = [a for a in stack.webhook.notifications("watchdog")
+                 if a["labels"].get("alertname") == "TurnrouterWatchdog"]
+        return found or None
+
+    (first, *_) = eventually(delivered, timeout=TIMEOUT, what="the watchdog notification")
+    assert first["status"] == "firing"
+    assert not [a for a in stack.webhook.notifications("pager")
+                if a["labels"].get("alertname") == "TurnrouterWatchdog"]
+
+
+def test_a_dead_router_pages_target_down(stack: Stack) -> None:
+    """Stopping a router: TurnrouterTargetDown reaches the pager for its job."""
+    eventually(lambda: True if stack.prometheus.query(
+        f'up{{job="{DOOMED_JOB}"}} == 1')["data"]["result"] else None,
+        timeout=TIMEOUT, what="the doomed router scraped")
+    stack.doomed.stop()
+
+    def paged() -> list[dict[str, Any]] | None:
+        found = [a for a in stack.webhook.notifications("pager")
+                 if a["labels"].get("alertname") == "TurnrouterTargetDown"
+                 and a["labels"].get("job") == DOOMED_JOB and a["status"] == "firing"]
+        return found or None
+
+    (page, *_) = eventually(paged, timeout=TIMEOUT, what="the TargetDown page")
+    assert page["labels"]["severity"] == "critical"
+    assert page["annotations"]["runbook_url"].endswith("#turnroutertargetdown")

@@ -28,8 +28,10 @@ def _panel_exprs(title: str) -> dict[str, str]:
 
 
 def _grafana(expr: str) -> str:
-    """The query as Grafana sends it for job = the normal job, all routes, range WINDOW."""
+    """The query as Grafana sends it for job = the normal job, every cluster and
+    namespace, all routes, range WINDOW."""
     return (expr.replace("$job", NORMAL_JOB).replace("$route", ".*")
+            .replace("$cluster", ".*").replace("$namespace", ".*")
             .replace("$__range", WINDOW).replace("$max_ack_rate", TARGET))
 
 

@@ -227,16 +227,31 @@ def test_prometheus_rule_equals_the_rule_file() -> None:
     (rule,) = _k8s(Path(K8S_RULE).name)
     assert rule["kind"] == "PrometheusRule"
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
-    assert rule["spec"] == _load(ROOT / RULES_FILE) == rule_groups()
+    assert rule["spec"] == _load(ROOT / RULES_FILE) == rule_groups(
+        overrides=read_overrides(ROOT / DEMO_OVERRIDES))
 
 
-def test_dashboards_configmap_equals_the_dashboard_files() -> None:
-    """The dashboards ConfigMap carries the checked-in dashboard JSON, sidecar-labelled."""
-    (configmap,) = _k8s(Path(K8S_DASHBOARDS).name)
-    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
-    on_disk = {p.name: p.read_text() for p in (ROOT / "dashboards").glob("*.json")}
-    assert configmap["data"] == on_disk
-    assert all(json.loads(text)["uid"] for text in configmap["data"].values())
+def test_dashboards_configmaps_equal_the_dashboard_files() -> None:
+    """The dashboards ConfigMaps (one per dashboard) carry the checked-in dashboard JSON,
+    sidecar-labelled, under distinct names."""
+    configmaps = _k8s(Path(K8S_DASHBOARDS).name)
+    assert all(c["kind"] == "ConfigMap" for c in configmaps)
+    assert all(c["metadata"]["labels"]["grafana_dashboard"] == "1" for c in configmaps)
+    assert len({c["metadata"]["name"] for c in configmaps}) == len(configmaps)
+    on_disk = {p.name: json.loads(p.read_text()) for p in (ROOT / "dashboards").glob("*.json")}
+    data = {name: json.loads(text) for c in configmaps for name, text in c["data"].items()}
+    assert data == on_disk
+    assert all(len(c["data"]) == 1 for c in configmaps)
+    assert all(model["uid"] for model in data.values())
+
+
+def test_servicemonitor_sets_job_from_a_label() -> None:
+    """`jobLabel`: the job is the app's name label, not the Service's name, so the rules'
+    cluster/namespace/job grouping keeps two deployments apart."""
+    (monitor,) = _k8s("servicemonitor.yaml")
+    label = monitor["spec"]["jobLabel"]
+    (service,) = _k8s("service.yaml")
+    assert service["metadata"]["labels"][label] == "turnrouter"
 
 
 def test_deployment_service_and_servicemonitor_agree() -> None:
@@ -272,11 +287,13 @@ def test_kustomize_builds(overlay: str) -> None:
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc)
-    assert kinds == ["ConfigMap", "Deployment", "PrometheusRule", "Service", "ServiceMonitor"]
+    assert kinds == ["ConfigMap", "ConfigMap", "Deployment", "PrometheusRule", "Service",
+                     "ServiceMonitor"]
 
 
-def test_dashboards_configmap_fits_a_client_side_apply() -> None:
-    """The dashboards ConfigMap stays under 256 KiB, the limit of the annotation
+def test_dashboards_configmaps_fit_a_client_side_apply() -> None:
+    """Each dashboards ConfigMap stays under 256 KiB, the limit of the annotation
     `kubectl apply` (client-side) stores it in; far under the 1 MiB object limit."""
-    size = len((ROOT / K8S_DASHBOARDS).read_bytes())
-    assert size < 256 * 1024, size
+    for configmap in _k8s(Path(K8S_DASHBOARDS).name):
+        size = len(yaml.safe_dump(configmap, width=1000, allow_unicode=True).encode())
+        assert size < 256 * 1024, (configmap["metadata"]["name"], size)

@@ -159,12 +159,13 @@ def test_acknowledgment_dashboard_has_the_required_panels() -> None:
     titles = {p["title"] for p in _panels(MODELS["turnrouter-acknowledgment-tuning.json"])}
     assert {"First response quantiles", "First response heatmap: $route",
             "Silence p95 vs configured delay", "Acknowledgments: emitted vs suppressed",
-            "Needless acknowledgments", "Predicted vs observed first response",
+            "Needless acknowledgments per turn", "Predicted vs observed first response",
             "Which delay? What-if per candidate delay and route", "Recommended delay",
             "Configured delay", "Acknowledgment generation time"} <= titles
     heatmap = _panel("First response heatmap: $route")
     assert heatmap["type"] == "heatmap" and heatmap["repeat"] == "route"
-    quantiles = [t["expr"] for t in _panel("First response quantiles")["targets"]]
+    quantiles = [t["expr"] for t in _panel("First response quantiles")["targets"]
+                 if t["expr"].startswith("histogram_quantile")]
     assert [q.split(",")[0] for q in quantiles] == [
         "histogram_quantile(0.5", "histogram_quantile(0.9", "histogram_quantile(0.95"]
     silence = " ".join(t["expr"] for t in _panel("Silence p95 vs configured delay")["targets"])
@@ -211,3 +212,21 @@ def test_overview_covers_every_metric_family_between_the_dashboards() -> None:
     """Every metric family in METRICS is shown on at least one dashboard."""
     used = " ".join(expr for model in MODELS.values() for _, expr in queries(model))
     assert [spec.name for spec in METRICS if spec.name not in used] == []
+
+
+def test_first_response_panels_draw_each_routes_alert_threshold() -> None:
+    """The first-response panels draw the threshold TurnrouterSlowFirstResponse uses for
+    each route: the shipped overrides' (travel 4 s) and the default for the others."""
+    from turnrouter.ops import DEMO_OVERRIDES, read_overrides
+
+    from .conftest import ROOT
+
+    models = dashboards(overrides=read_overrides(ROOT / DEMO_OVERRIDES))
+    for model in models.values():
+        exprs = [expr for where, expr in queries(model) if "First response" in where
+                 and "* 0 + 4" in expr]
+        assert len(exprs) == 1
+        (expr,) = exprs
+        assert 'route="travel"' in expr and "* 0 + 1.5" in expr
+    assert not [expr for model in dashboards().values() for _, expr in queries(model)
+                if 'route="travel"' in expr]

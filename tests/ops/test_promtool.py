@@ -5,9 +5,13 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from turnrouter.ops import ALERTS, RECORDING_RULES, read_overrides, render_rules
 
 from .conftest import DEPLOY, require_binary
+from .scenarios import INTERVALS, TESTS_DIR
+from .scenarios import files as scenario_files
 
 DEMO_OVERRIDES = DEPLOY / "prometheus/overrides.demo.yml"
 
@@ -18,9 +22,8 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_promtool_check_rules() -> None:
-    """`promtool check rules` accepts the generated rule files (shipped and compose)."""
-    result = _promtool("check", "rules", str(DEPLOY / "prometheus/rules/turnrouter.rules.yml"),
-                       str(DEPLOY / "compose/rules/turnrouter.rules.yml"))
+    """`promtool check rules` accepts the generated rule file (one for everyone)."""
+    result = _promtool("check", "rules", str(DEPLOY / "prometheus/rules/turnrouter.rules.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
@@ -36,9 +39,10 @@ def test_promtool_unit_tests_can_fail(tmp_path: Path) -> None:
     """A wrong threshold makes the promtool tests fail (the tests do test something)."""
     rules = (DEPLOY / "prometheus/rules/turnrouter.rules.yml").read_text()
     (tmp_path / "rules").mkdir()
+    assert "turnrouter:clarified_participants:ratio > 0.25" in rules
     (tmp_path / "rules/turnrouter.rules.yml").write_text(
-        rules.replace("turnrouter:clarification_ratio:rate1m > 0.25",
-                      "turnrouter:clarification_ratio:rate1m > 0.6"))
+        rules.replace("turnrouter:clarified_participants:ratio > 0.25",
+                      "turnrouter:clarified_participants:ratio > 0.6"))
     (tmp_path / "tests").mkdir()
     tests = DEPLOY / "prometheus/tests/turnrouter.rules.test.yml"
     (tmp_path / "tests" / tests.name).write_text(tests.read_text())
@@ -53,7 +57,7 @@ def test_promtool_check_config_of_the_compose_prometheus(tmp_path: Path) -> None
     mounted = "/etc/prometheus/rules/*.yml"
     assert mounted in config
     local = tmp_path / "prometheus.yml"
-    local.write_text(config.replace(mounted, str(DEPLOY / "compose/rules/*.yml")))
+    local.write_text(config.replace(mounted, str(DEPLOY / "prometheus/rules/*.yml")))
     result = _promtool("check", "config", str(local))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(RECORDING_RULES) + len(ALERTS)} rules found" in result.stdout
@@ -68,8 +72,45 @@ def test_promtool_unit_tests_of_per_route_overrides(tmp_path: Path) -> None:
         render_rules(overrides=read_overrides(DEMO_OVERRIDES)))
     result = _promtool("test", "rules", str(tmp_path / tests.name))
     assert result.returncode == 0, result.stdout + result.stderr
+    # The shipped rule file carries the same overrides (one rule set for everyone).
+    (tmp_path / "turnrouter-demo.rules.yml").write_text(
+        (DEPLOY / "prometheus/rules/turnrouter.rules.yml").read_text())
+    result = _promtool("test", "rules", str(tmp_path / tests.name))
+    assert result.returncode == 0, result.stdout + result.stderr
     # Without the overrides the same data pages for the slow-by-design route.
     (tmp_path / "turnrouter-demo.rules.yml").write_text(render_rules())
     result = _promtool("test", "rules", str(tmp_path / tests.name))
     assert result.returncode != 0
     assert "route=\"travel\"" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("interval", sorted(INTERVALS))
+def test_every_alert_behaviour_at_each_scrape_interval(interval: str) -> None:
+    """A broad incident pages within 3 minutes, one loud client never pages, a dead router
+    pages TargetDown and opens no late ticket, normal traffic raises nothing, absent
+    metrics page, a slow route opens its own ticket: at 15 s, 30 s and 1 min scrape (and
+    evaluation) intervals."""
+    result = _promtool("test", "rules", str(TESTS_DIR / f"scrape-{interval}.test.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_scrape_interval_scenarios_are_current() -> None:
+    """The checked-in scenario files are what tests/ops/scenarios.py builds
+    (regenerate with `python -m tests.ops.scenarios`)."""
+    for path, text in scenario_files().items():
+        assert path.read_text() == text, f"{path.name} is stale"
+
+
+def test_scrape_interval_scenarios_catch_a_late_ticket(tmp_path: Path) -> None:
+    """Without the `up` gate the 15 s scenario of a dying router fails: its warning
+    fires after the router died (the scenarios test something)."""
+    rules = (DEPLOY / "prometheus/rules/turnrouter.rules.yml").read_text()
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "rules/turnrouter.rules.yml").write_text(
+        rules.replace("turnrouter:up:max == 0", "turnrouter:up:max == 7"))
+    (tmp_path / "tests").mkdir()
+    scenario = TESTS_DIR / "scrape-15s.test.yml"
+    (tmp_path / "tests" / scenario.name).write_text(scenario.read_text())
+    result = _promtool("test", "rules", str(tmp_path / "tests" / scenario.name))
+    assert result.returncode != 0
+    assert "TurnrouterHighClarificationRate" in result.stdout + result.stderr

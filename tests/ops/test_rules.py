@@ -8,7 +8,18 @@ from typing import Any
 import pytest
 import yaml
 
-from turnrouter.ops import ALERTS, RECORDING_RULES, RULES_FILE, RUNBOOK_URL, rule_groups
+from turnrouter.ops import (
+    ALERTS,
+    DEMO_OVERRIDES,
+    GROUP_LABELS,
+    RECORDING_RULES,
+    RULES_FILE,
+    RUNBOOK_URL,
+    check_group_labels,
+    read_overrides,
+    render_rules,
+    rule_groups,
+)
 
 from .conftest import ROOT
 
@@ -22,7 +33,10 @@ REQUIRED_ALERTS = {
     "TurnrouterHighClarificationRate", "TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
     "TurnrouterAcknowledgmentOveruse", "TurnrouterFailures", "TurnrouterDecisionSlow",
     "TurnrouterSaturated",
+    "TurnrouterTargetDown", "TurnrouterAbsent", "TurnrouterWatchdog",
 }
+#: Alerts of traffic (not availability or the watchdog): gated on counts and on `up`.
+TRAFFIC_ALERTS = [a for a in ALERTS if not a.raw]
 
 
 def _slug(heading: str) -> str:
@@ -68,8 +82,11 @@ def test_every_division_has_a_positive_denominator_guard(rule: Any) -> None:
 def test_alert_has_for_severity_and_annotations(alert: Any) -> None:
     """Each alert has a hold time, a severity, a summary, a description and a runbook link."""
     rendered = alert.as_dict()
-    assert re.fullmatch(r"\d+m", rendered["for"])
-    assert rendered["labels"]["severity"] in {"warning", "critical"}
+    if alert.alert == "TurnrouterWatchdog":
+        assert "for" not in rendered and rendered["labels"]["severity"] == "none"
+    else:
+        assert re.fullmatch(r"\d+m", rendered["for"])
+        assert rendered["labels"]["severity"] in {"warning", "critical"}
     annotations = rendered["annotations"]
     assert annotations["summary"] and annotations["description"]
     assert annotations["runbook_url"] == f"{RUNBOOK_URL}#{alert.anchor}"
@@ -86,8 +103,9 @@ def test_every_runbook_anchor_exists_in_docs_runbook() -> None:
 
 
 def test_rule_file_on_disk_matches_rule_groups() -> None:
-    """The checked-in rule file parses to exactly `rule_groups()`."""
-    assert _rules_on_disk() == rule_groups()
+    """The checked-in rule file parses to exactly `rule_groups()` with the shipped
+    per-route overrides (one rule set for everyone)."""
+    assert _rules_on_disk() == rule_groups(overrides=read_overrides(ROOT / DEMO_OVERRIDES))
 
 
 def test_test_copy_overrides_interval_and_for() -> None:
@@ -95,22 +113,74 @@ def test_test_copy_overrides_interval_and_for() -> None:
     fast = rule_groups(interval="1s", for_="2s")
     assert all(group["interval"] == "1s" for group in fast["groups"])
     alerts = [r for g in fast["groups"] for r in g["rules"] if "alert" in r]
-    assert {r["for"] for r in alerts} == {"2s"}
+    assert {r.get("for") for r in alerts} == {"2s", None}
     normal = rule_groups()
     assert [r["expr"] for g in fast["groups"] for r in g["rules"]] == [
         r["expr"] for g in normal["groups"] for r in g["rules"]]
 
 
 def test_promtool_tests_cover_every_rule_and_alert() -> None:
-    """The promtool unit tests evaluate every recorded series and every alert name."""
-    tests = yaml.safe_load(
-        (ROOT / "deploy/prometheus/tests/turnrouter.rules.test.yml").read_text())["tests"]
+    """The promtool unit tests evaluate every recorded series and every alert name, each
+    alert both firing and quiet (in the rule tests, or in the ALERTS series of the
+    scrape-interval scenarios)."""
+    tests = []
+    for path in sorted((ROOT / "deploy/prometheus/tests").glob("*.test.yml")):
+        if path.name != "overrides.test.yml":
+            tests += yaml.safe_load(path.read_text())["tests"]
     exprs = {t["expr"] for case in tests for t in case.get("promql_expr_test", [])}
-    alerts = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])}
     assert {rule.record for rule in RECORDING_RULES} <= exprs
-    assert alerts >= REQUIRED_ALERTS
-    firing = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])
-              if t["exp_alerts"]}
-    quiet = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])
-             if not t["exp_alerts"]}
-    assert firing >= REQUIRED_ALERTS and quiet >= REQUIRED_ALERTS
+    firing: set[str] = set()
+    quiet: set[str] = set()
+    for case in tests:
+        for t in case.get("alert_rule_test", []):
+            (firing if t["exp_alerts"] else quiet).add(t["alertname"])
+        for t in case.get("promql_expr_test", []):
+            name = re.match(r'ALERTS\{alertname="(\w+)"', t["expr"])
+            if name:
+                (firing if t["exp_samples"] else quiet).add(name.group(1))
+    assert firing >= REQUIRED_ALERTS
+    assert quiet >= REQUIRED_ALERTS - {"TurnrouterWatchdog"}
+
+
+def test_no_rule_reads_a_window_shorter_than_four_one_minute_scrapes() -> None:
+    """Every range is at least 5 minutes: at a 1-minute scrape interval (Prometheus'
+    default) a 1-minute rate has at most one sample and never fires."""
+    text = (ROOT / RULES_FILE).read_text()
+    windows = set(re.findall(r"\[(\d+[smh])\]", text))
+    assert windows == {"5m"}
+
+
+@pytest.mark.parametrize("alert", TRAFFIC_ALERTS, ids=lambda a: f"{a.alert}-{a.severity}")
+def test_traffic_alerts_clear_when_their_target_is_down(alert: Any) -> None:
+    """A dead router's 5-minute windows outlive it: every traffic alert requires its
+    group's target up, so none fires (or opens a late ticket) after the router died."""
+    assert alert.expr.rstrip().endswith(
+        "unless on (cluster, namespace, job)\nturnrouter:up:max == 0")
+
+
+def test_the_page_is_gated_on_distinct_participants() -> None:
+    """The clarification page reads the participants' window, with a floor of distinct
+    clarified participants: one client, however loud, never pages."""
+    (page,) = [a for a in ALERTS if a.alert == "TurnrouterHighClarificationRate"
+               and a.severity == "critical"]
+    assert page.signal == "turnrouter:clarified_participants:ratio"
+    assert page.volume == "turnrouter:window_clarified_participants:sum"
+    assert page.min_turns >= 2
+
+
+def test_group_labels_are_configurable() -> None:
+    """Every aggregation and join follows the group labels (the mixins' clusterLabel)."""
+    text = render_rules(group_labels=("k8s_cluster", "job"))
+    assert "cluster, namespace" not in text
+    assert "by (k8s_cluster, job, route)" in text
+    assert "on (k8s_cluster, job)" in text
+    assert GROUP_LABELS == ("cluster", "namespace", "job")
+    assert "by (cluster, namespace, job)" in (ROOT / RULES_FILE).read_text()
+
+
+@pytest.mark.parametrize("labels", [(), ("cluster",), ("job", "job"), ("job", "route"),
+                                    ("job", "bad-name"), ("job", "__name__"),
+                                    (*tuple(f"l{i}" for i in range(9)), "job")])
+def test_bad_group_labels_are_refused(labels: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match="group label"):
+        check_group_labels(labels)

@@ -61,6 +61,19 @@ async def test_patch_spans_and_counter(rig: Rig) -> None:
                      outcome="applied") is None
 
 
+async def test_patch_spans_join_the_participants_trace(rig: Rig) -> None:
+    """A patch applied outside any turn (a background task's) is recorded in the
+    participant's latest turn's trace, not as a new root."""
+    router = _router(rig.telemetry)
+    await router.handle(AgentTurn("alice", "t1", "book a table"))
+    (turn,) = rig.spans("turnrouter.turn")
+    await router.apply_context_patch("alice", ContextPatch(task_id="late"), "append")
+    await router.stop()
+    (patch,) = rig.spans(SPAN_CONTEXT_PATCH)
+    assert patch.parent is not None
+    assert patch.context.trace_id == turn.context.trace_id
+
+
 async def test_patch_counter_without_tracing(rig: Rig) -> None:
     """With a no-op tracer provider patches are still counted, with no span work."""
     from opentelemetry.trace import NoOpTracerProvider

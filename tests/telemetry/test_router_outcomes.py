@@ -244,6 +244,21 @@ async def test_departure_and_shutdown_release_spans(capture: TelemetryCapture) -
     assert o.value("turnrouter_active_participants") == 0
 
 
+async def test_a_departure_without_a_caller_span_joins_the_participants_trace(
+        capture: TelemetryCapture) -> None:
+    """With no span current, a departure's release span is a child of the participant's
+    latest turn (its trace), not the root of a new trace."""
+    o = Outcomes(capture, ScriptedDecisions("weather"), ScriptedAgent("weather", results="focus"))
+    await o.say("plan my trip")
+    (turn,) = capture.spans("turnrouter.turn")
+    await o.router.participant_left("alice")
+    (departure,) = capture.spans("turnrouter.release")
+    assert departure.parent is not None
+    assert departure.context.trace_id == turn.context.trace_id
+    assert departure.parent.span_id == turn.context.span_id
+    await o.router.stop()
+
+
 async def test_failed_departure_release_is_an_error(capture: TelemetryCapture) -> None:
     """A participant_left() hook that raises: release span ERROR, counted at stage release."""
     weather = ScriptedDepartingAgent("weather", results="focus",

@@ -12,7 +12,8 @@ for each candidate delay; a histogram has no order, so from Prometheus the predi
 policy is approximated per route (see `turnrouter.ops._tuning`). The tuning dashboard
 computes the same numbers in PromQL; a test checks they agree.
 
-The delay is one router-wide setting, so the recommendation is over all routes
+The recommendation is over all routes (`acknowledgment_delay_secs`, router-wide) or, with
+`--route X`, for that route alone (its `acknowledgment_route_delays` entry)
 (`--max-ack-rate`: the shortest delay within it; `--max-silence-p95`: the longest delay
 within it; `--policy` says which policy's figures it reads, predictive by default);
 per-route rows show who pays for it. A PNG plot is optional (`--plot`, needs
@@ -671,7 +672,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="turnrouter tune",
         description="Which acknowledgment delay? Acknowledgment rate, needless "
                     "acknowledgments and silence per candidate delay, per route and over "
-                    "all routes (the setting is router-wide).")
+                    "all routes (acknowledgment_delay_secs), or for --route "
+                    "(acknowledgment_route_delays).")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--samples", action="append", metavar="FILE",
                         help="JSON-lines samples written by JsonLinesSink (repeatable)")
@@ -804,13 +806,19 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         best = recommend(rows, max_ack_rate=args.max_ack_rate,
                          max_silence_p95=args.max_silence_p95, policy=args.policy)
         out.write("\n")
+        chosen = sorted(routes) if routes else []
+        scope = ("over all routes" if not chosen else
+                 f"for route {printable(chosen[0])}" if len(chosen) == 1 else
+                 "over routes " + ", ".join(printable(r) for r in chosen))
         if best is None:
-            out.write(f"no candidate delay meets {label} over all routes\n")
+            out.write(f"no candidate delay meets {label} {scope}\n")
             status = 1
         else:
             ack, needless, p95 = best.figures(args.policy)
-            out.write(f"recommended acknowledgment_delay_secs={best.delay:g} for {label} "
-                      f"over all routes (ack rate {ack:.1%}, needless {needless:.1%}, p95 "
+            setting = (f"acknowledgment_delay_secs={best.delay:g}" if len(chosen) != 1 else
+                       f"acknowledgment_route_delays={{{chosen[0]!r}: {best.delay:g}}}")
+            out.write(f"recommended {setting} for {label} "
+                      f"{scope} (ack rate {ack:.1%}, needless {needless:.1%}, p95 "
                       f"silence {p95:.2f}s; fixed delay: {best.fixed_ack_rate:.1%}, "
                       f"{best.fixed_needless_rate:.1%}, {best.fixed_p95_silence:.2f}s; "
                       f"predictive: {best.ack_rate:.1%}, {best.needless_rate:.1%}, "

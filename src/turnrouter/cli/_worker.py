@@ -166,6 +166,8 @@ def worker_main(argv: Sequence[str]) -> int:
     from ..telemetry import serve_metrics
 
     registry = CollectorRegistry()
+    from ..demo import install_env_tracing  # the demo's OpenTelemetry set-up
+    install_env_tracing("turnrouter-worker", sys.stdout)
     try:
         worker = NatsWorker(factory, config, registry=registry, replica=args.replica)
     except TurnrouterError as exc:

@@ -7,9 +7,11 @@ from ._run import (
     DemoConfig,
     demo_resource,
     demo_tracer_provider,
+    install_env_tracing,
     otlp_settings,
     run_demo,
 )
+from ._tracing import env_tracer_provider
 from ._world import (
     DESCRIPTIONS,
     LATENCIES,
@@ -33,7 +35,9 @@ __all__ = [
     "build_agents",
     "demo_resource",
     "demo_tracer_provider",
+    "env_tracer_provider",
     "histogram_quantile",
+    "install_env_tracing",
     "load_sample",
     "otlp_settings",
     "run_demo",

@@ -38,6 +38,7 @@ from ..runtime import (
 )
 from ..telemetry import Telemetry, serve_metrics
 from ._report import DemoReport
+from ._tracing import env_tracer_provider
 from ._world import DEFAULT_ROUTE, Sample, SimulatedOutage, build_agents, load_sample
 
 __all__ = [
@@ -96,6 +97,11 @@ def _env(*names: str) -> str | None:
     return None
 
 
+def otlp_endpoint_from_env() -> tuple[str | None, str]:
+    """(endpoint, protocol) from the environment alone (`otlp_settings` without flags)."""
+    return otlp_settings(DemoConfig())
+
+
 def otlp_settings(config: DemoConfig) -> tuple[str | None, str]:
     """(endpoint, protocol) of the span export: flags first, then the standard
     OpenTelemetry environment variables. ConfigurationError for an unknown protocol."""
@@ -109,15 +115,20 @@ def otlp_settings(config: DemoConfig) -> tuple[str | None, str]:
     return endpoint, protocol
 
 
-def demo_resource() -> Any:
+def service_resource(default_name: str) -> Any:
     """The SDK resource: OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES as the SDK reads
-    them; `service.name` is `turnrouter-demo` only when neither names the service."""
+    them; `service.name` is `default_name` only when neither names the service."""
     from opentelemetry.sdk.resources import Resource
 
     resource = Resource.create({})
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({"service.name": "turnrouter-demo"}))
+        resource = resource.merge(Resource({"service.name": default_name}))
     return resource
+
+
+def demo_resource() -> Any:
+    """`service_resource("turnrouter-demo")`."""
+    return service_resource("turnrouter-demo")
 
 
 def _exporter(endpoint: str, protocol: str) -> Any:
@@ -142,24 +153,39 @@ def _exporter(endpoint: str, protocol: str) -> Any:
 
 
 def demo_tracer_provider(config: DemoConfig, out: TextIO) -> Any:
-    """An SDK tracer provider owned by the demo (the library never configures one).
-
-    The sampler comes from OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (default: every
-    turn, so metrics carry exemplars); spans are exported over OTLP when an endpoint is
-    given (flag or environment).
+    """An SDK tracer provider owned by the demo (the library never configures one), from
+    the OpenTelemetry environment as the SDK documents it (`env_tracer_provider`:
+    OTEL_SDK_DISABLED, OTEL_TRACES_EXPORTER, OTEL_TRACES_SAMPLER[_ARG]); spans are
+    exported over OTLP when an endpoint is given (flag or environment). None when
+    nothing would be exported: no spans, and no exemplars linking to unexported traces.
     """
+    endpoint, protocol = otlp_settings(config)
     try:
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        resource = demo_resource()
     except ImportError:
         print("tracing: opentelemetry-sdk not installed; spans off", file=out)
         return None
-    endpoint, protocol = otlp_settings(config)
-    exporter = _exporter(endpoint, protocol) if endpoint else None
-    provider = TracerProvider(resource=demo_resource())
-    if exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-        print(f"tracing: exporting spans to {endpoint} ({protocol})", file=out)
+    return env_tracer_provider(endpoint=endpoint, protocol=protocol, out=out,
+                               resource=resource, exporter=_exporter)
+
+
+def install_env_tracing(service: str, out: TextIO) -> Any:
+    """Install `env_tracer_provider` as the global tracer provider (for applications
+    whose routers follow the global one, such as `turnrouter worker`); the OTLP endpoint
+    and protocol come from the environment, `service` names the service unless
+    OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES do. Returns the provider, or None."""
+    from opentelemetry import trace
+
+    endpoint, protocol = otlp_endpoint_from_env()
+    try:
+        resource = service_resource(service)
+    except ImportError:
+        print("tracing: opentelemetry-sdk not installed; spans off", file=out)
+        return None
+    provider = env_tracer_provider(endpoint=endpoint, protocol=protocol, out=out,
+                                   resource=resource, exporter=_exporter)
+    if provider is not None:
+        trace.set_tracer_provider(provider)
     return provider
 
 

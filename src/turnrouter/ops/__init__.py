@@ -1,7 +1,8 @@
 """Operations artefacts generated from `turnrouter.telemetry.METRICS`.
 
 Grafana dashboards (`dashboards/*.json`), Prometheus recording and alert rules
-(`deploy/prometheus/rules/turnrouter.rules.yml`) and their Kubernetes wrappers
+(`deploy/prometheus/rules/turnrouter.rules.yml`), the Alertmanager configuration
+(`deploy/alertmanager/alertmanager.yml`) and the Kubernetes wrappers
 (`deploy/k8s/base/`) are built here as data and checked in. Regenerate them with
 `python -m turnrouter.ops`; `python -m turnrouter.ops --check` (and a test) fails when a
 checked-in file is out of date. Writing YAML needs PyYAML (a dev dependency).
@@ -12,6 +13,14 @@ so a deployment's own checks and dashboards can use the numbers the alerts fire 
 (see docs/operations.md).
 """
 
+from ._alertmanager import (
+    ALERTMANAGER_ENV,
+    ALERTMANAGER_FILE,
+    PLACEHOLDER_URLS,
+    alertmanager_config,
+    receiver_urls,
+    render_alertmanager,
+)
 from ._dashboards import DASHBOARDS, dashboard_files, dashboards, queries
 from ._files import (
     COMPOSE_RULES,
@@ -44,6 +53,9 @@ from ._rules import (
     DEAD_AIR_SECONDS,
     DECISION_SLOW_SECONDS,
     FAILURE_RATIO,
+    GROUP_LABELS,
+    JOB_MATCHER,
+    MIN_CLARIFIED_PARTICIPANTS,
     MIN_TURNS,
     MIN_TURNS_1M,
     RECORDING_RULES,
@@ -53,6 +65,7 @@ from ._rules import (
     AlertRule,
     RecordingRule,
     RouteOverride,
+    check_group_labels,
     load_overrides,
     render_rules,
     rule_groups,
@@ -61,6 +74,8 @@ from ._tuning import EARLY_SECS, GENERATION_SECS, Candidate, candidates
 
 __all__ = [
     "ACK_OVERUSE_RATIO",
+    "ALERTMANAGER_ENV",
+    "ALERTMANAGER_FILE",
     "ALERTS",
     "CLARIFICATION_CONFIRM",
     "CLARIFICATION_CRITICAL",
@@ -73,11 +88,15 @@ __all__ = [
     "EARLY_SECS",
     "FAILURE_RATIO",
     "GENERATION_SECS",
+    "GROUP_LABELS",
+    "JOB_MATCHER",
     "K8S_DASHBOARDS",
     "K8S_RULE",
     "MAX_OVERRIDES_BYTES",
+    "MIN_CLARIFIED_PARTICIPANTS",
     "MIN_TURNS",
     "MIN_TURNS_1M",
+    "PLACEHOLDER_URLS",
     "RECORDING_RULES",
     "RULES_FILE",
     "RUNBOOK_URL",
@@ -88,7 +107,9 @@ __all__ = [
     "RecordingRule",
     "RouteOverride",
     "Selector",
+    "alertmanager_config",
     "candidates",
+    "check_group_labels",
     "dashboard_files",
     "dashboards",
     "exposed_series_names",
@@ -101,6 +122,8 @@ __all__ = [
     "metric_names",
     "queries",
     "read_overrides",
+    "receiver_urls",
+    "render_alertmanager",
     "render_rules",
     "rule_groups",
     "selectors",

@@ -9,6 +9,7 @@ which looks the metric up in `METRICS`, so a renamed metric fails here first.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ..telemetry import metric
@@ -19,8 +20,13 @@ from ._rules import (
     DEAD_AIR_SECONDS,
     DECISION_SLOW_SECONDS,
     FAILURE_RATIO,
+    GROUP_LABELS,
+    MIN_CLARIFIED_PARTICIPANTS,
     SATURATION_LAG_SECONDS,
     SLOW_FIRST_RESPONSE_SECONDS,
+    RouteOverride,
+    _promql_regex_literal,
+    check_group_labels,
 )
 from ._tuning import (
     ALL_ROUTES,
@@ -42,6 +48,8 @@ JOB = 'job=~"$job"'
 #: Choices of the "which delay?" target variable (all-routes acknowledgment rate).
 ACK_RATE_TARGETS = ("0.1", "0.2", "0.3", "0.4", "0.5")
 ROUTE = 'route=~"$route"'
+#: The alerts' window: panels that show an alerted ratio use it, not `$__rate_interval`.
+ALERT_WINDOW = "5m"
 
 
 def _m(name: str, suffix: str = "") -> str:
@@ -56,12 +64,39 @@ def _sel(name: str, *matchers: str, suffix: str = "") -> str:
 
 
 def _quantile(q: float, name: str, by: str, *matchers: str, window: str = RATE) -> str:
+    """A quantile by `by`, only where the window holds observations (no NaN for a route
+    or outcome without any: it shows as a gap)."""
     by_clause = f"{by}, le" if by else "le"
     return (f"histogram_quantile({q:g}, sum by ({by_clause}) "
-            f"(rate({_sel(name, *matchers, suffix='_bucket')}[{window}])))")
+            f"(rate({_sel(name, *matchers, suffix='_bucket')}[{window}])))\n"
+            f"and on ({by}) (sum by ({by}) "
+            f"(rate({_sel(name, *matchers, suffix='_count')}[{window}])) > 0)")
 
 
 # --------------------------------------------------------------------------- building blocks
+
+#: The per-route overrides the dashboards being built draw (set by `dashboards()`).
+_OVERRIDES: list[tuple[RouteOverride, ...]] = [()]
+
+
+def _slow_first_response_targets() -> str:
+    """Each route's TurnrouterSlowFirstResponse threshold as a series (its override, or
+    the default), only for routes with answers in the alert's window."""
+    count = _m("turnrouter_first_response_seconds", "_count")
+    mine = {o.route: o for o in _OVERRIDES[0] if o.alert == "TurnrouterSlowFirstResponse"}
+
+    def line(matcher: str, threshold: float) -> str:
+        return (f"(sum by (route) (rate({count}{{{JOB}, {ROUTE}{matcher}}}[{ALERT_WINDOW}])) "
+                f"> 0) * 0 + {threshold:g}")
+
+    if not mine:
+        return line("", SLOW_FIRST_RESPONSE_SECONDS)
+    routes = "|".join(_promql_regex_literal(route) for route in sorted(mine))
+    parts = [line(f', route!~"{routes}"', SLOW_FIRST_RESPONSE_SECONDS)]
+    parts += [line(f', route="{route}"', o.threshold if o.threshold is not None
+                   else SLOW_FIRST_RESPONSE_SECONDS)
+              for route, o in sorted(mine.items()) if not o.disabled]
+    return "\nor\n".join(parts)
 
 
 def _thresholds(*steps: tuple[str, float | None]) -> dict[str, Any]:
@@ -231,15 +266,20 @@ def overview() -> dict[str, Any]:
     """The "turnrouter overview" dashboard."""
     turns = _m("turnrouter_turns_total")
     clarifications = _m("turnrouter_clarifications_total")
+    # The alerts' own windows (5 minutes) and sums, so the panels show what they fire on.
     clar_ratio = (
-        f"sum(rate({clarifications}{{{JOB}}}[{RATE}]))\n/\n"
-        f"(sum(rate({turns}{{{JOB}}}[{RATE}])) > 0)"
+        f"sum(rate({clarifications}{{{JOB}}}[{ALERT_WINDOW}]))\n/\n"
+        f"(sum(rate({turns}{{{JOB}}}[{ALERT_WINDOW}])) > 0)"
     )
+    clarified_share = (
+        f"sum({_sel('turnrouter_window_clarified_participants', JOB)})\n/\n"
+        f"(sum({_sel('turnrouter_window_participants', JOB)}) > 0)")
     panels: list[dict[str, Any]] = [
         _row("Traffic"),
         _stat("Turns / s", "Turns handled per second, all routes.",
               f"sum(rate({_sel('turnrouter_turns_total', JOB, ROUTE)}[{RATE}]))", unit="ops"),
-        _stat("Clarification ratio (now)", "Clarifications per turn (the alerted ratio).",
+        _stat("Clarification ratio (5m)", "Clarifications per turn over 5 minutes (the "
+              "ticket's ratio, TurnrouterHighClarificationRate warning).",
               clar_ratio, unit="percentunit",
               thresholds=_thresholds(("green", None), ("orange", CLARIFICATION_WARNING),
                                      ("red", CLARIFICATION_CRITICAL))),
@@ -255,12 +295,19 @@ def overview() -> dict[str, Any]:
                       "{{route}} {{outcome}}")),
             unit="ops", stack=True),
         _timeseries(
-            "Clarification ratio", "Clarifications per turn, with the warning and critical "
-            "thresholds of TurnrouterHighClarificationRate drawn.",
-            _targets((clar_ratio, "clarification ratio"),
+            "Clarification ratio", "Clarifications per turn over 5 minutes (the ticket fires "
+            f"above {CLARIFICATION_WARNING:.0%}), by reason, and the page's signal: the share "
+            "of the last minute's distinct participants whose latest turn was clarified "
+            f"(TurnrouterHighClarificationRate critical above {CLARIFICATION_CRITICAL:.0%}, "
+            f"with at least {MIN_CLARIFIED_PARTICIPANTS} of them: one loud client counts "
+            "once).",
+            _targets((clar_ratio, "clarification ratio (turns, 5m)"),
                      (f"sum by (reason) (rate({_sel('turnrouter_clarifications_total', JOB)}"
-                      f"[{RATE}]))\n/ ignoring (reason) group_left ()\n"
-                      f"(sum(rate({turns}{{{JOB}}}[{RATE}])) > 0)", "{{reason}}")),
+                      f"[{ALERT_WINDOW}]))\n/ ignoring (reason) group_left ()\n"
+                      f"(sum(rate({turns}{{{JOB}}}[{ALERT_WINDOW}])) > 0)", "{{reason}}"),
+                     (clarified_share, "participants clarified (page)"),
+                     (f"sum({_sel('turnrouter_window_clarified_participants', JOB)})",
+                      "participants clarified (count, right axis)")),
             unit="percentunit", draw="dashed",
             thresholds=_thresholds(("green", None), ("orange", CLARIFICATION_WARNING),
                                    ("red", CLARIFICATION_CRITICAL))),
@@ -292,13 +339,17 @@ def overview() -> dict[str, Any]:
                       "{{route}} {{reason}}")),
             unit="ops", stack=True),
         _timeseries(
-            "Failures by stage", "Failures per second by stage and route, against turns "
-            f"(TurnrouterFailures fires above {FAILURE_RATIO:.0%} of turns per stage).",
-            _targets((f"sum by (stage, route) (rate({_sel('turnrouter_failures_total', JOB)}"
-                      f"[{RATE}]))", "{{stage}} ({{route}})"),
-                     (f"sum(rate({_sel('turnrouter_interruptions_total', JOB)}[{RATE}]))",
-                      "interruptions")),
-            unit="ops", stack=False),
+            "Failures by stage", "Failures per turn by stage over 5 minutes, as "
+            f"TurnrouterFailures computes it (it fires above {FAILURE_RATIO:.0%} of turns per "
+            "stage, the dashed line), and interrupted turns per turn.",
+            _targets((f"sum by (stage) (rate({_sel('turnrouter_failures_total', JOB)}"
+                      f"[{ALERT_WINDOW}]))\n/ ignoring (stage) group_left ()\n"
+                      f"(sum(rate({turns}{{{JOB}}}[{ALERT_WINDOW}])) > 0)", "{{stage}}"),
+                     (f"sum(rate({_sel('turnrouter_interruptions_total', JOB)}"
+                      f"[{ALERT_WINDOW}]))\n/\n"
+                      f"(sum(rate({turns}{{{JOB}}}[{ALERT_WINDOW}])) > 0)", "interrupted")),
+            unit="percentunit", stack=False, draw="dashed",
+            thresholds=_thresholds(("green", None), ("red", FAILURE_RATIO))),
         _timeseries(
             "Focus transitions", "Focus taken, released or lost per second, by route.",
             _targets((f"sum by (route, transition) (rate("
@@ -328,10 +379,12 @@ def overview() -> dict[str, Any]:
             unit="s"),
         _timeseries(
             "First response p95 by route", "Time from answer() to started() (exemplars link "
-            "to the `invoke_agent` span). TurnrouterSlowFirstResponse: p95 above "
-            f"{SLOW_FIRST_RESPONSE_SECONDS:g}s.",
-            _targets((_quantile(0.95, "turnrouter_first_response_seconds", "route", JOB,
-                                ROUTE), "p95 {{route}}"), exemplar=True),
+            "to the `invoke_agent` span), and each route's TurnrouterSlowFirstResponse "
+            f"threshold (the default {SLOW_FIRST_RESPONSE_SECONDS:g}s, dashed, or the "
+            "route's own override).",
+            [*_targets((_quantile(0.95, "turnrouter_first_response_seconds", "route", JOB,
+                                  ROUTE), "p95 {{route}}"), exemplar=True),
+             _target(_slow_first_response_targets(), "alert threshold {{route}}", ref="B")],
             unit="s", draw="dashed",
             thresholds=_thresholds(("green", None), ("red", SLOW_FIRST_RESPONSE_SECONDS))),
         _row("Load and context"),
@@ -397,6 +450,7 @@ def acknowledgment_tuning() -> dict[str, Any]:
     acks = _m("turnrouter_acknowledgments_total")
     delay = f"max({_sel('turnrouter_acknowledgment_delay_seconds', JOB)})"
     emitted = _sel(acks, JOB, ROUTE, 'outcome="emitted"')
+    delay_emitted = _sel(acks, JOB, ROUTE, 'outcome="emitted"', 'trigger="delay"')
     scheduled = _sel(acks, JOB, ROUTE)
     predicted = _sel("turnrouter_predicted_first_response_seconds", JOB, ROUTE)
     heatmap: dict[str, Any] = {
@@ -423,9 +477,18 @@ def acknowledgment_tuning() -> dict[str, Any]:
     matchers = f"{JOB}, {ROUTE}"
     whatif = whatif_queries(matchers, "$__range")
     chosen = candidates()
-    current = "\nor\n".join(
+    marker = "\nor\n".join(
         f'label_replace((abs({delay} - {c.delay:g}) < 0.025) * 0 + 1, "delay", '
         f'"{c.delay:g}", "__name__", ".*")' for c in chosen)
+    # One row per (delay, route) the other columns have (the all-routes row included),
+    # so the marker is a column of those rows, never a row of its own.
+    turns = f"sum by (route) (increase({count}[$__range]))"
+    skeleton = "\nor\n".join(
+        f'label_replace(({turns} > 0) * 0, "delay", "{c.delay:g}", "__name__", ".*")\nor\n'
+        f'label_replace(label_replace((sum({turns}) > 0) * 0, "delay", "{c.delay:g}", '
+        f'"__name__", ".*"), "route", "{ALL_ROUTES}", "__name__", ".*")' for c in chosen)
+    current = (f"(\n{skeleton}\n) + on (delay) group_left ()\n(\n{marker}\n)\n"
+               f"or\n(\n{skeleton}\n)")
     table_targets = [
         _target(whatif["ack"], "", ref="A", instant=True, fmt="table"),
         _target(whatif["ack_all"], "", ref="B", instant=True, fmt="table"),
@@ -480,7 +543,12 @@ def acknowledgment_tuning() -> dict[str, Any]:
                                  "Value #L": "fixed: p95 silence"}}},
             {"id": "sortBy", "options": {"sort": [{"field": "delay"}]}},
         ],
-        "fieldConfig": {"defaults": {"unit": "percentunit", "decimals": 1}, "overrides": [
+        "fieldConfig": {"defaults": {
+            "unit": "percentunit", "decimals": 1,
+            "noValue": "No first responses in the time range for these routes (or the "
+                       "routers export no turnrouter_first_response_seconds): widen the "
+                       "range or check the job and route variables."},
+            "overrides": [
             *({"matcher": {"id": "byName", "options": name},
                "properties": [{"id": "unit", "value": "s"}, {"id": "decimals", "value": 2}]}
               for name in ("p95 silence", "fixed: p95 silence")),
@@ -506,10 +574,12 @@ def acknowledgment_tuning() -> dict[str, Any]:
         _row("First response"),
         _timeseries(
             "First response quantiles", "p50, p90 and p95 of the time from answer() to "
-            "started(), by route (exemplars link to the `invoke_agent` span).",
-            _targets(*((_quantile(q, first.name, "route", JOB, ROUTE),
-                        f"p{round(q * 100)} {{{{route}}}}") for q in (0.5, 0.9, 0.95)),
-                     exemplar=True),
+            "started(), by route (exemplars link to the `invoke_agent` span), and each "
+            "route's TurnrouterSlowFirstResponse threshold (per-route overrides included).",
+            [*_targets(*((_quantile(q, first.name, "route", JOB, ROUTE),
+                          f"p{round(q * 100)} {{{{route}}}}") for q in (0.5, 0.9, 0.95)),
+                       exemplar=True),
+             _target(_slow_first_response_targets(), "alert threshold {{route}}", ref="D")],
             unit="s", draw="dashed",
             thresholds=_thresholds(("green", None), ("red", SLOW_FIRST_RESPONSE_SECONDS))),
         _timeseries(
@@ -543,21 +613,30 @@ def acknowledgment_tuning() -> dict[str, Any]:
                       "{{outcome}} ({{trigger}})")),
             unit="ops", stack=True),
         _timeseries(
-            "Acknowledgment ratio by route", "Share of scheduled acknowledgments that were "
-            "spoken, by route (the alerted ratio: TurnrouterAcknowledgmentOveruse above "
-            f"{ACK_OVERUSE_RATIO:.0%}).",
-            _targets((f"sum by (route) (rate({emitted}[{RATE}]))\n/\n"
-                      f"(sum by (route) (rate({scheduled}[{RATE}])) > 0)", "{{route}}")),
+            "Acknowledgment ratio by route", "Share of scheduled acknowledgments spoken "
+            "because the fallback delay ran out, by route, over 5 minutes: the alerted ratio "
+            f"(TurnrouterAcknowledgmentOveruse above {ACK_OVERUSE_RATIO:.0%}, the dashed "
+            "line; routes may have their own or none). Prediction-triggered "
+            "acknowledgments are intended and do not count; all spoken ones are drawn "
+            "beside it for reference.",
+            _targets((f"sum by (route) (rate({delay_emitted}[{ALERT_WINDOW}]))\n/\n"
+                      f"(sum by (route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
+                      "{{route}} (alerted: delay)"),
+                     (f"sum by (route) (rate({emitted}[{ALERT_WINDOW}]))\n/\n"
+                      f"(sum by (route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
+                      "{{route}} (all spoken)")),
             unit="percentunit", draw="dashed", max_=1,
             thresholds=_thresholds(("green", None), ("red", ACK_OVERUSE_RATIO))),
         _timeseries(
-            "Needless acknowledgments", "Share of spoken acknowledgments followed by the "
-            "answer's start within 0.5 s, by route and trigger: `prediction` are early "
-            "acknowledgments that turned out needless, `delay` the fallback delay's "
-            "(turnrouter_needless_acknowledgments_total).",
+            "Needless acknowledgments per turn", "Needless acknowledgments (spoken, and the "
+            "answer started within 0.5 s) per turn, by route and trigger, over 5 minutes: "
+            "the same per-turn share as the `needless` column of *Which delay?* "
+            "(`prediction`: early acknowledgments that turned out needless; `delay`: the "
+            "fallback delay's).",
             _targets((f"sum by (route, trigger) (rate("
                       f"{_sel('turnrouter_needless_acknowledgments_total', JOB, ROUTE)}"
-                      f"[{RATE}]))\n/\n(sum by (route, trigger) (rate({emitted}[{RATE}])) > 0)",
+                      f"[{ALERT_WINDOW}]))\n/ on (route) group_left ()\n"
+                      f"(sum by (route) (rate({count}[{ALERT_WINDOW}])) > 0)",
                       "{{route}} ({{trigger}})")),
             unit="percentunit", max_=1),
         _timeseries(
@@ -592,9 +671,56 @@ DASHBOARDS = {
 }
 
 
-def dashboards() -> dict[str, dict[str, Any]]:
-    """Every dashboard, by file name."""
-    return {name: build() for name, build in DASHBOARDS.items()}
+def _group_variable(label: str, before: Sequence[str]) -> dict[str, Any]:
+    turns = _m("turnrouter_turns_total")
+    matchers = ", ".join(f'{name}=~"${name}"' for name in before)
+    series = f"{turns}{{{matchers}}}" if matchers else turns
+    return {
+        "name": label, "label": label.replace("_", " ").capitalize(), "type": "query",
+        "datasource": DATASOURCE,
+        "definition": f"label_values({series}, {label})",
+        "query": {"query": f"label_values({series}, {label})",
+                  "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "current": {}, "hide": 0, "refresh": 2, "regex": "", "sort": 1, "options": [],
+        "includeAll": True, "multi": True, "allValue": ".*",
+    }
+
+
+def _regroup(value: Any, matchers: str) -> Any:
+    """`value` with every `job=~"$job"` matcher replaced by the group labels' matchers."""
+    if isinstance(value, str):
+        return value.replace(JOB, matchers)
+    if isinstance(value, list):
+        return [_regroup(item, matchers) for item in value]
+    if isinstance(value, dict):
+        return {key: _regroup(item, matchers) for key, item in value.items()}
+    return value
+
+
+def _with_group_labels(model: dict[str, Any], labels: Sequence[str]) -> dict[str, Any]:
+    """The dashboard filtered on every group label (a variable each, chained in order:
+    cluster, then namespace, then job), as the alerts aggregate by them."""
+    matchers = ", ".join(f'{label}=~"${label}"' for label in labels)
+    variables = model["templating"]["list"]
+    out = _regroup(model, matchers)
+    chained = [_group_variable(label, labels[:index]) for index, label in enumerate(labels)]
+    at = next(i for i, v in enumerate(variables) if v["name"] == "job")
+    out["templating"]["list"][at:at + 1] = chained
+    return out  # type: ignore[no-any-return]
+
+
+def dashboards(group_labels: Sequence[str] = GROUP_LABELS,
+               overrides: Sequence[RouteOverride] = ()) -> dict[str, dict[str, Any]]:
+    """Every dashboard, by file name, filtered on `group_labels` (default cluster,
+    namespace, job: the labels the alerts aggregate by), drawing the per-route alert
+    `overrides` the rules were generated with."""
+    labels = check_group_labels(group_labels)
+    _OVERRIDES[0] = tuple(overrides)
+    try:
+        return {name: _with_group_labels(build(), labels)
+                for name, build in DASHBOARDS.items()}
+    finally:
+        _OVERRIDES[0] = ()
 
 
 def render_dashboard(model: dict[str, Any]) -> str:
@@ -602,9 +728,11 @@ def render_dashboard(model: dict[str, Any]) -> str:
     return json.dumps(model, indent=2, ensure_ascii=False) + "\n"
 
 
-def dashboard_files() -> dict[str, str]:
+def dashboard_files(group_labels: Sequence[str] = GROUP_LABELS,
+                    overrides: Sequence[RouteOverride] = ()) -> dict[str, str]:
     """File name -> text, as checked in under `dashboards/`."""
-    return {name: render_dashboard(model) for name, model in dashboards().items()}
+    return {name: render_dashboard(model)
+            for name, model in dashboards(group_labels, overrides).items()}
 
 
 def _walk_panels(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -5,17 +5,26 @@ which is checked in as `deploy/prometheus/rules/turnrouter.rules.yml` and wrappe
 Kubernetes `PrometheusRule`. Thresholds are module constants so the dashboards draw the
 same lines the alerts fire on.
 
-Three rules keep the alerts trustworthy:
+Rules that keep the alerts trustworthy:
 
+- one rule set for everyone: the shipped file carries the per-route overrides of
+  `deploy/prometheus/overrides.demo.yml` (`RouteOverride`: another threshold, another
+  traffic floor, or off for a route slow by design); regenerate with your own;
+- every series is aggregated by the group labels (`GROUP_LABELS`: cluster, namespace,
+  job, the mixins' `clusterLabel` convention; `rule_groups(group_labels=...)`), so two
+  deployments whose Services share a name never merge;
 - every alert is gated on enough traffic *in its own window*, as a count (turns,
-  answers, acknowledgments or decisions), above what one participant can produce
-  (a participant speaks at most about one turn per 2 s: 150 in 5 minutes), so one heavy
-  participant or a quiet night never pages;
-- route-labelled alerts take per-route overrides (`RouteOverride`: another threshold,
-  another traffic floor, or off for a route slow by design);
-- the clarification critical is multi-window: the 1-minute ratio above 25% for 2 minutes
-  while the 5-minute ratio confirms it (above 10%), so a sustained jump pages within
-  3 minutes of onset while a blip of up to a minute never does (promtool tests pin both).
+  answers, acknowledgments or decisions), above what one participant can produce, and
+  every window is 5 minutes (at least 4 scrapes at a 1-minute scrape interval);
+- the clarification page fires for broad incidents only: the share of the distinct
+  participants of the last minute whose latest turn was clarified (the
+  `turnrouter_window_*participants` gauges: one loud client counts once), with at least
+  `MIN_CLARIFIED_PARTICIPANTS` of them, confirmed by the 5-minute ratio over at least
+  `MIN_TURNS` turns;
+- every traffic alert requires its target up (`up`), so an alert whose source died clears
+  instead of opening a late ticket; `TurnrouterTargetDown` and `TurnrouterAbsent` page for
+  the outage itself, and `TurnrouterWatchdog` always fires (a dead man's switch for the
+  alerting pipeline).
 
 Every ratio divides by a denominator filtered with `> 0`, so an idle router produces no
 sample (not NaN or +Inf) and cannot page.
@@ -40,6 +49,9 @@ __all__ = [
     "DEAD_AIR_SECONDS",
     "DECISION_SLOW_SECONDS",
     "FAILURE_RATIO",
+    "GROUP_LABELS",
+    "JOB_MATCHER",
+    "MIN_CLARIFIED_PARTICIPANTS",
     "MIN_TURNS",
     "MIN_TURNS_1M",
     "RECORDING_RULES",
@@ -49,6 +61,7 @@ __all__ = [
     "AlertRule",
     "RecordingRule",
     "RouteOverride",
+    "check_group_labels",
     "load_overrides",
     "render_rules",
     "rule_groups",
@@ -57,16 +70,27 @@ __all__ = [
 #: Where `runbook_url` annotations point; each alert links to its own section.
 RUNBOOK_URL = "https://github.com/turnrouter/turnrouter/blob/main/docs/runbook.md"
 
-#: Clarification ratio (clarifications / turns) thresholds.
+#: Labels every rule aggregates by (the mixins' `clusterLabel` convention): a label a
+#: series lacks is simply absent from the result.
+GROUP_LABELS: tuple[str, ...] = ("cluster", "namespace", "job")
+#: The `up` series of turnrouter targets, for the availability alerts.
+JOB_MATCHER = 'job=~"turnrouter.*"'
+#: Clarification ratio (clarifications / turns) of the ticket.
 CLARIFICATION_WARNING = 0.10
+#: The page: share of the last minute's distinct participants whose latest turn was
+#: answered with a clarification question (a per-participant clarification ratio).
 CLARIFICATION_CRITICAL = 0.25
-#: The 5-minute ratio that must confirm the 1-minute one for the critical to fire.
+#: The 5-minute ratio of turns that must confirm the page.
 CLARIFICATION_CONFIRM = CLARIFICATION_WARNING
+#: Least distinct participants clarified in the window for the page: one client, however
+#: loud, never pages.
+MIN_CLARIFIED_PARTICIPANTS = 3
 #: Least turns (answers, acknowledgments, decisions) in a 5-minute window for any alert
 #: of that window to fire: more than one participant can produce (about one turn per
 #: 2 s, 150 in 5 minutes). Per-route alerts take another floor through `RouteOverride`.
 MIN_TURNS = 150
-#: The same floor for the 1-minute window of the clarification critical.
+#: Kept for deployments that read it: the floor of the former 1-minute clarification
+#: window (no rule reads a 1-minute window any more: it never fires at a 1-minute scrape).
 MIN_TURNS_1M = 30
 #: Seconds: p95 from answer() to started() per route.
 SLOW_FIRST_RESPONSE_SECONDS = 1.5
@@ -83,7 +107,10 @@ DECISION_SLOW_SECONDS = 0.3
 #: `OverloadPolicy.busy_lag_secs`: past it the router sheds new participants).
 SATURATION_LAG_SECONDS = 0.1
 
-Severity = Literal["warning", "critical"]
+Severity = Literal["warning", "critical", "none"]
+
+#: Replaced by the group labels when a rule is rendered.
+G = "__GROUP__"
 
 
 def _name(metric_name: str, suffix: str = "") -> str:
@@ -108,10 +135,17 @@ DECISION_BUCKET = _name("turnrouter_decision_duration_seconds", "_bucket")
 DECISION_COUNT = _name("turnrouter_decision_duration_seconds", "_count")
 LAG_BUCKET = _name("turnrouter_event_loop_lag_seconds", "_bucket")
 SHED = _name("turnrouter_shed_turns_total")
+WINDOW_PARTICIPANTS = _name("turnrouter_window_participants")
+WINDOW_CLARIFIED = _name("turnrouter_window_clarified_participants")
+IN_FLIGHT = _name("turnrouter_turns_in_flight")
 
 
 def _turn_rate(window: str) -> str:
-    return f"sum by (job) (rate({TURNS}[{window}]))"
+    return f"sum by ({G}) (rate({TURNS}[{window}]))"
+
+
+def _grouped(expr: str, labels: Sequence[str]) -> str:
+    return expr.replace(G, ", ".join(labels))
 
 
 def _ratio(numerator: str, denominator: str) -> str:
@@ -119,79 +153,90 @@ def _ratio(numerator: str, denominator: str) -> str:
     return f"(\n  {numerator}\n  or\n  {denominator} * 0\n)\n/\n({denominator} > 0)"
 
 
-_ACK_RATE = f"sum by (job, route) (rate({ACKS}[5m]))"
+_ACK_RATE = f"sum by ({G}, route) (rate({ACKS}[5m]))"
 
 
 @dataclass(frozen=True, slots=True)
 class RecordingRule:
-    """A recording rule."""
+    """A recording rule; `template` is its expression with the group labels left open."""
 
     record: str
-    expr: str
+    template: str
 
-    def as_dict(self) -> dict[str, Any]:
-        """The rule as it appears in a rule file."""
-        return {"record": self.record, "expr": self.expr}
+    @property
+    def expr(self) -> str:
+        """The expression, aggregated by the default `GROUP_LABELS`."""
+        return _grouped(self.template, GROUP_LABELS)
+
+    def as_dict(self, group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, Any]:
+        """The rule as it appears in a rule file, aggregated by `group_labels`."""
+        return {"record": self.record, "expr": _grouped(self.template, group_labels)}
 
 
 RECORDING_RULES: tuple[RecordingRule, ...] = (
     RecordingRule("turnrouter:turns:rate5m", _turn_rate("5m")),
-    RecordingRule("turnrouter:turns:increase5m", f"sum by (job) (increase({TURNS}[5m]))"),
-    RecordingRule("turnrouter:turns:increase1m", f"sum by (job) (increase({TURNS}[1m]))"),
+    RecordingRule("turnrouter:turns:increase5m", f"sum by ({G}) (increase({TURNS}[5m]))"),
     RecordingRule(
         "turnrouter:clarification_ratio:rate5m",
-        _ratio(f"sum by (job) (rate({CLARIFICATIONS}[5m]))", _turn_rate("5m"))),
+        _ratio(f"sum by ({G}) (rate({CLARIFICATIONS}[5m]))", _turn_rate("5m"))),
+    RecordingRule("turnrouter:window_participants:sum", f"sum by ({G}) ({WINDOW_PARTICIPANTS})"),
+    RecordingRule("turnrouter:window_clarified_participants:sum",
+                  f"sum by ({G}) ({WINDOW_CLARIFIED})"),
     RecordingRule(
-        "turnrouter:clarification_ratio:rate1m",
-        _ratio(f"sum by (job) (rate({CLARIFICATIONS}[1m]))", _turn_rate("1m"))),
+        "turnrouter:clarified_participants:ratio",
+        _ratio(f"sum by ({G}) ({WINDOW_CLARIFIED})",
+               f"sum by ({G}) ({WINDOW_PARTICIPANTS})")),
     RecordingRule(
         "turnrouter:first_response_seconds:p95_5m",
-        f"histogram_quantile(0.95, sum by (job, route, le) (rate({FIRST_RESPONSE_BUCKET}[5m])))",
+        f"histogram_quantile(0.95, sum by ({G}, route, le) (rate({FIRST_RESPONSE_BUCKET}[5m])))",
     ),
     RecordingRule(
         "turnrouter:first_responses:increase5m",
-        f"sum by (job, route) (increase({FIRST_RESPONSE_COUNT}[5m]))"),
+        f"sum by ({G}, route) (increase({FIRST_RESPONSE_COUNT}[5m]))"),
     RecordingRule(
         "turnrouter:silence_seconds:p95_5m",
-        f"histogram_quantile(0.95, sum by (job, le) (rate({SILENCE_BUCKET}[5m])))",
+        f"histogram_quantile(0.95, sum by ({G}, le) (rate({SILENCE_BUCKET}[5m])))",
     ),
     RecordingRule(
-        "turnrouter:silences:increase5m", f"sum by (job) (increase({SILENCE_COUNT}[5m]))"),
+        "turnrouter:silences:increase5m", f"sum by ({G}) (increase({SILENCE_COUNT}[5m]))"),
     RecordingRule(
         "turnrouter:acknowledgment_ratio:rate5m",
-        _ratio(f'sum by (job, route) (rate({ACKS}{{outcome="emitted"}}[5m]))', _ACK_RATE)),
+        _ratio(f'sum by ({G}, route) (rate({ACKS}{{outcome="emitted"}}[5m]))', _ACK_RATE)),
     RecordingRule(
         "turnrouter:delay_acknowledgment_ratio:rate5m",
-        _ratio(f'sum by (job, route) (rate({ACKS}{{outcome="emitted", trigger="delay"}}[5m]))',
+        _ratio(f'sum by ({G}, route) (rate({ACKS}{{outcome="emitted", trigger="delay"}}[5m]))',
                _ACK_RATE)),
     RecordingRule(
         "turnrouter:acknowledgments:increase5m",
-        f"sum by (job, route) (increase({ACKS}[5m]))"),
+        f"sum by ({G}, route) (increase({ACKS}[5m]))"),
     RecordingRule(
         "turnrouter:needless_acknowledgment_ratio:rate5m",
-        _ratio(f"sum by (job, route) (rate({NEEDLESS}[5m]))",
-               f'sum by (job, route) (rate({ACKS}{{outcome="emitted"}}[5m]))')),
+        _ratio(f"sum by ({G}, route) (rate({NEEDLESS}[5m]))",
+               f'sum by ({G}, route) (rate({ACKS}{{outcome="emitted"}}[5m]))')),
     RecordingRule(
         "turnrouter:ineligible_routes:rate5m",
-        f"sum by (job, route, reason) (rate({INELIGIBLE}[5m]))"),
+        f"sum by ({G}, route, reason) (rate({INELIGIBLE}[5m]))"),
     RecordingRule(
         "turnrouter:decision_duration_seconds:p95_5m",
-        f"histogram_quantile(0.95, sum by (job, le) (rate({DECISION_BUCKET}[5m])))",
+        f"histogram_quantile(0.95, sum by ({G}, le) (rate({DECISION_BUCKET}[5m])))",
     ),
     RecordingRule(
-        "turnrouter:decisions:increase5m", f"sum by (job) (increase({DECISION_COUNT}[5m]))"),
+        "turnrouter:decisions:increase5m", f"sum by ({G}) (increase({DECISION_COUNT}[5m]))"),
     # Saturation is per process: by instance, so one saturated replica is not averaged away.
     RecordingRule(
         "turnrouter:event_loop_lag_seconds:p95_5m",
-        f"histogram_quantile(0.95, sum by (job, instance, le) (rate({LAG_BUCKET}[5m])))",
+        f"histogram_quantile(0.95, sum by ({G}, instance, le) (rate({LAG_BUCKET}[5m])))",
     ),
     RecordingRule(
-        "turnrouter:shed_turns:rate5m", f"sum by (job, instance) (rate({SHED}[5m]))"),
+        "turnrouter:shed_turns:rate5m", f"sum by ({G}, instance) (rate({SHED}[5m]))"),
     RecordingRule(
         "turnrouter:failure_ratio:rate5m",
-        f"sum by (job, stage) (rate({FAILURES}[5m]))\n/ on (job) group_left ()\n"
+        f"sum by ({G}, stage) (rate({FAILURES}[5m]))\n/ on ({G}) group_left ()\n"
         f"({_turn_rate('5m')} > 0)",
     ),
+    # 1 while a target of the group is scraped: every traffic alert requires it, so an
+    # alert whose source died clears at once instead of lingering on stale windows.
+    RecordingRule("turnrouter:up:max", f"max by ({G}) (up)"),
 )
 
 _ROUTE_NAME = re.compile(r"[^\x00-\x1f\x7f\"\\]{1,100}")
@@ -240,7 +285,9 @@ class RouteOverride:
 @dataclass(frozen=True, slots=True)
 class AlertRule:
     """An alert: `signal > threshold` while `volume >= min_turns` (and `confirm`, if
-    any), held for `for_`. `per_route` alerts take `RouteOverride`s."""
+    any) and its target is not down, held for `for_`. `per_route` alerts take
+    `RouteOverride`s. With `raw=True`, `signal` is the whole expression (availability
+    and watchdog alerts: no threshold, no traffic floor)."""
 
     alert: str
     signal: str
@@ -258,9 +305,10 @@ class AlertRule:
     """An extra condition joined with `and` (the clarification critical's long window)."""
     keep_firing_for: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    raw: bool = False
 
     def _on(self) -> str:
-        return "on (job, route)" if self.per_route else "on (job)"
+        return f"on ({G}, route)" if self.per_route else f"on ({G})"
 
     def _branch(self, matcher: str, threshold: float, min_turns: int) -> str:
         selector = f"{{{matcher}}}" if matcher else ""
@@ -268,11 +316,20 @@ class AlertRule:
                  f"and {self._on()}",
                  f"{self.volume}{selector} >= {min_turns:d}"]
         if self.confirm:
-            lines += [f"and {self._on()}", self.confirm]
+            lines += [f"and on ({G})", self.confirm]
+        # A dead target's windows linger for minutes: its alerts clear at once instead.
+        lines += [f"unless on ({G})", "turnrouter:up:max == 0"]
         return "\n".join(lines)
 
-    def expression(self, overrides: Sequence[RouteOverride] = ()) -> str:
-        """The alert expression, with this alert's `overrides` applied."""
+    def expression(self, overrides: Sequence[RouteOverride] = (),
+                   group_labels: Sequence[str] = GROUP_LABELS) -> str:
+        """The alert expression, with this alert's `overrides` applied, aggregated by
+        `group_labels`."""
+        return _grouped(self._expression(overrides), group_labels)
+
+    def _expression(self, overrides: Sequence[RouteOverride]) -> str:
+        if self.raw:
+            return self.signal
         mine = {o.route: o for o in overrides if o.alert == self.alert}
         if not mine:
             return self._branch("", self.threshold, self.min_turns)
@@ -301,14 +358,16 @@ class AlertRule:
         return f"{base}#{self.anchor}"
 
     def as_dict(self, for_: str | None = None, runbook_url: str | None = None,
-                overrides: Sequence[RouteOverride] = ()) -> dict[str, Any]:
+                overrides: Sequence[RouteOverride] = (),
+                group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, Any]:
         """The rule as it appears in a rule file (`for_` overrides the hold time,
         `runbook_url` the runbook's base address)."""
         rule: dict[str, Any] = {
             "alert": self.alert,
-            "expr": self.expression(overrides),
-            "for": for_ or self.for_,
+            "expr": self.expression(overrides, group_labels),
         }
+        if self.for_ != "0s":
+            rule["for"] = for_ or self.for_
         if self.keep_firing_for:
             rule["keep_firing_for"] = for_ or self.keep_firing_for
         rule["labels"] = {"severity": self.severity, **self.labels}
@@ -334,15 +393,19 @@ ALERTS: tuple[AlertRule, ...] = (
         volume="turnrouter:turns:increase5m",
     ),
     AlertRule(
-        "TurnrouterHighClarificationRate", "turnrouter:clarification_ratio:rate1m",
-        CLARIFICATION_CRITICAL, "2m", "critical",
-        "turnrouter {{ $labels.job }} asks participants to clarify too often",
-        f"{_PCT} of turns ended in a clarification question over the last minute, for 2 "
-        f"minutes (critical above {CLARIFICATION_CRITICAL:.0%}, confirmed by the 5-minute "
-        f"ratio above {CLARIFICATION_CONFIRM:.0%}, at least {MIN_TURNS_1M} turns a minute).",
+        "TurnrouterHighClarificationRate", "turnrouter:clarified_participants:ratio",
+        CLARIFICATION_CRITICAL, "1m", "critical",
+        "turnrouter {{ $labels.job }} asks many participants to clarify",
+        f"{_PCT} of the participants of the last minute had their latest turn answered with "
+        f"a clarification question (page above {CLARIFICATION_CRITICAL:.0%}, at least "
+        f"{MIN_CLARIFIED_PARTICIPANTS} participants, confirmed by the 5-minute ratio of turns "
+        f"above {CLARIFICATION_CONFIRM:.0%} over at least {MIN_TURNS} turns): a broad "
+        "incident, not one loud client.",
         "turnrouterhighclarificationrate",
-        volume="turnrouter:turns:increase1m", min_turns=MIN_TURNS_1M,
-        confirm=f"turnrouter:clarification_ratio:rate5m > {CLARIFICATION_CONFIRM:g}",
+        volume="turnrouter:window_clarified_participants:sum",
+        min_turns=MIN_CLARIFIED_PARTICIPANTS,
+        confirm=f"turnrouter:clarification_ratio:rate5m > {CLARIFICATION_CONFIRM:g}\n"
+                f"and on ({G})\nturnrouter:turns:increase5m >= {MIN_TURNS:d}",
     ),
     AlertRule(
         "TurnrouterSlowFirstResponse", "turnrouter:first_response_seconds:p95_5m",
@@ -400,6 +463,31 @@ ALERTS: tuple[AlertRule, ...] = (
         "turnroutersaturated",
         volume="turnrouter:turns:increase5m",
     ),
+    AlertRule(
+        "TurnrouterTargetDown", f"up{{{JOB_MATCHER}}} == 0", 0.0, "1m", "critical",
+        "turnrouter target {{ $labels.instance }} of {{ $labels.job }} is down",
+        "Prometheus cannot scrape this router: it is down or unreachable, and its other "
+        "alerts cannot be trusted (Alertmanager inhibits them while this fires).",
+        "turnroutertargetdown", volume="", raw=True,
+    ),
+    AlertRule(
+        "TurnrouterAbsent",
+        f"absent(up{{{JOB_MATCHER}}})\nor\n(up{{{JOB_MATCHER}}} == 1 unless on ({G}, instance) "
+        f"{IN_FLIGHT})",
+        0.0, "5m", "critical",
+        "turnrouter metrics are absent",
+        f"No turnrouter target is known to Prometheus ({JOB_MATCHER}), or a scraped target "
+        "exposes no turnrouter metrics (wrong port or path, telemetry off).",
+        "turnrouterabsent", volume="", raw=True,
+    ),
+    AlertRule(
+        "TurnrouterWatchdog", "vector(1)", 0.0, "0s", "none",
+        "The turnrouter alerting pipeline is alive",
+        "Always firing: a dead man's switch. Alertmanager routes it to the `watchdog` "
+        "receiver every few minutes; when those notifications stop, Prometheus, its rules "
+        "or Alertmanager are broken.",
+        "turnrouterwatchdog", volume="", raw=True,
+    ),
 )
 
 
@@ -440,17 +528,19 @@ def load_overrides(data: object) -> tuple[RouteOverride, ...]:
 
 def rule_groups(
     *, interval: str | None = None, for_: str | None = None, runbook_url: str | None = None,
-    overrides: Iterable[RouteOverride] = (),
+    overrides: Iterable[RouteOverride] = (), group_labels: Sequence[str] = GROUP_LABELS,
 ) -> dict[str, Any]:
     """The rule file's content. `interval` and `for_` override the evaluation interval
     and every alert's hold time (for tests against a real server); `runbook_url` the
     base address the alerts link to (your own copy of `docs/runbook.md`); `overrides`
-    per-route thresholds of route-labelled alerts."""
+    per-route thresholds of route-labelled alerts; `group_labels` the labels every rule
+    aggregates by (default cluster, namespace, job)."""
+    labels = check_group_labels(group_labels)
     chosen = tuple(overrides)
     groups: list[dict[str, Any]] = []
     for name, rules in (
-        ("turnrouter.recording", [rule.as_dict() for rule in RECORDING_RULES]),
-        ("turnrouter.alerts", [alert.as_dict(for_, runbook_url, chosen)
+        ("turnrouter.recording", [rule.as_dict(labels) for rule in RECORDING_RULES]),
+        ("turnrouter.alerts", [alert.as_dict(for_, runbook_url, chosen, labels)
                                for alert in ALERTS]),
     ):
         group: dict[str, Any] = {"name": name}
@@ -461,6 +551,28 @@ def rule_groups(
     return {"groups": groups}
 
 
+_LABEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def check_group_labels(labels: Sequence[str]) -> tuple[str, ...]:
+    """`labels` as a tuple, checked: 1-8 distinct Prometheus label names including `job`,
+    not `route`, `le` or `instance` (ValueError naming the bad one)."""
+    if isinstance(labels, str):
+        labels = [part.strip() for part in labels.split(",")]
+    out = tuple(labels)
+    if not 1 <= len(out) <= 8 or len(set(out)) != len(out):
+        raise ValueError(f"group labels must be 1 to 8 distinct names, got {out!r}"[:200])
+    for label in out:
+        if not isinstance(label, str) or not _LABEL_NAME.fullmatch(label) \
+                or label.startswith("__"):
+            raise ValueError(f"group label {str(label)[:80]!r} is not a label name")
+        if label in {"route", "le", "instance", "stage", "reason"}:
+            raise ValueError(f"group label {label!r} is one the rules already use")
+    if "job" not in out:
+        raise ValueError("group labels must include 'job'")
+    return out
+
+
 HEADER = (
     "# Generated by `python -m turnrouter.ops` from turnrouter.telemetry.METRICS and\n"
     "# src/turnrouter/ops/_rules.py. Do not edit by hand.\n"
@@ -469,10 +581,11 @@ HEADER = (
 
 def render_rules(*, interval: str | None = None, for_: str | None = None,
                  runbook_url: str | None = None,
-                 overrides: Iterable[RouteOverride] = ()) -> str:
+                 overrides: Iterable[RouteOverride] = (),
+                 group_labels: Sequence[str] = GROUP_LABELS) -> str:
     """The rule file as YAML text (needs PyYAML, a dev dependency)."""
     from ._yaml import dump
 
     return HEADER + dump(rule_groups(interval=interval, for_=for_, runbook_url=runbook_url,
-                                     overrides=overrides))
+                                     overrides=overrides, group_labels=group_labels))
 

@@ -41,7 +41,8 @@ from ._spans import (
     TOP_SCORES,
     TRACER_NAME,
 )
-from ._telemetry import Telemetry
+from ._telemetry import MAX_TRACED_PARTICIPANTS, Telemetry
+from ._window import MAX_WINDOW_PARTICIPANTS, PARTICIPANT_WINDOW_SECS, ParticipantWindow
 
 __all__ = [
     "ATTR",
@@ -55,8 +56,11 @@ __all__ = [
     "FAST_BUCKETS",
     "INELIGIBLE_REASONS",
     "LATENCY_BUCKETS",
+    "MAX_TRACED_PARTICIPANTS",
+    "MAX_WINDOW_PARTICIPANTS",
     "METRICS",
     "NEEDLESS_WITHIN_SECONDS",
+    "PARTICIPANT_WINDOW_SECS",
     "RESPONSE_BUCKETS",
     "SPAN_ACKNOWLEDGMENT",
     "SPAN_ADMISSION",
@@ -71,6 +75,7 @@ __all__ = [
     "MetricSpec",
     "MetricType",
     "MetricsServer",
+    "ParticipantWindow",
     "Telemetry",
     "metric",
     "metrics_app",

@@ -35,6 +35,7 @@ from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
 from ._metrics import METRICS, MetricSpec, metric
+from ._window import ParticipantWindow
 
 __all__ = [
     "BOOL_LABEL",
@@ -256,6 +257,11 @@ class _Registered:
             self.gauges = {name: self._gauge(registry, registered, name) for name in _GAUGES}
             # Turns in flight change twice per turn: plain counts read at scrape time.
             self.gauges["turnrouter_turns_in_flight"].set_function(self._in_flight)
+            # Distinct participants in the sliding windows: the union over shards.
+            self.gauges["turnrouter_window_participants"].set_function(
+                partial(self._distinct, "speakers"))
+            self.gauges["turnrouter_window_clarified_participants"].set_function(
+                partial(self._distinct, "clarified"))
         except BaseException:
             for collector in registered:  # leave the registry as it was
                 registry.unregister(collector)  # type: ignore[arg-type]
@@ -278,6 +284,14 @@ class _Registered:
         with self.lock:
             shards = list(self.shards)
         return float(sum(shard.turns_begun - shard.turns_ended for shard in shards))
+
+    def _distinct(self, window: str) -> float:
+        with self.lock:
+            shards = list(self.shards)
+        ids: set[str] = set()
+        for shard in shards:
+            ids.update(getattr(shard, window).live())
+        return float(len(ids))
 
 
 _COUNTERS = tuple(spec.name for spec in METRICS if spec.type == "counter")
@@ -307,6 +321,7 @@ class Families:
         "admission_duration",
         "admissions",
         "clarifications",
+        "clarified",
         "context_patches",
         "decision_duration",
         "failures",
@@ -325,6 +340,7 @@ class Families:
         "reroutes",
         "shed",
         "silence",
+        "speakers",
         "turn_duration",
         "turn_wait",
         "turns",
@@ -376,11 +392,26 @@ class Families:
         #: Turns begun and ended on this shard (`turnrouter_turns_in_flight` at scrape).
         self.turns_begun = 0
         self.turns_ended = 0
+        #: Distinct participants with a turn / a clarification in the sliding window.
+        self.speakers = ParticipantWindow()
+        self.clarified = ParticipantWindow()
         # Children updated together on every turn, bound once per label combination.
         self._turn_pairs: dict[tuple[str, str], tuple[Count, Latency]] = {}
         self._admission_pairs: dict[tuple[str, str, bool], tuple[Count, Latency]] = {}
         with registered.lock:
             registered.shards.add(self)
+
+    def note_speaker(self, participant_id: str) -> None:
+        """A turn of `participant_id` began: a speaker of the window, no longer counted as
+        clarified until this turn is (the window's overflow is counted)."""
+        self.clarified.discard(participant_id)
+        if not self.speakers.note(participant_id):
+            self.overflows.get("participant_window").inc()
+
+    def note_clarified(self, participant_id: str) -> None:
+        """`participant_id` was asked to clarify."""
+        if not self.clarified.note(participant_id):
+            self.overflows.get("participant_window").inc()
 
     def turn_children(self, route: str, outcome: str) -> tuple[Count, Latency]:
         """`turnrouter_turns_total` and `turnrouter_turn_duration_seconds` children."""

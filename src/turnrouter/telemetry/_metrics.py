@@ -29,11 +29,14 @@ MetricType = Literal["counter", "gauge", "histogram"]
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
 )
-#: Seconds; decisions and admissions. The embedded decision service and in-process
-#: admissions take well under a millisecond, an LLM classifier or a remote admit()
-#: hundreds of ms: steps of at most 1.5x from 50 us to 2 s (0.3 s is the alert
-#: threshold), so a quantile is within 10% at either end (tests/ops/test_buckets.py).
+#: Seconds; decisions, admissions and acknowledgment generation. The embedded decision
+#: service, in-process admissions and a template acknowledger take microseconds, an LLM
+#: classifier, a remote admit() or an acknowledgment LLM hundreds of ms: steps of at most
+#: 1.5x from 10 us to 2 s (0.3 s is the alert threshold), so a quantile is within 10% at
+#: either end (tests/ops/test_buckets.py) and an in-process p95 is not read inside the
+#: first bucket.
 FAST_BUCKETS: tuple[float, ...] = (
+    0.00001, 0.000015, 0.00002, 0.00003, 0.00004,
     0.00005, 0.0001, 0.00015, 0.0002, 0.00025, 0.0003, 0.0004, 0.0005, 0.00075, 0.001,
     0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
     0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
@@ -202,6 +205,16 @@ METRICS: tuple[MetricSpec, ...] = (
         ("reason",),
     ),
     MetricSpec(
+        "turnrouter_window_participants", "gauge",
+        "Distinct participants with a turn in the last 60 s (a sliding window of at most "
+        "10000 ids per thread; the denominator of the broad-clarification page).",
+    ),
+    MetricSpec(
+        "turnrouter_window_clarified_participants", "gauge",
+        "Distinct participants of turnrouter_window_participants whose latest turn was "
+        "answered with a clarification question: one loud client counts once.",
+    ),
+    MetricSpec(
         "turnrouter_ineligible_routes_total", "counter",
         "Candidate routes skipped as ineligible when a turn was routed, by route and "
         "reason (unavailable, capacity, policy, not_candidate).",
@@ -216,8 +229,9 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "turnrouter_acknowledgment_generation_seconds", "histogram",
-        "Time to generate an acknowledgment (the acknowledgment LLM's call), by route.",
-        ("route",), RESPONSE_BUCKETS,
+        "Time to generate an acknowledgment (the acknowledgment LLM's call, or a template's "
+        "microseconds), by route.",
+        ("route",), FAST_BUCKETS,
     ),
 )
 

@@ -13,14 +13,17 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import (
+    NonRecordingSpan,
     NoOpTracerProvider,
     ProxyTracerProvider,
+    SpanContext,
     Tracer,
     TracerProvider,
 )
@@ -67,7 +70,13 @@ from ._turns import (
     set_error,
 )
 
-__all__ = ["Telemetry"]
+__all__ = ["MAX_TRACED_PARTICIPANTS", "Telemetry"]
+
+#: Participants whose latest turn's span context is remembered, so spans outside any
+#: turn (departure releases, context patches) join that participant's trace instead of
+#: starting new ones. The least recently active is forgotten first (its later spans
+#: start their own trace).
+MAX_TRACED_PARTICIPANTS = 10_000
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -107,8 +116,8 @@ class Telemetry(RouterObserver):
     """
 
     __slots__ = (
-        "_capture", "_follow_global", "_invoke", "_local", "_provider", "_recent_failures",
-        "_registry", "_settings", "_tracer",
+        "_capture", "_follow_global", "_invoke", "_latest", "_local", "_provider",
+        "_recent_failures", "_registry", "_settings", "_tracer",
     )
 
     enabled = True
@@ -141,6 +150,8 @@ class Telemetry(RouterObserver):
         self._recent_failures: deque[BaseException] = deque(maxlen=8)
         # The configured routes' answer span names and start attributes, made once.
         self._invoke: InvokeSpans = {}
+        #: Participant -> its latest turn's span context (bounded, least recent first).
+        self._latest: OrderedDict[str, SpanContext] = OrderedDict()
 
     @staticmethod
     def disabled() -> RouterObserver:
@@ -180,10 +191,11 @@ class Telemetry(RouterObserver):
         """Open the `turnrouter.turn` span and make it current until `finished()`."""
         families = self._families
         families.turns_begun += 1
+        turn, focus = event.turn, event.focus
+        families.note_speaker(turn.participant_id)
         tracer = self._current_tracer()
         if tracer is None:
-            return TurnMetrics(families, None)
-        turn, focus = event.turn, event.focus
+            return TurnMetrics(families, None, turn.participant_id)
         attributes: Attributes = {
             ATTR.PARTICIPANT_ID: turn.participant_id,
             ATTR.TURN_ID: turn.turn_id,
@@ -193,14 +205,33 @@ class Telemetry(RouterObserver):
         if self._capture:
             attributes[ATTR.QUERY] = turn.query
         span = tracer.start_span(SPAN_TURN, kind=INTERNAL, attributes=attributes)
+        self._remember(turn.participant_id, span.get_span_context())
         if not span.is_recording():
             # Unsampled: propagate the context, skip every child span and attribute.
-            return TurnMetrics(families, otel_context.attach(trace.set_span_in_context(span)))
+            return TurnMetrics(families, otel_context.attach(trace.set_span_in_context(span)),
+                               turn.participant_id)
         settings = self._settings
         if settings is None or settings.tracer is not tracer:
             settings = self._settings = TraceSettings(
                 tracer, tracer.start_span, self._capture, self._invoke)
         return TracedTurn(families, settings, event, span)
+
+    def _remember(self, participant_id: str, context: SpanContext) -> None:
+        latest = self._latest
+        latest[participant_id] = context
+        latest.move_to_end(participant_id)
+        if len(latest) > MAX_TRACED_PARTICIPANTS:
+            latest.popitem(last=False)
+
+    def _context_of(self, participant_id: str) -> Context | None:
+        """The participant's latest turn as parent, when no span is current (None: the
+        current context is the parent)."""
+        if trace.get_current_span().get_span_context().is_valid:
+            return None
+        latest = self._latest.get(participant_id) if participant_id else None
+        if latest is None:
+            return None
+        return trace.set_span_in_context(NonRecordingSpan(latest))
 
     def participant_added(self, event: ParticipantChanged) -> None:
         """Count one more active participant."""
@@ -211,11 +242,13 @@ class Telemetry(RouterObserver):
         self._families.participants.dec()
 
     def release_started(self, event: ReleaseStarted) -> object:
-        """Open a `turnrouter.release` span under the caller's current span."""
+        """Open a `turnrouter.release` span under the caller's current span, or (a
+        departure, outside any turn) in the participant's latest turn's trace."""
         tracer = self._tracer  # as found at the latest turn's start
         if tracer is not None:
             span = tracer.start_span(SPAN_RELEASE, kind=INTERNAL, attributes={
-                ATTR.ROUTE: event.route, ATTR.RELEASE_REASON: event.reason})
+                ATTR.ROUTE: event.route, ATTR.RELEASE_REASON: event.reason},
+                context=self._context_of(event.participant_id))
             if span.is_recording():
                 return Op(span, 0.0)
         return None
@@ -263,14 +296,16 @@ class Telemetry(RouterObserver):
 
     def context_patch(self, event: ContextPatchEvent) -> None:
         """Count a context patch event; record a `turnrouter.context_patch` span under the
-        caller's current span (not for a refused patch, which has no id)."""
+        caller's current span, or in the participant's latest turn's trace (not for a
+        refused patch, which has no id)."""
         self._families.context_patches.get(event.strategy, event.outcome).inc()
         if event.patch_id is None:
             return
         tracer = self._tracer  # as found at the latest turn's start
         if tracer is None:
             return
-        span = tracer.start_span(SPAN_CONTEXT_PATCH, kind=INTERNAL, attributes={
+        span = tracer.start_span(SPAN_CONTEXT_PATCH, kind=INTERNAL,
+                                 context=self._context_of(event.participant_id), attributes={
             ATTR.PARTICIPANT_ID: event.participant_id,
             ATTR.PATCH_ID: event.patch_id,
             ATTR.PATCH_TASK_ID: event.task_id,

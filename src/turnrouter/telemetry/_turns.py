@@ -202,10 +202,12 @@ class TurnMetrics(TurnObserver):
     non-recording span current (to propagate the trace context).
     """
 
-    __slots__ = ("_done", "_failed", "_fam", "_t0", "_token")
+    __slots__ = ("_done", "_failed", "_fam", "_participant", "_t0", "_token")
 
-    def __init__(self, families: Families, token: Token[Context] | None) -> None:
+    def __init__(self, families: Families, token: Token[Context] | None,
+                 participant: str = "") -> None:
         self._fam = families
+        self._participant = participant
         self._token = token
         self._failed: list[tuple[str | None, str, BaseException | None]] | None = None
         self._done = False
@@ -301,8 +303,9 @@ class TurnMetrics(TurnObserver):
         self._fam.fallbacks.get(event.route).inc()
 
     def clarification(self, event: Clarification) -> None:
-        """Count a clarification by reason."""
+        """Count a clarification by reason (and its participant in the window)."""
         self._fam.clarifications.get(event.reason).inc()
+        self._fam.note_clarified(self._participant)
 
     def focus_transition(self, event: FocusChanged) -> None:
         """Count a focus transition."""
@@ -378,6 +381,7 @@ class TracedTurn(TurnMetrics):
         ctx = _in_context(span)
         token = _attach_context(ctx)
         self._fam = families
+        self._participant = started.turn.participant_id
         self._token = token
         self._failed = None
         self._done = False

@@ -1,0 +1,133 @@
+"""The Alertmanager configuration for the turnrouter alerts, built as data.
+
+Receivers are set without editing the file: `python -m turnrouter.ops alertmanager
+--pager-url URL --tickets-url URL --watchdog-url URL` (or the `TURNROUTER_ALERT_*_URL`
+environment variables) writes the configuration with them; the checked-in
+`deploy/alertmanager/alertmanager.yml` is the same file with placeholder addresses.
+
+Routing: critical alerts page, warnings open a ticket, `TurnrouterWatchdog` goes to the
+dead man's switch. Groups are per alert, group labels (cluster, namespace, job) and
+route, with a 1-minute `group_interval`: a slow route's ticket is not held behind another
+route's, and a new one is notified within `group_wait` (30 s) of firing.
+
+Inhibition: a critical suppresses its own warning; `TurnrouterFailures` suppresses the
+latency warnings of its job; `TurnrouterTargetDown` suppresses every other alert of its
+job (a dead router's windows are meaningless).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._rules import ALERTS, GROUP_LABELS, check_group_labels
+
+__all__ = [
+    "ALERTMANAGER_ENV",
+    "ALERTMANAGER_FILE",
+    "PLACEHOLDER_URLS",
+    "alertmanager_config",
+    "receiver_urls",
+    "render_alertmanager",
+]
+
+ALERTMANAGER_FILE = "deploy/alertmanager/alertmanager.yml"
+#: Receiver -> the environment variable that sets its webhook address.
+ALERTMANAGER_ENV: Mapping[str, str] = {
+    "pager": "TURNROUTER_ALERT_PAGER_URL",
+    "tickets": "TURNROUTER_ALERT_TICKETS_URL",
+    "watchdog": "TURNROUTER_ALERT_WATCHDOG_URL",
+}
+#: The checked-in file's addresses (`.invalid` never resolves).
+PLACEHOLDER_URLS: Mapping[str, str] = {
+    name: f"http://alert-{name}.invalid/turnrouter" for name in ALERTMANAGER_ENV}
+WATCHDOG = "TurnrouterWatchdog"
+_AVAILABILITY = ("TurnrouterTargetDown", "TurnrouterAbsent")
+_LATENCY_WARNINGS = ("TurnrouterSlowFirstResponse", "TurnrouterDecisionSlow",
+                     "TurnrouterAcknowledgmentOveruse")
+
+
+def _check_url(name: str, url: object) -> str:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) \
+            or not url.isprintable() or len(url) > 2000 or any(c.isspace() for c in url):
+        raise ValueError(f"the {name} receiver's URL must be an http(s) address without "
+                         f"spaces, got {str(url)[:100]!r}")
+    return url
+
+
+def receiver_urls(given: Mapping[str, str | None] | None = None,
+                  environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Each receiver's address: `given`, else its `ALERTMANAGER_ENV` variable, else the
+    placeholder (ValueError naming a malformed one)."""
+    env = os.environ if environ is None else environ
+    out = {}
+    for name, variable in ALERTMANAGER_ENV.items():
+        url = (given or {}).get(name) or env.get(variable) or PLACEHOLDER_URLS[name]
+        out[name] = _check_url(name, url)
+    return out
+
+
+def alertmanager_config(urls: Mapping[str, str] | None = None,
+                        group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, Any]:
+    """The configuration (a dict), with `urls` by receiver (default: `receiver_urls()`
+    from the environment)."""
+    chosen = receiver_urls(urls)
+    labels = list(check_group_labels(group_labels))
+    assert WATCHDOG in {a.alert for a in ALERTS}
+    others = "|".join((*_AVAILABILITY, WATCHDOG))
+    return {
+        "route": {
+            "receiver": "tickets",
+            "group_by": ["alertname", *labels, "route"],
+            "group_wait": "30s",
+            "group_interval": "1m",
+            "repeat_interval": "4h",
+            "routes": [
+                {"receiver": "watchdog", "matchers": [f'alertname="{WATCHDOG}"'],
+                 "group_wait": "0s", "group_interval": "1m", "repeat_interval": "5m"},
+                {"receiver": "pager", "matchers": ['severity="critical"'],
+                 "group_wait": "10s", "repeat_interval": "1h"},
+                {"receiver": "tickets", "matchers": ['severity="warning"']},
+            ],
+        },
+        "inhibit_rules": [
+            {"source_matchers": ['severity="critical"'],
+             "target_matchers": ['severity="warning"'],
+             "equal": ["alertname", *labels]},
+            {"source_matchers": ['alertname="TurnrouterFailures"'],
+             "target_matchers": ['severity="warning"',
+                                 f'alertname=~"{"|".join(_LATENCY_WARNINGS)}"'],
+             "equal": labels},
+            {"source_matchers": ['alertname="TurnrouterTargetDown"'],
+             "target_matchers": ['alertname=~"Turnrouter.+"', f'alertname!~"{others}"'],
+             "equal": labels},
+        ],
+        "receivers": [
+            {"name": name, "webhook_configs": [
+                {"url": chosen[name], "send_resolved": name != "watchdog"}]}
+            for name in ("pager", "tickets", "watchdog")
+        ],
+    }
+
+
+HEADER = """\
+# Generated by `python -m turnrouter.ops` (src/turnrouter/ops/_alertmanager.py).
+# Set the receivers without editing this file:
+#   python -m turnrouter.ops alertmanager --pager-url URL --tickets-url URL \\
+#       --watchdog-url URL > alertmanager.yml
+# or with TURNROUTER_ALERT_PAGER_URL, TURNROUTER_ALERT_TICKETS_URL and
+# TURNROUTER_ALERT_WATCHDOG_URL set (docs/operations.md). The addresses below are
+# placeholders. Critical alerts page, warnings open a ticket, TurnrouterWatchdog (always
+# firing) reaches the dead man's switch; groups are per alert, cluster, namespace, job
+# and route. A critical inhibits its own warning; TurnrouterFailures the latency
+# warnings of its job; TurnrouterTargetDown every other alert of its job.
+"""
+
+
+def render_alertmanager(urls: Mapping[str, str] | None = None,
+                        group_labels: Sequence[str] = GROUP_LABELS) -> str:
+    """The configuration as YAML text."""
+    from ._yaml import dump
+
+    return HEADER + dump(alertmanager_config(urls, group_labels))
