@@ -49,14 +49,19 @@ IDLE_SAMPLES = 50
 class OverloadPolicy:
     """When the router refuses work to keep answering the work it admitted.
 
-    `busy_lag_secs`: event-loop lag at which the router turns busy (new participants
-    refused, readiness fails) when two samples in a row reach it; it is ready again
-    after `calm_samples` samples in a row below half of it (every participant admitted
-    adds load for a whole conversation, so admission resumes only once calm holds).
-    `shed_lag_secs`: lag at which new turns of admitted participants are refused too
-    (again until it falls below half). `sample_secs`: how often the lag is sampled.
-    `busy_text`: what a refused participant hears. Pass `overload=None` to
-    `AgentRouter` to turn admission control off (saturation is then not measured).
+    Pass `overload=None` to `AgentRouter` to turn admission control off (saturation is
+    then not measured).
+
+    Args:
+        busy_lag_secs: Event-loop lag at which the router turns busy (new participants
+            refused, readiness fails) when two samples in a row reach it.
+        shed_lag_secs: Lag at which new turns of admitted participants are refused too
+            (again until it falls below half).
+        sample_secs: How often the lag is sampled.
+        busy_text: What a refused participant hears.
+        calm_samples: Samples in a row below half of `busy_lag_secs` before the router
+            is ready again (every participant admitted adds load for a whole
+            conversation, so admission resumes only once calm holds).
     """
 
     busy_lag_secs: float = 0.1
@@ -98,10 +103,13 @@ class OverloadPolicy:
 class RouterLoad:
     """The router's saturation as last sampled (`AgentRouter.load`).
 
-    `status` is "ready", "busy" (new participants refused) or "shedding" (new turns
-    refused too); `lag_secs` the latest event-loop lag sample; `turns_in_flight` the
-    turns being handled now; `wait_secs` the longest time a turn waited before its
-    routing began, over the latest sample period.
+    Args:
+        status: "ready", "busy" (new participants refused) or "shedding" (new turns
+            refused too).
+        lag_secs: The latest event-loop lag sample.
+        turns_in_flight: The turns being handled now.
+        wait_secs: The longest time a turn waited before its routing began, over the
+            latest sample period.
     """
 
     status: Literal["ready", "busy", "shedding"]

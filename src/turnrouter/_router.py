@@ -114,6 +114,9 @@ class AgentRouter:
         acknowledgment_delay_secs: Seconds of silence after admission before the
             acknowledgment is said (earlier when the route is predicted slow);
             None (default) turns acknowledgments off. docs/acknowledgments.md.
+        acknowledgment_route_delays: Route name -> its own fallback delay in seconds,
+            for routes whose answers are routinely slower (`turnrouter tune --route`
+            recommends one); other routes keep `acknowledgment_delay_secs`.
         query_topic: Runtime topic of `UserQuery` messages to route (with
             `output_topic`; register `runtime_subscriber()` with an `AgentRuntime`).
         output_topic: Runtime topic the router publishes its `ResponseOutput` to.
@@ -158,6 +161,9 @@ class AgentRouter:
         max_patch_bytes: Largest serialized context patch (default 64 KiB).
         release_timeout_secs: Longest `release()` / `participant_left()` call of a
             destination (default 10 s; a slower one is counted as a failed release).
+        overload: Admission control when the event loop saturates (`OverloadPolicy`;
+            busy: new participants refused with the busy text, shedding: new turns
+            too); None switches it off. docs/limits.md, "Overload".
 
     Raises:
         ConfigurationError: A value out of range or inconsistent (e.g. an
@@ -521,15 +527,7 @@ class AgentRouter:
                 f"import_participant() takes a ParticipantSnapshot, "
                 f"got {type(snapshot).__name__}")
         snapshot = checked_snapshot(snapshot)  # model_construct() skipped validation
-        pid = snapshot.participant_id
-        for held in snapshot.pending:
-            # Patch ids are the participant's: a snapshot cannot take over (and so
-            # approve or reject) a patch another participant holds.
-            owner = self._patches.pending.get(held.patch_id)
-            if held.participant_id != pid or (owner is not None and owner.pid != pid):
-                raise ContractValueError(
-                    f"snapshot pending patch {preview(held.patch_id)} belongs to another "
-                    f"participant; nothing installed")
+        _check_patch_owners(snapshot, self._patches)
         replaced = self._registry.install(snapshot, self._cfg.agents)
         if replaced is not None:
             self._patches.drop(replaced, outcome=None)
@@ -564,6 +562,18 @@ class AgentRouter:
     async def wait_ready(self) -> None:
         """Return once the router is not busy (a front end's backpressure)."""
         await self._cfg.load.wait_ready()
+
+
+def _check_patch_owners(snapshot: ParticipantSnapshot, patches: PatchDesk) -> None:
+    """Patch ids are the participant's: a snapshot cannot take over (and so approve or
+    reject) a patch another participant holds."""
+    pid = snapshot.participant_id
+    for held in snapshot.pending:
+        owner = patches.pending.get(held.patch_id)
+        if held.participant_id != pid or (owner is not None and owner.pid != pid):
+            raise ContractValueError(
+                f"snapshot pending patch {preview(held.patch_id)} belongs to another "
+                f"participant; nothing installed")
 
 
 async def _run(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: OutputCallback,

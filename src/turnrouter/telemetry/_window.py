@@ -34,6 +34,11 @@ class ParticipantWindow:
 
     `note()` is called by one thread (the shard's); `live()` may be called from another
     (a scrape): it reads a copy.
+
+    Args:
+        window_secs: How long a noted id counts (default 60 s).
+        max_participants: Most ids held; past it the oldest is dropped first.
+        clock: Monotonic time source in seconds (tests pass a controlled one).
     """
 
     __slots__ = ("_clock", "_max", "_seen", "_window")

@@ -16,7 +16,6 @@ import functools
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -32,6 +31,7 @@ from ..._exceptions import (
     TurnrouterError,
 )
 from .._messages import Interrupted, ResponseOutput, RuntimeMessage
+from ._mailbox import Mailbox
 from ._security import connect
 from ._setup import api_request, ensure_deployment
 from ._wire import NatsConfig, input_message_id, kind_of
@@ -155,8 +155,7 @@ class _OutputReader:
         self._inbox = ""
         self._sub: Any = None
         self._consumer: str | None = None
-        self._msgs: deque[Msg] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self._msgs: Mailbox[Msg] = Mailbox()
         self._heard = time.monotonic()
         self._reconnects = 0
         self._generation = 0  # of the consumer: what an earlier one sent is ignored
@@ -226,24 +225,10 @@ class _OutputReader:
     async def _put(self, generation: int, msg: Msg) -> None:
         if generation != self._generation:
             return
-        self._msgs.append(msg)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._msgs.put(msg)
 
     async def _wait(self) -> Msg | None:
-        if not self._msgs:
-            loop = asyncio.get_running_loop()
-            waiter = self._waiter = loop.create_future()
-            timer = loop.call_later(_TICK, _wake, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
-                self._waiter = None
-            if not self._msgs:
-                return None
-        return self._msgs.popleft()
+        return await self._msgs.get(_TICK)
 
     async def next(self) -> ResponseOutput | None:
         """The next valid output (waits for it, riding out server restarts); None once
@@ -313,11 +298,6 @@ def _sequences(reply: str | None) -> tuple[int, int] | None:
         return int(parts[7]), int(parts[8])
     except (IndexError, ValueError):
         return None
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 async def _deployment_exists(nc: Client, config: NatsConfig) -> bool:

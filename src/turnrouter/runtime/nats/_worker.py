@@ -25,7 +25,6 @@ import json
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,6 +41,7 @@ from ._fleet import Fleet, valid_replica
 from ._inputs import Inputs
 from ._ledger import Ledger, Participant
 from ._link import Link
+from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._security import connect, safe_error
 from ._setup import GROUP, api_request, ensure_deployment
@@ -270,7 +270,7 @@ class NatsWorker:
         inbox = _Inbox()
         self._inboxes.append(inbox)
         subject = nc.new_inbox()
-        sub = await nc.subscribe(subject, cb=inbox.put)
+        sub = await nc.subscribe(subject, cb=inbox.receive)
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
         try:
             while self._pulling:
@@ -468,43 +468,14 @@ class NatsWorker:
             self._fleet.send_sample(sample)
 
 
-class _Inbox:
-    """What one partition's pull requests deliver, in order (filled by the
-    subscription's callback, read by the partition's loop)."""
+class _Inbox(Mailbox[tuple[Msg, float]]):
+    """What one partition's pull requests deliver, in order, with when each arrived
+    (filled by the subscription's callback, read by the partition's loop)."""
 
-    __slots__ = ("_msgs", "_waiter")
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self._msgs: deque[tuple[Msg, float]] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    async def put(self, msg: Msg) -> None:
-        self._msgs.append((msg, time.monotonic()))
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def wake(self) -> None:
-        """End a wait for the next message now (`get` returns None: pull again)."""
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self, wait: float) -> tuple[Msg, float] | None:
-        """The next message and when it arrived (`time.monotonic()`), or None after
-        `wait` seconds without one."""
-        if not self._msgs:
-            loop = asyncio.get_running_loop()
-            waiter = self._waiter = loop.create_future()
-            timer = loop.call_later(wait, _wake, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
-                self._waiter = None
-            if not self._msgs:
-                return None
-        return self._msgs.popleft()
+    async def receive(self, msg: Msg) -> None:
+        self.put((msg, time.monotonic()))
 
 
 def _stream_sequence(reply: str) -> int:
@@ -515,11 +486,6 @@ def _stream_sequence(reply: str) -> int:
         return int(parts[5] if len(parts) == 9 else parts[7])
     except (IndexError, ValueError):
         return 2**63
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class _Connection:
