@@ -2,9 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# `make demo` runs turnrouter from src/ with only what the demo needs installed: the core
-# dependencies and the `demo` extra (+ `otlp` when it exports spans), seconds rather than
-# the dev extra's minutes. Everything else (tests, lint, docs, benchmarks) installs `dev`.
+# `make demo` installs only what the demo needs: the core dependencies and the `demo`
+# extra (+ `otlp` when it exports spans), then turnrouter itself as an editable install
+# without dependencies (so `.venv/bin/python first_router.py` and `.venv/bin/turnrouter`
+# work afterwards), seconds rather than the dev extra's minutes. Everything else (tests, lint, docs, benchmarks) installs `dev`.
 comma := ,
 DEMO_EXTRAS := demo$(if $(or $(findstring otlp,$(ARGS)),$(OTEL_EXPORTER_OTLP_ENDPOINT),$(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)),$(comma)otlp)
 DEMO_STAMP := $(VENV)/.installed-$(subst $(comma),-,$(DEMO_EXTRAS))
@@ -21,6 +22,7 @@ $(BIN)/python:
 $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c 'import sys, tomllib; project = tomllib.load(open("pyproject.toml", "rb"))["project"]; extras = project["optional-dependencies"]; print("\n".join(project["dependencies"] + [r for e in sys.argv[1].split(",") for r in extras[e]]))' $(DEMO_EXTRAS) > $(VENV)/demo-requirements.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r $(VENV)/demo-requirements.txt
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
 $(STAMP): pyproject.toml | $(BIN)/python
@@ -35,7 +37,7 @@ $(PHOENIX_STAMP):
 	touch $(PHOENIX_STAMP)
 
 demo: $(DEMO_STAMP)
-	PYTHONPATH=src $(BIN)/python -m turnrouter demo $(ARGS)
+	$(BIN)/turnrouter demo $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples conftest.py

@@ -13,6 +13,7 @@ import pytest
 
 from turnrouter import (
     AcknowledgmentPolicy,
+    AcknowledgmentRequest,
     Admission,
     AgentRouter,
     AgentTurn,
@@ -39,7 +40,7 @@ from turnrouter.events import (
     TurnStarted,
 )
 from turnrouter.llm import TemplateAcknowledger
-from turnrouter.testing import ManualClock, OutputRecorder, ScriptedLLM
+from turnrouter.testing import ManualClock, OutputRecorder, ScriptedDecisions, ScriptedLLM
 
 pytestmark = pytest.mark.anyio
 
@@ -707,3 +708,32 @@ async def test_route_delays_are_checked(delays: Any, kwargs: dict[str, Any], err
         AgentRouter({"calendar": ClockAgent("calendar", "cal", ManualClock(), 1.0, "")},
                     Chooser(), output=OutputRecorder(), default_destination="calendar",
                     acknowledgment_route_delays=delays, **extra)
+
+
+async def test_the_acknowledgment_names_the_registration_key() -> None:
+    """One class registered under two keys: the acknowledgment speaks about the key
+    ("billing"), not the aid's class-derived name ("reply")."""
+    clock = ManualClock()
+    llm = ScriptedLLM("One moment.")
+    agents = {key: ClockAgent("reply", "invoices, payments", clock, 2.0)
+              for key in ("billing", "weather")}
+    router = AgentRouter(agents, ScriptedDecisions("billing"), output=OutputRecorder(),
+                         default_destination="weather", clock=clock,
+                         acknowledgment_llm=llm, acknowledgment_delay_secs=1.0)
+    done = anyio.Event()
+
+    async def run() -> None:
+        try:
+            await router.handle(AgentTurn("p1", "t1", "refund please"))
+        finally:
+            done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await clock.run_until(done)
+    [(prompt, _, _)] = llm.prompts
+    assert "Helper: billing" in prompt and "Helper: reply" not in prompt
+    template = TemplateAcknowledger()
+    text = await template.acknowledge(AcknowledgmentRequest(
+        RoutingAid("billing", "invoices"), AgentTurn("p1", "t1", "q"), 32))
+    assert "billing" in text and "reply" not in text

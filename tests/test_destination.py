@@ -124,3 +124,19 @@ def test_junk_arguments_raise_a_contract_error_naming_the_field(
         aid = agent.routing_aid("alice")
         assert isinstance(aid.description, str) and aid.name
         assert isinstance(aid.priority, int) and not isinstance(aid.priority, bool)
+
+
+def test_name_returns_the_name_given_else_the_class_default() -> None:
+    """`destination.name` is the route name its routing aid carries."""
+    class Reply(Destination):
+        pass
+
+    class Music(Destination):
+        name = "music"
+
+    assert Destination("d", name="billing").name == "billing"
+    assert Destination("d", name="billing").routing_aid("p").name == "billing"
+    assert Reply("d").name == "reply" and Reply("d", name="weather").name == "weather"
+    assert Music.name == "music" and Music("d").name == "music"
+    assert Music("d", name="jazz").name == "jazz"
+    assert Music("d", name="jazz").routing_aid("p").name == "jazz"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -22,16 +23,35 @@ pytestmark = pytest.mark.anyio
 _PROMISES = ("found", "here is", "here's", "will have", "the answer", "done")
 
 
-async def test_phrases_name_the_route_topic() -> None:
-    """The structured path speaks about the route ("your calendar", "the weather")."""
+async def test_phrases_name_the_route() -> None:
+    """The structured path speaks about the route by name ("your calendar question")."""
     ack = TemplateAcknowledger()
     assert isinstance(ack, Acknowledger) and isinstance(ack, LLMService)
     calendar = RoutingAid("calendar", "Manages the user's calendar")
     text = await ack.acknowledge(AcknowledgmentRequest(calendar, AgentTurn("p", "t1", "q"), 32))
-    assert "your calendar" in text
-    weather = RoutingAid("weather", "Weather forecasts for any city")
+    assert "calendar" in text
+    weather = RoutingAid("smart_home", "Lights and heating")
     text = await ack.acknowledge(AcknowledgmentRequest(weather, AgentTurn("p", "t1", "q"), 32))
-    assert "the weather" in text
+    assert "smart home" in text
+
+
+@pytest.mark.parametrize("route", ["billing", "weather", "calendar", "music", "refunds"])
+def test_default_phrases_read_right_whatever_the_route_is_called(route: str) -> None:
+    """The route name is a modifier ("your billing question", "the weather details"),
+    never a bare noun after "the" ("Let me check the billing." reads wrong)."""
+    ack = TemplateAcknowledger()
+    texts = {ack.phrase(route, "", key=str(key)) for key in range(40)}
+    assert len(texts) >= 4
+    for text in texts:
+        assert re.search(rf"(your|the) {route} (question|request|details)\b", text), text
+        assert not text.rstrip(".").endswith(f"the {route}"), text
+
+
+def test_custom_phrases_take_the_topic_and_the_subject() -> None:
+    ack = TemplateAcknowledger(phrases=["Checking {topic} ({subject})."])
+    assert ack.phrase("calendar", "the user's calendar") == "Checking your calendar (calendar)."
+    with pytest.raises(KeyError):
+        TemplateAcknowledger(phrases=["Checking {place}."])
 
 
 async def test_phrases_vary_and_never_promise_a_result() -> None:

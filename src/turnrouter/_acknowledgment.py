@@ -26,6 +26,7 @@ never affected.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -288,8 +289,11 @@ class TimingEngine:
         return AcknowledgmentSidecar(self, answer)
 
     def aid(self, route: str, turn: AgentTurn) -> RoutingAid:
-        agent = self.agents[route]
-        return agent.routing_aid(turn.participant_id)
+        """The route's routing aid, named by its registration key: one `Destination`
+        class registered under "billing" and "weather" would otherwise be acknowledged
+        by its class name ("reply") on both routes."""
+        aid = self.agents[route].routing_aid(turn.participant_id)
+        return aid if aid.name == route else dataclasses.replace(aid, name=route)
 
 
 _PENDING, _SUPPRESSED, _FAILED, _COMMITTED, _DONE = range(5)

@@ -9,12 +9,23 @@ built from the name, description, priority and `is_eligible`.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._contracts import Admission, AgentTurn, DestinationResult, RoutingAid
 from ._exceptions import ContractTypeError
 
 __all__ = ["Destination"]
+
+
+class _RouteName:
+    """`Destination.name`: on an instance, the name its routing aid carries (the `name=`
+    it was given, else the class attribute, else the class name); on a class, the
+    class attribute a subclass declared ("" when none)."""
+
+    def __get__(self, instance: Any, owner: type) -> str:
+        if instance is None:
+            return str(getattr(owner, "_declared_name", ""))
+        return str(instance._aid.name)
 
 
 class Destination:
@@ -30,22 +41,36 @@ class Destination:
         description: The routing hint a decision service reads (`RoutingAid.description`);
             defaults to the class attribute `description`.
         name: The route name in the routing aid; defaults to the class attribute `name`,
-            else the class name. The router reports the destination under the key it
-            was registered with in `AgentRouter(destinations=...)` whatever this says.
+            else the class name; `destination.name` returns it. The router reports and
+            acknowledges the destination under the key it was registered with in
+            `AgentRouter(destinations=...)` whatever this says.
         priority: Tie-breaking preference after relevance, higher wins (default: the
             class attribute `priority`, 0).
     """
 
-    name: ClassVar[str] = ""
+    name: ClassVar[str]
+    if not TYPE_CHECKING:
+        name = _RouteName()
+    _declared_name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     priority: ClassVar[int] = 0
 
     __slots__ = ("_aid",)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A subclass's `name = "music"` becomes the class default, and `name` stays the
+        # descriptor, so an instance given `name="jazz"` reports "jazz".
+        super().__init_subclass__(**kwargs)
+        declared = cls.__dict__.get("name")
+        if not isinstance(declared, _RouteName):
+            if declared is not None:
+                cls._declared_name = declared
+            cls.name = _RouteName()  # type: ignore[misc]
+
     def __init__(self, description: str | None = None, *, name: str | None = None,
                  priority: int | None = None) -> None:
         cls = type(self)
-        aid_name = cls.name if name is None else name
+        aid_name = cls._declared_name if name is None else name
         if not isinstance(aid_name, str):
             raise ContractTypeError(
                 f"{cls.__name__}: name must be a str, got {type(aid_name).__name__}")

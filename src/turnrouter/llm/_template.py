@@ -11,14 +11,22 @@ from .._redact import strip_surrogates
 
 __all__ = ["DEFAULT_PHRASES", "GENERIC_PHRASES", "TemplateAcknowledger"]
 
-#: `{topic}` is the route's spoken topic ("your calendar", "the weather").
+#: `{subject}` is the route name as words ("billing", "smart home"): each phrase reads
+#: right whatever the route is called ("your billing question", "the weather details").
 DEFAULT_PHRASES: tuple[str, ...] = (
+    "Let me look into your {subject} question.",
+    "One moment, I'm checking on your {subject} request.",
+    "Give me a second, checking the {subject} details.",
+    "Okay, I'm pulling up the {subject} details.",
+    "One moment while I look into your {subject} request.",
+    "Let me take a look at your {subject} question.",
+)
+#: For routes whose spoken topic `topics=` names ("your trip"): `{topic}` is that phrase.
+_TOPIC_PHRASES: tuple[str, ...] = (
     "Let me check {topic}.",
     "One moment, I'm looking at {topic}.",
     "Let me look into {topic} for you.",
-    "Give me a second, checking {topic}.",
     "Okay, I'm pulling up {topic}.",
-    "Let me take a look at {topic}.",
 )
 #: For routes without a useful topic (chit-chat, a general default).
 GENERIC_PHRASES: tuple[str, ...] = (
@@ -88,6 +96,12 @@ def _personal_before(description: str, first: str) -> bool:
     return False
 
 
+def _subject(name: str) -> str:
+    """A route name as lower-case words: "smart_home" -> "smart home", "" -> "that"."""
+    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name[:TOPIC_NAME_CHARS])
+    return re.sub(r"[_\-.]+", " ", words).strip().lower() or "that"
+
+
 def spoken_topic(name: str, description: str = "") -> str:
     """A route's topic as spoken: 'calendar' + "the user's calendar" -> 'your calendar'.
 
@@ -116,24 +130,28 @@ class TemplateAcknowledger:
     Consecutive acknowledgments of one route never repeat the same phrase.
 
     Args:
-        phrases: Templates with `{topic}` ("Let me check {topic}.").
+        phrases: Templates with `{subject}`, the route name as words ("Let me look into
+            your {subject} question."), and/or `{topic}`, the spoken topic ("Let me
+            check {topic}." -> "Let me check your calendar.").
         generic_phrases: Phrases without a topic ("One moment."), for generic routes.
-        topics: Spoken topic per route name (else derived from the route's name and
-            description).
+        topics: Spoken topic per route name ("your trip"); with the default phrases such
+            a route is acknowledged with topic phrases ("Let me check your trip.").
+            Other routes' `{topic}` is `spoken_topic(name, description)`.
         generic_routes: Routes answered with generic phrases.
     """
 
     def __init__(
-        self, *, phrases: Sequence[str] = DEFAULT_PHRASES,
+        self, *, phrases: Sequence[str] | None = None,
         generic_phrases: Sequence[str] = GENERIC_PHRASES,
         topics: Mapping[str, str] | None = None,
         generic_routes: frozenset[str] = _GENERIC_ROUTES,
     ) -> None:
-        if not phrases or not generic_phrases:
+        if (phrases is not None and not phrases) or not generic_phrases:
             raise ValueError("TemplateAcknowledger needs at least one phrase of each kind")
-        for phrase in phrases:
-            phrase.format(topic="x")  # fail early on a malformed template
-        self._phrases = tuple(phrases)
+        for phrase in phrases or ():
+            phrase.format(topic="x", subject="x")  # fail early on a malformed template
+        self._phrases = DEFAULT_PHRASES if phrases is None else tuple(phrases)
+        self._topic_phrases = _TOPIC_PHRASES if phrases is None else self._phrases
         self._generic = tuple(generic_phrases)
         self._topics = dict(topics or {})
         self._generic_routes = generic_routes
@@ -142,7 +160,9 @@ class TemplateAcknowledger:
     def phrase(self, route: str, description: str = "", key: str = "") -> str:
         """The acknowledgment for `route`; `key` (e.g. a turn id) varies the choice."""
         generic = route.lower() in self._generic_routes and route not in self._topics
-        choices = self._generic if generic else self._phrases
+        named = route in self._topics
+        choices = (self._generic if generic
+                   else self._topic_phrases if named else self._phrases)
         index = zlib.crc32(f"{route}\x00{key}".encode("utf-8", "surrogatepass")) % len(choices)
         if len(choices) > 1 and self._last.get(route) == index:
             index = (index + 1) % len(choices)
@@ -152,7 +172,7 @@ class TemplateAcknowledger:
         if generic:
             return choices[index]
         topic = self._topics.get(route) or spoken_topic(route, description)
-        return choices[index].format(topic=topic)
+        return choices[index].format(topic=topic, subject=_subject(route))
 
     async def acknowledge(self, request: AcknowledgmentRequest) -> str:
         """The structured path `AgentRouter` uses."""
