@@ -4,7 +4,8 @@ Sybil (https://sybil.readthedocs.io) collects the blocks. The blocks of one page
 namespace and run in order, in a scratch directory that links the checkout's top-level
 entries (so `examples/...`, `deploy/...` and `.venv/bin/python` resolve; `deploy/` and
 `dashboards/` are copies, and files a block writes vanish afterwards). Python blocks run
-as written (no top-level `await`: write a complete script with `asyncio.run`). Shell
+as written (no top-level `await`: write a complete script with `asyncio.run`); a python
+block starting with `>>>` is a doctest, its printed output compared with what it shows. Shell
 blocks run with `bash -eo pipefail`, `turnrouter` on PATH, each bounded by
 `SHELL_TIMEOUT_SECS`.
 

@@ -64,6 +64,7 @@ def test_the_checker_flags_markers_without_reason() -> None:
 def test_the_checkers_take_any_text(text: str) -> None:
     assert isinstance(skip_problems(text), list)
     assert isinstance(fences(text), list)
+    assert isinstance(uncompared_output(text), list)
 
 
 def _run_docs_test(tmp_path: Path, page: str) -> subprocess.CompletedProcess[str]:
@@ -100,6 +101,42 @@ def test_a_failing_command_and_a_skip_marker(tmp_path: Path) -> None:
     assert "shell block exited 2" in result.stdout
     assert "needs Docker here" in result.stdout      # the skip, with its reason
     assert "1 failed, 2 passed, 1 skipped" in result.stdout
+
+
+def test_shown_output_is_compared(tmp_path: Path) -> None:
+    """A ```python block starting with `>>>` is a doctest: stale printed output fails."""
+    page = ("# page\n\n```python\nvalue = 0.87\n```\n\n"
+            "```python\n>>> print('weather', value)\nweather 0.71\n```\n\n"
+            "```python\n>>> print('weather', value)\nweather 0.87\n```\n")
+    result = _run_docs_test(tmp_path, page)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAILED README.md::line:8" in result.stdout
+    assert "1 failed, 2 passed" in result.stdout
+
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def uncompared_output(text: str) -> list[str]:
+    """Python blocks that print and end in comment lines: output shown but never checked
+    (write such an example as a `>>>` doctest block, which the docs test compares)."""
+    found = []
+    for match in PYTHON_BLOCK.finditer(text):
+        lines = match.group(1).rstrip().splitlines()
+        if "print(" in match.group(1) and lines and lines[-1].lstrip().startswith("#"):
+            found.append(lines[-1])
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_printed_output_is_shown_as_a_doctest(page: Path) -> None:
+    assert uncompared_output(page.read_text(encoding="utf-8")) == []
+
+
+def test_the_output_checker_flags_comment_output() -> None:
+    assert uncompared_output("```python\nprint(1)\n# 1\n```\n") == ["# 1"]
+    assert uncompared_output("```python\n>>> print(1)\n1\n```\n") == []
+    assert uncompared_output("```python\nx = 1  # one\n```\n") == []
 
 
 #: What a user page must not hold: dated work logs, commit hashes, machine paths.
