@@ -154,7 +154,9 @@ MAX_OVERRIDES_BYTES = 1_000_000
 
 def read_overrides(path: Path) -> tuple[RouteOverride, ...]:
     """Per-route overrides from a YAML (or JSON) file; ValueError naming the problem."""
-    import yaml
+    from ._yaml import load_yaml
+
+    yaml = load_yaml()
 
     try:
         with path.open("rb") as handle:  # never more than the bound (a FIFO, /dev/zero)
@@ -208,7 +210,18 @@ def _alertmanager_main(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m turnrouter.ops [--check] [--root DIR] [--runbook-url URL]
     [--overrides FILE] [--group-labels LABELS]`, or `python -m turnrouter.ops
-    alertmanager [--pager-url URL] ...`; usage errors exit 2 with one line."""
+    alertmanager [--pager-url URL] ...`; usage errors exit 2 with one line, a missing
+    PyYAML exits 1 with one line naming the `ops` extra."""
+    from ._yaml import MissingYaml
+
+    try:
+        return _main(argv)
+    except MissingYaml as exc:
+        print(f"python -m turnrouter.ops: {exc}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["alertmanager"]:
         return _alertmanager_main(argv[1:])

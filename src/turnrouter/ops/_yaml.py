@@ -1,14 +1,30 @@
-"""YAML output for the generated files (PyYAML is imported lazily: a dev dependency)."""
+"""YAML output for the generated files (PyYAML is imported lazily: the `ops` extra)."""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
-__all__ = ["dump", "dump_all"]
+__all__ = ["MissingYaml", "dump", "dump_all", "load_yaml"]
+
+
+class MissingYaml(ImportError):
+    """PyYAML is not installed: one line naming the extra that brings it."""
+
+
+def load_yaml() -> ModuleType:
+    """The `yaml` module, or `MissingYaml` saying which extra to install."""
+    try:
+        import yaml
+    except ImportError as exc:
+        raise MissingYaml(
+            "turnrouter.ops needs PyYAML: install turnrouter's ops extra "
+            "(from a checkout: pip install -e '.[ops]')") from exc
+    return yaml
 
 
 def _dumper() -> Any:
-    import yaml
+    yaml = load_yaml()
 
     class Dumper(yaml.SafeDumper):
         """Block style; multi-line strings as literal blocks; keys in insertion order."""
@@ -23,7 +39,7 @@ def _dumper() -> Any:
 
 def dump(data: Any) -> str:
     """One YAML document."""
-    import yaml
+    yaml = load_yaml()
 
     return yaml.dump(data, Dumper=_dumper(), sort_keys=False, width=1000,
                      allow_unicode=True, default_flow_style=False)
@@ -31,7 +47,7 @@ def dump(data: Any) -> str:
 
 def dump_all(documents: list[Any]) -> str:
     """Several YAML documents separated by `---`."""
-    import yaml
+    yaml = load_yaml()
 
     return yaml.dump_all(documents, Dumper=_dumper(), sort_keys=False, width=1000,
                          allow_unicode=True, default_flow_style=False)

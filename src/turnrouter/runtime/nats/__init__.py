@@ -9,6 +9,14 @@ reason it counts); `samples_body` and `parse_samples` are the fleet's timing-sam
 messages, `parse_presence` checks a presence message as a replica does.
 """
 
+try:
+    import nats  # noqa: F401
+except ImportError as exc:  # exercised in a test that hides nats-py
+    raise ImportError(
+        "turnrouter.runtime.nats needs nats-py: install turnrouter's nats extra "
+        "(from a checkout: pip install -e '.[nats]')"
+    ) from exc
+
 from ._client import NatsFrontEnd
 from ._fleet import parse_presence
 from ._wire import (
