@@ -53,6 +53,16 @@ def test_commands_are_tagged_so_the_docs_test_runs_them(page: Path) -> None:
     assert tags <= SHOWN | {"python", "sh"}, f"{page.name}: unknown block tags {tags - SHOWN}"
 
 
+def test_the_work_log_check_flags_machine_load_and_earlier_trees() -> None:
+    for text in ("load average 2.5", "this 2-core machine", "before/after",
+                 '"before" = the committed tree', "Run 1 predates", "the previous predictor",
+                 "before → after", "abc1234f", "2026-01-02"):
+        assert NOTEBOOK.search(text), text
+    for text in ("before any glue", "after one short turn", "a 2-core CPU limit",
+                 "the load one process serves"):
+        assert not NOTEBOOK.search(text), text
+
+
 def test_the_checker_flags_markers_without_reason() -> None:
     assert skip_problems('<!-- skip: next "needs Docker here" -->') == []
     assert skip_problems("<!-- skip: next -->") != []
@@ -145,12 +155,15 @@ NOTEBOOK = re.compile(
     r"|<[0-9a-f]{7,40}>"                                  # a commit placeholder
     r"|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"  # a commit hash
     r"|(?<![\w.])/(?:work|home|root|tmp)/"               # a machine path
-    r"|\b[Ss]ession of\b|\blast session\b")
+    r"|\b[Ss]ession of\b|\blast session\b"
+    # the machine's load and earlier trees ("before" = the committed tree)
+    r"|\b[Ll]oad average\b|\b\d+-core machine\b|\bbefore/after\b|\bbefore → after\b"
+    r"|\b[Rr]un \d+ predates\b|\bthe previous predictor\b|\"before\" =")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
 def test_user_pages_hold_no_work_log(page: Path) -> None:
-    """Measurements with dates and trees go to benchmarks/reports/, not to user pages."""
+    """Measurements with dates, trees and machine load go to benchmarks/reports/."""
     found = [(number, match.group(0))
              for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
              for match in NOTEBOOK.finditer(line)]
