@@ -536,3 +536,15 @@ def test_any_prometheus_reply_on_the_wire_is_a_status(raw_prometheus: RawReplySe
     assert code in (0, 1, 2)
     assert err.count("\n") <= 1 and "Traceback" not in err
     assert code != 2 or err.startswith("turnrouter tune: error: ")
+
+
+def test_the_recommendation_comes_before_the_table(samples: Path) -> None:
+    """The table runs to hundreds of lines: the recommendation is the first line."""
+    code, out, _ = run(["--samples", str(samples), "--max-ack-rate", "0.3",
+                        "--delays", "0.1,0.2,0.3,0.5,1"])
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith("recommended acknowledgment_delay_secs=")
+    assert any(line.startswith("source: ") for line in lines[1:])
+    assert _row(out, "(all)", "1.00s")     # the table is still there, after it
+    code, out, _ = run(["--samples", str(samples), "--max-silence-p95", "0.01"])
+    assert code == 1 and out.splitlines()[0].startswith("no candidate delay meets")

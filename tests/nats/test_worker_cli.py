@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from turnrouter.cli import main
+from turnrouter.cli import main, worker_parser
 
 from .conftest import ROOT, NatsServer, Worker, metric_value
 
@@ -194,3 +194,16 @@ def test_sigterm_during_start_up_ends_the_worker(nats_server: NatsServer) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=10)
+
+
+def test_worker_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every flag with a default says it in `turnrouter worker --help`."""
+    with pytest.raises(SystemExit) as info:
+        worker_parser().parse_args(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--ack-wait", "1.5"), ("--prefix", "turnrouter"),
+                          ("--partitions", "16"), ("--failover-timeout", "1"),
+                          ("--drain-timeout", "20"), ("--metrics-host", "127.0.0.1")):
+        help_text = text.split("options:", 1)[1].split(f"{flag} ", 1)[1].split(" --", 1)[0]
+        assert f"default {default}" in help_text, (flag, help_text)

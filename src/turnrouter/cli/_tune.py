@@ -785,16 +785,10 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         return 2
     rows = analyse(distributions, delays, args.generation_secs, splits=splits,
                    confidence=args.confidence)
-    out.write(f"source: {source}\n")
-    out.write(f"model: acknowledgment generation {args.generation_secs:g}s; fixed delay = "
-              f"heard at delay + generation; early = heard at {EARLY_SECS:g}s (or when "
-              f"ready); needless = answer within {NEEDLESS_WITHIN_SECONDS:g}s of it\n")
-    out.write(f"       {model}\n")
-    if args.current is not None:
-        out.write(f"current delay: {args.current:g}s (marked)\n")
-    print_table(rows, out, args.current)
     status = 0
     target: tuple[str, float] | None = None
+    # The recommendation comes first: the table below it runs to hundreds of lines.
+    summary: list[str] = []
     if args.max_ack_rate is not None or args.max_silence_p95 is not None:
         if args.max_ack_rate is not None:
             target = ("ack", args.max_ack_rate)
@@ -805,29 +799,40 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         label += f" ({args.policy})"
         best = recommend(rows, max_ack_rate=args.max_ack_rate,
                          max_silence_p95=args.max_silence_p95, policy=args.policy)
-        out.write("\n")
         chosen = sorted(routes) if routes else []
         scope = ("over all routes" if not chosen else
                  f"for route {printable(chosen[0])}" if len(chosen) == 1 else
                  "over routes " + ", ".join(printable(r) for r in chosen))
         if best is None:
-            out.write(f"no candidate delay meets {label} {scope}\n")
+            summary.append(f"no candidate delay meets {label} {scope}")
             status = 1
         else:
             ack, needless, p95 = best.figures(args.policy)
             setting = (f"acknowledgment_delay_secs={best.delay:g}" if len(chosen) != 1 else
                        f"acknowledgment_route_delays={{{chosen[0]!r}: {best.delay:g}}}")
-            out.write(f"recommended {setting} for {label} "
-                      f"{scope} (ack rate {ack:.1%}, needless {needless:.1%}, p95 "
-                      f"silence {p95:.2f}s; fixed delay: {best.fixed_ack_rate:.1%}, "
-                      f"{best.fixed_needless_rate:.1%}, {best.fixed_p95_silence:.2f}s; "
-                      f"predictive: {best.ack_rate:.1%}, {best.needless_rate:.1%}, "
-                      f"{best.p95_silence:.2f}s)\n")
+            summary.append(
+                f"recommended {setting} for {label} "
+                f"{scope} (ack rate {ack:.1%}, needless {needless:.1%}, p95 "
+                f"silence {p95:.2f}s; fixed delay: {best.fixed_ack_rate:.1%}, "
+                f"{best.fixed_needless_rate:.1%}, {best.fixed_p95_silence:.2f}s; "
+                f"predictive: {best.ack_rate:.1%}, {best.needless_rate:.1%}, "
+                f"{best.p95_silence:.2f}s)")
             paying = [r for r in rows if r.route != ALL_ROUTES and r.delay == best.delay]
             worst = max(paying, key=lambda r: r.figures(args.policy)[2], default=None)
             if worst is not None:
-                out.write(f"  longest p95 silence at that delay: {printable(worst.route)} "
-                          f"{worst.figures(args.policy)[2]:.2f}s\n")
+                summary.append(f"  longest p95 silence at that delay: "
+                               f"{printable(worst.route)} {worst.figures(args.policy)[2]:.2f}s")
+        summary.append("")
+    for line in summary:
+        out.write(f"{line}\n")
+    out.write(f"source: {source}\n")
+    out.write(f"model: acknowledgment generation {args.generation_secs:g}s; fixed delay = "
+              f"heard at delay + generation; early = heard at {EARLY_SECS:g}s (or when "
+              f"ready); needless = answer within {NEEDLESS_WITHIN_SECONDS:g}s of it\n")
+    out.write(f"       {model}\n")
+    if args.current is not None:
+        out.write(f"current delay: {args.current:g}s (marked)\n")
+    print_table(rows, out, args.current)
     if args.plot:
         problem = plot(rows, args.plot, target)
         if problem is None:

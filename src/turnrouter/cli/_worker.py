@@ -74,13 +74,14 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="client certificate (env TURNROUTER_NATS_TLS_CERT)")
     parser.add_argument("--tls-key", default=None, metavar="FILE",
                         help="client certificate's key (env TURNROUTER_NATS_TLS_KEY)")
-    parser.add_argument("--prefix", default="turnrouter", help="subject prefix")
+    parser.add_argument("--prefix", default="turnrouter",
+                        help="subject prefix (default turnrouter)")
     parser.add_argument("--partitions", type=int, default=16,
                         help="partitions of the deployment (fixed; default 16)")
     parser.add_argument("--failover-timeout", type=float, default=1.0,
                         help="seconds without pulls before a partition moves (default 1)")
     parser.add_argument("--ack-wait", type=float, default=1.5,
-                        help="seconds before an unacknowledged input is redelivered")
+                        help="seconds before an unacknowledged input is redelivered (default 1.5)")
     parser.add_argument("--drain-timeout", type=float, default=20.0,
                         help="seconds a graceful end waits for running turns (default 20)")
     parser.add_argument("--mark-after", type=float, default=0.005,
@@ -94,7 +95,8 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=_port, default=None,
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
-                        help="address to serve /metrics on (0.0.0.0 in containers)")
+                        help="address to serve /metrics on (default 127.0.0.1; 0.0.0.0 in "
+                             "containers)")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help="written (the replica name) once the worker serves, removed "
                              "when it ends: a readiness probe checks that it exists")
