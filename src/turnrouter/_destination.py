@@ -65,7 +65,7 @@ class Destination:
         if not isinstance(declared, _RouteName):
             if declared is not None:
                 cls._declared_name = declared
-            cls.name = _RouteName()  # type: ignore[misc]
+            cls.name = _RouteName()  # type: ignore[assignment]
 
     def __init__(self, description: str | None = None, *, name: str | None = None,
                  priority: int | None = None) -> None:

@@ -156,7 +156,8 @@ def read_overrides(path: Path) -> tuple[RouteOverride, ...]:
     """Per-route overrides from a YAML (or JSON) file; ValueError naming the problem."""
     from ._yaml import load_yaml
 
-    yaml = load_yaml()
+    load_yaml()  # the one-line hint when PyYAML is missing
+    import yaml
 
     try:
         with path.open("rb") as handle:  # never more than the bound (a FIFO, /dev/zero)

@@ -24,7 +24,8 @@ def load_yaml() -> ModuleType:
 
 
 def _dumper() -> Any:
-    yaml = load_yaml()
+    load_yaml()  # the one-line hint when PyYAML is missing
+    import yaml
 
     class Dumper(yaml.SafeDumper):
         """Block style; multi-line strings as literal blocks; keys in insertion order."""
@@ -39,7 +40,8 @@ def _dumper() -> Any:
 
 def dump(data: Any) -> str:
     """One YAML document."""
-    yaml = load_yaml()
+    load_yaml()  # the one-line hint when PyYAML is missing
+    import yaml
 
     return yaml.dump(data, Dumper=_dumper(), sort_keys=False, width=1000,
                      allow_unicode=True, default_flow_style=False)
@@ -47,7 +49,8 @@ def dump(data: Any) -> str:
 
 def dump_all(documents: list[Any]) -> str:
     """Several YAML documents separated by `---`."""
-    yaml = load_yaml()
+    load_yaml()  # the one-line hint when PyYAML is missing
+    import yaml
 
     return yaml.dump_all(documents, Dumper=_dumper(), sort_keys=False, width=1000,
                          allow_unicode=True, default_flow_style=False)
