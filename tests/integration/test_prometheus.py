@@ -36,7 +36,10 @@ GRAFANA_VARIABLES = {
     "$max_ack_rate": "0.5",
 }
 #: Histograms whose observations carry trace exemplars (docs/telemetry.md).
-EXEMPLAR_HISTOGRAMS = [spec.name for spec in METRICS if spec.type == "histogram"]
+# Every per-turn histogram carries exemplars; the event-loop lag is sampled by the
+# router's own timer, outside any trace, so it has none.
+EXEMPLAR_HISTOGRAMS = [spec.name for spec in METRICS if spec.type == "histogram"
+                       and spec.name != "turnrouter_event_loop_lag_seconds"]
 DATA_TIMEOUT = 60.0
 
 

@@ -114,6 +114,10 @@ class Turns:
 
 def build(agents: list[Agent], *decisions: str, **kwargs: Any) -> AgentRouter:
     kwargs.setdefault("telemetry", Telemetry.disabled())
+    if "clock" in kwargs:
+        # The load sampler sleeps on the router's clock too: tests that count a
+        # ManualClock's sleepers count only the pipeline's.
+        kwargs.setdefault("overload", None)
     return AgentRouter({agent.routing_aid("x").name: agent for agent in agents},
                        ScriptedDecisions(*decisions), **kwargs)
 
@@ -528,6 +532,8 @@ def in_pipeline(llm: StreamingLLM, *others: Agent, decisions: tuple[str, ...] = 
     chat = PipecatLLMDestination(llm, "chat", "small talk", in_pipeline=True,
                                  system_instruction="Be brief.")
     agents: dict[str, Any] = {"chat": chat, **{a.routing_aid("x").name: a for a in others}}
+    if "clock" in kwargs:
+        kwargs.setdefault("overload", None)  # its sampler would be one more sleeper
     router = AgentRouter(agents, ScriptedDecisions(*decisions), telemetry=observer, **kwargs)
     processor = TurnRouterProcessor(router)
     return processor, Pipeline([processor, llm, processor.speaker]), observer

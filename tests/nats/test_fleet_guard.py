@@ -7,6 +7,7 @@ One in-process `NatsWorker` on a real nats-server; a raw connection plays the pu
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -45,9 +46,11 @@ class Running:
         return self.registry.get_sample_value(name, labels) or 0.0
 
     async def until(self, goal: float, name: str, **labels: str) -> None:
-        """Until the counter reaches `goal` (polling the registry: at most 10 s)."""
+        """Until the counter reaches `goal` (polling the registry: at most 30 s, which a
+        loaded CI machine may need for a message of 256 samples)."""
         await self.nc.flush()
-        for _ in range(1000):  # as tests/nats/test_inputs.py's `counted`: at most 10 s
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
             if self.value(name, **labels) >= goal:
                 return
             await asyncio.sleep(0.01)

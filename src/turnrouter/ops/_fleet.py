@@ -107,6 +107,13 @@ def fleet_dashboard() -> dict[str, Any]:
                              (_rate("turnrouter_nats_timing_samples_total", "direction"),
                               "samples {{direction}}")),
                     unit="ops"),
+        _timeseries("Backpressure: held messages and superseded queries",
+                    "A saturated replica holds its partition's next message until it is "
+                    "ready again; a held query that a newer one of the same participant "
+                    "follows is dropped unrun (docs/distributed.md).",
+                    _targets((_rate("turnrouter_nats_backpressure_total", "instance, what"),
+                              "{{what}} {{instance}}")),
+                    unit="ops"),
     ]
     model = _dashboard("turnrouter-fleet", "turnrouter fleet (NATS runtime)",
                        "Router replicas on NATS JetStream: ownership, failover, fencing "

@@ -84,6 +84,8 @@ class RuntimeMetrics:
         self.duplicate_inputs = self.duplicates.labels("input")
         for direction in ("sent", "received", "dropped"):
             self.timing_samples.labels(direction)
+        for what in ("paused", "superseded"):
+            self.backpressure.labels(what)
 
 
 _LOCK = threading.Lock()
