@@ -7,9 +7,9 @@ One in-process `NatsWorker` on a real nats-server; a raw connection plays the pu
 from __future__ import annotations
 
 import asyncio
-import time
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import pytest
