@@ -604,7 +604,9 @@ class ManualClock:
         raise RuntimeError("ManualClock.settle: tasks kept running")
 
     async def wait_for_sleepers(self, count: int = 1) -> None:
-        """Wait until at least `count` tasks sleep on this clock."""
+        """Wait until at least `count` tasks sleep on this clock. A router given this
+        clock adds one sleeper of its own once it has handled a turn (its load sampler,
+        `OverloadPolicy`): count it, or build the router with `overload=None`."""
         while self.sleepers < count:
             await self._changed.wait()
 
