@@ -205,6 +205,8 @@ class NatsWorker:
             helpers = await self._fleet.start()
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
                      for n in range(config.partitions)]
+            # Ready means subscribed: the server has our SUBs once a PING is answered.
+            await nc.flush()
             self.ready.set()
             await self._stop.wait()
             if lost.is_set():
