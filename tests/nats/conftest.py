@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -11,7 +12,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,15 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
 
 
 __all__ = ["NatsServer", "Worker", "metric_value", "nats_server", "signal"]
+
+
+async def until_true(condition: Callable[[], bool], what: str, *,
+                     within: float = 30.0) -> None:
+    """Poll `condition` (what a worker did after nats-server delivered: its counters,
+    its calls) until it holds, at most `within` seconds; a loaded CI machine may need
+    many of them for a message of hundreds of samples."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {within:g} s")
+        await asyncio.sleep(0.01)

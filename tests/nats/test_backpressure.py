@@ -20,7 +20,7 @@ from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, Worker
 from turnrouter.telemetry import Telemetry
 from turnrouter.testing import ManualClock, ScriptedAgent, ScriptedDecisions
 
-from .conftest import NatsServer, metric_value
+from .conftest import NatsServer, metric_value, until_true
 
 pytestmark = pytest.mark.anyio
 
@@ -29,11 +29,7 @@ POLICY = OverloadPolicy(busy_lag_secs=0.1, shed_lag_secs=0.5, sample_secs=0.01)
 
 async def until(condition: Callable[[], bool]) -> None:
     """Until what the worker does after nats-server delivers is visible (bounded)."""
-    for _ in range(1500):  # polling the worker's metrics and calls: at most 15 s
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the worker never got there")
+    await until_true(condition, "the worker got there")
 
 
 async def lag(clock: ManualClock, seconds: float, samples: int) -> None:

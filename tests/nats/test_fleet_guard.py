@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -30,7 +29,7 @@ from turnrouter.runtime.nats import (
 )
 
 from .app import make_router
-from .conftest import NatsServer
+from .conftest import NatsServer, until_true
 
 pytestmark = pytest.mark.anyio
 
@@ -46,15 +45,10 @@ class Running:
         return self.registry.get_sample_value(name, labels) or 0.0
 
     async def until(self, goal: float, name: str, **labels: str) -> None:
-        """Until the counter reaches `goal` (polling the registry: at most 30 s, which a
-        loaded CI machine may need for a message of 256 samples)."""
+        """Until the counter reaches `goal` (bounded, see `until_true`)."""
         await self.nc.flush()
-        deadline = time.monotonic() + 30.0
-        while time.monotonic() < deadline:
-            if self.value(name, **labels) >= goal:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"{name}{labels} never reached {goal}")
+        await until_true(lambda: self.value(name, **labels) >= goal,
+                         f"{name}{labels} reaches {goal}")
 
 
 @pytest.fixture
@@ -147,12 +141,13 @@ async def test_timing_samples_are_range_checked_and_weighted_per_publisher(
     forged = [TimingSample("echo", 0.001).to_json() for _ in range(64)]
     await running.nc.publish(subject, samples_body(forged), headers=headers)
     received = "turnrouter_nats_timing_samples_total"
-    for _ in range(1000):  # until each of the 64 was kept or refused (at most 10 s)
-        kept = running.value(received, direction="received")
-        refused = running.value(REJECTED, topic="nats_timing", reason="over_share")
-        if kept + refused >= 64:
-            break
-        await asyncio.sleep(0.01)
+
+    def kept_and_refused() -> tuple[float, float]:
+        return (running.value(received, direction="received"),
+                running.value(REJECTED, topic="nats_timing", reason="over_share"))
+
+    await until_true(lambda: sum(kept_and_refused()) >= 64, "each of the 64 kept or refused")
+    kept, refused = kept_and_refused()
     # The floor per 10 s window: 8, or 16 if a window ended during the message.
     assert kept + refused == 64 and kept <= 2 * 8
     await running.nc.publish(subject, samples_body(forged[:1]))  # no publisher header
