@@ -181,20 +181,26 @@ def worker_main(argv: Sequence[str]) -> int:
         loop = asyncio.get_running_loop()
         task = asyncio.create_task(worker.run())
 
+        early = asyncio.Event()
+
         def stop() -> None:
             nonlocal stopped_early
             if worker.ready.is_set():
                 worker.request_stop()
             else:  # still starting (a factory that hangs): give up the start at once
                 stopped_early = True
+                early.set()
                 task.cancel()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
         print(f"worker {worker.replica} starting", flush=True)
         ready = asyncio.create_task(worker.ready.wait())
+        stopping = asyncio.create_task(early.wait())
         try:
-            await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if stopped_early:
+                await _cancel_start(task)
             if worker.ready.is_set():
                 # This process is the worker's: keep its start-up heap (modules, the
                 # router) out of full collections, which otherwise scan it all, 20-29 ms
@@ -206,6 +212,7 @@ def worker_main(argv: Sequence[str]) -> int:
             await task
         finally:
             ready.cancel()
+            stopping.cancel()
 
     server = None
     if args.metrics_port is not None:
@@ -255,3 +262,15 @@ def _write_ready(path: str, replica: str) -> None:
     except OSError as exc:
         print(f"turnrouter worker: warning: cannot write --ready-file {path}: "
               f"{exc.strerror}", file=sys.stderr)
+
+
+async def _cancel_start(task: asyncio.Task[None]) -> None:
+    """Cancel a start-up until it ends (bounded: 10 s), then raise CancelledError: a
+    cancellation that lands inside the client's connection attempt can be absorbed by
+    its retry loop, so one `cancel()` is not always enough."""
+    for _ in range(100):
+        if task.done():
+            break
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    raise asyncio.CancelledError
