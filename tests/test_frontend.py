@@ -82,6 +82,27 @@ async def test_route_turn_speaks_through_its_own_output() -> None:
     assert h.output.texts == []
 
 
+async def test_route_turn_ending_receives_what_ends_the_turn() -> None:
+    """`ending` gets the text the router ends a turn with (a destination's or its own
+    clarification, the failure text); control text along the way goes to `output`."""
+    h = Harness(ScriptedAgent("weather", admissions=[Admission("release", text="Bye."),
+                                                     Admission("clarify", text="Where?")]),
+                ScriptedAgent("music", results=[RuntimeError("down")]),
+                decisions=ScriptedDecisions("weather", "music", "weather", "clarify"),
+                clarification_text="Say again?")
+    said, ended = OutputRecorder(), OutputRecorder()
+    with pytest.raises(RuntimeError, match="down"):
+        await h.router.route_turn(h.turn(), output=said, ending=ended)
+    assert said.texts == ["Bye."]  # release text: the turn went on
+    assert ended.texts == [h.router.failure_text]
+    await h.router.route_turn(h.turn(), output=said, ending=ended)
+    await h.router.route_turn(h.turn(), output=said, ending=ended)
+    assert said.texts == ["Bye."]
+    assert ended.texts[1:] == ["Where?", "Say again?"]
+    with pytest.raises(ContractTypeError, match="ending"):
+        await h.router.route_turn(h.turn(), output=said, ending="x")  # type: ignore[arg-type]
+
+
 async def test_route_turn_without_any_output_is_refused() -> None:
     """Without a per-call or constructor output, route_turn raises LifecycleError."""
     from turnrouter import AgentRouter

@@ -138,7 +138,7 @@ async def test_query_is_routed_with_publication_identity() -> None:
     assert outputs[0].request_id == query.message_id
     assert outputs[0].route == "clarify"
     assert outputs[0].participant_id == "p1"
-    assert outputs[0].final is False  # a clarification is control text
+    assert outputs[0].final is True  # the router's clarification ends the turn
 
 
 async def test_destination_sees_runtime_turn() -> None:

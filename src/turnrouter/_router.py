@@ -376,7 +376,7 @@ class AgentRouter:
 
     async def route_turn(
         self, turn: AgentTurn, *, output: OutputCallback | None = None,
-        report_heard: bool = False,
+        report_heard: bool = False, ending: OutputCallback | None = None,
     ) -> RoutedResult:
         """Run one turn as `handle()` does, for a front end (runtime, framework adapter).
 
@@ -384,6 +384,12 @@ class AgentRouter:
         clarification, release and failure text) instead of the constructor's. The
         result also names the route that answered. Same errors as `handle()`; a refused
         turn is counted (outcome `refused`) and traced before `LifecycleError` is raised.
+
+        `ending` (default: `output`) receives instead the text with which the router
+        itself ends the turn, so a front end can mark it as the turn's last word: a
+        clarification (the router's or a destination's admission), the failure text, the
+        busy text of a turn shed for load and the text of a turn dropped from a full
+        queue. Nothing else is said for that turn after it.
 
         With `report_heard=True` the front end reports when the answer's first audio
         was heard (`mark_heard`): first response and silence are measured to that
@@ -401,7 +407,10 @@ class AgentRouter:
                 "route_turn() needs an output callback: pass output=... to it or to "
                 "AgentRouter")
         check_callable("route_turn output", emit)
-        result, running = await _run(self._cfg, self._registry, turn, emit, report_heard)
+        if ending is not None:
+            check_callable("route_turn ending", ending)
+        result, running = await _run(self._cfg, self._registry, turn, emit, report_heard,
+                                     ending)
         return RoutedResult(result, running.answered_by)
 
     def mark_heard(self, participant_id: str, turn_id: str, at: float | None = None, *,
@@ -577,12 +586,14 @@ def _check_patch_owners(snapshot: ParticipantSnapshot, patches: PatchDesk) -> No
 
 
 async def _run(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: OutputCallback,
-               report_heard: bool) -> tuple[DestinationResult, Turn]:
+               report_heard: bool, ending: OutputCallback | None = None,
+               ) -> tuple[DestinationResult, Turn]:
     """Admission control (`RouterBusyError`), then the turn, counted in flight."""
     load = cfg.load
     if load.busy:
-        await load.refuse(turn, emit, turn.participant_id in registry.participants)
-    running = _new_turn(cfg, registry, turn, emit, bool(report_heard))
+        await load.refuse(turn, emit if ending is None else ending,
+                          turn.participant_id in registry.participants)
+    running = _new_turn(cfg, registry, turn, emit, bool(report_heard), ending)
     if load.task is None:
         load.ensure_sampling()
     load.in_flight += 1
@@ -593,7 +604,7 @@ async def _run(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: Out
 
 
 def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: OutputCallback,
-              report_heard: bool) -> Turn:
+              report_heard: bool, ending: OutputCallback | None) -> Turn:
     """A new turn of an open participant; a refusal is reported, then raised."""
     state = registry.participants.get(turn.participant_id)
     if state is None or not registry.takes_turns(state):
@@ -603,7 +614,7 @@ def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: Outp
             cfg.observer.turn_started(TurnStarted(turn, None)).finished(
                 TurnFinished("refused", None, None, None, 0, exc))
             raise
-    return Turn(cfg, state, turn, emit, report_heard)
+    return Turn(cfg, state, turn, emit, report_heard, ending)
 
 
 _NO_TRACE: AbstractContextManager[None] = contextlib.nullcontext()

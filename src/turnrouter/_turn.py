@@ -90,14 +90,19 @@ class Turn(TurnRun):
     """
 
     __slots__ = (
-        "answer", "answered_by", "attempts", "cfg", "created", "emit", "focus_before", "obs",
-        "observing", "output_failed", "report_heard", "route", "started", "state", "turn",
+        "answer", "answered_by", "attempts", "cfg", "created", "emit", "end", "focus_before",
+        "obs", "observing", "output_failed", "report_heard", "route", "started", "state",
+        "turn",
     )
 
     def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
-                 emit: OutputCallback, report_heard: bool) -> None:
+                 emit: OutputCallback, report_heard: bool,
+                 end: OutputCallback | None = None) -> None:
         super().__init__(turn.turn_id)
         self.cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
+        #: Where the text the router itself ends the turn with goes (clarification,
+        #: failure, dropped-turn text): a front end marks it as the turn's ending.
+        self.end = emit if end is None else end
         self.report_heard = report_heard
         #: When the front end handed the turn over (its wait before routing is measured).
         self.created = cfg.clock()
@@ -189,7 +194,7 @@ class Turn(TurnRun):
             "waiting_turns", f"turn {turn.turn_id!r} of {turn.participant_id!r} dropped: "
             f"more than max_waiting_turns ({self.cfg.max_waiting_turns}) waiting")
         try:
-            await self.emit(turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
+            await self.end(turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
         except Exception as exc:
             log_failure("telling %r that turn %s was dropped", exc, turn.participant_id,
                         turn.turn_id)
@@ -202,7 +207,7 @@ class Turn(TurnRun):
 
     async def _emit_failure(self) -> None:
         try:
-            await self.emit(self.turn, self.route or "none", self.cfg.failure_text)
+            await self.end(self.turn, self.route or "none", self.cfg.failure_text)
         except Exception as exc:
             log_failure("delivering the failure message of turn %s", exc, self.turn.turn_id)
 
@@ -432,14 +437,14 @@ class Turn(TurnRun):
         self.obs.clarification(Clarification(reason))
         if route != CLARIFY_ROUTE:
             self.answered_by = route
-        await self.say(route, text or self.cfg.clarification_text)
+        await self.say(route, text or self.cfg.clarification_text, ending=True)
         return _CLARIFY_RESULT
 
-    async def say(self, route: str, text: str) -> None:
+    async def say(self, route: str, text: str, *, ending: bool = False) -> None:
         if not text:
             return
         try:
-            await self.emit(self.turn, route, text)
+            await (self.end if ending else self.emit)(self.turn, route, text)
         except Exception:
             self.output_failed = True
             raise

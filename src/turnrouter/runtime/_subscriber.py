@@ -98,7 +98,8 @@ class RouterSubscriber:
         self._roles = {topic.name: role for role, topic in topics.items()
                        if role != "output_topic"}
         self._control_output_set = False
-        #: The output callback of the runtime last delivering here (one per runtime).
+        #: The output callbacks (control text, turn endings) of the runtime last
+        #: delivering here (one pair per runtime).
         self._emit: tuple[AgentRuntime, Any] | None = None
         #: The departures the runtime last delivering here waits for.
         self._departures: _Departing | None = None
@@ -108,24 +109,30 @@ class RouterSubscriber:
         return tuple(topic for role, topic in self._topics.items() if role != "output_topic")
 
     def _emitter(self, runtime: AgentRuntime) -> Any:
-        """The `output` callback publishing router control text on `runtime`'s output
-        topic (made once per runtime, not per turn)."""
+        """The `output` and `ending` callbacks publishing router text on `runtime`'s
+        output topic: control text, and the text that ends a turn (`final=True`); made
+        once per runtime, not per turn."""
         cached = self._emit
         if cached is not None and cached[0] is runtime:
             return cached[1]
         router, output = self._router, self._output
 
-        async def emit(turn: AgentTurn, route: str, text: str) -> None:
+        async def publish(turn: AgentTurn, route: str, text: str, final: bool) -> None:
             carrier = router.trace_carrier()
             await runtime.publish(output, ResponseOutput(
                 participant_id=turn.participant_id, request_id=turn.turn_id, route=route,
-                text=text, final=route == "none" or text == router.failure_text,
-                traceparent=carrier.get("traceparent"),
+                text=text, final=final, traceparent=carrier.get("traceparent"),
                 tracestate=carrier.get("tracestate"),
             ))
 
-        self._emit = (runtime, emit)
-        return emit
+        async def emit(turn: AgentTurn, route: str, text: str) -> None:
+            await publish(turn, route, text, False)
+
+        async def end(turn: AgentTurn, route: str, text: str) -> None:
+            await publish(turn, route, text, True)
+
+        self._emit = (runtime, (emit, end))
+        return emit, end
 
     def _departing(self, runtime: AgentRuntime) -> _Departing:
         departing = self._departures
@@ -138,7 +145,7 @@ class RouterSubscriber:
         if not self._control_output_set:
             # Control text outside turns (a held context patch's question) goes here too.
             self._control_output_set = True
-            router.set_control_output(self._emitter(runtime))
+            router.set_control_output(self._emitter(runtime)[0])
         role = self._roles.get(topic.name)
         if role is None:
             return
@@ -181,13 +188,13 @@ class RouterSubscriber:
         router = self._router
         pid = query.participant_id
         turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
-        emit = self._emitter(runtime)
+        emit, end = self._emitter(runtime)
         reports = router.reports_status
         with router.continue_trace(query.trace_carrier()):
             if reports:
                 await router.report_status("processing", pid)
             try:
-                await router.route_turn(turn, output=emit)
+                await router.route_turn(turn, output=emit, ending=end)
             except TurnInterrupted:
                 pass  # the participant spoke again, or barged in: not a failure
             except RouterBusyError:

@@ -98,10 +98,12 @@ class _Running:
     finish (mark it in flight), else the finished write's result; `written` is that
     result (True: recorded, acknowledge; False: fenced, leave it to the new owner)."""
 
-    __slots__ = ("finishing", "gate", "held", "output", "written")
+    __slots__ = ("ended", "finishing", "gate", "held", "output", "written")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.finishing = False
+        #: The router ended the turn itself (clarification, failure or busy text).
+        self.ended = False
         self.gate: asyncio.Future[bool | None] = loop.create_future()
         self.written: asyncio.Future[bool] = loop.create_future()
         self.held: Ending | None = None
@@ -272,10 +274,21 @@ class Inputs:
                 if status:
                     await router.report_status("processing", pid)
                 try:
-                    await router.route_turn(turn, output=self._emit)
+                    routed = await router.route_turn(turn, output=self._emit,
+                                                     ending=self._end)
                 finally:
                     if status:
                         await router.report_status("idle", pid)
+            if run.held is None and not run.ended:
+                # Answered without `ctx.answer` (a destination written for the in-process
+                # router): its result's text is the answer, held and recorded the same way.
+                try:
+                    self._hold(run, turn, routed.route or "none", routed.result.text, carrier)
+                except ContractValueError as exc:
+                    logger.warning("turnrouter: %s", exc)
+                    await self.publish_output(pid, turn.turn_id, "none",
+                                              self._config.failure_text, final=True,
+                                              carrier=carrier)
         except (TurnInterrupted, LifecycleError) as exc:
             if self._stopping() and run.held is None:
                 # Cut short by a graceful end that outlasted drain_timeout: say so.
@@ -335,17 +348,32 @@ class Inputs:
         if run is not None and run.held is None:
             # Checked now, so a text that cannot go out fails the destination's answer()
             # (the router then says its failure text) instead of ending nothing later.
-            run.output = self._output(turn.participant_id, turn.turn_id, route, text, True,
-                                      self._router.trace_carrier())  # the turn's span
-            run.held = (turn.turn_id, route, text, time.time())
+            self._hold(run, turn, route, text, self._router.trace_carrier())  # turn's span
             return
         await self.publish_output(turn.participant_id, turn.turn_id, route, text, final=True)
 
+    def _hold(self, run: _Running, turn: AgentTurn, route: str, text: str,
+              carrier: dict[str, str]) -> None:
+        """Hold `text` as the running turn's answer until its finished record is written
+        (`ContractValueError` for text that cannot go out)."""
+        run.output = self._output(turn.participant_id, turn.turn_id, route, text, True,
+                                  carrier)
+        run.held = (turn.turn_id, route, text, time.time())
+
     # ------------------------------------------------------------------ outputs
     async def _emit(self, turn: AgentTurn, route: str, text: str) -> None:
-        # The router's failure text ends the turn, whatever route it was on.
+        # Control text along the way: acknowledgment, preamble, release text.
         await self.publish_output(turn.participant_id, turn.turn_id, route, text,
-                                  final=route == "none" or text == self._config.failure_text)
+                                  final=False)
+
+    async def _end(self, turn: AgentTurn, route: str, text: str) -> None:
+        # The router ends the turn itself (clarification, failure, busy or dropped text):
+        # the turn's one final output.
+        run = self._running.get((turn.participant_id, turn.turn_id))
+        if run is not None:
+            run.ended = True
+        await self.publish_output(turn.participant_id, turn.turn_id, route, text,
+                                  final=True)
 
     async def control_output(self, turn: AgentTurn, route: str, text: str) -> None:
         await self.publish_output(turn.participant_id, turn.turn_id, route, text,
