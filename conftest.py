@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,10 +50,19 @@ def _setup(namespace: dict[str, Any]) -> None:
     # `.venv/bin/python` in a block is the interpreter running the tests.
     (workdir / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
     namespace["__docs_cwd__"] = os.getcwd()
-    namespace["__docs_env__"] = {key: os.environ.get(key) for key in ("METRICS_PORT",)}
+    namespace["__docs_env__"] = {key: os.environ.get(key)
+                                 for key in ("METRICS_PORT", "NATS_PORT")}
     namespace["__docs_workdir__"] = workdir
     os.environ["METRICS_PORT"] = "0"  # blocks that serve metrics take any free port
+    os.environ["NATS_PORT"] = str(_free_port())  # and a NATS server a free one
     os.chdir(workdir)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def _teardown(namespace: dict[str, Any]) -> None:
