@@ -435,8 +435,8 @@ class Turn(TurnRun):
         self, route: str, text: str, reason: ClarificationReason
     ) -> DestinationResult:
         self.obs.clarification(Clarification(reason))
-        if route != CLARIFY_ROUTE:
-            self.answered_by = route
+        if route != CLARIFY_ROUTE:  # a destination asked: the turn is counted on its route
+            self.route = self.answered_by = route
         await self.say(route, text or self.cfg.clarification_text, ending=True)
         return _CLARIFY_RESULT
 

@@ -168,7 +168,10 @@ async def test_clarification_reasons(
     assert not any(name.startswith("invoke_agent") for name, _ in o.children())
     assert len(capture.spans("turnrouter.route")) == route_spans
     assert o.value("turnrouter_clarifications_total", reason=reason) == 1
-    assert o.value("turnrouter_turns_total", route="none", outcome="clarify") == 1
+    # A destination's question is counted on its route; the router's own on none.
+    asked_by = "weather" if reason == "destination" else "none"
+    assert o.value("turnrouter_turns_total", route=asked_by, outcome="clarify") == 1
+    assert turn.get(ATTR.ROUTE) == (None if asked_by == "none" else asked_by)
     if reason == "decision_failed":
         route = capture.span("turnrouter.route")
         assert route.status.status_code is StatusCode.ERROR
