@@ -293,7 +293,7 @@ class AgentRouter:
                 "handle() needs the output callback: pass output=... to AgentRouter "
                 "(runtime queries publish through output_topic instead)"
             )
-        return (await _run(self._cfg, self._registry, turn, output, False))[0]
+        return (await _run(self._cfg, self._registry, turn, (output, output), False))[0]
 
     async def interrupt(self, participant_id: str | None = None) -> None:
         """Cancel active (and queued) turns, keeping completed history and focus.
@@ -385,11 +385,8 @@ class AgentRouter:
         result also names the route that answered. Same errors as `handle()`; a refused
         turn is counted (outcome `refused`) and traced before `LifecycleError` is raised.
 
-        `ending` (default: `output`) receives instead the text with which the router
-        itself ends the turn, so a front end can mark it as the turn's last word: a
-        clarification (the router's or a destination's admission), the failure text, the
-        busy text of a turn shed for load and the text of a turn dropped from a full
-        queue. Nothing else is said for that turn after it.
+        `ending` (default: `output`) receives the text the router itself ends the turn
+        with (a clarification, the failure, busy or dropped-turn text), the turn's last.
 
         With `report_heard=True` the front end reports when the answer's first audio
         was heard (`mark_heard`): first response and silence are measured to that
@@ -409,8 +406,8 @@ class AgentRouter:
         check_callable("route_turn output", emit)
         if ending is not None:
             check_callable("route_turn ending", ending)
-        result, running = await _run(self._cfg, self._registry, turn, emit, report_heard,
-                                     ending)
+        result, running = await _run(self._cfg, self._registry, turn,
+                                     (emit, emit if ending is None else ending), report_heard)
         return RoutedResult(result, running.answered_by)
 
     def mark_heard(self, participant_id: str, turn_id: str, at: float | None = None, *,
@@ -585,15 +582,17 @@ def _check_patch_owners(snapshot: ParticipantSnapshot, patches: PatchDesk) -> No
                 f"participant; nothing installed")
 
 
-async def _run(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: OutputCallback,
-               report_heard: bool, ending: OutputCallback | None = None,
+async def _run(cfg: RouterConfig, registry: Registry, turn: AgentTurn,
+               outputs: tuple[OutputCallback, OutputCallback], report_heard: bool,
                ) -> tuple[DestinationResult, Turn]:
-    """Admission control (`RouterBusyError`), then the turn, counted in flight."""
+    """Admission control (`RouterBusyError`), then the turn, counted in flight.
+    `outputs`: where control text goes, and where the text that ends the turn goes."""
+    emit, ending = outputs
     load = cfg.load
     if load.busy:
-        await load.refuse(turn, emit if ending is None else ending,
-                          turn.participant_id in registry.participants)
-    running = _new_turn(cfg, registry, turn, emit, bool(report_heard), ending)
+        await load.refuse(turn, ending, turn.participant_id in registry.participants)
+    running = _new_turn(cfg, registry, turn, emit, bool(report_heard))
+    running.end = ending
     if load.task is None:
         load.ensure_sampling()
     load.in_flight += 1
@@ -604,7 +603,7 @@ async def _run(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: Out
 
 
 def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: OutputCallback,
-              report_heard: bool, ending: OutputCallback | None) -> Turn:
+              report_heard: bool) -> Turn:
     """A new turn of an open participant; a refusal is reported, then raised."""
     state = registry.participants.get(turn.participant_id)
     if state is None or not registry.takes_turns(state):
@@ -614,7 +613,7 @@ def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: Outp
             cfg.observer.turn_started(TurnStarted(turn, None)).finished(
                 TurnFinished("refused", None, None, None, 0, exc))
             raise
-    return Turn(cfg, state, turn, emit, report_heard, ending)
+    return Turn(cfg, state, turn, emit, report_heard)
 
 
 _NO_TRACE: AbstractContextManager[None] = contextlib.nullcontext()

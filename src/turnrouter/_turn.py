@@ -96,13 +96,13 @@ class Turn(TurnRun):
     )
 
     def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
-                 emit: OutputCallback, report_heard: bool,
-                 end: OutputCallback | None = None) -> None:
+                 emit: OutputCallback, report_heard: bool) -> None:
         super().__init__(turn.turn_id)
         self.cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
         #: Where the text the router itself ends the turn with goes (clarification,
-        #: failure, dropped-turn text): a front end marks it as the turn's ending.
-        self.end = emit if end is None else end
+        #: failure, dropped-turn text): a front end marks it as the turn's ending
+        #: (`route_turn(ending=...)` sets it; `emit` otherwise).
+        self.end = emit
         self.report_heard = report_heard
         #: When the front end handed the turn over (its wait before routing is measured).
         self.created = cfg.clock()
