@@ -154,6 +154,8 @@ class BucketDistribution:
 
     def __init__(self, buckets: Sequence[tuple[float, float]],
                  censored: Sequence[tuple[float, float]] = ()) -> None:
+        self._buckets = tuple(buckets)
+        self._censored = bool(censored)
         events = _monotonic(buckets)
         lost = _monotonic(censored)
         self._bounds = sorted(set(events) | set(lost))
@@ -172,6 +174,12 @@ class BucketDistribution:
             at_risk -= died + left
             previous_events, previous_lost = e, c
             self._survival.append(survival)
+
+    def answered(self) -> BucketDistribution:
+        """The answered turns alone: what the tuning dashboard's approximated trigger
+        reads (its PromQL cannot afford the censored estimate at five instants), so
+        that tune approximates the same routes as early."""
+        return BucketDistribution(self._buckets) if self._censored else self
 
     def survival(self, t: float) -> float:
         if self.turns <= 0:
@@ -300,7 +308,8 @@ def _groups(dist: Distribution, c: Candidate, split: Split | None, confidence: f
     """The predictive policy's groups of turns `(turns, X, heard)`: the replay's split,
     else the approximation (the whole route early or not); and whether replayed."""
     if split is None:
-        early = early_at(dist.survival, c, confidence, hysteresis)
+        basis = dist.answered() if isinstance(dist, BucketDistribution) else dist
+        early = early_at(basis.survival, c, confidence, hysteresis)
         return [(dist.turns, dist, c.heard_early if early else c.heard)], False
     groups = [(d.turns, d, heard) for d, heard in ((split.early, c.heard_early),
                                                    (split.waited, c.heard))
@@ -863,8 +872,8 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
                       f"{prometheus_query(args.window, matchers, INTERRUPTED_METRIC)})")
             model = ("predictive = APPROXIMATION (a histogram has no turn order): a route is "
                      f"early when the trigger (confidence {args.confidence:g}) would be on "
-                     "its whole-window distribution; no warm-up, regime changes or feature "
-                     "classes")
+                     "its whole-window distribution of answered turns (as the dashboard); "
+                     "no warm-up, regime changes or feature classes")
     except (OSError, ValueError) as exc:
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         filename = getattr(exc, "filename", None)

@@ -282,6 +282,9 @@ class Telemetry(RouterObserver):
         for route in event.routes:  # the delay each route runs with
             own = event.delay_of(route)
             families.ack_route_delay.labels(route).set(math.nan if own is None else own)
+            # Interrupted-before-a-response series exist from the start (a count of 0),
+            # so the tuning dashboard can add them to every route's first responses.
+            families.first_response_interrupted.get(route)
         # Bounded by the routers' configurations (a shared Telemetry: all their routes).
         for route in event.routes:
             for fallback in (False, True):
