@@ -690,8 +690,11 @@ def recommend(rows: Sequence[TuneRow], *, max_ack_rate: float | None,
     return None
 
 
-def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None) -> str | None:
-    """Write the PNG; returns an error message instead of raising when impossible."""
+def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None,
+         aggregate: str | None = ALL_ROUTES) -> str | None:
+    """Write the PNG (the all-routes lines labelled `aggregate`, or left out when None,
+    as in `print_table`); returns an error message instead of raising when impossible."""
+    rows = [r for r in rows if r.route != ALL_ROUTES or aggregate is not None]
     try:  # optional extra, imported lazily (mypy: no stubs needed)
         matplotlib = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
@@ -704,14 +707,14 @@ def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None) -
         mine = [r for r in rows if r.route == route]
         delays = [r.delay for r in mine]
         style = "k--" if route == ALL_ROUTES else "-o"
-        top.plot(delays, [r.ack_rate for r in mine], style, label=printable(route),
-                 markersize=3)
-        bottom.plot(delays, [r.p95_silence for r in mine], style, label=printable(route),
-                    markersize=3)
+        name = printable(aggregate if route == ALL_ROUTES and aggregate else route)
+        top.plot(delays, [r.ack_rate for r in mine], style, label=name, markersize=3)
+        bottom.plot(delays, [r.p95_silence for r in mine], style, label=name, markersize=3)
         if route == ALL_ROUTES:  # what the fixed delay alone would give
-            top.plot(delays, [r.fixed_ack_rate for r in mine], "k:", label="(all) fixed delay")
+            top.plot(delays, [r.fixed_ack_rate for r in mine], "k:",
+                     label=f"{name} fixed delay")
             bottom.plot(delays, [r.fixed_p95_silence for r in mine], "k:",
-                        label="(all) fixed delay")
+                        label=f"{name} fixed delay")
     if target is not None:
         (top if target[0] == "ack" else bottom).axhline(target[1], color="red", linewidth=1)
     top.set_ylabel("acknowledgment rate")
@@ -935,10 +938,10 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
     if args.current is not None:
         whose = f" of route {printable(chosen[0])}" if len(chosen) == 1 else ""
         out.write(f"current delay{whose}: {args.current:g}s (marked)\n")
-    print_table(rows, out, args.current,
-                None if len(chosen) == 1 else "(chosen)" if chosen else ALL_ROUTES)
+    aggregate = None if len(chosen) == 1 else "(chosen)" if chosen else ALL_ROUTES
+    print_table(rows, out, args.current, aggregate)
     if args.plot:
-        problem = plot(rows, args.plot, target)
+        problem = plot(rows, args.plot, target, aggregate)
         if problem is None:
             out.write(f"plot written to {printable(args.plot)}\n")
         else:
