@@ -565,8 +565,10 @@ def acknowledgment_tuning() -> dict[str, Any]:
         "fieldConfig": {"defaults": {
             "unit": "percentunit", "decimals": 1,
             "noValue": "No first responses in the time range for these routes (or the "
-                       "routers export no turnrouter_first_response_seconds): widen the "
-                       "range or check the job and route variables."},
+                       "routers export no turnrouter_first_response_seconds, or, for the "
+                       "ack rates, no turnrouter_first_response_interrupted_seconds: "
+                       "routers older than the dashboard): widen the range or check the "
+                       "job and route variables."},
             "overrides": [
             *({"matcher": {"id": "byName", "options": name},
                "properties": [{"id": "unit", "value": "s"}, {"id": "decimals", "value": 2}]}
