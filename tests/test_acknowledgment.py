@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import pytest
+from prometheus_client import CollectorRegistry
 
 from turnrouter import (
     AcknowledgmentPolicy,
@@ -34,12 +35,14 @@ from turnrouter.events import (
     AcknowledgmentFinished,
     AcknowledgmentGenerated,
     AnswerAfterAcknowledgment,
+    Configured,
     EstimateChanged,
     FirstResponse,
     SilenceMeasured,
     TurnStarted,
 )
 from turnrouter.llm import TemplateAcknowledger
+from turnrouter.telemetry import Telemetry
 from turnrouter.testing import ManualClock, OutputRecorder, ScriptedDecisions, ScriptedLLM
 
 pytestmark = pytest.mark.anyio
@@ -77,6 +80,9 @@ class _Turn(TurnObserver):
     def first_response(self, token: object, event: FirstResponse) -> None:
         self._parent.first.append((event.route, event.seconds))
 
+    def interrupted_before_response(self, token: object, event: FirstResponse) -> None:
+        self._parent.interrupted.append((event.route, event.seconds))
+
     def acknowledgment_generated(self, event: AcknowledgmentGenerated) -> None:
         self._parent.generated.append((event.route, event.seconds))
 
@@ -96,6 +102,11 @@ class Observer(RouterObserver):
         self.generated: list[tuple[str, float]] = []
         self.after: list[tuple[str, str, float]] = []
         self.predicted: list[tuple[str, float]] = []
+        self.interrupted: list[tuple[str, float]] = []
+        self.configured_as: Configured | None = None
+
+    def configured(self, event: Configured) -> None:
+        self.configured_as = event
 
     def turn_started(self, event: TurnStarted) -> TurnObserver:
         return _Turn(self)
@@ -464,6 +475,69 @@ async def test_interrupted_turn_gives_a_censored_sample(tmp_path: Path) -> None:
             await s.router.interrupt("p1")
     [sample] = load_samples(path)
     assert (sample.route, sample.seconds, sample.censored) == ("calendar", 0.7, True)
+    # The observer (the metrics) hears the same censored first response.
+    assert s.observer.interrupted == [("calendar", 0.7)] and s.observer.first == []
+
+
+async def test_censored_first_responses_are_reported_without_a_timing_engine() -> None:
+    """Without acknowledgments, predictor or sink, an interrupt before started() is still
+    reported (the metrics count it); an interrupt after started() is not censored."""
+    s = Setup(latency=None, acks=False)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.run)
+        await s.agent.entered.wait()
+        s.clock.advance(1.5)
+        await s.router.interrupt("p1")
+    assert isinstance(s.result, TurnInterrupted)
+    assert s.observer.interrupted == [("calendar", 1.5)]
+
+    class Lingering(ClockAgent):
+        async def answer(self, turn: AgentTurn, *,
+                         started: Callable[[], Awaitable[None]]) -> DestinationResult:
+            await started()
+            self.entered.set()
+            await self.go.wait()
+            return DestinationResult("answer", "late")
+
+    s = Setup(latency=None, acks=False, agent_class=Lingering)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.run)
+        await s.agent.entered.wait()
+        s.clock.advance(1.5)
+        await s.router.interrupt("p1")
+    assert s.observer.interrupted == [] and s.observer.first == [("calendar", 0.0)]
+
+
+async def test_interrupted_turns_reach_the_interrupted_histogram() -> None:
+    """With the real Telemetry: the censored first response lands in
+    turnrouter_first_response_interrupted_seconds (not in the first-response histogram),
+    and each route's delay gauge holds its own delay."""
+    registry = CollectorRegistry()
+    s = Setup(latency=None)
+    s.router = AgentRouter(
+        {"calendar": s.agent}, Chooser(), output=s.output, default_destination="calendar",
+        telemetry=Telemetry(registry=registry), clock=s.clock,
+        acknowledgment_llm=TemplateAcknowledger(), acknowledgment_delay_secs=1.0,
+        acknowledgment_route_delays={"calendar": 2.0})
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.run)
+        await s.agent.entered.wait()
+        s.clock.advance(0.7)
+        await s.router.interrupt("p1")
+    labels = {"route": "calendar"}
+    assert registry.get_sample_value(
+        "turnrouter_first_response_interrupted_seconds_count", labels) == 1
+    assert registry.get_sample_value(
+        "turnrouter_first_response_interrupted_seconds_bucket",
+        {**labels, "le": "0.65"}) == 0
+    assert registry.get_sample_value(
+        "turnrouter_first_response_interrupted_seconds_bucket",
+        {**labels, "le": "0.7"}) == 1
+    assert registry.get_sample_value("turnrouter_first_response_seconds_count", labels) in (
+        None, 0)
+    assert registry.get_sample_value(
+        "turnrouter_acknowledgment_route_delay_seconds", labels) == 2.0
+    assert registry.get_sample_value("turnrouter_acknowledgment_delay_seconds") == 1.0
 
 
 # ---------------------------------------------------------------- samples
@@ -685,6 +759,8 @@ async def test_a_route_delay_replaces_the_router_wide_one_for_that_route() -> No
             telemetry=s.observer, clock=s.clock, acknowledgment_llm=TemplateAcknowledger(),
             acknowledgment_delay_secs=1.0, acknowledgment_route_delays={"calendar": 2.0})
         await s.drive()
+        assert s.observer.configured_as is not None
+        assert s.observer.configured_as.delay_of("calendar") == 2.0  # exported per route
         [ack] = s.observer.acks
         assert (ack.outcome, ack.trigger, ack.delay) == (outcome, "delay", 2.0)
         if heard is not None:

@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from turnrouter.cli._tune import (
     replay_splits,
     tune_main,
 )
+from turnrouter.telemetry import RESPONSE_BUCKETS
 
 from .kit import BROKEN_HTTP_REPLIES, RawReplyServer
 
@@ -162,6 +164,32 @@ def test_a_route_of_its_own_gets_a_route_delay(samples: Path) -> None:
     assert "recommended acknowledgment_route_delays={'b': 0.3}" in out
     assert "for route b (" in out
     assert "over all routes" not in out
+    assert "(all)" not in out  # the table's rows are route b's alone
+    code, out, _ = run(["--samples", str(samples), "--route", "b", "--route", "a",
+                        "--max-ack-rate", "0.3", "--delays", "0.1,0.3,1"])
+    assert "acknowledgment_route_delays={'a': " in out and "'b': " in out
+    assert "over routes a, b" in out and "(all)" not in out and "(chosen)" in out
+
+
+def test_prometheus_route_speaks_for_that_route(
+    prometheus: tuple[str, list[str], list[Any]]
+) -> None:
+    """--prometheus --route X: the queries select X, the current delay is X's own (its
+    per-route gauge), and no row or line speaks for all routes."""
+    url, queries, _ = prometheus
+    code, out, _ = run(["--prometheus", url, "--route", "a", "--max-ack-rate", "0.7",
+                        "--delays", "0.5,1", "--generation-secs", "0"])
+    assert code == 0, out
+    assert queries[:2] == [
+        'sum by (route, le) (increase(turnrouter_first_response_seconds_bucket'
+        '{route="a"}[1d]))',
+        'sum by (route, le) (increase(turnrouter_first_response_interrupted_seconds_bucket'
+        '{route="a"}[1d]))']
+    assert queries[2] == 'max(turnrouter_acknowledgment_route_delay_seconds{route="a"})'
+    assert "current delay of route a: 0.5s" in out
+    assert _row(out, "a", "0.50s")[-1] == "current"
+    assert "recommended acknowledgment_route_delays={'a': 0.5}" in out
+    assert "(all)" not in out and "over all routes" not in out and "\nb " not in out
 
 
 def test_recommends_the_longest_delay_within_a_silence_target(samples: Path) -> None:
@@ -231,6 +259,76 @@ def test_distributions() -> None:
     assert buckets.survival(0.75) == pytest.approx(0.5)
     assert buckets.quantile(0.5) == pytest.approx(0.75)
     assert buckets.quantile(0.99) == 1.0
+
+
+def test_interrupted_buckets_are_read_as_censored_samples() -> None:
+    """Turns interrupted before a response, in their own histogram, are censored as in
+    the samples (the life-table form of Kaplan-Meier: a bucket's censored turns are at
+    risk for half of it), never dropped nor taken for answers."""
+    events = [(0.5, 10.0), (1.0, 30.0), (math.inf, 40.0)]
+    lost = [(0.5, 0.0), (1.0, 20.0), (math.inf, 20.0)]
+    buckets = BucketDistribution(events, lost)
+    assert buckets.turns == 60.0
+    assert buckets.survival(0.5) == pytest.approx(50 / 60)
+    # 50 at risk in (0.5, 1]: 20 answered, 20 interrupted (at risk half the bucket).
+    assert buckets.survival(1.0) == pytest.approx(50 / 60 * (1 - 20 / 40))
+    assert BucketDistribution(events).survival(1.0) == pytest.approx(0.25)  # optimistic
+    assert buckets.quantile(0.5) == pytest.approx(0.5 + 0.5 * (1 - 0.5 / (50 / 60)) / (
+        1 - 0.5))
+    # A route with interrupted turns only: nothing answered, all still silent.
+    only = BucketDistribution([], [(1.0, 5.0), (math.inf, 5.0)])
+    assert only.turns == 5.0 and only.survival(3.0) == 1.0
+    assert only.quantile(0.5) == math.inf
+
+
+def test_buckets_and_samples_agree_with_interrupted_turns() -> None:
+    """The same turns (a slow route, a fifth of them interrupted, mostly while slow)
+    give survival within 0.02 at every bucket bound, read from samples (Kaplan-Meier) or
+    from the two histograms, and the same recommended delay; dropping the interrupted
+    ones (the histogram of answers alone) recommends a shorter delay."""
+    rng = random.Random(31)
+    turns: list[tuple[float, bool]] = []
+    for _ in range(4000):
+        seconds = rng.lognormvariate(-0.7, 0.3) if rng.random() < 0.6 else \
+            rng.lognormvariate(0.5, 0.2)
+        interrupt = rng.expovariate(1 / 3.0)
+        turns.append((interrupt, True) if interrupt < seconds else (seconds, False))
+    bounds = [*RESPONSE_BUCKETS, math.inf]
+
+    def histogram(values: list[float]) -> list[tuple[float, float]]:
+        return [(b, float(sum(1 for v in values if v <= b))) for b in bounds]
+
+    answered = [s for s, censored in turns if not censored]
+    interrupted = [s for s, censored in turns if censored]
+    assert 0.1 < len(interrupted) / len(turns) < 0.3
+    km = SampleDistribution(turns)
+    buckets = BucketDistribution(histogram(answered), histogram(interrupted))
+    for bound in RESPONSE_BUCKETS:
+        assert buckets.survival(bound) == pytest.approx(km.survival(bound), abs=0.02)
+    delays = [0.5, 0.8, 1.0, 1.2, 1.5, 1.7, 2.0]
+
+    def recommended(dist: Any) -> float:
+        rows = analyse({"slow": dist}, delays)
+        return min(r.delay for r in rows if r.route == "(all)" and r.fixed_ack_rate <= 0.1)
+
+    assert recommended(buckets) == recommended(km)
+    assert recommended(BucketDistribution(histogram(answered))) < recommended(km)
+
+
+@given(st.lists(st.tuples(st.sampled_from([0.1, 0.5, 1.0, 2.0, math.inf]),
+                          st.floats(0, 1e9), st.floats(0, 1e9)), max_size=12))
+def test_any_bucket_counts_give_a_survival_function(
+        counts: list[tuple[float, float, float]]) -> None:
+    """Any counts, even not monotonic or with censored turns only: survival stays in
+    [0, 1] and never rises; quantiles never fall as the level rises."""
+    dist = BucketDistribution([(b, e) for b, e, _ in counts], [(b, c) for b, _, c in counts])
+    points = [0.0, 0.05, 0.1, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0]
+    values = [dist.survival(t) for t in points]
+    assert all(0.0 <= v <= 1.0 for v in values)
+    assert all(a >= b - 1e-9 for a, b in pairwise(values))
+    if dist.turns > 0:
+        qs = [dist.quantile(q) for q in (0.1, 0.5, 0.9)]
+        assert all(a <= b + 1e-9 for a, b in pairwise(qs))
 
 
 # ---------------------------------------------------------------- bad input
@@ -424,6 +522,10 @@ def prometheus() -> Iterator[tuple[str, list[str], list[Any]]]:
         for le, count in zip(("0.1", "0.5", "1", "+Inf"), counts, strict=True):
             series.append({"metric": {"route": route, "le": le}, "value": [0, str(count)]})
     answer[0] = {"status": "success", "data": {"resultType": "vector", "result": series}}
+    # Route a: 50 more turns interrupted between 1 s and 2 s, before any response.
+    interrupted: list[dict[str, Any]] = [
+        {"metric": {"route": "a", "le": le}, "value": [0, count]}
+        for le, count in (("0.1", "0"), ("0.5", "0"), ("1", "0"), ("2", "50"), ("+Inf", "50"))]
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
@@ -437,6 +539,12 @@ def prometheus() -> Iterator[tuple[str, list[str], list[Any]]]:
                 self.end_headers()
                 return
             reply = answer[0]
+            if "turnrouter_first_response_interrupted_seconds_bucket" in query:
+                reply = {"status": "success", "data": {"resultType": "vector",
+                                                        "result": interrupted}}
+            if query.startswith("max(turnrouter_acknowledgment_route_delay_seconds"):
+                reply = {"status": "success", "data": {"resultType": "vector", "result": [
+                    {"metric": {}, "value": [0, "0.5"]}]}}
             if query.startswith("max(turnrouter_acknowledgment_delay_seconds"):
                 reply = {"status": "success", "data": {"resultType": "vector", "result": [
                     {"metric": {}, "value": [0, "1"]}]}}
@@ -466,14 +574,20 @@ def test_reads_first_response_buckets_from_prometheus_with_a_selector(
 ) -> None:
     """--prometheus queries the bucket increase by route and le, narrowed by --selector."""
     url, queries, _ = prometheus
-    code, out, _ = run(["--prometheus", url, "--window", "6h", "--max-ack-rate", "0.3",
+    code, out, _ = run(["--prometheus", url, "--window", "6h", "--max-ack-rate", "0.45",
                         "--selector", '{job="voice", env=~"prod.*"}', "--delays", "0.5,1",
                         "--generation-secs", "0"])
     assert code == 0
     assert queries == ['sum by (route, le) (increase(turnrouter_first_response_seconds_bucket'
                        '{job="voice", env=~"prod.*"}[6h]))',
+                       'sum by (route, le) (increase('
+                       'turnrouter_first_response_interrupted_seconds_bucket'
+                       '{job="voice", env=~"prod.*"}[6h]))',
                        'max(turnrouter_acknowledgment_delay_seconds{job="voice", env=~"prod.*"})']
-    assert _row(out, "a", "1.00s")[3] == "50.0%"
+    # The turns interrupted after 1 s without a response were still silent at 1 s: 100 of
+    # route a's 150 (without them, 50 of 100).
+    assert _row(out, "a", "1.00s")[2] == "150"
+    assert _row(out, "a", "1.00s")[3] == "66.7%"
     assert _row(out, "a", "1.00s")[-1] == "current"  # the routers' configured delay
     assert _row(out, "b", "0.50s")[3] == "0.0%"
     assert "recommended acknowledgment_delay_secs=" in out

@@ -290,7 +290,8 @@ class RouterConfig:
                 observer=telemetry, agents=agents,
             )
             self.clock = self.timed.clock.now
-        telemetry.configured(Configured(self.routes, acknowledgment_delay_secs))
+        telemetry.configured(Configured(self.routes, acknowledgment_delay_secs,
+                                        tuple(sorted((route_delays or {}).items()))))
         if self.timed is not None:
             self.timed.publish_estimates(self.routes)
 

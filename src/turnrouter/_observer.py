@@ -275,6 +275,14 @@ class Configured(NamedTuple):
 
     routes: tuple[str, ...]
     acknowledgment_delay_secs: float | None
+    acknowledgment_route_delays: tuple[tuple[str, float], ...] = ()
+    """Routes with their own fallback delay (`acknowledgment_route_delays`), sorted."""
+
+    def delay_of(self, route: str) -> float | None:
+        """The fallback delay `route` runs with (None: acknowledgments off)."""
+        if self.acknowledgment_delay_secs is None:
+            return None
+        return dict(self.acknowledgment_route_delays).get(route, self.acknowledgment_delay_secs)
 
 
 class EstimateChanged(NamedTuple):
@@ -382,6 +390,11 @@ class TurnObserver:
         """The destination called `started()` in a turn whose first response is measured
         to the first audio heard (`route_turn(..., report_heard=True)`): `event.seconds`
         is to `started()`; the latency itself comes later, as `RouterObserver.heard`."""
+
+    def interrupted_before_response(self, token: object, event: FirstResponse) -> None:
+        """The turn was interrupted `event.seconds` after its `answer()` began, before
+        `started()`: a censored first response (the true one is longer; the timing
+        samples record it as `censored`). Called before `answer_finished`."""
 
     def answer_finished(self, token: object, event: AnswerFinished) -> None:
         """The `answer()` call ended."""

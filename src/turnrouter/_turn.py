@@ -532,9 +532,14 @@ class Answer:
             self.closed = True
             self._close_silence()
             cancelled = _is_cancel(exc)
-            if timed is not None and cancelled and not owner.started:
-                # A censored sample: a lower bound, not a fast answer.
-                timed.record(route, clock() - self._t0, True, owner.turn)
+            if cancelled and not owner.started:
+                # A censored first response: a lower bound, not a fast answer (the
+                # timing samples and the metrics count it alike).
+                seconds = clock() - self._t0
+                obs.interrupted_before_response(self._token,
+                                                _new(FirstResponse, (route, seconds)))
+                if timed is not None:
+                    timed.record(route, seconds, True, owner.turn)
             obs.answer_finished(self._token, AnswerFinished(
                 route, None, None if cancelled else exc, cancelled))
             raise

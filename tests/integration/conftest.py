@@ -64,8 +64,12 @@ class Source:
     """A metrics source process serving `/metrics` on a free port."""
 
     def __init__(self, workdir: Path, name: str, args: list[str],
-                 otlp_endpoint: str | None = None) -> None:
+                 otlp_endpoint: str | None = None, samples: bool = False) -> None:
         self.port = free_port()
+        #: The timing samples the demo appends (`--samples`), when asked for.
+        self.samples = workdir / f"{name}-samples.jsonl" if samples else None
+        if self.samples is not None:
+            args = [*args, "--samples", str(self.samples)]
         self.url = f"http://127.0.0.1:{self.port}/metrics"
         self.log_path = workdir / f"{name}.log"
         self._log = self.log_path.open("wb")
@@ -189,7 +193,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     hook_server = _serve_webhook(hook)
     sink = f"http://127.0.0.1:{hook_server.server_address[1]}"
     sources = {
-        NORMAL_JOB: Source(workdir, "normal", ["--seed", "1"], otlp_endpoint=sink),
+        NORMAL_JOB: Source(workdir, "normal", ["--seed", "1"], otlp_endpoint=sink,
+                           samples=True),
         CLARIFY_JOB: Source(workdir, "clarify", ["--clarify-heavy", "--speed", "4",
                                                   "--seed", "2"]),
         HEAVY_JOB: Source(workdir, "heavy", ["--clarify-heavy", "--participants", "1",

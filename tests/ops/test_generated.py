@@ -168,8 +168,13 @@ def test_acknowledgment_dashboard_has_the_required_panels() -> None:
                  if t["expr"].startswith("histogram_quantile")]
     assert [q.split(",")[0] for q in quantiles] == [
         "histogram_quantile(0.5", "histogram_quantile(0.9", "histogram_quantile(0.95"]
+    # The delay each route runs with (per-route overrides included), not one line.
     silence = " ".join(t["expr"] for t in _panel("Silence p95 vs configured delay")["targets"])
-    assert "turnrouter_acknowledgment_delay_seconds" in silence
+    assert "max by (route) (turnrouter_acknowledgment_route_delay_seconds" in silence
+    configured = _panel("Configured delay")["targets"]
+    assert [t["legendFormat"] for t in configured] == ["{{route}}"]
+    assert "max by (route) (turnrouter_acknowledgment_route_delay_seconds" in configured[0][
+        "expr"]
 
 
 def test_which_delay_table_covers_every_candidate_and_marks_the_current_one() -> None:
@@ -184,7 +189,15 @@ def test_which_delay_table_covers_every_candidate_and_marks_the_current_one() ->
     assert len(delays) >= 10
     for target in targets.values():
         assert all(d in target["expr"] for d in delays), target["refId"]
+    # Each route's row marks its own delay; the all-routes row the router-wide one.
+    assert "turnrouter_acknowledgment_route_delay_seconds" in targets["F"]["expr"]
     assert "turnrouter_acknowledgment_delay_seconds" in targets["F"]["expr"]
+    assert "on (delay, route)" in targets["F"]["expr"]
+    # Acknowledgment rates count the turns interrupted before a response; the panel says
+    # how far that goes.
+    for ref in ("A", "B", "H", "I"):
+        assert "turnrouter_first_response_interrupted_seconds_bucket" in targets[ref]["expr"]
+    assert "interrupted before a response" in panel["description"]
     for ref in ("B", "D", "I", "K"):
         assert '"route", "(all)"' in targets[ref]["expr"], ref
     names = panel["transformations"][1]["options"]["renameByName"]

@@ -38,9 +38,12 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "turnrouter_decision_duration_seconds": ("histogram", ()),
     "turnrouter_admission_duration_seconds": ("histogram", ("route",)),
     "turnrouter_first_response_seconds": ("histogram", ("route",)),
+    # Censored first responses, counted by tune and the tuning dashboard (issue 31).
+    "turnrouter_first_response_interrupted_seconds": ("histogram", ("route",)),
     "turnrouter_silence_seconds": ("histogram", ("route",)),
     "turnrouter_acknowledgments_total": ("counter", ("route", "outcome", "trigger")),
     "turnrouter_acknowledgment_delay_seconds": ("gauge", ()),
+    "turnrouter_acknowledgment_route_delay_seconds": ("gauge", ("route",)),
     "turnrouter_predicted_first_response_seconds": ("gauge", ("route",)),
     "turnrouter_context_patches_total": ("counter", ("strategy", "outcome")),
     # Beyond telemetry.md: the runtime subscriber counts the messages it rejects.
@@ -67,6 +70,7 @@ BUCKETS_BY_FAMILY = {
     "turnrouter_decision_duration_seconds": FAST_BUCKETS,
     "turnrouter_admission_duration_seconds": FAST_BUCKETS,
     "turnrouter_first_response_seconds": RESPONSE_BUCKETS,
+    "turnrouter_first_response_interrupted_seconds": RESPONSE_BUCKETS,
     "turnrouter_silence_seconds": RESPONSE_BUCKETS,
     # A template acknowledger answers in microseconds, an LLM in hundreds of ms.
     "turnrouter_acknowledgment_generation_seconds": FAST_BUCKETS,

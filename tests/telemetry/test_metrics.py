@@ -215,6 +215,18 @@ def test_configured_and_predicted_gauges(rig: Rig) -> None:
     assert math.isnan(delay)
 
 
+def test_route_delay_gauge_follows_the_overrides(rig: Rig) -> None:
+    """Each route's gauge holds the delay it runs with: its own, else the router-wide
+    one; NaN for every route when acknowledgments are off."""
+    rig.telemetry.configured(Configured(("weather", "banking"), 0.8, (("banking", 1.7),)))
+    assert rig.value("turnrouter_acknowledgment_route_delay_seconds", route="banking") == 1.7
+    assert rig.value("turnrouter_acknowledgment_route_delay_seconds", route="weather") == 0.8
+    assert rig.value("turnrouter_acknowledgment_delay_seconds") == 0.8
+    rig.telemetry.configured(Configured(("weather",), None))
+    delay = rig.value("turnrouter_acknowledgment_route_delay_seconds", route="weather")
+    assert delay is not None and math.isnan(delay)
+
+
 def test_acknowledgment_counter_and_context_patches(rig: Rig) -> None:
     """Acknowledgments count by route, outcome and trigger; patches by strategy, outcome."""
     obs = rig.telemetry.turn_started(TurnStarted(make_turn(), None))

@@ -2,8 +2,10 @@
 
 For each candidate delay and each route (and all routes together), from recorded
 first-response samples (the `JsonLinesSink` export, e.g. `turnrouter demo --samples`) or
-a Prometheus server's `turnrouter_first_response_seconds` histogram (optionally narrowed
-by a label selector such as `job="voice"`): the acknowledgment rate, the needless rate
+a Prometheus server's `turnrouter_first_response_seconds` histogram with
+`turnrouter_first_response_interrupted_seconds` (the turns interrupted before a response:
+censored, as in the samples; optionally narrowed by a label selector such as
+`job="voice"`): the acknowledgment rate, the needless rate
 (acknowledgment heard, answer started within `NEEDLESS_WITHIN_SECONDS`) and p95 silence
 under two policies side by side: the fixed delay, and the predictive policy the router
 really runs (its `RouteTimingPredictor` acknowledging some turns early), with the share
@@ -20,8 +22,9 @@ per-route rows show who pays for it. A PNG plot is optional (`--plot`, needs
 matplotlib: the `turnrouter[plot]` extra).
 
 Exit status: 0 done, 1 the target cannot be met by any candidate, 2 bad input (one line
-on stderr, never a traceback). Censored samples (interrupted turns) are handled by the
-Kaplan-Meier estimator.
+on stderr, never a traceback). Censored samples (turns interrupted before a response) are
+handled by the Kaplan-Meier estimator, from samples or from buckets (its life-table form,
+`BucketDistribution`), so both sources recommend the same delay for the same turns.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from ..ops._tuning import (
     candidates,
     early_at,
 )
-from ..telemetry import NEEDLESS_WITHIN_SECONDS
+from ..telemetry import NEEDLESS_WITHIN_SECONDS, metric
 from ._parser import OneLineParser
 
 __all__ = [
@@ -73,7 +76,9 @@ __all__ = [
     "tune_main",
 ]
 
-PROMETHEUS_METRIC = "turnrouter_first_response_seconds_bucket"
+PROMETHEUS_METRIC = metric("turnrouter_first_response_seconds").name + "_bucket"
+#: Turns interrupted before `started()`: the censored samples of the histogram.
+INTERRUPTED_METRIC = metric("turnrouter_first_response_interrupted_seconds").name + "_bucket"
 #: Bounds on what tune reads (beyond them: a clear error, exit 2).
 MAX_SAMPLES = 5_000_000
 MAX_LINE_BYTES = 65_536
@@ -139,50 +144,98 @@ class SampleDistribution:
 
 
 class BucketDistribution:
-    """A cumulative histogram (Prometheus buckets), linearly interpolated within buckets
-    as `histogram_quantile` does (counts made monotonic, as Prometheus does)."""
+    """A cumulative histogram of first responses (Prometheus buckets), optionally with
+    one of censored ones (turns interrupted before `started()`, bucketed by when), read
+    as `SampleDistribution` reads samples: the Kaplan-Meier estimate at the bucket
+    bounds (the life-table form: a bucket's censored turns count as at risk for half of
+    it), linear within buckets. Without censored turns it is exactly the empirical
+    distribution `histogram_quantile` interpolates (counts made monotonic, as
+    Prometheus does)."""
 
-    def __init__(self, buckets: Sequence[tuple[float, float]]) -> None:
-        ordered = sorted(buckets)
-        self._bounds = [b for b, _ in ordered]
-        self._counts: list[float] = []
-        running = 0.0
-        for _, count in ordered:
-            running = max(running, count)
-            self._counts.append(running)
-        self.turns = self._counts[-1] if self._counts else 0.0
+    def __init__(self, buckets: Sequence[tuple[float, float]],
+                 censored: Sequence[tuple[float, float]] = ()) -> None:
+        self._buckets = tuple(buckets)
+        self._censored = bool(censored)
+        events = _monotonic(buckets)
+        lost = _monotonic(censored)
+        self._bounds = sorted(set(events) | set(lost))
+        at_events = [_at(events, b) for b in self._bounds]
+        at_lost = [_at(lost, b) for b in self._bounds]
+        self.turns = (at_events[-1] if at_events else 0.0) + (at_lost[-1] if at_lost else 0.0)
+        #: S just after each bound (1 - E/N when nothing is censored).
+        self._survival: list[float] = []
+        survival, at_risk = 1.0, self.turns
+        previous_events = previous_lost = 0.0
+        for e, c in zip(at_events, at_lost, strict=True):
+            died, left = e - previous_events, c - previous_lost
+            exposed = at_risk - left / 2
+            if died > 0 and exposed > 0:
+                survival *= max(0.0, 1.0 - died / exposed)
+            at_risk -= died + left
+            previous_events, previous_lost = e, c
+            self._survival.append(survival)
 
-    def _cdf(self, t: float) -> float:
-        if self.turns <= 0:
-            return 0.0
-        previous_bound, previous_count = 0.0, 0.0
-        for bound, count in zip(self._bounds, self._counts, strict=True):
-            if t < bound:
-                if math.isinf(bound):
-                    return previous_count / self.turns
-                fraction = (t - previous_bound) / (bound - previous_bound)
-                return (previous_count + fraction * (count - previous_count)) / self.turns
-            previous_bound, previous_count = bound, count
-        return 1.0
+    def answered(self) -> BucketDistribution:
+        """The answered turns alone: what the tuning dashboard's approximated trigger
+        reads (its PromQL cannot afford the censored estimate at five instants), so
+        that tune approximates the same routes as early."""
+        return BucketDistribution(self._buckets) if self._censored else self
 
     def survival(self, t: float) -> float:
-        return 1.0 - self._cdf(t)
+        if self.turns <= 0:
+            return 1.0
+        previous_bound, previous = 0.0, 1.0
+        for bound, s in zip(self._bounds, self._survival, strict=True):
+            if t < bound:
+                if math.isinf(bound):
+                    return previous
+                return previous + (t - previous_bound) / (bound - previous_bound) * (
+                    s - previous)
+            previous_bound, previous = bound, s
+        return previous
 
     def quantile(self, q: float) -> float:
         if self.turns <= 0:
             return math.nan
-        target = q * self.turns
-        previous_bound, previous_count = 0.0, 0.0
-        for bound, count in zip(self._bounds, self._counts, strict=True):
-            if count >= target - 1e-12:
+        target = 1.0 - q
+        previous_bound, previous = 0.0, 1.0
+        for bound, s in zip(self._bounds, self._survival, strict=True):
+            if s <= target + 1e-12:
                 if math.isinf(bound):
                     return previous_bound if previous_bound > 0 else math.inf
-                if count == previous_count:
+                if s == previous:
                     return bound
                 return previous_bound + (bound - previous_bound) * (
-                    (target - previous_count) / (count - previous_count))
-            previous_bound, previous_count = bound, count
+                    (previous - target) / (previous - s))
+            previous_bound, previous = bound, s
         return math.inf
+
+
+def _monotonic(buckets: Sequence[tuple[float, float]]) -> dict[float, float]:
+    """Bound -> cumulative count, made monotonic (as Prometheus does)."""
+    out: dict[float, float] = {}
+    running = 0.0
+    for bound, count in sorted(buckets):
+        running = max(running, count)
+        out[bound] = running
+    return out
+
+
+def _at(cumulative: dict[float, float], bound: float) -> float:
+    """A cumulative histogram's count at `bound` (linear between its own bounds)."""
+    if not cumulative:
+        return 0.0
+    if bound in cumulative:
+        return cumulative[bound]
+    previous_bound, previous = 0.0, 0.0
+    for b, count in cumulative.items():
+        if bound < b:
+            if math.isinf(b) or math.isinf(bound):
+                return previous
+            return previous + (bound - previous_bound) / (b - previous_bound) * (
+                count - previous)
+        previous_bound, previous = b, count
+    return previous
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +308,8 @@ def _groups(dist: Distribution, c: Candidate, split: Split | None, confidence: f
     """The predictive policy's groups of turns `(turns, X, heard)`: the replay's split,
     else the approximation (the whole route early or not); and whether replayed."""
     if split is None:
-        early = early_at(dist.survival, c, confidence, hysteresis)
+        basis = dist.answered() if isinstance(dist, BucketDistribution) else dist
+        early = early_at(basis.survival, c, confidence, hysteresis)
         return [(dist.turns, dist, c.heard_early if early else c.heard)], False
     groups = [(d.turns, d, heard) for d, heard in ((split.early, c.heard_early),
                                                    (split.waited, c.heard))
@@ -420,10 +474,12 @@ def selector_matchers(selector: str | None) -> str:
     return selector.strip().removeprefix("{").removesuffix("}").strip().rstrip(",").strip()
 
 
-def prometheus_query(window: str, matchers: str = "") -> str:
-    """The bucket query tune sends."""
-    return f"sum by (route, le) (increase({PROMETHEUS_METRIC}{{{matchers}}}[{window}]))" \
-        if matchers else f"sum by (route, le) (increase({PROMETHEUS_METRIC}[{window}]))"
+def prometheus_query(window: str, matchers: str = "",
+                     metric: str = PROMETHEUS_METRIC) -> str:
+    """The bucket query tune sends (of `metric`: first responses, or with
+    `INTERRUPTED_METRIC` the censored ones)."""
+    return f"sum by (route, le) (increase({metric}{{{matchers}}}[{window}]))" \
+        if matchers else f"sum by (route, le) (increase({metric}[{window}]))"
 
 
 def _number(value: object, what: str) -> float:
@@ -523,22 +579,53 @@ def _query(url: str, expr: str, timeout: float, at: float | None) -> object:
 
 def from_prometheus(url: str, window: str, routes: set[str] | None, timeout: float,
                     matchers: str = "", at: float | None = None) -> dict[str, Distribution]:
+    """Each route's distribution from the first-response histogram and the censored one
+    (turns interrupted before `started()`, counted as the samples path counts them)."""
     payload = _query(url, prometheus_query(window, matchers), timeout, at)
     buckets = parse_prometheus_answer(payload, routes)
-    return {route: BucketDistribution(sorted(b.items())) for route, b in sorted(buckets.items())
-            if max(b.values(), default=0.0) > 0}
+    payload = _query(url, prometheus_query(window, matchers, INTERRUPTED_METRIC), timeout, at)
+    censored = parse_prometheus_answer(payload, routes)
+    out: dict[str, Distribution] = {}
+    for route in sorted(buckets.keys() | censored.keys()):
+        events, lost = buckets.get(route, {}), censored.get(route, {})
+        if max(events.values(), default=0.0) > 0 or max(lost.values(), default=0.0) > 0:
+            out[route] = BucketDistribution(sorted(events.items()), sorted(lost.items()))
+    return out
 
 
-DELAY_GAUGE = "turnrouter_acknowledgment_delay_seconds"
+DELAY_GAUGE = metric("turnrouter_acknowledgment_delay_seconds").name
+#: The delay each route runs with (its `acknowledgment_route_delays` entry, else the
+#: router-wide one).
+ROUTE_DELAY_GAUGE = metric("turnrouter_acknowledgment_route_delay_seconds").name
+
+
+def route_matcher(route: str) -> str:
+    """A PromQL matcher selecting exactly `route` (quotes and backslashes escaped)."""
+    return 'route="' + route.replace("\\", "\\\\").replace('"', '\\"').replace(
+        "\n", "\\n") + '"'
 
 
 def configured_delay(url: str, timeout: float, matchers: str = "",
-                     at: float | None = None) -> float | None:
-    """The fallback delay the routers report (`max` of the gauge over the selector), or
-    None when none reports one (acknowledgments off, no data, or an unusable answer)."""
-    selector = f"{{{matchers}}}" if matchers else ""
+                     at: float | None = None, route: str | None = None) -> float | None:
+    """The fallback delay the routers report (`max` of the gauge over the selector): of
+    `route` when given (its per-route gauge, else the router-wide one, for routers
+    without it), else router-wide; None when none reports one (acknowledgments off, no
+    data, or an unusable answer)."""
+    queries = [f"max({DELAY_GAUGE}{{{matchers}}})" if matchers else f"max({DELAY_GAUGE})"]
+    if route is not None:
+        queries.insert(0, f"max({ROUTE_DELAY_GAUGE}{{"
+                          f"{', '.join(m for m in (matchers, route_matcher(route)) if m)}}})")
+    for expr in queries:
+        delay = _gauge_value(url, expr, timeout, at)
+        if delay is not None:
+            return delay
+    return None
+
+
+def _gauge_value(url: str, expr: str, timeout: float, at: float | None) -> float | None:
+    """The single value of `expr` when it is a delay in (0, 60] s, else None."""
     try:
-        payload = _query(url, f"max({DELAY_GAUGE}{selector})", timeout, at)
+        payload = _query(url, expr, timeout, at)
     except ValueError:
         return None
     if not isinstance(payload, dict) or payload.get("status") != "success":
@@ -563,10 +650,14 @@ def _fmt(seconds: float) -> str:
     return "    n/a" if math.isnan(seconds) else f"{seconds:6.2f}s"
 
 
-def print_table(rows: Sequence[TuneRow], out: TextIO, current: float | None = None) -> None:
+def print_table(rows: Sequence[TuneRow], out: TextIO, current: float | None = None,
+                aggregate: str | None = ALL_ROUTES) -> None:
     """Per route and candidate: the fixed delay's figures, then the predictive policy's
-    (the share of turns it acknowledges early first)."""
-    names = {row.route: printable(row.route) for row in rows}
+    (the share of turns it acknowledges early first). The rows over all routes are
+    labelled `aggregate` (None: left out, e.g. for a single route: they are its own)."""
+    rows = [r for r in rows if r.route != ALL_ROUTES or aggregate is not None]
+    names = {row.route: printable(aggregate if row.route == ALL_ROUTES and aggregate
+                                  else row.route) for row in rows}
     width = max([len("route"), *(len(n) for n in names.values())])
     lead = " " * (width + 19)
     out.write(f"{lead}  {'fixed delay':-^30}  {'predictive (what the router does)':-^40}\n")
@@ -599,8 +690,11 @@ def recommend(rows: Sequence[TuneRow], *, max_ack_rate: float | None,
     return None
 
 
-def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None) -> str | None:
-    """Write the PNG; returns an error message instead of raising when impossible."""
+def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None,
+         aggregate: str | None = ALL_ROUTES) -> str | None:
+    """Write the PNG (the all-routes lines labelled `aggregate`, or left out when None,
+    as in `print_table`); returns an error message instead of raising when impossible."""
+    rows = [r for r in rows if r.route != ALL_ROUTES or aggregate is not None]
     try:  # optional extra, imported lazily (mypy: no stubs needed)
         matplotlib = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
@@ -613,14 +707,14 @@ def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None) -
         mine = [r for r in rows if r.route == route]
         delays = [r.delay for r in mine]
         style = "k--" if route == ALL_ROUTES else "-o"
-        top.plot(delays, [r.ack_rate for r in mine], style, label=printable(route),
-                 markersize=3)
-        bottom.plot(delays, [r.p95_silence for r in mine], style, label=printable(route),
-                    markersize=3)
+        name = printable(aggregate if route == ALL_ROUTES and aggregate else route)
+        top.plot(delays, [r.ack_rate for r in mine], style, label=name, markersize=3)
+        bottom.plot(delays, [r.p95_silence for r in mine], style, label=name, markersize=3)
         if route == ALL_ROUTES:  # what the fixed delay alone would give
-            top.plot(delays, [r.fixed_ack_rate for r in mine], "k:", label="(all) fixed delay")
+            top.plot(delays, [r.fixed_ack_rate for r in mine], "k:",
+                     label=f"{name} fixed delay")
             bottom.plot(delays, [r.fixed_p95_silence for r in mine], "k:",
-                        label="(all) fixed delay")
+                        label=f"{name} fixed delay")
     if target is not None:
         (top if target[0] == "ack" else bottom).axhline(target[1], color="red", linewidth=1)
     top.set_ylabel("acknowledgment rate")
@@ -678,7 +772,8 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--samples", action="append", metavar="FILE",
                         help="JSON-lines samples written by JsonLinesSink (repeatable)")
     source.add_argument("--prometheus", metavar="URL",
-                        help="Prometheus base URL (reads turnrouter_first_response_seconds)")
+                        help="Prometheus base URL (reads turnrouter_first_response_seconds and "
+                             "turnrouter_first_response_interrupted_seconds)")
     parser.add_argument("--selector", metavar="MATCHERS",
                         help='Prometheus label matchers narrowing the series, e.g. '
                              'job="voice",namespace="prod"')
@@ -696,7 +791,9 @@ def _parser() -> argparse.ArgumentParser:
                              f"(default {GENERATION_SECS:g})")
     parser.add_argument("--current", type=_bounded(0.0, 60.0, low_open=True),
                         metavar="SECONDS", help="mark the delay configured today (default "
-                        "with --prometheus: the routers' turnrouter_acknowledgment_delay_seconds)")
+                        "with --prometheus: the routers' "
+                        "turnrouter_acknowledgment_route_delay_seconds for a single --route, "
+                        "else turnrouter_acknowledgment_delay_seconds)")
     parser.add_argument("--delays", help="comma-separated candidate delays (default: those "
                         "on the histogram's bucket bounds, as the dashboard)")
     target = parser.add_mutually_exclusive_group()
@@ -764,16 +861,22 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
                      f"RouteTimingPredictor(confidence={args.confidence:g}) per delay")
         else:
             matchers = selector_matchers(args.selector)
+            only = sorted(routes)[0] if routes and len(routes) == 1 else None
+            if only is not None:  # the queries themselves speak for that route
+                matchers = ", ".join(m for m in (matchers, route_matcher(only)) if m)
             distributions = from_prometheus(args.prometheus, args.window, routes,
                                             args.timeout, matchers, args.at)
             if args.current is None:
-                args.current = configured_delay(args.prometheus, args.timeout, matchers,
-                                                args.at)
-            source = f"{printable(args.prometheus)} ({prometheus_query(args.window, matchers)})"
+                args.current = configured_delay(
+                    args.prometheus, args.timeout, selector_matchers(args.selector),
+                    args.at, only)
+            source = (f"{printable(args.prometheus)} ({prometheus_query(args.window, matchers)}"
+                      f", interrupted before a response: "
+                      f"{prometheus_query(args.window, matchers, INTERRUPTED_METRIC)})")
             model = ("predictive = APPROXIMATION (a histogram has no turn order): a route is "
                      f"early when the trigger (confidence {args.confidence:g}) would be on "
-                     "its whole-window distribution; no warm-up, regime changes or feature "
-                     "classes")
+                     "its whole-window distribution of answered turns (as the dashboard); "
+                     "no warm-up, regime changes or feature classes")
     except (OSError, ValueError) as exc:
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         filename = getattr(exc, "filename", None)
@@ -808,8 +911,9 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
             status = 1
         else:
             ack, needless, p95 = best.figures(args.policy)
-            setting = (f"acknowledgment_delay_secs={best.delay:g}" if len(chosen) != 1 else
-                       f"acknowledgment_route_delays={{{chosen[0]!r}: {best.delay:g}}}")
+            setting = (f"acknowledgment_delay_secs={best.delay:g}" if not chosen else
+                       "acknowledgment_route_delays={" + ", ".join(
+                           f"{printable(r)!r}: {best.delay:g}" for r in chosen) + "}")
             summary.append(
                 f"recommended {setting} for {label} "
                 f"{scope} (ack rate {ack:.1%}, needless {needless:.1%}, p95 "
@@ -819,7 +923,7 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
                 f"{best.p95_silence:.2f}s)")
             paying = [r for r in rows if r.route != ALL_ROUTES and r.delay == best.delay]
             worst = max(paying, key=lambda r: r.figures(args.policy)[2], default=None)
-            if worst is not None:
+            if worst is not None and len(chosen) != 1:
                 summary.append(f"  longest p95 silence at that delay: "
                                f"{printable(worst.route)} {worst.figures(args.policy)[2]:.2f}s")
         summary.append("")
@@ -830,11 +934,14 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
               f"heard at delay + generation; early = heard at {EARLY_SECS:g}s (or when "
               f"ready); needless = answer within {NEEDLESS_WITHIN_SECONDS:g}s of it\n")
     out.write(f"       {model}\n")
+    chosen = sorted(routes) if routes else []
     if args.current is not None:
-        out.write(f"current delay: {args.current:g}s (marked)\n")
-    print_table(rows, out, args.current)
+        whose = f" of route {printable(chosen[0])}" if len(chosen) == 1 else ""
+        out.write(f"current delay{whose}: {args.current:g}s (marked)\n")
+    aggregate = None if len(chosen) == 1 else "(chosen)" if chosen else ALL_ROUTES
+    print_table(rows, out, args.current, aggregate)
     if args.plot:
-        problem = plot(rows, args.plot, target)
+        problem = plot(rows, args.plot, target, aggregate)
         if problem is None:
             out.write(f"plot written to {printable(args.plot)}\n")
         else:

@@ -449,6 +449,10 @@ def acknowledgment_tuning() -> dict[str, Any]:
     count = _sel(first.name, JOB, ROUTE, suffix="_count")
     acks = _m("turnrouter_acknowledgments_total")
     delay = f"max({_sel('turnrouter_acknowledgment_delay_seconds', JOB)})"
+    # The delay each route runs with (its acknowledgment_route_delays entry, else the
+    # router-wide one).
+    route_delay = (f"max by (route) "
+                   f"({_sel('turnrouter_acknowledgment_route_delay_seconds', JOB, ROUTE)})")
     emitted = _sel(acks, JOB, ROUTE, 'outcome="emitted"')
     delay_emitted = _sel(acks, JOB, ROUTE, 'outcome="emitted"', 'trigger="delay"')
     scheduled = _sel(acks, JOB, ROUTE)
@@ -477,9 +481,14 @@ def acknowledgment_tuning() -> dict[str, Any]:
     matchers = f"{JOB}, {ROUTE}"
     whatif = whatif_queries(matchers, "$__range")
     chosen = candidates()
+    # 1 on the (delay, route) rows of each route's own delay, and on the all-routes row of
+    # the router-wide one.
     marker = "\nor\n".join(
-        f'label_replace((abs({delay} - {c.delay:g}) < 0.025) * 0 + 1, "delay", '
-        f'"{c.delay:g}", "__name__", ".*")' for c in chosen)
+        f'label_replace((abs({route_delay} - {c.delay:g}) < 0.025) * 0 + 1, "delay", '
+        f'"{c.delay:g}", "__name__", ".*")\nor\n'
+        f'label_replace(label_replace((abs({delay} - {c.delay:g}) < 0.025) * 0 + 1, '
+        f'"delay", "{c.delay:g}", "__name__", ".*"), "route", "{ALL_ROUTES}", "__name__", '
+        '".*")' for c in chosen)
     # One row per (delay, route) the other columns have (the all-routes row included),
     # so the marker is a column of those rows, never a row of its own.
     turns = f"sum by (route) (increase({count}[$__range]))"
@@ -487,7 +496,7 @@ def acknowledgment_tuning() -> dict[str, Any]:
         f'label_replace(({turns} > 0) * 0, "delay", "{c.delay:g}", "__name__", ".*")\nor\n'
         f'label_replace(label_replace((sum({turns}) > 0) * 0, "delay", "{c.delay:g}", '
         f'"__name__", ".*"), "route", "{ALL_ROUTES}", "__name__", ".*")' for c in chosen)
-    current = (f"(\n{skeleton}\n) + on (delay) group_left ()\n(\n{marker}\n)\n"
+    current = (f"(\n{skeleton}\n) + on (delay, route)\n(\n{marker}\n)\n"
                f"or\n(\n{skeleton}\n)")
     table_targets = [
         _target(whatif["ack"], "", ref="A", instant=True, fmt="table"),
@@ -521,8 +530,18 @@ def acknowledgment_tuning() -> dict[str, Any]:
                        "changes or feature classes; `turnrouter tune --samples` replays "
                        "recorded samples through the real trigger instead. "
                        f"Route {ALL_ROUTES}: all routes, weighted by turns (the delay is "
-                       "router-wide). `current` = 1 marks the configured delay. "
-                       "`turnrouter tune --prometheus` computes the same numbers.",
+                       "router-wide). `current` = 1 marks the delay each route runs with "
+                       "(its acknowledgment_route_delays entry, else the router-wide one; "
+                       f"on {ALL_ROUTES}: the router-wide one). Turns interrupted before a "
+                       "response are slow turns whose answer never came: the ack rates "
+                       "count them as `turnrouter tune` does, to first order (ack rate = "
+                       "1 - answered by the time heard / turns not interrupted by then; "
+                       "it can read low by the share interrupted before then times the "
+                       "share answered: on the demo within 1 point over all routes, 4 for "
+                       "the most interrupted route); needless, p95 silence "
+                       "and `early` read the answered turns only (the dashboard's size "
+                       "limit leaves no room for more). `turnrouter tune --prometheus` "
+                       "computes them all by Kaplan-Meier.",
         "datasource": DATASOURCE, "targets": table_targets,
         "transformations": [
             {"id": "merge", "options": {}},
@@ -546,8 +565,10 @@ def acknowledgment_tuning() -> dict[str, Any]:
         "fieldConfig": {"defaults": {
             "unit": "percentunit", "decimals": 1,
             "noValue": "No first responses in the time range for these routes (or the "
-                       "routers export no turnrouter_first_response_seconds): widen the "
-                       "range or check the job and route variables."},
+                       "routers export no turnrouter_first_response_seconds, or, for the "
+                       "ack rates, no turnrouter_first_response_interrupted_seconds: "
+                       "routers older than the dashboard): widen the range or check the "
+                       "job and route variables."},
             "overrides": [
             *({"matcher": {"id": "byName", "options": name},
                "properties": [{"id": "unit", "value": "s"}, {"id": "decimals", "value": 2}]}
@@ -562,12 +583,14 @@ def acknowledgment_tuning() -> dict[str, Any]:
     recommended = _stat(
         "Recommended delay", "The shortest candidate delay whose all-routes acknowledgment "
         "rate over the time range, under the predictive policy (approximated, see the "
-        "table), is within the target ($max_ack_rate), as `turnrouter tune --max-ack-rate` "
-        "recommends.",
+        "table; turns interrupted before a response counted as there), is within the "
+        "target ($max_ack_rate), as `turnrouter tune --max-ack-rate` recommends.",
         recommended_delay_query(matchers, "$__range", "$max_ack_rate"), unit="s",
         instant=True)
-    configured = _stat("Configured delay", "The router's fallback acknowledgment delay now.",
-                       delay, unit="s")
+    configured = _stat("Configured delay", "The fallback acknowledgment delay each route "
+                       "runs with now: its acknowledgment_route_delays entry, else the "
+                       "router-wide acknowledgment_delay_secs.", route_delay, unit="s")
+    configured["targets"][0]["legendFormat"] = "{{route}}"
     generation = _sel("turnrouter_acknowledgment_generation_seconds", JOB, ROUTE,
                       suffix="_bucket")
     panels: list[dict[str, Any]] = [
@@ -597,12 +620,13 @@ def acknowledgment_tuning() -> dict[str, Any]:
         _row("Silence and acknowledgments"),
         _timeseries(
             "Silence p95 vs configured delay", "p95 of the time from admission to the first "
-            "thing the participant hears, by route, against the configured acknowledgment "
-            f"delay (TurnrouterDeadAir: above {DEAD_AIR_SECONDS:g}s). Exemplars link to the "
-            "turn span.",
+            "thing the participant hears, by route, against the acknowledgment delay each "
+            "route runs with (`delay {route}`: its acknowledgment_route_delays entry, else "
+            "the router-wide delay; the dashed line: TurnrouterDeadAir, above "
+            f"{DEAD_AIR_SECONDS:g}s). Exemplars link to the turn span.",
             [_target(_quantile(0.95, "turnrouter_silence_seconds", "route", JOB, ROUTE),
                      "silence p95 {{route}}", exemplar=True),
-             _target(delay, "configured delay", ref="B")],
+             _target(route_delay, "delay {{route}}", ref="B")],
             unit="s", draw="dashed",
             thresholds=_thresholds(("green", None), ("red", DEAD_AIR_SECONDS))),
         _timeseries(

@@ -317,6 +317,7 @@ class Families:
         "_unlabelled",
         "ack_delay",
         "ack_generation",
+        "ack_route_delay",
         "acknowledgments",
         "admission_duration",
         "admissions",
@@ -327,6 +328,7 @@ class Families:
         "failures",
         "fallbacks",
         "first_response",
+        "first_response_interrupted",
         "focus",
         "ineligible",
         "interruptions",
@@ -383,10 +385,13 @@ class Families:
         self._unlabelled = (interruptions, decisions, lag)
         self.admission_duration = histogram("turnrouter_admission_duration_seconds")
         self.first_response = histogram("turnrouter_first_response_seconds")
+        self.first_response_interrupted = histogram(
+            "turnrouter_first_response_interrupted_seconds")
         self.silence = histogram("turnrouter_silence_seconds")
         self.ack_generation = histogram("turnrouter_acknowledgment_generation_seconds")
         gauges = registered.gauges
         self.ack_delay = gauges["turnrouter_acknowledgment_delay_seconds"]
+        self.ack_route_delay = gauges["turnrouter_acknowledgment_route_delay_seconds"]
         self.predicted = gauges["turnrouter_predicted_first_response_seconds"]
         self.participants = gauges["turnrouter_active_participants"]
         self.turn_wait = gauges["turnrouter_turn_wait_seconds"]

@@ -134,6 +134,14 @@ METRICS: tuple[MetricSpec, ...] = (
         ("route",), RESPONSE_BUCKETS,
     ),
     MetricSpec(
+        "turnrouter_first_response_interrupted_seconds", "histogram",
+        "Time from the start of answer() to the turn's interruption, for answers "
+        "interrupted before started(), by route: censored first responses (the true one "
+        "is longer), which turnrouter tune and the tuning dashboard count as the timing "
+        "samples do.",
+        ("route",), RESPONSE_BUCKETS,
+    ),
+    MetricSpec(
         "turnrouter_silence_seconds", "histogram",
         "Time from admission to the first thing the participant hears (admission "
         "preamble, acknowledgment or answer), by route; acknowledgments on or off.",
@@ -148,6 +156,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "turnrouter_acknowledgment_delay_seconds", "gauge",
         "Configured fallback acknowledgment delay (NaN when acknowledgments are off).",
+    ),
+    MetricSpec(
+        "turnrouter_acknowledgment_route_delay_seconds", "gauge",
+        "The fallback acknowledgment delay each route runs with: its "
+        "acknowledgment_route_delays entry, else the router-wide delay (NaN when "
+        "acknowledgments are off), by route.",
+        ("route",),
     ),
     MetricSpec(
         "turnrouter_predicted_first_response_seconds", "gauge",

@@ -274,10 +274,17 @@ class Telemetry(RouterObserver):
         self._families.failures.get(event.route or NONE_LABEL, event.stage).inc()
 
     def configured(self, event: Configured) -> None:
-        """Publish the fallback acknowledgment delay (NaN when acknowledgments are off);
-        make the routes' answer span names and start attributes once."""
+        """Publish the fallback acknowledgment delay, router-wide and per route (NaN when
+        acknowledgments are off); make the routes' answer span names and start attributes once."""
         delay = event.acknowledgment_delay_secs
-        self._families.ack_delay.set(math.nan if delay is None else delay)
+        families = self._families
+        families.ack_delay.set(math.nan if delay is None else delay)
+        for route in event.routes:  # the delay each route runs with
+            own = event.delay_of(route)
+            families.ack_route_delay.labels(route).set(math.nan if own is None else own)
+            # Interrupted-before-a-response series exist from the start (a count of 0),
+            # so the tuning dashboard can add them to every route's first responses.
+            families.first_response_interrupted.get(route)
         # Bounded by the routers' configurations (a shared Telemetry: all their routes).
         for route in event.routes:
             for fallback in (False, True):

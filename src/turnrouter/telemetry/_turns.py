@@ -282,6 +282,10 @@ class TurnMetrics(TurnObserver):
         """Record the first-response latency."""
         self._fam.first_response.get(event.route).observe(event.seconds)
 
+    def interrupted_before_response(self, token: object, event: FirstResponse) -> None:
+        """Record the censored first response (interrupted before `started()`)."""
+        self._fam.first_response_interrupted.get(event.route).observe(event.seconds)
+
     def answer_finished(self, token: object, event: AnswerFinished) -> None:
         """Count a failure at stage `answer` on error."""
         if event.error is not None and not event.interrupted:
