@@ -52,11 +52,12 @@ async def test_the_traced_loops_make_the_router_spans() -> None:
                    if span.name != "turnrouter.release")  # the shutdown's, not the turns'
     assert len(routed) == 6 * bench.SPANS_PER_TURN
     tracer = provider.get_tracer("bench")
+    caller = trace.get_current_span()
     for loop in (bench.loop_with_spans, bench.loop_with_current_spans):
         exporter.clear()
         await loop(bench.agents(), bench.FirstCandidate(), turns, tracer)
         assert _shape(exporter.get_finished_spans()) == _shape(routed)
-        assert trace.get_current_span() is trace.INVALID_SPAN
+        assert trace.get_current_span() is caller  # each turn restored it
     exporter.clear()
     for turn in turns:  # the spans metrics+spans makes after each turn
         bench.hand_spans(tracer, turn, bench.ROUTES, "weather")
@@ -97,7 +98,7 @@ async def test_the_loop_with_current_spans_keeps_the_router_span_contract() -> N
     current.clear()
     await bench.loop_with_spans(agents, bench.FirstCandidate(), bench.turns(2),
                                 provider.get_tracer("bench"))
-    assert current == [trace.INVALID_SPAN_ID] * 2
+    assert current == [trace.get_current_span().get_span_context().span_id] * 2
     provider.shutdown()
 
 

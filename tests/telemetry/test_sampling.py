@@ -200,6 +200,7 @@ async def test_an_unsampled_turn_span_stays_current_so_the_application_follows_i
     of their own (which this root sampler would keep)."""
     asked = Asked(ParentBased(DropTurnsKeepTheRest()))
     traced = Traced(asked)
+    caller = trace.get_current_span()
     try:
         await traced.turns(3)
         assert traced.spans() == []
@@ -210,7 +211,7 @@ async def test_an_unsampled_turn_span_stays_current_so_the_application_follows_i
             assert asked.names(trace_id) == ["turnrouter.turn", "classify", "speak"]
         assert traced.exemplar_traces() == set()
         assert traced.count("turnrouter_turns_total", route="weather", outcome="answer") == 3
-        assert trace.get_current_span() is trace.INVALID_SPAN  # every turn restored it
+        assert trace.get_current_span() is caller  # every turn restored it
     finally:
         await traced.close()
 
