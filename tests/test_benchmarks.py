@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from turnrouter import AgentTurn
+from turnrouter import AgentTurn, DestinationResult
 from turnrouter.telemetry import Telemetry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -38,31 +40,71 @@ def _recording() -> tuple[TracerProvider, InMemorySpanExporter]:
 
 
 @pytest.mark.anyio
-async def test_the_traced_loop_makes_the_router_spans() -> None:
-    """The hand-written loop's raw spans, and those made by hand after a turn, are the
-    router's for the same turns: names, parents, attribute keys and events."""
+async def test_the_traced_loops_make_the_router_spans() -> None:
+    """The hand-written loops' raw spans, and those made by hand after a turn, are the
+    router's for the same turns (first and later turns of each participant): names,
+    parents, attribute keys and events."""
     provider, exporter = _recording()
     telemetry = Telemetry(tracer_provider=provider, registry=CollectorRegistry())
-    await bench.router_turns(telemetry, bench.agents(), bench.FirstCandidate(),
-                             bench.turns(2))
-    routed = [span for span in exporter.get_finished_spans()
-              if span.name != "turnrouter.release"]  # the shutdown's, not the turns'
+    turns = bench.turns(6, participants=2)
+    await bench.router_turns(telemetry, bench.agents(), bench.FirstCandidate(), turns)
+    routed = tuple(span for span in exporter.get_finished_spans()
+                   if span.name != "turnrouter.release")  # the shutdown's, not the turns'
+    assert len(routed) == 6 * bench.SPANS_PER_TURN
+    tracer = provider.get_tracer("bench")
+    caller = trace.get_current_span()
+    for loop in (bench.loop_with_spans, bench.loop_with_current_spans):
+        exporter.clear()
+        await loop(bench.agents(), bench.FirstCandidate(), turns, tracer)
+        assert _shape(exporter.get_finished_spans()) == _shape(routed)
+        assert trace.get_current_span() is caller  # each turn restored it
     exporter.clear()
-    await bench.loop_with_spans(bench.agents(), bench.FirstCandidate(), bench.turns(2),
+    for turn in turns:  # the spans metrics+spans makes after each turn
+        bench.hand_spans(tracer, turn, bench.ROUTES, "weather")
+    assert _shape(exporter.get_finished_spans()) == _shape(routed)
+    provider.shutdown()
+
+
+class _Noting(bench.SpeakingAgent):
+    """Notes the id of the span current while it answers, in `current`."""
+
+    def __init__(self, name: str, current: list[int]) -> None:
+        super().__init__(name, _silent)
+        self.current = current
+
+    async def answer(self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+                     ) -> DestinationResult:
+        self.current.append(trace.get_current_span().get_span_context().span_id)
+        return await super().answer(turn, started=started)
+
+
+async def _silent(turn: AgentTurn, route: str, text: str) -> None:
+    return None
+
+
+@pytest.mark.anyio
+async def test_the_loop_with_current_spans_keeps_the_router_span_contract() -> None:
+    """loop+current makes `invoke_agent` current while the agent answers, as the router
+    does (so the agent's own spans nest under it); loop+spans does not."""
+    provider, exporter = _recording()
+    current: list[int] = []
+    agents: dict[str, bench.SpeakingAgent] = {name: _Noting(name, current)
+                                              for name in bench.ROUTES}
+    await bench.loop_with_current_spans(agents, bench.FirstCandidate(), bench.turns(2),
+                                        provider.get_tracer("bench"))
+    invoked = [span.context.span_id for span in exporter.get_finished_spans()
+               if span.name.startswith("invoke_agent") and span.context]
+    assert current == invoked and len(invoked) == 2
+    current.clear()
+    await bench.loop_with_spans(agents, bench.FirstCandidate(), bench.turns(2),
                                 provider.get_tracer("bench"))
-    made = exporter.get_finished_spans()
-    assert len(made) == 2 * bench.SPANS_PER_TURN
-    assert _shape(made) == _shape(tuple(routed))
-    exporter.clear()
-    for turn in bench.turns(2):  # the spans metrics+spans makes after each turn
-        bench.hand_spans(provider.get_tracer("bench"), turn, bench.ROUTES, "weather")
-    assert _shape(exporter.get_finished_spans()) == _shape(tuple(routed))
+    assert current == [trace.get_current_span().get_span_context().span_id] * 2
     provider.shutdown()
 
 
 @pytest.mark.anyio
 async def test_the_loops_answer_and_speak_every_turn() -> None:
-    """Both loops decide, admit and answer every turn, the agent speaking its answer."""
+    """The loops decide, admit and answer every turn, the agent speaking its answer."""
     spoken: list[str] = []
 
     async def output(turn: AgentTurn, route: str, text: str) -> None:
@@ -71,9 +113,10 @@ async def test_the_loops_answer_and_speak_every_turn() -> None:
     agents = {name: bench.SpeakingAgent(name, output) for name in bench.ROUTES}
     provider, _ = _recording()
     await bench.loop(agents, bench.FirstCandidate(), bench.turns(3))
-    await bench.loop_with_spans(agents, bench.FirstCandidate(), bench.turns(3),
-                                provider.get_tracer("bench"))
-    assert spoken == ["t0", "t1", "t2"] * 2
+    for traced_loop in (bench.loop_with_spans, bench.loop_with_current_spans):
+        await traced_loop(agents, bench.FirstCandidate(), bench.turns(3),
+                          provider.get_tracer("bench"))
+    assert spoken == ["t0", "t1", "t2"] * 3
     provider.shutdown()
 
 
@@ -90,6 +133,10 @@ async def test_every_variant_is_measured_and_sampling_thins_the_spans() -> None:
     assert figures["spans/loop+spans"] == bench.SPANS_PER_TURN
     assert figures["spans/traced"] >= bench.SPANS_PER_TURN
     assert figures["spans/sampled0"] == 0
+    assert figures["spans/metrics+root0"] == 0
+    assert figures["traced_share/traced"] == 1
+    assert figures["traced_share/sampled0"] == 0
+    assert 0 <= figures["traced_share/sampled10"] <= 1
     assert set(bench.GOALS) <= set(bench.ratios(figures))
 
 
