@@ -370,16 +370,26 @@ def response_json(participant_id: str, request_id: str, route: str, text: str, *
     (types, id lengths, no lone surrogate) and raises `ContractValueError` naming how
     many fields are invalid; non-ASCII text stays UTF-8, as the model writes it."""
     traceparent, tracestate = carrier.get("traceparent"), carrier.get("tracestate")
-    invalid = sum((
-        not _valid_id(participant_id), not _valid_id(request_id),
-        not _valid_str(route), not _valid_str(text), not isinstance(final, bool),
-        traceparent is not None and not _valid_str(traceparent),
-        tracestate is not None and not _valid_str(tracestate)))
-    if invalid:
+    # One pass over the usual case (all text, ASCII); the field count only on refusal.
+    if not (isinstance(participant_id, str) and isinstance(request_id, str)
+            and isinstance(route, str) and isinstance(text, str) and isinstance(final, bool)
+            and isinstance(traceparent, str | None) and isinstance(tracestate, str | None)
+            and 0 < len(participant_id) <= MAX_ID_CHARS
+            and 0 < len(request_id) <= MAX_ID_CHARS
+            and (f"{participant_id}{request_id}{route}{text}{traceparent}{tracestate}"
+                 .isascii() or not any(map(has_surrogates, (
+                     participant_id, request_id, route, text, traceparent or "",
+                     tracestate or ""))))):
+        invalid = sum((
+            not _valid_id(participant_id), not _valid_id(request_id),
+            not _valid_str(route), not _valid_str(text), not isinstance(final, bool),
+            traceparent is not None and not _valid_str(traceparent),
+            tracestate is not None and not _valid_str(tracestate)))
         raise ContractValueError(f"output of turn {preview(request_id)} refused: "
                                  f"{invalid} invalid field(s)")
     return (f'{{"message_id":"{new_message_id()}","timestamp_us":{time.time_ns() // 1000},'
-            f'"traceparent":{_json_opt(traceparent)},"tracestate":{_json_opt(tracestate)},'
+            f'"traceparent":{"null" if traceparent is None else _json_text(traceparent)},'
+            f'"tracestate":{"null" if tracestate is None else _json_text(tracestate)},'
             f'"participant_id":{_json_text(participant_id)},'
             f'"request_id":{_json_text(request_id)},"route":{_json_text(route)},'
             f'"text":{_json_text(text)},"final":{"true" if final else "false"}}}'
@@ -392,10 +402,6 @@ def _valid_str(value: object) -> bool:
 
 def _valid_id(value: object) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and not has_surrogates(value)
-
-
-def _json_opt(value: str | None) -> str:
-    return "null" if value is None else _json_text(value)
 
 
 Ending = tuple[str, str, str, float]
