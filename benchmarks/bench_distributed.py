@@ -26,11 +26,14 @@ publish, the input's +ACK). Its CPU per turn and the server's, against the real
 worker's, closed loop and then paced at `--rate` turns/s (400 unless given; the same
 for both), in interleaved rounds (floor, real, x3) on fresh servers, each with the
 messages per turn the server counted on the replica's connection (/connz) and, for the
-worker, its in-flight marks and timing samples per turn.
+worker, its in-flight marks and timing samples per turn. `--floor --baseline TREE` adds
+that tree's worker to every round, so a change's share above the floor is measured
+before and after in one run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py [--seconds 8] [--pin]
     PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py --baseline /tmp/old
     PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py --floor [--seconds 5]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py --floor --baseline /tmp/old
 """
 
 from __future__ import annotations
@@ -698,14 +701,18 @@ class FloorReplica:
         return counts
 
 
-async def floor(seconds: float, rate: float, rounds: int = 3) -> None:
+async def floor(seconds: float, rate: float, rounds: int = 3,
+                baseline: Path | None = None) -> None:
     """Worker CPU per turn of the bare nats-py replica (`floor_replica`) vs the real
     worker, interleaved, one replica each on a fresh server per measurement: closed
-    loop, then paced at `rate` turns/s (the same rate for both)."""
+    loop, then paced at `rate` turns/s (the same rate for both). With `baseline` (another
+    checkout), that tree's worker too (`baseline`, between the floor and this tree's
+    `real` in every round), so a change's share above the floor is measured before and
+    after in one run."""
     from tests.nats.conftest import NatsServer, Worker
 
     started = os.getloadavg()
-    kinds = ("floor", "real")
+    kinds = ("floor", "real") if baseline is None else ("floor", "baseline", "real")
     results: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     floor_counts: list[dict[str, int]] = []
     for round_ in range(rounds):
@@ -724,12 +731,14 @@ async def floor(seconds: float, rate: float, rounds: int = 3) -> None:
                     finally:
                         floor_counts.append(replica.close())
                 else:
-                    worker = Worker(server.url, f"real{round_}", app=APP,
-                                    env=_bench_env())
+                    tree = ROOT if kind == "real" or baseline is None else baseline
+                    env = {"PYTHONPATH": os.pathsep.join(
+                        [str(tree / "src"), str(tree), str(tree / "benchmarks")])}
+                    worker = Worker(server.url, f"{kind}{round_}", app=APP, env=env)
                     try:
                         results[kind].append(await _measured(
                             server.url, server, worker.proc.pid,
-                            f"turnrouter-real{round_}", seconds, metrics=worker.metrics,
+                            f"turnrouter-{kind}{round_}", seconds, metrics=worker.metrics,
                             paced=rate))
                     finally:
                         worker.close()
@@ -755,9 +764,10 @@ async def floor(seconds: float, rate: float, rounds: int = 3) -> None:
         "record_bytes: mean stored size of a record (value, key, headers)"]
     for mode in ("", "paced_"):
         floor_us = report["floor"][f"{mode}worker_us_per_turn_median"]
-        real_us = report["real"][f"{mode}worker_us_per_turn_median"]
-        report[f"{mode}real_minus_floor_us"] = real_us - floor_us
-        report[f"{mode}floor_share_of_real"] = round(floor_us / max(1, real_us), 2)
+        for kind in kinds[1:]:
+            real_us = report[kind][f"{mode}worker_us_per_turn_median"]
+            report[f"{mode}{kind}_minus_floor_us"] = real_us - floor_us
+            report[f"{mode}floor_share_of_{kind}"] = round(floor_us / max(1, real_us), 2)
     report["load_average"] = {"before": started, "after": os.getloadavg()}
     print(json.dumps(report, indent=2))
 
@@ -898,7 +908,8 @@ if __name__ == "__main__":
     parser.add_argument("--pin", action="store_true",
                         help="server and generator on CPU 0, workers on CPU 1 (taskset)")
     parser.add_argument("--baseline", type=Path, metavar="TREE",
-                        help="compare worker CPU per turn with another checkout's worker")
+                        help="compare worker CPU per turn with another checkout's worker "
+                             "(with --floor: both above the nats-py floor)")
     parser.add_argument("--floor", action="store_true",
                         help="worker CPU per turn of a bare nats-py replica vs the worker")
     parser.add_argument("--rate", type=float, default=400.0,
@@ -908,7 +919,8 @@ if __name__ == "__main__":
     if args.floor_child is not None:
         asyncio.run(floor_replica(json.loads(args.floor_child)))
     elif args.floor:
-        asyncio.run(floor(args.seconds, args.rate))
+        asyncio.run(floor(args.seconds, args.rate, baseline=None if args.baseline is None
+                          else args.baseline.resolve()))
     elif args.baseline is not None:
         asyncio.run(ab(args.baseline.resolve(), args.seconds, args.rate))
     else:

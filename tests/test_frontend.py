@@ -488,6 +488,41 @@ def test_json_export_stays_exact_across_compaction_and_skipped_exports(
     anyio.run(main)
 
 
+async def test_json_export_follows_every_field_beside_the_history() -> None:
+    """Each change of focus, routes used, held patches, or the departed flag between two
+    exports shows in the JSON export (it reuses its bytes around the history only while
+    those stay the same), byte for byte the snapshot's."""
+    h = Harness(ScriptedAgent("weather", results="focus"), ScriptedAgent("conversation"),
+                decisions=ScriptedDecisions("weather"))
+    exports: list[bytes] = []
+
+    def same() -> None:
+        snapshot = h.router.export_participant("p1")
+        assert snapshot is not None
+        data = h.router.export_participant_json("p1")
+        assert data == snapshot.to_json().encode()
+        exports.append(data)
+
+    await h.say("rain?")  # focus and routes used change
+    same()
+    await h.say("and tomorrow?")  # only the history and its version
+    same()
+    await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="held", digest=("ask me",)), MergeStrategy.HUMAN_GATED)
+    same()
+    [held] = h.router.pending_patches("p1")
+    await h.router.approve_patch(held.patch_id)
+    same()
+    departure = h.router.begin_departure("p1")
+    await departure.join()
+    if h.router.export_participant("p1") is not None:
+        same()
+    assert len(set(exports)) == len(exports)
+    firsts = [json.loads(data) for data in exports]
+    assert firsts[0]["focus"] == "weather" and firsts[0]["used"] == ["weather"]
+    assert [len(f["pending"]) for f in firsts[2:4]] == [1, 0]
+
+
 async def test_json_export_of_a_departed_participant() -> None:
     """A participant known only as departed exports its departed flag as JSON too."""
     h = Harness(ScriptedAgent("conversation"), **_joined_topics())

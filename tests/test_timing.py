@@ -495,3 +495,22 @@ def test_hostile_sample_lines_warm_start_or_name_the_line(
         assert f"{path}:1:" in message and len(message) < 600, message[:300]
         return
     assert all(fuzz.valid_text(route) for route in predictor.routes)
+
+
+@settings(max_examples=300)
+@given(route=st.text(max_size=30) | st.integers(), seconds=st.floats() | st.integers(),
+       censored=st.booleans() | st.integers(0, 2),
+       at=st.floats() | st.integers(-10**20, 10**20),
+       feature=st.none() | st.text(max_size=20) | st.integers())
+def test_sample_lines_are_what_the_json_module_writes(
+        route: object, seconds: object, censored: object, at: object,
+        feature: object) -> None:
+    """`TimingSample.to_json` writes, whatever the field values (NaN, infinities, huge
+    or integral numbers, non-ASCII or junk-typed fields), exactly the line the json
+    module writes for them, so a samples file reads the same however it was written."""
+    sample = TimingSample(route, seconds, censored, at, feature)  # type: ignore[arg-type]
+    data: dict[str, object] = {"route": route, "seconds": round(seconds, 6),  # type: ignore[call-overload]
+                               "censored": censored, "at": round(at, 3)}  # type: ignore[call-overload]
+    if feature is not None:
+        data["feature"] = feature
+    assert sample.to_json() == json.dumps(data, separators=(",", ":"))

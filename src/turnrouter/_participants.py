@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._contracts import AgentExchange
 from ._exceptions import ContractValueError, LifecycleError
@@ -35,12 +35,16 @@ class Phase(enum.Enum):
     FAILED = "cleanup failed"
 
 
+_MAX_VERSION = 2**63 - 1  # ParticipantSnapshot.history_version's bound
+
+
 class Participant:
     """Router-owned state of one participant (kept small: thousands may be active)."""
 
     __slots__ = (
-        "cleanup_pending", "current", "departure", "exported", "focus", "history",
-        "initialized", "pending", "phase", "pid", "queue", "unheard", "unreleased", "used",
+        "cleanup_pending", "current", "departure", "exported", "exported_head", "focus",
+        "history", "initialized", "pending", "phase", "pid", "queue", "unheard", "unreleased",
+        "used",
     )
 
     def __init__(self, pid: str, history: History) -> None:
@@ -65,6 +69,9 @@ class Participant:
         #: The JSON of the exchanges at the latest `export_json` (None: never exported):
         #: (the history's metadata list, the index in it of the first piece, the pieces).
         self.exported: tuple[list[Meta], int, list[bytes]] | None = None
+        #: The snapshot's JSON around its history at the latest `export_json`: (what it
+        #: was built from, the bytes before `"history":`, the bytes after its version).
+        self.exported_head: tuple[tuple[Any, ...], bytes, bytes] | None = None
 
 
 class RouterPhase(enum.Enum):
@@ -277,9 +284,23 @@ def snapshot_json(state: Participant, departed: bool) -> bytes:
         pieces += [_exchange_snapshot(exchanges[index - start], items[index])
                    .model_dump_json().encode() for index in range(done, end)]
     state.exported = (items, start, pieces)
-    # Field values are JSON-escaped strings, so the first `"history":[]` is the field.
-    return _snapshot(state, departed, ()).model_dump_json().encode().replace(
-        b'"history":[]', b'"history":[' + b",".join(pieces) + b"]", 1)
+    history_json = b'"history":[' + b",".join(pieces) + b"]"
+    version = history.version
+    pending = tuple(state.pending.values()) if state.pending else ()
+    key = (state.focus, state.used, pending, state.initialized, departed)
+    head = state.exported_head
+    if head is None or head[0] != key or not 0 <= version <= _MAX_VERSION:
+        # Built (and validated) by the model while any of its fields but the history
+        # and its version changed since the previous call; reused around them otherwise.
+        data = _snapshot(state, departed, ()).model_dump_json().encode()
+        # Field values are JSON-escaped strings, so the first `"history":[]` is the field.
+        marker = b'"history":[],"history_version":%d,' % version
+        at = data.find(marker)
+        if at < 0:  # not the layout expected: no reuse
+            state.exported_head = None
+            return data.replace(b'"history":[]', history_json, 1)
+        head = state.exported_head = (key, data[:at], data[at + len(marker):])
+    return b'%s%s,"history_version":%d,%s' % (head[1], history_json, version, head[2])
 
 
 def _exchange_snapshot(exchange: AgentExchange, meta: Meta) -> SnapshotExchange:

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
@@ -84,8 +86,18 @@ class TimingSample:
 
     def to_json(self) -> str:
         """One JSON object, the line format of `JsonLinesSink` (`feature` only when set)."""
-        data: dict[str, object] = {"route": self.route, "seconds": round(self.seconds, 6),
-                                   "censored": self.censored, "at": round(self.at, 3)}
+        seconds, at = round(self.seconds, 6), round(self.at, 3)
+        route, feature = self.route, self.feature
+        if (type(seconds) is float and type(at) is float and type(route) is str
+                and type(self.censored) is bool and (feature is None or type(feature) is str)
+                and math.isfinite(seconds) and math.isfinite(at)):
+            # What json.dumps writes for these types (floats by their repr), without
+            # building an encoder per call: a worker sends one sample per turn.
+            return (f'{{"route":{_json_str(route)},"seconds":{seconds!r},"censored":'
+                    f'{"true" if self.censored else "false"},"at":{at!r}'
+                    + ("}" if feature is None else f',"feature":{_json_str(feature)}}}'))
+        data: dict[str, object] = {"route": route, "seconds": seconds,
+                                   "censored": self.censored, "at": at}
         if self.feature is not None:
             data["feature"] = self.feature
         return json.dumps(data, separators=(",", ":"))

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
 from turnrouter import (
     Admission,
@@ -64,7 +65,7 @@ from turnrouter.runtime.nats import (
 
 # Private names, only for the last section: what no deployment can put on the wire.
 from turnrouter.runtime.nats._link import pub_ack
-from turnrouter.runtime.nats._wire import ack_metadata
+from turnrouter.runtime.nats._wire import ack_metadata, response_json
 from turnrouter.testing import RecordingObserver, ScriptedLLM
 
 from ..fuzz import valid_text
@@ -740,6 +741,60 @@ def test_junk_publish_acknowledgments_raise_value_error(data: bytes) -> None:
         return
     assert (isinstance(seq, int) and seq >= 0 and error is None) or (
         seq is None and error is not None)
+
+
+ACK_NAMES = st.text(max_size=12) | st.sampled_from(["KV_tr_state", "TR_OUT", 'a"b', "a\\b"])
+
+
+@given(stream=ACK_NAMES, seq=st.integers(min_value=-5, max_value=2**63) | st.text(max_size=4),
+       domain=st.none() | ACK_NAMES, duplicate=st.booleans(), spaced=st.booleans())
+def test_acknowledgments_read_as_the_json_parser_reads_them(
+        stream: str, seq: int | str, domain: str | None, duplicate: bool,
+        spaced: bool) -> None:
+    """pub_ack reads the usual acknowledgment without the JSON parser: whatever the
+    stream name, sequence, domain and layout, it gives what parsing the JSON gives."""
+    body: dict[str, Any] = {"stream": stream, "seq": seq}
+    if domain is not None:
+        body["domain"] = domain
+    if duplicate:
+        body["duplicate"] = True
+    data = json.dumps(body, separators=(", ", ": ") if spaced else (",", ":")).encode()
+    ok = isinstance(seq, int) and seq >= 0
+    if ok:
+        assert pub_ack(data) == (seq, None)
+    else:
+        with pytest.raises(ValueError, match="publish acknowledgment"):
+            pub_ack(data)
+
+
+OUTPUT_TEXT = st.text(max_size=300) | st.sampled_from(["\ud800", "a\udfffb", "", "x" * 257])
+
+
+@settings(max_examples=300)
+@given(pid=OUTPUT_TEXT | JUNK, turn=OUTPUT_TEXT | JUNK, route=OUTPUT_TEXT | JUNK,
+       text=OUTPUT_TEXT | JUNK, final=st.booleans() | JUNK,
+       parent=st.none() | OUTPUT_TEXT, state=st.none() | OUTPUT_TEXT)
+def test_outputs_are_built_and_checked_as_the_model_builds_them(
+        pid: Any, turn: Any, route: Any, text: Any, final: Any, parent: str | None,
+        state: str | None) -> None:
+    """A worker writes its outputs' JSON without building a `ResponseOutput`: whatever
+    the fields (junk types, lone surrogates, ids of any length), it refuses exactly what
+    the model refuses (ContractValueError), and what it writes reads back through the
+    model as those fields."""
+    carrier = {k: v for k, v in (("traceparent", parent), ("tracestate", state))
+               if v is not None}
+    fields = {"participant_id": pid, "request_id": turn, "route": route, "text": text,
+              "final": final, "traceparent": parent, "tracestate": state}
+    try:
+        ResponseOutput(**fields)
+    except ValidationError:
+        with pytest.raises(ContractValueError, match="invalid field"):
+            response_json(pid, turn, route, text, final=final, carrier=carrier)
+        return
+    read = ResponseOutput.model_validate_json(
+        response_json(pid, turn, route, text, final=final, carrier=carrier))
+    assert read.model_dump(exclude={"message_id", "timestamp_us"}) == fields
+    assert read.message_id and abs(read.timestamp_us - time.time_ns() // 1000) < 60_000_000
 
 
 def test_deeply_nested_acknowledgment_is_a_value_error() -> None:

@@ -57,7 +57,8 @@ _IDS = _Ids()
 os.register_at_fork(after_in_child=_IDS.renew)
 
 
-def _new_id() -> str:
+def new_message_id() -> str:
+    """A new publication id (what a message gets when none is given)."""
     return _IDS.new()
 
 
@@ -108,7 +109,7 @@ class RuntimeMessage(BaseModel):
         super().__init__(**data)
         VALIDATED.add(self)  # validated just now: delivery need not validate it again
 
-    message_id: str = Field(default_factory=_new_id, min_length=1, max_length=MAX_ID_CHARS)
+    message_id: str = Field(default_factory=new_message_id, min_length=1, max_length=MAX_ID_CHARS)
     """Publication identity; a query's becomes its turn id."""
     timestamp_us: int = Field(default_factory=_now_us, ge=0, le=MAX_TIMESTAMP_US)
     """Originating time in Unix microseconds."""

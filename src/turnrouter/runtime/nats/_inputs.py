@@ -23,13 +23,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
-from pydantic import ValidationError
 
 from ..._contracts import AgentTurn
 from ..._exceptions import ContractValueError, LifecycleError, TurnInterrupted
 from ..._logging import log_failure
 from ..._router import AgentRouter
-from .._messages import ResponseOutput, UserQuery
+from .._messages import UserQuery
 from ._ledger import Ledger, Participant
 from ._link import Link
 from ._metrics import RuntimeMetrics
@@ -41,6 +40,7 @@ from ._wire import (
     encode_token,
     output_message_id,
     parse_input,
+    response_json,
     trace_context,
 )
 
@@ -306,8 +306,9 @@ class Inputs:
         finally:
             run.finishing = True
             del self._running[(pid, query.message_id)]
-            with contextlib.suppress(ValueError):
-                state.inflight.remove(query.message_id)
+            if state.inflight:  # only a turn that outlasted mark_after is there
+                with contextlib.suppress(ValueError):
+                    state.inflight.remove(query.message_id)
             state.end(query.message_id)
             held = run.held
             if held is not None:
@@ -419,21 +420,13 @@ class Inputs:
 
     def _output(self, pid: str, turn_id: str, route: str, text: str, final: bool,
                 carrier: dict[str, str]) -> _Output:
-        """An output's subject, body and headers (`ContractValueError` for text that is
+        """An output's subject, body (a `ResponseOutput`'s JSON, checked as the model
+        checks it: `response_json`) and headers (`ContractValueError` for text that is
         not valid output, e.g. holding a lone surrogate)."""
-        try:
-            message = ResponseOutput(participant_id=pid, request_id=turn_id, route=route,
-                                     text=text, final=final,
-                                     traceparent=carrier.get("traceparent"),
-                                     tracestate=carrier.get("tracestate"))
-        except ValidationError as exc:
-            raise ContractValueError(
-                f"output of turn {turn_id!r} refused: {exc.error_count()} invalid "
-                f"field(s)") from None
+        body = response_json(pid, turn_id, route, text, final=final, carrier=carrier)
         headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
                    **carrier}
-        return (f"{self._out_prefix}{encode_token(pid)}",
-                message.model_dump_json().encode(), headers)
+        return f"{self._out_prefix}{encode_token(pid)}", body, headers
 
 
 def _forget(outbox: list[Ending], ending: Ending) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
 from nats.errors import Error as NatsError
@@ -48,6 +48,7 @@ logger = logging.getLogger("turnrouter.runtime.nats")
 _MAX_INFLIGHT = MAX_STATE_INFLIGHT  # bound of one participant's in-flight ids in its record
 _MAX_OUTBOX = MAX_STATE_OUTBOX  # bound of one participant's unconfirmed endings in its record
 _MAX_UNSURE = 4096  # bound of the participants awaiting a reclaim
+_NONE: frozenset[str] = frozenset()
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
 
@@ -80,7 +81,7 @@ class Participant:
     def end(self, turn_id: str) -> None:
         """Remember that turn `turn_id` ended (written with the next record)."""
         ended = self.ended
-        ended[turn_id] = ended.pop(turn_id, "") or json.dumps(turn_id)
+        ended[turn_id] = ended.pop(turn_id, "") or _json_str(turn_id)
         if len(ended) > MAX_ENDED:
             del ended[next(iter(ended))]
 
@@ -303,7 +304,7 @@ class Ledger:
                     outbox[:] = [e for e in outbox if e[3] >= horizon][-_MAX_OUTBOX:]
             data = record_json(self._replica, state.inflight[-_MAX_INFLIGHT:],
                                state.snapshot, outbox, ",".join(state.ended.values()))
-            written = frozenset(e[0] for e in outbox)
+            written = frozenset([e[0] for e in outbox]) if outbox else _NONE
             t0 = time.perf_counter()
             uncertain = False
             try:

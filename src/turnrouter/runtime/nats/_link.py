@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -138,9 +139,19 @@ def _expire(future: asyncio.Future[bytes]) -> None:
         future.set_exception(RequestFailed("no reply in time"))
 
 
+#: The usual form of a successful acknowledgment, read without the JSON parser (a
+#: worker reads one per turn); anything else goes through it.
+_NAME = rb'"[\x20\x21\x23-\x5b\x5d-\x7e]{0,256}"'  # printable ASCII, no quote or escape
+_PLAIN_ACK = re.compile(rb'\{"stream":' + _NAME + rb',"seq":(0|[1-9][0-9]{0,17})'
+                        rb'(?:,"domain":' + _NAME + rb')?(?:,"duplicate":true)?\}')
+
+
 def pub_ack(data: bytes) -> tuple[int | None, Any]:
     """A JetStream publish acknowledgment: `(seq, None)` for `{"stream":..., "seq":...}`,
     `(None, error)` for `{"error": ...}`; ValueError naming the problem otherwise."""
+    plain = _PLAIN_ACK.fullmatch(data)
+    if plain is not None:
+        return int(plain[1]), None
     try:
         reply = json.loads(data)
     except RecursionError as exc:

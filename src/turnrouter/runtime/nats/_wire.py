@@ -14,12 +14,16 @@ import binascii
 import hashlib
 import json
 import re
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from json.encoder import encode_basestring as _json_text
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
 from pydantic import ValidationError
 
+from ..._contracts import MAX_ID_CHARS
 from ..._exceptions import ConfigurationError, ContractValueError, TurnrouterError
 from ..._numbers import finite
 from ..._redact import REDACTED, has_surrogates, preview, redact_url
@@ -30,6 +34,7 @@ from .._messages import (
     ParticipantLeft,
     RuntimeMessage,
     UserQuery,
+    new_message_id,
 )
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "parse_samples",
     "parse_state",
     "record_json",
+    "response_json",
     "samples_body",
     "state_json",
     "trace_context",
@@ -352,6 +358,50 @@ def output_message_id(participant_id: str, turn_id: str, route: str, text: str, 
         return f"{token}.{turn_id}.final"
     digest = hashlib.blake2b(f"{route}\0{text}".encode(), digest_size=8).hexdigest()
     return f"{token}.{turn_id}.{digest}"
+
+
+def response_json(participant_id: str, request_id: str, route: str, text: str, *,
+                  final: bool, carrier: Mapping[str, str]) -> bytes:
+    """The JSON of `ResponseOutput(participant_id=..., request_id=..., route=...,
+    text=..., final=..., traceparent=..., tracestate=...)` (the trace context from
+    `carrier`), with a new message id and the current time, built without the model: a
+    worker publishes one per turn, and the model's construction, field validators and
+    dump cost several times the JSON. It checks what the model's constructor checks
+    (types, id lengths, no lone surrogate) and raises `ContractValueError` naming how
+    many fields are invalid; non-ASCII text stays UTF-8, as the model writes it."""
+    traceparent, tracestate = carrier.get("traceparent"), carrier.get("tracestate")
+    # One pass over the usual case (all text, ASCII); the field count only on refusal.
+    if not (isinstance(participant_id, str) and isinstance(request_id, str)
+            and isinstance(route, str) and isinstance(text, str) and isinstance(final, bool)
+            and isinstance(traceparent, str | None) and isinstance(tracestate, str | None)
+            and 0 < len(participant_id) <= MAX_ID_CHARS
+            and 0 < len(request_id) <= MAX_ID_CHARS
+            and (f"{participant_id}{request_id}{route}{text}{traceparent}{tracestate}"
+                 .isascii() or not any(map(has_surrogates, (
+                     participant_id, request_id, route, text, traceparent or "",
+                     tracestate or ""))))):
+        invalid = sum((
+            not _valid_id(participant_id), not _valid_id(request_id),
+            not _valid_str(route), not _valid_str(text), not isinstance(final, bool),
+            traceparent is not None and not _valid_str(traceparent),
+            tracestate is not None and not _valid_str(tracestate)))
+        raise ContractValueError(f"output of turn {preview(request_id)} refused: "
+                                 f"{invalid} invalid field(s)")
+    return (f'{{"message_id":"{new_message_id()}","timestamp_us":{time.time_ns() // 1000},'
+            f'"traceparent":{"null" if traceparent is None else _json_text(traceparent)},'
+            f'"tracestate":{"null" if tracestate is None else _json_text(tracestate)},'
+            f'"participant_id":{_json_text(participant_id)},'
+            f'"request_id":{_json_text(request_id)},"route":{_json_text(route)},'
+            f'"text":{_json_text(text)},"final":{"true" if final else "false"}}}'
+            ).encode()
+
+
+def _valid_str(value: object) -> bool:
+    return isinstance(value, str) and not has_surrogates(value)
+
+
+def _valid_id(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and not has_surrogates(value)
 
 
 Ending = tuple[str, str, str, float]
