@@ -119,6 +119,8 @@ def test_overlong_participant_ids_are_refused() -> None:
     ("failover_timeout", 0), ("pull_expires", 2.0), ("max_message_bytes", 10),
     ("ack_wait", float("inf")), ("drain_timeout", float("nan")), ("dedup_window", True),
     ("mark_after", 0), ("mark_after", 1.0), ("ack_wait", 10**400),
+    ("fleet_backlog", 0), ("fleet_backlog", True), ("fleet_backlog", 2.0),
+    ("fleet_backlog", 10**6 + 1),
 ])
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     """An impossible configuration raises ConfigurationError naming the field."""

@@ -29,11 +29,31 @@ from ._metrics import RuntimeMetrics
 from ._setup import api_request
 from ._wire import NatsConfig, Rejected, parse_samples, samples_body
 
-__all__ = ["SAMPLE_BATCH", "SAMPLE_FLUSH_SECS", "Fleet"]
+__all__ = ["FLEET_PENDING_BYTES", "SAMPLE_BATCH", "SAMPLE_FLUSH_SECS", "Fleet",
+           "fleet_limits"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
 _MAX_PEERS = 1024  # bound of the presence table (more peers are ignored for balance)
+
+#: A partition this replica handed over and got back within SHED_VERIFY_FACTOR x
+#: failover_timeout (plus three presence periods) went to no replica: balance then
+#: waits SHED_BACKOFF_SECS before it hands one over again, doubling up to the maximum.
+SHED_VERIFY_FACTOR = 4
+SHED_BACKOFF_SECS = 10.0
+SHED_BACKOFF_MAX_SECS = 300.0
+
+#: Bytes a fleet subject's subscription (control, presence, timing) may hold unread,
+#: beside `NatsConfig.fleet_backlog` messages; past either nats-py drops what comes,
+#: counted `dropped` (a flood's bound: no backlog of 100,000 messages for the garbage
+#: collector to walk).
+FLEET_PENDING_BYTES = 8 * 1024 * 1024
+
+
+def fleet_limits(config: NatsConfig) -> dict[str, Any]:
+    """The pending limits of a fleet subject's subscription."""
+    return {"pending_msgs_limit": config.fleet_backlog,
+            "pending_bytes_limit": FLEET_PENDING_BYTES}
 
 #: Timing samples per fleet message at most, and how long a sample waits for others.
 SAMPLE_BATCH = 64
@@ -97,6 +117,12 @@ class Fleet:
         self._spawn, self._reject = spawn, reject
         self._peers: dict[str, tuple[float, int]] = {}
         self._shed_after = time.monotonic() + 2 * config.failover_timeout
+        #: Peers that were below their share when a partition was handed over and that
+        #: did not take it (it came back here): ignored for balance until they say they
+        #: own a partition (a name on the presence subject is no replica).
+        self._unverified: set[str] = set()
+        self._shed: dict[int, tuple[float, frozenset[str]]] = {}  # partition -> (when, to)
+        self._backoff = SHED_BACKOFF_SECS
         self.predictors: list[TimingPredictor] = []
         self._samples: list[str] = []
         self._sample_bytes = 0
@@ -116,29 +142,70 @@ class Fleet:
 
     async def start(self) -> list[asyncio.Task[None]]:
         """Subscribe and start the presence and probe loops (returned, to cancel)."""
-        await self._nc.subscribe(f"{self._config.prefix}.presence", cb=self._on_presence)
-        await self._nc.subscribe(self._config.timing_subject, cb=self._on_sample)
+        limits = fleet_limits(self._config)
+        await self._nc.subscribe(f"{self._config.prefix}.presence", cb=self._on_presence,
+                                 **limits)
+        await self._nc.subscribe(self._config.timing_subject, cb=self._on_sample, **limits)
         return [asyncio.create_task(self._presence_loop(), name="presence"),
                 asyncio.create_task(self._probe_loop(), name="probes")]
 
     # ------------------------------------------------------------------ balance
+    def _live(self, horizon: float) -> list[int]:
+        """Partitions owned by each live peer that balance believes in."""
+        return [owned for name, (seen, owned) in self._peers.items()
+                if seen >= horizon and name not in self._unverified]
+
     def fair_share(self) -> int:
         """Partitions per live replica (rounded up): balance, not ownership."""
-        horizon = time.monotonic() - 3 * self._config.probe_interval
-        live = 1 + sum(1 for seen, _ in self._peers.values() if seen >= horizon)
+        live = 1 + len(self._live(time.monotonic() - 3 * self._config.probe_interval))
         return -(-self._config.partitions // live)
 
     def may_shed(self) -> bool:
-        """Hand one surplus partition over when a live peer holds less than its share."""
+        """Hand one surplus partition over when a live peer holds less than its share
+        (not while a handover that came back is being backed off)."""
         now = time.monotonic()
         if now < self._shed_after:
             return False
-        horizon = now - 3 * self._config.probe_interval
         share = self.fair_share()
-        if any(seen >= horizon and owned < share for seen, owned in self._peers.values()):
+        if any(owned < share for owned in
+               self._live(now - 3 * self._config.probe_interval)):
             self._shed_after = now + self._config.probe_interval / 2
             return True
         return False
+
+    def handed_over(self, n: int) -> None:
+        """Partition `n` was handed over for balance: the peers below their share then
+        are who should take it (`taken_back` tells when none did)."""
+        now = time.monotonic()
+        horizon, share = now - 3 * self._config.probe_interval, self.fair_share()
+        below = frozenset(name for name, (seen, owned) in self._peers.items()
+                          if seen >= horizon and owned < share
+                          and name not in self._unverified)
+        self._shed[n] = (now, below)
+        if len(self._shed) > self._config.partitions:  # bounded: one entry per partition
+            del self._shed[next(iter(self._shed))]
+
+    def taken_back(self, n: int) -> None:
+        """This replica got partition `n` again. Soon after handing it over, no peer
+        took it: the peers that were below their share are not replicas (or cannot
+        pull); they are ignored for balance until they own a partition, counted
+        (`nats_presence`, `unverified`), and balance backs off (doubling, up to
+        `SHED_BACKOFF_MAX_SECS`), so names on the presence subject cannot keep a
+        partition moving."""
+        shed = self._shed.pop(n, None)
+        if shed is None:
+            return
+        when, below = shed
+        now = time.monotonic()
+        if now - when > SHED_VERIFY_FACTOR * self._config.failover_timeout + \
+                3 * self._config.probe_interval:
+            return  # long ago: a peer took it and gave it back, or died
+        if len(self._unverified) < _MAX_PEERS:
+            self._unverified.update(below)
+        for _ in below:
+            self._reject("nats_presence", "unverified")
+        self._shed_after = now + self._backoff
+        self._backoff = min(2 * self._backoff, SHED_BACKOFF_MAX_SECS)
 
     async def pinned_elsewhere(self, n: int) -> bool:
         """Whether partition `n` has a pinned client (a replica at its share leaves it
@@ -170,6 +237,8 @@ class Fleet:
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
                 self._reject("nats_presence", "overflow")
                 return
+            if owned and replica in self._unverified:
+                self._unverified.discard(replica)  # it pulls: balance trusts it again
             self._peers[replica] = (time.monotonic(), owned)
 
     async def _probe_loop(self) -> None:

@@ -107,7 +107,9 @@ class NatsConfig:
     masked and never the password or token.
 
     `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
-    before it exits with an error.
+    before it exits with an error. `fleet_backlog`: messages of each fleet subject
+    (control, presence, timing) a worker holds unread; past it a flood's messages are
+    dropped by the client and counted (`dropped`).
     """
 
     url: str = "nats://127.0.0.1:4222"
@@ -126,6 +128,7 @@ class NatsConfig:
     drain_timeout: float = 20.0
     mark_after: float = 0.005
     reconnect_for: float = 60.0
+    fleet_backlog: int = 1024
     failure_text: str = "Sorry, something went wrong. Please try again."
     user: str | None = None
     password: str | None = field(default=None, repr=False)
@@ -205,6 +208,12 @@ class NatsConfig:
             raise ConfigurationError(
                 "NatsConfig.input_max_bytes must be an int of at least 64 messages "
                 "(64 * max_message_bytes) and at most 1 PiB")
+
+        if not (isinstance(self.fleet_backlog, int) and not isinstance(self.fleet_backlog, bool)
+                and 1 <= self.fleet_backlog <= 1_000_000):
+            raise ConfigurationError(
+                f"NatsConfig.fleet_backlog must be an int in 1..1000000, got "
+                f"{preview(self.fleet_backlog)}")
 
     @property
     def stream(self) -> str:

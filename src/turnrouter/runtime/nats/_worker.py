@@ -30,6 +30,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import SlowConsumerError
 
 from ..._contracts import AgentTurn
 from ..._exceptions import ConfigurationError, ContractValueError, LifecycleError
@@ -37,7 +38,7 @@ from ..._logging import log_failure
 from ..._router import AgentRouter
 from ..._timing import TimingPredictor, TimingSample
 from .._messages import Interrupted
-from ._fleet import Fleet, valid_replica
+from ._fleet import Fleet, fleet_limits, valid_replica
 from ._inputs import Inputs
 from ._ledger import Ledger, Participant
 from ._link import Link
@@ -59,6 +60,8 @@ _RECONNECT_WAIT = 0.5  # seconds between reconnect attempts
 _BATCH = 256
 #: Fleet-subject callbacks between two returns to the event loop (a flood's bound).
 _YIELD_EVERY = 64
+#: Bytes of one socket read nats-py parses between two returns to the event loop.
+_PARSE_PIECE = 8192
 
 
 class WorkerContext:
@@ -170,7 +173,7 @@ class NatsWorker:
                 lost.set()
                 self._stop.set()
 
-        connection = _Connection(config, closed, self._reconnected)
+        connection = _Connection(config, closed, self._reconnected, self._dropped)
         self._nc = nc = await connection.connect(self.replica)
         try:
             await ensure_deployment(nc, config)
@@ -201,7 +204,8 @@ class NatsWorker:
                                 router.report_rejected)
             self._fleet.predictors = self._predictors
             self._fleet.routes = lambda: router.destinations
-            await nc.subscribe(config.interrupt_all_subject, cb=self._on_interrupt_all)
+            await nc.subscribe(config.interrupt_all_subject, cb=self._on_interrupt_all,
+                               **fleet_limits(config))
             helpers = await self._fleet.start()
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
                      for n in range(config.partitions)]
@@ -293,8 +297,12 @@ class NatsWorker:
         says not to pull."""
         config = self.config
         share = self.fleet.fair_share()
-        if n in self._pins and len(self._pins) > share and self.fleet.may_shed():
+        if n in self._pins and len(self._pins) > share and not self._running_on(n) and (
+                self.fleet.may_shed()):
+            # Only a partition with no turn running: a handover waits for its turns,
+            # and a barge-in (or any input) behind it would wait as long.
             await self._hand_over(n)
+            self.fleet.handed_over(n)
             return
         if n not in self._pins and len(self._pins) >= share and (
                 await self.fleet.pinned_elsewhere(n)):
@@ -324,6 +332,7 @@ class NatsWorker:
                         await self._lose(n, "lost")
                     self._pins[n] = new_pin
                     self._set_owned()
+                    self.fleet.taken_back(n)
                     await self._take_over(n)
             if self.router.busy and n in self._pins and await self._backpressure(nc, msg):
                 continue
@@ -369,6 +378,11 @@ class NatsWorker:
             logger.warning("turnrouter: pull on partition %d: status %s", n, status)
         if status == "409":
             await asyncio.sleep(0.05)
+
+    def _running_on(self, n: int) -> bool:
+        """Whether a turn of a participant of partition `n` runs here."""
+        turns_of = self.inputs.turns_of
+        return any(turns_of.of(pid) for pid in self.ledger.of_partition(n))
 
     async def _hand_over(self, n: int) -> None:
         """Give partition `n` away without failure text: let its turns finish (their
@@ -461,6 +475,16 @@ class NatsWorker:
             self._interrupt_pending = True
             self._spawn(self._interrupt_all(), "interrupt all")
 
+    def _dropped(self, subject: str) -> None:
+        """nats-py dropped a message of a fleet subject whose queue was full (a flood,
+        `NatsConfig.fleet_backlog`): counted as `dropped` under the subject's topic."""
+        prefix = self.config.prefix
+        topic = {self.config.interrupt_all_subject: "nats_control",
+                 f"{prefix}.presence": "nats_presence",
+                 self.config.timing_subject: "nats_timing"}.get(subject, "nats_other")
+        if self._router is not None:
+            self._router.report_rejected(topic, "dropped")
+
     async def _interrupt_all(self) -> None:
         self._interrupt_pending = False  # from here on, a new request needs a new pass
         await self.router.interrupt(None)
@@ -496,8 +520,11 @@ class _Connection:
     connection is closed and the worker exits (`why_lost` says why)."""
 
     def __init__(self, config: NatsConfig, closed: Callable[[], Awaitable[None]],
-                 reconnected: Callable[[], None]) -> None:
+                 reconnected: Callable[[], None],
+                 dropped: Callable[[str], None] = lambda subject: None) -> None:
         self._config, self._closed, self._reconnected = config, closed, reconnected
+        self._dropped = dropped
+        self._drops = 0
         self._nc: Client | None = None
         self._down_since: float | None = None
         self._attempts = 0
@@ -516,6 +543,7 @@ class _Connection:
         # reads its error callback at every call).
         nc.options["max_reconnect_attempts"] = -1
         nc._error_cb = self._error
+        _yield_between_reads(nc)
         return nc
 
     def why_lost(self) -> str:
@@ -543,6 +571,15 @@ class _Connection:
         """nats-py's error callback: one line, never a traceback; while reconnecting it
         is called once per failed attempt, which is where the outage bound is kept."""
         nc = self._nc
+        if isinstance(exc, SlowConsumerError):
+            # A fleet subject's queue is full (a flood): the message is dropped and
+            # counted; logged the 1st, 2nd, 4th, ... time only.
+            self._drops += 1
+            self._dropped(exc.subject)
+            if not self._drops & (self._drops - 1):
+                logger.warning("turnrouter: dropped %d message(s) of a flooded fleet "
+                               "subject so far (last on %s)", self._drops, exc.subject[:100])
+            return
         what = safe_error(self._config, exc)[:300]
         if nc is None or not nc.is_reconnecting:
             logger.warning("turnrouter: NATS connection error: %s", what)
@@ -558,6 +595,31 @@ class _Connection:
             # nats-py drops a server tried more often than this and, with none left,
             # closes the connection: closed_cb then stops the worker.
             nc.options["max_reconnect_attempts"] = 1
+
+
+def _yield_between_reads(nc: Client) -> None:
+    """Return to the event loop after every `_PARSE_PIECE` bytes nats-py parses.
+
+    nats-py's read loop parses what the socket holds, read after read, without returning
+    to the loop while data is buffered (up to the transport's 256 KiB per wake-up: a
+    flood of small messages held the loop for hundreds of milliseconds). Each read is
+    now parsed in pieces with a return to the loop after each; a reconnect (which resets
+    the parser) ends the feeding of what the old connection sent."""
+    parser = nc._ps
+    parse = parser.parse
+
+    async def parse_in_pieces(data: bytes = b"") -> None:
+        for start in range(0, len(data), _PARSE_PIECE):
+            if start:
+                await asyncio.sleep(0)
+                if nc.is_reconnecting or nc.is_closed:
+                    return
+            await parse(data[start:start + _PARSE_PIECE])
+        if not data:
+            await parse(data)
+        await asyncio.sleep(0)
+
+    parser.parse = parse_in_pieces  # type: ignore[method-assign]
 
 
 def _interrupt_problem(config: NatsConfig, data: bytes) -> str:

