@@ -12,8 +12,12 @@ processes on a shared machine. Scenarios:
   child measures until it counted the sentinel (so the whole flood was read), and
   reports the peak number of extra tasks.
 - `record-*`: the participant record of `bob` is written straight into the bucket (an
-  adversarial shape at the documented bound), then bob's query claims it: the child
-  measures until bob's answer or the record's quarantine.
+  adversarial shape of 4 MiB), then bob's query claims it: the child measures until
+  bob's answer (or, past a bound, the record's quarantine). `exchanges` (145,000 tiny
+  exchanges) and `objects` (1.4 million empty objects in a patch's facts) are past
+  `MAX_SNAPSHOT_CONTAINERS`; the `bound-*` shapes are within every bound: as many
+  exchanges as the bound allows, 2 million numbers in a patch's facts, and a route
+  named 600,000 times in `used`.
 - `barge`: 40 fake replica names on `<prefix>.presence` (every 0.25 s, claiming no
   partition), a participant's slow turn (`slow ...`) and, 3 s later, its barge-in
   (`Interrupted` for the participant): how long the barge-in took to end the turn, and
@@ -44,7 +48,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_SECS = 0.001
 FAKE_REPLICAS = 40
-SCENARIOS = ("interrupts", "record-exchanges", "record-objects", "barge")
+SCENARIOS = ("interrupts", "record-exchanges", "record-objects", "record-bound-exchanges",
+             "record-bound-numbers", "record-bound-used", "barge")
 
 
 # ---------------------------------------------------------------------- the child side
@@ -211,18 +216,34 @@ async def _child(url: str, scenario: str, flood: int) -> dict[str, Any]:
 
 def _adversarial_snapshot(scenario: str) -> str:
     """A snapshot at the documented size bound, in the shape costliest to read."""
+    import turnrouter
     from turnrouter import MAX_SNAPSHOT_BYTES
 
+    # The starting tree had no container bound: the same shapes for both.
+    containers: int = getattr(turnrouter, "MAX_SNAPSHOT_CONTAINERS", 16_384)
     room = MAX_SNAPSHOT_BYTES - 200
+    head = '{"participant_id":"bob","history":['
     if scenario == "record-exchanges":  # the most exchanges the bytes allow
         item = '{"user":"q","assistant":"a"}'
-        return ('{"participant_id":"bob","history":['
-                + ",".join([item] * (room // (len(item) + 1))) + "]}")
+        return head + ",".join([item] * (room // (len(item) + 1))) + "]}"
+    if scenario == "record-bound-exchanges":  # the most exchanges the bounds allow
+        count = containers - 10
+        text = "é" * ((room // count - 30) // 2)
+        item = json.dumps({"user": text, "assistant": "a"}, ensure_ascii=False,
+                          separators=(",", ":"))
+        while len(item.encode()) + 1 > room // count:
+            text = text[:-1]
+            item = item.replace("é", "", 1)
+        return head + ",".join([item] * count) + "]}"
+    if scenario == "record-bound-used":  # a registered route named as often as fits
+        return '{"participant_id":"bob","used":[' + ",".join(
+            ['"echo"'] * (room // 7)) + "]}"
+    patch = ('{"user":"q","assistant":"a","patch":{"patch_id":"x","task_id":"t",'
+             '"strategy":"append","diverged":false,"patch":{"task_id":"t","facts":{"a":[')
+    if scenario == "record-bound-numbers":  # one patch whose facts are small numbers
+        return head + patch + ",".join(["0"] * ((room - len(patch)) // 2)) + "]}}}}]}"
     # record-objects: one applied patch whose facts are as many empty objects as fit
-    head = ('{"participant_id":"bob","history":[{"user":"q","assistant":"a","patch":'
-            '{"patch_id":"x","task_id":"t","strategy":"append","diverged":false,'
-            '"patch":{"task_id":"t","facts":{"a":[')
-    return head + ",".join(["{}"] * ((room - len(head)) // 3)) + "]}}}}]}"
+    return head + patch + ",".join(["{}"] * ((room - len(patch)) // 3)) + "]}}}}]}"
 
 
 # ---------------------------------------------------------------------- the parent side

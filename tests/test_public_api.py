@@ -22,7 +22,8 @@ CORE = {
     "PendingContextPatch", "PendingPatchLimitError", "UnknownPatchError",
     "current_context_patches",
     # The front-end seam (runtimes, framework adapters).
-    "Departure", "MAX_SNAPSHOT_BYTES", "ParticipantSnapshot", "RoutedResult",
+    "Departure", "MAX_SNAPSHOT_BYTES", "MAX_SNAPSHOT_CONTAINERS", "ParticipantSnapshot",
+    "RoutedResult",
     # docs/limits.md: the longest participant and turn id.
     "MAX_ID_CHARS",
     # docs/acknowledgments.md: the prompt an LLMService gets, and how its reply is cleaned.

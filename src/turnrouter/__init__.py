@@ -41,7 +41,13 @@ from ._exceptions import (
     TurnrouterError,
     UnknownPatchError,
 )
-from ._frontend import MAX_SNAPSHOT_BYTES, Departure, ParticipantSnapshot, RoutedResult
+from ._frontend import (
+    MAX_SNAPSHOT_BYTES,
+    MAX_SNAPSHOT_CONTAINERS,
+    Departure,
+    ParticipantSnapshot,
+    RoutedResult,
+)
 from ._llm import LLMService
 from ._load import OverloadPolicy, RouterLoad
 from ._observer import RouterObserver, TurnObserver
@@ -70,6 +76,7 @@ __all__ = [
     "CLARIFY",
     "MAX_ID_CHARS",
     "MAX_SNAPSHOT_BYTES",
+    "MAX_SNAPSHOT_CONTAINERS",
     "Acknowledger",
     "AcknowledgmentPolicy",
     "AcknowledgmentRequest",

@@ -25,6 +25,7 @@ from ._redact import has_surrogates
 
 __all__ = [
     "MAX_SNAPSHOT_BYTES",
+    "MAX_SNAPSHOT_CONTAINERS",
     "Departure",
     "ParticipantSnapshot",
     "RoutedResult",
@@ -37,6 +38,11 @@ _Text = TypeVar("_Text", str, str | None, tuple[str, ...])
 #: Largest serialized snapshot `ParticipantSnapshot.from_json` accepts (history is
 #: bounded by the router's byte budget, pending patches by `max_pending_patches`).
 MAX_SNAPSHOT_BYTES = 4 * 1024 * 1024
+#: Most JSON objects and arrays a snapshot may hold, counted as its `{` and `[`
+#: characters (those inside text too: a cheap bound read before parsing). Parsing and
+#: validating cost per object, not per byte: 4 MiB of tiny exchanges took half a
+#: second; a default router's largest export holds a few thousand.
+MAX_SNAPSHOT_CONTAINERS = 16_384
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +160,8 @@ class ParticipantSnapshot(BaseModel):
 
     @classmethod
     def from_json(cls, data: str | bytes) -> ParticipantSnapshot:
-        """Parse and validate a snapshot; `ContractValueError` names what is wrong."""
+        """Parse and validate a snapshot; `ContractValueError` names what is wrong (past
+        `MAX_SNAPSHOT_BYTES` or `MAX_SNAPSHOT_CONTAINERS` before any parsing)."""
         if not isinstance(data, str | bytes | bytearray):
             raise ContractTypeError(
                 f"ParticipantSnapshot.from_json takes str or bytes, got {type(data).__name__}")
@@ -162,6 +169,12 @@ class ParticipantSnapshot(BaseModel):
             raise ContractValueError(
                 f"participant snapshot of {len(data)} bytes exceeds MAX_SNAPSHOT_BYTES "
                 f"({MAX_SNAPSHOT_BYTES})")
+        containers = (data.count("{") + data.count("[") if isinstance(data, str)
+                      else data.count(b"{") + data.count(b"["))
+        if containers > MAX_SNAPSHOT_CONTAINERS:
+            raise ContractValueError(
+                f"participant snapshot holds {containers} '{{' and '[' characters, over "
+                f"MAX_SNAPSHOT_CONTAINERS ({MAX_SNAPSHOT_CONTAINERS})")
         try:
             return cls.model_validate_json(data)
         except ValidationError as exc:

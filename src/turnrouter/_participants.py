@@ -330,12 +330,14 @@ def _snapshot(state: Participant, departed: bool,
 
 def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
     """Participant state rebuilt from a snapshot into an empty `history` (its bounds
-    apply)."""
+    apply). Only the newest `history.max_exchanges` exchanges are read: appending
+    drops the oldest, so older ones could not be kept anyway, and a snapshot of many
+    tiny exchanges costs what the kept ones cost."""
     state = Participant(snapshot.participant_id, history)
     state.focus = snapshot.focus
     state.used = tuple(dict.fromkeys(snapshot.used))
     state.initialized = snapshot.initialized
-    for item in snapshot.history:
+    for item in snapshot.history[-history.max_exchanges:]:
         exchange = AgentExchange(item.user, item.assistant)
         if item.patch is None:
             history.append(exchange, item.turn_id, item.stamp_us)

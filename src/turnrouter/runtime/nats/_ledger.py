@@ -33,6 +33,7 @@ from ._wire import (
     MAX_STATE_OUTBOX,
     Ending,
     NatsConfig,
+    StateRecord,
     decode_token,
     encode_token,
     parse_record,
@@ -49,6 +50,8 @@ _MAX_INFLIGHT = MAX_STATE_INFLIGHT  # bound of one participant's in-flight ids i
 _MAX_OUTBOX = MAX_STATE_OUTBOX  # bound of one participant's unconfirmed endings in its record
 _MAX_UNSURE = 4096  # bound of the participants awaiting a reclaim
 _NONE: frozenset[str] = frozenset()
+#: Records larger than this are parsed and validated in a thread, off the event loop.
+_READ_OFF_LOOP_BYTES = 64 * 1024
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
 
@@ -84,6 +87,27 @@ class Participant:
         ended[turn_id] = ended.pop(turn_id, "") or _json_str(turn_id)
         if len(ended) > MAX_ENDED:
             del ended[next(iter(ended))]
+
+
+def _read(value: bytes, pid: str) -> tuple[StateRecord, ParticipantSnapshot
+                                          | ContractValueError | None]:
+    """A record and its snapshot, parsed and checked against the key's participant
+    (ValueError for the record; the snapshot's ContractValueError returned, so the
+    record's unfinished turns still end when only its snapshot is bad)."""
+    record = parse_record(value)
+    if record.snapshot is None:
+        return record, None
+    try:
+        parsed = ParticipantSnapshot.from_json(record.snapshot)
+        if parsed.participant_id != pid:  # alice's snapshot in mallory's record
+            raise ContractValueError("the snapshot's participant_id is not the record's "
+                                     "participant")
+        if parsed.history_version > MAX_STATE_HISTORY_VERSION:
+            raise ContractValueError("the snapshot's history_version is over "
+                                     "MAX_STATE_HISTORY_VERSION")
+    except ContractValueError as exc:
+        return record, exc
+    return record, parsed
 
 
 PublishEnding = Callable[[str, "Participant", Ending], Awaitable[None]]
@@ -199,14 +223,21 @@ class Ledger:
                 entry = await self._kv.get(key)
             except NatsError:
                 entry = None
+            parsed: ParticipantSnapshot | ContractValueError | None = None
             if entry is not None:
                 # The revision even of an empty record (nats-py reads an empty value as
                 # None): the claim's write must expect it, or it is refused every time.
                 revision = entry.revision or 0
+                value = entry.value or b""
                 try:
-                    record = parse_record(entry.value or b"")
+                    if len(value) > _READ_OFF_LOOP_BYTES:
+                        # A big record is parsed and validated off the event loop (the
+                        # containers bound keeps the parser's own share short).
+                        record, parsed = await asyncio.to_thread(_read, value, pid)
+                    else:
+                        record, parsed = _read(value, pid)
                 except ValueError as exc:
-                    await self._quarantine(key, entry.value or b"", "invalid", exc)
+                    await self._quarantine(key, value, "invalid", exc)
                 else:
                     inflight, snapshot = record.inflight, record.snapshot
                     outbox, ended = record.outbox, record.ended
@@ -232,13 +263,8 @@ class Ledger:
         self.people[pid] = state
         if snapshot is not None:
             try:
-                parsed = ParticipantSnapshot.from_json(snapshot)
-                if parsed.participant_id != pid:  # alice's snapshot in mallory's record
-                    raise ContractValueError("the snapshot's participant_id is not the "
-                                             "record's participant")
-                if parsed.history_version > MAX_STATE_HISTORY_VERSION:
-                    raise ContractValueError("the snapshot's history_version is over "
-                                             "MAX_STATE_HISTORY_VERSION")
+                if not isinstance(parsed, ParticipantSnapshot):
+                    raise parsed or ContractValueError("the snapshot was not read")
                 self._router().import_participant(parsed)
             except (ContractValueError, LifecycleError) as exc:
                 await self._quarantine(key, snapshot.encode("utf-8", "replace"),

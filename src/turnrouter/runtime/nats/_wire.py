@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from ..._contracts import MAX_ID_CHARS
 from ..._exceptions import ConfigurationError, ContractValueError, TurnrouterError
+from ..._frontend import MAX_SNAPSHOT_CONTAINERS
 from ..._numbers import finite
 from ..._redact import REDACTED, has_surrogates, preview, redact_url
 from ..._timing import TimingSample
@@ -456,6 +457,9 @@ def record_json(owner: str, inflight: list[str], snapshot: str | bytes | None,
 MAX_STATE_BYTES = 4 * 1024 * 1024 + 256 * 1024
 MAX_STATE_INFLIGHT = 64
 MAX_STATE_OUTBOX = 64
+#: Objects and arrays a record may hold (its `{` and `[` characters): the snapshot's
+#: own bound plus room for the header's in-flight ids, endings and ended ids.
+MAX_STATE_CONTAINERS = MAX_SNAPSHOT_CONTAINERS + 1024
 #: A snapshot's `history_version` read from a record is at most this: a version near
 #: the type's end would make every later exchange of the participant fail.
 MAX_STATE_HISTORY_VERSION = 2**53
@@ -464,11 +468,21 @@ MAX_STATE_HISTORY_VERSION = 2**53
 def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
     """(in-flight turn ids, snapshot JSON, endings to publish) of a key-value record
     (ValueError naming the problem on junk or past a bound: `MAX_STATE_BYTES`,
-    `MAX_STATE_INFLIGHT`, `MAX_STATE_OUTBOX`, ids over 256 characters, lone
-    surrogates). Records of the earlier one-object format (the snapshot as a string
-    field) are read too."""
+    `MAX_STATE_CONTAINERS`, `MAX_STATE_INFLIGHT`, `MAX_STATE_OUTBOX`, ids over 256
+    characters, lone surrogates). Records of the earlier one-object format (the snapshot
+    as a string field) are read too."""
+    record = parse_record(data)
+    return record.inflight, record.snapshot, record.outbox
+
+
+def _parse_state(data: bytes) -> tuple[dict[str, Any], list[str], str | None, list[Ending]]:
     if len(data) > MAX_STATE_BYTES:
         raise ValueError(f"state record of {len(data)} bytes > {MAX_STATE_BYTES}")
+    # Counted before parsing: what parsing costs grows with the objects and arrays.
+    containers = data.count(b"{") + data.count(b"[")
+    if containers > MAX_STATE_CONTAINERS:
+        raise ValueError(f"state record holds {containers} '{{' and '[' characters > "
+                         f"{MAX_STATE_CONTAINERS}")
     head, newline, snapshot_json = data.partition(b"\n")
     try:
         record: Any = json.loads(head)
@@ -496,7 +510,7 @@ def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
             not 0 < len(e[0]) <= _MAX_ID or len(e[1]) > _MAX_ID
             or has_surrogates(e[2]) or has_surrogates(e[0]) for e in outbox):
         raise ValueError("state record holds an id or a text out of bounds")
-    return inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]
+    return record, inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]
 
 
 @dataclass(frozen=True, slots=True)
@@ -517,9 +531,8 @@ class StateRecord:
 def parse_record(data: bytes) -> StateRecord:
     """The whole record `state_json` writes (`parse_state` gives its first three parts);
     ValueError naming the problem on junk."""
-    inflight, snapshot, outbox = parse_state(data)
-    head = data.partition(b"\n")[0]
-    ended: Any = json.loads(head).get("ended", [])  # parse_state read this header
+    record, inflight, snapshot, outbox = _parse_state(data)
+    ended: Any = record.get("ended", [])
     if not (isinstance(ended, list) and all(isinstance(t, str) for t in ended)):
         raise ValueError("state record 'ended' is not a list of turn ids")
     if len(ended) > MAX_STATE_INFLIGHT or any(not 0 < len(t) <= _MAX_ID for t in ended):
