@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from turnrouter import (
     MAX_ID_CHARS,
     MAX_SNAPSHOT_BYTES,
+    MAX_SNAPSHOT_CONTAINERS,
     Admission,
     AgentRouter,
     AgentTurn,
@@ -521,6 +522,53 @@ async def test_json_export_follows_every_field_beside_the_history() -> None:
     firsts = [json.loads(data) for data in exports]
     assert firsts[0]["focus"] == "weather" and firsts[0]["used"] == ["weather"]
     assert [len(f["pending"]) for f in firsts[2:4]] == [1, 0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), max_size=40),
+       st.integers(20, 200), st.integers(1, 6))
+def test_an_import_keeps_what_appending_every_exchange_would(
+        sizes: list[tuple[int, int]], budget: int, keep: int) -> None:
+    """An imported history keeps exactly the newest exchanges that fit the router's
+    bounds (the longest suffix within both the byte budget and the count), as appending
+    them one by one would: the import reads only the newest `max_history_exchanges`, so
+    a snapshot of many tiny exchanges costs what the kept ones cost."""
+    history = [{"user": f"{i}:" + "u" * user, "assistant": "a" * assistant}
+               for i, (user, assistant) in enumerate(sizes)]
+    expected: list[str] = []
+    total = 0
+    for item in reversed(history):
+        size = len(item["user"]) + len(item["assistant"])
+        if total + size > budget or len(expected) == keep:
+            break
+        total += size
+        expected.insert(0, item["user"])
+    router = AgentRouter({"conversation": ScriptedAgent("conversation")},
+                         ScriptedDecisions("conversation"), output=OutputRecorder(),
+                         context_budget_bytes=budget, max_history_exchanges=keep)
+    router.import_participant(ParticipantSnapshot.from_json(json.dumps(
+        {"participant_id": "p1", "history": history})))
+    exported = router.export_participant("p1")
+    assert exported is not None
+    assert [exchange.user for exchange in exported.history] == expected
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.text(max_size=100), st.integers(1, 50), st.sampled_from(["{", "[", "{}", "[]"]),
+       st.booleans())
+def test_snapshots_with_too_many_objects_are_refused_before_parsing(
+        junk: str, extra: int, unit: str, as_bytes: bool) -> None:
+    """More `{` and `[` than `MAX_SNAPSHOT_CONTAINERS` (in text too: the count is read
+    before parsing) is a ContractValueError naming the bound, within the size bound and
+    whatever the rest holds; the bound's own count still parses."""
+    filler = unit * (MAX_SNAPSHOT_CONTAINERS + extra)  # one "{" or "[" per unit
+    data = f'{{"participant_id":"p","focus":{json.dumps(junk)},"x":"{filler}"}}'
+    with pytest.raises(ContractValueError, match="MAX_SNAPSHOT_CONTAINERS"):
+        ParticipantSnapshot.from_json(data.encode("utf-8", "surrogatepass")
+                                      if as_bytes else data)
+    at_bound = json.dumps({"participant_id": "p", "focus": "{" * (
+        MAX_SNAPSHOT_CONTAINERS - 1)})
+    assert ParticipantSnapshot.from_json(at_bound).participant_id == "p"
 
 
 async def test_json_export_of_a_departed_participant() -> None:

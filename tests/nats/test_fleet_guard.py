@@ -10,6 +10,8 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -19,16 +21,17 @@ from prometheus_client import CollectorRegistry
 
 import nats
 from turnrouter import ContractValueError, TimingSample
-from turnrouter.runtime import Interrupted
+from turnrouter.runtime import Interrupted, ResponseOutput, UserQuery
 from turnrouter.runtime.nats import (
     NatsConfig,
+    NatsFrontEnd,
     NatsWorker,
     Rejected,
     parse_presence,
     samples_body,
 )
 
-from .app import make_router
+from .app import PREAMBLE, make_router
 from .conftest import NatsServer, until_true
 
 pytestmark = pytest.mark.anyio
@@ -51,13 +54,14 @@ class Running:
                          f"{name}{labels} reaches {goal}")
 
 
-@pytest.fixture
-async def running(nats_server: NatsServer) -> AsyncIterator[Running]:
+@asynccontextmanager
+async def serving(url: str, **config: Any) -> AsyncIterator[Running]:
+    """One worker (two partitions, `config` on top) and a raw publisher connection."""
     registry = CollectorRegistry()
-    worker = NatsWorker(make_router, NatsConfig(url=nats_server.url, partitions=2),
+    worker = NatsWorker(make_router, NatsConfig(url=url, partitions=2, **config),
                         registry=registry, replica="guarded")
     run = asyncio.create_task(worker.run())
-    nc = await nats.connect(nats_server.url)
+    nc = await nats.connect(url)
     try:
         async with asyncio.timeout(15):
             await worker.ready.wait()
@@ -67,6 +71,12 @@ async def running(nats_server: NatsServer) -> AsyncIterator[Running]:
         worker.request_stop()
         async with asyncio.timeout(30):
             await asyncio.gather(run, return_exceptions=True)
+
+
+@pytest.fixture
+async def running(nats_server: NatsServer) -> AsyncIterator[Running]:
+    async with serving(nats_server.url) as serving_worker:
+        yield serving_worker
 
 
 async def test_fleet_interrupts_are_validated_and_a_flood_is_coalesced(
@@ -101,6 +111,103 @@ async def test_fleet_interrupts_are_validated_and_a_flood_is_coalesced(
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
     assert peak <= 4  # the watcher, the waiter, at most one pending and one running pass
+
+
+async def test_a_flood_past_the_fleet_backlog_is_dropped_counted_and_logged_sparingly(
+        nats_server: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """With `fleet_backlog=1`, a burst on `<prefix>.ctl.interrupt` overflows the
+    subscription: the client drops what does not fit, each drop is counted (`dropped`),
+    every message is either handled or counted, the log gets a line at the 1st, 2nd,
+    4th, ... drop only, and the worker goes on handling the subject."""
+    flood = 3000
+    async with serving(nats_server.url, fleet_backlog=1) as running:
+        subject = running.worker.config.interrupt_all_subject
+
+        def handled_and_dropped() -> tuple[float, float]:
+            return (running.value(REJECTED, topic="nats_control", reason="invalid"),
+                    running.value(REJECTED, topic="nats_control", reason="dropped"))
+
+        with caplog.at_level(logging.WARNING, logger="turnrouter.runtime.nats"):
+            for _ in range(flood):
+                await running.nc.publish(subject, b"junk")
+            await running.nc.flush()
+            await until_true(lambda: sum(handled_and_dropped()) >= flood,
+                             "every message handled or dropped")
+        handled, dropped = handled_and_dropped()
+        assert handled + dropped == flood and dropped >= 1
+        lines = [r for r in caplog.records if "flooded fleet subject" in r.getMessage()]
+        assert 1 <= len(lines) <= int(dropped).bit_length()
+        await running.nc.publish(subject, b"junk")
+        await running.until(handled + 1, REJECTED, topic="nats_control", reason="invalid")
+
+
+async def test_names_on_the_presence_subject_never_hold_a_barge_in(
+        nats_server: NatsServer) -> None:
+    """40 names on `<prefix>.presence` claiming no partition: balance hands the idle
+    partition over (never the one with a turn running), gets it back unclaimed, counts
+    the 40 names `unverified` and ignores them for balance; the running turn is untouched
+    and its barge-in ends it at once (a handover would have held it for drain_timeout,
+    then ended it with the failure text). A name that says it owns a partition counts
+    again."""
+    async with serving(nats_server.url, drain_timeout=60.0) as running:
+        worker, nc = running.worker, running.nc
+        presence = f"{worker.config.prefix}.presence"
+
+        async def ghosts() -> None:  # a publisher's pace, not a wait for the worker
+            while True:
+                for i in range(40):
+                    await nc.publish(presence, json.dumps(
+                        {"replica": f"ghost-{i}", "owned": 0}).encode())
+                await asyncio.sleep(0.2)
+
+        front = await NatsFrontEnd.connect(worker.config)
+        heard: list[ResponseOutput] = []
+        changed = asyncio.Event()
+        subscribed = asyncio.Event()
+
+        async def listen() -> None:
+            async for output in front.outputs(subscribed=subscribed):
+                if output.participant_id == "carol":
+                    heard.append(output)
+                    changed.set()
+
+        async def until_heard(what: str) -> None:
+            async with asyncio.timeout(15):
+                while not any(output.text.startswith(what) for output in heard):
+                    changed.clear()
+                    await changed.wait()
+
+        haunting = asyncio.create_task(ghosts())
+        reader = asyncio.create_task(listen())
+        try:
+            async with asyncio.timeout(10):
+                await subscribed.wait()
+            await front.publish(UserQuery(participant_id="carol", text="slow story",
+                                          message_id="c1"))
+            await until_heard(PREAMBLE)
+            partition = worker.ledger.people["carol"].partition
+            turns = worker.inputs.turns_of.of("carol")
+            assert turns
+            await running.until(40, REJECTED, topic="nats_presence", reason="unverified")
+            assert partition in worker.owned_partitions
+            assert not any(turn.done() for turn in turns)
+            assert worker.fleet.fair_share() == 2  # the names no longer count
+            await front.publish(Interrupted(participant_id="carol", message_id="c1-stop"))
+            done, _ = await asyncio.wait(turns, timeout=10)  # drain_timeout is 60 s
+            assert done == set(turns)
+            await front.publish(UserQuery(participant_id="carol", text="again",
+                                          message_id="c2"))
+            await until_heard("again|")
+            assert worker.config.failure_text not in [output.text for output in heard]
+            haunting.cancel()
+            await nc.publish(presence, json.dumps({"replica": "ghost-0", "owned": 1}).encode())
+            await until_true(lambda: worker.fleet.fair_share() == 1,
+                             "a name owning a partition counts again")
+        finally:
+            for task in (haunting, reader):
+                task.cancel()
+            await asyncio.gather(haunting, reader, return_exceptions=True)
+            await front.close()
 
 
 async def test_presence_junk_is_refused_without_tracebacks(

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from turnrouter import (
+    MAX_SNAPSHOT_CONTAINERS,
     Admission,
     AgentRouter,
     AgentTurn,
@@ -568,6 +569,52 @@ def test_untrusted_records_are_quarantined_and_their_participant_starts_clean(
         assert after - before >= 3
 
     wire.call(main())
+
+
+def test_big_records_are_imported_and_too_many_objects_quarantined(wire: Wire) -> None:
+    """A record over 64 KiB (read off the event loop) is imported: its newest exchange
+    is the participant's history. A record holding more objects and arrays than
+    `MAX_SNAPSHOT_CONTAINERS` allows (17,000 tiny exchanges; 18,000 are past the
+    record's own bound) is quarantined before it is parsed, counted, and its participant
+    starts clean."""
+
+    async def main() -> None:
+        big, crowded, packed = fresh("big"), fresh("crowded"), fresh("packed")
+        history = [{"user": f"u{i}", "assistant": "a" * 300} for i in range(299)]
+        history.append({"user": "remembered", "assistant": "yes"})
+        record = state_json("old", [], json.dumps(
+            {"participant_id": big, "history": history}))
+        assert len(record) > 64 * 1024
+        await wire.kv.put(f"0.{encode_token(big)}", record)
+        for pid, count in ((crowded, 17_000), (packed, 18_000)):
+            tiny = ",".join(['{"user":"q","assistant":"a"}'] * count)
+            await wire.kv.put(f"0.{encode_token(pid)}", state_json(
+                "old", [], f'{{"participant_id":{json.dumps(pid)},"history":[{tiny}]}}'))
+        rejected = wire.watch.rejected
+        before = rejected.count("invalid"), rejected.count("invalid_snapshot")
+        assert await wire.ask(UserQuery(participant_id=big, text="hi")) == "hi|remembered|N"
+        for pid in (crowded, packed):
+            assert await wire.ask(UserQuery(participant_id=pid, text="hi")) == "hi|-|N"
+            assert (await wire.kv.get(f"quarantine.0.{encode_token(pid)}")).value
+        # The snapshot's own bound, then the record's (the snapshot's plus 1024).
+        assert (rejected.count("invalid"), rejected.count("invalid_snapshot")) == (
+            before[0] + 1, before[1] + 1)
+
+    wire.call(main())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.text(max_size=200), st.integers(1, 64), st.sampled_from(["{", "[", "{}", "[]"]))
+def test_records_over_the_containers_bound_are_refused_unparsed(
+        junk: str, extra: int, unit: str) -> None:
+    """A record with more `{` and `[` than the snapshot's bound plus 1024 (anywhere,
+    text included) is a ValueError naming the count, whatever else it holds."""
+    bound = MAX_SNAPSHOT_CONTAINERS + 1024
+    filler = unit * (bound + extra)  # one "{" or "[" per unit
+    for data in (f'{{"owner":"x"}}\n{filler}{junk}', f'{{"owner":{json.dumps(junk)},'
+                 f'"inflight":[]}}\n{{"participant_id":"p","focus":"{filler}"}}'):
+        with pytest.raises(ValueError, match=r"'\{' and '\['"):
+            parse_state(data.encode("utf-8", "surrogatepass"))
 
 
 ID = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=20)
