@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nats.aio.client import Client
+from nats.aio.client import DEFAULT_BUFFER_SIZE, Client
 from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 
@@ -602,22 +602,28 @@ def _yield_between_reads(nc: Client) -> None:
 
     nats-py's read loop parses what the socket holds, read after read, without returning
     to the loop while data is buffered (up to the transport's 256 KiB per wake-up: a
-    flood of small messages held the loop for hundreds of milliseconds). Each read is
-    now parsed in pieces with a return to the loop after each; a reconnect (which resets
-    the parser) ends the feeding of what the old connection sent."""
+    flood of small messages held the loop for hundreds of milliseconds). A read over
+    `_PARSE_PIECE` is now parsed in pieces with a return to the loop between them, and
+    after a full read; a reconnect (which resets the parser) ends the feeding of what
+    the old connection sent."""
     parser = nc._ps
     parse = parser.parse
 
     async def parse_in_pieces(data: bytes = b"") -> None:
-        for start in range(0, len(data), _PARSE_PIECE):
-            if start:
-                await asyncio.sleep(0)
-                if nc.is_reconnecting or nc.is_closed:
-                    return
-            await parse(data[start:start + _PARSE_PIECE])
-        if not data:
+        if len(data) <= _PARSE_PIECE:
             await parse(data)
-        await asyncio.sleep(0)
+        else:
+            for start in range(0, len(data), _PARSE_PIECE):
+                if start:
+                    await asyncio.sleep(0)
+                    if nc.is_reconnecting or nc.is_closed:
+                        return
+                await parse(data[start:start + _PARSE_PIECE])
+        if len(data) >= DEFAULT_BUFFER_SIZE:
+            # A full read: more may be buffered, which the read loop would take without
+            # returning to the loop. A shorter read drained the buffer (the next read
+            # waits), so the turns' small reads cost no extra step.
+            await asyncio.sleep(0)
 
     parser.parse = parse_in_pieces  # type: ignore[method-assign]
 
