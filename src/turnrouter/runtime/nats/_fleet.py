@@ -118,9 +118,11 @@ class Fleet:
         self._peers: dict[str, tuple[float, int]] = {}
         self._shed_after = time.monotonic() + 2 * config.failover_timeout
         #: Peers that were below their share when a partition was handed over and that
-        #: did not take it (it came back here): ignored for balance until they say they
-        #: own a partition (a name on the presence subject is no replica).
-        self._unverified: set[str] = set()
+        #: did not take it (it came back here), with until when they are ignored for
+        #: balance (a name on the presence subject is no replica; a real one that lost
+        #: the race for the partition gets another chance then), or until they say they
+        #: own a partition.
+        self._unverified: dict[str, float] = {}
         self._shed: dict[int, tuple[float, frozenset[str]]] = {}  # partition -> (when, to)
         self._backoff = SHED_BACKOFF_SECS
         self.predictors: list[TimingPredictor] = []
@@ -153,7 +155,16 @@ class Fleet:
     def _live(self, horizon: float) -> list[int]:
         """Partitions owned by each live peer that balance believes in."""
         return [owned for name, (seen, owned) in self._peers.items()
-                if seen >= horizon and name not in self._unverified]
+                if seen >= horizon and not self._doubted(name)]
+
+    def _doubted(self, name: str) -> bool:
+        until = self._unverified.get(name)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        del self._unverified[name]
+        return False
 
     def fair_share(self) -> int:
         """Partitions per live replica (rounded up): balance, not ownership."""
@@ -177,35 +188,51 @@ class Fleet:
         """Partition `n` was handed over for balance: the peers below their share then
         are who should take it (`taken_back` tells when none did)."""
         now = time.monotonic()
+        window = self._verify_window()
+        for old, (when, _) in list(self._shed.items()):
+            if now - when > window:  # not taken back: it went to a replica
+                del self._shed[old]
+                self._backoff = SHED_BACKOFF_SECS
         horizon, share = now - 3 * self._config.probe_interval, self.fair_share()
         below = frozenset(name for name, (seen, owned) in self._peers.items()
-                          if seen >= horizon and owned < share
-                          and name not in self._unverified)
+                          if seen >= horizon and owned < share and not self._doubted(name))
         self._shed[n] = (now, below)
         if len(self._shed) > self._config.partitions:  # bounded: one entry per partition
             del self._shed[next(iter(self._shed))]
 
     def taken_back(self, n: int) -> None:
         """This replica got partition `n` again. Soon after handing it over, no peer
-        took it: the peers that were below their share are not replicas (or cannot
-        pull); they are ignored for balance until they own a partition, counted
-        (`nats_presence`, `unverified`), and balance backs off (doubling, up to
-        `SHED_BACKOFF_MAX_SECS`), so names on the presence subject cannot keep a
-        partition moving."""
+        took it: the peers that were below their share are not replicas (or could not
+        pull in time); they are counted (`nats_presence`, `unverified`) and ignored for
+        balance for the backoff (10 s, doubling up to `SHED_BACKOFF_MAX_SECS`) or until
+        they own a partition, and balance hands nothing over meanwhile, so names on the
+        presence subject cannot keep partitions moving."""
         shed = self._shed.pop(n, None)
         if shed is None:
             return
         when, below = shed
         now = time.monotonic()
-        if now - when > SHED_VERIFY_FACTOR * self._config.failover_timeout + \
-                3 * self._config.probe_interval:
+        if now - when > self._verify_window():
             return  # long ago: a peer took it and gave it back, or died
-        if len(self._unverified) < _MAX_PEERS:
-            self._unverified.update(below)
-        for _ in below:
-            self._reject("nats_presence", "unverified")
-        self._shed_after = now + self._backoff
+        until = self._shed_after = now + self._backoff
         self._backoff = min(2 * self._backoff, SHED_BACKOFF_MAX_SECS)
+        for name in below:
+            if name in self._unverified or len(self._unverified) < _MAX_PEERS:
+                self._unverified[name] = until
+            self._reject("nats_presence", "unverified")
+
+    def handover_aborted(self) -> None:
+        """A busy partition's turns outlasted the handover's short wait: it stays here;
+        counted (`nats_presence`, `handover_aborted`), and balance backs off as after a
+        handover that came back."""
+        self._reject("nats_presence", "handover_aborted")
+        self._shed_after = time.monotonic() + self._backoff
+        self._backoff = min(2 * self._backoff, SHED_BACKOFF_MAX_SECS)
+
+    def _verify_window(self) -> float:
+        """How soon after a handover getting the partition back means nobody took it."""
+        return (SHED_VERIFY_FACTOR * self._config.failover_timeout
+                + 3 * self._config.probe_interval)
 
     async def pinned_elsewhere(self, n: int) -> bool:
         """Whether partition `n` has a pinned client (a replica at its share leaves it
@@ -237,8 +264,8 @@ class Fleet:
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
                 self._reject("nats_presence", "overflow")
                 return
-            if owned and replica in self._unverified:
-                self._unverified.discard(replica)  # it pulls: balance trusts it again
+            if owned:
+                self._unverified.pop(replica, None)  # it pulls: balance trusts it again
             self._peers[replica] = (time.monotonic(), owned)
 
     async def _probe_loop(self) -> None:

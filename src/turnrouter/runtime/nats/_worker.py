@@ -60,6 +60,9 @@ _RECONNECT_WAIT = 0.5  # seconds between reconnect attempts
 _BATCH = 256
 #: Fleet-subject callbacks between two returns to the event loop (a flood's bound).
 _YIELD_EVERY = 64
+#: Seconds balance waits for an owned partition with no turn running before it hands a
+#: busy one over (with a bounded wait for its turns, see `NatsWorker._shed`).
+_SHED_PATIENCE = 5.0
 #: Bytes of one socket read nats-py parses between two returns to the event loop.
 _PARSE_PIECE = 8192
 
@@ -127,6 +130,7 @@ class NatsWorker:
         self._pulling = True
         self._interrupt_pending = False
         self._interrupts_seen = 0
+        self._busy_since: float | None = None  # balance waits for an idle partition
         self._inboxes: list[_Inbox] = []
         self.ready = asyncio.Event()
 
@@ -297,12 +301,7 @@ class NatsWorker:
         says not to pull."""
         config = self.config
         share = self.fleet.fair_share()
-        if n in self._pins and len(self._pins) > share and not self._running_on(n) and (
-                self.fleet.may_shed()):
-            # Only a partition with no turn running: a handover waits for its turns,
-            # and a barge-in (or any input) behind it would wait as long.
-            await self._hand_over(n)
-            self.fleet.handed_over(n)
+        if n in self._pins and len(self._pins) > share and await self._shed(n):
             return
         if n not in self._pins and len(self._pins) >= share and (
                 await self.fleet.pinned_elsewhere(n)):
@@ -379,18 +378,47 @@ class NatsWorker:
         if status == "409":
             await asyncio.sleep(0.05)
 
+    async def _shed(self, n: int) -> bool:
+        """Balance: hand partition `n` over if a peer is below its share; True if it is
+        gone. A handover waits for the partition's turns, and its next input (a
+        barge-in, say) waits as long: a partition with no turn running goes first. Only
+        once none was idle for `_SHED_PATIENCE` seconds does a busy one go, waiting for
+        its turns at most `pull_expires` (the pin stays meanwhile); turns still running
+        then keep it here (counted `nats_presence`/`handover_aborted`, balance backs
+        off), so a barge-in waits at most that, whoever is on the presence subject."""
+        now = time.monotonic()
+        busy = self._running_on(n)
+        if not busy:
+            self._busy_since = None  # an idle partition: no busy one needs to go
+        elif self._busy_since is None or now - self._busy_since < _SHED_PATIENCE:
+            if self._busy_since is None:
+                self._busy_since = now
+            return False
+        if not self.fleet.may_shed():
+            return False
+        if not await self._hand_over(n, self.config.pull_expires if busy else None):
+            self.fleet.handover_aborted()
+            return False
+        self.fleet.handed_over(n)
+        return True
+
     def _running_on(self, n: int) -> bool:
         """Whether a turn of a participant of partition `n` runs here."""
         turns_of = self.inputs.turns_of
         return any(turns_of.of(pid) for pid in self.ledger.of_partition(n))
 
-    async def _hand_over(self, n: int) -> None:
+    async def _hand_over(self, n: int, wait: float | None = None) -> bool:
         """Give partition `n` away without failure text: let its turns finish (their
-        state is written), drop its participants, then unpin it for the next puller."""
+        state is written), drop its participants, then unpin it for the next puller.
+        With `wait`, turns still running after `wait` seconds keep the partition here
+        (False); else they get `drain_timeout`."""
         pids = self.ledger.of_partition(n)
         turns = [t for p in pids for t in self.inputs.turns_of.of(p) if not t.done()]
         if turns:
-            await asyncio.wait(turns, timeout=self.config.drain_timeout)
+            _, pending = await asyncio.wait(
+                turns, timeout=self.config.drain_timeout if wait is None else wait)
+            if pending and wait is not None:
+                return False
         self._pins.pop(n, None)
         self._set_owned()
         for pid in pids:
@@ -401,6 +429,7 @@ class NatsWorker:
                               f"{self.config.consumer(n)}", {"group": GROUP})
         if self._metrics is not None:
             self._metrics.partitions_lost.labels("handed_over").inc()
+        return True
 
     # ------------------------------------------------------------------ ownership
     async def _lose(self, n: int, how: str) -> None:
