@@ -148,8 +148,11 @@ async def _child(url: str, scenario: str, flood: int) -> dict[str, Any]:
             started = time.perf_counter()
             await front.publish(UserQuery(participant_id="bob", text="hello",
                                           message_id="q1"))
-            async with asyncio.timeout(60):
-                await heard.wait()
+            try:
+                async with asyncio.timeout(120):
+                    await heard.wait()
+            except TimeoutError:
+                result["timed_out"] = True
             result["wall_ms"] = (time.perf_counter() - started) * 1000
             result["snapshot_bytes"] = len(snapshot)
             result["quarantined"] = counted("invalid_snapshot", "nats_state") + counted(
@@ -280,7 +283,11 @@ def _round(tree: Path, url: str, scenario: str, flood: int) -> dict[str, Any]:
         if child.poll() is None:
             child.kill()
             child.wait()
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    lines = out.strip().splitlines()
+    if child.returncode or not lines:
+        return {"worst_gap_ms": float("nan"), "worst_cpu_gap_ms": float("nan"),
+                "peak_extra_tasks": 0, "failed": f"exit {child.returncode}"}
+    result: dict[str, Any] = json.loads(lines[-1])
     return result
 
 
