@@ -30,7 +30,7 @@ from ._setup import api_request
 from ._wire import NatsConfig, Rejected, parse_samples, samples_body
 
 __all__ = ["FLEET_PENDING_BYTES", "SAMPLE_BATCH", "SAMPLE_FLUSH_SECS", "Fleet",
-           "fleet_limits"]
+           "fleet_limits", "fleet_topic"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -42,12 +42,22 @@ _MAX_PEERS = 1024  # bound of the presence table (more peers are ignored for bal
 SHED_VERIFY_FACTOR = 4
 SHED_BACKOFF_SECS = 10.0
 SHED_BACKOFF_MAX_SECS = 300.0
+#: Seconds balance waits for an owned partition with no turn running before it hands a
+#: busy one over (waiting at most `pull_expires` for its turns).
+SHED_PATIENCE_SECS = 5.0
 
 #: Bytes a fleet subject's subscription (control, presence, timing) may hold unread,
 #: beside `NatsConfig.fleet_backlog` messages; past either nats-py drops what comes,
 #: counted `dropped` (a flood's bound: no backlog of 100,000 messages for the garbage
 #: collector to walk).
 FLEET_PENDING_BYTES = 8 * 1024 * 1024
+
+
+def fleet_topic(config: NatsConfig, subject: str) -> str:
+    """The rejected-messages topic of a fleet subject (`nats_other` for any other)."""
+    return {config.interrupt_all_subject: "nats_control",
+            f"{config.prefix}.presence": "nats_presence",
+            config.timing_subject: "nats_timing"}.get(subject, "nats_other")
 
 
 def fleet_limits(config: NatsConfig) -> dict[str, Any]:
@@ -125,6 +135,7 @@ class Fleet:
         self._unverified: dict[str, float] = {}
         self._shed: dict[int, tuple[float, frozenset[str]]] = {}  # partition -> (when, to)
         self._backoff = SHED_BACKOFF_SECS
+        self._busy_since: float | None = None  # since when every partition was busy
         self.predictors: list[TimingPredictor] = []
         self._samples: list[str] = []
         self._sample_bytes = 0
@@ -171,10 +182,19 @@ class Fleet:
         live = 1 + len(self._live(time.monotonic() - 3 * self._config.probe_interval))
         return -(-self._config.partitions // live)
 
-    def may_shed(self) -> bool:
+    def may_shed(self, busy: bool = False) -> bool:
         """Hand one surplus partition over when a live peer holds less than its share
-        (not while a handover that came back is being backed off)."""
+        (not while a handover that came back is being backed off). A handover waits for
+        the partition's turns, and its next input (a barge-in, say) as long: a `busy`
+        partition (a turn running) goes only once none was idle for
+        `SHED_PATIENCE_SECS` (and then waits at most `pull_expires` for its turns)."""
         now = time.monotonic()
+        if not busy:
+            self._busy_since = None  # an idle partition: no busy one needs to go
+        elif self._busy_since is None or now - self._busy_since < SHED_PATIENCE_SECS:
+            if self._busy_since is None:
+                self._busy_since = now
+            return False
         if now < self._shed_after:
             return False
         share = self.fair_share()

@@ -38,7 +38,7 @@ from ..._logging import log_failure
 from ..._router import AgentRouter
 from ..._timing import TimingPredictor, TimingSample
 from .._messages import Interrupted
-from ._fleet import Fleet, fleet_limits, valid_replica
+from ._fleet import Fleet, fleet_limits, fleet_topic, valid_replica
 from ._inputs import Inputs
 from ._ledger import Ledger, Participant
 from ._link import Link
@@ -60,9 +60,6 @@ _RECONNECT_WAIT = 0.5  # seconds between reconnect attempts
 _BATCH = 256
 #: Fleet-subject callbacks between two returns to the event loop (a flood's bound).
 _YIELD_EVERY = 64
-#: Seconds balance waits for an owned partition with no turn running before it hands a
-#: busy one over (with a bounded wait for its turns, see `NatsWorker._shed`).
-_SHED_PATIENCE = 5.0
 #: Bytes of one socket read nats-py parses between two returns to the event loop.
 _PARSE_PIECE = 8192
 
@@ -130,7 +127,6 @@ class NatsWorker:
         self._pulling = True
         self._interrupt_pending = False
         self._interrupts_seen = 0
-        self._busy_since: float | None = None  # balance waits for an idle partition
         self._inboxes: list[_Inbox] = []
         self.ready = asyncio.Event()
 
@@ -379,22 +375,11 @@ class NatsWorker:
             await asyncio.sleep(0.05)
 
     async def _shed(self, n: int) -> bool:
-        """Balance: hand partition `n` over if a peer is below its share; True if it is
-        gone. A handover waits for the partition's turns, and its next input (a
-        barge-in, say) waits as long: a partition with no turn running goes first. Only
-        once none was idle for `_SHED_PATIENCE` seconds does a busy one go, waiting for
-        its turns at most `pull_expires` (the pin stays meanwhile); turns still running
-        then keep it here (counted `nats_presence`/`handover_aborted`, balance backs
-        off), so a barge-in waits at most that, whoever is on the presence subject."""
-        now = time.monotonic()
+        """Balance: hand partition `n` over if a peer is below its share (True: gone).
+        A busy one waits at most `pull_expires` for its turns, else stays (`Fleet.
+        may_shed`), so its next input (a barge-in) waits at most that."""
         busy = self._running_on(n)
-        if not busy:
-            self._busy_since = None  # an idle partition: no busy one needs to go
-        elif self._busy_since is None or now - self._busy_since < _SHED_PATIENCE:
-            if self._busy_since is None:
-                self._busy_since = now
-            return False
-        if not self.fleet.may_shed():
+        if not self.fleet.may_shed(busy):
             return False
         if not await self._hand_over(n, self.config.pull_expires if busy else None):
             self.fleet.handover_aborted()
@@ -507,12 +492,8 @@ class NatsWorker:
     def _dropped(self, subject: str) -> None:
         """nats-py dropped a message of a fleet subject whose queue was full (a flood,
         `NatsConfig.fleet_backlog`): counted as `dropped` under the subject's topic."""
-        prefix = self.config.prefix
-        topic = {self.config.interrupt_all_subject: "nats_control",
-                 f"{prefix}.presence": "nats_presence",
-                 self.config.timing_subject: "nats_timing"}.get(subject, "nats_other")
         if self._router is not None:
-            self._router.report_rejected(topic, "dropped")
+            self._router.report_rejected(fleet_topic(self.config, subject), "dropped")
 
     async def _interrupt_all(self) -> None:
         self._interrupt_pending = False  # from here on, a new request needs a new pass
