@@ -129,6 +129,18 @@ def test_bad_config_names_the_field(field: str, value: object) -> None:
         NatsConfig(**{field: value})  # type: ignore[arg-type]
 
 
+@given(st.one_of(st.integers(-10, 2_000_000), st.integers(), st.floats(), st.booleans(),
+                 st.text(max_size=5), st.none()))
+def test_fleet_backlog_is_an_int_within_its_bound(value: object) -> None:
+    """`fleet_backlog` takes an int in 1..1,000,000; anything else (bools, floats, text,
+    huge ints) is a ConfigurationError naming the field."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1_000_000:
+        assert NatsConfig(fleet_backlog=value).fleet_backlog == value
+        return
+    with pytest.raises(ConfigurationError, match="fleet_backlog"):
+        NatsConfig(fleet_backlog=value)  # type: ignore[arg-type]
+
+
 def family_names(registry: CollectorRegistry) -> list[str]:
     return [family.name for family in registry.collect()]
 
