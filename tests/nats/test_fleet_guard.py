@@ -210,6 +210,51 @@ async def test_names_on_the_presence_subject_never_hold_a_barge_in(
             await front.close()
 
 
+async def test_a_busy_partition_is_handed_over_only_after_a_short_bounded_wait(
+        nats_server: NatsServer) -> None:
+    """Every partition has a turn running and 40 names claim no partition: balance
+    waits for an idle partition, then tries a busy one, waits at most `pull_expires`
+    for its turns, keeps it (counted `handover_aborted`) and backs off; no turn is cut
+    and a barge-in still ends its turn at once."""
+    async with serving(nats_server.url, drain_timeout=60.0) as running:
+        worker, nc = running.worker, running.nc
+        presence = f"{worker.config.prefix}.presence"
+
+        async def ghosts() -> None:  # a publisher's pace, not a wait for the worker
+            while True:
+                for i in range(40):
+                    await nc.publish(presence, json.dumps(
+                        {"replica": f"ghost-{i}", "owned": 0}).encode())
+                await asyncio.sleep(0.2)
+
+        front = await NatsFrontEnd.connect(worker.config)
+        haunting = asyncio.create_task(ghosts())
+        try:
+            pids = [f"busy-{i}" for i in range(10)]  # the server's hash: both partitions
+            for pid in pids:
+                await front.publish(UserQuery(participant_id=pid, text="slow story",
+                                              message_id=f"{pid}-1"))
+            await until_true(lambda: all(worker.inputs.turns_of.of(p) for p in pids),
+                             "every slow turn running")
+            partitions = {worker.ledger.people[p].partition for p in pids}
+            assert partitions == {0, 1}
+            turns = [t for p in pids for t in worker.inputs.turns_of.of(p)]
+            await running.until(1, REJECTED, topic="nats_presence",
+                                reason="handover_aborted")
+            assert worker.owned_partitions == frozenset({0, 1})
+            assert not any(turn.done() for turn in turns)
+            first = worker.inputs.turns_of.of(pids[0])
+            await front.publish(Interrupted(participant_id=pids[0],
+                                            message_id=f"{pids[0]}-stop"))
+            done, _ = await asyncio.wait(first, timeout=10)  # drain_timeout is 60 s
+            assert done == set(first)
+        finally:
+            haunting.cancel()
+            await asyncio.gather(haunting, return_exceptions=True)
+            await front.close()
+            await worker.router.interrupt(None)  # the slow turns: a stop waits for them
+
+
 async def test_presence_junk_is_refused_without_tracebacks(
         running: Running, caplog: pytest.LogCaptureFixture) -> None:
     """Infinity, NaN, deep nesting, long or odd names and impossible counts on
