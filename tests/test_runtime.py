@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import re
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turnrouter import (
     Admission,
@@ -270,6 +274,132 @@ async def test_interrupted_without_a_participant_cancels_every_turn() -> None:
     assert agents["weather"].cancelled == ["answer"]
     assert agents["conversation"].cancelled == ["answer"]
     assert router.history_of("p1") == () and router.history_of("p2") == ()
+
+
+# ---------------------------------------------------------------- superseded before start
+
+
+def superseded(observer: RecordingObserver) -> int:
+    return observer.events.count(("message_rejected", QUERY.name, "superseded"))
+
+
+async def test_a_query_superseded_before_its_task_started_is_dropped_unrun() -> None:
+    """The participant spoke again before the router started on its query: the older
+    query is dropped before any work (no turn, no decision, no answer), counted as
+    rejected (reason superseded); the newer one and other participants' are served."""
+    router, agents, observer = make_router()
+    old = UserQuery(participant_id="p1", text="first")
+    other = UserQuery(participant_id="p2", text="mine")
+    new = UserQuery(participant_id="p1", text="second")
+    await publish_and_drain(router, OUTPUT, (QUERY, old), (QUERY, other), (QUERY, new))
+    assert old.message_id not in observer.turns
+    assert observer.outcome(other.message_id) == "answer"
+    assert [call.query for call in agents["weather"].calls if call.method == "answer"] == [
+        "mine", "second"]
+    assert superseded(observer) == 1
+    assert observer.outcome(new.message_id) == "answer"
+    assert [e for e in observer.events if e[0] == "message_rejected"] == [
+        ("message_rejected", QUERY.name, "superseded")]
+
+
+async def test_a_started_query_is_left_to_the_router_to_supersede() -> None:
+    """A query whose turn already runs is not dropped: the newer turn interrupts it
+    (outcome interrupted), as without the runtime."""
+    router, agents, observer = make_router()
+    agent = agents["weather"]
+    agent.answer_gate = anyio.Event()
+    first = UserQuery(participant_id="p1", text="first")
+    second = UserQuery(participant_id="p1", text="second")
+    with anyio.fail_after(10):
+        async with AgentRuntime() as runtime:
+            runtime.register(router.runtime_subscriber())
+            await runtime.publish(QUERY, first)
+            await agent.answer_entered.wait()
+            agent.answer_gate = None
+            await runtime.publish(QUERY, second)
+    assert observer.outcome(first.message_id) == "interrupted"
+    assert observer.outcome(second.message_id) == "answer"
+    assert superseded(observer) == 0
+
+
+async def test_queued_queries_of_a_cancelled_runtime_leave_nothing_behind() -> None:
+    """The runtime cancels query tasks that never started (its body failed): nothing is
+    counted, no task outlives the exit, the dropped queries are freed, and the next
+    runtime serves the participant's next query (no stale entry supersedes it)."""
+    router, agents, observer = make_router()
+    before = asyncio.all_tasks()
+    queued = [UserQuery(participant_id="p1", text=f"q{n}") for n in range(3)]
+    gone = [weakref.ref(query) for query in queued]
+
+    async def fails(queries: list[UserQuery]) -> None:
+        async with AgentRuntime() as runtime:
+            runtime.register(router.runtime_subscriber())
+            for query in queries:
+                await runtime.publish(QUERY, query)
+            raise ValueError("body")
+
+    with anyio.fail_after(10), pytest.raises(ValueError, match="body"):
+        await fails(queued)
+    assert asyncio.all_tasks() == before
+    assert observer.turns == {} and superseded(observer) == 0
+    assert agents["weather"].calls == []
+    later = UserQuery(participant_id="p1", text="later")
+    await publish_and_drain(router, OUTPUT, (QUERY, later))
+    assert observer.outcome(later.message_id) == "answer"
+    del queued
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None, None]
+
+
+async def test_a_runtime_cancelled_while_the_newest_query_runs_drops_only_the_stale() -> None:
+    """Cancellation between the drop and the newer turn: the stale query was counted
+    once, the running newer one ends interrupted, and no task is left."""
+    router, agents, observer = make_router()
+    agent = agents["weather"]
+    agent.answer_gate = anyio.Event()
+    old = UserQuery(participant_id="p1", text="old")
+    new = UserQuery(participant_id="p1", text="new")
+    before = asyncio.all_tasks()
+    with anyio.fail_after(10):
+        async with AgentRuntime() as runtime:
+            runtime.register(router.runtime_subscriber())
+            await runtime.publish(QUERY, old)
+            await runtime.publish(QUERY, new)
+            await agent.answer_entered.wait()
+            runtime.cancel()
+    await router.stop()  # its load sampler
+    assert asyncio.all_tasks() == before
+    assert superseded(observer) == 1
+    assert old.message_id not in observer.turns
+    assert observer.outcome(new.message_id) == "interrupted"
+    assert agent.cancelled == ["answer"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(pids=st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=40),
+       batch=st.integers(min_value=1, max_value=8))
+def test_every_query_is_answered_superseded_or_interrupted_once(pids: list[str],
+                                                                batch: int) -> None:
+    """Any burst of queries (the publisher yielding every `batch` publications): each
+    ends exactly one way (answered, dropped as superseded, or interrupted by the
+    router), the counts balance, and each participant's last query is answered."""
+    router, _, observer = make_router()
+    queries = [UserQuery(participant_id=pid, text=f"q{n}") for n, pid in enumerate(pids)]
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            async with AgentRuntime(publish_batch=batch) as runtime:
+                runtime.register(router.runtime_subscriber())
+                for query in queries:
+                    await runtime.publish(QUERY, query)
+
+    anyio.run(main)
+    outcomes = {q.message_id: observer.outcome(q.message_id) for q in queries
+                if q.message_id in observer.turns}
+    assert set(outcomes.values()) <= {"answer", "interrupted"}
+    assert len(outcomes) + superseded(observer) == len(queries)
+    last = {query.participant_id: query.message_id for query in queries}
+    assert all(outcomes.get(m) == "answer" for m in last.values())
 
 
 async def test_trace_context_of_the_query_is_entered() -> None:

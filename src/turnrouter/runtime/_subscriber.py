@@ -82,8 +82,13 @@ class RouterSubscriber:
     """Delivers configured topics to an `AgentRouter` (see `AgentRouter.runtime_subscriber`).
 
     Queries run as runtime-owned background tasks, so one participant's turn never
-    blocks delivery for another; per-participant order is the router's. Malformed
-    messages are logged, counted and dropped; background failures are logged once.
+    blocks delivery for another; per-participant order is the router's. A query whose
+    task has not started when a newer query of the same participant arrives is dropped
+    before any work, as the router would supersede it anyway (counted as
+    `rejected{reason="superseded"}`, as the NATS worker does; under load the tasks wait
+    for a saturated loop, and running each stale one would cost a turn for nothing).
+    Malformed messages are logged, counted and dropped; background failures are logged
+    once.
 
     Args:
         router: The router the messages are delivered to.
@@ -103,6 +108,11 @@ class RouterSubscriber:
         self._emit: tuple[AgentRuntime, Any] | None = None
         #: The departures the runtime last delivering here waits for.
         self._departures: _Departing | None = None
+        #: Per participant, the newest query of the runtime last delivering here whose
+        #: task has not started yet (one entry per participant at most; a new runtime
+        #: starts a new map, so a task its runtime cancelled before it began leaves
+        #: nothing behind).
+        self._queued: tuple[AgentRuntime, dict[str, UserQuery]] | None = None
 
     @property
     def subscriptions(self) -> tuple[Topic[Any], ...]:
@@ -134,6 +144,12 @@ class RouterSubscriber:
         self._emit = (runtime, (emit, end))
         return emit, end
 
+    def _queued_of(self, runtime: AgentRuntime) -> dict[str, UserQuery]:
+        queued = self._queued
+        if queued is None or queued[0] is not runtime:
+            queued = self._queued = (runtime, {})
+        return queued[1]
+
     def _departing(self, runtime: AgentRuntime) -> _Departing:
         departing = self._departures
         if departing is None or departing.runtime is not runtime:
@@ -163,7 +179,8 @@ class RouterSubscriber:
                 # cost more than the refusal itself.
                 await self._run_query(payload, runtime)
                 return
-            runtime.start_soon(self._run_query, payload, runtime,
+            self._queued_of(runtime)[payload.participant_id] = payload
+            runtime.start_soon(self._start_query, payload, runtime,
                                name=f"turnrouter query {payload.message_id}")
         elif role == "participant_joined_topic":
             router.readmit(payload.participant_id)
@@ -183,6 +200,19 @@ class RouterSubscriber:
             await fn(*args)
         except Exception as exc:
             log_failure("runtime %s%r", exc, what, args, log=logger)
+
+    async def _start_query(self, query: UserQuery, runtime: AgentRuntime) -> None:
+        """A query's task: dropped unrun if a newer query of its participant arrived
+        before it started, else run."""
+        queued = self._queued_of(runtime)
+        pid = query.participant_id
+        newest = queued.get(pid)
+        if newest is query:
+            del queued[pid]
+        elif newest is not None:  # superseded before any work
+            self._router.report_rejected(self._topics["query_topic"].name, "superseded")
+            return
+        await self._run_query(query, runtime)
 
     async def _run_query(self, query: UserQuery, runtime: AgentRuntime) -> None:
         router = self._router
