@@ -84,11 +84,11 @@ class RouterSubscriber:
     Queries run as runtime-owned background tasks, so one participant's turn never
     blocks delivery for another; per-participant order is the router's. A query whose
     task has not started when a newer query of the same participant arrives is dropped
-    before any work, as the router would supersede it anyway (counted as
-    `rejected{reason="superseded"}`, as the NATS worker does; under load the tasks wait
-    for a saturated loop, and running each stale one would cost a turn for nothing).
-    Malformed messages are logged, counted and dropped; background failures are logged
-    once.
+    before any work, as the router would supersede it anyway: counted as
+    `rejected{reason="superseded"}`, as the NATS worker does (a publisher may deliver
+    several at once, e.g. a burst from a speech recogniser; running each stale one costs
+    a turn for nothing). Malformed messages are logged, counted and dropped; background failures
+    are logged once.
 
     Args:
         router: The router the messages are delivered to.
@@ -108,11 +108,11 @@ class RouterSubscriber:
         self._emit: tuple[AgentRuntime, Any] | None = None
         #: The departures the runtime last delivering here waits for.
         self._departures: _Departing | None = None
-        #: Per participant, the newest query of the runtime last delivering here whose
-        #: task has not started yet (one entry per participant at most; a new runtime
-        #: starts a new map, so a task its runtime cancelled before it began leaves
-        #: nothing behind).
-        self._queued: tuple[AgentRuntime, dict[str, UserQuery]] | None = None
+        #: Per participant with query tasks not started yet (of the runtime last
+        #: delivering here): its newest query and how many of those tasks wait. An entry
+        #: lives while its tasks wait; a new runtime starts a new map, so tasks a runtime
+        #: cancelled before they began leave nothing behind.
+        self._queued: tuple[AgentRuntime, dict[str, _Waiting]] | None = None
 
     @property
     def subscriptions(self) -> tuple[Topic[Any], ...]:
@@ -144,7 +144,7 @@ class RouterSubscriber:
         self._emit = (runtime, (emit, end))
         return emit, end
 
-    def _queued_of(self, runtime: AgentRuntime) -> dict[str, UserQuery]:
+    def _queued_of(self, runtime: AgentRuntime) -> dict[str, _Waiting]:
         queued = self._queued
         if queued is None or queued[0] is not runtime:
             queued = self._queued = (runtime, {})
@@ -179,7 +179,13 @@ class RouterSubscriber:
                 # cost more than the refusal itself.
                 await self._run_query(payload, runtime)
                 return
-            self._queued_of(runtime)[payload.participant_id] = payload
+            queued = self._queued_of(runtime)
+            waiting = queued.get(payload.participant_id)
+            if waiting is None:
+                queued[payload.participant_id] = _Waiting(payload)
+            else:
+                waiting.newest = payload
+                waiting.tasks += 1
             runtime.start_soon(self._start_query, payload, runtime,
                                name=f"turnrouter query {payload.message_id}")
         elif role == "participant_joined_topic":
@@ -206,12 +212,15 @@ class RouterSubscriber:
         before it started, else run."""
         queued = self._queued_of(runtime)
         pid = query.participant_id
-        newest = queued.get(pid)
-        if newest is query:
-            del queued[pid]
-        elif newest is not None:  # superseded before any work
-            self._router.report_rejected(self._topics["query_topic"].name, "superseded")
-            return
+        waiting = queued.get(pid)
+        if waiting is not None:
+            waiting.tasks -= 1
+            if not waiting.tasks:
+                del queued[pid]
+            if waiting.newest is not query:  # superseded before any work
+                self._router.report_rejected(self._topics["query_topic"].name,
+                                             "superseded")
+                return
         await self._run_query(query, runtime)
 
     async def _run_query(self, query: UserQuery, runtime: AgentRuntime) -> None:
@@ -238,6 +247,17 @@ class RouterSubscriber:
                 if reports:
                     with anyio.CancelScope(shield=True):  # idle even when cancelled
                         await router.report_status("idle", pid)
+
+
+class _Waiting:
+    """A participant's query tasks not started yet: its newest query and how many of
+    those tasks wait."""
+
+    __slots__ = ("newest", "tasks")
+
+    def __init__(self, newest: UserQuery) -> None:
+        self.newest = newest
+        self.tasks = 1
 
 
 class _Departing:
