@@ -397,16 +397,10 @@ async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
     for agent in agents.values():
         agent.router, agent.spawn = router, runtime.start_soon
     crowd = _Crowd(runtime, router, sample, config, rng)
-    heard: list[int] = [0]
-
-    async def count_output(message: ResponseOutput) -> None:
-        heard[0] += 1
-
     start = time.monotonic()
     try:
         async with runtime:
             runtime.register(router.runtime_subscriber())
-            runtime.subscribe(_Topics.output, count_output)
             async with anyio.create_task_group() as tg:
                 for slot in range(config.participants):
                     tg.start_soon(crowd.participant, slot)
