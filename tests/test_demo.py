@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import logging
 import math
@@ -250,3 +251,23 @@ def test_the_worker_setup_installs_the_global_provider_from_the_environment() ->
         if exporter == "console":
             assert "exporting spans to the console" in result.stdout
             assert "turnrouter-worker" in result.stdout
+
+
+async def test_the_demo_freezes_its_start_up_heap_while_it_runs_and_gives_it_back() -> None:
+    """Full collections skip the start-up heap during the run (as `turnrouter worker`
+    does); afterwards the process' collector is as it was."""
+    assert gc.get_freeze_count() == 0
+    frozen_at_collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            frozen_at_collections.append(gc.get_freeze_count())
+
+    gc.callbacks.append(seen)
+    try:
+        await run_demo(DemoConfig(duration=1.0, participants=20, speed=10.0,
+                                  progress=False, seed=5), out=io.StringIO())
+    finally:
+        gc.callbacks.remove(seen)
+    assert frozen_at_collections and max(frozen_at_collections) > 0
+    assert gc.get_freeze_count() == 0

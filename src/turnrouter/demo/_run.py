@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib
 import logging
 import os
@@ -397,6 +398,13 @@ async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
     for agent in agents.values():
         agent.router, agent.spawn = router, runtime.start_soon
     crowd = _Crowd(runtime, router, sample, config, rng)
+    # As `turnrouter worker` does once ready: the start-up heap (modules, the decision
+    # model, the sample) leaves the collector's full passes, which otherwise walk it all
+    # and stall every turn in flight (the p95 first response under load). Only when
+    # nothing is frozen yet, so the heap is given back as found.
+    frozen = gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
     start = time.monotonic()
     try:
         async with runtime:
@@ -412,6 +420,8 @@ async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
                 tg.cancel_scope.cancel()
             # Leaving the runtime drains the turns and departures still under way.
     finally:
+        if frozen:
+            gc.unfreeze()
         with anyio.CancelScope(shield=True):
             await router.stop()
     elapsed = time.monotonic() - start
