@@ -179,8 +179,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "Inputs refused before the router handled them, by topic (a runtime topic's name, "
         "nats_input, nats_timing, nats_control, nats_presence, nats_state, pipecat) and "
         "reason (invalid, wrong_type, closed, oversized, unknown_subject, not_owned, "
-        "overflow, coalesced, unknown_route, out_of_range, over_share, invalid_snapshot, "
-        "superseded).",
+        "overflow, coalesced, dropped, unverified, handover_aborted, unknown_route, "
+        "out_of_range, over_share, invalid_snapshot, superseded).",
         ("topic", "reason"),
     ),
     MetricSpec(
