@@ -8,6 +8,10 @@ times the step's multiple; `--speed` is the load one process serves (calibrate i
 step also runs the tree in `DIR` (e.g. `git worktree add ../base <the starting commit>`), and the
 two trees alternate step by step, round by round, so a noisy machine hits both alike.
 
+With `--cpu-clock` each demo's event loop runs on a clock that counts only the process'
+own CPU time and the waits it would have slept: a dedicated core on a shared machine,
+whatever else runs there (durations and rates are in that clock).
+
 `--cost` instead measures what admission control costs an unloaded router: the same
 turns through `AgentRouter.handle()` with `overload=None` and with the default policy,
 alternating, in one process (µs per turn, median of the rounds).
@@ -41,12 +45,40 @@ from turnrouter.telemetry import Telemetry
 
 #: Run inside the fresh interpreter (either tree): one demo run, its figures as JSON.
 CHILD = r"""
-import json, sys, anyio, io
+import asyncio, json, selectors, sys, time, anyio, io
 from turnrouter.demo import DemoConfig, run_demo
 from turnrouter.demo._report import histogram_quantile
 participants, speed, duration = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 fields = dict(duration=duration, participants=participants, speed=speed, progress=False)
-report = anyio.run(lambda: run_demo(DemoConfig(**fields), out=io.StringIO()))
+if sys.argv[4] == "cpu":
+    # A dedicated core, whatever else runs: the loop's clock is this process' CPU time
+    # plus the waits it would have slept (the demo does no I/O), and time.monotonic (the
+    # router's SystemClock, the demo's elapsed time) reads the same clock.
+    cpu = time.process_time
+
+    class Selector(selectors.DefaultSelector):
+        loop = None
+
+        def select(self, timeout=None):
+            ready = super().select(None if timeout is None else 0)
+            if not ready and timeout:
+                self.loop.offset += timeout
+            return ready
+
+    class Loop(asyncio.SelectorEventLoop):
+        def __init__(self):
+            selector, self.offset = Selector(), 0.0
+            super().__init__(selector)
+            selector.loop = self
+            time.monotonic = self.time
+
+        def time(self):
+            return cpu() + self.offset
+
+    with asyncio.Runner(loop_factory=Loop) as runner:
+        report = runner.run(run_demo(DemoConfig(**fields), out=io.StringIO()))
+else:
+    report = anyio.run(lambda: run_demo(DemoConfig(**fields), out=io.StringIO()))
 turns = report.turns
 answered = sum(v for (r, o), v in turns.items() if o in ("answer", "focus", "release"))
 print(json.dumps({
@@ -74,10 +106,11 @@ class Step:
     lost: int
 
 
-def run_step(tree: Path, participants: int, speed: float, duration: float) -> dict[str, float]:
+def run_step(tree: Path, participants: int, speed: float, duration: float,
+             clock: str = "wall") -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     done = subprocess.run([sys.executable, "-c", CHILD, str(participants), str(speed),
-                           str(duration)], env=env, capture_output=True, text=True,
+                           str(duration), clock], env=env, capture_output=True, text=True,
                           timeout=duration * 10 + 120, check=False)
     if done.returncode:
         raise RuntimeError(f"demo in {tree} at speed {speed} failed: {done.stderr[-2000:]}")
@@ -94,7 +127,8 @@ def measure(trees: dict[str, Path], args: argparse.Namespace) -> list[Step]:
                 order.reverse()
             for name, tree in order:
                 speed = args.speed * multiple
-                one = run_step(tree, args.participants, speed, args.duration)
+                one = run_step(tree, args.participants, speed, args.duration,
+                               "cpu" if args.cpu_clock else "wall")
                 runs.setdefault((name, multiple), []).append(one)
                 print(f"round {round_ + 1} {name:>5} x{multiple:g} (speed {speed:g}): "
                       f"{one['answered'] / one['elapsed']:.0f} answers/s, "
@@ -187,6 +221,9 @@ def main() -> None:
     parser.add_argument("--steps", type=lambda v: [float(x) for x in v.split(",")],
                         default=[0.5, 1.0, 2.0, 3.0, 4.0])
     parser.add_argument("--base", type=Path, help="the starting tree, run side by side")
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="run each demo on a clock of its own CPU time and idle waits "
+                             "(a dedicated core on a shared machine; durations in it)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()

@@ -211,3 +211,16 @@ def test_routing_benchmarks_read_the_shipped_clinc150_splits() -> None:
     assert sizes == {"train": 15_000, "val": 3_000, "oos_train": 100, "oos_val": 100}
     rows = bench_decisions._load(data / "val.jsonl")
     assert {row["domain"] for row in rows} == set(domains)
+
+
+def test_the_overload_step_runs_the_demo_on_its_own_cpu_clock() -> None:
+    """bench_overload --cpu-clock runs a step's demo in a fresh process on a clock of its
+    own CPU time and idle waits: the run lasts its duration on that clock, and every
+    published query is accounted for."""
+    import bench_overload
+
+    root = Path(__file__).resolve().parents[1]
+    figures = bench_overload.run_step(root, 20, 5.0, 1.0, "cpu")
+    assert figures["elapsed"] >= 1.0
+    assert figures["turns"] > 0 and figures["answered"] > 0
+    assert figures["lost"] == 0
