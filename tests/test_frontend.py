@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import anyio
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from turnrouter import (
+    MAX_HISTORY_VERSION,
     MAX_ID_CHARS,
     MAX_SNAPSHOT_BYTES,
     MAX_SNAPSHOT_CONTAINERS,
@@ -919,7 +921,7 @@ def test_a_snapshot_cannot_take_over_another_participants_patch(
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.sampled_from([2**63 - 1, 2**63 - 2]),
+@given(st.sampled_from([MAX_HISTORY_VERSION, MAX_HISTORY_VERSION - 1]),
        st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([-1.0, 1e300]))
 def test_export_never_fails_on_state_import_accepted(version: int, created_at: float) -> None:
     """A snapshot at the end of history_version's range is imported, takes a turn and
@@ -949,3 +951,79 @@ def test_export_never_fails_on_state_import_accepted(version: int, created_at: f
     h.router.import_participant(ParticipantSnapshot.from_json(data))
     exported = h.router.export_participant_json("p2")
     assert exported is not None and ParticipantSnapshot.from_json(exported).pending
+
+
+def _held(pid: str, patch_id: str, blob: int, **patch: Any) -> dict[str, Any]:
+    return {"patch_id": patch_id, "participant_id": pid, "task_id": "t", "created_at": 1.0,
+            "patch": {"task_id": "t", "facts": {"blob": "x" * blob} if blob else {},
+                      **patch}}
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 3000) | st.sampled_from([70_000, 900_000, 3_000_000]),
+                min_size=1, max_size=3),
+       st.booleans())
+def test_pending_patches_over_max_patch_bytes_are_refused_at_import(
+        blobs: list[int], bypass: bool) -> None:
+    """A snapshot whose pending patch is over `max_patch_bytes` serialized (the bound
+    `apply_context_patch` holds) is refused by `import_participant()`: a
+    `ContractValueError` naming the bound, counted as `limit="patch_bytes"`, nothing
+    installed, also when the snapshot skipped validation (`model_construct`). One within
+    the bound is imported, and its export imports again."""
+    limit = 2048
+    h = Harness(ScriptedAgent("conversation"), max_patch_bytes=limit)
+    data = json.dumps({"participant_id": "p1", "pending": [
+        _held("p1", f"x{index}", blob) for index, blob in enumerate(blobs)]})
+    snapshot = ParticipantSnapshot.from_json(data)
+    if bypass:
+        snapshot = ParticipantSnapshot.model_construct(**dict(snapshot))
+    sizes = [len(held.patch.model_dump_json().encode()) for held in snapshot.pending]
+    if max(sizes) > limit:
+        with pytest.raises(ContractValueError, match="max_patch_bytes"):
+            h.router.import_participant(snapshot)
+        assert h.router.export_participant("p1") is None
+        assert ("limit_exceeded", "patch_bytes") in h.observer.events
+        return
+    h.router.import_participant(snapshot)
+    exported = h.router.export_participant_json("p1")
+    assert exported is not None
+    h.router.import_participant(ParticipantSnapshot.from_json(exported))
+    assert len(h.router.pending_patches("p1")) == len(blobs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.datetimes(timezones=st.timezones() | st.just(timezone(timedelta(hours=-23,
+                                                                            minutes=-59)))),
+       st.sampled_from(["append", "replace", "human_gated"]))
+def test_a_patch_completed_at_any_time_exports_and_imports_again(
+        completed_at: datetime, strategy: str) -> None:
+    """A context patch may say it completed at any time a datetime holds (year 1 to
+    9999, any offset): merged (directly or approved), the participant still exports, and
+    the export imports again (its exchange's stamp is kept within the snapshot's bound)."""
+    h = Harness(ScriptedAgent("conversation"))
+
+    async def main() -> None:
+        await h.say()
+        patch = ContextPatch(task_id="t", completed_at=completed_at, digest=("done",))
+        held = await h.router.apply_context_patch("p1", patch, strategy)
+        if isinstance(held, PendingContextPatch):
+            await h.router.approve_patch(held.patch_id)
+
+    anyio.run(main)
+    exported = h.router.export_participant_json("p1")
+    assert exported is not None
+    again = ParticipantSnapshot.from_json(exported)
+    assert [item.patch is not None for item in again.history] == [False, True]
+    h.router.import_participant(again)
+
+
+@given(st.integers(MAX_HISTORY_VERSION + 1, 2**70) | st.integers(max_value=-1))
+def test_context_versions_past_their_bound_are_refused(version: int) -> None:
+    """`history_version` and `source_context_version` are 0..`MAX_HISTORY_VERSION`
+    (a version a JSON reader keeps exactly); others are refused naming the field."""
+    with pytest.raises(ContractValueError, match="history_version"):
+        ParticipantSnapshot.from_json(json.dumps({"participant_id": "p",
+                                                  "history_version": version}))
+    with pytest.raises(ContractValueError, match="source_context_version"):
+        ParticipantSnapshot.from_json(json.dumps({"participant_id": "p", "pending": [
+            _held("p", "x", 0, source_context_version=version)]}))

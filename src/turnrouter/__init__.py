@@ -15,6 +15,7 @@ from ._clock import Clock, SystemClock
 from ._context import RoutingTurnContext, current_turn_context
 from ._contracts import (
     CLARIFY,
+    MAX_HISTORY_VERSION,
     MAX_ID_CHARS,
     Admission,
     AgentExchange,
@@ -74,6 +75,7 @@ from ._timing import (
 
 __all__ = [
     "CLARIFY",
+    "MAX_HISTORY_VERSION",
     "MAX_ID_CHARS",
     "MAX_SNAPSHOT_BYTES",
     "MAX_SNAPSHOT_CONTAINERS",

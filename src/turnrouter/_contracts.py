@@ -46,6 +46,11 @@ POLICY_RATIONALE = "policy:"
 #: Largest accepted `timestamp_us`: nanoseconds derived from it still fit a signed
 #: 64-bit integer (telemetry timestamps), i.e. until the year 2262.
 MAX_TIMESTAMP_US = (2**63 - 1) // 1000
+#: Largest context version (`ParticipantSnapshot.history_version`,
+#: `ContextPatch.source_context_version`): the largest integer a JSON reader keeps
+#: exactly (2^53 - 1). A participant's history version wraps to 0 past it, so what an
+#: import accepts the live path keeps writing and the next import accepts.
+MAX_HISTORY_VERSION = 2**53 - 1
 
 #: Longest accepted `AgentTurn.participant_id` / `turn_id`, in characters. Retained
 #: exchanges keep their turn id outside the history's byte budget, so unbounded ids would

@@ -17,7 +17,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticSerializationError
 
-from ._contracts import MAX_ID_CHARS, MAX_TIMESTAMP_US, DestinationResult
+from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, MAX_TIMESTAMP_US, DestinationResult
 from ._exceptions import ContractTypeError, ContractValueError
 from ._lifecycle import OwnedOperation
 from ._patches import ContextPatch, MergeStrategy, PendingContextPatch
@@ -138,7 +138,7 @@ class ParticipantSnapshot(BaseModel):
     participant_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     focus: str | None = None
     history: tuple[SnapshotExchange, ...] = ()
-    history_version: int = Field(default=0, ge=0, le=2**63 - 1)
+    history_version: int = Field(default=0, ge=0, le=MAX_HISTORY_VERSION)
     used: tuple[str, ...] = ()
     pending: tuple[PendingContextPatch, ...] = ()
     initialized: bool = False

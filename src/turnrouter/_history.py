@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._contracts import AgentExchange
+from ._contracts import MAX_HISTORY_VERSION, AgentExchange
 from ._patches import EMPTY_CONTEXT_HASH, PatchExchangeId, context_hash
 
 __all__ = ["History", "Meta", "MetaView", "view_items"]
@@ -27,7 +27,7 @@ def view_items(view: MetaView) -> list[Meta]:
     items, start, end = view
     return items[start:end]
 
-_MAX_VERSION = 2**63 - 1  # ParticipantSnapshot.history_version's bound
+_MAX_VERSION = MAX_HISTORY_VERSION  # ParticipantSnapshot.history_version's bound
 
 
 class History:
@@ -113,7 +113,7 @@ class History:
             index -= 1
         dropped = index if len(kept) == room else 0
         kept.reverse()
-        self.version += len(exchanges)
+        self.version = (self.version + len(exchanges)) % (_MAX_VERSION + 1)
         self.exchanges = tuple(exchange for exchange, _ in kept)
         meta = self._meta = [(None, None, size) for _, size in kept]
         self._start, self.total = 0, total
@@ -131,8 +131,9 @@ class History:
         `extra_bytes` counts a payload kept with the exchange (a patch's facts and
         artifacts) against the budget. Returns how many the count bound dropped.
         """
-        # Wraps at the snapshot's bound (2^63 - 1, reachable only by an imported
-        # snapshot), so the next export still validates: the version only has to change.
+        # Wraps at the snapshot's bound (MAX_HISTORY_VERSION, reachable only by an
+        # imported snapshot), so the next export and import still validate: the version
+        # only has to change.
         self.version = self.version + 1 if self.version < _MAX_VERSION else 0
         meta = self._meta
         self.prev_exchanges = self.exchanges

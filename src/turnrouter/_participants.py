@@ -6,7 +6,7 @@ import enum
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from ._contracts import AgentExchange
+from ._contracts import MAX_HISTORY_VERSION, AgentExchange
 from ._exceptions import ContractValueError, LifecycleError
 from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch
 from ._history import History, Meta, view_items
@@ -17,6 +17,7 @@ from ._patches import (
     PatchExchangeId,
     PendingContextPatch,
     patch_payload_bytes,
+    patch_size_bytes,
 )
 from ._redact import preview
 
@@ -35,7 +36,7 @@ class Phase(enum.Enum):
     FAILED = "cleanup failed"
 
 
-_MAX_VERSION = 2**63 - 1  # ParticipantSnapshot.history_version's bound
+_MAX_VERSION = MAX_HISTORY_VERSION  # ParticipantSnapshot.history_version's bound
 
 
 class Participant:
@@ -198,6 +199,16 @@ class Registry:
             raise ContractValueError(
                 f"participant snapshot of {pid!r} holds {len(snapshot.pending)} pending "
                 f"patches, over max_pending_patches ({limit}); import_participant() refused")
+        limit = self._cfg.max_patch_bytes
+        for held in snapshot.pending:  # the bound apply_context_patch() holds
+            size = patch_size_bytes(held.patch)
+            if size > limit:
+                self._cfg.overflows.report("patch_bytes", f"a snapshot's pending patch of "
+                                           f"{size} bytes refused")
+                raise ContractValueError(
+                    f"participant snapshot of {preview(pid)} holds a pending patch of {size} "
+                    f"bytes serialized, over max_patch_bytes ({limit}); "
+                    "import_participant() refused")
         limit = self._cfg.max_participants
         if current is None and len(self.participants) >= limit:
             self._cfg.overflows.report("participants", f"an imported participant refused: "

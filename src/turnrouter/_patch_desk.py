@@ -18,7 +18,7 @@ from ._config import (
     RouterConfig,
     check_callable,
 )
-from ._contracts import AgentTurn, _exchange
+from ._contracts import MAX_TIMESTAMP_US, AgentTurn, _exchange
 from ._exceptions import ContractTypeError, ContractValueError, LifecycleError
 from ._history import History, view_items
 from ._logging import log_failure
@@ -213,11 +213,14 @@ class PatchDesk:
             strategy=strategy, diverged=patch.context_diverged, patch=patch,
             exchange_id=f"patch:{patch.task_id}",
         )
+        # Within the snapshot's stamp bound: a patch may say it completed up to year
+        # 9999, and the next export must still validate.
         stamp = int(patch.completed_at.timestamp() * 1_000_000)
         dropped = state.history.add_background(
             _exchange(patch_user_text(patch.task_id, patch.context_diverged),
                       "\n".join(patch.digest)),
-            PatchExchangeId(applied), max(stamp, 0), patch_payload_bytes(patch),
+            PatchExchangeId(applied), min(max(stamp, 0), MAX_TIMESTAMP_US),
+            patch_payload_bytes(patch),
             replace=strategy is MergeStrategy.REPLACE,
         )
         if dropped:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ._context import _current
-from ._contracts import AgentExchange
+from ._contracts import MAX_HISTORY_VERSION, AgentExchange
 from ._exceptions import ContractValueError, PendingPatchLimitError, UnknownPatchError
 
 __all__ = [
@@ -62,7 +62,8 @@ class ContextPatch(BaseModel):
     spawned_from_event_id: str | None = Field(
         default=None, description="Turn id of the foreground turn that spawned the task.")
     source_context_version: int | None = Field(
-        default=None, ge=0, description="Context version the task branched from.")
+        default=None, ge=0, le=MAX_HISTORY_VERSION,
+        description="Context version the task branched from.")
     source_context_hash: str | None = Field(
         default=None, min_length=1, description="Context hash the task branched from.")
     context_diverged: bool = Field(

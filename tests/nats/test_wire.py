@@ -21,12 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from turnrouter import (
     MAX_SNAPSHOT_CONTAINERS,
+    MAX_HISTORY_VERSION,
     Admission,
     AgentRouter,
     AgentTurn,
@@ -58,6 +60,7 @@ from turnrouter.runtime.nats import (
     decode_token,
     encode_token,
     parse_input,
+    parse_record,
     parse_samples,
     parse_state,
     samples_body,
@@ -556,21 +559,27 @@ def test_unreadable_records_start_their_participant_afresh(wire: Wire,
 def test_untrusted_records_are_quarantined_and_their_participant_starts_clean(
         wire: Wire) -> None:
     """Alice's snapshot in mallory's record, 45,000 turns in flight, a history_version
-    at the type's end: each record is set aside under `quarantine.<key>` and counted
-    (`nats_state`); its participant starts clean, no failure text is published for the
-    in-flight ids, alice keeps her own history, and later turns work."""
+    past `MAX_HISTORY_VERSION`, a pending patch over `max_patch_bytes`: each record is
+    set aside under `quarantine.<key>` and counted (`nats_state`); its participant
+    starts clean, no failure text is published for the in-flight ids, alice keeps her
+    own history, and later turns work."""
 
     async def main() -> None:
         alice, mallory, crowd, maxed = fresh("alice"), fresh("mallory"), fresh(), fresh()
+        patched = fresh()
         assert await wire.ask(UserQuery(participant_id=alice, text="secret")) \
             == "secret|-|N"
         await wire.kv.put(f"0.{encode_token(mallory)}", await wire.record(alice))
         await wire.kv.put(f"0.{encode_token(crowd)}",
                           state_json("old", [f"t{i}" for i in range(45_000)], None))
-        await wire.kv.put(f"0.{encode_token(maxed)}", state_json("old", [], (
-            ParticipantSnapshot(participant_id=maxed, history_version=2**63 - 1).to_json())))
+        await wire.kv.put(f"0.{encode_token(maxed)}", state_json("old", [], json.dumps(
+            {"participant_id": maxed, "history_version": MAX_HISTORY_VERSION + 1})))
+        held = {"patch_id": "big", "participant_id": patched, "task_id": "t",
+                "created_at": 1.0, "patch": {"task_id": "t", "facts": {"x": "x" * 70_000}}}
+        await wire.kv.put(f"0.{encode_token(patched)}", state_json("old", [], json.dumps(
+            {"participant_id": patched, "pending": [held]})))
         before = sum(1 for r in wire.watch.rejected if r in ("invalid", "invalid_snapshot"))
-        for pid in (mallory, crowd, maxed):
+        for pid in (mallory, crowd, maxed, patched):
             assert await wire.ask(UserQuery(participant_id=pid, text="hi")) == "hi|-|N"
             assert await wire.ask(UserQuery(participant_id=pid, text="2")) == "2|hi|F"
             quarantined = await wire.kv.get(f"quarantine.0.{encode_token(pid)}")
@@ -578,7 +587,33 @@ def test_untrusted_records_are_quarantined_and_their_participant_starts_clean(
         assert "t1" not in wire.heard and "t44999" not in wire.heard
         assert await wire.ask(UserQuery(participant_id=alice, text="me")) == "me|secret|F"
         after = sum(1 for r in wire.watch.rejected if r in ("invalid", "invalid_snapshot"))
-        assert after - before >= 3
+        assert after - before >= 4
+        assert ("limit_exceeded", "patch_bytes") in wire.watch.events
+
+    wire.call(main())
+
+
+def test_a_record_at_the_version_bound_keeps_its_history_across_owners(wire: Wire) -> None:
+    """A record at `MAX_HISTORY_VERSION` is imported; after two turns the version has
+    wrapped and the record its worker writes is one the next owner imports (history
+    intact), instead of being quarantined at the next move."""
+    pid = fresh()
+
+    async def main() -> None:
+        snapshot = {"participant_id": pid, "focus": "echo", "used": ["echo"],
+                    "initialized": True, "history_version": MAX_HISTORY_VERSION,
+                    "history": [{"user": "earlier", "assistant": "x", "turn_id": "old"}]}
+        await wire.kv.put(f"0.{encode_token(pid)}", state_json("gone", [], json.dumps(
+            snapshot)))
+        assert await wire.ask(UserQuery(participant_id=pid, text="a")) == "a|earlier|F"
+        assert await wire.ask(UserQuery(participant_id=pid, text="b")) == "b|a|F"
+        record = parse_record(await wire.record(pid))
+        assert record.snapshot is not None
+        moved = ParticipantSnapshot.from_json(record.snapshot)  # what a new owner reads
+        assert moved.history_version == 1
+        assert [item.user for item in moved.history] == ["earlier", "a", "b"]
+        with pytest.raises(KeyNotFoundError):
+            await wire.kv.get(f"quarantine.0.{encode_token(pid)}")
 
     wire.call(main())
 

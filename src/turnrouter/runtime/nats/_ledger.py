@@ -28,7 +28,6 @@ from ._metrics import RuntimeMetrics
 from ._wire import (
     MAX_ENDED,
     MAX_STATE_BYTES,
-    MAX_STATE_HISTORY_VERSION,
     MAX_STATE_INFLIGHT,
     MAX_STATE_OUTBOX,
     Ending,
@@ -102,9 +101,6 @@ def _read(value: bytes, pid: str) -> tuple[StateRecord, ParticipantSnapshot
         if parsed.participant_id != pid:  # alice's snapshot in mallory's record
             raise ContractValueError("the snapshot's participant_id is not the record's "
                                      "participant")
-        if parsed.history_version > MAX_STATE_HISTORY_VERSION:
-            raise ContractValueError("the snapshot's history_version is over "
-                                     "MAX_STATE_HISTORY_VERSION")
     except ContractValueError as exc:
         return record, exc
     return record, parsed

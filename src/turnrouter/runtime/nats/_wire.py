@@ -460,9 +460,6 @@ MAX_STATE_OUTBOX = 64
 #: Objects and arrays a record may hold (its `{` and `[` characters): the snapshot's
 #: own bound plus room for the header's in-flight ids, endings and ended ids.
 MAX_STATE_CONTAINERS = MAX_SNAPSHOT_CONTAINERS + 1024
-#: A snapshot's `history_version` read from a record is at most this: a version near
-#: the type's end would make every later exchange of the participant fail.
-MAX_STATE_HISTORY_VERSION = 2**53
 
 
 def parse_state(data: bytes) -> tuple[list[str], str | None, list[Ending]]:
