@@ -16,7 +16,7 @@ from turnrouter.runtime.nats import NatsConfig, NatsWorker, WorkerContext, sampl
 from turnrouter.telemetry import Telemetry
 
 from .app import Always, Echo
-from .conftest import NatsServer, metric_value
+from .conftest import NatsServer, metric_value, until_true
 
 pytestmark = pytest.mark.anyio
 
@@ -146,6 +146,42 @@ async def test_a_lone_sample_is_sent_within_the_flush_interval(
     assert TimingSample.from_json(body.decode()).route == "alone"
 
 
+async def announce(nc: nats.aio.client.Client, running: Running) -> None:
+    """`PEER` says it is live on presence (fleet samples of no live replica are refused)."""
+    await nc.publish(f"{NatsConfig().prefix}.presence",
+                     b'{"replica": "peer", "owned": 0}')
+    await nc.flush()
+    partitions = NatsConfig().partitions
+    await until_true(lambda: running.worker.fleet.fair_share() < partitions,
+                     "the peer is live")
+
+
+async def test_fleet_samples_far_from_the_replicas_own_are_refused(
+        nats_server: NatsServer, running: Running) -> None:
+    """Once this replica measured a route itself (4 recent samples), a fleet sample more
+    than 8x away from the median of its own is refused (`outlier`): the fleet cannot
+    move what a replica measures; samples within the band are learned."""
+    assert running.ctx is not None
+    for seconds in (0.4, 0.5, 0.5, 0.6):
+        running.ctx.timing_sink.record(sample("good", seconds))
+    nc = await nats.connect(nats_server.url)
+    try:
+        await announce(nc, running)
+        body = samples_body([sample("good", seconds).to_json()
+                             for seconds in (0.5, 3.9, 4.1, 500.0, 0.06, 0.3)])
+        await nc.publish(NatsConfig().timing_subject, body, headers=PEER)
+        await nc.publish(NatsConfig().timing_subject, sample("sentinel").to_json().encode(),
+                         headers=PEER)
+        async with asyncio.timeout(10):
+            await running.learner.arrived.wait()
+    finally:
+        await nc.close()
+    assert [(s.route, s.seconds) for s in running.learner.learned] == [
+        ("good", 0.5), ("good", 3.9), ("good", 0.3), ("sentinel", 0.25)]
+    assert running.value("turnrouter_runtime_rejected_messages_total",
+                         'reason="outlier",topic="nats_timing"') == 3
+
+
 async def test_junk_on_the_timing_subject_is_refused_line_by_line(
         nats_server: NatsServer, running: Running) -> None:
     """Non-UTF-8, oversized and malformed messages are refused and counted; in a batch
@@ -155,6 +191,7 @@ async def test_junk_on_the_timing_subject_is_refused_line_by_line(
     nc = await nats.connect(nats_server.url)
     good = [sample("good", 0.5).to_json(), sample("good", 1.5).to_json()]
     try:
+        await announce(nc, running)
         for body in (b"\xff\xfe", b"x" * (config.max_message_bytes + 1), b"[1, 2]",
                      samples_body([good[0], "{not json", '{"route": "", "seconds": 1}',
                                    "[" * 10_000, good[1], ""]),

@@ -276,13 +276,31 @@ async def test_presence_junk_is_refused_without_tracebacks(
     assert running.worker.fleet.fair_share() == 2
 
 
+async def announce(running: Running, *names: str) -> None:
+    """Put `names` on presence as live replicas (as a worker-credentialed liar can) and
+    wait until the worker counts them all (at most 15: its 16 partitions' share is 1)."""
+    for name in names:
+        await running.nc.publish(f"{running.worker.config.prefix}.presence",
+                                 json.dumps({"replica": name, "owned": 0}).encode())
+    share = -(-running.worker.config.partitions // (1 + len(names)))
+    await running.nc.flush()
+    await until_true(lambda: running.worker.fleet.fair_share() == share,
+                     f"{len(names)} names on presence")
+
+
 async def test_timing_samples_are_range_checked_and_weighted_per_publisher(
         running: Running) -> None:
-    """Fleet samples naming unknown routes or out-of-range seconds are refused; one
-    publisher flooding a route is held to its share (the floor, with no other samples);
-    a message without its publisher's name is refused."""
+    """Fleet samples of a publisher no live replica announces on presence are refused
+    (`unknown_publisher`, before parsing); of an announced one, samples naming unknown
+    routes or out-of-range seconds are refused; one publisher flooding a route is held
+    to its share (the floor, with no other samples); a message without its publisher's
+    name is refused."""
     subject = running.worker.config.timing_subject
     headers = {"Turnrouter-Replica": "mallory"}
+    forged = [TimingSample("echo", 0.001).to_json() for _ in range(64)]
+    await running.nc.publish(subject, samples_body(forged), headers=headers)
+    await running.until(1, REJECTED, topic="nats_timing", reason="unknown_publisher")
+    await announce(running, "mallory")
     bad = [TimingSample(f"fake-{i}", 0.5).to_json() for i in range(256)]
     await running.nc.publish(subject, samples_body(bad), headers=headers)
     await running.until(256, REJECTED, topic="nats_timing", reason="unknown_route")
@@ -290,7 +308,6 @@ async def test_timing_samples_are_range_checked_and_weighted_per_publisher(
         [TimingSample("echo", 1e300).to_json(), TimingSample("echo", 0.0).to_json()]),
         headers=headers)
     await running.until(2, REJECTED, topic="nats_timing", reason="out_of_range")
-    forged = [TimingSample("echo", 0.001).to_json() for _ in range(64)]
     await running.nc.publish(subject, samples_body(forged), headers=headers)
     received = "turnrouter_nats_timing_samples_total"
 
@@ -304,6 +321,34 @@ async def test_timing_samples_are_range_checked_and_weighted_per_publisher(
     assert kept + refused == 64 and kept <= 2 * 8
     await running.nc.publish(subject, samples_body(forged[:1]))  # no publisher header
     await running.until(1, REJECTED, topic="nats_timing", reason="invalid")
+    assert running.value(REJECTED, topic="nats_timing", reason="unknown_publisher") == 1
+
+
+async def test_rotating_publisher_names_cannot_outweigh_the_replica(
+        running: Running) -> None:
+    """A liar announcing 15 names on presence and publishing 64 samples under each gets
+    no more of a route's samples learned than the floor (8 per 10 s window, 16 if a
+    window ends meanwhile) while this replica measured none itself: the fleet as a whole
+    is capped (`fleet_share`), whatever names it uses."""
+    names = [f"liar{k}" for k in range(15)]
+    await announce(running, *names)
+    body = samples_body([TimingSample("echo", 500.0).to_json() for _ in range(64)])
+    for name in names:
+        await running.nc.publish(running.worker.config.timing_subject, body,
+                                 headers={"Turnrouter-Replica": name})
+    received = "turnrouter_nats_timing_samples_total"
+
+    def seen() -> float:
+        return running.value(received, direction="received") + sum(
+            running.value(REJECTED, topic="nats_timing", reason=reason)
+            for reason in ("over_share", "fleet_share"))
+
+    await running.nc.flush()
+    await until_true(lambda: seen() >= 64 * len(names), "every sample kept or refused")
+    assert running.value(received, direction="received") <= 2 * 8
+    # The first name is held by its own share (`over_share`); the others by the fleet's.
+    assert running.value(REJECTED, topic="nats_timing", reason="fleet_share") >= (
+        64 * (len(names) - 2))
 
 
 JSONISH = st.recursive(

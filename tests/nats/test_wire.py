@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from turnrouter import (
-    MAX_SNAPSHOT_CONTAINERS,
     MAX_HISTORY_VERSION,
+    MAX_SNAPSHOT_CONTAINERS,
     Admission,
     AgentRouter,
     AgentTurn,

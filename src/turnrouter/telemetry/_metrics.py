@@ -180,7 +180,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "nats_input, nats_timing, nats_control, nats_presence, nats_state, pipecat) and "
         "reason (invalid, wrong_type, closed, oversized, unknown_subject, not_owned, "
         "overflow, coalesced, dropped, unverified, handover_aborted, unknown_route, "
-        "out_of_range, over_share, invalid_snapshot, superseded).",
+        "out_of_range, over_share, fleet_share, outlier, unknown_publisher, invalid_snapshot, "
+        "superseded).",
         ("topic", "reason"),
     ),
     MetricSpec(

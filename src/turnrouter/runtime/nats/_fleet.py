@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Container, Coroutine, Mapping
 from typing import Any
 
@@ -80,6 +81,20 @@ SAMPLE_SHARE = 0.5
 SAMPLE_FLOOR = 8
 #: Distinct sample publishers tracked per window (more are refused as `overflow`).
 MAX_SAMPLE_PUBLISHERS = 64
+#: A publisher's name is only what it says (`Turnrouter-Replica`), so these hold
+#: whatever names a worker-credentialed liar uses: per route and window, the fleet's
+#: samples (every publisher together) stay below this replica's own plus SAMPLE_FLOOR;
+#: and a fleet sample farther than ANCHOR_FACTOR times from the median of this replica's
+#: own recent first responses of the route (its last ANCHOR_SAMPLES, younger than
+#: ANCHOR_SECS, once it has ANCHOR_MIN) is refused, so the fleet cannot move what a
+#: replica measures itself.
+ANCHOR_FACTOR = 8.0
+ANCHOR_SAMPLES = 16
+ANCHOR_MIN = 4
+ANCHOR_SECS = 60.0
+#: Both the anchor and a sample compared with it count as at least this: first responses
+#: faster than 10 ms are all alike to the predictor's histogram.
+ANCHOR_FLOOR_SECS = 0.01
 #: Presence messages longer than this are refused; replica names are 1..64 characters.
 MAX_PRESENCE_BYTES = 256
 _REPLICA_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -146,6 +161,8 @@ class Fleet:
         self.routes: Callable[[], Mapping[str, Any] | Container[str]] = dict
         self._window_start = time.monotonic()
         self._shares: dict[str, dict[str, int]] = {}
+        #: Per route, this replica's own recent samples: (monotonic time, seconds).
+        self._own: dict[str, deque[tuple[float, float]]] = {}
         sent = received = dropped = None
         if metrics is not None:
             samples = metrics.timing_samples
@@ -312,7 +329,13 @@ class Fleet:
             if self._dropped is not None:
                 self._dropped.inc()
             return
-        self._admit(self._replica, sample.route, time.monotonic())  # our own share
+        now = time.monotonic()
+        self._admit(self._replica, sample.route, now)  # our own share
+        own = self._own.get(sample.route)
+        if own is None and len(self._own) < 4 * MAX_SAMPLE_PUBLISHERS:
+            own = self._own[sample.route] = deque(maxlen=ANCHOR_SAMPLES)
+        if own is not None:
+            own.append((now, sample.seconds))
         line = sample.to_json()
         size = len(line) + 1
         if self._samples and self._sample_bytes + size > self._config.max_message_bytes:
@@ -374,6 +397,9 @@ class Fleet:
             self._reject("nats_timing", "invalid")  # who sent it decides its weight
             return
         assert isinstance(publisher, str)
+        if not self._announced(publisher):
+            self._reject("nats_timing", "unknown_publisher")  # before parsing: cheap
+            return
         try:
             samples, errors = parse_samples(self._config, msg.data)
         except Rejected as exc:
@@ -386,14 +412,23 @@ class Fleet:
             for _ in errors:
                 self._reject("nats_timing", "invalid")
         routes, now = self.routes(), time.monotonic()
+        anchors: dict[str, float | None] = {}
         kept = []
         for sample in samples:
-            if sample.route not in routes:
+            route = sample.route
+            if route not in routes:
                 reason = "unknown_route"  # the route table holds this fleet's routes only
             elif not 0 < sample.seconds <= MAX_SAMPLE_SECS:
                 reason = "out_of_range"
             else:
-                reason = self._admit(publisher, sample.route, now)
+                anchor = anchors[route] if route in anchors else anchors.setdefault(
+                    route, self._anchor(route, now))
+                seconds = max(sample.seconds, ANCHOR_FLOOR_SECS)
+                if anchor is not None and not (anchor / ANCHOR_FACTOR <= seconds
+                                               <= anchor * ANCHOR_FACTOR):
+                    reason = "outlier"
+                else:
+                    reason = self._admit(publisher, route, now)
             if reason:
                 self._reject("nats_timing", reason)
             else:
@@ -419,8 +454,31 @@ class Fleet:
         if publisher not in counts and len(counts) >= MAX_SAMPLE_PUBLISHERS:
             return "overflow"
         total = sum(counts.values())
-        if publisher != self._replica and mine >= max(
-                SAMPLE_FLOOR, SAMPLE_SHARE * (total + 1)):
-            return "over_share"
+        if publisher != self._replica:
+            if mine >= max(SAMPLE_FLOOR, SAMPLE_SHARE * (total + 1)):
+                return "over_share"
+            own = counts.get(self._replica, 0)
+            if total - own >= own + SAMPLE_FLOOR:
+                return "fleet_share"
         counts[publisher] = mine + 1
         return ""
+
+    def _announced(self, publisher: str) -> bool:
+        """Whether `publisher` is a replica seen on presence within the liveness
+        horizon and not doubted (as `fair_share` counts them): a name no live replica
+        announces is no publisher, so rotating names buys nothing without presence too."""
+        seen = self._peers.get(publisher)
+        return seen is not None and seen[0] >= (
+            time.monotonic() - 3 * self._config.probe_interval) and not self._doubted(
+                publisher)
+
+    def _anchor(self, route: str, now: float) -> float | None:
+        """The median of this replica's own recent samples of `route`, at least
+        `ANCHOR_FLOOR_SECS` (None: fewer than `ANCHOR_MIN` younger than `ANCHOR_SECS`)."""
+        own = self._own.get(route)
+        if own is None:
+            return None
+        recent = sorted(seconds for at, seconds in own if now - at <= ANCHOR_SECS)
+        if len(recent) < ANCHOR_MIN:
+            return None
+        return max(recent[len(recent) // 2], ANCHOR_FLOOR_SECS)
