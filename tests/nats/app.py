@@ -109,7 +109,8 @@ def not_a_router(ctx: WorkerContext) -> object:
 
 async def hanging(ctx: WorkerContext) -> AgentRouter:
     """A factory that never finishes (waiting for a dependency that never comes): the
-    worker must still honour SIGTERM."""
+    worker must still honour SIGTERM. Says on stdout when it started waiting."""
+    print("factory waiting", flush=True)
     await asyncio.Event().wait()
     raise AssertionError("unreachable")
 

@@ -221,17 +221,23 @@ class NatsWorker:
                 else list(self._tasks)
             if self._fleet is not None:
                 self._fleet.abandon()
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-            if self._router is not None and lost.is_set():
-                with contextlib.suppress(Exception):
-                    await self._router.stop()
+            await _to_the_end(self._release(nc, background, lost.is_set()))
+
+    async def _release(self, nc: Client, background: list[asyncio.Task[Any]],
+                       lost: bool) -> None:
+        """The end of `run`: background tasks cancelled, the connection closed (drained
+        after a start that finished and a server still there)."""
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        if self._router is not None and lost:
             with contextlib.suppress(Exception):
-                if lost.is_set():
-                    await nc.close()  # nothing to drain to: the server is gone
-                else:
-                    await nc.drain()
+                await self._router.stop()
+        with contextlib.suppress(Exception):
+            if lost or not self.ready.is_set():
+                await nc.close()  # nothing to drain to, or nothing served yet
+            else:
+                await nc.drain()
 
     async def _shutdown(self, loops: list[asyncio.Task[None]],
                         helpers: list[asyncio.Task[None]]) -> None:
@@ -502,6 +508,23 @@ class NatsWorker:
     def _send_sample(self, sample: TimingSample) -> None:
         if self._fleet is not None:
             self._fleet.send_sample(sample)
+
+
+async def _to_the_end(work: Awaitable[None]) -> None:
+    """Await `work` to its end even when cancelled meanwhile, then re-raise the
+    cancellation. A start-up cancelled by SIGTERM is cancelled again and again until it
+    ends (`turnrouter worker`): cancelling the connection's close or drain half-way left
+    nats-py's futures to log an InvalidStateError and a never-retrieved exception."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
 
 
 class _Inbox(Mailbox[tuple[Msg, float]]):
