@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -146,7 +147,7 @@ async def test_a_lone_sample_is_sent_within_the_flush_interval(
     assert TimingSample.from_json(body.decode()).route == "alone"
 
 
-async def announce(nc: nats.aio.client.Client, running: Running) -> None:
+async def announce(nc: Client, running: Running) -> None:
     """`PEER` says it is live on presence (fleet samples of no live replica are refused)."""
     await nc.publish(f"{NatsConfig().prefix}.presence",
                      b'{"replica": "peer", "owned": 0}')
