@@ -351,6 +351,26 @@ async def test_rotating_publisher_names_cannot_outweigh_the_replica(
         64 * (len(names) - 2))
 
 
+async def test_a_flood_of_timing_bytes_is_refused_unparsed(running: Running) -> None:
+    """One publisher's timing messages past 1 MiB per 10 s window are refused before
+    they are parsed (`overflow`): 40 messages of 60 kB span at most two windows, so at
+    least 40 - 2 x 17 are refused; each one parsed is counted (here `invalid`)."""
+    await announce(running, "flooder")
+    body = b"x" * 60_000  # one line that is no sample: cheap to refuse once parsed
+    for _ in range(40):
+        await running.nc.publish(running.worker.config.timing_subject, body,
+                                 headers={"Turnrouter-Replica": "flooder"})
+
+    def counted() -> tuple[float, float]:
+        return (running.value(REJECTED, topic="nats_timing", reason="invalid"),
+                running.value(REJECTED, topic="nats_timing", reason="overflow"))
+
+    await running.nc.flush()
+    await until_true(lambda: sum(counted()) >= 40, "each message parsed or refused")
+    parsed, refused = counted()
+    assert parsed + refused == 40 and refused >= 40 - 2 * 17
+
+
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=80),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8),

@@ -95,6 +95,12 @@ ANCHOR_SECS = 60.0
 #: Both the anchor and a sample compared with it count as at least this: first responses
 #: faster than 10 ms are all alike to the predictor's histogram.
 ANCHOR_FLOOR_SECS = 0.01
+#: Timing message bytes parsed per window: from one publisher, and from all of them. A
+#: 64 KiB message costs ~3.5 ms to parse; past these a flood is refused unparsed
+#: (`overflow`), so it costs this replica at most ~0.25 s of CPU per 10 s window. An
+#: honest replica sends ~86 bytes per sample: 1 MiB is ~12,000 samples per window.
+SAMPLE_BYTES_PER_PUBLISHER = 1024 * 1024
+SAMPLE_BYTES_PER_WINDOW = 4 * 1024 * 1024
 #: Presence messages longer than this are refused; replica names are 1..64 characters.
 MAX_PRESENCE_BYTES = 256
 _REPLICA_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -161,6 +167,7 @@ class Fleet:
         self.routes: Callable[[], Mapping[str, Any] | Container[str]] = dict
         self._window_start = time.monotonic()
         self._shares: dict[str, dict[str, int]] = {}
+        self._parsed: dict[str, int] = {}  # bytes parsed per publisher in the window
         #: Per route, this replica's own recent samples: (monotonic time, seconds).
         self._own: dict[str, deque[tuple[float, float]]] = {}
         sent = received = dropped = None
@@ -400,6 +407,9 @@ class Fleet:
         if not self._announced(publisher):
             self._reject("nats_timing", "unknown_publisher")  # before parsing: cheap
             return
+        if not self._budget(publisher, len(msg.data), time.monotonic()):
+            self._reject("nats_timing", "overflow")
+            return
         try:
             samples, errors = parse_samples(self._config, msg.data)
         except Rejected as exc:
@@ -443,8 +453,7 @@ class Fleet:
         """Count one sample of `publisher` for `route` in the current window; the reason
         to refuse it ('' to keep it): past `SAMPLE_FLOOR`, no publisher holds more than
         `SAMPLE_SHARE` of a route's samples in the window."""
-        if now - self._window_start >= SAMPLE_WINDOW_SECS:
-            self._window_start, self._shares = now, {}
+        self._roll(now)
         counts = self._shares.get(route)
         if counts is None:
             if len(self._shares) >= 4 * MAX_SAMPLE_PUBLISHERS:
@@ -462,6 +471,25 @@ class Fleet:
                 return "fleet_share"
         counts[publisher] = mine + 1
         return ""
+
+    def _roll(self, now: float) -> None:
+        """Start a new window every `SAMPLE_WINDOW_SECS`: shares and budgets reset."""
+        if now - self._window_start >= SAMPLE_WINDOW_SECS:
+            self._window_start, self._shares, self._parsed = now, {}, {}
+
+    def _budget(self, publisher: str, size: int, now: float) -> bool:
+        """Whether a message of `size` bytes from `publisher` may be parsed in this
+        window (`SAMPLE_BYTES_PER_PUBLISHER`, `SAMPLE_BYTES_PER_WINDOW`); counted if so."""
+        self._roll(now)
+        parsed = self._parsed
+        mine = parsed.get(publisher, 0)
+        if (mine + size > SAMPLE_BYTES_PER_PUBLISHER
+                or parsed.get("", 0) + size > SAMPLE_BYTES_PER_WINDOW
+                or (not mine and len(parsed) > MAX_SAMPLE_PUBLISHERS)):
+            return False
+        parsed[publisher] = mine + size
+        parsed[""] = parsed.get("", 0) + size  # "" is no replica name: the total
+        return True
 
     def _announced(self, publisher: str) -> bool:
         """Whether `publisher` is a replica seen on presence within the liveness
