@@ -384,7 +384,8 @@ class NatsWorker:
         """Balance: hand partition `n` over if a peer is below its share (True: gone).
         A busy one waits at most `pull_expires` for its turns, else stays (`Fleet.
         may_shed`), so its next input (a barge-in) waits at most that."""
-        busy = self._running_on(n)
+        turns_of = self.inputs.turns_of  # busy: a turn of one of its participants runs
+        busy = any(turns_of.of(pid) for pid in self.ledger.of_partition(n))
         if not self.fleet.may_shed(busy):
             return False
         if not await self._hand_over(n, self.config.pull_expires if busy else None):
@@ -393,16 +394,10 @@ class NatsWorker:
         self.fleet.handed_over(n)
         return True
 
-    def _running_on(self, n: int) -> bool:
-        """Whether a turn of a participant of partition `n` runs here."""
-        turns_of = self.inputs.turns_of
-        return any(turns_of.of(pid) for pid in self.ledger.of_partition(n))
-
     async def _hand_over(self, n: int, wait: float | None = None) -> bool:
         """Give partition `n` away without failure text: let its turns finish (their
-        state is written), drop its participants, then unpin it for the next puller.
-        With `wait`, turns still running after `wait` seconds keep the partition here
-        (False); else they get `drain_timeout`."""
+        state is written; within `wait` seconds, else keep it: False; `drain_timeout`
+        without `wait`), drop its participants, then unpin it for the next puller."""
         pids = self.ledger.of_partition(n)
         turns = [t for p in pids for t in self.inputs.turns_of.of(p) if not t.done()]
         if turns:
