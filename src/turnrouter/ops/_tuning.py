@@ -233,9 +233,9 @@ def _per_route(kind: str, matchers: str, window: str, c: Candidate,
     samples do, to first order: `1 - B(h) / R(h)`, `R(h)` the turns not interrupted by
     `h` (the other measures read the answered turns only)."""
     count = f"({_count(matchers, window)} > 0)"
-    if kind == "ack":
-        return (f"(1 - {_unacknowledged(matchers, window, c, policy)} / "
-                f"({_at_risk(matchers, window, c.heard)} > 0))")
+    if kind == "ack":  # floored at 0: increase() extrapolates each series on its own
+        return (f"clamp_min(1 - {_unacknowledged(matchers, window, c, policy)} / "
+                f"({_at_risk(matchers, window, c.heard)} > 0), 0)")
     if kind != "silence":
         return f"({_turns_of(kind, matchers, window, c, policy)} / {count})"
     q95 = _quantile(matchers, window, 0.95)
@@ -251,8 +251,8 @@ def _all_routes(kind: str, matchers: str, window: str, c: Candidate, policy: str
     counts; for the acknowledgment rate, as `_per_route`, of the turns not interrupted
     by `h`)."""
     if kind == "ack":
-        return (f"(1 - sum({_unacknowledged(matchers, window, c, policy)}) / "
-                f"(sum({_at_risk(matchers, window, c.heard)}) > 0))")
+        return (f"clamp_min(1 - sum({_unacknowledged(matchers, window, c, policy)}) / "
+                f"(sum({_at_risk(matchers, window, c.heard)}) > 0), 0)")
     return (f"(sum({_turns_of(kind, matchers, window, c, policy)}) / "
             f"(sum({_count(matchers, window)}) > 0))")
 

@@ -516,6 +516,15 @@ class TracedTurn(TurnMetrics):
         token.first_response = seconds  # set as an attribute when the span closes
         span.add_event(EVENT_FIRST_RESPONSE, {ATTR.FIRST_RESPONSE_SECONDS: seconds})
 
+    def interrupted_before_response(self, token: object, event: FirstResponse) -> None:
+        """Record the censored first response, its exemplar pointing at the answer span
+        that was cut."""
+        if not isinstance(token, Op):
+            super().interrupted_before_response(token, event)
+            return
+        self._fam.first_response_interrupted.get(event.route).observe_traced(
+            event.seconds, perf_counter(), token.span)
+
     def output_started(self, token: object, event: FirstResponse) -> None:
         """The span's first-response event and attribute at `started()`, when the
         histogram waits for the first audio heard (the front end's report)."""
