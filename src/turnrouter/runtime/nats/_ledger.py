@@ -18,7 +18,7 @@ from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
 from nats.errors import Error as NatsError
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from ..._exceptions import ContractValueError, LifecycleError
 from ..._frontend import ParticipantSnapshot
@@ -137,6 +137,77 @@ class Ledger:
             self._metrics.state_refused.inc()
         with contextlib.suppress(LifecycleError):
             await self._router().evict_participant(pid)
+
+    async def lose(self, pid: str) -> None:
+        """Stop serving `pid`, its partition's pin having moved away: as `fence`, then
+        end what this replica's last record of it left unfinished (`let_go`), since the
+        new owner's takeover may have read the record before that write (a turn marked
+        in flight and acknowledged here would end for nobody)."""
+        state = self.people.get(pid)
+        unfinished = state is not None and bool(
+            state.inflight or state.outbox or state.lock.locked())
+        await self.fence(pid, refused=False)
+        if state is None or not unfinished:
+            return
+        async with state.lock:  # a write under way has landed (or failed) by now
+            pass
+        if not await self.let_go(pid, state.partition):
+            self._unsure(pid, state.partition)
+
+    async def let_go(self, pid: str, n: int) -> bool:
+        """End what `pid`'s record left unfinished when this replica wrote it last and
+        no longer serves the participant: a new owner that claimed the record ended it
+        (its claim is a newer write), but one whose takeover read the record before this
+        replica's last write never will. The turns it holds in flight are ended (the
+        failure text recorded in the outbox, a revision-checked write of the revision
+        read, then published) and its recorded answers published again; refused, a
+        claim came first and ended them. False when the server cannot be asked now."""
+        if pid in self.people or pid in self._claiming:
+            return True  # served here again: that claim ends what the record holds
+        key = f"{n}.{encode_token(pid)}"
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:
+            return True
+        except NatsError:
+            return False
+        data = entry.value or b""
+        try:
+            record = parse_record(data)
+            owner = json.loads(data.partition(b"\n")[0]).get("owner")
+        except (ValueError, AttributeError):
+            return True  # junk: the next claim quarantines it
+        if owner != self._replica or not (record.inflight or record.outbox):
+            return True  # claimed since (the claim ended them), or nothing left
+        if pid in self.people or pid in self._claiming:
+            return True
+        unfinished = self._unfinished(record.inflight, record.outbox)
+        ended = [t for t in record.ended if t not in record.inflight]
+        ended += [e[0] for e in record.outbox] + record.inflight
+        value = state_json(self._replica, [], record.snapshot, unfinished, ended)
+        try:
+            await self._kv.update(key, value, last=entry.revision)
+        except KeyWrongLastSequenceError:
+            if self._metrics is not None:
+                self._metrics.state_refused.inc()
+            return True  # a claim came first: it ended them
+        except NatsError:
+            return False
+        # Served by no one here: the endings stay in the record's outbox for the next
+        # claim (which publishes them again; the stream drops the duplicates).
+        released = Participant(partition=n, outbox=list(unfinished), fenced=True)
+        for ending in unfinished:
+            await self._publish_ending(pid, released, ending)
+        return True
+
+    def _unsure(self, pid: str, n: int) -> None:
+        """Remember `pid` (partition `n`) to end what its record holds later."""
+        if len(self.unsure) < _MAX_UNSURE or pid in self.unsure:
+            self.unsure[pid] = n
+            self.on_unsure(pid, n)
+        else:
+            logger.warning("turnrouter: %d participants await a reclaim; this one "
+                           "is claimed at its next input", len(self.unsure))
 
     async def drop(self, pid: str) -> None:
         """Hand `pid` over: no more writes from here, state dropped without release."""
@@ -352,12 +423,7 @@ class Ledger:
             # then, and the input that caused it comes back unacknowledged; a turn
             # marked in flight has no input coming back: `reclaim` ends it).
             await self.fence(pid, refused=False)
-            if len(self.unsure) < _MAX_UNSURE or pid in self.unsure:
-                self.unsure[pid] = state.partition
-                self.on_unsure(pid, state.partition)
-            else:
-                logger.warning("turnrouter: %d participants await a reclaim; this one "
-                               "is claimed at its next input", len(self.unsure))
+            self._unsure(pid, state.partition)
             return False
         if error is not None:
             await self.fence(pid, refused=True)

@@ -430,7 +430,7 @@ class NatsWorker:
         if self._metrics is not None:
             self._metrics.partitions_lost.labels(how).inc()
         for pid in self.ledger.of_partition(n):
-            await self.ledger.fence(pid, refused=False)
+            await self.ledger.lose(pid)
 
     async def _take_over(self, n: int) -> None:
         """End the turns a previous owner left unfinished on partition `n`."""
@@ -462,13 +462,16 @@ class NatsWorker:
         self._spawn(self._reclaim(pid, n), "reclaim")
 
     async def _reclaim(self, pid: str, n: int) -> None:
-        """Claim again a participant dropped after a write got no reply (while this
-        replica owns its partition; a new owner's takeover claims it otherwise)."""
+        """Claim again a participant dropped after a write got no reply or a lost pin
+        (while this replica owns its partition; otherwise end what the record this
+        replica wrote last left unfinished: the new owner's takeover may have read it
+        before that write)."""
         ledger = self.ledger
-        if n not in self._pins:
-            ledger.unsure.pop(pid, None)
-            return
         try:
+            if n not in self._pins:
+                if await ledger.let_go(pid, n):
+                    ledger.unsure.pop(pid, None)
+                return
             await ledger.reclaim(pid, n)
         except Exception:
             logger.exception("turnrouter: claiming a participant again failed")
