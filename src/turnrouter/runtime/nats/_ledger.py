@@ -182,9 +182,9 @@ class Ledger:
         if pid in self.people or pid in self._claiming:
             return True
         unfinished = self._unfinished(record.inflight, record.outbox)
-        ended = [t for t in record.ended if t not in record.inflight]
-        ended += [e[0] for e in record.outbox] + record.inflight
-        value = state_json(self._replica, [], record.snapshot, unfinished, ended)
+        ended = dict.fromkeys([*record.ended, *(e[0] for e in record.outbox),
+                               *record.inflight])
+        value = state_json(self._replica, [], record.snapshot, unfinished, list(ended))
         try:
             await self._kv.update(key, value, last=entry.revision)
         except KeyWrongLastSequenceError:
