@@ -120,10 +120,18 @@ class Ledger:
         self._subject = f"$KV.{config.bucket}."
         self.people: dict[str, Participant] = {}
         self._claiming: dict[str, list[Any]] = {}  # pid -> [lock, claims waiting]
+        #: Times this replica stopped serving each partition (`partition_lost`): a claim
+        #: that outlived its partition here must not leave a state nobody fences.
+        self._losses: dict[int, int] = {}
         self.unsure: dict[str, int] = {}
         """Participants dropped after a write got no reply, by partition: to claim
         again (`reclaim`), as their record may hold a turn no input will come back for."""
         self.on_unsure: Callable[[str, int], None] = lambda pid, n: None
+
+    def partition_lost(self, n: int) -> None:
+        """This replica stops serving partition `n` (its pin moved, or it hands it over):
+        a claim under way in it is fenced when it completes (`claim`)."""
+        self._losses[n] = self._losses.get(n, 0) + 1
 
     def of_partition(self, n: int) -> list[str]:
         return [pid for pid, state in self.people.items() if state.partition == n]
@@ -257,10 +265,19 @@ class Ledger:
             entry = self._claiming[pid] = [asyncio.Lock(), 0]
         lock: asyncio.Lock = entry[0]
         entry[1] += 1
+        losses = self._losses.get(n, 0)
         try:
             async with lock:
                 state = self.people.get(pid)
-                return state if state is not None else await self._claim(pid, n)
+                if state is None:
+                    state = await self._claim(pid, n)
+                if state is not None and self._losses.get(n, 0) != losses:
+                    # The partition moved away during the claim, after its participants
+                    # were dropped: a state kept now would be served, stale, when the
+                    # partition comes back (a turn its record says ended could run again).
+                    await self.fence(pid, refused=False)
+                    return None
+                return state
         finally:
             entry[1] -= 1
             if not entry[1]:

@@ -412,7 +412,8 @@ class NatsWorker:
                 return False
         self._pins.pop(n, None)
         self._set_owned()
-        for pid in pids:
+        self.ledger.partition_lost(n)
+        for pid in self.ledger.of_partition(n):  # with any claimed meanwhile
             await self.ledger.drop(pid)
         assert self._nc is not None
         with contextlib.suppress(Exception):
@@ -429,6 +430,7 @@ class NatsWorker:
         self._set_owned()
         if self._metrics is not None:
             self._metrics.partitions_lost.labels(how).inc()
+        self.ledger.partition_lost(n)
         for pid in self.ledger.of_partition(n):
             await self.ledger.lose(pid)
 
@@ -468,11 +470,10 @@ class NatsWorker:
         before that write)."""
         ledger = self.ledger
         try:
-            if n not in self._pins:
-                if await ledger.let_go(pid, n):
-                    ledger.unsure.pop(pid, None)
+            if n in self._pins and await ledger.reclaim(pid, n):
                 return
-            await ledger.reclaim(pid, n)
+            if n not in self._pins and await ledger.let_go(pid, n):  # lost meanwhile too
+                ledger.unsure.pop(pid, None)
         except Exception:
             logger.exception("turnrouter: claiming a participant again failed")
 
