@@ -189,6 +189,13 @@ class Ledger:
             return True  # claimed since (the claim ended them), or nothing left
         if pid in self.people or pid in self._claiming:
             return True
+        if not record.inflight:
+            # Nothing to end, only endings maybe unheard: published again as they are
+            # recorded (no write; the stream drops the duplicates).
+            for ending in self._unfinished([], record.outbox):
+                await self._publish_ending(pid, Participant(partition=n, fenced=True),
+                                           ending)
+            return True
         unfinished = self._unfinished(record.inflight, record.outbox)
         ended = dict.fromkeys([*record.ended, *(e[0] for e in record.outbox),
                                *record.inflight])
