@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -159,7 +160,12 @@ class Ledger:
             return
         async with state.lock:  # a write under way has landed (or failed) by now
             pass
-        if not await self.let_go(pid, state.partition):
+        try:
+            done = await self.let_go(pid, state.partition)
+        except Exception as exc:  # the other participants are still dropped
+            logger.warning("turnrouter: ending a lost participant's turns failed: %r", exc)
+            done = False
+        if not done:
             self._unsure(pid, state.partition)
 
     async def let_go(self, pid: str, n: int) -> bool:
@@ -181,7 +187,8 @@ class Ledger:
             return False
         data = entry.value or b""
         try:
-            record = parse_record(data)
+            record = (await asyncio.to_thread(parse_record, data)
+                      if len(data) > _READ_OFF_LOOP_BYTES else parse_record(data))
             owner = json.loads(data.partition(b"\n")[0]).get("owner")
         except (ValueError, AttributeError):
             return True  # junk: the next claim quarantines it
