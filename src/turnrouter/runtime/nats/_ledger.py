@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,7 +19,7 @@ from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
 from nats.errors import Error as NatsError
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from ..._exceptions import ContractValueError, LifecycleError
 from ..._frontend import ParticipantSnapshot
@@ -120,10 +121,18 @@ class Ledger:
         self._subject = f"$KV.{config.bucket}."
         self.people: dict[str, Participant] = {}
         self._claiming: dict[str, list[Any]] = {}  # pid -> [lock, claims waiting]
+        #: Times this replica stopped serving each partition (`partition_lost`): a claim
+        #: that outlived its partition here must not leave a state nobody fences.
+        self._losses: dict[int, int] = {}
         self.unsure: dict[str, int] = {}
         """Participants dropped after a write got no reply, by partition: to claim
         again (`reclaim`), as their record may hold a turn no input will come back for."""
         self.on_unsure: Callable[[str, int], None] = lambda pid, n: None
+
+    def partition_lost(self, n: int) -> None:
+        """This replica stops serving partition `n` (its pin moved, or it hands it over):
+        a claim under way in it is fenced when it completes (`claim`)."""
+        self._losses[n] = self._losses.get(n, 0) + 1
 
     def of_partition(self, n: int) -> list[str]:
         return [pid for pid, state in self.people.items() if state.partition == n]
@@ -137,6 +146,90 @@ class Ledger:
             self._metrics.state_refused.inc()
         with contextlib.suppress(LifecycleError):
             await self._router().evict_participant(pid)
+
+    async def lose(self, pid: str) -> None:
+        """Stop serving `pid`, its partition's pin having moved away: as `fence`, then
+        end what this replica's last record of it left unfinished (`let_go`), since the
+        new owner's takeover may have read the record before that write (a turn marked
+        in flight and acknowledged here would end for nobody)."""
+        state = self.people.get(pid)
+        unfinished = state is not None and bool(
+            state.inflight or state.outbox or state.lock.locked())
+        await self.fence(pid, refused=False)
+        if state is None or not unfinished:
+            return
+        async with state.lock:  # a write under way has landed (or failed) by now
+            pass
+        try:
+            done = await self.let_go(pid, state.partition)
+        except Exception as exc:  # the other participants are still dropped
+            logger.warning("turnrouter: ending a lost participant's turns failed: %r", exc)
+            done = False
+        if not done:
+            self._unsure(pid, state.partition)
+
+    async def let_go(self, pid: str, n: int) -> bool:
+        """End what `pid`'s record left unfinished when this replica wrote it last and
+        no longer serves the participant: a new owner that claimed the record ended it
+        (its claim is a newer write), but one whose takeover read the record before this
+        replica's last write never will. The turns it holds in flight are ended (the
+        failure text recorded in the outbox, a revision-checked write of the revision
+        read, then published) and its recorded answers published again; refused, a
+        claim came first and ended them. False when the server cannot be asked now."""
+        if pid in self.people or pid in self._claiming:
+            return True  # served here again: that claim ends what the record holds
+        key = f"{n}.{encode_token(pid)}"
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:
+            return True
+        except NatsError:
+            return False
+        data = entry.value or b""
+        try:
+            record = (await asyncio.to_thread(parse_record, data)
+                      if len(data) > _READ_OFF_LOOP_BYTES else parse_record(data))
+            owner = json.loads(data.partition(b"\n")[0]).get("owner")
+        except (ValueError, AttributeError):
+            return True  # junk: the next claim quarantines it
+        if owner != self._replica or not (record.inflight or record.outbox):
+            return True  # claimed since (the claim ended them), or nothing left
+        if pid in self.people or pid in self._claiming:
+            return True
+        if not record.inflight:
+            # Nothing to end, only endings maybe unheard: published again as they are
+            # recorded (no write; the stream drops the duplicates).
+            for ending in self._unfinished([], record.outbox):
+                await self._publish_ending(pid, Participant(partition=n, fenced=True),
+                                           ending)
+            return True
+        unfinished = self._unfinished(record.inflight, record.outbox)
+        ended = dict.fromkeys([*record.ended, *(e[0] for e in record.outbox),
+                               *record.inflight])
+        value = state_json(self._replica, [], record.snapshot, unfinished, list(ended))
+        try:
+            await self._kv.update(key, value, last=entry.revision)
+        except KeyWrongLastSequenceError:
+            if self._metrics is not None:
+                self._metrics.state_refused.inc()
+            return True  # a claim came first: it ended them
+        except NatsError:
+            return False
+        # Served by no one here: the endings stay in the record's outbox for the next
+        # claim (which publishes them again; the stream drops the duplicates).
+        released = Participant(partition=n, outbox=list(unfinished), fenced=True)
+        for ending in unfinished:
+            await self._publish_ending(pid, released, ending)
+        return True
+
+    def _unsure(self, pid: str, n: int) -> None:
+        """Remember `pid` (partition `n`) to end what its record holds later."""
+        if len(self.unsure) < _MAX_UNSURE or pid in self.unsure:
+            self.unsure[pid] = n
+            self.on_unsure(pid, n)
+        else:
+            logger.warning("turnrouter: %d participants await a reclaim; this one "
+                           "is claimed at its next input", len(self.unsure))
 
     async def drop(self, pid: str) -> None:
         """Hand `pid` over: no more writes from here, state dropped without release."""
@@ -186,10 +279,19 @@ class Ledger:
             entry = self._claiming[pid] = [asyncio.Lock(), 0]
         lock: asyncio.Lock = entry[0]
         entry[1] += 1
+        losses = self._losses.get(n, 0)
         try:
             async with lock:
                 state = self.people.get(pid)
-                return state if state is not None else await self._claim(pid, n)
+                if state is None:
+                    state = await self._claim(pid, n)
+                if state is not None and self._losses.get(n, 0) != losses:
+                    # The partition moved away during the claim, after its participants
+                    # were dropped: a state kept now would be served, stale, when the
+                    # partition comes back (a turn its record says ended could run again).
+                    await self.fence(pid, refused=False)
+                    return None
+                return state
         finally:
             entry[1] -= 1
             if not entry[1]:
@@ -352,12 +454,7 @@ class Ledger:
             # then, and the input that caused it comes back unacknowledged; a turn
             # marked in flight has no input coming back: `reclaim` ends it).
             await self.fence(pid, refused=False)
-            if len(self.unsure) < _MAX_UNSURE or pid in self.unsure:
-                self.unsure[pid] = state.partition
-                self.on_unsure(pid, state.partition)
-            else:
-                logger.warning("turnrouter: %d participants await a reclaim; this one "
-                               "is claimed at its next input", len(self.unsure))
+            self._unsure(pid, state.partition)
             return False
         if error is not None:
             await self.fence(pid, refused=True)

@@ -407,7 +407,8 @@ class NatsWorker:
                 return False
         self._pins.pop(n, None)
         self._set_owned()
-        for pid in pids:
+        self.ledger.partition_lost(n)
+        for pid in self.ledger.of_partition(n):  # with any claimed meanwhile
             await self.ledger.drop(pid)
         assert self._nc is not None
         with contextlib.suppress(Exception):
@@ -424,8 +425,9 @@ class NatsWorker:
         self._set_owned()
         if self._metrics is not None:
             self._metrics.partitions_lost.labels(how).inc()
+        self.ledger.partition_lost(n)
         for pid in self.ledger.of_partition(n):
-            await self.ledger.fence(pid, refused=False)
+            await self.ledger.lose(pid)
 
     async def _take_over(self, n: int) -> None:
         """End the turns a previous owner left unfinished on partition `n`."""
@@ -457,14 +459,16 @@ class NatsWorker:
         self._spawn(self._reclaim(pid, n), "reclaim")
 
     async def _reclaim(self, pid: str, n: int) -> None:
-        """Claim again a participant dropped after a write got no reply (while this
-        replica owns its partition; a new owner's takeover claims it otherwise)."""
+        """Claim again a participant dropped after a write got no reply or a lost pin
+        (while this replica owns its partition; otherwise end what the record this
+        replica wrote last left unfinished: the new owner's takeover may have read it
+        before that write)."""
         ledger = self.ledger
-        if n not in self._pins:
-            ledger.unsure.pop(pid, None)
-            return
         try:
-            await ledger.reclaim(pid, n)
+            if n in self._pins and await ledger.reclaim(pid, n):
+                return
+            if n not in self._pins and await ledger.let_go(pid, n):  # lost meanwhile too
+                ledger.unsure.pop(pid, None)
         except Exception:
             logger.exception("turnrouter: claiming a participant again failed")
 
