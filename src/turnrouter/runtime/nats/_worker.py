@@ -381,9 +381,8 @@ class NatsWorker:
             await asyncio.sleep(0.05)
 
     async def _shed(self, n: int) -> bool:
-        """Balance: hand partition `n` over if a peer is below its share (True: gone).
-        A busy one waits at most `pull_expires` for its turns, else stays (`Fleet.
-        may_shed`), so its next input (a barge-in) waits at most that."""
+        """Balance: hand partition `n` over if a peer is below its share (True: gone); a
+        busy one waits at most `pull_expires` for its turns (a barge-in too), else stays."""
         turns_of = self.inputs.turns_of  # busy: a turn of one of its participants runs
         busy = any(turns_of.of(pid) for pid in self.ledger.of_partition(n))
         if not self.fleet.may_shed(busy):
@@ -444,9 +443,8 @@ class NatsWorker:
             self._metrics.duplicates.labels("output").inc()
 
     def _reconnected(self) -> None:
-        """Back on a server that may have lost what was sent just before it went away:
-        publish again the answers it did not acknowledge, and pull every partition at
-        once (a pull sent before the outage is never answered)."""
+        """Back on a server that may have lost what was sent before it went away: publish
+        again what it did not acknowledge, pull every partition at once."""
         if self._inputs is not None:
             self._spawn(self._inputs.republish(), "republish")
         if self._ledger is not None:
@@ -459,10 +457,8 @@ class NatsWorker:
         self._spawn(self._reclaim(pid, n), "reclaim")
 
     async def _reclaim(self, pid: str, n: int) -> None:
-        """Claim again a participant dropped after a write got no reply or a lost pin
-        (while this replica owns its partition; otherwise end what the record this
-        replica wrote last left unfinished: the new owner's takeover may have read it
-        before that write)."""
+        """Claim again a participant dropped after a write got no reply or a lost pin;
+        on a partition lost meanwhile, end what our last record left unfinished."""
         ledger = self.ledger
         try:
             if n in self._pins and await ledger.reclaim(pid, n):
