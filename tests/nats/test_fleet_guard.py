@@ -73,6 +73,15 @@ async def serving(url: str, **config: Any) -> AsyncIterator[Running]:
             await asyncio.gather(run, return_exceptions=True)
 
 
+async def ghosts(nc: Client, presence: str) -> None:
+    """40 replica names that claim no partition, announced until cancelled (at a
+    publisher's pace, not a wait for the worker)."""
+    while True:
+        for i in range(40):
+            await nc.publish(presence, json.dumps({"replica": f"ghost-{i}", "owned": 0}).encode())
+        await asyncio.sleep(0.2)
+
+
 @pytest.fixture
 async def running(nats_server: NatsServer) -> AsyncIterator[Running]:
     async with serving(nats_server.url) as serving_worker:
@@ -153,13 +162,6 @@ async def test_names_on_the_presence_subject_never_hold_a_barge_in(
         worker, nc = running.worker, running.nc
         presence = f"{worker.config.prefix}.presence"
 
-        async def ghosts() -> None:  # a publisher's pace, not a wait for the worker
-            while True:
-                for i in range(40):
-                    await nc.publish(presence, json.dumps(
-                        {"replica": f"ghost-{i}", "owned": 0}).encode())
-                await asyncio.sleep(0.2)
-
         front = await NatsFrontEnd.connect(worker.config)
         heard: list[ResponseOutput] = []
         changed = asyncio.Event()
@@ -177,7 +179,7 @@ async def test_names_on_the_presence_subject_never_hold_a_barge_in(
                     changed.clear()
                     await changed.wait()
 
-        haunting = asyncio.create_task(ghosts())
+        haunting = asyncio.create_task(ghosts(nc, presence))
         reader = asyncio.create_task(listen())
         try:
             async with asyncio.timeout(10):
@@ -220,15 +222,8 @@ async def test_a_busy_partition_is_handed_over_only_after_a_short_bounded_wait(
         worker, nc = running.worker, running.nc
         presence = f"{worker.config.prefix}.presence"
 
-        async def ghosts() -> None:  # a publisher's pace, not a wait for the worker
-            while True:
-                for i in range(40):
-                    await nc.publish(presence, json.dumps(
-                        {"replica": f"ghost-{i}", "owned": 0}).encode())
-                await asyncio.sleep(0.2)
-
         front = await NatsFrontEnd.connect(worker.config)
-        haunting = asyncio.create_task(ghosts())
+        haunting = asyncio.create_task(ghosts(nc, presence))
         try:
             pids = [f"busy-{i}" for i in range(10)]  # the server's hash: both partitions
             for pid in pids:
