@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,7 +171,15 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
     return total
 
 
-__all__ = ["NatsServer", "Worker", "metric_value", "nats_server", "signal"]
+__all__ = ["NatsServer", "Worker", "metric_value", "nats_server", "settled", "signal"]
+
+
+async def settled(nc: Any) -> None:
+    """Until the server has processed every command `nc` sent so far (its SUBs, its
+    PUBs): a request travels behind them, and the server answers one connection's
+    commands in order. `Client.flush()` is not enough: nats-py writes its PING ahead of
+    the commands it still buffers, so the PONG may come back first."""
+    await nc.jetstream().account_info()
 
 
 async def until_true(condition: Callable[[], bool], what: str, *,

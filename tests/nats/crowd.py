@@ -11,6 +11,7 @@ from turnrouter.runtime import ResponseOutput, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
 
 from .app import PREAMBLE
+from .conftest import settled
 
 FAILURE = NatsConfig().failure_text
 
@@ -96,7 +97,7 @@ class Crowd:
                 self.published.setdefault(message.request_id, set()).add(message.text)
 
         await self.front.connection.subscribe("turnrouter.out.*", cb=raw)
-        await self.front.connection.flush()  # the server has the subscription now
+        await settled(self.front.connection)  # the server has the subscription now
         async for message in self.front.outputs(subscribed=ready):
             self.heard.add(message)
 

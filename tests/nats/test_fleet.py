@@ -17,7 +17,7 @@ from turnrouter.runtime.nats import NatsConfig, NatsWorker, WorkerContext, sampl
 from turnrouter.telemetry import Telemetry
 
 from .app import Always, Echo
-from .conftest import NatsServer, metric_value, until_true
+from .conftest import NatsServer, metric_value, settled, until_true
 
 pytestmark = pytest.mark.anyio
 
@@ -103,7 +103,7 @@ async def test_samples_go_out_in_batches_and_the_rest_at_a_graceful_end(
             got_all.set()
 
     await nc.subscribe(config.timing_subject, cb=keep)
-    await nc.flush()
+    await settled(nc)
     r = Running(nats_server.url, Learner(until="-"))
     task = asyncio.create_task(r.worker.run())
     try:
@@ -137,7 +137,7 @@ async def test_a_lone_sample_is_sent_within_the_flush_interval(
 
     try:
         await nc.subscribe(NatsConfig().timing_subject, cb=keep)
-        await nc.flush()
+        await settled(nc)
         assert running.ctx is not None
         running.ctx.timing_sink.record(sample("alone"))
         async with asyncio.timeout(10):

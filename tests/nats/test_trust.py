@@ -28,7 +28,7 @@ from turnrouter import ConfigurationError, LifecycleError
 from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
 
-from .conftest import ROOT, NatsServer, Worker
+from .conftest import ROOT, NatsServer, Worker, settled
 from .crowd import Heard, ask, listen
 
 pytestmark = pytest.mark.anyio
@@ -98,7 +98,7 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
 
     for subject in ("turnrouter.ctl.interrupt", "turnrouter.presence", "turnrouter.timing"):
         await worker_nc.subscribe(subject, cb=keep)
-    await worker_nc.flush()
+    await settled(worker_nc)
     refusals: list[str] = []
     all_refused = asyncio.Event()
     expected = 10  # the eight publishes and two subscriptions below

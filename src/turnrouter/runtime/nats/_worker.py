@@ -209,8 +209,11 @@ class NatsWorker:
             helpers = await self._fleet.start()
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
                      for n in range(config.partitions)]
-            # Ready means subscribed: the server has our SUBs once a PING is answered.
-            await nc.flush()
+            # Ready means subscribed. Not `flush()`: nats-py writes its PING ahead of
+            # the commands it still buffers, so the PONG may beat our SUBs (the first
+            # fleet messages after "ready" were lost now and then). A request travels
+            # behind them, and the server answers one connection's commands in order.
+            await nc.jetstream().account_info()
             self.ready.set()
             await self._stop.wait()
             if lost.is_set():
