@@ -209,11 +209,7 @@ class NatsWorker:
             helpers = await self._fleet.start()
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
                      for n in range(config.partitions)]
-            # Ready means subscribed. Not `flush()`: nats-py writes its PING ahead of
-            # the commands it still buffers, so the PONG may beat our SUBs (the first
-            # fleet messages after "ready" were lost now and then). A request travels
-            # behind them, and the server answers one connection's commands in order.
-            await nc.jetstream().account_info()
+            await nc.jetstream().account_info()  # our SUBs are on the server: see below
             self.ready.set()
             await self._stop.wait()
             if lost.is_set():
@@ -657,6 +653,12 @@ def _yield_between_reads(nc: Client) -> None:
             await asyncio.sleep(0)
 
     parser.parse = parse_in_pieces  # type: ignore[method-assign]
+
+
+# Readiness (`NatsWorker.run`) waits for a request, not `flush()`. nats-py writes its PING ahead of
+# the commands it still buffers, so the PONG may beat the SUBs (the first fleet messages
+# after "ready" were lost now and then); a request travels behind them, and the server
+# answers one connection's commands in order.
 
 
 def _interrupt_problem(config: NatsConfig, data: bytes) -> str:
