@@ -676,8 +676,11 @@ def test_any_record_written_reads_back(inflight: list[str], snapshot: str,
     messages: non-empty, no lone surrogate), the record reads back the same."""
     if any("\ud800" <= c <= "\udfff" for c in snapshot):
         snapshot = "{}"
-    assert parse_state(state_json("w", inflight, snapshot, outbox)) == (
-        inflight, snapshot, outbox)
+    data = state_json("w", inflight, snapshot, outbox)
+    assert parse_state(data) == (inflight, snapshot, outbox)
+    record = parse_record(data)
+    assert (record.inflight, record.snapshot, record.outbox, record.owner) == (
+        inflight, snapshot, outbox, "w")
 
 
 @given(st.lists(st.text(max_size=300), min_size=0, max_size=80),

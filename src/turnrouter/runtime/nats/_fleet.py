@@ -168,6 +168,7 @@ class Fleet:
         self._window_start = time.monotonic()
         self._shares: dict[str, dict[str, int]] = {}
         self._parsed: dict[str, int] = {}  # bytes parsed per publisher in the window
+        self._parsed_total = 0  # and from all of them
         #: Per route, this replica's own recent samples: (monotonic time, seconds).
         self._own: dict[str, deque[tuple[float, float]]] = {}
         sent = received = dropped = None
@@ -187,10 +188,10 @@ class Fleet:
                 asyncio.create_task(self._probe_loop(), name="probes")]
 
     # ------------------------------------------------------------------ balance
-    def _live(self, horizon: float) -> list[int]:
-        """Partitions owned by each live peer that balance believes in."""
-        return [owned for name, (seen, owned) in self._peers.items()
-                if seen >= horizon and not self._doubted(name)]
+    def _live(self, horizon: float) -> dict[str, int]:
+        """Each live peer that balance believes in, and the partitions it owns."""
+        return {name: owned for name, (seen, owned) in self._peers.items()
+                if seen >= horizon and not self._doubted(name)}
 
     def _doubted(self, name: str) -> bool:
         until = self._unverified.get(name)
@@ -223,7 +224,7 @@ class Fleet:
             return False
         share = self.fair_share()
         if any(owned < share for owned in
-               self._live(now - 3 * self._config.probe_interval)):
+               self._live(now - 3 * self._config.probe_interval).values()):
             self._shed_after = now + self._config.probe_interval / 2
             return True
         return False
@@ -238,8 +239,8 @@ class Fleet:
                 del self._shed[old]
                 self._backoff = SHED_BACKOFF_SECS
         horizon, share = now - 3 * self._config.probe_interval, self.fair_share()
-        below = frozenset(name for name, (seen, owned) in self._peers.items()
-                          if seen >= horizon and owned < share and not self._doubted(name))
+        below = frozenset(name for name, owned in self._live(horizon).items()
+                          if owned < share)
         self._shed[n] = (now, below)
         if len(self._shed) > self._config.partitions:  # bounded: one entry per partition
             del self._shed[next(iter(self._shed))]
@@ -431,8 +432,9 @@ class Fleet:
             elif not 0 < sample.seconds <= MAX_SAMPLE_SECS:
                 reason = "out_of_range"
             else:
-                anchor = anchors[route] if route in anchors else anchors.setdefault(
-                    route, self._anchor(route, now))
+                if route not in anchors:
+                    anchors[route] = self._anchor(route, now)
+                anchor = anchors[route]
                 seconds = max(sample.seconds, ANCHOR_FLOOR_SECS)
                 if anchor is not None and not (anchor / ANCHOR_FACTOR <= seconds
                                                <= anchor * ANCHOR_FACTOR):
@@ -476,6 +478,7 @@ class Fleet:
         """Start a new window every `SAMPLE_WINDOW_SECS`: shares and budgets reset."""
         if now - self._window_start >= SAMPLE_WINDOW_SECS:
             self._window_start, self._shares, self._parsed = now, {}, {}
+            self._parsed_total = 0
 
     def _budget(self, publisher: str, size: int, now: float) -> bool:
         """Whether a message of `size` bytes from `publisher` may be parsed in this
@@ -484,11 +487,11 @@ class Fleet:
         parsed = self._parsed
         mine = parsed.get(publisher, 0)
         if (mine + size > SAMPLE_BYTES_PER_PUBLISHER
-                or parsed.get("", 0) + size > SAMPLE_BYTES_PER_WINDOW
-                or (not mine and len(parsed) > MAX_SAMPLE_PUBLISHERS)):
+                or self._parsed_total + size > SAMPLE_BYTES_PER_WINDOW
+                or (not mine and len(parsed) >= MAX_SAMPLE_PUBLISHERS)):
             return False
         parsed[publisher] = mine + size
-        parsed[""] = parsed.get("", 0) + size  # "" is no replica name: the total
+        self._parsed_total += size
         return True
 
     def _announced(self, publisher: str) -> bool:

@@ -98,12 +98,10 @@ class _Running:
     finish (mark it in flight), else the finished write's result; `written` is that
     result (True: recorded, acknowledge; False: fenced, leave it to the new owner)."""
 
-    __slots__ = ("ended", "finishing", "gate", "held", "output", "written")
+    __slots__ = ("finishing", "gate", "held", "output", "written")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.finishing = False
-        #: The router ended the turn itself (clarification, failure or busy text).
-        self.ended = False
         self.gate: asyncio.Future[bool | None] = loop.create_future()
         self.written: asyncio.Future[bool] = loop.create_future()
         self.held: Ending | None = None
@@ -279,9 +277,11 @@ class Inputs:
                 finally:
                     if status:
                         await router.report_status("idle", pid)
-            if run.held is None and not run.ended:
+            if run.held is None and routed.result.disposition != "clarify":
                 # Answered without `ctx.answer` (a destination written for the in-process
                 # router): its result's text is the answer, held and recorded the same way.
+                # (A turn that returns was ended by the router itself only when it asked
+                # to clarify: failure, busy and dropped turns raise.)
                 try:
                     self._hold(run, turn, routed.route or "none", routed.result.text, carrier)
                 except ContractValueError as exc:
@@ -370,9 +370,6 @@ class Inputs:
     async def _end(self, turn: AgentTurn, route: str, text: str) -> None:
         # The router ends the turn itself (clarification, failure, busy or dropped text):
         # the turn's one final output.
-        run = self._running.get((turn.participant_id, turn.turn_id))
-        if run is not None:
-            run.ended = True
         await self.publish_output(turn.participant_id, turn.turn_id, route, text,
                                   final=True)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -189,10 +188,9 @@ class Ledger:
         try:
             record = (await asyncio.to_thread(parse_record, data)
                       if len(data) > _READ_OFF_LOOP_BYTES else parse_record(data))
-            owner = json.loads(data.partition(b"\n")[0]).get("owner")
-        except (ValueError, AttributeError):
+        except ValueError:
             return True  # junk: the next claim quarantines it
-        if owner != self._replica or not (record.inflight or record.outbox):
+        if record.owner != self._replica or not (record.inflight or record.outbox):
             return True  # claimed since (the claim ended them), or nothing left
         if pid in self.people or pid in self._claiming:
             return True

@@ -523,6 +523,8 @@ class StateRecord:
     ended: list[str]
     """The last `MAX_ENDED` turns the record says ended: a query whose id is here (or in
     flight, or in the outbox) never runs its destination again."""
+    owner: str | None = None
+    """The replica that wrote the record (None if it does not say)."""
 
 
 def parse_record(data: bytes) -> StateRecord:
@@ -534,7 +536,9 @@ def parse_record(data: bytes) -> StateRecord:
         raise ValueError("state record 'ended' is not a list of turn ids")
     if len(ended) > MAX_STATE_INFLIGHT or any(not 0 < len(t) <= _MAX_ID for t in ended):
         raise ValueError("state record 'ended' holds an id out of bounds or too many ids")
-    return StateRecord(inflight, snapshot, outbox, ended[-MAX_ENDED:])
+    owner = record.get("owner")
+    return StateRecord(inflight, snapshot, outbox, ended[-MAX_ENDED:],
+                       owner if isinstance(owner, str) else None)
 
 
 def samples_body(lines: list[str]) -> bytes:
