@@ -633,8 +633,10 @@ def _yield_between_reads(nc: Client) -> None:
     `_PARSE_PIECE` is now parsed in pieces with a return to the loop between them, and
     after a full read; a reconnect (which resets the parser) ends the feeding of what
     the old connection sent."""
-    parser = nc._ps
-    parse = parser.parse
+    parser: Any = getattr(nc, "_ps", None)  # nats-py's private parser: skip if it moved
+    parse = getattr(parser, "parse", None)
+    if parse is None:
+        return
 
     async def parse_in_pieces(data: bytes = b"") -> None:
         if len(data) <= _PARSE_PIECE:
@@ -652,13 +654,13 @@ def _yield_between_reads(nc: Client) -> None:
             # waits), so the turns' small reads cost no extra step.
             await asyncio.sleep(0)
 
-    parser.parse = parse_in_pieces  # type: ignore[method-assign]
+    parser.parse = parse_in_pieces
 
 
-# Readiness (`NatsWorker.run`) waits for a request, not `flush()`. nats-py writes its PING ahead of
-# the commands it still buffers, so the PONG may beat the SUBs (the first fleet messages
-# after "ready" were lost now and then); a request travels behind them, and the server
-# answers one connection's commands in order.
+# Readiness (`NatsWorker.run`) waits for a request, not `flush()`. nats-py writes its
+# PING ahead of the commands it still buffers, so the PONG may beat the SUBs (the first
+# fleet messages after "ready" were lost now and then); a request travels behind them,
+# and the server answers one connection's commands in order.
 
 
 def _interrupt_problem(config: NatsConfig, data: bytes) -> str:
