@@ -36,9 +36,6 @@ class Phase(enum.Enum):
     FAILED = "cleanup failed"
 
 
-_MAX_VERSION = MAX_HISTORY_VERSION  # ParticipantSnapshot.history_version's bound
-
-
 class Participant:
     """Router-owned state of one participant (kept small: thousands may be active)."""
 
@@ -300,7 +297,7 @@ def snapshot_json(state: Participant, departed: bool) -> bytes:
     pending = tuple(state.pending.values()) if state.pending else ()
     key = (state.focus, state.used, pending, state.initialized, departed)
     head = state.exported_head
-    if head is None or head[0] != key or not 0 <= version <= _MAX_VERSION:
+    if head is None or head[0] != key or not 0 <= version <= MAX_HISTORY_VERSION:
         # Built (and validated) by the model while any of its fields but the history
         # and its version changed since the previous call; reused around them otherwise.
         data = _snapshot(state, departed, ()).model_dump_json().encode()
