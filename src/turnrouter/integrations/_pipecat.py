@@ -236,6 +236,12 @@ class _TurnSink:
     #: after the final response (`llm_done`) passes it.
     via_llm: bool = False
     llm_done: bool = False
+    #: The destination said something through the pipeline (speech, or a frame asking
+    #: the LLM downstream to answer): its returned text is then not said again.
+    spoke: bool = False
+    #: An interruption (or the call's end) came while the turn ran: nothing more of it
+    #: is said, its returned text included.
+    cut: bool = False
 
 
 _CURRENT: contextvars.ContextVar[_TurnSink | None] = contextvars.ContextVar(
@@ -258,6 +264,16 @@ def _is_speech(frame: Frame) -> bool:
         text = frame.text
         return isinstance(text, str) and bool(text.strip()) and frame.skip_tts is not True
     return False
+
+
+def _is_heard(frame: Frame) -> bool:
+    """Whether `frame` ends up heard: speech (whatever `push(speech=...)` said) or a
+    frame that asks the LLM downstream to answer."""
+    if isinstance(frame, LLMContextFrame | LLMRunFrame):
+        return True
+    if isinstance(frame, LLMMessagesAppendFrame | LLMMessagesUpdateFrame):
+        return frame.run_llm is True
+    return _is_speech(frame)
 
 
 class FrameOutput:
@@ -319,6 +335,8 @@ class FrameOutput:
         if isinstance(frame, InterruptionFrame):
             await processor._push_through(frame)
             return
+        if speech is True or _is_heard(frame):
+            self._sink.spoke = True
         if isinstance(frame, _FOR_THE_LLM) or speech is False:
             await processor.push_frame(frame, FrameDirection.DOWNSTREAM)
             return
@@ -967,6 +985,7 @@ class TurnRouterProcessor(FrameProcessor):
             with scope:
                 routed = await self.router.route_turn(
                     turn, output=self._speak, report_heard=self.report_heard)
+            await self._say_result(sink, routed.result)
             sink.closed = True
             await self._close_answer(sink)
             await self._call_event_handler("on_turn_routed", turn, routed)
@@ -983,6 +1002,25 @@ class TurnRouterProcessor(FrameProcessor):
             task = asyncio.current_task()
             if task is not None:
                 self._tasks.pop(task, None)
+
+    async def _say_result(self, sink: _TurnSink, result: DestinationResult) -> None:
+        """A destination that said nothing through the pipeline (one written for the
+        in-process router, which returns its answer's text): its text is said as the
+        turn's answer, the way its own speech would be (marked as the answer, cut by an
+        interruption, in the Pipecat context), once. Not after an interruption or the
+        call's end, nor for a turn the router ended itself (it said its text already)."""
+        text = result.text
+        if (sink.spoke or sink.cut or self._stopped or result.disposition == "clarify"
+                or not text.strip()):
+            return
+        sink.spoke = True
+        try:
+            await self._open_answer(sink)
+            if not sink.cut:  # an interruption meanwhile: it went out ahead, say nothing
+                await self._push_speech(TTSSpeakFrame(text))
+        except Exception as exc:  # the pipeline is being torn down
+            logger.warning("pipecat turn %s: its answer could not be said: %s",
+                           sink.turn.turn_id, type(exc).__name__)
 
     async def _speak(self, turn: AgentTurn, route: str, text: str) -> None:
         """The router's control text for a turn: spoken downstream, between marks."""
@@ -1087,7 +1125,13 @@ class TurnRouterProcessor(FrameProcessor):
     def _participants(self) -> list[str]:
         return sorted({sink.turn.participant_id for sink in self._tasks.values()})
 
+    def _cut(self) -> None:
+        """Nothing more of the turns running now is said (an interruption, the end)."""
+        for sink in self._tasks.values():
+            sink.cut = True
+
     async def _interrupt(self) -> None:
+        self._cut()
         for participant_id in self._participants():
             await self.router.interrupt(participant_id)
 
@@ -1108,6 +1152,7 @@ class TurnRouterProcessor(FrameProcessor):
         except TimeoutError:
             logger.warning("pipecat end: turns or their audio still pending after %g s",
                            self.end_timeout_secs)
+            self._cut()
             if not self.owns_router:
                 await self._interrupt()
         await self._finish()
@@ -1132,6 +1177,7 @@ class TurnRouterProcessor(FrameProcessor):
 
     async def _cancel(self) -> None:
         """CancelFrame: stop now (turns in flight are interrupted)."""
+        self._cut()
         if not self.owns_router:
             await self._interrupt()
         await self._finish()
