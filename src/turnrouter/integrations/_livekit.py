@@ -297,7 +297,9 @@ class RouterAgent(Agent):
     (so a newer turn replaces a running one, as the router's contract says). The reply
     LiveKit generates for the message is the turn's: the agent's `llm_node` streams the
     router's control text (an acknowledgment, a preamble) and the destination's answer
-    (said with `speak()`) into it, in order, each utterance a segment of its own. So
+    (said with `speak()`; for a destination that never calls it, the
+    `DestinationResult.text` it returned) into it, in order, each utterance a segment of
+    its own. So
     `session.shutdown(drain=True)`, a job's shutdown, interruptions and one reply per
     message behave as for a plain `Agent`. A LiveKit interruption of the reply (the
     user barging in, `session.interrupt()`) becomes `router.interrupt(participant_id)`

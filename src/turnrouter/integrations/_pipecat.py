@@ -393,7 +393,8 @@ class FrameAgent:
         return DestinationResult("answer", text)
 
     async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
-        """Push the answer's frames through `output`; return its text (kept in history)."""
+        """Push the answer's frames through `output`; return its text (kept in history,
+        and spoken for you when nothing was pushed as speech)."""
         raise NotImplementedError
 
     async def release(self, participant_id: str) -> None:
@@ -782,8 +783,12 @@ class TurnRouterProcessor(FrameProcessor):
       one and the overflow counted
       (`turnrouter_runtime_rejected_messages_total{topic="pipecat", reason="overflow"}`),
       as are oversized (`oversized`) and malformed (`invalid`) turns, which are refused.
-    - Control text (acknowledgments, preambles, clarifications, failure text) is pushed
-      downstream as `TTSSpeakFrame`s; destinations push frames through `frame_output()`.
+    - Control text (acknowledgments, preambles, clarifications, failure, busy and
+      dropped-turn text) is pushed downstream as `TTSSpeakFrame`s; destinations push
+      frames through `frame_output()`. A destination that pushed no speech for a turn
+      answered with a non-empty `DestinationResult.text` (one written for the
+      in-process router) has that text spoken as the turn's answer, once, unless an
+      interruption or the call's cancel came while the turn ran.
       With an LLM service downstream, put `processor.speaker` right before the TTS: the
       speech then enters there, not behind the LLM's queue.
     - `InterruptionFrame` interrupts this processor's participants (before it is
