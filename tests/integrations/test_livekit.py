@@ -555,6 +555,28 @@ async def test_a_returned_answer_is_said_once() -> None:
     assert end.routed is not None and end.routed.route == "weather" and not end.interrupted
 
 
+async def test_graceful_end_says_a_returned_answer_in_flight() -> None:
+    """stop_gracefully while a README-style destination works: the turn finishes and
+    its returned text is the reply the drained session plays."""
+    gate = asyncio.Event()
+    reply = Reply("Sunny.", gate=gate)
+    router = make_router(reply, decisions=ScriptedDecisions("weather"))
+    async with session_for(router, depart_on_close=False) as (session, ends):
+        pending: RunResult[Any] = session.run(user_input="rain?")
+        with anyio.fail_after(5):
+            await reply.entered.wait()
+        stopping = asyncio.ensure_future(stop_gracefully(router, session))
+        await ManualClock.settle()
+        assert not stopping.done() and reply.outcome == []
+        gate.set()
+        with anyio.fail_after(5):
+            await stopping
+            result = await pending
+        end = (await ends.wait())[0]
+    assert not end.interrupted and reply.outcome == ["done"]
+    assert said(result) == ["Sunny."]
+
+
 async def test_a_destination_that_spoke_is_not_said_again() -> None:
     """A destination that said its answer with speak() and returned another text is
     heard once: its own speech."""
@@ -669,6 +691,31 @@ async def test_the_busy_text_is_said_to_a_shed_turn() -> None:
     assert said(shed) == ["Busy, call back soon."]
     assert isinstance(end.error, RouterBusyError) and end.routed is None
     assert said(answered) == ["Sunny."]
+
+
+async def test_the_dropped_turn_text_is_said() -> None:
+    """More turns wait behind a running one than max_waiting_turns: the oldest waiting
+    turn is dropped and the router's dropped-turn text is said in its reply; the newest
+    is answered (README-style: its returned text)."""
+    agent = ScriptedAgent("weather", admissions=[Admission("release"), "accept"])
+    agent.release_gate = gate = anyio.Event()
+    router = make_router(agent, decisions=ScriptedDecisions("weather"), max_waiting_turns=1)
+    async with session_for(router) as (session, ends):
+        handles = [session.generate_reply(user_input="one")]
+        with anyio.fail_after(5):
+            await agent.release_entered.wait()  # turn one cannot be cut while it releases
+        handles += [session.generate_reply(user_input=text) for text in ("two", "three")]
+        await ends.wait(1)                      # turn two was dropped
+        gate.set()
+        items = await ends.wait(3)
+        for handle in handles:
+            with anyio.fail_after(5):
+                await handle
+        replies = assistant_said(session)
+    assert [(end.turn.query, end.interrupted) for end in items] == [
+        ("two", True), ("one", True), ("three", False)]
+    assert len(replies) == 2 and "repeat" in replies[0]
+    assert replies[1] == "weather answer"
 
 
 # ---------------------------------------------------------------- failures and users
@@ -988,3 +1035,4 @@ async def test_the_turn_span_nests_under_livekits_agent_turn() -> None:
     assert answer.attributes is not None
     assert answer.attributes["gen_ai.agent.name"] == "weather"
     assert agent_turn.attributes["gen_ai.agent.name"] != "weather"
+

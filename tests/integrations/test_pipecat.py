@@ -905,6 +905,27 @@ async def test_a_returned_answer_is_said_once_as_the_turns_answer() -> None:
     assert heard == [("heard", "weather", pytest.approx(0.4), pytest.approx(0.4))]
 
 
+async def test_end_frame_lets_a_returned_answer_be_said_first() -> None:
+    """EndFrame while a README-style destination works: its returned text is said
+    before EndFrame leaves the processor (the call's last answer is heard)."""
+    gate = anyio.Event()
+    reply = Reply("Sunny.", gate=gate)
+    processor = TurnRouterProcessor(reply_router(reply))
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        with anyio.fail_after(10):
+            await reply.entered.wait()
+        await pipe.worker.queue_frame(EndFrame())
+        await ManualClock.settle()
+        assert reply.outcome == []               # EndFrame waits for the turn
+        gate.set()
+        await pipe.next_down(EndFrame)
+        await pipe.end_wait()
+    assert spoken(pipe.seen) == ["Sunny."]
+    kinds = [type(frame) for frame in pipe.seen]
+    assert kinds.index(TTSSpeakFrame) < kinds.index(EndFrame)
+
+
 class SpeaksToo(FrameAgent):
     """Says its answer through the pipeline (as `how` says) and returns another text."""
 
