@@ -47,6 +47,8 @@ from turnrouter import (
     ContractTypeError,
     DestinationResult,
     LifecycleError,
+    OverloadPolicy,
+    RouterBusyError,
     RoutingAid,
 )
 from turnrouter.integrations.livekit import (
@@ -488,6 +490,234 @@ async def test_the_replaced_turns_cut_speech_does_not_interrupt_its_successor() 
     assert said(result) == ["music answer"]
 
 
+# ---------------------------------------------------------------- returned text
+
+
+class Reply:
+    """A destination written the way README.md teaches: `started()`, then the answer
+    returned as `DestinationResult(text=...)`, never `speak()`. Its first answer waits
+    for `gate` when given."""
+
+    name = "weather"
+
+    def __init__(self, reply: str, *, gate: asyncio.Event | None = None) -> None:
+        self.reply = reply
+        self.gate = gate
+        self.entered = asyncio.Event()
+        self.outcome: list[str] = []
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return RoutingAid(self.name, "forecasts")
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        return Admission("accept")
+
+    async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+        gate, self.gate = self.gate, None
+        self.entered.set()
+        await started()
+        try:
+            if gate is not None:
+                await gate.wait()
+        except BaseException as exc:
+            self.outcome.append(type(exc).__name__)
+            raise
+        self.outcome.append("done")
+        return DestinationResult(text=self.reply)
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+def assistant_said(session: AgentSession[Any]) -> list[str]:
+    """The assistant messages of the session's history (what LiveKit recorded as said)."""
+    return [item.text_content or "" for item in session.history.items
+            if isinstance(item, llm.ChatMessage) and item.role == "assistant"]
+
+
+async def test_a_returned_answer_is_said_once() -> None:
+    """A README-style destination behind RouterAgent: its returned text is the turn's
+    reply, said once, in LiveKit's history and the router's; a pending acknowledgment
+    is suppressed by its started()."""
+    clock = ManualClock()
+    router = make_router(Reply("Sunny, 24 degrees."), decisions=ScriptedDecisions("weather"),
+                         clock=clock, acknowledgment_llm=ScriptedLLM("One moment."),
+                         acknowledgment_delay_secs=0.5)
+    async with session_for(router) as (session, ends):
+        result = await run(session, "rain?")
+        end = (await ends.wait())[0]
+        clock.advance(1.0)                        # past the acknowledgment's delay
+        await ManualClock.settle()
+        assert assistant_said(session) == ["Sunny, 24 degrees."]
+        history = [exchange.assistant for exchange in router.history_of("alice")]
+    assert said(result) == ["Sunny, 24 degrees."]
+    assert history == ["Sunny, 24 degrees."]
+    assert end.routed is not None and end.routed.route == "weather" and not end.interrupted
+
+
+async def test_graceful_end_says_a_returned_answer_in_flight() -> None:
+    """stop_gracefully while a README-style destination works: the turn finishes and
+    its returned text is the reply the drained session plays."""
+    gate = asyncio.Event()
+    reply = Reply("Sunny.", gate=gate)
+    router = make_router(reply, decisions=ScriptedDecisions("weather"))
+    async with session_for(router, depart_on_close=False) as (session, ends):
+        pending: RunResult[Any] = session.run(user_input="rain?")
+        with anyio.fail_after(5):
+            await reply.entered.wait()
+        stopping = asyncio.ensure_future(stop_gracefully(router, session))
+        await ManualClock.settle()
+        assert not stopping.done() and reply.outcome == []
+        gate.set()
+        with anyio.fail_after(5):
+            await stopping
+            result = await pending
+        end = (await ends.wait())[0]
+    assert not end.interrupted and reply.outcome == ["done"]
+    assert said(result) == ["Sunny."]
+
+
+async def test_a_destination_that_spoke_is_not_said_again() -> None:
+    """A destination that said its answer with speak() and returned another text is
+    heard once: its own speech."""
+
+    class Both(Reply):
+        async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+            await speak("Sunny.", started=started)
+            return DestinationResult(text="It will be sunny all day.")
+
+    router = make_router(Both(""), decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, ends):
+        result = await run(session, "rain?")
+        await ends.wait()
+        history = [exchange.assistant for exchange in router.history_of("alice")]
+    assert said(result) == ["Sunny."]
+    assert history == ["It will be sunny all day."]
+
+
+async def test_a_barged_in_turns_returned_answer_is_not_said() -> None:
+    """Interrupted while the destination works: its text is never said."""
+    gate = asyncio.Event()
+    reply = Reply("Sunny.", gate=gate)
+    router = make_router(reply, decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, ends):
+        pending: RunResult[Any] = session.run(user_input="rain?")
+        with anyio.fail_after(5):
+            await reply.entered.wait()
+        await session.interrupt()
+        end = (await ends.wait())[0]
+        gate.set()
+        with anyio.fail_after(5):
+            result = await pending
+        assert assistant_said(session) == []
+    assert end.interrupted and reply.outcome == ["CancelledError"]
+    assert said(result) == []
+
+
+async def test_a_replaced_turns_returned_answer_is_not_said() -> None:
+    """A new user message while the destination works: the replaced turn's text is
+    never said; the new turn's is, once."""
+    reply = Reply("Sunny.", gate=asyncio.Event())
+    router = make_router(reply, decisions=ScriptedDecisions("weather"))
+    async with session_for(router) as (session, ends):
+        session.generate_reply(user_input="rain?")
+        with anyio.fail_after(5):
+            await reply.entered.wait()
+        result = await run(session, "rain tomorrow?")
+        first, second = await ends.wait(2)
+        assert assistant_said(session) == ["Sunny."]
+    assert first.interrupted and not second.interrupted
+    assert reply.outcome == ["CancelledError", "done"]
+    assert said(result) == ["Sunny."]
+
+
+@pytest.mark.parametrize("stop", ["interrupt", "close"])
+async def test_an_answer_cut_after_it_returned_is_not_said(stop: str) -> None:
+    """Interrupted (or the session closed) after the destination returned, while its
+    turn still finishes (a release after the answer): the text is not said, not even
+    once the turn completes."""
+    agent = ScriptedAgent("weather", results=[DestinationResult("focus", "Booked."),
+                                              DestinationResult("release", "Bye.")])
+    router = make_router(agent, decisions=ScriptedDecisions("weather"))
+    async with session_for(router, depart_on_close=False) as (session, ends):
+        assert said(await run(session, "book a table")) == ["Booked."]
+        gate = agent.release_gate = anyio.Event()
+        session.generate_reply(user_input="that's all")
+        with anyio.fail_after(5):
+            await agent.release_entered.wait()  # answered; the release runs
+        if stop == "interrupt":
+            await session.interrupt()
+        else:
+            await session.aclose()
+        await ManualClock.settle()               # LiveKit dropped the reply
+        gate.set()
+        second = (await ends.wait(2))[1]
+        history = [exchange.assistant for exchange in router.history_of("alice")]
+        assert assistant_said(session) == ["Booked."]
+    assert second.routed is not None and second.routed.result.text == "Bye."
+    assert second.error is None and not second.interrupted
+    assert history == ["Booked.", "Bye."]
+
+
+POLICY = OverloadPolicy(busy_lag_secs=0.1, shed_lag_secs=0.5, sample_secs=0.01,
+                        busy_text="Busy, call back soon.")
+
+
+async def test_the_busy_text_is_said_to_a_shed_turn() -> None:
+    """A saturated router sheds a newcomer's turn: the busy text is its reply and the
+    turn ends with RouterBusyError; the admitted caller still gets its answer."""
+    clock = ManualClock()
+    gate = asyncio.Event()
+    reply = Reply("Sunny.", gate=gate)
+    router = make_router(reply, decisions=ScriptedDecisions("weather"), clock=clock,
+                         overload=POLICY)
+    async with session_for(router, "alice") as (alice, alice_ends), \
+            session_for(router, "bob") as (bob, bob_ends):
+        pending: RunResult[Any] = alice.run(user_input="rain?")
+        with anyio.fail_after(5):
+            await reply.entered.wait()
+        for _ in range(2):                       # two lagging samples: busy
+            with anyio.fail_after(5):
+                await clock.wait_for_sleepers(1)
+            clock.advance(POLICY.sample_secs + 0.2)
+            await ManualClock.settle()
+        assert router.busy
+        shed = await run(bob, "hello?")
+        (end,) = await bob_ends.wait()
+        gate.set()
+        with anyio.fail_after(5):
+            answered = await pending
+        await alice_ends.wait()
+    assert said(shed) == ["Busy, call back soon."]
+    assert isinstance(end.error, RouterBusyError) and end.routed is None
+    assert said(answered) == ["Sunny."]
+
+
+async def test_the_dropped_turn_text_is_said() -> None:
+    """More turns wait behind a running one than max_waiting_turns: the oldest waiting
+    turn is dropped and the router's dropped-turn text is said in its reply; the newest
+    is answered (README-style: its returned text)."""
+    agent = ScriptedAgent("weather", admissions=[Admission("release"), "accept"])
+    agent.release_gate = gate = anyio.Event()
+    router = make_router(agent, decisions=ScriptedDecisions("weather"), max_waiting_turns=1)
+    async with session_for(router) as (session, ends):
+        handles = [session.generate_reply(user_input="one")]
+        with anyio.fail_after(5):
+            await agent.release_entered.wait()  # turn one cannot be cut while it releases
+        handles += [session.generate_reply(user_input=text) for text in ("two", "three")]
+        await ends.wait(1)                      # turn two was dropped
+        gate.set()
+        items = await ends.wait(3)
+        for handle in handles:
+            with anyio.fail_after(5):
+                await handle
+        replies = assistant_said(session)
+    assert [(end.turn.query, end.interrupted) for end in items] == [
+        ("two", True), ("one", True), ("three", False)]
+    assert len(replies) == 2 and "repeat" in replies[0]
+    assert replies[1] == "weather answer"
+
+
 # ---------------------------------------------------------------- failures and users
 
 
@@ -737,10 +967,12 @@ def test_router_agent_checks_its_arguments() -> None:
 # ---------------------------------------------------------------- telemetry
 
 
-async def test_silence_is_measured_to_the_speech_start() -> None:
-    """First response and silence run until LiveKit starts the answer's speech."""
+@pytest.mark.parametrize("spoken_by", ["speak", "returned"])
+async def test_silence_is_measured_to_the_speech_start(spoken_by: str) -> None:
+    """First response and silence run until LiveKit starts the answer's speech, whether
+    the destination said it with speak() or only returned it (README-style)."""
     clock = ManualClock()
-    weather = speaking("weather")
+    weather = speaking("weather") if spoken_by == "speak" else ScriptedAgent("weather")
     with TelemetryCapture() as capture:
         router = make_router(weather, decisions=ScriptedDecisions("weather"), clock=clock,
                              telemetry=capture.telemetry)
@@ -803,3 +1035,4 @@ async def test_the_turn_span_nests_under_livekits_agent_turn() -> None:
     assert answer.attributes is not None
     assert answer.attributes["gen_ai.agent.name"] == "weather"
     assert agent_turn.attributes["gen_ai.agent.name"] != "weather"
+

@@ -21,6 +21,7 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
         LLMContextUserTurnFrame,
         LLMFullResponseEndFrame,
         LLMFullResponseStartFrame,
+        LLMRunFrame,
         LLMTextFrame,
         ProposedUserStartedSpeakingFrame,
         ProposedUserStoppedSpeakingFrame,
@@ -29,6 +30,7 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
         TTSAudioRawFrame,
         TTSSpeakFrame,
     )
+    from pipecat.observers.base_observer import BaseObserver, FramePushed
     from pipecat.pipeline.pipeline import Pipeline
     from pipecat.processors.aggregators.llm_context import LLMContext
     from pipecat.processors.aggregators.llm_response_universal import (
@@ -40,6 +42,7 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
     from pipecat.tests.utils import run_test
     from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -47,15 +50,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnrouter import (
+    Admission,
     AgentExchange,
     AgentRouter,
     AgentTurn,
     ContractValueError,
+    Destination,
+    DestinationResult,
     LifecycleError,
     LLMError,
+    OverloadPolicy,
     RoutedResult,
+    RouterBusyError,
 )
 from turnrouter.integrations.pipecat import (
+    FrameAgent,
+    FrameOutput,
     PipecatLLMDestination,
     TurnRouterProcessor,
     frame_output,
@@ -77,6 +87,9 @@ pytestmark = [
     pytest.mark.anyio,
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
+
+
+Started = Callable[[], Awaitable[None]]
 
 
 def said(user: str, text: str) -> TranscriptionFrame:
@@ -728,7 +741,6 @@ async def test_destination_pushing_junk_fails_its_turn() -> None:
     """A destination pushing something that is not a Pipecat frame gets ContractTypeError
     naming the problem; its turn fails with the failure text spoken."""
     from turnrouter import ContractTypeError
-    from turnrouter.integrations.pipecat import FrameAgent, FrameOutput
 
     class Junk(FrameAgent):
         async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
@@ -820,3 +832,291 @@ def test_unrelated_frames_carry_no_turn() -> None:
                   InterimTranscriptionFrame("hi", "a", "t"), TranscriptionFrame("  ", "a", "t")):
         assert turn_from_frame(frame, turn_id="t") is None
 
+
+
+# ---------------------------------------------------------------- returned text, endings
+
+
+class Reply(Destination):
+    """A destination written the way README.md teaches: `started()`, then the answer
+    printed (here: recorded) and returned as `DestinationResult(text=...)`. It says
+    nothing through the pipeline. Its first answer waits for `gate` when given."""
+
+    def __init__(self, reply: str, *, gate: anyio.Event | None = None) -> None:
+        super().__init__("forecasts", name="weather")
+        self.reply = reply
+        self.gate = gate
+        self.entered = anyio.Event()
+        self.outcome: list[str] = []
+
+    async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
+        gate, self.gate = self.gate, None
+        self.entered.set()
+        await started()
+        try:
+            if gate is not None:
+                await gate.wait()
+        except BaseException as exc:
+            self.outcome.append(type(exc).__name__)
+            raise
+        self.outcome.append("done")
+        return DestinationResult(text=self.reply)
+
+
+def router_history(processor: TurnRouterProcessor) -> list[str]:
+    return [e.assistant for e in processor.router.history_of("alice")]
+
+
+def reply_router(reply: Reply, **kwargs: Any) -> AgentRouter:
+    kwargs.setdefault("telemetry", Telemetry.disabled())
+    return AgentRouter({"weather": reply}, ScriptedDecisions("weather"), **kwargs)
+
+
+async def test_a_returned_answer_is_said_once_as_the_turns_answer() -> None:
+    """A README-style destination behind the processor: its returned text is said once,
+    as its own speech would be: the acknowledgment suppressed by its started(), the
+    router's history holding what was said, first response and silence measured to the
+    text's audio."""
+    clock = ManualClock()
+    observer = RecordingObserver()
+    router = reply_router(Reply("Sunny, 24 degrees."), clock=clock, telemetry=observer,
+                          overload=None, acknowledgment_delay_secs=0.5,
+                          acknowledgment_llm=ScriptedLLM("One moment."))
+    processor = TurnRouterProcessor(router)
+    turns = Turns(processor)
+    speech = FakeSpeech(clock, ttfb=0.4)
+    async with Pipe(Pipeline([processor, speech])) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        await turns.wait(1)
+        with anyio.fail_after(10):
+            await clock.wait_for_sleepers(1)             # the TTS's first byte
+        clock.advance(0.4)
+        await pipe.next_down(TTSAudioRawFrame)
+        history = router_history(processor)
+        await pipe.end()
+    assert speech.spoken == ["Sunny, 24 degrees."]
+    assert spoken(pipe.seen) == ["Sunny, 24 degrees."]
+    assert history == ["Sunny, 24 degrees."]
+    ((turn, routed),) = turns.routed
+    assert routed.route == "weather"
+    acks = [e for e in observer.turns[turn.turn_id] if e[0] == "acknowledgment"]
+    assert acks == [("acknowledgment", "weather", "suppressed", "delay")]
+    heard = [event for event in observer.events if event[0] == "heard"]
+    assert heard == [("heard", "weather", pytest.approx(0.4), pytest.approx(0.4))]
+
+
+async def test_end_frame_lets_a_returned_answer_be_said_first() -> None:
+    """EndFrame while a README-style destination works: its returned text is said
+    before EndFrame leaves the processor (the call's last answer is heard)."""
+    gate = anyio.Event()
+    reply = Reply("Sunny.", gate=gate)
+    processor = TurnRouterProcessor(reply_router(reply))
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        with anyio.fail_after(10):
+            await reply.entered.wait()
+        await pipe.worker.queue_frame(EndFrame())
+        await ManualClock.settle()
+        assert reply.outcome == []               # EndFrame waits for the turn
+        gate.set()
+        await pipe.next_down(EndFrame)
+        await pipe.end_wait()
+    assert spoken(pipe.seen) == ["Sunny."]
+    kinds = [type(frame) for frame in pipe.seen]
+    assert kinds.index(TTSSpeakFrame) < kinds.index(EndFrame)
+
+
+class SpeaksToo(FrameAgent):
+    """Says its answer through the pipeline (as `how` says) and returns another text."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__("weather", "forecasts")
+        self.how = how
+
+    async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+        if self.how == "say":
+            await output.say("Sunny.")
+        elif self.how == "unmarked":           # speech the destination did not call speech
+            await output.push(TTSSpeakFrame("Sunny."), speech=False)
+        else:                                   # the LLM downstream answers
+            await output.push(LLMRunFrame())
+        return "It will be sunny all day."
+
+
+@pytest.mark.parametrize("how", ["say", "unmarked", "llm"])
+async def test_a_destination_that_spoke_is_not_said_again(how: str) -> None:
+    """A destination that said its answer through the pipeline (or handed it to the LLM
+    downstream) and returned another text is heard once: its own speech."""
+    router = build([SpeaksToo(how)], "weather")  # type: ignore[list-item]
+    processor = TurnRouterProcessor(router)
+    turns = Turns(processor)
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        await turns.wait(1)
+        history = router_history(processor)
+        await pipe.end()
+    assert spoken(pipe.seen) == ([] if how == "llm" else ["Sunny."])
+    assert [type(f) for f in pipe.seen if isinstance(f, LLMRunFrame)] == (
+        [LLMRunFrame] if how == "llm" else [])
+    assert history == ["It will be sunny all day."]
+
+
+async def test_a_barged_in_turns_returned_answer_is_not_said() -> None:
+    """An InterruptionFrame while the destination works interrupts its turn: what it
+    would have returned is never said."""
+    gate = anyio.Event()
+    reply = Reply("Sunny.", gate=gate)
+    processor = TurnRouterProcessor(reply_router(reply))
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        with anyio.fail_after(10):
+            await reply.entered.wait()
+        await pipe.worker.queue_frame(InterruptionFrame())
+        await pipe.next_down(InterruptionFrame)
+        gate.set()
+        assert processor.turns_in_flight == 0
+        history = router_history(processor)
+        await pipe.end()
+    assert reply.outcome == ["CancelledError"]
+    assert spoken(pipe.seen) == []
+    assert history == []
+
+
+async def test_a_replaced_turns_returned_answer_is_not_said() -> None:
+    """The user speaks again while the destination works: the replaced turn's text is
+    never said, the new turn's is, once."""
+    reply = Reply("Sunny.", gate=anyio.Event())
+    processor = TurnRouterProcessor(reply_router(reply))
+    turns = Turns(processor)
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        with anyio.fail_after(10):
+            await reply.entered.wait()
+        await pipe.send(said("alice", "rain tomorrow?"))
+        await turns.wait(1)
+        history = router_history(processor)
+        await pipe.end()
+    assert reply.outcome == ["CancelledError", "done"]
+    assert [turn.query for turn, _ in turns.routed] == ["rain tomorrow?"]
+    assert spoken(pipe.seen) == ["Sunny."]
+    assert history == ["Sunny."]
+
+
+class Pushed(BaseObserver):
+    """The texts a `TurnRouterProcessor` pushes as `TTSSpeakFrame`s, seen as they leave
+    it (an interruption may drop a frame from the next processor's queue before the
+    sink sees it; this sees it anyway)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: list[str] = []
+
+    async def on_push_frame(self, data: FramePushed) -> None:
+        if isinstance(data.frame, TTSSpeakFrame) and isinstance(
+                data.source, TurnRouterProcessor):
+            self.texts.append(data.frame.text)
+
+
+@pytest.mark.parametrize("stop", [InterruptionFrame, CancelFrame])
+async def test_an_answer_cut_after_it_returned_is_not_said(stop: type[Frame]) -> None:
+    """An interruption (or the call cancelled) after the destination returned, while
+    its turn still finishes (a release after the answer): the text is not said, not
+    even once the turn completes, since the user barged in or the call ended."""
+    agent = ScriptedAgent("weather", results=[DestinationResult("focus", "Booked."),
+                                              DestinationResult("release", "Bye.")])
+    router = build([agent], "weather")  # type: ignore[list-item]
+    processor = TurnRouterProcessor(router)
+    turns = Turns(processor)
+    pushed = Pushed()
+    async with Pipe(processor) as pipe:
+        pipe.worker.add_observer(pushed)
+        await pipe.send(said("alice", "book a table"))
+        await turns.wait(1)
+        assert (await pipe.next_down(TTSSpeakFrame)).text == "Booked."
+        gate = agent.release_gate = anyio.Event()
+        await pipe.send(said("alice", "that's all"))
+        with anyio.fail_after(10):
+            await agent.release_entered.wait()  # answered; the release runs
+        history = router_history(processor)
+        await pipe.worker.queue_frame(stop())
+        await ManualClock.settle()               # the processor took the frame in
+        gate.set()
+        if stop is InterruptionFrame:
+            await turns.wait(2)
+            await pipe.next_down(InterruptionFrame)
+            await pipe.end()
+        else:
+            await pipe.end_wait()
+            while not pipe.down.empty():
+                pipe.seen.append(pipe.down.get_nowait())
+    assert pushed.texts == spoken(pipe.seen) == ["Booked."]
+    assert history == ["Booked.", "Bye."]
+
+
+async def test_the_routers_clarification_is_said() -> None:
+    """No usable choice: the router's clarification question is said, nothing else."""
+    router = build([Agent("weather")], "clarify", clarification_text="Which city?")
+    processor = TurnRouterProcessor(router)
+    turns = Turns(processor)
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "hmm"))
+        await turns.wait(1)
+        await pipe.end()
+    assert spoken(pipe.seen) == ["Which city?"]
+    assert turns.routes == [None]
+
+
+POLICY = OverloadPolicy(busy_lag_secs=0.1, shed_lag_secs=0.5, sample_secs=0.01,
+                        busy_text="Busy, call back soon.")
+
+
+async def test_the_busy_text_is_said_to_a_shed_turn() -> None:
+    """A saturated router sheds a newcomer's turn: the busy text is said to it, the
+    turn fails with RouterBusyError, and the admitted caller still gets its answer."""
+    clock = ManualClock()
+    gate = anyio.Event()
+    reply = Reply("Sunny.", gate=gate)
+    router = reply_router(reply, clock=clock, overload=POLICY)
+    processor = TurnRouterProcessor(router)
+    turns = Turns(processor)
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        with anyio.fail_after(10):
+            await reply.entered.wait()
+        for _ in range(2):                       # two lagging samples: busy
+            with anyio.fail_after(10):
+                await clock.wait_for_sleepers(1)
+            clock.advance(POLICY.sample_secs + 0.2)
+            await ManualClock.settle()
+        assert router.busy
+        await pipe.send(said("bob", "hello?"))
+        assert (await pipe.next_down(TTSSpeakFrame)).text == "Busy, call back soon."
+        await turns.wait(1)
+        assert [type(error) for _, error in turns.failed] == [RouterBusyError]
+        gate.set()
+        await turns.wait(2)
+        await pipe.end()
+    assert reply.outcome == ["done"]
+    assert spoken(pipe.seen) == ["Busy, call back soon.", "Sunny."]
+
+
+async def test_the_dropped_turn_text_is_said() -> None:
+    """More turns wait behind a running one than max_waiting_turns: the oldest waiting
+    turn is dropped and the router's dropped-turn text is said; the newest is answered."""
+    agent = ScriptedAgent("weather", admissions=[Admission("release"), "accept"])
+    agent.release_gate = gate = anyio.Event()
+    router = build([agent], "weather", max_waiting_turns=1)  # type: ignore[list-item]
+    processor = TurnRouterProcessor(router)
+    turns = Turns(processor)
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "one"))
+        with anyio.fail_after(10):
+            await agent.release_entered.wait()  # turn one cannot be cut while it releases
+        await pipe.send(said("alice", "two"), said("alice", "three"))
+        dropped = await pipe.next_down(TTSSpeakFrame)
+        gate.set()
+        await turns.wait(1)
+        await pipe.end()
+    assert "repeat" in dropped.text
+    assert [turn.query for turn, _ in turns.routed] == ["three"]
+    assert spoken(pipe.seen) == [dropped.text, "weather answer"]

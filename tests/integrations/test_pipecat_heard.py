@@ -531,3 +531,36 @@ async def test_an_output_telling_only_upstream_is_heard() -> None:
             await run_clock(clock, lambda: bool(out.started))
         await end_on_clock(pipe, clock)
     assert measured(observer) == (pytest.approx(0.3), pytest.approx(0.3))
+
+
+async def test_a_returned_answer_is_heard_once_and_in_the_pipecat_context() -> None:
+    """A README-style destination (started(), then its text returned): the processor
+    speaks the text as the answer, so the output plays it once, the assistant
+    aggregator puts it in Pipecat's context once, next to the router's history, and the
+    first response is its audio."""
+    from turnrouter import Destination, DestinationResult
+
+    class Reply(Destination):
+        async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+            await started()
+            return DestinationResult(text="Sunny, 24 degrees.")
+
+    clock = ManualClock()
+    observer = RecordingObserver()
+    router = AgentRouter({"weather": Reply("forecasts")}, ScriptedDecisions("weather"),
+                         clock=clock, telemetry=observer)
+    processor = TurnRouterProcessor(router)
+    context = LLMContext([{"role": "system", "content": "You are a weather bot."}])
+    tts, out = ClockTTS(clock, ttfb=0.3), PlayingOutput(clock)
+    async with Pipe(processor, tts, out, LLMAssistantAggregator(context)) as pipe:
+        await pipe.send(said("rain?", "alice"))
+        with anyio.fail_after(20):
+            await run_clock(clock, lambda: bool(out.played))
+        history = [e.assistant for e in router.history_of("alice")]
+        await end_on_clock(pipe, clock)
+    assert list(tts.tags) == ["Sunny, 24 degrees."]
+    assert out.played[tts.tag("Sunny, 24 degrees.")] == pytest.approx(0.3)
+    assert measured(observer) == (pytest.approx(0.3), pytest.approx(0.3))
+    assistant = [m["content"] for m in context.get_messages()
+                 if isinstance(m, dict) and m.get("role") == "assistant"]
+    assert assistant == history == ["Sunny, 24 degrees."]

@@ -158,6 +158,8 @@ class _TurnVoice:
         self.reply = _Reply()
         self.speech_id: str | None = None
         self.ended = False
+        #: The destination said answer text with `speak()`.
+        self.answered = False
 
     async def control(self, turn: AgentTurn, route: str, text: str) -> None:
         """The router's control text for this turn."""
@@ -168,7 +170,21 @@ class _TurnVoice:
         """Answer text from the destination, in order."""
         if self.ended:
             raise LifecycleError("speak(): this turn already ended (interrupted or replaced)")
+        if text:
+            self.answered = True
         self.reply.push(text, "answer")
+
+    def say_result(self, result: DestinationResult) -> None:
+        """The turn was answered without `speak()` (a destination written for the
+        in-process router, which returns its answer's text): that text is the reply's
+        answer, said and reported heard as `speak()` would, once. Not when the reply
+        was interrupted or the session closed, nor for a turn the router ended itself
+        (it said its text already)."""
+        text = result.text
+        if (self.answered or self.ended or result.disposition == "clarify"
+                or not text.strip()):
+            return
+        self.answer_text(text)
 
     def segment_heard(self) -> None:
         """LiveKit started playing this reply's next segment: report it heard."""
@@ -281,7 +297,9 @@ class RouterAgent(Agent):
     (so a newer turn replaces a running one, as the router's contract says). The reply
     LiveKit generates for the message is the turn's: the agent's `llm_node` streams the
     router's control text (an acknowledgment, a preamble) and the destination's answer
-    (said with `speak()`) into it, in order, each utterance a segment of its own. So
+    (said with `speak()`; for a destination that never calls it, the
+    `DestinationResult.text` it returned) into it, in order, each utterance a segment of
+    its own. So
     `session.shutdown(drain=True)`, a job's shutdown, interruptions and one reply per
     message behave as for a plain `Agent`. A LiveKit interruption of the reply (the
     user barging in, `session.interrupt()`) becomes `router.interrupt(participant_id)`
@@ -424,6 +442,7 @@ class RouterAgent(Agent):
         try:
             routed = await self._router.route_turn(
                 voice.turn, output=voice.control, report_heard=True)
+            voice.say_result(routed.result)
         except TurnInterrupted:
             interrupted = True
         except asyncio.CancelledError:

@@ -236,6 +236,12 @@ class _TurnSink:
     #: after the final response (`llm_done`) passes it.
     via_llm: bool = False
     llm_done: bool = False
+    #: The destination said something through the pipeline (speech, or a frame asking
+    #: the LLM downstream to answer): its returned text is then not said again.
+    spoke: bool = False
+    #: An interruption (or the call's end) came while the turn ran: nothing more of it
+    #: is said, its returned text included.
+    cut: bool = False
 
 
 _CURRENT: contextvars.ContextVar[_TurnSink | None] = contextvars.ContextVar(
@@ -258,6 +264,16 @@ def _is_speech(frame: Frame) -> bool:
         text = frame.text
         return isinstance(text, str) and bool(text.strip()) and frame.skip_tts is not True
     return False
+
+
+def _is_heard(frame: Frame) -> bool:
+    """Whether `frame` ends up heard: speech (whatever `push(speech=...)` said) or a
+    frame that asks the LLM downstream to answer."""
+    if isinstance(frame, LLMContextFrame | LLMRunFrame):
+        return True
+    if isinstance(frame, LLMMessagesAppendFrame | LLMMessagesUpdateFrame):
+        return frame.run_llm is True
+    return _is_speech(frame)
 
 
 class FrameOutput:
@@ -319,6 +335,8 @@ class FrameOutput:
         if isinstance(frame, InterruptionFrame):
             await processor._push_through(frame)
             return
+        if speech is True or _is_heard(frame):
+            self._sink.spoke = True
         if isinstance(frame, _FOR_THE_LLM) or speech is False:
             await processor.push_frame(frame, FrameDirection.DOWNSTREAM)
             return
@@ -375,7 +393,8 @@ class FrameAgent:
         return DestinationResult("answer", text)
 
     async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
-        """Push the answer's frames through `output`; return its text (kept in history)."""
+        """Push the answer's frames through `output`; return its text (kept in history,
+        and spoken for you when nothing was pushed as speech)."""
         raise NotImplementedError
 
     async def release(self, participant_id: str) -> None:
@@ -764,8 +783,12 @@ class TurnRouterProcessor(FrameProcessor):
       one and the overflow counted
       (`turnrouter_runtime_rejected_messages_total{topic="pipecat", reason="overflow"}`),
       as are oversized (`oversized`) and malformed (`invalid`) turns, which are refused.
-    - Control text (acknowledgments, preambles, clarifications, failure text) is pushed
-      downstream as `TTSSpeakFrame`s; destinations push frames through `frame_output()`.
+    - Control text (acknowledgments, preambles, clarifications, failure, busy and
+      dropped-turn text) is pushed downstream as `TTSSpeakFrame`s; destinations push
+      frames through `frame_output()`. A destination that pushed no speech for a turn
+      answered with a non-empty `DestinationResult.text` (one written for the
+      in-process router) has that text spoken as the turn's answer, once, unless an
+      interruption or the call's cancel came while the turn ran.
       With an LLM service downstream, put `processor.speaker` right before the TTS: the
       speech then enters there, not behind the LLM's queue.
     - `InterruptionFrame` interrupts this processor's participants (before it is
@@ -967,6 +990,7 @@ class TurnRouterProcessor(FrameProcessor):
             with scope:
                 routed = await self.router.route_turn(
                     turn, output=self._speak, report_heard=self.report_heard)
+            await self._say_result(sink, routed.result)
             sink.closed = True
             await self._close_answer(sink)
             await self._call_event_handler("on_turn_routed", turn, routed)
@@ -983,6 +1007,25 @@ class TurnRouterProcessor(FrameProcessor):
             task = asyncio.current_task()
             if task is not None:
                 self._tasks.pop(task, None)
+
+    async def _say_result(self, sink: _TurnSink, result: DestinationResult) -> None:
+        """A destination that said nothing through the pipeline (one written for the
+        in-process router, which returns its answer's text): its text is said as the
+        turn's answer, the way its own speech would be (marked as the answer, cut by an
+        interruption, in the Pipecat context), once. Not after an interruption or the
+        call's end, nor for a turn the router ended itself (it said its text already)."""
+        text = result.text
+        if (sink.spoke or sink.cut or self._stopped or result.disposition == "clarify"
+                or not text.strip()):
+            return
+        sink.spoke = True
+        try:
+            await self._open_answer(sink)
+            if not sink.cut:  # an interruption meanwhile: it went out ahead, say nothing
+                await self._push_speech(TTSSpeakFrame(text))
+        except Exception as exc:  # the pipeline is being torn down
+            logger.warning("pipecat turn %s: its answer could not be said: %s",
+                           sink.turn.turn_id, type(exc).__name__)
 
     async def _speak(self, turn: AgentTurn, route: str, text: str) -> None:
         """The router's control text for a turn: spoken downstream, between marks."""
@@ -1087,7 +1130,13 @@ class TurnRouterProcessor(FrameProcessor):
     def _participants(self) -> list[str]:
         return sorted({sink.turn.participant_id for sink in self._tasks.values()})
 
+    def _cut(self) -> None:
+        """Nothing more of the turns running now is said (an interruption, the end)."""
+        for sink in self._tasks.values():
+            sink.cut = True
+
     async def _interrupt(self) -> None:
+        self._cut()
         for participant_id in self._participants():
             await self.router.interrupt(participant_id)
 
@@ -1108,6 +1157,7 @@ class TurnRouterProcessor(FrameProcessor):
         except TimeoutError:
             logger.warning("pipecat end: turns or their audio still pending after %g s",
                            self.end_timeout_secs)
+            self._cut()
             if not self.owns_router:
                 await self._interrupt()
         await self._finish()
@@ -1132,6 +1182,7 @@ class TurnRouterProcessor(FrameProcessor):
 
     async def _cancel(self) -> None:
         """CancelFrame: stop now (turns in flight are interrupted)."""
+        self._cut()
         if not self.owns_router:
             await self._interrupt()
         await self._finish()
