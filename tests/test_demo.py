@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import io
 import logging
@@ -9,7 +10,9 @@ import math
 import random
 import statistics
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 from turnrouter import AgentTurn, ConfigurationError, load_samples
@@ -271,3 +274,31 @@ async def test_the_demo_freezes_its_start_up_heap_while_it_runs_and_gives_it_bac
         gc.callbacks.remove(seen)
     assert frozen_at_collections and max(frozen_at_collections) > 0
     assert gc.get_freeze_count() == 0
+
+
+async def test_the_demo_drives_its_callers_without_a_task_each() -> None:
+    """The simulated callers share one task: a task and a timer per caller would cost
+    the router's core more than refusing a caller's turn does. While 400 callers
+    arrive, far fewer tasks are alive than there are callers."""
+    loop = asyncio.get_running_loop()
+    alive: set[asyncio.Future[Any]] = set()
+    peak = 0
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+        nonlocal peak
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        alive.add(task)
+        task.add_done_callback(alive.discard)
+        peak = max(peak, len(alive))
+        return task
+
+    previous = loop.get_task_factory()
+    loop.set_task_factory(factory)
+    try:
+        with anyio.fail_after(60):
+            report = await run_demo(DemoConfig(duration=0.3, participants=400, speed=0.5,
+                                               progress=False, seed=6), out=io.StringIO())
+    finally:
+        loop.set_task_factory(previous)
+    assert report.published > 0 and report.lost_turns == 0
+    assert 0 < peak < 400, peak

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import urllib.error
 import urllib.request
 from functools import partial
@@ -412,3 +413,95 @@ async def test_a_shed_turn_cancelled_while_being_told_is_not_counted() -> None:
         assert not [e for e in h.observer.events if e[0] == "shed"]
         gate.set()
     await h.router.stop()
+
+
+def _shedding_router(**kwargs: Any) -> tuple[AgentRouter, RecordingObserver, ScriptedAgent,
+                                            ManualClock, Topic[UserQuery],
+                                            Topic[ResponseOutput]]:
+    clock = ManualClock()
+    observer = RecordingObserver()
+    query: Topic[UserQuery] = Topic("q", UserQuery)
+    output: Topic[ResponseOutput] = Topic("o", ResponseOutput)
+    agent = ScriptedAgent("weather")
+    router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"),
+                         default_destination="weather", query_topic=query,
+                         output_topic=output, telemetry=observer, clock=clock,
+                         overload=POLICY, **kwargs)
+    return router, observer, agent, clock, query, output
+
+
+async def test_runtime_sheds_with_each_querys_reason_and_trace() -> None:
+    """Shed in the publisher's call, a query still gets its reason (a new participant
+    while busy, an admitted one while shedding) and its busy text is told inside the
+    query's trace context; no RouterBusyError is raised only to be caught again."""
+    router, observer, agent, clock, query, output = _shedding_router()
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    raised: list[str] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "exception" and isinstance(arg[1], RouterBusyError):
+            raised.append(frame.f_code.co_name)
+        return tracer
+
+    async with anyio.create_task_group() as tg:
+        gate = agent.answer_gate = anyio.Event()
+        tg.start_soon(partial(router.route_turn, AgentTurn("p1", "t0", "hold"),
+                              output=OutputRecorder()))
+        with anyio.fail_after(5):
+            await agent.answer_entered.wait()
+        agent.answer_gate = None
+        await lag(clock, 0.2)
+        assert router.busy and not router.sheds("p1")
+        newcomer = UserQuery(participant_id="p2", text="hi", traceparent=parent)
+        with anyio.fail_after(5):
+            sys.settrace(tracer)
+            try:
+                first = await publish_and_drain(router, output, (query, newcomer))
+            finally:
+                sys.settrace(None)
+        await lag(clock, 0.6)
+        assert router.sheds("p1")  # shedding: admitted participants' turns too
+        admitted = UserQuery(participant_id="p1", text="again")
+        with anyio.fail_after(5):
+            second = await publish_and_drain(router, output, (query, admitted))
+        gate.set()
+    assert [(o.request_id, o.text, o.final) for o in first + second] == [
+        (newcomer.message_id, POLICY.busy_text, True),
+        (admitted.message_id, POLICY.busy_text, True)]
+    assert [e for e in observer.events if e[0] == "enter_context"] == [
+        ("enter_context", {"traceparent": parent})]
+    assert [e for e in observer.events if e[0] == "shed"] == [
+        ("shed", "p2", "new_participant"), ("shed", "p1", "shedding")]
+    assert observer.outcome(newcomer.message_id) == observer.outcome(
+        admitted.message_id) == "busy"
+    assert raised == []
+    await router.stop()
+
+
+async def test_runtime_sheds_with_status_reports_too() -> None:
+    """With a `set_status` callback a shed query is still reported processing, then
+    idle, as every runtime query is, and counted once."""
+    statuses: list[tuple[str, str]] = []
+
+    async def set_status(status: str, participant_id: str) -> None:
+        statuses.append((status, participant_id))
+
+    router, observer, agent, clock, query, output = _shedding_router(set_status=set_status)
+    async with anyio.create_task_group() as tg:
+        gate = agent.answer_gate = anyio.Event()
+        tg.start_soon(partial(router.route_turn, AgentTurn("p1", "t0", "hold"),
+                              output=OutputRecorder()))
+        with anyio.fail_after(5):
+            await agent.answer_entered.wait()
+        agent.answer_gate = None
+        await lag(clock, 0.2)
+        message = UserQuery(participant_id="p2", text="hi")
+        with anyio.fail_after(5):
+            outputs = await publish_and_drain(router, output, (query, message))
+        gate.set()
+    assert [(o.request_id, o.text) for o in outputs] == [(message.message_id,
+                                                          POLICY.busy_text)]
+    assert statuses == [("processing", "p2"), ("idle", "p2")]
+    assert [e for e in observer.events if e[0] == "shed"] == [
+        ("shed", "p2", "new_participant")]
+    await router.stop()

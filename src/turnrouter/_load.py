@@ -181,6 +181,20 @@ class LoadMonitor:
         reason = self.refusal(known)
         if reason is None:
             return
+        await self.shed(turn, emit, reason)
+        raise RouterBusyError(
+            f"turn {turn.turn_id!r} of {turn.participant_id!r} refused: the router is "
+            f"{'shedding' if reason == 'shedding' else 'busy'} (event-loop lag "
+            f"{self.lag:.3f}s); the participants it admitted keep their answers")
+
+    async def shed(self, turn: AgentTurn,
+                   emit: Callable[[AgentTurn, str, str], Awaitable[None]],
+                   reason: ShedReason) -> None:
+        """Shed `turn` for `reason`: the participant told `busy_text` through `emit`,
+        then counted (outcome `busy` and its reason). No error raised: the in-process
+        runtime sheds a query this way in its publisher's call, where raising and
+        catching `RouterBusyError` through the turn's frames would cost more than the
+        refusal itself."""
         assert self.policy is not None
         try:
             await emit(turn, CLARIFY, self.policy.busy_text)
@@ -190,10 +204,6 @@ class LoadMonitor:
         # Counted once told: a caller cancelled meanwhile (the in-process runtime sheds in
         # the publisher's call) took the query back, and it is not counted as a turn.
         self._observer.turn_shed(TurnShed(turn, reason))
-        raise RouterBusyError(
-            f"turn {turn.turn_id!r} of {turn.participant_id!r} refused: the router is "
-            f"{'shedding' if reason == 'shedding' else 'busy'} (event-loop lag "
-            f"{self.lag:.3f}s); the participants it admitted keep their answers")
 
     async def wait_ready(self) -> None:
         """Return once the router is not busy (at once when it is not)."""

@@ -254,7 +254,7 @@ class AgentRouter:
             )
         from .runtime import RouterSubscriber
 
-        return RouterSubscriber(self, topics)
+        return RouterSubscriber(self, topics, self._cfg.load)
 
     @property
     def destinations(self) -> Mapping[str, RoutableAgent]:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import heapq
 import importlib
+import itertools
 import logging
 import os
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -228,8 +231,29 @@ class _Topics:
 DEMO_HISTORY_EXCHANGES = 8
 
 
+class _Caller:
+    """One simulated caller: its slot, the conversation it is in, what it does next."""
+
+    __slots__ = ("generation", "next", "pid", "slot", "talking", "turns_left")
+
+    def __init__(self, slot: int) -> None:
+        self.slot, self.generation = slot, 0
+        self.pid = ""
+        self.talking = False
+        self.turns_left = 0
+        #: The step it takes when it is due (`_Crowd.join`, `speak`, `barge_in`, ...).
+        self.next: Callable[[_Caller], Awaitable[None]] | None = None
+
+
 class _Crowd:
-    """Participants joining, talking, interrupting and leaving through the topics."""
+    """Participants joining, talking, interrupting and leaving through the topics.
+
+    Every caller is driven from one task, on one heap of due steps: a task and a
+    timer per caller would cost the router's core more than the refusal of a
+    caller's turn does (a task wake-up, a future and a timer per sleep), and the
+    process' capacity would then depend on its simulated callers. Each caller still
+    speaks on its own schedule (it does not wait for an answer).
+    """
 
     def __init__(self, runtime: AgentRuntime, router: AgentRouter, sample: Sample,
                  config: DemoConfig, rng: random.Random) -> None:
@@ -243,6 +267,10 @@ class _Crowd:
         self.oos_share = 0.45 if config.clarify_heavy else 0.08
         self.published = 0
         self.active = 0
+        #: (when, sequence, caller): the callers' next steps, in the loop's time.
+        self._due: list[tuple[float, int, _Caller]] = []
+        self._sequence = itertools.count().__next__
+        self._now = asyncio.get_running_loop().time
 
     def pick(self, pid: str) -> str:
         rng = self.rng
@@ -252,11 +280,12 @@ class _Crowd:
             return rng.choice(self.oos)
         return rng.choice(self.in_scope)
 
-    async def _sleep(self, seconds: float) -> None:
-        # asyncio's own sleep (the demo runs on asyncio, as the router): the simulated
-        # callers share the router's core, and anyio's checkpoint around each of their
-        # sleeps is CPU the router does not get under load.
-        await asyncio.sleep(seconds / self.config.speed)
+    def _after(self, caller: _Caller, seconds: float,
+               step: Callable[[_Caller], Awaitable[None]]) -> None:
+        """`caller` takes `step` in `seconds` of simulated time."""
+        caller.next = step
+        heapq.heappush(self._due, (self._now() + seconds / self.config.speed,
+                                   self._sequence(), caller))
 
     async def _settle_patches(self, pid: str) -> None:
         """The participant answers the router's question about a held background result."""
@@ -266,39 +295,79 @@ class _Crowd:
             with contextlib.suppress(LifecycleError):  # settled or dropped meanwhile
                 await settle(held.patch_id)
 
-    async def participant(self, slot: int) -> None:
-        rng, publish = self.rng, self.runtime.publish
-        generation = 0
-        await self._sleep(rng.uniform(0, 2.0))  # arrivals spread out
-        while True:
-            generation += 1
-            pid = f"user-{slot:05d}-{generation}"
-            await publish(_Topics.joined, ParticipantJoined(participant_id=pid))
-            self.active += 1
-            try:
-                for _ in range(rng.randint(3, 10)):
-                    await self._settle_patches(pid)
-                    await publish(_Topics.query, UserQuery(participant_id=pid,
-                                                           text=self.pick(pid)))
-                    self.published += 1
-                    if rng.random() < 0.01:
-                        # A flaky speech recogniser publishes a malformed query now and
-                        # then: the router rejects and counts it.
-                        await publish(_Topics.query, {"participant_id": pid, "text": None})
-                        self.published += 1
-                    roll = rng.random()
-                    if roll < 0.05:  # barge-in while the answer is on its way
-                        await self._sleep(rng.uniform(0.1, 0.6))
-                        await publish(_Topics.interrupted, Interrupted(participant_id=pid))
-                    elif roll < 0.09:  # speaks again before the answer: supersedes it
-                        await self._sleep(rng.uniform(0.1, 0.4))
-                        continue
-                    await self._sleep(rng.uniform(1.5, 4.0))  # listen, think
-            finally:
-                self.active -= 1
-                with anyio.CancelScope(shield=True):
-                    await publish(_Topics.left, ParticipantLeft(participant_id=pid))
-            await self._sleep(rng.uniform(0.2, 1.0))
+    async def run(self, participants: int, spawn: Callable[..., object]) -> None:
+        """Drive `participants` callers until cancelled; then every caller still in a
+        conversation leaves. `spawn(fn, caller)` runs a caller's step that waits on
+        the router (settling a held patch) beside the others."""
+        callers = [_Caller(slot) for slot in range(participants)]
+        for caller in callers:
+            self._after(caller, self.rng.uniform(0, 2.0), self.join)  # arrivals spread out
+        due, now, pop = self._due, self._now, heapq.heappop
+        try:
+            while True:
+                wait = due[0][0] - now() if due else 1.0
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    continue
+                caller = pop(due)[2]
+                step = caller.next
+                assert step is not None
+                caller.next = None
+                if step == self.speak and self.router.pending_patches(caller.pid):
+                    spawn(self._settle_then_speak, caller)  # rare: not on the heap's time
+                else:
+                    await step(caller)
+        finally:
+            with anyio.CancelScope(shield=True):
+                for caller in callers:
+                    if caller.talking:
+                        await self.leave(caller, again=False)
+
+    async def join(self, caller: _Caller) -> None:
+        caller.generation += 1
+        caller.pid = pid = f"user-{caller.slot:05d}-{caller.generation}"
+        await self.runtime.publish(_Topics.joined, ParticipantJoined(participant_id=pid))
+        caller.talking = True
+        self.active += 1
+        caller.turns_left = self.rng.randint(3, 10)
+        await self.speak(caller)
+
+    async def _settle_then_speak(self, caller: _Caller) -> None:
+        await self._settle_patches(caller.pid)
+        if caller.talking:  # not made to leave (the run ended) meanwhile
+            await self.speak(caller)
+
+    async def speak(self, caller: _Caller) -> None:
+        rng, publish, pid = self.rng, self.runtime.publish, caller.pid
+        await publish(_Topics.query, UserQuery(participant_id=pid, text=self.pick(pid)))
+        self.published += 1
+        if rng.random() < 0.01:
+            # A flaky speech recogniser publishes a malformed query now and then: the
+            # router rejects and counts it.
+            await publish(_Topics.query, {"participant_id": pid, "text": None})
+            self.published += 1
+        caller.turns_left -= 1
+        then = self.speak if caller.turns_left else self.leave
+        roll = rng.random()
+        if roll < 0.05:  # barge-in while the answer is on its way
+            self._after(caller, rng.uniform(0.1, 0.6), self.barge_in)
+        elif roll < 0.09:  # speaks again before the answer: supersedes it
+            self._after(caller, rng.uniform(0.1, 0.4), then)
+        else:
+            self._after(caller, rng.uniform(1.5, 4.0), then)  # listen, think
+
+    async def barge_in(self, caller: _Caller) -> None:
+        await self.runtime.publish(_Topics.interrupted,
+                                   Interrupted(participant_id=caller.pid))
+        then = self.speak if caller.turns_left else self.leave
+        self._after(caller, self.rng.uniform(1.5, 4.0), then)  # listen, think
+
+    async def leave(self, caller: _Caller, *, again: bool = True) -> None:
+        caller.talking = False
+        self.active -= 1
+        await self.runtime.publish(_Topics.left, ParticipantLeft(participant_id=caller.pid))
+        if again:
+            self._after(caller, self.rng.uniform(0.2, 1.0), self.join)
 
 
 class _ExpectedFaults(logging.Filter):
@@ -410,8 +479,7 @@ async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
         async with runtime:
             runtime.register(router.runtime_subscriber())
             async with anyio.create_task_group() as tg:
-                for slot in range(config.participants):
-                    tg.start_soon(crowd.participant, slot)
+                tg.start_soon(crowd.run, config.participants, tg.start_soon)
                 if config.progress:
                     tg.start_soon(_progress, registry, crowd, start, out)
                 if config.serve:

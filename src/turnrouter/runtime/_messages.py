@@ -66,6 +66,14 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
+class _Ref(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference that knows its key (as `weakref.KeyedRef`, whose Python-level
+    constructor costs several times this one's)."""
+
+    __slots__ = ("key",)
+    key: int
+
+
 class _Validated:
     """The message instances known valid, by identity (weakly held).
 
@@ -78,10 +86,10 @@ class _Validated:
     __slots__ = ("_forget", "_refs")
 
     def __init__(self) -> None:
-        self._refs: dict[int, weakref.KeyedRef[int, BaseModel]] = {}
+        self._refs: dict[int, _Ref] = {}
         refs = self._refs
 
-        def forget(ref: weakref.KeyedRef[int, BaseModel]) -> None:
+        def forget(ref: _Ref) -> None:
             if refs.get(ref.key) is ref:
                 del refs[ref.key]
 
@@ -90,7 +98,9 @@ class _Validated:
 
     def add(self, message: BaseModel) -> None:
         key = id(message)
-        self._refs[key] = weakref.KeyedRef(message, self._forget, key)
+        ref = _Ref(message, self._forget)
+        ref.key = key
+        self._refs[key] = ref
 
     def __contains__(self, message: object) -> bool:
         ref = self._refs.get(id(message))
@@ -106,7 +116,9 @@ class RuntimeMessage(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     def __init__(self, **data: Any) -> None:
-        super().__init__(**data)
+        # What pydantic's own `__init__` does, without its extra frame (every message
+        # pays it: a shed query two messages, its caller's and the busy text).
+        self.__pydantic_validator__.validate_python(data, self_instance=self)
         VALIDATED.add(self)  # validated just now: delivery need not validate it again
 
     message_id: str = Field(default_factory=new_message_id, min_length=1, max_length=MAX_ID_CHARS)

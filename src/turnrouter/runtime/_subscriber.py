@@ -23,6 +23,7 @@ from ._runtime import AgentRuntime, Topic
 
 if TYPE_CHECKING:
     from .._frontend import Departure
+    from .._load import LoadMonitor, ShedReason
     from .._router import AgentRouter
 
 __all__ = ["RouterSubscriber", "validate_topics"]
@@ -94,10 +95,15 @@ class RouterSubscriber:
         router: The router the messages are delivered to.
         topics: Role (`query_topic`, `output_topic`, ...) -> topic, as the router was
             configured.
+        load: The router's admission control (`AgentRouter.runtime_subscriber` passes
+            it): a query the router sheds is then refused in the publisher's call
+            without running a turn; without it, such a query runs through `route_turn`.
     """
 
-    def __init__(self, router: AgentRouter, topics: dict[str, Topic[Any]]) -> None:
+    def __init__(self, router: AgentRouter, topics: dict[str, Topic[Any]],
+                 load: LoadMonitor | None = None) -> None:
         self._router = router
+        self._load = load
         self._topics = topics
         self._output = topics["output_topic"]
         self._roles = {topic.name: role for role, topic in topics.items()
@@ -177,7 +183,7 @@ class RouterSubscriber:
             if router.busy and router.sheds(payload.participant_id):
                 # Shed at once, in the publisher's call: a task per refused query would
                 # cost more than the refusal itself.
-                await self._run_query(payload, runtime)
+                await self._shed_query(payload, runtime)
                 return
             queued = self._queued_of(runtime)
             waiting = queued.get(payload.participant_id)
@@ -222,6 +228,22 @@ class RouterSubscriber:
                                              "superseded")
                 return
         await self._run_query(query, runtime)
+
+    async def _shed_query(self, query: UserQuery, runtime: AgentRuntime) -> None:
+        """A query the router sheds now: told the busy text and counted (outcome busy),
+        without the turn's path (its checks, and a `RouterBusyError` raised through its
+        frames only to be caught here). With status reports configured, or without the
+        router's admission control, it runs as any query does."""
+        load, router = self._load, self._router
+        if load is None or router.reports_status:
+            await self._run_query(query, runtime)
+            return
+        turn = AgentTurn(query.participant_id, query.message_id, query.text,
+                         timestamp_us=query.timestamp_us)
+        # `sheds()` was True: shedding refuses every turn, busy alone a new participant's.
+        reason: ShedReason = "shedding" if load.shedding else "new_participant"
+        with router.continue_trace(query.trace_carrier()):
+            await load.shed(turn, self._emitter(runtime)[1], reason)
 
     async def _run_query(self, query: UserQuery, runtime: AgentRuntime) -> None:
         router = self._router
