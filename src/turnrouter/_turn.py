@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from asyncio import current_task
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -86,67 +87,58 @@ class Turn(TurnRun):
     """One routed turn of one participant; see the module docstring.
 
     A turn is its own place in the participant's queue (a `TurnRun`): one object per
-    turn, not two.
+    turn, not two. Its attributes that start out the same on every turn are class-level
+    defaults (no `__slots__`), so a new turn stores only what differs.
     """
 
-    __slots__ = (
-        "answer", "answered_by", "attempts", "cfg", "created", "emit", "end", "focus_before",
-        "obs", "observing", "output_failed", "report_heard", "route", "started", "state",
-        "turn",
-    )
+    #: Where the text the router itself ends the turn with goes (clarification, failure,
+    #: dropped-turn text): a front end marks it as the turn's ending
+    #: (`route_turn(ending=...)` sets it; `emit` otherwise).
+    end: OutputCallback
+    #: The focus when the turn began routing (read only when telemetry listens).
+    focus_before: str | None = None
+    #: The route that answered (for telemetry), and the one that ended the turn.
+    route: str | None = None
+    answered_by: str | None = None
+    attempts = 0
+    started = False
+    output_failed = False
+    obs: TurnObserver = NULL_TURN_OBSERVER
+    answer: Answer | None = None
 
     def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
                  emit: OutputCallback, report_heard: bool) -> None:
-        super().__init__(turn.turn_id)
-        self.cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
-        #: Where the text the router itself ends the turn with goes (clarification,
-        #: failure, dropped-turn text): a front end marks it as the turn's ending
-        #: (`route_turn(ending=...)` sets it; `emit` otherwise).
-        self.end = emit
+        self.turn_id = turn.turn_id
+        self.cfg, self.state, self.turn, self.emit, self.end = cfg, state, turn, emit, emit
         self.report_heard = report_heard
-        #: When the front end handed the turn over (its wait before routing is measured).
-        self.created = cfg.clock()
-        self.focus_before: str | None = None
-        #: The route that answered (for telemetry), and the one that ended the turn.
-        self.route: str | None = None
-        self.answered_by: str | None = None
-        self.attempts = 0
-        self.started = False
-        self.output_failed = False
         #: Whether telemetry listens (else no event is built).
         self.observing = cfg.observer.enabled
-        self.obs: TurnObserver = NULL_TURN_OBSERVER
-        self.answer: Answer | None = None
 
     # ------------------------------------------------------------------ the whole turn
 
     async def execute(self) -> DestinationResult:
-        """Wait for the participant's earlier turns, run this one, report its outcome."""
-        state, turn, run = self.state, self.turn, self
+        """Wait for the participant's earlier turns, run this one, report its outcome.
+
+        Counted in flight from here to its end (the load sampler reads the count)."""
+        state, turn, run, cfg = self.state, self.turn, self, self.cfg
         queue = state.queue
-        running = queue.running
-        if running is not None:  # the participant spoke again: the running turn is stale
-            running.cancel("superseded by a newer turn")
-        observer = self.cfg.observer
-        if not await queue.enter(run, self.cfg.max_waiting_turns):
-            if self.observing:
-                observer.turn_started(_new(TurnStarted, (turn, state.focus))).finished(
-                    TurnFinished("interrupted", None, state.focus, state.focus, 0, None))
-            if run.reason == DROPPED:
-                await self._dropped()
-            raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
+        load = cfg.load
+        if load.task is None:
+            load.ensure_sampling()
+        load.in_flight += 1
+        if queue.running is None and not queue.waiting:
+            queue.running = run  # the participant's only turn: no wait, nothing measured
+        else:
+            await _wait_in_line(self)
         if state.unheard is not None:  # the previous answer was never reported heard
             state.unheard.resolve_heard(None)
-        load = self.cfg.load
-        waited = self.cfg.clock() - self.created
-        if waited > load.wait_max:
-            load.wait_max = waited
-        self.focus_before = state.focus
         if self.observing:
-            self.obs = observer.turn_started(_new(TurnStarted, (turn, state.focus)))
-        task = asyncio.current_task()
+            self.focus_before = state.focus
+            self.obs = cfg.observer.turn_started(_new(TurnStarted, (turn, state.focus)))
+        task = current_task()
         assert task is not None, "turnrouter runs on asyncio"
-        run.attach(task)
+        run.task = task
+        run.base = task.cancelling()
         if self.report_heard:  # mark_heard() may look for this turn's answer
             state.current = self
         try:
@@ -176,18 +168,21 @@ class Turn(TurnRun):
             self._finish("interrupted" if cancelled else "failed", None if cancelled else exc)
             raise
         finally:
+            load.in_flight -= 1
             run.protected = True
-            run.consume_cancel()  # a request that arrived as the turn completed
+            if run.cancel_sent:
+                run.consume_cancel()  # a request that arrived as the turn completed
             if state.current is self:
                 state.current = None
             # Answer and turn point at each other: unlinked, both are freed at once
             # instead of waiting for the cyclic collector (thousands of turns a second).
             self.answer = None
             queue.leave(run)
-        self._finish(result.disposition, None)
+        if self.observing:
+            self._finish(result.disposition, None)
         return result
 
-    async def _dropped(self) -> None:
+    async def dropped(self) -> None:
         """Count a turn dropped from a full queue and tell the participant."""
         turn = self.turn
         self.cfg.overflows.report(
@@ -682,6 +677,31 @@ class Answer:
         cfg.observer.heard(Heard(self.route, seconds, silence_seconds))
         if cfg.timed is not None:
             cfg.timed.record(self.route, seconds, False, owner.turn)
+
+
+async def _wait_in_line(run: Turn) -> None:
+    """Wait behind the participant's earlier turns (a running one is superseded),
+    measuring the wait for the load sampler; a turn cancelled or dropped meanwhile
+    is reported and raises `TurnInterrupted` (no longer counted in flight)."""
+    state, turn, cfg = run.state, run.turn, run.cfg
+    load, queue = cfg.load, state.queue
+    running = queue.running
+    if running is not None:  # the participant spoke again: the running turn is stale
+        running.cancel("superseded by a newer turn")
+    since = cfg.clock()
+    try:
+        entered = await queue.enter(run, cfg.max_waiting_turns)
+        if not entered:
+            if run.observing:
+                cfg.observer.turn_started(_new(TurnStarted, (turn, state.focus))).finished(
+                    TurnFinished("interrupted", None, state.focus, state.focus, 0, None))
+            if run.reason == DROPPED:
+                await run.dropped()
+            raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
+    except BaseException:
+        load.in_flight -= 1
+        raise
+    load.waited(cfg.clock() - since)
 
 
 async def bounded_release(
