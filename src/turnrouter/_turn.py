@@ -326,10 +326,34 @@ class Turn(TurnRun):
         """Ask `route` to admit the turn; the turn's result, or None to route on without it.
 
         A decline or release excludes the route for the rest of this turn; a release also
-        says its text, clears the route's focus and calls its `release()`.
+        says its text, clears the route's focus and calls its `release()`. (The admission
+        call is inline: one coroutine layer less on every turn.)
         """
-        admission = await self._admit(route, focused)
+        cfg, state = self.cfg, self.state
+        if route not in state.used:
+            state.used += (route,)
+        observing = self.observing
+        token = self.obs.admission_started(_new(AdmissionStarted, (route, focused))) if (
+            observing) else None
+        try:
+            if cfg.admission_timeout is None:
+                admission = await cfg.agents[route].admit(self.turn, focused=focused)
+            else:
+                admission = await self._admit_within(route, focused, token)
+            if not isinstance(admission, Admission):
+                raise DestinationContractError(
+                    f"destination {route!r} admit() returned {type(admission).__name__}, "
+                    "not an Admission"
+                )
+            admission.__post_init__()  # again: object.__new__ skips validation
+        except BaseException as exc:
+            self.obs.admission_finished(token, AdmissionFinished(
+                route, focused, None, None if _is_cancel(exc) else exc, False))
+            raise
         disposition = admission.disposition
+        if observing and admission is not _TIMED_OUT:  # a timeout was reported as such
+            self.obs.admission_finished(token, _new(AdmissionFinished, (
+                route, focused, disposition, None, False)))
         if disposition == "accept":
             return await self._answer(route, admission)
         if disposition == "clarify":
@@ -338,48 +362,24 @@ class Turn(TurnRun):
         self.obs.reroute(Rerouted(route))
         if disposition == "release":
             await self.say(route, admission.text)
-            state = self.state
             if state.focus == route:
                 state.focus = None
                 self.obs.focus_transition(FocusChanged(route, "released"))
             await self._release(route, "reroute")
         return None
 
-    async def _admit(self, route: str, focused: bool) -> Admission:
-        cfg, obs = self.cfg, self.obs
-        state = self.state
-        if route not in state.used:
-            state.used += (route,)
-        agent = cfg.agents[route]
-        observing = self.observing
-        token = obs.admission_started(_new(AdmissionStarted, (route, focused))) if (
-            observing) else None
-        try:
-            timeout = cfg.admission_timeout
-            if timeout is None:
-                admission = await agent.admit(self.turn, focused=focused)
-            else:
-                with anyio.move_on_after(timeout) as scope:
-                    admission = await agent.admit(self.turn, focused=focused)
-                if scope.cancelled_caught:
-                    obs.admission_finished(token, AdmissionFinished(
-                        route, focused, "decline", None, True))
-                    logger.warning("turnrouter: %s.admit() timed out after %ss; counted as a "
-                                   "decline", route, timeout)
-                    return _TIMED_OUT
-            if not isinstance(admission, Admission):
-                raise DestinationContractError(
-                    f"destination {route!r} admit() returned {type(admission).__name__}, "
-                    "not an Admission"
-                )
-            admission.__post_init__()  # again: object.__new__ skips validation
-        except BaseException as exc:
-            obs.admission_finished(token, AdmissionFinished(
-                route, focused, None, None if _is_cancel(exc) else exc, False))
-            raise
-        if observing:
-            obs.admission_finished(token, _new(AdmissionFinished, (
-                route, focused, admission.disposition, None, False)))
+    async def _admit_within(self, route: str, focused: bool, token: object) -> Admission:
+        """`admit()` within `admission_timeout_secs`: a slower one is cancelled, reported
+        as timed out and counted as a decline (`_TIMED_OUT`)."""
+        timeout = self.cfg.admission_timeout
+        with anyio.move_on_after(timeout) as scope:
+            admission = await self.cfg.agents[route].admit(self.turn, focused=focused)
+        if scope.cancelled_caught:
+            self.obs.admission_finished(token, AdmissionFinished(
+                route, focused, "decline", None, True))
+            logger.warning("turnrouter: %s.admit() timed out after %ss; counted as a "
+                           "decline", route, timeout)
+            return _TIMED_OUT
         return admission
 
     # ------------------------------------------------------------------ answering
@@ -481,22 +481,22 @@ class Answer:
     audio a front end reports) ends it.
     """
 
-    __slots__ = ("_heard_at", "_said_at", "_sidecar", "_silent_since", "_started_at", "_t0",
-                 "_token", "closed", "owner", "route")
+    #: What every answer starts with, as class-level defaults (no `__slots__`): a new
+    #: answer stores only what differs (one is built per answered turn).
+    _t0 = 0.0
+    _token: object = None
+    _sidecar: AcknowledgmentSidecar | None = None
+    _started_at: float | None = None
+    _heard_at: float | None = None
+    #: With heard reports: when control text (a preamble, an acknowledgment) was first
+    #: said, the silence's end when no report says when it was heard.
+    _said_at: float | None = None
+    closed = False
 
     def __init__(self, owner: Turn, route: str) -> None:
         self.owner, self.route = owner, route
-        self._t0 = 0.0
-        self._token: object = None
         #: When the silence began (admission); None once something was heard.
         self._silent_since: float | None = owner.cfg.clock()
-        self._sidecar: AcknowledgmentSidecar | None = None
-        self._started_at: float | None = None
-        self._heard_at: float | None = None
-        #: With heard reports: when control text (a preamble, an acknowledgment) was
-        #: first said, the silence's end when no report says when it was heard.
-        self._said_at: float | None = None
-        self.closed = False
 
     async def run(self, admission: Admission | None) -> DestinationResult:
         owner, route = self.owner, self.route
@@ -509,13 +509,15 @@ class Answer:
         if owner.observing:
             self._token = obs.answer_started(_new(AnswerStarted, (route, admission is None)))
         timed = cfg.timed
-        self._sidecar = None if timed is None else timed.sidecar(self)
+        sidecar = None if timed is None else timed.sidecar(self)
+        if sidecar is not None:
+            self._sidecar = sidecar
         self._t0 = clock()
         try:
-            if self._sidecar is None:  # the common case, without a coroutine layer more
+            if sidecar is None:  # the common case, without a coroutine layer more
                 result = await cfg.agents[route].answer(owner.turn, started=self)
             else:
-                result = await self._call_beside_sidecar(self._sidecar)
+                result = await self._call_beside_sidecar(sidecar)
             if not isinstance(result, DestinationResult) or result.disposition == "clarify":
                 raise DestinationContractError(
                     f"destination {route!r} answer() must return DestinationResult answer, "
@@ -539,7 +541,8 @@ class Answer:
                 route, None, None if cancelled else exc, cancelled))
             raise
         self.closed = True
-        self._close_silence()
+        if self._said_at is not None:
+            self._close_silence()
         if owner.observing:
             obs.answer_finished(self._token, _new(AnswerFinished, (route, result, None, False)))
         return result
