@@ -199,7 +199,7 @@ class AgentTurn:
     def __post_init__(self) -> None:
         pid, turn_id, query = self.participant_id, self.turn_id, self.query
         if not (type(pid) is str and type(turn_id) is str and type(query) is str
-                and 0 < len(pid) <= MAX_ID_CHARS and 0 < len(turn_id) <= MAX_ID_CHARS
+                and pid and turn_id and len(pid) <= MAX_ID_CHARS and len(turn_id) <= MAX_ID_CHARS
                 and pid.isascii() and turn_id.isascii() and query.isascii()):
             self._check_text()  # else the common case, checked inline (on every turn)
         history = self.history
@@ -208,9 +208,11 @@ class AgentTurn:
                 raise _type_error("AgentTurn", "history", "a sequence of AgentExchange", history)
             history = tuple(history)
             object.__setattr__(self, "history", history)
-        for index, exchange in enumerate(history):
-            if not isinstance(exchange, AgentExchange):
-                raise _type_error("AgentTurn", f"history[{index}]", "an AgentExchange", exchange)
+        if history:
+            for index, exchange in enumerate(history):
+                if not isinstance(exchange, AgentExchange):
+                    raise _type_error("AgentTurn", f"history[{index}]", "an AgentExchange",
+                                      exchange)
         ts = self.timestamp_us
         if ts is not None:
             if not isinstance(ts, int) or isinstance(ts, bool):
