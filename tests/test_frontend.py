@@ -470,7 +470,7 @@ def test_json_export_is_the_snapshot_json_after_every_step(steps: list[tuple[str
 #: Any text, and ASCII text rich in what JSON writers may escape differently.
 _JSON_TEXT = st.one_of(st.text(max_size=40),
                        st.text(alphabet='ab "\\/\x00\x08\t\n\x1f\x7f', max_size=20))
-_ID_TEXT = _JSON_TEXT.filter(lambda text: 0 < len(text) and fuzz.valid_text(text))
+_ID_TEXT = _JSON_TEXT.filter(lambda text: text != "" and fuzz.valid_text(text))
 #: The largest `AgentTurn.timestamp_us` (nanoseconds from it fit a signed 64-bit int).
 _MAX_STAMP_US = (2**63 - 1) // 1000
 
