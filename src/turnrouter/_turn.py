@@ -278,7 +278,7 @@ class Turn(TurnRun):
         if (self.attempts and default is not None and aids[default].eligible
                 and default not in excluded):
             self.obs.default_fallback(DefaultFallback(default))
-            return await self._answer(default, None)
+            return await self._answering(default).run(None)
         reason_: ClarificationReason = (
             "default_unavailable" if self.attempts else "no_eligible_route"
         )
@@ -355,7 +355,7 @@ class Turn(TurnRun):
             self.obs.admission_finished(token, _new(AdmissionFinished, (
                 route, focused, disposition, None, False)))
         if disposition == "accept":
-            return await self._answer(route, admission)
+            return await self._answering(route).run(admission)
         if disposition == "clarify":
             return await self._clarify(route, admission.text, "destination")
         excluded.add(route)
@@ -384,21 +384,26 @@ class Turn(TurnRun):
 
     # ------------------------------------------------------------------ answering
 
-    async def _answer(self, route: str, admission: Admission | None) -> DestinationResult:
+    def _answering(self, route: str) -> Answer:
+        """`route` answers this turn: its `Answer` (whose `run()` is awaited directly,
+        one coroutine layer less per turn; it completes the turn's bookkeeping)."""
         state = self.state
         if route not in state.used:
             state.used += (route,)
         self.route = self.answered_by = route
         self.answer = answer = Answer(self, route)
-        result = await answer.run(admission)
-        # The answer is complete: its bookkeeping must not be torn by an interrupt.
+        return answer
+
+    async def answered(self, route: str, result: DestinationResult) -> DestinationResult:
+        """The answer is complete: history, focus and the release it calls for."""
+        # Its bookkeeping must not be torn by an interrupt.
         self.protected = True
-        released = self._complete(route, result)
+        released = self.complete(route, result)
         if released is not None:
             await self._release(*released)
         return result
 
-    def _complete(
+    def complete(
         self, route: str, result: DestinationResult
     ) -> tuple[str, ReleaseReason] | None:
         """History and focus after a complete answer; the release it calls for, if any."""
@@ -545,7 +550,11 @@ class Answer:
             self._close_silence()
         if owner.observing:
             obs.answer_finished(self._token, _new(AnswerFinished, (route, result, None, False)))
-        return result
+        if result.disposition == "answer":  # no focus change, nothing to release
+            owner.protected = True  # the bookkeeping must not be torn by an interrupt
+            owner.complete(route, result)
+            return result
+        return await owner.answered(route, result)
 
     async def _call_beside_sidecar(self, sidecar: AcknowledgmentSidecar) -> DestinationResult:
         owner = self.owner
