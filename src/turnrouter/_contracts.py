@@ -154,8 +154,8 @@ class Admission:
     def __post_init__(self) -> None:
         disposition, preamble, text = self.disposition, self.preamble, self.text
         if (type(disposition) is str and disposition in _ADMISSION_DISPOSITIONS
-                and type(preamble) is str and preamble.isascii()
-                and type(text) is str and text.isascii()):
+                and type(preamble) is str and (not preamble or preamble.isascii())
+                and type(text) is str and (not text or text.isascii())):
             return  # the common case, checked inline (validated on every turn)
         _check_choice("Admission", "disposition", disposition, _ADMISSION_DISPOSITIONS)
         _check_str("Admission", "preamble", preamble)

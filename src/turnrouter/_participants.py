@@ -138,12 +138,6 @@ class Registry:
             return f"the participant's departure {state.phase.value}"
         return ""
 
-    def takes_turns(self, state: Participant) -> bool:
-        """Whether a participant the router holds takes a turn now (the common case,
-        checked without building a refusal)."""
-        return (state.phase is Phase.OPEN and self.phase is RouterPhase.RUNNING
-                and state.pid not in self.departed)
-
     def admit(self, pid: str) -> Participant:
         """The participant's state for a new turn (created if new), or `LifecycleError`."""
         refusal = self.refusal(pid)

@@ -55,7 +55,7 @@ from ._llm import LLMService
 from ._load import OverloadPolicy, RouterLoad
 from ._logging import log_failure
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
-from ._participants import Registry, RouterPhase
+from ._participants import Phase, Registry, RouterPhase
 from ._patch_desk import PatchDesk
 from ._patches import (
     AppliedContextPatch,
@@ -600,10 +600,14 @@ def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn,
               outputs: tuple[OutputCallback, OutputCallback], report_heard: bool) -> Turn:
     """A new turn of an open participant; a refusal is reported, then raised.
     `outputs`: where control text goes, and where the text that ends the turn goes."""
-    state = registry.participants.get(turn.participant_id)
-    if state is None or not registry.takes_turns(state):
+    pid = turn.participant_id
+    state = registry.participants.get(pid)
+    # The common case, an open participant of a running router, tested inline (every
+    # turn); anything else gets `admit()`'s refusal or the new participant's state.
+    if (state is None or state.phase is not Phase.OPEN
+            or registry.phase is not RouterPhase.RUNNING or pid in registry.departed):
         try:
-            state = registry.admit(turn.participant_id)
+            state = registry.admit(pid)
         except LifecycleError as exc:
             cfg.observer.turn_started(TurnStarted(turn, None)).finished(
                 TurnFinished("refused", None, None, None, 0, exc))
