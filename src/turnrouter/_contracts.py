@@ -441,8 +441,8 @@ def checked_shape(decision: RouteDecision) -> bool:
     its scores as a read-only copy of its own. One that fails gets the full check, which
     names the field.
     """
-    confidence, choice = decision.confidence, decision.choice
-    return (type(choice) is str and bool(choice) and choice.isascii()
+    choice, confidence, rationale = decision.choice, decision.confidence, decision.rationale
+    return (type(choice) is str and choice != "" and choice.isascii()
             and (confidence is None or (type(confidence) is float and 0.0 <= confidence <= 1.0))
-            and type(decision.scores) is MappingProxyType and type(decision.rationale) is str
-            and decision.rationale.isascii())
+            and type(decision.scores) is MappingProxyType and type(rationale) is str
+            and (not rationale or rationale.isascii()))

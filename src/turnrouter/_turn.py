@@ -633,8 +633,12 @@ class Answer:
         """The destination's first `started()` call."""
         owner = self.owner
         owner.started = True
+        sidecar, timed = self._sidecar, owner.cfg.timed
+        if sidecar is None and timed is None and not (owner.observing or owner.report_heard):
+            # Nothing measures the first response: only the silence ends (see `hear`).
+            self._silent_since = None
+            return
         now = owner.cfg.clock()
-        sidecar = self._sidecar
         if sidecar is not None:
             sidecar.answer_started(now)
         if owner.report_heard:
@@ -655,7 +659,6 @@ class Answer:
             self._silent_since = None  # the answer is heard first (see `hear`)
             if observing:
                 owner.obs.silence(_new(SilenceMeasured, (self.route, now - since)))
-        timed = owner.cfg.timed
         if timed is not None:
             timed.record(self.route, seconds, False, owner.turn)
 
