@@ -130,15 +130,20 @@ class Turn(TurnRun):
             queue.running = run  # the participant's only turn: no wait, nothing measured
         else:
             await _wait_in_line(self)
-        if state.unheard is not None:  # the previous answer was never reported heard
-            state.unheard.resolve_heard(None)
-        if self.observing:
-            self.focus_before = state.focus
-            self.obs = cfg.observer.turn_started(_new(TurnStarted, (turn, state.focus)))
-        task = current_task()
-        assert task is not None, "turnrouter runs on asyncio"
-        run.task = task
-        run.base = task.cancelling()
+        try:
+            if state.unheard is not None:  # the previous answer was never reported heard
+                state.unheard.resolve_heard(None)
+            if self.observing:
+                self.focus_before = state.focus
+                self.obs = cfg.observer.turn_started(_new(TurnStarted, (turn, state.focus)))
+            task = current_task()
+            assert task is not None, "turnrouter runs on asyncio"
+            run.task = task
+            run.base = task.cancelling()
+        except BaseException:  # e.g. an observer's error: the turn leaves no trace
+            load.in_flight -= 1
+            queue.leave(run)
+            raise
         if self.report_heard:  # mark_heard() may look for this turn's answer
             state.current = self
         try:
