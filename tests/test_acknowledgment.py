@@ -599,6 +599,24 @@ async def test_estimate_changes_are_published() -> None:
     assert s.observer.predicted[0][1] == pytest.approx(2.0, rel=0.1)
 
 
+async def test_a_busy_route_estimate_is_checked_once_a_second() -> None:
+    """The estimate is checked at a route's first sample, then at most once every
+    ESTIMATE_CHECK_SECS of the router's clock (not on every turn of a busy route); a
+    change is published at the next check."""
+    s = Setup(latency=0.25, predictor=RouteTimingPredictor())
+    await s.drive()
+    assert [route for route, _ in s.observer.predicted] == ["calendar"]
+    assert s.observer.predicted[0][1] == pytest.approx(0.25, rel=0.1)
+    s.agent.latency = 0.5  # the route slows down: its samples move the estimate
+    await s.drive()  # its sample 0.5 s of the clock after the check
+    assert len(s.observer.predicted) == 1  # not checked again within the second
+    for _ in range(4):
+        await s.drive()
+    assert len(s.observer.predicted) >= 2 and all(
+        route == "calendar" for route, _ in s.observer.predicted)
+    assert s.observer.predicted[-1][1] > s.observer.predicted[0][1] * 1.1
+
+
 async def test_loaded_estimates_are_published_at_construction() -> None:
     """A predictor loaded from a previous run publishes its estimates at once."""
     s = Setup(latency=1.0, predictor=loaded_predictor(3.0, 10))

@@ -467,6 +467,38 @@ def test_json_export_is_the_snapshot_json_after_every_step(steps: list[tuple[str
     anyio.run(main)
 
 
+#: Any text, and ASCII text rich in what JSON writers may escape differently.
+_JSON_TEXT = st.one_of(st.text(max_size=40),
+                       st.text(alphabet='ab "\\/\x00\x08\t\n\x1f\x7f', max_size=20))
+_ID_TEXT = _JSON_TEXT.filter(lambda text: text != "" and fuzz.valid_text(text))
+#: The largest `AgentTurn.timestamp_us` (nanoseconds from it fit a signed 64-bit int).
+_MAX_STAMP_US = (2**63 - 1) // 1000
+
+
+@settings(max_examples=60, deadline=None)
+@given(_JSON_TEXT, _JSON_TEXT, _ID_TEXT,
+       st.one_of(st.none(), st.integers(0, _MAX_STAMP_US)))
+def test_json_export_is_exact_for_any_exchange_text_id_and_stamp(
+        query: str, answer: str, turn_id: str, stamp: int | None) -> None:
+    """Whatever the query, the answer text (quotes, backslashes, control characters,
+    DEL, non-ASCII), the turn id and the timestamp, the JSON export of the exchange is
+    the snapshot's JSON byte for byte (plain ASCII exchanges are written directly)."""
+    if not (fuzz.valid_text(query) and fuzz.valid_text(answer)):
+        return  # refused at the boundary: never in a history
+
+    async def main() -> None:
+        agent = ScriptedAgent("conversation", answer_text=answer)
+        h = Harness(agent)
+        await h.router.handle(AgentTurn("p1", turn_id, query, timestamp_us=stamp))
+        snapshot = h.router.export_participant("p1")
+        assert snapshot is not None and snapshot.history[0].turn_id == turn_id
+        data = h.router.export_participant_json("p1")
+        assert data == snapshot.to_json().encode()
+        assert ParticipantSnapshot.from_json(data) == snapshot
+
+    anyio.run(main)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 130), st.booleans()), min_size=1, max_size=160))
 def test_json_export_stays_exact_across_compaction_and_skipped_exports(

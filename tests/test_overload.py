@@ -12,6 +12,7 @@ import logging
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -22,13 +23,17 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from turnrouter import (
+    Admission,
     AgentRouter,
     AgentTurn,
     ConfigurationError,
     ContractTypeError,
+    DestinationResult,
     LifecycleError,
     OverloadPolicy,
     RouterBusyError,
+    RoutingAid,
+    TurnInterrupted,
 )
 from turnrouter.runtime import ResponseOutput, Topic, UserQuery
 from turnrouter.telemetry import Telemetry, serve_metrics
@@ -183,6 +188,78 @@ async def test_cancelling_a_turn_while_busy_leaks_nothing() -> None:
         tg.cancel_scope.cancel()
     assert h.router.load.turns_in_flight == 0
     await h.router.stop()
+
+
+class _Draining:
+    """Answers at once, except turn `t1`, which (once entered) drains only when `gate`
+    is set, whatever cancels it: its participant's next turns wait in line meanwhile."""
+
+    def __init__(self) -> None:
+        self.entered, self.gate = anyio.Event(), anyio.Event()
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        return RoutingAid("weather", "weather reports")
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        return Admission("accept")
+
+    async def answer(self, turn: AgentTurn, *,
+                     started: Callable[[], Awaitable[None]]) -> DestinationResult:
+        if turn.turn_id == "t1":
+            self.entered.set()
+            cancelled = False
+            while not self.gate.is_set():  # drains before it returns (the contract)
+                try:
+                    await self.gate.wait()
+                except asyncio.CancelledError:
+                    cancelled = True
+            if cancelled:
+                raise asyncio.CancelledError
+        await started()
+        return DestinationResult("answer", "sunny")
+
+    async def release(self, participant_id: str) -> None:
+        return None
+
+
+async def test_queued_turns_count_in_flight_and_their_wait_is_measured() -> None:
+    """A turn waiting behind its participant's running turn counts in flight from its
+    arrival; one dropped from the full line leaves the count right; the one that runs
+    reports how long it waited before routing (`RouterLoad.wait_secs`)."""
+    clock, agent = ManualClock(), _Draining()
+    router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"),
+                         output=OutputRecorder(), default_destination="weather", clock=clock,
+                         overload=POLICY, max_waiting_turns=1)
+    outcomes: dict[str, object] = {}
+
+    async def run(turn_id: str) -> None:
+        try:
+            outcomes[turn_id] = await router.handle(AgentTurn("p1", turn_id, "rain?"))
+        except TurnInterrupted as exc:
+            outcomes[turn_id] = exc
+
+    async with anyio.create_task_group() as tg:
+        try:  # the gate opens whatever happens: t1 drains, nothing hangs
+            tg.start_soon(run, "t1")
+            with anyio.fail_after(5):
+                await agent.entered.wait()
+            assert router.load.turns_in_flight == 1
+            tg.start_soon(run, "t2")  # supersedes t1, waits for it to drain
+            await clock.settle()
+            assert router.load.turns_in_flight == 2
+            tg.start_soon(run, "t3")  # the line holds one: t2 is dropped
+            await clock.settle()
+            assert isinstance(outcomes.get("t2"), TurnInterrupted)
+            assert router.load.turns_in_flight == 2
+            clock.advance(0.03)  # t3 waits 0.03 s (less than a sample's lag threshold)
+            await clock.settle()
+        finally:
+            agent.gate.set()
+    assert isinstance(outcomes["t1"], TurnInterrupted)
+    assert outcomes["t3"] == DestinationResult("answer", "sunny")
+    assert router.load.turns_in_flight == 0
+    assert router.load.wait_secs == pytest.approx(0.03)
+    await router.stop()
 
 
 async def test_overload_none_turns_admission_control_off() -> None:

@@ -29,8 +29,10 @@ from turnrouter import (
     RouteRequest,
     RoutingAid,
     TurnInterrupted,
+    TurnObserver,
     current_turn_context,
 )
+from turnrouter.events import TurnStarted
 from turnrouter.testing import (
     ManualClock,
     OutputRecorder,
@@ -871,3 +873,31 @@ def test_finished_turns_leave_no_reference_cycles(telemetry: str) -> None:
                           text=True, timeout=120, check=True,
                           env={**os.environ, "PYTHONPATH": str(src)})
     assert done.stdout.strip() == "[]"
+
+
+class _FailingOnce(RecordingObserver):
+    """A telemetry observer whose first `turn_started` raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def turn_started(self, event: TurnStarted) -> TurnObserver:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("observer broke")
+        return super().turn_started(event)
+
+
+async def test_a_turn_whose_start_fails_leaves_nothing_behind() -> None:
+    """An error raised as the turn starts (here, the observer's) propagates, and the
+    turn leaves neither its participant's line (the next turn runs) nor the in-flight
+    count."""
+    h = Harness(ScriptedAgent("conversation"), telemetry=_FailingOnce())
+    with pytest.raises(RuntimeError, match="observer broke"):
+        await h.say("first")
+    assert h.router.load.turns_in_flight == 0
+    with anyio.fail_after(5):
+        assert (await h.say("second")).text == "conversation answer"
+    assert h.router.load.turns_in_flight == 0
+    await h.router.stop()

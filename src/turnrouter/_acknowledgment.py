@@ -197,10 +197,15 @@ async def within(clock: Clock, deadline: float, call: Callable[[], Awaitable[T]]
     raise TimeoutError(f"no reply within {deadline - clock.now():.3f}s of the deadline")
 
 
+#: Seconds between two checks of a route's first-response estimate after its samples
+#: (the `predicted_first_response` gauge follows within this time).
+ESTIMATE_CHECK_SECS = 1.0
+
+
 class TimingEngine:
     """Router-wide timing state: predictor, sink, generation-time estimate, clock."""
 
-    __slots__ = ("_published", "acknowledger", "agents", "clock", "decides", "delay",
+    __slots__ = ("_checked", "_published", "acknowledger", "agents", "clock", "decides", "delay",
                  "expected_generation", "feature_of", "llm", "observer", "policy",
                  "predictor", "route_delays", "sink")
 
@@ -232,6 +237,8 @@ class TimingEngine:
         self.observer = observer
         self.expected_generation = policy.expected_generation_secs
         self._published: dict[str, float] = {}
+        #: Per route, when its estimate was last checked for a change (router clock).
+        self._checked: dict[str, float] = {}
 
     def delay_for(self, route: str) -> float | None:
         """The fallback delay of `route`: its own, else the router-wide one."""
@@ -272,7 +279,15 @@ class TimingEngine:
                 self.predictor.record(sample, turn)
             except Exception as exc:
                 log_failure("timing predictor record()", exc)
-            self._publish(route)
+            if self.observer.enabled:
+                # The estimate (a quantile of the route's whole model) is checked at a
+                # route's first sample, then at most every ESTIMATE_CHECK_SECS: not on
+                # every turn of a busy route.
+                now = self.clock.now()
+                last = self._checked.get(route)
+                if last is None or now - last >= ESTIMATE_CHECK_SECS:
+                    self._checked[route] = now
+                    self._publish(route)
         if self.sink is not None:
             try:
                 self.sink.record(sample)

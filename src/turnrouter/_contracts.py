@@ -154,8 +154,8 @@ class Admission:
     def __post_init__(self) -> None:
         disposition, preamble, text = self.disposition, self.preamble, self.text
         if (type(disposition) is str and disposition in _ADMISSION_DISPOSITIONS
-                and type(preamble) is str and preamble.isascii()
-                and type(text) is str and text.isascii()):
+                and type(preamble) is str and (not preamble or preamble.isascii())
+                and type(text) is str and (not text or text.isascii())):
             return  # the common case, checked inline (validated on every turn)
         _check_choice("Admission", "disposition", disposition, _ADMISSION_DISPOSITIONS)
         _check_str("Admission", "preamble", preamble)
@@ -199,7 +199,7 @@ class AgentTurn:
     def __post_init__(self) -> None:
         pid, turn_id, query = self.participant_id, self.turn_id, self.query
         if not (type(pid) is str and type(turn_id) is str and type(query) is str
-                and 0 < len(pid) <= MAX_ID_CHARS and 0 < len(turn_id) <= MAX_ID_CHARS
+                and pid and turn_id and len(pid) <= MAX_ID_CHARS and len(turn_id) <= MAX_ID_CHARS
                 and pid.isascii() and turn_id.isascii() and query.isascii()):
             self._check_text()  # else the common case, checked inline (on every turn)
         history = self.history
@@ -208,9 +208,11 @@ class AgentTurn:
                 raise _type_error("AgentTurn", "history", "a sequence of AgentExchange", history)
             history = tuple(history)
             object.__setattr__(self, "history", history)
-        for index, exchange in enumerate(history):
-            if not isinstance(exchange, AgentExchange):
-                raise _type_error("AgentTurn", f"history[{index}]", "an AgentExchange", exchange)
+        if history:
+            for index, exchange in enumerate(history):
+                if not isinstance(exchange, AgentExchange):
+                    raise _type_error("AgentTurn", f"history[{index}]", "an AgentExchange",
+                                      exchange)
         ts = self.timestamp_us
         if ts is not None:
             if not isinstance(ts, int) or isinstance(ts, bool):
@@ -439,8 +441,8 @@ def checked_shape(decision: RouteDecision) -> bool:
     its scores as a read-only copy of its own. One that fails gets the full check, which
     names the field.
     """
-    confidence, choice = decision.confidence, decision.choice
-    return (type(choice) is str and bool(choice) and choice.isascii()
+    choice, confidence, rationale = decision.choice, decision.confidence, decision.rationale
+    return (type(choice) is str and choice != "" and choice.isascii()
             and (confidence is None or (type(confidence) is float and 0.0 <= confidence <= 1.0))
-            and type(decision.scores) is MappingProxyType and type(decision.rationale) is str
-            and decision.rationale.isascii())
+            and type(decision.scores) is MappingProxyType and type(rationale) is str
+            and (not rationale or rationale.isascii()))

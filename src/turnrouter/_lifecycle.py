@@ -85,19 +85,19 @@ class TurnRun:
     finishing bookkeeping that must not be torn (history, focus, a release call).
     """
 
-    __slots__ = ("_done", "_wake", "base", "cancel_sent", "finished", "protected", "reason",
-                 "task", "turn_id")
+    #: What every new turn starts with, as class-level defaults (no `__slots__`): a new
+    #: turn stores only its id (the router builds one per turn).
+    task: asyncio.Task[Any] | None = None
+    base = 0
+    reason = ""
+    protected = False
+    cancel_sent = False
+    finished = False
+    _wake: anyio.Event | None = None
+    _done: anyio.Event | None = None
 
     def __init__(self, turn_id: str) -> None:
         self.turn_id = turn_id
-        self.task: asyncio.Task[Any] | None = None
-        self.base = 0
-        self.reason = ""
-        self.protected = False
-        self.cancel_sent = False
-        self.finished = False
-        self._wake: anyio.Event | None = None
-        self._done: anyio.Event | None = None
 
     def cancel(self, reason: str) -> None:
         """Cancel the turn whether it runs or waits; the first reason is kept."""
@@ -143,17 +143,18 @@ class TurnRun:
 class TurnQueue:
     """Runs a participant's turns one at a time, in arrival order."""
 
-    __slots__ = ("_waiting", "running")
+    __slots__ = ("running", "waiting")
 
     def __init__(self) -> None:
         self.running: TurnRun | None = None
-        self._waiting: deque[TurnRun] | None = None
+        #: The turns waiting behind `running`, oldest first (None until one waits).
+        self.waiting: deque[TurnRun] | None = None
 
     def runs(self) -> list[TurnRun]:
         """The running turn and the waiting ones, oldest first."""
         runs = [self.running] if self.running is not None else []
-        if self._waiting:
-            runs.extend(self._waiting)
+        if self.waiting:
+            runs.extend(self.waiting)
         return runs
 
     async def enter(self, run: TurnRun, max_waiting: int) -> bool:
@@ -162,12 +163,12 @@ class TurnQueue:
         With `max_waiting` turns already waiting, the oldest waiting one is dropped
         (cancelled with `DROPPED`): it is stale, newer turns of the participant follow.
         """
-        if self.running is None and not self._waiting:
+        if self.running is None and not self.waiting:
             self.running = run
             return True
-        waiting = self._waiting
+        waiting = self.waiting
         if waiting is None:
-            waiting = self._waiting = deque()
+            waiting = self.waiting = deque()
         live = [queued for queued in waiting if not queued.reason]
         if len(live) >= max_waiting:
             live[0].cancel(DROPPED)
@@ -187,17 +188,19 @@ class TurnQueue:
         if self.running is run:
             self.leave(run)
             return
-        if self._waiting is not None and run in self._waiting:
-            self._waiting.remove(run)
+        if self.waiting is not None and run in self.waiting:
+            self.waiting.remove(run)
         run.mark_finished()
 
     def leave(self, run: TurnRun) -> None:
         """`run` is over: hand the participant to the next waiting turn."""
-        run.mark_finished()
+        run.finished = True  # `mark_finished()`, inline: once per turn
+        if run._done is not None:
+            run._done.set()
         if self.running is not run:
             return
         self.running = None
-        waiting = self._waiting
+        waiting = self.waiting
         while waiting:
             nxt = waiting.popleft()
             if nxt.reason:

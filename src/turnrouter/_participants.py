@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING, Any
 
-from ._contracts import MAX_HISTORY_VERSION, AgentExchange
+from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, MAX_TIMESTAMP_US, AgentExchange
 from ._exceptions import ContractValueError, LifecycleError
 from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch
 from ._history import History, Meta, view_items
@@ -136,12 +137,6 @@ class Registry:
         if state is not None and state.phase is not Phase.OPEN:
             return f"the participant's departure {state.phase.value}"
         return ""
-
-    def takes_turns(self, state: Participant) -> bool:
-        """Whether a participant the router holds takes a turn now (the common case,
-        checked without building a refusal)."""
-        return (state.phase is Phase.OPEN and self.phase is RouterPhase.RUNNING
-                and state.pid not in self.departed)
 
     def admit(self, pid: str) -> Participant:
         """The participant's state for a new turn (created if new), or `LifecycleError`."""
@@ -289,8 +284,8 @@ def snapshot_json(state: Participant, departed: bool) -> bytes:
     done = start + len(pieces)
     if done < end:
         exchanges = history.exchanges
-        pieces += [_exchange_snapshot(exchanges[index - start], items[index])
-                   .model_dump_json().encode() for index in range(done, end)]
+        pieces += [_exchange_json(exchanges[index - start], items[index])
+                   for index in range(done, end)]
     state.exported = (items, start, pieces)
     history_json = b'"history":[' + b",".join(pieces) + b"]"
     version = history.version
@@ -309,6 +304,29 @@ def snapshot_json(state: Participant, departed: bool) -> bytes:
             return data.replace(b'"history":[]', history_json, 1)
         head = state.exported_head = (key, data[:at], data[at + len(marker):])
     return b'%s%s,"history_version":%d,%s' % (head[1], history_json, version, head[2])
+
+
+def _exchange_json(exchange: AgentExchange, meta: Meta) -> bytes:
+    """`_exchange_snapshot(exchange, meta).model_dump_json()` as UTF-8.
+
+    The router built the exchange and its id and stamp from validated parts, so a
+    conversation exchange whose texts are printable ASCII (what the model's JSON writes
+    unchanged, `"` and `\\` escaped alike) is written directly, byte for byte the same,
+    without a model built and validated again on every turn. Anything else (a patch,
+    other text) goes through the model.
+    """
+    exchange_id, stamp, _ = meta
+    user, assistant = exchange.user, exchange.assistant
+    if (type(user) is str and type(assistant) is str and user.isascii() and user.isprintable()
+            and assistant.isascii() and assistant.isprintable()
+            and (exchange_id is None or (type(exchange_id) is str and exchange_id.isascii()
+                                         and exchange_id.isprintable()
+                                         and len(exchange_id) <= MAX_ID_CHARS))
+            and (stamp is None or (type(stamp) is int and 0 <= stamp <= MAX_TIMESTAMP_US))):
+        return (f'{{"user":{_json_str(user)},"assistant":{_json_str(assistant)},"turn_id":'
+                f'{"null" if exchange_id is None else _json_str(exchange_id)},"stamp_us":'
+                f'{"null" if stamp is None else stamp},"patch":null}}').encode()
+    return _exchange_snapshot(exchange, meta).model_dump_json().encode()
 
 
 def _exchange_snapshot(exchange: AgentExchange, meta: Meta) -> SnapshotExchange:

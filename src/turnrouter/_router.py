@@ -55,7 +55,7 @@ from ._llm import LLMService
 from ._load import OverloadPolicy, RouterLoad
 from ._logging import log_failure
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
-from ._participants import Registry, RouterPhase
+from ._participants import Phase, Registry, RouterPhase
 from ._patch_desk import PatchDesk
 from ._patches import (
     AppliedContextPatch,
@@ -284,16 +284,16 @@ class AgentRouter:
         `LifecycleError` (a `RuntimeError`) while a departure or shutdown is pending or
         after a cleanup failed; destination exceptions propagate unchanged.
         """
-        if not isinstance(turn, AgentTurn):
-            raise ContractTypeError(f"handle() takes an AgentTurn, got {type(turn).__name__}")
-        turn.__post_init__()  # again: object.__new__ / copy tricks skip validation
+        turn = _checked_turn(turn, "handle()")
         output = self._cfg.output
         if output is None:
             raise LifecycleError(
                 "handle() needs the output callback: pass output=... to AgentRouter "
                 "(runtime queries publish through output_topic instead)"
             )
-        return (await _run(self._cfg, self._registry, turn, (output, output), False))[0]
+        if self._cfg.load.busy:  # admission control: one attribute test while not saturated
+            await _shed(self._cfg, self._registry, turn, output)
+        return await _new_turn(self._cfg, self._registry, turn, (output, output), False).execute()
 
     async def interrupt(self, participant_id: str | None = None) -> None:
         """Cancel active (and queued) turns, keeping completed history and focus.
@@ -394,10 +394,7 @@ class AgentRouter:
         to `started()` when no report came before the participant's next turn or
         departure. `started()` still suppresses a pending acknowledgment at once.
         """
-        if not isinstance(turn, AgentTurn):
-            raise ContractTypeError(
-                f"route_turn() takes an AgentTurn, got {type(turn).__name__}")
-        turn.__post_init__()  # again: object.__new__ / copy tricks skip validation
+        turn = _checked_turn(turn, "route_turn()")
         emit = output if output is not None else self._cfg.output
         if emit is None:
             raise LifecycleError(
@@ -406,9 +403,11 @@ class AgentRouter:
         check_callable("route_turn output", emit)
         if ending is not None:
             check_callable("route_turn ending", ending)
-        result, running = await _run(self._cfg, self._registry, turn,
-                                     (emit, emit if ending is None else ending), report_heard)
-        return RoutedResult(result, running.answered_by)
+        cfg, end = self._cfg, emit if ending is None else ending
+        if cfg.load.busy:
+            await _shed(cfg, self._registry, turn, end)
+        running = _new_turn(cfg, self._registry, turn, (emit, end), bool(report_heard))
+        return RoutedResult(await running.execute(), running.answered_by)
 
     def mark_heard(self, participant_id: str, turn_id: str, at: float | None = None, *,
                    control: bool = False) -> bool:
@@ -582,38 +581,40 @@ def _check_patch_owners(snapshot: ParticipantSnapshot, patches: PatchDesk) -> No
                 f"participant; nothing installed")
 
 
-async def _run(cfg: RouterConfig, registry: Registry, turn: AgentTurn,
-               outputs: tuple[OutputCallback, OutputCallback], report_heard: bool,
-               ) -> tuple[DestinationResult, Turn]:
-    """Admission control (`RouterBusyError`), then the turn, counted in flight.
+def _checked_turn(turn: object, caller: str) -> AgentTurn:
+    """`turn`, validated again: `object.__new__` / copy tricks skip validation."""
+    if not isinstance(turn, AgentTurn):
+        raise ContractTypeError(f"{caller} takes an AgentTurn, got {type(turn).__name__}")
+    turn.__post_init__()
+    return turn
+
+
+async def _shed(cfg: RouterConfig, registry: Registry, turn: AgentTurn,
+                ending: OutputCallback) -> None:
+    """Admission control, only while the router is busy: a turn the load calls for
+    shedding is told so through `ending`, counted and refused (`RouterBusyError`)."""
+    await cfg.load.refuse(turn, ending, turn.participant_id in registry.participants)
+
+
+def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn,
+              outputs: tuple[OutputCallback, OutputCallback], report_heard: bool) -> Turn:
+    """A new turn of an open participant; a refusal is reported, then raised.
     `outputs`: where control text goes, and where the text that ends the turn goes."""
-    emit, ending = outputs
-    load = cfg.load
-    if load.busy:
-        await load.refuse(turn, ending, turn.participant_id in registry.participants)
-    running = _new_turn(cfg, registry, turn, emit, bool(report_heard))
-    running.end = ending
-    if load.task is None:
-        load.ensure_sampling()
-    load.in_flight += 1
-    try:
-        return await running.execute(), running
-    finally:
-        load.in_flight -= 1
-
-
-def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn, emit: OutputCallback,
-              report_heard: bool) -> Turn:
-    """A new turn of an open participant; a refusal is reported, then raised."""
-    state = registry.participants.get(turn.participant_id)
-    if state is None or not registry.takes_turns(state):
+    pid = turn.participant_id
+    state = registry.participants.get(pid)
+    # The common case, an open participant of a running router, tested inline (every
+    # turn); anything else gets `admit()`'s refusal or the new participant's state.
+    if (state is None or state.phase is not Phase.OPEN
+            or registry.phase is not RouterPhase.RUNNING or pid in registry.departed):
         try:
-            state = registry.admit(turn.participant_id)
+            state = registry.admit(pid)
         except LifecycleError as exc:
             cfg.observer.turn_started(TurnStarted(turn, None)).finished(
                 TurnFinished("refused", None, None, None, 0, exc))
             raise
-    return Turn(cfg, state, turn, emit, report_heard)
+    running = Turn(cfg, state, turn, outputs[0], report_heard)
+    running.end = outputs[1]
+    return running
 
 
 _NO_TRACE: AbstractContextManager[None] = contextlib.nullcontext()

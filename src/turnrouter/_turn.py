@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from asyncio import current_task
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -86,67 +87,63 @@ class Turn(TurnRun):
     """One routed turn of one participant; see the module docstring.
 
     A turn is its own place in the participant's queue (a `TurnRun`): one object per
-    turn, not two.
+    turn, not two. Its attributes that start out the same on every turn are class-level
+    defaults (no `__slots__`), so a new turn stores only what differs.
     """
 
-    __slots__ = (
-        "answer", "answered_by", "attempts", "cfg", "created", "emit", "end", "focus_before",
-        "obs", "observing", "output_failed", "report_heard", "route", "started", "state",
-        "turn",
-    )
+    #: Where the text the router itself ends the turn with goes (clarification, failure,
+    #: dropped-turn text): a front end marks it as the turn's ending
+    #: (`route_turn(ending=...)` sets it; `emit` otherwise).
+    end: OutputCallback
+    #: The focus when the turn began routing (read only when telemetry listens).
+    focus_before: str | None = None
+    #: The route that answered (for telemetry), and the one that ended the turn.
+    route: str | None = None
+    answered_by: str | None = None
+    attempts = 0
+    started = False
+    output_failed = False
+    obs: TurnObserver = NULL_TURN_OBSERVER
+    answer: Answer | None = None
 
     def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
                  emit: OutputCallback, report_heard: bool) -> None:
-        super().__init__(turn.turn_id)
-        self.cfg, self.state, self.turn, self.emit = cfg, state, turn, emit
-        #: Where the text the router itself ends the turn with goes (clarification,
-        #: failure, dropped-turn text): a front end marks it as the turn's ending
-        #: (`route_turn(ending=...)` sets it; `emit` otherwise).
-        self.end = emit
+        self.turn_id = turn.turn_id
+        self.cfg, self.state, self.turn, self.emit, self.end = cfg, state, turn, emit, emit
         self.report_heard = report_heard
-        #: When the front end handed the turn over (its wait before routing is measured).
-        self.created = cfg.clock()
-        self.focus_before: str | None = None
-        #: The route that answered (for telemetry), and the one that ended the turn.
-        self.route: str | None = None
-        self.answered_by: str | None = None
-        self.attempts = 0
-        self.started = False
-        self.output_failed = False
         #: Whether telemetry listens (else no event is built).
         self.observing = cfg.observer.enabled
-        self.obs: TurnObserver = NULL_TURN_OBSERVER
-        self.answer: Answer | None = None
 
     # ------------------------------------------------------------------ the whole turn
 
     async def execute(self) -> DestinationResult:
-        """Wait for the participant's earlier turns, run this one, report its outcome."""
-        state, turn, run = self.state, self.turn, self
+        """Wait for the participant's earlier turns, run this one, report its outcome.
+
+        Counted in flight from here to its end (the load sampler reads the count)."""
+        state, turn, run, cfg = self.state, self.turn, self, self.cfg
         queue = state.queue
-        running = queue.running
-        if running is not None:  # the participant spoke again: the running turn is stale
-            running.cancel("superseded by a newer turn")
-        observer = self.cfg.observer
-        if not await queue.enter(run, self.cfg.max_waiting_turns):
+        load = cfg.load
+        if load.task is None:
+            load.ensure_sampling()
+        load.in_flight += 1
+        if queue.running is None and not queue.waiting:
+            queue.running = run  # the participant's only turn: no wait, nothing measured
+        else:
+            await _wait_in_line(self)
+        try:
+            if state.unheard is not None:  # the previous answer was never reported heard
+                state.unheard.resolve_heard(None)
             if self.observing:
-                observer.turn_started(_new(TurnStarted, (turn, state.focus))).finished(
-                    TurnFinished("interrupted", None, state.focus, state.focus, 0, None))
-            if run.reason == DROPPED:
-                await self._dropped()
-            raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
-        if state.unheard is not None:  # the previous answer was never reported heard
-            state.unheard.resolve_heard(None)
-        load = self.cfg.load
-        waited = self.cfg.clock() - self.created
-        if waited > load.wait_max:
-            load.wait_max = waited
-        self.focus_before = state.focus
-        if self.observing:
-            self.obs = observer.turn_started(_new(TurnStarted, (turn, state.focus)))
-        task = asyncio.current_task()
-        assert task is not None, "turnrouter runs on asyncio"
-        run.attach(task)
+                self.focus_before = state.focus
+                self.obs = cfg.observer.turn_started(_new(TurnStarted, (turn, state.focus)))
+            task = current_task()
+            assert task is not None, "turnrouter runs on asyncio"
+            run.task = task
+            run.base = task.cancelling()
+        except BaseException:  # e.g. an observer's error: the turn leaves no trace
+            load.in_flight -= 1
+            queue.leave(run)
+            raise
         if self.report_heard:  # mark_heard() may look for this turn's answer
             state.current = self
         try:
@@ -176,18 +173,21 @@ class Turn(TurnRun):
             self._finish("interrupted" if cancelled else "failed", None if cancelled else exc)
             raise
         finally:
+            load.in_flight -= 1
             run.protected = True
-            run.consume_cancel()  # a request that arrived as the turn completed
+            if run.cancel_sent:
+                run.consume_cancel()  # a request that arrived as the turn completed
             if state.current is self:
                 state.current = None
             # Answer and turn point at each other: unlinked, both are freed at once
             # instead of waiting for the cyclic collector (thousands of turns a second).
             self.answer = None
             queue.leave(run)
-        self._finish(result.disposition, None)
+        if self.observing:
+            self._finish(result.disposition, None)
         return result
 
-    async def _dropped(self) -> None:
+    async def dropped(self) -> None:
         """Count a turn dropped from a full queue and tell the participant."""
         turn = self.turn
         self.cfg.overflows.report(
@@ -283,7 +283,7 @@ class Turn(TurnRun):
         if (self.attempts and default is not None and aids[default].eligible
                 and default not in excluded):
             self.obs.default_fallback(DefaultFallback(default))
-            return await self._answer(default, None)
+            return await self._answering(default).run(None)
         reason_: ClarificationReason = (
             "default_unavailable" if self.attempts else "no_eligible_route"
         )
@@ -331,47 +331,20 @@ class Turn(TurnRun):
         """Ask `route` to admit the turn; the turn's result, or None to route on without it.
 
         A decline or release excludes the route for the rest of this turn; a release also
-        says its text, clears the route's focus and calls its `release()`.
+        says its text, clears the route's focus and calls its `release()`. (The admission
+        call is inline: one coroutine layer less on every turn.)
         """
-        admission = await self._admit(route, focused)
-        disposition = admission.disposition
-        if disposition == "accept":
-            return await self._answer(route, admission)
-        if disposition == "clarify":
-            return await self._clarify(route, admission.text, "destination")
-        excluded.add(route)
-        self.obs.reroute(Rerouted(route))
-        if disposition == "release":
-            await self.say(route, admission.text)
-            state = self.state
-            if state.focus == route:
-                state.focus = None
-                self.obs.focus_transition(FocusChanged(route, "released"))
-            await self._release(route, "reroute")
-        return None
-
-    async def _admit(self, route: str, focused: bool) -> Admission:
-        cfg, obs = self.cfg, self.obs
-        state = self.state
+        cfg, state = self.cfg, self.state
         if route not in state.used:
             state.used += (route,)
-        agent = cfg.agents[route]
         observing = self.observing
-        token = obs.admission_started(_new(AdmissionStarted, (route, focused))) if (
+        token = self.obs.admission_started(_new(AdmissionStarted, (route, focused))) if (
             observing) else None
         try:
-            timeout = cfg.admission_timeout
-            if timeout is None:
-                admission = await agent.admit(self.turn, focused=focused)
+            if cfg.admission_timeout is None:
+                admission = await cfg.agents[route].admit(self.turn, focused=focused)
             else:
-                with anyio.move_on_after(timeout) as scope:
-                    admission = await agent.admit(self.turn, focused=focused)
-                if scope.cancelled_caught:
-                    obs.admission_finished(token, AdmissionFinished(
-                        route, focused, "decline", None, True))
-                    logger.warning("turnrouter: %s.admit() timed out after %ss; counted as a "
-                                   "decline", route, timeout)
-                    return _TIMED_OUT
+                admission = await self._admit_within(route, focused, token)
             if not isinstance(admission, Admission):
                 raise DestinationContractError(
                     f"destination {route!r} admit() returned {type(admission).__name__}, "
@@ -379,31 +352,63 @@ class Turn(TurnRun):
                 )
             admission.__post_init__()  # again: object.__new__ skips validation
         except BaseException as exc:
-            obs.admission_finished(token, AdmissionFinished(
+            self.obs.admission_finished(token, AdmissionFinished(
                 route, focused, None, None if _is_cancel(exc) else exc, False))
             raise
-        if observing:
-            obs.admission_finished(token, _new(AdmissionFinished, (
-                route, focused, admission.disposition, None, False)))
+        disposition = admission.disposition
+        if observing and admission is not _TIMED_OUT:  # a timeout was reported as such
+            self.obs.admission_finished(token, _new(AdmissionFinished, (
+                route, focused, disposition, None, False)))
+        if disposition == "accept":
+            return await self._answering(route).run(admission)
+        if disposition == "clarify":
+            return await self._clarify(route, admission.text, "destination")
+        excluded.add(route)
+        self.obs.reroute(Rerouted(route))
+        if disposition == "release":
+            await self.say(route, admission.text)
+            if state.focus == route:
+                state.focus = None
+                self.obs.focus_transition(FocusChanged(route, "released"))
+            await self._release(route, "reroute")
+        return None
+
+    async def _admit_within(self, route: str, focused: bool, token: object) -> Admission:
+        """`admit()` within `admission_timeout_secs`: a slower one is cancelled, reported
+        as timed out and counted as a decline (`_TIMED_OUT`)."""
+        timeout = self.cfg.admission_timeout
+        with anyio.move_on_after(timeout) as scope:
+            admission = await self.cfg.agents[route].admit(self.turn, focused=focused)
+        if scope.cancelled_caught:
+            self.obs.admission_finished(token, AdmissionFinished(
+                route, focused, "decline", None, True))
+            logger.warning("turnrouter: %s.admit() timed out after %ss; counted as a "
+                           "decline", route, timeout)
+            return _TIMED_OUT
         return admission
 
     # ------------------------------------------------------------------ answering
 
-    async def _answer(self, route: str, admission: Admission | None) -> DestinationResult:
+    def _answering(self, route: str) -> Answer:
+        """`route` answers this turn: its `Answer` (whose `run()` is awaited directly,
+        one coroutine layer less per turn; it completes the turn's bookkeeping)."""
         state = self.state
         if route not in state.used:
             state.used += (route,)
         self.route = self.answered_by = route
         self.answer = answer = Answer(self, route)
-        result = await answer.run(admission)
-        # The answer is complete: its bookkeeping must not be torn by an interrupt.
+        return answer
+
+    async def answered(self, route: str, result: DestinationResult) -> DestinationResult:
+        """The answer is complete: history, focus and the release it calls for."""
+        # Its bookkeeping must not be torn by an interrupt.
         self.protected = True
-        released = self._complete(route, result)
+        released = self.complete(route, result)
         if released is not None:
             await self._release(*released)
         return result
 
-    def _complete(
+    def complete(
         self, route: str, result: DestinationResult
     ) -> tuple[str, ReleaseReason] | None:
         """History and focus after a complete answer; the release it calls for, if any."""
@@ -486,22 +491,22 @@ class Answer:
     audio a front end reports) ends it.
     """
 
-    __slots__ = ("_heard_at", "_said_at", "_sidecar", "_silent_since", "_started_at", "_t0",
-                 "_token", "closed", "owner", "route")
+    #: What every answer starts with, as class-level defaults (no `__slots__`): a new
+    #: answer stores only what differs (one is built per answered turn).
+    _t0 = 0.0
+    _token: object = None
+    _sidecar: AcknowledgmentSidecar | None = None
+    _started_at: float | None = None
+    _heard_at: float | None = None
+    #: With heard reports: when control text (a preamble, an acknowledgment) was first
+    #: said, the silence's end when no report says when it was heard.
+    _said_at: float | None = None
+    closed = False
 
     def __init__(self, owner: Turn, route: str) -> None:
         self.owner, self.route = owner, route
-        self._t0 = 0.0
-        self._token: object = None
         #: When the silence began (admission); None once something was heard.
         self._silent_since: float | None = owner.cfg.clock()
-        self._sidecar: AcknowledgmentSidecar | None = None
-        self._started_at: float | None = None
-        self._heard_at: float | None = None
-        #: With heard reports: when control text (a preamble, an acknowledgment) was
-        #: first said, the silence's end when no report says when it was heard.
-        self._said_at: float | None = None
-        self.closed = False
 
     async def run(self, admission: Admission | None) -> DestinationResult:
         owner, route = self.owner, self.route
@@ -514,13 +519,15 @@ class Answer:
         if owner.observing:
             self._token = obs.answer_started(_new(AnswerStarted, (route, admission is None)))
         timed = cfg.timed
-        self._sidecar = None if timed is None else timed.sidecar(self)
+        sidecar = None if timed is None else timed.sidecar(self)
+        if sidecar is not None:
+            self._sidecar = sidecar
         self._t0 = clock()
         try:
-            if self._sidecar is None:  # the common case, without a coroutine layer more
+            if sidecar is None:  # the common case, without a coroutine layer more
                 result = await cfg.agents[route].answer(owner.turn, started=self)
             else:
-                result = await self._call_beside_sidecar(self._sidecar)
+                result = await self._call_beside_sidecar(sidecar)
             if not isinstance(result, DestinationResult) or result.disposition == "clarify":
                 raise DestinationContractError(
                     f"destination {route!r} answer() must return DestinationResult answer, "
@@ -544,10 +551,15 @@ class Answer:
                 route, None, None if cancelled else exc, cancelled))
             raise
         self.closed = True
-        self._close_silence()
+        if self._said_at is not None:
+            self._close_silence()
         if owner.observing:
             obs.answer_finished(self._token, _new(AnswerFinished, (route, result, None, False)))
-        return result
+        if result.disposition == "answer":  # no focus change, nothing to release
+            owner.protected = True  # the bookkeeping must not be torn by an interrupt
+            owner.complete(route, result)
+            return result
+        return await owner.answered(route, result)
 
     async def _call_beside_sidecar(self, sidecar: AcknowledgmentSidecar) -> DestinationResult:
         owner = self.owner
@@ -626,8 +638,12 @@ class Answer:
         """The destination's first `started()` call."""
         owner = self.owner
         owner.started = True
+        sidecar, timed = self._sidecar, owner.cfg.timed
+        if sidecar is None and timed is None and not (owner.observing or owner.report_heard):
+            # Nothing measures the first response: only the silence ends (see `hear`).
+            self._silent_since = None
+            return
         now = owner.cfg.clock()
-        sidecar = self._sidecar
         if sidecar is not None:
             sidecar.answer_started(now)
         if owner.report_heard:
@@ -648,7 +664,6 @@ class Answer:
             self._silent_since = None  # the answer is heard first (see `hear`)
             if observing:
                 owner.obs.silence(_new(SilenceMeasured, (self.route, now - since)))
-        timed = owner.cfg.timed
         if timed is not None:
             timed.record(self.route, seconds, False, owner.turn)
 
@@ -682,6 +697,31 @@ class Answer:
         cfg.observer.heard(Heard(self.route, seconds, silence_seconds))
         if cfg.timed is not None:
             cfg.timed.record(self.route, seconds, False, owner.turn)
+
+
+async def _wait_in_line(run: Turn) -> None:
+    """Wait behind the participant's earlier turns (a running one is superseded),
+    measuring the wait for the load sampler; a turn cancelled or dropped meanwhile
+    is reported and raises `TurnInterrupted` (no longer counted in flight)."""
+    state, turn, cfg = run.state, run.turn, run.cfg
+    load, queue = cfg.load, state.queue
+    running = queue.running
+    if running is not None:  # the participant spoke again: the running turn is stale
+        running.cancel("superseded by a newer turn")
+    since = cfg.clock()
+    try:
+        entered = await queue.enter(run, cfg.max_waiting_turns)
+        if not entered:
+            if run.observing:
+                cfg.observer.turn_started(_new(TurnStarted, (turn, state.focus))).finished(
+                    TurnFinished("interrupted", None, state.focus, state.focus, 0, None))
+            if run.reason == DROPPED:
+                await run.dropped()
+            raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
+    except BaseException:
+        load.in_flight -= 1
+        raise
+    load.waited(cfg.clock() - since)
 
 
 async def bounded_release(

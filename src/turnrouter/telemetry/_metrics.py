@@ -166,7 +166,8 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "turnrouter_predicted_first_response_seconds", "gauge",
-        "The timing predictor's current first-response estimate, by route.",
+        "The timing predictor's current first-response estimate, by route (checked at most "
+        "once a second per route).",
         ("route",),
     ),
     MetricSpec(
