@@ -101,6 +101,10 @@ class Link:
         except NatsError as exc:
             logger.warning("turnrouter: output not published: %r", exc)
 
+    def no_responders(self) -> None:
+        """Something else found no stream answering (a read of the bucket, say)."""
+        self._on_no_responders()
+
     def fail_waiting(self) -> None:
         """After a reconnect: the replies of requests sent before it never come (a
         restarted server forgot them), so their waits end now (`RequestFailed`)."""
