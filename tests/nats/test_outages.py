@@ -9,13 +9,13 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
+from nats.js import JetStreamContext
 
 import nats
-from nats.js import JetStreamContext
 from turnrouter import LifecycleError
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
@@ -45,6 +45,12 @@ async def line_with(stream: object, needle: str, within: float = 20.0) -> str:
                 return line
 
 
+def without_jetstream(binary: str, port: int) -> subprocess.Popen[bytes]:
+    """A nats-server on `port` without JetStream (no stream can be made on it)."""
+    return subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def stop(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -71,8 +77,7 @@ async def test_a_worker_started_before_its_server_waits_for_it() -> None:
     bare: subprocess.Popen[bytes] | None = None
     try:
         assert "connect attempt 1 failed" in await line_with(worker.stderr, "attempt")
-        bare = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(server.port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        bare = without_jetstream(binary, server.port)
         assert "set-up attempt 1 failed" in await line_with(worker.stderr, "set-up attempt")
         bare.terminate()
         bare.wait(10)

@@ -114,6 +114,15 @@ def fleet_dashboard() -> dict[str, Any]:
                     _targets((_rate("turnrouter_nats_backpressure_total", "instance, what"),
                               "{{what}} {{instance}}")),
                     unit="ops"),
+        _timeseries("Replicas serving, and deployment parts recreated",
+                    "Serving: started, connected to NATS, streams, consumers and bucket "
+                    "there (the ready file). Recreated: a part found deleted under a "
+                    "running replica, by part (docs/distributed.md).",
+                    _targets((f"sum by (instance) (turnrouter_nats_serving{{{JOB}}})",
+                              "serving {{instance}}"),
+                             (_rate("turnrouter_nats_deployment_missing_total", "part"),
+                              "missing {{part}}")),
+                    unit="short"),
     ]
     model = _dashboard("turnrouter-fleet", "turnrouter fleet (NATS runtime)",
                        "Router replicas on NATS JetStream: ownership, failover, fencing "
