@@ -17,7 +17,7 @@ from nats.js import JetStreamContext
 
 import nats
 from turnrouter import LifecycleError
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, Readiness, encode_token
 
 from .conftest import ROOT, NatsServer, Worker, metric_value, nats_server_binary, until_true
 from .crowd import FAILURE, Heard, ask, listen
@@ -272,3 +272,21 @@ async def test_junk_inputs_are_logged_rarely(nats_server: NatsServer) -> None:
     finally:
         await nc.close()
         worker.close()
+
+
+def test_readiness_tells_its_listeners_each_change() -> None:
+    """`Readiness` serves once no problem is left; listeners hear each change once."""
+    seen: list[bool] = []
+    readiness = Readiness()
+    readiness.on_change(seen.append)
+    assert not readiness.serving and readiness.why_not == "starting"
+    readiness.update("start", None)
+    assert readiness.serving and readiness.why_not == "" and seen == [True]
+    readiness.update("connection", "disconnected from NATS")
+    readiness.update("deployment", "missing: stream X")
+    assert seen == [True, False]
+    assert readiness.why_not == "disconnected from NATS; missing: stream X"
+    readiness.update("connection", None)
+    assert not readiness.serving and seen == [True, False]
+    readiness.update("deployment", None)
+    assert readiness.serving and seen == [True, False, True]

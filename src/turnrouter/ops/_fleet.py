@@ -158,6 +158,19 @@ FLEET_ALERTS: tuple[dict[str, Any], ...] = (
                            "timeout).",
         },
     },
+    {
+        "alert": "TurnrouterReplicaNotServing",
+        "expr": "min by (job, instance) (turnrouter_nats_serving) == 0",
+        "for": "2m",
+        "labels": {"severity": "warning"},
+        "annotations": {
+            "summary": "A replica of the NATS runtime has not served for two minutes",
+            "description": "Replica {{ $labels.instance }} of job {{ $labels.job }} is running "
+                           "but not serving: its connection to NATS is lost, or a stream, "
+                           "consumer or the bucket is missing and not recreated yet (its log "
+                           "says which; docs/distributed.md).",
+        },
+    },
 )
 
 
