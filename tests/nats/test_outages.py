@@ -120,7 +120,7 @@ async def test_a_frozen_server_past_the_bound_ends_the_worker(
     """A server stopped with SIGSTOP (its connections open, nothing answered) is
     noticed by the worker's pings: one line per reconnect attempt, then exit 1 saying
     why once `--reconnect-for` has passed."""
-    worker = Worker(nats_server.url, "frozen", "--reconnect-for", "1")
+    worker = Worker(nats_server.url, "frozen", "--reconnect-for", "0.5")
     try:
         nats_server.proc.send_signal(signal.SIGSTOP)
         code = await asyncio.to_thread(worker.proc.wait, 30)

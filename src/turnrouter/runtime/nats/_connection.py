@@ -32,7 +32,7 @@ from ._security import connect, safe_error
 from ._setup import ensure_deployment
 from ._wire import NatsConfig
 
-__all__ = ["Connection", "Readiness", "ping_interval"]
+__all__ = ["Connection", "Readiness", "connect_timeout", "ping_interval"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -51,6 +51,12 @@ def ping_interval(config: NatsConfig) -> float:
     """Seconds between a worker's pings: 2, or a quarter of `reconnect_for` when that is
     shorter (at least 0.1), so a frozen server is noticed within three intervals."""
     return max(0.1, min(2.0, config.reconnect_for / 4))
+
+
+def connect_timeout(config: NatsConfig) -> float:
+    """Seconds one connection attempt may take (a frozen server accepts the TCP
+    connection and never sends its INFO): 2, or half of `reconnect_for` when shorter."""
+    return max(0.1, min(2.0, config.reconnect_for / 2))
 
 
 class Readiness:
@@ -122,7 +128,7 @@ class Connection:
         config = self._config
         nc = self._nc = await connect(
             config, "worker", patience=config.reconnect_for, name=f"turnrouter-{replica}",
-            connect_timeout=2, reconnect_time_wait=_RECONNECT_WAIT,
+            connect_timeout=connect_timeout(config), reconnect_time_wait=_RECONNECT_WAIT,
             ping_interval=ping_interval(config),
             max_outstanding_pings=_MAX_OUTSTANDING_PINGS,
             closed_cb=self._closed, disconnected_cb=self._disconnected,
@@ -248,6 +254,7 @@ class Connection:
         config = self._config
         first: float | None = None
         failures = 0
+        recreated = False  # something was missing (not only JetStream slow to answer)
         while not nc.is_closed:
             if not nc.is_connected:  # the connection's own bound applies meanwhile
                 first, failures = None, 0
@@ -264,6 +271,7 @@ class Connection:
                     self.readiness.update("deployment", None)
                     self._repaired.set()
                     self._repaired = asyncio.Event()
+                if recreated:
                     self._reconnected()  # publish again, claim again, pull at once
                 return
             now = time.monotonic()
@@ -271,7 +279,8 @@ class Connection:
             failures += 1
             if missing:
                 names = ", ".join(name for _, name in missing)
-                if failures == 1:
+                if not recreated:
+                    recreated = True
                     logger.warning("turnrouter: missing from the NATS deployment: %s; "
                                    "recreating it", names)
                     self.readiness.update("deployment", f"missing: {names}")
@@ -280,9 +289,12 @@ class Connection:
                             self._metrics.deployment_missing.labels(part).inc()
                 try:
                     await ensure_deployment(nc, config)
-                    continue  # check again
                 except (LifecycleError, ConfigurationError, NatsError) as exc:
                     error = f"missing {names}: {safe_error(config, exc)[:300]}"
+                else:
+                    if failures == 1:
+                        continue  # check again at once
+                    error = f"missing {names} again once recreated"
             else:
                 self.readiness.update("deployment", "JetStream not answering")
             down = now - first
