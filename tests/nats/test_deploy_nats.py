@@ -82,6 +82,24 @@ def test_compose_runs_nats_with_jetstream_and_three_workers() -> None:
     assert targets["turnrouter"] == [f"{name}:9464" for name in workers]
 
 
+def test_compose_restarts_workers_and_waits_for_a_healthy_server() -> None:
+    """A worker past its outage bound exits 1: compose restarts it (and the server); a
+    worker starts once the server's JetStream answers its health check, and is healthy
+    while its ready file exists."""
+    services = load(COMPOSE)["services"]
+    nats = services["nats"]
+    assert nats["restart"] == "unless-stopped"
+    probe = nats["healthcheck"]["test"]
+    assert probe[0] == "CMD" and probe[-1].startswith("http://127.0.0.1:8222/healthz")
+    assert "8222" in nats["command"]  # the monitoring port the probe asks
+    for name in (name for name in services if name.startswith("worker-")):
+        worker = services[name]
+        assert worker["restart"] == "unless-stopped"
+        assert worker["depends_on"] == {"nats": {"condition": "service_healthy"}}
+        parsed = check_worker_args(worker["command"][1:])
+        assert worker["healthcheck"]["test"] == ["CMD", "test", "-f", parsed.ready_file]
+
+
 def test_compose_mounts_and_volumes_exist() -> None:
     """Every host path mounted exists; named volumes are declared."""
     compose = load(COMPOSE)

@@ -312,11 +312,12 @@ def test_contradictory_security_settings_name_the_field(fields: dict[str, str],
 
 async def test_worker_cli_never_prints_the_password() -> None:
     """`--nats nats://svc:pw@...` against nothing: one short error, password masked, no
-    traceback (nats-py's per-attempt tracebacks are one line each, masked too)."""
+    traceback (nats-py's per-attempt tracebacks are one line each, masked too; attempts
+    go on for `--reconnect-for`)."""
     done = await asyncio.to_thread(
         subprocess.run,
         [*_worker_command(), "--nats", "nats://svc:hunter2-0042@127.0.0.1:1",
-         "--app", "tests.nats.app:make_router"],
+         "--app", "tests.nats.app:make_router", "--reconnect-for", "1"],
         capture_output=True, text=True, timeout=60, cwd=ROOT, env=_env())
     assert done.returncode == 1
     assert "hunter2-0042" not in done.stdout + done.stderr

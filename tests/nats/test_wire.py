@@ -166,7 +166,7 @@ def test_public_names_are_pinned() -> None:
 
     assert set(module.__all__) == {
         "MAX_ENDED", "MAX_PARTICIPANT_ID_BYTES", "Ending", "NatsConfig", "NatsFrontEnd",
-        "NatsWorker", "Rejected", "StateRecord", "WorkerContext", "decode_token",
+        "NatsWorker", "Readiness", "Rejected", "StateRecord", "WorkerContext", "decode_token",
         "encode_token", "parse_input", "parse_presence", "parse_record", "parse_samples",
         "parse_state", "samples_body", "state_json"}
 

@@ -86,10 +86,20 @@ def test_missing_flags_are_usage_errors() -> None:
 
 
 def test_unreachable_server_exits_with_a_clear_error() -> None:
-    """A worker that cannot reach NATS says so and exits 1 (bounded retries)."""
-    done = run_worker("--nats", "nats://127.0.0.1:1", "--app", "tests.nats.app:make_router")
+    """A worker that cannot reach NATS at start-up tries again for `--reconnect-for`
+    seconds, one numbered log line per attempt, then says so and exits 1."""
+    done = run_worker("--nats", "nats://127.0.0.1:1", "--app", "tests.nats.app:make_router",
+                      "--reconnect-for", "1")
     assert done.returncode == 1
-    assert "cannot connect to NATS" in done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("turnrouter worker: cannot connect to NATS at nats://127.0.0.1:1: "
+                           "unreachable for "), last
+    assert "reconnect_for is 1 s" in last
+    attempts = [line for line in done.stderr.splitlines() if "connect attempt" in line]
+    assert len(attempts) >= 2
+    assert [f"attempt {i} failed" in line for i, line in enumerate(attempts, 1)] == (
+        [True] * len(attempts))
+    assert "Traceback" not in done.stderr
 
 
 def test_factory_returning_something_else_is_refused(nats_server: NatsServer) -> None:

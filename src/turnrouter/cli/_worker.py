@@ -88,9 +88,9 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="seconds a turn may run before it is marked in flight so its "
                              "message can be acknowledged (default 0.005)")
     parser.add_argument("--reconnect-for", type=float, default=60.0,
-                        help="seconds to ride out a lost NATS server (retrying every "
-                             "0.5 s, one log line per attempt) before exiting with an "
-                             "error (default 60)")
+                        help="seconds to ride out a lost, frozen or not yet started NATS "
+                             "server or a missing stream (retrying every 0.5 s, one log "
+                             "line per attempt) before exiting with an error (default 60)")
     parser.add_argument("--replica", default=None, help="replica name (default random)")
     parser.add_argument("--metrics-port", type=_port, default=None,
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
@@ -98,8 +98,9 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="address to serve /metrics on (default 127.0.0.1; 0.0.0.0 in "
                              "containers)")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
-                        help="written (the replica name) once the worker serves, removed "
-                             "when it ends: a readiness probe checks that it exists")
+                        help="written (the replica name) while the worker serves, removed "
+                             "while it cannot (NATS lost, a stream missing) and when it "
+                             "ends: a readiness probe checks that it exists")
     parser.add_argument("--debug", action="store_true",
                         help="print tracebacks of start-up errors (one line otherwise)")
     return parser
@@ -194,6 +195,11 @@ def worker_main(argv: Sequence[str]) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
+        if args.ready_file:  # there while the worker serves, gone while it cannot
+            path = args.ready_file
+            worker.readiness.on_change(
+                lambda serving: _write_ready(path, worker.replica) if serving
+                else _remove_ready(path))
         print(f"worker {worker.replica} starting", flush=True)
         ready = asyncio.create_task(worker.ready.wait())
         stopping = asyncio.create_task(early.wait())
@@ -206,8 +212,6 @@ def worker_main(argv: Sequence[str]) -> int:
                 # router) out of full collections, which otherwise scan it all, 20-29 ms
                 # each under bench_distributed (2-3 ms after this), stalling every turn.
                 gc.freeze()
-                if args.ready_file:
-                    _write_ready(args.ready_file, worker.replica)
                 print(f"worker {worker.replica} ready", flush=True)
             await task
         finally:
@@ -247,9 +251,13 @@ def worker_main(argv: Sequence[str]) -> int:
         if server is not None:
             server.close()
         if args.ready_file:
-            with contextlib.suppress(OSError):
-                os.unlink(args.ready_file)
+            _remove_ready(args.ready_file)
     return 0
+
+
+def _remove_ready(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _write_ready(path: str, replica: str) -> None:

@@ -114,6 +114,15 @@ def fleet_dashboard() -> dict[str, Any]:
                     _targets((_rate("turnrouter_nats_backpressure_total", "instance, what"),
                               "{{what}} {{instance}}")),
                     unit="ops"),
+        _timeseries("Replicas serving, and deployment parts recreated",
+                    "Serving: started, connected to NATS, streams, consumers and bucket "
+                    "there (the ready file). Recreated: a part found deleted under a "
+                    "running replica, by part (docs/distributed.md).",
+                    _targets((f"sum by (instance) (turnrouter_nats_serving{{{JOB}}})",
+                              "serving {{instance}}"),
+                             (_rate("turnrouter_nats_deployment_missing_total", "part"),
+                              "missing {{part}}")),
+                    unit="short"),
     ]
     model = _dashboard("turnrouter-fleet", "turnrouter fleet (NATS runtime)",
                        "Router replicas on NATS JetStream: ownership, failover, fencing "
@@ -147,6 +156,19 @@ FLEET_ALERTS: tuple[dict[str, Any], ...] = (
                            "revision ({{ $value }}/s): partitions move back and forth "
                            "(replicas pausing, restarting or overloaded past the failover "
                            "timeout).",
+        },
+    },
+    {
+        "alert": "TurnrouterReplicaNotServing",
+        "expr": "min by (job, instance) (turnrouter_nats_serving) == 0",
+        "for": "2m",
+        "labels": {"severity": "warning"},
+        "annotations": {
+            "summary": "A replica of the NATS runtime has not served for two minutes",
+            "description": "Replica {{ $labels.instance }} of job {{ $labels.job }} is running "
+                           "but not serving: its connection to NATS is lost, or a stream, "
+                           "consumer or the bucket is missing and not recreated yet (its log "
+                           "says which; docs/distributed.md).",
         },
     },
 )

@@ -7,6 +7,7 @@ of it, as a `StateRecord`; `state_json` writes one), to inspect what a deploymen
 holds; `parse_input` checks one input as a replica does (raising `Rejected` with the
 reason it counts); `samples_body` and `parse_samples` are the fleet's timing-sample
 messages, `parse_presence` checks a presence message as a replica does.
+`NatsWorker.readiness` (a `Readiness`) says whether a worker serves now.
 """
 
 try:
@@ -18,6 +19,7 @@ except ImportError as exc:  # exercised in a test that hides nats-py
     ) from exc
 
 from ._client import NatsFrontEnd
+from ._connection import Readiness
 from ._fleet import parse_presence
 from ._wire import (
     MAX_ENDED,
@@ -44,6 +46,7 @@ __all__ = [
     "NatsConfig",
     "NatsFrontEnd",
     "NatsWorker",
+    "Readiness",
     "Rejected",
     "StateRecord",
     "WorkerContext",

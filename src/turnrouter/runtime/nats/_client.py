@@ -159,6 +159,7 @@ class _OutputReader:
         self._heard = time.monotonic()
         self._reconnects = 0
         self._generation = 0  # of the consumer: what an earlier one sent is ignored
+        self._created: object = None  # the output stream's creation time, when known
 
     async def open(self) -> None:
         """The first consumer (LifecycleError when the server refuses it)."""
@@ -183,6 +184,12 @@ class _OutputReader:
             "ack_policy": "none", "max_deliver": 1, "flow_control": True,
             "idle_heartbeat": int(_HEARTBEAT * _NS), "mem_storage": True,
             "num_replicas": 1, "inactive_threshold": 5 * _NS, "replay_policy": "instant"}
+        try:
+            if await self._recreated() and self._last is not None:
+                self._last = 0  # a new stream: what it holds came after what was read
+        except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
+            self._heard = time.monotonic() - _SILENCE
+            return False  # again in a tick
         if self._last is None:
             consumer["deliver_policy"] = "new"
         else:
@@ -206,6 +213,16 @@ class _OutputReader:
             seq = delivered.get("stream_seq")
             self._last = seq if isinstance(seq, int) and seq >= 0 else 0
         return True
+
+    async def _recreated(self) -> bool:
+        """Whether the output stream is another one than when last asked (deleted and
+        made again, e.g. by a worker repairing the deployment): its sequences start
+        over. LookupError (KeyError) when it does not exist now."""
+        reply = await self._nc.request(f"$JS.API.STREAM.INFO.{self._config.output_stream}",
+                                       b"", timeout=2.0)
+        created = json.loads(reply.data)["created"]
+        before, self._created = self._created, created
+        return before is not None and created != before
 
     async def _drop(self) -> None:
         if self._sub is not None:

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 
 from ..._contracts import AgentTurn
 from ..._exceptions import ContractValueError, LifecycleError, TurnInterrupted
+from ..._limits import is_logged
 from ..._logging import log_failure
 from ..._router import AgentRouter
 from .._messages import UserQuery
@@ -134,10 +135,16 @@ class Inputs:
         self._recent = _Recent(_RECENT)
         self.turns_of = _TurnIndex()
         self._out_prefix = f"{config.prefix}.out."
+        self._rejections: dict[str, int] = {}  # refused inputs by reason (a few reasons)
 
     # ------------------------------------------------------------------ inputs
     def _reject(self, msg: Msg, reason: str, detail: str) -> None:
-        logger.warning("turnrouter: rejected input on %s: %s", msg.subject[:200], detail)
+        """Count a refused input; logged the first time per reason and at every power
+        of ten (a publisher sending junk cannot grow the log one line per message)."""
+        count = self._rejections[reason] = self._rejections.get(reason, 0) + 1
+        if is_logged(count):
+            logger.warning("turnrouter: rejected input on %s (%s, %d so far): %s",
+                           msg.subject[:200], reason, count, detail)
         self._router.report_rejected("nats_input", reason)
 
     async def handle(self, n: int, msg: Msg, owned: bool, received: float) -> None:

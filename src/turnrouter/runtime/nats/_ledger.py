@@ -347,6 +347,7 @@ class Ledger:
                 continue  # the previous owner wrote meanwhile: read again
             except NatsError as exc:
                 logger.warning("turnrouter: participant claim failed: %r", exc)
+                self._link.no_responders()  # the bucket may be gone: check
                 return None
             break
         else:

@@ -22,6 +22,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from ..._limits import is_logged
+
 __all__ = ["Link", "RequestFailed", "pub_ack"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
@@ -36,8 +38,13 @@ class RequestFailed(Exception):
 class Link:
     """Requests and stored publishes over one connection and one reply subscription."""
 
-    def __init__(self, nc: Client, on_duplicate: Callable[[], None]) -> None:
+    def __init__(self, nc: Client, on_duplicate: Callable[[], None],
+                 on_no_responders: Callable[[], None] = lambda: None) -> None:
         self._nc = nc
+        #: Called when a request or stored publish found no responder: its stream (the
+        #: bucket's, the output stream) is gone, or JetStream is not answering.
+        self._on_no_responders = on_no_responders
+        self._refusals = 0
         self._prefix = nc.new_inbox()
         self._waiting: dict[str, asyncio.Future[bytes]] = {}
         self._next = 0
@@ -94,6 +101,10 @@ class Link:
         except NatsError as exc:
             logger.warning("turnrouter: output not published: %r", exc)
 
+    def no_responders(self) -> None:
+        """Something else found no stream answering (a read of the bucket, say)."""
+        self._on_no_responders()
+
     def fail_waiting(self) -> None:
         """After a reconnect: the replies of requests sent before it never come (a
         restarted server forgot them), so their waits end now (`RequestFailed`)."""
@@ -110,28 +121,38 @@ class Link:
 
     async def _on_reply(self, msg: Msg) -> None:
         token = msg.subject[len(self._prefix) + 1:]
+        status = msg.headers.get("Status") if msg.headers else None
+        if status == "503":
+            self._on_no_responders()
         if token[:1] == _STORED:
             confirmed = self._confirming.pop(token, None) if len(token) > 1 else None
-            if self._stored_ack(msg.data) and confirmed is not None:
+            if self._stored_ack(msg.data, status) and confirmed is not None:
                 confirmed()
             return
         future = self._waiting.get(token)
         if future is None or future.done():
             return
-        if msg.headers and msg.headers.get("Status") == "503":
-            future.set_exception(RequestFailed("no responders"))
+        if status == "503":
+            future.set_exception(RequestFailed("no responders (is its stream there?)"))
         else:
             future.set_result(msg.data)
 
-    def _stored_ack(self, data: bytes) -> bool:
-        """Whether the stream holds the output (stored now or before)."""
+    def _stored_ack(self, data: bytes, status: str | None) -> bool:
+        """Whether the stream holds the output (stored now or before); a refusal is
+        logged the first time and at every power of ten."""
         if b'"duplicate":true' in data:
             self._on_duplicate()
-        elif b'"error"' in data or not data:
-            logger.warning("turnrouter: the output stream refused an output: %s",
-                           data[:300].decode("utf-8", "replace"))
-            return False
-        return True
+            return True
+        if status is None and data and b'"error"' not in data:
+            return True
+        self._refusals += 1
+        if is_logged(self._refusals):
+            why = data[:300].decode("utf-8", "replace") or (
+                "no responders (is the output stream there?)" if status == "503"
+                else f"status {status}")
+            logger.warning("turnrouter: the output stream refused an output (%d so far): "
+                           "%s", self._refusals, why)
+        return False
 
 
 def _expire(future: asyncio.Future[bytes]) -> None:

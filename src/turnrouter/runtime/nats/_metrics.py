@@ -74,7 +74,19 @@ class RuntimeMetrics:
             "First-response timing samples sent to / learned from the fleet, or dropped "
             "(not sent: the connection was closed or its buffer full)",
             ["direction"], registry=registry)
+        self.serving = Gauge(
+            "turnrouter_nats_serving",
+            "1 while this replica serves: started, connected to NATS, and its streams, "
+            "consumers and bucket all there (the --ready-file signal), else 0",
+            registry=registry)
+        self.deployment_missing = Counter(
+            "turnrouter_nats_deployment_missing_total",
+            "Times this replica found a part of the deployment gone while it ran "
+            "(part=input_stream, output_stream, bucket, consumer) and recreated it",
+            ["part"], registry=registry)
         self.partitions.set(0)
+        for part in ("input_stream", "output_stream", "bucket", "consumer"):
+            self.deployment_missing.labels(part)
         for how in ("lost", "handed_over"):
             self.partitions_lost.labels(how)
         self.duplicates.labels("output")

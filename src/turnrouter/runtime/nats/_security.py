@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -49,29 +50,62 @@ def safe_error(config: NatsConfig, exc: BaseException) -> str:
     return redact_text(repr(exc)[:500], secrets_of(config))
 
 
-async def connect(config: NatsConfig, role: str, **options: Any) -> Client:
+async def connect(config: NatsConfig, role: str, *, patience: float | None = None,
+                  **options: Any) -> Client:
     """A connection with the configuration's credentials and TLS (`options` go to
     `nats.connect` and win). A refusal of the credentials or of TLS ends the first
     connection at once: nats-py would otherwise retry the same refused credentials
-    until its attempts run out. `LifecycleError` with the URL and error masked."""
+    until its attempts run out. With `patience` (seconds) an unreachable server is tried
+    again (every `reconnect_time_wait`, one log line per failed attempt) until it answers
+    or `patience` ran out. `LifecycleError` with the URL and error masked."""
     refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
-    merged = {**connect_options(config, role, refused), **options}
+    attempts = _Attempts(patience)
+    merged = {**connect_options(config, role, refused, attempts), **options}
+    if patience is not None:
+        merged["max_reconnect_attempts"] = -1  # nats-py tries until cancelled below
     nc = Client()
     connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(config.url, **merged))
     either: list[asyncio.Future[Any]] = [connecting, refused]
     try:
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(either, timeout=patience, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not connecting.done():
             connecting.cancel()
             await asyncio.gather(connecting, return_exceptions=True)
             await asyncio.gather(nc.close(), return_exceptions=True)
-    if connecting.cancelled() or connecting.exception() is not None:
-        error = connecting.exception() if not connecting.cancelled() else refused.result()
-        assert error is not None
-        raise LifecycleError(f"cannot connect to NATS at {config.safe_url}: "
-                             f"{safe_error(config, error)}") from None
-    return nc
+    if not connecting.cancelled() and connecting.exception() is None:
+        return nc
+    if refused.done():
+        error = refused.result()
+    elif connecting.cancelled():  # `patience` ran out
+        error = attempts.last or TimeoutError("no answer")
+        raise LifecycleError(
+            f"cannot connect to NATS at {config.safe_url}: unreachable for "
+            f"{attempts.elapsed():.1f} s ({attempts.count} attempts; reconnect_for is "
+            f"{patience:g} s): {safe_error(config, error)}") from None
+    else:
+        error = connecting.exception() or TimeoutError("no answer")
+    raise LifecycleError(f"cannot connect to NATS at {config.safe_url}: "
+                         f"{safe_error(config, error)}") from None
+
+
+class _Attempts:
+    """The failed attempts of a first connection (with `patience`: numbered in the log)."""
+
+    def __init__(self, patience: float | None) -> None:
+        self.patience, self.count, self.started = patience, 0, time.monotonic()
+        self.last: BaseException | None = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def failed(self, exc: BaseException) -> str:
+        """Count one failure; how the log line names it."""
+        self.count, self.last = self.count + 1, exc
+        if self.patience is None:
+            return ""
+        return f"connect attempt {self.count} failed ({self.elapsed():.1f} s of " \
+               f"{self.patience:g} s): "
 
 
 def _is_refusal(exc: BaseException) -> bool:
@@ -83,11 +117,12 @@ def _is_refusal(exc: BaseException) -> bool:
 
 
 def connect_options(config: NatsConfig, role: str,
-                    refused: asyncio.Future[BaseException] | None = None) -> dict[str, Any]:
+                    refused: asyncio.Future[BaseException] | None = None,
+                    attempts: _Attempts | None = None) -> dict[str, Any]:
     """`nats.connect` keyword arguments for the configuration's credentials and TLS
     (`LifecycleError` naming the file, never its content, when one cannot be used)."""
     options: dict[str, Any] = {"inbox_prefix": inbox_prefix(config, role),
-                               "error_cb": _error_callback(config, refused)}
+                               "error_cb": _error_callback(config, refused, attempts)}
     if config.user is not None:
         options["user"], options["password"] = config.user, config.password
     if config.token is not None:
@@ -131,10 +166,13 @@ def _tls_context(config: NatsConfig) -> ssl.SSLContext:
     return context
 
 
-def _error_callback(config: NatsConfig, refused: asyncio.Future[BaseException] | None
+def _error_callback(config: NatsConfig, refused: asyncio.Future[BaseException] | None,
+                    attempts: _Attempts | None = None
                     ) -> Callable[[Exception], Awaitable[None]]:
     async def on_error(exc: Exception) -> None:
-        logger.warning("turnrouter: NATS at %s: %s", config.safe_url, safe_error(config, exc))
+        what = attempts.failed(exc) if attempts is not None else ""
+        logger.warning("turnrouter: NATS at %s: %s%s", config.safe_url, what,
+                       safe_error(config, exc))
         if refused is not None and not refused.done() and _is_refusal(exc):
             refused.set_result(exc)
     return on_error

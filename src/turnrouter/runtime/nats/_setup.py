@@ -13,6 +13,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
+from nats.js.kv import KeyValue
 
 from ..._exceptions import ConfigurationError, LifecycleError
 from ._wire import NatsConfig
@@ -32,7 +33,11 @@ async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = No
         raise LifecycleError(f"JetStream API {subject} failed: {exc!r}") from exc
     data: dict[str, Any] = json.loads(reply.data)
     if "error" in data:
-        raise ConfigurationError(f"JetStream API {subject} refused: {data['error']}")
+        error = data["error"]
+        if isinstance(error, dict) and error.get("code") == 503:
+            # JetStream starting or without a leader: a passing state, tried again.
+            raise LifecycleError(f"JetStream API {subject} unavailable: {error}")
+        raise ConfigurationError(f"JetStream API {subject} refused: {error}")
     return data
 
 
@@ -84,8 +89,9 @@ def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
     }
 
 
-async def ensure_deployment(nc: Client, config: NatsConfig) -> None:
-    """Create (or accept the identical existing) streams, consumers and state bucket."""
+async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
+    """Create (or accept the identical existing) streams, consumers and state bucket;
+    the bucket."""
     for stream in (_input_stream(config), _output_stream(config)):
         await api_request(nc, f"$JS.API.STREAM.CREATE.{stream['name']}", stream)
     for partition in range(config.partitions):
@@ -95,11 +101,11 @@ async def ensure_deployment(nc: Client, config: NatsConfig) -> None:
                            "config": consumer_config(config, partition)})
     js = nc.jetstream()
     try:
-        await js.key_value(config.bucket)
+        return await js.key_value(config.bucket)
     except NatsError:
         from nats.js.api import KeyValueConfig
 
         try:
-            await js.create_key_value(KeyValueConfig(bucket=config.bucket, history=1))
+            return await js.create_key_value(KeyValueConfig(bucket=config.bucket, history=1))
         except NatsError as exc:
             raise LifecycleError(f"cannot create bucket {config.bucket}: {exc!r}") from exc

@@ -28,23 +28,22 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nats.aio.client import DEFAULT_BUFFER_SIZE, Client
+from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import SlowConsumerError
 
 from ..._contracts import AgentTurn
 from ..._exceptions import ConfigurationError, ContractValueError, LifecycleError
 from ..._logging import log_failure
 from ..._router import AgentRouter
 from ..._timing import TimingPredictor, TimingSample
-from .._messages import Interrupted
+from ._connection import Connection, Readiness
 from ._fleet import Fleet, fleet_limits, fleet_topic, valid_replica
 from ._inputs import Inputs
+from ._interrupts import FleetInterrupts
 from ._ledger import Ledger, Participant
 from ._link import Link
 from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
-from ._security import connect, safe_error
 from ._setup import GROUP, api_request, ensure_deployment
 from ._wire import Ending, NatsConfig
 
@@ -52,16 +51,11 @@ __all__ = ["NatsWorker", "WorkerContext"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
-_RECONNECT_WAIT = 0.5  # seconds between reconnect attempts
 #: Messages one pull request may deliver. The consumer still hands out one at a time
 #: (`max_ack_pending=1`): a request waits at the server, and the next message goes to it
 #: as soon as the previous one is acknowledged, so a busy partition needs no pull per
 #: message.
 _BATCH = 256
-#: Fleet-subject callbacks between two returns to the event loop (a flood's bound).
-_YIELD_EVERY = 64
-#: Bytes of one socket read nats-py parses between two returns to the event loop.
-_PARSE_PIECE = 8192
 
 
 class WorkerContext:
@@ -116,6 +110,7 @@ class NatsWorker:
         self._metrics: RuntimeMetrics | None = (
             runtime_metrics(registry) if registry is not None else None)
         self._nc: Client | None = None
+        self._connection: Connection | None = None
         self._router: AgentRouter | None = None
         self._pins: dict[int, str] = {}
         self._ledger: Ledger | None = None
@@ -125,10 +120,9 @@ class NatsWorker:
         self._predictors: list[TimingPredictor] = []
         self._stop = asyncio.Event()
         self._pulling = True
-        self._interrupt_pending = False
-        self._interrupts_seen = 0
         self._inboxes: list[_Inbox] = []
-        self.ready = asyncio.Event()
+        self.ready = asyncio.Event()  # set once, when it first serves
+        self.readiness = Readiness(self._metrics)  # serving now (see `Connection`)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -173,10 +167,12 @@ class NatsWorker:
                 lost.set()
                 self._stop.set()
 
-        connection = _Connection(config, closed, self._reconnected, self._dropped)
+        connection = self._connection = Connection(
+            config, closed, self._reconnected, dropped=self._dropped,
+            readiness=self.readiness, metrics=self._metrics, spawn=self._spawn)
         self._nc = nc = await connection.connect(self.replica)
         try:
-            await ensure_deployment(nc, config)
+            bucket = await connection.settle("set-up", lambda: ensure_deployment(nc, config))
             built = self._factory(WorkerContext(self, self._registry))
             router = await built if inspect.isawaitable(built) else built
             if not isinstance(router, AgentRouter):
@@ -189,10 +185,9 @@ class NatsWorker:
                                                        failure_text=router.failure_text)
             if self._metrics is not None:
                 self._metrics.partitions.set(config.partitions)
-            link = Link(nc, self._duplicate_output)
+            link = Link(nc, self._duplicate_output, connection.suspect)
             await link.start()
-            self._ledger = Ledger(await nc.jetstream().key_value(config.bucket), link,
-                                  config, self.replica, lambda: self.router,
+            self._ledger = Ledger(bucket, link, config, self.replica, lambda: self.router,
                                   self._publish_ending, self._metrics)
             self._ledger.on_unsure = self._reclaim_soon
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
@@ -204,13 +199,15 @@ class NatsWorker:
                                 router.report_rejected)
             self._fleet.predictors = self._predictors
             self._fleet.routes = lambda: router.destinations
-            await nc.subscribe(config.interrupt_all_subject, cb=self._on_interrupt_all,
-                               **fleet_limits(config))
+            await nc.subscribe(config.interrupt_all_subject, **fleet_limits(config),
+                               cb=FleetInterrupts(config, router, self._spawn).on_message)
             helpers = await self._fleet.start()
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
                      for n in range(config.partitions)]
-            await nc.jetstream().account_info()  # our SUBs are on the server: see below
+            # Our SUBs are on the server (see below) once a request is answered.
+            await connection.settle("start-up", nc.jetstream().account_info)
             self.ready.set()
+            self.readiness.update("start", None)
             await self._stop.wait()
             if lost.is_set():
                 raise LifecycleError(connection.why_lost())
@@ -374,8 +371,8 @@ class NatsWorker:
         """A pull request ended with a status instead of a message."""
         if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
             await self._lose(n, "lost")
-        elif status not in ("404", "408", "409", "100"):
-            logger.warning("turnrouter: pull on partition %d: status %s", n, status)
+        elif status not in ("404", "408", "409", "100") and self._connection is not None:
+            await self._connection.pull_failed(n, status)  # logged rarely, then a pause
         if status == "409":
             await asyncio.sleep(0.05)
 
@@ -471,33 +468,11 @@ class NatsWorker:
         await self.inputs.answer(turn, route, text)
 
     # ------------------------------------------------------------------ fleet-wide
-    async def _on_interrupt_all(self, msg: Msg) -> None:
-        """A fleet-wide interrupt: an `Interrupted` without a participant, else refused
-        and counted. A flood starts at most one interrupt beside the one running: those
-        arriving while one is pending join it (counted as `coalesced`)."""
-        self._interrupts_seen += 1
-        if not self._interrupts_seen % _YIELD_EVERY:
-            # nats-py hands a subscription's queued messages over without returning to
-            # the loop: a flood would hold it for as long as the queue is long.
-            await asyncio.sleep(0)
-        reason = _interrupt_problem(self.config, msg.data)
-        if reason:
-            self.router.report_rejected("nats_control", reason)
-        elif self._interrupt_pending:
-            self.router.report_rejected("nats_control", "coalesced")
-        else:
-            self._interrupt_pending = True
-            self._spawn(self._interrupt_all(), "interrupt all")
-
     def _dropped(self, subject: str) -> None:
         """nats-py dropped a message of a fleet subject whose queue was full (a flood,
         `NatsConfig.fleet_backlog`): counted as `dropped` under the subject's topic."""
         if self._router is not None:
             self._router.report_rejected(fleet_topic(self.config, subject), "dropped")
-
-    async def _interrupt_all(self) -> None:
-        self._interrupt_pending = False  # from here on, a new request needs a new pass
-        await self.router.interrupt(None)
 
     def _send_sample(self, sample: TimingSample) -> None:
         if self._fleet is not None:
@@ -541,134 +516,7 @@ def _stream_sequence(reply: str) -> int:
         return 2**63
 
 
-class _Connection:
-    """The worker's connection: bounded first attempts, then a server outage ridden out
-    for `config.reconnect_for` seconds, one log line per reconnect attempt; past that the
-    connection is closed and the worker exits (`why_lost` says why)."""
-
-    def __init__(self, config: NatsConfig, closed: Callable[[], Awaitable[None]],
-                 reconnected: Callable[[], None],
-                 dropped: Callable[[str], None] = lambda subject: None) -> None:
-        self._config, self._closed, self._reconnected = config, closed, reconnected
-        self._dropped = dropped
-        self._drops = 0
-        self._nc: Client | None = None
-        self._down_since: float | None = None
-        self._attempts = 0
-        self._gave_up = False
-
-    async def connect(self, replica: str) -> Client:
-        config = self._config
-        nc = self._nc = await connect(
-            config, "worker", name=f"turnrouter-{replica}", connect_timeout=2,
-            max_reconnect_attempts=3, reconnect_time_wait=_RECONNECT_WAIT,
-            closed_cb=self._closed, disconnected_cb=self._disconnected,
-            reconnected_cb=self._back)
-        # From now on the bound is reconnect_for (checked at each attempt), not a count
-        # (nats-py reads this option at every reconnect), and errors go through
-        # `_error` (the first connection's callback spots refused credentials; nats-py
-        # reads its error callback at every call).
-        nc.options["max_reconnect_attempts"] = -1
-        nc._error_cb = self._error
-        _yield_between_reads(nc)
-        return nc
-
-    def why_lost(self) -> str:
-        if self._gave_up and self._down_since is not None:
-            return (f"the NATS server at {self._config.safe_url} stayed unreachable for "
-                    f"{time.monotonic() - self._down_since:.1f} s (reconnect_for is "
-                    f"{self._config.reconnect_for:g} s, {self._attempts} attempts); "
-                    f"exiting")
-        return f"lost the connection to NATS at {self._config.safe_url}"
-
-    async def _disconnected(self) -> None:
-        if self._down_since is None and self._nc is not None and not self._nc.is_closed:
-            self._down_since, self._attempts = time.monotonic(), 0
-            logger.warning("turnrouter: lost the connection to NATS; reconnecting for up "
-                           "to %g s", self._config.reconnect_for)
-
-    async def _back(self) -> None:
-        down = time.monotonic() - self._down_since if self._down_since is not None else 0.0
-        logger.warning("turnrouter: reconnected to NATS after %.1f s (%d attempts)", down,
-                       self._attempts)
-        self._down_since, self._attempts = None, 0
-        self._reconnected()
-
-    async def _error(self, exc: Exception) -> None:
-        """nats-py's error callback: one line, never a traceback; while reconnecting it
-        is called once per failed attempt, which is where the outage bound is kept."""
-        nc = self._nc
-        if isinstance(exc, SlowConsumerError):
-            # A fleet subject's queue is full (a flood): the message is dropped and
-            # counted; logged the 1st, 2nd, 4th, ... time only.
-            self._drops += 1
-            self._dropped(exc.subject)
-            if not self._drops & (self._drops - 1):
-                logger.warning("turnrouter: dropped %d message(s) of a flooded fleet "
-                               "subject so far (last on %s)", self._drops, exc.subject[:100])
-            return
-        what = safe_error(self._config, exc)[:300]
-        if nc is None or not nc.is_reconnecting:
-            logger.warning("turnrouter: NATS connection error: %s", what)
-            return
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-        self._attempts += 1
-        down = time.monotonic() - self._down_since
-        logger.warning("turnrouter: NATS reconnect attempt %d failed (%.1f s of %g s): %s",
-                       self._attempts, down, self._config.reconnect_for, what)
-        if down >= self._config.reconnect_for and not self._gave_up:
-            self._gave_up = True
-            # nats-py drops a server tried more often than this and, with none left,
-            # closes the connection: closed_cb then stops the worker.
-            nc.options["max_reconnect_attempts"] = 1
-
-
-def _yield_between_reads(nc: Client) -> None:
-    """Return to the event loop after every `_PARSE_PIECE` bytes nats-py parses.
-
-    nats-py's read loop parses what the socket holds, read after read, without returning
-    to the loop while data is buffered (up to the transport's 256 KiB per wake-up: a
-    flood of small messages held the loop for hundreds of milliseconds). A read over
-    `_PARSE_PIECE` is now parsed in pieces with a return to the loop between them, and
-    after a full read; a reconnect (which resets the parser) ends the feeding of what
-    the old connection sent."""
-    parser: Any = getattr(nc, "_ps", None)  # nats-py's private parser: skip if it moved
-    parse = getattr(parser, "parse", None)
-    if parse is None:
-        return
-
-    async def parse_in_pieces(data: bytes = b"") -> None:
-        if len(data) <= _PARSE_PIECE:
-            await parse(data)
-        else:
-            for start in range(0, len(data), _PARSE_PIECE):
-                if start:
-                    await asyncio.sleep(0)
-                    if nc.is_reconnecting or nc.is_closed:
-                        return
-                await parse(data[start:start + _PARSE_PIECE])
-        if len(data) >= DEFAULT_BUFFER_SIZE:
-            # A full read: more may be buffered, which the read loop would take without
-            # returning to the loop. A shorter read drained the buffer (the next read
-            # waits), so the turns' small reads cost no extra step.
-            await asyncio.sleep(0)
-
-    parser.parse = parse_in_pieces
-
-
 # Readiness (`NatsWorker.run`) waits for a request, not `flush()`. nats-py writes its
 # PING ahead of the commands it still buffers, so the PONG may beat the SUBs (the first
 # fleet messages after "ready" were lost now and then); a request travels behind them,
 # and the server answers one connection's commands in order.
-
-
-def _interrupt_problem(config: NatsConfig, data: bytes) -> str:
-    """Why a message on the fleet-wide interrupt subject is refused ('' if it is not)."""
-    if len(data) > config.max_message_bytes:
-        return "oversized"
-    try:
-        message = Interrupted.model_validate_json(data)
-    except (ValueError, RecursionError):  # pydantic's ValidationError is a ValueError
-        return "invalid"
-    return "invalid" if message.participant_id is not None else ""

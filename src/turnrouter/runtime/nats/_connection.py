@@ -1,0 +1,375 @@
+"""A worker's patience with its server: outages, a frozen server, a deployment deleted.
+
+A worker rides out a server that is unreachable (refused, killed, restarting, frozen)
+for `NatsConfig.reconnect_for` seconds, at start-up as later, with one log line per
+failed attempt; past that it exits saying why. A frozen server (SIGSTOP, a hung host:
+its TCP connection stays open, nothing is answered) is noticed by pings: one every
+`ping_interval(config)` seconds, the connection counted lost when two go unanswered.
+A part of the deployment deleted while the worker runs (an operator deleting the input
+or output stream, a consumer or the state bucket) is noticed by its requests finding no
+responder: the worker reports it (not serving meanwhile, counted), recreates what its
+start-up creates, and exits when that keeps failing for `reconnect_for` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from nats.aio.client import DEFAULT_BUFFER_SIZE, Client
+from nats.errors import Error as NatsError
+from nats.errors import SlowConsumerError
+
+from ..._exceptions import ConfigurationError, LifecycleError
+from ..._limits import is_logged
+from ._metrics import RuntimeMetrics
+from ._security import connect, safe_error
+from ._setup import ensure_deployment
+from ._wire import NatsConfig
+
+__all__ = ["Connection", "Readiness", "connect_timeout", "ping_interval"]
+
+logger = logging.getLogger("turnrouter.runtime.nats")
+
+_RECONNECT_WAIT = 0.5  # seconds between reconnect attempts (and start-up retries)
+_MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
+#: Bytes of one socket read nats-py parses between two returns to the event loop.
+_PARSE_PIECE = 8192
+#: How long a partition whose pull failed oddly (no consumer answering) waits before it
+#: pulls again, unless the deployment is repaired sooner.
+_PULL_PAUSE = 1.0
+
+T = TypeVar("T")
+
+
+def ping_interval(config: NatsConfig) -> float:
+    """Seconds between a worker's pings: 2, or a quarter of `reconnect_for` when that is
+    shorter (at least 0.1), so a frozen server is noticed within three intervals."""
+    return max(0.1, min(2.0, config.reconnect_for / 4))
+
+
+def connect_timeout(config: NatsConfig) -> float:
+    """Seconds one connection attempt may take (a frozen server accepts the TCP
+    connection and never sends its INFO): 2, or half of `reconnect_for` when shorter."""
+    return max(0.1, min(2.0, config.reconnect_for / 2))
+
+
+class Readiness:
+    """Whether a running worker serves now: started, connected to NATS, and its streams,
+    consumers and bucket all there. `turnrouter worker --ready-file` follows it;
+    `on_change` listeners are called with the new state at each change."""
+
+    def __init__(self, metrics: RuntimeMetrics | None = None) -> None:
+        self._problems: dict[str, str] = {"start": "starting"}
+        self._listeners: list[Callable[[bool], None]] = []
+        self._metrics = metrics
+
+    @property
+    def serving(self) -> bool:
+        return not self._problems
+
+    @property
+    def why_not(self) -> str:
+        """What keeps the worker from serving ('' when it serves)."""
+        return "; ".join(self._problems.values())
+
+    def on_change(self, listener: Callable[[bool], None]) -> None:
+        self._listeners.append(listener)
+
+    def update(self, key: str, problem: str | None) -> None:
+        """Set (or clear, with None) the problem `key` names."""
+        before = self.serving
+        if problem is None:
+            self._problems.pop(key, None)
+        else:
+            self._problems[key] = problem
+        now = self.serving
+        if self._metrics is not None:
+            self._metrics.serving.set(1 if now else 0)
+        if now != before:
+            for listener in self._listeners:
+                listener(now)
+
+
+class Connection:
+    """The worker's connection: the first one tried for up to `config.reconnect_for`
+    seconds, then a server outage ridden out as long, one log line per attempt; past
+    that the connection is closed and the worker exits (`why_lost` says why). It also
+    keeps the deployment (`suspect`, `pull_failed`: see the module doc)."""
+
+    def __init__(self, config: NatsConfig, closed: Callable[[], Awaitable[None]],
+                 reconnected: Callable[[], None], *,
+                 dropped: Callable[[str], None] = lambda subject: None,
+                 readiness: Readiness | None = None,
+                 metrics: RuntimeMetrics | None = None,
+                 spawn: Callable[[Awaitable[None], str], asyncio.Future[Any]] | None = None
+                 ) -> None:
+        self._config, self._closed, self._reconnected = config, closed, reconnected
+        self._dropped = dropped
+        self.readiness = readiness or Readiness(metrics)
+        self._metrics = metrics
+        self._spawn = spawn or (lambda work, name: asyncio.ensure_future(work))
+        self._drops = 0
+        self._nc: Client | None = None
+        self._down_since: float | None = None
+        self._attempts = 0
+        self._gave_up = False
+        self._why: str | None = None
+        self._checking: asyncio.Future[Any] | None = None
+        self._repaired = asyncio.Event()
+        self._statuses: dict[str, int] = {}
+
+    async def connect(self, replica: str) -> Client:
+        config = self._config
+        nc = self._nc = await connect(
+            config, "worker", patience=config.reconnect_for, name=f"turnrouter-{replica}",
+            connect_timeout=connect_timeout(config), reconnect_time_wait=_RECONNECT_WAIT,
+            ping_interval=ping_interval(config),
+            max_outstanding_pings=_MAX_OUTSTANDING_PINGS,
+            closed_cb=self._closed, disconnected_cb=self._disconnected,
+            reconnected_cb=self._back)
+        # From now on the bound is reconnect_for (checked at each attempt), not a count
+        # (nats-py reads this option at every reconnect), and errors go through
+        # `_error` (the first connection's callback spots refused credentials; nats-py
+        # reads its error callback at every call).
+        nc.options["max_reconnect_attempts"] = -1
+        nc._error_cb = self._error
+        _yield_between_reads(nc)
+        return nc
+
+    async def settle(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`attempt()`, tried again (one log line per failure) while it fails for want of
+        a server (`LifecycleError`, a NATS error, no reply in time) for up to
+        `reconnect_for` seconds; a `ConfigurationError` (the server refused) at once."""
+        first: float | None = None
+        failures = 0
+        while True:
+            started = time.monotonic()
+            if self._nc is not None and self._nc.is_closed:
+                raise LifecycleError(self.why_lost())
+            try:
+                return await attempt()
+            except ConfigurationError:
+                raise
+            except (LifecycleError, NatsError, TimeoutError, OSError) as exc:
+                failures += 1
+                first = started if first is None else first
+                down = time.monotonic() - first
+                error = safe_error(self._config, exc)[:300]
+                logger.warning("turnrouter: %s attempt %d failed (%.1f s of %g s): %s", what,
+                               failures, down, self._config.reconnect_for, error)
+                if down >= self._config.reconnect_for:
+                    raise LifecycleError(
+                        f"{what} failed for {down:.1f} s (reconnect_for is "
+                        f"{self._config.reconnect_for:g} s, {failures} attempts): {error}; "
+                        f"exiting") from None
+            await asyncio.sleep(_RECONNECT_WAIT)
+
+    def why_lost(self) -> str:
+        if self._why is not None:
+            return self._why
+        if self._gave_up and self._down_since is not None:
+            return (f"the NATS server at {self._config.safe_url} stayed unreachable for "
+                    f"{time.monotonic() - self._down_since:.1f} s (reconnect_for is "
+                    f"{self._config.reconnect_for:g} s, {self._attempts} attempts); "
+                    f"exiting")
+        return f"lost the connection to NATS at {self._config.safe_url}"
+
+    async def _disconnected(self) -> None:
+        if self._down_since is None and self._nc is not None and not self._nc.is_closed:
+            self._down_since, self._attempts = time.monotonic(), 0
+            self.readiness.update("connection", "disconnected from NATS")
+            logger.warning("turnrouter: lost the connection to NATS; reconnecting for up "
+                           "to %g s", self._config.reconnect_for)
+
+    async def _back(self) -> None:
+        down = time.monotonic() - self._down_since if self._down_since is not None else 0.0
+        logger.warning("turnrouter: reconnected to NATS after %.1f s (%d attempts)", down,
+                       self._attempts)
+        self._down_since, self._attempts = None, 0
+        self.readiness.update("connection", None)
+        self._reconnected()
+
+    async def _error(self, exc: Exception) -> None:
+        """nats-py's error callback: one line, never a traceback; while reconnecting it
+        is called once per failed attempt, which is where the outage bound is kept."""
+        nc = self._nc
+        if isinstance(exc, SlowConsumerError):
+            # A fleet subject's queue is full (a flood): the message is dropped and
+            # counted; logged the 1st, 2nd, 4th, ... time only.
+            self._drops += 1
+            self._dropped(exc.subject)
+            if not self._drops & (self._drops - 1):
+                logger.warning("turnrouter: dropped %d message(s) of a flooded fleet "
+                               "subject so far (last on %s)", self._drops, exc.subject[:100])
+            return
+        what = safe_error(self._config, exc)[:300]
+        # A reconnect attempt waiting for the server's INFO (a frozen server accepts
+        # the TCP connection) fails while nats-py says "connecting".
+        if nc is None or not (nc.is_reconnecting or nc.is_connecting):
+            logger.warning("turnrouter: NATS connection error: %s", what)
+            return
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+        self._attempts += 1
+        down = time.monotonic() - self._down_since
+        logger.warning("turnrouter: NATS reconnect attempt %d failed (%.1f s of %g s): %s",
+                       self._attempts, down, self._config.reconnect_for, what)
+        if down >= self._config.reconnect_for and not self._gave_up:
+            self._gave_up = True
+            # nats-py drops a server tried more often than this and, with none left,
+            # closes the connection: closed_cb then stops the worker.
+            nc.options["max_reconnect_attempts"] = 1
+
+    # ------------------------------------------------------------------ the deployment
+    def suspect(self) -> None:
+        """A request found no responder (no stream or consumer answering it): check the
+        deployment, once at a time."""
+        if self._nc is None or self._nc.is_closed:
+            return
+        if self._checking is None or self._checking.done():
+            self._checking = self._spawn(self._check(self._nc), "deployment check")
+
+    async def pull_failed(self, n: int, status: str) -> None:
+        """A pull request on partition `n` ended with an unexpected status: logged the
+        first time per status and at every power of ten, then a pause (`_PULL_PAUSE`, or
+        until the deployment is repaired) instead of a pull loop at full speed."""
+        count = self._statuses[status] = self._statuses.get(status, 0) + 1
+        if is_logged(count):
+            logger.warning("turnrouter: pull on partition %d: status %s (%d so far)", n,
+                           status, count)
+        if status == "503":  # no responders: the consumer (or its stream) is gone
+            self.suspect()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._repaired.wait(), _PULL_PAUSE)
+
+    async def _check(self, nc: Client) -> None:
+        """What is missing is reported and recreated (as at start-up), retried every
+        `_RECONNECT_WAIT` for up to `reconnect_for` seconds, then the worker stops."""
+        config = self._config
+        first: float | None = None
+        failures = 0
+        recreated = False  # something was missing (not only JetStream slow to answer)
+        while not nc.is_closed:
+            if not nc.is_connected:  # the connection's own bound applies meanwhile
+                first, failures = None, 0
+                await asyncio.sleep(_RECONNECT_WAIT)
+                continue
+            error = ""
+            try:
+                missing = await _missing(nc, config)
+            except (LifecycleError, NatsError, TimeoutError, ValueError) as exc:
+                missing, error = None, safe_error(config, exc)[:300]
+            if missing == []:
+                if failures:
+                    logger.warning("turnrouter: the NATS deployment is whole again")
+                    self.readiness.update("deployment", None)
+                    self._repaired.set()
+                    self._repaired = asyncio.Event()
+                if recreated:
+                    self._reconnected()  # publish again, claim again, pull at once
+                return
+            now = time.monotonic()
+            first = now if first is None else first
+            failures += 1
+            if missing:
+                names = ", ".join(name for _, name in missing)
+                if not recreated:
+                    recreated = True
+                    logger.warning("turnrouter: missing from the NATS deployment: %s; "
+                                   "recreating it", names)
+                    self.readiness.update("deployment", f"missing: {names}")
+                    if self._metrics is not None:
+                        for part, _ in missing:
+                            self._metrics.deployment_missing.labels(part).inc()
+                try:
+                    await ensure_deployment(nc, config)
+                except (LifecycleError, ConfigurationError, NatsError) as exc:
+                    error = f"missing {names}: {safe_error(config, exc)[:300]}"
+                else:
+                    if failures == 1:
+                        continue  # check again at once
+                    error = f"missing {names} again once recreated"
+            else:
+                self.readiness.update("deployment", "JetStream not answering")
+            down = now - first
+            logger.warning("turnrouter: NATS deployment check %d failed (%.1f s of %g s): %s",
+                           failures, down, config.reconnect_for, error)
+            if down >= config.reconnect_for:
+                self._why = (f"the NATS deployment stayed broken for {down:.1f} s "
+                             f"(reconnect_for is {config.reconnect_for:g} s, {failures} "
+                             f"attempts): {error}; exiting")
+                await self._closed()
+                return
+            await asyncio.sleep(_RECONNECT_WAIT)
+
+
+async def _missing(nc: Client, config: NatsConfig) -> list[tuple[str, str]] | None:
+    """The parts of the deployment the server says do not exist, as (part, name); None
+    when the server cannot say now (JetStream not answering)."""
+    parts: list[tuple[str, str, str]] = [
+        ("input_stream", f"stream {config.stream}", f"STREAM.INFO.{config.stream}"),
+        ("output_stream", f"stream {config.output_stream}",
+         f"STREAM.INFO.{config.output_stream}"),
+        ("bucket", f"bucket {config.bucket}", f"STREAM.INFO.KV_{config.bucket}")]
+    missing: list[tuple[str, str]] = []
+    for part, name, api in parts:
+        if await _absent(nc, api):
+            missing.append((part, name))
+    if not any(part == "input_stream" for part, _ in missing):
+        gone = [n for n in range(config.partitions)
+                if await _absent(nc, f"CONSUMER.INFO.{config.stream}.{config.consumer(n)}")]
+        if gone:
+            missing.append(("consumer", f"{len(gone)} consumer(s) of {config.stream}"))
+    return missing
+
+
+async def _absent(nc: Client, api: str) -> bool:
+    """Whether the server says the stream or consumer of `api` does not exist (404);
+    an error naming anything else raises (LifecycleError)."""
+    reply = await nc.request(f"$JS.API.{api}", b"", timeout=2.0)
+    data: Any = json.loads(reply.data)
+    error = data.get("error") if isinstance(data, dict) else None
+    if error is None:
+        return False
+    if isinstance(error, dict) and error.get("code") == 404:
+        return True
+    raise LifecycleError(f"JetStream API {api}: {error}")
+
+
+def _yield_between_reads(nc: Client) -> None:
+    """Return to the event loop after every `_PARSE_PIECE` bytes nats-py parses.
+
+    nats-py's read loop parses what the socket holds, read after read, without returning
+    to the loop while data is buffered (up to the transport's 256 KiB per wake-up: a
+    flood of small messages held the loop for hundreds of milliseconds). A read over
+    `_PARSE_PIECE` is now parsed in pieces with a return to the loop between them, and
+    after a full read; a reconnect (which resets the parser) ends the feeding of what
+    the old connection sent."""
+    parser: Any = getattr(nc, "_ps", None)  # nats-py's private parser: skip if it moved
+    parse = getattr(parser, "parse", None)
+    if parse is None:
+        return
+
+    async def parse_in_pieces(data: bytes = b"") -> None:
+        if len(data) <= _PARSE_PIECE:
+            await parse(data)
+        else:
+            for start in range(0, len(data), _PARSE_PIECE):
+                if start:
+                    await asyncio.sleep(0)
+                    if nc.is_reconnecting or nc.is_closed:
+                        return
+                await parse(data[start:start + _PARSE_PIECE])
+        if len(data) >= DEFAULT_BUFFER_SIZE:
+            # A full read: more may be buffered, which the read loop would take without
+            # returning to the loop. A shorter read drained the buffer (the next read
+            # waits), so the turns' small reads cost no extra step.
+            await asyncio.sleep(0)
+
+    parser.parse = parse_in_pieces

@@ -1,0 +1,292 @@
+"""A worker's patience with its server: frozen, not there yet at start-up, without
+JetStream, and a deployment an operator deleted parts of (docs/distributed.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.js import JetStreamContext
+
+import nats
+from turnrouter import LifecycleError
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, Readiness, encode_token
+
+from .conftest import ROOT, NatsServer, Worker, metric_value, nats_server_binary, until_true
+from .crowd import FAILURE, Heard, ask, listen
+
+pytestmark = pytest.mark.anyio
+
+CONFIG = NatsConfig()
+
+
+def start_worker(url: str, *extra: str) -> subprocess.Popen[str]:
+    """A `turnrouter worker` process whose start-up the test follows line by line."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    return subprocess.Popen(
+        [sys.executable, "-u", "-m", "turnrouter", "worker", "--nats", url, "--app",
+         "tests.nats.app:make_router", "--replica", "patient", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+async def line_with(stream: object, needle: str, within: float = 20.0) -> str:
+    """The first line of `stream` holding `needle` (bounded; '' at the end of it)."""
+    async with asyncio.timeout(within):
+        while True:
+            line: str = await asyncio.to_thread(stream.readline)  # type: ignore[attr-defined]
+            if not line or needle in line:
+                return line
+
+
+def without_jetstream(binary: str, port: int) -> subprocess.Popen[bytes]:
+    """A nats-server on `port` without JetStream (no stream can be made on it)."""
+    return subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=10)
+
+
+async def file_state(path: Path, present: bool, within: float = 15.0) -> None:
+    await until_true(lambda: path.exists() == present,
+                     f"{path.name} {'written' if present else 'removed'}", within=within)
+
+
+# ---------------------------------------------------------------- start-up
+
+
+async def test_a_worker_started_before_its_server_waits_for_it() -> None:
+    """No server yet, then one without JetStream, then the real one: the worker logs
+    numbered connect attempts, then numbered set-up attempts, and serves once the server
+    with JetStream is there (within `--reconnect-for`), instead of exiting."""
+    server = NatsServer()
+    server.crash()  # its port and store, no process: "the server is restarting"
+    binary = nats_server_binary()
+    assert binary is not None
+    worker = start_worker(server.url, "--reconnect-for", "60")
+    bare: subprocess.Popen[bytes] | None = None
+    try:
+        assert "connect attempt 1 failed" in await line_with(worker.stderr, "attempt")
+        bare = without_jetstream(binary, server.port)
+        assert "set-up attempt 1 failed" in await line_with(worker.stderr, "set-up attempt")
+        bare.terminate()
+        bare.wait(10)
+        await asyncio.to_thread(server.restart)
+        assert await line_with(worker.stdout, "worker patient ready", within=30)
+        assert worker.poll() is None
+    finally:
+        if bare is not None and bare.poll() is None:
+            bare.kill()
+            bare.wait(10)
+        stop(worker)
+        server.close()
+
+
+async def test_sigterm_while_waiting_for_the_server_ends_the_worker() -> None:
+    """SIGTERM while the first connection is being retried ends the worker at once,
+    exit 0, one line saying it stopped before it was ready."""
+    server = NatsServer()
+    server.crash()
+    worker = start_worker(server.url, "--reconnect-for", "60")
+    try:
+        assert "connect attempt" in await line_with(worker.stderr, "attempt")
+        worker.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(worker.wait, 15)
+        assert code == 0
+        assert worker.stderr is not None
+        rest = worker.stderr.read().splitlines()
+        assert rest[-1] == "turnrouter worker: stopped before it was ready"
+        assert not any("Traceback" in line for line in rest)
+    finally:
+        stop(worker)
+        server.close()
+
+
+# ---------------------------------------------------------------- a frozen server
+
+
+async def test_a_frozen_server_past_the_bound_ends_the_worker(
+        nats_server: NatsServer) -> None:
+    """A server stopped with SIGSTOP (its connections open, nothing answered) is
+    noticed by the worker's pings: one line per reconnect attempt, then exit 1 saying
+    why once `--reconnect-for` has passed."""
+    worker = Worker(nats_server.url, "frozen", "--reconnect-for", "0.5")
+    try:
+        nats_server.proc.send_signal(signal.SIGSTOP)
+        code = await asyncio.to_thread(worker.proc.wait, 30)
+        err = worker.stderr()
+        assert code == 1, err
+        attempts = [line for line in err.splitlines() if "reconnect attempt" in line]
+        assert attempts and "attempt 1 failed" in attempts[0]
+        assert "stayed unreachable" in err.splitlines()[-1]
+        assert "Traceback" not in err
+    finally:
+        nats_server.proc.send_signal(signal.SIGCONT)
+        worker.close()
+
+
+async def test_the_ready_file_is_there_only_while_the_worker_serves(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    """`--ready-file` goes away while the server is frozen and comes back when it
+    resumes (within the bound, so the worker rides it out)."""
+    ready = tmp_path / "worker.ready"
+    worker = Worker(nats_server.url, "probe", "--reconnect-for", "4",
+                    "--ready-file", str(ready))
+    try:
+        await file_state(ready, True)
+        nats_server.proc.send_signal(signal.SIGSTOP)
+        await file_state(ready, False)
+        nats_server.proc.send_signal(signal.SIGCONT)
+        await file_state(ready, True)
+        assert worker.proc.poll() is None
+    finally:
+        nats_server.proc.send_signal(signal.SIGCONT)
+        worker.close()
+
+
+# ---------------------------------------------------------------- a deployment deleted
+
+
+@pytest.fixture
+async def front(nats_server: NatsServer) -> AsyncIterator[tuple[NatsFrontEnd, Heard]]:
+    fe = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    heard = Heard()
+    subscribed = asyncio.Event()
+    task = asyncio.create_task(listen(fe, heard, subscribed))
+    await subscribed.wait()
+    try:
+        yield fe, heard
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await fe.close()
+
+
+async def published(front: NatsFrontEnd, heard: Heard, pid: str, text: str) -> str:
+    """`ask`, once the input stream takes publishes again (bounded: 15 s)."""
+    async with asyncio.timeout(15):
+        while True:
+            try:
+                return await ask(front, heard, pid, text)
+            except LifecycleError:  # no input stream (yet): the worker recreates it
+                await asyncio.sleep(0.1)
+
+
+DELETIONS: dict[str, Callable[[JetStreamContext], Awaitable[Any]]] = {
+    "input_stream": lambda js: js.delete_stream(CONFIG.stream),
+    "output_stream": lambda js: js.delete_stream(CONFIG.output_stream),
+    "bucket": lambda js: js.delete_key_value(CONFIG.bucket),
+}
+
+
+@pytest.mark.parametrize("part", sorted(DELETIONS))
+async def test_a_deleted_part_of_the_deployment_is_recreated(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard], part: str) -> None:
+    """An operator deletes the input stream, the output stream or the state bucket
+    under a running worker: it says what is missing, recreates it, counts it, and
+    answers again; no log line per failed pull."""
+    fe, heard = front
+    worker = Worker(nats_server.url, "keeper")
+    try:
+        assert (await ask(fe, heard, "ann", "one")).startswith("one|")
+        nc = await nats.connect(nats_server.url)
+        try:
+            await DELETIONS[part](nc.jetstream())
+        finally:
+            await nc.close()
+        # A turn caught by the outage ends once: answered, or with the failure text
+        # (its record could not be written); the next one is answered.
+        answer = await published(fe, heard, "bob", "two")
+        assert answer.startswith("two|") or answer == FAILURE
+        assert (await ask(fe, heard, "bob", "three")).startswith("three|")
+        name = "turnrouter_nats_deployment_missing_total"
+        await until_true(lambda: metric_value(worker.metrics(), name, f'part="{part}"') == 1,
+                         f"{part} counted missing once")
+        assert metric_value(worker.metrics(), "turnrouter_nats_serving") == 1
+        worker.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.proc.wait, 30) == 0
+        err = worker.stderr()
+        assert "missing from the NATS deployment" in err
+        assert len([line for line in err.splitlines() if "status 503" in line]) <= 2, err
+        assert "Traceback" not in err
+    finally:
+        worker.close()
+
+
+async def test_a_deployment_that_cannot_be_recreated_ends_the_worker(
+        nats_server: NatsServer) -> None:
+    """The input stream deleted and its subjects taken by another stream: recreating it
+    fails, one line per attempt, and the worker exits 1 naming what is missing once
+    `--reconnect-for` has passed."""
+    worker = Worker(nats_server.url, "blocked", "--reconnect-for", "1")
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        await js.delete_stream(CONFIG.stream)
+        await js.add_stream(name="SQUATTER", subjects=[f"{CONFIG.prefix}.in.*.*"])
+        code = await asyncio.to_thread(worker.proc.wait, 30)
+        err = worker.stderr()
+        assert code == 1, err
+        last = err.splitlines()[-1]
+        assert last.startswith("turnrouter worker: the NATS deployment stayed broken")
+        assert f"stream {CONFIG.stream}" in last
+        assert "deployment check 1 failed" in err
+        assert "Traceback" not in err
+    finally:
+        await nc.close()
+        worker.close()
+
+
+# ---------------------------------------------------------------- junk inputs
+
+
+async def test_junk_inputs_are_logged_rarely(nats_server: NatsServer) -> None:
+    """25 malformed inputs of a permitted publisher: all counted, logged the 1st and
+    10th time only (a publisher cannot grow the worker's log one line per message)."""
+    worker = Worker(nats_server.url, "sturdy")
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        subject = f"{CONFIG.prefix}.in.{encode_token('ann')}.query"
+        for i in range(25):
+            await js.publish(subject, b"{not json %d" % i)
+        name = "turnrouter_runtime_rejected_messages_total"
+        await until_true(lambda: metric_value(worker.metrics(), name,
+                                              'reason="invalid"') >= 25,
+                         "25 junk inputs counted")
+        worker.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.proc.wait, 30) == 0
+        logged = [line for line in worker.stderr().splitlines() if "rejected input" in line]
+        assert len(logged) == 2, logged
+        assert "1 so far" in logged[0] and "10 so far" in logged[1]
+    finally:
+        await nc.close()
+        worker.close()
+
+
+def test_readiness_tells_its_listeners_each_change() -> None:
+    """`Readiness` serves once no problem is left; listeners hear each change once."""
+    seen: list[bool] = []
+    readiness = Readiness()
+    readiness.on_change(seen.append)
+    assert not readiness.serving and readiness.why_not == "starting"
+    readiness.update("start", None)
+    assert readiness.serving and readiness.why_not == "" and seen == [True]
+    readiness.update("connection", "disconnected from NATS")
+    readiness.update("deployment", "missing: stream X")
+    assert seen == [True, False]
+    assert readiness.why_not == "disconnected from NATS; missing: stream X"
+    readiness.update("connection", None)
+    assert not readiness.serving and seen == [True, False]
+    readiness.update("deployment", None)
+    assert readiness.serving and seen == [True, False, True]
