@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -53,6 +54,10 @@ _NONE: frozenset[str] = frozenset()
 _READ_OFF_LOOP_BYTES = 64 * 1024
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
+#: A takeover reads a partition's records for at most this long (`Ledger.scan`), this
+#: many at a time.
+_SCAN_SECS = 10.0
+_SCAN_BATCH = 64
 
 
 @dataclass
@@ -240,30 +245,75 @@ class Ledger:
 
     async def scan(self, n: int) -> None:
         """Claim every participant of partition `n` whose record holds unfinished turns,
-        so their endings are published now (a takeover)."""
-        watcher = await self._kv.watch(f"{n}.*", ignore_deletes=True)
-        entries = []
+        so their endings are published now (a takeover). Its keys are listed by the
+        bucket's stream (`_keys`), then each record is read: nats-py's KV watch could
+        signal the end of its initial values before delivering them (while records of
+        the partition were written), which left a dead owner's turns unended until
+        their participant talked again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _SCAN_SECS
+        read = 0
         try:
-            async with asyncio.timeout(10.0):  # bounded: the initial values, then None
-                async for entry in watcher:
-                    if entry is None:
-                        break
-                    entries.append(entry)
+            async with asyncio.timeout_at(deadline):
+                keys = await self._keys(n)
+            for start in range(0, len(keys), _SCAN_BATCH):
+                batch = keys[start:start + _SCAN_BATCH]
+                async with asyncio.timeout_at(deadline):
+                    values = await asyncio.gather(*(self._value(key) for key in batch))
+                read += len(batch)
+                for key, value in zip(batch, values, strict=True):
+                    if value is not None:
+                        await self._claim_unfinished(key, value, n)
         except TimeoutError:
-            logger.warning("turnrouter: partition %d: read %d records in 10 s; the rest "
+            logger.warning("turnrouter: partition %d: read %d records in %g s; the rest "
                            "end their unfinished turns when their participant talks",
-                           n, len(entries))
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-        for entry in entries:
-            try:
-                inflight, _, outbox = parse_state(entry.value or b"{}")
-                pid = decode_token(entry.key.split(".", 1)[1])
-            except (ValueError, IndexError):
-                continue
-            if inflight or outbox:
-                await self.claim(pid, n)
+                           n, read, _SCAN_SECS)
+        except (LifecycleError, RequestFailed, NatsError, ValueError) as exc:
+            logger.warning("turnrouter: partition %d: its records could not be listed "
+                           "(%r); their unfinished turns end when their participant "
+                           "talks", n, exc)
+
+    async def _keys(self, n: int) -> list[str]:
+        """Every key of partition `n` the bucket holds now: the subjects of its stream
+        (`$JS.API.STREAM.INFO` with a subject filter, paged), which a write before the
+        request is in, whatever is written meanwhile."""
+        subjects = f"{self._subject}{n}."
+        keys: list[str] = []
+        offset = 0
+        while True:
+            reply = json.loads(await self._link.request(
+                f"$JS.API.STREAM.INFO.KV_{self._config.bucket}",
+                json.dumps({"subjects_filter": f"{subjects}*", "offset": offset}).encode()))
+            if not isinstance(reply, dict) or "error" in reply:
+                raise ValueError(f"stream info refused: {str(reply)[:200]}")
+            state = reply.get("state")
+            page = state.get("subjects") if isinstance(state, dict) else None
+            if not isinstance(page, dict) or not page:
+                return keys
+            keys.extend(subject[len(self._subject):] for subject in page
+                        if isinstance(subject, str) and subject.startswith(subjects))
+            offset += len(page)
+            total = reply.get("total")
+            if not isinstance(total, int) or offset >= total:
+                return keys
+
+    async def _value(self, key: str) -> bytes | None:
+        """The record under `key` (None: deleted, or unreadable now)."""
+        try:
+            entry = await self._kv.get(key)
+        except NatsError:  # KeyNotFoundError (deleted) is one
+            return None
+        return bytes(entry.value or b"")
+
+    async def _claim_unfinished(self, key: str, value: bytes, n: int) -> None:
+        """Claim the participant of `key` if its record holds unfinished turns."""
+        try:
+            inflight, _, outbox = parse_state(value or b"{}")
+            pid = decode_token(key.split(".", 1)[1])
+        except (ValueError, IndexError):
+            return
+        if inflight or outbox:
+            await self.claim(pid, n)
 
     async def claim(self, pid: str, n: int) -> Participant | None:
         """This replica's state of `pid`, claiming the record on first contact and
