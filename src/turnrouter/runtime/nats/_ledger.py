@@ -58,6 +58,9 @@ _WRONG_LAST = (10071, 10164)
 #: many at a time.
 _SCAN_SECS = 10.0
 _SCAN_BATCH = 64
+#: How far ahead of this replica's clock a record's ending may be stamped (another
+#: host's clock may run ahead); a later stamp is dropped (`Ledger._sound`).
+MAX_CLOCK_SKEW_SECS = 10.0
 
 
 @dataclass
@@ -199,15 +202,16 @@ class Ledger:
             return True  # claimed since (the claim ended them), or nothing left
         if pid in self.people or pid in self._claiming:
             return True
+        outbox = self._sound(record.outbox)
         if not record.inflight:
             # Nothing to end, only endings maybe unheard: published again as they are
             # recorded (no write; the stream drops the duplicates).
-            for ending in self._unfinished([], record.outbox):
+            for ending in self._unfinished([], outbox):
                 await self._publish_ending(pid, Participant(partition=n, fenced=True),
                                            ending)
             return True
-        unfinished = self._unfinished(record.inflight, record.outbox)
-        ended = dict.fromkeys([*record.ended, *(e[0] for e in record.outbox),
+        unfinished = self._unfinished(record.inflight, outbox)
+        ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
                                *record.inflight])
         value = state_json(self._replica, [], record.snapshot, unfinished, list(ended))
         try:
@@ -386,7 +390,7 @@ class Ledger:
                     await self._quarantine(key, value, "invalid", exc)
                 else:
                     inflight, snapshot = record.inflight, record.snapshot
-                    outbox, ended = record.outbox, record.ended
+                    outbox, ended = self._sound(record.outbox), record.ended
             # The claim keeps what the previous owner left, until it is published.
             claim = state_json(self._replica, inflight, snapshot, outbox, ended)
             try:
@@ -439,6 +443,26 @@ class Ledger:
             self._router().report_rejected("nats_state", reason)
         with contextlib.suppress(Exception):
             await self._kv.put(f"quarantine.{key}", data[:MAX_STATE_BYTES])
+
+    def _sound(self, outbox: list[Ending]) -> list[Ending]:
+        """The endings of a record's outbox that may be said: stamped at most
+        `MAX_CLOCK_SKEW_SECS` ahead of this replica's clock (a later stamp would keep an
+        entry republishable for ever) and on a route of the router or `none` (the
+        failure text's). The others are dropped, counted
+        (`rejected{topic="nats_state", reason="invalid_ending"}`) and logged."""
+        if not outbox:
+            return outbox
+        latest = time.time() + MAX_CLOCK_SKEW_SECS
+        routes = self._router().destinations
+        sound = [e for e in outbox if e[3] <= latest and (e[1] == "none" or e[1] in routes)]
+        if len(sound) < len(outbox):
+            logger.warning("turnrouter: dropped %d ending(s) of a participant's record: "
+                           "stamped in the future or on an unknown route",
+                           len(outbox) - len(sound))
+            for _ in range(len(outbox) - len(sound)):
+                with contextlib.suppress(Exception):
+                    self._router().report_rejected("nats_state", "invalid_ending")
+        return sound
 
     def _unfinished(self, inflight: list[str], outbox: list[Ending]) -> list[Ending]:
         """The endings a claimed record asks for: its outbox's answers (younger than
