@@ -259,7 +259,7 @@ class Ledger:
         read = 0
         try:
             async with asyncio.timeout_at(deadline):
-                keys = await self._keys(n)
+                keys = await self._keys(n, deadline)
             for start in range(0, len(keys), _SCAN_BATCH):
                 batch = keys[start:start + _SCAN_BATCH]
                 async with asyncio.timeout_at(deadline):
@@ -272,15 +272,22 @@ class Ledger:
             logger.warning("turnrouter: partition %d: read %d records in %g s; the rest "
                            "end their unfinished turns when their participant talks",
                            n, read, _SCAN_SECS)
-        except (LifecycleError, RequestFailed, NatsError, ValueError) as exc:
-            logger.warning("turnrouter: partition %d: its records could not be listed "
-                           "(%r); their unfinished turns end when their participant "
-                           "talks", n, exc)
 
-    async def _keys(self, n: int) -> list[str]:
+    async def _keys(self, n: int, deadline: float) -> list[str]:
         """Every key of partition `n` the bucket holds now: the subjects of its stream
         (`$JS.API.STREAM.INFO` with a subject filter, paged), which a write before the
-        request is in, whatever is written meanwhile."""
+        request is in, whatever is written meanwhile. A refused or unanswered request
+        (a server just back, its JetStream not ready yet) is asked again every 0.25 s
+        until `deadline` (the caller's timeout)."""
+        while True:
+            try:
+                return await self._list(n)
+            except (RequestFailed, NatsError, ValueError) as exc:
+                if asyncio.get_running_loop().time() + 0.25 >= deadline:
+                    raise TimeoutError from exc
+                await asyncio.sleep(0.25)
+
+    async def _list(self, n: int) -> list[str]:
         subjects = f"{self._subject}{n}."
         keys: list[str] = []
         offset = 0
@@ -302,12 +309,17 @@ class Ledger:
                 return keys
 
     async def _value(self, key: str) -> bytes | None:
-        """The record under `key` (None: deleted, or unreadable now)."""
-        try:
-            entry = await self._kv.get(key)
-        except NatsError:  # KeyNotFoundError (deleted) is one
-            return None
-        return bytes(entry.value or b"")
+        """The record under `key` (None: deleted); asked again every 0.25 s while the
+        server does not answer (the caller bounds the wait)."""
+        while True:
+            try:
+                entry = await self._kv.get(key)
+            except KeyNotFoundError:  # deleted (or purged) since it was listed
+                return None
+            except NatsError:
+                await asyncio.sleep(0.25)
+            else:
+                return bytes(entry.value or b"")
 
     async def _claim_unfinished(self, key: str, value: bytes, n: int) -> None:
         """Claim the participant of `key` if its record holds unfinished turns."""
