@@ -154,7 +154,8 @@ class Fleet:
         #: the race for the partition gets another chance then), or until they say they
         #: own a partition.
         self._unverified: dict[str, float] = {}
-        self._shed: dict[int, tuple[float, frozenset[str]]] = {}  # partition -> (when, to)
+        #: partition -> (when, to whom, the connection's reconnects then)
+        self._shed: dict[int, tuple[float, frozenset[str], int]] = {}
         self._backoff = SHED_BACKOFF_SECS
         self._busy_since: float | None = None  # since when every partition was busy
         self.predictors: list[TimingPredictor] = []
@@ -234,14 +235,14 @@ class Fleet:
         are who should take it (`taken_back` tells when none did)."""
         now = time.monotonic()
         window = self._verify_window()
-        for old, (when, _) in list(self._shed.items()):
+        for old, (when, _, _) in list(self._shed.items()):
             if now - when > window:  # not taken back: it went to a replica
                 del self._shed[old]
                 self._backoff = SHED_BACKOFF_SECS
         horizon, share = now - 3 * self._config.probe_interval, self.fair_share()
         below = frozenset(name for name, owned in self._live(horizon).items()
                           if owned < share)
-        self._shed[n] = (now, below)
+        self._shed[n] = (now, below, self._reconnects())
         if len(self._shed) > self._config.partitions:  # bounded: one entry per partition
             del self._shed[next(iter(self._shed))]
 
@@ -255,10 +256,12 @@ class Fleet:
         shed = self._shed.pop(n, None)
         if shed is None:
             return
-        when, below = shed
+        when, below, reconnects = shed
         now = time.monotonic()
-        if now - when > self._verify_window():
-            return  # long ago: a peer took it and gave it back, or died
+        if now - when > self._verify_window() or reconnects != self._reconnects():
+            # Long ago: a peer took it and gave it back, or died. Or the server was
+            # lost since: a restarted server pins afresh, whoever asks first.
+            return
         until = self._shed_after = now + self._backoff
         self._backoff = min(2 * self._backoff, SHED_BACKOFF_MAX_SECS)
         for name in below:
@@ -278,6 +281,26 @@ class Fleet:
         """How soon after a handover getting the partition back means nobody took it."""
         return (SHED_VERIFY_FACTOR * self._config.failover_timeout
                 + 3 * self._config.probe_interval)
+
+    async def leave_alone(self, n: int, owned: int) -> bool:
+        """Whether this replica (owning `owned` partitions, not `n`) should not pull
+        partition `n` now: it handed `n` over less than `_hold_off()` ago (the peer below
+        its share is pinned by the next probe: pulling too raced that peer, and a race
+        won here took a real replica for a name that is none, backing balance off for
+        10 s and more), or it is at its share and `n` has a pinned client."""
+        shed = self._shed.get(n)
+        if shed is not None and time.monotonic() - shed[0] < self._hold_off():
+            return True
+        return owned >= self.fair_share() and await self.pinned_elsewhere(n)
+
+    def _reconnects(self) -> int:
+        reconnects = self._nc.stats.get("reconnects", 0)
+        return reconnects if isinstance(reconnects, int) else 0
+
+    def _hold_off(self) -> float:
+        """How long a handed-over partition is left to the peers: a failover timeout
+        and two probe periods (an idle partition gets its pin from a probe)."""
+        return self._config.failover_timeout + 2 * self._config.probe_interval
 
     async def pinned_elsewhere(self, n: int) -> bool:
         """Whether partition `n` has a pinned client (a replica at its share leaves it
