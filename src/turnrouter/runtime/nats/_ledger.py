@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +25,7 @@ from ..._frontend import ParticipantSnapshot
 from ..._router import AgentRouter
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
+from ._records import partition_keys, read_value, sound_endings
 from ._wire import (
     MAX_ENDED,
     MAX_STATE_BYTES,
@@ -58,9 +58,6 @@ _WRONG_LAST = (10071, 10164)
 #: many at a time.
 _SCAN_SECS = 10.0
 _SCAN_BATCH = 64
-#: How far ahead of this replica's clock a record's ending may be stamped (another
-#: host's clock may run ahead); a later stamp is dropped (`Ledger._sound`).
-MAX_CLOCK_SKEW_SECS = 10.0
 
 
 @dataclass
@@ -250,7 +247,7 @@ class Ledger:
     async def scan(self, n: int) -> None:
         """Claim every participant of partition `n` whose record holds unfinished turns,
         so their endings are published now (a takeover). Its keys are listed by the
-        bucket's stream (`_keys`), then each record is read: nats-py's KV watch could
+        bucket's stream (`partition_keys`), then each record is read: nats-py's KV watch could
         signal the end of its initial values before delivering them (while records of
         the partition were written), which left a dead owner's turns unended until
         their participant talked again."""
@@ -259,11 +256,12 @@ class Ledger:
         read = 0
         try:
             async with asyncio.timeout_at(deadline):
-                keys = await self._keys(n, deadline)
+                keys = await partition_keys(self._link, self._config.bucket, n, deadline)
             for start in range(0, len(keys), _SCAN_BATCH):
                 batch = keys[start:start + _SCAN_BATCH]
                 async with asyncio.timeout_at(deadline):
-                    values = await asyncio.gather(*(self._value(key) for key in batch))
+                    values = await asyncio.gather(*(read_value(self._kv, key)
+                                                    for key in batch))
                 read += len(batch)
                 for key, value in zip(batch, values, strict=True):
                     if value is not None:
@@ -272,54 +270,6 @@ class Ledger:
             logger.warning("turnrouter: partition %d: read %d records in %g s; the rest "
                            "end their unfinished turns when their participant talks",
                            n, read, _SCAN_SECS)
-
-    async def _keys(self, n: int, deadline: float) -> list[str]:
-        """Every key of partition `n` the bucket holds now: the subjects of its stream
-        (`$JS.API.STREAM.INFO` with a subject filter, paged), which a write before the
-        request is in, whatever is written meanwhile. A refused or unanswered request
-        (a server just back, its JetStream not ready yet) is asked again every 0.25 s
-        until `deadline` (the caller's timeout)."""
-        while True:
-            try:
-                return await self._list(n)
-            except (RequestFailed, NatsError, ValueError) as exc:
-                if asyncio.get_running_loop().time() + 0.25 >= deadline:
-                    raise TimeoutError from exc
-                await asyncio.sleep(0.25)
-
-    async def _list(self, n: int) -> list[str]:
-        subjects = f"{self._subject}{n}."
-        keys: list[str] = []
-        offset = 0
-        while True:
-            reply = json.loads(await self._link.request(
-                f"$JS.API.STREAM.INFO.KV_{self._config.bucket}",
-                json.dumps({"subjects_filter": f"{subjects}*", "offset": offset}).encode()))
-            if not isinstance(reply, dict) or "error" in reply:
-                raise ValueError(f"stream info refused: {str(reply)[:200]}")
-            state = reply.get("state")
-            page = state.get("subjects") if isinstance(state, dict) else None
-            if not isinstance(page, dict) or not page:
-                return keys
-            keys.extend(subject[len(self._subject):] for subject in page
-                        if isinstance(subject, str) and subject.startswith(subjects))
-            offset += len(page)
-            total = reply.get("total")
-            if not isinstance(total, int) or offset >= total:
-                return keys
-
-    async def _value(self, key: str) -> bytes | None:
-        """The record under `key` (None: deleted); asked again every 0.25 s while the
-        server does not answer (the caller bounds the wait)."""
-        while True:
-            try:
-                entry = await self._kv.get(key)
-            except KeyNotFoundError:  # deleted (or purged) since it was listed
-                return None
-            except NatsError:
-                await asyncio.sleep(0.25)
-            else:
-                return bytes(entry.value or b"")
 
     async def _claim_unfinished(self, key: str, value: bytes, n: int) -> None:
         """Claim the participant of `key` if its record holds unfinished turns."""
@@ -457,23 +407,14 @@ class Ledger:
             await self._kv.put(f"quarantine.{key}", data[:MAX_STATE_BYTES])
 
     def _sound(self, outbox: list[Ending]) -> list[Ending]:
-        """The endings of a record's outbox that may be said: stamped at most
-        `MAX_CLOCK_SKEW_SECS` ahead of this replica's clock (a later stamp would keep an
-        entry republishable for ever) and on a route of the router or `none` (the
-        failure text's). The others are dropped, counted
-        (`rejected{topic="nats_state", reason="invalid_ending"}`) and logged."""
+        """The endings of a record's outbox that may be said (`sound_endings`); the
+        others are dropped, counted (`nats_state`, `invalid_ending`) and logged."""
         if not outbox:
             return outbox
-        latest = time.time() + MAX_CLOCK_SKEW_SECS
-        routes = self._router().destinations
-        sound = [e for e in outbox if e[3] <= latest and (e[1] == "none" or e[1] in routes)]
-        if len(sound) < len(outbox):
-            logger.warning("turnrouter: dropped %d ending(s) of a participant's record: "
-                           "stamped in the future or on an unknown route",
-                           len(outbox) - len(sound))
-            for _ in range(len(outbox) - len(sound)):
-                with contextlib.suppress(Exception):
-                    self._router().report_rejected("nats_state", "invalid_ending")
+        sound = sound_endings(outbox, self._router().destinations)
+        for _ in range(len(outbox) - len(sound)):
+            with contextlib.suppress(Exception):
+                self._router().report_rejected("nats_state", "invalid_ending")
         return sound
 
     def _unfinished(self, inflight: list[str], outbox: list[Ending]) -> list[Ending]:
