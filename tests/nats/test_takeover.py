@@ -5,21 +5,51 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 
 import pytest
+from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
 import nats
-from turnrouter.runtime import ResponseOutput
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token, state_json
+from turnrouter.runtime import ResponseOutput, UserQuery
+from turnrouter.runtime.nats import (
+    NatsConfig,
+    NatsFrontEnd,
+    encode_token,
+    parse_record,
+    state_json,
+)
 
-from .conftest import NatsServer, Worker, settled
+from .app import PREAMBLE
+from .conftest import NatsServer, Worker, metric_value, settled, until_true
 from .crowd import FAILURE
 
 pytestmark = pytest.mark.anyio
 
 #: Participants per partition whose record a dead replica left with a turn in flight.
 LEFT = 4
+
+
+async def rewrite(nc: Client, config: NatsConfig, writing: asyncio.Event) -> None:
+    """Rewrite a record of every partition (nothing unfinished in it), 16 times per
+    partition and round, until cancelled; `writing` is set once a round was stored.
+    While the server is away, a round is tried again 0.1 s later."""
+    keys = [f"$KV.{config.bucket}.{n}.{encode_token(f'busy-{n}')}"
+            for n in range(config.partitions)]
+    count = 0
+    while True:
+        try:
+            for _ in range(16):
+                count += 1
+                value = state_json("gone", [], None, [], [f"t-{count}"])
+                for key in keys:
+                    await nc.publish(key, value)
+            await settled(nc)  # stored: one round at a time, no backlog
+        except (nats.errors.Error, TimeoutError):
+            await asyncio.sleep(0.1)  # the server is away: nats-py reconnects
+        else:
+            writing.set()
 
 
 async def test_a_takeover_ends_every_turn_left_in_flight_while_records_change(
@@ -40,23 +70,7 @@ async def test_a_takeover_ends_every_turn_left_in_flight_while_records_change(
     for pid, n in left.items():
         await kv.put(f"{n}.{encode_token(pid)}", state_json("gone", ["t-1"], None))
     writing = asyncio.Event()
-
-    async def rewrite() -> None:
-        """Rewrite a record of every partition (nothing unfinished in it), 16 times per
-        partition and round, until cancelled."""
-        keys = [f"$KV.{config.bucket}.{n}.{encode_token(f'busy-{n}')}"
-                for n in range(config.partitions)]
-        count = 0
-        while True:
-            for _ in range(16):
-                count += 1
-                value = state_json("gone", [], None, [], [f"t-{count}"])
-                for key in keys:
-                    await nc.publish(key, value)
-            await settled(nc)  # stored: one round at a time, no backlog
-            writing.set()
-
-    writers = [asyncio.create_task(rewrite())]
+    writers = [asyncio.create_task(rewrite(nc, config, writing))]
     worker: Worker | None = None
     finals: dict[str, list[ResponseOutput]] = {}
     try:
@@ -89,3 +103,69 @@ async def test_a_takeover_ends_every_turn_left_in_flight_while_records_change(
     assert {pid: [(o.request_id, o.route, o.text) for o in outs]
             for pid, outs in finals.items()} == {
         pid: [("t-1", "none", FAILURE)] for pid in left}
+
+
+async def test_the_survivor_of_an_owner_and_server_crash_ends_its_turns() -> None:
+    """kill -9 of the replica running 16 long turns (each marked in flight) and of
+    nats-server together, the server back at once: the surviving replica takes the
+    partitions over and ends every one of those turns with the failure text, with no
+    participant talking again, while another record of each partition is rewritten
+    (the red team's runs left 2-5 turns in flight for good)."""
+    server = NatsServer(sync_always=True)
+    config = NatsConfig(url=server.url)
+    workers = [await asyncio.to_thread(Worker, server.url, "doomed")]
+    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    front = await NatsFrontEnd.connect(config)
+    pids = [f"long-{i}" for i in range(16)]
+    finals: dict[str, list[ResponseOutput]] = {}
+    started: set[str] = set()
+    writing = asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def listen(subscribed: asyncio.Event) -> None:
+        async for out in front.outputs(subscribed=subscribed):
+            if out.final:
+                finals.setdefault(out.participant_id, []).append(out)
+            elif out.text == PREAMBLE:
+                started.add(out.participant_id)
+
+    try:
+        subscribed = asyncio.Event()
+        tasks.append(asyncio.create_task(listen(subscribed)))
+        await subscribed.wait()
+        for pid in pids:
+            await front.publish(UserQuery(participant_id=pid, text="slow story",
+                                          message_id="t-1"))
+        await until_true(lambda: started >= set(pids), "every long turn started")
+        await until_true(lambda: metric_value(
+            workers[0].metrics(), "turnrouter_nats_inflight_marks_total") >= len(pids),
+            "every long turn marked in flight")
+        kv = await nc.jetstream().key_value(config.bucket)
+        for _ in range(300):  # the marks are written (bounded poll: at most 15 s)
+            records = [parse_record((await kv.get(key)).value or b"")
+                       for key in await kv.keys()]
+            if sum(r.inflight == ["t-1"] for r in records) == len(pids):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the long turns were never all marked in flight")
+        workers.append(await asyncio.to_thread(Worker, server.url, "heir"))
+        tasks.append(asyncio.create_task(rewrite(nc, config, writing)))
+        async with asyncio.timeout(15):
+            await writing.wait()
+        workers[0].signal(signal.SIGKILL)
+        await asyncio.to_thread(server.crash)
+        await asyncio.to_thread(server.restart)
+        await until_true(lambda: set(finals) >= set(pids),
+                         "every long turn ended after the restart", within=30)
+        assert {pid: [(o.request_id, o.route, o.text) for o in finals[pid]]
+                for pid in pids} == {pid: [("t-1", "none", FAILURE)] for pid in pids}
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await front.close()
+        await nc.close()
+        for worker in workers:
+            worker.close()
+        server.close()
