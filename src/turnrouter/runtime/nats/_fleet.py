@@ -158,6 +158,8 @@ class Fleet:
         self._shed: dict[int, tuple[float, frozenset[str], int]] = {}
         self._backoff = SHED_BACKOFF_SECS
         self._busy_since: float | None = None  # since when every partition was busy
+        self._seen_reconnects = 0  # the connection's reconnects balance has seen
+        self._probe_all_until = 0.0  # probe owned partitions too until then
         self.predictors: list[TimingPredictor] = []
         self._samples: list[str] = []
         self._sample_bytes = 0
@@ -214,6 +216,7 @@ class Fleet:
         the partition's turns, and its next input (a barge-in, say) as long: a `busy`
         partition (a turn running) goes only once none was idle for
         `SHED_PATIENCE_SECS` (and then waits at most `pull_expires` for its turns)."""
+        self._after_reconnect()
         now = time.monotonic()
         if not busy:
             self._busy_since = None  # an idle partition: no busy one needs to go
@@ -293,6 +296,21 @@ class Fleet:
             return True
         return owned >= self.fair_share() and await self.pinned_elsewhere(n)
 
+    def _after_reconnect(self) -> None:
+        """Once the connection came back (a server restart pins afresh, so the pins
+        this replica holds may be stale, and a peer may hold the same partitions in its
+        own view): probe every partition, owned ones too, for three probe periods, so
+        each gets its one pinned client again (the others are told `423`), and hand
+        nothing over until then."""
+        reconnects = self._reconnects()
+        if reconnects == self._seen_reconnects:
+            return
+        self._seen_reconnects = reconnects
+        now = time.monotonic()
+        self._probe_all_until = now + 3 * self._config.probe_interval
+        self._shed_after = max(self._shed_after, now + 2 * self._config.failover_timeout
+                               + 3 * self._config.probe_interval)
+
     def _reconnects(self) -> int:
         reconnects = self._nc.stats.get("reconnects", 0)
         return reconnects if isinstance(reconnects, int) else 0
@@ -337,12 +355,14 @@ class Fleet:
             self._peers[replica] = (time.monotonic(), owned)
 
     async def _probe_loop(self) -> None:
-        """Probe the partitions not owned here, so a dead owner's partitions get a new
-        pinned client (and their unfinished turns their ending) even when idle."""
+        """Probe the partitions not owned here (all of them just after a reconnect), so a
+        dead owner's partitions get a new pinned client (and their unfinished turns
+        their ending) even when idle."""
         js = self._nc.jetstream()
         while True:
             await asyncio.sleep(self._config.probe_interval)
-            owned = self._owned()
+            self._after_reconnect()
+            owned = () if time.monotonic() < self._probe_all_until else self._owned()
             for n in range(self._config.partitions):
                 if n in owned:
                     continue
