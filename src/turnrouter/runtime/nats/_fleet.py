@@ -168,12 +168,7 @@ class Fleet:
         self._closed = False
         #: The routes fleet samples may name (the router's destinations).
         self.routes: Callable[[], Mapping[str, Any] | Container[str]] = dict
-        self._window_start = time.monotonic()
-        self._shares: dict[str, dict[str, int]] = {}
-        self._parsed: dict[str, int] = {}  # bytes parsed per publisher in the window
-        self._parsed_total = 0  # and from all of them
-        #: Per route, this replica's own recent samples: (monotonic time, seconds).
-        self._own: dict[str, deque[tuple[float, float]]] = {}
+        self._window = _SampleWindow(replica)
         sent = received = dropped = None
         if metrics is not None:
             samples = metrics.timing_samples
@@ -381,12 +376,8 @@ class Fleet:
                 self._dropped.inc()
             return
         now = time.monotonic()
-        self._admit(self._replica, sample.route, now)  # our own share
-        own = self._own.get(sample.route)
-        if own is None and len(self._own) < 4 * MAX_SAMPLE_PUBLISHERS:
-            own = self._own[sample.route] = deque(maxlen=ANCHOR_SAMPLES)
-        if own is not None:
-            own.append((now, sample.seconds))
+        self._window.admit(self._replica, sample.route, now)  # our own share
+        self._window.measured(sample.route, now, sample.seconds)
         line = sample.to_json()
         size = len(line) + 1
         if self._samples and self._sample_bytes + size > self._config.max_message_bytes:
@@ -451,7 +442,7 @@ class Fleet:
         if not self._announced(publisher):
             self._reject("nats_timing", "unknown_publisher")  # before parsing: cheap
             return
-        if not self._budget(publisher, len(msg.data), time.monotonic()):
+        if not self._window.budget(publisher, len(msg.data), time.monotonic()):
             self._reject("nats_timing", "overflow")
             return
         try:
@@ -476,14 +467,14 @@ class Fleet:
                 reason = "out_of_range"
             else:
                 if route not in anchors:
-                    anchors[route] = self._anchor(route, now)
+                    anchors[route] = self._window.anchor(route, now)
                 anchor = anchors[route]
                 seconds = max(sample.seconds, ANCHOR_FLOOR_SECS)
                 if anchor is not None and not (anchor / ANCHOR_FACTOR <= seconds
                                                <= anchor * ANCHOR_FACTOR):
                     reason = "outlier"
                 else:
-                    reason = self._admit(publisher, route, now)
+                    reason = self._window.admit(publisher, route, now)
             if reason:
                 self._reject("nats_timing", reason)
             else:
@@ -494,7 +485,39 @@ class Fleet:
             for predictor in self.predictors:
                 predictor.record(sample)
 
-    def _admit(self, publisher: str, route: str, now: float) -> str:
+    def _announced(self, publisher: str) -> bool:
+        """Whether `publisher` is a replica seen on presence within the liveness
+        horizon and not doubted (as `fair_share` counts them): a name no live replica
+        announces is no publisher, so rotating names buys nothing without presence too."""
+        seen = self._peers.get(publisher)
+        return seen is not None and seen[0] >= (
+            time.monotonic() - 3 * self._config.probe_interval) and not self._doubted(
+                publisher)
+
+
+class _SampleWindow:
+    """What a replica counts of fleet timing samples per `SAMPLE_WINDOW_SECS` window
+    (each publisher's share of each route, the bytes parsed) and its own recent samples
+    per route (the anchor fleet samples are compared with)."""
+
+    def __init__(self, replica: str) -> None:
+        self._replica = replica
+        self._window_start = time.monotonic()
+        self._shares: dict[str, dict[str, int]] = {}
+        self._parsed: dict[str, int] = {}  # bytes parsed per publisher in the window
+        self._parsed_total = 0  # and from all of them
+        #: Per route, this replica's own recent samples: (monotonic time, seconds).
+        self._own: dict[str, deque[tuple[float, float]]] = {}
+
+    def measured(self, route: str, now: float, seconds: float) -> None:
+        """One of this replica's own samples of `route` (bounded routes and samples)."""
+        own = self._own.get(route)
+        if own is None and len(self._own) < 4 * MAX_SAMPLE_PUBLISHERS:
+            own = self._own[route] = deque(maxlen=ANCHOR_SAMPLES)
+        if own is not None:
+            own.append((now, seconds))
+
+    def admit(self, publisher: str, route: str, now: float) -> str:
         """Count one sample of `publisher` for `route` in the current window; the reason
         to refuse it ('' to keep it): past `SAMPLE_FLOOR`, no publisher holds more than
         `SAMPLE_SHARE` of a route's samples in the window."""
@@ -523,7 +546,7 @@ class Fleet:
             self._window_start, self._shares, self._parsed = now, {}, {}
             self._parsed_total = 0
 
-    def _budget(self, publisher: str, size: int, now: float) -> bool:
+    def budget(self, publisher: str, size: int, now: float) -> bool:
         """Whether a message of `size` bytes from `publisher` may be parsed in this
         window (`SAMPLE_BYTES_PER_PUBLISHER`, `SAMPLE_BYTES_PER_WINDOW`); counted if so."""
         self._roll(now)
@@ -537,16 +560,7 @@ class Fleet:
         self._parsed_total += size
         return True
 
-    def _announced(self, publisher: str) -> bool:
-        """Whether `publisher` is a replica seen on presence within the liveness
-        horizon and not doubted (as `fair_share` counts them): a name no live replica
-        announces is no publisher, so rotating names buys nothing without presence too."""
-        seen = self._peers.get(publisher)
-        return seen is not None and seen[0] >= (
-            time.monotonic() - 3 * self._config.probe_interval) and not self._doubted(
-                publisher)
-
-    def _anchor(self, route: str, now: float) -> float | None:
+    def anchor(self, route: str, now: float) -> float | None:
         """The median of this replica's own recent samples of `route`, at least
         `ANCHOR_FLOOR_SECS` (None: fewer than `ANCHOR_MIN` younger than `ANCHOR_SECS`)."""
         own = self._own.get(route)
