@@ -101,6 +101,39 @@ def test_a_turn_its_record_says_ended_never_runs_again(wire: Wire, how: str) -> 
     wire.call(main())
 
 
+def test_endings_stamped_ahead_of_the_clock_or_on_unknown_routes_are_dropped(
+        wire: Wire) -> None:
+    """A record's outbox entry stamped far ahead of the clock (it would stay
+    republishable for ever) or naming a route the router does not have is dropped on
+    claim, counted (`nats_state`, `invalid_ending`) and never published; a sound entry
+    is published, and the turn the unknown route's entry claimed to answer, still in
+    flight, ends with the failure text. The next turn runs on the record's history."""
+    pid = fresh("f")
+    future, unknown, sound, nxt = (f"{pid}-{what}" for what in ("zz", "q9", "ok", "n"))
+    now = time.time()
+    record = state_json("gone", [unknown], snapshot_with(pid, ("before", "b|-|N", "b")), [
+        (future, "echo", "STALE ANSWER FROM THE FUTURE", now + 1e7),
+        (unknown, "no_such_route", "ANSWER ON AN UNKNOWN ROUTE", now),
+        (sound, "echo", "a sound answer", now)])
+
+    async def main() -> None:
+        before = wire.watch.rejected.count("invalid_ending")
+        await wire.kv.put(f"0.{encode_token(pid)}", record)
+        assert await wire.ask(UserQuery(participant_id=pid, text="next",
+                                        message_id=nxt)) == "next|before|F"
+        assert wire.watch.rejected.count("invalid_ending") - before == 2
+        assert wire.texts(future) == []
+        assert wire.texts(unknown) == [FAILURE]
+        assert wire.texts(sound) == ["a sound answer"]
+        saved = parse_record(await wire.record(pid))
+        assert {e[0] for e in saved.outbox} <= {unknown, sound, nxt}
+        assert future not in saved.ended
+        with pytest.raises(KeyNotFoundError):  # only the entries go, not the record
+            await wire.kv.get(f"quarantine.0.{encode_token(pid)}")
+
+    wire.call(main())
+
+
 def test_two_participants_may_reuse_a_turn_id(wire: Wire) -> None:
     """Two participants both sending `turn-1` are both answered, each once, under output
     ids scoped to the participant; a participant's own retry still runs once."""

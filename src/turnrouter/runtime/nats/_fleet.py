@@ -154,9 +154,12 @@ class Fleet:
         #: the race for the partition gets another chance then), or until they say they
         #: own a partition.
         self._unverified: dict[str, float] = {}
-        self._shed: dict[int, tuple[float, frozenset[str]]] = {}  # partition -> (when, to)
+        #: partition -> (when, to whom, the connection's reconnects then)
+        self._shed: dict[int, tuple[float, frozenset[str], int]] = {}
         self._backoff = SHED_BACKOFF_SECS
         self._busy_since: float | None = None  # since when every partition was busy
+        self._seen_reconnects = 0  # the connection's reconnects balance has seen
+        self._probe_all_until = 0.0  # probe owned partitions too until then
         self.predictors: list[TimingPredictor] = []
         self._samples: list[str] = []
         self._sample_bytes = 0
@@ -165,12 +168,7 @@ class Fleet:
         self._closed = False
         #: The routes fleet samples may name (the router's destinations).
         self.routes: Callable[[], Mapping[str, Any] | Container[str]] = dict
-        self._window_start = time.monotonic()
-        self._shares: dict[str, dict[str, int]] = {}
-        self._parsed: dict[str, int] = {}  # bytes parsed per publisher in the window
-        self._parsed_total = 0  # and from all of them
-        #: Per route, this replica's own recent samples: (monotonic time, seconds).
-        self._own: dict[str, deque[tuple[float, float]]] = {}
+        self._window = _SampleWindow(replica)
         sent = received = dropped = None
         if metrics is not None:
             samples = metrics.timing_samples
@@ -213,6 +211,7 @@ class Fleet:
         the partition's turns, and its next input (a barge-in, say) as long: a `busy`
         partition (a turn running) goes only once none was idle for
         `SHED_PATIENCE_SECS` (and then waits at most `pull_expires` for its turns)."""
+        self._after_reconnect()
         now = time.monotonic()
         if not busy:
             self._busy_since = None  # an idle partition: no busy one needs to go
@@ -234,14 +233,14 @@ class Fleet:
         are who should take it (`taken_back` tells when none did)."""
         now = time.monotonic()
         window = self._verify_window()
-        for old, (when, _) in list(self._shed.items()):
+        for old, (when, _, _) in list(self._shed.items()):
             if now - when > window:  # not taken back: it went to a replica
                 del self._shed[old]
                 self._backoff = SHED_BACKOFF_SECS
         horizon, share = now - 3 * self._config.probe_interval, self.fair_share()
         below = frozenset(name for name, owned in self._live(horizon).items()
                           if owned < share)
-        self._shed[n] = (now, below)
+        self._shed[n] = (now, below, self._reconnects())
         if len(self._shed) > self._config.partitions:  # bounded: one entry per partition
             del self._shed[next(iter(self._shed))]
 
@@ -255,10 +254,12 @@ class Fleet:
         shed = self._shed.pop(n, None)
         if shed is None:
             return
-        when, below = shed
+        when, below, reconnects = shed
         now = time.monotonic()
-        if now - when > self._verify_window():
-            return  # long ago: a peer took it and gave it back, or died
+        if now - when > self._verify_window() or reconnects != self._reconnects():
+            # Long ago: a peer took it and gave it back, or died. Or the server was
+            # lost since: a restarted server pins afresh, whoever asks first.
+            return
         until = self._shed_after = now + self._backoff
         self._backoff = min(2 * self._backoff, SHED_BACKOFF_MAX_SECS)
         for name in below:
@@ -278,6 +279,41 @@ class Fleet:
         """How soon after a handover getting the partition back means nobody took it."""
         return (SHED_VERIFY_FACTOR * self._config.failover_timeout
                 + 3 * self._config.probe_interval)
+
+    async def leave_alone(self, n: int, owned: int) -> bool:
+        """Whether this replica (owning `owned` partitions, not `n`) should not pull
+        partition `n` now: it handed `n` over less than `_hold_off()` ago (the peer below
+        its share is pinned by the next probe: pulling too raced that peer, and a race
+        won here took a real replica for a name that is none, backing balance off for
+        10 s and more), or it is at its share and `n` has a pinned client."""
+        shed = self._shed.get(n)
+        if shed is not None and time.monotonic() - shed[0] < self._hold_off():
+            return True
+        return owned >= self.fair_share() and await self.pinned_elsewhere(n)
+
+    def _after_reconnect(self) -> None:
+        """Once the connection came back (a server restart pins afresh, so the pins
+        this replica holds may be stale, and a peer may hold the same partitions in its
+        own view): probe every partition, owned ones too, for three probe periods, so
+        each gets its one pinned client again (the others are told `423`), and hand
+        nothing over until then."""
+        reconnects = self._reconnects()
+        if reconnects == self._seen_reconnects:
+            return
+        self._seen_reconnects = reconnects
+        now = time.monotonic()
+        self._probe_all_until = now + 3 * self._config.probe_interval
+        self._shed_after = max(self._shed_after, now + 2 * self._config.failover_timeout
+                               + 3 * self._config.probe_interval)
+
+    def _reconnects(self) -> int:
+        reconnects = self._nc.stats.get("reconnects", 0)
+        return reconnects if isinstance(reconnects, int) else 0
+
+    def _hold_off(self) -> float:
+        """How long a handed-over partition is left to the peers: a failover timeout
+        and two probe periods (an idle partition gets its pin from a probe)."""
+        return self._config.failover_timeout + 2 * self._config.probe_interval
 
     async def pinned_elsewhere(self, n: int) -> bool:
         """Whether partition `n` has a pinned client (a replica at its share leaves it
@@ -314,12 +350,14 @@ class Fleet:
             self._peers[replica] = (time.monotonic(), owned)
 
     async def _probe_loop(self) -> None:
-        """Probe the partitions not owned here, so a dead owner's partitions get a new
-        pinned client (and their unfinished turns their ending) even when idle."""
+        """Probe the partitions not owned here (all of them just after a reconnect), so a
+        dead owner's partitions get a new pinned client (and their unfinished turns
+        their ending) even when idle."""
         js = self._nc.jetstream()
         while True:
             await asyncio.sleep(self._config.probe_interval)
-            owned = self._owned()
+            self._after_reconnect()
+            owned = () if time.monotonic() < self._probe_all_until else self._owned()
             for n in range(self._config.partitions):
                 if n in owned:
                     continue
@@ -338,12 +376,8 @@ class Fleet:
                 self._dropped.inc()
             return
         now = time.monotonic()
-        self._admit(self._replica, sample.route, now)  # our own share
-        own = self._own.get(sample.route)
-        if own is None and len(self._own) < 4 * MAX_SAMPLE_PUBLISHERS:
-            own = self._own[sample.route] = deque(maxlen=ANCHOR_SAMPLES)
-        if own is not None:
-            own.append((now, sample.seconds))
+        self._window.admit(self._replica, sample.route, now)  # our own share
+        self._window.measured(sample.route, now, sample.seconds)
         line = sample.to_json()
         size = len(line) + 1
         if self._samples and self._sample_bytes + size > self._config.max_message_bytes:
@@ -408,7 +442,7 @@ class Fleet:
         if not self._announced(publisher):
             self._reject("nats_timing", "unknown_publisher")  # before parsing: cheap
             return
-        if not self._budget(publisher, len(msg.data), time.monotonic()):
+        if not self._window.budget(publisher, len(msg.data), time.monotonic()):
             self._reject("nats_timing", "overflow")
             return
         try:
@@ -433,14 +467,14 @@ class Fleet:
                 reason = "out_of_range"
             else:
                 if route not in anchors:
-                    anchors[route] = self._anchor(route, now)
+                    anchors[route] = self._window.anchor(route, now)
                 anchor = anchors[route]
                 seconds = max(sample.seconds, ANCHOR_FLOOR_SECS)
                 if anchor is not None and not (anchor / ANCHOR_FACTOR <= seconds
                                                <= anchor * ANCHOR_FACTOR):
                     reason = "outlier"
                 else:
-                    reason = self._admit(publisher, route, now)
+                    reason = self._window.admit(publisher, route, now)
             if reason:
                 self._reject("nats_timing", reason)
             else:
@@ -451,7 +485,39 @@ class Fleet:
             for predictor in self.predictors:
                 predictor.record(sample)
 
-    def _admit(self, publisher: str, route: str, now: float) -> str:
+    def _announced(self, publisher: str) -> bool:
+        """Whether `publisher` is a replica seen on presence within the liveness
+        horizon and not doubted (as `fair_share` counts them): a name no live replica
+        announces is no publisher, so rotating names buys nothing without presence too."""
+        seen = self._peers.get(publisher)
+        return seen is not None and seen[0] >= (
+            time.monotonic() - 3 * self._config.probe_interval) and not self._doubted(
+                publisher)
+
+
+class _SampleWindow:
+    """What a replica counts of fleet timing samples per `SAMPLE_WINDOW_SECS` window
+    (each publisher's share of each route, the bytes parsed) and its own recent samples
+    per route (the anchor fleet samples are compared with)."""
+
+    def __init__(self, replica: str) -> None:
+        self._replica = replica
+        self._window_start = time.monotonic()
+        self._shares: dict[str, dict[str, int]] = {}
+        self._parsed: dict[str, int] = {}  # bytes parsed per publisher in the window
+        self._parsed_total = 0  # and from all of them
+        #: Per route, this replica's own recent samples: (monotonic time, seconds).
+        self._own: dict[str, deque[tuple[float, float]]] = {}
+
+    def measured(self, route: str, now: float, seconds: float) -> None:
+        """One of this replica's own samples of `route` (bounded routes and samples)."""
+        own = self._own.get(route)
+        if own is None and len(self._own) < 4 * MAX_SAMPLE_PUBLISHERS:
+            own = self._own[route] = deque(maxlen=ANCHOR_SAMPLES)
+        if own is not None:
+            own.append((now, seconds))
+
+    def admit(self, publisher: str, route: str, now: float) -> str:
         """Count one sample of `publisher` for `route` in the current window; the reason
         to refuse it ('' to keep it): past `SAMPLE_FLOOR`, no publisher holds more than
         `SAMPLE_SHARE` of a route's samples in the window."""
@@ -480,7 +546,7 @@ class Fleet:
             self._window_start, self._shares, self._parsed = now, {}, {}
             self._parsed_total = 0
 
-    def _budget(self, publisher: str, size: int, now: float) -> bool:
+    def budget(self, publisher: str, size: int, now: float) -> bool:
         """Whether a message of `size` bytes from `publisher` may be parsed in this
         window (`SAMPLE_BYTES_PER_PUBLISHER`, `SAMPLE_BYTES_PER_WINDOW`); counted if so."""
         self._roll(now)
@@ -494,16 +560,7 @@ class Fleet:
         self._parsed_total += size
         return True
 
-    def _announced(self, publisher: str) -> bool:
-        """Whether `publisher` is a replica seen on presence within the liveness
-        horizon and not doubted (as `fair_share` counts them): a name no live replica
-        announces is no publisher, so rotating names buys nothing without presence too."""
-        seen = self._peers.get(publisher)
-        return seen is not None and seen[0] >= (
-            time.monotonic() - 3 * self._config.probe_interval) and not self._doubted(
-                publisher)
-
-    def _anchor(self, route: str, now: float) -> float | None:
+    def anchor(self, route: str, now: float) -> float | None:
         """The median of this replica's own recent samples of `route`, at least
         `ANCHOR_FLOOR_SECS` (None: fewer than `ANCHOR_MIN` younger than `ANCHOR_SECS`)."""
         own = self._own.get(route)

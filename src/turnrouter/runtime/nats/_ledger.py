@@ -25,6 +25,7 @@ from ..._frontend import ParticipantSnapshot
 from ..._router import AgentRouter
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
+from ._records import partition_keys, read_value, sound_endings
 from ._wire import (
     MAX_ENDED,
     MAX_STATE_BYTES,
@@ -53,6 +54,10 @@ _NONE: frozenset[str] = frozenset()
 _READ_OFF_LOOP_BYTES = 64 * 1024
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
+#: A takeover reads a partition's records for at most this long (`Ledger.scan`), this
+#: many at a time.
+_SCAN_SECS = 10.0
+_SCAN_BATCH = 64
 
 
 @dataclass
@@ -194,15 +199,16 @@ class Ledger:
             return True  # claimed since (the claim ended them), or nothing left
         if pid in self.people or pid in self._claiming:
             return True
+        outbox = self._sound(record.outbox)
         if not record.inflight:
             # Nothing to end, only endings maybe unheard: published again as they are
             # recorded (no write; the stream drops the duplicates).
-            for ending in self._unfinished([], record.outbox):
+            for ending in self._unfinished([], outbox):
                 await self._publish_ending(pid, Participant(partition=n, fenced=True),
                                            ending)
             return True
-        unfinished = self._unfinished(record.inflight, record.outbox)
-        ended = dict.fromkeys([*record.ended, *(e[0] for e in record.outbox),
+        unfinished = self._unfinished(record.inflight, outbox)
+        ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
                                *record.inflight])
         value = state_json(self._replica, [], record.snapshot, unfinished, list(ended))
         try:
@@ -240,30 +246,40 @@ class Ledger:
 
     async def scan(self, n: int) -> None:
         """Claim every participant of partition `n` whose record holds unfinished turns,
-        so their endings are published now (a takeover)."""
-        watcher = await self._kv.watch(f"{n}.*", ignore_deletes=True)
-        entries = []
+        so their endings are published now (a takeover). Its keys are listed by the
+        bucket's stream (`partition_keys`), then each record is read: nats-py's KV watch could
+        signal the end of its initial values before delivering them (while records of
+        the partition were written), which left a dead owner's turns unended until
+        their participant talked again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _SCAN_SECS
+        read = 0
         try:
-            async with asyncio.timeout(10.0):  # bounded: the initial values, then None
-                async for entry in watcher:
-                    if entry is None:
-                        break
-                    entries.append(entry)
+            async with asyncio.timeout_at(deadline):
+                keys = await partition_keys(self._link, self._config.bucket, n, deadline)
+            for start in range(0, len(keys), _SCAN_BATCH):
+                batch = keys[start:start + _SCAN_BATCH]
+                async with asyncio.timeout_at(deadline):
+                    values = await asyncio.gather(*(read_value(self._kv, key)
+                                                    for key in batch))
+                read += len(batch)
+                for key, value in zip(batch, values, strict=True):
+                    if value is not None:
+                        await self._claim_unfinished(key, value, n)
         except TimeoutError:
-            logger.warning("turnrouter: partition %d: read %d records in 10 s; the rest "
+            logger.warning("turnrouter: partition %d: read %d records in %g s; the rest "
                            "end their unfinished turns when their participant talks",
-                           n, len(entries))
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-        for entry in entries:
-            try:
-                inflight, _, outbox = parse_state(entry.value or b"{}")
-                pid = decode_token(entry.key.split(".", 1)[1])
-            except (ValueError, IndexError):
-                continue
-            if inflight or outbox:
-                await self.claim(pid, n)
+                           n, read, _SCAN_SECS)
+
+    async def _claim_unfinished(self, key: str, value: bytes, n: int) -> None:
+        """Claim the participant of `key` if its record holds unfinished turns."""
+        try:
+            inflight, _, outbox = parse_state(value or b"{}")
+            pid = decode_token(key.split(".", 1)[1])
+        except (ValueError, IndexError):
+            return
+        if inflight or outbox:
+            await self.claim(pid, n)
 
     async def claim(self, pid: str, n: int) -> Participant | None:
         """This replica's state of `pid`, claiming the record on first contact and
@@ -336,7 +352,7 @@ class Ledger:
                     await self._quarantine(key, value, "invalid", exc)
                 else:
                     inflight, snapshot = record.inflight, record.snapshot
-                    outbox, ended = record.outbox, record.ended
+                    outbox, ended = self._sound(record.outbox), record.ended
             # The claim keeps what the previous owner left, until it is published.
             claim = state_json(self._replica, inflight, snapshot, outbox, ended)
             try:
@@ -390,6 +406,17 @@ class Ledger:
             self._router().report_rejected("nats_state", reason)
         with contextlib.suppress(Exception):
             await self._kv.put(f"quarantine.{key}", data[:MAX_STATE_BYTES])
+
+    def _sound(self, outbox: list[Ending]) -> list[Ending]:
+        """The endings of a record's outbox that may be said (`sound_endings`); the
+        others are dropped, counted (`nats_state`, `invalid_ending`) and logged."""
+        if not outbox:
+            return outbox
+        sound = sound_endings(outbox, self._router().destinations)
+        for _ in range(len(outbox) - len(sound)):
+            with contextlib.suppress(Exception):
+                self._router().report_rejected("nats_state", "invalid_ending")
+        return sound
 
     def _unfinished(self, inflight: list[str], outbox: list[Ending]) -> list[Ending]:
         """The endings a claimed record asks for: its outbox's answers (younger than

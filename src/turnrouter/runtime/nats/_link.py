@@ -57,8 +57,8 @@ class Link:
     async def start(self) -> None:
         await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
 
-    async def request(self, subject: str, payload: bytes, headers: dict[str, str],
-                      wait: float = 5.0) -> bytes:
+    async def request(self, subject: str, payload: bytes,
+                      headers: dict[str, str] | None = None, wait: float = 5.0) -> bytes:
         """Publish with a reply token and wait up to `wait` seconds for the reply's body
         (`RequestFailed` without a reply in time, no responders, or a closed
         connection)."""

@@ -301,8 +301,7 @@ class NatsWorker:
         share = self.fleet.fair_share()
         if n in self._pins and len(self._pins) > share and await self._shed(n):
             return
-        if n not in self._pins and len(self._pins) >= share and (
-                await self.fleet.pinned_elsewhere(n)):
+        if n not in self._pins and await self.fleet.leave_alone(n, len(self._pins)):
             await asyncio.sleep(config.probe_interval)
             return
         request: dict[str, Any] = {"batch": _BATCH, "expires": int(config.pull_expires * 1e9),

@@ -1,0 +1,171 @@
+"""A takeover on a real nats-server: the new owner ends every turn its partitions'
+records left in flight, also while those records are being written."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+import pytest
+from nats.aio.client import Client
+from nats.js.api import KeyValueConfig
+
+import nats
+from turnrouter.runtime import ResponseOutput, UserQuery
+from turnrouter.runtime.nats import (
+    NatsConfig,
+    NatsFrontEnd,
+    encode_token,
+    parse_record,
+    state_json,
+)
+
+from .app import PREAMBLE
+from .conftest import NatsServer, Worker, metric_value, settled, until_true
+from .crowd import FAILURE
+
+pytestmark = pytest.mark.anyio
+
+#: Participants per partition whose record a dead replica left with a turn in flight.
+LEFT = 4
+
+
+async def rewrite(nc: Client, config: NatsConfig, writing: asyncio.Event) -> None:
+    """Rewrite a record of every partition (nothing unfinished in it), 16 times per
+    partition and round, until cancelled; `writing` is set once a round was stored.
+    While the server is away, a round is tried again 0.1 s later."""
+    keys = [f"$KV.{config.bucket}.{n}.{encode_token(f'busy-{n}')}"
+            for n in range(config.partitions)]
+    count = 0
+    while True:
+        try:
+            for _ in range(16):
+                count += 1
+                value = state_json("gone", [], None, [], [f"t-{count}"])
+                for key in keys:
+                    await nc.publish(key, value)
+            await settled(nc)  # stored: one round at a time, no backlog
+        except (nats.errors.Error, TimeoutError):
+            await asyncio.sleep(0.1)  # the server is away: nats-py reconnects
+        else:
+            writing.set()
+
+
+async def test_a_takeover_ends_every_turn_left_in_flight_while_records_change(
+        nats_server: NatsServer) -> None:
+    """Every partition holds records of participants whose turn a replica that died
+    left in flight, and another record of the partition is rewritten all the while (as
+    a paused previous owner's late writes or the new owner's own claims do). The worker
+    that takes the partitions over ends each of those turns with the failure text, once,
+    before anyone talks. nats-py's KV watch, which the takeover read the records with,
+    could signal the end of a partition's records before delivering them while one of
+    them was written: the red team's kill -9 runs left up to 9 turns without an ending
+    until their participant spoke again."""
+    config = NatsConfig(url=nats_server.url)
+    nc = await nats.connect(nats_server.url)
+    kv = await nc.jetstream().create_key_value(KeyValueConfig(bucket=config.bucket,
+                                                              history=1))
+    left = {f"left-{n}-{i}": n for n in range(config.partitions) for i in range(LEFT)}
+    for pid, n in left.items():
+        await kv.put(f"{n}.{encode_token(pid)}", state_json("gone", ["t-1"], None))
+    writing = asyncio.Event()
+    writers = [asyncio.create_task(rewrite(nc, config, writing))]
+    worker: Worker | None = None
+    finals: dict[str, list[ResponseOutput]] = {}
+    try:
+        async with asyncio.timeout(15):
+            await writing.wait()
+        worker = await asyncio.to_thread(Worker, nats_server.url, "heir")
+        front = await NatsFrontEnd.connect(config)
+        try:
+            async with asyncio.timeout(30):  # every turn ended (a liveness bound)
+                async for out in front.outputs(deliver_new=False):
+                    if out.final:
+                        finals.setdefault(out.participant_id, []).append(out)
+                    if set(finals) >= set(left):
+                        break
+        except TimeoutError:
+            missing = sorted(set(left) - set(finals))
+            raise AssertionError(f"{len(missing)} turns left in flight never ended: "
+                                 f"{missing[:8]}") from None
+        finally:
+            await front.close()
+    finally:
+        for task in writers:
+            task.cancel()
+        await asyncio.gather(*writers, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await settled(nc)
+        await nc.close()
+        if worker is not None:
+            worker.close()
+    assert {pid: [(o.request_id, o.route, o.text) for o in outs]
+            for pid, outs in finals.items()} == {
+        pid: [("t-1", "none", FAILURE)] for pid in left}
+
+
+async def test_the_survivor_of_an_owner_and_server_crash_ends_its_turns() -> None:
+    """kill -9 of the replica running 16 long turns (each marked in flight) and of
+    nats-server together, the server back at once: the surviving replica takes the
+    partitions over and ends every one of those turns with the failure text, with no
+    participant talking again, while another record of each partition is rewritten
+    (the red team's runs left 2-5 turns in flight for good)."""
+    server = NatsServer(sync_always=True)
+    config = NatsConfig(url=server.url)
+    workers = [await asyncio.to_thread(Worker, server.url, "doomed")]
+    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    front = await NatsFrontEnd.connect(config)
+    pids = [f"long-{i}" for i in range(16)]
+    finals: dict[str, list[ResponseOutput]] = {}
+    started: set[str] = set()
+    writing = asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def listen(subscribed: asyncio.Event) -> None:
+        async for out in front.outputs(subscribed=subscribed):
+            if out.final:
+                finals.setdefault(out.participant_id, []).append(out)
+            elif out.text == PREAMBLE:
+                started.add(out.participant_id)
+
+    try:
+        subscribed = asyncio.Event()
+        tasks.append(asyncio.create_task(listen(subscribed)))
+        await subscribed.wait()
+        for pid in pids:
+            await front.publish(UserQuery(participant_id=pid, text="slow story",
+                                          message_id="t-1"))
+        await until_true(lambda: started >= set(pids), "every long turn started")
+        await until_true(lambda: metric_value(
+            workers[0].metrics(), "turnrouter_nats_inflight_marks_total") >= len(pids),
+            "every long turn marked in flight")
+        kv = await nc.jetstream().key_value(config.bucket)
+        for _ in range(300):  # the marks are written (bounded poll: at most 15 s)
+            records = [parse_record((await kv.get(key)).value or b"")
+                       for key in await kv.keys()]
+            if sum(r.inflight == ["t-1"] for r in records) == len(pids):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the long turns were never all marked in flight")
+        workers.append(await asyncio.to_thread(Worker, server.url, "heir"))
+        tasks.append(asyncio.create_task(rewrite(nc, config, writing)))
+        async with asyncio.timeout(15):
+            await writing.wait()
+        workers[0].signal(signal.SIGKILL)
+        await asyncio.to_thread(server.crash)
+        await asyncio.to_thread(server.restart)
+        await until_true(lambda: set(finals) >= set(pids),
+                         "every long turn ended after the restart", within=30)
+        assert {pid: [(o.request_id, o.route, o.text) for o in finals[pid]]
+                for pid in pids} == {pid: [("t-1", "none", FAILURE)] for pid in pids}
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await front.close()
+        await nc.close()
+        for worker in workers:
+            worker.close()
+        server.close()
