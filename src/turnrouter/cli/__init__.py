@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 
@@ -199,7 +200,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     `--help` prints the usage on stdout (status 0), `--version` the version; a missing or
     unknown command is a usage error: its name and the usage on stderr, status 2.
     """
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # The reader left (`turnrouter tune ... | head`): stop quietly, as Unix tools do.
+        # Python flushes stdout at exit: point it at /dev/null so that does not fail too.
+        _silence_stdout()
+        return 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
+def _silence_stdout() -> None:
+    try:
+        fileno = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fileno)
+    finally:
+        os.close(devnull)
+
+
+def _main(args: list[str]) -> int:
     commands = {"demo": _demo, "tune": _tune_command, "worker": _worker_command}
     if args and args[0] in {"-h", "--help"}:
         print(USAGE)
