@@ -26,6 +26,12 @@ MAX_PARTICIPANTS = 10_000
 MAX_ACK_DELAY = 60.0
 
 
+def _route_name(value: str) -> str:
+    if not 1 <= len(value) <= 100 or not value.isprintable():
+        raise argparse.ArgumentTypeError(f"not a route name: {value[:100]!r}")
+    return value
+
+
 def _number(value: str, *, low: float, high: float, low_open: bool) -> float:
     try:
         number = float(value)
@@ -108,6 +114,13 @@ def demo_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=_seed, default=7, help="random seed (default 7)")
     parser.add_argument("--clarify-heavy", action="store_true",
                         help="scenario for alert testing: the general agent is down")
+    parser.add_argument("--fail-route", action="append", default=[], type=_route_name,
+                        metavar="ROUTE",
+                        help="alert rehearsal: every answer of ROUTE fails (repeatable)")
+    parser.add_argument("--slow-route", action="append", default=[], type=_route_name,
+                        metavar="ROUTE",
+                        help="alert rehearsal: ROUTE takes about 3 s to start answering "
+                             "(repeatable)")
     parser.add_argument("--metrics-port", type=_port, default=None,
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
     parser.add_argument("--metrics-host", type=_host, default="127.0.0.1",
@@ -158,6 +171,8 @@ def _demo(argv: Sequence[str]) -> int:
                         speed=args.speed, progress=not args.quiet,
                         acknowledgment_delay=args.ack_delay, samples_path=args.samples,
                         otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
+                        failing_routes=tuple(args.fail_route),
+                        slow_routes=tuple(args.slow_route),
                         shedding=not args.no_shedding)
     try:
         report = anyio.run(run_demo, config)
