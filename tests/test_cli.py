@@ -99,6 +99,9 @@ def test_subcommand_help_goes_to_stdout(capsys: pytest.CaptureFixture[str]) -> N
     (["--otlp-endpoint", "file:///etc/passwd"], "--otlp-endpoint"),
     (["--otlp-protocol", "udp"], "--otlp-protocol"),
     (["--seed", "x"], "--seed"),
+    (["--fail-route", ""], "--fail-route"),
+    (["--slow-route", "x" * 101], "--slow-route"),
+    (["--duration", "1", "--fail-route", "nope"], "unknown demo route 'nope'"),
     (["--no-such-flag"], "unrecognized"),
 ])
 def test_demo_usage_errors_exit_2_with_one_line(

@@ -19,6 +19,7 @@ from turnrouter import AgentTurn, ConfigurationError, load_samples
 from turnrouter.demo import (
     DEFAULT_ACK_DELAY,
     DESCRIPTIONS,
+    LATENCIES,
     DemoConfig,
     DemoReport,
     build_agents,
@@ -302,3 +303,38 @@ async def test_the_demo_drives_its_callers_without_a_task_each() -> None:
         loop.set_task_factory(previous)
     assert report.published > 0 and report.lost_turns == 0
     assert 0 < peak < 400, peak
+
+
+async def test_rehearsal_routes_fail_or_answer_slowly() -> None:
+    """`failing_routes` answers all fail, `slow_routes` start answering after about 3 s
+    (past every first-response threshold of the shipped rules); others are untouched;
+    an unknown route is a configuration error naming it."""
+    sample = load_sample()
+    agents = build_agents(sample, rng=random.Random(1), publish=_published, speed=1000.0,
+                          clarify_heavy=False, failing_routes=("home",),
+                          slow_routes=("utility",))
+
+    async def started() -> None:
+        return None
+
+    with pytest.raises(RuntimeError, match="home back end timed out"):
+        await agents["home"].answer(AgentTurn("p1", "t1", "lights on"), started=started)
+    rng = random.Random(2)
+    slow = sorted(agents["utility"].latency.draw(rng) for _ in range(200))
+    # p95 past 4 s, the most any route is allowed in the shipped rules (overrides included)
+    assert slow[100] > 2.0 and slow[190] > 4.0
+    assert agents["work"].latency == LATENCIES["work"]
+    with pytest.raises(ConfigurationError, match="'nope'"):
+        build_agents(sample, rng=random.Random(1), publish=_published, speed=1.0,
+                     clarify_heavy=False, slow_routes=("nope",))
+
+
+async def test_a_failing_route_shows_as_failed_turns_of_that_route() -> None:
+    """A short run with a failing route: its turns end `failed`, and nothing is lost."""
+    report = await run_demo(DemoConfig(duration=1.5, participants=30, speed=10.0,
+                                       progress=False, seed=3,
+                                       failing_routes=("conversation",)), out=io.StringIO())
+    assert report.turns.get(("conversation", "answer"), 0) == 0
+    assert report.lost_turns == 0
+    failed = sum(n for (route, outcome), n in report.turns.items() if outcome == "failed")
+    assert failed > 5

@@ -6,8 +6,10 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import random
 import re
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -662,3 +664,19 @@ def test_the_recommendation_comes_before_the_table(samples: Path) -> None:
     assert _row(out, "(all)", "1.00s")     # the table is still there, after it
     code, out, _ = run(["--samples", str(samples), "--max-silence-p95", "0.01"])
     assert code == 1 and out.splitlines()[0].startswith("no candidate delay meets")
+
+
+def test_a_reader_that_leaves_early_ends_the_table_quietly(samples: Path) -> None:
+    """`turnrouter tune ... | head`: the reader closes the pipe before the table is
+    written; the command stops without a traceback, with SIGPIPE's shell status."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "turnrouter", "tune", "--samples", str(samples)],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 141

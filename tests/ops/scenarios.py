@@ -31,7 +31,7 @@ LENGTH = 45
 CLARIFY = "TurnrouterHighClarificationRate"
 TRAFFIC_ALERTS = (CLARIFY, "TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
                   "TurnrouterAcknowledgmentOveruse", "TurnrouterFailures",
-                  "TurnrouterDecisionSlow")
+                  "TurnrouterDecisionSlow", "TurnrouterOverloaded")
 AVAILABILITY = ("TurnrouterTargetDown", "TurnrouterAbsent")
 
 Segments = list[tuple[float, float]]
@@ -99,8 +99,9 @@ def _duration(minute: float) -> str:
 
 
 def _traffic(turns: Segments, clarified: Segments, participants: Segments,
-             clarified_participants: Segments, dies: float | None = None) -> list[Series]:
-    """A router's turns, clarifications, window gauges and `up`."""
+             clarified_participants: Segments, dies: float | None = None,
+             overload: Segments | None = None) -> list[Series]:
+    """A router's turns, clarifications, window gauges, overload state and `up`."""
     job = f'job="{JOB}"'
     out = [
         Series(f'turnrouter_turns_total{{{job}, route="weather", outcome="answer"}}', turns,
@@ -113,6 +114,8 @@ def _traffic(turns: Segments, clarified: Segments, participants: Segments,
                counter=False, dies=dies),
         Series(f'turnrouter_turns_in_flight{{{job}, instance="a:9464"}}', [(0, 2)],
                counter=False, dies=dies),
+        Series(f'turnrouter_overload_state{{{job}, instance="a:9464"}}',
+               overload or [(0, 0.0)], counter=False, dies=dies),
     ]
     up = [(0.0, 1.0)] if dies is None else [(0.0, 1.0), (dies, 0.0)]
     out.append(Series(f'up{{{job}, instance="a:9464"}}', up, counter=False))
@@ -186,8 +189,21 @@ def scenarios() -> list[Scenario]:
         [(7, "TurnrouterAbsent", [{"severity": "critical", "job": JOB,
                                    "instance": "a:9464"}])],
     )
+    # Busy by the router's own thresholds (whatever the event-loop lag): a 1-minute burst
+    # raises nothing, busy from 15m warns within 7 minutes, and clears once ready again.
+    busy = {"severity": "warning", "job": JOB, "instance": "a:9464"}
+    overloaded = Scenario(
+        "a router busy for minutes warns TurnrouterOverloaded within 7 minutes; a 1-minute "
+        "burst does not",
+        _traffic(NORMAL["turns"], NORMAL["clarified"], NORMAL["participants"],
+                 NORMAL["clarified_participants"],
+                 overload=[(0, 0.0), (5, 1.0), (6, 0.0), (onset, 1.0), (30, 0.0)]),
+        [*_quiet(12, "TurnrouterOverloaded"), *_quiet(onset + 2, "TurnrouterOverloaded"),
+         (onset + 7, "TurnrouterOverloaded", [busy]), (29, "TurnrouterOverloaded", [busy]),
+         *_quiet(36, "TurnrouterOverloaded")],
+    )
     slow = _slow_route()
-    return [broad, loud, idle, died, normal, absent, no_metrics, slow]
+    return [broad, loud, idle, died, normal, absent, no_metrics, slow, overloaded]
 
 
 def _slow_route() -> Scenario:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from turnrouter.ops import ALERTS, AlertRule
+from turnrouter.ops import ALERTS, RECORDING_RULES, AlertRule
 
 from .conftest import DEPLOY, require_binary
 
@@ -94,9 +94,26 @@ def test_runbook_section_matches_what_ships(alert: object) -> None:
     assert f"for {alert.for_.removesuffix('m')} minute" in section
     seconds = alert.alert in {"TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
                               "TurnrouterDecisionSlow", "TurnrouterSaturated"}
-    shown = f"{alert.threshold:g} s" if seconds else f"{alert.threshold:.0%}"
+    if alert.alert == "TurnrouterOverloaded":  # a mean state (0, 1, 2), not a ratio
+        shown = f"above {alert.threshold:g}"
+    else:
+        shown = f"{alert.threshold:g} s" if seconds else f"{alert.threshold:.0%}"
     assert shown in section
     assert f"{alert.min_turns}" in section
+
+
+OPERATIONS = RUNBOOK.parent / "operations.md"
+
+
+@pytest.mark.parametrize("name", sorted({a.alert for a in ALERTS}))
+def test_operations_page_lists_every_shipped_alert_and_recording(name: str) -> None:
+    """docs/operations.md's alerts table has a row for every shipped alert, and its
+    "Recorded:" list names every recording rule (the page cannot fall behind the rules)."""
+    text = OPERATIONS.read_text()
+    assert f"\n| {name} |" in text, f"{name} has no row in the alerts table"
+    recorded = text[text.index("Recorded:"):text.index("Alerts and thresholds")]
+    for rule in RECORDING_RULES:
+        assert f"`{rule.record}`" in recorded, rule.record
 
 
 def test_runbook_describes_the_shipped_inhibition() -> None:

@@ -29,7 +29,7 @@ PER_ROUTE = sorted({alert.alert for alert in ALERTS if alert.per_route})
 
 def _expr(alert: str, overrides: tuple[RouteOverride, ...]) -> str:
     rules = rule_groups(overrides=overrides)["groups"][1]["rules"]
-    (rule,) = [r for r in rules if r["alert"] == alert]
+    (rule,) = [r for r in rules if r.get("alert") == alert]
     expr: str = rule["expr"]
     return expr
 

@@ -15,6 +15,7 @@ from turnrouter.ops import (
     RECORDING_RULES,
     RULES_FILE,
     RUNBOOK_URL,
+    RouteOverride,
     check_group_labels,
     read_overrides,
     render_rules,
@@ -32,7 +33,7 @@ REQUIRED_RECORDS = {
 REQUIRED_ALERTS = {
     "TurnrouterHighClarificationRate", "TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
     "TurnrouterAcknowledgmentOveruse", "TurnrouterFailures", "TurnrouterDecisionSlow",
-    "TurnrouterSaturated",
+    "TurnrouterSaturated", "TurnrouterOverloaded",
     "TurnrouterTargetDown", "TurnrouterAbsent", "TurnrouterWatchdog",
 }
 #: Alerts of traffic (not availability or the watchdog): gated on counts and on `up`.
@@ -184,3 +185,32 @@ def test_group_labels_are_configurable() -> None:
 def test_bad_group_labels_are_refused(labels: tuple[str, ...]) -> None:
     with pytest.raises(ValueError, match="group label"):
         check_group_labels(labels)
+
+
+@pytest.mark.parametrize("content", [
+    pytest.param(rule_groups(), id="generated"),
+    pytest.param(_rules_on_disk(), id="shipped"),
+    pytest.param(rule_groups(overrides=[RouteOverride("travel", "TurnrouterSlowFirstResponse",
+                                                      threshold=4.0)]), id="overrides"),
+])
+def test_every_alert_reads_recordings_of_its_own_group_evaluated_before_it(
+        content: dict[str, Any]) -> None:
+    """An alert reading a recording rule of another group sees it up to one evaluation
+    interval late (groups evaluate at different offsets): every recorded series an alert
+    reads is recorded earlier in the alert's own group."""
+    recorded_in = {rule["record"]: group["name"] for group in content["groups"]
+                   for rule in group["rules"] if "record" in rule}
+    checked = 0
+    for group in content["groups"]:
+        earlier: set[str] = set()
+        for rule in group["rules"]:
+            if "record" in rule:
+                earlier.add(rule["record"])
+                continue
+            for name in re.findall(r"turnrouter:[A-Za-z0-9_:]+", rule["expr"]):
+                assert name in recorded_in, (rule["alert"], name)
+                assert name in earlier, (
+                    f"{rule['alert']} reads {name}, recorded in {recorded_in[name]!r}, "
+                    f"not before it in {group['name']!r}")
+                checked += 1
+    assert checked >= len(TRAFFIC_ALERTS) * 2

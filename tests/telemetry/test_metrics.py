@@ -8,6 +8,7 @@ import re
 import sys
 import threading
 import time
+from typing import get_args
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -24,6 +25,7 @@ from turnrouter.events import (
     AnswerFinished,
     AnswerStarted,
     Clarification,
+    ClarificationReason,
     Configured,
     ContextPatchEvent,
     DecisionFinished,
@@ -558,3 +560,18 @@ def test_threads_recording_at_once_lose_no_update(shared: bool) -> None:
     assert registry.get_sample_value("turnrouter_first_response_seconds_count",
                                      {"route": "weather"}) == total
     assert registry.get_sample_value("turnrouter_turns_in_flight") == 0
+
+
+def test_low_cardinality_reason_series_exist_at_zero_before_any_turn() -> None:
+    """Every clarification and shed reason is exposed at 0 from the first scrape, so a
+    reason's first increment shows in `rate()` one scrape later, not two."""
+    registry = CollectorRegistry()
+    Telemetry(registry=registry)
+    reasons = get_args(ClarificationReason)
+    assert len(reasons) >= 6
+    for reason in reasons:
+        assert registry.get_sample_value(
+            "turnrouter_clarifications_total", {"reason": reason}) == 0.0, reason
+    for reason in ("new_participant", "shedding"):
+        assert registry.get_sample_value(
+            "turnrouter_shed_turns_total", {"reason": reason}) == 0.0, reason

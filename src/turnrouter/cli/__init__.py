@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 
@@ -23,6 +24,12 @@ MAX_DURATION = 365 * 86400.0
 MAX_SPEED = 1000.0
 MAX_PARTICIPANTS = 10_000
 MAX_ACK_DELAY = 60.0
+
+
+def _route_name(value: str) -> str:
+    if not 1 <= len(value) <= 100 or not value.isprintable():
+        raise argparse.ArgumentTypeError(f"not a route name: {value[:100]!r}")
+    return value
 
 
 def _number(value: str, *, low: float, high: float, low_open: bool) -> float:
@@ -107,6 +114,13 @@ def demo_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=_seed, default=7, help="random seed (default 7)")
     parser.add_argument("--clarify-heavy", action="store_true",
                         help="scenario for alert testing: the general agent is down")
+    parser.add_argument("--fail-route", action="append", default=[], type=_route_name,
+                        metavar="ROUTE",
+                        help="alert rehearsal: every answer of ROUTE fails (repeatable)")
+    parser.add_argument("--slow-route", action="append", default=[], type=_route_name,
+                        metavar="ROUTE",
+                        help="alert rehearsal: ROUTE takes about 3 s to start answering "
+                             "(repeatable)")
     parser.add_argument("--metrics-port", type=_port, default=None,
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
     parser.add_argument("--metrics-host", type=_host, default="127.0.0.1",
@@ -157,6 +171,8 @@ def _demo(argv: Sequence[str]) -> int:
                         speed=args.speed, progress=not args.quiet,
                         acknowledgment_delay=args.ack_delay, samples_path=args.samples,
                         otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
+                        failing_routes=tuple(args.fail_route),
+                        slow_routes=tuple(args.slow_route),
                         shedding=not args.no_shedding)
     try:
         report = anyio.run(run_demo, config)
@@ -199,7 +215,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     `--help` prints the usage on stdout (status 0), `--version` the version; a missing or
     unknown command is a usage error: its name and the usage on stderr, status 2.
     """
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # The reader left (`turnrouter tune ... | head`): stop quietly, as Unix tools do.
+        # Python flushes stdout at exit: point it at /dev/null so that does not fail too.
+        _silence_stdout()
+        return 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
+def _silence_stdout() -> None:
+    try:
+        fileno = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fileno)
+    finally:
+        os.close(devnull)
+
+
+def _main(args: list[str]) -> int:
     commands = {"demo": _demo, "tune": _tune_command, "worker": _worker_command}
     if args and args[0] in {"-h", "--help"}:
         print(USAGE)

@@ -89,6 +89,10 @@ class DemoConfig:
     """Export spans here (default: OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT; none: no export)."""
     otlp_protocol: str | None = None
     """`http/protobuf` or `grpc` (default: OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL or HTTP)."""
+    failing_routes: tuple[str, ...] = ()
+    """Routes whose answers all fail (rehearse `TurnrouterFailures`)."""
+    slow_routes: tuple[str, ...] = ()
+    """Routes that answer after about 3 s (rehearse `TurnrouterSlowFirstResponse`)."""
     shedding: bool = True
     """Admission control: the default `OverloadPolicy`, its durations divided by `speed`
     (False: off)."""
@@ -444,7 +448,9 @@ async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
             text=text))
 
     agents = build_agents(sample, rng=rng, publish=publish_answer, speed=config.speed,
-                          clarify_heavy=config.clarify_heavy)
+                          clarify_heavy=config.clarify_heavy,
+                          failing_routes=config.failing_routes,
+                          slow_routes=config.slow_routes)
     acknowledger = _acknowledger()
     ack: dict[str, Any] = {}
     if acknowledger is not None and config.acknowledgment_delay is not None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._contracts import Admission, AgentTurn, DestinationResult, RoutingAid
-from .._exceptions import LifecycleError
+from .._exceptions import ConfigurationError, LifecycleError
 from .._patches import ContextPatch
 
 if TYPE_CHECKING:
@@ -127,6 +127,9 @@ LATENCIES: dict[str, Latency] = {
 }
 """Each simulated destination's first-response latency model, by route (what the
 histogram buckets are checked against: fast, slow and bimodal shapes)."""
+#: A route made slow for alert rehearsal (`turnrouter demo --slow-route`): about 3 s to
+#: start answering, p95 about 5 s, past every first-response threshold of the shipped rules.
+SLOW_LATENCY = Latency(3.0, 0.3)
 
 Publish = Callable[[AgentTurn, str, str], Awaitable[None]]
 
@@ -138,7 +141,8 @@ class SimulatedAgent:
                  publish: Publish, speed: float = 1.0, decline_share: float = 0.02,
                  clarify_share: float = 0.0, clarify_text: str = "",
                  failure_share: float = 0.0,
-                 eligible: Callable[[str], bool] | None = None) -> None:
+                 eligible: Callable[[str], bool] | None = None,
+                 latency: Latency | None = None) -> None:
         self.name = name
         self.description = DESCRIPTIONS[name]
         self._rng = rng
@@ -151,7 +155,7 @@ class SimulatedAgent:
         self._failure_share = failure_share
         self._eligible = eligible
         self._bookings: dict[str, int] = {}  # participant -> follow-ups left
-        self.latency = LATENCIES[name]
+        self.latency = LATENCIES[name] if latency is None else latency
         #: The two aids this agent ever returns (built once: they are immutable).
         self._aids = {
             True: RoutingAid(name, self.description),
@@ -255,11 +259,19 @@ def _down_for_maintenance(participant_id: str) -> bool:
 
 
 def build_agents(sample: Sample, *, rng: random.Random, publish: Publish, speed: float,
-                 clarify_heavy: bool) -> dict[str, SimulatedAgent]:
-    """The ten CLINC150 domains plus the `conversation` default."""
+                 clarify_heavy: bool, failing_routes: tuple[str, ...] = (),
+                 slow_routes: tuple[str, ...] = ()) -> dict[str, SimulatedAgent]:
+    """The ten CLINC150 domains plus the `conversation` default. For alert rehearsal, the
+    answers of `failing_routes` all fail and `slow_routes` answer after `SLOW_LATENCY`
+    (ConfigurationError naming an unknown route)."""
     truth = {text: (domain, intent) for text, domain, intent in sample.queries}
     agents: dict[str, SimulatedAgent] = {}
-    for name in [*sample.domains, DEFAULT_ROUTE]:
+    names = [*sample.domains, DEFAULT_ROUTE]
+    unknown = sorted((set(failing_routes) | set(slow_routes)) - set(names))
+    if unknown:
+        raise ConfigurationError(f"unknown demo route {unknown[0][:100]!r} "
+                                 f"(choose from {', '.join(sorted(names))})")
+    for name in names:
         clarify_share, clarify_text = 0.0, ""
         if name == "banking":
             clarify_share, clarify_text = 0.06, "Which account do you mean, checking or savings?"
@@ -275,6 +287,8 @@ def build_agents(sample: Sample, *, rng: random.Random, publish: Publish, speed:
             decline_share=0.15 if clarify_heavy else 0.02,
             clarify_share=clarify_share, clarify_text=clarify_text, eligible=eligible,
             # The traffic service behind auto_and_commute times out now and then.
-            failure_share=0.03 if name == "auto_and_commute" else 0.0,
+            failure_share=(1.0 if name in failing_routes
+                           else 0.03 if name == "auto_and_commute" else 0.0),
+            latency=SLOW_LATENCY if name in slow_routes else None,
         )
     return agents

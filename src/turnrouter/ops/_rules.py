@@ -54,6 +54,7 @@ __all__ = [
     "MIN_CLARIFIED_PARTICIPANTS",
     "MIN_TURNS",
     "MIN_TURNS_1M",
+    "OVERLOAD_STATE",
     "RECORDING_RULES",
     "RUNBOOK_URL",
     "SATURATION_LAG_SECONDS",
@@ -106,6 +107,11 @@ DECISION_SLOW_SECONDS = 0.3
 #: Seconds: p95 event-loop lag of one router process (the default
 #: `OverloadPolicy.busy_lag_secs`: past it the router sheds new participants).
 SATURATION_LAG_SECONDS = 0.1
+#: Mean `turnrouter_overload_state` (0 ready, 1 busy, 2 shedding) over 5 minutes above
+#: which the router warns it is overloaded: busy more than half the time (or shedding
+#: more than a quarter). It follows the router's own `OverloadPolicy`, whatever its
+#: thresholds, where `TurnrouterSaturated` keeps a fixed lag budget for every turn.
+OVERLOAD_STATE = 0.5
 
 Severity = Literal["warning", "critical", "none"]
 
@@ -138,6 +144,7 @@ SHED = _name("turnrouter_shed_turns_total")
 WINDOW_PARTICIPANTS = _name("turnrouter_window_participants")
 WINDOW_CLARIFIED = _name("turnrouter_window_clarified_participants")
 IN_FLIGHT = _name("turnrouter_turns_in_flight")
+OVERLOAD = _name("turnrouter_overload_state")
 
 
 def _turn_rate(window: str) -> str:
@@ -229,6 +236,11 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
     ),
     RecordingRule(
         "turnrouter:shed_turns:rate5m", f"sum by ({G}, instance) (rate({SHED}[5m]))"),
+    # The share of samples the router spent busy (1) or shedding (2): what it decided,
+    # with its own thresholds, averaged so that sub-second flapping still counts.
+    RecordingRule(
+        "turnrouter:overload_state:avg5m",
+        f"max by ({G}, instance) (avg_over_time({OVERLOAD}[5m]))"),
     RecordingRule(
         "turnrouter:failure_ratio:rate5m",
         f"sum by ({G}, stage) (rate({FAILURES}[5m]))\n/ on ({G}) group_left ()\n"
@@ -464,6 +476,17 @@ ALERTS: tuple[AlertRule, ...] = (
         volume="turnrouter:turns:increase5m",
     ),
     AlertRule(
+        "TurnrouterOverloaded", "turnrouter:overload_state:avg5m",
+        OVERLOAD_STATE, "3m", "warning",
+        "turnrouter {{ $labels.instance }} of {{ $labels.job }} is overloaded",
+        f"The router's mean overload state over 5 minutes is {{{{ $value | printf \"%.2f\" }}}} "
+        f"(0 ready, 1 busy, 2 shedding; warning above {OVERLOAD_STATE:g}): by its own "
+        "thresholds it refuses new participants (readiness fails) and may shed turns "
+        "(turnrouter_shed_turns_total). Add replicas or find what blocks the loop.",
+        "turnrouteroverloaded",
+        volume="turnrouter:turns:increase5m",
+    ),
+    AlertRule(
         "TurnrouterTargetDown", f"up{{{JOB_MATCHER}}} == 0", 0.0, "1m", "critical",
         "turnrouter target {{ $labels.instance }} of {{ $labels.job }} is down",
         "Prometheus cannot scrape this router: it is down or unreachable, and its other "
@@ -537,11 +560,18 @@ def rule_groups(
     aggregates by (default cluster, namespace, job)."""
     labels = check_group_labels(group_labels)
     chosen = tuple(overrides)
+    # The recording rules an alert reads evaluate in the alerts' group, before them
+    # (rules of a group run in order): in another group, evaluated at another offset,
+    # an alert would see them up to one interval late. The others (dashboards') keep
+    # their own group.
+    alerts = [alert.as_dict(for_, runbook_url, chosen, labels) for alert in ALERTS]
+    read = {name for alert in alerts for name in _RECORDED.findall(alert["expr"])}
+    inputs = [rule.as_dict(labels) for rule in RECORDING_RULES if rule.record in read]
+    others = [rule.as_dict(labels) for rule in RECORDING_RULES if rule.record not in read]
     groups: list[dict[str, Any]] = []
     for name, rules in (
-        ("turnrouter.recording", [rule.as_dict(labels) for rule in RECORDING_RULES]),
-        ("turnrouter.alerts", [alert.as_dict(for_, runbook_url, chosen, labels)
-                               for alert in ALERTS]),
+        ("turnrouter.recording", others),
+        ("turnrouter.alerts", inputs + alerts),
     ):
         group: dict[str, Any] = {"name": name}
         if interval is not None:
@@ -551,6 +581,7 @@ def rule_groups(
     return {"groups": groups}
 
 
+_RECORDED = re.compile(r"turnrouter:[A-Za-z0-9_:]+")
 _LABEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 

@@ -24,7 +24,7 @@ import weakref
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from functools import lru_cache, partial
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, get_args
 from weakref import WeakKeyDictionary
 
 import prometheus_client.metrics
@@ -34,6 +34,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
+from .._observer import ClarificationReason
 from ._metrics import METRICS, MetricSpec, metric
 from ._window import ParticipantWindow
 
@@ -359,6 +360,10 @@ class Families:
 
         self.turns = counter("turnrouter_turns_total")
         self.clarifications = counter("turnrouter_clarifications_total")
+        for reason in get_args(ClarificationReason):
+            # Every reason's series exists from the start (a rate of 0): a reason seen
+            # for the first time then counts in rate() at the next scrape, not the second.
+            self.clarifications.get(reason)
         self.admissions = counter("turnrouter_admissions_total")
         self.reroutes = counter("turnrouter_reroutes_total")
         self.fallbacks = counter("turnrouter_default_fallbacks_total")
