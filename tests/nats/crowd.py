@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,23 @@ async def listen(front: NatsFrontEnd, heard: Heard, ready: asyncio.Event) -> Non
         heard.add(message)
         if message.text == PREAMBLE:
             heard.events.setdefault(f"started {message.request_id}", asyncio.Event()).set()
+
+
+@contextlib.asynccontextmanager
+async def listening(url: str) -> AsyncIterator[tuple[NatsFrontEnd, Heard]]:
+    """A front end on `url` and everything its output stream delivered (all routes),
+    listened to from before the first query; closed on exit."""
+    fe = await NatsFrontEnd.connect(NatsConfig(url=url))
+    heard = Heard()
+    ready = asyncio.Event()
+    task = asyncio.create_task(listen(fe, heard, ready))
+    await ready.wait()
+    try:
+        yield fe, heard
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await fe.close()
 
 
 async def ask(front: NatsFrontEnd, heard: Heard, pid: str, text: str) -> str:

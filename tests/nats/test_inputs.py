@@ -9,10 +9,10 @@ import pytest
 
 import nats
 from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, UserQuery
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
+from turnrouter.runtime.nats import NatsFrontEnd, encode_token
 
 from .conftest import NatsServer, Worker, metric_value
-from .crowd import Heard, ask, listen
+from .crowd import Heard, ask, listening
 
 SAMPLE_FLOOR = 8  # docs/distributed.md: a publisher's samples always learned per window
 
@@ -31,17 +31,8 @@ def worker(nats_server: NatsServer) -> Iterator[Worker]:
 @pytest.fixture
 async def front(nats_server: NatsServer) -> AsyncIterator[tuple[NatsFrontEnd, Heard]]:
     """A front end and everything the output stream delivered (all routes)."""
-    fe = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
-    heard = Heard()
-    ready = asyncio.Event()
-    task = asyncio.create_task(listen(fe, heard, ready))
-    await ready.wait()
-    try:
-        yield fe, heard
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await fe.close()
+    async with listening(nats_server.url) as pair:
+        yield pair
 
 
 async def counted(worker: Worker, name: str, labels: str, goal: float) -> None:

@@ -20,7 +20,7 @@ from turnrouter import LifecycleError
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, Readiness, encode_token
 
 from .conftest import ROOT, NatsServer, Worker, metric_value, nats_server_binary, until_true
-from .crowd import FAILURE, Heard, ask, listen
+from .crowd import FAILURE, Heard, ask, listening
 
 pytestmark = pytest.mark.anyio
 
@@ -159,17 +159,8 @@ async def test_the_ready_file_is_there_only_while_the_worker_serves(
 
 @pytest.fixture
 async def front(nats_server: NatsServer) -> AsyncIterator[tuple[NatsFrontEnd, Heard]]:
-    fe = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
-    heard = Heard()
-    subscribed = asyncio.Event()
-    task = asyncio.create_task(listen(fe, heard, subscribed))
-    await subscribed.wait()
-    try:
-        yield fe, heard
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await fe.close()
+    async with listening(nats_server.url) as pair:
+        yield pair
 
 
 async def published(front: NatsFrontEnd, heard: Heard, pid: str, text: str) -> str:

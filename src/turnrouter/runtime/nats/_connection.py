@@ -62,7 +62,12 @@ def connect_timeout(config: NatsConfig) -> float:
 class Readiness:
     """Whether a running worker serves now: started, connected to NATS, and its streams,
     consumers and bucket all there. `turnrouter worker --ready-file` follows it;
-    `on_change` listeners are called with the new state at each change."""
+    `on_change` listeners are called with the new state at each change.
+
+    Args:
+        metrics: the worker's metrics, whose `turnrouter_nats_serving` gauge follows the
+            state; `None` (a readiness nobody scrapes) keeps no gauge.
+    """
 
     def __init__(self, metrics: RuntimeMetrics | None = None) -> None:
         self._problems: dict[str, str] = {"start": "starting"}
