@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -135,19 +137,33 @@ async def test_a_frozen_server_past_the_bound_ends_the_worker(
         worker.close()
 
 
+def ready_status(worker: Worker) -> int:
+    """The status of the worker's `/ready` on its metrics port."""
+    url = worker.metrics_url.removesuffix("/metrics") + "/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
 async def test_the_ready_file_is_there_only_while_the_worker_serves(
         nats_server: NatsServer, tmp_path: Path) -> None:
     """`--ready-file` goes away while the server is frozen and comes back when it
-    resumes (within the bound, so the worker rides it out)."""
+    resumes (within the bound, so the worker rides it out); `/ready` on the metrics port
+    answers 503 meanwhile and 200 while it serves."""
     ready = tmp_path / "worker.ready"
     worker = Worker(nats_server.url, "probe", "--reconnect-for", "4",
                     "--ready-file", str(ready))
     try:
         await file_state(ready, True)
+        assert ready_status(worker) == 200
         nats_server.proc.send_signal(signal.SIGSTOP)
         await file_state(ready, False)
+        assert ready_status(worker) == 503
         nats_server.proc.send_signal(signal.SIGCONT)
         await file_state(ready, True)
+        assert ready_status(worker) == 200
         assert worker.proc.poll() is None
     finally:
         nats_server.proc.send_signal(signal.SIGCONT)
