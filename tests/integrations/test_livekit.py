@@ -68,6 +68,8 @@ from turnrouter.testing import (
     TelemetryCapture,
 )
 
+from .readme_reply import Reply
+
 pytestmark = pytest.mark.anyio
 
 Started = Callable[[], Awaitable[None]]
@@ -493,42 +495,6 @@ async def test_the_replaced_turns_cut_speech_does_not_interrupt_its_successor() 
 # ---------------------------------------------------------------- returned text
 
 
-class Reply:
-    """A destination written the way README.md teaches: `started()`, then the answer
-    returned as `DestinationResult(text=...)`, never `speak()`. Its first answer waits
-    for `gate` when given."""
-
-    name = "weather"
-
-    def __init__(self, reply: str, *, gate: asyncio.Event | None = None) -> None:
-        self.reply = reply
-        self.gate = gate
-        self.entered = asyncio.Event()
-        self.outcome: list[str] = []
-
-    def routing_aid(self, participant_id: str) -> RoutingAid:
-        return RoutingAid(self.name, "forecasts")
-
-    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
-        return Admission("accept")
-
-    async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
-        gate, self.gate = self.gate, None
-        self.entered.set()
-        await started()
-        try:
-            if gate is not None:
-                await gate.wait()
-        except BaseException as exc:
-            self.outcome.append(type(exc).__name__)
-            raise
-        self.outcome.append("done")
-        return DestinationResult(text=self.reply)
-
-    async def release(self, participant_id: str) -> None:
-        return None
-
-
 def assistant_said(session: AgentSession[Any]) -> list[str]:
     """The assistant messages of the session's history (what LiveKit recorded as said)."""
     return [item.text_content or "" for item in session.history.items
@@ -558,7 +524,7 @@ async def test_a_returned_answer_is_said_once() -> None:
 async def test_graceful_end_says_a_returned_answer_in_flight() -> None:
     """stop_gracefully while a README-style destination works: the turn finishes and
     its returned text is the reply the drained session plays."""
-    gate = asyncio.Event()
+    gate = anyio.Event()
     reply = Reply("Sunny.", gate=gate)
     router = make_router(reply, decisions=ScriptedDecisions("weather"))
     async with session_for(router, depart_on_close=False) as (session, ends):
@@ -597,7 +563,7 @@ async def test_a_destination_that_spoke_is_not_said_again() -> None:
 
 async def test_a_barged_in_turns_returned_answer_is_not_said() -> None:
     """Interrupted while the destination works: its text is never said."""
-    gate = asyncio.Event()
+    gate = anyio.Event()
     reply = Reply("Sunny.", gate=gate)
     router = make_router(reply, decisions=ScriptedDecisions("weather"))
     async with session_for(router) as (session, ends):
@@ -617,7 +583,7 @@ async def test_a_barged_in_turns_returned_answer_is_not_said() -> None:
 async def test_a_replaced_turns_returned_answer_is_not_said() -> None:
     """A new user message while the destination works: the replaced turn's text is
     never said; the new turn's is, once."""
-    reply = Reply("Sunny.", gate=asyncio.Event())
+    reply = Reply("Sunny.", gate=anyio.Event())
     router = make_router(reply, decisions=ScriptedDecisions("weather"))
     async with session_for(router) as (session, ends):
         session.generate_reply(user_input="rain?")
@@ -667,7 +633,7 @@ async def test_the_busy_text_is_said_to_a_shed_turn() -> None:
     """A saturated router sheds a newcomer's turn: the busy text is its reply and the
     turn ends with RouterBusyError; the admitted caller still gets its answer."""
     clock = ManualClock()
-    gate = asyncio.Event()
+    gate = anyio.Event()
     reply = Reply("Sunny.", gate=gate)
     router = make_router(reply, decisions=ScriptedDecisions("weather"), clock=clock,
                          overload=POLICY)

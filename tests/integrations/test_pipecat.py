@@ -55,7 +55,6 @@ from turnrouter import (
     AgentRouter,
     AgentTurn,
     ContractValueError,
-    Destination,
     DestinationResult,
     LifecycleError,
     LLMError,
@@ -82,6 +81,7 @@ from turnrouter.testing import (
 )
 
 from .pipecat_kit import Agent, FakeSpeech, Pipe, spoken
+from .readme_reply import Reply
 
 pytestmark = [
     pytest.mark.anyio,
@@ -833,34 +833,7 @@ def test_unrelated_frames_carry_no_turn() -> None:
         assert turn_from_frame(frame, turn_id="t") is None
 
 
-
 # ---------------------------------------------------------------- returned text, endings
-
-
-class Reply(Destination):
-    """A destination written the way README.md teaches: `started()`, then the answer
-    printed (here: recorded) and returned as `DestinationResult(text=...)`. It says
-    nothing through the pipeline. Its first answer waits for `gate` when given."""
-
-    def __init__(self, reply: str, *, gate: anyio.Event | None = None) -> None:
-        super().__init__("forecasts", name="weather")
-        self.reply = reply
-        self.gate = gate
-        self.entered = anyio.Event()
-        self.outcome: list[str] = []
-
-    async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
-        gate, self.gate = self.gate, None
-        self.entered.set()
-        await started()
-        try:
-            if gate is not None:
-                await gate.wait()
-        except BaseException as exc:
-            self.outcome.append(type(exc).__name__)
-            raise
-        self.outcome.append("done")
-        return DestinationResult(text=self.reply)
 
 
 def router_history(processor: TurnRouterProcessor) -> list[str]:
