@@ -140,7 +140,8 @@ def test_demo_help_names_tracing_flags_and_environment(
 
 
 FLAGS = ["--duration", "--participants", "--seed", "--metrics-port", "--metrics-host",
-         "--speed", "--ack-delay", "--otlp-endpoint", "--otlp-protocol", "--samples"]
+         "--speed", "--ack-delay", "--otlp-endpoint", "--otlp-protocol", "--samples",
+         "--fail-route", "--slow-route"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -254,6 +255,8 @@ def test_demo_flags_take_any_code_point_and_huge_values(pairs: list[tuple[str, s
     assert 0 < args.speed <= 1000 and -(2**63) <= args.seed < 2**63
     assert args.ack_delay is None or 0 < args.ack_delay <= 60
     assert args.metrics_host.isprintable() and len(args.metrics_host) <= 253
+    for route in [*args.fail_route, *args.slow_route]:
+        assert route.isprintable() and 1 <= len(route) <= 100
 
 
 @settings(max_examples=100, deadline=None)
