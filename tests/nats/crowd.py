@@ -58,10 +58,11 @@ async def listen(front: NatsFrontEnd, heard: Heard, ready: asyncio.Event) -> Non
 
 
 @contextlib.asynccontextmanager
-async def listening(url: str) -> AsyncIterator[tuple[NatsFrontEnd, Heard]]:
-    """A front end on `url` and everything its output stream delivered (all routes),
-    listened to from before the first query; closed on exit."""
-    fe = await NatsFrontEnd.connect(NatsConfig(url=url))
+async def listening(url: str, **options: Any) -> AsyncIterator[tuple[NatsFrontEnd, Heard]]:
+    """A front end on `url` (`options` go to `NatsFrontEnd.connect`) and everything its
+    output stream delivered (all routes), listened to from before the first query;
+    closed on exit."""
+    fe = await NatsFrontEnd.connect(NatsConfig(url=url), **options)
     heard = Heard()
     ready = asyncio.Event()
     task = asyncio.create_task(listen(fe, heard, ready))

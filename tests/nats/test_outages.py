@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 
 import nats
 from turnrouter import LifecycleError
+from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, Readiness, encode_token
 
 from .conftest import ROOT, NatsServer, Worker, metric_value, nats_server_binary, until_true
@@ -165,6 +166,46 @@ async def test_the_ready_file_is_there_only_while_the_worker_serves(
         await file_state(ready, True)
         assert ready_status(worker) == 200
         assert worker.proc.poll() is None
+    finally:
+        nats_server.proc.send_signal(signal.SIGCONT)
+        worker.close()
+
+
+async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_once(
+        nats_server: NatsServer) -> None:
+    """A front end notices a frozen server by its pings (disconnected, then reconnected
+    once the server resumes); a publish the server did not confirm raises
+    `LifecycleError`, and publishing the same message again is answered exactly once."""
+    worker = Worker(nats_server.url, "steady", "--reconnect-for", "60")
+    lost, back = asyncio.Event(), asyncio.Event()
+
+    async def disconnected() -> None:
+        lost.set()
+
+    async def reconnected() -> None:
+        back.set()
+
+    try:
+        async with listening(nats_server.url, disconnected_cb=disconnected,
+                             reconnected_cb=reconnected) as (front, heard):
+            assert (await ask(front, heard, "fz", "hello")).startswith("hello|")
+            query = UserQuery(participant_id="fz", text="during")
+            nats_server.proc.send_signal(signal.SIGSTOP)
+            with pytest.raises(LifecycleError, match="publishing query failed"):
+                async with asyncio.timeout(20):
+                    await front.publish(query)
+            async with asyncio.timeout(20):
+                await lost.wait()
+            nats_server.proc.send_signal(signal.SIGCONT)
+            async with asyncio.timeout(20):
+                await back.wait()
+            event = heard.events.setdefault(query.message_id, asyncio.Event())
+            await front.publish(query)  # the retry: same message, same Nats-Msg-Id
+            async with asyncio.timeout(20):
+                await event.wait()
+            # The next turn's answer names its previous user text: the retried query's.
+            assert await ask(front, heard, "fz", "next") == "next|during|F"
+            assert [o.text for o in heard.finals[query.message_id]] == ["during|hello|F"]
     finally:
         nats_server.proc.send_signal(signal.SIGCONT)
         worker.close()

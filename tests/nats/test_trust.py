@@ -28,8 +28,8 @@ from turnrouter import ConfigurationError, LifecycleError
 from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
 
-from .conftest import ROOT, NatsServer, Worker, settled
-from .crowd import Heard, ask, listen
+from .conftest import ROOT, NatsServer, Worker, free_port, settled
+from .crowd import Heard, ask, listen, listening
 
 pytestmark = pytest.mark.anyio
 
@@ -283,7 +283,9 @@ def test_repr_never_shows_a_secret(password: str, token: str) -> None:
     for config in (NatsConfig(user="svc", password=password),
                    NatsConfig(token=token),
                    NatsConfig(url=f"nats://svc:{password}@host:4222"),
-                   NatsConfig(url=f"nats://{token}@host:4222")):
+                   NatsConfig(url=f"nats://{token}@host:4222"),
+                   NatsConfig(url=f"nats://host:4222,nats://svc:{password}@host:4222"),
+                   NatsConfig(url=f"nats://svc:{password}@host:4222,nats://{token}@host")):
         shown = repr(config) + str(config) + config.safe_url
         # What repr shows anyway: the URL's parts and the field names ("timeou" is in
         # "drain_timeout").
@@ -300,6 +302,7 @@ def test_repr_never_shows_a_secret(password: str, token: str) -> None:
     ({"tls_cert_file": "c.pem"}, "go together"),
     ({"password": "a\nb", "user": "u"}, "password"), ({"token": ""}, "token"),
     ({"url": ""}, "url"), ({"url": "nats://a b"}, "url"),
+    ({"url": "nats://a:4222,"}, "empty server"), ({"url": ",nats://a:4222"}, "empty server"),
 ])
 def test_contradictory_security_settings_name_the_field(fields: dict[str, str],
                                                         message: str) -> None:
@@ -323,6 +326,23 @@ async def test_worker_cli_never_prints_the_password() -> None:
     assert "hunter2-0042" not in done.stdout + done.stderr
     assert "Traceback" not in done.stderr and "svc:***@" in done.stderr
     assert len(done.stderr.splitlines()) <= 10
+
+
+async def test_a_url_list_fails_over_to_the_server_that_answers(
+        nats_server: NatsServer) -> None:
+    """`url` may list a cluster's servers, comma-separated: with the first one down, a
+    worker and a front end connect to the next, and a turn is answered; the password of
+    each server is masked wherever the URL is shown."""
+    dead = f"nats://svc:hunter3-0043@127.0.0.1:{free_port()}"
+    url = f"{dead},{nats_server.url}"
+    assert "hunter3-0043" not in NatsConfig(url=url).safe_url
+    worker = Worker(url, "listed")
+    try:
+        async with listening(url) as (front, heard):
+            assert (await ask(front, heard, "listed", "hi")).startswith("hi|")
+    finally:
+        worker.close()
+    assert "hunter3-0043" not in worker.proc.communicate(timeout=10)[1]
 
 
 def _worker_command() -> list[str]:

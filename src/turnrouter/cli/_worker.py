@@ -54,7 +54,8 @@ def worker_parser() -> argparse.ArgumentParser:
         prog="turnrouter worker",
         description="Run one replica of your router on NATS JetStream.")
     parser.add_argument("--nats", default=None,
-                        help="NATS server URL (nats://host:4222; env TURNROUTER_NATS_URL)")
+                        help="NATS server URL, or a cluster's URLs comma-separated "
+                             "(nats://host:4222; env TURNROUTER_NATS_URL)")
     parser.add_argument("--app", required=True,
                         help="module:factory; factory(WorkerContext) returns an AgentRouter "
                              "(imported from --app-dir, the current directory by default)")

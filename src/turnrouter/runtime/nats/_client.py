@@ -44,6 +44,9 @@ _HEARTBEAT = 0.5  # the output consumer's idle heartbeat (seconds)
 _SILENCE = 2.5 * _HEARTBEAT  # no message nor heartbeat for this long: recreate it
 _TICK = 0.2  # how often a waiting reader checks for silence and reconnects
 _NS = 1_000_000_000
+_PUBLISH_TIMEOUT = 5.0  # seconds a publish waits for the server to store it
+_PING_INTERVAL = 2.0  # seconds between the front end's pings
+_MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
 
 
 class NatsFrontEnd:
@@ -58,7 +61,7 @@ class NatsFrontEnd:
 
     def __init__(self, nc: Client, config: NatsConfig) -> None:
         self._nc, self._config = nc, config
-        self._js = nc.jetstream()
+        self._js = nc.jetstream(timeout=_PUBLISH_TIMEOUT)
         self.outputs_skipped = 0
         """Messages on the output subjects that `outputs()` skipped: not a valid
         `ResponseOutput`, or one for another participant than its subject's."""
@@ -71,9 +74,14 @@ class NatsFrontEnd:
         deployment (deploy/nats/) may only look them up, the workers create them. Unless
         `options` say otherwise, the connection retries a lost server every 0.25 s for
         ever (`reconnect_time_wait`, `max_reconnect_attempts=-1`), so outputs resume
-        within about a second of the server's return."""
+        within about a second of the server's return, and pings it every 2 s
+        (`ping_interval`), counting the connection lost when two go unanswered: a frozen
+        server (its connection open, nothing answered) is left within about 6 s for
+        another server of the URL list, instead of nats-py's default two minutes."""
         options.setdefault("reconnect_time_wait", 0.25)
         options.setdefault("max_reconnect_attempts", -1)
+        options.setdefault("ping_interval", _PING_INTERVAL)
+        options.setdefault("max_outstanding_pings", _MAX_OUTSTANDING_PINGS)
         nc = await connect(config, "frontend", **options)
         try:
             if not await _deployment_exists(nc, config):
@@ -92,7 +100,12 @@ class NatsFrontEnd:
 
     async def publish(self, message: RuntimeMessage,
                       headers: dict[str, str] | None = None) -> None:
-        """Publish one input message; W3C trace context travels in the NATS headers."""
+        """Publish one input message; W3C trace context travels in the NATS headers.
+
+        Returns once the server stored it. `LifecycleError` means it did not confirm
+        in time (5 s: a server that is down or frozen): the message may still have been
+        stored. Publishing the same message again is safe, as its `Nats-Msg-Id` makes the
+        stream drop a second copy within the deduplication window (2 min)."""
         try:
             kind = kind_of(message)
         except TypeError as exc:

@@ -64,7 +64,7 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
     if patience is not None:
         merged["max_reconnect_attempts"] = -1  # nats-py tries until cancelled below
     nc = Client()
-    connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(config.url, **merged))
+    connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(config.servers, **merged))
     either: list[asyncio.Future[Any]] = [connecting, refused]
     try:
         await asyncio.wait(either, timeout=patience, return_when=asyncio.FIRST_COMPLETED)

@@ -104,7 +104,9 @@ class NatsConfig:
     seed) or `nkey_seed_file` (a file holding an nkey seed); credentials in the URL
     (`nats://user:password@host`) work too. `tls_ca_file` verifies the server,
     `tls_cert_file` + `tls_key_file` present a client certificate (use a `tls://` URL or a
-    server that requires TLS). `repr()` and every error show the URL with its password
+    server that requires TLS). `url` may list several servers of one cluster,
+    comma-separated (`nats://a:4222,nats://b:4222`): the connection tries them in turn and
+    fails over between them. `repr()` and every error show each URL with its password
     masked and never the password or token.
 
     `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
@@ -145,7 +147,7 @@ class NatsConfig:
         for item in fields(self):
             value = getattr(self, item.name)
             if item.name == "url":
-                value = redact_url(value) if isinstance(value, str) else value
+                value = self.safe_url if isinstance(value, str) else value
             elif item.name in _SECRET_FIELDS and value is not None:
                 value = REDACTED
             shown.append(f"{item.name}={value!r}")
@@ -153,13 +155,22 @@ class NatsConfig:
 
     @property
     def safe_url(self) -> str:
-        """The URL with any password or token masked (what errors and logs show)."""
-        return redact_url(self.url)
+        """The URL with any password or token masked (what errors and logs show), each
+        server of a comma-separated list masked on its own."""
+        return ",".join(redact_url(server) for server in self.url.split(","))
+
+    @property
+    def servers(self) -> list[str]:
+        """The servers `url` names (one, or a comma-separated list), in order."""
+        return [server.strip() for server in self.url.split(",")]
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url or len(self.url) > 4096 or any(
                 c in self.url for c in " \t\r\n\0"):
             raise ConfigurationError("NatsConfig.url must be a NATS URL (nats://host:4222)")
+        if not all(self.servers):
+            raise ConfigurationError(
+                "NatsConfig.url lists an empty server (nats://a:4222,nats://b:4222)")
         for name in _TEXT_FIELDS:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value
