@@ -1,24 +1,39 @@
-"""A partition's pin moves while its owner's turn is marked in flight, after the new
-owner's takeover read the records: the old owner ends that turn itself."""
+"""A partition's pin moves away from its owner while the owner is not done with one of
+its participants: a turn marked in flight, after the new owner's takeover read the
+records, is ended by the old owner itself; a claim of a participant's record still
+under way is fenced when it completes, not kept to be served stale when the partition
+comes back."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import signal
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from prometheus_client import CollectorRegistry, generate_latest
 
 import nats
-from turnrouter.runtime import UserQuery
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token, parse_record
+from turnrouter.runtime import ParticipantJoined, UserQuery
+from turnrouter.runtime.nats import (
+    NatsConfig,
+    NatsFrontEnd,
+    NatsWorker,
+    encode_token,
+    parse_record,
+    state_json,
+)
 
+from .app import make_router
 from .conftest import NatsServer, Worker, metric_value, until_true
 from .crowd import FAILURE, Heard, listen
+from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
 
@@ -137,3 +152,157 @@ async def test_a_turn_marked_after_the_takeover_read_ends_on_the_old_owner(
         await nc.close()
         await front.close()
         worker.close()
+
+
+async def update_stream(nc: Client, name: str, **changes: Any) -> dict[str, Any]:
+    """Change stream `name`'s configuration as an operator does (`$JS.API.STREAM.UPDATE`
+    with the whole configuration); the values `changes` replaced."""
+    info = json.loads((await nc.request(f"$JS.API.STREAM.INFO.{name}", b"",
+                                        timeout=5)).data)
+    config = info["config"]
+    before = {key: config.get(key) for key in changes}
+    reply = json.loads((await nc.request(f"$JS.API.STREAM.UPDATE.{name}",
+                                         json.dumps({**config, **changes}).encode(),
+                                         timeout=5)).data)
+    assert "error" not in reply, reply
+    return before
+
+
+@contextlib.asynccontextmanager
+async def probing(nc: Client, config: NatsConfig, n: int) -> AsyncIterator[None]:
+    """While the block runs, a probe of partition `n` every 0.3 s: the message the server
+    pins a partition's next owner on, once the last one stopped pulling for
+    failover_timeout (a probe the last owner took meanwhile is gone)."""
+    js = nc.jetstream()
+
+    async def probe() -> None:
+        while True:
+            await js.publish(config.probe_subject(n), b"")
+            await asyncio.sleep(0.3)  # the probes' pace, not a wait for async work
+
+    task = asyncio.create_task(probe())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def written_after(kv: Any, key: str, revision: int) -> Any:
+    """The entry of `key` once a write moved it past `revision` (bounded poll of the
+    server's state: at most 15 s)."""
+    for _ in range(300):
+        entry = await kv.get(key)
+        if entry.revision > revision:
+            return entry
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{key} was not written past revision {revision}")
+
+
+async def first_of(*events: asyncio.Event) -> None:
+    """Until one of `events` is set (the caller bounds the wait)."""
+    waits = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
+async def test_a_claim_outliving_its_partition_is_not_served_when_it_comes_back(
+        nats_server: NatsServer) -> None:
+    """A worker claims zed's record again (a save of zed got an error reply, so zed was
+    dropped: the claim reads the record afresh), and its pin moves to a new owner while
+    that claim's read waits at the server. Told it lost the partition before the claim
+    completes, the worker must not keep the state the claim read: the new owner then
+    marks a turn of zed in flight, and when the partition comes back the worker's
+    takeover has to read that record, end the turn with the failure text and never run
+    it, even delivered afresh (before, the claimed state was served, stale: no ending,
+    and the turn ran a second time).
+
+    Held without touching the worker: its connection goes through a proxy that keeps
+    the publishes matching a rule from the server (the claim's read of zed's record,
+    then the worker's pulls of the partition, so the pin can move), a real server
+    refuses the save (an operator lowered the bucket's message size for a moment), and
+    the new owner is this test, pulling in the replicas' priority group and writing
+    zed's record as an owner does."""
+    # A failover timeout of 2 s: the new owner, pulling every 0.3 s, keeps the pin
+    # through a stall of the loaded machine's event loop (the worker pulls too).
+    config = NatsConfig(url=nats_server.url, partitions=1, failover_timeout=2.0)
+    n, turn = 0, "turn-elsewhere"
+    key = f"{n}.{encode_token('zed')}"
+    registry = CollectorRegistry()
+
+    def metric(name: str, labels: str = "") -> float:
+        return metric_value(generate_latest(registry).decode(), name, labels)
+
+    async with proxied(nats_server.port) as proxy:
+        worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                            registry=registry, replica="old")
+        run = asyncio.create_task(worker.run())
+        front = await NatsFrontEnd.connect(config)
+        heard = Heard()
+        ready = asyncio.Event()
+        listener = asyncio.create_task(listen(front, heard, ready))
+        nc = await nats.connect(nats_server.url)
+        try:
+            async with asyncio.timeout(15):
+                await worker.ready.wait()
+                await ready.wait()
+            kv = await nc.jetstream().key_value(config.bucket)
+            await front.publish(ParticipantJoined(participant_id="zed"))
+            await until_true(lambda: metric("turnrouter_nats_state_write_seconds_count") >= 1,
+                             "zed was claimed and saved")
+            record_subject = f"$KV.{config.bucket}.{key}"
+            reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
+                subject.endswith(record_subject) or record_subject.encode() in payload))
+            limits = await update_stream(nc, f"KV_{config.bucket}", max_msg_size=1)
+            await front.publish(ParticipantJoined(participant_id="zed"))  # saved: refused
+            async with asyncio.timeout(15):  # zed dropped, claimed again: its read waits
+                await reads.event.wait()
+            await update_stream(nc, f"KV_{config.bucket}", **limits)
+            revision = (await kv.get(key)).revision or 0
+            pulls = proxy.hold(lambda subject, _: subject == (
+                f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"))
+            async with pin_holder(nc, config, n) as pinned:
+                async with probing(nc, config, n):
+                    await until_true(pinned.is_set, "the new owner was pinned", within=15)
+                pulls.release()  # their pin is refused (423): the worker lost the partition
+                await until_true(lambda: metric("turnrouter_nats_partitions_lost_total",
+                                                'how="lost"') >= 1,
+                                 "the worker saw its partition lost")
+                assert n not in worker.owned_partitions
+                reads.release()  # the claim completes now, its partition gone
+                entry = await written_after(kv, key, revision)  # the claim's write
+                record = parse_record(entry.value or b"")
+                assert record.owner == "old" and record.inflight == []
+                # The new owner claims zed and marks a turn in flight.
+                await kv.update(key, state_json("new", [turn], record.snapshot, [],
+                                                record.ended), last=entry.revision)
+            # The new owner stops pulling: the partition comes back to the worker.
+            async with probing(nc, config, n):
+                await until_true(lambda: n in worker.owned_partitions,
+                                 "the worker took the partition back", within=15)
+            # The turn's query delivered afresh (as after a server crash: delivery 1).
+            await front.publish(UserQuery(participant_id="zed", text="slow", message_id=turn))
+            started = heard.events.setdefault(f"started {turn}", asyncio.Event())
+            async with asyncio.timeout(15):
+                await first_of(heard.events.setdefault(turn, asyncio.Event()), started)
+            assert not started.is_set(), (
+                "the destination ran a turn zed's record had marked in flight elsewhere")
+            assert [(m.route, m.text) for m in heard.finals[turn]] == [("none", FAILURE)]
+            await until_true(lambda: metric("turnrouter_nats_duplicates_dropped_total",
+                                            'where="input"') >= 1,
+                             "the query of the ended turn was dropped")
+            assert not started.is_set()
+            record = parse_record((await kv.get(key)).value or b"")
+            assert record.inflight == [] and turn in record.ended
+        finally:
+            listener.cancel()
+            await asyncio.gather(listener, return_exceptions=True)
+            await nc.close()
+            await front.close()
+            run.cancel()
+            async with asyncio.timeout(20):
+                await asyncio.gather(run, return_exceptions=True)

@@ -1,0 +1,139 @@
+"""A TCP proxy between NATS clients and a real nats-server that holds back, on request,
+the messages clients publish that match a rule: the server gets them late, as over a
+congested network, while everything else flows both ways. A test keeps one request of a
+worker unanswered this way (a claim's read of a record, say) while the server does
+something else (moves a partition's pin), with no access to the worker's internals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+__all__ = ["Hold", "NatsProxy", "proxied"]
+
+#: Whether a publish (subject, payload without headers) is to be held.
+Match = Callable[[str, bytes], bool]
+
+
+class Hold:
+    """The publishes matching `match` that clients sent since the hold began, kept back
+    from the server until `release()`. `event` is set at the first one."""
+
+    def __init__(self, match: Match) -> None:
+        self.match = match
+        self.active = True
+        self.event = asyncio.Event()
+        self.held: list[tuple[asyncio.StreamWriter, bytes]] = []
+
+    def release(self) -> int:
+        """Send what was held to the server, in order, and hold nothing more; how many
+        publishes were held (those of a connection closed meanwhile are dropped)."""
+        self.active = False
+        for writer, data in self.held:
+            if not writer.is_closing():
+                writer.write(data)
+        count, self.held = len(self.held), []
+        return count
+
+
+class NatsProxy:
+    """Listens on a free local port (`url`) and forwards each connection to the server
+    on `port`; the client's PUB and HPUB commands are read whole and checked against the
+    active holds (SUB, PING and the rest always pass)."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._holds: list[Hold] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.url = f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    def hold(self, match: Match) -> Hold:
+        """Hold back every publish matching `match` from now until its `release()`."""
+        hold = Hold(match)
+        self._holds.append(hold)
+        return hold
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _accept(self, client_reader: asyncio.StreamReader,
+                      client_writer: asyncio.StreamWriter) -> None:
+        self._writers.add(client_writer)
+        try:
+            server_reader, server_writer = await asyncio.open_connection(
+                "127.0.0.1", self._port)
+        except OSError:
+            client_writer.close()
+            return
+        self._writers.add(server_writer)
+        pumps = [asyncio.create_task(self._downlink(server_reader, client_writer)),
+                 asyncio.create_task(self._uplink(client_reader, server_writer))]
+        self._tasks.update(pumps)
+        try:
+            # Either side closing ends both.
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            self._tasks.difference_update(pumps)
+            for writer in (client_writer, server_writer):
+                writer.close()
+                self._writers.discard(writer)
+
+    async def _downlink(self, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+
+    async def _uplink(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                line = await reader.readuntil(b"\r\n")
+                parts = line.split()
+                op = parts[0].upper() if parts else b""
+                data, subject, payload = line, "", b""
+                if op in (b"PUB", b"HPUB"):
+                    size = int(parts[-1])
+                    body = await reader.readexactly(size + 2)
+                    data += body
+                    subject = parts[1].decode("utf-8", "replace")
+                    payload = body[int(parts[-2]) if op == b"HPUB" else 0:size]
+                hold = None
+                if op in (b"PUB", b"HPUB"):
+                    hold = next((h for h in self._holds
+                                 if h.active and h.match(subject, payload)), None)
+                if hold is None:
+                    writer.write(data)
+                    await writer.drain()
+                else:
+                    hold.held.append((writer, data))
+                    hold.event.set()
+
+
+@contextlib.asynccontextmanager
+async def proxied(port: int) -> AsyncIterator[NatsProxy]:
+    """A started `NatsProxy` to the server on `port`, closed on exit."""
+    proxy = NatsProxy(port)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.close()
