@@ -126,7 +126,7 @@ def test_tokens_stay_exact_past_the_participants_a_worker_remembers() -> None:
     remembered = encode_token("ab")  # "YWI", padded "YWI="
     assert decode_token(remembered) == "ab"
     for junk in (remembered + "=", remembered[:-1] + "J", "", "Y"):  # padded, stray bits
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="participant token"):
             decode_token(junk)
 
 

@@ -88,7 +88,7 @@ class _TurnIndex:
     def discard(self, pid: str, task: asyncio.Task[None] | None) -> None:
         tasks = self._tasks.get(pid)
         if tasks is not None:
-            tasks.discard(task)  # type: ignore[arg-type]  # None: nothing to discard
+            tasks.discard(task)
             if not tasks:
                 del self._tasks[pid]
 
