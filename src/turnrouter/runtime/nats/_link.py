@@ -5,9 +5,7 @@ fresh inbox token and a parsed `PubAck` per call. A turn needs one request (its 
 write) and one stored publish (its answer), so the worker keeps one wildcard reply
 subscription: a request is a publish with a reply token and a future; the answer's
 publish does not wait at all, and its acknowledgment is read off the turn's path (to
-count duplicates the output stream dropped and to log a refused publish). The requests'
-deadlines share one timer, armed for the earliest (a timer per request would sit,
-cancelled, in the event loop's heap until its deadline, seconds later).
+count duplicates the output stream dropped and to log a refused publish).
 """
 
 from __future__ import annotations
@@ -48,12 +46,7 @@ class Link:
         self._on_no_responders = on_no_responders
         self._refusals = 0
         self._prefix = nc.new_inbox()
-        #: The futures of the requests awaiting their reply, with their deadlines (event
-        #: loop time), by reply token.
-        self._waiting: dict[str, tuple[asyncio.Future[bytes], float]] = {}
-        #: The one timer ending overdue requests (armed for `_due`), or None.
-        self._timer: asyncio.TimerHandle | None = None
-        self._due = 0.0
+        self._waiting: dict[str, asyncio.Future[bytes]] = {}
         self._next = 0
         self._on_duplicate = on_duplicate
         self._stored_reply = f"{self._prefix}.{_STORED}"
@@ -73,10 +66,8 @@ class Link:
         token = str(self._next)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bytes] = loop.create_future()
-        deadline = loop.time() + wait
-        self._waiting[token] = (future, deadline)
-        if self._timer is None or deadline < self._due:
-            self._arm(loop, deadline)
+        self._waiting[token] = future
+        timer = loop.call_later(wait, _expire, future)
         try:
             await self._nc.publish(subject, payload, reply=f"{self._prefix}.{token}",
                                    headers=headers)
@@ -84,29 +75,8 @@ class Link:
         except NatsError as exc:
             raise RequestFailed(repr(exc)) from exc
         finally:
+            timer.cancel()
             del self._waiting[token]
-
-    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._due = when
-        self._timer = loop.call_at(when, self._expire, loop)
-
-    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The timer fired: end the requests past their deadline (`RequestFailed`), and
-        arm it again for the earliest of the others."""
-        self._timer = None
-        now = max(loop.time(), self._due)  # it may fire a clock tick early
-        earliest: float | None = None
-        for future, deadline in list(self._waiting.values()):
-            if future.done():
-                continue
-            if deadline <= now:
-                future.set_exception(RequestFailed("no reply in time"))
-            elif earliest is None or deadline < earliest:
-                earliest = deadline
-        if earliest is not None:
-            self._arm(loop, earliest)
 
     async def send(self, subject: str, payload: bytes) -> None:
         """A plain publish (an acknowledgment); a closed connection is ignored (the
@@ -138,7 +108,7 @@ class Link:
     def fail_waiting(self) -> None:
         """After a reconnect: the replies of requests sent before it never come (a
         restarted server forgot them), so their waits end now (`RequestFailed`)."""
-        for future, _ in self._waiting.values():
+        for future in self._waiting.values():
             if not future.done():
                 future.set_exception(RequestFailed("connection lost before the reply"))
 
@@ -159,10 +129,9 @@ class Link:
             if self._stored_ack(msg.data, status) and confirmed is not None:
                 confirmed()
             return
-        waiting = self._waiting.get(token)
-        if waiting is None or waiting[0].done():
+        future = self._waiting.get(token)
+        if future is None or future.done():
             return
-        future = waiting[0]
         if status == "503":
             future.set_exception(RequestFailed("no responders (is its stream there?)"))
         else:
@@ -184,6 +153,11 @@ class Link:
             logger.warning("turnrouter: the output stream refused an output (%d so far): "
                            "%s", self._refusals, why)
         return False
+
+
+def _expire(future: asyncio.Future[bytes]) -> None:
+    if not future.done():
+        future.set_exception(RequestFailed("no reply in time"))
 
 
 #: The usual form of a successful acknowledgment, read without the JSON parser (a
