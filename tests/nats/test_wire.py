@@ -9,6 +9,7 @@ both formats or start the participant afresh, and outputs carry the documented i
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import string
 import threading
@@ -110,6 +111,23 @@ def test_junk_tokens_are_refused_with_value_error(token: str) -> None:
     except ValueError:
         return
     assert encode_token(pid) == token
+
+
+def test_tokens_stay_exact_past_the_participants_a_worker_remembers() -> None:
+    """A worker remembers the tokens of its last 4,096 participants (docs/limits.md):
+    ids past that bound, and ids remembered, forgotten and seen again, encode and decode
+    exactly as base64url, and a non-canonical spelling of a remembered token is still
+    refused."""
+    pids = [f"participant-{i}-é" for i in range(10_000)]
+    expected = [base64.urlsafe_b64encode(p.encode()).rstrip(b"=").decode() for p in pids]
+    assert [encode_token(p) for p in pids] == expected
+    assert [decode_token(t) for t in expected] == pids
+    assert [encode_token(p) for p in reversed(pids)] == expected[::-1]
+    remembered = encode_token("ab")  # "YWI", padded "YWI="
+    assert decode_token(remembered) == "ab"
+    for junk in (remembered + "=", remembered[:-1] + "J", "", "Y"):  # padded, stray bits
+        with pytest.raises(ValueError, match="participant token"):
+            decode_token(junk)
 
 
 def test_overlong_participant_ids_are_refused() -> None:

@@ -72,19 +72,20 @@ class _Recent:
 
 
 class _TurnIndex:
-    """Running turn tasks by participant (entries go when their last task ends)."""
+    """Running turn tasks by participant (entries go when their last task ends). A turn
+    task leaves it at its own end (`Inputs._turn`), without a done callback per turn;
+    `of` skips a task that ended without running (cancelled before its first step)."""
 
     def __init__(self) -> None:
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
 
     def of(self, pid: str) -> tuple[asyncio.Task[None], ...]:
-        return tuple(self._tasks.get(pid, ()))
+        return tuple(t for t in self._tasks.get(pid, ()) if not t.done())
 
     def add(self, pid: str, task: asyncio.Task[None]) -> None:
         self._tasks.setdefault(pid, set()).add(task)
-        task.add_done_callback(functools.partial(self._done, pid))
 
-    def _done(self, pid: str, task: asyncio.Task[None]) -> None:
+    def discard(self, pid: str, task: asyncio.Task[None] | None) -> None:
         tasks = self._tasks.get(pid)
         if tasks is not None:
             tasks.discard(task)
@@ -96,27 +97,40 @@ class _Running:
     """A turn started from a query message, and when that message may be acknowledged.
 
     `gate` resolves first: None when `mark_after` passed before the turn began to
-    finish (mark it in flight), else the finished write's result; `written` is that
-    result (True: recorded, acknowledge; False: fenced, leave it to the new owner)."""
+    finish (mark it in flight), else the finished write's result; `written()` is that
+    result (True: recorded, acknowledge; False: fenced, leave it to the new owner). Its
+    future is made only for a turn that outlasted `mark_after` (one future less on the
+    usual turn)."""
 
-    __slots__ = ("finishing", "gate", "held", "output", "written")
+    __slots__ = ("_written", "finishing", "gate", "held", "output", "result", "task")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.finishing = False
         self.gate: asyncio.Future[bool | None] = loop.create_future()
-        self.written: asyncio.Future[bool] = loop.create_future()
+        self._written: asyncio.Future[bool] | None = None
+        self.result: bool | None = None  # the finished write's, once settled
         self.held: Ending | None = None
         self.output: _Output | None = None
+        self.task: asyncio.Task[None] | None = None
 
     def due(self) -> None:
         if not self.finishing and not self.gate.done():
             self.gate.set_result(None)
 
     def settle(self, ok: bool) -> None:
-        if not self.written.done():
-            self.written.set_result(ok)
+        if self.result is None:
+            self.result = ok
+            if self._written is not None and not self._written.done():
+                self._written.set_result(ok)
         if not self.gate.done():
             self.gate.set_result(ok)
+
+    async def written(self) -> bool:
+        if self.result is not None:
+            return self.result
+        if self._written is None:
+            self._written = self.gate.get_loop().create_future()
+        return await self._written
 
 
 Spawn = Callable[[Awaitable[Any], str], "asyncio.Task[Any]"]
@@ -227,8 +241,8 @@ class Inputs:
              if headers else {}) or query.trace_carrier())  # bounded, never echoed raw
         loop = asyncio.get_running_loop()
         run = self._running[(pid, query.message_id)] = _Running(loop)
-        task = self._spawn(self._turn(pid, state, query, carrier, run),
-                           f"turn {query.message_id}")
+        task = run.task = self._spawn(self._turn(pid, state, query, carrier, run),
+                                      f"turn {query.message_id}")
         self.turns_of.add(pid, task)
         timer = loop.call_later(self._config.mark_after, run.due)
         try:
@@ -238,7 +252,7 @@ class Inputs:
         if outcome is not None:
             return outcome
         if run.finishing:  # it began to finish since the deadline: no mark needed
-            return await run.written
+            return await run.written()
         state.inflight.append(query.message_id)
         if self._metrics is not None:
             self._metrics.inflight_marks.inc()
@@ -313,19 +327,22 @@ class Inputs:
         finally:
             run.finishing = True
             del self._running[(pid, query.message_id)]
-            if state.inflight:  # only a turn that outlasted mark_after is there
-                with contextlib.suppress(ValueError):
-                    state.inflight.remove(query.message_id)
-            state.end(query.message_id)
-            held = run.held
-            if held is not None:
-                state.outbox.append(held)
-            if state.fenced:
-                run.settle(False)
-            else:
-                # Not shielded: the task is cancelled only when the worker goes down, and
-                # a record write cut then is a crash like any other (module doc).
-                await self._finish(pid, state, run)
+            try:
+                if state.inflight:  # only a turn that outlasted mark_after is there
+                    with contextlib.suppress(ValueError):
+                        state.inflight.remove(query.message_id)
+                state.end(query.message_id)
+                held = run.held
+                if held is not None:
+                    state.outbox.append(held)
+                if state.fenced:
+                    run.settle(False)
+                else:
+                    # Not shielded: the task is cancelled only when the worker goes down,
+                    # and a record write cut then is a crash like any other (module doc).
+                    await self._finish(pid, state, run)
+            finally:  # a hand-over waits for the turn's write and answer (`turns_of`)
+                self.turns_of.discard(pid, run.task)
 
     async def _finish(self, pid: str, state: Participant, run: _Running) -> None:
         """Write the finished exchange, then publish the answer it holds (if any)."""

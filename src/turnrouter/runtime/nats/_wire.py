@@ -263,18 +263,45 @@ class NatsConfig:
         return f"{self.prefix}.probe.{partition}"
 
 
+#: Tokens of the participants seen lately, both ways (a worker encodes a participant's
+#: id four times per turn); emptied when either holds `_TOKENS_BOUND` entries.
+_TOKENS_BOUND = 4096
+_TOKEN_OF: dict[str, str] = {}
+_ID_OF: dict[str, str] = {}
+
+
 def encode_token(participant_id: str) -> str:
     """The participant id as a subject token / key (unpadded base64url of its UTF-8)."""
+    cached = type(participant_id) is str
+    if cached:
+        token = _TOKEN_OF.get(participant_id)
+        if token is not None:
+            return token
     raw = participant_id.encode("utf-8")
     if not raw or len(raw) > MAX_PARTICIPANT_ID_BYTES:
         raise ContractValueError(
             f"participant id must be 1..{MAX_PARTICIPANT_ID_BYTES} UTF-8 bytes, "
             f"got {len(raw)}")
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+    token = base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+    if cached:
+        _remember(participant_id, token)
+    return token
+
+
+def _remember(participant_id: str, token: str) -> None:
+    if len(_TOKEN_OF) >= _TOKENS_BOUND or len(_ID_OF) >= _TOKENS_BOUND:
+        _TOKEN_OF.clear()
+        _ID_OF.clear()
+    _TOKEN_OF[participant_id] = token
+    _ID_OF[token] = participant_id
 
 
 def decode_token(token: str) -> str:
     """Inverse of `encode_token`; ValueError for anything `encode_token` cannot produce."""
+    if type(token) is str:
+        known = _ID_OF.get(token)
+        if known is not None:
+            return known
     if not token or len(token) > 4 * MAX_PARTICIPANT_ID_BYTES // 3 + 4:
         raise ValueError("participant token of bad length")
     try:
