@@ -58,16 +58,19 @@ async def listen(front: NatsFrontEnd, heard: Heard, ready: asyncio.Event) -> Non
 
 
 @contextlib.asynccontextmanager
-async def listening(url: str, **options: Any) -> AsyncIterator[tuple[NatsFrontEnd, Heard]]:
-    """A front end on `url` (`options` go to `NatsFrontEnd.connect`) and everything its
-    output stream delivered (all routes), listened to from before the first query;
-    closed on exit."""
-    fe = await NatsFrontEnd.connect(NatsConfig(url=url), **options)
+async def listening(target: str | NatsConfig,
+                    **options: Any) -> AsyncIterator[tuple[NatsFrontEnd, Heard]]:
+    """A front end on `target` (a URL, or a whole configuration; `options` go to
+    `NatsFrontEnd.connect`) and everything its output stream delivered (all routes),
+    listened to from before the first query; closed on exit."""
+    config = NatsConfig(url=target) if isinstance(target, str) else target
+    fe = await NatsFrontEnd.connect(config, **options)
     heard = Heard()
     ready = asyncio.Event()
     task = asyncio.create_task(listen(fe, heard, ready))
-    await ready.wait()
     try:
+        async with asyncio.timeout(15):
+            await ready.wait()
         yield fe, heard
     finally:
         task.cancel()

@@ -23,7 +23,6 @@ import nats
 from turnrouter.runtime import ParticipantJoined, UserQuery
 from turnrouter.runtime.nats import (
     NatsConfig,
-    NatsFrontEnd,
     NatsWorker,
     encode_token,
     parse_record,
@@ -32,7 +31,7 @@ from turnrouter.runtime.nats import (
 
 from .app import make_router
 from .conftest import NatsServer, Worker, metric_value, until_true
-from .crowd import FAILURE, Heard, listen
+from .crowd import FAILURE, listening
 from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
@@ -89,68 +88,61 @@ async def test_a_turn_marked_after_the_takeover_read_ends_on_the_old_owner(
     and nobody talks (before, the participant heard nothing until their next query)."""
     config = NatsConfig(url=nats_server.url)
     worker = Worker(nats_server.url, "old")
-    front = await NatsFrontEnd.connect(config)
-    heard = Heard()
-    ready = asyncio.Event()
-    listener = asyncio.create_task(listen(front, heard, ready))
     nc = await nats.connect(nats_server.url)
     try:
-        await ready.wait()
-        kv = await nc.jetstream().key_value(config.bucket)
-        slow = UserQuery(participant_id="zed", text="slow")
-        await front.publish(slow)
-        async with asyncio.timeout(15):  # its preamble: the turn is running
-            await heard.events.setdefault(f"started {slow.message_id}",
-                                          asyncio.Event()).wait()
-        token = encode_token("zed")
-        js = nc.jetstream()
+        async with listening(config) as (front, heard):
+            kv = await nc.jetstream().key_value(config.bucket)
+            slow = UserQuery(participant_id="zed", text="slow")
+            await front.publish(slow)
+            async with asyncio.timeout(15):  # its preamble: the turn is running
+                await heard.events.setdefault(f"started {slow.message_id}",
+                                              asyncio.Event()).wait()
+            token = encode_token("zed")
+            js = nc.jetstream()
 
-        async def marked_and_acknowledged() -> int | None:
-            """The partition of the record marking the turn in flight, once the query's
-            message is acknowledged (None before)."""
-            for n in range(config.partitions):
-                with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            async def marked_and_acknowledged() -> int | None:
+                """The partition of the record marking the turn in flight, once the query's
+                message is acknowledged (None before)."""
+                for n in range(config.partitions):
+                    with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                        entry = await kv.get(f"{n}.{token}")
+                        if parse_record(entry.value or b"").inflight == [slow.message_id]:
+                            info = await js.consumer_info(config.stream, config.consumer(n))
+                            return n if info.num_ack_pending == info.num_pending == 0 else None
+                return None
+
+            for _ in range(300):  # bounded poll of the server's state: at most 15 s
+                partition = await marked_and_acknowledged()
+                if partition is not None:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the turn was never marked in flight and acknowledged")
+            n = partition
+            worker.signal(signal.SIGSTOP)
+            try:
+                async with pin_holder(nc, config, n) as pinned:
+                    # A probe of the partition: the message the server pins the new owner on
+                    # once the paused owner stopped pulling for failover_timeout.
+                    await js.publish(config.probe_subject(n), b"")
+                    async with asyncio.timeout(15):
+                        await pinned.wait()
+                    worker.signal(signal.SIGCONT)
+                    async with asyncio.timeout(15):  # while the new owner holds the pin
+                        await heard.events.setdefault(slow.message_id, asyncio.Event()).wait()
+                    finals = heard.finals[slow.message_id]
+                    assert [(m.route, m.text) for m in finals] == [("none", FAILURE)]
                     entry = await kv.get(f"{n}.{token}")
-                    if parse_record(entry.value or b"").inflight == [slow.message_id]:
-                        info = await js.consumer_info(config.stream, config.consumer(n))
-                        return n if info.num_ack_pending == info.num_pending == 0 else None
-            return None
-
-        for _ in range(300):  # bounded poll of the server's state: at most 15 s
-            partition = await marked_and_acknowledged()
-            if partition is not None:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the turn was never marked in flight and acknowledged")
-        n = partition
-        worker.signal(signal.SIGSTOP)
-        try:
-            async with pin_holder(nc, config, n) as pinned:
-                # A probe of the partition: the message the server pins the new owner on
-                # once the paused owner stopped pulling for failover_timeout.
-                await js.publish(config.probe_subject(n), b"")
-                async with asyncio.timeout(15):
-                    await pinned.wait()
+                    record = parse_record(entry.value or b"")
+                    assert record.inflight == []
+                    assert slow.message_id in record.ended
+            finally:
                 worker.signal(signal.SIGCONT)
-                async with asyncio.timeout(15):  # while the new owner holds the pin
-                    await heard.events.setdefault(slow.message_id, asyncio.Event()).wait()
-                finals = heard.finals[slow.message_id]
-                assert [(m.route, m.text) for m in finals] == [("none", FAILURE)]
-                entry = await kv.get(f"{n}.{token}")
-                record = parse_record(entry.value or b"")
-                assert record.inflight == []
-                assert slow.message_id in record.ended
-        finally:
-            worker.signal(signal.SIGCONT)
-        await until_true(lambda: metric_value(
-            worker.metrics(), "turnrouter_nats_inflight_failed_total") >= 1,
-            "the old owner counted the turn it ended")
+            await until_true(lambda: metric_value(
+                worker.metrics(), "turnrouter_nats_inflight_failed_total") >= 1,
+                "the old owner counted the turn it ended")
     finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
         await nc.close()
-        await front.close()
         worker.close()
 
 
@@ -241,68 +233,61 @@ async def test_a_claim_outliving_its_partition_is_not_served_when_it_comes_back(
         worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
                             registry=registry, replica="old")
         run = asyncio.create_task(worker.run())
-        front = await NatsFrontEnd.connect(config)
-        heard = Heard()
-        ready = asyncio.Event()
-        listener = asyncio.create_task(listen(front, heard, ready))
         nc = await nats.connect(nats_server.url)
         try:
-            async with asyncio.timeout(15):
-                await worker.ready.wait()
-                await ready.wait()
-            kv = await nc.jetstream().key_value(config.bucket)
-            await front.publish(ParticipantJoined(participant_id="zed"))
-            await until_true(lambda: metric("turnrouter_nats_state_write_seconds_count") >= 1,
-                             "zed was claimed and saved")
-            record_subject = f"$KV.{config.bucket}.{key}"
-            reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
-                subject.endswith(record_subject) or record_subject.encode() in payload))
-            limits = await update_stream(nc, f"KV_{config.bucket}", max_msg_size=1)
-            await front.publish(ParticipantJoined(participant_id="zed"))  # saved: refused
-            async with asyncio.timeout(15):  # zed dropped, claimed again: its read waits
-                await reads.event.wait()
-            await update_stream(nc, f"KV_{config.bucket}", **limits)
-            revision = (await kv.get(key)).revision or 0
-            pulls = proxy.hold(lambda subject, _: subject == (
-                f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"))
-            async with pin_holder(nc, config, n) as pinned:
+            async with listening(config) as (front, heard):
+                async with asyncio.timeout(15):
+                    await worker.ready.wait()
+                kv = await nc.jetstream().key_value(config.bucket)
+                await front.publish(ParticipantJoined(participant_id="zed"))
+                await until_true(lambda: metric("turnrouter_nats_state_write_seconds_count") >= 1,
+                                 "zed was claimed and saved")
+                record_subject = f"$KV.{config.bucket}.{key}"
+                reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
+                    subject.endswith(record_subject) or record_subject.encode() in payload))
+                limits = await update_stream(nc, f"KV_{config.bucket}", max_msg_size=1)
+                await front.publish(ParticipantJoined(participant_id="zed"))  # saved: refused
+                async with asyncio.timeout(15):  # zed dropped, claimed again: its read waits
+                    await reads.event.wait()
+                await update_stream(nc, f"KV_{config.bucket}", **limits)
+                revision = (await kv.get(key)).revision or 0
+                pulls = proxy.hold(lambda subject, _: subject == (
+                    f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"))
+                async with pin_holder(nc, config, n) as pinned:
+                    async with probing(nc, config, n):
+                        await until_true(pinned.is_set, "the new owner was pinned", within=15)
+                    pulls.release()  # their pin is refused (423): the worker lost the partition
+                    await until_true(lambda: metric("turnrouter_nats_partitions_lost_total",
+                                                    'how="lost"') >= 1,
+                                     "the worker saw its partition lost")
+                    assert n not in worker.owned_partitions
+                    reads.release()  # the claim completes now, its partition gone
+                    entry = await written_after(kv, key, revision)  # the claim's write
+                    record = parse_record(entry.value or b"")
+                    assert record.owner == "old" and record.inflight == []
+                    # The new owner claims zed and marks a turn in flight.
+                    await kv.update(key, state_json("new", [turn], record.snapshot, [],
+                                                    record.ended), last=entry.revision)
+                # The new owner stops pulling: the partition comes back to the worker.
                 async with probing(nc, config, n):
-                    await until_true(pinned.is_set, "the new owner was pinned", within=15)
-                pulls.release()  # their pin is refused (423): the worker lost the partition
-                await until_true(lambda: metric("turnrouter_nats_partitions_lost_total",
-                                                'how="lost"') >= 1,
-                                 "the worker saw its partition lost")
-                assert n not in worker.owned_partitions
-                reads.release()  # the claim completes now, its partition gone
-                entry = await written_after(kv, key, revision)  # the claim's write
-                record = parse_record(entry.value or b"")
-                assert record.owner == "old" and record.inflight == []
-                # The new owner claims zed and marks a turn in flight.
-                await kv.update(key, state_json("new", [turn], record.snapshot, [],
-                                                record.ended), last=entry.revision)
-            # The new owner stops pulling: the partition comes back to the worker.
-            async with probing(nc, config, n):
-                await until_true(lambda: n in worker.owned_partitions,
-                                 "the worker took the partition back", within=15)
-            # The turn's query delivered afresh (as after a server crash: delivery 1).
-            await front.publish(UserQuery(participant_id="zed", text="slow", message_id=turn))
-            started = heard.events.setdefault(f"started {turn}", asyncio.Event())
-            async with asyncio.timeout(15):
-                await first_of(heard.events.setdefault(turn, asyncio.Event()), started)
-            assert not started.is_set(), (
-                "the destination ran a turn zed's record had marked in flight elsewhere")
-            assert [(m.route, m.text) for m in heard.finals[turn]] == [("none", FAILURE)]
-            await until_true(lambda: metric("turnrouter_nats_duplicates_dropped_total",
-                                            'where="input"') >= 1,
-                             "the query of the ended turn was dropped")
-            assert not started.is_set()
-            record = parse_record((await kv.get(key)).value or b"")
-            assert record.inflight == [] and turn in record.ended
+                    await until_true(lambda: n in worker.owned_partitions,
+                                     "the worker took the partition back", within=15)
+                # The turn's query delivered afresh (as after a server crash: delivery 1).
+                await front.publish(UserQuery(participant_id="zed", text="slow", message_id=turn))
+                started = heard.events.setdefault(f"started {turn}", asyncio.Event())
+                async with asyncio.timeout(15):
+                    await first_of(heard.events.setdefault(turn, asyncio.Event()), started)
+                assert not started.is_set(), (
+                    "the destination ran a turn zed's record had marked in flight elsewhere")
+                assert [(m.route, m.text) for m in heard.finals[turn]] == [("none", FAILURE)]
+                await until_true(lambda: metric("turnrouter_nats_duplicates_dropped_total",
+                                                'where="input"') >= 1,
+                                 "the query of the ended turn was dropped")
+                assert not started.is_set()
+                record = parse_record((await kv.get(key)).value or b"")
+                assert record.inflight == [] and turn in record.ended
         finally:
-            listener.cancel()
-            await asyncio.gather(listener, return_exceptions=True)
             await nc.close()
-            await front.close()
             run.cancel()
             async with asyncio.timeout(20):
                 await asyncio.gather(run, return_exceptions=True)

@@ -31,6 +31,7 @@ from ..._exceptions import (
     TurnrouterError,
 )
 from .._messages import Interrupted, ResponseOutput, RuntimeMessage
+from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
 from ._security import connect
 from ._setup import api_request, ensure_deployment
@@ -46,7 +47,6 @@ _TICK = 0.2  # how often a waiting reader checks for silence and reconnects
 _NS = 1_000_000_000
 _PUBLISH_TIMEOUT = 5.0  # seconds a publish waits for the server to store it
 _PING_INTERVAL = 2.0  # seconds between the front end's pings
-_MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
 
 
 class NatsFrontEnd:
@@ -81,7 +81,7 @@ class NatsFrontEnd:
         options.setdefault("reconnect_time_wait", 0.25)
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("ping_interval", _PING_INTERVAL)
-        options.setdefault("max_outstanding_pings", _MAX_OUTSTANDING_PINGS)
+        options.setdefault("max_outstanding_pings", MAX_OUTSTANDING_PINGS)
         nc = await connect(config, "frontend", **options)
         try:
             if not await _deployment_exists(nc, config):

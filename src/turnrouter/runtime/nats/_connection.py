@@ -32,12 +32,12 @@ from ._security import connect, safe_error
 from ._setup import ensure_deployment
 from ._wire import NatsConfig
 
-__all__ = ["Connection", "Readiness", "connect_timeout", "ping_interval"]
+__all__ = ["MAX_OUTSTANDING_PINGS", "Connection", "Readiness", "connect_timeout", "ping_interval"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
 _RECONNECT_WAIT = 0.5  # seconds between reconnect attempts (and start-up retries)
-_MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
+MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
 #: Bytes of one socket read nats-py parses between two returns to the event loop.
 _PARSE_PIECE = 8192
 #: How long a partition whose pull failed oddly (no consumer answering) waits before it
@@ -135,7 +135,7 @@ class Connection:
             config, "worker", patience=config.reconnect_for, name=f"turnrouter-{replica}",
             connect_timeout=connect_timeout(config), reconnect_time_wait=_RECONNECT_WAIT,
             ping_interval=ping_interval(config),
-            max_outstanding_pings=_MAX_OUTSTANDING_PINGS,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             closed_cb=self._closed, disconnected_cb=self._disconnected,
             reconnected_cb=self._back)
         # From now on the bound is reconnect_for (checked at each attempt), not a count

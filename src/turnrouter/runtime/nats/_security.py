@@ -37,7 +37,7 @@ def inbox_prefix(config: NatsConfig, role: str) -> str:
 def secrets_of(config: NatsConfig) -> tuple[str, ...]:
     """The secrets a configuration holds: its password, token and URL user info."""
     found = [s for s in (config.password, config.token) if s]
-    for server in config.url.split(","):
+    for server in config.servers:
         head, sep, _ = server.partition("@")
         if sep:
             userinfo = head.rpartition("//")[2]

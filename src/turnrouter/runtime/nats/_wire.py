@@ -157,7 +157,7 @@ class NatsConfig:
     def safe_url(self) -> str:
         """The URL with any password or token masked (what errors and logs show), each
         server of a comma-separated list masked on its own."""
-        return ",".join(redact_url(server) for server in self.url.split(","))
+        return ",".join(redact_url(server) for server in self.servers)
 
     @property
     def servers(self) -> list[str]:
