@@ -1,29 +1,35 @@
 """A takeover on a real nats-server: the new owner ends every turn its partitions'
-records left in flight, also while those records are being written."""
+records left in flight, also while those records are being written, and keeps serving
+the partition while it reads them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
+import time
 
 import pytest
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
+from prometheus_client import CollectorRegistry, generate_latest
 
 import nats
 from turnrouter.runtime import ResponseOutput, UserQuery
 from turnrouter.runtime.nats import (
     NatsConfig,
     NatsFrontEnd,
+    NatsWorker,
     encode_token,
     parse_record,
     state_json,
 )
 
-from .app import PREAMBLE
+from .app import PREAMBLE, make_router
 from .conftest import NatsServer, Worker, metric_value, settled, until_true
-from .crowd import FAILURE
+from .crowd import FAILURE, ask, listening
+from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
 
@@ -169,3 +175,68 @@ async def test_the_survivor_of_an_owner_and_server_crash_ends_its_turns() -> Non
         for worker in workers:
             worker.close()
         server.close()
+
+
+async def test_a_takeover_serves_the_partition_while_it_reads_the_records(
+        nats_server: NatsServer) -> None:
+    """The records a takeover reads are answered late (a partition of thousands of
+    participants on a loaded server): the new owner keeps pulling and answering the
+    partition meanwhile, and then ends the turn the previous owner left in flight, before
+    that participant's next turn. A record with only an answer in its outbox has it
+    published again without being claimed (no write). Before, the takeover read and
+    claimed every record one after another before pulling again: at 3,000 participants
+    per replica that outlasted the failover timeout, the server moved the partition
+    again, and takeovers repeated for a minute, ending running turns with the failure
+    text.
+
+    Held without touching the worker: its connection goes through a proxy that keeps
+    the reads of the left turn's record from the server until the test releases them."""
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    registry = CollectorRegistry()
+    nc = await nats.connect(nats_server.url)
+    kv = await nc.jetstream().create_key_value(KeyValueConfig(bucket=config.bucket,
+                                                              history=1))
+    zed, olga = f"0.{encode_token('zed')}", f"0.{encode_token('olga')}"
+    await kv.put(zed, state_json("gone", ["t-left"], None))
+    told = await kv.put(olga, state_json("gone", [], None,
+                                         [("t-told", "echo", "told", time.time())]))
+    record_subject = f"$KV.{config.bucket}.{zed}"
+    async with proxied(nats_server.port) as proxy:
+        reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
+            subject.endswith(record_subject) or record_subject.encode() in payload))
+        worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                            registry=registry, replica="heir")
+        run = asyncio.create_task(worker.run())
+        try:
+            async with listening(config) as (front, heard):
+                async with asyncio.timeout(15):
+                    await worker.ready.wait()
+                # amy is answered while the takeover waits for zed's record.
+                assert (await ask(front, heard, "amy", "hello")).startswith("hello|")
+                async with asyncio.timeout(15):
+                    await reads.event.wait()
+                assert (await ask(front, heard, "amy", "still")).startswith("still|")
+                async with asyncio.timeout(15):  # republished as recorded, unclaimed
+                    await heard.events.setdefault("t-told", asyncio.Event()).wait()
+                assert "t-left" not in heard.finals
+                # zed's next query waits for the takeover's claim of zed.
+                later = UserQuery(participant_id="zed", text="again")
+                await front.publish(later)
+                reads.release()
+                async with asyncio.timeout(15):
+                    await heard.events.setdefault(later.message_id, asyncio.Event()).wait()
+                assert heard.order["zed"] == ["t-left", later.message_id]
+                assert [(m.route, m.text) for m in heard.finals["t-left"]] == [
+                    ("none", FAILURE)]
+                assert [(m.route, m.text) for m in heard.finals["t-told"]] == [
+                    ("echo", "told")]
+                assert (await kv.get(olga)).revision == told
+                exposition = generate_latest(registry).decode()
+                assert metric_value(exposition, "turnrouter_nats_takeovers_total") == 1
+                assert metric_value(exposition, "turnrouter_nats_partitions_lost_total") == 0
+        finally:
+            reads.release()
+            await nc.close()
+            worker.request_stop()
+            async with asyncio.timeout(30):
+                await asyncio.gather(run, return_exceptions=True)

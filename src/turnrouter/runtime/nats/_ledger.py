@@ -54,9 +54,9 @@ _NONE: frozenset[str] = frozenset()
 _READ_OFF_LOOP_BYTES = 64 * 1024
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
-#: A takeover reads a partition's records for at most this long (`Ledger.scan`), this
-#: many at a time.
-_SCAN_SECS = 10.0
+#: A takeover reads a partition's records for at most this long (`Ledger.scan`), and
+#: reads and ends this many at a time.
+_SCAN_SECS = 30.0
 _SCAN_BATCH = 64
 
 
@@ -245,41 +245,64 @@ class Ledger:
             await self._router().evict_participant(pid)
 
     async def scan(self, n: int) -> None:
-        """Claim every participant of partition `n` whose record holds unfinished turns,
-        so their endings are published now (a takeover). Its keys are listed by the
-        bucket's stream (`partition_keys`), then each record is read: nats-py's KV watch could
-        signal the end of its initial values before delivering them (while records of
-        the partition were written), which left a dead owner's turns unended until
-        their participant talked again."""
+        """End what a previous owner left unfinished on partition `n` (a takeover):
+        claim every participant whose record holds a turn in flight (its failure text is
+        published) and publish again the recent endings of the others' outboxes (no
+        claim: the stream drops what it already holds). It runs beside the partition's
+        loop, which keeps pulling (the pin stays) and serving: an input of a participant
+        being claimed waits for that claim. Records are read and ended `_SCAN_BATCH` at
+        a time, for at most `_SCAN_SECS`; the scan stops once the partition is lost.
+
+        Its keys are listed by the bucket's stream (`partition_keys`), then each record
+        is read: nats-py's KV watch could signal the end of its initial values before
+        delivering them (while records of the partition were written), which left a dead
+        owner's turns unended until their participant talked again."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _SCAN_SECS
+        losses = self._losses.get(n, 0)
         read = 0
         try:
             async with asyncio.timeout_at(deadline):
                 keys = await partition_keys(self._link, self._config.bucket, n, deadline)
-            for start in range(0, len(keys), _SCAN_BATCH):
-                batch = keys[start:start + _SCAN_BATCH]
-                async with asyncio.timeout_at(deadline):
-                    values = await asyncio.gather(*(read_value(self._kv, key)
-                                                    for key in batch))
-                read += len(batch)
-                for key, value in zip(batch, values, strict=True):
-                    if value is not None:
-                        await self._claim_unfinished(key, value, n)
+                for start in range(0, len(keys), _SCAN_BATCH):
+                    if self._losses.get(n, 0) != losses:
+                        return  # the partition moved away: its new owner scans
+                    batch = keys[start:start + _SCAN_BATCH]
+                    ended = await asyncio.gather(
+                        *(self._end_unfinished(key, n, losses) for key in batch),
+                        return_exceptions=True)
+                    read += len(batch)
+                    failed = [exc for exc in ended if isinstance(exc, Exception)]
+                    if failed:
+                        logger.warning("turnrouter: partition %d: ending %d records' "
+                                       "unfinished turns failed: %r", n, len(failed),
+                                       failed[0])
         except TimeoutError:
             logger.warning("turnrouter: partition %d: read %d records in %g s; the rest "
                            "end their unfinished turns when their participant talks",
                            n, read, _SCAN_SECS)
 
-    async def _claim_unfinished(self, key: str, value: bytes, n: int) -> None:
-        """Claim the participant of `key` if its record holds unfinished turns."""
+    async def _end_unfinished(self, key: str, n: int, losses: int) -> None:
+        """What the record of `key` left unfinished, ended: a turn in flight by a claim,
+        recent endings of its outbox published again (as `let_go` does)."""
+        value = await read_value(self._kv, key)
+        if value is None:
+            return
         try:
             inflight, _, outbox = parse_state(value or b"{}")
             pid = decode_token(key.split(".", 1)[1])
         except (ValueError, IndexError):
+            return  # junk: the participant's next claim quarantines it
+        if self._losses.get(n, 0) != losses:
             return
-        if inflight or outbox:
+        if inflight:
             await self.claim(pid, n)
+            return
+        if not outbox or pid in self.people or pid in self._claiming:
+            return  # nothing to say, or claimed here: that claim publishes the outbox
+        released = Participant(partition=n, fenced=True)
+        for ending in self._unfinished([], self._sound(outbox)):
+            await self._publish_ending(pid, released, ending)
 
     async def claim(self, pid: str, n: int) -> Participant | None:
         """This replica's state of `pid`, claiming the record on first contact and

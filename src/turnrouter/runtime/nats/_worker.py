@@ -329,7 +329,7 @@ class NatsWorker:
                     self._pins[n] = new_pin
                     self._set_owned()
                     self.fleet.taken_back(n)
-                    await self._take_over(n)
+                    self._take_over(n)
             if self.router.busy and n in self._pins and await self._backpressure(nc, msg):
                 continue
             await handle(n, msg, n in self._pins, received)
@@ -423,11 +423,13 @@ class NatsWorker:
         for pid in self.ledger.of_partition(n):
             await self.ledger.lose(pid)
 
-    async def _take_over(self, n: int) -> None:
-        """End the turns a previous owner left unfinished on partition `n`."""
+    def _take_over(self, n: int) -> None:
+        """End the turns a previous owner left unfinished on partition `n`, beside the
+        partition's loop: a scan of thousands of records must not stop the pulls, or the
+        server moves the pin again (`failover_timeout`) and the takeover repeats."""
         if self._metrics is not None:
             self._metrics.takeovers.inc()
-        await self.ledger.scan(n)
+        self._spawn(self.ledger.scan(n), f"takeover {n}")
 
     # ------------------------------------------------------------------ outputs
     async def _publish_ending(self, pid: str, state: Participant, ending: Ending) -> None:
