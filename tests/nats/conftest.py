@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,12 @@ def nats_server_binary() -> str | None:
     """The nats-server the package installed next to this Python, or one on PATH."""
     beside = Path(sys.executable).with_name("nats-server")
     return str(beside) if beside.exists() else shutil.which("nats-server")
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of process `pid` in /proc (R running, S sleeping, T stopped)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
 
 
 class NatsServer:
@@ -90,6 +97,19 @@ class NatsServer:
                 raise RuntimeError("nats-server did not become healthy")
             time.sleep(0.05)
 
+    def freeze(self) -> None:
+        """SIGSTOP of the server, returning once it is stopped (the signal alone may let
+        it handle what its socket already holds, a publish just sent say)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _process_state(self.proc.pid) != "T":  # bounded poll of the kernel's state
+            if time.monotonic() > deadline:
+                raise RuntimeError("nats-server did not stop on SIGSTOP")
+            time.sleep(0.005)
+
+    def thaw(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     @property
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}"
@@ -103,6 +123,10 @@ class NatsServer:
                 self.proc.kill()
                 self.proc.wait(5)
         shutil.rmtree(self.store, ignore_errors=True)
+
+
+#: How long a worker process may take to print that it is ready.
+READY_WITHIN = 60.0
 
 
 class Worker:
@@ -121,13 +145,21 @@ class Worker:
             cwd=ROOT)
         self.metrics_url = ""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:  # ends when the process exits
-            if line.startswith("metrics: "):
-                self.metrics_url = line.split(" ", 1)[1].strip()
-            if line.startswith(f"worker {name} ready"):
-                break
-        else:
-            raise RuntimeError(f"worker {name} exited: {self.stderr()}")
+        # The wait for "ready" is bounded: past READY_WITHIN the process is killed, which
+        # ends the read (a worker stuck at start-up on a loaded machine hung the suite).
+        timer = threading.Timer(READY_WITHIN, self.proc.kill)
+        timer.start()
+        try:
+            for line in self.proc.stdout:  # ends when the process exits
+                if line.startswith("metrics: "):
+                    self.metrics_url = line.split(" ", 1)[1].strip()
+                if line.startswith(f"worker {name} ready"):
+                    break
+            else:
+                raise RuntimeError(f"worker {name} exited or was not ready within "
+                                   f"{READY_WITHIN:g} s: {self.stderr()}")
+        finally:
+            timer.cancel()
 
     def stderr(self) -> str:
         if self.proc.poll() is None:

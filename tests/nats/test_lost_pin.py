@@ -31,7 +31,7 @@ from turnrouter.runtime.nats import (
 
 from .app import make_router
 from .conftest import NatsServer, Worker, metric_value, until_true
-from .crowd import FAILURE, listening
+from .crowd import FAILURE, ask, listening
 from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
@@ -288,6 +288,54 @@ async def test_a_claim_outliving_its_partition_is_not_served_when_it_comes_back(
                 assert record.inflight == [] and turn in record.ended
         finally:
             await nc.close()
+            run.cancel()
+            async with asyncio.timeout(20):
+                await asyncio.gather(run, return_exceptions=True)
+
+
+async def test_a_partition_stays_with_its_owner_through_a_long_held_message(
+        nats_server: NatsServer) -> None:
+    """A participant's claim waits at the server three times the failover timeout (its
+    record's read answered late, as by a loaded server), keeping the partition's loop on
+    that one message: the owner keeps the partition's pin all the while (it pulls with
+    its pin while busy), so nothing moves: no partition lost, no second takeover, the
+    participant answered once the read returns, the partition's next turn too. Before,
+    an owner busy with one message sent no pull, and the server gave the partition to
+    another replica after failover_timeout (the red team's overload runs: partitions
+    moving between busy replicas, their running turns ended with the failure text).
+
+    Held without touching the worker: its connection goes through a proxy that keeps
+    the reads of bob's record from the server until the test releases them."""
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    registry = CollectorRegistry()
+    record_subject = f"$KV.{config.bucket}.0.{encode_token('bob')}"
+    async with proxied(nats_server.port) as proxy:
+        worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                            registry=registry, replica="busy")
+        run = asyncio.create_task(worker.run())
+        reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
+            subject.endswith(record_subject) or record_subject.encode() in payload))
+        try:
+            async with listening(config) as (front, heard):
+                async with asyncio.timeout(15):
+                    await worker.ready.wait()
+                assert (await ask(front, heard, "amy", "hello")).startswith("hello|")
+                query = UserQuery(participant_id="bob", text="hi")
+                await front.publish(query)
+                async with asyncio.timeout(15):
+                    await reads.event.wait()
+                # The stall under test: the claim held past the pin's failover timeout.
+                await asyncio.sleep(3 * config.failover_timeout)
+                reads.release()
+                async with asyncio.timeout(15):
+                    await heard.events.setdefault(query.message_id, asyncio.Event()).wait()
+                assert [m.text for m in heard.finals[query.message_id]] == ["hi|-|N"]
+                assert (await ask(front, heard, "amy", "again")).startswith("again|")
+                exposition = generate_latest(registry).decode()
+                assert metric_value(exposition, "turnrouter_nats_partitions_lost_total") == 0
+                assert metric_value(exposition, "turnrouter_nats_takeovers_total") == 1
+        finally:
+            reads.release()
             run.cancel()
             async with asyncio.timeout(20):
                 await asyncio.gather(run, return_exceptions=True)

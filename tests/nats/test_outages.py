@@ -125,7 +125,7 @@ async def test_a_frozen_server_past_the_bound_ends_the_worker(
     why once `--reconnect-for` has passed."""
     worker = Worker(nats_server.url, "frozen", "--reconnect-for", "0.5")
     try:
-        nats_server.proc.send_signal(signal.SIGSTOP)
+        nats_server.freeze()
         code = await asyncio.to_thread(worker.proc.wait, 30)
         err = worker.stderr()
         assert code == 1, err
@@ -134,7 +134,7 @@ async def test_a_frozen_server_past_the_bound_ends_the_worker(
         assert "stayed unreachable" in err.splitlines()[-1]
         assert "Traceback" not in err
     finally:
-        nats_server.proc.send_signal(signal.SIGCONT)
+        nats_server.thaw()
         worker.close()
 
 
@@ -159,15 +159,15 @@ async def test_the_ready_file_is_there_only_while_the_worker_serves(
     try:
         await file_state(ready, True)
         assert ready_status(worker) == 200
-        nats_server.proc.send_signal(signal.SIGSTOP)
+        nats_server.freeze()
         await file_state(ready, False)
         assert ready_status(worker) == 503
-        nats_server.proc.send_signal(signal.SIGCONT)
+        nats_server.thaw()
         await file_state(ready, True)
         assert ready_status(worker) == 200
         assert worker.proc.poll() is None
     finally:
-        nats_server.proc.send_signal(signal.SIGCONT)
+        nats_server.thaw()
         worker.close()
 
 
@@ -190,13 +190,13 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
                              reconnected_cb=reconnected) as (front, heard):
             assert (await ask(front, heard, "fz", "hello")).startswith("hello|")
             query = UserQuery(participant_id="fz", text="during")
-            nats_server.proc.send_signal(signal.SIGSTOP)
+            nats_server.freeze()
             with pytest.raises(LifecycleError, match="publishing query failed"):
                 async with asyncio.timeout(20):
                     await front.publish(query)
             async with asyncio.timeout(20):
                 await lost.wait()
-            nats_server.proc.send_signal(signal.SIGCONT)
+            nats_server.thaw()
             async with asyncio.timeout(20):
                 await back.wait()
             event = heard.events.setdefault(query.message_id, asyncio.Event())
@@ -207,7 +207,7 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
             assert await ask(front, heard, "fz", "next") == "next|during|F"
             assert [o.text for o in heard.finals[query.message_id]] == ["during|hello|F"]
     finally:
-        nats_server.proc.send_signal(signal.SIGCONT)
+        nats_server.thaw()
         worker.close()
 
 

@@ -202,6 +202,9 @@ class NatsWorker:
             await nc.subscribe(config.interrupt_all_subject, **fleet_limits(config),
                                cb=FleetInterrupts(config, router, self._spawn).on_message)
             helpers = await self._fleet.start()
+            helpers.append(asyncio.create_task(
+                _keep_pins(nc, self._inboxes, self._pins, config, lambda: self._pulling),
+                name="pins"))
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
                      for n in range(config.partitions)]
             # Our SUBs are on the server (see below) once a request is answered.
@@ -275,11 +278,12 @@ class NatsWorker:
     async def _partition_loop(self, n: int) -> None:
         assert self._nc is not None
         nc, config = self._nc, self.config
-        inbox = _Inbox()
-        self._inboxes.append(inbox)
+        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
+        inbox = _Inbox(n, next_subject, nc.new_inbox())
         subject = nc.new_inbox()
         sub = await nc.subscribe(subject, cb=inbox.receive)
-        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
+        keep = await nc.subscribe(inbox.keep_subject, cb=inbox.keep)
+        self._inboxes.append(inbox)
         try:
             while self._pulling:
                 try:
@@ -290,7 +294,9 @@ class NatsWorker:
                     log_failure("partition %d: pull", exc, n, log=logger)
                     await asyncio.sleep(0.1)
         finally:
+            self._inboxes.remove(inbox)
             await sub.unsubscribe()
+            await keep.unsubscribe()
 
     async def _pull_once(self, n: int, nc: Client, inbox: _Inbox, subject: str,
                          next_subject: str) -> None:
@@ -310,11 +316,14 @@ class NatsWorker:
         if pin is not None:
             request["id"] = pin
         await nc.publish(next_subject, json.dumps(request).encode(), reply=subject)
+        inbox.pulled = time.monotonic()
         handle = self.inputs.handle
         for _ in range(_BATCH):
+            inbox.holding = False
             got = await inbox.get(config.pull_expires + 2.0)
             if got is None:
                 return  # a lost reply (reconnect): ask again
+            inbox.holding = True  # from here until the next wait, `_keep_pins` pulls
             msg, received = got
             headers = msg.headers
             if headers:
@@ -499,12 +508,51 @@ async def _to_the_end(work: Awaitable[None]) -> None:
 
 class _Inbox(Mailbox[tuple[Msg, float]]):
     """What one partition's pull requests deliver, in order, with when each arrived
-    (filled by the subscription's callback, read by the partition's loop)."""
+    (filled by the subscriptions' callbacks, read by the partition's loop)."""
 
-    __slots__ = ()
+    __slots__ = ("holding", "keep_subject", "next_subject", "partition", "pulled")
+
+    def __init__(self, partition: int, next_subject: str, keep_subject: str) -> None:
+        super().__init__()
+        self.partition, self.next_subject, self.keep_subject = (
+            partition, next_subject, keep_subject)
+        self.pulled = time.monotonic()  # when the partition's last pull request went out
+        self.holding = False  # its loop is busy with one message and pulls no more
 
     async def receive(self, msg: Msg) -> None:
         self.put((msg, time.monotonic()))
+
+    async def keep(self, msg: Msg) -> None:
+        """A reply to a `_keep_pins` pull: a message (the partition's next, once the one
+        held is acknowledged) or a lost pin (423) goes to the loop as its own pulls'
+        replies do; the end of the request (408 and the like) is nobody's business."""
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is None or status == "423":
+            self.put((msg, time.monotonic()))
+
+
+async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
+                     config: NatsConfig, pulling: Callable[[], bool]) -> None:
+    """Keep the pins of partitions whose loop is busy with one message (a claim or a
+    write waiting on a loaded server, backpressure): the server moves a partition to
+    another replica once its owner sent no pull request for `failover_timeout`, so
+    every half `pull_expires` a partition held since its last request expired gets a
+    one-message request with its pin (what it delivers goes to the loop, in order)."""
+    expires = int(config.pull_expires * 1e9)
+    while pulling():
+        await asyncio.sleep(config.pull_expires / 2)
+        now = time.monotonic()
+        for inbox in inboxes:
+            pin = pins.get(inbox.partition)
+            if pin is None or not inbox.holding or now - inbox.pulled < config.pull_expires:
+                continue
+            inbox.pulled = now
+            request = {"batch": 1, "expires": expires, "group": GROUP, "id": pin}
+            try:
+                await nc.publish(inbox.next_subject, json.dumps(request).encode(),
+                                 reply=inbox.keep_subject)
+            except Exception as exc:  # closed or reconnecting: the loop pulls again then
+                logger.debug("turnrouter: a keep-alive pull failed: %r", exc)
 
 
 def _stream_sequence(reply: str) -> int:
