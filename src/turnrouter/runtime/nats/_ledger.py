@@ -264,28 +264,35 @@ class Ledger:
         try:
             async with asyncio.timeout_at(deadline):
                 keys = await partition_keys(self._link, self._config.bucket, n, deadline)
-                for start in range(0, len(keys), _SCAN_BATCH):
-                    if self._losses.get(n, 0) != losses:
-                        return  # the partition moved away: its new owner scans
-                    batch = keys[start:start + _SCAN_BATCH]
-                    ended = await asyncio.gather(
-                        *(self._end_unfinished(key, n, losses) for key in batch),
-                        return_exceptions=True)
-                    read += len(batch)
-                    failed = [exc for exc in ended if isinstance(exc, Exception)]
-                    if failed:
-                        logger.warning("turnrouter: partition %d: ending %d records' "
-                                       "unfinished turns failed: %r", n, len(failed),
-                                       failed[0])
+            for start in range(0, len(keys), _SCAN_BATCH):
+                if self._losses.get(n, 0) != losses:
+                    return  # the partition moved away: its new owner scans
+                if loop.time() >= deadline:
+                    raise TimeoutError
+                batch = keys[start:start + _SCAN_BATCH]
+                # Only the reads are bounded by the deadline: a claim cut after its
+                # write would leave its endings recorded and never said.
+                ended = await asyncio.gather(
+                    *(self._end_unfinished(key, n, losses, deadline) for key in batch),
+                    return_exceptions=True)
+                read += len(batch)
+                failed = [exc for exc in ended if isinstance(exc, Exception)]
+                if any(isinstance(exc, TimeoutError) for exc in failed):
+                    raise TimeoutError
+                if failed:
+                    logger.warning("turnrouter: partition %d: ending %d records' "
+                                   "unfinished turns failed: %r", n, len(failed), failed[0])
         except TimeoutError:
             logger.warning("turnrouter: partition %d: read %d records in %g s; the rest "
                            "end their unfinished turns when their participant talks",
                            n, read, _SCAN_SECS)
 
-    async def _end_unfinished(self, key: str, n: int, losses: int) -> None:
+    async def _end_unfinished(self, key: str, n: int, losses: int, deadline: float) -> None:
         """What the record of `key` left unfinished, ended: a turn in flight by a claim,
-        recent endings of its outbox published again (as `let_go` does)."""
-        value = await read_value(self._kv, key)
+        recent endings of its outbox published again (as `let_go` does). TimeoutError
+        when its read did not come back by `deadline` (the loop's clock)."""
+        async with asyncio.timeout_at(deadline):
+            value = await read_value(self._kv, key)
         if value is None:
             return
         try:
