@@ -339,3 +339,69 @@ async def test_a_partition_stays_with_its_owner_through_a_long_held_message(
             run.cancel()
             async with asyncio.timeout(20):
                 await asyncio.gather(run, return_exceptions=True)
+
+
+async def test_a_graceful_stop_runs_what_its_last_keep_alive_pull_delivers(
+        nats_server: NatsServer) -> None:
+    """The worker is told to stop (SIGTERM) while busy with bob's message (its claim's
+    read held at the server, so keep-alive pulls are out) and carol's query waits behind
+    it. Once bob's message is acknowledged, carol's query is delivered to the stopping
+    worker's last pulls (its own or a keep-alive): the worker runs it, or leaves it in the
+    stream for the next owner, never unread: an unread message would come back to the
+    next owner as a redelivery, and a redelivered query ends with the failure text.
+    carol hears her answer, bob his, and the heir (started meanwhile) takes the
+    partition over with carol's history."""
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    record_subject = f"$KV.{config.bucket}.0.{encode_token('bob')}"
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(0)}"
+    keeping = asyncio.Event()
+
+    def keep_alive(subject: str, payload: bytes) -> bool:
+        """Watches for the worker's keep-alive pulls (one message each); holds nothing."""
+        if subject == next_subject and b'"batch": 1,' in payload:
+            keeping.set()
+        return False
+
+    async with proxied(nats_server.port) as proxy:
+        worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                            replica="stopping")
+        heir = NatsWorker(make_router, config, replica="heir")
+        runs = [asyncio.create_task(worker.run())]
+        reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
+            subject.endswith(record_subject) or record_subject.encode() in payload))
+        proxy.hold(keep_alive)
+        try:
+            async with listening(config) as (front, heard):
+                async with asyncio.timeout(15):
+                    await worker.ready.wait()
+                assert (await ask(front, heard, "amy", "hello")).startswith("hello|")
+                assert worker.owned_partitions == {0}
+                runs.append(asyncio.create_task(heir.run()))
+                async with asyncio.timeout(15):
+                    await heir.ready.wait()
+                bob = UserQuery(participant_id="bob", text="hi")
+                await front.publish(bob)
+                async with asyncio.timeout(15):
+                    await reads.event.wait()
+                    await keeping.wait()
+                carol = UserQuery(participant_id="carol", text="hey")
+                await front.publish(carol)  # stored: acknowledged by the stream
+                worker.request_stop()
+                await until_true(lambda: not worker.readiness.serving,
+                                 "the worker began its graceful stop")
+                reads.release()
+                for query in (bob, carol):
+                    async with asyncio.timeout(30):
+                        await heard.events.setdefault(query.message_id,
+                                                      asyncio.Event()).wait()
+                assert [m.text for m in heard.finals[bob.message_id]] == ["hi|-|N"]
+                assert [m.text for m in heard.finals[carol.message_id]] == ["hey|-|N"]
+                async with asyncio.timeout(30):
+                    await runs[0]
+                assert (await ask(front, heard, "carol", "again")) == "again|hey|F"
+        finally:
+            reads.release()
+            for run in runs:
+                run.cancel()
+            async with asyncio.timeout(30):
+                await asyncio.gather(*runs, return_exceptions=True)

@@ -25,7 +25,7 @@ from ..._frontend import ParticipantSnapshot
 from ..._router import AgentRouter
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
-from ._records import partition_keys, read_value, sound_endings
+from ._records import sound_endings
 from ._wire import (
     MAX_ENDED,
     MAX_STATE_BYTES,
@@ -34,10 +34,8 @@ from ._wire import (
     Ending,
     NatsConfig,
     StateRecord,
-    decode_token,
     encode_token,
     parse_record,
-    parse_state,
     record_json,
     state_json,
 )
@@ -54,10 +52,6 @@ _NONE: frozenset[str] = frozenset()
 _READ_OFF_LOOP_BYTES = 64 * 1024
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
-#: A takeover reads a partition's records for at most this long (`Ledger.scan`), and
-#: reads and ends this many at a time.
-_SCAN_SECS = 30.0
-_SCAN_BATCH = 64
 
 
 @dataclass
@@ -199,13 +193,9 @@ class Ledger:
             return True  # claimed since (the claim ended them), or nothing left
         if pid in self.people or pid in self._claiming:
             return True
-        outbox = self._sound(record.outbox)
+        outbox = self.sound(record.outbox)
         if not record.inflight:
-            # Nothing to end, only endings maybe unheard: published again as they are
-            # recorded (no write; the stream drops the duplicates).
-            for ending in self._unfinished([], outbox):
-                await self._publish_ending(pid, Participant(partition=n, fenced=True),
-                                           ending)
+            await self.say_again(pid, n, outbox)  # nothing to end, endings maybe unheard
             return True
         unfinished = self._unfinished(record.inflight, outbox)
         ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
@@ -244,71 +234,19 @@ class Ledger:
         with contextlib.suppress(LifecycleError):
             await self._router().evict_participant(pid)
 
-    async def scan(self, n: int) -> None:
-        """End what a previous owner left unfinished on partition `n` (a takeover):
-        claim every participant whose record holds a turn in flight (its failure text is
-        published) and publish again the recent endings of the others' outboxes (no
-        claim: the stream drops what it already holds). It runs beside the partition's
-        loop, which keeps pulling (the pin stays) and serving: an input of a participant
-        being claimed waits for that claim. Records are read and ended `_SCAN_BATCH` at
-        a time, for at most `_SCAN_SECS`; the scan stops once the partition is lost.
+    def losses(self, n: int) -> int:
+        """How many times this replica stopped serving partition `n` (`partition_lost`)."""
+        return self._losses.get(n, 0)
 
-        Its keys are listed by the bucket's stream (`partition_keys`), then each record
-        is read: nats-py's KV watch could signal the end of its initial values before
-        delivering them (while records of the partition were written), which left a dead
-        owner's turns unended until their participant talked again."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _SCAN_SECS
-        losses = self._losses.get(n, 0)
-        read = 0
-        try:
-            async with asyncio.timeout_at(deadline):
-                keys = await partition_keys(self._link, self._config.bucket, n, deadline)
-            for start in range(0, len(keys), _SCAN_BATCH):
-                if self._losses.get(n, 0) != losses:
-                    return  # the partition moved away: its new owner scans
-                if loop.time() >= deadline:
-                    raise TimeoutError
-                batch = keys[start:start + _SCAN_BATCH]
-                # Only the reads are bounded by the deadline: a claim cut after its
-                # write would leave its endings recorded and never said.
-                ended = await asyncio.gather(
-                    *(self._end_unfinished(key, n, losses, deadline) for key in batch),
-                    return_exceptions=True)
-                read += len(batch)
-                failed = [exc for exc in ended if isinstance(exc, Exception)]
-                if any(isinstance(exc, TimeoutError) for exc in failed):
-                    raise TimeoutError
-                if failed:
-                    logger.warning("turnrouter: partition %d: ending %d records' "
-                                   "unfinished turns failed: %r", n, len(failed), failed[0])
-        except TimeoutError:
-            logger.warning("turnrouter: partition %d: read %d records in %g s; the rest "
-                           "end their unfinished turns when their participant talks",
-                           n, read, _SCAN_SECS)
+    def serves(self, pid: str) -> bool:
+        """Whether `pid` is served, or being claimed, here."""
+        return pid in self.people or pid in self._claiming
 
-    async def _end_unfinished(self, key: str, n: int, losses: int, deadline: float) -> None:
-        """What the record of `key` left unfinished, ended: a turn in flight by a claim,
-        recent endings of its outbox published again (as `let_go` does). TimeoutError
-        when its read did not come back by `deadline` (the loop's clock)."""
-        async with asyncio.timeout_at(deadline):
-            value = await read_value(self._kv, key)
-        if value is None:
-            return
-        try:
-            inflight, _, outbox = parse_state(value or b"{}")
-            pid = decode_token(key.split(".", 1)[1])
-        except (ValueError, IndexError):
-            return  # junk: the participant's next claim quarantines it
-        if self._losses.get(n, 0) != losses:
-            return
-        if inflight:
-            await self.claim(pid, n)
-            return
-        if not outbox or pid in self.people or pid in self._claiming:
-            return  # nothing to say, or claimed here: that claim publishes the outbox
+    async def say_again(self, pid: str, n: int, outbox: list[Ending]) -> None:
+        """Publish again the recent endings a record holds, as recorded (no write; the
+        stream drops those it already holds), for a participant not served here."""
         released = Participant(partition=n, fenced=True)
-        for ending in self._unfinished([], self._sound(outbox)):
+        for ending in self._unfinished([], outbox):
             await self._publish_ending(pid, released, ending)
 
     async def claim(self, pid: str, n: int) -> Participant | None:
@@ -382,7 +320,7 @@ class Ledger:
                     await self._quarantine(key, value, "invalid", exc)
                 else:
                     inflight, snapshot = record.inflight, record.snapshot
-                    outbox, ended = self._sound(record.outbox), record.ended
+                    outbox, ended = self.sound(record.outbox), record.ended
             # The claim keeps what the previous owner left, until it is published.
             claim = state_json(self._replica, inflight, snapshot, outbox, ended)
             try:
@@ -437,7 +375,7 @@ class Ledger:
         with contextlib.suppress(Exception):
             await self._kv.put(f"quarantine.{key}", data[:MAX_STATE_BYTES])
 
-    def _sound(self, outbox: list[Ending]) -> list[Ending]:
+    def sound(self, outbox: list[Ending]) -> list[Ending]:
         """The endings of a record's outbox that may be said (`sound_endings`); the
         others are dropped, counted (`nats_state`, `invalid_ending`) and logged."""
         if not outbox:

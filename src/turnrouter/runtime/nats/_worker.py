@@ -32,10 +32,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from ..._contracts import AgentTurn
-from ..._exceptions import ConfigurationError, ContractValueError, LifecycleError
+from ..._exceptions import ContractValueError, LifecycleError
 from ..._logging import log_failure
 from ..._router import AgentRouter
 from ..._timing import TimingPredictor, TimingSample
+from ._backpressure import backpressure
 from ._connection import Connection, Readiness
 from ._fleet import Fleet, fleet_limits, fleet_topic, valid_replica
 from ._inputs import Inputs
@@ -45,6 +46,7 @@ from ._link import Link
 from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._setup import GROUP, api_request, ensure_deployment
+from ._takeover import Takeover
 from ._wire import Ending, NatsConfig
 
 __all__ = ["NatsWorker", "WorkerContext"]
@@ -114,6 +116,7 @@ class NatsWorker:
         self._router: AgentRouter | None = None
         self._pins: dict[int, str] = {}
         self._ledger: Ledger | None = None
+        self._takeover: Takeover | None = None
         self._fleet: Fleet | None = None
         self._inputs: Inputs | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -190,6 +193,7 @@ class NatsWorker:
             self._ledger = Ledger(bucket, link, config, self.replica, lambda: self.router,
                                   self._publish_ending, self._metrics)
             self._ledger.on_unsure = self._reclaim_soon
+            self._takeover = Takeover(bucket, link, config, self._ledger)
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
                                            self._metrics, self._spawn, self._stop.is_set)
             router.set_control_output(inputs.control_output)
@@ -240,6 +244,7 @@ class NatsWorker:
 
     async def _shutdown(self, loops: list[asyncio.Task[None]],
                         helpers: list[asyncio.Task[None]]) -> None:
+        self.readiness.update("stop", "stopping")  # --ready-file and /ready say so now
         self._pulling = False
         for task in helpers:  # no more presence nor probes
             task.cancel()
@@ -293,6 +298,7 @@ class NatsWorker:
                     # comes back (and ends with the failure text if it was a query).
                     log_failure("partition %d: pull", exc, n, log=logger)
                     await asyncio.sleep(0.1)
+            await _last_keeps(inbox, self.inputs.handle, self._pins)
         finally:
             self._inboxes.remove(inbox)
             await sub.unsubscribe()
@@ -304,8 +310,11 @@ class NatsWorker:
         time: the next comes once this one is acknowledged), or a pause while balance
         says not to pull."""
         config = self.config
+        inbox.holding = False
         share = self.fleet.fair_share()
-        if n in self._pins and len(self._pins) > share and await self._shed(n):
+        # Not while a keep-alive pull may still deliver (it would arrive handed over).
+        if (n in self._pins and len(self._pins) > share
+                and inbox.keep_until <= time.monotonic() and await self._shed(n)):
             return
         if n not in self._pins and await self.fleet.leave_alone(n, len(self._pins)):
             await asyncio.sleep(config.probe_interval)
@@ -339,46 +348,16 @@ class NatsWorker:
                     self._set_owned()
                     self.fleet.taken_back(n)
                     self._take_over(n)
-            if self.router.busy and n in self._pins and await self._backpressure(nc, msg):
+            if self.router.busy and n in self._pins and await backpressure(
+                    nc, config, self.router, self._metrics, msg):
                 continue
             await handle(n, msg, n in self._pins, received)
-
-    async def _backpressure(self, nc: Client, msg: Msg) -> bool:
-        """The router is saturated: take no new message until it is ready again (the
-        partition's next messages wait in the stream, `max_ack_pending=1`), for at most
-        `pull_expires`. True when the held message is a query a newer query of the same
-        participant already follows in the stream: it is acknowledged and counted
-        (`rejected{reason=superseded}`) without any work, as the router would have
-        superseded it anyway."""
-        metrics = self._metrics
-        if metrics is not None:
-            metrics.backpressure.labels("paused").inc()
-        config, router = self.config, self.router
-        # Bounded by pull_expires: well inside ack_wait (no redelivery) and the pin's
-        # failover_timeout (the partition stays here).
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(config.pull_expires):
-                await router.wait_ready()
-        if not msg.subject.endswith(".query") or not msg.reply:
-            return False
-        try:
-            last = await api_request(nc, f"$JS.API.STREAM.MSG.GET.{self.config.stream}",
-                                     {"last_by_subj": msg.subject})
-            newest = int(last["message"]["seq"])
-        except (LifecycleError, ConfigurationError, KeyError, TypeError, ValueError):
-            return False  # none newer (404) or unknown: run it
-        if newest <= _stream_sequence(msg.reply):
-            return False
-        await nc.publish(msg.reply, b"+ACK")
-        router.report_rejected("nats_input", "superseded")
-        if metrics is not None:
-            metrics.backpressure.labels("superseded").inc()
-        return True
 
     async def _status(self, n: int, status: str) -> None:
         """A pull request ended with a status instead of a message."""
         if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
-            await self._lose(n, "lost")
+            if n in self._pins:  # (a keep-alive pull's 423 may follow the loop's own)
+                await self._lose(n, "lost")
         elif status not in ("404", "408", "409", "100") and self._connection is not None:
             await self._connection.pull_failed(n, status)  # logged rarely, then a pause
         if status == "409":
@@ -438,7 +417,8 @@ class NatsWorker:
         server moves the pin again (`failover_timeout`) and the takeover repeats."""
         if self._metrics is not None:
             self._metrics.takeovers.inc()
-        self._spawn(self.ledger.scan(n), f"takeover {n}")
+        assert self._takeover is not None
+        self._spawn(self._takeover.scan(n), f"takeover {n}")
 
     # ------------------------------------------------------------------ outputs
     async def _publish_ending(self, pid: str, state: Participant, ending: Ending) -> None:
@@ -510,7 +490,8 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     """What one partition's pull requests deliver, in order, with when each arrived
     (filled by the subscriptions' callbacks, read by the partition's loop)."""
 
-    __slots__ = ("holding", "keep_subject", "next_subject", "partition", "pulled")
+    __slots__ = ("holding", "keep_subject", "keep_until", "next_subject", "partition",
+                 "pulled")
 
     def __init__(self, partition: int, next_subject: str, keep_subject: str) -> None:
         super().__init__()
@@ -518,6 +499,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
             partition, next_subject, keep_subject)
         self.pulled = time.monotonic()  # when the partition's last pull request went out
         self.holding = False  # its loop is busy with one message and pulls no more
+        self.keep_until = 0.0  # when the last `_keep_pins` pull expires
 
     async def receive(self, msg: Msg) -> None:
         self.put((msg, time.monotonic()))
@@ -531,38 +513,42 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
             self.put((msg, time.monotonic()))
 
 
+async def _last_keeps(inbox: _Inbox, handle: Callable[[int, Msg, bool, float], Awaitable[None]],
+                      pins: dict[int, str]) -> None:
+    """At the end of a partition's loop (a graceful stop), run what its last `_keep_pins`
+    pulls still deliver until they expire: a message left unread would come back to the
+    next owner as a redelivery, and a redelivered query ends with the failure text."""
+    n = inbox.partition
+    while (left := inbox.keep_until - time.monotonic()) > 0:
+        got = await inbox.get(left)
+        if got is not None and not (got[0].headers and "Status" in got[0].headers):
+            await handle(n, got[0], n in pins, got[1])
+
+
 async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
                      config: NatsConfig, pulling: Callable[[], bool]) -> None:
     """Keep the pins of partitions whose loop is busy with one message (a claim or a
     write waiting on a loaded server, backpressure): the server moves a partition to
     another replica once its owner sent no pull request for `failover_timeout`, so
-    every half `pull_expires` a partition held since its last request expired gets a
-    one-message request with its pin (what it delivers goes to the loop, in order)."""
+    every half `pull_expires` each held partition gets a one-message request with its
+    pin, lasting `pull_expires` (so one is always waiting at the server; what it
+    delivers goes to the loop, in order)."""
     expires = int(config.pull_expires * 1e9)
     while pulling():
         await asyncio.sleep(config.pull_expires / 2)
         now = time.monotonic()
         for inbox in inboxes:
             pin = pins.get(inbox.partition)
-            if pin is None or not inbox.holding or now - inbox.pulled < config.pull_expires:
+            if pin is None or not inbox.holding or now - inbox.pulled < config.pull_expires / 4:
                 continue
             inbox.pulled = now
+            inbox.keep_until = now + config.pull_expires
             request = {"batch": 1, "expires": expires, "group": GROUP, "id": pin}
             try:
                 await nc.publish(inbox.next_subject, json.dumps(request).encode(),
                                  reply=inbox.keep_subject)
             except Exception as exc:  # closed or reconnecting: the loop pulls again then
                 logger.debug("turnrouter: a keep-alive pull failed: %r", exc)
-
-
-def _stream_sequence(reply: str) -> int:
-    """The stream sequence in a JetStream ack subject (see `ack_metadata`); a huge
-    number when unreadable, so nothing counts as newer."""
-    parts = reply.split(".")
-    try:
-        return int(parts[5] if len(parts) == 9 else parts[7])
-    except (IndexError, ValueError):
-        return 2**63
 
 
 # Readiness (`NatsWorker.run`) waits for a request, not `flush()`. nats-py writes its

@@ -1,0 +1,60 @@
+"""Backpressure: a saturated router takes no new message from a partition until it is
+ready again, and a held query already followed by a newer one is dropped unrun."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from ..._exceptions import ConfigurationError, LifecycleError
+from ..._router import AgentRouter
+from ._metrics import RuntimeMetrics
+from ._setup import api_request
+from ._wire import NatsConfig
+
+__all__ = ["backpressure"]
+
+
+async def backpressure(nc: Client, config: NatsConfig, router: AgentRouter,
+                       metrics: RuntimeMetrics | None, msg: Msg) -> bool:
+    """The router is saturated: take no new message until it is ready again (the
+    partition's next messages wait in the stream, `max_ack_pending=1`), for at most
+    `pull_expires`. True when the held message is a query a newer query of the same
+    participant already follows in the stream: it is acknowledged and counted
+    (`rejected{reason=superseded}`) without any work, as the router would have
+    superseded it anyway."""
+    if metrics is not None:
+        metrics.backpressure.labels("paused").inc()
+    # Bounded by pull_expires, well inside ack_wait (no redelivery); the partition keeps
+    # its pin meanwhile (the worker's keep-alive pulls).
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(config.pull_expires):
+            await router.wait_ready()
+    if not msg.subject.endswith(".query") or not msg.reply:
+        return False
+    try:
+        last = await api_request(nc, f"$JS.API.STREAM.MSG.GET.{config.stream}",
+                                 {"last_by_subj": msg.subject})
+        newest = int(last["message"]["seq"])
+    except (LifecycleError, ConfigurationError, KeyError, TypeError, ValueError):
+        return False  # none newer (404) or unknown: run it
+    if newest <= _stream_sequence(msg.reply):
+        return False
+    await nc.publish(msg.reply, b"+ACK")
+    router.report_rejected("nats_input", "superseded")
+    if metrics is not None:
+        metrics.backpressure.labels("superseded").inc()
+    return True
+
+
+def _stream_sequence(reply: str) -> int:
+    """The stream sequence in a JetStream ack subject (see `ack_metadata`); a huge
+    number when unreadable, so nothing counts as newer."""
+    parts = reply.split(".")
+    try:
+        return int(parts[5] if len(parts) == 9 else parts[7])
+    except (IndexError, ValueError):
+        return 2**63

@@ -1,0 +1,96 @@
+"""A takeover: what a replica does first when the server gives it a partition.
+
+It ends what the previous owner left unfinished on the partition: every participant
+whose record holds a turn in flight is claimed (its failure text is said), and the
+recent answers of the others' outboxes are published again without a claim (the stream
+drops those it already holds). It runs beside the partition's loop, which keeps pulling
+(the pin stays) and serving: an input of a participant being claimed waits only for
+that claim. A scan that held the loop, claiming one record after another, outlasted
+`failover_timeout` at a few thousand participants per replica, and the server moved the
+partition again and again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ._ledger import Ledger
+from ._link import Link
+from ._records import partition_keys, read_value
+from ._wire import NatsConfig, decode_token, parse_state
+
+__all__ = ["Takeover"]
+
+logger = logging.getLogger("turnrouter.runtime.nats")
+
+#: A takeover reads a partition's records for at most this long, and reads and ends
+#: this many at a time.
+_SCAN_SECS = 30.0
+_SCAN_BATCH = 64
+
+
+class Takeover:
+    """Ends what partitions' previous owners left unfinished (`scan`)."""
+
+    def __init__(self, kv: Any, link: Link, config: NatsConfig, ledger: Ledger) -> None:
+        self._kv, self._link, self._config, self._ledger = kv, link, config, ledger
+
+    async def scan(self, n: int) -> None:
+        """End what partition `n`'s records left unfinished, `_SCAN_BATCH` records at
+        a time, reading for at most `_SCAN_SECS`; stop once the partition is lost.
+
+        Its keys are listed by the bucket's stream (`partition_keys`), then each record
+        is read: nats-py's KV watch could signal the end of its initial values before
+        delivering them (while records of the partition were written), which left a
+        dead owner's turns unended until their participant talked again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _SCAN_SECS
+        losses = self._ledger.losses(n)
+        read = 0
+        try:
+            async with asyncio.timeout_at(deadline):
+                keys = await partition_keys(self._link, self._config.bucket, n, deadline)
+            for start in range(0, len(keys), _SCAN_BATCH):
+                if self._ledger.losses(n) != losses:
+                    return  # the partition moved away: its new owner scans
+                if loop.time() >= deadline:
+                    raise TimeoutError
+                batch = keys[start:start + _SCAN_BATCH]
+                ended = await asyncio.gather(
+                    *(self._end_unfinished(key, n, losses, deadline) for key in batch),
+                    return_exceptions=True)
+                read += len(batch)
+                failed = [exc for exc in ended if isinstance(exc, Exception)]
+                if any(isinstance(exc, TimeoutError) for exc in failed):
+                    raise TimeoutError
+                if failed:
+                    logger.warning("turnrouter: partition %d: ending %d records' "
+                                   "unfinished turns failed: %r", n, len(failed), failed[0])
+        except TimeoutError:
+            logger.warning("turnrouter: partition %d: read %d records in %g s; the rest "
+                           "end their unfinished turns when their participant talks",
+                           n, read, _SCAN_SECS)
+
+    async def _end_unfinished(self, key: str, n: int, losses: int, deadline: float) -> None:
+        """What the record of `key` left unfinished, ended: a turn in flight by a claim,
+        recent endings of its outbox published again (as `Ledger.let_go` does). Only the
+        read is bounded by `deadline` (TimeoutError): a claim cut after its write would
+        leave its endings recorded and never said."""
+        async with asyncio.timeout_at(deadline):
+            value = await read_value(self._kv, key)
+        if value is None:
+            return
+        try:
+            inflight, _, outbox = parse_state(value or b"{}")
+            pid = decode_token(key.split(".", 1)[1])
+        except (ValueError, IndexError):
+            return  # junk: the participant's next claim quarantines it
+        ledger = self._ledger
+        if ledger.losses(n) != losses:
+            return
+        if inflight:
+            await ledger.claim(pid, n)
+        elif outbox and not ledger.serves(pid):  # (a claim here publishes them)
+            await ledger.say_again(pid, n, ledger.sound(outbox))
