@@ -418,10 +418,12 @@ class RouteTimingPredictor:
     def _record_class(self, model: RouteModel, sample: TimingSample, key: str) -> None:
         """Learn the sample in its feature class too; a route's classes restart when the
         route's own latency changes (they then relearn while the route decides)."""
-        synced, classes = self._classes.get(sample.route, (-1, {}))
-        if synced != model.changes:
-            classes = {}
+        entry = self._classes.get(sample.route)
+        if entry is None or entry[0] != model.changes:
+            classes: dict[str, RouteModel] = {}
             self._classes[sample.route] = (model.changes, classes)
+        else:
+            classes = entry[1]
         sub = classes.get(key)
         if sub is None:
             if len(classes) >= _MAX_CLASSES:
