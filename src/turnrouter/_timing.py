@@ -393,7 +393,8 @@ class RouteTimingPredictor:
         except Exception:
             logger.exception("turnrouter: timing feature failed (ignored for this turn)")
             return None
-        return value if valid_feature(value) else None
+        # `valid_feature`, inline (every turn's sample asks).
+        return value if isinstance(value, str) and 0 < len(value) <= MAX_FEATURE_CHARS else None
 
     def record(self, sample: TimingSample, turn: AgentTurn | None = None) -> None:
         """Add one sample (censored samples count as lower bounds), and to its feature
