@@ -63,6 +63,19 @@ async def test_routes_to_the_chosen_destination_after_admission() -> None:
     assert h["conversation"].calls == []
 
 
+async def test_route_turn_refuses_callbacks_that_are_not_callable() -> None:
+    """route_turn() names a non-callable `output` or `ending` before any turn starts;
+    callable ones route the turn."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"))
+    with pytest.raises(ContractTypeError, match="route_turn output must be callable, got int"):
+        await h.router.route_turn(h.turn("rain?"), output=42)  # type: ignore[arg-type]
+    with pytest.raises(ContractTypeError, match="route_turn ending must be callable, got str"):
+        await h.router.route_turn(h.turn("rain?"), ending="x")  # type: ignore[arg-type]
+    assert h["weather"].calls == []
+    routed = await h.router.route_turn(h.turn("rain?"), output=h.output, ending=h.output)
+    assert routed.route == "weather" and routed.result.text == "weather answer"
+
+
 async def test_request_lists_eligible_candidates_in_registration_order() -> None:
     """The decision request holds eligible, non-excluded candidates in order."""
     h = Harness(ScriptedAgent("weather"), ScriptedAgent("calendar", eligible=False),

@@ -461,6 +461,25 @@ async def test_system_clock_is_the_event_loop_clock() -> None:
     assert "SystemClock" in repr(clock) and sys.version_info >= (3, 11)
 
 
+@pytest.mark.anyio
+async def test_system_clock_sleeps_until_its_deadline_and_is_cancellable() -> None:
+    """sleep_until (asyncio's own sleep under asyncio) returns once now() reaches the
+    deadline, a cancelled sleep ends at once, and a deadline that is not a number is
+    refused as anyio.sleep_until refuses it."""
+    clock = SystemClock()
+    deadline = clock.now() + 0.02
+    with anyio.fail_after(10):
+        await clock.sleep_until(deadline)
+    assert clock.now() >= deadline
+    with anyio.fail_after(10):
+        with anyio.move_on_after(0.01) as scope:
+            await clock.sleep_until(clock.now() + 3600.0)
+    assert scope.cancelled_caught
+    with pytest.raises(ValueError, match="number"):
+        await clock.sleep_until(math.nan)
+    await clock.sleep_until(-math.inf)  # long past: returns at once
+
+
 def _sample_line(field: str, value: str) -> str:
     fields = {"route": '"r"', "seconds": "1.5", "censored": "false", "at": "0"}
     fields[field] = value

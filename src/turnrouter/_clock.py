@@ -7,6 +7,7 @@ whose `advance()` wakes sleepers, so acknowledgment timing is testable without s
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Protocol, runtime_checkable
 
@@ -42,7 +43,20 @@ class SystemClock:
         self.now = time.monotonic
 
     async def sleep_until(self, deadline: float) -> None:
-        await anyio.sleep_until(deadline)
+        # Under asyncio, asyncio's own sleep on the loop's clock: what `anyio.sleep_until`
+        # does there, without its two look-ups of the running library (the overload
+        # sampler sleeps ~20 times a second while turns run).
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # another event loop (anyio on trio)
+            await anyio.sleep_until(deadline)
+            return
+        delay = deadline - loop.time()
+        if not delay > 0.0:
+            if delay != delay:
+                raise ValueError(f"sleep_until: the deadline is not a number: {deadline!r}")
+            delay = 0.0
+        await asyncio.sleep(delay)
 
     def __repr__(self) -> str:
         return "SystemClock()"

@@ -273,6 +273,12 @@ class RoutingAid:
     """Current participant-specific eligibility state."""
 
     def __post_init__(self) -> None:
+        name, description, eligibility = self.name, self.description, self.eligibility
+        if (type(name) is str and name and name.isascii() and type(description) is str
+                and description.isascii() and type(self.priority) is int
+                and type(self.eligible) is bool and type(eligibility) is str
+                and eligibility.isascii()):
+            return  # the common case, checked inline (destinations often build one a turn)
         _check_str("RoutingAid", "name", self.name, nonempty=True)
         _check_str("RoutingAid", "description", self.description)
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
@@ -358,7 +364,9 @@ class RouteDecision:
     """Where the choice came from (`lexical: ...`, `classifier: ...`, `policy: ...`)."""
 
     def __post_init__(self) -> None:
-        _check_str("RouteDecision", "choice", self.choice, nonempty=True)
+        choice = self.choice
+        if not (type(choice) is str and choice and choice.isascii()):  # else checked inline
+            _check_str("RouteDecision", "choice", choice, nonempty=True)
         confidence = self.confidence
         if confidence is not None:
             if not isinstance(confidence, int | float) or isinstance(confidence, bool):
@@ -391,7 +399,9 @@ class RouteDecision:
                     raise ContractValueError(f"RouteDecision.scores[{preview(key)}] is NaN")
                 frozen[key] = number
             object.__setattr__(self, "scores", MappingProxyType(frozen))
-        _check_str("RouteDecision", "rationale", self.rationale)
+        rationale = self.rationale
+        if not (type(rationale) is str and rationale.isascii()):  # else checked inline
+            _check_str("RouteDecision", "rationale", rationale)
 
 
 @runtime_checkable

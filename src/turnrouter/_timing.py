@@ -393,7 +393,8 @@ class RouteTimingPredictor:
         except Exception:
             logger.exception("turnrouter: timing feature failed (ignored for this turn)")
             return None
-        return value if valid_feature(value) else None
+        # `valid_feature`, inline (every turn's sample asks).
+        return value if isinstance(value, str) and 0 < len(value) <= MAX_FEATURE_CHARS else None
 
     def record(self, sample: TimingSample, turn: AgentTurn | None = None) -> None:
         """Add one sample (censored samples count as lower bounds), and to its feature
@@ -418,10 +419,12 @@ class RouteTimingPredictor:
     def _record_class(self, model: RouteModel, sample: TimingSample, key: str) -> None:
         """Learn the sample in its feature class too; a route's classes restart when the
         route's own latency changes (they then relearn while the route decides)."""
-        synced, classes = self._classes.get(sample.route, (-1, {}))
-        if synced != model.changes:
-            classes = {}
+        entry = self._classes.get(sample.route)
+        if entry is None or entry[0] != model.changes:
+            classes: dict[str, RouteModel] = {}
             self._classes[sample.route] = (model.changes, classes)
+        else:
+            classes = entry[1]
         sub = classes.get(key)
         if sub is None:
             if len(classes) >= _MAX_CLASSES:

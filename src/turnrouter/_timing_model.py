@@ -186,12 +186,33 @@ class Regime:
         self.used = used  # the model's sample counter when this regime was last current
 
     def learn(self, seconds: float, censored: bool, growth: float, alpha: float) -> None:
-        self.hist.add(seconds, censored, growth)
+        hist = self.hist
         if censored:
+            hist.add(seconds, censored, growth)
             return
-        self.seen += 1
-        weight = max(alpha, 1.0 / self.seen)
-        delta = math.log(max(seconds, _LOW)) - self.mean
+        increment = hist.increment * growth
+        if increment > _RENORMALIZE_ABOVE:
+            hist.add(seconds, censored, growth)
+            log = math.log(max(seconds, _LOW))
+        else:
+            # `Histogram.add` of an uncensored sample, inline (every sample comes here):
+            # the same operations in the same order, its bin's log reused below.
+            hist.increment = increment
+            hist.count += 1
+            if seconds <= _LOW:
+                index, log = 0, _LOG_LOW
+            else:
+                log = math.log(seconds)
+                index = int((log - _LOG_LOW) / _STEP)
+                if index >= _BINS:
+                    index = _BINS - 1
+            hist.weights[index] += increment
+            hist.total += increment
+        self.seen = seen = self.seen + 1
+        weight = 1.0 / seen
+        if not weight > alpha:  # max(alpha, 1 / seen)
+            weight = alpha
+        delta = log - self.mean
         self.mean += weight * delta
         self.var = (1.0 - weight) * (self.var + weight * delta * delta)
 
@@ -255,19 +276,22 @@ class RouteModel:
         self.up_run = self.down_run = 0
 
     def add(self, seconds: float, censored: bool, s: Settings) -> None:
-        self.recent[self.head] = seconds
-        self.recent_censored[self.head] = censored
-        self.head = (self.head + 1) % _RECENT
+        head, recent = self.head, self.recent
+        recent[head] = seconds
+        self.recent_censored[head] = censored
+        self.head = (head + 1) % _RECENT
         if self.filled < _RECENT:
             self.filled += 1
-        self.tick += 1
-        before = self.cur
-        if len(self.regimes) > 1 and self._filter(_bin(seconds), censored, s.hazard):
-            # Held samples go to whichever of the two regimes explains them better.
-            self._sort_pending(self.regimes[before], s)
-        regime = self.regimes[self.cur]
+        self.tick = tick = self.tick + 1
+        regimes, threshold = self.regimes, s.threshold
+        multi = len(regimes) > 1  # (not changed below but by the alarm, which returns)
+        if multi:
+            before = self.cur
+            if self._filter(_bin(seconds), censored, s.hazard):
+                # Held samples go to whichever of the two regimes explains them better.
+                self._sort_pending(regimes[before], s)
+        regime = regimes[self.cur]
         direction = 0
-        threshold = s.threshold
         if threshold is not None and regime.seen >= _CHANGE_WARMUP:
             sigma = max(math.sqrt(regime.var), _MIN_SIGMA)
             z = (math.log(max(seconds, _LOW)) - regime.mean) / sigma
@@ -294,16 +318,19 @@ class RouteModel:
             if self.pending and self.held and direction != self.held:
                 self._learn_trailing(self.pending, 1, regime, s)
                 self.pending = 0
-        if direction or (len(self.regimes) > 1 and self.post[self.cur] < _LEARN_POSTERIOR):
+        if direction or (multi and self.post[self.cur] < _LEARN_POSTERIOR):
             self.held = direction
             self.pending += 1
             if self.pending >= _RECENT:  # the ring is full: the oldest is learned now
                 self.pending -= 1
                 self._learn_trailing(1, self.pending, regime, s)
-        else:
+        elif self.pending:
             self._learn_trailing(self.pending + 1, 0, regime, s)
             self.pending = self.held = 0
-        regime.used = self.tick
+        else:  # the common case: only this sample to learn, read back as stored
+            regime.learn(recent[head], bool(self.recent_censored[head]), s.growth, s.alpha)
+            self.held = 0
+        regime.used = tick
 
     def _shifted(self, run: int, mean: float) -> int:
         """How many of the last `run` samples are the new latency's: the suffix that
