@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 import nats
 from turnrouter import ConfigurationError, LifecycleError
-from turnrouter.runtime import UserQuery
+from turnrouter.runtime import Interrupted, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
 
 from .conftest import ROOT, NatsServer, Worker, free_port, settled
@@ -457,3 +457,44 @@ async def test_trace_headers_are_bounded_and_never_echoed(
         assert traceparent is None or len(traceparent) == 55
         assert tracestate is None or len(tracestate) <= 512
     assert "z" * 300 not in repr(seen) and "do-not-echo" not in repr(seen)
+
+
+async def test_a_refused_fleet_wide_interrupt_is_raised(locked: NatsServer) -> None:
+    """A fleet-wide interrupt (`Interrupted` without a participant) from a front end of
+    the shipped configuration, whose permissions keep control messages to workers, is
+    refused by the server: `publish` raises `LifecycleError` saying so (before, it
+    returned normally and only nats-py's error callback heard of it). A participant's
+    interrupt, which goes to the input stream, is still accepted on the same
+    connection."""
+    worker = Worker(locked.url, "locked", "--nats-user", "worker", env=WORKER_ENV)
+    front = await NatsFrontEnd.connect(frontend_config(locked.url))
+    try:
+        with pytest.raises(LifecycleError, match=r"refused 'turnrouter\.ctl\.interrupt'"):
+            await front.publish(Interrupted())
+        await front.publish(Interrupted(participant_id="ann"))
+        with pytest.raises(LifecycleError, match="permissions"):
+            await front.publish(Interrupted())
+    finally:
+        await front.close()
+        worker.close()
+
+
+async def test_a_permitted_fleet_wide_interrupt_is_published(
+        nats_server: NatsServer) -> None:
+    """Where the connection may publish control messages (no permissions configured),
+    a fleet-wide interrupt reaches a subscriber of the control subject, and `publish`
+    returns normally."""
+    config = NatsConfig(url=nats_server.url)
+    nc = await nats.connect(nats_server.url)
+    got: asyncio.Queue[Msg] = asyncio.Queue()
+    await nc.subscribe(config.interrupt_all_subject, cb=got.put)
+    await settled(nc)
+    front = await NatsFrontEnd.connect(config)
+    try:
+        await front.publish(Interrupted())
+        async with asyncio.timeout(10):
+            msg = await got.get()
+        assert Interrupted.model_validate_json(msg.data).participant_id is None
+    finally:
+        await front.close()
+        await nc.close()

@@ -11,6 +11,7 @@ second of outputs, none lost or repeated.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -61,6 +62,9 @@ class NatsFrontEnd:
 
     def __init__(self, nc: Client, config: NatsConfig) -> None:
         self._nc, self._config = nc, config
+        # Publishes the server refused (`connect` hooks them up; a front end built on a
+        # connection of its own sees none).
+        self._refusals = _Refusals()
         self._js = nc.jetstream(timeout=_PUBLISH_TIMEOUT)
         self.outputs_skipped = 0
         """Messages on the output subjects that `outputs()` skipped: not a valid
@@ -82,14 +86,17 @@ class NatsFrontEnd:
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("ping_interval", _PING_INTERVAL)
         options.setdefault("max_outstanding_pings", MAX_OUTSTANDING_PINGS)
-        nc = await connect(config, "frontend", **options)
+        refusals = _Refusals()
+        nc = await connect(config, "frontend", on_denied=refusals.denied, **options)
         try:
             if not await _deployment_exists(nc, config):
                 await ensure_deployment(nc, config)
         except BaseException:
             await nc.close()
             raise
-        return cls(nc, config)
+        front = cls(nc, config)
+        front._refusals = refusals
+        return front
 
     @property
     def connection(self) -> Client:
@@ -105,7 +112,10 @@ class NatsFrontEnd:
         Returns once the server stored it. `LifecycleError` means it did not confirm
         in time (5 s: a server that is down or frozen): the message may still have been
         stored. Publishing the same message again is safe, as its `Nats-Msg-Id` makes the
-        stream drop a second copy within the deduplication window (2 min)."""
+        stream drop a second copy within the deduplication window (2 min). A fleet-wide
+        interrupt (`Interrupted` without a participant) is not stored: it returns once
+        the server handled it, `LifecycleError` when the server refused it for the
+        connection's permissions."""
         try:
             kind = kind_of(message)
         except TypeError as exc:
@@ -117,12 +127,31 @@ class NatsFrontEnd:
         data = message.model_dump_json().encode("utf-8")
         try:
             if isinstance(message, Interrupted) and message.participant_id is None:
-                await self._nc.publish(self._config.interrupt_all_subject, data, headers=hdrs)
+                await self._interrupt_all(data, hdrs)
                 return
             assert isinstance(pid, str)
             await self._js.publish(self._config.input_subject(pid, kind), data, headers=hdrs)
         except NatsError as exc:
             raise LifecycleError(f"publishing {kind} failed: {exc!r}") from exc
+
+    async def _interrupt_all(self, data: bytes, headers: dict[str, str]) -> None:
+        """A fleet-wide interrupt: a plain publish (every replica subscribes; no stream
+        stores it), followed by a request the server answers after it (one connection's
+        commands are handled in order, and a refused publish is reported before that
+        answer): `LifecycleError` when the server refused it (this user may not publish
+        control messages: the shipped permissions keep them to workers) or did not
+        answer in time."""
+        subject, before = self._config.interrupt_all_subject, self._refusals.count
+        await self._nc.publish(subject, data, headers=headers)
+        try:
+            await self._nc.request(f"$JS.API.STREAM.INFO.{self._config.stream}", b"",
+                                   timeout=_PUBLISH_TIMEOUT)
+        except NatsError as exc:
+            raise LifecycleError(f"publishing interrupt was not confirmed: {exc!r}") from exc
+        if self._refusals.count != before and subject in self._refusals.subjects:
+            raise LifecycleError(f"publishing interrupt failed: the server refused "
+                                 f"{subject!r} for this connection's permissions (the "
+                                 f"shipped permissions let only workers publish it)")
 
     async def outputs(self, *, deliver_new: bool = True,
                       subscribed: asyncio.Event | None = None
@@ -328,6 +357,19 @@ def _sequences(reply: str | None) -> tuple[int, int] | None:
         return int(parts[7]), int(parts[8])
     except (IndexError, ValueError):
         return None
+
+
+class _Refusals:
+    """Publishes the server refused for the connection's permissions: how many, and the
+    subjects of the last 16 (nats-py reports them only to its error callback)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.subjects: collections.deque[str] = collections.deque(maxlen=16)
+
+    def denied(self, subject: str) -> None:
+        self.count += 1
+        self.subjects.append(subject)
 
 
 async def _deployment_exists(nc: Client, config: NatsConfig) -> bool:
