@@ -52,7 +52,7 @@ from ._limits import (
     DEFAULT_RELEASE_TIMEOUT_SECS,
 )
 from ._llm import LLMService
-from ._load import OverloadPolicy, RouterLoad
+from ._load import DEFAULT_BUSY_TEXT, OverloadPolicy, RouterLoad
 from ._logging import log_failure
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
 from ._participants import Phase, Registry, RouterPhase
@@ -480,6 +480,14 @@ class AgentRouter:
         """What the router says when a turn fails before its answer started (a front end
         that ends such a turn itself, e.g. after a replica crash, says the same)."""
         return self._cfg.failure_text
+
+    @property
+    def busy_text(self) -> str:
+        """What the router says when it refuses a turn for load: its `OverloadPolicy`'s
+        `busy_text` (the default one with admission control off). A front end that
+        refuses a turn itself, e.g. one that waited too long to be run, says the same."""
+        policy = self._cfg.load.policy
+        return DEFAULT_BUSY_TEXT if policy is None else policy.busy_text
 
     @property
     def reports_status(self) -> bool:
