@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -23,8 +24,9 @@ from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, 
 from turnrouter.runtime.nats import NatsConfig, NatsWorker
 
 from .app import make_router
-from .conftest import NatsServer, metric_value
+from .conftest import NatsServer, metric_value, until_true
 from .crowd import Heard, ask, listening
+from .proxy import proxied
 
 #: What a participant refused for load hears (the test app keeps the default policy).
 BUSY = OverloadPolicy().busy_text
@@ -99,6 +101,43 @@ async def test_a_query_past_max_input_wait_is_answered_busy_and_never_run(
     assert [texts[turn].split("|")[0] for turn in heard.order["ann"]] == [
         "a1", BUSY, BUSY, "a2"]
     assert [texts[turn].split("|")[0] for turn in heard.order["bob"]] == ["b1", BUSY, "b2"]
+
+
+@pytest.mark.anyio
+async def test_an_expired_query_supersedes_the_running_turn_before_it_is_refused(
+        nats_server: NatsServer) -> None:
+    """A query that outlived the bound while its participant's previous turn still runs:
+    that turn is cut (as a newer turn would cut it) and has ended before the busy text
+    is said, so nothing of it follows the busy text; the next query finds history
+    without either. The stale query is held in the stream by holding the worker's
+    acknowledgment of the running turn's message (one message in flight per
+    partition), until it is older than the bound."""
+    bound = 2.0
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    async with proxied(nats_server.port) as proxy, listening(config) as (front, heard):
+        held = NatsConfig(url=proxy.url, partitions=1, ack_wait=60.0, max_input_wait=bound)
+        async with serving(held, "held") as registry:
+            assert await ask(front, heard, "zed", "hi") == "hi|-|N"
+            acks = proxy.hold(lambda subject, _: subject.startswith("$JS.ACK."))
+            slow = UserQuery(participant_id="zed", text="slow")
+            await front.publish(slow)
+            async with asyncio.timeout(15):  # its preamble: the slow turn runs
+                await heard.events.setdefault(f"started {slow.message_id}",
+                                              asyncio.Event()).wait()
+                await acks.event.wait()  # and its message's acknowledgment is held
+            late = UserQuery(participant_id="zed", text="late")
+            await front.publish(late)
+            stored_by = time.time()  # the stream stored it before publish returned
+            await until_true(lambda: time.time() - stored_by > bound,
+                             "the held query outlived the bound", within=bound + 10)
+            acks.release()
+            assert await finals(heard, late) == [BUSY]
+            assert metric(registry, REJECTED, 'reason="expired"') == 1
+            assert metric(registry, "turnrouter_turns_total", 'outcome="interrupted"') == 1
+            assert await ask(front, heard, "zed", "next") == "next|hi|F"
+    assert slow.message_id not in heard.finals  # cut: it said nothing after its preamble
+    assert [heard.finals[turn][0].text.split("|")[0] for turn in heard.order["zed"]] == [
+        "hi", BUSY, "next"]
 
 
 # ---------------------------------------------------------------- no server needed
