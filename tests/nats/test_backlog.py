@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from turnrouter import ConfigurationError, OverloadPolicy
+from turnrouter.cli import worker_parser
 from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsWorker
 
@@ -154,3 +155,10 @@ def test_max_input_wait_is_a_bounded_duration(value: object) -> None:
         return
     with pytest.raises(ConfigurationError, match="max_input_wait"):
         NatsConfig(max_input_wait=value)  # type: ignore[arg-type]
+
+
+def test_the_worker_flag_sets_the_bound() -> None:
+    """`--max-input-wait` sets `NatsConfig.max_input_wait`; its default is the config's."""
+    args = ["--nats", "nats://127.0.0.1:1", "--app", "a:b"]
+    assert worker_parser().parse_args(args).max_input_wait == NatsConfig().max_input_wait
+    assert worker_parser().parse_args([*args, "--max-input-wait", "4.5"]).max_input_wait == 4.5
