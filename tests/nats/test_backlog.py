@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
@@ -25,13 +26,14 @@ from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, 
 from turnrouter.runtime.nats import NatsConfig, NatsWorker
 
 from .app import make_router
-from .conftest import NatsServer, metric_value, until_true
+from .conftest import ROOT, NatsServer, metric_value, until_true
 from .crowd import Heard, ask, listening
 from .proxy import proxied
 
 #: What a participant refused for load hears (the test app keeps the default policy).
 BUSY = OverloadPolicy().busy_text
 REJECTED = "turnrouter_runtime_rejected_messages_total"
+RULES = ROOT / "deploy/prometheus/rules-nats/turnrouter-nats.rules.yml"
 
 
 @contextlib.asynccontextmanager
@@ -162,3 +164,17 @@ def test_the_worker_flag_sets_the_bound() -> None:
     args = ["--nats", "nats://127.0.0.1:1", "--app", "a:b"]
     assert worker_parser().parse_args(args).max_input_wait == NatsConfig().max_input_wait
     assert worker_parser().parse_args([*args, "--max-input-wait", "4.5"]).max_input_wait == 4.5
+
+
+def test_the_backlog_alert_threshold_and_the_bound_are_bucket_bounds() -> None:
+    """The backlog alert's threshold and the default `max_input_wait` are bounds of the
+    input wait histogram (its p95 compares exactly), which reads waits up to 30 s."""
+    registry = CollectorRegistry()
+    NatsWorker(make_router, NatsConfig(), registry=registry)
+    bounds = {sample.labels["le"] for family in registry.collect()
+              for sample in family.samples
+              if sample.name == "turnrouter_nats_input_wait_seconds_bucket"}
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    (alert,) = [rule for rule in rules if rule.get("alert") == "TurnrouterInputBacklog"]
+    threshold = float(alert["expr"].split("\n")[1].split(">")[1])
+    assert {str(threshold), str(NatsConfig().max_input_wait), "30.0"} <= bounds
