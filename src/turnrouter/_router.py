@@ -52,7 +52,7 @@ from ._limits import (
     DEFAULT_RELEASE_TIMEOUT_SECS,
 )
 from ._llm import LLMService
-from ._load import DEFAULT_BUSY_TEXT, OverloadPolicy, RouterLoad
+from ._load import OverloadPolicy, RouterLoad
 from ._logging import log_failure
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
 from ._participants import Phase, Registry, RouterPhase
@@ -298,8 +298,7 @@ class AgentRouter:
     async def interrupt(self, participant_id: str | None = None) -> None:
         """Cancel active (and queued) turns, keeping completed history and focus.
 
-        With `participant_id=None`, every participant's turns. Returns once the cancelled
-        turns have drained.
+        With `participant_id=None`, every participant's turns. Returns once they drained.
         """
         if participant_id is not None:
             _check_pid(participant_id)
@@ -477,22 +476,17 @@ class AgentRouter:
 
     @property
     def failure_text(self) -> str:
-        """What the router says when a turn fails before its answer started (a front end
-        that ends such a turn itself, e.g. after a replica crash, says the same)."""
+        """What the router says when a turn fails before its answer (so does a front end)."""
         return self._cfg.failure_text
 
     @property
     def busy_text(self) -> str:
-        """What the router says when it refuses a turn for load: its `OverloadPolicy`'s
-        `busy_text` (the default one with admission control off). A front end that
-        refuses a turn itself, e.g. one that waited too long to be run, says the same."""
-        policy = self._cfg.load.policy
-        return DEFAULT_BUSY_TEXT if policy is None else policy.busy_text
+        """What the router says refusing a turn for load (so does a front end refusing one)."""
+        return self._cfg.load.busy_text
 
     @property
     def reports_status(self) -> bool:
-        """Whether a `set_status` callback is configured (else `report_status` is a no-op
-        a front end may skip)."""
+        """Whether a `set_status` callback is set (else `report_status` may be skipped)."""
         return self._cfg.set_status is not None
 
     async def report_status(
