@@ -9,6 +9,9 @@ record (one write, reusing the last snapshot) and acknowledged then, so the part
 next message (an interrupt, say) is not held behind it. Either way one record write
 stands between a message's delivery and its acknowledgment, as the partition has one
 message in flight at a time.
+
+A query delivered more than `max_input_wait` after the stream stored it (a backlog) is
+not run: it ends with the router's busy text, recorded like any ending (`_expire`).
 """
 
 from __future__ import annotations
