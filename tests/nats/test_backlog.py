@@ -49,8 +49,12 @@ async def serving(config: NatsConfig, replica: str) -> AsyncIterator[CollectorRe
         yield registry
     finally:
         worker.request_stop()
+        if not worker.ready.is_set():
+            run.cancel()  # a start that did not finish: nothing to drain
         async with asyncio.timeout(30):
             await asyncio.gather(run, return_exceptions=True)
+    if not run.cancelled() and run.exception() is not None:
+        raise AssertionError("the worker failed") from run.exception()
 
 
 def metric(registry: CollectorRegistry, name: str, labels: str = "") -> float:
