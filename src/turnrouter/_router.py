@@ -296,10 +296,8 @@ class AgentRouter:
         return await _new_turn(self._cfg, self._registry, turn, (output, output), False).execute()
 
     async def interrupt(self, participant_id: str | None = None) -> None:
-        """Cancel active (and queued) turns, keeping completed history and focus.
-
-        With `participant_id=None`, every participant's turns. Returns once they drained.
-        """
+        """Cancel active (and queued) turns, keeping completed history and focus (with
+        `participant_id=None`, every participant's turns); returns once they drained."""
         if participant_id is not None:
             _check_pid(participant_id)
         await self._departures.interrupt(participant_id)
