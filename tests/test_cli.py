@@ -284,7 +284,7 @@ def test_each_command_runs_twice_in_one_process(capsys: pytest.CaptureFixture[st
 
 WORKER_FLAGS = ["--nats", "--app", "--prefix", "--partitions", "--failover-timeout",
                 "--ack-wait", "--drain-timeout", "--mark-after", "--replica", "--metrics-port",
-                "--metrics-host"]
+                "--metrics-host", "--max-input-wait"]
 
 
 @settings(max_examples=150, deadline=None)
@@ -303,7 +303,9 @@ def test_worker_flags_are_a_config_or_a_usage_error(pairs: list[tuple[str, str]]
     try:
         config = NatsConfig(url=args.nats, prefix=args.prefix, partitions=args.partitions,
                             failover_timeout=args.failover_timeout, ack_wait=args.ack_wait,
-                            drain_timeout=args.drain_timeout, mark_after=args.mark_after)
+                            drain_timeout=args.drain_timeout, mark_after=args.mark_after,
+                            max_input_wait=args.max_input_wait)
     except ConfigurationError:
         return
     assert 1 <= config.partitions <= 1024 and math.isfinite(config.failover_timeout)
+    assert 0 < config.max_input_wait <= 366 * 86400

@@ -105,6 +105,7 @@ async def test_busy_refuses_new_participants_and_keeps_admitted_ones() -> None:
         assert ("shed", "p2", "new_participant") in h.observer.events
         assert [(s.turn_id, s.text) for s in h.output.spoken] == [
             (newcomer.turn_id, "Busy, call back soon.")]
+        assert h.router.busy_text == "Busy, call back soon."  # what front ends say too
         assert "p2" not in h.router.participants
         # The admitted participant's next turn is still served.
         assert (await h.say("again", "p1")).text == "weather answer"
@@ -273,6 +274,7 @@ async def test_overload_none_turns_admission_control_off() -> None:
         gate.set()
     assert h.observer.load_samples == []
     assert h.router.load.status == "ready"
+    assert h.router.busy_text == OverloadPolicy().busy_text  # front ends' busy text
 
 
 async def test_telemetry_counts_shed_turns_and_samples() -> None:

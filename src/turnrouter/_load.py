@@ -151,6 +151,11 @@ class LoadMonitor:
         #: The sampler, while it runs.
         self.task: asyncio.Task[None] | None = None
 
+    @property
+    def busy_text(self) -> str:
+        """What a turn refused for load hears (the default text with no policy)."""
+        return DEFAULT_BUSY_TEXT if self.policy is None else self.policy.busy_text
+
     def snapshot(self) -> RouterLoad:
         status: Literal["ready", "busy", "shedding"] = (
             "shedding" if self.shedding else "busy" if self.busy else "ready")

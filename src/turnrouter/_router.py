@@ -296,11 +296,8 @@ class AgentRouter:
         return await _new_turn(self._cfg, self._registry, turn, (output, output), False).execute()
 
     async def interrupt(self, participant_id: str | None = None) -> None:
-        """Cancel active (and queued) turns, keeping completed history and focus.
-
-        With `participant_id=None`, every participant's turns. Returns once the cancelled
-        turns have drained.
-        """
+        """Cancel active (and queued) turns, keeping completed history and focus (with
+        `participant_id=None`, every participant's turns); returns once they drained."""
         if participant_id is not None:
             _check_pid(participant_id)
         await self._departures.interrupt(participant_id)
@@ -477,14 +474,17 @@ class AgentRouter:
 
     @property
     def failure_text(self) -> str:
-        """What the router says when a turn fails before its answer started (a front end
-        that ends such a turn itself, e.g. after a replica crash, says the same)."""
+        """What the router says when a turn fails before its answer (so does a front end)."""
         return self._cfg.failure_text
 
     @property
+    def busy_text(self) -> str:
+        """What the router says refusing a turn for load (so does a front end refusing one)."""
+        return self._cfg.load.busy_text
+
+    @property
     def reports_status(self) -> bool:
-        """Whether a `set_status` callback is configured (else `report_status` is a no-op
-        a front end may skip)."""
+        """Whether a `set_status` callback is set (else `report_status` may be skipped)."""
         return self._cfg.set_status is not None
 
     async def report_status(

@@ -68,6 +68,7 @@ def test_junk_app_specs_are_usage_errors(module: str, attribute: str) -> None:
     ["--ack-wait", "nan"], ["--drain-timeout", "-1"], ["--partitions", "0"],
     ["--prefix", "a.b"], ["--mark-after", "1"], ["--mark-after", "0"],
     ["--reconnect-for", "0"], ["--reconnect-for", "nan"], ["--reconnect-for", "x"],
+    ["--max-input-wait", "0"], ["--max-input-wait", "-5"], ["--max-input-wait", "inf"],
 ])
 def test_bad_flags_are_one_line_usage_errors(flags: list[str]) -> None:
     """Out-of-range or malformed flags exit 2 with one line on stderr, no traceback."""
@@ -215,6 +216,7 @@ def test_worker_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> N
     text = " ".join(capsys.readouterr().out.split())
     for flag, default in (("--ack-wait", "1.5"), ("--prefix", "turnrouter"),
                           ("--partitions", "16"), ("--failover-timeout", "1"),
-                          ("--drain-timeout", "20"), ("--metrics-host", "127.0.0.1")):
+                          ("--drain-timeout", "20"), ("--metrics-host", "127.0.0.1"),
+                          ("--max-input-wait", "10")):
         help_text = text.split("options:", 1)[1].split(f"{flag} ", 1)[1].split(" --", 1)[0]
         assert f"default {default}" in help_text, (flag, help_text)

@@ -88,6 +88,11 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mark-after", type=float, default=0.005,
                         help="seconds a turn may run before it is marked in flight so its "
                              "message can be acknowledged (default 0.005)")
+    parser.add_argument("--max-input-wait", type=float, default=10.0,
+                        help="seconds a query may wait in the input stream and still run; "
+                             "one delivered later is answered with the router's busy text "
+                             "and counted (rejected, reason expired) instead: size it to "
+                             "what a conversation tolerates (default 10)")
     parser.add_argument("--reconnect-for", type=float, default=60.0,
                         help="seconds to ride out a lost, frozen or not yet started NATS "
                              "server or a missing stream (retrying every 0.5 s, one log "
@@ -160,7 +165,8 @@ def worker_main(argv: Sequence[str]) -> int:
         config = NatsConfig(prefix=args.prefix, partitions=args.partitions,
                             failover_timeout=args.failover_timeout, ack_wait=args.ack_wait,
                             drain_timeout=args.drain_timeout, mark_after=args.mark_after,
-                            reconnect_for=args.reconnect_for, **settings)
+                            reconnect_for=args.reconnect_for,
+                            max_input_wait=args.max_input_wait, **settings)
     except (ValueError, TurnrouterError) as exc:
         if args.debug:
             traceback.print_exc()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._dashboards import JOB, RATE, _dashboard, _targets, _timeseries, render_dashboard
+from ._rules import RUNBOOK_URL
 
 __all__ = ["FLEET_ALERTS", "FLEET_DASHBOARD", "FLEET_K8S_RULE", "FLEET_RULES",
            "fleet_dashboard", "fleet_files", "fleet_rule_groups"]
@@ -22,6 +23,12 @@ FLEET_K8S_RULE = "deploy/k8s/nats/prometheusrule-nats.yaml"
 _OWNED = "turnrouter_nats_partitions_owned"
 _PARTITIONS = "turnrouter_nats_partitions"
 _REFUSED = "turnrouter_nats_state_writes_refused_total"
+_WAIT = "turnrouter_nats_input_wait_seconds"
+#: The input backlog alert: the delivery wait's p95 over 5 min above this many seconds
+#: (a bucket bound: more than 5% of the inputs waited longer), over at least
+#: `BACKLOG_MIN_INPUTS` inputs in 5 min.
+BACKLOG_SECONDS = 2.5
+BACKLOG_MIN_INPUTS = 150
 
 
 def _rate(name: str, by: str, *matchers: str) -> str:
@@ -81,15 +88,14 @@ def fleet_dashboard() -> dict[str, Any]:
                               f"(rate({write}{{{JOB}}}[{RATE}])))", "p99")),
                     unit="s"),
         _timeseries("Input wait",
-                    "p99 by stage: delivery (stored in the stream until a replica received "
+                    "By stage: delivery (stored in the stream until a replica received "
                     "it; includes clock skew between hosts) and queued (received until "
-                    "handled, behind the partition's previous message).",
-                    _targets((f"histogram_quantile(0.99, sum by (stage, le) (rate("
-                              f"turnrouter_nats_input_wait_seconds_bucket{{{JOB}}}[{RATE}])))",
-                              "p99 {{stage}}"),
-                             (f"histogram_quantile(0.5, sum by (stage, le) (rate("
-                              f"turnrouter_nats_input_wait_seconds_bucket{{{JOB}}}[{RATE}])))",
-                              "p50 {{stage}}")),
+                    "handled, behind the partition's previous message). A delivery p95 "
+                    f"over {BACKLOG_SECONDS:g} s is a backlog (alert TurnrouterInputBacklog); "
+                    "queries past max_input_wait are answered busy (rejected expired).",
+                    _targets(*((f"histogram_quantile({q}, sum by (stage, le) (rate("
+                                f"{_WAIT}_bucket{{{JOB}}}[{RATE}])))", f"p{name} {{{{stage}}}}")
+                               for q, name in ((0.99, "99"), (0.95, "95"), (0.5, "50")))),
                     unit="s"),
         _timeseries("Turns marked in flight",
                     "Turns still running after mark_after, recorded in flight before their "
@@ -131,6 +137,28 @@ def fleet_dashboard() -> dict[str, Any]:
     return model
 
 
+_DELIVERY = f'{_WAIT}_bucket{{stage="delivery"}}'
+_BACKLOG: dict[str, Any] = {
+    "alert": "TurnrouterInputBacklog",
+    "expr": (f"histogram_quantile(0.95, sum by (job, le) (rate({_DELIVERY}[5m])))\n"
+             f"  > {BACKLOG_SECONDS:g}\nand on (job)\n"
+             f'  sum by (job) (increase({_WAIT}_count{{stage="delivery"}}[5m])) '
+             f">= {BACKLOG_MIN_INPUTS}"),
+    "for": "5m",
+    "labels": {"severity": "critical"},
+    "annotations": {
+        "summary": "Inputs of the NATS runtime wait in the stream: the fleet is past its "
+                   "capacity",
+        "description": "p95 of the time inputs of job {{ $labels.job }} waited in the input "
+                       "stream before a replica received them is {{ $value | "
+                       f"humanizeDuration }}}} (threshold {BACKLOG_SECONDS:g}s): answers come "
+                       "that late, and queries past max_input_wait are answered with the "
+                       "busy text (rejected, reason expired). Add replicas: each serves a "
+                       "share of the partitions (no more replicas than partitions help).",
+        "runbook_url": f"{RUNBOOK_URL}#turnrouterinputbacklog",
+    },
+}
+
 #: The fleet's alerts, as they appear in the rule file.
 FLEET_ALERTS: tuple[dict[str, Any], ...] = (
     {
@@ -171,20 +199,32 @@ FLEET_ALERTS: tuple[dict[str, Any], ...] = (
                            "says which; docs/distributed.md).",
         },
     },
+    _BACKLOG,
 )
 
 
-def fleet_rule_groups() -> dict[str, Any]:
-    """The fleet rule file's content (one group)."""
-    return {"groups": [{"name": "turnrouter.nats", "rules": [dict(a) for a in FLEET_ALERTS]}]}
+
+
+def fleet_rule_groups(runbook_url: str | None = None) -> dict[str, Any]:
+    """The fleet rule file's content (one group); alerts with a runbook section link to
+    it in the runbook at `runbook_url` (default `RUNBOOK_URL`)."""
+    rules = []
+    for alert in FLEET_ALERTS:
+        rule = dict(alert)
+        if runbook_url is not None and "runbook_url" in rule["annotations"]:
+            rule["annotations"] = {**rule["annotations"], "runbook_url":
+                                   f"{runbook_url}#{rule['alert'].lower()}"}
+        rules.append(rule)
+    return {"groups": [{"name": "turnrouter.nats", "rules": rules}]}
 
 
 _HEADER = ("# Generated by `python -m turnrouter.ops` (src/turnrouter/ops/_fleet.py). Do not "
            "edit by hand.\n")
 
 
-def fleet_files() -> dict[str, str]:
-    """Repository-relative path -> content of the fleet's generated files."""
+def fleet_files(runbook_url: str | None = None) -> dict[str, str]:
+    """Repository-relative path -> content of the fleet's generated files (alerts
+    linking to the runbook at `runbook_url`, default `RUNBOOK_URL`)."""
     from ._yaml import dump
 
     rule = {
@@ -192,13 +232,13 @@ def fleet_files() -> dict[str, str]:
         "kind": "PrometheusRule",
         "metadata": {"name": "turnrouter-nats",
                      "labels": {"app.kubernetes.io/name": "turnrouter-worker"}},
-        "spec": fleet_rule_groups(),
+        "spec": fleet_rule_groups(runbook_url),
     }
     return {
         FLEET_DASHBOARD: render_dashboard(fleet_dashboard()),
         FLEET_RULES: _HEADER + "# Alerts of the NATS runtime (docs/distributed.md, "
                      "\"Telemetry\"); promtool tests in\n# deploy/prometheus/tests-nats/.\n"
-                     + dump(fleet_rule_groups()),
+                     + dump(fleet_rule_groups(runbook_url)),
         FLEET_K8S_RULE: _HEADER + "# The alerts of " + FLEET_RULES + " as a PrometheusRule.\n"
                         + dump(rule),
     }

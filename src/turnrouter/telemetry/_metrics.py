@@ -182,7 +182,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "reason (invalid, wrong_type, closed, oversized, unknown_subject, not_owned, "
         "overflow, coalesced, dropped, unverified, handover_aborted, unknown_route, "
         "out_of_range, over_share, fleet_share, outlier, unknown_publisher, invalid_snapshot, "
-        "invalid_ending, superseded).",
+        "invalid_ending, superseded, expired).",
         ("topic", "reason"),
     ),
     MetricSpec(

@@ -9,6 +9,9 @@ record (one write, reusing the last snapshot) and acknowledged then, so the part
 next message (an interrupt, say) is not held behind it. Either way one record write
 stands between a message's delivery and its acknowledgment, as the partition has one
 message in flight at a time.
+
+A query delivered more than `max_input_wait` after the stream stored it (a backlog) is
+not run: it ends with the router's busy text, recorded like any ending (`_expire`).
 """
 
 from __future__ import annotations
@@ -180,13 +183,15 @@ class Inputs:
             self._reject(msg, "not_owned", f"partition {n} is not owned here")
             return  # not acknowledged: the owner gets it
         delivered, stored_ns = ack_metadata(msg.reply)
+        # How long the stream held it (0 when unknown: then it is never too old).
+        waited = max(0.0, time.time() - stored_ns / 1e9) if stored_ns else 0.0
         metrics = self._metrics
         if metrics is not None:
             if delivered > 1:
                 metrics.redeliveries.inc()
             metrics.wait_queued.observe(time.monotonic() - received)
             if stored_ns:
-                metrics.wait_delivery.observe(max(0.0, time.time() - stored_ns / 1e9))
+                metrics.wait_delivery.observe(waited)
         message_id = message.message_id
         key = (pid, message_id)
         if key in self._recent or key in self._running:
@@ -220,6 +225,9 @@ class Inputs:
                 if not await self._ledger.write(pid, state, fresh=False):
                     return  # fenced meanwhile: the message is the new owner's now
                 await self.publish_ending(pid, state, ending)
+            elif waited > self._config.max_input_wait:
+                if not await self._expire(msg, pid, state, message_id, waited):
+                    return  # fenced meanwhile: the message is the new owner's now
             elif not await self._start(pid, state, message, msg):
                 return  # fenced meanwhile: the message is the new owner's now
         elif kind == "joined":
@@ -232,6 +240,31 @@ class Inputs:
             await router.interrupt(pid)
         self._recent.add(key)
         await self._ack(msg)
+
+    async def _expire(self, msg: Msg, pid: str, state: Participant, message_id: str,
+                      waited: float) -> bool:
+        """A query that waited in the stream past `max_input_wait` (a backlog): not run.
+        Its participant hears the router's busy text, recorded (ended, and the text in
+        the outbox) before it is said and acknowledged, as a redelivered query's failure
+        text; False when fenced meanwhile.
+
+        The participant spoke again since any turn of theirs still running began: that
+        turn is stale, as the router treats it when a newer turn comes (superseded). It
+        is interrupted, and its end (its record, an answer it already holds) awaited, so
+        nothing they hear follows the busy text out of order."""
+        running = self.turns_of.of(pid)
+        if running:
+            await self._router.interrupt(pid)
+            await asyncio.wait(running, timeout=self._config.drain_timeout)
+        self._reject(msg, "expired", f"a query waited {waited:.1f} s in the stream > "
+                                     f"max_input_wait {self._config.max_input_wait:g} s")
+        ending = (message_id, "none", self._router.busy_text, time.time())
+        state.outbox.append(ending)
+        state.end(message_id)
+        if not await self._ledger.write(pid, state, fresh=False):
+            return False
+        await self.publish_ending(pid, state, ending)
+        return True
 
     async def _start(self, pid: str, state: Participant, query: UserQuery, msg: Msg) -> bool:
         """Start the turn; True once its message may be acknowledged (module doc)."""

@@ -11,7 +11,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 __all__ = ["RuntimeMetrics", "runtime_metrics"]
 
 _WRITE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-_WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+#: Up to 30 s: a backlog's waits (tens of seconds) read as themselves, not as 5 s; 2.5 s
+#: is the backlog alert's threshold (TurnrouterInputBacklog), 10 s the default
+#: `max_input_wait`.
+_WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5, 5.0,
+                 10.0, 30.0)
 
 
 class RuntimeMetrics:

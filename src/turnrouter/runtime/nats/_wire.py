@@ -109,6 +109,16 @@ class NatsConfig:
     fails over between them. `repr()` and every error show each URL with its password
     masked and never the password or token.
 
+    `max_input_wait`: the longest a query may wait in the input stream (from the moment
+    the stream stored it to its delivery, the server's clock against the worker's) and
+    still run. A query delivered later is not run: its participant hears the router's
+    busy text (`AgentRouter.busy_text`) as the turn's final output, recorded first like
+    any ending, and it is counted (`turnrouter_runtime_rejected_messages_total{topic=
+    "nats_input", reason="expired"}`). For a voice user an answer that late is worse
+    than a quick "busy": the conversation has moved on. Joined, left and interrupt
+    messages carry state and run whatever their age. `input_max_age` is the stream's own
+    bound on any message (it deletes older ones unread).
+
     `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
     before it exits with an error. `fleet_backlog`: messages of each fleet subject
     (control, presence, timing) a worker holds unread; past it a flood's messages are
@@ -127,6 +137,7 @@ class NatsConfig:
     max_queued_per_participant: int = 1000
     input_max_bytes: int = 1024**3
     input_max_age: float = 86400.0
+    max_input_wait: float = 10.0
     probe_interval: float = 0.5
     drain_timeout: float = 20.0
     mark_after: float = 0.005
@@ -199,7 +210,7 @@ class NatsConfig:
                 f"NatsConfig.partitions must be in 1..1024, got {self.partitions}")
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
                      "output_max_age", "probe_interval", "drain_timeout", "mark_after",
-                     "input_max_age", "reconnect_for"):
+                     "input_max_age", "max_input_wait", "reconnect_for"):
             value = getattr(self, name)
             if not (finite(value) and 0 < value <= 366 * 86400):
                 raise ConfigurationError(

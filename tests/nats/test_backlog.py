@@ -1,0 +1,184 @@
+"""A backlog in the input stream: a query that waited longer than `max_input_wait` is
+answered with the router's busy text instead of being run.
+
+The age is made certain without sleeping: the backlog is published while no worker
+runs, then a worker whose `max_input_wait` is a microsecond serves it (every query it is
+delivered was stored before it started). Workers with the default bound serve before
+and after it, in the test's own event loop, each with its own registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+
+from turnrouter import ConfigurationError, OverloadPolicy
+from turnrouter.cli import worker_parser
+from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, UserQuery
+from turnrouter.runtime.nats import NatsConfig, NatsWorker
+
+from .app import make_router
+from .conftest import ROOT, NatsServer, metric_value, until_true
+from .crowd import Heard, ask, listening
+from .proxy import proxied
+
+#: What a participant refused for load hears (the test app keeps the default policy).
+BUSY = OverloadPolicy().busy_text
+REJECTED = "turnrouter_runtime_rejected_messages_total"
+RULES = ROOT / "deploy/prometheus/rules-nats/turnrouter-nats.rules.yml"
+
+
+@contextlib.asynccontextmanager
+async def serving(config: NatsConfig, replica: str) -> AsyncIterator[CollectorRegistry]:
+    """One in-process worker on `config` until the block ends (then a graceful stop: it
+    drains and hands its partitions over); its metrics' registry."""
+    registry = CollectorRegistry()
+    worker = NatsWorker(make_router, config, registry=registry, replica=replica)
+    run = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        yield registry
+    finally:
+        worker.request_stop()
+        if not worker.ready.is_set():
+            run.cancel()  # a start that did not finish: nothing to drain
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+    if not run.cancelled() and run.exception() is not None:
+        raise AssertionError("the worker failed") from run.exception()
+
+
+def metric(registry: CollectorRegistry, name: str, labels: str = "") -> float:
+    return metric_value(generate_latest(registry).decode(), name, labels)
+
+
+async def finals(heard: Heard, *queries: UserQuery) -> list[str]:
+    """The terminal text of each query, once all ended (bounded wait)."""
+    async with asyncio.timeout(15):
+        for query in queries:
+            await heard.events.setdefault(query.message_id, asyncio.Event()).wait()
+    return [heard.finals[q.message_id][0].text for q in queries]
+
+
+@pytest.mark.anyio
+async def test_a_query_past_max_input_wait_is_answered_busy_and_never_run(
+        nats_server: NatsServer) -> None:
+    """A backlog served by a worker whose bound it outlived: each query ends once with
+    the busy text (route none), recorded and counted (`rejected{reason="expired"}`),
+    and never reaches its destination (not in history); the joined, left and interrupt
+    messages queued with them are applied; the participant hears everything in the order
+    they asked, and the next query, fresh, runs with the history intact."""
+    config = NatsConfig(url=nats_server.url, partitions=2)
+    async with listening(config) as (front, heard):
+        async with serving(config, "before"):
+            assert await ask(front, heard, "ann", "a1") == "a1|-|N"
+            assert await ask(front, heard, "bob", "b1") == "b1|-|N"
+        # Nobody serves now: what follows waits in the input stream.
+        stale = [UserQuery(participant_id="ann", text="stale one"),
+                 UserQuery(participant_id="ann", text="stale two"),
+                 UserQuery(participant_id="bob", text="stale three")]
+        await front.publish(stale[0])
+        await front.publish(Interrupted(participant_id="ann"))
+        await front.publish(stale[1])
+        await front.publish(ParticipantLeft(participant_id="bob"))
+        await front.publish(ParticipantJoined(participant_id="bob"))
+        await front.publish(stale[2])
+        tiny = NatsConfig(url=nats_server.url, partitions=2, max_input_wait=1e-6)
+        async with serving(tiny, "behind") as registry:
+            assert await finals(heard, *stale) == [BUSY] * 3
+            assert metric(registry, REJECTED, 'reason="expired"') == 3
+            assert metric(registry, REJECTED) == 3  # nothing else was refused
+            assert metric(registry, "turnrouter_turns_total") == 0  # none ran
+        async with serving(config, "after"):
+            # ann's history holds a1 only (no stale query ran); bob's is gone (left).
+            assert await ask(front, heard, "ann", "a2") == "a2|a1|F"
+            assert await ask(front, heard, "bob", "b2") == "b2|-|N"
+    assert [len(heard.finals[q.message_id]) for q in stale] == [1, 1, 1]
+    assert all(heard.finals[q.message_id][0].route == "none" for q in stale)
+    texts = {turn: outputs[0].text for turn, outputs in heard.finals.items()}
+    assert [texts[turn].split("|")[0] for turn in heard.order["ann"]] == [
+        "a1", BUSY, BUSY, "a2"]
+    assert [texts[turn].split("|")[0] for turn in heard.order["bob"]] == ["b1", BUSY, "b2"]
+
+
+@pytest.mark.anyio
+async def test_an_expired_query_supersedes_the_running_turn_before_it_is_refused(
+        nats_server: NatsServer) -> None:
+    """A query that outlived the bound while its participant's previous turn still runs:
+    that turn is cut (as a newer turn would cut it) and has ended before the busy text
+    is said, so nothing of it follows the busy text; the next query finds history
+    without either. The stale query is held in the stream by holding the worker's
+    acknowledgment of the running turn's message (one message in flight per
+    partition), until it is older than the bound."""
+    bound = 2.0
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    async with proxied(nats_server.port) as proxy, listening(config) as (front, heard):
+        held = NatsConfig(url=proxy.url, partitions=1, ack_wait=60.0, max_input_wait=bound)
+        async with serving(held, "held") as registry:
+            assert await ask(front, heard, "zed", "hi") == "hi|-|N"
+            acks = proxy.hold(lambda subject, _: subject.startswith("$JS.ACK."))
+            slow = UserQuery(participant_id="zed", text="slow")
+            await front.publish(slow)
+            async with asyncio.timeout(15):  # its preamble: the slow turn runs
+                await heard.events.setdefault(f"started {slow.message_id}",
+                                              asyncio.Event()).wait()
+                await acks.event.wait()  # and its message's acknowledgment is held
+            late = UserQuery(participant_id="zed", text="late")
+            await front.publish(late)
+            stored_by = time.time()  # the stream stored it before publish returned
+            await until_true(lambda: time.time() - stored_by > bound,
+                             "the held query outlived the bound", within=bound + 10)
+            acks.release()
+            assert await finals(heard, late) == [BUSY]
+            assert metric(registry, REJECTED, 'reason="expired"') == 1
+            assert metric(registry, "turnrouter_turns_total", 'outcome="interrupted"') == 1
+            assert await ask(front, heard, "zed", "next") == "next|hi|F"
+    assert slow.message_id not in heard.finals  # cut: it said nothing after its preamble
+    assert [heard.finals[turn][0].text.split("|")[0] for turn in heard.order["zed"]] == [
+        "hi", BUSY, "next"]
+
+
+# ---------------------------------------------------------------- no server needed
+
+
+@given(st.one_of(st.floats(), st.integers(), st.booleans(), st.none(),
+                 st.text(max_size=5), st.just(10**400), st.just(-0.0)))
+def test_max_input_wait_is_a_bounded_duration(value: object) -> None:
+    """`max_input_wait` takes seconds in (0, 1 year]; NaN, infinities, zero, negative,
+    huge numbers, text and None are a ConfigurationError naming the field."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and 0 < value <= 366 * 86400:  # type: ignore[operator]
+        assert NatsConfig(max_input_wait=value).max_input_wait == value  # type: ignore[arg-type]
+        return
+    with pytest.raises(ConfigurationError, match="max_input_wait"):
+        NatsConfig(max_input_wait=value)  # type: ignore[arg-type]
+
+
+def test_the_worker_flag_sets_the_bound() -> None:
+    """`--max-input-wait` sets `NatsConfig.max_input_wait`; its default is the config's."""
+    args = ["--nats", "nats://127.0.0.1:1", "--app", "a:b"]
+    assert worker_parser().parse_args(args).max_input_wait == NatsConfig().max_input_wait
+    assert worker_parser().parse_args([*args, "--max-input-wait", "4.5"]).max_input_wait == 4.5
+
+
+def test_the_backlog_alert_threshold_and_the_bound_are_bucket_bounds() -> None:
+    """The backlog alert's threshold and the default `max_input_wait` are bounds of the
+    input wait histogram (its p95 compares exactly), which reads waits up to 30 s."""
+    registry = CollectorRegistry()
+    NatsWorker(make_router, NatsConfig(), registry=registry)
+    bounds = {sample.labels["le"] for family in registry.collect()
+              for sample in family.samples
+              if sample.name == "turnrouter_nats_input_wait_seconds_bucket"}
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    (alert,) = [rule for rule in rules if rule.get("alert") == "TurnrouterInputBacklog"]
+    threshold = float(alert["expr"].split("\n")[1].split(">")[1])
+    assert {str(threshold), str(NatsConfig().max_input_wait), "30.0"} <= bounds

@@ -1,0 +1,43 @@
+"""promtool runs the NATS fleet's backlog alert at 15 s and 1 min scrape (and evaluation)
+intervals: a backlog pages within minutes and resolves when it is gone; too few inputs
+and a fleet keeping up stay quiet."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import DEPLOY, require_binary
+
+TESTS = DEPLOY / "prometheus/tests-nats"
+RULES = DEPLOY / "prometheus/rules-nats/turnrouter-nats.rules.yml"
+THRESHOLD = "  > 2.5\n"
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([require_binary("promtool"), *args], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize("interval", ["15s", "1m"])
+def test_the_backlog_alert_at_each_scrape_interval(interval: str) -> None:
+    """TurnrouterInputBacklog: quiet before, firing 7 min into a backlog, resolved 10 min
+    after it ended; quiet for a handful of slow inputs and for a fleet keeping up."""
+    result = _promtool("test", "rules", str(TESTS / f"backlog-{interval}.test.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_backlog_tests_catch_a_wrong_threshold(tmp_path: Path) -> None:
+    """A threshold above the backlog's p95 makes the tests fail (they test something)."""
+    rules = RULES.read_text()
+    assert THRESHOLD in rules
+    (tmp_path / "rules-nats").mkdir()
+    (tmp_path / "rules-nats" / RULES.name).write_text(rules.replace(THRESHOLD, "  > 12\n"))
+    (tmp_path / "tests").mkdir()
+    shutil.copy(TESTS / "backlog-15s.test.yml", tmp_path / "tests")
+    result = _promtool("test", "rules", str(tmp_path / "tests/backlog-15s.test.yml"))
+    assert result.returncode != 0
+    assert "TurnrouterInputBacklog" in result.stdout + result.stderr
