@@ -13,9 +13,10 @@ tree and round:
   survivor taking over the victim's partitions once counts partitions/2 takeovers, 0
   lost);
 - the gap of each talker the victim served: from its last answer before the signal to
-  its first answer after it (p50/p90/max), and talkers left without one;
+  its first answer after it (p50/p90/max), and in brackets the talkers with no answer
+  after the signal before they stopped (their wait outlasted the 15 s of talking);
 - the talkers' answer latency (publish to final answer) p50/p99 before the signal and
-  for queries published from 5 s after it;
+  for queries published from 5 s after it (a query without a final counts 90 s);
 - final outputs that were not answers (the failure text) after the signal, queries left
   without a final within 90 s, and turns with more than one final;
 - the history check: each answer names the participant's last two user texts in
