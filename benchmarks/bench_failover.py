@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -181,10 +181,10 @@ def _spread(values: Sequence[float], *shares: float) -> str:
     return "/".join(f"{_percentile(values, s):.3f}" for s in shares)
 
 
-def _drain(stream: object, tail: collections.deque[str]) -> None:
+def _drain(stream: IO[str] | None, tail: collections.deque[str]) -> None:
     """Reads a worker's pipe to its end (a full pipe would stop the worker)."""
     try:
-        for line in stream:  # type: ignore[attr-defined]
+        for line in stream or ():
             tail.append(line.rstrip())
     except (OSError, ValueError):
         pass
