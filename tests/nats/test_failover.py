@@ -9,10 +9,11 @@ from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 
+from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
-from .conftest import NatsServer, Worker, metric_value
-from .crowd import Crowd, Heard, ask, listen
+from .conftest import NatsServer, Worker, metric_value, until_true
+from .crowd import Crowd, Heard, ask, listen, listening
 
 #: Every turn ends within this: a liveness bound (a turn left hanging for good, or for
 #: many failover periods, fails), not a timing claim. The failover gap itself is a
@@ -151,6 +152,43 @@ async def test_sigterm_hands_over_without_failure_text(nats_server: NatsServer) 
             await served(crowd, 200)
         figures = crowd.check(ENDS_WITHIN)
         assert figures["failures"] == 0
+
+
+async def test_a_graceful_stop_longer_than_the_failover_timeout_says_no_failure_text(
+        nats_server: NatsServer) -> None:
+    """SIGTERM of the replica running eight 3 s turns (three failover timeouts): it keeps
+    its partitions (pulls that deliver nothing) until those turns finished and it handed
+    the partitions over, so every turn ends with its answer and the participants' next
+    turns, with that history, go to the other replica. Before, the stopping replica
+    pulled no more while it drained, the server moved its partitions after
+    failover_timeout, and their new owner's takeover ended the running turns with the
+    failure text (a newcomer's walkthrough: 28 of them with 2 s turns)."""
+    slow = {"TR_TEST_ANSWER_SECS": "3"}
+    leaving = Worker(nats_server.url, "leaving", env=slow)
+    staying: Worker | None = None
+    try:
+        async with listening(nats_server.url) as (front, heard):
+            await until_owned([leaving])
+            queries = [UserQuery(participant_id=f"p{i}", text=f"first {i}") for i in range(8)]
+            for query in queries:
+                await front.publish(query)
+            await until_true(lambda: metric_value(
+                leaving.metrics(), "turnrouter_nats_inflight_marks_total") >= len(queries),
+                "every turn running (marked in flight)")
+            staying = await asyncio.to_thread(Worker, nats_server.url, "staying", env=slow)
+            leaving.signal(signal.SIGTERM)
+            assert await asyncio.to_thread(leaving.proc.wait, 30) == 0, leaving.stderr()
+            for query in queries:
+                async with asyncio.timeout(15):
+                    await heard.events.setdefault(query.message_id, asyncio.Event()).wait()
+            assert [[m.text for m in heard.finals[q.message_id]] for q in queries] == [
+                [f"first {i}|-|N"] for i in range(8)]
+            assert await ask(front, heard, "p0", "next") == "next|first 0|F"
+            assert metric_value(staying.metrics(), "turnrouter_nats_inflight_failed_total") == 0
+    finally:
+        leaving.close()
+        if staying is not None:
+            staying.close()
 
 
 async def test_a_patch_between_turns_survives_a_crash(nats_server: NatsServer) -> None:

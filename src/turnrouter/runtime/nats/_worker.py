@@ -250,6 +250,20 @@ class NatsWorker:
             task.cancel()
         # Outstanding pulls expire within pull_expires; what they deliver is still run.
         await asyncio.gather(*loops, return_exceptions=True)
+        assert self._nc is not None
+        holder = asyncio.create_task(_hold_pins(self._nc, self._pins, self.config,
+                                                self.inputs.handle), name="holding pins")
+        try:
+            await self._drain_and_hand_over()
+        finally:
+            holder.cancel()
+            await asyncio.gather(holder, return_exceptions=True)
+        await self.router.stop()
+        await self.fleet.close()
+        self._pins.clear()
+        self._set_owned()
+
+    async def _drain_and_hand_over(self) -> None:
         router = self.router
         try:
             async with asyncio.timeout(self.config.drain_timeout):
@@ -263,10 +277,6 @@ class NatsWorker:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         await asyncio.gather(*(self._hand_over(n) for n in sorted(self._pins)))
-        await router.stop()
-        await self.fleet.close()
-        self._pins.clear()
-        self._set_owned()
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -523,6 +533,44 @@ async def _last_keeps(inbox: _Inbox, handle: Callable[[int, Msg, bool, float], A
         got = await inbox.get(left)
         if got is not None and not (got[0].headers and "Status" in got[0].headers):
             await handle(n, got[0], n in pins, got[1])
+
+
+async def _hold_pins(nc: Client, pins: dict[int, str], config: NatsConfig,
+                     handle: Callable[[int, Msg, bool, float], Awaitable[None]]) -> None:
+    """During a graceful stop, keep each partition's pin until it is handed over: the
+    turns still running finish here (a server that moved the partition after
+    `failover_timeout` gave it to a new owner whose takeover ended them with the failure
+    text). Every half `pull_expires` each partition still pinned gets a pull that can
+    deliver nothing (`max_bytes` 1: the server answers 409 and keeps the message); a
+    message it delivers all the same is run, not left to come back as a redelivery."""
+    expires = int(config.pull_expires * 1e9)
+    subscriptions: dict[int, tuple[str, Any]] = {}
+
+    def receiver(n: int) -> Callable[[Msg], Awaitable[None]]:
+        async def receive(msg: Msg) -> None:
+            if not (msg.headers and "Status" in msg.headers):
+                await handle(n, msg, n in pins, time.monotonic())
+        return receive
+
+    try:
+        while True:
+            for n, pin in list(pins.items()):
+                if n not in subscriptions:
+                    inbox = nc.new_inbox()
+                    subscriptions[n] = inbox, await nc.subscribe(inbox, cb=receiver(n))
+                request = {"batch": 1, "max_bytes": 1, "expires": expires, "group": GROUP,
+                           "id": pin}
+                try:
+                    await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}."
+                                     f"{config.consumer(n)}", json.dumps(request).encode(),
+                                     reply=subscriptions[n][0])
+                except Exception as exc:  # closed or reconnecting: tried again below
+                    logger.debug("turnrouter: a pin-holding pull failed: %r", exc)
+            await asyncio.sleep(config.pull_expires / 2)
+    finally:
+        for _, subscription in subscriptions.values():
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
 
 
 async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
