@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import signal
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -405,3 +406,55 @@ async def test_a_graceful_stop_runs_what_its_last_keep_alive_pull_delivers(
                 run.cancel()
             async with asyncio.timeout(30):
                 await asyncio.gather(*runs, return_exceptions=True)
+
+
+async def test_keep_alive_pulls_stop_past_drain_timeout_on_one_message(
+        nats_server: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The keep-alive pulls of a busy owner are bounded: once one message has held a
+    partition's loop longer than `drain_timeout` (a stuck loop), the worker says so once
+    in its log and sends no more keep-alive pulls for it, leaving the server free to
+    give the partition to another replica after the failover timeout; the message still
+    ends normally when its claim's read comes back."""
+    config = NatsConfig(url=nats_server.url, partitions=1, drain_timeout=1.5)
+    record_subject = f"$KV.{config.bucket}.0.{encode_token('bob')}"
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(0)}"
+    keep_alives: list[float] = []
+
+    def keep_alive(subject: str, payload: bytes) -> bool:
+        """Counts the worker's keep-alive pulls (one message each); holds nothing."""
+        if subject == next_subject and b'"batch": 1,' in payload:
+            keep_alives.append(time.monotonic())
+        return False
+
+    async with proxied(nats_server.port) as proxy:
+        worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                            replica="stuck")
+        run = asyncio.create_task(worker.run())
+        reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
+            subject.endswith(record_subject) or record_subject.encode() in payload))
+        proxy.hold(keep_alive)
+        try:
+            async with listening(config) as (front, heard):
+                async with asyncio.timeout(15):
+                    await worker.ready.wait()
+                bob = UserQuery(participant_id="bob", text="hi")
+                await front.publish(bob)
+                async with asyncio.timeout(15):
+                    await reads.event.wait()
+                await until_true(lambda: "letting the partition go" in caplog.text,
+                                 "the worker gave the stuck partition up", within=15)
+                assert keep_alives, "keep-alive pulls went out before drain_timeout"
+                sent = len(keep_alives)
+                # The absence under test: four keep-alive periods without one.
+                await asyncio.sleep(2 * config.pull_expires)
+                assert len(keep_alives) == sent
+                reads.release()
+                async with asyncio.timeout(15):
+                    await heard.events.setdefault(bob.message_id, asyncio.Event()).wait()
+                assert [m.text for m in heard.finals[bob.message_id]] == ["hi|-|N"]
+                assert caplog.text.count("letting the partition go") == 1
+        finally:
+            reads.release()
+            run.cancel()
+            async with asyncio.timeout(20):
+                await asyncio.gather(run, return_exceptions=True)

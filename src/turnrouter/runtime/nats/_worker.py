@@ -342,7 +342,7 @@ class NatsWorker:
             got = await inbox.get(config.pull_expires + 2.0)
             if got is None:
                 return  # a lost reply (reconnect): ask again
-            inbox.holding = True  # from here until the next wait, `_keep_pins` pulls
+            inbox.holding, inbox.held_since = True, time.monotonic()  # `_keep_pins` pulls
             msg, received = got
             headers = msg.headers
             if headers:
@@ -500,8 +500,8 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     """What one partition's pull requests deliver, in order, with when each arrived
     (filled by the subscriptions' callbacks, read by the partition's loop)."""
 
-    __slots__ = ("holding", "keep_subject", "keep_until", "next_subject", "partition",
-                 "pulled")
+    __slots__ = ("given_up", "held_since", "holding", "keep_subject", "keep_until",
+                 "next_subject", "partition", "pulled")
 
     def __init__(self, partition: int, next_subject: str, keep_subject: str) -> None:
         super().__init__()
@@ -509,6 +509,8 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
             partition, next_subject, keep_subject)
         self.pulled = time.monotonic()  # when the partition's last pull request went out
         self.holding = False  # its loop is busy with one message and pulls no more
+        self.held_since = 0.0  # since when
+        self.given_up = -1.0  # the `held_since` of a message held too long to keep the pin
         self.keep_until = 0.0  # when the last `_keep_pins` pull expires
 
     async def receive(self, msg: Msg) -> None:
@@ -580,7 +582,8 @@ async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
     another replica once its owner sent no pull request for `failover_timeout`, so
     every half `pull_expires` each held partition gets a one-message request with its
     pin, lasting `pull_expires` (so one is always waiting at the server; what it
-    delivers goes to the loop, in order)."""
+    delivers goes to the loop, in order). Not past `drain_timeout` on one message: a
+    loop stuck that long lets the server give the partition to another replica."""
     expires = int(config.pull_expires * 1e9)
     while pulling():
         await asyncio.sleep(config.pull_expires / 2)
@@ -588,6 +591,13 @@ async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
         for inbox in inboxes:
             pin = pins.get(inbox.partition)
             if pin is None or not inbox.holding or now - inbox.pulled < config.pull_expires / 4:
+                continue
+            if now - inbox.held_since > config.drain_timeout:
+                if inbox.held_since != inbox.given_up:  # logged once per stuck message
+                    inbox.given_up = inbox.held_since
+                    logger.warning("turnrouter: partition %d: one message held for over "
+                                   "%g s (drain_timeout); letting the partition go",
+                                   inbox.partition, config.drain_timeout)
                 continue
             inbox.pulled = now
             inbox.keep_until = now + config.pull_expires
