@@ -4,17 +4,23 @@ and a fleet keeping up stay quiet."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from .conftest import DEPLOY, require_binary
 
 TESTS = DEPLOY / "prometheus/tests-nats"
 RULES = DEPLOY / "prometheus/rules-nats/turnrouter-nats.rules.yml"
+RUNBOOK = DEPLOY.parent / "docs/runbook.md"
 THRESHOLD = "  > 2.5\n"
+FLEET_ALERTS = [rule for group in yaml.safe_load(RULES.read_text())["groups"]
+                for rule in group["rules"] if "alert" in rule]
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -41,3 +47,19 @@ def test_the_backlog_tests_catch_a_wrong_threshold(tmp_path: Path) -> None:
     result = _promtool("test", "rules", str(tmp_path / "tests/backlog-15s.test.yml"))
     assert result.returncode != 0
     assert "TurnrouterInputBacklog" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("rule", FLEET_ALERTS, ids=lambda rule: rule["alert"])
+def test_runbook_section_matches_the_fleet_alert(rule: dict[str, Any]) -> None:
+    """Each fleet alert's runbook section names its severity, its hold time and the
+    thresholds of its expression as the rule file has them (the runbook cannot drift
+    from the rules)."""
+    text = RUNBOOK.read_text()
+    start = text.index(f"\n## {rule['alert']}\n")
+    end = text.find("\n## ", start + 1)
+    section = " ".join(text[start:end if end > 0 else None].split())
+    minutes = int(rule["for"].removesuffix("m"))
+    assert f"for {minutes} minute" in section
+    assert rule["labels"]["severity"] in section.lower()
+    for number in re.findall(r">=?\s*([0-9.]+)", rule["expr"]):
+        assert float(number) == 0 or number in section, number

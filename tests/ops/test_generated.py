@@ -12,6 +12,9 @@ from turnrouter.ops import (
     CLARIFICATION_CRITICAL,
     CLARIFICATION_WARNING,
     DASHBOARDS,
+    K8S_RULE,
+    RULES_FILE,
+    RUNBOOK_URL,
     candidates,
     dashboards,
     generated_files,
@@ -71,11 +74,45 @@ def test_runbook_url_points_every_alert_at_your_runbook(tmp_path: Path) -> None:
         groups = (content[key] if key else content)["groups"]
         alerts = [rule for group in groups for rule in group["rules"] if "alert" in rule]
         assert alerts
-        linked = [alert for alert in alerts if "runbook_url" in alert["annotations"]]
-        assert linked == alerts or ("nats" in path and linked)
-        for alert in linked:  # the NATS fleet's older alerts have no runbook section
+        for alert in alerts:  # the NATS fleet's alerts too
             url = alert["annotations"]["runbook_url"]
-            assert url.startswith(base + "#"), url
+            assert url == f"{base}#{alert['alert'].lower()}", url
+
+
+def _alerts_in(text: str) -> list[dict[str, Any]]:
+    """The alerting rules of a generated YAML file: a rule file's groups, or a
+    PrometheusRule's (none for the other files)."""
+    import yaml
+
+    alerts = []
+    for doc in yaml.safe_load_all(text):
+        if isinstance(doc, dict):
+            spec = doc.get("spec") if doc.get("kind") == "PrometheusRule" else doc
+            groups = spec.get("groups", []) if isinstance(spec, dict) else []
+            alerts += [rule for group in groups for rule in group["rules"] if "alert" in rule]
+    return alerts
+
+
+def test_every_generated_alert_links_to_its_runbook_section() -> None:
+    """Every alert of every rule file the generator writes (the router's and the NATS
+    fleet's, as rule files and as PrometheusRules) has a `runbook_url` pointing at its
+    own section of docs/runbook.md, and that section exists."""
+    runbook = (ROOT / "docs/runbook.md").read_text()
+    headings = [line.removeprefix("## ") for line in runbook.splitlines()
+                if line.startswith("## ")]
+    found = {path: _alerts_in(text) for path, text in generated_files().items()
+             if path.endswith((".yml", ".yaml"))}
+    rule_files = {path: alerts for path, alerts in found.items() if alerts}
+    assert set(rule_files) >= {RULES_FILE, K8S_RULE,
+                               "deploy/prometheus/rules-nats/turnrouter-nats.rules.yml",
+                               "deploy/k8s/nats/prometheusrule-nats.yaml"}
+    for path, alerts in rule_files.items():
+        for alert in alerts:
+            name = alert["alert"]
+            assert name in headings, f"{name} ({path}) has no section in docs/runbook.md"
+            # GitHub's anchor for the heading `## TurnrouterX` is `#turnrouterx`.
+            assert alert["annotations"].get("runbook_url") == (
+                f"{RUNBOOK_URL}#{name.lower()}"), f"{name} in {path}"
 
 
 @pytest.mark.parametrize("argv", [["--runbook-url", "wiki/runbook"],

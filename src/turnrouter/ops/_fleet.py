@@ -171,6 +171,7 @@ FLEET_ALERTS: tuple[dict[str, Any], ...] = (
             "description": "{{ $value }} partition(s) of job {{ $labels.job }} are consumed "
                            "by no replica: their participants are not served. Check that "
                            "replicas run and reach NATS (docs/distributed.md).",
+            "runbook_url": f"{RUNBOOK_URL}#turnrouterpartitionunconsumed",
         },
     },
     {
@@ -184,6 +185,7 @@ FLEET_ALERTS: tuple[dict[str, Any], ...] = (
                            "revision ({{ $value }}/s): partitions move back and forth "
                            "(replicas pausing, restarting or overloaded past the failover "
                            "timeout).",
+            "runbook_url": f"{RUNBOOK_URL}#turnrouterfencedwrites",
         },
     },
     {
@@ -197,21 +199,20 @@ FLEET_ALERTS: tuple[dict[str, Any], ...] = (
                            "but not serving: its connection to NATS is lost, or a stream, "
                            "consumer or the bucket is missing and not recreated yet (its log "
                            "says which; docs/distributed.md).",
+            "runbook_url": f"{RUNBOOK_URL}#turnrouterreplicanotserving",
         },
     },
     _BACKLOG,
 )
 
 
-
-
 def fleet_rule_groups(runbook_url: str | None = None) -> dict[str, Any]:
-    """The fleet rule file's content (one group); alerts with a runbook section link to
-    it in the runbook at `runbook_url` (default `RUNBOOK_URL`)."""
+    """The fleet rule file's content (one group); each alert links to its section of the
+    runbook at `runbook_url` (default `RUNBOOK_URL`), as the main rule file's do."""
     rules = []
     for alert in FLEET_ALERTS:
         rule = dict(alert)
-        if runbook_url is not None and "runbook_url" in rule["annotations"]:
+        if runbook_url is not None:
             rule["annotations"] = {**rule["annotations"], "runbook_url":
                                    f"{runbook_url}#{rule['alert'].lower()}"}
         rules.append(rule)
