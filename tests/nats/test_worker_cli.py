@@ -208,6 +208,32 @@ def test_sigterm_during_start_up_ends_the_worker(nats_server: NatsServer, when: 
             proc.communicate(timeout=10)
 
 
+def test_a_ready_file_left_by_a_killed_worker_is_removed_at_start(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    """A ready file left by a worker killed with -9 (or a restarted container keeping
+    /tmp) is removed as the next worker starts: while that one is still starting (here
+    its factory hangs), a probe testing the file must not find it ready."""
+    ready = tmp_path / "worker.ready"
+    ready.write_text("killed-before\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "turnrouter", "worker", "--nats",
+                             nats_server.url, "--app", "tests.nats.app:hanging",
+                             "--ready-file", str(ready)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        assert any(line.startswith("worker ") and "starting" in line for line in proc.stdout)
+        assert not ready.exists()
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+
+
 def test_worker_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     """Every flag with a default says it in `turnrouter worker --help`."""
     with pytest.raises(SystemExit) as info:

@@ -204,6 +204,9 @@ def worker_main(argv: Sequence[str]) -> int:
             loop.add_signal_handler(sig, stop)
         if args.ready_file:  # there while the worker serves, gone while it cannot
             path = args.ready_file
+            # One left by a process killed before it could remove it (kill -9, a restarted
+            # container keeping /tmp) would say this one serves while it still starts.
+            _remove_ready(path)
             worker.readiness.on_change(
                 lambda serving: _write_ready(path, worker.replica) if serving
                 else _remove_ready(path))
