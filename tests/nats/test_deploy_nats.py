@@ -15,7 +15,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from turnrouter.cli import worker_parser
-from turnrouter.ops import generated_files, queries
+from turnrouter.ops import K8S_RULE, RULES_FILE, generated_files, queries
 from turnrouter.runtime.nats import NatsConfig, NatsWorker
 from turnrouter.telemetry import METRICS
 
@@ -110,8 +110,25 @@ def test_compose_mounts_and_volumes_exist() -> None:
                 assert (COMPOSE.parent / source).resolve().exists(), f"{name}: {source}"
             else:
                 assert source in compose["volumes"]
-    prometheus = compose["services"]["prometheus"]
-    assert "../prometheus/rules-nats:/etc/prometheus/rules:ro" in prometheus["volumes"]
+
+
+def test_compose_prometheus_loads_the_main_and_the_fleet_rules() -> None:
+    """The fleet's Prometheus mounts the main rules where the demo stack does (without
+    TurnrouterTargetDown and TurnrouterAbsent nothing fires when every worker dies) and
+    the fleet's beside them; its config's rule_files read exactly those two files."""
+    prometheus = load(COMPOSE)["services"]["prometheus"]
+    demo = load(DEPLOY / "compose/compose.yaml")["services"]["prometheus"]
+    assert "../prometheus/rules:/etc/prometheus/rules:ro" in demo["volumes"]
+    assert "../prometheus/rules:/etc/prometheus/rules:ro" in prometheus["volumes"]
+    assert "../prometheus/rules-nats:/etc/prometheus/rules-nats:ro" in prometheus["volumes"]
+    mounts = {target: (COMPOSE.parent / source).resolve() for source, target, *_ in
+              (volume.split(":") for volume in prometheus["volumes"])
+              if source.startswith(".")}
+    config = load(DEPLOY / "prometheus/prometheus.nats.yml")
+    assert mounts["/etc/prometheus/prometheus.yml"] == DEPLOY / "prometheus/prometheus.nats.yml"
+    loaded = sorted(path.relative_to(ROOT).as_posix() for glob in config["rule_files"]
+                    for path in mounts[str(Path(glob).parent)].glob(Path(glob).name))
+    assert loaded == sorted([RULES_FILE, str(RULES.relative_to(ROOT))])
 
 
 def test_kubernetes_runs_three_workers_against_the_nats_service() -> None:
@@ -140,9 +157,31 @@ def test_kubernetes_runs_three_workers_against_the_nats_service() -> None:
 
 
 def test_prometheus_rule_equals_the_rule_file() -> None:
-    """The PrometheusRule's spec is exactly the compose rule file."""
+    """The PrometheusRules' specs are exactly the compose rule files: the fleet's, and
+    the main one (the same object as the base's)."""
     rule = k8s("prometheusrule-nats.yaml")["PrometheusRule"]
     assert rule["spec"] == load(RULES)
+    main = k8s("prometheusrule.yaml")["PrometheusRule"]
+    assert main["spec"] == load(ROOT / RULES_FILE)
+    assert (K8S / "prometheusrule.yaml").read_text() == (ROOT / K8S_RULE).read_text()
+
+
+def test_kustomize_renders_both_prometheus_rules() -> None:
+    """`kubectl kustomize deploy/k8s/nats` renders the main PrometheusRule beside the
+    fleet's (skipped where kubectl is not installed)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed; the files are validated above")
+    result = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    rules = {doc["metadata"]["name"]: doc for doc in yaml.safe_load_all(result.stdout)
+             if doc and doc["kind"] == "PrometheusRule"}
+    assert sorted(rules) == ["turnrouter", "turnrouter-nats"]
+    alerts = {rule["alert"] for doc in rules.values() for group in doc["spec"]["groups"]
+              for rule in group["rules"] if "alert" in rule}
+    assert {"TurnrouterTargetDown", "TurnrouterAbsent",
+            "TurnrouterPartitionUnconsumed"} <= alerts
 
 
 def test_fleet_dashboard_queries_only_exposed_series() -> None:
@@ -166,8 +205,9 @@ def test_fleet_dashboard_queries_only_exposed_series() -> None:
 def test_fleet_files_are_generated_by_turnrouter_ops() -> None:
     """The fleet dashboard, its rule file and PrometheusRule come from
     `python -m turnrouter.ops` (the checked-in copies are what it writes)."""
-    generated = generated_files()
-    for path in (DASHBOARD, RULES, K8S / "prometheusrule-nats.yaml"):
+    generated = generated_files(root=ROOT)  # the main rules carry the demo overrides
+    for path in (DASHBOARD, RULES, K8S / "prometheusrule-nats.yaml",
+                 K8S / "prometheusrule.yaml"):
         relative = str(path.relative_to(ROOT))
         assert generated[relative] == path.read_text(), relative
 

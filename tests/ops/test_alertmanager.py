@@ -3,6 +3,7 @@ severity, and inhibits the warning while the critical of the same alert and job 
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from turnrouter.ops import ALERTS, RECORDING_RULES, AlertRule
 from .conftest import DEPLOY, require_binary
 
 CONFIG = DEPLOY / "alertmanager/alertmanager.yml"
+FLEET_RULES = DEPLOY / "prometheus/rules-nats/turnrouter-nats.rules.yml"
 RECEIVER = {"critical": "pager", "warning": "tickets", "none": "watchdog"}
 
 
@@ -61,6 +63,21 @@ def test_warning_is_inhibited_by_the_critical_of_the_same_alert_and_job() -> Non
     both = {a.alert for a in ALERTS if a.severity == "critical"} & {
         a.alert for a in ALERTS if a.severity == "warning"}
     assert "TurnrouterHighClarificationRate" in both
+
+
+def test_target_down_inhibits_no_fleet_alert() -> None:
+    """TurnrouterTargetDown of one NATS worker mutes none of the fleet's alerts: they are
+    about the replicas still running, and every replica of a fleet shares its job (the
+    real Alertmanager check: tests/integration/test_fleet_inhibition.py)."""
+    config = yaml.safe_load(CONFIG.read_text())
+    (rule,) = [r for r in config["inhibit_rules"]
+               if r["source_matchers"] == ['alertname="TurnrouterTargetDown"']]
+    (excluded,) = [m for m in rule["target_matchers"] if m.startswith("alertname!~")]
+    pattern = re.compile(excluded.removeprefix("alertname!~").strip('"'))
+    fleet = [rule["alert"] for group in yaml.safe_load(FLEET_RULES.read_text())["groups"]
+             for rule in group["rules"] if "alert" in rule]
+    assert fleet and all(pattern.fullmatch(name) for name in fleet)
+    assert not pattern.fullmatch("TurnrouterFailures")  # the main rules' stay muted
 
 
 def test_broken_config_is_rejected(tmp_path: Path) -> None:

@@ -290,18 +290,40 @@ def test_deployment_service_and_servicemonitor_agree() -> None:
     assert container["readinessProbe"]["httpGet"]["port"] == port["name"]
 
 
-@pytest.mark.parametrize("overlay", ["base", "overlays/example"])
-def test_kustomize_builds(overlay: str) -> None:
-    """`kubectl kustomize` renders the layout (skipped where kubectl is not installed)."""
+BASE_KINDS = ["ConfigMap", "ConfigMap", "Deployment", "PrometheusRule", "Service",
+              "ServiceMonitor"]
+
+
+@pytest.mark.parametrize(("overlay", "kinds"), [
+    ("base", BASE_KINDS), ("overlays/example", BASE_KINDS),
+    # The NATS fleet: the main PrometheusRule (TurnrouterTargetDown, TurnrouterAbsent)
+    # beside the fleet's, the fleet dashboard's ConfigMap, NATS and the workers.
+    ("nats", ["ConfigMap", "Deployment", "PrometheusRule", "PrometheusRule", "Service",
+              "Service", "ServiceMonitor", "StatefulSet"])])
+def test_kustomize_builds(overlay: str, kinds: list[str]) -> None:
+    """`kubectl kustomize` renders the layout, each object small enough for a client-side
+    `kubectl apply` (its 256 KiB last-applied annotation); skipped where kubectl is not
+    installed."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed; the files are validated above")
     result = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s" / overlay)],
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
-    kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc)
-    assert kinds == ["ConfigMap", "ConfigMap", "Deployment", "PrometheusRule", "Service",
-                     "ServiceMonitor"]
+    documents = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert sorted(doc["kind"] for doc in documents) == kinds
+    for doc in documents:
+        size = len(yaml.safe_dump(doc, width=1000, allow_unicode=True).encode())
+        assert size < 256 * 1024, (doc["metadata"]["name"], size)
+
+
+def test_nats_kustomization_carries_the_main_prometheus_rule() -> None:
+    """deploy/k8s/nats lists the main rules' PrometheusRule (kustomize loads no file
+    outside its root, so it is a generated copy of the base's) beside the fleet's."""
+    resources = _load(DEPLOY / "k8s/nats/kustomization.yaml")["resources"]
+    assert {"prometheusrule.yaml", "prometheusrule-nats.yaml"} <= set(resources)
+    assert (DEPLOY / "k8s/nats/prometheusrule.yaml").read_text() == (
+        ROOT / K8S_RULE).read_text()
 
 
 def test_dashboards_configmaps_fit_a_client_side_apply() -> None:

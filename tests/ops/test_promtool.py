@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from turnrouter.ops import ALERTS, RECORDING_RULES, read_overrides, render_rules
 
@@ -14,6 +17,13 @@ from .scenarios import INTERVALS, TESTS_DIR
 from .scenarios import files as scenario_files
 
 DEMO_OVERRIDES = DEPLOY / "prometheus/overrides.demo.yml"
+FLEET_RULES = DEPLOY / "prometheus/rules-nats/turnrouter-nats.rules.yml"
+
+
+def fleet_alerts() -> list[dict[str, Any]]:
+    """The alerts of the NATS fleet's rule file."""
+    return [rule for group in yaml.safe_load(FLEET_RULES.read_text())["groups"]
+            for rule in group["rules"] if "alert" in rule]
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -51,16 +61,41 @@ def test_promtool_unit_tests_can_fail(tmp_path: Path) -> None:
     assert "TurnrouterHighClarificationRate" in result.stdout + result.stderr
 
 
-def test_promtool_check_config_of_the_compose_prometheus(tmp_path: Path) -> None:
-    """The compose Prometheus config is valid, with its rule files where compose mounts them."""
-    config = (DEPLOY / "prometheus/prometheus.yml").read_text()
-    mounted = "/etc/prometheus/rules/*.yml"
-    assert mounted in config
+def _rule_files_where_compose_mounts_them(compose: str, tmp_path: Path) -> Path:
+    """The compose file's Prometheus config, written under `tmp_path` with each container
+    path of its `rule_files` replaced by the host directory compose mounts there (a glob
+    whose directory is not mounted stays as it is, and finds nothing)."""
+    compose_file = DEPLOY / "compose" / compose
+    service = yaml.safe_load(compose_file.read_text())["services"]["prometheus"]
+    mounts = {}
+    for volume in service["volumes"]:
+        source, target = volume.split(":")[:2]
+        if source.startswith("."):
+            mounts[target] = (compose_file.parent / source).resolve()
+    config_flag = next(f for f in service["command"] if f.startswith("--config.file="))
+    config = yaml.safe_load(mounts[config_flag.split("=", 1)[1]].read_text())
+    config["rule_files"] = [
+        str(mounts[str(Path(glob).parent)] / Path(glob).name)
+        if str(Path(glob).parent) in mounts else glob for glob in config["rule_files"]]
     local = tmp_path / "prometheus.yml"
-    local.write_text(config.replace(mounted, str(DEPLOY / "prometheus/rules/*.yml")))
+    local.write_text(yaml.safe_dump(config))
+    return local
+
+
+@pytest.mark.parametrize(("compose", "rules"), [
+    ("compose.yaml", len(RECORDING_RULES) + len(ALERTS)),
+    # The fleet loads the main rules (TurnrouterTargetDown, TurnrouterAbsent) too.
+    ("compose.nats.yaml", len(RECORDING_RULES) + len(ALERTS) + len(fleet_alerts()))])
+def test_promtool_check_config_of_the_compose_prometheus(compose: str, rules: int,
+                                                         tmp_path: Path) -> None:
+    """Each compose Prometheus config is valid, with its rule files where compose mounts
+    them, and loads every rule of the stack: the demo's the main rule file, the NATS
+    fleet's the main rule file and the fleet's."""
+    local = _rule_files_where_compose_mounts_them(compose, tmp_path)
     result = _promtool("check", "config", str(local))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"SUCCESS: {len(RECORDING_RULES) + len(ALERTS)} rules found" in result.stdout
+    found = [int(n) for n in re.findall(r"SUCCESS: (\d+) rules found", result.stdout)]
+    assert sum(found) == rules, result.stdout
 
 
 def test_promtool_unit_tests_of_per_route_overrides(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ route's, and a new one is notified within `group_wait` (30 s) of firing.
 
 Inhibition: a critical suppresses its own warning; `TurnrouterFailures` suppresses the
 latency warnings of its job; `TurnrouterTargetDown` suppresses every other alert of its
-job (a dead router's windows are meaningless).
+job (a dead router's windows are meaningless) except the NATS fleet's: those are about
+the replicas still running (one dead worker is when `TurnrouterPartitionUnconsumed`
+matters), and all replicas of a fleet share one job.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._fleet import FLEET_ALERTS
 from ._rules import ALERTS, GROUP_LABELS, check_group_labels
 
 __all__ = [
@@ -75,7 +78,9 @@ def alertmanager_config(urls: Mapping[str, str] | None = None,
     chosen = receiver_urls(urls)
     labels = list(check_group_labels(group_labels))
     assert WATCHDOG in {a.alert for a in ALERTS}
-    others = "|".join((*_AVAILABILITY, WATCHDOG))
+    # The fleet's alerts outlive one dead replica: its job is the whole fleet's.
+    fleet = tuple(alert["alert"] for alert in FLEET_ALERTS)
+    others = "|".join((*_AVAILABILITY, WATCHDOG, *fleet))
     return {
         "route": {
             "receiver": "tickets",
@@ -121,7 +126,8 @@ HEADER = """\
 # placeholders. Critical alerts page, warnings open a ticket, TurnrouterWatchdog (always
 # firing) reaches the dead man's switch; groups are per alert, cluster, namespace, job
 # and route. A critical inhibits its own warning; TurnrouterFailures the latency
-# warnings of its job; TurnrouterTargetDown every other alert of its job.
+# warnings of its job; TurnrouterTargetDown every other alert of its job but the NATS
+# fleet's (about the replicas still running).
 """
 
 

@@ -47,6 +47,11 @@ K8S_RULE = "deploy/k8s/base/prometheusrule.yaml"
 K8S_DASHBOARDS = "deploy/k8s/base/dashboards-configmap.yaml"
 #: One rule set for everyone: the compose stack loads the shipped rule file.
 COMPOSE_RULES = RULES_FILE
+#: The main rules as a PrometheusRule inside deploy/k8s/nats, beside the fleet's: the
+#: NATS kustomization cannot list ../base's file (kustomize loads only files under its
+#: root), and without TurnrouterTargetDown/TurnrouterAbsent nothing fires when every
+#: worker dies.
+_NATS_K8S_RULE = "deploy/k8s/nats/prometheusrule.yaml"
 #: The per-route alert overrides every generated rule file carries (the demo's
 #: slow-by-design routes), relative to the root; `--overrides` replaces them.
 DEMO_OVERRIDES = "deploy/prometheus/overrides.demo.yml"
@@ -106,6 +111,7 @@ def generated_files(runbook_url: str | None = None,
                                      group_labels=group_labels)
     files[K8S_RULE] = _K8S_HEADER + dump(prometheus_rule(runbook_url, overrides,
                                                          group_labels))
+    files[_NATS_K8S_RULE] = files[K8S_RULE]  # the same object, for the NATS fleet
     files[K8S_DASHBOARDS] = _K8S_HEADER + dump_all(dashboards_configmaps(group_labels,
                                                                           overrides))
     files[ALERTMANAGER_FILE] = render_alertmanager(PLACEHOLDER_URLS, group_labels)
