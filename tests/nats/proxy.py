@@ -10,10 +10,18 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
-__all__ = ["Hold", "NatsProxy", "proxied"]
+__all__ = ["Hold", "NatsProxy", "proxied", "reads_of"]
 
 #: Whether a publish (subject, payload without headers) is to be held.
 Match = Callable[[str, bytes], bool]
+
+
+def reads_of(subject: str) -> Match:
+    """A rule matching the JetStream API requests that read the message of `subject` (a
+    participant's record, `$KV.<bucket>.<key>`): a direct get names it in its own
+    subject, a stream message get in its payload."""
+    return lambda api, payload: api.startswith("$JS.API.") and (
+        api.endswith(subject) or subject.encode() in payload)
 
 
 class Hold:

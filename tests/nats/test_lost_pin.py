@@ -33,7 +33,7 @@ from turnrouter.runtime.nats import (
 from .app import make_router
 from .conftest import NatsServer, Worker, metric_value, until_true
 from .crowd import FAILURE, ask, listening
-from .proxy import proxied
+from .proxy import proxied, reads_of
 
 pytestmark = pytest.mark.anyio
 
@@ -244,8 +244,7 @@ async def test_a_claim_outliving_its_partition_is_not_served_when_it_comes_back(
                 await until_true(lambda: metric("turnrouter_nats_state_write_seconds_count") >= 1,
                                  "zed was claimed and saved")
                 record_subject = f"$KV.{config.bucket}.{key}"
-                reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
-                    subject.endswith(record_subject) or record_subject.encode() in payload))
+                reads = proxy.hold(reads_of(record_subject))
                 limits = await update_stream(nc, f"KV_{config.bucket}", max_msg_size=1)
                 await front.publish(ParticipantJoined(participant_id="zed"))  # saved: refused
                 async with asyncio.timeout(15):  # zed dropped, claimed again: its read waits
@@ -314,8 +313,7 @@ async def test_a_partition_stays_with_its_owner_through_a_long_held_message(
         worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
                             registry=registry, replica="busy")
         run = asyncio.create_task(worker.run())
-        reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
-            subject.endswith(record_subject) or record_subject.encode() in payload))
+        reads = proxy.hold(reads_of(record_subject))
         try:
             async with listening(config) as (front, heard):
                 async with asyncio.timeout(15):
@@ -368,8 +366,7 @@ async def test_a_graceful_stop_runs_what_its_last_keep_alive_pull_delivers(
                             replica="stopping")
         heir = NatsWorker(make_router, config, replica="heir")
         runs = [asyncio.create_task(worker.run())]
-        reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
-            subject.endswith(record_subject) or record_subject.encode() in payload))
+        reads = proxy.hold(reads_of(record_subject))
         proxy.hold(keep_alive)
         try:
             async with listening(config) as (front, heard):
@@ -430,8 +427,7 @@ async def test_keep_alive_pulls_stop_past_drain_timeout_on_one_message(
         worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
                             replica="stuck")
         run = asyncio.create_task(worker.run())
-        reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
-            subject.endswith(record_subject) or record_subject.encode() in payload))
+        reads = proxy.hold(reads_of(record_subject))
         proxy.hold(keep_alive)
         try:
             async with listening(config) as (front, heard):

@@ -29,7 +29,7 @@ from turnrouter.runtime.nats import (
 from .app import PREAMBLE, make_router
 from .conftest import NatsServer, Worker, metric_value, settled, until_true
 from .crowd import FAILURE, ask, listening
-from .proxy import proxied
+from .proxy import proxied, reads_of
 
 pytestmark = pytest.mark.anyio
 
@@ -202,8 +202,7 @@ async def test_a_takeover_serves_the_partition_while_it_reads_the_records(
                                          [("t-told", "echo", "told", time.time())]))
     record_subject = f"$KV.{config.bucket}.{zed}"
     async with proxied(nats_server.port) as proxy:
-        reads = proxy.hold(lambda subject, payload: subject.startswith("$JS.API.") and (
-            subject.endswith(record_subject) or record_subject.encode() in payload))
+        reads = proxy.hold(reads_of(record_subject))
         worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
                             registry=registry, replica="heir")
         run = asyncio.create_task(worker.run())
