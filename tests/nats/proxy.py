@@ -62,6 +62,10 @@ class NatsProxy:
         self.url = ""
         #: While set, a new connection is reset at once (a server that is down).
         self.refusing = False
+        #: Every byte clients sent through the proxy (what a wiretap would see).
+        self.uplink = bytearray()
+        #: How many client connections the proxy accepted.
+        self.accepted = 0
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -94,6 +98,7 @@ class NatsProxy:
 
     async def _accept(self, client_reader: asyncio.StreamReader,
                       client_writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
         if self.refusing:
             _abort(client_writer)
             return
@@ -142,6 +147,7 @@ class NatsProxy:
                     data += body
                     subject = parts[1].decode("utf-8", "replace")
                     payload = body[int(parts[-2]) if op == b"HPUB" else 0:size]
+                self.uplink += data
                 hold = None
                 if op in (b"PUB", b"HPUB"):
                     hold = next((h for h in self._holds
