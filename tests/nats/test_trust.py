@@ -193,6 +193,26 @@ async def test_nkey_users_with_the_shipped_permissions(tmp_path: Path) -> None:
         server.close()
 
 
+def test_an_nkey_seed_given_where_a_file_goes_is_refused_unshown() -> None:
+    """A seed put in `--nats-nkey` / `TURNROUTER_NATS_NKEY` (or `nkey_seed_file`,
+    `creds_file`) itself, as from a secret store: a clear error that never shows it."""
+    seed, _ = nkey_user()
+    for field in ("nkey_seed_file", "creds_file"):
+        with pytest.raises(ConfigurationError, match="holds an nkey seed") as caught:
+            NatsConfig(**{field: seed})
+        assert seed not in str(caught.value)
+    for how in (["--nats-nkey", seed], []):
+        run = subprocess.run(
+            [sys.executable, "-m", "turnrouter", "worker", "--nats", "nats://127.0.0.1:1",
+             "--app", "tests.nats.app:make_router", *how],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+            env={**os.environ, "TURNROUTER_NATS_NKEY": seed,
+                 "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"})
+        assert run.returncode == 2, run.stderr
+        assert "holds an nkey seed" in run.stderr
+        assert seed not in run.stdout + run.stderr
+
+
 async def test_token_authentication(caplog: pytest.LogCaptureFixture) -> None:
     """`NatsConfig(token=...)` connects to a server requiring that token; a wrong token is
     refused without showing it."""
