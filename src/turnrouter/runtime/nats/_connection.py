@@ -227,7 +227,8 @@ class Connection:
             return
         self._lost()
         self._attempts += 1
-        down = time.monotonic() - self._down_since
+        since = self._down_since
+        down = time.monotonic() - since if since is not None else 0.0
         logger.warning("turnrouter: NATS reconnect attempt %d failed (%.1f s of %g s): %s",
                        self._attempts, down, self._config.reconnect_for, what)
         if down >= self._config.reconnect_for and not self._gave_up:
