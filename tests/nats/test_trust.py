@@ -197,11 +197,12 @@ def test_an_nkey_seed_given_where_a_file_goes_is_refused_unshown() -> None:
     """A seed put in `--nats-nkey` / `TURNROUTER_NATS_NKEY` (or `nkey_seed_file`,
     `creds_file`) itself, as from a secret store: a clear error that never shows it."""
     seed, _ = nkey_user()
-    for make in (lambda: NatsConfig(nkey_seed_file=seed),
-                 lambda: NatsConfig(creds_file=seed)):
-        with pytest.raises(ConfigurationError, match="holds an nkey seed") as caught:
-            make()
-        assert seed not in str(caught.value)
+    with pytest.raises(ConfigurationError, match="holds an nkey seed") as caught:
+        NatsConfig(nkey_seed_file=seed)
+    assert seed not in str(caught.value)
+    with pytest.raises(ConfigurationError, match="holds an nkey seed") as caught:
+        NatsConfig(creds_file=seed)
+    assert seed not in str(caught.value)
     for how in (["--nats-nkey", seed], []):
         run = subprocess.run(
             [sys.executable, "-m", "turnrouter", "worker", "--nats", "nats://127.0.0.1:1",
