@@ -14,7 +14,8 @@ import urllib.parse
 from collections.abc import Iterable
 
 __all__ = [
-    "REDACTED", "has_surrogates", "preview", "redact_text", "redact_url", "strip_surrogates",
+    "REDACTED", "has_surrogates", "looks_like_nkey_seed", "preview", "redact_text",
+    "redact_url", "strip_surrogates",
 ]
 
 #: What replaces a secret.
@@ -32,6 +33,13 @@ _SECRET_PAIR = re.compile(
 _BEARER = re.compile(r"\b(bearer)(\s{1,8})([A-Za-z0-9._~+/=-]+)", re.IGNORECASE)
 _URL_USERINFO = re.compile(r"([a-z][a-z0-9+.-]{0,20}://)[^/@\s\"']{1,256}@", re.IGNORECASE)
 _SURROGATES = re.compile("[\ud800-\udfff]")
+#: An NKEY seed (NATS): "S", the key's type, then base32 (58 characters in all).
+_NKEY_SEED = re.compile(r"\bS[UOANCXP][A-Z2-7]{56}\b")
+
+
+def looks_like_nkey_seed(text: str) -> bool:
+    """Whether `text` holds an NKEY seed (a secret, whatever field it was put in)."""
+    return _NKEY_SEED.search(text) is not None
 
 
 def redact_url(url: str) -> str:
@@ -65,13 +73,15 @@ def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
     """`text` with known `secrets` (>= 4 characters) and credential-looking pairs masked.
 
     Masks every exact occurrence of each secret, `Authorization: ...`-style header lines
-    and JSON pairs, `Bearer <token>` and `scheme://user:password@` URL user info.
+    and JSON pairs, `Bearer <token>`, NKEY seeds and `scheme://user:password@` URL user
+    info.
     """
     for secret in secrets:
         if secret and len(secret) >= 4 and secret in text:
             text = text.replace(secret, REDACTED)
     text = _SECRET_PAIR.sub(rf"\g<1>\g<2>{REDACTED}", text)
     text = _BEARER.sub(rf"\g<1>\g<2>{REDACTED}", text)
+    text = _NKEY_SEED.sub(REDACTED, text)
     return _URL_USERINFO.sub(rf"\g<1>{REDACTED}@", text)
 
 

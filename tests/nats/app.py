@@ -118,3 +118,18 @@ async def hanging(ctx: WorkerContext) -> AgentRouter:
 def raising(ctx: WorkerContext) -> AgentRouter:
     """A factory that fails: one line on stderr, exit 1."""
     raise KeyError("OPENAI_API_KEY is not set")
+
+
+def exiting(ctx: WorkerContext) -> AgentRouter:
+    """A factory that gives up as scripts do: `sys.exit` with a message."""
+    raise SystemExit("missing setting FOO")
+
+
+def exiting_zero(ctx: WorkerContext) -> AgentRouter:
+    """A factory that exits 0: still a failed start, not a clean exit."""
+    raise SystemExit(0)
+
+
+def interrupted(ctx: WorkerContext) -> AgentRouter:
+    """A factory that raises KeyboardInterrupt itself."""
+    raise KeyboardInterrupt

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 
 __all__ = ["Hold", "NatsProxy", "proxied", "reads_of"]
@@ -55,8 +57,15 @@ class NatsProxy:
         self._holds: list[Hold] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._clients: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
         self.url = ""
+        #: While set, a new connection is reset at once (a server that is down).
+        self.refusing = False
+        #: Every byte clients sent through the proxy (what a wiretap would see).
+        self.uplink = bytearray()
+        #: How many client connections the proxy accepted.
+        self.accepted = 0
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -67,6 +76,14 @@ class NatsProxy:
         hold = Hold(match)
         self._holds.append(hold)
         return hold
+
+    def reset(self) -> int:
+        """Reset every client connection (TCP RST, as when a server crashes or a
+        middlebox drops the flow): the client reads ECONNRESET. How many were reset."""
+        clients = [w for w in self._writers if w in self._clients]
+        for writer in clients:
+            _abort(writer)
+        return len(clients)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -81,7 +98,12 @@ class NatsProxy:
 
     async def _accept(self, client_reader: asyncio.StreamReader,
                       client_writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        if self.refusing:
+            _abort(client_writer)
+            return
         self._writers.add(client_writer)
+        self._clients.add(client_writer)
         try:
             server_reader, server_writer = await asyncio.open_connection(
                 "127.0.0.1", self._port)
@@ -103,6 +125,7 @@ class NatsProxy:
             for writer in (client_writer, server_writer):
                 writer.close()
                 self._writers.discard(writer)
+                self._clients.discard(writer)
 
     async def _downlink(self, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
@@ -124,6 +147,7 @@ class NatsProxy:
                     data += body
                     subject = parts[1].decode("utf-8", "replace")
                     payload = body[int(parts[-2]) if op == b"HPUB" else 0:size]
+                self.uplink += data
                 hold = None
                 if op in (b"PUB", b"HPUB"):
                     hold = next((h for h in self._holds
@@ -134,6 +158,14 @@ class NatsProxy:
                 else:
                     hold.held.append((writer, data))
                     hold.event.set()
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP RST rather than a FIN (SO_LINGER 0)."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 @contextlib.asynccontextmanager

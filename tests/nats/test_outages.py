@@ -24,6 +24,7 @@ from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, Readiness, encode_
 
 from .conftest import ROOT, NatsServer, Worker, metric_value, nats_server_binary, until_true
 from .crowd import FAILURE, Heard, ask, listening
+from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
 
@@ -169,6 +170,36 @@ async def test_the_ready_file_is_there_only_while_the_worker_serves(
     finally:
         nats_server.thaw()
         worker.close()
+
+
+async def test_a_reset_connection_drops_readiness_and_says_so(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    """A connection reset (a crashed server, a dropped flow: nats-py reports the failed
+    reconnect before the disconnection) still drops readiness and logs the line the
+    runbook names, once; both come back with the connection."""
+    ready = tmp_path / "worker.ready"
+    async with proxied(nats_server.port) as proxy:
+        # Started in a thread: the proxy runs on this loop.
+        worker = await asyncio.to_thread(Worker, proxy.url, "reset", "--reconnect-for",
+                                         "60", "--ready-file", str(ready))
+        try:
+            await file_state(ready, True)
+            proxy.refusing = True
+            assert proxy.reset() >= 1
+            await file_state(ready, False)
+            assert await asyncio.to_thread(ready_status, worker) == 503
+            assert "turnrouter_nats_serving 0.0" in await asyncio.to_thread(worker.metrics)
+            proxy.refusing = False
+            await file_state(ready, True, within=30)
+            assert await asyncio.to_thread(ready_status, worker) == 200
+            worker.signal(signal.SIGTERM)
+            await asyncio.to_thread(worker.proc.wait, 30)
+            err = worker.stderr()
+            assert err.count("lost the connection to NATS") == 1, err
+            assert err.count("reconnected to NATS") == 1, err
+            assert "Traceback" not in err
+        finally:
+            worker.close()
 
 
 async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_once(

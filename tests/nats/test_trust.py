@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -30,6 +32,7 @@ from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
 
 from .conftest import ROOT, NatsServer, Worker, free_port, settled
 from .crowd import Heard, ask, listen, listening
+from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
 
@@ -190,6 +193,28 @@ async def test_nkey_users_with_the_shipped_permissions(tmp_path: Path) -> None:
         server.close()
 
 
+def test_an_nkey_seed_given_where_a_file_goes_is_refused_unshown() -> None:
+    """A seed put in `--nats-nkey` / `TURNROUTER_NATS_NKEY` (or `nkey_seed_file`,
+    `creds_file`) itself, as from a secret store: a clear error that never shows it."""
+    seed, _ = nkey_user()
+    with pytest.raises(ConfigurationError, match="holds an nkey seed") as caught:
+        NatsConfig(nkey_seed_file=seed)
+    assert seed not in str(caught.value)
+    with pytest.raises(ConfigurationError, match="holds an nkey seed") as caught:
+        NatsConfig(creds_file=seed)
+    assert seed not in str(caught.value)
+    for how in (["--nats-nkey", seed], []):
+        run = subprocess.run(
+            [sys.executable, "-m", "turnrouter", "worker", "--nats", "nats://127.0.0.1:1",
+             "--app", "tests.nats.app:make_router", *how],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+            env={**os.environ, "TURNROUTER_NATS_NKEY": seed,
+                 "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"})
+        assert run.returncode == 2, run.stderr
+        assert "holds an nkey seed" in run.stderr
+        assert seed not in run.stdout + run.stderr
+
+
 async def test_token_authentication(caplog: pytest.LogCaptureFixture) -> None:
     """`NatsConfig(token=...)` connects to a server requiring that token; a wrong token is
     refused without showing it."""
@@ -256,6 +281,41 @@ async def test_end_to_end_over_tls(certificates: Path) -> None:
     finally:
         if worker is not None:
             worker.close()
+        server.close()
+
+
+async def test_tls_configured_refuses_a_server_without_tls(certificates: Path) -> None:
+    """A `tls://` URL with a CA, in front of a server (or a man in the middle) offering
+    no TLS: the front end and the worker refuse it in one clear error, and no password
+    crosses the wire in clear (nats-py alone would have sent CONNECT in plaintext)."""
+    server = NatsServer(config=DEPLOY / "nats-server.conf", env=PASSWORDS)
+    ca = str(certificates / "ca.pem")
+    try:
+        async with proxied(server.port) as tap:
+            url = tap.url.replace("nats://", "tls://")
+            with pytest.raises(LifecycleError, match="offers no TLS"):
+                await NatsFrontEnd.connect(frontend_config(url, tls_ca_file=ca),
+                                           max_reconnect_attempts=1)
+            # A CA alone asks for TLS too, whatever the URL's scheme.
+            with pytest.raises(LifecycleError, match="offers no TLS"):
+                await NatsFrontEnd.connect(frontend_config(tap.url, tls_ca_file=ca),
+                                           max_reconnect_attempts=1)
+            worker = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-m", "turnrouter", "worker", "--nats", url, "--app",
+                 "tests.nats.app:make_router", "--nats-user", "worker", "--tls-ca", ca,
+                 "--reconnect-for", "2"],
+                capture_output=True, text=True, timeout=60, cwd=ROOT,
+                env={**os.environ, **WORKER_ENV,
+                     "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"})
+            assert worker.returncode == 1, worker.stderr
+            last = worker.stderr.strip().splitlines()[-1]
+            assert "offers no TLS" in last and "Traceback" not in worker.stderr
+            assert tap.accepted >= 3  # each client did reach the plaintext server
+            for secret in PASSWORDS.values():
+                assert secret.encode() not in tap.uplink
+            assert b"CONNECT" not in tap.uplink
+    finally:
         server.close()
 
 

@@ -141,6 +141,29 @@ def test_failing_factory_is_one_line(nats_server: NatsServer) -> None:
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
+@pytest.mark.parametrize(("factory", "shown"), [
+    ("exiting", "SystemExit('missing setting FOO')"), ("exiting_zero", "SystemExit(0)"),
+    ("interrupted", "KeyboardInterrupt()")])
+def test_factory_exiting_is_one_line_and_a_failure(nats_server: NatsServer, factory: str,
+                                                    shown: str) -> None:
+    """A factory that calls `sys.exit` (a missing setting, its own argparse) or raises
+    KeyboardInterrupt: exit 1 (a supervisor restarts it), one line, no traceback."""
+    done = run_worker("--nats", nats_server.url, "--app", f"tests.nats.app:{factory}")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"the router factory raised {shown}" in done.stderr
+
+
+def test_ready_file_in_a_missing_directory_is_a_usage_error(tmp_path: Path) -> None:
+    """`--ready-file` where it can never be written (a mistyped volume path): exit 2 at
+    once, naming the directory, rather than a replica that is never ready."""
+    missing = tmp_path / "no" / "such"
+    done = run_worker("--nats", "nats://127.0.0.1:1", "--app", "tests.nats.app:raising",
+                      "--ready-file", str(missing / "ready"))
+    assert done.returncode == 2
+    assert f"--ready-file: {missing} is not a writable directory" in done.stderr
+
+
 def test_module_failing_at_import_is_one_line(tmp_path: Path) -> None:
     """An --app module that raises while it is imported: a usage error (exit 2) in one
     line, no traceback."""

@@ -54,8 +54,8 @@ def worker_parser() -> argparse.ArgumentParser:
         prog="turnrouter worker",
         description="Run one replica of your router on NATS JetStream.")
     parser.add_argument("--nats", default=None,
-                        help="NATS server URL, or a cluster's URLs comma-separated "
-                             "(nats://host:4222; env TURNROUTER_NATS_URL)")
+                        help="required: the NATS server URL, or a cluster's URLs "
+                             "comma-separated (nats://host:4222); env TURNROUTER_NATS_URL")
     parser.add_argument("--app", required=True,
                         help="module:factory; factory(WorkerContext) returns an AgentRouter "
                              "(imported from --app-dir, the current directory by default)")
@@ -106,7 +106,8 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help="written (the replica name) while the worker serves, removed "
                              "while it cannot (NATS lost, a stream missing) and when it "
-                             "ends: a readiness probe checks that it exists")
+                             "ends: a readiness probe checks that it exists (its directory "
+                             "must exist)")
     parser.add_argument("--debug", action="store_true",
                         help="print tracebacks of start-up errors (one line otherwise)")
     return parser
@@ -157,6 +158,12 @@ def worker_main(argv: Sequence[str]) -> int:
         return 2
     from .._exceptions import TurnrouterError
 
+    if args.ready_file:
+        # A probe on a file that can never be written would keep the replica unready
+        # for good, with a warning as the only clue: a usage error instead.
+        folder = os.path.dirname(os.path.abspath(args.ready_file))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--ready-file: {folder} is not a writable directory")
     app_dir = os.path.abspath(args.app_dir)
     if app_dir not in sys.path:  # as uvicorn: `--app myapp:make` finds ./myapp.py
         sys.path.insert(0, app_dir)

@@ -186,6 +186,12 @@ class Connection:
         return f"lost the connection to NATS at {self._config.safe_url}"
 
     async def _disconnected(self) -> None:
+        self._lost()
+
+    def _lost(self) -> None:
+        """The connection is down: readiness drops, one line says so. Called by the
+        disconnected callback and by the first failed reconnect attempt, whichever
+        nats-py reports first (a reset connection reports the error first)."""
         if self._down_since is None and self._nc is not None and not self._nc.is_closed:
             self._down_since, self._attempts = time.monotonic(), 0
             self.readiness.update("connection", "disconnected from NATS")
@@ -219,10 +225,10 @@ class Connection:
         if nc is None or not (nc.is_reconnecting or nc.is_connecting):
             logger.warning("turnrouter: NATS connection error: %s", what)
             return
-        if self._down_since is None:
-            self._down_since = time.monotonic()
+        self._lost()
         self._attempts += 1
-        down = time.monotonic() - self._down_since
+        since = self._down_since
+        down = time.monotonic() - since if since is not None else 0.0
         logger.warning("turnrouter: NATS reconnect attempt %d failed (%.1f s of %g s): %s",
                        self._attempts, down, self._config.reconnect_for, what)
         if down >= self._config.reconnect_for and not self._gave_up:

@@ -25,7 +25,8 @@ from ..._exceptions import LifecycleError
 from ..._redact import redact_text
 from ._wire import NatsConfig
 
-__all__ = ["connect", "connect_options", "inbox_prefix", "safe_error", "secrets_of"]
+__all__ = ["PlaintextRefusedError", "connect", "connect_options", "inbox_prefix",
+           "requires_tls", "safe_error", "secrets_of"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -67,7 +68,7 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
     merged = {**connect_options(config, role, refused, attempts, on_denied), **options}
     if patience is not None:
         merged["max_reconnect_attempts"] = -1  # nats-py tries until cancelled below
-    nc = Client()
+    nc = _TlsClient() if requires_tls(config) else Client()
     connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(config.servers, **merged))
     either: list[asyncio.Future[Any]] = [connecting, refused]
     try:
@@ -117,8 +118,35 @@ class _Attempts:
 _DENIED_PUBLISH = re.compile(r'permissions violation for publish to "([^"]*)"', re.IGNORECASE)
 
 
+def requires_tls(config: NatsConfig) -> bool:
+    """TLS is configured (a `tls://` server, a CA or a client certificate): a server that
+    does not offer it is refused, as the Go client does, rather than sent credentials
+    in clear (nats-py itself upgrades only when the server asks for TLS)."""
+    return (config.tls_ca_file is not None or config.tls_cert_file is not None
+            or any(server.strip().lower().startswith("tls://") for server in config.servers))
+
+
+class PlaintextRefusedError(NatsError):
+    """The server offered no TLS where the configuration asks for it."""
+
+
+class _TlsClient(Client):
+    """A nats-py client that refuses, before it sends CONNECT (and with it any
+    credentials), a server whose INFO does not require TLS: nats-py has upgraded the
+    connection to TLS by then exactly when the server required it."""
+
+    def _connect_command(self) -> bytes:
+        if not self._server_info.get("tls_required"):
+            raise PlaintextRefusedError(
+                "the NATS server offers no TLS, but TLS is configured (a tls:// URL, "
+                "a CA or a client certificate): refusing to send credentials in clear; "
+                "enable TLS on the server (its tls block)")
+        command: bytes = super()._connect_command()
+        return command
+
+
 def _is_refusal(exc: BaseException) -> bool:
-    if isinstance(exc, ssl.SSLError):
+    if isinstance(exc, ssl.SSLError | PlaintextRefusedError):
         return True
     text = str(exc).lower()
     return isinstance(exc, NatsError) and ("authorization" in text

@@ -27,7 +27,7 @@ from ..._contracts import MAX_ID_CHARS
 from ..._exceptions import ConfigurationError, ContractValueError, TurnrouterError
 from ..._frontend import MAX_SNAPSHOT_CONTAINERS
 from ..._numbers import finite
-from ..._redact import REDACTED, has_surrogates, preview, redact_url
+from ..._redact import REDACTED, has_surrogates, looks_like_nkey_seed, preview, redact_url
 from ..._timing import TimingSample
 from .._messages import (
     Interrupted,
@@ -190,6 +190,12 @@ class NatsConfig:
                 # Never show the value: it may be a secret.
                 raise ConfigurationError(
                     f"NatsConfig.{name} must be a non-empty one-line string or None")
+        for name in ("creds_file", "nkey_seed_file"):
+            value = getattr(self, name)
+            if value is not None and looks_like_nkey_seed(value):
+                raise ConfigurationError(
+                    f"NatsConfig.{name} holds an nkey seed itself, not the path of a file "
+                    f"holding one: put the seed in a file (not shown: it is a secret)")
         ways = [name for name in _AUTH_FIELDS if getattr(self, name) is not None]
         if self.user is not None or self.password is not None:
             ways.append("user/password")

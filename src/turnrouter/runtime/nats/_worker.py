@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 from ..._contracts import AgentTurn
 from ..._exceptions import ContractValueError, LifecycleError
 from ..._logging import log_failure
+from ..._redact import preview
 from ..._router import AgentRouter
 from ..._timing import TimingPredictor, TimingSample
 from ._backpressure import backpressure
@@ -176,8 +177,14 @@ class NatsWorker:
         self._nc = nc = await connection.connect(self.replica)
         try:
             bucket = await connection.settle("set-up", lambda: ensure_deployment(nc, config))
-            built = self._factory(WorkerContext(self, self._registry))
-            router = await built if inspect.isawaitable(built) else built
+            try:
+                built = self._factory(WorkerContext(self, self._registry))
+                router = await built if inspect.isawaitable(built) else built
+            except (SystemExit, KeyboardInterrupt) as exc:
+                # `sys.exit("missing setting")` in a factory (or its argparse): an error
+                # of the start-up, not a stop of the event loop with a traceback.
+                raise LifecycleError(f"the router factory raised {type(exc).__name__}"
+                                     f"({preview(exc.args[0]) if exc.args else ''})") from None
             if not isinstance(router, AgentRouter):
                 raise ContractValueError(
                     f"the router factory must return an AgentRouter, got "
