@@ -51,10 +51,11 @@ def _setup(namespace: dict[str, Any]) -> None:
     (workdir / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
     namespace["__docs_cwd__"] = os.getcwd()
     namespace["__docs_env__"] = {key: os.environ.get(key)
-                                 for key in ("METRICS_PORT", "NATS_PORT")}
+                                 for key in ("METRICS_PORT", "NATS_PORT", "NATS_MONITOR_PORT")}
     namespace["__docs_workdir__"] = workdir
     os.environ["METRICS_PORT"] = "0"  # blocks that serve metrics take any free port
     os.environ["NATS_PORT"] = str(_free_port())  # and a NATS server a free one
+    os.environ["NATS_MONITOR_PORT"] = str(_free_port())  # its monitoring port too
     os.chdir(workdir)
 
 

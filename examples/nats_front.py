@@ -1,15 +1,38 @@
 """A front end for the fleet: ask three questions, print everything said for each
-(docs/distributed.md, "On one machine"). `python examples/nats_front.py nats://HOST:PORT`"""
+(docs/distributed.md, "On one machine" and "Trust").
+
+    python examples/nats_front.py nats://HOST:PORT
+
+Credentials and TLS come from the environment variables `turnrouter worker` reads
+(docs/distributed.md, "Trust"), so secrets stay off the command line:
+TURNROUTER_NATS_USER with TURNROUTER_NATS_PASSWORD, TURNROUTER_NATS_TOKEN,
+TURNROUTER_NATS_CREDS or TURNROUTER_NATS_NKEY, and TURNROUTER_NATS_TLS_CA,
+TURNROUTER_NATS_TLS_CERT, TURNROUTER_NATS_TLS_KEY. Without a URL argument,
+TURNROUTER_NATS_URL (or nats://127.0.0.1:4222) is used."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
+from turnrouter import ConfigurationError, LifecycleError
 from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
 
 QUERIES = ["will it rain tomorrow?", "I need a refund for my invoice", "hi there"]
+
+def _env(suffix: str) -> str | None:
+    return os.environ.get(f"TURNROUTER_NATS_{suffix}") or None
+
+
+def config_from_env(url: str) -> NatsConfig:
+    """The front end's connection settings: `url`, and the credentials and TLS files of
+    the environment (the variables `turnrouter worker` reads)."""
+    return NatsConfig(url=url, user=_env("USER"), password=_env("PASSWORD"),
+                      token=_env("TOKEN"), creds_file=_env("CREDS"),
+                      nkey_seed_file=_env("NKEY"), tls_ca_file=_env("TLS_CA"),
+                      tls_cert_file=_env("TLS_CERT"), tls_key_file=_env("TLS_KEY"))
 
 
 async def listen(front: NatsFrontEnd, subscribed: asyncio.Event,
@@ -22,8 +45,8 @@ async def listen(front: NatsFrontEnd, subscribed: asyncio.Event,
             done.set_result(None)
 
 
-async def main(url: str) -> None:
-    front = await NatsFrontEnd.connect(NatsConfig(url=url))
+async def main(config: NatsConfig) -> None:
+    front = await NatsFrontEnd.connect(config)
     subscribed = asyncio.Event()
     waiting: dict[str, asyncio.Future[None]] = {}
     listener = asyncio.create_task(listen(front, subscribed, waiting))
@@ -44,4 +67,10 @@ async def main(url: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "nats://127.0.0.1:4222"))
+    url = (sys.argv[1] if len(sys.argv) > 1
+           else os.environ.get("TURNROUTER_NATS_URL") or "nats://127.0.0.1:4222")
+    try:
+        asyncio.run(main(config_from_env(url)))
+    except (ConfigurationError, LifecycleError) as exc:
+        # One line, secrets masked (NatsConfig's errors never show a password or token).
+        sys.exit(f"nats_front: {exc}")

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from turnrouter.ops import ALERTS, RECORDING_RULES, AlertRule
+from turnrouter.ops import (
+    ALERTMANAGER_ENV,
+    ALERTS,
+    PLACEHOLDER_URLS,
+    RECORDING_RULES,
+    AlertRule,
+    render_alertmanager,
+)
 
 from .conftest import DEPLOY, require_binary
 
@@ -138,3 +145,20 @@ def test_runbook_describes_the_shipped_inhibition() -> None:
     text = RUNBOOK.read_text()
     assert "deploy/alertmanager/alertmanager.yml" in text
     assert "suppressed" in text and "`pager`" in text and "`tickets`" in text
+
+
+def test_header_calls_only_placeholder_addresses_placeholders(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generated file says its addresses are placeholders only when they are: the
+    checked-in file says so, a configuration with your addresses does not, and one with
+    some of them names the receivers still to set."""
+    for variable in ALERTMANAGER_ENV.values():
+        monkeypatch.delenv(variable, raising=False)
+    assert "# The addresses below are placeholders." in CONFIG.read_text()
+    yours = {"pager": "https://events.example.com/pager",
+             "tickets": "https://tickets.example.com/hook",
+             "watchdog": "https://hc.example.com/ping"}
+    assert "placeholder" not in render_alertmanager(yours)
+    text = render_alertmanager({"pager": yours["pager"]})
+    assert "# The tickets and watchdog addresses below are placeholders." in text
+    assert PLACEHOLDER_URLS["tickets"] in text and yours["pager"] in text

@@ -240,3 +240,24 @@ def test_an_endless_overrides_file_is_refused_after_the_bound(tmp_path: Path) ->
     """A file that never ends (/dev/zero) is read only up to the bound, then refused."""
     with pytest.raises(ValueError, match="larger than"):
         read_overrides(Path("/dev/zero"))
+
+
+def test_generation_says_which_overrides_it_applied(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fresh root has no demo overrides: the rules carry none, and the command says so
+    (and how to give yours); a root holding the demo's file, or `--overrides`, is named
+    with its count."""
+    assert main(["--root", str(tmp_path / "fresh")]) == 0
+    out = capsys.readouterr().out
+    assert "per-route overrides: none (the root has no deploy/prometheus/overrides.demo.yml" \
+        in out and "--overrides FILE" in out
+    assert "travel" not in (tmp_path / "fresh/deploy/prometheus/rules/turnrouter.rules.yml"
+                            ).read_text()
+    demo = DEPLOY / "prometheus/overrides.demo.yml"
+    count = len(read_overrides(demo))
+    assert main(["--root", str(tmp_path / "given"), "--overrides", str(demo)]) == 0
+    assert f"per-route overrides: {count} from {demo}" in capsys.readouterr().out
+    (tmp_path / "fresh/deploy/prometheus/overrides.demo.yml").write_text(demo.read_text())
+    assert main(["--root", str(tmp_path / "fresh")]) == 0
+    assert (f"per-route overrides: {count} from deploy/prometheus/overrides.demo.yml"
+            in capsys.readouterr().out)

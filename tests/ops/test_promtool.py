@@ -102,19 +102,20 @@ def test_promtool_unit_tests_of_per_route_overrides(tmp_path: Path) -> None:
     """Rules generated with the demo's overrides: routes slow by design do not page,
     other routes keep the defaults, and an overridden route pages above its own bound."""
     tests = DEPLOY / "prometheus/tests/overrides.test.yml"
-    (tmp_path / tests.name).write_text(tests.read_text())
-    (tmp_path / "turnrouter-demo.rules.yml").write_text(
-        render_rules(overrides=read_overrides(DEMO_OVERRIDES)))
-    result = _promtool("test", "rules", str(tmp_path / tests.name))
+    # The test file reads the shipped rule file (one rule set for everyone), as written.
+    result = _promtool("test", "rules", str(tests))
     assert result.returncode == 0, result.stdout + result.stderr
-    # The shipped rule file carries the same overrides (one rule set for everyone).
-    (tmp_path / "turnrouter-demo.rules.yml").write_text(
-        (DEPLOY / "prometheus/rules/turnrouter.rules.yml").read_text())
-    result = _promtool("test", "rules", str(tmp_path / tests.name))
+    # The same tests pass on rules rendered now with the demo's overrides ...
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "tests" / tests.name).write_text(tests.read_text())
+    rules = tmp_path / "rules/turnrouter.rules.yml"
+    rules.write_text(render_rules(overrides=read_overrides(DEMO_OVERRIDES)))
+    result = _promtool("test", "rules", str(tmp_path / "tests" / tests.name))
     assert result.returncode == 0, result.stdout + result.stderr
-    # Without the overrides the same data pages for the slow-by-design route.
-    (tmp_path / "turnrouter-demo.rules.yml").write_text(render_rules())
-    result = _promtool("test", "rules", str(tmp_path / tests.name))
+    # ... and without the overrides the same data pages for the slow-by-design route.
+    rules.write_text(render_rules())
+    result = _promtool("test", "rules", str(tmp_path / "tests" / tests.name))
     assert result.returncode != 0
     assert "route=\"travel\"" in result.stdout + result.stderr
 

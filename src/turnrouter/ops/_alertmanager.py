@@ -122,18 +122,33 @@ HEADER = """\
 #   python -m turnrouter.ops alertmanager --pager-url URL --tickets-url URL \\
 #       --watchdog-url URL > alertmanager.yml
 # or with TURNROUTER_ALERT_PAGER_URL, TURNROUTER_ALERT_TICKETS_URL and
-# TURNROUTER_ALERT_WATCHDOG_URL set (docs/operations.md). The addresses below are
-# placeholders. Critical alerts page, warnings open a ticket, TurnrouterWatchdog (always
-# firing) reaches the dead man's switch; groups are per alert, cluster, namespace, job
-# and route. A critical inhibits its own warning; TurnrouterFailures the latency
-# warnings of its job; TurnrouterTargetDown every other alert of its job but the NATS
-# fleet's (about the replicas still running).
+# TURNROUTER_ALERT_WATCHDOG_URL set (docs/operations.md). Critical alerts page, warnings
+# open a ticket, TurnrouterWatchdog (always firing) reaches the dead man's switch; groups
+# are per alert, cluster, namespace, job and route. A critical inhibits its own warning;
+# TurnrouterFailures the latency warnings of its job; TurnrouterTargetDown every other
+# alert of its job but the NATS fleet's (about the replicas still running).
 """
+
+
+def _placeholder_note(urls: Mapping[str, str]) -> str:
+    """What the header says about the receivers still at their placeholder address."""
+    left = [name for name, url in urls.items() if url == PLACEHOLDER_URLS.get(name)]
+    if not left:
+        return ""
+    if len(left) == len(PLACEHOLDER_URLS):
+        return "# The addresses below are placeholders.\n"
+    if len(left) == 1:
+        return f"# The {left[0]} address below is a placeholder.\n"
+    return f"# The {' and '.join(left)} addresses below are placeholders.\n"
 
 
 def render_alertmanager(urls: Mapping[str, str] | None = None,
                         group_labels: Sequence[str] = GROUP_LABELS) -> str:
-    """The configuration as YAML text."""
+    """The configuration as YAML text; its header calls the receivers' addresses
+    placeholders only when they are."""
     from ._yaml import dump
 
-    return HEADER + dump(alertmanager_config(urls, group_labels))
+    config = alertmanager_config(urls, group_labels)
+    chosen = {receiver["name"]: receiver["webhook_configs"][0]["url"]
+              for receiver in config["receivers"]}
+    return HEADER + _placeholder_note(chosen) + dump(config)

@@ -247,7 +247,8 @@ def _main(argv: Sequence[str] | None) -> int:
                              "(your copy of docs/runbook.md; default: turnrouter's own)")
     parser.add_argument("--overrides", type=Path, metavar="FILE",
                         help="YAML file of per-route alert overrides (docs/operations.md; "
-                             f"default: the root's {DEMO_OVERRIDES})")
+                             f"default: the root's {DEMO_OVERRIDES}, none when the root "
+                             "has no such file)")
     parser.add_argument("--group-labels", metavar="LABELS",
                         help="comma-separated labels every rule aggregates by and every "
                              "dashboard filters on (default: cluster,namespace,job)")
@@ -293,4 +294,17 @@ def _main(argv: Sequence[str] | None) -> int:
         return 1
     for path in written:
         print(f"wrote {path}")
+    print(_overrides_used(args.root, args.overrides, overrides))
     return 0
+
+
+def _overrides_used(root: Path, given: Path | None,
+                    overrides: tuple[RouteOverride, ...] | None) -> str:
+    """The line saying which per-route overrides the written rules carry."""
+    if given is not None:
+        return f"per-route overrides: {len(overrides or ())} from {given}"
+    if (root / DEMO_OVERRIDES).is_file():
+        return (f"per-route overrides: {len(read_overrides(root / DEMO_OVERRIDES))} "
+                f"from {DEMO_OVERRIDES}")
+    return (f"per-route overrides: none (the root has no {DEMO_OVERRIDES}; "
+            "--overrides FILE gives yours)")
