@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -213,6 +214,21 @@ def test_an_nkey_seed_given_where_a_file_goes_is_refused_unshown() -> None:
         assert run.returncode == 2, run.stderr
         assert "holds an nkey seed" in run.stderr
         assert seed not in run.stdout + run.stderr
+
+
+@given(before=st.text(max_size=40), after=st.text(max_size=40),
+       field=st.sampled_from(["creds_file", "nkey_seed_file"]))
+def test_a_seed_anywhere_in_a_file_field_is_never_shown(before: str, after: str,
+                                                        field: str) -> None:
+    """Whatever surrounds a seed pasted into a file field (junk, newlines, NUL), the
+    configuration is refused and the error never quotes the seed."""
+    seed = "SUAMLK2ZNL35WSMW37E7UD4VZ7ELPKW7DHC3BWBSD2GCZ7IUQQXZIORRBU"
+    pasted = f"{before} {seed} {after}"
+    make = (functools.partial(NatsConfig, creds_file=pasted) if field == "creds_file"
+            else functools.partial(NatsConfig, nkey_seed_file=pasted))
+    with pytest.raises(ConfigurationError) as caught:
+        make()
+    assert seed not in str(caught.value)
 
 
 async def test_token_authentication(caplog: pytest.LogCaptureFixture) -> None:

@@ -123,7 +123,7 @@ def requires_tls(config: NatsConfig) -> bool:
     does not offer it is refused, as the Go client does, rather than sent credentials
     in clear (nats-py itself upgrades only when the server asks for TLS)."""
     return (config.tls_ca_file is not None or config.tls_cert_file is not None
-            or any(server.strip().lower().startswith("tls://") for server in config.servers))
+            or any(server.lower().startswith("tls://") for server in config.servers))
 
 
 class PlaintextRefusedError(NatsError):
