@@ -242,6 +242,59 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
         worker.close()
 
 
+async def test_failed_state_writes_are_logged_rarely(nats_server: NatsServer) -> None:
+    """An outage fails one state write per participant writing: the log shows the 1st
+    and the 10th, each with the count so far, not one line per participant."""
+    worker = Worker(nats_server.url, "quiet", "--reconnect-for", "60",
+                    env={"TR_TEST_ANSWER_SECS": "3"})
+    try:
+        async with listening(nats_server.url) as (front, _):
+            for i in range(12):  # answered at 3 s, each then writes its record
+                await front.publish(UserQuery(participant_id=f"w{i}", text="hello"))
+            await until_true(lambda: metric_value(
+                worker.metrics(), "turnrouter_turns_in_flight") == 12, "12 turns running")
+            nats_server.freeze()  # the 12 answers' writes get no reply
+            try:
+                # A write without a reply (5 s) drops its participant from this replica.
+                await until_true(lambda: metric_value(
+                    worker.metrics(), "turnrouter_active_participants") == 0,
+                    "every participant dropped after its failed write", within=30)
+            finally:
+                nats_server.thaw()
+        worker.signal(signal.SIGTERM)
+        await asyncio.to_thread(worker.proc.wait, 30)
+        logged = [line for line in worker.stderr().splitlines()
+                  if "state write failed" in line]
+        assert len(logged) == 2, logged
+        assert "1 so far" in logged[0] and "10 so far" in logged[1]
+    finally:
+        nats_server.thaw()
+        worker.close()
+
+
+async def test_a_front_end_closes_while_its_server_is_away(nats_server: NatsServer) -> None:
+    """`close()` while the connection is reconnecting (a frozen server) closes at once
+    instead of raising nats-py's ConnectionReconnectingError; a second close is a no-op."""
+    lost = asyncio.Event()
+
+    async def disconnected() -> None:
+        lost.set()
+
+    front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url),
+                                       disconnected_cb=disconnected)
+    try:
+        nats_server.freeze()
+        async with asyncio.timeout(20):
+            await lost.wait()
+        async with asyncio.timeout(10):
+            await front.close()
+            await front.close()
+        assert front.connection.is_closed
+    finally:
+        nats_server.thaw()
+        await front.close()
+
+
 # ---------------------------------------------------------------- a deployment deleted
 
 

@@ -700,8 +700,8 @@ def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None,
         matplotlib.use("Agg")
         plt = importlib.import_module("matplotlib.pyplot")
     except ImportError:
-        return ("--plot needs matplotlib (pip install 'turnrouter[plot]' or matplotlib); "
-                "the table above is complete, no plot was written")
+        return ("--plot needs matplotlib (pip install matplotlib, or from a checkout "
+                "pip install -e '.[plot]'); the table above is complete, no plot was written")
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for route in dict.fromkeys(r.route for r in rows):
         mine = [r for r in rows if r.route == route]

@@ -153,8 +153,8 @@ def worker_main(argv: Sequence[str]) -> int:
     try:
         from ..runtime.nats import NatsConfig, NatsWorker
     except ImportError as exc:
-        print(f"turnrouter worker needs the nats extra (pip install 'turnrouter[nats]'): "
-              f"{exc}", file=sys.stderr)
+        print("turnrouter worker needs the nats extra (from a checkout: "
+              f"pip install -e '.[nats]'): {exc}", file=sys.stderr)
         return 2
     from .._exceptions import TurnrouterError
 

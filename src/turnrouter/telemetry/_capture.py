@@ -68,7 +68,7 @@ class TelemetryCapture:
         except ImportError as exc:  # pragma: no cover - the dev environment has the SDK
             raise ConfigurationError(
                 "TelemetryCapture needs the OpenTelemetry SDK: "
-                "pip install 'turnrouter[testing]' (or opentelemetry-sdk)"
+                "pip install opentelemetry-sdk (or, from a checkout, pip install -e '.[testing]')"
             ) from exc
         if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
             # The SDK would hand out no-op tracers: every span assertion would see nothing.

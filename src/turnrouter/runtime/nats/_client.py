@@ -103,7 +103,17 @@ class NatsFrontEnd:
         return self._nc
 
     async def close(self) -> None:
-        await self._nc.drain()
+        """Close the connection, flushing what it holds when the server is there (a
+        drain); while it is reconnecting (a server down or frozen) there is nothing it
+        can flush, so it just closes. Closing twice is harmless."""
+        nc = self._nc
+        if nc.is_closed:
+            return
+        if nc.is_connected:
+            with contextlib.suppress(NatsError, asyncio.TimeoutError):
+                await nc.drain()
+                return
+        await nc.close()
 
     async def publish(self, message: RuntimeMessage,
                       headers: dict[str, str] | None = None) -> None:

@@ -22,6 +22,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from ..._exceptions import ContractValueError, LifecycleError
 from ..._frontend import ParticipantSnapshot
+from ..._limits import is_logged
 from ..._router import AgentRouter
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
@@ -126,6 +127,9 @@ class Ledger:
         """Participants dropped after a write got no reply, by partition: to claim
         again (`reclaim`), as their record may hold a turn no input will come back for."""
         self.on_unsure: Callable[[str, int], None] = lambda pid, n: None
+        #: Writes that got no answer (an outage fails one per participant writing): the
+        #: log shows the first, then every power of ten, each with the count so far.
+        self.write_failures = 0
 
     def partition_lost(self, n: int) -> None:
         """This replica stops serving partition `n` (its pin moved, or it hands it over):
@@ -430,7 +434,11 @@ class Ledger:
                     f"{self._subject}{state.partition}.{encode_token(pid)}", data,
                     {"Nats-Expected-Last-Subject-Sequence": str(state.revision)}))
             except (RequestFailed, ValueError) as exc:
-                logger.warning("turnrouter: state write failed: %r", exc)
+                self.write_failures += 1
+                if is_logged(self.write_failures):
+                    logger.warning("turnrouter: state write failed (%d so far; the "
+                                   "participant starts again from its record): %r",
+                                   self.write_failures, exc)
                 seq, error, uncertain = None, None, True
             if seq is not None:
                 state.revision, state.recorded = seq, written

@@ -171,7 +171,8 @@ def connect_options(config: NatsConfig, role: str,
             import nkeys  # noqa: F401  # nats-py signs the server's nonce with it
         except ImportError as exc:
             raise LifecycleError("NATS creds and nkey files need the nkeys package "
-                                 "(pip install 'turnrouter[nats]')") from exc
+                                 "(the nats extra; from a checkout: "
+                                 "pip install -e '.[nats]')") from exc
         for path in (config.creds_file, config.nkey_seed_file):
             if path is not None:
                 _readable(path)
