@@ -45,7 +45,8 @@ from turnrouter.testing import (
 from .kit import Harness
 
 FAILURE_TEXT = "Sorry, something went wrong. Please try again."
-CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it another way?"
+CLARIFICATION_TEXT = ("Sorry, I'm not sure I can help with that. "
+                      "Could you say it another way?")
 
 pytestmark = pytest.mark.anyio
 

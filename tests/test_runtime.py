@@ -38,7 +38,8 @@ from turnrouter.testing import RecordingObserver, ScriptedAgent, ScriptedDecisio
 from .kit import publish_and_drain
 
 FAILURE_TEXT = "Sorry, something went wrong. Please try again."
-CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it another way?"
+CLARIFICATION_TEXT = ("Sorry, I'm not sure I can help with that. "
+                      "Could you say it another way?")
 
 pytestmark = pytest.mark.anyio
 

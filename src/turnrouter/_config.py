@@ -53,7 +53,8 @@ PATCH_ROUTE = "background"
 DROPPED_TURN_TEXT = "Sorry, I missed part of what you said. Could you repeat it?"
 #: Route name passed to `output` for the router's own clarification questions.
 CLARIFY_ROUTE = CLARIFY
-DEFAULT_CLARIFICATION_TEXT = "Sorry, I didn't catch that. Could you say it another way?"
+DEFAULT_CLARIFICATION_TEXT = ("Sorry, I'm not sure I can help with that. "
+                               "Could you say it another way?")
 DEFAULT_FAILURE_TEXT = "Sorry, something went wrong. Please try again."
 
 

@@ -136,8 +136,9 @@ class AgentRouter:
         telemetry: The `RouterObserver` reporting every step; default `Telemetry()`
             (global tracer provider, prometheus_client's default registry).
             `Telemetry.disabled()` reports nothing. docs/telemetry.md.
-        clarification_text: What the router says when no destination can take the turn
-            (default "Sorry, I didn't catch that. Could you say it another way?").
+        clarification_text: What the router says when no destination can take the turn,
+            whether the query was unclear or out of every route's scope (default "Sorry,
+            I'm not sure I can help with that. Could you say it another way?").
         failure_text: What the router says when a turn fails before its destination
             started answering (default "Sorry, something went wrong. Please try again.").
         acknowledgment_policy: Budget, timeouts and early moment of acknowledgments
