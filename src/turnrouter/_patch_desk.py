@@ -34,11 +34,12 @@ from ._patches import (
     PendingContextPatch,
     PendingPatchLimitError,
     UnknownPatchError,
+    checked_patch,
     context_hash,
     patch_payload_bytes,
-    patch_size_bytes,
     patch_user_text,
 )
+from ._redact import preview
 
 __all__ = ["PatchDesk"]
 
@@ -97,12 +98,14 @@ class PatchDesk:
         if not isinstance(patch, ContextPatch):
             raise ContractTypeError(
                 f"apply_context_patch() takes a ContextPatch, got {type(patch).__name__}")
-        size, limit = patch_size_bytes(patch), self._cfg.max_patch_bytes
+        limit = self._cfg.max_patch_bytes
+        patch, size = checked_patch(patch, limit)
+        shown = preview(patch.task_id)  # an id of any length: bounded in messages
         if size > limit:
-            self._cfg.overflows.report("patch_bytes", f"context patch {patch.task_id!r} of "
+            self._cfg.overflows.report("patch_bytes", f"context patch {shown} of "
                                        f"{size} bytes refused")
             raise ContractValueError(
-                f"context patch {patch.task_id!r} is {size} bytes serialized, over "
+                f"context patch {shown} is {size} bytes serialized, over "
                 f"max_patch_bytes ({limit}); keep large payloads elsewhere and reference them")
         try:
             strategy = MergeStrategy(strategy)
@@ -115,7 +118,7 @@ class PatchDesk:
             self._cfg.observer.context_patch(ContextPatchEvent(
                 pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
             raise LifecycleError(
-                f"context patch {patch.task_id!r} refused for participant "
+                f"context patch {shown} refused for participant "
                 f"{pid!r}: {refusal}")
         diverged = patch.context_diverged or _diverged(state.history, patch)
         if diverged and not patch.context_diverged:
@@ -132,7 +135,7 @@ class PatchDesk:
             self._cfg.observer.context_patch(ContextPatchEvent(
                 pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
             raise PendingPatchLimitError(
-                f"context patch {patch.task_id!r} refused: participant {pid!r} "
+                f"context patch {shown} refused: participant {pid!r} "
                 f"already holds {len(pending)} pending patches (max_pending_patches="
                 f"{limit}); approve or reject some first")
         held = PendingContextPatch(
