@@ -16,6 +16,7 @@ from turnrouter.ops import (
     PLACEHOLDER_URLS,
     RECORDING_RULES,
     AlertRule,
+    receiver_urls,
     render_alertmanager,
 )
 
@@ -162,3 +163,14 @@ def test_header_calls_only_placeholder_addresses_placeholders(
     text = render_alertmanager({"pager": yours["pager"]})
     assert "# The tickets and watchdog addresses below are placeholders." in text
     assert PLACEHOLDER_URLS["tickets"] in text and yours["pager"] in text
+
+
+@pytest.mark.parametrize("url", ["ftp://u:hunter2secret@hooks.example/x",
+                                 "https://u:hunter2secret@hooks.example/x y",
+                                 "https://hooks.example/x?token=hunter2secret\n"])
+def test_a_refused_receiver_url_does_not_show_its_password(url: str) -> None:
+    """The error naming a malformed receiver URL masks its password and secret query
+    values (webhook addresses often carry them)."""
+    with pytest.raises(ValueError, match="pager receiver") as raised:
+        receiver_urls({"pager": url}, environ={})
+    assert "hunter2secret" not in str(raised.value)
