@@ -112,3 +112,17 @@ async def test_a_huge_task_id_is_not_logged_or_raised_whole(
         await h.router.apply_context_patch("p1", ContextPatch(task_id="t" * 100_000))
     assert "max_patch_bytes" in str(raised.value) and len(str(raised.value)) < 1000
     assert caplog.records and all(len(r.getMessage()) < 1000 for r in caplog.records)
+
+
+@pytest.mark.parametrize(("sign", "exponent"), [(1, 5000), (-1, 4400)])
+def test_an_import_refuses_a_pending_patch_its_export_could_not_carry(sign: int,
+                                                                      exponent: int) -> None:
+    """A snapshot built in Python (not read from JSON) holding a pending patch whose JSON
+    no import reads back is refused as apply_context_patch refuses it: nothing installed."""
+    h = Harness(ScriptedAgent("conversation"))
+    held = PendingContextPatch(patch_id="x1", participant_id="p1", task_id="t",
+                               patch=ContextPatch(task_id="t", facts={"n": sign * 10**exponent}),
+                               created_at=0.0)
+    with pytest.raises(ContractValueError, match="pending patch its export could not carry"):
+        h.router.import_participant(ParticipantSnapshot(participant_id="p1", pending=(held,)))
+    assert h.router.export_participant("p1") is None

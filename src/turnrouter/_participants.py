@@ -17,8 +17,8 @@ from ._patches import (
     AppliedContextPatch,
     PatchExchangeId,
     PendingContextPatch,
+    checked_patch,
     patch_payload_bytes,
-    patch_size_bytes,
 )
 from ._redact import preview
 
@@ -192,8 +192,13 @@ class Registry:
                 f"participant snapshot of {pid!r} holds {len(snapshot.pending)} pending "
                 f"patches, over max_pending_patches ({limit}); import_participant() refused")
         limit = self._cfg.max_patch_bytes
-        for held in snapshot.pending:  # the bound apply_context_patch() holds
-            size = patch_size_bytes(held.patch)
+        for held in snapshot.pending:  # the bounds and checks apply_context_patch() holds
+            try:
+                _, size = checked_patch(held.patch, limit)
+            except ContractValueError as exc:
+                raise ContractValueError(
+                    f"participant snapshot of {preview(pid)} holds a pending patch its "
+                    f"export could not carry: {exc}; import_participant() refused") from None
             if size > limit:
                 self._cfg.overflows.report("patch_bytes", f"a snapshot's pending patch of "
                                            f"{size} bytes refused")
