@@ -10,6 +10,7 @@ is refused with a contract error naming the patch, in bounded text, with nothing
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +25,7 @@ from turnrouter import (
     ContractValueError,
     ParticipantSnapshot,
     PendingContextPatch,
+    TurnrouterError,
 )
 from turnrouter.testing import ScriptedAgent
 
@@ -126,3 +128,19 @@ def test_an_import_refuses_a_pending_patch_its_export_could_not_carry(sign: int,
     with pytest.raises(ContractValueError, match="pending patch its export could not carry"):
         h.router.import_participant(ParticipantSnapshot(participant_id="p1", pending=(held,)))
     assert h.router.export_participant("p1") is None
+
+
+@pytest.mark.anyio
+async def test_refusals_name_huge_ids_and_strategies_shortened() -> None:
+    """Ids and strategies of any length are named in bounded text."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    huge = "x" * 1_000_000
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: h.router.approve_patch(huge), lambda: h.router.reject_patch(huge),
+        lambda: h.router.apply_context_patch(huge, ContextPatch(task_id="t")),
+        lambda: h.router.apply_context_patch("p1", ContextPatch(task_id="t"), huge)]
+    for call in calls:
+        with pytest.raises(TurnrouterError) as raised:
+            await call()
+        assert "xxx" in str(raised.value) and len(str(raised.value)) < 1000

@@ -112,14 +112,14 @@ class PatchDesk:
         except ValueError:
             raise ContractValueError(
                 f"apply_context_patch() strategy must be one of "
-                f"{[item.value for item in MergeStrategy]}, got {strategy!r}") from None
+                f"{[item.value for item in MergeStrategy]}, got {preview(strategy)}") from None
         state, refusal = self._target(pid)
         if state is None:
             self._cfg.observer.context_patch(ContextPatchEvent(
                 pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
             raise LifecycleError(
                 f"context patch {shown} refused for participant "
-                f"{pid!r}: {refusal}")
+                f"{preview(pid)}: {refusal}")
         diverged = patch.context_diverged or _diverged(state.history, patch)
         if diverged and not patch.context_diverged:
             patch = patch.model_copy(update={"context_diverged": True})
@@ -202,7 +202,7 @@ class PatchDesk:
         state = self.pending.pop(patch_id, None)
         if state is None or state.pending is None or patch_id not in state.pending:
             raise UnknownPatchError(
-                f"cannot {verb} context patch {patch_id!r}: no such patch is pending (never "
+                f"cannot {verb} context patch {preview(patch_id)}: no such patch is pending (never "
                 "held, already approved or rejected, or dropped when its participant left "
                 "or the router stopped)")
         return state, state.pending.pop(patch_id)
