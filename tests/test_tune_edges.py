@@ -111,3 +111,40 @@ def test_credentials_in_the_url_are_refused_and_never_shown(url: str) -> None:
     assert code == 2
     assert SECRET not in out.getvalue() + err.getvalue()
     assert "--prometheus" in err.getvalue() and err.getvalue().count("\n") == 1
+
+
+def _redirecting(location: str) -> RawReplyServer:
+    server = RawReplyServer()
+    server.reply = (f"HTTP/1.1 302 Found\r\nLocation: {location}\r\n"
+                    "Content-Length: 0\r\n\r\n").encode()
+    return server
+
+
+def test_a_redirect_off_http_is_refused(trickling: TricklingServer) -> None:
+    """urllib would follow a redirect to ftp:// (on a connection no deadline watches, to
+    a server that may trickle forever): tune refuses it at once, naming it."""
+    port = trickling.url.rsplit(":", 1)[1]
+    server = _redirecting(f"ftp://127.0.0.1:{port}/metrics")
+    try:
+        err = io.StringIO()
+        code = tune_main(["--prometheus", server.url, "--timeout", "5"], out=io.StringIO(),
+                         err=err)
+    finally:
+        server.close()
+    assert code == 2 and "redirect to a ftp URL refused" in err.getvalue()
+
+
+def test_a_redirect_to_another_http_server_is_followed() -> None:
+    """Redirects between http(s) servers still work (a proxy in front of Prometheus)."""
+    target = RawReplyServer()
+    target.reply = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+    server = _redirecting(target.url + "/api/v1/query")
+    try:
+        err = io.StringIO()
+        code = tune_main(["--prometheus", server.url, "--timeout", "5"], out=io.StringIO(),
+                         err=err)
+    finally:
+        server.close()
+        target.close()
+    # The redirected query (now a GET) reached the target, whose empty object is no answer.
+    assert code == 2 and "Prometheus query failed" in err.getvalue(), err.getvalue()

@@ -45,7 +45,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TextIO
+from typing import IO, Protocol, TextIO
 
 from .._redact import redact_url
 from .._timing import RouteTimingPredictor, TimingSample
@@ -624,7 +624,18 @@ def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
         def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
             return self.do_open(TLSConnection, req)
 
-    return urllib.request.build_opener(Handler, TLSHandler)
+    class Redirects(urllib.request.HTTPRedirectHandler):
+        # urllib follows http -> ftp too, on a connection the deadline does not watch.
+        def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int,
+                             msg: str, headers: http.client.HTTPMessage, newurl: str,
+                             ) -> urllib.request.Request | None:
+            scheme = urllib.parse.urlsplit(newurl).scheme
+            if scheme not in ("http", "https"):
+                raise urllib.error.URLError(
+                    f"redirect to a {printable(scheme[:20])} URL refused (http(s) only)")
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    return urllib.request.build_opener(Handler, TLSHandler, Redirects)
 
 
 def _query(url: str, expr: str, timeout: float, at: float | None) -> object:
