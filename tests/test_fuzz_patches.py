@@ -144,3 +144,16 @@ async def test_refusals_name_huge_ids_and_strategies_shortened() -> None:
         with pytest.raises(TurnrouterError) as raised:
             await call()
         assert "xxx" in str(raised.value) and len(str(raised.value)) < 1000
+
+
+def test_an_import_refuses_an_applied_patch_its_export_could_not_carry() -> None:
+    """The same for a patch in the snapshot's history: refused, nothing installed (a
+    snapshot validated from Python data may hold any int; JSON holds none so big)."""
+    h = Harness(ScriptedAgent("conversation"))
+    snapshot = ParticipantSnapshot.model_validate({"participant_id": "p1", "history": [
+        {"user": "[background: t]", "assistant": "done", "patch": {
+            "patch_id": "x1", "task_id": "t", "strategy": "append", "diverged": False,
+            "patch": {"task_id": "t", "facts": {"n": 10**5000}}}}]})
+    with pytest.raises(ContractValueError, match="applied patch its export could not carry"):
+        h.router.import_participant(snapshot)
+    assert h.router.export_participant("p1") is None
