@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,15 @@ from turnrouter.events import (
 )
 from turnrouter.llm import TemplateAcknowledger
 from turnrouter.telemetry import Telemetry
-from turnrouter.testing import ManualClock, OutputRecorder, ScriptedDecisions, ScriptedLLM
+from turnrouter.testing import (
+    ManualClock,
+    OutputRecorder,
+    ScriptedAgent,
+    ScriptedDecisions,
+    ScriptedLLM,
+)
+
+from .kit import Harness
 
 pytestmark = pytest.mark.anyio
 
@@ -831,3 +840,18 @@ async def test_the_acknowledgment_names_the_registration_key() -> None:
     text = await template.acknowledge(AcknowledgmentRequest(
         RoutingAid("billing", "invoices"), AgentTurn("p1", "t1", "q"), 32))
     assert "billing" in text and "reply" not in text
+
+
+async def test_a_sink_failing_on_every_turn_is_logged_at_powers_of_ten(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A timing sink that cannot write (here: its path is a directory) fails on every
+    turn: the log shows the 1st failure and every power of ten, with the count, not one
+    WARNING per turn. The turns themselves go on."""
+    h = Harness(ScriptedAgent("conversation"), timing_sink=JsonLinesSink(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        for number in range(120):
+            result = await h.say(participant=f"p{number % 7}")
+            assert result.text
+    failures = [r.getMessage() for r in caplog.records if "timing sink" in r.getMessage()]
+    assert failures == [f"turnrouter: timing sink record() ({count} so far) failed "
+                        "(IsADirectoryError)" for count in (1, 10, 100)]

@@ -338,3 +338,19 @@ async def test_a_failing_route_shows_as_failed_turns_of_that_route() -> None:
     assert report.lost_turns == 0
     failed = sum(n for (route, outcome), n in report.turns.items() if outcome == "failed")
     assert failed > 5
+
+
+def test_the_tracing_line_masks_the_endpoints_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"exporting spans to ..." shows the OTLP endpoint with its password and secret
+    query values masked (it goes to the demo's standard output)."""
+    for name in ("OTEL_TRACES_SAMPLER", "OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED",
+                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    out = io.StringIO()
+    provider = demo_tracer_provider(DemoConfig(
+        otlp_endpoint="http://user:hunter2secret@127.0.0.1:9/?api_key=keysecret9"), out)
+    try:
+        assert "exporting spans to http://user:***@127.0.0.1:9/?api_key=***" in out.getvalue()
+        assert "secret" not in out.getvalue()
+    finally:
+        provider.shutdown()

@@ -167,3 +167,19 @@ def test_broken_values_are_shown_by_their_type() -> None:
     assert ", got <Broken " in (configuration_error("max_tokens", Broken()) or "")
     assert (configuration_error("max_reply_bytes", -10**5000) or "").endswith(
         ", got <int object>")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["", "http:", "http:/", "://", "https://", "HTTP://"]),
+       st.text(max_size=20).filter(lambda s: "@" not in s),
+       st.text(max_size=20).filter(lambda s: "S3CR3T" not in s))
+def test_a_password_before_an_unparsed_host_is_masked(prefix: str, password: str,
+                                                      host: str) -> None:
+    """`user:password@host` with the scheme missing or broken, a password holding "/",
+    "?" or "#" (the URL's host then ends inside it), or a host urllib cannot parse (an
+    unclosed IPv6 bracket): the client or its refusal never shows the password."""
+    try:
+        shown = repr(OpenAIChatClient("m", base_url=f"{prefix}user:S3CR3T{password}@{host}"))
+    except ConfigurationError as exc:
+        shown = str(exc)
+    assert "S3CR3T" not in shown

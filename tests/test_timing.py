@@ -533,3 +533,12 @@ def test_sample_lines_are_what_the_json_module_writes(
     if feature is not None:
         data["feature"] = feature
     assert sample.to_json() == json.dumps(data, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("flush_every", [0, -1, math.nan, 1.5, "3", True, None])
+def test_json_lines_sink_refuses_a_flush_period_that_is_no_count(flush_every: object,
+                                                                 tmp_path: Path) -> None:
+    """flush_every is a count of samples: anything else (NaN never compared >= and the
+    sink never flushed; a str raised TypeError) is a ConfigurationError naming it."""
+    with pytest.raises(ConfigurationError, match="flush_every"):
+        JsonLinesSink(tmp_path / "samples.jsonl", flush_every=flush_every)  # type: ignore[arg-type]

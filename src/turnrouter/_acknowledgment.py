@@ -39,6 +39,7 @@ import anyio
 from ._clock import Clock
 from ._contracts import AgentTurn, RoutingAid
 from ._exceptions import ConfigurationError
+from ._limits import is_logged
 from ._llm import LLMService
 from ._logging import log_failure
 from ._numbers import finite
@@ -205,7 +206,8 @@ ESTIMATE_CHECK_SECS = 1.0
 class TimingEngine:
     """Router-wide timing state: predictor, sink, generation-time estimate, clock."""
 
-    __slots__ = ("_checked", "_published", "acknowledger", "agents", "clock", "decides", "delay",
+    __slots__ = ("_checked", "_failures", "_published", "acknowledger", "agents", "clock",
+                 "decides", "delay",
                  "expected_generation", "feature_of", "llm", "observer", "policy",
                  "predictor", "route_delays", "sink")
 
@@ -239,6 +241,15 @@ class TimingEngine:
         self._published: dict[str, float] = {}
         #: Per route, when its estimate was last checked for a change (router clock).
         self._checked: dict[str, float] = {}
+        #: Failures of each per-turn callback (predictor, feature_of, sink) so far.
+        self._failures: dict[str, int] = {}
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        """A per-turn callback failed: logged the 1st time and at every power of ten, with
+        the count (a sink whose disk is full fails on every turn)."""
+        count = self._failures[what] = self._failures.get(what, 0) + 1
+        if is_logged(count):
+            log_failure("%s (%d so far)", exc, what, count)
 
     def delay_for(self, route: str) -> float | None:
         """The fallback delay of `route`: its own, else the router-wide one."""
@@ -272,13 +283,13 @@ class TimingEngine:
             try:
                 feature = self.feature_of(turn)
             except Exception as exc:
-                log_failure("timing predictor feature_of()", exc)
+                self._failed("timing predictor feature_of()", exc)
         sample = TimingSample(route, seconds, censored, time.time(), feature)
         if self.predictor is not None:
             try:
                 self.predictor.record(sample, turn)
             except Exception as exc:
-                log_failure("timing predictor record()", exc)
+                self._failed("timing predictor record()", exc)
             if self.observer.enabled:
                 # The estimate (a quantile of the route's whole model) is checked at a
                 # route's first sample, then at most every ESTIMATE_CHECK_SECS: not on
@@ -292,7 +303,7 @@ class TimingEngine:
             try:
                 self.sink.record(sample)
             except Exception as exc:
-                log_failure("timing sink record()", exc)
+                self._failed("timing sink record()", exc)
 
     def generation_observed(self, seconds: float) -> None:
         self.expected_generation += 0.2 * (seconds - self.expected_generation)

@@ -183,13 +183,15 @@ class ParticipantSnapshot(BaseModel):
                 f"participant snapshot holds {containers} '{{' and '[' characters, over "
                 f"MAX_SNAPSHOT_CONTAINERS ({MAX_SNAPSHOT_CONTAINERS})")
         try:
-            return cls.model_validate_json(data)
+            snapshot = cls.model_validate_json(data)
         except ValidationError as exc:
             raise ContractValueError(
                 f"invalid participant snapshot: {exc.error_count()} error(s), first: "
                 f"{_first_error(exc)}") from None
         except (RecursionError, UnicodeDecodeError, ValueError) as exc:
             raise ContractValueError(f"invalid participant snapshot: {exc!r:.200}") from exc
+        _READ_FROM_JSON[id(snapshot)] = snapshot
+        return snapshot
 
 
 def _storable(value: _Text) -> _Text:
@@ -204,6 +206,17 @@ def _storable(value: _Text) -> _Text:
 #: `model_copy(update=...)` skip validation, so `checked_snapshot` validates those again.
 _VALIDATED: weakref.WeakValueDictionary[int, ParticipantSnapshot] = (
     weakref.WeakValueDictionary())
+
+
+#: Snapshots `from_json` read (weakly held): every value in them came from JSON, so
+#: their export reads back; one built from Python data may hold values JSON cannot carry.
+_READ_FROM_JSON: weakref.WeakValueDictionary[int, ParticipantSnapshot] = (
+    weakref.WeakValueDictionary())
+
+
+def read_from_json(snapshot: ParticipantSnapshot) -> bool:
+    """Whether `ParticipantSnapshot.from_json` built `snapshot`."""
+    return _READ_FROM_JSON.get(id(snapshot)) is snapshot
 
 
 def checked_snapshot(snapshot: ParticipantSnapshot) -> ParticipantSnapshot:

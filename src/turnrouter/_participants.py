@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Collection
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING, Any
 
 from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, MAX_TIMESTAMP_US, AgentExchange
 from ._exceptions import ContractValueError, LifecycleError
-from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch
+from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch, read_from_json
 from ._history import History, Meta, view_items
 from ._lifecycle import OwnedOperation, TurnQueue
 from ._observer import ParticipantChanged
@@ -17,8 +18,8 @@ from ._patches import (
     AppliedContextPatch,
     PatchExchangeId,
     PendingContextPatch,
+    checked_patch,
     patch_payload_bytes,
-    patch_size_bytes,
 )
 from ._redact import preview
 
@@ -192,8 +193,13 @@ class Registry:
                 f"participant snapshot of {pid!r} holds {len(snapshot.pending)} pending "
                 f"patches, over max_pending_patches ({limit}); import_participant() refused")
         limit = self._cfg.max_patch_bytes
-        for held in snapshot.pending:  # the bound apply_context_patch() holds
-            size = patch_size_bytes(held.patch)
+        for held in snapshot.pending:  # the bounds and checks apply_context_patch() holds
+            try:
+                _, size = checked_patch(held.patch, limit)
+            except ContractValueError as exc:
+                raise ContractValueError(
+                    f"participant snapshot of {preview(pid)} holds a pending patch its "
+                    f"export could not carry: {exc}; import_participant() refused") from None
             if size > limit:
                 self._cfg.overflows.report("patch_bytes", f"a snapshot's pending patch of "
                                            f"{size} bytes refused")
@@ -363,12 +369,23 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
     state.focus = snapshot.focus
     state.used = tuple(dict.fromkeys(snapshot.used))
     state.initialized = snapshot.initialized
+    # JSON holds no value its export cannot write back: only Python-built snapshots'
+    # patches are read back (a patch-heavy import costs ~3x with the check).
+    check = not read_from_json(snapshot)
     for item in snapshot.history[-history.max_exchanges:]:
         exchange = AgentExchange(item.user, item.assistant)
         if item.patch is None:
             history.append(exchange, item.turn_id, item.stamp_us)
             continue
         patch = item.patch
+        try:  # an export must read it back (a snapshot built in Python may hold any int)
+            if check:
+                checked_patch(patch.patch, sys.maxsize)
+        except ContractValueError as exc:
+            raise ContractValueError(
+                f"participant snapshot of {preview(snapshot.participant_id)} holds an applied "
+                f"patch its export could not carry: {exc}; import_participant() refused"
+            ) from None
         applied = AppliedContextPatch(
             patch_id=patch.patch_id, participant_id=snapshot.participant_id,
             task_id=patch.task_id, strategy=patch.strategy, diverged=patch.diverged,

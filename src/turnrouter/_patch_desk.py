@@ -34,11 +34,12 @@ from ._patches import (
     PendingContextPatch,
     PendingPatchLimitError,
     UnknownPatchError,
+    checked_patch,
     context_hash,
     patch_payload_bytes,
-    patch_size_bytes,
     patch_user_text,
 )
+from ._redact import preview
 
 __all__ = ["PatchDesk"]
 
@@ -97,26 +98,28 @@ class PatchDesk:
         if not isinstance(patch, ContextPatch):
             raise ContractTypeError(
                 f"apply_context_patch() takes a ContextPatch, got {type(patch).__name__}")
-        size, limit = patch_size_bytes(patch), self._cfg.max_patch_bytes
+        limit = self._cfg.max_patch_bytes
+        patch, size = checked_patch(patch, limit)
+        shown = preview(patch.task_id)  # an id of any length: bounded in messages
         if size > limit:
-            self._cfg.overflows.report("patch_bytes", f"context patch {patch.task_id!r} of "
+            self._cfg.overflows.report("patch_bytes", f"context patch {shown} of "
                                        f"{size} bytes refused")
             raise ContractValueError(
-                f"context patch {patch.task_id!r} is {size} bytes serialized, over "
+                f"context patch {shown} is {size} bytes serialized, over "
                 f"max_patch_bytes ({limit}); keep large payloads elsewhere and reference them")
         try:
             strategy = MergeStrategy(strategy)
         except ValueError:
             raise ContractValueError(
                 f"apply_context_patch() strategy must be one of "
-                f"{[item.value for item in MergeStrategy]}, got {strategy!r}") from None
+                f"{[item.value for item in MergeStrategy]}, got {preview(strategy)}") from None
         state, refusal = self._target(pid)
         if state is None:
             self._cfg.observer.context_patch(ContextPatchEvent(
                 pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
             raise LifecycleError(
-                f"context patch {patch.task_id!r} refused for participant "
-                f"{pid!r}: {refusal}")
+                f"context patch {shown} refused for participant "
+                f"{preview(pid)}: {refusal}")
         diverged = patch.context_diverged or _diverged(state.history, patch)
         if diverged and not patch.context_diverged:
             patch = patch.model_copy(update={"context_diverged": True})
@@ -132,7 +135,7 @@ class PatchDesk:
             self._cfg.observer.context_patch(ContextPatchEvent(
                 pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
             raise PendingPatchLimitError(
-                f"context patch {patch.task_id!r} refused: participant {pid!r} "
+                f"context patch {shown} refused: participant {pid!r} "
                 f"already holds {len(pending)} pending patches (max_pending_patches="
                 f"{limit}); approve or reject some first")
         held = PendingContextPatch(
@@ -199,7 +202,7 @@ class PatchDesk:
         state = self.pending.pop(patch_id, None)
         if state is None or state.pending is None or patch_id not in state.pending:
             raise UnknownPatchError(
-                f"cannot {verb} context patch {patch_id!r}: no such patch is pending (never "
+                f"cannot {verb} context patch {preview(patch_id)}: no such patch is pending (never "
                 "held, already approved or rejected, or dropped when its participant left "
                 "or the router stopped)")
         return state, state.pending.pop(patch_id)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ._context import _current
 from ._contracts import MAX_HISTORY_VERSION, AgentExchange
 from ._exceptions import ContractValueError, PendingPatchLimitError, UnknownPatchError
+from ._redact import preview
 
 __all__ = [
     "AppliedContextPatch",
@@ -182,12 +183,50 @@ def patch_size_bytes(patch: ContextPatch) -> int:
 
     Raises `ContractValueError` for a patch whose facts or artifacts are not JSON data.
     """
+    return len(_patch_json(patch))
+
+
+def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
+    """`patch` validated (a copy when it was not valid as it stands) and its serialized
+    size (`patch_size_bytes`).
+
+    A patch built by `model_construct()`, `model_copy(update=...)` or changed with
+    `object.__setattr__` skipped validation, and facts may hold values a JSON reader
+    cannot take back (an integer past its range): accepted as they are, they would make
+    every later export of the participant unreadable (an import validates it). So a
+    patch within `limit` bytes (over it the caller refuses it by size) is validated
+    again, and its JSON read back as an import reads it; `ContractValueError` names the
+    first bad field.
+    """
+    data = _patch_json(patch)
+    if len(data) > limit:
+        return patch, len(data)
     try:
-        return len(patch.model_dump_json().encode())
+        validated = ContextPatch.model_validate(
+            {name: getattr(patch, name, None) for name in ContextPatch.model_fields})
+        ContextPatch.model_validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors(include_input=False)[0]
+        where = ".".join(str(part) for part in first.get("loc", ())) or "(root)"
+        raise ContractValueError(
+            f"invalid context patch {_shown(patch)}: {exc.error_count()} error(s), "
+            f"first: {where}: {first.get('msg', '')}") from None
+    return (patch if validated == patch else validated), len(data)
+
+
+def _patch_json(patch: ContextPatch) -> bytes:
+    try:
+        return patch.model_dump_json(warnings=False).encode()
     except (ValueError, TypeError, RecursionError) as exc:  # PydanticSerializationError too
         raise ContractValueError(
-            f"context patch {patch.task_id!r} is not JSON-serializable: facts, artifacts "
-            f"and sources must be JSON data ({type(exc).__name__})") from None
+            f"context patch {_shown(patch)} is not JSON-serializable: facts, artifacts "
+            f"and sources must be JSON data, and texts valid (no lone surrogate) "
+            f"({type(exc).__name__})") from None
+
+
+def _shown(patch: ContextPatch) -> str:
+    """The patch's task id for a message: bounded (an id may be any length)."""
+    return preview(getattr(patch, "task_id", None))
 
 
 _PAYLOAD = ("facts", "artifacts", "sources", "recommended_next_steps", "assumptions")
@@ -201,10 +240,10 @@ def patch_payload_bytes(patch: ContextPatch) -> int:
     if not fields:
         return 0
     try:
-        return len(patch.model_dump_json(include=fields).encode())
+        return len(patch.model_dump_json(include=fields, warnings=False).encode())
     except (ValueError, TypeError, RecursionError) as exc:  # PydanticSerializationError too
         raise ContractValueError(
-            f"context patch {patch.task_id!r} is not JSON-serializable: facts, artifacts "
+            f"context patch {_shown(patch)} is not JSON-serializable: facts, artifacts "
             f"and sources must be JSON data ({type(exc).__name__})") from None
 
 

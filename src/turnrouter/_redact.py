@@ -32,6 +32,7 @@ _SECRET_PAIR = re.compile(
     re.IGNORECASE)
 _BEARER = re.compile(r"\b(bearer)(\s{1,8})([A-Za-z0-9._~+/=-]+)", re.IGNORECASE)
 _URL_USERINFO = re.compile(r"([a-z][a-z0-9+.-]{0,20}://)[^/@\s\"']{1,256}@", re.IGNORECASE)
+_SCHEME = re.compile(r"[a-z][a-z0-9+.-]{0,20}://", re.IGNORECASE)
 _SURROGATES = re.compile("[\ud800-\udfff]")
 #: An NKEY seed (NATS): "S", the key's type, then base32 (58 characters in all).
 _NKEY_SEED = re.compile(r"\bS[UOANCXP][A-Z2-7]{56}\b")
@@ -46,14 +47,20 @@ def redact_url(url: str) -> str:
     """`url` with its password (or whole user info) and secret-looking query values masked.
 
     `https://bob:pw@host/v1?api_key=k&x=1` -> `https://bob:***@host/v1?api_key=***&x=1`.
-    A string that does not parse as a URL comes back with any `scheme://user@` part
-    masked, so the helper is safe on arbitrary text.
+    A string that does not parse as a URL, or parses without a host (`user:pw@host`,
+    its scheme left out), comes back with everything between its scheme and its last
+    `@` masked, so the helper is safe on arbitrary text.
     """
     try:
         parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return _URL_USERINFO.sub(rf"\g<1>{REDACTED}@", url)
+    except ValueError:  # e.g. "http://user:pw@[" (an unclosed IPv6 host)
+        return _masked_to_last_at(url)
     netloc = parts.netloc
+    if "@" in url and "@" not in netloc and (not netloc or not _port_parses(parts)):
+        # No host parsed ("user:pw@host/v1" without its scheme, "http:/user:pw@host"),
+        # or a password holding "/", "?" or "#" cut the host at "user:pw": what precedes
+        # the last "@" may be user info all the same.
+        return _masked_to_last_at(url)
     if "@" in netloc:
         userinfo, _, hostport = netloc.rpartition("@")
         user, has_password, _ = userinfo.partition(":")
@@ -67,6 +74,22 @@ def redact_url(url: str) -> str:
             pairs.append(f"{name}={REDACTED}" if secret else item)
         query = "&".join(pairs)
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _port_parses(parts: urllib.parse.SplitResult) -> bool:
+    try:
+        parts.port  # noqa: B018 - raises ValueError for "user:pw" read as "host:port"
+    except ValueError:
+        return False
+    return True
+
+
+def _masked_to_last_at(url: str) -> str:
+    """`url` with everything between its scheme (if any) and its last `@` masked."""
+    if "@" not in url:
+        return url
+    scheme = _SCHEME.match(url)
+    return f"{scheme.group(0) if scheme else ''}{REDACTED}@{url.rpartition('@')[2]}"
 
 
 def redact_text(text: str, secrets: Iterable[str] = ()) -> str:

@@ -571,8 +571,11 @@ class JsonLinesSink:
     """
 
     def __init__(self, path: str | Path, *, flush_every: int = 1) -> None:
-        if flush_every < 1:
-            raise ConfigurationError("JsonLinesSink flush_every must be >= 1")
+        if (not isinstance(flush_every, int) or isinstance(flush_every, bool)
+                or flush_every < 1):
+            # NaN compared false with everything: such a sink never flushed.
+            raise ConfigurationError(
+                f"JsonLinesSink flush_every must be an int >= 1, got {preview(flush_every)}")
         self.path = Path(path)
         self._flush_every = flush_every
         self._pending = 0

@@ -648,3 +648,17 @@ def test_examples_for_more_routes_than_a_model_holds_raise_configuration_error()
     aids = tuple(RoutingAid(name, f"{name} things") for name in list(many)[:11])
     turn = AgentTurn(participant_id="p", turn_id="t", query="word3 thing")
     assert service.score(RouteRequest(turn=turn, candidates=aids)).choice == "route3"
+
+
+@pytest.mark.parametrize(("word", "extra"), [("alpha ", 0), ("alpha ", 3), ("billing, ", 5)])
+def test_a_description_past_the_read_bound_still_decides(word: str, extra: int) -> None:
+    """A description longer than the 1,000,000 characters a description model reads (a
+    word cut at the bound, phrases running past it) decides like a short one: the
+    phrases are weighed with the same IDF as the whole text, unseen parts as unseen."""
+    size = 1_000_000 + extra
+    description = (word * (size // len(word) + 1))[:size]
+    decisions = LexicalDecisions(fallback_route="conversation")
+    request = RouteRequest(AgentTurn("p", "t", f"{word.strip(' ,')} please"),
+                           (RoutingAid("long", description), RoutingAid("conversation", "chat")))
+    decision = decisions.score(request)
+    assert decision.choice == "long"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turnrouter.ops import (
     ALERTMANAGER_ENV,
@@ -16,6 +18,7 @@ from turnrouter.ops import (
     PLACEHOLDER_URLS,
     RECORDING_RULES,
     AlertRule,
+    receiver_urls,
     render_alertmanager,
 )
 
@@ -162,3 +165,34 @@ def test_header_calls_only_placeholder_addresses_placeholders(
     text = render_alertmanager({"pager": yours["pager"]})
     assert "# The tickets and watchdog addresses below are placeholders." in text
     assert PLACEHOLDER_URLS["tickets"] in text and yours["pager"] in text
+
+
+@pytest.mark.parametrize("url", ["ftp://u:hunter2secret@hooks.example/x",
+                                 "https://u:hunter2secret@hooks.example/x y",
+                                 "https://hooks.example/x?token=hunter2secret\n"])
+def test_a_refused_receiver_url_does_not_show_its_password(url: str) -> None:
+    """The error naming a malformed receiver URL masks its password and secret query
+    values (webhook addresses often carry them)."""
+    with pytest.raises(ValueError, match="pager receiver") as raised:
+        receiver_urls({"pager": url}, environ={})
+    assert "hunter2secret" not in str(raised.value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["http", "https", "ftp", "HTTP", ""]), st.text(max_size=30),
+       st.text(max_size=20).filter(lambda s: not any(c in s for c in "/?#@")),
+       st.text(max_size=30))
+def test_any_receiver_url_is_kept_or_refused_without_its_password(
+        scheme: str, host: str, password: str, tail: str) -> None:
+    """Any receiver address with a password: kept as given (it is the configuration),
+    or a one-line ValueError naming the receiver that never shows the password."""
+    secret = "S3CR3T" + password
+    url = f"{scheme}://user:{secret}@{host}{tail}"
+    try:
+        urls = receiver_urls({"pager": url}, environ={})
+    except ValueError as exc:
+        message = str(exc)
+        assert "pager receiver" in message and "\n" not in message.strip()
+        assert "S3CR3T" not in message or "S3CR3T" in host + tail
+        return
+    assert urls["pager"] == url

@@ -31,19 +31,23 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import http.client
 import importlib
 import json
 import math
 import re
+import socket
 import sys
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TextIO
+from typing import IO, Protocol, TextIO
 
+from .._redact import redact_url
 from .._timing import RouteTimingPredictor, TimingSample
 from ..ops._tuning import (
     ALL_ROUTES,
@@ -541,11 +545,102 @@ def parse_prometheus_answer(payload: object,
 def _check_url(url: str) -> None:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc or not url.isprintable():
-        raise ValueError(f"--prometheus must be an http(s) URL, got {printable(url[:100])!r}")
+        raise ValueError(f"--prometheus must be an http(s) URL, got "
+                         f"{printable(redact_url(url)[:100])!r}")
+    # tune sends no credentials, and urllib would take "user:password@host" for a host
+    # name: refused before the URL is ever shown (errors name the endpoint).
+    if "@" in parts.netloc:
+        raise ValueError("--prometheus must not hold a user name or password (tune sends "
+                         "no credentials; reach an authenticating Prometheus through a "
+                         "local proxy)")
+    if parts.query or parts.fragment or url.rstrip("/").endswith(("?", "#")):
+        raise ValueError("--prometheus must be Prometheus's base URL, without a query or "
+                         "fragment (tune appends /api/v1/query)")
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # already closed
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Deadline:
+    """Shuts down every socket of one query once `seconds` have passed.
+
+    urllib's timeout bounds each socket operation only: a server answering one byte at
+    a time satisfies every read, and would hold tune for as long as it likes. Shutting
+    the sockets down ends any blocked read; `expired` tells that apart from a server
+    that really closed.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self.expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def watch(self, sock: socket.socket) -> None:
+        """Shut `sock` down with the others when the time is up (at once if it is)."""
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self.expired
+        if expired:
+            _shutdown(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shutdown(sock)
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+
+def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
+    """urllib's opener, with every connection it makes (redirects too) watched by
+    `deadline`."""
+
+    class Connection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            super().connect()
+            deadline.watch(self.sock)
+
+    class TLSConnection(http.client.HTTPSConnection):
+        def connect(self) -> None:
+            super().connect()
+            deadline.watch(self.sock)
+
+    class Handler(urllib.request.HTTPHandler):
+        def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+            return self.do_open(Connection, req)
+
+    class TLSHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+            return self.do_open(TLSConnection, req)
+
+    class Redirects(urllib.request.HTTPRedirectHandler):
+        # urllib follows http -> ftp too, on a connection the deadline does not watch.
+        def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int,
+                             msg: str, headers: http.client.HTTPMessage, newurl: str,
+                             ) -> urllib.request.Request | None:
+            scheme = urllib.parse.urlsplit(newurl).scheme
+            if scheme not in ("http", "https"):
+                raise urllib.error.URLError(
+                    f"redirect to a {printable(scheme[:20])} URL refused (http(s) only)")
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    return urllib.request.build_opener(Handler, TLSHandler, Redirects)
 
 
 def _query(url: str, expr: str, timeout: float, at: float | None) -> object:
-    """POST one instant query; the decoded JSON answer (ValueError for any failure)."""
+    """POST one instant query; the decoded JSON answer (ValueError for any failure).
+    `timeout` bounds the whole exchange (connect, headers, body), not each read."""
     _check_url(url)
     form = {"query": expr}
     if at is not None:
@@ -554,19 +649,28 @@ def _query(url: str, expr: str, timeout: float, at: float | None) -> object:
     endpoint = url.rstrip("/") + "/api/v1/query"
     request = urllib.request.Request(
         endpoint, data=body, headers={"Content-Type": "application/x-www-form-urlencoded"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read(MAX_RESPONSE_BYTES + 1)
-    except urllib.error.HTTPError as exc:
+    late = f"Prometheus {endpoint} failed: no complete answer within --timeout {timeout:g}s"
+    with _Deadline(timeout) as deadline:
         try:
-            detail = printable(exc.read(300).decode("utf-8", "replace"))
-        except (OSError, http.client.HTTPException):  # the error body itself is broken
-            detail = "(unreadable body)"
-        raise ValueError(f"Prometheus {endpoint} returned HTTP {exc.code}: {detail}") from exc
-    except (OSError, ValueError, http.client.HTTPException) as exc:
-        # HTTPException: a broken reply (bad status line, truncated chunk, header flood).
-        detail = printable(f"{type(exc).__name__}: {exc}"[:200])
-        raise ValueError(f"Prometheus {endpoint} failed: {detail}") from exc
+            with _opener(deadline).open(request, timeout=timeout) as response:
+                raw = response.read(MAX_RESPONSE_BYTES + 1)
+        except urllib.error.HTTPError as exc:
+            try:
+                detail = printable(exc.read(300).decode("utf-8", "replace"))
+            except (OSError, http.client.HTTPException):  # the error body itself is broken
+                detail = "(unreadable body)"
+            if deadline.expired:
+                raise ValueError(late) from exc
+            raise ValueError(f"Prometheus {endpoint} returned HTTP {exc.code}: {detail}"
+                             ) from exc
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            if deadline.expired:
+                raise ValueError(late) from exc
+            # HTTPException: a broken reply (bad status line, truncated chunk, header flood).
+            detail = printable(f"{type(exc).__name__}: {exc}"[:200])
+            raise ValueError(f"Prometheus {endpoint} failed: {detail}") from exc
+        if deadline.expired:  # a reply without a length ends where its socket was shut
+            raise ValueError(late)
     if len(raw) > MAX_RESPONSE_BYTES:
         raise ValueError(f"Prometheus answer larger than {MAX_RESPONSE_BYTES} bytes")
     try:
@@ -782,7 +886,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--at", type=_bounded(0.0, 1e11, low_open=True), metavar="UNIX_TIME",
                         help="evaluate at this instant (default: now)")
     parser.add_argument("--timeout", type=_bounded(0.0, 300.0, low_open=True), default=10.0,
-                        help="Prometheus timeout in seconds (default 10)")
+                        help="bound on each Prometheus query, connect to last byte, in "
+                             "seconds (default 10)")
     parser.add_argument("--route", action="append", type=_route,
                         help="only these routes (repeatable)")
     parser.add_argument("--generation-secs", type=_bounded(0.0, 10.0),

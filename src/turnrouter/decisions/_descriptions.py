@@ -175,8 +175,10 @@ def build_descriptions(candidates: Sequence[RoutingAid], ngrams: tuple[int, int]
                 owners.append(position)
                 for feature, weight in vector.items():
                     index.setdefault(feature, []).append((slot, weight))
-    table = {f: (idf[f] ** 2, tuple((slot, idf[f] * w) for slot, w in entries))
-             for f, entries in index.items()}
+    # A phrase may hold features the whole text's first 1,000,000 characters lack (a
+    # word cut at that bound, phrases past it): unseen, as `weigh` takes them.
+    table = {f: (weight ** 2, tuple((slot, weight * w) for slot, w in entries))
+             for f, entries in index.items() for weight in (idf.get(f, unseen),)}
     vocabulary = frozenset(word for aid in candidates
                            for word in words(aid_text(aid), 100_000, 100_000))
     return DescriptionModel(table, unseen, len(candidates), tuple(owners), vocabulary, ngrams,

@@ -22,6 +22,8 @@ import os
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from .._redact import redact_url
+
 __all__ = ["EXPORTERS", "SAMPLERS", "env_tracer_provider"]
 
 #: `OTEL_TRACES_SAMPLER` values the SDK knows.
@@ -72,7 +74,8 @@ def env_tracer_provider(
     wanted = [name for name in names if name in EXPORTERS]
     exporters: list[tuple[str, Any]] = []
     if "otlp" in wanted and endpoint:
-        exporters.append((f"{endpoint} ({protocol})", exporter(endpoint, protocol)))
+        # Shown on standard output: the endpoint may carry a password or an API key.
+        exporters.append((f"{redact_url(endpoint)} ({protocol})", exporter(endpoint, protocol)))
     if "console" in wanted:
         try:
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter

@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._redact import redact_url
 from ._fleet import FLEET_ALERTS
 from ._rules import ALERTS, GROUP_LABELS, check_group_labels
 
@@ -55,7 +56,7 @@ def _check_url(name: str, url: object) -> str:
     if not isinstance(url, str) or not url.startswith(("http://", "https://")) \
             or not url.isprintable() or len(url) > 2000 or any(c.isspace() for c in url):
         raise ValueError(f"the {name} receiver's URL must be an http(s) address without "
-                         f"spaces, got {str(url)[:100]!r}")
+                         f"spaces, got {redact_url(str(url))[:100]!r}")
     return url
 
 

@@ -1,0 +1,159 @@
+"""Context patches fed junk: any patch the router accepts keeps the participant movable.
+
+`apply_context_patch` and `approve_patch` are a boundary: a background task builds the
+patch, perhaps with `model_construct()`, `model_copy(update=...)` or facts holding values
+JSON cannot carry back. Whatever is accepted must export and import again (a front end
+that moves participants rewrites their record after every patch); whatever is refused
+is refused with a contract error naming the patch, in bounded text, with nothing changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from turnrouter import (
+    AppliedContextPatch,
+    ContextPatch,
+    ContractValueError,
+    ParticipantSnapshot,
+    PendingContextPatch,
+    TurnrouterError,
+)
+from turnrouter.testing import ScriptedAgent
+
+from . import fuzz
+from .kit import Harness
+
+_FIELDS = ["task_id", "spawned_from_event_id", "source_context_version",
+           "source_context_hash", "context_diverged", "completed_at", "digest", "facts",
+           "artifacts", "sources", "recommended_next_steps", "assumptions"]
+#: Junk that pydantic's lenient serializer writes out (with a warning) but no import reads.
+_BYPASS_JUNK = st.one_of(
+    fuzz.JUNK, st.just(""), st.just(-5), st.just("yesterday"), st.just(None),
+    st.just("line one\nline two"), st.just(("a\nb",)), st.just({"k": 10**5000}),
+    st.just(datetime(2020, 1, 1)), st.just((1, 2)),
+)
+
+
+def _bypassed(how: str, field: str, junk: Any) -> ContextPatch:
+    valid = ContextPatch(task_id="task-1", digest=("done",),
+                         completed_at=datetime(2025, 1, 2, tzinfo=UTC))
+    if how == "construct":
+        return ContextPatch.model_construct(**{**dict(valid), field: junk})
+    if how == "copy":
+        return valid.model_copy(update={field: junk})
+    object.__setattr__(valid, field, junk)
+    return valid
+
+
+async def _apply_then_move(patch: ContextPatch, strategy: str) -> None:
+    """Apply `patch`; accepted: the participant still takes turns, exports and imports."""
+    h = Harness(ScriptedAgent("conversation"), max_patch_bytes=1 << 20)
+    await h.say("hello")
+    before = h.router.export_participant_json("p1")
+    try:
+        with anyio.fail_after(10):
+            result = await h.router.apply_context_patch("p1", patch, strategy)
+            if isinstance(result, PendingContextPatch):
+                result = await h.router.approve_patch(result.patch_id)
+    except ContractValueError as exc:  # any other error fails the test
+        message = str(exc)
+        assert "context patch" in message and len(message) < 1000, message
+        assert h.router.export_participant_json("p1") == before  # nothing changed
+        assert h.router.pending_patches("p1") == ()
+        return
+    assert isinstance(result, AppliedContextPatch)
+    await h.say("and then?")
+    exported = h.router.export_participant_json("p1")
+    assert exported is not None
+    other = Harness(ScriptedAgent("conversation"))
+    other.router.import_participant(ParticipantSnapshot.from_json(exported))
+    moved = other.router.context_patches_of("p1")
+    assert [applied.task_id for applied in moved] == [result.task_id]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["construct", "copy", "setattr"]), st.sampled_from(_FIELDS),
+       _BYPASS_JUNK, st.sampled_from(["append", "replace", "human_gated"]))
+def test_bypassed_patches_are_refused_or_stay_movable(how: str, field: str, junk: Any,
+                                                      strategy: str) -> None:
+    """A patch that skipped validation is refused by name, or kept in a state every
+    later export and import carries."""
+    anyio.run(_apply_then_move, _bypassed(how, field, junk), strategy)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(fuzz.VALID_TEXT, fuzz.SCALARS | fuzz.VALID_TEXT, max_size=4),
+       st.lists(fuzz.ANY_TEXT, max_size=3), st.sampled_from(["append", "human_gated"]))
+def test_any_valid_patch_is_refused_or_stays_movable(facts: dict[str, Any],
+                                                     digest: list[str], strategy: str) -> None:
+    """Facts with huge integers, NaN or infinities, digests with lone surrogates: refused
+    by name, or movable."""
+    try:
+        patch = ContextPatch(task_id="t", facts=facts, digest=tuple(digest))
+    except ValueError:  # pydantic refused it at construction: not this boundary's case
+        return
+    anyio.run(_apply_then_move, patch, strategy)
+
+
+@pytest.mark.anyio
+async def test_a_huge_task_id_is_not_logged_or_raised_whole(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The over-size refusal names the task, shortened: not a 100 kB log line."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    with caplog.at_level(logging.WARNING), pytest.raises(ContractValueError) as raised:
+        await h.router.apply_context_patch("p1", ContextPatch(task_id="t" * 100_000))
+    assert "max_patch_bytes" in str(raised.value) and len(str(raised.value)) < 1000
+    assert caplog.records and all(len(r.getMessage()) < 1000 for r in caplog.records)
+
+
+@pytest.mark.parametrize(("sign", "exponent"), [(1, 5000), (-1, 4400)])
+def test_an_import_refuses_a_pending_patch_its_export_could_not_carry(sign: int,
+                                                                      exponent: int) -> None:
+    """A snapshot built in Python (not read from JSON) holding a pending patch whose JSON
+    no import reads back is refused as apply_context_patch refuses it: nothing installed."""
+    h = Harness(ScriptedAgent("conversation"))
+    held = PendingContextPatch(patch_id="x1", participant_id="p1", task_id="t",
+                               patch=ContextPatch(task_id="t", facts={"n": sign * 10**exponent}),
+                               created_at=0.0)
+    with pytest.raises(ContractValueError, match="pending patch its export could not carry"):
+        h.router.import_participant(ParticipantSnapshot(participant_id="p1", pending=(held,)))
+    assert h.router.export_participant("p1") is None
+
+
+@pytest.mark.anyio
+async def test_refusals_name_huge_ids_and_strategies_shortened() -> None:
+    """Ids and strategies of any length are named in bounded text."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    huge = "x" * 1_000_000
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: h.router.approve_patch(huge), lambda: h.router.reject_patch(huge),
+        lambda: h.router.apply_context_patch(huge, ContextPatch(task_id="t")),
+        lambda: h.router.apply_context_patch("p1", ContextPatch(task_id="t"), huge)]
+    for call in calls:
+        with pytest.raises(TurnrouterError) as raised:
+            await call()
+        assert "xxx" in str(raised.value) and len(str(raised.value)) < 1000
+
+
+def test_an_import_refuses_an_applied_patch_its_export_could_not_carry() -> None:
+    """The same for a patch in the snapshot's history: refused, nothing installed (a
+    snapshot validated from Python data may hold any int; JSON holds none so big)."""
+    h = Harness(ScriptedAgent("conversation"))
+    snapshot = ParticipantSnapshot.model_validate({"participant_id": "p1", "history": [
+        {"user": "[background: t]", "assistant": "done", "patch": {
+            "patch_id": "x1", "task_id": "t", "strategy": "append", "diverged": False,
+            "patch": {"task_id": "t", "facts": {"n": 10**5000}}}}]})
+    with pytest.raises(ContractValueError, match="applied patch its export could not carry"):
+        h.router.import_participant(snapshot)
+    assert h.router.export_participant("p1") is None

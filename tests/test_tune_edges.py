@@ -1,0 +1,150 @@
+"""`turnrouter tune --prometheus` against hostile servers: slow replies and URLs that
+carry credentials. `--timeout` bounds a whole query, and no password is ever shown."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from turnrouter.cli._tune import tune_main
+
+from .kit import RawReplyServer
+
+SECRET = "hunter2-secret"
+
+
+class TricklingServer:
+    """Answers every request one byte every 20 ms, forever: the reply `head` first, then
+    the body (or the headers themselves, when `head` is empty). Each read the client
+    makes succeeds, so only a bound on the whole exchange ends it."""
+
+    def __init__(self, head: bytes) -> None:
+        self.head = head
+        self._stop = threading.Event()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.05)
+        self._threads = [threading.Thread(target=self._serve, daemon=True)]
+        self._threads[0].start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            thread = threading.Thread(target=self._trickle, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(self.head or b"HTTP/1.1 200 OK\r\n")
+                filler = b" " if self.head else b"X"
+                while not self._stop.wait(0.02):
+                    conn.sendall(filler)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(10)
+        self._sock.close()
+
+
+@pytest.fixture(params=["body", "headers"])
+def trickling(request: pytest.FixtureRequest) -> Iterator[TricklingServer]:
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000000\r\n\r\n") if request.param == "body" else b""
+    server = TricklingServer(head)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_timeout_bounds_a_whole_slow_reply(trickling: TricklingServer) -> None:
+    """A server trickling its reply cannot hold tune past --timeout (each socket read
+    succeeding must not restart the clock)."""
+    err = io.StringIO()
+    codes: list[int] = []
+    started = time.monotonic()
+    runner = threading.Thread(target=lambda: codes.append(tune_main(
+        ["--prometheus", trickling.url, "--timeout", "0.5"], out=io.StringIO(), err=err)),
+        daemon=True)
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive(), "tune --timeout 0.5 still reading after 30 s"
+    assert codes == [2]
+    assert "within --timeout 0.5s" in err.getvalue() and err.getvalue().count("\n") == 1
+    assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("url", [
+    "http://alice:{secret}@127.0.0.1:{port}/",
+    "http://{secret}@127.0.0.1:{port}",
+    "http://127.0.0.1:{port}/?token={secret}",
+    "http://127.0.0.1:{port}/#{secret}",
+])
+def test_credentials_in_the_url_are_refused_and_never_shown(url: str) -> None:
+    """tune sends no credentials: a URL with a user, a password, a query or a fragment
+    is refused naming what it holds, the secret itself not shown."""
+    server = RawReplyServer()
+    try:
+        port = server.url.rsplit(":", 1)[1]
+        out, err = io.StringIO(), io.StringIO()
+        code = tune_main(["--prometheus", url.format(secret=SECRET, port=port),
+                          "--timeout", "2"], out=out, err=err)
+    finally:
+        server.close()
+    assert code == 2
+    assert SECRET not in out.getvalue() + err.getvalue()
+    assert "--prometheus" in err.getvalue() and err.getvalue().count("\n") == 1
+
+
+def _redirecting(location: str) -> RawReplyServer:
+    server = RawReplyServer()
+    server.reply = (f"HTTP/1.1 302 Found\r\nLocation: {location}\r\n"
+                    "Content-Length: 0\r\n\r\n").encode()
+    return server
+
+
+def test_a_redirect_off_http_is_refused(trickling: TricklingServer) -> None:
+    """urllib would follow a redirect to ftp:// (on a connection no deadline watches, to
+    a server that may trickle forever): tune refuses it at once, naming it."""
+    port = trickling.url.rsplit(":", 1)[1]
+    server = _redirecting(f"ftp://127.0.0.1:{port}/metrics")
+    try:
+        err = io.StringIO()
+        code = tune_main(["--prometheus", server.url, "--timeout", "5"], out=io.StringIO(),
+                         err=err)
+    finally:
+        server.close()
+    assert code == 2 and "redirect to a ftp URL refused" in err.getvalue()
+
+
+def test_a_redirect_to_another_http_server_is_followed() -> None:
+    """Redirects between http(s) servers still work (a proxy in front of Prometheus)."""
+    target = RawReplyServer()
+    target.reply = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+    server = _redirecting(target.url + "/api/v1/query")
+    try:
+        err = io.StringIO()
+        code = tune_main(["--prometheus", server.url, "--timeout", "5"], out=io.StringIO(),
+                         err=err)
+    finally:
+        server.close()
+        target.close()
+    # The redirected query (now a GET) reached the target, whose empty object is no answer.
+    assert code == 2 and "Prometheus query failed" in err.getvalue(), err.getvalue()
