@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 
 from turnrouter import JsonLinesSink, RouteTimingPredictor, TimingSample
 from turnrouter.cli._tune import (
+    MAX_ANSWER_TOKENS,
+    MAX_ROUTES,
     BucketDistribution,
     SampleDistribution,
     analyse,
@@ -384,6 +386,19 @@ def test_bad_samples_files_exit_2_naming_the_line(tmp_path: Path) -> None:
         assert f"{name}:" in err and err.count("\n") == 1, err
 
 
+def test_more_routes_than_tracked_exit_2_unless_routes_are_named(tmp_path: Path) -> None:
+    """A samples file of more routes than one run analyses: one line naming the bound
+    and --route, which then narrows the run to the routes named."""
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps({"route": f"r{i}", "seconds": 0.5, "at": float(i)})
+                            + "\n" for i in range(MAX_ROUTES + 1)))
+    code, _, err = run(["--samples", str(path)])
+    assert code == 2 and f"more than tune analyses in one run ({MAX_ROUTES}" in err
+    assert "--route" in err and err.count("\n") == 1
+    code, out, _ = run(["--samples", str(path), "--route", "r7", "--delays", "0.5"])
+    assert code == 0 and "r7" in out and "r8 " not in out
+
+
 def test_control_characters_in_route_names_are_escaped(tmp_path: Path) -> None:
     """A route name with terminal escapes is printed escaped."""
     path = _write(tmp_path / "s.jsonl", [TimingSample("evil\x1b[2J\x07", 0.4)] * 10)
@@ -607,6 +622,18 @@ def test_prometheus_errors_exit_2(prometheus: tuple[str, list[str], list[Any]]) 
     answer[0] = b"\xff not json"
     code, _, err = run(["--prometheus", url])
     assert code == 2 and "not JSON" in err
+
+
+def test_an_answer_of_millions_of_tiny_values_is_refused_before_decoding(
+    prometheus: tuple[str, list[str], list[Any]]
+) -> None:
+    """3 MB of `{},` would decode to over a million dicts (64 MiB: gigabytes): refused
+    by its count of separators, in one line."""
+    url, _, answer = prometheus
+    answer[0] = b"[" + b"{}," * (MAX_ANSWER_TOKENS // 2) + b"{}]"
+    code, _, err = run(["--prometheus", url])
+    assert code == 2 and f"more than {MAX_ANSWER_TOKENS:,} values" in err
+    assert err.count("\n") == 1
 
 
 @pytest.fixture(scope="module")

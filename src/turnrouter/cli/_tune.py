@@ -64,9 +64,11 @@ from ..telemetry import NEEDLESS_WITHIN_SECONDS, metric
 from ._parser import OneLineParser
 
 __all__ = [
+    "MAX_ANSWER_TOKENS",
     "MAX_LINE_BYTES",
     "MAX_REPLAY_SAMPLES",
     "MAX_RESPONSE_BYTES",
+    "MAX_ROUTES",
     "MAX_SAMPLES",
     "BucketDistribution",
     "SampleDistribution",
@@ -88,6 +90,13 @@ MAX_SAMPLES = 5_000_000
 MAX_LINE_BYTES = 65_536
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 MAX_SERIES = 200_000
+#: Separators (`,` `:` `[` `{`) an answer may hold: a bound on the values decoding makes
+#: (each series of an answer takes about 12), so 64 MiB of `[{},{},...]` cannot cost
+#: gigabytes of Python objects.
+MAX_ANSWER_TOKENS = 3_000_000
+#: Routes one run analyses, as many as `RouteTimingPredictor` tracks: each costs a replay
+#: and a table section, so a file of a million route names would run for half an hour.
+MAX_ROUTES = 256
 #: The replay reads at most this many of the most recent samples by default (each
 #: candidate delay replays them all through a predictor: ~22 us per sample and delay,
 #: ~9 s for the default 20 candidates).
@@ -673,6 +682,10 @@ def _query(url: str, expr: str, timeout: float, at: float | None) -> object:
             raise ValueError(late)
     if len(raw) > MAX_RESPONSE_BYTES:
         raise ValueError(f"Prometheus answer larger than {MAX_RESPONSE_BYTES} bytes")
+    tokens = sum(raw.count(separator) for separator in (b",", b":", b"[", b"{"))
+    if tokens > MAX_ANSWER_TOKENS:  # counted in C before any object is made
+        raise ValueError(f"Prometheus answer holds more than {MAX_ANSWER_TOKENS:,} values "
+                         f"(tune reads at most {MAX_SERIES:,} series)")
     try:
         return json.loads(raw.decode("utf-8"))
     except RecursionError:
@@ -939,6 +952,14 @@ def _delays(text: str | None, generation: float) -> list[float]:
     return sorted(delays)
 
 
+def _check_routes(distributions: dict[str, Distribution]) -> None:
+    named = sum(1 for route in distributions if route != ALL_ROUTES)
+    if named > MAX_ROUTES:
+        raise ValueError(f"{named:,} routes found, more than tune analyses in one run "
+                         f"({MAX_ROUTES}, as many as RouteTimingPredictor tracks); name the "
+                         "routes to analyse with --route")
+
+
 def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Entry point of `turnrouter tune ARGS...`; returns the exit status."""
     out = out or sys.stdout
@@ -958,6 +979,7 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
             if args.selector:
                 raise ValueError("--selector applies to --prometheus only")
             distributions, ordered = from_samples(args.samples, routes)
+            _check_routes(distributions)
             splits = replay_splits(ordered[-args.replay_samples:], delays,
                                    args.generation_secs, confidence=args.confidence)
             source = ", ".join(printable(path) for path in args.samples)
@@ -971,6 +993,7 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
                 matchers = ", ".join(m for m in (matchers, route_matcher(only)) if m)
             distributions = from_prometheus(args.prometheus, args.window, routes,
                                             args.timeout, matchers, args.at)
+            _check_routes(distributions)
             if args.current is None:
                 args.current = configured_delay(
                     args.prometheus, args.timeout, selector_matchers(args.selector),
