@@ -168,6 +168,34 @@ async def test_human_gated_holds_asks_and_approval_appends() -> None:
     assert counted(h) == [("human_gated", "pending"), ("human_gated", "approved")]
 
 
+async def test_a_patch_larger_than_the_history_budget_is_refused_and_history_kept() -> None:
+    """A patch within max_patch_bytes whose exchange alone exceeds the context budget
+    would leave the history empty (the conversation and the patch both dropped): it is
+    refused, counted, and the conversation stays; one held under a larger budget is
+    dropped on approval the same way."""
+    h, agent = booking()
+    await h.say("book a table")
+    big = patch_from(agent.stamps[0], "book-1", "x" * 9_000)  # budget: 8,192 bytes
+    with pytest.raises(ContractValueError, match="over the participant's context budget"):
+        await h.router.apply_context_patch("p1", big, "append")
+    assert [e.user for e in h.router.history_of("p1")] == ["book a table"]
+    assert counted(h) == [("append", "refused")]
+
+    roomy = Harness(ScriptedAgent("conversation"), context_budget_bytes=64_000)
+    await roomy.say("book a table")
+    held = await roomy.router.apply_context_patch("p1", big, "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    snapshot = roomy.router.export_participant("p1")
+    assert snapshot is not None
+    small = Harness(ScriptedAgent("conversation"))
+    small.router.import_participant(snapshot)
+    with pytest.raises(ContractValueError, match="over the participant's context budget"):
+        await small.router.approve_patch(held.patch_id)
+    assert [e.user for e in small.router.history_of("p1")] == ["book a table"]
+    assert small.router.pending_patches("p1") == ()
+    assert counted(small) == [("human_gated", "dropped")]
+
+
 async def test_rejection_discards_and_settled_or_unknown_ids_raise() -> None:
     """A rejected patch never reaches the context; settled and unknown ids raise."""
     h, _agent = booking()

@@ -43,6 +43,21 @@ from ._redact import preview
 
 __all__ = ["PatchDesk"]
 
+
+def _check_fits(state: Participant, patch: ContextPatch) -> None:
+    """`ContractValueError` unless the patch's exchange fits the participant's history
+    budget: a history appending an exchange larger than its whole budget keeps nothing,
+    so merging it would drop the conversation and the patch with it."""
+    size = (len(patch_user_text(patch.task_id, patch.context_diverged).encode())
+            + len("\n".join(patch.digest).encode()) + patch_payload_bytes(patch))
+    budget = state.history.budget
+    if size > budget:
+        raise ContractValueError(
+            f"context patch {preview(patch.task_id)} needs {size} bytes of history (task id, "
+            f"digest, facts and artifacts), over the participant's context budget "
+            f"({budget} bytes): merged, it would leave no room for the conversation or "
+            "itself; shorten its digest and keep large payloads elsewhere")
+
 logger = logging.getLogger("turnrouter")
 
 
@@ -123,6 +138,12 @@ class PatchDesk:
         diverged = patch.context_diverged or _diverged(state.history, patch)
         if diverged and not patch.context_diverged:
             patch = patch.model_copy(update={"context_diverged": True})
+        try:
+            _check_fits(state, patch)
+        except ContractValueError:
+            self._cfg.observer.context_patch(ContextPatchEvent(
+                pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
+            raise
         patch_id = uuid.uuid4().hex
         if strategy is not MergeStrategy.HUMAN_GATED:
             return self._merge(state, patch_id, patch, strategy,
@@ -157,6 +178,12 @@ class PatchDesk:
             raise LifecycleError(
                 f"context patch {patch_id!r} dropped, not approved: "
                 f"{refusal or 'the participant left'}")
+        try:  # held from a snapshot of a router with a larger budget, say
+            _check_fits(state, held.patch)
+        except ContractValueError:
+            self._event(state.pid, held, "dropped")
+            self._notify(state.pid)
+            raise
         return self._merge(state, held.patch_id, held.patch, MergeStrategy.HUMAN_GATED,
                            "approved")
 

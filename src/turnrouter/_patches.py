@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -196,11 +197,17 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
     every later export of the participant unreadable (an import validates it). So a
     patch within `limit` bytes (over it the caller refuses it by size) is validated
     again, and its JSON read back as an import reads it; `ContractValueError` names the
-    first bad field.
+    first bad field. NaN and infinity are refused too: JSON has no form for them, so the
+    participant's next move would have turned them into null.
     """
     data = _patch_json(patch)
     if len(data) > limit:
         return patch, len(data)
+    for name in ("facts", "artifacts", "sources"):
+        if _holds_non_finite(getattr(patch, name, None)):
+            raise ContractValueError(
+                f"invalid context patch {_shown(patch)}: {name} holds NaN or infinity, "
+                "which JSON cannot carry (a participant's state moves as JSON)")
     try:
         validated = ContextPatch.model_validate(
             {name: getattr(patch, name, None) for name in ContextPatch.model_fields})
@@ -212,6 +219,22 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
             f"invalid context patch {_shown(patch)}: {exc.error_count()} error(s), "
             f"first: {where}: {first.get('msg', '')}") from None
     return (patch if validated == patch else validated), len(data)
+
+
+def _holds_non_finite(value: object) -> bool:
+    """Whether JSON data `value` holds a NaN or infinite float (iterative: any depth the
+    size bound lets through)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return False
 
 
 def _patch_json(patch: ContextPatch) -> bytes:
