@@ -196,6 +196,20 @@ async def test_a_patch_larger_than_the_history_budget_is_refused_and_history_kep
     assert counted(small) == [("human_gated", "dropped")]
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+async def test_non_finite_numbers_in_a_patch_are_refused(value: float) -> None:
+    """JSON has no NaN or infinity: a move would turn them into null, so they are
+    refused by name wherever they sit in facts, artifacts or sources."""
+    h, agent = booking()
+    await h.say("book a table")
+    for patch in (ContextPatch(task_id="t", facts={"a": [{"b": value}]}),
+                  ContextPatch(task_id="t", artifacts=({"score": value},)),
+                  ContextPatch(task_id="t", sources=({"w": [1, value]},))):
+        with pytest.raises(ContractValueError, match="NaN or infinity"):
+            await h.router.apply_context_patch("p1", patch)
+    assert [e.user for e in h.router.history_of("p1")] == ["book a table"]
+
+
 async def test_rejection_discards_and_settled_or_unknown_ids_raise() -> None:
     """A rejected patch never reaches the context; settled and unknown ids raise."""
     h, _agent = booking()
