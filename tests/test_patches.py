@@ -200,7 +200,7 @@ async def test_a_patch_larger_than_the_history_budget_is_refused_and_history_kep
 async def test_non_finite_numbers_in_a_patch_are_refused(value: float) -> None:
     """JSON has no NaN or infinity: a move would turn them into null, so they are
     refused by name wherever they sit in facts, artifacts or sources."""
-    h, agent = booking()
+    h, _agent = booking()
     await h.say("book a table")
     for patch in (ContextPatch(task_id="t", facts={"a": [{"b": value}]}),
                   ContextPatch(task_id="t", artifacts=({"score": value},)),
