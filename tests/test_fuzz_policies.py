@@ -7,6 +7,7 @@ document that is not an object; never RecursionError, UnicodeDecodeError or OSEr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -97,6 +98,20 @@ def test_from_env(value: str) -> None:
             return
         assert name in os.environ
         load(DictRoutingPolicy.from_env, name)
+
+
+@FUZZ
+@given(st.one_of(ANY_TEXT, JUNK))
+def test_from_env_with_any_name(name: Any) -> None:
+    """from_env given any name (lone surrogates, NUL, junk objects): a policy, KeyError
+    for an unset variable, or a documented error; never os.environ's UnicodeEncodeError."""
+    with contextlib.suppress(KeyError, TypeError, PolicyError):
+        DictRoutingPolicy.from_env(name)
+
+
+def test_from_env_names_a_name_os_environ_cannot_hold() -> None:
+    with pytest.raises(PolicyError, match=r"name .* is not valid UTF-8"):
+        DictRoutingPolicy.from_env("TURNROUTER_\ud800")
 
 
 @FUZZ

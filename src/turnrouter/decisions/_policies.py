@@ -237,6 +237,12 @@ class DictRoutingPolicy:
         not UTF-8, or the default JSON loader cannot parse it.
         """
         limit = _check_max_bytes(max_bytes)
+        if not isinstance(env_var, str):
+            raise TypeError(f"from_env() takes the variable's name as a str, got "
+                            f"{type(env_var).__name__}")
+        if has_surrogates(env_var):  # os.environ cannot even look it up
+            raise PolicyError(f"environment variable name {preview(env_var)} is not valid "
+                              "UTF-8 text")
         raw = os.environ.get(env_var)
         if raw is None:
             raise KeyError(env_var)
