@@ -12,6 +12,7 @@ from turnrouter import (
     AgentRouter,
     AgentTurn,
     ConfigurationError,
+    LLMError,
     RouteRequest,
     RoutingAid,
 )
@@ -166,6 +167,17 @@ async def test_raw_text_is_truncated_in_rationale() -> None:
     decision = await ClassifierDecisions(ScriptedLLM(reply)).decide(request())
     assert len(decision.rationale) <= len("classifier: ") + 500 + 3
     assert decision.rationale.endswith("...")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("reply", [b"route: billing", None, 42, ["route: billing"]])
+async def test_a_reply_that_is_not_text_is_an_llm_error(reply: object) -> None:
+    """A service breaking the LLMService protocol is named, not str()-ed into routing
+    text (b"route: billing" would have been parsed as "b'route: billing'")."""
+    llm = ScriptedLLM()
+    llm.reply = reply  # type: ignore[assignment]
+    with pytest.raises(LLMError, match=f"returned {type(reply).__name__}, not the str"):
+        await ClassifierDecisions(llm).decide(request())
 
 
 @pytest.mark.anyio

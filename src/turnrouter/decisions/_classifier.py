@@ -16,7 +16,7 @@ import string
 from dataclasses import dataclass
 
 from .._contracts import CLARIFY, RouteDecision, RouteRequest
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, LLMError
 from .._llm import LLMService
 from .._redact import preview, strip_surrogates
 
@@ -190,8 +190,9 @@ class ClassifierDecisions:
         """Ask the LLM, parse its reply, and apply the threshold and fallback rules."""
         raw = await self._llm.complete(self.prompt(request), max_tokens=self._max_tokens,
                                        reasoning=False)
-        if not isinstance(raw, str):
-            raw = str(raw)
+        if not isinstance(raw, str):  # the LLMService contract: plain text
+            raise LLMError(f"the classifier's LLM service returned "
+                           f"{type(raw).__name__}, not the str its protocol promises")
         raw = strip_surrogates(raw)  # a lone surrogate could not be traced or stored
         parsed = parse_classifier_output(raw)
         shown = raw if len(raw) <= _RAW_LIMIT else raw[:_RAW_LIMIT] + "..."
