@@ -271,6 +271,34 @@ async def test_presence_junk_is_refused_without_tracebacks(
     assert running.worker.fleet.fair_share() == 2
 
 
+async def test_a_full_presence_table_makes_room_once_names_stop(running: Running) -> None:
+    """1024 names announced once fill the presence table (the next is refused,
+    `overflow`); once they are no longer announced (1.5 s), a replica announced later
+    counts for balance. Before, the table kept them for good and that replica never
+    counted."""
+    subject = f"{running.worker.config.prefix}.presence"
+    fleet = running.worker.fleet
+    for i in range(1025):
+        await running.nc.publish(subject, json.dumps({"replica": f"once-{i}",
+                                                      "owned": 2}).encode())
+    await running.until(1, REJECTED, topic="nats_presence", reason="overflow")
+
+    async def later() -> None:  # a replica's pace: one announcement per probe period
+        while True:
+            await running.nc.publish(subject, json.dumps({"replica": "later",
+                                                          "owned": 1}).encode())
+            await asyncio.sleep(running.worker.config.probe_interval)
+
+    # 2 partitions: the share is 1 while the 1024 names are live (1.5 s), 2 once gone.
+    await until_true(lambda: fleet.fair_share() == 2, "the names gone from presence")
+    announcing = asyncio.create_task(later())
+    try:
+        await until_true(lambda: fleet.fair_share() == 1, "the later replica counted")
+    finally:
+        announcing.cancel()
+        await asyncio.gather(announcing, return_exceptions=True)
+
+
 async def announce(running: Running, *names: str) -> None:
     """Put `names` on presence as live replicas (as a worker-credentialed liar can) and
     wait until the worker counts them all (at most 15: its 16 partitions' share is 1)."""

@@ -39,7 +39,9 @@ _MAX_PEERS = 1024  # bound of the presence table (more peers are ignored for bal
 
 #: A partition this replica handed over and got back within SHED_VERIFY_FACTOR x
 #: failover_timeout (plus three presence periods) went to no replica: balance then
-#: waits SHED_BACKOFF_SECS before it hands one over again, doubling up to the maximum.
+#: waits SHED_BACKOFF_SECS before it hands one over again, doubling up to the maximum;
+#: but, if peers said they own no partition during it, at most SHED_BACKOFF_SECS after
+#: the last of them did (the names that lured the handovers stopped).
 SHED_VERIFY_FACTOR = 4
 SHED_BACKOFF_SECS = 10.0
 SHED_BACKOFF_MAX_SECS = 300.0
@@ -147,7 +149,13 @@ class Fleet:
         self._owned, self._count, self._metrics = owned, count, metrics
         self._spawn, self._reject = spawn, reject
         self._peers: dict[str, tuple[float, int]] = {}
+        self._pruned = 0.0  # when `_peers` last forgot the names gone from presence
         self._shed_after = time.monotonic() + 2 * config.failover_timeout
+        #: Balance hands nothing over from `_backoff_since` until `_backoff_until` (a
+        #: handover came back or was aborted); `_zero_seen`: when a peer last said it
+        #: owns no partition (see `_backing_off`).
+        self._backoff_since = self._backoff_until = 0.0
+        self._zero_seen = 0.0
         #: Peers that were below their share when a partition was handed over and that
         #: did not take it (it came back here), with until when they are ignored for
         #: balance (a name on the presence subject is no replica; a real one that lost
@@ -219,7 +227,7 @@ class Fleet:
             if self._busy_since is None:
                 self._busy_since = now
             return False
-        if now < self._shed_after:
+        if now < self._shed_after or self._backing_off(now):
             return False
         share = self.fair_share()
         if any(owned < share for owned in
@@ -260,8 +268,7 @@ class Fleet:
             # Long ago: a peer took it and gave it back, or died. Or the server was
             # lost since: a restarted server pins afresh, whoever asks first.
             return
-        until = self._shed_after = now + self._backoff
-        self._backoff = min(2 * self._backoff, SHED_BACKOFF_MAX_SECS)
+        until = self._back_off(now)
         for name in below:
             if name in self._unverified or len(self._unverified) < _MAX_PEERS:
                 self._unverified[name] = until
@@ -272,8 +279,31 @@ class Fleet:
         counted (`nats_presence`, `handover_aborted`), and balance backs off as after a
         handover that came back."""
         self._reject("nats_presence", "handover_aborted")
-        self._shed_after = time.monotonic() + self._backoff
+        self._back_off(time.monotonic())
+
+    def _back_off(self, now: float) -> float:
+        """Hand nothing over for the backoff, doubling the next one; returns until when."""
+        if now >= self._backoff_until:
+            self._backoff_since = now
+        until = self._backoff_until = now + self._backoff
         self._backoff = min(2 * self._backoff, SHED_BACKOFF_MAX_SECS)
+        return until
+
+    def _backing_off(self, now: float) -> bool:
+        """Whether balance backs off now: until the backoff ends, or, when peers said
+        they own no partition during it (or just before), until SHED_BACKOFF_SECS after
+        the last of them did. A replica pulls, so it owns partitions (barring one just
+        started, or more replicas than partitions): names claiming none lured the
+        handovers that came back, and once they stop the backoff has done its work.
+        40 such names announced for 30 s doubled it to 5 min within seconds (every
+        handover coming back, a peer's too, doubles it): a replica then held 15 of 16
+        partitions for minutes after they stopped. A publisher that stops and starts
+        again lures one handover per 10 s at most (names seen before stay doubted)."""
+        if now >= self._backoff_until:
+            return False
+        if self._zero_seen >= self._backoff_since - 3 * self._config.probe_interval:
+            return now < self._zero_seen + SHED_BACKOFF_SECS
+        return True
 
     def _verify_window(self) -> float:
         """How soon after a handover getting the partition back means nobody took it."""
@@ -342,12 +372,27 @@ class Fleet:
             self._reject("nats_presence", exc.reason)
             return
         if replica != self._replica:
+            if not owned:
+                self._zero_seen = time.monotonic()
+            if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
+                self._prune()
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
                 self._reject("nats_presence", "overflow")
                 return
             if owned:
                 self._unverified.pop(replica, None)  # it pulls: balance trusts it again
             self._peers[replica] = (time.monotonic(), owned)
+
+    def _prune(self) -> None:
+        """Forget the peers gone from presence (at most once per probe period): names
+        announced once must not keep a replica started later out of the table for
+        good (doubts are kept apart, in `_unverified`)."""
+        now = time.monotonic()
+        if now - self._pruned < self._config.probe_interval:
+            return
+        self._pruned, horizon = now, now - 3 * self._config.probe_interval
+        for name in [name for name, (seen, _) in self._peers.items() if seen < horizon]:
+            del self._peers[name]
 
     async def _probe_loop(self) -> None:
         """Probe the partitions not owned here (all of them just after a reconnect), so a
