@@ -166,8 +166,8 @@ class Rig:
 async def _spawned_patch_diverges(rig: Rig, turn_id: str, before: ContextState) -> bool:
     """Whether a patch spawned by `turn_id`, stamped with the context that turn saw,
     counts as diverged now (held for a human, then rejected: the history is untouched)."""
-    held = await rig.patch(f"probe-{turn_id}", "probe", MergeStrategy.HUMAN_GATED,
-                           (turn_id, before))
+    # Short: held, a patch must fit the 60-byte budget in its diverged form too.
+    held = await rig.patch("p", ".", MergeStrategy.HUMAN_GATED, (turn_id, before))
     assert isinstance(held, PendingContextPatch)
     await rig.router.reject_patch(held.patch_id)
     return held.patch.context_diverged
