@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from typing import Any
@@ -81,22 +82,24 @@ def completion(client: OpenAIChatClient, prompt: str) -> str | LLMError:
     return anyio.run(main)
 
 
-class RawReplyServer:
-    """A local TCP server that answers every request with the raw bytes in `reply` (any
-    framing: broken status lines, truncated chunks, header floods), then closes."""
+class LocalTcpServer:
+    """A local TCP server on a free port that hands each connection to `handle` in a
+    thread of its own; `close()` stops it and joins its threads (bounded)."""
 
     def __init__(self) -> None:
-        self.reply = b""
         self._sock = socket.create_server(("127.0.0.1", 0))
         self._sock.settimeout(0.05)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._serve, daemon=True)]
+        self._threads[0].start()
 
     @property
     def url(self) -> str:
         """http://127.0.0.1:PORT"""
         return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def handle(self, conn: socket.socket) -> None:
+        raise NotImplementedError
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -104,25 +107,40 @@ class RawReplyServer:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
-            with conn:
-                conn.settimeout(5)
-                try:
-                    head = b""
-                    while b"\r\n\r\n" not in head and len(head) < 1 << 20:
-                        data = conn.recv(65536)
-                        if not data:
-                            break
-                        head += data
-                    conn.sendall(self.reply)
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            thread = threading.Thread(target=self._handled, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _handled(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the client went away
+            self.handle(conn)
 
     def close(self) -> None:
-        """Stop serving and wait for the thread (bounded)."""
+        """Stop serving and wait for the threads (bounded)."""
         self._stop.set()
-        self._thread.join(10)
+        for thread in self._threads:
+            thread.join(10)
         self._sock.close()
+
+
+class RawReplyServer(LocalTcpServer):
+    """A local TCP server that answers every request with the raw bytes in `reply` (any
+    framing: broken status lines, truncated chunks, header floods), then closes."""
+
+    def __init__(self) -> None:
+        self.reply = b""
+        super().__init__()
+
+    def handle(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
+        head = b""
+        while b"\r\n\r\n" not in head and len(head) < 1 << 20:
+            data = conn.recv(65536)
+            if not data:
+                break
+            head += data
+        conn.sendall(self.reply)
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 #: Raw HTTP replies whose framing is broken or hostile, with a JSON body `{}` where any.

@@ -13,54 +13,26 @@ import pytest
 
 from turnrouter.cli._tune import tune_main
 
-from .kit import RawReplyServer
+from .kit import LocalTcpServer, RawReplyServer
 
 SECRET = "hunter2-secret"
 
 
-class TricklingServer:
+class TricklingServer(LocalTcpServer):
     """Answers every request one byte every 20 ms, forever: the reply `head` first, then
     the body (or the headers themselves, when `head` is empty). Each read the client
     makes succeeds, so only a bound on the whole exchange ends it."""
 
     def __init__(self, head: bytes) -> None:
         self.head = head
-        self._stop = threading.Event()
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self._sock.settimeout(0.05)
-        self._threads = [threading.Thread(target=self._serve, daemon=True)]
-        self._threads[0].start()
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            thread = threading.Thread(target=self._trickle, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _trickle(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)
-                conn.sendall(self.head or b"HTTP/1.1 200 OK\r\n")
-                filler = b" " if self.head else b"X"
-                while not self._stop.wait(0.02):
-                    conn.sendall(filler)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(10)
-        self._sock.close()
+    def handle(self, conn: socket.socket) -> None:
+        conn.recv(65536)
+        conn.sendall(self.head or b"HTTP/1.1 200 OK\r\n")
+        filler = b" " if self.head else b"X"
+        while not self._stop.wait(0.02):
+            conn.sendall(filler)
 
 
 @pytest.fixture(params=["body", "headers"])
@@ -120,18 +92,23 @@ def _redirecting(location: str) -> RawReplyServer:
     return server
 
 
+def _tune(url: str) -> tuple[int, str]:
+    """`turnrouter tune --prometheus url --timeout 5`: its status and standard error."""
+    err = io.StringIO()
+    return tune_main(["--prometheus", url, "--timeout", "5"], out=io.StringIO(), err=err), \
+        err.getvalue()
+
+
 def test_a_redirect_off_http_is_refused(trickling: TricklingServer) -> None:
     """urllib would follow a redirect to ftp:// (on a connection no deadline watches, to
     a server that may trickle forever): tune refuses it at once, naming it."""
     port = trickling.url.rsplit(":", 1)[1]
     server = _redirecting(f"ftp://127.0.0.1:{port}/metrics")
     try:
-        err = io.StringIO()
-        code = tune_main(["--prometheus", server.url, "--timeout", "5"], out=io.StringIO(),
-                         err=err)
+        code, err = _tune(server.url)
     finally:
         server.close()
-    assert code == 2 and "redirect to a ftp URL refused" in err.getvalue()
+    assert code == 2 and "redirect to a ftp URL refused" in err
 
 
 def test_a_redirect_to_another_http_server_is_followed() -> None:
@@ -140,11 +117,9 @@ def test_a_redirect_to_another_http_server_is_followed() -> None:
     target.reply = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
     server = _redirecting(target.url + "/api/v1/query")
     try:
-        err = io.StringIO()
-        code = tune_main(["--prometheus", server.url, "--timeout", "5"], out=io.StringIO(),
-                         err=err)
+        code, err = _tune(server.url)
     finally:
         server.close()
         target.close()
     # The redirected query (now a GET) reached the target, whose empty object is no answer.
-    assert code == 2 and "Prometheus query failed" in err.getvalue(), err.getvalue()
+    assert code == 2 and "Prometheus query failed" in err, err
