@@ -295,6 +295,23 @@ async def test_a_front_end_closes_while_its_server_is_away(nats_server: NatsServ
         await front.close()
 
 
+async def test_a_front_end_closes_soon_after_its_server_froze(nats_server: NatsServer) -> None:
+    """Frozen just now, before the connection's pings noticed: `close()` does not wait
+    for a drain the server will never answer (10 s), it closes after an unanswered
+    ping."""
+    front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    try:
+        await front.publish(UserQuery(participant_id="fz", text="hello"))
+        nats_server.freeze()
+        assert front.connection.is_connected  # nothing noticed yet
+        async with asyncio.timeout(5):
+            await front.close()
+        assert front.connection.is_closed
+    finally:
+        nats_server.thaw()
+        await front.close()
+
+
 # ---------------------------------------------------------------- a deployment deleted
 
 

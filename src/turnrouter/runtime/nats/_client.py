@@ -50,6 +50,11 @@ _PUBLISH_TIMEOUT = 5.0  # seconds a publish waits for the server to store it
 _PING_INTERVAL = 2.0  # seconds between the front end's pings
 
 
+#: How long `NatsFrontEnd.close()` waits for the server's answer to a ping before it
+#: closes without draining.
+_CLOSE_PING_SECS = 1.0
+
+
 class NatsFrontEnd:
     """Publishes queries, joins, departures and interrupts; reads deduplicated outputs.
 
@@ -105,12 +110,15 @@ class NatsFrontEnd:
     async def close(self) -> None:
         """Close the connection, flushing what it holds when the server is there (a
         drain); while it is reconnecting (a server down or frozen) there is nothing it
-        can flush, so it just closes. Closing twice is harmless."""
+        can flush, so it just closes. A server that froze before the connection noticed
+        is found by a ping answered within a second: no answer, no drain (a drain would
+        wait 10 s for it). Closing twice is harmless."""
         nc = self._nc
         if nc.is_closed:
             return
         if nc.is_connected:
             with contextlib.suppress(NatsError, asyncio.TimeoutError):
+                await nc.flush(timeout=_CLOSE_PING_SECS)  # the server answers: drain
                 await nc.drain()
                 return
         await nc.close()
