@@ -52,7 +52,7 @@ _PING_INTERVAL = 2.0  # seconds between the front end's pings
 
 #: How long `NatsFrontEnd.close()` waits for the server's answer to a ping before it
 #: closes without draining.
-_CLOSE_PING_SECS = 1.0
+_CLOSE_PING_SECS = 1  # seconds (nats-py types it an int)
 
 
 class NatsFrontEnd:
