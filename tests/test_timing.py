@@ -542,3 +542,13 @@ def test_json_lines_sink_refuses_a_flush_period_that_is_no_count(flush_every: ob
     sink never flushed; a str raised TypeError) is a ConfigurationError naming it."""
     with pytest.raises(ConfigurationError, match="flush_every"):
         JsonLinesSink(tmp_path / "samples.jsonl", flush_every=flush_every)  # type: ignore[arg-type]
+
+
+def test_load_samples_names_a_file_it_cannot_read(tmp_path: Path) -> None:
+    """A missing file, a directory: `ConfigurationError` naming it, as for a bad line
+    (it raised a bare OSError while `from_samples` raised ConfigurationError)."""
+    for path in (tmp_path / "missing.jsonl", tmp_path, tmp_path / "nul\x00.jsonl"):
+        with pytest.raises(ConfigurationError, match="cannot read timing samples from"):
+            load_samples(path)
+    with pytest.raises(ConfigurationError, match=r"missing\.jsonl"):
+        RouteTimingPredictor.from_samples(tmp_path / "missing.jsonl")

@@ -353,11 +353,7 @@ class RouteTimingPredictor:
             if isinstance(source, str | Path):
                 if missing_ok and not Path(source).exists():
                     continue
-                try:
-                    streams.append(load_samples(source))
-                except OSError as exc:
-                    raise ConfigurationError(
-                        f"cannot read timing samples from {source}: {exc}") from exc
+                streams.append(load_samples(source))  # ConfigurationError naming it
             else:
                 streams.append(source)
         if len(streams) == 1:
@@ -611,8 +607,14 @@ class JsonLinesSink:
 
 def iter_samples(path: str | Path) -> Iterator[TimingSample]:
     """Samples of a JSON-lines file in order; ConfigurationError names a bad line (one
-    longer than `MAX_SAMPLE_LINE_BYTES` too: it is never read whole)."""
-    with Path(path).open("rb") as handle:
+    longer than `MAX_SAMPLE_LINE_BYTES` too: it is never read whole), or the file when
+    it cannot be opened (missing, a directory, no permission)."""
+    try:
+        handle = Path(path).open("rb")  # noqa: SIM115 (closed by the with below)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise ConfigurationError(
+            f"cannot read timing samples from {preview(str(path))}: {exc}") from exc
+    with handle:
         lines = iter(lambda: handle.readline(MAX_SAMPLE_LINE_BYTES + 1), b"")
         for number, raw in enumerate(lines, 1):
             if len(raw) > MAX_SAMPLE_LINE_BYTES:
