@@ -18,7 +18,7 @@ from ._config import (
     RouterConfig,
     check_callable,
 )
-from ._contracts import MAX_TIMESTAMP_US, AgentTurn, _exchange
+from ._contracts import MAX_TIMESTAMP_US, AgentExchange, AgentTurn, _exchange
 from ._exceptions import ContractTypeError, ContractValueError, LifecycleError
 from ._history import History, view_items
 from ._logging import log_failure
@@ -43,13 +43,20 @@ from ._redact import preview
 
 __all__ = ["PatchDesk"]
 
+logger = logging.getLogger("turnrouter")
+
+
+def _patch_exchange(patch: ContextPatch) -> AgentExchange:
+    """The history exchange a merged patch becomes."""
+    return _exchange(patch_user_text(patch.task_id, patch.context_diverged),
+                     "\n".join(patch.digest))
+
 
 def _check_fits(state: Participant, patch: ContextPatch) -> None:
     """`ContractValueError` unless the patch's exchange fits the participant's history
     budget: a history appending an exchange larger than its whole budget keeps nothing,
     so merging it would drop the conversation and the patch with it."""
-    size = (len(patch_user_text(patch.task_id, patch.context_diverged).encode())
-            + len("\n".join(patch.digest).encode()) + patch_payload_bytes(patch))
+    size = _patch_exchange(patch).size_bytes() + patch_payload_bytes(patch)
     budget = state.history.budget
     if size > budget:
         raise ContractValueError(
@@ -57,8 +64,6 @@ def _check_fits(state: Participant, patch: ContextPatch) -> None:
             f"digest, facts and artifacts), over the participant's context budget "
             f"({budget} bytes): merged, it would leave no room for the conversation or "
             "itself; shorten its digest and keep large payloads elsewhere")
-
-logger = logging.getLogger("turnrouter")
 
 
 class PatchDesk:
@@ -247,8 +252,7 @@ class PatchDesk:
         # 9999, and the next export must still validate.
         stamp = int(patch.completed_at.timestamp() * 1_000_000)
         dropped = state.history.add_background(
-            _exchange(patch_user_text(patch.task_id, patch.context_diverged),
-                      "\n".join(patch.digest)),
+            _patch_exchange(patch),
             PatchExchangeId(applied), min(max(stamp, 0), MAX_TIMESTAMP_US),
             patch_payload_bytes(patch),
             replace=strategy is MergeStrategy.REPLACE,

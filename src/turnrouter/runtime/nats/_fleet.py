@@ -294,11 +294,9 @@ class Fleet:
         they own no partition during it (or just before), until SHED_BACKOFF_SECS after
         the last of them did. A replica pulls, so it owns partitions (barring one just
         started, or more replicas than partitions): names claiming none lured the
-        handovers that came back, and once they stop the backoff has done its work.
-        40 such names announced for 30 s doubled it to 5 min within seconds (every
-        handover coming back, a peer's too, doubles it): a replica then held 15 of 16
-        partitions for minutes after they stopped. A publisher that stops and starts
-        again lures one handover per 10 s at most (names seen before stay doubted)."""
+        handovers that came back (each doubles the backoff, up to 5 min), and once they
+        stop the backoff has done its work. A publisher that stops and starts again
+        lures one handover per 10 s at most (names seen before stay doubted)."""
         if now >= self._backoff_until:
             return False
         if self._zero_seen >= self._backoff_since - 3 * self._config.probe_interval:
