@@ -4,17 +4,30 @@ error (the file, never what it holds)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
-from turnrouter import LifecycleError
+from turnrouter import (
+    AgentRouter,
+    AgentTurn,
+    ContextPatch,
+    ContractValueError,
+    Destination,
+    DestinationResult,
+    LifecycleError,
+    ParticipantSnapshot,
+    RouteDecision,
+    RouteRequest,
+)
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
 
 from .conftest import ROOT, NatsServer, free_port
@@ -118,3 +131,57 @@ def test_a_blocked_synchronous_factory_is_stopped_by_sigterm(
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=10)
+
+
+NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e400", "[1e999]"]
+
+
+async def _said(router: AgentRouter, pid: str, text: str) -> None:
+    await router.handle(AgentTurn(pid, f"t-{text}", text))
+
+
+def _exported_with_applied_patch(facts_value: str) -> str:
+    """A participant's exported JSON whose merged (applied) patch holds `facts_value`
+    as a reader could find it in a record: a NaN or an overflowing number."""
+    async def build() -> str:
+        router = _router()
+        await _said(router, "alice", "hi")
+        await router.apply_context_patch("alice", ContextPatch(task_id="job", facts={"n": 1},
+                                                               digest=("done",)))
+        snapshot = router.export_participant("alice")
+        assert snapshot is not None
+        return snapshot.to_json().replace('"n":1', f'"n":{facts_value}', 1)
+    return asyncio.run(build())
+
+
+class _Always:
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        return RouteDecision("d")
+
+
+async def _speak(turn: AgentTurn, route: str, text: str) -> None:
+    return None
+
+
+def _router() -> AgentRouter:
+    return AgentRouter({"d": _Dest("answers")}, _Always(), default_destination="d",
+                       output=_speak)
+
+
+class _Dest(Destination):
+    async def answer(self, turn: AgentTurn, *,
+                     started: Callable[[], Awaitable[None]]) -> DestinationResult:
+        await started()
+        return DestinationResult(text="ok")
+
+
+@pytest.mark.parametrize("value", NON_FINITE)
+def test_an_applied_patch_holding_nan_or_infinity_is_refused_on_import(value: str) -> None:
+    """The live path refuses NaN and infinity in a patch's facts (JSON has no form for
+    them: a move would make them null), and so does an import for a held (pending)
+    patch; an applied patch read from JSON (a NATS record) was taken as it stood and its
+    next export turned the value into null. Import refuses it now: a NATS worker
+    quarantines such a record and the participant starts clean."""
+    snapshot = ParticipantSnapshot.from_json(_exported_with_applied_patch(value))
+    with pytest.raises(ContractValueError, match="NaN or infinity"):
+        _router().import_participant(snapshot)
