@@ -20,6 +20,7 @@ from ._patches import (
     PendingContextPatch,
     checked_patch,
     patch_payload_bytes,
+    refuse_non_finite,
 )
 from ._redact import preview
 
@@ -369,8 +370,10 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
     state.focus = snapshot.focus
     state.used = tuple(dict.fromkeys(snapshot.used))
     state.initialized = snapshot.initialized
-    # JSON holds no value its export cannot write back: only Python-built snapshots'
-    # patches are read back (a patch-heavy import costs ~3x with the check).
+    # JSON holds no value its export cannot write back but NaN and infinity (`NaN`,
+    # `Infinity`, `1e400`: the next export would make them null), which a walk of the
+    # patch's data finds; only Python-built snapshots' patches are read back in full
+    # (a patch-heavy import costs ~3x with that check).
     check = not read_from_json(snapshot)
     for item in snapshot.history[-history.max_exchanges:]:
         exchange = AgentExchange(item.user, item.assistant)
@@ -381,6 +384,8 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
         try:  # an export must read it back (a snapshot built in Python may hold any int)
             if check:
                 checked_patch(patch.patch, sys.maxsize)
+            else:
+                refuse_non_finite(patch.patch)
         except ContractValueError as exc:
             raise ContractValueError(
                 f"participant snapshot of {preview(snapshot.participant_id)} holds an applied "

@@ -203,11 +203,7 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
     data = _patch_json(patch)
     if len(data) > limit:
         return patch, len(data)
-    for name in ("facts", "artifacts", "sources"):
-        if _holds_non_finite(getattr(patch, name, None)):
-            raise ContractValueError(
-                f"invalid context patch {_shown(patch)}: {name} holds NaN or infinity, "
-                "which JSON cannot carry (a participant's state moves as JSON)")
+    refuse_non_finite(patch)
     try:
         validated = ContextPatch.model_validate(
             {name: getattr(patch, name, None) for name in ContextPatch.model_fields})
@@ -219,6 +215,18 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
             f"invalid context patch {_shown(patch)}: {exc.error_count()} error(s), "
             f"first: {where}: {first.get('msg', '')}") from None
     return (patch if validated == patch else validated), len(data)
+
+
+def refuse_non_finite(patch: ContextPatch) -> None:
+    """`ContractValueError` when the patch's facts, artifacts or sources hold a NaN or
+    infinite float: JSON has no form for them, so the participant's next move would
+    turn them into null. A JSON reader makes them too (`NaN`, `Infinity`, `1e400`),
+    so a snapshot read from JSON is checked for them as well."""
+    for name in ("facts", "artifacts", "sources"):
+        if _holds_non_finite(getattr(patch, name, None)):
+            raise ContractValueError(
+                f"invalid context patch {_shown(patch)}: {name} holds NaN or infinity, "
+                "which JSON cannot carry (a participant's state moves as JSON)")
 
 
 def _holds_non_finite(value: object) -> bool:

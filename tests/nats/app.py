@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable
 
 from turnrouter import (
@@ -112,6 +113,15 @@ async def hanging(ctx: WorkerContext) -> AgentRouter:
     worker must still honour SIGTERM. Says on stdout when it started waiting."""
     print("factory waiting", flush=True)
     await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+def hanging_sync(ctx: WorkerContext) -> AgentRouter:
+    """A synchronous factory that blocks (a dependency polled with `time.sleep`, a
+    blocking client call): the worker must still honour SIGTERM. Says on stdout when it
+    started waiting."""
+    print("factory waiting", flush=True)
+    time.sleep(3600)
     raise AssertionError("unreachable")
 
 

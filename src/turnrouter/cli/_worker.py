@@ -10,6 +10,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -185,8 +186,9 @@ def worker_main(argv: Sequence[str]) -> int:
     registry = CollectorRegistry()
     from ..demo import install_env_tracing  # the demo's OpenTelemetry set-up
     install_env_tracing("turnrouter-worker", sys.stdout)
+    guarded = _SignalsInFactory(factory)
     try:
-        worker = NatsWorker(factory, config, registry=registry, replica=args.replica)
+        worker = NatsWorker(guarded, config, registry=registry, replica=args.replica)
     except TurnrouterError as exc:
         parser.error(f"--replica: {exc}")
     stopped_early = False
@@ -209,6 +211,7 @@ def worker_main(argv: Sequence[str]) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
+        guarded.stop = stop
         if args.ready_file:  # there while the worker serves, gone while it cannot
             path = args.ready_file
             # One left by a process killed before it could remove it (kill -9, a restarted
@@ -290,6 +293,39 @@ def _write_ready(path: str, replica: str) -> None:
     except OSError as exc:
         print(f"turnrouter worker: warning: cannot write --ready-file {path}: "
               f"{exc.strerror}", file=sys.stderr)
+
+
+class _SignalsInFactory:
+    """Calls the router factory so that SIGTERM and SIGINT stop a start-up even while
+    a synchronous factory blocks (a dependency polled with `time.sleep`, a blocking
+    client call). It runs on the event loop's thread, so the loop's own signal handlers
+    could not run before it returned, and the signal was ignored until the
+    orchestrator's SIGKILL. While the call lasts, a Python-level handler does what the
+    loop's would (`stop`) and raises CancelledError in the factory, which ends the start
+    as the cancellation of an async factory does. An async factory returns at once (its
+    coroutine is awaited under the loop's handlers); a factory spinning in C code that
+    never returns to the interpreter still cannot be interrupted."""
+
+    def __init__(self, factory: Any) -> None:
+        self.factory = factory
+        self.stop: Any = None
+
+    def __call__(self, ctx: Any) -> Any:
+        stop = self.stop
+        if stop is None or threading.current_thread() is not threading.main_thread():
+            return self.factory(ctx)
+
+        def interrupt(signum: int, frame: Any) -> None:
+            stop()
+            raise asyncio.CancelledError
+
+        previous = {sig: signal.signal(sig, interrupt)
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self.factory(ctx)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 async def _cancel_start(task: asyncio.Task[None]) -> None:

@@ -179,6 +179,8 @@ def connect_options(config: NatsConfig, role: str,
         if config.creds_file is not None:
             options["user_credentials"] = config.creds_file
         else:
+            assert config.nkey_seed_file is not None
+            _nkey_seed(config.nkey_seed_file)
             options["nkeys_seed"] = config.nkey_seed_file
     if config.tls_ca_file is not None or config.tls_cert_file is not None:
         options["tls"] = _tls_context(config)
@@ -193,14 +195,36 @@ def _readable(path: str) -> None:
         raise LifecycleError(f"cannot read {path!r}: {exc.strerror}") from None
 
 
+def _nkey_seed(path: str) -> None:
+    """Check that `path` holds an nkey seed as nats-py reads it (stripped), so a file
+    that does not is named here: nats-py's own error (`ErrInvalidSeed()`) names none."""
+    import nkeys
+
+    try:
+        with open(path, "rb") as file:
+            seed = bytearray(file.read().strip())
+    except OSError as exc:
+        raise LifecycleError(f"cannot read {path!r}: {exc.strerror}") from None
+    try:
+        nkeys.from_seed(seed)
+    except Exception:  # nkeys raises its own errors and binascii's; none is shown
+        raise LifecycleError(f"{path!r} holds no valid nkey seed") from None
+    finally:
+        seed[:] = bytes(len(seed))  # the seed is a secret: no copy stays behind
+
+
 def _tls_context(config: NatsConfig) -> ssl.SSLContext:
+    # Each step names the file it read and the problem, never what the file holds
+    # (ssl's own errors name neither: "No such file or directory", "[X509] PEM lib").
+    step = f"the CA file {config.tls_ca_file!r}" if config.tls_ca_file else "the system CAs"
     try:
         context = ssl.create_default_context(cafile=config.tls_ca_file)
         if config.tls_cert_file is not None and config.tls_key_file is not None:
+            step = (f"the client certificate {config.tls_cert_file!r} with its key "
+                    f"{config.tls_key_file!r}")
             context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
     except (OSError, ssl.SSLError) as exc:
-        # The message names the file and the problem, not what the file holds.
-        raise LifecycleError(f"cannot load the TLS files: {type(exc).__name__}: "
+        raise LifecycleError(f"cannot load {step}: {type(exc).__name__}: "
                              f"{getattr(exc, 'strerror', None) or exc.args[-1]}") from None
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     return context
