@@ -24,6 +24,14 @@ _NS = 1_000_000_000
 GROUP = "turnrouter"
 
 
+class _Refused(ConfigurationError):
+    """The JetStream API refused a request; `error` is its error object."""
+
+    def __init__(self, message: str, error: object) -> None:
+        super().__init__(message)
+        self.error = error
+
+
 async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = None,
                       wait: float = 5.0) -> dict[str, Any]:
     """One JetStream API request; the server's error becomes a `ConfigurationError`."""
@@ -37,7 +45,7 @@ async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = No
         if isinstance(error, dict) and error.get("code") == 503:
             # JetStream starting or without a leader: a passing state, tried again.
             raise LifecycleError(f"JetStream API {subject} unavailable: {error}")
-        raise ConfigurationError(f"JetStream API {subject} refused: {error}")
+        raise _Refused(f"JetStream API {subject} refused: {error}", error)
     return data
 
 
@@ -68,7 +76,9 @@ def _output_stream(config: NatsConfig) -> dict[str, Any]:
         "subjects": [f"{config.prefix}.out.*"],
         "retention": "limits",
         "storage": "file",
+        "max_bytes": config.output_max_bytes,
         "max_age": int(config.output_max_age * _NS),
+        "discard": "old",
         "duplicate_window": int(config.dedup_window * _NS),
     }
 
@@ -89,11 +99,42 @@ def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
     }
 
 
+#: JetStream's "stream name already in use with a different configuration".
+_STREAM_DIFFERS = 10058
+
+
+async def _create_stream(nc: Client, stream: dict[str, Any]) -> None:
+    """Create `stream`, or accept an identical existing one; a different existing one is
+    a `ConfigurationError` naming the settings that differ (a replica or front end of
+    another configuration, or an earlier turnrouter, created it)."""
+    name = stream["name"]
+    try:
+        await api_request(nc, f"$JS.API.STREAM.CREATE.{name}", stream)
+    except _Refused as exc:
+        error = exc.error
+        if not (isinstance(error, dict) and error.get("err_code") == _STREAM_DIFFERS):
+            raise
+        try:
+            info = await api_request(nc, f"$JS.API.STREAM.INFO.{name}")
+            existing = info.get("config")
+        except (ConfigurationError, LifecycleError):
+            existing = None
+        differ = ([f"{key} {existing.get(key)!r} there, {value!r} here"
+                   for key, value in stream.items() if existing.get(key) != value]
+                  if isinstance(existing, dict) else [])
+        raise ConfigurationError(
+            f"stream {name} exists with another configuration"
+            f"{': ' + '; '.join(differ)[:600] if differ else ''}. Every replica and front "
+            "end of a deployment must use the same NatsConfig; after a change of "
+            "configuration or of turnrouter, align the stream (`nats stream edit`) or "
+            "remove it") from exc
+
+
 async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
     """Create (or accept the identical existing) streams, consumers and state bucket;
     the bucket."""
     for stream in (_input_stream(config), _output_stream(config)):
-        await api_request(nc, f"$JS.API.STREAM.CREATE.{stream['name']}", stream)
+        await _create_stream(nc, stream)
     for partition in range(config.partitions):
         name = config.consumer(partition)
         await api_request(nc, f"$JS.API.CONSUMER.CREATE.{config.stream}.{name}",

@@ -117,7 +117,9 @@ class NatsConfig:
     "nats_input", reason="expired"}`). For a voice user an answer that late is worse
     than a quick "busy": the conversation has moved on. Joined, left and interrupt
     messages carry state and run whatever their age. `input_max_age` is the stream's own
-    bound on any message (it deletes older ones unread).
+    bound on any message (it deletes older ones unread). `output_max_bytes` and
+    `output_max_age` bound the output stream (the oldest outputs go first): front ends
+    read outputs as they come, so only a late replay misses what they dropped.
 
     `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
     before it exits with an error. `fleet_backlog`: messages of each fleet subject
@@ -134,6 +136,7 @@ class NatsConfig:
     max_message_bytes: int = 64 * 1024
     dedup_window: float = 120.0
     output_max_age: float = 3600.0
+    output_max_bytes: int = 1024**3
     max_queued_per_participant: int = 1000
     input_max_bytes: int = 1024**3
     input_max_age: float = 86400.0
@@ -232,11 +235,13 @@ class NatsConfig:
                 "is redelivered while its turn still runs")
         if self.max_message_bytes < 1024:
             raise ConfigurationError("NatsConfig.max_message_bytes must be at least 1024")
-        if not (isinstance(self.input_max_bytes, int)
-                and 64 * self.max_message_bytes <= self.input_max_bytes <= 2**50):
-            raise ConfigurationError(
-                "NatsConfig.input_max_bytes must be an int of at least 64 messages "
-                "(64 * max_message_bytes) and at most 1 PiB")
+        for name in ("input_max_bytes", "output_max_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool)
+                    and 64 * self.max_message_bytes <= value <= 2**50):
+                raise ConfigurationError(
+                    f"NatsConfig.{name} must be an int of at least 64 messages "
+                    f"(64 * max_message_bytes) and at most 1 PiB, got {preview(value)}")
 
         if not (isinstance(self.fleet_backlog, int) and not isinstance(self.fleet_backlog, bool)
                 and 1 <= self.fleet_backlog <= 1_000_000):

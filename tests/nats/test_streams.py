@@ -1,0 +1,67 @@
+"""The streams a deployment creates: their documented bounds on a real server, and a
+stream of another configuration refused with the settings that differ."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from turnrouter import ConfigurationError
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
+
+from .app import make_router
+from .conftest import NatsServer
+
+pytestmark = pytest.mark.anyio
+
+
+async def stream_config(front: NatsFrontEnd, name: str) -> dict[str, object]:
+    reply = await front.connection.request(f"$JS.API.STREAM.INFO.{name}", b"", timeout=5)
+    config: dict[str, object] = json.loads(reply.data)["config"]
+    return config
+
+
+async def test_both_streams_are_bounded_in_bytes_and_age(nats_server: NatsServer) -> None:
+    """The output stream holds at most `output_max_bytes` and `output_max_age`, dropping
+    the oldest, as the input stream does with its own bounds (it had no byte bound)."""
+    config = NatsConfig(url=nats_server.url, output_max_bytes=8 * 1024**2,
+                        output_max_age=120.0, input_max_bytes=16 * 1024**2)
+    front = await NatsFrontEnd.connect(config)
+    try:
+        output = await stream_config(front, config.output_stream)
+        assert (output["max_bytes"], output["max_age"], output["discard"]) == (
+            8 * 1024**2, 120 * 10**9, "old")
+        inputs = await stream_config(front, config.stream)
+        assert (inputs["max_bytes"], inputs["discard"]) == (16 * 1024**2, "old")
+    finally:
+        await front.close()
+
+
+async def test_a_stream_of_another_configuration_is_refused_naming_what_differs(
+        nats_server: NatsServer) -> None:
+    """A replica whose bounds differ from the deployment's (another configuration, or a
+    turnrouter whose streams have new bounds) is refused at start with the settings
+    that differ and what to do, not the server's bare error code."""
+    first = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    try:
+        other = NatsConfig(url=nats_server.url, output_max_bytes=2 * 1024**3)
+        worker = NatsWorker(make_router, other, registry=CollectorRegistry())
+        with pytest.raises(ConfigurationError) as caught:
+            async with asyncio.timeout(30):
+                await worker.run()
+        message = str(caught.value)
+        assert f"stream {other.output_stream} exists with another configuration" in message
+        assert f"max_bytes {1024**3} there, {2 * 1024**3} here" in message
+        assert "same NatsConfig" in message
+        assert "max_age" not in message  # only what differs
+    finally:
+        await first.close()
+
+
+@pytest.mark.parametrize("value", [0, -1, 1024, 2**51, 1.5, True, "1GiB", None])
+def test_output_max_bytes_is_an_int_within_its_bound(value: object) -> None:
+    with pytest.raises(ConfigurationError, match="output_max_bytes"):
+        NatsConfig(output_max_bytes=value)  # type: ignore[arg-type]
