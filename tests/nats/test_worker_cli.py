@@ -78,6 +78,25 @@ def test_bad_flags_are_one_line_usage_errors(flags: list[str]) -> None:
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(("url", "problem"), [
+    ("nats://svc:S3CRET@h:notaport", "no valid port"),
+    ("nats://svc:S3CRET@[::1", "no valid port"),
+    ("nats://svc:S3CRET@h:99999", "no valid port"),
+    ("http://svc:S3CRET@h:4222", "scheme 'http'"),
+    ("nats://svc:S3CRET@:4222", "names no host"),
+    ("nats://a:4222,nats://svc:S3CRET@b:x", "no valid port"),
+])
+def test_a_malformed_nats_url_is_a_usage_error_that_hides_its_password(
+        url: str, problem: str) -> None:
+    """A URL nats-py cannot use (a port that is not a number, a broken IPv6 address, a
+    scheme that is not NATS's) is a usage error at once, masked: it was found only at
+    connect time, after start-up had begun, and the worker exited 1."""
+    status, err = worker_usage("--nats", url, "--app", "tests.nats.app:make_router")
+    assert status == 2
+    assert err.startswith("turnrouter worker: error: NatsConfig.url") and problem in err
+    assert "S3CRET" not in err and err.count("\n") == 1  # one line, no traceback
+
+
 def test_missing_flags_are_usage_errors() -> None:
     """--nats and --app are required."""
     status, err = worker_usage("--app", "tests.nats.app:make_router")

@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 import time
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from json.encoder import encode_basestring as _json_text
@@ -83,6 +84,27 @@ _SECRET_FIELDS = ("password", "token")
 _AUTH_FIELDS = ("token", "creds_file", "nkey_seed_file")
 _TEXT_FIELDS = ("user", "password", "token", "creds_file", "nkey_seed_file",
                 "tls_ca_file", "tls_cert_file", "tls_key_file")
+
+
+def _server_problem(server: str) -> str | None:
+    """What is wrong with one server of a NATS URL, read as nats-py reads it (a missing
+    scheme is nats://, a missing port 4222), or None: a bad port or host was only found
+    at connect time, after start-up had begun."""
+    if "://" in server:
+        scheme = server.split("://", 1)[0].lower()
+        if scheme not in ("nats", "tls", "ws", "wss"):
+            return f"has scheme {scheme[:20]!r}, not nats://, tls://, ws:// or wss://"
+        normalized = server
+    else:
+        normalized = f"nats://{server}" if ":" in server else f"nats://{server}:4222"
+    try:
+        parsed = urllib.parse.urlsplit(normalized)
+        parsed.port  # noqa: B018 (ValueError for a port that is not a number in range)
+    except ValueError:
+        return "has no valid port or address"
+    if not parsed.hostname:
+        return "names no host"
+    return None
 
 
 @dataclass(frozen=True, slots=True, repr=False)
@@ -185,6 +207,12 @@ class NatsConfig:
         if not all(self.servers):
             raise ConfigurationError(
                 "NatsConfig.url lists an empty server (nats://a:4222,nats://b:4222)")
+        for server in self.servers:
+            problem = _server_problem(server)
+            if problem is not None:  # shown masked: the URL may hold a password
+                raise ConfigurationError(
+                    f"NatsConfig.url {preview(redact_url(server))} {problem} "
+                    "(nats://host:4222)")
         for name in _TEXT_FIELDS:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value
