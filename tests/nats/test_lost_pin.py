@@ -33,7 +33,7 @@ from turnrouter.runtime.nats import (
 from .app import make_router
 from .conftest import NatsServer, Worker, metric_value, until_true
 from .crowd import FAILURE, ask, listening
-from .proxy import proxied, reads_of
+from .proxy import Hold, proxied, reads_of
 
 pytestmark = pytest.mark.anyio
 
@@ -451,6 +451,106 @@ async def test_keep_alive_pulls_stop_past_drain_timeout_on_one_message(
                 assert caplog.text.count("letting the partition go") == 1
         finally:
             reads.release()
+            run.cancel()
+            async with asyncio.timeout(20):
+                await asyncio.gather(run, return_exceptions=True)
+
+
+async def pinned_client(nc: Client, config: NatsConfig, n: int) -> str:
+    """The pin id the server gave partition `n`'s consumer now ('' when none)."""
+    info = json.loads((await nc.request(
+        f"$JS.API.CONSUMER.INFO.{config.stream}.{config.consumer(n)}", b"",
+        timeout=5)).data)
+    groups = info.get("priority_groups") or [{}]
+    return str(groups[0].get("pinned_client_id") or "")
+
+
+async def test_a_refusal_of_a_pull_made_with_a_replaced_pin_keeps_the_partition(
+        nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server pins the worker's partition afresh (a new pin id) while one of the
+    worker's pulls made with the old pin id is still on its way (after a server's
+    return, the pulls sent while it was away arrive together). That pull is refused
+    (423, pin id mismatch) once the worker already serves the partition under its new
+    pin and runs bob's turn: the refusal is of the old pin, not of the new one, so the
+    partition stays and bob hears his answer. Before, the worker took the 423 for the
+    loss of the partition: it dropped bob and ended his running turn with the failure
+    text, though the server still pinned it (the chaos run's turns cut just after a
+    server's return).
+
+    Held without touching the worker: its connection goes through a proxy that keeps
+    one pull carrying the old pin from the server until the test releases it, and the
+    test unpins the partition as an operator can (`$JS.API.CONSUMER.UNPIN`)."""
+    monkeypatch.setenv("TR_TEST_ANSWER_SECS", "1.5")  # bob's turn runs meanwhile
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    n = 0
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
+    registry = CollectorRegistry()
+
+    def metric(name: str, labels: str = "") -> float:
+        return metric_value(generate_latest(registry).decode(), name, labels)
+
+    async with proxied(nats_server.port) as proxy:
+        worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                            registry=registry, replica="owner")
+        run = asyncio.create_task(worker.run())
+        nc = await nats.connect(nats_server.url)
+        pulls: Hold | None = None
+        try:
+            async with listening(config) as (front, heard):
+                async with asyncio.timeout(15):
+                    await worker.ready.wait()
+                assert (await ask(front, heard, "q-amy", "hello")).startswith("hello|")
+                old = await pinned_client(nc, config, n)
+                assert old and worker.owned_partitions == {n}
+                caught: list[bytes] = []
+
+                def one_pull_with_the_old_pin(subject: str, payload: bytes) -> bool:
+                    if subject == next_subject and old.encode() in payload and not caught:
+                        caught.append(payload)
+                        return True
+                    return False
+
+                pulls = proxy.hold(one_pull_with_the_old_pin)
+                async with asyncio.timeout(15):
+                    await pulls.event.wait()
+                reply = json.loads((await nc.request(
+                    f"$JS.API.CONSUMER.UNPIN.{config.stream}.{config.consumer(n)}",
+                    json.dumps({"group": "turnrouter"}).encode(), timeout=5)).data)
+                assert "error" not in reply, reply
+                bob = UserQuery(participant_id="bob", text="hi")
+                await front.publish(bob)
+                # The worker's next pull with the old pin is refused (a real loss: the
+                # server pinned nobody), it pulls without one and is pinned afresh.
+                kv = await nc.jetstream().key_value(config.bucket)
+                key = f"{n}.{encode_token('bob')}"
+
+                async def running() -> bool:
+                    with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                        entry = await kv.get(key)
+                        return parse_record(entry.value or b"").inflight == [bob.message_id]
+                    return False
+
+                for _ in range(300):  # bounded poll of the server's state: at most 15 s
+                    if await running():
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("bob's turn never ran")
+                new = await pinned_client(nc, config, n)
+                assert new and new != old and worker.owned_partitions == {n}
+                lost = metric("turnrouter_nats_partitions_lost_total", 'how="lost"')
+                assert pulls.release() == 1  # refused now: 423, the old pin
+                async with asyncio.timeout(15):
+                    await heard.events.setdefault(bob.message_id, asyncio.Event()).wait()
+                assert [m.text for m in heard.finals[bob.message_id]] == ["hi|-|N"]
+                assert await pinned_client(nc, config, n) == new
+                assert worker.owned_partitions == {n}
+                assert metric("turnrouter_nats_partitions_lost_total", 'how="lost"') == lost
+                assert (await ask(front, heard, "bob", "again")) == "again|hi|F"
+        finally:
+            if pulls is not None:
+                pulls.release()
+            await nc.close()
             run.cancel()
             async with asyncio.timeout(20):
                 await asyncio.gather(run, return_exceptions=True)

@@ -4,6 +4,7 @@ JetStream, and a deployment an operator deleted parts of (docs/distributed.md)."
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -20,8 +21,15 @@ from nats.js import JetStreamContext
 import nats
 from turnrouter import LifecycleError
 from turnrouter.runtime import UserQuery
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, Readiness, encode_token
+from turnrouter.runtime.nats import (
+    NatsConfig,
+    NatsFrontEnd,
+    NatsWorker,
+    Readiness,
+    encode_token,
+)
 
+from .app import make_router
 from .conftest import ROOT, NatsServer, Worker, metric_value, nats_server_binary, until_true
 from .crowd import FAILURE, Heard, ask, listening
 from .proxy import proxied
@@ -270,6 +278,58 @@ async def test_failed_state_writes_are_logged_rarely(nats_server: NatsServer) ->
     finally:
         nats_server.thaw()
         worker.close()
+
+
+async def test_after_a_servers_return_each_partition_has_one_pull_waiting(
+        nats_server: NatsServer) -> None:
+    """The server is away longer than a pull waits for its reply, so the worker asks
+    again meanwhile (its pulls go out when the server is back): once back, each
+    partition has one pull of the worker's waiting at the server, as before the outage.
+    Before, every reply that ended one of those pulls (a 408 as it expired) was answered
+    with a new one: two or more waited per partition for good, and the extra ones, made
+    with a pin the server no longer had, were refused (423) after the partition was
+    pinned afresh, which the worker took for the loss of the partition (a turn just
+    started there ended with the failure text), or delivered a message after a balance
+    handover, left unread until it came back to the next owner as delivery 2 (the
+    failure text, unrun)."""
+    config = NatsConfig(url=nats_server.url, partitions=2)
+    worker = NatsWorker(make_router, config, replica="solo")
+    run = asyncio.create_task(worker.run())
+    nc = None
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        await until_true(lambda: worker.owned_partitions == {0, 1},
+                         "the worker owns both partitions", within=15)
+        nats_server.crash()
+        await until_true(lambda: not worker.readiness.serving, "the worker saw the outage")
+        await asyncio.sleep(3.0)  # the outage under test: past a pull's wait (2.4 s)
+        nats_server.restart()
+        await until_true(lambda: worker.readiness.serving, "the worker came back", within=15)
+        nc = await nats.connect(nats_server.url)
+
+        async def waiting(n: int) -> int:
+            info = json.loads((await nc.request(
+                f"$JS.API.CONSUMER.INFO.{config.stream}.{config.consumer(n)}", b"",
+                timeout=5)).data)
+            return int(info.get("num_waiting") or 0)
+
+        steady, counts = 0, [-1, -1]
+        for _ in range(300):  # bounded poll of the server's state: at most ~15 s
+            counts = [await waiting(n) for n in range(config.partitions)]
+            steady = steady + 1 if counts == [1, 1] else 0
+            if steady >= 20:  # one each, read 20 times over more than 2 pull_expires
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"pulls waiting per partition after the outage: {counts}")
+        assert worker.owned_partitions == {0, 1}
+    finally:
+        if nc is not None:
+            await nc.close()
+        worker.request_stop()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
 
 
 async def test_a_front_end_closes_while_its_server_is_away(nats_server: NatsServer) -> None:

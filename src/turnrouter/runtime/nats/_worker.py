@@ -255,12 +255,14 @@ class NatsWorker:
         self._pulling = False
         for task in helpers:  # no more presence nor probes
             task.cancel()
-        # Outstanding pulls expire within pull_expires; what they deliver is still run.
-        await asyncio.gather(*loops, return_exceptions=True)
         assert self._nc is not None
+        # The pins are held from now on: the loops end once every request they sent
+        # ended (what those deliver is still run), and until then the server hears no
+        # new pull of theirs (it moves a partition after failover_timeout without one).
         holder = asyncio.create_task(_hold_pins(self._nc, self._pins, self.config,
                                                 self.inputs.handle), name="holding pins")
         try:
+            await asyncio.gather(*loops, return_exceptions=True)
             await self._drain_and_hand_over()
         finally:
             holder.cancel()
@@ -301,80 +303,109 @@ class NatsWorker:
         assert self._nc is not None
         nc, config = self._nc, self.config
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
-        inbox = _Inbox(n, next_subject, nc.new_inbox())
-        subject = nc.new_inbox()
-        sub = await nc.subscribe(subject, cb=inbox.receive)
-        keep = await nc.subscribe(inbox.keep_subject, cb=inbox.keep)
+        inbox = _Inbox(n, next_subject, nc.new_inbox(), config.pull_expires)
+        sub = await nc.subscribe(f"{inbox.reply_prefix}.*", cb=inbox.receive)
         self._inboxes.append(inbox)
         try:
             while self._pulling:
                 try:
-                    await self._pull_once(n, nc, inbox, subject, next_subject)
+                    await self._pull_once(n, nc, inbox)
                 except Exception as exc:
                     # The loop outlives any one failure: a message not acknowledged
                     # comes back (and ends with the failure text if it was a query).
                     log_failure("partition %d: pull", exc, n, log=logger)
                     await asyncio.sleep(0.1)
-            await _last_keeps(inbox, self.inputs.handle, self._pins)
+            # A graceful stop: what the requests still waiting at the server deliver
+            # (a keep-alive pull's) is run here, not left to come back to the next
+            # owner as a redelivery (a redelivered query ends with the failure text).
+            while (left := inbox.waiting_for()) > 0:
+                got = await inbox.get(left)
+                if got is not None:
+                    await self._take(n, inbox, *got)
         finally:
             self._inboxes.remove(inbox)
             await sub.unsubscribe()
-            await keep.unsubscribe()
 
-    async def _pull_once(self, n: int, nc: Client, inbox: _Inbox, subject: str,
-                         next_subject: str) -> None:
+    async def _pull_once(self, n: int, nc: Client, inbox: _Inbox) -> None:
         """One pull request on partition `n` and the messages it delivers (one at a
-        time: the next comes once this one is acknowledged), or a pause while balance
-        says not to pull."""
+        time: the next comes once this one is acknowledged), or a wait while balance
+        says not to pull (reading what earlier requests still deliver)."""
         config = self.config
         inbox.holding = False
         share = self.fleet.fair_share()
-        # Not while a keep-alive pull may still deliver (it would arrive handed over).
-        if (n in self._pins and len(self._pins) > share
-                and inbox.keep_until <= time.monotonic() and await self._shed(n)):
+        # Only once no request of ours is waiting at the server, nor anything they
+        # delivered unread: a message arriving after the handover would sit here unread
+        # while its acknowledgment's time ran out (ack_wait), and the next owner, seeing
+        # delivery 2, ends it with the failure text unrun.
+        if (n in self._pins and len(self._pins) > share and inbox.quiet()
+                and await self._shed(n)):
             return
         if n not in self._pins and await self.fleet.leave_alone(n, len(self._pins)):
-            await asyncio.sleep(config.probe_interval)
+            got = await inbox.get(config.probe_interval)
+            if got is not None:  # (a request sent before: it may have been pinned)
+                await self._take(n, inbox, *got)
             return
         request: dict[str, Any] = {"batch": _BATCH, "expires": int(config.pull_expires * 1e9),
                                    "group": GROUP}
         pin = self._pins.get(n)
         if pin is not None:
             request["id"] = pin
-        await nc.publish(next_subject, json.dumps(request).encode(), reply=subject)
+        token, reply = inbox.request(pin)
+        await nc.publish(inbox.next_subject, json.dumps(request).encode(), reply=reply)
         inbox.pulled = time.monotonic()
-        handle = self.inputs.handle
-        for _ in range(_BATCH):
+        delivered = 0
+        while delivered < _BATCH:
             inbox.holding = False
             got = await inbox.get(config.pull_expires + 2.0)
             if got is None:
                 return  # a lost reply (reconnect): ask again
             inbox.holding, inbox.held_since = True, time.monotonic()  # `_keep_pins` pulls
-            msg, received = got
-            headers = msg.headers
-            if headers:
-                status = headers.get("Status")
-                if status is not None:
-                    await self._status(n, status)
-                    return
-                new_pin = headers.get("Nats-Pin-Id")
-                if new_pin is not None and new_pin != self._pins.get(n):
-                    if n in self._pins:
-                        await self._lose(n, "lost")
-                    self._pins[n] = new_pin
-                    self._set_owned()
-                    self.fleet.taken_back(n)
-                    self._take_over(n)
-            if self.router.busy and n in self._pins and await backpressure(
-                    nc, config, self.router, self._metrics, msg):
-                continue
-            await handle(n, msg, n in self._pins, received)
+            ended = await self._take(n, inbox, *got)
+            if ended is None:
+                delivered += 1
+            elif ended == token:
+                return
+        inbox.forget(token)  # its whole batch delivered: it waits no more
 
-    async def _status(self, n: int, status: str) -> None:
-        """A pull request ended with a status instead of a message."""
+    async def _take(self, n: int, inbox: _Inbox, msg: Msg, received: float) -> str | None:
+        """One reply to a pull request of partition `n`: a message is run (the pin it
+        carries taken first), a status ends its request. Returns the token of the
+        request a status ended (None for a message)."""
+        headers = msg.headers
+        if headers:
+            status = headers.get("Status")
+            if status is not None:
+                token, pin = inbox.ended(msg.subject)
+                await self._status(n, status, pin)
+                return token
+            new_pin = headers.get("Nats-Pin-Id")
+            if new_pin is not None and new_pin != self._pins.get(n):
+                if n in self._pins:
+                    await self._lose(n, "lost")
+                self._pins[n] = new_pin
+                self._set_owned()
+                self.fleet.taken_back(n)
+                self._take_over(n)
+        nc, config = self._nc, self.config
+        assert nc is not None
+        if self.router.busy and n in self._pins and await backpressure(
+                nc, config, self.router, self._metrics, msg):
+            return None
+        await self.inputs.handle(n, msg, n in self._pins, received)
+        return None
+
+    async def _status(self, n: int, status: str, pin: str | None) -> None:
+        """A pull request (made with `pin`) ended with a status instead of a message."""
         if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
-            if n in self._pins:  # (a keep-alive pull's 423 may follow the loop's own)
+            # Only when the request carried the pin held now: a request made with a pin
+            # since replaced (one of several waiting at the server after a reconnect)
+            # is refused after the partition was pinned here afresh, and a running turn
+            # of the new pin must not end for it.
+            if pin is not None and pin == self._pins.get(n):
                 await self._lose(n, "lost")
+            else:
+                logger.debug("turnrouter: partition %d: a 423 of a request made with a "
+                             "pin no longer held", n)
         elif status not in ("404", "408", "409", "100") and self._connection is not None:
             await self._connection.pull_failed(n, status)  # logged rarely, then a pause
         if status == "409":
@@ -454,7 +485,7 @@ class NatsWorker:
             for pid, n in list(self._ledger.unsure.items()):
                 self._reclaim_soon(pid, n)
         for inbox in self._inboxes:
-            inbox.wake()
+            inbox.reconnected()
 
     def _reclaim_soon(self, pid: str, n: int) -> None:
         self._spawn(self._reclaim(pid, n), "reclaim")
@@ -505,43 +536,73 @@ async def _to_the_end(work: Awaitable[None]) -> None:
 
 class _Inbox(Mailbox[tuple[Msg, float]]):
     """What one partition's pull requests deliver, in order, with when each arrived
-    (filled by the subscriptions' callbacks, read by the partition's loop)."""
+    (filled by the subscription's callback, read by the partition's loop).
 
-    __slots__ = ("given_up", "held_since", "holding", "keep_subject", "keep_until",
-                 "next_subject", "partition", "pulled")
+    Each request has its own reply subject (`request`), so a status names the request it
+    ends and the pin that request carried: several may wait at the server at once (the
+    loop's and `_keep_pins`' pulls; after a reconnect, those sent while the server was
+    away as well), and a 423 answers one of them, maybe made with a pin since replaced.
+    `live` holds the requests not yet ended, each with when it surely expired."""
 
-    def __init__(self, partition: int, next_subject: str, keep_subject: str) -> None:
+    __slots__ = ("expires", "given_up", "held_since", "holding", "live", "next_subject",
+                 "partition", "pulled", "reply_prefix", "tokens")
+
+    def __init__(self, partition: int, next_subject: str, reply_prefix: str,
+                 expires: float) -> None:
         super().__init__()
-        self.partition, self.next_subject, self.keep_subject = (
-            partition, next_subject, keep_subject)
+        self.partition, self.next_subject, self.reply_prefix = (
+            partition, next_subject, reply_prefix)
+        self.expires = expires  # a request's `expires`, seconds
         self.pulled = time.monotonic()  # when the partition's last pull request went out
         self.holding = False  # its loop is busy with one message and pulls no more
         self.held_since = 0.0  # since when
         self.given_up = -1.0  # the `held_since` of a message held too long to keep the pin
-        self.keep_until = 0.0  # when the last `_keep_pins` pull expires
+        self.live: dict[str, tuple[str | None, float]] = {}  # token -> (pin, expired by)
+        self.tokens = 0
 
     async def receive(self, msg: Msg) -> None:
         self.put((msg, time.monotonic()))
 
-    async def keep(self, msg: Msg) -> None:
-        """A reply to a `_keep_pins` pull: a message (the partition's next, once the one
-        held is acknowledged) or a lost pin (423) goes to the loop as its own pulls'
-        replies do; the end of the request (408 and the like) is nobody's business."""
-        status = msg.headers.get("Status") if msg.headers else None
-        if status is None or status == "423":
-            self.put((msg, time.monotonic()))
+    def _lifetime(self) -> float:
+        """How long after it went out a request may still deliver: its `expires` and a
+        margin for the way there and the server's own lag."""
+        return 2 * self.expires + 1.0
 
+    def request(self, pin: str | None) -> tuple[str, str]:
+        """A new request's token and reply subject; it is live until a status ends it."""
+        self.tokens += 1
+        token = str(self.tokens)
+        self.live[token] = (pin, time.monotonic() + self._lifetime())
+        return token, f"{self.reply_prefix}.{token}"
 
-async def _last_keeps(inbox: _Inbox, handle: Callable[[int, Msg, bool, float], Awaitable[None]],
-                      pins: dict[int, str]) -> None:
-    """At the end of a partition's loop (a graceful stop), run what its last `_keep_pins`
-    pulls still deliver until they expire: a message left unread would come back to the
-    next owner as a redelivery, and a redelivered query ends with the failure text."""
-    n = inbox.partition
-    while (left := inbox.keep_until - time.monotonic()) > 0:
-        got = await inbox.get(left)
-        if got is not None and not (got[0].headers and "Status" in got[0].headers):
-            await handle(n, got[0], n in pins, got[1])
+    def ended(self, subject: str) -> tuple[str, str | None]:
+        """The request a status arrived on (its reply `subject`) ended: its token and
+        the pin it carried (None: none, or a request already forgotten)."""
+        token = subject.rsplit(".", 1)[-1]
+        pin, _ = self.live.pop(token, (None, 0.0))
+        return token, pin
+
+    def forget(self, token: str) -> None:
+        self.live.pop(token, None)
+
+    def waiting_for(self) -> float:
+        """Seconds until every live request surely expired (0: none live); those past
+        their time are forgotten (a request lost with a restarted server)."""
+        now = time.monotonic()
+        for token in [t for t, (_, until) in self.live.items() if until <= now]:
+            del self.live[token]
+        return max((until for _, until in self.live.values()), default=now) - now
+
+    def quiet(self) -> bool:
+        """No request of ours may deliver any more, and nothing delivered is unread."""
+        return not self.waiting_for() and not self._items
+
+    def reconnected(self) -> None:
+        """Back on a server: what was published while it was away went out just now
+        (their time starts again), and the loop asks again at once."""
+        until = time.monotonic() + self._lifetime()
+        self.live = {token: (pin, max(end, until)) for token, (pin, end) in self.live.items()}
+        self.wake()
 
 
 async def _hold_pins(nc: Client, pins: dict[int, str], config: NatsConfig,
@@ -607,11 +668,11 @@ async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
                                    inbox.partition, config.drain_timeout)
                 continue
             inbox.pulled = now
-            inbox.keep_until = now + config.pull_expires
             request = {"batch": 1, "expires": expires, "group": GROUP, "id": pin}
+            _, reply = inbox.request(pin)  # (its replies go to the loop, in order)
             try:
                 await nc.publish(inbox.next_subject, json.dumps(request).encode(),
-                                 reply=inbox.keep_subject)
+                                 reply=reply)
             except Exception as exc:  # closed or reconnecting: the loop pulls again then
                 logger.debug("turnrouter: a keep-alive pull failed: %r", exc)
 
