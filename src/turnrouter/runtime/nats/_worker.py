@@ -569,7 +569,12 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         return 2 * self.expires + 1.0
 
     def request(self, pin: str | None) -> tuple[str, str]:
-        """A new request's token and reply subject; it is live until a status ends it."""
+        """A new request's token and reply subject; it is live until a status ends it
+        or its time passed. A request may end without a status (a keep-alive pull that
+        delivered its one message, one lost with a restarted server): those past their
+        time are dropped here, so `live` holds only requests of the last few seconds."""
+        if self.live:
+            self.waiting_for()
         self.tokens += 1
         token = str(self.tokens)
         self.live[token] = (pin, time.monotonic() + self._lifetime())
