@@ -80,6 +80,17 @@ def check_callable(name: str, value: object, *, optional: bool = True) -> None:
         raise ContractTypeError(f"AgentRouter {name} must be callable, got {type(value).__name__}")
 
 
+def check_instance(name: str, value: object) -> None:
+    """Refuse a class passed where an instance belongs (`LexicalDecisions` for
+    `LexicalDecisions()`): the class has every method the other checks look for, so it
+    would pass them and fail only at the first turn, as a logged decision or
+    acknowledgment failure that names neither the argument nor the missing call."""
+    if isinstance(value, type):
+        raise ContractTypeError(
+            f"AgentRouter {name} is the class {value.__qualname__}, not an instance: "
+            f"call it ({value.__qualname__}(...))")
+
+
 def _check_positive(name: str, value: object, *, integer: bool = False) -> None:
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
     if not isinstance(value, int | float) or not isinstance(value, kinds) or isinstance(
@@ -131,6 +142,7 @@ def _agents(destinations: object) -> dict[str, RoutableAgent]:
             raise ConfigurationError(
                 f"AgentRouter destination names must be non-empty str, got {name!r}"
             )
+        check_instance(f"destination {name!r}", agent)
         for method in ("routing_aid", "admit", "answer", "release"):
             if not callable(getattr(agent, method, None)):
                 raise ContractTypeError(
@@ -181,6 +193,12 @@ class RouterConfig:
         acknowledgment_route_delays: Mapping[str, float] | None = None,
     ) -> None:
         agents = _agents(destinations)
+        for name, value in (("decisions", decisions), ("acknowledgment_llm", acknowledgment_llm),
+                            ("telemetry", telemetry), ("overload", overload),
+                            ("acknowledgment_policy", acknowledgment_policy),
+                            ("timing_predictor", timing_predictor),
+                            ("timing_sink", timing_sink), ("clock", clock)):
+            check_instance(name, value)
         if not callable(getattr(decisions, "decide", None)):
             raise ContractTypeError(
                 f"AgentRouter decisions must have an async decide(request) method, "

@@ -33,6 +33,7 @@ from ._contracts import (
     _request,
     _turn_with_history,
     checked_shape,
+    say_through,
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
 from ._lifecycle import DROPPED, TurnRun
@@ -194,7 +195,7 @@ class Turn(TurnRun):
             "waiting_turns", f"turn {turn.turn_id!r} of {turn.participant_id!r} dropped: "
             f"more than max_waiting_turns ({self.cfg.max_waiting_turns}) waiting")
         try:
-            await self.end(turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
+            await say_through(self.end, turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
         except Exception as exc:
             log_failure("telling %r that turn %s was dropped", exc, turn.participant_id,
                         turn.turn_id)
@@ -207,7 +208,7 @@ class Turn(TurnRun):
 
     async def _emit_failure(self) -> None:
         try:
-            await self.end(self.turn, self.route or "none", self.cfg.failure_text)
+            await say_through(self.end, self.turn, self.route or "none", self.cfg.failure_text)
         except Exception as exc:
             log_failure("delivering the failure message of turn %s", exc, self.turn.turn_id)
 
@@ -449,7 +450,7 @@ class Turn(TurnRun):
         if not text:
             return
         try:
-            await (self.end if ending else self.emit)(self.turn, route, text)
+            await say_through(self.end if ending else self.emit, self.turn, route, text)
         except Exception:
             self.output_failed = True
             raise
