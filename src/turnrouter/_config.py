@@ -204,6 +204,13 @@ class RouterConfig:
                 f"AgentRouter decisions must have an async decide(request) method, "
                 f"got {type(decisions).__name__}"
             )
+        fallback_route = getattr(decisions, "fallback_route", None)
+        if isinstance(fallback_route, str) and fallback_route not in agents:
+            # A typo here is otherwise silent: the queries no route fits are clarified.
+            raise ConfigurationError(
+                f"AgentRouter decisions' fallback_route {fallback_route[:100]!r} is not a "
+                f"registered destination (registered: {sorted(agents)[:20]}): the queries "
+                "no route fits would be clarified instead of reaching it")
         if not isinstance(default_destination, str):
             raise ContractTypeError("AgentRouter default_destination must be a str")
         if default_destination not in agents and default_destination is not CONVERSATION:
