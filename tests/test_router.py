@@ -726,6 +726,64 @@ async def test_a_plain_def_output_is_named_not_awaited_none() -> None:
     await router.stop()
 
 
+class _PlainDefAgent(ScriptedAgent):
+    """`def answer` / `def admit` where the contract says `async def`."""
+
+    def __init__(self, sync: str) -> None:
+        super().__init__("conversation")
+        self.sync = sync
+
+    def admit(self, turn: AgentTurn, *, focused: bool) -> Any:
+        if self.sync == "admit":
+            return Admission("accept")
+        return super().admit(turn, focused=focused)
+
+    def answer(self, turn: AgentTurn, *, started: Any) -> Any:
+        if self.sync == "answer":
+            return DestinationResult("answer", "hi")
+        return super().answer(turn, started=started)
+
+
+@pytest.mark.parametrize("sync", ["admit", "answer"])
+@pytest.mark.parametrize("setting", ["plain", "acknowledgments", "admission_timeout"])
+async def test_a_plain_def_destination_method_is_named(sync: str, setting: str) -> None:
+    """A destination's `def answer` (or `def admit`) returns its result unawaitable: the
+    turn fails with a DestinationContractError naming the route, the method and the fix,
+    not Python's "object DestinationResult can't be used in 'await' expression"; on
+    each path that awaits it (with the acknowledgment sidecar, under a timeout)."""
+    settings: dict[str, dict[str, Any]] = {
+        "plain": {},
+        "acknowledgments": {"acknowledgment_llm": TemplateAcknowledger(),
+                            "acknowledgment_delay_secs": 5.0},
+        "admission_timeout": {"admission_timeout_secs": 5.0},
+    }
+    kwargs = settings[setting]
+    output = OutputRecorder()
+    router = AgentRouter({"conversation": _PlainDefAgent(sync)},
+                         ScriptedDecisions("conversation"), output=output,
+                         telemetry=RecordingObserver(), **kwargs)
+    with pytest.raises(DestinationContractError,
+                       match=rf"destination 'conversation' {sync}\(\) returned "
+                             rf"{'Admission' if sync == 'admit' else 'DestinationResult'}, "
+                             rf"not an awaitable: it must be an async method "
+                             rf"\(async def {sync}\(...\)\)"):
+        await router.handle(AgentTurn("p", "t", "hello"))
+    assert output.texts == [FAILURE_TEXT]
+    await router.stop()
+
+
+async def test_a_type_error_inside_an_async_answer_stays_itself() -> None:
+    """Only an unawaitable result is renamed: a TypeError raised by the destination's own
+    async code propagates unchanged."""
+    agent = ScriptedAgent("conversation", results=TypeError("bad operand"))
+    router = AgentRouter({"conversation": agent}, ScriptedDecisions("conversation"),
+                         output=OutputRecorder(), telemetry=RecordingObserver())
+    with pytest.raises(TypeError, match="bad operand") as info:
+        await router.handle(AgentTurn("p", "t", "hello"))
+    assert not isinstance(info.value, DestinationContractError)
+    await router.stop()
+
+
 async def test_handle_requires_output_and_an_agent_turn() -> None:
     """handle() without output raises RuntimeError; a non-turn raises TypeError."""
     router = AgentRouter(_agents(), ScriptedDecisions("conversation"),
