@@ -15,6 +15,7 @@ from typing import Any, Literal
 from ._acknowledgment import AcknowledgmentPolicy, TimingEngine
 from ._clock import Clock, SystemClock
 from ._contracts import CLARIFY, AgentTurn, DecisionService, RoutableAgent
+from ._destination import Destination
 from ._exceptions import ConfigurationError, ContractTypeError
 from ._limits import Overflows
 from ._llm import LLMService
@@ -143,6 +144,12 @@ def _agents(destinations: object) -> dict[str, RoutableAgent]:
                 f"AgentRouter destination names must be non-empty str, got {name!r}"
             )
         check_instance(f"destination {name!r}", agent)
+        if isinstance(agent, Destination) and not hasattr(agent, "_aid"):
+            # Else the first turn fails with "'X' object has no attribute '_aid'".
+            raise ContractTypeError(
+                f"AgentRouter destination {name!r} ({type(agent).__qualname__}) was never "
+                "initialised as a Destination: its __init__ must call "
+                "super().__init__(description)")
         for method in ("routing_aid", "admit", "answer", "release"):
             if not callable(getattr(agent, method, None)):
                 raise ContractTypeError(
