@@ -140,3 +140,24 @@ def test_name_returns_the_name_given_else_the_class_default() -> None:
     assert Music.name == "music" and Music("d").name == "music"
     assert Music("d", name="jazz").name == "jazz"
     assert Music("d", name="jazz").routing_aid("p").name == "jazz"
+
+
+def test_a_subclass_that_skips_the_base_init_is_named_at_construction() -> None:
+    """An `__init__` that forgets `super().__init__(description)` leaves no routing aid:
+    the router says so when it is built, instead of every turn failing with
+    "'Music' object has no attribute '_aid'"."""
+
+    class Music(Destination):
+        def __init__(self, playlist: str) -> None:
+            self.playlist = playlist
+
+        async def answer(self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+                         ) -> DestinationResult:
+            await started()
+            return DestinationResult(text=self.playlist)
+
+    with pytest.raises(ContractTypeError, match=r"destination 'music' \(.*Music\) was never "
+                       r"initialised as a Destination: its __init__ must call "
+                       r"super\(\)\.__init__\(description\)"):
+        AgentRouter({"music": Music("jazz")}, ScriptedDecisions("music"),
+                    output=OutputRecorder())

@@ -24,6 +24,7 @@ from turnrouter import (
     ContractTypeError,
     DestinationContractError,
     DestinationResult,
+    JsonLinesSink,
     LifecycleError,
     RouteDecision,
     RouteRequest,
@@ -32,7 +33,10 @@ from turnrouter import (
     TurnObserver,
     current_turn_context,
 )
+from turnrouter.decisions import LexicalDecisions
 from turnrouter.events import TurnStarted
+from turnrouter.llm import TemplateAcknowledger
+from turnrouter.telemetry import Telemetry
 from turnrouter.testing import (
     ManualClock,
     OutputRecorder,
@@ -679,6 +683,105 @@ def test_constructor_rejects_non_agents_and_non_deciders() -> None:
         AgentRouter({}, ScriptedDecisions("x"))
     with pytest.raises(TypeError, match="context_budget_bytes"):
         AgentRouter(_agents(), ScriptedDecisions("x"), context_budget_bytes=1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("argument", ["destination", "decisions", "acknowledgment_llm",
+                                      "telemetry", "timing_sink"])
+def test_constructor_names_a_class_passed_for_an_instance(argument: str) -> None:
+    """A class where an instance belongs (`LexicalDecisions` for `LexicalDecisions()`)
+    has every method the duck checks look for: it is refused at construction, naming the
+    argument and the call, instead of failing every turn as a logged TypeError."""
+    kwargs: dict[str, Any] = {"decisions": ScriptedDecisions("conversation")}
+    agents: dict[str, Any] = _agents()
+    if argument == "destination":
+        agents["weather"], expected = ScriptedAgent, "destination 'weather'"
+    elif argument == "acknowledgment_llm":
+        kwargs.update(acknowledgment_llm=TemplateAcknowledger, acknowledgment_delay_secs=1.0)
+        expected = argument
+    else:
+        kwargs[argument] = {"decisions": LexicalDecisions, "telemetry": Telemetry,
+                            "timing_sink": JsonLinesSink}[argument]
+        expected = argument
+    with pytest.raises(ContractTypeError, match=f"AgentRouter {expected} is the class") as info:
+        AgentRouter(agents, **kwargs)
+    assert "not an instance: call it" in str(info.value)
+
+
+async def test_a_plain_def_output_is_named_not_awaited_none() -> None:
+    """`def output(...)` instead of `async def`: the turn fails with a ContractTypeError
+    naming the callback and the fix, not Python's "NoneType can't be used in 'await'
+    expression"."""
+    said: list[str] = []
+
+    def output(turn: AgentTurn, route: str, text: str) -> None:
+        said.append(text)
+
+    router = AgentRouter(_agents(), ScriptedDecisions("clarify"),
+                         output=output,  # type: ignore[arg-type]
+                         telemetry=RecordingObserver())
+    with pytest.raises(ContractTypeError, match=r"output callback .*output returned NoneType, "
+                       r"not an awaitable: it must be an async function"):
+        await router.handle(AgentTurn("p", "t", "hello"))
+    assert said == [CLARIFICATION_TEXT]
+    await router.stop()
+
+
+class _PlainDefAgent(ScriptedAgent):
+    """`def answer` / `def admit` where the contract says `async def`."""
+
+    def __init__(self, sync: str) -> None:
+        super().__init__("conversation")
+        self.sync = sync
+
+    def admit(self, turn: AgentTurn, *, focused: bool) -> Any:
+        if self.sync == "admit":
+            return Admission("accept")
+        return super().admit(turn, focused=focused)
+
+    def answer(self, turn: AgentTurn, *, started: Any) -> Any:
+        if self.sync == "answer":
+            return DestinationResult("answer", "hi")
+        return super().answer(turn, started=started)
+
+
+@pytest.mark.parametrize("sync", ["admit", "answer"])
+@pytest.mark.parametrize("setting", ["plain", "acknowledgments", "admission_timeout"])
+async def test_a_plain_def_destination_method_is_named(sync: str, setting: str) -> None:
+    """A destination's `def answer` (or `def admit`) returns its result unawaitable: the
+    turn fails with a DestinationContractError naming the route, the method and the fix,
+    not Python's "object DestinationResult can't be used in 'await' expression"; on
+    each path that awaits it (with the acknowledgment sidecar, under a timeout)."""
+    settings: dict[str, dict[str, Any]] = {
+        "plain": {},
+        "acknowledgments": {"acknowledgment_llm": TemplateAcknowledger(),
+                            "acknowledgment_delay_secs": 5.0},
+        "admission_timeout": {"admission_timeout_secs": 5.0},
+    }
+    kwargs = settings[setting]
+    output = OutputRecorder()
+    router = AgentRouter({"conversation": _PlainDefAgent(sync)},
+                         ScriptedDecisions("conversation"), output=output,
+                         telemetry=RecordingObserver(), **kwargs)
+    with pytest.raises(DestinationContractError,
+                       match=rf"destination 'conversation' {sync}\(\) returned "
+                             rf"{'Admission' if sync == 'admit' else 'DestinationResult'}, "
+                             rf"not an awaitable: it must be an async method "
+                             rf"\(async def {sync}\(...\)\)"):
+        await router.handle(AgentTurn("p", "t", "hello"))
+    assert output.texts == [FAILURE_TEXT]
+    await router.stop()
+
+
+async def test_a_type_error_inside_an_async_answer_stays_itself() -> None:
+    """Only an unawaitable result is renamed: a TypeError raised by the destination's own
+    async code propagates unchanged."""
+    agent = ScriptedAgent("conversation", results=TypeError("bad operand"))
+    router = AgentRouter({"conversation": agent}, ScriptedDecisions("conversation"),
+                         output=OutputRecorder(), telemetry=RecordingObserver())
+    with pytest.raises(TypeError, match="bad operand") as info:
+        await router.handle(AgentTurn("p", "t", "hello"))
+    assert not isinstance(info.value, DestinationContractError)
+    await router.stop()
 
 
 async def test_handle_requires_output_and_an_agent_turn() -> None:

@@ -529,6 +529,10 @@ def test_any_flags_end_in_a_status_never_a_traceback(flags: list[str],
 # ---------------------------------------------------------------- Prometheus source
 
 
+#: A selector the fake Prometheus below answers with no series (a typo in --selector).
+NOTHING = 'job="voise"'
+
+
 @pytest.fixture
 def prometheus() -> Iterator[tuple[str, list[str], list[Any]]]:
     """A local server answering /api/v1/query (POST) with a bucket vector it is given."""
@@ -556,7 +560,9 @@ def prometheus() -> Iterator[tuple[str, list[str], list[Any]]]:
                 self.end_headers()
                 return
             reply = answer[0]
-            if "turnrouter_first_response_interrupted_seconds_bucket" in query:
+            if NOTHING in query:  # a selector matching no series
+                reply = {"status": "success", "data": {"resultType": "vector", "result": []}}
+            elif "turnrouter_first_response_interrupted_seconds_bucket" in query:
                 reply = {"status": "success", "data": {"resultType": "vector",
                                                         "result": interrupted}}
             if query.startswith("max(turnrouter_acknowledgment_route_delay_seconds"):
@@ -622,6 +628,21 @@ def test_prometheus_errors_exit_2(prometheus: tuple[str, list[str], list[Any]]) 
     answer[0] = b"\xff not json"
     code, _, err = run(["--prometheus", url])
     assert code == 2 and "not JSON" in err
+
+
+def test_no_samples_says_where_it_looked(
+    prometheus: tuple[str, list[str], list[Any]], samples: Path
+) -> None:
+    """A --selector, --window or --route that matches nothing exits 2 with one line
+    naming the query (or file) and the routes asked for, so the typo shows."""
+    url, _, _ = prometheus
+    code, _, err = run(["--prometheus", url, "--selector", NOTHING, "--window", "2h"])
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"turnrouter tune: error: no first-response samples found in {url} (")
+    assert f"turnrouter_first_response_seconds_bucket{{{NOTHING}}}[2h]" in err
+    code, _, err = run(["--samples", str(samples), "--route", "c", "--route", "a b"])
+    assert code == 2 and err == (f"turnrouter tune: error: no first-response samples of "
+                                 f"--route a b, c found in {samples}\n")
 
 
 def test_an_answer_of_millions_of_tiny_values_is_refused_before_decoding(

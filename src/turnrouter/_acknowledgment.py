@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 import anyio
 
 from ._clock import Clock
-from ._contracts import AgentTurn, RoutingAid
+from ._contracts import AgentTurn, RoutingAid, say_through
 from ._exceptions import ConfigurationError
 from ._limits import is_logged
 from ._llm import LLMService
@@ -515,7 +515,7 @@ class AcknowledgmentSidecar:
         self._delivered = anyio.Event()
         committed_at = clock.now()
         try:
-            await self._emit(self.turn, self.route, text)
+            await say_through(self._emit, self.turn, self.route, text)
         except Exception as exc:
             self._fail(exc)
             if self._started_at is not None:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from ._acknowledgment import AcknowledgmentPolicy, TimingEngine
 from ._clock import Clock, SystemClock
 from ._contracts import CLARIFY, AgentTurn, DecisionService, RoutableAgent
+from ._destination import Destination
 from ._exceptions import ConfigurationError, ContractTypeError
 from ._limits import Overflows
 from ._llm import LLMService
@@ -80,6 +81,17 @@ def check_callable(name: str, value: object, *, optional: bool = True) -> None:
         raise ContractTypeError(f"AgentRouter {name} must be callable, got {type(value).__name__}")
 
 
+def check_instance(name: str, value: object) -> None:
+    """Refuse a class passed where an instance belongs (`LexicalDecisions` for
+    `LexicalDecisions()`): the class has every method the other checks look for, so it
+    would pass them and fail only at the first turn, as a logged decision or
+    acknowledgment failure that names neither the argument nor the missing call."""
+    if isinstance(value, type):
+        raise ContractTypeError(
+            f"AgentRouter {name} is the class {value.__qualname__}, not an instance: "
+            f"call it ({value.__qualname__}(...))")
+
+
 def _check_positive(name: str, value: object, *, integer: bool = False) -> None:
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
     if not isinstance(value, int | float) or not isinstance(value, kinds) or isinstance(
@@ -131,6 +143,13 @@ def _agents(destinations: object) -> dict[str, RoutableAgent]:
             raise ConfigurationError(
                 f"AgentRouter destination names must be non-empty str, got {name!r}"
             )
+        check_instance(f"destination {name!r}", agent)
+        if isinstance(agent, Destination) and not hasattr(agent, "_aid"):
+            # Else the first turn fails with "'X' object has no attribute '_aid'".
+            raise ContractTypeError(
+                f"AgentRouter destination {name!r} ({type(agent).__qualname__}) was never "
+                "initialised as a Destination: its __init__ must call "
+                "super().__init__(description)")
         for method in ("routing_aid", "admit", "answer", "release"):
             if not callable(getattr(agent, method, None)):
                 raise ContractTypeError(
@@ -181,11 +200,24 @@ class RouterConfig:
         acknowledgment_route_delays: Mapping[str, float] | None = None,
     ) -> None:
         agents = _agents(destinations)
+        for name, value in (("decisions", decisions), ("acknowledgment_llm", acknowledgment_llm),
+                            ("telemetry", telemetry), ("overload", overload),
+                            ("acknowledgment_policy", acknowledgment_policy),
+                            ("timing_predictor", timing_predictor),
+                            ("timing_sink", timing_sink), ("clock", clock)):
+            check_instance(name, value)
         if not callable(getattr(decisions, "decide", None)):
             raise ContractTypeError(
                 f"AgentRouter decisions must have an async decide(request) method, "
                 f"got {type(decisions).__name__}"
             )
+        fallback_route = getattr(decisions, "fallback_route", None)
+        if isinstance(fallback_route, str) and fallback_route not in agents:
+            # A typo here is otherwise silent: the queries no route fits are clarified.
+            raise ConfigurationError(
+                f"AgentRouter decisions' fallback_route {fallback_route[:100]!r} is not a "
+                f"registered destination (registered: {sorted(agents)[:20]}): the queries "
+                "no route fits would be clarified instead of reaching it")
         if not isinstance(default_destination, str):
             raise ContractTypeError("AgentRouter default_destination must be a str")
         if default_destination not in agents and default_destination is not CONVERSATION:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from inspect import isawaitable
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, TypeVar, get_args, runtime_checkable
 
@@ -456,3 +457,20 @@ def checked_shape(decision: RouteDecision) -> bool:
             and (confidence is None or (type(confidence) is float and 0.0 <= confidence <= 1.0))
             and type(decision.scores) is MappingProxyType and type(rationale) is str
             and (not rationale or rationale.isascii()))
+
+
+async def say_through(callback: Callable[[AgentTurn, str, str], Awaitable[None]],
+                      turn: AgentTurn, route: str, text: str) -> None:
+    """Call an output callback and await what it returns.
+
+    A plain `def output(turn, route, text)` (a natural first try) runs, returns None,
+    and `await None` would fail with "object NoneType can't be used in 'await'
+    expression", which names neither the callback nor the fix: this says both.
+    """
+    result = callback(turn, route, text)
+    if not isawaitable(result):
+        name = getattr(callback, "__qualname__", type(callback).__qualname__)
+        raise ContractTypeError(
+            f"output callback {name} returned {type(result).__name__}, not an awaitable: "
+            "it must be an async function (async def output(turn, route, text))")
+    await result

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._clock import Clock
-from ._contracts import CLARIFY, AgentTurn
+from ._contracts import CLARIFY, AgentTurn, say_through
 from ._exceptions import ConfigurationError, ContractTypeError, RouterBusyError
 from ._logging import log_failure
 from ._observer import LoadSampled, RouterObserver, TurnShed
@@ -202,7 +202,7 @@ class LoadMonitor:
         refusal itself."""
         assert self.policy is not None
         try:
-            await emit(turn, CLARIFY, self.policy.busy_text)
+            await say_through(emit, turn, CLARIFY, self.policy.busy_text)
         except Exception as exc:
             log_failure("telling %r that turn %s was shed", exc, turn.participant_id,
                         turn.turn_id)

@@ -18,7 +18,7 @@ from ._config import (
     RouterConfig,
     check_callable,
 )
-from ._contracts import MAX_TIMESTAMP_US, AgentExchange, AgentTurn, _exchange
+from ._contracts import MAX_TIMESTAMP_US, AgentExchange, AgentTurn, _exchange, say_through
 from ._exceptions import ContractTypeError, ContractValueError, LifecycleError
 from ._history import History, view_items
 from ._logging import log_failure
@@ -285,7 +285,7 @@ class PatchDesk:
         text = f"{what.rstrip('.')}. Should I add this to our conversation?"
         turn = AgentTurn(held.participant_id, f"patch:{held.patch_id}", "")
         try:
-            await output(turn, PATCH_ROUTE, text)
+            await say_through(output, turn, PATCH_ROUTE, text)
         except Exception as exc:
             log_failure("asking about context patch %s", exc, held.patch_id)
 

@@ -15,6 +15,7 @@ import logging
 import math
 from asyncio import current_task
 from collections.abc import Awaitable, Callable, Mapping
+from inspect import isawaitable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -33,6 +34,7 @@ from ._contracts import (
     _request,
     _turn_with_history,
     checked_shape,
+    say_through,
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
 from ._lifecycle import DROPPED, TurnRun
@@ -194,7 +196,7 @@ class Turn(TurnRun):
             "waiting_turns", f"turn {turn.turn_id!r} of {turn.participant_id!r} dropped: "
             f"more than max_waiting_turns ({self.cfg.max_waiting_turns}) waiting")
         try:
-            await self.end(turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
+            await say_through(self.end, turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
         except Exception as exc:
             log_failure("telling %r that turn %s was dropped", exc, turn.participant_id,
                         turn.turn_id)
@@ -207,7 +209,7 @@ class Turn(TurnRun):
 
     async def _emit_failure(self) -> None:
         try:
-            await self.end(self.turn, self.route or "none", self.cfg.failure_text)
+            await say_through(self.end, self.turn, self.route or "none", self.cfg.failure_text)
         except Exception as exc:
             log_failure("delivering the failure message of turn %s", exc, self.turn.turn_id)
 
@@ -342,7 +344,12 @@ class Turn(TurnRun):
             observing) else None
         try:
             if cfg.admission_timeout is None:
-                admission = await cfg.agents[route].admit(self.turn, focused=focused)
+                pending = cfg.agents[route].admit(self.turn, focused=focused)
+                try:
+                    admission = await pending
+                except TypeError:
+                    _refuse_not_awaitable(route, "admit", pending)
+                    raise
             else:
                 admission = await self._admit_within(route, focused, token)
             if not isinstance(admission, Admission):
@@ -378,7 +385,12 @@ class Turn(TurnRun):
         as timed out and counted as a decline (`_TIMED_OUT`)."""
         timeout = self.cfg.admission_timeout
         with anyio.move_on_after(timeout) as scope:
-            admission = await self.cfg.agents[route].admit(self.turn, focused=focused)
+            pending = self.cfg.agents[route].admit(self.turn, focused=focused)
+            try:
+                admission = await pending
+            except TypeError:
+                _refuse_not_awaitable(route, "admit", pending)
+                raise
         if scope.cancelled_caught:
             self.obs.admission_finished(token, AdmissionFinished(
                 route, focused, "decline", None, True))
@@ -449,7 +461,7 @@ class Turn(TurnRun):
         if not text:
             return
         try:
-            await (self.end if ending else self.emit)(self.turn, route, text)
+            await say_through(self.end if ending else self.emit, self.turn, route, text)
         except Exception:
             self.output_failed = True
             raise
@@ -525,7 +537,12 @@ class Answer:
         self._t0 = clock()
         try:
             if sidecar is None:  # the common case, without a coroutine layer more
-                result = await cfg.agents[route].answer(owner.turn, started=self)
+                pending = cfg.agents[route].answer(owner.turn, started=self)
+                try:
+                    result = await pending
+                except TypeError:
+                    _refuse_not_awaitable(route, "answer", pending)
+                    raise
             else:
                 result = await self._call_beside_sidecar(sidecar)
             if not isinstance(result, DestinationResult) or result.disposition == "clarify":
@@ -569,7 +586,12 @@ class Answer:
         async with anyio.create_task_group() as tg:
             tg.start_soon(sidecar.run)
             try:
-                result = await agent.answer(owner.turn, started=self)
+                pending = agent.answer(owner.turn, started=self)
+                try:
+                    result = await pending
+                except TypeError:
+                    _refuse_not_awaitable(self.route, "answer", pending)
+                    raise
             except Exception as exc:  # re-raised below, unwrapped by the task group
                 error = exc
             sidecar.answer_finished()
@@ -767,3 +789,14 @@ def _named(aid: RoutingAid, name: str) -> RoutingAid:
             "not a RoutingAid"
         )
     return RoutingAid(name, aid.description, aid.priority, aid.eligible, aid.eligibility)
+
+
+def _refuse_not_awaitable(route: str, method: str, returned: object) -> None:
+    """After a TypeError awaiting a destination's `method()`: when what it returned is
+    not awaitable (a plain `def answer`), raise an error that says so instead of
+    Python's "object DestinationResult can't be used in 'await' expression". Checked
+    only on that error, so a correct destination's turn pays nothing for it."""
+    if not isawaitable(returned):
+        raise DestinationContractError(
+            f"destination {route!r} {method}() returned {type(returned).__name__}, not an "
+            f"awaitable: it must be an async method (async def {method}(...))") from None

@@ -127,6 +127,7 @@ async def test_unknown_route_uses_fallback_when_it_is_a_candidate() -> None:
     """The fallback route replaces clarify when the request offers it."""
     service = ClassifierDecisions(ScriptedLLM("gibberish"), fallback_route="support")
     assert (await service.decide(request())).choice == "support"
+    assert service.fallback_route == "support"  # what AgentRouter checks is registered
 
 
 @pytest.mark.anyio

@@ -16,10 +16,11 @@ from turnrouter import (
     AgentRouter,
     AgentTurn,
     ConfigurationError,
+    DecisionService,
     RouteRequest,
     RoutingAid,
 )
-from turnrouter.decisions import LexicalDecisions
+from turnrouter.decisions import DictRoutingPolicy, LexicalDecisions, PolicyDecisions
 from turnrouter.testing import OutputRecorder, RecordingObserver, ScriptedAgent
 
 EXAMPLES = {
@@ -111,6 +112,23 @@ async def test_an_ineligible_fallback_route_clarifies() -> None:
         assert await app.say("will it rain this weekend") == ("weather", None)
     finally:
         await app.router.stop()
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["lexical", "policy"])
+def test_a_fallback_route_the_router_does_not_register_is_refused(wrap: bool) -> None:
+    """A typo in `fallback_route` would be silent (every greeting clarified): the router
+    refuses it at construction, naming it and the registered routes, also through a
+    `PolicyDecisions` wrapping the service."""
+    decisions: DecisionService = LexicalDecisions(EXAMPLES, fallback_route="smal_talk")
+    if wrap:
+        decisions = PolicyDecisions(DictRoutingPolicy({}), decisions)
+        assert decisions.fallback_route == "smal_talk"
+    agents = {name: ScriptedAgent(name) for name in EXAMPLES}
+    with pytest.raises(ConfigurationError, match=r"fallback_route 'smal_talk' is not a "
+                       r"registered destination \(registered: \['billing', 'small_talk'"):
+        AgentRouter(agents, decisions, output=OutputRecorder(), default_destination="small_talk")
+    AgentRouter(agents, LexicalDecisions(EXAMPLES, fallback_route="small_talk"),
+                output=OutputRecorder(), default_destination="small_talk")
 
 
 def test_the_fallback_decision_keeps_every_score_and_says_why() -> None:

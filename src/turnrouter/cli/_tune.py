@@ -1012,7 +1012,12 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         err.write(f"turnrouter tune: error: {prefix}{' '.join(printable(message).split())}\n")
         return 2
     if not distributions:
-        err.write("turnrouter tune: error: no first-response samples found\n")
+        # Say where it looked: an empty answer is usually a --selector, --window or
+        # --route that matches nothing, and the operator needs to see which.
+        named = (f" of --route {', '.join(printable(route) for route in sorted(routes))}"
+                 if routes else "")
+        err.write(f"turnrouter tune: error: no first-response samples{named} found in "
+                  f"{source}\n")
         return 2
     rows = analyse(distributions, delays, args.generation_secs, splits=splits,
                    confidence=args.confidence)

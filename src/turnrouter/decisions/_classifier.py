@@ -177,6 +177,11 @@ class ClassifierDecisions:
         self._template = template
         self._max_tokens = max_tokens
 
+    @property
+    def fallback_route(self) -> str | None:
+        """The route chosen for an unknown route or a low confidence (None: clarify)."""
+        return self._fallback
+
     def prompt(self, request: RouteRequest) -> str:
         """The classifier prompt for `request`: candidates' names and descriptions, query."""
         lines = [

@@ -319,6 +319,13 @@ class PolicyDecisions:
         self._policy = policy
         self._fallback = fallback
 
+    @property
+    def fallback_route(self) -> str | None:
+        """The `fallback_route` of the fallback service, when it has one (else None);
+        `AgentRouter` checks that it names a registered destination."""
+        route = getattr(self._fallback, "fallback_route", None)
+        return route if isinstance(route, str) else None
+
     async def decide(self, request: RouteRequest) -> RouteDecision:
         """The policy's choice when it applies to this request, else the fallback's."""
         selected = self._policy.select(request)
