@@ -17,6 +17,7 @@ from turnrouter import (
     DestinationResult,
     RoutableAgent,
     RouteRequest,
+    RoutingAid,
 )
 from turnrouter.testing import OutputRecorder, ScriptedDecisions
 
@@ -161,3 +162,26 @@ def test_a_subclass_that_skips_the_base_init_is_named_at_construction() -> None:
                        r"super\(\)\.__init__\(description\)"):
         AgentRouter({"music": Music("jazz")}, ScriptedDecisions("music"),
                     output=OutputRecorder())
+
+
+async def test_a_subclass_with_its_own_routing_aid_needs_no_base_init() -> None:
+    """A subclass that describes itself (its own `routing_aid`) uses nothing the base
+    `__init__` sets, so skipping it is not refused: the router builds and routes."""
+
+    class Lights(Destination):
+        def __init__(self) -> None:
+            self.rooms = ("kitchen",)
+
+        def routing_aid(self, participant_id: str) -> RoutingAid:
+            return RoutingAid("lights", "turn the lights on or off")
+
+        async def answer(self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+                         ) -> DestinationResult:
+            await started()
+            return DestinationResult(text=f"{self.rooms[0]} lights on")
+
+    router = AgentRouter({"lights": Lights()}, ScriptedDecisions("lights"),
+                         output=OutputRecorder())
+    result = await router.handle(AgentTurn("alice", "t1", "lights on"))
+    assert result.text == "kitchen lights on"
+    await router.stop()

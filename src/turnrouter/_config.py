@@ -144,8 +144,10 @@ def _agents(destinations: object) -> dict[str, RoutableAgent]:
                 f"AgentRouter destination names must be non-empty str, got {name!r}"
             )
         check_instance(f"destination {name!r}", agent)
-        if isinstance(agent, Destination) and not hasattr(agent, "_aid"):
-            # Else the first turn fails with "'X' object has no attribute '_aid'".
+        if (isinstance(agent, Destination) and not hasattr(agent, "_aid")
+                and type(agent).routing_aid is Destination.routing_aid):
+            # Else the first turn fails with "'X' object has no attribute '_aid'" (a
+            # subclass with its own routing_aid needs no description from the base).
             raise ContractTypeError(
                 f"AgentRouter destination {name!r} ({type(agent).__qualname__}) was never "
                 "initialised as a Destination: its __init__ must call "
