@@ -76,6 +76,18 @@ async def test_clarify_heavy_makes_the_default_ineligible() -> None:
     assert agents["conversation"].routing_aid("p1").eligible is False
 
 
+async def test_guests_cannot_reach_the_settings_agent() -> None:
+    """A tenth of the seats are guests (seats ending in 7, whatever their session): the
+    settings agent (`meta`) is ineligible for them, so the demo's "Ineligible routes"
+    panel has data. Before, the id's last digit (the session count) decided."""
+    agents = build_agents(load_sample(), rng=random.Random(1), publish=_published,
+                          speed=100.0, clarify_heavy=False)
+    meta = agents["meta"]
+    assert [meta.routing_aid(pid).eligible for pid in (
+        "user-00007-0", "user-00017-12", "user-00018-7", "user-00020-0")] == [
+        False, False, True, True]
+
+
 async def test_short_demo_run_loses_no_turn(caplog: pytest.LogCaptureFixture) -> None:
     """A short, fast demo run routes turns to many destinations and loses none; its own
     injected faults (malformed queries, simulated outages) stay out of the log."""

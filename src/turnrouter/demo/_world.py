@@ -249,8 +249,12 @@ class SimulatedAgent:
 
 
 def _not_a_guest(participant_id: str) -> bool:
-    """Guests (ids ending in 7) cannot change assistant settings."""
-    return not participant_id.endswith("7")
+    """Guests (seats ending in 7: `user-00007-<n>`, `user-00017-<n>`, ...) cannot change
+    assistant settings. The seat, not the whole id: its last part counts the sessions
+    of one seat, so a test of the id's last digit hit almost no one."""
+    parts = participant_id.split("-")
+    seat = parts[1] if len(parts) == 3 else participant_id
+    return not seat.endswith("7")
 
 
 def _down_for_maintenance(participant_id: str) -> bool:
