@@ -12,7 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrouter import CLARIFY, AgentTurn, ConfigurationError, RouteRequest, RoutingAid
+from turnrouter import (
+    CLARIFY,
+    AgentTurn,
+    ConfigurationError,
+    ContractTypeError,
+    RouteRequest,
+    RoutingAid,
+)
 from turnrouter.decisions import LexicalCalibration, LexicalDecisions, description_phrases
 
 EXAMPLES = {
@@ -65,6 +72,16 @@ async def test_unrelated_query_clarifies_without_usable_scores() -> None:
     kept = service.score(request("xylophone zebra quantum"), keep_scores=True)
     assert set(kept.scores) == {"weather", "music", "banking"}
     assert kept.confidence == decision.confidence == max(kept.scores.values())
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("wrong", [AgentTurn("p1", "t1", "will it rain"), "will it rain",
+                                   None])
+async def test_decide_names_what_it_takes_when_given_something_else(wrong: object) -> None:
+    """Called by hand with a turn (a natural first try) instead of the RouteRequest the
+    router builds: the error names both, not a bare AttributeError on `candidates`."""
+    with pytest.raises(ContractTypeError, match=r"takes a RouteRequest .* got "):
+        await LexicalDecisions(EXAMPLES).decide(wrong)  # type: ignore[arg-type]
 
 
 @pytest.mark.anyio

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from .._contracts import CLARIFY, RouteDecision, RouteRequest, RoutingAid, _unchecked
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, ContractTypeError
 from ._calibration import LexicalCalibration
 from ._descriptions import DescriptionModel, WordCache, build_descriptions
 from ._examples import ExampleModel, build_examples
@@ -481,7 +481,13 @@ class LexicalDecisions:
         analysis: a router given such a decision would ask the best-scored candidate
         even under the floor).
         """
-        candidates = request.candidates
+        try:
+            candidates = request.candidates
+        except AttributeError:  # an AgentTurn, say: the router builds the request
+            raise ContractTypeError(
+                f"LexicalDecisions.decide() takes a RouteRequest (the turn with its "
+                f"candidates, as AgentRouter builds it), got {type(request).__name__}"
+            ) from None
         if not candidates:
             return RouteDecision(CLARIFY, confidence=0.0, rationale="lexical: no candidates")
         plan, linear, nearest, descriptions, leads, coverage = self._raw(request, False)
