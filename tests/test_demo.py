@@ -7,8 +7,14 @@ import gc
 import io
 import logging
 import math
+import os
+import queue
 import random
+import re
+import signal
 import statistics
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -366,3 +372,53 @@ def test_the_tracing_line_masks_the_endpoints_password(monkeypatch: pytest.Monke
         assert "secret" not in out.getvalue()
     finally:
         provider.shutdown()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_served_demo_stopped_by_a_signal_prints_its_report(sig: signal.Signals) -> None:
+    """`turnrouter demo --serve` runs until Ctrl-C (or SIGTERM, as a container stops),
+    then drains and prints its report with its lost-turn check, exit 0, as a timed run
+    does: before, Ctrl-C ended it with status 130 and no report."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "turnrouter", "demo", "--serve", "--metrics-port", "0",
+         "--participants", "20", "--speed", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    output: list[str] = []
+
+    def read() -> None:  # a blocking read, off the test's thread: every wait bounded
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put("")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        # Progress lines come every 5 s off a terminal; the first one with turns says
+        # the run is under way.
+        while not output or not re.search(r"turns\s+[1-9]", output[-1]):
+            output.append(lines.get(timeout=60))
+            assert output[-1], f"the demo ended early: {output}"
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
+        while not lines.empty():
+            output.append(lines.get_nowait())
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        reader.join(timeout=10)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    out = "".join(output)
+    assert proc.returncode == 0, err
+    assert "lost 0" in out and "Traceback" not in err

@@ -108,8 +108,9 @@ def demo_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=_duration, default=30.0,
                         help="seconds to run (default 30)")
     parser.add_argument("--serve", action="store_true",
-                        help="keep running until interrupted (for dashboards and alert "
-                             "rehearsals: add --metrics-port, or nothing is scraped)")
+                        help="keep running until Ctrl-C or SIGTERM, then report (for "
+                             "dashboards and alert rehearsals: add --metrics-port, or "
+                             "nothing is scraped)")
     parser.add_argument("--participants", type=_participants, default=40,
                         help=f"concurrent participants, 1-{MAX_PARTICIPANTS} (default 40)")
     parser.add_argument("--seed", type=_seed, default=7, help="random seed (default 7)")

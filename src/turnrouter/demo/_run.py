@@ -17,7 +17,9 @@ import itertools
 import logging
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -489,8 +491,9 @@ async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
                 if config.progress:
                     tg.start_soon(_progress, registry, crowd, start, out)
                 if config.serve:
-                    await anyio.sleep_forever()
-                await anyio.sleep(config.duration)
+                    await _until_stopped()
+                else:
+                    await anyio.sleep(config.duration)
                 tg.cancel_scope.cancel()
             # Leaving the runtime drains the turns and departures still under way.
     finally:
@@ -500,6 +503,18 @@ async def _run(config: DemoConfig, rng: random.Random, sample: Sample,
             await router.stop()
     elapsed = time.monotonic() - start
     return DemoReport.read(registry, elapsed, crowd.published)
+
+
+async def _until_stopped() -> None:
+    """Until Ctrl-C or SIGTERM (`--serve`): the run then ends as a timed one does, its
+    turns drained and its report printed (a second Ctrl-C, once the handlers are gone,
+    interrupts the drain). Off the main thread, where no handler can be installed,
+    until cancelled."""
+    if threading.current_thread() is not threading.main_thread():
+        await anyio.sleep_forever()
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            return
 
 
 async def _progress(registry: CollectorRegistry, crowd: _Crowd, start: float,
