@@ -283,6 +283,18 @@ class Ledger:
             if not entry[1]:
                 del self._claiming[pid]
 
+    async def settle_unsure(self, pid: str, n: int, owned: Callable[[int], bool]) -> None:
+        """Claim again a participant dropped after a write got no reply or a lost pin
+        (`unsure`), if its partition `n` is `owned` here; on a partition lost meanwhile,
+        end what this replica's last record left unfinished (`let_go`)."""
+        try:
+            if owned(n) and await self.reclaim(pid, n):
+                return
+            if not owned(n) and await self.let_go(pid, n):  # lost meanwhile too
+                self.unsure.pop(pid, None)
+        except Exception:
+            logger.exception("turnrouter: claiming a participant again failed")
+
     async def reclaim(self, pid: str, n: int) -> bool:
         """Claim `pid` again after a write whose outcome is unknown (`unsure`), so what
         its record left unfinished (a turn marked in flight, an answer in the outbox)

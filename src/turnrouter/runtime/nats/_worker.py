@@ -177,19 +177,8 @@ class NatsWorker:
         self._nc = nc = await connection.connect(self.replica)
         try:
             bucket = await connection.settle("set-up", lambda: ensure_deployment(nc, config))
-            try:
-                built = self._factory(WorkerContext(self, self._registry))
-                router = await built if inspect.isawaitable(built) else built
-            except (SystemExit, KeyboardInterrupt) as exc:
-                # `sys.exit("missing setting")` in a factory (or its argparse): an error
-                # of the start-up, not a stop of the event loop with a traceback.
-                raise LifecycleError(f"the router factory raised {type(exc).__name__}"
-                                     f"({preview(exc.args[0]) if exc.args else ''})") from None
-            if not isinstance(router, AgentRouter):
-                raise ContractValueError(
-                    f"the router factory must return an AgentRouter, got "
-                    f"{type(router).__name__}")
-            self._router = router
+            self._router = router = await _build(self._factory,
+                                                 WorkerContext(self, self._registry))
             # The router's own failure text is what a takeover says for a lost turn.
             config = self.config = dataclasses.replace(config,
                                                        failure_text=router.failure_text)
@@ -488,19 +477,7 @@ class NatsWorker:
             inbox.reconnected()
 
     def _reclaim_soon(self, pid: str, n: int) -> None:
-        self._spawn(self._reclaim(pid, n), "reclaim")
-
-    async def _reclaim(self, pid: str, n: int) -> None:
-        """Claim again a participant dropped after a write got no reply or a lost pin;
-        on a partition lost meanwhile, end what our last record left unfinished."""
-        ledger = self.ledger
-        try:
-            if n in self._pins and await ledger.reclaim(pid, n):
-                return
-            if n not in self._pins and await ledger.let_go(pid, n):  # lost meanwhile too
-                ledger.unsure.pop(pid, None)
-        except Exception:
-            logger.exception("turnrouter: claiming a participant again failed")
+        self._spawn(self.ledger.settle_unsure(pid, n, self._pins.__contains__), "reclaim")
 
     async def _answer(self, turn: AgentTurn, route: str, text: str) -> None:
         await self.inputs.answer(turn, route, text)
@@ -515,6 +492,22 @@ class NatsWorker:
     def _send_sample(self, sample: TimingSample) -> None:
         if self._fleet is not None:
             self._fleet.send_sample(sample)
+
+
+async def _build(factory: RouterFactory, ctx: WorkerContext) -> AgentRouter:
+    """The router `factory` makes (sync or async), or an error of the start-up."""
+    try:
+        built = factory(ctx)
+        router = await built if inspect.isawaitable(built) else built
+    except (SystemExit, KeyboardInterrupt) as exc:
+        # `sys.exit("missing setting")` in a factory (or its argparse): an error of the
+        # start-up, not a stop of the event loop with a traceback.
+        raise LifecycleError(f"the router factory raised {type(exc).__name__}"
+                             f"({preview(exc.args[0]) if exc.args else ''})") from None
+    if not isinstance(router, AgentRouter):
+        raise ContractValueError(
+            f"the router factory must return an AgentRouter, got {type(router).__name__}")
+    return router
 
 
 async def _to_the_end(work: Awaitable[None]) -> None:
