@@ -4,12 +4,16 @@ task behind."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from turnrouter import AgentRouter, AgentTurn, Destination, DestinationResult
+from turnrouter.decisions import LexicalDecisions
 from turnrouter.runtime import UserQuery
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, WorkerContext
 
 from .app import make_router
 from .conftest import NatsServer, metric_value
@@ -18,10 +22,10 @@ from .crowd import Heard
 pytestmark = pytest.mark.anyio
 
 
-async def answered(front: NatsFrontEnd, pid: str) -> str:
+async def answered(front: NatsFrontEnd, pid: str, text: str = "hi") -> str:
     """One query's terminal text, read from the output stream (bounded)."""
     heard = Heard()
-    query = UserQuery(participant_id=pid, text="hi")
+    query = UserQuery(participant_id=pid, text=text)
     outputs = front.outputs(deliver_new=False)
     await front.publish(query)
     try:
@@ -117,3 +121,45 @@ def metric_value_of(registry: CollectorRegistry, name: str) -> float:
     from prometheus_client import generate_latest
 
     return metric_value(generate_latest(registry).decode(), name)
+
+
+class _Long(Destination):
+    """Answers "long" with a text over the output bound, anything else with "short"."""
+
+    async def answer(self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+                     ) -> DestinationResult:
+        await started()
+        return DestinationResult(text="x" * 70_000 if turn.query == "long" else "short")
+
+
+def _long_router(ctx: WorkerContext) -> AgentRouter:
+    return AgentRouter({"echo": _Long("anything")}, LexicalDecisions(fallback_route="echo"),
+                       default_destination="echo")
+
+
+async def test_an_answer_over_the_message_bound_ends_with_the_failure_text_named(
+        nats_server: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """An answer whose output exceeds `max_message_bytes` cannot go out: the turn ends
+    with the failure text at once and the log names the bound. Before, it was held in
+    the participant's record, whose write the server refused (over its 1 MiB payload
+    bound for a longer one): a misleading "state write failed", the participant reset."""
+    config = NatsConfig(url=nats_server.url)
+    worker = NatsWorker(_long_router, config, registry=CollectorRegistry())
+    run = asyncio.create_task(worker.run())
+    front = None
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        front = await NatsFrontEnd.connect(config)
+        with caplog.at_level(logging.WARNING, logger="turnrouter"):
+            assert await answered(front, "zoe", "long") == worker.router.failure_text
+            assert await answered(front, "zoe", "next") == "short"
+        messages = [record.getMessage() for record in caplog.records]
+        assert any("over max_message_bytes 65536" in m for m in messages), messages
+        assert not any("state write failed" in m for m in messages), messages
+    finally:
+        if front is not None:
+            await front.close()
+        worker.request_stop()
+        async with asyncio.timeout(20):
+            await run

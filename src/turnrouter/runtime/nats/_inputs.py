@@ -31,6 +31,7 @@ from ..._contracts import AgentTurn
 from ..._exceptions import ContractValueError, LifecycleError, TurnInterrupted
 from ..._limits import is_logged
 from ..._logging import log_failure
+from ..._redact import preview
 from ..._router import AgentRouter
 from .._messages import UserQuery
 from ._ledger import Ledger, Participant
@@ -476,8 +477,15 @@ class Inputs:
                 carrier: dict[str, str]) -> _Output:
         """An output's subject, body (a `ResponseOutput`'s JSON, checked as the model
         checks it: `response_json`) and headers (`ContractValueError` for text that is
-        not valid output, e.g. holding a lone surrogate)."""
+        not valid output, e.g. holding a lone surrogate, or a body over
+        `max_message_bytes`)."""
         body = response_json(pid, turn_id, route, text, final=final, carrier=carrier)
+        if len(body) > self._config.max_message_bytes:
+            # It would also make the record holding it (the outbox) unwritable on a
+            # server's default 1 MiB payload bound: refused here, named.
+            raise ContractValueError(
+                f"output of turn {preview(turn_id)} is {len(body)} bytes, over "
+                f"max_message_bytes {self._config.max_message_bytes}")
         headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
                    **carrier}
         return f"{self._out_prefix}{encode_token(pid)}", body, headers

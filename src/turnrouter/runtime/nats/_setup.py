@@ -78,6 +78,7 @@ def _output_stream(config: NatsConfig) -> dict[str, Any]:
         "storage": "file",
         "max_bytes": config.output_max_bytes,
         "max_age": int(config.output_max_age * _NS),
+        "max_msg_size": config.max_message_bytes + 4096,  # the body bound, plus headers
         "discard": "old",
         "duplicate_window": int(config.dedup_window * _NS),
     }
