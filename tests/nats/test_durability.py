@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import APIError, KeyNotFoundError
 
 from turnrouter import ConfigurationError, ParticipantSnapshot
 from turnrouter.cli import worker_parser
@@ -221,8 +221,11 @@ def test_junk_on_the_output_subject_is_skipped_and_counted(wire: Wire, data: byt
                                                            token_of: str) -> None:
     """Anything on `<prefix>.out.<token>` (bytes, JSON of any shape, an output for
     another participant than its subject's, a bad token) is either a valid output of
-    that participant or skipped and counted: `outputs()` goes on to the next one."""
+    that participant or skipped and counted: `outputs()` goes on to the next one. A
+    message over the output stream's message bound (`max_message_bytes` + 4 KiB) is
+    refused by the server itself, and never reaches a reader."""
     subject = f"tr.out.{encode_token('zed') if token_of == 'zed' else 'x'}"
+    too_big = len(data) > wire.config.max_message_bytes + 4096
 
     async def main() -> None:
         front = wire.front
@@ -233,7 +236,11 @@ def test_junk_on_the_output_subject_is_skipped_and_counted(wire: Wire, data: byt
             async with asyncio.timeout(15):
                 await subscribed.wait()
                 skipped = front.outputs_skipped
-                await wire.js.publish(subject, data)
+                if too_big:
+                    with pytest.raises(APIError, match="maximum"):
+                        await wire.js.publish(subject, data)
+                else:
+                    await wire.js.publish(subject, data)
                 await wire.js.publish(f"tr.out.{encode_token('zed')}",
                                       output("zed", "sentinel"))
                 await reader
@@ -241,7 +248,7 @@ def test_junk_on_the_output_subject_is_skipped_and_counted(wire: Wire, data: byt
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
         assert got[-1].request_id == "sentinel"
-        assert len(got) - 1 + front.outputs_skipped - skipped == 1
+        assert len(got) - 1 + front.outputs_skipped - skipped == (0 if too_big else 1)
         if len(got) == 2:
             assert got[0].participant_id == "zed" and token_of == "zed"
 

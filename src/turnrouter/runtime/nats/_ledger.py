@@ -47,7 +47,7 @@ logger = logging.getLogger("turnrouter.runtime.nats")
 
 _MAX_INFLIGHT = MAX_STATE_INFLIGHT  # bound of one participant's in-flight ids in its record
 _MAX_OUTBOX = MAX_STATE_OUTBOX  # bound of one participant's unconfirmed endings in its record
-_MAX_UNSURE = 4096  # bound of the participants awaiting a reclaim
+_MAX_UNSURE = 4096  # bound of the participants whose unfinished turns await an end
 _NONE: frozenset[str] = frozenset()
 #: Records larger than this are parsed and validated in a thread, off the event loop.
 _READ_OFF_LOOP_BYTES = 64 * 1024
@@ -124,8 +124,9 @@ class Ledger:
         #: that outlived its partition here must not leave a state nobody fences.
         self._losses: dict[int, int] = {}
         self.unsure: dict[str, int] = {}
-        """Participants dropped after a write got no reply, by partition: to claim
-        again (`reclaim`), as their record may hold a turn no input will come back for."""
+        """Participants dropped after a write got no reply, by partition: their
+        unfinished turns are ended (`settle_unsure`), as their record may hold a turn
+        no input will come back for."""
         self.on_unsure: Callable[[str, int], None] = lambda pid, n: None
         #: Writes that got no answer (an outage fails one per participant writing): the
         #: log shows the first, then every power of ten, each with the count so far.
@@ -226,8 +227,9 @@ class Ledger:
             self.unsure[pid] = n
             self.on_unsure(pid, n)
         else:
-            logger.warning("turnrouter: %d participants await a reclaim; this one "
-                           "is claimed at its next input", len(self.unsure))
+            logger.warning("turnrouter: %d participants await the end of their "
+                           "unfinished turns; this one is claimed at its next input",
+                           len(self.unsure))
 
     async def drop(self, pid: str) -> None:
         """Hand `pid` over: no more writes from here, state dropped without release."""
@@ -256,7 +258,7 @@ class Ledger:
     async def claim(self, pid: str, n: int) -> Participant | None:
         """This replica's state of `pid`, claiming the record on first contact and
         publishing what the previous owner left unfinished. None when refused. One
-        claim of a participant at a time (an input and a reclaim may ask together)."""
+        claim of a participant at a time (two inputs may ask together)."""
         state = self.people.get(pid)
         if state is not None:
             return state
@@ -270,7 +272,7 @@ class Ledger:
             async with lock:
                 state = self.people.get(pid)
                 if state is None:
-                    state = await self._claim(pid, n)
+                    state = await self._claim(pid, n, losses)
                 if state is not None and self._losses.get(n, 0) != losses:
                     # The partition moved away during the claim, after its participants
                     # were dropped: a state kept now would be served, stale, when the
@@ -283,32 +285,24 @@ class Ledger:
             if not entry[1]:
                 del self._claiming[pid]
 
-    async def settle_unsure(self, pid: str, n: int, owned: Callable[[int], bool]) -> None:
-        """Claim again a participant dropped after a write got no reply or a lost pin
-        (`unsure`), if its partition `n` is `owned` here; on a partition lost meanwhile,
-        end what this replica's last record left unfinished (`let_go`)."""
+    async def settle_unsure(self, pid: str, n: int) -> None:
+        """End what this replica's last record of `pid` left unfinished (a turn marked
+        in flight, an answer in the outbox) after a write whose outcome is unknown or a
+        lost pin (`unsure`), now rather than at the participant's next input: `let_go`,
+        which touches the record only while this replica is still its last writer.
+
+        Never a claim: right after a reconnect this replica's pins date from before the
+        outage, and a claim that stalled while the server pinned the partition elsewhere
+        would land after the new owner's, fence it and end its running turn with the
+        failure text. Tried again after the next reconnect when the server cannot be
+        asked now."""
         try:
-            if owned(n) and await self.reclaim(pid, n):
-                return
-            if not owned(n) and await self.let_go(pid, n):  # lost meanwhile too
+            if await self.let_go(pid, n):
                 self.unsure.pop(pid, None)
         except Exception:
-            logger.exception("turnrouter: claiming a participant again failed")
+            logger.exception("turnrouter: ending a participant's unfinished turns failed")
 
-    async def reclaim(self, pid: str, n: int) -> bool:
-        """Claim `pid` again after a write whose outcome is unknown (`unsure`), so what
-        its record left unfinished (a turn marked in flight, an answer in the outbox)
-        ends now rather than at the participant's next input; False when the server
-        cannot be asked now (tried again after the next reconnect)."""
-        if pid in self.people:
-            self.unsure.pop(pid, None)
-            return True
-        if await self.claim(pid, n) is None:
-            return False
-        self.unsure.pop(pid, None)
-        return True
-
-    async def _claim(self, pid: str, n: int) -> Participant | None:
+    async def _claim(self, pid: str, n: int, losses: int) -> Participant | None:
         key = f"{n}.{encode_token(pid)}"
         for _attempt in range(3):
             revision, snapshot = 0, None
@@ -337,6 +331,11 @@ class Ledger:
                 else:
                     inflight, snapshot = record.inflight, record.snapshot
                     outbox, ended = self.sound(record.outbox), record.ended
+            if self._losses.get(n, 0) != losses:
+                # The partition moved away while the record was read (a read that stalled
+                # on a server coming back): a claim written now would land after the new
+                # owner's, fence it and end its running turn.
+                return None
             # The claim keeps what the previous owner left, until it is published.
             claim = state_json(self._replica, inflight, snapshot, outbox, ended)
             try:
@@ -466,7 +465,7 @@ class Ledger:
             # memory, says what the participant heard. Drop the participant here; its next
             # input claims the record again (what that write left unfinished is ended
             # then, and the input that caused it comes back unacknowledged; a turn
-            # marked in flight has no input coming back: `reclaim` ends it).
+            # marked in flight has no input coming back: `settle_unsure` ends it).
             await self.fence(pid, refused=False)
             self._unsure(pid, state.partition)
             return False

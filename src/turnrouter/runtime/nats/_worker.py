@@ -188,7 +188,7 @@ class NatsWorker:
             await link.start()
             self._ledger = Ledger(bucket, link, config, self.replica, lambda: self.router,
                                   self._publish_ending, self._metrics)
-            self._ledger.on_unsure = self._reclaim_soon
+            self._ledger.on_unsure = self._settle_soon
             self._takeover = Takeover(bucket, link, config, self._ledger)
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
                                            self._metrics, self._spawn, self._stop.is_set)
@@ -472,12 +472,12 @@ class NatsWorker:
             self._spawn(self._inputs.republish(), "republish")
         if self._ledger is not None:
             for pid, n in list(self._ledger.unsure.items()):
-                self._reclaim_soon(pid, n)
+                self._settle_soon(pid, n)
         for inbox in self._inboxes:
             inbox.reconnected()
 
-    def _reclaim_soon(self, pid: str, n: int) -> None:
-        self._spawn(self.ledger.settle_unsure(pid, n, self._pins.__contains__), "reclaim")
+    def _settle_soon(self, pid: str, n: int) -> None:
+        self._spawn(self.ledger.settle_unsure(pid, n), "unsure")
 
     async def _answer(self, turn: AgentTurn, route: str, text: str) -> None:
         await self.inputs.answer(turn, route, text)
