@@ -108,31 +108,6 @@ async def test_unusable_tls_and_nkey_files_are_named(tmp_path: Path,
         assert "secret-in-file-6502" not in str(caught.value)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_blocked_synchronous_factory_is_stopped_by_sigterm(
-        nats_server: NatsServer, sig: signal.Signals) -> None:
-    """A synchronous factory blocked in a sleep or a blocking call runs on the event
-    loop's thread, where the loop's signal handlers never ran: SIGTERM was ignored
-    until the orchestrator's SIGKILL. It now ends the start at once, as for an async
-    factory: exit 0 and one line."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "turnrouter", "worker", "--nats",
-                             nats_server.url, "--app", "tests.nats.app:hanging_sync"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=ROOT)
-    try:
-        assert proc.stdout is not None
-        assert any(line.startswith("factory waiting") for line in proc.stdout)
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=10)
-        assert proc.returncode == 0
-        assert err.splitlines() == ["turnrouter worker: stopped before it was ready"]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
-
-
 NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e400", "[1e999]"]
 
 

@@ -224,15 +224,22 @@ def test_app_is_imported_from_the_current_directory(nats_server: NatsServer,
         proc.communicate(timeout=10)
 
 
-@pytest.mark.parametrize("when", ["worker ", "factory waiting"])
-def test_sigterm_during_start_up_ends_the_worker(nats_server: NatsServer, when: str) -> None:
-    """A factory that hangs: SIGTERM still ends the worker promptly with exit 0 and one
-    line on stderr (no asyncio or nats-py error of a close cut half-way), without the
-    ready file ever written; whether it lands as the worker starts (the connection or
-    set-up may be under way) or while the factory hangs."""
+@pytest.mark.parametrize(("app", "when", "sig"), [
+    ("hanging", "worker ", signal.SIGTERM), ("hanging", "factory waiting", signal.SIGTERM),
+    ("hanging_sync", "factory waiting", signal.SIGTERM),
+    ("hanging_sync", "factory waiting", signal.SIGINT),
+])
+def test_sigterm_during_start_up_ends_the_worker(nats_server: NatsServer, app: str,
+                                                 when: str, sig: signal.Signals) -> None:
+    """A factory that hangs: SIGTERM (or Ctrl-C) still ends the worker promptly with
+    exit 0 and one line on stderr (no asyncio or nats-py error of a close cut half-way),
+    without the ready file ever written; whether it lands as the worker starts (the
+    connection or set-up may be under way) or while the factory hangs, async or
+    synchronous (blocked in a sleep on the loop's thread, where the loop's own signal
+    handlers cannot run: it was ignored until the orchestrator's SIGKILL)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     proc = subprocess.Popen([sys.executable, "-u", "-m", "turnrouter", "worker", "--nats",
-                             nats_server.url, "--app", "tests.nats.app:hanging",
+                             nats_server.url, "--app", f"tests.nats.app:{app}",
                              "--metrics-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=ROOT)
@@ -240,7 +247,7 @@ def test_sigterm_during_start_up_ends_the_worker(nats_server: NatsServer, when: 
         assert proc.stdout is not None
         # "worker ... starting" is printed once SIGTERM is handled.
         assert any(line.startswith(when) for line in proc.stdout)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0
         assert err.splitlines() == ["turnrouter worker: stopped before it was ready"]
