@@ -256,10 +256,10 @@ class _OutputReader:
             consumer["deliver_policy"] = "by_start_sequence"
             consumer["opt_start_seq"] = self._last + 1
         try:
-            reply = await nc.request(
+            reply = await self._ask(
                 f"$JS.API.CONSUMER.CREATE.{config.output_stream}",
                 json.dumps({"stream_name": config.output_stream,
-                            "config": consumer}).encode(), timeout=2.0)
+                            "config": consumer}).encode())
             info = json.loads(reply.data)
             name = info["name"]
         except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
@@ -274,12 +274,31 @@ class _OutputReader:
             self._last = seq if isinstance(seq, int) and seq >= 0 else 0
         return True
 
+    async def _ask(self, subject: str, payload: bytes) -> Msg:
+        """One JetStream API request, given up (TimeoutError) after 2 s or as soon as the
+        connection is replaced: a request sent on a connection that dropped (a frozen
+        server noticed by the pings, say) never gets its reply, and waiting out its
+        timeout held the reader up to 2 s after the server was back."""
+        nc = self._nc
+        reconnects = nc.stats["reconnects"]
+        ask = asyncio.ensure_future(nc.request(subject, payload, timeout=2.0))
+        try:
+            while True:
+                done, _ = await asyncio.wait({ask}, timeout=_TICK)
+                if done:
+                    return ask.result()
+                if nc.stats["reconnects"] != reconnects:
+                    raise TimeoutError("the connection was replaced before the reply")
+        finally:
+            if not ask.done():
+                ask.cancel()
+                await asyncio.gather(ask, return_exceptions=True)
+
     async def _recreated(self) -> bool:
         """Whether the output stream is another one than when last asked (deleted and
         made again, e.g. by a worker repairing the deployment): its sequences start
         over. LookupError (KeyError) when it does not exist now."""
-        reply = await self._nc.request(f"$JS.API.STREAM.INFO.{self._config.output_stream}",
-                                       b"", timeout=2.0)
+        reply = await self._ask(f"$JS.API.STREAM.INFO.{self._config.output_stream}", b"")
         created = json.loads(reply.data)["created"]
         before, self._created = self._created, created
         return before is not None and created != before
