@@ -459,9 +459,10 @@ def checked_shape(decision: RouteDecision) -> bool:
             and (not rationale or rationale.isascii()))
 
 
-async def say_through(callback: Callable[[AgentTurn, str, str], Awaitable[None]],
-                      turn: AgentTurn, route: str, text: str) -> None:
-    """Call an output callback and await what it returns.
+def say_through(callback: Callable[[AgentTurn, str, str], Awaitable[None]],
+                turn: AgentTurn, route: str, text: str) -> Awaitable[None]:
+    """Call an output callback; what it returns, for the caller to await (no coroutine
+    layer of its own).
 
     A plain `def output(turn, route, text)` (a natural first try) runs, returns None,
     and `await None` would fail with "object NoneType can't be used in 'await'
@@ -473,4 +474,4 @@ async def say_through(callback: Callable[[AgentTurn, str, str], Awaitable[None]]
         raise ContractTypeError(
             f"output callback {name} returned {type(result).__name__}, not an awaitable: "
             "it must be an async function (async def output(turn, route, text))")
-    await result
+    return result
