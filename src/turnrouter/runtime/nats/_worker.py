@@ -537,7 +537,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     away as well), and a 423 answers one of them, maybe made with a pin since replaced.
     `live` holds the requests not yet ended, each with when it surely expired."""
 
-    __slots__ = ("expires", "given_up", "held_since", "holding", "live", "next_subject",
+    __slots__ = ("given_up", "held_since", "holding", "lifetime", "live", "next_subject",
                  "partition", "pulled", "reply_prefix", "tokens")
 
     def __init__(self, partition: int, next_subject: str, reply_prefix: str,
@@ -545,7 +545,9 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         super().__init__()
         self.partition, self.next_subject, self.reply_prefix = (
             partition, next_subject, reply_prefix)
-        self.expires = expires  # a request's `expires`, seconds
+        #: How long after it went out a request may still deliver: its `expires` and a
+        #: margin for the way there and the server's own lag.
+        self.lifetime = 2 * expires + 1.0
         self.pulled = time.monotonic()  # when the partition's last pull request went out
         self.holding = False  # its loop is busy with one message and pulls no more
         self.held_since = 0.0  # since when
@@ -556,21 +558,15 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     async def receive(self, msg: Msg) -> None:
         self.put((msg, time.monotonic()))
 
-    def _lifetime(self) -> float:
-        """How long after it went out a request may still deliver: its `expires` and a
-        margin for the way there and the server's own lag."""
-        return 2 * self.expires + 1.0
-
     def request(self, pin: str | None) -> tuple[str, str]:
         """A new request's token and reply subject; it is live until a status ends it
         or its time passed. A request may end without a status (a keep-alive pull that
         delivered its one message, one lost with a restarted server): those past their
         time are dropped here, so `live` holds only requests of the last few seconds."""
-        if self.live:
-            self.waiting_for()
+        now = self._prune()
         self.tokens += 1
         token = str(self.tokens)
-        self.live[token] = (pin, time.monotonic() + self._lifetime())
+        self.live[token] = (pin, now + self.lifetime)
         return token, f"{self.reply_prefix}.{token}"
 
     def ended(self, subject: str) -> tuple[str, str | None]:
@@ -583,12 +579,17 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     def forget(self, token: str) -> None:
         self.live.pop(token, None)
 
-    def waiting_for(self) -> float:
-        """Seconds until every live request surely expired (0: none live); those past
-        their time are forgotten (a request lost with a restarted server)."""
+    def _prune(self) -> float:
+        """Forget the requests past their time; the current time."""
         now = time.monotonic()
-        for token in [t for t, (_, until) in self.live.items() if until <= now]:
-            del self.live[token]
+        if self.live:
+            for token in [t for t, (_, until) in self.live.items() if until <= now]:
+                del self.live[token]
+        return now
+
+    def waiting_for(self) -> float:
+        """Seconds until every live request surely expired (0: none live)."""
+        now = self._prune()
         return max((until for _, until in self.live.values()), default=now) - now
 
     def quiet(self) -> bool:
@@ -598,7 +599,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     def reconnected(self) -> None:
         """Back on a server: what was published while it was away went out just now
         (their time starts again), and the loop asks again at once."""
-        until = time.monotonic() + self._lifetime()
+        until = time.monotonic() + self.lifetime
         self.live = {token: (pin, max(end, until)) for token, (pin, end) in self.live.items()}
         self.wake()
 
