@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnrouter import OverloadPolicy
-from turnrouter.runtime import ResponseOutput, UserQuery
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
+from prometheus_client import CollectorRegistry
 
-from .app import PREAMBLE
+from turnrouter import AgentRouter, OverloadPolicy
+from turnrouter.runtime import ResponseOutput, UserQuery
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, WorkerContext
+
+from .app import PREAMBLE, make_router
 from .conftest import settled
+
+#: What `NatsWorker` takes to build its router.
+RouterFactory = Callable[[WorkerContext], AgentRouter]
 
 FAILURE = NatsConfig().failure_text
 #: What a query hears that waited in the stream past `max_input_wait` (a loaded machine).
@@ -181,3 +186,26 @@ class Crowd:
                 previous_answered, answered_before = s.text, True
         assert worst <= gap_bound, f"a turn waited {worst:.2f} s"
         return {"worst": worst, "failures": failures, "busy": busy, "answers": answers}
+
+
+@contextlib.asynccontextmanager
+async def serving(config: NatsConfig, replica: str, factory: RouterFactory = make_router
+                  ) -> AsyncIterator[CollectorRegistry]:
+    """One in-process worker of `factory`'s router on `config` until the block ends
+    (then a graceful stop: it drains and hands its partitions over); its metrics'
+    registry."""
+    registry = CollectorRegistry()
+    worker = NatsWorker(factory, config, registry=registry, replica=replica)
+    run = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        yield registry
+    finally:
+        worker.request_stop()
+        if not worker.ready.is_set():
+            run.cancel()  # a start that did not finish: nothing to drain
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+    if not run.cancelled() and run.exception() is not None:
+        raise AssertionError("the worker failed") from run.exception()

@@ -10,9 +10,7 @@ and after it, in the test's own event loop, each with its own registry.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import yaml
@@ -27,34 +25,13 @@ from turnrouter.runtime.nats import NatsConfig, NatsWorker
 
 from .app import make_router
 from .conftest import ROOT, NatsServer, metric_value, until_true
-from .crowd import Heard, ask, listening
+from .crowd import Heard, ask, listening, serving
 from .proxy import proxied
 
 #: What a participant refused for load hears (the test app keeps the default policy).
 BUSY = OverloadPolicy().busy_text
 REJECTED = "turnrouter_runtime_rejected_messages_total"
 RULES = ROOT / "deploy/prometheus/rules-nats/turnrouter-nats.rules.yml"
-
-
-@contextlib.asynccontextmanager
-async def serving(config: NatsConfig, replica: str) -> AsyncIterator[CollectorRegistry]:
-    """One in-process worker on `config` until the block ends (then a graceful stop: it
-    drains and hands its partitions over); its metrics' registry."""
-    registry = CollectorRegistry()
-    worker = NatsWorker(make_router, config, registry=registry, replica=replica)
-    run = asyncio.create_task(worker.run())
-    try:
-        async with asyncio.timeout(15):
-            await worker.ready.wait()
-        yield registry
-    finally:
-        worker.request_stop()
-        if not worker.ready.is_set():
-            run.cancel()  # a start that did not finish: nothing to drain
-        async with asyncio.timeout(30):
-            await asyncio.gather(run, return_exceptions=True)
-    if not run.cancelled() and run.exception() is not None:
-        raise AssertionError("the worker failed") from run.exception()
 
 
 def metric(registry: CollectorRegistry, name: str, labels: str = "") -> float:

@@ -162,6 +162,25 @@ def test_fleet_backlog_is_an_int_within_its_bound(value: object) -> None:
         NatsConfig(fleet_backlog=value)  # type: ignore[arg-type]
 
 
+URL_PARTS = st.text(st.sampled_from("ab1:/@[]%?#.-_ \u00e9"), max_size=12)
+
+
+@settings(max_examples=300)
+@given(st.one_of(st.sampled_from(["nats", "tls", "ws", "http", "NATS", ""]), URL_PARTS),
+       URL_PARTS, URL_PARTS, st.one_of(URL_PARTS, st.integers(-5, 70_000).map(str)))
+def test_any_url_is_a_config_or_a_masked_configuration_error(scheme: str, before: str,
+                                                             host: str, port: str) -> None:
+    """Junk around a URL's parts (brackets, colons, percent signs, a port out of range,
+    another scheme, no host) builds a config or raises ConfigurationError, nothing
+    else, and the error never shows the password the URL carried."""
+    url = f"{scheme}://svc:S3CRET{before}@{host}:{port}" if scheme else f"{host}:{port}"
+    try:
+        shown = repr(NatsConfig(url=url))
+    except ConfigurationError as exc:
+        shown = str(exc)
+    assert "S3CRET" not in shown
+
+
 def family_names(registry: CollectorRegistry) -> list[str]:
     return [family.name for family in registry.collect()]
 

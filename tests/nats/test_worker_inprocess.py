@@ -17,7 +17,7 @@ from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, Worker
 
 from .app import make_router
 from .conftest import NatsServer, metric_value
-from .crowd import Heard
+from .crowd import FAILURE, Heard, listening, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -144,22 +144,10 @@ async def test_an_answer_over_the_message_bound_ends_with_the_failure_text_named
     the participant's record, whose write the server refused (over its 1 MiB payload
     bound for a longer one): a misleading "state write failed", the participant reset."""
     config = NatsConfig(url=nats_server.url)
-    worker = NatsWorker(_long_router, config, registry=CollectorRegistry())
-    run = asyncio.create_task(worker.run())
-    front = None
-    try:
-        async with asyncio.timeout(15):
-            await worker.ready.wait()
-        front = await NatsFrontEnd.connect(config)
+    async with serving(config, "long", _long_router), listening(config) as (front, _):
         with caplog.at_level(logging.WARNING, logger="turnrouter"):
-            assert await answered(front, "zoe", "long") == worker.router.failure_text
+            assert await answered(front, "zoe", "long") == FAILURE
             assert await answered(front, "zoe", "next") == "short"
-        messages = [record.getMessage() for record in caplog.records]
-        assert any("over max_message_bytes 65536" in m for m in messages), messages
-        assert not any("state write failed" in m for m in messages), messages
-    finally:
-        if front is not None:
-            await front.close()
-        worker.request_stop()
-        async with asyncio.timeout(20):
-            await run
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("over max_message_bytes 65536" in m for m in messages), messages
+    assert not any("state write failed" in m for m in messages), messages
