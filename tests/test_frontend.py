@@ -659,6 +659,16 @@ async def test_imported_departed_flag_keeps_admission_closed() -> None:
     await h.say()
 
 
+async def test_imported_departed_flag_closes_nothing_without_a_joined_topic() -> None:
+    """A router without a participant-joined topic has nothing that would readmit a
+    closed participant (its own departures close none): an imported departed flag (a
+    forged or foreign record) leaves admission open instead of closing it for good."""
+    h = Harness(ScriptedAgent("conversation"))
+    h.router.import_participant(ParticipantSnapshot(participant_id="p1", departed=True))
+    await h.say()
+    assert h.router.participants == frozenset({"p1"})
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),

@@ -219,7 +219,9 @@ class Registry:
         if current is None:
             self._observer.participant_added(ParticipantChanged(pid))
         self.participants[pid] = restored
-        if snapshot.departed:
+        if snapshot.departed and self._cfg.joined_topic:
+            # Closed until a participant-joined event, as this router's own departures
+            # close them; a router without that topic admits the next turn anyway.
             self.close_departed(pid)
         else:
             self.departed.pop(pid, None)

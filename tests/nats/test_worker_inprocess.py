@@ -8,12 +8,13 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from turnrouter import AgentRouter, AgentTurn, Destination, DestinationResult
 from turnrouter.decisions import LexicalDecisions
-from turnrouter.runtime import UserQuery
+from turnrouter.runtime import ParticipantLeft, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, WorkerContext
+from turnrouter.telemetry import Telemetry
 
 from .app import make_router
 from .conftest import NatsServer, metric_value
@@ -118,8 +119,6 @@ async def test_drain_is_bounded_and_the_cut_turn_ends_with_failure_text(
 
 
 def metric_value_of(registry: CollectorRegistry, name: str) -> float:
-    from prometheus_client import generate_latest
-
     return metric_value(generate_latest(registry).decode(), name)
 
 
@@ -151,3 +150,85 @@ async def test_an_answer_over_the_message_bound_ends_with_the_failure_text_named
     messages = [record.getMessage() for record in caplog.records]
     assert any("over max_message_bytes 65536" in m for m in messages), messages
     assert not any("state write failed" in m for m in messages), messages
+
+
+class _SlowRelease(Destination):
+    """Answers with the query and how many exchanges the turn's history holds; its
+    release waits for `gate` (`releasing` is set when it begins)."""
+
+    def __init__(self) -> None:
+        super().__init__("answers")
+        self.releasing, self.gate = asyncio.Event(), asyncio.Event()
+
+    async def answer(self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+                     ) -> DestinationResult:
+        await started()
+        return DestinationResult("focus", f"{turn.query}|{len(turn.history)}")
+
+    async def release(self, participant_id: str) -> None:
+        self.releasing.set()
+        await self.gate.wait()
+
+
+async def test_a_query_right_after_leaving_waits_for_the_departure_and_starts_afresh(
+        nats_server: NatsServer) -> None:
+    """A query published right after its participant's `left` is taken while the
+    departure still releases their destinations: it waits for the departure and runs
+    as their next session's first turn (clean history), as it does when the releases
+    are quick. Before, the router refused it as departing, and nothing was said."""
+    config = NatsConfig(url=nats_server.url)
+    slow = _SlowRelease()
+
+    def factory(ctx: WorkerContext) -> AgentRouter:
+        return AgentRouter({"echo": slow}, LexicalDecisions(fallback_route="echo"),
+                           default_destination="echo",
+                           telemetry=Telemetry(registry=ctx.registry))
+
+    async with serving(config, "departing", factory) as registry, \
+            listening(config) as (front, _):
+        assert await answered(front, "fay", "one") == "one|0"
+        await front.publish(ParticipantLeft(participant_id="fay"))
+        async with asyncio.timeout(15):
+            await slow.releasing.wait()
+        after = asyncio.create_task(answered(front, "fay", "two"))
+        try:
+            for _ in range(150):  # the query was taken (its queue wait observed): <= 15 s
+                if queued(registry) >= 3:
+                    break
+                await asyncio.sleep(0.1)
+            assert queued(registry) >= 3
+            assert not after.done()
+            slow.gate.set()
+            assert await after == "two|0"
+        finally:
+            after.cancel()
+        assert metric_value_of(registry, "turnrouter_turns_total") == 2
+        assert metric_value_of(registry, "turnrouter_runtime_rejected_messages_total") == 0
+
+
+def queued(registry: CollectorRegistry) -> float:
+    """Inputs the worker took from its partitions so far."""
+    return metric_value(generate_latest(registry).decode(),
+                        "turnrouter_nats_input_wait_seconds_count", 'stage="queued"')
+
+
+async def test_a_turn_the_router_refuses_ends_with_the_failure_text_and_is_counted(
+        nats_server: NatsServer) -> None:
+    """A router that holds `max_participants` refuses a new participant's turn: on NATS
+    the turn still ends audibly (the failure text as its final output), and the refusal
+    is counted as closed. Before, it ended silently and uncounted: a front end waiting
+    for the turn's final output waited for ever."""
+    config = NatsConfig(url=nats_server.url)
+
+    def factory(ctx: WorkerContext) -> AgentRouter:
+        return AgentRouter({"echo": _Long("anything")}, LexicalDecisions(fallback_route="echo"),
+                           default_destination="echo", max_participants=1,
+                           telemetry=Telemetry(registry=ctx.registry))
+
+    async with serving(config, "full", factory) as registry, listening(config) as (front, _):
+        assert await answered(front, "kim", "hi") == "short"
+        assert await answered(front, "lee", "hi") == FAILURE
+        assert await answered(front, "kim", "again") == "short"
+        assert metric_value(generate_latest(registry).decode(),
+                            "turnrouter_runtime_rejected_messages_total",
+                            'reason="closed",topic="nats_input"') == 1

@@ -28,7 +28,12 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from ..._contracts import AgentTurn
-from ..._exceptions import ContractValueError, LifecycleError, TurnInterrupted
+from ..._exceptions import (
+    ContractValueError,
+    LifecycleError,
+    RouterBusyError,
+    TurnInterrupted,
+)
 from ..._limits import is_logged
 from ..._logging import log_failure
 from ..._redact import preview
@@ -154,15 +159,18 @@ class Inputs:
         self.turns_of = _TurnIndex()
         self._out_prefix = f"{config.prefix}.out."
         self._rejections: dict[str, int] = {}  # refused inputs by reason (a few reasons)
+        #: Participants whose departure (releases, then their record) is running: at
+        #: most one task each, gone when it ends.
+        self._departing: dict[str, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ inputs
-    def _reject(self, msg: Msg, reason: str, detail: str) -> None:
+    def _reject(self, subject: str, reason: str, detail: str) -> None:
         """Count a refused input; logged the first time per reason and at every power
         of ten (a publisher sending junk cannot grow the log one line per message)."""
         count = self._rejections[reason] = self._rejections.get(reason, 0) + 1
         if is_logged(count):
             logger.warning("turnrouter: rejected input on %s (%s, %d so far): %s",
-                           msg.subject[:200], reason, count, detail)
+                           subject[:200], reason, count, detail)
         self._router.report_rejected("nats_input", reason)
 
     async def handle(self, n: int, msg: Msg, owned: bool, received: float) -> None:
@@ -174,14 +182,14 @@ class Inputs:
             if partition != n:
                 raise Rejected("not_owned", f"partition {partition} delivered on {n}")
         except Rejected as exc:
-            self._reject(msg, exc.reason, str(exc))
+            self._reject(msg.subject, exc.reason, str(exc))
             await self._ack(msg, b"+TERM")
             return
         if kind == "probe" or pid is None or message is None:
             await self._ack(msg)
             return
         if not owned:
-            self._reject(msg, "not_owned", f"partition {n} is not owned here")
+            self._reject(msg.subject, "not_owned", f"partition {n} is not owned here")
             return  # not acknowledged: the owner gets it
         delivered, stored_ns = ack_metadata(msg.reply)
         # How long the stream held it (0 when unknown: then it is never too old).
@@ -200,6 +208,11 @@ class Inputs:
                 metrics.duplicate_inputs.inc()
             await self._ack(msg)
             return
+        if kind == "query" and (departing := self._departing.get(pid)) is not None:
+            # The participant left just before: the router refuses their turns while
+            # they depart, so the query waits for the departure (its releases, then its
+            # record) and starts their next session, however long the releases take.
+            await asyncio.wait((departing,), timeout=self._config.drain_timeout)
         state = await self._ledger.claim(pid, n)
         if state is None:
             return  # fenced: another replica owns the participant
@@ -236,7 +249,11 @@ class Inputs:
             self._spawn(self._ledger.write(pid, state), "state write")
         elif kind == "left":
             departure = router.begin_departure(pid)
-            self._spawn(self._after(departure.join(), pid, state), "departure")
+            task = self._spawn(self._after(departure.join(), pid, state), "departure")
+            self._departing[pid] = task
+            task.add_done_callback(
+                lambda done: self._departing.pop(pid) if self._departing.get(pid) is done
+                else None)
         elif kind == "interrupt":
             await router.interrupt(pid)
         self._recent.add(key)
@@ -257,7 +274,7 @@ class Inputs:
         if running:
             await self._router.interrupt(pid)
             await asyncio.wait(running, timeout=self._config.drain_timeout)
-        self._reject(msg, "expired", f"a query waited {waited:.1f} s in the stream > "
+        self._reject(msg.subject, "expired", f"a query waited {waited:.1f} s in the stream > "
                                      f"max_input_wait {self._config.max_input_wait:g} s")
         ending = (message_id, "none", self._router.busy_text, time.time())
         state.outbox.append(ending)
@@ -345,13 +362,19 @@ class Inputs:
                                               self._config.failure_text, final=True,
                                               carrier=carrier)
         except (TurnInterrupted, LifecycleError) as exc:
-            if self._stopping() and run.held is None:
-                # Cut short by a graceful end that outlasted drain_timeout: say so.
+            closed = isinstance(exc, LifecycleError) and not isinstance(exc, RouterBusyError)
+            if closed and not self._stopping():
+                # Refused by the router (max_participants held, or a record that says the
+                # participant left, until `joined`): counted and logged, and said.
+                self._reject(f"{self._config.prefix}.in.{encode_token(pid)}.query",
+                             "closed", str(exc))
+            if closed or (self._stopping() and run.held is None):
+                # Every turn ends audibly, also one cut short by a graceful end that
+                # outlasted drain_timeout. (A barge-in or a newer turn ends it silently;
+                # a turn shed for load heard the router's busy text.)
                 await self.publish_output(pid, turn.turn_id, "none",
                                           self._config.failure_text, final=True,
                                           carrier=carrier)
-            elif isinstance(exc, LifecycleError):
-                logger.info("turnrouter: turn %s refused: %s", turn.turn_id, exc)
         except Exception as exc:  # user text may be in it: its type only (_logging)
             log_failure("turn %s", exc, turn.turn_id, log=logger)
             # Every turn ends audibly: the failure text under the terminal id is dropped
