@@ -317,7 +317,8 @@ async def test_timing_samples_are_range_checked_and_weighted_per_publisher(
     (`unknown_publisher`, before parsing); of an announced one, samples naming unknown
     routes or out-of-range seconds are refused; one publisher flooding a route is held
     to its share (the floor, with no other samples); a message without its publisher's
-    name is refused."""
+    name is refused. Range-checked: `seconds` in (0, 600], `at` from 0 to an hour
+    ahead."""
     subject = running.worker.config.timing_subject
     headers = {"Turnrouter-Replica": "mallory"}
     forged = [TimingSample("echo", 0.001).to_json() for _ in range(64)]
@@ -328,9 +329,11 @@ async def test_timing_samples_are_range_checked_and_weighted_per_publisher(
     await running.nc.publish(subject, samples_body(bad), headers=headers)
     await running.until(256, REJECTED, topic="nats_timing", reason="unknown_route")
     await running.nc.publish(subject, samples_body(
-        [TimingSample("echo", 1e300).to_json(), TimingSample("echo", 0.0).to_json()]),
+        [TimingSample("echo", 1e300).to_json(), TimingSample("echo", 0.0).to_json(),
+         TimingSample("echo", 0.5, at=1e300).to_json(),
+         TimingSample("echo", 0.5, at=-1.0).to_json()]),
         headers=headers)
-    await running.until(2, REJECTED, topic="nats_timing", reason="out_of_range")
+    await running.until(4, REJECTED, topic="nats_timing", reason="out_of_range")
     await running.nc.publish(subject, samples_body(forged), headers=headers)
     received = "turnrouter_nats_timing_samples_total"
 
@@ -419,6 +422,16 @@ def test_presence_parser_reads_what_replicas_send(replica: str, owned: int) -> N
     """What a replica publishes is read back unchanged."""
     body = json.dumps({"replica": replica, "owned": owned}).encode()
     assert parse_presence(body, 16) == (replica, owned)
+
+
+@pytest.mark.parametrize("body", [b'{"replica":"a","replica":"b","owned":1}',
+                                  b'{"replica":"a","owned":1,"owned":0}'])
+def test_presence_with_a_key_twice_is_refused(body: bytes) -> None:
+    """Two readers of a JSON object with a key twice may each take another value (the
+    standard library keeps the last): such a presence message says nothing for sure."""
+    with pytest.raises(Rejected) as refused:
+        parse_presence(body, 16)
+    assert refused.value.reason == "invalid"
 
 
 @pytest.mark.parametrize("name", ["", "x" * 65, "a b", "é", "a\nb"])

@@ -756,6 +756,17 @@ def test_a_record_time_too_large_for_a_float_is_refused() -> None:
         parse_state(record.encode())
 
 
+@pytest.mark.parametrize("head", [
+    '{"owner":"w","inflight":["t-1"],"inflight":[]}',
+    '{"owner":"w","inflight":[],"outbox":[],"outbox":[["t","r","x",1.0]]}',
+])
+def test_a_record_with_a_key_twice_is_refused(head: str) -> None:
+    """A record whose key appears twice is unreadable (its participant starts afresh,
+    quarantined): which of the two a reader takes is not something to guess."""
+    with pytest.raises(ValueError, match="duplicate key"):
+        parse_state(head.encode())
+
+
 # ---------------------------------------------------------------- output ids
 
 

@@ -25,6 +25,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from ... import _strict_json as strict_json
 from ..._timing import TimingPredictor, TimingSample
 from ._metrics import RuntimeMetrics
 from ._setup import api_request
@@ -75,6 +76,10 @@ SAMPLE_FLUSH_SECS = 0.05
 #: A fleet sample's `seconds` must be in (0, MAX_SAMPLE_SECS]: a first response slower
 #: than ten minutes is no latency a prediction should learn.
 MAX_SAMPLE_SECS = 600.0
+#: and its `at` (Unix time) in [0, now + MAX_SAMPLE_AHEAD_SECS]: 0 is a sample without
+#: a time; an hour ahead is more than any clock skew explains (nothing depends on `at`
+#: live, but a forged 1e300 would sort past every real sample in a file merged later).
+MAX_SAMPLE_AHEAD_SECS = 3600.0
 #: One publisher's share of a route's samples (this replica's own included) within a
 #: window of SAMPLE_WINDOW_SECS is at most SAMPLE_SHARE, past SAMPLE_FLOOR samples: one
 #: replica, or one forged publisher, cannot outvote the rest of the fleet.
@@ -119,7 +124,7 @@ def parse_presence(data: bytes, partitions: int) -> tuple[str, int]:
     if len(data) > MAX_PRESENCE_BYTES:
         raise Rejected("oversized", f"{len(data)} bytes > {MAX_PRESENCE_BYTES}")
     try:
-        body = json.loads(data, parse_constant=_no_constant)
+        body = strict_json.loads(data)
     except (ValueError, RecursionError):
         raise Rejected("invalid", "presence is not a JSON object") from None
     if not isinstance(body, dict) or set(body) != {"replica", "owned"}:
@@ -131,10 +136,6 @@ def parse_presence(data: bytes, partitions: int) -> tuple[str, int]:
             and 0 <= owned <= partitions):
         raise Rejected("invalid", "presence 'owned' is not a partition count")
     return replica, owned
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 class Fleet:
@@ -500,13 +501,14 @@ class Fleet:
             for _ in errors:
                 self._reject("nats_timing", "invalid")
         routes, now = self.routes(), time.monotonic()
+        latest = time.time() + MAX_SAMPLE_AHEAD_SECS
         anchors: dict[str, float | None] = {}
         kept = []
         for sample in samples:
             route = sample.route
             if route not in routes:
                 reason = "unknown_route"  # the route table holds this fleet's routes only
-            elif not 0 < sample.seconds <= MAX_SAMPLE_SECS:
+            elif not (0 < sample.seconds <= MAX_SAMPLE_SECS and 0 <= sample.at <= latest):
                 reason = "out_of_range"
             else:
                 if route not in anchors:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import re
 import time
 import urllib.parse
@@ -24,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ... import _strict_json as strict_json
 from ..._contracts import MAX_ID_CHARS
 from ..._exceptions import ConfigurationError, ContractValueError, TurnrouterError
 from ..._frontend import MAX_SNAPSHOT_CONTAINERS
@@ -570,7 +570,7 @@ def _parse_state(data: bytes) -> tuple[dict[str, Any], list[str], str | None, li
                          f"{MAX_STATE_CONTAINERS}")
     head, newline, snapshot_json = data.partition(b"\n")
     try:
-        record: Any = json.loads(head)
+        record: Any = strict_json.loads(head)
     except RecursionError as exc:
         raise ValueError("state record nested too deeply") from exc
     if not isinstance(record, dict):
