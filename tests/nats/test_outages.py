@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from nats.js import JetStreamContext
+from prometheus_client import CollectorRegistry, generate_latest
 
 import nats
 from turnrouter import LifecycleError
@@ -280,6 +281,17 @@ async def test_failed_state_writes_are_logged_rarely(nats_server: NatsServer) ->
         worker.close()
 
 
+async def pulls_waiting(nc: Any, config: NatsConfig) -> list[int]:
+    """Pull requests of the worker waiting at the server, per partition."""
+    counts = []
+    for n in range(config.partitions):
+        info = json.loads((await nc.request(
+            f"$JS.API.CONSUMER.INFO.{config.stream}.{config.consumer(n)}", b"",
+            timeout=5)).data)
+        counts.append(int(info.get("num_waiting") or 0))
+    return counts
+
+
 async def test_after_a_servers_return_each_partition_has_one_pull_waiting(
         nats_server: NatsServer) -> None:
     """The server is away longer than a pull waits for its reply, so the worker asks
@@ -307,16 +319,9 @@ async def test_after_a_servers_return_each_partition_has_one_pull_waiting(
         nats_server.restart()
         await until_true(lambda: worker.readiness.serving, "the worker came back", within=15)
         nc = await nats.connect(nats_server.url)
-
-        async def waiting(n: int) -> int:
-            info = json.loads((await nc.request(
-                f"$JS.API.CONSUMER.INFO.{config.stream}.{config.consumer(n)}", b"",
-                timeout=5)).data)
-            return int(info.get("num_waiting") or 0)
-
         steady, counts = 0, [-1, -1]
         for _ in range(300):  # bounded poll of the server's state: at most ~15 s
-            counts = [await waiting(n) for n in range(config.partitions)]
+            counts = await pulls_waiting(nc, config)
             steady = steady + 1 if counts == [1, 1] else 0
             if steady >= 20:  # one each, read 20 times over more than 2 pull_expires
                 break
@@ -325,6 +330,60 @@ async def test_after_a_servers_return_each_partition_has_one_pull_waiting(
             raise AssertionError(f"pulls waiting per partition after the outage: {counts}")
         assert worker.owned_partitions == {0, 1}
     finally:
+        if nc is not None:
+            await nc.close()
+        worker.request_stop()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+
+
+async def test_a_short_freeze_of_the_server_leaves_one_pull_per_partition_and_the_turn(
+        nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server frozen (SIGSTOP) for 3 s, longer than a pull waits for its reply
+    (2.4 s) but about as long as the pings take to call the connection lost: the pulls
+    the worker sent meanwhile reach the server together when it resumes. A turn
+    answering during the freeze is still answered (its record written once the server
+    resumes), each partition is back to one waiting pull, and the next turn runs."""
+    monkeypatch.setenv("TR_TEST_ANSWER_SECS", "1")
+    config = NatsConfig(url=nats_server.url, partitions=2)
+    registry = CollectorRegistry()
+    worker = NatsWorker(make_router, config, replica="solo", registry=registry)
+    run = asyncio.create_task(worker.run())
+    nc = None
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        await until_true(lambda: worker.owned_partitions == {0, 1},
+                         "the worker owns both partitions", within=15)
+        async with listening(nats_server.url) as (front, heard):
+            query = UserQuery(participant_id="icy", text="during")
+            answered = heard.events.setdefault(query.message_id, asyncio.Event())
+            await front.publish(query)
+            await until_true(lambda: metric_value(
+                generate_latest(registry).decode(), "turnrouter_turns_in_flight") == 1,
+                "the turn is running")
+            nats_server.freeze()
+            try:
+                await asyncio.sleep(3.0)  # the freeze under test: past a pull's wait
+            finally:
+                nats_server.thaw()
+            async with asyncio.timeout(20):
+                await answered.wait()
+            assert [o.text for o in heard.finals[query.message_id]] == ["during|-|N"]
+            nc = await nats.connect(nats_server.url)
+            steady, counts = 0, [-1, -1]
+            for _ in range(300):  # bounded poll of the server's state: at most ~15 s
+                counts = await pulls_waiting(nc, config)
+                steady = steady + 1 if counts == [1, 1] else 0
+                if steady >= 20:  # one each, read 20 times over more than 2 pull_expires
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"pulls waiting per partition after the freeze: {counts}")
+            assert worker.owned_partitions == {0, 1}
+            assert await ask(front, heard, "icy", "after") == "after|during|F"
+    finally:
+        nats_server.thaw()
         if nc is not None:
             await nc.close()
         worker.request_stop()
