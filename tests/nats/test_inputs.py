@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 import nats
+from turnrouter import ContractValueError
 from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, UserQuery
-from turnrouter.runtime.nats import NatsFrontEnd, encode_token
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
 from .conftest import NatsServer, Worker, metric_value
 from .crowd import Heard, ask, listening
@@ -199,3 +200,34 @@ async def test_a_retried_publish_runs_once(
         await event.wait()
     assert await ask(fe, heard, "fay", "next") == "next|hi|F"
     assert metric_value(worker.metrics(), "turnrouter_turns_total") == 2
+
+
+async def test_a_publish_that_cannot_run_is_refused_up_front(
+        nats_server: NatsServer, worker: Worker, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """`publish` refuses, publishing nothing, what would leave a turn that never ends: a
+    query over `max_message_bytes` (workers refuse it), a `Nats-*` header (a caller's
+    `Nats-Msg-Id` would replace the participant-scoped one, and the stream would drop
+    another participant's query as its duplicate), and a message the server refuses for
+    good (a larger bound than the stream's: a retry would be refused again, so it is not
+    the `LifecycleError` that says to publish again). Headers of the caller's own travel."""
+    fe, heard = front
+    with pytest.raises(ContractValueError, match="max_message_bytes"):
+        await fe.publish(UserQuery(participant_id="gus", text="x" * 66_000))
+    victim = UserQuery(participant_id="hal", text="mine")
+    with pytest.raises(ContractValueError, match="Nats-"):
+        await fe.publish(UserQuery(participant_id="gus", text="hi"),
+                         headers={"Nats-Msg-Id": f"{encode_token('hal')}.{victim.message_id}"})
+    loose = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url,
+                                                  max_message_bytes=200_000))
+    try:
+        with pytest.raises(ContractValueError, match="refused by the server"):
+            await loose.publish(UserQuery(participant_id="gus", text="x" * 100_000))
+    finally:
+        await loose.close()
+    event = heard.events.setdefault(victim.message_id, asyncio.Event())
+    await fe.publish(victim, headers={"X-Request-Id": "r-1"})
+    async with asyncio.timeout(15):
+        await event.wait()
+    assert [o.text for o in heard.finals[victim.message_id]] == ["mine|-|N"]
+    assert await ask(fe, heard, "gus", "next") == "next|-|N"
+    assert metric_value(worker.metrics(), "turnrouter_runtime_rejected_messages_total") == 0

@@ -23,6 +23,8 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import MaxPayloadError
+from nats.js.errors import BadRequestError
 from pydantic import ValidationError
 
 from ..._exceptions import (
@@ -31,6 +33,7 @@ from ..._exceptions import (
     LifecycleError,
     TurnrouterError,
 )
+from ..._redact import preview
 from .._messages import Interrupted, ResponseOutput, RuntimeMessage
 from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
@@ -133,22 +136,41 @@ class NatsFrontEnd:
         stream drop a second copy within the deduplication window (2 min). A fleet-wide
         interrupt (`Interrupted` without a participant) is not stored: it returns once
         the server handled it, `LifecycleError` when the server refused it for the
-        connection's permissions."""
+        connection's permissions.
+
+        `ContractValueError`, nothing published: a message over `max_message_bytes` as
+        JSON (workers would refuse it), a `Nats-*` key in `headers` (extra headers, e.g.
+        your own correlation ids), or a refusal of the server that a retry would meet
+        again."""
         try:
             kind = kind_of(message)
         except TypeError as exc:
             raise ContractTypeError(str(exc)) from exc
+        for key in headers or ():
+            if not isinstance(key, str) or key[:5].lower() == "nats-":
+                raise ContractValueError(
+                    f"publish() header {preview(key)}: Nats-* headers belong to the server "
+                    "and to this front end (its Nats-Msg-Id makes a retry run once); pass "
+                    "trace context and headers of your own only")
         pid = getattr(message, "participant_id", None)
         # Scoped to the participant: two participants may reuse a message id.
         msg_id = message.message_id if pid is None else input_message_id(pid, message.message_id)
-        hdrs = {"Nats-Msg-Id": msg_id, **message.trace_carrier(), **(headers or {})}
+        hdrs = {**message.trace_carrier(), **(headers or {}), "Nats-Msg-Id": msg_id}
         data = message.model_dump_json().encode("utf-8")
+        if len(data) > self._config.max_message_bytes:
+            # Workers refuse it unrun: said now, instead of a turn that never ends.
+            raise ContractValueError(
+                f"{kind} of {len(data)} bytes as JSON is over max_message_bytes "
+                f"({self._config.max_message_bytes}): workers refuse it; not published")
         try:
             if isinstance(message, Interrupted) and message.participant_id is None:
                 await self._interrupt_all(data, hdrs)
                 return
             assert isinstance(pid, str)
             await self._js.publish(self._config.input_subject(pid, kind), data, headers=hdrs)
+        except (BadRequestError, MaxPayloadError) as exc:
+            raise ContractValueError(f"publishing {kind} refused by the server: {exc!r} "
+                                     f"(for good: publishing it again is refused too)") from exc
         except NatsError as exc:
             raise LifecycleError(f"publishing {kind} failed: {exc!r}") from exc
 
