@@ -27,7 +27,7 @@ from turnrouter.runtime.nats import (
 )
 
 from .app import PREAMBLE, make_router
-from .conftest import NatsServer, Worker, metric_value, settled, until_true
+from .conftest import NatsServer, Worker, cancelled, metric_value, settled, until_true
 from .crowd import FAILURE, ask, listening
 from .proxy import proxied, reads_of
 
@@ -39,8 +39,9 @@ LEFT = 4
 
 async def rewrite(nc: Client, config: NatsConfig, writing: asyncio.Event) -> None:
     """Rewrite a record of every partition (nothing unfinished in it), 16 times per
-    partition and round, until cancelled; `writing` is set once a round was stored.
-    While the server is away, a round is tried again 0.1 s later."""
+    partition and round, until cancelled (by `cancelled`: a plain `cancel()` may be lost
+    on Python 3.11); `writing` is set once a round was stored. While the server is away,
+    a round is tried again 0.1 s later."""
     keys = [f"$KV.{config.bucket}.{n}.{encode_token(f'busy-{n}')}"
             for n in range(config.partitions)]
     count = 0
@@ -82,8 +83,9 @@ async def test_a_takeover_ends_every_turn_left_in_flight_while_records_change(
     try:
         async with asyncio.timeout(15):
             await writing.wait()
-        worker = await asyncio.to_thread(Worker, nats_server.url, "heir")
-        front = await NatsFrontEnd.connect(config)
+        worker = await asyncio.to_thread(Worker, nats_server.url, "heir")  # bounded: 60 s
+        async with asyncio.timeout(15):
+            front = await NatsFrontEnd.connect(config)
         try:
             async with asyncio.timeout(30):  # every turn ended (a liveness bound)
                 async for out in front.outputs(deliver_new=False):
@@ -98,9 +100,7 @@ async def test_a_takeover_ends_every_turn_left_in_flight_while_records_change(
         finally:
             await front.close()
     finally:
-        for task in writers:
-            task.cancel()
-        await asyncio.gather(*writers, return_exceptions=True)
+        await cancelled(*writers)
         with contextlib.suppress(Exception):
             await settled(nc)
         await nc.close()
@@ -120,8 +120,10 @@ async def test_the_survivor_of_an_owner_and_server_crash_ends_its_turns() -> Non
     server = NatsServer(sync_always=True)
     config = NatsConfig(url=server.url)
     workers = [await asyncio.to_thread(Worker, server.url, "doomed")]
-    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    front = await NatsFrontEnd.connect(config)
+    async with asyncio.timeout(15):
+        nc = await nats.connect(server.url, max_reconnect_attempts=-1,
+                                reconnect_time_wait=0.1)
+        front = await NatsFrontEnd.connect(config)
     pids = [f"long-{i}" for i in range(16)]
     finals: dict[str, list[ResponseOutput]] = {}
     started: set[str] = set()
@@ -167,9 +169,7 @@ async def test_the_survivor_of_an_owner_and_server_crash_ends_its_turns() -> Non
         assert {pid: [(o.request_id, o.route, o.text) for o in finals[pid]]
                 for pid in pids} == {pid: [("t-1", "none", FAILURE)] for pid in pids}
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancelled(*tasks)
         await front.close()
         await nc.close()
         for worker in workers:
