@@ -573,6 +573,8 @@ def _parse_state(data: bytes) -> tuple[dict[str, Any], list[str], str | None, li
         record: Any = strict_json.loads(head)
     except RecursionError as exc:
         raise ValueError("state record nested too deeply") from exc
+    except ValueError as exc:
+        raise ValueError(f"state record is not valid JSON: {exc}") from None
     if not isinstance(record, dict):
         raise ValueError("state record is not a JSON object")
     inflight, outbox = record.get("inflight", []), record.get("outbox", [])
