@@ -232,3 +232,57 @@ async def test_a_turn_the_router_refuses_ends_with_the_failure_text_and_is_count
         assert metric_value(generate_latest(registry).decode(),
                             "turnrouter_runtime_rejected_messages_total",
                             'reason="closed",topic="nats_input"') == 1
+
+
+class _LosesACancel(Destination):
+    """Answers "hi" at once, except "hold": that answer waits for ever and survives its
+    first cancellation, as an await through Python 3.11's `asyncio.wait_for` does when
+    the cancellation comes with the awaited reply (CPython gh-86296)."""
+
+    def __init__(self) -> None:
+        super().__init__("holds")
+        self.holding = asyncio.Event()
+
+    async def answer(self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+                     ) -> DestinationResult:
+        await started()
+        if turn.query != "hold":
+            return DestinationResult(text="hi")
+        self.holding.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass  # the lost cancellation
+        await asyncio.Event().wait()
+        return DestinationResult(text="never")
+
+
+async def test_a_cancelled_run_ends_though_a_task_lost_its_first_cancellation(
+        nats_server: NatsServer) -> None:
+    """The process going down cancels run(): every task it started is cancelled, also
+    one that lost the first cancellation (cancelled again until it ends). Before, the
+    end waited for it for good: a worker stuck in its shutdown, whatever the signals."""
+    before = asyncio.all_tasks()
+    holds = _LosesACancel()
+
+    def factory(ctx: WorkerContext) -> AgentRouter:
+        return AgentRouter({"echo": holds}, LexicalDecisions(fallback_route="echo"),
+                           default_destination="echo")
+
+    config = NatsConfig(url=nats_server.url)
+    worker = NatsWorker(factory, config, registry=CollectorRegistry())
+    run = asyncio.create_task(worker.run())
+    async with asyncio.timeout(15):
+        await worker.ready.wait()
+    front = await NatsFrontEnd.connect(config)
+    try:
+        await front.publish(UserQuery(participant_id="zed", text="hold"))
+        async with asyncio.timeout(15):
+            await holds.holding.wait()
+    finally:
+        await front.close()
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(20):
+            await run
+    assert asyncio.all_tasks() - before - {asyncio.current_task()} == set()

@@ -23,6 +23,7 @@ from nats.errors import Error as NatsError
 
 from ..._exceptions import LifecycleError
 from ..._redact import redact_text
+from ._cancel import cancel_and_wait
 from ._wire import NatsConfig
 
 __all__ = ["PlaintextRefusedError", "connect", "connect_options", "inbox_prefix",
@@ -75,8 +76,7 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
         await asyncio.wait(either, timeout=patience, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not connecting.done():
-            connecting.cancel()
-            await asyncio.gather(connecting, return_exceptions=True)
+            await cancel_and_wait((connecting,))  # nats-py's retries may lose one
             await asyncio.gather(nc.close(), return_exceptions=True)
     if not connecting.cancelled() and connecting.exception() is None:
         return nc

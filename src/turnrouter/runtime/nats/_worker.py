@@ -38,6 +38,7 @@ from ..._redact import preview
 from ..._router import AgentRouter
 from ..._timing import TimingPredictor, TimingSample
 from ._backpressure import backpressure
+from ._cancel import cancel_and_wait
 from ._connection import Connection, Readiness
 from ._fleet import Fleet, fleet_limits, fleet_topic, valid_replica
 from ._inputs import Inputs
@@ -165,6 +166,7 @@ class NatsWorker:
         """Serve until `request_stop()`; then drain and hand the partitions over."""
         config = self.config
         lost = asyncio.Event()
+        graceful = False
 
         async def closed() -> None:
             if not self._stop.is_set():
@@ -215,21 +217,21 @@ class NatsWorker:
             if lost.is_set():
                 raise LifecycleError(connection.why_lost())
             await self._shutdown(loops, helpers)
+            graceful = True
         finally:
             background = [*self._tasks, *loops, *helpers] if self.ready.is_set() \
                 else list(self._tasks)
             if self._fleet is not None:
                 self._fleet.abandon()
-            await _to_the_end(self._release(nc, background, lost.is_set()))
+            await _to_the_end(self._release(nc, background, lost.is_set(), graceful))
 
     async def _release(self, nc: Client, background: list[asyncio.Task[Any]],
-                       lost: bool) -> None:
-        """The end of `run`: background tasks cancelled, the connection closed (drained
-        after a start that finished and a server still there)."""
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        if self._router is not None and lost:
+                       lost: bool, graceful: bool) -> None:
+        """The end of `run`: background tasks cancelled, the router stopped (unless a
+        graceful stop did: its tasks, the load sampler say, end with it), the connection
+        closed (drained after a start that finished and a server still there)."""
+        await cancel_and_wait(background)
+        if self._router is not None and not graceful:
             with contextlib.suppress(Exception):
                 await self._router.stop()
         with contextlib.suppress(Exception):
@@ -254,8 +256,7 @@ class NatsWorker:
             await asyncio.gather(*loops, return_exceptions=True)
             await self._drain_and_hand_over()
         finally:
-            holder.cancel()
-            await asyncio.gather(holder, return_exceptions=True)
+            await cancel_and_wait((holder,))
         await self.router.stop()
         await self.fleet.close()
         self._pins.clear()
