@@ -184,7 +184,7 @@ def test_a_junk_ended_list_is_a_value_error(junk: object) -> None:
                                       for t in junk) and len(junk) <= 64:
         assert parse_record(data).ended == junk[-MAX_ENDED:]
     else:
-        with pytest.raises(ValueError, match="ended|not valid JSON"):  # Infinity, NaN
+        with pytest.raises(ValueError, match=r"ended|not valid JSON"):  # Infinity, NaN
             parse_record(data)
 
 

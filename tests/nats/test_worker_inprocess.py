@@ -4,6 +4,7 @@ task behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -249,10 +250,8 @@ class _LosesACancel(Destination):
         if turn.query != "hold":
             return DestinationResult(text="hi")
         self.holding.set()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):  # the lost cancellation
             await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            pass  # the lost cancellation
         await asyncio.Event().wait()
         return DestinationResult(text="never")
 
