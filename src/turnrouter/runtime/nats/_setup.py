@@ -84,6 +84,22 @@ def _output_stream(config: NatsConfig) -> dict[str, Any]:
     }
 
 
+def _output_mirror(config: NatsConfig) -> dict[str, Any]:
+    """The front ends' account's copy of the output stream (`NatsConfig.front_api`): the
+    consumers front ends create read it, so what they deliver stays in their account,
+    where no worker subscribes."""
+    return {
+        "name": config.output_stream,
+        "mirror": {"name": config.output_stream,
+                   "external": {"api": config.mirror_api, "deliver": config.mirror_deliver}},
+        "retention": "limits",
+        "storage": "file",
+        "max_bytes": config.output_max_bytes,
+        "max_age": int(config.output_max_age * _NS),
+        "discard": "old",
+    }
+
+
 def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
     """One partition's durable consumer: one pinned client, one message in flight."""
     return {
@@ -104,19 +120,20 @@ def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
 _STREAM_DIFFERS = 10058
 
 
-async def _create_stream(nc: Client, stream: dict[str, Any]) -> None:
-    """Create `stream`, or accept an identical existing one; a different existing one is
-    a `ConfigurationError` naming the settings that differ (a replica or front end of
-    another configuration, or an earlier turnrouter, created it)."""
+async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API") -> None:
+    """Create `stream` (through the JetStream API at `api`), or accept an identical
+    existing one; a different existing one is a `ConfigurationError` naming the settings
+    that differ (a replica or front end of another configuration, or an earlier
+    turnrouter, created it)."""
     name = stream["name"]
     try:
-        await api_request(nc, f"$JS.API.STREAM.CREATE.{name}", stream)
+        await api_request(nc, f"{api}.STREAM.CREATE.{name}", stream)
     except _Refused as exc:
         error = exc.error
         if not (isinstance(error, dict) and error.get("err_code") == _STREAM_DIFFERS):
             raise
         try:
-            info = await api_request(nc, f"$JS.API.STREAM.INFO.{name}")
+            info = await api_request(nc, f"{api}.STREAM.INFO.{name}")
             existing = info.get("config")
         except (ConfigurationError, LifecycleError):
             existing = None
@@ -136,6 +153,8 @@ async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
     the bucket."""
     for stream in (_input_stream(config), _output_stream(config)):
         await _create_stream(nc, stream)
+    if config.front_api is not None:
+        await _create_stream(nc, _output_mirror(config), config.front_api)
     for partition in range(config.partitions):
         name = config.consumer(partition)
         await api_request(nc, f"$JS.API.CONSUMER.CREATE.{config.stream}.{name}",
