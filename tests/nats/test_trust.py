@@ -42,7 +42,8 @@ DEPLOY = ROOT / "deploy" / "nats"
 PASSWORDS = {"TURNROUTER_WORKER_PASSWORD": "worker-secret-5150",
              "TURNROUTER_FRONTEND_PASSWORD": "frontend-secret-8086"}
 WORKER_ENV = {"TURNROUTER_NATS_PASSWORD": PASSWORDS["TURNROUTER_WORKER_PASSWORD"]}
-#: How a worker of the shipped configuration names the front ends' account's API.
+#: Where the shipped configuration imports the front ends' account's API (a worker
+#: looks there unless told otherwise).
 FRONT_API = ("--front-api", "$JS.FRONT.API")
 
 
@@ -79,7 +80,7 @@ async def test_locked_fleet_answers_with_the_right_credentials(locked: NatsServe
     """A worker (`--nats-user worker`, password from the environment) and a front end
     (`NatsConfig(user=..., password=...)`) of the shipped configuration work end to end;
     the password is nowhere on the worker's command line."""
-    worker = Worker(locked.url, "locked", "--nats-user", "worker", *FRONT_API, env=WORKER_ENV)
+    worker = Worker(locked.url, "locked", "--nats-user", "worker", env=WORKER_ENV)
     try:
         front = await NatsFrontEnd.connect(frontend_config(locked.url))
         try:
@@ -152,7 +153,7 @@ async def test_a_front_ends_consumer_delivers_nothing_to_the_workers(
     read their own account's mirror of the output stream, so the replay stays in that
     account: the consumer has outputs pending and has delivered none, the workers count
     no control message, and turns are answered."""
-    worker = Worker(locked.url, "locked", "--nats-user", "worker", *FRONT_API, env=WORKER_ENV)
+    worker = Worker(locked.url, "locked", "--nats-user", "worker", env=WORKER_ENV)
     front = await NatsFrontEnd.connect(frontend_config(locked.url))
     nc = await nats.connect(locked.url, user="frontend",
                             password=PASSWORDS["TURNROUTER_FRONTEND_PASSWORD"],
@@ -324,7 +325,7 @@ async def test_end_to_end_over_tls(certificates: Path) -> None:
                               "--tlskey", str(certificates / "server-key.pem")])
     worker = None
     try:
-        worker = Worker(server.url, "tls", "--nats-user", "worker", *FRONT_API, "--tls-ca",
+        worker = Worker(server.url, "tls", "--nats-user", "worker", "--tls-ca",
                         str(certificates / "ca.pem"), env=WORKER_ENV)
         front = await NatsFrontEnd.connect(
             frontend_config(server.url, tls_ca_file=str(certificates / "ca.pem")))
@@ -583,7 +584,7 @@ async def test_a_refused_fleet_wide_interrupt_is_raised(locked: NatsServer) -> N
     returned normally and only nats-py's error callback heard of it). A participant's
     interrupt, which goes to the input stream, is still accepted on the same
     connection."""
-    worker = Worker(locked.url, "locked", "--nats-user", "worker", *FRONT_API, env=WORKER_ENV)
+    worker = Worker(locked.url, "locked", "--nats-user", "worker", env=WORKER_ENV)
     front = await NatsFrontEnd.connect(frontend_config(locked.url))
     try:
         with pytest.raises(LifecycleError, match=r"refused 'turnrouter\.ctl\.interrupt'"):

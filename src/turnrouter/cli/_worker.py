@@ -77,9 +77,10 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-key", default=None, metavar="FILE",
                         help="client certificate's key (env TURNROUTER_NATS_TLS_KEY)")
     parser.add_argument("--front-api", default=None, metavar="PREFIX",
-                        help="where the front ends' own account's JetStream API is imported "
-                             "(deploy/nats/nats-server.conf: '$JS.FRONT.API'): the worker "
-                             "also creates that account's mirror of the output stream")
+                        help="where the front ends' own account's JetStream API is imported, "
+                             "for the worker to create that account's mirror of the output "
+                             "stream (default: where deploy/nats/nats-server.conf imports it, "
+                             "'$JS.FRONT.API', if anything answers there)")
     parser.add_argument("--prefix", default="turnrouter",
                         help="subject prefix (default turnrouter)")
     parser.add_argument("--partitions", type=int, default=16,

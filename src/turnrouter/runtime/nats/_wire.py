@@ -146,9 +146,10 @@ class NatsConfig:
     read outputs as they come, so only a late replay misses what they dropped.
 
     `front_api`: where the workers reach the JetStream API of the front ends' own
-    account, in a deployment that keeps front ends in an account of their own
-    (deploy/nats/: "$JS.FRONT.API"); each worker then also creates (or accepts) there
-    the account's mirror of the output stream, which front ends read. None: one account.
+    account, in a deployment that keeps front ends in an account of their own: each
+    worker creates (or accepts) there that account's mirror of the output stream, which
+    its front ends read. None looks where deploy/nats/nats-server.conf imports it
+    ("$JS.FRONT.API") and does nothing when nothing answers there (one account).
 
     `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
     before it exits with an error. `fleet_backlog`: messages of each fleet subject
