@@ -24,6 +24,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry
 
 import nats
@@ -31,7 +32,7 @@ from turnrouter import ConfigurationError, LifecycleError
 from turnrouter.runtime import Interrupted, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
 
-from .conftest import ROOT, NatsServer, Worker, free_port, settled
+from .conftest import ROOT, NatsServer, Worker, free_port, metric_value, settled
 from .crowd import Heard, ask, listen, listening
 from .proxy import proxied
 
@@ -41,6 +42,9 @@ DEPLOY = ROOT / "deploy" / "nats"
 PASSWORDS = {"TURNROUTER_WORKER_PASSWORD": "worker-secret-5150",
              "TURNROUTER_FRONTEND_PASSWORD": "frontend-secret-8086"}
 WORKER_ENV = {"TURNROUTER_NATS_PASSWORD": PASSWORDS["TURNROUTER_WORKER_PASSWORD"]}
+#: Where the shipped configuration imports the front ends' account's API (a worker
+#: looks there unless told otherwise).
+FRONT_API = ("--front-api", "$JS.FRONT.API")
 
 
 def frontend_config(url: str, tls_ca_file: str | None = None) -> NatsConfig:
@@ -105,7 +109,7 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
     await settled(worker_nc)
     refusals: list[str] = []
     all_refused = asyncio.Event()
-    expected = 10  # the eight publishes and two subscriptions below
+    expected = 12  # the ten publishes and two subscriptions below
 
     async def collect(exc: Exception) -> None:
         if "permissions violation" in str(exc).lower():
@@ -119,7 +123,8 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
     forbidden = ["turnrouter.ctl.interrupt", "turnrouter.presence", "turnrouter.timing",
                  "turnrouter.out.YWxpY2U", "turnrouter.probe.0",
                  "$KV.turnrouter_state.0.YWxpY2U", "$JS.API.STREAM.DELETE.TURNROUTER_IN",
-                 "$JS.API.CONSUMER.CREATE.TURNROUTER_IN.p0"]
+                 "$JS.API.CONSUMER.CREATE.TURNROUTER_IN.p0",
+                 "$JS.TURNROUTER.API.CONSUMER.CREATE.TURNROUTER_OUT", "turnrouter.mirror.x"]
     try:
         for subject in forbidden:
             await front_nc.publish(subject, b'{"replica":"fake","owned":0}')
@@ -136,6 +141,41 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
     finally:
         await front_nc.close()
         await worker_nc.close()
+
+
+async def test_a_front_ends_consumer_delivers_nothing_to_the_workers(
+        locked: NatsServer) -> None:
+    """A front end's user may create consumers of the output stream (it reads outputs
+    that way), and the server does not check a consumer's deliver subject against its
+    creator's permissions. Pointed at a fleet subject with `deliver_policy: all`, such a
+    consumer replayed every stored output into every worker: 20 of them got the workers
+    cut off as slow consumers and turns failed. In the shipped configuration front ends
+    read their own account's mirror of the output stream, so the replay stays in that
+    account: the consumer has outputs pending and has delivered none, the workers count
+    no control message, and turns are answered."""
+    worker = Worker(locked.url, "locked", "--nats-user", "worker", env=WORKER_ENV)
+    front = await NatsFrontEnd.connect(frontend_config(locked.url))
+    nc = await nats.connect(locked.url, user="frontend",
+                            password=PASSWORDS["TURNROUTER_FRONTEND_PASSWORD"],
+                            inbox_prefix="_INBOX_turnrouter_frontend")
+    try:
+        assert await answered_by_fleet(front, "ann", "hello") == "hello|-|N"
+        js = nc.jetstream()
+        for k in range(4):
+            await js.add_consumer("TURNROUTER_OUT", ConsumerConfig(
+                name=f"replay{k}", deliver_subject="turnrouter.ctl.interrupt",
+                deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE))
+        assert await answered_by_fleet(front, "ann", "again") == "again|hello|F"
+        for k in range(4):
+            info = await js.consumer_info("TURNROUTER_OUT", f"replay{k}")
+            assert info.num_pending is not None and info.num_pending >= 2
+            assert info.delivered is not None and info.delivered.stream_seq == 0
+        assert metric_value(worker.metrics(), "turnrouter_runtime_rejected_messages_total",
+                            'topic="nats_control"') == 0
+    finally:
+        await nc.close()
+        await front.close()
+        worker.close()
 
 
 async def test_unauthenticated_and_wrong_credentials_are_refused(
@@ -166,22 +206,24 @@ def nkey_user() -> tuple[str, str]:
 
 async def test_nkey_users_with_the_shipped_permissions(tmp_path: Path) -> None:
     """Workers and front ends authenticated by nkey seed files (`--nats-nkey`,
-    `NatsConfig(nkey_seed_file=...)`) under the shipped permissions work end to end."""
+    `NatsConfig(nkey_seed_file=...)`) under the shipped accounts and permissions (the
+    shipped configuration with nkey users instead of passwords) work end to end."""
     (worker_seed, worker_key), (front_seed, front_key) = nkey_user(), nkey_user()
     shutil.copy(DEPLOY / "permissions.conf", tmp_path / "permissions.conf")
     conf = tmp_path / "nkeys.conf"
-    conf.write_text(
-        "include ./permissions.conf\n"
-        "accounts { TURNROUTER { jetstream: enabled, users: [\n"
-        f"  {{nkey: {worker_key}, permissions: $WORKER_PERMISSIONS}}\n"
-        f"  {{nkey: {front_key}, permissions: $FRONTEND_PERMISSIONS}}\n"
-        "] } }\n")
+    shipped = (DEPLOY / "nats-server.conf").read_text()
+    for user, key in (("worker", worker_key), ("frontend", front_key)):
+        password = f"{{user: {user}, password: $TURNROUTER_{user.upper()}_PASSWORD,"
+        assert password in shipped
+        shipped = shipped.replace(password, f"{{nkey: {key},")
+    conf.write_text(shipped)  # the ports: the server's flags replace them
     for name, seed in (("worker.nk", worker_seed), ("front.nk", front_seed)):
         (tmp_path / name).write_text(seed + "\n")
     server = NatsServer(config=conf)
     worker = None
     try:
-        worker = Worker(server.url, "nkeyed", "--nats-nkey", str(tmp_path / "worker.nk"))
+        worker = Worker(server.url, "nkeyed", "--nats-nkey", str(tmp_path / "worker.nk"),
+                        *FRONT_API)
         front = await NatsFrontEnd.connect(
             NatsConfig(url=server.url, nkey_seed_file=str(tmp_path / "front.nk")))
         try:

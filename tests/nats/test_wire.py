@@ -162,6 +162,30 @@ def test_fleet_backlog_is_an_int_within_its_bound(value: object) -> None:
         NatsConfig(fleet_backlog=value)  # type: ignore[arg-type]
 
 
+@given(st.one_of(st.text(max_size=80), st.text(st.sampled_from("$JS.AFRONTPI*>_- \n"),
+                                                 max_size=40),
+                 st.integers(), st.none(), st.binary(max_size=10)))
+def test_front_api_is_a_literal_subject_prefix(value: object) -> None:
+    """`front_api` is None or a subject prefix of literal tokens (no wildcard, space or
+    empty token) other than this account's own `$JS.API`; anything else is a
+    ConfigurationError naming the field. The mirror it leads to is named after the
+    prefix of the deployment."""
+    tokens = value.split(".") if isinstance(value, str) else []
+    ok = value is None or (
+        isinstance(value, str) and 1 <= len(tokens) <= 8
+        and all(t and len(t) <= 64 and all(c.isascii() and (c.isalnum() or c in "_$-")
+                                           for c in t) for t in tokens)
+        and not value.startswith("$JS.API"))
+    if ok:
+        config = NatsConfig(front_api=value)  # type: ignore[arg-type]
+        assert config.front_api == value
+        assert (config.mirror_api, config.mirror_deliver) == (
+            "$JS.TURNROUTER.API", "turnrouter.mirror")
+        return
+    with pytest.raises(ConfigurationError, match="front_api"):
+        NatsConfig(front_api=value)  # type: ignore[arg-type]
+
+
 URL_PARTS = st.text(st.sampled_from("ab1:/@[]%?#.-_ \u00e9"), max_size=12)
 
 

@@ -76,6 +76,11 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="client certificate (env TURNROUTER_NATS_TLS_CERT)")
     parser.add_argument("--tls-key", default=None, metavar="FILE",
                         help="client certificate's key (env TURNROUTER_NATS_TLS_KEY)")
+    parser.add_argument("--front-api", default=None, metavar="PREFIX",
+                        help="where the front ends' own account's JetStream API is imported, "
+                             "for the worker to create that account's mirror of the output "
+                             "stream (default: where deploy/nats/nats-server.conf imports it, "
+                             "'$JS.FRONT.API', if anything answers there)")
     parser.add_argument("--prefix", default="turnrouter",
                         help="subject prefix (default turnrouter)")
     parser.add_argument("--partitions", type=int, default=16,
@@ -174,7 +179,8 @@ def worker_main(argv: Sequence[str]) -> int:
                             failover_timeout=args.failover_timeout, ack_wait=args.ack_wait,
                             drain_timeout=args.drain_timeout, mark_after=args.mark_after,
                             reconnect_for=args.reconnect_for,
-                            max_input_wait=args.max_input_wait, **settings)
+                            max_input_wait=args.max_input_wait,
+                            front_api=args.front_api, **settings)
     except (ValueError, TurnrouterError) as exc:
         if args.debug:
             traceback.print_exc()

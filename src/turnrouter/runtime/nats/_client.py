@@ -184,8 +184,8 @@ class NatsFrontEnd:
         subject, before = self._config.interrupt_all_subject, self._refusals.count
         await self._nc.publish(subject, data, headers=headers)
         try:
-            await self._nc.request(f"$JS.API.STREAM.INFO.{self._config.stream}", b"",
-                                   timeout=_PUBLISH_TIMEOUT)
+            await self._nc.request(f"$JS.API.STREAM.INFO.{self._config.output_stream}",
+                                   b"", timeout=_PUBLISH_TIMEOUT)
         except NatsError as exc:
             raise LifecycleError(f"publishing interrupt was not confirmed: {exc!r}") from exc
         if self._refusals.count != before and subject in self._refusals.subjects:
@@ -432,10 +432,12 @@ class _Refusals:
 
 
 async def _deployment_exists(nc: Client, config: NatsConfig) -> bool:
-    """Whether both streams exist (a look-up a front end's permissions allow)."""
-    for name in (config.stream, config.output_stream):
-        try:
-            await api_request(nc, f"$JS.API.STREAM.INFO.{name}", wait=2.0)
-        except TurnrouterError:
-            return False
+    """Whether the output stream exists (a look-up a front end's permissions allow): the
+    workers create it with the input stream. Only it: in a deployment whose front ends
+    have an account of their own (`NatsConfig.front_api`), theirs holds a mirror of it,
+    and the input stream is the workers' account's (inputs reach it by an import)."""
+    try:
+        await api_request(nc, f"$JS.API.STREAM.INFO.{config.output_stream}", wait=2.0)
+    except TurnrouterError:
+        return False
     return True

@@ -9,19 +9,26 @@ the server, a different existing one is reported as a `ConfigurationError`.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from nats.js.kv import KeyValue
 
 from ..._exceptions import ConfigurationError, LifecycleError
 from ._wire import NatsConfig
 
-__all__ = ["api_request", "ensure_deployment"]
+__all__ = ["FRONT_API", "api_request", "ensure_deployment"]
+
+logger = logging.getLogger("turnrouter.runtime.nats")
 
 _NS = 1_000_000_000
 GROUP = "turnrouter"
+#: Where deploy/nats/nats-server.conf imports the front ends' account's JetStream API
+#: into the workers' account (what `NatsConfig.front_api` None looks for).
+FRONT_API = "$JS.FRONT.API"
 
 
 class _Refused(ConfigurationError):
@@ -84,6 +91,41 @@ def _output_stream(config: NatsConfig) -> dict[str, Any]:
     }
 
 
+def _output_mirror(config: NatsConfig) -> dict[str, Any]:
+    """The front ends' account's copy of the output stream (`NatsConfig.front_api`): the
+    consumers front ends create read it, so what they deliver stays in their account,
+    where no worker subscribes."""
+    return {
+        "name": config.output_stream,
+        "mirror": {"name": config.output_stream,
+                   "external": {"api": config.mirror_api, "deliver": config.mirror_deliver}},
+        "retention": "limits",
+        "storage": "file",
+        "max_bytes": config.output_max_bytes,
+        "max_age": int(config.output_max_age * _NS),
+        "discard": "old",
+    }
+
+
+async def _ensure_front_mirror(nc: Client, config: NatsConfig) -> None:
+    """Create (or accept) the front ends' account's mirror of the output stream, through
+    its API at `config.front_api`, or where the shipped configuration imports it when
+    that is None: there, nothing answering means a deployment of one account (nothing to
+    do), and no reply at all (the subject refused by this user's permissions, say) is
+    logged and skipped."""
+    api = config.front_api or FRONT_API
+    try:
+        await _create_stream(nc, _output_mirror(config), api,
+                             wait=5.0 if config.front_api else 2.0)
+    except LifecycleError as exc:
+        if config.front_api is not None:
+            raise
+        if not isinstance(exc.__cause__, NoRespondersError):
+            logger.warning("turnrouter: no reply from %s (%s): no mirror of the output "
+                           "stream for a front ends' account created; name that API with "
+                           "--front-api if there is one", api, exc)
+
+
 def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
     """One partition's durable consumer: one pinned client, one message in flight."""
     return {
@@ -104,19 +146,21 @@ def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
 _STREAM_DIFFERS = 10058
 
 
-async def _create_stream(nc: Client, stream: dict[str, Any]) -> None:
-    """Create `stream`, or accept an identical existing one; a different existing one is
-    a `ConfigurationError` naming the settings that differ (a replica or front end of
-    another configuration, or an earlier turnrouter, created it)."""
+async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API",
+                         wait: float = 5.0) -> None:
+    """Create `stream` (through the JetStream API at `api`), or accept an identical
+    existing one; a different existing one is a `ConfigurationError` naming the settings
+    that differ (a replica or front end of another configuration, or an earlier
+    turnrouter, created it)."""
     name = stream["name"]
     try:
-        await api_request(nc, f"$JS.API.STREAM.CREATE.{name}", stream)
+        await api_request(nc, f"{api}.STREAM.CREATE.{name}", stream, wait=wait)
     except _Refused as exc:
         error = exc.error
         if not (isinstance(error, dict) and error.get("err_code") == _STREAM_DIFFERS):
             raise
         try:
-            info = await api_request(nc, f"$JS.API.STREAM.INFO.{name}")
+            info = await api_request(nc, f"{api}.STREAM.INFO.{name}")
             existing = info.get("config")
         except (ConfigurationError, LifecycleError):
             existing = None
@@ -136,6 +180,7 @@ async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
     the bucket."""
     for stream in (_input_stream(config), _output_stream(config)):
         await _create_stream(nc, stream)
+    await _ensure_front_mirror(nc, config)
     for partition in range(config.partitions):
         name = config.consumer(partition)
         await api_request(nc, f"$JS.API.CONSUMER.CREATE.{config.stream}.{name}",

@@ -82,6 +82,8 @@ KINDS: dict[str, type[RuntimeMessage]] = {
 #: The credential and TLS fields of `NatsConfig` (paths or names; secrets hidden in repr).
 _SECRET_FIELDS = ("password", "token")
 _AUTH_FIELDS = ("token", "creds_file", "nkey_seed_file")
+#: A JetStream API prefix imported from another account ($JS.FRONT.API): literal tokens.
+_API_PREFIX = re.compile(r"[A-Za-z0-9_$-]{1,64}(\.[A-Za-z0-9_$-]{1,64}){0,7}")
 _TEXT_FIELDS = ("user", "password", "token", "creds_file", "nkey_seed_file",
                 "tls_ca_file", "tls_cert_file", "tls_key_file")
 
@@ -143,6 +145,12 @@ class NatsConfig:
     `output_max_age` bound the output stream (the oldest outputs go first): front ends
     read outputs as they come, so only a late replay misses what they dropped.
 
+    `front_api`: where the workers reach the JetStream API of the front ends' own
+    account, in a deployment that keeps front ends in an account of their own: each
+    worker creates (or accepts) there that account's mirror of the output stream, which
+    its front ends read. None looks where deploy/nats/nats-server.conf imports it
+    ("$JS.FRONT.API") and does nothing when nothing answers there (one account).
+
     `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
     before it exits with an error. `fleet_backlog`: messages of each fleet subject
     (control, presence, timing) a worker holds unread; past it a flood's messages are
@@ -177,6 +185,7 @@ class NatsConfig:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    front_api: str | None = None
 
     def __repr__(self) -> str:
         shown = []
@@ -242,6 +251,12 @@ class NatsConfig:
         if not self.prefix or any(c in self.prefix for c in " .*>\t\r\n"):
             raise ConfigurationError(
                 f"NatsConfig.prefix must be one subject token, got {self.prefix!r}")
+        if self.front_api is not None and not (
+                isinstance(self.front_api, str) and _API_PREFIX.fullmatch(self.front_api)
+                and not self.front_api.startswith("$JS.API")):
+            raise ConfigurationError(
+                f"NatsConfig.front_api must be a subject prefix like $JS.FRONT.API (not "
+                f"this account's own $JS.API), got {preview(self.front_api)}")
         if not 1 <= self.partitions <= 1024:
             raise ConfigurationError(
                 f"NatsConfig.partitions must be in 1..1024, got {self.partitions}")
@@ -286,6 +301,17 @@ class NatsConfig:
     def output_stream(self) -> str:
         """The output stream: deduplicated router and destination output."""
         return f"{self.prefix.upper()}_OUT"
+
+    @property
+    def mirror_api(self) -> str:
+        """Where the front ends' account reaches this account's consumer creation, for its
+        mirror of the output stream (deploy/nats/nats-server.conf imports it there)."""
+        return f"$JS.{self.prefix.upper()}.API"
+
+    @property
+    def mirror_deliver(self) -> str:
+        """The subject prefix the front ends' mirror receives the output stream on."""
+        return f"{self.prefix}.mirror"
 
     @property
     def bucket(self) -> str:
