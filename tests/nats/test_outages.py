@@ -292,6 +292,19 @@ async def pulls_waiting(nc: Any, config: NatsConfig) -> list[int]:
     return counts
 
 
+async def one_pull_each(nc: Any, config: NatsConfig, after: str) -> None:
+    """Until each partition has one pull of the worker waiting, read 20 times in a row
+    (over more than two `pull_expires`); AssertionError after ~15 s."""
+    steady, counts = 0, [-1] * config.partitions
+    for _ in range(300):  # bounded poll of the server's state: at most ~15 s
+        counts = await pulls_waiting(nc, config)
+        steady = steady + 1 if counts == [1] * config.partitions else 0
+        if steady >= 20:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"pulls waiting per partition after {after}: {counts}")
+
+
 async def test_after_a_servers_return_each_partition_has_one_pull_waiting(
         nats_server: NatsServer) -> None:
     """The server is away longer than a pull waits for its reply, so the worker asks
@@ -319,15 +332,7 @@ async def test_after_a_servers_return_each_partition_has_one_pull_waiting(
         nats_server.restart()
         await until_true(lambda: worker.readiness.serving, "the worker came back", within=15)
         nc = await nats.connect(nats_server.url)
-        steady, counts = 0, [-1, -1]
-        for _ in range(300):  # bounded poll of the server's state: at most ~15 s
-            counts = await pulls_waiting(nc, config)
-            steady = steady + 1 if counts == [1, 1] else 0
-            if steady >= 20:  # one each, read 20 times over more than 2 pull_expires
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError(f"pulls waiting per partition after the outage: {counts}")
+        await one_pull_each(nc, config, "the outage")
         assert worker.owned_partitions == {0, 1}
     finally:
         if nc is not None:
@@ -371,15 +376,7 @@ async def test_a_short_freeze_of_the_server_leaves_one_pull_per_partition_and_th
                 await answered.wait()
             assert [o.text for o in heard.finals[query.message_id]] == ["during|-|N"]
             nc = await nats.connect(nats_server.url)
-            steady, counts = 0, [-1, -1]
-            for _ in range(300):  # bounded poll of the server's state: at most ~15 s
-                counts = await pulls_waiting(nc, config)
-                steady = steady + 1 if counts == [1, 1] else 0
-                if steady >= 20:  # one each, read 20 times over more than 2 pull_expires
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError(f"pulls waiting per partition after the freeze: {counts}")
+            await one_pull_each(nc, config, "the freeze")
             assert worker.owned_partitions == {0, 1}
             assert await ask(front, heard, "icy", "after") == "after|during|F"
     finally:
