@@ -178,6 +178,57 @@ async def test_a_front_ends_consumer_delivers_nothing_to_the_workers(
         worker.close()
 
 
+async def test_a_one_account_deployment_moves_to_the_shipped_accounts(
+        tmp_path: Path) -> None:
+    """docs/distributed.md, "Trust": a deployment of the earlier one-account
+    configuration restarts its server on the shipped one; streams and state stay in
+    TURNROUTER, the next worker creates FRONT's mirror (with the outputs given before),
+    and the front end, now in FRONT, carries on: the participant's history holds the turn
+    answered before the move."""
+    shutil.copy(DEPLOY / "permissions.conf", tmp_path / "permissions.conf")
+    one = tmp_path / "one-account.conf"
+    one.write_text(
+        "include ./permissions.conf\n"
+        "accounts { TURNROUTER { jetstream: enabled, users: [\n"
+        "  {user: worker, password: $TURNROUTER_WORKER_PASSWORD,"
+        " permissions: $WORKER_PERMISSIONS}\n"
+        "  {user: frontend, password: $TURNROUTER_FRONTEND_PASSWORD,"
+        " permissions: $FRONTEND_PERMISSIONS}\n"
+        "] } }\n")
+    server = NatsServer(config=one, env=PASSWORDS)
+    try:
+        worker = Worker(server.url, "before", "--nats-user", "worker", env=WORKER_ENV)
+        try:
+            front = await NatsFrontEnd.connect(frontend_config(server.url))
+            try:
+                assert await answered_by_fleet(front, "mo", "hello") == "hello|-|N"
+            finally:
+                await front.close()
+        finally:
+            worker.close()
+        server.crash()
+        server.command[server.command.index(str(one))] = str(DEPLOY / "nats-server.conf")
+        server.restart()
+        worker = Worker(server.url, "after", "--nats-user", "worker", env=WORKER_ENV)
+        try:
+            front = await NatsFrontEnd.connect(frontend_config(server.url))
+            try:
+                assert await answered_by_fleet(front, "mo", "next") == "next|hello|F"
+                texts = []
+                async with asyncio.timeout(15):
+                    async for out in front.outputs(deliver_new=False):
+                        texts.append(out.text)
+                        if out.text == "next|hello|F":
+                            break
+                assert texts == ["hello|-|N", "next|hello|F"]
+            finally:
+                await front.close()
+        finally:
+            worker.close()
+    finally:
+        server.close()
+
+
 async def test_unauthenticated_and_wrong_credentials_are_refused(
         locked: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
     """No credentials, or a wrong password, cannot connect; neither the error nor any log
