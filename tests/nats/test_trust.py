@@ -178,6 +178,16 @@ async def test_a_front_ends_consumer_delivers_nothing_to_the_workers(
         worker.close()
 
 
+async def test_a_front_end_started_before_any_worker_says_so(locked: NatsServer) -> None:
+    """In the shipped configuration a front end may only look the streams up: started
+    before any worker created them, it fails with an error saying that (and what the
+    server refused), not with the JetStream API's bare timeout."""
+    with pytest.raises(LifecycleError, match=r"workers create it; start one first") as err:
+        await NatsFrontEnd.connect(frontend_config(locked.url))
+    assert "$js.api.stream.create." in str(err.value).lower()
+    assert PASSWORDS["TURNROUTER_FRONTEND_PASSWORD"] not in str(err.value)
+
+
 async def test_a_one_account_deployment_moves_to_the_shipped_accounts(
         tmp_path: Path) -> None:
     """docs/distributed.md, "Trust": a deployment of the earlier one-account

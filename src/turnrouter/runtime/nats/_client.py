@@ -98,7 +98,17 @@ class NatsFrontEnd:
         nc = await connect(config, "frontend", on_denied=refusals.denied, **options)
         try:
             if not await _deployment_exists(nc, config):
-                await ensure_deployment(nc, config)
+                try:
+                    await ensure_deployment(nc, config)
+                except TurnrouterError as exc:
+                    if not refusals.count:
+                        raise
+                    # A locked deployment's front end may only look streams up.
+                    raise LifecycleError(
+                        f"the output stream {config.output_stream} does not exist, and "
+                        f"this user may not create the deployment (the server refused "
+                        f"{refusals.subjects[-1]!r}): the workers create it; start one "
+                        "first") from exc
         except BaseException:
             await nc.close()
             raise
