@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 import nats
 from turnrouter import ConfigurationError, LifecycleError
 from turnrouter.runtime import Interrupted, UserQuery
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
+from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, encode_token
 
 from .conftest import ROOT, NatsServer, Worker, free_port, metric_value, settled
 from .crowd import Heard, ask, listen, listening
@@ -151,8 +151,12 @@ async def test_a_front_ends_consumer_delivers_nothing_to_the_workers(
     consumer replayed every stored output into every worker: 20 of them got the workers
     cut off as slow consumers and turns failed. In the shipped configuration front ends
     read their own account's mirror of the output stream, so the replay stays in that
-    account: the consumer has outputs pending and has delivered none, the workers count
-    no control message, and turns are answered."""
+    account, where only the imports lead out: pointed at a fleet subject, at the
+    imported API the mirror uses (a literal import would count as a listener and replay
+    the outputs into the workers' account's API: it is a wildcard), or at the imported
+    inputs, such a consumer has outputs pending and has delivered none (or was removed
+    for having no listener); the workers count no control message, and turns are
+    answered."""
     worker = Worker(locked.url, "locked", "--nats-user", "worker", env=WORKER_ENV)
     front = await NatsFrontEnd.connect(frontend_config(locked.url))
     nc = await nats.connect(locked.url, user="frontend",
@@ -161,15 +165,23 @@ async def test_a_front_ends_consumer_delivers_nothing_to_the_workers(
     try:
         assert await answered_by_fleet(front, "ann", "hello") == "hello|-|N"
         js = nc.jetstream()
-        for k in range(4):
+        targets = ["turnrouter.ctl.interrupt", "turnrouter.presence", "turnrouter.timing",
+                   "$JS.TURNROUTER.API.CONSUMER.CREATE.TURNROUTER_OUT",
+                   "$JS.TURNROUTER.API.CONSUMER.CREATE.KV_turnrouter_state",
+                   f"turnrouter.in.{encode_token('ann')}.query", "turnrouter.mirror.x",
+                   "$JS.FC.TURNROUTER_OUT.x"]
+        for k, target in enumerate(targets):
             await js.add_consumer("TURNROUTER_OUT", ConsumerConfig(
-                name=f"replay{k}", deliver_subject="turnrouter.ctl.interrupt",
+                name=f"replay{k}", deliver_subject=target,
                 deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE))
         assert await answered_by_fleet(front, "ann", "again") == "again|hello|F"
-        for k in range(4):
-            info = await js.consumer_info("TURNROUTER_OUT", f"replay{k}")
-            assert info.num_pending is not None and info.num_pending >= 2
-            assert info.delivered is not None and info.delivered.stream_seq == 0
+        for k, target in enumerate(targets):
+            try:
+                info = await js.consumer_info("TURNROUTER_OUT", f"replay{k}")
+            except nats.js.errors.NotFoundError:
+                continue  # removed: nothing listened to what it would deliver
+            assert info.num_pending is not None and info.num_pending >= 2, target
+            assert info.delivered is not None and info.delivered.stream_seq == 0, target
         assert metric_value(worker.metrics(), "turnrouter_runtime_rejected_messages_total",
                             'topic="nats_control"') == 0
     finally:
