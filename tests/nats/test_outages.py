@@ -4,6 +4,7 @@ JetStream, and a deployment an operator deleted parts of (docs/distributed.md)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -292,6 +293,25 @@ async def pulls_waiting(nc: Any, config: NatsConfig) -> list[int]:
     return counts
 
 
+@contextlib.asynccontextmanager
+async def owning_two(url: str, registry: CollectorRegistry) -> AsyncIterator[NatsWorker]:
+    """An in-process worker of a two-partition deployment, once it owns both; stopped
+    gracefully (bounded) when the block ends."""
+    worker = NatsWorker(make_router, NatsConfig(url=url, partitions=2), replica="solo",
+                        registry=registry)
+    run = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        await until_true(lambda: worker.owned_partitions == {0, 1},
+                         "the worker owns both partitions", within=15)
+        yield worker
+    finally:
+        worker.request_stop()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+
+
 async def one_pull_each(nc: Any, config: NatsConfig, after: str) -> None:
     """Until each partition has one pull of the worker waiting, read 20 times in a row
     (over more than two `pull_expires`); AssertionError after ~15 s."""
@@ -317,29 +337,18 @@ async def test_after_a_servers_return_each_partition_has_one_pull_waiting(
     started there ended with the failure text), or delivered a message after a balance
     handover, left unread until it came back to the next owner as delivery 2 (the
     failure text, unrun)."""
-    config = NatsConfig(url=nats_server.url, partitions=2)
-    worker = NatsWorker(make_router, config, replica="solo")
-    run = asyncio.create_task(worker.run())
-    nc = None
-    try:
-        async with asyncio.timeout(15):
-            await worker.ready.wait()
-        await until_true(lambda: worker.owned_partitions == {0, 1},
-                         "the worker owns both partitions", within=15)
+    async with owning_two(nats_server.url, CollectorRegistry()) as worker:
         nats_server.crash()
         await until_true(lambda: not worker.readiness.serving, "the worker saw the outage")
         await asyncio.sleep(3.0)  # the outage under test: past a pull's wait (2.4 s)
         nats_server.restart()
         await until_true(lambda: worker.readiness.serving, "the worker came back", within=15)
         nc = await nats.connect(nats_server.url)
-        await one_pull_each(nc, config, "the outage")
-        assert worker.owned_partitions == {0, 1}
-    finally:
-        if nc is not None:
+        try:
+            await one_pull_each(nc, worker.config, "the outage")
+        finally:
             await nc.close()
-        worker.request_stop()
-        async with asyncio.timeout(30):
-            await asyncio.gather(run, return_exceptions=True)
+        assert worker.owned_partitions == {0, 1}
 
 
 async def test_a_short_freeze_of_the_server_leaves_one_pull_per_partition_and_the_turn(
@@ -350,42 +359,30 @@ async def test_a_short_freeze_of_the_server_leaves_one_pull_per_partition_and_th
     answering during the freeze is still answered (its record written once the server
     resumes), each partition is back to one waiting pull, and the next turn runs."""
     monkeypatch.setenv("TR_TEST_ANSWER_SECS", "1")
-    config = NatsConfig(url=nats_server.url, partitions=2)
     registry = CollectorRegistry()
-    worker = NatsWorker(make_router, config, replica="solo", registry=registry)
-    run = asyncio.create_task(worker.run())
-    nc = None
-    try:
-        async with asyncio.timeout(15):
-            await worker.ready.wait()
-        await until_true(lambda: worker.owned_partitions == {0, 1},
-                         "the worker owns both partitions", within=15)
-        async with listening(nats_server.url) as (front, heard):
-            query = UserQuery(participant_id="icy", text="during")
-            answered = heard.events.setdefault(query.message_id, asyncio.Event())
-            await front.publish(query)
-            await until_true(lambda: metric_value(
-                generate_latest(registry).decode(), "turnrouter_turns_in_flight") == 1,
-                "the turn is running")
-            nats_server.freeze()
-            try:
-                await asyncio.sleep(3.0)  # the freeze under test: past a pull's wait
-            finally:
-                nats_server.thaw()
-            async with asyncio.timeout(20):
-                await answered.wait()
-            assert [o.text for o in heard.finals[query.message_id]] == ["during|-|N"]
-            nc = await nats.connect(nats_server.url)
-            await one_pull_each(nc, config, "the freeze")
-            assert worker.owned_partitions == {0, 1}
-            assert await ask(front, heard, "icy", "after") == "after|during|F"
-    finally:
-        nats_server.thaw()
-        if nc is not None:
+    async with owning_two(nats_server.url, registry) as worker, \
+            listening(nats_server.url) as (front, heard):
+        query = UserQuery(participant_id="icy", text="during")
+        answered = heard.events.setdefault(query.message_id, asyncio.Event())
+        await front.publish(query)
+        await until_true(lambda: metric_value(
+            generate_latest(registry).decode(), "turnrouter_turns_in_flight") == 1,
+            "the turn is running")
+        nats_server.freeze()
+        try:
+            await asyncio.sleep(3.0)  # the freeze under test: past a pull's wait
+        finally:
+            nats_server.thaw()
+        async with asyncio.timeout(20):
+            await answered.wait()
+        assert [o.text for o in heard.finals[query.message_id]] == ["during|-|N"]
+        nc = await nats.connect(nats_server.url)
+        try:
+            await one_pull_each(nc, worker.config, "the freeze")
+        finally:
             await nc.close()
-        worker.request_stop()
-        async with asyncio.timeout(30):
-            await asyncio.gather(run, return_exceptions=True)
+        assert worker.owned_partitions == {0, 1}
+        assert await ask(front, heard, "icy", "after") == "after|during|F"
 
 
 async def test_a_front_end_closes_while_its_server_is_away(nats_server: NatsServer) -> None:
