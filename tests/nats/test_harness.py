@@ -15,26 +15,32 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="asyncio.wait_for keeps it from 3.12")
-async def test_wait_for_loses_a_cancellation_that_arrives_with_the_result() -> None:
+def test_wait_for_loses_a_cancellation_that_arrives_with_the_result() -> None:
     """Why `cancelled` cancels again: on Python 3.11 `asyncio.wait_for`, which nats-py
     awaits every reply with, returns the result instead of raising when the task is
     cancelled after the awaited future completed but before wait_for woke up (CPython
     gh-86296). test_takeover.py's `rewrite` loop lost its cancellation so and ran on for
-    good: the test hung in its `finally`, once in about 12 runs."""
-    reply: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    waiting = asyncio.Event()
+    good: the test hung in its `finally`, once in about 12 runs. (Run in an event loop of
+    its own: it is about asyncio alone, not about the tests' shared runner.)"""
 
-    async def request() -> str:
-        waiting.set()
-        return await asyncio.wait_for(reply, 10)
+    async def scenario() -> tuple[str, int]:
+        reply: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        waiting = asyncio.Event()
 
-    task = asyncio.create_task(request())
-    await waiting.wait()  # the task waits in wait_for (it set the event, then suspended)
-    reply.set_result("reply")  # wait_for is woken by a callback that is only scheduled
-    task.cancel()  # so the cancellation arrives first
-    async with asyncio.timeout(5):
-        assert await task == "reply"
-    assert task.cancelling() == 1  # asked for, and lost
+        async def request() -> str:
+            waiting.set()
+            return await asyncio.wait_for(reply, 10)
+
+        task = asyncio.create_task(request())
+        async with asyncio.timeout(5):
+            await waiting.wait()  # the task waits in wait_for (set, then suspended)
+        reply.set_result("reply")  # wait_for is woken by a callback only scheduled
+        task.cancel()  # so the cancellation arrives first
+        async with asyncio.timeout(5):
+            result = await task
+        return result, task.cancelling()
+
+    assert asyncio.run(scenario()) == ("reply", 1)  # asked for, and lost
 
 
 async def test_cancelled_ends_a_loop_that_lost_its_cancellation(
