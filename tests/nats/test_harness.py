@@ -21,7 +21,8 @@ def test_wait_for_loses_a_cancellation_that_arrives_with_the_result() -> None:
     cancelled after the awaited future completed but before wait_for woke up (CPython
     gh-86296). test_takeover.py's `rewrite` loop lost its cancellation so and ran on for
     good: the test hung in its `finally`, once in about 12 runs. (Run in an event loop of
-    its own: it is about asyncio alone, not about the tests' shared runner.)"""
+    its own: it is about asyncio alone, not about the tests' shared runner, which a
+    cancellation escaping a test stops for good.)"""
 
     async def scenario() -> tuple[str, int]:
         reply: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -29,7 +30,9 @@ def test_wait_for_loses_a_cancellation_that_arrives_with_the_result() -> None:
 
         async def request() -> str:
             waiting.set()
-            return await asyncio.wait_for(reply, 10)
+            # The standard library's own: importing pipecat replaces asyncio.wait_for
+            # with a backport of 3.12's (wait_for2) for the whole process.
+            return await asyncio.tasks.wait_for(reply, 10)
 
         task = asyncio.create_task(request())
         async with asyncio.timeout(5):
