@@ -164,8 +164,10 @@ async def test_the_survivor_of_an_owner_and_server_crash_ends_its_turns() -> Non
         workers[0].signal(signal.SIGKILL)
         await asyncio.to_thread(server.crash)
         await asyncio.to_thread(server.restart)
+        # A liveness bound ("for good" is the defect): on a loaded CI machine the
+        # server, fsyncing every write while records are rewritten, took over 30 s once.
         await until_true(lambda: set(finals) >= set(pids),
-                         "every long turn ended after the restart", within=30)
+                         "every long turn ended after the restart", within=60)
         assert {pid: [(o.request_id, o.route, o.text) for o in finals[pid]]
                 for pid in pids} == {pid: [("t-1", "none", FAILURE)] for pid in pids}
     finally:
