@@ -106,7 +106,7 @@ class TimingSample:
     def from_json(cls, line: str) -> TimingSample:
         """Parse one line written by `to_json` (ValueError naming the problem); lines
         without `feature` (older files) load with none."""
-        data = json.loads(line)  # a key twice: the last one (one reader: this)
+        data = json.loads(line)
         if not isinstance(data, dict):
             raise ValueError("a timing sample must be a JSON object")
         route, seconds = data.get("route"), data.get("seconds")
