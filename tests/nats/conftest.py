@@ -138,10 +138,13 @@ class Worker:
         environment = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
                        **(env or {})}
         self.name = name
+        # The log goes to a file: a pipe read only at the end blocked a worker that
+        # logged more than the pipe holds (64 KiB) until the test ended.
+        self._log = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [*launcher, sys.executable, "-m", "turnrouter", "worker", "--nats", url, "--app", app,
              "--replica", name, "--metrics-port", "0", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+            stdout=subprocess.PIPE, stderr=self._log, text=True, env=environment,
             cwd=ROOT)
         self.metrics_url = ""
         assert self.proc.stdout is not None
@@ -162,10 +165,9 @@ class Worker:
             timer.cancel()
 
     def stderr(self) -> str:
-        if self.proc.poll() is None:
-            return ""
-        assert self.proc.stderr is not None
-        return self.proc.stderr.read()
+        """What the worker logged so far."""
+        self._log.seek(0)
+        return self._log.read()
 
     def signal(self, sig: signal.Signals) -> None:
         self.proc.send_signal(sig)
@@ -179,6 +181,7 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        self._log.close()
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()

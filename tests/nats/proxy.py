@@ -35,6 +35,23 @@ class Hold:
         self.active = True
         self.event = asyncio.Event()
         self.held: list[tuple[asyncio.StreamWriter, bytes]] = []
+        self._more = asyncio.Event()
+
+    def add(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        self.held.append((writer, data))
+        self.event.set()
+        self._more.set()
+
+    async def holding(self, count: int) -> None:
+        """Return once `count` publishes are held (the caller bounds the wait)."""
+        while len(self.held) < count:
+            self._more.clear()
+            await self._more.wait()
+
+    def drop(self, count: int) -> None:
+        """Forget the first `count` publishes held: the server never gets them, as
+        when they were lost with a connection."""
+        del self.held[:count]
 
     def release(self) -> int:
         """Send what was held to the server, in order, and hold nothing more; how many
@@ -156,8 +173,7 @@ class NatsProxy:
                     writer.write(data)
                     await writer.drain()
                 else:
-                    hold.held.append((writer, data))
-                    hold.event.set()
+                    hold.add(writer, data)
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:

@@ -131,6 +131,9 @@ class Ledger:
         #: Writes that got no answer (an outage fails one per participant writing): the
         #: log shows the first, then every power of ten, each with the count so far.
         self.write_failures = 0
+        #: Claims that failed (no reply, a refusal other than a newer write): logged
+        #: the first time and at every power of ten, since a takeover tries again.
+        self.claim_failures = 0
 
     def partition_lost(self, n: int) -> None:
         """This replica stops serving partition `n` (its pin moved, or it hands it over):
@@ -345,7 +348,10 @@ class Ledger:
                     self._metrics.state_refused.inc()
                 continue  # the previous owner wrote meanwhile: read again
             except NatsError as exc:
-                logger.warning("turnrouter: participant claim failed: %r", exc)
+                self.claim_failures += 1
+                if is_logged(self.claim_failures):
+                    logger.warning("turnrouter: participant claim failed (%d so far): %r",
+                                   self.claim_failures, exc)
                 self._link.no_responders()  # the bucket may be gone: check
                 return None
             break

@@ -8,6 +8,11 @@ drops those it already holds). It runs beside the partition's loop, which keeps 
 that claim. A scan that held the loop, claiming one record after another, outlasted
 `failover_timeout` at a few thousand participants per replica, and the server moved the
 partition again and again.
+
+A claim that fails (no reply: a server busy right after its restart, or the write lost
+with the connection) is made again while the partition stays here, until the scan's
+deadline: its participant's turn would otherwise stay in flight, unheard, until they
+talk again.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ logger = logging.getLogger("turnrouter.runtime.nats")
 #: this many at a time.
 _SCAN_SECS = 30.0
 _SCAN_BATCH = 64
+
+#: Pauses between a takeover's attempts to claim a record (then the last one, repeated).
+_CLAIM_PAUSES = (0.25, 0.5, 1.0, 2.0)
 
 
 class Takeover:
@@ -91,6 +99,24 @@ class Takeover:
         if ledger.losses(n) != losses:
             return
         if inflight:
-            await ledger.claim(pid, n)
+            await self._claim(pid, n, losses, deadline)
         elif outbox and not ledger.serves(pid):  # (a claim here publishes them)
             await ledger.say_again(pid, n, ledger.sound(outbox))
+
+    async def _claim(self, pid: str, n: int, losses: int, deadline: float) -> None:
+        """Claim `pid` (which ends its turn in flight), again after a pause while the
+        claim fails and partition `n` stays here; TimeoutError when the next attempt
+        would start past `deadline`. A failed claim's write may have been stored or not:
+        each attempt reads the record afresh, and one stored late fails the next write's
+        revision check, which the claim reads again and retries."""
+        ledger = self._ledger
+        loop = asyncio.get_running_loop()
+        attempt = 0
+        while await ledger.claim(pid, n) is None:
+            if ledger.losses(n) != losses:
+                return  # the partition moved away: its new owner's takeover claims it
+            pause = _CLAIM_PAUSES[min(attempt, len(_CLAIM_PAUSES) - 1)]
+            if loop.time() + pause >= deadline:
+                raise TimeoutError
+            attempt += 1
+            await asyncio.sleep(pause)
