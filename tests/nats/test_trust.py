@@ -9,6 +9,7 @@ nkeys and tokens, a configuration including its `permissions.conf`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry
@@ -689,3 +691,102 @@ async def test_a_permitted_fleet_wide_interrupt_is_published(
     finally:
         await front.close()
         await nc.close()
+
+
+# ---------------------------------------------------------------- the front ends' mirror
+async def _mirror_info(nc: Client) -> dict[str, object]:
+    import json
+
+    reply = await nc.request("$JS.FRONT.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)
+    info: dict[str, object] = json.loads(reply.data)
+    return info
+
+
+async def test_a_deleted_output_stream_reaches_the_front_ends_again(
+        locked: NatsServer) -> None:
+    """The output stream deleted (here by a worker's user, which may) and recreated by
+    the workers repairing the deployment starts its sequences over, while FRONT's
+    mirror asks for the sequence after its last one: the server let the mirror stall
+    (it notices the lost source after 10 s, "stream not found" adds 10 s more) and then
+    skip the new stream's outputs up to that sequence, so front ends never read them.
+    The workers now restart the mirror (delete, create) once it is out of step with the
+    output stream: every turn asked after the deletion is read by the front end's
+    `outputs()` well before the server's own first retry (10 s after the deletion at the
+    earliest) could have run, and what the front end read is what the two streams held,
+    each output once: the old stream's before the deletion, the new stream's after it
+    (which also holds the endings the workers published again into it, not knowing
+    whether the server kept them)."""
+    workers = [Worker(locked.url, f"mirror{k}", "--nats-user", "worker", env=WORKER_ENV)
+               for k in range(2)]
+    front = await NatsFrontEnd.connect(frontend_config(locked.url))
+    nc = await nats.connect(locked.url, user="worker",
+                            password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"],
+                            inbox_prefix="_INBOX_turnrouter_worker")
+    reads: list[tuple[str, float]] = []  # (turn id, when), each final read
+    got = asyncio.Event()
+    ready = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def read() -> None:
+        async for out in front.outputs(subscribed=ready):
+            if out.final:
+                reads.append((out.request_id, loop.time()))
+                got.set()
+
+    async def answered(ids: list[str], within: float) -> None:
+        async with asyncio.timeout(within):
+            while not set(ids) <= {turn for turn, _ in reads}:
+                got.clear()
+                await got.wait()
+
+    reader = asyncio.create_task(read())
+    try:
+        async with asyncio.timeout(15):
+            await ready.wait()
+        before = [UserQuery(participant_id=f"q{k}", text=f"before{k}") for k in range(8)]
+        for query in before:
+            await front.publish(query)
+        await answered([q.message_id for q in before], 30)
+        created = (await _mirror_info(nc))["created"]
+        deleted = loop.time()
+        await nc.request("$JS.API.STREAM.DELETE.TURNROUTER_OUT", b"", timeout=5)
+        after = [UserQuery(participant_id=f"q{k}", text=f"after{k}") for k in range(3)]
+        for query in after:
+            await front.publish(query)
+        await answered([q.message_id for q in after], 30)
+        late = max(t for turn, t in reads if turn in {q.message_id for q in after}) - deleted
+        assert late < 9.0, f"outputs read {late:.1f} s after the deletion"
+        assert (await _mirror_info(nc))["created"] != created  # restarted by a worker
+        assert sorted(turn for turn, t in reads if t < deleted) == sorted(
+            q.message_id for q in before)  # each once
+        # What the front end read since is what the new stream holds, in its order.
+        async with asyncio.timeout(15):
+            while [turn for turn, t in reads if t > deleted] != (held := await _finals(nc)):
+                got.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(got.wait(), 0.5)  # the next read, or a look
+        assert {q.message_id for q in after} <= set(held)
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await nc.close()
+        await front.close()
+        for worker in workers:
+            worker.close()
+
+
+async def _finals(nc: Client) -> list[str]:
+    """The turn ids of the final outputs TURNROUTER_OUT holds, in stream order."""
+    import base64
+    import json
+
+    reply = await nc.request("$JS.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)
+    state = json.loads(reply.data)["state"]
+    turns = []
+    for seq in range(state["first_seq"], state["last_seq"] + 1):
+        reply = await nc.request("$JS.API.STREAM.MSG.GET.TURNROUTER_OUT",
+                                 json.dumps({"seq": seq}).encode(), timeout=5)
+        output = json.loads(base64.b64decode(json.loads(reply.data)["message"]["data"]))
+        if output["final"]:
+            turns.append(output["request_id"])
+    return turns
