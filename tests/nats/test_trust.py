@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import shutil
@@ -111,7 +112,7 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
     await settled(worker_nc)
     refusals: list[str] = []
     all_refused = asyncio.Event()
-    expected = 12  # the ten publishes and two subscriptions below
+    expected = 14  # the twelve publishes and two subscriptions below
 
     async def collect(exc: Exception) -> None:
         if "permissions violation" in str(exc).lower():
@@ -126,7 +127,10 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
                  "turnrouter.out.YWxpY2U", "turnrouter.probe.0",
                  "$KV.turnrouter_state.0.YWxpY2U", "$JS.API.STREAM.DELETE.TURNROUTER_IN",
                  "$JS.API.CONSUMER.CREATE.TURNROUTER_IN.p0",
-                 "$JS.TURNROUTER.API.CONSUMER.CREATE.TURNROUTER_OUT", "turnrouter.mirror.x"]
+                 "$JS.TURNROUTER.API.CONSUMER.CREATE.TURNROUTER_OUT", "turnrouter.mirror.x",
+                 # Only workers restart the mirror.
+                 "$JS.API.STREAM.DELETE.TURNROUTER_OUT",
+                 "$JS.FRONT.API.STREAM.DELETE.TURNROUTER_OUT"]
     try:
         for subject in forbidden:
             await front_nc.publish(subject, b'{"replica":"fake","owned":0}')
@@ -695,7 +699,6 @@ async def test_a_permitted_fleet_wide_interrupt_is_published(
 
 # ---------------------------------------------------------------- the front ends' mirror
 async def _mirror_info(nc: Client) -> dict[str, object]:
-    import json
 
     reply = await nc.request("$JS.FRONT.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)
     info: dict[str, object] = json.loads(reply.data)
@@ -778,7 +781,6 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
 async def _finals(nc: Client) -> list[str]:
     """The turn ids of the final outputs TURNROUTER_OUT holds, in stream order."""
     import base64
-    import json
 
     reply = await nc.request("$JS.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)
     state = json.loads(reply.data)["state"]
@@ -790,3 +792,79 @@ async def _finals(nc: Client) -> list[str]:
         if output["final"]:
             turns.append(output["request_id"])
     return turns
+
+
+async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
+        locked: NatsServer) -> None:
+    """FRONT's mirror asked for the output stream while it was missing (as after a
+    server restart that restored FRONT's streams first): the server records "stream
+    not found" and asks again only 10 s later. With the stream back in step (here made
+    again from the sequence after the mirror's last one, as a restored stream is), a
+    worker restarts the mirror from the sequence after its last one, and the turns
+    asked meanwhile are read by the front end's `outputs()` well before the server's
+    own retry, each once, as were the ones before."""
+    from turnrouter.runtime.nats._setup import _output_stream
+
+    worker = Worker(locked.url, "stalled", "--nats-user", "worker", env=WORKER_ENV)
+    front = await NatsFrontEnd.connect(frontend_config(locked.url))
+    nc = await nats.connect(locked.url, user="worker",
+                            password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"],
+                            inbox_prefix="_INBOX_turnrouter_worker")
+    reads: list[tuple[str, float]] = []
+    got = asyncio.Event()
+    ready = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def read() -> None:
+        async for out in front.outputs(subscribed=ready):
+            if out.final:
+                reads.append((out.request_id, loop.time()))
+                got.set()
+
+    async def answered(ids: list[str], within: float) -> None:
+        async with asyncio.timeout(within):
+            while not set(ids) <= {turn for turn, _ in reads}:
+                got.clear()
+                await got.wait()
+
+    reader = asyncio.create_task(read())
+    try:
+        async with asyncio.timeout(15):
+            await ready.wait()
+        before = [UserQuery(participant_id=f"q{k}", text=f"before{k}") for k in range(4)]
+        for query in before:
+            await front.publish(query)
+        await answered([q.message_id for q in before], 30)
+        await asyncio.sleep(1.0)  # every output's storage acknowledged
+        held = (await _mirror_info(nc))["state"]["last_seq"]  # type: ignore[index]
+        await nc.request("$JS.API.STREAM.DELETE.TURNROUTER_OUT", b"", timeout=5)
+        # The mirror notices its source gone within 10 to 20 s and asks for it again.
+        for _ in range(160):  # 40 s
+            error = (await _mirror_info(nc))["mirror"].get("error")  # type: ignore[attr-defined]
+            if error:
+                break
+            await asyncio.sleep(0.25)
+        failed = loop.time()
+        assert error["err_code"] == 10059, error
+        stream = {**_output_stream(NatsConfig()), "first_seq": held + 1}
+        reply = await nc.request("$JS.API.STREAM.CREATE.TURNROUTER_OUT",
+                                 json.dumps(stream).encode(), timeout=5)
+        assert "error" not in json.loads(reply.data), reply.data
+        after = [UserQuery(participant_id=f"q{k}", text=f"after{k}") for k in range(2)]
+        for query in after:
+            await front.publish(query)
+        await answered([q.message_id for q in after], 30)
+        # The server's own retry comes 10 s after its failed request at the earliest.
+        late = max(t for turn, t in reads if turn in {q.message_id for q in after}) - failed
+        assert late < 9.0, f"outputs read {late:.1f} s after the mirror's error"
+        mirror = await _mirror_info(nc)
+        assert mirror["config"]["mirror"]["opt_start_seq"] == held + 1  # type: ignore[index]
+        await asyncio.sleep(1.0)  # a duplicate would be read by now
+        assert sorted(turn for turn, _ in reads) == sorted(
+            q.message_id for q in [*before, *after])
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await nc.close()
+        await front.close()
+        worker.close()
