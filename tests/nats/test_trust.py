@@ -9,6 +9,7 @@ nkeys and tokens, a configuration including its `permissions.conf`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import functools
@@ -699,7 +700,7 @@ async def test_a_permitted_fleet_wide_interrupt_is_published(
 
 # ---------------------------------------------------------------- the front ends' mirror
 async def _mirror_info(nc: Client) -> dict[str, object]:
-
+    """STREAM.INFO of FRONT's mirror, asked as a worker."""
     reply = await nc.request("$JS.FRONT.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)
     info: dict[str, object] = json.loads(reply.data)
     return info
@@ -780,8 +781,6 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
 
 async def _finals(nc: Client) -> list[str]:
     """The turn ids of the final outputs TURNROUTER_OUT holds, in stream order."""
-    import base64
-
     reply = await nc.request("$JS.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)
     state = json.loads(reply.data)["state"]
     turns = []
@@ -803,8 +802,6 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
     worker restarts the mirror from the sequence after its last one, and the turns
     asked meanwhile are read by the front end's `outputs()` well before the server's
     own retry, each once, as were the ones before."""
-    from turnrouter.runtime.nats._setup import _output_stream
-
     worker = Worker(locked.url, "stalled", "--nats-user", "worker", env=WORKER_ENV)
     front = await NatsFrontEnd.connect(frontend_config(locked.url))
     nc = await nats.connect(locked.url, user="worker",
@@ -835,8 +832,15 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
         for query in before:
             await front.publish(query)
         await answered([q.message_id for q in before], 30)
-        await asyncio.sleep(1.0)  # every output's storage acknowledged
-        held = (await _mirror_info(nc))["state"]["last_seq"]  # type: ignore[index]
+        source = json.loads((await nc.request("$JS.API.STREAM.INFO.TURNROUTER_OUT", b"",
+                                              timeout=5)).data)
+        held = source["state"]["last_seq"]
+        for _ in range(300):  # the mirror holds what the stream holds (at most 15 s)
+            if (await _mirror_info(nc))["state"]["last_seq"] == held:  # type: ignore[index]
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the mirror never held what the output stream holds")
         await nc.request("$JS.API.STREAM.DELETE.TURNROUTER_OUT", b"", timeout=5)
         # The mirror notices its source gone within 10 to 20 s and asks for it again.
         for _ in range(160):  # 40 s
@@ -846,7 +850,7 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
             await asyncio.sleep(0.25)
         failed = loop.time()
         assert error["err_code"] == 10059, error
-        stream = {**_output_stream(NatsConfig()), "first_seq": held + 1}
+        stream = {**source["config"], "first_seq": held + 1}
         reply = await nc.request("$JS.API.STREAM.CREATE.TURNROUTER_OUT",
                                  json.dumps(stream).encode(), timeout=5)
         assert "error" not in json.loads(reply.data), reply.data
@@ -859,9 +863,12 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
         assert late < 9.0, f"outputs read {late:.1f} s after the mirror's error"
         mirror = await _mirror_info(nc)
         assert mirror["config"]["mirror"]["opt_start_seq"] == held + 1  # type: ignore[index]
-        await asyncio.sleep(1.0)  # a duplicate would be read by now
+        # One more turn: an output read twice would be read before its answer.
+        last = UserQuery(participant_id="q0", text="last")
+        await front.publish(last)
+        await answered([last.message_id], 30)
         assert sorted(turn for turn, _ in reads) == sorted(
-            q.message_id for q in [*before, *after])
+            q.message_id for q in [*before, *after, last])
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)

@@ -21,6 +21,10 @@ its start. The front ends' consumers of the mirror go with it: `NatsFrontEnd.out
 notices within about 1.5 s (no heartbeat) and reads the new mirror from its start, which
 holds only what it had not read yet.
 
+A worker restarts the mirror only once it found it so at looks `_PATIENCE` seconds
+apart: front ends back from the same outage resume reading meanwhile, and what a reader
+had not read of the mirror when it is deleted is gone for that reader.
+
 Several workers may find the same stall at once: each waits a random moment and looks
 again before it deletes, and does nothing when the mirror changed meanwhile (another
 worker restarted it); a mirror younger than `_YOUNG` seconds is not restarted for an
@@ -37,10 +41,10 @@ import random
 from typing import Any
 
 from nats.aio.client import Client
-from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from ..._exceptions import ConfigurationError, LifecycleError
+from ..._exceptions import LifecycleError
+from ..._limits import is_logged
 from ._setup import FRONT_API, _output_mirror, _Refused, api_request
 from ._wire import NatsConfig
 
@@ -52,6 +56,7 @@ _WATCH = 1.0  # seconds between two looks at the mirror (jittered by half)
 _QUIET = 30.0  # seconds between looks where nothing answers (no front ends' account)
 _JITTER = 0.3  # at most this random wait before a restart's second look
 _YOUNG = 5.0  # seconds: a mirror this young is not restarted for an error
+_PATIENCE = 2.0  # seconds between the first look that found a restart due and the restart
 #: JetStream's "stream not found".
 _NOT_FOUND = 10059
 
@@ -62,12 +67,13 @@ async def watch_mirror(nc: Client, config: NatsConfig) -> None:
     answers (a deployment of one account) it looks again only every `_QUIET` seconds;
     unanswered looks (the subject refused by this user's permissions, a server away)
     space the next ones out, doubling up to `_QUIET`."""
-    unanswered = 0
+    unanswered = failures = 0
+    due: dict[str, float] = {}
     while True:
         pause = _WATCH * random.uniform(0.5, 1.5)
         if nc.is_connected:
             try:
-                await heal_mirror(nc, config)
+                await heal_mirror(nc, config, due)
                 unanswered = 0
             except NoRespondersError:
                 pause = _QUIET
@@ -77,22 +83,37 @@ async def watch_mirror(nc: Client, config: NatsConfig) -> None:
             except LifecycleError as exc:
                 if isinstance(exc.__cause__, NoRespondersError):
                     pause = _QUIET
-            except (NatsError, ConfigurationError, ValueError, KeyError, TypeError) as exc:
-                logger.warning("turnrouter: looking at the front ends' mirror of %s "
-                               "failed: %s", config.output_stream, str(exc)[:300])
+            except Exception as exc:  # (nats-py, a refusal, a reply of junk)
+                failures += 1  # the watch goes on whatever a reply holds
+                if is_logged(failures):
+                    logger.warning("turnrouter: looking at the front ends' mirror of %s "
+                                   "failed (%d so far): %s", config.output_stream,
+                                   failures, str(exc)[:300])
         await asyncio.sleep(pause)
 
 
-async def heal_mirror(nc: Client, config: NatsConfig) -> int | None:
-    """One look at the mirror; when it stalled or fell out of step and the output stream
-    exists, restart it. Returns the sequence the restarted mirror starts from (1: the
-    output stream's start), None when nothing was done."""
+async def heal_mirror(nc: Client, config: NatsConfig, due: dict[str, float]) -> int | None:
+    """One look at the mirror; when it stalled or fell out of step, the output stream
+    exists, and an earlier look at least `_PATIENCE` seconds ago found the same
+    (`due`: when, by the mirror's creation and the restart's start), restart it.
+    Returns the sequence the restarted mirror starts from (1: the output stream's
+    start), None when nothing was done."""
     api = config.front_api or FRONT_API
     name = config.output_stream
     mirror = await _info(nc, f"{api}.STREAM.INFO.{name}")
     source = await _info(nc, f"$JS.API.STREAM.INFO.{name}") if mirror else None
-    if mirror is None or source is None or restart_from(mirror, source, name) is None:
+    first = None if mirror is None or source is None else restart_from(mirror, source, name)
+    if mirror is None or first is None:
+        due.clear()
         return None
+    key = f"{mirror.get('created')}/{first}"
+    now = asyncio.get_running_loop().time()
+    if key not in due:
+        due.clear()  # (one entry at most: the restart due now)
+        due[key] = now
+    if now - due[key] < _PATIENCE:
+        return None
+    due.clear()
     # Another worker may have seen it too: a random moment, then a second look; a
     # mirror that changed meanwhile was restarted by someone else.
     await asyncio.sleep(random.uniform(0, _JITTER))
