@@ -9,8 +9,11 @@ nkeys and tokens, a configuration including its `permissions.conf`).
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import shutil
@@ -23,6 +26,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry
@@ -109,7 +113,7 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
     await settled(worker_nc)
     refusals: list[str] = []
     all_refused = asyncio.Event()
-    expected = 12  # the ten publishes and two subscriptions below
+    expected = 14  # the twelve publishes and two subscriptions below
 
     async def collect(exc: Exception) -> None:
         if "permissions violation" in str(exc).lower():
@@ -124,7 +128,10 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
                  "turnrouter.out.YWxpY2U", "turnrouter.probe.0",
                  "$KV.turnrouter_state.0.YWxpY2U", "$JS.API.STREAM.DELETE.TURNROUTER_IN",
                  "$JS.API.CONSUMER.CREATE.TURNROUTER_IN.p0",
-                 "$JS.TURNROUTER.API.CONSUMER.CREATE.TURNROUTER_OUT", "turnrouter.mirror.x"]
+                 "$JS.TURNROUTER.API.CONSUMER.CREATE.TURNROUTER_OUT", "turnrouter.mirror.x",
+                 # Only workers restart the mirror.
+                 "$JS.API.STREAM.DELETE.TURNROUTER_OUT",
+                 "$JS.FRONT.API.STREAM.DELETE.TURNROUTER_OUT"]
     try:
         for subject in forbidden:
             await front_nc.publish(subject, b'{"replica":"fake","owned":0}')
@@ -689,3 +696,182 @@ async def test_a_permitted_fleet_wide_interrupt_is_published(
     finally:
         await front.close()
         await nc.close()
+
+
+# ---------------------------------------------------------------- the front ends' mirror
+async def _mirror_info(nc: Client) -> dict[str, object]:
+    """STREAM.INFO of FRONT's mirror, asked as a worker."""
+    reply = await nc.request("$JS.FRONT.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)
+    info: dict[str, object] = json.loads(reply.data)
+    return info
+
+
+async def test_a_deleted_output_stream_reaches_the_front_ends_again(
+        locked: NatsServer) -> None:
+    """The output stream deleted (here by a worker's user, which may) and recreated by
+    the workers repairing the deployment starts its sequences over, while FRONT's
+    mirror asks for the sequence after its last one: the server let the mirror stall
+    (it notices the lost source after 10 s, "stream not found" adds 10 s more) and then
+    skip the new stream's outputs up to that sequence, so front ends never read them.
+    The workers now restart the mirror (delete, create) once it is out of step with the
+    output stream: every turn asked after the deletion is read by the front end's
+    `outputs()` well before the server's own first retry (10 s after the deletion at the
+    earliest) could have run, and what the front end read is what the two streams held,
+    each output once: the old stream's before the deletion, the new stream's after it
+    (which also holds the endings the workers published again into it, not knowing
+    whether the server kept them)."""
+    workers = [Worker(locked.url, f"mirror{k}", "--nats-user", "worker", env=WORKER_ENV)
+               for k in range(2)]
+    front = await NatsFrontEnd.connect(frontend_config(locked.url))
+    nc = await nats.connect(locked.url, user="worker",
+                            password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"],
+                            inbox_prefix="_INBOX_turnrouter_worker")
+    reads: list[tuple[str, float]] = []  # (turn id, when), each final read
+    got = asyncio.Event()
+    ready = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def read() -> None:
+        async for out in front.outputs(subscribed=ready):
+            if out.final:
+                reads.append((out.request_id, loop.time()))
+                got.set()
+
+    async def answered(ids: list[str], within: float) -> None:
+        async with asyncio.timeout(within):
+            while not set(ids) <= {turn for turn, _ in reads}:
+                got.clear()
+                await got.wait()
+
+    reader = asyncio.create_task(read())
+    try:
+        async with asyncio.timeout(15):
+            await ready.wait()
+        before = [UserQuery(participant_id=f"q{k}", text=f"before{k}") for k in range(8)]
+        for query in before:
+            await front.publish(query)
+        await answered([q.message_id for q in before], 30)
+        created = (await _mirror_info(nc))["created"]
+        deleted = loop.time()
+        await nc.request("$JS.API.STREAM.DELETE.TURNROUTER_OUT", b"", timeout=5)
+        after = [UserQuery(participant_id=f"q{k}", text=f"after{k}") for k in range(3)]
+        for query in after:
+            await front.publish(query)
+        await answered([q.message_id for q in after], 30)
+        late = max(t for turn, t in reads if turn in {q.message_id for q in after}) - deleted
+        assert late < 9.0, f"outputs read {late:.1f} s after the deletion"
+        assert (await _mirror_info(nc))["created"] != created  # restarted by a worker
+        assert sorted(turn for turn, t in reads if t < deleted) == sorted(
+            q.message_id for q in before)  # each once
+        # What the front end read since is what the new stream holds, in its order.
+        async with asyncio.timeout(15):
+            while [turn for turn, t in reads if t > deleted] != (held := await _finals(nc)):
+                got.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(got.wait(), 0.5)  # the next read, or a look
+        assert {q.message_id for q in after} <= set(held)
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await nc.close()
+        await front.close()
+        for worker in workers:
+            worker.close()
+
+
+async def _finals(nc: Client) -> list[str]:
+    """The turn ids of the final outputs TURNROUTER_OUT holds, in stream order."""
+    reply = await nc.request("$JS.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)
+    state = json.loads(reply.data)["state"]
+    turns = []
+    for seq in range(state["first_seq"], state["last_seq"] + 1):
+        reply = await nc.request("$JS.API.STREAM.MSG.GET.TURNROUTER_OUT",
+                                 json.dumps({"seq": seq}).encode(), timeout=5)
+        output = json.loads(base64.b64decode(json.loads(reply.data)["message"]["data"]))
+        if output["final"]:
+            turns.append(output["request_id"])
+    return turns
+
+
+async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
+        locked: NatsServer) -> None:
+    """FRONT's mirror asked for the output stream while it was missing (as after a
+    server restart that restored FRONT's streams first): the server records "stream
+    not found" and asks again only 10 s later. With the stream back in step (here made
+    again from the sequence after the mirror's last one, as a restored stream is), a
+    worker restarts the mirror from the sequence after its last one, and the turns
+    asked meanwhile are read by the front end's `outputs()` well before the server's
+    own retry, each once, as were the ones before."""
+    worker = Worker(locked.url, "stalled", "--nats-user", "worker", env=WORKER_ENV)
+    front = await NatsFrontEnd.connect(frontend_config(locked.url))
+    nc = await nats.connect(locked.url, user="worker",
+                            password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"],
+                            inbox_prefix="_INBOX_turnrouter_worker")
+    reads: list[tuple[str, float]] = []
+    got = asyncio.Event()
+    ready = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def read() -> None:
+        async for out in front.outputs(subscribed=ready):
+            if out.final:
+                reads.append((out.request_id, loop.time()))
+                got.set()
+
+    async def answered(ids: list[str], within: float) -> None:
+        async with asyncio.timeout(within):
+            while not set(ids) <= {turn for turn, _ in reads}:
+                got.clear()
+                await got.wait()
+
+    reader = asyncio.create_task(read())
+    try:
+        async with asyncio.timeout(15):
+            await ready.wait()
+        before = [UserQuery(participant_id=f"q{k}", text=f"before{k}") for k in range(4)]
+        for query in before:
+            await front.publish(query)
+        await answered([q.message_id for q in before], 30)
+        source = json.loads((await nc.request("$JS.API.STREAM.INFO.TURNROUTER_OUT", b"",
+                                              timeout=5)).data)
+        held = source["state"]["last_seq"]
+        for _ in range(300):  # the mirror holds what the stream holds (at most 15 s)
+            if (await _mirror_info(nc))["state"]["last_seq"] == held:  # type: ignore[index]
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the mirror never held what the output stream holds")
+        await nc.request("$JS.API.STREAM.DELETE.TURNROUTER_OUT", b"", timeout=5)
+        # The mirror notices its source gone within 10 to 20 s and asks for it again.
+        for _ in range(160):  # 40 s
+            error = (await _mirror_info(nc))["mirror"].get("error")  # type: ignore[attr-defined]
+            if error:
+                break
+            await asyncio.sleep(0.25)
+        failed = loop.time()
+        assert error["err_code"] == 10059, error
+        stream = {**source["config"], "first_seq": held + 1}
+        reply = await nc.request("$JS.API.STREAM.CREATE.TURNROUTER_OUT",
+                                 json.dumps(stream).encode(), timeout=5)
+        assert "error" not in json.loads(reply.data), reply.data
+        after = [UserQuery(participant_id=f"q{k}", text=f"after{k}") for k in range(2)]
+        for query in after:
+            await front.publish(query)
+        await answered([q.message_id for q in after], 30)
+        # The server's own retry comes 10 s after its failed request at the earliest.
+        late = max(t for turn, t in reads if turn in {q.message_id for q in after}) - failed
+        assert late < 9.0, f"outputs read {late:.1f} s after the mirror's error"
+        mirror = await _mirror_info(nc)
+        assert mirror["config"]["mirror"]["opt_start_seq"] == held + 1  # type: ignore[index]
+        # One more turn: an output read twice would be read before its answer.
+        last = UserQuery(participant_id="q0", text="last")
+        await front.publish(last)
+        await answered([last.message_id], 30)
+        assert sorted(turn for turn, _ in reads) == sorted(
+            q.message_id for q in [*before, *after, last])
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await nc.close()
+        await front.close()
+        worker.close()

@@ -117,6 +117,11 @@ async def _ensure_front_mirror(nc: Client, config: NatsConfig) -> None:
     try:
         await _create_stream(nc, _output_mirror(config), api,
                              wait=5.0 if config.front_api else 2.0)
+    except ConfigurationError as exc:
+        if not await _restarted_mirror(nc, config, api):
+            raise
+        logger.debug("turnrouter: the front ends' mirror was restarted from a sequence "
+                     "(%s)", exc)
     except LifecycleError as exc:
         if config.front_api is not None:
             raise
@@ -124,6 +129,26 @@ async def _ensure_front_mirror(nc: Client, config: NatsConfig) -> None:
             logger.warning("turnrouter: no reply from %s (%s): no mirror of the output "
                            "stream for a front ends' account created; name that API with "
                            "--front-api if there is one", api, exc)
+
+
+async def _restarted_mirror(nc: Client, config: NatsConfig, api: str) -> bool:
+    """Whether the front ends' mirror exists as `_output_mirror` makes it but for the
+    sequence it starts from (`mirror.opt_start_seq`): a worker restarted it there
+    (_mirror.py), and it is accepted as it is."""
+    try:
+        info = await api_request(nc, f"{api}.STREAM.INFO.{config.output_stream}")
+    except (ConfigurationError, LifecycleError):
+        return False
+    existing = info.get("config")
+    if not isinstance(existing, dict):
+        return False
+    for key, value in _output_mirror(config).items():
+        there = existing.get(key)
+        if key == "mirror" and isinstance(there, dict):
+            there = {k: v for k, v in there.items() if k != "opt_start_seq"}
+        if there != value:
+            return False
+    return True
 
 
 def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:

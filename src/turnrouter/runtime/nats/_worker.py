@@ -47,6 +47,7 @@ from ._ledger import Ledger, Participant
 from ._link import Link
 from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
+from ._mirror import watch_mirror
 from ._setup import GROUP, api_request, ensure_deployment
 from ._takeover import Takeover
 from ._wire import Ending, NatsConfig
@@ -207,6 +208,8 @@ class NatsWorker:
             helpers.append(asyncio.create_task(
                 _keep_pins(nc, self._inboxes, self._pins, config, lambda: self._pulling),
                 name="pins"))
+            # The front ends' mirror of the output stream, restarted when it stalls.
+            helpers.append(asyncio.create_task(watch_mirror(nc, config), name="mirror"))
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
                      for n in range(config.partitions)]
             # Our SUBs are on the server (see below) once a request is answered.
