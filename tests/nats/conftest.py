@@ -141,6 +141,7 @@ class Worker:
         # The log goes to a file: a pipe read only at the end blocked a worker that
         # logged more than the pipe holds (64 KiB) until the test ended.
         self._log = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._logged = ""
         self.proc = subprocess.Popen(
             [*launcher, sys.executable, "-m", "turnrouter", "worker", "--nats", url, "--app", app,
              "--replica", name, "--metrics-port", "0", *extra],
@@ -165,7 +166,9 @@ class Worker:
             timer.cancel()
 
     def stderr(self) -> str:
-        """What the worker logged so far."""
+        """What the worker logged so far (all of it once closed)."""
+        if self._log.closed:
+            return self._logged
         self._log.seek(0)
         return self._log.read()
 
@@ -181,7 +184,9 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
-        self._log.close()
+        if not self._log.closed:
+            self._logged = self.stderr()
+            self._log.close()
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import signal
 import time
 
@@ -249,7 +250,7 @@ async def test_a_takeover_serves_the_partition_while_it_reads_the_records(
                 await asyncio.gather(run, return_exceptions=True)
 
 
-@pytest.mark.parametrize("fate", ["stored late", "lost"])
+@pytest.mark.parametrize("fate", ["stored late", "lost", "claimed by another", "stopped"])
 async def test_a_takeover_claims_again_a_record_whose_claim_went_unanswered(
         nats_server: NatsServer, fate: str, caplog: pytest.LogCaptureFixture) -> None:
     """The new owner's claim of a record holding a turn in flight gets no reply in time
@@ -258,10 +259,15 @@ async def test_a_takeover_claims_again_a_record_whose_claim_went_unanswered(
     failure text, once, with nobody talking. The first claim's write reaches the server
     after the worker gave up on it, or never. Before, a takeover's claim was made once,
     and the turn stayed in flight until its participant talked again (seen in the
-    server-crash test above while its writer overfilled the server's queue).
+    server-crash test above while its writer overfilled the server's queue). When
+    another replica claimed the record meanwhile (the server moved the partition during
+    an outage before this replica heard so), the takeover leaves it: a claim over the
+    new owner's would end that owner's running turn with the failure text. A worker
+    stopping does not wait for the takeover to try again (up to its 30 s).
 
     Held without touching the worker: its connection goes through a proxy that keeps
     the writes of the left turn's record from the server until the test lets them go."""
+    caplog.set_level(logging.INFO, logger="turnrouter.runtime.nats")
     config = NatsConfig(url=nats_server.url, partitions=1)
     nc = await nats.connect(nats_server.url)
     kv = await nc.jetstream().create_key_value(KeyValueConfig(bucket=config.bucket,
@@ -281,6 +287,26 @@ async def test_a_takeover_claims_again_a_record_whose_claim_went_unanswered(
                 # amy's turn gives the partition to the worker, whose takeover claims
                 # zed's record: that write is held, gets no reply, and is made again.
                 assert (await ask(front, heard, "amy", "hello")).startswith("hello|")
+                if fate == "claimed by another":
+                    async with asyncio.timeout(30):
+                        await writes.holding(1)  # the worker read the record, then wrote
+                    await kv.put(zed, state_json("newer", ["t-new"], None))
+                    await until_true(lambda: any(
+                        "another replica claimed" in r.getMessage() for r in caplog.records),
+                        "the takeover left the record")
+                    writes.drop(len(writes.held))
+                    writes.release()
+                    record = parse_record((await kv.get(zed)).value or b"")
+                    assert (record.owner, record.inflight) == ("newer", ["t-new"])
+                    assert "t-left" not in heard.finals
+                    return
+                if fate == "stopped":
+                    async with asyncio.timeout(30):
+                        await writes.holding(1)
+                    worker.request_stop()
+                    async with asyncio.timeout(15):  # the claim's 5 s, not the scan's 30
+                        await run
+                    return
                 async with asyncio.timeout(30):
                     await writes.holding(2)
                 if fate == "lost":

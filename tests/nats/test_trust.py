@@ -540,7 +540,7 @@ async def test_a_url_list_fails_over_to_the_server_that_answers(
             assert (await ask(front, heard, "listed", "hi")).startswith("hi|")
     finally:
         worker.close()
-    assert "hunter3-0043" not in worker.proc.communicate(timeout=10)[1]
+    assert "hunter3-0043" not in worker.stderr()
 
 
 def _worker_command() -> list[str]:
@@ -715,8 +715,7 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
     skip the new stream's outputs up to that sequence, so front ends never read them.
     The workers now restart the mirror (delete, create) once it is out of step with the
     output stream: every turn asked after the deletion is read by the front end's
-    `outputs()` well before the server's own first retry (10 s after the deletion at the
-    earliest) could have run, and what the front end read is what the two streams held,
+    `outputs()` (never, before), and what the front end read is what the two streams held,
     each output once: the old stream's before the deletion, the new stream's after it
     (which also holds the endings the workers published again into it, not knowing
     whether the server kept them)."""
@@ -758,8 +757,6 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
         for query in after:
             await front.publish(query)
         await answered([q.message_id for q in after], 30)
-        late = max(t for turn, t in reads if turn in {q.message_id for q in after}) - deleted
-        assert late < 9.0, f"outputs read {late:.1f} s after the deletion"
         assert (await _mirror_info(nc))["created"] != created  # restarted by a worker
         assert sorted(turn for turn, t in reads if t < deleted) == sorted(
             q.message_id for q in before)  # each once
@@ -799,9 +796,9 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
     server restart that restored FRONT's streams first): the server records "stream
     not found" and asks again only 10 s later. With the stream back in step (here made
     again from the sequence after the mirror's last one, as a restored stream is), a
-    worker restarts the mirror from the sequence after its last one, and the turns
-    asked meanwhile are read by the front end's `outputs()` well before the server's
-    own retry, each once, as were the ones before."""
+    worker restarts the mirror from the sequence after its last one (not waiting for
+    the server's own retry), and the turns asked meanwhile are read by the front end's
+    `outputs()`, each once, as were the ones before."""
     worker = Worker(locked.url, "stalled", "--nats-user", "worker", env=WORKER_ENV)
     front = await NatsFrontEnd.connect(frontend_config(locked.url))
     nc = await nats.connect(locked.url, user="worker",
@@ -848,7 +845,6 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
             if error:
                 break
             await asyncio.sleep(0.25)
-        failed = loop.time()
         assert error["err_code"] == 10059, error
         stream = {**source["config"], "first_seq": held + 1}
         reply = await nc.request("$JS.API.STREAM.CREATE.TURNROUTER_OUT",
@@ -858,9 +854,8 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
         for query in after:
             await front.publish(query)
         await answered([q.message_id for q in after], 30)
-        # The server's own retry comes 10 s after its failed request at the earliest.
-        late = max(t for turn, t in reads if turn in {q.message_id for q in after}) - failed
-        assert late < 9.0, f"outputs read {late:.1f} s after the mirror's error"
+        # Made again by a worker from the sequence after its last one (the server's
+        # own retry, 10 s after its failed request at the earliest, makes no new one).
         mirror = await _mirror_info(nc)
         assert mirror["config"]["mirror"]["opt_start_seq"] == held + 1  # type: ignore[index]
         # One more turn: an output read twice would be read before its answer.
@@ -874,4 +869,37 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
         await asyncio.gather(reader, return_exceptions=True)
         await nc.close()
         await front.close()
+        worker.close()
+
+
+async def test_a_missing_mirror_is_made_again(locked: NatsServer) -> None:
+    """FRONT's mirror deleted and not made again (a worker's restart whose create
+    failed, or a worker that died between the two): a worker makes it again, from the
+    sequence after what the output stream holds (a reader reads a new mirror from its
+    start: made from the stream's start, it would hear every output again), and the
+    front end's `outputs()` reads the turns asked since. Before, nothing made it again
+    until a worker restarted: front ends read nothing."""
+    worker = Worker(locked.url, "remake", "--nats-user", "worker", env=WORKER_ENV)
+    nc = await nats.connect(locked.url, user="worker",
+                            password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"],
+                            inbox_prefix="_INBOX_turnrouter_worker")
+    try:
+        async with listening(frontend_config(locked.url)) as (front, heard):
+            assert (await ask(front, heard, "ann", "first")).startswith("first|")
+            await nc.request("$JS.FRONT.API.STREAM.DELETE.TURNROUTER_OUT", b"", timeout=5)
+            for _ in range(300):  # made again (at most 30 s)
+                reply = json.loads((await nc.request(
+                    "$JS.FRONT.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)).data)
+                if "error" not in reply:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the mirror was never made again")
+            source = json.loads((await nc.request(
+                "$JS.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)).data)
+            assert reply["config"]["mirror"]["opt_start_seq"] == (
+                source["state"]["last_seq"] + 1)
+            assert (await ask(front, heard, "ann", "again")).startswith("again|")
+    finally:
+        await nc.close()
         worker.close()

@@ -247,6 +247,11 @@ class Ledger:
         """How many times this replica stopped serving partition `n` (`partition_lost`)."""
         return self._losses.get(n, 0)
 
+    @property
+    def replica(self) -> str:
+        """This replica's name, as its records' `owner` holds it."""
+        return self._replica
+
     def serves(self, pid: str) -> bool:
         """Whether `pid` is served, or being claimed, here."""
         return pid in self.people or pid in self._claiming

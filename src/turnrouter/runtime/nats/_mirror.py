@@ -23,12 +23,23 @@ holds only what it had not read yet.
 
 A worker restarts the mirror only once it found it so at looks `_PATIENCE` seconds
 apart: front ends back from the same outage resume reading meanwhile, and what a reader
-had not read of the mirror when it is deleted is gone for that reader.
+had not read of the mirror when it is deleted is gone for that reader. The patience
+doubles with each restart until the mirror is found well again (up to about 4 min), so
+a stall a restart does not cure is not restarted every few seconds.
+
+A delete is always followed by a create, tried again at the next looks when it fails
+(and sent even when the watch is cancelled in between); a mirror found missing for
+`_PATIENCE` seconds is made again from the sequence after the output stream's last one.
 
 Several workers may find the same stall at once: each waits a random moment and looks
 again before it deletes, and does nothing when the mirror changed meanwhile (another
-worker restarted it); a mirror younger than `_YOUNG` seconds is not restarted for an
-error, so a restart that does not cure it is not repeated in a loop.
+worker restarted it). That makes two restarts of one stall unlikely, not impossible
+(the readers then resume once more, and miss what the first new mirror held that they
+had not read yet). A mirror younger than
+`_YOUNG` seconds is not restarted for an error.
+
+Each worker's look is two STREAM.INFO requests a second (one every 30 s where nothing
+answers for the front ends' account).
 """
 
 from __future__ import annotations
@@ -57,8 +68,34 @@ _QUIET = 30.0  # seconds between looks where nothing answers (no front ends' acc
 _JITTER = 0.3  # at most this random wait before a restart's second look
 _YOUNG = 5.0  # seconds: a mirror this young is not restarted for an error
 _PATIENCE = 2.0  # seconds between the first look that found a restart due and the restart
+_MAX_DOUBLINGS = 7  # of the patience after restarts (2 s to 256 s), and of unanswered pauses
 #: JetStream's "stream not found".
 _NOT_FOUND = 10059
+
+
+class _Watch:
+    """What one worker's watch remembers between looks."""
+
+    def __init__(self) -> None:
+        #: The restart found due (by the mirror's creation and where it would start),
+        #: and when it was first found so.
+        self.due: tuple[str, float] | None = None
+        #: Where the mirror this worker deleted should start, while its create has not
+        #: succeeded (made again at the next looks).
+        self.pending: int | None = None
+        #: Restarts since the mirror was last found well: each doubles the patience.
+        self.restarts = 0
+        #: The create sent when the watch was cancelled between delete and create (it
+        #: runs to its end: a deleted mirror must not stay missing).
+        self.creating: asyncio.Task[dict[str, Any]] | None = None
+
+    def ripe(self, key: str, now: float) -> bool:
+        """Whether the restart `key` was found due at looks far enough apart
+        (`_PATIENCE`, doubled per restart since the mirror was last well)."""
+        if self.due is None or self.due[0] != key:
+            self.due = (key, now)
+        patience: float = _PATIENCE * 2.0 ** min(self.restarts, _MAX_DOUBLINGS)
+        return now - self.due[1] >= patience
 
 
 async def watch_mirror(nc: Client, config: NatsConfig) -> None:
@@ -68,52 +105,64 @@ async def watch_mirror(nc: Client, config: NatsConfig) -> None:
     unanswered looks (the subject refused by this user's permissions, a server away)
     space the next ones out, doubling up to `_QUIET`."""
     unanswered = failures = 0
-    due: dict[str, float] = {}
+    watch = _Watch()
     while True:
         pause = _WATCH * random.uniform(0.5, 1.5)
         if nc.is_connected:
             try:
-                await heal_mirror(nc, config, due)
+                await heal_mirror(nc, config, watch)
                 unanswered = 0
             except NoRespondersError:
                 pause = _QUIET
             except TimeoutError:
-                unanswered += 1
+                unanswered = min(unanswered + 1, _MAX_DOUBLINGS)
                 pause = min(_QUIET, pause * 2 ** unanswered)
-            except LifecycleError as exc:
-                if isinstance(exc.__cause__, NoRespondersError):
-                    pause = _QUIET
             except Exception as exc:  # (nats-py, a refusal, a reply of junk)
-                failures += 1  # the watch goes on whatever a reply holds
-                if is_logged(failures):
-                    logger.warning("turnrouter: looking at the front ends' mirror of %s "
-                                   "failed (%d so far): %s", config.output_stream,
-                                   failures, str(exc)[:300])
+                if isinstance(exc, LifecycleError) and isinstance(exc.__cause__,
+                                                                  NoRespondersError):
+                    pause = _QUIET
+                else:
+                    failures += 1  # the watch goes on whatever a reply holds
+                    if is_logged(failures):
+                        logger.warning("turnrouter: looking at the front ends' mirror of "
+                                       "%s failed (%d so far): %s", config.output_stream,
+                                       failures, str(exc)[:300])
         await asyncio.sleep(pause)
 
 
-async def heal_mirror(nc: Client, config: NatsConfig, due: dict[str, float]) -> int | None:
-    """One look at the mirror; when it stalled or fell out of step, the output stream
-    exists, and an earlier look at least `_PATIENCE` seconds ago found the same
-    (`due`: when, by the mirror's creation and the restart's start), restart it.
-    Returns the sequence the restarted mirror starts from (1: the output stream's
-    start), None when nothing was done."""
+async def heal_mirror(nc: Client, config: NatsConfig, watch: _Watch) -> int | None:
+    """One look at the mirror; when it stalled or fell out of step (or is missing), the
+    output stream exists, and an earlier look long enough ago found the same
+    (`_Watch.ripe`), restart (or make) it. Returns the sequence the mirror now starts
+    from (1: the output stream's start), None when nothing was done."""
     api = config.front_api or FRONT_API
     name = config.output_stream
     mirror = await _info(nc, f"{api}.STREAM.INFO.{name}")
-    source = await _info(nc, f"$JS.API.STREAM.INFO.{name}") if mirror else None
-    first = None if mirror is None or source is None else restart_from(mirror, source, name)
-    if mirror is None or first is None:
-        due.clear()
-        return None
-    key = f"{mirror.get('created')}/{first}"
+    source = await _info(nc, f"$JS.API.STREAM.INFO.{name}")
+    if source is None:
+        return None  # the workers' deployment check makes it again
     now = asyncio.get_running_loop().time()
-    if key not in due:
-        due.clear()  # (one entry at most: the restart due now)
-        due[key] = now
-    if now - due[key] < _PATIENCE:
+    if mirror is None:
+        # Deleted and not made again (a create that failed: this worker's, remembered,
+        # or another's that died between the two): made from where the restart meant
+        # to start, else after what the output stream holds now (a reader would read a
+        # mirror made from the stream's start all over again; what was published while
+        # it was missing is not in it).
+        start = watch.pending
+        if start is None:
+            if not watch.ripe("missing", now):
+                return None
+            start = _int((source.get("state") or {}).get("last_seq")) + 1
+        await _create(nc, config, api, start, watch)
+        logger.warning("turnrouter: made the front ends' mirror of %s again, from "
+                       "sequence %d (it was missing)", name, start)
+        return start
+    first = restart_from(mirror, source, name)
+    if first is None:
+        watch.due, watch.restarts = None, 0  # well
         return None
-    due.clear()
+    if not watch.ripe(f"{mirror.get('created')}/{first}", now):
+        return None
     # Another worker may have seen it too: a random moment, then a second look; a
     # mirror that changed meanwhile was restarted by someone else.
     await asyncio.sleep(random.uniform(0, _JITTER))
@@ -126,20 +175,13 @@ async def heal_mirror(nc: Client, config: NatsConfig, due: dict[str, float]) -> 
         return None
     state = again.get("state") or {}
     error = (again.get("mirror") or {}).get("error")
+    watch.due, watch.restarts = None, watch.restarts + 1
     try:
         await api_request(nc, f"{api}.STREAM.DELETE.{name}")
     except _Refused as exc:
         if not (isinstance(exc.error, dict) and exc.error.get("err_code") == _NOT_FOUND):
             raise  # (deleted meanwhile: created below, or by whoever deleted it)
-    stream = _output_mirror(config)
-    if start > 1:
-        stream["mirror"]["opt_start_seq"] = start
-    try:
-        await api_request(nc, f"{api}.STREAM.CREATE.{name}", stream)
-    except _Refused as exc:
-        logger.warning("turnrouter: the front ends' mirror of %s was recreated meanwhile "
-                       "(%s)", name, str(exc.error)[:200])
-        return None
+    await _create(nc, config, api, start, watch)
     logger.warning("turnrouter: restarted the front ends' mirror of %s (it %s; it held "
                    "sequences up to %s): it now starts from sequence %d%s", name,
                    f"stalled on {error}" if error else "was out of step with the stream",
@@ -148,29 +190,60 @@ async def heal_mirror(nc: Client, config: NatsConfig, due: dict[str, float]) -> 
     return start
 
 
+async def _create(nc: Client, config: NatsConfig, api: str, start: int,
+                  watch: _Watch) -> None:
+    """Create the mirror starting at `start`, remembered (`_Watch.pending`) until it
+    succeeds; a watch cancelled meanwhile lets the create run to its end (after a
+    delete, a mirror left missing would leave every front end without outputs)."""
+    stream = _output_mirror(config)
+    if start > 1:
+        stream["mirror"]["opt_start_seq"] = start
+    watch.pending = start
+    create = watch.creating = asyncio.ensure_future(
+        api_request(nc, f"{api}.STREAM.CREATE.{config.output_stream}", stream))
+    try:
+        await asyncio.shield(create)
+    except _Refused as exc:
+        # Made meanwhile by another worker (or refused: its error is logged).
+        logger.warning("turnrouter: creating the front ends' mirror of %s: %s",
+                       config.output_stream, str(exc.error)[:200])
+    watch.pending = None
+
+
 def restart_from(mirror: dict[str, Any], source: dict[str, Any], name: str) -> int | None:
     """Where a restart of the mirror (STREAM.INFO `mirror`) of the output stream
     (STREAM.INFO `source`) should start, or None when it needs none: 1 (the stream's
     start) when the mirror is out of step with the stream (its sequences go past the
     stream's, or it holds outputs older than the stream: the stream was made again),
     the sequence after its last one when it stalled on "stream not found" though the
-    stream exists now (unless the mirror is younger than `_YOUNG` seconds)."""
-    config = mirror.get("config") or {}
-    if (config.get("mirror") or {}).get("name") != name:
+    stream exists now (unless the mirror is younger than `_YOUNG` seconds), never below
+    where the mirror itself was made to start (one restarted before it got anything
+    says it holds up to 0). Whatever the replies hold, an int or None."""
+    config = _dict(_dict(mirror.get("config")).get("mirror"))
+    if config.get("name") != name:
         return None  # not a mirror of the output stream: not ours to restart
-    mine, theirs = mirror.get("state") or {}, source.get("state") or {}
-    last, held = int(mine.get("last_seq") or 0), int(mine.get("messages") or 0)
-    if last > int(theirs.get("last_seq") or 0) or (
-            held and int(theirs.get("messages") or 0)
-            and int(theirs.get("first_seq") or 0) <= last
+    mine, theirs = _dict(mirror.get("state")), _dict(source.get("state"))
+    last, held = _int(mine.get("last_seq")), _int(mine.get("messages"))
+    if last > _int(theirs.get("last_seq")) or (
+            held and _int(theirs.get("messages"))
+            and _int(theirs.get("first_seq")) <= last
             and _ns(source.get("created")) > _ns(mine.get("last_ts"))):
         return 1
-    error = (mirror.get("mirror") or {}).get("error")
-    if not (isinstance(error, dict) and error.get("err_code") == _NOT_FOUND):
+    error = _dict(_dict(mirror.get("mirror")).get("error"))
+    if error.get("err_code") != _NOT_FOUND:
         return None
     if _ns(mirror.get("ts")) - _ns(mirror.get("created")) < _YOUNG * 1_000_000_000:
         return None
-    return last + 1
+    return max(last + 1, _int(config.get("opt_start_seq")), 1)
+
+
+def _dict(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _int(value: object) -> int:
+    """A non-negative JSON integer, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _ns(stamp: object) -> int:

@@ -12,19 +12,23 @@ partition again and again.
 A claim that fails (no reply: a server busy right after its restart, or the write lost
 with the connection) is made again while the partition stays here, until the scan's
 deadline: its participant's turn would otherwise stay in flight, unheard, until they
-talk again.
+talk again. Never over another replica's claim: after an outage the server may have
+pinned the partition elsewhere before this replica hears so, and a claim written over
+the new owner's would end its running turn with the failure text. Nor once the worker
+stops (its graceful stop waits for the takeovers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ._ledger import Ledger
 from ._link import Link
 from ._records import partition_keys, read_value
-from ._wire import NatsConfig, decode_token, parse_state
+from ._wire import NatsConfig, decode_token, parse_record
 
 __all__ = ["Takeover"]
 
@@ -42,8 +46,10 @@ _CLAIM_PAUSES = (0.25, 0.5, 1.0, 2.0)
 class Takeover:
     """Ends what partitions' previous owners left unfinished (`scan`)."""
 
-    def __init__(self, kv: Any, link: Link, config: NatsConfig, ledger: Ledger) -> None:
+    def __init__(self, kv: Any, link: Link, config: NatsConfig, ledger: Ledger,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self._kv, self._link, self._config, self._ledger = kv, link, config, ledger
+        self._stopping = stopping
 
     async def scan(self, n: int) -> None:
         """End what partition `n`'s records left unfinished, `_SCAN_BATCH` records at
@@ -91,32 +97,46 @@ class Takeover:
         if value is None:
             return
         try:
-            inflight, _, outbox = parse_state(value or b"{}")
+            record = parse_record(value or b"{}")
             pid = decode_token(key.split(".", 1)[1])
         except (ValueError, IndexError):
             return  # junk: the participant's next claim quarantines it
         ledger = self._ledger
         if ledger.losses(n) != losses:
             return
-        if inflight:
-            await self._claim(pid, n, losses, deadline)
-        elif outbox and not ledger.serves(pid):  # (a claim here publishes them)
-            await ledger.say_again(pid, n, ledger.sound(outbox))
+        if record.inflight:
+            await self._claim(key, pid, n, losses, deadline, record.owner)
+        elif record.outbox and not ledger.serves(pid):  # (a claim here publishes them)
+            await ledger.say_again(pid, n, ledger.sound(record.outbox))
 
-    async def _claim(self, pid: str, n: int, losses: int, deadline: float) -> None:
+    async def _claim(self, key: str, pid: str, n: int, losses: int, deadline: float,
+                     owner: str | None) -> None:
         """Claim `pid` (which ends its turn in flight), again after a pause while the
-        claim fails and partition `n` stays here; TimeoutError when the next attempt
-        would start past `deadline`. A failed claim's write may have been stored or not:
-        each attempt reads the record afresh, and one stored late fails the next write's
-        revision check, which the claim reads again and retries."""
+        claim fails, partition `n` stays here, the worker serves on, and the record is
+        still `owner`'s (the replica that left the turn) or this one's (a claim of ours
+        stored late); TimeoutError when the next attempt would start past `deadline`.
+        A failed claim's write may have been stored or not: each attempt reads the
+        record afresh, and one stored late fails the next write's revision check, which
+        the claim reads again and retries."""
         ledger = self._ledger
         loop = asyncio.get_running_loop()
         attempt = 0
         while await ledger.claim(pid, n) is None:
-            if ledger.losses(n) != losses:
+            if ledger.losses(n) != losses or self._stopping():
                 return  # the partition moved away: its new owner's takeover claims it
             pause = _CLAIM_PAUSES[min(attempt, len(_CLAIM_PAUSES) - 1)]
             if loop.time() + pause >= deadline:
                 raise TimeoutError
             attempt += 1
             await asyncio.sleep(pause)
+            async with asyncio.timeout_at(deadline):
+                value = await read_value(self._kv, key)
+            try:
+                now = parse_record(value).owner if value else None
+            except ValueError:
+                now = owner  # junk since: the claim quarantines it
+            if now not in (owner, ledger.replica) or ledger.losses(n) != losses:
+                # Another replica claimed it (or it is gone): theirs now.
+                logger.info("turnrouter: partition %d: a takeover left a record another "
+                            "replica claimed meanwhile", n)
+                return

@@ -192,7 +192,8 @@ class NatsWorker:
             self._ledger = Ledger(bucket, link, config, self.replica, lambda: self.router,
                                   self._publish_ending, self._metrics)
             self._ledger.on_unsure = self._settle_soon
-            self._takeover = Takeover(bucket, link, config, self._ledger)
+            self._takeover = Takeover(bucket, link, config, self._ledger,
+                                      lambda: not self._pulling)
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
                                            self._metrics, self._spawn, self._stop.is_set)
             router.set_control_output(inputs.control_output)
