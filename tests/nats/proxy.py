@@ -12,7 +12,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Callable
 
-__all__ = ["Hold", "NatsProxy", "proxied", "reads_of"]
+__all__ = ["Hold", "Match", "NatsProxy", "proxied", "reads_of"]
 
 #: Whether a publish (subject, payload without headers) is to be held.
 Match = Callable[[str, bytes], bool]

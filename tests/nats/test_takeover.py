@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import signal
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client
@@ -30,12 +31,31 @@ from turnrouter.runtime.nats import (
 from .app import PREAMBLE, make_router
 from .conftest import NatsServer, Worker, cancelled, metric_value, settled, until_true
 from .crowd import FAILURE, ask, listening
-from .proxy import proxied, reads_of
+from .proxy import Hold, Match, proxied, reads_of
 
 pytestmark = pytest.mark.anyio
 
 #: Participants per partition whose record a dead replica left with a turn in flight.
 LEFT = 4
+
+
+@contextlib.asynccontextmanager
+async def heir(port: int, config: NatsConfig, match: Match, registry: CollectorRegistry
+               ) -> AsyncIterator[tuple[NatsWorker, asyncio.Task[None], Hold]]:
+    """A worker ("heir") connected to the server on `port` through a proxy that holds
+    the publishes `match` picks; stopped on exit, what was held let go first."""
+    async with proxied(port) as proxy:
+        hold = proxy.hold(match)
+        worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                            registry=registry, replica="heir")
+        run = asyncio.create_task(worker.run())
+        try:
+            yield worker, run, hold
+        finally:
+            hold.release()
+            worker.request_stop()
+            async with asyncio.timeout(30):
+                await asyncio.gather(run, return_exceptions=True)
 
 
 async def rewrite(nc: Client, config: NatsConfig, writing: asyncio.Event) -> None:
@@ -210,44 +230,36 @@ async def test_a_takeover_serves_the_partition_while_it_reads_the_records(
     told = await kv.put(olga, state_json("gone", [], None,
                                          [("t-told", "echo", "told", time.time())]))
     record_subject = f"$KV.{config.bucket}.{zed}"
-    async with proxied(nats_server.port) as proxy:
-        reads = proxy.hold(reads_of(record_subject))
-        worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
-                            registry=registry, replica="heir")
-        run = asyncio.create_task(worker.run())
-        try:
-            async with listening(config) as (front, heard):
-                async with asyncio.timeout(15):
-                    await worker.ready.wait()
-                # amy is answered while the takeover waits for zed's record.
-                assert (await ask(front, heard, "amy", "hello")).startswith("hello|")
-                async with asyncio.timeout(15):
-                    await reads.event.wait()
-                assert (await ask(front, heard, "amy", "still")).startswith("still|")
-                async with asyncio.timeout(15):  # republished as recorded, unclaimed
-                    await heard.events.setdefault("t-told", asyncio.Event()).wait()
-                assert "t-left" not in heard.finals
-                # zed's next query waits for the takeover's claim of zed.
-                later = UserQuery(participant_id="zed", text="again")
-                await front.publish(later)
-                reads.release()
-                async with asyncio.timeout(15):
-                    await heard.events.setdefault(later.message_id, asyncio.Event()).wait()
-                assert heard.order["zed"] == ["t-left", later.message_id]
-                assert [(m.route, m.text) for m in heard.finals["t-left"]] == [
-                    ("none", FAILURE)]
-                assert [(m.route, m.text) for m in heard.finals["t-told"]] == [
-                    ("echo", "told")]
-                assert (await kv.get(olga)).revision == told
-                exposition = generate_latest(registry).decode()
-                assert metric_value(exposition, "turnrouter_nats_takeovers_total") == 1
-                assert metric_value(exposition, "turnrouter_nats_partitions_lost_total") == 0
-        finally:
+    try:
+        async with heir(nats_server.port, config, reads_of(record_subject),
+                        registry) as (worker, _, reads), listening(config) as (front, heard):
+            async with asyncio.timeout(15):
+                await worker.ready.wait()
+            # amy is answered while the takeover waits for zed's record.
+            assert (await ask(front, heard, "amy", "hello")).startswith("hello|")
+            async with asyncio.timeout(15):
+                await reads.event.wait()
+            assert (await ask(front, heard, "amy", "still")).startswith("still|")
+            async with asyncio.timeout(15):  # republished as recorded, unclaimed
+                await heard.events.setdefault("t-told", asyncio.Event()).wait()
+            assert "t-left" not in heard.finals
+            # zed's next query waits for the takeover's claim of zed.
+            later = UserQuery(participant_id="zed", text="again")
+            await front.publish(later)
             reads.release()
-            await nc.close()
-            worker.request_stop()
-            async with asyncio.timeout(30):
-                await asyncio.gather(run, return_exceptions=True)
+            async with asyncio.timeout(15):
+                await heard.events.setdefault(later.message_id, asyncio.Event()).wait()
+            assert heard.order["zed"] == ["t-left", later.message_id]
+            assert [(m.route, m.text) for m in heard.finals["t-left"]] == [
+                ("none", FAILURE)]
+            assert [(m.route, m.text) for m in heard.finals["t-told"]] == [
+                ("echo", "told")]
+            assert (await kv.get(olga)).revision == told
+            exposition = generate_latest(registry).decode()
+            assert metric_value(exposition, "turnrouter_nats_takeovers_total") == 1
+            assert metric_value(exposition, "turnrouter_nats_partitions_lost_total") == 0
+    finally:
+        await nc.close()
 
 
 @pytest.mark.parametrize("fate", ["stored late", "lost", "claimed by another", "stopped"])
@@ -275,56 +287,50 @@ async def test_a_takeover_claims_again_a_record_whose_claim_went_unanswered(
     zed = f"0.{encode_token('zed')}"
     await kv.put(zed, state_json("gone", ["t-left"], None))
     record_subject = f"$KV.{config.bucket}.{zed}"
-    async with proxied(nats_server.port) as proxy:
-        writes = proxy.hold(lambda subject, _: subject == record_subject)
-        worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
-                            registry=CollectorRegistry(), replica="heir")
-        run = asyncio.create_task(worker.run())
-        try:
-            async with listening(config) as (front, heard):
-                async with asyncio.timeout(15):
-                    await worker.ready.wait()
-                # amy's turn gives the partition to the worker, whose takeover claims
-                # zed's record: that write is held, gets no reply, and is made again.
-                assert (await ask(front, heard, "amy", "hello")).startswith("hello|")
-                if fate == "claimed by another":
-                    async with asyncio.timeout(30):
-                        await writes.holding(1)  # the worker read the record, then wrote
-                    await kv.put(zed, state_json("newer", ["t-new"], None))
-                    await until_true(lambda: any(
-                        "another replica claimed" in r.getMessage() for r in caplog.records),
-                        "the takeover left the record")
-                    writes.drop(len(writes.held))
-                    writes.release()
-                    record = parse_record((await kv.get(zed)).value or b"")
-                    assert (record.owner, record.inflight) == ("newer", ["t-new"])
-                    assert "t-left" not in heard.finals
-                    return
-                if fate == "stopped":
-                    async with asyncio.timeout(30):
-                        await writes.holding(1)
-                    worker.request_stop()
-                    async with asyncio.timeout(15):  # the claim's 5 s, not the scan's 30
-                        await run
-                    return
+    try:
+        async with heir(nats_server.port, config,
+                        lambda subject, _: subject == record_subject,
+                        CollectorRegistry()) as (worker, run, writes), \
+                listening(config) as (front, heard):
+            async with asyncio.timeout(15):
+                await worker.ready.wait()
+            # amy's turn gives the partition to the worker, whose takeover claims
+            # zed's record: that write is held, gets no reply, and is made again.
+            assert (await ask(front, heard, "amy", "hello")).startswith("hello|")
+            if fate == "claimed by another":
                 async with asyncio.timeout(30):
-                    await writes.holding(2)
-                if fate == "lost":
-                    writes.drop(1)
+                    await writes.holding(1)  # the worker read the record, then wrote
+                await kv.put(zed, state_json("newer", ["t-new"], None))
+                await until_true(lambda: any(
+                    "another replica claimed" in r.getMessage() for r in caplog.records),
+                    "the takeover left the record")
+                writes.drop(len(writes.held))
                 writes.release()
-                async with asyncio.timeout(15):
-                    await heard.events.setdefault("t-left", asyncio.Event()).wait()
-                assert [(m.route, m.text) for m in heard.finals["t-left"]] == [
-                    ("none", FAILURE)]
-                assert parse_record((await kv.get(zed)).value or b"").inflight == []
-                assert "zed" not in heard.order or heard.order["zed"] == ["t-left"]
-                # Logged the first time (then at every power of ten), with the count.
-                assert [r.getMessage() for r in caplog.records
-                        if "claim failed" in r.getMessage()] == [
-                    "turnrouter: participant claim failed (1 so far): TimeoutError()"]
-        finally:
-            writes.release()
-            await nc.close()
-            worker.request_stop()
+                record = parse_record((await kv.get(zed)).value or b"")
+                assert (record.owner, record.inflight) == ("newer", ["t-new"])
+                assert "t-left" not in heard.finals
+                return
+            if fate == "stopped":
+                async with asyncio.timeout(30):
+                    await writes.holding(1)
+                worker.request_stop()
+                async with asyncio.timeout(15):  # the claim's 5 s, not the scan's 30
+                    await run
+                return
             async with asyncio.timeout(30):
-                await asyncio.gather(run, return_exceptions=True)
+                await writes.holding(2)
+            if fate == "lost":
+                writes.drop(1)
+            writes.release()
+            async with asyncio.timeout(15):
+                await heard.events.setdefault("t-left", asyncio.Event()).wait()
+            assert [(m.route, m.text) for m in heard.finals["t-left"]] == [
+                ("none", FAILURE)]
+            assert parse_record((await kv.get(zed)).value or b"").inflight == []
+            assert "zed" not in heard.order or heard.order["zed"] == ["t-left"]
+            # Logged the first time (then at every power of ten), with the count.
+            assert [r.getMessage() for r in caplog.records
+                    if "claim failed" in r.getMessage()] == [
+                "turnrouter: participant claim failed (1 so far): TimeoutError()"]
+    finally:
+        await nc.close()

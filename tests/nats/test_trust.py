@@ -36,7 +36,7 @@ from turnrouter import ConfigurationError, LifecycleError
 from turnrouter.runtime import Interrupted, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, encode_token
 
-from .conftest import ROOT, NatsServer, Worker, free_port, metric_value, settled
+from .conftest import ROOT, NatsServer, Worker, cancelled, free_port, metric_value, settled
 from .crowd import Heard, ask, listen, listening
 from .proxy import proxied
 
@@ -699,6 +699,47 @@ async def test_a_permitted_fleet_wide_interrupt_is_published(
 
 
 # ---------------------------------------------------------------- the front ends' mirror
+class _Finals:
+    """The final outputs a front end's `outputs()` read: (turn id, when), in order."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[str, float]] = []
+        self._got = asyncio.Event()
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self, front: NatsFrontEnd) -> None:
+        """Read `front`'s outputs from now on (`close` stops)."""
+        ready = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        async def read() -> None:
+            async for out in front.outputs(subscribed=ready):
+                if out.final:
+                    self.reads.append((out.request_id, loop.time()))
+                    self._got.set()
+
+        self._reader = asyncio.create_task(read())
+        async with asyncio.timeout(15):
+            await ready.wait()
+
+    async def answered(self, ids: list[str], within: float) -> None:
+        """Until the finals of `ids` were read (at most `within` seconds)."""
+        async with asyncio.timeout(within):
+            while not set(ids) <= {turn for turn, _ in self.reads}:
+                await self.next_read(within)
+
+    async def next_read(self, within: float) -> None:
+        """Until the next read, or `within` seconds."""
+        self._got.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                await self._got.wait()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            await cancelled(self._reader)
+
+
 async def _mirror_info(nc: Client) -> dict[str, object]:
     """STREAM.INFO of FRONT's mirror, asked as a worker."""
     reply = await nc.request("$JS.FRONT.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)
@@ -725,27 +766,10 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
     nc = await nats.connect(locked.url, user="worker",
                             password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"],
                             inbox_prefix="_INBOX_turnrouter_worker")
-    reads: list[tuple[str, float]] = []  # (turn id, when), each final read
-    got = asyncio.Event()
-    ready = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    async def read() -> None:
-        async for out in front.outputs(subscribed=ready):
-            if out.final:
-                reads.append((out.request_id, loop.time()))
-                got.set()
-
-    async def answered(ids: list[str], within: float) -> None:
-        async with asyncio.timeout(within):
-            while not set(ids) <= {turn for turn, _ in reads}:
-                got.clear()
-                await got.wait()
-
-    reader = asyncio.create_task(read())
+    finals = _Finals()
+    reads, answered, loop = finals.reads, finals.answered, asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(15):
-            await ready.wait()
+        await finals.start(front)
         before = [UserQuery(participant_id=f"q{k}", text=f"before{k}") for k in range(8)]
         for query in before:
             await front.publish(query)
@@ -763,13 +787,10 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
         # What the front end read since is what the new stream holds, in its order.
         async with asyncio.timeout(15):
             while [turn for turn, t in reads if t > deleted] != (held := await _finals(nc)):
-                got.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(got.wait(), 0.5)  # the next read, or a look
+                await finals.next_read(0.5)  # the next read, or another look
         assert {q.message_id for q in after} <= set(held)
     finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+        await finals.close()
         await nc.close()
         await front.close()
         for worker in workers:
@@ -804,27 +825,10 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
     nc = await nats.connect(locked.url, user="worker",
                             password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"],
                             inbox_prefix="_INBOX_turnrouter_worker")
-    reads: list[tuple[str, float]] = []
-    got = asyncio.Event()
-    ready = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    async def read() -> None:
-        async for out in front.outputs(subscribed=ready):
-            if out.final:
-                reads.append((out.request_id, loop.time()))
-                got.set()
-
-    async def answered(ids: list[str], within: float) -> None:
-        async with asyncio.timeout(within):
-            while not set(ids) <= {turn for turn, _ in reads}:
-                got.clear()
-                await got.wait()
-
-    reader = asyncio.create_task(read())
+    finals = _Finals()
+    reads, answered = finals.reads, finals.answered
     try:
-        async with asyncio.timeout(15):
-            await ready.wait()
+        await finals.start(front)
         before = [UserQuery(participant_id=f"q{k}", text=f"before{k}") for k in range(4)]
         for query in before:
             await front.publish(query)
@@ -865,8 +869,7 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
         assert sorted(turn for turn, _ in reads) == sorted(
             q.message_id for q in [*before, *after, last])
     finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+        await finals.close()
         await nc.close()
         await front.close()
         worker.close()
