@@ -728,6 +728,12 @@ class _Finals:
             while not set(ids) <= {turn for turn, _ in self.reads}:
                 await self.next_read(within)
 
+    async def ask(self, front: NatsFrontEnd, queries: list[UserQuery]) -> None:
+        """Publish `queries` and wait until their finals were read (at most 30 s)."""
+        for query in queries:
+            await front.publish(query)
+        await self.answered([q.message_id for q in queries], 30)
+
     async def next_read(self, within: float) -> None:
         """Until the next read, or `within` seconds."""
         self._got.clear()
@@ -771,9 +777,7 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
     try:
         await finals.start(front)
         before = [UserQuery(participant_id=f"q{k}", text=f"before{k}") for k in range(8)]
-        for query in before:
-            await front.publish(query)
-        await answered([q.message_id for q in before], 30)
+        await finals.ask(front, before)
         created = (await _mirror_info(nc))["created"]
         deleted = loop.time()
         await nc.request("$JS.API.STREAM.DELETE.TURNROUTER_OUT", b"", timeout=5)
@@ -830,9 +834,7 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
     try:
         await finals.start(front)
         before = [UserQuery(participant_id=f"q{k}", text=f"before{k}") for k in range(4)]
-        for query in before:
-            await front.publish(query)
-        await answered([q.message_id for q in before], 30)
+        await finals.ask(front, before)
         source = json.loads((await nc.request("$JS.API.STREAM.INFO.TURNROUTER_OUT", b"",
                                               timeout=5)).data)
         held = source["state"]["last_seq"]
