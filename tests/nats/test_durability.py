@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import signal
 import time
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.js.errors import APIError, KeyNotFoundError
 
+import nats
 from turnrouter import ConfigurationError, ParticipantSnapshot
 from turnrouter.cli import worker_parser
 from turnrouter.runtime import ResponseOutput, UserQuery
@@ -30,7 +32,8 @@ from turnrouter.runtime.nats import (
     state_json,
 )
 
-from .conftest import NatsServer, Worker
+from .conftest import NatsServer, Worker, until_true
+from .proxy import proxied
 from .test_wire import JUNK, Wire, fresh
 
 pytestmark = pytest.mark.anyio
@@ -284,6 +287,55 @@ async def test_outputs_resume_soon_after_a_server_restart(nats_server: NatsServe
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         await front.close()
+
+
+async def test_a_reader_reads_an_output_stream_made_again_while_it_makes_its_consumer(
+        nats_server: NatsServer) -> None:
+    """The output stream deleted and made again (a restarted mirror, a repaired
+    deployment) after a reader checked it and before its new consumer was made: the
+    reader reads the new stream from its start. Before, the consumer started after the
+    reader's last sequence of the old stream and skipped the new stream's first outputs.
+
+    Held without touching the reader: its connection goes through a proxy that keeps
+    its consumer's creation from the server while the test makes the stream again."""
+    config = NatsConfig(url=nats_server.url)
+    stream, subject = config.output_stream, config.output_subject("zed")
+    admin = await nats.connect(nats_server.url)
+    got: list[ResponseOutput] = []
+    subscribed = asyncio.Event()
+    async with proxied(nats_server.port) as proxy:
+        front = await NatsFrontEnd.connect(dataclasses.replace(config, url=proxy.url))
+        reader = asyncio.create_task(_read_until(front, "new-0", got, subscribed))
+        try:
+            async with asyncio.timeout(15):
+                await subscribed.wait()
+            js = admin.jetstream()
+            for k in range(5):
+                await js.publish(subject, output("zed", f"old-{k}"))
+            await until_true(lambda: len(got) == 5, "the old outputs read")
+            creates = proxy.hold(lambda api, _: api.startswith("$JS.API.CONSUMER.CREATE."))
+            names = json.loads((await admin.request(
+                f"$JS.API.CONSUMER.NAMES.{stream}", b"{}", timeout=5)).data)["consumers"]
+            for name in names:  # the reader's consumer goes: it makes another
+                await admin.request(f"$JS.API.CONSUMER.DELETE.{stream}.{name}", b"",
+                                    timeout=5)
+            async with asyncio.timeout(15):
+                await creates.event.wait()
+            made = json.loads((await admin.request(f"$JS.API.STREAM.INFO.{stream}", b"",
+                                                   timeout=5)).data)["config"]
+            await admin.request(f"$JS.API.STREAM.DELETE.{stream}", b"", timeout=5)
+            await admin.request(f"$JS.API.STREAM.CREATE.{stream}", json.dumps(made).encode(),
+                                timeout=5)
+            await js.publish(subject, output("zed", "new-0"))
+            creates.release()
+            async with asyncio.timeout(15):
+                await reader
+            assert [o.request_id for o in got] == [*(f"old-{k}" for k in range(5)), "new-0"]
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await front.close()
+            await admin.close()
 
 
 async def test_outputs_end_when_the_front_end_closes(nats_server: NatsServer) -> None:

@@ -261,7 +261,23 @@ class _OutputReader:
 
     async def _create(self) -> bool:
         """A fresh consumer from the last sequence read; False when the server cannot
-        make one now (retried at the next tick)."""
+        make one now (retried at the next tick). The stream is asked again once the
+        consumer is made: one made again in between (a restarted mirror, a repaired
+        output stream) got a consumer starting past what it holds, which skipped its
+        first outputs; it is read from its start instead."""
+        for _ in range(3):  # (each round needs the stream made again meanwhile)
+            if not await self._make():
+                return False
+            try:
+                if not await self._recreated():
+                    return True
+            except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
+                return True  # asked again at the next creation
+            self._last = 0  # a new stream: what it holds came after what was read
+        return True
+
+    async def _make(self) -> bool:
+        """One consumer from the last sequence read (see `_create`)."""
         nc, config = self._nc, self._config
         self._reconnects = nc.stats["reconnects"]
         self._heard = time.monotonic()
