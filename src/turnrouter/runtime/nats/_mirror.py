@@ -142,7 +142,9 @@ async def heal_mirror(nc: Client, config: NatsConfig, watch: _Watch) -> int | No
     if source is None:
         return None  # the workers' deployment check makes it again
     now = asyncio.get_running_loop().time()
-    if mirror is None:
+    if mirror is not None:
+        watch.pending = None  # (a create whose reply was lost made it after all)
+    else:
         # Deleted and not made again (a create that failed: this worker's, remembered,
         # or another's that died between the two): made from where the restart meant
         # to start, else after what the output stream holds now (a reader would read a
@@ -152,7 +154,7 @@ async def heal_mirror(nc: Client, config: NatsConfig, watch: _Watch) -> int | No
         if start is None:
             if not watch.ripe("missing", now):
                 return None
-            start = _int((source.get("state") or {}).get("last_seq")) + 1
+            start = _int(_dict(source.get("state")).get("last_seq")) + 1
         await _create(nc, config, api, start, watch)
         logger.warning("turnrouter: made the front ends' mirror of %s again, from "
                        "sequence %d (it was missing)", name, start)
@@ -173,8 +175,8 @@ async def heal_mirror(nc: Client, config: NatsConfig, watch: _Watch) -> int | No
     start = restart_from(again, source, name)
     if start is None:
         return None
-    state = again.get("state") or {}
-    error = (again.get("mirror") or {}).get("error")
+    state = _dict(again.get("state"))
+    error = _dict(again.get("mirror")).get("error")
     watch.due, watch.restarts = None, watch.restarts + 1
     try:
         await api_request(nc, f"{api}.STREAM.DELETE.{name}")
