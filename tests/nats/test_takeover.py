@@ -334,3 +334,38 @@ async def test_a_takeover_claims_again_a_record_whose_claim_went_unanswered(
                 "turnrouter: participant claim failed (1 so far): TimeoutError()"]
     finally:
         await nc.close()
+
+
+async def test_a_record_whose_claim_keeps_failing_holds_up_no_other(
+        nats_server: NatsServer) -> None:
+    """65 records of one partition hold a turn left in flight (one more than a takeover
+    reads at a time), and one of them can never be claimed (its writes never reach the
+    server): the 64 others end with the failure text, each once. The claims that
+    failed are made again once every record was read; before, the failing one's
+    retries held up the records after its batch until the takeover's 30 s were over,
+    and those turns stayed in flight."""
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    nc = await nats.connect(nats_server.url)
+    kv = await nc.jetstream().create_key_value(KeyValueConfig(bucket=config.bucket,
+                                                              history=1))
+    pids = [f"p{k:02d}" for k in range(65)]
+    for k, pid in enumerate(pids):
+        await kv.put(f"0.{encode_token(pid)}", state_json("gone", [f"t-left-{k}"], None))
+    poisoned = f"$KV.{config.bucket}.0.{encode_token(pids[0])}"
+    try:
+        async with heir(nats_server.port, config, lambda subject, _: subject == poisoned,
+                        CollectorRegistry()) as (worker, _, writes), \
+                listening(config) as (front, heard):
+            async with asyncio.timeout(15):
+                await worker.ready.wait()
+            ended = asyncio.Event()  # the 64 turns and amy's answer
+            heard.waiters.append((heard.count + 64 + 1, ended))
+            assert (await ask(front, heard, "amy", "hello")).startswith("hello|")
+            async with asyncio.timeout(25):  # under the takeover's 30 s
+                await ended.wait()
+            writes.drop(len(writes.held))
+            assert {turn: [(m.route, m.text) for m in heard.finals[turn]]
+                    for turn in heard.finals if turn.startswith("t-left-")} == {
+                f"t-left-{k}": [("none", FAILURE)] for k in range(1, 65)}
+    finally:
+        await nc.close()

@@ -21,6 +21,8 @@ stops (its graceful stop waits for the takeovers).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +55,9 @@ class Takeover:
 
     async def scan(self, n: int) -> None:
         """End what partition `n`'s records left unfinished, `_SCAN_BATCH` records at
-        a time, reading for at most `_SCAN_SECS`; stop once the partition is lost.
+        a time, reading for at most `_SCAN_SECS`; stop once the partition is lost. The
+        claims that failed are made again once every record was read (one record that
+        keeps failing holds up no other).
 
         Its keys are listed by the bucket's stream (`partition_keys`), then each record
         is read: nats-py's KV watch could signal the end of its initial values before
@@ -63,6 +67,7 @@ class Takeover:
         deadline = loop.time() + _SCAN_SECS
         losses = self._ledger.losses(n)
         read = 0
+        again: list[_Left] = []
         try:
             async with asyncio.timeout_at(deadline):
                 keys = await partition_keys(self._link, self._config.bucket, n, deadline)
@@ -76,67 +81,99 @@ class Takeover:
                     *(self._end_unfinished(key, n, losses, deadline) for key in batch),
                     return_exceptions=True)
                 read += len(batch)
-                failed = [exc for exc in ended if isinstance(exc, Exception)]
-                if any(isinstance(exc, TimeoutError) for exc in failed):
-                    raise TimeoutError
-                if failed:
-                    logger.warning("turnrouter: partition %d: ending %d records' "
-                                   "unfinished turns failed: %r", n, len(failed), failed[0])
+                again += [left for left in ended if isinstance(left, _Left)]
+                self._check(n, ended)
+            await self._claim_again(n, losses, deadline, again)
         except TimeoutError:
-            logger.warning("turnrouter: partition %d: read %d records in %g s; the rest "
-                           "end their unfinished turns when their participant talks",
-                           n, read, _SCAN_SECS)
+            logger.warning("turnrouter: partition %d: read %d records in %g s (%d claims "
+                           "failing); the rest end their unfinished turns when their "
+                           "participant talks", n, read, _SCAN_SECS, len(again))
 
-    async def _end_unfinished(self, key: str, n: int, losses: int, deadline: float) -> None:
+    @staticmethod
+    def _check(n: int, ended: list[Any]) -> None:
+        """TimeoutError when an outcome of a batch is one; the other errors logged."""
+        failed = [exc for exc in ended if isinstance(exc, Exception)]
+        if any(isinstance(exc, TimeoutError) for exc in failed):
+            raise TimeoutError
+        if failed:
+            logger.warning("turnrouter: partition %d: ending %d records' unfinished "
+                           "turns failed: %r", n, len(failed), failed[0])
+
+    async def _end_unfinished(self, key: str, n: int, losses: int,
+                              deadline: float) -> _Left | None:
         """What the record of `key` left unfinished, ended: a turn in flight by a claim,
-        recent endings of its outbox published again (as `Ledger.let_go` does). Only the
-        read is bounded by `deadline` (TimeoutError): a claim cut after its write would
-        leave its endings recorded and never said."""
+        recent endings of its outbox published again (as `Ledger.let_go` does); the
+        record, when its claim failed (made again by `_claim_again`). Only the read is
+        bounded by `deadline` (TimeoutError): a claim cut after its write would leave
+        its endings recorded and never said."""
         async with asyncio.timeout_at(deadline):
             value = await read_value(self._kv, key)
         if value is None:
-            return
+            return None
         try:
             record = parse_record(value or b"{}")
             pid = decode_token(key.split(".", 1)[1])
         except (ValueError, IndexError):
-            return  # junk: the participant's next claim quarantines it
+            return None  # junk: the participant's next claim quarantines it
         ledger = self._ledger
         if ledger.losses(n) != losses:
-            return
+            return None
         if record.inflight:
-            await self._claim(key, pid, n, losses, deadline, record.owner)
+            if await ledger.claim(pid, n) is None and ledger.losses(n) == losses:
+                return _Left(key, pid, record.owner)
         elif record.outbox and not ledger.serves(pid):  # (a claim here publishes them)
             await ledger.say_again(pid, n, ledger.sound(record.outbox))
+        return None
 
-    async def _claim(self, key: str, pid: str, n: int, losses: int, deadline: float,
-                     owner: str | None) -> None:
-        """Claim `pid` (which ends its turn in flight), again after a pause while the
-        claim fails, partition `n` stays here, the worker serves on, and the record is
-        still `owner`'s (the replica that left the turn) or this one's (a claim of ours
-        stored late); TimeoutError when the next attempt would start past `deadline`.
-        A failed claim's write may have been stored or not: each attempt reads the
-        record afresh, and one stored late fails the next write's revision check, which
-        the claim reads again and retries."""
-        ledger = self._ledger
+    async def _claim_again(self, n: int, losses: int, deadline: float,
+                           left: list[_Left]) -> None:
+        """The claims in `left` made again, all at once, after a pause (`_CLAIM_PAUSES`)
+        while partition `n` stays here and the worker serves on; TimeoutError when the
+        next round would start past `deadline`."""
         loop = asyncio.get_running_loop()
-        attempt = 0
-        while await ledger.claim(pid, n) is None:
-            if ledger.losses(n) != losses or self._stopping():
-                return  # the partition moved away: its new owner's takeover claims it
-            pause = _CLAIM_PAUSES[min(attempt, len(_CLAIM_PAUSES) - 1)]
+        for pause in itertools.chain(_CLAIM_PAUSES, itertools.repeat(_CLAIM_PAUSES[-1])):
+            if not left or self._ledger.losses(n) != losses or self._stopping():
+                return  # (moved away: its new owner's takeover claims them)
             if loop.time() + pause >= deadline:
                 raise TimeoutError
-            attempt += 1
             await asyncio.sleep(pause)
-            async with asyncio.timeout_at(deadline):
-                value = await read_value(self._kv, key)
-            try:
-                now = parse_record(value).owner if value else None
-            except ValueError:
-                now = owner  # junk since: the claim quarantines it
-            if now not in (owner, ledger.replica) or ledger.losses(n) != losses:
-                # Another replica claimed it (or it is gone): theirs now.
-                logger.info("turnrouter: partition %d: a takeover left a record another "
-                            "replica claimed meanwhile", n)
-                return
+            ended = await asyncio.gather(
+                *(self._claim_left(one, n, losses, deadline) for one in left),
+                return_exceptions=True)
+            left = [one for one in ended if isinstance(one, _Left)]
+            self._check(n, ended)
+
+    async def _claim_left(self, left: _Left, n: int, losses: int,
+                          deadline: float) -> _Left | None:
+        """Claim `left` again while its record holds a turn in flight and is still its
+        owner's (the replica that left the turn) or this one's (a claim of ours stored
+        late); `left` when the claim failed again. A failed claim's write may have been
+        stored or not: the claim reads the record afresh, and one stored late fails the
+        next write's revision check, which the claim reads again and retries."""
+        async with asyncio.timeout_at(deadline):
+            value = await read_value(self._kv, left.key)
+        ledger = self._ledger
+        try:
+            record = parse_record(value) if value else None
+        except ValueError:
+            record = None  # junk since: the participant's next claim quarantines it
+        if record is None or not record.inflight or ledger.losses(n) != losses:
+            return None
+        if record.owner not in (left.owner, ledger.replica):
+            # Another replica claimed it: theirs now (after an outage the partition may
+            # be pinned there before this replica hears so).
+            logger.info("turnrouter: partition %d: a takeover left a record another "
+                        "replica claimed meanwhile", n)
+            return None
+        if await ledger.claim(left.pid, n) is None and ledger.losses(n) == losses:
+            return left
+        return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Left:
+    """A record whose turn in flight a takeover's claim did not end yet."""
+
+    key: str
+    pid: str
+    owner: str | None  # the replica that left it
