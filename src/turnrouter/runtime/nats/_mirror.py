@@ -16,10 +16,13 @@ case, with its own output stream there, restarts it: a delete and a create. A mi
 in step with the output stream (the first case) is created to go on from the sequence
 after its last one (`opt_start_seq`), so the sequences stay those of the output stream
 and a front end's reader resuming after its last sequence neither misses nor repeats an
-output; one out of step (the second case) is created to copy the new output stream from
-its start. The front ends' consumers of the mirror go with it: `NatsFrontEnd.outputs()`
-notices within about 1.5 s (no heartbeat) and reads the new mirror from its start, which
-holds only what it had not read yet.
+output; one out of step (the second case) is created to copy the outputs the stream
+stored after the mirror's last one (`opt_start_time`): all of a stream made again, and
+only the new ones of a stream whose last outputs a crash lost (its sequences then come
+again, with other outputs), so no reader hears again what it heard. The front ends'
+consumers of the mirror go with it: `NatsFrontEnd.outputs()` notices within about
+1.5 s (no heartbeat) and reads the new mirror from its start, which holds only what it
+had not read yet.
 
 A worker restarts the mirror only once it found it so at looks `_PATIENCE` seconds
 apart: front ends back from the same outage resume reading meanwhile, and what a reader
@@ -73,6 +76,11 @@ _MAX_DOUBLINGS = 7  # of the patience after restarts (2 s to 256 s), and of unan
 _NOT_FOUND = 10059
 
 
+#: Where a mirror starts: a sequence of the output stream (1: its start), or, with a
+#: time, the outputs stored from that time on.
+_Start = tuple[int, str | None]
+
+
 class _Watch:
     """What one worker's watch remembers between looks."""
 
@@ -82,7 +90,7 @@ class _Watch:
         self.due: tuple[str, float] | None = None
         #: Where the mirror this worker deleted should start, while its create has not
         #: succeeded (made again at the next looks).
-        self.pending: int | None = None
+        self.pending: _Start | None = None
         #: Restarts since the mirror was last found well: each doubles the patience.
         self.restarts = 0
         #: The create sent when the watch was cancelled between delete and create (it
@@ -150,15 +158,16 @@ async def heal_mirror(nc: Client, config: NatsConfig, watch: _Watch) -> int | No
         # to start, else after what the output stream holds now (a reader would read a
         # mirror made from the stream's start all over again; what was published while
         # it was missing is not in it).
-        start = watch.pending
-        if start is None:
+        remade = watch.pending
+        if remade is None:
             if not watch.ripe("missing", now):
                 return None
-            start = _int(_dict(source.get("state")).get("last_seq")) + 1
-        await _create(nc, config, api, start, watch)
-        logger.warning("turnrouter: made the front ends' mirror of %s again, from "
-                       "sequence %d (it was missing)", name, start)
-        return start
+            remade = (_int(_dict(source.get("state")).get("last_seq")) + 1, None)
+        await _create(nc, config, api, remade, watch)
+        logger.warning("turnrouter: made the front ends' mirror of %s again, starting "
+                       "%s (it was missing)", name, f"from sequence {remade[0]}"
+                       if remade[1] is None else f"with the outputs stored from {remade[1]}")
+        return remade[0]
     first = restart_from(mirror, source, name)
     if first is None:
         watch.due, watch.restarts = None, 0  # well
@@ -177,29 +186,38 @@ async def heal_mirror(nc: Client, config: NatsConfig, watch: _Watch) -> int | No
         return None
     state = _dict(again.get("state"))
     error = _dict(again.get("mirror")).get("error")
+    # Out of step: the stream's outputs stored after the mirror's last one (all of a
+    # stream made again since; only the new ones of a stream whose last outputs a
+    # crash lost, so no reader hears again what it already heard).
+    since = None if start > 1 else str(
+        state.get("last_ts") if _int(state.get("messages")) else again.get("created"))
     watch.due, watch.restarts = None, watch.restarts + 1
     try:
         await api_request(nc, f"{api}.STREAM.DELETE.{name}")
     except _Refused as exc:
         if not (isinstance(exc.error, dict) and exc.error.get("err_code") == _NOT_FOUND):
             raise  # (deleted meanwhile: created below, or by whoever deleted it)
-    await _create(nc, config, api, start, watch)
+    await _create(nc, config, api, (start, since), watch)
     logger.warning("turnrouter: restarted the front ends' mirror of %s (it %s; it held "
-                   "sequences up to %s): it now starts from sequence %d%s", name,
+                   "sequences up to %s): it now starts %s", name,
                    f"stalled on {error}" if error else "was out of step with the stream",
-                   state.get("last_seq"), start,
-                   "" if start > 1 else ", the output stream's start")
+                   state.get("last_seq"), f"from sequence {start}" if since is None else
+                   f"with the outputs stored from {since}")
     return start
 
 
-async def _create(nc: Client, config: NatsConfig, api: str, start: int,
+async def _create(nc: Client, config: NatsConfig, api: str, start: _Start,
                   watch: _Watch) -> None:
-    """Create the mirror starting at `start`, remembered (`_Watch.pending`) until it
-    succeeds; a watch cancelled meanwhile lets the create run to its end (after a
-    delete, a mirror left missing would leave every front end without outputs)."""
+    """Create the mirror starting at `start` (a sequence, or the outputs stored from a
+    time on), remembered (`_Watch.pending`) until it succeeds; a watch cancelled
+    meanwhile lets the create run to its end (after a delete, a mirror left missing
+    would leave every front end without outputs)."""
     stream = _output_mirror(config)
-    if start > 1:
-        stream["mirror"]["opt_start_seq"] = start
+    seq, since = start
+    if since is not None:
+        stream["mirror"]["opt_start_time"] = since
+    elif seq > 1:
+        stream["mirror"]["opt_start_seq"] = seq
     watch.pending = start
     create = watch.creating = asyncio.ensure_future(
         api_request(nc, f"{api}.STREAM.CREATE.{config.output_stream}", stream))

@@ -132,8 +132,8 @@ async def _ensure_front_mirror(nc: Client, config: NatsConfig) -> None:
 
 
 async def _restarted_mirror(nc: Client, config: NatsConfig, api: str) -> bool:
-    """Whether the front ends' mirror exists as `_output_mirror` makes it but for the
-    sequence it starts from (`mirror.opt_start_seq`): a worker restarted it there
+    """Whether the front ends' mirror exists as `_output_mirror` makes it but for where
+    it starts (`mirror.opt_start_seq` or `opt_start_time`): a worker restarted it there
     (_mirror.py), and it is accepted as it is."""
     try:
         info = await api_request(nc, f"{api}.STREAM.INFO.{config.output_stream}")
@@ -145,7 +145,8 @@ async def _restarted_mirror(nc: Client, config: NatsConfig, api: str) -> bool:
     for key, value in _output_mirror(config).items():
         there = existing.get(key)
         if key == "mirror" and isinstance(there, dict):
-            there = {k: v for k, v in there.items() if k != "opt_start_seq"}
+            there = {k: v for k, v in there.items()
+                     if k not in ("opt_start_seq", "opt_start_time")}
         if there != value:
             return False
     return True
