@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -552,3 +553,59 @@ def test_readiness_tells_its_listeners_each_change() -> None:
     assert not readiness.serving and seen == [True, False]
     readiness.update("deployment", None)
     assert readiness.serving and seen == [True, False, True]
+
+
+async def test_readiness_comes_back_after_a_check_that_failed_before_an_outage(
+        nats_server: NatsServer) -> None:
+    """A deployment check fails (JetStream does not answer: a server shutting down
+    answers pulls with 503 first), the connection drops, and the server comes back
+    whole: the worker serves again and says so (`readiness`, `turnrouter_nats_serving`).
+    Before, the failed check's dropped readiness outlived the outage: the worker
+    answered turns while `/ready` said 503 for good (seen after 2 of 5 plain restarts
+    of the locked deployment's server).
+
+    Held without touching the worker: its connection goes through a proxy that keeps
+    the check's requests from the server, then refuses connections for a while."""
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    registry = CollectorRegistry()
+    admin = await nats.connect(nats_server.url)
+    async with proxied(nats_server.port) as proxy:
+        worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                            registry=registry, replica="ready")
+        run = asyncio.create_task(worker.run())
+        checks = None
+        try:
+            async with listening(config) as (front, heard):
+                async with asyncio.timeout(15):
+                    await worker.ready.wait()
+                assert (await ask(front, heard, "ann", "one")).startswith("one|")
+                api = f"$JS.API.CONSUMER.%s.{config.stream}.{config.consumer(0)}"
+                made = json.loads((await admin.request(api % "INFO", b"", timeout=5)).data)
+                checks = proxy.hold(lambda subject, _: subject.startswith("$JS.API.STREAM."))
+                await admin.request(api % "DELETE", b"", timeout=5)  # its pull gets 503
+                async with asyncio.timeout(15):
+                    await checks.event.wait()  # the worker checks its deployment
+                await admin.request(api % "CREATE", json.dumps(
+                    {"stream_name": config.stream, "config": made["config"]}).encode(),
+                    timeout=5)  # whole again, unknown to the worker
+                await until_true(lambda: not worker.readiness.serving,
+                                 "the failed check dropped readiness")
+                proxy.refusing = True
+                proxy.reset()
+                accepted = proxy.accepted
+                await until_true(lambda: proxy.accepted >= accepted + 4,
+                                 "reconnect attempts refused while the check waits")
+                checks.release()
+                proxy.refusing = False
+                await until_true(lambda: worker.readiness.serving, "serving again")
+                assert metric_value(generate_latest(registry).decode(),
+                                    "turnrouter_nats_serving") == 1
+                assert (await ask(front, heard, "ann", "two")).startswith("two|")
+        finally:
+            if checks is not None:
+                checks.release()
+            proxy.refusing = False
+            await admin.close()
+            worker.request_stop()
+            async with asyncio.timeout(30):
+                await asyncio.gather(run, return_exceptions=True)

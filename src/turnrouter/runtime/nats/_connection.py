@@ -265,9 +265,13 @@ class Connection:
         config = self._config
         first: float | None = None
         failures = 0
+        reported = False  # a failure logged and readiness dropped, maybe before an outage
         recreated = False  # something was missing (not only JetStream slow to answer)
         while not nc.is_closed:
             if not nc.is_connected:  # the connection's own bound applies meanwhile
+                # (Its count starts again, for `reconnect_for`; what it reported stays
+                # to be cleared: a readiness left dropped after the server's return kept
+                # a serving worker "not ready" for good.)
                 first, failures = None, 0
                 await asyncio.sleep(_RECONNECT_WAIT)
                 continue
@@ -277,7 +281,7 @@ class Connection:
             except (LifecycleError, NatsError, TimeoutError, ValueError) as exc:
                 missing, error = None, safe_error(config, exc)[:300]
             if missing == []:
-                if failures:
+                if reported:
                     logger.warning("turnrouter: the NATS deployment is whole again")
                     self.readiness.update("deployment", None)
                     self._repaired.set()
@@ -288,6 +292,7 @@ class Connection:
             now = time.monotonic()
             first = now if first is None else first
             failures += 1
+            reported = True
             if missing:
                 names = ", ".join(name for _, name in missing)
                 if not recreated:
