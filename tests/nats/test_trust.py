@@ -788,7 +788,7 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
         restarted = await _mirror_info(nc)
         assert restarted["created"] != created  # restarted by a worker, with what the
         # stream stored after the mirror's last output (here all of the new stream's)
-        assert "opt_start_time" in restarted["config"]["mirror"]  # type: ignore[index,operator]
+        assert "opt_start_time" in restarted["config"]["mirror"]  # type: ignore[index]
         assert sorted(turn for turn, t in reads if t < deleted) == sorted(
             q.message_id for q in before)  # each once
         # What the front end read since is what the new stream holds, in its order.
