@@ -20,8 +20,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -746,10 +748,22 @@ class _Finals:
             await cancelled(self._reader)
 
 
-async def _mirror_info(nc: Client) -> dict[str, object]:
-    """STREAM.INFO of FRONT's mirror, asked as a worker."""
+async def _mirror_info(nc: Client) -> dict[str, Any]:
+    """STREAM.INFO of FRONT's mirror, asked as a worker (its error when there is none)."""
     reply = await nc.request("$JS.FRONT.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)
-    info: dict[str, object] = json.loads(reply.data)
+    info: dict[str, Any] = json.loads(reply.data)
+    return info
+
+
+async def _mirror_until(nc: Client, holds: Callable[[dict[str, Any]], bool], what: str,
+                        within: float) -> dict[str, Any]:
+    """FRONT's mirror's STREAM.INFO once `holds` says so: the server's state, asked
+    every 0.1 s for at most `within` seconds."""
+    deadline = time.monotonic() + within
+    while not holds(info := await _mirror_info(nc)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {within:g} s: {str(info)[:300]}")
+        await asyncio.sleep(0.1)
     return info
 
 
@@ -788,7 +802,7 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
         restarted = await _mirror_info(nc)
         assert restarted["created"] != created  # restarted by a worker, with what the
         # stream stored after the mirror's last output (here all of the new stream's)
-        assert "opt_start_time" in restarted["config"]["mirror"]  # type: ignore[index]
+        assert "opt_start_time" in restarted["config"]["mirror"]
         assert sorted(turn for turn, t in reads if t < deleted) == sorted(
             q.message_id for q in before)  # each once
         # What the front end read since is what the new stream holds, in its order.
@@ -841,19 +855,12 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
         source = json.loads((await nc.request("$JS.API.STREAM.INFO.TURNROUTER_OUT", b"",
                                               timeout=5)).data)
         held = source["state"]["last_seq"]
-        for _ in range(300):  # the mirror holds what the stream holds (at most 15 s)
-            if (await _mirror_info(nc))["state"]["last_seq"] == held:  # type: ignore[index]
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the mirror never held what the output stream holds")
+        await _mirror_until(nc, lambda m: m["state"]["last_seq"] == held,
+                            "the mirror holds what the output stream holds", 15)
         await nc.request("$JS.API.STREAM.DELETE.TURNROUTER_OUT", b"", timeout=5)
         # The mirror notices its source gone within 10 to 20 s and asks for it again.
-        for _ in range(160):  # 40 s
-            error = (await _mirror_info(nc))["mirror"].get("error")  # type: ignore[attr-defined]
-            if error:
-                break
-            await asyncio.sleep(0.25)
+        error = (await _mirror_until(nc, lambda m: bool(m["mirror"].get("error")),
+                                     "the mirror's error", 40))["mirror"]["error"]
         assert error["err_code"] == 10059, error
         stream = {**source["config"], "first_seq": held + 1}
         reply = await nc.request("$JS.API.STREAM.CREATE.TURNROUTER_OUT",
@@ -866,7 +873,7 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
         # Made again by a worker from the sequence after its last one (the server's
         # own retry, 10 s after its failed request at the earliest, makes no new one).
         mirror = await _mirror_info(nc)
-        assert mirror["config"]["mirror"]["opt_start_seq"] == held + 1  # type: ignore[index]
+        assert mirror["config"]["mirror"]["opt_start_seq"] == held + 1
         # One more turn: an output read twice would be read before its answer.
         last = UserQuery(participant_id="q0", text="last")
         await front.publish(last)
@@ -895,14 +902,8 @@ async def test_a_missing_mirror_is_made_again(locked: NatsServer) -> None:
         async with listening(frontend_config(locked.url)) as (front, heard):
             assert (await ask(front, heard, "ann", "first")).startswith("first|")
             await nc.request("$JS.FRONT.API.STREAM.DELETE.TURNROUTER_OUT", b"", timeout=5)
-            for _ in range(300):  # made again (at most 30 s)
-                reply = json.loads((await nc.request(
-                    "$JS.FRONT.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)).data)
-                if "error" not in reply:
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("the mirror was never made again")
+            reply = await _mirror_until(nc, lambda m: "error" not in m,
+                                        "the mirror made again", 30)
             source = json.loads((await nc.request(
                 "$JS.API.STREAM.INFO.TURNROUTER_OUT", b"", timeout=5)).data)
             assert reply["config"]["mirror"]["opt_start_seq"] == (

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import logging
 import random
 from typing import Any
@@ -120,15 +119,14 @@ async def watch_mirror(nc: Client, config: NatsConfig) -> None:
             try:
                 await heal_mirror(nc, config, watch)
                 unanswered = 0
-            except NoRespondersError:
-                pause = _QUIET
-            except TimeoutError:
-                unanswered = min(unanswered + 1, _MAX_DOUBLINGS)
-                pause = min(_QUIET, pause * 2 ** unanswered)
             except Exception as exc:  # (nats-py, a refusal, a reply of junk)
-                if isinstance(exc, LifecycleError) and isinstance(exc.__cause__,
-                                                                  NoRespondersError):
+                # `api_request` says LifecycleError for what nats-py raised.
+                cause = exc.__cause__ if isinstance(exc, LifecycleError) else exc
+                if isinstance(cause, NoRespondersError):
                     pause = _QUIET
+                elif isinstance(cause, TimeoutError):
+                    unanswered = min(unanswered + 1, _MAX_DOUBLINGS)
+                    pause = min(_QUIET, pause * 2 ** unanswered)
                 else:
                     failures += 1  # the watch goes on whatever a reply holds
                     if is_logged(failures):
@@ -262,7 +260,7 @@ def _dict(value: object) -> dict[str, Any]:
 
 
 def _int(value: object) -> int:
-    """A non-negative JSON integer, else 0."""
+    """A positive JSON integer, else 0."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
@@ -282,14 +280,10 @@ def _ns(stamp: object) -> int:
 
 
 async def _info(nc: Client, subject: str) -> dict[str, Any] | None:
-    """STREAM.INFO's reply; None when the stream does not exist (404)."""
-    reply = await nc.request(subject, b"", timeout=2.0)
-    data: Any = json.loads(reply.data)
-    if not isinstance(data, dict):
-        raise ValueError(f"{subject}: not a JSON object")
-    error = data.get("error")
-    if error is None:
-        return data
-    if isinstance(error, dict) and error.get("code") == 404:
-        return None
-    raise LifecycleError(f"JetStream API {subject}: {str(error)[:200]}")
+    """STREAM.INFO's reply (`api_request`); None when the stream does not exist."""
+    try:
+        return await api_request(nc, subject, wait=2.0)
+    except _Refused as exc:
+        if isinstance(exc.error, dict) and exc.error.get("code") == 404:
+            return None
+        raise

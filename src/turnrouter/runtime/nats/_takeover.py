@@ -127,7 +127,8 @@ class Takeover:
 
     async def _claim_again(self, n: int, losses: int, deadline: float,
                            left: list[_Left]) -> None:
-        """The claims in `left` made again, all at once, after a pause (`_CLAIM_PAUSES`)
+        """The claims in `left` made again, `_SCAN_BATCH` at a time as the scan reads
+        (a server that dropped them is likely busy), after a pause (`_CLAIM_PAUSES`)
         while partition `n` stays here and the worker serves on; TimeoutError when the
         next round would start past `deadline`."""
         loop = asyncio.get_running_loop()
@@ -137,11 +138,15 @@ class Takeover:
             if loop.time() + pause >= deadline:
                 raise TimeoutError
             await asyncio.sleep(pause)
-            ended = await asyncio.gather(
-                *(self._claim_left(one, n, losses, deadline) for one in left),
-                return_exceptions=True)
-            left = [one for one in ended if isinstance(one, _Left)]
-            self._check(n, ended)
+            still: list[_Left] = []
+            for start in range(0, len(left), _SCAN_BATCH):
+                ended = await asyncio.gather(
+                    *(self._claim_left(one, n, losses, deadline)
+                      for one in left[start:start + _SCAN_BATCH]),
+                    return_exceptions=True)
+                still += [one for one in ended if isinstance(one, _Left)]
+                self._check(n, ended)
+            left = still
 
     async def _claim_left(self, left: _Left, n: int, losses: int,
                           deadline: float) -> _Left | None:
