@@ -150,14 +150,19 @@ async def test_a_frozen_server_past_the_bound_ends_the_worker(
         worker.close()
 
 
-def ready_status(worker: Worker) -> int:
-    """The status of the worker's `/ready` on its metrics port."""
+def ready_reply(worker: Worker) -> tuple[int, str]:
+    """The status and body of the worker's `/ready` on its metrics port."""
     url = worker.metrics_url.removesuffix("/metrics") + "/ready"
     try:
         with urllib.request.urlopen(url, timeout=2) as reply:
-            return int(reply.status)
+            return int(reply.status), reply.read().decode()
     except urllib.error.HTTPError as exc:
-        return int(exc.code)
+        return int(exc.code), exc.read().decode()
+
+
+def ready_status(worker: Worker) -> int:
+    """The status of the worker's `/ready` on its metrics port."""
+    return ready_reply(worker)[0]
 
 
 async def test_the_ready_file_is_there_only_while_the_worker_serves(
@@ -173,7 +178,12 @@ async def test_the_ready_file_is_there_only_while_the_worker_serves(
         assert ready_status(worker) == 200
         nats_server.freeze()
         await file_state(ready, False)
-        assert ready_status(worker) == 503
+        # The 503 says why: an operator's `curl .../ready` tells what the worker waits for
+        # (whichever noticed the frozen server first: its pings, or a deployment check).
+        status, body = ready_reply(worker)
+        assert status == 503 and body.endswith("\n") and body.count("\n") == 1, body
+        assert set(body.strip().split("; ")) <= {
+            "disconnected from NATS", "JetStream not answering"}, body
         nats_server.thaw()
         await file_state(ready, True)
         assert ready_status(worker) == 200
