@@ -41,7 +41,7 @@ from ._security import connect
 from ._setup import api_request, ensure_deployment
 from ._wire import NatsConfig, input_message_id, kind_of
 
-__all__ = ["NatsFrontEnd"]
+__all__ = ["MAX_SEEN_FINALS", "NatsFrontEnd"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -52,6 +52,10 @@ _NS = 1_000_000_000
 _PUBLISH_TIMEOUT = 5.0  # seconds a publish waits for the server to store it
 _PING_INTERVAL = 2.0  # seconds between the front end's pings
 
+
+#: The most final outputs one `outputs()` reader remembers (per turn, for
+#: `NatsConfig.dedup_window` seconds of stream time) to read a turn's final once.
+MAX_SEEN_FINALS = 65_536
 
 #: How long `NatsFrontEnd.close()` waits for the server's answer to a ping before it
 #: closes without draining.
@@ -77,6 +81,10 @@ class NatsFrontEnd:
         self.outputs_skipped = 0
         """Messages on the output subjects that `outputs()` skipped: not a valid
         `ResponseOutput`, or one for another participant than its subject's."""
+        self.outputs_repeated = 0
+        """Final outputs `outputs()` read again and skipped: a turn's final stored twice
+        (a new output stream has no deduplication history, so an ending republished
+        after the stream was deleted and made again is stored once more)."""
 
     @classmethod
     async def connect(cls, config: NatsConfig, **options: Any) -> NatsFrontEnd:
@@ -209,13 +217,15 @@ class NatsFrontEnd:
         """Outputs from the output stream, in stream order, each once.
 
         `ResponseOutput.final` tells a turn's final output (its answer or the failure
-        text, one per turn) from control text. With `deliver_new` (the default) only
-        outputs stored after the subscription are read: pass `subscribed` and publish
-        once it is set, or an early answer may be stored before the subscription exists
-        and never be read. A server restart or a lost connection is ridden out (reading
-        resumes where it stopped, about a second after the server is back); a message
-        that is not a valid output is skipped, logged and counted in `outputs_skipped`.
-        It ends when the connection is closed (`close()`).
+        text, one per turn) from control text; a reader yields one final per turn (a
+        participant's request id) within `dedup_window` seconds of stream time, even
+        when the stream stored it twice (counted in `outputs_repeated`). With
+        `deliver_new` (the default) only outputs stored after the subscription are read:
+        pass `subscribed` and publish once it is set, or an early answer may be stored
+        before the subscription exists and never be read. A server restart or a lost
+        connection is ridden out (reading resumes where it stopped, about a second after
+        the server is back); a message that is not a valid output is skipped, logged and
+        counted in `outputs_skipped`. It ends when the connection is closed (`close()`).
         """
         reader = _OutputReader(self, deliver_new)
         try:
@@ -226,6 +236,13 @@ class NatsFrontEnd:
                 yield output
         finally:
             await reader.close()
+
+    def _repeated(self, output: ResponseOutput) -> None:
+        self.outputs_repeated += 1
+        count = self.outputs_repeated
+        if count & (count - 1) == 0:
+            logger.warning("turnrouter: a turn's final output was stored twice, read once "
+                           "(%d so far; route %s)", count, preview(output.route))
 
     def _skipped(self, why: str) -> None:
         self.outputs_skipped += 1
@@ -252,6 +269,7 @@ class _OutputReader:
         self._reconnects = 0
         self._generation = 0  # of the consumer: what an earlier one sent is ignored
         self._created: object = None  # the output stream's creation time, when known
+        self._finals = _SeenFinals(int(self._config.dedup_window * _NS))
 
     async def open(self) -> None:
         """The first consumer (LifecycleError when the server refuses it)."""
@@ -406,11 +424,11 @@ class _OutputReader:
                             self._next_cseq - 1):
                         await self._create()  # a message was lost on the way
                 continue
-            seqs = _sequences(msg.reply)
-            if seqs is None:
+            meta = _metadata(msg.reply)
+            if meta is None:
                 front._skipped("not a message of the output stream")
                 continue
-            stream_seq, consumer_seq = seqs
+            stream_seq, consumer_seq, stored_ns = meta
             if consumer_seq != self._next_cseq:
                 await self._create()  # a message was lost on the way: read it again
                 continue
@@ -428,20 +446,57 @@ class _OutputReader:
             if msg.subject != subject:
                 front._skipped("participant_id does not match the subject")
                 continue
+            if output.final and not self._finals.first(
+                    (output.participant_id, output.request_id), stored_ns):
+                front._repeated(output)
+                continue
             return output
 
 
-def _sequences(reply: str | None) -> tuple[int, int] | None:
-    """(stream sequence, consumer sequence) of a JetStream ack subject."""
+def _metadata(reply: str | None) -> tuple[int, int, int] | None:
+    """(stream sequence, consumer sequence, stored at in ns) of a JetStream ack subject:
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, or with
+    `<domain>.<account hash>.` after `$JS.ACK.` and a token at the end."""
     if not reply or not reply.startswith("$JS.ACK."):
         return None
     parts = reply.split(".")
     try:
         if len(parts) == 9:
-            return int(parts[5]), int(parts[6])
-        return int(parts[7]), int(parts[8])
+            return int(parts[5]), int(parts[6]), int(parts[7])
+        return int(parts[7]), int(parts[8]), int(parts[9])
     except (IndexError, ValueError):
         return None
+
+
+class _SeenFinals:
+    """The turns whose final output one reader yielded in the last `window_ns` of stream
+    time, at most `MAX_SEEN_FINALS` of them (past that the oldest are forgotten: a
+    repeat of those would be read again, never an answer dropped). Stream time, not
+    the reader's: a reader catching up on an hour of outputs in a second must still
+    read a request id reused after the input stream's deduplication window."""
+
+    def __init__(self, window_ns: int) -> None:
+        self._window = window_ns
+        # A turn's hash (its ids' strings are not kept: ~100 bytes a turn) -> when its
+        # final was stored; the hash is keyed per process, so no sender can aim at
+        # another turn's (two of 65,536 turns colliding: about 1 in 2**32).
+        self._at: dict[int, int] = {}
+        self._order: collections.deque[tuple[int, int]] = collections.deque()
+
+    def first(self, turn: tuple[str, str], stored_ns: int) -> bool:
+        """Whether `turn`'s final stored at `stored_ns` is the first within the window."""
+        at, order, key = self._at, self._order, hash(turn)
+        while order and (stored_ns - order[0][0] > self._window
+                         or len(order) >= MAX_SEEN_FINALS):
+            when, old = order.popleft()
+            if at.get(old) == when:
+                del at[old]
+        before = at.get(key)
+        if before is not None and abs(stored_ns - before) <= self._window:
+            return False
+        at[key] = stored_ns
+        order.append((stored_ns, key))
+        return True
 
 
 class _Refusals:
