@@ -48,10 +48,11 @@ answers for the front ends' account).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import random
-from typing import Any
+from typing import Any, Literal
 
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
@@ -61,7 +62,7 @@ from ..._limits import is_logged
 from ._setup import FRONT_API, _output_mirror, _Refused, api_request
 from ._wire import NatsConfig
 
-__all__ = ["heal_mirror", "watch_mirror"]
+__all__ = ["Look", "MirrorWatch", "decide", "heal_mirror", "restart_from", "watch_mirror"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -80,10 +81,17 @@ _NOT_FOUND = 10059
 _Start = tuple[int, str | None]
 
 
-class _Watch:
-    """What one worker's watch remembers between looks."""
+class MirrorWatch:
+    """What one worker's watch remembers between looks.
 
-    def __init__(self) -> None:
+    Args:
+        patience: seconds between the first look that found a restart due and the
+            restart (`_PATIENCE`; doubled per restart).
+        jitter: at most this random wait before a restart's second look (`_JITTER`).
+    """
+
+    def __init__(self, patience: float = _PATIENCE, jitter: float = _JITTER) -> None:
+        self.patience, self.jitter = patience, jitter
         #: The restart found due (by the mirror's creation and where it would start),
         #: and when it was first found so.
         self.due: tuple[str, float] | None = None
@@ -95,14 +103,34 @@ class _Watch:
         #: The create sent when the watch was cancelled between delete and create (it
         #: runs to its end: a deleted mirror must not stay missing).
         self.creating: asyncio.Task[dict[str, Any]] | None = None
+        #: Looks in a row that got no reply (each doubles the pause, up to `_QUIET`),
+        #: and looks that failed otherwise (logged at the 1st, 10th, 100th...).
+        self.unanswered = self.failures = 0
 
     def ripe(self, key: str, now: float) -> bool:
         """Whether the restart `key` was found due at looks far enough apart
-        (`_PATIENCE`, doubled per restart since the mirror was last well)."""
+        (`patience`, doubled per restart since the mirror was last well)."""
         if self.due is None or self.due[0] != key:
             self.due = (key, now)
-        patience: float = _PATIENCE * 2.0 ** min(self.restarts, _MAX_DOUBLINGS)
+        patience: float = self.patience * 2.0 ** min(self.restarts, _MAX_DOUBLINGS)
         return now - self.due[1] >= patience
+
+    def failed(self, exc: Exception, pause: float, name: str) -> float:
+        """The pause before the next look after one that raised `exc` (instead of
+        `pause`): `_QUIET` where nothing answers, doubled per look in a row without a
+        reply (up to `_QUIET`); any other failure is counted and logged (bounded)."""
+        # `api_request` says LifecycleError for what nats-py raised.
+        cause = exc.__cause__ if isinstance(exc, LifecycleError) else exc
+        if isinstance(cause, NoRespondersError):
+            return _QUIET
+        if isinstance(cause, TimeoutError):
+            self.unanswered = min(self.unanswered + 1, _MAX_DOUBLINGS)
+            return min(_QUIET, pause * 2.0 ** self.unanswered)
+        self.failures += 1  # the watch goes on whatever a reply holds
+        if is_logged(self.failures):
+            logger.warning("turnrouter: looking at the front ends' mirror of %s failed "
+                           "(%d so far): %s", name, self.failures, str(exc)[:300])
+        return pause
 
 
 async def watch_mirror(nc: Client, config: NatsConfig) -> None:
@@ -111,103 +139,124 @@ async def watch_mirror(nc: Client, config: NatsConfig) -> None:
     answers (a deployment of one account) it looks again only every `_QUIET` seconds;
     unanswered looks (the subject refused by this user's permissions, a server away)
     space the next ones out, doubling up to `_QUIET`."""
-    unanswered = failures = 0
-    watch = _Watch()
+    watch = MirrorWatch()
     while True:
         pause = _WATCH * random.uniform(0.5, 1.5)
         if nc.is_connected:
             try:
                 await heal_mirror(nc, config, watch)
-                unanswered = 0
             except Exception as exc:  # (nats-py, a refusal, a reply of junk)
-                # `api_request` says LifecycleError for what nats-py raised.
-                cause = exc.__cause__ if isinstance(exc, LifecycleError) else exc
-                if isinstance(cause, NoRespondersError):
-                    pause = _QUIET
-                elif isinstance(cause, TimeoutError):
-                    unanswered = min(unanswered + 1, _MAX_DOUBLINGS)
-                    pause = min(_QUIET, pause * 2 ** unanswered)
-                else:
-                    failures += 1  # the watch goes on whatever a reply holds
-                    if is_logged(failures):
-                        logger.warning("turnrouter: looking at the front ends' mirror of "
-                                       "%s failed (%d so far): %s", config.output_stream,
-                                       failures, str(exc)[:300])
+                pause = watch.failed(exc, pause, config.output_stream)
+            else:
+                watch.unanswered = 0
         await asyncio.sleep(pause)
 
 
-async def heal_mirror(nc: Client, config: NatsConfig, watch: _Watch) -> int | None:
-    """One look at the mirror; when it stalled or fell out of step (or is missing), the
-    output stream exists, and an earlier look long enough ago found the same
-    (`_Watch.ripe`), restart (or make) it. Returns the sequence the mirror now starts
-    from (1: the output stream's start), None when nothing was done."""
-    api = config.front_api or FRONT_API
-    name = config.output_stream
-    mirror = await _info(nc, f"{api}.STREAM.INFO.{name}")
-    source = await _info(nc, f"$JS.API.STREAM.INFO.{name}")
+@dataclasses.dataclass(frozen=True)
+class Look:
+    """What one look at the mirror's and the output stream's STREAM.INFO replies calls
+    for (`decide`)."""
+
+    #: "absent": no output stream (the workers' deployment check makes it again);
+    #: "missing": no mirror (made again from `start`); "well"; "restart": from `start`.
+    action: Literal["absent", "missing", "well", "restart"]
+    #: Where a mirror made again or restarted starts.
+    start: _Start | None = None
+    #: The mirror's reply (compared between a restart's two looks, logged).
+    mirror: dict[str, Any] | None = None
+
+
+def decide(mirror: dict[str, Any] | None, source: dict[str, Any] | None,
+           name: str) -> Look:
+    """What the STREAM.INFO replies of the mirror and of the output stream `name` call
+    for (each None where the server said the stream does not exist)."""
     if source is None:
-        return None  # the workers' deployment check makes it again
-    now = asyncio.get_running_loop().time()
-    if mirror is not None:
-        watch.pending = None  # (a create whose reply was lost made it after all)
-    else:
-        # Deleted and not made again (a create that failed: this worker's, remembered,
-        # or another's that died between the two): made from where the restart meant
-        # to start, else after what the output stream holds now (a reader would read a
+        return Look("absent")
+    if mirror is None:
+        # Made from after what the output stream holds now (a reader would read a
         # mirror made from the stream's start all over again; what was published while
         # it was missing is not in it).
+        return Look("missing", (_int(_dict(source.get("state")).get("last_seq")) + 1, None))
+    first = restart_from(mirror, source, name)
+    if first is None:
+        return Look("well", None, mirror)
+    # Out of step: the stream's outputs stored after the mirror's last one (all of a
+    # stream made again since; only the new ones of a stream whose last outputs a
+    # crash lost, so no reader hears again what it already heard).
+    state = _dict(mirror.get("state"))
+    since = None if first > 1 else str(
+        state.get("last_ts") if _int(state.get("messages")) else mirror.get("created"))
+    return Look("restart", (first, since), mirror)
+
+
+async def heal_mirror(nc: Client, config: NatsConfig, watch: MirrorWatch) -> int | None:
+    """One look at the mirror; when it stalled or fell out of step (or is missing), the
+    output stream exists, and an earlier look long enough ago found the same
+    (`MirrorWatch.ripe`), restart (or make) it. Returns the sequence the mirror now
+    starts from (1: the output stream's start), None when nothing was done."""
+    api = config.front_api or FRONT_API
+    name = config.output_stream
+    seen = await _look(nc, api, name)
+    if seen.action == "absent":
+        return None  # the workers' deployment check makes it again
+    now = asyncio.get_running_loop().time()
+    if seen.action == "missing":
+        # Deleted and not made again (a create that failed: this worker's, remembered,
+        # or another's that died between the two): made from where the restart meant
+        # to start, else after what the output stream holds now.
         remade = watch.pending
         if remade is None:
-            if not watch.ripe("missing", now):
+            if not watch.ripe("missing", now) or seen.start is None:
                 return None
-            remade = (_int(_dict(source.get("state")).get("last_seq")) + 1, None)
+            remade = seen.start
         await _create(nc, config, api, remade, watch)
         logger.warning("turnrouter: made the front ends' mirror of %s again, starting "
                        "%s (it was missing)", name, f"from sequence {remade[0]}"
                        if remade[1] is None else f"with the outputs stored from {remade[1]}")
         return remade[0]
-    first = restart_from(mirror, source, name)
-    if first is None:
-        watch.due, watch.restarts = None, 0  # well
+    watch.pending = None  # (a create whose reply was lost made it after all)
+    if seen.action == "well" or seen.start is None or seen.mirror is None:
+        watch.due, watch.restarts = None, 0
         return None
-    if not watch.ripe(f"{mirror.get('created')}/{first}", now):
+    created = seen.mirror.get("created")
+    if not watch.ripe(f"{created}/{seen.start[0]}", now):
         return None
     # Another worker may have seen it too: a random moment, then a second look; a
     # mirror that changed meanwhile was restarted by someone else.
-    await asyncio.sleep(random.uniform(0, _JITTER))
-    again = await _info(nc, f"{api}.STREAM.INFO.{name}")
-    source = await _info(nc, f"$JS.API.STREAM.INFO.{name}")
-    if again is None or source is None or again.get("created") != mirror.get("created"):
+    await asyncio.sleep(random.uniform(0, watch.jitter))
+    again = await _look(nc, api, name)
+    if (again.action != "restart" or again.start is None or again.mirror is None
+            or again.mirror.get("created") != created):
         return None
-    start = restart_from(again, source, name)
-    if start is None:
-        return None
-    state = _dict(again.get("state"))
-    error = _dict(again.get("mirror")).get("error")
-    # Out of step: the stream's outputs stored after the mirror's last one (all of a
-    # stream made again since; only the new ones of a stream whose last outputs a
-    # crash lost, so no reader hears again what it already heard).
-    since = None if start > 1 else str(
-        state.get("last_ts") if _int(state.get("messages")) else again.get("created"))
+    start, mirror = again.start, again.mirror
+    error = _dict(mirror.get("mirror")).get("error")
     watch.due, watch.restarts = None, watch.restarts + 1
     try:
         await api_request(nc, f"{api}.STREAM.DELETE.{name}")
     except _Refused as exc:
         if not (isinstance(exc.error, dict) and exc.error.get("err_code") == _NOT_FOUND):
             raise  # (deleted meanwhile: created below, or by whoever deleted it)
-    await _create(nc, config, api, (start, since), watch)
+    await _create(nc, config, api, start, watch)
     logger.warning("turnrouter: restarted the front ends' mirror of %s (it %s; it held "
                    "sequences up to %s): it now starts %s", name,
                    f"stalled on {error}" if error else "was out of step with the stream",
-                   state.get("last_seq"), f"from sequence {start}" if since is None else
-                   f"with the outputs stored from {since}")
-    return start
+                   _dict(mirror.get("state")).get("last_seq"),
+                   f"from sequence {start[0]}" if start[1] is None else
+                   f"with the outputs stored from {start[1]}")
+    return start[0]
+
+
+async def _look(nc: Client, api: str, name: str) -> Look:
+    """One look: the mirror's STREAM.INFO, then the output stream's (`decide`)."""
+    mirror = await _info(nc, f"{api}.STREAM.INFO.{name}")
+    source = await _info(nc, f"$JS.API.STREAM.INFO.{name}")
+    return decide(mirror, source, name)
 
 
 async def _create(nc: Client, config: NatsConfig, api: str, start: _Start,
-                  watch: _Watch) -> None:
+                  watch: MirrorWatch) -> None:
     """Create the mirror starting at `start` (a sequence, or the outputs stored from a
-    time on), remembered (`_Watch.pending`) until it succeeds; a watch cancelled
+    time on), remembered (`MirrorWatch.pending`) until it succeeds; a watch cancelled
     meanwhile lets the create run to its end (after a delete, a mirror left missing
     would leave every front end without outputs)."""
     stream = _output_mirror(config)
