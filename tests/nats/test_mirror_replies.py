@@ -482,6 +482,28 @@ async def test_a_stalled_mirror_is_restarted_through_the_connection() -> None:
         assert {k: v for k, v in creates[0].items() if k.startswith("opt_")} == sent
 
 
+@pytest.mark.parametrize("lost", [TimeoutError(), b"\xff", b'{"error": {"code": 500}}'],
+                         ids=["timeout", "junk", "refused"])
+async def test_a_restart_whose_delete_reply_is_lost_keeps_its_start(lost: object) -> None:
+    """A restart's DELETE whose reply never came, was junk or an odd refusal (the
+    server may have deleted the mirror all the same): the mirror found missing at the
+    next look is made again at once from where the restart meant to start (6, after
+    the stalled mirror's last sequence), not later from after what the output stream
+    holds (8: outputs 6 and 7 would never reach the front ends)."""
+    server = Server({FRONT_INFO: [mirror_reply(), mirror_reply(), NOT_FOUND],
+                     SOURCE_INFO: [source_reply()],
+                     f"$JS.FRONT.API.STREAM.DELETE.{NAME}": [lost]})
+    watch = MirrorWatch(patience=60.0, jitter=0.0)
+    watch.ripe(f"{mirror_reply()['created']}/6", -60.0)  # found due a minute ago
+    results = await looks(server, watch, 2)
+    assert isinstance(results[0], Exception)
+    assert results[1] == 6
+    creates = [body["mirror"] for subject, body in zip(server.asked, server.bodies,
+                                                       strict=True)
+               if ".STREAM.CREATE." in subject]
+    assert [c.get("opt_start_seq") for c in creates] == [6]
+
+
 # ---------------------------------------------------------------- the loop
 FAILURES = st.one_of(
     st.builds(lambda: LifecycleError("x").with_traceback(None)),

@@ -31,8 +31,15 @@ doubles with each restart until the mirror is found well again (up to about 4 mi
 a stall a restart does not cure is not restarted every few seconds.
 
 A delete is always followed by a create, tried again at the next looks when it fails
-(and sent even when the watch is cancelled in between); a mirror found missing for
-`_PATIENCE` seconds is made again from the sequence after the output stream's last one.
+(and sent even when the watch is cancelled in between, or the delete's reply was lost);
+a mirror found missing for `_PATIENCE` seconds is made again from the sequence after
+the output stream's last one.
+
+Only replies as the server writes them are acted on (`read_info`): a reply with a field
+missing or of another type, a sequence past 2**64 - 1, or a start time before 1970 or
+after the server's clock (`_SKEW`) is a look that does nothing (`decide`'s "unread"),
+as is any error but the server's 404 "stream not found"; what the watch logs of a reply
+is numbers and times it read.
 
 Several workers may find the same stall at once: each waits a random moment and looks
 again before it deletes, and does nothing when the mirror changed meanwhile (another
@@ -107,8 +114,8 @@ class MirrorWatch:
         #: The restart found due (by the mirror's creation and where it would start),
         #: and when it was first found so.
         self.due: tuple[str, float] | None = None
-        #: Where the mirror this worker deleted should start, while its create has not
-        #: succeeded (made again at the next looks).
+        #: Where the mirror this worker deleted (or sent a delete for) should start,
+        #: while its create has not succeeded (made again at the next looks).
         self.pending: _Start | None = None
         #: Restarts since the mirror was last found well: each doubles the patience.
         self.restarts = 0
@@ -303,6 +310,10 @@ async def heal_mirror(nc: Client, config: NatsConfig, watch: MirrorWatch) -> int
         return None
     start, mirror = again.start, again.mirror
     watch.due, watch.restarts = None, watch.restarts + 1
+    # Remembered from before the delete: one whose reply is lost (or junk) may have
+    # deleted it all the same, and the next look that finds it missing makes it again
+    # from here (a next look that finds it there forgets it).
+    watch.pending = start
     try:
         await api_request(nc, f"{api}.STREAM.DELETE.{name}")
     except _Refused as exc:
