@@ -5,7 +5,10 @@ docs/distributed.md): this module only turns a `NatsConfig` into `nats.connect` 
 Each role gets its own inbox prefix (`_INBOX_<prefix>_worker`, `_INBOX_<prefix>_frontend`)
 so a server configuration can let front ends subscribe to their replies only, never to a
 worker's (which carry participant state). nats-py's default error callback logs a
-traceback per failed attempt; ours logs one line with every secret masked.
+traceback per failed attempt; ours logs one line with every secret masked, and hands a
+publish or subscription the server refused for the user's permissions to the
+connection's `Denials` (_permissions.py: a start-up it ends, later ones logged once per
+subject).
 """
 
 from __future__ import annotations
