@@ -153,9 +153,10 @@ class Denials:
         if self._quiet:
             return
         if seen == 1:
-            logger.warning("turnrouter: NATS refused %s to %r (permissions violation%s); "
-                           "logged once per subject: %s", kind, denial.subject,
-                           self._user(), self._why_runtime())
+            logger.warning("turnrouter: NATS refused %s to %r (permissions violation%s): "
+                           "%s; logged once per subject (and at its 10th, 100th, ... "
+                           "refusal)", kind, denial.subject, self._user(),
+                           self._why_runtime())
         elif seen and is_logged(seen):
             logger.warning("turnrouter: NATS refused %s to %r %d times so far "
                            "(permissions violation)", kind, denial.subject, seen)
