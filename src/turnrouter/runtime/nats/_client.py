@@ -37,6 +37,7 @@ from ..._redact import preview
 from .._messages import Interrupted, ResponseOutput, RuntimeMessage
 from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
+from ._permissions import Denials, DeniedError, denials_of
 from ._security import connect
 from ._setup import api_request, ensure_deployment
 from ._wire import NatsConfig, input_message_id, kind_of
@@ -74,9 +75,9 @@ class NatsFrontEnd:
 
     def __init__(self, nc: Client, config: NatsConfig) -> None:
         self._nc, self._config = nc, config
-        # Publishes the server refused (`connect` hooks them up; a front end built on a
-        # connection of its own sees none).
-        self._refusals = _Refusals()
+        # What the server refused for the connection's permissions (`connect` hooks them
+        # up; a front end built on a connection of its own sees none).
+        self._denials = denials_of(nc) or Denials(config, "frontend")
         self._js = nc.jetstream(timeout=_PUBLISH_TIMEOUT)
         self.outputs_skipped = 0
         """Messages on the output subjects that `outputs()` skipped: not a valid
@@ -97,32 +98,41 @@ class NatsFrontEnd:
         within about a second of the server's return, and pings it every 2 s
         (`ping_interval`), counting the connection lost when two go unanswered: a frozen
         server (its connection open, nothing answered) is left within about 6 s for
-        another server of the URL list, instead of nats-py's default two minutes."""
+        another server of the URL list, instead of nats-py's default two minutes.
+
+        A publish or subscription the server refuses for the user's permissions ends
+        the start at once: `ConfigurationError` naming the subject when it is one every
+        front end needs (its replies, the look-up of the output stream: credentials of
+        a worker, say), `LifecycleError` when only the creation of a missing deployment
+        was refused (start a worker first). Refusals later (a fleet-wide interrupt,
+        say) are logged once per subject."""
         options.setdefault("reconnect_time_wait", 0.25)
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("ping_interval", _PING_INTERVAL)
         options.setdefault("max_outstanding_pings", MAX_OUTSTANDING_PINGS)
-        refusals = _Refusals()
-        nc = await connect(config, "frontend", on_denied=refusals.denied, **options)
+        denials = Denials(config, "frontend")
+        nc = await connect(config, "frontend", denials=denials, **options)
         try:
-            if not await _deployment_exists(nc, config):
+            # A refused look-up (or reply subscription) ends this at once, naming what
+            # was refused: credentials of another role (a worker's, say) waited for
+            # the requests' timeouts, then said only that.
+            if not await denials.guard(_deployment_exists(nc, config)):
                 try:
-                    await ensure_deployment(nc, config)
+                    await denials.guard(ensure_deployment(nc, config))
                 except TurnrouterError as exc:
-                    if not refusals.count:
+                    if not denials.count:
                         raise
                     # A locked deployment's front end may only look streams up.
+                    refused = (exc.denials[0].subject if isinstance(exc, DeniedError)
+                               else denials.recent[-1].subject)
                     raise LifecycleError(
                         f"the output stream {config.output_stream} does not exist, and "
                         f"this user may not create the deployment (the server refused "
-                        f"{refusals.subjects[-1]!r}): the workers create it; start one "
-                        "first") from exc
+                        f"{refused!r}): the workers create it; start one first") from exc
         except BaseException:
             await nc.close()
             raise
-        front = cls(nc, config)
-        front._refusals = refusals
-        return front
+        return cls(nc, config)
 
     @property
     def connection(self) -> Client:
@@ -199,14 +209,14 @@ class NatsFrontEnd:
         answer): `LifecycleError` when the server refused it (this user may not publish
         control messages: the shipped permissions keep them to workers) or did not
         answer in time."""
-        subject, before = self._config.interrupt_all_subject, self._refusals.count
+        subject, before = self._config.interrupt_all_subject, self._denials.count
         await self._nc.publish(subject, data, headers=headers)
         try:
             await self._nc.request(f"$JS.API.STREAM.INFO.{self._config.output_stream}",
                                    b"", timeout=_PUBLISH_TIMEOUT)
         except NatsError as exc:
             raise LifecycleError(f"publishing interrupt was not confirmed: {exc!r}") from exc
-        if self._refusals.count != before and subject in self._refusals.subjects:
+        if self._denials.refused("publish", subject, before):
             raise LifecycleError(f"publishing interrupt failed: the server refused "
                                  f"{subject!r} for this connection's permissions (the "
                                  f"shipped permissions let only workers publish it)")
@@ -497,19 +507,6 @@ class _SeenFinals:
         at[key] = stored_ns
         order.append((stored_ns, key))
         return True
-
-
-class _Refusals:
-    """Publishes the server refused for the connection's permissions: how many, and the
-    subjects of the last 16 (nats-py reports them only to its error callback)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.subjects: collections.deque[str] = collections.deque(maxlen=16)
-
-    def denied(self, subject: str) -> None:
-        self.count += 1
-        self.subjects.append(subject)
 
 
 async def _deployment_exists(nc: Client, config: NatsConfig) -> bool:

@@ -18,6 +18,7 @@ from nats.errors import NoRespondersError
 from nats.js.kv import KeyValue
 
 from ..._exceptions import ConfigurationError, LifecycleError
+from ._permissions import denials_of
 from ._wire import NatsConfig
 
 __all__ = ["FRONT_API", "api_request", "ensure_deployment"]
@@ -42,6 +43,9 @@ class _Refused(ConfigurationError):
 async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = None,
                       wait: float = 5.0) -> dict[str, Any]:
     """One JetStream API request; the server's error becomes a `ConfigurationError`."""
+    denials = denials_of(nc)
+    if denials is not None:
+        denials.known(subject)  # named as sent if the server refuses it
     try:
         reply = await nc.request(subject, json.dumps(body or {}).encode(), timeout=wait)
     except (NatsError, TimeoutError) as exc:
