@@ -245,6 +245,24 @@ async def test_a_front_end_with_the_workers_credentials_says_so_at_once(
     assert secret not in message + caplog.text
 
 
+async def test_an_error_callback_of_the_caller_keeps_refusals_fast(
+        locked: NatsServer) -> None:
+    """A caller's own `error_cb` (a `nats.connect` option `NatsFrontEnd.connect`
+    passes on) is called with the refusal, and does not replace turnrouter's: the
+    swapped credentials still end the connect at once, not after a timeout."""
+    seen: list[Exception] = []
+
+    async def mine(exc: Exception) -> None:
+        seen.append(exc)
+
+    config = NatsConfig(url=locked.url, user="worker",
+                        password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"])
+    with pytest.raises(ConfigurationError, match="these credentials are not a front end's"):
+        async with asyncio.timeout(REFUSED_WITHIN):
+            await NatsFrontEnd.connect(config, error_cb=mine)
+    assert any("permissions violation" in str(exc).lower() for exc in seen), seen
+
+
 async def test_a_worker_with_the_front_ends_credentials_exits_at_once(
         locked: NatsServer) -> None:
     """The two credentials swapped, worker side: `turnrouter worker --nats-user

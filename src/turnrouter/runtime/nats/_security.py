@@ -59,18 +59,22 @@ def safe_error(config: NatsConfig, exc: BaseException) -> str:
 async def connect(config: NatsConfig, role: str, *, patience: float | None = None,
                   denials: Denials | None = None, **options: Any) -> Client:
     """A connection with the configuration's credentials and TLS (`options` go to
-    `nats.connect` and win). A refusal of the credentials or of TLS ends the first
-    connection at once: nats-py would otherwise retry the same refused credentials
-    until its attempts run out. With `patience` (seconds) an unreachable server is tried
-    again (every `reconnect_time_wait`, one log line per failed attempt) until it answers
-    or `patience` ran out. `LifecycleError` with the URL and error masked. Each publish
+    `nats.connect` and win, but an `error_cb` is called after turnrouter's own). A
+    refusal of the credentials or of TLS ends the first connection at once: nats-py
+    would otherwise retry the same refused credentials until its attempts run out.
+    With `patience` (seconds) an unreachable server is tried again (every
+    `reconnect_time_wait`, one log line per failed attempt) until it answers or
+    `patience` ran out. `LifecycleError` with the URL and error masked. Each publish
     or subscription the server refuses for the connection's permissions (nats-py reports
     those only to its error callback) goes to `denials` (a new one of `role` when None;
     `denials_of(nc)` either way)."""
     refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
     attempts = _Attempts(patience)
     denials = denials or Denials(config, role)
+    theirs = options.pop("error_cb", None)
     merged = {**connect_options(config, role, refused, attempts, denials), **options}
+    if theirs is not None:  # the caller's sees every error too, after ours
+        merged["error_cb"] = _both(merged["error_cb"], theirs)
     if patience is not None:
         merged["max_reconnect_attempts"] = -1  # nats-py tries until cancelled below
     nc = _TlsClient() if requires_tls(config) else Client()
@@ -228,6 +232,18 @@ def _tls_context(config: NatsConfig) -> ssl.SSLContext:
                              f"{getattr(exc, 'strerror', None) or exc.args[-1]}") from None
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     return context
+
+
+def _both(ours: Callable[[Exception], Awaitable[None]],
+          theirs: Callable[[Exception], Awaitable[None]]
+          ) -> Callable[[Exception], Awaitable[None]]:
+    """An error callback calling ours (refusals, credentials refused, one log line),
+    then the caller's: a caller's `error_cb` option would otherwise replace ours, and
+    a refused permission or credential would wait for a timeout again."""
+    async def on_error(exc: Exception) -> None:
+        await ours(exc)
+        await theirs(exc)
+    return on_error
 
 
 def _error_callback(config: NatsConfig, refused: asyncio.Future[BaseException] | None,
