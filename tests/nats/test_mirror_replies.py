@@ -559,3 +559,53 @@ async def test_the_watch_goes_on_through_junk_replies() -> None:
     readable(records)
     assert [r.getMessage()[:49] for r in records] == [
         "turnrouter: looking at the front ends' mirror of "]
+
+
+class Held(Server):
+    """A stand-in whose replies to `held` wait for `release` (`arrived` is set when the
+    request came)."""
+
+    def __init__(self, replies: dict[str, list[Any]], held: str) -> None:
+        super().__init__(replies)
+        self.held, self.arrived, self.release = held, asyncio.Event(), asyncio.Event()
+
+    async def request(self, subject: str, payload: bytes,
+                      timeout: float) -> Any:  # noqa: ASYNC109 (nats-py's signature)
+        if subject == self.held:
+            self.arrived.set()
+            async with asyncio.timeout(10):
+                await self.release.wait()
+        return await super().request(subject, payload, timeout)
+
+
+@pytest.mark.parametrize("create", [{}, {"error": {"code": 500, "description": "no"}}],
+                         ids=["made", "refused"])
+async def test_a_worker_stopping_during_a_restart_makes_the_mirror_before_it_ends(
+        create: dict[str, Any]) -> None:
+    """The watch cancelled (the worker stops) while a restart's DELETE is on its way:
+    the restart runs to its end, its CREATE sent from where it meant to start (6, after
+    the stalled mirror's last sequence), and only then does the cancellation end the
+    look. A refused CREATE is logged, one line, and never left unretrieved. Before, a
+    stop during the DELETE sent no CREATE: another worker made the mirror 2 s later,
+    after the output stream's last output (outputs 6 and 7 never reached front ends)."""
+    delete = f"$JS.FRONT.API.STREAM.DELETE.{NAME}"
+    server = Held({FRONT_INFO: [mirror_reply()], SOURCE_INFO: [source_reply()],
+                   f"$JS.FRONT.API.STREAM.CREATE.{NAME}": [create]}, delete)
+    watch = MirrorWatch(patience=60.0, jitter=0.0)
+    watch.ripe(f"{mirror_reply()['created']}/6", -60.0)  # found due a minute ago
+    with logged() as records:
+        look = asyncio.create_task(heal_mirror(client(server), CONFIG, watch))
+        async with asyncio.timeout(10):
+            await server.arrived.wait()
+        look.cancel()  # reaches the look first: its DELETE waits for the release
+        server.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(10):
+                await look
+    creates = [body["mirror"] for subject, body in zip(server.asked, server.bodies,
+                                                       strict=True)
+               if ".STREAM.CREATE." in subject]
+    assert [c.get("opt_start_seq") for c in creates] == [6]
+    readable(records)
+    if create:
+        assert any("creating the front ends' mirror" in r.getMessage() for r in records)

@@ -31,7 +31,8 @@ doubles with each restart until the mirror is found well again (up to about 4 mi
 a stall a restart does not cure is not restarted every few seconds.
 
 A delete is always followed by a create, tried again at the next looks when it fails
-(and sent even when the watch is cancelled in between, or the delete's reply was lost);
+(a delete and its create run to their end even when the watch is cancelled meanwhile,
+and the create is sent again when the delete's reply was lost);
 a mirror found missing for `_PATIENCE` seconds is made again from the sequence after
 the output stream's last one.
 
@@ -60,6 +61,7 @@ import datetime
 import logging
 import random
 import re
+from collections.abc import Coroutine
 from typing import Any, Literal
 
 from nats.aio.client import Client
@@ -119,9 +121,6 @@ class MirrorWatch:
         self.pending: _Start | None = None
         #: Restarts since the mirror was last found well: each doubles the patience.
         self.restarts = 0
-        #: The create sent when the watch was cancelled between delete and create (it
-        #: runs to its end: a deleted mirror must not stay missing).
-        self.creating: asyncio.Task[dict[str, Any]] | None = None
         #: Looks in a row that got no reply (each doubles the pause, up to `_QUIET`),
         #: and looks that failed otherwise (logged at the 1st, 10th, 100th...).
         self.unanswered = self.failures = 0
@@ -289,7 +288,7 @@ async def heal_mirror(nc: Client, config: NatsConfig, watch: MirrorWatch) -> int
             if not watch.ripe("missing", now) or seen.start is None:
                 return None
             remade = seen.start
-        await _create(nc, config, api, remade, watch)
+        await _to_the_end(_create(nc, config, api, remade, watch))
         logger.warning("turnrouter: made the front ends' mirror of %s again, starting "
                        "%s (it was missing)", name, f"from sequence {remade[0]}"
                        if remade[1] is None else f"with the outputs stored from {remade[1]}")
@@ -314,12 +313,7 @@ async def heal_mirror(nc: Client, config: NatsConfig, watch: MirrorWatch) -> int
     # deleted it all the same, and the next look that finds it missing makes it again
     # from here (a next look that finds it there forgets it).
     watch.pending = start
-    try:
-        await api_request(nc, f"{api}.STREAM.DELETE.{name}")
-    except _Refused as exc:
-        if not (isinstance(exc.error, dict) and exc.error.get("err_code") == _NOT_FOUND):
-            raise  # (deleted meanwhile: created below, or by whoever deleted it)
-    await _create(nc, config, api, start, watch)
+    await _to_the_end(_replace(nc, config, api, start, watch))
     logger.warning("turnrouter: restarted the front ends' mirror of %s (it %s; it held "
                    "sequences up to %s): it now starts %s", name,
                    f"stalled on error {mirror.err_code}" if mirror.err_code
@@ -336,12 +330,38 @@ async def _look(nc: Client, api: str, name: str) -> Look:
     return decide(mirror, source, name)
 
 
+async def _to_the_end(work: Coroutine[Any, Any, None]) -> None:
+    """`work` run to its end even when the watch is cancelled meanwhile (the worker
+    stops): a delete without its create would leave every front end without outputs
+    until another worker made the mirror again, from a later start. The cancellation
+    is raised once `work` ended (its requests' own timeouts bound the wait); what it
+    raised then is logged, not left unretrieved."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait((task,))
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.warning("turnrouter: the front ends' mirror, finished while the worker "
+                           "stops: %s", str(exc)[:300])
+        raise
+
+
+async def _replace(nc: Client, config: NatsConfig, api: str, start: _Start,
+                   watch: MirrorWatch) -> None:
+    """Delete the mirror and create it again starting at `start`."""
+    try:
+        await api_request(nc, f"{api}.STREAM.DELETE.{config.output_stream}")
+    except _Refused as exc:
+        if not (isinstance(exc.error, dict) and exc.error.get("err_code") == _NOT_FOUND):
+            raise  # (deleted meanwhile: created below, or by whoever deleted it)
+    await _create(nc, config, api, start, watch)
+
+
 async def _create(nc: Client, config: NatsConfig, api: str, start: _Start,
                   watch: MirrorWatch) -> None:
     """Create the mirror starting at `start` (a sequence, or the outputs stored from a
-    time on), remembered (`MirrorWatch.pending`) until it succeeds; a watch cancelled
-    meanwhile lets the create run to its end (after a delete, a mirror left missing
-    would leave every front end without outputs)."""
+    time on), remembered (`MirrorWatch.pending`) until it succeeds."""
     stream = _output_mirror(config)
     seq, since = start
     if since is not None:
@@ -349,10 +369,8 @@ async def _create(nc: Client, config: NatsConfig, api: str, start: _Start,
     elif seq > 1:
         stream["mirror"]["opt_start_seq"] = seq
     watch.pending = start
-    create = watch.creating = asyncio.ensure_future(
-        api_request(nc, f"{api}.STREAM.CREATE.{config.output_stream}", stream))
     try:
-        await asyncio.shield(create)
+        await api_request(nc, f"{api}.STREAM.CREATE.{config.output_stream}", stream)
     except _Refused as exc:
         # Made meanwhile by another worker (or refused: its error is logged).
         logger.warning("turnrouter: creating the front ends' mirror of %s: %s",
