@@ -29,11 +29,12 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 
-from turnrouter import LifecycleError
+from turnrouter import LifecycleError, TurnrouterError
 from turnrouter.runtime.nats import NatsConfig
 
 # Private module: the watch's decision and its memory between looks.
 from turnrouter.runtime.nats._mirror import MirrorWatch, decide, heal_mirror, watch_mirror
+from turnrouter.runtime.nats._setup import api_request
 
 from ..fuzz import ANY_TEXT, HUGE_TEXT
 
@@ -609,3 +610,18 @@ async def test_a_worker_stopping_during_a_restart_makes_the_mirror_before_it_end
     readable(records)
     if create:
         assert any("creating the front ends' mirror" in r.getMessage() for r in records)
+
+
+@settings(max_examples=150, deadline=None)
+@given(JUNK_BYTES)
+def test_a_jetstream_api_reply_of_junk_is_a_value_error_or_a_refusal(junk: bytes) -> None:
+    """Whatever bytes the JetStream API answers, `api_request` returns a JSON object or
+    raises what its callers handle: `ValueError` (junk, JSON that is no object, nested
+    too deep), `LifecycleError` (unavailable) or a refusal (a `TurnrouterError`), but
+    never a `TypeError` or a `RecursionError` past its callers' `except` clauses."""
+    server = Server({"$JS.API.STREAM.INFO.X": [junk]})
+    try:
+        reply = asyncio.run(api_request(client(server), "$JS.API.STREAM.INFO.X"))
+    except (ValueError, TurnrouterError):
+        return
+    assert isinstance(reply, dict) and "error" not in reply

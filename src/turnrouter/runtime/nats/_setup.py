@@ -42,7 +42,8 @@ class _Refused(ConfigurationError):
 
 async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = None,
                       wait: float = 5.0) -> dict[str, Any]:
-    """One JetStream API request; the server's error becomes a `ConfigurationError`."""
+    """One JetStream API request; the server's error becomes a `ConfigurationError`, a
+    reply that is not a JSON object a `ValueError`."""
     denials = denials_of(nc)
     if denials is not None:
         denials.known(subject)  # named as sent if the server refuses it
@@ -50,7 +51,13 @@ async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = No
         reply = await nc.request(subject, json.dumps(body or {}).encode(), timeout=wait)
     except (NatsError, TimeoutError) as exc:
         raise LifecycleError(f"JetStream API {subject} failed: {exc!r}") from exc
-    data: dict[str, Any] = json.loads(reply.data)
+    try:
+        data = json.loads(reply.data)
+    except RecursionError as exc:  # (as any other reply of junk: a ValueError)
+        raise ValueError(f"JetStream API {subject} answered JSON nested too deep") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"JetStream API {subject} answered {type(data).__name__}, "
+                         "not a JSON object")
     if "error" in data:
         error = data["error"]
         if isinstance(error, dict) and error.get("code") == 503:
