@@ -99,11 +99,12 @@ def test_the_sample_replies_call_for_restarts() -> None:
 
 
 # ---------------------------------------------------------------- junk at every field
-JSON_JUNK = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8),
-                                                                inner, max_size=4),
-    max_leaves=12)
+_JSON_LEAF = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+_JSON_SHALLOW = _JSON_LEAF | st.lists(_JSON_LEAF, max_size=4) | st.dictionaries(
+    st.text(max_size=8), _JSON_LEAF, max_size=4)
+#: JSON values two levels deep (deeper nesting: `JUNK_BYTES`).
+JSON_JUNK = _JSON_SHALLOW | st.lists(_JSON_SHALLOW, max_size=4) | st.dictionaries(
+    st.text(max_size=8), _JSON_SHALLOW, max_size=4)
 NOT_INT = st.one_of(st.none(), st.booleans(), st.floats(), ANY_TEXT,
                     st.lists(st.integers(), max_size=3),
                     st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
