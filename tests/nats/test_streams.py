@@ -101,8 +101,10 @@ async def test_a_replica_of_another_consumer_configuration_is_refused_and_change
     try:
         async with asyncio.timeout(30):
             await first.ready.wait()
-        stray = NatsWorker(make_router, NatsConfig(url=nats_server.url, **{setting: value}),
-                           registry=CollectorRegistry())
+        other = (NatsConfig(url=nats_server.url, failover_timeout=value)
+                 if setting == "failover_timeout" else
+                 NatsConfig(url=nats_server.url, ack_wait=value))
+        stray = NatsWorker(make_router, other, registry=CollectorRegistry())
         with pytest.raises(ConfigurationError) as caught:
             async with asyncio.timeout(30):
                 await stray.run()
