@@ -227,7 +227,8 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
         nats_server: NatsServer) -> None:
     """A front end notices a frozen server by its pings (disconnected, then reconnected
     once the server resumes); a publish the server did not confirm raises
-    `LifecycleError`, and publishing the same message again is answered exactly once."""
+    `LifecycleError`, and publishing the same message again is answered exactly once; a
+    publish while the connection is known lost fails at once and never runs."""
     worker = Worker(nats_server.url, "steady", "--reconnect-for", "60")
     lost, back = asyncio.Event(), asyncio.Event()
 
@@ -248,6 +249,12 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
                     await front.publish(query)
             async with asyncio.timeout(20):
                 await lost.wait()
+            # Known lost: refused at once, nothing held to be sent on reconnect (nats-py
+            # sent such a publish when the server came back, long after it had failed).
+            abandoned = UserQuery(participant_id="fz", text="abandoned")
+            with pytest.raises(LifecycleError, match="not connected to NATS"):
+                async with asyncio.timeout(3):  # (a publish waits 5 s for the server)
+                    await front.publish(abandoned)
             nats_server.thaw()
             async with asyncio.timeout(20):
                 await back.wait()
@@ -258,6 +265,7 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
             # The next turn's answer names its previous user text: the retried query's.
             assert await ask(front, heard, "fz", "next") == "next|during|F"
             assert [o.text for o in heard.finals[query.message_id]] == ["during|hello|F"]
+            assert abandoned.message_id not in heard.finals
     finally:
         nats_server.thaw()
         worker.close()

@@ -160,8 +160,11 @@ class NatsFrontEnd:
 
         Returns once the server stored it. `LifecycleError` means it did not confirm
         in time (5 s: a server that is down or frozen): the message may still have been
-        stored. Publishing the same message again is safe, as its `Nats-Msg-Id` makes the
-        stream drop a second copy within the deduplication window (2 min). A fleet-wide
+        stored; while the connection is known lost (reconnecting), `LifecycleError` at
+        once and nothing is sent (nats-py would hold it and send it on reconnect, when
+        its participant may have given up on it). Publishing the same message again is
+        safe, as its `Nats-Msg-Id` makes the stream drop a second copy within the
+        deduplication window (2 min). A fleet-wide
         interrupt (`Interrupted` without a participant) is not stored: it returns once
         the server handled it, `LifecycleError` when the server refused it for the
         connection's permissions.
@@ -190,6 +193,10 @@ class NatsFrontEnd:
             raise ContractValueError(
                 f"{kind} of {len(data)} bytes as JSON is over max_message_bytes "
                 f"({self._config.max_message_bytes}): workers refuse it; not published")
+        if not self._nc.is_connected:
+            raise LifecycleError(
+                f"publishing {kind}: not connected to NATS (reconnecting); nothing was "
+                "sent: publish it again once reconnected")
         try:
             if isinstance(message, Interrupted) and message.participant_id is None:
                 await self._interrupt_all(data, hdrs)
