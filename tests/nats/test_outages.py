@@ -504,6 +504,41 @@ async def test_a_deleted_part_of_the_deployment_is_recreated(
         worker.close()
 
 
+async def test_participants_of_a_deleted_bucket_talk_on_with_their_history(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """The state bucket deleted under a running worker: the participants it serves
+    talk on, answered (not the failure text) with the history it holds, their records
+    written again and counted (`part="record"`), none of them fenced. Before, each
+    write found the record gone, fenced its participant off: every participant's next
+    turn ended with the failure text after its input was held `ack_wait`."""
+    fe, heard = front
+    worker = Worker(nats_server.url, "keeper")
+    people = [f"p{k}" for k in range(6)]
+    try:
+        for pid in people:
+            assert (await ask(fe, heard, pid, f"one{pid}")).startswith(f"one{pid}|")
+        nc = await nats.connect(nats_server.url)
+        try:
+            await nc.jetstream().delete_key_value(CONFIG.bucket)
+        finally:
+            await nc.close()
+        # The turn that finds the bucket gone ends once (as any caught by a deletion);
+        # the worker makes the bucket again.
+        answer = await published(fe, heard, "bob", "caught")
+        assert answer.startswith("caught|") or answer == FAILURE
+        await until_true(lambda: metric_value(
+            worker.metrics(), "turnrouter_nats_deployment_missing_total",
+            'part="bucket"') == 1, "the bucket recreated")
+        for pid in people:
+            assert await ask(fe, heard, pid, "two") == f"two|one{pid}|F"
+        metrics = worker.metrics()
+        assert metric_value(metrics, "turnrouter_nats_deployment_missing_total",
+                            'part="record"') == len(people)
+        assert metric_value(metrics, "turnrouter_nats_state_writes_refused_total") == 0
+    finally:
+        worker.close()
+
+
 async def test_a_deployment_that_cannot_be_recreated_ends_the_worker(
         nats_server: NatsServer) -> None:
     """The input stream deleted and its subjects taken by another stream: recreating it
