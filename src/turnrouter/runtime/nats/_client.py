@@ -39,7 +39,7 @@ from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
 from ._permissions import Denials, DeniedError, denials_of
 from ._security import connect
-from ._setup import api_request, ensure_deployment
+from ._setup import api_request, ensure_streams
 from ._wire import NatsConfig, input_message_id, kind_of
 
 __all__ = ["MAX_SEEN_FINALS", "NatsFrontEnd"]
@@ -118,7 +118,7 @@ class NatsFrontEnd:
             # the requests' timeouts, then said only that.
             if not await denials.guard(_deployment_exists(nc, config)):
                 try:
-                    await denials.guard(ensure_deployment(nc, config))
+                    await denials.guard(ensure_streams(nc, config))
                 except TurnrouterError as exc:
                     if not denials.count:
                         raise

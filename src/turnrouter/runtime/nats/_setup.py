@@ -23,7 +23,7 @@ from ..._redact import preview
 from ._permissions import denials_of
 from ._wire import NatsConfig
 
-__all__ = ["FRONT_API", "api_request", "ensure_deployment"]
+__all__ = ["FRONT_API", "api_request", "ensure_deployment", "ensure_streams"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -283,13 +283,21 @@ async def _create_consumer(nc: Client, config: NatsConfig, partition: int) -> No
             "them") from exc
 
 
-async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
-    """Create (or accept the identical existing) streams, consumers and state bucket;
-    the bucket."""
+async def ensure_streams(nc: Client, config: NatsConfig) -> None:
+    """Create (or accept the identical existing) input and output streams: what a front
+    end started before any worker needs to publish (the partitions' consumers, which
+    deliver everything stored, and the bucket are the workers': their settings,
+    `ack_wait` and `failover_timeout`, are the workers' configuration)."""
     await _create_stream(nc, _input_stream(config), settings={
         "max_bytes": "input_max_bytes", "max_age": "input_max_age"})
     await _create_stream(nc, _output_stream(config), settings={
         "max_bytes": "output_max_bytes", "max_age": "output_max_age"})
+
+
+async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
+    """Create (or accept the identical existing) streams, consumers and state bucket;
+    the bucket."""
+    await ensure_streams(nc, config)
     await _ensure_front_mirror(nc, config)
     for partition in range(config.partitions):
         await _create_consumer(nc, config, partition)
