@@ -289,6 +289,25 @@ async def test_a_worker_with_the_front_ends_credentials_exits_at_once(
         assert password not in done.stdout + done.stderr
 
 
+async def test_a_worker_of_another_prefix_than_the_permissions_says_so(
+        locked: NatsServer) -> None:
+    """The right user with `--prefix other` under the shipped permissions (which name
+    `turnrouter`): it exits 1 at once, one line saying the permissions do not name that
+    prefix, not that the credentials are another role's. Before, it retried for 60 s and
+    ended on a `TimeoutError`."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [*_worker_command(), "--nats", locked.url, "--app", "tests.nats.app:make_router",
+         "--nats-user", "worker", "--prefix", "other"],
+        capture_output=True, text=True, cwd=ROOT, env={**_env(), **WORKER_ENV},
+        timeout=READY_WITHIN / 2)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr  # one line
+    assert "(permissions violation for user 'worker'): this user's permissions do not " \
+           "name prefix 'other'" in done.stderr, done.stderr
+    assert "not a worker's" not in done.stderr
+
+
 async def test_a_refusal_while_running_is_logged_once_per_subject(
         locked: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
     """A refusal once started does not end anything: a front end of the shipped

@@ -56,6 +56,8 @@ _COLLECT_SECS = 1
 _DENIED = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"',
                      re.IGNORECASE)
 
+#: The subject prefix the shipped permissions name.
+_SHIPPED_PREFIX = "turnrouter"
 #: What each role's user is called in the shipped configuration, and its permissions.
 _SHIPPED = {"worker": ("a worker's", "worker", "WORKER_PERMISSIONS"),
             "frontend": ("a front end's", "frontend", "FRONTEND_PERMISSIONS")}
@@ -203,9 +205,18 @@ class Denials:
         ordered = sorted(dict.fromkeys(denied), key=lambda d: d.kind != "publish")[:3]
         what = " and ".join(f"{d.kind} to {d.subject!r}" for d in ordered)
         whose, user, permissions = _SHIPPED.get(self._role, (self._role, self._role, ""))
-        return (f"NATS refused {what} (permissions violation{self._user()}): these "
-                f"credentials are not {whose}; the shipped configuration's {self._name()} "
-                f"user is `{user}` (deploy/nats/permissions.conf, {permissions})")
+        refused = f"NATS refused {what} (permissions violation{self._user()})"
+        if self._config.user != user:
+            return (f"{refused}: these credentials are not {whose}; the shipped "
+                    f"configuration's {self._name()} user is `{user}` "
+                    f"(deploy/nats/permissions.conf, {permissions})")
+        if self._config.prefix != _SHIPPED_PREFIX:
+            return (f"{refused}: this user's permissions do not name prefix "
+                    f"{self._config.prefix!r}; the shipped deploy/nats/permissions.conf "
+                    f"names `{_SHIPPED_PREFIX}`: with another prefix, replace it there "
+                    "throughout (docs/distributed.md, Trust)")
+        return (f"{refused}: this user's permissions lack it; compare them with "
+                f"deploy/nats/permissions.conf, {permissions}")
 
     def _name(self) -> str:
         return "front-end" if self._role == "frontend" else self._role
