@@ -10,7 +10,7 @@ import dataclasses
 import json
 import signal
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,24 +233,19 @@ def test_junk_on_the_output_subject_is_skipped_and_counted(wire: Wire, data: byt
 
     async def main() -> None:
         front = wire.front
-        got: list[ResponseOutput] = []
-        subscribed = asyncio.Event()
-        reader = asyncio.create_task(_read_until(front, "sentinel", got, subscribed))
-        try:
-            async with asyncio.timeout(15):
-                await subscribed.wait()
-                skipped = front.outputs_skipped
-                if too_big:
-                    with pytest.raises(APIError, match="maximum"):
-                        await wire.js.publish(subject, data)
-                else:
+        skipped = 0
+
+        async def store() -> None:
+            nonlocal skipped
+            skipped = front.outputs_skipped
+            if too_big:
+                with pytest.raises(APIError, match="maximum"):
                     await wire.js.publish(subject, data)
-                await wire.js.publish(f"tr.out.{encode_token('zed')}",
-                                      output("zed", "sentinel"))
-                await reader
-        finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            else:
+                await wire.js.publish(subject, data)
+            await wire.js.publish(f"tr.out.{encode_token('zed')}", output("zed", "sentinel"))
+
+        got = await _read_through(front, store)
         assert got[-1].request_id == "sentinel"
         assert len(got) - 1 + front.outputs_skipped - skipped == (0 if too_big else 1)
         if len(got) == 2:
@@ -259,27 +254,37 @@ def test_junk_on_the_output_subject_is_skipped_and_counted(wire: Wire, data: byt
     wire.call(main())
 
 
-async def _read_all(front: NatsFrontEnd, js: Any, subject: Any,
-                    outputs: list[bytes]) -> list[ResponseOutput]:
-    """Store `outputs` (each with a Nats-Msg-Id of its own, as a stream without
-    deduplication history stores a republished ending) and a sentinel; what one
-    `outputs()` reader yields before the sentinel."""
+async def _read_through(front: NatsFrontEnd,
+                        store: Callable[[], Awaitable[None]]) -> list[ResponseOutput]:
+    """What one `outputs()` reader yields up to the output `store` stores last, a final
+    of request id "sentinel" (the reader subscribed before `store` runs; bounded)."""
     got: list[ResponseOutput] = []
     subscribed = asyncio.Event()
     reader = asyncio.create_task(_read_until(front, "sentinel", got, subscribed))
     try:
         async with asyncio.timeout(15):
             await subscribed.wait()
-            for data in outputs:
-                pid = json.loads(data)["participant_id"]
-                await js.publish(subject(pid), data,
-                                 headers={"Nats-Msg-Id": f"m{next(_msg_ids)}"})
-            await js.publish(subject("zed"), output("zed", "sentinel"))
+            await store()
             await reader
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
-    return got[:-1]
+    return got
+
+
+async def _read_all(front: NatsFrontEnd, js: Any, subject: Any,
+                    outputs: list[bytes]) -> list[ResponseOutput]:
+    """Store `outputs` (each with a Nats-Msg-Id of its own, as a stream without
+    deduplication history stores a republished ending) and a sentinel; what one
+    `outputs()` reader yields before the sentinel."""
+    async def store() -> None:
+        for data in outputs:
+            pid = json.loads(data)["participant_id"]
+            await js.publish(subject(pid), data,
+                             headers={"Nats-Msg-Id": f"m{next(_msg_ids)}"})
+        await js.publish(subject("zed"), output("zed", "sentinel"))
+
+    return (await _read_through(front, store))[:-1]
 
 
 _msg_ids = iter(range(10**9))
