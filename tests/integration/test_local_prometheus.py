@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 
 from turnrouter import AgentRouter, AgentTurn, Destination, DestinationResult
@@ -29,6 +30,13 @@ pytestmark = pytest.mark.integration
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy/prometheus"
 LOCAL_CONFIG = DEPLOY / "prometheus.local.yml"
+FLEET_RULES = DEPLOY / "rules-nats/turnrouter-nats.rules.yml"
+
+
+def _fleet_rule_count() -> int:
+    """The fleet's rules (turnrouter worker), which the local config loads as well."""
+    groups = yaml.safe_load(FLEET_RULES.read_text(encoding="utf-8"))["groups"]
+    return sum(len(group["rules"]) for group in groups)
 
 
 class Echo(Destination):
@@ -48,8 +56,9 @@ def test_promtool_accepts_the_local_config_as_shipped() -> None:
     result = subprocess.run([find_binary("promtool"), "check", "config", str(LOCAL_CONFIG)],
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 1 rule files found" in result.stdout
+    assert "SUCCESS: 2 rule files found" in result.stdout
     assert f"SUCCESS: {len(RECORDING_RULES) + len(ALERTS)} rules found" in result.stdout
+    assert f"SUCCESS: {_fleet_rule_count()} rules found" in result.stdout
 
 
 def test_a_real_prometheus_scrapes_localhost_with_the_local_config(tmp_path: Path) -> None:
@@ -65,6 +74,7 @@ def test_a_real_prometheus_scrapes_localhost_with_the_local_config(tmp_path: Pat
         text.replace('"localhost:9464"', f'"localhost:{app_port}"')
             .replace('"localhost:9090"', f'"localhost:{prom_port}"'), encoding="utf-8")
     shutil.copytree(DEPLOY / "rules", tmp_path / "rules")
+    shutil.copytree(DEPLOY / "rules-nats", tmp_path / "rules-nats")
     log_path = tmp_path / "prometheus.log"
     url = f"http://127.0.0.1:{prom_port}"
     with log_path.open("wb") as log:
@@ -83,7 +93,7 @@ def test_a_real_prometheus_scrapes_localhost_with_the_local_config(tmp_path: Pat
                 return count or None
 
             assert eventually(rules_loaded, timeout=60, what="rules") == (
-                len(RECORDING_RULES) + len(ALERTS))
+                len(RECORDING_RULES) + len(ALERTS) + _fleet_rule_count())
 
             def scraped() -> float | None:
                 query = urllib.parse.quote('sum(turnrouter_turns_total{job="turnrouter"})')

@@ -160,8 +160,10 @@ class Worker:
                 if line.startswith(f"worker {name} ready"):
                     break
             else:
-                raise RuntimeError(f"worker {name} exited or was not ready within "
-                                   f"{READY_WITHIN:g} s: {self.stderr()}")
+                error = RuntimeError(f"worker {name} exited or was not ready within "
+                                     f"{READY_WITHIN:g} s: {self.stderr()}")
+                self.close()  # its log file and pipes too: nobody else can close them
+                raise error
         finally:
             timer.cancel()
 

@@ -10,8 +10,9 @@ import dataclasses
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -232,30 +233,144 @@ def test_junk_on_the_output_subject_is_skipped_and_counted(wire: Wire, data: byt
 
     async def main() -> None:
         front = wire.front
-        got: list[ResponseOutput] = []
-        subscribed = asyncio.Event()
-        reader = asyncio.create_task(_read_until(front, "sentinel", got, subscribed))
-        try:
-            async with asyncio.timeout(15):
-                await subscribed.wait()
-                skipped = front.outputs_skipped
-                if too_big:
-                    with pytest.raises(APIError, match="maximum"):
-                        await wire.js.publish(subject, data)
-                else:
+        skipped = 0
+
+        async def store() -> None:
+            nonlocal skipped
+            skipped = front.outputs_skipped
+            if too_big:
+                with pytest.raises(APIError, match="maximum"):
                     await wire.js.publish(subject, data)
-                await wire.js.publish(f"tr.out.{encode_token('zed')}",
-                                      output("zed", "sentinel"))
-                await reader
-        finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            else:
+                await wire.js.publish(subject, data)
+            await wire.js.publish(f"tr.out.{encode_token('zed')}", output("zed", "sentinel"))
+
+        got = await _read_through(front, store)
         assert got[-1].request_id == "sentinel"
         assert len(got) - 1 + front.outputs_skipped - skipped == (0 if too_big else 1)
         if len(got) == 2:
             assert got[0].participant_id == "zed" and token_of == "zed"
 
     wire.call(main())
+
+
+async def _read_through(front: NatsFrontEnd,
+                        store: Callable[[], Awaitable[None]]) -> list[ResponseOutput]:
+    """What one `outputs()` reader yields up to the output `store` stores last, a final
+    of request id "sentinel" (the reader subscribed before `store` runs; bounded)."""
+    got: list[ResponseOutput] = []
+    subscribed = asyncio.Event()
+    reader = asyncio.create_task(_read_until(front, "sentinel", got, subscribed))
+    try:
+        async with asyncio.timeout(15):
+            await subscribed.wait()
+            await store()
+            await reader
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+    return got
+
+
+async def _read_all(front: NatsFrontEnd, js: Any, subject: Any,
+                    outputs: list[bytes]) -> list[ResponseOutput]:
+    """Store `outputs` (each with a Nats-Msg-Id of its own, as a stream without
+    deduplication history stores a republished ending) and a sentinel; what one
+    `outputs()` reader yields before the sentinel."""
+    async def store() -> None:
+        for data in outputs:
+            pid = json.loads(data)["participant_id"]
+            await js.publish(subject(pid), data,
+                             headers={"Nats-Msg-Id": f"m{next(_msg_ids)}"})
+        await js.publish(subject("zed"), output("zed", "sentinel"))
+
+    return (await _read_through(front, store))[:-1]
+
+
+_msg_ids = iter(range(10**9))
+
+
+async def test_a_turns_final_output_stored_twice_is_read_once(
+        nats_server: NatsServer) -> None:
+    """A turn's final stored twice (an ending republished after the output stream was
+    deleted and made again: the new stream has no deduplication history) is read once
+    and counted in `outputs_repeated`; control text repeated is read each time, and
+    another participant's turn with the same request id is its own."""
+    config = NatsConfig(url=nats_server.url)
+    front = await NatsFrontEnd.connect(config)
+    try:
+        got = await _read_all(front, front.connection.jetstream(), config.output_subject, [
+            output("zed", "t1", final=True), output("zed", "t1", final=True),
+            output("zed", "t2"), output("zed", "t2"),
+            output("amy", "t1", final=True), output("zed", "t1", final=True)])
+        assert [(o.participant_id, o.request_id, o.final) for o in got] == [
+            ("zed", "t1", True), ("zed", "t2", False), ("zed", "t2", False),
+            ("amy", "t1", True)]
+        assert front.outputs_repeated == 2
+        assert front.outputs_skipped == 0
+    finally:
+        await front.close()
+
+
+async def test_a_request_id_reused_past_the_dedup_window_is_read_again(
+        nats_server: NatsServer) -> None:
+    """The reader forgets a final after `dedup_window` seconds of stream time, as the
+    input stream forgets the query: a participant who reuses a request id later (a new
+    session's `turn-1`) hears its answer."""
+    config = NatsConfig(url=nats_server.url, dedup_window=0.2)
+    front = await NatsFrontEnd.connect(config)
+    try:
+        js = front.connection.jetstream()
+        first = await _read_all(front, js, config.output_subject,
+                                [output("zed", "turn-1", final=True)])
+        # The server's clock must pass the window between the two stores: nothing to
+        # wait for but time itself.
+        await asyncio.sleep(0.3)
+        subscribed = asyncio.Event()
+        got: list[ResponseOutput] = []
+        reader = asyncio.create_task(_read_until(front, "turn-1", got, subscribed))
+        try:
+            async with asyncio.timeout(15):
+                await subscribed.wait()
+                await js.publish(config.output_subject("zed"),
+                                 output("zed", "turn-1", final=True),
+                                 headers={"Nats-Msg-Id": "again"})
+                await reader
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        assert [o.request_id for o in first] == ["turn-1"]
+        assert [o.request_id for o in got] == ["turn-1"]
+        assert front.outputs_repeated == 0
+    finally:
+        await front.close()
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["zed", "amy", "bo"]),
+                          st.sampled_from(["t1", "t2", "t3"]), st.booleans()),
+                max_size=25))
+def test_each_turns_final_is_read_once_in_any_order_of_repeats(
+        wire: Wire, stored: list[tuple[str, str, bool]]) -> None:
+    """Whatever the stream holds, one reader yields every control output and each
+    turn's first final, in stream order, and counts the rest."""
+    def main() -> Coroutine[Any, Any, list[ResponseOutput]]:
+        return _read_all(wire.front, wire.js, lambda pid: f"tr.out.{encode_token(pid)}",
+                         [output(pid, rid, final=final) for pid, rid, final in stored])
+
+    repeated = wire.front.outputs_repeated
+    got = wire.call(main())
+    seen: set[tuple[str, str]] = set()
+    expected = []
+    for pid, rid, final in stored:
+        if final and (pid, rid) in seen:
+            continue
+        if final:
+            seen.add((pid, rid))
+        expected.append((pid, rid, final))
+    assert [(o.participant_id, o.request_id, o.final) for o in got] == expected
+    assert wire.front.outputs_repeated - repeated == len(stored) - len(expected)
 
 
 async def test_outputs_resume_soon_after_a_server_restart(nats_server: NatsServer) -> None:

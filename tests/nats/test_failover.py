@@ -6,6 +6,7 @@ import asyncio
 import signal
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import pytest
 
@@ -200,10 +201,12 @@ async def test_a_patch_between_turns_survives_a_crash(nats_server: NatsServer) -
     ready = asyncio.Event()
     listener = asyncio.create_task(listen(front, heard, ready))
     await ready.wait()
-    kv = await front.connection.jetstream().key_value(NatsConfig().bucket)
-    records = await kv.watch(f"*.{encode_token('pat')}")
+    records: Any = None
     try:
         with fleet(nats_server, 1, prefix="a") as (owner,):
+            # The bucket is the workers' (a front end makes only the streams).
+            kv = await front.connection.jetstream().key_value(NatsConfig().bucket)
+            records = await kv.watch(f"*.{encode_token('pat')}")
             assert await ask(front, heard, "pat", "patch me") == "patch me|-|N"
             async with asyncio.timeout(10):  # the record, rewritten with the patch
                 async for entry in records:
@@ -214,7 +217,8 @@ async def test_a_patch_between_turns_survives_a_crash(nats_server: NatsServer) -
                 assert await ask(front, heard, "pat", "after") == (
                     "after|[background: job-pat]|F")
     finally:
-        await records.stop()  # type: ignore[no-untyped-call]  # nats-py leaves it untyped
+        if records is not None:
+            await records.stop()
         listener.cancel()
         await asyncio.gather(listener, return_exceptions=True)
         await front.close()

@@ -13,7 +13,7 @@ from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, 
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
 from .conftest import NatsServer, Worker, metric_value
-from .crowd import Heard, ask, listening
+from .crowd import FAILURE, Heard, ask, listening
 
 SAMPLE_FLOOR = 8  # docs/distributed.md: a publisher's samples always learned per window
 
@@ -72,6 +72,25 @@ async def test_bad_input_is_rejected_counted_and_disturbs_nothing(
     await counted(worker, name, 'reason="invalid"', 4)
     assert await ask(fe, heard, "ann", "hello") == "hello|-|N"
     assert await ask(fe, heard, "ann", "again") == "again|hello|F"
+
+
+async def test_a_query_too_big_for_the_workers_ends_with_the_failure_text(
+        nats_server: NatsServer, worker: Worker) -> None:
+    """A front end whose `max_message_bytes` exceeds the workers' (its own check lets a
+    66 KB query through, the stream stores it) hears the failure text as that turn's
+    final output, counted `oversized`; the participant's next query is answered. Before,
+    the worker refused it unread and the turn never ended."""
+    config = NatsConfig(url=nats_server.url, max_message_bytes=131_072)
+    async with listening(config) as (loose, heard):
+        big = UserQuery(participant_id="gus", text="x" * 66_000)
+        event = heard.events.setdefault(big.message_id, asyncio.Event())
+        await loose.publish(big)
+        async with asyncio.timeout(15):
+            await event.wait()
+        assert [(o.text, o.final) for o in heard.finals[big.message_id]] == [(FAILURE, True)]
+        await counted(worker, "turnrouter_runtime_rejected_messages_total",
+                      'reason="oversized"', 1)
+        assert await ask(loose, heard, "gus", "next") == "next|-|N"
 
 
 async def test_departure_and_rejoin_travel_in_order(

@@ -150,14 +150,19 @@ async def test_a_frozen_server_past_the_bound_ends_the_worker(
         worker.close()
 
 
-def ready_status(worker: Worker) -> int:
-    """The status of the worker's `/ready` on its metrics port."""
+def ready_reply(worker: Worker) -> tuple[int, str]:
+    """The status and body of the worker's `/ready` on its metrics port."""
     url = worker.metrics_url.removesuffix("/metrics") + "/ready"
     try:
         with urllib.request.urlopen(url, timeout=2) as reply:
-            return int(reply.status)
+            return int(reply.status), reply.read().decode()
     except urllib.error.HTTPError as exc:
-        return int(exc.code)
+        return int(exc.code), exc.read().decode()
+
+
+def ready_status(worker: Worker) -> int:
+    """The status of the worker's `/ready` on its metrics port."""
+    return ready_reply(worker)[0]
 
 
 async def test_the_ready_file_is_there_only_while_the_worker_serves(
@@ -173,7 +178,12 @@ async def test_the_ready_file_is_there_only_while_the_worker_serves(
         assert ready_status(worker) == 200
         nats_server.freeze()
         await file_state(ready, False)
-        assert ready_status(worker) == 503
+        # The 503 says why: an operator's `curl .../ready` tells what the worker waits for
+        # (whichever noticed the frozen server first: its pings, or a deployment check).
+        status, body = ready_reply(worker)
+        assert status == 503 and body.endswith("\n") and body.count("\n") == 1, body
+        assert set(body.strip().split("; ")) <= {
+            "disconnected from NATS", "JetStream not answering"}, body
         nats_server.thaw()
         await file_state(ready, True)
         assert ready_status(worker) == 200
@@ -217,7 +227,8 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
         nats_server: NatsServer) -> None:
     """A front end notices a frozen server by its pings (disconnected, then reconnected
     once the server resumes); a publish the server did not confirm raises
-    `LifecycleError`, and publishing the same message again is answered exactly once."""
+    `LifecycleError`, and publishing the same message again is answered exactly once; a
+    publish while the connection is known lost fails at once and never runs."""
     worker = Worker(nats_server.url, "steady", "--reconnect-for", "60")
     lost, back = asyncio.Event(), asyncio.Event()
 
@@ -238,6 +249,12 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
                     await front.publish(query)
             async with asyncio.timeout(20):
                 await lost.wait()
+            # Known lost: refused at once, nothing held to be sent on reconnect (nats-py
+            # sent such a publish when the server came back, long after it had failed).
+            abandoned = UserQuery(participant_id="fz", text="abandoned")
+            with pytest.raises(LifecycleError, match="not connected to NATS"):
+                async with asyncio.timeout(3):  # (a publish waits 5 s for the server)
+                    await front.publish(abandoned)
             nats_server.thaw()
             async with asyncio.timeout(20):
                 await back.wait()
@@ -248,6 +265,7 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
             # The next turn's answer names its previous user text: the retried query's.
             assert await ask(front, heard, "fz", "next") == "next|during|F"
             assert [o.text for o in heard.finals[query.message_id]] == ["during|hello|F"]
+            assert abandoned.message_id not in heard.finals
     finally:
         nats_server.thaw()
         worker.close()
@@ -482,6 +500,41 @@ async def test_a_deleted_part_of_the_deployment_is_recreated(
         assert "missing from the NATS deployment" in err
         assert len([line for line in err.splitlines() if "status 503" in line]) <= 2, err
         assert "Traceback" not in err
+    finally:
+        worker.close()
+
+
+async def test_participants_of_a_deleted_bucket_talk_on_with_their_history(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """The state bucket deleted under a running worker: the participants it serves
+    talk on, answered (not the failure text) with the history it holds, their records
+    written again and counted (`part="record"`), none of them fenced. Before, each
+    write found the record gone, fenced its participant off: every participant's next
+    turn ended with the failure text after its input was held `ack_wait`."""
+    fe, heard = front
+    worker = Worker(nats_server.url, "keeper")
+    people = [f"p{k}" for k in range(6)]
+    try:
+        for pid in people:
+            assert (await ask(fe, heard, pid, f"one{pid}")).startswith(f"one{pid}|")
+        nc = await nats.connect(nats_server.url)
+        try:
+            await nc.jetstream().delete_key_value(CONFIG.bucket)
+        finally:
+            await nc.close()
+        # The turn that finds the bucket gone ends once (as any caught by a deletion);
+        # the worker makes the bucket again.
+        answer = await published(fe, heard, "bob", "caught")
+        assert answer.startswith("caught|") or answer == FAILURE
+        await until_true(lambda: metric_value(
+            worker.metrics(), "turnrouter_nats_deployment_missing_total",
+            'part="bucket"') == 1, "the bucket recreated")
+        for pid in people:
+            assert await ask(fe, heard, pid, "two") == f"two|one{pid}|F"
+        metrics = worker.metrics()
+        assert metric_value(metrics, "turnrouter_nats_deployment_missing_total",
+                            'part="record"') == len(people)
+        assert metric_value(metrics, "turnrouter_nats_state_writes_refused_total") == 0
     finally:
         worker.close()
 

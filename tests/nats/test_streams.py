@@ -65,3 +65,65 @@ async def test_a_stream_of_another_configuration_is_refused_naming_what_differs(
 def test_output_max_bytes_is_an_int_within_its_bound(value: object) -> None:
     with pytest.raises(ConfigurationError, match="output_max_bytes"):
         NatsConfig(output_max_bytes=value)  # type: ignore[arg-type]
+
+
+async def test_a_replica_of_another_partition_count_is_refused_naming_it(
+        nats_server: NatsServer) -> None:
+    """`partitions` differing from the deployment's is named as such, in a short line
+    (it was a cut list of probe subjects that never said "partitions")."""
+    first = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    try:
+        worker = NatsWorker(make_router, NatsConfig(url=nats_server.url, partitions=8),
+                            registry=CollectorRegistry())
+        with pytest.raises(ConfigurationError) as caught:
+            async with asyncio.timeout(30):
+                await worker.run()
+        message = str(caught.value)
+        assert "partitions 16 there, 8 here" in message, message
+        assert len(message) < 400 and "probe" not in message, message
+    finally:
+        await first.close()
+
+
+@pytest.mark.parametrize(("setting", "value", "shown"), [
+    ("failover_timeout", 30.0, "failover_timeout 1 s there, 30 s here"),
+    ("ack_wait", 3.0, "ack_wait 1.5 s there, 3 s here"),
+])
+async def test_a_replica_of_another_consumer_configuration_is_refused_and_changes_nothing(
+        nats_server: NatsServer, setting: str, value: float, shown: str) -> None:
+    """A replica started with another `failover_timeout` or `ack_wait` than the running
+    fleet's is refused at start, naming the setting, and leaves the partitions'
+    consumers as they were. Before, its create updated all of them: one stray replica
+    set the fleet's failover to 30 s, silently."""
+    config = NatsConfig(url=nats_server.url)
+    first = NatsWorker(make_router, config, registry=CollectorRegistry())
+    running = asyncio.create_task(first.run())
+    try:
+        async with asyncio.timeout(30):
+            await first.ready.wait()
+        other = (NatsConfig(url=nats_server.url, failover_timeout=value)
+                 if setting == "failover_timeout" else
+                 NatsConfig(url=nats_server.url, ack_wait=value))
+        stray = NatsWorker(make_router, other, registry=CollectorRegistry())
+        with pytest.raises(ConfigurationError) as caught:
+            async with asyncio.timeout(30):
+                await stray.run()
+        message = str(caught.value)
+        assert f"consumer {config.consumer(0)} of stream {config.stream} exists with " \
+               "another configuration" in message, message
+        assert shown in message and "same NatsConfig" in message, message
+        front = await NatsFrontEnd.connect(config)
+        try:
+            for partition in range(config.partitions):
+                reply = await front.connection.request(
+                    f"$JS.API.CONSUMER.INFO.{config.stream}.{config.consumer(partition)}",
+                    b"", timeout=5)
+                held = json.loads(reply.data)["config"]
+                assert (held["ack_wait"], held["priority_timeout"]) == (
+                    int(config.ack_wait * 1e9), int(config.failover_timeout * 1e9))
+        finally:
+            await front.close()
+    finally:
+        first.request_stop()
+        async with asyncio.timeout(30):
+            await running

@@ -38,7 +38,16 @@ from turnrouter import ConfigurationError, LifecycleError
 from turnrouter.runtime import Interrupted, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, encode_token
 
-from .conftest import ROOT, NatsServer, Worker, cancelled, free_port, metric_value, settled
+from .conftest import (
+    READY_WITHIN,
+    ROOT,
+    NatsServer,
+    Worker,
+    cancelled,
+    free_port,
+    metric_value,
+    settled,
+)
 from .crowd import Heard, ask, listen, listening
 from .proxy import proxied
 
@@ -207,6 +216,122 @@ async def test_a_front_end_started_before_any_worker_says_so(locked: NatsServer)
         await NatsFrontEnd.connect(frontend_config(locked.url))
     assert "$js.api.stream.create." in str(err.value).lower()
     assert PASSWORDS["TURNROUTER_FRONTEND_PASSWORD"] not in str(err.value)
+
+
+#: A bound on the wait for a start-up refused for the credentials' permissions: well
+#: under the front end's old 7 s (two request timeouts) and the worker's old 60 s
+#: (`reconnect_for`), far over the round trip or two it takes.
+REFUSED_WITHIN = 4.0
+
+
+async def test_a_front_end_with_the_workers_credentials_says_so_at_once(
+        locked: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The two credentials of the shipped configuration swapped, front end side: the
+    server refuses the subscription to the front end's replies (`worker` may subscribe
+    to a worker's only). `NatsFrontEnd.connect` ends at once with a `ConfigurationError`
+    naming the refused subject and the user a front end should be, in one line without
+    the password; before, it waited for two requests' timeouts (7 s) and said
+    `JetStream API $JS.API.STREAM.CREATE.TURNROUTER_IN failed: TimeoutError()`."""
+    secret = PASSWORDS["TURNROUTER_WORKER_PASSWORD"]
+    config = NatsConfig(url=locked.url, user="worker", password=secret)
+    with caplog.at_level(logging.DEBUG), pytest.raises(ConfigurationError) as err:
+        async with asyncio.timeout(REFUSED_WITHIN):
+            await NatsFrontEnd.connect(config)
+    message = str(err.value)
+    assert message.startswith("NATS refused subscription to '_INBOX_turnrouter_frontend.>' "
+                              "(permissions violation for user 'worker'): these "
+                              "credentials are not a front end's"), message
+    assert "front-end user is `frontend`" in message and "\n" not in message
+    assert secret not in message + caplog.text
+
+
+async def test_an_error_callback_of_the_caller_keeps_refusals_fast(
+        locked: NatsServer) -> None:
+    """A caller's own `error_cb` (a `nats.connect` option `NatsFrontEnd.connect`
+    passes on) is called with the refusal, and does not replace turnrouter's: the
+    swapped credentials still end the connect at once, not after a timeout."""
+    seen: list[Exception] = []
+
+    async def mine(exc: Exception) -> None:
+        seen.append(exc)
+
+    config = NatsConfig(url=locked.url, user="worker",
+                        password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"])
+    with pytest.raises(ConfigurationError, match="these credentials are not a front end's"):
+        async with asyncio.timeout(REFUSED_WITHIN):
+            await NatsFrontEnd.connect(config, error_cb=mine)
+    assert any("permissions violation" in str(exc).lower() for exc in seen), seen
+
+
+async def test_a_worker_with_the_front_ends_credentials_exits_at_once(
+        locked: NatsServer) -> None:
+    """The two credentials swapped, worker side: `turnrouter worker --nats-user
+    frontend` is refused the JetStream API (and a worker's replies). It exits 1 at once
+    with one line on stderr naming the refused subject and the user a worker should be,
+    no password, no traceback; before, it retried the set-up for `--reconnect-for`
+    (60 s) and then said `... failed: TimeoutError()`."""
+    secret = PASSWORDS["TURNROUTER_FRONTEND_PASSWORD"]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [*_worker_command(), "--nats", locked.url, "--app", "tests.nats.app:make_router",
+         "--nats-user", "frontend"],
+        capture_output=True, text=True, cwd=ROOT,
+        env={**_env(), "TURNROUTER_NATS_PASSWORD": secret},
+        timeout=READY_WITHIN / 2)  # (well under reconnect_for's 60 s; it takes ~1 s)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr  # one line
+    assert done.stderr.startswith(
+        "turnrouter worker: NATS refused publish to '$JS.API.STREAM.CREATE.TURNROUTER_IN'"
+        " and subscription to '_INBOX_turnrouter_worker.>' (permissions violation for user "
+        "'frontend'): these credentials are not a worker's"), done.stderr
+    assert "worker user is `worker`" in done.stderr
+    for password in PASSWORDS.values():
+        assert password not in done.stdout + done.stderr
+
+
+async def test_a_worker_of_another_prefix_than_the_permissions_says_so(
+        locked: NatsServer) -> None:
+    """The right user with `--prefix other` under the shipped permissions (which name
+    `turnrouter`): it exits 1 at once, one line saying the permissions do not name that
+    prefix, not that the credentials are another role's. Before, it retried for 60 s and
+    ended on a `TimeoutError`."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [*_worker_command(), "--nats", locked.url, "--app", "tests.nats.app:make_router",
+         "--nats-user", "worker", "--prefix", "other"],
+        capture_output=True, text=True, cwd=ROOT, env={**_env(), **WORKER_ENV},
+        timeout=READY_WITHIN / 2)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr  # one line
+    assert "(permissions violation for user 'worker'): this user's permissions do not " \
+           "name prefix 'other'" in done.stderr, done.stderr
+    assert "not a worker's" not in done.stderr
+
+
+async def test_a_refusal_while_running_is_logged_once_per_subject(
+        locked: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A refusal once started does not end anything: a front end of the shipped
+    configuration sending fleet-wide interrupts (a worker's subject) hears
+    `LifecycleError` each time, logs one line for the subject however often it is
+    refused (before, one per refusal), and goes on publishing inputs."""
+    worker = Worker(locked.url, "locked", "--nats-user", "worker", env=WORKER_ENV)
+    try:
+        with caplog.at_level(logging.WARNING, logger="turnrouter"):
+            front = await NatsFrontEnd.connect(frontend_config(locked.url))
+            try:
+                for _ in range(5):
+                    with pytest.raises(LifecycleError, match="permissions"):
+                        await front.publish(Interrupted())
+                assert await answered_by_fleet(front, "ann", "hello") == "hello|-|N"
+            finally:
+                await front.close()
+        refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refused) == 1, refused
+        assert refused[0].startswith("turnrouter: NATS refused publish to "
+                                     "'turnrouter.ctl.interrupt' (permissions violation "
+                                     "for user 'frontend')"), refused
+    finally:
+        worker.close()
 
 
 async def test_a_one_account_deployment_moves_to_the_shipped_accounts(
@@ -777,9 +902,9 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
     The workers now restart the mirror (delete, create) once it is out of step with the
     output stream: every turn asked after the deletion is read by the front end's
     `outputs()` (never, before), and what the front end read is what the two streams held,
-    each output once: the old stream's before the deletion, the new stream's after it
-    (which also holds the endings the workers published again into it, not knowing
-    whether the server kept them)."""
+    each turn's final once: the old stream's before the deletion, the new stream's after
+    it, less the endings the workers published again into it (not knowing whether the
+    server kept them) that the front end had read already (read twice, before)."""
     workers = [Worker(locked.url, f"mirror{k}", "--nats-user", "worker", env=WORKER_ENV)
                for k in range(2)]
     front = await NatsFrontEnd.connect(frontend_config(locked.url))
@@ -806,10 +931,19 @@ async def test_a_deleted_output_stream_reaches_the_front_ends_again(
         assert sorted(turn for turn, t in reads if t < deleted) == sorted(
             q.message_id for q in before)  # each once
         # What the front end read since is what the new stream holds, in its order.
+        # A worker publishes again into the new stream endings it cannot know the old
+        # one kept (seen: a final read before the deletion, stored again after it): the
+        # reader yields each turn's final once all the same, and counts the repeats.
+        read_before = {turn for turn, t in reads if t < deleted}
         async with asyncio.timeout(15):
-            while [turn for turn, t in reads if t > deleted] != (held := await _finals(nc)):
+            while True:
+                held = await _finals(nc)
+                once = [turn for turn in dict.fromkeys(held) if turn not in read_before]
+                if [turn for turn, t in reads if t > deleted] == once:
+                    break
                 await finals.next_read(0.5)  # the next read, or another look
         assert {q.message_id for q in after} <= set(held)
+        assert front.outputs_repeated == len(held) - len(once)
     finally:
         await finals.close()
         await nc.close()
@@ -880,6 +1014,7 @@ async def test_a_mirror_stalled_on_stream_not_found_is_restarted_in_step(
         await answered([last.message_id], 30)
         assert sorted(turn for turn, _ in reads) == sorted(
             q.message_id for q in [*before, *after, last])
+        assert front.outputs_repeated == 0  # the mirror in step copied nothing twice
     finally:
         await finals.close()
         await nc.close()

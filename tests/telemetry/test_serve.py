@@ -8,8 +8,12 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
-from turnrouter.telemetry import metrics_app, serve_metrics
+from turnrouter import ContractTypeError
+from turnrouter.telemetry import READY_REASON_CHARS, metrics_app, serve_metrics
 
 from .conftest import Rig
 from .test_spans import answer_turn
@@ -98,3 +102,55 @@ async def test_asgi_app_completes_lifespan(rig: Rig) -> None:
                            [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
     assert [message["type"] for message in sent] == [
         "lifespan.startup.complete", "lifespan.shutdown.complete"]
+
+
+def ready_reply(url: str) -> tuple[int, str]:
+    """GET a readiness path: its status and body, 503 included."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+
+
+def test_a_readiness_reason_says_why_not_ready() -> None:
+    """With `reason`, a 503 says why (one line); without it, `busy`; 200 says `ready`."""
+    state = {"ready": False, "why": "disconnected from NATS"}
+    registry = CollectorRegistry()
+    with serve_metrics(0, registry=registry, ready=lambda: bool(state["ready"]),
+                       reason=lambda: str(state["why"])) as server:
+        base = server.url.removesuffix("/metrics")
+        assert ready_reply(base + "/ready") == (503, "disconnected from NATS\n")
+        state["why"] = "missing: TURNROUTER_IN,\nTURNROUTER_OUT"
+        assert ready_reply(base + "/readyz") == (503, "missing: TURNROUTER_IN, TURNROUTER_OUT\n")
+        state["ready"] = True
+        assert ready_reply(base + "/ready") == (200, "ready\n")
+    with serve_metrics(0, registry=CollectorRegistry(), ready=lambda: False) as server:
+        assert ready_reply(server.url.removesuffix("/metrics") + "/ready") == (503, "busy\n")
+
+
+@settings(max_examples=25, deadline=None)
+@given(said=st.one_of(st.text(max_size=3000), st.integers(), st.none(), st.binary(max_size=50),
+                      st.just("x" * 100_000), st.just("\ud800 lone"), st.just("\n\t \r")))
+def test_a_junk_or_raising_reason_still_answers_503_on_one_bounded_line(said: Any) -> None:
+    """Whatever `reason` returns (or raises), a not-ready check answers 503 with one line
+    of at most READY_REASON_CHARS characters, never 200 and never a server error."""
+    def reason() -> Any:
+        if said is None:
+            raise RuntimeError("no worker yet")
+        return said
+
+    with serve_metrics(0, registry=CollectorRegistry(), ready=lambda: False,
+                       reason=reason) as server:
+        status, body = ready_reply(server.url.removesuffix("/metrics") + "/ready")
+    assert status == 503
+    assert body.endswith("\n") and body.count("\n") == 1
+    assert 0 < len(body.rstrip("\n")) <= READY_REASON_CHARS
+    if not isinstance(said, str) or not said.split():
+        assert body == "busy\n"
+
+
+@given(junk=st.one_of(st.integers(), st.text(max_size=5), st.booleans()))
+def test_serve_metrics_refuses_a_reason_that_is_not_callable(junk: Any) -> None:
+    with pytest.raises(ContractTypeError, match="reason"):
+        serve_metrics(0, registry=CollectorRegistry(), ready=lambda: True, reason=junk)

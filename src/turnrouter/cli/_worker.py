@@ -248,10 +248,12 @@ def worker_main(argv: Sequence[str]) -> int:
     if args.metrics_port is not None:
         try:
             # `/ready` answers 200 while the worker serves (the `--ready-file` signal),
-            # so a Kubernetes rollout waits for a new replica that actually serves.
+            # so a Kubernetes rollout waits for a new replica that actually serves; a
+            # 503 says why not (starting, disconnected from NATS, missing: ..., stopping).
             readiness = worker.readiness
             server = serve_metrics(args.metrics_port, registry=registry,
-                                   addr=args.metrics_host, ready=lambda: readiness.serving)
+                                   addr=args.metrics_host, ready=lambda: readiness.serving,
+                                   reason=lambda: readiness.why_not)
         except (OSError, OverflowError, ValueError) as exc:
             print(f"turnrouter worker: error: cannot serve /metrics on "
                   f"{args.metrics_host}:{args.metrics_port}: {exc}", file=sys.stderr)

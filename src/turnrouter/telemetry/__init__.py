@@ -22,7 +22,7 @@ from ._metrics import (
     metric,
     metrics_markdown_table,
 )
-from ._serve import ASGIApp, MetricsServer, metrics_app, serve_metrics
+from ._serve import READY_REASON_CHARS, ASGIApp, MetricsServer, metrics_app, serve_metrics
 from ._spans import (
     ATTR,
     CONTENT_CAPTURE_ENV,
@@ -61,6 +61,7 @@ __all__ = [
     "METRICS",
     "NEEDLESS_WITHIN_SECONDS",
     "PARTICIPANT_WINDOW_SECS",
+    "READY_REASON_CHARS",
     "RESPONSE_BUCKETS",
     "SPAN_ACKNOWLEDGMENT",
     "SPAN_ADMISSION",

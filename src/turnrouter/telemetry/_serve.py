@@ -90,12 +90,14 @@ READY_PATHS = frozenset({"/ready", "/readyz"})
 
 def serve_metrics(
     port: int, registry: CollectorRegistry | None = None, addr: str = "127.0.0.1",
-    ready: Callable[[], bool] | None = None,
+    ready: Callable[[], bool] | None = None, reason: Callable[[], str] | None = None,
 ) -> MetricsServer:
     """Serve `registry` (default: prometheus_client's) over HTTP; `port=0` picks a free one.
 
     `ready` (for example `lambda: not router.busy`) adds `/ready` and `/readyz`: 200
-    `ready` while it returns True, 503 `busy` otherwise (and when it raises).
+    `ready` while it returns True, 503 `busy` otherwise (and when it raises). `reason`,
+    when given, says why not instead of `busy` (`turnrouter worker`: "disconnected from
+    NATS", "stopping", ...): one line of at most `READY_REASON_CHARS` characters.
     """
     registry = REGISTRY if registry is None else registry
     if ready is None:
@@ -104,12 +106,15 @@ def serve_metrics(
     if not callable(ready):
         raise ContractTypeError(
             f"serve_metrics ready must be callable, got {type(ready).__name__}")
+    if reason is not None and not callable(reason):
+        raise ContractTypeError(
+            f"serve_metrics reason must be callable, got {type(reason).__name__}")
     family = _family(addr, port)
 
     class Server(_ThreadingServer):
         address_family = family
 
-    httpd = make_server(addr, port, _with_readiness(make_wsgi_app(registry), ready), Server,
+    httpd = make_server(addr, port, _with_readiness(make_wsgi_app(registry), ready, reason), Server,
                         handler_class=_QuietHandler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True,
                               name="turnrouter metrics")
@@ -134,7 +139,27 @@ def _family(addr: str, port: int) -> socket.AddressFamily:
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-def _with_readiness(metrics: WSGIApp, ready: Callable[[], bool]) -> WSGIApp:
+#: The most characters of a `/ready` body's reason (the rest is cut, marked with "...").
+READY_REASON_CHARS = 200
+
+
+def _why_not(reason: Callable[[], str] | None) -> bytes:
+    """The 503 body: `reason()` on one bounded line, `busy` without one (or when it
+    raises or says nothing)."""
+    text = ""
+    if reason is not None:
+        try:
+            said = reason()
+        except Exception:  # a broken reason still answers 503, plainly
+            said = ""
+        text = " ".join(said.split()) if isinstance(said, str) else ""
+        if len(text) > READY_REASON_CHARS:
+            text = text[:READY_REASON_CHARS - 3] + "..."
+    return ((text or "busy") + "\n").encode("utf-8", "replace")
+
+
+def _with_readiness(metrics: WSGIApp, ready: Callable[[], bool],
+                    reason: Callable[[], str] | None = None) -> WSGIApp:
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") not in READY_PATHS:
             return metrics(environ, start_response)
@@ -142,7 +167,7 @@ def _with_readiness(metrics: WSGIApp, ready: Callable[[], bool]) -> WSGIApp:
             ok = bool(ready())
         except Exception:  # a failing check must not say ready
             ok = False
-        body = b"ready\n" if ok else b"busy\n"
+        body = b"ready\n" if ok else _why_not(reason)
         start_response("200 OK" if ok else "503 Service Unavailable",
                        [("Content-Type", "text/plain; charset=utf-8"),
                         ("Content-Length", str(len(body)))])

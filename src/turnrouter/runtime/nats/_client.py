@@ -37,11 +37,12 @@ from ..._redact import preview
 from .._messages import Interrupted, ResponseOutput, RuntimeMessage
 from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
+from ._permissions import Denials, DeniedError, denials_of
 from ._security import connect
-from ._setup import api_request, ensure_deployment
+from ._setup import api_request, ensure_streams
 from ._wire import NatsConfig, input_message_id, kind_of
 
-__all__ = ["NatsFrontEnd"]
+__all__ = ["MAX_SEEN_FINALS", "NatsFrontEnd"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -52,6 +53,10 @@ _NS = 1_000_000_000
 _PUBLISH_TIMEOUT = 5.0  # seconds a publish waits for the server to store it
 _PING_INTERVAL = 2.0  # seconds between the front end's pings
 
+
+#: The most final outputs one `outputs()` reader remembers (per turn, for
+#: `NatsConfig.dedup_window` seconds of stream time) to read a turn's final once.
+MAX_SEEN_FINALS = 65_536
 
 #: How long `NatsFrontEnd.close()` waits for the server's answer to a ping before it
 #: closes without draining.
@@ -70,13 +75,17 @@ class NatsFrontEnd:
 
     def __init__(self, nc: Client, config: NatsConfig) -> None:
         self._nc, self._config = nc, config
-        # Publishes the server refused (`connect` hooks them up; a front end built on a
-        # connection of its own sees none).
-        self._refusals = _Refusals()
+        # What the server refused for the connection's permissions (`connect` hooks them
+        # up; a front end built on a connection of its own sees none).
+        self._denials = denials_of(nc) or Denials(config, "frontend")
         self._js = nc.jetstream(timeout=_PUBLISH_TIMEOUT)
         self.outputs_skipped = 0
         """Messages on the output subjects that `outputs()` skipped: not a valid
         `ResponseOutput`, or one for another participant than its subject's."""
+        self.outputs_repeated = 0
+        """Final outputs `outputs()` read again and skipped: a turn's final stored twice
+        (a new output stream has no deduplication history, so an ending republished
+        after the stream was deleted and made again is stored once more)."""
 
     @classmethod
     async def connect(cls, config: NatsConfig, **options: Any) -> NatsFrontEnd:
@@ -89,32 +98,41 @@ class NatsFrontEnd:
         within about a second of the server's return, and pings it every 2 s
         (`ping_interval`), counting the connection lost when two go unanswered: a frozen
         server (its connection open, nothing answered) is left within about 6 s for
-        another server of the URL list, instead of nats-py's default two minutes."""
+        another server of the URL list, instead of nats-py's default two minutes.
+
+        A publish or subscription the server refuses for the user's permissions ends
+        the start at once: `ConfigurationError` naming the subject when it is one every
+        front end needs (its replies, the look-up of the output stream: credentials of
+        a worker, say), `LifecycleError` when only the creation of a missing deployment
+        was refused (start a worker first). Refusals later (a fleet-wide interrupt,
+        say) are logged once per subject."""
         options.setdefault("reconnect_time_wait", 0.25)
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("ping_interval", _PING_INTERVAL)
         options.setdefault("max_outstanding_pings", MAX_OUTSTANDING_PINGS)
-        refusals = _Refusals()
-        nc = await connect(config, "frontend", on_denied=refusals.denied, **options)
+        denials = Denials(config, "frontend")
+        nc = await connect(config, "frontend", denials=denials, **options)
         try:
-            if not await _deployment_exists(nc, config):
+            # A refused look-up (or reply subscription) ends this at once, naming what
+            # was refused: credentials of another role (a worker's, say) waited for
+            # the requests' timeouts, then said only that.
+            if not await denials.guard(_deployment_exists(nc, config)):
                 try:
-                    await ensure_deployment(nc, config)
+                    await denials.guard(ensure_streams(nc, config))
                 except TurnrouterError as exc:
-                    if not refusals.count:
+                    if not denials.count:
                         raise
                     # A locked deployment's front end may only look streams up.
+                    refused = (exc.denials[0].subject if isinstance(exc, DeniedError)
+                               else denials.recent[-1].subject)
                     raise LifecycleError(
                         f"the output stream {config.output_stream} does not exist, and "
                         f"this user may not create the deployment (the server refused "
-                        f"{refusals.subjects[-1]!r}): the workers create it; start one "
-                        "first") from exc
+                        f"{refused!r}): the workers create it; start one first") from exc
         except BaseException:
             await nc.close()
             raise
-        front = cls(nc, config)
-        front._refusals = refusals
-        return front
+        return cls(nc, config)
 
     @property
     def connection(self) -> Client:
@@ -142,8 +160,11 @@ class NatsFrontEnd:
 
         Returns once the server stored it. `LifecycleError` means it did not confirm
         in time (5 s: a server that is down or frozen): the message may still have been
-        stored. Publishing the same message again is safe, as its `Nats-Msg-Id` makes the
-        stream drop a second copy within the deduplication window (2 min). A fleet-wide
+        stored; while the connection is known lost (reconnecting), `LifecycleError` at
+        once and nothing is sent (nats-py would hold it and send it on reconnect, when
+        its participant may have given up on it). Publishing the same message again is
+        safe, as its `Nats-Msg-Id` makes the stream drop a second copy within the
+        deduplication window (2 min). A fleet-wide
         interrupt (`Interrupted` without a participant) is not stored: it returns once
         the server handled it, `LifecycleError` when the server refused it for the
         connection's permissions.
@@ -172,6 +193,10 @@ class NatsFrontEnd:
             raise ContractValueError(
                 f"{kind} of {len(data)} bytes as JSON is over max_message_bytes "
                 f"({self._config.max_message_bytes}): workers refuse it; not published")
+        if not self._nc.is_connected:
+            raise LifecycleError(
+                f"publishing {kind}: not connected to NATS (reconnecting); nothing was "
+                "sent: publish it again once reconnected")
         try:
             if isinstance(message, Interrupted) and message.participant_id is None:
                 await self._interrupt_all(data, hdrs)
@@ -191,14 +216,14 @@ class NatsFrontEnd:
         answer): `LifecycleError` when the server refused it (this user may not publish
         control messages: the shipped permissions keep them to workers) or did not
         answer in time."""
-        subject, before = self._config.interrupt_all_subject, self._refusals.count
+        subject, before = self._config.interrupt_all_subject, self._denials.count
         await self._nc.publish(subject, data, headers=headers)
         try:
             await self._nc.request(f"$JS.API.STREAM.INFO.{self._config.output_stream}",
                                    b"", timeout=_PUBLISH_TIMEOUT)
         except NatsError as exc:
             raise LifecycleError(f"publishing interrupt was not confirmed: {exc!r}") from exc
-        if self._refusals.count != before and subject in self._refusals.subjects:
+        if self._denials.refused("publish", subject, before):
             raise LifecycleError(f"publishing interrupt failed: the server refused "
                                  f"{subject!r} for this connection's permissions (the "
                                  f"shipped permissions let only workers publish it)")
@@ -209,13 +234,15 @@ class NatsFrontEnd:
         """Outputs from the output stream, in stream order, each once.
 
         `ResponseOutput.final` tells a turn's final output (its answer or the failure
-        text, one per turn) from control text. With `deliver_new` (the default) only
-        outputs stored after the subscription are read: pass `subscribed` and publish
-        once it is set, or an early answer may be stored before the subscription exists
-        and never be read. A server restart or a lost connection is ridden out (reading
-        resumes where it stopped, about a second after the server is back); a message
-        that is not a valid output is skipped, logged and counted in `outputs_skipped`.
-        It ends when the connection is closed (`close()`).
+        text, one per turn) from control text; a reader yields one final per turn (a
+        participant's request id) within `dedup_window` seconds of stream time, even
+        when the stream stored it twice (counted in `outputs_repeated`). With
+        `deliver_new` (the default) only outputs stored after the subscription are read:
+        pass `subscribed` and publish once it is set, or an early answer may be stored
+        before the subscription exists and never be read. A server restart or a lost
+        connection is ridden out (reading resumes where it stopped, about a second after
+        the server is back); a message that is not a valid output is skipped, logged and
+        counted in `outputs_skipped`. It ends when the connection is closed (`close()`).
         """
         reader = _OutputReader(self, deliver_new)
         try:
@@ -226,6 +253,13 @@ class NatsFrontEnd:
                 yield output
         finally:
             await reader.close()
+
+    def _repeated(self, output: ResponseOutput) -> None:
+        self.outputs_repeated += 1
+        count = self.outputs_repeated
+        if count & (count - 1) == 0:
+            logger.warning("turnrouter: a turn's final output was stored twice, read once "
+                           "(%d so far; route %s)", count, preview(output.route))
 
     def _skipped(self, why: str) -> None:
         self.outputs_skipped += 1
@@ -252,6 +286,7 @@ class _OutputReader:
         self._reconnects = 0
         self._generation = 0  # of the consumer: what an earlier one sent is ignored
         self._created: object = None  # the output stream's creation time, when known
+        self._finals = _SeenFinals(int(self._config.dedup_window * _NS))
 
     async def open(self) -> None:
         """The first consumer (LifecycleError when the server refuses it)."""
@@ -406,11 +441,11 @@ class _OutputReader:
                             self._next_cseq - 1):
                         await self._create()  # a message was lost on the way
                 continue
-            seqs = _sequences(msg.reply)
-            if seqs is None:
+            meta = _metadata(msg.reply)
+            if meta is None:
                 front._skipped("not a message of the output stream")
                 continue
-            stream_seq, consumer_seq = seqs
+            stream_seq, consumer_seq, stored_ns = meta
             if consumer_seq != self._next_cseq:
                 await self._create()  # a message was lost on the way: read it again
                 continue
@@ -428,33 +463,57 @@ class _OutputReader:
             if msg.subject != subject:
                 front._skipped("participant_id does not match the subject")
                 continue
+            if output.final and not self._finals.first(
+                    (output.participant_id, output.request_id), stored_ns):
+                front._repeated(output)
+                continue
             return output
 
 
-def _sequences(reply: str | None) -> tuple[int, int] | None:
-    """(stream sequence, consumer sequence) of a JetStream ack subject."""
+def _metadata(reply: str | None) -> tuple[int, int, int] | None:
+    """(stream sequence, consumer sequence, stored at in ns) of a JetStream ack subject:
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, or with
+    `<domain>.<account hash>.` after `$JS.ACK.` and a token at the end."""
     if not reply or not reply.startswith("$JS.ACK."):
         return None
     parts = reply.split(".")
     try:
         if len(parts) == 9:
-            return int(parts[5]), int(parts[6])
-        return int(parts[7]), int(parts[8])
+            return int(parts[5]), int(parts[6]), int(parts[7])
+        return int(parts[7]), int(parts[8]), int(parts[9])
     except (IndexError, ValueError):
         return None
 
 
-class _Refusals:
-    """Publishes the server refused for the connection's permissions: how many, and the
-    subjects of the last 16 (nats-py reports them only to its error callback)."""
+class _SeenFinals:
+    """The turns whose final output one reader yielded in the last `window_ns` of stream
+    time, at most `MAX_SEEN_FINALS` of them (past that the oldest are forgotten: a
+    repeat of those would be read again, never an answer dropped). Stream time, not
+    the reader's: a reader catching up on an hour of outputs in a second must still
+    read a request id reused after the input stream's deduplication window."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.subjects: collections.deque[str] = collections.deque(maxlen=16)
+    def __init__(self, window_ns: int) -> None:
+        self._window = window_ns
+        # A turn's hash (its ids' strings are not kept: ~100 bytes a turn) -> when its
+        # final was stored; the hash is keyed per process, so no sender can aim at
+        # another turn's (two of 65,536 turns colliding: about 1 in 2**32).
+        self._at: dict[int, int] = {}
+        self._order: collections.deque[tuple[int, int]] = collections.deque()
 
-    def denied(self, subject: str) -> None:
-        self.count += 1
-        self.subjects.append(subject)
+    def first(self, turn: tuple[str, str], stored_ns: int) -> bool:
+        """Whether `turn`'s final stored at `stored_ns` is the first within the window."""
+        at, order, key = self._at, self._order, hash(turn)
+        while order and (stored_ns - order[0][0] > self._window
+                         or len(order) >= MAX_SEEN_FINALS):
+            when, old = order.popleft()
+            if at.get(old) == when:
+                del at[old]
+        before = at.get(key)
+        if before is not None and abs(stored_ns - before) <= self._window:
+            return False
+        at[key] = stored_ns
+        order.append((stored_ns, key))
+        return True
 
 
 async def _deployment_exists(nc: Client, config: NatsConfig) -> bool:

@@ -24,12 +24,14 @@ from typing import Any, TypeVar
 from nats.aio.client import DEFAULT_BUFFER_SIZE, Client
 from nats.errors import Error as NatsError
 from nats.errors import SlowConsumerError
+from nats.js.kv import KeyValue
 
 from ..._exceptions import ConfigurationError, LifecycleError
 from ..._limits import is_logged
 from ._metrics import RuntimeMetrics
+from ._permissions import Denial, Denials, parse_denial
 from ._security import connect, safe_error
-from ._setup import ensure_deployment
+from ._setup import FRONT_API, ensure_deployment
 from ._wire import NatsConfig
 
 __all__ = ["MAX_OUTSTANDING_PINGS", "Connection", "Readiness", "connect_timeout", "ping_interval"]
@@ -128,11 +130,14 @@ class Connection:
         self._checking: asyncio.Future[Any] | None = None
         self._repaired = asyncio.Event()
         self._statuses: dict[str, int] = {}
+        #: What the server refused for the connection's permissions.
+        self.denials = Denials(config, "worker")
 
     async def connect(self, replica: str) -> Client:
         config = self._config
         nc = self._nc = await connect(
-            config, "worker", patience=config.reconnect_for, name=f"turnrouter-{replica}",
+            config, "worker", patience=config.reconnect_for, denials=self.denials,
+            name=f"turnrouter-{replica}",
             connect_timeout=connect_timeout(config), reconnect_time_wait=_RECONNECT_WAIT,
             ping_interval=ping_interval(config),
             max_outstanding_pings=MAX_OUTSTANDING_PINGS,
@@ -146,6 +151,24 @@ class Connection:
         nc._error_cb = self._error
         _yield_between_reads(nc)
         return nc
+
+    async def set_up(self) -> KeyValue:
+        """The deployment made (or found) at start (`ensure_deployment`), the bucket;
+        tried again as `settle` says, but a publish or subscription the server refuses
+        for the user's permissions ends it at once: a `ConfigurationError` naming what
+        was refused (the JetStream API, the worker's replies: credentials of a front
+        end, say). A refused `$JS.FRONT.API` where no `front_api` was named is not one:
+        that import is optional (`_ensure_front_mirror` logs it and goes on)."""
+        config, nc = self._config, self._nc
+        assert nc is not None
+        optional = FRONT_API.lower() + "."
+
+        def fatal(denial: Denial) -> bool:
+            return not (config.front_api is None and denial.kind == "publish"
+                        and denial.lowered.startswith(optional))
+
+        return await self.settle("set-up", lambda: self.denials.guard(
+            ensure_deployment(nc, config), fatal))
 
     async def settle(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """`attempt()`, tried again (one log line per failure) while it fails for want of
@@ -210,6 +233,10 @@ class Connection:
         """nats-py's error callback: one line, never a traceback; while reconnecting it
         is called once per failed attempt, which is where the outage bound is kept."""
         nc = self._nc
+        denied = parse_denial(exc)
+        if denied is not None:  # logged there, once per subject; the connection stays
+            self.denials.record(*denied)
+            return
         if isinstance(exc, SlowConsumerError):
             # A fleet subject's queue is full (a flood): the message is dropped and
             # counted; logged the 1st, 2nd, 4th, ... time only.

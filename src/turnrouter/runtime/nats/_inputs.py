@@ -47,6 +47,7 @@ from ._wire import (
     NatsConfig,
     Rejected,
     ack_metadata,
+    decode_token,
     encode_token,
     output_message_id,
     parse_input,
@@ -146,6 +147,20 @@ Spawn = Callable[[Awaitable[Any], str], "asyncio.Task[Any]"]
 _Output = tuple[str, bytes, dict[str, str]]  # subject, body, headers
 
 
+def _refused_query(msg: Msg) -> tuple[str, str] | None:
+    """(participant, turn id) of a query refused unread, from its subject
+    (`...<token>.query`) and its `Nats-Msg-Id` (`<token>.<message id>`, as
+    `NatsFrontEnd.publish` sets it), None when they do not agree."""
+    parts = msg.subject.split(".")
+    head, _, turn_id = ((msg.headers or {}).get("Nats-Msg-Id") or "").partition(".")
+    if len(parts) < 2 or parts[-1] != "query" or not turn_id or head != parts[-2]:
+        return None
+    try:
+        return decode_token(head), turn_id
+    except ValueError:
+        return None
+
+
 class Inputs:
     """Runs the inputs of the partitions a worker owns on its router."""
 
@@ -184,6 +199,11 @@ class Inputs:
         except Rejected as exc:
             self._reject(msg.subject, exc.reason, str(exc))
             await self._ack(msg, b"+TERM")
+            if exc.reason == "oversized" and (turn := _refused_query(msg)) is not None:
+                # Its turn ends audibly: a front end whose max_message_bytes exceeds the
+                # workers' let it through, and its participant would hear nothing.
+                await self.publish_output(*turn, "none", self._config.failure_text,
+                                          final=True, carrier={})
             return
         if kind == "probe" or pid is None or message is None:
             await self._ack(msg)

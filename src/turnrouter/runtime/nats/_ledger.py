@@ -55,6 +55,14 @@ _READ_OFF_LOOP_BYTES = 64 * 1024
 _WRONG_LAST = (10071, 10164)
 
 
+def _vanished(error: object) -> bool:
+    """Whether a refused write found no record at all (`wrong last sequence: 0`): not
+    a newer revision, as another replica's claim, write or delete would leave."""
+    return (isinstance(error, dict) and error.get("err_code") in _WRONG_LAST
+            and isinstance(error.get("description"), str)
+            and error["description"].rstrip().endswith(": 0"))
+
+
 @dataclass
 class Participant:
     """What this replica knows of one participant it serves."""
@@ -131,6 +139,9 @@ class Ledger:
         #: Writes that got no answer (an outage fails one per participant writing): the
         #: log shows the first, then every power of ten, each with the count so far.
         self.write_failures = 0
+        #: Records found gone without a trace and written again (`write`): logged the
+        #: first time and at every power of ten.
+        self.records_remade = 0
         #: Claims that failed (no reply, a refusal other than a newer write): logged
         #: the first time and at every power of ten, since a takeover tries again.
         self.claim_failures = 0
@@ -430,6 +441,15 @@ class Ledger:
             endings.append((turn_id, "none", self._config.failure_text, now))
         return endings
 
+    def _remade(self) -> None:
+        self.records_remade += 1
+        if self._metrics is not None:
+            self._metrics.deployment_missing.labels("record").inc()
+        if is_logged(self.records_remade):
+            logger.warning("turnrouter: a participant's record was gone from bucket %s "
+                           "(deleted and made again?): written again from this replica's "
+                           "state (%d so far)", self._config.bucket, self.records_remade)
+
     async def write(self, pid: str, state: Participant, *, fresh: bool = True) -> bool:
         """Revision-checked write of `pid`'s record; False (and fenced) when refused.
 
@@ -451,10 +471,20 @@ class Ledger:
             written = frozenset([e[0] for e in outbox]) if outbox else _NONE
             t0 = time.perf_counter()
             uncertain = False
+            subject = f"{self._subject}{state.partition}.{encode_token(pid)}"
             try:
                 seq, error = pub_ack(await self._link.request(
-                    f"{self._subject}{state.partition}.{encode_token(pid)}", data,
+                    subject, data,
                     {"Nats-Expected-Last-Subject-Sequence": str(state.revision)}))
+                if seq is None and state.revision and _vanished(error):
+                    # The record is gone without a trace: the bucket was deleted and
+                    # made again (a claim, a write or a delete by another replica
+                    # leaves one). Nobody wrote it since: written again from what this
+                    # replica holds, instead of dropping the participant (every
+                    # participant's next turn failed, each input held for `ack_wait`).
+                    self._remade()
+                    seq, error = pub_ack(await self._link.request(
+                        subject, data, {"Nats-Expected-Last-Subject-Sequence": "0"}))
             except (RequestFailed, ValueError) as exc:
                 self.write_failures += 1
                 if is_logged(self.write_failures):

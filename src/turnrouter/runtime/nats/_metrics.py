@@ -86,10 +86,11 @@ class RuntimeMetrics:
         self.deployment_missing = Counter(
             "turnrouter_nats_deployment_missing_total",
             "Times this replica found a part of the deployment gone while it ran "
-            "(part=input_stream, output_stream, bucket, consumer) and recreated it",
+            "(part=input_stream, output_stream, bucket, consumer) and recreated it, or "
+            "a participant's record gone from the bucket (part=record) written again",
             ["part"], registry=registry)
         self.partitions.set(0)
-        for part in ("input_stream", "output_stream", "bucket", "consumer"):
+        for part in ("input_stream", "output_stream", "bucket", "consumer", "record"):
             self.deployment_missing.labels(part)
         for how in ("lost", "handed_over"):
             self.partitions_lost.labels(how)

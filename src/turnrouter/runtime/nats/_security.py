@@ -5,14 +5,16 @@ docs/distributed.md): this module only turns a `NatsConfig` into `nats.connect` 
 Each role gets its own inbox prefix (`_INBOX_<prefix>_worker`, `_INBOX_<prefix>_frontend`)
 so a server configuration can let front ends subscribe to their replies only, never to a
 worker's (which carry participant state). nats-py's default error callback logs a
-traceback per failed attempt; ours logs one line with every secret masked.
+traceback per failed attempt; ours logs one line with every secret masked, and hands a
+publish or subscription the server refused for the user's permissions to the
+connection's `Denials` (_permissions.py: a start-up it ends, later ones logged once per
+subject).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +26,7 @@ from nats.errors import Error as NatsError
 from ..._exceptions import LifecycleError
 from ..._redact import redact_text
 from ._cancel import cancel_and_wait
+from ._permissions import Denials, parse_denial
 from ._wire import NatsConfig
 
 __all__ = ["PlaintextRefusedError", "connect", "connect_options", "inbox_prefix",
@@ -54,22 +57,28 @@ def safe_error(config: NatsConfig, exc: BaseException) -> str:
 
 
 async def connect(config: NatsConfig, role: str, *, patience: float | None = None,
-                  on_denied: Callable[[str], None] | None = None,
-                  **options: Any) -> Client:
+                  denials: Denials | None = None, **options: Any) -> Client:
     """A connection with the configuration's credentials and TLS (`options` go to
-    `nats.connect` and win). A refusal of the credentials or of TLS ends the first
-    connection at once: nats-py would otherwise retry the same refused credentials
-    until its attempts run out. With `patience` (seconds) an unreachable server is tried
-    again (every `reconnect_time_wait`, one log line per failed attempt) until it answers
-    or `patience` ran out. `LifecycleError` with the URL and error masked. `on_denied`
-    is called with the subject of each publish the server refused for the connection's
-    permissions (nats-py reports those only to its error callback)."""
+    `nats.connect` and win, but an `error_cb` is called after turnrouter's own). A
+    refusal of the credentials or of TLS ends the first connection at once: nats-py
+    would otherwise retry the same refused credentials until its attempts run out.
+    With `patience` (seconds) an unreachable server is tried again (every
+    `reconnect_time_wait`, one log line per failed attempt) until it answers or
+    `patience` ran out. `LifecycleError` with the URL and error masked. Each publish
+    or subscription the server refuses for the connection's permissions (nats-py reports
+    those only to its error callback) goes to `denials` (a new one of `role` when None;
+    `denials_of(nc)` either way)."""
     refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
     attempts = _Attempts(patience)
-    merged = {**connect_options(config, role, refused, attempts, on_denied), **options}
+    denials = denials or Denials(config, role)
+    theirs = options.pop("error_cb", None)
+    merged = {**connect_options(config, role, refused, attempts, denials), **options}
+    if theirs is not None:  # the caller's sees every error too, after ours
+        merged["error_cb"] = _both(merged["error_cb"], theirs)
     if patience is not None:
         merged["max_reconnect_attempts"] = -1  # nats-py tries until cancelled below
     nc = _TlsClient() if requires_tls(config) else Client()
+    denials.attach(nc)
     connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(config.servers, **merged))
     either: list[asyncio.Future[Any]] = [connecting, refused]
     try:
@@ -113,11 +122,6 @@ class _Attempts:
                f"{self.patience:g} s): "
 
 
-#: nats-py's error for a publish the server refused: `nats: Permissions Violation for
-#: Publish to "<subject>"`.
-_DENIED_PUBLISH = re.compile(r'permissions violation for publish to "([^"]*)"', re.IGNORECASE)
-
-
 def requires_tls(config: NatsConfig) -> bool:
     """TLS is configured (a `tls://` server, a CA or a client certificate): a server that
     does not offer it is refused, as the Go client does, rather than sent credentials
@@ -156,12 +160,12 @@ def _is_refusal(exc: BaseException) -> bool:
 def connect_options(config: NatsConfig, role: str,
                     refused: asyncio.Future[BaseException] | None = None,
                     attempts: _Attempts | None = None,
-                    on_denied: Callable[[str], None] | None = None) -> dict[str, Any]:
+                    denials: Denials | None = None) -> dict[str, Any]:
     """`nats.connect` keyword arguments for the configuration's credentials and TLS
     (`LifecycleError` naming the file, never its content, when one cannot be used)."""
     options: dict[str, Any] = {"inbox_prefix": inbox_prefix(config, role),
                                "error_cb": _error_callback(config, refused, attempts,
-                                                           on_denied)}
+                                                           denials)}
     if config.user is not None:
         options["user"], options["password"] = config.user, config.password
     if config.token is not None:
@@ -230,15 +234,27 @@ def _tls_context(config: NatsConfig) -> ssl.SSLContext:
     return context
 
 
+def _both(ours: Callable[[Exception], Awaitable[None]],
+          theirs: Callable[[Exception], Awaitable[None]]
+          ) -> Callable[[Exception], Awaitable[None]]:
+    """An error callback calling ours (refusals, credentials refused, one log line),
+    then the caller's: a caller's `error_cb` option would otherwise replace ours, and
+    a refused permission or credential would wait for a timeout again."""
+    async def on_error(exc: Exception) -> None:
+        await ours(exc)
+        await theirs(exc)
+    return on_error
+
+
 def _error_callback(config: NatsConfig, refused: asyncio.Future[BaseException] | None,
                     attempts: _Attempts | None = None,
-                    on_denied: Callable[[str], None] | None = None
+                    denials: Denials | None = None
                     ) -> Callable[[Exception], Awaitable[None]]:
     async def on_error(exc: Exception) -> None:
-        if on_denied is not None:
-            denied = _DENIED_PUBLISH.search(str(exc))
-            if denied is not None:
-                on_denied(denied.group(1))
+        denied = parse_denial(exc)
+        if denied is not None and denials is not None:
+            denials.record(*denied)  # logged there, once per subject
+            return
         what = attempts.failed(exc) if attempts is not None else ""
         logger.warning("turnrouter: NATS at %s: %s%s", config.safe_url, what,
                        safe_error(config, exc))

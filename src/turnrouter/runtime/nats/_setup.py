@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from nats.aio.client import Client
@@ -18,9 +19,11 @@ from nats.errors import NoRespondersError
 from nats.js.kv import KeyValue
 
 from ..._exceptions import ConfigurationError, LifecycleError
+from ..._redact import preview
+from ._permissions import denials_of
 from ._wire import NatsConfig
 
-__all__ = ["FRONT_API", "api_request", "ensure_deployment"]
+__all__ = ["FRONT_API", "api_request", "ensure_deployment", "ensure_streams"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -41,12 +44,22 @@ class _Refused(ConfigurationError):
 
 async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = None,
                       wait: float = 5.0) -> dict[str, Any]:
-    """One JetStream API request; the server's error becomes a `ConfigurationError`."""
+    """One JetStream API request; the server's error becomes a `ConfigurationError`, a
+    reply that is not a JSON object a `ValueError`."""
+    denials = denials_of(nc)
+    if denials is not None:
+        denials.known(subject)  # named as sent if the server refuses it
     try:
         reply = await nc.request(subject, json.dumps(body or {}).encode(), timeout=wait)
     except (NatsError, TimeoutError) as exc:
         raise LifecycleError(f"JetStream API {subject} failed: {exc!r}") from exc
-    data: dict[str, Any] = json.loads(reply.data)
+    try:
+        data = json.loads(reply.data)
+    except RecursionError as exc:  # (as any other reply of junk: a ValueError)
+        raise ValueError(f"JetStream API {subject} answered JSON nested too deep") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"JetStream API {subject} answered {type(data).__name__}, "
+                         "not a JSON object")
     if "error" in data:
         error = data["error"]
         if isinstance(error, dict) and error.get("code") == 503:
@@ -170,10 +183,53 @@ def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
 
 #: JetStream's "stream name already in use with a different configuration".
 _STREAM_DIFFERS = 10058
+#: JetStream's "consumer already exists" (a create with `action: create` of a consumer
+#: that exists with another configuration).
+_CONSUMER_DIFFERS = 10148
+
+#: The `NatsConfig` setting behind each stream or consumer field turnrouter sets.
+_SETTINGS = {
+    "subjects": "prefix or partitions", "subject_transform": "partitions",
+    "max_msgs_per_subject": "max_queued_per_participant",
+    "max_msg_size": "max_message_bytes", "duplicate_window": "dedup_window",
+    "filter_subjects": "prefix or partitions", "ack_wait": "ack_wait",
+    "priority_timeout": "failover_timeout",
+}
+_PARTITIONS = re.compile(r"partition\((\d+),")
+
+
+def _differences(wanted: dict[str, Any], existing: object,
+                 settings: dict[str, str]) -> str:
+    """What differs between the configuration turnrouter wants and the existing one,
+    by the `NatsConfig` setting behind each field ("partitions 16 there, 8 here";
+    nanoseconds as seconds), bounded."""
+    if not isinstance(existing, dict):
+        return ""
+    fields = [key for key, value in wanted.items() if existing.get(key) != value]
+    if "subject_transform" in fields and "subjects" in fields:
+        fields.remove("subjects")  # (the probe subjects: the partition count says it)
+    if not fields:
+        return ""
+    named: list[str] = []
+    for key in fields:
+        setting = settings.get(key, _SETTINGS.get(key, key))
+        there, here = existing.get(key), wanted[key]
+        shown = (preview(there), preview(here))
+        if key == "subject_transform":
+            counts = [_PARTITIONS.search(json.dumps(v)) for v in (there, here)]
+            if counts[0] is not None and counts[1] is not None:
+                shown = (counts[0].group(1), counts[1].group(1))
+        elif (key in ("ack_wait", "priority_timeout", "duplicate_window", "max_age")
+              and isinstance(there, int) and isinstance(here, int)):
+            shown = (f"{there / _NS:g} s", f"{here / _NS:g} s")
+        text = f"{setting} {shown[0]} there, {shown[1]} here"
+        if text not in named:
+            named.append(text)
+    return ": " + "; ".join(named)[:600]
 
 
 async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API",
-                         wait: float = 5.0) -> None:
+                         wait: float = 5.0, settings: dict[str, str] | None = None) -> None:
     """Create `stream` (through the JetStream API at `api`), or accept an identical
     existing one; a different existing one is a `ConfigurationError` naming the settings
     that differ (a replica or front end of another configuration, or an earlier
@@ -190,28 +246,61 @@ async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API
             existing = info.get("config")
         except (ConfigurationError, LifecycleError):
             existing = None
-        differ = ([f"{key} {existing.get(key)!r} there, {value!r} here"
-                   for key, value in stream.items() if existing.get(key) != value]
-                  if isinstance(existing, dict) else [])
         raise ConfigurationError(
             f"stream {name} exists with another configuration"
-            f"{': ' + '; '.join(differ)[:600] if differ else ''}. Every replica and front "
+            f"{_differences(stream, existing, settings or {})}. Every replica and front "
             "end of a deployment must use the same NatsConfig; after a change of "
             "configuration or of turnrouter, align the stream (`nats stream edit`) or "
             "remove it") from exc
 
 
+async def _create_consumer(nc: Client, config: NatsConfig, partition: int) -> None:
+    """Create a partition's consumer, or accept the identical existing one; one of
+    another configuration (a replica started with another `ack_wait` or
+    `failover_timeout`) is a `ConfigurationError` naming the settings that differ. A
+    plain create would update it: one stray replica would set every partition's
+    failover for the whole fleet, silently."""
+    name = config.consumer(partition)
+    wanted = consumer_config(config, partition)
+    try:
+        await api_request(nc, f"$JS.API.CONSUMER.CREATE.{config.stream}.{name}",
+                          {"stream_name": config.stream, "config": wanted,
+                           "action": "create"})
+    except _Refused as exc:
+        error = exc.error
+        if not (isinstance(error, dict) and error.get("err_code") == _CONSUMER_DIFFERS):
+            raise
+        try:
+            info = await api_request(nc, f"$JS.API.CONSUMER.INFO.{config.stream}.{name}")
+            existing = info.get("config")
+        except (ConfigurationError, LifecycleError, ValueError):
+            existing = None
+        raise ConfigurationError(
+            f"consumer {name} of stream {config.stream} exists with another "
+            f"configuration{_differences(wanted, existing, {})}. Every replica of a "
+            "deployment must use the same NatsConfig; after a change of configuration, "
+            "stop every replica and align the consumers (`nats consumer edit`) or remove "
+            "them") from exc
+
+
+async def ensure_streams(nc: Client, config: NatsConfig) -> None:
+    """Create (or accept the identical existing) input and output streams: what a front
+    end started before any worker needs to publish (the partitions' consumers, which
+    deliver everything stored, and the bucket are the workers': their settings,
+    `ack_wait` and `failover_timeout`, are the workers' configuration)."""
+    await _create_stream(nc, _input_stream(config), settings={
+        "max_bytes": "input_max_bytes", "max_age": "input_max_age"})
+    await _create_stream(nc, _output_stream(config), settings={
+        "max_bytes": "output_max_bytes", "max_age": "output_max_age"})
+
+
 async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
     """Create (or accept the identical existing) streams, consumers and state bucket;
     the bucket."""
-    for stream in (_input_stream(config), _output_stream(config)):
-        await _create_stream(nc, stream)
+    await ensure_streams(nc, config)
     await _ensure_front_mirror(nc, config)
     for partition in range(config.partitions):
-        name = config.consumer(partition)
-        await api_request(nc, f"$JS.API.CONSUMER.CREATE.{config.stream}.{name}",
-                          {"stream_name": config.stream,
-                           "config": consumer_config(config, partition)})
+        await _create_consumer(nc, config, partition)
     js = nc.jetstream()
     try:
         return await js.key_value(config.bucket)

@@ -48,7 +48,7 @@ from ._link import Link
 from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._mirror import watch_mirror
-from ._setup import GROUP, api_request, ensure_deployment
+from ._setup import GROUP, api_request
 from ._takeover import Takeover
 from ._wire import Ending, NatsConfig
 
@@ -179,7 +179,7 @@ class NatsWorker:
             readiness=self.readiness, metrics=self._metrics, spawn=self._spawn)
         self._nc = nc = await connection.connect(self.replica)
         try:
-            bucket = await connection.settle("set-up", lambda: ensure_deployment(nc, config))
+            bucket = await connection.set_up()
             self._router = router = await _build(self._factory,
                                                  WorkerContext(self, self._registry))
             # The router's own failure text is what a takeover says for a lost turn.
