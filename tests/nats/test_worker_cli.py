@@ -183,6 +183,32 @@ def test_ready_file_in_a_missing_directory_is_a_usage_error(tmp_path: Path) -> N
     assert f"--ready-file: {missing} is not a writable directory" in done.stderr
 
 
+def test_a_ready_file_of_another_running_worker_is_a_usage_error(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    """Two workers given one `--ready-file`: the second exits 2 at once, naming the
+    file, and the first's file stays (before, both wrote and removed it on their own:
+    the second's stop removed it while the first served). Once the first is gone, even
+    killed with SIGKILL, the file is free for the next worker."""
+    ready = tmp_path / "worker.ready"
+    first = Worker(nats_server.url, "first", "--ready-file", str(ready))
+    try:
+        assert ready.read_text(encoding="utf-8") == "first\n"
+        done = run_worker("--nats", nats_server.url, "--app", "tests.nats.app:make_router",
+                          "--ready-file", str(ready), "--replica", "second")
+        assert done.returncode == 2, done.stderr
+        assert f"--ready-file {ready} is another running worker's" in done.stderr
+        assert ready.read_text(encoding="utf-8") == "first\n"
+        first.signal(signal.SIGKILL)
+        first.proc.wait(30)
+    finally:
+        first.close()
+    after = Worker(nats_server.url, "after", "--ready-file", str(ready))
+    try:
+        assert ready.read_text(encoding="utf-8") == "after\n"
+    finally:
+        after.close()
+
+
 def test_module_failing_at_import_is_one_line(tmp_path: Path) -> None:
     """An --app module that raises while it is imported: a usage error (exit 2) in one
     line, no traceback."""

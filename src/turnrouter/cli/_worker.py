@@ -151,6 +151,14 @@ def _one_line(exc: BaseException) -> str:
 
 
 def worker_main(argv: Sequence[str]) -> int:
+    try:
+        return _worker_main(argv)
+    finally:
+        while _READY_LOCKS:  # (a process that runs it again may take it again)
+            _READY_LOCKS.pop().close()
+
+
+def _worker_main(argv: Sequence[str]) -> int:
     parser = worker_parser()
     args = parser.parse_args(list(argv))
     settings = _settings(args)
@@ -170,6 +178,12 @@ def worker_main(argv: Sequence[str]) -> int:
         folder = os.path.dirname(os.path.abspath(args.ready_file))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             parser.error(f"--ready-file: {folder} is not a writable directory")
+        # Two workers on one ready file: each writes and removes it on its own, so it
+        # would say one worker's state for both (the one stopping removes it while the
+        # other serves). A lock held for the process's life (freed even by kill -9).
+        if not _lock_ready(args.ready_file):
+            parser.error(f"--ready-file {args.ready_file} is another running worker's "
+                         f"(it holds {args.ready_file}.lock): give each worker its own")
     app_dir = os.path.abspath(args.app_dir)
     if app_dir not in sys.path:  # as uvicorn: `--app myapp:make` finds ./myapp.py
         sys.path.insert(0, app_dir)
@@ -284,6 +298,30 @@ def worker_main(argv: Sequence[str]) -> int:
         if args.ready_file:
             _remove_ready(args.ready_file)
     return 0
+
+
+#: The open lock files of `--ready-file`s this process holds (kept open for its life).
+_READY_LOCKS: list[Any] = []
+
+
+def _lock_ready(path: str) -> bool:
+    """Take `path`.lock for this process (False: another process holds it). Where
+    `fcntl` is missing there is no lock, and no refusal."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX)
+        return True
+    try:
+        lock = open(f"{path}.lock", "a+b")  # noqa: SIM115 (held open for the process's life)
+    except OSError:
+        return True  # an unwritable folder is refused above; nothing to lock here
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        return False
+    _READY_LOCKS.append(lock)
+    return True
 
 
 def _remove_ready(path: str) -> None:

@@ -404,7 +404,10 @@ class _OutputReader:
     async def _put(self, generation: int, msg: Msg) -> None:
         if generation != self._generation:
             return
-        self._msgs.put(msg)
+        if _idle_heartbeat(msg):  # (the latest says all the earlier ones said)
+            self._msgs.put_latest(msg, _idle_heartbeat)
+        else:
+            self._msgs.put(msg)
 
     async def _wait(self) -> Msg | None:
         return await self._msgs.get(_TICK)
@@ -468,6 +471,13 @@ class _OutputReader:
                 front._repeated(output)
                 continue
             return output
+
+
+def _idle_heartbeat(msg: Msg) -> bool:
+    """Whether `msg` is a consumer's idle heartbeat (status 100, no reply subject: a flow
+    control request has one and must be answered, each of them)."""
+    headers = msg.headers
+    return headers is not None and headers.get("Status") == "100" and not msg.reply
 
 
 def _metadata(reply: str | None) -> tuple[int, int, int] | None:

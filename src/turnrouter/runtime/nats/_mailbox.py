@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -27,6 +28,17 @@ class Mailbox(Generic[T]):
     def put(self, item: T) -> None:
         self._items.append(item)
         self.wake()
+
+    def put_latest(self, item: T, like: Callable[[T], bool]) -> None:
+        """Put `item`, in place of the last one queued when `like` says that one is of
+        the same kind and says nothing `item` does not (an idle heartbeat after an idle
+        heartbeat): a reader that stopped reading holds one, not one per beat."""
+        items = self._items
+        if items and like(items[-1]):
+            items[-1] = item
+            self.wake()
+        else:
+            self.put(item)
 
     def wake(self) -> None:
         """End a wait for the next item now (`get` returns None)."""
