@@ -70,7 +70,7 @@ from turnrouter.runtime.nats import (
 
 # Private names, only for the last section: what no deployment can put on the wire.
 from turnrouter.runtime.nats._link import pub_ack
-from turnrouter.runtime.nats._wire import ack_metadata, response_json
+from turnrouter.runtime.nats._wire import ack_metadata, ack_sequences, response_json
 from turnrouter.testing import RecordingObserver, ScriptedLLM
 
 from ..fuzz import valid_text
@@ -990,3 +990,22 @@ def test_junk_ack_subjects_give_defaults(reply: str) -> None:
     count, stored = ack_metadata(reply)
     assert isinstance(count, int) and isinstance(stored, int) and 0 <= stored < 2**63
     assert ack_metadata("$JS.ACK.S.c.1.2.3." + "9" * 400 + ".0") == (1, 0)
+
+
+def test_ack_subjects_give_the_sequences_and_stored_time() -> None:
+    """Both layouts give the stream and consumer sequences (an output reader's, the
+    backpressure check's) and the stored time; anything but an ack subject gives None."""
+    assert ack_sequences("$JS.ACK.TR_IN.p3.2.17.9.1700000000123456789.0") == (
+        17, 9, 1700000000123456789)
+    assert ack_sequences("$JS.ACK.dom.acc.TR_IN.p3.3.17.9.1700000000123456789.0.x") == (
+        17, 9, 1700000000123456789)
+    for junk in (None, "", "_INBOX.x.y", "$JS.ACK.S.c.1", "$JS.ACK.S.c.1.x.3.4.0",
+                 "X.ACK.S.c.1.2.3.4.0"):
+        assert ack_sequences(junk) is None
+
+
+@given(st.text(max_size=200))
+def test_junk_ack_subjects_give_no_sequences_or_ints(reply: str) -> None:
+    """Any reply subject gives None or three ints, the stored time one a float holds."""
+    got = ack_sequences("$JS.ACK." + reply)
+    assert got is None or (all(isinstance(v, int) for v in got) and 0 <= got[2] < 2**63)

@@ -13,7 +13,7 @@ from ..._exceptions import ConfigurationError, LifecycleError
 from ..._router import AgentRouter
 from ._metrics import RuntimeMetrics
 from ._setup import api_request
-from ._wire import NatsConfig
+from ._wire import NatsConfig, ack_sequences
 
 __all__ = ["backpressure"]
 
@@ -51,10 +51,7 @@ async def backpressure(nc: Client, config: NatsConfig, router: AgentRouter,
 
 
 def _stream_sequence(reply: str) -> int:
-    """The stream sequence in a JetStream ack subject (see `ack_metadata`); a huge
-    number when unreadable, so nothing counts as newer."""
-    parts = reply.split(".")
-    try:
-        return int(parts[5] if len(parts) == 9 else parts[7])
-    except (IndexError, ValueError):
-        return 2**63
+    """The stream sequence in a JetStream ack subject (`ack_sequences`); a huge number
+    when unreadable, so nothing counts as newer."""
+    sequences = ack_sequences(reply)
+    return 2**63 if sequences is None else sequences[0]

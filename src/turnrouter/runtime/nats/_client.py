@@ -40,7 +40,7 @@ from ._mailbox import Mailbox
 from ._permissions import Denials, DeniedError, denials_of
 from ._security import connect
 from ._setup import api_request, ensure_streams
-from ._wire import NatsConfig, input_message_id, kind_of
+from ._wire import NatsConfig, ack_sequences, input_message_id, kind_of
 
 __all__ = ["MAX_SEEN_FINALS", "NatsFrontEnd"]
 
@@ -444,7 +444,7 @@ class _OutputReader:
                             self._next_cseq - 1):
                         await self._create()  # a message was lost on the way
                 continue
-            meta = _metadata(msg.reply)
+            meta = ack_sequences(msg.reply)
             if meta is None:
                 front._skipped("not a message of the output stream")
                 continue
@@ -478,21 +478,6 @@ def _idle_heartbeat(msg: Msg) -> bool:
     control request has one and must be answered, each of them)."""
     headers = msg.headers
     return headers is not None and headers.get("Status") == "100" and not msg.reply
-
-
-def _metadata(reply: str | None) -> tuple[int, int, int] | None:
-    """(stream sequence, consumer sequence, stored at in ns) of a JetStream ack subject:
-    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, or with
-    `<domain>.<account hash>.` after `$JS.ACK.` and a token at the end."""
-    if not reply or not reply.startswith("$JS.ACK."):
-        return None
-    parts = reply.split(".")
-    try:
-        if len(parts) == 9:
-            return int(parts[5]), int(parts[6]), int(parts[7])
-        return int(parts[7]), int(parts[8]), int(parts[9])
-    except (IndexError, ValueError):
-        return None
 
 
 class _SeenFinals:

@@ -48,6 +48,7 @@ __all__ = [
     "Rejected",
     "StateRecord",
     "ack_metadata",
+    "ack_sequences",
     "decode_token",
     "encode_token",
     "input_message_id",
@@ -690,16 +691,41 @@ def parse_samples(config: NatsConfig, data: bytes) -> tuple[list[TimingSample], 
     return samples, errors
 
 
+def _ack_fields(reply: str | None) -> list[str]:
+    """The fields of a JetStream ack subject after `$JS.ACK.`, in the short layout:
+    stream, consumer, delivered, stream sequence, consumer sequence, stored time (Unix
+    ns), pending. The long layout's `<domain>.<account hash>.` after `$JS.ACK.` is
+    skipped (its last token is left at the end). Empty for no subject."""
+    if not reply:
+        return []
+    parts = reply.split(".")
+    return parts[2:] if len(parts) == 9 else parts[4:]
+
+
+def _stored(field: str) -> int:
+    """A stored time (Unix ns) that a float holds; 0 when unknown."""
+    stored = int(field)
+    return stored if 0 < stored < 2**63 else 0
+
+
 def ack_metadata(reply: str | None) -> tuple[int, int]:
     """The delivery count and the stored time (Unix ns; 0 when unknown) in a JetStream
     ack subject: $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>,
     or with <domain>.<account hash> after ACK and a token at the end."""
-    if not reply:
-        return 1, 0
-    parts = reply.split(".")
+    fields = _ack_fields(reply)
     try:
-        count, stored = ((int(parts[4]), int(parts[7])) if len(parts) == 9
-                         else (int(parts[6]), int(parts[9])))
+        return int(fields[2]), _stored(fields[5])
     except (IndexError, ValueError):
         return 1, 0
-    return count, stored if 0 < stored < 2**63 else 0
+
+
+def ack_sequences(reply: str | None) -> tuple[int, int, int] | None:
+    """The stream sequence, consumer sequence and stored time (Unix ns; 0 when unknown)
+    of a JetStream ack subject (see `ack_metadata`); None for anything else."""
+    if not reply or not reply.startswith("$JS.ACK."):
+        return None
+    fields = _ack_fields(reply)
+    try:
+        return int(fields[3]), int(fields[4]), _stored(fields[5])
+    except (IndexError, ValueError):
+        return None
