@@ -228,6 +228,15 @@ def _differences(wanted: dict[str, Any], existing: object,
     return ": " + "; ".join(named)[:600]
 
 
+async def _existing_config(nc: Client, info_subject: str) -> object:
+    """The `config` of a stream's or consumer's INFO reply, to say what differs; None
+    when it cannot be read (the refusal is reported all the same)."""
+    try:
+        return (await api_request(nc, info_subject)).get("config")
+    except (ConfigurationError, LifecycleError, ValueError):
+        return None
+
+
 async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API",
                          wait: float = 5.0, settings: dict[str, str] | None = None) -> None:
     """Create `stream` (through the JetStream API at `api`), or accept an identical
@@ -241,11 +250,7 @@ async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API
         error = exc.error
         if not (isinstance(error, dict) and error.get("err_code") == _STREAM_DIFFERS):
             raise
-        try:
-            info = await api_request(nc, f"{api}.STREAM.INFO.{name}")
-            existing = info.get("config")
-        except (ConfigurationError, LifecycleError):
-            existing = None
+        existing = await _existing_config(nc, f"{api}.STREAM.INFO.{name}")
         raise ConfigurationError(
             f"stream {name} exists with another configuration"
             f"{_differences(stream, existing, settings or {})}. Every replica and front "
@@ -270,11 +275,8 @@ async def _create_consumer(nc: Client, config: NatsConfig, partition: int) -> No
         error = exc.error
         if not (isinstance(error, dict) and error.get("err_code") == _CONSUMER_DIFFERS):
             raise
-        try:
-            info = await api_request(nc, f"$JS.API.CONSUMER.INFO.{config.stream}.{name}")
-            existing = info.get("config")
-        except (ConfigurationError, LifecycleError, ValueError):
-            existing = None
+        existing = await _existing_config(
+            nc, f"$JS.API.CONSUMER.INFO.{config.stream}.{name}")
         raise ConfigurationError(
             f"consumer {name} of stream {config.stream} exists with another "
             f"configuration{_differences(wanted, existing, {})}. Every replica of a "
