@@ -669,6 +669,18 @@ async def floor_replica(spec: dict[str, Any]) -> None:
     await nc.close()
 
 
+async def _deploy(url: str) -> None:
+    """What a worker creates at start: the streams, consumers and state bucket."""
+    import nats
+    from turnrouter.runtime.nats._setup import ensure_deployment
+
+    nc = await nats.connect(url)
+    try:
+        await ensure_deployment(nc, NatsConfig(url=url))
+    finally:
+        await nc.close()
+
+
 class FloorReplica:
     """`floor_replica` in an OS process of its own (`--floor-child SPEC`)."""
 
@@ -720,9 +732,9 @@ async def floor(seconds: float, rate: float, rounds: int = 3,
             server = NatsServer()
             try:
                 if kind == "floor":
-                    # The streams, consumers and bucket a worker would create.
-                    setup = await NatsFrontEnd.connect(NatsConfig(url=server.url))
-                    await setup.close()
+                    # The streams, consumers and bucket a worker would create (a
+                    # front end creates only the streams).
+                    await _deploy(server.url)
                     replica = FloorReplica(server.url)
                     try:
                         results[kind].append(await _measured(
