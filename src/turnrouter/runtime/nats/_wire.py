@@ -110,6 +110,13 @@ def _server_problem(server: str) -> str | None:
     return None
 
 
+def _has_userinfo(server: str) -> bool:
+    """Whether a server of a NATS URL carries credentials (`nats://user:pw@host`,
+    `nats://token@host`)."""
+    rest = server.split("://", 1)[-1]
+    return "@" in rest.split("/", 1)[0]
+
+
 @dataclass(frozen=True, slots=True, repr=False)
 class NatsConfig:
     """Names and timings shared by every worker and publisher of one deployment.
@@ -238,6 +245,10 @@ class NatsConfig:
                     f"NatsConfig.{name} holds an nkey seed itself, not the path of a file "
                     f"holding one: put the seed in a file (not shown: it is a secret)")
         ways = [name for name in _AUTH_FIELDS if getattr(self, name) is not None]
+        if any(_has_userinfo(server) for server in self.servers):
+            # nats-py would send the field's credentials and drop the URL's: refused here
+            # rather than as an authorization violation at connect time.
+            ways.append("credentials in the URL")
         if self.user is not None or self.password is not None:
             ways.append("user/password")
             if self.user is None or self.password is None:
