@@ -757,7 +757,8 @@ def test_records_past_their_bounds_are_refused(inflight: list[str],
     within = (len(inflight) <= 64 and len(outbox) <= 64
               and all(0 < len(i) <= 256 for i in ids)
               and all(len(e[1]) <= 256 for e in outbox)
-              and not any("\ud800" <= c <= "\udfff" for e in outbox for c in e[0] + e[2]))
+              and not any("\ud800" <= c <= "\udfff"
+                          for t in [*ids, *(e[1] + e[2] for e in outbox)] for c in t))
     try:
         read = parse_state(data)
     except ValueError:
@@ -1009,3 +1010,18 @@ def test_junk_ack_subjects_give_no_sequences_or_ints(reply: str) -> None:
     """Any reply subject gives None or three ints, the stored time one a float holds."""
     got = ack_sequences("$JS.ACK." + reply)
     assert got is None or (all(isinstance(v, int) for v in got) and 0 <= got[2] < 2**63)
+
+
+@pytest.mark.parametrize("header", [
+    {"inflight": ["a\ud800"]}, {"ended": ["a\udfff"]},
+    {"outbox": [["t", "r\ud800", "text", 1.0]]},
+])
+def test_a_record_holding_a_lone_surrogate_id_is_refused_at_read(
+        header: dict[str, object]) -> None:
+    """An id or route the next write could not hold again (a lone surrogate) makes the
+    record unreadable at its first read (quarantined, its participant starting clean),
+    not after the claiming worker wrote it back for the next owner to refuse."""
+    data = json.dumps({"owner": "w", "inflight": [], "outbox": [], "ended": [],
+                       **header}).encode()
+    with pytest.raises(ValueError, match="out of bounds"):
+        parse_record(data)

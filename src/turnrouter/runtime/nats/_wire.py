@@ -631,9 +631,12 @@ def _parse_state(data: bytes) -> tuple[dict[str, Any], list[str], str | None, li
     if len(inflight) > MAX_STATE_INFLIGHT or len(outbox) > MAX_STATE_OUTBOX:
         raise ValueError(f"state record holds over {MAX_STATE_INFLIGHT} turns in flight or "
                          f"endings")
-    if any(not 0 < len(t) <= _MAX_ID for t in inflight) or any(
+    # Every id the record holds is one the next write can hold again: a lone surrogate
+    # read here would be written back, and that record refused by the next owner.
+    if any(not 0 < len(t) <= _MAX_ID or has_surrogates(t) for t in inflight) or any(
             not 0 < len(e[0]) <= _MAX_ID or len(e[1]) > _MAX_ID
-            or has_surrogates(e[2]) or has_surrogates(e[0]) for e in outbox):
+            or has_surrogates(e[2]) or has_surrogates(e[0]) or has_surrogates(e[1])
+            for e in outbox):
         raise ValueError("state record holds an id or a text out of bounds")
     return record, inflight, snapshot, [(e[0], e[1], e[2], float(e[3])) for e in outbox]
 
@@ -662,7 +665,8 @@ def parse_record(data: bytes) -> StateRecord:
     ended: Any = record.get("ended", [])
     if not (isinstance(ended, list) and all(isinstance(t, str) for t in ended)):
         raise ValueError("state record 'ended' is not a list of turn ids")
-    if len(ended) > MAX_STATE_INFLIGHT or any(not 0 < len(t) <= _MAX_ID for t in ended):
+    if len(ended) > MAX_STATE_INFLIGHT or any(
+            not 0 < len(t) <= _MAX_ID or has_surrogates(t) for t in ended):
         raise ValueError("state record 'ended' holds an id out of bounds or too many ids")
     owner = record.get("owner")
     return StateRecord(inflight, snapshot, outbox, ended[-MAX_ENDED:],
