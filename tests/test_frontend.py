@@ -936,6 +936,37 @@ async def test_an_export_always_fits_a_snapshot_import() -> None:
     assert (imported.participant_id, len(imported.history)) == (pid, 256)
 
 
+@pytest.mark.parametrize("fill", [0.5, 0.999])
+def test_an_import_is_refused_when_its_export_would_not_import_again(fill: float) -> None:
+    """A compact snapshot leaving every default out (256 exchanges, each with a minimal
+    applied patch) is within MAX_SNAPSHOT_BYTES, but its export writes the defaults out:
+    near the bound that export is past it, so the import is refused, naming the bound,
+    with nothing installed; further below it the import is accepted and its export
+    imports again."""
+    h = Harness(ScriptedAgent("conversation"), context_budget_bytes=1_000_000)
+
+    def compact(per: int) -> str:
+        return json.dumps({"participant_id": "big", "history": [
+            {"user": "", "assistant": "", "patch": {
+                "patch_id": f"p{i}", "task_id": "t", "strategy": "append", "diverged": False,
+                "patch": {"task_id": "t", "digest": ["x" * per]}}} for i in range(256)]},
+            separators=(",", ":"))
+
+    base = len(compact(0))
+    data = compact(int((MAX_SNAPSHOT_BYTES * fill - base) // 256))
+    assert len(data) <= MAX_SNAPSHOT_BYTES
+    snapshot = ParticipantSnapshot.from_json(data)
+    if fill > 0.99:
+        with pytest.raises(ContractValueError, match="MAX_SNAPSHOT_BYTES"):
+            h.router.import_participant(snapshot)
+        assert h.router.export_participant("big") is None
+        return
+    h.router.import_participant(snapshot)
+    exported = h.router.export_participant_json("big")
+    assert exported is not None and len(exported) > len(data)  # the defaults, written
+    assert len(ParticipantSnapshot.from_json(exported).history) == 256
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from(["alice", "mallory"]), st.text(min_size=1, max_size=12))
 def test_a_snapshot_cannot_take_over_another_participants_patch(

@@ -237,6 +237,18 @@ def checked_snapshot(snapshot: ParticipantSnapshot) -> ParticipantSnapshot:
             f"invalid participant snapshot: {type(exc).__name__} reading its fields") from exc
 
 
+def check_exportable(snapshot: ParticipantSnapshot) -> None:
+    """`ContractValueError` unless `snapshot`'s own JSON, as an export writes it (every
+    default field included), is within `MAX_SNAPSHOT_BYTES` in UTF-8: an import must not
+    accept a state whose export the next `from_json` refuses (a compact snapshot
+    leaving defaults out grows by their size)."""
+    size = len(snapshot.to_json().encode("utf-8", "surrogatepass"))
+    if size > MAX_SNAPSHOT_BYTES:
+        raise ContractValueError(
+            f"participant snapshot exports to {size} bytes, over MAX_SNAPSHOT_BYTES "
+            f"({MAX_SNAPSHOT_BYTES}): no replica could import its export again")
+
+
 def _first_error(exc: ValidationError) -> str:
     first = exc.errors(include_input=False)[0]
     where = ".".join(str(part) for part in first.get("loc", ())) or "(root)"

@@ -41,7 +41,13 @@ from ._contracts import (
 )
 from ._departures import Departures
 from ._exceptions import ConfigurationError, ContractTypeError, ContractValueError, LifecycleError
-from ._frontend import Departure, ParticipantSnapshot, RoutedResult, checked_snapshot
+from ._frontend import (
+    Departure,
+    ParticipantSnapshot,
+    RoutedResult,
+    check_exportable,
+    checked_snapshot,
+)
 from ._lifecycle import OwnedOperation
 from ._limits import (
     DEFAULT_MAX_DEPARTED_PARTICIPANTS,
@@ -527,13 +533,16 @@ class AgentRouter:
 
         Replaces what this router holds for the participant, unless a turn is in flight
         or a departure runs (`LifecycleError`). Routes the snapshot names that are not
-        registered here are refused (`ContractValueError`).
+        registered here are refused (`ContractValueError`), as is a snapshot whose export
+        would be past `MAX_SNAPSHOT_BYTES` (defaults written out), which no replica
+        could import again.
         """
         if not isinstance(snapshot, ParticipantSnapshot):
             raise ContractTypeError(
                 f"import_participant() takes a ParticipantSnapshot, "
                 f"got {type(snapshot).__name__}")
         snapshot = checked_snapshot(snapshot)  # model_construct() skipped validation
+        check_exportable(snapshot)
         _check_patch_owners(snapshot, self._patches)
         replaced = self._registry.install(snapshot, self._cfg.agents)
         if replaced is not None:

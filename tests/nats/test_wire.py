@@ -15,6 +15,7 @@ import string
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -286,9 +287,11 @@ class Wire:
     end and a reader of the output stream (headers included), on an event loop in a
     background thread, so property tests can use them example after example."""
 
-    def __init__(self) -> None:
-        self.server = NatsServer()
+    def __init__(self, *, server_config: Path | None = None,
+                 router_options: dict[str, Any] | None = None) -> None:
+        self.server = NatsServer(config=server_config)
         self.config = NatsConfig(url=self.server.url, prefix="tr", partitions=1)
+        self.router_options = router_options or {}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -307,7 +310,7 @@ class Wire:
     def _factory(self, ctx: WorkerContext) -> AgentRouter:
         return AgentRouter({"echo": Probe(ctx, self)}, Always(), default_destination="echo",
                            telemetry=self.watch, acknowledgment_llm=ScriptedLLM(ACK),
-                           acknowledgment_delay_secs=0.05)
+                           acknowledgment_delay_secs=0.05, **self.router_options)
 
     async def _start(self) -> None:
         self.changed = asyncio.Event()
@@ -1025,3 +1028,46 @@ def test_a_record_holding_a_lone_surrogate_id_is_refused_at_read(
                        **header}).encode()
     with pytest.raises(ValueError, match="out of bounds"):
         parse_record(data)
+
+
+def test_a_record_past_the_servers_max_payload_never_holds_its_partition(
+        tmp_path: Path) -> None:
+    """A participant whose record grows past the NATS server's `max_payload` (a context
+    budget larger than a message) is answered all along, its record written without
+    its snapshot and counted (`nats_state`, `oversized`), its history kept while it
+    stays here; the other participants of its partition are answered all along. A
+    record stored just under `max_payload`, which its claim cannot write back, is
+    quarantined and its participant starts clean. (Before, the write failed at every
+    attempt and the partition's next inputs waited for ever.)"""
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 262144\n")
+    wire = Wire(server_config=conf, router_options={"context_budget_bytes": 4_000_000})
+
+    async def main() -> None:
+        big, other, stored = fresh("big"), fresh(), fresh("stored")
+        for i in range(6):  # ~60 kB of history per turn: past 256 KiB at the 5th
+            answer = await wire.ask(UserQuery(participant_id=big, text=f"{i}" + "x" * 20_000))
+            assert answer.startswith(f"{i}x") and answer.endswith("|N" if i == 0 else "|F")
+            previous = "-" if i == 0 else f"o{i - 1}"
+            assert await wire.ask(UserQuery(participant_id=other, text=f"o{i}")) \
+                == f"o{i}|{previous}|{'N' if i == 0 else 'F'}"
+        assert "oversized" in wire.watch.rejected
+        assert parse_record(await wire.record(big)).snapshot is None
+        assert (await wire.ask(UserQuery(participant_id=big, text="last"))).startswith(
+            "last|5x")  # its history, here
+
+        snapshot = json.dumps({"participant_id": stored, "history": [
+            {"user": "u" * 100_000, "assistant": "a" * 100_000}]})
+        record = state_json("old", [], snapshot)
+        record += b" " * (262_144 - 200 - len(record))  # (JSON whitespace)
+        await wire.kv.put(f"0.{encode_token(stored)}", record)
+        before = wire.watch.rejected.count("oversized")
+        assert await wire.ask(UserQuery(participant_id=stored, text="hi")) == "hi|-|N"
+        assert wire.watch.rejected.count("oversized") > before
+        assert (await wire.kv.get(f"quarantine.0.{encode_token(stored)}")).value
+        assert await wire.ask(UserQuery(participant_id=other, text="end")) == "end|o5|F"
+
+    try:
+        wire.call(main(), timeout=120)
+    finally:
+        wire.close()

@@ -51,6 +51,9 @@ _MAX_UNSURE = 4096  # bound of the participants whose unfinished turns await an 
 _NONE: frozenset[str] = frozenset()
 #: Records larger than this are parsed and validated in a thread, off the event loop.
 _READ_OFF_LOOP_BYTES = 64 * 1024
+#: Bytes of a message kept for a record write's headers: the server counts them against
+#: its `max_payload`, which nats-py checks against the payload alone.
+_HEADER_ROOM = 1024
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
 
@@ -145,6 +148,9 @@ class Ledger:
         #: Claims that failed (no reply, a refusal other than a newer write): logged
         #: the first time and at every power of ten, since a takeover tries again.
         self.claim_failures = 0
+        #: Records too big for one NATS message, written without their snapshot
+        #: (`_fitted`): logged the first time and at every power of ten.
+        self.oversized = 0
 
     def partition_lost(self, n: int) -> None:
         """This replica stops serving partition `n` (its pin moved, or it hands it over):
@@ -357,6 +363,17 @@ class Ledger:
                 return None
             # The claim keeps what the previous owner left, until it is published.
             claim = state_json(self._replica, inflight, snapshot, outbox, ended)
+            if len(claim) > self._link.max_payload - _HEADER_ROOM and snapshot is not None:
+                # Read, but too big to be written back (a server whose max_payload was
+                # lowered since, a record put by other means): kept aside, and the
+                # participant starts clean instead of its input coming back for ever.
+                await self._quarantine(key, value, "oversized", ValueError(
+                    f"a record of {len(claim)} bytes is past the server's max_payload"))
+                snapshot = parsed = None
+                claim = state_json(self._replica, inflight, None, outbox, ended)
+                if len(claim) > self._link.max_payload - _HEADER_ROOM:
+                    outbox = []  # (their turns stay ended)
+                    claim = state_json(self._replica, inflight, None, outbox, ended)
             try:
                 revision = await self._kv.update(key, claim, last=revision)
             except KeyWrongLastSequenceError:
@@ -410,7 +427,8 @@ class Ledger:
         with contextlib.suppress(Exception):
             self._router().report_rejected("nats_state", reason)
         with contextlib.suppress(Exception):
-            await self._kv.put(f"quarantine.{key}", data[:MAX_STATE_BYTES])
+            await self._kv.put(f"quarantine.{key}", data[:min(
+                MAX_STATE_BYTES, self._link.max_payload - _HEADER_ROOM)])
 
     def sound(self, outbox: list[Ending]) -> list[Ending]:
         """The endings of a record's outbox that may be said (`sound_endings`); the
@@ -450,6 +468,28 @@ class Ledger:
                            "(deleted and made again?): written again from this replica's "
                            "state (%d so far)", self._config.bucket, self.records_remade)
 
+    def _fitted(self, state: Participant) -> tuple[bytes, list[Ending]]:
+        """A record too big for one NATS message (the server's `max_payload`) is never
+        stored, and its input would come back for ever, holding its whole partition: it
+        is written without the snapshot instead (the participant keeps its state while
+        it stays here; a next owner starts it clean), and, still too big, without the
+        endings to republish too (their turns stay ended); counted (`nats_state`,
+        `oversized`) and logged rarely. The record and what it holds of the outbox."""
+        self.oversized += 1
+        with contextlib.suppress(Exception):
+            self._router().report_rejected("nats_state", "oversized")
+        if is_logged(self.oversized):
+            logger.warning(
+                "turnrouter: a participant's record of over %d bytes does not fit the NATS "
+                "server's max_payload: written without its snapshot (%d so far; raise "
+                "max_payload or lower the context budget)", self._link.max_payload,
+                self.oversized)
+        inflight, ended = state.inflight[-_MAX_INFLIGHT:], ",".join(state.ended.values())
+        data = record_json(self._replica, inflight, None, state.outbox, ended)
+        if len(data) <= self._link.max_payload - _HEADER_ROOM:
+            return data, state.outbox
+        return record_json(self._replica, inflight, None, [], ended), []
+
     async def write(self, pid: str, state: Participant, *, fresh: bool = True) -> bool:
         """Revision-checked write of `pid`'s record; False (and fenced) when refused.
 
@@ -468,6 +508,8 @@ class Ledger:
                     outbox[:] = [e for e in outbox if e[3] >= horizon][-_MAX_OUTBOX:]
             data = record_json(self._replica, state.inflight[-_MAX_INFLIGHT:],
                                state.snapshot, outbox, ",".join(state.ended.values()))
+            if len(data) > self._link.max_payload - _HEADER_ROOM:
+                data, outbox = self._fitted(state)
             written = frozenset([e[0] for e in outbox]) if outbox else _NONE
             t0 = time.perf_counter()
             uncertain = False

@@ -54,6 +54,12 @@ class Link:
         #: (bounded: dropped at each reconnect, when their owners publish again).
         self._confirming: dict[str, Callable[[], None]] = {}
 
+    @property
+    def max_payload(self) -> int:
+        """The most bytes, headers included, the server takes in one message (its
+        `max_payload`, 1 MiB by default): it closes the connection of a client past it."""
+        return self._nc.max_payload
+
     async def start(self) -> None:
         await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
 
