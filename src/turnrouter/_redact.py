@@ -56,10 +56,11 @@ def redact_url(url: str) -> str:
     except ValueError:  # e.g. "http://user:pw@[" (an unclosed IPv6 host)
         return _masked_to_last_at(url)
     netloc = parts.netloc
-    if "@" in url and "@" not in netloc and (not netloc or not _port_parses(parts)):
-        # No host parsed ("user:pw@host/v1" without its scheme, "http:/user:pw@host"),
-        # or a password holding "/", "?" or "#" cut the host at "user:pw": what precedes
-        # the last "@" may be user info all the same.
+    if "@" in url and "@" not in netloc:
+        # No host parsed ("user:pw@host/v1" without its scheme, "http:/user:pw@host",
+        # "//://user:pw@host"), or a password holding "/", "?" or "#" cut the host at
+        # "user:pw": what precedes the last "@" may be user info all the same (an "@"
+        # in a path or query is masked with it: safe, if more than needed).
         return _masked_to_last_at(url)
     if "@" in netloc:
         userinfo, _, hostport = netloc.rpartition("@")
@@ -74,14 +75,6 @@ def redact_url(url: str) -> str:
             pairs.append(f"{name}={REDACTED}" if secret else item)
         query = "&".join(pairs)
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def _port_parses(parts: urllib.parse.SplitResult) -> bool:
-    try:
-        parts.port  # noqa: B018 - raises ValueError for "user:pw" read as "host:port"
-    except ValueError:
-        return False
-    return True
 
 
 def _masked_to_last_at(url: str) -> str:

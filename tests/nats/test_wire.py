@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
@@ -193,6 +193,7 @@ URL_PARTS = st.text(st.sampled_from("ab1:/@[]%?#.-_ \u00e9"), max_size=12)
 @settings(max_examples=300)
 @given(st.one_of(st.sampled_from(["nats", "tls", "ws", "http", "NATS", ""]), URL_PARTS),
        URL_PARTS, URL_PARTS, st.one_of(URL_PARTS, st.integers(-5, 70_000).map(str)))
+@example(scheme="//", before="", host="", port="")  # a scheme that leaves no "@" host
 def test_any_url_is_a_config_or_a_masked_configuration_error(scheme: str, before: str,
                                                              host: str, port: str) -> None:
     """Junk around a URL's parts (brackets, colons, percent signs, a port out of range,
