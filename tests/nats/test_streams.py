@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -127,3 +128,27 @@ async def test_a_replica_of_another_consumer_configuration_is_refused_and_change
         first.request_stop()
         async with asyncio.timeout(30):
             await running
+
+
+async def test_a_server_taking_less_than_max_message_bytes_is_refused_at_start(
+        tmp_path: Path) -> None:
+    """A server whose `max_payload` is under `max_message_bytes` plus headers is refused
+    at start by a front end and a worker, naming both settings: its inputs would be
+    refused at publish and its outputs never published (the turn never ending). A
+    `max_message_bytes` that fits starts."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 65536\n")
+    server = NatsServer(config=conf)
+    try:
+        config = NatsConfig(url=server.url)  # max_message_bytes 64 KiB: no room for headers
+        with pytest.raises(ConfigurationError, match=r"max_message_bytes 65536.*max_payload"):
+            await NatsFrontEnd.connect(config)
+        worker = NatsWorker(make_router, config, registry=CollectorRegistry())
+        with pytest.raises(ConfigurationError, match="max_payload, 65536 bytes"):
+            async with asyncio.timeout(30):
+                await worker.run()
+        front = await NatsFrontEnd.connect(NatsConfig(url=server.url,
+                                                      max_message_bytes=32 * 1024))
+        await front.close()
+    finally:
+        server.close()

@@ -39,7 +39,7 @@ from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
 from ._permissions import Denials, DeniedError, denials_of
 from ._security import connect
-from ._setup import api_request, ensure_streams
+from ._setup import api_request, check_payload, ensure_streams
 from ._wire import NatsConfig, ack_sequences, input_message_id, kind_of
 
 __all__ = ["MAX_SEEN_FINALS", "NatsFrontEnd"]
@@ -113,6 +113,7 @@ class NatsFrontEnd:
         denials = Denials(config, "frontend")
         nc = await connect(config, "frontend", denials=denials, **options)
         try:
+            check_payload(nc, config)
             # A refused look-up (or reply subscription) ends this at once, naming what
             # was refused: credentials of another role (a worker's, say) waited for
             # the requests' timeouts, then said only that.

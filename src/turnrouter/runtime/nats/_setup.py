@@ -23,11 +23,14 @@ from ..._redact import preview
 from ._permissions import denials_of
 from ._wire import NatsConfig
 
-__all__ = ["FRONT_API", "api_request", "ensure_deployment", "ensure_streams"]
+__all__ = ["FRONT_API", "HEADER_ROOM", "api_request", "check_payload", "ensure_deployment",
+           "ensure_streams"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
 _NS = 1_000_000_000
+#: Bytes of a message beside its body: its headers (ids, trace context).
+HEADER_ROOM = 4096
 GROUP = "turnrouter"
 #: Where deploy/nats/nats-server.conf imports the front ends' account's JetStream API
 #: into the workers' account (what `NatsConfig.front_api` None looks for).
@@ -84,7 +87,7 @@ def _input_stream(config: NatsConfig) -> dict[str, Any]:
         "max_msgs_per_subject": config.max_queued_per_participant,
         "max_bytes": config.input_max_bytes,
         "max_age": int(config.input_max_age * _NS),
-        "max_msg_size": config.max_message_bytes + 4096,  # the body bound, plus headers
+        "max_msg_size": config.max_message_bytes + HEADER_ROOM,  # body, plus headers
         "discard": "old",
         "duplicate_window": int(config.dedup_window * _NS),
     }
@@ -98,7 +101,7 @@ def _output_stream(config: NatsConfig) -> dict[str, Any]:
         "storage": "file",
         "max_bytes": config.output_max_bytes,
         "max_age": int(config.output_max_age * _NS),
-        "max_msg_size": config.max_message_bytes + 4096,  # the body bound, plus headers
+        "max_msg_size": config.max_message_bytes + HEADER_ROOM,  # body, plus headers
         "discard": "old",
         "duplicate_window": int(config.dedup_window * _NS),
     }
@@ -285,6 +288,19 @@ async def _create_consumer(nc: Client, config: NatsConfig, partition: int) -> No
             "them") from exc
 
 
+def check_payload(nc: Client, config: NatsConfig) -> None:
+    """`ConfigurationError` when a message of `max_message_bytes` (plus its headers) is
+    more than the server takes in one message (its `max_payload`): such an input would be
+    refused at publish, and such an output never published (its turn never ending)."""
+    limit = nc.max_payload
+    if config.max_message_bytes + HEADER_ROOM > limit:
+        raise ConfigurationError(
+            f"NatsConfig.max_message_bytes {config.max_message_bytes} plus {HEADER_ROOM} "
+            f"bytes of headers is over what the NATS server takes in one message (its "
+            f"max_payload, {limit} bytes): lower max_message_bytes or raise the server's "
+            f"max_payload")
+
+
 async def ensure_streams(nc: Client, config: NatsConfig) -> None:
     """Create (or accept the identical existing) input and output streams: what a front
     end started before any worker needs to publish (the partitions' consumers, which
@@ -298,7 +314,8 @@ async def ensure_streams(nc: Client, config: NatsConfig) -> None:
 
 async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
     """Create (or accept the identical existing) streams, consumers and state bucket;
-    the bucket."""
+    the bucket (`check_payload` first)."""
+    check_payload(nc, config)
     await ensure_streams(nc, config)
     await _ensure_front_mirror(nc, config)
     for partition in range(config.partitions):
