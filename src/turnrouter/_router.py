@@ -532,11 +532,8 @@ class AgentRouter:
         """Install a participant's state taken from another replica.
 
         Replaces what this router holds for the participant, unless a turn is in flight
-        or a departure runs (`LifecycleError`). Routes the snapshot names that are not
-        registered here are refused (`ContractValueError`), as is a snapshot whose export
-        would be past `MAX_SNAPSHOT_BYTES` (defaults written out), which no replica
-        could import again.
-        """
+        or a departure runs (`LifecycleError`). Unregistered routes, or an export past
+        `MAX_SNAPSHOT_BYTES` (no replica could import it), are a `ContractValueError`."""
         if not isinstance(snapshot, ParticipantSnapshot):
             raise ContractTypeError(
                 f"import_participant() takes a ParticipantSnapshot, "

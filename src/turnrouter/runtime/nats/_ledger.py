@@ -41,7 +41,7 @@ from ._wire import (
     state_json,
 )
 
-__all__ = ["Ledger", "Participant"]
+__all__ = ["Ledger", "Participant", "fitted_record", "said"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -97,6 +97,56 @@ class Participant:
         ended[turn_id] = ended.pop(turn_id, "") or _json_str(turn_id)
         if len(ended) > MAX_ENDED:
             del ended[next(iter(ended))]
+
+
+def fitted_record(replica: str, inflight: list[str], snapshot: str | bytes | None,
+                  outbox: list[Ending], ended_json: str, limit: int
+                  ) -> tuple[bytes, list[Ending], bool]:
+    """`record_json` within `limit` bytes, the outbox it holds, and whether it left
+    anything out. A record too big for
+    one NATS message is never stored, and its input would come back for ever, holding
+    its whole partition: it leaves the snapshot out (the participant keeps its state
+    while it stays on this replica; a next owner starts it clean), and then the endings
+    to republish (their turns stay ended)."""
+    data = record_json(replica, inflight, snapshot, outbox, ended_json)
+    if len(data) <= limit or (snapshot is None and not outbox):
+        return data, outbox, False
+    data = record_json(replica, inflight, None, outbox, ended_json)
+    if len(data) <= limit:
+        return data, outbox, True
+    return record_json(replica, inflight, None, [], ended_json), [], True
+
+
+def said(outbox: list[Ending], router: AgentRouter) -> list[Ending]:
+    """The endings of a record's outbox that may be said (`sound_endings`); the others
+    are dropped, counted (`nats_state`, `invalid_ending`) and logged."""
+    if not outbox:
+        return outbox
+    sound = sound_endings(outbox, router.destinations)
+    for _ in range(len(outbox) - len(sound)):
+        with contextlib.suppress(Exception):
+            router.report_rejected("nats_state", "invalid_ending")
+    return sound
+
+
+def _unfinished(inflight: list[str], outbox: list[Ending], config: NatsConfig,
+                metrics: RuntimeMetrics | None) -> list[Ending]:
+    """The endings a claimed record asks for: its outbox's answers (younger than half
+    the deduplication window: maybe never published, the owner having died between its
+    write and its publish, and a duplicate is dropped; older ones were published long
+    ago and could be heard twice), and the failure text for each turn it left in
+    flight."""
+    horizon = time.time() - config.dedup_window / 2
+    endings = [ending for ending in outbox if ending[3] >= horizon]
+    answered = {ending[0] for ending in outbox}
+    now = time.time()
+    for turn_id in inflight:
+        if turn_id in answered:
+            continue
+        if metrics is not None:
+            metrics.inflight_failed.inc()
+        endings.append((turn_id, "none", config.failure_text, now))
+    return endings
 
 
 def _read(value: bytes, pid: str) -> tuple[StateRecord, ParticipantSnapshot
@@ -222,7 +272,7 @@ class Ledger:
         if not record.inflight:
             await self.say_again(pid, n, outbox)  # nothing to end, endings maybe unheard
             return True
-        unfinished = self._unfinished(record.inflight, outbox)
+        unfinished = _unfinished(record.inflight, outbox, self._config, self._metrics)
         ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
                                *record.inflight])
         value = state_json(self._replica, [], record.snapshot, unfinished, list(ended))
@@ -277,7 +327,7 @@ class Ledger:
         """Publish again the recent endings a record holds, as recorded (no write; the
         stream drops those it already holds), for a participant not served here."""
         released = Participant(partition=n, fenced=True)
-        for ending in self._unfinished([], outbox):
+        for ending in _unfinished([], outbox, self._config, self._metrics):
             await self._publish_ending(pid, released, ending)
 
     async def claim(self, pid: str, n: int) -> Participant | None:
@@ -362,18 +412,14 @@ class Ledger:
                 # owner's, fence it and end its running turn.
                 return None
             # The claim keeps what the previous owner left, until it is published.
-            claim = state_json(self._replica, inflight, snapshot, outbox, ended)
-            if len(claim) > self._link.max_payload - _HEADER_ROOM and snapshot is not None:
-                # Read, but too big to be written back (a server whose max_payload was
-                # lowered since, a record put by other means): kept aside, and the
-                # participant starts clean instead of its input coming back for ever.
+            claim, outbox, cut = fitted_record(
+                self._replica, inflight, snapshot, outbox,
+                ",".join(map(_json_str, ended[-MAX_ENDED:])),
+                self._link.max_payload - _HEADER_ROOM)
+            if cut:  # too big to write back
                 await self._quarantine(key, value, "oversized", ValueError(
-                    f"a record of {len(claim)} bytes is past the server's max_payload"))
+                    "a record past the server's max_payload"))
                 snapshot = parsed = None
-                claim = state_json(self._replica, inflight, None, outbox, ended)
-                if len(claim) > self._link.max_payload - _HEADER_ROOM:
-                    outbox = []  # (their turns stay ended)
-                    claim = state_json(self._replica, inflight, None, outbox, ended)
             try:
                 revision = await self._kv.update(key, claim, last=revision)
             except KeyWrongLastSequenceError:
@@ -406,7 +452,7 @@ class Ledger:
                                        "invalid_snapshot", exc)
             else:
                 state.snapshot = snapshot.encode()
-        unfinished = self._unfinished(inflight, outbox)
+        unfinished = _unfinished(inflight, outbox, self._config, self._metrics)
         # Recorded before they are published (as a turn's answer is), and kept in the
         # outbox until the stream acknowledges them: a server crash loses none.
         state.outbox.extend(unfinished)
@@ -431,33 +477,7 @@ class Ledger:
                 MAX_STATE_BYTES, self._link.max_payload - _HEADER_ROOM)])
 
     def sound(self, outbox: list[Ending]) -> list[Ending]:
-        """The endings of a record's outbox that may be said (`sound_endings`); the
-        others are dropped, counted (`nats_state`, `invalid_ending`) and logged."""
-        if not outbox:
-            return outbox
-        sound = sound_endings(outbox, self._router().destinations)
-        for _ in range(len(outbox) - len(sound)):
-            with contextlib.suppress(Exception):
-                self._router().report_rejected("nats_state", "invalid_ending")
-        return sound
-
-    def _unfinished(self, inflight: list[str], outbox: list[Ending]) -> list[Ending]:
-        """The endings a claimed record asks for: its outbox's answers (younger than
-        half the deduplication window: maybe never published, the owner having died
-        between its write and its publish, and a duplicate is dropped; older ones were
-        published long ago and could be heard twice), and the failure text for each
-        turn it left in flight."""
-        horizon = time.time() - self._config.dedup_window / 2
-        endings = [ending for ending in outbox if ending[3] >= horizon]
-        answered = {ending[0] for ending in outbox}
-        now = time.time()
-        for turn_id in inflight:
-            if turn_id in answered:
-                continue
-            if self._metrics is not None:
-                self._metrics.inflight_failed.inc()
-            endings.append((turn_id, "none", self._config.failure_text, now))
-        return endings
+        return said(outbox, self._router())
 
     def _remade(self) -> None:
         self.records_remade += 1
@@ -468,27 +488,17 @@ class Ledger:
                            "(deleted and made again?): written again from this replica's "
                            "state (%d so far)", self._config.bucket, self.records_remade)
 
-    def _fitted(self, state: Participant) -> tuple[bytes, list[Ending]]:
-        """A record too big for one NATS message (the server's `max_payload`) is never
-        stored, and its input would come back for ever, holding its whole partition: it
-        is written without the snapshot instead (the participant keeps its state while
-        it stays here; a next owner starts it clean), and, still too big, without the
-        endings to republish too (their turns stay ended); counted (`nats_state`,
-        `oversized`) and logged rarely. The record and what it holds of the outbox."""
+    def _oversized(self) -> None:
+        """A record written without what did not fit (`fitted_record`): counted
+        (`nats_state`, `oversized`) and logged at the 1st, 10th, 100th..."""
         self.oversized += 1
         with contextlib.suppress(Exception):
             self._router().report_rejected("nats_state", "oversized")
         if is_logged(self.oversized):
-            logger.warning(
-                "turnrouter: a participant's record of over %d bytes does not fit the NATS "
-                "server's max_payload: written without its snapshot (%d so far; raise "
-                "max_payload or lower the context budget)", self._link.max_payload,
-                self.oversized)
-        inflight, ended = state.inflight[-_MAX_INFLIGHT:], ",".join(state.ended.values())
-        data = record_json(self._replica, inflight, None, state.outbox, ended)
-        if len(data) <= self._link.max_payload - _HEADER_ROOM:
-            return data, state.outbox
-        return record_json(self._replica, inflight, None, [], ended), []
+            logger.warning("turnrouter: a participant's record does not fit the NATS "
+                           "server's max_payload (%d bytes): written without its snapshot "
+                           "(%d so far; raise max_payload or lower the context budget)",
+                           self._link.max_payload, self.oversized)
 
     async def write(self, pid: str, state: Participant, *, fresh: bool = True) -> bool:
         """Revision-checked write of `pid`'s record; False (and fenced) when refused.
@@ -506,10 +516,11 @@ class Ledger:
                 horizon = time.time() - self._config.dedup_window / 2
                 if len(outbox) > _MAX_OUTBOX or any(e[3] < horizon for e in outbox):
                     outbox[:] = [e for e in outbox if e[3] >= horizon][-_MAX_OUTBOX:]
-            data = record_json(self._replica, state.inflight[-_MAX_INFLIGHT:],
-                               state.snapshot, outbox, ",".join(state.ended.values()))
-            if len(data) > self._link.max_payload - _HEADER_ROOM:
-                data, outbox = self._fitted(state)
+            data, outbox, cut = fitted_record(
+                self._replica, state.inflight[-_MAX_INFLIGHT:], state.snapshot, outbox,
+                ",".join(state.ended.values()), self._link.max_payload - _HEADER_ROOM)
+            if cut:
+                self._oversized()
             written = frozenset([e[0] for e in outbox]) if outbox else _NONE
             t0 = time.perf_counter()
             uncertain = False
