@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from turnrouter import ConfigurationError, OverloadPolicy
 from turnrouter.cli import worker_parser
 from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, UserQuery
-from turnrouter.runtime.nats import NatsConfig, NatsWorker
+from turnrouter.runtime.nats import NatsConfig, NatsWorker, encode_token
 
 from .app import make_router
 from .conftest import ROOT, NatsServer, metric_value, until_true
@@ -50,7 +50,7 @@ async def finals(heard: Heard, *queries: UserQuery) -> list[str]:
 async def test_a_query_past_max_input_wait_is_answered_busy_and_never_run(
         nats_server: NatsServer) -> None:
     """A backlog served by a worker whose bound it outlived: each query ends once with
-    the busy text (route none), recorded and counted (`rejected{reason="expired"}`),
+    the busy text (route none), counted (`rejected{reason="expired"}`),
     and never reaches its destination (not in history); the joined, left and interrupt
     messages queued with them are applied; the participant hears everything in the order
     they asked, and the next query, fresh, runs with the history intact."""
@@ -85,6 +85,35 @@ async def test_a_query_past_max_input_wait_is_answered_busy_and_never_run(
     assert [texts[turn].split("|")[0] for turn in heard.order["ann"]] == [
         "a1", BUSY, BUSY, "a2"]
     assert [texts[turn].split("|")[0] for turn in heard.order["bob"]] == ["b1", BUSY, "b2"]
+
+
+@pytest.mark.anyio
+async def test_a_backlog_of_new_participants_is_refused_without_claiming_them(
+        nats_server: NatsServer) -> None:
+    """Queries of participants nobody served yet, past the bound: each ends once with
+    the busy text, and no record is written for any of them (no claim, no write: a burst
+    of new participants was refused at three server round trips each, one at a time per
+    partition, slower than it grew, and everyone behind it waited past the bound). A
+    fresh query of theirs afterwards runs and starts their record."""
+    config = NatsConfig(url=nats_server.url, partitions=2)
+    async with listening(config) as (front, heard):
+        async with serving(config, "before"):
+            assert await ask(front, heard, "old", "o1") == "o1|-|N"
+        burst = [UserQuery(participant_id=f"new{k}", text=f"n{k}") for k in range(12)]
+        for query in burst:
+            await front.publish(query)
+        tiny = NatsConfig(url=nats_server.url, partitions=2, max_input_wait=1e-6)
+        async with serving(tiny, "behind") as registry:
+            assert await finals(heard, *burst) == [BUSY] * len(burst)
+            assert metric(registry, REJECTED, 'reason="expired"') == len(burst)
+        kv = await front.connection.jetstream().key_value(config.bucket)
+        keys = await kv.keys()
+        assert not [key for key in keys
+                    if any(key.endswith(encode_token(q.participant_id)) for q in burst)]
+        async with serving(config, "after"):
+            assert await ask(front, heard, "new0", "again") == "again|-|N"
+        assert any(key.endswith(encode_token("new0")) for key in await kv.keys())
+    assert [len(heard.finals[q.message_id]) for q in burst] == [1] * len(burst)
 
 
 @pytest.mark.anyio

@@ -40,7 +40,7 @@ from ..._redact import preview
 from ..._router import AgentRouter
 from .._messages import UserQuery
 from ._ledger import Ledger, Participant
-from ._link import Link
+from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._wire import (
     Ending,
@@ -177,6 +177,8 @@ class Inputs:
         #: Participants whose departure (releases, then their record) is running: at
         #: most one task each, gone when it ends.
         self._departing: dict[str, asyncio.Task[None]] = {}
+        #: Busy texts of refused queries the output stream did not store (logged rarely).
+        self.busy_unsaid = 0
 
     # ------------------------------------------------------------------ inputs
     def _reject(self, subject: str, reason: str, detail: str) -> None:
@@ -233,6 +235,15 @@ class Inputs:
             # they depart, so the query waits for the departure (its releases, then its
             # record) and starts their next session, however long the releases take.
             await asyncio.wait((departing,), timeout=self._config.drain_timeout)
+        if kind == "query" and delivered == 1 and (
+                self._config.max_input_wait < waited < self._config.dedup_window) and not (
+                self.turns_of.of(pid) or message_id in getattr(
+                    self._ledger.people.get(pid), "ended", ())):
+            # A backlog's query, refused before its participant is claimed.
+            if await self._refuse_unclaimed(msg, pid, message_id, waited):
+                self._recent.add(key)
+                await self._ack(msg)
+            return
         state = await self._ledger.claim(pid, n)
         if state is None:
             return  # fenced: another replica owns the participant
@@ -278,6 +289,23 @@ class Inputs:
             await router.interrupt(pid)
         self._recent.add(key)
         await self._ack(msg)
+
+    async def _refuse_unclaimed(self, msg: Msg, pid: str, message_id: str,
+                                waited: float) -> bool:
+        """A query past `max_input_wait` refused without claiming its participant
+        (`_stored_final`); True once its busy text is stored (it may be acknowledged)."""
+        error = await _stored_final(self._link, self._output(
+            pid, message_id, "none", self._router.busy_text, True, {}))
+        if error is not None:
+            self.busy_unsaid += 1
+            if is_logged(self.busy_unsaid):
+                logger.warning("turnrouter: a refused query's busy text was not stored (%d "
+                               "so far; the query comes back): %.200r", self.busy_unsaid,
+                               error)
+            return False
+        self._reject(msg.subject, "expired", f"a query waited {waited:.1f} s in the stream > "
+                                     f"max_input_wait {self._config.max_input_wait:g} s")
+        return True
 
     async def _expire(self, msg: Msg, pid: str, state: Participant, message_id: str,
                       waited: float) -> bool:
@@ -532,6 +560,25 @@ class Inputs:
         headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
                    **carrier}
         return f"{self._out_prefix}{encode_token(pid)}", body, headers
+
+
+async def _stored_final(link: Link, output: _Output) -> object:
+    """Publish a refused query's final output and wait for the output stream: None once
+    stored (or found stored: the turn's final id is deduplicated), else what failed.
+
+    A backlog's query (past `max_input_wait`, delivered once, no turn of its participant
+    running) is refused so, without a claim or a record: a backlog of new participants
+    was refused at a claim and two writes each, one at a time per partition, slower than
+    it grew. Nothing needs recording: a delivery of the query again (a crash before its
+    acknowledgment) is refused again, its wait only longer, and the stream drops its
+    busy text as the turn's second final; a final said for it before (an answer, a crash
+    ago) is still in the stream's deduplication window, since the query was stored less
+    than `dedup_window` ago (an older one is claimed and checked against its record)."""
+    try:
+        seq, error = pub_ack(await link.request(*output))
+    except (RequestFailed, ValueError) as exc:
+        return exc
+    return None if seq is not None else (error or "no sequence")
 
 
 def _forget(outbox: list[Ending], ending: Ending) -> None:
