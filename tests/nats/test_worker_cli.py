@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -225,7 +226,8 @@ def test_module_failing_at_import_is_one_line(tmp_path: Path) -> None:
 def test_app_is_imported_from_the_current_directory(nats_server: NatsServer,
                                                     tmp_path: Path) -> None:
     """As uvicorn: `--app myapp:make` finds ./myapp.py with nothing on PYTHONPATH but
-    turnrouter; the worker serves, writes its --ready-file and removes it at the end."""
+    turnrouter; the worker serves, writes its --ready-file and removes it at the end,
+    saying on stdout that it stops (and why) and that it stopped."""
     (tmp_path / "myapp_here.py").write_text(
         "from tests.nats.app import make_router\n\ndef make(ctx):\n"
         "    return make_router(ctx)\n")
@@ -242,12 +244,14 @@ def test_app_is_imported_from_the_current_directory(nats_server: NatsServer,
         assert any(line.startswith("worker cwd ready") for line in proc.stdout)
         assert ready.read_text() == "cwd\n"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0
+        assert out.splitlines()[-2:] == ["worker cwd stopping (SIGTERM)", "worker cwd stopped"]
         assert not ready.exists()
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate(timeout=10)
+            proc.communicate(timeout=10)
 
 
 @pytest.mark.parametrize(("app", "when", "sig"), [
@@ -321,3 +325,44 @@ def test_worker_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> N
                           ("--max-input-wait", "10")):
         help_text = text.split("options:", 1)[1].split(f"{flag} ", 1)[1].split(" --", 1)[0]
         assert f"default {default}" in help_text, (flag, help_text)
+
+
+def test_a_stop_during_a_server_outage_says_why(nats_server: NatsServer) -> None:
+    """SIGTERM while NATS is unreachable: the worker says it stops and what it waits for
+    (what it holds goes to the next owner after `ack_wait`), then that it stopped, and
+    exits 0; before, its log ended with a reconnect attempt, read as a crash."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "turnrouter", "worker", "--nats",
+                             nats_server.url, "--app", "tests.nats.app:make_router",
+                             "--replica", "out", "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        ready = ""
+        for line in proc.stdout:  # "metrics: http://host:port/metrics", then "... ready"
+            if line.startswith("metrics: "):
+                ready = line.split(" ", 1)[1].strip().rsplit("/", 1)[0] + "/ready"
+            if line.startswith("worker out ready"):
+                break
+        nats_server.crash()
+        for _ in range(300):  # `/ready` says 503 once the worker saw it: at most ~30 s
+            try:
+                with urllib.request.urlopen(ready, timeout=2):
+                    pass
+            except urllib.error.HTTPError as exc:
+                if exc.code == 503:
+                    break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0.1)
+        else:
+            raise AssertionError("/ready never said 503 after the server crashed")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        assert out.splitlines()[-2:] == [
+            "worker out stopping (SIGTERM): disconnected from NATS", "worker out stopped"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)

@@ -220,9 +220,20 @@ def _worker_main(argv: Sequence[str]) -> int:
 
         early = asyncio.Event()
 
-        def stop() -> None:
-            nonlocal stopped_early
+        said = False
+
+        def stop(sig: signal.Signals | None = None) -> None:
+            nonlocal stopped_early, said
             if worker.ready.is_set():
+                # Said once, with what it cannot do (NATS unreachable: what it holds
+                # goes to the next owner after ack_wait): a stop in an outage read as
+                # a crash in the log.
+                if not said:
+                    said = True
+                    readiness = worker.readiness
+                    why = "" if readiness.serving else f": {readiness.why_not}"
+                    print(f"worker {worker.replica} stopping "
+                          f"({sig.name if sig is not None else 'asked'}){why}", flush=True)
                 worker.request_stop()
             else:  # still starting (a factory that hangs): give up the start at once
                 stopped_early = True
@@ -230,7 +241,7 @@ def _worker_main(argv: Sequence[str]) -> int:
                 task.cancel()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop)
+            loop.add_signal_handler(sig, stop, sig)
         guarded.stop = stop
         if args.ready_file:  # there while the worker serves, gone while it cannot
             path = args.ready_file
@@ -254,6 +265,8 @@ def _worker_main(argv: Sequence[str]) -> int:
                 gc.freeze()
                 print(f"worker {worker.replica} ready", flush=True)
             await task
+            if worker.ready.is_set():
+                print(f"worker {worker.replica} stopped", flush=True)
         finally:
             ready.cancel()
             stopping.cancel()
