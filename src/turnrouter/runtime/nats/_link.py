@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import re
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,13 @@ class Link:
         #: Callbacks of stored publishes awaiting their acknowledgment, by reply token
         #: (bounded: dropped at each reconnect, when their owners publish again).
         self._confirming: dict[str, Callable[[], None]] = {}
+        #: The waits of requests, in the order of their ends (loop time), for one timer
+        #: to end those past their time: no timer per request (a worker sends one per
+        #: turn). A request whose end comes before the last one queued (a shorter
+        #: `wait`) gets a timer of its own.
+        self._ends: deque[tuple[float, asyncio.Future[bytes]]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     async def start(self) -> None:
         await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
@@ -67,7 +75,21 @@ class Link:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bytes] = loop.create_future()
         self._waiting[token] = future
-        timer = loop.call_later(wait, _expire, future)
+        end = loop.time() + wait
+        ends = self._ends
+        while ends and ends[0][1].done():  # answered: nothing to end
+            ends.popleft()
+        timer = None
+        if not ends or ends[-1][0] <= end:
+            ends.append((end, future))
+            first = ends[0][0]
+            if self._timer is None or self._timer_at > first:
+                if self._timer is not None:  # armed for waits answered since
+                    self._timer.cancel()
+                self._timer_at = first
+                self._timer = loop.call_at(first, self._expire_due)
+        else:
+            timer = loop.call_at(end, _expire, future)
         try:
             await self._nc.publish(subject, payload, reply=f"{self._prefix}.{token}",
                                    headers=headers)
@@ -75,8 +97,22 @@ class Link:
         except NatsError as exc:
             raise RequestFailed(repr(exc)) from exc
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             del self._waiting[token]
+
+    def _expire_due(self) -> None:
+        """The requests' timer: end the waits past their time (`RequestFailed`), then
+        arm it for the first wait still running, if any."""
+        ends = self._ends
+        now = max(self._timer_at, asyncio.get_running_loop().time())
+        while ends and (ends[0][0] <= now or ends[0][1].done()):
+            _expire(ends.popleft()[1])
+        if ends:
+            self._timer_at = ends[0][0]
+            self._timer = ends[0][1].get_loop().call_at(self._timer_at, self._expire_due)
+        else:
+            self._timer = None
 
     async def send(self, subject: str, payload: bytes) -> None:
         """A plain publish (an acknowledgment); a closed connection is ignored (the
