@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from turnrouter.runtime.nats._link import Link, RequestFailed
+import nats
+from turnrouter.runtime.nats._link import Link, RequestFailed, deliver_directly
 
 
 class _Client:
@@ -68,3 +69,52 @@ def test_each_request_ends_by_its_own_wait_or_its_reply() -> None:
         assert not link._waiting
 
     asyncio.run(main())
+
+
+async def _direct_delivery(url: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        got: list[bytes] = []
+        all_in = asyncio.Event()
+
+        def take(msg: Any) -> None:
+            got.append(msg.data)
+            if len(got) == 300:
+                all_in.set()
+
+        def fail(msg: Any) -> None:
+            raise ZeroDivisionError
+
+        queued: list[bytes] = []
+
+        async def callback(msg: Any) -> None:  # what nats-py would call instead
+            queued.append(msg.data)
+
+        sub = await nc.subscribe("direct.x", cb=callback)
+        assert deliver_directly(sub, take)
+        failing = await nc.subscribe("direct.y", cb=callback)
+        assert deliver_directly(failing, fail)
+        for k in range(300):
+            await nc.publish("direct.y", b"boom")  # a failing handler: logged, no harm
+            await nc.publish("direct.x", str(k).encode())
+        await nc.flush()
+        await asyncio.wait_for(all_in.wait(), 30)
+        assert got == [str(k).encode() for k in range(300)]  # each once, in order
+        assert not queued and sub.pending_msgs == 0 and sub._pending_size == 0
+        await sub.unsubscribe()
+        await nc.publish("direct.x", b"after")
+        await nc.flush()
+        assert got[-1] == b"299"
+        # Something already queued: left to nats-py's own task (nothing lost).
+        later = await nc.subscribe("direct.z", cb=callback)
+        later._pending_queue.put_nowait(type("M", (), {"data": b"q"})())
+        assert not deliver_directly(later, take)
+    finally:
+        await nc.drain()
+
+
+def test_direct_delivery_hands_each_message_over_in_order(nats_server: Any) -> None:
+    """`deliver_directly`: nats-py hands the subscription's messages to a plain function
+    as it reads them, in order, each once; a failing handler costs only its message; an
+    unsubscribed or drained subscription ends as before."""
+    asyncio.run(_direct_delivery(nats_server.url))

@@ -25,7 +25,7 @@ from nats.errors import Error as NatsError
 
 from ..._limits import is_logged
 
-__all__ = ["Link", "RequestFailed", "pub_ack"]
+__all__ = ["Link", "RequestFailed", "deliver_directly", "pub_ack"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -63,7 +63,8 @@ class Link:
         self._timer_at = 0.0
 
     async def start(self) -> None:
-        await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
+        sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
+        deliver_directly(sub, self._take_reply)
 
     async def request(self, subject: str, payload: bytes,
                       headers: dict[str, str] | None = None, wait: float = 5.0) -> bytes:
@@ -156,6 +157,9 @@ class Link:
         return count
 
     async def _on_reply(self, msg: Msg) -> None:
+        self._take_reply(msg)
+
+    def _take_reply(self, msg: Msg) -> None:
         token = msg.subject[len(self._prefix) + 1:]
         status = msg.headers.get("Status") if msg.headers else None
         if status == "503":
@@ -189,6 +193,57 @@ class Link:
             logger.warning("turnrouter: the output stream refused an output (%d so far): "
                            "%s", self._refusals, why)
         return False
+
+
+class _Direct:
+    """Stands in for a nats-py subscription's message queue: each message goes to a
+    plain function as nats-py parses it (`deliver_directly`)."""
+
+    __slots__ = ("_deliver", "_sub")
+
+    def __init__(self, sub: Any, deliver: Callable[[Msg], None]) -> None:
+        self._sub, self._deliver = sub, deliver
+
+    def put_nowait(self, msg: Msg) -> None:
+        self._sub._pending_size -= len(msg.data)  # (nats-py counted it as queued)
+        try:
+            self._deliver(msg)
+        except Exception as exc:  # as nats-py's own task does: logged, never raised
+            logger.error("turnrouter: a subscription's handler failed: %r", exc)
+
+    def empty(self) -> bool:
+        return True
+
+    def full(self) -> bool:
+        return False
+
+    def qsize(self) -> int:
+        return 0
+
+    def task_done(self) -> None:
+        return None
+
+    async def join(self) -> None:
+        return None
+
+
+def deliver_directly(sub: Any, deliver: Callable[[Msg], None]) -> bool:
+    """Have nats-py hand `sub`'s messages to `deliver` (a plain function, quick, that
+    never waits) as it reads them, instead of queueing each for the subscription's own
+    task, which then awaits the callback: a queue put and get, a task step and a
+    coroutine per message, on the three messages of every turn (the input, the record
+    write's reply, the answer's acknowledgment). The order is the same (nats-py's
+    reading order). Left alone (False: the callback it was made with is used) when
+    nats-py keeps its queue otherwise (another version), or something is queued."""
+    queue = getattr(sub, "_pending_queue", None)
+    task = getattr(sub, "_wait_for_msgs_task", None)
+    if not (isinstance(queue, asyncio.Queue) and queue.empty()
+            and isinstance(task, asyncio.Task) and isinstance(
+                getattr(sub, "_pending_size", None), int)):
+        return False
+    sub._pending_queue = _Direct(sub, deliver)
+    task.cancel()
+    return True
 
 
 def _expire(future: asyncio.Future[bytes]) -> None:

@@ -44,7 +44,7 @@ from ._fleet import Fleet, fleet_limits, fleet_topic, valid_replica
 from ._inputs import Inputs
 from ._interrupts import FleetInterrupts
 from ._ledger import Ledger, Participant
-from ._link import Link
+from ._link import Link, deliver_directly
 from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._mirror import watch_mirror
@@ -299,6 +299,7 @@ class NatsWorker:
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
         inbox = _Inbox(n, next_subject, nc.new_inbox(), config.pull_expires)
         sub = await nc.subscribe(f"{inbox.reply_prefix}.*", cb=inbox.receive)
+        deliver_directly(sub, inbox.take)
         self._inboxes.append(inbox)
         try:
             while self._pulling:
@@ -561,6 +562,9 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self.tokens = 0
 
     async def receive(self, msg: Msg) -> None:
+        self.take(msg)
+
+    def take(self, msg: Msg) -> None:
         self.put((msg, time.monotonic()))
 
     def request(self, pin: str | None) -> tuple[str, str]:
