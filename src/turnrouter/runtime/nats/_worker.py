@@ -195,7 +195,8 @@ class NatsWorker:
             self._takeover = Takeover(bucket, link, config, self._ledger,
                                       lambda: not self._pulling)
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
-                                           self._metrics, self._spawn, self._stop.is_set)
+                                           self._metrics, self._spawn, self._stop.is_set,
+                                           self._tasks)
             router.set_control_output(inputs.control_output)
             router.on_participant_changed(inputs.changed)
             self._fleet = Fleet(nc, config, self.replica, lambda: self._pins,
