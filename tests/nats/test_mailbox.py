@@ -46,3 +46,41 @@ def test_a_reader_that_stopped_holds_one_heartbeat_per_run(kinds: list[str]) -> 
         return got
 
     assert asyncio.run(main()) == collapsed(items)
+
+
+def test_each_wait_ends_at_its_own_bound_with_one_timer() -> None:
+    """A wait ends with None after its own bound, whatever waits came before: a short
+    wait after a long one is not held to the long one's timer, and a long wait after a
+    short one is not cut short by the short one's (the mailbox keeps one timer, armed
+    again when it fires before the current wait's end)."""
+
+    async def main() -> list[str | None]:
+        box: Mailbox[str] = Mailbox()
+        got: list[str | None] = []
+        box.put("first")
+        got.append(await box.get(60))  # an item at once: the wait never began
+        reader = asyncio.create_task(box.get(60))
+        await asyncio.sleep(0)
+        box.put("second")  # a long wait ended by an item: its timer stays armed
+        got.append(await reader)
+        # A short wait after it: ends by its own bound (the hang guard is far longer).
+        got.append(await asyncio.wait_for(box.get(0.01), 30))
+        # A long wait after a short one: the short one's timer fires first and must not
+        # end it; the item put after that time is what it returns.
+        reader = asyncio.create_task(box.get(0.01))
+        await asyncio.sleep(0)
+        box.put("third")  # ends the short wait before its bound: its timer stays armed
+        got.append(await reader)
+        reader = asyncio.create_task(box.get(60))
+        await asyncio.sleep(0.05)  # past the 0.01 s timer armed just before
+        assert not reader.done()
+        box.put("fourth")
+        got.append(await asyncio.wait_for(reader, 30))
+        box.wake()  # no reader: nothing to end
+        reader = asyncio.create_task(box.get(60))
+        await asyncio.sleep(0)
+        box.wake()
+        got.append(await asyncio.wait_for(reader, 30))
+        return got
+
+    assert asyncio.run(main()) == ["first", "second", None, "third", "fourth", None]

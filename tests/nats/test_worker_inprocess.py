@@ -18,7 +18,7 @@ from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, Worker
 from turnrouter.telemetry import Telemetry
 
 from .app import make_router
-from .conftest import NatsServer, metric_value
+from .conftest import NatsServer, metric_value, until_true
 from .crowd import FAILURE, Heard, listening, serving
 
 pytestmark = pytest.mark.anyio
@@ -55,6 +55,9 @@ async def test_graceful_stop_hands_over_and_leaves_no_task(nats_server: NatsServ
     try:
         assert await answered(front, "ivy") == "hi|-|N"
         assert worker.owned_partitions
+        # A turn's task leaves the worker's tasks at its own end (no done callback).
+        await until_true(lambda: not any(t.get_name().startswith("turn ")
+                                         for t in worker._tasks), "the turn's task gone")
         worker.request_stop()
         async with asyncio.timeout(20):
             await run

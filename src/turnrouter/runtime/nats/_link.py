@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import re
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ from nats.errors import Error as NatsError
 
 from ..._limits import is_logged
 
-__all__ = ["Link", "RequestFailed", "pub_ack"]
+__all__ = ["Link", "RequestFailed", "deliver_directly", "pub_ack"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -53,6 +54,13 @@ class Link:
         #: Callbacks of stored publishes awaiting their acknowledgment, by reply token
         #: (bounded: dropped at each reconnect, when their owners publish again).
         self._confirming: dict[str, Callable[[], None]] = {}
+        #: The waits of requests, in the order of their ends (loop time), for one timer
+        #: to end those past their time: no timer per request (a worker sends one per
+        #: turn). A request whose end comes before the last one queued (a shorter
+        #: `wait`) gets a timer of its own.
+        self._ends: deque[tuple[float, asyncio.Future[bytes]]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     @property
     def max_payload(self) -> int:
@@ -61,7 +69,8 @@ class Link:
         return self._nc.max_payload
 
     async def start(self) -> None:
-        await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
+        sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
+        deliver_directly(sub, self._take_reply)
 
     async def request(self, subject: str, payload: bytes,
                       headers: dict[str, str] | None = None, wait: float = 5.0) -> bytes:
@@ -73,7 +82,21 @@ class Link:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bytes] = loop.create_future()
         self._waiting[token] = future
-        timer = loop.call_later(wait, _expire, future)
+        end = loop.time() + wait
+        ends = self._ends
+        while ends and ends[0][1].done():  # answered: nothing to end
+            ends.popleft()
+        timer = None
+        if not ends or ends[-1][0] <= end:
+            ends.append((end, future))
+            first = ends[0][0]
+            if self._timer is None or self._timer_at > first:
+                if self._timer is not None:  # armed for waits answered since
+                    self._timer.cancel()
+                self._timer_at = first
+                self._timer = loop.call_at(first, self._expire_due)
+        else:
+            timer = loop.call_at(end, _expire, future)
         try:
             await self._nc.publish(subject, payload, reply=f"{self._prefix}.{token}",
                                    headers=headers)
@@ -81,8 +104,22 @@ class Link:
         except NatsError as exc:
             raise RequestFailed(repr(exc)) from exc
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             del self._waiting[token]
+
+    def _expire_due(self) -> None:
+        """The requests' timer: end the waits past their time (`RequestFailed`), then
+        arm it for the first wait still running, if any."""
+        ends = self._ends
+        now = max(self._timer_at, asyncio.get_running_loop().time())
+        while ends and (ends[0][0] <= now or ends[0][1].done()):
+            _expire(ends.popleft()[1])
+        if ends:
+            self._timer_at = ends[0][0]
+            self._timer = ends[0][1].get_loop().call_at(self._timer_at, self._expire_due)
+        else:
+            self._timer = None
 
     async def send(self, subject: str, payload: bytes) -> None:
         """A plain publish (an acknowledgment); a closed connection is ignored (the
@@ -126,6 +163,9 @@ class Link:
         return count
 
     async def _on_reply(self, msg: Msg) -> None:
+        self._take_reply(msg)
+
+    def _take_reply(self, msg: Msg) -> None:
         token = msg.subject[len(self._prefix) + 1:]
         status = msg.headers.get("Status") if msg.headers else None
         if status == "503":
@@ -159,6 +199,57 @@ class Link:
             logger.warning("turnrouter: the output stream refused an output (%d so far): "
                            "%s", self._refusals, why)
         return False
+
+
+class _Direct:
+    """Stands in for a nats-py subscription's message queue: each message goes to a
+    plain function as nats-py parses it (`deliver_directly`)."""
+
+    __slots__ = ("_deliver", "_sub")
+
+    def __init__(self, sub: Any, deliver: Callable[[Msg], None]) -> None:
+        self._sub, self._deliver = sub, deliver
+
+    def put_nowait(self, msg: Msg) -> None:
+        self._sub._pending_size -= len(msg.data)  # (nats-py counted it as queued)
+        try:
+            self._deliver(msg)
+        except Exception as exc:  # as nats-py's own task does: logged, never raised
+            logger.error("turnrouter: a subscription's handler failed: %r", exc)
+
+    def empty(self) -> bool:
+        return True
+
+    def full(self) -> bool:
+        return False
+
+    def qsize(self) -> int:
+        return 0
+
+    def task_done(self) -> None:
+        return None
+
+    async def join(self) -> None:
+        return None
+
+
+def deliver_directly(sub: Any, deliver: Callable[[Msg], None]) -> bool:
+    """Have nats-py hand `sub`'s messages to `deliver` (a plain function, quick, that
+    never waits) as it reads them, instead of queueing each for the subscription's own
+    task, which then awaits the callback: a queue put and get, a task step and a
+    coroutine per message, on the three messages of every turn (the input, the record
+    write's reply, the answer's acknowledgment). The order is the same (nats-py's
+    reading order). Left alone (False: the callback it was made with is used) when
+    nats-py keeps its queue otherwise (another version), or something is queued."""
+    queue = getattr(sub, "_pending_queue", None)
+    task = getattr(sub, "_wait_for_msgs_task", None)
+    if not (isinstance(queue, asyncio.Queue) and queue.empty()
+            and isinstance(task, asyncio.Task) and isinstance(
+                getattr(sub, "_pending_size", None), int)):
+        return False
+    sub._pending_queue = _Direct(sub, deliver)
+    task.cancel()
+    return True
 
 
 def _expire(future: asyncio.Future[bytes]) -> None:

@@ -17,13 +17,21 @@ T = TypeVar("T")
 
 class Mailbox(Generic[T]):
     """Items in arrival order; `get(wait)` returns the next, or None after `wait`
-    seconds without one (or at `wake()`)."""
+    seconds without one (or at `wake()`).
 
-    __slots__ = ("_items", "_waiter")
+    The bound of a wait needs no timer per `get`: a reader that waits again and again
+    (a partition's loop: one wait per message) would make and cancel one each time. One
+    timer is kept instead, armed at most as late as the current wait's end; when it
+    fires before that end (an earlier, shorter wait's), it is armed again for it."""
+
+    __slots__ = ("_deadline", "_items", "_timer", "_timer_at", "_waiter")
 
     def __init__(self) -> None:
         self._items: deque[T] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._deadline = 0.0  # loop time when the current wait ends
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # loop time the timer is armed for
 
     def put(self, item: T) -> None:
         self._items.append(item)
@@ -53,17 +61,30 @@ class Mailbox(Generic[T]):
         if not self._items:
             loop = asyncio.get_running_loop()
             waiter = self._waiter = loop.create_future()
-            timer = loop.call_later(wait, _wake, waiter)
+            deadline = self._deadline = loop.time() + wait
+            timer = self._timer
+            if timer is None or self._timer_at > deadline:
+                if timer is not None:
+                    timer.cancel()
+                self._timer_at = deadline
+                self._timer = loop.call_at(deadline, self._expire)
             try:
                 await waiter
             finally:
-                timer.cancel()
                 self._waiter = None
             if not self._items:
                 return None
         return self._items.popleft()
 
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+    def _expire(self) -> None:
+        """The timer fired: end the current wait if it is due by now, else arm the
+        timer again for its end (no wait: it lapses until the next `get`)."""
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        if self._deadline <= self._timer_at:
+            waiter.set_result(None)
+        else:
+            self._timer_at = self._deadline
+            self._timer = waiter.get_loop().call_at(self._deadline, self._expire)

@@ -44,7 +44,7 @@ from ._fleet import Fleet, fleet_limits, fleet_topic, valid_replica
 from ._inputs import Inputs
 from ._interrupts import FleetInterrupts
 from ._ledger import Ledger, Participant
-from ._link import Link
+from ._link import Link, deliver_directly
 from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._mirror import watch_mirror
@@ -195,7 +195,8 @@ class NatsWorker:
             self._takeover = Takeover(bucket, link, config, self._ledger,
                                       lambda: not self._pulling)
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
-                                           self._metrics, self._spawn, self._stop.is_set)
+                                           self._metrics, self._spawn, self._stop.is_set,
+                                           self._tasks)
             router.set_control_output(inputs.control_output)
             router.on_participant_changed(inputs.changed)
             self._fleet = Fleet(nc, config, self.replica, lambda: self._pins,
@@ -299,6 +300,7 @@ class NatsWorker:
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
         inbox = _Inbox(n, next_subject, nc.new_inbox(), config.pull_expires)
         sub = await nc.subscribe(f"{inbox.reply_prefix}.*", cb=inbox.receive)
+        deliver_directly(sub, inbox.take)
         self._inboxes.append(inbox)
         try:
             while self._pulling:
@@ -339,13 +341,9 @@ class NatsWorker:
             if got is not None:  # (a request sent before: it may have been pinned)
                 await self._take(n, inbox, *got)
             return
-        request: dict[str, Any] = {"batch": _BATCH, "expires": int(config.pull_expires * 1e9),
-                                   "group": GROUP}
         pin = self._pins.get(n)
-        if pin is not None:
-            request["id"] = pin
         token, reply = inbox.request(pin)
-        await nc.publish(inbox.next_subject, json.dumps(request).encode(), reply=reply)
+        await nc.publish(inbox.next_subject, inbox.pull_body(pin), reply=reply)
         inbox.pulled = time.monotonic()
         delivered = 0
         while delivered < _BATCH:
@@ -532,6 +530,9 @@ async def _to_the_end(work: Awaitable[None]) -> None:
     task.result()
 
 
+_NO_BODY = object()
+
+
 class _Inbox(Mailbox[tuple[Msg, float]]):
     """What one partition's pull requests deliver, in order, with when each arrived
     (filled by the subscription's callback, read by the partition's loop).
@@ -542,8 +543,9 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     away as well), and a 423 answers one of them, maybe made with a pin since replaced.
     `live` holds the requests not yet ended, each with when it surely expired."""
 
-    __slots__ = ("given_up", "held_since", "holding", "lifetime", "live", "next_subject",
-                 "partition", "pulled", "reply_prefix", "tokens")
+    __slots__ = ("_body", "_body_pin", "expires", "given_up", "held_since", "holding",
+                 "lifetime", "live", "next_subject", "partition", "pulled", "reply_prefix",
+                 "tokens")
 
     def __init__(self, partition: int, next_subject: str, reply_prefix: str,
                  expires: float) -> None:
@@ -553,6 +555,9 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         #: How long after it went out a request may still deliver: its `expires` and a
         #: margin for the way there and the server's own lag.
         self.lifetime = 2 * expires + 1.0
+        self.expires = expires
+        self._body = b""  # the last pull request's body, and the pin it names
+        self._body_pin: object = _NO_BODY
         self.pulled = time.monotonic()  # when the partition's last pull request went out
         self.holding = False  # its loop is busy with one message and pulls no more
         self.held_since = 0.0  # since when
@@ -561,6 +566,9 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self.tokens = 0
 
     async def receive(self, msg: Msg) -> None:
+        self.take(msg)
+
+    def take(self, msg: Msg) -> None:
         self.put((msg, time.monotonic()))
 
     def request(self, pin: str | None) -> tuple[str, str]:
@@ -573,6 +581,18 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         token = str(self.tokens)
         self.live[token] = (pin, now + self.lifetime)
         return token, f"{self.reply_prefix}.{token}"
+
+    def pull_body(self, pin: str | None) -> bytes:
+        """The body of a pull request of up to `_BATCH` messages lasting `expires`, in
+        the priority group, with `pin` (if any): the same bytes for every pull with the
+        same pin, so made again only when the pin changes (40 pulls a second idle)."""
+        if pin != self._body_pin:
+            request: dict[str, Any] = {"batch": _BATCH, "expires": int(self.expires * 1e9),
+                                       "group": GROUP}
+            if pin is not None:
+                request["id"] = pin
+            self._body, self._body_pin = json.dumps(request).encode(), pin
+        return self._body
 
     def ended(self, subject: str) -> tuple[str, str | None]:
         """The request a status arrived on (its reply `subject`) ended: its token and
