@@ -177,12 +177,11 @@ class Inputs:
         self._recent = _Recent(_RECENT)
         self.turns_of = _TurnIndex()
         self._out_prefix = f"{config.prefix}.out."
-        self._rejections: dict[str, int] = {}  # refused inputs by reason (a few reasons)
+        #: Refused inputs by reason (a few), and busy texts not stored ("unsaid").
+        self._rejections: dict[str, int] = {}
         #: Participants whose departure (releases, then their record) is running: at
         #: most one task each, gone when it ends.
         self._departing: dict[str, asyncio.Task[None]] = {}
-        #: Busy texts of refused queries the output stream did not store (logged rarely).
-        self.busy_unsaid = 0
 
     # ------------------------------------------------------------------ inputs
     def _reject(self, subject: str, reason: str, detail: str) -> None:
@@ -296,38 +295,29 @@ class Inputs:
 
     async def _refuse_unclaimed(self, msg: Msg, pid: str, message_id: str,
                                 waited: float) -> bool:
-        """A query past `max_input_wait` refused without claiming its participant
-        (`_stored_final`); True once its busy text is stored (it may be acknowledged)."""
+        """`_stored_final`: True once the busy text is stored (then acknowledged)."""
         error = await _stored_final(self._link, self._output(
             pid, message_id, "none", self._router.busy_text, True, {}))
         if error is not None:
-            self.busy_unsaid += 1
-            if is_logged(self.busy_unsaid):
+            count = self._rejections["unsaid"] = self._rejections.get("unsaid", 0) + 1
+            if is_logged(count):
                 logger.warning("turnrouter: a refused query's busy text was not stored (%d "
-                               "so far; the query comes back): %.200r", self.busy_unsaid,
-                               error)
+                               "so far; the query comes back): %.200r", count, error)
             return False
-        self._reject(msg.subject, "expired", f"a query waited {waited:.1f} s in the stream > "
-                                     f"max_input_wait {self._config.max_input_wait:g} s")
+        self._reject(msg.subject, "expired", _expired(waited, self._config.max_input_wait))
         return True
 
     async def _expire(self, msg: Msg, pid: str, state: Participant, message_id: str,
                       waited: float) -> bool:
-        """A query that waited in the stream past `max_input_wait` (a backlog): not run.
-        Its participant hears the router's busy text, recorded (ended, and the text in
-        the outbox) before it is said and acknowledged, as a redelivered query's failure
-        text; False when fenced meanwhile.
-
-        The participant spoke again since any turn of theirs still running began: that
-        turn is stale, as the router treats it when a newer turn comes (superseded). It
-        is interrupted, and its end (its record, an answer it already holds) awaited, so
-        nothing they hear follows the busy text out of order."""
+        """A query past `max_input_wait` whose participant is claimed: its busy text
+        recorded (ended, in the outbox) before it is said and acknowledged; False when
+        fenced meanwhile. A turn of theirs still running is stale (they spoke again since):
+        cut, and its end awaited, so nothing they hear follows the busy text."""
         running = self.turns_of.of(pid)
         if running:
             await self._router.interrupt(pid)
             await asyncio.wait(running, timeout=self._config.drain_timeout)
-        self._reject(msg.subject, "expired", f"a query waited {waited:.1f} s in the stream > "
-                                     f"max_input_wait {self._config.max_input_wait:g} s")
+        self._reject(msg.subject, "expired", _expired(waited, self._config.max_input_wait))
         ending = (message_id, "none", self._router.busy_text, time.time())
         state.outbox.append(ending)
         state.end(message_id)
@@ -571,6 +561,10 @@ class Inputs:
         headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
                    **carrier}
         return f"{self._out_prefix}{encode_token(pid)}", body, headers
+
+
+def _expired(waited: float, bound: float) -> str:
+    return f"a query waited {waited:.1f} s in the stream > max_input_wait {bound:g} s"
 
 
 async def _stored_final(link: Link, output: _Output) -> object:
