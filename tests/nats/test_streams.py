@@ -8,9 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from turnrouter import ConfigurationError
+from turnrouter.cli import worker_parser
+from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
 
 from .app import make_router
@@ -152,3 +156,35 @@ async def test_a_server_taking_less_than_max_message_bytes_is_refused_at_start(
         await front.close()
     finally:
         server.close()
+
+
+async def test_the_per_participant_queue_bound_is_the_input_streams(
+        nats_server: NatsServer) -> None:
+    """`max_queued_per_participant` (`--max-queued-per-participant`) is the input
+    stream's per-subject bound: past it the stream drops a participant's oldest queued
+    input of that kind, so a client flooding one participant holds at most that many
+    ahead of its partition-mates."""
+    config = NatsConfig(url=nats_server.url, max_queued_per_participant=3)
+    front = await NatsFrontEnd.connect(config)  # no worker: the inputs stay queued
+    try:
+        js = front.connection.jetstream()
+        assert (await js.stream_info(config.stream)).config.max_msgs_per_subject == 3
+        for k in range(5):
+            await front.publish(UserQuery(participant_id="flood", text=f"q{k}"))
+        assert (await js.stream_info(config.stream)).state.messages == 3
+    finally:
+        await front.close()
+    args = worker_parser().parse_args(["--nats", nats_server.url, "--app", "m:f",
+                                       "--max-queued-per-participant", "3"])
+    assert args.max_queued_per_participant == 3
+
+
+@given(st.one_of(st.integers(-5, 2_000_000), st.floats(), st.booleans(),
+                 st.text(max_size=3), st.none()))
+def test_the_per_participant_queue_bound_is_a_bounded_count(value: object) -> None:
+    """Anything but an int in 1..1000000 is a ConfigurationError naming the setting."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1_000_000:
+        assert NatsConfig(max_queued_per_participant=value).max_queued_per_participant == value
+        return
+    with pytest.raises(ConfigurationError, match="max_queued_per_participant"):
+        NatsConfig(max_queued_per_participant=value)  # type: ignore[arg-type]

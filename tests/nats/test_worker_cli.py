@@ -70,6 +70,8 @@ def test_junk_app_specs_are_usage_errors(module: str, attribute: str) -> None:
     ["--prefix", "a.b"], ["--mark-after", "1"], ["--mark-after", "0"],
     ["--reconnect-for", "0"], ["--reconnect-for", "nan"], ["--reconnect-for", "x"],
     ["--max-input-wait", "0"], ["--max-input-wait", "-5"], ["--max-input-wait", "inf"],
+    ["--max-queued-per-participant", "0"], ["--max-queued-per-participant", "x"],
+    ["--max-queued-per-participant", "2000000"],
 ])
 def test_bad_flags_are_one_line_usage_errors(flags: list[str]) -> None:
     """Out-of-range or malformed flags exit 2 with one line on stderr, no traceback."""
@@ -322,7 +324,8 @@ def test_worker_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> N
     for flag, default in (("--ack-wait", "1.5"), ("--prefix", "turnrouter"),
                           ("--partitions", "16"), ("--failover-timeout", "1"),
                           ("--drain-timeout", "20"), ("--metrics-host", "127.0.0.1"),
-                          ("--max-input-wait", "10")):
+                          ("--max-input-wait", "10"),
+                          ("--max-queued-per-participant", "1000")):
         help_text = text.split("options:", 1)[1].split(f"{flag} ", 1)[1].split(" --", 1)[0]
         assert f"default {default}" in help_text, (flag, help_text)
 

@@ -94,6 +94,11 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mark-after", type=float, default=0.005,
                         help="seconds a turn may run before it is marked in flight so its "
                              "message can be acknowledged (default 0.005)")
+    parser.add_argument("--max-queued-per-participant", type=int, default=1000,
+                        metavar="N",
+                        help="inputs of one participant and kind the input stream keeps "
+                             "queued; past it the oldest is dropped (a flooding client "
+                             "holds at most this many ahead of its partition; default 1000)")
     parser.add_argument("--max-input-wait", type=float, default=10.0,
                         help="seconds a query may wait in the input stream and still run; "
                              "one delivered later is answered with the router's busy text "
@@ -194,6 +199,7 @@ def _worker_main(argv: Sequence[str]) -> int:
                             drain_timeout=args.drain_timeout, mark_after=args.mark_after,
                             reconnect_for=args.reconnect_for,
                             max_input_wait=args.max_input_wait,
+                            max_queued_per_participant=args.max_queued_per_participant,
                             front_api=args.front_api, **settings)
     except (ValueError, TurnrouterError) as exc:
         if args.debug:

@@ -298,11 +298,12 @@ class NatsConfig:
                     f"NatsConfig.{name} must be an int of at least 64 messages "
                     f"(64 * max_message_bytes) and at most 1 PiB, got {preview(value)}")
 
-        if not (isinstance(self.fleet_backlog, int) and not isinstance(self.fleet_backlog, bool)
-                and 1 <= self.fleet_backlog <= 1_000_000):
-            raise ConfigurationError(
-                f"NatsConfig.fleet_backlog must be an int in 1..1000000, got "
-                f"{preview(self.fleet_backlog)}")
+        for name in ("fleet_backlog", "max_queued_per_participant"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool)
+                    and 1 <= value <= 1_000_000):
+                raise ConfigurationError(
+                    f"NatsConfig.{name} must be an int in 1..1000000, got {preview(value)}")
 
     @property
     def stream(self) -> str:
