@@ -17,12 +17,13 @@ class _Client:
 
     def __init__(self) -> None:
         self.sent: list[str] = []
+        self.reply: Any = None  # the callback the link subscribed its replies with
 
     def new_inbox(self) -> str:
         return "_INBOX.test"
 
     async def subscribe(self, subject: str, cb: Any) -> None:
-        return None
+        self.reply = cb
 
     async def publish(self, subject: str, payload: bytes, reply: str = "",
                       headers: dict[str, str] | None = None) -> None:
@@ -38,6 +39,7 @@ def test_each_request_ends_by_its_own_wait_or_its_reply() -> None:
     async def main() -> None:
         client = _Client()
         link = Link(client, lambda: None)  # type: ignore[arg-type]
+        await link.start()
         # Unanswered: ends once its wait passed (the hang guard is far longer).
         with pytest.raises(RequestFailed):
             await asyncio.wait_for(link.request("a", b"", wait=0.01), 30)
@@ -48,25 +50,28 @@ def test_each_request_ends_by_its_own_wait_or_its_reply() -> None:
         with pytest.raises(RequestFailed):
             await asyncio.wait_for(link.request("c", b"", wait=0.01), 30)
         assert not long.done()
-        await link._on_reply(_Reply(client.sent[1], b"answer"))  # type: ignore[arg-type]
+        await client.reply(_Reply(client.sent[1], b"answer"))
         assert await asyncio.wait_for(long, 30) == b"answer"
         # A short request answered at once leaves the timer armed for its end; a long
         # one after it is not cut short when that timer fires.
         short = asyncio.create_task(link.request("d", b"", wait=0.01))
         await asyncio.sleep(0)
-        await link._on_reply(_Reply(client.sent[-1], b"quick"))  # type: ignore[arg-type]
+        await client.reply(_Reply(client.sent[-1], b"quick"))
         assert await short == b"quick"
         long = asyncio.create_task(link.request("e", b"", wait=60))
-        await asyncio.sleep(0.05)  # past the short request's end
+        await asyncio.sleep(0)
+        late = client.sent[-1]
+        with pytest.raises(RequestFailed):  # ends after the short one's end: the timer
+            await asyncio.wait_for(link.request("f", b"", wait=0.02), 30)  # fired by then
         assert not long.done()
-        await link._on_reply(_Reply(client.sent[-1], b"late"))  # type: ignore[arg-type]
+        await client.reply(_Reply(late, b"late"))
         assert await asyncio.wait_for(long, 30) == b"late"
         # Many at once, none answered: each fails, none is left waiting.
         many = [asyncio.create_task(link.request(f"m{k}", b"", wait=0.01 * (k % 3 + 1)))
                 for k in range(20)]
         done = await asyncio.wait_for(asyncio.gather(*many, return_exceptions=True), 30)
         assert all(isinstance(result, RequestFailed) for result in done)
-        assert not link._waiting
+        assert link.waiting == 0
 
     asyncio.run(main())
 
@@ -100,7 +105,7 @@ async def _direct_delivery(url: str) -> None:
         await nc.flush()
         await asyncio.wait_for(all_in.wait(), 30)
         assert got == [str(k).encode() for k in range(300)]  # each once, in order
-        assert not queued and sub.pending_msgs == 0 and sub._pending_size == 0
+        assert not queued and sub.pending_msgs == 0 and sub.pending_bytes == 0
         await sub.unsubscribe()
         await nc.publish("direct.x", b"after")
         await nc.flush()

@@ -166,12 +166,11 @@ class Inputs:
 
     def __init__(self, config: NatsConfig, router: AgentRouter, ledger: Ledger, link: Link,
                  metrics: RuntimeMetrics | None, spawn: Spawn,
-                 stopping: Callable[[], bool],
-                 tasks: set[asyncio.Task[Any]] | None = None) -> None:
+                 stopping: Callable[[], bool], tasks: set[asyncio.Task[Any]]) -> None:
         self._config, self._router, self._ledger, self._link = config, router, ledger, link
         self._metrics, self._spawn, self._stopping = metrics, spawn, stopping
         #: The worker's background tasks: a turn's task is added at its start and leaves
-        #: at its own end (no done callback per turn); None: turns go through `spawn`.
+        #: at its own end (no done callback per turn, as `spawn` would add).
         self._tasks = tasks
         self._running: dict[tuple[str, str], _Running] = {}  # by (participant, turn)
         self._recent = _Recent(_RECENT)
@@ -334,13 +333,9 @@ class Inputs:
              if headers else {}) or query.trace_carrier())  # bounded, never echoed raw
         loop = asyncio.get_running_loop()
         run = self._running[(pid, query.message_id)] = _Running(loop)
-        turn = self._turn(pid, state, query, carrier, run)
-        if self._tasks is None:
-            task = self._spawn(turn, f"turn {query.message_id}")
-        else:
-            task = loop.create_task(turn, name=f"turn {query.message_id}")
-            self._tasks.add(task)
-        run.task = task
+        task = run.task = loop.create_task(self._turn(pid, state, query, carrier, run),
+                                           name=f"turn {query.message_id}")
+        self._tasks.add(task)
         self.turns_of.add(pid, task)
         timer = loop.call_later(self._config.mark_after, run.due)
         try:
@@ -447,8 +442,7 @@ class Inputs:
                     await self._finish(pid, state, run)
             finally:  # a hand-over waits for the turn's write and answer (`turns_of`)
                 self.turns_of.discard(pid, run.task)
-                if self._tasks is not None:  # nothing is awaited after this
-                    self._tasks.discard(run.task)
+                self._tasks.discard(run.task)  # (nothing is awaited after this)
 
     async def _finish(self, pid: str, state: Participant, run: _Running) -> None:
         """Write the finished exchange, then publish the answer it holds (if any)."""

@@ -27,6 +27,7 @@ from ..._router import AgentRouter
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._records import sound_endings
+from ._setup import HEADER_ROOM
 from ._wire import (
     MAX_ENDED,
     MAX_STATE_BYTES,
@@ -51,9 +52,6 @@ _MAX_UNSURE = 4096  # bound of the participants whose unfinished turns await an 
 _NONE: frozenset[str] = frozenset()
 #: Records larger than this are parsed and validated in a thread, off the event loop.
 _READ_OFF_LOOP_BYTES = 64 * 1024
-#: Bytes of a message kept for a record write's headers: the server counts them against
-#: its `max_payload`, which nats-py checks against the payload alone.
-_HEADER_ROOM = 1024
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
 
@@ -103,11 +101,10 @@ def fitted_record(replica: str, inflight: list[str], snapshot: str | bytes | Non
                   outbox: list[Ending], ended_json: str, limit: int
                   ) -> tuple[bytes, list[Ending], bool]:
     """`record_json` within `limit` bytes, the outbox it holds, and whether it left
-    anything out. A record too big for
-    one NATS message is never stored, and its input would come back for ever, holding
-    its whole partition: it leaves the snapshot out (the participant keeps its state
-    while it stays on this replica; a next owner starts it clean), and then the endings
-    to republish (their turns stay ended)."""
+    anything out. A record too big for one NATS message is never stored, and its input
+    would come back for ever, holding its whole partition: it leaves the snapshot out
+    (the participant keeps its state while it stays on this replica; a next owner starts
+    it clean), and then the endings to republish (their turns stay ended)."""
     data = record_json(replica, inflight, snapshot, outbox, ended_json)
     if len(data) <= limit or (snapshot is None and not outbox):
         return data, outbox, False
@@ -199,7 +196,7 @@ class Ledger:
         #: the first time and at every power of ten, since a takeover tries again.
         self.claim_failures = 0
         #: Records too big for one NATS message, written without their snapshot
-        #: (`_fitted`): logged the first time and at every power of ten.
+        #: (`fitted_record`): logged the first time and at every power of ten.
         self.oversized = 0
 
     def partition_lost(self, n: int) -> None:
@@ -415,7 +412,7 @@ class Ledger:
             claim, outbox, cut = fitted_record(
                 self._replica, inflight, snapshot, outbox,
                 ",".join(map(_json_str, ended[-MAX_ENDED:])),
-                self._link.max_payload - _HEADER_ROOM)
+                self._link.max_payload - HEADER_ROOM)
             if cut:  # too big to write back
                 await self._quarantine(key, value, "oversized", ValueError(
                     "a record past the server's max_payload"))
@@ -474,7 +471,7 @@ class Ledger:
             self._router().report_rejected("nats_state", reason)
         with contextlib.suppress(Exception):
             await self._kv.put(f"quarantine.{key}", data[:min(
-                MAX_STATE_BYTES, self._link.max_payload - _HEADER_ROOM)])
+                MAX_STATE_BYTES, self._link.max_payload - HEADER_ROOM)])
 
     def sound(self, outbox: list[Ending]) -> list[Ending]:
         return said(outbox, self._router())
@@ -518,7 +515,7 @@ class Ledger:
                     outbox[:] = [e for e in outbox if e[3] >= horizon][-_MAX_OUTBOX:]
             data, outbox, cut = fitted_record(
                 self._replica, state.inflight[-_MAX_INFLIGHT:], state.snapshot, outbox,
-                ",".join(state.ended.values()), self._link.max_payload - _HEADER_ROOM)
+                ",".join(state.ended.values()), self._link.max_payload - HEADER_ROOM)
             if cut:
                 self._oversized()
             written = frozenset([e[0] for e in outbox]) if outbox else _NONE

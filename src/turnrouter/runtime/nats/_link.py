@@ -68,6 +68,11 @@ class Link:
         `max_payload`, 1 MiB by default): it closes the connection of a client past it."""
         return self._nc.max_payload
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for their reply (each ends by it or by its own wait)."""
+        return len(self._waiting)
+
     async def start(self) -> None:
         sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
         deliver_directly(sub, self._take_reply)
