@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import socket
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 
 from turnrouter import AgentRouter, AgentTurn, DestinationResult
+from turnrouter.cli import main as cli_main
 from turnrouter.llm import LLMError, OpenAIChatClient
 from turnrouter.runtime import AgentRuntime, ResponseOutput, Topic
 from turnrouter.testing import OutputRecorder, RecordingObserver, ScriptedAgent, ScriptedDecisions
+
+
+def run_cli(argv: Sequence[str]) -> tuple[int, str, str]:
+    """`turnrouter ARGV...` in this process, as the console script runs it: its exit
+    status, standard output and standard error."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(argv))
+    return code, out.getvalue(), err.getvalue()
 
 
 class Harness:

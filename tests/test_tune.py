@@ -3,7 +3,6 @@ Prometheus, and its boundaries (samples files, Prometheus answers, flags)."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -33,11 +32,10 @@ from turnrouter.cli._tune import (
     printable,
     read_samples,
     replay_splits,
-    tune_main,
 )
 from turnrouter.telemetry import RESPONSE_BUCKETS
 
-from .kit import BROKEN_HTTP_REPLIES, RawReplyServer
+from .kit import BROKEN_HTTP_REPLIES, RawReplyServer, run_cli
 
 
 def _write(path: Path, samples: list[TimingSample]) -> Path:
@@ -55,9 +53,8 @@ def samples(tmp_path: Path) -> Path:
 
 
 def run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = tune_main(argv, out=out, err=err)
-    return code, out.getvalue(), err.getvalue()
+    """`turnrouter tune ARGV...`: its status, standard output and standard error."""
+    return run_cli(["tune", *argv])
 
 
 def _row(text: str, route: str, delay: str) -> list[str]:
@@ -352,11 +349,10 @@ def test_any_bucket_counts_give_a_survival_function(
     (["--route", "a\x1bb"], "--route"),
 ])
 def test_flag_errors_exit_2_with_one_line(
-        samples: Path, flags: list[str], named: str,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        samples: Path, flags: list[str], named: str) -> None:
     """Bad flag values: exit 2 and one stderr line naming the flag."""
-    assert tune_main(["--samples", str(samples), *flags]) == 2
-    err = capsys.readouterr().err
+    code, _out, err = run(["--samples", str(samples), *flags])
+    assert code == 2
     assert err.count("\n") == 1 and named in err and "\x1b" not in err
 
 
@@ -523,7 +519,7 @@ def test_any_flags_end_in_a_status_never_a_traceback(flags: list[str],
     """Any flags (with an unreadable samples file): an exit status 0-2, nothing raised."""
     argv = ["--samples", "/nonexistent/samples.jsonl",
             *[item for pair in zip(flags, values, strict=False) for item in pair]]
-    assert tune_main(argv, out=io.StringIO(), err=io.StringIO()) in (0, 1, 2)
+    assert run(argv)[0] in (0, 1, 2)
 
 
 # ---------------------------------------------------------------- Prometheus source

@@ -3,7 +3,6 @@ carry credentials. `--timeout` bounds a whole query, and no password is ever sho
 
 from __future__ import annotations
 
-import io
 import socket
 import threading
 import time
@@ -11,9 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from turnrouter.cli._tune import tune_main
-
-from .kit import LocalTcpServer, RawReplyServer
+from .kit import LocalTcpServer, RawReplyServer, run_cli
 
 SECRET = "hunter2-secret"
 
@@ -49,17 +46,16 @@ def trickling(request: pytest.FixtureRequest) -> Iterator[TricklingServer]:
 def test_timeout_bounds_a_whole_slow_reply(trickling: TricklingServer) -> None:
     """A server trickling its reply cannot hold tune past --timeout (each socket read
     succeeding must not restart the clock)."""
-    err = io.StringIO()
-    codes: list[int] = []
+    results: list[tuple[int, str, str]] = []
     started = time.monotonic()
-    runner = threading.Thread(target=lambda: codes.append(tune_main(
-        ["--prometheus", trickling.url, "--timeout", "0.5"], out=io.StringIO(), err=err)),
-        daemon=True)
+    runner = threading.Thread(target=lambda: results.append(run_cli(
+        ["tune", "--prometheus", trickling.url, "--timeout", "0.5"])), daemon=True)
     runner.start()
     runner.join(30)
     assert not runner.is_alive(), "tune --timeout 0.5 still reading after 30 s"
-    assert codes == [2]
-    assert "within --timeout 0.5s" in err.getvalue() and err.getvalue().count("\n") == 1
+    ((code, _out, err),) = results
+    assert code == 2
+    assert "within --timeout 0.5s" in err and err.count("\n") == 1
     assert time.monotonic() - started < 15
 
 
@@ -75,14 +71,13 @@ def test_credentials_in_the_url_are_refused_and_never_shown(url: str) -> None:
     server = RawReplyServer()
     try:
         port = server.url.rsplit(":", 1)[1]
-        out, err = io.StringIO(), io.StringIO()
-        code = tune_main(["--prometheus", url.format(secret=SECRET, port=port),
-                          "--timeout", "2"], out=out, err=err)
+        code, out, err = run_cli(["tune", "--prometheus", url.format(secret=SECRET, port=port),
+                                  "--timeout", "2"])
     finally:
         server.close()
     assert code == 2
-    assert SECRET not in out.getvalue() + err.getvalue()
-    assert "--prometheus" in err.getvalue() and err.getvalue().count("\n") == 1
+    assert SECRET not in out + err
+    assert "--prometheus" in err and err.count("\n") == 1
 
 
 def _redirecting(location: str) -> RawReplyServer:
@@ -94,9 +89,8 @@ def _redirecting(location: str) -> RawReplyServer:
 
 def _tune(url: str) -> tuple[int, str]:
     """`turnrouter tune --prometheus url --timeout 5`: its status and standard error."""
-    err = io.StringIO()
-    return tune_main(["--prometheus", url, "--timeout", "5"], out=io.StringIO(), err=err), \
-        err.getvalue()
+    code, _out, err = run_cli(["tune", "--prometheus", url, "--timeout", "5"])
+    return code, err
 
 
 def test_a_redirect_off_http_is_refused(trickling: TricklingServer) -> None:
