@@ -20,7 +20,8 @@ import datetime
 import json
 import logging
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, cast
 
 import pytest
@@ -29,14 +30,24 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 
+import nats
 from turnrouter import LifecycleError, TurnrouterError
 from turnrouter.runtime.nats import NatsConfig
 
 # Private module: the watch's decision and its memory between looks.
-from turnrouter.runtime.nats._mirror import MirrorWatch, decide, heal_mirror, watch_mirror
-from turnrouter.runtime.nats._setup import api_request
+from turnrouter.runtime.nats._mirror import (
+    CLAIM_KEY,
+    MirrorWatch,
+    claim_restart,
+    decide,
+    heal_mirror,
+    watch_mirror,
+)
+from turnrouter.runtime.nats._setup import api_request, ensure_deployment
 
 from ..fuzz import ANY_TEXT, HUGE_TEXT
+from .conftest import NatsServer
+from .test_trust import DEPLOY, PASSWORDS
 
 pytestmark = pytest.mark.anyio
 NAME = "TURNROUTER_OUT"
@@ -626,3 +637,92 @@ def test_a_jetstream_api_reply_of_junk_is_a_value_error_or_a_refusal(junk: bytes
     except (ValueError, TurnrouterError):
         return
     assert isinstance(reply, dict) and "error" not in reply
+
+
+# ------------------------------------------------- two workers, one stall (real server)
+async def _worker_connection(url: str) -> Client:
+    return await nats.connect(url, user="worker",
+                              password=PASSWORDS["TURNROUTER_WORKER_PASSWORD"],
+                              inbox_prefix="_INBOX_turnrouter_worker")
+
+
+async def _out_of_step(nc: Client, config: NatsConfig) -> None:
+    """FRONT's mirror holding five outputs of an output stream since deleted and made
+    again with one: a restart is due at once (out of step: no error, no patience)."""
+    js = nc.jetstream()
+    for k in range(5):
+        await js.publish("turnrouter.out.x", f"{k}".encode(), stream=NAME)
+    deadline = asyncio.get_running_loop().time() + 20
+    while json.loads((await nc.request(FRONT_INFO, b"", timeout=5)).data).get(
+            "state", {}).get("last_seq") != 5:
+        assert asyncio.get_running_loop().time() < deadline, "mirror never held 5"
+        await asyncio.sleep(0.05)
+    await api_request(nc, f"$JS.API.STREAM.DELETE.{NAME}")
+    await ensure_deployment(nc, config)
+    await js.publish("turnrouter.out.x", b"new", stream=NAME)
+
+
+async def test_two_workers_finding_one_stall_restart_the_mirror_once() -> None:
+    """Two workers whose restarts of the same out-of-step mirror come due together, with
+    no patience and no random wait (the race the second look cannot close: both look
+    again before either deletes), restart it once. The claim in the state bucket lets
+    one through; before it, both deleted and created, and readers of the first new
+    mirror lost what they had not read of it."""
+    server = NatsServer(config=DEPLOY / "nats-server.conf", env=PASSWORDS)
+    config = NatsConfig(url=server.url, front_api="$JS.FRONT.API")
+    first = second = None
+    try:
+        first, second = await _worker_connection(server.url), await _worker_connection(server.url)
+        kv = await ensure_deployment(first, config)
+        await _out_of_step(first, config)
+        stalled = json.loads((await first.request(FRONT_INFO, b"", timeout=5)).data)
+        kvs = (kv, await second.jetstream().key_value(config.bucket))
+
+        def claim(k: int) -> Callable[[str], Awaitable[bool]]:
+            return lambda stall: claim_restart(kvs[k], stall)
+
+        async with asyncio.timeout(30):
+            starts = await asyncio.gather(*(
+                heal_mirror(nc, config, MirrorWatch(patience=0.0, jitter=0.0), claim(k))
+                for k, nc in enumerate((first, second))))
+        assert sorted(start is None for start in starts) == [False, True], starts
+        restarted = json.loads((await first.request(FRONT_INFO, b"", timeout=5)).data)
+        assert restarted["created"] != stalled["created"]
+        # The loser, looking again, finds the new mirror well: nothing more to do.
+        again = MirrorWatch(patience=0.0, jitter=0.0)
+        assert await heal_mirror(second, config, again, claim(1)) is None
+        after = json.loads((await first.request(FRONT_INFO, b"", timeout=5)).data)
+        assert after["created"] == restarted["created"]
+    finally:
+        for nc in (first, second):
+            if nc is not None:
+                await nc.close()
+        server.close()
+
+
+async def test_a_restart_claim_is_taken_once_per_stall_and_again_when_stale() -> None:
+    """`claim_restart` on a real state bucket: the first claim of a stall wins, a second
+    of the same stall loses while the first is younger than 30 s, a claim of another
+    stall, an old claim (its worker died before restarting) and junk under the key are
+    taken over."""
+    server = NatsServer(config=DEPLOY / "nats-server.conf", env=PASSWORDS)
+    nc = None
+    try:
+        nc = await _worker_connection(server.url)
+        kv = await ensure_deployment(nc, NatsConfig(url=server.url))
+        assert await claim_restart(kv, "A/1/None")
+        assert not await claim_restart(kv, "A/1/None")
+        assert await claim_restart(kv, "B/1/None")
+        await kv.put(CLAIM_KEY, json.dumps({"stall": "B/1/None",
+                                            "at": time.time() - 31}).encode())
+        assert await claim_restart(kv, "B/1/None")
+        for junk in (b"", b"\xff", b"[]", b'{"stall": 1, "at": 2}', b'{"at": NaN}',
+                     b"x" * 5000):
+            await kv.put(CLAIM_KEY, junk)
+            assert await claim_restart(kv, "C/1/None"), junk
+        await kv.delete(CLAIM_KEY)
+        assert await claim_restart(kv, "C/1/None")
+    finally:
+        if nc is not None:
+            await nc.close()
+        server.close()

@@ -44,10 +44,13 @@ is numbers and times it read.
 
 Several workers may find the same stall at once: each waits a random moment and looks
 again before it deletes, and does nothing when the mirror changed meanwhile (another
-worker restarted it). That makes two restarts of one stall unlikely, not impossible
-(the readers then resume once more, and miss what the first new mirror held that they
-had not read yet). A mirror younger than
-`_YOUNG` seconds is not restarted for an error.
+worker restarted it). Then, before it deletes, it claims the stall in the state bucket
+(`claim_restart`: the key `mirror.restart`, written revision-checked, so of the workers
+that passed the second look together exactly one wins); the others leave it. Without
+the claim, a second restart would delete the mirror the first one had just made, and
+its readers would lose what they had not read of it. A claim whose worker died before
+restarting is taken again after `_CLAIM_SECS`. A mirror younger than `_YOUNG` seconds
+is not restarted for an error.
 
 Each worker's look is two STREAM.INFO requests a second (one every 30 s where nothing
 answers for the front ends' account).
@@ -58,22 +61,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import json
 import logging
 import random
 import re
-from collections.abc import Coroutine
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Literal
 
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from ..._exceptions import LifecycleError
 from ..._limits import is_logged
 from ._setup import FRONT_API, _output_mirror, _Refused, api_request
 from ._wire import NatsConfig
 
-__all__ = ["Look", "MirrorWatch", "StreamInfo", "decide", "heal_mirror", "read_info",
-           "restart_from", "watch_mirror"]
+__all__ = ["Look", "MirrorWatch", "StreamInfo", "claim_restart", "decide", "heal_mirror",
+           "read_info", "restart_from", "watch_mirror"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -83,6 +89,10 @@ _JITTER = 0.3  # at most this random wait before a restart's second look
 _YOUNG = 5.0  # seconds: a mirror this young is not restarted for an error
 _PATIENCE = 2.0  # seconds between the first look that found a restart due and the restart
 _MAX_DOUBLINGS = 7  # of the patience after restarts (2 s to 256 s), and of unanswered pauses
+#: The state bucket's key a worker claims a restart under, and how long a claim holds
+#: (a worker that died between its claim and its restart leaves the stall to others).
+CLAIM_KEY = "mirror.restart"
+_CLAIM_SECS = 30.0
 #: JetStream's "stream not found".
 _NOT_FOUND = 10059
 #: The last sequence a JetStream stream can have (an unsigned 64-bit integer).
@@ -151,18 +161,70 @@ class MirrorWatch:
         return pause
 
 
-async def watch_mirror(nc: Client, config: NatsConfig) -> None:
+#: Whether this worker may restart the mirror for a stall (`claim_restart`).
+Claim = Callable[[str], Awaitable[bool]]
+
+
+async def claim_restart(kv: Any, stall: str) -> bool:
+    """Whether this worker restarts the mirror for `stall` (the stalled mirror's
+    creation time and the restart's start): True when it wrote the claim under
+    `CLAIM_KEY` of the state bucket `kv` (nats-py's `KeyValue`), checked against the
+    revision it read, so of the workers that found the same stall at once one wins.
+    False when another worker's claim of the same stall is younger than `_CLAIM_SECS`
+    or its write came first. A value of junk under the key is written over."""
+    try:
+        entry = await kv.get(CLAIM_KEY)
+    except KeyNotFoundError:  # (never claimed, or deleted: `create` takes both)
+        entry = None
+    now = time.time()
+    if entry is not None:
+        held = _claim_of(entry.value)
+        if held is not None and held[0] == stall and abs(now - held[1]) < _CLAIM_SECS:
+            return False
+    value = json.dumps({"stall": stall[:500], "at": now}).encode()
+    try:
+        if entry is None:
+            await kv.create(CLAIM_KEY, value)
+        else:
+            await kv.update(CLAIM_KEY, value, last=entry.revision)
+    except KeyWrongLastSequenceError:
+        return False  # another worker's claim came first
+    return True
+
+
+def _claim_of(value: object) -> tuple[str, float] | None:
+    """The stall and time of a claim's value, None when it is not one."""
+    if not isinstance(value, bytes | bytearray) or len(value) > 2048:
+        return None
+    try:
+        claim = json.loads(value)
+    except ValueError:
+        return None
+    if not isinstance(claim, dict):
+        return None
+    stall, at = claim.get("stall"), claim.get("at")
+    if not isinstance(stall, str) or not isinstance(at, int | float) or at != at:
+        return None
+    return stall, float(at)
+
+
+async def watch_mirror(nc: Client, config: NatsConfig, kv: Any = None) -> None:
     """Look at the mirror about every `_WATCH` seconds for ever (cancel to stop), and
-    restart it when it stalled or fell out of step (`heal_mirror`). Where nothing
-    answers (a deployment of one account) it looks again only every `_QUIET` seconds;
-    unanswered looks (the subject refused by this user's permissions, a server away)
-    space the next ones out, doubling up to `_QUIET`."""
+    restart it when it stalled or fell out of step (`heal_mirror`), claiming each
+    restart in the state bucket `kv` first (`claim_restart`; None: no claim, for a
+    lone watcher). Where nothing answers (a deployment of one account) it looks again
+    only every `_QUIET` seconds; unanswered looks (the subject refused by this user's
+    permissions, a server away) space the next ones out, doubling up to `_QUIET`."""
     watch = MirrorWatch()
+
+    async def claim(stall: str) -> bool:
+        return await claim_restart(kv, stall)
+
     while True:
         pause = _WATCH * random.uniform(0.5, 1.5)
         if nc.is_connected:
             try:
-                await heal_mirror(nc, config, watch)
+                await heal_mirror(nc, config, watch, None if kv is None else claim)
             except Exception as exc:  # (nats-py, a refusal, a reply of junk)
                 pause = watch.failed(exc, pause, config.output_stream)
             else:
@@ -268,11 +330,13 @@ def decide(mirror: object, source: object, name: str) -> Look:
     return Look("restart", start, mine)
 
 
-async def heal_mirror(nc: Client, config: NatsConfig, watch: MirrorWatch) -> int | None:
+async def heal_mirror(nc: Client, config: NatsConfig, watch: MirrorWatch,
+                      claim: Claim | None = None) -> int | None:
     """One look at the mirror; when it stalled or fell out of step (or is missing), the
     output stream exists, and an earlier look long enough ago found the same
-    (`MirrorWatch.ripe`), restart (or make) it. Returns the sequence the mirror now
-    starts from (1: the output stream's start), None when nothing was done."""
+    (`MirrorWatch.ripe`), restart (or make) it, a restart only once `claim` (if given)
+    granted it. Returns the sequence the mirror now starts from (1: the output stream's
+    start), None when nothing was done."""
     api = config.front_api or FRONT_API
     name = config.output_stream
     seen = await _look(nc, api, name)
@@ -308,6 +372,8 @@ async def heal_mirror(nc: Client, config: NatsConfig, watch: MirrorWatch) -> int
             or again.mirror.created != created):
         return None
     start, mirror = again.start, again.mirror
+    if claim is not None and not await claim(f"{created}/{start[0]}/{start[1]}"):
+        return None  # another worker restarts it
     watch.due, watch.restarts = None, watch.restarts + 1
     # Remembered from before the delete: one whose reply is lost (or junk) may have
     # deleted it all the same, and the next look that finds it missing makes it again

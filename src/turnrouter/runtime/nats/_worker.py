@@ -211,7 +211,8 @@ class NatsWorker:
                 _keep_pins(nc, self._inboxes, self._pins, config, lambda: self._pulling),
                 name="pins"))
             # The front ends' mirror of the output stream, restarted when it stalls.
-            helpers.append(asyncio.create_task(watch_mirror(nc, config), name="mirror"))
+            helpers.append(asyncio.create_task(watch_mirror(nc, config, bucket),
+                                               name="mirror"))
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
                      for n in range(config.partitions)]
             # Our SUBs are on the server (see below) once a request is answered.
