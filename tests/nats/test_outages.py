@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -662,3 +663,40 @@ async def test_readiness_comes_back_after_a_check_that_failed_before_an_outage(
             worker.request_stop()
             async with asyncio.timeout(30):
                 await asyncio.gather(run, return_exceptions=True)
+
+
+class _Lines(logging.Handler):
+    """The messages of `turnrouter.runtime.nats` from now on; `seen` is set by a
+    message holding `mark`."""
+
+    def __init__(self, mark: str) -> None:
+        super().__init__(logging.WARNING)
+        self.mark, self.lines, self.seen = mark, list[str](), asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        if self.mark in self.lines[-1]:
+            self.seen.set()
+
+
+async def test_a_front_end_logs_an_outage_sparsely(nats_server: NatsServer) -> None:
+    """A front end retries a lost server every 0.25 s for ever: its connection errors
+    are logged the 1st, 2nd, 4th, 8th... time of an outage (and at least every 30 s),
+    not four lines a second."""
+    lines = _Lines("(8 errors in a row)")
+    logger = logging.getLogger("turnrouter.runtime.nats")
+    logger.addHandler(lines)
+    front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    try:
+        nats_server.crash()
+        async with asyncio.timeout(30):
+            await lines.seen.wait()  # (8 attempts: 2 s at least)
+        errors = [line for line in lines.lines if "NATS at" in line]
+        assert len(errors) == 4, errors  # the 1st, 2nd, 4th and 8th
+        assert [e.rpartition(" (")[2] for e in errors[1:]] == [
+            "2 errors in a row)", "4 errors in a row)", "8 errors in a row)"]
+        assert "127.0.0.1" in errors[0] and "errors in a row" not in errors[0]
+    finally:
+        logger.removeHandler(lines)
+        nats_server.restart()
+        await front.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -103,12 +104,23 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
                          f"{safe_error(config, error)}") from None
 
 
+#: Connection errors of a connection without `patience` (a front end's, retried for
+#: ever) less than this many seconds apart are one outage; within one, the 1st, 2nd,
+#: 4th, 8th... error is logged, and one at least every `_QUIET_LOG` seconds.
+_OUTAGE_GAP = 10.0
+_QUIET_LOG = 30.0
+
+
 class _Attempts:
-    """The failed attempts of a first connection (with `patience`: numbered in the log)."""
+    """The failed attempts of a first connection (with `patience`: numbered in the log,
+    each one), or of a connection retried for ever (without: its errors within one
+    outage logged sparsely, `logged`)."""
 
     def __init__(self, patience: float | None) -> None:
         self.patience, self.count, self.started = patience, 0, time.monotonic()
         self.last: BaseException | None = None
+        self._outage = 0  # errors of the current outage
+        self._previous = self._logged = -math.inf  # when the last error came, was logged
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -120,6 +132,23 @@ class _Attempts:
             return ""
         return f"connect attempt {self.count} failed ({self.elapsed():.1f} s of " \
                f"{self.patience:g} s): "
+
+    def logged(self) -> str | None:
+        """After `failed`: None when this error is not logged, else what its line adds.
+        Each one with `patience` (a bounded wait says where it is); without, the 1st,
+        2nd, 4th... of an outage (errors less than `_OUTAGE_GAP` s apart) and one at
+        least every `_QUIET_LOG` s: a front end retrying every 0.25 s would otherwise
+        log four lines a second for as long as the server is away."""
+        if self.patience is not None:
+            return ""
+        now = time.monotonic()
+        if now - self._previous >= _OUTAGE_GAP:
+            self._outage = 0
+        self._previous, self._outage = now, self._outage + 1
+        if self._outage & (self._outage - 1) and now - self._logged < _QUIET_LOG:
+            return None
+        self._logged = now
+        return "" if self._outage == 1 else f" ({self._outage} errors in a row)"
 
 
 def requires_tls(config: NatsConfig) -> bool:
@@ -256,8 +285,10 @@ def _error_callback(config: NatsConfig, refused: asyncio.Future[BaseException] |
             denials.record(*denied)  # logged there, once per subject
             return
         what = attempts.failed(exc) if attempts is not None else ""
-        logger.warning("turnrouter: NATS at %s: %s%s", config.safe_url, what,
-                       safe_error(config, exc))
+        after = attempts.logged() if attempts is not None else ""
+        if after is not None:
+            logger.warning("turnrouter: NATS at %s: %s%s%s", config.safe_url, what,
+                           safe_error(config, exc), after)
         if refused is not None and not refused.done() and _is_refusal(exc):
             refused.set_result(exc)
     return on_error
