@@ -10,6 +10,7 @@ and after it, in the test's own event loop, each with its own registry.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import pytest
@@ -24,8 +25,8 @@ from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, 
 from turnrouter.runtime.nats import NatsConfig, NatsWorker, encode_token
 
 from .app import make_router
-from .conftest import ROOT, NatsServer, metric_value, until_true
-from .crowd import Heard, ask, listening, serving
+from .conftest import ROOT, NatsServer, Worker, metric_value, until_true
+from .crowd import FAILURE, Heard, ask, listening, serving
 from .proxy import proxied
 
 #: What a participant refused for load hears (the test app keeps the default policy).
@@ -114,6 +115,84 @@ async def test_a_backlog_of_new_participants_is_refused_without_claiming_them(
             assert await ask(front, heard, "new0", "again") == "again|-|N"
         assert any(key.endswith(encode_token("new0")) for key in await kv.keys())
     assert [len(heard.finals[q.message_id]) for q in burst] == [1] * len(burst)
+
+
+@pytest.mark.anyio
+async def test_an_ended_turn_published_again_after_the_window_gets_no_busy_text(
+        nats_server: NatsServer) -> None:
+    """A query that ended (answered), published again once the streams' deduplication
+    window has passed and found past the bound: its participant's record says it ended,
+    so it gets no output, as any turn published again after the window; before, the
+    backlog's refusal (made without reading the record) said the busy text as the turn's
+    second final. The next query finds the history of the first."""
+    window = 1.5
+    config = NatsConfig(url=nats_server.url, partitions=1, dedup_window=window)
+    async with listening(config) as (front, heard):
+        first = UserQuery(participant_id="ann", text="a1")
+        async with serving(config, "before"):
+            await front.publish(first)
+            assert await finals(heard, first) == ["a1|-|N"]
+        answered = time.time()
+        await until_true(lambda: time.time() - answered > window + 0.5,
+                         "the streams' window passed", within=window + 10)
+        await front.publish(first)  # the same message: its id, its turn
+        tiny = NatsConfig(url=nats_server.url, partitions=1, dedup_window=window,
+                          max_input_wait=1e-6)
+        async with serving(tiny, "behind") as registry:
+            assert metric(registry, "turnrouter_nats_duplicates_dropped_total",
+                          'where="input"') == 0
+            nxt = UserQuery(participant_id="ann", text="a2")
+            await front.publish(nxt)  # after it on the partition: handled after it
+            assert await finals(heard, nxt) == [BUSY]
+            assert metric(registry, "turnrouter_nats_duplicates_dropped_total",
+                          'where="input"') == 1
+        async with serving(config, "after"):
+            assert await ask(front, heard, "ann", "a3") == "a3|a1|F"
+    assert [o.text for o in heard.finals[first.message_id]] == ["a1|-|N"]
+
+
+@pytest.mark.anyio
+async def test_a_turn_a_crash_left_in_flight_ends_before_a_later_query_is_refused(
+        nats_server: NatsServer) -> None:
+    """A participant whose turn was running on a replica killed -9 (its record marks the
+    turn in flight), and whose next query then waited past the bound: they hear the cut
+    turn's failure text, then the new query's busy text, in that order. Before, the
+    backlog's refusal (made without reading the record) said busy first, and the failure
+    text followed when the new owner swept the partition's records."""
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    async with listening(config) as (front, heard):
+        slow = UserQuery(participant_id="zoe", text="slow")
+        doomed = Worker(nats_server.url, "doomed", "--partitions", "1")
+        try:
+            kv = await front.connection.jetstream().key_value(config.bucket)
+            records = await kv.watch(f"0.{encode_token('zoe')}")
+            await front.publish(slow)
+            async with asyncio.timeout(15):  # its preamble: the turn runs
+                await heard.events.setdefault(f"started {slow.message_id}",
+                                              asyncio.Event()).wait()
+                async for entry in records:  # until the record marks it in flight
+                    if entry is not None and slow.message_id.encode() in (entry.value or b""):
+                        break
+            await records.stop()
+            # Its message acknowledged (after the mark): the stream, a work queue, no
+            # longer holds it, so only the record tells what ran.
+            js = front.connection.jetstream()
+            for _ in range(1500):
+                if (await js.stream_info(config.stream)).state.messages == 0:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the slow turn's message was never acknowledged")
+            doomed.signal(signal.SIGKILL)
+            doomed.proc.wait(15)
+        finally:
+            doomed.close()
+        late = UserQuery(participant_id="zoe", text="late")
+        await front.publish(late)
+        tiny = NatsConfig(url=nats_server.url, partitions=1, max_input_wait=1e-6)
+        async with serving(tiny, "survivor"):
+            assert await finals(heard, slow, late) == [FAILURE, BUSY]
+    assert heard.order["zoe"] == [slow.message_id, late.message_id]
 
 
 @pytest.mark.anyio

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 from ..._contracts import AgentTurn
 from ..._exceptions import (
@@ -39,7 +40,7 @@ from ..._logging import log_failure
 from ..._redact import preview
 from ..._router import AgentRouter
 from .._messages import UserQuery
-from ._ledger import Ledger, Participant
+from ._ledger import Ledger, Participant, recorded
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._wire import (
@@ -240,11 +241,17 @@ class Inputs:
         if kind == "query" and delivered == 1 and (
                 self._config.max_input_wait < waited < self._config.dedup_window) and not (
                 self.turns_of.of(pid) or message_id in getattr(
-                    self._ledger.people.get(pid), "ended", ())):
-            # A backlog's query, refused before its participant is claimed.
-            if await self._refuse_unclaimed(msg, pid, message_id, waited):
-                self._recent.add(key)
-                await self._ack(msg)
+                    self._ledger.people.get(pid), "ended", ())) and (
+                verdict := await self._unclaimed(pid, n, message_id)) != "claim":
+            # A backlog's query, refused before its participant is claimed (or, its
+            # record says, ended already: a publish repeated after the stream's window).
+            if verdict == "ended":
+                if metrics is not None:
+                    metrics.duplicate_inputs.inc()
+            elif not await self._refuse_unclaimed(msg, pid, message_id, waited):
+                return
+            self._recent.add(key)
+            await self._ack(msg)
             return
         state = await self._ledger.claim(pid, n)
         if state is None:
@@ -291,6 +298,25 @@ class Inputs:
             await router.interrupt(pid)
         self._recent.add(key)
         await self._ack(msg)
+
+    async def _unclaimed(self, pid: str, n: int, message_id: str) -> str:
+        """Whether an expired query of `pid` may be refused without a claim ("refuse"),
+        ended already ("ended": its record says so; it gets no output, as any turn
+        published again after the stream's window), or takes the claim ("claim"): its
+        record holds a turn left unended by a replica gone (its failure text comes
+        first) or endings maybe unheard, or cannot be read now. A participant served
+        here is known without a read."""
+        if pid in self._ledger.people:
+            return "refuse"
+        try:
+            record = await recorded(self._ledger, pid, n)
+        except (NatsError, ValueError):
+            return "claim"
+        if record is None:
+            return "refuse"
+        if record.inflight or record.outbox:
+            return "claim"
+        return "ended" if message_id in record.ended else "refuse"
 
     async def _refuse_unclaimed(self, msg: Msg, pid: str, message_id: str,
                                 waited: float) -> bool:
@@ -566,13 +592,15 @@ async def _stored_final(link: Link, output: _Output) -> object:
     stored (or found stored: the turn's final id is deduplicated), else what failed.
 
     A backlog's query (past `max_input_wait`, delivered once, no turn of its participant
-    running) is refused so, without a claim or a record: a backlog of new participants
-    was refused at a claim and two writes each, one at a time per partition, slower than
-    it grew. Nothing needs recording: a delivery of the query again (a crash before its
+    running, its record read and holding nothing unended: `Inputs._unclaimed`) is
+    refused so, without a claim or a write: a backlog of new participants was refused at
+    a claim and two writes each, one at a time per partition, slower than it grew.
+    Nothing needs recording: a delivery of the query again (a crash before its
     acknowledgment) is refused again, its wait only longer, and the stream drops its
-    busy text as the turn's second final; a final said for it before (an answer, a crash
-    ago) is still in the stream's deduplication window, since the query was stored less
-    than `dedup_window` ago (an older one is claimed and checked against its record)."""
+    busy text as the turn's second final; a final said for it before is in its record's
+    ended ids (checked), or, said a crash ago, still in the stream's deduplication
+    window, since the query was stored less than `dedup_window` ago (an older one is
+    claimed)."""
     try:
         seq, error = pub_ack(await link.request(*output))
     except (RequestFailed, ValueError) as exc:

@@ -42,7 +42,7 @@ from ._wire import (
     state_json,
 )
 
-__all__ = ["Ledger", "Participant", "fitted_record", "said"]
+__all__ = ["Ledger", "Participant", "fitted_record", "recorded", "said"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -162,6 +162,20 @@ def _read(value: bytes, pid: str) -> tuple[StateRecord, ParticipantSnapshot
     except ContractValueError as exc:
         return record, exc
     return record, parsed
+
+
+async def recorded(ledger: Ledger, pid: str, n: int) -> StateRecord | None:
+    """`pid`'s record (partition `n`) as `parse_record` reads it, its snapshot left
+    unread, without claiming it; None when there is none. Raises `NatsError` when the
+    server cannot say, `ValueError` for a record of junk (a claim quarantines it)."""
+    try:
+        entry = await ledger._kv.get(f"{n}.{encode_token(pid)}")
+    except KeyNotFoundError:
+        return None
+    data = entry.value or b""
+    if len(data) > _READ_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_record, data)
+    return parse_record(data)
 
 
 PublishEnding = Callable[[str, "Participant", Ending], Awaitable[None]]
