@@ -173,7 +173,7 @@ async def test_a_turn_a_crash_left_in_flight_ends_before_a_later_query_is_refuse
                 async for entry in records:  # until the record marks it in flight
                     if entry is not None and slow.message_id.encode() in (entry.value or b""):
                         break
-            await records.stop()
+            await records.stop()  # type: ignore[no-untyped-call]  # (nats-py)
             # Its message acknowledged (after the mark): the stream, a work queue, no
             # longer holds it, so only the record tells what ran.
             js = front.connection.jetstream()
