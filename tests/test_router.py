@@ -22,6 +22,7 @@ from turnrouter import (
     AgentTurn,
     ConfigurationError,
     ContractTypeError,
+    ContractValueError,
     DestinationContractError,
     DestinationResult,
     JsonLinesSink,
@@ -79,6 +80,37 @@ async def test_route_turn_refuses_callbacks_that_are_not_callable() -> None:
     assert h["weather"].calls == []
     routed = await h.router.route_turn(h.turn("rain?"), output=h.output, ending=h.output)
     assert routed.route == "weather" and routed.result.text == "weather answer"
+
+
+async def test_a_result_check_sees_the_result_before_the_router_records_it() -> None:
+    """route_turn(result_check=...) is called with the turn, the route and the result
+    before the router records the answer: raising there fails the turn as an exception
+    of answer() would (nothing in history, focus unchanged, the failure text only when
+    started() was not called, the exception raised); passing changes nothing. A check
+    that is not callable is named before any turn starts."""
+    h = Harness(ScriptedAgent("weather", results="focus", call_started=False),
+                decisions=ScriptedDecisions("weather"))
+    with pytest.raises(ContractTypeError, match="route_turn result_check must be callable"):
+        await h.router.route_turn(h.turn("x"), output=h.output, result_check=7)  # type: ignore[arg-type]
+    seen: list[tuple[str, str, str]] = []
+
+    def refuse(turn: AgentTurn, route: str, result: DestinationResult) -> None:
+        seen.append((turn.query, route, result.disposition))
+        raise ContractValueError("too long to carry")
+
+    with pytest.raises(ContractValueError, match="too long to carry"):
+        await h.router.route_turn(h.turn("rain?"), output=h.output, result_check=refuse)
+    assert seen == [("rain?", "weather", "focus")]
+    assert h.router.history_of("p1") == () and h.router.focus_of("p1") is None
+    assert h.output.texts == [FAILURE_TEXT]
+
+    def accept(turn: AgentTurn, route: str, result: DestinationResult) -> None:
+        seen.append((turn.query, route, result.disposition))
+
+    routed = await h.router.route_turn(h.turn("snow?"), output=h.output, result_check=accept)
+    assert routed.result.text == "weather answer" and seen[-1] == ("snow?", "weather", "focus")
+    assert [x.user for x in h.router.history_of("p1")] == ["snow?"]
+    assert h.router.focus_of("p1") == "weather"
 
 
 async def test_request_lists_eligible_candidates_in_registration_order() -> None:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from ._acknowledgment import AcknowledgmentPolicy, TimingEngine
 from ._clock import Clock, SystemClock
-from ._contracts import CLARIFY, AgentTurn, DecisionService, RoutableAgent
+from ._contracts import CLARIFY, AgentTurn, DecisionService, DestinationResult, RoutableAgent
 from ._destination import Destination
 from ._exceptions import ConfigurationError, ContractTypeError
 from ._limits import Overflows
@@ -36,6 +36,7 @@ __all__ = [
     "OutputCallback",
     "ParticipantCallback",
     "ParticipantChange",
+    "ResultCheck",
     "RouterConfig",
     "StatusCallback",
     "check_callable",
@@ -45,6 +46,9 @@ OutputCallback = Callable[[AgentTurn, str, str], Awaitable[None]]
 StatusCallback = Callable[[Literal["processing", "idle"], str], Awaitable[None]]
 ParticipantCallback = Callable[[str], Awaitable[None]]
 ParticipantChange = Callable[[str], object]
+#: `route_turn(result_check=...)`: `(turn, route, result)`, raising for a result the
+#: caller cannot carry.
+ResultCheck = Callable[[AgentTurn, str, DestinationResult], None]
 
 DEFAULT_CONTEXT_BUDGET_BYTES = 8192
 DEFAULT_MAX_PENDING_PATCHES = 8

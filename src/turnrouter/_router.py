@@ -28,6 +28,7 @@ from ._config import (
     OutputCallback,
     ParticipantCallback,
     ParticipantChange,
+    ResultCheck,
     RouterConfig,
     StatusCallback,
     check_callable,
@@ -381,6 +382,7 @@ class AgentRouter:
     async def route_turn(
         self, turn: AgentTurn, *, output: OutputCallback | None = None,
         report_heard: bool = False, ending: OutputCallback | None = None,
+        result_check: ResultCheck | None = None,
     ) -> RoutedResult:
         """Run one turn as `handle()` does, for a front end (runtime, framework adapter).
 
@@ -391,6 +393,12 @@ class AgentRouter:
 
         `ending` (default: `output`) receives the text the router itself ends the turn
         with (a clarification, the failure, busy or dropped-turn text), the turn's last.
+
+        `result_check(turn, route, result)` sees the destination's result before the
+        router records it (history, focus): a front end that says a returned text itself
+        raises there for one it cannot carry (`ContractValueError`), and the turn fails
+        as it would had `answer()` raised: nothing recorded, the failure text when
+        `started()` was not called yet, the exception raised by this call.
 
         With `report_heard=True` the front end reports when the answer's first audio
         was heard (`mark_heard`): first response and silence are measured to that
@@ -408,10 +416,14 @@ class AgentRouter:
             check_callable("route_turn output", emit)
         if ending is not None and not callable(ending):
             check_callable("route_turn ending", ending)
+        if result_check is not None and not callable(result_check):
+            check_callable("route_turn result_check", result_check)
         cfg, end = self._cfg, emit if ending is None else ending
         if cfg.load.busy:
             await _shed(cfg, self._registry, turn, end)
         running = _new_turn(cfg, self._registry, turn, (emit, end), bool(report_heard))
+        if result_check is not None:
+            running.result_check = result_check
         return RoutedResult(await running.execute(), running.answered_by)
 
     def mark_heard(self, participant_id: str, turn_id: str, at: float | None = None, *,

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from ._config import CLARIFY_ROUTE, DROPPED_TURN_TEXT, OutputCallback, RouterConfig
+from ._config import (
+    CLARIFY_ROUTE,
+    DROPPED_TURN_TEXT,
+    OutputCallback,
+    ResultCheck,
+    RouterConfig,
+)
 from ._context import _current
 from ._contracts import (
     POLICY_RATIONALE,
@@ -107,6 +113,8 @@ class Turn(TurnRun):
     output_failed = False
     obs: TurnObserver = NULL_TURN_OBSERVER
     answer: Answer | None = None
+    #: `route_turn(result_check=...)`: sees the result before it is recorded.
+    result_check: ResultCheck | None = None
 
     def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
                  emit: OutputCallback, report_heard: bool) -> None:
@@ -552,6 +560,8 @@ class Answer:
                     + ("(clarify)" if isinstance(result, DestinationResult) else "")
                 )
             result.__post_init__()  # again: object.__new__ skips validation
+            if owner.result_check is not None:
+                owner.result_check(owner.turn, route, result)
         except BaseException as exc:
             self.closed = True
             self._close_silence()

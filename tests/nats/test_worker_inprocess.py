@@ -127,12 +127,15 @@ def metric_value_of(registry: CollectorRegistry, name: str) -> float:
 
 
 class _Long(Destination):
-    """Answers "long" with a text over the output bound, anything else with "short"."""
+    """Answers "long" with a text over the output bound, anything else with "short|" and
+    the previous user text ("-" when none); returned, not said through `ctx.answer`."""
 
     async def answer(self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
                      ) -> DestinationResult:
         await started()
-        return DestinationResult(text="x" * 70_000 if turn.query == "long" else "short")
+        previous = turn.history[-1].user if turn.history else "-"
+        return DestinationResult(
+            text="x" * 70_000 if turn.query == "long" else f"short|{previous}")
 
 
 def _long_router(ctx: WorkerContext) -> AgentRouter:
@@ -145,12 +148,16 @@ async def test_an_answer_over_the_message_bound_ends_with_the_failure_text_named
     """An answer whose output exceeds `max_message_bytes` cannot go out: the turn ends
     with the failure text at once and the log names the bound. Before, it was held in
     the participant's record, whose write the server refused (over its 1 MiB payload
-    bound for a longer one): a misleading "state write failed", the participant reset."""
+    bound for a longer one): a misleading "state write failed", the participant reset.
+    The unsaid exchange is not in the history either: the next turn's previous one is
+    the last heard (before, the router had recorded it before the worker found it too
+    long, and under the default budget it pushed out everything heard before it)."""
     config = NatsConfig(url=nats_server.url)
     async with serving(config, "long", _long_router), listening(config) as (front, _):
         with caplog.at_level(logging.WARNING, logger="turnrouter"):
+            assert await answered(front, "zoe", "hi") == "short|-"
             assert await answered(front, "zoe", "long") == FAILURE
-            assert await answered(front, "zoe", "next") == "short"
+            assert await answered(front, "zoe", "next") == "short|hi"
     messages = [record.getMessage() for record in caplog.records]
     assert any("over max_message_bytes 65536" in m for m in messages), messages
     assert not any("state write failed" in m for m in messages), messages
@@ -230,9 +237,9 @@ async def test_a_turn_the_router_refuses_ends_with_the_failure_text_and_is_count
                            telemetry=Telemetry(registry=ctx.registry))
 
     async with serving(config, "full", factory) as registry, listening(config) as (front, _):
-        assert await answered(front, "kim", "hi") == "short"
+        assert await answered(front, "kim", "hi") == "short|-"
         assert await answered(front, "lee", "hi") == FAILURE
-        assert await answered(front, "kim", "again") == "short"
+        assert await answered(front, "kim", "again") == "short|hi"
         assert metric_value(generate_latest(registry).decode(),
                             "turnrouter_runtime_rejected_messages_total",
                             'reason="closed",topic="nats_input"') == 1

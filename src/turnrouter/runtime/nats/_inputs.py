@@ -28,7 +28,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from ..._contracts import AgentTurn
+from ..._contracts import AgentTurn, DestinationResult
 from ..._exceptions import (
     ContractValueError,
     LifecycleError,
@@ -412,23 +412,14 @@ class Inputs:
                 if status:
                     await router.report_status("processing", pid)
                 try:
-                    routed = await router.route_turn(turn, output=self._emit,
-                                                     ending=self._end)
+                    # A destination answering without `ctx.answer` (written for the
+                    # in-process router) has its returned text held by `_say_returned`.
+                    await router.route_turn(
+                        turn, output=self._emit, ending=self._end,
+                        result_check=functools.partial(self._say_returned, run, carrier))
                 finally:
                     if status:
                         await router.report_status("idle", pid)
-            if run.held is None and routed.result.disposition != "clarify":
-                # Answered without `ctx.answer` (a destination written for the in-process
-                # router): its result's text is the answer, held and recorded the same way.
-                # (A turn that returns was ended by the router itself only when it asked
-                # to clarify: failure, busy and dropped turns raise.)
-                try:
-                    self._hold(run, turn, routed.route or "none", routed.result.text, carrier)
-                except ContractValueError as exc:
-                    logger.warning("turnrouter: %s", exc)
-                    await self.publish_output(pid, turn.turn_id, "none",
-                                              self._config.failure_text, final=True,
-                                              carrier=carrier)
         except (TurnInterrupted, LifecycleError) as exc:
             closed = isinstance(exc, LifecycleError) and not isinstance(exc, RouterBusyError)
             if closed and not self._stopping():
@@ -502,6 +493,20 @@ class Inputs:
             self._hold(run, turn, route, text, self._router.trace_carrier())  # turn's span
             return
         await self.publish_output(turn.participant_id, turn.turn_id, route, text, final=True)
+
+    def _say_returned(self, run: _Running, carrier: dict[str, str], turn: AgentTurn,
+                      route: str, result: DestinationResult) -> None:
+        """`route_turn`'s result check: a destination that returned its text without
+        `ctx.answer` (written for the in-process router) has it held as the turn's
+        answer now, before the router records the exchange, so a text that cannot go out
+        (`ContractValueError`: over `max_message_bytes`, say) fails the turn with nothing
+        recorded, as it would through `ctx.answer`."""
+        if run.held is None:
+            try:
+                self._hold(run, turn, route, result.text, carrier)
+            except ContractValueError as exc:
+                logger.warning("turnrouter: %s", exc)  # (sizes and the turn id only)
+                raise
 
     def _hold(self, run: _Running, turn: AgentTurn, route: str, text: str,
               carrier: dict[str, str]) -> None:
