@@ -56,11 +56,12 @@ def redact_url(url: str) -> str:
     except ValueError:  # e.g. "http://user:pw@[" (an unclosed IPv6 host)
         return _masked_to_last_at(url)
     netloc = parts.netloc
-    if "@" in url and "@" not in netloc:
+    if url.count("@") > netloc.count("@"):
         # No host parsed ("user:pw@host/v1" without its scheme, "http:/user:pw@host",
-        # "//://user:pw@host"), or a password holding "/", "?" or "#" cut the host at
-        # "user:pw": what precedes the last "@" may be user info all the same (an "@"
-        # in a path or query is masked with it: safe, if more than needed).
+        # "//://user:pw@host"), or a password holding "/", "?" or "#" cut the user info
+        # short ("svc:p@ss/word@host": the parser's host is "ss"): what precedes the
+        # last "@" may be user info all the same (an "@" in a path or query is masked
+        # with it: safe, if more than needed).
         return _masked_to_last_at(url)
     if "@" in netloc:
         userinfo, _, hostport = netloc.rpartition("@")

@@ -194,12 +194,16 @@ URL_PARTS = st.text(st.sampled_from("ab1:/@[]%?#.-_ \u00e9"), max_size=12)
 @given(st.one_of(st.sampled_from(["nats", "tls", "ws", "http", "NATS", ""]), URL_PARTS),
        URL_PARTS, URL_PARTS, st.one_of(URL_PARTS, st.integers(-5, 70_000).map(str)))
 @example(scheme="//", before="", host="", port="")  # a scheme that leaves no "@" host
+@example(scheme="nats", before="ab@ET/x", host="127.0.0.1", port="4222")  # "/" cuts it
+@example(scheme="nats", before="p@ss?", host="h", port="1")
+@example(scheme="nats", before="p@ss#", host="h", port="1")
 def test_any_url_is_a_config_or_a_masked_configuration_error(scheme: str, before: str,
                                                              host: str, port: str) -> None:
     """Junk around a URL's parts (brackets, colons, percent signs, a port out of range,
     another scheme, no host) builds a config or raises ConfigurationError, nothing
-    else, and the error never shows the password the URL carried."""
-    url = f"{scheme}://svc:S3CRET{before}@{host}:{port}" if scheme else f"{host}:{port}"
+    else, and the error never shows the password the URL carried, also its part after
+    an "@", "/", "?" or "#" it holds (which ends the parser's user info early)."""
+    url = f"{scheme}://svc:{before}S3CRET@{host}:{port}" if scheme else f"{host}:{port}"
     try:
         shown = repr(NatsConfig(url=url))
     except ConfigurationError as exc:

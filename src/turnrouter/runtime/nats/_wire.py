@@ -107,6 +107,9 @@ def _server_problem(server: str) -> str | None:
         return "has no valid port or address"
     if not parsed.hostname:
         return "names no host"
+    if "@" in normalized.split("://", 1)[1].partition(parsed.netloc)[2]:
+        return ("has an '@' after its host: a password holding '/', '?', '#' or '@' "
+                "must be percent-encoded")
     return None
 
 
