@@ -700,3 +700,26 @@ async def test_a_front_end_logs_an_outage_sparsely(nats_server: NatsServer) -> N
         logger.removeHandler(lines)
         nats_server.restart()
         await front.close()
+
+
+async def test_a_server_back_taking_less_per_message_ends_the_worker(tmp_path: Path) -> None:
+    """A server that comes back (a restart with another configuration, or another server
+    of the URL list) taking less in one message than `max_message_bytes` plus headers:
+    the worker exits 1 saying so, naming both, as it refuses such a server at start.
+    Before, it served on, and an answer over the new bound was dropped unsaid (its turn
+    never ended) while its exchange entered the history."""
+    config = tmp_path / "nats.conf"
+    config.write_text("max_payload: 1048576\n")
+    server = NatsServer(config=config)
+    worker = start_worker(server.url, "--reconnect-for", "30")
+    try:
+        assert await line_with(worker.stdout, "worker patient ready", within=30)
+        server.crash()
+        config.write_text("max_payload: 16384\n")
+        await asyncio.to_thread(server.restart)
+        last = await line_with(worker.stderr, "came back taking less", within=30)
+        assert "max_payload, 16384 bytes" in last and "max_message_bytes 65536" in last
+        assert await asyncio.to_thread(worker.wait, 30) == 1
+    finally:
+        stop(worker)
+        server.close()

@@ -31,7 +31,7 @@ from ..._limits import is_logged
 from ._metrics import RuntimeMetrics
 from ._permissions import Denial, Denials, parse_denial
 from ._security import connect, safe_error
-from ._setup import FRONT_API, ensure_deployment
+from ._setup import FRONT_API, check_payload, ensure_deployment
 from ._wire import NatsConfig
 
 __all__ = ["MAX_OUTSTANDING_PINGS", "Connection", "Readiness", "connect_timeout", "ping_interval"]
@@ -227,6 +227,16 @@ class Connection:
         logger.warning("turnrouter: reconnected to NATS after %.1f s (%d attempts)", down,
                        self._attempts)
         self._down_since, self._attempts = None, 0
+        if self._nc is not None:
+            try:
+                # A server back with another configuration (or another server of the
+                # URL list) may take less per message than at start: outputs up to
+                # max_message_bytes would be dropped unsaid, their turns never ending.
+                check_payload(self._nc, self._config)
+            except ConfigurationError as exc:
+                self._why = f"the NATS server came back taking less: {exc}; exiting"
+                await self._closed()
+                return
         self.readiness.update("connection", None)
         self._reconnected()
 
