@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import nats
 from turnrouter import ContractValueError
@@ -250,3 +253,44 @@ async def test_a_publish_that_cannot_run_is_refused_up_front(
     assert [o.text for o in heard.finals[victim.message_id]] == ["mine|-|N"]
     assert await ask(fe, heard, "gus", "next") == "next|-|N"
     assert metric_value(worker.metrics(), "turnrouter_runtime_rejected_messages_total") == 0
+
+
+HEADER_TEXT = st.text(st.sampled_from("aZ09-_.:!#~ \t\r\n\x00\x7fü\u2028\ud800@/"), max_size=8)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.one_of(HEADER_TEXT, st.just("x" * 300), st.integers()),
+                       st.one_of(HEADER_TEXT, st.just("v" * 3000), st.none(), st.integers()),
+                       max_size=4))
+def test_any_extra_headers_are_published_as_given_or_refused_naming_them(
+        nats_server: NatsServer, headers: dict[Any, Any]) -> None:
+    """Whatever `publish(headers=...)` is given (names with spaces, colons, control or
+    non-ASCII characters, values that are not text or hold CR/LF or NUL, too many bytes):
+    a `ContractValueError` naming the header, nothing published, or the message stored
+    with exactly those headers. Before, a name NATS cannot carry was a `LifecycleError`
+    (which says: publish again, for ever) and a None value an `AttributeError`."""
+
+    async def publish() -> None:
+        front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url, partitions=1))
+        try:
+            js = front.connection.jetstream()
+            before = (await js.stream_info("TURNROUTER_IN")).state.messages
+            message = ParticipantJoined(participant_id="hdr")
+            refused: ContractValueError | None = None
+            try:
+                await front.publish(message, headers=headers)
+            except ContractValueError as exc:
+                refused = exc
+            if refused is not None:
+                assert "header" in str(refused)
+                assert (await js.stream_info("TURNROUTER_IN")).state.messages == before
+                return
+            stored = await js.get_last_msg(
+                "TURNROUTER_IN", f"turnrouter.p.0.{encode_token('hdr')}.joined")
+            assert {k: v for k, v in (stored.headers or {}).items()
+                    if k != "Nats-Msg-Id"} == headers
+        finally:
+            await front.close()
+
+    asyncio.run(publish())

@@ -16,8 +16,9 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from nats.aio.client import Client
@@ -171,19 +172,17 @@ class NatsFrontEnd:
         connection's permissions.
 
         `ContractValueError`, nothing published: a message over `max_message_bytes` as
-        JSON (workers would refuse it), a `Nats-*` key in `headers` (extra headers, e.g.
-        your own correlation ids), or a refusal of the server that a retry would meet
-        again."""
+        JSON (workers would refuse it), `headers` (extra headers, e.g. your own
+        correlation ids) holding a `Nats-*` key, a key that is not a header name
+        (`MAX_HEADER_NAME` characters of letters, digits and ``!#$%&'*+-.^_`|~``), a value
+        that is not a str or holds a control character, or more than `MAX_EXTRA_HEADERS`
+        bytes in all, or a refusal of the server that a retry would meet again."""
         try:
             kind = kind_of(message)
         except TypeError as exc:
             raise ContractTypeError(str(exc)) from exc
-        for key in headers or ():
-            if not isinstance(key, str) or key[:5].lower() == "nats-":
-                raise ContractValueError(
-                    f"publish() header {preview(key)}: Nats-* headers belong to the server "
-                    "and to this front end (its Nats-Msg-Id makes a retry run once); pass "
-                    "trace context and headers of your own only")
+        if headers:
+            _check_headers(headers)
         pid = getattr(message, "participant_id", None)
         # Scoped to the participant: two participants may reuse a message id.
         msg_id = message.message_id if pid is None else input_message_id(pid, message.message_id)
@@ -522,3 +521,39 @@ async def _deployment_exists(nc: Client, config: NatsConfig) -> bool:
     except TurnrouterError:
         return False
     return True
+
+
+#: Bounds of `publish()`'s extra headers: a name's length, and all of them (names and
+#: values) in bytes, within the 4 KiB a message's headers have beside its body.
+MAX_HEADER_NAME = 256
+MAX_EXTRA_HEADERS = 2048
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def _check_headers(headers: Mapping[str, str]) -> None:
+    """`ContractValueError` naming the first header NATS cannot carry as given, or one
+    that belongs to the server (`Nats-*`); the value is never shown."""
+    size = 0
+    for key, value in headers.items():
+        if not isinstance(key, str) or key[:5].lower() == "nats-":
+            raise ContractValueError(
+                f"publish() header {preview(key)}: Nats-* headers belong to the server "
+                "and to this front end (its Nats-Msg-Id makes a retry run once); pass "
+                "trace context and headers of your own only")
+        if len(key) > MAX_HEADER_NAME or not _HEADER_NAME.fullmatch(key):
+            raise ContractValueError(
+                f"publish() header {preview(key)} is not a header name: 1 to "
+                f"{MAX_HEADER_NAME} letters, digits or !#$%&'*+-.^_`|~")
+        try:
+            encoded = value.encode("utf-8") if isinstance(value, str) else None
+        except UnicodeEncodeError:  # a lone surrogate
+            encoded = None
+        if encoded is None or any(c < 32 or c == 127 for c in encoded):
+            raise ContractValueError(
+                f"publish() header {preview(key)}: its value must be a str of text "
+                "without control characters")
+        size += len(key) + len(encoded) + 4
+    if size > MAX_EXTRA_HEADERS:
+        raise ContractValueError(
+            f"publish() headers are {size} bytes, over {MAX_EXTRA_HEADERS}: a message's "
+            "headers have 4 KiB beside its body, trace context and its id included")
