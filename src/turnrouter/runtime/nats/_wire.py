@@ -89,6 +89,10 @@ _TEXT_FIELDS = ("user", "password", "token", "creds_file", "nkey_seed_file",
                 "tls_ca_file", "tls_cert_file", "tls_key_file")
 
 
+#: A prefix: one subject token that also names the streams and the bucket.
+_PREFIX = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
 def _server_problem(server: str) -> str | None:
     """What is wrong with one server of a NATS URL, read as nats-py reads it (a missing
     scheme is nats://, a missing port 4222), or None: a bad port or host was only found
@@ -263,9 +267,12 @@ class NatsConfig:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigurationError(
                 "NatsConfig.tls_cert_file and NatsConfig.tls_key_file go together")
-        if not self.prefix or any(c in self.prefix for c in " .*>\t\r\n"):
+        if not (isinstance(self.prefix, str) and _PREFIX.fullmatch(self.prefix)):
+            # It names streams (`<PREFIX>_IN`, at most 255 characters, of file names the
+            # server stores) and the bucket: ASCII letters, digits, "-" and "_" only.
             raise ConfigurationError(
-                f"NatsConfig.prefix must be one subject token, got {self.prefix!r}")
+                f"NatsConfig.prefix must be 1 to 64 ASCII letters, digits, '-' or '_' "
+                f"(one subject token that names streams), got {preview(self.prefix)}")
         if self.front_api is not None and not (
                 isinstance(self.front_api, str) and _API_PREFIX.fullmatch(self.front_api)
                 and not self.front_api.startswith("$JS.API")):
