@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import math
 import os
 import subprocess
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -1050,3 +1052,75 @@ async def test_a_turn_whose_start_fails_leaves_nothing_behind() -> None:
         assert (await h.say("second")).text == "conversation answer"
     assert h.router.load.turns_in_flight == 0
     await h.router.stop()
+
+
+class _StrayCancel(ScriptedAgent):
+    """Its `where` ("admit" or "answer", before or after `started()`) awaits a future
+    another task cancels, on its first turn: a `CancelledError` nobody asked for."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__("weather")
+        self.where = where
+
+    async def _stray(self) -> None:
+        self.where = ""  # once
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        loop.call_soon(future.cancel)  # a shared client closing, a sibling's cancel
+        await future
+
+    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
+        if self.where == "admit":
+            await self._stray()
+        return await super().admit(turn, focused=focused)
+
+    async def answer(self, turn: AgentTurn, *,
+                     started: Callable[[], Awaitable[None]]) -> DestinationResult:
+        if self.where == "answer after started":
+            await started()
+        if self.where.startswith("answer"):
+            await self._stray()
+        return await super().answer(turn, started=started)
+
+
+@pytest.mark.parametrize("where", ["admit", "answer", "answer after started"])
+async def test_a_stray_cancellation_in_a_destination_is_a_failure_not_an_interrupt(
+        where: str) -> None:
+    """A destination whose own awaited work was cancelled elsewhere (nothing cancelled the
+    turn) fails the turn like any error: `DestinationContractError` saying so, counted
+    `failed` (not `interrupted`, which dashboards read as a barge-in), the failure text
+    said once unless `started()` was called, and the caller's task goes on (before, it
+    ended as cancelled, and the participant heard nothing)."""
+    h = Harness(_StrayCancel(where), decisions=ScriptedDecisions("weather"))
+    task = asyncio.create_task(h.say("rain?"))
+    with pytest.raises(DestinationContractError, match="nothing cancelled the turn"):
+        await task
+    assert not task.cancelled()
+    assert h.observer.outcome("t1") == "failed"
+    assert h.output.texts == ([] if where.endswith("started") else [FAILURE_TEXT])
+    assert (await h.say("sun?")).text == "weather answer"  # the participant goes on
+
+
+async def test_a_stray_cancellation_in_the_decision_service_goes_to_the_default() -> None:
+    """A decision service raising a CancelledError nobody asked for is a decision failure:
+    the default destination answers (a classifier outage must not silence anyone)."""
+
+    h = Harness(ScriptedAgent("weather"),
+                decisions=ScriptedDecisions(asyncio.CancelledError("stray")))
+    assert (await h.say()).text == "conversation answer"
+    assert ("decision", None, "DestinationContractError") in h.observer.turns["t1"]
+
+
+async def test_an_outage_of_the_decision_service_is_logged_rarely(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A decision service failing on every turn is logged at its 1st, 10th, 100th...
+    failure, with the count (each is counted in telemetry): an outage at 100 turns a
+    second wrote 100 WARNING lines a second."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions(ConnectionError("down")))
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        for k in range(25):
+            assert (await h.say(f"q{k}")).text == "conversation answer"
+    lines = [r.getMessage() for r in caplog.records if "decision service" in r.getMessage()]
+    assert lines == [
+        "turnrouter: the decision service (1 failures so far) failed (ConnectionError)",
+        "turnrouter: the decision service (10 failures so far) failed (ConnectionError)"]

@@ -171,7 +171,8 @@ class RouterConfig:
 
     __slots__ = (
         "admission_timeout", "agents", "budget", "clarification_text", "cleanup", "clock",
-        "decisions", "default", "failure_text", "initialize", "load", "max_departed_participants",
+        "decision_failures", "decisions", "default", "failure_text", "initialize", "load",
+        "max_departed_participants",
         "max_history_exchanges", "max_participants", "max_patch_bytes", "max_pending",
         "max_waiting_turns",
         "observer", "output", "overflows", "release_timeout", "routes", "runtime_topics",
@@ -258,6 +259,9 @@ class RouterConfig:
                            ("failure_text", failure_text)):
             if not isinstance(text, str) or not text:
                 raise ConfigurationError(f"AgentRouter {name} must be a non-empty str")
+        #: Decision-service failures so far (the one count kept here, beside `load`):
+        #: logged at the 1st, 10th, 100th..., since an outage fails every turn.
+        self.decision_failures = 0
         self.runtime_topics: dict[str, Any] | None = None
         if any(topic is not None for topic in topics.values()):
             # The runtime package validates its own topics (the contract's ValueError /

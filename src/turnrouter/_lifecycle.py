@@ -16,6 +16,8 @@ from typing import Any
 
 import anyio
 
+from ._exceptions import DestinationContractError
+
 __all__ = ["DROPPED", "OwnedOperation", "TurnQueue", "TurnRun"]
 
 #: The reason of a waiting turn dropped because too many turns were waiting.
@@ -117,6 +119,22 @@ class TurnRun:
         """The turn starts running in `task`."""
         self.task = task
         self.base = task.cancelling()
+
+    def stray(self, exc: BaseException, what: str) -> BaseException:
+        """`exc`, or, for a plain `CancelledError` nobody asked for (work the turn
+        awaited raised it, a future cancelled elsewhere, while neither an interrupt nor
+        the caller cancelled the turn's task), a `DestinationContractError` saying so:
+        a failure, said and counted as one, not a silent turn read as a barge-in that
+        would end the caller's task as cancelled."""
+        task = self.task
+        if (type(exc) is not asyncio.CancelledError or self.reason or task is None
+                or task.cancelling() > self.base):
+            return exc
+        error = DestinationContractError(
+            f"{what} raised CancelledError, but nothing cancelled the turn (a future or "
+            "task it awaited was cancelled elsewhere)")
+        error.__cause__ = exc
+        return error
 
     def consume_cancel(self) -> bool:
         """Take back our own cancel request; True if an outer cancellation remains."""

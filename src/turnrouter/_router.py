@@ -386,25 +386,13 @@ class AgentRouter:
     ) -> RoutedResult:
         """Run one turn as `handle()` does, for a front end (runtime, framework adapter).
 
-        `output` receives this turn's control text (acknowledgments, preambles,
-        clarification, release and failure text) instead of the constructor's. The
-        result also names the route that answered. Same errors as `handle()`; a refused
-        turn is counted (outcome `refused`) and traced before `LifecycleError` is raised.
-
-        `ending` (default: `output`) receives the text the router itself ends the turn
-        with (a clarification, the failure, busy or dropped-turn text), the turn's last.
-
-        `result_check(turn, route, result)` sees the destination's result before the
-        router records it (history, focus): a front end that says a returned text itself
-        raises there for one it cannot carry (`ContractValueError`), and the turn fails
-        as it would had `answer()` raised: nothing recorded, the failure text when
-        `started()` was not called yet, the exception raised by this call.
-
-        With `report_heard=True` the front end reports when the answer's first audio
-        was heard (`mark_heard`): first response and silence are measured to that
-        moment (recorded when it is reported, possibly after this call returned), and
-        to `started()` when no report came before the participant's next turn or
-        departure. `started()` still suppresses a pending acknowledgment at once.
+        `output` gets the turn's control text instead of the constructor's; `ending`
+        (default: `output`) the text the router ends the turn with (clarification,
+        failure, busy, dropped). Same errors as `handle()`. `result_check(turn, route,
+        result)` sees a destination's result before it is recorded: raising there fails
+        the turn as `answer()` raising would. With `report_heard=True` the front end
+        reports the answer's first audio (`mark_heard`): first response and silence end
+        then (else at `started()`, which still suppresses a pending acknowledgment).
         """
         turn = _checked_turn(turn, "route_turn()")
         emit = output if output is not None else self._cfg.output

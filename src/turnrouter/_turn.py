@@ -44,6 +44,7 @@ from ._contracts import (
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
 from ._lifecycle import DROPPED, TurnRun
+from ._limits import is_logged
 from ._logging import log_failure
 from ._observer import (
     NULL_TURN_OBSERVER,
@@ -197,18 +198,6 @@ class Turn(TurnRun):
             self._finish(result.disposition, None)
         return result
 
-    async def dropped(self) -> None:
-        """Count a turn dropped from a full queue and tell the participant."""
-        turn = self.turn
-        self.cfg.overflows.report(
-            "waiting_turns", f"turn {turn.turn_id!r} of {turn.participant_id!r} dropped: "
-            f"more than max_waiting_turns ({self.cfg.max_waiting_turns}) waiting")
-        try:
-            await say_through(self.end, turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
-        except Exception as exc:
-            log_failure("telling %r that turn %s was dropped", exc, turn.participant_id,
-                        turn.turn_id)
-
     def _finish(self, outcome: TurnOutcome, error: BaseException | None) -> None:
         if self.observing:
             self.obs.finished(_new(TurnFinished, (
@@ -312,9 +301,12 @@ class Turn(TurnRun):
                 )
             if not checked_shape(decision):  # built around its constructor
                 decision.__post_init__()
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as raised:
+            exc = self.stray(raised, "decision service decide()")
+            if not isinstance(exc, Exception):
+                raise
             obs.decision_finished(token, DecisionFinished(request, None, exc))
-            log_failure("decision service", exc)
+            _decision_failed(cfg, exc)
             # A classifier outage must not silence the assistant.
             default = cfg.default
             if default is not None and aids[default].eligible and default not in excluded:
@@ -366,10 +358,13 @@ class Turn(TurnRun):
                     "not an Admission"
                 )
             admission.__post_init__()  # again: object.__new__ skips validation
-        except BaseException as exc:
+        except BaseException as raised:
+            exc = self.stray(raised, f"destination {route!r} admit()")
             self.obs.admission_finished(token, AdmissionFinished(
                 route, focused, None, None if _is_cancel(exc) else exc, False))
-            raise
+            if exc is raised:
+                raise
+            raise exc from raised
         disposition = admission.disposition
         if observing and admission is not _TIMED_OUT:  # a timeout was reported as such
             self.obs.admission_finished(token, _new(AdmissionFinished, (
@@ -562,7 +557,8 @@ class Answer:
             result.__post_init__()  # again: object.__new__ skips validation
             if owner.result_check is not None:
                 owner.result_check(owner.turn, route, result)
-        except BaseException as exc:
+        except BaseException as raised:
+            exc = owner.stray(raised, f"destination {route!r} answer()")
             self.closed = True
             self._close_silence()
             cancelled = _is_cancel(exc)
@@ -576,7 +572,9 @@ class Answer:
                     timed.record(route, seconds, True, owner.turn)
             obs.answer_finished(self._token, AnswerFinished(
                 route, None, None if cancelled else exc, cancelled))
-            raise
+            if exc is raised:
+                raise
+            raise exc from raised
         self.closed = True
         if self._said_at is not None:
             self._close_silence()
@@ -748,12 +746,33 @@ async def _wait_in_line(run: Turn) -> None:
                 cfg.observer.turn_started(_new(TurnStarted, (turn, state.focus))).finished(
                     TurnFinished("interrupted", None, state.focus, state.focus, 0, None))
             if run.reason == DROPPED:
-                await run.dropped()
+                await _dropped(run)
             raise TurnInterrupted(turn.participant_id, turn.turn_id, run.reason)
     except BaseException:
         load.in_flight -= 1
         raise
     load.waited(cfg.clock() - since)
+
+
+async def _dropped(run: Turn) -> None:
+    """Count a turn dropped from a full queue and tell the participant."""
+    turn, cfg = run.turn, run.cfg
+    cfg.overflows.report(
+        "waiting_turns", f"turn {turn.turn_id!r} of {turn.participant_id!r} dropped: "
+        f"more than max_waiting_turns ({cfg.max_waiting_turns}) waiting")
+    try:
+        await say_through(run.end, turn, CLARIFY_ROUTE, DROPPED_TURN_TEXT)
+    except Exception as exc:
+        log_failure("telling %r that turn %s was dropped", exc, turn.participant_id,
+                    turn.turn_id)
+
+
+def _decision_failed(cfg: RouterConfig, exc: Exception) -> None:
+    """Log a decision-service failure at the 1st, 10th, 100th... (an outage fails every
+    turn; each is counted in telemetry)."""
+    cfg.decision_failures += 1
+    if is_logged(cfg.decision_failures):
+        log_failure("the decision service (%d failures so far)", exc, cfg.decision_failures)
 
 
 async def bounded_release(

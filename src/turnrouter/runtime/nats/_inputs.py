@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 
 from ..._contracts import AgentTurn, DestinationResult
 from ..._exceptions import (
@@ -40,7 +39,7 @@ from ..._logging import log_failure
 from ..._redact import preview
 from ..._router import AgentRouter
 from .._messages import UserQuery
-from ._ledger import Ledger, Participant, recorded
+from ._ledger import Ledger, Participant, unclaimed
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._wire import (
@@ -242,7 +241,7 @@ class Inputs:
                 self._config.max_input_wait < waited < self._config.dedup_window) and not (
                 self.turns_of.of(pid) or message_id in getattr(
                     self._ledger.people.get(pid), "ended", ())) and (
-                verdict := await self._unclaimed(pid, n, message_id)) != "claim":
+                verdict := await unclaimed(self._ledger, pid, n, message_id)) != "claim":
             # A backlog's query, refused before its participant is claimed (or, its
             # record says, ended already: a publish repeated after the stream's window).
             if verdict == "ended":
@@ -298,25 +297,6 @@ class Inputs:
             await router.interrupt(pid)
         self._recent.add(key)
         await self._ack(msg)
-
-    async def _unclaimed(self, pid: str, n: int, message_id: str) -> str:
-        """Whether an expired query of `pid` may be refused without a claim ("refuse"),
-        ended already ("ended": its record says so; it gets no output, as any turn
-        published again after the stream's window), or takes the claim ("claim"): its
-        record holds a turn left unended by a replica gone (its failure text comes
-        first) or endings maybe unheard, or cannot be read now. A participant served
-        here is known without a read."""
-        if pid in self._ledger.people:
-            return "refuse"
-        try:
-            record = await recorded(self._ledger, pid, n)
-        except (NatsError, ValueError):
-            return "claim"
-        if record is None:
-            return "refuse"
-        if record.inflight or record.outbox:
-            return "claim"
-        return "ended" if message_id in record.ended else "refuse"
 
     async def _refuse_unclaimed(self, msg: Msg, pid: str, message_id: str,
                                 waited: float) -> bool:
@@ -416,7 +396,7 @@ class Inputs:
                     # in-process router) has its returned text held by `_say_returned`.
                     await router.route_turn(
                         turn, output=self._emit, ending=self._end,
-                        result_check=functools.partial(self._say_returned, run, carrier))
+                        result_check=functools.partial(_say_returned, self._hold, run, carrier))
                 finally:
                     if status:
                         await router.report_status("idle", pid)
@@ -493,20 +473,6 @@ class Inputs:
             self._hold(run, turn, route, text, self._router.trace_carrier())  # turn's span
             return
         await self.publish_output(turn.participant_id, turn.turn_id, route, text, final=True)
-
-    def _say_returned(self, run: _Running, carrier: dict[str, str], turn: AgentTurn,
-                      route: str, result: DestinationResult) -> None:
-        """`route_turn`'s result check: a destination that returned its text without
-        `ctx.answer` (written for the in-process router) has it held as the turn's
-        answer now, before the router records the exchange, so a text that cannot go out
-        (`ContractValueError`: over `max_message_bytes`, say) fails the turn with nothing
-        recorded, as it would through `ctx.answer`."""
-        if run.held is None:
-            try:
-                self._hold(run, turn, route, result.text, carrier)
-            except ContractValueError as exc:
-                logger.warning("turnrouter: %s", exc)  # (sizes and the turn id only)
-                raise
 
     def _hold(self, run: _Running, turn: AgentTurn, route: str, text: str,
               carrier: dict[str, str]) -> None:
@@ -586,6 +552,22 @@ class Inputs:
         headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
                    **carrier}
         return f"{self._out_prefix}{encode_token(pid)}", body, headers
+
+
+def _say_returned(hold: Callable[[_Running, AgentTurn, str, str, dict[str, str]], None],
+                  run: _Running, carrier: dict[str, str], turn: AgentTurn, route: str,
+                  result: DestinationResult) -> None:
+    """`route_turn`'s result check (`hold`: `Inputs._hold`): a destination that returned
+    its text without `ctx.answer` (written for the in-process router) has it held as the
+    turn's answer now, before the router records the exchange, so a text that cannot go
+    out (`ContractValueError`: over `max_message_bytes`, say) fails the turn with nothing
+    recorded, as it would through `ctx.answer`."""
+    if run.held is None:
+        try:
+            hold(run, turn, route, result.text, carrier)
+        except ContractValueError as exc:
+            logger.warning("turnrouter: %s", exc)  # (sizes and the turn id only)
+            raise
 
 
 def _expired(waited: float, bound: float) -> str:

@@ -42,7 +42,7 @@ from ._wire import (
     state_json,
 )
 
-__all__ = ["Ledger", "Participant", "fitted_record", "recorded", "said"]
+__all__ = ["Ledger", "Participant", "fitted_record", "recorded", "said", "unclaimed"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -176,6 +176,26 @@ async def recorded(ledger: Ledger, pid: str, n: int) -> StateRecord | None:
     if len(data) > _READ_OFF_LOOP_BYTES:
         return await asyncio.to_thread(parse_record, data)
     return parse_record(data)
+
+
+async def unclaimed(ledger: Ledger, pid: str, n: int, message_id: str) -> str:
+    """Whether an expired query of `pid` may be refused without a claim ("refuse"),
+    ended already ("ended": its record says so; it gets no output, as any turn
+    published again after the stream's window), or takes the claim ("claim"): its
+    record holds a turn left unended by a replica gone (its failure text comes first)
+    or endings maybe unheard, or cannot be read now. A participant served here is
+    known without a read."""
+    if pid in ledger.people:
+        return "refuse"
+    try:
+        record = await recorded(ledger, pid, n)
+    except (NatsError, ValueError):
+        return "claim"
+    if record is None:
+        return "refuse"
+    if record.inflight or record.outbox:
+        return "claim"
+    return "ended" if message_id in record.ended else "refuse"
 
 
 PublishEnding = Callable[[str, "Participant", Ending], Awaitable[None]]
