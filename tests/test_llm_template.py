@@ -90,6 +90,28 @@ def test_clean_acknowledgment() -> None:
     assert clean_acknowledgment(" \n ", 10) == ""
 
 
+@pytest.mark.parametrize(("reply", "said"), [
+    ("\u200b", ""), ("\x00", ""), ("\ufeff", ""), ("\x1b[2J", ""), ("**", ""), ("-", ""),
+    ("...", ""), ("<think>planning the reply", ""),
+    ("<think>x</think>One moment.", "One moment."),
+    ("plan: check the calendar</think>One moment.", "One moment."),  # opened in the prompt
+    ("<think><think>a</think>LEAK</think>Visible.", "Visible."),
+    ("Sure! Here's a short acknowledgment:\nLet me check.", "Let me check."),
+    ('{"text": "One moment"}', ""), ("User request: my card number is 4111", ""),
+    ("Helper: calendar", ""), ("**Checking** your \x1b[1mcalendar\x1b[0m now",
+                               "Checking your calendar now"),
+    ("One\u200b moment\u202e.", "One moment."), ("١٢٣", "١٢٣"),
+])
+def test_only_speakable_text_is_kept(reply: str, said: str) -> None:
+    """What an acknowledgment LLM replies is said only where something speakable is in
+    it: reasoning (closed, nested, opened by the prompt's template, cut off), escape
+    sequences, invisible and control characters and markdown emphasis go; a line with no
+    letter or digit, the model's lead-in ending with ":", JSON, and an echo of the
+    prompt's labelled lines (the user's request) are skipped. Before, each of these was
+    spoken as it came."""
+    assert clean_acknowledgment(reply, 80) == said
+
+
 def test_spoken_topic_of_a_huge_description_is_linear() -> None:
     """A megabyte of description words is scanned once; only its start is considered."""
     assert spoken_topic("calendar", "a" * 1_000_000) == "the calendar"

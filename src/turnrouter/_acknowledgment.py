@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from ._observer import (
     RouterObserver,
     TurnObserver,
 )
-from ._redact import strip_surrogates
+from ._redact import strip_reasoning, strip_surrogates
 from ._timing import (
     Prediction,
     RouteTimingPredictor,
@@ -81,6 +82,7 @@ Emit = Callable[[AgentTurn, str, str], Awaitable[None]]
 PROMPT_ROUTE = "Helper: "
 PROMPT_DESCRIPTION = "Helper description: "
 PROMPT_QUERY = "User request: "
+_PROMPT_LABELS = (PROMPT_ROUTE, PROMPT_DESCRIPTION, PROMPT_QUERY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,12 +163,28 @@ def acknowledgment_prompt(route: RoutingAid, query: str) -> str:
     return "\n".join(lines)
 
 
+#: What a speakable line may not hold: terminal escape sequences, then any control or
+#: format character (zero-width spaces, a BOM, bidi controls) and markdown emphasis.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]")
+_UNSPOKEN = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f"
+                       r"\u202a-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb*_#]")
+
+
 def clean_acknowledgment(text: str, max_chars: int) -> str:
-    """First non-empty line, unquoted, whitespace-normalized, cut at a word boundary;
-    lone surrogates (not storable as UTF-8) become U+FFFD."""
-    for raw in strip_surrogates(text[: max_chars * 4]).splitlines():
+    """The first speakable line of a reply, unquoted, whitespace-normalized, cut at a
+    word boundary ("" when there is none: no acknowledgment is said).
+
+    Reasoning is removed first (`<think>` blocks, closed, nested or not: as
+    `OpenAIChatClient` does for any `LLMService`), then escape sequences, control and
+    invisible characters and markdown emphasis. A line is speakable when it holds a
+    letter or digit and is neither the model's own lead-in (ending with ":"), an echo of
+    the prompt's labelled lines (`User request: ...`), nor JSON or markup. Lone
+    surrogates (not storable as UTF-8) become U+FFFD."""
+    text = strip_reasoning(strip_surrogates(text[: max_chars * 4]))
+    for raw in _UNSPOKEN.sub("", _ESCAPES.sub("", text)).splitlines():
         line = " ".join(raw.split()).strip().strip("\"'“”‘’`").strip()
-        if line:
+        if (line and any(c.isalnum() for c in line) and not line.endswith(":")
+                and line[0] not in "{[<" and not line.startswith(_PROMPT_LABELS)):
             break
     else:
         return ""

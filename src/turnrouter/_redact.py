@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "REDACTED", "has_surrogates", "looks_like_nkey_seed", "preview", "redact_text",
-    "redact_url", "strip_surrogates",
+    "redact_url", "strip_reasoning", "strip_surrogates",
 ]
 
 #: What replaces a secret.
@@ -136,3 +136,41 @@ def preview(value: object) -> str:
     except Exception:  # a broken __repr__ must not replace the real error
         return f"<{type(value).__name__} object>"
     return shown if len(shown) <= _PREVIEW_CHARS else shown[:_PREVIEW_CHARS - 3] + "..."
+
+
+#: A think tag: opening or closing, `think` or `thinking`, attributes allowed (bounded:
+#: a tag left open for ever is not a tag).
+_THINK_TAG = re.compile(r"<(/?)think(?:ing)?\b[^<>]{0,200}>", re.IGNORECASE)
+
+
+def strip_reasoning(text: str) -> str:
+    """`text` without reasoning, in one linear scan over its think tags (`<think>` or
+    `<thinking>`, any case, attributes allowed):
+
+    - a block and everything in it, nested blocks too, is removed;
+    - an opening tag never closed is removed with everything after it (a reasoning model
+      cut off by its token limit: only the text before it is visible);
+    - a closing tag with no opening one removes everything before it (a chat template
+      that opened the block in the prompt, as DeepSeek-R1 and Qwen3 templates do).
+    """
+    pieces: list[str] = []
+    position = depth = 0
+    for tag in _THINK_TAG.finditer(text):
+        closing = tag.group(1) == "/"
+        if depth == 0:
+            if closing:  # the reply so far was reasoning
+                pieces.clear()
+            else:
+                pieces.append(text[position:tag.start()])
+                depth = 1
+        elif closing:
+            depth -= 1
+        else:
+            depth += 1
+        position = tag.end()
+    if depth:
+        return "".join(pieces)  # unclosed: the rest is reasoning
+    if position == 0:
+        return text
+    pieces.append(text[position:])
+    return "".join(pieces)

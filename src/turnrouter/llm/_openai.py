@@ -36,7 +36,7 @@ import anyio.to_thread
 
 from .._exceptions import ConfigurationError
 from .._numbers import finite
-from .._redact import preview, redact_text, redact_url, strip_surrogates
+from .._redact import preview, redact_text, redact_url, strip_reasoning, strip_surrogates
 from ._errors import LLMError
 
 __all__ = ["DEFAULT_MAX_REPLY_BYTES", "MODEL_ENV_VARS", "OpenAIChatClient"]
@@ -48,8 +48,8 @@ DEFAULT_BASE_URL = "https://api.openai.com/v1"
 MODEL_ENV_VARS = ("TURNROUTER_LLM_MODEL", "OPENAI_MODEL")
 #: Default cap on a reply body (bytes); past it the call raises LLMError.
 DEFAULT_MAX_REPLY_BYTES = 1 << 20
-_THINK_OPEN = re.compile(r"<think>", re.IGNORECASE)
-_THINK_CLOSE = re.compile(r"</think>", re.IGNORECASE)
+_THINK_OPEN = re.compile(r"<think(?:ing)?\b", re.IGNORECASE)
+
 _BODY_PREVIEW = 500
 _READ_CHUNK = 64 * 1024
 # A body sharing an aligned window of this many characters with the prompt is withheld
@@ -337,33 +337,6 @@ class OpenAIChatClient:
             raise LLMError(f"chat completion at {self._shown_url} returned {what}, no "
                            f"visible text (HTTP {status})", status=status)
         return visible
-
-
-def strip_reasoning(text: str) -> str:
-    """`text` without reasoning, in one linear scan: `<think>...</think>` blocks (any
-    case) removed, and an opening tag that is never closed removed with everything after
-    it (a reasoning model cut off by its token limit: only the text before it is visible).
-
-    Same result as removing the regex `<think>.*?(</think>|\\Z)` (leftmost, shortest,
-    dot matching newlines). A regex doing this rescans the rest of the reply for every
-    opening tag (quadratic on many unclosed ones); this scan stops at the first opening
-    tag that has no closing tag after it.
-    """
-    pieces: list[str] = []
-    position = 0
-    while True:
-        opening = _THINK_OPEN.search(text, position)
-        if opening is None:
-            break
-        pieces.append(text[position:opening.start()])
-        closing = _THINK_CLOSE.search(text, opening.end())
-        if closing is None:
-            return "".join(pieces)  # unclosed: the rest is reasoning
-        position = closing.end()
-    if not pieces:
-        return text
-    pieces.append(text[position:])
-    return "".join(pieces)
 
 
 def _echoes(body: str, prompt: str) -> bool:
