@@ -82,7 +82,15 @@ async def test_parsed_route_and_confidence_become_decision_with_raw_rationale() 
         ("ROUTE = Billing\nConfidence = .5", "Billing", 0.5),
         ("Sure!\n`route: billing`\n\"confidence: 0.9\"\nbecause invoices", "billing", 0.9),
         ("**route**: 'support'\n", "support", None),
-        ("route: billing\nconfidence: 1.7", "billing", 1.0),
+        ("route: billing\nconfidence: 1.7", "billing", None),
+        ("route: billing\nconfidence: 85 %", "billing", 0.85),  # read as 1.0 before
+        ("route: billing\nconfidence: 85 percent", "billing", 0.85),
+        ("route: billing\nconfidence: 85", "billing", 0.85),
+        ("route: billing\nconfidence: 1/2", "billing", 0.5),  # read as 1.0 before
+        ("route: billing\nconfidence: 17/20", "billing", 0.85),
+        ("route: billing\nconfidence: 1/0", "billing", None),
+        ("route: billing\nconfidence: 150", "billing", None),
+        ("route: billing\nconfidence: \u0669\u0660%", "billing", None),  # not ASCII digits
         ("route: billing\nconfidence: -3", "billing", 0.0),
         ("route: billing\nconfidence: 85%", "billing", 0.85),
         ("route: billing\nconfidence: high", "billing", None),
@@ -94,7 +102,8 @@ async def test_parsed_route_and_confidence_become_decision_with_raw_rationale() 
 def test_parser_tolerates_format_variations(
     text: str, route: str | None, confidence: float | None
 ) -> None:
-    """Case, '=' separators, quotes, backticks, extra lines and bad numbers are handled."""
+    """Case, '=' separators, quotes, backticks, extra lines and bad numbers are handled: a
+    confidence that cannot be read is missing (the threshold's fallback), never one."""
     parsed = parse_classifier_output(text)
     assert parsed.route == route
     if confidence is None:

@@ -46,7 +46,11 @@ _RAW_LIMIT = 500
 # made a long run of spaces backtrack quadratically.
 _LINE_RE = re.compile(r"[*_`\"'#>\-\s]*(route|confidence)[*_`\"'\s]*[:=]\s*(.*)",
                       re.IGNORECASE | re.DOTALL)
-_NUMBER_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(%?)")
+#: A number (ASCII digits only: a reply in other digits is unreadable, not a guess),
+#: then maybe a percent sign or word, or a fraction's "/ denominator".
+_NUMBER_RE = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?)"
+                        r"(?:\s*(%|percent\b)|\s*/\s*(\d+(?:\.\d*)?))?",
+                        re.ASCII | re.IGNORECASE)
 _STRIP = " \t\"'`*_.,;"
 
 
@@ -64,8 +68,11 @@ def parse_classifier_output(text: str) -> ParsedClassification:
     """Parse the first `route:` and `confidence:` lines of a classifier reply.
 
     Tolerates any case, `=` instead of `:`, surrounding quotes, backticks or markdown
-    emphasis, and extra lines. A confidence is clamped to [0, 1]; a percentage ("85%")
-    is divided by 100; an unparsable or non-finite confidence counts as missing.
+    emphasis, and extra lines. A confidence is a number from 0 to 1; a percentage
+    ("85%", "85 %", "85 percent") or a whole number above 1 up to 100 ("85") is divided
+    by 100, a fraction ("1/2", "17/20") divided out; a negative one is 0; anything else
+    (another number over 1, not finite, a zero denominator, digits other than ASCII)
+    counts as missing, so a threshold then sends the turn to the fallback route.
     """
     route: str | None = None
     confidence: float | None = None
@@ -81,17 +88,23 @@ def parse_classifier_output(text: str) -> ParsedClassification:
         elif key == "confidence" and confidence is None:
             number = _NUMBER_RE.search(value)
             if number is not None:
-                try:
-                    parsed = float(number.group(0).rstrip("%"))
-                except ValueError:  # pragma: no cover - the regex only matches numbers
-                    continue
-                if number.group(1):
-                    parsed /= 100.0
-                if math.isfinite(parsed):
-                    confidence = min(1.0, max(0.0, parsed))
+                confidence = _confidence(*number.groups())
         if route is not None and confidence is not None:
             break
     return ParsedClassification(route, confidence)
+
+
+def _confidence(number: str, percent: str | None, denominator: str | None) -> float | None:
+    """The confidence a `confidence:` value says (`parse_classifier_output`), or None."""
+    value = float(number)
+    if denominator is not None:
+        below = float(denominator)
+        value = value / below if below > 0 else math.nan
+    elif percent is not None or (1.0 < value <= 100.0 and value.is_integer()):
+        value /= 100.0
+    if not math.isfinite(value) or value > 1.0:
+        return None
+    return max(0.0, value)
 
 
 def _check_template(template: str) -> None:
