@@ -1107,3 +1107,47 @@ def test_context_versions_past_their_bound_are_refused(version: int) -> None:
     with pytest.raises(ContractValueError, match="source_context_version"):
         ParticipantSnapshot.from_json(json.dumps({"participant_id": "p", "pending": [
             _held("p", "x", 0, source_context_version=version)]}))
+
+
+_MUTATIONS: list[tuple[str, str, object]] = [
+    ("snapshot", "participant_id", "x" * 1000), ("snapshot", "participant_id", ""),
+    ("snapshot", "participant_id", "p\ud800"), ("snapshot", "history_version", -1),
+    ("snapshot", "history_version", 2**80), ("exchange", "turn_id", "t" * 1000),
+    ("exchange", "turn_id", 7), ("exchange", "stamp_us", -1), ("exchange", "stamp_us", 2**70),
+    ("exchange", "user", "a\ud800"), ("pending", "created_at", float("nan")),
+    ("pending", "created_at", -5.0), ("pending", "patch_id", ""),
+    ("pending", "strategy", "append"),  # a plain str where the enum is
+]
+
+
+@pytest.mark.parametrize(("where", "field", "value"), _MUTATIONS)
+async def test_a_snapshot_changed_past_validation_is_refused_or_imports_as_it_exports(
+        where: str, field: str, value: object) -> None:
+    """A snapshot, one of its history entries or a pending patch changed after validation
+    (`object.__setattr__` on the frozen model): the import refuses it naming the problem,
+    installing nothing, or installs exactly what its export holds, which the next replica
+    imports unchanged and whose `stop()` works. Before, such a snapshot was installed and
+    its export failed (a bare pydantic error), so the participant could never move again,
+    and a pending patch's str strategy made the next `stop()` raise AttributeError."""
+    source = Harness(ScriptedAgent("conversation"))
+    await source.say("hello")
+    snapshot = source.router.export_participant("p1")
+    assert snapshot is not None
+    held = PendingContextPatch(patch_id="x1", participant_id="p1", task_id="t",
+                               patch=ContextPatch(task_id="t"), created_at=0.0)
+    target: object = {"snapshot": snapshot, "exchange": snapshot.history[0],
+                      "pending": held}[where]
+    object.__setattr__(target, field, value)
+    object.__setattr__(snapshot, "pending", (held,))
+    router = Harness(ScriptedAgent("conversation")).router
+    try:
+        router.import_participant(snapshot)
+    except (ContractValueError, ContractTypeError):
+        assert router.participants == frozenset()
+        return
+    exported = router.export_participant_json("p1")
+    assert exported is not None
+    again = Harness(ScriptedAgent("conversation")).router
+    again.import_participant(ParticipantSnapshot.from_json(exported))
+    assert again.export_participant_json("p1") == exported
+    await router.stop()

@@ -237,16 +237,26 @@ def checked_snapshot(snapshot: ParticipantSnapshot) -> ParticipantSnapshot:
             f"invalid participant snapshot: {type(exc).__name__} reading its fields") from exc
 
 
-def check_exportable(snapshot: ParticipantSnapshot) -> None:
-    """`ContractValueError` unless `snapshot`'s own JSON, as an export writes it (every
-    default field included), is within `MAX_SNAPSHOT_BYTES` in UTF-8: an import must not
-    accept a state whose export the next `from_json` refuses (a compact snapshot
-    leaving defaults out grows by their size)."""
-    size = len(snapshot.to_json().encode("utf-8", "surrogatepass"))
+def reimported(snapshot: ParticipantSnapshot) -> ParticipantSnapshot:
+    """`snapshot` exported and read back (`to_json`, then `from_json`): what an import
+    installs is then exactly what the next replica's import reads. `ContractValueError`
+    when it cannot be exported (a field set past validation with `object.__setattr__`,
+    nested ones too, holding what JSON cannot carry), when its export, every default
+    field included, is over `MAX_SNAPSHOT_BYTES` (a compact snapshot leaving defaults out
+    grows by their size), or names the field the export breaks."""
+    try:
+        data = snapshot.model_dump_json(warnings=False)
+    except (PydanticSerializationError, RecursionError, TypeError, ValueError,
+            AttributeError) as exc:
+        raise ContractValueError(
+            f"participant snapshot cannot be exported ({type(exc).__name__}): a field was "
+            "set past validation") from exc
+    size = len(data.encode("utf-8", "surrogatepass"))
     if size > MAX_SNAPSHOT_BYTES:
         raise ContractValueError(
             f"participant snapshot exports to {size} bytes, over MAX_SNAPSHOT_BYTES "
             f"({MAX_SNAPSHOT_BYTES}): no replica could import its export again")
+    return ParticipantSnapshot.from_json(data)
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, MAX_TIMESTAMP_US, AgentExchange
 from ._exceptions import ContractValueError, LifecycleError
-from ._frontend import ParticipantSnapshot, SnapshotExchange, SnapshotPatch, read_from_json
+from ._frontend import (
+    ParticipantSnapshot,
+    SnapshotExchange,
+    SnapshotPatch,
+    read_from_json,
+    reimported,
+)
 from ._history import History, Meta, view_items
 from ._lifecycle import OwnedOperation, TurnQueue
 from ._observer import ParticipantChanged
@@ -29,7 +35,8 @@ if TYPE_CHECKING:
     from ._turn import Answer, Turn
 
 __all__ = [
-    "Participant", "Phase", "Registry", "RouterPhase", "restore", "snapshot_json", "snapshot_of",
+    "Participant", "Phase", "Registry", "RouterPhase", "refuse_lossy", "restore", "snapshot_json",
+    "snapshot_of",
 ]
 
 
@@ -215,7 +222,14 @@ class Registry:
             raise LifecycleError(
                 f"participant {pid!r} refused: the router already holds {limit} participants "
                 "(max_participants); import_participant() refused")
-        restored = restore(snapshot, self.new_history())  # may raise: nothing changed yet
+        # Exported and read back (its checks above passed): what is installed is what the
+        # next replica imports, a field set past validation (object.__setattr__) caught.
+        try:
+            fresh = reimported(snapshot)
+        except ContractValueError:
+            restore(snapshot, self.new_history())  # names the patch, when one is the cause
+            raise
+        restored = restore(fresh, self.new_history())  # may raise: nothing changed yet
         if current is None:
             self._observer.participant_added(ParticipantChanged(pid))
         self.participants[pid] = restored
@@ -405,3 +419,27 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
     if snapshot.pending:
         state.pending = {held.patch_id: held for held in snapshot.pending}
     return state
+
+
+def refuse_lossy(snapshot: ParticipantSnapshot) -> None:
+    """`ContractValueError` when a patch of `snapshot`, applied or pending, holds a NaN or
+    an infinity: its export would carry them as null (an import that reads the export
+    back would take the changed value)."""
+    for item in snapshot.history:
+        if item.patch is None:
+            continue
+        try:
+            refuse_non_finite(item.patch.patch)
+        except ContractValueError as exc:
+            raise ContractValueError(
+                f"participant snapshot of {preview(snapshot.participant_id)} holds an applied "
+                f"patch its export could not carry: {exc}; import_participant() refused"
+            ) from None
+    for held in snapshot.pending:
+        try:
+            refuse_non_finite(held.patch)
+        except ContractValueError as exc:
+            raise ContractValueError(
+                f"participant snapshot of {preview(snapshot.participant_id)} holds a pending "
+                f"patch its export could not carry: {exc}; import_participant() refused"
+            ) from None

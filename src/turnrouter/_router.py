@@ -46,7 +46,6 @@ from ._frontend import (
     Departure,
     ParticipantSnapshot,
     RoutedResult,
-    check_exportable,
     checked_snapshot,
 )
 from ._lifecycle import OwnedOperation
@@ -62,7 +61,7 @@ from ._llm import LLMService
 from ._load import OverloadPolicy, RouterLoad
 from ._logging import log_failure
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
-from ._participants import Phase, Registry, RouterPhase
+from ._participants import Phase, Registry, RouterPhase, refuse_lossy
 from ._patch_desk import PatchDesk
 from ._patches import (
     AppliedContextPatch,
@@ -538,8 +537,10 @@ class AgentRouter:
             raise ContractTypeError(
                 f"import_participant() takes a ParticipantSnapshot, "
                 f"got {type(snapshot).__name__}")
-        snapshot = checked_snapshot(snapshot)  # model_construct() skipped validation
-        check_exportable(snapshot)
+        # Validated again (model_construct() skips it), then exported and read back: a
+        # field set past validation is caught, and the next replica imports what is here.
+        snapshot = checked_snapshot(snapshot)
+        refuse_lossy(snapshot)  # a NaN the export would make null
         _check_patch_owners(snapshot, self._patches)
         replaced = self._registry.install(snapshot, self._cfg.agents)
         if replaced is not None:
