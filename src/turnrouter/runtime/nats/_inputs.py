@@ -27,7 +27,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from ..._contracts import AgentTurn
+from ..._contracts import AgentTurn, _query_turn
 from ..._exceptions import (
     ContractValueError,
     LifecycleError,
@@ -379,7 +379,7 @@ class Inputs:
     async def _turn(self, pid: str, state: Participant, query: UserQuery,
                     carrier: dict[str, str], run: _Running) -> None:
         router = self._router
-        turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
+        turn = turn_of(query)  # checked by route_turn(), as every turn
         status = router.reports_status
         try:
             with router.continue_trace(carrier):
@@ -555,6 +555,15 @@ class Inputs:
         headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
                    **carrier}
         return f"{self._out_prefix}{encode_token(pid)}", body, headers
+
+
+def turn_of(query: UserQuery) -> AgentTurn:
+    """`AgentTurn(query.participant_id, query.message_id, query.text,
+    timestamp_us=query.timestamp_us)` without the constructor's check: a delivered query
+    is parsed by its validating model (`parse_input`), which checks what `AgentTurn`
+    does, and `route_turn()` checks the turn once more."""
+    return _query_turn(query.participant_id, query.message_id, query.text,
+                       query.timestamp_us)
 
 
 def _expired(waited: float, bound: float) -> str:
