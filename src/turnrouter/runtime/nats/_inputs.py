@@ -327,10 +327,7 @@ class Inputs:
 
     async def _start(self, pid: str, state: Participant, query: UserQuery, msg: Msg) -> bool:
         """Start the turn; True once its message may be acknowledged (module doc)."""
-        headers = msg.headers
-        carrier = trace_context(
-            ({k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
-             if headers else {}) or query.trace_carrier())  # bounded, never echoed raw
+        carrier = input_carrier(msg.headers, query)  # bounded, never echoed raw
         loop = asyncio.get_running_loop()
         run = self._running[(pid, query.message_id)] = _Running(loop)
         task = run.task = loop.create_task(self._turn(pid, state, query, carrier, run),
@@ -566,6 +563,15 @@ def turn_of(query: UserQuery) -> AgentTurn:
                        query.timestamp_us)
 
 
+def input_carrier(headers: dict[str, str] | None, query: UserQuery) -> dict[str, str]:
+    """The trace context a query's turn continues (`trace_context`): its message's
+    headers when they hold either W3C header, else the query's own fields.
+    (`trace_context` reads only those two headers: the rest are never looked at.)"""
+    if headers and ("traceparent" in headers or "tracestate" in headers):
+        return trace_context(headers)
+    return trace_context(query.trace_carrier())
+
+
 def _expired(waited: float, bound: float) -> str:
     return f"a query waited {waited:.1f} s in the stream > max_input_wait {bound:g} s"
 
@@ -591,5 +597,7 @@ async def _stored_final(link: Link, output: _Output) -> object:
 
 def _forget(outbox: list[Ending], ending: Ending) -> None:
     """The stream acknowledged `ending`: the participant's next write drops it."""
-    with contextlib.suppress(ValueError):
+    try:  # noqa: SIM105 (no context manager: every answer's acknowledgment comes here)
         outbox.remove(ending)
+    except ValueError:
+        pass
