@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from turnrouter import RouteTimingPredictor, TimingSample
@@ -34,6 +34,8 @@ def state(model: RouteModel) -> tuple[object, ...]:
 
 @settings(max_examples=150)
 @given(SAMPLES, st.sampled_from([0.3, 1.0, 100.0]), st.sampled_from([0.005, 0.2]))
+@example([(0.5, False)] * 400, 0.3, 0.005)  # renormalized (about every 150 samples)
+@example([(0.5, False), (0.2, True), (3, False)] * 150, 0.3, 0.005)
 def test_a_feature_class_learns_as_the_general_path_would(
         samples: list[tuple[float, bool]], half_life: float, hazard: float) -> None:
     """`add_plain` (a feature class's samples: one regime, no change detection) leaves
