@@ -72,7 +72,7 @@ def test_pull_requests_past_their_time_are_forgotten_as_a_full_scan_would(
     def now() -> float:
         return clock[0]
 
-    with mock.patch.object(_worker.time, "monotonic", now):
+    with mock.patch("turnrouter.runtime.nats._worker.time.monotonic", now):
         inbox = _worker._Inbox(0, "next", "reply", expires=1.0)
         for op, arg in steps:
             if op == "wait":
