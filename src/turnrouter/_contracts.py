@@ -119,6 +119,20 @@ def _turn_with_history(turn: AgentTurn, history: tuple[AgentExchange, ...]) -> A
     return copy
 
 
+def _query_turn(participant_id: str, turn_id: str, query: str,
+                timestamp_us: int | None) -> AgentTurn:
+    """A turn without history from a runtime's validated query, unchecked: its model
+    checked what `AgentTurn` checks, and `route_turn()` checks every turn it takes
+    again (one check per turn, not two)."""
+    turn: AgentTurn = _new(AgentTurn)
+    _set(turn, "participant_id", participant_id)
+    _set(turn, "turn_id", turn_id)
+    _set(turn, "query", query)
+    _set(turn, "history", ())
+    _set(turn, "timestamp_us", timestamp_us)
+    return turn
+
+
 def _exchange(user: str, assistant: str) -> AgentExchange:
     exchange: AgentExchange = _new(AgentExchange)
     _set(exchange, "user", user)

@@ -310,7 +310,9 @@ def snapshot_json(state: Participant, departed: bool) -> bytes:
         pieces += [_exchange_json(exchanges[index - start], items[index])
                    for index in range(done, end)]
     state.exported = (items, start, pieces)
-    history_json = b'"history":[' + b",".join(pieces) + b"]"
+    # The history's pieces are copied once into the snapshot (a participant's history is
+    # most of it, and it is exported on every turn of a NATS worker).
+    joined = b",".join(pieces)
     version = history.version
     pending = tuple(state.pending.values()) if state.pending else ()
     key = (state.focus, state.used, pending, state.initialized, departed)
@@ -324,9 +326,9 @@ def snapshot_json(state: Participant, departed: bool) -> bytes:
         at = data.find(marker)
         if at < 0:  # not the layout expected: no reuse
             state.exported_head = None
-            return data.replace(b'"history":[]', history_json, 1)
+            return data.replace(b'"history":[]', b'"history":[%s]' % joined, 1)
         head = state.exported_head = (key, data[:at], data[at + len(marker):])
-    return b'%s%s,"history_version":%d,%s' % (head[1], history_json, version, head[2])
+    return b'%s"history":[%s],"history_version":%d,%s' % (head[1], joined, version, head[2])
 
 
 def _exchange_json(exchange: AgentExchange, meta: Meta) -> bytes:

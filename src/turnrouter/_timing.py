@@ -427,7 +427,8 @@ class RouteTimingPredictor:
                 self._overflow["classes"] += 1
                 return
             sub = classes[key] = RouteModel()
-        sub.add(sample.seconds, sample.censored, self._class_settings)
+        # (Classes have one regime and no change detection: `add_plain` is their `add`.)
+        sub.add_plain(sample.seconds, sample.censored, self._class_settings)
 
     def load(self, samples: Iterable[TimingSample]) -> int:
         """Record samples in order (e.g. `load_samples(path)` after a restart)."""

@@ -332,6 +332,22 @@ class RouteModel:
             self.held = 0
         regime.used = tick
 
+    def add_plain(self, seconds: float, censored: bool, s: Settings) -> None:
+        """`add` for a model of one regime without change detection (a feature class's:
+        `threshold` None, `max_regimes` 1), the same state after it: no detector holds a
+        sample back and no filter runs, so each sample is learned at once (every turn's
+        sample comes here too, beside its route's `add`)."""
+        head, recent, censoring = self.head, self.recent, self.recent_censored
+        recent[head] = seconds
+        censoring[head] = censored
+        self.head = (head + 1) % _RECENT
+        if self.filled < _RECENT:
+            self.filled += 1
+        self.tick = tick = self.tick + 1
+        regime = self.regimes[self.cur]
+        regime.learn(recent[head], bool(censoring[head]), s.growth, s.alpha)
+        regime.used = tick
+
     def _shifted(self, run: int, mean: float) -> int:
         """How many of the last `run` samples are the new latency's: the suffix that
         best fits one new level, the samples before it fitting the old `mean` (least

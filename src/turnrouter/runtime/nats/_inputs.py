@@ -27,7 +27,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from ..._contracts import AgentTurn, DestinationResult
+from ..._contracts import AgentTurn, DestinationResult, _query_turn
 from ..._exceptions import (
     ContractValueError,
     LifecycleError,
@@ -333,10 +333,7 @@ class Inputs:
 
     async def _start(self, pid: str, state: Participant, query: UserQuery, msg: Msg) -> bool:
         """Start the turn; True once its message may be acknowledged (module doc)."""
-        headers = msg.headers
-        carrier = trace_context(
-            ({k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
-             if headers else {}) or query.trace_carrier())  # bounded, never echoed raw
+        carrier = input_carrier(msg.headers, query)  # bounded, never echoed raw
         loop = asyncio.get_running_loop()
         run = self._running[(pid, query.message_id)] = _Running(loop)
         task = run.task = loop.create_task(self._turn(pid, state, query, carrier, run),
@@ -385,7 +382,7 @@ class Inputs:
     async def _turn(self, pid: str, state: Participant, query: UserQuery,
                     carrier: dict[str, str], run: _Running) -> None:
         router = self._router
-        turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
+        turn = turn_of(query)  # checked by route_turn(), as every turn
         status = router.reports_status
         try:
             with router.continue_trace(carrier):
@@ -570,6 +567,24 @@ def _say_returned(hold: Callable[[_Running, AgentTurn, str, str, dict[str, str]]
             raise
 
 
+def turn_of(query: UserQuery) -> AgentTurn:
+    """`AgentTurn(query.participant_id, query.message_id, query.text,
+    timestamp_us=query.timestamp_us)` without the constructor's check: a delivered query
+    is parsed by its validating model (`parse_input`), which checks what `AgentTurn`
+    does, and `route_turn()` checks the turn once more."""
+    return _query_turn(query.participant_id, query.message_id, query.text,
+                       query.timestamp_us)
+
+
+def input_carrier(headers: dict[str, str] | None, query: UserQuery) -> dict[str, str]:
+    """The trace context a query's turn continues (`trace_context`): its message's
+    headers when they hold either W3C header, else the query's own fields.
+    (`trace_context` reads only those two headers: the rest are never looked at.)"""
+    if headers and ("traceparent" in headers or "tracestate" in headers):
+        return trace_context(headers)
+    return trace_context(query.trace_carrier())
+
+
 def _expired(waited: float, bound: float) -> str:
     return f"a query waited {waited:.1f} s in the stream > max_input_wait {bound:g} s"
 
@@ -597,5 +612,7 @@ async def _stored_final(link: Link, output: _Output) -> object:
 
 def _forget(outbox: list[Ending], ending: Ending) -> None:
     """The stream acknowledged `ending`: the participant's next write drops it."""
-    with contextlib.suppress(ValueError):
+    try:  # noqa: SIM105 (no context manager: every answer's acknowledgment comes here)
         outbox.remove(ending)
+    except ValueError:
+        pass

@@ -606,11 +606,17 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self.live.pop(token, None)
 
     def _prune(self) -> float:
-        """Forget the requests past their time; the current time."""
+        """Forget the requests past their time; the current time. `live` is in the order
+        of those times (a request is added with now + `lifetime`; `reconnected` moves
+        every one to the same later time), so the expired ones lead: each pull reads one
+        live request past them, not all."""
         now = time.monotonic()
-        if self.live:
-            for token in [t for t, (_, until) in self.live.items() if until <= now]:
-                del self.live[token]
+        live = self.live
+        while live:
+            token = next(iter(live))
+            if live[token][1] > now:
+                break
+            del live[token]
         return now
 
     def waiting_for(self) -> float:
