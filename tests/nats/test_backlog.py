@@ -152,6 +152,41 @@ async def test_an_ended_turn_published_again_after_the_window_gets_no_busy_text(
 
 
 @pytest.mark.anyio
+async def test_a_new_session_may_use_the_last_ones_ids_again(nats_server: NatsServer) -> None:
+    """A participant who left and joined again, numbering turns per session as front
+    ends do (`turn-1`, ...), is answered in the new session; a `left` reusing an earlier
+    message id departs them again (a fresh history follows). Before, once the streams'
+    deduplication window had passed, the new session's `turn-1` was taken for a replay
+    of the old one (no output at all: its record kept the old session's turn ids), and
+    the reused `left` for a duplicate (the worker's handled-input memory outlived the
+    stream's window), so the old session's history carried into the new one."""
+    window = 1.5
+    config = NatsConfig(url=nats_server.url, partitions=1, dedup_window=window)
+    async with listening(config) as (front, heard), serving(config, "sessions"):
+        one = UserQuery(participant_id="ivy", text="s1", message_id="turn-1")
+        await front.publish(one)
+        assert await finals(heard, one) == ["s1|-|N"]
+        await front.publish(ParticipantLeft(participant_id="ivy", message_id="bye"))
+        left = time.time()
+        await until_true(lambda: time.time() - left > window + 0.5,
+                         "the streams' window passed", within=window + 10)
+        await front.publish(ParticipantJoined(participant_id="ivy", message_id="hello"))
+        heard.events.pop("turn-1", None)
+        heard.finals.pop("turn-1", None)
+        again = UserQuery(participant_id="ivy", text="s2", message_id="turn-1")
+        await front.publish(again)
+        assert await finals(heard, again) == ["s2|-|N"]  # a fresh session: no history
+        two = UserQuery(participant_id="ivy", text="s2b", message_id="turn-2")
+        await front.publish(two)
+        assert await finals(heard, two) == ["s2b|s2|F"]
+        await front.publish(ParticipantLeft(participant_id="ivy", message_id="bye"))
+        await front.publish(ParticipantJoined(participant_id="ivy", message_id="hello2"))
+        three = UserQuery(participant_id="ivy", text="s3", message_id="turn-3")
+        await front.publish(three)
+        assert await finals(heard, three) == ["s3|-|N"]  # the reused "bye" departed them
+
+
+@pytest.mark.anyio
 async def test_a_turn_a_crash_left_in_flight_ends_before_a_later_query_is_refused(
         nats_server: NatsServer) -> None:
     """A participant whose turn was running on a replica killed -9 (its record marks the

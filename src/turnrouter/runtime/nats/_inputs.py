@@ -46,7 +46,7 @@ from ._wire import (
     Ending,
     NatsConfig,
     Rejected,
-    ack_metadata,
+    ack_info,
     decode_token,
     encode_token,
     output_message_id,
@@ -63,20 +63,24 @@ _RECENT = 4096  # bound of the handled-input id memory (duplicates beyond it are
 
 
 class _Recent:
-    """The last `bound` handled inputs, by (participant, message id): two participants
-    may use the same message id (duplicates older than that run again, unless their
-    participant's record says their turn ended; the input stream's own deduplication
-    window covers republished ids)."""
+    """The last `bound` handled inputs, by (participant, message id), each with its
+    stream sequence: a message delivered again (its acknowledgment lost) is the same
+    stream message, while one published again after the stream's deduplication window
+    (a new session reusing `turn-1`, a reused `left` id) is a new one and is handled.
+    Two participants may use the same message id. Duplicates older than the bound run
+    again, unless their participant's record says their turn ended."""
 
     def __init__(self, bound: int) -> None:
-        self._ids: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._ids: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._bound = bound
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._ids
+    def seen(self, key: tuple[str, str], seq: int) -> bool:
+        """Whether `key` was handled as stream message `seq` (0: unknown, any counts)."""
+        handled = self._ids.get(key)
+        return handled is not None and (handled == seq or not seq or not handled)
 
-    def add(self, key: tuple[str, str]) -> None:
-        self._ids[key] = None
+    def add(self, key: tuple[str, str], seq: int) -> None:
+        self._ids[key] = seq
         if len(self._ids) > self._bound:
             self._ids.popitem(last=False)
 
@@ -215,7 +219,7 @@ class Inputs:
         if not owned:
             self._reject(msg.subject, "not_owned", f"partition {n} is not owned here")
             return  # not acknowledged: the owner gets it
-        delivered, stored_ns = ack_metadata(msg.reply)
+        delivered, seq, stored_ns = ack_info(msg.reply)
         # How long the stream held it (0 when unknown: then it is never too old).
         waited = max(0.0, time.time() - stored_ns / 1e9) if stored_ns else 0.0
         metrics = self._metrics
@@ -227,7 +231,7 @@ class Inputs:
                 metrics.wait_delivery.observe(waited)
         message_id = message.message_id
         key = (pid, message_id)
-        if key in self._recent or key in self._running:
+        if self._recent.seen(key, seq) or key in self._running:
             if metrics is not None:
                 metrics.duplicate_inputs.inc()
             await self._ack(msg)
@@ -249,7 +253,7 @@ class Inputs:
                     metrics.duplicate_inputs.inc()
             elif not await self._refuse_unclaimed(msg, pid, message_id, waited):
                 return
-            self._recent.add(key)
+            self._recent.add(key, seq)
             await self._ack(msg)
             return
         state = await self._ledger.claim(pid, n)
@@ -284,6 +288,11 @@ class Inputs:
             elif not await self._start(pid, state, message, msg):
                 return  # fenced meanwhile: the message is the new owner's now
         elif kind == "joined":
+            # A new session: its turn ids may be the last one's again (`turn-1`). Every
+            # message before this one was handled (a partition delivers in order, also
+            # again after a crash), so only turns with an ending still to say are kept.
+            unsaid = {ending[0] for ending in state.outbox} | set(state.inflight)
+            state.ended = {turn: held for turn, held in state.ended.items() if turn in unsaid}
             router.readmit(pid)
             self._spawn(self._ledger.write(pid, state), "state write")
         elif kind == "left":
@@ -295,7 +304,7 @@ class Inputs:
                 else None)
         elif kind == "interrupt":
             await router.interrupt(pid)
-        self._recent.add(key)
+        self._recent.add(key, seq)
         await self._ack(msg)
 
     async def _refuse_unclaimed(self, msg: Msg, pid: str, message_id: str,

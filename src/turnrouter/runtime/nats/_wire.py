@@ -47,6 +47,7 @@ __all__ = [
     "NatsConfig",
     "Rejected",
     "StateRecord",
+    "ack_info",
     "ack_metadata",
     "ack_sequences",
     "decode_token",
@@ -743,6 +744,16 @@ def ack_metadata(reply: str | None) -> tuple[int, int]:
         return int(fields[2]), _stored(fields[5])
     except (IndexError, ValueError):
         return 1, 0
+
+
+def ack_info(reply: str | None) -> tuple[int, int, int]:
+    """The delivery count, stream sequence (0 when unknown) and stored time (Unix ns; 0
+    when unknown) in a JetStream ack subject (see `ack_metadata`)."""
+    fields = _ack_fields(reply)
+    try:
+        return int(fields[2]), int(fields[3]), _stored(fields[5])
+    except (IndexError, ValueError):
+        return 1, 0, 0
 
 
 def ack_sequences(reply: str | None) -> tuple[int, int, int] | None:
