@@ -144,3 +144,57 @@ def test_routing_turn_context_outside_a_turn() -> None:
 def test_exchange_size_is_utf8_bytes() -> None:
     """An exchange's size counts UTF-8 bytes of both sides."""
     assert AgentExchange("é", "ab").size_bytes() == 4
+
+
+class _Lying(str):
+    """A str whose methods lie: no bytes, equal to everything, hashed as "bob"."""
+
+    __slots__ = ()
+
+    def encode(self, *args: object, **kwargs: object) -> bytes:
+        return b""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return hash("bob")
+
+    def __len__(self) -> int:
+        return 0
+
+
+class _Agreeable(int):
+    """An int whose comparisons always pass."""
+
+    def __le__(self, other: object) -> bool:
+        return True
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+
+def test_subclasses_of_str_and_int_are_kept_as_their_plain_values() -> None:
+    """Contracts keep a str or int subclass's value as a plain `str` / `int`: the router
+    would otherwise trust the subclass's own `encode` (a history budget of no bytes),
+    `__eq__` / `__hash__` (one participant served as another) and comparisons (a
+    timestamp out of range accepted, then every export failing)."""
+    turn = AgentTurn(_Lying("eve"), _Lying("t1"), _Lying("x" * 100))
+    assert [type(v) for v in (turn.participant_id, turn.turn_id, turn.query)] == [str] * 3
+    assert turn.participant_id != "bob" and len(turn.query.encode()) == 100
+    exchange = AgentExchange(_Lying("q"), _Lying("a" * 10))
+    assert exchange.size_bytes() == 11
+    result = DestinationResult(_Lying("focus"), _Lying("text"))  # type: ignore[arg-type]
+    assert type(result.disposition) is str and result.disposition == "focus"
+    aid = RoutingAid(_Lying("weather"), _Lying("d"), priority=_Agreeable(3),
+                     eligibility=_Lying("ok"))
+    assert [type(v) for v in (aid.name, aid.description, aid.priority)] == [str, str, int]
+    decision = RouteDecision(_Lying("made-up"), scores={_Lying("w"): 1.0},
+                             rationale=_Lying("r"))
+    assert type(decision.choice) is str and decision.choice != "weather"
+    assert [type(key) for key in decision.scores] == [str]
+    with pytest.raises(ContractValueError, match="timestamp_us"):
+        AgentTurn("p", "t", "q", timestamp_us=_Agreeable(-5))
+    assert type(AgentTurn("p", "t", "q", timestamp_us=_Agreeable(5)).timestamp_us) is int
+    with pytest.raises(ContractValueError, match="must be one of"):
+        Admission(_Lying("anything"))

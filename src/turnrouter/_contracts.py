@@ -75,9 +75,17 @@ def _type_error(cls: str, name: str, expected: str, value: object) -> ContractTy
     return ContractTypeError(f"{cls}.{name} must be {expected}, got {_shown(value)}")
 
 
-def _check_str(cls: str, name: str, value: object, *, nonempty: bool = False) -> None:
+def _check_str(cls: str, name: str, value: object, *, nonempty: bool = False,
+               owner: object = None) -> str:
+    """`value` checked as a str field, as an exact `str`: a subclass's own methods
+    (`encode`, `__len__`, `__eq__`, `__hash__`) would be what the router trusts, so its
+    text is copied out, and set on `owner` when given (the frozen field)."""
     if not isinstance(value, str):
         raise _type_error(cls, name, "a str", value)
+    if type(value) is not str:
+        value = str.__str__(value)
+        if owner is not None:
+            object.__setattr__(owner, name, value)
     if nonempty and not value:
         raise ContractValueError(f"{cls}.{name} must not be empty")
     if not value.isascii() and has_surrogates(value):
@@ -85,11 +93,23 @@ def _check_str(cls: str, name: str, value: object, *, nonempty: bool = False) ->
             f"{cls}.{name} holds a lone surrogate code point: it is not valid text and "
             "cannot be stored as UTF-8"
         )
+    return value
 
 
-def _check_choice(cls: str, name: str, value: object, allowed: frozenset[str]) -> None:
+def _exact_int(value: object, owner: object, name: str) -> object:
+    """An int subclass's value as an exact `int`, set on `owner` (its comparisons are
+    the subclass's own otherwise); anything else as it is."""
+    if isinstance(value, int) and type(value) is not int and not isinstance(value, bool):
+        value = int.__index__(value)
+        object.__setattr__(owner, name, value)
+    return value
+
+
+def _check_choice(cls: str, name: str, value: object, allowed: frozenset[str],
+                  owner: object = None) -> None:
     if not isinstance(value, str):
         raise _type_error(cls, name, "a str", value)
+    value = _check_str(cls, name, value, owner=owner)
     if value not in allowed:
         raise ContractValueError(
             f"{cls}.{name} must be one of {sorted(allowed)}, got {preview(value)}"
@@ -172,9 +192,9 @@ class Admission:
                 and type(preamble) is str and (not preamble or preamble.isascii())
                 and type(text) is str and (not text or text.isascii())):
             return  # the common case, checked inline (validated on every turn)
-        _check_choice("Admission", "disposition", disposition, _ADMISSION_DISPOSITIONS)
-        _check_str("Admission", "preamble", preamble)
-        _check_str("Admission", "text", text)
+        _check_choice("Admission", "disposition", disposition, _ADMISSION_DISPOSITIONS, self)
+        _check_str("Admission", "preamble", preamble, owner=self)
+        _check_str("Admission", "text", text, owner=self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,8 +208,8 @@ class AgentExchange:
     excluding progress acknowledgments."""
 
     def __post_init__(self) -> None:
-        _check_str("AgentExchange", "user", self.user)
-        _check_str("AgentExchange", "assistant", self.assistant)
+        _check_str("AgentExchange", "user", self.user, owner=self)
+        _check_str("AgentExchange", "assistant", self.assistant, owner=self)
 
     def size_bytes(self) -> int:
         """UTF-8 size of the exchange, the unit of the router's history budget."""
@@ -232,20 +252,24 @@ class AgentTurn:
         if ts is not None:
             if not isinstance(ts, int) or isinstance(ts, bool):
                 raise _type_error("AgentTurn", "timestamp_us", "an int or None", ts)
+            if type(ts) is not int:
+                ts = int.__index__(ts)
+                object.__setattr__(self, "timestamp_us", ts)
             if not 0 <= ts <= MAX_TIMESTAMP_US:
                 raise ContractValueError(
                     f"AgentTurn.timestamp_us must be within [0, {MAX_TIMESTAMP_US}], "
                     f"got {preview(ts)}")
 
     def _check_text(self) -> None:
-        _check_str("AgentTurn", "participant_id", self.participant_id, nonempty=True)
-        _check_str("AgentTurn", "turn_id", self.turn_id, nonempty=True)
+        _check_str("AgentTurn", "participant_id", self.participant_id, nonempty=True,
+                   owner=self)
+        _check_str("AgentTurn", "turn_id", self.turn_id, nonempty=True, owner=self)
         if len(self.participant_id) > MAX_ID_CHARS or len(self.turn_id) > MAX_ID_CHARS:
             name = "participant_id" if len(self.participant_id) > MAX_ID_CHARS else "turn_id"
             raise ContractValueError(
                 f"AgentTurn.{name} must be at most MAX_ID_CHARS ({MAX_ID_CHARS}) characters, "
                 f"got {len(getattr(self, name))}")
-        _check_str("AgentTurn", "query", self.query)
+        _check_str("AgentTurn", "query", self.query, owner=self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,8 +292,9 @@ class DestinationResult:
         if (type(disposition) is str and disposition in _RESULT_DISPOSITIONS
                 and type(text) is str and text.isascii()):
             return  # the common case, checked inline (validated on every turn)
-        _check_choice("DestinationResult", "disposition", disposition, _RESULT_DISPOSITIONS)
-        _check_str("DestinationResult", "text", text)
+        _check_choice("DestinationResult", "disposition", disposition, _RESULT_DISPOSITIONS,
+                      self)
+        _check_str("DestinationResult", "text", text, owner=self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,13 +319,14 @@ class RoutingAid:
                 and type(self.eligible) is bool and type(eligibility) is str
                 and eligibility.isascii()):
             return  # the common case, checked inline (destinations often build one a turn)
-        _check_str("RoutingAid", "name", self.name, nonempty=True)
-        _check_str("RoutingAid", "description", self.description)
+        _check_str("RoutingAid", "name", self.name, nonempty=True, owner=self)
+        _check_str("RoutingAid", "description", self.description, owner=self)
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise _type_error("RoutingAid", "priority", "an int", self.priority)
+        _exact_int(self.priority, self, "priority")
         if not isinstance(self.eligible, bool):
             raise _type_error("RoutingAid", "eligible", "a bool", self.eligible)
-        _check_str("RoutingAid", "eligibility", self.eligibility)
+        _check_str("RoutingAid", "eligibility", self.eligibility, owner=self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,7 +407,7 @@ class RouteDecision:
     def __post_init__(self) -> None:
         choice = self.choice
         if not (type(choice) is str and choice and choice.isascii()):  # else checked inline
-            _check_str("RouteDecision", "choice", choice, nonempty=True)
+            _check_str("RouteDecision", "choice", choice, nonempty=True, owner=self)
         confidence = self.confidence
         if confidence is not None:
             if not isinstance(confidence, int | float) or isinstance(confidence, bool):
@@ -400,7 +426,7 @@ class RouteDecision:
             for key, value in scores.items():
                 if not isinstance(key, str):
                     raise _type_error("RouteDecision", "scores key", "a str", key)
-                _check_str("RouteDecision", "scores key", key)
+                key = _check_str("RouteDecision", "scores key", key)
                 if not isinstance(value, int | float) or isinstance(value, bool):
                     raise _type_error("RouteDecision", f"scores[{preview(key)}]", "a float",
                                       value)
@@ -416,7 +442,7 @@ class RouteDecision:
             object.__setattr__(self, "scores", MappingProxyType(frozen))
         rationale = self.rationale
         if not (type(rationale) is str and rationale.isascii()):  # else checked inline
-            _check_str("RouteDecision", "rationale", rationale)
+            _check_str("RouteDecision", "rationale", rationale, owner=self)
 
 
 @runtime_checkable
