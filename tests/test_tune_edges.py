@@ -3,10 +3,12 @@ carry credentials. `--timeout` bounds a whole query, and no password is ever sho
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +119,22 @@ def test_a_redirect_to_another_http_server_is_followed() -> None:
         target.close()
     # The redirected query (now a GET) reached the target, whose empty object is no answer.
     assert code == 2 and "Prometheus query failed" in err, err
+
+
+@pytest.mark.parametrize("command", [["tune", "--samples"], ["demo", "--duration", "1",
+                                                               "--samples"]])
+def test_a_fifo_as_samples_file_is_refused_at_once(tmp_path: Path, command: list[str]) -> None:
+    """`--samples` naming a FIFO (nobody on its other end): one line and status 2, at
+    once. Before, opening it blocked tune and the demo for ever."""
+    fifo = tmp_path / "samples.jsonl"
+    os.mkfifo(fifo)
+    results: list[tuple[int, str, str]] = []
+    runner = threading.Thread(target=lambda: results.append(run_cli([*command, str(fifo)])),
+                              daemon=True)
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive(), f"{command[0]} --samples FIFO still waiting after 30 s"
+    ((code, _out, err),) = results
+    assert code == 2 and err.count("\n") == 1 and "samples.jsonl" in err
+    # (a FIFO opened for writing with no reader: "No such device or address")
+    assert "not a regular file" in err or "No such device" in err

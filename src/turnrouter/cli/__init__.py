@@ -8,9 +8,11 @@ with one line on stderr and no traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import os
+import stat
 import sys
 from collections.abc import Sequence
 
@@ -160,8 +162,7 @@ def _demo(argv: Sequence[str]) -> int:
 
     if args.samples is not None:
         try:
-            with open(args.samples, "a", encoding="utf-8"):
-                pass
+            _writable_file(args.samples)
         except (OSError, ValueError) as exc:  # ValueError: a NUL or a lone surrogate
             print(f"turnrouter demo: error: --samples: cannot write {args.samples!r}: "
                   f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
@@ -224,6 +225,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Python flushes stdout at exit: point it at /dev/null so that does not fail too.
         _silence_stdout()
         return 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
+def _writable_file(path: str) -> None:
+    """Open `path` for appending without waiting (a FIFO with no reader would block the
+    demo before it starts): `OSError` unless it is a file (or a character device such as
+    /dev/null) it can write."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            raise OSError(errno.EINVAL, "not a regular file")
+    finally:
+        os.close(fd)
 
 
 def _silence_stdout() -> None:

@@ -36,8 +36,10 @@ import http.client
 import importlib
 import json
 import math
+import os
 import re
 import socket
+import stat
 import sys
 import threading
 import urllib.error
@@ -432,33 +434,50 @@ def read_samples(path: str, routes: set[str] | None) -> list[TimingSample]:
     """The samples of a JSON-lines samples file in file order (of `routes` only, when
     given); ValueError naming the file and line for anything malformed (junk,
     non-UTF-8, too deep, too long)."""
-    samples: list[TimingSample] = []
-    count = 0
     try:
-        handle = open(path, "rb")  # noqa: SIM115 (closed by the with below)
+        # Without waiting: a FIFO with no writer would block tune for ever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except ValueError as exc:  # a NUL or a lone surrogate in the path
         raise ValueError(f"{printable(path)}: cannot open: {exc}") from exc
-    with handle:
-        for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""),
-                                     1):
-            if len(raw) > MAX_LINE_BYTES:
-                raise ValueError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
-            try:
-                line = raw.decode("utf-8")
-                if not line.strip():
-                    continue
-                sample = TimingSample.from_json(line)
-            except RecursionError:
-                raise ValueError(f"{path}:{number}: invalid timing sample: nested too "
-                                 "deeply") from None
-            except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError
-                reason = " ".join(str(exc).split())[:200]
-                raise ValueError(f"{path}:{number}: invalid timing sample: {reason}") from exc
-            count += 1
-            if count > MAX_SAMPLES:
-                raise ValueError(f"{path}: more than {MAX_SAMPLES} samples")
-            if routes is None or sample.route in routes:
-                samples.append(sample)
+    except OSError as exc:
+        raise ValueError(f"{printable(path)}: cannot open: "
+                         f"{exc.strerror or exc}") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{printable(path)}: not a regular file")
+    handle = os.fdopen(fd, "rb")
+    try:
+        return _samples_of(handle, path, routes)
+    except OSError as exc:  # e.g. /proc/self/mem: an I/O error, named with its file
+        raise ValueError(f"{printable(path)}: cannot read: {exc.strerror or exc}") from exc
+    finally:
+        handle.close()
+
+
+def _samples_of(handle: IO[bytes], path: str, routes: set[str] | None) -> list[TimingSample]:
+    """`read_samples`'s reading of an open file, line by line."""
+    samples: list[TimingSample] = []
+    count = 0
+    for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""),
+                                 1):
+        if len(raw) > MAX_LINE_BYTES:
+            raise ValueError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
+        try:
+            line = raw.decode("utf-8")
+            if not line.strip():
+                continue
+            sample = TimingSample.from_json(line)
+        except RecursionError:
+            raise ValueError(f"{path}:{number}: invalid timing sample: nested too "
+                             "deeply") from None
+        except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError
+            reason = " ".join(str(exc).split())[:200]
+            raise ValueError(f"{path}:{number}: invalid timing sample: {reason}") from exc
+        count += 1
+        if count > MAX_SAMPLES:
+            raise ValueError(f"{path}: more than {MAX_SAMPLES} samples")
+        if routes is None or sample.route in routes:
+            samples.append(sample)
     return samples
 
 
