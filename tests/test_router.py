@@ -1124,3 +1124,20 @@ async def test_an_outage_of_the_decision_service_is_logged_rarely(
     assert lines == [
         "turnrouter: the decision service (1 failures so far) failed (ConnectionError)",
         "turnrouter: the decision service (10 failures so far) failed (ConnectionError)"]
+
+
+@pytest.mark.parametrize(("name", "problem"), [
+    ("clarify", "the router's own"), ("none", "the router's own"),
+    ("background", "the router's own"), ("_OTHER", "the router's own"),
+    ("a\ud800", "printable"), ("x" * 101, "1 to 100"), ("tab\there", "printable"),
+])
+def test_destination_names_the_router_gives_a_meaning_or_cannot_label_are_refused(
+        name: str, problem: str) -> None:
+    """A destination may not take a route name the router gives a meaning of its own
+    (`clarify` was answered by that destination instead of asking to clarify; `none`,
+    `background` and `_OTHER` made the router's own text and outcomes indistinguishable
+    from its), nor one that cannot label metrics (a lone surrogate failed every turn,
+    100 kB labelled every metric line): a ConfigurationError at construction."""
+    with pytest.raises(ConfigurationError, match=problem):
+        AgentRouter({name: ScriptedAgent(name), "conversation": ScriptedAgent("conversation")},
+                    ScriptedDecisions("conversation"), output=OutputRecorder())

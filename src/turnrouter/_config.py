@@ -22,7 +22,7 @@ from ._llm import LLMService
 from ._load import LoadMonitor, OverloadPolicy
 from ._numbers import finite
 from ._observer import Configured, RouterObserver
-from ._redact import preview
+from ._redact import has_surrogates, preview
 from ._timing import RouteTimingPredictor, TimingPredictor, TimingSink
 
 __all__ = [
@@ -49,6 +49,17 @@ ParticipantChange = Callable[[str], object]
 #: `route_turn(result_check=...)`: `(turn, route, result)`, raising for a result the
 #: caller cannot carry.
 ResultCheck = Callable[[AgentTurn, str, DestinationResult], None]
+
+#: The longest destination name (it is a label of every metric of its route).
+MAX_ROUTE_CHARS = 100
+#: Route names the router gives a meaning of its own: no destination may take them.
+RESERVED_ROUTES = {
+    "clarify": "a decision of it asks the participant to clarify",
+    "none": "the route of text no destination said (failure text) and of turns no "
+            "destination answered, in metrics",
+    "background": "the route of the router's questions about held context patches",
+    "_OTHER": "what spans record for a decision naming no candidate",
+}
 
 DEFAULT_CONTEXT_BUDGET_BYTES = 8192
 DEFAULT_MAX_PENDING_PATCHES = 8
@@ -147,6 +158,16 @@ def _agents(destinations: object) -> dict[str, RoutableAgent]:
             raise ConfigurationError(
                 f"AgentRouter destination names must be non-empty str, got {name!r}"
             )
+        if (type(name) is not str or len(name) > MAX_ROUTE_CHARS or has_surrogates(name)
+                or not name.isprintable()):
+            raise ConfigurationError(
+                f"AgentRouter destination name {preview(name)} must be a plain str of 1 to "
+                f"{MAX_ROUTE_CHARS} printable characters (it labels every metric of its "
+                "route)")
+        if name in RESERVED_ROUTES:
+            raise ConfigurationError(
+                f"AgentRouter destination name {name!r} is the router's own: "
+                f"{RESERVED_ROUTES[name]}; name the destination otherwise")
         check_instance(f"destination {name!r}", agent)
         if (isinstance(agent, Destination) and not hasattr(agent, "_aid")
                 and type(agent).routing_aid is Destination.routing_aid):
