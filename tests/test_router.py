@@ -1141,3 +1141,23 @@ def test_destination_names_the_router_gives_a_meaning_or_cannot_label_are_refuse
     with pytest.raises(ConfigurationError, match=problem):
         AgentRouter({name: ScriptedAgent(name), "conversation": ScriptedAgent("conversation")},
                     ScriptedDecisions("conversation"), output=OutputRecorder())
+
+
+@pytest.mark.parametrize("where", ["turn", "history", "admission", "result"])
+async def test_a_contract_object_built_without_its_fields_is_named(where: str) -> None:
+    """An `AgentTurn`, a seeded `AgentExchange`, or a destination's `Admission` or
+    `DestinationResult` built with `object.__new__` (no field ever set) is a
+    `ContractTypeError` naming the class and the field, as limits.md says of instances
+    that skipped validation; before, a bare `AttributeError`."""
+    admissions: Any = (object.__new__(Admission) if where == "admission" else "accept")
+    results: Any = (object.__new__(DestinationResult) if where == "result" else "answer")
+    h = Harness(ScriptedAgent("weather", admissions=admissions, results=results),
+                decisions=ScriptedDecisions("weather"))
+    turn = (object.__new__(AgentTurn) if where == "turn" else
+            h.turn("rain?", history=(object.__new__(AgentExchange),)) if where == "history"
+            else h.turn("rain?"))
+    name = {"turn": "AgentTurn.participant_id", "history": "AgentExchange.user",
+            "admission": "Admission.disposition",
+            "result": "DestinationResult.disposition"}[where]
+    with pytest.raises(ContractTypeError, match=rf"{name} was never set"):
+        await h.router.handle(turn)

@@ -32,6 +32,7 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RoutingAid",
+    "unset_field",
 ]
 
 AdmissionDisposition = Literal["accept", "decline", "clarify", "release"]
@@ -515,3 +516,12 @@ def say_through(callback: Callable[[AgentTurn, str, str], Awaitable[None]],
             f"output callback {name} returned {type(result).__name__}, not an awaitable: "
             "it must be an async function (async def output(turn, route, text))")
     return result
+
+
+def unset_field(obj: object, exc: AttributeError) -> ContractTypeError:
+    """The error for a contract object one of whose fields was never set (built with
+    `object.__new__`, which skips the constructor): it names the field."""
+    name = exc.name if isinstance(getattr(exc, "name", None), str) else "a field"
+    return ContractTypeError(
+        f"{type(obj).__name__}.{name} was never set (the object was built without its "
+        "constructor, e.g. object.__new__)")

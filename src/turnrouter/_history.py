@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._contracts import MAX_HISTORY_VERSION, AgentExchange
+from ._contracts import MAX_HISTORY_VERSION, AgentExchange, unset_field
 from ._patches import EMPTY_CONTEXT_HASH, PatchExchangeId, context_hash
 
 __all__ = ["History", "Meta", "MetaView", "view_items"]
@@ -104,7 +104,10 @@ class History:
         index = len(exchanges)
         while index > 0 and len(kept) < room:
             exchange = exchanges[index - 1]
-            exchange.__post_init__()  # only those read: a bypassed one names its field
+            try:
+                exchange.__post_init__()  # only those read: a bypassed one names its field
+            except AttributeError as exc:
+                raise unset_field(exchange, exc) from None
             size = len(exchange.user.encode()) + len(exchange.assistant.encode())
             if total + size > budget:
                 break

@@ -39,6 +39,7 @@ from ._contracts import (
     DecisionService,
     DestinationResult,
     RoutableAgent,
+    unset_field,
 )
 from ._departures import Departures
 from ._exceptions import ConfigurationError, ContractTypeError, ContractValueError, LifecycleError
@@ -594,7 +595,10 @@ def _checked_turn(turn: object, caller: str) -> AgentTurn:
     """`turn`, validated again: `object.__new__` / copy tricks skip validation."""
     if not isinstance(turn, AgentTurn):
         raise ContractTypeError(f"{caller} takes an AgentTurn, got {type(turn).__name__}")
-    turn.__post_init__()
+    try:
+        turn.__post_init__()
+    except AttributeError as exc:
+        raise unset_field(turn, exc) from None
     return turn
 
 

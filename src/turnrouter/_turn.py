@@ -41,6 +41,7 @@ from ._contracts import (
     _turn_with_history,
     checked_shape,
     say_through,
+    unset_field,
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
 from ._lifecycle import DROPPED, TurnRun
@@ -357,7 +358,10 @@ class Turn(TurnRun):
                     f"destination {route!r} admit() returned {type(admission).__name__}, "
                     "not an Admission"
                 )
-            admission.__post_init__()  # again: object.__new__ skips validation
+            try:
+                admission.__post_init__()  # again: object.__new__ skips validation
+            except AttributeError as missing:
+                raise unset_field(admission, missing) from None
         except BaseException as raised:
             exc = self.stray(raised, f"destination {route!r} admit()")
             self.obs.admission_finished(token, AdmissionFinished(
@@ -548,13 +552,15 @@ class Answer:
                     raise
             else:
                 result = await self._call_beside_sidecar(sidecar)
-            if not isinstance(result, DestinationResult) or result.disposition == "clarify":
-                raise DestinationContractError(
-                    f"destination {route!r} answer() must return DestinationResult answer, "
-                    f"focus or release, got {type(result).__name__}"
-                    + ("(clarify)" if isinstance(result, DestinationResult) else "")
-                )
-            result.__post_init__()  # again: object.__new__ skips validation
+            try:
+                if not isinstance(result, DestinationResult) or result.disposition == "clarify":
+                    raise DestinationContractError(
+                        f"destination {route!r} answer() must return DestinationResult "
+                        f"answer, focus or release, got {type(result).__name__}"
+                        + ("(clarify)" if isinstance(result, DestinationResult) else ""))
+                result.__post_init__()  # again: object.__new__ skips validation
+            except AttributeError as missing:
+                raise unset_field(result, missing) from None
             if owner.result_check is not None:
                 owner.result_check(owner.turn, route, result)
         except BaseException as raised:
