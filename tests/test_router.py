@@ -1161,3 +1161,30 @@ async def test_a_contract_object_built_without_its_fields_is_named(where: str) -
             "result": "DestinationResult.disposition"}[where]
     with pytest.raises(ContractTypeError, match=rf"{name} was never set"):
         await h.router.handle(turn)
+
+
+class _AidOf(ScriptedAgent):
+    """Its routing_aid returns None, or is written `async def` by mistake."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__("weather")
+        self.how = how
+
+    def routing_aid(self, participant_id: str) -> Any:
+        if self.how == "async":
+            async def aid() -> RoutingAid:
+                return RoutingAid("weather", "d")
+            return aid()
+        return None
+
+
+@pytest.mark.parametrize(("how", "named"), [("none", "returned NoneType"),
+                                            ("async", "def, not async def")])
+async def test_a_routing_aid_that_is_not_one_is_named(how: str, named: str) -> None:
+    """A destination whose `routing_aid()` returns None, or a coroutine (written `async
+    def`), fails the turn with a `DestinationContractError` naming the destination and
+    the method (the coroutine closed, never warned of as not awaited); before, a bare
+    `AttributeError: 'NoneType' object has no attribute 'name'`."""
+    h = Harness(_AidOf(how), decisions=ScriptedDecisions("weather"))
+    with pytest.raises(DestinationContractError, match=rf"'weather' routing_aid\(\).*{named}"):
+        await h.say()

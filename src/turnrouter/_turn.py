@@ -237,7 +237,10 @@ class Turn(TurnRun):
         # 1. Focus first: the owner's admission is not a routing attempt.
         owner = state.focus
         if owner is not None:
-            if not agents[owner].routing_aid(pid).eligible:
+            aid = agents[owner].routing_aid(pid)
+            if type(aid) is not RoutingAid:
+                aid = _named(aid, owner)
+            if not aid.eligible:
                 state.focus = None
                 self.obs.focus_transition(FocusChanged(owner, "lost"))
                 await self._release(owner, "ineligible")
@@ -252,7 +255,7 @@ class Turn(TurnRun):
         eligible: list[RoutingAid] = []
         for name, agent in agents.items():
             aid = agent.routing_aid(pid)
-            if aid.name != name:
+            if type(aid) is not RoutingAid or aid.name != name:
                 aid = _named(aid, name)
             aids[name] = aid
             if aid.eligible:
@@ -819,10 +822,12 @@ def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]
 def _named(aid: RoutingAid, name: str) -> RoutingAid:
     """The aid under its registered route name (the name decisions and labels use)."""
     if not isinstance(aid, RoutingAid):
+        if isawaitable(aid) and hasattr(aid, "close"):
+            aid.close()  # (an `async def routing_aid`: never awaited, so not warned of)
         raise DestinationContractError(
             f"destination {name!r} routing_aid() returned {type(aid).__name__}, "
-            "not a RoutingAid"
-        )
+            "not a RoutingAid" + (" (routing_aid is synchronous: def, not async def)"
+                                  if isawaitable(aid) else ""))
     return RoutingAid(name, aid.description, aid.priority, aid.eligible, aid.eligibility)
 
 
