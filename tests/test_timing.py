@@ -415,6 +415,21 @@ async def test_llm_reply_seconds_must_be_plausible() -> None:
     assert await _llm_seconds("about 3") is None
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize(("reply", "seconds"), [
+    ("seconds: 1e999", None), ("seconds: 5e-324", None), ("seconds: 10**9", None),
+    ("seconds: 3 minutes", None), ("seconds: 2.5.3", None),
+    ("<think>seconds: 1</think>seconds: 2", 2.0), ("seconds: 2.", 2.0),
+    ("seconds: 2.5s", 2.5), ("seconds: 4 seconds", 4.0),
+])
+async def test_an_llm_number_is_read_whole_or_not_at_all(reply: str,
+                                                         seconds: float | None) -> None:
+    """The number is read whole, in seconds, outside reasoning: `5e-324` was a confident
+    5 s, `1e999` 1 s, `3 minutes` 3 s, and a number inside `<think>` was taken (each
+    moved that turn's acknowledgment); now they are no prediction, or the visible one."""
+    assert await _llm_seconds(reply) == seconds
+
+
 # ---------------------------------------------------------------- clocks
 
 

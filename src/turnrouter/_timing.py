@@ -37,7 +37,7 @@ from ._contracts import AgentTurn
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
 from ._numbers import finite
-from ._redact import has_surrogates, preview
+from ._redact import has_surrogates, preview, strip_reasoning
 from ._timing_model import Histogram, Mixture, RouteModel, Settings
 from ._timing_trigger import Trigger, class_weight, pooled
 
@@ -641,7 +641,11 @@ def now_unix() -> float:
 
 # ---------------------------------------------------------------- LLM-assisted
 
-_SECONDS = re.compile(r"seconds\s*[:=]\s*([0-9]+(?:\.[0-9]+)?)", re.IGNORECASE)
+#: `seconds: <number>`, the number whole (not the start of `1e9` or `10**9`), and the
+#: word after it, which may only be a unit of seconds.
+_SECONDS = re.compile(r"seconds\s*[:=]\s*([0-9]+(?:\.[0-9]+)?)(?![0-9eE*^]|\.[0-9])\s*([A-Za-z]*)",
+                      re.IGNORECASE | re.ASCII)
+_SECOND_UNITS = frozenset(("", "s", "sec", "secs", "second", "seconds"))
 
 
 def timing_prompt(
@@ -662,9 +666,10 @@ def timing_prompt(
 
 
 def parse_seconds(reply: str) -> float | None:
-    """The `seconds: <number>` of a reply; None when absent or implausible."""
-    match = _SECONDS.search(reply)
-    if match is None:
+    """The `seconds: <number>` of a reply, its reasoning removed; None when absent,
+    implausible, written with an exponent, or in another unit ("3 minutes")."""
+    match = _SECONDS.search(strip_reasoning(reply))
+    if match is None or match.group(2).lower() not in _SECOND_UNITS:
         return None
     value = float(match.group(1))
     return value if 0.0 < value < 600.0 else None
