@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import MutableMapping
@@ -154,3 +156,28 @@ def test_a_junk_or_raising_reason_still_answers_503_on_one_bounded_line(said: An
 def test_serve_metrics_refuses_a_reason_that_is_not_callable(junk: Any) -> None:
     with pytest.raises(ContractTypeError, match="reason"):
         serve_metrics(0, registry=CollectorRegistry(), ready=lambda: True, reason=junk)
+
+
+@pytest.mark.parametrize("with_ready", [False, True])
+def test_idle_connections_hold_a_bounded_number_of_threads(with_ready: bool) -> None:
+    """300 connections that send nothing hold at most 256 of the server's threads: the
+    others are closed at once (before, each held a thread, 3,000 held 3,000), and a
+    scrape is answered once they are gone."""
+    server = serve_metrics(0, CollectorRegistry(), ready=(lambda: True) if with_ready else None)
+    before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+        closed = 0
+        for conn in idle[256:]:  # accepted last (the listen queue is in order): refused
+            conn.settimeout(15)  # (refused at once; at worst closed when idle, 5 s)
+            closed += conn.recv(1) == b""
+        assert closed == 300 - 256
+        assert threading.active_count() - before <= 256
+    finally:
+        for conn in idle:
+            conn.close()
+    with urllib.request.urlopen(server.url, timeout=10) as reply:
+        assert reply.status == 200
+    server.close()

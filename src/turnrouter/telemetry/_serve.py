@@ -22,7 +22,6 @@ from prometheus_client import (
     CollectorRegistry,
     make_asgi_app,
     make_wsgi_app,
-    start_http_server,
 )
 
 from .._exceptions import ContractTypeError
@@ -100,10 +99,7 @@ def serve_metrics(
     NATS", "stopping", ...): one line of at most `READY_REASON_CHARS` characters.
     """
     registry = REGISTRY if registry is None else registry
-    if ready is None:
-        server, thread = start_http_server(port, addr=addr, registry=registry)
-        return MetricsServer(server, thread)
-    if not callable(ready):
+    if ready is not None and not callable(ready):
         raise ContractTypeError(
             f"serve_metrics ready must be callable, got {type(ready).__name__}")
     if reason is not None and not callable(reason):
@@ -114,19 +110,54 @@ def serve_metrics(
     class Server(_ThreadingServer):
         address_family = family
 
-    httpd = make_server(addr, port, _with_readiness(make_wsgi_app(registry), ready, reason), Server,
-                        handler_class=_QuietHandler)
+    app = make_wsgi_app(registry)
+    httpd = make_server(addr, port, app if ready is None else _with_readiness(app, ready, reason),
+                        Server, handler_class=_QuietHandler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True,
                               name="turnrouter metrics")
     thread.start()
     return MetricsServer(httpd, thread)
 
 
+#: Connections served at once (one thread each); one more is closed at once.
+MAX_CONNECTIONS = 256
+#: Seconds a connection may stay silent before it is closed.
+IDLE_SECS = 5.0
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """One thread per connection, at most `MAX_CONNECTIONS` (idle ones closed after
+    `IDLE_SECS`), a listen backlog for bursts of probes: idle connections held one thread
+    each without bound (3,000 held 3,000 threads), and the default backlog of 5 refused
+    scrapes behind a burst of connects."""
+
     daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # full: closed at once, counted nowhere
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = IDLE_SECS  # (the socket's: a silent client is dropped)
+
     def log_message(self, format: str, *args: Any) -> None:
         """Probes every few seconds: no access log on stderr."""
 
