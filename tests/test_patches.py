@@ -131,6 +131,26 @@ async def test_append_keeps_earlier_background_exchanges_in_completion_order() -
     ]
 
 
+@pytest.mark.parametrize(("digest", "question"), [
+    (("",), "A background task finished."), (("   ",), "A background task finished."),
+    (("\x1b[2J\x00",), "A background task finished."),
+    (("<think>x</think>",), "A background task finished."),
+    (("<think>plan</think>Table booked.",), "A background task finished: Table booked."),
+    (("word " * 1000,), "A background task finished: " + ("word " * 32).strip() + "."),
+])
+async def test_a_held_patch_question_speaks_only_a_short_speakable_digest_line(
+        digest: tuple[str, ...], question: str) -> None:
+    """The question about a held patch says its digest's first line made speakable and
+    at most 160 characters (reasoning, escapes and control characters gone), or no
+    line at all when nothing of it is speakable; before, an empty line, NUL, a terminal
+    escape and 4,000 characters were spoken as they came."""
+    h, _agent = booking()
+    await h.say("book a table")
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="t", digest=digest),
+                                       "human_gated")
+    assert h.output.spoken[-1].text == f"{question} Should I add this to our conversation?"
+
+
 async def test_replace_swaps_the_background_context_and_keeps_the_conversation() -> None:
     """`replace` removes every earlier background exchange, then adds its own."""
     h, _agent = booking()

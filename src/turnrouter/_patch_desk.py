@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 
+from ._acknowledgment import clean_acknowledgment
 from ._config import (
     PATCH_ROUTE,
     OutputCallback,
@@ -42,6 +43,9 @@ from ._patches import (
 from ._redact import preview
 
 __all__ = ["PatchDesk"]
+
+#: The longest digest line a held patch's question speaks (cut at a word boundary).
+MAX_QUESTION_DIGEST_CHARS = 160
 
 logger = logging.getLogger("turnrouter")
 
@@ -280,7 +284,9 @@ class PatchDesk:
                         "approval without a question", held.patch_id)
             return
         digest = held.patch.digest
-        what = f"A background task finished: {digest[0]}" if digest else (
+        # Spoken: its first line made speakable and short (or none, if nothing is).
+        line = clean_acknowledgment(digest[0], MAX_QUESTION_DIGEST_CHARS) if digest else ""
+        what = f"A background task finished: {line}" if line else (
             "A background task finished")
         text = f"{what.rstrip('.')}. Should I add this to our conversation?"
         turn = AgentTurn(held.participant_id, f"patch:{held.patch_id}", "")
