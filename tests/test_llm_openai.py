@@ -243,6 +243,29 @@ def test_invalid_configuration_is_rejected(monkeypatch: pytest.MonkeyPatch) -> N
         OpenAIChatClient("m", base_url="http://x").request_body("p", max_tokens=0)
 
 
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"extra_body": {"max_tokens": 999_999}}, "extra_body may not set"),
+    ({"extra_body": {"messages": []}}, "extra_body may not set"),
+    ({"extra_body": {"stream": True}}, "extra_body may not set"),
+    ({"extra_body": {"seed": float("nan")}}, "extra_body must be JSON"),
+    ({"extra_body": {"x": object()}}, "extra_body must be JSON"),
+    ({"max_tokens_field": "messages"}, "max_tokens_field"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": 5.0}, "temperature"),
+    ({"timeout_secs": 1e308}, "timeout_secs"),
+])
+def test_settings_that_would_break_or_uncap_every_request_are_refused(
+        settings: dict[str, Any], named: str) -> None:
+    """Settings that would override the max_tokens cap, replace the prompt or stream,
+    send NaN (not JSON: the provider refuses every call), or a timeout the platform's
+    clock cannot hold (every call an OverflowError) are a ConfigurationError naming
+    them; before, each was accepted and sent."""
+    with pytest.raises(ConfigurationError, match=named):
+        OpenAIChatClient("m", base_url="http://x", max_tokens_limit=64, **settings)
+    body = OpenAIChatClient("m", base_url="http://x", max_tokens_limit=64,
+                            extra_body={"seed": 7}).request_body("p", max_tokens=500)
+    assert body["max_tokens"] == 64 and body["seed"] == 7
+
+
 def reply(content: Any) -> dict[str, Any]:
     """A chat-completions reply carrying `content`."""
     return {"choices": [{"message": {"role": "assistant", "content": content}}]}

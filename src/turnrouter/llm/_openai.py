@@ -48,6 +48,11 @@ DEFAULT_BASE_URL = "https://api.openai.com/v1"
 MODEL_ENV_VARS = ("TURNROUTER_LLM_MODEL", "OPENAI_MODEL")
 #: Default cap on a reply body (bytes); past it the call raises LLMError.
 DEFAULT_MAX_REPLY_BYTES = 1 << 20
+#: The request fields the client sets itself, which `extra_body` may not replace.
+_OWN_FIELDS = frozenset(("model", "messages", "stream", "temperature", "reasoning_effort"))
+_MAX_TOKENS_FIELDS = frozenset(("max_tokens", "max_completion_tokens"))
+#: The longest `timeout_secs` (a day: past it the platform's clock overflows).
+_MAX_TIMEOUT_SECS = 86400.0
 _THINK_OPEN = re.compile(r"<think(?:ing)?\b", re.IGNORECASE)
 
 _BODY_PREVIEW = 500
@@ -138,9 +143,27 @@ class OpenAIChatClient:
         if not valid or any(ch.isspace() or not ch.isprintable() for ch in base):
             raise ConfigurationError(
                 f"OpenAIChatClient base_url must be an http(s) URL, got {redact_url(base)!r}")
-        if not (finite(timeout_secs) and timeout_secs > 0):
-            raise ConfigurationError("OpenAIChatClient timeout_secs must be finite and "
-                                     f"positive, got {preview(timeout_secs)}")
+        if not (finite(timeout_secs) and 0 < timeout_secs <= _MAX_TIMEOUT_SECS):
+            raise ConfigurationError("OpenAIChatClient timeout_secs must be in (0, "
+                                     f"{_MAX_TIMEOUT_SECS:g}], got {preview(timeout_secs)}")
+        if temperature is not None and not (finite(temperature) and 0 <= temperature <= 2):
+            raise ConfigurationError("OpenAIChatClient temperature must be None or in "
+                                     f"[0, 2], got {preview(temperature)}")
+        if max_tokens_field not in _MAX_TOKENS_FIELDS:
+            raise ConfigurationError(
+                f"OpenAIChatClient max_tokens_field must be one of {sorted(_MAX_TOKENS_FIELDS)}, "
+                f"got {preview(max_tokens_field)}")
+        owned = sorted(set(extra_body or {}) & {*_OWN_FIELDS, *_MAX_TOKENS_FIELDS})
+        if owned:
+            raise ConfigurationError(
+                f"OpenAIChatClient extra_body may not set {owned}: the client sets them "
+                "(max_tokens is capped at max_tokens_limit)")
+        try:
+            json.dumps(dict(extra_body or {}), allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ConfigurationError(
+                f"OpenAIChatClient extra_body must be JSON (no NaN or infinity): "
+                f"{type(exc).__name__}") from None
         if (not isinstance(max_tokens_limit, int) or isinstance(max_tokens_limit, bool)
                 or max_tokens_limit < 1):
             raise ConfigurationError("OpenAIChatClient max_tokens_limit must be >= 1")
