@@ -474,6 +474,22 @@ async def test_turn_overflow_is_refused_and_counted() -> None:
                              topic="pipecat", reason="oversized") == 1
 
 
+@pytest.mark.parametrize("text", [None, 5, b"hi", ["hi"]])
+async def test_a_transcription_whose_text_is_not_text_is_counted_invalid(text: object) -> None:
+    """A `TranscriptionFrame` whose text is not a str (a speech-to-text service's bug)
+    is refused and counted `invalid`, as other malformed frames are; before, it was
+    swallowed without a count or a line. The next transcription is routed."""
+    agent = Agent("weather", "Sunny.")
+    with TelemetryCapture() as capture:
+        processor = TurnRouterProcessor(build([agent], "weather", telemetry=capture.telemetry))
+        junk = said("alice", "x")
+        junk.text = text  # type: ignore[assignment]
+        down, _ = await run_test(processor, frames_to_send=[junk, said("alice", "rain?")])
+        assert spoken(list(down)) == ["Sunny."]
+        assert capture.value("turnrouter_runtime_rejected_messages_total",
+                             topic="pipecat", reason="invalid") == 1
+
+
 class FakeLLM(LLMService):
     """A Pipecat LLM service answering out of band from the context it was given."""
 

@@ -142,11 +142,15 @@ def turn_from_frame(
     when empty); a non-speculative `LLMContextFrame` (the user context aggregator's
     output) is a turn of `participant_id` whose query is the newest user message. Blank
     text is no turn; lone surrogates in the text or user id become U+FFFD. A query longer
-    than `max_query_chars` raises `ContractValueError`.
+    than `max_query_chars` raises `ContractValueError`, a transcription whose text is not
+    a str `ContractTypeError`.
     """
     text: str | None
     if isinstance(frame, TranscriptionFrame):
-        text = frame.text if isinstance(frame.text, str) else None
+        text = frame.text
+        if not isinstance(text, str):  # (a speech-to-text service's bug: counted invalid)
+            raise ContractTypeError(
+                f"TranscriptionFrame.text must be a str, got {type(text).__name__}")
         user = frame.user_id if isinstance(frame.user_id, str) and frame.user_id else None
         stamp = _timestamp_us(frame.timestamp)
     elif isinstance(frame, LLMContextFrame) and frame.speculation is not True:
