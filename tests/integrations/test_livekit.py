@@ -266,6 +266,26 @@ async def test_a_turn_is_routed_and_the_answer_is_said() -> None:
     assert music.count("answer") == 0
 
 
+async def test_blank_and_over_long_messages_are_no_turns() -> None:
+    """A blank user message is no turn, and one over `max_query_chars` is refused and
+    counted `oversized`, as the Pipecat adapter does; before, both were routed (a
+    100,000-character message then sat in the history). The next message is routed."""
+    weather = speaking("weather")
+    with TelemetryCapture() as capture:
+        router = make_router(weather, decisions=ScriptedDecisions("weather"),
+                             telemetry=capture.telemetry)
+        async with session_for(router, max_query_chars=50) as (session, ends):
+            assert said(await run(session, "   ")) == []
+            assert said(await run(session, "x" * 51)) == []
+            assert said(await run(session, "rain?")) == ["weather answer"]
+            await ends.wait()
+        assert [call.query for call in weather.calls if call.method == "answer"] == ["rain?"]
+        assert capture.value("turnrouter_runtime_rejected_messages_total",
+                             topic="livekit", reason="oversized") == 1
+    with pytest.raises(ConfigurationError, match="max_query_chars"):
+        RouterAgent(router, max_query_chars=0)
+
+
 async def test_the_default_answers_after_declines() -> None:
     """Declined routes fall back to the default destination."""
     weather = speaking("weather", admissions="decline")
@@ -873,7 +893,9 @@ _JUNK = st.one_of(
 @given(texts=st.lists(_JUNK, min_size=1, max_size=3))
 def test_any_user_text_reaches_the_destination_unchanged(texts: list[str]) -> None:
     """Whatever LiveKit hands over as user text becomes the routed query, byte for byte
-    (lone surrogates, which are not text, become U+FFFD)."""
+    (lone surrogates, which are not text, become U+FFFD), unless it is blank (no turn)
+    or longer than `max_query_chars` (refused, counted)."""
+    routed = [text for text in texts if text.strip() and len(text) <= 4096]
 
     async def scenario() -> list[str | None]:
         weather = speaking("weather")
@@ -881,10 +903,10 @@ def test_any_user_text_reaches_the_destination_unchanged(texts: list[str]) -> No
         async with session_for(router) as (session, ends):
             for text in texts:
                 await run(session, text)
-            await ends.wait(len(texts))
+            await ends.wait(len(routed))
         return [call.query for call in weather.calls if call.method == "answer"]
 
-    expected = [re.sub("[\ud800-\udfff]", "\ufffd", text) for text in texts]
+    expected = [re.sub("[\ud800-\udfff]", "\ufffd", text) for text in routed]
     assert asyncio.run(scenario()) == expected
 
 

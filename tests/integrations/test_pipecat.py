@@ -54,6 +54,7 @@ from turnrouter import (
     AgentExchange,
     AgentRouter,
     AgentTurn,
+    ContractTypeError,
     ContractValueError,
     DestinationResult,
     LifecycleError,
@@ -811,9 +812,14 @@ junk_value: st.SearchStrategy[Any] = st.recursive(
 @given(text=st.one_of(junk_text, st.text(min_size=5000, max_size=6000), junk_value),
        user=st.one_of(junk_text, junk_value), stamp=st.one_of(junk_text, junk_value))
 def test_transcription_boundary_takes_junk(text: Any, user: Any, stamp: Any) -> None:
-    """Junk transcription fields give a valid turn, no turn, or ContractValueError."""
+    """Junk transcription fields give a valid turn, no turn, ContractValueError (too
+    long) or ContractTypeError (text that is not a str, counted invalid)."""
     frame = TranscriptionFrame("", "", "")
     frame.text, frame.user_id, frame.timestamp = text, user, stamp  # bypass validation
+    if not isinstance(text, str):
+        with pytest.raises(ContractTypeError, match=r"TranscriptionFrame\.text"):
+            turn_from_frame(frame, turn_id="t1", max_query_chars=4096)
+        return
     if isinstance(text, str) and len(text) > 4096 and text.strip():
         with pytest.raises(ContractValueError, match="max_query_chars"):
             turn_from_frame(frame, turn_id="t1", max_query_chars=4096)

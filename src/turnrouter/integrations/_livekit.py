@@ -312,6 +312,10 @@ class RouterAgent(Agent):
     `depart_on_close=False`. Without `participant_id` the agent gets an id of its own
     (`livekit-<uuid>`): one session, one participant, never another call's history.
 
+    A user message that is blank is no turn (no reply); one longer than
+    `max_query_chars` (4096) is refused and counted
+    (`turnrouter_runtime_rejected_messages_total{topic="livekit", reason="oversized"}`).
+
     Subclasses overriding `on_exit` call `super().on_exit()`.
     """
 
@@ -324,6 +328,7 @@ class RouterAgent(Agent):
         depart_on_close: bool = True,
         on_turn_end: Callable[[TurnEnd], None] | None = None,
         turn_handling: TurnHandlingOptions | None = None,
+        max_query_chars: int = 4096,
         **agent_options: Any,
     ) -> None:
         if not isinstance(router, AgentRouter):
@@ -335,6 +340,10 @@ class RouterAgent(Agent):
             raise ConfigurationError(
                 "RouterAgent needs a non-empty participant_id of at most MAX_ID_CHARS "
                 f"({MAX_ID_CHARS}) characters")
+        if (not isinstance(max_query_chars, int) or isinstance(max_query_chars, bool)
+                or max_query_chars < 1):
+            raise ConfigurationError(
+                f"RouterAgent max_query_chars must be an int >= 1, got {max_query_chars!r}")
         if "llm" in agent_options:
             raise ContractTypeError("RouterAgent takes no llm: its replies come from the "
                                     "router (wrap an LLM in LLMDestination instead)")
@@ -351,6 +360,7 @@ class RouterAgent(Agent):
                 "id=")
         self._router = router
         self._pid = participant_id
+        self._max_query_chars = max_query_chars
         self._depart_on_close = depart_on_close
         self._on_turn_end = on_turn_end
         self._latest: _TurnVoice | None = None
@@ -420,9 +430,14 @@ class RouterAgent(Agent):
                 if item.id in self._routed_ids:
                     return None
                 self._routed_ids.append(item.id)
+                query = item.text_content or ""
+                if not query.strip():
+                    return None  # nothing said: no turn (as Pipecat's blank transcripts)
+                if len(query) > self._max_query_chars:
+                    self._router.report_rejected("livekit", "oversized")
+                    return None  # refused and counted, as the Pipecat adapter does
                 # A transcript is text: lone surrogates (not storable) become U+FFFD.
-                return AgentTurn(self._pid, item.id,
-                                 strip_surrogates(item.text_content or ""),
+                return AgentTurn(self._pid, item.id, strip_surrogates(query),
                                  timestamp_us=max(0, int(item.created_at * 1_000_000)))
             if item.role in ("system", "developer") and index == len(items) - 1 and (
                     index > 0 and item.id not in self._routed_ids):
