@@ -237,10 +237,10 @@ class Turn(TurnRun):
         # 1. Focus first: the owner's admission is not a routing attempt.
         owner = state.focus
         if owner is not None:
-            aid = agents[owner].routing_aid(pid)
-            if type(aid) is not RoutingAid:
-                aid = _named(aid, owner)
-            if not aid.eligible:
+            owned = agents[owner].routing_aid(pid)
+            if type(owned) is not RoutingAid:
+                owned = _named(owned, owner)
+            if not owned.eligible:
                 state.focus = None
                 self.obs.focus_transition(FocusChanged(owner, "lost"))
                 await self._release(owner, "ineligible")
@@ -253,16 +253,21 @@ class Turn(TurnRun):
         # 2. At most two routed choices, each excluding every route that declined.
         aids: dict[str, RoutingAid] = {}
         eligible: list[RoutingAid] = []
-        for name, agent in agents.items():
-            aid = agent.routing_aid(pid)
-            if type(aid) is not RoutingAid or aid.name != name:
-                aid = _named(aid, name)
-            aids[name] = aid
-            if aid.eligible:
-                if name not in excluded:
-                    eligible.append(aid)
-            elif self.observing:
-                self.obs.route_ineligible(RouteIneligible(name, aid.eligibility))
+        aid = None
+        try:
+            for name, agent in agents.items():
+                aid = agent.routing_aid(pid)
+                if aid.name != name:
+                    aid = _named(aid, name)
+                aids[name] = aid
+                if aid.eligible:
+                    if name not in excluded:
+                        eligible.append(aid)
+                elif self.observing:
+                    self.obs.route_ineligible(RouteIneligible(name, aid.eligibility))
+        except AttributeError:  # (checked only then: nothing per turn)
+            _named(aid, name)  # a routing_aid() that returned no RoutingAid is named
+            raise
         candidates = tuple(eligible)
         for attempt in range(2):
             if attempt:
@@ -819,7 +824,7 @@ def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]
     return None if best is None else best.name
 
 
-def _named(aid: RoutingAid, name: str) -> RoutingAid:
+def _named(aid: object, name: str) -> RoutingAid:
     """The aid under its registered route name (the name decisions and labels use)."""
     if not isinstance(aid, RoutingAid):
         if isawaitable(aid) and hasattr(aid, "close"):
