@@ -166,7 +166,7 @@ class Turn(TurnRun):
             # Seeded only while the router has completed no exchange of its own (version
             # 0): one it completed and the budget dropped is still its history.
             if not history.exchanges and turn.history and not history.version:
-                self._seed(history)
+                _seed(self, history)
             if turn.history is not history.exchanges:
                 self.turn = turn = _turn_with_history(turn, history.exchanges)
             token = _current.set((turn.turn_id, history.view()))
@@ -217,14 +217,6 @@ class Turn(TurnRun):
         if initialize is not None:
             await initialize(self.turn.participant_id)
         self.state.initialized = True
-
-    def _seed(self, history: History) -> None:
-        """Seed the participant's history with the caller's (counting what is dropped)."""
-        turn = self.turn
-        dropped = history.seed(turn.history)
-        if dropped:
-            self.cfg.overflows.report("seeded_history", f"{dropped} caller-supplied exchanges "
-                                      f"beyond max_history_exchanges of {turn.participant_id!r}")
 
     # ------------------------------------------------------------------ routing
 
@@ -779,6 +771,15 @@ async def _dropped(run: Turn) -> None:
     except Exception as exc:
         log_failure("telling %r that turn %s was dropped", exc, turn.participant_id,
                     turn.turn_id)
+
+
+def _seed(run: Turn, history: History) -> None:
+    """Seed the participant's history with the caller's (counting what is dropped)."""
+    turn = run.turn
+    dropped = history.seed(turn.history)
+    if dropped:
+        run.cfg.overflows.report("seeded_history", f"{dropped} caller-supplied exchanges "
+                                 f"beyond max_history_exchanges of {turn.participant_id!r}")
 
 
 def _decision_failed(cfg: RouterConfig, exc: Exception) -> None:
