@@ -40,6 +40,9 @@ class Harness:
         self.output = OutputRecorder()
         self.observer = RecordingObserver()
         kwargs.setdefault("telemetry", self.observer)
+        # No admission control unless a test asks for it (tests/test_overload.py): its
+        # lag sampler would shed turns of a test when the machine running it is loaded.
+        kwargs.setdefault("overload", None)
         self.router = AgentRouter(self.agents, self.decisions, output=self.output,
                                   default_destination=default, **kwargs)
         self.outcomes: dict[str, DestinationResult | BaseException] = {}
