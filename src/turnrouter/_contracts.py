@@ -108,8 +108,6 @@ def _exact_int(value: object, owner: object, name: str) -> object:
 
 def _check_choice(cls: str, name: str, value: object, allowed: frozenset[str],
                   owner: object = None) -> None:
-    if not isinstance(value, str):
-        raise _type_error(cls, name, "a str", value)
     value = _check_str(cls, name, value, owner=owner)
     if value not in allowed:
         raise ContractValueError(
