@@ -11,7 +11,7 @@ from typing import Any
 
 import anyio
 
-from turnrouter import AgentRouter, AgentTurn, DestinationResult
+from turnrouter import AgentRouter, AgentTurn, DecisionService, DestinationResult
 from turnrouter.cli import main as cli_main
 from turnrouter.llm import LLMError, OpenAIChatClient
 from turnrouter.runtime import AgentRuntime, ResponseOutput, Topic
@@ -30,26 +30,32 @@ def run_cli(argv: Sequence[str]) -> tuple[int, str, str]:
 class Harness:
     """A router over scripted agents, with its output recorder and observer."""
 
-    def __init__(self, *agents: ScriptedAgent, decisions: ScriptedDecisions | None = None,
+    def __init__(self, *agents: ScriptedAgent, decisions: DecisionService | None = None,
                  default: str = "conversation", **kwargs: Any) -> None:
         names = [agent.name for agent in agents]
         if default not in names:
             agents = (*agents, ScriptedAgent(default))
         self.agents = {agent.name: agent for agent in agents}
-        self.decisions = decisions or ScriptedDecisions(agents[0].name)
+        self.service = decisions or ScriptedDecisions(agents[0].name)
         self.output = OutputRecorder()
         self.observer = RecordingObserver()
         kwargs.setdefault("telemetry", self.observer)
         # No admission control unless a test asks for it (tests/test_overload.py): its
         # lag sampler would shed turns of a test when the machine running it is loaded.
         kwargs.setdefault("overload", None)
-        self.router = AgentRouter(self.agents, self.decisions, output=self.output,
+        self.router = AgentRouter(self.agents, self.service, output=self.output,
                                   default_destination=default, **kwargs)
         self.outcomes: dict[str, DestinationResult | BaseException] = {}
         self._count = 0
 
     def __getitem__(self, name: str) -> ScriptedAgent:
         return self.agents[name]
+
+    @property
+    def decisions(self) -> ScriptedDecisions:
+        """The scripted decision service (the tests that read its requests use one)."""
+        assert isinstance(self.service, ScriptedDecisions)
+        return self.service
 
     def turn(self, query: str = "hello", participant: str = "p1", **kwargs: Any) -> AgentTurn:
         self._count += 1

@@ -667,6 +667,9 @@ def _agents() -> dict[str, ScriptedAgent]:
         ({"context_budget_bytes": 0}, "context_budget_bytes"),
         ({"context_budget_bytes": -5}, "context_budget_bytes"),
         ({"admission_timeout_secs": 0.0}, "admission_timeout_secs"),
+        ({"decision_timeout_secs": -1}, "decision_timeout_secs"),
+        ({"decision_timeout_secs": math.nan}, "decision_timeout_secs"),
+        ({"decision_timeout_secs": 10**400}, "decision_timeout_secs"),
         # Ints too large for a float are not finite (not an OverflowError).
         ({"acknowledgment_llm": ScriptedLLM("ok"), "acknowledgment_delay_secs": 10**400},
          "acknowledgment_delay_secs"),
@@ -1109,6 +1112,57 @@ async def test_a_stray_cancellation_in_the_decision_service_goes_to_the_default(
                 decisions=ScriptedDecisions(asyncio.CancelledError("stray")))
     assert (await h.say()).text == "conversation answer"
     assert ("decision", None, "DestinationContractError") in h.observer.turns["t1"]
+
+
+class _HungDecisions:
+    """A decision service whose `decide()` waits until `release` is set."""
+
+    def __init__(self) -> None:
+        self.entered = anyio.Event()
+        self.release = anyio.Event()
+        self.cancelled = 0
+
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        self.entered.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return RouteDecision("weather")
+
+
+async def test_a_hung_decision_service_is_cut_off_and_the_default_answers() -> None:
+    """With `decision_timeout_secs`, a `decide()` that never returns is cancelled and
+    counted as a decision failure (a TimeoutError naming the setting): the default answers,
+    so a hung classifier does not silence the participant."""
+    hung = _HungDecisions()
+    h = Harness(ScriptedAgent("weather"), decisions=hung, decision_timeout_secs=0.01)
+    with anyio.fail_after(10):
+        assert (await h.say()).text == "conversation answer"
+    assert hung.cancelled == 1
+    assert ("decision", None, "TimeoutError") in h.observer.turns["t1"]
+    hung.release.set()  # a decision within the bound routes as usual
+    assert (await h.say("again")).text == "weather answer"
+
+
+async def test_an_interrupt_during_a_timed_decision_is_an_interrupt_not_a_failure() -> None:
+    """The timeout's cancel scope passes the turn's own cancellation through: an
+    interrupted turn ends interrupted, with no decision failure and no default answer."""
+    hung = _HungDecisions()
+    h = Harness(ScriptedAgent("weather"), decisions=hung, decision_timeout_secs=60)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            async def turn() -> None:
+                with pytest.raises(TurnInterrupted):
+                    await h.say()
+            tg.start_soon(turn)
+            await hung.entered.wait()
+            await h.router.interrupt("p1")
+    assert hung.cancelled == 1
+    assert not any(event[0] == "decision" and event[2] is not None
+                   for event in h.observer.turns["t1"])
+    assert h.output.texts == []
 
 
 async def test_an_outage_of_the_decision_service_is_logged_rarely(

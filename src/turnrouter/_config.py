@@ -12,9 +12,19 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
+import anyio
+
 from ._acknowledgment import AcknowledgmentPolicy, TimingEngine
 from ._clock import Clock, SystemClock
-from ._contracts import CLARIFY, AgentTurn, DecisionService, DestinationResult, RoutableAgent
+from ._contracts import (
+    CLARIFY,
+    AgentTurn,
+    DecisionService,
+    DestinationResult,
+    RoutableAgent,
+    RouteDecision,
+    RouteRequest,
+)
 from ._destination import Destination
 from ._exceptions import ConfigurationError, ContractTypeError
 from ._limits import Overflows
@@ -105,6 +115,24 @@ def check_instance(name: str, value: object) -> None:
         raise ContractTypeError(
             f"AgentRouter {name} is the class {value.__qualname__}, not an instance: "
             f"call it ({value.__qualname__}(...))")
+
+
+class _TimedDecisions:
+    """A decision service whose `decide()` is cut off after `timeout` seconds
+    (`AgentRouter(decision_timeout_secs=)`): a hung classifier becomes a decision failure
+    (a `TimeoutError`), and the turn goes to the default as for any other outage."""
+
+    __slots__ = ("_decide", "_timeout")
+
+    def __init__(self, decisions: DecisionService, timeout: float) -> None:
+        self._decide = decisions.decide
+        self._timeout = timeout
+
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        with anyio.move_on_after(self._timeout):
+            return await self._decide(request)
+        raise TimeoutError(f"decision service decide() did not return within "
+                           f"decision_timeout_secs ({self._timeout:g}s)")
 
 
 def _check_positive(name: str, value: object, *, integer: bool = False) -> None:
@@ -214,7 +242,7 @@ class RouterConfig:
         initialize_participant: ParticipantCallback | None,
         cleanup_participant: ParticipantCallback | None,
         set_status: StatusCallback | None,
-        admission_timeout_secs: float | None,
+        timeouts: tuple[float | None, float | None],
         telemetry: RouterObserver | None,
         clarification_text: str,
         failure_text: str,
@@ -270,8 +298,13 @@ class RouterConfig:
                 raise ContractTypeError(
                     "AgentRouter acknowledgment_llm must have an async complete() method"
                 )
+        admission_timeout_secs, decision_timeout_secs = timeouts
         if admission_timeout_secs is not None:
             _check_positive("admission_timeout_secs", admission_timeout_secs)
+        if decision_timeout_secs is not None:
+            _check_positive("decision_timeout_secs", decision_timeout_secs)
+            # Wrapped once here: a router without the bound pays nothing per turn.
+            decisions = _TimedDecisions(decisions, decision_timeout_secs)
         check_callable("output", output)
         check_callable("initialize_participant", initialize_participant)
         check_callable("cleanup_participant", cleanup_participant)

@@ -140,6 +140,10 @@ class AgentRouter:
             (e.g. a "thinking" indicator); its failures are logged, never raised.
         admission_timeout_secs: Longest `admit()` call; a slower one is cancelled and
             counted as a decline (default None: no limit).
+        decision_timeout_secs: Longest `decide()` call of the decision service; a slower
+            one is cancelled and counted as a decision failure (a `TimeoutError`), so the
+            turn goes to the eligible default, as for any classifier outage (default None:
+            no limit).
         telemetry: The `RouterObserver` reporting every step; default `Telemetry()`
             (global tracer provider, prometheus_client's default registry).
             `Telemetry.disabled()` reports nothing. docs/telemetry.md.
@@ -201,6 +205,7 @@ class AgentRouter:
         cleanup_participant: ParticipantCallback | None = None,
         set_status: StatusCallback | None = None,
         admission_timeout_secs: float | None = None,
+        decision_timeout_secs: float | None = None,
         telemetry: RouterObserver | None = None,
         clarification_text: str = DEFAULT_CLARIFICATION_TEXT,
         failure_text: str = DEFAULT_FAILURE_TEXT,
@@ -230,8 +235,8 @@ class AgentRouter:
             },
             initialize_participant=initialize_participant,
             cleanup_participant=cleanup_participant, set_status=set_status,
-            admission_timeout_secs=admission_timeout_secs, telemetry=telemetry,
-            clarification_text=clarification_text, failure_text=failure_text,
+            timeouts=(admission_timeout_secs, decision_timeout_secs),
+            telemetry=telemetry, clarification_text=clarification_text, failure_text=failure_text,
             acknowledgment_policy=acknowledgment_policy, timing_predictor=timing_predictor,
             timing_sink=timing_sink, clock=clock, max_pending_patches=max_pending_patches,
             limits={
@@ -240,9 +245,7 @@ class AgentRouter:
                 "max_departed_participants": max_departed_participants,
                 "max_participants": max_participants, "max_patch_bytes": max_patch_bytes,
                 "release_timeout_secs": release_timeout_secs,
-            },
-            overload=overload,
-        )
+            }, overload=overload)
         self._registry = Registry(cfg)
         self._patches = PatchDesk(cfg, self._registry)
         self._departures = Departures(cfg, self._registry, self._patches)
