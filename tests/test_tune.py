@@ -233,11 +233,24 @@ def test_censored_samples_count_as_slow(tmp_path: Path) -> None:
 def test_plot_without_matplotlib_still_prints_the_table(
     samples: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without matplotlib, --plot prints a clear message and the table, exit 0."""
+    """Without matplotlib, --plot prints a clear message and the table, and exits 1: a
+    script asking for the plot learns it is missing."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, out, err = run(["--samples", str(samples), "--plot", str(tmp_path / "p.png")])
-    assert code == 0 and "matplotlib" in err and "pip install matplotlib" in err
+    assert code == 1 and "matplotlib" in err and "pip install matplotlib" in err
     assert "ack rate" in out and not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("target", ["missing/p.png", "folder", "fifo"])
+def test_a_plot_that_cannot_be_written_is_refused_before_any_work(
+        samples: Path, tmp_path: Path, target: str) -> None:
+    """--plot into a missing folder, onto a folder or a FIFO is a usage error (exit 2)
+    naming it, before the analysis: it used to print the table, fail, and exit 0."""
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    code, out, err = run(["--samples", str(samples), "--plot", str(tmp_path / target)])
+    assert code == 2 and out == ""
+    assert "--plot" in err and str(tmp_path / target.split("/")[0]) in err
 
 
 def test_plot_is_written_with_matplotlib(samples: Path, tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Protocol, TextIO
 
 from .._redact import redact_url
@@ -979,6 +980,16 @@ def _check_routes(distributions: dict[str, Distribution]) -> None:
                          "routes to analyse with --route")
 
 
+def _check_plot_target(path: str) -> None:
+    """`--plot FILE` checked before any work: a missing folder, a folder, a FIFO or a
+    device would otherwise fail only after the analysis (`ValueError` naming it)."""
+    target = Path(path)
+    if target.exists() and not target.is_file():
+        raise ValueError(f"--plot {printable(path)!r} exists and is not a regular file")
+    if not target.parent.is_dir():
+        raise ValueError(f"--plot {printable(path)!r}: no folder {printable(str(target.parent))!r}")
+
+
 def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Entry point of `turnrouter tune ARGS...`; returns the exit status."""
     out = out or sys.stdout
@@ -994,6 +1005,8 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         if args.confidence >= 1.0 or not 1 <= args.replay_samples <= MAX_SAMPLES:
             raise ValueError(f"--confidence must be below 1 and --replay-samples in 1.."
                              f"{MAX_SAMPLES:,}")
+        if args.plot:
+            _check_plot_target(args.plot)
         if args.samples:
             if args.selector:
                 raise ValueError("--selector applies to --prometheus only")
@@ -1096,6 +1109,7 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         problem = plot(rows, args.plot, target, aggregate)
         if problem is None:
             out.write(f"plot written to {printable(args.plot)}\n")
-        else:
+        else:  # the table is out, but what was asked for is not all there: say so
             err.write(f"turnrouter tune: {problem}\n")
+            status = 1
     return status
