@@ -20,6 +20,8 @@ from typing import Any
 
 import anyio
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from turnrouter import AgentTurn, ConfigurationError, load_samples
 from turnrouter.demo import (
@@ -36,6 +38,8 @@ from turnrouter.demo import (
     otlp_settings,
     run_demo,
 )
+
+from .kit import run_cli
 
 pytestmark = pytest.mark.anyio
 
@@ -158,6 +162,74 @@ def test_otlp_settings_prefer_flags_then_environment(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     with pytest.raises(ConfigurationError, match="http/json"):
+        otlp_settings(DemoConfig())
+
+
+@pytest.mark.parametrize(("endpoint", "problem"), [
+    ("notaurl", "http(s) URL"), ("ftp://collector:4318", "http(s) URL"),
+    ("http://user:pw-secret@[::1", "not a URL"), ("http://collector:99999", "not a URL"),
+    ("http://collector :4318", "spaces"), ("http://", "http(s) URL"),
+])
+@pytest.mark.parametrize("command", ["demo", "worker"])
+def test_a_malformed_otlp_endpoint_variable_is_a_usage_error(
+        monkeypatch: pytest.MonkeyPatch, endpoint: str, problem: str, command: str) -> None:
+    """OTEL_EXPORTER_OTLP_ENDPOINT is checked as --otlp-endpoint is: exit 2 naming the
+    variable, its password masked. It used to reach the exporter, which logged an ERROR
+    per batch while the run went on exporting nothing."""
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
+                 "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    argv = (["demo", "--duration", "1", "--quiet"] if command == "demo" else
+            ["worker", "--nats", "nats://127.0.0.1:1",
+             "--app", "turnrouter.runtime.nats.example:make_router"])
+    code, out, err = run_cli(argv)
+    assert code == 2 and out == ""
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in err and problem in err
+    assert "secret" not in err
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(endpoint=st.one_of(
+    st.text(max_size=60),
+    st.builds("http://user:pw-secret@{}".format, st.text(max_size=30)),
+    st.builds("https://{}:{}".format, st.text(max_size=20), st.integers(-5, 10**6))))
+def test_any_otlp_endpoint_variable_is_taken_or_refused_by_name(
+        monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
+    """Whatever OTEL_EXPORTER_OTLP_ENDPOINT holds: an http(s) URL with a host is taken
+    as given, anything else is a ConfigurationError naming the variable, password
+    masked; never another exception."""
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    if "\x00" in endpoint:
+        return  # an environment variable cannot hold NUL
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    refused: ConfigurationError | None = None
+    try:
+        taken, _ = otlp_settings(DemoConfig())
+    except ConfigurationError as exc:
+        refused, taken = exc, None
+    if refused is not None:
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT" in str(refused)
+        assert "pw-secret" not in str(refused)
+    elif taken is not None:  # blank is "no export"
+        assert taken == endpoint.strip()
+        assert taken.startswith(("http://", "https://"))
+
+
+def test_an_otlp_endpoint_variable_for_grpc_may_be_host_and_port(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC exporters take `host:port` as well as a URL: both pass the check."""
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    for endpoint in ("collector:4317", "http://collector:4317"):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        assert otlp_settings(DemoConfig()) == (endpoint, "grpc")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "collector :4317")
+    with pytest.raises(ConfigurationError, match="OTEL_EXPORTER_OTLP_ENDPOINT"):
         otlp_settings(DemoConfig())
 
 

@@ -175,7 +175,7 @@ def _worker_main(argv: Sequence[str]) -> int:
         print("turnrouter worker needs the nats extra (from a checkout: "
               f"pip install -e '.[nats]'): {exc}", file=sys.stderr)
         return 2
-    from .._exceptions import TurnrouterError
+    from .._exceptions import ConfigurationError, TurnrouterError
 
     if args.ready_file:
         # A probe on a file that can never be written would keep the replica unready
@@ -211,7 +211,10 @@ def _worker_main(argv: Sequence[str]) -> int:
 
     registry = CollectorRegistry()
     from ..demo import install_env_tracing  # the demo's OpenTelemetry set-up
-    install_env_tracing("turnrouter-worker", sys.stdout)
+    try:
+        install_env_tracing("turnrouter-worker", sys.stdout)
+    except ConfigurationError as exc:  # a malformed OTEL_EXPORTER_OTLP_ENDPOINT
+        parser.error(str(exc))
     guarded = _SignalsInFactory(factory)
     try:
         worker = NatsWorker(guarded, config, registry=registry, replica=args.replica)

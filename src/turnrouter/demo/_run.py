@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -31,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from .._contracts import AgentTurn
 from .._exceptions import ConfigurationError, LifecycleError
 from .._load import OverloadPolicy
+from .._redact import redact_url
 from .._router import AgentRouter
 from .._timing import JsonLinesSink, TimingSample
 from ..decisions import LexicalDecisions
@@ -123,7 +125,32 @@ def otlp_settings(config: DemoConfig) -> tuple[str | None, str]:
     if protocol not in OTLP_PROTOCOLS:
         raise ConfigurationError(f"OTLP protocol must be one of {', '.join(OTLP_PROTOCOLS)}, "
                                  f"got {protocol!r}")
+    if endpoint is not None and endpoint != config.otlp_endpoint:
+        _check_env_endpoint(endpoint, protocol)
     return endpoint, protocol
+
+
+def _check_env_endpoint(endpoint: str, protocol: str) -> None:
+    """An endpoint from OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT checked as the flag is: a
+    malformed one failed only in the exporter, one ERROR line per batch, and the run
+    went on exporting nothing. (gRPC also takes `host:port`.)"""
+    shown = redact_url(endpoint)[:200]
+    problem = None
+    if len(endpoint) > 2000 or not endpoint.isprintable() or any(
+            c.isspace() for c in endpoint):
+        problem = "holds spaces or control characters, or is over 2,000 characters"
+    elif protocol == "http/protobuf" or "://" in endpoint:
+        try:
+            parts = urllib.parse.urlsplit(endpoint)
+            parts.port  # noqa: B018 (parses it: a bad port raises ValueError)
+        except ValueError as exc:
+            problem = f"is not a URL ({exc})"
+        else:
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                problem = "must be an http(s) URL with a host"
+    if problem is not None:
+        raise ConfigurationError(
+            f"OTEL_EXPORTER_OTLP_ENDPOINT (or _TRACES_ENDPOINT) {shown!r} {problem}")
 
 
 def service_resource(default_name: str) -> Any:
