@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 import nats
 from turnrouter import ContractValueError
-from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, UserQuery
+from turnrouter.runtime import (
+    Interrupted,
+    ParticipantJoined,
+    ParticipantLeft,
+    ResponseOutput,
+    UserQuery,
+)
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
 from .conftest import NatsServer, Worker, metric_value
@@ -256,6 +262,48 @@ async def test_a_publish_that_cannot_run_is_refused_up_front(
 
 
 HEADER_TEXT = st.text(st.sampled_from("aZ09-_.:!#~ \t\r\n\x00\x7fü\u2028\ud800@/"), max_size=8)
+
+
+@pytest.mark.parametrize("status", ["408", "409", "100", "503"])
+async def test_a_query_with_a_status_header_of_its_own_is_answered(
+        worker: Worker, front: tuple[NatsFrontEnd, Heard], status: str) -> None:
+    """An application header named `Status` (a call status, say) travels with its query
+    like any other header: the query is answered and its partition goes on. The worker
+    took such a message for the server's reply to its pull request: never run, never
+    acknowledged, it came back for ever and every participant of that partition went
+    unanswered, across restarts (redteam7 D1)."""
+    fe, heard = front
+    query = UserQuery(participant_id="sam", text="with a status")
+    event = heard.events.setdefault(query.message_id, asyncio.Event())
+    await fe.publish(query, headers={"Status": status, "Description": "on a call"})
+    async with asyncio.timeout(15):
+        await event.wait()
+    assert heard.finals[query.message_id][0].text == "with a status|-|N"
+    assert (await ask(fe, heard, "sam", "next")).startswith("next|")  # same partition
+
+
+async def test_an_output_with_a_status_header_does_not_stall_a_reader(
+        nats_server: NatsServer) -> None:
+    """A message on an output subject carrying a `Status` header (anyone may publish
+    there on a server without the shipped permissions) is read as a message: a valid
+    output is delivered, the reader goes on to the next. It was taken for the consumer's
+    status and the reader recreated its consumer at that message, for ever."""
+    async with listening(nats_server.url) as (_, heard):
+        nc = await nats.connect(nats_server.url)
+        try:
+            subject = f"turnrouter.out.{encode_token('ola')}"
+            for request_id, status in (("r1", "409"), ("r2", None)):
+                body = ResponseOutput(participant_id="ola", request_id=request_id,
+                                      route="echo", text=f"t-{request_id}", final=True)
+                headers = {"Status": status} if status else None
+                await nc.publish(subject, body.model_dump_json().encode(), headers=headers)
+            for request_id in ("r1", "r2"):
+                event = heard.events.setdefault(request_id, asyncio.Event())
+                async with asyncio.timeout(15):
+                    await event.wait()
+                assert heard.finals[request_id][0].text == f"t-{request_id}"
+        finally:
+            await nc.close()
 
 
 @settings(max_examples=40, deadline=None,

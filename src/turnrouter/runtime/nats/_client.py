@@ -41,7 +41,7 @@ from ._mailbox import Mailbox
 from ._permissions import Denials, DeniedError, denials_of
 from ._security import connect
 from ._setup import api_request, check_payload, ensure_streams
-from ._wire import NatsConfig, ack_sequences, input_message_id, kind_of
+from ._wire import NatsConfig, ack_sequences, input_message_id, kind_of, server_status
 
 __all__ = ["MAX_SEEN_FINALS", "NatsFrontEnd"]
 
@@ -426,9 +426,9 @@ class _OutputReader:
                     await self._create()  # gone with the server, or stalled
                 continue
             self._heard = time.monotonic()
-            headers = msg.headers
-            status = headers.get("Status") if headers else None
+            status = server_status(msg)
             if status is not None:
+                headers = msg.headers
                 assert headers is not None
                 if status != "100":  # the consumer was deleted or went wrong
                     await self._create()

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from json.encoder import encode_basestring as _json_text
 from json.encoder import encode_basestring_ascii as _json_str
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -38,6 +38,9 @@ from .._messages import (
     UserQuery,
     new_message_id,
 )
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
 
 __all__ = [
     "KINDS",
@@ -62,6 +65,7 @@ __all__ = [
     "record_json",
     "response_json",
     "samples_body",
+    "server_status",
     "state_json",
     "trace_context",
 ]
@@ -754,6 +758,21 @@ def ack_info(reply: str | None) -> tuple[int, int, int]:
         return int(fields[2]), int(fields[3]), _stored(fields[5])
     except (IndexError, ValueError):
         return 1, 0, 0
+
+
+def server_status(msg: Msg) -> str | None:
+    """The status of a server's reply to a pull request or a consumer's heartbeat or flow
+    control (its `Status` header), or None for a message the stream delivered: that one
+    carries its `$JS.ACK.` reply subject, and a `Status` header of its publisher's is
+    just a header. (Taken for a status, such a message ended no request, was never
+    acknowledged and came back for ever, holding its whole partition.)"""
+    headers = msg.headers
+    if not headers:
+        return None
+    status = headers.get("Status")
+    if status is None or msg.reply.startswith("$JS.ACK."):
+        return None
+    return status
 
 
 def ack_sequences(reply: str | None) -> tuple[int, int, int] | None:

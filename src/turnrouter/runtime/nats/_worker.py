@@ -50,7 +50,7 @@ from ._metrics import RuntimeMetrics, runtime_metrics
 from ._mirror import watch_mirror
 from ._setup import GROUP, api_request
 from ._takeover import Takeover
-from ._wire import Ending, NatsConfig
+from ._wire import Ending, NatsConfig, server_status
 
 __all__ = ["NatsWorker", "WorkerContext"]
 
@@ -367,7 +367,7 @@ class NatsWorker:
         headers = msg.headers
         if headers:
             status = headers.get("Status")
-            if status is not None:
+            if status is not None and not msg.reply:  # (a stream's message has its ack)
                 token, pin = inbox.ended(msg.subject)
                 await self._status(n, status, pin)
                 return token
@@ -649,7 +649,7 @@ async def _hold_pins(nc: Client, pins: dict[int, str], config: NatsConfig,
 
     def receiver(n: int) -> Callable[[Msg], Awaitable[None]]:
         async def receive(msg: Msg) -> None:
-            if not (msg.headers and "Status" in msg.headers):
+            if server_status(msg) is None:
                 await handle(n, msg, n in pins, time.monotonic())
         return receive
 
