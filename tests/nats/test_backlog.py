@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from turnrouter import ConfigurationError, OverloadPolicy
+from turnrouter import ConfigurationError, ContractValueError, OverloadPolicy
 from turnrouter.cli import worker_parser
 from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsWorker, encode_token
@@ -184,6 +184,39 @@ async def test_a_new_session_may_use_the_last_ones_ids_again(nats_server: NatsSe
         three = UserQuery(participant_id="ivy", text="s3", message_id="turn-3")
         await front.publish(three)
         assert await finals(heard, three) == ["s3|-|N"]  # the reused "bye" departed them
+
+
+@pytest.mark.anyio
+async def test_an_id_reused_within_the_window_is_refused_not_dropped_silently(
+        nats_server: NatsServer) -> None:
+    """Within the streams' deduplication window (2 min), a new session's `turn-1` is a
+    duplicate to the stream, which drops it: `publish` raises `ContractValueError`
+    naming the id and the window, so the caller can give it a new id, while a retry of
+    the very same message still returns normally (stored once, answered once). Before,
+    `publish` returned as if it was stored, and the participant was never answered
+    (redteam7 D2)."""
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    async with listening(config) as (front, heard), serving(config, "sessions"):
+        one = UserQuery(participant_id="ivy", text="s1", message_id="turn-1")
+        await front.publish(one)
+        assert await finals(heard, one) == ["s1|-|N"]
+        await front.publish(one)  # a retry of the same message: fine, not run again
+        await front.publish(ParticipantLeft(participant_id="ivy", message_id="bye"))
+        await front.publish(ParticipantJoined(participant_id="ivy", message_id="hello"))
+        again = UserQuery(participant_id="ivy", text="s2", message_id="turn-1")
+        with pytest.raises(ContractValueError, match=r"'turn-1'.*dedup_window \(120 s\)"):
+            await front.publish(again)
+        with pytest.raises(ContractValueError, match="'bye'"):
+            await front.publish(ParticipantLeft(participant_id="ivy", message_id="bye"))
+        heard.events.pop("turn-1")
+        first = heard.finals.pop("turn-1")
+        other = UserQuery(participant_id="ada", text="a1", message_id="turn-1")
+        await front.publish(other)  # another participant's turn-1: its own id
+        assert await finals(heard, other) == ["a1|-|N"]
+        fresh = UserQuery(participant_id="ivy", text="s2", message_id="s2-turn-1")
+        await front.publish(fresh)
+        assert await finals(heard, fresh) == ["s2|-|N"]  # the new session, fresh history
+        assert [o.text for o in [*first, *heard.finals["turn-1"]]] == ["s1|-|N", "a1|-|N"]
 
 
 @pytest.mark.anyio

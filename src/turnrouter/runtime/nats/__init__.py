@@ -18,7 +18,7 @@ except ImportError as exc:  # exercised in a test that hides nats-py
         "(from a checkout: pip install -e '.[nats]')"
     ) from exc
 
-from ._client import MAX_SEEN_FINALS, NatsFrontEnd
+from ._client import MAX_PUBLISHED, MAX_SEEN_FINALS, NatsFrontEnd
 from ._connection import Readiness
 from ._fleet import parse_presence
 from ._wire import (
@@ -42,6 +42,7 @@ from ._worker import NatsWorker, WorkerContext
 __all__ = [
     "MAX_ENDED",
     "MAX_PARTICIPANT_ID_BYTES",
+    "MAX_PUBLISHED",
     "MAX_SEEN_FINALS",
     "Ending",
     "NatsConfig",

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import re
@@ -43,7 +44,7 @@ from ._security import connect
 from ._setup import api_request, check_payload, ensure_streams
 from ._wire import NatsConfig, ack_sequences, input_message_id, kind_of, server_status
 
-__all__ = ["MAX_SEEN_FINALS", "NatsFrontEnd"]
+__all__ = ["MAX_PUBLISHED", "MAX_SEEN_FINALS", "NatsFrontEnd"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -59,9 +60,45 @@ _PING_INTERVAL = 2.0  # seconds between the front end's pings
 #: `NatsConfig.dedup_window` seconds of stream time) to read a turn's final once.
 MAX_SEEN_FINALS = 65_536
 
+#: The most inputs one front end remembers as published (for `NatsConfig.dedup_window`
+#: seconds), to tell a retry of its own from a new message reusing an id.
+MAX_PUBLISHED = 65_536
+
 #: How long `NatsFrontEnd.close()` waits for the server's answer to a ping before it
 #: closes without draining.
 _CLOSE_PING_SECS = 1  # seconds (nats-py types it an int)
+
+
+class _Published:
+    """The inputs this front end published within the streams' deduplication window: each
+    one's deduplication id and a digest of its body (at most `MAX_PUBLISHED`, the oldest
+    forgotten first). The input stream answers "duplicate" both for a retry of the same
+    message (stored once: fine) and for another message reusing an id within the window
+    (dropped: `publish` must not return as if it was stored)."""
+
+    __slots__ = ("_ids", "_window")
+
+    def __init__(self, window: float) -> None:
+        self._ids: dict[str, tuple[bytes, float]] = {}  # oldest first
+        self._window = window
+
+    def note(self, msg_id: str, digest: bytes) -> tuple[bytes, float] | None:
+        """Remember `msg_id` as published with `digest` now; what it held before."""
+        ids, now = self._ids, time.monotonic()
+        while ids:
+            oldest = next(iter(ids))
+            if now - ids[oldest][1] <= self._window and len(ids) < MAX_PUBLISHED:
+                break
+            del ids[oldest]
+        previous = ids.pop(msg_id, None)
+        ids[msg_id] = (digest, now)
+        return previous
+
+    def undo(self, msg_id: str, previous: tuple[bytes, float] | None) -> None:
+        """`msg_id` was not stored after all: remember what it held before."""
+        self._ids.pop(msg_id, None)
+        if previous is not None:
+            self._ids[msg_id] = previous
 
 
 class NatsFrontEnd:
@@ -80,6 +117,7 @@ class NatsFrontEnd:
         # up; a front end built on a connection of its own sees none).
         self._denials = denials_of(nc) or Denials(config, "frontend")
         self._js = nc.jetstream(timeout=_PUBLISH_TIMEOUT)
+        self._published = _Published(config.dedup_window)
         self.outputs_skipped = 0
         """Messages on the output subjects that `outputs()` skipped: not a valid
         `ResponseOutput`, or one for another participant than its subject's."""
@@ -166,7 +204,10 @@ class NatsFrontEnd:
         once and nothing is sent (nats-py would hold it and send it on reconnect, when
         its participant may have given up on it). Publishing the same message again is
         safe, as its `Nats-Msg-Id` makes the stream drop a second copy within the
-        deduplication window (2 min). A fleet-wide
+        deduplication window (2 min); another message reusing a participant's message id
+        within that window (a new session's `turn-1` right after the last one's, say) is
+        dropped by the stream too, and `publish` raises `ContractValueError` saying so
+        instead of returning as if it was stored. A fleet-wide
         interrupt (`Interrupted` without a participant) is not stored: it returns once
         the server handled it, `LifecycleError` when the server refused it for the
         connection's permissions.
@@ -176,7 +217,9 @@ class NatsFrontEnd:
         correlation ids) holding a `Nats-*` key, a key that is not a header name
         (`MAX_HEADER_NAME` characters of letters, digits and ``!#$%&'*+-.^_`|~``), a value
         that is not a str or holds a control character, or more than `MAX_EXTRA_HEADERS`
-        bytes in all, or a refusal of the server that a retry would meet again."""
+        bytes in all, a message id its participant used for another message within
+        the deduplication window, or a refusal of the server that a retry would meet
+        again."""
         try:
             kind = kind_of(message)
         except TypeError as exc:
@@ -202,7 +245,21 @@ class NatsFrontEnd:
                 await self._interrupt_all(data, hdrs)
                 return
             assert isinstance(pid, str)
-            await self._js.publish(self._config.input_subject(pid, kind), data, headers=hdrs)
+            # Noted before it goes out: one that timed out may be stored, and its retry
+            # is then a duplicate of this very message.
+            digest = hashlib.blake2b(data, digest_size=16).digest()
+            previous = self._published.note(msg_id, digest)
+            ack = await self._js.publish(self._config.input_subject(pid, kind), data,
+                                         headers=hdrs)
+            if ack.duplicate and (previous is None or previous[0] != digest):
+                self._published.undo(msg_id, previous)
+                raise ContractValueError(
+                    f"{kind} {preview(message.message_id)} of participant {preview(pid)}: "
+                    f"the stream dropped it as a duplicate, as a message with that id was "
+                    f"published for this participant within the last dedup_window "
+                    f"({self._config.dedup_window:g} s). A new message needs a new id (a "
+                    f"new session's turn-1 right after the last one's, say); if this was a "
+                    f"retry of a message another front end published, that one is stored")
         except (BadRequestError, MaxPayloadError) as exc:
             raise ContractValueError(f"publishing {kind} refused by the server: {exc!r} "
                                      f"(for good: publishing it again is refused too)") from exc
