@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,29 @@ async def test_a_result_check_sees_the_result_before_the_router_records_it() -> 
     assert routed.result.text == "weather answer" and seen[-1] == ("snow?", "weather", "focus")
     assert [x.user for x in h.router.history_of("p1")] == ["snow?"]
     assert h.router.focus_of("p1") == "weather"
+
+
+async def test_an_async_result_check_is_refused_not_skipped() -> None:
+    """An `async def` result check returns a coroutine and would check nothing: the turn
+    fails with a DestinationContractError saying to make it a plain function, nothing
+    recorded, the coroutine closed (no "never awaited" warning). It used to pass every
+    result unchecked (redteam7 D4)."""
+    h = Harness(ScriptedAgent("weather", call_started=False),
+                decisions=ScriptedDecisions("weather"))
+    ran: list[str] = []
+
+    async def refuse(turn: AgentTurn, route: str, result: DestinationResult) -> None:
+        ran.append(route)  # never reached: the coroutine is closed unstarted
+        raise ContractValueError("too long to carry")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine never awaited would warn
+        with pytest.raises(DestinationContractError, match="not async def"):
+            await h.router.route_turn(h.turn("rain?"), output=h.output,
+                                      result_check=refuse)  # type: ignore[arg-type]
+        gc.collect()
+    assert ran == [] and h.router.history_of("p1") == ()
+    assert h.output.texts == [FAILURE_TEXT]
 
 
 async def test_request_lists_eligible_candidates_in_registration_order() -> None:

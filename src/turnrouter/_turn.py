@@ -562,7 +562,9 @@ class Answer:
             except AttributeError as missing:
                 raise unset_field(result, missing) from None
             if owner.result_check is not None:
-                owner.result_check(owner.turn, route, result)
+                checked = owner.result_check(owner.turn, route, result)
+                if checked is not None:
+                    _refuse_async_check(checked)
         except BaseException as raised:
             exc = owner.stray(raised, f"destination {route!r} answer()")
             self.closed = True
@@ -835,6 +837,18 @@ def _named(aid: object, name: str) -> RoutingAid:
             "not a RoutingAid" + (" (routing_aid is synchronous: def, not async def)"
                                   if isawaitable(aid) else ""))
     return RoutingAid(name, aid.description, aid.priority, aid.eligible, aid.eligibility)
+
+
+def _refuse_async_check(returned: object) -> None:
+    """What a `result_check` returned, when not None: an `async def` check returns a
+    coroutine, which would check nothing (closed here, and refused: the turn fails,
+    nothing is recorded); any other value is ignored, as documented."""
+    if isawaitable(returned):
+        if hasattr(returned, "close"):
+            returned.close()
+        raise DestinationContractError(
+            "route_turn result_check returned an awaitable: it must be a plain function "
+            "(def, not async def) that raises for a result the front end cannot carry")
 
 
 def _refuse_not_awaitable(route: str, method: str, returned: object) -> None:
