@@ -190,13 +190,14 @@ def test_front_api_is_a_literal_subject_prefix(value: object) -> None:
 @given(st.one_of(st.text(max_size=80), st.text(st.sampled_from("aZ9_-.*> \nû\x00"),
                                                 max_size=70), st.integers(), st.none()))
 def test_prefix_is_one_ascii_token_that_can_name_streams(value: object) -> None:
-    """`prefix` names subjects, the streams (`<PREFIX>_IN`) and the bucket: 1 to 64 ASCII
-    letters, digits, "-" or "_"; anything else (a dot, a wildcard, a space, a non-ASCII
-    letter, NUL, 300 characters) is a ConfigurationError naming the field at once.
-    Before, `tûrn` was accepted and the worker's set-up then timed out (5 s a try, for
-    `reconnect_for`), reading like an outage."""
+    """`prefix` names subjects, the streams (`<PREFIX>_IN`) and the bucket: 1 to 64
+    lower-case ASCII letters, digits, "-" or "_"; anything else (a dot, a wildcard, a
+    space, a non-ASCII letter, NUL, 300 characters, an upper-case letter) is a
+    ConfigurationError naming the field at once. Before, `tûrn` was accepted and the
+    worker's set-up then timed out (5 s a try, for `reconnect_for`), reading like an
+    outage; `TurnRouter` named the streams of `turnrouter` (redteam7 D5)."""
     ok = (isinstance(value, str) and 1 <= len(value) <= 64
-          and all(c.isascii() and (c.isalnum() or c in "_-") for c in value))
+          and all(c.isascii() and (c.isdigit() or c.islower() or c in "_-") for c in value))
     if ok:
         assert NatsConfig(prefix=value).prefix == value  # type: ignore[arg-type]
         return

@@ -82,7 +82,7 @@ def worker_parser() -> argparse.ArgumentParser:
                              "stream (default: where deploy/nats/nats-server.conf imports it, "
                              "'$JS.FRONT.API', if anything answers there)")
     parser.add_argument("--prefix", default="turnrouter",
-                        help="subject prefix (default turnrouter)")
+                        help="subject prefix: 1-64 of a-z, 0-9, - and _ (default turnrouter)")
     parser.add_argument("--partitions", type=int, default=16,
                         help="partitions of the deployment (fixed; default 16)")
     parser.add_argument("--failover-timeout", type=float, default=1.0,

@@ -95,7 +95,7 @@ _TEXT_FIELDS = ("user", "password", "token", "creds_file", "nkey_seed_file",
 
 
 #: A prefix: one subject token that also names the streams and the bucket.
-_PREFIX = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_PREFIX = re.compile(r"[a-z0-9_-]{1,64}")
 
 
 def _server_problem(server: str) -> str | None:
@@ -274,10 +274,12 @@ class NatsConfig:
                 "NatsConfig.tls_cert_file and NatsConfig.tls_key_file go together")
         if not (isinstance(self.prefix, str) and _PREFIX.fullmatch(self.prefix)):
             # It names streams (`<PREFIX>_IN`, at most 255 characters, of file names the
-            # server stores) and the bucket: ASCII letters, digits, "-" and "_" only.
+            # server stores) and the bucket: ASCII letters, digits, "-" and "_" only;
+            # lower case, as two prefixes differing in case would name the same streams.
             raise ConfigurationError(
-                f"NatsConfig.prefix must be 1 to 64 ASCII letters, digits, '-' or '_' "
-                f"(one subject token that names streams), got {preview(self.prefix)}")
+                f"NatsConfig.prefix must be 1 to 64 lower-case ASCII letters, digits, '-' "
+                f"or '_' (one subject token that names streams, which are upper-cased: "
+                f"prefixes differing in case would share them), got {preview(self.prefix)}")
         if self.front_api is not None and not (
                 isinstance(self.front_api, str) and _API_PREFIX.fullmatch(self.front_api)
                 and not self.front_api.startswith("$JS.API")):
