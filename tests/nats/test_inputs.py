@@ -261,6 +261,22 @@ async def test_a_publish_that_cannot_run_is_refused_up_front(
     assert metric_value(worker.metrics(), "turnrouter_runtime_rejected_messages_total") == 0
 
 
+@pytest.mark.parametrize("value", ["a\u0085b", "a\u009bb", "a\u2028b", "a\u2029b", "a\x7fb"])
+async def test_a_header_value_with_a_control_character_past_ascii_is_refused(
+        nats_server: NatsServer, value: str) -> None:
+    """C1 control characters and the Unicode line separators are control characters too:
+    refused, naming the header, nothing published (redteam7 D6: only C0 and DEL were)."""
+    front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url, partitions=1))
+    try:
+        with pytest.raises(ContractValueError, match="X-Call"):
+            await front.publish(UserQuery(participant_id="cc", text="hi"),
+                                headers={"X-Call": value})
+        await front.publish(UserQuery(participant_id="cc", text="hi"),
+                            headers={"X-Call": "caf\u00e9 \u00a0ok"})  # other text passes
+    finally:
+        await front.close()
+
+
 HEADER_TEXT = st.text(st.sampled_from("aZ09-_.:!#~ \t\r\n\x00\x7fü\u2028\ud800@/"), max_size=8)
 
 

@@ -587,6 +587,10 @@ MAX_EXTRA_HEADERS = 2048
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
+#: Control characters past ASCII (C1) and the Unicode line and paragraph separators.
+_CONTROL = re.compile("[\u0080-\u009f\u2028\u2029]")
+
+
 def _check_headers(headers: Mapping[str, str]) -> None:
     """`ContractValueError` naming the first header NATS cannot carry as given, or one
     that belongs to the server (`Nats-*`); the value is never shown."""
@@ -605,7 +609,8 @@ def _check_headers(headers: Mapping[str, str]) -> None:
             encoded = value.encode("utf-8") if isinstance(value, str) else None
         except UnicodeEncodeError:  # a lone surrogate
             encoded = None
-        if encoded is None or any(c < 32 or c == 127 for c in encoded):
+        if encoded is None or any(c < 32 or c == 127 for c in encoded) or (
+                not value.isascii() and _CONTROL.search(value)):  # C1, line separators
             raise ContractValueError(
                 f"publish() header {preview(key)}: its value must be a str of text "
                 "without control characters")
