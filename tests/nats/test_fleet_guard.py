@@ -350,6 +350,34 @@ async def test_timing_samples_are_range_checked_and_weighted_per_publisher(
     assert running.value(REJECTED, topic="nats_timing", reason="unknown_publisher") == 1
 
 
+async def test_timing_messages_forged_in_the_replicas_own_name_are_counted(
+        running: Running) -> None:
+    """A timing message in the receiving replica's own name that it did not send (a
+    worker-credentialed forger borrowing a live name) is refused and counted
+    (`invalid`), while the replica's own samples coming back from the server are not.
+    Before, every message in its own name was dropped uncounted (redteam7 D7)."""
+    subject = running.worker.config.timing_subject
+    own = {"Turnrouter-Replica": running.worker.replica}
+    for body in (samples_body([TimingSample("echo", 0.5).to_json()]), b"\xff" * 100,
+                 samples_body(["nan"])):
+        await running.nc.publish(subject, body, headers=own)
+    await running.until(3, REJECTED, topic="nats_timing", reason="invalid")
+    front = await NatsFrontEnd.connect(running.worker.config)
+    try:
+        for k in range(3):
+            await front.publish(UserQuery(participant_id=f"own-{k}", text="hi"))
+        await until_true(lambda: running.value("turnrouter_nats_timing_samples_total",
+                                               direction="sent") >= 3,
+                         "the replica's own samples sent")
+    finally:
+        await front.close()
+    # One more forged message after them: once it is counted, their echoes came back
+    # (sent before it) and none was taken for a forger's.
+    await running.nc.publish(subject, b"\xff", headers=own)
+    await running.until(4, REJECTED, topic="nats_timing", reason="invalid")
+    assert running.value(REJECTED, topic="nats_timing", reason="invalid") == 4
+
+
 async def test_rotating_publisher_names_cannot_outweigh_the_replica(
         running: Running) -> None:
     """A liar announcing 15 names on presence and publishing 64 samples under each gets

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -157,11 +158,10 @@ class Fleet:
         #: owns no partition (see `_backing_off`).
         self._backoff_since = self._backoff_until = 0.0
         self._zero_seen = 0.0
-        #: Peers that were below their share when a partition was handed over and that
-        #: did not take it (it came back here), with until when they are ignored for
-        #: balance (a name on the presence subject is no replica; a real one that lost
-        #: the race for the partition gets another chance then), or until they say they
-        #: own a partition.
+        #: Peers below their share when a partition was handed over that did not take
+        #: it (it came back here), ignored for balance until a time or until they say
+        #: they own a partition (a name on presence is no replica; a real one gets
+        #: another chance then).
         self._unverified: dict[str, float] = {}
         #: partition -> (when, to whom, the connection's reconnects then)
         self._shed: dict[int, tuple[float, frozenset[str], int]] = {}
@@ -465,7 +465,8 @@ class Fleet:
 
     async def _publish_samples(self, lines: list[str]) -> None:
         try:
-            await self._nc.publish(self._config.timing_subject, samples_body(lines),
+            await self._nc.publish(self._config.timing_subject,
+                                   self._window.sent(samples_body(lines)),
                                    headers={"Turnrouter-Replica": self._replica})
         except NatsError as exc:  # closed or over the client's buffer: counted, not raised
             logger.warning("turnrouter: %d timing samples not sent: %r", len(lines), exc)
@@ -477,9 +478,9 @@ class Fleet:
 
     async def _on_sample(self, msg: Msg) -> None:
         publisher = (msg.headers or {}).get("Turnrouter-Replica")
-        if publisher == self._replica:
-            return
-        if not valid_replica(publisher):
+        if publisher == self._replica and self._window.echo(msg.data):
+            return  # its own samples, back from the server (learned when measured)
+        if publisher == self._replica or not valid_replica(publisher):
             self._reject("nats_timing", "invalid")  # who sent it decides its weight
             return
         assert isinstance(publisher, str)
@@ -540,6 +541,11 @@ class Fleet:
                 publisher)
 
 
+#: Timing messages a replica sent whose echo it still expects (a reconnect may lose
+#: some: the oldest are forgotten).
+MAX_UNECHOED = 64
+
+
 class _SampleWindow:
     """What a replica counts of fleet timing samples per `SAMPLE_WINDOW_SECS` window
     (each publisher's share of each route, the bytes parsed) and its own recent samples
@@ -553,6 +559,23 @@ class _SampleWindow:
         self._parsed_total = 0  # and from all of them
         #: Per route, this replica's own recent samples: (monotonic time, seconds).
         self._own: dict[str, deque[tuple[float, float]]] = {}
+        #: Digests of the timing messages this replica sent whose echo has not come
+        #: back: a message in its name that is none of them is a forger's.
+        self._sent: deque[bytes] = deque(maxlen=MAX_UNECHOED)
+
+    def sent(self, body: bytes) -> bytes:
+        """`body` goes out in this replica's name: its echo is expected (returned)."""
+        self._sent.append(hashlib.blake2b(body, digest_size=16).digest())
+        return body
+
+    def echo(self, body: bytes) -> bool:
+        """Whether `body`, in this replica's name, is one it sent (then forgotten)."""
+        digest = hashlib.blake2b(body, digest_size=16).digest()
+        try:
+            self._sent.remove(digest)
+        except ValueError:
+            return False
+        return True
 
     def measured(self, route: str, now: float, seconds: float) -> None:
         """One of this replica's own samples of `route` (bounded routes and samples)."""
