@@ -30,7 +30,7 @@ from turnrouter.runtime.nats import (
 
 from .app import PREAMBLE, make_router
 from .conftest import NatsServer, Worker, cancelled, metric_value, settled, until_true
-from .crowd import FAILURE, ask, listening
+from .crowd import FAILURE, ask, listening, serving
 from .proxy import Hold, Match, proxied, reads_of
 
 pytestmark = pytest.mark.anyio
@@ -258,6 +258,28 @@ async def test_a_takeover_serves_the_partition_while_it_reads_the_records(
             exposition = generate_latest(registry).decode()
             assert metric_value(exposition, "turnrouter_nats_takeovers_total") == 1
             assert metric_value(exposition, "turnrouter_nats_partitions_lost_total") == 0
+    finally:
+        await nc.close()
+
+
+async def test_a_held_answer_too_big_to_publish_ends_its_turn_with_the_failure_text(
+        nats_server: NatsServer) -> None:
+    """A record whose outbox holds an answer over this worker's `max_message_bytes` (a
+    replica with a larger bound died holding it): the turn still ends audibly, with the
+    failure text as its final output, and the participant goes on. Before, the answer
+    was logged as too big and the turn got no final output at all (redteam7 D8)."""
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    nc = await nats.connect(nats_server.url)
+    kv = await nc.jetstream().create_key_value(KeyValueConfig(bucket=config.bucket,
+                                                              history=1))
+    await kv.put(f"0.{encode_token('olga')}", state_json(
+        "gone", [], None, [("t-big", "echo", "x" * 70_000, time.time())]))
+    try:
+        async with listening(config) as (front, heard), serving(config, "heir"):
+            async with asyncio.timeout(15):
+                await heard.events.setdefault("t-big", asyncio.Event()).wait()
+            assert [(m.route, m.text) for m in heard.finals["t-big"]] == [("none", FAILURE)]
+            assert (await ask(front, heard, "olga", "next")).startswith("next|")
     finally:
         await nc.close()
 

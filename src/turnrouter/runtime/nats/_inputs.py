@@ -517,7 +517,12 @@ class Inputs:
             output = self._output(pid, turn_id, route, text, final, carrier)
         except ContractValueError as exc:
             logger.warning("turnrouter: %s", exc)
-            return
+            failure = self._config.failure_text
+            if not final or text == failure:
+                return
+            # A final that cannot go out (an answer held by a replica of a larger bound,
+            # say): the turn still ends audibly, with the failure text.
+            output = self._output(pid, turn_id, "none", failure, final, carrier)
         await self._link.publish_stored(*output, confirmed=confirmed)
 
     async def publish_ending(self, pid: str, state: Participant, ending: Ending) -> None:
