@@ -496,6 +496,39 @@ async def test_token_authentication(caplog: pytest.LogCaptureFixture) -> None:
         server.close()
 
 
+async def test_a_percent_encoded_url_password_is_sent_decoded(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A password holding `/`, `?`, `#` or `@` goes percent-encoded in a URL, as the docs
+    say (`p%2Fw` for `p/w`): the front end and the worker send it decoded, a token too,
+    and never show it. nats-py sent the escapes as written, and the server refused it
+    (redteam7 D3)."""
+    env = {"TURNROUTER_WORKER_PASSWORD": "w/or?ker#9", "TURNROUTER_FRONTEND_PASSWORD": "fr@nt/1"}
+    server = NatsServer(config=DEPLOY / "nats-server.conf", env=env)
+    host = server.url.partition("//")[2]
+    worker = Worker(f"nats://worker:w%2For%3Fker%239@{host}", "encoded", *FRONT_API)
+    try:
+        front = await NatsFrontEnd.connect(NatsConfig(url=f"nats://frontend:fr%40nt%2F1@{host}"))
+        try:
+            assert (await answered_by_fleet(front, "pat", "hi")).startswith("hi|")
+        finally:
+            await front.close()
+        with caplog.at_level(logging.DEBUG), pytest.raises(LifecycleError) as caught:
+            await NatsFrontEnd.connect(NatsConfig(url=f"nats://frontend:fr%40nt%2F2@{host}"),
+                                       max_reconnect_attempts=1)
+        assert "fr@nt" not in str(caught.value) + caplog.text
+        assert "fr%40nt" not in str(caught.value) + caplog.text
+    finally:
+        worker.close()
+        server.close()
+    token = NatsServer(args=["--auth", "to/ken@2112"])
+    try:
+        front = await NatsFrontEnd.connect(NatsConfig(url=f"nats://to%2Fken%402112@"
+                                                          f"{token.url.partition('//')[2]}"))
+        await front.close()
+    finally:
+        token.close()
+
+
 # ---------------------------------------------------------------- TLS
 def openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)

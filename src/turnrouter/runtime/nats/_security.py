@@ -18,6 +18,7 @@ import logging
 import math
 import ssl
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -73,14 +74,16 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
     attempts = _Attempts(patience)
     denials = denials or Denials(config, role)
     theirs = options.pop("error_cb", None)
-    merged = {**connect_options(config, role, refused, attempts, denials), **options}
+    servers, from_url = url_credentials(config.servers)
+    merged = {**connect_options(config, role, refused, attempts, denials), **from_url,
+              **options}
     if theirs is not None:  # the caller's sees every error too, after ours
         merged["error_cb"] = _both(merged["error_cb"], theirs)
     if patience is not None:
         merged["max_reconnect_attempts"] = -1  # nats-py tries until cancelled below
     nc = _TlsClient() if requires_tls(config) else Client()
     denials.attach(nc)
-    connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(config.servers, **merged))
+    connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(servers, **merged))
     either: list[asyncio.Future[Any]] = [connecting, refused]
     try:
         await asyncio.wait(either, timeout=patience, return_when=asyncio.FIRST_COMPLETED)
@@ -102,6 +105,27 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
         error = connecting.exception() or TimeoutError("no answer")
     raise LifecycleError(f"cannot connect to NATS at {config.safe_url}: "
                          f"{safe_error(config, error)}") from None
+
+
+def url_credentials(servers: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`servers` without the user and password their URLs give, and those decoded as
+    `nats.connect` options, when they are percent-encoded (`p%2Fw` for `p/w`, as a URL
+    must write a password holding `/`, `?`, `#` or `@`): nats-py sends what the URL
+    says, escapes included, and the server refused it. Unchanged when no URL holds an
+    escape in its credentials, or when the URLs give different ones."""
+    infos = {server.partition("//")[2].rpartition("@")[0] for server in servers
+             if "@" in server.partition("//")[2]}
+    if len(infos) != 1:
+        return servers, {}
+    info = infos.pop()
+    if "%" not in info:
+        return servers, {}
+    plain = [server.replace(f"{info}@", "", 1) for server in servers]
+    user, colon, password = info.partition(":")
+    if colon:  # (nats-py: a URL's user and password win over the options')
+        return plain, {"user": urllib.parse.unquote(user),
+                       "password": urllib.parse.unquote(password)}
+    return plain, {"token": urllib.parse.unquote(user)}
 
 
 #: Connection errors of a connection without `patience` (a front end's, retried for
