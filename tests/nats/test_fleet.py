@@ -186,8 +186,9 @@ async def test_fleet_samples_far_from_the_replicas_own_are_refused(
 async def test_junk_on_the_timing_subject_is_refused_line_by_line(
         nats_server: NatsServer, running: Running) -> None:
     """Non-UTF-8, oversized and malformed messages are refused and counted; in a batch
-    with bad lines the good ones are still learned; the worker's own samples (its
-    replica header) are skipped."""
+    with bad lines the good ones are still learned; a message in the worker's own name
+    that it did not send is refused, not learned (its own come back and are skipped:
+    tests/nats/test_fleet_guard.py)."""
     config = NatsConfig()
     nc = await nats.connect(nats_server.url)
     good = [sample("good", 0.5).to_json(), sample("good", 1.5).to_json()]
@@ -210,7 +211,7 @@ async def test_junk_on_the_timing_subject_is_refused_line_by_line(
         ("good", 0.5), ("good", 1.5), ("sentinel", 0.25)]
     rejected = "turnrouter_runtime_rejected_messages_total"
     assert running.value(rejected, 'reason="oversized",topic="nats_timing"') == 1
-    # non-UTF-8, a list, 3 bad lines of the batch, an infinite number
-    assert running.value(rejected, 'reason="invalid",topic="nats_timing"') == 6
+    # non-UTF-8, a list, 3 bad lines of the batch, an infinite number, the forged own
+    assert running.value(rejected, 'reason="invalid",topic="nats_timing"') == 7
     assert running.value("turnrouter_nats_timing_samples_total",
                          'direction="received"') == 3
