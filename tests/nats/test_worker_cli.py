@@ -292,6 +292,31 @@ def test_sigterm_during_start_up_ends_the_worker(nats_server: NatsServer, app: s
             proc.communicate(timeout=10)
 
 
+def test_sigterm_stops_a_worker_whose_output_reader_is_gone(nats_server: NatsServer) -> None:
+    """A worker whose standard output is a pipe nobody reads any more (`| grep -m1
+    ready`, a log sidecar that died) still drains and exits 0 on one SIGTERM. Its
+    "stopping" line raised BrokenPipeError before the stop was requested, and the worker
+    went on serving until a second signal (redteam7 D4)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    proc = subprocess.Popen([sys.executable, "-m", "turnrouter", "worker", "--nats",
+                             nats_server.url, "--app", "tests.nats.app:make_router",
+                             "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        assert any(line.startswith("worker ") and " ready" in line for line in proc.stdout)
+        proc.stdout.close()  # the reader leaves
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+
+
 def test_a_ready_file_left_by_a_killed_worker_is_removed_at_start(
         nats_server: NatsServer, tmp_path: Path) -> None:
     """A ready file left by a worker killed with -9 (or a restarted container keeping

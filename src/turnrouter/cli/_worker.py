@@ -39,6 +39,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _say(text: str) -> None:
+    """A status line on standard output. A reader gone (a closed pipe: `| grep -m1
+    ready`, a log sidecar that died) must stop neither the worker nor its graceful stop:
+    the lines go to /dev/null from then on."""
+    try:
+        print(text, flush=True)
+    except (OSError, ValueError):  # BrokenPipeError; ValueError: stdout closed
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)
+
+
 def _port(value: str) -> int:
     try:
         number = int(value, 10)
@@ -237,13 +252,13 @@ def _worker_main(argv: Sequence[str]) -> int:
                 # Said once, with what it cannot do (NATS unreachable: what it holds
                 # goes to the next owner after ack_wait): a stop in an outage read as
                 # a crash in the log.
+                worker.request_stop()  # first: saying so may fail (a reader gone)
                 if not said:
                     said = True
                     readiness = worker.readiness
                     why = "" if readiness.serving else f": {readiness.why_not}"
-                    print(f"worker {worker.replica} stopping "
-                          f"({sig.name if sig is not None else 'asked'}){why}", flush=True)
-                worker.request_stop()
+                    _say(f"worker {worker.replica} stopping "
+                         f"({sig.name if sig is not None else 'asked'}){why}")
             else:  # still starting (a factory that hangs): give up the start at once
                 stopped_early = True
                 early.set()
@@ -260,7 +275,7 @@ def _worker_main(argv: Sequence[str]) -> int:
             worker.readiness.on_change(
                 lambda serving: _write_ready(path, worker.replica) if serving
                 else _remove_ready(path))
-        print(f"worker {worker.replica} starting", flush=True)
+        _say(f"worker {worker.replica} starting")
         ready = asyncio.create_task(worker.ready.wait())
         stopping = asyncio.create_task(early.wait())
         try:
@@ -272,10 +287,10 @@ def _worker_main(argv: Sequence[str]) -> int:
                 # router) out of full collections, which otherwise scan it all, 20-29 ms
                 # each under bench_distributed (2-3 ms after this), stalling every turn.
                 gc.freeze()
-                print(f"worker {worker.replica} ready", flush=True)
+                _say(f"worker {worker.replica} ready")
             await task
             if worker.ready.is_set():
-                print(f"worker {worker.replica} stopped", flush=True)
+                _say(f"worker {worker.replica} stopped")
         finally:
             ready.cancel()
             stopping.cancel()
@@ -294,7 +309,7 @@ def _worker_main(argv: Sequence[str]) -> int:
             print(f"turnrouter worker: error: cannot serve /metrics on "
                   f"{args.metrics_host}:{args.metrics_port}: {exc}", file=sys.stderr)
             return 2
-        print(f"metrics: {server.url}", flush=True)
+        _say(f"metrics: {server.url}")
     try:
         asyncio.run(run())
     except asyncio.CancelledError:
