@@ -202,8 +202,25 @@ def scenarios() -> list[Scenario]:
          (onset + 7, "TurnrouterOverloaded", [busy]), (29, "TurnrouterOverloaded", [busy]),
          *_quiet(36, "TurnrouterOverloaded")],
     )
+    # A new series: the router starts busy (a warm-up burst, or a rolling deploy under
+    # load). Two and a half minutes of it raise nothing; busy for good warns within 7.
+    warm_up = Scenario(
+        "a router busy for its first 2.5 minutes after a start warns nothing",
+        _traffic(NORMAL["turns"], NORMAL["clarified"], NORMAL["participants"],
+                 NORMAL["clarified_participants"], overload=[(0, 1.0), (2.5, 0.0)]),
+        [*_quiet(4, "TurnrouterOverloaded"), *_quiet(6, "TurnrouterOverloaded"),
+         *_quiet(8, "TurnrouterOverloaded"), *_quiet(12, "TurnrouterOverloaded")],
+    )
+    busy_from_start = Scenario(
+        "a router busy from its start warns TurnrouterOverloaded within 7 minutes",
+        _traffic(NORMAL["turns"], NORMAL["clarified"], NORMAL["participants"],
+                 NORMAL["clarified_participants"], overload=[(0, 1.0)]),
+        [*_quiet(2, "TurnrouterOverloaded"), (7, "TurnrouterOverloaded", [busy]),
+         (15, "TurnrouterOverloaded", [busy])],
+    )
     slow = _slow_route()
-    return [broad, loud, idle, died, normal, absent, no_metrics, slow, overloaded]
+    return [broad, loud, idle, died, normal, absent, no_metrics, slow, overloaded, warm_up,
+            busy_from_start]
 
 
 def _slow_route() -> Scenario:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -76,15 +77,20 @@ def test_route_names_with_regex_characters_are_matched_literally() -> None:
 
 
 @pytest.mark.parametrize(("entry", "problem"), [
-    ({"route": "", "alert": PER_ROUTE[0]}, "route"),
-    ({"route": 'a"b', "alert": PER_ROUTE[0]}, "route"),
-    ({"route": "a\nb", "alert": PER_ROUTE[0]}, "route"),
-    ({"route": "a", "alert": "TurnrouterDeadAir"}, "alert must be one of"),
+    ({"route": "", "alert": PER_ROUTE[0], "disabled": True}, "route"),
+    ({"route": 'a"b', "alert": PER_ROUTE[0], "disabled": True}, "route"),
+    ({"route": "a\nb", "alert": PER_ROUTE[0], "disabled": True}, "route"),
+    ({"route": "a", "alert": "TurnrouterDeadAir", "disabled": True}, "alert must be one of"),
     ({"route": "a", "alert": PER_ROUTE[0], "threshold": float("nan")}, "threshold"),
     ({"route": "a", "alert": PER_ROUTE[0], "threshold": -1}, "threshold"),
     ({"route": "a", "alert": PER_ROUTE[0], "threshold": True}, "threshold"),
     ({"route": "a", "alert": PER_ROUTE[0], "threshold": 10**400}, "threshold"),
     ({"route": "a", "alert": PER_ROUTE[0], "min_turns": 1.5}, "min_turns"),
+    # the traffic floor cannot go: one unlucky turn would raise the alert
+    ({"route": "a", "alert": PER_ROUTE[0], "min_turns": 0}, "min_turns"),
+    # an entry that changes nothing is a mistake, not a no-op (a key left out)
+    ({"route": "a", "alert": PER_ROUTE[0]}, "changes nothing"),
+    ({"route": "a", "alert": PER_ROUTE[0], "disabled": False}, "changes nothing"),
     ({"route": "a", "alert": PER_ROUTE[0], "disabled": "yes"}, "disabled"),
     ({"route": "a", "alert": PER_ROUTE[0], "colour": 1}, "unknown keys"),
 ])
@@ -146,6 +152,41 @@ def test_overrides_file_junk_bytes_exit_2_with_one_line(tmp_path_factory: pytest
     except SystemExit as exc:
         code = exc.code  # type: ignore[assignment]
     assert code in (0, 2)
+
+
+@pytest.mark.parametrize("where", ["--overrides", "alertmanager --out"])
+def test_a_fifo_given_as_a_file_is_a_usage_error_not_a_hang(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str) -> None:
+    """A FIFO (or any other non-regular file) as `--overrides` or as the Alertmanager
+    configuration's `--out` exits 2 with one line naming it; it used to block for ever
+    (ops7 D3)."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    argv = (["--root", str(tmp_path / "out"), "--overrides", str(fifo)]
+            if where == "--overrides" else ["alertmanager", "--out", str(fifo)])
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not a regular file" in err
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_an_empty_receiver_address_is_a_usage_error(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], how: str) -> None:
+    """`--pager-url "$PAGER_URL"` with the variable unset (or the variable set empty) is
+    refused, naming the receiver: it silently shipped the placeholder pager (ops7 D2)."""
+    monkeypatch.delenv("TURNROUTER_ALERT_PAGER_URL", raising=False)
+    argv = ["alertmanager", "--tickets-url", "http://t.example/", "--watchdog-url",
+            "http://w.example/"]
+    if how == "flag":
+        argv += ["--pager-url", ""]
+    else:
+        monkeypatch.setenv("TURNROUTER_ALERT_PAGER_URL", " ")
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "pager receiver" in capsys.readouterr().err
 
 
 def test_deeply_nested_overrides_file_is_a_usage_error(
@@ -236,10 +277,15 @@ def test_hostile_overrides_files_exit_2_with_one_short_line(
         assert "larger than" in message
 
 
-def test_an_endless_overrides_file_is_refused_after_the_bound(tmp_path: Path) -> None:
-    """A file that never ends (/dev/zero) is read only up to the bound, then refused."""
-    with pytest.raises(ValueError, match="larger than"):
+def test_an_endless_or_huge_overrides_file_is_refused(tmp_path: Path) -> None:
+    """A file that never ends (/dev/zero) is no regular file: refused unread; a regular
+    file past the bound is read only up to it, then refused."""
+    with pytest.raises(ValueError, match="not a regular file"):
         read_overrides(Path("/dev/zero"))
+    huge = tmp_path / "huge.yml"
+    huge.write_bytes(b"#" * (MAX_OVERRIDES_BYTES + 1))
+    with pytest.raises(ValueError, match="larger than"):
+        read_overrides(huge)
 
 
 def test_generation_says_which_overrides_it_applied(

@@ -63,12 +63,19 @@ def _check_url(name: str, url: object) -> str:
 def receiver_urls(given: Mapping[str, str | None] | None = None,
                   environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Each receiver's address: `given`, else its `ALERTMANAGER_ENV` variable, else the
-    placeholder (ValueError naming a malformed one)."""
+    placeholder (ValueError naming a malformed one, or an empty one: `--pager-url
+    "$PAGER_URL"` with the variable unset would ship the placeholder pager)."""
     env = os.environ if environ is None else environ
     out = {}
     for name, variable in ALERTMANAGER_ENV.items():
-        url = (given or {}).get(name) or env.get(variable) or PLACEHOLDER_URLS[name]
-        out[name] = _check_url(name, url)
+        url = (given or {}).get(name)
+        if url is None:
+            url = env.get(variable)
+        if url is not None and not url.strip():
+            raise ValueError(f"the {name} receiver's address (--{name}-url or {variable}) is "
+                             "empty: give its webhook URL, or leave both unset for the "
+                             "placeholder")
+        out[name] = _check_url(name, url or PLACEHOLDER_URLS[name])
     return out
 
 

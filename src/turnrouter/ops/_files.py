@@ -166,7 +166,9 @@ def read_overrides(path: Path) -> tuple[RouteOverride, ...]:
     import yaml
 
     try:
-        with path.open("rb") as handle:  # never more than the bound (a FIFO, /dev/zero)
+        if path.exists() and not path.is_file():  # a FIFO with no writer blocks for ever
+            raise ValueError("not a regular file")
+        with path.open("rb") as handle:  # never more than the bound (/dev/zero)
             raw = handle.read(MAX_OVERRIDES_BYTES + 1)
         if len(raw) > MAX_OVERRIDES_BYTES:
             raise ValueError(f"larger than {MAX_OVERRIDES_BYTES} bytes")
@@ -195,6 +197,8 @@ def _alertmanager_main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", type=Path, metavar="FILE",
                         help="write to FILE instead of standard output")
     args = parser.parse_args(argv)
+    if args.out is not None and args.out.exists() and not args.out.is_file():
+        parser.error(f"--out {args.out}: not a regular file")  # a FIFO would block
     try:
         labels = check_group_labels(args.group_labels)
         urls = receiver_urls({"pager": args.pager_url, "tickets": args.tickets_url,

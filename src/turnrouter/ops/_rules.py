@@ -236,11 +236,16 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
     ),
     RecordingRule(
         "turnrouter:shed_turns:rate5m", f"sum by ({G}, instance) (rate({SHED}[5m]))"),
-    # The share of samples the router spent busy (1) or shedding (2): what it decided,
-    # with its own thresholds, averaged so that sub-second flapping still counts.
+    # The share of the last 5 minutes the router spent busy (1) or shedding (2): what it
+    # decided, with its own thresholds, so that sub-second flapping still counts. Read at
+    # fixed 15 s steps (whatever the scrape interval), the minutes before the router
+    # started counting as ready: an average of its samples alone made a warm-up burst of
+    # two minutes right after a start the whole window, and warned. (The steps are
+    # counted, not assumed: 21 in Prometheus 2, whose ranges include both ends, 20 in 3.)
     RecordingRule(
         "turnrouter:overload_state:avg5m",
-        f"max by ({G}, instance) (avg_over_time({OVERLOAD}[5m]))"),
+        f"max by ({G}, instance) (sum_over_time({OVERLOAD}[5m:15s]))\n"
+        f"/ on () group_left ()\n(count_over_time(vector(1)[5m:15s]) > 0)"),
     RecordingRule(
         "turnrouter:failure_ratio:rate5m",
         f"sum by ({G}, stage) (rate({FAILURES}[5m]))\n/ on ({G}) group_left ()\n"
@@ -289,9 +294,13 @@ class RouteOverride:
                              f"got {self.threshold!r}")
         if self.min_turns is not None and (
                 isinstance(self.min_turns, bool) or not isinstance(self.min_turns, int)
-                or not 0 <= self.min_turns <= 10**9):
-            raise ValueError(f"override min_turns must be an integer in [0, 1e9], "
+                or not 1 <= self.min_turns <= 10**9):
+            # 0 would drop the traffic floor: one unlucky turn could raise the alert.
+            raise ValueError(f"override min_turns must be an integer in [1, 1e9], "
                              f"got {self.min_turns!r}")
+        if self.threshold is None and self.min_turns is None and not self.disabled:
+            raise ValueError("override changes nothing: give threshold, min_turns or "
+                             "disabled: true")
 
 
 @dataclass(frozen=True, slots=True)
