@@ -138,3 +138,32 @@ def test_a_fifo_as_samples_file_is_refused_at_once(tmp_path: Path, command: list
     assert code == 2 and err.count("\n") == 1 and "samples.jsonl" in err
     # (a FIFO opened for writing with no reader: "No such device or address")
     assert "not a regular file" in err or "No such device" in err
+
+
+@pytest.mark.parametrize(("flags", "problem"), [
+    (["--plot", ""], "--plot needs a file name"),
+    (["--window", "1h"], "--window applies to --prometheus only"),
+    (["--timeout", "5"], "--timeout applies to --prometheus only"),
+    (["--at", "1700000000"], "--at applies to --prometheus only"),
+    (["--confidence", "1"], "--confidence: must be a finite number > 0.5 and < 1"),
+    (["--replay-samples", "0"], "--replay-samples must be in 1..5,000,000"),
+])
+def test_flags_that_would_do_nothing_or_mislead_are_usage_errors(
+        tmp_path: Path, flags: list[str], problem: str) -> None:
+    """A flag `--samples` never reads is refused as `--selector` was (it used to be
+    taken and ignored), `--plot ''` is no file name (it wrote nothing and said nothing),
+    and `--confidence 1` is refused by the range its own message gives (which said
+    "<= 1", and then refused 1 with another message) (ops7 D4)."""
+    samples = tmp_path / "s.jsonl"
+    samples.write_text('{"route": "a", "seconds": 0.5}\n' * 30)
+    code, out, err = run_cli(["tune", "--samples", str(samples), *flags])
+    assert code == 2 and out == "" and problem in err, err
+
+
+@pytest.mark.parametrize("window", ["0s", "0m", "00h"])
+def test_a_zero_window_is_refused_before_asking_prometheus(window: str) -> None:
+    """`--window 0s` is no range: a usage error naming it, before any query (it reached
+    Prometheus and came back as its raw HTTP 400)."""
+    code, _out, err = run_cli(["tune", "--prometheus", "http://127.0.0.1:9", "--window",
+                              window])
+    assert code == 2 and "--window" in err and "positive" in err

@@ -869,26 +869,28 @@ def plot(rows: Sequence[TuneRow], path: str, target: tuple[str, float] | None,
     return None
 
 
-def _bounded(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number in [low, high] (or (low, high])."""
+def _bounded(low: float, high: float, *, low_open: bool = False,
+             high_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (either end open)."""
     def parse(value: str) -> float:
         try:
             number = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-        if not math.isfinite(number) or number > high or (
+        if not math.isfinite(number) or (number >= high if high_open else number > high) or (
                 number <= low if low_open else number < low):
             raise argparse.ArgumentTypeError(
                 f"must be a finite number {'>' if low_open else '>='} {low:g} and "
-                f"<= {high:g}, got {value!r}")
+                f"{'<' if high_open else '<='} {high:g}, got {value!r}")
         return number
     return parse
 
 
 def _window(value: str) -> str:
-    if len(value) > 32 or not _DURATION.fullmatch(value):
-        raise argparse.ArgumentTypeError(f"must be a Prometheus duration such as 1d or "
-                                         f"6h30m, got {printable(value[:40])!r}")
+    if len(value) > 32 or not _DURATION.fullmatch(value) or not any(
+            c in "123456789" for c in value):
+        raise argparse.ArgumentTypeError(f"must be a positive Prometheus duration such as "
+                                         f"1d or 6h30m, got {printable(value[:40])!r}")
     return value
 
 
@@ -914,11 +916,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--selector", metavar="MATCHERS",
                         help='Prometheus label matchers narrowing the series, e.g. '
                              'job="voice",namespace="prod"')
-    parser.add_argument("--window", type=_window, default="1d",
+    parser.add_argument("--window", type=_window,
                         help="Prometheus range for increase() (default 1d)")
     parser.add_argument("--at", type=_bounded(0.0, 1e11, low_open=True), metavar="UNIX_TIME",
                         help="evaluate at this instant (default: now)")
-    parser.add_argument("--timeout", type=_bounded(0.0, 300.0, low_open=True), default=10.0,
+    parser.add_argument("--timeout", type=_bounded(0.0, 300.0, low_open=True),
                         help="bound on each Prometheus query, connect to last byte, in "
                              "seconds (default 10)")
     parser.add_argument("--route", action="append", type=_route,
@@ -943,7 +945,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=("predictive", "fixed"), default="predictive",
                         help="which policy's figures the recommendation reads (default "
                              "predictive: what the router does with its default predictor)")
-    parser.add_argument("--confidence", type=_bounded(0.5, 1.0, low_open=True),
+    parser.add_argument("--confidence", type=_bounded(0.5, 1.0, low_open=True,
+                                                      high_open=True),
                         default=CONFIDENCE,
                         help=f"the trigger's RouteTimingPredictor confidence (default "
                              f"{CONFIDENCE:g})")
@@ -983,6 +986,8 @@ def _check_routes(distributions: dict[str, Distribution]) -> None:
 def _check_plot_target(path: str) -> None:
     """`--plot FILE` checked before any work: a missing folder, a folder, a FIFO or a
     device would otherwise fail only after the analysis (`ValueError` naming it)."""
+    if not path:
+        raise ValueError("--plot needs a file name")
     target = Path(path)
     if target.exists() and not target.is_file():
         raise ValueError(f"--plot {printable(path)!r} exists and is not a regular file")
@@ -1002,14 +1007,15 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
     splits: dict[tuple[str, float], Split] | None = None
     try:
         delays = _delays(args.delays, args.generation_secs)
-        if args.confidence >= 1.0 or not 1 <= args.replay_samples <= MAX_SAMPLES:
-            raise ValueError(f"--confidence must be below 1 and --replay-samples in 1.."
-                             f"{MAX_SAMPLES:,}")
-        if args.plot:
+        if not 1 <= args.replay_samples <= MAX_SAMPLES:
+            raise ValueError(f"--replay-samples must be in 1..{MAX_SAMPLES:,}")
+        if args.plot is not None:
             _check_plot_target(args.plot)
         if args.samples:
-            if args.selector:
-                raise ValueError("--selector applies to --prometheus only")
+            for flag, value in (("--selector", args.selector), ("--window", args.window),
+                                ("--timeout", args.timeout), ("--at", args.at)):
+                if value is not None:  # (said, not silently ignored)
+                    raise ValueError(f"{flag} applies to --prometheus only")
             distributions, ordered = from_samples(args.samples, routes)
             _check_routes(distributions)
             splits = replay_splits(ordered[-args.replay_samples:], delays,
@@ -1019,6 +1025,8 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
             model = (f"predictive = {replayed:,} samples replayed in order through "
                      f"RouteTimingPredictor(confidence={args.confidence:g}) per delay")
         else:
+            args.window = args.window or "1d"
+            args.timeout = args.timeout or 10.0
             matchers = selector_matchers(args.selector)
             only = sorted(routes)[0] if routes and len(routes) == 1 else None
             if only is not None:  # the queries themselves speak for that route
@@ -1105,7 +1113,7 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         out.write(f"current delay{whose}: {args.current:g}s (marked)\n")
     aggregate = None if len(chosen) == 1 else "(chosen)" if chosen else ALL_ROUTES
     print_table(rows, out, args.current, aggregate)
-    if args.plot:
+    if args.plot is not None:
         problem = plot(rows, args.plot, target, aggregate)
         if problem is None:
             out.write(f"plot written to {printable(args.plot)}\n")
