@@ -90,6 +90,7 @@ def test_subcommand_help_goes_to_stdout(capsys: pytest.CaptureFixture[str]) -> N
     (["--participants", "10001"], "--participants"),
     (["--speed", "inf"], "--speed"),
     (["--speed", "-1"], "--speed"),
+    (["--speed", "1e-9"], "--speed"),  # a run of any length would say nothing
     (["--metrics-port", "99999"], "--metrics-port"),
     (["--metrics-port", "-1"], "--metrics-port"),
     (["--metrics-port", "1e3"], "--metrics-port"),

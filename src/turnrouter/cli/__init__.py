@@ -24,6 +24,8 @@ __all__ = ["OneLineParser", "demo_parser", "main", "worker_parser"]
 #: Upper bounds of the demo's numeric flags (beyond them the run is pointless or unsafe).
 MAX_DURATION = 365 * 86400.0
 MAX_SPEED = 1000.0
+#: Slower than this, a run of any length says and measures nothing (a typo, mostly).
+MIN_SPEED = 0.01
 MAX_PARTICIPANTS = 10_000
 MAX_ACK_DELAY = 60.0
 
@@ -51,7 +53,7 @@ def _duration(value: str) -> float:
 
 
 def _speed(value: str) -> float:
-    return _number(value, low=0.0, high=MAX_SPEED, low_open=True)
+    return _number(value, low=MIN_SPEED, high=MAX_SPEED, low_open=False)
 
 
 def _ack_delay(value: str) -> float | None:
@@ -131,7 +133,7 @@ def demo_parser() -> argparse.ArgumentParser:
                         help="address to serve /metrics on (0.0.0.0 in containers)")
     parser.add_argument("--speed", type=_speed, default=1.0,
                         help=f"time compression of the simulated conversations "
-                             f"(up to {MAX_SPEED:g})")
+                             f"({MIN_SPEED:g} to {MAX_SPEED:g})")
     parser.add_argument("--ack-delay", type=_ack_delay, default=DEFAULT_ACK_DELAY,
                         metavar="SECONDS",
                         help=f"fallback acknowledgment delay in simulated seconds, or 'off' "
