@@ -540,6 +540,43 @@ async def test_participants_of_a_deleted_bucket_talk_on_with_their_history(
         worker.close()
 
 
+async def test_turns_running_when_the_bucket_goes_end_answered_with_their_history(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """The state bucket deleted while turns run (an operator, or a server back on an
+    empty store): each of those turns ends once with its answer, and the participants
+    talk on with the history the replica holds, their records written again once the
+    worker made the bucket again. Before, the finished turn's record write found no
+    bucket, the participant was dropped and claimed from the record that was gone: the
+    turn never ended and its history was lost (chaos7 D1)."""
+    fe, heard = front
+    worker = Worker(nats_server.url, "keeper", env={"TR_TEST_ANSWER_SECS": "1.5"})
+    people = [f"r{k}" for k in range(4)]
+    try:
+        answers = await asyncio.gather(*(ask(fe, heard, pid, f"one{pid}") for pid in people))
+        assert answers == [f"one{pid}|-|N" for pid in people]
+        queries = [UserQuery(participant_id=pid, text=f"two{pid}") for pid in people]
+        for query in queries:
+            heard.events.setdefault(query.message_id, asyncio.Event())
+            await fe.publish(query)
+        await until_true(lambda: metric_value(worker.metrics(),
+                                              "turnrouter_turns_in_flight") == len(people),
+                         "every turn running")
+        nc = await nats.connect(nats_server.url)
+        try:
+            await nc.jetstream().delete_key_value(CONFIG.bucket)
+        finally:
+            await nc.close()
+        async with asyncio.timeout(30):
+            for query in queries:
+                await heard.events[query.message_id].wait()
+        assert [[o.text for o in heard.finals[q.message_id]] for q in queries] == [
+            [f"two{pid}|one{pid}|F"] for pid in people]
+        for pid in people:
+            assert await ask(fe, heard, pid, "three") == f"three|two{pid}|F"
+    finally:
+        worker.close()
+
+
 async def test_a_deployment_that_cannot_be_recreated_ends_the_worker(
         nats_server: NatsServer) -> None:
     """The input stream deleted and its subjects taken by another stream: recreating it

@@ -25,7 +25,7 @@ from ..._exceptions import ContractValueError, LifecycleError
 from ..._frontend import ParticipantSnapshot
 from ..._limits import is_logged
 from ..._router import AgentRouter
-from ._link import Link, RequestFailed, pub_ack
+from ._link import Link, NoResponders, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._records import sound_endings
 from ._setup import HEADER_ROOM
@@ -64,6 +64,33 @@ def _any_before(outbox: list[Ending], horizon: float) -> bool:
         if ending[3] < horizon:
             return True
     return False
+
+
+#: Seconds between the tries of a record write that found no bucket (`_write_again`).
+_REWRITE_WAIT = 0.25
+
+
+async def _write_again(link: Link, subject: str, data: bytes,
+                       bound: float) -> tuple[int | None, object, bool]:
+    """A record write found no bucket (deleted, or the server back on an empty store):
+    nothing was stored, and the worker's deployment check is making the bucket again.
+    Written again, as a new record, once it answers (within `bound` seconds, the
+    worker's `reconnect_for`, after which the worker gives up anyway), from what this
+    replica holds: the participant keeps their history and the turn its answer. Dropping
+    the participant, as for a write whose fate is unknown, lost both: the record it
+    would be claimed from was gone. (seq, error, uncertain) as `Ledger.write` reads them."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        await asyncio.sleep(_REWRITE_WAIT)
+        try:
+            seq, error = pub_ack(await link.request(
+                subject, data, {"Nats-Expected-Last-Subject-Sequence": "0"}))
+        except NoResponders:
+            continue
+        except (RequestFailed, ValueError):
+            break
+        return seq, error, False
+    return None, None, True
 
 
 def _vanished(error: object) -> bool:
@@ -571,14 +598,17 @@ class Ledger:
                     subject, data,
                     {"Nats-Expected-Last-Subject-Sequence": str(state.revision)}))
                 if seq is None and state.revision and _vanished(error):
-                    # The record is gone without a trace: the bucket was deleted and
-                    # made again (a claim, a write or a delete by another replica
-                    # leaves one). Nobody wrote it since: written again from what this
-                    # replica holds, instead of dropping the participant (every
-                    # participant's next turn failed, each input held for `ack_wait`).
+                    # The record is gone without a trace (another replica's claim,
+                    # write or delete leaves one): the bucket was made again. Written
+                    # again from what this replica holds, not dropping the participant.
                     self._remade()
                     seq, error = pub_ack(await self._link.request(
                         subject, data, {"Nats-Expected-Last-Subject-Sequence": "0"}))
+            except NoResponders:  # the bucket is gone: nothing stored (`_write_again`)
+                seq, error, uncertain = await _write_again(self._link, subject, data,
+                                                           self._config.reconnect_for)
+                if seq is not None:
+                    self._remade()
             except (RequestFailed, ValueError) as exc:
                 self.write_failures += 1
                 if is_logged(self.write_failures):

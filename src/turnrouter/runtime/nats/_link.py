@@ -35,6 +35,11 @@ class RequestFailed(Exception):
     """A request got no reply in time, or the connection refused it."""
 
 
+class NoResponders(RequestFailed):
+    """Nothing answered the request (status 503): no stream takes its subject, so
+    nothing was stored (unlike a request without a reply, which may have been)."""
+
+
 class Link:
     """Requests and stored publishes over one connection and one reply subscription."""
 
@@ -185,7 +190,7 @@ class Link:
         if future is None or future.done():
             return
         if status == "503":
-            future.set_exception(RequestFailed("no responders (is its stream there?)"))
+            future.set_exception(NoResponders("no responders (is its stream there?)"))
         else:
             future.set_result(msg.data)
 
