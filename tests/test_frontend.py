@@ -757,6 +757,48 @@ async def test_unreported_audio_falls_back_on_departure() -> None:
     assert _heard(h) == [("heard", "conversation", 0.0, 0.0)]
 
 
+async def test_a_barge_in_before_the_audio_records_a_lower_bound_and_no_silence() -> None:
+    """The participant barges in (`interrupt()`) before any of the answer was reported
+    heard: the first response is recorded as interrupted before a response at the
+    barge-in (censored for the timing predictor) and no silence is recorded; a later
+    report matches nothing. Before, the next turn recorded both at `started()`: the
+    fastest turn of the call for one whose caller heard nothing (voice7)."""
+    from turnrouter import TimingSample
+
+    clock = ManualClock()
+    samples: list[TimingSample] = []
+
+    class Sink:
+        def record(self, sample: TimingSample) -> None:
+            samples.append(sample)
+
+    h = Harness(ScriptedAgent("conversation"), clock=clock, timing_sink=Sink())
+    await h.router.route_turn(h.turn(), report_heard=True)
+    clock.advance(1.5)
+    await h.router.interrupt("p1")
+    assert [e for e in h.observer.events if e[0].startswith("heard")] == [
+        ("heard_interrupted", "conversation", 1.5)]
+    assert [(sample.seconds, sample.censored) for sample in samples] == [(1.5, True)]
+    assert h.router.mark_heard("p1", "t1") is False
+    await h.router.route_turn(h.turn())  # the next turn adds nothing for t1
+    assert [e for e in h.observer.events if e[0].startswith("heard")] == [
+        ("heard_interrupted", "conversation", 1.5)]
+
+
+async def test_a_barge_in_after_the_audio_was_heard_changes_nothing() -> None:
+    """An interrupt after the report (the participant talks over the answer they are
+    hearing) leaves the heard measurement as it was."""
+    clock = ManualClock()
+    h = Harness(ScriptedAgent("conversation"), clock=clock)
+    await h.router.route_turn(h.turn(), report_heard=True)
+    clock.advance(0.4)
+    assert h.router.mark_heard("p1", "t1") is True
+    clock.advance(1.0)
+    await h.router.interrupt(None)
+    assert [e for e in h.observer.events if e[0].startswith("heard")] == [
+        ("heard", "conversation", 0.4, 0.4)]
+
+
 async def test_mark_heard_of_an_unknown_or_ordinary_turn_matches_nothing() -> None:
     """mark_heard is False for unknown participants, turns, and turns without reports."""
     h = Harness(ScriptedAgent("conversation"), clock=ManualClock())

@@ -111,6 +111,9 @@ class Departures:
         else:
             state = registry.get(pid)
             states = [] if state is None else [state]
+        for state in states:  # an answer not heard yet will not be: a lower bound
+            if state.unheard is not None:
+                state.unheard.resolve_unheard(self._cfg.clock())
         runs = [run for state in states for run in state.queue.runs()]
         for run in runs:
             run.cancel("interrupted")

@@ -297,12 +297,15 @@ class Heard(NamedTuple):
     report_heard=True)` and `mark_heard`), possibly after its turn ended.
 
     `silence_seconds` is None when something else (a preamble, an acknowledgment) had
-    ended the silence.
+    ended the silence. `interrupted`: the participant barged in (`interrupt()`) before
+    any of the answer was heard; `first_response_seconds` is then a lower bound (to the
+    barge-in), recorded as interrupted before a response, and no silence is recorded.
     """
 
     route: str
     first_response_seconds: float
     silence_seconds: float | None
+    interrupted: bool = False
 
 
 class LimitExceeded(NamedTuple):

@@ -736,6 +736,28 @@ class Answer:
         if cfg.timed is not None:
             cfg.timed.record(self.route, seconds, False, owner.turn)
 
+    def resolve_unheard(self, at: float) -> None:
+        """A barge-in at `at` before any of this answer was reported heard: its first
+        response is a lower bound (censored, as for a turn interrupted before
+        `started()`), and the silence is not recorded, unless control text said before
+        ended it. (Falling back to `started()` recorded the fastest turn of the call for
+        one whose caller heard nothing.)"""
+        owner = self.owner
+        if owner.state.unheard is self:
+            owner.state.unheard = None
+        started_at = self._started_at
+        if started_at is None:
+            return
+        self._started_at = None
+        seconds = max(at, started_at) - self._t0
+        said_at = self._said_at
+        if said_at is not None:
+            self._silence_at(min(said_at, at))
+        cfg = owner.cfg
+        cfg.observer.heard(Heard(self.route, seconds, None, True))
+        if cfg.timed is not None:
+            cfg.timed.record(self.route, seconds, True, owner.turn)
+
 
 async def _wait_in_line(run: Turn) -> None:
     """Wait behind the participant's earlier turns (a running one is superseded),

@@ -479,6 +479,9 @@ class RecordingObserver(RouterObserver):
         self.events.append(("limit_exceeded", event.limit))
 
     def heard(self, event: Heard) -> None:
+        if event.interrupted:  # a barge-in before anything was heard: a lower bound
+            self.events.append(("heard_interrupted", event.route, event.first_response_seconds))
+            return
         self.events.append(("heard", event.route, event.first_response_seconds,
                             event.silence_seconds))
 

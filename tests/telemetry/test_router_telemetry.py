@@ -164,3 +164,19 @@ async def test_heard_turn_marks_started_on_the_span_and_measures_to_the_audio(
     assert value("turnrouter_first_response_seconds_count", route="weather") in (None, 0)
     assert s.router.mark_heard("alice", "t1") is True
     assert value("turnrouter_first_response_seconds_count", route="weather") == 1
+
+
+async def test_a_barge_in_before_the_audio_is_an_interrupted_first_response(
+        router_rig: Rig, stopped: list[AgentRouter]) -> None:
+    """With report_heard=True and a barge-in before the audio: the first response goes to
+    `turnrouter_first_response_interrupted_seconds`, nothing to the first-response or
+    silence histograms (voice7: both got the text's 0.1 s)."""
+    s = Outcomes(router_rig, ScriptedDecisions("weather"), ScriptedAgent("weather"))
+    stopped.append(s.router)
+    await s.router.route_turn(AgentTurn("alice", "t1", "rain?"), report_heard=True)
+    await s.router.interrupt("alice")
+    value = router_rig.value
+    assert value("turnrouter_first_response_interrupted_seconds_count", route="weather") == 1
+    assert value("turnrouter_first_response_seconds_count", route="weather") in (None, 0)
+    assert value("turnrouter_silence_seconds_count", route="weather") in (None, 0)
+    assert s.router.mark_heard("alice", "t1") is False

@@ -295,8 +295,13 @@ class Telemetry(RouterObserver):
         self._families.predicted.labels(event.route).set(event.seconds)
 
     def heard(self, event: Heard) -> None:
-        """Record first response (and silence) measured to the first audio heard."""
+        """Record first response (and silence) measured to the first audio heard, or a
+        first response cut short by a barge-in before anything was heard."""
         families = self._families
+        if event.interrupted:
+            families.first_response_interrupted.get(event.route).observe(
+                event.first_response_seconds)
+            return
         families.first_response.get(event.route).observe(event.first_response_seconds)
         if event.silence_seconds is not None:
             families.silence.get(event.route).observe(event.silence_seconds)
