@@ -261,8 +261,10 @@ class RouterSubscriber:
             except RouterBusyError:
                 pass  # shed for load: counted (outcome busy) and told by the router
             except LifecycleError as exc:
+                # Refused by the router (a participant who left, or one past
+                # max_participants): it counted the turn (outcome refused) already; a
+                # second count here made one query two (the demo's "lost -2").
                 logger.warning("turnrouter: dropped query %s: %s", query.message_id, exc)
-                router.report_rejected(self._topics["query_topic"].name, "closed")
             except Exception as exc:
                 log_failure("runtime turn %s of %s", exc, turn.turn_id, pid, log=logger)
             finally:

@@ -351,6 +351,7 @@ class Connection:
                     error = f"missing {names} again once recreated"
             else:
                 self.readiness.update("deployment", "JetStream not answering")
+                error = f"JetStream not answering ({error or 'no reply'})"
             down = now - first
             logger.warning("turnrouter: NATS deployment check %d failed (%.1f s of %g s): %s",
                            failures, down, config.reconnect_for, error)
