@@ -29,6 +29,7 @@ from turnrouter import (
     ParticipantSnapshot,
     PendingContextPatch,
     RoutedResult,
+    TimingSample,
     TurnInterrupted,
 )
 from turnrouter.runtime import ParticipantJoined, ParticipantLeft, Topic
@@ -715,16 +716,21 @@ def _heard(h: Harness) -> list[tuple[object, ...]]:
     return [event for event in h.observer.events if event[0] == "heard"]
 
 
-async def test_report_heard_measures_to_the_reported_audio() -> None:
-    """First response and silence run to mark_heard, even after the turn returned."""
-    from turnrouter import TimingSample
-
-    clock = ManualClock()
-    samples: list[TimingSample] = []
+def _sink(samples: list[TimingSample]) -> type:
+    """A timing sink class whose instances append every sample to `samples`."""
 
     class Sink:
         def record(self, sample: TimingSample) -> None:
             samples.append(sample)
+
+    return Sink
+
+
+async def test_report_heard_measures_to_the_reported_audio() -> None:
+    """First response and silence run to mark_heard, even after the turn returned."""
+    clock = ManualClock()
+    samples: list[TimingSample] = []
+    Sink = _sink(samples)
 
     h = Harness(ScriptedAgent("conversation"), clock=clock, timing_sink=Sink())
     await h.router.route_turn(h.turn(), report_heard=True)
@@ -763,14 +769,9 @@ async def test_a_barge_in_before_the_audio_records_a_lower_bound_and_no_silence(
     barge-in (censored for the timing predictor) and no silence is recorded; a later
     report matches nothing. Before, the next turn recorded both at `started()`: the
     fastest turn of the call for one whose caller heard nothing (voice7)."""
-    from turnrouter import TimingSample
-
     clock = ManualClock()
     samples: list[TimingSample] = []
-
-    class Sink:
-        def record(self, sample: TimingSample) -> None:
-            samples.append(sample)
+    Sink = _sink(samples)
 
     h = Harness(ScriptedAgent("conversation"), clock=clock, timing_sink=Sink())
     await h.router.route_turn(h.turn(), report_heard=True)

@@ -712,15 +712,21 @@ class Answer:
         else:
             self._heard_at = at
 
-    def resolve_heard(self, at: float | None) -> None:
-        """Record first response and silence to `at` (None: to `started()`), once."""
+    def _take_measure(self) -> float | None:
+        """The `started()` time of this answer's open heard measurement, taken once
+        (None: none open)."""
         owner = self.owner
         if owner.state.unheard is self:
             owner.state.unheard = None
-        started_at = self._started_at
+        started_at, self._started_at = self._started_at, None
+        return started_at
+
+    def resolve_heard(self, at: float | None) -> None:
+        """Record first response and silence to `at` (None: to `started()`), once."""
+        owner = self.owner
+        started_at = self._take_measure()
         if started_at is None:
             return
-        self._started_at = None
         at = started_at if at is None else max(at, started_at)
         seconds = at - self._t0
         silence_seconds = None
@@ -743,12 +749,9 @@ class Answer:
         ended it. (Falling back to `started()` recorded the fastest turn of the call for
         one whose caller heard nothing.)"""
         owner = self.owner
-        if owner.state.unheard is self:
-            owner.state.unheard = None
-        started_at = self._started_at
+        started_at = self._take_measure()
         if started_at is None:
             return
-        self._started_at = None
         seconds = max(at, started_at) - self._t0
         said_at = self._said_at
         if said_at is not None:
