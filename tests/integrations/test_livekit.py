@@ -984,6 +984,40 @@ async def test_silence_is_measured_to_the_speech_start(spoken_by: str) -> None:
     assert silence == pytest.approx(2.0)
 
 
+async def test_a_barge_in_before_the_answer_is_heard_records_no_silence() -> None:
+    """The turn is over (answered at t=0) but its reply waits behind other speech; the
+    user barges in at 1.5 s, before any of it was heard: no silence and no first
+    response are recorded for it, only a first response interrupted at 1.5 s (a lower
+    bound). Before, the turn being over, the router was not told, and the reply's
+    measurement fell back to the answer's text (~0 s) for a caller who heard nothing
+    (voice7)."""
+    clock = ManualClock()
+    with TelemetryCapture() as capture:
+        router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"),
+                             clock=clock, telemetry=capture.telemetry)
+        text_out = GatedText()
+        async with session_for(router) as (session, ends):
+            session.output.transcription = text_out
+            session.say("Welcome!")                      # holds LiveKit's speech queue
+            with anyio.fail_after(5):
+                await text_out.entered.wait()
+            pending: RunResult[Any] = session.run(user_input="rain?")
+            await ends.wait()                            # answered at t=0, not heard yet
+            clock.advance(1.5)
+            await session.interrupt()
+            text_out.gate.set()
+            with anyio.fail_after(5):
+                await pending
+            await router.drain()
+        value = capture.value
+        interrupted = value("turnrouter_first_response_interrupted_seconds_sum",
+                            route="weather")
+        heard = value("turnrouter_first_response_seconds_count", route="weather")
+        silence = value("turnrouter_silence_seconds_count", route="weather")
+    assert interrupted == pytest.approx(1.5)
+    assert (heard or 0) == 0 and (silence or 0) == 0
+
+
 def _ancestors(span: Any, spans: list[Any]) -> list[Any]:
     by_id = {item.context.span_id: item for item in spans}
     chain = []

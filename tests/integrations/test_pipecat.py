@@ -391,6 +391,29 @@ async def test_silence_is_measured_to_the_first_audio_heard() -> None:
     assert heard == [("heard", "weather", pytest.approx(0.4), pytest.approx(0.4))]
 
 
+async def test_a_barge_in_before_late_audio_records_no_silence() -> None:
+    """The answer's text went out at once, its audio would start 2 s later, and the user
+    barges in at 1.5 s: nothing was heard, so no silence is recorded and the first
+    response is a lower bound at the barge-in (interrupted before a response). Before,
+    the turn being over, the processor did not tell the router, and the next turn
+    recorded ~0 s at the text's push for a caller who heard nothing (voice7)."""
+    clock = ManualClock()
+    observer = RecordingObserver()
+    router = build([Agent("weather", "Sunny.")], "weather", clock=clock, telemetry=observer)
+    processor = TurnRouterProcessor(router)
+    speech = FakeSpeech(clock, ttfb=2.0)
+    async with Pipe(Pipeline([processor, speech])) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        with anyio.fail_after(10):
+            await clock.wait_for_sleepers(1)  # the TTS, on its way to the first audio
+        clock.advance(1.5)
+        await pipe.worker.queue_frame(InterruptionFrame())
+        await pipe.next_down(InterruptionFrame)
+        await pipe.end()
+    heard = [event for event in observer.events if event[0].startswith("heard")]
+    assert heard == [("heard_interrupted", "weather", pytest.approx(1.5))]
+
+
 async def test_without_heard_reports_silence_ends_at_the_frame_push() -> None:
     """report_heard=False: silence ends at started() (the first frame pushed)."""
     clock = ManualClock()

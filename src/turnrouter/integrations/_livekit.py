@@ -481,11 +481,14 @@ class RouterAgent(Agent):
             self._unlisten()
 
     def _speech_interrupted(self, voice: _TurnVoice) -> None:
-        """The reply of `voice`'s turn was interrupted in LiveKit: stop the turn."""
-        if voice.ended or voice is not self._latest:
+        """The reply of `voice`'s turn was interrupted in LiveKit: stop the turn; a turn
+        already over still tells the router, whose measurement of an answer not heard
+        yet ends there (a lower bound, no silence) instead of at its text."""
+        if voice is not self._latest:
             return
-        voice.ended = True
-        voice.reply.close()
+        if not voice.ended:
+            voice.ended = True
+            voice.reply.close()
         task = asyncio.get_running_loop().create_task(self._router.interrupt(self._pid))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

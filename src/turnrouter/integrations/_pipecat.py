@@ -622,6 +622,11 @@ class _Ledger:
         if self._pending.pop(mark.seq, None) is not None:
             self._changed.set()
 
+    def unheard(self) -> set[str]:
+        """The participants with an answer marked and not heard yet."""
+        return {mark.participant_id for mark in self._pending.values()
+                if mark.kind == "answer"}
+
     def cut(self) -> None:
         """An interruption leaves the processor: what was marked so far is dropped."""
         self._cut_seq = next(self._seq)
@@ -1141,7 +1146,9 @@ class TurnRouterProcessor(FrameProcessor):
 
     async def _interrupt(self) -> None:
         self._cut()
-        for participant_id in self._participants():
+        # Participants whose answer was not heard yet too: their turn may be over, and
+        # the router ends its measurement at the barge-in (a lower bound, no silence).
+        for participant_id in sorted({*self._participants(), *self._ledger.unheard()}):
             await self.router.interrupt(participant_id)
 
     async def _wait_own_turns(self) -> None:
