@@ -218,6 +218,12 @@ def test_demo_write_failure_during_the_run_is_one_line(
                  "--participants", "5", "--quiet", "--metrics-port", "0"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err
+    assert "--samples '/dev/full': samples not written" in err  # named (ops7 D5)
+    if Path("/proc/version").exists():  # a file that opens but takes no writes
+        assert main(["demo", "--samples", "/proc/version", "--duration", "1", "--speed",
+                     "10", "--participants", "5", "--quiet", "--metrics-port", "0"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--samples '/proc/version'" in err
     # Cleanup ran past the failure: the demo's log filters are gone again.
     assert [list(logging.getLogger(n).filters) for n in ("turnrouter",
                                                          "turnrouter.runtime")] == quiet_filters

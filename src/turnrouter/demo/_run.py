@@ -233,14 +233,26 @@ class _SpeedSink:
 
     def __init__(self, path: str, speed: float) -> None:
         self._sink = JsonLinesSink(path, flush_every=100)
-        self._speed = speed
+        self._path, self._speed = path, speed
+        #: The first write that failed (a full disk, a file that takes no writes): the
+        #: run goes on, and `close()` says so, naming --samples (the exit status is 1).
+        self.error: OSError | None = None
 
     def record(self, sample: TimingSample) -> None:
-        self._sink.record(TimingSample(sample.route, sample.seconds * self._speed,
-                                       sample.censored, sample.at))
+        try:
+            self._sink.record(TimingSample(sample.route, sample.seconds * self._speed,
+                                           sample.censored, sample.at))
+        except OSError as exc:
+            self.error = self.error or exc
 
     def close(self) -> None:
-        self._sink.close()
+        try:
+            self._sink.close()
+        except OSError as exc:
+            self.error = self.error or exc
+        if self.error is not None:
+            raise OSError(f"--samples {self._path!r}: samples not written: "
+                          f"{self.error.strerror or self.error}")
 
 
 def _acknowledger() -> Any:
