@@ -69,6 +69,11 @@ MAX_PUBLISHED = 65_536
 _CLOSE_PING_SECS = 1  # seconds (nats-py types it an int)
 
 
+#: The fields of an input that do not make it another message: a retry may be built
+#: again (a new time) or carry another trace context.
+_NOT_CONTENT: set[str] = {"timestamp_us", "traceparent", "tracestate"}
+
+
 class _Published:
     """The inputs this front end published within the streams' deduplication window: each
     one's deduplication id and a digest of its body (at most `MAX_PUBLISHED`, the oldest
@@ -118,6 +123,10 @@ class NatsFrontEnd:
         self._denials = denials_of(nc) or Denials(config, "frontend")
         self._js = nc.jetstream(timeout=_PUBLISH_TIMEOUT)
         self._published = _Published(config.dedup_window)
+        self.inputs_duplicated = 0
+        """Inputs the stream dropped as duplicates of messages with the same id this
+        front end did not publish (or no longer remembers): retries of them, or new
+        messages reusing their ids (see `publish`)."""
         self.outputs_skipped = 0
         """Messages on the output subjects that `outputs()` skipped: not a valid
         `ResponseOutput`, or one for another participant than its subject's."""
@@ -206,8 +215,11 @@ class NatsFrontEnd:
         safe, as its `Nats-Msg-Id` makes the stream drop a second copy within the
         deduplication window (2 min); another message reusing a participant's message id
         within that window (a new session's `turn-1` right after the last one's, say) is
-        dropped by the stream too, and `publish` raises `ContractValueError` saying so
-        instead of returning as if it was stored. A fleet-wide
+        dropped by the stream too: `publish` raises `ContractValueError` saying so when
+        this front end published that other message (a message built again with the same
+        id and content is a retry, not another message); when it cannot tell (another
+        front end's, or one older than its memory of `MAX_PUBLISHED`), it logs and counts
+        it in `inputs_duplicated`. A fleet-wide
         interrupt (`Interrupted` without a participant) is not stored: it returns once
         the server handled it, `LifecycleError` when the server refused it for the
         connection's permissions.
@@ -217,9 +229,9 @@ class NatsFrontEnd:
         correlation ids) holding a `Nats-*` key, a key that is not a header name
         (`MAX_HEADER_NAME` characters of letters, digits and ``!#$%&'*+-.^_`|~``), a value
         that is not a str or holds a control character, or more than `MAX_EXTRA_HEADERS`
-        bytes in all, a message id its participant used for another message within
-        the deduplication window, or a refusal of the server that a retry would meet
-        again."""
+        bytes in all, a message id this front end published for another message of that
+        participant within the deduplication window, or a refusal of the server that a
+        retry would meet again."""
         try:
             kind = kind_of(message)
         except TypeError as exc:
@@ -246,20 +258,23 @@ class NatsFrontEnd:
                 return
             assert isinstance(pid, str)
             # Noted before it goes out: one that timed out may be stored, and its retry
-            # is then a duplicate of this very message.
-            digest = hashlib.blake2b(data, digest_size=16).digest()
+            # is then a duplicate of this very message. What it says counts, not when it
+            # was made or traced: a retry built again from the same id and text is one.
+            digest = hashlib.blake2b(message.model_dump_json(exclude=_NOT_CONTENT).encode(),
+                                     digest_size=16).digest()
             previous = self._published.note(msg_id, digest)
             ack = await self._js.publish(self._config.input_subject(pid, kind), data,
                                          headers=hdrs)
-            if ack.duplicate and (previous is None or previous[0] != digest):
+            if ack.duplicate and previous is not None and previous[0] != digest:
                 self._published.undo(msg_id, previous)
                 raise ContractValueError(
                     f"{kind} {preview(message.message_id)} of participant {preview(pid)}: "
-                    f"the stream dropped it as a duplicate, as a message with that id was "
-                    f"published for this participant within the last dedup_window "
+                    f"the stream dropped it as a duplicate of another message with that id "
+                    f"this front end published within the last dedup_window "
                     f"({self._config.dedup_window:g} s). A new message needs a new id (a "
-                    f"new session's turn-1 right after the last one's, say); if this was a "
-                    f"retry of a message another front end published, that one is stored")
+                    f"new session's turn-1 right after the last one's, say)")
+            if ack.duplicate and previous is None:
+                self._unknown_duplicate(kind, message.message_id, pid)
         except (BadRequestError, MaxPayloadError) as exc:
             raise ContractValueError(f"publishing {kind} refused by the server: {exc!r} "
                                      f"(for good: publishing it again is refused too)") from exc
@@ -317,6 +332,20 @@ class NatsFrontEnd:
         if count & (count - 1) == 0:
             logger.warning("turnrouter: a turn's final output was stored twice, read once "
                            "(%d so far; route %s)", count, preview(output.route))
+
+    def _unknown_duplicate(self, kind: str, message_id: str, pid: str) -> None:
+        """The stream dropped an input as a duplicate of one this front end did not
+        publish (another front end's, or one older than its memory): a retry of that
+        one, stored already, or a new message reusing its id, dropped. Which, it cannot
+        tell: logged (the 1st, 2nd, 4th... time) and counted, not raised."""
+        self.inputs_duplicated += 1
+        count = self.inputs_duplicated
+        if count & (count - 1) == 0:
+            logger.warning("turnrouter: the stream dropped %s %s of participant %s as a "
+                           "duplicate of a message with that id published within "
+                           "dedup_window by another front end (or before this one's memory): "
+                           "a retry is stored already; a new message needs a new id (%d so "
+                           "far)", kind, preview(message_id), preview(pid), count)
 
     def _skipped(self, why: str) -> None:
         self.outputs_skipped += 1
