@@ -66,31 +66,35 @@ def _any_before(outbox: list[Ending], horizon: float) -> bool:
     return False
 
 
-#: Seconds between the tries of a record write that found no bucket (`_write_again`).
+#: Seconds between the tries of a record write that found no bucket (`_write_again`),
+#: and the longest it waits for the bucket (a graceful stop waits for it too).
 _REWRITE_WAIT = 0.25
+_REWRITE_FOR = 10.0
 
 
 async def _write_again(link: Link, subject: str, data: bytes,
-                       bound: float) -> tuple[int | None, object, bool]:
+                       config: NatsConfig) -> int | None:
     """A record write found no bucket (deleted, or the server back on an empty store):
     nothing was stored, and the worker's deployment check is making the bucket again.
-    Written again, as a new record, once it answers (within `bound` seconds, the
-    worker's `reconnect_for`, after which the worker gives up anyway), from what this
-    replica holds: the participant keeps their history and the turn its answer. Dropping
-    the participant, as for a write whose fate is unknown, lost both: the record it
-    would be claimed from was gone. (seq, error, uncertain) as `Ledger.write` reads them."""
-    deadline = time.monotonic() + bound
+    Written again, as a new record, once it answers (within `_REWRITE_FOR` seconds, or
+    `reconnect_for` if shorter: the participant's lock is held meanwhile, and a stop
+    waits for it), from what this replica holds: the participant keeps their history and
+    the turn its answer. Dropping the participant, as for a write whose fate is unknown,
+    lost both: the record it would be claimed from was gone. Its revision, or None: the
+    bucket stayed away, or came back holding the record (a stream that only stopped
+    answering for a while), and the write is then as unsure as one without a reply."""
+    deadline = time.monotonic() + min(_REWRITE_FOR, config.reconnect_for)
     while time.monotonic() < deadline:
         await asyncio.sleep(_REWRITE_WAIT)
         try:
-            seq, error = pub_ack(await link.request(
+            seq, _ = pub_ack(await link.request(
                 subject, data, {"Nats-Expected-Last-Subject-Sequence": "0"}))
         except NoResponders:
             continue
         except (RequestFailed, ValueError):
-            break
-        return seq, error, False
-    return None, None, True
+            return None
+        return seq
+    return None
 
 
 def _vanished(error: object) -> bool:
@@ -591,7 +595,7 @@ class Ledger:
                 self._oversized()
             written = frozenset(map(_turn_of, outbox)) if outbox else _NONE
             t0 = time.perf_counter()
-            uncertain = False
+            uncertain, failure = False, None
             subject = f"{self._subject}{state.partition}.{encode_token(pid)}"
             try:
                 seq, error = pub_ack(await self._link.request(
@@ -604,18 +608,19 @@ class Ledger:
                     self._remade()
                     seq, error = pub_ack(await self._link.request(
                         subject, data, {"Nats-Expected-Last-Subject-Sequence": "0"}))
-            except NoResponders:  # the bucket is gone: nothing stored (`_write_again`)
-                seq, error, uncertain = await _write_again(self._link, subject, data,
-                                                           self._config.reconnect_for)
-                if seq is not None:
-                    self._remade()
             except (RequestFailed, ValueError) as exc:
+                seq, error, failure = None, None, exc
+                if isinstance(exc, NoResponders):  # no bucket: nothing stored
+                    seq = await _write_again(self._link, subject, data, self._config)
+                    if seq is not None:
+                        self._remade()
+            if failure is not None and seq is None:
                 self.write_failures += 1
                 if is_logged(self.write_failures):
                     logger.warning("turnrouter: state write failed (%d so far; the "
                                    "participant starts again from its record): %r",
-                                   self.write_failures, exc)
-                seq, error, uncertain = None, None, True
+                                   self.write_failures, failure)
+                uncertain = True
             if seq is not None:
                 state.revision, state.recorded = seq, written
             elif not uncertain and not (isinstance(error, dict)
