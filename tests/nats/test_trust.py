@@ -512,6 +512,10 @@ async def test_a_percent_encoded_url_password_is_sent_decoded(
             assert (await answered_by_fleet(front, "pat", "hi")).startswith("hi|")
         finally:
             await front.close()
+        # Without a scheme, and a list writing them in either hex case (review8 D4).
+        for url in (f"frontend:fr%40nt%2f1@{host}",
+                    f"nats://frontend:fr%40nt%2F1@{host},nats://frontend:fr%40nt%2f1@{host}"):
+            await (await NatsFrontEnd.connect(NatsConfig(url=url))).close()
         with caplog.at_level(logging.DEBUG), pytest.raises(LifecycleError) as caught:
             await NatsFrontEnd.connect(NatsConfig(url=f"nats://frontend:fr%40nt%2F2@{host}"),
                                        max_reconnect_attempts=1)

@@ -113,19 +113,25 @@ def url_credentials(servers: list[str]) -> tuple[list[str], dict[str, str]]:
     must write a password holding `/`, `?`, `#` or `@`): nats-py sends what the URL
     says, escapes included, and the server refused it. Unchanged when no URL holds an
     escape in its credentials, or when the URLs give different ones."""
-    infos = {server.partition("//")[2].rpartition("@")[0] for server in servers
-             if "@" in server.partition("//")[2]}
-    if len(infos) != 1:
+    raw = [_userinfo(server) for server in servers]
+    given = [info for info in raw if info]
+    decoded = {urllib.parse.unquote(info) for info in given}  # (any hex case)
+    if len(decoded) != 1 or not any("%" in info for info in given):
         return servers, {}
-    info = infos.pop()
-    if "%" not in info:
-        return servers, {}
-    plain = [server.replace(f"{info}@", "", 1) for server in servers]
-    user, colon, password = info.partition(":")
+    plain = [server.replace(f"{info}@", "", 1) if info else server
+             for server, info in zip(servers, raw, strict=True)]
+    user, colon, password = given[0].partition(":")
     if colon:  # (nats-py: a URL's user and password win over the options')
         return plain, {"user": urllib.parse.unquote(user),
                        "password": urllib.parse.unquote(password)}
     return plain, {"token": urllib.parse.unquote(user)}
+
+
+def _userinfo(server: str) -> str:
+    """The user info of one server URL (what stands before the last '@' of its
+    authority; a URL may leave out its scheme), or ''."""
+    authority = server.partition("//")[2] if "//" in server else server
+    return authority.rpartition("@")[0]
 
 
 #: Connection errors of a connection without `patience` (a front end's, retried for
