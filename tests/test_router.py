@@ -1171,6 +1171,40 @@ async def test_a_hung_decision_service_is_cut_off_and_the_default_answers() -> N
     assert (await h.say("again")).text == "weather answer"
 
 
+async def test_a_decision_that_swallows_the_timeout_is_not_used() -> None:
+    """A `decide()` that catches the cancellation and answers anyway, past the bound, is
+    still a timeout: its late decision is not used, the default answers (review8: the
+    late answer routed the turn, and no failure was counted). Likewise a late `admit()`
+    past `admission_timeout_secs` is a decline."""
+
+    class Stubborn:
+        async def decide(self, request: RouteRequest) -> RouteDecision:
+            try:
+                await anyio.Event().wait()
+            except asyncio.CancelledError:
+                return RouteDecision("weather")  # answered anyway
+            raise AssertionError("unreachable")
+
+    h = Harness(ScriptedAgent("weather"), decisions=Stubborn(), decision_timeout_secs=0.01)
+    with anyio.fail_after(10):
+        assert (await h.say()).text == "conversation answer"
+    assert ("decision", None, "TimeoutError") in h.observer.turns["t1"]
+
+    async def late_accept(turn: AgentTurn, focused: bool) -> Admission:
+        try:
+            await anyio.Event().wait()
+        except asyncio.CancelledError:
+            return Admission("accept")  # admitted anyway
+        raise AssertionError("unreachable")
+
+    slow = ScriptedAgent("weather")
+    slow.admit = lambda turn, *, focused: late_accept(turn, focused)  # type: ignore[method-assign]
+    h = Harness(slow, ScriptedAgent("music"), decisions=ScriptedDecisions("weather", "music"),
+                admission_timeout_secs=0.01)
+    with anyio.fail_after(10):
+        assert (await h.say()).text == "music answer"
+
+
 async def test_an_interrupt_during_a_timed_decision_is_an_interrupt_not_a_failure() -> None:
     """The timeout's cancel scope passes the turn's own cancellation through: an
     interrupted turn ends interrupted, with no decision failure and no default answer."""

@@ -129,10 +129,12 @@ class _TimedDecisions:
         self._timeout = timeout
 
     async def decide(self, request: RouteRequest) -> RouteDecision:
-        with anyio.move_on_after(self._timeout):
-            return await self._decide(request)
-        raise TimeoutError(f"decision service decide() did not return within "
-                           f"decision_timeout_secs ({self._timeout:g}s)")
+        with anyio.move_on_after(self._timeout) as scope:
+            decision = await self._decide(request)
+        if scope.cancel_called:  # (a decide() that swallowed the cancel: too late too)
+            raise TimeoutError(f"decision service decide() did not return within "
+                               f"decision_timeout_secs ({self._timeout:g}s)")
+        return decision
 
 
 def _check_positive(name: str, value: object, *, integer: bool = False) -> None:

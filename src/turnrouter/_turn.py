@@ -398,7 +398,7 @@ class Turn(TurnRun):
             except TypeError:
                 _refuse_not_awaitable(route, "admit", pending)
                 raise
-        if scope.cancelled_caught:
+        if scope.cancel_called:  # (an admit() that swallowed the cancel: too late too)
             self.obs.admission_finished(token, AdmissionFinished(
                 route, focused, "decline", None, True))
             logger.warning("turnrouter: %s.admit() timed out after %ss; counted as a "
