@@ -266,6 +266,16 @@ async def test_a_turn_a_crash_left_in_flight_ends_before_a_later_query_is_refuse
             doomed.proc.wait(15)
         finally:
             doomed.close()
+        # Until the server dropped the dead worker's waiting pulls: one of them could
+        # otherwise take `late` (delivery 1) before the server noticed the death, and the
+        # survivor would rightly end it as a turn a previous owner may have run (the
+        # failure text), not as a backlog's query (seen once, on a loaded CI machine).
+        for _ in range(1500):
+            if (await js.consumer_info(config.stream, config.consumer(0))).num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the dead worker's pull requests never left the server")
         late = UserQuery(participant_id="zoe", text="late")
         await front.publish(late)
         tiny = NatsConfig(url=nats_server.url, partitions=1, max_input_wait=1e-6)
