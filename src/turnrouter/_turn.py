@@ -855,22 +855,28 @@ def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]
 def _named(aid: object, name: str) -> RoutingAid:
     """The aid under its registered route name (the name decisions and labels use)."""
     if not isinstance(aid, RoutingAid):
-        if isawaitable(aid) and hasattr(aid, "close"):
-            aid.close()  # (an `async def routing_aid`: never awaited, so not warned of)
         raise DestinationContractError(
             f"destination {name!r} routing_aid() returned {type(aid).__name__}, "
             "not a RoutingAid" + (" (routing_aid is synchronous: def, not async def)"
-                                  if isawaitable(aid) else ""))
+                                  if _closed_unawaited(aid) else ""))
     return RoutingAid(name, aid.description, aid.priority, aid.eligible, aid.eligibility)
+
+
+def _closed_unawaited(value: object) -> bool:
+    """Whether `value` is awaitable (what an `async def` returns where a plain function
+    was expected); a coroutine is closed, never to be awaited, so not warned of."""
+    if not isawaitable(value):
+        return False
+    if hasattr(value, "close"):
+        value.close()
+    return True
 
 
 def _refuse_async_check(returned: object) -> None:
     """What a `result_check` returned, when not None: an `async def` check returns a
     coroutine, which would check nothing (closed here, and refused: the turn fails,
     nothing is recorded); any other value is ignored, as documented."""
-    if isawaitable(returned):
-        if hasattr(returned, "close"):
-            returned.close()
+    if _closed_unawaited(returned):
         raise DestinationContractError(
             "route_turn result_check returned an awaitable: it must be a plain function "
             "(def, not async def) that raises for a result the front end cannot carry")

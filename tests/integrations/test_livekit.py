@@ -955,6 +955,22 @@ def test_router_agent_checks_its_arguments() -> None:
 # ---------------------------------------------------------------- telemetry
 
 
+@asynccontextmanager
+async def answered_unheard(router: AgentRouter) -> AsyncIterator[
+        tuple[AgentSession[Any], GatedText, RunResult[Any]]]:
+    """A session whose turn "rain?" was answered (at the clock's t=0) while its reply
+    waits, not heard yet, behind a greeting the text output holds until `gate` opens."""
+    text_out = GatedText()
+    async with session_for(router) as (session, ends):
+        session.output.transcription = text_out
+        session.say("Welcome!")                      # holds LiveKit's speech queue
+        with anyio.fail_after(5):
+            await text_out.entered.wait()
+        pending: RunResult[Any] = session.run(user_input="rain?")
+        await ends.wait()                            # answered at t=0, not heard yet
+        yield session, text_out, pending
+
+
 @pytest.mark.parametrize("spoken_by", ["speak", "returned"])
 async def test_silence_is_measured_to_the_speech_start(spoken_by: str) -> None:
     """First response and silence run until LiveKit starts the answer's speech, whether
@@ -964,14 +980,7 @@ async def test_silence_is_measured_to_the_speech_start(spoken_by: str) -> None:
     with TelemetryCapture() as capture:
         router = make_router(weather, decisions=ScriptedDecisions("weather"), clock=clock,
                              telemetry=capture.telemetry)
-        text_out = GatedText()
-        async with session_for(router) as (session, ends):
-            session.output.transcription = text_out
-            session.say("Welcome!")                      # holds LiveKit's speech queue
-            with anyio.fail_after(5):
-                await text_out.entered.wait()
-            pending: RunResult[Any] = session.run(user_input="rain?")
-            await ends.wait()                            # answered at t=0, not heard yet
+        async with answered_unheard(router) as (_, text_out, pending):
             assert weather.started_called.is_set()
             clock.advance(2.0)
             text_out.gate.set()
@@ -995,14 +1004,7 @@ async def test_a_barge_in_before_the_answer_is_heard_records_no_silence() -> Non
     with TelemetryCapture() as capture:
         router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"),
                              clock=clock, telemetry=capture.telemetry)
-        text_out = GatedText()
-        async with session_for(router) as (session, ends):
-            session.output.transcription = text_out
-            session.say("Welcome!")                      # holds LiveKit's speech queue
-            with anyio.fail_after(5):
-                await text_out.entered.wait()
-            pending: RunResult[Any] = session.run(user_input="rain?")
-            await ends.wait()                            # answered at t=0, not heard yet
+        async with answered_unheard(router) as (session, text_out, pending):
             clock.advance(1.5)
             await session.interrupt()
             text_out.gate.set()

@@ -136,7 +136,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "turnrouter_first_response_interrupted_seconds", "histogram",
         "Time from the start of answer() to the turn's interruption, for answers "
-        "interrupted before started(), by route: censored first responses (the true one "
+        "interrupted before started() (or, with report_heard, barged in on before heard), "
+        "by route: censored first responses (the true one "
         "is longer), which turnrouter tune and the tuning dashboard count as the timing "
         "samples do.",
         ("route",), RESPONSE_BUCKETS,

@@ -29,7 +29,7 @@ from ..._exceptions import LifecycleError
 from ..._redact import redact_text
 from ._cancel import cancel_and_wait
 from ._permissions import Denials, parse_denial
-from ._wire import NatsConfig
+from ._wire import NatsConfig, userinfo
 
 __all__ = ["PlaintextRefusedError", "connect", "connect_options", "inbox_prefix",
            "requires_tls", "safe_error", "secrets_of"]
@@ -113,7 +113,7 @@ def url_credentials(servers: list[str]) -> tuple[list[str], dict[str, str]]:
     must write a password holding `/`, `?`, `#` or `@`): nats-py sends what the URL
     says, escapes included, and the server refused it. Unchanged when no URL holds an
     escape in its credentials, or when the URLs give different ones."""
-    raw = [_userinfo(server) for server in servers]
+    raw = [userinfo(server) for server in servers]
     given = [info for info in raw if info]
     decoded = {urllib.parse.unquote(info) for info in given}  # (any hex case)
     if len(decoded) != 1 or not any("%" in info for info in given):
@@ -125,13 +125,6 @@ def url_credentials(servers: list[str]) -> tuple[list[str], dict[str, str]]:
         return plain, {"user": urllib.parse.unquote(user),
                        "password": urllib.parse.unquote(password)}
     return plain, {"token": urllib.parse.unquote(user)}
-
-
-def _userinfo(server: str) -> str:
-    """The user info of one server URL (what stands before the last '@' of its
-    authority; a URL may leave out its scheme), or ''."""
-    authority = server.partition("//")[2] if "//" in server else server
-    return authority.rpartition("@")[0]
 
 
 #: Connection errors of a connection without `patience` (a front end's, retried for

@@ -68,6 +68,7 @@ __all__ = [
     "server_status",
     "state_json",
     "trace_context",
+    "userinfo",
 ]
 
 _MAX_ID = 256  # turnrouter.MAX_ID_CHARS: turn ids in a record
@@ -122,11 +123,17 @@ def _server_problem(server: str) -> str | None:
     return None
 
 
-def _has_userinfo(server: str) -> bool:
-    """Whether a server of a NATS URL carries credentials (`nats://user:pw@host`,
-    `nats://token@host`)."""
+def userinfo(server: str) -> str:
+    """The credentials one server of a NATS URL carries, as written (`user:pw` of
+    `nats://user:pw@host`, `token` of `nats://token@host`; a URL may leave out its
+    scheme), or ''."""
     rest = server.split("://", 1)[-1]
-    return "@" in rest.split("/", 1)[0]
+    return rest.split("/", 1)[0].rpartition("@")[0]
+
+
+def _has_userinfo(server: str) -> bool:
+    """Whether a server of a NATS URL carries credentials."""
+    return "@" in server.split("://", 1)[-1].split("/", 1)[0]
 
 
 @dataclass(frozen=True, slots=True, repr=False)
