@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import Any
 
 import anyio
 import pytest
@@ -125,6 +127,57 @@ async def test_interrupt_after_started_cancels_the_answer() -> None:
     assert isinstance(h.outcomes["t1"], TurnInterrupted)
     assert h.router.history_of("p1") == ()
     assert "first_response" in h.observer.kinds("t1")
+
+
+class Swallowing(ScriptedAgent):
+    """A destination whose answer() catches its cancellation and answers anyway."""
+
+    async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+        await started()
+        with contextlib.suppress(asyncio.CancelledError):  # (the misbehaviour under test)
+            await anyio.sleep_forever()
+        return DestinationResult("focus", "swallowed")
+
+
+async def test_an_interrupt_a_destination_swallows_still_interrupts_the_turn() -> None:
+    """interrupt() ends the turn as interrupted even when answer() swallowed the
+    cancellation and returned: no exchange recorded, no focus taken."""
+    h = Harness(Swallowing("weather"), decisions=ScriptedDecisions("weather"))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, h.turn())
+        with anyio.fail_after(5):
+            while not h["weather"].count("admit"):
+                await anyio.lowlevel.checkpoint()
+            for _ in range(5):  # into answer()'s wait (bounded)
+                await anyio.lowlevel.checkpoint()
+        await h.router.interrupt("p1")
+    assert isinstance(h.outcomes["t1"], TurnInterrupted)
+    assert h.router.history_of("p1") == ()
+    assert h.router.focus_of("p1") is None
+    assert h.observer.outcome("t1") == "interrupted"
+
+
+async def test_a_cancelled_caller_waits_for_the_previous_owners_release() -> None:
+    """A caller cancelled (task.cancel()) while the previous focus owner's release()
+    runs: the release finishes (it is not torn half-way), then the cancellation
+    propagates, as for interrupt()."""
+    h = Harness(ScriptedAgent("booking", results="focus", admissions=["accept", "decline"]),
+                ScriptedAgent("weather", results="focus"),
+                decisions=ScriptedDecisions("booking", "weather"))
+    booking = h["booking"]
+    await h.say("book")
+    gate = booking.release_gate = anyio.Event()
+    task = asyncio.get_running_loop().create_task(h.router.handle(h.turn("weather?")))
+    with anyio.fail_after(5):
+        await booking.release_entered.wait()
+    task.cancel()
+    await anyio.lowlevel.checkpoint()
+    assert not task.done()  # waits for the release
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert booking.cancelled == []
+    assert ("release", "booking", "focus_taken", None) in h.observer.turns["t2"]
 
 
 async def test_interrupt_during_a_release_ends_the_turn_once_released() -> None:
@@ -320,6 +373,34 @@ async def test_natively_cancelled_departure_waiter_still_completes_departure() -
     agent.release_gate.set()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert "p1" not in h.router.participants
+
+
+@pytest.mark.parametrize("operation", ["participant_left", "stop"])
+async def test_a_cancelled_waiter_of_a_failing_operation_gets_its_cancellation(
+        operation: str) -> None:
+    """A waiter cancelled while a release runs that then fails ends cancelled (the
+    contract: cancellation propagates once the operation completed), not with the
+    operation's ExceptionGroup; the failure stays tracked, and a retry completes it."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"))
+    await h.say()
+    agent = h["weather"]
+    agent.release_gate, agent.release_error = anyio.Event(), OSError("release failed")
+    call = (h.router.stop() if operation == "stop"
+            else h.router.participant_left("p1"))
+    task = asyncio.get_running_loop().create_task(call)
+    await agent.release_entered.wait()
+    task.cancel()
+    await anyio.lowlevel.checkpoint()
+    assert not task.done()  # it waits for the release
+    agent.release_gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
+    with pytest.raises(LifecycleError):  # the failed operation still holds admission
+        await h.say()
+    agent.release_error = None
+    await (h.router.stop() if operation == "stop" else h.router.participant_left("p1"))
     assert "p1" not in h.router.participants
 
 

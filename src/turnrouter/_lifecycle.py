@@ -57,6 +57,14 @@ class OwnedOperation:
             raise error.derive(error.exceptions) from None
         raise error
 
+    async def settle(self) -> BaseException | None:
+        """Wait for the operation, shielded; its error (None on success). A joiner
+        cancelled meanwhile gets its cancellation once the operation is done."""
+        if not self._task.done():
+            await self._wait()
+        task = self._task
+        return asyncio.CancelledError() if task.cancelled() else task.exception()
+
     async def _wait(self) -> None:
         """Wait for the task, shielded from the joiner's cancellation until it is done."""
         cancelled: BaseException | None = None
@@ -66,10 +74,16 @@ class OwnedOperation:
                     await asyncio.shield(self._task)
                 except asyncio.CancelledError as exc:
                     # Native cancellation pierces anyio's shield: remember it, keep waiting.
-                    if self._task.done():
-                        break
-                    cancelled = exc
+                    if not self._task.done() or not self._task.cancelled():
+                        cancelled = exc
+                except BaseException:
+                    # The operation failed (it is done): `join` raises its error, unless
+                    # the joiner was cancelled meanwhile.
+                    break
         if cancelled is not None:
+            # The joiner's cancellation wins over the operation's failure, which stays
+            # tracked for a retry (the contract: cancellation propagates after the
+            # operation completes, whatever its outcome).
             raise cancelled
 
 

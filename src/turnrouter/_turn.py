@@ -14,9 +14,9 @@ import asyncio
 import logging
 import math
 from asyncio import current_task
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from inspect import isawaitable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -44,7 +44,7 @@ from ._contracts import (
     unset_field,
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
-from ._lifecycle import DROPPED, TurnRun
+from ._lifecycle import DROPPED, OwnedOperation, TurnRun
 from ._limits import is_logged
 from ._logging import log_failure
 from ._observer import (
@@ -484,14 +484,15 @@ class Turn(TurnRun):
         run.protected = True
         token = obs.release_started(ReleaseStarted(route, reason))
         pid = self.turn.participant_id
-        try:
-            with anyio.CancelScope(shield=True):
-                await bounded_release(self.cfg, self.cfg.agents[route].release, pid)
-        except Exception as exc:
-            obs.release_finished(token, ReleaseFinished(route, reason, exc))
-            log_failure("%s.release(%r) (%s)", exc, route, pid, reason)
+        error, cancelled = await _settled(
+            bounded_release(self.cfg, self.cfg.agents[route].release, pid))
+        if isinstance(error, Exception):
+            obs.release_finished(token, ReleaseFinished(route, reason, error))
+            log_failure("%s.release(%r) (%s)", error, route, pid, reason)
         else:
             obs.release_finished(token, ReleaseFinished(route, reason, None))
+        if cancelled is not None:
+            raise cancelled
         if not was_protected:
             run.protected = False
             if run.reason:
@@ -565,6 +566,8 @@ class Answer:
                 checked = owner.result_check(owner.turn, route, result)
                 if checked is not None:
                     _refuse_async_check(checked)
+            if owner.reason:  # interrupted, and answer() swallowed the cancellation
+                raise asyncio.CancelledError(owner.reason)
         except BaseException as raised:
             exc = owner.stray(raised, f"destination {route!r} answer()")
             self.closed = True
@@ -815,6 +818,23 @@ def _decision_failed(cfg: RouterConfig, exc: Exception) -> None:
     cfg.decision_failures += 1
     if is_logged(cfg.decision_failures):
         log_failure("the decision service (%d failures so far)", exc, cfg.decision_failures)
+
+
+async def _settled(
+    call: Coroutine[Any, Any, None],
+) -> tuple[BaseException | None, asyncio.CancelledError | None]:
+    """Run `call` to its end in a task of its own, shielded: its error, and the caller's
+    cancellation if one came meanwhile (to raise once the outcome is recorded). For a
+    release (rare, not per turn): a caller's native `task.cancel()`, which anyio's shield
+    does not stop, must not tear it half-way."""
+    operation = OwnedOperation(call)
+    cancelled = None
+    try:
+        with anyio.CancelScope(shield=True):
+            await operation.settle()
+    except asyncio.CancelledError as exc:
+        cancelled = exc
+    return await operation.settle(), cancelled
 
 
 async def bounded_release(
