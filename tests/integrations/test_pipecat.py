@@ -1118,6 +1118,42 @@ async def test_the_busy_text_is_said_to_a_shed_turn() -> None:
     assert spoken(pipe.seen) == ["Busy, call back soon.", "Sunny."]
 
 
+async def test_newcomers_a_busy_router_refuses_take_no_admitted_callers_place(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """max_turns=1 and alice's turn running when three newcomers speak to a busy router:
+    each hears the busy text, and alice's turn is not cancelled to make room for turns
+    that cannot run (before: the bound cancelled it, and she heard nothing). The
+    refusals are logged once, not once per turn."""
+    clock = ManualClock()
+    gate = anyio.Event()
+    reply = Reply("Sunny.", gate=gate)
+    router = reply_router(reply, clock=clock, overload=POLICY)
+    processor = TurnRouterProcessor(router, max_turns=1)
+    turns = Turns(processor)
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        with anyio.fail_after(10):
+            await reply.entered.wait()
+        for _ in range(2):                       # two lagging samples: busy
+            with anyio.fail_after(10):
+                await clock.wait_for_sleepers(1)
+            clock.advance(POLICY.sample_secs + 0.2)
+            await ManualClock.settle()
+        assert router.busy
+        await pipe.send(*(said(f"guest{i}", "hello?") for i in range(3)))
+        await turns.wait(3)
+        assert [type(error) for _, error in turns.failed] == [RouterBusyError] * 3
+        gate.set()
+        await turns.wait(4)
+        await pipe.end()
+    assert reply.outcome == ["done"]
+    assert spoken(pipe.seen) == ["Busy, call back soon."] * 3 + ["Sunny."]
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("turnrouter")]
+    assert not any("failed" in m for m in messages), messages
+    assert [m for m in messages if "busy router" in m] == [
+        "pipecat turns refused by a busy router: 1 so far in this pipeline"]
+
+
 async def test_the_dropped_turn_text_is_said() -> None:
     """More turns wait behind a running one than max_waiting_turns: the oldest waiting
     turn is dropped and the router's dropped-turn text is said; the newest is answered."""

@@ -46,9 +46,11 @@ from .. import (
     DestinationResult,
     LifecycleError,
     RoutedResult,
+    RouterBusyError,
     RoutingAid,
     TurnInterrupted,
 )
+from .._limits import is_logged
 from .._redact import strip_surrogates
 
 __all__ = [
@@ -68,6 +70,18 @@ def _log_failure(what: str, error: BaseException, *args: object) -> None:
     user), the details at DEBUG."""
     logger.warning(f"{what} failed ({type(error).__qualname__})", *args)
     logger.debug(f"{what} failed", *args, exc_info=error)
+
+_busy = [0]  # turns a busy router refused, in this process
+
+
+def _busy_refused() -> None:
+    """A turn a busy router refused (its participant heard the busy text, the router
+    counted it): logged the 1st, 10th, 100th... time, not once per refused turn."""
+    _busy[0] += 1
+    if is_logged(_busy[0]):
+        logger.warning("turns refused by a busy router: %d so far (the participants heard "
+                       "its busy text; turnrouter_shed_turns_total counts them)", _busy[0])
+
 
 Started = Callable[[], Awaitable[None]]
 
@@ -465,7 +479,10 @@ class RouterAgent(Agent):
             raise
         except Exception as exc:  # the router already said its failure text
             error = exc
-            _log_failure("turn %s of %s", exc, voice.turn.turn_id, self._pid)
+            if isinstance(exc, RouterBusyError):  # said and counted by the router
+                _busy_refused()
+            else:
+                _log_failure("turn %s of %s", exc, voice.turn.turn_id, self._pid)
         voice.end(interrupted=interrupted)
         if self._on_turn_end is not None:
             try:

@@ -67,6 +67,7 @@ from turnrouter import (
     DestinationResult,
     LifecycleError,
     LLMError,
+    RouterBusyError,
     RoutingAid,
     TurnInterrupted,
 )
@@ -789,7 +790,8 @@ class TurnRouterProcessor(FrameProcessor):
     - Each turn runs in its own task (`route_turn`), so a newer turn of the same
       participant replaces the running one, and different participants run concurrently.
       At most `max_turns` turn tasks run: over it, the oldest is cancelled for the new
-      one and the overflow counted
+      one (not for a turn a busy router refuses: that one only says the busy text) and
+      the overflow counted
       (`turnrouter_runtime_rejected_messages_total{topic="pipecat", reason="overflow"}`),
       as are oversized (`oversized`) and malformed (`invalid`) turns, which are refused.
     - Control text (acknowledgments, preambles, clarifications, failure, busy and
@@ -936,7 +938,13 @@ class TurnRouterProcessor(FrameProcessor):
             return
         if not self.owns_router:
             self._track_caller(turn.participant_id)
-        running = [task for task in self._tasks if not task.cancelling()]
+        router = self.router
+        if router.busy and router.sheds(turn.participant_id):
+            # Refused at once with the busy text (a short task): it takes no admitted
+            # caller's place, which would go unanswered for a turn that cannot run.
+            running = []
+        else:
+            running = [task for task in self._tasks if not task.cancelling()]
         if len(running) >= self.max_turns:
             # The newest utterance wins: the oldest running turn makes way for it.
             self._reject("overflow")
@@ -1008,7 +1016,14 @@ class TurnRouterProcessor(FrameProcessor):
         except Exception as exc:
             sink.closed = True
             await self._close_answer(sink)
-            logger.warning("pipecat turn %s failed: %s", turn.turn_id, type(exc).__name__)
+            if not isinstance(exc, RouterBusyError):
+                logger.warning("pipecat turn %s failed: %s", turn.turn_id,
+                               type(exc).__name__)
+            else:  # said (the busy text) and counted by the router: logged sparsely
+                count = self._refusals["busy"] = self._refusals.get("busy", 0) + 1
+                if _power_of_ten(count):
+                    logger.warning("pipecat turns refused by a busy router: %d so far in "
+                                   "this pipeline", count)
             await self._call_event_handler("on_turn_failed", turn, exc)
         finally:
             sink.closed = True
