@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from email.header import Header, decode_header
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from opentelemetry.sdk.trace import TracerProvider
 
 import nats
 from turnrouter import ContractValueError
@@ -216,6 +218,33 @@ async def test_trace_continues_from_publisher_to_output(
         worker.close()
 
 
+async def test_a_publish_inside_a_span_continues_that_trace(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """`publish()` inside the caller's current span (and the message carrying no trace
+    context of its own) sends that span's context: the replica's turn continues the
+    publisher's trace, as an instrumented messaging client does. Before, the turn
+    started a trace of its own unless the caller filled `traceparent` by hand."""
+    fe, heard = front
+    worker = Worker(nats_server.url, "tr", env={"TR_TEST_TRACING": "1"})
+    provider = TracerProvider()  # a local SDK provider: the global one is never set
+    try:
+        with provider.get_tracer("front").start_as_current_span("user speaks") as span:
+            query = UserQuery(participant_id="ivy", text="hi")
+            event = heard.events.setdefault(query.message_id, asyncio.Event())
+            await fe.publish(query)
+        async with asyncio.timeout(15):
+            await event.wait()
+        (answer,) = heard.finals[query.message_id]
+        assert answer.traceparent is not None
+        _, answer_trace, answer_span, _ = answer.traceparent.split("-")
+        context = span.get_span_context()
+        assert answer_trace == f"{context.trace_id:032x}"
+        assert answer_span != f"{context.span_id:016x}"
+    finally:
+        worker.close()
+        provider.shutdown()
+
+
 async def test_a_retried_publish_runs_once(
         worker: Worker, front: tuple[NatsFrontEnd, Heard]) -> None:
     """Publishing the same message twice (a publisher's retry) runs one turn."""
@@ -322,11 +351,21 @@ async def test_an_output_with_a_status_header_does_not_stall_a_reader(
             await nc.close()
 
 
+def _text(value: object) -> object:
+    """A header value as stored: nats-py's reader (an email parser) gives a non-ASCII
+    value as an `email.header.Header` of its UTF-8 bytes."""
+    if isinstance(value, Header):
+        return b"".join(part if isinstance(part, bytes) else part.encode()
+                        for part, _ in decode_header(value)).decode()
+    return value
+
+
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.dictionaries(st.one_of(HEADER_TEXT, st.just("x" * 300), st.integers()),
                        st.one_of(HEADER_TEXT, st.just("v" * 3000), st.none(), st.integers()),
                        max_size=4))
+@example({"0": "\u00fc"})  # non-ASCII text is carried as UTF-8
 def test_any_extra_headers_are_published_as_given_or_refused_naming_them(
         nats_server: NatsServer, headers: dict[Any, Any]) -> None:
     """Whatever `publish(headers=...)` is given (names with spaces, colons, control or
@@ -352,7 +391,7 @@ def test_any_extra_headers_are_published_as_given_or_refused_naming_them(
                 return
             stored = await js.get_last_msg(
                 "TURNROUTER_IN", f"turnrouter.p.0.{encode_token('hdr')}.joined")
-            assert {k: v for k, v in (stored.headers or {}).items()
+            assert {k: _text(v) for k, v in (stored.headers or {}).items()
                     if k != "Nats-Msg-Id"} == headers
         finally:
             await front.close()

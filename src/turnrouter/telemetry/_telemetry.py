@@ -81,6 +81,17 @@ MAX_TRACED_PARTICIPANTS = 10_000
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
+def current_carrier() -> dict[str, str]:
+    """The W3C headers (`traceparent`, `tracestate`) of the caller's current span, for a
+    message published for another process to continue the trace; {} without a valid
+    span (no SDK, or outside any span)."""
+    if not trace.get_current_span().get_span_context().is_valid:
+        return {}
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier
+
+
 def _tracer_for(provider: TracerProvider) -> Tracer | None:
     """A tracer, or None when `provider` can only produce no-op spans."""
     if isinstance(provider, NoOpTracerProvider | ProxyTracerProvider):

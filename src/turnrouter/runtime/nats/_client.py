@@ -36,6 +36,7 @@ from ..._exceptions import (
     TurnrouterError,
 )
 from ..._redact import preview
+from ...telemetry._telemetry import current_carrier
 from .._messages import Interrupted, ResponseOutput, RuntimeMessage
 from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
@@ -241,7 +242,13 @@ class NatsFrontEnd:
         pid = getattr(message, "participant_id", None)
         # Scoped to the participant: two participants may reuse a message id.
         msg_id = message.message_id if pid is None else input_message_id(pid, message.message_id)
-        hdrs = {**message.trace_carrier(), **(headers or {}), "Nats-Msg-Id": msg_id}
+        # Trace context: the message's own, else the caller's current span (a trace
+        # started by the publisher continues in the replica's turn), unless the caller
+        # passed its own headers for it.
+        carrier = message.trace_carrier()
+        if not carrier and not (headers and "traceparent" in headers):
+            carrier = current_carrier()
+        hdrs = {**carrier, **(headers or {}), "Nats-Msg-Id": msg_id}
         data = message.model_dump_json().encode("utf-8")
         if len(data) > self._config.max_message_bytes:
             # Workers refuse it unrun: said now, instead of a turn that never ends.
