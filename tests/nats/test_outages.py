@@ -283,20 +283,59 @@ async def test_failed_state_writes_are_logged_rarely(nats_server: NatsServer) ->
                 await front.publish(UserQuery(participant_id=f"w{i}", text="hello"))
             await until_true(lambda: metric_value(
                 worker.metrics(), "turnrouter_turns_in_flight") == 12, "12 turns running")
-            nats_server.freeze()  # the 12 answers' writes get no reply
-            try:
-                # A write without a reply (5 s) drops its participant from this replica.
-                await until_true(lambda: metric_value(
-                    worker.metrics(), "turnrouter_active_participants") == 0,
-                    "every participant dropped after its failed write", within=30)
-            finally:
-                nats_server.thaw()
+        # (The front end closed first: nats-py's reconnects to a frozen server replace
+        # their socket without closing it, a ResourceWarning when it is collected.)
+        nats_server.freeze()  # the 12 answers' writes get no reply
+        try:
+            # A write without a reply for 10 s drops its participant from this replica.
+            await until_true(lambda: metric_value(
+                worker.metrics(), "turnrouter_active_participants") == 0,
+                "every participant dropped after its failed write", within=30)
+        finally:
+            nats_server.thaw()
         worker.signal(signal.SIGTERM)
         await asyncio.to_thread(worker.proc.wait, 30)
         logged = [line for line in worker.stderr().splitlines()
                   if "state write failed" in line]
         assert len(logged) == 2, logged
         assert "1 so far" in logged[0] and "10 so far" in logged[1]
+    finally:
+        nats_server.thaw()
+        worker.close()
+
+
+async def test_turns_answered_during_a_freeze_past_the_write_timeout_keep_their_answers(
+        nats_server: NatsServer) -> None:
+    """The server frozen for 6.5 s while 6 turns finish: their record writes get no reply
+    in 5 s and are sent again; as the server resumes it stores the first try and refuses
+    the second for that newer revision, which the worker reads back as its own. Each
+    participant hears their answer (before: the failure text, every participant dropped
+    after its write's first timeout) and keeps their history."""
+    worker = Worker(nats_server.url, "icy", "--reconnect-for", "60",
+                    env={"TR_TEST_ANSWER_SECS": "1"})
+    try:
+        async with listening(nats_server.url) as (front, heard):
+            people = [f"icy{i}" for i in range(6)]
+            queries = [UserQuery(participant_id=p, text="during") for p in people]
+            for query in queries:
+                await front.publish(query)
+            await until_true(lambda: metric_value(
+                worker.metrics(), "turnrouter_turns_in_flight") == 6, "6 turns running")
+            nats_server.freeze()  # the answers' writes (at 1 s) get no reply for 5 s
+            try:
+                await asyncio.sleep(6.5)  # the freeze under test: past a write's 5 s
+            finally:
+                nats_server.thaw()
+            async with asyncio.timeout(20):
+                while len({q.message_id for q in queries} & heard.finals.keys()) < 6:
+                    await heard.more(1)
+            assert [[o.text for o in heard.finals[q.message_id]] for q in queries] == [
+                ["during|-|N"]] * 6
+            for p in people:
+                assert await ask(front, heard, p, "after") == "after|during|F"
+        worker.signal(signal.SIGTERM)
+        await asyncio.to_thread(worker.proc.wait, 30)
+        assert "state write failed" not in worker.stderr()
     finally:
         nats_server.thaw()
         worker.close()

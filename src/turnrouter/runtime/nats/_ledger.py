@@ -72,29 +72,83 @@ _REWRITE_WAIT = 0.25
 _REWRITE_FOR = 10.0
 
 
-async def _write_again(link: Link, subject: str, data: bytes,
-                       config: NatsConfig) -> int | None:
-    """A record write found no bucket (deleted, or the server back on an empty store):
-    nothing was stored, and the worker's deployment check is making the bucket again.
-    Written again, as a new record, once it answers (within `_REWRITE_FOR` seconds, or
-    `reconnect_for` if shorter: the participant's lock is held meanwhile, and a stop
-    waits for it), from what this replica holds: the participant keeps their history and
-    the turn its answer. Dropping the participant, as for a write whose fate is unknown,
-    lost both: the record it would be claimed from was gone. Its revision, or None: the
-    bucket stayed away, or came back holding the record (a stream that only stopped
-    answering for a while), and the write is then as unsure as one without a reply."""
+async def _write_again(link: Link, subject: str, data: bytes, revision: int,
+                       config: NatsConfig) -> tuple[int | None, bool]:
+    """A record write found no stream answering (503: nothing was stored): the bucket
+    was deleted, or the server is back on an empty store (the worker's deployment check
+    is making it again), or a cluster is electing the bucket's leader after losing a
+    server. Sent again, expecting the same `revision`, once it answers (within
+    `_REWRITE_FOR` seconds, or `reconnect_for` if shorter: the participant's lock is
+    held meanwhile, and a stop waits for it); a record found gone without a trace
+    (`_vanished`) is written anew from what this replica holds, so the participant
+    keeps their history and the turn its answer. (Dropping the participant, as for a
+    write whose fate is unknown, lost both when the record it would be claimed from was
+    gone.) `(revision, remade)`; the revision None when no stream answered in time or
+    the write was refused for a newer revision: it is then as unsure as one without a
+    reply."""
     deadline = time.monotonic() + min(_REWRITE_FOR, config.reconnect_for)
+    remade = False
     while time.monotonic() < deadline:
         await asyncio.sleep(_REWRITE_WAIT)
         try:
-            seq, _ = pub_ack(await link.request(
-                subject, data, {"Nats-Expected-Last-Subject-Sequence": "0"}))
+            seq, error = pub_ack(await link.request(
+                subject, data, {"Nats-Expected-Last-Subject-Sequence": str(revision)}))
         except NoResponders:
             continue
         except (RequestFailed, ValueError):
-            return None
-        return seq
-    return None
+            break
+        if seq is None and revision and _vanished(error):
+            revision, remade = 0, True
+            continue
+        return seq, remade
+    return None, False
+
+
+async def _settled_write(link: Link, kv: Any, key: str, subject: str, data: bytes,
+                         revision: int, config: NatsConfig, failed: Exception | None,
+                         since: float) -> tuple[int | None, Any, Exception | None, bool]:
+    """The rest of a revision-checked record write whose first try `failed` (None: not
+    sent yet): `(revision, error, failure, remade)`; `failure` is the last error when no
+    try got a reply, `remade` says the record was found gone and written anew
+    (`_write_again`). A write without a reply (a frozen or restarting server) is sent
+    again until `_REWRITE_FOR` seconds (or `reconnect_for` if shorter) after the first
+    try (`since`, `time.perf_counter()`). It may have been stored all the same, so a try
+    refused for a newer revision reads the record: holding exactly these bytes, that
+    revision is this write's. (Before, the first timeout, 5 s, dropped the participant
+    and ended their turns with the failure text, also when the write had landed as the
+    server resumed.)"""
+    deadline = since + min(_REWRITE_FOR, config.reconnect_for)
+    expected = {"Nats-Expected-Last-Subject-Sequence": str(revision)}
+    resent = False
+    while True:
+        if isinstance(failed, NoResponders):  # no bucket: nothing stored
+            seq, remade = await _write_again(link, subject, data, revision, config)
+            return seq, None, (failed if seq is None else None), remade
+        if failed is not None:
+            if not isinstance(failed, RequestFailed) or (
+                    time.perf_counter() + 2 * _REWRITE_WAIT >= deadline):
+                return None, None, failed, False
+            await asyncio.sleep(_REWRITE_WAIT)
+            resent = True
+        try:
+            seq, error = pub_ack(await link.request(
+                subject, data, expected, wait=min(5.0, deadline - time.perf_counter())
+                if resent else 5.0))
+        except (RequestFailed, ValueError) as exc:
+            failed = exc
+            continue
+        break
+    if seq is None and resent and isinstance(error, dict) and error.get(
+            "err_code") in _WRONG_LAST:
+        try:  # an earlier try may be that newer revision
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            entry = None
+        except NatsError as exc:
+            return None, None, exc, False
+        if entry is not None and (entry.value or b"") == data:
+            return entry.revision, None, None, False
+    return seq, error, None, False
 
 
 def _vanished(error: object) -> bool:
@@ -595,26 +649,25 @@ class Ledger:
                 self._oversized()
             written = frozenset(map(_turn_of, outbox)) if outbox else _NONE
             t0 = time.perf_counter()
-            uncertain, failure = False, None
+            uncertain, failure, failed = False, None, None
             subject = f"{self._subject}{state.partition}.{encode_token(pid)}"
             try:
                 seq, error = pub_ack(await self._link.request(
                     subject, data,
                     {"Nats-Expected-Last-Subject-Sequence": str(state.revision)}))
-                if seq is None and state.revision and _vanished(error):
-                    # The record is gone without a trace (another replica's claim,
-                    # write or delete leaves one): the bucket was made again. Written
-                    # again from what this replica holds, not dropping the participant.
-                    self._remade()
-                    seq, error = pub_ack(await self._link.request(
-                        subject, data, {"Nats-Expected-Last-Subject-Sequence": "0"}))
             except (RequestFailed, ValueError) as exc:
-                seq, error, failure = None, None, exc
-                if isinstance(exc, NoResponders):  # no bucket: nothing stored
-                    seq = await _write_again(self._link, subject, data, self._config)
-                    if seq is not None:
-                        self._remade()
-            if failure is not None and seq is None:
+                seq, error, failed = None, None, exc
+            if failed is not None or (seq is None and state.revision and _vanished(error)):
+                # No reply (sent again), or the record is gone without a trace (another
+                # replica's claim, write or delete leaves one: the bucket was made
+                # again), written again from what this replica holds, not dropping the
+                # participant.
+                seq, error, failure, remade = await _settled_write(
+                    self._link, self._kv, subject[len(self._subject):], subject, data,
+                    state.revision if failed else 0, self._config, failed, t0)
+                if seq is not None and (remade or failed is None):
+                    self._remade()
+            if failure is not None:
                 self.write_failures += 1
                 if is_logged(self.write_failures):
                     logger.warning("turnrouter: state write failed (%d so far; the "
