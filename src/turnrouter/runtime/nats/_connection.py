@@ -114,9 +114,10 @@ class Connection:
                  dropped: Callable[[str], None] = lambda subject: None,
                  readiness: Readiness | None = None,
                  metrics: RuntimeMetrics | None = None,
-                 spawn: Callable[[Awaitable[None], str], asyncio.Future[Any]] | None = None
-                 ) -> None:
+                 spawn: Callable[[Awaitable[None], str], asyncio.Future[Any]] | None = None,
+                 recovered: Callable[[], None] = lambda: None) -> None:
         self._config, self._closed, self._reconnected = config, closed, reconnected
+        self._recovered = recovered
         self._dropped = dropped
         self.readiness = readiness or Readiness(metrics)
         self._metrics = metrics
@@ -326,6 +327,12 @@ class Connection:
                     self._repaired = asyncio.Event()
                 if recreated:
                     self._reconnected()  # publish again, claim again, pull at once
+                else:
+                    # A stream answered "no responders" on a connection that stayed up
+                    # (a cluster electing the leader of a stream, or of the bucket,
+                    # after losing a server): what it refused meanwhile was not stored,
+                    # and no reconnect will publish it again.
+                    self._recovered()
                 return
             now = time.monotonic()
             first = now if first is None else first

@@ -532,12 +532,14 @@ class Inputs:
         await self.publish_output(pid, turn_id, route, text, final=True,
                                   confirmed=functools.partial(_forget, state.outbox, ending))
 
-    async def republish(self) -> int:
-        """After a reconnect: publish again every ending a written record holds that the
-        stream did not acknowledge (a server crash may have lost it; the stream drops
-        what it already holds); how many."""
-        self._link.forget_unconfirmed()
-        self._link.fail_waiting()
+    async def republish(self, *, reconnected: bool = True) -> int:
+        """After a reconnect (or a stream back from "no responders", `reconnected`
+        False): publish again every ending a written record holds that the stream did
+        not acknowledge (a server crash may have lost it, a leaderless stream refused
+        it; the stream drops what it already holds); how many."""
+        if reconnected:  # the replies of before never come
+            self._link.forget_unconfirmed()
+            self._link.fail_waiting()
         horizon = time.time() - self._config.dedup_window / 2
         count = 0
         for pid, state in list(self._ledger.people.items()):

@@ -8,6 +8,7 @@ the server, a different existing one is reported as a `ConfigurationError`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -90,6 +91,7 @@ def _input_stream(config: NatsConfig) -> dict[str, Any]:
         "max_msg_size": config.max_message_bytes + HEADER_ROOM,  # body, plus headers
         "discard": "old",
         "duplicate_window": int(config.dedup_window * _NS),
+        "num_replicas": config.replicas,
     }
 
 
@@ -104,6 +106,7 @@ def _output_stream(config: NatsConfig) -> dict[str, Any]:
         "max_msg_size": config.max_message_bytes + HEADER_ROOM,  # body, plus headers
         "discard": "old",
         "duplicate_window": int(config.dedup_window * _NS),
+        "num_replicas": config.replicas,
     }
 
 
@@ -120,6 +123,7 @@ def _output_mirror(config: NatsConfig) -> dict[str, Any]:
         "max_bytes": config.output_max_bytes,
         "max_age": int(config.output_max_age * _NS),
         "discard": "old",
+        "num_replicas": config.replicas,
     }
 
 
@@ -196,7 +200,7 @@ _SETTINGS = {
     "max_msgs_per_subject": "max_queued_per_participant",
     "max_msg_size": "max_message_bytes", "duplicate_window": "dedup_window",
     "filter_subjects": "prefix or partitions", "ack_wait": "ack_wait",
-    "priority_timeout": "failover_timeout",
+    "priority_timeout": "failover_timeout", "num_replicas": "replicas",
 }
 _PARTITIONS = re.compile(r"partition\((\d+),")
 
@@ -322,11 +326,23 @@ async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
         await _create_consumer(nc, config, partition)
     js = nc.jetstream()
     try:
-        return await js.key_value(config.bucket)
+        kv = await js.key_value(config.bucket)
     except NatsError:
         from nats.js.api import KeyValueConfig
 
         try:
-            return await js.create_key_value(KeyValueConfig(bucket=config.bucket, history=1))
+            return await js.create_key_value(KeyValueConfig(
+                bucket=config.bucket, history=1, replicas=config.replicas))
         except NatsError as exc:
             raise LifecycleError(f"cannot create bucket {config.bucket}: {exc!r}") from exc
+    else:
+        # An existing bucket is taken as it is, but for its copies: a fleet configured
+        # for a cluster's three would ride on one without knowing it.
+        with contextlib.suppress(NatsError):
+            held = (await js.stream_info(f"KV_{config.bucket}")).config.num_replicas
+            if held is not None and held != config.replicas:
+                raise ConfigurationError(
+                    f"bucket {config.bucket} exists with another configuration: replicas "
+                    f"{held} there, {config.replicas} here. Every replica of a deployment "
+                    "must use the same NatsConfig")
+    return kv

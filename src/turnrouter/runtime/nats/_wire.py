@@ -178,6 +178,11 @@ class NatsConfig:
     its front ends read. None looks where deploy/nats/nats-server.conf imports it
     ("$JS.FRONT.API") and does nothing when nothing answers there (one account).
 
+    `replicas`: copies a NATS cluster keeps of each stream and of the state bucket (its
+    JetStream replication factor, 1 to 5; 3 rides out the loss of one server of a
+    three-server cluster). Every worker and front end of a deployment gives the same
+    value (they create or accept the streams).
+
     `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
     before it exits with an error. `fleet_backlog`: messages of each fleet subject
     (control, presence, timing) a worker holds unread; past it a flood's messages are
@@ -203,6 +208,7 @@ class NatsConfig:
     mark_after: float = 0.005
     reconnect_for: float = 60.0
     fleet_backlog: int = 1024
+    replicas: int = 1
     failure_text: str = "Sorry, something went wrong. Please try again."
     user: str | None = None
     password: str | None = field(default=None, repr=False)
@@ -322,6 +328,10 @@ class NatsConfig:
                     f"NatsConfig.{name} must be an int of at least 64 messages "
                     f"(64 * max_message_bytes) and at most 1 PiB, got {preview(value)}")
 
+        if not (type(self.replicas) is int and 1 <= self.replicas <= 5):
+            raise ConfigurationError(
+                f"NatsConfig.replicas must be an int in 1..5 (JetStream's replication "
+                f"factor), got {preview(self.replicas)}")
         for name in ("fleet_backlog", "max_queued_per_participant"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool)

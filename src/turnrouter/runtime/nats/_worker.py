@@ -127,6 +127,7 @@ class NatsWorker:
         self._stop = asyncio.Event()
         self._pulling = True
         self._inboxes: list[_Inbox] = []
+        self._recovering = False  # a `_recover` runs (or paces the next one)
         self.ready = asyncio.Event()  # set once, when it first serves
         self.readiness = Readiness(self._metrics)  # serving now (see `Connection`)
 
@@ -176,7 +177,8 @@ class NatsWorker:
 
         connection = self._connection = Connection(
             config, closed, self._reconnected, dropped=self._dropped,
-            readiness=self.readiness, metrics=self._metrics, spawn=self._spawn)
+            readiness=self.readiness, metrics=self._metrics, spawn=self._spawn,
+            recovered=self._recovered)
         self._nc = nc = await connection.connect(self.replica)
         try:
             bucket = await connection.set_up()
@@ -472,13 +474,16 @@ class NatsWorker:
     def _reconnected(self) -> None:
         """Back on a server that may have lost what was sent before it went away: publish
         again what it did not acknowledge, pull every partition at once."""
-        if self._inputs is not None:
-            self._spawn(self._inputs.republish(), "republish")
-        if self._ledger is not None:
-            for pid, n in list(self._ledger.unsure.items()):
-                self._settle_soon(pid, n)
-        for inbox in self._inboxes:
-            inbox.reconnected()
+        _back(self, reconnected=True)
+
+    def _recovered(self) -> None:
+        """JetStream answers again after "no responders" on a live connection (a
+        cluster's leader election): the same, but nothing sent before is forgotten (the
+        connection and the replies it awaits stayed); at most once a second (a stream
+        still without a leader answers the republish with another 503)."""
+        if not self._recovering:
+            self._recovering = True
+            _back(self, reconnected=False)
 
     def _settle_soon(self, pid: str, n: int) -> None:
         self._spawn(self.ledger.settle_unsure(pid, n), "unsure")
@@ -496,6 +501,31 @@ class NatsWorker:
     def _send_sample(self, sample: TimingSample) -> None:
         if self._fleet is not None:
             self._fleet.send_sample(sample)
+
+
+def _back(worker: NatsWorker, *, reconnected: bool) -> None:
+    """`_reconnected` / `_recovered`: endings the streams did not acknowledge published
+    again (a crash may have lost them, a leaderless stream refused them), unsure
+    participants settled, every partition pulled at once."""
+    if worker._inputs is not None:
+        worker._spawn(_republish(worker, worker._inputs, reconnected), "republish")
+    else:
+        worker._recovering = False
+    if worker._ledger is not None:
+        for pid, n in list(worker._ledger.unsure.items()):
+            worker._settle_soon(pid, n)
+    for inbox in worker._inboxes:
+        inbox.reconnected()
+
+
+async def _republish(worker: NatsWorker, inputs: Inputs, reconnected: bool) -> None:
+    try:
+        await inputs.republish(reconnected=reconnected)
+        if not reconnected:
+            await asyncio.sleep(1.0)  # the pace of `_recovered`
+    finally:
+        if not reconnected:
+            worker._recovering = False
 
 
 async def _build(factory: RouterFactory, ctx: WorkerContext) -> AgentRouter:

@@ -1,0 +1,159 @@
+"""A fleet on a three-server NATS cluster (streams and bucket replicated three times):
+the loss of a server, its leader of the streams included, costs no turn and no history
+(docs/distributed.md, "A NATS cluster")."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+
+import pytest
+from nats.js.errors import KeyNotFoundError
+from prometheus_client import CollectorRegistry
+
+from turnrouter import ConfigurationError, LifecycleError, ParticipantSnapshot
+from turnrouter.runtime import UserQuery
+from turnrouter.runtime.nats import (
+    NatsConfig,
+    NatsFrontEnd,
+    NatsWorker,
+    encode_token,
+    parse_record,
+)
+
+from .app import make_router
+from .cluster import NatsCluster
+from .conftest import Worker
+from .test_durability import Talk
+
+pytestmark = pytest.mark.anyio
+
+
+class ClusterTalk(Talk):
+    """`Talk` with a cluster's patience: a publish is retried (the same message: a
+    stored one is deduplicated) for up to 40 s, as long as electing a new leader of the
+    input stream may take, and an answer is waited for up to 40 s."""
+
+    async def talk(self, pid: str) -> None:
+        index = 0
+        while not self.stop.is_set():
+            query = UserQuery(participant_id=pid, text=f"{pid}#{index}")
+            self.sent.setdefault(pid, []).append(query.message_id)
+            event = self.events.setdefault(query.message_id, asyncio.Event())
+            async with asyncio.timeout(40):
+                while True:  # bounded by the timeout above
+                    try:
+                        await self.front.publish(query)
+                        break
+                    except LifecycleError:  # no leader yet (or not confirmed): again
+                        await asyncio.sleep(0.25)  # pacing the retries
+            async with asyncio.timeout(40):
+                await event.wait()
+            index += 1
+
+
+@pytest.fixture
+def cluster() -> Iterator[NatsCluster]:
+    made = NatsCluster()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+async def test_a_fleet_on_a_cluster_keeps_its_streams_and_bucket_replicated(
+        cluster: NatsCluster) -> None:
+    """`--replicas 3` makes both streams and the state bucket with three copies; a worker
+    configured with another count is refused at start, naming the setting."""
+    worker = Worker(cluster.url, "r3", "--replicas", "3")
+    try:
+        front = await NatsFrontEnd.connect(NatsConfig(url=cluster.url, replicas=3))
+        try:
+            nc = front.connection
+            for stream in ("TURNROUTER_IN", "TURNROUTER_OUT", "KV_turnrouter_state"):
+                info = json.loads((await nc.request(
+                    f"$JS.API.STREAM.INFO.{stream}", b"", timeout=5)).data)
+                assert info["config"]["num_replicas"] == 3, (stream, info)
+        finally:
+            await front.close()
+        stray = NatsWorker(make_router, NatsConfig(url=cluster.url),
+                           registry=CollectorRegistry())
+        with pytest.raises(ConfigurationError, match="replicas 3 there, 1 here"):
+            async with asyncio.timeout(30):
+                await stray.run()
+    finally:
+        worker.close()
+
+
+async def test_kill_nine_of_the_streams_leader_history_equals_what_was_heard(
+        cluster: NatsCluster) -> None:
+    """kill -9 of the server leading the input stream while turns run on two workers
+    (half answered at once, half marked in flight): the cluster elects new leaders,
+    the workers and the front end move to the servers left, every turn ends exactly
+    once, and each participant's history holds exactly the answers that were heard."""
+    workers = [Worker(cluster.url, f"w{i}", "--replicas", "3") for i in range(2)]
+    config = NatsConfig(url=cluster.url, replicas=3)
+    front = await NatsFrontEnd.connect(config)
+    talk = ClusterTalk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(16)])
+    subscribed = asyncio.Event()
+    listener = asyncio.create_task(talk.listen(subscribed))
+    talkers: asyncio.Future[list[None]] | None = None
+    try:
+        async with asyncio.timeout(15):
+            await subscribed.wait()
+        talkers = asyncio.gather(*(talk.talk(pid) for pid in talk.pids))
+        await talk.more(100)
+        leader = await asyncio.to_thread(cluster.leader_of, config.stream)
+        await asyncio.to_thread(leader.crash)  # the two left keep a quorum
+        await talk.more(200)
+        talk.stop.set()
+        async with asyncio.timeout(90):
+            await talkers
+        for worker in workers:
+            assert worker.proc.poll() is None, worker.stderr()
+        kv = await front.connection.jetstream().key_value(config.bucket)
+        for pid in talk.pids:
+            for turn_id in talk.sent[pid]:
+                assert len(talk.finals[turn_id]) == 1, f"{turn_id} ended twice"
+            heard = [t for t in talk.sent[pid] if talk.finals[t][0].route == "echo"]
+            entries = []
+            for n in range(config.partitions):
+                with contextlib.suppress(KeyNotFoundError):
+                    entries.append(await kv.get(f"{n}.{encode_token(pid)}"))
+            assert len(entries) == 1, (pid, len(entries))
+            record = parse_record(entries[0].value or b"")
+            assert record.snapshot is not None
+            history = ParticipantSnapshot.from_json(record.snapshot).history
+            # (A participant answered at once may pass max_history_exchanges, 256.)
+            assert [item.turn_id for item in history] == heard[-256:], (
+                pid, [talk.finals[t][0].text for t in talk.sent[pid]],
+                [item.user for item in history])
+    finally:
+        talk.stop.set()
+        if talkers is not None:
+            talkers.cancel()
+            await asyncio.gather(talkers, return_exceptions=True)
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await front.close()
+        for worker in workers:
+            worker.close()
+
+
+@pytest.mark.parametrize("value", [0, 6, -1, True, 3.0, "3", None])
+def test_replicas_is_a_replication_factor(value: object) -> None:
+    """`replicas` is JetStream's replication factor, an int in 1..5, named when wrong."""
+    with pytest.raises(ConfigurationError, match="replicas"):
+        NatsConfig(replicas=value)  # type: ignore[arg-type]
+
+
+def test_replicas_is_a_worker_flag() -> None:
+    """`turnrouter worker --replicas 3` (default 1), as a deployment file writes it."""
+    from turnrouter.cli import worker_parser
+
+    parser = worker_parser()
+    base = ["--nats", "nats://n1:4222,nats://n2:4222", "--app", "m:f"]
+    assert parser.parse_args(base).replicas == 1
+    assert parser.parse_args([*base, "--replicas", "3"]).replicas == 3
