@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -467,3 +469,86 @@ def test_malformed_base_urls_are_configuration_errors() -> None:
     for bad in ("http://h:99999/v1", "http://h/v 1", "http://[::1/v1", "http://h/\nx"):
         with pytest.raises(ConfigurationError, match="base_url"):
             OpenAIChatClient("m", base_url=bad)
+
+
+@pytest.mark.anyio
+async def test_a_timed_out_reply_still_coming_has_its_socket_shut_down(
+        server: tuple[str, Script]) -> None:
+    """A reply whose headers came ("Connection: close") and whose body trickles: past
+    timeout_secs the socket is shut down, so the server's next writes fail and the
+    worker thread ends (before, `http.client` had handed the socket to the response
+    and the abort found none: the thread read on as long as the server sent)."""
+    url, script = server
+
+    def trickle() -> Iterator[bytes]:
+        for _ in range(600):  # a minute at most: the test waits 5 s below
+            yield b" "
+            threading.Event().wait(0.1)
+
+    script.chunks = trickle
+    client = OpenAIChatClient("m", base_url=url, timeout_secs=0.3)
+    with pytest.raises(LLMError, match="timed out"):
+        await client.complete("x", max_tokens=5)
+    assert await anyio.to_thread.run_sync(script.chunks_done.wait, 5.0)
+    assert script.sent_chunks < 100
+
+
+@pytest.mark.anyio
+async def test_a_cancel_during_the_tls_handshake_closes_the_socket() -> None:
+    """An https endpoint that accepts the connection and never answers the handshake:
+    cancelling the call closes its socket at once (the listener reads the end of it),
+    not after timeout_secs."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    closed = threading.Event()
+
+    def accept() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.settimeout(10)
+        with contextlib.suppress(OSError):
+            while conn.recv(4096):  # the ClientHello, then the end of the connection
+                pass
+        closed.set()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    client = OpenAIChatClient("m", base_url=f"https://127.0.0.1:{port}/v1", timeout_secs=30)
+    try:
+        with anyio.move_on_after(0.3):
+            await client.complete("x", max_tokens=5)
+        assert await anyio.to_thread.run_sync(closed.wait, 5.0)
+    finally:
+        for conn in accepted:
+            conn.close()
+        listener.close()
+        thread.join(10)
+
+
+@pytest.mark.anyio
+async def test_a_base_url_with_a_query_keeps_it_after_the_endpoint(
+        server: tuple[str, Script]) -> None:
+    """`base_url` with a query (Azure's `?api-version=...`): POST to
+    `<path>/chat/completions?<query>` (before, the endpoint went into the query)."""
+    url, script = server
+    client = OpenAIChatClient("m", base_url=f"{url}/?api-version=2024-10-21")
+    assert await client.complete("x", max_tokens=5) == "Let me check."
+    assert script.paths == ["/v1/chat/completions?api-version=2024-10-21"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("field_name", ["reasoning_content", "reasoning"])
+async def test_reasoning_in_a_field_of_its_own_and_no_content_is_only_reasoning(
+        server: tuple[str, Script], field_name: str) -> None:
+    """`content: null` with the reasoning in `reasoning_content` (vLLM, SGLang) or
+    `reasoning` (Ollama, OpenRouter), a reasoning model cut off by its token limit:
+    "only reasoning", counted in `empty_replies`, the reasoning never in the error."""
+    url, script = server
+    script.body = {"choices": [{"message": {"role": "assistant", "content": None,
+                                            field_name: "The user wants rain news"}}]}
+    client = OpenAIChatClient("m", base_url=url)
+    with pytest.raises(LLMError, match="only reasoning") as caught:
+        await client.complete("x", max_tokens=5)
+    assert client.empty_replies == 1
+    assert "rain" not in str(caught.value) and "rain" not in (caught.value.body or "")

@@ -101,6 +101,14 @@ def test_clean_acknowledgment() -> None:
     ("Helper: calendar", ""), ("**Checking** your \x1b[1mcalendar\x1b[0m now",
                                "Checking your calendar now"),
     ("One\u200b moment\u202e.", "One moment."), ("١٢٣", "١٢٣"),
+    # Reasoning longer than the cut (80 * 4 characters): removed before the cut, so the
+    # closing tag is still seen (before, the reasoning was spoken, or the answer lost).
+    ("the user asks about rain " * 40 + "</think>Let me check the weather.",
+     "Let me check the weather."),
+    ("<think>" + "the user asks about rain " * 40 + "</think>One moment.", "One moment."),
+    # A tag cut off before its ">" by the token limit.
+    ("Let me check.<think", "Let me check."), ("<think\nthe user wants", ""),
+    ("reasoning here</think", ""),
 ])
 def test_only_speakable_text_is_kept(reply: str, said: str) -> None:
     """What an acknowledgment LLM replies is said only where something speakable is in

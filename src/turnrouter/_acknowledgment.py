@@ -170,6 +170,12 @@ _UNSPOKEN = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u
                        r"\u202a-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb*_#]")
 
 
+#: The most of a reply `clean_acknowledgment` reads (as `OpenAIChatClient`'s default
+#: `max_reply_bytes`): a reasoning block longer than this, opened by the chat template,
+#: is not told from an answer.
+MAX_CLEANED_CHARS = 1 << 20
+
+
 def clean_acknowledgment(text: str, max_chars: int) -> str:
     """The first speakable line of a reply, unquoted, whitespace-normalized, cut at a
     word boundary ("" when there is none: no acknowledgment is said).
@@ -180,7 +186,9 @@ def clean_acknowledgment(text: str, max_chars: int) -> str:
     letter or digit and is neither the model's own lead-in (ending with ":"), an echo of
     the prompt's labelled lines (`User request: ...`), nor JSON or markup. Lone
     surrogates (not storable as UTF-8) become U+FFFD."""
-    text = strip_reasoning(strip_surrogates(text[: max_chars * 4]))
+    # Reasoning first, over the whole reply (bounded: `MAX_CLEANED_CHARS`), then the
+    # cut: cut first, a long block lost its closing tag and was spoken.
+    text = strip_reasoning(strip_surrogates(text[:MAX_CLEANED_CHARS]))[: max_chars * 4]
     for raw in _UNSPOKEN.sub("", _ESCAPES.sub("", text)).splitlines():
         line = " ".join(raw.split()).strip().strip("\"'“”‘’`").strip()
         if (line and any(c.isalnum() for c in line) and not line.endswith(":")

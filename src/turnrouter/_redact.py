@@ -143,6 +143,10 @@ def preview(value: object) -> str:
 _THINK_TAG = re.compile(r"<(/?)think(?:ing)?\b[^<>]{0,200}>", re.IGNORECASE)
 
 
+#: A think tag cut off before its ">" at the very end of a reply.
+_CUT_TAG = re.compile(r"<(/?)think(?:ing)?(?:\s[^<>]*)?\Z", re.IGNORECASE)
+
+
 def strip_reasoning(text: str) -> str:
     """`text` without reasoning, in one linear scan over its think tags (`<think>` or
     `<thinking>`, any case, attributes allowed):
@@ -151,7 +155,8 @@ def strip_reasoning(text: str) -> str:
     - an opening tag never closed is removed with everything after it (a reasoning model
       cut off by its token limit: only the text before it is visible);
     - a closing tag with no opening one removes everything before it (a chat template
-      that opened the block in the prompt, as DeepSeek-R1 and Qwen3 templates do).
+      that opened the block in the prompt, as DeepSeek-R1 and Qwen3 templates do);
+    - a tag cut off before its ">" at the very end is taken as a tag.
     """
     pieces: list[str] = []
     position = depth = 0
@@ -170,7 +175,15 @@ def strip_reasoning(text: str) -> str:
         position = tag.end()
     if depth:
         return "".join(pieces)  # unclosed: the rest is reasoning
-    if position == 0:
+    rest = text[position:]
+    cut = _CUT_TAG.search(rest) if "<" in rest else None
+    if cut is not None:
+        # A tag cut off before its ">" (the token limit again): an opening one starts
+        # reasoning, a closing one ends reasoning with nothing visible after it.
+        if cut.group(1):
+            return ""
+        rest = rest[:cut.start()]
+    elif position == 0:
         return text
-    pieces.append(text[position:])
+    pieces.append(rest)
     return "".join(pieces)

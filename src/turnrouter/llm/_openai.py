@@ -54,6 +54,8 @@ _MAX_TOKENS_FIELDS = frozenset(("max_tokens", "max_completion_tokens"))
 #: The longest `timeout_secs` (a day: past it the platform's clock overflows).
 _MAX_TIMEOUT_SECS = 86400.0
 _THINK_OPEN = re.compile(r"<think(?:ing)?\b", re.IGNORECASE)
+#: Where servers put a reasoning model's reasoning beside (or instead of) the content.
+_REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 _BODY_PREVIEW = 500
 _READ_CHUNK = 64 * 1024
@@ -64,27 +66,79 @@ _WITHHELD = "[body withheld: it echoes the request]"
 
 
 class _Call:
-    """One blocking HTTP exchange, abortable from another thread."""
+    """One blocking HTTP exchange, abortable from another thread: it holds the socket
+    itself from the moment it exists (connecting, in the TLS handshake, and while a reply
+    is read after `http.client` handed the socket to the response), so an abort always
+    finds something to shut down and the worker thread ends at once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._conn: http.client.HTTPConnection | None = None
+        self._sock: socket.socket | None = None
         self._aborted = False
 
-    def attach(self, conn: http.client.HTTPConnection) -> None:
+    def hold(self, sock: socket.socket) -> None:
+        """The call's socket now (the TLS one once wrapped); raises if aborted."""
         with self._lock:
             if self._aborted:
-                raise LLMError("chat completion cancelled")
-            self._conn = conn
+                sock.close()
+                raise OSError("chat completion cancelled")
+            self._sock = sock
 
     def abort(self) -> None:
         with self._lock:
             self._aborted = True
-            conn = self._conn
-        sock = None if conn is None else conn.sock
+            sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+
+
+def _connect(host: str, port: int, timeout: float | None, call: _Call) -> socket.socket:
+    """`socket.create_connection`, each socket held by `call` before it connects."""
+    error: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0,
+                                                              socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            call.hold(sock)
+            sock.settimeout(timeout)
+            sock.connect(address)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as exc:
+            error = exc
+            sock.close()
+    raise error or OSError(f"no address for {host!r}")
+
+
+class _HTTP(http.client.HTTPConnection):
+    """An HTTP connection whose socket its `_Call` holds (see `_Call`)."""
+
+    def __init__(self, host: str, port: int | None, timeout: float, call: _Call) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self._call = call
+
+    def connect(self) -> None:
+        self.sock = _connect(self.host, self.port, self.timeout, self._call)
+
+
+class _HTTPS(http.client.HTTPSConnection):
+    """An HTTPS connection whose sockets (TCP, then TLS) its `_Call` holds, the
+    handshake done once the TLS socket is held (so an abort also ends a handshake the
+    server never completes)."""
+
+    def __init__(self, host: str, port: int | None, timeout: float, call: _Call,
+                 context: ssl.SSLContext) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self._call, self._tls = call, context
+
+    def connect(self) -> None:
+        raw = _connect(self.host, self.port, self.timeout, self._call)
+        tls = self._tls.wrap_socket(raw, server_hostname=self.host,
+                                    do_handshake_on_connect=False)
+        self.sock = tls
+        self._call.hold(tls)
+        tls.do_handshake()
 
 
 class OpenAIChatClient:
@@ -173,7 +227,11 @@ class OpenAIChatClient:
                                      f"got {preview(max_reply_bytes)}")
         self.model = model
         self.base_url = base.rstrip("/")
-        self.url = self.base_url + "/chat/completions"
+        # The endpoint joins the path, keeping a query (Azure's `?api-version=...`, a
+        # gateway's key): appended to the URL it went into the query's value instead.
+        parts = urllib.parse.urlsplit(base)
+        self.url = urllib.parse.urlunsplit(parts._replace(
+            path=parts.path.rstrip("/") + "/chat/completions", fragment=""))
         self._shown_url = redact_url(self.url)
         self._parts = urllib.parse.urlsplit(self.url)
         self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
@@ -267,12 +325,10 @@ class OpenAIChatClient:
         parts = self._parts
         conn: http.client.HTTPConnection
         if parts.scheme == "https":
-            conn = http.client.HTTPSConnection(parts.hostname or "", parts.port,
-                                               timeout=self.timeout_secs,
-                                               context=ssl.create_default_context())
+            conn = _HTTPS(parts.hostname or "", parts.port, self.timeout_secs, call,
+                          ssl.create_default_context())
         else:
-            conn = http.client.HTTPConnection(parts.hostname or "", parts.port,
-                                              timeout=self.timeout_secs)
+            conn = _HTTP(parts.hostname or "", parts.port, self.timeout_secs, call)
         path = parts.path or "/"
         if parts.query:
             path += "?" + parts.query
@@ -282,7 +338,6 @@ class OpenAIChatClient:
             headers["Authorization"] = f"Bearer {self._api_key}"
         response: http.client.HTTPResponse | None = None
         try:
-            call.attach(conn)
             conn.request("POST", path, body=payload, headers=headers)
             response = conn.getresponse()
             return response.status, self._read(response)
@@ -343,6 +398,12 @@ class OpenAIChatClient:
             if isinstance(content, list):  # content parts
                 content = "".join(part["text"] for part in content
                                   if isinstance(part, dict) and isinstance(part.get("text"), str))
+            if content is None and any(isinstance(message.get(field), str) and message[field]
+                                       for field in _REASONING_FIELDS):
+                # Reasoning in a field of its own and no content (vLLM, SGLang, Ollama,
+                # OpenRouter: a reasoning model cut off by its token limit): only
+                # reasoning, counted as such and never shown (it may quote the user).
+                content = "<think>"
             if not isinstance(content, str):
                 problem = "no text content"
         if problem:
