@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator
 from email.header import Header, decode_header
 from typing import Any
@@ -24,7 +25,7 @@ from turnrouter.runtime import (
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
 from .conftest import NatsServer, Worker, metric_value
-from .crowd import FAILURE, Heard, ask, listening
+from .crowd import FAILURE, Heard, ask, listening, serving
 
 SAMPLE_FLOOR = 8  # docs/distributed.md: a publisher's samples always learned per window
 
@@ -397,3 +398,37 @@ def test_any_extra_headers_are_published_as_given_or_refused_naming_them(
             await front.close()
 
     asyncio.run(publish())
+
+
+async def test_a_turn_a_previous_owner_left_ends_in_the_publishers_trace(
+        nats_server: NatsServer) -> None:
+    """A query a previous owner received and never acknowledged (it died) comes back as
+    delivery 2 and ends with the failure text unrun; that text carries the publisher's
+    trace context, so the trace shows how the turn ended (before: no context at all)."""
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    async with serving(config, "first"):
+        pass  # the deployment (streams, the partition's consumer), then a graceful end
+    nc = await nats.connect(nats_server.url)
+    try:
+        async with listening(config) as (front, heard):
+            trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+            query = UserQuery(participant_id="orphan", text="hi",
+                              traceparent=f"00-{trace_id}-00f067aa0ba902b7-01")
+            event = heard.events.setdefault(query.message_id, asyncio.Event())
+            await front.publish(query)
+            # A previous owner: pulls it (the pinned client now) and never acknowledges.
+            taken = await nc.subscribe(nc.new_inbox())
+            await nc.publish(
+                f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(0)}",
+                json.dumps({"batch": 1, "expires": 2_000_000_000,
+                            "group": "turnrouter"}).encode(), reply=taken.subject)
+            first = await taken.next_msg(timeout=10)
+            assert first.data and not (first.headers or {}).get("Status")
+            async with serving(config, "second"), asyncio.timeout(30):
+                await event.wait()
+            (final,) = heard.finals[query.message_id]
+            assert final.text == FAILURE
+            assert final.traceparent is not None
+            assert final.traceparent.split("-")[1] == trace_id
+    finally:
+        await nc.close()

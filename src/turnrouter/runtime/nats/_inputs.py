@@ -281,7 +281,9 @@ class Inputs:
                 state.end(message_id)
                 if not await self._ledger.write(pid, state, fresh=False):
                     return  # fenced meanwhile: the message is the new owner's now
-                await self.publish_ending(pid, state, ending)
+                # In the publisher's trace: its turn's spans died with the old owner.
+                await self.publish_ending(pid, state, ending,
+                                          input_carrier(msg.headers, message))
             elif waited > self._config.max_input_wait:
                 if not await self._expire(msg, pid, state, message_id, waited):
                     return  # fenced meanwhile: the message is the new owner's now
@@ -525,11 +527,13 @@ class Inputs:
             output = self._output(pid, turn_id, "none", failure, final, carrier)
         await self._link.publish_stored(*output, confirmed=confirmed)
 
-    async def publish_ending(self, pid: str, state: Participant, ending: Ending) -> None:
+    async def publish_ending(self, pid: str, state: Participant, ending: Ending,
+                             carrier: dict[str, str] | None = None) -> None:
         """Publish an ending of `state`'s outbox (a takeover's, or again after a
-        reconnect); it leaves the outbox once the stream acknowledged it."""
+        reconnect), in the trace of `carrier` (its query's, when at hand); it leaves the
+        outbox once the stream acknowledged it."""
         turn_id, route, text, _ = ending
-        await self.publish_output(pid, turn_id, route, text, final=True,
+        await self.publish_output(pid, turn_id, route, text, final=True, carrier=carrier,
                                   confirmed=functools.partial(_forget, state.outbox, ending))
 
     async def republish(self, *, reconnected: bool = True) -> int:
