@@ -1088,6 +1088,21 @@ POLICY = OverloadPolicy(busy_lag_secs=0.1, shed_lag_secs=0.5, sample_secs=0.01,
                         busy_text="Busy, call back soon.")
 
 
+async def busy_while_alice_waits(pipe: Pipe, reply: Reply, clock: ManualClock,
+                                 router: AgentRouter) -> None:
+    """Alice's turn admitted and waiting for its reply, then two lagging samples of the
+    router's load sampler on the manual clock: the router is busy."""
+    await pipe.send(said("alice", "rain?"))
+    with anyio.fail_after(10):
+        await reply.entered.wait()
+    for _ in range(2):
+        with anyio.fail_after(10):
+            await clock.wait_for_sleepers(1)
+        clock.advance(POLICY.sample_secs + 0.2)
+        await ManualClock.settle()
+    assert router.busy
+
+
 async def test_the_busy_text_is_said_to_a_shed_turn() -> None:
     """A saturated router sheds a newcomer's turn: the busy text is said to it, the
     turn fails with RouterBusyError, and the admitted caller still gets its answer."""
@@ -1098,15 +1113,7 @@ async def test_the_busy_text_is_said_to_a_shed_turn() -> None:
     processor = TurnRouterProcessor(router)
     turns = Turns(processor)
     async with Pipe(processor) as pipe:
-        await pipe.send(said("alice", "rain?"))
-        with anyio.fail_after(10):
-            await reply.entered.wait()
-        for _ in range(2):                       # two lagging samples: busy
-            with anyio.fail_after(10):
-                await clock.wait_for_sleepers(1)
-            clock.advance(POLICY.sample_secs + 0.2)
-            await ManualClock.settle()
-        assert router.busy
+        await busy_while_alice_waits(pipe, reply, clock, router)
         await pipe.send(said("bob", "hello?"))
         assert (await pipe.next_down(TTSSpeakFrame)).text == "Busy, call back soon."
         await turns.wait(1)
@@ -1131,15 +1138,7 @@ async def test_newcomers_a_busy_router_refuses_take_no_admitted_callers_place(
     processor = TurnRouterProcessor(router, max_turns=1)
     turns = Turns(processor)
     async with Pipe(processor) as pipe:
-        await pipe.send(said("alice", "rain?"))
-        with anyio.fail_after(10):
-            await reply.entered.wait()
-        for _ in range(2):                       # two lagging samples: busy
-            with anyio.fail_after(10):
-                await clock.wait_for_sleepers(1)
-            clock.advance(POLICY.sample_secs + 0.2)
-            await ManualClock.settle()
-        assert router.busy
+        await busy_while_alice_waits(pipe, reply, clock, router)
         await pipe.send(*(said(f"guest{i}", "hello?") for i in range(3)))
         await turns.wait(3)
         assert [type(error) for _, error in turns.failed] == [RouterBusyError] * 3

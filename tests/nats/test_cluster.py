@@ -5,22 +5,18 @@ the loss of a server, its leader of the streams included, costs no turn and no h
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import Iterator
 
 import pytest
-from nats.js.errors import KeyNotFoundError
 from prometheus_client import CollectorRegistry
 
-from turnrouter import ConfigurationError, LifecycleError, ParticipantSnapshot
+from turnrouter import ConfigurationError, LifecycleError
 from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import (
     NatsConfig,
     NatsFrontEnd,
     NatsWorker,
-    encode_token,
-    parse_record,
 )
 
 from .app import make_router
@@ -113,23 +109,7 @@ async def test_kill_nine_of_the_streams_leader_history_equals_what_was_heard(
             await talkers
         for worker in workers:
             assert worker.proc.poll() is None, worker.stderr()
-        kv = await front.connection.jetstream().key_value(config.bucket)
-        for pid in talk.pids:
-            for turn_id in talk.sent[pid]:
-                assert len(talk.finals[turn_id]) == 1, f"{turn_id} ended twice"
-            heard = [t for t in talk.sent[pid] if talk.finals[t][0].route == "echo"]
-            entries = []
-            for n in range(config.partitions):
-                with contextlib.suppress(KeyNotFoundError):
-                    entries.append(await kv.get(f"{n}.{encode_token(pid)}"))
-            assert len(entries) == 1, (pid, len(entries))
-            record = parse_record(entries[0].value or b"")
-            assert record.snapshot is not None
-            history = ParticipantSnapshot.from_json(record.snapshot).history
-            # (A participant answered at once may pass max_history_exchanges, 256.)
-            assert [item.turn_id for item in history] == heard[-256:], (
-                pid, [talk.finals[t][0].text for t in talk.sent[pid]],
-                [item.user for item in history])
+        await talk.check_histories(config)
     finally:
         talk.stop.set()
         if talkers is not None:

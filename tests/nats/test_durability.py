@@ -506,6 +506,29 @@ class Talk:
                 self.progress.clear()
                 await self.progress.wait()
 
+    async def check_histories(self, config: NatsConfig) -> None:
+        """Every turn ended exactly once, and each participant's history (its record,
+        read after the run) holds exactly the answers that were heard, in order (the
+        last `max_history_exchanges`, 256, of a participant answered at once)."""
+        kv = await self.front.connection.jetstream().key_value(config.bucket)
+        for pid in self.pids:
+            for turn_id in self.sent[pid]:
+                assert len(self.finals[turn_id]) == 1, f"{turn_id} ended twice"
+            heard = [t for t in self.sent[pid] if self.finals[t][0].route == "echo"]
+            # Its key read directly (a key listing right after a restart can come back
+            # empty): the record is in one of the partitions.
+            entries = []
+            for n in range(config.partitions):
+                with contextlib.suppress(KeyNotFoundError):
+                    entries.append(await kv.get(f"{n}.{encode_token(pid)}"))
+            assert len(entries) == 1, (pid, len(entries))
+            record = parse_record(entries[0].value or b"")
+            assert record.snapshot is not None
+            history = ParticipantSnapshot.from_json(record.snapshot).history
+            assert [item.turn_id for item in history] == heard[-256:], (
+                pid, [self.finals[t][0].text for t in self.sent[pid]],
+                [item.user for item in history])
+
 
 @pytest.fixture
 def synced_server() -> Iterator[NatsServer]:
@@ -543,24 +566,7 @@ async def test_server_kill_nine_mid_turn_history_equals_what_was_heard(
             await talkers
         for worker in workers:
             assert worker.proc.poll() is None, worker.stderr()
-        kv = await front.connection.jetstream().key_value(config.bucket)
-        for pid in talk.pids:
-            for turn_id in talk.sent[pid]:
-                assert len(talk.finals[turn_id]) == 1, f"{turn_id} ended twice"
-            heard = [t for t in talk.sent[pid] if talk.finals[t][0].route == "echo"]
-            # Its key read directly (a key listing right after a restart can come back
-            # empty): the record is in one of the partitions.
-            entries = []
-            for n in range(config.partitions):
-                with contextlib.suppress(KeyNotFoundError):
-                    entries.append(await kv.get(f"{n}.{encode_token(pid)}"))
-            assert len(entries) == 1, (pid, len(entries))
-            record = parse_record(entries[0].value or b"")
-            assert record.snapshot is not None
-            history = ParticipantSnapshot.from_json(record.snapshot).history
-            assert [item.turn_id for item in history] == heard, (
-                pid, [talk.finals[t][0].text for t in talk.sent[pid]],
-                [item.user for item in history])
+        await talk.check_histories(config)
     finally:
         talk.stop.set()
         if talkers is not None:
