@@ -281,9 +281,8 @@ class Inputs:
                 state.end(message_id)
                 if not await self._ledger.write(pid, state, fresh=False):
                     return  # fenced meanwhile: the message is the new owner's now
-                # In the publisher's trace: its turn's spans died with the old owner.
-                await self.publish_ending(pid, state, ending,
-                                          input_carrier(msg.headers, message))
+                await self.publish_ending(  # in its trace: its spans died with the owner
+                    pid, state, ending, input_carrier(msg.headers, message))
             elif waited > self._config.max_input_wait:
                 if not await self._expire(msg, pid, state, message_id, waited):
                     return  # fenced meanwhile: the message is the new owner's now
@@ -529,18 +528,16 @@ class Inputs:
 
     async def publish_ending(self, pid: str, state: Participant, ending: Ending,
                              carrier: dict[str, str] | None = None) -> None:
-        """Publish an ending of `state`'s outbox (a takeover's, or again after a
-        reconnect), in the trace of `carrier` (its query's, when at hand); it leaves the
-        outbox once the stream acknowledged it."""
+        """Publish an ending of `state`'s outbox (in its query's trace, `carrier`, when at
+        hand); it leaves the outbox once the stream acknowledged it."""
         turn_id, route, text, _ = ending
         await self.publish_output(pid, turn_id, route, text, final=True, carrier=carrier,
                                   confirmed=functools.partial(_forget, state.outbox, ending))
 
     async def republish(self, *, reconnected: bool = True) -> int:
-        """After a reconnect (or a stream back from "no responders", `reconnected`
-        False): publish again every ending a written record holds that the stream did
-        not acknowledge (a server crash may have lost it, a leaderless stream refused
-        it; the stream drops what it already holds); how many."""
+        """After a reconnect (or a stream back from 503, `reconnected` False): publish
+        again the endings written records hold that the stream did not acknowledge (the
+        stream drops what it already holds); how many."""
         if reconnected:  # the replies of before never come
             self._link.forget_unconfirmed()
             self._link.fail_waiting()
