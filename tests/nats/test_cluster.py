@@ -50,6 +50,23 @@ class ClusterTalk(Talk):
             index += 1
 
 
+async def explain(front: NatsFrontEnd, config: NatsConfig, workers: list[Worker]) -> None:
+    """Print each partition consumer's state and the workers' logs (bounded requests)."""
+    for n in range(config.partitions):
+        try:
+            info = json.loads((await front.connection.request(
+                f"$JS.API.CONSUMER.INFO.{config.stream}.{config.consumer(n)}", b"",
+                timeout=2)).data)
+        except Exception as exc:  # the report goes on: one partition's state is missing
+            print(f"partition {n}: {exc!r}")
+            continue
+        print(f"partition {n}:", {key: info.get(key) for key in (
+            "num_pending", "num_ack_pending", "num_waiting", "delivered", "ack_floor",
+            "cluster", "priority_groups")})
+    for worker in workers:
+        print(f"worker {worker.name}:", worker.stderr()[-4000:])
+
+
 @pytest.fixture
 def cluster() -> Iterator[NatsCluster]:
     made = NatsCluster()
@@ -110,6 +127,11 @@ async def test_kill_nine_of_the_streams_leader_history_equals_what_was_heard(
         for worker in workers:
             assert worker.proc.poll() is None, worker.stderr()
         await talk.check_histories(config)
+    except BaseException:
+        # What the partitions' consumers say, and the workers' logs: a failure here is
+        # read from them (the server's state is gone once the test ends).
+        await explain(front, config, workers)
+        raise
     finally:
         talk.stop.set()
         if talkers is not None:
