@@ -334,6 +334,27 @@ def test_decision_source_is_recorded_without_content(rig: Rig) -> None:
     assert ATTR.DECISION_RATIONALE not in route
 
 
+@pytest.mark.parametrize(("rationale", "source"), [
+    ("policy: key=p1 -> billing", "policy"), ("classifier: route: weather", "classifier"),
+    ("alice: wants to know about rain", "_OTHER"), ("no prefix at all", None),
+    (": empty head", None), ("x" * 40 + ": long head", None)])
+def test_a_decision_source_is_a_known_word_never_user_text(
+        rig: Rig, rationale: str, source: str | None) -> None:
+    """With content capture off the source names a built-in service or is `_OTHER`: a
+    custom service's rationale may begin with user text (before, "alice" was exported
+    as the source)."""
+    turn = make_turn()
+    obs = rig.telemetry.turn_started(TurnStarted(turn, None))
+    request = make_request(turn)
+    token = obs.decision_started(request)
+    obs.decision_finished(token, DecisionFinished(
+        request, RouteDecision("weather", rationale=rationale), None))
+    obs.finished(TurnFinished("clarify", None, None, None, 1, None))
+    route = attrs(rig.span("turnrouter.route"))
+    assert route.get(ATTR.DECISION_SOURCE) == source
+    assert "alice" not in repr(route)
+
+
 def test_content_captured_when_enabled(capture_rig: Rig) -> None:
     """With content capture the query, answer, rationale and ack text are recorded."""
     content_turn(capture_rig.telemetry)

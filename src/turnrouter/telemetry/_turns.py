@@ -157,16 +157,21 @@ def _decision_attributes(
     return attributes
 
 
-def _decision_source(rationale: str) -> str:
-    """The rationale's `source:` prefix ("policy", "classifier", "lexical"), if any.
+#: The sources the built-in decision services name in their rationale's prefix.
+DECISION_SOURCES = frozenset(("classifier", "lexical", "policy"))
 
-    Not content: a short identifier, so telemetry tells a policy's choice from a
-    classifier's even with content capture off.
-    """
-    head, sep, _ = rationale.partition(":")
-    if sep and 0 < len(head) <= 32 and head.replace("_", "").replace("-", "").isalnum():
-        return head
-    return ""
+
+def _decision_source(rationale: str) -> str:
+    """The rationale's `source:` prefix when a built-in service's ("policy",
+    "classifier", "lexical"), "_OTHER" for any other prefix, "" without one.
+
+    Recorded with content capture off, so telemetry tells a policy's choice from a
+    classifier's: only a known word, since a custom service's rationale may start with
+    user text ("alice: ...")."""
+    head, sep, _ = rationale[:33].partition(":")
+    if not sep or not head:
+        return ""
+    return head if head in DECISION_SOURCES else "_OTHER"
 
 
 def _messages(role: str, text: str, **extra: str) -> str:
