@@ -295,3 +295,23 @@ async def test_a_cancelled_run_ends_though_a_task_lost_its_first_cancellation(
         async with asyncio.timeout(20):
             await run
     assert asyncio.all_tasks() - before - {asyncio.current_task()} == set()
+
+
+@pytest.mark.parametrize("own_registry", [True, False])
+async def test_a_router_whose_metrics_miss_the_workers_registry_is_named_at_start(
+        nats_server: NatsServer, caplog: pytest.LogCaptureFixture, own_registry: bool) -> None:
+    """A factory that gives the router a registry of its own (or the default one) leaves
+    the worker's /metrics with turnrouter_nats_* only: said once at start, with the fix.
+    A factory using `ctx.registry`, as the docs show, hears nothing of it."""
+
+    def factory(ctx: WorkerContext) -> AgentRouter:
+        if not own_registry:
+            return make_router(ctx)
+        return AgentRouter({"echo": _Long("echo")}, LexicalDecisions(), default_destination="echo",
+                           telemetry=Telemetry(registry=CollectorRegistry()))
+
+    caplog.set_level(logging.WARNING, logger="turnrouter.runtime.nats")
+    async with serving(NatsConfig(url=nats_server.url, partitions=1), "r", factory):
+        pass
+    named = [r.getMessage() for r in caplog.records if "ctx.registry" in r.getMessage()]
+    assert len(named) == (1 if own_registry else 0), named

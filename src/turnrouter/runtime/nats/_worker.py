@@ -541,7 +541,19 @@ async def _build(factory: RouterFactory, ctx: WorkerContext) -> AgentRouter:
     if not isinstance(router, AgentRouter):
         raise ContractValueError(
             f"the router factory must return an AgentRouter, got {type(router).__name__}")
+    registry = ctx.registry
+    if registry is not None and registry.get_sample_value(_ROUTER_GAUGE) is None:
+        # Said once at start: /metrics then serves only turnrouter_nats_*, and the
+        # router's own families (turns, latency, overload) are missing without a word.
+        logger.warning("turnrouter: the router's metrics are not in this worker's registry: "
+                       "its /metrics serves only turnrouter_nats_*; build the router's "
+                       "Telemetry with registry=ctx.registry (ignore this if its telemetry "
+                       "is off on purpose)")
     return router
+
+
+#: A family every router with metrics registers (at construction, value 0).
+_ROUTER_GAUGE = "turnrouter_active_participants"
 
 
 async def _to_the_end(work: Awaitable[None]) -> None:
