@@ -974,12 +974,17 @@ class TurnRouterProcessor(FrameProcessor):
     def _reject(self, reason: str) -> None:
         """Count a refused (or, for `overflow`, evicted) turn; logged the first time
         and at every power of ten of its count."""
-        count = self._refusals[reason] = self._refusals.get(reason, 0) + 1
-        if _power_of_ten(count):
+        if (count := self._counted(reason)) is not None:
             logger.warning("pipecat turn %s (%d so far in this pipeline)",
                            "bound overflowed" if reason == "overflow" else
                            f"refused: {reason}", count)
         self.router.report_rejected(SOURCE, reason)
+
+    def _counted(self, reason: str) -> int | None:
+        """Count one more `reason` in this pipeline: the count when it is to be logged
+        (the 1st, 10th, 100th...), else None."""
+        count = self._refusals[reason] = self._refusals.get(reason, 0) + 1
+        return count if _power_of_ten(count) else None
 
     def _tracing(self) -> Any:
         """Pipecat's tracing context (None without tracing, or before setup)."""
@@ -1019,11 +1024,10 @@ class TurnRouterProcessor(FrameProcessor):
             if not isinstance(exc, RouterBusyError):
                 logger.warning("pipecat turn %s failed: %s", turn.turn_id,
                                type(exc).__name__)
-            else:  # said (the busy text) and counted by the router: logged sparsely
-                count = self._refusals["busy"] = self._refusals.get("busy", 0) + 1
-                if _power_of_ten(count):
-                    logger.warning("pipecat turns refused by a busy router: %d so far in "
-                                   "this pipeline", count)
+            elif (count := self._counted("busy")) is not None:
+                # Said (the busy text) and counted by the router: logged sparsely.
+                logger.warning("pipecat turns refused by a busy router: %d so far in "
+                               "this pipeline", count)
             await self._call_event_handler("on_turn_failed", turn, exc)
         finally:
             sink.closed = True
