@@ -66,89 +66,75 @@ def _any_before(outbox: list[Ending], horizon: float) -> bool:
     return False
 
 
-#: Seconds between the tries of a record write that found no bucket (`_write_again`),
-#: and the longest it waits for the bucket (a graceful stop waits for it too).
+#: Seconds between the tries of a record write that got no reply or found no stream
+#: answering, and the longest it keeps trying from its first try (a graceful stop
+#: waits for it too).
 _REWRITE_WAIT = 0.25
 _REWRITE_FOR = 10.0
-
-
-async def _write_again(link: Link, subject: str, data: bytes, revision: int,
-                       config: NatsConfig) -> tuple[int | None, bool]:
-    """A record write found no stream answering (503: nothing was stored): the bucket
-    was deleted, or the server is back on an empty store (the worker's deployment check
-    is making it again), or a cluster is electing the bucket's leader after losing a
-    server. Sent again, expecting the same `revision`, once it answers (within
-    `_REWRITE_FOR` seconds, or `reconnect_for` if shorter: the participant's lock is
-    held meanwhile, and a stop waits for it); a record found gone without a trace
-    (`_vanished`) is written anew from what this replica holds, so the participant
-    keeps their history and the turn its answer. (Dropping the participant, as for a
-    write whose fate is unknown, lost both when the record it would be claimed from was
-    gone.) `(revision, remade)`; the revision None when no stream answered in time or
-    the write was refused for a newer revision: it is then as unsure as one without a
-    reply."""
-    deadline = time.monotonic() + min(_REWRITE_FOR, config.reconnect_for)
-    remade = False
-    while time.monotonic() < deadline:
-        await asyncio.sleep(_REWRITE_WAIT)
-        try:
-            seq, error = pub_ack(await link.request(
-                subject, data, {"Nats-Expected-Last-Subject-Sequence": str(revision)}))
-        except NoResponders:
-            continue
-        except (RequestFailed, ValueError):
-            break
-        if seq is None and revision and _vanished(error):
-            revision, remade = 0, True
-            continue
-        return seq, remade
-    return None, False
 
 
 async def _settled_write(link: Link, kv: Any, key: str, subject: str, data: bytes,
                          revision: int, config: NatsConfig, failed: Exception | None,
                          since: float) -> tuple[int | None, Any, Exception | None, bool]:
-    """The rest of a revision-checked record write whose first try `failed` (None: not
-    sent yet): `(revision, error, failure, remade)`; `failure` is the last error when no
-    try got a reply, `remade` says the record was found gone and written anew
-    (`_write_again`). A write without a reply (a frozen or restarting server) is sent
-    again until `_REWRITE_FOR` seconds (or `reconnect_for` if shorter) after the first
-    try (`since`, `time.perf_counter()`). It may have been stored all the same, so a try
-    refused for a newer revision reads the record: holding exactly these bytes, that
-    revision is this write's. (Before, the first timeout, 5 s, dropped the participant
-    and ended their turns with the failure text, also when the write had landed as the
-    server resumed.)"""
+    """The rest of a revision-checked record write whose first try `failed` (None: it
+    was refused because the record is gone, so this writes it anew, `revision` 0):
+    `(revision, error, failure, remade)`; `failure` is the last error when no try got a
+    reply in time, `remade` says the record was found gone and written anew.
+
+    One loop on one deadline, `_REWRITE_FOR` seconds (or `reconnect_for` if shorter)
+    after the first try (`since`, `time.perf_counter()`); the participant's lock is
+    held meanwhile. Each try expects the same revision:
+    - no reply (a frozen or restarting server): sent again. It may have been stored all
+      the same, so a later try refused for a newer revision reads the record back:
+      holding exactly these bytes, that revision is this write's. (Before, the first
+      timeout, 5 s, dropped the participant and ended their turns with the failure
+      text, also when the write had landed as the server resumed.)
+    - no stream answering (503: nothing stored): the bucket was deleted, the server is
+      back on an empty store (the worker's deployment check is making it again), or a
+      cluster is electing the bucket's leader after losing a server. Sent again once it
+      answers.
+    - refused because no record is there at all (`_vanished`; another replica's claim,
+      write or delete leaves a newer revision, not none): written anew from what this
+      replica holds, so the participant keeps their history and the turn its answer.
+    A refusal for a newer revision not this write's is returned as the server's error
+    (fenced); a reply that is not a JetStream acknowledgement ends the write as failed."""
     deadline = since + min(_REWRITE_FOR, config.reconnect_for)
-    expected = {"Nats-Expected-Last-Subject-Sequence": str(revision)}
-    resent = False
+    resent = remade = False
     while True:
-        if isinstance(failed, NoResponders):  # no bucket: nothing stored
-            seq, remade = await _write_again(link, subject, data, revision, config)
-            return seq, None, (failed if seq is None else None), remade
         if failed is not None:
             if not isinstance(failed, RequestFailed) or (
                     time.perf_counter() + 2 * _REWRITE_WAIT >= deadline):
                 return None, None, failed, False
             await asyncio.sleep(_REWRITE_WAIT)
-            resent = True
+            # Only a try without a reply may have been stored; a 503 stored nothing.
+            resent = resent or not isinstance(failed, NoResponders)
+        elif revision == 0:
+            remade = True
         try:
             seq, error = pub_ack(await link.request(
-                subject, data, expected, wait=min(5.0, deadline - time.perf_counter())
-                if resent else 5.0))
+                subject, data, {"Nats-Expected-Last-Subject-Sequence": str(revision)},
+                wait=max(0.1, min(5.0, deadline - time.perf_counter()))))
         except (RequestFailed, ValueError) as exc:
             failed = exc
             continue
-        break
-    if seq is None and resent and isinstance(error, dict) and error.get(
-            "err_code") in _WRONG_LAST:
-        try:  # an earlier try may be that newer revision
-            entry = await kv.get(key)
-        except KeyNotFoundError:
-            entry = None
-        except NatsError as exc:
-            return None, None, exc, False
-        if entry is not None and (entry.value or b"") == data:
-            return entry.revision, None, None, False
-    return seq, error, None, False
+        if seq is not None or not (isinstance(error, dict)
+                                   and error.get("err_code") in _WRONG_LAST):
+            return seq, error, None, remade and seq is not None
+        if revision and _vanished(error):  # no record at all: none of our tries landed
+            if time.perf_counter() >= deadline:
+                return None, error, None, False
+            revision, failed = 0, None
+            continue
+        if resent:  # an earlier try may be that newer revision
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                entry = None
+            except NatsError as exc:
+                return None, None, exc, False
+            if entry is not None and (entry.value or b"") == data:
+                return entry.revision, None, None, remade
+        return None, error, None, False
 
 
 def _vanished(error: object) -> bool:
@@ -665,7 +651,7 @@ class Ledger:
                 seq, error, failure, remade = await _settled_write(
                     self._link, self._kv, subject[len(self._subject):], subject, data,
                     state.revision if failed else 0, self._config, failed, t0)
-                if seq is not None and (remade or failed is None):
+                if remade:
                     self._remade()
             if failure is not None:
                 self.write_failures += 1
