@@ -13,8 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from turnrouter import ConfigurationError, LifecycleError
-from turnrouter.runtime import UserQuery
+from turnrouter import ConfigurationError
 from turnrouter.runtime.nats import (
     NatsConfig,
     NatsFrontEnd,
@@ -27,29 +26,6 @@ from .conftest import Worker
 from .test_durability import Talk
 
 pytestmark = pytest.mark.anyio
-
-
-class ClusterTalk(Talk):
-    """`Talk` with a cluster's patience: a publish is retried (the same message: a
-    stored one is deduplicated) for up to 40 s, as long as electing a new leader of the
-    input stream may take, and an answer is waited for up to 40 s."""
-
-    async def talk(self, pid: str) -> None:
-        index = 0
-        while not self.stop.is_set():
-            query = UserQuery(participant_id=pid, text=f"{pid}#{index}")
-            self.sent.setdefault(pid, []).append(query.message_id)
-            event = self.events.setdefault(query.message_id, asyncio.Event())
-            async with asyncio.timeout(40):
-                while True:  # bounded by the timeout above
-                    try:
-                        await self.front.publish(query)
-                        break
-                    except LifecycleError:  # no leader yet (or not confirmed): again
-                        await asyncio.sleep(0.25)  # pacing the retries
-            async with asyncio.timeout(40):
-                await event.wait()
-            index += 1
 
 
 async def explain(front: NatsFrontEnd, config: NatsConfig, workers: list[Worker]) -> None:
@@ -111,36 +87,23 @@ async def test_kill_nine_of_the_streams_leader_history_equals_what_was_heard(
     workers = [Worker(cluster.url, f"w{i}", "--replicas", "3") for i in range(2)]
     config = NatsConfig(url=cluster.url, replicas=3)
     front = await NatsFrontEnd.connect(config)
-    talk = ClusterTalk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(16)])
-    subscribed = asyncio.Event()
-    listener = asyncio.create_task(talk.listen(subscribed))
-    talkers: asyncio.Future[list[None]] | None = None
-    try:
-        async with asyncio.timeout(15):
-            await subscribed.wait()
-        talkers = asyncio.gather(*(talk.talk(pid) for pid in talk.pids))
-        await talk.more(100)
+
+    async def crash_the_leader() -> None:
         leader = await asyncio.to_thread(cluster.leader_of, config.stream)
         await asyncio.to_thread(leader.crash)  # the two left keep a quorum
-        await talk.more(200)
-        talk.stop.set()
-        async with asyncio.timeout(90):
-            await talkers
-        for worker in workers:
-            assert worker.proc.poll() is None, worker.stderr()
-        await talk.check_histories(config)
+
+    try:
+        talk = Talk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(16)],
+                    # a cluster's patience: electing the input stream's new leader
+                    # may take as long
+                    publish_secs=40, answer_secs=40)
+        await talk.through(crash_the_leader, config, workers, wait_secs=90)
     except BaseException:
         # What the partitions' consumers say, and the workers' logs: a failure here is
         # read from them (the server's state is gone once the test ends).
         await explain(front, config, workers)
         raise
     finally:
-        talk.stop.set()
-        if talkers is not None:
-            talkers.cancel()
-            await asyncio.gather(talkers, return_exceptions=True)
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
         await front.close()
         for worker in workers:
             worker.close()

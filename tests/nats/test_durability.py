@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from nats.js.errors import APIError, KeyNotFoundError
 
 import nats
-from turnrouter import ConfigurationError, ParticipantSnapshot
+from turnrouter import ConfigurationError, LifecycleError, ParticipantSnapshot
 from turnrouter.cli import worker_parser
 from turnrouter.runtime import ResponseOutput, UserQuery
 from turnrouter.runtime.nats import (
@@ -474,6 +474,10 @@ class Talk:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     turns: int = 0
     progress: asyncio.Event = field(default_factory=asyncio.Event)
+    #: How long a publish is retried (the same message: a stored one is deduplicated),
+    #: and how long its answer is waited for, in seconds.
+    publish_secs: float = 10.0
+    answer_secs: float = 20.0
 
     async def listen(self, subscribed: asyncio.Event) -> None:
         async for message in self.front.outputs(subscribed=subscribed):
@@ -489,13 +493,14 @@ class Talk:
             query = UserQuery(participant_id=pid, text=f"{pid}#{index}")
             self.sent.setdefault(pid, []).append(query.message_id)
             event = self.events.setdefault(query.message_id, asyncio.Event())
-            for _ in range(100):  # bounded: the server is back within seconds
-                try:
-                    await self.front.publish(query)
-                    break
-                except Exception:
-                    await asyncio.sleep(0.1)  # pacing the retries of a lost server
-            async with asyncio.timeout(20):
+            async with asyncio.timeout(self.publish_secs):
+                while True:  # bounded by the timeout above
+                    try:
+                        await self.front.publish(query)
+                        break
+                    except LifecycleError:  # the server is away (or not confirming)
+                        await asyncio.sleep(0.1)  # pacing the retries
+            async with asyncio.timeout(self.answer_secs):
                 await event.wait()
             index += 1
 
@@ -505,6 +510,36 @@ class Talk:
             while self.turns < goal:
                 self.progress.clear()
                 await self.progress.wait()
+
+    async def through(self, damage: Callable[[], Awaitable[None]], config: NatsConfig,
+                      workers: list[Worker], *, wait_secs: float) -> None:
+        """Talk until 100 turns ended, do `damage`, talk 200 more and stop: every talker
+        ends within `wait_secs`, every worker is still running, and every history
+        equals what was heard (`check_histories`). The listener and talkers never
+        outlive it."""
+        subscribed = asyncio.Event()
+        listener = asyncio.create_task(self.listen(subscribed))
+        talkers: asyncio.Future[list[None]] | None = None
+        try:
+            async with asyncio.timeout(15):
+                await subscribed.wait()
+            talkers = asyncio.gather(*(self.talk(pid) for pid in self.pids))
+            await self.more(100)
+            await damage()
+            await self.more(200)
+            self.stop.set()
+            async with asyncio.timeout(wait_secs):
+                await talkers
+            for worker in workers:
+                assert worker.proc.poll() is None, worker.stderr()
+            await self.check_histories(config)
+        finally:
+            self.stop.set()
+            if talkers is not None:
+                talkers.cancel()
+                await asyncio.gather(talkers, return_exceptions=True)
+            listener.cancel()
+            await asyncio.gather(listener, return_exceptions=True)
 
     async def check_histories(self, config: NatsConfig) -> None:
         """Every turn ended exactly once, and each participant's history (its record,
@@ -549,31 +584,15 @@ async def test_server_kill_nine_mid_turn_history_equals_what_was_heard(
     workers = [Worker(synced_server.url, f"w{i}") for i in range(2)]
     config = NatsConfig(url=synced_server.url)
     front = await NatsFrontEnd.connect(config)
-    talk = Talk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(16)])
-    subscribed = asyncio.Event()
-    listener = asyncio.create_task(talk.listen(subscribed))
-    talkers: asyncio.Future[list[None]] | None = None
-    try:
-        async with asyncio.timeout(15):
-            await subscribed.wait()
-        talkers = asyncio.gather(*(talk.talk(pid) for pid in talk.pids))
-        await talk.more(100)
+
+    async def crash_and_restart() -> None:
         await asyncio.to_thread(synced_server.crash)
         await asyncio.to_thread(synced_server.restart)
-        await talk.more(200)
-        talk.stop.set()
-        async with asyncio.timeout(30):
-            await talkers
-        for worker in workers:
-            assert worker.proc.poll() is None, worker.stderr()
-        await talk.check_histories(config)
+
+    try:
+        talk = Talk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(16)])
+        await talk.through(crash_and_restart, config, workers, wait_secs=30)
     finally:
-        talk.stop.set()
-        if talkers is not None:
-            talkers.cancel()
-            await asyncio.gather(talkers, return_exceptions=True)
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
         await front.close()
         for worker in workers:
             worker.close()
