@@ -196,6 +196,18 @@ async def test_example_app_serves_a_deployment(
         worker.close()
 
 
+async def answer_trace_of(fe: NatsFrontEnd, heard: Heard, query: UserQuery) -> tuple[str, str]:
+    """Publish `query` and wait for its one final answer: its trace id and span id."""
+    event = heard.events.setdefault(query.message_id, asyncio.Event())
+    await fe.publish(query)
+    async with asyncio.timeout(15):
+        await event.wait()
+    (answer,) = heard.finals[query.message_id]
+    assert answer.traceparent is not None
+    _, trace_id, span_id, _ = answer.traceparent.split("-")
+    return trace_id, span_id
+
+
 async def test_trace_continues_from_publisher_to_output(
         nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
     """W3C context in the NATS headers: the answer carries the publisher's trace id, in
@@ -206,13 +218,7 @@ async def test_trace_continues_from_publisher_to_output(
         trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
         query = UserQuery(participant_id="eve", text="hi",
                           traceparent=f"00-{trace_id}-{span_id}-01")
-        event = heard.events.setdefault(query.message_id, asyncio.Event())
-        await fe.publish(query)
-        async with asyncio.timeout(15):
-            await event.wait()
-        (answer,) = heard.finals[query.message_id]
-        assert answer.traceparent is not None
-        _, answer_trace, answer_span, _ = answer.traceparent.split("-")
+        answer_trace, answer_span = await answer_trace_of(fe, heard, query)
         assert answer_trace == trace_id
         assert answer_span != span_id
     finally:
@@ -230,14 +236,8 @@ async def test_a_publish_inside_a_span_continues_that_trace(
     provider = TracerProvider()  # a local SDK provider: the global one is never set
     try:
         with provider.get_tracer("front").start_as_current_span("user speaks") as span:
-            query = UserQuery(participant_id="ivy", text="hi")
-            event = heard.events.setdefault(query.message_id, asyncio.Event())
-            await fe.publish(query)
-        async with asyncio.timeout(15):
-            await event.wait()
-        (answer,) = heard.finals[query.message_id]
-        assert answer.traceparent is not None
-        _, answer_trace, answer_span, _ = answer.traceparent.split("-")
+            answer_trace, answer_span = await answer_trace_of(
+                fe, heard, UserQuery(participant_id="ivy", text="hi"))
         context = span.get_span_context()
         assert answer_trace == f"{context.trace_id:032x}"
         assert answer_span != f"{context.span_id:016x}"
