@@ -799,3 +799,37 @@ async def test_a_server_back_taking_less_per_message_ends_the_worker(tmp_path: P
     finally:
         stop(worker)
         server.close()
+
+
+async def test_answers_of_turns_running_when_the_output_stream_goes_are_heard_once(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
+    """The output stream deleted while turns run: their answers, refused by the server
+    (no stream: 503, the connection staying up), are published again once the worker
+    made the stream again, and a reader hears each exactly once."""
+    fe, heard = front
+    worker = Worker(nats_server.url, "keeper", env={"TR_TEST_ANSWER_SECS": "1.5"})
+    people = [f"o{k}" for k in range(4)]
+    try:
+        answers = await asyncio.gather(*(ask(fe, heard, pid, f"one{pid}") for pid in people))
+        assert answers == [f"one{pid}|-|N" for pid in people]
+        queries = [UserQuery(participant_id=pid, text=f"two{pid}") for pid in people]
+        for query in queries:
+            heard.events.setdefault(query.message_id, asyncio.Event())
+            await fe.publish(query)
+        await until_true(lambda: metric_value(worker.metrics(),
+                                              "turnrouter_turns_in_flight") == len(people),
+                         "every turn running")
+        nc = await nats.connect(nats_server.url)
+        try:
+            await nc.jetstream().delete_stream(CONFIG.output_stream)
+        finally:
+            await nc.close()
+        async with asyncio.timeout(30):
+            for query in queries:
+                await heard.events[query.message_id].wait()
+        assert [[o.text for o in heard.finals[q.message_id]] for q in queries] == [
+            [f"two{pid}|one{pid}|F"] for pid in people]
+        for pid in people:
+            assert await ask(fe, heard, pid, "three") == f"three|two{pid}|F"
+    finally:
+        worker.close()
