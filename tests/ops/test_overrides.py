@@ -307,3 +307,26 @@ def test_generation_says_which_overrides_it_applied(
     assert main(["--root", str(tmp_path / "fresh")]) == 0
     assert (f"per-route overrides: {count} from deploy/prometheus/overrides.demo.yml"
             in capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("given", [[], ["--pager-url", "http://p.example/"]])
+def test_a_receiver_left_without_an_address_is_a_usage_error(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        given: list[str]) -> None:
+    """No address for a receiver (no flag, its variable unset or misspelt) is refused in
+    one line naming each receiver left and its variable: it wrote a valid-looking file
+    whose `.invalid` receivers page nobody (newcomer9 D1). `--placeholders` writes
+    them on purpose."""
+    for variable in ("TURNROUTER_ALERT_PAGER_URL", "TURNROUTER_ALERT_TICKETS_URL",
+                     "TURNROUTER_ALERT_WATCHDOG_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("TURNROUTER_ALERTS_PAGER_URL", "http://typo.example/")
+    with pytest.raises(SystemExit) as exited:
+        main(["alertmanager", *given])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "TURNROUTER_ALERT_TICKETS_URL" in err and "TURNROUTER_ALERT_WATCHDOG_URL" in err
+    assert ("TURNROUTER_ALERT_PAGER_URL" in err) == (not given)
+    assert main(["alertmanager", *given, "--placeholders"]) == 0
+    assert ".invalid" in capsys.readouterr().out

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ._alertmanager import (
+    ALERTMANAGER_ENV,
     ALERTMANAGER_FILE,
     PLACEHOLDER_URLS,
     receiver_urls,
@@ -196,6 +197,9 @@ def _alertmanager_main(argv: Sequence[str]) -> int:
                              "(default: cluster,namespace,job)")
     parser.add_argument("--out", type=Path, metavar="FILE",
                         help="write to FILE instead of standard output")
+    parser.add_argument("--placeholders", action="store_true",
+                        help="write the placeholder address (.invalid: pages nobody) for "
+                             "each receiver given no address, instead of refusing")
     args = parser.parse_args(argv)
     if args.out is not None and args.out.exists() and not args.out.is_file():
         parser.error(f"--out {args.out}: not a regular file")  # a FIFO would block
@@ -206,6 +210,13 @@ def _alertmanager_main(argv: Sequence[str]) -> int:
         text = render_alertmanager(urls, labels)
     except ValueError as exc:
         parser.error(str(exc))
+    # A forgotten variable would write a valid-looking file whose receiver pages nobody.
+    missing = [name for name, url in urls.items() if url == PLACEHOLDER_URLS[name]]
+    if missing and not args.placeholders:
+        parser.error("no webhook address for the " + ", ".join(missing) + " receiver"
+                     + "s" * (len(missing) > 1) + ": give " + ", ".join(
+                         f"--{name}-url or {ALERTMANAGER_ENV[name]}" for name in missing)
+                     + " (--placeholders writes the .invalid placeholders)")
     if args.out is None:
         sys.stdout.write(text)
         return 0
