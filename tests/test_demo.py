@@ -494,3 +494,30 @@ def test_a_served_demo_stopped_by_a_signal_prints_its_report(sig: signal.Signals
     out = "".join(output)
     assert proc.returncode == 0, err
     assert "lost 0" in out and "Traceback" not in err
+
+
+def test_an_unknown_sampler_is_named_without_an_endpoint(
+        otel_env: pytest.MonkeyPatch) -> None:
+    """A misspelt OTEL_TRACES_SAMPLER is named even when nothing is exported yet (no
+    endpoint): it showed only once an endpoint was set, in production (newcomer9 D3)."""
+    otel_env.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    otel_env.setenv("OTEL_TRACES_SAMPLER", "sometimes")
+    out = io.StringIO()
+    assert demo_tracer_provider(DemoConfig(), out) is None
+    assert "unknown OTEL_TRACES_SAMPLER 'sometimes'" in out.getvalue()
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_spans_asked_for_without_the_sdk_name_the_extra(
+        otel_env: pytest.MonkeyPatch, flag: bool) -> None:
+    """Without opentelemetry-sdk (its import fails), `--otlp-endpoint` on the command
+    line is a usage error naming the `otlp` extra (it ran on and exited 0); an endpoint
+    from the environment only turns spans off, saying what to install."""
+    otel_env.setitem(sys.modules, "opentelemetry.sdk.resources", None)
+    out = io.StringIO()
+    if flag:
+        with pytest.raises(ConfigurationError, match=r"turnrouter\[otlp\]"):
+            demo_tracer_provider(DemoConfig(otlp_endpoint="http://127.0.0.1:9"), out)
+    else:
+        assert demo_tracer_provider(DemoConfig(), out) is None
+        assert "turnrouter[otlp]" in out.getvalue()

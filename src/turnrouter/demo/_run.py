@@ -47,7 +47,7 @@ from ..runtime import (
 )
 from ..telemetry import Telemetry, serve_metrics
 from ._report import DemoReport
-from ._tracing import env_tracer_provider
+from ._tracing import NO_SDK, env_tracer_provider
 from ._world import DEFAULT_ROUTE, Sample, SimulatedOutage, build_agents, load_sample
 
 __all__ = [
@@ -200,8 +200,10 @@ def demo_tracer_provider(config: DemoConfig, out: TextIO) -> Any:
     endpoint, protocol = otlp_settings(config)
     try:
         resource = demo_resource()
-    except ImportError:
-        print("tracing: opentelemetry-sdk not installed; spans off", file=out)
+    except ImportError as exc:
+        if config.otlp_endpoint:  # asked for on the command line: not a quiet fallback
+            raise ConfigurationError(f"--otlp-endpoint needs the {NO_SDK}") from exc
+        print(f"tracing: {NO_SDK}; spans off", file=out)
         return None
     return env_tracer_provider(endpoint=endpoint, protocol=protocol, out=out,
                                resource=resource, exporter=_exporter)
@@ -218,7 +220,7 @@ def install_env_tracing(service: str, out: TextIO) -> Any:
     try:
         resource = service_resource(service)
     except ImportError:
-        print("tracing: opentelemetry-sdk not installed; spans off", file=out)
+        print(f"tracing: {NO_SDK}; spans off", file=out)
         return None
     provider = env_tracer_provider(endpoint=endpoint, protocol=protocol, out=out,
                                    resource=resource, exporter=_exporter)

@@ -40,6 +40,10 @@ def _env(name: str) -> str:
     return os.environ.get(name, "").strip()
 
 
+#: Said when spans are asked for and the SDK is missing.
+NO_SDK = "opentelemetry-sdk not installed (pip install 'turnrouter[otlp]')"
+
+
 def _samples_nothing(sampler: str) -> bool:
     if sampler in _OFF_SAMPLERS:
         return True
@@ -69,6 +73,11 @@ def env_tracer_provider(
         shown = ", ".join(repr(name[:40]) for name in unknown[:5])
         print(f"tracing: warning: unknown OTEL_TRACES_EXPORTER {shown} ignored "
               f"(known: {', '.join(sorted(EXPORTERS))})", file=out)
+    # Named whatever else is set: a misspelt sampler showed only once an endpoint was.
+    sampler_name = _env("OTEL_TRACES_SAMPLER").lower()
+    if sampler_name and sampler_name not in SAMPLERS:
+        print(f"tracing: warning: unknown OTEL_TRACES_SAMPLER {sampler_name[:40]!r}; using "
+              f"parentbased_always_on (known: {', '.join(sorted(SAMPLERS))})", file=out)
     if "none" in names:
         return None
     wanted = [name for name in names if name in EXPORTERS]
@@ -80,7 +89,7 @@ def env_tracer_provider(
         try:
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
         except ImportError:
-            print("tracing: opentelemetry-sdk not installed; spans off", file=out)
+            print(f"tracing: {NO_SDK}; spans off", file=out)
             return None
         exporters.append(("the console", ConsoleSpanExporter()))
     if not exporters:
@@ -90,13 +99,10 @@ def env_tracer_provider(
         export = importlib.import_module("opentelemetry.sdk.trace.export")
         sampling = importlib.import_module("opentelemetry.sdk.trace.sampling")
     except ImportError:
-        print("tracing: opentelemetry-sdk not installed; spans off", file=out)
+        print(f"tracing: {NO_SDK}; spans off", file=out)
         return None
-    sampler_name = _env("OTEL_TRACES_SAMPLER").lower()
     kwargs: dict[str, Any] = {"resource": resource}
     if sampler_name and sampler_name not in SAMPLERS:
-        print(f"tracing: warning: unknown OTEL_TRACES_SAMPLER {sampler_name[:40]!r}; using "
-              f"parentbased_always_on (known: {', '.join(sorted(SAMPLERS))})", file=out)
         kwargs["sampler"] = sampling.ParentBased(sampling.ALWAYS_ON)
         sampler_name = "parentbased_always_on"
     provider = sdk_trace.TracerProvider(**kwargs)
