@@ -165,7 +165,11 @@ class ResponseOutput(RuntimeMessage):
     text: str
     final: bool = False
     """True for the turn's final output (its answer, or the failure text: one per turn),
-    False for control text said along the way."""
+    False for control text said along the way. On the in-process runtime's topics the
+    router sets it on the text that ends a turn it ended (a clarification, the failure
+    text); an answer is the destination's to publish, final on its last output
+    (docs/router.md, "Runtime topics"). `turnrouter worker` publishes a returned
+    `DestinationResult.text` as the final output itself."""
 
 
 class ParticipantJoined(RuntimeMessage):
