@@ -350,6 +350,25 @@ async def test_timing_samples_are_range_checked_and_weighted_per_publisher(
     assert running.value(REJECTED, topic="nats_timing", reason="unknown_publisher") == 1
 
 
+async def test_refused_timing_messages_are_logged_sparingly(
+        running: Running, caplog: pytest.LogCaptureFixture) -> None:
+    """An announced publisher's timing messages of junk lines, or not UTF-8, are each
+    counted, and logged the first time and at every power of ten with the count so far:
+    one WARNING per message let a publisher with the workers' credentials write
+    thousands of lines a second (redteam9 N3)."""
+    subject = running.worker.config.timing_subject
+    headers = {"Turnrouter-Replica": "mallory"}
+    await announce(running, "mallory")
+    caplog.set_level(logging.WARNING, logger="turnrouter.runtime.nats")
+    for i in range(30):
+        body = b"\xff\xfe" if i % 2 else samples_body(["{not json"])
+        await running.nc.publish(subject, body, headers=headers)
+    await running.until(30, REJECTED, topic="nats_timing", reason="invalid")
+    said = [record.getMessage() for record in caplog.records if "timing" in record.getMessage()]
+    assert len(said) == 2, said  # the 1st and the 10th
+    assert "(10 so far)" in said[1]
+
+
 async def test_timing_messages_forged_in_the_replicas_own_name_are_counted(
         running: Running) -> None:
     """A timing message in the receiving replica's own name that it did not send (a

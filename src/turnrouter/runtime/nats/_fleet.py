@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from ... import _strict_json as strict_json
+from ..._limits import is_logged
 from ..._timing import TimingPredictor, TimingSample
 from ._metrics import RuntimeMetrics
 from ._setup import api_request
@@ -493,12 +494,11 @@ class Fleet:
         try:
             samples, errors = parse_samples(self._config, msg.data)
         except Rejected as exc:
-            logger.warning("turnrouter: rejected a timing samples message: %s", exc)
+            _refused(self._window, f"a timing samples message: {exc}")
             self._reject("nats_timing", exc.reason)
             return
         if errors:
-            logger.warning("turnrouter: rejected %d timing sample(s): %s", len(errors),
-                           errors[0])
+            _refused(self._window, f"{len(errors)} timing sample(s): {errors[0]}")
             for _ in errors:
                 self._reject("nats_timing", "invalid")
         routes, now = self.routes(), time.monotonic()
@@ -557,6 +557,7 @@ class _SampleWindow:
         self._shares: dict[str, dict[str, int]] = {}
         self._parsed: dict[str, int] = {}  # bytes parsed per publisher in the window
         self._parsed_total = 0  # and from all of them
+        self.refused = 0  # timing messages refused after parsing (`_refused` logs them)
         #: Per route, this replica's own recent samples: (monotonic time, seconds).
         self._own: dict[str, deque[tuple[float, float]]] = {}
         #: Digests of the timing messages this replica sent whose echo has not come
@@ -638,3 +639,13 @@ class _SampleWindow:
         if len(recent) < ANCHOR_MIN:
             return None
         return max(recent[len(recent) // 2], ANCHOR_FLOOR_SECS)
+
+
+def _refused(window: _SampleWindow, what: str) -> None:
+    """A timing message (or samples of one) refused after parsing: logged the first
+    time and at every power of ten, with the count (one line per message let a
+    publisher with the workers' credentials write thousands a second); each is counted
+    in `turnrouter_runtime_rejected_messages_total{topic="nats_timing"}`."""
+    window.refused += 1
+    if is_logged(window.refused):
+        logger.warning("turnrouter: rejected %s (%d so far)", what, window.refused)
