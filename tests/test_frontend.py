@@ -1194,3 +1194,26 @@ async def test_a_snapshot_changed_past_validation_is_refused_or_imports_as_it_ex
     again.import_participant(ParticipantSnapshot.from_json(exported))
     assert again.export_participant_json("p1") == exported
     await router.stop()
+
+
+def test_an_import_reads_back_only_the_exchanges_the_history_bound_keeps() -> None:
+    """A snapshot holding more exchanges than `max_history_exchanges` installs the
+    newest ones; the older ones are not exported and read back (a record of 12,000
+    tiny exchanges cost ~40 ms of the event loop), so one of them holding what no export
+    could carry (set past validation) does not refuse the import."""
+    h = Harness(ScriptedAgent("conversation"), max_history_exchanges=4)
+    snapshot = ParticipantSnapshot.from_json(json.dumps({
+        "participant_id": "ann", "history": [
+            {"user": f"u{i}", "assistant": f"a{i}", "turn_id": f"t{i}"} for i in range(10)]}))
+    object.__setattr__(snapshot.history[0], "user", object())  # dropped by the bound
+    h.router.import_participant(snapshot)
+    exported = h.router.export_participant("ann")
+    assert exported is not None
+    assert [item.turn_id for item in exported.history] == ["t6", "t7", "t8", "t9"]
+    kept = ParticipantSnapshot.from_json(json.dumps({
+        "participant_id": "bob", "history": [
+            {"user": f"u{i}", "assistant": f"a{i}", "turn_id": f"t{i}"} for i in range(3)]}))
+    object.__setattr__(kept.history[0], "user", object())  # kept: refused, naming it
+    with pytest.raises((ContractValueError, ContractTypeError)):
+        h.router.import_participant(kept)
+    assert h.router.export_participant("bob") is None

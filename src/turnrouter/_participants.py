@@ -222,6 +222,12 @@ class Registry:
             raise LifecycleError(
                 f"participant {pid!r} refused: the router already holds {limit} participants "
                 "(max_participants); import_participant() refused")
+        keep = self._cfg.max_history_exchanges
+        if len(snapshot.history) > keep:
+            # Only the newest `keep` exchanges are installed (`restore`): the older ones
+            # are not exported and read back below (12,000 tiny exchanges cost ~40 ms of
+            # the event loop, and a takeover reads many records).
+            snapshot = snapshot.model_copy(update={"history": snapshot.history[-keep:]})
         # Exported and read back (its checks above passed): what is installed is what the
         # next replica imports, a field set past validation (object.__setattr__) caught.
         try:
