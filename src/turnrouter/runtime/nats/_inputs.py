@@ -534,22 +534,6 @@ class Inputs:
         await self.publish_output(pid, turn_id, route, text, final=True, carrier=carrier,
                                   confirmed=functools.partial(_forget, state.outbox, ending))
 
-    async def republish(self, *, reconnected: bool = True) -> int:
-        """After a reconnect (or a stream back from 503, `reconnected` False): publish
-        again the endings written records hold that the stream did not acknowledge (the
-        stream drops what it already holds); how many."""
-        if reconnected:  # the replies of before never come
-            self._link.forget_unconfirmed()
-            self._link.fail_waiting()
-        horizon = time.time() - self._config.dedup_window / 2
-        count = 0
-        for pid, state in list(self._ledger.people.items()):
-            for ending in list(state.outbox):
-                if ending[3] >= horizon and ending[0] in state.recorded and not state.fenced:
-                    await self.publish_ending(pid, state, ending)
-                    count += 1
-        return count
-
     def _output(self, pid: str, turn_id: str, route: str, text: str, final: bool,
                 carrier: dict[str, str]) -> _Output:
         """An output's subject, body (a `ResponseOutput`'s JSON, checked as the model
@@ -633,3 +617,30 @@ def _forget(outbox: list[Ending], ending: Ending) -> None:
         outbox.remove(ending)
     except ValueError:
         pass
+
+
+async def republish(inputs: Inputs, *, reconnected: bool = True) -> int:
+    """After a reconnect (or a stream back from 503, `reconnected` False): publish
+    again the endings written records hold that the stream did not acknowledge (the
+    stream drops what it already holds); how many."""
+    if reconnected:  # the replies of before never come
+        inputs._link.forget_unconfirmed()
+        inputs._link.fail_waiting()
+    horizon = time.time() - inputs._config.dedup_window / 2
+    count = 0
+    ledger = inputs._ledger
+    for pid, state in list(ledger.people.items()):
+        for ending in list(state.outbox):
+            if ending[3] >= horizon and ending[0] in state.recorded and not state.fenced:
+                await inputs.publish_ending(pid, state, ending)
+                count += 1
+    for pid, state in list(ledger.unheard.items()):  # participants served elsewhere
+        fresh = [ending for ending in state.outbox if ending[3] >= horizon]
+        if not fresh or pid in ledger.people:  # (a claim here published them)
+            if ledger.unheard.get(pid) is state:
+                del ledger.unheard[pid]
+            continue
+        for ending in fresh:
+            await inputs.publish_ending(pid, state, ending)
+            count += 1
+    return count

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -54,6 +54,7 @@ _NONE: frozenset[str] = frozenset()
 _turn_of = operator.itemgetter(0)  # an ending's turn id
 #: Records larger than this are parsed and validated in a thread, off the event loop.
 _READ_OFF_LOOP_BYTES = 64 * 1024
+_T = TypeVar("_T")
 #: JetStream's "wrong last sequence" errors: a newer revision exists (fencing).
 _WRONG_LAST = (10071, 10164)
 
@@ -245,6 +246,15 @@ def _read(value: bytes, pid: str) -> tuple[StateRecord, ParticipantSnapshot
     return record, parsed
 
 
+async def _off_loop(ledger: Ledger, parse: Callable[..., _T], *args: Any) -> _T:
+    """`parse(*args)` for a big record, in a thread and one at a time per replica: the
+    parse and validation hold the GIL (json and pydantic run in C: ~40-80 ms for a
+    1 MB record), so several at once took turns starving the event loop (30 read
+    together stalled it ~1 s); one at a time, the loop runs between them."""
+    async with ledger.big_reads:
+        return await asyncio.to_thread(parse, *args)
+
+
 async def recorded(ledger: Ledger, pid: str, n: int) -> StateRecord | None:
     """`pid`'s record (partition `n`) as `parse_record` reads it, its snapshot left
     unread, without claiming it; None when there is none. Raises `NatsError` when the
@@ -255,7 +265,7 @@ async def recorded(ledger: Ledger, pid: str, n: int) -> StateRecord | None:
         return None
     data = entry.value or b""
     if len(data) > _READ_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(parse_record, data)
+        return await _off_loop(ledger, parse_record, data)
     return parse_record(data)
 
 
@@ -292,6 +302,7 @@ class Ledger:
         self._router, self._publish_ending, self._metrics = router, publish_ending, metrics
         self._subject = f"$KV.{config.bucket}."
         self.people: dict[str, Participant] = {}
+        self.big_reads = asyncio.Semaphore(1)  # big records parsed one at a time
         self._claiming: dict[str, list[Any]] = {}  # pid -> [lock, claims waiting]
         #: Times this replica stopped serving each partition (`partition_lost`): a claim
         #: that outlived its partition here must not leave a state nobody fences.
@@ -301,6 +312,12 @@ class Ledger:
         unfinished turns are ended (`settle_unsure`), as their record may hold a turn
         no input will come back for."""
         self.on_unsure: Callable[[str, int], None] = lambda pid, n: None
+        self.unheard: dict[str, Participant] = {}
+        """Participants not served here whose endings were published (`say_again`,
+        `let_go`) and not acknowledged by the stream yet, their outboxes emptying as
+        they are: published again after a reconnect or a stream back from 503
+        (`Inputs.republish`). Else a stream without a leader lost them for good while
+        their participant, waiting for that answer, sent nothing that would claim them."""
         #: Writes that got no answer (an outage fails one per participant writing): the
         #: log shows the first, then every power of ten, each with the count so far.
         self.write_failures = 0
@@ -346,62 +363,12 @@ class Ledger:
         async with state.lock:  # a write under way has landed (or failed) by now
             pass
         try:
-            done = await self.let_go(pid, state.partition)
+            done = await let_go(self, pid, state.partition)
         except Exception as exc:  # the other participants are still dropped
             logger.warning("turnrouter: ending a lost participant's turns failed: %r", exc)
             done = False
         if not done:
             self._unsure(pid, state.partition)
-
-    async def let_go(self, pid: str, n: int) -> bool:
-        """End what `pid`'s record left unfinished when this replica wrote it last and
-        no longer serves the participant: a new owner that claimed the record ended it
-        (its claim is a newer write), but one whose takeover read the record before this
-        replica's last write never will. The turns it holds in flight are ended (the
-        failure text recorded in the outbox, a revision-checked write of the revision
-        read, then published) and its recorded answers published again; refused, a
-        claim came first and ended them. False when the server cannot be asked now."""
-        if pid in self.people or pid in self._claiming:
-            return True  # served here again: that claim ends what the record holds
-        key = f"{n}.{encode_token(pid)}"
-        try:
-            entry = await self._kv.get(key)
-        except KeyNotFoundError:
-            return True
-        except NatsError:
-            return False
-        data = entry.value or b""
-        try:
-            record = (await asyncio.to_thread(parse_record, data)
-                      if len(data) > _READ_OFF_LOOP_BYTES else parse_record(data))
-        except ValueError:
-            return True  # junk: the next claim quarantines it
-        if record.owner != self._replica or not (record.inflight or record.outbox):
-            return True  # claimed since (the claim ended them), or nothing left
-        if pid in self.people or pid in self._claiming:
-            return True
-        outbox = self.sound(record.outbox)
-        if not record.inflight:
-            await self.say_again(pid, n, outbox)  # nothing to end, endings maybe unheard
-            return True
-        unfinished = _unfinished(record.inflight, outbox, self._config, self._metrics)
-        ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
-                               *record.inflight])
-        value = state_json(self._replica, [], record.snapshot, unfinished, list(ended))
-        try:
-            await self._kv.update(key, value, last=entry.revision)
-        except KeyWrongLastSequenceError:
-            if self._metrics is not None:
-                self._metrics.state_refused.inc()
-            return True  # a claim came first: it ended them
-        except NatsError:
-            return False
-        # Served by no one here: the endings stay in the record's outbox for the next
-        # claim (which publishes them again; the stream drops the duplicates).
-        released = Participant(partition=n, outbox=list(unfinished), fenced=True)
-        for ending in unfinished:
-            await self._publish_ending(pid, released, ending)
-        return True
 
     def _unsure(self, pid: str, n: int) -> None:
         """Remember `pid` (partition `n`) to end what its record holds later."""
@@ -438,9 +405,7 @@ class Ledger:
     async def say_again(self, pid: str, n: int, outbox: list[Ending]) -> None:
         """Publish again the recent endings a record holds, as recorded (no write; the
         stream drops those it already holds), for a participant not served here."""
-        released = Participant(partition=n, fenced=True)
-        for ending in _unfinished([], outbox, self._config, self._metrics):
-            await self._publish_ending(pid, released, ending)
+        await _say_unserved(self, pid, n, _unfinished([], outbox, self._config, self._metrics))
 
     async def claim(self, pid: str, n: int) -> Participant | None:
         """This replica's state of `pid`, claiming the record on first contact and
@@ -484,7 +449,7 @@ class Ledger:
         failure text. Tried again after the next reconnect when the server cannot be
         asked now."""
         try:
-            if await self.let_go(pid, n):
+            if await let_go(self, pid, n):
                 self.unsure.pop(pid, None)
         except Exception:
             logger.exception("turnrouter: ending a participant's unfinished turns failed")
@@ -508,9 +473,9 @@ class Ledger:
                 value = entry.value or b""
                 try:
                     if len(value) > _READ_OFF_LOOP_BYTES:
-                        # A big record is parsed and validated off the event loop (the
-                        # containers bound keeps the parser's own share short).
-                        record, parsed = await asyncio.to_thread(_read, value, pid)
+                        # A big record is parsed and validated off the event loop, one
+                        # at a time (the containers bound keeps each parse short).
+                        record, parsed = await _off_loop(self, _read, value, pid)
                     else:
                         record, parsed = _read(value, pid)
                 except ValueError as exc:
@@ -682,3 +647,71 @@ class Ledger:
             await self.fence(pid, refused=True)
             return False
         return True
+
+
+async def let_go(ledger: Ledger, pid: str, n: int) -> bool:
+    """End what `pid`'s record left unfinished when this replica wrote it last and
+    no longer serves the participant: a new owner that claimed the record ended it
+    (its claim is a newer write), but one whose takeover read the record before this
+    replica's last write never will. The turns it holds in flight are ended (the
+    failure text recorded in the outbox, a revision-checked write of the revision
+    read, then published) and its recorded answers published again; refused, a
+    claim came first and ended them. False when the server cannot be asked now."""
+    if pid in ledger.people or pid in ledger._claiming:
+        return True  # served here again: that claim ends what the record holds
+    key = f"{n}.{encode_token(pid)}"
+    try:
+        entry = await ledger._kv.get(key)
+    except KeyNotFoundError:
+        return True
+    except NatsError:
+        return False
+    data = entry.value or b""
+    try:
+        record = (await _off_loop(ledger, parse_record, data)
+                  if len(data) > _READ_OFF_LOOP_BYTES else parse_record(data))
+    except ValueError:
+        return True  # junk: the next claim quarantines it
+    if record.owner != ledger._replica or not (record.inflight or record.outbox):
+        return True  # claimed since (the claim ended them), or nothing left
+    if pid in ledger.people or pid in ledger._claiming:
+        return True
+    outbox = ledger.sound(record.outbox)
+    if not record.inflight:
+        await ledger.say_again(pid, n, outbox)  # nothing to end, endings maybe unheard
+        return True
+    unfinished = _unfinished(record.inflight, outbox, ledger._config, ledger._metrics)
+    ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
+                           *record.inflight])
+    value = state_json(ledger._replica, [], record.snapshot, unfinished, list(ended))
+    try:
+        await ledger._kv.update(key, value, last=entry.revision)
+    except KeyWrongLastSequenceError:
+        if ledger._metrics is not None:
+            ledger._metrics.state_refused.inc()
+        return True  # a claim came first: it ended them
+    except NatsError:
+        return False
+    # Served by no one here: the endings stay in the record's outbox for the next
+    # claim (which publishes them again; the stream drops the duplicates).
+    await _say_unserved(ledger, pid, n, unfinished)
+    return True
+
+
+async def _say_unserved(ledger: Ledger, pid: str, n: int, endings: list[Ending]) -> None:
+    """Publish `endings` of `pid`, served by no one here, remembered in `unheard`
+    until the stream acknowledged them (at most `_MAX_UNSURE` participants: past
+    that, said once, logged)."""
+    released = Participant(partition=n, outbox=list(endings), fenced=True)
+    unheard = ledger.unheard
+    if len(unheard) >= _MAX_UNSURE and pid not in unheard:
+        for other in [p for p, state in unheard.items() if not state.outbox]:
+            del unheard[other]
+    if len(unheard) < _MAX_UNSURE or pid in unheard:
+        unheard[pid] = released
+    else:
+        logger.warning("turnrouter: %d participants not served here await the "
+                       "stream's acknowledgment of their endings; these are said "
+                       "once", len(unheard))
+    for ending in endings:
+        await ledger._publish_ending(pid, released, ending)

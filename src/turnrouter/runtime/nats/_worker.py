@@ -41,7 +41,7 @@ from ._backpressure import backpressure
 from ._cancel import cancel_and_wait
 from ._connection import Connection, Readiness
 from ._fleet import Fleet, fleet_limits, fleet_topic, valid_replica
-from ._inputs import Inputs
+from ._inputs import Inputs, republish
 from ._interrupts import FleetInterrupts
 from ._ledger import Ledger, Participant
 from ._link import Link, deliver_directly
@@ -127,7 +127,8 @@ class NatsWorker:
         self._stop = asyncio.Event()
         self._pulling = True
         self._inboxes: list[_Inbox] = []
-        self._recovering = False  # a `_recover` runs (or paces the next one)
+        self._recovering = False  # a `_recovered` runs (or paces the next one)
+        self._recover_again = False  # another came meanwhile: run once more after it
         self.ready = asyncio.Event()  # set once, when it first serves
         self.readiness = Readiness(self._metrics)  # serving now (see `Connection`)
 
@@ -371,7 +372,7 @@ class NatsWorker:
             status = headers.get("Status")
             if status is not None and not msg.reply:  # (a stream's message has its ack)
                 token, pin = inbox.ended(msg.subject)
-                await self._status(n, status, pin)
+                await _status(self, n, status, pin)
                 return token
             new_pin = headers.get("Nats-Pin-Id")
             if new_pin is not None and new_pin != self._pins.get(n):
@@ -388,23 +389,6 @@ class NatsWorker:
             return None
         await self.inputs.handle(n, msg, n in self._pins, received)
         return None
-
-    async def _status(self, n: int, status: str, pin: str | None) -> None:
-        """A pull request (made with `pin`) ended with a status instead of a message."""
-        if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
-            # Only when the request carried the pin held now: a request made with a pin
-            # since replaced (one of several waiting at the server after a reconnect)
-            # is refused after the partition was pinned here afresh, and a running turn
-            # of the new pin must not end for it.
-            if pin is not None and pin == self._pins.get(n):
-                await self._lose(n, "lost")
-            else:
-                logger.debug("turnrouter: partition %d: a 423 of a request made with a "
-                             "pin no longer held", n)
-        elif status not in ("404", "408", "409", "100") and self._connection is not None:
-            await self._connection.pull_failed(n, status)  # logged rarely, then a pause
-        if status == "409":
-            await asyncio.sleep(0.05)
 
     async def _shed(self, n: int) -> bool:
         """Balance: hand partition `n` over if a peer is below its share (True: gone); a
@@ -480,8 +464,12 @@ class NatsWorker:
         """JetStream answers again after "no responders" on a live connection (a
         cluster's leader election): the same, but nothing sent before is forgotten (the
         connection and the replies it awaits stayed); at most once a second (a stream
-        still without a leader answers the republish with another 503)."""
-        if not self._recovering:
+        still without a leader answers the republish with another 503): one asked for
+        meanwhile runs after that second, not never (what the stream refused during
+        the last one would wait for a reconnect)."""
+        if self._recovering:
+            self._recover_again = True
+        else:
             self._recovering = True
             _back(self, reconnected=False)
 
@@ -519,13 +507,17 @@ def _back(worker: NatsWorker, *, reconnected: bool) -> None:
 
 
 async def _republish(worker: NatsWorker, inputs: Inputs, reconnected: bool) -> None:
+    again = False
     try:
-        await inputs.republish(reconnected=reconnected)
+        await republish(inputs, reconnected=reconnected)
         if not reconnected:
             await asyncio.sleep(1.0)  # the pace of `_recovered`
+            again, worker._recover_again = worker._recover_again, False
     finally:
         if not reconnected:
             worker._recovering = False
+    if again:
+        worker._recovered()
 
 
 async def _build(factory: RouterFactory, ctx: WorkerContext) -> AgentRouter:
@@ -754,3 +746,21 @@ async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
 # PING ahead of the commands it still buffers, so the PONG may beat the SUBs (the first
 # fleet messages after "ready" were lost now and then); a request travels behind them,
 # and the server answers one connection's commands in order.
+
+
+async def _status(worker: NatsWorker, n: int, status: str, pin: str | None) -> None:
+    """A pull request (made with `pin`) ended with a status instead of a message."""
+    if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
+        # Only when the request carried the pin held now: a request made with a pin
+        # since replaced (one of several waiting at the server after a reconnect)
+        # is refused after the partition was pinned here afresh, and a running turn
+        # of the new pin must not end for it.
+        if pin is not None and pin == worker._pins.get(n):
+            await worker._lose(n, "lost")
+        else:
+            logger.debug("turnrouter: partition %d: a 423 of a request made with a "
+                         "pin no longer held", n)
+    elif status not in ("404", "408", "409", "100") and worker._connection is not None:
+        await worker._connection.pull_failed(n, status)  # logged rarely, then a pause
+    if status == "409":
+        await asyncio.sleep(0.05)
