@@ -225,6 +225,44 @@ async def test_trace_continues_from_publisher_to_output(
         worker.close()
 
 
+@pytest.mark.parametrize("traceparent", [
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",   # valid: travels on
+    "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",   # version ff
+    "00-00000000000000000000000000000000-00f067aa0ba902b7-01",   # all-zero trace id
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",   # all-zero parent id
+])
+async def test_only_a_valid_trace_context_travels_to_the_outputs(
+        nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard], traceparent: str) -> None:
+    """A query's W3C context (in its headers, or in its body) travels to its answer's
+    headers only when valid: version ff and all-zero ids are invalid (W3C Trace
+    Context) and were copied verbatim (redteam9 N4)."""
+    fe, _ = front
+    # The example app's destination returns its text: the worker publishes it with the
+    # query's own context (not through the tracer, which drops an invalid one).
+    worker = Worker(nats_server.url, "tr", "--app-dir", "examples", app="nats_app:make_router")
+    nc = await nats.connect(nats_server.url)
+    try:
+        said = await nc.subscribe(f"{NatsConfig().prefix}.out.>")
+        valid = traceparent.startswith("00-4bf") and traceparent[36:52].strip("0") != ""
+        for how in ("headers", "body"):
+            query = UserQuery(participant_id="eve", text="will it rain?",
+                              traceparent=traceparent if how == "body" else None)
+            await fe.publish(query, headers={"traceparent": traceparent}
+                             if how == "headers" else None)
+            async with asyncio.timeout(15):
+                while True:  # this query's answer, as published
+                    msg = await said.next_msg(timeout=15)
+                    answer = ResponseOutput.model_validate_json(msg.data)
+                    if answer.request_id == query.message_id and answer.final:
+                        break
+            expected = traceparent if valid else None
+            assert (msg.headers or {}).get("traceparent") == expected, how
+            assert answer.traceparent == expected, how
+    finally:
+        await nc.close()
+        worker.close()
+
+
 async def test_a_publish_inside_a_span_continues_that_trace(
         nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
     """`publish()` inside the caller's current span (and the message carrying no trace

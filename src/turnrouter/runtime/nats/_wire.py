@@ -494,6 +494,7 @@ def parse_input(
 
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _TRACESTATE = re.compile(r"[\x20-\x7e]{1,512}")
+_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 #: The W3C limit of a `tracestate` header (512 characters).
 MAX_TRACESTATE_CHARS = 512
 
@@ -503,8 +504,9 @@ def trace_context(carrier: dict[str, str]) -> dict[str, str]:
     and, with it, a printable `tracestate` of at most 512 characters. Anything else of
     a publisher's headers (or a malformed or huge context) is never echoed into outputs."""
     parent = carrier.get("traceparent")
-    if not (isinstance(parent, str) and _TRACEPARENT.fullmatch(parent)):
-        return {}
+    if not (isinstance(parent, str) and _TRACEPARENT.fullmatch(parent)) or (
+            parent[:2] == "ff" or parent[3:35] == _ZERO_TRACE or parent[36:52] == _ZERO_SPAN):
+        return {}  # (W3C: version ff and all-zero ids are invalid)
     kept = {"traceparent": parent}
     state = carrier.get("tracestate")
     if isinstance(state, str) and _TRACESTATE.fullmatch(state):
