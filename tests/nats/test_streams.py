@@ -45,6 +45,30 @@ async def test_both_streams_are_bounded_in_bytes_and_age(nats_server: NatsServer
         await front.close()
 
 
+async def test_the_state_bucket_keeps_a_record_for_state_max_age(
+        nats_server: NatsServer) -> None:
+    """The bucket a worker creates keeps each record for `state_max_age` after its last
+    write (30 days by default; `--state-max-age`): records of participants gone silent,
+    or of made-up ids, do not pile up for good (redteam9 N2)."""
+    assert NatsConfig().state_max_age == 30 * 86400
+    assert worker_parser().parse_args(
+        ["--nats", "n", "--app", "a:b", "--state-max-age", "3600"]).state_max_age == 3600
+    config = NatsConfig(url=nats_server.url, state_max_age=3600.0)
+    worker = NatsWorker(make_router, config, registry=CollectorRegistry())
+    run = asyncio.create_task(worker.run())
+    front = await NatsFrontEnd.connect(config)
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        bucket = await stream_config(front, f"KV_{config.bucket}")
+        assert bucket["max_age"] == 3600 * 10**9
+    finally:
+        await front.close()
+        worker.request_stop()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+
+
 async def test_a_stream_of_another_configuration_is_refused_naming_what_differs(
         nats_server: NatsServer) -> None:
     """A replica whose bounds differ from the deployment's (another configuration, or a

@@ -143,7 +143,8 @@ def test_overlong_participant_ids_are_refused() -> None:
     ("ack_wait", float("inf")), ("drain_timeout", float("nan")), ("dedup_window", True),
     ("mark_after", 0), ("mark_after", 1.0), ("ack_wait", 10**400),
     ("fleet_backlog", 0), ("fleet_backlog", True), ("fleet_backlog", 2.0),
-    ("fleet_backlog", 10**6 + 1),
+    ("fleet_backlog", 10**6 + 1), ("state_max_age", 0), ("state_max_age", float("nan")),
+    ("state_max_age", 400 * 86400),
 ])
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     """An impossible configuration raises ConfigurationError naming the field."""

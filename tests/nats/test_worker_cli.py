@@ -70,6 +70,7 @@ def test_junk_app_specs_are_usage_errors(module: str, attribute: str) -> None:
     ["--prefix", "a.b"], ["--mark-after", "1"], ["--mark-after", "0"],
     ["--reconnect-for", "0"], ["--reconnect-for", "nan"], ["--reconnect-for", "x"],
     ["--max-input-wait", "0"], ["--max-input-wait", "-5"], ["--max-input-wait", "inf"],
+    ["--state-max-age", "0"], ["--state-max-age", "nan"],
     ["--max-queued-per-participant", "0"], ["--max-queued-per-participant", "x"],
     ["--max-queued-per-participant", "2000000"],
 ])

@@ -114,6 +114,11 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="inputs of one participant and kind the input stream keeps "
                              "queued; past it the oldest is dropped (a flooding client "
                              "holds at most this many ahead of its partition; default 1000)")
+    parser.add_argument("--state-max-age", type=float, default=30 * 86400.0,
+                        metavar="SECONDS",
+                        help="how long a participant's record is kept after its last "
+                             "write, when this worker creates the state bucket (default "
+                             "30 days)")
     parser.add_argument("--max-input-wait", type=float, default=10.0,
                         help="seconds a query may wait in the input stream and still run; "
                              "one delivered later is answered with the router's busy text "
@@ -218,6 +223,7 @@ def _worker_main(argv: Sequence[str]) -> int:
                             drain_timeout=args.drain_timeout, mark_after=args.mark_after,
                             reconnect_for=args.reconnect_for,
                             max_input_wait=args.max_input_wait,
+                            state_max_age=args.state_max_age,
                             max_queued_per_participant=args.max_queued_per_participant,
                             front_api=args.front_api, replicas=args.replicas, **settings)
     except (ValueError, TurnrouterError) as exc:

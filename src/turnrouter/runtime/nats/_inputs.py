@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 from ..._contracts import AgentTurn, DestinationResult, _query_turn
 from ..._exceptions import (
@@ -39,7 +40,7 @@ from ..._logging import log_failure
 from ..._redact import preview
 from ..._router import AgentRouter
 from .._messages import UserQuery
-from ._ledger import Ledger, Participant, unclaimed
+from ._ledger import Ledger, Participant, recorded, unclaimed
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._wire import (
@@ -253,6 +254,12 @@ class Inputs:
                     metrics.duplicate_inputs.inc()
             elif not await self._refuse_unclaimed(msg, pid, message_id, waited):
                 return
+            self._recent.add(key, seq)
+            await self._ack(msg)
+            return
+        if kind in ("interrupt", "left") and await _nobody(self._ledger, pid, n, kind):
+            # No claim (it writes a record): a flood of made-up ids left one each, for
+            # good (redteam9 N2).
             self._recent.add(key, seq)
             await self._ack(msg)
             return
@@ -644,3 +651,18 @@ async def republish(inputs: Inputs, *, reconnected: bool = True) -> int:
             await inputs.publish_ending(pid, state, ending)
             count += 1
     return count
+
+
+async def _nobody(ledger: Ledger, pid: str, n: int, kind: str) -> bool:
+    """Whether an `interrupt` or `left` of `pid` has nothing to act on: an interrupt when
+    the participant is not served here (nothing of theirs runs), a departure when they
+    have no record either (nothing to release or close). A record the server cannot
+    read now takes the claim, as before."""
+    if ledger.serves(pid):
+        return False
+    if kind == "interrupt":
+        return True
+    try:
+        return await recorded(ledger, pid, n) is None
+    except (NatsError, ValueError):
+        return False

@@ -332,7 +332,8 @@ async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
 
         try:
             return await js.create_key_value(KeyValueConfig(
-                bucket=config.bucket, history=1, replicas=config.replicas))
+                bucket=config.bucket, history=1, replicas=config.replicas,
+                ttl=config.state_max_age))
         except NatsError as exc:
             raise LifecycleError(f"cannot create bucket {config.bucket}: {exc!r}") from exc
     else:

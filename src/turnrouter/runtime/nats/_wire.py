@@ -183,6 +183,11 @@ class NatsConfig:
     three-server cluster). Every worker and front end of a deployment gives the same
     value (they create or accept the streams).
 
+    `state_max_age`: how long the state bucket keeps a participant's record after its
+    last write (30 days): a participant silent that long starts with an empty history,
+    and records of made-up participant ids do not pile up for good. A bucket that exists
+    is taken as it is.
+
     `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
     before it exits with an error. `fleet_backlog`: messages of each fleet subject
     (control, presence, timing) a worker holds unread; past it a flood's messages are
@@ -202,6 +207,7 @@ class NatsConfig:
     max_queued_per_participant: int = 1000
     input_max_bytes: int = 1024**3
     input_max_age: float = 86400.0
+    state_max_age: float = 30 * 86400.0
     max_input_wait: float = 10.0
     probe_interval: float = 0.5
     drain_timeout: float = 20.0
@@ -304,7 +310,7 @@ class NatsConfig:
                 f"NatsConfig.partitions must be in 1..1024, got {self.partitions}")
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
                      "output_max_age", "probe_interval", "drain_timeout", "mark_after",
-                     "input_max_age", "max_input_wait", "reconnect_for"):
+                     "input_max_age", "max_input_wait", "reconnect_for", "state_max_age"):
             value = getattr(self, name)
             if not (finite(value) and 0 < value <= 366 * 86400):
                 raise ConfigurationError(
