@@ -77,6 +77,15 @@ class NatsServer:
         self.proc.kill()
         self.proc.wait(10)
 
+    def wipe(self) -> None:
+        """Empty the store (after `crash`): the server comes back with nothing, as
+        after its disk was lost."""
+        for entry in Path(self.store).iterdir():
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            elif entry.name != "sync.conf":
+                entry.unlink()
+
     def restart(self) -> None:
         """Start the server again on the same ports and store (after `crash`); returns
         once it is healthy."""
