@@ -497,3 +497,14 @@ async def test_departures_and_interrupts_of_strangers_leave_no_record(
         assert metric_value(counts, "turnrouter_runtime_rejected_messages_total") == 0
     finally:
         worker.close()
+
+
+async def test_a_header_name_that_is_not_text_is_refused_for_that(
+        front: tuple[NatsFrontEnd, Heard]) -> None:
+    """A header name that is not a `str` is refused saying so, not with the reason for
+    `Nats-*` names (redteam9 N5)."""
+    fe, _ = front
+    with pytest.raises(ContractValueError, match="header names are str, got int") as caught:
+        await fe.publish(ParticipantJoined(participant_id="hdr"),
+                         headers={5: "x"})  # type: ignore[dict-item]
+    assert "Nats-" not in str(caught.value)

@@ -632,7 +632,11 @@ def _check_headers(headers: Mapping[str, str]) -> None:
     that belongs to the server (`Nats-*`); the value is never shown."""
     size = 0
     for key, value in headers.items():
-        if not isinstance(key, str) or key[:5].lower() == "nats-":
+        if not isinstance(key, str):
+            raise ContractValueError(
+                f"publish() header names are str, got {type(key).__name__} "
+                f"{preview(key)}")
+        if key[:5].lower() == "nats-":
             raise ContractValueError(
                 f"publish() header {preview(key)}: Nats-* headers belong to the server "
                 "and to this front end (its Nats-Msg-Id makes a retry run once); pass "
