@@ -212,3 +212,14 @@ def test_the_per_participant_queue_bound_is_a_bounded_count(value: object) -> No
         return
     with pytest.raises(ConfigurationError, match="max_queued_per_participant"):
         NatsConfig(max_queued_per_participant=value)  # type: ignore[arg-type]
+
+
+async def test_replicas_on_a_single_server_are_refused_naming_the_setting(
+        nats_server: NatsServer) -> None:
+    """More than one copy on a server that is not clustered is refused naming the
+    setting and what to do, not with the server's bare error (redteam9)."""
+    config = NatsConfig(url=nats_server.url, replicas=3)
+    worker = NatsWorker(make_router, config, registry=CollectorRegistry())
+    with pytest.raises(ConfigurationError, match=r"replicas 3 needs a NATS cluster.*--replicas 1"):
+        async with asyncio.timeout(30):
+            await worker.run()

@@ -190,6 +190,8 @@ def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
 
 #: JetStream's "stream name already in use with a different configuration".
 _STREAM_DIFFERS = 10058
+#: "replicas > 1 not supported in non-clustered mode".
+_NOT_CLUSTERED = 10074
 #: JetStream's "consumer already exists" (a create with `action: create` of a consumer
 #: that exists with another configuration).
 _CONSUMER_DIFFERS = 10148
@@ -255,6 +257,12 @@ async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API
         await api_request(nc, f"{api}.STREAM.CREATE.{name}", stream, wait=wait)
     except _Refused as exc:
         error = exc.error
+        if isinstance(error, dict) and (error.get("err_code") == _NOT_CLUSTERED or "non-clustered"
+                                        in str(error.get("description", ""))):
+            raise ConfigurationError(
+                f"replicas {stream.get('num_replicas')} needs a NATS cluster of at least as "
+                "many servers, and this server is not clustered: use replicas 1 "
+                "(--replicas 1) with a single server") from exc
         if not (isinstance(error, dict) and error.get("err_code") == _STREAM_DIFFERS):
             raise
         existing = await _existing_config(nc, f"{api}.STREAM.INFO.{name}")
