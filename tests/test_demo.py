@@ -124,6 +124,15 @@ def test_report_counts_the_bounds_that_overflowed() -> None:
     assert "bounds overflowed: history_exchanges 3, participants 1" in report.render()
 
 
+def test_a_report_without_samples_says_so_not_nan() -> None:
+    """A run whose turns were all still running at the end has no first-response or
+    silence samples: the report says so (it printed `p50 nan s`)."""
+    text = DemoReport(elapsed=1.0).render()
+    assert "nan" not in text
+    assert "first response (all routes) no samples" in text
+    assert "silence no samples" in text
+
+
 async def test_samples_flag_writes_first_response_samples_in_simulated_seconds(
         tmp_path: Path) -> None:
     """`samples_path` gets one JSON line per first response, readable by tune, in

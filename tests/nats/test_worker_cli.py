@@ -162,6 +162,7 @@ def test_failing_factory_is_one_line(nats_server: NatsServer) -> None:
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert "KeyError" in done.stderr and "OPENAI_API_KEY" in done.stderr
+    assert "from --app tests.nats.app:raising" in done.stderr  # which factory
     debug = run_worker("--nats", nats_server.url, "--app", "tests.nats.app:raising",
                        "--debug")
     assert debug.returncode == 1 and "Traceback" in debug.stderr
@@ -178,6 +179,16 @@ def test_factory_exiting_is_one_line_and_a_failure(nats_server: NatsServer, fact
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"the router factory raised {shown}" in done.stderr
+
+
+def test_a_missing_app_dir_is_a_usage_error(tmp_path: Path) -> None:
+    """`--app-dir` naming no directory: exit 2 naming it (it read "No module named
+    ...", hiding the cause)."""
+    missing = tmp_path / "nowhere"
+    done = run_worker("--nats", "nats://127.0.0.1:1", "--app", "myapp:make",
+                      "--app-dir", str(missing))
+    assert done.returncode == 2
+    assert f"--app-dir {missing}: not a directory" in done.stderr
 
 
 def test_ready_file_in_a_missing_directory_is_a_usage_error(tmp_path: Path) -> None:

@@ -181,3 +181,12 @@ def test_idle_connections_hold_a_bounded_number_of_threads(with_ready: bool) -> 
     with urllib.request.urlopen(server.url, timeout=10) as reply:
         assert reply.status == 200
     server.close()
+
+
+def test_a_port_in_use_is_an_os_error_naming_it() -> None:
+    """A port another server holds: the `OSError` names the address and port (it was a
+    bare "Address already in use": the quickstart's demo and an app both on 9464)."""
+    with serve_metrics(0, registry=CollectorRegistry()) as first:
+        port = first.port
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1 port {port}"):
+            serve_metrics(port, registry=CollectorRegistry())

@@ -214,6 +214,8 @@ def _worker_main(argv: Sequence[str]) -> int:
             parser.error(f"--ready-file {args.ready_file} is another running worker's "
                          f"(it holds {args.ready_file}.lock): give each worker its own")
     app_dir = os.path.abspath(args.app_dir)
+    if not os.path.isdir(app_dir):  # else "No module named ..." hid the cause
+        parser.error(f"--app-dir {args.app_dir}: not a directory")
     if app_dir not in sys.path:  # as uvicorn: `--app myapp:make` finds ./myapp.py
         sys.path.insert(0, app_dir)
     try:
@@ -336,8 +338,8 @@ def _worker_main(argv: Sequence[str]) -> int:
     except Exception as exc:  # the factory's (or a destination's start-up) own error
         if args.debug:
             traceback.print_exc()
-        print(f"turnrouter worker: error: {_one_line(exc)} (--debug for the traceback)",
-              file=sys.stderr)
+        print(f"turnrouter worker: error: {_one_line(exc)} (from --app {args.app}; "
+              "--debug for the traceback)", file=sys.stderr)
         return 1
     finally:
         if server is not None:

@@ -144,11 +144,8 @@ class DemoReport:
         overall = self.overall_first_response()
         lines += [
             "",
-            f"first response (all routes) p50 {histogram_quantile(0.5, overall):.2f} s, "
-            f"p95 {histogram_quantile(0.95, overall):.2f} s",
-            f"silence p50 {histogram_quantile(0.5, self.silence):.2f} s, "
-            f"p95 {histogram_quantile(0.95, self.silence):.2f} s "
-            "(admission to the first thing heard)",
+            f"first response (all routes) {_quantiles(overall)}",
+            f"silence {_quantiles(self.silence)} (admission to the first thing heard)",
             "quantiles are estimated from the histogram buckets, as Prometheus would",
             "background context patches: " + (", ".join(
                 f"{outcome} {count:.0f}" for outcome, count in sorted(self.patches.items()))
@@ -163,3 +160,12 @@ class DemoReport:
             f"lost {self.lost_turns}",
         ]
         return "\n".join(lines)
+
+
+def _quantiles(buckets: Iterable[tuple[float, float]]) -> str:
+    """`p50 x s, p95 y s` from histogram buckets, or `no samples` (not `nan s`: a run
+    whose turns were all still running at the end has none)."""
+    p50, p95 = histogram_quantile(0.5, buckets), histogram_quantile(0.95, buckets)
+    if not (math.isfinite(p50) and math.isfinite(p95)):
+        return "no samples"
+    return f"p50 {p50:.2f} s, p95 {p95:.2f} s"

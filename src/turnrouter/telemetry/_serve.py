@@ -111,8 +111,13 @@ def serve_metrics(
         address_family = family
 
     app = make_wsgi_app(registry)
-    httpd = make_server(addr, port, app if ready is None else _with_readiness(app, ready, reason),
-                        Server, handler_class=_QuietHandler)
+    try:
+        httpd = make_server(addr, port, app if ready is None
+                            else _with_readiness(app, ready, reason),
+                            Server, handler_class=_QuietHandler)
+    except OSError as exc:  # the same error, naming where (a bare "Address in use")
+        raise OSError(exc.errno, f"cannot serve metrics on {addr} port {port}: "
+                                 f"{exc.strerror or exc}") from exc
     thread = threading.Thread(target=httpd.serve_forever, daemon=True,
                               name="turnrouter metrics")
     thread.start()
