@@ -649,6 +649,40 @@ async def test_a_server_back_on_an_empty_store_ends_every_turn_once(
             worker.close()
 
 
+async def test_a_server_frozen_past_the_failover_timeout_costs_no_answer(
+        synced_server: NatsServer) -> None:
+    """A server frozen for 6 s (past `failover_timeout`, 1 s, and a request's 5 s)
+    while turns run on two workers: on resume it pins the partitions afresh and some
+    move; a new owner whose previous owner is alive (it speaks on presence again after
+    the resume) waits a moment for that owner's write of the answer before ending a
+    turn marked in flight, so every turn ends with its answer, and histories equal what
+    was heard. Before, a move could end turns whose answer was ready with the failure
+    text (chaos9 D1: 0-30 per 5-7 s freeze with 60 participants)."""
+    workers = [Worker(synced_server.url, f"w{i}", env={"TR_TEST_ANSWER_SECS": "0.4"})
+               for i in range(2)]
+    config = NatsConfig(url=synced_server.url)
+    front = await NatsFrontEnd.connect(config)
+
+    async def freeze() -> None:
+        await asyncio.to_thread(synced_server.freeze)
+        await asyncio.sleep(6.0)  # the outage itself: past the 5 s a request waits
+        synced_server.thaw()
+
+    try:
+        # Patience for the freeze: a publish that waits for the frozen server's
+        # confirmation times out and is sent again.
+        talk = Talk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(32)],
+                    publish_secs=30, answer_secs=30)
+        await talk.through(freeze, config, workers, wait_secs=60)
+        failures = [turn for ids in talk.sent.values() for turn in ids
+                    if talk.finals[turn][0].text == FAILURE]
+        assert failures == []
+    finally:
+        await front.close()
+        for worker in workers:
+            worker.close()
+
+
 # ---------------------------------------------------------------- a worker's outage bound
 
 

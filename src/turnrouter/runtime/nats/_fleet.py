@@ -34,7 +34,7 @@ from ._setup import api_request
 from ._wire import NatsConfig, Rejected, parse_samples, samples_body
 
 __all__ = ["FLEET_PENDING_BYTES", "SAMPLE_BATCH", "SAMPLE_FLUSH_SECS", "Fleet",
-           "fleet_limits", "fleet_topic"]
+           "fleet_limits", "fleet_topic", "previous_owner_alive"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -152,6 +152,8 @@ class Fleet:
         self._owned, self._count, self._metrics = owned, count, metrics
         self._spawn, self._reject = spawn, reject
         self._peers: dict[str, tuple[float, int]] = {}
+        #: Since when, and last when, this replica hears its own presence without a gap.
+        self.heard_self = (0.0, 0.0)
         self._pruned = 0.0  # when `_peers` last forgot the names gone from presence
         self._shed_after = time.monotonic() + 2 * config.failover_timeout
         #: Balance hands nothing over from `_backoff_since` until `_backoff_until` (a
@@ -319,7 +321,7 @@ class Fleet:
         shed = self._shed.get(n)
         if shed is not None and time.monotonic() - shed[0] < self._hold_off():
             return True
-        return owned >= self.fair_share() and await self.pinned_elsewhere(n)
+        return owned >= self.fair_share() and await pinned_elsewhere(self, n)
 
     def _after_reconnect(self) -> None:
         """Once the connection came back (a server restart pins afresh, so the pins
@@ -345,18 +347,6 @@ class Fleet:
         and two probe periods (an idle partition gets its pin from a probe)."""
         return self._config.failover_timeout + 2 * self._config.probe_interval
 
-    async def pinned_elsewhere(self, n: int) -> bool:
-        """Whether partition `n` has a pinned client (a replica at its share leaves it
-        alone); an unpinned one is pulled, so an orphan finds an owner."""
-        try:
-            info = await api_request(
-                self._nc, f"$JS.API.CONSUMER.INFO.{self._config.stream}."
-                f"{self._config.consumer(n)}", wait=2.0)
-        except Exception:
-            return False
-        groups = info.get("priority_groups") or []
-        return any(isinstance(g, dict) and g.get("pinned_client_id") for g in groups)
-
     async def _presence_loop(self) -> None:
         while True:
             with contextlib.suppress(NatsError):
@@ -371,7 +361,13 @@ class Fleet:
         except Rejected as exc:
             self._reject("nats_presence", exc.reason)
             return
-        if replica != self._replica:
+        now = time.monotonic()
+        if replica == self._replica:  # its own, back: this replica hears the bus
+            if now - self.heard_self[1] > 2 * self._config.probe_interval:
+                self.heard_self = (now, now)  # after a gap (an outage, a freeze)
+            else:
+                self.heard_self = (self.heard_self[0], now)
+        else:
             if not owned:
                 self._zero_seen = time.monotonic()
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
@@ -381,7 +377,7 @@ class Fleet:
                 return
             if owned:
                 self._unverified.pop(replica, None)  # it pulls: balance trusts it again
-            self._peers[replica] = (time.monotonic(), owned)
+            self._peers[replica] = (now, owned)
 
     def _prune(self) -> None:
         """Forget the peers gone from presence (at most once per probe period): names
@@ -649,3 +645,36 @@ def _refused(window: _SampleWindow, what: str) -> None:
     window.refused += 1
     if is_logged(window.refused):
         logger.warning("turnrouter: rejected %s (%d so far)", what, window.refused)
+
+
+async def pinned_elsewhere(fleet: Fleet, n: int) -> bool:
+    """Whether partition `n` has a pinned client (a replica at its share leaves it
+    alone); an unpinned one is pulled, so an orphan finds an owner."""
+    try:
+        info = await api_request(
+            fleet._nc, f"$JS.API.CONSUMER.INFO.{fleet._config.stream}."
+            f"{fleet._config.consumer(n)}", wait=2.0)
+    except Exception:
+        return False
+    groups = info.get("priority_groups") or []
+    return any(isinstance(g, dict) and g.get("pinned_client_id") for g in groups)
+
+
+async def previous_owner_alive(fleet: Fleet, replica: str) -> bool:
+    """Whether `replica`, the last writer of a record this replica takes over, is alive
+    (True) or gone (False), by presence: alive when it spoke within two probe periods;
+    gone when it stayed silent that long while this replica heard its own presence
+    throughout. Right after an outage of its own (a server frozen or restarted: no
+    presence came through), this replica cannot tell yet and waits, at most
+    `failover_timeout` plus two probe periods, then takes it as gone."""
+    window = 2 * fleet._config.probe_interval
+    deadline = time.monotonic() + fleet._config.failover_timeout + window
+    while True:
+        now = time.monotonic()
+        peer = fleet._peers.get(replica)
+        if peer is not None and now - peer[0] <= window:
+            return True
+        since, last = fleet.heard_self
+        if (now - last <= window and now - since >= window) or now >= deadline:
+            return False
+        await asyncio.sleep(window / 10)  # bounded by the deadline above

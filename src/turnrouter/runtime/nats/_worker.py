@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -40,7 +41,7 @@ from ..._timing import TimingPredictor, TimingSample
 from ._backpressure import backpressure
 from ._cancel import cancel_and_wait
 from ._connection import Connection, Readiness
-from ._fleet import Fleet, fleet_limits, fleet_topic, valid_replica
+from ._fleet import Fleet, fleet_limits, fleet_topic, previous_owner_alive, valid_replica
 from ._inputs import Inputs, republish
 from ._interrupts import FleetInterrupts
 from ._ledger import Ledger, Participant
@@ -195,8 +196,9 @@ class NatsWorker:
             self._ledger = Ledger(bucket, link, config, self.replica, lambda: self.router,
                                   self._publish_ending, self._metrics)
             self._ledger.on_unsure = self._settle_soon
-            self._takeover = Takeover(bucket, link, config, self._ledger,
-                                      lambda: not self._pulling)
+            self._takeover = Takeover(
+                bucket, link, config, self._ledger, lambda: not self._pulling,
+                functools.partial(_owner_alive, self))
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
                                            self._metrics, self._spawn, self._stop.is_set,
                                            self._tasks)
@@ -764,3 +766,9 @@ async def _status(worker: NatsWorker, n: int, status: str, pin: str | None) -> N
         await worker._connection.pull_failed(n, status)  # logged rarely, then a pause
     if status == "409":
         await asyncio.sleep(0.05)
+
+
+async def _owner_alive(worker: NatsWorker, replica: str) -> bool:
+    """`previous_owner_alive` of the worker's fleet (False before it has one)."""
+    fleet = worker._fleet
+    return fleet is not None and await previous_owner_alive(fleet, replica)
