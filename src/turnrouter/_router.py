@@ -535,7 +535,8 @@ class AgentRouter:
         """Install a participant's state taken from another replica.
 
         Replaces what this router holds for the participant, unless a turn is in flight
-        or a departure runs (`LifecycleError`). Unregistered routes, or an export past
+        or a departure runs (`LifecycleError`). Unregistered routes, or an export of what
+        it installs (its newest `max_history_exchanges` exchanges) past
         `MAX_SNAPSHOT_BYTES` (no replica could import it), are a `ContractValueError`."""
         if not isinstance(snapshot, ParticipantSnapshot):
             raise ContractTypeError(

@@ -14,7 +14,7 @@ from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
 from .conftest import NatsServer, Worker, metric_value, until_true
-from .crowd import Crowd, Heard, ask, listen, listening
+from .crowd import FAILURE, Crowd, Heard, ask, listen, listening
 
 #: Every turn ends within this: a liveness bound (a turn left hanging for good, or for
 #: many failover periods, fails), not a timing claim. The failover gap itself is a
@@ -135,6 +135,37 @@ async def test_paused_replica_is_fenced_and_catches_up(nats_server: NatsServer) 
             # stream's deduplication: no turn was ever ended with two different texts.
         crowd.check(ENDS_WITHIN)
         await until_owned(workers)
+
+
+async def test_a_paused_replica_whose_record_is_gone_ends_its_turn(
+        nats_server: NatsServer) -> None:
+    """A replica paused past the failover timeout while a turn of its runs, the
+    participant's record gone meanwhile (a server back on an empty store, an
+    operator): on resume it loses the partition and, no record telling anyone else of
+    the turn, ends it itself with the failure text. Before, nobody ended it: the
+    participant waited for good (review9)."""
+    config = NatsConfig(url=nats_server.url)
+    with fleet(nats_server, 2) as workers:
+        await until_owned(workers)
+        async with listening(nats_server.url) as (front, heard):
+            query = UserQuery(participant_id="slowpoke", text="slow")  # answers in 60 s
+            event = heard.events.setdefault(query.message_id, asyncio.Event())
+            await front.publish(query)
+            await until_true(lambda: total(workers, "turnrouter_nats_inflight_marks_total")
+                             == 1, "the turn marked in flight")
+            runner = max(workers, key=lambda worker: metric_value(
+                worker.metrics(), "turnrouter_nats_inflight_marks_total"))
+            kv = await front.connection.jetstream().key_value(config.bucket)
+            for n in range(config.partitions):  # its record gone
+                await kv.purge(f"{n}.{encode_token('slowpoke')}")
+            runner.signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(3 * config.failover_timeout)  # the pause itself
+            finally:
+                runner.signal(signal.SIGCONT)
+            async with asyncio.timeout(ENDS_WITHIN):
+                await event.wait()
+            assert [o.text for o in heard.finals[query.message_id]] == [FAILURE]
 
 
 async def test_sigterm_hands_over_without_failure_text(nats_server: NatsServer) -> None:

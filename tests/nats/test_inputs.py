@@ -474,8 +474,8 @@ async def test_a_turn_a_previous_owner_left_ends_in_the_publishers_trace(
 
 async def test_departures_and_interrupts_of_strangers_leave_no_record(
         nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
-    """`left` and `interrupt` messages of participants nobody ever served write no
-    record (a front end's flood of made-up ids left one each in the bucket, for good);
+    """`joined`, `left` and `interrupt` messages of participants nobody ever served
+    write no record (a front end's flood of made-up ids left one each in the bucket, for good);
     a participant who talked still departs and is recorded as departed, and the next
     session starts fresh."""
     fe, heard = front
@@ -488,6 +488,7 @@ async def test_departures_and_interrupts_of_strangers_leave_no_record(
         for i in range(20):
             await fe.publish(ParticipantLeft(participant_id=f"stranger-{i}"))
             await fe.publish(Interrupted(participant_id=f"nobody-{i}"))
+            await fe.publish(ParticipantJoined(participant_id=f"newcomer-{i}"))
         await fe.publish(ParticipantLeft(participant_id="ann"))
         # The departure is recorded (ann's record rewritten: still one message of hers).
         await fe.publish(ParticipantJoined(participant_id="ann"))

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nats.js.api import KeyValueConfig
 from prometheus_client import CollectorRegistry
 
+import nats
 from turnrouter import ConfigurationError
 from turnrouter.cli import worker_parser
 from turnrouter.runtime import UserQuery
@@ -53,7 +56,7 @@ async def test_the_state_bucket_keeps_a_record_for_state_max_age(
     assert NatsConfig().state_max_age == 30 * 86400
     assert worker_parser().parse_args(
         ["--nats", "n", "--app", "a:b", "--state-max-age", "3600"]).state_max_age == 3600
-    config = NatsConfig(url=nats_server.url, state_max_age=3600.0)
+    config = NatsConfig(url=nats_server.url, state_max_age=2 * 86400.0)
     worker = NatsWorker(make_router, config, registry=CollectorRegistry())
     run = asyncio.create_task(worker.run())
     front = await NatsFrontEnd.connect(config)
@@ -61,7 +64,11 @@ async def test_the_state_bucket_keeps_a_record_for_state_max_age(
         async with asyncio.timeout(15):
             await worker.ready.wait()
         bucket = await stream_config(front, f"KV_{config.bucket}")
-        assert bucket["max_age"] == 3600 * 10**9
+        assert bucket["max_age"] == 2 * 86400 * 10**9
+        # Never shorter than the inputs it ended may live: one could run again.
+        with pytest.raises(ConfigurationError, match="at least input_max_age"):
+            NatsConfig(state_max_age=3600.0)
+        assert NatsConfig(state_max_age=3600.0, input_max_age=1800.0).state_max_age == 3600
     finally:
         await front.close()
         worker.request_stop()
@@ -223,3 +230,31 @@ async def test_replicas_on_a_single_server_are_refused_naming_the_setting(
     with pytest.raises(ConfigurationError, match=r"replicas 3 needs a NATS cluster.*--replicas 1"):
         async with asyncio.timeout(30):
             await worker.run()
+
+
+async def test_an_existing_bucket_keeping_records_otherwise_is_named_at_start(
+        nats_server: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A bucket made before `state_max_age` (records kept for ever) is taken as it is,
+    and the worker says so once at start, naming how to change it: the setting applies
+    only to a bucket a worker creates (review9)."""
+
+
+    config = NatsConfig(url=nats_server.url)
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.jetstream().create_key_value(KeyValueConfig(bucket=config.bucket, history=1))
+    finally:
+        await nc.close()
+    caplog.set_level(logging.WARNING, logger="turnrouter.runtime.nats")
+    worker = NatsWorker(make_router, config, registry=CollectorRegistry())
+    run = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+    finally:
+        worker.request_stop()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+    said = [r.getMessage() for r in caplog.records if "keeps records" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "for ever" in said[0] and f"nats stream edit KV_{config.bucket}" in said[0]

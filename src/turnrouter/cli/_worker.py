@@ -235,6 +235,7 @@ def _worker_main(argv: Sequence[str]) -> int:
     from prometheus_client import CollectorRegistry
 
     from ..telemetry import serve_metrics
+    from ..telemetry._serve import bind_error
 
     registry = CollectorRegistry()
     from ..demo import install_env_tracing  # the demo's OpenTelemetry set-up
@@ -319,7 +320,8 @@ def _worker_main(argv: Sequence[str]) -> int:
                                    reason=lambda: readiness.why_not)
         except (OSError, OverflowError, ValueError) as exc:
             print(f"turnrouter worker: error: cannot serve /metrics on "
-                  f"{args.metrics_host}:{args.metrics_port}: {exc}", file=sys.stderr)
+                  f"{args.metrics_host}:{args.metrics_port}: {bind_error(exc)}",
+                  file=sys.stderr)
             return 2
         _say(f"metrics: {server.url}")
     try:

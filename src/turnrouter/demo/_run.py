@@ -46,6 +46,7 @@ from ..runtime import (
     UserQuery,
 )
 from ..telemetry import Telemetry, serve_metrics
+from ..telemetry._serve import bind_error
 from ._report import DemoReport
 from ._tracing import NO_SDK, env_tracer_provider
 from ._world import DEFAULT_ROUTE, Sample, SimulatedOutage, build_agents, load_sample
@@ -202,7 +203,7 @@ def demo_tracer_provider(config: DemoConfig, out: TextIO) -> Any:
         resource = demo_resource()
     except ImportError as exc:
         if config.otlp_endpoint:  # asked for on the command line: not a quiet fallback
-            raise ConfigurationError(f"--otlp-endpoint needs the {NO_SDK}") from exc
+            raise ConfigurationError(f"--otlp-endpoint: {NO_SDK}") from exc
         print(f"tracing: {NO_SDK}; spans off", file=out)
         return None
     return env_tracer_provider(endpoint=endpoint, protocol=protocol, out=out,
@@ -452,7 +453,7 @@ async def run_demo(config: DemoConfig, *, out: TextIO | None = None) -> DemoRepo
         except (OSError, ValueError) as exc:  # unknown host, port in use, bad address
             raise ConfigurationError(
                 f"cannot serve metrics on {config.metrics_host!r} port "
-                f"{config.metrics_port}: {exc}") from exc
+                f"{config.metrics_port}: {bind_error(exc)}") from exc
         print(f"metrics: http://{config.metrics_host}:{server.port}/metrics", file=out,
               flush=True)
     quiet = _ExpectedFaults()

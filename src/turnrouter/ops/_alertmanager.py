@@ -73,8 +73,7 @@ def receiver_urls(given: Mapping[str, str | None] | None = None,
             url = env.get(variable)
         if url is not None and not url.strip():
             raise ValueError(f"the {name} receiver's address (--{name}-url or {variable}) is "
-                             "empty: give its webhook URL, or leave both unset for the "
-                             "placeholder")
+                             "empty: give its webhook URL")
         out[name] = _check_url(name, url or PLACEHOLDER_URLS[name])
     return out
 

@@ -26,7 +26,7 @@ from prometheus_client import (
 
 from .._exceptions import ContractTypeError
 
-__all__ = ["ASGIApp", "MetricsServer", "metrics_app", "serve_metrics"]
+__all__ = ["ASGIApp", "MetricsServer", "bind_error", "metrics_app", "serve_metrics"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -116,12 +116,24 @@ def serve_metrics(
                             else _with_readiness(app, ready, reason),
                             Server, handler_class=_QuietHandler)
     except OSError as exc:  # the same error, naming where (a bare "Address in use")
-        raise OSError(exc.errno, f"cannot serve metrics on {addr} port {port}: "
-                                 f"{exc.strerror or exc}") from exc
+        raise OSError(exc.errno, f"{_WHERE.format(addr, port)}{exc.strerror or exc}"
+                      ) from exc
     thread = threading.Thread(target=httpd.serve_forever, daemon=True,
                               name="turnrouter metrics")
     thread.start()
     return MetricsServer(httpd, thread)
+
+
+_WHERE = "cannot serve metrics on {} port {}: "
+
+
+def bind_error(exc: BaseException) -> str:
+    """What went wrong when `serve_metrics` could not listen, without the address and
+    port it names (for a caller that names them itself)."""
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    if text.startswith("cannot serve metrics on "):
+        return text.split(": ", 1)[-1]
+    return text
 
 
 #: Connections served at once (one thread each); one more is closed at once.

@@ -257,7 +257,7 @@ class Inputs:
             self._recent.add(key, seq)
             await self._ack(msg)
             return
-        if kind in ("interrupt", "left") and await _nobody(self._ledger, pid, n, kind):
+        if kind != "query" and await _nobody(self._ledger, pid, n, kind):
             # No claim (it writes a record): a flood of made-up ids left one each, for
             # good (redteam9 N2).
             self._recent.add(key, seq)
@@ -654,15 +654,14 @@ async def republish(inputs: Inputs, *, reconnected: bool = True) -> int:
 
 
 async def _nobody(ledger: Ledger, pid: str, n: int, kind: str) -> bool:
-    """Whether an `interrupt` or `left` of `pid` has nothing to act on: an interrupt when
-    the participant is not served here (nothing of theirs runs), a departure when they
-    have no record either (nothing to release or close). A record the server cannot
+    """Whether a `joined`, `left` or `interrupt` of `pid`, not served here, has nothing
+    to act on: no record (nothing to reopen, release or close, nothing of theirs runs),
+    or, for an interrupt, a record with no turn in flight. A record the server cannot
     read now takes the claim, as before."""
     if ledger.serves(pid):
         return False
-    if kind == "interrupt":
-        return True
     try:
-        return await recorded(ledger, pid, n) is None
+        record = await recorded(ledger, pid, n)
     except (NatsError, ValueError):
         return False
+    return record is None or (kind == "interrupt" and not record.inflight)

@@ -59,6 +59,11 @@ _T = TypeVar("_T")
 _WRONG_LAST = (10071, 10164)
 
 
+def _any_since(outbox: list[Ending], horizon: float) -> bool:
+    """Whether an ending of `outbox` is at `horizon` or later (still to be said again)."""
+    return any(ending[3] >= horizon for ending in outbox)
+
+
 def _any_before(outbox: list[Ending], horizon: float) -> bool:
     """`any(e[3] < horizon for e in outbox)` without a generator (every write asks)."""
     for ending in outbox:  # noqa: SIM110 (see above)
@@ -330,6 +335,8 @@ class Ledger:
         #: Records too big for one NATS message, written without their snapshot
         #: (`fitted_record`): logged the first time and at every power of ten.
         self.oversized = 0
+        #: Endings said once only, `unheard` being full (logged at powers of ten).
+        self.unheard_overflows = 0
 
     def partition_lost(self, n: int) -> None:
         """This replica stops serving partition `n` (its pin moved, or it hands it over):
@@ -357,13 +364,17 @@ class Ledger:
         state = self.people.get(pid)
         unfinished = state is not None and bool(
             state.inflight or state.outbox or state.lock.locked())
+        inflight = list(state.inflight) if state is not None else []  # (the fence ends them)
         await self.fence(pid, refused=False)
         if state is None or not unfinished:
             return
         async with state.lock:  # a write under way has landed (or failed) by now
             pass
         try:
-            done = await let_go(self, pid, state.partition)
+            # What it held: the turns in flight when the pin moved, and the endings
+            # (answers held by those cut short included) not yet acknowledged.
+            done = await let_go(self, pid, state.partition, Participant(
+                partition=state.partition, inflight=inflight, outbox=list(state.outbox)))
         except Exception as exc:  # the other participants are still dropped
             logger.warning("turnrouter: ending a lost participant's turns failed: %r", exc)
             done = False
@@ -649,20 +660,27 @@ class Ledger:
         return True
 
 
-async def let_go(ledger: Ledger, pid: str, n: int) -> bool:
+async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = None) -> bool:
     """End what `pid`'s record left unfinished when this replica wrote it last and
     no longer serves the participant: a new owner that claimed the record ended it
     (its claim is a newer write), but one whose takeover read the record before this
     replica's last write never will. The turns it holds in flight are ended (the
     failure text recorded in the outbox, a revision-checked write of the revision
     read, then published) and its recorded answers published again; refused, a
-    claim came first and ended them. False when the server cannot be asked now."""
+    claim came first and ended them. False when the server cannot be asked now.
+
+    With no record at all (a server back on an empty store, the bucket deleted), what
+    this replica `held` in flight or unacknowledged is said from here: nobody else
+    knows of it (its input was acknowledged, the store that held it is gone)."""
     if pid in ledger.people or pid in ledger._claiming:
         return True  # served here again: that claim ends what the record holds
     key = f"{n}.{encode_token(pid)}"
     try:
         entry = await ledger._kv.get(key)
     except KeyNotFoundError:
+        if held is not None and (held.inflight or held.outbox):
+            await _say_unserved(ledger, pid, n, _unfinished(
+                held.inflight, held.outbox, ledger._config, ledger._metrics))
         return True
     except NatsError:
         return False
@@ -705,13 +723,19 @@ async def _say_unserved(ledger: Ledger, pid: str, n: int, endings: list[Ending])
     released = Participant(partition=n, outbox=list(endings), fenced=True)
     unheard = ledger.unheard
     if len(unheard) >= _MAX_UNSURE and pid not in unheard:
-        for other in [p for p, state in unheard.items() if not state.outbox]:
+        # Full: those acknowledged, or too old to be said again, make room.
+        horizon = time.time() - ledger._config.dedup_window / 2
+        for other in [p for p, state in unheard.items()
+                      if not _any_since(state.outbox, horizon)]:
             del unheard[other]
     if len(unheard) < _MAX_UNSURE or pid in unheard:
         unheard[pid] = released
     else:
-        logger.warning("turnrouter: %d participants not served here await the "
-                       "stream's acknowledgment of their endings; these are said "
-                       "once", len(unheard))
+        ledger.unheard_overflows += 1
+        if is_logged(ledger.unheard_overflows):
+            logger.warning("turnrouter: %d participants not served here await the "
+                           "stream's acknowledgment of their endings; endings past that "
+                           "are said once (%d so far)", len(unheard),
+                           ledger.unheard_overflows)
     for ending in endings:
         await ledger._publish_ending(pid, released, ending)

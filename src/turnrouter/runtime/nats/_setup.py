@@ -348,7 +348,16 @@ async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
         # An existing bucket is taken as it is, but for its copies: a fleet configured
         # for a cluster's three would ride on one without knowing it.
         with contextlib.suppress(NatsError):
-            held = (await js.stream_info(f"KV_{config.bucket}")).config.num_replicas
+            existing = (await js.stream_info(f"KV_{config.bucket}")).config
+            held = existing.num_replicas
+            kept = existing.max_age or 0.0
+            if abs(kept - config.state_max_age) > 1.0:  # (a bucket of before, say)
+                logger.warning(
+                    "turnrouter: bucket %s keeps records %s after their last write; "
+                    "state_max_age here is %g s and applies only to a bucket a worker "
+                    "creates (change it with `nats stream edit KV_%s --max-age`)",
+                    config.bucket, f"{kept:g} s" if kept else "for ever",
+                    config.state_max_age, config.bucket)
             if held is not None and held != config.replicas:
                 raise ConfigurationError(
                     f"bucket {config.bucket} exists with another configuration: replicas "

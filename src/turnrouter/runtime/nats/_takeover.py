@@ -53,6 +53,8 @@ class Takeover:
                  alive: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self._kv, self._link, self._config, self._ledger = kv, link, config, ledger
         self._stopping, self._alive = stopping, alive
+        #: Per partition, when the scan's one wait for live previous owners ends.
+        self._grace: dict[int, float] = {}
 
     async def scan(self, n: int) -> None:
         """End what partition `n`'s records left unfinished, `_SCAN_BATCH` records at
@@ -67,6 +69,7 @@ class Takeover:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _SCAN_SECS
         losses = self._ledger.losses(n)
+        self._grace.pop(n, None)  # (a scan waits for live owners once, not per record)
         read = 0
         again: list[_Left] = []
         try:
@@ -126,8 +129,10 @@ class Takeover:
             # past `failover_timeout` (or a restart), and that owner's write of the
             # turn's answer may land in a moment. Ending the turn now said the failure
             # text for an answer that was ready (chaos9 D1); the claim below reads the
-            # record again.
-            await asyncio.sleep(self._config.failover_timeout)
+            # record again. One wait per scan: the records read later share it.
+            loop = asyncio.get_running_loop()
+            until = self._grace.setdefault(n, loop.time() + self._config.failover_timeout)
+            await asyncio.sleep(max(0.0, min(until, deadline) - loop.time()))
             if ledger.losses(n) != losses:
                 return None
         if record.inflight:

@@ -316,6 +316,11 @@ class NatsConfig:
                 raise ConfigurationError(
                     f"NatsConfig.{name} must be a finite number of seconds in (0, 1 year], "
                     f"got {preview(value)}")
+        if self.state_max_age < self.input_max_age:
+            raise ConfigurationError(
+                f"NatsConfig.state_max_age ({self.state_max_age:g} s) must be at least "
+                f"input_max_age ({self.input_max_age:g} s): a record expiring before the "
+                "inputs it ended would let such an input run again")
         if self.pull_expires >= self.failover_timeout:
             raise ConfigurationError(
                 "NatsConfig.pull_expires must be shorter than failover_timeout, or the "
