@@ -228,6 +228,9 @@ async def test_a_claim_outliving_its_partition_is_not_served_when_it_comes_back(
                 async with asyncio.timeout(15):
                     await worker.ready.wait()
                 kv = await nc.jetstream().key_value(config.bucket)
+                # zed has a record (a `joined` of a participant without one claims
+                # nothing), so the `joined` below claims and saves it.
+                await kv.put(key, state_json("old", [], None))
                 await front.publish(ParticipantJoined(participant_id="zed"))
                 await until_true(lambda: metric("turnrouter_nats_state_write_seconds_count") >= 1,
                                  "zed was claimed and saved")
