@@ -23,7 +23,7 @@ from turnrouter.runtime.nats import (
 from .app import make_router
 from .cluster import NatsCluster
 from .conftest import Worker
-from .test_durability import Talk
+from .test_durability import Talk, pids
 
 pytestmark = pytest.mark.anyio
 
@@ -105,7 +105,7 @@ async def test_kill_nine_of_a_streams_leader_history_equals_what_was_heard(
         await asyncio.to_thread(leader.crash)  # the two left keep a quorum
 
     try:
-        talk = Talk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(16)],
+        talk = Talk(front, pids(16),
                     # a cluster's patience: electing the input stream's new leader
                     # may take as long
                     publish_secs=40, answer_secs=40)

@@ -592,6 +592,31 @@ def synced_server() -> Iterator[NatsServer]:
         server.close()
 
 
+async def two_workers_through(server: NatsServer, damage: Callable[[], Awaitable[None]],
+                              talk: Callable[[NatsFrontEnd], Talk], *, wait_secs: float,
+                              env: dict[str, str] | None = None,
+                              histories: bool = True) -> Talk:
+    """Two `turnrouter worker`s and a front end on `server`; `talk(front)` talks through
+    `damage` (`Talk.through`); everything stopped after. Returns the talk."""
+    workers = [Worker(server.url, f"w{i}", env=env) for i in range(2)]
+    config = NatsConfig(url=server.url)
+    front = await NatsFrontEnd.connect(config)
+    try:
+        talking = talk(front)
+        await talking.through(damage, config, workers, wait_secs=wait_secs,
+                              histories=histories)
+        return talking
+    finally:
+        await front.close()
+        for worker in workers:
+            worker.close()
+
+
+def pids(count: int) -> list[str]:
+    """Participants half answered at once (`q...`), half marked in flight (`u...`)."""
+    return [f"{'q' if i % 2 else 'u'}{i}" for i in range(count)]
+
+
 async def test_server_kill_nine_mid_turn_history_equals_what_was_heard(
         synced_server: NatsServer) -> None:
     """kill -9 of nats-server while turns run on two workers (half answered at once,
@@ -599,21 +624,12 @@ async def test_server_kill_nine_mid_turn_history_equals_what_was_heard(
     change hands as pins start afresh), every turn ends exactly once,
     and each participant's history (its record, read after the run) holds exactly the
     answers that were heard, in order."""
-    workers = [Worker(synced_server.url, f"w{i}") for i in range(2)]
-    config = NatsConfig(url=synced_server.url)
-    front = await NatsFrontEnd.connect(config)
-
     async def crash_and_restart() -> None:
         await asyncio.to_thread(synced_server.crash)
         await asyncio.to_thread(synced_server.restart)
 
-    try:
-        talk = Talk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(16)])
-        await talk.through(crash_and_restart, config, workers, wait_secs=30)
-    finally:
-        await front.close()
-        for worker in workers:
-            worker.close()
+    await two_workers_through(synced_server, crash_and_restart,
+                              lambda front: Talk(front, pids(16)), wait_secs=30)
 
 
 async def test_a_server_back_on_an_empty_store_ends_every_turn_once(
@@ -624,29 +640,19 @@ async def test_a_server_back_on_an_empty_store_ends_every_turn_once(
     with an empty history: the records went with the store). Before, turns whose
     record write found the record gone after a resend were fenced and never ended
     (chaos9 D2: 12-33 of 60 participants' turns in 4 of 5 runs)."""
-    # Answers that take a while: a record write is in flight when the server dies.
-    workers = [Worker(synced_server.url, f"w{i}", env={"TR_TEST_ANSWER_SECS": "0.4"})
-               for i in range(2)]
-    config = NatsConfig(url=synced_server.url)
-    front = await NatsFrontEnd.connect(config)
-
     async def crash_wipe_and_restart() -> None:
         await asyncio.to_thread(synced_server.crash)
         await asyncio.to_thread(synced_server.wipe)
         await asyncio.sleep(2)  # down a while: the workers' writes wait, unanswered
         await asyncio.to_thread(synced_server.restart)
 
-    try:
-        talk = Talk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(32)],
-                    again_secs=8.0)
-        await talk.through(crash_wipe_and_restart, config, workers, wait_secs=40,
-                           histories=False)
-        assert all(talk.finals[turn][0].text != FAILURE
-                   for ids in talk.sent.values() for turn in ids)
-    finally:
-        await front.close()
-        for worker in workers:
-            worker.close()
+    # Answers that take a while: a record write is in flight when the server dies.
+    talk = await two_workers_through(
+        synced_server, crash_wipe_and_restart,
+        lambda front: Talk(front, pids(32), again_secs=8.0), wait_secs=40,
+        env={"TR_TEST_ANSWER_SECS": "0.4"}, histories=False)
+    assert all(talk.finals[turn][0].text != FAILURE
+               for ids in talk.sent.values() for turn in ids)
 
 
 async def test_a_server_frozen_past_the_failover_timeout_costs_no_answer(
@@ -658,29 +664,20 @@ async def test_a_server_frozen_past_the_failover_timeout_costs_no_answer(
     turn marked in flight, so every turn ends with its answer, and histories equal what
     was heard. Before, a move could end turns whose answer was ready with the failure
     text (chaos9 D1: 0-30 per 5-7 s freeze with 60 participants)."""
-    workers = [Worker(synced_server.url, f"w{i}", env={"TR_TEST_ANSWER_SECS": "0.4"})
-               for i in range(2)]
-    config = NatsConfig(url=synced_server.url)
-    front = await NatsFrontEnd.connect(config)
-
     async def freeze() -> None:
         await asyncio.to_thread(synced_server.freeze)
         await asyncio.sleep(6.0)  # the outage itself: past the 5 s a request waits
         synced_server.thaw()
 
-    try:
-        # Patience for the freeze: a publish that waits for the frozen server's
-        # confirmation times out and is sent again.
-        talk = Talk(front, [f"{'q' if i % 2 else 'u'}{i}" for i in range(32)],
-                    publish_secs=30, answer_secs=30)
-        await talk.through(freeze, config, workers, wait_secs=60)
-        failures = [turn for ids in talk.sent.values() for turn in ids
-                    if talk.finals[turn][0].text == FAILURE]
-        assert failures == []
-    finally:
-        await front.close()
-        for worker in workers:
-            worker.close()
+    # Patience for the freeze: a publish that waits for the frozen server's
+    # confirmation times out and is sent again.
+    talk = await two_workers_through(
+        synced_server, freeze,
+        lambda front: Talk(front, pids(32), publish_secs=30, answer_secs=30),
+        wait_secs=60, env={"TR_TEST_ANSWER_SECS": "0.4"})
+    failures = [turn for ids in talk.sent.values() for turn in ids
+                if talk.finals[turn][0].text == FAILURE]
+    assert failures == []
 
 
 # ---------------------------------------------------------------- a worker's outage bound

@@ -207,7 +207,6 @@ def _alertmanager_main(argv: Sequence[str]) -> int:
         labels = check_group_labels(args.group_labels)
         urls = receiver_urls({"pager": args.pager_url, "tickets": args.tickets_url,
                               "watchdog": args.watchdog_url})
-        text = render_alertmanager(urls, labels)
     except ValueError as exc:
         parser.error(str(exc))
     # A forgotten variable would write a valid-looking file whose receiver pages nobody.
@@ -217,6 +216,10 @@ def _alertmanager_main(argv: Sequence[str]) -> int:
                      + "s" * (len(missing) > 1) + ": give " + ", ".join(
                          f"--{name}-url or {ALERTMANAGER_ENV[name]}" for name in missing)
                      + " (--placeholders writes the .invalid placeholders)")
+    try:
+        text = render_alertmanager(urls, labels)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.out is None:
         sys.stdout.write(text)
         return 0

@@ -369,7 +369,7 @@ class Fleet:
                 self.heard_self = (self.heard_self[0], now)
         else:
             if not owned:
-                self._zero_seen = time.monotonic()
+                self._zero_seen = now
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
                 self._prune()
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:

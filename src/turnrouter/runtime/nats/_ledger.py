@@ -59,11 +59,6 @@ _T = TypeVar("_T")
 _WRONG_LAST = (10071, 10164)
 
 
-def _any_since(outbox: list[Ending], horizon: float) -> bool:
-    """Whether an ending of `outbox` is at `horizon` or later (still to be said again)."""
-    return any(ending[3] >= horizon for ending in outbox)
-
-
 def _any_before(outbox: list[Ending], horizon: float) -> bool:
     """`any(e[3] < horizon for e in outbox)` without a generator (every write asks)."""
     for ending in outbox:  # noqa: SIM110 (see above)
@@ -335,8 +330,9 @@ class Ledger:
         #: Records too big for one NATS message, written without their snapshot
         #: (`fitted_record`): logged the first time and at every power of ten.
         self.oversized = 0
-        #: Endings said once only, `unheard` being full (logged at powers of ten).
-        self.unheard_overflows = 0
+        #: Participants past `unsure`'s bound, and endings said once only, `unheard`
+        #: being full (each logged at powers of ten).
+        self.unsure_overflows = self.unheard_overflows = 0
 
     def partition_lost(self, n: int) -> None:
         """This replica stops serving partition `n` (its pin moved, or it hands it over):
@@ -387,9 +383,12 @@ class Ledger:
             self.unsure[pid] = n
             self.on_unsure(pid, n)
         else:
-            logger.warning("turnrouter: %d participants await the end of their "
-                           "unfinished turns; this one is claimed at its next input",
-                           len(self.unsure))
+            self.unsure_overflows += 1
+            if is_logged(self.unsure_overflows):
+                logger.warning("turnrouter: %d participants await the end of their "
+                               "unfinished turns; past that they are claimed at their "
+                               "next input (%d so far)", len(self.unsure),
+                               self.unsure_overflows)
 
     async def drop(self, pid: str) -> None:
         """Hand `pid` over: no more writes from here, state dropped without release."""
@@ -726,7 +725,7 @@ async def _say_unserved(ledger: Ledger, pid: str, n: int, endings: list[Ending])
         # Full: those acknowledged, or too old to be said again, make room.
         horizon = time.time() - ledger._config.dedup_window / 2
         for other in [p for p, state in unheard.items()
-                      if not _any_since(state.outbox, horizon)]:
+                      if all(ending[3] < horizon for ending in state.outbox)]:
             del unheard[other]
     if len(unheard) < _MAX_UNSURE or pid in unheard:
         unheard[pid] = released
