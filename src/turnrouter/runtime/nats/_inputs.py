@@ -40,7 +40,7 @@ from ..._logging import log_failure
 from ..._redact import preview
 from ..._router import AgentRouter
 from .._messages import UserQuery
-from ._ledger import Ledger, Participant, recorded, unclaimed
+from ._ledger import Ledger, Participant, await_previous_owner, recorded, unclaimed
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._wire import (
@@ -263,6 +263,8 @@ class Inputs:
             self._recent.add(key, seq)
             await self._ack(msg)
             return
+        if kind == "query" and delivered > 1:
+            await await_previous_owner(self._ledger, pid, n)
         state = await self._ledger.claim(pid, n)
         if state is None:
             return  # fenced: another replica owns the participant

@@ -43,7 +43,8 @@ from ._wire import (
     state_json,
 )
 
-__all__ = ["Ledger", "Participant", "fitted_record", "recorded", "said", "unclaimed"]
+__all__ = ["Ledger", "Participant", "await_last_writer", "await_previous_owner",
+           "fitted_record", "recorded", "said", "unclaimed"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -312,6 +313,10 @@ class Ledger:
         unfinished turns are ended (`settle_unsure`), as their record may hold a turn
         no input will come back for."""
         self.on_unsure: Callable[[str, int], None] = lambda pid, n: None
+        #: Whether a replica is alive (presence), and per partition when the wait for
+        #: its live previous owners' writes ends (`await_last_writer`).
+        self.alive: Callable[[str], Awaitable[bool]] | None = None
+        self.grace: dict[int, float] = {}
         self.unheard: dict[str, Participant] = {}
         """Participants not served here whose endings were published (`say_again`,
         `let_go`) and not acknowledged by the stream yet, their outboxes emptying as
@@ -657,6 +662,67 @@ class Ledger:
             await self.fence(pid, refused=True)
             return False
         return True
+
+
+#: How often `await_last_writer` reads the record again.
+_LAST_WRITER_POLL = 0.05
+
+
+async def await_last_writer(ledger: Ledger, key: str, value: bytes, owner: str | None,
+                            n: int, deadline: float | None = None) -> None:
+    """Before a claim that would fence another replica still alive, the last writer
+    (`owner`) of record `key` (read as `value`): wait until the record changes, at
+    most until partition `n`'s grace ends, `failover_timeout` plus two probe periods
+    after the first such wait since the partition came here (shared by its records),
+    or `deadline` (loop time). Both replicas reconnect to a server back from a freeze
+    within a reconnect period (0.5 s) of each other, and the previous owner sends its
+    write again a moment after its reconnect: the grace covers that with room to spare.
+
+    A server frozen or away past `failover_timeout` pins partitions afresh when it is
+    back, and a new owner's claim could land before the previous owner's resent write
+    of a turn's answer (its reconnect takes longer): that turn ended with the failure
+    text although its answer was ready (chaos9 D1), whether the turn was marked in
+    flight (a takeover ends it) or not (its query comes back as a redelivery)."""
+    if not owner or owner == ledger._replica or ledger.alive is None:
+        return
+    if not await ledger.alive(owner):
+        return  # gone: nothing of it will land
+    loop = asyncio.get_running_loop()
+    config = ledger._config
+    until = ledger.grace.setdefault(
+        n, loop.time() + config.failover_timeout + 2 * config.probe_interval)
+    if deadline is not None:
+        until = min(until, deadline)
+    while loop.time() < until:
+        await asyncio.sleep(min(_LAST_WRITER_POLL, max(0.0, until - loop.time())))
+        try:
+            entry = await ledger._kv.get(key)
+        except KeyNotFoundError:
+            return
+        except NatsError:
+            continue  # the server busy: asked again until the grace ends
+        if bytes(entry.value or b"") != value:
+            return  # written: the claim reads what it wrote
+
+
+async def await_previous_owner(ledger: Ledger, pid: str, n: int) -> None:
+    """`await_last_writer` for `pid`'s record, not served here, before the claim a query
+    delivered again makes: its previous owner received it and may be writing its
+    answer (the query then ends as a duplicate, not with the failure text)."""
+    if ledger.serves(pid):
+        return
+    key = f"{n}.{encode_token(pid)}"
+    try:
+        entry = await ledger._kv.get(key)
+    except NatsError:  # (none, or the server cannot say: the claim finds out)
+        return
+    data = bytes(entry.value or b"")
+    try:
+        record = (await _off_loop(ledger, parse_record, data)
+                  if len(data) > _READ_OFF_LOOP_BYTES else parse_record(data))
+    except ValueError:
+        return  # junk: the claim quarantines it
+    await await_last_writer(ledger, key, data, record.owner, n)
 
 
 async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = None) -> bool:

@@ -24,10 +24,10 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
-from ._ledger import Ledger
+from ._ledger import Ledger, await_last_writer
 from ._link import Link
 from ._records import partition_keys, read_value
 from ._wire import NatsConfig, decode_token, parse_record
@@ -49,12 +49,9 @@ class Takeover:
     """Ends what partitions' previous owners left unfinished (`scan`)."""
 
     def __init__(self, kv: Any, link: Link, config: NatsConfig, ledger: Ledger,
-                 stopping: Callable[[], bool] = lambda: False,
-                 alive: Callable[[str], Awaitable[bool]] | None = None) -> None:
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self._kv, self._link, self._config, self._ledger = kv, link, config, ledger
-        self._stopping, self._alive = stopping, alive
-        #: Per partition, when the scan's one wait for live previous owners ends.
-        self._grace: dict[int, float] = {}
+        self._stopping = stopping
 
     async def scan(self, n: int) -> None:
         """End what partition `n`'s records left unfinished, `_SCAN_BATCH` records at
@@ -69,7 +66,6 @@ class Takeover:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _SCAN_SECS
         losses = self._ledger.losses(n)
-        self._grace.pop(n, None)  # (a scan waits for live owners once, not per record)
         read = 0
         again: list[_Left] = []
         try:
@@ -122,20 +118,11 @@ class Takeover:
         ledger = self._ledger
         if ledger.losses(n) != losses:
             return None
-        owner = record.owner
-        if (record.inflight and owner and owner != ledger.replica and self._alive is not None
-                and await self._alive(owner)):
-            # Its owner is alive: the server re-pinned the partitions after a freeze
-            # past `failover_timeout` (or a restart), and that owner's write of the
-            # turn's answer may land in a moment. Ending the turn now said the failure
-            # text for an answer that was ready (chaos9 D1); the claim below reads the
-            # record again. One wait per scan: the records read later share it.
-            loop = asyncio.get_running_loop()
-            until = self._grace.setdefault(n, loop.time() + self._config.failover_timeout)
-            await asyncio.sleep(max(0.0, min(until, deadline) - loop.time()))
+        if record.inflight:
+            # Its owner may be alive, its write of the turn's answer about to land.
+            await await_last_writer(ledger, key, value, record.owner, n, deadline)
             if ledger.losses(n) != losses:
                 return None
-        if record.inflight:
             if await ledger.claim(pid, n) is None and ledger.losses(n) == losses:
                 return _Left(key, pid, record.owner)
         elif record.outbox and not ledger.serves(pid):  # (a claim here publishes them)

@@ -196,9 +196,9 @@ class NatsWorker:
             self._ledger = Ledger(bucket, link, config, self.replica, lambda: self.router,
                                   self._publish_ending, self._metrics)
             self._ledger.on_unsure = self._settle_soon
+            self._ledger.alive = functools.partial(_owner_alive, self)
             self._takeover = Takeover(
-                bucket, link, config, self._ledger, lambda: not self._pulling,
-                functools.partial(_owner_alive, self))
+                bucket, link, config, self._ledger, lambda: not self._pulling)
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
                                            self._metrics, self._spawn, self._stop.is_set,
                                            self._tasks)
@@ -446,6 +446,7 @@ class NatsWorker:
         server moves the pin again (`failover_timeout`) and the takeover repeats."""
         if self._metrics is not None:
             self._metrics.takeovers.inc()
+        self.ledger.grace.pop(n, None)  # a new wait for its live previous owners
         assert self._takeover is not None
         self._spawn(self._takeover.scan(n), f"takeover {n}")
 
