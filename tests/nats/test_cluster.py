@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -76,6 +77,41 @@ async def test_a_fleet_on_a_cluster_keeps_its_streams_and_bucket_replicated(
                 await stray.run()
     finally:
         worker.close()
+
+
+async def test_a_worker_started_while_a_server_of_the_cluster_is_down_waits_for_it(
+        cluster: NatsCluster) -> None:
+    """A worker started with `--replicas 3` while one of the three servers is down (a
+    rolling restart) cannot make its streams yet: it says so, tries again, and serves
+    once the server is back."""
+    down = cluster.servers[2]
+    await asyncio.to_thread(down.crash)
+    failed = asyncio.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "set-up attempt" in record.getMessage():
+                failed.set()
+
+    watch = Watch()
+    logger = logging.getLogger("turnrouter.runtime.nats")
+    logger.addHandler(watch)
+    worker = NatsWorker(make_router, NatsConfig(url=cluster.url, replicas=3),
+                        replica="early", registry=CollectorRegistry())
+    run = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(60):
+            await failed.wait()
+        assert not worker.ready.is_set() and not run.done()
+        await asyncio.to_thread(down.restart)
+        async with asyncio.timeout(90):
+            await worker.ready.wait()
+    finally:
+        logger.removeHandler(watch)
+        worker.request_stop()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+    assert run.exception() is None
 
 
 #: The stream whose leader a test kills, from the configuration.

@@ -28,6 +28,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+import nats
 from turnrouter import (
     MAX_HISTORY_VERSION,
     MAX_SNAPSHOT_CONTAINERS,
@@ -38,6 +39,7 @@ from turnrouter import (
     ContractTypeError,
     ContractValueError,
     DestinationResult,
+    LifecycleError,
     ParticipantSnapshot,
     RoutingAid,
     TimingSample,
@@ -71,6 +73,7 @@ from turnrouter.runtime.nats import (
 
 # Private names, only for the last section: what no deployment can put on the wire.
 from turnrouter.runtime.nats._link import pub_ack
+from turnrouter.runtime.nats._setup import api_request
 from turnrouter.runtime.nats._wire import ack_metadata, ack_sequences, response_json
 from turnrouter.testing import RecordingObserver, ScriptedLLM
 
@@ -1117,3 +1120,27 @@ def test_a_record_past_the_servers_max_payload_never_holds_its_partition(
         wire.call(main(), timeout=120)
     finally:
         wire.close()
+
+
+@pytest.mark.anyio
+async def test_a_placement_refused_for_want_of_servers_is_waited_out(
+        nats_server: NatsServer) -> None:
+    """JetStream's "no suitable peers for placement" (10005: fewer servers of a cluster
+    online than the copies asked for, as while it forms or a server restarts) is a
+    passing state the start-up tries again (`LifecycleError`), not a refused
+    configuration; other refusals stay `ConfigurationError`s. (A worker starting on a
+    cluster whose third server had not joined yet exited at once.)"""
+    nc = await nats.connect(nats_server.url)
+    try:
+        async def refuse(msg: Msg) -> None:  # a JetStream API refusing with a code
+            code = int(msg.subject.rsplit(".", 1)[1])
+            await msg.respond(json.dumps({"error": {
+                "code": 400, "err_code": code, "description": "refused"}}).encode())
+
+        await nc.subscribe("api.>", cb=refuse)
+        with pytest.raises(LifecycleError, match="no suitable peers"):
+            await api_request(nc, "api.10005")
+        with pytest.raises(ConfigurationError, match="refused"):
+            await api_request(nc, "api.10058")
+    finally:
+        await nc.close()

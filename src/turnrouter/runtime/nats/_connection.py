@@ -34,11 +34,12 @@ from ._security import connect, safe_error
 from ._setup import FRONT_API, check_payload, ensure_deployment
 from ._wire import NatsConfig
 
-__all__ = ["MAX_OUTSTANDING_PINGS", "Connection", "Readiness", "connect_timeout", "ping_interval"]
+__all__ = ["MAX_OUTSTANDING_PINGS", "RECONNECT_WAIT", "Connection", "Readiness", "connect_timeout",
+           "ping_interval"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
-_RECONNECT_WAIT = 0.5  # seconds between reconnect attempts (and start-up retries)
+RECONNECT_WAIT = 0.5  # seconds between reconnect attempts (and start-up retries)
 MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
 #: Bytes of one socket read nats-py parses between two returns to the event loop.
 _PARSE_PIECE = 8192
@@ -139,7 +140,7 @@ class Connection:
         nc = self._nc = await connect(
             config, "worker", patience=config.reconnect_for, denials=self.denials,
             name=f"turnrouter-{replica}",
-            connect_timeout=connect_timeout(config), reconnect_time_wait=_RECONNECT_WAIT,
+            connect_timeout=connect_timeout(config), reconnect_time_wait=RECONNECT_WAIT,
             ping_interval=ping_interval(config),
             max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             closed_cb=self._closed, disconnected_cb=self._disconnected,
@@ -198,7 +199,7 @@ class Connection:
                         f"{what} failed for {down:.1f} s (reconnect_for is "
                         f"{self._config.reconnect_for:g} s, {failures} attempts): {error}; "
                         f"exiting") from None
-            await asyncio.sleep(_RECONNECT_WAIT)
+            await asyncio.sleep(RECONNECT_WAIT)
 
     def why_lost(self) -> str:
         if self._why is not None:
@@ -300,7 +301,7 @@ class Connection:
 
     async def _check(self, nc: Client) -> None:
         """What is missing is reported and recreated (as at start-up), retried every
-        `_RECONNECT_WAIT` for up to `reconnect_for` seconds, then the worker stops."""
+        `RECONNECT_WAIT` for up to `reconnect_for` seconds, then the worker stops."""
         config = self._config
         first: float | None = None
         failures = 0
@@ -312,7 +313,7 @@ class Connection:
                 # to be cleared: a readiness left dropped after the server's return kept
                 # a serving worker "not ready" for good.)
                 first, failures = None, 0
-                await asyncio.sleep(_RECONNECT_WAIT)
+                await asyncio.sleep(RECONNECT_WAIT)
                 continue
             error = ""
             try:
@@ -368,7 +369,7 @@ class Connection:
                              f"attempts): {error}; exiting")
                 await self._closed()
                 return
-            await asyncio.sleep(_RECONNECT_WAIT)
+            await asyncio.sleep(RECONNECT_WAIT)
 
 
 async def _missing(nc: Client, config: NatsConfig) -> list[tuple[str, str]] | None:

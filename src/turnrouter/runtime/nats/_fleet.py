@@ -29,6 +29,7 @@ from nats.errors import Error as NatsError
 from ... import _strict_json as strict_json
 from ..._limits import is_logged
 from ..._timing import TimingPredictor, TimingSample
+from ._connection import RECONNECT_WAIT
 from ._metrics import RuntimeMetrics
 from ._setup import api_request
 from ._wire import NatsConfig, Rejected, parse_samples, samples_body
@@ -665,16 +666,22 @@ async def previous_owner_alive(fleet: Fleet, replica: str) -> bool:
     (True) or gone (False), by presence: alive when it spoke within two probe periods;
     gone when it stayed silent that long while this replica heard its own presence
     throughout. Right after an outage of its own (a server frozen or restarted: no
-    presence came through), this replica cannot tell yet and waits, at most
-    `failover_timeout` plus two probe periods, then takes it as gone."""
-    window = 2 * fleet._config.probe_interval
-    deadline = time.monotonic() + fleet._config.failover_timeout + window
+    presence came through), this replica cannot tell yet: the peer is heard only once
+    it reconnected too (up to a reconnect period later) and spoke (within a probe
+    period), so its silence counts from then; at most `failover_timeout` plus that
+    settling time, then it is taken as gone. (Judged on two probe periods, a peer
+    reconnecting half a second later was taken as gone, and its answer written a
+    moment after was fenced: the turn ended with the failure text.)"""
+    config = fleet._config
+    window = 2 * config.probe_interval
+    settle = window + RECONNECT_WAIT + config.probe_interval
+    deadline = time.monotonic() + config.failover_timeout + settle
     while True:
         now = time.monotonic()
         peer = fleet._peers.get(replica)
         if peer is not None and now - peer[0] <= window:
             return True
         since, last = fleet.heard_self
-        if (now - last <= window and now - since >= window) or now >= deadline:
+        if (now - last <= window and now - since >= settle) or now >= deadline:
             return False
         await asyncio.sleep(window / 10)  # bounded by the deadline above

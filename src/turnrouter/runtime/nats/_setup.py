@@ -69,6 +69,13 @@ async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = No
         if isinstance(error, dict) and error.get("code") == 503:
             # JetStream starting or without a leader: a passing state, tried again.
             raise LifecycleError(f"JetStream API {subject} unavailable: {error}")
+        if isinstance(error, dict) and error.get("err_code") == _NO_PEERS:
+            # Fewer servers online than the copies asked for: a cluster forming, a
+            # server restarting. Tried again, as for a server not there yet (a worker
+            # started during a rolling restart exited at once).
+            raise LifecycleError(
+                f"JetStream API {subject}: no suitable peers for placement (fewer servers "
+                f"of the cluster online than `replicas` asks for; waiting): {error}")
         raise _Refused(f"JetStream API {subject} refused: {error}", error)
     return data
 
@@ -192,6 +199,7 @@ def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
 _STREAM_DIFFERS = 10058
 #: "replicas > 1 not supported in non-clustered mode".
 _NOT_CLUSTERED = 10074
+_NO_PEERS = 10005  # no suitable peers for placement
 #: JetStream's "consumer already exists" (a create with `action: create` of a consumer
 #: that exists with another configuration).
 _CONSUMER_DIFFERS = 10148
