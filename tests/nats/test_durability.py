@@ -666,7 +666,9 @@ async def test_a_server_frozen_past_the_failover_timeout_loses_no_given_answer(
     destination gave is lost: a new owner whose previous owner is alive (it speaks on
     presence again after the resume) waits a moment for that owner's write of the
     answer before it ends a turn left in flight (a takeover) or a query delivered
-    again (its redelivery). Before, a move ended such turns with the failure text,
+    again (its redelivery), and the old owner, told the partition moved, writes and
+    says an answer it held whose write the move cut short. Before, a move ended such
+    turns with the failure text,
     their answer ready (chaos9 D1: 0-30 per 5-7 s freeze with 60 participants). A turn
     the move cut before its answer (its query taken and not yet run, or running) still
     ends with the failure text: its destination runs at most once."""

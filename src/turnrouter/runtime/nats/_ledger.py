@@ -366,6 +366,12 @@ class Ledger:
         unfinished = state is not None and bool(
             state.inflight or state.outbox or state.lock.locked())
         inflight = list(state.inflight) if state is not None else []  # (the fence ends them)
+        snapshot = None
+        if state is not None and state.outbox:
+            # Answers not recorded yet go with the history that holds their exchanges
+            # (`let_go`), read before the fence drops the participant.
+            with contextlib.suppress(ContractValueError, LifecycleError):
+                snapshot = self._router().export_participant_json(pid)
         await self.fence(pid, refused=False)
         if state is None or not unfinished:
             return
@@ -375,7 +381,8 @@ class Ledger:
             # What it held: the turns in flight when the pin moved, and the endings
             # (answers held by those cut short included) not yet acknowledged.
             done = await let_go(self, pid, state.partition, Participant(
-                partition=state.partition, inflight=inflight, outbox=list(state.outbox)))
+                partition=state.partition, inflight=inflight, outbox=list(state.outbox),
+                snapshot=snapshot))
         except Exception as exc:  # the other participants are still dropped
             logger.warning("turnrouter: ending a lost participant's turns failed: %r", exc)
             done = False
@@ -734,9 +741,13 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
     read, then published) and its recorded answers published again; refused, a
     claim came first and ended them. False when the server cannot be asked now.
 
-    With no record at all (a server back on an empty store, the bucket deleted), what
-    this replica `held` in flight or unacknowledged is said from here: nobody else
-    knows of it (its input was acknowledged, the store that held it is gone)."""
+    Answers this replica `held` and had not recorded (their write was fenced when the
+    pin moved) are written and said instead of the failure text, with the history
+    exported before the fence (chaos9 D1: an answer given during a server freeze was
+    lost so, about once per three freezes). With no record at all (a server back on an
+    empty store, the bucket deleted), what this replica `held` in flight or
+    unacknowledged is said from here: nobody else knows of it (its input was
+    acknowledged, the store that held it is gone)."""
     if pid in ledger.people or pid in ledger._claiming:
         return True  # served here again: that claim ends what the record holds
     key = f"{n}.{encode_token(pid)}"
@@ -755,18 +766,24 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
                   if len(data) > _READ_OFF_LOOP_BYTES else parse_record(data))
     except ValueError:
         return True  # junk: the next claim quarantines it
-    if record.owner != ledger._replica or not (record.inflight or record.outbox):
+    # Answers this replica held and had not recorded (their write was fenced by the
+    # move): said rather than the failure text, their exchanges in the held history.
+    known = {*record.ended, *(e[0] for e in record.outbox)}
+    fresh = [e for e in held.outbox if e[0] not in known] if held is not None else []
+    if record.owner != ledger._replica or not (record.inflight or record.outbox or fresh):
         return True  # claimed since (the claim ended them), or nothing left
     if pid in ledger.people or pid in ledger._claiming:
         return True
-    outbox = ledger.sound(record.outbox)
-    if not record.inflight:
+    outbox = ledger.sound([*record.outbox, *fresh])
+    if not record.inflight and not fresh:
         await ledger.say_again(pid, n, outbox)  # nothing to end, endings maybe unheard
         return True
     unfinished = _unfinished(record.inflight, outbox, ledger._config, ledger._metrics)
     ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
                            *record.inflight])
-    value = state_json(ledger._replica, [], record.snapshot, unfinished, list(ended))
+    snapshot = held.snapshot if fresh and held is not None and held.snapshot else None
+    value = state_json(ledger._replica, [], snapshot or record.snapshot, unfinished,
+                       list(ended))
     try:
         await ledger._kv.update(key, value, last=entry.revision)
     except KeyWrongLastSequenceError:
