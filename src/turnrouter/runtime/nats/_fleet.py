@@ -35,7 +35,7 @@ from ._setup import api_request
 from ._wire import NatsConfig, Rejected, parse_samples, samples_body
 
 __all__ = ["FLEET_PENDING_BYTES", "SAMPLE_BATCH", "SAMPLE_FLUSH_SECS", "Fleet",
-           "fleet_limits", "fleet_topic", "previous_owner_alive"]
+           "fleet_limits", "fleet_topic", "owner_heard", "previous_owner_alive"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -674,14 +674,28 @@ async def previous_owner_alive(fleet: Fleet, replica: str) -> bool:
     moment after was fenced: the turn ended with the failure text.)"""
     config = fleet._config
     window = 2 * config.probe_interval
-    settle = window + RECONNECT_WAIT + config.probe_interval
-    deadline = time.monotonic() + config.failover_timeout + settle
+    deadline = time.monotonic() + config.failover_timeout + window + RECONNECT_WAIT \
+        + config.probe_interval
     while True:
-        now = time.monotonic()
-        peer = fleet._peers.get(replica)
-        if peer is not None and now - peer[0] <= window:
-            return True
-        since, last = fleet.heard_self
-        if (now - last <= window and now - since >= settle) or now >= deadline:
+        heard = owner_heard(fleet, replica)
+        if heard is not None:
+            return heard
+        if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(window / 10)  # bounded by the deadline above
+
+
+def owner_heard(fleet: Fleet, replica: str) -> bool | None:
+    """`previous_owner_alive`'s verdict now: True (it spoke within two probe periods),
+    False (silent that long, and after the settling time of an outage of this
+    replica's own, while this replica heard itself), None (cannot tell yet)."""
+    config = fleet._config
+    window = 2 * config.probe_interval
+    now = time.monotonic()
+    peer = fleet._peers.get(replica)
+    if peer is not None and now - peer[0] <= window:
+        return True
+    since, last = fleet.heard_self
+    if now - last <= window and now - since >= window + RECONNECT_WAIT + config.probe_interval:
+        return False
+    return None

@@ -264,7 +264,7 @@ class Inputs:
             await self._ack(msg)
             return
         if kind == "query" and delivered > 1:
-            await await_previous_owner(self._ledger, pid, n)
+            await await_previous_owner(self._ledger, pid, n, message_id)
         state = await self._ledger.claim(pid, n)
         if state is None:
             return  # fenced: another replica owns the participant

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import operator
 import time
 from collections.abc import Awaitable, Callable
@@ -40,7 +41,6 @@ from ._wire import (
     encode_token,
     parse_record,
     record_json,
-    state_json,
 )
 
 __all__ = ["Ledger", "Participant", "await_last_writer", "await_previous_owner",
@@ -316,6 +316,7 @@ class Ledger:
         #: Whether a replica is alive (presence), and per partition when the wait for
         #: its live previous owners' writes ends (`await_last_writer`).
         self.alive: Callable[[str], Awaitable[bool]] | None = None
+        self.heard: Callable[[str], bool | None] = lambda replica: None  # (its verdict now)
         self.grace: dict[int, float] = {}
         self.unheard: dict[str, Participant] = {}
         """Participants not served here whose endings were published (`say_again`,
@@ -347,15 +348,18 @@ class Ledger:
     def of_partition(self, n: int) -> list[str]:
         return [pid for pid, state in self.people.items() if state.partition == n]
 
-    async def fence(self, pid: str, *, refused: bool) -> None:
-        """Stop serving `pid` here: cancel its turns, drop its state (no release)."""
+    async def fence(self, pid: str, *, refused: bool) -> ParticipantSnapshot | None:
+        """Stop serving `pid` here: cancel its turns, drop its state (no release).
+        Returns what the router held of it once its turns were drained (None: nothing)."""
         state = self.people.pop(pid, None)
         if state is not None:
             state.fenced = True
         if refused and self._metrics is not None:
             self._metrics.state_refused.inc()
-        with contextlib.suppress(LifecycleError):
-            await self._router().evict_participant(pid)
+        try:
+            return await self._router().evict_participant(pid)
+        except LifecycleError:
+            return None
 
     async def lose(self, pid: str) -> None:
         """Stop serving `pid`, its partition's pin having moved away: as `fence`, then
@@ -366,23 +370,23 @@ class Ledger:
         unfinished = state is not None and bool(
             state.inflight or state.outbox or state.lock.locked())
         inflight = list(state.inflight) if state is not None else []  # (the fence ends them)
-        snapshot = None
-        if state is not None and state.outbox:
-            # Answers not recorded yet go with the history that holds their exchanges
-            # (`let_go`), read before the fence drops the participant.
-            with contextlib.suppress(ContractValueError, LifecycleError):
-                snapshot = self._router().export_participant_json(pid)
-        await self.fence(pid, refused=False)
+        kept = await self.fence(pid, refused=False)  # (its history, its turns drained)
         if state is None or not unfinished:
             return
         async with state.lock:  # a write under way has landed (or failed) by now
             pass
         try:
             # What it held: the turns in flight when the pin moved, and the endings
-            # (answers held by those cut short included) not yet acknowledged.
+            # (answers held by those cut short included) not yet acknowledged; the
+            # history they go with, for answers not recorded yet (`let_go`).
+            snapshot, exchanges = None, frozenset[str]()
+            if kept is not None and state.outbox:
+                snapshot = kept.to_json().encode()
+                exchanges = frozenset(item.turn_id for item in kept.history
+                                      if item.turn_id is not None)
             done = await let_go(self, pid, state.partition, Participant(
                 partition=state.partition, inflight=inflight, outbox=list(state.outbox),
-                snapshot=snapshot))
+                snapshot=snapshot), exchanges)
         except Exception as exc:  # the other participants are still dropped
             logger.warning("turnrouter: ending a lost participant's turns failed: %r", exc)
             done = False
@@ -692,9 +696,11 @@ async def await_last_writer(ledger: Ledger, key: str, value: bytes, owner: str |
     flight (a takeover ends it) or not (its query comes back as a redelivery)."""
     if not owner or owner == ledger._replica or ledger.alive is None:
         return
+    loop = asyncio.get_running_loop()
+    if loop.time() >= ledger.grace.get(n, math.inf):
+        return  # the partition's grace is over: no wait, not even to ask
     if not await ledger.alive(owner):
         return  # gone: nothing of it will land
-    loop = asyncio.get_running_loop()
     config = ledger._config
     until = ledger.grace.setdefault(
         n, loop.time() + config.failover_timeout + 2 * config.probe_interval)
@@ -702,6 +708,8 @@ async def await_last_writer(ledger: Ledger, key: str, value: bytes, owner: str |
         until = min(until, deadline)
     while loop.time() < until:
         await asyncio.sleep(min(_LAST_WRITER_POLL, max(0.0, until - loop.time())))
+        if ledger.heard(owner) is False:
+            return  # gone meanwhile (killed just before the move): nothing will land
         try:
             entry = await ledger._kv.get(key)
         except KeyNotFoundError:
@@ -712,10 +720,11 @@ async def await_last_writer(ledger: Ledger, key: str, value: bytes, owner: str |
             return  # written: the claim reads what it wrote
 
 
-async def await_previous_owner(ledger: Ledger, pid: str, n: int) -> None:
+async def await_previous_owner(ledger: Ledger, pid: str, n: int, message_id: str) -> None:
     """`await_last_writer` for `pid`'s record, not served here, before the claim a query
-    delivered again makes: its previous owner received it and may be writing its
-    answer (the query then ends as a duplicate, not with the failure text)."""
+    (`message_id`) delivered again makes: its previous owner received it and may be
+    writing its answer (the query then ends as a duplicate, not with the failure
+    text). No wait when the record says that turn ended already."""
     if ledger.serves(pid):
         return
     key = f"{n}.{encode_token(pid)}"
@@ -729,10 +738,12 @@ async def await_previous_owner(ledger: Ledger, pid: str, n: int) -> None:
                   if len(data) > _READ_OFF_LOOP_BYTES else parse_record(data))
     except ValueError:
         return  # junk: the claim quarantines it
-    await await_last_writer(ledger, key, data, record.owner, n)
+    if message_id not in record.ended:
+        await await_last_writer(ledger, key, data, record.owner, n)
 
 
-async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = None) -> bool:
+async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = None,
+                 kept: frozenset[str] = frozenset()) -> bool:
     """End what `pid`'s record left unfinished when this replica wrote it last and
     no longer serves the participant: a new owner that claimed the record ended it
     (its claim is a newer write), but one whose takeover read the record before this
@@ -743,11 +754,14 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
 
     Answers this replica `held` and had not recorded (their write was fenced when the
     pin moved) are written and said instead of the failure text, with the history
-    exported before the fence (chaos9 D1: an answer given during a server freeze was
-    lost so, about once per three freezes). With no record at all (a server back on an
-    empty store, the bucket deleted), what this replica `held` in flight or
-    unacknowledged is said from here: nobody else knows of it (its input was
-    acknowledged, the store that held it is gone)."""
+    drained by the fence (`held.snapshot`), when it holds their exchange (`kept`, its
+    turn ids: an answer said by a destination cut before it returned has none, and
+    its turn ends with the failure text, as the history says). chaos9 D1: an answer
+    given during a server freeze was lost so, about once per three freezes.
+
+    With no record at all (a server back on an empty store, the bucket deleted), what
+    this replica `held` in flight or unacknowledged is said from here: nobody else
+    knows of it (its input was acknowledged, the store that held it is gone)."""
     if pid in ledger.people or pid in ledger._claiming:
         return True  # served here again: that claim ends what the record holds
     key = f"{n}.{encode_token(pid)}"
@@ -769,7 +783,8 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
     # Answers this replica held and had not recorded (their write was fenced by the
     # move): said rather than the failure text, their exchanges in the held history.
     known = {*record.ended, *(e[0] for e in record.outbox)}
-    fresh = [e for e in held.outbox if e[0] not in known] if held is not None else []
+    fresh = ([e for e in held.outbox if e[0] not in known and e[0] in kept]
+             if held is not None else [])
     if record.owner != ledger._replica or not (record.inflight or record.outbox or fresh):
         return True  # claimed since (the claim ended them), or nothing left
     if pid in ledger.people or pid in ledger._claiming:
@@ -782,8 +797,10 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
     ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
                            *record.inflight])
     snapshot = held.snapshot if fresh and held is not None and held.snapshot else None
-    value = state_json(ledger._replica, [], snapshot or record.snapshot, unfinished,
-                       list(ended))
+    value, unfinished, _cut = fitted_record(
+        ledger._replica, [], snapshot or record.snapshot, unfinished,
+        ",".join(map(_json_str, list(ended)[-MAX_ENDED:])),
+        ledger._link.max_payload - HEADER_ROOM)
     try:
         await ledger._kv.update(key, value, last=entry.revision)
     except KeyWrongLastSequenceError:

@@ -41,7 +41,14 @@ from ..._timing import TimingPredictor, TimingSample
 from ._backpressure import backpressure
 from ._cancel import cancel_and_wait
 from ._connection import Connection, Readiness
-from ._fleet import Fleet, fleet_limits, fleet_topic, previous_owner_alive, valid_replica
+from ._fleet import (
+    Fleet,
+    fleet_limits,
+    fleet_topic,
+    owner_heard,
+    previous_owner_alive,
+    valid_replica,
+)
 from ._inputs import Inputs, republish
 from ._interrupts import FleetInterrupts
 from ._ledger import Ledger, Participant
@@ -197,6 +204,7 @@ class NatsWorker:
                                   self._publish_ending, self._metrics)
             self._ledger.on_unsure = self._settle_soon
             self._ledger.alive = functools.partial(_owner_alive, self)
+            self._ledger.heard = functools.partial(_owner_heard, self)
             self._takeover = Takeover(
                 bucket, link, config, self._ledger, lambda: not self._pulling)
             inputs = self._inputs = Inputs(config, router, self._ledger, link,
@@ -773,3 +781,9 @@ async def _owner_alive(worker: NatsWorker, replica: str) -> bool:
     """`previous_owner_alive` of the worker's fleet (False before it has one)."""
     fleet = worker._fleet
     return fleet is not None and await previous_owner_alive(fleet, replica)
+
+
+def _owner_heard(worker: NatsWorker, replica: str) -> bool | None:
+    """`owner_heard` of the worker's fleet (None before it has one)."""
+    fleet = worker._fleet
+    return None if fleet is None else owner_heard(fleet, replica)
