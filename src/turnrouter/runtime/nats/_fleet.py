@@ -673,16 +673,14 @@ async def previous_owner_alive(fleet: Fleet, replica: str) -> bool:
     reconnecting half a second later was taken as gone, and its answer written a
     moment after was fenced: the turn ended with the failure text.)"""
     config = fleet._config
-    window = 2 * config.probe_interval
-    deadline = time.monotonic() + config.failover_timeout + window + RECONNECT_WAIT \
-        + config.probe_interval
+    deadline = time.monotonic() + config.failover_timeout + _settling(config)
     while True:
         heard = owner_heard(fleet, replica)
         if heard is not None:
             return heard
         if time.monotonic() >= deadline:
             return False
-        await asyncio.sleep(window / 10)  # bounded by the deadline above
+        await asyncio.sleep(config.probe_interval / 5)  # bounded by the deadline above
 
 
 def owner_heard(fleet: Fleet, replica: str) -> bool | None:
@@ -696,6 +694,13 @@ def owner_heard(fleet: Fleet, replica: str) -> bool | None:
     if peer is not None and now - peer[0] <= window:
         return True
     since, last = fleet.heard_self
-    if now - last <= window and now - since >= window + RECONNECT_WAIT + config.probe_interval:
+    if now - last <= window and now - since >= _settling(config):
         return False
     return None
+
+
+def _settling(config: NatsConfig) -> float:
+    """How long this replica hears itself after an outage of its own before a peer's
+    silence counts: two probe periods, and the peer's reconnect (up to a reconnect
+    period later) and first presence (within a probe period) on top."""
+    return 3 * config.probe_interval + RECONNECT_WAIT

@@ -264,7 +264,11 @@ async def recorded(ledger: Ledger, pid: str, n: int) -> StateRecord | None:
         entry = await ledger._kv.get(f"{n}.{encode_token(pid)}")
     except KeyNotFoundError:
         return None
-    data = entry.value or b""
+    return await _parsed(ledger, entry.value or b"")
+
+
+async def _parsed(ledger: Ledger, data: bytes) -> StateRecord:
+    """`parse_record(data)`, off the event loop for a big record (`_off_loop`)."""
     if len(data) > _READ_OFF_LOOP_BYTES:
         return await _off_loop(ledger, parse_record, data)
     return parse_record(data)
@@ -379,14 +383,9 @@ class Ledger:
             # What it held: the turns in flight when the pin moved, and the endings
             # (answers held by those cut short included) not yet acknowledged; the
             # history they go with, for answers not recorded yet (`let_go`).
-            snapshot, exchanges = None, frozenset[str]()
-            if kept is not None and state.outbox:
-                snapshot = kept.to_json().encode()
-                exchanges = frozenset(item.turn_id for item in kept.history
-                                      if item.turn_id is not None)
             done = await let_go(self, pid, state.partition, Participant(
-                partition=state.partition, inflight=inflight, outbox=list(state.outbox),
-                snapshot=snapshot), exchanges)
+                partition=state.partition, inflight=inflight, outbox=list(state.outbox)),
+                kept)
         except Exception as exc:  # the other participants are still dropped
             logger.warning("turnrouter: ending a lost participant's turns failed: %r", exc)
             done = False
@@ -734,8 +733,7 @@ async def await_previous_owner(ledger: Ledger, pid: str, n: int, message_id: str
         return
     data = bytes(entry.value or b"")
     try:
-        record = (await _off_loop(ledger, parse_record, data)
-                  if len(data) > _READ_OFF_LOOP_BYTES else parse_record(data))
+        record = await _parsed(ledger, data)
     except ValueError:
         return  # junk: the claim quarantines it
     if message_id not in record.ended:
@@ -743,7 +741,7 @@ async def await_previous_owner(ledger: Ledger, pid: str, n: int, message_id: str
 
 
 async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = None,
-                 kept: frozenset[str] = frozenset()) -> bool:
+                 kept: ParticipantSnapshot | None = None) -> bool:
     """End what `pid`'s record left unfinished when this replica wrote it last and
     no longer serves the participant: a new owner that claimed the record ended it
     (its claim is a newer write), but one whose takeover read the record before this
@@ -754,9 +752,9 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
 
     Answers this replica `held` and had not recorded (their write was fenced when the
     pin moved) are written and said instead of the failure text, with the history
-    drained by the fence (`held.snapshot`), when it holds their exchange (`kept`, its
-    turn ids: an answer said by a destination cut before it returned has none, and
-    its turn ends with the failure text, as the history says). chaos9 D1: an answer
+    drained by the fence (`kept`), when it holds their exchange (an answer said by a
+    destination cut before it returned has none, and its turn ends with the failure
+    text, as the history says). chaos9 D1: an answer
     given during a server freeze was lost so, about once per three freezes.
 
     With no record at all (a server back on an empty store, the bucket deleted), what
@@ -774,17 +772,17 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
         return True
     except NatsError:
         return False
-    data = entry.value or b""
     try:
-        record = (await _off_loop(ledger, parse_record, data)
-                  if len(data) > _READ_OFF_LOOP_BYTES else parse_record(data))
+        record = await _parsed(ledger, entry.value or b"")
     except ValueError:
         return True  # junk: the next claim quarantines it
     # Answers this replica held and had not recorded (their write was fenced by the
     # move): said rather than the failure text, their exchanges in the held history.
-    known = {*record.ended, *(e[0] for e in record.outbox)}
-    fresh = ([e for e in held.outbox if e[0] not in known and e[0] in kept]
-             if held is not None else [])
+    fresh: list[Ending] = []
+    if held is not None and held.outbox and kept is not None:
+        known = {*record.ended, *(e[0] for e in record.outbox)}
+        exchanges = {item.turn_id for item in kept.history}
+        fresh = [e for e in held.outbox if e[0] not in known and e[0] in exchanges]
     if record.owner != ledger._replica or not (record.inflight or record.outbox or fresh):
         return True  # claimed since (the claim ended them), or nothing left
     if pid in ledger.people or pid in ledger._claiming:
@@ -796,9 +794,9 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
     unfinished = _unfinished(record.inflight, outbox, ledger._config, ledger._metrics)
     ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
                            *record.inflight])
-    snapshot = held.snapshot if fresh and held is not None and held.snapshot else None
+    snapshot = kept.to_json() if fresh and kept is not None else record.snapshot
     value, unfinished, _cut = fitted_record(
-        ledger._replica, [], snapshot or record.snapshot, unfinished,
+        ledger._replica, [], snapshot, unfinished,
         ",".join(map(_json_str, list(ended)[-MAX_ENDED:])),
         ledger._link.max_payload - HEADER_ROOM)
     try:
