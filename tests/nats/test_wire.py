@@ -73,7 +73,7 @@ from turnrouter.runtime.nats import (
 
 # Private names, only for the last section: what no deployment can put on the wire.
 from turnrouter.runtime.nats._link import pub_ack
-from turnrouter.runtime.nats._setup import api_request
+from turnrouter.runtime.nats._setup import _ensure_front_mirror, api_request
 from turnrouter.runtime.nats._wire import ack_metadata, ack_sequences, response_json
 from turnrouter.testing import RecordingObserver, ScriptedLLM
 
@@ -1142,5 +1142,29 @@ async def test_a_placement_refused_for_want_of_servers_is_waited_out(
             await api_request(nc, "api.10005")
         with pytest.raises(ConfigurationError, match="refused"):
             await api_request(nc, "api.10058")
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_a_front_ends_mirror_refused_placement_is_waited_for_not_skipped(
+        nats_server: NatsServer) -> None:
+    """With no `front_api` named, a front ends' API that does not answer is optional
+    (the mirror skipped), but one answering 10005 exists and lacks servers: the
+    start-up waits for them (`LifecycleError`, tried again) instead of going on without
+    the mirror, which front ends would then miss outputs of until it was recreated."""
+    config = NatsConfig(url=nats_server.url)
+    nc = await nats.connect(nats_server.url)
+    try:
+        await _ensure_front_mirror(nc, config)  # nothing answers: skipped, no error
+
+        async def unplaced(msg: Msg) -> None:
+            await msg.respond(json.dumps({"error": {
+                "code": 500, "err_code": 10005,
+                "description": "no suitable peers for placement"}}).encode())
+
+        await nc.subscribe("$JS.FRONT.API.>", cb=unplaced)
+        with pytest.raises(LifecycleError, match=r"no suitable peers.*storage limits"):
+            await _ensure_front_mirror(nc, config)
     finally:
         await nc.close()

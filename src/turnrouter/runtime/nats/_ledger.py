@@ -317,6 +317,9 @@ class Ledger:
         unfinished turns are ended (`settle_unsure`), as their record may hold a turn
         no input will come back for."""
         self.on_unsure: Callable[[str, int], None] = lambda pid, n: None
+        #: Participants `lose` is ending: `settle_unsure` leaves them to it (both would
+        #: end the same record, and its failure text could beat `lose`'s held answer).
+        self._losing: set[str] = set()
         #: Whether a replica is alive (presence), and per partition when the wait for
         #: its live previous owners' writes ends (`await_last_writer`).
         self.alive: Callable[[str], Awaitable[bool]] | None = None
@@ -364,6 +367,9 @@ class Ledger:
             return await self._router().evict_participant(pid)
         except LifecycleError:
             return None
+        except Exception:  # (its state is gone either way: the others still dropped)
+            logger.exception("turnrouter: handing a participant over failed")
+            return None
 
     async def lose(self, pid: str) -> None:
         """Stop serving `pid`, its partition's pin having moved away: as `fence`, then
@@ -374,12 +380,14 @@ class Ledger:
         unfinished = state is not None and bool(
             state.inflight or state.outbox or state.lock.locked())
         inflight = list(state.inflight) if state is not None else []  # (the fence ends them)
-        kept = await self.fence(pid, refused=False)  # (its history, its turns drained)
         if state is None or not unfinished:
+            await self.fence(pid, refused=False)
             return
-        async with state.lock:  # a write under way has landed (or failed) by now
-            pass
+        self._losing.add(pid)
         try:
+            kept = await self.fence(pid, refused=False)  # (its history, turns drained)
+            async with state.lock:  # a write under way has landed (or failed) by now
+                pass
             # What it held: the turns in flight when the pin moved, and the endings
             # (answers held by those cut short included) not yet acknowledged; the
             # history they go with, for answers not recorded yet (`let_go`).
@@ -389,7 +397,11 @@ class Ledger:
         except Exception as exc:  # the other participants are still dropped
             logger.warning("turnrouter: ending a lost participant's turns failed: %r", exc)
             done = False
-        if not done:
+        finally:
+            self._losing.discard(pid)
+        if done:
+            self.unsure.pop(pid, None)  # (a write that gave up meanwhile: ended here)
+        else:
             self._unsure(pid, state.partition)
 
     def _unsure(self, pid: str, n: int) -> None:
@@ -473,6 +485,8 @@ class Ledger:
         would land after the new owner's, fence it and end its running turn with the
         failure text. Tried again after the next reconnect when the server cannot be
         asked now."""
+        if pid in self._losing:
+            return  # `lose` ends it, with the answers it held (or makes it unsure again)
         try:
             if await let_go(self, pid, n):
                 self.unsure.pop(pid, None)

@@ -38,6 +38,12 @@ GROUP = "turnrouter"
 FRONT_API = "$JS.FRONT.API"
 
 
+class _Unplaced(LifecycleError):
+    """JetStream placed nothing (10005): usually servers not there yet, so tried again,
+    but it may be lasting (a placement tag no server carries, storage limits): the
+    message names both, and the server's own error, when the worker gives up."""
+
+
 class _Refused(ConfigurationError):
     """The JetStream API refused a request; `error` is its error object."""
 
@@ -73,9 +79,10 @@ async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = No
             # Fewer servers online than the copies asked for: a cluster forming, a
             # server restarting. Tried again, as for a server not there yet (a worker
             # started during a rolling restart exited at once).
-            raise LifecycleError(
+            raise _Unplaced(
                 f"JetStream API {subject}: no suitable peers for placement (fewer servers "
-                f"of the cluster online than `replicas` asks for; waiting): {error}")
+                f"of the cluster online than `replicas` asks for, or none meeting the "
+                f"placement: its tags, the account's storage limits): {error}")
         raise _Refused(f"JetStream API {subject} refused: {error}", error)
     return data
 
@@ -150,8 +157,8 @@ async def _ensure_front_mirror(nc: Client, config: NatsConfig) -> None:
         logger.debug("turnrouter: the front ends' mirror was restarted from a sequence "
                      "(%s)", exc)
     except LifecycleError as exc:
-        if config.front_api is not None:
-            raise
+        if config.front_api is not None or isinstance(exc, _Unplaced):
+            raise  # (servers missing: waited for, the mirror not skipped)
         if not isinstance(exc.__cause__, NoRespondersError):
             logger.warning("turnrouter: no reply from %s (%s): no mirror of the output "
                            "stream for a front ends' account created; name that API with "
