@@ -283,15 +283,29 @@ async def unclaimed(ledger: Ledger, pid: str, n: int, message_id: str) -> str:
     known without a read."""
     if pid in ledger.people:
         return "refuse"
-    try:
-        record = await recorded(ledger, pid, n)
-    except (NatsError, ValueError):
-        return "claim"
-    if record is None:
-        return "refuse"
-    if record.inflight or record.outbox:
-        return "claim"
-    return "ended" if message_id in record.ended else "refuse"
+    key = f"{n}.{encode_token(pid)}"
+    for look in range(2):
+        try:
+            entry = await ledger._kv.get(key)
+            data = bytes(entry.value or b"")
+            record = await _parsed(ledger, data)
+        except KeyNotFoundError:
+            return "refuse"
+        except (NatsError, ValueError):
+            return "claim"
+        if record.inflight or record.outbox:
+            return "claim"
+        if message_id in record.ended:
+            return "ended"
+        if look or not record.owner or record.owner == ledger.replica or not (
+                asyncio.get_running_loop().time() - ledger.arrived.get(n, -math.inf)
+                < ledger._config.failover_timeout + 2 * ledger._config.probe_interval):
+            break
+        # The partition just arrived: its previous owner, alive, may be writing this
+        # query's answer (`let_go`, answers it held): the busy text would race it, and
+        # the participant hear it while the history holds the answer (review10 L1).
+        await await_last_writer(ledger, key, data, record.owner, n)
+    return "refuse"
 
 
 PublishEnding = Callable[[str, "Participant", Ending], Awaitable[None]]
@@ -325,6 +339,7 @@ class Ledger:
         self.alive: Callable[[str], Awaitable[bool]] | None = None
         self.heard: Callable[[str], bool | None] = lambda replica: None  # (its verdict now)
         self.grace: dict[int, float] = {}
+        self.arrived: dict[int, float] = {}  # (loop time each partition was taken over)
         self.unheard: dict[str, Participant] = {}
         """Participants not served here whose endings were published (`say_again`,
         `let_go`) and not acknowledged by the stream yet, their outboxes emptying as

@@ -455,6 +455,7 @@ class NatsWorker:
         if self._metrics is not None:
             self._metrics.takeovers.inc()
         self.ledger.grace.pop(n, None)  # a new wait for its live previous owners
+        self.ledger.arrived[n] = asyncio.get_running_loop().time()
         assert self._takeover is not None
         self._spawn(self._takeover.scan(n), f"takeover {n}")
 
