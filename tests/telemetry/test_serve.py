@@ -183,6 +183,28 @@ def test_idle_connections_hold_a_bounded_number_of_threads(with_ready: bool) -> 
     server.close()
 
 
+def test_half_sent_requests_are_closed_without_a_traceback(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """A client sending half a request line then nothing is closed when idle, silently:
+    each printed the standard library's 26-line traceback (a log flood for anyone who
+    reaches the port), while the server goes on answering scrapes."""
+    with serve_metrics(0, CollectorRegistry(), ready=lambda: True) as server:
+        half = [socket.create_connection(("127.0.0.1", server.port), timeout=15)
+                for _ in range(3)]
+        try:
+            for conn in half:
+                conn.sendall(b"GET /ready HTTP/1.1\r\n")
+            for conn in half:  # closed by the server once idle (5 s), bounded by 15 s
+                assert conn.recv(1) == b""
+        finally:
+            for conn in half:
+                conn.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/ready", timeout=10) as reply:
+            assert reply.status == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "TimeoutError" not in err, err
+
+
 def test_a_port_in_use_is_an_os_error_naming_it() -> None:
     """A port another server holds: the `OSError` names the address and port (it was a
     bare "Address already in use": the quickstart's demo and an app both on 9464)."""

@@ -9,7 +9,9 @@ Kubernetes readiness probe takes a busy replica out of rotation).
 
 from __future__ import annotations
 
+import logging
 import socket
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from socketserver import ThreadingMixIn
@@ -25,6 +27,9 @@ from prometheus_client import (
 )
 
 from .._exceptions import ContractTypeError
+from .._limits import is_logged
+
+logger = logging.getLogger("turnrouter")
 
 __all__ = ["ASGIApp", "MetricsServer", "bind_error", "metrics_app", "serve_metrics"]
 
@@ -170,6 +175,22 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    #: Requests that failed other than by their connection (logged at powers of ten).
+    failures = 0
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that timed out or broke is closed without a word (the standard
+        library printed a 26-line traceback for each: half-sent requests flooded the
+        log); anything else is logged, the first time and at every power of ten."""
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            return
+        type(self).failures += 1
+        if is_logged(type(self).failures):
+            logger.warning(
+                "turnrouter: serving metrics failed (%d so far): %r",
+                type(self).failures, error)
 
 
 class _QuietHandler(WSGIRequestHandler):
