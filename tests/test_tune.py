@@ -457,6 +457,9 @@ def _series(route: object, le: object, value: object) -> dict[str, Any]:
     ({"status": "success", "data": {"resultType": "vector", "result": [
         _series("a", "x", "1")]}}, "not a number"),
     ({"status": "success", "data": {"resultType": "vector", "result": [
+        _series("a", "0.5", "1e308"), _series("a", "+Inf", "1e308")]}},
+     "too large to add up"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
         _series(1, "0.5", "1")]}}, "string 'route'"),
     ({"status": "success", "data": {"resultType": "vector", "result": [
         {"metric": {"route": "a", "le": "1"}, "value": "1"}]}}, "[time, value]"),
@@ -477,7 +480,7 @@ SERIES = st.fixed_dictionaries({
     "metric": st.dictionaries(st.sampled_from(["route", "le", "job"]),
                               st.text(max_size=8) | st.sampled_from(["+Inf", "0.5", "NaN"])
                               | JSON, max_size=3),
-    "value": st.lists(JSON | st.sampled_from(["1", "-1", "NaN", "Inf", "1e400"]),
+    "value": st.lists(JSON | st.sampled_from(["1", "-1", "NaN", "Inf", "1e400", "1e308"]),
                       max_size=3)})
 
 
@@ -495,6 +498,7 @@ def test_any_prometheus_answer_parses_or_names_the_problem(payload: object) -> N
     else:
         message = "ok"
     assert message
+    assert math.isfinite(sum(c for per_route in buckets.values() for c in per_route.values()))
     for per_route in buckets.values():
         for bound, count in per_route.items():
             assert bound > 0 and math.isfinite(count) and count >= 0

@@ -568,6 +568,10 @@ def parse_prometheus_answer(payload: object,
             continue
         per_route = buckets.setdefault(route, {})
         per_route[bound] = per_route.get(bound, 0.0) + count
+    if not math.isfinite(sum(c for per_route in buckets.values() for c in per_route.values())):
+        # Each finite, their sum not (1e308 per bucket): every rate would read inf or nan.
+        raise ValueError("Prometheus answer's bucket counts are too large to add up "
+                         "(their sum is not finite)")
     return buckets
 
 
