@@ -223,13 +223,13 @@ def _policy_env(size: int) -> Feed:
     return feed
 
 
-def _classifier(size: int) -> Feed:
-    service = ClassifierDecisions(ScriptedLLM(" " * size + "route: billing\nconfidence: 0.9"))
+def _classifier(size: int, pad: str = " ", expected: str = "billing") -> Feed:
+    service = ClassifierDecisions(ScriptedLLM(pad * size + "route: billing\nconfidence: 0.9"))
     request = RouteRequest(AgentTurn("p", "t", "q"), (RoutingAid("billing", "Invoices."),))
 
     async def feed() -> str:
         decision = await service.decide(request)
-        return "ok" if decision.choice == "billing" else "WRONG"
+        return "ok" if decision.choice == expected else "WRONG"
 
     return feed
 
@@ -370,6 +370,8 @@ BOUNDARIES: list[Boundary] = [
              lambda size: _complete(_reply("ok"), _fill("é", size))),
     Boundary("Classifier", "reply parsing", "1 MB of spaces, then route/confidence",
              _classifier),
+    Boundary("Classifier", "reply parsing", "1 MB of line breaks, then route",
+             lambda size: _classifier(size, "\n", "clarify")),
     Boundary("Template acknowledger", "complete(prompt)", "1 MB description + query",
              _template),
     Boundary("Template acknowledger", "complete(prompt)", "1 MB route name (é)",

@@ -263,6 +263,35 @@ def test_long_lines_of_padding_parse_in_one_pass() -> None:
     assert parse_classifier_output(" " * 300_000) == ParsedClassification(None, None)
 
 
+@pytest.mark.parametrize(("reply", "parsed"), [
+    ("<think>route: support\nconfidence: 1</think>\nroute: billing\nconfidence: 0.4",
+     ParsedClassification("billing", 0.4)),
+    ("<think>route: support\nconfidence: 1\n", ParsedClassification(None, None)),
+    ("route: billing\n<thinking>confidence: 1", ParsedClassification("billing", None)),
+    ("<think><think>route: support</think>confidence: 1</think>route: billing\n"
+     "confidence: 0.4", ParsedClassification("billing", 0.4)),
+    ("route: support\nconfidence: 1</think>route: billing", ParsedClassification("billing", None)),
+])
+def test_reasoning_is_never_read_as_the_answer(reply: str,
+                                               parsed: ParsedClassification) -> None:
+    """A route or confidence inside reasoning (closed, nested, never closed, or opened by
+    the chat template) is no answer, whatever the LLM service: one returning reasoning
+    made the classifier take `confidence: 1` from the model's musings."""
+    assert parse_classifier_output(reply) == parsed
+
+
+def test_only_the_first_lines_of_a_reply_are_read() -> None:
+    """The route and confidence come first: past `MAX_PARSED_LINES` lines nothing is
+    read (a million line breaks blocked the event loop 100-220 ms), and a reply that
+    starts with them is read whatever follows."""
+    late = "\n" * 1_000_000 + "route: billing\nconfidence: 0.5"
+    assert parse_classifier_output(late) == ParsedClassification(None, None)
+    first = "route: billing\nconfidence: 0.5" + "\nroute: support" * 100_000
+    assert parse_classifier_output(first) == ParsedClassification("billing", 0.5)
+    just = "\n" * 999 + "route: billing\nconfidence: 0.5"  # the 1,000th and 1,001st
+    assert parse_classifier_output(just) == ParsedClassification("billing", None)
+
+
 # ------------------------------------------------------------- the reference's contract
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .._contracts import CLARIFY, RouteDecision, RouteRequest
 from .._exceptions import ConfigurationError, LLMError
 from .._llm import LLMService
-from .._redact import preview, strip_surrogates
+from .._redact import preview, strip_reasoning, strip_surrogates
 
 __all__ = ["DEFAULT_CLASSIFIER_PROMPT", "ClassifierDecisions", "ParsedClassification",
            "parse_classifier_output"]
@@ -52,6 +52,10 @@ _NUMBER_RE = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?)"
                         r"(?:\s*(%|percent\b)|\s*/\s*(\d+(?:\.\d*)?))?",
                         re.ASCII | re.IGNORECASE)
 _STRIP = " \t\"'`*_.,;"
+#: The most lines of a reply's visible text read for `route:`/`confidence:` (the
+#: prompt asks for them first, in a few tokens): a million line breaks blocked the
+#: event loop 100-220 ms.
+MAX_PARSED_LINES = 1_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +77,13 @@ def parse_classifier_output(text: str) -> ParsedClassification:
     by 100, a fraction ("1/2", "17/20") divided out; a negative one is 0; anything else
     (another number over 1, not finite, a zero denominator, digits other than ASCII)
     counts as missing, so a threshold then sends the turn to the fallback route.
+    Reasoning (`<think>` blocks, closed or not, as `strip_reasoning` finds them) is not
+    read, whatever the LLM service: a route or confidence it muses about is no answer.
+    Only the first `MAX_PARSED_LINES` lines of what is left are read.
     """
     route: str | None = None
     confidence: float | None = None
-    for line in text.splitlines():
+    for line in strip_reasoning(text).splitlines()[:MAX_PARSED_LINES]:
         match = _LINE_RE.match(line)
         if match is None:
             continue
