@@ -358,7 +358,7 @@ class OpenAIChatClient:
         """The body, at most `max_reply_bytes`; an announced or actual overflow raises."""
         cap = self.max_reply_bytes
         if response.length is not None and response.length > cap:
-            self._overflow(response.status, f"announces {response.length} bytes")
+            self._overflow(response.status, f"announces {response.length} bytes, more")
         chunks: list[bytes] = []
         total = 0
         while True:
