@@ -755,6 +755,28 @@ async def test_unreported_audio_falls_back_to_started_at_the_next_turn() -> None
     assert _heard(h) == [("heard", "conversation", 0.0, 0.0)]
 
 
+async def test_an_answer_unheard_when_a_reporting_participant_speaks_again_is_cut() -> None:
+    """Once the front end has reported audio heard for a participant, an answer it has
+    not reported by the participant's next turn was not heard yet (a pipeline that sends
+    no interruption): its first response is a lower bound at that turn (censored) and
+    no silence is recorded. Before, it fell back to `started()`: a 0.1 s first response
+    taught the predictor for an answer heard at 2.1 s (voice11)."""
+    clock = ManualClock()
+    samples: list[TimingSample] = []
+    h = Harness(ScriptedAgent("conversation"), clock=clock, timing_sink=_sink(samples)())
+    await h.router.route_turn(h.turn(), report_heard=True)
+    clock.advance(0.2)
+    assert h.router.mark_heard("p1", "t1") is True
+    await h.router.route_turn(h.turn(), report_heard=True)  # t2: never reported
+    clock.advance(1.0)
+    await h.router.route_turn(h.turn(), report_heard=True)  # t3: the participant again
+    assert [e for e in h.observer.events if e[0].startswith("heard")] == [
+        ("heard", "conversation", 0.2, 0.2), ("heard_interrupted", "conversation", 1.0)]
+    assert not [e for e in h.observer.turns["t2"] if e[0] == "silence"]
+    assert [(sample.seconds, sample.censored) for sample in samples] == [
+        (0.2, False), (1.0, True)]
+
+
 async def test_unreported_audio_falls_back_on_departure() -> None:
     """A departure closes an open heard measurement at started()."""
     h = Harness(ScriptedAgent("conversation"), clock=ManualClock())
@@ -863,6 +885,46 @@ async def test_control_text_heard_ends_the_silence_not_the_first_response() -> N
     assert h.router.mark_heard("p1", "t2") is True
     silences = [event for event in h.observer.turns["t2"] if event[0] == "silence"]
     assert silences == [("silence", "conversation", 0.0)]
+
+
+async def test_control_text_unheard_at_a_barge_in_records_no_silence() -> None:
+    """A preamble said but never reported heard (its audio not begun: a slow TTS) when
+    the participant barges in, after `started()` or before it: nothing was heard, so no
+    silence is recorded (before, the silence ended when the text was said: 0 s for a
+    preamble, the dead-air figure of exactly the calls where the caller gave up:
+    voice11); the first response is censored at the barge-in as without control text.
+    Reported heard before the barge-in, it ends the silence at its audio."""
+    clock = ManualClock()
+    samples: list[TimingSample] = []
+    h = Harness(ScriptedAgent("conversation", admissions=Admission("accept", preamble="Ok.")),
+                clock=clock, timing_sink=_sink(samples)())
+    await h.router.route_turn(h.turn(), report_heard=True)  # t1: answered, not heard
+    clock.advance(0.9)
+    await h.router.interrupt("p1")
+    assert not [e for e in h.observer.turns["t1"] if e[0] == "silence"]
+    assert [e for e in h.observer.events if e[0].startswith("heard")] == [
+        ("heard_interrupted", "conversation", 0.9)]
+
+    agent = h["conversation"]
+    agent.answer_gate, agent.call_started = anyio.Event(), False  # t2: before started()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: h.router.route_turn(h.turn(), report_heard=True))
+        with anyio.fail_after(5):
+            await agent.answer_entered.wait()
+        clock.advance(0.6)
+        await h.router.interrupt("p1")
+    assert not [e for e in h.observer.turns["t2"] if e[0] == "silence"]
+
+    agent.answer_gate, agent.call_started = None, True
+    await h.router.route_turn(h.turn(), report_heard=True)  # t3: preamble heard, then cut
+    clock.advance(0.4)
+    assert h.router.mark_heard("p1", "t3", control=True) is True
+    clock.advance(0.5)
+    await h.router.interrupt("p1")
+    assert [e for e in h.observer.turns["t3"] if e[0] == "silence"] == [
+        ("silence", "conversation", pytest.approx(0.4))]
+    assert [(sample.seconds, sample.censored) for sample in samples] == [
+        (0.9, True), (0.6, True), (pytest.approx(0.9), True)]
 
 
 def test_reports_status_says_whether_set_status_is_configured() -> None:

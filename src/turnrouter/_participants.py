@@ -51,8 +51,8 @@ class Participant:
 
     __slots__ = (
         "cleanup_pending", "current", "departure", "exported", "exported_head", "focus",
-        "history", "initialized", "pending", "phase", "pid", "queue", "unheard", "unreleased",
-        "used",
+        "history", "initialized", "pending", "phase", "pid", "queue", "reports_heard",
+        "unheard", "unreleased", "used",
     )
 
     def __init__(self, pid: str, history: History) -> None:
@@ -74,6 +74,9 @@ class Participant:
         #: The running turn, and an answered turn whose first audio is not reported yet.
         self.current: Turn | None = None
         self.unheard: Answer | None = None
+        #: Whether a heard report ever matched one of its turns: the front end reports,
+        #: so an answer unreported when the participant speaks again was not heard yet.
+        self.reports_heard = False
         #: The JSON of the exchanges at the latest `export_json` (None: never exported):
         #: (the history's metadata list, the index in it of the first piece, the pieces).
         self.exported: tuple[list[Meta], int, list[bytes]] | None = None

@@ -144,7 +144,7 @@ class Turn(TurnRun):
             await _wait_in_line(self)
         try:
             if state.unheard is not None:  # the previous answer was never reported heard
-                state.unheard.resolve_heard(None)
+                state.unheard.spoken_over()
             if self.observing:
                 self.focus_before = state.focus
                 self.obs = cfg.observer.turn_started(_new(TurnStarted, (turn, state.focus)))
@@ -571,8 +571,9 @@ class Answer:
         except BaseException as raised:
             exc = owner.stray(raised, f"destination {route!r} answer()")
             self.closed = True
-            self._close_silence()
             cancelled = _is_cancel(exc)
+            if not cancelled:  # (cut short: what was said but not reported, unheard)
+                self._close_silence()
             if cancelled and not owner.started:
                 # A censored first response: a lower bound, not a fast answer (the
                 # timing samples and the metrics count it alike).
@@ -655,6 +656,7 @@ class Answer:
     def control_heard(self, at: float) -> None:
         """The front end reports this turn's control text heard at `at` (its audio
         began): that ends the silence if nothing was heard before."""
+        self.owner.state.reports_heard = True
         self._silence_at(at)
 
     def _silence_at(self, at: float) -> None:
@@ -663,8 +665,8 @@ class Answer:
             self.owner.obs.silence(_new(SilenceMeasured, (self.route, seconds)))
 
     def _close_silence(self) -> None:
-        """The answer ended without starting: control text said but never reported
-        heard ends the silence when it was said."""
+        """The answer ended without starting (not cut short): control text said but
+        never reported heard ends the silence when it was said."""
         if self._started_at is None and not self.owner.started and self._said_at is not None:
             self._silence_at(self._said_at)
 
@@ -710,6 +712,7 @@ class Answer:
 
     def mark_heard(self, at: float) -> None:
         """The front end reports the first audio of this answer heard at `at`."""
+        self.owner.state.reports_heard = True
         if self.owner.started:
             self.resolve_heard(at)
         else:
@@ -745,20 +748,27 @@ class Answer:
         if cfg.timed is not None:
             cfg.timed.record(self.route, seconds, False, owner.turn)
 
+    def spoken_over(self) -> None:
+        """The participant's next turn began before this answer was reported heard:
+        by a front end that reports, it was not heard yet (no interruption sent: a
+        barge-in all the same, voice11); else measured at `started()`."""
+        if self.owner.state.reports_heard:
+            self.resolve_unheard(self.owner.cfg.clock())
+        else:
+            self.resolve_heard(None)
+
     def resolve_unheard(self, at: float) -> None:
         """A barge-in at `at` before any of this answer was reported heard: its first
         response is a lower bound (censored, as for a turn interrupted before
-        `started()`), and the silence is not recorded, unless control text said before
-        ended it. (Falling back to `started()` recorded the fastest turn of the call for
-        one whose caller heard nothing.)"""
+        `started()`), and the silence is not recorded, unless control text reported
+        heard ended it. (Falling back to `started()` recorded the fastest turn of the
+        call for one whose caller heard nothing; so did control text said and never
+        reported heard, whose audio the barge-in cut before it began: voice11.)"""
         owner = self.owner
         started_at = self._take_measure()
         if started_at is None:
             return
         seconds = max(at, started_at) - self._t0
-        said_at = self._said_at
-        if said_at is not None:
-            self._silence_at(min(said_at, at))
         cfg = owner.cfg
         cfg.observer.heard(Heard(self.route, seconds, None, True))
         if cfg.timed is not None:
