@@ -230,6 +230,25 @@ async def test_non_finite_numbers_in_a_patch_are_refused(value: float) -> None:
     assert [e.user for e in h.router.history_of("p1")] == ["book a table"]
 
 
+@pytest.mark.parametrize("value", [{1, 2}, (1, 2), b"raw", {1: "key not text"},
+                                   [{"deep": frozenset({"x"})}]])
+async def test_values_that_are_not_json_data_in_a_patch_are_refused(value: object) -> None:
+    """A set, tuple, bytes or a key that is not text reads back from JSON as something
+    else, so the participant's context would change at its next move: refused by name
+    (a set was accepted and arrived as a list after a move: redteam11), in facts,
+    artifacts and sources alike; plain JSON data is accepted."""
+    h, _agent = booking()
+    await h.say("book a table")
+    for patch in (ContextPatch(task_id="t", facts={"a": value}),
+                  ContextPatch(task_id="t", artifacts=({"v": value},)),
+                  ContextPatch(task_id="t", sources=({"v": value},))):
+        with pytest.raises(ContractValueError, match="not JSON data"):
+            await h.router.apply_context_patch("p1", patch)
+    assert [e.user for e in h.router.history_of("p1")] == ["book a table"]
+    await h.router.apply_context_patch("p1", ContextPatch(
+        task_id="t", facts={"a": [1, 2.5, "x", None, True, {"b": []}]}))
+
+
 async def test_rejection_discards_and_settled_or_unknown_ids_raise() -> None:
     """A rejected patch never reaches the context; settled and unknown ids raise."""
     h, _agent = booking()

@@ -207,13 +207,21 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
     try:
         validated = ContextPatch.model_validate(
             {name: getattr(patch, name, None) for name in ContextPatch.model_fields})
-        ContextPatch.model_validate_json(data)
+        read = ContextPatch.model_validate_json(data)
     except ValidationError as exc:
         first = exc.errors(include_input=False)[0]
         where = ".".join(str(part) for part in first.get("loc", ())) or "(root)"
         raise ContractValueError(
             f"invalid context patch {_shown(patch)}: {exc.error_count()} error(s), "
             f"first: {where}: {first.get('msg', '')}") from None
+    for name in ("facts", "artifacts", "sources"):
+        if getattr(read, name) != getattr(validated, name):
+            # A set, tuple, bytes or non-text key: JSON carries it as something else, so
+            # the participant's state would change at its next move or import.
+            raise ContractValueError(
+                f"invalid context patch {_shown(patch)}: {name} hold values that are not "
+                "JSON data (a set, tuple, bytes, or a key that is not text): they would "
+                "read back as something else after a move")
     return (patch if validated == patch else validated), len(data)
 
 
