@@ -1279,3 +1279,21 @@ def test_an_import_reads_back_only_the_exchanges_the_history_bound_keeps() -> No
     with pytest.raises((ContractValueError, ContractTypeError)):
         h.router.import_participant(kept)
     assert h.router.export_participant("bob") is None
+
+
+class _ZeroLength(str):
+    """Text whose `__len__` lies (says 0)."""
+
+    def __len__(self) -> int:
+        return 0
+
+
+async def test_a_participant_id_is_checked_by_its_text_not_a_subclass_length() -> None:
+    """The empty-id check reads the text itself: a `str` subclass whose `__len__` lies
+    is not refused as empty (it was), and the empty string still is, by name."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.router.route_turn(h.turn())
+    snapshot = h.router.export_participant(_ZeroLength("p1"))
+    assert snapshot is not None and snapshot.participant_id == "p1"
+    with pytest.raises(ContractValueError, match="participant_id must not be empty"):
+        h.router.export_participant("")

@@ -658,5 +658,5 @@ def _check_pid(participant_id: object) -> None:
         raise ContractTypeError(
             f"participant_id must be a str, got {type(participant_id).__name__}"
         )
-    if not participant_id:
+    if not str.__len__(participant_id):  # (the text's own length, not a subclass's)
         raise ContractValueError("participant_id must not be empty")
