@@ -1,7 +1,8 @@
 """The shipped Alertmanager configuration, run for real, with the alerts of a NATS fleet
-whose one worker is down: the fleet's alerts stay active (they are about the replicas
-still running, and every replica shares the job), the main rules' job-wide alerts are
-held as suppressed by TurnrouterTargetDown, as for a single router.
+whose one worker is down: the fleet's alerts and the main rules' job-wide alerts stay
+active (they are about the replicas still running, and every replica shares the job);
+only the dead worker's own alerts (its instance) are held as suppressed by
+TurnrouterTargetDown.
 
 The alerts are posted to Alertmanager's API as Prometheus would send them: labelled as
 the NATS compose stack labels them (no `cluster`, no `namespace`: Alertmanager compares a
@@ -47,7 +48,7 @@ def _post(alertmanager: Alertmanager, alerts: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("where", [{}, {"cluster": "eu-1", "namespace": "turnrouter"}],
                          ids=["compose", "kubernetes"])
-def test_one_dead_worker_mutes_no_fleet_alert(where: dict[str, str],
+def test_one_dead_worker_mutes_only_its_own_alerts(where: dict[str, str],
                                               tmp_path: Path) -> None:
     alertmanager = Alertmanager(find_binary("prometheus-alertmanager"), tmp_path,
                                 CONFIG.read_text())
@@ -58,26 +59,35 @@ def test_one_dead_worker_mutes_no_fleet_alert(where: dict[str, str],
                              **({"instance": "worker-2:9464"}
                                 if name == "TurnrouterReplicaNotServing" else {})}}
                  for name, severity in FLEET.items()]
+        overloaded = [{"labels": {**job, "alertname": "TurnrouterOverloaded",
+                                  "severity": "warning", "instance": instance}}
+                      for instance in ("worker-1:9464", "worker-2:9464")]
         _post(alertmanager, [
             {"labels": {**job, "alertname": "TurnrouterTargetDown", "severity": "critical",
                         "instance": "worker-1:9464"}},
             {"labels": {**job, "alertname": "TurnrouterFailures", "severity": "critical"}},
-            *fleet])
+            *overloaded, *fleet])
 
         def settled() -> dict[str, dict[str, Any]] | None:
-            alerts = {a["labels"]["alertname"]: a for a in alertmanager.alerts()}
-            failures = alerts.get("TurnrouterFailures")
-            if len(alerts) < 2 + len(FLEET) or failures is None \
-                    or failures["status"]["state"] != "suppressed":
+            alerts = {(a["labels"]["alertname"], a["labels"].get("instance")): a
+                      for a in alertmanager.alerts()}
+            dead = alerts.get(("TurnrouterOverloaded", "worker-1:9464"))
+            if len(alerts) < 4 + len(FLEET) or dead is None \
+                    or dead["status"]["state"] != "suppressed":
                 return None  # not yet inhibited: TurnrouterTargetDown not processed yet
             return alerts
 
-        alerts = eventually(settled, timeout=60, what="TurnrouterFailures inhibited")
-        down = alerts["TurnrouterTargetDown"]
+        alerts = eventually(settled, timeout=60, what="the dead worker's alert inhibited")
+        down = alerts[("TurnrouterTargetDown", "worker-1:9464")]
         assert down["status"]["state"] == "active"
-        assert alerts["TurnrouterFailures"]["status"]["inhibitedBy"] == [down["fingerprint"]]
+        assert alerts[("TurnrouterOverloaded", "worker-1:9464")]["status"]["inhibitedBy"] == [
+            down["fingerprint"]]
+        for key in (("TurnrouterFailures", None), ("TurnrouterOverloaded", "worker-2:9464")):
+            status = alerts[key]["status"]
+            assert (status["state"], status["inhibitedBy"]) == ("active", []), (key, status)
+        by_name = {name: alert for (name, _), alert in alerts.items()}
         for name in FLEET:
-            status = alerts[name]["status"]
+            status = by_name[name]["status"]
             assert (status["state"], status["inhibitedBy"]) == ("active", []), (name, status)
     finally:
         alertmanager.stop()

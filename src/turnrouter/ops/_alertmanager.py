@@ -111,9 +111,13 @@ def alertmanager_config(urls: Mapping[str, str] | None = None,
              "target_matchers": ['severity="warning"',
                                  f'alertname=~"{"|".join(_LATENCY_WARNINGS)}"'],
              "equal": labels},
+            # Only the dead target's own alerts (those labelled with its instance): a
+            # job-wide alert is about the replicas still running too (one dead replica
+            # of three muted the others' pages), and it clears by itself once no
+            # replica of the job is up (`turnrouter:up:max`).
             {"source_matchers": ['alertname="TurnrouterTargetDown"'],
              "target_matchers": ['alertname=~"Turnrouter.+"', f'alertname!~"{others}"'],
-             "equal": labels},
+             "equal": [*labels, "instance"]},
         ],
         "receivers": [
             {"name": name, "webhook_configs": [
@@ -132,8 +136,9 @@ HEADER = """\
 # TURNROUTER_ALERT_WATCHDOG_URL set (docs/operations.md). Critical alerts page, warnings
 # open a ticket, TurnrouterWatchdog (always firing) reaches the dead man's switch; groups
 # are per alert, cluster, namespace, job and route. A critical inhibits its own warning;
-# TurnrouterFailures the latency warnings of its job; TurnrouterTargetDown every other
-# alert of its job but the NATS fleet's (about the replicas still running).
+# TurnrouterFailures the latency warnings of its job; TurnrouterTargetDown the other
+# alerts of its own instance (not its job's: other replicas may still run) but the NATS
+# fleet's.
 """
 
 
