@@ -68,7 +68,7 @@ def test_one_dead_worker_mutes_only_its_own_alerts(where: dict[str, str],
             {"labels": {**job, "alertname": "TurnrouterFailures", "severity": "critical"}},
             *overloaded, *fleet])
 
-        def settled() -> dict[str, dict[str, Any]] | None:
+        def settled() -> dict[tuple[str, str | None], dict[str, Any]] | None:
             alerts = {(a["labels"]["alertname"], a["labels"].get("instance")): a
                       for a in alertmanager.alerts()}
             dead = alerts.get(("TurnrouterOverloaded", "worker-1:9464"))
