@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -17,6 +18,7 @@ from turnrouter.ops import (
     RUNBOOK_URL,
     RouteOverride,
     check_group_labels,
+    generated_files,
     read_overrides,
     render_rules,
     rule_groups,
@@ -177,6 +179,25 @@ def test_group_labels_are_configurable() -> None:
     assert "on (k8s_cluster, job)" in text
     assert GROUP_LABELS == ("cluster", "namespace", "job")
     assert "by (cluster, namespace, job)" in (ROOT / RULES_FILE).read_text()
+
+
+def test_the_nats_fleet_files_follow_the_group_labels_too() -> None:
+    """The fleet's alerts and dashboard aggregate and filter by the group labels, as the
+    main ones: they grouped by `job` alone, so two fleets whose worker Services share a
+    name merged, and a healthy one hid one missing half its partitions (ops11)."""
+    files = generated_files(group_labels=("k8s_cluster", "job"))
+    rules = files["deploy/prometheus/rules-nats/turnrouter-nats.rules.yml"]
+    assert "by (job)" not in rules and "on (job)" not in rules
+    assert "max by (k8s_cluster, job) (turnrouter_nats_partitions)" in rules
+    assert "min by (k8s_cluster, job, instance) (turnrouter_nats_serving)" in rules
+    assert "max by (k8s_cluster, job)" in files["deploy/k8s/nats/prometheusrule-nats.yaml"]
+    fleet = json.loads(files["deploy/k8s/nats/turnrouter-fleet.json"])
+    names = [v["name"] for v in fleet["templating"]["list"]]
+    assert names[:3] == ["datasource", "k8s_cluster", "job"]
+    exprs = [t["expr"] for panel in fleet["panels"] for t in panel.get("targets", [])]
+    assert exprs and all('k8s_cluster=~"$k8s_cluster"' in expr for expr in exprs)
+    shipped = (ROOT / "deploy/prometheus/rules-nats/turnrouter-nats.rules.yml").read_text()
+    assert "by (cluster, namespace, job)" in shipped
 
 
 @pytest.mark.parametrize("labels", [(), ("cluster",), ("job", "job"), ("job", "route"),

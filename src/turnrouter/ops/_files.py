@@ -116,7 +116,7 @@ def generated_files(runbook_url: str | None = None,
     files[K8S_DASHBOARDS] = _K8S_HEADER + dump_all(dashboards_configmaps(group_labels,
                                                                           overrides))
     files[ALERTMANAGER_FILE] = render_alertmanager(PLACEHOLDER_URLS, group_labels)
-    files.update(fleet_files(runbook_url))  # the NATS runtime's dashboard and alerts
+    files.update(fleet_files(runbook_url, group_labels))  # the NATS runtime's
     return files
 
 

@@ -8,13 +8,22 @@ exposes. Written by `python -m turnrouter.ops` with the other generated files.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from ._dashboards import JOB, RATE, _dashboard, _targets, _timeseries, render_dashboard
-from ._rules import RUNBOOK_URL
+from ._dashboards import (
+    JOB,
+    RATE,
+    _dashboard,
+    _targets,
+    _timeseries,
+    _with_group_labels,
+    render_dashboard,
+)
+from ._rules import GROUP_LABELS, RUNBOOK_URL, check_group_labels
 
 __all__ = ["FLEET_ALERTS", "FLEET_DASHBOARD", "FLEET_K8S_RULE", "FLEET_RULES",
-           "fleet_dashboard", "fleet_files", "fleet_rule_groups"]
+           "fleet_alerts", "fleet_dashboard", "fleet_files", "fleet_rule_groups"]
 
 FLEET_DASHBOARD = "deploy/k8s/nats/turnrouter-fleet.json"
 FLEET_RULES = "deploy/prometheus/rules-nats/turnrouter-nats.rules.yml"
@@ -138,79 +147,92 @@ def fleet_dashboard() -> dict[str, Any]:
 
 
 _DELIVERY = f'{_WAIT}_bucket{{stage="delivery"}}'
-_BACKLOG: dict[str, Any] = {
-    "alert": "TurnrouterInputBacklog",
-    "expr": (f"histogram_quantile(0.95, sum by (job, le) (rate({_DELIVERY}[5m])))\n"
-             f"  > {BACKLOG_SECONDS:g}\nand on (job)\n"
-             f'  sum by (job) (increase({_WAIT}_count{{stage="delivery"}}[5m])) '
-             f">= {BACKLOG_MIN_INPUTS}"),
-    "for": "5m",
-    "labels": {"severity": "critical"},
-    "annotations": {
-        "summary": "Inputs of the NATS runtime wait in the stream: the fleet is past its "
-                   "capacity",
-        "description": "p95 of the time inputs of job {{ $labels.job }} waited in the input "
-                       "stream before a replica received them is {{ $value | "
-                       f"humanizeDuration }}}} (threshold {BACKLOG_SECONDS:g}s): answers come "
-                       "that late, and queries past max_input_wait are answered with the "
-                       "busy text (rejected, reason expired). Add replicas: each serves a "
-                       "share of the partitions (no more replicas than partitions help).",
-        "runbook_url": f"{RUNBOOK_URL}#turnrouterinputbacklog",
-    },
-}
 
-#: The fleet's alerts, as they appear in the rule file.
-FLEET_ALERTS: tuple[dict[str, Any], ...] = (
-    {
-        "alert": "TurnrouterPartitionUnconsumed",
-        "expr": f"max by (job) ({_PARTITIONS})\n  - sum by (job) ({_OWNED}) > 0",
-        "for": "1m",
+
+def fleet_alerts(group_labels: Sequence[str] = GROUP_LABELS) -> tuple[dict[str, Any], ...]:
+    """The fleet's alerts, as they appear in the rule file, aggregated by
+    `group_labels` (default cluster, namespace, job, as the main rules): two fleets whose
+    worker Services share a name never merge (a healthy fleet hid one missing half its
+    partitions)."""
+    g = ", ".join(check_group_labels(group_labels))
+    backlog: dict[str, Any] = {
+        "alert": "TurnrouterInputBacklog",
+        "expr": (f"histogram_quantile(0.95, sum by ({g}, le) (rate({_DELIVERY}[5m])))\n"
+                 f"  > {BACKLOG_SECONDS:g}\nand on ({g})\n"
+                 f'  sum by ({g}) (increase({_WAIT}_count{{stage="delivery"}}[5m])) '
+                 f">= {BACKLOG_MIN_INPUTS}"),
+        "for": "5m",
         "labels": {"severity": "critical"},
         "annotations": {
-            "summary": "A partition of the NATS runtime has had no replica for a minute",
-            "description": "{{ $value }} partition(s) of job {{ $labels.job }} are consumed "
-                           "by no replica: their participants are not served. Check that "
-                           "replicas run and reach NATS (docs/distributed.md).",
-            "runbook_url": f"{RUNBOOK_URL}#turnrouterpartitionunconsumed",
+            "summary": "Inputs of the NATS runtime wait in the stream: the fleet is past its "
+                       "capacity",
+            "description": "p95 of the time inputs of job {{ $labels.job }} waited in the "
+                           "input stream before a replica received them is {{ $value | "
+                           f"humanizeDuration }}}} (threshold {BACKLOG_SECONDS:g}s): answers "
+                           "come that late, and queries past max_input_wait are answered "
+                           "with the busy text (rejected, reason expired). Add replicas: "
+                           "each serves a share of the partitions (no more replicas than "
+                           "partitions help).",
+            "runbook_url": f"{RUNBOOK_URL}#turnrouterinputbacklog",
         },
-    },
-    {
-        "alert": "TurnrouterFencedWrites",
-        "expr": f"sum by (job) (rate({_REFUSED}[5m])) > 0.1",
-        "for": "10m",
-        "labels": {"severity": "warning"},
-        "annotations": {
-            "summary": "Replicas keep losing participants to each other",
-            "description": "State writes of job {{ $labels.job }} are refused for a newer "
-                           "revision ({{ $value }}/s): partitions move back and forth "
-                           "(replicas pausing, restarting or overloaded past the failover "
-                           "timeout).",
-            "runbook_url": f"{RUNBOOK_URL}#turnrouterfencedwrites",
+    }
+    return (
+        {
+            "alert": "TurnrouterPartitionUnconsumed",
+            "expr": f"max by ({g}) ({_PARTITIONS})\n  - sum by ({g}) ({_OWNED}) > 0",
+            "for": "1m",
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": "A partition of the NATS runtime has had no replica for a minute",
+                "description": "{{ $value }} partition(s) of job {{ $labels.job }} are "
+                               "consumed by no replica: their participants are not served. "
+                               "Check that replicas run and reach NATS "
+                               "(docs/distributed.md).",
+                "runbook_url": f"{RUNBOOK_URL}#turnrouterpartitionunconsumed",
+            },
         },
-    },
-    {
-        "alert": "TurnrouterReplicaNotServing",
-        "expr": "min by (job, instance) (turnrouter_nats_serving) == 0",
-        "for": "2m",
-        "labels": {"severity": "warning"},
-        "annotations": {
-            "summary": "A replica of the NATS runtime has not served for two minutes",
-            "description": "Replica {{ $labels.instance }} of job {{ $labels.job }} is running "
-                           "but not serving: its connection to NATS is lost, or a stream, "
-                           "consumer or the bucket is missing and not recreated yet (its log "
-                           "says which; docs/distributed.md).",
-            "runbook_url": f"{RUNBOOK_URL}#turnrouterreplicanotserving",
+        {
+            "alert": "TurnrouterFencedWrites",
+            "expr": f"sum by ({g}) (rate({_REFUSED}[5m])) > 0.1",
+            "for": "10m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "Replicas keep losing participants to each other",
+                "description": "State writes of job {{ $labels.job }} are refused for a "
+                               "newer revision ({{ $value }}/s): partitions move back and "
+                               "forth (replicas pausing, restarting or overloaded past the "
+                               "failover timeout).",
+                "runbook_url": f"{RUNBOOK_URL}#turnrouterfencedwrites",
+            },
         },
-    },
-    _BACKLOG,
-)
+        {
+            "alert": "TurnrouterReplicaNotServing",
+            "expr": f"min by ({g}, instance) (turnrouter_nats_serving) == 0",
+            "for": "2m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "A replica of the NATS runtime has not served for two minutes",
+                "description": "Replica {{ $labels.instance }} of job {{ $labels.job }} is "
+                               "running but not serving: its connection to NATS is lost, or "
+                               "a stream, consumer or the bucket is missing and not "
+                               "recreated yet (its log says which; docs/distributed.md).",
+                "runbook_url": f"{RUNBOOK_URL}#turnrouterreplicanotserving",
+            },
+        },
+        backlog,
+    )
 
 
-def fleet_rule_groups(runbook_url: str | None = None) -> dict[str, Any]:
+#: The fleet's alerts with the default group labels.
+FLEET_ALERTS: tuple[dict[str, Any], ...] = fleet_alerts()
+
+
+def fleet_rule_groups(runbook_url: str | None = None,
+                      group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, Any]:
     """The fleet rule file's content (one group); each alert links to its section of the
     runbook at `runbook_url` (default `RUNBOOK_URL`), as the main rule file's do."""
     rules = []
-    for alert in FLEET_ALERTS:
+    for alert in fleet_alerts(group_labels):
         rule = dict(alert)
         if runbook_url is not None:
             rule["annotations"] = {**rule["annotations"], "runbook_url":
@@ -223,9 +245,11 @@ _HEADER = ("# Generated by `python -m turnrouter.ops` (src/turnrouter/ops/_fleet
            "edit by hand.\n")
 
 
-def fleet_files(runbook_url: str | None = None) -> dict[str, str]:
+def fleet_files(runbook_url: str | None = None,
+                group_labels: Sequence[str] = GROUP_LABELS) -> dict[str, str]:
     """Repository-relative path -> content of the fleet's generated files (alerts
-    linking to the runbook at `runbook_url`, default `RUNBOOK_URL`)."""
+    linking to the runbook at `runbook_url`, default `RUNBOOK_URL`; rules and dashboard
+    by `group_labels`, as the main ones)."""
     from ._yaml import dump
 
     rule = {
@@ -233,13 +257,14 @@ def fleet_files(runbook_url: str | None = None) -> dict[str, str]:
         "kind": "PrometheusRule",
         "metadata": {"name": "turnrouter-nats",
                      "labels": {"app.kubernetes.io/name": "turnrouter-worker"}},
-        "spec": fleet_rule_groups(runbook_url),
+        "spec": fleet_rule_groups(runbook_url, group_labels),
     }
     return {
-        FLEET_DASHBOARD: render_dashboard(fleet_dashboard()),
+        FLEET_DASHBOARD: render_dashboard(_with_group_labels(
+            fleet_dashboard(), check_group_labels(group_labels))),
         FLEET_RULES: _HEADER + "# Alerts of the NATS runtime (docs/distributed.md, "
                      "\"Telemetry\"); promtool tests in\n# deploy/prometheus/tests-nats/.\n"
-                     + dump(fleet_rule_groups(runbook_url)),
+                     + dump(fleet_rule_groups(runbook_url, group_labels)),
         FLEET_K8S_RULE: _HEADER + "# The alerts of " + FLEET_RULES + " as a PrometheusRule.\n"
                         + dump(rule),
     }
