@@ -202,6 +202,30 @@ def test_fleet_dashboard_queries_only_exposed_series() -> None:
     assert "Partitions owned per replica" in titles
 
 
+def test_fleet_dashboard_draws_its_alerts_lines_and_no_nan_when_idle() -> None:
+    """The runbook's "the dashboards draw the same lines": the input wait panel draws
+    the backlog alert's threshold, the fencing panel the fenced-writes alert's (with the
+    fleet total the alert sums); every quantile is kept only where its window holds
+    observations, so an idle fleet shows a gap, not NaN (ops11)."""
+    model = json.loads(DASHBOARD.read_text())
+    rules = {rule["alert"]: rule["expr"] for group in load(RULES)["groups"]
+             for rule in group["rules"] if "alert" in rule}
+    panels = {p["title"]: p for p in model["panels"]}
+
+    def line(title: str) -> float:
+        defaults = panels[title]["fieldConfig"]["defaults"]
+        assert defaults["custom"]["thresholdsStyle"]["mode"] != "off", title
+        (step,) = [s["value"] for s in defaults["thresholds"]["steps"] if s["value"]]
+        return float(step)
+
+    backlog = line("Input wait")
+    assert f"> {backlog:g}\n" in rules["TurnrouterInputBacklog"]
+    fenced = line("Refused state writes (fencing) and turns ended by a takeover")
+    assert rules["TurnrouterFencedWrites"].endswith(f"> {fenced:g}")
+    quantiles = [expr for _where, expr in queries(model) if "histogram_quantile" in expr]
+    assert quantiles and all("_count" in expr and "> 0)" in expr for expr in quantiles)
+
+
 def test_fleet_files_are_generated_by_turnrouter_ops() -> None:
     """The fleet dashboard, its rule file and PrometheusRule come from
     `python -m turnrouter.ops` (the checked-in copies are what it writes)."""

@@ -195,6 +195,24 @@ def test_clarification_panel_draws_the_alert_thresholds() -> None:
     assert defaults["unit"] == "percentunit"
 
 
+def test_a_count_on_the_right_axis_is_drawn_there_in_plain_numbers() -> None:
+    """A target whose legend says "right axis" (the clarified participants beside the
+    clarification ratios) has an override putting it there with a unit of its own:
+    without one, 114 participants read as 11400 % on the ratios' axis (ops11)."""
+    found = 0
+    for model in MODELS.values():
+        for panel in _panels(model):
+            overrides = {o["matcher"]["options"]: {p["id"]: p["value"] for p in o["properties"]}
+                         for o in panel.get("fieldConfig", {}).get("overrides", [])
+                         if o["matcher"]["id"] == "byFrameRefID"}
+            for target in panel["targets"]:
+                if "right axis" in target.get("legendFormat", ""):
+                    found += 1
+                    assert overrides.get(target["refId"]) == {
+                        "custom.axisPlacement": "right", "unit": "short"}, panel["title"]
+    assert found
+
+
 def test_acknowledgment_dashboard_has_the_required_panels() -> None:
     """First-response quantiles, heatmap by route, silence vs delay, ack outcomes, what-if."""
     titles = {p["title"] for p in _panels(MODELS["turnrouter-acknowledgment-tuning.json"])}

@@ -144,10 +144,17 @@ def _timeseries(title: str, description: str, targets: list[dict[str, Any]], *,
         defaults["min"] = min_
     if max_ is not None:
         defaults["max"] = max_
+    # A count drawn beside ratios or durations ("..., right axis" in its legend): on an
+    # axis of its own, in plain numbers (114 participants read as 11400 % beside the
+    # clarification ratios, flattening them).
+    overrides = [{"matcher": {"id": "byFrameRefID", "options": target["refId"]},
+                  "properties": [{"id": "custom.axisPlacement", "value": "right"},
+                                 {"id": "unit", "value": "short"}]}
+                 for target in targets if "right axis" in target.get("legendFormat", "")]
     return {
         "type": "timeseries", "title": title, "description": description,
         "datasource": DATASOURCE, "targets": targets,
-        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "fieldConfig": {"defaults": defaults, "overrides": overrides},
         "options": {
             "legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
                        "calcs": ["mean", "max", "lastNotNull"]},

@@ -16,6 +16,7 @@ from ._dashboards import (
     RATE,
     _dashboard,
     _targets,
+    _thresholds,
     _timeseries,
     _with_group_labels,
     render_dashboard,
@@ -46,9 +47,22 @@ def _rate(name: str, by: str, *matchers: str) -> str:
         f"sum(rate({name}{{{selector}}}[{RATE}]))")
 
 
+def _quantile(q: float, family: str, by: str) -> str:
+    """A quantile of histogram `family` by `by`, only where the window holds
+    observations: an idle fleet shows a gap, not NaN (as the main dashboards)."""
+    grouped = f"{by}, le" if by else "le"
+    return (f"histogram_quantile({q:g}, sum by ({grouped}) "
+            f"(rate({family}_bucket{{{JOB}}}[{RATE}])))\n"
+            f"and on ({by}) (sum by ({by}) (rate({family}_count{{{JOB}}}[{RATE}])) > 0)")
+
+
+#: The fencing alert's threshold (TurnrouterFencedWrites), refused writes per second.
+FENCED_WRITES_PER_SECOND = 0.1
+
+
 def fleet_dashboard() -> dict[str, Any]:
     """`turnrouter-fleet`: ownership, failover and fencing per replica and in total."""
-    write = "turnrouter_nats_state_write_seconds_bucket"
+    write = "turnrouter_nats_state_write_seconds"
     panels = [
         _timeseries("Partitions owned per replica",
                     "Pinned partitions each replica consumes (balance: about partitions / "
@@ -74,12 +88,17 @@ def fleet_dashboard() -> dict[str, Any]:
                               "{{how}} {{instance}}")),
                     unit="ops"),
         _timeseries("Refused state writes (fencing) and turns ended by a takeover",
-                    "Refused writes: another replica claimed the participant. Failure text: "
-                    "turns found unfinished on a dead or paused owner.",
+                    "Refused writes: another replica claimed the participant (the fleet's "
+                    f"total over {FENCED_WRITES_PER_SECOND:g}/s for 10 minutes: alert "
+                    "TurnrouterFencedWrites). Failure text: turns found unfinished on a "
+                    "dead or paused owner.",
                     _targets((_rate(_REFUSED, "instance"), "refused {{instance}}"),
+                             (_rate(_REFUSED, ""), "refused, fleet"),
                              (_rate("turnrouter_nats_inflight_failed_total", "instance"),
                               "failure text {{instance}}")),
-                    unit="ops"),
+                    unit="ops", draw="dashed",
+                    thresholds=_thresholds(("green", None),
+                                           ("red", FENCED_WRITES_PER_SECOND))),
         _timeseries("Redeliveries and duplicates dropped",
                     "Inputs delivered again (after a crash or a pause), inputs handled "
                     "already, outputs the stream dropped as duplicates.",
@@ -91,10 +110,8 @@ def fleet_dashboard() -> dict[str, Any]:
         _timeseries("State write latency",
                     "Revision-checked record writes: one per finished turn, one more for "
                     "a turn still running after mark_after.",
-                    _targets((f"histogram_quantile(0.5, sum by (le) "
-                              f"(rate({write}{{{JOB}}}[{RATE}])))", "p50"),
-                             (f"histogram_quantile(0.99, sum by (le) "
-                              f"(rate({write}{{{JOB}}}[{RATE}])))", "p99")),
+                    _targets((_quantile(0.5, write, ""), "p50"),
+                             (_quantile(0.99, write, ""), "p99")),
                     unit="s"),
         _timeseries("Input wait",
                     "By stage: delivery (stored in the stream until a replica received "
@@ -102,10 +119,10 @@ def fleet_dashboard() -> dict[str, Any]:
                     "handled, behind the partition's previous message). A delivery p95 "
                     f"over {BACKLOG_SECONDS:g} s is a backlog (alert TurnrouterInputBacklog); "
                     "queries past max_input_wait are answered busy (rejected expired).",
-                    _targets(*((f"histogram_quantile({q}, sum by (stage, le) (rate("
-                                f"{_WAIT}_bucket{{{JOB}}}[{RATE}])))", f"p{name} {{{{stage}}}}")
+                    _targets(*((_quantile(q, _WAIT, "stage"), f"p{name} {{{{stage}}}}")
                                for q, name in ((0.99, "99"), (0.95, "95"), (0.5, "50")))),
-                    unit="s"),
+                    unit="s", draw="dashed",
+                    thresholds=_thresholds(("green", None), ("red", BACKLOG_SECONDS))),
         _timeseries("Turns marked in flight",
                     "Turns still running after mark_after, recorded in flight before their "
                     "message was acknowledged (the others need no mark).",
@@ -193,7 +210,7 @@ def fleet_alerts(group_labels: Sequence[str] = GROUP_LABELS) -> tuple[dict[str, 
         },
         {
             "alert": "TurnrouterFencedWrites",
-            "expr": f"sum by ({g}) (rate({_REFUSED}[5m])) > 0.1",
+            "expr": f"sum by ({g}) (rate({_REFUSED}[5m])) > {FENCED_WRITES_PER_SECOND:g}",
             "for": "10m",
             "labels": {"severity": "warning"},
             "annotations": {

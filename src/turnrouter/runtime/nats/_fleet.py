@@ -686,10 +686,14 @@ async def previous_owner_alive(fleet: Fleet, replica: str) -> bool:
 def owner_heard(fleet: Fleet, replica: str) -> bool | None:
     """`previous_owner_alive`'s verdict now: True (it spoke within two probe periods),
     False (silent that long, and after the settling time of an outage of this
-    replica's own, while this replica heard itself), None (cannot tell yet)."""
+    replica's own, while this replica heard itself), None (cannot tell yet). Of this
+    replica itself: whether it heard its own presence within two probe periods (False
+    after a freeze or an outage of its own: its pins may have moved meanwhile)."""
     config = fleet._config
     window = 2 * config.probe_interval
     now = time.monotonic()
+    if replica == fleet._replica:  # itself: whether it hears the bus (not cut off)
+        return now - fleet.heard_self[1] <= window
     peer = fleet._peers.get(replica)
     if peer is not None and now - peer[0] <= window:
         return True

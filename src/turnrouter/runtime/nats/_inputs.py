@@ -295,6 +295,13 @@ class Inputs:
             elif waited > self._config.max_input_wait:
                 if not await self._expire(msg, pid, state, message_id, waited):
                     return  # fenced meanwhile: the message is the new owner's now
+            elif self._ledger.heard(self._ledger.replica) is False and not (
+                    await self._ledger.write(pid, state, fresh=False)):
+                # Not hearing itself (frozen, or cut off from the server): its pin may
+                # have moved and the new owner ended this turn already. Its record,
+                # written first, says so (fenced) before the destination runs for a
+                # participant told "something went wrong" (chaos11 D3).
+                return
             elif not await self._start(pid, state, message, msg):
                 return  # fenced meanwhile: the message is the new owner's now
         elif kind == "joined":

@@ -723,7 +723,8 @@ async def await_last_writer(ledger: Ledger, key: str, value: bytes, owner: str |
     back, and a new owner's claim could land before the previous owner's resent write
     of a turn's answer (its reconnect takes longer): that turn ended with the failure
     text although its answer was ready (chaos9 D1), whether the turn was marked in
-    flight (a takeover ends it) or not (its query comes back as a redelivery)."""
+    flight (a takeover ends it) or not (its query comes back as a redelivery). A
+    change that leaves turns in flight under the same owner is not the end of the wait."""
     if not owner or owner == ledger._replica or ledger.alive is None:
         return
     loop = asyncio.get_running_loop()
@@ -748,8 +749,19 @@ async def await_last_writer(ledger: Ledger, key: str, value: bytes, owner: str |
             return
         except NatsError:
             continue  # the server busy: asked again until the grace ends
-        if bytes(entry.value or b"") != value:
+        data = bytes(entry.value or b"")
+        if data == value:
+            continue
+        try:
+            record = await _parsed(ledger, data)
+        except ValueError:
+            return  # junk: the claim quarantines it
+        if record.owner != owner or not record.inflight:
             return  # written: the claim reads what it wrote
+        # Its turns still in flight: a resent in-flight mark landed first (the server
+        # back from a crash), their answers' writes follow it (chaos11 D2: the claim
+        # read the mark and ended the turn whose answer landed a moment later).
+        value, pause = data, _LAST_WRITER_POLL
 
 
 async def await_previous_owner(ledger: Ledger, pid: str, n: int, message_id: str) -> None:
