@@ -460,6 +460,9 @@ def _series(route: object, le: object, value: object) -> dict[str, Any]:
         _series("a", "0.5", "1e308"), _series("a", "+Inf", "1e308")]}},
      "too large to add up"),
     ({"status": "success", "data": {"resultType": "vector", "result": [
+        _series("a", "0.5", "1"), _series("a", "1", "3"), _series("b", "+Inf", "3")]}},
+     "no le=\"+Inf\" bucket for route 'a'"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
         _series(1, "0.5", "1")]}}, "string 'route'"),
     ({"status": "success", "data": {"resultType": "vector", "result": [
         {"metric": {"route": "a", "le": "1"}, "value": "1"}]}}, "[time, value]"),
@@ -499,6 +502,7 @@ def test_any_prometheus_answer_parses_or_names_the_problem(payload: object) -> N
         message = "ok"
     assert message
     assert math.isfinite(sum(c for per_route in buckets.values() for c in per_route.values()))
+    assert all(math.inf in per_route for per_route in buckets.values())
     for per_route in buckets.values():
         for bound, count in per_route.items():
             assert bound > 0 and math.isfinite(count) and count >= 0

@@ -568,6 +568,12 @@ def parse_prometheus_answer(payload: object,
             continue
         per_route = buckets.setdefault(route, {})
         per_route[bound] = per_route.get(bound, 0.0) + count
+    for route, per_route in buckets.items():
+        if math.inf not in per_route:
+            # Without it the histogram's total is unknown (Prometheus's own
+            # histogram_quantile answers NaN): any figure would be made up.
+            raise ValueError(f"Prometheus answer has no le=\"+Inf\" bucket for route "
+                             f"{printable(route[:60])!r}")
     if not math.isfinite(sum(c for per_route in buckets.values() for c in per_route.values())):
         # Each finite, their sum not (1e308 per bucket): every rate would read inf or nan.
         raise ValueError("Prometheus answer's bucket counts are too large to add up "
