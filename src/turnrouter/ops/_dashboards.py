@@ -22,6 +22,7 @@ from ._rules import (
     FAILURE_RATIO,
     GROUP_LABELS,
     MIN_CLARIFIED_PARTICIPANTS,
+    OVERLOAD_STATE,
     SATURATION_LAG_SECONDS,
     SLOW_FIRST_RESPONSE_SECONDS,
     RouteOverride,
@@ -403,17 +404,22 @@ def overview() -> dict[str, Any]:
             unit="short"),
         _timeseries(
             "Saturation", "Event-loop lag p95 per instance (TurnrouterSaturated above "
-            f"{SATURATION_LAG_SECONDS:g}s), the longest wait before routing, the admission "
-            "state (0 ready, 1 busy: new participants refused, 2 shedding) and the turns shed "
-            "per second by reason (docs/limits.md, Overload).",
+            f"{SATURATION_LAG_SECONDS:g}s: the dashed line), the longest wait before "
+            "routing, the turns shed per second by reason (docs/limits.md, Overload); on the "
+            "right axis, the admission state (0 ready, 1 busy: new participants refused, 2 "
+            "shedding) and its 5-minute mean, TurnrouterOverloaded's signal (above "
+            f"{OVERLOAD_STATE:g}).",
             _targets((_quantile(0.95, "turnrouter_event_loop_lag_seconds", "instance", JOB),
                       "lag p95 {{instance}}"),
                      (f"max by (instance) ({_sel('turnrouter_turn_wait_seconds', JOB)})",
                       "longest wait {{instance}}"),
                      (f"max by (instance) ({_sel('turnrouter_overload_state', JOB)})",
-                      "state {{instance}}"),
+                      "state {{instance}} (right axis)"),
                      (f"sum by (reason) (rate({_sel('turnrouter_shed_turns_total', JOB)}"
-                      f"[{RATE}]))", "shed {{reason}} /s")),
+                      f"[{RATE}]))", "shed {{reason}} /s"),
+                     (f"max by (instance) (avg_over_time("
+                      f"{_sel('turnrouter_overload_state', JOB)}[{ALERT_WINDOW}]))",
+                      "state, 5m mean {{instance}} (right axis)")),
             unit="short", draw="dashed",
             thresholds=_thresholds(("green", None), ("red", SATURATION_LAG_SECONDS))),
         _timeseries(
