@@ -10,7 +10,8 @@ in-flight mark (the other participants' turns are marked). A query starting with
 `patch` is answered, and 0.3 s later (between turns) a background job's context patch
 `job-<participant>` is appended to the participant's history. With
 `TR_TEST_SAY_ANSWERED` set, each answer's turn id goes to stderr (`answered <turn id>`)
-once `ctx.answer` returned: the answers the destination gave.
+once `ctx.answer` returned: the answers the destination gave; and `running <turn id>`
+when `answer()` is called: the turns the destination ran.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Echo:
 
     async def answer(self, turn: AgentTurn, *,
                      started: Callable[[], Awaitable[None]]) -> DestinationResult:
+        if self._said:
+            print(f"running {turn.turn_id}", file=sys.stderr, flush=True)
         await started()
         if turn.query.startswith("slow"):
             await asyncio.sleep(60.0)

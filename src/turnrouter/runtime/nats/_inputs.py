@@ -263,8 +263,8 @@ class Inputs:
             self._recent.add(key, seq)
             await self._ack(msg)
             return
-        if kind == "query" and delivered > 1:
-            await await_previous_owner(self._ledger, pid, n, message_id)
+        if kind == "query":  # (at once when served here: the common case)
+            await await_previous_owner(self._ledger, pid, n, message_id, delivered > 1)
         state = await self._ledger.claim(pid, n)
         if state is None:
             return  # fenced: another replica owns the participant

@@ -274,6 +274,14 @@ async def _parsed(ledger: Ledger, data: bytes) -> StateRecord:
     return parse_record(data)
 
 
+def arrived_lately(ledger: Ledger, n: int) -> bool:
+    """Whether partition `n` was taken over here within the grace a previous owner's
+    writes get (`failover_timeout` plus two probe periods)."""
+    config = ledger._config
+    return (asyncio.get_running_loop().time() - ledger.arrived.get(n, -math.inf)
+            < config.failover_timeout + 2 * config.probe_interval)
+
+
 async def unclaimed(ledger: Ledger, pid: str, n: int, message_id: str) -> str:
     """Whether an expired query of `pid` may be refused without a claim ("refuse"),
     ended already ("ended": its record says so; it gets no output, as any turn
@@ -298,8 +306,7 @@ async def unclaimed(ledger: Ledger, pid: str, n: int, message_id: str) -> str:
         if message_id in record.ended:
             return "ended"
         if look or not record.owner or record.owner == ledger.replica or not (
-                asyncio.get_running_loop().time() - ledger.arrived.get(n, -math.inf)
-                < ledger._config.failover_timeout + 2 * ledger._config.probe_interval):
+                arrived_lately(ledger, n)):
             break
         # The partition just arrived: its previous owner, alive, may be writing this
         # query's answer (`let_go`, answers it held): the busy text would race it, and
@@ -764,12 +771,17 @@ async def await_last_writer(ledger: Ledger, key: str, value: bytes, owner: str |
         value, pause = data, _LAST_WRITER_POLL
 
 
-async def await_previous_owner(ledger: Ledger, pid: str, n: int, message_id: str) -> None:
+async def await_previous_owner(ledger: Ledger, pid: str, n: int, message_id: str,
+                               again: bool) -> None:
     """`await_last_writer` for `pid`'s record, not served here, before the claim a query
-    (`message_id`) delivered again makes: its previous owner received it and may be
-    writing its answer (the query then ends as a duplicate, not with the failure
-    text). No wait when the record says that turn ended already."""
-    if ledger.serves(pid):
+    (`message_id`) makes when it was delivered `again` (its previous owner received it
+    and may be writing its answer: the query then ends as a duplicate, not with the
+    failure text), or when the record marks turns in flight (after a server crash a
+    query taken and not acknowledged comes back as delivery 1, and its claim ended the
+    turn whose answer landed a moment later: chaos11 D2). No wait when the record says
+    that turn ended already, nor a read unless delivered again or the partition just
+    arrived (`arrived_lately`)."""
+    if ledger.serves(pid) or not (again or arrived_lately(ledger, n)):
         return
     key = f"{n}.{encode_token(pid)}"
     try:
@@ -781,7 +793,7 @@ async def await_previous_owner(ledger: Ledger, pid: str, n: int, message_id: str
         record = await _parsed(ledger, data)
     except ValueError:
         return  # junk: the claim quarantines it
-    if message_id not in record.ended:
+    if message_id not in record.ended and (again or record.inflight):
         await await_last_writer(ledger, key, data, record.owner, n)
 
 
