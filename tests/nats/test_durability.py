@@ -615,6 +615,26 @@ async def two_workers_through(server: NatsServer, damage: Callable[[], Awaitable
                 logs.append(worker.stderr())
 
 
+async def no_given_answer_lost(server: NatsServer,
+                               damage: Callable[[], Awaitable[None]]) -> None:
+    """Two workers and 32 participants through `damage` (0.4 s answers, with a patience
+    for an outage: a publish that waits for the server's confirmation is sent again):
+    every turn ends once, histories equal what was heard, and no turn whose destination
+    said it gave its answer (`TR_TEST_SAY_ANSWERED`) ends with the failure text."""
+    logs: list[str] = []
+    talk = await two_workers_through(
+        server, damage,
+        lambda front: Talk(front, pids(32), publish_secs=30, answer_secs=30),
+        wait_secs=60, env={"TR_TEST_ANSWER_SECS": "0.4", "TR_TEST_SAY_ANSWERED": "1"},
+        logs=logs)
+    answered = {line.split()[1] for log in logs for line in log.splitlines()
+                if line.startswith("answered ")}
+    failures = [turn for ids in talk.sent.values() for turn in ids
+                if talk.finals[turn][0].text == FAILURE]
+    assert answered, "the destinations said which answers they gave"
+    assert [turn for turn in failures if turn in answered] == []
+
+
 def pids(count: int) -> list[str]:
     """Participants half answered at once (`q...`), half marked in flight (`u...`)."""
     return [f"{'q' if i % 2 else 'u'}{i}" for i in range(count)]
@@ -653,18 +673,7 @@ async def test_a_server_killed_for_seconds_loses_no_given_answer(
         await asyncio.sleep(5.0)  # the outage itself
         await asyncio.to_thread(synced_server.restart)
 
-    logs: list[str] = []
-    talk = await two_workers_through(
-        synced_server, crash_a_while,
-        lambda front: Talk(front, pids(32), publish_secs=30, answer_secs=30),
-        wait_secs=60, env={"TR_TEST_ANSWER_SECS": "0.4", "TR_TEST_SAY_ANSWERED": "1"},
-        logs=logs)
-    answered = {line.split()[1] for log in logs for line in log.splitlines()
-                if line.startswith("answered ")}
-    failures = [turn for ids in talk.sent.values() for turn in ids
-                if talk.finals[turn][0].text == FAILURE]
-    assert answered, "the destinations said which answers they gave"
-    assert [turn for turn in failures if turn in answered] == []
+    await no_given_answer_lost(synced_server, crash_a_while)
 
 
 async def test_a_server_back_on_an_empty_store_ends_every_turn_once(
@@ -709,20 +718,7 @@ async def test_a_server_frozen_past_the_failover_timeout_loses_no_given_answer(
         await asyncio.sleep(6.0)  # the outage itself: past the 5 s a request waits
         synced_server.thaw()
 
-    # Patience for the freeze: a publish that waits for the frozen server's
-    # confirmation times out and is sent again.
-    logs: list[str] = []
-    talk = await two_workers_through(
-        synced_server, freeze,
-        lambda front: Talk(front, pids(32), publish_secs=30, answer_secs=30),
-        wait_secs=60, env={"TR_TEST_ANSWER_SECS": "0.4", "TR_TEST_SAY_ANSWERED": "1"},
-        logs=logs)
-    answered = {line.split()[1] for log in logs for line in log.splitlines()
-                if line.startswith("answered ")}
-    failures = [turn for ids in talk.sent.values() for turn in ids
-                if talk.finals[turn][0].text == FAILURE]
-    assert answered, "the destinations said which answers they gave"
-    assert [turn for turn in failures if turn in answered] == []
+    await no_given_answer_lost(synced_server, freeze)
 
 
 # ---------------------------------------------------------------- a worker's outage bound
