@@ -85,6 +85,8 @@ def test_definitions_match_the_contract() -> None:
     for spec in METRICS:
         expected = BUCKETS_BY_FAMILY.get(spec.name)
         assert spec.buckets == expected, spec.name
+        if spec.buckets:  # the contract's bounds are all there, up to 10 s (traces11)
+            assert set(CONTRACT_BUCKETS) <= set(spec.buckets), spec.name
         assert spec.documentation
         assert (spec.type == "counter") == spec.name.endswith("_total"), spec.name
         assert metric(spec.name) is spec

@@ -34,12 +34,13 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 #: classifier, a remote admit() or an acknowledgment LLM hundreds of ms: steps of at most
 #: 1.5x from 10 us to 2 s (0.3 s is the alert threshold), so a quantile is within 10% at
 #: either end (tests/ops/test_buckets.py) and an in-process p95 is not read inside the
-#: first bucket.
+#: first bucket; every bound of `LATENCY_BUCKETS` is one (up to 10 s: a slow LLM
+#: decision is not lost in +Inf).
 FAST_BUCKETS: tuple[float, ...] = (
     0.00001, 0.000015, 0.00002, 0.00003, 0.00004,
     0.00005, 0.0001, 0.00015, 0.0002, 0.00025, 0.0003, 0.0004, 0.0005, 0.00075, 0.001,
     0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
-    0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+    0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
 )
 #: Seconds; first response and silence. Acknowledgment delays live between 0.1 and 1.5 s,
 #: so the steps there are 50 ms (then 100 ms to 2 s): a quantile read from buckets lands
