@@ -270,6 +270,56 @@ async def test_failing_decision_service_goes_to_default_through_admission() -> N
     assert ("decision", None, "RuntimeError") in h.observer.turns["t1"]
 
 
+class _BrokenAid(ScriptedAgent):
+    """A destination whose `routing_aid()` raises (a bug, a lookup that failed)."""
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        raise KeyError(participant_id)
+
+
+async def test_a_destination_whose_routing_aid_raises_sits_the_turn_out() -> None:
+    """One broken destination does not fail every turn: its route is out of the turn's
+    choices, the failure counted (stage `decision`, its route), and the turn goes to
+    the other routes as usual; holding the focus, it loses it, as an ineligible owner
+    does. Before, every turn of every participant ended with the failure text
+    (contract11)."""
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"))
+    broken = _BrokenAid("billing")
+    h.agents["billing"] = broken
+    h.router = AgentRouter(h.agents, h.service, output=h.output,
+                           default_destination="conversation", telemetry=h.observer,
+                           overload=None)
+    assert (await h.say()).text == "weather answer"
+    request = h.decisions.requests[0]
+    assert [aid.name for aid in request.candidates] == ["weather", "conversation"]
+    assert ("failure", "billing", "decision", "KeyError") in h.observer.turns["t1"]
+    assert broken.calls == []
+
+
+async def test_a_focus_owner_whose_routing_aid_raises_loses_the_focus() -> None:
+    """The focus owner's `routing_aid()` raising: focus lost, the owner released
+    (`ineligible`), the turn routed among the others."""
+    owner = _FocusThenBroken("billing", results="focus")
+    h = Harness(owner, ScriptedAgent("weather"),
+                decisions=ScriptedDecisions("billing", "weather"))
+    assert (await h.say()).disposition == "focus"
+    owner.broken = True
+    assert (await h.say()).text == "weather answer"
+    assert owner.methods() == ["admit", "answer", "release"]
+    assert ("failure", "billing", "decision", "KeyError") in h.observer.turns["t2"]
+
+
+class _FocusThenBroken(ScriptedAgent):
+    """Takes focus, then its `routing_aid()` raises once `broken` is set."""
+
+    broken = False
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        if self.broken:
+            raise KeyError(participant_id)
+        return super().routing_aid(participant_id)
+
+
 async def test_failing_decision_service_without_default_clarifies() -> None:
     """With the default ineligible, a failing decision service ends in clarification."""
     h = Harness(ScriptedAgent("weather"), ScriptedAgent("conversation", eligible=False),

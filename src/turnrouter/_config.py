@@ -221,7 +221,8 @@ class RouterConfig:
     """The router's validated settings (read-only after construction)."""
 
     __slots__ = (
-        "admission_timeout", "agents", "budget", "clarification_text", "cleanup", "clock",
+        "admission_timeout", "agents", "aid_failures", "budget", "clarification_text",
+        "cleanup", "clock",
         "decision_failures", "decisions", "default", "failure_text", "initialize", "load",
         "max_departed_participants",
         "max_history_exchanges", "max_participants", "max_patch_bytes", "max_pending",
@@ -318,6 +319,8 @@ class RouterConfig:
         #: Decision-service failures so far (the one count kept here, beside `load`):
         #: logged at the 1st, 10th, 100th..., since an outage fails every turn.
         self.decision_failures = 0
+        #: `routing_aid()` calls that raised, logged the same way (`_turn._aid_failed`).
+        self.aid_failures = 0
         self.runtime_topics: dict[str, Any] | None = None
         if any(topic is not None for topic in topics.values()):
             # The runtime package validates its own topics (the contract's ValueError /

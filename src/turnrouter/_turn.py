@@ -57,6 +57,7 @@ from ._observer import (
     ClarificationReason,
     DecisionFinished,
     DefaultFallback,
+    Failure,
     FirstResponse,
     FocusChanged,
     Heard,
@@ -229,10 +230,14 @@ class Turn(TurnRun):
         # 1. Focus first: the owner's admission is not a routing attempt.
         owner = state.focus
         if owner is not None:
-            owned = agents[owner].routing_aid(pid)
-            if type(owned) is not RoutingAid:
+            try:
+                owned: RoutingAid | None = agents[owner].routing_aid(pid)
+            except Exception as exc:  # broken: the focus is lost, as if ineligible
+                _aid_failed(self, owner, exc)
+                owned = None
+            if owned is not None and type(owned) is not RoutingAid:
                 owned = _named(owned, owner)
-            if not owned.eligible:
+            if owned is None or not owned.eligible:
                 state.focus = None
                 self.obs.focus_transition(FocusChanged(owner, "lost"))
                 await self._release(owner, "ineligible")
@@ -243,24 +248,7 @@ class Turn(TurnRun):
                     return result
 
         # 2. At most two routed choices, each excluding every route that declined.
-        aids: dict[str, RoutingAid] = {}
-        eligible: list[RoutingAid] = []
-        aid = None
-        try:
-            for name, agent in agents.items():
-                aid = agent.routing_aid(pid)
-                if aid.name != name:
-                    aid = _named(aid, name)
-                aids[name] = aid
-                if aid.eligible:
-                    if name not in excluded:
-                        eligible.append(aid)
-                elif self.observing:
-                    self.obs.route_ineligible(RouteIneligible(name, aid.eligibility))
-        except AttributeError:  # (checked only then: nothing per turn)
-            _named(aid, name)  # a routing_aid() that returned no RoutingAid is named
-            raise
-        candidates = tuple(eligible)
+        aids, candidates = _aids(self, pid, excluded)
         for attempt in range(2):
             if attempt:
                 candidates = tuple(aid for name, aid in aids.items()
@@ -280,7 +268,7 @@ class Turn(TurnRun):
 
         # 3. Exhausted: the eligible default answers once without admission.
         default = cfg.default
-        if (self.attempts and default is not None and aids[default].eligible
+        if (self.attempts and default in aids and aids[default].eligible
                 and default not in excluded):
             self.obs.default_fallback(DefaultFallback(default))
             return await self._answering(default).run(None)
@@ -310,7 +298,7 @@ class Turn(TurnRun):
             _decision_failed(cfg, exc)
             # A classifier outage must not silence the assistant.
             default = cfg.default
-            if default is not None and aids[default].eligible and default not in excluded:
+            if default in aids and aids[default].eligible and default not in excluded:
                 return default, None
             return None, "decision_failed"
         if self.observing:
@@ -880,6 +868,48 @@ def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]
         ):
             best, best_score = aid, score
     return None if best is None else best.name
+
+
+def _aids(run: Turn, pid: str, excluded: set[str]
+          ) -> tuple[dict[str, RoutingAid], tuple[RoutingAid, ...]]:
+    """Every destination's routing aid for `pid`, under its registered name, and the
+    eligible ones not `excluded`; a destination whose `routing_aid()` raises sits the
+    turn out (`_aid_failed`)."""
+    aids: dict[str, RoutingAid] = {}
+    eligible: list[RoutingAid] = []
+    aid = None
+    try:
+        for name, agent in run.cfg.agents.items():
+            try:
+                aid = agent.routing_aid(pid)
+            except Exception as exc:  # out of this turn's choices, counted
+                _aid_failed(run, name, exc)
+                continue
+            if aid.name != name:
+                aid = _named(aid, name)
+            aids[name] = aid
+            if aid.eligible:
+                if name not in excluded:
+                    eligible.append(aid)
+            elif run.observing:
+                run.obs.route_ineligible(RouteIneligible(name, aid.eligibility))
+    except AttributeError:  # (checked only then: nothing per turn)
+        _named(aid, name)  # a routing_aid() that returned no RoutingAid is named
+        raise
+    return aids, tuple(eligible)
+
+
+def _aid_failed(run: Turn, route: str, exc: Exception) -> None:
+    """A destination's `routing_aid()` raised: counted as a failure of the decision
+    stage (routing aids are its input) and logged at the 1st, 10th, 100th...; the
+    route sits this turn out, so one broken destination does not fail every turn."""
+    if run.observing:
+        run.obs.failure(Failure(route, "decision", exc))
+    cfg = run.cfg
+    cfg.aid_failures += 1
+    if is_logged(cfg.aid_failures):
+        log_failure("destination %r routing_aid() (%d failures so far)", exc, route,
+                    cfg.aid_failures)
 
 
 def _named(aid: object, name: str) -> RoutingAid:
