@@ -225,30 +225,36 @@ class Turn(TurnRun):
         state, cfg = self.state, self.cfg
         pid = self.turn.participant_id
         excluded: set[str] = set()
-        agents = cfg.agents
 
         # 1. Focus first: the owner's admission is not a routing attempt.
-        owner = state.focus
-        if owner is not None:
-            try:
-                owned: RoutingAid | None = agents[owner].routing_aid(pid)
-            except Exception as exc:  # broken: the focus is lost, as if ineligible
-                _aid_failed(self, owner, exc)
-                owned = None
-            if owned is not None and type(owned) is not RoutingAid:
-                owned = _named(owned, owner)
-            if owned is None or not owned.eligible:
-                state.focus = None
-                self.obs.focus_transition(FocusChanged(owner, "lost"))
-                await self._release(owner, "ineligible")
-            else:
-                # A decline keeps focus with the owner and does not call release().
-                result = await self._offer(owner, True, excluded)
-                if result is not None:
-                    return result
+        if state.focus is not None:
+            result = await _focus_first(self, state.focus, excluded)
+            if result is not None:
+                return result
 
         # 2. At most two routed choices, each excluding every route that declined.
-        aids, candidates = _aids(self, pid, excluded)
+        aids: dict[str, RoutingAid] = {}
+        eligible: list[RoutingAid] = []
+        aid = None
+        try:
+            for name, agent in cfg.agents.items():
+                try:
+                    aid = agent.routing_aid(pid)
+                except Exception as exc:  # out of this turn's choices, counted
+                    _aid_failed(self, name, exc)
+                    continue
+                if aid.name != name:
+                    aid = _named(aid, name)
+                aids[name] = aid
+                if aid.eligible:
+                    if name not in excluded:
+                        eligible.append(aid)
+                elif self.observing:
+                    self.obs.route_ineligible(RouteIneligible(name, aid.eligibility))
+        except AttributeError:  # (checked only then: nothing per turn)
+            _named(aid, name)  # a routing_aid() that returned no RoutingAid is named
+            raise
+        candidates = tuple(eligible)
         for attempt in range(2):
             if attempt:
                 candidates = tuple(aid for name, aid in aids.items()
@@ -870,33 +876,26 @@ def _best_scored(candidates: tuple[RoutingAid, ...], scores: Mapping[str, float]
     return None if best is None else best.name
 
 
-def _aids(run: Turn, pid: str, excluded: set[str]
-          ) -> tuple[dict[str, RoutingAid], tuple[RoutingAid, ...]]:
-    """Every destination's routing aid for `pid`, under its registered name, and the
-    eligible ones not `excluded`; a destination whose `routing_aid()` raises sits the
-    turn out (`_aid_failed`)."""
-    aids: dict[str, RoutingAid] = {}
-    eligible: list[RoutingAid] = []
-    aid = None
+async def _focus_first(run: Turn, owner: str, excluded: set[str]
+                       ) -> DestinationResult | None:
+    """The focus owner's admission (not a routing attempt): its result, or None when
+    the turn is to be routed (it declined, released, or lost the focus, ineligible or
+    its `routing_aid()` raising)."""
     try:
-        for name, agent in run.cfg.agents.items():
-            try:
-                aid = agent.routing_aid(pid)
-            except Exception as exc:  # out of this turn's choices, counted
-                _aid_failed(run, name, exc)
-                continue
-            if aid.name != name:
-                aid = _named(aid, name)
-            aids[name] = aid
-            if aid.eligible:
-                if name not in excluded:
-                    eligible.append(aid)
-            elif run.observing:
-                run.obs.route_ineligible(RouteIneligible(name, aid.eligibility))
-    except AttributeError:  # (checked only then: nothing per turn)
-        _named(aid, name)  # a routing_aid() that returned no RoutingAid is named
-        raise
-    return aids, tuple(eligible)
+        owned: RoutingAid | None = run.cfg.agents[owner].routing_aid(
+            run.turn.participant_id)
+    except Exception as exc:  # broken: the focus is lost, as if ineligible
+        _aid_failed(run, owner, exc)
+        owned = None
+    if owned is not None and type(owned) is not RoutingAid:
+        owned = _named(owned, owner)
+    if owned is None or not owned.eligible:
+        run.state.focus = None
+        run.obs.focus_transition(FocusChanged(owner, "lost"))
+        await run._release(owner, "ineligible")
+        return None
+    # A decline keeps focus with the owner and does not call release().
+    return await run._offer(owner, True, excluded)
 
 
 def _aid_failed(run: Turn, route: str, exc: Exception) -> None:
