@@ -222,6 +222,27 @@ async def test_background_failure_is_logged_once(caplog: pytest.LogCaptureFixtur
     assert "secret" in caplog.text
 
 
+async def test_a_router_subscribed_twice_to_one_runtime_is_refused() -> None:
+    """The contract says register the subscriber once: a second subscriber of the same
+    router on the same runtime (or the same agent object again) is a `ValueError`, as
+    every query would run its destination twice (contract11: two answers, two
+    exchanges of one turn in the history). Another runtime may take one of its own,
+    and the registered one still answers once."""
+    router, agents, _observer = make_router()
+    async with AgentRuntime() as runtime:
+        subscriber = router.runtime_subscriber()
+        runtime.register(subscriber)
+        with pytest.raises(ValueError, match=r"registered already.*twice"):
+            runtime.register(router.runtime_subscriber())
+        with pytest.raises(ValueError, match="registered already"):
+            runtime.register(subscriber)
+        async with AgentRuntime() as other:
+            other.register(router.runtime_subscriber())
+        await runtime.publish(QUERY, UserQuery(participant_id="p1", text="x"))
+    assert agents["weather"].count("answer") == 1
+    assert len(router.history_of("p1")) == 1
+
+
 async def test_departure_closes_admission_until_rejoin() -> None:
     """After ParticipantLeft, queries and handle() are refused until ParticipantJoined."""
     router, agents, observer = make_router()

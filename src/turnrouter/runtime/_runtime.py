@@ -143,7 +143,17 @@ class AgentRuntime:
         self._done_context = contextvars.Context()
 
     def register(self, agent: RuntimeAgent) -> None:
-        """Subscribe `agent` to its topics."""
+        """Subscribe `agent` to its topics (once: `ValueError` for an agent, or a router's
+        subscriber, registered here already, whose messages would be handled twice)."""
+        identity = getattr(agent, "_registers_as", agent)
+        if any(getattr(other, "_registers_as", other) is identity
+               for subscribed in self._subscribers.values() for _, other in subscribed):
+            what = ("a subscriber of this router" if identity is not agent
+                    else "this agent")
+            raise ValueError(
+                f"AgentRuntime.register: {what} is registered already: every message "
+                "would be handled twice (a query's destination run twice); register "
+                "runtime_subscriber() once")
         for topic in agent.subscriptions:
             self._subscribers.setdefault(topic.name, []).append((topic, agent))
 

@@ -103,6 +103,8 @@ class RouterSubscriber:
     def __init__(self, router: AgentRouter, topics: dict[str, Topic[Any]],
                  load: LoadMonitor | None = None) -> None:
         self._router = router
+        #: What `AgentRuntime.register` refuses twice: one subscriber per router.
+        self._registers_as = router
         self._load = load
         self._topics = topics
         self._output = topics["output_topic"]
