@@ -148,12 +148,12 @@ class AgentRuntime:
         identity = getattr(agent, "_registers_as", agent)
         if any(getattr(other, "_registers_as", other) is identity
                for subscribed in self._subscribers.values() for _, other in subscribed):
-            what = ("a subscriber of this router" if identity is not agent
-                    else "this agent")
+            what, once = (("a subscriber of this router", "runtime_subscriber()")
+                          if identity is not agent else ("this agent", "each agent"))
             raise ValueError(
                 f"AgentRuntime.register: {what} is registered already: every message "
-                "would be handled twice (a query's destination run twice); register "
-                "runtime_subscriber() once")
+                f"would be handled twice (a query's destination run twice); register "
+                f"{once} once")
         for topic in agent.subscriptions:
             self._subscribers.setdefault(topic.name, []).append((topic, agent))
 

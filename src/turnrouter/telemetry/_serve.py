@@ -158,6 +158,8 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        #: Requests that failed other than by their connection (logged at powers of ten).
+        self.failures = 0
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -176,9 +178,6 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         finally:
             self._slots.release()
 
-    #: Requests that failed other than by their connection (logged at powers of ten).
-    failures = 0
-
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that timed out or broke is closed without a word (the standard
         library printed a 26-line traceback for each: half-sent requests flooded the
@@ -186,11 +185,10 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         error = sys.exc_info()[1]
         if isinstance(error, OSError):
             return
-        type(self).failures += 1
-        if is_logged(type(self).failures):
-            logger.warning(
-                "turnrouter: serving metrics failed (%d so far): %r",
-                type(self).failures, error)
+        self.failures += 1
+        if is_logged(self.failures):
+            logger.warning("turnrouter: serving metrics failed (%d so far): %r",
+                           self.failures, error)
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -263,7 +263,7 @@ class Inputs:
             self._recent.add(key, seq)
             await self._ack(msg)
             return
-        if kind == "query":  # (at once when served here: the common case)
+        if kind == "query" and not self._ledger.serves(pid):  # (served: the common case)
             await await_previous_owner(self._ledger, pid, n, message_id, delivered > 1)
         state = await self._ledger.claim(pid, n)
         if state is None:
@@ -295,12 +295,14 @@ class Inputs:
             elif waited > self._config.max_input_wait:
                 if not await self._expire(msg, pid, state, message_id, waited):
                     return  # fenced meanwhile: the message is the new owner's now
-            elif self._ledger.heard(self._ledger.replica) is False and not (
+            elif waited >= self._config.failover_timeout and self._ledger.heard(
+                    self._ledger.replica) is False and not (
                     await self._ledger.write(pid, state, fresh=False)):
-                # Not hearing itself (frozen, or cut off from the server): its pin may
-                # have moved and the new owner ended this turn already. Its record,
-                # written first, says so (fenced) before the destination runs for a
-                # participant told "something went wrong" (chaos11 D3).
+                # Held that long (a pin moves only after `failover_timeout`) by a replica
+                # not hearing itself (frozen, or cut off from the server): the new owner
+                # may have ended this turn already. Its record, written first, says so
+                # (fenced) before the destination runs for a participant told
+                # "something went wrong" (chaos11 D3).
                 return
             elif not await self._start(pid, state, message, msg):
                 return  # fenced meanwhile: the message is the new owner's now

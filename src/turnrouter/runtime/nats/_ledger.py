@@ -780,8 +780,8 @@ async def await_previous_owner(ledger: Ledger, pid: str, n: int, message_id: str
     query taken and not acknowledged comes back as delivery 1, and its claim ended the
     turn whose answer landed a moment later: chaos11 D2). No wait when the record says
     that turn ended already, nor a read unless delivered again or the partition just
-    arrived (`arrived_lately`)."""
-    if ledger.serves(pid) or not (again or arrived_lately(ledger, n)):
+    arrived (`arrived_lately`). The caller checks that `pid` is not served here."""
+    if not (again or arrived_lately(ledger, n)):
         return
     key = f"{n}.{encode_token(pid)}"
     try:
