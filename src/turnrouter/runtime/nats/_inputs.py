@@ -298,11 +298,9 @@ class Inputs:
             elif waited >= self._config.failover_timeout and self._ledger.heard(
                     self._ledger.replica) is False and not (
                     await self._ledger.write(pid, state, fresh=False)):
-                # Held that long (a pin moves only after `failover_timeout`) by a replica
-                # not hearing itself (frozen, or cut off from the server): the new owner
-                # may have ended this turn already. Its record, written first, says so
-                # (fenced) before the destination runs for a participant told
-                # "something went wrong" (chaos11 D3).
+                # Held that long (a pin moves no sooner) by a replica not hearing itself
+                # (frozen, cut off): a new owner may have ended the turn; the record,
+                # written first, says so (fenced) before the destination runs (chaos11 D3).
                 return
             elif not await self._start(pid, state, message, msg):
                 return  # fenced meanwhile: the message is the new owner's now
