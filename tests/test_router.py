@@ -481,6 +481,23 @@ async def test_post_answer_release_clears_focus_without_rerouting() -> None:
     assert len(h.decisions.requests) == 1
 
 
+async def test_post_answer_release_by_another_destination_clears_the_owners_focus() -> None:
+    """The contract's post-answer release clears focus whoever held it: the owner that
+    declined this turn is released, and the next turn is routed afresh."""
+    h = Harness(ScriptedAgent("booking", results="focus", admissions=["accept", "decline"]),
+                ScriptedAgent("taxi", results="release"),
+                decisions=ScriptedDecisions("booking", "taxi", "taxi"))
+    await h.say("book")
+    result = await h.say("taxi please")
+    assert result.disposition == "release"
+    assert h.router.focus_of("p1") is None
+    assert h["booking"].methods() == ["admit", "answer", "admit", "release"]
+    assert ("release", "booking", "post_answer", None) in h.observer.turns["t2"]
+    assert ("focus", "booking", "released") in h.observer.turns["t2"]
+    await h.say("again")
+    assert len(h.decisions.requests) == 3  # routed, not offered to booking first
+
+
 async def test_owner_that_becomes_ineligible_loses_focus() -> None:
     """An ineligible focus owner loses focus, is released, and the turn is routed."""
     h = Harness(ScriptedAgent("booking", results="focus"), ScriptedAgent("weather"),
@@ -964,6 +981,50 @@ async def test_interrupted_initialization_runs_again_on_the_next_turn() -> None:
     assert h["weather"].calls == [] and h.output.texts == []
     assert (await h.say()).text == "weather answer"
     assert attempts == ["p1", "p1"]
+
+
+async def test_a_participant_whose_initialization_failed_is_cleaned_up_at_departure() -> None:
+    """cleanup_participant is idempotent by contract: it also runs for a participant
+    whose initialization began but failed (it may have allocated something first)."""
+    cleaned: list[str] = []
+
+    async def initialize(pid: str) -> None:
+        raise RuntimeError("db down")
+
+    async def cleanup(pid: str) -> None:
+        cleaned.append(pid)
+
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"),
+                initialize_participant=initialize, cleanup_participant=cleanup)
+    with pytest.raises(RuntimeError):
+        await h.say(participant="a")
+    await h.router.participant_left("a")
+    await h.router.participant_left("never-seen")
+    assert cleaned == ["a"]
+
+
+async def test_a_participant_whose_initialization_was_interrupted_is_cleaned_up() -> None:
+    """An initialization interrupted half-way gets the cleanup at departure too."""
+    cleaned: list[str] = []
+    entered = anyio.Event()
+
+    async def initialize(pid: str) -> None:
+        entered.set()
+        await anyio.Event().wait()  # only an interrupt ends it
+
+    async def cleanup(pid: str) -> None:
+        cleaned.append(pid)
+
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"),
+                initialize_participant=initialize, cleanup_participant=cleanup)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(h.capture, h.turn())
+            await entered.wait()
+            await h.router.interrupt("p1")
+        await h.router.participant_left("p1")
+    assert isinstance(h.outcomes["t1"], TurnInterrupted)
+    assert cleaned == ["p1"]
 
 
 async def test_without_a_conversation_route_the_default_is_unavailable() -> None:

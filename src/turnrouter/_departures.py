@@ -137,7 +137,7 @@ class Departures:
         if state.unreleased is None:
             state.unreleased = set(state.used)
             state.cleanup_pending = cfg.cleanup is not None and (
-                state.initialized or bool(state.used)
+                state.cleanup_pending or state.initialized or bool(state.used)
             )
         errors: list[Exception] = []
         for route in [name for name in cfg.routes if name in state.unreleased]:

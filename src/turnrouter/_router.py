@@ -135,7 +135,8 @@ class AgentRouter:
         initialize_participant: `async f(participant_id)`, awaited once before a
             participant's first turn (retried on the next turn if it fails).
         cleanup_participant: `async f(participant_id)`, awaited when a participant leaves,
-            after its destinations released it.
+            after its destinations released it; also for one whose initialization began
+            but failed or was interrupted (it may have allocated something).
         set_status: `async f("processing" | "idle", participant_id)` around each turn
             (e.g. a "thinking" indicator); its failures are logged, never raised.
         admission_timeout_secs: Longest `admit()` call; a slower one is cancelled and

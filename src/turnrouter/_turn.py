@@ -216,7 +216,13 @@ class Turn(TurnRun):
         """The participant's first turn: the router's `initialize` callback, once."""
         initialize = self.cfg.initialize
         if initialize is not None:
-            await initialize(self.turn.participant_id)
+            try:
+                await initialize(self.turn.participant_id)
+            except BaseException:
+                # it may have allocated something before failing or being interrupted:
+                # the (idempotent) cleanup runs at departure even if no retry succeeds
+                self.state.cleanup_pending = True
+                raise
         self.state.initialized = True
 
     # ------------------------------------------------------------------ routing
@@ -441,10 +447,12 @@ class Turn(TurnRun):
                 if owner is not None:
                     obs.focus_transition(FocusChanged(owner, "lost"))
                     return owner, "focus_taken"
-        elif result.disposition == "release" and owner == route:
+        elif result.disposition == "release" and owner is not None:
+            # "consumes this turn and clears focus": whoever held it (the owner may have
+            # declined this turn and another destination answered) is released
             state.focus = None
-            obs.focus_transition(FocusChanged(route, "released"))
-            return route, "post_answer"
+            obs.focus_transition(FocusChanged(owner, "released"))
+            return owner, "post_answer"
         return None
 
     # ------------------------------------------------------------------ speaking, releasing
