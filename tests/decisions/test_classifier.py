@@ -209,6 +209,20 @@ async def test_custom_prompt_template_is_used() -> None:
     assert llm.calls[0][0].endswith("Q: it crashed")
 
 
+@pytest.mark.anyio
+async def test_a_prompt_without_the_query_placeholder_gets_the_request_appended() -> None:
+    """A prompt in the reference's shape (only `{route_descriptions}`: the query went in
+    a separate message) is accepted, and the request follows it."""
+    llm = ScriptedLLM("route: support")
+    prompt = "You are a routing classifier.\n\nAvailable routes:\n{route_descriptions}\n"
+    service = ClassifierDecisions(llm, classifier_prompt=prompt)
+    decision = await service.decide(request("it crashed {query}"))
+    assert decision.choice == "support"
+    sent = llm.calls[0][0]
+    assert sent.startswith("You are a routing classifier.\n\nAvailable routes:\n- billing:")
+    assert sent.endswith("\n\nUser request:\nit crashed {query}\n")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [

@@ -114,17 +114,21 @@ def _confidence(number: str, percent: str | None, denominator: str | None) -> fl
     return max(0.0, value)
 
 
-def _check_template(template: str) -> None:
+_QUERY_SECTION = "\n\nUser request:\n{query}\n"
+
+
+def _check_template(template: str) -> str:
+    """The template to format: a prompt without `{query}` (the reference's shape, which
+    sends the query separately) gets the request appended after it."""
     try:
         fields = {name for _, name, _, _ in string.Formatter().parse(template) if name}
     except ValueError as exc:
         raise ConfigurationError(f"classifier_prompt is not a valid format string: {exc}"
                                  ) from exc
-    missing = _PLACEHOLDERS - fields
-    if missing:
+    if "route_descriptions" not in fields:
         raise ConfigurationError(
-            f"classifier_prompt must contain the placeholders {sorted(_PLACEHOLDERS)}; "
-            f"missing {sorted(missing)}"
+            "classifier_prompt must contain the {route_descriptions} placeholder "
+            "({query} is optional: without it the request is appended)"
         )
     unknown = fields - _PLACEHOLDERS
     if unknown:
@@ -132,6 +136,7 @@ def _check_template(template: str) -> None:
             f"classifier_prompt has unknown placeholders {sorted(unknown)}; "
             f"allowed are {sorted(_PLACEHOLDERS)}"
         )
+    return template if "query" in fields else template.rstrip() + _QUERY_SECTION
 
 
 class ClassifierDecisions:
@@ -141,7 +146,9 @@ class ClassifierDecisions:
     strictly above it, and a reply without a confidence counts as confidence 0.
     `fallback_route` is used instead of "clarify" for unknown routes or low confidence,
     but only when it is a candidate of the request. `classifier_prompt` is a
-    `str.format` template with the `{route_descriptions}` and `{query}` placeholders.
+    `str.format` template with the `{route_descriptions}` placeholder and, optionally,
+    `{query}` (without it, as in prompts that send the query separately, the request is
+    appended after the prompt under "User request:").
 
     Args:
         llm: The `LLMService` asked to classify (its reply: `route:` and `confidence:`
@@ -190,11 +197,10 @@ class ClassifierDecisions:
             raise ConfigurationError(
                 f"classifier_prompt must be a str or None, got {type(template).__name__}"
             )
-        _check_template(template)
         self._llm = llm
         self._threshold = float(threshold)
         self._fallback = fallback_route
-        self._template = template
+        self._template = _check_template(template)
         self._max_tokens = max_tokens
 
     @property
