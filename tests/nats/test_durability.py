@@ -8,10 +8,13 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -443,6 +446,78 @@ async def test_a_reader_reads_an_output_stream_made_again_while_it_makes_its_con
             await asyncio.gather(reader, return_exceptions=True)
             await front.close()
             await admin.close()
+
+
+@pytest.mark.parametrize("new_outputs", ["fewer", "more"])
+async def test_a_server_back_on_an_older_copy_of_its_store_keeps_outputs_flowing(
+        new_outputs: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A server restarted on an older copy of its store (a restored backup or volume
+    snapshot): the output stream's sequences went back below what a running reader
+    read. The reader reads exactly what was stored after the return, whether the stream
+    is still behind its last sequence when it looks ("fewer" new outputs than it lost)
+    or already past it, another output holding that sequence ("more": its look at the
+    stream is held until they are stored). Before, its consumer started after its last
+    sequence and skipped every output up to there, silently (chaos12 D3)."""
+    server = NatsServer(sync_always=True)
+    config = NatsConfig(url=server.url)
+    subject = config.output_subject("zed")
+    lost, after = 4, (2 if new_outputs == "fewer" else 7)
+    backup = Path(tempfile.mkdtemp(prefix="tr-nats-backup-"))
+    got: list[ResponseOutput] = []
+    subscribed = asyncio.Event()
+    try:
+        async with proxied(server.port) as proxy:
+            front = await NatsFrontEnd.connect(dataclasses.replace(config, url=proxy.url))
+            reader = asyncio.create_task(_read_until(front, f"after-{after - 1}", got,
+                                                     subscribed))
+            publisher = await NatsFrontEnd.connect(config)
+            try:
+                async with asyncio.timeout(15):
+                    await subscribed.wait()
+                js = publisher.connection.jetstream()
+                for k in range(2):
+                    await js.publish(subject, output("zed", f"old-{k}"))
+                await publisher.close()
+                await asyncio.to_thread(server.crash)
+                shutil.copytree(server.store, backup, dirs_exist_ok=True)  # the backup
+                await asyncio.to_thread(server.restart)
+                publisher = await NatsFrontEnd.connect(config)
+                js = publisher.connection.jetstream()
+                for k in range(lost):
+                    await js.publish(subject, output("zed", f"lost-{k}"))
+                await until_true(lambda: len(got) == 2 + lost, "the outputs read")
+                await publisher.close()
+                await asyncio.to_thread(server.crash)
+                shutil.rmtree(server.store)
+                shutil.copytree(backup, server.store)  # the restore
+                looks = proxy.hold(lambda api, _: api.startswith("$JS.API.STREAM.INFO."))
+                if new_outputs == "fewer":
+                    looks.release()
+                await asyncio.to_thread(server.restart)
+                publisher = await NatsFrontEnd.connect(config)
+                js = publisher.connection.jetstream()
+                if new_outputs == "more":
+                    async with asyncio.timeout(15):
+                        await looks.event.wait()  # the reader looks at the stream...
+                for k in range(after):
+                    await js.publish(subject, output("zed", f"after-{k}"))
+                looks.release()  # ...and sees it past its last sequence
+                async with asyncio.timeout(15):
+                    await reader
+            finally:
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+                await front.close()
+                await publisher.close()
+        assert [o.request_id for o in got] == [
+            "old-0", "old-1", *(f"lost-{k}" for k in range(lost)),
+            *(f"after-{k}" for k in range(after))]
+        # "more" found another output at its last sequence, and said so
+        assert ("no longer holds the last output read" in caplog.text) == (
+            new_outputs == "more")
+    finally:
+        server.close()
+        shutil.rmtree(backup, ignore_errors=True)
 
 
 async def test_outputs_end_when_the_front_end_closes(nats_server: NatsServer) -> None:

@@ -380,6 +380,14 @@ class _OutputReader:
         self._generation = 0  # of the consumer: what an earlier one sent is ignored
         self._created: object = None  # the output stream's creation time, when known
         self._finals = _SeenFinals(int(self._config.dedup_window * _NS))
+        # The last output read (subject, data) and its stored time: a consumer made
+        # again starts *at* it, and one that finds another message there (a store
+        # restored from an older copy, or the output trimmed) reads by time instead.
+        self._last_msg: tuple[str, bytes] | None = None
+        self._last_ns = 0
+        self._stream_last: int | None = None  # the stream's last sequence, when asked
+        self._check = False  # the next output is the last one read, delivered again
+        self._by_time = False  # the next consumer starts after `_last_ns`
 
     async def open(self) -> None:
         """The first consumer (LifecycleError when the server refuses it)."""
@@ -401,7 +409,7 @@ class _OutputReader:
                     return True
             except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
                 return True  # asked again at the next creation
-            self._last = 0  # a new stream: what it holds came after what was read
+            self._last, self._last_msg = 0, None  # a new stream: all of it is new
         return True
 
     async def _make(self) -> bool:
@@ -422,15 +430,30 @@ class _OutputReader:
             "num_replicas": 1, "inactive_threshold": 5 * _NS, "replay_policy": "instant"}
         try:
             if await self._recreated() and self._last is not None:
-                self._last = 0  # a new stream: what it holds came after what was read
+                self._last, self._last_msg = 0, None  # a new stream: all of it is new
         except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
             self._heard = time.monotonic() - _SILENCE
             return False  # again in a tick
-        if self._last is None:
+        last, stream_last = self._last, self._stream_last
+        if last and stream_last is not None and stream_last < last:
+            # The stream went back (its store restored from an older copy): what it
+            # stored since came after what was read, whatever its sequences.
+            self._by_time = self._last_msg is not None
+            if not self._by_time:
+                self._last = last = stream_last
+        self._check = False
+        if last is None:
             consumer["deliver_policy"] = "new"
+        elif self._by_time:
+            consumer["deliver_policy"] = "by_start_time"
+            consumer["opt_start_time"] = _stamp(self._last_ns + 1)
+        elif last and self._last_msg is not None:
+            consumer["deliver_policy"] = "by_start_sequence"
+            consumer["opt_start_seq"] = last  # the last one read again: still there?
+            self._check = True
         else:
             consumer["deliver_policy"] = "by_start_sequence"
-            consumer["opt_start_seq"] = self._last + 1
+            consumer["opt_start_seq"] = last + 1
         try:
             reply = await self._ask(
                 f"$JS.API.CONSUMER.CREATE.{config.output_stream}",
@@ -475,7 +498,10 @@ class _OutputReader:
         made again, e.g. by a worker repairing the deployment): its sequences start
         over. LookupError (KeyError) when it does not exist now."""
         reply = await self._ask(f"$JS.API.STREAM.INFO.{self._config.output_stream}", b"")
-        created = json.loads(reply.data)["created"]
+        info = json.loads(reply.data)
+        created = info["created"]
+        last = (info.get("state") or {}).get("last_seq")
+        self._stream_last = last if type(last) is int else None
         before, self._created = self._created, created
         return before is not None and created != before
 
@@ -546,7 +572,21 @@ class _OutputReader:
                 await self._create()  # a message was lost on the way: read it again
                 continue
             self._next_cseq += 1
-            self._last = stream_seq
+            if self._check:  # the last output read, again (`_make`)
+                self._check = False
+                if stream_seq == self._last and (msg.subject, msg.data) == self._last_msg:
+                    continue
+                # Another output holds its place (a store restored from an older copy)
+                # or it is gone (trimmed): read what was stored after it instead.
+                logger.warning("turnrouter: the output stream %s no longer holds the "
+                               "last output read at sequence %s; reading the outputs "
+                               "stored after it", self._config.output_stream, self._last)
+                self._by_time = True
+                await self._create()
+                continue
+            self._by_time = False
+            self._last, self._last_msg, self._last_ns = stream_seq, (msg.subject, msg.data), (
+                stored_ns)
             try:
                 output = ResponseOutput.model_validate_json(msg.data)
             except (ValidationError, ValueError, RecursionError) as exc:
@@ -564,6 +604,12 @@ class _OutputReader:
                 front._repeated(output)
                 continue
             return output
+
+
+def _stamp(ns: int) -> str:
+    """A JetStream time (RFC 3339 in UTC, nanoseconds) of `ns` since the epoch."""
+    seconds, fraction = divmod(ns, _NS)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{fraction:09d}Z"
 
 
 def _idle_heartbeat(msg: Msg) -> bool:
