@@ -223,6 +223,43 @@ async def test_a_graceful_stop_longer_than_the_failover_timeout_says_no_failure_
             staying.close()
 
 
+async def test_sigterm_hands_idle_partitions_over_at_once_while_a_long_turn_drains(
+        nats_server: NatsServer) -> None:
+    """SIGTERM of a replica one of whose turns runs long (an LLM answer, a hung tool):
+    its other partitions go to the other replica at once, so their participants are
+    answered while that turn still drains; only the long turn's partition waits. Before,
+    every partition was held until the whole drain ended (up to `drain_timeout`), and
+    half a fleet's participants heard the busy text after a rolling restart (chaos12
+    D2)."""
+    leaving = Worker(nats_server.url, "leaving", "--drain-timeout", "30")
+    staying: Worker | None = None
+    try:
+        async with listening(nats_server.url) as (front, heard):
+            await until_owned([leaving])
+            pids = [f"a{i}" for i in range(12)]
+            for pid in pids:
+                assert await ask(front, heard, pid, "hi") == "hi|-|N"
+            await front.publish(UserQuery(participant_id="s", text="slow one"))
+            await until_true(lambda: metric_value(
+                leaving.metrics(), "turnrouter_nats_inflight_marks_total") >= 1,
+                "the long turn running (marked in flight)")
+            kv = await front.connection.jetstream().key_value(NatsConfig().bucket)
+            partition = {key.partition(".")[2]: key.partition(".")[0]
+                         for key in await kv.keys()}
+            others = [p for p in pids if partition[encode_token(p)]
+                      != partition[encode_token("s")]]
+            assert others  # (12 participants in one of 16 partitions: never all)
+            staying = await asyncio.to_thread(Worker, nats_server.url, "staying")
+            leaving.signal(signal.SIGTERM)
+            for pid in others:
+                assert await ask(front, heard, pid, "again") == "again|hi|F"
+            assert leaving.proc.poll() is None, "the long turn's drain is still running"
+    finally:
+        leaving.close()
+        if staying is not None:
+            staying.close()
+
+
 async def test_a_patch_between_turns_survives_a_crash(nats_server: NatsServer) -> None:
     """A context patch applied after a turn ended is saved to the participant's record
     without waiting for a next turn: kill -9 of the owner, and the new owner's next turn

@@ -282,9 +282,15 @@ class NatsWorker:
         self._set_owned()
 
     async def _drain_and_hand_over(self) -> None:
-        router = self.router
+        """Each partition handed over as soon as its own turns ended (at once for one
+        with none running: its participants wait for no one else's long turn); after
+        `drain_timeout` the turns still running are cut and the rest handed over."""
+        router, loop = self.router, asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout
+        await asyncio.gather(*(_hand_over_when_idle(self, n, deadline)
+                               for n in sorted(self._pins)))
         try:
-            async with asyncio.timeout(self.config.drain_timeout):
+            async with asyncio.timeout_at(deadline):
                 await router.drain()
         except TimeoutError:
             # Cut the turns still running: each ends with the failure text (_inputs).
@@ -680,6 +686,20 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         until = time.monotonic() + self.lifetime
         self.live = {token: (pin, max(end, until)) for token, (pin, end) in self.live.items()}
         self.wake()
+
+
+async def _hand_over_when_idle(worker: NatsWorker, n: int, deadline: float) -> None:
+    """Partition `n` handed over once its participants' turns ended, if by `deadline`
+    (a graceful stop; what is left after it goes once the router's drain is cut)."""
+    loop, turns_of = asyncio.get_running_loop(), worker.inputs.turns_of
+    turns = [t for p in worker.ledger.of_partition(n) for t in turns_of.of(p)
+             if not t.done()]
+    if turns:
+        _, pending = await asyncio.wait(turns, timeout=max(0.0, deadline - loop.time()))
+        if pending:
+            return
+    if n in worker._pins:  # (a turn started meanwhile gets the time left)
+        await worker._hand_over(n, max(0.0, deadline - loop.time()))
 
 
 async def _hold_pins(nc: Client, pins: dict[int, str], config: NatsConfig,
