@@ -400,6 +400,18 @@ async def test_unauthenticated_and_wrong_credentials_are_refused(
     assert wrong not in caplog.text and "Traceback" not in caplog.text
 
 
+async def test_a_refused_first_connection_is_said_once_by_its_error(
+        locked: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A front end refused at its first connection logs nothing of its own: the error
+    raised says it, once (docs/distributed.md: `nats_front` exits with one line). It
+    logged the refusal and then the server's reset of the connection, two more lines, one
+    of them a misleading "Connection reset by peer" (newcomer12)."""
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        with pytest.raises(LifecycleError, match="Authorization Violation"):
+            await NatsFrontEnd.connect(NatsConfig(url=locked.url))
+    assert caplog.records == []
+
+
 # ---------------------------------------------------------------- nkeys and tokens
 def nkey_user() -> tuple[str, str]:
     """A fresh user nkey: (seed, public key)."""

@@ -92,6 +92,7 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
             await cancel_and_wait((connecting,))  # nats-py's retries may lose one
             await asyncio.gather(nc.close(), return_exceptions=True)
     if not connecting.cancelled() and connecting.exception() is None:
+        attempts.connected = True
         return nc
     if refused.done():
         error = refused.result()
@@ -142,6 +143,7 @@ class _Attempts:
     def __init__(self, patience: float | None) -> None:
         self.patience, self.count, self.started = patience, 0, time.monotonic()
         self.last: BaseException | None = None
+        self.connected = False  # the first connection was made (later errors: reconnects)
         self._outage = 0  # errors of the current outage
         self._previous = self._logged = -math.inf  # when the last error came, was logged
 
@@ -306,6 +308,13 @@ def _error_callback(config: NatsConfig, refused: asyncio.Future[BaseException] |
         denied = parse_denial(exc)
         if denied is not None and denials is not None:
             denials.record(*denied)  # logged there, once per subject
+            return
+        if refused is not None and attempts is not None and not attempts.connected and (
+                refused.done() or _is_refusal(exc)):
+            # The first connection refused: the caller's error says it, once (the
+            # server then resets the connection; that is no news either).
+            if not refused.done():
+                refused.set_result(exc)
             return
         what = attempts.failed(exc) if attempts is not None else ""
         after = attempts.logged() if attempts is not None else ""
