@@ -50,7 +50,7 @@ unit: $(STAMP) $(PHOENIX_STAMP)
 
 # The API reference (mkdocs.yml): warnings fail the build; the site goes to site/.
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --quiet --site-dir site
+	$(BIN)/mkdocs build --strict --site-dir site
 
 test: lint typecheck docs unit
 

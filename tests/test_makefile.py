@@ -63,6 +63,8 @@ def test_test_installs_dev_and_builds_the_reference_strictly() -> None:
     text = "\n".join(dry_run("test"))
     assert "-e '.[dev]'" in text
     assert "mkdocs build --strict" in text
+    # --quiet hides the warnings from --strict's count: a broken link built "green"
+    assert "mkdocs build --strict --quiet" not in text
     assert "ruff check" in text and "mypy --strict" in text and "pytest" in text
 
 

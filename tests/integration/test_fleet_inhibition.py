@@ -27,8 +27,9 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CONFIG = DEPLOY / "alertmanager/alertmanager.yml"
 FLEET_RULES = DEPLOY / "prometheus/rules-nats/turnrouter-nats.rules.yml"
 #: The fleet's alerts and severities (a test below keeps this the rule file's list).
-FLEET = {"TurnrouterPartitionUnconsumed": "critical", "TurnrouterFencedWrites": "warning",
-         "TurnrouterReplicaNotServing": "warning", "TurnrouterInputBacklog": "critical"}
+FLEET = {"TurnrouterPartitionUnconsumed": "critical", "TurnrouterReplicaUnscraped": "warning",
+         "TurnrouterFencedWrites": "warning", "TurnrouterReplicaNotServing": "warning",
+         "TurnrouterInputBacklog": "critical"}
 
 
 def test_every_fleet_alert_is_covered() -> None:

@@ -113,3 +113,39 @@ async def test_names_that_stop_announcing_leave_no_lasting_skew() -> None:
         for worker in workers:
             worker.close()
         server.close()
+
+
+def heard(worker: Worker) -> tuple[float, float]:
+    """(replicas, partitions owned) of the fleet as `worker` hears it on presence."""
+    text = worker.metrics()
+    return (metric_value(text, "turnrouter_nats_fleet_replicas"),
+            metric_value(text, "turnrouter_nats_fleet_partitions_owned"))
+
+
+async def until_heard(workers: list[Worker], expected: tuple[float, float],
+                      within: float = 30.0) -> None:
+    """Until every worker hears the fleet as `expected` (polling /metrics, bounded)."""
+    seen: list[tuple[float, float]] = []
+    for _ in range(int(within / 0.2)):
+        seen = await asyncio.to_thread(lambda: [heard(w) for w in workers])
+        if all(view == expected for view in seen):
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the workers heard {seen}, not {expected}")
+
+
+async def test_each_replica_reports_the_fleet_it_hears(nats_server: NatsServer) -> None:
+    """Each replica exports the fleet as it hears it on presence (the replicas and the
+    partitions they say they own, its own included): what the fleet's alerts compare
+    with the replicas Prometheus scrapes, so a replica left out of the scrape targets is
+    named (TurnrouterReplicaUnscraped) instead of paged as unconsumed partitions. A
+    replica that dies leaves the survivor's view once its presence stops."""
+    workers = [await asyncio.to_thread(Worker, nats_server.url, name) for name in ("h0", "h1")]
+    try:
+        await until_even(workers, 30)
+        await until_heard(workers, (2, 16))
+        await asyncio.to_thread(workers[1].close)  # kill -9
+        await until_heard(workers[:1], (1, 16))  # and it took the dead one's partitions
+    finally:
+        for worker in workers:
+            worker.close()

@@ -32,6 +32,8 @@ FLEET_K8S_RULE = "deploy/k8s/nats/prometheusrule-nats.yaml"
 
 _OWNED = "turnrouter_nats_partitions_owned"
 _PARTITIONS = "turnrouter_nats_partitions"
+_HEARD_OWNED = "turnrouter_nats_fleet_partitions_owned"
+_HEARD_REPLICAS = "turnrouter_nats_fleet_replicas"
 _REFUSED = "turnrouter_nats_state_writes_refused_total"
 _WAIT = "turnrouter_nats_input_wait_seconds"
 #: The input backlog alert: the delivery wait's p95 over 5 min above this many seconds
@@ -71,8 +73,12 @@ def fleet_dashboard() -> dict[str, Any]:
                     unit="short"),
         _timeseries("Partitions: fleet total vs deployment",
                     "A gap means a partition nobody consumes (alert "
-                    "TurnrouterPartitionUnconsumed).",
-                    _targets((f"sum({_OWNED}{{{JOB}}})", "owned by the fleet"),
+                    "TurnrouterPartitionUnconsumed), unless the replicas hear the fleet "
+                    "own them all on presence (a replica not scraped: alert "
+                    "TurnrouterReplicaUnscraped).",
+                    _targets((f"sum({_OWNED}{{{JOB}}})", "owned by the scraped replicas"),
+                             (f"max({_HEARD_OWNED}{{{JOB}}})",
+                              "owned, as the replicas hear it"),
                              (f"max({_PARTITIONS}{{{JOB}}})", "partitions")),
                     unit="short"),
         _timeseries("Turns per replica and total", "Turns each replica ran, and the fleet.",
@@ -148,10 +154,14 @@ def fleet_dashboard() -> dict[str, Any]:
                     unit="ops"),
         _timeseries("Replicas serving, and deployment parts recreated",
                     "Serving: started, connected to NATS, streams, consumers and bucket "
-                    "there (the ready file). Recreated: a part found deleted under a "
-                    "running replica, by part (docs/distributed.md).",
+                    "there (the ready file). Heard vs scraped: replicas on presence "
+                    "against those Prometheus scrapes (more heard: one is not scraped, "
+                    "alert TurnrouterReplicaUnscraped). Recreated: a part found deleted "
+                    "under a running replica, by part (docs/distributed.md).",
                     _targets((f"sum by (instance) (turnrouter_nats_serving{{{JOB}}})",
                               "serving {{instance}}"),
+                             (f"max({_HEARD_REPLICAS}{{{JOB}}})", "replicas heard"),
+                             (f"count({_HEARD_REPLICAS}{{{JOB}}})", "replicas scraped"),
                              (_rate("turnrouter_nats_deployment_missing_total", "part"),
                               "missing {{part}}")),
                     unit="short"),
@@ -196,7 +206,11 @@ def fleet_alerts(group_labels: Sequence[str] = GROUP_LABELS) -> tuple[dict[str, 
     return (
         {
             "alert": "TurnrouterPartitionUnconsumed",
-            "expr": f"max by ({g}) ({_PARTITIONS})\n  - sum by ({g}) ({_OWNED}) > 0",
+            # Unless the replicas hear the whole fleet own every partition: a replica
+            # Prometheus does not scrape (TurnrouterReplicaUnscraped) is no gap.
+            "expr": (f"max by ({g}) ({_PARTITIONS})\n  - sum by ({g}) ({_OWNED}) > 0\n"
+                     f"unless on ({g})\n  max by ({g}) ({_HEARD_OWNED})\n"
+                     f"  >= max by ({g}) ({_PARTITIONS})"),
             "for": "1m",
             "labels": {"severity": "critical"},
             "annotations": {
@@ -206,6 +220,22 @@ def fleet_alerts(group_labels: Sequence[str] = GROUP_LABELS) -> tuple[dict[str, 
                                "Check that replicas run and reach NATS "
                                "(docs/distributed.md).",
                 "runbook_url": f"{RUNBOOK_URL}#turnrouterpartitionunconsumed",
+            },
+        },
+        {
+            "alert": "TurnrouterReplicaUnscraped",
+            "expr": (f"max by ({g}) ({_HEARD_REPLICAS})\n"
+                     f"  > count by ({g}) ({_HEARD_REPLICAS})"),
+            "for": "5m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "A replica of the NATS runtime is not scraped",
+                "description": "The replicas of job {{ $labels.job }} hear {{ $value }} "
+                               "replicas on presence, more than Prometheus scrapes: the "
+                               "fleet's alerts and dashboards miss one. Add every "
+                               "worker's metrics port to the scrape targets (a "
+                               "ServiceMonitor selecting every worker pod).",
+                "runbook_url": f"{RUNBOOK_URL}#turnrouterreplicaunscraped",
             },
         },
         {

@@ -350,10 +350,15 @@ class Fleet:
 
     async def _presence_loop(self) -> None:
         while True:
+            owned = self._count()
             with contextlib.suppress(NatsError):
                 await self._nc.publish(
                     f"{self._config.prefix}.presence",
-                    json.dumps({"replica": self._replica, "owned": self._count()}).encode())
+                    json.dumps({"replica": self._replica, "owned": owned}).encode())
+            if self._metrics is not None:  # the fleet as heard: what scrapes may miss
+                live = self._live(time.monotonic() - 3 * self._config.probe_interval)
+                self._metrics.fleet_replicas.set(1 + len(live))
+                self._metrics.fleet_owned.set(owned + sum(live.values()))
             await asyncio.sleep(self._config.probe_interval)
 
     async def _on_presence(self, msg: Msg) -> None:

@@ -37,6 +37,15 @@ class RuntimeMetrics:
             "turnrouter_nats_partitions",
             "Partitions of the deployment (to compare with the fleet's owned sum)",
             registry=registry)
+        self.fleet_replicas = Gauge(
+            "turnrouter_nats_fleet_replicas",
+            "Replicas of the fleet this replica hears on presence, itself included (more "
+            "than the replicas scraped: one is not scraped)", registry=registry)
+        self.fleet_owned = Gauge(
+            "turnrouter_nats_fleet_partitions_owned",
+            "Partitions the replicas this replica hears on presence say they consume, "
+            "its own included (the fleet's ownership as the replicas see it)",
+            registry=registry)
         self.takeovers = Counter(
             "turnrouter_nats_takeovers_total",
             "Partitions this replica took over (pinned after another owner or none)",
