@@ -51,7 +51,13 @@ async def main(config: NatsConfig) -> None:
     waiting: dict[str, asyncio.Future[None]] = {}
     listener = asyncio.create_task(listen(front, subscribed, waiting))
     try:
-        await subscribed.wait()  # publish once the output subscription exists
+        # Publish once the output subscription exists; a listener that failed (the
+        # server refused its consumer, say) raises its error here instead of a hang.
+        ready = asyncio.ensure_future(subscribed.wait())
+        await asyncio.wait((ready, listener), return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if listener.done():
+            listener.result()
         for text in QUERIES:
             # message_id (a fresh one unless given) is the turn id outputs carry back
             # as request_id; participant_id keeps one caller's turns in order.

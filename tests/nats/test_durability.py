@@ -448,6 +448,54 @@ async def test_a_reader_reads_an_output_stream_made_again_while_it_makes_its_con
             await admin.close()
 
 
+async def test_a_reader_skips_what_another_consumer_delivers_to_its_inbox(
+        nats_server: NatsServer) -> None:
+    """Any client of the account can make a consumer delivering to a reader's inbox
+    (the server does not check a deliver subject): with `deliver_policy` all it replayed
+    stored outputs, which the reader, checking only consumer sequences, yielded as new
+    (redteam12 F2). Deliveries of another consumer than the reader's are skipped and
+    counted; the reader goes on with its own."""
+    config = NatsConfig(url=nats_server.url)
+    subject = config.output_subject("zed")
+    admin = await nats.connect(nats_server.url)
+    front = await NatsFrontEnd.connect(config)
+    inboxes: asyncio.Queue[str] = asyncio.Queue()
+
+    async def note(msg: Any) -> None:  # the reader's heartbeats name its inbox
+        if (msg.headers or {}).get("Status") == "100" and not msg.reply:
+            inboxes.put_nowait(msg.subject)
+
+    got: list[ResponseOutput] = []
+    subscribed = asyncio.Event()
+    reader: asyncio.Task[None] | None = None
+    try:
+        js = admin.jetstream()
+        for k in range(3):
+            await js.publish(subject, output("zed", f"old-{k}"))
+        await admin.subscribe("_INBOX_turnrouter_frontend.>", cb=note)
+        reader = asyncio.create_task(_read_until(front, "new-0", got, subscribed))
+        async with asyncio.timeout(15):
+            await subscribed.wait()
+            inbox = await inboxes.get()
+        reply = await admin.request(
+            f"$JS.API.CONSUMER.CREATE.{config.output_stream}", json.dumps(
+                {"stream_name": config.output_stream,
+                 "config": {"deliver_subject": inbox, "deliver_policy": "all",
+                            "ack_policy": "none"}}).encode(), timeout=5)
+        assert "error" not in json.loads(reply.data)
+        await until_true(lambda: front.outputs_skipped >= 3, "the replay skipped")
+        await js.publish(subject, output("zed", "new-0"))
+        async with asyncio.timeout(15):
+            await reader
+        assert [o.request_id for o in got] == ["new-0"]
+    finally:
+        if reader is not None:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        await front.close()
+        await admin.close()
+
+
 @pytest.mark.parametrize("new_outputs", ["fewer", "more"])
 async def test_a_server_back_on_an_older_copy_of_its_store_keeps_outputs_flowing(
         new_outputs: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -43,7 +43,14 @@ from ._mailbox import Mailbox
 from ._permissions import Denials, DeniedError, denials_of
 from ._security import connect
 from ._setup import api_request, check_payload, ensure_streams
-from ._wire import NatsConfig, ack_sequences, input_message_id, kind_of, server_status
+from ._wire import (
+    NatsConfig,
+    ack_consumer,
+    ack_sequences,
+    input_message_id,
+    kind_of,
+    server_status,
+)
 
 __all__ = ["MAX_PUBLISHED", "MAX_SEEN_FINALS", "NatsFrontEnd"]
 
@@ -135,6 +142,9 @@ class NatsFrontEnd:
         """Final outputs `outputs()` read again and skipped: a turn's final stored twice
         (a new output stream has no deduplication history, so an ending republished
         after the stream was deleted and made again is stored once more)."""
+        self.readers_refused = 0
+        """Times the server refused an `outputs()` reader its consumer (tried again
+        every 0.2 s; the reason is logged): the stream's consumer limit reached, say."""
 
     @classmethod
     async def connect(cls, config: NatsConfig, **options: Any) -> NatsFrontEnd:
@@ -354,6 +364,13 @@ class NatsFrontEnd:
                            "a retry is stored already; a new message needs a new id (%d so "
                            "far)", kind, preview(message_id), preview(pid), count)
 
+    def _refused(self, why: str) -> None:
+        self.readers_refused += 1
+        count = self.readers_refused
+        if count & (count - 1) == 0:
+            logger.warning("turnrouter: the server refused the output reader's consumer "
+                           "(%d so far; retrying): %s", count, why)
+
     def _skipped(self, why: str) -> None:
         self.outputs_skipped += 1
         count = self.outputs_skipped
@@ -374,6 +391,7 @@ class _OutputReader:
         self._inbox = ""
         self._sub: Any = None
         self._consumer: str | None = None
+        self._delivered_by = ""  # "stream.consumer" its deliveries' ack subjects name
         self._msgs: Mailbox[Msg] = Mailbox()
         self._heard = time.monotonic()
         self._reconnects = 0
@@ -460,12 +478,16 @@ class _OutputReader:
                 json.dumps({"stream_name": config.output_stream,
                             "config": consumer}).encode())
             info = json.loads(reply.data)
+            error = info.get("error") if isinstance(info, dict) else None
+            if isinstance(error, dict):  # e.g. "maximum consumers limit reached"
+                self._front._refused(preview(error.get("description")))
             name = info["name"]
         except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
             # The server is not ready (JetStream still starting, say): again in a tick.
             self._heard = time.monotonic() - _SILENCE
             return False
         self._consumer, self._next_cseq = str(name), 1
+        self._delivered_by = f"{config.output_stream}.{name}"
         if self._last is None:
             # "new": it starts after what the stream held when it was made.
             delivered = info.get("delivered") or {}
@@ -512,13 +534,10 @@ class _OutputReader:
             self._sub = None
 
     async def close(self) -> None:
+        # Its consumer goes by itself 5 s after nobody reads it (`inactive_threshold`):
+        # front ends are not allowed to delete consumers (one could delete another's).
         await self._drop()
-        consumer, self._consumer = self._consumer, None
-        if consumer is not None and self._nc.is_connected:
-            with contextlib.suppress(NatsError, TimeoutError):
-                await self._nc.request(f"$JS.API.CONSUMER.DELETE."
-                                       f"{self._config.output_stream}.{consumer}",
-                                       b"", timeout=0.5)
+        self._consumer = None
 
     async def _put(self, generation: int, msg: Msg) -> None:
         if generation != self._generation:
@@ -568,6 +587,11 @@ class _OutputReader:
                 front._skipped("not a message of the output stream")
                 continue
             stream_seq, consumer_seq, stored_ns = meta
+            if ack_consumer(msg.reply) != self._delivered_by:
+                # Another consumer delivering to this inbox (one any client of the
+                # account can make): not this reader's outputs, whatever it sends.
+                front._skipped("delivered by another consumer than the reader's")
+                continue
             if consumer_seq != self._next_cseq:
                 await self._create()  # a message was lost on the way: read it again
                 continue

@@ -765,6 +765,13 @@ def _ack_fields(reply: str | None) -> list[str]:
     return parts[2:] if len(parts) == 9 else parts[4:]
 
 
+def ack_consumer(reply: str | None) -> str | None:
+    """The stream and consumer names a JetStream ack subject names ("stream.consumer"),
+    or None for anything else: whose delivery a message is."""
+    fields = _ack_fields(reply)
+    return f"{fields[0]}.{fields[1]}" if len(fields) >= 7 else None
+
+
 def _stored(field: str) -> int:
     """A stored time (Unix ns) that a float holds; 0 when unknown."""
     stored = int(field)
