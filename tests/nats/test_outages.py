@@ -670,6 +670,29 @@ async def test_junk_inputs_are_logged_rarely(nats_server: NatsServer) -> None:
         worker.close()
 
 
+async def test_an_input_subject_is_logged_escaped(nats_server: NatsServer) -> None:
+    """A subject may hold any byte but whitespace and `.*>`: one with terminal escape
+    sequences is logged quoted, never raw to the operator's terminal (redteam12 F6)."""
+    worker = Worker(nats_server.url, "escaped")
+    nc = await nats.connect(nats_server.url)
+    try:
+        subject = f"{CONFIG.prefix}.in.{encode_token('ann')}.q\x1b[2J\x07"
+        await nc.jetstream().publish(subject, b"{}")
+        name = "turnrouter_runtime_rejected_messages_total"
+        await until_true(lambda: metric_value(worker.metrics(), name,
+                                              'reason="unknown_subject"') >= 1,
+                         "the input counted")
+        worker.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.proc.wait, 30) == 0
+        text = worker.stderr()
+        assert "\x1b" not in text and "\x07" not in text
+        assert any("rejected input on" in line and "\\x1b[2J" in line
+                   for line in text.splitlines())
+    finally:
+        await nc.close()
+        worker.close()
+
+
 def test_readiness_tells_its_listeners_each_change() -> None:
     """`Readiness` serves once no problem is left; listeners hear each change once."""
     seen: list[bool] = []

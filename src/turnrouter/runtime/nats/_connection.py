@@ -28,6 +28,7 @@ from nats.js.kv import KeyValue
 
 from ..._exceptions import ConfigurationError, LifecycleError
 from ..._limits import is_logged
+from ..._redact import preview
 from ._metrics import RuntimeMetrics
 from ._permissions import Denial, Denials, parse_denial
 from ._security import connect, safe_error
@@ -257,7 +258,8 @@ class Connection:
             self._dropped(exc.subject)
             if not self._drops & (self._drops - 1):
                 logger.warning("turnrouter: dropped %d message(s) of a flooded fleet "
-                               "subject so far (last on %s)", self._drops, exc.subject[:100])
+                               "subject so far (last on %s)", self._drops,
+                               preview(exc.subject[:100]))
             return
         what = safe_error(self._config, exc)[:300]
         # A reconnect attempt waiting for the server's INFO (a frozen server accepts

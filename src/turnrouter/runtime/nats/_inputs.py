@@ -193,8 +193,9 @@ class Inputs:
         of ten (a publisher sending junk cannot grow the log one line per message)."""
         count = self._rejections[reason] = self._rejections.get(reason, 0) + 1
         if is_logged(count):
+            # (the subject quoted: a publisher chooses its bytes, terminal escapes too)
             logger.warning("turnrouter: rejected input on %s (%s, %d so far): %s",
-                           subject[:200], reason, count, detail)
+                           preview(subject[:200]), reason, count, detail)
         self._router.report_rejected("nats_input", reason)
 
     async def handle(self, n: int, msg: Msg, owned: bool, received: float) -> None:
