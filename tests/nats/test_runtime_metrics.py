@@ -49,3 +49,34 @@ def test_the_runtime_families_are_exposed_before_any_observation() -> None:
     assert registry.get_sample_value("turnrouter_nats_state_write_seconds_count") == 0
     assert registry.get_sample_value("turnrouter_nats_input_wait_seconds_count",
                                       {"stage": "queued"}) == 0
+
+
+def _p95(registry: CollectorRegistry, stage: str) -> float:
+    """The p95 `histogram_quantile` computes from the exposed buckets (linear within
+    the bucket it falls in), as the dashboard and TurnrouterInputBacklog read it."""
+    bounds = [*_WAIT_BUCKETS, float("inf")]
+    counts = [registry.get_sample_value("turnrouter_nats_input_wait_seconds_bucket",
+                                        {"stage": stage, "le": _le(bound)}) or 0.0
+              for bound in bounds]
+    rank, lower, below = 0.95 * counts[-1], 0.0, 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= rank:
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    raise AssertionError("no bucket holds the rank")
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def test_a_backlog_at_max_input_wait_reads_as_itself() -> None:
+    """Waits piled up just past the default `max_input_wait` (10 s: a backlog's
+    queries refused after it) read as about 10-12 s, not 26-30 s (spike12 D2: with no
+    bound between 10 and 30 s, the dashboard and the backlog page said 29 s for waits
+    of 10.3 s)."""
+    registry = CollectorRegistry()
+    metrics = runtime_metrics(registry)
+    for k in range(200):
+        metrics.wait_delivery.observe(10.0 + k * 0.01)  # 10.0 .. 11.99 s
+    assert 10.0 < _p95(registry, "delivery") <= 12.5
