@@ -260,6 +260,49 @@ async def test_sigterm_hands_idle_partitions_over_at_once_while_a_long_turn_drai
             staying.close()
 
 
+async def test_a_replica_added_while_every_partition_runs_long_turns_gets_a_share(
+        nats_server: NatsServer) -> None:
+    """Turns of a second (an LLM's answer) back to back, three participants per
+    partition: no partition is ever idle for the 0.4 s a busy handover first waits.
+    Each aborted handover waits longer the next time (up to 3.2 s, the partition's
+    inputs held meanwhile), so a replica added under that load gets a partition within
+    a minute; nothing is lost, doubled or failed. Before, every try was aborted and the
+    backoff doubled to 5 minutes: the added replica got no partition at all (chaos12
+    D1)."""
+    slow = {"TR_TEST_ANSWER_SECS": "2.0"}
+    first = Worker(nats_server.url, "first", env=slow)
+    added: Worker | None = None
+    try:
+        await until_owned([first])
+        front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+        crowd = Crowd(front, 160, timeout=15.0)
+        ready = asyncio.Event()
+        listener = asyncio.create_task(crowd.listen(ready))
+        await ready.wait()
+        talk = asyncio.gather(*(crowd.talk(pid, None) for pid in crowd.pids))
+        try:
+            await served(crowd, 160)
+            added = await asyncio.to_thread(Worker, nats_server.url, "added", env=slow)
+            for _ in range(600):  # polling /metrics: at most 60 s
+                if await asyncio.to_thread(owned, added) >= 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert await asyncio.to_thread(owned, added) >= 1, "the added replica got none"
+        finally:
+            crowd.stop()
+            async with asyncio.timeout(30):
+                await talk
+            listener.cancel()
+            await asyncio.gather(listener, return_exceptions=True)
+            await front.close()
+        figures = crowd.check(ENDS_WITHIN)
+        assert figures["failures"] == 0
+    finally:
+        first.close()
+        if added is not None:
+            added.close()
+
+
 async def test_a_patch_between_turns_survives_a_crash(nats_server: NatsServer) -> None:
     """A context patch applied after a turn ended is saved to the participant's record
     without waiting for a next turn: kill -9 of the owner, and the new owner's next turn

@@ -50,8 +50,11 @@ SHED_VERIFY_FACTOR = 4
 SHED_BACKOFF_SECS = 10.0
 SHED_BACKOFF_MAX_SECS = 300.0
 #: Seconds balance waits for an owned partition with no turn running before it hands a
-#: busy one over (waiting at most `pull_expires` for its turns).
+#: busy one over (waiting at most `pull_expires` for its turns, doubled after each
+#: handover its turns outlasted, up to `SHED_WAIT_MAX_SECS`: a fleet whose turns take
+#: seconds still rebalances, its inputs, a barge-in too, held that long once).
 SHED_PATIENCE_SECS = 5.0
+SHED_WAIT_MAX_SECS = 3.2
 
 #: Bytes a fleet subject's subscription (control, presence, timing) may hold unread,
 #: beside `NatsConfig.fleet_backlog` messages; past either nats-py drops what comes,
@@ -170,6 +173,8 @@ class Fleet:
         #: partition -> (when, to whom, the connection's reconnects then)
         self._shed: dict[int, tuple[float, frozenset[str], int]] = {}
         self._backoff = SHED_BACKOFF_SECS
+        #: How long a busy partition's handover waits for its turns (see SHED_PATIENCE_SECS)
+        self.shed_wait = config.pull_expires
         self._busy_since: float | None = None  # since when every partition was busy
         self._seen_reconnects = 0  # the connection's reconnects balance has seen
         self._probe_all_until = 0.0  # probe owned partitions too until then
@@ -280,11 +285,17 @@ class Fleet:
             self._reject("nats_presence", "unverified")
 
     def handover_aborted(self) -> None:
-        """A busy partition's turns outlasted the handover's short wait: it stays here;
-        counted (`nats_presence`, `handover_aborted`), and balance backs off as after a
-        handover that came back."""
+        """A busy partition's turns outlasted the handover's wait: it stays here; counted
+        (`nats_presence`, `handover_aborted`); the next try comes `SHED_BACKOFF_SECS`
+        later (no doubling: no peer failed to take a partition) and waits twice as long,
+        up to `SHED_WAIT_MAX_SECS`, so turns of seconds do not keep a fleet unbalanced
+        for good (chaos12 D1: replicas added under load got no partition)."""
         self._reject("nats_presence", "handover_aborted")
-        self._back_off(time.monotonic())
+        now = time.monotonic()
+        if now >= self._backoff_until:
+            self._backoff_since = now
+        self._backoff_until = max(self._backoff_until, now + SHED_BACKOFF_SECS)
+        self.shed_wait = min(2 * self.shed_wait, SHED_WAIT_MAX_SECS)
 
     def _back_off(self, now: float) -> float:
         """Hand nothing over for the backoff, doubling the next one; returns until when."""

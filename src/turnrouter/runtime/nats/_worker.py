@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 from nats.aio.client import Client
@@ -408,15 +408,29 @@ class NatsWorker:
 
     async def _shed(self, n: int) -> bool:
         """Balance: hand partition `n` over if a peer is below its share (True: gone); a
-        busy one waits at most `pull_expires` for its turns (a barge-in too), else stays."""
+        busy one waits at most `fleet.shed_wait` for its turns (its next inputs, a
+        barge-in too, wait as long; the pin is kept meanwhile), else stays."""
         turns_of = self.inputs.turns_of  # busy: a turn of one of its participants runs
         busy = any(turns_of.of(pid) for pid in self.ledger.of_partition(n))
-        if not self.fleet.may_shed(busy):
+        fleet = self.fleet
+        if not fleet.may_shed(busy):
             return False
-        if not await self._hand_over(n, self.config.pull_expires if busy else None):
-            self.fleet.handover_aborted()
+        holder = None
+        pin = self._pins.get(n)
+        if busy and pin is not None and fleet.shed_wait > self.config.pull_expires:
+            assert self._nc is not None  # (longer than a pull lasts: the pin is held)
+            holder = asyncio.create_task(_hold_pins(
+                self._nc, _OnePin(self._pins, n), self.config, self.inputs.handle),
+                name="shed hold")  # (live: it stops before the unpin)
+        try:
+            gone = await self._hand_over(n, fleet.shed_wait if busy else None)
+        finally:
+            if holder is not None:
+                await cancel_and_wait((holder,))
+        if not gone:
+            fleet.handover_aborted()
             return False
-        self.fleet.handed_over(n)
+        fleet.handed_over(n)
         return True
 
     async def _hand_over(self, n: int, wait: float | None = None) -> bool:
@@ -702,7 +716,25 @@ async def _hand_over_when_idle(worker: NatsWorker, n: int, deadline: float) -> N
         await worker._hand_over(n, max(0.0, deadline - loop.time()))
 
 
-async def _hold_pins(nc: Client, pins: dict[int, str], config: NatsConfig,
+class _OnePin(Mapping[int, str]):
+    """The pin of one partition in `pins`, live (gone once it leaves `pins`)."""
+
+    def __init__(self, pins: dict[int, str], n: int) -> None:
+        self._pins, self._n = pins, n
+
+    def __getitem__(self, n: int) -> str:
+        if n != self._n:
+            raise KeyError(n)
+        return self._pins[n]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter((self._n,) if self._n in self._pins else ())
+
+    def __len__(self) -> int:
+        return int(self._n in self._pins)
+
+
+async def _hold_pins(nc: Client, pins: Mapping[int, str], config: NatsConfig,
                      handle: Callable[[int, Msg, bool, float], Awaitable[None]]) -> None:
     """During a graceful stop, keep each partition's pin until it is handed over: the
     turns still running finish here (a server that moved the partition after
