@@ -38,12 +38,14 @@ def fleet(server: NatsServer, count: int, prefix: str = "w") -> Iterator[list[Wo
 
 
 @asynccontextmanager
-async def talking(server: NatsServer, participants: int,
-                  pause: float) -> AsyncIterator[Crowd]:
-    """A crowd talking until the block ends; then every turn is waited for. Half of it
-    is answered at once (no in-flight mark), half after 50 ms (marked in flight)."""
+async def talking(server: NatsServer, participants: int, pause: float,
+                  quick: int | None = None, turn_wait: float = 10.0) -> AsyncIterator[Crowd]:
+    """A crowd talking until the block ends; then every turn is waited for. `quick` of
+    it (half unless given) is answered at once (no in-flight mark), the others after
+    the workers' answer time (50 ms unless set: marked in flight)."""
     front = await NatsFrontEnd.connect(NatsConfig(url=server.url))
-    crowd = Crowd(front, participants, timeout=10.0, pause=pause, quick=participants // 2)
+    crowd = Crowd(front, participants, timeout=turn_wait, pause=pause,
+                  quick=participants // 2 if quick is None else quick)
     ready = asyncio.Event()
     listener = asyncio.create_task(crowd.listen(ready))
     await ready.wait()
@@ -274,13 +276,7 @@ async def test_a_replica_added_while_every_partition_runs_long_turns_gets_a_shar
     added: Worker | None = None
     try:
         await until_owned([first])
-        front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
-        crowd = Crowd(front, 160, timeout=15.0)
-        ready = asyncio.Event()
-        listener = asyncio.create_task(crowd.listen(ready))
-        await ready.wait()
-        talk = asyncio.gather(*(crowd.talk(pid, None) for pid in crowd.pids))
-        try:
+        async with talking(nats_server, 160, pause=0.0, quick=0, turn_wait=15.0) as crowd:
             await served(crowd, 160)
             added = await asyncio.to_thread(Worker, nats_server.url, "added", env=slow)
             for _ in range(600):  # polling /metrics: at most 60 s
@@ -288,13 +284,6 @@ async def test_a_replica_added_while_every_partition_runs_long_turns_gets_a_shar
                     break
                 await asyncio.sleep(0.1)
             assert await asyncio.to_thread(owned, added) >= 1, "the added replica got none"
-        finally:
-            crowd.stop()
-            async with asyncio.timeout(30):
-                await talk
-            listener.cancel()
-            await asyncio.gather(listener, return_exceptions=True)
-            await front.close()
         figures = crowd.check(ENDS_WITHIN)
         assert figures["failures"] == 0
     finally:

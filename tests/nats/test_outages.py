@@ -649,45 +649,41 @@ async def test_a_deployment_that_cannot_be_recreated_ends_the_worker(
 async def test_junk_inputs_are_logged_rarely(nats_server: NatsServer) -> None:
     """25 malformed inputs of a permitted publisher: all counted, logged the 1st and
     10th time only (a publisher cannot grow the worker's log one line per message)."""
-    worker = Worker(nats_server.url, "sturdy")
-    nc = await nats.connect(nats_server.url)
-    try:
-        js = nc.jetstream()
-        subject = f"{CONFIG.prefix}.in.{encode_token('ann')}.query"
-        for i in range(25):
-            await js.publish(subject, b"{not json %d" % i)
-        name = "turnrouter_runtime_rejected_messages_total"
-        await until_true(lambda: metric_value(worker.metrics(), name,
-                                              'reason="invalid"') >= 25,
-                         "25 junk inputs counted")
-        worker.signal(signal.SIGTERM)
-        assert await asyncio.to_thread(worker.proc.wait, 30) == 0
-        logged = [line for line in worker.stderr().splitlines() if "rejected input" in line]
-        assert len(logged) == 2, logged
-        assert "1 so far" in logged[0] and "10 so far" in logged[1]
-    finally:
-        await nc.close()
-        worker.close()
+    subject = f"{CONFIG.prefix}.in.{encode_token('ann')}.query"
+    text = await rejected_then_stopped(
+        nats_server, [(subject, b"{not json %d" % i) for i in range(25)], "invalid")
+    logged = [line for line in text.splitlines() if "rejected input" in line]
+    assert len(logged) == 2, logged
+    assert "1 so far" in logged[0] and "10 so far" in logged[1]
 
 
 async def test_an_input_subject_is_logged_escaped(nats_server: NatsServer) -> None:
     """A subject may hold any byte but whitespace and `.*>`: one with terminal escape
     sequences is logged quoted, never raw to the operator's terminal (redteam12 F6)."""
-    worker = Worker(nats_server.url, "escaped")
-    nc = await nats.connect(nats_server.url)
+    subject = f"{CONFIG.prefix}.in.{encode_token('ann')}.q\x1b[2J\x07"
+    text = await rejected_then_stopped(nats_server, [(subject, b"{}")], "unknown_subject")
+    assert "\x1b" not in text and "\x07" not in text
+    assert any("rejected input on" in line and "\\x1b[2J" in line
+               for line in text.splitlines())
+
+
+async def rejected_then_stopped(server: NatsServer, inputs: list[tuple[str, bytes]],
+                                reason: str) -> str:
+    """A worker's log once it counted every one of `inputs` rejected for `reason` and
+    stopped on SIGTERM (exit 0)."""
+    worker = Worker(server.url, "sturdy")
+    nc = await nats.connect(server.url)
     try:
-        subject = f"{CONFIG.prefix}.in.{encode_token('ann')}.q\x1b[2J\x07"
-        await nc.jetstream().publish(subject, b"{}")
+        js = nc.jetstream()
+        for subject, data in inputs:
+            await js.publish(subject, data)
         name = "turnrouter_runtime_rejected_messages_total"
         await until_true(lambda: metric_value(worker.metrics(), name,
-                                              'reason="unknown_subject"') >= 1,
-                         "the input counted")
+                                              f'reason="{reason}"') >= len(inputs),
+                         f"{len(inputs)} inputs counted")
         worker.signal(signal.SIGTERM)
         assert await asyncio.to_thread(worker.proc.wait, 30) == 0
-        text = worker.stderr()
-        assert "\x1b" not in text and "\x07" not in text
-        assert any("rejected input on" in line and "\\x1b[2J" in line
-                   for line in text.splitlines())
+        return worker.stderr()
     finally:
         await nc.close()
         worker.close()
@@ -825,3 +821,40 @@ async def test_a_server_back_taking_less_per_message_ends_the_worker(tmp_path: P
     finally:
         stop(worker)
         server.close()
+
+
+async def test_a_bucket_that_stops_storing_drops_readiness_until_a_write_lands(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    """Every state write refused for 10 s (here the bucket's byte limit; in chaos12 a
+    full disk, which nats-server does not recover from until restarted): the worker
+    stops saying it serves (`/ready` 503 naming the writes, the ready file removed,
+    `turnrouter_nats_serving` 0) instead of staying ready while nothing is stored; the
+    next write that lands brings it back."""
+    ready = tmp_path / "worker.ready"
+    worker = Worker(nats_server.url, "storing", "--ready-file", str(ready))
+    admin = await nats.connect(nats_server.url)
+    stream = f"KV_{CONFIG.bucket}"
+    try:
+        await file_state(ready, True)
+        async with listening(nats_server.url) as (front, heard):
+            assert await ask(front, heard, "ann", "hello") == "hello|-|N"
+            info = json.loads((await admin.request(
+                f"$JS.API.STREAM.INFO.{stream}", b"", timeout=5)).data)
+            full = {**info["config"], "max_bytes": 1, "discard": "new"}
+            await admin.request(f"$JS.API.STREAM.UPDATE.{stream}",
+                                json.dumps(full).encode(), timeout=5)
+            for asking in range(300):  # a new participant every 0.1 s: at most 30 s
+                await front.publish(UserQuery(participant_id=f"n{asking}", text="hi"))
+                if not ready.exists():
+                    break
+                await asyncio.sleep(0.1)
+            assert not ready.exists(), "still ready while no write lands"
+            status, body = await asyncio.to_thread(ready_reply, worker)
+            assert status == 503 and "state writes failing" in body, body
+            await admin.request(f"$JS.API.STREAM.UPDATE.{stream}",
+                                json.dumps(info["config"]).encode(), timeout=5)
+            await ask(front, heard, "ann", "again")
+            await file_state(ready, True, within=30)
+    finally:
+        await admin.close()
+        worker.close()

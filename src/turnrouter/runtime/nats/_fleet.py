@@ -124,6 +124,21 @@ def valid_replica(name: object) -> bool:
     return isinstance(name, str) and _REPLICA_NAME.fullmatch(name) is not None
 
 
+def _wait_longer(fleet: Fleet, now: float) -> None:
+    """After an aborted handover: the next try in SHED_BACKOFF_SECS, waiting twice as
+    long for the partition's turns (up to SHED_WAIT_MAX_SECS)."""
+    if now >= fleet._backoff_until:
+        fleet._backoff_since = now
+    fleet._backoff_until = max(fleet._backoff_until, now + SHED_BACKOFF_SECS)
+    fleet.shed_wait = min(2 * fleet.shed_wait, SHED_WAIT_MAX_SECS)
+
+
+def _report_fleet(metrics: RuntimeMetrics, owned: int, live: Mapping[str, int]) -> None:
+    """The fleet as this replica hears it: replicas and partitions owned, its own too."""
+    metrics.fleet_replicas.set(1 + len(live))
+    metrics.fleet_owned.set(owned + sum(live.values()))
+
+
 def parse_presence(data: bytes, partitions: int) -> tuple[str, int]:
     """(replica, partitions owned) of one presence message; `Rejected` (`oversized`,
     `invalid`) for anything else: no traceback for Infinity, NaN or deep nesting."""
@@ -173,8 +188,7 @@ class Fleet:
         #: partition -> (when, to whom, the connection's reconnects then)
         self._shed: dict[int, tuple[float, frozenset[str], int]] = {}
         self._backoff = SHED_BACKOFF_SECS
-        #: How long a busy partition's handover waits for its turns (see SHED_PATIENCE_SECS)
-        self.shed_wait = config.pull_expires
+        self.shed_wait = config.pull_expires  # a busy handover's wait: SHED_PATIENCE_SECS
         self._busy_since: float | None = None  # since when every partition was busy
         self._seen_reconnects = 0  # the connection's reconnects balance has seen
         self._probe_all_until = 0.0  # probe owned partitions too until then
@@ -285,17 +299,11 @@ class Fleet:
             self._reject("nats_presence", "unverified")
 
     def handover_aborted(self) -> None:
-        """A busy partition's turns outlasted the handover's wait: it stays here; counted
-        (`nats_presence`, `handover_aborted`); the next try comes `SHED_BACKOFF_SECS`
-        later (no doubling: no peer failed to take a partition) and waits twice as long,
-        up to `SHED_WAIT_MAX_SECS`, so turns of seconds do not keep a fleet unbalanced
-        for good (chaos12 D1: replicas added under load got no partition)."""
+        """A busy partition's turns outlasted the handover's wait: it stays here, counted
+        (`nats_presence`, `handover_aborted`); the next try waits longer (`_wait_longer`:
+        chaos12 D1, replicas added under long turns got no partition)."""
         self._reject("nats_presence", "handover_aborted")
-        now = time.monotonic()
-        if now >= self._backoff_until:
-            self._backoff_since = now
-        self._backoff_until = max(self._backoff_until, now + SHED_BACKOFF_SECS)
-        self.shed_wait = min(2 * self.shed_wait, SHED_WAIT_MAX_SECS)
+        _wait_longer(self, time.monotonic())
 
     def _back_off(self, now: float) -> float:
         """Hand nothing over for the backoff, doubling the next one; returns until when."""
@@ -367,9 +375,8 @@ class Fleet:
                     f"{self._config.prefix}.presence",
                     json.dumps({"replica": self._replica, "owned": owned}).encode())
             if self._metrics is not None:  # the fleet as heard: what scrapes may miss
-                live = self._live(time.monotonic() - 3 * self._config.probe_interval)
-                self._metrics.fleet_replicas.set(1 + len(live))
-                self._metrics.fleet_owned.set(owned + sum(live.values()))
+                _report_fleet(self._metrics, owned, self._live(
+                    time.monotonic() - 3 * self._config.probe_interval))
             await asyncio.sleep(self._config.probe_interval)
 
     async def _on_presence(self, msg: Msg) -> None:

@@ -25,6 +25,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from ..._exceptions import ContractValueError, LifecycleError
 from ..._frontend import ParticipantSnapshot
 from ..._limits import is_logged
+from ..._redact import preview
 from ..._router import AgentRouter
 from ._link import Link, NoResponders, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
@@ -318,6 +319,39 @@ async def unclaimed(ledger: Ledger, pid: str, n: int, message_id: str) -> str:
 PublishEnding = Callable[[str, "Participant", Ending], Awaitable[None]]
 
 
+#: Seconds of state writes that all failed after which a replica stops saying it serves
+#: (`WriteHealth`).
+WRITES_FAILING_SECS = 10.0
+
+
+class WriteHealth:
+    """Whether the bucket takes this replica's writes. Once every write failed for
+    `WRITES_FAILING_SECS` (a JetStream store that stopped storing: a full disk, say,
+    which the server does not recover from until restarted), `report` is told why
+    (the worker's readiness then drops: /ready 503 naming it, the ready file removed,
+    `turnrouter_nats_serving` 0); the next write that lands tells it None."""
+
+    def __init__(self) -> None:
+        self.report: Callable[[str | None], None] = lambda why: None
+        self._since: float | None = None
+        self._reported = False
+
+    def failed(self, what: object) -> None:
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        elif not self._reported and now - self._since >= WRITES_FAILING_SECS:
+            self._reported = True
+            self.report(f"state writes failing for {now - self._since:.0f} s "
+                        f"(last: {preview(what)})")
+
+    def ok(self) -> None:
+        self._since = None
+        if self._reported:
+            self._reported = False
+            self.report(None)
+
+
 class Ledger:
     """The records of the participants this replica serves."""
 
@@ -328,6 +362,7 @@ class Ledger:
         self._router, self._publish_ending, self._metrics = router, publish_ending, metrics
         self._subject = f"$KV.{config.bucket}."
         self.people: dict[str, Participant] = {}
+        self.health = WriteHealth()
         self.big_reads = asyncio.Semaphore(1)  # big records parsed one at a time
         self._claiming: dict[str, list[Any]] = {}  # pid -> [lock, claims waiting]
         #: Times this replica stopped serving each partition (`partition_lost`): a claim
@@ -565,6 +600,7 @@ class Ledger:
                     self._metrics.state_refused.inc()
                 continue  # the previous owner wrote meanwhile: read again
             except NatsError as exc:
+                self.health.failed(exc)
                 self.claim_failures += 1
                 if is_logged(self.claim_failures):
                     logger.warning("turnrouter: participant claim failed (%d so far): %r",
@@ -576,6 +612,7 @@ class Ledger:
             logger.warning("turnrouter: partition %d: a participant's record was claimed "
                            "by a newer write three times in a row; its input is retried", n)
             return None
+        self.health.ok()
         state = Participant(partition=n, revision=revision)
         for turn_id in [*ended, *(e[0] for e in outbox), *inflight]:
             state.end(turn_id)  # ended now (in flight: its failure text, below)
@@ -680,6 +717,7 @@ class Ledger:
                 if remade:
                     self._remade()
             if failure is not None:
+                self.health.failed(failure)
                 self.write_failures += 1
                 if is_logged(self.write_failures):
                     logger.warning("turnrouter: state write failed (%d so far; the "
@@ -688,9 +726,11 @@ class Ledger:
                 uncertain = True
             if seq is not None:
                 state.revision, state.recorded = seq, written
+                self.health.ok()
             elif not uncertain and not (isinstance(error, dict)
                                         and error.get("err_code") in _WRONG_LAST):
                 logger.warning("turnrouter: state write refused by the server: %s", error)
+                self.health.failed(error)
                 uncertain = True
             if seq is not None and self._metrics is not None:
                 self._metrics.state_write.observe(time.perf_counter() - t0)

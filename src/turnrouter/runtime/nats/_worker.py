@@ -203,6 +203,7 @@ class NatsWorker:
             self._ledger = Ledger(bucket, link, config, self.replica, lambda: self.router,
                                   self._publish_ending, self._metrics)
             self._ledger.on_unsure = self._settle_soon
+            self._ledger.health.report = functools.partial(self.readiness.update, "writes")
             self._ledger.alive = functools.partial(_owner_alive, self)
             self._ledger.heard = functools.partial(_owner_heard, self)
             self._takeover = Takeover(
@@ -282,25 +283,7 @@ class NatsWorker:
         self._set_owned()
 
     async def _drain_and_hand_over(self) -> None:
-        """Each partition handed over as soon as its own turns ended (at once for one
-        with none running: its participants wait for no one else's long turn); after
-        `drain_timeout` the turns still running are cut and the rest handed over."""
-        router, loop = self.router, asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_timeout
-        await asyncio.gather(*(_hand_over_when_idle(self, n, deadline)
-                               for n in sorted(self._pins)))
-        try:
-            async with asyncio.timeout_at(deadline):
-                await router.drain()
-        except TimeoutError:
-            # Cut the turns still running: each ends with the failure text (_inputs).
-            logger.warning("turnrouter: drain took over %.1f s; interrupting the turns "
-                           "still running", self.config.drain_timeout)
-            await router.interrupt(None)
-        pending = [t for t in self._tasks if not t.done()]
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.gather(*(self._hand_over(n) for n in sorted(self._pins)))
+        await _drain_and_hand_over(self)
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -407,31 +390,7 @@ class NatsWorker:
         return None
 
     async def _shed(self, n: int) -> bool:
-        """Balance: hand partition `n` over if a peer is below its share (True: gone); a
-        busy one waits at most `fleet.shed_wait` for its turns (its next inputs, a
-        barge-in too, wait as long; the pin is kept meanwhile), else stays."""
-        turns_of = self.inputs.turns_of  # busy: a turn of one of its participants runs
-        busy = any(turns_of.of(pid) for pid in self.ledger.of_partition(n))
-        fleet = self.fleet
-        if not fleet.may_shed(busy):
-            return False
-        holder = None
-        pin = self._pins.get(n)
-        if busy and pin is not None and fleet.shed_wait > self.config.pull_expires:
-            assert self._nc is not None  # (longer than a pull lasts: the pin is held)
-            holder = asyncio.create_task(_hold_pins(
-                self._nc, _OnePin(self._pins, n), self.config, self.inputs.handle),
-                name="shed hold")  # (live: it stops before the unpin)
-        try:
-            gone = await self._hand_over(n, fleet.shed_wait if busy else None)
-        finally:
-            if holder is not None:
-                await cancel_and_wait((holder,))
-        if not gone:
-            fleet.handover_aborted()
-            return False
-        fleet.handed_over(n)
-        return True
+        return await _shed(self, n)
 
     async def _hand_over(self, n: int, wait: float | None = None) -> bool:
         """Give partition `n` away without failure text: let its turns finish (their
@@ -700,6 +659,55 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         until = time.monotonic() + self.lifetime
         self.live = {token: (pin, max(end, until)) for token, (pin, end) in self.live.items()}
         self.wake()
+
+
+async def _drain_and_hand_over(worker: NatsWorker) -> None:
+    """A graceful stop: each partition handed over as soon as its own turns ended (at
+    once for one with none running: its participants wait for no one else's long turn);
+    after `drain_timeout` the turns still running are cut and the rest handed over."""
+    router, loop = worker.router, asyncio.get_running_loop()
+    deadline = loop.time() + worker.config.drain_timeout
+    await asyncio.gather(*(_hand_over_when_idle(worker, n, deadline)
+                           for n in sorted(worker._pins)))
+    try:
+        async with asyncio.timeout_at(deadline):
+            await router.drain()
+    except TimeoutError:
+        # Cut the turns still running: each ends with the failure text (_inputs).
+        logger.warning("turnrouter: drain took over %.1f s; interrupting the turns "
+                       "still running", worker.config.drain_timeout)
+        await router.interrupt(None)
+    pending = [t for t in worker._tasks if not t.done()]
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    await asyncio.gather(*(worker._hand_over(n) for n in sorted(worker._pins)))
+
+
+async def _shed(worker: NatsWorker, n: int) -> bool:
+    """Balance: hand partition `n` over if a peer is below its share (True: gone); a
+    busy one waits at most `fleet.shed_wait` for its turns (its next inputs, a barge-in
+    too, wait as long; the pin is kept meanwhile), else stays."""
+    turns_of = worker.inputs.turns_of  # busy: a turn of one of its participants runs
+    busy = any(turns_of.of(pid) for pid in worker.ledger.of_partition(n))
+    fleet, pins = worker.fleet, worker._pins
+    if not fleet.may_shed(busy):
+        return False
+    holder = None
+    if busy and n in pins and fleet.shed_wait > worker.config.pull_expires:
+        assert worker._nc is not None  # (longer than a pull lasts: the pin is held)
+        holder = asyncio.create_task(_hold_pins(
+            worker._nc, _OnePin(pins, n), worker.config, worker.inputs.handle),
+            name="shed hold")  # (live: it stops before the unpin)
+    try:
+        gone = await worker._hand_over(n, fleet.shed_wait if busy else None)
+    finally:
+        if holder is not None:
+            await cancel_and_wait((holder,))
+    if not gone:
+        fleet.handover_aborted()
+        return False
+    fleet.handed_over(n)
+    return True
 
 
 async def _hand_over_when_idle(worker: NatsWorker, n: int, deadline: float) -> None:
