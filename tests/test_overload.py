@@ -113,6 +113,51 @@ async def test_busy_refuses_new_participants_and_keeps_admitted_ones() -> None:
     await h.router.stop()
 
 
+async def test_a_crowd_arriving_at_once_is_admitted_a_budget_at_a_time() -> None:
+    """Between two samples the router cannot see what its admissions cost: of 100 new
+    participants arriving in one instant, `new_per_sample` are admitted and the rest
+    refused as when busy (told busy_text, counted new_participant); an admitted one's
+    next turn goes on. A calm sample that used the whole budget doubles it; turning
+    busy halves it (spike12 D1: all of 1,000 were admitted and the loop stalled 4 s)."""
+    clock = ManualClock()
+    policy = OverloadPolicy(busy_lag_secs=0.1, shed_lag_secs=0.5, sample_secs=0.01,
+                            new_per_sample=16)
+    h = harness(clock, overload=policy)
+    agent = h["weather"]
+    agent.answer_gate = gate = anyio.Event()
+    ended = {"count": 0, "until": 100 - 16}
+    enough = anyio.Event()
+
+    async def capture(turn: AgentTurn) -> None:  # (the refused ones end at once)
+        await h.capture(turn)
+        ended["count"] += 1
+        if ended["count"] == ended["until"]:
+            enough.set()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(100):
+            tg.start_soon(capture, h.turn("hi", f"c{i}"))
+        with anyio.fail_after(5):
+            await enough.wait()
+        refused = [t for t, o in h.outcomes.items() if isinstance(o, RouterBusyError)]
+        assert len(refused) == 100 - 16
+        assert h.observer.events.count(("shed", "c99", "new_participant")) == 1
+        assert len(h.router.participants) == 16 and not h.router.busy
+        await lag(clock, 0.0, samples=1)  # calm, and the budget was used up: doubled
+        late = [h.turn("hi", f"d{i}") for i in range(40)]
+        ended["count"], ended["until"], enough = 0, 40 - 32, anyio.Event()
+        for turn in late:
+            tg.start_soon(capture, turn)
+        with anyio.fail_after(5):
+            await enough.wait()
+        assert sum(isinstance(h.outcomes.get(t.turn_id), RouterBusyError)
+                   for t in late) == 40 - 32
+        await lag(clock, 0.2)  # busy: halved, and refusing anyway
+        assert h.router.busy
+        gate.set()
+    await h.router.stop()
+
+
 async def test_shedding_refuses_admitted_participants_then_recovers() -> None:
     """Past shed_lag_secs turns of admitted participants are shed too; below half the
     thresholds the router is ready again and admits everyone."""

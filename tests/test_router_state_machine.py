@@ -137,9 +137,10 @@ class RouterMachine(RuleBasedStateMachine):
                 self.focus[pid] = route
                 if previous is not None:
                     releases.append(previous)
-            elif result == "release" and self.focus.get(pid) == route:
+            elif result == "release" and self.focus.get(pid) is not None:
+                # "consumes this turn and clears focus", whoever held it
+                releases.append(self.focus[pid])  # type: ignore[arg-type]
                 self.focus[pid] = None
-                releases.append(route)
             return Expected(result, route, releases)
 
         query = self.query

@@ -43,6 +43,9 @@ ShedReason = Literal["new_participant", "shedding"]
 #: Consecutive idle samples (no turn in flight, not busy) after which the sampler ends;
 #: the next turn starts it again.
 IDLE_SAMPLES = 50
+#: Bounds of the new participants admitted per sample period (`OverloadPolicy`).
+MIN_NEW_PER_SAMPLE = 8
+MAX_NEW_PER_SAMPLE = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,12 @@ class OverloadPolicy:
         calm_samples: Samples in a row below half of `busy_lag_secs` before the router
             is ready again (every participant admitted adds load for a whole
             conversation, so admission resumes only once calm holds).
+        new_per_sample: New participants admitted between two samples, at first:
+            between samples the router cannot see what its admissions cost, so a crowd
+            arriving at once (that many turns in flight) is admitted that many at a
+            time, the rest refused as when busy. Doubled after each calm sample that
+            used it all (up to 65,536), halved (down to 8) each time the router turns
+            busy.
     """
 
     busy_lag_secs: float = 0.1
@@ -69,6 +78,7 @@ class OverloadPolicy:
     sample_secs: float = 0.025
     busy_text: str = DEFAULT_BUSY_TEXT
     calm_samples: int = 4
+    new_per_sample: int = 64
 
     def __post_init__(self) -> None:
         for name in ("busy_lag_secs", "shed_lag_secs", "sample_secs"):
@@ -87,6 +97,12 @@ class OverloadPolicy:
         if not isinstance(calm, int) or isinstance(calm, bool) or not 1 <= calm <= 1000:
             raise ConfigurationError(
                 f"OverloadPolicy calm_samples must be an int in 1..1000, got {calm!r}")
+        new = self.new_per_sample
+        if not isinstance(new, int) or isinstance(new, bool) or not (
+                MIN_NEW_PER_SAMPLE <= new <= MAX_NEW_PER_SAMPLE):
+            raise ConfigurationError(
+                f"OverloadPolicy new_per_sample must be an int in {MIN_NEW_PER_SAMPLE}.."
+                f"{MAX_NEW_PER_SAMPLE}, got {new!r}")
         if not isinstance(self.busy_text, str) or not self.busy_text:
             raise ConfigurationError("OverloadPolicy busy_text must be a non-empty str")
 
@@ -96,7 +112,8 @@ class OverloadPolicy:
         if not isinstance(factor, int | float) or not (math.isfinite(factor) and factor > 0):
             raise ConfigurationError(f"OverloadPolicy scale must be positive, got {factor!r}")
         return OverloadPolicy(self.busy_lag_secs / factor, self.shed_lag_secs / factor,
-                              self.sample_secs / factor, self.busy_text, self.calm_samples)
+                              self.sample_secs / factor, self.busy_text, self.calm_samples,
+                              self.new_per_sample)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +149,8 @@ class LoadMonitor:
     attribute read (`busy`) and two counter updates.
     """
 
-    __slots__ = ("_calm", "_clock", "_idle", "_observer", "busy", "in_flight", "lag",
-                 "policy", "shedding", "task", "wait_max")
+    __slots__ = ("_calm", "_clock", "_idle", "_new", "_observer", "budget", "busy", "gate",
+                 "in_flight", "lag", "policy", "shedding", "task", "wait_max")
 
     def __init__(self, policy: OverloadPolicy | None, observer: RouterObserver,
                  clock: Clock) -> None:
@@ -142,6 +159,11 @@ class LoadMonitor:
         self._observer = observer
         self.busy = False
         self.shedding = False
+        #: Whether a turn is checked for refusal: busy, or this sample period's new
+        #: participants admitted up to `budget` (`NEW_PER_SAMPLE`).
+        self.gate = False
+        self.budget = MAX_NEW_PER_SAMPLE if policy is None else policy.new_per_sample
+        self._new = 0
         self.in_flight = 0
         self.lag = 0.0
         self.wait_max = 0.0
@@ -173,9 +195,17 @@ class LoadMonitor:
         the participant's state."""
         if self.shedding:
             return "shedding"
-        if self.busy and not known:
+        if self.gate and not known:
             return "new_participant"
         return None
+
+    def admitted_new(self) -> None:
+        """A new participant was admitted: past this sample period's budget, with as
+        many turns in flight (a crowd arriving at once, not turns driven one after the
+        other), the gate closes to new participants until the next sample."""
+        self._new += 1
+        if self._new >= self.budget and self.in_flight + 1 >= self.budget:  # (its own too)
+            self.gate = True
 
     async def refuse(self, turn: AgentTurn,
                      emit: Callable[[AgentTurn, str, str], Awaitable[None]],
@@ -242,7 +272,8 @@ class LoadMonitor:
     def _ended(self, task: asyncio.Task[None]) -> None:
         if self.task is task:
             self.task = None
-            self.busy = self.shedding = False
+            self.busy = self.shedding = self.gate = False
+            self._new = 0
             self.lag = self.wait_max = 0.0
             self._calmed()
 
@@ -263,9 +294,14 @@ class LoadMonitor:
                 # is not saturation), off below half of it.
                 sustained = lag if lag < self.lag else self.lag
                 self.lag = lag
+                new, self._new = self._new, 0
                 if not self.busy:
                     self.busy = sustained >= busy_on
                     calm = 0
+                    if self.busy:  # what it admitted was too much: admit fewer at a time
+                        self.budget = max(MIN_NEW_PER_SAMPLE, self.budget // 2)
+                    elif new >= self.budget and lag < busy_on / 2:
+                        self.budget = min(2 * self.budget, MAX_NEW_PER_SAMPLE)
                 elif lag < busy_on / 2:
                     calm += 1
                     if calm >= calm_needed:  # admissions resume: new participants add load
@@ -275,6 +311,7 @@ class LoadMonitor:
                     calm = 0
                 self.shedding = (lag >= shed_on / 2) if self.shedding else (
                     sustained >= shed_on)
+                self.gate = self.busy
                 wait, self.wait_max = self.wait_max, 0.0
                 if observer.enabled:
                     observer.load_sampled(LoadSampled(

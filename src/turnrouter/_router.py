@@ -303,7 +303,7 @@ class AgentRouter:
                 "handle() needs the output callback: pass output=... to AgentRouter "
                 "(runtime queries publish through output_topic instead)"
             )
-        if self._cfg.load.busy:  # admission control: one attribute test while not saturated
+        if self._cfg.load.gate:  # admission control: one attribute test while not saturated
             await _shed(self._cfg, self._registry, turn, output)
         return await _new_turn(self._cfg, self._registry, turn, (output, output), False).execute()
 
@@ -411,7 +411,7 @@ class AgentRouter:
         if result_check is not None and not callable(result_check):
             check_callable("route_turn result_check", result_check)
         cfg, end = self._cfg, emit if ending is None else ending
-        if cfg.load.busy:
+        if cfg.load.gate:
             await _shed(cfg, self._registry, turn, end)
         running = _new_turn(cfg, self._registry, turn, (emit, end), bool(report_heard))
         if result_check is not None:
@@ -624,12 +624,15 @@ def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn,
     # turn); anything else gets `admit()`'s refusal or the new participant's state.
     if (state is None or state.phase is not Phase.OPEN
             or registry.phase is not RouterPhase.RUNNING or pid in registry.departed):
+        new = state is None
         try:
             state = registry.admit(pid)
         except LifecycleError as exc:
             cfg.observer.turn_started(TurnStarted(turn, None)).finished(
                 TurnFinished("refused", None, None, None, 0, exc))
             raise
+        if new and cfg.load.policy is not None:
+            cfg.load.admitted_new()  # (a crowd is admitted a budget at a time)
     running = Turn(cfg, state, turn, outputs[0], report_heard)
     running.end = outputs[1]
     return running

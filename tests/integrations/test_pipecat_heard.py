@@ -36,7 +36,7 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
     from pipecat.services.settings import LLMSettings
     from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
 
-from turnrouter import AgentRouter, AgentTurn, RoutedResult
+from turnrouter import AgentRouter, AgentTurn, OverloadPolicy, RoutedResult
 from turnrouter.integrations.pipecat import (
     FrameAgent,
     FrameOutput,
@@ -465,8 +465,11 @@ async def test_many_users_then_one_more_on_a_shared_router(max_turns: int) -> No
     routed (over max_turns the oldest turns make way, some before they ran), the call
     ends cleanly, and every participant routed departs at its end."""
     agent = Remembering()
+    # (71 new participants in one instant: past the router's admission budget of new
+    # participants per sample, `OverloadPolicy.new_per_sample`; here max_turns is tested)
     router = AgentRouter({"conversation": agent}, ScriptedDecisions("conversation"),
-                         telemetry=Telemetry.disabled())
+                         telemetry=Telemetry.disabled(),
+                         overload=OverloadPolicy(new_per_sample=256))
     processor = TurnRouterProcessor(router, owns_router=False, max_turns=max_turns)
     routed: list[str] = []
     last = anyio.Event()
