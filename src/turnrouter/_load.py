@@ -160,7 +160,7 @@ class LoadMonitor:
         self.busy = False
         self.shedding = False
         #: Whether a turn is checked for refusal: busy, or this sample period's new
-        #: participants admitted up to `budget` (`NEW_PER_SAMPLE`).
+        #: participants admitted up to `budget` (`OverloadPolicy.new_per_sample`).
         self.gate = False
         self.budget = MAX_NEW_PER_SAMPLE if policy is None else policy.new_per_sample
         self._new = 0
