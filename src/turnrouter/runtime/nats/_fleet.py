@@ -52,7 +52,7 @@ SHED_BACKOFF_MAX_SECS = 300.0
 #: Seconds balance waits for an owned partition with no turn running before it hands a
 #: busy one over (waiting at most `pull_expires` for its turns, doubled after each
 #: handover its turns outlasted, up to `SHED_WAIT_MAX_SECS`: a fleet whose turns take
-#: seconds still rebalances, its inputs, a barge-in too, held that long once).
+#: seconds still rebalances, one partition's inputs, a barge-in too, held that long).
 SHED_PATIENCE_SECS = 5.0
 SHED_WAIT_MAX_SECS = 3.2
 
@@ -124,9 +124,19 @@ def valid_replica(name: object) -> bool:
     return isinstance(name, str) and _REPLICA_NAME.fullmatch(name) is not None
 
 
+def hold_off(fleet: Fleet, seconds: float) -> None:
+    """Hand nothing else over for `seconds` (a busy handover under way)."""
+    fleet._shed_after = max(fleet._shed_after, time.monotonic() + seconds)
+
+
 def _wait_longer(fleet: Fleet, now: float) -> None:
     """After an aborted handover: the next try in SHED_BACKOFF_SECS, waiting twice as
-    long for the partition's turns (up to SHED_WAIT_MAX_SECS)."""
+    long for the partition's turns, up to SHED_WAIT_MAX_SECS; one that waited that long
+    already backs off doubling (10 s up to 5 min), so turns longer than it stall a
+    partition's inputs rarely, not every 10 s."""
+    if fleet.shed_wait >= SHED_WAIT_MAX_SECS:
+        fleet._back_off(now)
+        return
     if now >= fleet._backoff_until:
         fleet._backoff_since = now
     fleet._backoff_until = max(fleet._backoff_until, now + SHED_BACKOFF_SECS)

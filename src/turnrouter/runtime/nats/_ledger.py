@@ -325,30 +325,39 @@ WRITES_FAILING_SECS = 10.0
 
 
 class WriteHealth:
-    """Whether the bucket takes this replica's writes. Once every write failed for
+    """Whether the bucket takes this replica's writes. Once writes kept failing for
     `WRITES_FAILING_SECS` (a JetStream store that stopped storing: a full disk, say,
     which the server does not recover from until restarted), `report` is told why
     (the worker's readiness then drops: /ready 503 naming it, the ready file removed,
-    `turnrouter_nats_serving` 0); the next write that lands tells it None."""
+    `turnrouter_nats_serving` 0); a write that lands, or as long again without a
+    failure, tells it None. Failures further apart than that are not an outage."""
 
     def __init__(self) -> None:
         self.report: Callable[[str | None], None] = lambda why: None
         self._since: float | None = None
-        self._reported = False
+        self._last = 0.0
+        self._quiet: asyncio.TimerHandle | None = None  # clears it without traffic
 
     def failed(self, what: object) -> None:
         now = time.monotonic()
-        if self._since is None:
-            self._since = now
-        elif not self._reported and now - self._since >= WRITES_FAILING_SECS:
-            self._reported = True
+        if self._since is None or now - self._last > WRITES_FAILING_SECS:
+            self._since = now  # (a failure long after the previous one starts afresh)
+        self._last = now
+        if self._quiet is not None:
+            self._quiet.cancel()
+            self._quiet = asyncio.get_running_loop().call_later(
+                WRITES_FAILING_SECS, self.ok)
+        elif now - self._since >= WRITES_FAILING_SECS:
             self.report(f"state writes failing for {now - self._since:.0f} s "
                         f"(last: {preview(what)})")
+            self._quiet = asyncio.get_running_loop().call_later(
+                WRITES_FAILING_SECS, self.ok)
 
     def ok(self) -> None:
         self._since = None
-        if self._reported:
-            self._reported = False
+        if self._quiet is not None:
+            self._quiet.cancel()
+            self._quiet = None
             self.report(None)
 
 

@@ -45,6 +45,7 @@ from ._fleet import (
     Fleet,
     fleet_limits,
     fleet_topic,
+    hold_off,
     owner_heard,
     previous_owner_alive,
     valid_replica,
@@ -692,6 +693,8 @@ async def _shed(worker: NatsWorker, n: int) -> bool:
     fleet, pins = worker.fleet, worker._pins
     if not fleet.may_shed(busy):
         return False
+    if busy:  # one busy handover at a time: others' inputs do not stall with it
+        hold_off(fleet, fleet.shed_wait + 1.0)
     holder = None
     if busy and n in pins and fleet.shed_wait > worker.config.pull_expires:
         assert worker._nc is not None  # (longer than a pull lasts: the pin is held)
