@@ -264,8 +264,8 @@ async def test_sigterm_hands_idle_partitions_over_at_once_while_a_long_turn_drai
 
 async def test_a_replica_added_while_every_partition_runs_long_turns_gets_a_share(
         nats_server: NatsServer) -> None:
-    """Turns of a second (an LLM's answer) back to back, three participants per
-    partition: no partition is ever idle for the 0.4 s a busy handover first waits.
+    """Turns of 2 s (an LLM's answer) back to back, ten participants per partition: no
+    partition is ever idle for the 0.4 s a busy handover first waits.
     Each aborted handover waits longer the next time (up to 3.2 s, the partition's
     inputs held meanwhile), so a replica added under that load gets a partition within
     a minute; nothing is lost, doubled or failed. Before, every try was aborted and the

@@ -74,7 +74,12 @@ from turnrouter.runtime.nats import (
 # Private names, only for the last section: what no deployment can put on the wire.
 from turnrouter.runtime.nats._link import pub_ack
 from turnrouter.runtime.nats._setup import _ensure_front_mirror, api_request
-from turnrouter.runtime.nats._wire import ack_metadata, ack_sequences, response_json
+from turnrouter.runtime.nats._wire import (
+    ack_consumer,
+    ack_metadata,
+    ack_sequences,
+    response_json,
+)
 from turnrouter.testing import RecordingObserver, ScriptedLLM
 
 from ..fuzz import valid_text
@@ -1062,6 +1067,17 @@ def test_junk_ack_subjects_give_no_sequences_or_ints(reply: str) -> None:
     """Any reply subject gives None or three ints, the stored time one a float holds."""
     got = ack_sequences("$JS.ACK." + reply)
     assert got is None or (all(isinstance(v, int) for v in got) and 0 <= got[2] < 2**63)
+
+
+@given(st.text(max_size=200))
+def test_an_ack_subject_names_its_consumer_or_nothing(reply: str) -> None:
+    """Both layouts name the delivering stream and consumer (an output reader keeps only
+    its own consumer's deliveries); anything else, junk included, names none."""
+    assert ack_consumer("$JS.ACK.TR_OUT.c1.1.17.9.1700000000123456789.0") == "TR_OUT.c1"
+    assert ack_consumer("$JS.ACK.dom.acc.TR_OUT.c1.1.17.9.1.0.x") == "TR_OUT.c1"
+    assert ack_consumer(None) is None and ack_consumer("$JS.ACK.S.c.1") is None
+    got = ack_consumer("$JS.ACK." + reply)
+    assert got is None or (isinstance(got, str) and got.count(".") >= 1)
 
 
 @pytest.mark.parametrize("header", [
