@@ -246,8 +246,12 @@ async def test_sigterm_hands_idle_partitions_over_at_once_while_a_long_turn_drai
                 leaving.metrics(), "turnrouter_nats_inflight_marks_total") >= 1,
                 "the long turn running (marked in flight)")
             kv = await front.connection.jetstream().key_value(NatsConfig().bucket)
-            partition = {key.partition(".")[2]: key.partition(".")[0]
-                         for key in await kv.keys()}
+            partition: dict[str, str] = {}
+            async with asyncio.timeout(15):  # the mark is counted before its write lands
+                while encode_token("s") not in partition:
+                    partition = {key.partition(".")[2]: key.partition(".")[0]
+                                 for key in await kv.keys()}
+                    await asyncio.sleep(0.01)
             others = [p for p in pids if partition[encode_token(p)]
                       != partition[encode_token("s")]]
             assert others  # (12 participants in one of 16 partitions: never all)
