@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import pytest
@@ -116,6 +117,33 @@ async def _direct_delivery(url: str) -> None:
         assert not deliver_directly(later, take)
     finally:
         await nc.drain()
+
+
+def test_unacknowledged_stored_publishes_are_forgotten_a_mark_later() -> None:
+    """The callbacks of stored publishes the server never acknowledges (dropped for
+    the user's permissions) are dropped by `forget_before`, the oldest first, so they
+    stay bounded while their owners publish again; later ones still confirm."""
+    async def main() -> None:
+        client = _Client()
+        link = Link(client, lambda: None)  # type: ignore[arg-type]
+        await link.start()
+        confirmed: list[int] = []
+        for n in range(3):
+            await link.publish_stored("out", b"", {},
+                                      confirmed=functools.partial(confirmed.append, n))
+        mark = link.mark()
+        for n in range(3, 5):
+            await link.publish_stored("out", b"", {},
+                                      confirmed=functools.partial(confirmed.append, n))
+        assert link.forget_before(mark) == 3
+        assert link.forget_before(mark) == 0
+        ack = b'{"stream":"OUT","seq":1}'
+        for reply in client.sent:
+            await client.reply(_Reply(reply, ack))
+        assert confirmed == [3, 4]
+        assert link.forget_before(link.mark()) == 0
+
+    asyncio.run(main())
 
 
 def test_direct_delivery_hands_each_message_over_in_order(nats_server: Any) -> None:

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,7 @@ from .conftest import (
     free_port,
     metric_value,
     settled,
+    until_true,
 )
 from .crowd import Heard, ask, listen, listening
 from .proxy import proxied
@@ -347,6 +349,59 @@ async def test_a_refusal_while_running_is_logged_once_per_subject(
                                      "for user 'frontend')"), refused
     finally:
         worker.close()
+
+
+def _reloaded(server: NatsServer, permissions: Path, text: str) -> None:
+    """Write the server's permissions file and reload it (SIGHUP); returns once the
+    server says it loaded its configuration again (`/varz` `config_load_time`)."""
+
+    def loaded() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.monitor}/varz",
+                                    timeout=5) as reply:
+            return str(json.load(reply)["config_load_time"])
+
+    before = loaded()
+    permissions.write_text(text)
+    server.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 15
+    while loaded() == before:  # bounded poll of the server's own monitoring
+        assert time.monotonic() < deadline, "nats-server did not reload"
+        time.sleep(0.05)
+
+
+async def test_an_answer_refused_by_a_permission_reload_is_said_once_allowed_again(
+        tmp_path: Path) -> None:
+    """A reload that takes the workers' output subject away for a while (an operator's
+    mistake, put right): the answer whose publish the server dropped then is published
+    again once the subject is allowed, and the participant's next turn follows it.
+    Before, it stayed unheard for good while the participant's history held it
+    (chaos12 D4)."""
+    for name in ("nats-server.conf", "permissions.conf"):
+        shutil.copy(DEPLOY / name, tmp_path / name)
+    permissions = tmp_path / "permissions.conf"
+    shipped = permissions.read_text()
+    assert '"turnrouter.out.*", ' in shipped
+    server = NatsServer(config=tmp_path / "nats-server.conf", env=PASSWORDS)
+    worker = Worker(server.url, "reload", "--nats-user", "worker", env=WORKER_ENV)
+    try:
+        async with listening(frontend_config(server.url)) as (front, heard):
+            assert await ask(front, heard, "ann", "hi") == "hi|-|N"
+            await asyncio.to_thread(_reloaded, server, permissions,
+                                    shipped.replace('"turnrouter.out.*", ', "", 1))
+            query = UserQuery(participant_id="ann", text="refused")
+            said = heard.events.setdefault(query.message_id, asyncio.Event())
+            await front.publish(query)
+            await until_true(lambda: "refused publish to 'turnrouter.out." in worker.stderr(),
+                             "the worker's output refused")
+            assert not said.is_set()
+            await asyncio.to_thread(_reloaded, server, permissions, shipped)
+            async with asyncio.timeout(30):
+                await said.wait()
+            assert [m.text for m in heard.finals[query.message_id]] == ["refused|hi|F"]
+            assert await ask(front, heard, "ann", "next") == "next|refused|F"
+    finally:
+        worker.close()
+        server.close()
 
 
 async def test_a_one_account_deployment_moves_to_the_shipped_accounts(

@@ -636,19 +636,25 @@ def _forget(outbox: list[Ending], ending: Ending) -> None:
         pass
 
 
-async def republish(inputs: Inputs, *, reconnected: bool = True) -> int:
+async def republish(inputs: Inputs, *, reconnected: bool = True,
+                    before: float | None = None) -> int:
     """After a reconnect (or a stream back from 503, `reconnected` False): publish
     again the endings written records hold that the stream did not acknowledge (the
-    stream drops what it already holds); how many."""
+    stream drops what it already holds); how many. `before`: only endings made before
+    that time (`resend`)."""
     if reconnected:  # the replies of before never come
         inputs._link.forget_unconfirmed()
         inputs._link.fail_waiting()
-    horizon = time.time() - inputs._config.dedup_window / 2
+    now = time.time()
+    horizon = now - inputs._config.dedup_window / 2
+    due = now if before is None else before
     count = 0
     ledger = inputs._ledger
     for pid, state in list(ledger.people.items()):
+        if not state.outbox or state.fenced:
+            continue
         for ending in list(state.outbox):
-            if ending[3] >= horizon and ending[0] in state.recorded and not state.fenced:
+            if horizon <= ending[3] <= due and ending[0] in state.recorded:
                 await inputs.publish_ending(pid, state, ending)
                 count += 1
     for pid, state in list(ledger.unheard.items()):  # participants served elsewhere
@@ -658,9 +664,39 @@ async def republish(inputs: Inputs, *, reconnected: bool = True) -> int:
                 del ledger.unheard[pid]
             continue
         for ending in fresh:
-            await inputs.publish_ending(pid, state, ending)
-            count += 1
+            if ending[3] <= due:
+                await inputs.publish_ending(pid, state, ending)
+                count += 1
     return count
+
+
+#: Seconds an ending may wait for the output stream's acknowledgment before `resend`
+#: publishes it again (also how often it looks).
+RESEND_AFTER = 5.0
+
+
+async def resend(inputs: Inputs, every: float = RESEND_AFTER) -> None:
+    """Publish again, every `every` seconds, the endings the output stream has not
+    acknowledged for that long. The server drops a publish it refuses for the user's
+    permissions (a reload that took the output subject away for a while) or that it
+    could not store, and sends no acknowledgment: without this, such an answer stayed
+    in its outbox unheard until a reconnect, and the participant's next turns ran with
+    it in their history. The stream drops the copies of what it already holds (their
+    ids); the callbacks of the copies never acknowledged are dropped a round later."""
+    link = inputs._link
+    mark = link.mark()
+    resent = 0
+    while True:
+        await asyncio.sleep(every)
+        link.forget_before(mark)
+        mark = link.mark()
+        count = await republish(inputs, reconnected=False, before=time.time() - every)
+        if count:
+            resent += count
+            if is_logged(resent):
+                logger.warning("turnrouter: published again %d outputs the output stream "
+                               "had not acknowledged after %g s (%d so far)",
+                               count, every, resent)
 
 
 async def _nobody(ledger: Ledger, pid: str, n: int, kind: str) -> bool:

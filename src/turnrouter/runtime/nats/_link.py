@@ -173,6 +173,23 @@ class Link:
         self._confirming.clear()
         return count
 
+    def mark(self) -> int:
+        """A mark of the stored publishes sent so far, for `forget_before`."""
+        return self._next
+
+    def forget_before(self, mark: int) -> int:
+        """Drop the callbacks of stored publishes sent before `mark` and still not
+        acknowledged (a publish the server dropped, for the user's permissions say, is
+        never acknowledged: its owner publishes it again, `resend`); how many."""
+        stale = []
+        for token in self._confirming:  # in the order sent: the oldest lead
+            if int(token[1:]) > mark:
+                break
+            stale.append(token)
+        for token in stale:
+            del self._confirming[token]
+        return len(stale)
+
     async def _on_reply(self, msg: Msg) -> None:
         self._take_reply(msg)
 

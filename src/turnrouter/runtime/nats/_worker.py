@@ -50,7 +50,7 @@ from ._fleet import (
     previous_owner_alive,
     valid_replica,
 )
-from ._inputs import Inputs, republish
+from ._inputs import Inputs, republish, resend
 from ._interrupts import FleetInterrupts
 from ._ledger import Ledger, Participant
 from ._link import Link, deliver_directly
@@ -228,6 +228,7 @@ class NatsWorker:
             # The front ends' mirror of the output stream, restarted when it stalls.
             helpers.append(asyncio.create_task(watch_mirror(nc, config, bucket),
                                                name="mirror"))
+            helpers.append(asyncio.create_task(resend(inputs), name="resend"))
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
                      for n in range(config.partitions)]
             # Our SUBs are on the server (see below) once a request is answered.
