@@ -45,6 +45,7 @@ from turnrouter import (
     TimingSample,
     TurnrouterError,
 )
+from turnrouter.cli import worker_parser
 from turnrouter.events import MessageRejected
 from turnrouter.runtime import (
     Interrupted,
@@ -191,6 +192,28 @@ def test_state_max_age_is_a_bounded_duration_no_shorter_than_input_max_age(
         return
     with pytest.raises(ConfigurationError, match="state_max_age"):
         NatsConfig(state_max_age=value, input_max_age=input_max_age)  # type: ignore[arg-type]
+
+
+@given(st.one_of(st.floats(), st.integers(-10, 400 * 86400), st.integers(), st.booleans(),
+                 st.text(max_size=5), st.none(), st.binary(max_size=5)))
+@example(10**400)
+@example(366 * 86400)
+def test_idle_after_is_a_bounded_duration(value: object) -> None:
+    """`idle_after` (how long a participant without input stays in its replica's
+    memory) takes a number of seconds in (0, 366 days], from the worker's
+    `--idle-after` too; anything else is a ConfigurationError naming the field."""
+    if (isinstance(value, int | float) and not isinstance(value, bool)
+            and 0 < value <= 366 * 86400):
+        assert NatsConfig(idle_after=value).idle_after == value
+        return
+    with pytest.raises(ConfigurationError, match="idle_after"):
+        NatsConfig(idle_after=value)  # type: ignore[arg-type]
+
+
+def test_idle_after_defaults_to_half_an_hour_and_has_a_flag() -> None:
+    assert NatsConfig().idle_after == 1800.0
+    assert worker_parser().parse_args(
+        ["--nats", "n", "--app", "a:b", "--idle-after", "60"]).idle_after == 60.0
 
 
 @given(st.one_of(st.text(max_size=80), st.text(st.sampled_from("$JS.AFRONTPI*>_- \n"),

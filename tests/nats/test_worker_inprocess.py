@@ -315,3 +315,65 @@ async def test_a_router_whose_metrics_miss_the_workers_registry_is_named_at_star
         pass
     named = [r.getMessage() for r in caplog.records if "ctx.registry" in r.getMessage()]
     assert len(named) == (1 if own_registry else 0), named
+
+
+class _Held(Destination):
+    """As `_Long` for short answers, but "wait" waits for `go` (a turn that outlasts
+    `idle_after`)."""
+
+    def __init__(self) -> None:
+        super().__init__("anything")
+        self.waiting = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def answer(self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+                     ) -> DestinationResult:
+        await started()
+        if turn.query == "wait":
+            self.waiting.set()
+            await self.go.wait()
+        previous = turn.history[-1].user if turn.history else "-"
+        return DestinationResult(text=f"short|{previous}")
+
+
+async def test_idle_participants_free_their_slot_and_keep_their_history(
+        nats_server: NatsServer) -> None:
+    """Sessions that end without `left` (an app closed, a front end crashed, made-up
+    participants) no longer hold the router's `max_participants` for good: a participant
+    with no input for `idle_after` is let go (counted), a new one takes the slot, and
+    the one let go comes back with its history from its record. One whose turn runs
+    past `idle_after` stays. Before, every new participant heard the failure text once
+    the cap was held (redteam12 F4)."""
+    config = NatsConfig(url=nats_server.url, partitions=1, idle_after=0.5)
+    held = _Held()
+
+    def factory(ctx: WorkerContext) -> AgentRouter:
+        return AgentRouter({"echo": held}, LexicalDecisions(fallback_route="echo"),
+                           default_destination="echo", max_participants=2,
+                           telemetry=Telemetry(registry=ctx.registry))
+
+    def value(registry: CollectorRegistry, name: str) -> float:
+        return metric_value(generate_latest(registry).decode(), name)
+
+    idle = "turnrouter_nats_idle_participants_total"
+    async with serving(config, "idle", factory) as registry, \
+            listening(config) as (front, heard):
+        waiting = UserQuery(participant_id="kim", text="wait")
+        await front.publish(waiting)
+        async with asyncio.timeout(15):
+            await held.waiting.wait()
+        assert await answered(front, "lee", "hi") == "short|-"
+        await until_true(lambda: value(registry, idle) >= 1, "lee let go")
+        # kim, idle as long (its input came first) but its turn running, stays.
+        assert value(registry, idle) == 1
+        assert value(registry, "turnrouter_active_participants") == 1
+        held.go.set()
+        async with asyncio.timeout(15):
+            await heard.events.setdefault(waiting.message_id, asyncio.Event()).wait()
+        await until_true(lambda: value(registry, idle) >= 2, "kim let go")
+        assert value(registry, "turnrouter_active_participants") == 0
+        assert await answered(front, "max", "hi") == "short|-"
+        assert await answered(front, "joe", "hi") == "short|-"  # two slots: both free
+        await until_true(lambda: value(registry, idle) >= 4, "max and joe let go")
+        assert await answered(front, "kim", "again") == "short|wait"
+        assert await answered(front, "lee", "again") == "short|hi"

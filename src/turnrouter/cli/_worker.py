@@ -128,6 +128,11 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="seconds to ride out a lost, frozen or not yet started NATS "
                              "server or a missing stream (retrying every 0.5 s, one log "
                              "line per attempt) before exiting with an error (default 60)")
+    parser.add_argument("--idle-after", type=float, default=1800.0, metavar="SECS",
+                        help="seconds without an input after which a participant is let go "
+                             "from this worker's memory (its record keeps its state for its "
+                             "next input), so sessions that end without 'left' free their "
+                             "slot (default 1800)")
     parser.add_argument("--replicas", type=int, default=1, metavar="N",
                         help="copies a NATS cluster keeps of each stream and of the state "
                              "bucket (JetStream replication factor, 1-5; 3 on a three-server "
@@ -223,7 +228,7 @@ def _worker_main(argv: Sequence[str]) -> int:
         config = NatsConfig(prefix=args.prefix, partitions=args.partitions,
                             failover_timeout=args.failover_timeout, ack_wait=args.ack_wait,
                             drain_timeout=args.drain_timeout, mark_after=args.mark_after,
-                            reconnect_for=args.reconnect_for,
+                            reconnect_for=args.reconnect_for, idle_after=args.idle_after,
                             max_input_wait=args.max_input_wait,
                             state_max_age=args.state_max_age,
                             max_queued_per_participant=args.max_queued_per_participant,

@@ -269,6 +269,7 @@ class Inputs:
         state = await self._ledger.claim(pid, n)
         if state is None:
             return  # fenced: another replica owns the participant
+        state.active = received
         router = self._router
         if kind == "query":
             assert isinstance(message, UserQuery)
@@ -388,11 +389,7 @@ class Inputs:
         if state is None or state.fenced or state.saving:
             return
         state.saving = True
-        self._spawn(self._save(pid, state), "state save")
-
-    async def _save(self, pid: str, state: Participant) -> None:
-        state.saving = False  # a change after this point schedules another save
-        await self._ledger.write(pid, state)
+        self._spawn(_save(self._ledger, pid, state), "state save")
 
     async def _after(self, work: Awaitable[None], pid: str, state: Participant) -> None:
         try:
@@ -626,6 +623,17 @@ async def _stored_final(link: Link, output: _Output) -> object:
     except (RequestFailed, ValueError) as exc:
         return exc
     return None if seq is not None else (error or "no sequence")
+
+
+def engaged(inputs: Inputs, pid: str) -> bool:
+    """Whether a turn of `pid` runs here or their departure does."""
+    return bool(inputs.turns_of.of(pid)) or pid in inputs._departing
+
+
+async def _save(ledger: Ledger, pid: str, state: Participant) -> None:
+    """`Inputs.changed`'s save of a participant's record."""
+    state.saving = False  # a change after this point schedules another save
+    await ledger.write(pid, state)
 
 
 def _forget(outbox: list[Ending], ending: Ending) -> None:

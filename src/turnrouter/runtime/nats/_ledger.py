@@ -172,6 +172,9 @@ class Participant:
     snapshot: bytes | None = None
     """The snapshot JSON of the last record written or claimed (an in-flight mark
     reuses it: nothing but turns and patches change it, and they write a fresh one)."""
+    active: float = field(default_factory=time.monotonic)
+    """When its last input arrived (`time.monotonic()`): idle past
+    `NatsConfig.idle_after`, it is let go (`_idle`)."""
 
     def end(self, turn_id: str) -> None:
         """Remember that turn `turn_id` ended (written with the next record)."""

@@ -76,6 +76,10 @@ class RuntimeMetrics:
             "turnrouter_nats_inflight_marks_total",
             "Turns still running after mark_after, marked in flight in their record "
             "(one more write) before their message was acknowledged", registry=registry)
+        self.idle = Counter(
+            "turnrouter_nats_idle_participants_total",
+            "Participants let go after idle_after without an input (their record keeps "
+            "their state for their next input)", registry=registry)
         self.state_write = Seconds(
             "turnrouter_nats_state_write_seconds",
             "Revision-checked participant state writes to the key-value bucket",

@@ -188,6 +188,11 @@ class NatsConfig:
     and records of made-up participant ids do not pile up for good. A bucket that exists
     is taken as it is.
 
+    `idle_after`: a participant with no input for this long (30 min) is let go from
+    its replica's memory and router (`max_participants`); its record keeps its state
+    for its next input, as when its partition moves. A session that ends without
+    `left` then frees its slot.
+
     `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
     before it exits with an error. `fleet_backlog`: messages of each fleet subject
     (control, presence, timing) a worker holds unread; past it a flood's messages are
@@ -213,6 +218,7 @@ class NatsConfig:
     drain_timeout: float = 20.0
     mark_after: float = 0.005
     reconnect_for: float = 60.0
+    idle_after: float = 1800.0
     fleet_backlog: int = 1024
     replicas: int = 1
     failure_text: str = "Sorry, something went wrong. Please try again."
@@ -310,7 +316,8 @@ class NatsConfig:
                 f"NatsConfig.partitions must be in 1..1024, got {self.partitions}")
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
                      "output_max_age", "probe_interval", "drain_timeout", "mark_after",
-                     "input_max_age", "max_input_wait", "reconnect_for", "state_max_age"):
+                     "input_max_age", "max_input_wait", "reconnect_for", "state_max_age",
+                     "idle_after"):
             value = getattr(self, name)
             if not (finite(value) and 0 < value <= 366 * 86400):
                 raise ConfigurationError(

@@ -50,7 +50,8 @@ from ._fleet import (
     previous_owner_alive,
     valid_replica,
 )
-from ._inputs import Inputs, republish, resend
+from ._idle import IdleSweep
+from ._inputs import Inputs, engaged, republish, resend
 from ._interrupts import FleetInterrupts
 from ._ledger import Ledger, Participant
 from ._link import Link, deliver_directly
@@ -129,6 +130,7 @@ class NatsWorker:
         self._pins: dict[int, str] = {}
         self._ledger: Ledger | None = None
         self._takeover: Takeover | None = None
+        self._idle: IdleSweep | None = None
         self._fleet: Fleet | None = None
         self._inputs: Inputs | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -229,6 +231,11 @@ class NatsWorker:
             helpers.append(asyncio.create_task(watch_mirror(nc, config, bucket),
                                                name="mirror"))
             helpers.append(asyncio.create_task(resend(inputs), name="resend"))
+            self._idle = IdleSweep(self._ledger, config.idle_after,
+                                   functools.partial(engaged, inputs),
+                                   router.export_participant_json, inputs.changed,
+                                   self._metrics.idle.inc if self._metrics else lambda: None)
+            helpers.append(asyncio.create_task(self._idle.run(), name="idle"))
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
                      for n in range(config.partitions)]
             # Our SUBs are on the server (see below) once a request is answered.
@@ -333,6 +340,9 @@ class NatsWorker:
         says not to pull (reading what earlier requests still deliver)."""
         config = self.config
         inbox.holding = False
+        idle = self._idle
+        if idle is not None and n in idle.due and n in self._pins:  # (between messages)
+            await idle.let_go(n)
         share = self.fleet.fair_share()
         # Only once no request of ours is waiting at the server, nor anything they
         # delivered unread: a message arriving after the handover would sit here unread
