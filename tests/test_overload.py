@@ -184,6 +184,69 @@ async def test_shedding_refuses_admitted_participants_then_recovers() -> None:
     await h.router.stop()
 
 
+async def test_after_turning_busy_new_participants_wait_for_the_turn_rate_to_fall() -> None:
+    """Every participant admitted brings turns for a whole conversation: a crowd
+    admitted while the lag was still low brings its next turns a turn period later.
+    Once the router turned busy it admits new participants only while the turn rate
+    stays under 90% of the rate it ran at then; participants it holds are always
+    answered, and newcomers are admitted again once the rate falls. Before, admissions
+    resumed at the first calm samples and the crowd they let in stalled everyone again
+    (benchmarks/bench_spike.py ramp)."""
+    clock = ManualClock()
+    h = harness(clock)
+    known = [f"k{i}" for i in range(20)]
+
+    async def everyone_speaks() -> None:
+        for pid in known:
+            assert (await h.say("hi", pid)).text == "weather answer"
+
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        await everyone_speaks()
+        await lag(clock, 0.2)
+        assert status(h) == "busy"
+        for _ in range(POLICY.calm_samples):  # the same participants go on speaking
+            await everyone_speaks()
+            await lag(clock, 0.0, samples=1)
+        assert status(h) == "ready" and not h.router.busy
+        assert h.router.sheds("newcomer") and not h.router.sheds("k0")
+        with pytest.raises(RouterBusyError, match="busy"):
+            await h.router.handle(h.turn("hi", "newcomer"))
+        assert ("shed", "newcomer", "new_participant") in h.observer.events
+        await everyone_speaks()  # the participants held are answered all along
+        for _ in range(1000):  # they fall silent: the rate falls under the ceiling
+            if not h.router.sheds("newcomer"):
+                break
+            await lag(clock, 0.0, samples=1)
+        assert (await h.say("hi", "newcomer")).text == "weather answer"
+        gate.set()
+    await h.router.stop()
+
+
+async def test_the_turn_rate_ceiling_rises_while_the_router_stays_calm() -> None:
+    """The ceiling is a guess made at one moment (another process' load, one slow
+    stretch): while the router stays calm and runs at it, it rises (10% a second), so
+    newcomers are admitted again though the rate never falls."""
+    clock = ManualClock()
+    h = harness(clock)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        for i in range(20):
+            await h.say("hi", f"k{i}")
+        await lag(clock, 0.2)
+        assert status(h) == "busy"
+        samples = 0
+        while h.router.sheds("newcomer") or status(h) != "ready":
+            samples += 1
+            assert samples < 20_000, "the ceiling never rose"
+            await h.say("hi", "k0")  # one turn a sample: 100 turns a second, calm
+            await lag(clock, 0.0, samples=1)
+        assert samples > 100  # (not at once: first the ceiling held newcomers off)
+        assert (await h.say("hi", "newcomer")).text == "weather answer"
+        gate.set()
+    await h.router.stop()
+
+
 async def test_samples_report_lag_turns_in_flight_and_wait() -> None:
     """Each sample reports the lag, the turns in flight and the state to the observer."""
     clock = ManualClock()

@@ -1,0 +1,191 @@
+"""Traffic spikes past one process' capacity, in process: what the participants who were
+already talking hear while a crowd arrives.
+
+Each answered turn costs `--burn-ms` of CPU on the event loop (a destination's own
+work: parsing, serialising, a small model) and awaits `--think` seconds (an LLM call),
+so the process answers about 1000 / burn-ms turns a second. `--steady` participants
+speak once a second throughout. Then new participants arrive:
+
+- `burst`: `--crowd` new participants send their first turn in one loop pass (a front
+  end flushing its buffer after a hiccup), then speak once a second;
+- `ramp`: `--crowd` new participants arrive spread over `--ramp-secs` and speak once a
+  second for `--spike-secs` (a sustained spike of crowd / capacity times).
+
+Printed (and written with `--json`): per group (steady, crowd) and phase, the turns
+answered and refused busy, p95 and max latency of the answered ones, and the longest
+stretch of the run in which the steady participants got no answer (`stall_secs`): a
+router that admits past its capacity stalls everyone. Wall-clock figures on a shared
+machine: compare runs made side by side (`--overload none` runs the router without
+admission control).
+
+    .venv/bin/python benchmarks/bench_spike.py burst --crowd 1000
+    .venv/bin/python benchmarks/bench_spike.py ramp --crowd 1500 --spike-secs 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import itertools
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from turnrouter import (
+    AgentRouter,
+    AgentTurn,
+    Destination,
+    DestinationResult,
+    RouterBusyError,
+)
+from turnrouter.telemetry import Telemetry
+from turnrouter.testing import ScriptedDecisions
+
+
+def burn(ms: float) -> None:
+    """Hold the event loop for `ms` milliseconds of CPU (a destination's own work)."""
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
+
+
+class Working(Destination):
+    """Burns `burn_ms` on the loop, then awaits `think` seconds."""
+
+    def __init__(self, burn_ms: float, think: float) -> None:
+        super().__init__("everything")
+        self._burn_ms, self._think = burn_ms, think
+
+    async def answer(self, turn: AgentTurn, *, started: Callable[[], Awaitable[None]]
+                     ) -> DestinationResult:
+        await started()
+        burn(self._burn_ms)
+        await asyncio.sleep(self._think)
+        return DestinationResult(text="answer")
+
+
+async def _silent(turn: AgentTurn, route: str, text: str) -> None:
+    return None
+
+
+@dataclass
+class Record:
+    group: str  # "steady" or "crowd"
+    phase: str  # "before", "spike", "after"
+    start: float
+    end: float
+    outcome: str  # "answered", "busy", or the error's type
+
+
+@dataclass
+class Run:
+    router: AgentRouter
+    t0: float
+    records: list[Record] = field(default_factory=list)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def turn(self, group: str, phase: str, pid: str, turn_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._one(group, phase, pid, turn_id))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _one(self, group: str, phase: str, pid: str, turn_id: str) -> None:
+        start = time.perf_counter()
+        try:
+            await self.router.handle(AgentTurn(pid, turn_id, "hello"))
+            outcome = "answered"
+        except RouterBusyError:
+            outcome = "busy"
+        except Exception as exc:  # counted by type: a benchmark reports, never stops
+            outcome = type(exc).__name__
+        self.records.append(Record(group, phase, start - self.t0,
+                                   time.perf_counter() - self.t0, outcome))
+
+
+async def scenario(args: argparse.Namespace) -> dict[str, object]:
+    overload = {} if args.overload == "default" else {"overload": None}
+    router = AgentRouter({"conversation": Working(args.burn_ms, args.think)},
+                         ScriptedDecisions("conversation"), output=_silent,
+                         telemetry=Telemetry.disabled(), **overload)  # type: ignore[arg-type]
+    run = Run(router, time.perf_counter())
+    spike_at = args.warm_secs
+    spike_end = spike_at + args.spike_secs
+    end = spike_end + args.recover_secs
+    # (due time, group, participant) in time order; each turn schedules the next.
+    agenda: list[tuple[float, str, str]] = [
+        (i / args.steady, "steady", f"s{i}") for i in range(args.steady)]
+    if args.mode == "burst":
+        agenda += [(spike_at, "crowd", f"c{i}") for i in range(args.crowd)]
+    else:
+        agenda += [(spike_at + args.ramp_secs * i / args.crowd, "crowd", f"c{i}")
+                   for i in range(args.crowd)]
+    heapq.heapify(agenda)
+    turns: Counter[str] = Counter()
+    while agenda:
+        due, group, pid = heapq.heappop(agenda)
+        now = time.perf_counter() - run.t0
+        if due > now:
+            await asyncio.sleep(due - now)
+        phase = "before" if due < spike_at else "spike" if due < spike_end else "after"
+        turns[pid] += 1
+        run.turn(group, phase, pid, f"t{turns[pid]}")
+        following = due + 1.0
+        if following < end and (group == "steady" or following < spike_end):
+            heapq.heappush(agenda, (following, group, pid))
+    async with asyncio.timeout(args.think + 60):
+        while run.tasks:
+            await asyncio.wait(set(run.tasks))
+    await router.stop()
+    return summary(run.records, end)
+
+
+def summary(records: list[Record], end: float) -> dict[str, object]:
+    """Outcomes and latencies per group and phase; the steady participants' longest
+    stretch without an answer (from the first answer on)."""
+    groups: dict[str, dict[str, object]] = {}
+    by: defaultdict[tuple[str, str], list[Record]] = defaultdict(list)
+    for record in records:
+        by[(record.group, record.phase)].append(record)
+    for (group, phase), rows in sorted(by.items()):
+        latencies = sorted(r.end - r.start for r in rows if r.outcome == "answered")
+        groups[f"{group}/{phase}"] = {
+            "outcomes": dict(Counter(r.outcome for r in rows)),
+            "p95_secs": round(latencies[int(0.95 * (len(latencies) - 1))], 3)
+            if latencies else None,
+            "max_secs": round(latencies[-1], 3) if latencies else None}
+    answers = sorted(r.end for r in records if r.group == "steady" and r.outcome == "answered")
+    gaps = [b - a for a, b in itertools.pairwise(answers)]
+    return {"groups": groups, "stall_secs": round(max(gaps, default=end), 3),
+            "turns": len(records)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["burst", "ramp"])
+    parser.add_argument("--crowd", type=int, default=1000)
+    parser.add_argument("--steady", type=int, default=40)
+    parser.add_argument("--burn-ms", type=float, default=4.0)
+    parser.add_argument("--think", type=float, default=0.3)
+    parser.add_argument("--warm-secs", type=float, default=3.0)
+    parser.add_argument("--spike-secs", type=float, default=10.0)
+    parser.add_argument("--ramp-secs", type=float, default=2.0)
+    parser.add_argument("--recover-secs", type=float, default=5.0)
+    parser.add_argument("--overload", choices=["default", "none"], default="default")
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args()
+    if args.crowd < 1 or args.steady < 1 or args.burn_ms < 0 or args.think < 0:
+        parser.error("--crowd and --steady must be at least 1; times not negative")
+    figures = asyncio.run(scenario(args))
+    figures["args"] = vars(args)
+    text = json.dumps(figures, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            out.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
