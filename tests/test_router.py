@@ -739,6 +739,21 @@ async def test_output_failure_propagates_without_a_second_message() -> None:
         await h.say()
 
 
+async def test_a_failed_control_text_still_ends_the_turn_through_its_ending() -> None:
+    """route_turn with an `ending` of its own (the runtimes publish the turn's final
+    output there): the control-text output failing on a preamble fails the turn, and
+    the failure message still goes out through `ending`, so the front end learns the
+    turn ended. Before, nothing did (contract13 N1)."""
+    agent = ScriptedAgent("weather", admissions=Admission("accept", preamble="Sure."))
+    h = Harness(agent, decisions=ScriptedDecisions("weather"))
+    broken, ending = OutputRecorder(), OutputRecorder()
+    broken.error = ConnectionError("speaker gone")
+    with pytest.raises(ConnectionError, match="speaker gone"):
+        await h.router.route_turn(h.turn("hi"), output=broken, ending=ending)
+    assert ending.texts == [h.router.failure_text]
+    assert [call.method for call in agent.calls] == ["admit"]
+
+
 # ---------------------------------------------------------------- construction & boundary
 
 
