@@ -60,8 +60,10 @@ from turnrouter import (
     LifecycleError,
     LLMError,
     OverloadPolicy,
+    RouteDecision,
     RoutedResult,
     RouterBusyError,
+    RouteRequest,
 )
 from turnrouter.integrations.pipecat import (
     FrameAgent,
@@ -715,6 +717,42 @@ async def test_behind_the_user_aggregator_the_llm_gets_the_app_context() -> None
         await pipe.end()
     assert [m["content"] for m in llm.contexts[0]] == ["You are a weather bot.", "will it rain?"]
     assert turns.routed[0][1].result.text == "Rain later."
+
+
+class _FlushedWhileRouting:
+    """Routes to "chat"; meanwhile the app's assistant aggregator flushes what the user
+    heard before speaking again (as it does at the interruption): after their message."""
+
+    def __init__(self, context: LLMContext) -> None:
+        self.context = context
+
+    async def decide(self, request: RouteRequest) -> RouteDecision:
+        self.context.add_message({"role": "assistant", "content": "Let me think."})
+        return RouteDecision("chat")
+
+
+async def test_what_was_heard_before_the_user_spoke_again_goes_before_their_message(
+        ) -> None:
+    """An acknowledgment (or the start of an answer) heard before a barge-in reaches the
+    app's context through its assistant aggregator only at the interruption, after the
+    user's new message, while the turn is being routed: the LLM gets it before that
+    message, so the conversation it answers ends with what the user said. Before, its
+    last message was its own acknowledgment (voice13 D1)."""
+    llm = StreamingLLM("A joke.")
+    context = LLMContext([{"role": "system", "content": "You are a bot."},
+                          {"role": "user", "content": "meaning of life?"}])
+    chat = PipecatLLMDestination(llm, "chat", "small talk", in_pipeline=True)
+    processor = TurnRouterProcessor(AgentRouter({"chat": chat}, _FlushedWhileRouting(context),
+                                                telemetry=Telemetry.disabled()))
+    turns = Turns(processor)
+    async with Pipe(Pipeline([user_aggregator(context), processor, llm,
+                              processor.speaker])) as pipe:
+        await pipe.send(*user_says("tell me a joke"))
+        await turns.wait(1)
+        await pipe.end()
+    assert [(m["role"], m["content"]) for m in llm.contexts[0]] == [
+        ("system", "You are a bot."), ("user", "meaning of life?"),
+        ("assistant", "Let me think."), ("user", "tell me a joke")]
 
 
 async def test_user_aggregator_barge_in_interrupts_the_answer() -> None:

@@ -552,7 +552,11 @@ class PipecatLLMDestination(FrameAgent):
             processor._llm_turn = output._sink
             output._sink.via_llm = True
             try:
-                context = output.context or self.context_for(turn, system=True)
+                context = output.context
+                if context is not None:
+                    _heard_first(context)
+                else:
+                    context = self.context_for(turn, system=True)
                 if processor.speaker.next is None:  # else the speaker marks each response
                     await processor._open_answer(output._sink)
                 with _framework_spans_under_current(processor._tracing()):
@@ -574,6 +578,26 @@ class PipecatLLMDestination(FrameAgent):
         if response.error is not None:
             raise LLMError(f"Pipecat LLM service {self.llm.name} failed: {response.error}")
         return "".join(response.texts).strip()
+
+
+def _heard_first(context: LLMContext) -> None:
+    """Put back before the turn's user message (the context's last) the assistant text
+    the app's assistant aggregator added after it while the turn was routed: what the
+    user heard before speaking again (an acknowledgment, the start of an answer),
+    flushed at the interruption. Else the LLM got a context ending with its own words
+    and answered those, not the user (voice13 D1)."""
+    messages = context.get_messages()
+    last = len(messages)
+    while last and _role(messages[last - 1]) == "assistant":
+        last -= 1
+    if last == len(messages) or not last or _role(messages[last - 1]) != "user":
+        return
+    heard = messages[last:]
+    context.set_messages([*messages[:last - 1], *heard, messages[last - 1]])
+
+
+def _role(message: object) -> object:
+    return message.get("role") if isinstance(message, dict) else None
 
 
 @dataclass(eq=False)
