@@ -76,6 +76,22 @@ async def test_complete_parses_the_acknowledgment_prompt() -> None:
     assert await ack.complete("no structure at all", max_tokens=16)
 
 
+@pytest.mark.parametrize(("route", "said"), [
+    ("it_support", "Okay, I'm pulling up the IT support details."),
+    ("hr", "Okay, I'm pulling up the HR details."),
+    ("sql_agent", "Okay, I'm pulling up the SQL details."),
+    ("BillingAgent", "Okay, I'm pulling up the billing details."),
+    ("tv_guide", "Okay, I'm pulling up the TV guide details."),
+    ("smart_home", "Okay, I'm pulling up the smart home details."),
+    ("agent", "Okay, I'm pulling up the agent details."),
+])
+def test_route_names_read_as_a_tts_would_say_them(route: str, said: str) -> None:
+    """Initials are upper-cased for the TTS (the pronoun "it" for the IT desk read
+    wrong) and role words ("agent") dropped unless they are the whole name."""
+    template = TemplateAcknowledger(phrases=("Okay, I'm pulling up the {subject} details.",))
+    assert template.phrase(route, "answers questions", "t1") == said
+
+
 def test_spoken_topic() -> None:
     """Route names become spoken topics; personal descriptions use "your"."""
     assert spoken_topic("smart_home") == "the smart home"

@@ -96,10 +96,40 @@ def _personal_before(description: str, first: str) -> bool:
     return False
 
 
+#: Words of a route name that say what it is, not what it is about ("billing_agent").
+_ROLE_WORDS = frozenset({"agent", "bot", "service", "assistant", "destination", "route",
+                         "skill", "handler"})
+#: Short words read as words, not letters ("my", "a"); other words of one or two
+#: letters are read as initials ("it" -> "IT", "hr" -> "HR"), as are words without a
+#: vowel ("sql" -> "SQL").
+_SHORT_WORDS = frozenset({"a", "an", "my", "of", "to", "in", "on", "at", "by", "or",
+                          "and", "the", "for", "me", "we", "us", "go", "do", "no", "up"})
+_VOWEL = re.compile(r"[aeiouy]", re.IGNORECASE)
+
+
+def _words(name: str) -> str:
+    """A route name as words a TTS reads right: "smart_home" -> "smart home",
+    "it_support" -> "IT support", "sql_agent" -> "SQL", "BillingAgent" -> "billing";
+    "" -> "" (only the first `TOPIC_NAME_CHARS` characters)."""
+    spaced = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name[:TOPIC_NAME_CHARS])
+    tokens = re.sub(r"[_\-.]+", " ", spaced).split()
+    while len(tokens) > 1 and tokens[-1].lower() in _ROLE_WORDS:
+        tokens.pop()
+    spoken = []
+    for token in tokens:
+        lower = token.lower()
+        if token.isalpha() and lower not in _SHORT_WORDS and (
+                (len(token) > 1 and token.isupper()) or len(token) <= 2
+                or not _VOWEL.search(token)):
+            spoken.append(token.upper())
+        else:
+            spoken.append(lower)
+    return " ".join(spoken)
+
+
 def _subject(name: str) -> str:
-    """A route name as lower-case words: "smart_home" -> "smart home", "" -> "that"."""
-    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name[:TOPIC_NAME_CHARS])
-    return re.sub(r"[_\-.]+", " ", words).strip().lower() or "that"
+    """A route name as words (`_words`), "that" when it has none."""
+    return _words(name) or "that"
 
 
 def spoken_topic(name: str, description: str = "") -> str:
@@ -107,8 +137,7 @@ def spoken_topic(name: str, description: str = "") -> str:
 
     Only the first `TOPIC_NAME_CHARS` characters of the name are spoken.
     """
-    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name[:TOPIC_NAME_CHARS])
-    words = re.sub(r"[_\-.]+", " ", words).strip().lower()
+    words = _words(name)
     if not words:
         return "that"
     # "Your" when the description ties the topic to the user ("your calendar").
