@@ -80,6 +80,8 @@ def test_contracts_are_immutable(obj: object) -> None:
         (lambda: RoutingAid("", "d"), "name"),
         (lambda: RouteDecision("r", confidence=1.5), "confidence"),
         (lambda: RouteDecision("r", scores={"a": math.nan}), "scores"),
+        (lambda: RouteDecision("r", scores={"a": math.inf}), "finite"),
+        (lambda: RouteDecision("r", scores={"a": -math.inf}), "finite"),
         (lambda: RouteDecision(""), "choice"),
     ],
 )

@@ -524,7 +524,7 @@ async def test_settling_and_patching_while_a_departure_runs() -> None:
         await agent.release_entered.wait()
         with pytest.raises(UnknownPatchError):
             await h.router.approve_patch(held.patch_id)
-        with pytest.raises(LifecycleError, match="departure departing"):
+        with pytest.raises(LifecycleError, match="departure is under way"):
             await h.router.apply_context_patch("p1", ContextPatch(task_id="b"))
         agent.release_gate.set()
     assert counted(h) == [("human_gated", "pending"), ("human_gated", "dropped"),
@@ -690,3 +690,15 @@ async def test_a_patch_the_caller_flagged_diverged_is_merged_marked_and_counted(
     assert h.router.history_of("p1")[-1].user == (
         "[background: a (context changed since it started)]")
     assert details(h) == [("p1", "a", "replace", "diverged", True)]
+
+
+def test_a_pending_patch_is_built_as_the_reference_shows_it() -> None:
+    """`created_at` defaults to now (routing-policies: `created_at: float =
+    time.time()`); the other fields are given by keyword (`participant_id` is
+    turnrouter's own: patch ids are the participant's)."""
+    before = time.time()
+    held = PendingContextPatch(patch_id="p1", participant_id="ann", task_id="t1",
+                               patch=ContextPatch(task_id="t1", digest=("found it",)))
+    assert before <= held.created_at <= time.time()
+    assert held.strategy is MergeStrategy.HUMAN_GATED
+

@@ -399,7 +399,7 @@ class RouteDecision:
     confidence: float | None = None
     """The service's confidence in `choice`, in [0, 1] (None: not given)."""
     scores: Mapping[str, float] = field(default_factory=lambda: _EMPTY_SCORES)
-    """Route -> score, higher is better (kept read-only)."""
+    """Route -> finite score, higher is better (kept read-only)."""
     rationale: str = ""
     """Where the choice came from (`lexical: ...`, `classifier: ...`, `policy: ...`)."""
 
@@ -435,8 +435,10 @@ class RouteDecision:
                     raise ContractValueError(
                         f"RouteDecision.scores[{preview(key)}] is too large for a float"
                     ) from None
-                if math.isnan(number):
-                    raise ContractValueError(f"RouteDecision.scores[{preview(key)}] is NaN")
+                if not math.isfinite(number):
+                    # (an infinite score was taken, then ignored when picking the best)
+                    raise ContractValueError(
+                        f"RouteDecision.scores[{preview(key)}] must be finite, got {number}")
                 frozen[key] = number
             object.__setattr__(self, "scores", MappingProxyType(frozen))
         rationale = self.rationale

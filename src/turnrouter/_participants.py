@@ -42,7 +42,7 @@ __all__ = [
 
 class Phase(enum.Enum):
     OPEN = "open"
-    DEPARTING = "departing"
+    DEPARTING = "is under way"
     FAILED = "cleanup failed"
 
 

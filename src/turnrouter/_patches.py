@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -113,8 +114,9 @@ class PendingContextPatch(BaseModel):
                                 "`context_diverged` as detected when it was held.")
     strategy: MergeStrategy = MergeStrategy.HUMAN_GATED
     created_at: float = Field(
+        default_factory=time.time,
         ge=0, le=253_402_300_799, allow_inf_nan=False,  # up to 9999-12-31: exportable
-        description="Unix time (seconds) when the patch was held.")
+        description="Unix time (seconds) when the patch was held (now by default).")
 
 
 @dataclass(frozen=True, slots=True)
