@@ -143,6 +143,7 @@ async def test_a_crowd_arriving_at_once_is_admitted_a_budget_at_a_time() -> None
         assert len(refused) == 100 - 16
         assert h.observer.events.count(("shed", "c99", "new_participant")) == 1
         assert len(h.router.participants) == 16 and not h.router.busy
+        assert h.router.refusing  # (the budget holds newcomers back, the lag still low)
         await lag(clock, 0.0, samples=1)  # calm, and the budget was used up: doubled
         late = [h.turn("hi", f"d{i}") for i in range(40)]
         ended["count"], ended["until"], enough = 0, 40 - 32, anyio.Event()
@@ -208,7 +209,7 @@ async def test_after_turning_busy_new_participants_wait_for_the_turn_rate_to_fal
         for _ in range(POLICY.calm_samples):  # the same participants go on speaking
             await everyone_speaks()
             await lag(clock, 0.0, samples=1)
-        assert status(h) == "ready" and not h.router.busy
+        assert status(h) == "ready" and not h.router.busy and h.router.refusing
         assert h.router.sheds("newcomer") and not h.router.sheds("k0")
         with pytest.raises(RouterBusyError, match="busy"):
             await h.router.handle(h.turn("hi", "newcomer"))

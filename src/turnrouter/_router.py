@@ -575,6 +575,13 @@ class AgentRouter:
         """Whether new participants are refused now: the readiness signal."""
         return self._cfg.load.busy
 
+    @property
+    def refusing(self) -> bool:
+        """Whether some turns may be refused now (`sheds` says whose): busy, or new
+        participants held back by the admission budget or the turn-rate ceiling while
+        the lag is still low (`busy` stays False then). One attribute test."""
+        return self._cfg.load.gate
+
     def sheds(self, participant_id: str) -> bool:
         """Whether a new turn of `participant_id` would be shed now (no task needed)."""
         return self._cfg.load.refusal(participant_id in self._registry.participants) is not None

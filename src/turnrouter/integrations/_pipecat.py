@@ -963,7 +963,7 @@ class TurnRouterProcessor(FrameProcessor):
         if not self.owns_router:
             self._track_caller(turn.participant_id)
         router = self.router
-        if router.busy and router.sheds(turn.participant_id):
+        if router.refusing and router.sheds(turn.participant_id):
             # Refused at once with the busy text (a short task): it takes no admitted
             # caller's place, which would go unanswered for a turn that cannot run.
             running = []

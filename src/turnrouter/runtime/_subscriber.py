@@ -182,7 +182,7 @@ class RouterSubscriber:
             router.report_rejected(topic.name, reason)
             return
         if role == "query_topic":
-            if router.busy and router.sheds(payload.participant_id):
+            if router.refusing and router.sheds(payload.participant_id):
                 # Shed at once, in the publisher's call: a task per refused query would
                 # cost more than the refusal itself.
                 await self._shed_query(payload, runtime)
