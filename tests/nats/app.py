@@ -17,6 +17,7 @@ when `answer()` is called: the turns the destination ran.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -63,6 +64,10 @@ class Echo:
         if self._said:
             print(f"running {turn.turn_id}", file=sys.stderr, flush=True)
         await started()
+        if turn.query.startswith("stubborn"):  # ignores its cancellation: never ends
+            while True:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(3600.0)
         if turn.query.startswith("slow"):
             await asyncio.sleep(60.0)
         elif not turn.participant_id.startswith("q"):

@@ -266,6 +266,38 @@ async def test_sigterm_hands_idle_partitions_over_at_once_while_a_long_turn_drai
             staying.close()
 
 
+@pytest.mark.parametrize("again", [False, True])
+async def test_a_graceful_stop_that_cannot_finish_still_ends_the_worker(
+        nats_server: NatsServer, again: bool) -> None:
+    """A turn whose destination ignores its cancellation (or a store timing every write
+    out) keeps the graceful stop from finishing: the worker still exits (status 1, one
+    line saying so) `--drain-timeout` plus 10 s after SIGTERM, or at once on a second
+    SIGTERM, instead of running on until the deployment's kill -9 (chaos12 D5 took over
+    30 s). What it held goes to the next owner as after a crash."""
+    worker = Worker(nats_server.url, "stubborn", "--drain-timeout", "1")
+    try:
+        async with listening(nats_server.url) as (front, _):
+            await front.publish(UserQuery(participant_id="s", text="stubborn one"))
+            await until_true(lambda: metric_value(
+                worker.metrics(), "turnrouter_nats_inflight_marks_total") >= 1,
+                "the stubborn turn running")
+            worker.signal(signal.SIGTERM)
+            if again:
+                await until_true(lambda: metric_value(
+                    worker.metrics(), "turnrouter_nats_serving") == 0,
+                    "the first SIGTERM handled (the worker says it stops)")
+                worker.signal(signal.SIGTERM)
+            status = await asyncio.to_thread(worker.proc.wait, 60)
+        assert worker.proc.stdout is not None
+        said = worker.proc.stdout.read()  # (the process ended: up to its end)
+        assert status == 1, said
+        assert ("stopping again (SIGTERM): exiting now" if again
+                else "still stopping after 11 s (--drain-timeout plus 10 s): exiting now"
+                ) in said, said
+    finally:
+        worker.close()
+
+
 async def test_a_replica_added_while_every_partition_runs_long_turns_gets_a_share(
         nats_server: NatsServer) -> None:
     """Turns of 2 s (an LLM's answer) back to back, ten participants per partition: no

@@ -39,6 +39,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+#: How long past `--drain-timeout` a graceful stop may take (its last record writes and
+#: hand-overs, the connection's drain) before the worker exits anyway.
+STOP_GRACE_SECS = 10.0
+
+
+def _force_exit(text: str) -> NoReturn:
+    """End the process now: a graceful stop that cannot finish (a store that times every
+    write out, a destination that ignores its cancellation) must not outlive the
+    deployment's grace period, which ends with a kill -9 anyway. What the worker held
+    goes to the next owner after `ack_wait`, as after a crash."""
+    _say(text)
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os._exit(1)
+
+
 def _say(text: str) -> None:
     """A status line on standard output. A reader gone (a closed pipe: `| grep -m1
     ready`, a log sidecar that died) must stop neither the worker nor its graceful stop:
@@ -266,6 +282,9 @@ def _worker_main(argv: Sequence[str]) -> int:
 
         def stop(sig: signal.Signals | None = None) -> None:
             nonlocal stopped_early, said
+            if worker.ready.is_set() and said and sig is not None:
+                _force_exit(f"worker {worker.replica} stopping again ({sig.name}): "
+                            "exiting now, without finishing the graceful stop")
             if worker.ready.is_set():
                 # Said once, with what it cannot do (NATS unreachable: what it holds
                 # goes to the next owner after ack_wait): a stop in an outage read as
@@ -277,6 +296,10 @@ def _worker_main(argv: Sequence[str]) -> int:
                     why = "" if readiness.serving else f": {readiness.why_not}"
                     _say(f"worker {worker.replica} stopping "
                          f"({sig.name if sig is not None else 'asked'}){why}")
+                    bound = args.drain_timeout + STOP_GRACE_SECS
+                    loop.call_later(bound, _force_exit,
+                                    f"worker {worker.replica} still stopping after {bound:g} s "
+                                    "(--drain-timeout plus 10 s): exiting now")
             else:  # still starting (a factory that hangs): give up the start at once
                 stopped_early = True
                 early.set()
