@@ -449,6 +449,7 @@ class _OutputReader:
         try:
             if await self._recreated() and self._last is not None:
                 self._last, self._last_msg = 0, None  # a new stream: all of it is new
+                self._by_time = False
         except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
             self._heard = time.monotonic() - _SILENCE
             return False  # again in a tick
