@@ -92,3 +92,49 @@ def test_one_dead_worker_mutes_only_its_own_alerts(where: dict[str, str],
             assert (status["state"], status["inhibitedBy"]) == ("active", []), (name, status)
     finally:
         alertmanager.stop()
+
+
+@pytest.mark.parametrize("where", [{}, {"cluster": "eu-1", "namespace": "turnrouter"}],
+                         ids=["compose", "kubernetes"])
+def test_a_job_with_no_router_up_holds_its_job_wide_alerts(where: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    """The job's last router died while TurnrouterFailures inhibited its slow-route
+    warning: Failures clears at the death, but the warning, kept firing by
+    keep_firing_for, would have opened a ticket before TargetDown paged (ops13 D1).
+    TurnrouterJobDown holds the dead job's job-wide alerts (not another job's, not its
+    TargetDown, not the fleet's) and notifies nobody itself."""
+    alertmanager = Alertmanager(find_binary("prometheus-alertmanager"), tmp_path,
+                                CONFIG.read_text())
+    try:
+        alertmanager.wait_ready()
+        dead, alive = {**where, "job": "turnrouter"}, {**where, "job": "turnrouter-eu"}
+        slow = {"alertname": "TurnrouterSlowFirstResponse", "severity": "warning",
+                "route": "weather"}
+        _post(alertmanager, [
+            {"labels": {**dead, "alertname": "TurnrouterJobDown", "severity": "none"}},
+            {"labels": {**dead, "alertname": "TurnrouterTargetDown", "severity": "critical",
+                        "instance": "router-1:9464"}},
+            {"labels": {**dead, **slow}}, {"labels": {**alive, **slow}},
+            {"labels": {**dead, "alertname": "TurnrouterInputBacklog",
+                        "severity": "critical"}}])
+
+        def settled() -> dict[tuple[str, str], dict[str, Any]] | None:
+            alerts = {(a["labels"]["alertname"], a["labels"]["job"]): a
+                      for a in alertmanager.alerts()}
+            held = alerts.get(("TurnrouterSlowFirstResponse", "turnrouter"))
+            if len(alerts) < 5 or held is None or held["status"]["state"] != "suppressed":
+                return None  # TurnrouterJobDown not processed yet
+            return alerts
+
+        alerts = eventually(settled, timeout=60, what="the dead job's warning held")
+        down = alerts[("TurnrouterJobDown", "turnrouter")]
+        assert alerts[("TurnrouterSlowFirstResponse", "turnrouter")]["status"][
+            "inhibitedBy"] == [down["fingerprint"]]
+        for key in (("TurnrouterSlowFirstResponse", "turnrouter-eu"),
+                    ("TurnrouterTargetDown", "turnrouter"),
+                    ("TurnrouterInputBacklog", "turnrouter"), ("TurnrouterJobDown", "turnrouter")):
+            status = alerts[key]["status"]
+            assert (status["state"], status["inhibitedBy"]) == ("active", []), (key, status)
+        assert [receiver["name"] for receiver in down["receivers"]] == ["silent"]
+    finally:
+        alertmanager.stop()

@@ -32,7 +32,7 @@ CLARIFY = "TurnrouterHighClarificationRate"
 TRAFFIC_ALERTS = (CLARIFY, "TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
                   "TurnrouterAcknowledgmentOveruse", "TurnrouterFailures",
                   "TurnrouterDecisionSlow", "TurnrouterOverloaded")
-AVAILABILITY = ("TurnrouterTargetDown", "TurnrouterAbsent")
+AVAILABILITY = ("TurnrouterTargetDown", "TurnrouterAbsent", "TurnrouterJobDown")
 
 Segments = list[tuple[float, float]]
 """(from minute, value): a counter's rate per second, or a gauge's level, from then on."""
@@ -168,7 +168,10 @@ def scenarios() -> list[Scenario]:
         [(death - 0.25, CLARIFY, [CRIT]),
          *[(death + minutes, CLARIFY, []) for minutes in (1.5, 2, 3, 4, 5, 6, 8, 12)],
          (death + 2.5, "TurnrouterTargetDown", [{"severity": "critical", "job": JOB,
-                                                 "instance": "a:9464"}])],
+                                                 "instance": "a:9464"}]),
+         # At once (no hold): Alertmanager holds the job's other alerts meanwhile.
+         (death - 0.25, "TurnrouterJobDown", []),
+         (death + 1.5, "TurnrouterJobDown", [{"severity": "none", "job": JOB}])],
     )
     normal = Scenario(
         "normal traffic raises nothing but the watchdog",

@@ -36,7 +36,7 @@ REQUIRED_ALERTS = {
     "TurnrouterHighClarificationRate", "TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
     "TurnrouterAcknowledgmentOveruse", "TurnrouterFailures", "TurnrouterDecisionSlow",
     "TurnrouterSaturated", "TurnrouterOverloaded",
-    "TurnrouterTargetDown", "TurnrouterAbsent", "TurnrouterWatchdog",
+    "TurnrouterTargetDown", "TurnrouterAbsent", "TurnrouterWatchdog", "TurnrouterJobDown",
 }
 #: Alerts of traffic (not availability or the watchdog): gated on counts and on `up`.
 TRAFFIC_ALERTS = [a for a in ALERTS if not a.raw]
@@ -85,7 +85,7 @@ def test_every_division_has_a_positive_denominator_guard(rule: Any) -> None:
 def test_alert_has_for_severity_and_annotations(alert: Any) -> None:
     """Each alert has a hold time, a severity, a summary, a description and a runbook link."""
     rendered = alert.as_dict()
-    if alert.alert == "TurnrouterWatchdog":
+    if alert.alert in ("TurnrouterWatchdog", "TurnrouterJobDown"):  # (at once)
         assert "for" not in rendered and rendered["labels"]["severity"] == "none"
     else:
         assert re.fullmatch(r"\d+m", rendered["for"])

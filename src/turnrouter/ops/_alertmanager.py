@@ -11,9 +11,11 @@ route, with a 1-minute `group_interval`: a slow route's ticket is not held behin
 route's, and a new one is notified within `group_wait` (30 s) of firing.
 
 Inhibition: a critical suppresses its own warning; `TurnrouterFailures` suppresses the
-latency warnings of its job; `TurnrouterTargetDown` suppresses every other alert of its
-job (a dead router's windows are meaningless) except the NATS fleet's: those are about
-the replicas still running (one dead worker is when `TurnrouterPartitionUnconsumed`
+latency warnings of its job; `TurnrouterTargetDown` suppresses the other alerts of its
+own instance (a dead router's windows are meaningless; not its job's, whose other
+replicas may still run) and `TurnrouterJobDown` (no router of the job up; it notifies
+nobody) those of its job, except the NATS fleet's in both cases: those are about the
+replicas still running (one dead worker is when `TurnrouterPartitionUnconsumed`
 matters), and all replicas of a fleet share one job.
 """
 
@@ -47,6 +49,8 @@ ALERTMANAGER_ENV: Mapping[str, str] = {
 PLACEHOLDER_URLS: Mapping[str, str] = {
     name: f"http://alert-{name}.invalid/turnrouter" for name in ALERTMANAGER_ENV}
 WATCHDOG = "TurnrouterWatchdog"
+#: Fires while no router of a job is up; notifies nobody, holds the job's other alerts.
+JOB_DOWN = "TurnrouterJobDown"
 _AVAILABILITY = ("TurnrouterTargetDown", "TurnrouterAbsent")
 _LATENCY_WARNINGS = ("TurnrouterSlowFirstResponse", "TurnrouterDecisionSlow",
                      "TurnrouterAcknowledgmentOveruse")
@@ -84,10 +88,10 @@ def alertmanager_config(urls: Mapping[str, str] | None = None,
     from the environment)."""
     chosen = receiver_urls(urls)
     labels = list(check_group_labels(group_labels))
-    assert WATCHDOG in {a.alert for a in ALERTS}
+    assert {WATCHDOG, JOB_DOWN} <= {a.alert for a in ALERTS}
     # The fleet's alerts outlive one dead replica: its job is the whole fleet's.
     fleet = tuple(alert["alert"] for alert in FLEET_ALERTS)
-    others = "|".join((*_AVAILABILITY, WATCHDOG, *fleet))
+    others = "|".join((*_AVAILABILITY, WATCHDOG, JOB_DOWN, *fleet))
     return {
         "route": {
             "receiver": "tickets",
@@ -98,6 +102,7 @@ def alertmanager_config(urls: Mapping[str, str] | None = None,
             "routes": [
                 {"receiver": "watchdog", "matchers": [f'alertname="{WATCHDOG}"'],
                  "group_wait": "0s", "group_interval": "1m", "repeat_interval": "5m"},
+                {"receiver": "silent", "matchers": [f'alertname="{JOB_DOWN}"']},
                 {"receiver": "pager", "matchers": ['severity="critical"'],
                  "group_wait": "10s", "repeat_interval": "1h"},
                 {"receiver": "tickets", "matchers": ['severity="warning"']},
@@ -118,11 +123,18 @@ def alertmanager_config(urls: Mapping[str, str] | None = None,
             {"source_matchers": ['alertname="TurnrouterTargetDown"'],
              "target_matchers": ['alertname=~"Turnrouter.+"', f'alertname!~"{others}"'],
              "equal": [*labels, "instance"]},
+            # No router of the job up: its job-wide alerts' windows outlive the routers,
+            # and a warning that `keep_firing_for` holds would open a ticket once the
+            # alert inhibiting it (TurnrouterFailures) cleared at the death (ops13 D1).
+            {"source_matchers": [f'alertname="{JOB_DOWN}"'],
+             "target_matchers": ['alertname=~"Turnrouter.+"', f'alertname!~"{others}"'],
+             "equal": list(labels)},
         ],
         "receivers": [
-            {"name": name, "webhook_configs": [
+            *({"name": name, "webhook_configs": [
                 {"url": chosen[name], "send_resolved": name != "watchdog"}]}
-            for name in ("pager", "tickets", "watchdog")
+              for name in ("pager", "tickets", "watchdog")),
+            {"name": "silent"},  # (TurnrouterJobDown: an inhibitor, no notification)
         ],
     }
 
@@ -137,8 +149,9 @@ HEADER = """\
 # open a ticket, TurnrouterWatchdog (always firing) reaches the dead man's switch; groups
 # are per alert, cluster, namespace, job and route. A critical inhibits its own warning;
 # TurnrouterFailures the latency warnings of its job; TurnrouterTargetDown the other
-# alerts of its own instance (not its job's: other replicas may still run) but the NATS
-# fleet's.
+# alerts of its own instance (not its job's: other replicas may still run) and
+# TurnrouterJobDown (no router of the job up; notifies nobody) those of its job, both but
+# the NATS fleet's.
 """
 
 
@@ -162,5 +175,5 @@ def render_alertmanager(urls: Mapping[str, str] | None = None,
 
     config = alertmanager_config(urls, group_labels)
     chosen = {receiver["name"]: receiver["webhook_configs"][0]["url"]
-              for receiver in config["receivers"]}
+              for receiver in config["receivers"] if "webhook_configs" in receiver}
     return HEADER + _placeholder_note(chosen) + dump(config)

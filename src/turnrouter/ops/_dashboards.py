@@ -287,10 +287,10 @@ def overview() -> dict[str, Any]:
         _stat("Turns / s", "Turns handled per second, all routes.",
               f"sum(rate({_sel('turnrouter_turns_total', JOB, ROUTE)}[{RATE}]))", unit="ops"),
         _stat("Clarification ratio (5m)", "Clarifications per turn over 5 minutes (the "
-              "ticket's ratio, TurnrouterHighClarificationRate warning).",
+              "ticket's ratio, TurnrouterHighClarificationRate warning, orange past it; "
+              "the page reads the share of participants instead).",
               clar_ratio, unit="percentunit",
-              thresholds=_thresholds(("green", None), ("orange", CLARIFICATION_WARNING),
-                                     ("red", CLARIFICATION_CRITICAL))),
+              thresholds=_thresholds(("green", None), ("orange", CLARIFICATION_WARNING))),
         _stat("Active participants", "Participants the router holds state for.",
               f"sum({_sel('turnrouter_active_participants', JOB)})", unit="short"),
         _stat("Turns in flight", "Turns being handled right now.",
