@@ -434,6 +434,22 @@ def test_selector_only_with_prometheus_and_validated(samples: Path) -> None:
     assert code == 2 and "--selector" in err
 
 
+@pytest.mark.parametrize("selector", ["}", "{", ",", "{}", " ", "", "{ , }"])
+def test_a_selector_without_a_matcher_is_refused(selector: str) -> None:
+    """A --selector given without a label matcher (`"$SEL"` with the variable unset, a
+    stray brace) is refused naming the flag: it used to mean no selector, widening the
+    analysis to every job of the Prometheus without a word (ops13 D4)."""
+    code, _, err = run(["--prometheus", "http://127.0.0.1:9", "--selector", selector])
+    assert code == 2 and "--selector" in err and err.count("\n") == 1
+
+
+def test_an_empty_delays_list_and_a_broken_url_name_their_flag(samples: Path) -> None:
+    code, _, err = run(["--samples", str(samples), "--delays", ""])
+    assert code == 2 and "--delays" in err
+    code, _, err = run(["--prometheus", "http://[::1"])
+    assert code == 2 and "--prometheus" in err and err.count("\n") == 1
+
+
 def _series(route: object, le: object, value: object) -> dict[str, Any]:
     return {"metric": {"route": route, "le": le}, "value": [0, value]}
 

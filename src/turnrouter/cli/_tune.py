@@ -498,13 +498,20 @@ def from_samples(paths: Sequence[str], routes: set[str] | None,
 
 
 def selector_matchers(selector: str | None) -> str:
-    """The label matchers of `--selector` without braces (ValueError if malformed)."""
-    if not selector or not selector.strip():
+    """The label matchers of `--selector` without braces (ValueError if malformed, or
+    given without a matcher: `--selector "$SEL"` with the variable unset, or `'}'`,
+    would widen the analysis to every job of the Prometheus without a word)."""
+    if selector is None:
         return ""
-    if len(selector) > 2000 or not _SELECTOR.fullmatch(selector):
+    matchers = ""
+    if len(selector) <= 2000 and _SELECTOR.fullmatch(selector):
+        matchers = selector.strip().removeprefix("{").removesuffix("}").strip().rstrip(
+            ",").strip()
+    if not matchers:
         raise ValueError(f"--selector must be Prometheus label matchers such as "
-                         f'job="voice",namespace=~"prod.*", got {printable(selector[:100])!r}')
-    return selector.strip().removeprefix("{").removesuffix("}").strip().rstrip(",").strip()
+                         f'job="voice",namespace=~"prod.*", got {printable(selector[:100])!r}'
+                         " (leave it out to read every job)")
+    return matchers
 
 
 def prometheus_query(window: str, matchers: str = "",
@@ -582,7 +589,10 @@ def parse_prometheus_answer(payload: object,
 
 
 def _check_url(url: str) -> None:
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # "Invalid IPv6 URL"
+        parts = urllib.parse.SplitResult("", "", "", "", "")
     if parts.scheme not in ("http", "https") or not parts.netloc or not url.isprintable():
         raise ValueError(f"--prometheus must be an http(s) URL, got "
                          f"{printable(redact_url(url)[:100])!r}")
@@ -968,7 +978,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _delays(text: str | None, generation: float) -> list[float]:
-    if not text:
+    if text is None:
         return [c.delay for c in candidates(generation)] or [0.5, 1.0]
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items or len(items) > 100:
