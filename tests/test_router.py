@@ -255,8 +255,9 @@ async def test_non_candidate_choice_counts_as_clarify() -> None:
 
 
 async def test_scores_only_for_non_candidates_are_not_usable() -> None:
-    """Scores naming no eligible candidate (or not finite) lead to clarification."""
-    decision = RouteDecision("clarify", scores={"ghost": 1.0, "weather": -math.inf})
+    """Scores naming no eligible candidate lead to clarification (a score that is not
+    finite is refused by RouteDecision itself: tests/test_contracts.py)."""
+    decision = RouteDecision("clarify", scores={"ghost": 1.0})
     h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions(decision))
     assert (await h.say()).disposition == "clarify"
 

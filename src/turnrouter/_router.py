@@ -399,18 +399,8 @@ class AgentRouter:
         then (else at `started()`, which still suppresses a pending acknowledgment).
         """
         turn = _checked_turn(turn, "route_turn()")
-        emit = output if output is not None else self._cfg.output
-        if emit is None:
-            raise LifecycleError(
-                "route_turn() needs an output callback: pass output=... to it or to "
-                "AgentRouter")
-        if not callable(emit):  # (tested inline first: the runtimes call this every turn)
-            check_callable("route_turn output", emit)
-        if ending is not None and not callable(ending):
-            check_callable("route_turn ending", ending)
-        if result_check is not None and not callable(result_check):
-            check_callable("route_turn result_check", result_check)
-        cfg, end = self._cfg, emit if ending is None else ending
+        cfg = self._cfg
+        emit, end = _turn_outputs(cfg, output, ending, result_check)
         if cfg.load.gate:
             await _shed(cfg, self._registry, turn, end)
         running = _new_turn(cfg, self._registry, turn, (emit, end), bool(report_heard))
@@ -612,6 +602,24 @@ def _checked_turn(turn: object, caller: str) -> AgentTurn:
     except AttributeError as exc:
         raise unset_field(turn, exc) from None
     return turn
+
+
+def _turn_outputs(cfg: RouterConfig, output: OutputCallback | None,
+                  ending: OutputCallback | None, result_check: ResultCheck | None,
+                  ) -> tuple[OutputCallback, OutputCallback]:
+    """`route_turn()`'s control-text and ending callbacks, checked (with its check)."""
+    emit = output if output is not None else cfg.output
+    if emit is None:
+        raise LifecycleError(
+            "route_turn() needs an output callback: pass output=... to it or to "
+            "AgentRouter")
+    if not callable(emit):  # (tested inline first: the runtimes call this every turn)
+        check_callable("route_turn output", emit)
+    if ending is not None and not callable(ending):
+        check_callable("route_turn ending", ending)
+    if result_check is not None and not callable(result_check):
+        check_callable("route_turn result_check", result_check)
+    return emit, emit if ending is None else ending
 
 
 async def _shed(cfg: RouterConfig, registry: Registry, turn: AgentTurn,

@@ -472,12 +472,8 @@ class Turn(TurnRun):
             return
         try:
             await say_through(self.end if ending else self.emit, self.turn, route, text)
-        except Exception:
-            # The failure text goes through `end`: not tried again on the callback that
-            # just failed, but still when only the control-text one did (`route_turn`'s
-            # `ending`: the runtimes publish the turn's final output there).
-            if ending or self.end is self.emit:
-                self.output_failed = True
+        except Exception:  # (the failure text is not tried again on `end` if it failed)
+            self.output_failed = ending or self.end is self.emit
             raise
 
     async def _release(self, route: str, reason: ReleaseReason) -> None:

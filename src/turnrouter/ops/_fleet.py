@@ -129,13 +129,16 @@ def fleet_dashboard() -> dict[str, Any]:
                                for q, name in ((0.99, "99"), (0.95, "95"), (0.5, "50")))),
                     unit="s", draw="dashed",
                     thresholds=_thresholds(("green", None), ("red", BACKLOG_SECONDS))),
-        _timeseries("Turns marked in flight",
+        _timeseries("Turns marked in flight, participants let go when idle",
                     "Turns still running after mark_after, recorded in flight before their "
-                    "message was acknowledged (the others need no mark).",
+                    "message was acknowledged (the others need no mark); participants let "
+                    "go after idle_after without an input (their record keeps their state).",
                     _targets((_rate("turnrouter_nats_inflight_marks_total", "instance"),
                               "marked {{instance}}"),
                              (_rate("turnrouter_turns_total", "instance"),
-                              "turns {{instance}}")),
+                              "turns {{instance}}"),
+                             (_rate("turnrouter_nats_idle_participants_total", "instance"),
+                              "let go idle {{instance}}")),
                     unit="ops"),
         _timeseries("Rejected inputs and fleet timing samples",
                     "Inputs refused before the router (by reason) and first-response "
