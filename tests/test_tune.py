@@ -604,6 +604,9 @@ def prometheus() -> Iterator[tuple[str, list[str], list[Any]]]:
             if query.startswith("max(turnrouter_acknowledgment_delay_seconds"):
                 reply = {"status": "success", "data": {"resultType": "vector", "result": [
                     {"metric": {}, "value": [0, "1"]}]}}
+            if query.startswith("min(turnrouter_acknowledgment_delay_seconds"):
+                reply = {"status": "success", "data": {"resultType": "vector", "result": [
+                    {"metric": {}, "value": [0, "0.5"]}]}}  # two deployments read together
             body = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -639,12 +642,15 @@ def test_reads_first_response_buckets_from_prometheus_with_a_selector(
                        'sum by (route, le) (increase('
                        'turnrouter_first_response_interrupted_seconds_bucket'
                        '{job="voice", env=~"prod.*"}[6h]))',
-                       'max(turnrouter_acknowledgment_delay_seconds{job="voice", env=~"prod.*"})']
+                       'max(turnrouter_acknowledgment_delay_seconds{job="voice", env=~"prod.*"})',
+                       'min(turnrouter_acknowledgment_delay_seconds{job="voice", env=~"prod.*"})']
     # The turns interrupted after 1 s without a response were still silent at 1 s: 100 of
     # route a's 150 (without them, 50 of 100).
     assert _row(out, "a", "1.00s")[2] == "150"
     assert _row(out, "a", "1.00s")[3] == "66.7%"
     assert _row(out, "a", "1.00s")[-1] == "current"  # the routers' configured delay
+    # The routers read do not agree (ops13 D4): said, not only the highest marked.
+    assert "note: the routers read report different fallback delays (0.5s to 1s" in out
     assert _row(out, "b", "0.50s")[3] == "0.0%"
     assert "recommended acknowledgment_delay_secs=" in out
     assert "APPROXIMATION" in out  # no turn order in a histogram

@@ -779,6 +779,15 @@ def configured_delay(url: str, timeout: float, matchers: str = "",
     return None
 
 
+def delay_disagreement(url: str, timeout: float, matchers: str = "",
+                       at: float | None = None) -> float | None:
+    """The lowest router-wide fallback delay the selected routers report (`min`; the
+    marked one is the `max`), None when none reports one: two deployments read
+    together (no `--selector`) report different delays, and the mark is only one's."""
+    return _gauge_value(url, f"min({DELAY_GAUGE}{{{matchers}}})" if matchers
+                        else f"min({DELAY_GAUGE})", timeout, at)
+
+
 def _gauge_value(url: str, expr: str, timeout: float, at: float | None) -> float | None:
     """The single value of `expr` when it is a delay in (0, 60] s, else None."""
     try:
@@ -1025,6 +1034,7 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         return exc.code if isinstance(exc.code, int) else 2
     routes = set(args.route) if args.route else None
     splits: dict[tuple[str, float], Split] | None = None
+    disagree = ""
     try:
         delays = _delays(args.delays, args.generation_secs)
         if not 1 <= args.replay_samples <= MAX_SAMPLES:
@@ -1058,6 +1068,12 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
                 args.current = configured_delay(
                     args.prometheus, args.timeout, selector_matchers(args.selector),
                     args.at, only)
+                lowest = delay_disagreement(args.prometheus, args.timeout,
+                                            selector_matchers(args.selector), args.at)
+                if lowest is not None and args.current is not None and lowest < args.current:
+                    disagree = (f"note: the routers read report different fallback delays "
+                                f"({lowest:g}s to {args.current:g}s; the highest is marked): "
+                                "narrow --selector to one deployment\n")
             source = (f"{printable(args.prometheus)} ({prometheus_query(args.window, matchers)}"
                       f", interrupted before a response: "
                       f"{prometheus_query(args.window, matchers, INTERRUPTED_METRIC)})")
@@ -1131,6 +1147,7 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
     if args.current is not None:
         whose = f" of route {printable(chosen[0])}" if len(chosen) == 1 else ""
         out.write(f"current delay{whose}: {args.current:g}s (marked)\n")
+    out.write(disagree)
     aggregate = None if len(chosen) == 1 else "(chosen)" if chosen else ALL_ROUTES
     print_table(rows, out, args.current, aggregate)
     if args.plot is not None:
