@@ -202,7 +202,8 @@ async def test_after_turning_busy_new_participants_wait_for_the_turn_rate_to_fal
             assert (await h.say("hi", pid)).text == "weather answer"
 
     async with anyio.create_task_group() as tg:
-        gate = await hold_turn(h, tg, "p0")
+        # A crowd's turns in flight (CROWD_IN_FLIGHT): the router turns busy from them.
+        gates = [await hold_turn(h, tg, f"p{i}") for i in range(8)]
         await everyone_speaks()
         await lag(clock, 0.2)
         assert status(h) == "busy"
@@ -220,6 +221,31 @@ async def test_after_turning_busy_new_participants_wait_for_the_turn_rate_to_fal
                 break
             await lag(clock, 0.0, samples=1)
         assert (await h.say("hi", "newcomer")).text == "weather answer"
+        for gate in gates:
+            gate.set()
+    await h.router.stop()
+
+
+async def test_a_pause_of_a_quiet_router_holds_no_newcomer_back() -> None:
+    """Busy from one collector pause (or one long CPU-bound turn) with few turns in
+    flight is no crowd: no turn-rate ceiling is noted, and newcomers are admitted as
+    soon as the router is calm again. Before, the ceiling was noted from the rate of
+    that moment (near 0 while one long turn ran) and refused every newcomer for
+    minutes (review13)."""
+    clock = ManualClock()
+    h = harness(clock)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        assert (await h.say("hi", "k0")).text == "weather answer"
+        for _ in range(300):  # three seconds without a new turn: the rate falls to ~0
+            await lag(clock, 0.0, samples=1)
+        await lag(clock, 0.2)
+        assert status(h) == "busy"
+        for _ in range(POLICY.calm_samples + 20):  # calm, a participant held talking
+            assert (await h.say("hi", "k0")).text == "weather answer"
+            await lag(clock, 0.0, samples=1)
+        assert status(h) == "ready" and not h.router.refusing
+        assert (await h.say("hi", "newcomer")).text == "weather answer"
         gate.set()
     await h.router.stop()
 
@@ -231,7 +257,7 @@ async def test_the_turn_rate_ceiling_rises_while_the_router_stays_calm() -> None
     clock = ManualClock()
     h = harness(clock)
     async with anyio.create_task_group() as tg:
-        gate = await hold_turn(h, tg, "p0")
+        gates = [await hold_turn(h, tg, f"p{i}") for i in range(8)]
         for i in range(20):
             await h.say("hi", f"k{i}")
         await lag(clock, 0.2)
@@ -244,7 +270,8 @@ async def test_the_turn_rate_ceiling_rises_while_the_router_stays_calm() -> None
             await lag(clock, 0.0, samples=1)
         assert samples > 100  # (not at once: first the ceiling held newcomers off)
         assert (await h.say("hi", "newcomer")).text == "weather answer"
-        gate.set()
+        for gate in gates:
+            gate.set()
     await h.router.stop()
 
 
