@@ -198,12 +198,14 @@ def test_state_max_age_is_a_bounded_duration_no_shorter_than_input_max_age(
                  st.text(max_size=5), st.none(), st.binary(max_size=5)))
 @example(10**400)
 @example(366 * 86400)
+@example(0.5)
+@example(1)
 def test_idle_after_is_a_bounded_duration(value: object) -> None:
     """`idle_after` (how long a participant without input stays in its replica's
-    memory) takes a number of seconds in (0, 366 days], from the worker's
+    memory) takes a number of seconds in [1, 366 days], from the worker's
     `--idle-after` too; anything else is a ConfigurationError naming the field."""
     if (isinstance(value, int | float) and not isinstance(value, bool)
-            and 0 < value <= 366 * 86400):
+            and 1 <= value <= 366 * 86400):
         assert NatsConfig(idle_after=value).idle_after == value
         return
     with pytest.raises(ConfigurationError, match="idle_after"):

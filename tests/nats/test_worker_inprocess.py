@@ -344,7 +344,7 @@ async def test_idle_participants_free_their_slot_and_keep_their_history(
     the one let go comes back with its history from its record. One whose turn runs
     past `idle_after` stays. Before, every new participant heard the failure text once
     the cap was held (redteam12 F4)."""
-    config = NatsConfig(url=nats_server.url, partitions=1, idle_after=0.5)
+    config = NatsConfig(url=nats_server.url, partitions=1, idle_after=1.0)
     held = _Held()
 
     def factory(ctx: WorkerContext) -> AgentRouter:

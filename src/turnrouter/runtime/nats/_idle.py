@@ -35,11 +35,14 @@ class IdleSweep:
     """Finds the participants idle past `idle_after` (`run`) and lets them go in their
     partition's loop (`let_go`)."""
 
-    def __init__(self, ledger: Ledger, idle_after: float,
+    def __init__(self, ledger: Ledger, idle_after: float, stale_after: float,
                  busy: Callable[[str], bool], export: Callable[[str], bytes | None],
                  save: Callable[[str], None], counted: Callable[[], None]) -> None:
         self._ledger = ledger
         self._idle_after = idle_after
+        #: Outbox entries this old are never published again (half `dedup_window`):
+        #: they do not keep a participant here (a write drops them).
+        self._stale_after = stale_after
         self._busy = busy  # a turn of theirs runs, or they are departing
         self._export = export  # the router's snapshot JSON of a participant
         self._save = save  # schedule a record write (`Inputs.changed`)
@@ -49,22 +52,30 @@ class IdleSweep:
         self.evicted = 0
 
     async def run(self) -> None:
-        """Sweep every quarter of `idle_after` (at most every `MAX_SWEEP_SECS`)."""
+        """Sweep every quarter of `idle_after` (at most every `MAX_SWEEP_SECS`), and
+        again a second later while a partition had more than `MAX_PER_PASS` to let go."""
         every = min(self._idle_after / 4, MAX_SWEEP_SECS)
+        more = False
         while True:
-            await asyncio.sleep(every)
-            self.sweep()
+            await asyncio.sleep(1.0 if more else every)
+            more = self.sweep()
 
-    def sweep(self) -> None:
-        """Note each partition's participants idle past `idle_after` (bounded)."""
+    def sweep(self) -> bool:
+        """Note each partition's participants idle past `idle_after` (at most
+        `MAX_PER_PASS` each); whether some partition had more."""
         before = time.monotonic() - self._idle_after
+        stale = time.time() - self._stale_after
         due: dict[int, list[str]] = {}
+        more = False
         for pid, state in self._ledger.people.items():
-            if state.active < before and _clean(state):
+            if state.active < before and _clean(state, stale):
                 found = due.setdefault(state.partition, [])
                 if len(found) < MAX_PER_PASS:
                     found.append(pid)
+                else:
+                    more = True
         self.due = due
+        return more
 
     async def let_go(self, n: int) -> None:
         """In partition `n`'s loop: let its idle participants go, each checked again
@@ -75,13 +86,17 @@ class IdleSweep:
             return
         ledger = self._ledger
         before = time.monotonic() - self._idle_after
+        stale = time.time() - self._stale_after
         for pid in pids:
             state = ledger.people.get(pid)
             if (state is None or state.partition != n or state.active >= before
-                    or not _clean(state) or self._busy(pid) or pid in ledger.unsure):
+                    or not _clean(state, stale) or self._busy(pid) or pid in ledger.unsure):
                 continue
-            if self._export(pid) != state.snapshot:
-                self._save(pid)  # (a change no save has written yet)
+            if state.outbox or self._export(pid) != state.snapshot:
+                # A change no save has written yet, or endings too old to say again
+                # (an output refused for longer): written first (the write drops
+                # those), let go at a later sweep.
+                self._save(pid)
                 continue
             await ledger.drop(pid)
             self.evicted += 1
@@ -91,7 +106,9 @@ class IdleSweep:
                             "records keep their state)", self.evicted, self._idle_after)
 
 
-def _clean(state: Participant) -> bool:
-    """Nothing of the participant's waits to be written or said here."""
-    return not (state.inflight or state.outbox or state.saving or state.fenced
-                or state.lock.locked())
+def _clean(state: Participant, stale: float) -> bool:
+    """Nothing of the participant's waits to be written or said here (outbox entries
+    stamped before `stale` are never said again)."""
+    if state.inflight or state.saving or state.fenced or state.lock.locked():
+        return False
+    return all(ending[3] < stale for ending in state.outbox)

@@ -644,66 +644,86 @@ def _forget(outbox: list[Ending], ending: Ending) -> None:
         pass
 
 
-async def republish(inputs: Inputs, *, reconnected: bool = True,
-                    before: float | None = None) -> int:
+async def republish(inputs: Inputs, *, reconnected: bool = True) -> int:
     """After a reconnect (or a stream back from 503, `reconnected` False): publish
     again the endings written records hold that the stream did not acknowledge (the
-    stream drops what it already holds); how many. `before`: only endings made before
-    that time (`resend`)."""
+    stream drops what it already holds); how many."""
     if reconnected:  # the replies of before never come
         inputs._link.forget_unconfirmed()
         inputs._link.fail_waiting()
-    now = time.time()
-    horizon = now - inputs._config.dedup_window / 2
-    due = now if before is None else before
     count = 0
+    for pid, state, ending in _unacknowledged(inputs):
+        await inputs.publish_ending(pid, state, ending)
+        count += 1
+    return count
+
+
+def _unacknowledged(inputs: Inputs) -> list[tuple[str, Participant, Ending]]:
+    """The endings written records hold that the stream did not acknowledge, younger
+    than half the deduplication window (older ones could be heard twice): of the
+    participants served here, and of those served elsewhere now (`Ledger.unheard`,
+    dropped once nothing of theirs is left to say)."""
+    horizon = time.time() - inputs._config.dedup_window / 2
     ledger = inputs._ledger
+    found = []
     for pid, state in list(ledger.people.items()):
         if not state.outbox or state.fenced:
             continue
-        for ending in list(state.outbox):
-            if horizon <= ending[3] <= due and ending[0] in state.recorded:
-                await inputs.publish_ending(pid, state, ending)
-                count += 1
+        found += [(pid, state, ending) for ending in state.outbox
+                  if ending[3] >= horizon and ending[0] in state.recorded]
     for pid, state in list(ledger.unheard.items()):  # participants served elsewhere
         fresh = [ending for ending in state.outbox if ending[3] >= horizon]
         if not fresh or pid in ledger.people:  # (a claim here published them)
             if ledger.unheard.get(pid) is state:
                 del ledger.unheard[pid]
             continue
-        for ending in fresh:
-            if ending[3] <= due:
-                await inputs.publish_ending(pid, state, ending)
-                count += 1
-    return count
+        found += [(pid, state, ending) for ending in fresh]
+    return found
 
 
-#: Seconds an ending may wait for the output stream's acknowledgment before `resend`
-#: publishes it again (also how often it looks).
+#: Seconds between two looks of `resend` at the endings not acknowledged.
 RESEND_AFTER = 5.0
+#: Seconds between two log lines of `resend` (the count goes on).
+_RESEND_LOG_SECS = 60.0
 
 
 async def resend(inputs: Inputs, every: float = RESEND_AFTER) -> None:
-    """Publish again, every `every` seconds, the endings the output stream has not
-    acknowledged for that long. The server drops a publish it refuses for the user's
-    permissions (a reload that took the output subject away for a while) or that it
-    could not store, and sends no acknowledgment: without this, such an answer stayed
-    in its outbox unheard until a reconnect, and the participant's next turns ran with
-    it in their history. The stream drops the copies of what it already holds (their
-    ids); the callbacks of the copies never acknowledged are dropped a round later."""
+    """Publish again the endings the output stream has not acknowledged for a while.
+    The server drops a publish it refuses for the user's permissions (a reload that
+    took the output subject away for a while) or could not store, with no reply:
+    without this, such an answer stayed in its outbox unheard until a reconnect, and
+    the participant's next turns ran with it in their history.
+
+    Every `every` seconds it looks: an ending found unacknowledged at two looks in a
+    row (5-10 s) is published again, and again at the 4th, 8th... look (a stream that
+    is only slow gets few copies; the stream drops copies of what it holds, by id).
+    The callbacks of copies never acknowledged are dropped two looks later (bounded)."""
     link = inputs._link
-    mark = link.mark()
-    resent = 0
+    marks = [link.mark()]
+    waiting: dict[tuple[str, str], int] = {}  # (participant, turn) -> looks unacknowledged
+    resent, logged = 0, -_RESEND_LOG_SECS
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(every)
-        link.forget_before(mark)
-        mark = link.mark()
-        count = await republish(inputs, reconnected=False, before=time.time() - every)
+        if len(marks) == 2:
+            link.forget_before(marks.pop(0))
+        marks.append(link.mark())
+        seen: dict[tuple[str, str], int] = {}
+        count = 0
+        for pid, state, ending in _unacknowledged(inputs):
+            key = (pid, ending[0])
+            looks = seen[key] = waiting.get(key, 0) + 1
+            if looks >= 2 and looks & (looks - 1) == 0:  # 2, 4, 8...
+                await inputs.publish_ending(pid, state, ending)
+                count += 1
+        waiting = seen  # (only what is still unacknowledged: bounded by the outboxes)
         if count:
             resent += count
-            if is_logged(resent):
+            if loop.time() - logged >= _RESEND_LOG_SECS:
+                logged = loop.time()
                 logger.warning("turnrouter: published again %d outputs the output stream "
-                               "had not acknowledged after %g s (%d so far)",
+                               "had not acknowledged for %g s or more (%d so far; a "
+                               "publish refused for the permissions, or a slow stream)",
                                count, every, resent)
 
 

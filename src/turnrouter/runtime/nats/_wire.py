@@ -323,6 +323,10 @@ class NatsConfig:
                 raise ConfigurationError(
                     f"NatsConfig.{name} must be a finite number of seconds in (0, 1 year], "
                     f"got {preview(value)}")
+        if self.idle_after < 1.0:
+            raise ConfigurationError(
+                f"NatsConfig.idle_after must be at least 1 s (the sweep runs every quarter "
+                f"of it), got {self.idle_after:g}")
         if self.state_max_age < self.input_max_age:
             raise ConfigurationError(
                 f"NatsConfig.state_max_age ({self.state_max_age:g} s) must be at least "

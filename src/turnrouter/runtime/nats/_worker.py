@@ -231,7 +231,7 @@ class NatsWorker:
             helpers.append(asyncio.create_task(watch_mirror(nc, config, bucket),
                                                name="mirror"))
             helpers.append(asyncio.create_task(resend(inputs), name="resend"))
-            self._idle = IdleSweep(self._ledger, config.idle_after,
+            self._idle = IdleSweep(self._ledger, config.idle_after, config.dedup_window / 2,
                                    functools.partial(engaged, inputs),
                                    router.export_participant_json, inputs.changed,
                                    self._metrics.idle.inc if self._metrics else lambda: None)
