@@ -255,9 +255,9 @@ async def test_non_candidate_choice_counts_as_clarify() -> None:
 
 
 async def test_scores_only_for_non_candidates_are_not_usable() -> None:
-    """Scores naming no eligible candidate lead to clarification (a score that is not
-    finite is refused by RouteDecision itself: tests/test_contracts.py)."""
-    decision = RouteDecision("clarify", scores={"ghost": 1.0})
+    """Scores naming no eligible candidate, or -inf (a log probability of 0), lead to
+    clarification (+inf and NaN are refused by RouteDecision itself)."""
+    decision = RouteDecision("clarify", scores={"ghost": 1.0, "weather": -math.inf})
     h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions(decision))
     assert (await h.say()).disposition == "clarify"
 

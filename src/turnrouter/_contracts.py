@@ -399,7 +399,7 @@ class RouteDecision:
     confidence: float | None = None
     """The service's confidence in `choice`, in [0, 1] (None: not given)."""
     scores: Mapping[str, float] = field(default_factory=lambda: _EMPTY_SCORES)
-    """Route -> finite score, higher is better (kept read-only)."""
+    """Route -> score, higher is better (kept read-only); `-inf` is never chosen."""
     rationale: str = ""
     """Where the choice came from (`lexical: ...`, `classifier: ...`, `policy: ...`)."""
 
@@ -435,10 +435,12 @@ class RouteDecision:
                     raise ContractValueError(
                         f"RouteDecision.scores[{preview(key)}] is too large for a float"
                     ) from None
-                if not math.isfinite(number):
-                    # (an infinite score was taken, then ignored when picking the best)
+                if number != number or number == math.inf:
+                    # (+inf was taken, then ignored when picking the best; -inf, a log
+                    # probability of 0, means "never this route" and is kept)
                     raise ContractValueError(
-                        f"RouteDecision.scores[{preview(key)}] must be finite, got {number}")
+                        f"RouteDecision.scores[{preview(key)}] must be a number below "
+                        f"infinity, got {number}")
                 frozen[key] = number
             object.__setattr__(self, "scores", MappingProxyType(frozen))
         rationale = self.rationale

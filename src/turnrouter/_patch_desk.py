@@ -229,7 +229,9 @@ class PatchDesk:
         state = self._registry.get(pid)
         if state is None:
             return None, ("the router holds no state for this participant (it never had "
-                          "a turn, or it left)")
+                          "a turn here, it left, or, on a NATS fleet, it is served by "
+                          "another replica or was let go when idle: apply the patch "
+                          "where it is served, e.g. at its next turn)")
         return state, ""
 
     def _take(self, patch_id: str, verb: str) -> tuple[Participant, PendingContextPatch]:

@@ -101,8 +101,8 @@ def test_a_job_with_no_router_up_holds_its_job_wide_alerts(where: dict[str, str]
     """The job's last router died while TurnrouterFailures inhibited its slow-route
     warning: Failures clears at the death, but the warning, kept firing by
     keep_firing_for, would have opened a ticket before TargetDown paged (ops13 D1).
-    TurnrouterJobDown holds the dead job's job-wide alerts (not another job's, not its
-    TargetDown, not the fleet's) and notifies nobody itself."""
+    TurnrouterJobDown holds the dead job's warnings (not its pages, not another job's,
+    not the fleet's) and notifies nobody itself."""
     alertmanager = Alertmanager(find_binary("prometheus-alertmanager"), tmp_path,
                                 CONFIG.read_text())
     try:
@@ -116,13 +116,14 @@ def test_a_job_with_no_router_up_holds_its_job_wide_alerts(where: dict[str, str]
                         "instance": "router-1:9464"}},
             {"labels": {**dead, **slow}}, {"labels": {**alive, **slow}},
             {"labels": {**dead, "alertname": "TurnrouterInputBacklog",
-                        "severity": "critical"}}])
+                        "severity": "critical"}},
+            {"labels": {**dead, "alertname": "TurnrouterDeadAir", "severity": "critical"}}])
 
         def settled() -> dict[tuple[str, str], dict[str, Any]] | None:
             alerts = {(a["labels"]["alertname"], a["labels"]["job"]): a
                       for a in alertmanager.alerts()}
             held = alerts.get(("TurnrouterSlowFirstResponse", "turnrouter"))
-            if len(alerts) < 5 or held is None or held["status"]["state"] != "suppressed":
+            if len(alerts) < 6 or held is None or held["status"]["state"] != "suppressed":
                 return None  # TurnrouterJobDown not processed yet
             return alerts
 
@@ -132,7 +133,8 @@ def test_a_job_with_no_router_up_holds_its_job_wide_alerts(where: dict[str, str]
             "inhibitedBy"] == [down["fingerprint"]]
         for key in (("TurnrouterSlowFirstResponse", "turnrouter-eu"),
                     ("TurnrouterTargetDown", "turnrouter"),
-                    ("TurnrouterInputBacklog", "turnrouter"), ("TurnrouterJobDown", "turnrouter")):
+                    ("TurnrouterInputBacklog", "turnrouter"), ("TurnrouterJobDown", "turnrouter"),
+                    ("TurnrouterDeadAir", "turnrouter")):  # (a page: never muted by it)
             status = alerts[key]["status"]
             assert (status["state"], status["inhibitedBy"]) == ("active", []), (key, status)
         assert [receiver["name"] for receiver in down["receivers"]] == ["silent"]

@@ -42,6 +42,9 @@ class _Parser(argparse.ArgumentParser):
 #: How long past `--drain-timeout` a graceful stop may take (its last record writes and
 #: hand-overs, the connection's drain) before the worker exits anyway.
 STOP_GRACE_SECS = 10.0
+#: A second signal this soon after the first is the same stop (`uv run` forwards the
+#: terminal's SIGINT that the worker received too): only a later one forces the exit.
+SAME_STOP_SECS = 1.0
 
 
 def _force_exit(text: str) -> NoReturn:
@@ -49,6 +52,9 @@ def _force_exit(text: str) -> NoReturn:
     write out, a destination that ignores its cancellation) must not outlive the
     deployment's grace period, which ends with a kill -9 anyway. What the worker held
     goes to the next owner after `ack_wait`, as after a crash."""
+    # Said on a best-effort basis: a reader that stopped reading (a full pipe) must not
+    # hold the exit, so a timer thread exits anyway.
+    threading.Timer(2.0, os._exit, (1,)).start()
     _say(text)
     with contextlib.suppress(Exception):
         sys.stderr.flush()
@@ -279,10 +285,13 @@ def _worker_main(argv: Sequence[str]) -> int:
         early = asyncio.Event()
 
         said = False
+        first_at = 0.0
 
         def stop(sig: signal.Signals | None = None) -> None:
-            nonlocal stopped_early, said
+            nonlocal stopped_early, said, first_at
             if worker.ready.is_set() and said and sig is not None:
+                if loop.time() - first_at < SAME_STOP_SECS:
+                    return  # the same stop, delivered twice
                 _force_exit(f"worker {worker.replica} stopping again ({sig.name}): "
                             "exiting now, without finishing the graceful stop")
             if worker.ready.is_set():
@@ -291,7 +300,7 @@ def _worker_main(argv: Sequence[str]) -> int:
                 # a crash in the log.
                 worker.request_stop()  # first: saying so may fail (a reader gone)
                 if not said:
-                    said = True
+                    said, first_at = True, loop.time()
                     readiness = worker.readiness
                     why = "" if readiness.serving else f": {readiness.why_not}"
                     _say(f"worker {worker.replica} stopping "

@@ -14,7 +14,7 @@ Inhibition: a critical suppresses its own warning; `TurnrouterFailures` suppress
 latency warnings of its job; `TurnrouterTargetDown` suppresses the other alerts of its
 own instance (a dead router's windows are meaningless; not its job's, whose other
 replicas may still run) and `TurnrouterJobDown` (no router of the job up; it notifies
-nobody) those of its job, except the NATS fleet's in both cases: those are about the
+nobody) the warnings of its job, except the NATS fleet's in both cases: those are about the
 replicas still running (one dead worker is when `TurnrouterPartitionUnconsumed`
 matters), and all replicas of a fleet share one job.
 """
@@ -126,8 +126,10 @@ def alertmanager_config(urls: Mapping[str, str] | None = None,
             # No router of the job up: its job-wide alerts' windows outlive the routers,
             # and a warning that `keep_firing_for` holds would open a ticket once the
             # alert inhibiting it (TurnrouterFailures) cleared at the death (ops13 D1).
+            # Warnings only: one failed scrape of a one-replica job must not mute its
+            # pages (they clear by themselves once no target is up).
             {"source_matchers": [f'alertname="{JOB_DOWN}"'],
-             "target_matchers": ['alertname=~"Turnrouter.+"', f'alertname!~"{others}"'],
+             "target_matchers": ['severity="warning"', f'alertname!~"{others}"'],
              "equal": list(labels)},
         ],
         "receivers": [
@@ -150,8 +152,8 @@ HEADER = """\
 # are per alert, cluster, namespace, job and route. A critical inhibits its own warning;
 # TurnrouterFailures the latency warnings of its job; TurnrouterTargetDown the other
 # alerts of its own instance (not its job's: other replicas may still run) and
-# TurnrouterJobDown (no router of the job up; notifies nobody) those of its job, both but
-# the NATS fleet's.
+# TurnrouterJobDown (no router of the job up; notifies nobody) the warnings of its job,
+# both but the NATS fleet's.
 """
 
 

@@ -630,10 +630,22 @@ def engaged(inputs: Inputs, pid: str) -> bool:
     return bool(inputs.turns_of.of(pid)) or pid in inputs._departing
 
 
+_unsaved = [0]  # changes outside turns whose save failed, in this process
+
+
 async def _save(ledger: Ledger, pid: str, state: Participant) -> None:
-    """`Inputs.changed`'s save of a participant's record."""
+    """`Inputs.changed`'s save of a participant's record. One that fails (the server
+    unreachable, or another replica took the participant meanwhile) loses the change
+    when the participant is claimed from its record elsewhere: said, since whoever
+    applied it (`apply_context_patch`) was told it applied (chaos13 D1)."""
     state.saving = False  # a change after this point schedules another save
-    await ledger.write(pid, state)
+    if not await ledger.write(pid, state):
+        _unsaved[0] += 1
+        if is_logged(_unsaved[0]):
+            logger.warning("turnrouter: a change made outside a turn (a context patch) "
+                           "could not be saved (%d so far): the participant starts again "
+                           "from their record, without it, wherever they are served next",
+                           _unsaved[0])
 
 
 def _forget(outbox: list[Ending], ending: Ending) -> None:
