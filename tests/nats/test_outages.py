@@ -23,19 +23,20 @@ from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, generate_latest
 
 import nats
-from turnrouter import LifecycleError
+from turnrouter import AgentRouter, ContextPatch, LifecycleError
 from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import (
     NatsConfig,
     NatsFrontEnd,
     NatsWorker,
     Readiness,
+    WorkerContext,
     encode_token,
 )
 
 from .app import make_router
 from .conftest import ROOT, NatsServer, Worker, metric_value, nats_server_binary, until_true
-from .crowd import FAILURE, Heard, ask, listening
+from .crowd import FAILURE, Heard, ask, listening, serving
 from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
@@ -858,3 +859,39 @@ async def test_a_bucket_that_stops_storing_drops_readiness_until_a_write_lands(
     finally:
         await admin.close()
         worker.close()
+
+
+async def test_a_change_outside_turns_that_cannot_be_saved_is_said(
+        nats_server: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A context patch applied while its record cannot be written (here the bucket's
+    byte limit refusing every write; in chaos13 a server outage, after which another
+    replica claimed the participant from the record without it): `apply_context_patch`
+    has returned, so the worker says the change was not saved. Before, nothing did."""
+    routers: list[AgentRouter] = []
+
+    def factory(ctx: WorkerContext) -> AgentRouter:
+        routers.append(make_router(ctx))
+        return routers[-1]
+
+    admin = await nats.connect(nats_server.url)
+    stream = f"KV_{CONFIG.bucket}"
+    try:
+        config = NatsConfig(url=nats_server.url)
+        async with serving(config, "saving", factory), \
+                listening(config) as (front, heard):
+            assert await ask(front, heard, "ann", "hello") == "hello|-|N"
+            info = json.loads((await admin.request(
+                f"$JS.API.STREAM.INFO.{stream}", b"", timeout=5)).data)
+            full = {**info["config"], "max_bytes": 1, "discard": "new"}
+            await admin.request(f"$JS.API.STREAM.UPDATE.{stream}",
+                                json.dumps(full).encode(), timeout=5)
+            with caplog.at_level(logging.WARNING, logger="turnrouter"):
+                await routers[0].apply_context_patch(
+                    "ann", ContextPatch(task_id="job-1", digest=("found it",)))
+                await until_true(lambda: any(
+                    "could not be saved" in r.getMessage() for r in caplog.records),
+                    "the unsaved change said")
+            await admin.request(f"$JS.API.STREAM.UPDATE.{stream}",
+                                json.dumps(info["config"]).encode(), timeout=5)
+    finally:
+        await admin.close()
