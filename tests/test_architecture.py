@@ -217,6 +217,9 @@ PRIVATE_USERS = {
     # Wire parsers and the mirror's repair decisions, fed replies a live server only
     # gives under faults the suite cannot time (hypothesis over junk acks, API errors).
     "nats/test_wire.py", "nats/test_mirror_replies.py",
+    # Idle let-go's choices and resend's backoff, whose outward effects need minutes of
+    # a real fleet under faults (tests/nats/test_worker_inprocess.py runs the path).
+    "nats/test_idle.py",
     # The turn path's shortcuts (a delivered query's turn built unchecked, the trace
     # carrier, the pull pruning, a feature class's plain learning), each checked equal to
     # the code it replaced over arbitrary inputs; their only outward effect is CPU.

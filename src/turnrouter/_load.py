@@ -46,20 +46,6 @@ IDLE_SAMPLES = 50
 #: Bounds of the new participants admitted per sample period (`OverloadPolicy`).
 MIN_NEW_PER_SAMPLE = 8
 MAX_NEW_PER_SAMPLE = 65536
-#: The turn rate is averaged over about this many seconds.
-RATE_SECS = 1.0
-#: When the router turns busy, new participants are admitted afterwards only while the
-#: turn rate stays under this share of the rate it ran at then (the ceiling)...
-CEILING_SHARE = 0.9
-#: ...and the ceiling rises by this share a second while the router is calm and runs
-#: near it (finding the capacity again: another process' load gone, cheaper turns).
-CEILING_GROWTH = 0.1
-#: A ceiling is noted, and holds newcomers back, only with at least this many turns in
-#: flight: the router turned busy from running turns (a crowd), not from one collector
-#: pause or one long CPU-bound turn, after which it refused every newcomer for minutes.
-CROWD_IN_FLIGHT = 8
-#: The lowest ceiling (turns a second).
-MIN_CEILING = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,16 +71,6 @@ class OverloadPolicy:
             time, the rest refused as when busy. Doubled after each calm sample that
             used it all (up to 65,536), halved (down to 8) each time the router turns
             busy.
-
-    Each admitted participant brings turns for a whole conversation, so a crowd
-    arriving over seconds, admitted while the lag was still low, brings more turns a
-    turn period later than the loop can run. So when the router turns busy it notes the
-    rate at which turns were starting: from then on new participants are admitted only
-    while the rate stays under 90% of it (`CEILING_SHARE`), a ceiling that rises by 10%
-    a second (`CEILING_GROWTH`) while the router is calm and runs near it, and is
-    forgotten once no turn runs. Only with a crowd: it is noted, and holds newcomers
-    back, only while at least 8 turns are in flight (`CROWD_IN_FLIGHT`), never after a
-    pause or one slow turn of a quiet router.
     """
 
     busy_lag_secs: float = 0.1
@@ -173,9 +149,8 @@ class LoadMonitor:
     attribute read (`busy`) and two counter updates.
     """
 
-    __slots__ = ("_calm", "_clock", "_idle", "_new", "_observer", "budget", "busy", "capped",
-                 "ceiling", "closed", "gate", "headroom", "in_flight", "lag", "policy",
-                 "rate", "shedding", "started", "task", "wait_max")
+    __slots__ = ("_calm", "_clock", "_idle", "_new", "_observer", "budget", "busy", "gate",
+                 "in_flight", "lag", "policy", "shedding", "task", "wait_max")
 
     def __init__(self, policy: OverloadPolicy | None, observer: RouterObserver,
                  clock: Clock) -> None:
@@ -184,21 +159,9 @@ class LoadMonitor:
         self._observer = observer
         self.busy = False
         self.shedding = False
-        #: Whether a turn is checked for refusal: busy, closed or capped.
+        #: Whether a turn is checked for refusal: busy, or this sample period's new
+        #: participants admitted up to `budget` (`OverloadPolicy.new_per_sample`).
         self.gate = False
-        #: This sample period's new participants admitted up to `budget`
-        #: (`OverloadPolicy.new_per_sample`).
-        self.closed = False
-        #: Turns started so far (`Turn.execute`), their rate a second (averaged over
-        #: `RATE_SECS`), the rate past which new participants wait (None: none noted),
-        #: the newcomers the room under it admits now (one each, as if each brought a
-        #: turn a second: a crowd at the door takes what frees up a little at a time,
-        #: not all of it in one sample), and whether none may come in.
-        self.started = 0
-        self.rate = 0.0
-        self.ceiling: float | None = None
-        self.headroom = 0.0
-        self.capped = False
         self.budget = MAX_NEW_PER_SAMPLE if policy is None else policy.new_per_sample
         self._new = 0
         self.in_flight = 0
@@ -232,8 +195,7 @@ class LoadMonitor:
         the participant's state."""
         if self.shedding:
             return "shedding"
-        if not known and (self.busy or self.closed
-                          or (self.capped and self.in_flight >= CROWD_IN_FLIGHT)):
+        if self.gate and not known:
             return "new_participant"
         return None
 
@@ -243,11 +205,7 @@ class LoadMonitor:
         other), the gate closes to new participants until the next sample."""
         self._new += 1
         if self._new >= self.budget and self.in_flight + 1 >= self.budget:  # (its own too)
-            self.closed = self.gate = True
-        if self.ceiling is not None:
-            self.headroom -= 1.0
-            if self.headroom < 1.0:
-                self.capped = self.gate = True
+            self.gate = True
 
     async def refuse(self, turn: AgentTurn,
                      emit: Callable[[AgentTurn, str, str], Awaitable[None]],
@@ -314,11 +272,9 @@ class LoadMonitor:
     def _ended(self, task: asyncio.Task[None]) -> None:
         if self.task is task:
             self.task = None
-            self.busy = self.shedding = self.gate = self.closed = self.capped = False
+            self.busy = self.shedding = self.gate = False
             self._new = 0
-            self.lag = self.wait_max = self.rate = 0.0
-            self.ceiling = None
-            self.headroom = 0.0
+            self.lag = self.wait_max = 0.0
             self._calmed()
 
     async def _sample(self, policy: OverloadPolicy) -> None:
@@ -328,20 +284,12 @@ class LoadMonitor:
         observer = self._observer
         task = asyncio.current_task()
         assert task is not None
-        since, seen = now(), self.started
         try:
             while True:
                 deadline = now() + period
                 await sleep_until(deadline)
-                at = now()
-                lag = at - deadline
+                lag = now() - deadline
                 lag = lag if lag > 0.0 else 0.0
-                span = at - since
-                if span > 0.0:
-                    weight = span / RATE_SECS
-                    self.rate += ((self.started - seen) / span - self.rate) * (
-                        weight if weight < 1.0 else 1.0)
-                    since, seen = at, self.started
                 # On when two samples in a row reach the threshold (one collector pause
                 # is not saturation), off below half of it.
                 sustained = lag if lag < self.lag else self.lag
@@ -352,9 +300,6 @@ class LoadMonitor:
                     calm = 0
                     if self.busy:  # what it admitted was too much: admit fewer at a time
                         self.budget = max(MIN_NEW_PER_SAMPLE, self.budget // 2)
-                        if self.in_flight >= CROWD_IN_FLIGHT:  # (and fewer in all)
-                            self.ceiling = max(self.rate * CEILING_SHARE, MIN_CEILING)
-                            self.headroom = 0.0
                     elif new >= self.budget and lag < busy_on / 2:
                         self.budget = min(2 * self.budget, MAX_NEW_PER_SAMPLE)
                 elif lag < busy_on / 2:
@@ -366,16 +311,7 @@ class LoadMonitor:
                     calm = 0
                 self.shedding = (lag >= shed_on / 2) if self.shedding else (
                     sustained >= shed_on)
-                ceiling = self.ceiling
-                if ceiling is not None:
-                    if not self.busy and self.rate >= 0.8 * ceiling:
-                        ceiling = self.ceiling = ceiling * (1.0 + CEILING_GROWTH * span)
-                    room = (ceiling - self.rate) * span  # (at most 0.1 s of the ceiling)
-                    self.headroom = min(self.headroom + (room if room > 0.0 else 0.0),
-                                        max(ceiling * 0.1, 2.0))
-                    self.capped = self.headroom < 1.0
-                self.closed = False
-                self.gate = self.busy or self.capped
+                self.gate = self.busy
                 wait, self.wait_max = self.wait_max, 0.0
                 if observer.enabled:
                     observer.load_sampled(LoadSampled(

@@ -139,7 +139,6 @@ class Turn(TurnRun):
         if load.task is None:
             load.ensure_sampling()
         load.in_flight += 1
-        load.started += 1
         if queue.running is None and not queue.waiting:
             queue.running = run  # the participant's only turn: no wait, nothing measured
         else:
