@@ -824,6 +824,21 @@ async def test_a_server_back_taking_less_per_message_ends_the_worker(tmp_path: P
         server.close()
 
 
+#: The state bucket's stream.
+STATE_STREAM = f"KV_{CONFIG.bucket}"
+
+
+async def bucket_refusing_writes(admin: Any) -> dict[str, Any]:
+    """Make the state bucket refuse every write (a byte limit of 1, new ones
+    discarded); its stream info from before, to put it back."""
+    info: dict[str, Any] = json.loads((await admin.request(
+        f"$JS.API.STREAM.INFO.{STATE_STREAM}", b"", timeout=5)).data)
+    full = {**info["config"], "max_bytes": 1, "discard": "new"}
+    await admin.request(f"$JS.API.STREAM.UPDATE.{STATE_STREAM}", json.dumps(full).encode(),
+                        timeout=5)
+    return info
+
+
 async def test_a_bucket_that_stops_storing_drops_readiness_until_a_write_lands(
         nats_server: NatsServer, tmp_path: Path) -> None:
     """Every state write refused for 10 s (here the bucket's byte limit; in chaos12 a
@@ -834,16 +849,11 @@ async def test_a_bucket_that_stops_storing_drops_readiness_until_a_write_lands(
     ready = tmp_path / "worker.ready"
     worker = Worker(nats_server.url, "storing", "--ready-file", str(ready))
     admin = await nats.connect(nats_server.url)
-    stream = f"KV_{CONFIG.bucket}"
     try:
         await file_state(ready, True)
         async with listening(nats_server.url) as (front, heard):
             assert await ask(front, heard, "ann", "hello") == "hello|-|N"
-            info = json.loads((await admin.request(
-                f"$JS.API.STREAM.INFO.{stream}", b"", timeout=5)).data)
-            full = {**info["config"], "max_bytes": 1, "discard": "new"}
-            await admin.request(f"$JS.API.STREAM.UPDATE.{stream}",
-                                json.dumps(full).encode(), timeout=5)
+            info = await bucket_refusing_writes(admin)
             for asking in range(300):  # a new participant every 0.1 s: at most 30 s
                 await front.publish(UserQuery(participant_id=f"n{asking}", text="hi"))
                 if not ready.exists():
@@ -852,7 +862,7 @@ async def test_a_bucket_that_stops_storing_drops_readiness_until_a_write_lands(
             assert not ready.exists(), "still ready while no write lands"
             status, body = await asyncio.to_thread(ready_reply, worker)
             assert status == 503 and "state writes failing" in body, body
-            await admin.request(f"$JS.API.STREAM.UPDATE.{stream}",
+            await admin.request(f"$JS.API.STREAM.UPDATE.{STATE_STREAM}",
                                 json.dumps(info["config"]).encode(), timeout=5)
             await ask(front, heard, "ann", "again")
             await file_state(ready, True, within=30)
@@ -874,24 +884,19 @@ async def test_a_change_outside_turns_that_cannot_be_saved_is_said(
         return routers[-1]
 
     admin = await nats.connect(nats_server.url)
-    stream = f"KV_{CONFIG.bucket}"
     try:
         config = NatsConfig(url=nats_server.url)
         async with serving(config, "saving", factory), \
                 listening(config) as (front, heard):
             assert await ask(front, heard, "ann", "hello") == "hello|-|N"
-            info = json.loads((await admin.request(
-                f"$JS.API.STREAM.INFO.{stream}", b"", timeout=5)).data)
-            full = {**info["config"], "max_bytes": 1, "discard": "new"}
-            await admin.request(f"$JS.API.STREAM.UPDATE.{stream}",
-                                json.dumps(full).encode(), timeout=5)
+            info = await bucket_refusing_writes(admin)
             with caplog.at_level(logging.WARNING, logger="turnrouter"):
                 await routers[0].apply_context_patch(
                     "ann", ContextPatch(task_id="job-1", digest=("found it",)))
                 await until_true(lambda: any(
                     "could not be saved" in r.getMessage() for r in caplog.records),
                     "the unsaved change said")
-            await admin.request(f"$JS.API.STREAM.UPDATE.{stream}",
+            await admin.request(f"$JS.API.STREAM.UPDATE.{STATE_STREAM}",
                                 json.dumps(info["config"]).encode(), timeout=5)
     finally:
         await admin.close()
