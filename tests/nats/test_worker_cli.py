@@ -71,6 +71,8 @@ def test_junk_app_specs_are_usage_errors(module: str, attribute: str) -> None:
     ["--reconnect-for", "0"], ["--reconnect-for", "nan"], ["--reconnect-for", "x"],
     ["--max-input-wait", "0"], ["--max-input-wait", "-5"], ["--max-input-wait", "inf"],
     ["--state-max-age", "0"], ["--state-max-age", "nan"],
+    ["--idle-after", "0.5"], ["--idle-after", "nan"], ["--idle-after", "x"],
+    ["--idle-after", "1e40"],
     ["--max-queued-per-participant", "0"], ["--max-queued-per-participant", "x"],
     ["--max-queued-per-participant", "2000000"],
 ])

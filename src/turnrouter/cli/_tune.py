@@ -1065,11 +1065,10 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
                                             args.timeout, matchers, args.at)
             _check_routes(distributions)
             if args.current is None:
-                args.current = configured_delay(
-                    args.prometheus, args.timeout, selector_matchers(args.selector),
-                    args.at, only)
-                lowest = delay_disagreement(args.prometheus, args.timeout,
-                                            selector_matchers(args.selector), args.at)
+                selected = selector_matchers(args.selector)
+                args.current = configured_delay(args.prometheus, args.timeout, selected,
+                                                args.at, only)
+                lowest = delay_disagreement(args.prometheus, args.timeout, selected, args.at)
                 if lowest is not None and args.current is not None and lowest < args.current:
                     disagree = (f"note: the routers read report different fallback delays "
                                 f"({lowest:g}s to {args.current:g}s; the highest is marked): "

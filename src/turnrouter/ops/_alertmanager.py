@@ -49,7 +49,7 @@ ALERTMANAGER_ENV: Mapping[str, str] = {
 PLACEHOLDER_URLS: Mapping[str, str] = {
     name: f"http://alert-{name}.invalid/turnrouter" for name in ALERTMANAGER_ENV}
 WATCHDOG = "TurnrouterWatchdog"
-#: Fires while no router of a job is up; notifies nobody, holds the job's other alerts.
+#: Fires while no router of a job is up; notifies nobody, holds the job's warnings.
 JOB_DOWN = "TurnrouterJobDown"
 _AVAILABILITY = ("TurnrouterTargetDown", "TurnrouterAbsent")
 _LATENCY_WARNINGS = ("TurnrouterSlowFirstResponse", "TurnrouterDecisionSlow",

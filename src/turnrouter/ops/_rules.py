@@ -506,8 +506,8 @@ ALERTS: tuple[AlertRule, ...] = (
         "TurnrouterJobDown", f"max by ({G}) (up{{{JOB_MATCHER}}}) == 0", 0.0, "0s", "none",
         "No router of {{ $labels.job }} is up",
         "Every target of this job failed its last scrape. Notifies nobody (the `silent` "
-        "receiver): while it fires Alertmanager holds the job's other alerts, whose "
-        "windows outlive the routers (a warning kept firing by keep_firing_for would "
+        "receiver): while it fires Alertmanager holds the job's warnings, whose "
+        "windows outlive the routers (one kept firing by keep_firing_for would "
         "otherwise open a ticket once the alert inhibiting it cleared at the death). "
         "TurnrouterTargetDown pages for the outage.",
         "turnrouterjobdown", volume="", raw=True,

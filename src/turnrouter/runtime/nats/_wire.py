@@ -188,10 +188,10 @@ class NatsConfig:
     and records of made-up participant ids do not pile up for good. A bucket that exists
     is taken as it is.
 
-    `idle_after`: a participant with no input for this long (30 min) is let go from
-    its replica's memory and router (`max_participants`); its record keeps its state
-    for its next input, as when its partition moves. A session that ends without
-    `left` then frees its slot.
+    `idle_after`: a participant with no input for this long (30 min; at least 1 s) is
+    let go from its replica's memory and router (`max_participants`); its record keeps
+    its state for its next input, as when its partition moves. A session that ends
+    without `left` then frees its slot.
 
     `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
     before it exits with an error. `fleet_backlog`: messages of each fleet subject
