@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ __all__ = [
     "find_binary",
     "free_port",
     "http_get",
+    "refusing_ports",
     "stop_process",
     "wait_until_ready",
 ]
@@ -59,6 +61,21 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+@contextlib.contextmanager
+def refusing_ports(count: int) -> Iterator[list[int]]:
+    """`count` ports on 127.0.0.1 that refuse connections for the block's length: bound
+    (so no other process, nor a server this test starts, can take one) but not listening.
+    A port merely free when chosen can be taken by the next server started on this machine,
+    which then answers a scrape meant to fail."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+        yield ports
 
 
 def http_get(url: str, headers: Mapping[str, str] | None = None,

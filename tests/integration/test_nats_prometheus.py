@@ -3,7 +3,7 @@ deploy/prometheus/prometheus.nats.yml), run for real: it loads the main rules be
 fleet's, so TurnrouterTargetDown goes pending when every worker is gone.
 
 Docker cannot run here: the config's rule globs point where compose mounts them from,
-its three worker targets at local ports nothing listens on (the workers are dead), its
+its three worker targets at local ports held refusing connections (the workers are dead), its
 own target at its test port, and its intervals at 1 s so the test takes seconds.
 """
 
@@ -19,7 +19,15 @@ import yaml
 
 from turnrouter.ops import ALERTS, RECORDING_RULES
 
-from .prom import eventually, find_binary, free_port, http_get, stop_process, wait_until_ready
+from .prom import (
+    eventually,
+    find_binary,
+    free_port,
+    http_get,
+    refusing_ports,
+    stop_process,
+    wait_until_ready,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +36,7 @@ COMPOSE = DEPLOY / "compose/compose.nats.yaml"
 FLEET_RULES = DEPLOY / "prometheus/rules-nats/turnrouter-nats.rules.yml"
 
 
-def _config_as_compose_runs_it(prom_port: int) -> dict[str, Any]:
+def _config_as_compose_runs_it(prom_port: int, dead: list[int]) -> dict[str, Any]:
     """prometheus.nats.yml as the compose Prometheus reads it, each rule glob resolved
     through the service's bind mounts, its targets local."""
     service = yaml.safe_load(COMPOSE.read_text())["services"]["prometheus"]
@@ -43,9 +51,10 @@ def _config_as_compose_runs_it(prom_port: int) -> dict[str, Any]:
         targets = job["static_configs"][0]["targets"]
         if job["job_name"] == "prometheus":
             job["static_configs"][0]["targets"] = [f"127.0.0.1:{prom_port}"]
-        else:  # the workers: ports free right now, so nothing answers there
-            job["static_configs"][0]["targets"] = [f"127.0.0.1:{free_port()}"
-                                                   for _ in targets]
+        else:  # the workers: ports that refuse every connection
+            assert len(targets) <= len(dead)
+            job["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"
+                                                   for port in dead[:len(targets)]]
     return config
 
 
@@ -54,12 +63,14 @@ def test_the_nats_compose_prometheus_loads_the_main_and_the_fleet_rules(
     binary = find_binary("prometheus")
     fleet = [rule["alert"] for group in yaml.safe_load(FLEET_RULES.read_text())["groups"]
              for rule in group["rules"] if "alert" in rule]
-    prom_port = free_port()
     config_path = tmp_path / "prometheus.yml"
-    config_path.write_text(json.dumps(_config_as_compose_runs_it(prom_port)))
     log_path = tmp_path / "prometheus.log"
-    url = f"http://127.0.0.1:{prom_port}"
-    with log_path.open("wb") as log:
+    # The dead workers' ports stay bound for the whole test: a port merely free when
+    # picked can be taken by any server started meanwhile, which then answers the scrape.
+    with refusing_ports(3) as dead, log_path.open("wb") as log:
+        prom_port = free_port()  # after the dead ports are held: never one of them
+        url = f"http://127.0.0.1:{prom_port}"
+        config_path.write_text(json.dumps(_config_as_compose_runs_it(prom_port, dead)))
         process = subprocess.Popen(
             [binary, f"--config.file={config_path}",
              f"--storage.tsdb.path={tmp_path / 'data'}",
@@ -88,6 +99,12 @@ def test_the_nats_compose_prometheus_loads_the_main_and_the_fleet_rules(
                 return len(down) if len(down) == 3 else None
 
             # Every worker is gone: one TurnrouterTargetDown per worker (pending: `for: 1m`).
-            assert eventually(target_down, timeout=60, what="TurnrouterTargetDown") == 3
+            try:
+                assert eventually(target_down, timeout=60, what="TurnrouterTargetDown") == 3
+            except AssertionError as exc:  # say what Prometheus saw of each target
+                targets = json.loads(http_get(f"{url}/api/v1/targets")[1])["data"]
+                seen = [(t["scrapeUrl"], t["health"], t["lastError"])
+                        for t in targets["activeTargets"]]
+                raise AssertionError(f"{exc}; targets: {seen}") from exc
         finally:
             stop_process(process)
