@@ -785,6 +785,32 @@ async def test_unreported_audio_falls_back_on_departure() -> None:
     assert _heard(h) == [("heard", "conversation", 0.0, 0.0)]
 
 
+@pytest.mark.parametrize("end", ["participant_left", "stop", "evict_participant"])
+async def test_an_answer_unheard_when_a_reporting_participant_goes_is_cut(end: str) -> None:
+    """Once the front end has reported audio heard for a participant, an answer still
+    unreported when the participant leaves, the router stops or the participant moves
+    to another replica was not heard by then: a lower bound at that moment (censored),
+    no silence, as at the next turn. Before, it fell back to `started()`: a voice call
+    ended before a slow TTS's audio recorded its fastest first response (voice13)."""
+    clock = ManualClock()
+    samples: list[TimingSample] = []
+    h = Harness(ScriptedAgent("conversation"), clock=clock, timing_sink=_sink(samples)())
+    await h.router.route_turn(h.turn(), report_heard=True)
+    clock.advance(0.3)
+    assert h.router.mark_heard("p1", "t1") is True
+    await h.router.route_turn(h.turn(), report_heard=True)  # t2: never reported
+    clock.advance(1.2)
+    if end == "stop":
+        await h.router.stop()
+    else:
+        await getattr(h.router, end)("p1")
+    assert [e for e in h.observer.events if e[0].startswith("heard")] == [
+        ("heard", "conversation", 0.3, 0.3), ("heard_interrupted", "conversation", 1.2)]
+    assert not [e for e in h.observer.turns["t2"] if e[0] == "silence"]
+    assert [(sample.seconds, sample.censored) for sample in samples] == [
+        (0.3, False), (1.2, True)]
+
+
 async def test_a_barge_in_before_the_audio_records_a_lower_bound_and_no_silence() -> None:
     """The participant barges in (`interrupt()`) before any of the answer was reported
     heard: the first response is recorded as interrupted before a response at the

@@ -84,7 +84,7 @@ class Departures:
         while state.queue.runs():
             await self.drain(state, "handed over to another replica")
         if state.unheard is not None:
-            state.unheard.resolve_heard(None)
+            state.unheard.spoken_over()
         snapshot = snapshot_of(state, pid in registry.departed)
         if registry.get(pid) is state:
             self._patches.drop(state, outcome=None)
@@ -133,7 +133,7 @@ class Departures:
         cfg, observer = self._cfg, self._cfg.observer
         pid = state.pid
         if state.unheard is not None:
-            state.unheard.resolve_heard(None)
+            state.unheard.spoken_over()
         if state.unreleased is None:
             state.unreleased = set(state.used)
             state.cleanup_pending = cfg.cleanup is not None and (

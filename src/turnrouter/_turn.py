@@ -751,9 +751,11 @@ class Answer:
             cfg.timed.record(self.route, seconds, False, owner.turn)
 
     def spoken_over(self) -> None:
-        """The participant's next turn began before this answer was reported heard:
-        by a front end that reports, it was not heard yet (no interruption sent: a
-        barge-in all the same, voice11); else measured at `started()`."""
+        """The participant's next turn began (or they left, or moved to another
+        replica, or the router stopped) before this answer was reported heard: by a
+        front end that reports, it was not heard yet (no interruption sent: a barge-in
+        all the same, voice11; a call ended before the audio began, voice13); else
+        measured at `started()`."""
         if self.owner.state.reports_heard:
             self.resolve_unheard(self.owner.cfg.clock())
         else:

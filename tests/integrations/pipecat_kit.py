@@ -274,10 +274,11 @@ async def run_clock(clock: ManualClock, until: Callable[[], bool], *,
         clock.advance_to(deadline)
 
 
-async def end_on_clock(pipe: Pipe, clock: ManualClock) -> None:
-    """Send EndFrame and run `clock` until the pipeline finished (an output transport
-    plays its closing silence on the clock)."""
-    await pipe.worker.queue_frame(EndFrame())
+async def end_on_clock(pipe: Pipe, clock: ManualClock, *, send: bool = True) -> None:
+    """Send EndFrame (`send=False`: sent already) and run `clock` until the pipeline
+    finished (an output transport plays its closing silence on the clock)."""
+    if send:
+        await pipe.worker.queue_frame(EndFrame())
     run = pipe._run
     assert run is not None
     with anyio.fail_after(BOUND):

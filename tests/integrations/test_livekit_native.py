@@ -263,6 +263,35 @@ async def test_last_turn_drained_is_measured_to_its_audio() -> None:
     assert heard[2] >= 0.4  # its audio, after the TTS's time to first byte
 
 
+async def test_a_graceful_stop_timing_out_before_late_audio_records_a_lower_bound() -> None:
+    """stop_gracefully's timeout passes before the answer's audio (a TTS 2 s to its
+    first byte): nothing was heard, so the first response is a lower bound at the
+    timeout and no silence is recorded. Before, `stop()` measured it at the text's
+    hand-over (about 0 s) for a call that ended before its audio (voice13)."""
+    observer = RecordingObserver()
+    agent = Slow("weather", "Sunny.", gated=False)
+    router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"), telemetry=observer)
+    speaker = Speaker()
+    session: AgentSession[Any] = AgentSession(tts=ToneTTS(ttfb=2.0, seconds=0.2))
+    session.output.audio = speaker
+    await session.start(RouterAgent(router))
+    try:
+        session.generate_reply(user_input="rain?")
+        with anyio.fail_after(5):
+            await agent.entered.wait()
+        with anyio.fail_after(10):
+            await stop_gracefully(router, session, timeout_secs=0.3)
+    finally:
+        await session.aclose()
+        await speaker.aclose()
+    assert speaker.starts == []  # the call ended before its audio
+    heard = [event for event in observer.events if event[0].startswith("heard")]
+    assert [event[0] for event in heard] == ["heard_interrupted"]
+    assert heard[0][2] >= 0.3  # the timeout's moment at least: a lower bound
+    assert not [event for events in observer.turns.values() for event in events
+                if event[0] == "silence"]
+
+
 async def test_graceful_stop_with_the_session_speaks_the_answer_in_flight() -> None:
     """stop_gracefully(router, session) (a job's shutdown callback) while a turn
     answers: the session plays the answer to its end, then the router stops; the turn

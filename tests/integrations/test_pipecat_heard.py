@@ -15,6 +15,7 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
     warnings.simplefilter("ignore", DeprecationWarning)
     pytest.importorskip("pipecat")
     from pipecat.frames.frames import (
+        EndFrame,
         Frame,
         FunctionCallFromLLM,
         LLMContextFrame,
@@ -37,6 +38,7 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
     from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
 
 from turnrouter import AgentRouter, AgentTurn, OverloadPolicy, RoutedResult
+from turnrouter.events import Heard
 from turnrouter.integrations.pipecat import (
     FrameAgent,
     FrameOutput,
@@ -137,6 +139,42 @@ async def test_last_turn_of_the_call_is_measured_to_its_audio() -> None:
     assert out.played[tts.tag("Sunny.")] == pytest.approx(0.6)
     assert measured(observer) == (pytest.approx(0.6), pytest.approx(0.6))
     assert [pid[:5] for pid in agent.released] == ["call-"]  # the router stopped after
+
+
+async def test_a_call_ending_before_late_audio_records_a_lower_bound() -> None:
+    """EndFrame with the answer's audio still to come past `end_timeout_secs`: nothing
+    was heard, so the first response is a lower bound when the end gave up, and no
+    silence is recorded. Before, stopping the router recorded both at the text's push
+    (0 s here) for a call that ended before its audio (voice13)."""
+    class Watch(RecordingObserver):
+        def __init__(self) -> None:
+            super().__init__()
+            self.measured = anyio.Event()
+
+        def heard(self, event: Heard) -> None:
+            super().heard(event)
+            self.measured.set()
+
+    clock = ManualClock()
+    agent = Agent("weather", "Sunny.")
+    observer = Watch()
+    router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"), clock=clock,
+                         telemetry=observer)
+    tts, out = ClockTTS(clock, ttfb=2.0), PlayingOutput(clock)
+    async with Pipe(TurnRouterProcessor(router, end_timeout_secs=0.05), tts, out) as pipe:
+        await pipe.send(said("rain?"))
+        with anyio.fail_after(10):
+            await agent.pushed_first.wait()
+            await clock.wait_for_sleepers(1)  # the TTS, on its way to the first audio
+        clock.advance(1.0)
+        await pipe.worker.queue_frame(EndFrame())
+        with anyio.fail_after(10):  # the end gives up on the audio (real time)
+            await observer.measured.wait()
+        await end_on_clock(pipe, clock, send=False)
+    assert [event for event in observer.events if event[0].startswith("heard")] == [
+        ("heard_interrupted", "weather", pytest.approx(1.0))]
+    assert not [event for event in observer.turns[next(iter(observer.turns))]
+                if event[0] == "silence"]
 
 
 class Remembering(FrameAgent):

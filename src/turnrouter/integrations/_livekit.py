@@ -611,7 +611,9 @@ async def stop_gracefully(router: AgentRouter, *sessions: AgentSession[Any],
 
     Fits `JobContext.add_shutdown_callback` (pass the job's session: a job's shutdown
     then speaks the answer in flight, as a plain `Agent`'s would). With `timeout_secs`
-    (for all of it), what is still running after it is cancelled by `stop()`.
+    (for all of it), what is still running after it is interrupted, then `stop()`s: an
+    answer whose audio had not begun by then was not heard (its first response a lower
+    bound, no silence), not measured at its text's hand-over.
     """
     async def drain() -> None:
         for session in sessions:
@@ -622,9 +624,11 @@ async def stop_gracefully(router: AgentRouter, *sessions: AgentSession[Any],
     if timeout_secs is None:
         await drain()
     else:
-        with contextlib.suppress(TimeoutError):
+        try:
             async with asyncio.timeout(timeout_secs):
                 await drain()
+        except TimeoutError:
+            await router.interrupt()  # (voice13: stop() alone measured at the hand-over)
     await router.stop()
 
 
