@@ -606,6 +606,48 @@ def test_snapshots_with_too_many_objects_are_refused_before_parsing(
     assert ParticipantSnapshot.from_json(at_bound).participant_id == "p"
 
 
+async def test_a_cleanup_owed_after_a_failed_initialization_moves_with_the_participant(
+) -> None:
+    """A participant whose initialization failed on one replica is cleaned up at its
+    departure from the next (cleanup is idempotent by contract: the failed attempt may
+    have allocated something). Before, the snapshot carried `initialized=False` only,
+    so the next replica never cleaned up (review12 F6). The flag is in the JSON only
+    while true: a replica without the field still reads every other snapshot."""
+    cleaned: list[tuple[str, str]] = []
+
+    def router(name: str, fail: bool) -> Harness:
+        async def initialize(pid: str) -> None:
+            if fail:
+                raise RuntimeError("db down")
+
+        async def cleanup(pid: str) -> None:
+            cleaned.append((name, pid))
+
+        return Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions("weather"),
+                       initialize_participant=initialize, cleanup_participant=cleanup)
+
+    first, second = router("first", True), router("second", False)
+    with pytest.raises(RuntimeError, match="db down"):
+        await first.say(participant="a")
+    snapshot = await first.router.evict_participant("a")
+    assert snapshot is not None and snapshot.cleanup_pending
+    data = snapshot.to_json()
+    assert json.loads(data)["cleanup_pending"] is True
+    assert ParticipantSnapshot.from_json(data) == snapshot
+    assert first.router.export_participant_json("a") is None
+    second.router.import_participant(ParticipantSnapshot.from_json(data))
+    moved = second.router.export_participant("a")
+    assert moved is not None and moved.cleanup_pending
+    assert second.router.export_participant_json("a") == moved.to_json().encode()
+    await second.router.participant_left("a")
+    assert cleaned == [("second", "a")]
+    clean = router("third", False)
+    await clean.say(participant="c")
+    plain = clean.router.export_participant("c")
+    assert plain is not None and not plain.cleanup_pending
+    assert "cleanup_pending" not in json.loads(clean.router.export_participant_json("c") or b"")
+
+
 async def test_json_export_of_a_departed_participant() -> None:
     """A participant known only as departed exports its departed flag as JSON too."""
     h = Harness(ScriptedAgent("conversation"), **_joined_topics())
@@ -684,7 +726,8 @@ _JSON = st.recursive(
     _JSON.map(json.dumps),
     st.fixed_dictionaries({"participant_id": st.text(max_size=5)},
                           optional={"focus": _JSON, "history": _JSON, "used": _JSON,
-                                    "pending": _JSON, "history_version": _JSON}
+                                    "pending": _JSON, "history_version": _JSON,
+                                    "cleanup_pending": _JSON}
                           ).map(json.dumps),
 ))
 def test_snapshot_from_json_accepts_valid_or_names_the_problem(data: str | bytes) -> None:

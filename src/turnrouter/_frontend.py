@@ -124,11 +124,18 @@ class SnapshotExchange(BaseModel):
         return _storable(value)
 
 
+#: What `ParticipantSnapshot.to_json` leaves out while false.
+_NO_CLEANUP: set[str] = {"cleanup_pending"}
+
+
 class ParticipantSnapshot(BaseModel):
     """A participant's router state, to move it to another router replica.
 
     Focus, the retained history (ids and timestamps included), the routes used (they
-    are released on departure), held context patches and the lifecycle flags. The
+    are released on departure), held context patches and the lifecycle flags
+    (`cleanup_pending`: an initialization began and failed, so the departure cleans up
+    even if none succeeds; written only when true, so a replica of a version without
+    the field reads every other snapshot during a rolling upgrade). The
     divergence rule's "state before the newest exchange" is not carried: a patch
     spawned by the turn just before a move is compared with the moved context only.
     """
@@ -143,6 +150,7 @@ class ParticipantSnapshot(BaseModel):
     pending: tuple[PendingContextPatch, ...] = ()
     initialized: bool = False
     departed: bool = False
+    cleanup_pending: bool = False
 
     @field_validator("participant_id", "focus", "used")
     @classmethod
@@ -163,7 +171,7 @@ class ParticipantSnapshot(BaseModel):
 
     def to_json(self) -> str:
         """Compact JSON (UTF-8 text)."""
-        return self.model_dump_json()
+        return self.model_dump_json(exclude=None if self.cleanup_pending else _NO_CLEANUP)
 
     @classmethod
     def from_json(cls, data: str | bytes) -> ParticipantSnapshot:

@@ -324,12 +324,13 @@ def snapshot_json(state: Participant, departed: bool) -> bytes:
     joined = b",".join(pieces)
     version = history.version
     pending = tuple(state.pending.values()) if state.pending else ()
-    key = (state.focus, state.used, pending, state.initialized, departed)
+    key = (state.focus, state.used, pending, state.initialized, departed,
+           state.cleanup_pending)
     head = state.exported_head
     if head is None or head[0] != key or not 0 <= version <= MAX_HISTORY_VERSION:
         # Built (and validated) by the model while any of its fields but the history
         # and its version changed since the previous call; reused around them otherwise.
-        data = _snapshot(state, departed, ()).model_dump_json().encode()
+        data = _snapshot(state, departed, ()).to_json().encode()
         # Field values are JSON-escaped strings, so the first `"history":[]` is the field.
         marker = b'"history":[],"history_version":%d,' % version
         at = data.find(marker)
@@ -385,6 +386,7 @@ def _snapshot(state: Participant, departed: bool,
         history_version=state.history.version, used=tuple(sorted(state.used)),
         pending=tuple(state.pending.values()) if state.pending else (),
         initialized=state.initialized, departed=departed,
+        cleanup_pending=state.cleanup_pending,
     )
 
 
@@ -397,6 +399,7 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
     state.focus = snapshot.focus
     state.used = tuple(dict.fromkeys(snapshot.used))
     state.initialized = snapshot.initialized
+    state.cleanup_pending = snapshot.cleanup_pending
     # JSON holds no value its export cannot write back but NaN and infinity (`NaN`,
     # `Infinity`, `1e400`: the next export would make them null), which a walk of the
     # patch's data finds; only Python-built snapshots' patches are read back in full
