@@ -100,8 +100,10 @@ def _duration(minute: float) -> str:
 
 def _traffic(turns: Segments, clarified: Segments, participants: Segments,
              clarified_participants: Segments, dies: float | None = None,
-             overload: Segments | None = None) -> list[Series]:
-    """A router's turns, clarifications, window gauges, overload state and `up`."""
+             overload: Segments | None = None, vanishes: bool = False) -> list[Series]:
+    """A router's turns, clarifications, window gauges, overload state and `up`
+    (`vanishes`: at its death the target leaves service discovery, so `up` goes stale
+    instead of 0)."""
     job = f'job="{JOB}"'
     out = [
         Series(f'turnrouter_turns_total{{{job}, route="weather", outcome="answer"}}', turns,
@@ -117,8 +119,9 @@ def _traffic(turns: Segments, clarified: Segments, participants: Segments,
         Series(f'turnrouter_overload_state{{{job}, instance="a:9464"}}',
                overload or [(0, 0.0)], counter=False, dies=dies),
     ]
-    up = [(0.0, 1.0)] if dies is None else [(0.0, 1.0), (dies, 0.0)]
-    out.append(Series(f'up{{{job}, instance="a:9464"}}', up, counter=False))
+    up = [(0.0, 1.0)] if dies is None or vanishes else [(0.0, 1.0), (dies, 0.0)]
+    out.append(Series(f'up{{{job}, instance="a:9464"}}', up, counter=False,
+                      dies=dies if vanishes else None))
     return out
 
 
@@ -173,6 +176,18 @@ def scenarios() -> list[Scenario]:
          (death - 0.25, "TurnrouterJobDown", []),
          (death + 1.5, "TurnrouterJobDown", [{"severity": "none", "job": JOB}])],
     )
+    # Its pods deleted (a deployment scaled to zero): no `up` of the job at all, so no
+    # TargetDown; JobDown holds the job's warnings for 15 minutes all the same.
+    gone = Scenario(
+        "a job whose targets vanish from service discovery fires JobDown for 15 minutes",
+        _traffic([(0, 4.0)], [(0, 0.2), (death - 7, 2.0)], [(0, 40.0)],
+                 [(0, 2.0), (death - 7, 20.0)], dies=death, vanishes=True),
+        [(death - 0.25, "TurnrouterJobDown", []),
+         *[(death + minutes, "TurnrouterJobDown", [{"severity": "none", "job": JOB}])
+           for minutes in (1.5, 5, 10, 14)],
+         (death + 16, "TurnrouterJobDown", []),
+         (death + 2.5, "TurnrouterTargetDown", [])],
+    )
     normal = Scenario(
         "normal traffic raises nothing but the watchdog",
         _traffic(NORMAL["turns"], NORMAL["clarified"], NORMAL["participants"],
@@ -222,7 +237,7 @@ def scenarios() -> list[Scenario]:
          (15, "TurnrouterOverloaded", [busy])],
     )
     slow = _slow_route()
-    return [broad, loud, idle, died, normal, absent, no_metrics, slow, overloaded, warm_up,
+    return [broad, loud, idle, died, gone, normal, absent, no_metrics, slow, overloaded, warm_up,
             busy_from_start]
 
 

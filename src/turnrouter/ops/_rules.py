@@ -76,6 +76,10 @@ RUNBOOK_URL = "https://github.com/turnrouter/turnrouter/blob/main/docs/runbook.m
 GROUP_LABELS: tuple[str, ...] = ("cluster", "namespace", "job")
 #: The `up` series of turnrouter targets, for the availability alerts.
 JOB_MATCHER = 'job=~"turnrouter.*"'
+#: How long `TurnrouterJobDown` keeps firing for a job whose targets all vanished from
+#: service discovery (their `up` series gone, not 0): past the 5-minute windows and the
+#: 5-minute `keep_firing_for` of the warnings it holds, with room for a 1-minute scrape.
+JOB_GONE_WINDOW = "15m"
 #: Clarification ratio (clarifications / turns) of the ticket.
 CLARIFICATION_WARNING = 0.10
 #: The page: share of the last minute's distinct participants whose latest turn was
@@ -503,9 +507,13 @@ ALERTS: tuple[AlertRule, ...] = (
         "turnroutertargetdown", volume="", raw=True,
     ),
     AlertRule(
-        "TurnrouterJobDown", f"max by ({G}) (up{{{JOB_MATCHER}}}) == 0", 0.0, "0s", "none",
+        "TurnrouterJobDown",
+        f"group by ({G}) (max_over_time(up{{{JOB_MATCHER}}}[{JOB_GONE_WINDOW}]))\n"
+        f"unless on ({G})\n(up{{{JOB_MATCHER}}} == 1)", 0.0, "0s", "none",
         "No router of {{ $labels.job }} is up",
-        "Every target of this job failed its last scrape. Notifies nobody (the `silent` "
+        f"No target of this job up: each failed its last scrape, or they all vanished "
+        f"from service discovery within {JOB_GONE_WINDOW} (pods deleted, a deployment "
+        "scaled to zero). Notifies nobody (the `silent` "
         "receiver): while it fires Alertmanager holds the job's warnings, whose "
         "windows outlive the routers (one kept firing by keep_firing_for would "
         "otherwise open a ticket once the alert inhibiting it cleared at the death). "
