@@ -170,12 +170,17 @@ def test_replace_revalidates(obj: Any, data: st.DataObject) -> None:
                      "assumptions", "unknown"]),
     st.one_of(JUNK, NESTED, st.lists(MOSTLY_TEXT, max_size=3)), max_size=6))
 def test_context_patch(fields: dict[str, Any]) -> None:
-    """ContextPatch validation: a valid patch or a pydantic ValidationError (a ValueError)."""
+    """ContextPatch validation: a valid patch or a pydantic ValidationError (a ValueError)
+    from `model_validate`, a `ContractValueError` naming the field from the constructor."""
     try:
         patch = ContextPatch.model_validate({"task_id": "t", **fields})
     except ValidationError:
+        with pytest.raises(ContractValueError, match="invalid ContextPatch: "):
+            ContextPatch(**{"task_id": "t", **fields})
         return
     assert isinstance(patch.task_id, str) and patch.task_id
+    built = ContextPatch(**{"task_id": "t", **fields})  # (completed_at: now by default)
+    assert built.model_copy(update={"completed_at": patch.completed_at}) == patch
 
 
 def test_lone_surrogates_are_rejected_in_every_text_field() -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import anyio
-import pydantic
 import pytest
 
 from turnrouter import (
@@ -613,8 +613,14 @@ async def test_contract_validation() -> None:
         await h.router.approve_patch(3)  # type: ignore[arg-type]
     for bad in ({"task_id": ""}, {"task_id": "a", "source_context_version": -1},
                 {"task_id": "a", "digest": ["two\nlines"]}, {"task_id": "a", "extra": 1}):
-        with pytest.raises(pydantic.ValidationError):
+        field = next(iter(set(bad) - {"task_id"}), "task_id")
+        # A contract error naming the field (a ValueError, as pydantic's was): newcomer14
+        # found pydantic's ValidationError, which no `except TurnrouterError` catches.
+        with pytest.raises(ContractValueError, match=f"invalid ContextPatch: {field}"):
             ContextPatch(**bad)
+    with pytest.raises(ContractValueError, match="invalid PendingContextPatch: created_at"):
+        PendingContextPatch(patch_id="x", participant_id="p", task_id="a",
+                            patch=ContextPatch(task_id="a"), created_at=math.nan)
     naive = ContextPatch(task_id="a", completed_at=datetime(2025, 1, 1))
     assert naive.completed_at.tzinfo is UTC
     with pytest.raises(ConfigurationError, match="max_pending_patches"):

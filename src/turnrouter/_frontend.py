@@ -14,12 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticSerializationError
 
 from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, MAX_TIMESTAMP_US, DestinationResult
 from ._exceptions import ContractTypeError, ContractValueError
 from ._lifecycle import OwnedOperation
+from ._models import ContractModel
 from ._patches import ContextPatch, MergeStrategy, PendingContextPatch
 from ._redact import has_surrogates
 
@@ -93,7 +94,7 @@ class Departure:
             self._operation.add_done_callback(callback)
 
 
-class SnapshotPatch(BaseModel):
+class SnapshotPatch(ContractModel):
     """An applied context patch, as stored with its history exchange."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -105,7 +106,7 @@ class SnapshotPatch(BaseModel):
     patch: ContextPatch
 
 
-class SnapshotExchange(BaseModel):
+class SnapshotExchange(ContractModel):
     """One retained exchange with its id and completion time."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -128,7 +129,7 @@ class SnapshotExchange(BaseModel):
 _NO_CLEANUP: set[str] = {"cleanup_pending"}
 
 
-class ParticipantSnapshot(BaseModel):
+class ParticipantSnapshot(ContractModel):
     """A participant's router state, to move it to another router replica.
 
     Focus, the retained history (ids and timestamps included), the routes used (they

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from ._context import _current
 from ._contracts import MAX_HISTORY_VERSION, AgentExchange
 from ._exceptions import ContractValueError, PendingPatchLimitError, UnknownPatchError
+from ._models import ContractModel
 from ._redact import preview
 
 __all__ = [
@@ -55,7 +56,7 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-class ContextPatch(BaseModel):
+class ContextPatch(ContractModel):
     """Structured summary of a completed background task's contribution to context."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -102,7 +103,7 @@ class ContextPatch(BaseModel):
         return value
 
 
-class PendingContextPatch(BaseModel):
+class PendingContextPatch(ContractModel):
     """A context patch awaiting human approval (`MergeStrategy.HUMAN_GATED`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -1211,10 +1211,7 @@ class TurnRouterProcessor(FrameProcessor):
         except TimeoutError:
             logger.warning("pipecat end: turns or their audio still pending after %g s",
                            self.end_timeout_secs)
-            # Also with a router of its own: an answer whose audio had not begun was
-            # not heard (a lower bound now), where stopping would measure it at its
-            # text's push, the fastest turn of the call (voice13).
-            await self._interrupt()
+            await self._interrupt()  # unheard answers: a lower bound, not started()
         await self._finish()
 
     async def _finish(self) -> None:
