@@ -347,6 +347,29 @@ async def test_decision_service_returning_garbage_is_a_decision_failure() -> Non
     assert (await h.say()).text == "conversation answer"
 
 
+async def test_a_plain_def_decide_is_a_failure_that_says_async_def(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A decision service written with a plain `def decide` fails each decision (the
+    turn reaches the default, as for any outage) with a WARNING saying what to fix;
+    before, it said only "failed (TypeError)" (newcomer14). A plain def returning an
+    awaitable (a wrapper around an async service) is fine."""
+    class Plain:
+        def decide(self, request: RouteRequest) -> RouteDecision:
+            return RouteDecision("weather")
+
+    class Wrapper:
+        def decide(self, request: RouteRequest) -> Awaitable[RouteDecision]:
+            return ScriptedDecisions("weather").decide(request)
+
+    plain = Harness(ScriptedAgent("weather"), decisions=Plain())  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        assert (await plain.say()).text == "conversation answer"
+    assert "returned RouteDecision, not an awaitable: define it with `async def`" in (
+        caplog.text)
+    wrapped = Harness(ScriptedAgent("weather"), decisions=Wrapper())  # type: ignore[arg-type]
+    assert (await wrapped.say()).text == "weather answer"
+
+
 async def test_admission_clarify_speaks_its_text_and_stops_routing() -> None:
     """A clarify admission emits its question and returns clarify without answering."""
     h = Harness(ScriptedAgent("weather", admissions=Admission("clarify", text="Which city?")),

@@ -16,6 +16,7 @@ import math
 from asyncio import current_task
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from inspect import isawaitable
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -81,6 +82,8 @@ if TYPE_CHECKING:
 __all__ = ["Answer", "Turn", "bounded_release"]
 
 logger = logging.getLogger("turnrouter")
+#: The type of what an `async def` returns: checked first, the awaitable test only if not.
+_COROUTINE = CoroutineType
 
 _CLARIFY_RESULT = DestinationResult("clarify")
 _TIMED_OUT = Admission("decline")
@@ -295,7 +298,12 @@ class Turn(TurnRun):
         obs, cfg = self.obs, self.cfg
         token = obs.decision_started(request) if self.observing else None
         try:
-            decision = await cfg.decisions.decide(request)
+            pending = cfg.decisions.decide(request)
+            if type(pending) is not _COROUTINE and not isawaitable(pending):
+                raise DestinationContractError(  # (a plain `def decide`: newcomer14)
+                    f"decision service decide() returned {type(pending).__name__}, not an "
+                    "awaitable: define it with `async def`")
+            decision = await pending
             if not isinstance(decision, RouteDecision):
                 raise DestinationContractError(
                     f"decision service returned {type(decision).__name__}, not a RouteDecision"
@@ -831,7 +839,12 @@ def _decision_failed(cfg: RouterConfig, exc: Exception) -> None:
     turn; each is counted in telemetry)."""
     cfg.decision_failures += 1
     if is_logged(cfg.decision_failures):
-        log_failure("the decision service (%d failures so far)", exc, cfg.decision_failures)
+        if isinstance(exc, DestinationContractError):  # its text is ours, never user text
+            logger.warning("turnrouter: the decision service failed (%d so far): %s",
+                           cfg.decision_failures, exc)
+        else:
+            log_failure("the decision service (%d failures so far)", exc,
+                        cfg.decision_failures)
 
 
 async def _settled(
