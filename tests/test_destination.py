@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from turnrouter import (
     AgentRouter,
     AgentTurn,
+    ConfigurationError,
     ContractTypeError,
     ContractValueError,
     Destination,
@@ -185,3 +186,45 @@ async def test_a_subclass_with_its_own_routing_aid_needs_no_base_init() -> None:
     result = await router.handle(AgentTurn("alice", "t1", "lights on"))
     assert result.text == "kitchen lights on"
     await router.stop()
+
+
+def test_the_attributes_say_what_the_routing_aid_carries() -> None:
+    """`.description` and `.priority` are the routing aid's, as `.name` is: given to
+    `__init__`, else the class attribute; the class keeps its declared default. Before,
+    `.description` showed the class attribute while the aid had the argument
+    (newcomer14)."""
+    given_one = MembersOnly("the members' area", priority=2)
+    assert (given_one.description, given_one.priority) == ("the members' area", 2)
+    assert (Weather().description, Weather.description) == (
+        "forecasts, rain, temperature", "forecasts, rain, temperature")
+    assert (MembersOnly.description, MembersOnly.priority, MembersOnly.name) == ("", 0, "")
+
+
+def test_set_after_init_the_attributes_change_the_routing_aid() -> None:
+    """A description (name, priority) set after `super().__init__()` reaches the routing
+    aid, validated; set before it, the error says where to set it. Before, a late
+    description reached nothing and the route was scored by its name alone."""
+    class Late(Destination):
+        def __init__(self) -> None:
+            super().__init__()
+            self.description = "weather forecast, rain"
+            self.priority = 4
+
+    aid = Late().routing_aid("alice")
+    assert (aid.name, aid.description, aid.priority) == ("late", "weather forecast, rain", 4)
+    late = Late()
+    late.name = "forecasts"
+    assert late.routing_aid("alice").name == late.name == "forecasts"
+    with pytest.raises(ContractValueError):
+        late.description = "lone \ud800"  # no lone surrogates in a routing aid
+    with pytest.raises(ContractTypeError, match="name must be a str"):
+        late.name = 3  # type: ignore[assignment]
+    assert late.routing_aid("alice").priority == 4  # unchanged by the refusals
+
+    class Early(Destination):
+        def __init__(self) -> None:
+            self.description = "too early"
+            super().__init__()
+
+    with pytest.raises(ConfigurationError, match="set description after super"):
+        Early()

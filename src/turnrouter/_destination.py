@@ -12,20 +12,45 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._contracts import Admission, AgentTurn, DestinationResult, RoutingAid
-from ._exceptions import ContractTypeError
+from ._exceptions import ConfigurationError, ContractTypeError
 
 __all__ = ["Destination"]
 
 
-class _RouteName:
-    """`Destination.name`: on an instance, the name its routing aid carries (the `name=`
-    it was given, else the class attribute, else the class name); on a class, the
-    class attribute a subclass declared ("" when none)."""
+#: The routing aid's fields a `Destination` declares as class attributes.
+_FIELDS = ("name", "description", "priority")
 
-    def __get__(self, instance: Any, owner: type) -> str:
+
+class _AidField:
+    """`Destination.name`, `.description` and `.priority`: on an instance, what its
+    routing aid carries (given to `__init__`, else the class attribute); on a class,
+    the class attribute a subclass declared. Set on an instance (after
+    `super().__init__()`), it changes the routing aid, validated: a description set
+    late used to reach nothing, and `.description` showed the class's (newcomer14)."""
+
+    __slots__ = ("field",)
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __get__(self, instance: Any, owner: type) -> Any:
         if instance is None:
-            return str(getattr(owner, "_declared_name", ""))
-        return str(instance._aid.name)
+            return getattr(owner, f"_declared_{self.field}")
+        return getattr(instance._aid, self.field)
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        try:
+            aid = instance._aid
+        except AttributeError:
+            raise ConfigurationError(
+                f"{type(instance).__name__}: set {self.field} after super().__init__(), or "
+                f"pass it: super().__init__({self.field}=...)") from None
+        values = {"name": aid.name, "description": aid.description,
+                  "priority": aid.priority, self.field: value}
+        if self.field == "name" and not isinstance(value, str):
+            raise ContractTypeError(f"{type(instance).__name__}: name must be a str, got "
+                                    f"{type(value).__name__}")
+        instance._aid = RoutingAid(values["name"], values["description"], values["priority"])
 
 
 class Destination:
@@ -39,7 +64,9 @@ class Destination:
 
     Args:
         description: The routing hint a decision service reads (`RoutingAid.description`);
-            defaults to the class attribute `description`.
+            defaults to the class attribute `description`; `destination.description`
+            returns it. `name`, `description` and `priority` set on the instance after
+            `super().__init__()` change the routing aid (validated).
         name: The route name in the routing aid; defaults to the class attribute `name`,
             else the class name; `destination.name` returns it. The router reports and
             acknowledges the destination under the key it was registered with in
@@ -48,24 +75,31 @@ class Destination:
             class attribute `priority`, 0).
     """
 
-    name: ClassVar[str]
-    if not TYPE_CHECKING:
-        name = _RouteName()
+    if TYPE_CHECKING:
+        name: str
+        description: str
+        priority: int
+    else:
+        name = _AidField("name")
+        description = _AidField("description")
+        priority = _AidField("priority")
     _declared_name: ClassVar[str] = ""
-    description: ClassVar[str] = ""
-    priority: ClassVar[int] = 0
+    _declared_description: ClassVar[str] = ""
+    _declared_priority: ClassVar[int] = 0
 
     __slots__ = ("_aid",)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # A subclass's `name = "music"` becomes the class default, and `name` stays the
-        # descriptor, so an instance given `name="jazz"` reports "jazz".
+        # A subclass's `name = "music"` (description, priority) becomes the class default,
+        # and the attribute stays the descriptor, so an instance given `name="jazz"`
+        # reports "jazz".
         super().__init_subclass__(**kwargs)
-        declared = cls.__dict__.get("name")
-        if not isinstance(declared, _RouteName):
-            if declared is not None:
-                cls._declared_name = declared
-            cls.name = _RouteName()  # type: ignore[assignment]
+        for field in _FIELDS:
+            declared = cls.__dict__.get(field)
+            if not isinstance(declared, _AidField):
+                if declared is not None:
+                    setattr(cls, f"_declared_{field}", declared)
+                setattr(cls, field, _AidField(field))
 
     def __init__(self, description: str | None = None, *, name: str | None = None,
                  priority: int | None = None) -> None:
@@ -77,8 +111,8 @@ class Destination:
         # RoutingAid validates every field and names the one that is wrong.
         self._aid = RoutingAid(
             aid_name or cls.__name__.lower(),
-            cls.description if description is None else description,
-            cls.priority if priority is None else priority,
+            cls._declared_description if description is None else description,
+            cls._declared_priority if priority is None else priority,
         )
 
     def __repr__(self) -> str:

@@ -298,18 +298,7 @@ class Turn(TurnRun):
         obs, cfg = self.obs, self.cfg
         token = obs.decision_started(request) if self.observing else None
         try:
-            pending = cfg.decisions.decide(request)
-            if type(pending) is not _COROUTINE and not isawaitable(pending):
-                raise DestinationContractError(  # (a plain `def decide`: newcomer14)
-                    f"decision service decide() returned {type(pending).__name__}, not an "
-                    "awaitable: define it with `async def`")
-            decision = await pending
-            if not isinstance(decision, RouteDecision):
-                raise DestinationContractError(
-                    f"decision service returned {type(decision).__name__}, not a RouteDecision"
-                )
-            if not checked_shape(decision):  # built around its constructor
-                decision.__post_init__()
+            decision = _checked_decision(await _decision_of(cfg, request))
         except (Exception, asyncio.CancelledError) as raised:
             exc = self.stray(raised, "decision service decide()")
             if not isinstance(exc, Exception):
@@ -832,6 +821,28 @@ def _seed(run: Turn, history: History) -> None:
     if dropped:
         run.cfg.overflows.report("seeded_history", f"{dropped} caller-supplied exchanges "
                                  f"beyond max_history_exchanges of {turn.participant_id!r}")
+
+
+def _decision_of(cfg: RouterConfig, request: RouteRequest) -> Awaitable[object]:
+    """The decision service's pending decision; `DestinationContractError` when
+    decide() is not awaitable (a plain `def decide`: newcomer14). Plain functions, this
+    and the next: no coroutine layer more on every turn."""
+    pending = cfg.decisions.decide(request)
+    if type(pending) is not _COROUTINE and not isawaitable(pending):
+        raise DestinationContractError(
+            f"decision service decide() returned {type(pending).__name__}, not an "
+            "awaitable: define it with `async def`")
+    return pending
+
+
+def _checked_decision(decision: object) -> RouteDecision:
+    """`decision` if it is a valid `RouteDecision`, else `DestinationContractError`."""
+    if not isinstance(decision, RouteDecision):
+        raise DestinationContractError(
+            f"decision service returned {type(decision).__name__}, not a RouteDecision")
+    if not checked_shape(decision):  # built around its constructor
+        decision.__post_init__()
+    return decision
 
 
 def _decision_failed(cfg: RouterConfig, exc: Exception) -> None:
