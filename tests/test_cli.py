@@ -97,6 +97,7 @@ def test_subcommand_help_goes_to_stdout(capsys: pytest.CaptureFixture[str]) -> N
     (["--metrics-host", "a b"], "--metrics-host"),
     (["--ack-delay", "-0.5"], "--ack-delay"),
     (["--ack-delay", "inf"], "--ack-delay"),
+    (["--ack-delay", "never"], "not a number: 'never' (seconds, or off)"),
     (["--otlp-endpoint", "file:///etc/passwd"], "--otlp-endpoint"),
     (["--otlp-protocol", "udp"], "--otlp-protocol"),
     (["--seed", "x"], "--seed"),

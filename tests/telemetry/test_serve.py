@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from turnrouter import ContractTypeError
+from turnrouter import ContractTypeError, ContractValueError
 from turnrouter.telemetry import READY_REASON_CHARS, metrics_app, serve_metrics
 
 from .conftest import Rig
@@ -212,3 +212,17 @@ def test_a_port_in_use_is_an_os_error_naming_it() -> None:
         port = first.port
         with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1 port {port}"):
             serve_metrics(port, registry=CollectorRegistry())
+
+
+@pytest.mark.parametrize("port", ["9464", 9464.0, True, None])
+def test_serve_metrics_names_a_port_that_is_not_an_int(rig: Rig, port: object) -> None:
+    """A port read from the environment ("9464") is refused naming the port; before, a
+    raw TypeError from the socket said nothing of it (newcomer14)."""
+    with pytest.raises(ContractTypeError, match="serve_metrics port must be an int"):
+        serve_metrics(port, registry=rig.registry)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 10**9])
+def test_serve_metrics_names_a_port_out_of_range(rig: Rig, port: int) -> None:
+    with pytest.raises(ContractValueError, match="port must be 0 to 65535"):
+        serve_metrics(port, registry=rig.registry)

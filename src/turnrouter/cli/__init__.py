@@ -59,7 +59,10 @@ def _speed(value: str) -> float:
 def _ack_delay(value: str) -> float | None:
     if value.strip().lower() == "off":
         return None
-    return _number(value, low=0.0, high=MAX_ACK_DELAY, low_open=True)
+    try:
+        return _number(value, low=0.0, high=MAX_ACK_DELAY, low_open=True)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (seconds, or off)") from None
 
 
 def _integer(value: str, low: int, high: int) -> int:

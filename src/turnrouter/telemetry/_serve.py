@@ -26,7 +26,7 @@ from prometheus_client import (
     make_wsgi_app,
 )
 
-from .._exceptions import ContractTypeError
+from .._exceptions import ContractTypeError, ContractValueError
 from .._limits import is_logged
 
 logger = logging.getLogger("turnrouter")
@@ -104,6 +104,12 @@ def serve_metrics(
     NATS", "stopping", ...): one line of at most `READY_REASON_CHARS` characters.
     """
     registry = REGISTRY if registry is None else registry
+    if not isinstance(port, int) or isinstance(port, bool):  # "9464" from an env variable
+        raise ContractTypeError(
+            f"serve_metrics port must be an int (0 picks a free port), got "
+            f"{type(port).__name__}: pass int(os.environ[...])")
+    if not 0 <= port <= 65535:
+        raise ContractValueError(f"serve_metrics port must be 0 to 65535, got {port}")
     if ready is not None and not callable(ready):
         raise ContractTypeError(
             f"serve_metrics ready must be callable, got {type(ready).__name__}")
