@@ -51,7 +51,7 @@ from ._fleet import (
     valid_replica,
 )
 from ._idle import IdleSweep
-from ._inputs import Inputs, engaged, republish, resend
+from ._inputs import Inputs, engaged, republish, resend, save_soon
 from ._interrupts import FleetInterrupts
 from ._ledger import Ledger, Participant
 from ._link import Link, deliver_directly
@@ -233,7 +233,8 @@ class NatsWorker:
             helpers.append(asyncio.create_task(resend(inputs), name="resend"))
             self._idle = IdleSweep(self._ledger, config.idle_after, config.dedup_window / 2,
                                    functools.partial(engaged, inputs),
-                                   router.export_participant_json, inputs.changed,
+                                   router.export_participant_json,
+                                   functools.partial(save_soon, inputs),
                                    self._metrics.idle.inc if self._metrics else lambda: None)
             helpers.append(asyncio.create_task(self._idle.run(), name="idle"))
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
