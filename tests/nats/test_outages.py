@@ -1000,3 +1000,33 @@ async def test_a_patch_applied_during_a_freeze_is_written_after_it_and_kept(
         assert await ask(front, heard, "ann", "again") == f"again|{PATCHED}|F"
         history = [item.user for item in router.history_of("ann")]
         assert "[background: job-0]" in history, history
+
+
+async def test_a_patch_whose_write_lands_before_the_next_owners_claim_is_kept(
+        nats_server: NatsServer) -> None:
+    """The first replica cut off from the server (every publish of its connection held
+    back: its pulls, its writes) while a patch is applied there; its partition's pin
+    moves to the other replica meanwhile. Once its publishes go through, the patch's
+    write lands before the other replica claims the participant (their next query comes
+    later): `apply_context_patch` returns, and the next turn, on the other replica, sees
+    the patch."""
+    routers: dict[str, AgentRouter] = {}
+    one = dataclasses.replace(CONFIG, url=nats_server.url, partitions=1)
+    async with proxied(nats_server.port) as proxy, \
+            worker_of(dataclasses.replace(one, url=proxy.url), "first", routers) as first, \
+            listening(nats_server.url) as (front, heard):
+        await until_true(lambda: first.owned_partitions == {0}, "the first owns it")
+        assert await ask(front, heard, "ann", "hello") == "hello|-|N"
+        async with worker_of(one, "second", routers) as second:
+            assert first.owned_partitions == {0}
+            cut = proxy.hold(lambda subject, payload: True)
+            patching = asyncio.create_task(routers["first"].apply_context_patch(
+                "ann", ContextPatch(task_id="job-1", digest=("found it",))))
+            await until_true(lambda: second.owned_partitions == {0}, "the second owns it",
+                             within=15)
+            assert not patching.done()
+            cut.release()
+            async with asyncio.timeout(30):
+                applied = await patching
+            assert applied.task_id == "job-1"
+            assert await ask(front, heard, "ann", "again") == f"again|{PATCHED}|F"

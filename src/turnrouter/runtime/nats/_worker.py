@@ -53,7 +53,7 @@ from ._fleet import (
 from ._idle import IdleSweep
 from ._inputs import Inputs, engaged, republish, resend, save_soon
 from ._interrupts import FleetInterrupts
-from ._ledger import Ledger, Participant
+from ._ledger import Ledger, Participant, unsaved
 from ._link import Link, deliver_directly
 from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
@@ -261,6 +261,8 @@ class NatsWorker:
         graceful stop did: its tasks, the load sampler say, end with it), the connection
         closed (drained after a start that finished and a server still there)."""
         await cancel_and_wait(background)
+        for state in self._ledger.people.values() if self._ledger is not None else ():
+            unsaved(state, "the worker stopped first")  # (patch calls still waiting)
         if self._router is not None and not graceful:
             with contextlib.suppress(Exception):
                 await self._router.stop()
