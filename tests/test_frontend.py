@@ -27,6 +27,7 @@ from turnrouter import (
     LifecycleError,
     MergeStrategy,
     ParticipantSnapshot,
+    PatchNotSavedError,
     PendingContextPatch,
     RoutedResult,
     TimingSample,
@@ -352,6 +353,54 @@ async def test_participant_changed_hears_every_patch_outside_a_turn(
     assert len(changed) == 5
     with pytest.raises(ContractTypeError):
         router.on_participant_changed("nope")  # type: ignore[arg-type]
+
+
+async def test_each_patch_call_awaits_what_participant_changed_returns(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A front end that saves each change (a NATS worker) returns an awaitable from the
+    callback: a merge, a hold, an approval and a rejection return only once it is done,
+    and a `PatchNotSavedError` it raises reaches the caller, the change made in memory
+    all the same (another replica may hold the participant now); any other error it
+    raises is logged, as the callback's own are."""
+    router = AgentRouter({"conversation": ScriptedAgent("conversation")},
+                         ScriptedDecisions("conversation"), output=OutputRecorder())
+    await router.route_turn(AgentTurn("p1", "t1", "hi"))
+    saved: list[str] = []
+    failure: list[BaseException] = []
+
+    async def save(pid: str) -> None:
+        await anyio.lowlevel.checkpoint()  # (a write: the call waits for it)
+        if failure:
+            raise failure[0]
+        saved.append(pid)
+
+    router.on_participant_changed(save)
+    await router.apply_context_patch("p1", ContextPatch(task_id="a", digest=("x",)))
+    assert saved == ["p1"]
+    held = await router.apply_context_patch(
+        "p1", ContextPatch(task_id="b", digest=("y",)), MergeStrategy.HUMAN_GATED)
+    other = await router.apply_context_patch(
+        "p1", ContextPatch(task_id="c", digest=("z",)), MergeStrategy.HUMAN_GATED)
+    assert isinstance(held, PendingContextPatch) and isinstance(other, PendingContextPatch)
+    await router.approve_patch(held.patch_id)
+    await router.reject_patch(other.patch_id)
+    assert saved == ["p1"] * 5
+    failure.append(PatchNotSavedError("not saved: another replica claimed it"))
+    with pytest.raises(PatchNotSavedError, match="another replica claimed it"):
+        await router.apply_context_patch("p1", ContextPatch(task_id="d", digest=("w",)))
+    assert [p.task_id for p in router.context_patches_of("p1")] == ["a", "b", "d"]
+    with pytest.raises(PatchNotSavedError):
+        await router.apply_context_patch(
+            "p1", ContextPatch(task_id="e", digest=("v",)), MergeStrategy.HUMAN_GATED)
+    (pending,) = router.pending_patches("p1")
+    with pytest.raises(PatchNotSavedError):
+        await router.reject_patch(pending.patch_id)
+    failure[0] = RuntimeError("a bug")
+    await router.apply_context_patch("p1", ContextPatch(task_id="f", digest=("u",)))
+    assert "on_participant_changed's outcome" in caplog.text
+    router.on_participant_changed(None)
+    await router.apply_context_patch("p1", ContextPatch(task_id="g", digest=("t",)))
+    assert saved == ["p1"] * 5
 
 
 async def test_report_rejected_counts_by_source_and_reason(

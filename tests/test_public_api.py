@@ -19,7 +19,8 @@ CORE = {
     "Destination",
     # Background context patches.
     "AppliedContextPatch", "ContextPatch", "ContextState", "MergeStrategy",
-    "PendingContextPatch", "PendingPatchLimitError", "UnknownPatchError",
+    "PatchNotSavedError", "PendingContextPatch", "PendingPatchLimitError",
+    "UnknownPatchError",
     "current_context_patches",
     # The front-end seam (runtimes, framework adapters).
     "Departure", "MAX_SNAPSHOT_BYTES", "MAX_SNAPSHOT_CONTAINERS", "ParticipantSnapshot",

@@ -15,6 +15,7 @@ __all__ = [
     "DestinationContractError",
     "LLMError",
     "LifecycleError",
+    "PatchNotSavedError",
     "PendingPatchLimitError",
     "PolicyError",
     "RouterBusyError",
@@ -62,6 +63,17 @@ class RouterBusyError(LifecycleError):
 
 class UnknownPatchError(LifecycleError, LookupError):
     """No pending patch has this id: never held, already settled, or dropped."""
+
+
+class PatchNotSavedError(LifecycleError):
+    """A context patch's change (merged, held, approved or rejected) was made in this
+    replica's memory, but the participant's record holding it was not written: on a
+    NATS fleet the participant moved to another replica first (its partition moved
+    while the server was unreachable, or was handed over), or the write got no answer.
+    The participant continues from their record, which does not (or may not) hold the
+    change; the message names the cause. Apply the result again where the participant
+    is served, e.g. at their next turn. The in-process router never raises it.
+    """
 
 
 class PendingPatchLimitError(LifecycleError):

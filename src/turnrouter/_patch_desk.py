@@ -7,6 +7,8 @@ participant's history (see `docs/router.md`, "Background context patches").
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import time
 import uuid
@@ -88,13 +90,15 @@ class PatchDesk:
         check_callable("on_participant_changed callback", callback)
         self._changed = callback
 
-    def _notify(self, pid: str) -> None:
+    def _notify(self, pid: str) -> object:
+        """Tell the watcher; what it returned (awaited by `_kept` when awaitable)."""
         callback = self._changed
         if callback is not None:
             try:
-                callback(pid)
+                return callback(pid)
             except Exception as exc:
                 log_failure("on_participant_changed(%r)", exc, pid)
+        return None
 
     def context_state(self, pid: str) -> ContextState:
         state = self._registry.get(pid)
@@ -155,8 +159,10 @@ class PatchDesk:
             raise
         patch_id = uuid.uuid4().hex
         if strategy is not MergeStrategy.HUMAN_GATED:
-            return self._merge(state, patch_id, patch, strategy,
-                               "diverged" if diverged else "applied")
+            applied = self._merge(state, patch_id, patch, strategy,
+                                  "diverged" if diverged else "applied")
+            await _kept(self._notify(pid))
+            return applied
         pending = state.pending
         if pending is None:
             pending = state.pending = {}
@@ -175,11 +181,12 @@ class PatchDesk:
         pending[patch_id] = held
         self.pending[patch_id] = state
         self._event(state.pid, held, "pending")
-        self._notify(pid)
+        saving = self._notify(pid)
         await self._ask(held)
+        await _kept(saving)
         return held
 
-    def approve(self, patch_id: str) -> AppliedContextPatch:
+    async def approve(self, patch_id: str) -> AppliedContextPatch:
         state, held = self._take(patch_id, "approve")
         _, refusal = self._target(state.pid)
         if refusal or self._registry.get(state.pid) is not state:
@@ -191,15 +198,19 @@ class PatchDesk:
             _check_fits(state, held.patch)
         except ContractValueError:
             self._event(state.pid, held, "dropped")
-            self._notify(state.pid)
+            saving = self._notify(state.pid)
+            with contextlib.suppress(LifecycleError):  # (the refusal says more)
+                await _kept(saving)
             raise
-        return self._merge(state, held.patch_id, held.patch, MergeStrategy.HUMAN_GATED,
-                           "approved")
+        applied = self._merge(state, held.patch_id, held.patch,
+                              MergeStrategy.HUMAN_GATED, "approved")
+        await _kept(self._notify(state.pid))
+        return applied
 
-    def reject(self, patch_id: str) -> PendingContextPatch:
+    async def reject(self, patch_id: str) -> PendingContextPatch:
         state, held = self._take(patch_id, "reject")
         self._event(state.pid, held, "rejected")
-        self._notify(state.pid)
+        await _kept(self._notify(state.pid))
         return held
 
     def hold(self, state: Participant) -> None:
@@ -270,7 +281,6 @@ class PatchDesk:
         self._cfg.observer.context_patch(ContextPatchEvent(
             state.pid, patch_id, patch.task_id, strategy.value, outcome,
             patch.context_diverged))
-        self._notify(state.pid)
         return applied
 
     def _event(self, pid: str, held: PendingContextPatch, outcome: PatchOutcome) -> None:
@@ -296,6 +306,22 @@ class PatchDesk:
             await say_through(output, turn, PATCH_ROUTE, text)
         except Exception as exc:
             log_failure("asking about context patch %s", exc, held.patch_id)
+
+
+async def _kept(outcome: object) -> None:
+    """Await what the `on_participant_changed` callback returned when it is awaitable
+    (a NATS worker's: the change's record write), so the patch call returns once the
+    change is kept: a `LifecycleError` it raises (`PatchNotSavedError`) reaches the
+    caller; other errors are logged, as the callback's own are. Nothing to await (the
+    in-process router) costs one check."""
+    if outcome is None or not inspect.isawaitable(outcome):
+        return
+    try:
+        await outcome
+    except LifecycleError:
+        raise
+    except Exception as exc:
+        log_failure("on_participant_changed's outcome", exc)
 
 
 def _diverged(history: History, patch: ContextPatch) -> bool:

@@ -363,7 +363,9 @@ class AgentRouter:
         `output`, and returns the `PendingContextPatch`; settle it with `approve_patch` /
         `reject_patch`. A patch whose stamp no longer matches the context is marked
         diverged and still merged or held. Raises `LifecycleError` for a participant the
-        router holds no state for, one that is leaving or left, and while stopping.
+        router holds no state for, one that is leaving or left, and while stopping. In a
+        NATS worker it returns once the record holding the change is written, else
+        raises `PatchNotSavedError` naming why (docs/distributed.md).
         """
         _check_pid(participant_id)
         return await self._patches.apply(participant_id, patch, strategy)
@@ -375,11 +377,11 @@ class AgentRouter:
         `LifecycleError` and a `LookupError`) when no patch with this id is pending:
         never held, already approved or rejected, or dropped by a departure or `stop()`.
         """
-        return self._patches.approve(patch_id)
+        return await self._patches.approve(patch_id)
 
     async def reject_patch(self, patch_id: str) -> PendingContextPatch:
         """Discard a held patch; its context is never merged. Errors as `approve_patch`."""
-        return self._patches.reject(patch_id)
+        return await self._patches.reject(patch_id)
 
     # ------------------------------------------------------------ front-end seam
 
@@ -460,7 +462,8 @@ class AgentRouter:
 
     def on_participant_changed(self, callback: ParticipantChange | None) -> None:
         """`callback(pid)` after a context patch changed a participant's state (merged,
-        held, approved or rejected); its errors are logged; None removes it."""
+        held, approved or rejected); its errors are logged; None removes it. The patch
+        call awaits an awaitable it returns (a `LifecycleError` it raises propagates)."""
         self._patches.watch(callback)
 
     def report_rejected(self, source: str, reason: str) -> None:

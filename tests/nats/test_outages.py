@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, generate_latest
 
 import nats
-from turnrouter import AgentRouter, ContextPatch, LifecycleError
+from turnrouter import AgentRouter, ContextPatch, LifecycleError, PatchNotSavedError
 from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import (
     NatsConfig,
@@ -876,7 +876,8 @@ async def test_a_change_outside_turns_that_cannot_be_saved_is_said(
     """A context patch applied while its record cannot be written (here the bucket's
     byte limit refusing every write; in chaos13 a server outage, after which another
     replica claimed the participant from the record without it): `apply_context_patch`
-    has returned, so the worker says the change was not saved. Before, nothing did."""
+    raises `PatchNotSavedError` naming the write, and the worker logs it. Before, it
+    returned as if the patch were kept."""
     routers: list[AgentRouter] = []
 
     def factory(ctx: WorkerContext) -> AgentRouter:
@@ -890,13 +891,142 @@ async def test_a_change_outside_turns_that_cannot_be_saved_is_said(
                 listening(config) as (front, heard):
             assert await ask(front, heard, "ann", "hello") == "hello|-|N"
             info = await bucket_refusing_writes(admin)
-            with caplog.at_level(logging.WARNING, logger="turnrouter"):
+            with caplog.at_level(logging.WARNING, logger="turnrouter"), pytest.raises(
+                    PatchNotSavedError, match="record write failed or got no answer"):
                 await routers[0].apply_context_patch(
                     "ann", ContextPatch(task_id="job-1", digest=("found it",)))
-                await until_true(lambda: any(
-                    "could not be saved" in r.getMessage() for r in caplog.records),
-                    "the unsaved change said")
+            assert any("could not be saved" in r.getMessage() for r in caplog.records)
             await admin.request(f"$JS.API.STREAM.UPDATE.{STATE_STREAM}",
                                 json.dumps(info["config"]).encode(), timeout=5)
     finally:
         await admin.close()
+
+
+@contextlib.asynccontextmanager
+async def worker_of(config: NatsConfig, replica: str,
+                    routers: dict[str, AgentRouter]) -> AsyncIterator[NatsWorker]:
+    """An in-process worker (its router in `routers[replica]`) once ready; stopped
+    gracefully (bounded) when the block ends."""
+
+    def factory(ctx: WorkerContext) -> AgentRouter:
+        routers[replica] = make_router(ctx)
+        return routers[replica]
+
+    worker = NatsWorker(factory, config, replica=replica, registry=CollectorRegistry())
+    run = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        yield worker
+    finally:
+        worker.request_stop()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+
+
+#: What the echo app's answer names as the previous user text once the patch is the
+#: history's last exchange.
+PATCHED = "[background: job-1]"
+
+
+async def test_a_patch_applied_while_the_server_is_away_is_not_said_applied_then_lost(
+        nats_server: NatsServer) -> None:
+    """chaos13 D1: a context patch applied during a server outage, its participant's
+    partition moving to another replica at the server's return (here the first replica
+    cannot reconnect until the other one has claimed the participant from their record):
+    the patch is not in the next owner's history, and `apply_context_patch` says so,
+    raising `PatchNotSavedError` once the first replica learns its write was refused.
+    Before, it returned at once, as if the patch were kept, and the patch was lost."""
+    routers: dict[str, AgentRouter] = {}
+    one = dataclasses.replace(CONFIG, url=nats_server.url, partitions=1)
+    async with proxied(nats_server.port) as proxy, \
+            worker_of(dataclasses.replace(one, url=proxy.url), "first", routers) as first, \
+            listening(nats_server.url) as (front, heard):
+        await until_true(lambda: first.owned_partitions == {0}, "the first owns it")
+        assert await ask(front, heard, "ann", "hello") == "hello|-|N"
+        async with worker_of(one, "second", routers) as second:
+            assert first.owned_partitions == {0}
+            proxy.refusing = True  # the first cannot reconnect until told
+            nats_server.crash()
+            await until_true(lambda: not first.readiness.serving, "the first saw it")
+            patching = asyncio.create_task(routers["first"].apply_context_patch(
+                "ann", ContextPatch(task_id="job-1", digest=("found it",))))
+            nats_server.restart()
+            await until_true(lambda: second.owned_partitions == {0}, "the second owns it",
+                             within=15)
+            answer = await ask(front, heard, "ann", "again")
+            proxy.refusing = False
+            async with asyncio.timeout(30):
+                outcome = (await asyncio.gather(patching, return_exceptions=True))[0]
+        assert answer in ("again|hello|F", f"again|{PATCHED}|F"), answer
+        kept = answer == f"again|{PATCHED}|F"
+        # Never both: reported applied and missing from the next owner's history.
+        assert kept or isinstance(outcome, PatchNotSavedError), (answer, outcome)
+        assert not kept  # (the first could write nothing before the second's claim)
+        assert "was made on this replica but not saved" in str(outcome), outcome
+
+
+async def test_a_patch_applied_during_a_freeze_is_written_after_it_and_kept(
+        nats_server: NatsServer) -> None:
+    """A patch applied while the server is frozen (3 s: past `failover_timeout`, so the
+    partition is pinned afresh, here to the same replica): `apply_context_patch` returns
+    once the record holding it is written, after the thaw, and the next turn sees it. A
+    second patch call cancelled while it waits leaves its write alone: that patch is
+    kept too."""
+    routers: dict[str, AgentRouter] = {}
+    config = dataclasses.replace(CONFIG, url=nats_server.url, partitions=1)
+    async with worker_of(config, "icy", routers) as worker, \
+            listening(nats_server.url) as (front, heard):
+        await until_true(lambda: worker.owned_partitions == {0}, "it owns the partition")
+        assert await ask(front, heard, "ann", "hello") == "hello|-|N"
+        router = routers["icy"]
+        nats_server.freeze()
+        try:
+            patching = asyncio.create_task(router.apply_context_patch(
+                "ann", ContextPatch(task_id="job-0", digest=("cancelled",))))
+            await asyncio.sleep(0.2)  # (the freeze under test: the call waits meanwhile)
+            assert not patching.done()
+            patching.cancel()
+            applying = asyncio.create_task(router.apply_context_patch(
+                "ann", ContextPatch(task_id="job-1", digest=("found it",))))
+            await asyncio.sleep(2.8)  # the rest of the freeze: past failover_timeout
+            assert not applying.done()
+        finally:
+            nats_server.thaw()
+        async with asyncio.timeout(30):
+            applied = await applying
+        assert applied.task_id == "job-1"
+        assert patching.cancelled()
+        assert await ask(front, heard, "ann", "again") == f"again|{PATCHED}|F"
+        history = [item.user for item in router.history_of("ann")]
+        assert "[background: job-0]" in history, history
+
+
+async def test_a_patch_whose_write_lands_before_the_next_owners_claim_is_kept(
+        nats_server: NatsServer) -> None:
+    """The first replica cut off from the server (every publish of its connection held
+    back: its pulls, its writes) while a patch is applied there; its partition's pin
+    moves to the other replica meanwhile. Once its publishes go through, the patch's
+    write lands before the other replica claims the participant (their next query comes
+    later): `apply_context_patch` returns, and the next turn, on the other replica, sees
+    the patch."""
+    routers: dict[str, AgentRouter] = {}
+    one = dataclasses.replace(CONFIG, url=nats_server.url, partitions=1)
+    async with proxied(nats_server.port) as proxy, \
+            worker_of(dataclasses.replace(one, url=proxy.url), "first", routers) as first, \
+            listening(nats_server.url) as (front, heard):
+        await until_true(lambda: first.owned_partitions == {0}, "the first owns it")
+        assert await ask(front, heard, "ann", "hello") == "hello|-|N"
+        async with worker_of(one, "second", routers) as second:
+            assert first.owned_partitions == {0}
+            cut = proxy.hold(lambda subject, payload: True)
+            patching = asyncio.create_task(routers["first"].apply_context_patch(
+                "ann", ContextPatch(task_id="job-1", digest=("found it",))))
+            await until_true(lambda: second.owned_partitions == {0}, "the second owns it",
+                             within=15)
+            assert not patching.done()
+            cut.release()
+            async with asyncio.timeout(30):
+                applied = await patching
+            assert applied.task_id == "job-1"
+            assert await ask(front, heard, "ann", "again") == f"again|{PATCHED}|F"

@@ -45,7 +45,7 @@ class IdleSweep:
         self._stale_after = stale_after
         self._busy = busy  # a turn of theirs runs, or they are departing
         self._export = export  # the router's snapshot JSON of a participant
-        self._save = save  # schedule a record write (`Inputs.changed`)
+        self._save = save  # schedule a record write (`save_soon`)
         self._counted = counted
         #: Candidates by partition, found by the last sweep.
         self.due: dict[int, list[str]] = {}

@@ -40,7 +40,16 @@ from ..._logging import log_failure
 from ..._redact import preview
 from ..._router import AgentRouter
 from .._messages import UserQuery
-from ._ledger import Ledger, Participant, await_previous_owner, recorded, unclaimed
+from ._ledger import (
+    Ledger,
+    Participant,
+    SaveOutcome,
+    await_previous_owner,
+    change_made,
+    recorded,
+    unclaimed,
+    unsaved,
+)
 from ._link import Link, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._wire import (
@@ -56,7 +65,7 @@ from ._wire import (
     trace_context,
 )
 
-__all__ = ["Inputs"]
+__all__ = ["Inputs", "save_soon"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -382,14 +391,13 @@ class Inputs:
             self._metrics.inflight_marks.inc()
         return await self._ledger.write(pid, state, fresh=False)
 
-    def changed(self, pid: str) -> None:
+    def changed(self, pid: str) -> SaveOutcome:
         """The router changed a participant outside its turns (a context patch): save
-        its record soon, off any turn's path (one save for changes close together)."""
-        state = self._ledger.people.get(pid)
-        if state is None or state.fenced or state.saving:
-            return
-        state.saving = True
-        self._spawn(_save(self._ledger, pid, state), "state save")
+        its record soon, off any turn's path (one save for changes close together); the
+        patch call awaits the outcome (`change_made`)."""
+        outcome = change_made(self._ledger, pid)
+        save_soon(self, pid)
+        return outcome
 
     async def _after(self, work: Awaitable[None], pid: str, state: Participant) -> None:
         try:
@@ -630,22 +638,27 @@ def engaged(inputs: Inputs, pid: str) -> bool:
     return bool(inputs.turns_of.of(pid)) or pid in inputs._departing
 
 
-_unsaved = [0]  # changes outside turns whose save failed, in this process
+def save_soon(inputs: Inputs, pid: str) -> None:
+    """Write `pid`'s record soon, off any turn's path, unless a save is due."""
+    state = inputs._ledger.people.get(pid)
+    if state is None or state.fenced or state.saving:
+        return
+    state.saving = True
+    inputs._spawn(_save(inputs._ledger, pid, state), "state save")
 
 
 async def _save(ledger: Ledger, pid: str, state: Participant) -> None:
     """`Inputs.changed`'s save of a participant's record. One that fails (the server
-    unreachable, or another replica took the participant meanwhile) loses the change
-    when the participant is claimed from its record elsewhere: said, since whoever
-    applied it (`apply_context_patch`) was told it applied (chaos13 D1)."""
+    unreachable, or another replica took the participant meanwhile) leaves the change
+    to `lose` (the partition moved: it writes it while this replica is still the
+    record's last writer), else its callers hear it was not saved (`unsaved`, from the
+    fence)."""
     state.saving = False  # a change after this point schedules another save
-    if not await ledger.write(pid, state):
-        _unsaved[0] += 1
-        if is_logged(_unsaved[0]):
-            logger.warning("turnrouter: a change made outside a turn (a context patch) "
-                           "could not be saved (%d so far): the participant starts again "
-                           "from their record, without it, wherever they are served next",
-                           _unsaved[0])
+    try:
+        await ledger.write(pid, state)
+    except BaseException:  # its callers are not left waiting for the bound
+        unsaved(state, "the participant's record write failed")
+        raise
 
 
 def _forget(outbox: list[Ending], ending: Ending) -> None:

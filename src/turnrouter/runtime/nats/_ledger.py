@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import operator
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from ..._exceptions import ContractValueError, LifecycleError
+from ..._exceptions import ContractValueError, LifecycleError, PatchNotSavedError
 from ..._frontend import ParticipantSnapshot
 from ..._limits import is_logged
 from ..._redact import preview
@@ -44,8 +45,9 @@ from ._wire import (
     record_json,
 )
 
-__all__ = ["Ledger", "Participant", "await_last_writer", "await_previous_owner",
-           "fitted_record", "recorded", "said", "unclaimed"]
+__all__ = ["Ledger", "Participant", "SaveOutcome", "await_last_writer",
+           "await_previous_owner", "change_made", "fitted_record", "recorded", "said",
+           "unclaimed", "unsaved"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -169,6 +171,15 @@ class Participant:
     the record, and its participant is claimed again from what the record holds)."""
     saving: bool = False
     """A save after an out-of-turn change (a context patch) is scheduled."""
+    changes: int = 0
+    """Changes made outside turns (context patches: `Inputs.changed`) so far."""
+    exported: int = 0
+    """How many of `changes` the snapshot last exported holds."""
+    saved: int = 0
+    """How many of `changes` the last record written holds."""
+    waiting: list[tuple[int, asyncio.Future[str | None]]] | None = None
+    """The patch calls waiting for their change to be written: its count in `changes`,
+    and its outcome (None once written, else why not: `SaveOutcome`)."""
     snapshot: bytes | None = None
     """The snapshot JSON of the last record written or claimed (an in-flight mark
     reuses it: nothing but turns and patches change it, and they write a fresh one)."""
@@ -182,6 +193,143 @@ class Participant:
         ended[turn_id] = ended.pop(turn_id, "") or _json_str(turn_id)
         if len(ended) > MAX_ENDED:
             del ended[next(iter(ended))]
+
+
+def saved_until(state: Participant, count: int) -> None:
+    """A record holding the first `count` changes landed: their callers hear so."""
+    state.saved = max(state.saved, count)
+    waiting = state.waiting
+    if waiting:
+        for need, future in waiting:
+            if need <= count and not future.done():
+                future.set_result(None)
+        state.waiting = [item for item in waiting if item[0] > count] or None
+
+
+_unsaved = [0]  # changes outside turns never written, in this process
+
+
+def unsaved(state: Participant, why: str) -> None:
+    """`state` leaves this replica with changes no record written holds: each caller
+    still waiting hears `why` (`PatchNotSavedError`); logged at the 1st, 10th, 100th...
+    (chaos13 D1: such a change was lost without a word, its caller told it applied)."""
+    waiting, state.waiting = state.waiting, None
+    told = 0
+    for _, future in waiting or ():
+        if not future.done():
+            future.set_result(why)
+            told += 1
+    if told:
+        _unsaved[0] += 1
+        if is_logged(_unsaved[0]):
+            logger.warning("turnrouter: a change made outside a turn (a context patch) "
+                           "could not be saved, or is not known to be (%d so far; its "
+                           "caller gets PatchNotSavedError unless the record read back "
+                           "holds it): %s", _unsaved[0], why)
+
+
+#: The longest a patch call waits for its change's record write (`SaveOutcome`): the
+#: write's own tries end within `_REWRITE_FOR` plus a try's wait, behind at most one
+#: other write of the participant, and a lost participant's `let_go`; this only bounds
+#: a path that never settles.
+SAVE_WAIT = 60.0
+
+
+class SaveOutcome:
+    """What a NATS worker's `Inputs.changed` returns to the router: awaited (by the
+    patch call that made the change) it returns once a record holding the change is
+    written, or raises `PatchNotSavedError` naming why it was not. The wait is bounded
+    (`SAVE_WAIT`) and shielded: a caller cancelled meanwhile leaves the write and the
+    other callers' waits alone. Never awaited (the change made by something that does
+    not wait), it costs nothing.
+
+    A write refused for a newer revision, or without a reply, may have landed all the
+    same (a try sent as the connection went, stored when it came back, its reply lost:
+    then another replica's claim read it): before raising, `recheck` reads the record
+    (`_landed`), and one that holds what this replica last tried to write, with the
+    change, counts as saved."""
+
+    __slots__ = ("_future", "_pid", "_recheck")
+
+    def __init__(self, pid: str, future: asyncio.Future[str | None],
+                 recheck: Callable[[], Awaitable[bool]] | None = None) -> None:
+        self._pid, self._future, self._recheck = pid, future, recheck
+
+    def __await__(self) -> Any:
+        return self._wait().__await__()
+
+    async def _wait(self) -> None:
+        try:
+            async with asyncio.timeout(SAVE_WAIT):
+                why = await asyncio.shield(self._future)
+                if why is not None and self._recheck is not None and (
+                        await self._recheck()):
+                    return
+        except TimeoutError:
+            why = f"no record write ended within {SAVE_WAIT:g} s"
+        if why is not None:
+            raise PatchNotSavedError(
+                f"the context change for participant {preview(self._pid)} was made on "
+                f"this replica but not saved: {why}; they continue from their record, "
+                "which may not hold it, wherever they are served next (apply the "
+                "result again there, e.g. at their next turn)")
+
+
+def change_made(ledger: Ledger, pid: str) -> SaveOutcome:
+    """A change of `pid` outside its turns: counted, and its outcome, settled by the
+    first record written holding it (`saved_until`: a save's, a turn's, `lose`'s) or
+    the participant leaving this replica (`unsaved`; then `_landed`)."""
+    future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+    state = ledger.people.get(pid)
+    if state is None or state.fenced:  # (leaving: its turns drain, then it is gone)
+        future.set_result(_NOT_HELD)
+        return SaveOutcome(pid, future)
+    state.changes += 1
+    if state.waiting is None:
+        state.waiting = []
+    state.waiting.append((state.changes, future))
+    return SaveOutcome(pid, future, functools.partial(
+        _landed, ledger, pid, state, state.changes))
+
+
+#: The longest `_landed` waits for its read of the record.
+_RECHECK_WAIT = 5.0
+
+
+async def _landed(ledger: Ledger, pid: str, state: Participant, need: int) -> bool:
+    """Whether `pid`'s record holds what this replica last tried to write (`state`, no
+    longer served here), a snapshot holding change `need`: a try of that write landed
+    though its outcome was not known here (`SaveOutcome`). The record's snapshot holds
+    it when it holds that snapshot's newest exchange (each is unique: a patch's id, a
+    turn's id and time; every write made since that exchange holds the change, or the
+    change added no exchange) and the same held patches (their ids: a hold or a
+    rejection changes only them); another replica's turns since only add exchanges."""
+    snapshot = state.snapshot
+    if need > state.exported or snapshot is None:
+        return False  # (never tried: it waited behind a write and found it fenced)
+    try:
+        async with asyncio.timeout(_RECHECK_WAIT):
+            record = await recorded(ledger, pid, state.partition)
+        if record is None or record.snapshot is None:
+            return False
+        ours = ParticipantSnapshot.from_json(snapshot)
+        theirs = ParticipantSnapshot.from_json(record.snapshot)
+    except (NatsError, ValueError, TimeoutError):  # (ContractValueError: a ValueError)
+        return False
+    return (not ours.history or ours.history[-1] in theirs.history) and (
+        {held.patch_id for held in ours.pending}
+        == {held.patch_id for held in theirs.pending})
+
+
+#: Why a change was not saved, by how its participant left this replica.
+_NOT_HELD = ("this replica no longer holds the participant (let go when idle, or served "
+            "by another replica)")
+_CLAIMED = ("another replica claimed the participant's record first (its partition "
+            "moved, e.g. while the NATS server was unreachable)")
+_NO_ANSWER = "the participant's record write failed or got no answer from the server"
+_MOVED = ("the participant's partition moved to another replica, which claimed the "
+          "record before this replica could write the change")
+_HANDED = "the participant was handed over before the change was written"
 
 
 def fitted_record(replica: str, inflight: list[str], snapshot: str | bytes | None,
@@ -430,6 +578,8 @@ class Ledger:
         state = self.people.pop(pid, None)
         if state is not None:
             state.fenced = True
+            if state.waiting and pid not in self._losing:  # (`lose` may still write it)
+                unsaved(state, _CLAIMED if refused else _NO_ANSWER)
         if refused and self._metrics is not None:
             self._metrics.state_refused.inc()
         try:
@@ -447,7 +597,8 @@ class Ledger:
         in flight and acknowledged here would end for nobody)."""
         state = self.people.get(pid)
         unfinished = state is not None and bool(
-            state.inflight or state.outbox or state.lock.locked())
+            state.inflight or state.outbox or state.lock.locked()
+            or state.changes != state.saved)
         inflight = list(state.inflight) if state is not None else []  # (the fence ends them)
         if state is None or not unfinished:
             await self.fence(pid, refused=False)
@@ -461,13 +612,14 @@ class Ledger:
             # (answers held by those cut short included) not yet acknowledged; the
             # history they go with, for answers not recorded yet (`let_go`).
             done = await let_go(self, pid, state.partition, Participant(
-                partition=state.partition, inflight=inflight, outbox=list(state.outbox)),
-                kept)
+                partition=state.partition, inflight=inflight, outbox=list(state.outbox),
+                changes=state.changes, saved=state.saved, waiting=state.waiting), kept)
         except Exception as exc:  # the other participants are still dropped
             logger.warning("turnrouter: ending a lost participant's turns failed: %r", exc)
             done = False
         finally:
             self._losing.discard(pid)
+            unsaved(state, _MOVED)  # (those `let_go` wrote have heard so)
         if done:
             self.unsure.pop(pid, None)  # (a write that gave up meanwhile: ended here)
         else:
@@ -488,10 +640,14 @@ class Ledger:
 
     async def drop(self, pid: str) -> None:
         """Hand `pid` over: no more writes from here, state dropped without release."""
+        state = self.people.get(pid)
+        if state is not None and state.changes != state.saved and not state.fenced:
+            await self.write(pid, state)  # a patch's change no record holds yet: first
         state = self.people.pop(pid, None)
         if state is not None:
             async with state.lock:
                 state.fenced = True
+            unsaved(state, _HANDED)
         with contextlib.suppress(LifecycleError):
             await self._router().evict_participant(pid)
 
@@ -666,27 +822,6 @@ class Ledger:
     def sound(self, outbox: list[Ending]) -> list[Ending]:
         return said(outbox, self._router())
 
-    def _remade(self) -> None:
-        self.records_remade += 1
-        if self._metrics is not None:
-            self._metrics.deployment_missing.labels("record").inc()
-        if is_logged(self.records_remade):
-            logger.warning("turnrouter: a participant's record was gone from bucket %s "
-                           "(deleted and made again?): written again from this replica's "
-                           "state (%d so far)", self._config.bucket, self.records_remade)
-
-    def _oversized(self) -> None:
-        """A record written without what did not fit (`fitted_record`): counted
-        (`nats_state`, `oversized`) and logged at the 1st, 10th, 100th..."""
-        self.oversized += 1
-        with contextlib.suppress(Exception):
-            self._router().report_rejected("nats_state", "oversized")
-        if is_logged(self.oversized):
-            logger.warning("turnrouter: a participant's record does not fit the NATS "
-                           "server's max_payload (%d bytes): written without its snapshot "
-                           "(%d so far; raise max_payload or lower the context budget)",
-                           self._link.max_payload, self.oversized)
-
     async def write(self, pid: str, state: Participant, *, fresh: bool = True) -> bool:
         """Revision-checked write of `pid`'s record; False (and fenced) when refused.
 
@@ -696,6 +831,7 @@ class Ledger:
             if state.fenced:
                 return False
             if fresh or state.snapshot is None:
+                state.exported = state.changes  # (before the export: changes are sync)
                 state.snapshot = self._router().export_participant_json(pid)
             outbox = state.outbox
             if outbox:
@@ -707,7 +843,7 @@ class Ledger:
                 self._replica, state.inflight[-_MAX_INFLIGHT:], state.snapshot, outbox,
                 ",".join(state.ended.values()), self._link.max_payload - HEADER_ROOM)
             if cut:
-                self._oversized()
+                _oversized(self)
             written = frozenset(map(_turn_of, outbox)) if outbox else _NONE
             t0 = time.perf_counter()
             uncertain, failure, failed = False, None, None
@@ -727,7 +863,7 @@ class Ledger:
                     self._link, self._kv, subject[len(self._subject):], subject, data,
                     state.revision if failed else 0, self._config, failed, t0)
                 if remade:
-                    self._remade()
+                    _remade(self)
             if failure is not None:
                 self.health.failed(failure)
                 self.write_failures += 1
@@ -738,6 +874,8 @@ class Ledger:
                 uncertain = True
             if seq is not None:
                 state.revision, state.recorded = seq, written
+                if state.exported != state.saved:  # a patch's change: its caller hears
+                    saved_until(state, state.exported)
                 self.health.ok()
             elif not uncertain and not (isinstance(error, dict)
                                         and error.get("err_code") in _WRONG_LAST):
@@ -760,6 +898,31 @@ class Ledger:
             await self.fence(pid, refused=True)
             return False
         return True
+
+
+def _remade(ledger: Ledger) -> None:
+    """A record found gone and written again (`Ledger.write`): counted and logged at
+    the 1st, 10th, 100th..."""
+    ledger.records_remade += 1
+    if ledger._metrics is not None:
+        ledger._metrics.deployment_missing.labels("record").inc()
+    if is_logged(ledger.records_remade):
+        logger.warning("turnrouter: a participant's record was gone from bucket %s "
+                       "(deleted and made again?): written again from this replica's "
+                       "state (%d so far)", ledger._config.bucket, ledger.records_remade)
+
+
+def _oversized(ledger: Ledger) -> None:
+    """A record written without what did not fit (`fitted_record`): counted
+    (`nats_state`, `oversized`) and logged at the 1st, 10th, 100th..."""
+    ledger.oversized += 1
+    with contextlib.suppress(Exception):
+        ledger._router().report_rejected("nats_state", "oversized")
+    if is_logged(ledger.oversized):
+        logger.warning("turnrouter: a participant's record does not fit the NATS "
+                       "server's max_payload (%d bytes): written without its snapshot "
+                       "(%d so far; raise max_payload or lower the context budget)",
+                       ledger._link.max_payload, ledger.oversized)
 
 
 #: How often `await_last_writer` reads the record again: at first soon (a resent
@@ -892,18 +1055,23 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
         known = {*record.ended, *(e[0] for e in record.outbox)}
         exchanges = {item.turn_id for item in kept.history}
         fresh = [e for e in held.outbox if e[0] not in known and e[0] in exchanges]
-    if record.owner != ledger._replica or not (record.inflight or record.outbox or fresh):
+    # Changes made outside turns (context patches) that no record holds: written with
+    # the held history, while this replica is still the record's last writer.
+    changed = held is not None and kept is not None and held.changes != held.saved
+    if record.owner != ledger._replica or not (
+            record.inflight or record.outbox or fresh or changed):
         return True  # claimed since (the claim ended them), or nothing left
     if pid in ledger.people or pid in ledger._claiming:
         return True
     outbox = ledger.sound([*record.outbox, *fresh])
-    if not record.inflight and not fresh:
+    if not record.inflight and not fresh and not changed:
         await ledger.say_again(pid, n, outbox)  # nothing to end, endings maybe unheard
         return True
     unfinished = _unfinished(record.inflight, outbox, ledger._config, ledger._metrics)
     ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
                            *record.inflight])
-    snapshot = kept.to_json() if fresh and kept is not None else record.snapshot
+    snapshot = kept.to_json() if (fresh or changed) and kept is not None else (
+        record.snapshot)
     value, unfinished, _cut = fitted_record(
         ledger._replica, [], snapshot, unfinished,
         ",".join(map(_json_str, list(ended)[-MAX_ENDED:])),
@@ -916,6 +1084,8 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
         return True  # a claim came first: it ended them
     except NatsError:
         return False
+    if changed and held is not None:
+        saved_until(held, held.changes)
     # Served by no one here: the endings stay in the record's outbox for the next
     # claim (which publishes them again; the stream drops the duplicates).
     await _say_unserved(ledger, pid, n, unfinished)

@@ -51,9 +51,9 @@ from ._fleet import (
     valid_replica,
 )
 from ._idle import IdleSweep
-from ._inputs import Inputs, engaged, republish, resend
+from ._inputs import Inputs, engaged, republish, resend, save_soon
 from ._interrupts import FleetInterrupts
-from ._ledger import Ledger, Participant
+from ._ledger import Ledger, Participant, unsaved
 from ._link import Link, deliver_directly
 from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
@@ -233,7 +233,8 @@ class NatsWorker:
             helpers.append(asyncio.create_task(resend(inputs), name="resend"))
             self._idle = IdleSweep(self._ledger, config.idle_after, config.dedup_window / 2,
                                    functools.partial(engaged, inputs),
-                                   router.export_participant_json, inputs.changed,
+                                   router.export_participant_json,
+                                   functools.partial(save_soon, inputs),
                                    self._metrics.idle.inc if self._metrics else lambda: None)
             helpers.append(asyncio.create_task(self._idle.run(), name="idle"))
             loops = [asyncio.create_task(self._partition_loop(n), name=f"partition {n}")
@@ -260,6 +261,8 @@ class NatsWorker:
         graceful stop did: its tasks, the load sampler say, end with it), the connection
         closed (drained after a start that finished and a server still there)."""
         await cancel_and_wait(background)
+        for state in self._ledger.people.values() if self._ledger is not None else ():
+            unsaved(state, "the worker stopped first")  # (patch calls still waiting)
         if self._router is not None and not graceful:
             with contextlib.suppress(Exception):
                 await self._router.stop()
