@@ -87,6 +87,10 @@ async def test_answer_must_be_implemented() -> None:
 
     with pytest.raises(NotImplementedError, match="Empty must implement answer"):
         await Empty("nothing").answer(AgentTurn("alice", "t1", "hi"), started=started)
+    # The router refuses it when built, not at the first turn routed there (newcomer14).
+    with pytest.raises(ContractTypeError, match=r"'empty' \(.*Empty\) does not implement"):
+        AgentRouter({"empty": Empty("nothing"), "conversation": Weather()},
+                    ScriptedDecisions("empty"))
 
 
 async def test_routed_through_the_router_and_ineligible_routes_hidden() -> None:

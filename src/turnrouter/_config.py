@@ -207,6 +207,12 @@ def _agents(destinations: object) -> dict[str, RoutableAgent]:
                 f"AgentRouter destination {name!r} ({type(agent).__qualname__}) was never "
                 "initialised as a Destination: its __init__ must call "
                 "super().__init__(description)")
+        if isinstance(agent, Destination) and type(agent).answer is Destination.answer:
+            # Else every turn routed here fails with NotImplementedError (newcomer14).
+            raise ContractTypeError(
+                f"AgentRouter destination {name!r} ({type(agent).__qualname__}) does not "
+                "implement answer(): a Destination subclass defines "
+                "`async def answer(self, turn, *, started)`")
         for method in ("routing_aid", "admit", "answer", "release"):
             if not callable(getattr(agent, method, None)):
                 raise ContractTypeError(
