@@ -57,6 +57,8 @@ PINNED = {
         "Ending", "parse_state", "state_json",
         # docs/distributed.md: the whole record, with the turns it says ended.
         "MAX_ENDED", "StateRecord", "parse_record",
+        # docs/limits.md: the credentials and CA files a worker or front end reads.
+        "MAX_CA_FILE_BYTES", "MAX_SECRET_FILE_BYTES",
     },
     "turnrouter.telemetry": {
         # docs/telemetry.md: the exemplar interval, and the metrics table it shows.

@@ -99,7 +99,7 @@ async def test_unusable_tls_and_nkey_files_are_named(tmp_path: Path,
               "missing.pem"),
              (NatsConfig(url=nats_server.url, tls_ca_file=str(junk)), "junk.pem"),
              (NatsConfig(url=nats_server.url, tls_cert_file=str(cert),
-                         tls_key_file=str(tmp_path / "missing-key.pem")), "client.pem"),
+                         tls_key_file=str(tmp_path / "missing-key.pem")), "missing-key.pem"),
              (NatsConfig(url=nats_server.url, nkey_seed_file=str(seed)), "seed.nk")]
     for config, named in cases:
         with pytest.raises(LifecycleError) as caught:

@@ -38,7 +38,13 @@ from prometheus_client import CollectorRegistry
 import nats
 from turnrouter import ConfigurationError, LifecycleError
 from turnrouter.runtime import Interrupted, UserQuery
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, encode_token
+from turnrouter.runtime.nats import (
+    MAX_CA_FILE_BYTES,
+    NatsConfig,
+    NatsFrontEnd,
+    NatsWorker,
+    encode_token,
+)
 
 from .conftest import (
     READY_WITHIN,
@@ -714,6 +720,29 @@ async def test_unreadable_tls_and_key_files_are_named_not_shown(tmp_path: Path) 
         with pytest.raises(LifecycleError) as caught:
             await NatsFrontEnd.connect(config)
         assert "secret-in-file-6502" not in str(caught.value)
+
+
+@pytest.mark.parametrize("field", ["creds_file", "nkey_seed_file", "tls_ca_file",
+                                   "tls_cert_file"])
+async def test_a_credentials_file_that_is_not_a_bounded_regular_file_is_refused(
+        tmp_path: Path, field: str) -> None:
+    """A named pipe, a device, a directory or a huge file as a credentials or TLS file is
+    refused at once, naming the file, before anything opens or reads it: a pipe nobody
+    writes blocked the worker's start for ever (SIGTERM too), `/dev/zero` as the nkey
+    file was read until 18 GB (redteam14)."""
+    pipe = tmp_path / "secrets.pipe"
+    os.mkfifo(pipe)
+    huge = tmp_path / "huge.pem"
+    with huge.open("wb") as file:
+        file.truncate(MAX_CA_FILE_BYTES + 1)  # sparse: no disk written
+    for path, why in ((pipe, "not a regular file"), (Path("/dev/zero"), "not a regular file"),
+                      (tmp_path, "not a regular file"), (huge, "bytes, over the")):
+        extra = {"tls_key_file": str(path)} if field == "tls_cert_file" else {}
+        config = NatsConfig(**{field: str(path), **extra})  # type: ignore[arg-type]
+        with pytest.raises(LifecycleError) as caught:
+            await asyncio.wait_for(NatsFrontEnd.connect(config, max_reconnect_attempts=0),
+                                   10)
+        assert str(path) in str(caught.value) and why in str(caught.value)
 
 
 # ---------------------------------------------------------------- secrets stay hidden

@@ -21,6 +21,7 @@ except ImportError as exc:  # exercised in a test that hides nats-py
 from ._client import MAX_PUBLISHED, MAX_SEEN_FINALS, NatsFrontEnd
 from ._connection import Readiness
 from ._fleet import parse_presence
+from ._security import MAX_CA_FILE_BYTES, MAX_SECRET_FILE_BYTES
 from ._wire import (
     MAX_ENDED,
     MAX_PARTICIPANT_ID_BYTES,
@@ -40,9 +41,11 @@ from ._wire import (
 from ._worker import NatsWorker, WorkerContext
 
 __all__ = [
+    "MAX_CA_FILE_BYTES",
     "MAX_ENDED",
     "MAX_PARTICIPANT_ID_BYTES",
     "MAX_PUBLISHED",
+    "MAX_SECRET_FILE_BYTES",
     "MAX_SEEN_FINALS",
     "Ending",
     "NatsConfig",

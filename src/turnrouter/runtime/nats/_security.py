@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import ssl
+import stat
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -245,7 +247,27 @@ def connect_options(config: NatsConfig, role: str,
     return options
 
 
-def _readable(path: str) -> None:
+#: The largest credentials file (creds, nkey seed, client certificate or key) and CA
+#: bundle read: a creds file is about 1 kB, a system CA bundle about 200 kB.
+MAX_SECRET_FILE_BYTES = 64 * 1024
+MAX_CA_FILE_BYTES = 16 * 1024 * 1024
+
+
+def _readable(path: str, limit: int = MAX_SECRET_FILE_BYTES) -> None:
+    """`LifecycleError` unless `path` is a regular file of at most `limit` bytes that
+    opens: a named pipe nobody writes blocked the start for ever (and SIGTERM with it,
+    the loop stuck in `open()`), `/dev/zero` was read until memory ran out (redteam14).
+    `stat` neither opens nor reads, so it cannot block on either."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise LifecycleError(f"cannot read {path!r}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise LifecycleError(f"cannot read {path!r}: not a regular file (a directory, "
+                             "a pipe or a device)")
+    if info.st_size > limit:
+        raise LifecycleError(f"cannot read {path!r}: {info.st_size} bytes, over the "
+                             f"{limit} a credentials file may hold")
     try:
         with open(path, "rb"):
             pass
@@ -258,9 +280,10 @@ def _nkey_seed(path: str) -> None:
     that does not is named here: nats-py's own error (`ErrInvalidSeed()`) names none."""
     import nkeys
 
+    _readable(path)
     try:
-        with open(path, "rb") as file:
-            seed = bytearray(file.read().strip())
+        with open(path, "rb") as file:  # (bounded: a file grown since its check)
+            seed = bytearray(file.read(MAX_SECRET_FILE_BYTES + 1).strip())
     except OSError as exc:
         raise LifecycleError(f"cannot read {path!r}: {exc.strerror}") from None
     try:
@@ -275,6 +298,11 @@ def _tls_context(config: NatsConfig) -> ssl.SSLContext:
     # Each step names the file it read and the problem, never what the file holds
     # (ssl's own errors name neither: "No such file or directory", "[X509] PEM lib").
     step = f"the CA file {config.tls_ca_file!r}" if config.tls_ca_file else "the system CAs"
+    if config.tls_ca_file is not None:
+        _readable(config.tls_ca_file, MAX_CA_FILE_BYTES)
+    for path in (config.tls_cert_file, config.tls_key_file):
+        if path is not None:
+            _readable(path)
     try:
         context = ssl.create_default_context(cafile=config.tls_ca_file)
         if config.tls_cert_file is not None and config.tls_key_file is not None:
