@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from turnrouter import (
     Admission,
@@ -64,6 +65,11 @@ class Echo:
         if self._said:
             print(f"running {turn.turn_id}", file=sys.stderr, flush=True)
         await started()
+        if turn.query.startswith("blocking"):  # blocks the event loop itself
+            mark = os.environ.get("TR_TEST_BLOCKING_MARK")
+            if mark:  # (the loop answers nothing meanwhile: a file says it blocks)
+                Path(mark).write_text(turn.turn_id)  # noqa: ASYNC240 (on purpose)
+            time.sleep(3600.0)  # noqa: ASYNC251 (what this turn tests)
         if turn.query.startswith("stubborn"):  # ignores its cancellation: never ends
             while True:
                 with contextlib.suppress(asyncio.CancelledError):

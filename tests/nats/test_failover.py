@@ -6,6 +6,7 @@ import asyncio
 import signal
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -266,25 +267,35 @@ async def test_sigterm_hands_idle_partitions_over_at_once_while_a_long_turn_drai
             staying.close()
 
 
-@pytest.mark.parametrize("again", ["never", "at once", "later"])
+@pytest.mark.parametrize(("again", "turn"), [
+    ("never", "stubborn"), ("at once", "stubborn"), ("later", "stubborn"),
+    ("never", "blocking"), ("later", "blocking")])
 async def test_a_graceful_stop_that_cannot_finish_still_ends_the_worker(
-        nats_server: NatsServer, again: str) -> None:
+        nats_server: NatsServer, again: str, turn: str, tmp_path: Path) -> None:
     """A turn whose destination ignores its cancellation (or a store timing every write
     out) keeps the graceful stop from finishing: the worker still exits (status 1, one
     line saying so) `--drain-timeout` plus 10 s after SIGTERM, or at once on a second
     SIGTERM a second or more later (one right after the first is the same stop: `uv
     run` forwards the terminal's signal the worker got too), instead of running on until
     the deployment's kill -9 (chaos12 D5 took over 30 s). What it held goes to the next
-    owner as after a crash."""
-    worker = Worker(nats_server.url, "stubborn", "--drain-timeout", "1")
+    owner as after a crash. Also when the destination blocks the event loop itself
+    (`time.sleep` on it): the loop's own signal handler waited for it to return, so the
+    worker exited 0 after the block, ignoring both the deadline and a second signal
+    (redteam14 D4)."""
+    blocked = tmp_path / "blocked"
+    worker = Worker(nats_server.url, "stubborn", "--drain-timeout", "1",
+                    env={"TR_TEST_BLOCKING_MARK": str(blocked)})
     try:
         async with listening(nats_server.url) as (front, _):
-            await front.publish(UserQuery(participant_id="s", text="stubborn one"))
-            await until_true(lambda: metric_value(
+            await front.publish(UserQuery(participant_id="s", text=f"{turn} one"))
+            await until_true(blocked.exists if turn == "blocking" else lambda: metric_value(
                 worker.metrics(), "turnrouter_nats_inflight_marks_total") >= 1,
-                "the stubborn turn running")
+                f"the {turn} turn running")
             worker.signal(signal.SIGTERM)
             if again == "at once":
+                worker.signal(signal.SIGTERM)
+            elif again == "later" and turn == "blocking":  # (its loop says nothing)
+                await asyncio.sleep(1.5)  # (the rule is about time: past SAME_STOP_SECS)
                 worker.signal(signal.SIGTERM)
             elif again == "later":
                 await until_true(lambda: metric_value(

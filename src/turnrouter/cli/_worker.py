@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -285,37 +286,54 @@ def _worker_main(argv: Sequence[str]) -> int:
         early = asyncio.Event()
 
         said = False
-        first_at = 0.0
+        first_at: float | None = None  # (time.monotonic() of the first stop signal)
 
         def stop(sig: signal.Signals | None = None) -> None:
-            nonlocal stopped_early, said, first_at
-            if worker.ready.is_set() and said and sig is not None:
-                if loop.time() - first_at < SAME_STOP_SECS:
-                    return  # the same stop, delivered twice
-                _force_exit(f"worker {worker.replica} stopping again ({sig.name}): "
-                            "exiting now, without finishing the graceful stop")
+            nonlocal stopped_early, said
             if worker.ready.is_set():
                 # Said once, with what it cannot do (NATS unreachable: what it holds
                 # goes to the next owner after ack_wait): a stop in an outage read as
                 # a crash in the log.
                 worker.request_stop()  # first: saying so may fail (a reader gone)
                 if not said:
-                    said, first_at = True, loop.time()
+                    said = True
                     readiness = worker.readiness
                     why = "" if readiness.serving else f": {readiness.why_not}"
                     _say(f"worker {worker.replica} stopping "
                          f"({sig.name if sig is not None else 'asked'}){why}")
-                    bound = args.drain_timeout + STOP_GRACE_SECS
-                    loop.call_later(bound, _force_exit,
-                                    f"worker {worker.replica} still stopping after {bound:g} s "
-                                    "(--drain-timeout plus 10 s): exiting now")
             else:  # still starting (a factory that hangs): give up the start at once
                 stopped_early = True
                 early.set()
                 task.cancel()
 
+        def on_signal(signum: int, frame: Any) -> None:
+            """SIGTERM/SIGINT, handled by the interpreter between two bytecodes of the
+            main thread, not by the loop: a destination blocking the loop (`time.sleep`
+            on it) held the loop's handler until it returned, so neither the forced
+            exit nor a second signal could end the worker (redteam14 D4). The graceful
+            part runs on the loop; the deadline is a thread's."""
+            nonlocal first_at
+            sig = signal.Signals(signum)
+            if worker.ready.is_set():
+                now = time.monotonic()
+                if first_at is not None:
+                    if now - first_at < SAME_STOP_SECS:
+                        return  # the same stop, delivered twice
+                    _force_exit(f"worker {worker.replica} stopping again ({sig.name}): "
+                                "exiting now, without finishing the graceful stop")
+                first_at = now
+                bound = args.drain_timeout + STOP_GRACE_SECS
+                deadline = threading.Timer(
+                    bound, _force_exit, (f"worker {worker.replica} still stopping after "
+                                         f"{bound:g} s (--drain-timeout plus 10 s): "
+                                         "exiting now",))
+                deadline.daemon = True
+                deadline.start()
+            with contextlib.suppress(RuntimeError):  # the loop closed: nothing to stop
+                loop.call_soon_threadsafe(stop, sig)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop, sig)
+            signal.signal(sig, on_signal)
         guarded.stop = stop
         if args.ready_file:  # there while the worker serves, gone while it cannot
             path = args.ready_file
