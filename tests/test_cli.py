@@ -103,7 +103,8 @@ def test_subcommand_help_goes_to_stdout(capsys: pytest.CaptureFixture[str]) -> N
     (["--seed", "x"], "--seed"),
     (["--fail-route", ""], "--fail-route"),
     (["--slow-route", "x" * 101], "--slow-route"),
-    (["--duration", "1", "--fail-route", "nope"], "unknown demo route 'nope'"),
+    (["--duration", "1", "--fail-route", "nope"], "--fail-route: unknown demo route 'nope'"),
+    (["--duration", "1", "--slow-route", "nan"], "--slow-route: unknown demo route 'nan'"),
     (["--no-such-flag"], "unrecognized"),
 ])
 def test_demo_usage_errors_exit_2_with_one_line(

@@ -370,7 +370,8 @@ def test_flag_errors_exit_2_with_one_line(
 
 
 @pytest.mark.parametrize(("delays", "problem"), [
-    ("0,1", "(0, 60]"), ("nan", "(0, 60]"), ("x", "not a number"), ("", "1 to 100")])
+    ("0,1", "[0.001, 60]"), ("nan", "[0.001, 60]"), ("1e-320", "[0.001, 60]"),
+    ("x", "not a number"), ("", "1 to 100")])
 def test_bad_delays_exit_2(samples: Path, delays: str, problem: str) -> None:
     """--delays must be 1-100 finite positive numbers."""
     code, _, err = run(["--samples", str(samples), "--delays", delays or ","])

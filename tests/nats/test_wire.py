@@ -305,7 +305,8 @@ def test_public_names_are_pinned() -> None:
     import turnrouter.runtime.nats as module
 
     assert set(module.__all__) == {
-        "MAX_ENDED", "MAX_PARTICIPANT_ID_BYTES", "MAX_PUBLISHED", "MAX_SEEN_FINALS", "Ending",
+        "MAX_CA_FILE_BYTES", "MAX_ENDED", "MAX_PARTICIPANT_ID_BYTES", "MAX_PUBLISHED",
+        "MAX_SECRET_FILE_BYTES", "MAX_SEEN_FINALS", "Ending",
         "NatsConfig",
         "NatsFrontEnd", "NatsWorker", "Readiness", "Rejected", "StateRecord", "WorkerContext",
         "decode_token", "encode_token", "parse_input", "parse_presence", "parse_record",

@@ -190,7 +190,13 @@ def test_a_missing_app_dir_is_a_usage_error(tmp_path: Path) -> None:
     done = run_worker("--nats", "nats://127.0.0.1:1", "--app", "myapp:make",
                       "--app-dir", str(missing))
     assert done.returncode == 2
-    assert f"--app-dir {missing}: not a directory" in done.stderr
+    assert f"--app-dir {str(missing)!r}: not a directory" in done.stderr
+    for junk in ("", "\x1b[31m"):  # empty was the current directory; ESC went out raw
+        done = run_worker("--nats", "nats://127.0.0.1:1", "--app", "myapp:make",
+                          "--app-dir", junk)
+        assert done.returncode == 2
+        assert f"--app-dir {junk!r}: not a directory" in done.stderr
+        assert "\x1b" not in done.stderr
 
 
 def test_ready_file_in_a_missing_directory_is_a_usage_error(tmp_path: Path) -> None:

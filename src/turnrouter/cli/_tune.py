@@ -998,8 +998,9 @@ def _delays(text: str | None, generation: float) -> list[float]:
             value = float(item)
         except ValueError:
             raise ValueError(f"--delays: not a number: {printable(item[:30])!r}") from None
-        if not math.isfinite(value) or not 0 < value <= 60:
-            raise ValueError(f"--delays must be numbers in (0, 60], got {printable(item)!r}")
+        if not math.isfinite(value) or not 0.001 <= value <= 60:
+            raise ValueError(f"--delays must be numbers in [0.001, 60] (seconds), got "
+                             f"{printable(item[:30])!r}")
         delays.add(value)
     return sorted(delays)
 

@@ -242,8 +242,8 @@ def _worker_main(argv: Sequence[str]) -> int:
             parser.error(f"--ready-file {args.ready_file} is another running worker's "
                          f"(it holds {args.ready_file}.lock): give each worker its own")
     app_dir = os.path.abspath(args.app_dir)
-    if not os.path.isdir(app_dir):  # else "No module named ..." hid the cause
-        parser.error(f"--app-dir {args.app_dir}: not a directory")
+    if not args.app_dir or not os.path.isdir(app_dir):  # else "No module named ..."
+        parser.error(f"--app-dir {args.app_dir[:200]!r}: not a directory")
     if app_dir not in sys.path:  # as uvicorn: `--app myapp:make` finds ./myapp.py
         sys.path.insert(0, app_dir)
     try:

@@ -273,7 +273,8 @@ def build_agents(sample: Sample, *, rng: random.Random, publish: Publish, speed:
     names = [*sample.domains, DEFAULT_ROUTE]
     unknown = sorted((set(failing_routes) | set(slow_routes)) - set(names))
     if unknown:
-        raise ConfigurationError(f"unknown demo route {unknown[0][:100]!r} "
+        flag = "--fail-route" if unknown[0] in failing_routes else "--slow-route"
+        raise ConfigurationError(f"{flag}: unknown demo route {unknown[0][:100]!r} "
                                  f"(choose from {', '.join(sorted(names))})")
     for name in names:
         clarify_share, clarify_text = 0.0, ""

@@ -334,8 +334,10 @@ class NatsConfig:
                 "inputs it ended would let such an input run again")
         if self.pull_expires >= self.failover_timeout:
             raise ConfigurationError(
-                "NatsConfig.pull_expires must be shorter than failover_timeout, or the "
-                "owning replica loses its partitions while it waits")
+                f"NatsConfig.failover_timeout ({self.failover_timeout:g} s, "
+                f"--failover-timeout) must be longer than pull_expires "
+                f"({self.pull_expires:g} s), or the owning replica loses its partitions "
+                "while it waits")
         if self.mark_after >= self.ack_wait / 2:
             raise ConfigurationError(
                 "NatsConfig.mark_after must be under half of ack_wait, or a held message "
