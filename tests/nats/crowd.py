@@ -189,18 +189,14 @@ class Crowd:
 
 
 @contextlib.asynccontextmanager
-async def serving(config: NatsConfig, replica: str, factory: RouterFactory = make_router
-                  ) -> AsyncIterator[CollectorRegistry]:
-    """One in-process worker of `factory`'s router on `config` until the block ends
-    (then a graceful stop: it drains and hands its partitions over); its metrics'
-    registry."""
-    registry = CollectorRegistry()
-    worker = NatsWorker(factory, config, registry=registry, replica=replica)
+async def running(worker: NatsWorker) -> AsyncIterator[NatsWorker]:
+    """`worker` running in this process once ready (15 s at most) until the block ends,
+    then stopped gracefully (bounded: 30 s; it drains and hands its partitions over)."""
     run = asyncio.create_task(worker.run())
     try:
         async with asyncio.timeout(15):
             await worker.ready.wait()
-        yield registry
+        yield worker
     finally:
         worker.request_stop()
         if not worker.ready.is_set():
@@ -209,3 +205,13 @@ async def serving(config: NatsConfig, replica: str, factory: RouterFactory = mak
             await asyncio.gather(run, return_exceptions=True)
     if not run.cancelled() and run.exception() is not None:
         raise AssertionError("the worker failed") from run.exception()
+
+
+@contextlib.asynccontextmanager
+async def serving(config: NatsConfig, replica: str, factory: RouterFactory = make_router
+                  ) -> AsyncIterator[CollectorRegistry]:
+    """One in-process worker of `factory`'s router on `config` until the block ends
+    (then a graceful stop); its metrics' registry."""
+    registry = CollectorRegistry()
+    async with running(NatsWorker(factory, config, registry=registry, replica=replica)):
+        yield registry

@@ -36,7 +36,7 @@ from turnrouter.runtime.nats import (
 
 from .app import make_router
 from .conftest import ROOT, NatsServer, Worker, metric_value, nats_server_binary, until_true
-from .crowd import FAILURE, Heard, ask, listening, serving
+from .crowd import FAILURE, Heard, ask, listening, running, serving
 from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
@@ -912,16 +912,9 @@ async def worker_of(config: NatsConfig, replica: str,
         routers[replica] = make_router(ctx)
         return routers[replica]
 
-    worker = NatsWorker(factory, config, replica=replica, registry=CollectorRegistry())
-    run = asyncio.create_task(worker.run())
-    try:
-        async with asyncio.timeout(15):
-            await worker.ready.wait()
+    async with running(NatsWorker(factory, config, replica=replica,
+                                  registry=CollectorRegistry())) as worker:
         yield worker
-    finally:
-        worker.request_stop()
-        async with asyncio.timeout(30):
-            await asyncio.gather(run, return_exceptions=True)
 
 
 #: What the echo app's answer names as the previous user text once the patch is the

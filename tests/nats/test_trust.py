@@ -57,7 +57,7 @@ from .conftest import (
     settled,
     until_true,
 )
-from .crowd import Heard, ask, listen, listening
+from .crowd import Heard, ask, listen, listening, running
 from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
@@ -866,17 +866,9 @@ async def failing_worker(nats_server: NatsServer) -> AsyncIterator[NatsWorker]:
         return AgentRouter({"echo": Failing()}, Always(),  # type: ignore[dict-item]
                            default_destination="echo")
 
-    worker = NatsWorker(factory, NatsConfig(url=nats_server.url),
-                        registry=CollectorRegistry(), replica="failing")
-    run = asyncio.create_task(worker.run())
-    try:
-        async with asyncio.timeout(15):
-            await worker.ready.wait()
+    async with running(NatsWorker(factory, NatsConfig(url=nats_server.url),
+                                  registry=CollectorRegistry(), replica="failing")) as worker:
         yield worker
-    finally:
-        worker.request_stop()
-        async with asyncio.timeout(30):
-            await asyncio.gather(run, return_exceptions=True)
 
 
 async def test_destination_errors_quoting_user_text_stay_out_of_the_logs(
