@@ -225,6 +225,16 @@ def test_set_after_init_the_attributes_change_the_routing_aid() -> None:
         late.name = 3  # type: ignore[assignment]
     assert late.routing_aid("alice").priority == 4  # unchanged by the refusals
 
+    class Derived(Destination):  # reads the class's values before its own init
+        description = "forecasts"
+        priority = 1
+
+        def __init__(self, region: str) -> None:
+            super().__init__(f"{self.description} for {region}", priority=self.priority + 1)
+
+    derived = Derived("Lyon").routing_aid("alice")
+    assert (derived.description, derived.priority) == ("forecasts for Lyon", 2)
+
     class Early(Destination):
         def __init__(self) -> None:
             self.description = "too early"

@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import pytest
+from pydantic import ValidationError
 
 from turnrouter import (
     AgentExchange,
@@ -618,6 +619,16 @@ async def test_contract_validation() -> None:
         # found pydantic's ValidationError, which no `except TurnrouterError` catches.
         with pytest.raises(ContractValueError, match=f"invalid ContextPatch: {field}"):
             ContextPatch(**bad)
+    # Only direct construction is wrapped: validation keeps pydantic's own behaviour
+    # (strict mode honoured; an overridden __init__ had made it ignored: review14), and a
+    # nested model's error keeps its path.
+    with pytest.raises(ValidationError):
+        ContextPatch.model_validate({"task_id": "a", "source_context_version": "3"},
+                                    strict=True)
+    with pytest.raises(ContractValueError,
+                       match=r"invalid PendingContextPatch: patch\.source_context_version"):
+        PendingContextPatch(patch_id="x", participant_id="p", task_id="a",
+                            patch={"task_id": "a", "source_context_version": -1})  # type: ignore[arg-type]
     with pytest.raises(ContractValueError, match="invalid PendingContextPatch: created_at"):
         PendingContextPatch(patch_id="x", participant_id="p", task_id="a",
                             patch=ContextPatch(task_id="a"), created_at=math.nan)

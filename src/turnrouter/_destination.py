@@ -36,7 +36,11 @@ class _AidField:
     def __get__(self, instance: Any, owner: type) -> Any:
         if instance is None:
             return getattr(owner, f"_declared_{self.field}")
-        return getattr(instance._aid, self.field)
+        try:
+            aid = instance._aid
+        except AttributeError:  # read before super().__init__(): the class's value
+            return getattr(owner, f"_declared_{self.field}")
+        return getattr(aid, self.field)
 
     def __set__(self, instance: Any, value: Any) -> None:
         try:

@@ -2,8 +2,12 @@
 
 Built with bad fields, a pydantic model raises pydantic's `ValidationError`, which is no
 `TurnrouterError`: `ContractModel` raises `ContractValueError` naming the first bad field
-instead, as every other contract object does (still a `ValueError`, as before). Type
-checkers keep the fields' own constructor signature: the wrapper exists at run time only.
+instead, as every other contract object does (still a `ValueError`, as before). Only the
+direct construction `Model(...)` is wrapped, by the metaclass's `__call__`: an overridden
+`__init__` would make pydantic call it for `model_validate`, `model_validate_json` and
+every nested model too (their `strict=` and `context=` ignored, and a snapshot read from
+JSON twice as slow: review14). Type checkers see a plain `BaseModel` subclass, so each
+model keeps its fields' own constructor signature.
 """
 
 from __future__ import annotations
@@ -29,12 +33,16 @@ def contract_error(what: str, exc: ValidationError) -> ContractValueError:
     return ContractValueError(f"invalid {what}: {where}: {first['msg']}{more}")
 
 
-class ContractModel(BaseModel):
-    """A pydantic model whose constructor raises `ContractValueError` for bad fields."""
-
-    if not TYPE_CHECKING:
-        def __init__(self, /, **data: Any) -> None:
+if TYPE_CHECKING:
+    class ContractModel(BaseModel):
+        """A pydantic model whose constructor raises `ContractValueError` for bad fields."""
+else:
+    class _ContractMeta(type(BaseModel)):  # pydantic's model metaclass
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
             try:
-                super().__init__(**data)
+                return super().__call__(*args, **kwargs)
             except ValidationError as exc:
-                raise contract_error(type(self).__name__, exc) from exc
+                raise contract_error(cls.__name__, exc) from exc
+
+    class ContractModel(BaseModel, metaclass=_ContractMeta):
+        """A pydantic model whose constructor raises `ContractValueError` for bad fields."""
