@@ -417,3 +417,16 @@ def test_a_stop_during_a_server_outage_says_why(nats_server: NatsServer) -> None
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=10)
+
+
+def test_the_signal_handlers_are_put_back_when_the_worker_returns(
+        nats_server: NatsServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """`main(["worker", ...])` in a process that goes on (a caller's, its teardown):
+    SIGTERM and SIGINT are the caller's again once it returns. Before, the worker's
+    handlers stayed: Ctrl-C no longer raised KeyboardInterrupt, and after a stop by a
+    signal a later one called os._exit in the host process (review14)."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    assert main(["worker", "--nats", nats_server.url, "--app",
+                 "tests.nats.app:raising"]) == 1
+    assert "OPENAI_API_KEY is not set" in capsys.readouterr().err  # (the factory raised)
+    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -277,6 +277,8 @@ def _worker_main(argv: Sequence[str]) -> int:
     except TurnrouterError as exc:
         parser.error(f"--replica: {exc}")
     stopped_early = False
+    deadline = _Deadline()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     async def run() -> None:
         nonlocal stopped_early
@@ -286,11 +288,15 @@ def _worker_main(argv: Sequence[str]) -> int:
         early = asyncio.Event()
 
         said = False
-        first_at: float | None = None  # (time.monotonic() of the first stop signal)
+        bound = args.drain_timeout + STOP_GRACE_SECS
+        late = (f"worker {worker.replica} still stopping after {bound:g} s "
+                "(--drain-timeout plus 10 s): exiting now")
 
         def stop(sig: signal.Signals | None = None) -> None:
             nonlocal stopped_early, said
             if worker.ready.is_set():
+                # (A signal handled just before the worker was ready arms it here.)
+                deadline.arm(bound, late)
                 # Said once, with what it cannot do (NATS unreachable: what it holds
                 # goes to the next owner after ack_wait): a stop in an outage read as
                 # a crash in the log.
@@ -312,23 +318,14 @@ def _worker_main(argv: Sequence[str]) -> int:
             on it) held the loop's handler until it returned, so neither the forced
             exit nor a second signal could end the worker (redteam14 D4). The graceful
             part runs on the loop; the deadline is a thread's."""
-            nonlocal first_at
             sig = signal.Signals(signum)
             if worker.ready.is_set():
-                now = time.monotonic()
-                if first_at is not None:
-                    if now - first_at < SAME_STOP_SECS:
+                if deadline.first_at is not None:
+                    if time.monotonic() - deadline.first_at < SAME_STOP_SECS:
                         return  # the same stop, delivered twice
                     _force_exit(f"worker {worker.replica} stopping again ({sig.name}): "
                                 "exiting now, without finishing the graceful stop")
-                first_at = now
-                bound = args.drain_timeout + STOP_GRACE_SECS
-                deadline = threading.Timer(
-                    bound, _force_exit, (f"worker {worker.replica} still stopping after "
-                                         f"{bound:g} s (--drain-timeout plus 10 s): "
-                                         "exiting now",))
-                deadline.daemon = True
-                deadline.start()
+                deadline.arm(bound, late)
             with contextlib.suppress(RuntimeError):  # the loop closed: nothing to stop
                 loop.call_soon_threadsafe(stop, sig)
 
@@ -399,11 +396,38 @@ def _worker_main(argv: Sequence[str]) -> int:
               "--debug for the traceback)", file=sys.stderr)
         return 1
     finally:
+        # The process goes on (a caller of `main()`, its interpreter's teardown): its
+        # signals are its own again, and a stop that finished forces no exit later.
+        deadline.cancel()
+        for sig, handler in handlers.items():
+            if handler is not None:  # (None: set outside Python, nothing to put back)
+                signal.signal(sig, handler)
         if server is not None:
             server.close()
         if args.ready_file:
             _remove_ready(args.ready_file)
     return 0
+
+
+class _Deadline:
+    """The forced exit's deadline, armed once at the first stop: a thread's timer, so a
+    loop blocked by a destination cannot hold it (redteam14 D4)."""
+
+    def __init__(self) -> None:
+        self.first_at: float | None = None  # (time.monotonic() when armed)
+        self._timer: threading.Timer | None = None
+
+    def arm(self, bound: float, text: str) -> None:
+        if self.first_at is not None:
+            return
+        self.first_at = time.monotonic()
+        self._timer = threading.Timer(bound, _force_exit, (text,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 #: The open lock files of `--ready-file`s this process holds (kept open for its life).
@@ -450,8 +474,9 @@ def _write_ready(path: str, replica: str) -> None:
 class _SignalsInFactory:
     """Calls the router factory so that SIGTERM and SIGINT stop a start-up even while
     a synchronous factory blocks (a dependency polled with `time.sleep`, a blocking
-    client call). It runs on the event loop's thread, so the loop's own signal handlers
-    could not run before it returned, and the signal was ignored until the
+    client call). It runs on the event loop's thread, so the stop the worker's signal
+    handlers hand to the loop could not run before it returned, and the signal was
+    ignored until the
     orchestrator's SIGKILL. While the call lasts, a Python-level handler does what the
     loop's would (`stop`) and raises CancelledError in the factory, which ends the start
     as the cancellation of an async factory does. An async factory returns at once (its
