@@ -86,6 +86,7 @@ def test_subcommand_help_goes_to_stdout(capsys: pytest.CaptureFixture[str]) -> N
 @pytest.mark.parametrize(("flags", "named"), [
     (["--duration", "0"], "--duration"),
     (["--duration", "nan"], "--duration"),
+    (["--duration", "1e-320"], "--duration"),
     (["--participants", "0"], "--participants"),
     (["--participants", "10001"], "--participants"),
     (["--speed", "inf"], "--speed"),

@@ -23,6 +23,8 @@ __all__ = ["OneLineParser", "demo_parser", "main", "worker_parser"]
 
 #: Upper bounds of the demo's numeric flags (beyond them the run is pointless or unsafe).
 MAX_DURATION = 365 * 86400.0
+#: Shorter than this, a run is no run (`1e-320` ran 0 s and exited 0: redteam14).
+MIN_DURATION = 0.1
 MAX_SPEED = 1000.0
 #: Slower than this, a run of any length says and measures nothing (a typo, mostly).
 MIN_SPEED = 0.01
@@ -49,7 +51,7 @@ def _number(value: str, *, low: float, high: float, low_open: bool) -> float:
 
 
 def _duration(value: str) -> float:
-    return _number(value, low=0.0, high=MAX_DURATION, low_open=True)
+    return _number(value, low=MIN_DURATION, high=MAX_DURATION, low_open=False)
 
 
 def _speed(value: str) -> float:
