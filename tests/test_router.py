@@ -364,8 +364,8 @@ async def test_a_plain_def_decide_is_a_failure_that_says_async_def(
     plain = Harness(ScriptedAgent("weather"), decisions=Plain())  # type: ignore[arg-type]
     with caplog.at_level(logging.WARNING, logger="turnrouter"):
         assert (await plain.say()).text == "conversation answer"
-    assert "returned RouteDecision, not an awaitable: define it with `async def`" in (
-        caplog.text)
+    assert ("decision service decide() returned RouteDecision, not an awaitable: it "
+            "must be an async method (async def decide(...))") in caplog.text
     wrapped = Harness(ScriptedAgent("weather"), decisions=Wrapper())  # type: ignore[arg-type]
     assert (await wrapped.say()).text == "weather answer"
 

@@ -16,7 +16,6 @@ import math
 from asyncio import current_task
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from inspect import isawaitable
-from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -82,8 +81,6 @@ if TYPE_CHECKING:
 __all__ = ["Answer", "Turn", "bounded_release"]
 
 logger = logging.getLogger("turnrouter")
-#: The type of what an `async def` returns: checked first, the awaitable test only if not.
-_COROUTINE = CoroutineType
 
 _CLARIFY_RESULT = DestinationResult("clarify")
 _TIMED_OUT = Admission("decline")
@@ -298,7 +295,13 @@ class Turn(TurnRun):
         obs, cfg = self.obs, self.cfg
         token = obs.decision_started(request) if self.observing else None
         try:
-            decision = _checked_decision(await _decision_of(cfg, request))
+            pending = cfg.decisions.decide(request)
+            try:
+                decision = await pending
+            except TypeError:  # (a plain `def decide`: newcomer14)
+                _refuse_not_awaitable("decision service", "decide", pending)
+                raise
+            decision = _checked_decision(decision)
         except (Exception, asyncio.CancelledError) as raised:
             exc = self.stray(raised, "decision service decide()")
             if not isinstance(exc, Exception):
@@ -346,7 +349,7 @@ class Turn(TurnRun):
                 try:
                     admission = await pending
                 except TypeError:
-                    _refuse_not_awaitable(route, "admit", pending)
+                    _refuse_not_awaitable(f"destination {route!r}", "admit", pending)
                     raise
             else:
                 admission = await self._admit_within(route, focused, token)
@@ -393,7 +396,7 @@ class Turn(TurnRun):
             try:
                 admission = await pending
             except TypeError:
-                _refuse_not_awaitable(route, "admit", pending)
+                _refuse_not_awaitable(f"destination {route!r}", "admit", pending)
                 raise
         if scope.cancel_called:  # (an admit() that swallowed the cancel: too late too)
             self.obs.admission_finished(token, AdmissionFinished(
@@ -548,7 +551,7 @@ class Answer:
                 try:
                     result = await pending
                 except TypeError:
-                    _refuse_not_awaitable(route, "answer", pending)
+                    _refuse_not_awaitable(f"destination {route!r}", "answer", pending)
                     raise
             else:
                 result = await self._call_beside_sidecar(sidecar)
@@ -609,7 +612,7 @@ class Answer:
                 try:
                     result = await pending
                 except TypeError:
-                    _refuse_not_awaitable(self.route, "answer", pending)
+                    _refuse_not_awaitable(f"destination {self.route!r}", "answer", pending)
                     raise
             except Exception as exc:  # re-raised below, unwrapped by the task group
                 error = exc
@@ -823,18 +826,6 @@ def _seed(run: Turn, history: History) -> None:
                                  f"beyond max_history_exchanges of {turn.participant_id!r}")
 
 
-def _decision_of(cfg: RouterConfig, request: RouteRequest) -> Awaitable[object]:
-    """The decision service's pending decision; `DestinationContractError` when
-    decide() is not awaitable (a plain `def decide`: newcomer14). Plain functions, this
-    and the next: no coroutine layer more on every turn."""
-    pending = cfg.decisions.decide(request)
-    if type(pending) is not _COROUTINE and not isawaitable(pending):
-        raise DestinationContractError(
-            f"decision service decide() returned {type(pending).__name__}, not an "
-            "awaitable: define it with `async def`")
-    return pending
-
-
 def _checked_decision(decision: object) -> RouteDecision:
     """`decision` if it is a valid `RouteDecision`, else `DestinationContractError`."""
     if not isinstance(decision, RouteDecision):
@@ -975,12 +966,12 @@ def _refuse_async_check(returned: object) -> None:
             "(def, not async def) that raises for a result the front end cannot carry")
 
 
-def _refuse_not_awaitable(route: str, method: str, returned: object) -> None:
-    """After a TypeError awaiting a destination's `method()`: when what it returned is
-    not awaitable (a plain `def answer`), raise an error that says so instead of
-    Python's "object DestinationResult can't be used in 'await' expression". Checked
-    only on that error, so a correct destination's turn pays nothing for it."""
+def _refuse_not_awaitable(who: str, method: str, returned: object) -> None:
+    """After a TypeError awaiting `who`'s `method()` (a destination, the decision
+    service): when what it returned is not awaitable (a plain `def answer`), raise an
+    error that says so instead of Python's "object DestinationResult can't be used in
+    'await' expression". Checked only on that error, so a correct turn pays nothing."""
     if not isawaitable(returned):
         raise DestinationContractError(
-            f"destination {route!r} {method}() returned {type(returned).__name__}, not an "
+            f"{who} {method}() returned {type(returned).__name__}, not an "
             f"awaitable: it must be an async method (async def {method}(...))") from None
