@@ -34,27 +34,20 @@ class _AidField:
         self.field = field
 
     def __get__(self, instance: Any, owner: type) -> Any:
-        if instance is None:
-            return getattr(owner, f"_declared_{self.field}")
-        try:
-            aid = instance._aid
-        except AttributeError:  # read before super().__init__(): the class's value
+        aid = None if instance is None else getattr(instance, "_aid", None)
+        if aid is None:  # the class, or an instance before super().__init__()
             return getattr(owner, f"_declared_{self.field}")
         return getattr(aid, self.field)
 
     def __set__(self, instance: Any, value: Any) -> None:
-        try:
-            aid = instance._aid
-        except AttributeError:
+        aid = getattr(instance, "_aid", None)
+        if aid is None:
             raise ConfigurationError(
                 f"{type(instance).__name__}: set {self.field} after super().__init__(), or "
-                f"pass it: super().__init__({self.field}=...)") from None
-        values = {"name": aid.name, "description": aid.description,
-                  "priority": aid.priority, self.field: value}
-        if self.field == "name" and not isinstance(value, str):
-            raise ContractTypeError(f"{type(instance).__name__}: name must be a str, got "
-                                    f"{type(value).__name__}")
-        instance._aid = RoutingAid(values["name"], values["description"], values["priority"])
+                f"pass it: super().__init__({self.field}=...)")
+        fields = {"name": aid.name, "description": aid.description, "priority": aid.priority}
+        fields[self.field] = value
+        instance._aid = RoutingAid(**fields)  # validated, naming a bad field
 
 
 class Destination:
