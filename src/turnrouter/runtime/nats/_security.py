@@ -267,7 +267,7 @@ def _readable(path: str, limit: int = MAX_SECRET_FILE_BYTES) -> None:
                              "a pipe or a device)")
     if info.st_size > limit:
         raise LifecycleError(f"cannot read {path!r}: {info.st_size} bytes, over the "
-                             f"{limit} a credentials file may hold")
+                             f"{limit} bytes such a file may hold")
     try:
         with open(path, "rb"):
             pass
@@ -280,9 +280,8 @@ def _nkey_seed(path: str) -> None:
     that does not is named here: nats-py's own error (`ErrInvalidSeed()`) names none."""
     import nkeys
 
-    _readable(path)
     try:
-        with open(path, "rb") as file:  # (bounded: a file grown since its check)
+        with open(path, "rb") as file:  # (checked by `_readable`; bounded if grown since)
             seed = bytearray(file.read(MAX_SECRET_FILE_BYTES + 1).strip())
     except OSError as exc:
         raise LifecycleError(f"cannot read {path!r}: {exc.strerror}") from None
