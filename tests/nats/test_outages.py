@@ -37,7 +37,7 @@ from turnrouter.runtime.nats import (
 from .app import make_router
 from .conftest import ROOT, NatsServer, Worker, metric_value, nats_server_binary, until_true
 from .crowd import FAILURE, Heard, ask, listening, running, serving
-from .proxy import proxied
+from .proxy import NatsProxy, proxied
 
 pytestmark = pytest.mark.anyio
 
@@ -922,14 +922,12 @@ async def worker_of(config: NatsConfig, replica: str,
 PATCHED = "[background: job-1]"
 
 
-async def test_a_patch_applied_while_the_server_is_away_is_not_said_applied_then_lost(
-        nats_server: NatsServer) -> None:
-    """chaos13 D1: a context patch applied during a server outage, its participant's
-    partition moving to another replica at the server's return (here the first replica
-    cannot reconnect until the other one has claimed the participant from their record):
-    the patch is not in the next owner's history, and `apply_context_patch` says so,
-    raising `PatchNotSavedError` once the first replica learns its write was refused.
-    Before, it returned at once, as if the patch were kept, and the patch was lost."""
+@contextlib.asynccontextmanager
+async def ann_on_the_first_of_two(nats_server: NatsServer) -> AsyncIterator[tuple[
+        NatsProxy, NatsWorker, NatsWorker, NatsFrontEnd, Heard, dict[str, AgentRouter]]]:
+    """Two in-process replicas of one partition: the first, reaching the server through
+    a proxy, owns it and has answered "ann"; the second has just started. Yields the
+    proxy, both workers, a front end and what it heard, and the routers by replica."""
     routers: dict[str, AgentRouter] = {}
     one = dataclasses.replace(CONFIG, url=nats_server.url, partitions=1)
     async with proxied(nats_server.port) as proxy, \
@@ -939,18 +937,31 @@ async def test_a_patch_applied_while_the_server_is_away_is_not_said_applied_then
         assert await ask(front, heard, "ann", "hello") == "hello|-|N"
         async with worker_of(one, "second", routers) as second:
             assert first.owned_partitions == {0}
-            proxy.refusing = True  # the first cannot reconnect until told
-            nats_server.crash()
-            await until_true(lambda: not first.readiness.serving, "the first saw it")
-            patching = asyncio.create_task(routers["first"].apply_context_patch(
-                "ann", ContextPatch(task_id="job-1", digest=("found it",))))
-            nats_server.restart()
-            await until_true(lambda: second.owned_partitions == {0}, "the second owns it",
-                             within=15)
-            answer = await ask(front, heard, "ann", "again")
-            proxy.refusing = False
-            async with asyncio.timeout(30):
-                outcome = (await asyncio.gather(patching, return_exceptions=True))[0]
+            yield proxy, first, second, front, heard, routers
+
+
+async def test_a_patch_applied_while_the_server_is_away_is_not_said_applied_then_lost(
+        nats_server: NatsServer) -> None:
+    """chaos13 D1: a context patch applied during a server outage, its participant's
+    partition moving to another replica at the server's return (here the first replica
+    cannot reconnect until the other one has claimed the participant from their record):
+    the patch is not in the next owner's history, and `apply_context_patch` says so,
+    raising `PatchNotSavedError` once the first replica learns its write was refused.
+    Before, it returned at once, as if the patch were kept, and the patch was lost."""
+    async with ann_on_the_first_of_two(nats_server) as (
+            proxy, first, second, front, heard, routers):
+        proxy.refusing = True  # the first cannot reconnect until told
+        nats_server.crash()
+        await until_true(lambda: not first.readiness.serving, "the first saw it")
+        patching = asyncio.create_task(routers["first"].apply_context_patch(
+            "ann", ContextPatch(task_id="job-1", digest=("found it",))))
+        nats_server.restart()
+        await until_true(lambda: second.owned_partitions == {0}, "the second owns it",
+                         within=15)
+        answer = await ask(front, heard, "ann", "again")
+        proxy.refusing = False
+        async with asyncio.timeout(30):
+            outcome = (await asyncio.gather(patching, return_exceptions=True))[0]
         assert answer in ("again|hello|F", f"again|{PATCHED}|F"), answer
         kept = answer == f"again|{PATCHED}|F"
         # Never both: reported applied and missing from the next owner's history.
@@ -1003,23 +1014,16 @@ async def test_a_patch_whose_write_lands_before_the_next_owners_claim_is_kept(
     write lands before the other replica claims the participant (their next query comes
     later): `apply_context_patch` returns, and the next turn, on the other replica, sees
     the patch."""
-    routers: dict[str, AgentRouter] = {}
-    one = dataclasses.replace(CONFIG, url=nats_server.url, partitions=1)
-    async with proxied(nats_server.port) as proxy, \
-            worker_of(dataclasses.replace(one, url=proxy.url), "first", routers) as first, \
-            listening(nats_server.url) as (front, heard):
-        await until_true(lambda: first.owned_partitions == {0}, "the first owns it")
-        assert await ask(front, heard, "ann", "hello") == "hello|-|N"
-        async with worker_of(one, "second", routers) as second:
-            assert first.owned_partitions == {0}
-            cut = proxy.hold(lambda subject, payload: True)
-            patching = asyncio.create_task(routers["first"].apply_context_patch(
-                "ann", ContextPatch(task_id="job-1", digest=("found it",))))
-            await until_true(lambda: second.owned_partitions == {0}, "the second owns it",
-                             within=15)
-            assert not patching.done()
-            cut.release()
-            async with asyncio.timeout(30):
-                applied = await patching
-            assert applied.task_id == "job-1"
-            assert await ask(front, heard, "ann", "again") == f"again|{PATCHED}|F"
+    async with ann_on_the_first_of_two(nats_server) as (
+            proxy, _, second, front, heard, routers):
+        cut = proxy.hold(lambda subject, payload: True)
+        patching = asyncio.create_task(routers["first"].apply_context_patch(
+            "ann", ContextPatch(task_id="job-1", digest=("found it",))))
+        await until_true(lambda: second.owned_partitions == {0}, "the second owns it",
+                         within=15)
+        assert not patching.done()
+        cut.release()
+        async with asyncio.timeout(30):
+            applied = await patching
+        assert applied.task_id == "job-1"
+        assert await ask(front, heard, "ann", "again") == f"again|{PATCHED}|F"
