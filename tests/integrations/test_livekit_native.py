@@ -238,16 +238,24 @@ async def test_agents_without_an_id_never_share_a_participant() -> None:
                for exchange in router.history_of(second.participant_id))
 
 
-async def test_last_turn_drained_is_measured_to_its_audio() -> None:
-    """The call ends (shutdown(drain=True)) right after the answer went out: the answer
-    plays, and its first response is measured to its audio (the TTS's 0.4 s included),
-    not to the moment it was handed over."""
+def _speaking(ttfb: float) -> tuple[RecordingObserver, Slow, AgentRouter, Speaker,
+                                    AgentSession[Any]]:
+    """A router with one destination answering "Sunny." at once, and a session whose
+    TTS starts its audio `ttfb` seconds after the text, played by a `Speaker`."""
     observer = RecordingObserver()
     agent = Slow("weather", "Sunny.", gated=False)
     router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"), telemetry=observer)
     speaker = Speaker()
-    session: AgentSession[Any] = AgentSession(tts=ToneTTS(ttfb=0.4, seconds=0.2))
+    session: AgentSession[Any] = AgentSession(tts=ToneTTS(ttfb=ttfb, seconds=0.2))
     session.output.audio = speaker
+    return observer, agent, router, speaker, session
+
+
+async def test_last_turn_drained_is_measured_to_its_audio() -> None:
+    """The call ends (shutdown(drain=True)) right after the answer went out: the answer
+    plays, and its first response is measured to its audio (the TTS's 0.4 s included),
+    not to the moment it was handed over."""
+    observer, agent, router, speaker, session = _speaking(ttfb=0.4)
     closed = asyncio.Event()
     session.on("close", lambda event: closed.set())
     await session.start(RouterAgent(router))
@@ -268,12 +276,7 @@ async def test_a_graceful_stop_timing_out_before_late_audio_records_a_lower_boun
     first byte): nothing was heard, so the first response is a lower bound at the
     timeout and no silence is recorded. Before, `stop()` measured it at the text's
     hand-over (about 0 s) for a call that ended before its audio (voice13)."""
-    observer = RecordingObserver()
-    agent = Slow("weather", "Sunny.", gated=False)
-    router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"), telemetry=observer)
-    speaker = Speaker()
-    session: AgentSession[Any] = AgentSession(tts=ToneTTS(ttfb=2.0, seconds=0.2))
-    session.output.audio = speaker
+    observer, agent, router, speaker, session = _speaking(ttfb=2.0)
     await session.start(RouterAgent(router))
     try:
         session.generate_reply(user_input="rain?")
