@@ -76,7 +76,8 @@ FailureStage = Literal["decision", "admission", "answer", "acknowledgment", "rel
 AcknowledgmentOutcome = Literal["emitted", "suppressed", "failed"]
 AcknowledgmentTrigger = Literal["prediction", "delay"]
 PatchOutcome = Literal[
-    "applied", "diverged", "pending", "approved", "rejected", "dropped", "refused"
+    "applied", "diverged", "pending", "approved", "rejected", "dropped", "refused",
+    "unsaved",
 ]
 
 

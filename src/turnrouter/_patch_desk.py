@@ -22,7 +22,12 @@ from ._config import (
     check_callable,
 )
 from ._contracts import MAX_TIMESTAMP_US, AgentExchange, AgentTurn, _exchange, say_through
-from ._exceptions import ContractTypeError, ContractValueError, LifecycleError
+from ._exceptions import (
+    ContractTypeError,
+    ContractValueError,
+    LifecycleError,
+    PatchNotSavedError,
+)
 from ._history import History, view_items
 from ._logging import log_failure
 from ._observer import ContextPatchEvent, PatchOutcome
@@ -161,7 +166,13 @@ class PatchDesk:
         if strategy is not MergeStrategy.HUMAN_GATED:
             applied = self._merge(state, patch_id, patch, strategy,
                                   "diverged" if diverged else "applied")
-            await _kept(self._notify(pid))
+            try:
+                await _kept(self._notify(pid))
+            except PatchNotSavedError:
+                self._cfg.observer.context_patch(ContextPatchEvent(
+                    pid, patch_id, patch.task_id, strategy.value, "unsaved",
+                    patch.context_diverged))
+                raise
             return applied
         pending = state.pending
         if pending is None:
@@ -183,7 +194,7 @@ class PatchDesk:
         self._event(state.pid, held, "pending")
         saving = self._notify(pid)
         await self._ask(held)
-        await _kept(saving)
+        await self._keep(held, saving)
         return held
 
     async def approve(self, patch_id: str) -> AppliedContextPatch:
@@ -204,13 +215,13 @@ class PatchDesk:
             raise
         applied = self._merge(state, held.patch_id, held.patch,
                               MergeStrategy.HUMAN_GATED, "approved")
-        await _kept(self._notify(state.pid))
+        await self._keep(held, self._notify(state.pid))
         return applied
 
     async def reject(self, patch_id: str) -> PendingContextPatch:
         state, held = self._take(patch_id, "reject")
         self._event(state.pid, held, "rejected")
-        await _kept(self._notify(state.pid))
+        await self._keep(held, self._notify(state.pid))
         return held
 
     def hold(self, state: Participant) -> None:
@@ -282,6 +293,15 @@ class PatchDesk:
             state.pid, patch_id, patch.task_id, strategy.value, outcome,
             patch.context_diverged))
         return applied
+
+    async def _keep(self, held: PendingContextPatch, saving: object) -> None:
+        """Await the change's save (`_kept`); a `PatchNotSavedError` is counted
+        (`unsaved`, after the outcome the call already counted) and re-raised."""
+        try:
+            await _kept(saving)
+        except PatchNotSavedError:
+            self._event(held.participant_id, held, "unsaved")
+            raise
 
     def _event(self, pid: str, held: PendingContextPatch, outcome: PatchOutcome) -> None:
         self._cfg.observer.context_patch(ContextPatchEvent(

@@ -11,6 +11,7 @@ from turnrouter import (
     AgentTurn,
     ContextPatch,
     LifecycleError,
+    PatchNotSavedError,
     PendingContextPatch,
 )
 from turnrouter.telemetry import ATTR, SPAN_CONTEXT_PATCH, Telemetry
@@ -59,6 +60,37 @@ async def test_patch_spans_and_counter(rig: Rig) -> None:
                          outcome=outcome) == 1.0, (strategy, outcome)
     assert rig.value("turnrouter_context_patches_total", strategy="append",
                      outcome="applied") is None
+
+
+async def test_a_patch_whose_save_failed_is_counted_unsaved(rig: Rig) -> None:
+    """A patch call raising `PatchNotSavedError` (a NATS worker's save that no record is
+    known to hold) is counted `unsaved` after the outcome it already counted, for each
+    call that waits on a save: apply (merged and held), approve, reject."""
+    router = _router(rig.telemetry)
+    await router.handle(AgentTurn("alice", "t1", "book a table"))
+    held = [await router.apply_context_patch("alice", ContextPatch(task_id=f"h{n}"),
+                                             "human_gated") for n in range(2)]
+
+    async def refuse() -> None:
+        raise PatchNotSavedError("not saved: another replica claimed the participant")
+
+    router.on_participant_changed(lambda pid: refuse())
+    for call in (router.apply_context_patch("alice", ContextPatch(task_id="a"), "append"),
+                 router.apply_context_patch("alice", ContextPatch(task_id="g"), "human_gated"),
+                 router.approve_patch(held[0].patch_id),
+                 router.reject_patch(held[1].patch_id)):
+        with pytest.raises(PatchNotSavedError):
+            await call
+    await router.stop()
+    unsaved = [dict(span.attributes or {}) for span in rig.spans(SPAN_CONTEXT_PATCH)
+               if (span.attributes or {}).get(ATTR.PATCH_OUTCOME) == "unsaved"]
+    assert [a[ATTR.PATCH_TASK_ID] for a in unsaved] == ["a", "g", "h0", "h1"]
+    assert rig.value("turnrouter_context_patches_total", strategy="append",
+                     outcome="unsaved") == 1.0
+    assert rig.value("turnrouter_context_patches_total", strategy="human_gated",
+                     outcome="unsaved") == 3.0
+    assert rig.value("turnrouter_context_patches_total", strategy="append",
+                     outcome="applied") == 1.0
 
 
 async def test_patch_spans_join_the_participants_trace(rig: Rig) -> None:
