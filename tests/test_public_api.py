@@ -85,6 +85,8 @@ PINNED = {
     "turnrouter.decisions": {
         # docs/decisions.md: fit a calibration to your own decisions; see the phrases.
         "SIGNALS", "description_phrases", "fit_calibration",
+        # docs/limits.md: the route names PolicyDecisions logs as unavailable.
+        "MAX_NOTED_POLICY_ROUTES",
     },
     "turnrouter.demo": {
         # docs/operations.md: the demo's per-route latency models.

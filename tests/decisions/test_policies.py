@@ -20,6 +20,7 @@ from turnrouter import (
     RoutingAid,
 )
 from turnrouter.decisions import (
+    MAX_NOTED_POLICY_ROUTES,
     DictRoutingPolicy,
     PolicyChoice,
     PolicyDecisions,
@@ -250,6 +251,30 @@ async def test_unmapped_or_non_candidate_falls_through_unchanged(
     decision = await PolicyDecisions(DictRoutingPolicy(mapping), fallback).decide(request("p1"))
     assert decision is FALLBACK_DECISION
     assert fallback.calls == 1
+
+
+@pytest.mark.anyio
+async def test_a_pinned_route_that_is_not_a_candidate_is_logged_once_per_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A misspelt (or ineligible) pinned route is logged once per name, with the name; a
+    route that declined this turn (excluded) is not; the names logged are bounded."""
+    policy = DictRoutingPolicy({"p1": "biling", "p2": "billing"})
+    decisions = PolicyDecisions(policy, FixedDecisions(FALLBACK_DECISION))
+    with caplog.at_level("WARNING", logger="turnrouter.decisions"):
+        for _ in range(3):
+            assert await decisions.decide(request("p1")) is FALLBACK_DECISION
+        declined = RouteRequest(AgentTurn("p2", "t1", "x"), AIDS[1:], frozenset({"billing"}))
+        assert await decisions.decide(declined) is FALLBACK_DECISION
+    assert len(caplog.records) == 1
+    assert "'biling'" in caplog.records[0].getMessage()
+    caplog.clear()
+    many = PolicyDecisions(DictRoutingPolicy({f"p{n}": f"route-{n}" for n in range(100)}),
+                           FixedDecisions(FALLBACK_DECISION))
+    with caplog.at_level("WARNING", logger="turnrouter.decisions"):
+        for n in range(100):
+            await many.decide(request(f"p{n}"))
+    assert len(caplog.records) == MAX_NOTED_POLICY_ROUTES
 
 
 class AsyncPolicy:

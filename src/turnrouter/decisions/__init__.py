@@ -19,6 +19,7 @@ from ._classifier import (
 )
 from ._lexical import LexicalDecisions
 from ._policies import (
+    MAX_NOTED_POLICY_ROUTES,
     DictRoutingPolicy,
     KeyGetter,
     PolicyChoice,
@@ -31,6 +32,7 @@ from ._text import description_phrases
 
 __all__ = [
     "DEFAULT_CLASSIFIER_PROMPT",
+    "MAX_NOTED_POLICY_ROUTES",
     "SIGNALS",
     "ClassifierDecisions",
     "DictRoutingPolicy",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType
@@ -42,8 +43,12 @@ __all__ = [
     "by_query_prefix",
 ]
 
+logger = logging.getLogger("turnrouter.decisions")
+
 #: Default cap on a policy document: bytes (or characters, for text) of JSON.
 DEFAULT_MAX_POLICY_BYTES = 1 << 20
+#: Distinct unavailable route names `PolicyDecisions` logs (once each); past it, silent.
+MAX_NOTED_POLICY_ROUTES = 64
 
 PolicyChoice = str | None
 """None: no decision (fall through); a route name: pin it; "clarify": force clarification."""
@@ -318,6 +323,7 @@ class PolicyDecisions:
             )
         self._policy = policy
         self._fallback = fallback
+        self._noted: set[str] = set()
 
     @property
     def fallback_route(self) -> str | None:
@@ -345,4 +351,19 @@ class PolicyDecisions:
             return RouteDecision(CLARIFY, confidence=1.0, rationale=label)
         if choice in request.candidate_names:
             return RouteDecision(choice, confidence=1.0, scores={choice: 1.0}, rationale=label)
+        if choice not in request.excluded:  # (a route that declined this turn says nothing)
+            self._unavailable(choice)
         return await self._fallback.decide(request)
+
+    def _unavailable(self, choice: str) -> None:
+        """Log, once per route name (at most `MAX_NOTED_POLICY_ROUTES` names), a pinned
+        route that is not a candidate: a misspelt route in the policy's config would
+        otherwise fall through to the fallback without a word."""
+        noted = self._noted
+        if choice in noted or len(noted) >= MAX_NOTED_POLICY_ROUTES:
+            return
+        noted.add(choice)
+        logger.warning(
+            "turnrouter: routing policy chose route %s, which is not a candidate of this "
+            "turn (not a destination of this router, or not eligible now); the fallback "
+            "decides (logged once per route name)", preview(choice))
