@@ -124,9 +124,16 @@ class _Running:
     finish (mark it in flight), else the finished write's result; `written()` is that
     result (True: recorded, acknowledge; False: fenced, leave it to the new owner). Its
     future is made only for a turn that outlasted `mark_after` (one future less on the
-    usual turn)."""
+    usual turn).
 
-    __slots__ = ("_written", "finishing", "gate", "held", "output", "result", "task")
+    The `mark_after` deadline's timer is armed only for a turn that has not begun to
+    finish after its task's first step (`arm`, called right after that step): a
+    destination that answers without waiting on anything (or fails at once) has begun
+    to finish by then, so the usual short turn puts no timer on the loop's heap (a timer
+    armed and cancelled costs its push, pop and comparisons there on every turn)."""
+
+    __slots__ = ("_written", "deadline", "finishing", "gate", "held", "output", "result",
+                 "task", "timer")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.finishing = False
@@ -136,6 +143,19 @@ class _Running:
         self.held: Ending | None = None
         self.output: _Output | None = None
         self.task: asyncio.Task[None] | None = None
+        self.deadline = 0.0  # loop time at which it is due (`mark_after` after its start)
+        self.timer: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        """Right after the turn's first step: due now, or a timer for its deadline,
+        unless it began to finish (or was settled) already."""
+        if self.finishing or self.gate.done():
+            return
+        loop = self.gate.get_loop()
+        if loop.time() >= self.deadline:
+            self.due()
+        else:
+            self.timer = loop.call_at(self.deadline, self.due)
 
     def due(self) -> None:
         if not self.finishing and not self.gate.done():
@@ -373,15 +393,17 @@ class Inputs:
         carrier = input_carrier(msg.headers, query)  # bounded, never echoed raw
         loop = asyncio.get_running_loop()
         run = self._running[(pid, query.message_id)] = _Running(loop)
+        run.deadline = loop.time() + self._config.mark_after
         task = run.task = loop.create_task(self._turn(pid, state, query, carrier, run),
                                            name=f"turn {query.message_id}")
         self._tasks.add(task)
         self.turns_of.add(pid, task)
-        timer = loop.call_later(self._config.mark_after, run.due)
+        loop.call_soon(run.arm)  # (after the task's first step: `_Running`)
         try:
             outcome = await run.gate
         finally:
-            timer.cancel()
+            if run.timer is not None:
+                run.timer.cancel()
         if outcome is not None:
             return outcome
         if run.finishing:  # it began to finish since the deadline: no mark needed
