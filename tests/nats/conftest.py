@@ -225,7 +225,7 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
 
 
 __all__ = ["NatsServer", "Worker", "cancelled", "metric_value", "nats_server", "settled",
-           "signal"]
+           "signal", "until_counted"]
 
 
 async def settled(nc: Any) -> None:
@@ -246,6 +246,17 @@ async def until_true(condition: Callable[[], bool], what: str, *,
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} within {within:g} s")
         await asyncio.sleep(0.01)
+
+
+async def until_counted(worker: Worker, name: str, count: float, *,
+                        within: float = 15.0) -> None:
+    """Poll the worker's metrics (fetched in a thread: a proxy or a front end on this
+    loop keeps running) until `name` sums to at least `count`, at most `within` s."""
+    deadline = time.monotonic() + within
+    while metric_value(await asyncio.to_thread(worker.metrics), name) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} reaching {count:g} within {within:g} s")
+        await asyncio.sleep(0.02)
 
 
 #: How often `cancelled` cancels a task again that is still running.

@@ -34,8 +34,16 @@ from turnrouter.runtime.nats import (
     encode_token,
 )
 
-from .app import make_router
-from .conftest import ROOT, NatsServer, Worker, metric_value, nats_server_binary, until_true
+from .app import PREAMBLE, make_router
+from .conftest import (
+    ROOT,
+    NatsServer,
+    Worker,
+    metric_value,
+    nats_server_binary,
+    until_counted,
+    until_true,
+)
 from .crowd import FAILURE, Heard, ask, listening, running, serving
 from .proxy import NatsProxy, proxied
 
@@ -340,6 +348,43 @@ async def test_turns_answered_during_a_freeze_past_the_write_timeout_keep_their_
     finally:
         nats_server.thaw()
         worker.close()
+
+
+async def test_the_next_turns_control_text_is_heard_after_the_answer_before_it(
+        nats_server: NatsServer) -> None:
+    """A turn that outlasted `mark_after` (its message acknowledged) gave its answer; the
+    participant's next query cuts it, and its record write (which the answer waits for)
+    gets no reply for a while: the next turn starts meanwhile, and its preamble is heard
+    after that answer, not before it (chaos15: about 5 rounds in 100 heard the next
+    turn's preamble or release text first, without any fault)."""
+    async with proxied(nats_server.port) as proxy:
+        # Started in a thread: the proxy runs on this loop.
+        worker = await asyncio.to_thread(
+            Worker, proxy.url, "order", "--reconnect-for", "60",
+            env={"TR_TEST_ANSWER_SECS": "30", "TR_TEST_SAY_ANSWERED": "1"})
+        try:
+            async with listening(nats_server.url) as (front, heard):
+                first = UserQuery(participant_id="late", text="late first")
+                second = UserQuery(participant_id="late", text="slow second")
+                await front.publish(first)
+                await until_counted(worker, "turnrouter_nats_inflight_marks_total", 1)
+                key = f".{encode_token('late')}"
+                writes = proxy.hold(lambda subject, _: subject.startswith("$KV.")
+                                    and subject.endswith(key))
+                await front.publish(second)
+                async with asyncio.timeout(15):
+                    await writes.holding(1)  # the first turn's finished record
+                await until_counted(worker, "turnrouter_admissions_total", 2)  # the second
+                await asyncio.sleep(0.3)  # the write held 0.3 s more: the scenario
+                writes.release()
+                started = heard.events.setdefault(f"started {second.message_id}",
+                                                  asyncio.Event())
+                async with asyncio.timeout(20):
+                    await started.wait()
+                assert heard.said["late"] == [(first.message_id, "late first|-|N"),
+                                              (second.message_id, PREAMBLE)]
+        finally:
+            await asyncio.to_thread(worker.close)
 
 
 async def pulls_waiting(nc: Any, config: NatsConfig) -> list[int]:

@@ -132,8 +132,8 @@ class _Running:
     to finish by then, so the usual short turn puts no timer on the loop's heap (a timer
     armed and cancelled costs its push, pop and comparisons there on every turn)."""
 
-    __slots__ = ("_written", "deadline", "finishing", "gate", "held", "output", "result",
-                 "task", "timer")
+    __slots__ = ("_out", "_written", "deadline", "finishing", "gate", "held", "out",
+                 "output", "prior", "result", "task", "timer", "turn_id")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.finishing = False
@@ -145,6 +145,27 @@ class _Running:
         self.task: asyncio.Task[None] | None = None
         self.deadline = 0.0  # loop time at which it is due (`mark_after` after its start)
         self.timer: asyncio.TimerHandle | None = None
+        # Order among the participant's turns (`Participant.answering`): the turn whose
+        # held answer goes out before this one's, and whether this one's went out (or
+        # never will); `_out` made for the first output waiting on it.
+        self.turn_id = ""
+        self.prior: _Running | None = None
+        self.out = False
+        self._out: asyncio.Event | None = None
+
+    def said(self) -> None:
+        """Its held answer was handed to the connection, or never will be."""
+        self.out = True
+        self.prior = None
+        if self._out is not None:
+            self._out.set()
+
+    async def wait_said(self) -> None:
+        """Until `said()` (an output of a later turn of the participant waits here)."""
+        if not self.out:
+            if self._out is None:
+                self._out = asyncio.Event()
+            await self._out.wait()
 
     def arm(self) -> None:
         """Right after the turn's first step: due now, or a timer for its deadline,
@@ -489,6 +510,9 @@ class Inputs:
                     # and a record write cut then is a crash like any other (module doc).
                     await self._finish(pid, state, run)
             finally:  # a hand-over waits for the turn's write and answer (`turns_of`)
+                run.said()
+                if state.answering is run:
+                    state.answering = None
                 self.turns_of.discard(pid, run.task)
                 self._tasks.discard(run.task)  # (nothing is awaited after this)
 
@@ -504,6 +528,9 @@ class Inputs:
             run.settle(ok)
             held, output = run.held, run.output
             if ok and held is not None and output is not None:
+                prior = run.prior  # the participant's previous answer goes out first
+                if prior is not None:
+                    await prior.wait_said()
                 # Kept in the outbox until the stream acknowledged it (then the next
                 # write drops it from the record): lost with a server crash, it is
                 # published again on reconnect (`republish`).
@@ -532,6 +559,9 @@ class Inputs:
         run.output = self._output(turn.participant_id, turn.turn_id, route, text, True,
                                   carrier)
         run.held = (turn.turn_id, route, text, time.time())
+        state = self._ledger.people.get(turn.participant_id)
+        if state is not None:  # the participant's later outputs wait for this answer
+            run.turn_id, run.prior, state.answering = turn.turn_id, state.answering, run
 
     # ------------------------------------------------------------------ outputs
     async def _emit(self, turn: AgentTurn, route: str, text: str) -> None:
@@ -546,16 +576,26 @@ class Inputs:
                                   final=True)
 
     async def control_output(self, turn: AgentTurn, route: str, text: str) -> None:
+        # A context patch's question: not held behind a running turn's answer (that
+        # turn's own destination may be the one waiting for the patch call).
         await self.publish_output(turn.participant_id, turn.turn_id, route, text,
-                                  final=False)
+                                  final=False, in_order=False)
 
     async def publish_output(self, pid: str, turn_id: str, route: str, text: str, *,
                              final: bool, carrier: dict[str, str] | None = None,
-                             confirmed: Callable[[], None] | None = None) -> None:
+                             confirmed: Callable[[], None] | None = None,
+                             in_order: bool = True) -> None:
         """Publish one output to the output stream under its deduplication id, with the
         W3C context of `carrier` (default: the current span's). Not waited for: the
         connection keeps it ahead of the participant's next record write; `confirmed`
-        is called once the stream acknowledged it."""
+        is called once the stream acknowledged it. `in_order`: after the answer another
+        turn of the participant holds until its record is written
+        (`Participant.answering`): a participant hears their turns in order."""
+        if in_order:
+            state = self._ledger.people.get(pid)
+            ahead = None if state is None else state.answering
+            if ahead is not None and ahead.turn_id != turn_id:
+                await ahead.wait_said()
         if carrier is None:
             carrier = self._router.trace_carrier()
         try:
@@ -576,7 +616,8 @@ class Inputs:
         hand); it leaves the outbox once the stream acknowledged it."""
         turn_id, route, text, _ = ending
         await self.publish_output(pid, turn_id, route, text, final=True, carrier=carrier,
-                                  confirmed=functools.partial(_forget, state.outbox, ending))
+                                  confirmed=functools.partial(_forget, state.outbox, ending),
+                                  in_order=False)  # (an ending written already)
 
     def _output(self, pid: str, turn_id: str, route: str, text: str, final: bool,
                 carrier: dict[str, str]) -> _Output:

@@ -183,6 +183,11 @@ class Participant:
     snapshot: bytes | None = None
     """The snapshot JSON of the last record written or claimed (an in-flight mark
     reuses it: nothing but turns and patches change it, and they write a fresh one)."""
+    answering: Any = None
+    """The running or finishing turn (`_inputs._Running`) holding the participant's
+    latest answer until its record is written: the participant's outputs of later turns
+    wait until it is handed to the connection (`Inputs.publish_output`), as the next
+    turn starts while that write waits for its reply."""
     active: float = field(default_factory=time.monotonic)
     """When its last input arrived (`time.monotonic()`): idle past
     `NatsConfig.idle_after`, it is let go (`_idle`)."""
