@@ -413,7 +413,8 @@ def _partition_listed(api: str, payload: bytes, bucket: str) -> int | None:
     of the bucket's stream with a subject filter), else None."""
     if api != f"$JS.API.STREAM.INFO.KV_{bucket}" or b"subjects_filter" not in payload:
         return None
-    return int(json.loads(payload)["subjects_filter"].split(".")[2])
+    filtered = json.loads(payload).get("subjects_filter")
+    return int(filtered.split(".")[2]) if isinstance(filtered, str) else None
 
 
 async def test_the_takeovers_of_a_populated_bucket_read_few_records_at_once(
