@@ -22,6 +22,14 @@ processes on a shared machine. Scenarios:
   partition), a participant's slow turn (`slow ...`) and, 3 s later, its barge-in
   (`Interrupted` for the participant): how long the barge-in took to end the turn, and
   whether the failure text was said.
+- `newcomers`: the bucket holds `--records` (30,000) participant records of earlier
+  sessions (written straight into it, spread over the 16 partitions) when the worker
+  starts; as soon as it is ready, this process publishes `--newcomers` (15,000) queries
+  of brand-new participants through a `NatsFrontEnd`, as fast as it is confirmed, and
+  reads every final output. The child counts loop gaps over 100 ms, the peak of tasks,
+  partitions lost and taken back (`turnrouter_nats_partitions_lost_total{how="lost"}`),
+  redelivered inputs and queries refused as expired; this process, the finals heard
+  and how many were the failure text.
 
 Each round runs every tree given with `--tree` (a source tree: `src/` of this worktree,
 and a checkout of the starting point, say), interleaved, so the figures are ratios
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -49,7 +58,9 @@ ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_SECS = 0.001
 FAKE_REPLICAS = 40
 SCENARIOS = ("interrupts", "record-exchanges", "record-objects", "record-bound-exchanges",
-             "record-bound-numbers", "record-bound-used", "barge")
+             "record-bound-numbers", "record-bound-used", "barge", "newcomers")
+#: Partitions of the `newcomers` scenario (the default deployment's); 2 for the others.
+NEWCOMER_PARTITIONS = 16
 
 
 # ---------------------------------------------------------------------- the child side
@@ -61,7 +72,8 @@ async def _child(url: str, scenario: str, flood: int) -> dict[str, Any]:
     from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
 
     registry = CollectorRegistry()
-    config = NatsConfig(url=url, partitions=2)
+    config = NatsConfig(url=url, partitions=NEWCOMER_PARTITIONS
+                        if scenario == "newcomers" else 2)
     worker = NatsWorker(make_router, config, registry=registry, replica="measured")
     run = asyncio.create_task(worker.run())
     async with asyncio.timeout(20):
@@ -74,15 +86,17 @@ async def _child(url: str, scenario: str, flood: int) -> dict[str, Any]:
     stop = asyncio.Event()
 
     worst_cpu = 0.0
+    long_gaps = 0
 
     async def heartbeat() -> None:
-        nonlocal worst, peak, worst_cpu
+        nonlocal worst, peak, worst_cpu, long_gaps
         last, last_cpu = loop.time(), time.thread_time()
         while not stop.is_set():
             await asyncio.sleep(HEARTBEAT_SECS)
             now, cpu = loop.time(), time.thread_time()
             if measuring:
                 worst = max(worst, now - last - HEARTBEAT_SECS)
+                long_gaps += now - last - HEARTBEAT_SECS > 0.1
                 worst_cpu = max(worst_cpu, cpu - last_cpu)
                 peak = max(peak, len(asyncio.all_tasks()) - baseline)
             last, last_cpu = now, cpu
@@ -159,6 +173,15 @@ async def _child(url: str, scenario: str, flood: int) -> dict[str, Any]:
                 "invalid", "nats_state")
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
+        elif scenario == "newcomers":
+            measuring = True
+            print("ready", flush=True)  # the parent floods now, and says when it heard all
+            await loop.run_in_executor(None, sys.stdin.readline)
+            result["lost"] = registry.get_sample_value(
+                "turnrouter_nats_partitions_lost_total", {"how": "lost"}) or 0.0
+            result["redelivered"] = registry.get_sample_value(
+                "turnrouter_nats_redeliveries_total") or 0.0
+            result["expired"] = counted("expired", "nats_input")
         elif scenario == "barge":
             nc = front.connection
 
@@ -214,6 +237,7 @@ async def _child(url: str, scenario: str, flood: int) -> dict[str, Any]:
     result["worst_cpu_gap_ms"] = worst_cpu * 1000
     result["longest_gc_ms"] = gc_worst * 1000
     result["peak_extra_tasks"] = peak
+    result["gaps_over_100ms"] = long_gaps
     return result
 
 
@@ -266,18 +290,91 @@ async def _flood(url: str, prefix: str, count: int) -> None:
     await nc.close()
 
 
-def _round(tree: Path, url: str, scenario: str, flood: int) -> dict[str, Any]:
+async def _populate(url: str, records: int) -> None:
+    """`records` participant records of earlier sessions, nothing unfinished in them,
+    written straight into a bucket made as a worker makes it."""
+    from nats.js.api import KeyValueConfig
+
+    import nats
+    from turnrouter.runtime.nats import NatsConfig, encode_token, state_json
+
+    config = NatsConfig(url=url, partitions=NEWCOMER_PARTITIONS)
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await js.create_key_value(KeyValueConfig(bucket=config.bucket, history=1,
+                                             ttl=config.state_max_age))
+    for start in range(0, records, 500):
+        writes = []
+        for index in range(start, min(records, start + 500)):
+            pid = f"earlier-{index}"
+            snapshot = json.dumps({"participant_id": pid, "history": [
+                {"user": f"question {k}", "assistant": f"answer {k}"} for k in range(4)]})
+            writes.append(js.publish(
+                f"$KV.{config.bucket}.{index % NEWCOMER_PARTITIONS}.{encode_token(pid)}",
+                state_json("gone", [], snapshot, [], [f"t{k}" for k in range(4)])))
+        await asyncio.gather(*writes)
+    await nc.close()
+
+
+async def _newcomers(url: str, count: int) -> dict[str, Any]:
+    """Publish `count` queries of new participants (1,000 confirmations awaited at a
+    time) and read their finals (at most 120 s): what was heard."""
+    from turnrouter.runtime import UserQuery
+    from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
+
+    config = NatsConfig(url=url, partitions=NEWCOMER_PARTITIONS)
+    front = await NatsFrontEnd.connect(config)
+    finals: dict[str, str] = {}
+    subscribed, heard = asyncio.Event(), asyncio.Event()
+
+    async def read() -> None:
+        async for output in front.outputs(subscribed=subscribed):
+            if output.final:
+                finals[output.participant_id] = output.text
+                if len(finals) >= count:
+                    heard.set()
+    reader = asyncio.create_task(read())
+    async with asyncio.timeout(10):
+        await subscribed.wait()
+    started = time.perf_counter()
+    queries = [UserQuery(participant_id=f"new-{index}", text="hello", message_id="t1")
+               for index in range(count)]
+    for start in range(0, count, 1000):
+        await asyncio.gather(*(front.publish(q) for q in queries[start:start + 1000]))
+    published = time.perf_counter() - started
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(120):
+            await heard.wait()
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    await front.close()
+    return {"published_s": published, "finals": len(finals),
+            "heard_all_s": time.perf_counter() - started,
+            "failure_texts": sum(text == config.failure_text for text in finals.values())}
+
+
+def _round(tree: Path, url: str, scenario: str, flood: int, records: int = 0,
+           newcomers: int = 0) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
+    if scenario == "newcomers":
+        asyncio.run(_populate(url, records))
     child = subprocess.Popen(
         [sys.executable, __file__, "--child", url, "--scenario", scenario,
-         "--flood", str(flood)], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    assert child.stdout is not None
+         "--flood", str(flood)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True,
+        env=env, cwd=ROOT)
+    assert child.stdout is not None and child.stdin is not None
+    heard: dict[str, Any] = {}
     try:
-        if scenario == "interrupts":
+        if scenario in ("interrupts", "newcomers"):
             line = child.stdout.readline()
             if line.strip() != "ready":
                 raise RuntimeError(f"child said {line!r}")
-            asyncio.run(_flood(url, "turnrouter", flood))
+            if scenario == "interrupts":
+                asyncio.run(_flood(url, "turnrouter", flood))
+            else:
+                heard = asyncio.run(_newcomers(url, newcomers))
+                child.stdin.write("stop\n")
+                child.stdin.flush()
         out, _ = child.communicate(timeout=300)
     finally:
         if child.poll() is None:
@@ -287,7 +384,7 @@ def _round(tree: Path, url: str, scenario: str, flood: int) -> dict[str, Any]:
     if child.returncode or not lines:
         return {"worst_gap_ms": float("nan"), "worst_cpu_gap_ms": float("nan"),
                 "peak_extra_tasks": 0, "failed": f"exit {child.returncode}"}
-    result: dict[str, Any] = json.loads(lines[-1])
+    result: dict[str, Any] = {**json.loads(lines[-1]), **heard}
     return result
 
 
@@ -297,6 +394,10 @@ def main() -> None:
                         help="NAME=PATH of a source tree (repeat); default new=src")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--flood", type=int, default=100_000)
+    parser.add_argument("--records", type=int, default=30_000,
+                        help="records in the bucket (newcomers)")
+    parser.add_argument("--newcomers", type=int, default=15_000,
+                        help="queries of new participants (newcomers)")
     parser.add_argument("--scenario", action="append", choices=SCENARIOS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -322,7 +423,8 @@ def main() -> None:
                 server = NatsServer(config=conf)
                 try:
                     rows.setdefault((scenario, name), []).append(
-                        _round(tree, server.url, scenario, args.flood))
+                        _round(tree, server.url, scenario, args.flood, args.records,
+                               args.newcomers))
                 finally:
                     server.close()
     print("| scenario | tree | worst loop gap (ms), per round | of which the loop's own "
@@ -334,6 +436,9 @@ def main() -> None:
         worst = max(results, key=lambda r: r["worst_gap_ms"])
         other = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in worst.items()
                  if k not in ("worst_gap_ms", "worst_cpu_gap_ms", "peak_extra_tasks")}
+        if scenario == "newcomers":  # every round's counts
+            other = {k: [round(r[k], 1) if isinstance(r[k], float) else r[k]
+                         for r in results] for k in worst if k in other}
         print(f"| {scenario} | {name} | {gaps} | {cpus} | "
               f"{max(r['peak_extra_tasks'] for r in results)} | {other} |")
 

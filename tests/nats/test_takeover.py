@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import signal
 import time
@@ -391,3 +392,94 @@ async def test_a_record_whose_claim_keeps_failing_holds_up_no_other(
                 f"t-left-{k}": [("none", FAILURE)] for k in range(1, 65)}
     finally:
         await nc.close()
+
+
+def _partition_read(api: str, payload: bytes, bucket: str) -> int | None:
+    """The partition whose record a JetStream API request reads (`STREAM.MSG.GET` of
+    the bucket's stream, its subject in the payload; or a direct get naming it), else
+    None."""
+    root = f"$KV.{bucket}."
+    if api == f"$JS.API.STREAM.MSG.GET.KV_{bucket}":
+        subject = json.loads(payload).get("last_by_subj", "")
+    elif api.startswith(f"$JS.API.DIRECT.GET.KV_{bucket}."):
+        subject = api.split(".", 5)[-1]
+    else:
+        return None
+    return int(subject[len(root):].split(".", 1)[0]) if subject.startswith(root) else None
+
+
+def _partition_listed(api: str, payload: bytes, bucket: str) -> int | None:
+    """The partition whose keys a takeover's listing request asks for (`STREAM.INFO`
+    of the bucket's stream with a subject filter), else None."""
+    if api != f"$JS.API.STREAM.INFO.KV_{bucket}" or b"subjects_filter" not in payload:
+        return None
+    filtered = json.loads(payload).get("subjects_filter")
+    return int(filtered.split(".")[2]) if isinstance(filtered, str) else None
+
+
+async def test_the_takeovers_of_a_populated_bucket_read_few_records_at_once(
+        nats_server: NatsServer) -> None:
+    """A replica taking every partition of a bucket that holds many records (at its
+    start, or its own partitions back after it lost them) reads those records a bounded
+    number at a time across all its takeovers (64, each its share), in about as many
+    tasks. Before, each of its 16 takeovers read 64 at a time: ~1,000 reads and tasks
+    under way, every input's own read of a record (a claim, the refusal of a query that
+    waited too long) queued behind them, and a flood of new participants arriving then
+    held a partition's message past `ack_wait` (redelivered: its query ended with the
+    failure text) and its pin past `failover_timeout`: a lone worker lost its own
+    partitions and took them back, reading every record again (redteam14 D3).
+
+    Counted, not timed: a proxy holds the takeovers' listings of their keys until all 16
+    asked (each scan under way), then their reads of records, never answered, until a
+    read of every partition is held; the tasks and reads under way then are counted."""
+    config = NatsConfig(url=nats_server.url)
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await js.create_key_value(KeyValueConfig(bucket=config.bucket, history=1))
+    bucket = config.bucket
+    await asyncio.gather(*(
+        js.publish(f"$KV.{bucket}.{n}.{encode_token(f'old-{n}-{i}')}",
+                   state_json("gone", [], None, [], ["t-1"]))
+        for n in range(config.partitions) for i in range(80)))
+    listed: set[int] = set()
+    reading: set[int] = set()
+
+    def listing(api: str, payload: bytes) -> bool:
+        n = _partition_listed(api, payload, bucket)
+        if n is not None:
+            listed.add(n)
+        return n is not None
+
+    def read(api: str, payload: bytes) -> bool:
+        n = _partition_read(api, payload, bucket)
+        if n is not None:
+            reading.add(n)
+        return n is not None
+
+    every = set(range(config.partitions))
+    try:
+        async with proxied(nats_server.port) as proxy:
+            listings, reads = proxy.hold(listing), proxy.hold(read)
+            worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                                registry=CollectorRegistry(), replica="heir")
+            run = asyncio.create_task(worker.run())
+            try:
+                async with asyncio.timeout(30):
+                    while listed != every:  # every takeover is under way, listing
+                        await listings.holding(len(listings.held) + 1)
+                before = len(asyncio.all_tasks())
+                listings.release()
+                async with asyncio.timeout(30):
+                    while reading != every:  # every takeover has its first reads out
+                        await reads.holding(len(reads.held) + 1)
+                grown = len(asyncio.all_tasks()) - before
+                held = len(reads.held)
+            finally:
+                reads.release()
+                worker.request_stop()
+                async with asyncio.timeout(30):
+                    await asyncio.gather(run, return_exceptions=True)
+    finally:
+        await nc.close()
+    assert held <= 64, f"{held} reads of records under way at once"
+    assert grown <= 128, f"{grown} more tasks once the takeovers read records"

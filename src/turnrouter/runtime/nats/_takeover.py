@@ -16,6 +16,15 @@ talk again. Never over another replica's claim: after an outage the server may h
 pinned the partition elsewhere before this replica hears so, and a claim written over
 the new owner's would end its running turn with the failure text. Nor once the worker
 stops (its graceful stop waits for the takeovers).
+
+The takeovers under way on one replica read at most `_SCAN_READS` (64) records at once
+together, each its share. Each read 64 at a time on its own before: a replica taking 16
+partitions of a populated bucket (at start, say) had ~1,000 reads and tasks under way,
+and every step of an input (its own read of a record for a claim or a busy-text
+refusal, its writes, its acknowledgment) waited behind their replies, so a flood of new
+participants arriving then held a partition's one message past `ack_wait` (delivered
+again) and its pin past `failover_timeout` (the partition moved, came back to the same
+lone replica, and its takeover read every record again).
 """
 
 from __future__ import annotations
@@ -36,10 +45,12 @@ __all__ = ["Takeover"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
-#: A takeover reads a partition's records for at most this long, and reads and ends
-#: this many at a time.
+#: A takeover reads a partition's records for at most this long.
 _SCAN_SECS = 30.0
-_SCAN_BATCH = 64
+#: Records the takeovers under way on a replica read at once, together: each scan
+#: reads and ends its share of them at a time (at least one), and every read waits for
+#: one of these slots.
+_SCAN_READS = 64
 
 #: Pauses between a takeover's attempts to claim a record (then the last one, repeated).
 _CLAIM_PAUSES = (0.25, 0.5, 1.0, 2.0)
@@ -52,12 +63,18 @@ class Takeover:
                  stopping: Callable[[], bool] = lambda: False) -> None:
         self._kv, self._link, self._config, self._ledger = kv, link, config, ledger
         self._stopping = stopping
+        self._scans = 0  # scans under way (they share `_SCAN_READS`)
+        self._reads = asyncio.Semaphore(_SCAN_READS)
+
+    def _share(self) -> int:
+        """How many records one scan reads and ends at a time now."""
+        return max(1, _SCAN_READS // max(1, self._scans))
 
     async def scan(self, n: int) -> None:
-        """End what partition `n`'s records left unfinished, `_SCAN_BATCH` records at
-        a time, reading for at most `_SCAN_SECS`; stop once the partition is lost. The
-        claims that failed are made again once every record was read (one record that
-        keeps failing holds up no other).
+        """End what partition `n`'s records left unfinished, its share of `_SCAN_READS`
+        records at a time, reading for at most `_SCAN_SECS`; stop once the partition is
+        lost. The claims that failed are made again once every record was read (one
+        record that keeps failing holds up no other).
 
         Its keys are listed by the bucket's stream (`partition_keys`), then each record
         is read: nats-py's KV watch could signal the end of its initial values before
@@ -68,15 +85,16 @@ class Takeover:
         losses = self._ledger.losses(n)
         read = 0
         again: list[_Left] = []
+        self._scans += 1
         try:
             async with asyncio.timeout_at(deadline):
                 keys = await partition_keys(self._link, self._config.bucket, n, deadline)
-            for start in range(0, len(keys), _SCAN_BATCH):
+            while read < len(keys):
                 if self._ledger.losses(n) != losses:
                     return  # the partition moved away: its new owner scans
                 if loop.time() >= deadline:
                     raise TimeoutError
-                batch = keys[start:start + _SCAN_BATCH]
+                batch = keys[read:read + self._share()]
                 ended = await asyncio.gather(
                     *(self._end_unfinished(key, n, losses, deadline) for key in batch),
                     return_exceptions=True)
@@ -88,6 +106,8 @@ class Takeover:
             logger.warning("turnrouter: partition %d: read %d records in %g s (%d claims "
                            "failing); the rest end their unfinished turns when their "
                            "participant talks", n, read, _SCAN_SECS, len(again))
+        finally:
+            self._scans -= 1
 
     @staticmethod
     def _check(n: int, ended: list[Any]) -> None:
@@ -106,7 +126,7 @@ class Takeover:
         record, when its claim failed (made again by `_claim_again`). Only the read is
         bounded by `deadline` (TimeoutError): a claim cut after its write would leave
         its endings recorded and never said."""
-        async with asyncio.timeout_at(deadline):
+        async with asyncio.timeout_at(deadline), self._reads:
             value = await read_value(self._kv, key)
         if value is None:
             return None
@@ -131,8 +151,8 @@ class Takeover:
 
     async def _claim_again(self, n: int, losses: int, deadline: float,
                            left: list[_Left]) -> None:
-        """The claims in `left` made again, `_SCAN_BATCH` at a time as the scan reads
-        (a server that dropped them is likely busy), after a pause (`_CLAIM_PAUSES`)
+        """The claims in `left` made again, the scan's share at a time as it reads (a
+        server that dropped them is likely busy), after a pause (`_CLAIM_PAUSES`)
         while partition `n` stays here and the worker serves on; TimeoutError when the
         next round would start past `deadline`."""
         loop = asyncio.get_running_loop()
@@ -143,11 +163,13 @@ class Takeover:
                 raise TimeoutError
             await asyncio.sleep(pause)
             still: list[_Left] = []
-            for start in range(0, len(left), _SCAN_BATCH):
+            done = 0
+            while done < len(left):
+                batch = left[done:done + self._share()]
                 ended = await asyncio.gather(
-                    *(self._claim_left(one, n, losses, deadline)
-                      for one in left[start:start + _SCAN_BATCH]),
+                    *(self._claim_left(one, n, losses, deadline) for one in batch),
                     return_exceptions=True)
+                done += len(batch)
                 still += [one for one in ended if isinstance(one, _Left)]
                 self._check(n, ended)
             left = still
@@ -159,7 +181,7 @@ class Takeover:
         late); `left` when the claim failed again. A failed claim's write may have been
         stored or not: the claim reads the record afresh, and one stored late fails the
         next write's revision check, which the claim reads again and retries."""
-        async with asyncio.timeout_at(deadline):
+        async with asyncio.timeout_at(deadline), self._reads:
             value = await read_value(self._kv, left.key)
         ledger = self._ledger
         try:
