@@ -129,6 +129,12 @@ def test_compose_prometheus_loads_the_main_and_the_fleet_rules() -> None:
     loaded = sorted(path.relative_to(ROOT).as_posix() for glob in config["rule_files"]
                     for path in mounts[str(Path(glob).parent)].glob(Path(glob).name))
     assert loaded == sorted([RULES_FILE, str(RULES.relative_to(ROOT))])
+    # ... and notified: the same Alertmanager and configuration as the demo's stack
+    # (operator15: the fleet's alerts, the watchdog too, went nowhere).
+    alertmanager = load(COMPOSE)["services"]["alertmanager"]
+    assert alertmanager == load(DEPLOY / "compose/compose.yaml")["services"]["alertmanager"]
+    (target,) = config["alerting"]["alertmanagers"]
+    assert target["static_configs"][0]["targets"] == ["alertmanager:9093"]
 
 
 def test_kubernetes_runs_three_workers_against_the_nats_service() -> None:

@@ -177,12 +177,17 @@ def scenarios() -> list[Scenario]:
          (death + 1.5, "TurnrouterJobDown", [{"severity": "none", "job": JOB}])],
     )
     # Its pods deleted (a deployment scaled to zero): no `up` of the job at all, so no
-    # TargetDown; JobDown holds the job's warnings for 15 minutes all the same.
+    # TargetDown; JobDown holds the job's warnings for 15 minutes all the same, and the
+    # traffic alerts clear at once as for a dead target (operator15: its windows kept a
+    # page firing 4 minutes while `up` was gone, not 0).
     gone = Scenario(
-        "a job whose targets vanish from service discovery fires JobDown for 15 minutes",
+        "a job whose targets vanish from service discovery fires JobDown for 15 minutes "
+        "and clears its traffic alerts",
         _traffic([(0, 4.0)], [(0, 0.2), (death - 7, 2.0)], [(0, 40.0)],
                  [(0, 2.0), (death - 7, 20.0)], dies=death, vanishes=True),
-        [(death - 0.25, "TurnrouterJobDown", []),
+        [(death - 0.25, CLARIFY, [CRIT]),
+         *[(death + minutes, CLARIFY, []) for minutes in (1.5, 2, 3, 4, 5, 6, 8, 12)],
+         (death - 0.25, "TurnrouterJobDown", []),
          *[(death + minutes, "TurnrouterJobDown", [{"severity": "none", "job": JOB}])
            for minutes in (1.5, 5, 10, 14)],
          (death + 16, "TurnrouterJobDown", []),

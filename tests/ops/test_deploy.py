@@ -288,6 +288,9 @@ def test_deployment_service_and_servicemonitor_agree() -> None:
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == service_port["name"] and endpoint["path"] == "/metrics"
     assert container["readinessProbe"]["httpGet"]["port"] == port["name"]
+    # Readiness follows admission control (docs/telemetry.md, /ready); liveness does not.
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/metrics"
 
 
 BASE_KINDS = ["ConfigMap", "ConfigMap", "Deployment", "PrometheusRule", "Service",

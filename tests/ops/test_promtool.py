@@ -143,7 +143,7 @@ def test_scrape_interval_scenarios_catch_a_late_ticket(tmp_path: Path) -> None:
     rules = (DEPLOY / "prometheus/rules/turnrouter.rules.yml").read_text()
     (tmp_path / "rules").mkdir()
     (tmp_path / "rules/turnrouter.rules.yml").write_text(
-        rules.replace("turnrouter:up:max == 0", "turnrouter:up:max == 7"))
+        rules.replace("turnrouter:up:max > 0", "turnrouter:up:max > -1"))
     (tmp_path / "tests").mkdir()
     scenario = TESTS_DIR / "scrape-15s.test.yml"
     (tmp_path / "tests" / scenario.name).write_text(scenario.read_text())

@@ -342,8 +342,9 @@ class AlertRule:
                  f"{self.volume}{selector} >= {min_turns:d}"]
         if self.confirm:
             lines += [f"and on ({G})", self.confirm]
-        # A dead target's windows linger for minutes: its alerts clear at once instead.
-        lines += [f"unless on ({G})", "turnrouter:up:max == 0"]
+        # A dead target's windows linger for minutes: its alerts clear at once instead,
+        # also once its targets left service discovery (`up` gone, not 0).
+        lines += [f"and on ({G})", "turnrouter:up:max > 0"]
         return "\n".join(lines)
 
     def expression(self, overrides: Sequence[RouteOverride] = (),
