@@ -216,9 +216,33 @@ def test_current_delay_is_marked(samples: Path) -> None:
 
 
 def test_unmet_target_exits_1(samples: Path) -> None:
-    """A target no candidate meets is reported with exit status 1."""
+    """A target no candidate meets is reported with exit status 1; with the default
+    candidates, where they stop and that --delays offers longer ones (operator15: a slow
+    route got no hint)."""
     code, out, _ = run(["--samples", str(samples), "--max-silence-p95", "0.01"])
     assert code == 1 and "no candidate delay meets" in out
+    assert "the default candidates stop at" in out and "--delays" in out
+    code, out, _ = run(["--samples", str(samples), "--max-silence-p95", "0.01",
+                        "--delays", "0.5,1"])
+    assert code == 1 and "no candidate delay meets" in out and "--delays" not in out
+
+
+def test_a_recommendation_over_the_dead_air_alert_says_so(tmp_path: Path) -> None:
+    """A recommended delay whose p95 silence is over TurnrouterDeadAir's target warns
+    (operator15: 4 s recommended for a slow route, p95 silence 4.3 s, without a word);
+    one under it does not."""
+    from turnrouter.ops import DEAD_AIR_SECONDS
+
+    path = _write(tmp_path / "slow.jsonl",
+                  [TimingSample("a", 3.0)] * 50 + [TimingSample("a", 5.0)] * 50)
+    flags = ["--samples", str(path), "--policy", "fixed", "--generation-secs", "0.1"]
+    code, out, _ = run([*flags, "--max-ack-rate", "0.5", "--delays", "1,4"])
+    assert code == 0 and "recommended acknowledgment_delay_secs=4 " in out
+    assert (f"warning: p95 silence 4.10s at that delay is over the TurnrouterDeadAir "
+            f"alert's {DEAD_AIR_SECONDS:g}s") in out
+    code, out, _ = run([*flags, "--max-ack-rate", "1", "--delays", "1"])
+    assert code == 0 and "recommended acknowledgment_delay_secs=1 " in out
+    assert "warning" not in out
 
 
 def test_censored_samples_count_as_slow(tmp_path: Path) -> None:
@@ -680,6 +704,8 @@ def test_no_samples_says_where_it_looked(
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"turnrouter tune: error: no first-response samples found in {url} (")
     assert f"turnrouter_first_response_seconds_bucket{{{NOTHING}}}[2h]" in err
+    assert err.endswith("; the window must span at least two scrapes (at a 1-minute "
+                        "scrape, --window 2m or more)\n")
     code, _, err = run(["--samples", str(samples), "--route", "c", "--route", "a b"])
     assert code == 2 and err == (f"turnrouter tune: error: no first-response samples of "
                                  f"--route a b, c found in {samples}\n")

@@ -52,6 +52,7 @@ from typing import IO, Protocol, TextIO
 
 from .._redact import redact_url
 from .._timing import RouteTimingPredictor, TimingSample
+from ..ops._rules import DEAD_AIR_SECONDS
 from ..ops._tuning import (
     ALL_ROUTES,
     CONFIDENCE,
@@ -1092,8 +1093,12 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
         # --route that matches nothing, and the operator needs to see which.
         named = (f" of --route {', '.join(printable(route) for route in sorted(routes))}"
                  if routes else "")
+        # A window of one scrape holds no increase: at a 1-minute scrape, `--window 1m`
+        # finds nothing although the samples are there.
+        short = ("; the window must span at least two scrapes (at a 1-minute scrape, "
+                 "--window 2m or more)" if args.prometheus is not None else "")
         err.write(f"turnrouter tune: error: no first-response samples{named} found in "
-                  f"{source}\n")
+                  f"{source}{short}\n")
         return 2
     rows = analyse(distributions, delays, args.generation_secs, splits=splits,
                    confidence=args.confidence)
@@ -1116,7 +1121,10 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
                  f"for route {printable(chosen[0])}" if len(chosen) == 1 else
                  "over routes " + ", ".join(printable(r) for r in chosen))
         if best is None:
-            summary.append(f"no candidate delay meets {label} {scope}")
+            longest = (f"; the default candidates stop at {max(delays):g}s: try longer "
+                       "ones with --delays (e.g. --delays 2,3,4)" if args.delays is None
+                       else "")
+            summary.append(f"no candidate delay meets {label} {scope}{longest}")
             status = 1
         else:
             ack, needless, p95 = best.figures(args.policy)
@@ -1130,6 +1138,11 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
                 f"{best.fixed_needless_rate:.1%}, {best.fixed_p95_silence:.2f}s; "
                 f"predictive: {best.ack_rate:.1%}, {best.needless_rate:.1%}, "
                 f"{best.p95_silence:.2f}s)")
+            if p95 > DEAD_AIR_SECONDS:
+                summary.append(
+                    f"  warning: p95 silence {p95:.2f}s at that delay is over the "
+                    f"TurnrouterDeadAir alert's {DEAD_AIR_SECONDS:g}s (see the predictive "
+                    "policy's column, or a shorter delay)")
             paying = [r for r in rows if r.route != ALL_ROUTES and r.delay == best.delay]
             worst = max(paying, key=lambda r: r.figures(args.policy)[2], default=None)
             if worst is not None and len(chosen) != 1:
