@@ -412,7 +412,7 @@ ALERTS: tuple[AlertRule, ...] = (
     AlertRule(
         "TurnrouterHighClarificationRate", "turnrouter:clarification_ratio:rate5m",
         CLARIFICATION_WARNING, "10m", "warning",
-        "turnrouter {{ $labels.job }} asks participants to clarify too often",
+        "Job {{ $labels.job }} asks participants to clarify too often",
         f"{_PCT} of turns ended in a clarification question over the last 5 minutes "
         f"(warning above {CLARIFICATION_WARNING:.0%}, at least {MIN_TURNS} turns).",
         "turnrouterhighclarificationrate",
@@ -421,7 +421,7 @@ ALERTS: tuple[AlertRule, ...] = (
     AlertRule(
         "TurnrouterHighClarificationRate", "turnrouter:clarified_participants:ratio",
         CLARIFICATION_CRITICAL, "1m", "critical",
-        "turnrouter {{ $labels.job }} asks many participants to clarify",
+        "Job {{ $labels.job }} asks many participants to clarify",
         f"{_PCT} of the participants of the last minute had their latest turn answered with "
         f"a clarification question (page above {CLARIFICATION_CRITICAL:.0%}, at least "
         f"{MIN_CLARIFIED_PARTICIPANTS} participants, confirmed by the 5-minute ratio of turns "
@@ -464,7 +464,7 @@ ALERTS: tuple[AlertRule, ...] = (
     AlertRule(
         "TurnrouterFailures", "turnrouter:failure_ratio:rate5m",
         FAILURE_RATIO, "5m", "critical",
-        "turnrouter {{ $labels.job }} fails at stage {{ $labels.stage }}",
+        "Job {{ $labels.job }} fails at stage {{ $labels.stage }}",
         f"{_PCT} failures per turn at stage {{{{ $labels.stage }}}} "
         f"(threshold {FAILURE_RATIO:.0%}).",
         "turnrouterfailures",
@@ -482,7 +482,7 @@ ALERTS: tuple[AlertRule, ...] = (
     AlertRule(
         "TurnrouterSaturated", "turnrouter:event_loop_lag_seconds:p95_5m",
         SATURATION_LAG_SECONDS, "5m", "warning",
-        "turnrouter {{ $labels.instance }} of {{ $labels.job }} is saturated",
+        "Router {{ $labels.instance }} of {{ $labels.job }} is saturated",
         f"p95 event-loop lag is {_SECS} (threshold {SATURATION_LAG_SECONDS:g}s): turns wait "
         "for the loop, the router refuses new participants (readiness fails) and may shed "
         "turns (turnrouter_shed_turns_total). Add replicas or find what blocks the loop.",
@@ -492,7 +492,7 @@ ALERTS: tuple[AlertRule, ...] = (
     AlertRule(
         "TurnrouterOverloaded", "turnrouter:overload_state:avg5m",
         OVERLOAD_STATE, "3m", "warning",
-        "turnrouter {{ $labels.instance }} of {{ $labels.job }} is overloaded",
+        "Router {{ $labels.instance }} of {{ $labels.job }} is overloaded",
         f"The router's mean overload state over 5 minutes is {{{{ $value | printf \"%.2f\" }}}} "
         f"(0 ready, 1 busy, 2 shedding; warning above {OVERLOAD_STATE:g}): by its own "
         "thresholds it refuses new participants (readiness fails) and may shed turns "
@@ -502,7 +502,7 @@ ALERTS: tuple[AlertRule, ...] = (
     ),
     AlertRule(
         "TurnrouterTargetDown", f"up{{{JOB_MATCHER}}} == 0", 0.0, "1m", "critical",
-        "turnrouter target {{ $labels.instance }} of {{ $labels.job }} is down",
+        "Target {{ $labels.instance }} of {{ $labels.job }} is down",
         "Prometheus cannot scrape this router: it is down or unreachable, and its other "
         "alerts cannot be trusted (Alertmanager inhibits them while this fires).",
         "turnroutertargetdown", volume="", raw=True,
