@@ -195,6 +195,19 @@ def test_clarification_panel_draws_the_alert_thresholds() -> None:
     assert defaults["unit"] == "percentunit"
 
 
+@pytest.mark.parametrize("title", ["Clarification ratio", "Failures by stage"])
+def test_panels_drawing_a_job_wide_alert_threshold_draw_one_line_per_job(title: str) -> None:
+    """The alerts are per job: a panel drawing their threshold sums per job too, so a
+    paging job is not averaged under the line with the healthy ones when several jobs
+    are selected (operator15: 10% drawn under "All" while one job paged at 68%)."""
+    panel = _panel(title)
+    for target in panel["targets"]:
+        expr = target["expr"]
+        assert "sum(" not in expr.replace(" ", ""), (title, expr)
+        assert expr.count("sum by (job") == expr.count("sum"), (title, expr)
+        assert target["legendFormat"].startswith("{{job}}"), (title, target)
+
+
 def test_a_count_on_the_right_axis_is_drawn_there_in_plain_numbers() -> None:
     """A target whose legend says "right axis" (the clarified participants beside the
     clarification ratios) has an override putting it there with a unit of its own:
