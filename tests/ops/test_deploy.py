@@ -300,9 +300,11 @@ BASE_KINDS = ["ConfigMap", "ConfigMap", "Deployment", "PrometheusRule", "Service
 @pytest.mark.parametrize(("overlay", "kinds"), [
     ("base", BASE_KINDS), ("overlays/example", BASE_KINDS),
     # The NATS fleet: the main PrometheusRule (TurnrouterTargetDown, TurnrouterAbsent)
-    # beside the fleet's, the fleet dashboard's ConfigMap, NATS and the workers.
-    ("nats", ["ConfigMap", "Deployment", "PrometheusRule", "PrometheusRule", "Service",
-              "Service", "ServiceMonitor", "StatefulSet"])])
+    # beside the fleet's, the fleet, overview and tuning dashboards' ConfigMaps, NATS and
+    # the workers.
+    *((overlay, ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "PrometheusRule",
+                 "PrometheusRule", "Service", "Service", "ServiceMonitor", "StatefulSet"])
+      for overlay in ("nats", "overlays/nats-example"))])
 def test_kustomize_builds(overlay: str, kinds: list[str]) -> None:
     """`kubectl kustomize` renders the layout, each object small enough for a client-side
     `kubectl apply` (its 256 KiB last-applied annotation); skipped where kubectl is not
@@ -321,12 +323,29 @@ def test_kustomize_builds(overlay: str, kinds: list[str]) -> None:
 
 
 def test_nats_kustomization_carries_the_main_prometheus_rule() -> None:
-    """deploy/k8s/nats lists the main rules' PrometheusRule (kustomize loads no file
-    outside its root, so it is a generated copy of the base's) beside the fleet's."""
+    """deploy/k8s/nats lists the main rules' PrometheusRule and the overview and tuning
+    dashboards (kustomize loads no file outside its root, so they are generated copies of
+    the base's) beside the fleet's: the runbook's fleet sections open the overview."""
     resources = _load(DEPLOY / "k8s/nats/kustomization.yaml")["resources"]
-    assert {"prometheusrule.yaml", "prometheusrule-nats.yaml"} <= set(resources)
+    assert {"prometheusrule.yaml", "prometheusrule-nats.yaml",
+            "dashboards-configmap.yaml"} <= set(resources)
     assert (DEPLOY / "k8s/nats/prometheusrule.yaml").read_text() == (
         ROOT / K8S_RULE).read_text()
+    assert (DEPLOY / "k8s/nats/dashboards-configmap.yaml").read_text() == (
+        ROOT / K8S_DASHBOARDS).read_text()
+
+
+@pytest.mark.parametrize("overlay", ["example", "nats-example"])
+def test_the_example_overlays_set_the_label_an_operator_selects_on(overlay: str) -> None:
+    """Each example overlay (the demo's and the NATS fleet's) sets the `release` label a
+    kube-prometheus-stack's rule and monitor selectors match, on every object but not on
+    selectors (operator15: the NATS layout had none, its rules were ignored)."""
+    kustomization = _load(DEPLOY / "k8s/overlays" / overlay / "kustomization.yaml")
+    (resource,) = kustomization["resources"]
+    assert (DEPLOY / "k8s/overlays" / overlay / resource / "kustomization.yaml").is_file()
+    (labels,) = kustomization["labels"]
+    assert labels == {"pairs": {"release": "kube-prometheus-stack"},
+                      "includeSelectors": False}
 
 
 def test_dashboards_configmaps_fit_a_client_side_apply() -> None:

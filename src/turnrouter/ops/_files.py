@@ -53,6 +53,8 @@ COMPOSE_RULES = RULES_FILE
 #: root), and without TurnrouterTargetDown/TurnrouterAbsent nothing fires when every
 #: worker dies.
 _NATS_K8S_RULE = "deploy/k8s/nats/prometheusrule.yaml"
+#: ... and the overview and tuning dashboards, which the runbook's fleet sections open.
+_NATS_K8S_DASHBOARDS = "deploy/k8s/nats/dashboards-configmap.yaml"
 #: The per-route alert overrides every generated rule file carries (the demo's
 #: slow-by-design routes), relative to the root; `--overrides` replaces them.
 DEMO_OVERRIDES = "deploy/prometheus/overrides.demo.yml"
@@ -115,6 +117,7 @@ def generated_files(runbook_url: str | None = None,
     files[_NATS_K8S_RULE] = files[K8S_RULE]  # the same object, for the NATS fleet
     files[K8S_DASHBOARDS] = _K8S_HEADER + dump_all(dashboards_configmaps(group_labels,
                                                                           overrides))
+    files[_NATS_K8S_DASHBOARDS] = files[K8S_DASHBOARDS]  # the same, for the NATS fleet
     files[ALERTMANAGER_FILE] = render_alertmanager(PLACEHOLDER_URLS, group_labels)
     files.update(fleet_files(runbook_url, group_labels))  # the NATS runtime's
     return files
