@@ -9,7 +9,7 @@ worker's `mark_after`, so its message is acknowledged after the finished record,
 in-flight mark (the other participants' turns are marked). A query starting with
 `patch` is answered, and 0.3 s later (between turns) a background job's context patch
 `job-<participant>` is appended to the participant's history. A query starting with
-`late` is answered at once and its turn goes on for `TR_TEST_ANSWER_SECS` after (the
+`lingering` is answered at once and its turn goes on for `TR_TEST_ANSWER_SECS` after (the
 participant's next query cuts it, its answer given). With
 `TR_TEST_SAY_ANSWERED` set, each answer's turn id goes to stderr (`answered <turn id>`)
 once `ctx.answer` returned: the answers the destination gave; and `running <turn id>`
@@ -78,7 +78,7 @@ class Echo:
                     await asyncio.sleep(3600.0)
         if turn.query.startswith("slow"):
             await asyncio.sleep(60.0)
-        elif not turn.participant_id.startswith("q") and not turn.query.startswith("late"):
+        elif not turn.participant_id.startswith("q") and not turn.query.startswith("lingering"):
             await asyncio.sleep(self._delay)
         previous = turn.history[-1].user if turn.history else "-"
         flag = "F" if self._focused.pop(turn.turn_id, False) else "N"
@@ -86,7 +86,7 @@ class Echo:
         await self._ctx.answer(turn, "echo", text)
         if self._said:  # the answer is out of the destination's hands
             print(f"answered {turn.turn_id}", file=sys.stderr, flush=True)
-        if turn.query.startswith("late"):  # works on after its answer
+        if turn.query.startswith("lingering"):  # works on after its answer
             await asyncio.sleep(self._delay)
         if turn.query.startswith("patch"):
             job = asyncio.create_task(self._background_job(turn.participant_id))

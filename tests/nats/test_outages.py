@@ -364,13 +364,14 @@ async def test_the_next_turns_control_text_is_heard_after_the_answer_before_it(
             env={"TR_TEST_ANSWER_SECS": "30", "TR_TEST_SAY_ANSWERED": "1"})
         try:
             async with listening(nats_server.url) as (front, heard):
-                first = UserQuery(participant_id="late", text="late first")
+                first = UserQuery(participant_id="late", text="lingering first")
                 second = UserQuery(participant_id="late", text="slow second")
                 await front.publish(first)
                 await until_counted(worker, "turnrouter_nats_inflight_marks_total", 1)
                 key = f".{encode_token('late')}"
-                writes = proxy.hold(lambda subject, _: subject.startswith("$KV.")
-                                    and subject.endswith(key))
+                writes = proxy.hold(lambda subject, data: subject.startswith("$KV.")
+                                    and subject.endswith(key)
+                                    and b"lingering first|-|N" in data)  # its answer
                 await front.publish(second)
                 async with asyncio.timeout(15):
                     await writes.holding(1)  # the first turn's finished record
@@ -381,7 +382,7 @@ async def test_the_next_turns_control_text_is_heard_after_the_answer_before_it(
                                                   asyncio.Event())
                 async with asyncio.timeout(20):
                     await started.wait()
-                assert heard.said["late"] == [(first.message_id, "late first|-|N"),
+                assert heard.said["late"] == [(first.message_id, "lingering first|-|N"),
                                               (second.message_id, PREAMBLE)]
         finally:
             await asyncio.to_thread(worker.close)

@@ -133,7 +133,7 @@ class _Running:
     armed and cancelled costs its push, pop and comparisons there on every turn)."""
 
     __slots__ = ("_out", "_written", "deadline", "finishing", "gate", "held", "out",
-                 "output", "prior", "result", "task", "timer", "turn_id")
+                 "output", "prior", "result", "seq", "task", "timer", "turn_id")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.finishing = False
@@ -149,6 +149,7 @@ class _Running:
         # held answer goes out before this one's, and whether this one's went out (or
         # never will); `_out` made for the first output waiting on it.
         self.turn_id = ""
+        self.seq = 0
         self.prior: _Running | None = None
         self.out = False
         self._out: asyncio.Event | None = None
@@ -228,6 +229,7 @@ class Inputs:
         #: at its own end (no done callback per turn, as `spawn` would add).
         self._tasks = tasks
         self._running: dict[tuple[str, str], _Running] = {}  # by (participant, turn)
+        self._seq = 0
         self._recent = _Recent(_RECENT)
         self.turns_of = _TurnIndex()
         self._out_prefix = f"{config.prefix}.out."
@@ -263,7 +265,7 @@ class Inputs:
                 # Its turn ends audibly: a front end whose max_message_bytes exceeds the
                 # workers' let it through, and its participant would hear nothing.
                 await self.publish_output(*turn, "none", self._config.failure_text,
-                                          final=True, carrier={})
+                                          final=True, carrier={}, in_order=False)
             return
         if kind == "probe" or pid is None or message is None:
             await self._ack(msg)
@@ -414,6 +416,8 @@ class Inputs:
         carrier = input_carrier(msg.headers, query)  # bounded, never echoed raw
         loop = asyncio.get_running_loop()
         run = self._running[(pid, query.message_id)] = _Running(loop)
+        self._seq += 1
+        run.seq = self._seq
         run.deadline = loop.time() + self._config.mark_after
         task = run.task = loop.create_task(self._turn(pid, state, query, carrier, run),
                                            name=f"turn {query.message_id}")
@@ -595,7 +599,12 @@ class Inputs:
             state = self._ledger.people.get(pid)
             ahead = None if state is None else state.answering
             if ahead is not None and ahead.turn_id != turn_id:
-                await ahead.wait_said()
+                own = self._running.get((pid, turn_id))
+                if own is not None:  # never behind a later turn of the participant
+                    while ahead is not None and ahead.seq >= own.seq:
+                        ahead = ahead.prior
+                if ahead is not None:
+                    await ahead.wait_said()
         if carrier is None:
             carrier = self._router.trace_carrier()
         try:

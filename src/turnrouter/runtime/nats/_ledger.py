@@ -583,6 +583,9 @@ class Ledger:
         state = self.people.pop(pid, None)
         if state is not None:
             state.fenced = True
+            run = state.answering  # answers this replica will not publish: nobody waits
+            while run is not None:
+                run, _ = run.prior, run.said()
             if state.waiting and pid not in self._losing:  # (`lose` may still write it)
                 unsaved(state, _CLAIMED if refused else _NO_ANSWER)
         if refused and self._metrics is not None:
