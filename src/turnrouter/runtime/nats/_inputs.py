@@ -512,38 +512,13 @@ class Inputs:
                 else:
                     # Not shielded: the task is cancelled only when the worker goes down,
                     # and a record write cut then is a crash like any other (module doc).
-                    await self._finish(pid, state, run)
+                    await _finish(self._ledger, self._link, pid, state, run)
             finally:  # a hand-over waits for the turn's write and answer (`turns_of`)
                 run.said()
                 if state.answering is run:
                     state.answering = None
                 self.turns_of.discard(pid, run.task)
                 self._tasks.discard(run.task)  # (nothing is awaited after this)
-
-    async def _finish(self, pid: str, state: Participant, run: _Running) -> None:
-        """Write the finished exchange, then publish the answer it holds (if any)."""
-        ok = False
-        try:
-            ok = await self._ledger.write(pid, state)
-            # Settled before the answer is published: the message's acknowledgment then
-            # joins the answer in the connection's next flush (one socket write, not
-            # two), still behind it. Were it sent first and the replica died, the answer
-            # is in the record's outbox, which the next owner publishes.
-            run.settle(ok)
-            held, output = run.held, run.output
-            if ok and held is not None and output is not None:
-                prior = run.prior  # the participant's previous answer goes out first
-                if prior is not None:
-                    await prior.wait_said()
-                # Kept in the outbox until the stream acknowledged it (then the next
-                # write drops it from the record): lost with a server crash, it is
-                # published again on reconnect (`republish`).
-                await self._link.publish_stored(
-                    *output, confirmed=functools.partial(_forget, state.outbox, held))
-        except Exception as exc:
-            log_failure("finishing a turn", exc, log=logger)
-        finally:
-            run.settle(ok)
 
     async def answer(self, turn: AgentTurn, route: str, text: str) -> None:
         """A destination's answer: held until the turn's record is written (running
@@ -596,15 +571,9 @@ class Inputs:
         turn of the participant holds until its record is written
         (`Participant.answering`): a participant hears their turns in order."""
         if in_order:
-            state = self._ledger.people.get(pid)
-            ahead = None if state is None else state.answering
-            if ahead is not None and ahead.turn_id != turn_id:
-                own = self._running.get((pid, turn_id))
-                if own is not None:  # never behind a later turn of the participant
-                    while ahead is not None and ahead.seq >= own.seq:
-                        ahead = ahead.prior
-                if ahead is not None:
-                    await ahead.wait_said()
+            ahead = _earlier_answer(self, pid, turn_id)
+            if ahead is not None:
+                await ahead.wait_said()
         if carrier is None:
             carrier = self._router.trace_carrier()
         try:
@@ -630,20 +599,68 @@ class Inputs:
 
     def _output(self, pid: str, turn_id: str, route: str, text: str, final: bool,
                 carrier: dict[str, str]) -> _Output:
-        """An output's subject, body (a `ResponseOutput`'s JSON, checked as the model
-        checks it: `response_json`) and headers (`ContractValueError` for text that is
-        not valid output, e.g. holding a lone surrogate, or a body over
-        `max_message_bytes`)."""
-        body = response_json(pid, turn_id, route, text, final=final, carrier=carrier)
-        if len(body) > self._config.max_message_bytes:
-            # It would also make the record holding it (the outbox) unwritable on a
-            # server's default 1 MiB payload bound: refused here, named.
-            raise ContractValueError(
-                f"output of turn {preview(turn_id)} is {len(body)} bytes, over "
-                f"max_message_bytes {self._config.max_message_bytes}")
-        headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
-                   **carrier}
-        return f"{self._out_prefix}{encode_token(pid)}", body, headers
+        return _output_of(self._config, self._out_prefix, pid, turn_id, route, text, final,
+                          carrier)
+
+
+async def _finish(ledger: Ledger, link: Link, pid: str, state: Participant,
+                  run: _Running) -> None:
+    """Write the finished exchange, then publish the answer it holds (if any)."""
+    ok = False
+    try:
+        ok = await ledger.write(pid, state)
+        # Settled before the answer is published: the message's acknowledgment then
+        # joins the answer in the connection's next flush (one socket write, not
+        # two), still behind it. Were it sent first and the replica died, the answer
+        # is in the record's outbox, which the next owner publishes.
+        run.settle(ok)
+        held, output = run.held, run.output
+        if ok and held is not None and output is not None:
+            prior = run.prior  # the participant's previous answer goes out first
+            if prior is not None:
+                await prior.wait_said()
+            # Kept in the outbox until the stream acknowledged it (then the next
+            # write drops it from the record): lost with a server crash, it is
+            # published again on reconnect (`republish`).
+            await link.publish_stored(
+                *output, confirmed=functools.partial(_forget, state.outbox, held))
+    except Exception as exc:
+        log_failure("finishing a turn", exc, log=logger)
+    finally:
+        run.settle(ok)
+
+
+def _output_of(config: NatsConfig, out_prefix: str, pid: str, turn_id: str, route: str,
+               text: str, final: bool, carrier: dict[str, str]) -> _Output:
+    """An output's subject, body (a `ResponseOutput`'s JSON, checked as the model
+    checks it: `response_json`) and headers (`ContractValueError` for text that is
+    not valid output, e.g. holding a lone surrogate, or a body over
+    `max_message_bytes`)."""
+    body = response_json(pid, turn_id, route, text, final=final, carrier=carrier)
+    if len(body) > config.max_message_bytes:
+        # It would also make the record holding it (the outbox) unwritable on a
+        # server's default 1 MiB payload bound: refused here, named.
+        raise ContractValueError(
+            f"output of turn {preview(turn_id)} is {len(body)} bytes, over "
+            f"max_message_bytes {config.max_message_bytes}")
+    headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
+               **carrier}
+    return f"{out_prefix}{encode_token(pid)}", body, headers
+
+
+def _earlier_answer(inputs: Inputs, pid: str, turn_id: str) -> _Running | None:
+    """The turn of `pid` whose held answer an output of turn `turn_id` waits for
+    (`Participant.answering`), never a newer turn than the output's own (turns are
+    numbered as they start): None when there is none, or it went out."""
+    state = inputs._ledger.people.get(pid)
+    ahead: _Running | None = None if state is None else state.answering
+    if ahead is None or ahead.turn_id == turn_id:
+        return None
+    own = inputs._running.get((pid, turn_id))
+    if own is not None:  # never behind a later turn of the participant
+        while ahead is not None and ahead.seq >= own.seq:
+            ahead = ahead.prior
+    return ahead
 
 
 def _say_returned(hold: Callable[[_Running, AgentTurn, str, str, dict[str, str]], None],
