@@ -22,6 +22,8 @@ __all__ = ["DROPPED", "OwnedOperation", "TurnQueue", "TurnRun"]
 
 #: The reason of a waiting turn dropped because too many turns were waiting.
 DROPPED = "dropped: too many turns waiting (max_waiting_turns)"
+#: Why a running turn is cut when its participant's next turn arrives.
+SUPERSEDED = "superseded by a newer turn"
 
 
 class OwnedOperation:

@@ -44,7 +44,7 @@ from ._contracts import (
     unset_field,
 )
 from ._exceptions import DestinationContractError, TurnInterrupted
-from ._lifecycle import DROPPED, OwnedOperation, TurnRun
+from ._lifecycle import DROPPED, SUPERSEDED, OwnedOperation, TurnRun
 from ._limits import is_logged
 from ._logging import log_failure
 from ._observer import (
@@ -787,7 +787,7 @@ async def _wait_in_line(run: Turn) -> None:
     load, queue = cfg.load, state.queue
     running = queue.running
     if running is not None:  # the participant spoke again: the running turn is stale
-        running.cancel("superseded by a newer turn")
+        running.cancel(SUPERSEDED)
     since = cfg.clock()
     try:
         entered = await queue.enter(run, cfg.max_waiting_turns)

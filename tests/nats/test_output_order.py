@@ -251,3 +251,33 @@ async def test_an_oversized_query_does_not_hold_its_partition_behind_a_running_t
             assert finals(heard, big) == [config.failure_text]
         finally:
             done.set()
+
+
+async def test_a_turn_cut_by_its_participants_next_turn_ends_silently_during_a_stop(
+        nats_server: NatsServer) -> None:
+    """While the worker drains for a graceful stop, a participant's next query cuts
+    their running turn: the cut turn ends silently, as at any other time (chaos15b D5:
+    it ended with the failure text on a stopping worker); the next one is answered."""
+    first = UserQuery(participant_id="p", text="first")
+    second = UserQuery(participant_id="p", text="second")
+    running = asyncio.Event()
+
+    async def script(ctx: WorkerContext, turn: AgentTurn) -> DestinationResult:
+        if turn.query == "first":
+            running.set()
+            await asyncio.Event().wait()  # until cut
+        return DestinationResult("answer", "second answer")
+
+    registry = CollectorRegistry()
+    config = NatsConfig(url=nats_server.url)
+    async with hearing(config) as (front, heard), \
+            serving(config, script, registry) as worker:
+        await front.publish(first)
+        async with asyncio.timeout(15):
+            await running.wait()
+        worker.request_stop()  # drains: the first turn still runs
+        await front.publish(second)
+        await until_true(lambda: bool(finals(heard, second)), "the second turn answered",
+                         within=15)
+        assert finals(heard, second) == ["second answer"]
+        assert finals(heard, first) == []

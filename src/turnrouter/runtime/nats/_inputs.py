@@ -35,6 +35,7 @@ from ..._exceptions import (
     RouterBusyError,
     TurnInterrupted,
 )
+from ..._lifecycle import SUPERSEDED
 from ..._limits import is_logged
 from ..._logging import log_failure
 from ..._redact import preview
@@ -483,7 +484,8 @@ class Inputs:
                 # participant left, until `joined`): counted and logged, and said.
                 self._reject(f"{self._config.prefix}.in.{encode_token(pid)}.query",
                              "closed", str(exc))
-            if closed or (self._stopping() and run.held is None):
+            superseded = getattr(exc, "reason", None) == SUPERSEDED  # (silent, always)
+            if closed or (self._stopping() and run.held is None and not superseded):
                 # Every turn ends audibly, also one cut short by a graceful end that
                 # outlasted drain_timeout. (A barge-in or a newer turn ends it silently;
                 # a turn shed for load heard the router's busy text.)
