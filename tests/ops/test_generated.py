@@ -195,6 +195,18 @@ def test_clarification_panel_draws_the_alert_thresholds() -> None:
     assert defaults["unit"] == "percentunit"
 
 
+def test_the_silence_panel_draws_what_dead_air_evaluates_beside_its_line() -> None:
+    """TurnrouterDeadAir reads each job's silence p95 over all routes and 5 minutes; the
+    panel drawing its line has that series too, not only per-route p95s over the rate
+    interval (operator15: routes slow by design sat above the line, the job healthy)."""
+    (job_wide,) = [t for t in _panel("Silence p95 vs configured delay")["targets"]
+                   if t["refId"] == "C"]
+    expr = job_wide["expr"]
+    assert expr.startswith("histogram_quantile(0.95, sum by (job, le) (rate(")
+    assert "[5m]" in expr and "$__rate_interval" not in expr and "route=" not in expr
+    assert "TurnrouterDeadAir" in job_wide["legendFormat"]
+
+
 @pytest.mark.parametrize("title", ["Clarification ratio", "Failures by stage"])
 def test_panels_drawing_a_job_wide_alert_threshold_draw_one_line_per_job(title: str) -> None:
     """The alerts are per job: a panel drawing their threshold sums per job too, so a

@@ -641,11 +641,17 @@ def acknowledgment_tuning() -> dict[str, Any]:
             "Silence p95 vs configured delay", "p95 of the time from admission to the first "
             "thing the participant hears, by route, against the acknowledgment delay each "
             "route runs with (`delay {route}`: its acknowledgment_route_delays entry, else "
-            "the router-wide delay; the dashed line: TurnrouterDeadAir, above "
-            f"{DEAD_AIR_SECONDS:g}s). Exemplars link to the turn span.",
+            "the router-wide delay), and what TurnrouterDeadAir evaluates against the "
+            f"dashed line ({DEAD_AIR_SECONDS:g}s): each job's p95 over all its routes and 5 "
+            "minutes (a route slow by design may sit above the line while its job is "
+            "healthy). Exemplars link to the turn span.",
             [_target(_quantile(0.95, "turnrouter_silence_seconds", "route", JOB, ROUTE),
                      "silence p95 {{route}}", exemplar=True),
-             _target(route_delay, "delay {{route}}", ref="B")],
+             _target(route_delay, "delay {{route}}", ref="B"),
+             _target(_quantile(0.95, "turnrouter_silence_seconds", "job", JOB,
+                               window=ALERT_WINDOW),
+                     "{{job}} silence p95, all routes, 5m (TurnrouterDeadAir)", ref="C",
+                     exemplar=True)],
             unit="s", draw="dashed",
             thresholds=_thresholds(("green", None), ("red", DEAD_AIR_SECONDS))),
         _timeseries(
