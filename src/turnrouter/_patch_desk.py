@@ -166,13 +166,7 @@ class PatchDesk:
         if strategy is not MergeStrategy.HUMAN_GATED:
             applied = self._merge(state, patch_id, patch, strategy,
                                   "diverged" if diverged else "applied")
-            try:
-                await _kept(self._notify(pid))
-            except PatchNotSavedError:
-                self._cfg.observer.context_patch(ContextPatchEvent(
-                    pid, patch_id, patch.task_id, strategy.value, "unsaved",
-                    patch.context_diverged))
-                raise
+            await self._keep(self._notify(pid), pid, patch_id, patch, strategy)
             return applied
         pending = state.pending
         if pending is None:
@@ -194,7 +188,7 @@ class PatchDesk:
         self._event(state.pid, held, "pending")
         saving = self._notify(pid)
         await self._ask(held)
-        await self._keep(held, saving)
+        await self._keep(saving, state.pid, patch_id, patch, strategy)
         return held
 
     async def approve(self, patch_id: str) -> AppliedContextPatch:
@@ -215,13 +209,15 @@ class PatchDesk:
             raise
         applied = self._merge(state, held.patch_id, held.patch,
                               MergeStrategy.HUMAN_GATED, "approved")
-        await self._keep(held, self._notify(state.pid))
+        await self._keep(self._notify(state.pid), state.pid, held.patch_id, held.patch,
+                         held.strategy)
         return applied
 
     async def reject(self, patch_id: str) -> PendingContextPatch:
         state, held = self._take(patch_id, "reject")
         self._event(state.pid, held, "rejected")
-        await self._keep(held, self._notify(state.pid))
+        await self._keep(self._notify(state.pid), state.pid, held.patch_id, held.patch,
+                         held.strategy)
         return held
 
     def hold(self, state: Participant) -> None:
@@ -294,13 +290,16 @@ class PatchDesk:
             patch.context_diverged))
         return applied
 
-    async def _keep(self, held: PendingContextPatch, saving: object) -> None:
+    async def _keep(self, saving: object, pid: str, patch_id: str, patch: ContextPatch,
+                    strategy: MergeStrategy) -> None:
         """Await the change's save (`_kept`); a `PatchNotSavedError` is counted
         (`unsaved`, after the outcome the call already counted) and re-raised."""
         try:
             await _kept(saving)
         except PatchNotSavedError:
-            self._event(held.participant_id, held, "unsaved")
+            self._cfg.observer.context_patch(ContextPatchEvent(
+                pid, patch_id, patch.task_id, strategy.value, "unsaved",
+                patch.context_diverged))
             raise
 
     def _event(self, pid: str, held: PendingContextPatch, outcome: PatchOutcome) -> None:

@@ -36,8 +36,8 @@ class Heard:
     at: dict[str, float] = field(default_factory=dict)
     count: int = 0
     waiters: list[tuple[int, asyncio.Event]] = field(default_factory=list)
-    said: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
-    """Every output of each participant (preambles too): turn id and text, in order."""
+    said: dict[str, list[ResponseOutput]] = field(default_factory=dict)
+    """Every output of each participant (preambles too, every route), in order."""
 
     async def more(self, turns: int) -> None:
         """Until `turns` more turns ended (the caller bounds the wait)."""
@@ -46,8 +46,7 @@ class Heard:
         await event.wait()
 
     def add(self, message: ResponseOutput) -> None:
-        self.said.setdefault(message.participant_id, []).append(
-            (message.request_id, message.text))
+        self.said.setdefault(message.participant_id, []).append(message)
         if message.route not in ("echo", "none") or message.text == PREAMBLE:
             return
         self.count += 1

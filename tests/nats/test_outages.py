@@ -382,8 +382,8 @@ async def test_the_next_turns_control_text_is_heard_after_the_answer_before_it(
                                                   asyncio.Event())
                 async with asyncio.timeout(20):
                     await started.wait()
-                assert heard.said["late"] == [(first.message_id, "lingering first|-|N"),
-                                              (second.message_id, PREAMBLE)]
+                assert [(o.request_id, o.text) for o in heard.said["late"]] == [
+                    (first.message_id, "lingering first|-|N"), (second.message_id, PREAMBLE)]
         finally:
             await asyncio.to_thread(worker.close)
 

@@ -16,25 +16,23 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import nats
 from turnrouter import (
-    Admission,
     AgentRouter,
     AgentTurn,
+    Destination,
     DestinationResult,
-    RouteDecision,
-    RouteRequest,
-    RoutingAid,
 )
-from turnrouter.runtime import ResponseOutput, UserQuery
+from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import (
     NatsConfig,
-    NatsFrontEnd,
     NatsWorker,
     WorkerContext,
     encode_token,
 )
 from turnrouter.telemetry import Telemetry
 
+from .app import Always
 from .conftest import NatsServer, metric_value, until_true
+from .crowd import Heard, listening
 from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
@@ -42,29 +40,16 @@ pytestmark = pytest.mark.anyio
 Answer = Callable[[WorkerContext, AgentTurn], Awaitable[DestinationResult]]
 
 
-class Scripted:
+class Scripted(Destination):
     """One destination whose `answer()` is the test's `script`."""
 
     def __init__(self, ctx: WorkerContext, script: Answer) -> None:
+        super().__init__("everything")
         self._ctx, self._script = ctx, script
-
-    def routing_aid(self, participant_id: str) -> RoutingAid:
-        return RoutingAid("d", "everything")
-
-    async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
-        return Admission("accept")
 
     async def answer(self, turn: AgentTurn, *,
                      started: Callable[[], Awaitable[None]]) -> DestinationResult:
         return await self._script(self._ctx, turn)
-
-    async def release(self, participant_id: str) -> None:
-        return None
-
-
-class Always:
-    async def decide(self, request: RouteRequest) -> RouteDecision:
-        return RouteDecision("d")
 
 
 @contextlib.asynccontextmanager
@@ -73,8 +58,8 @@ async def serving(config: NatsConfig, script: Answer, registry: CollectorRegistr
     """An in-process worker whose router runs `script`; its graceful stop must end
     within 30 s when the block ends (a turn left waiting for ever would hang it)."""
     def factory(ctx: WorkerContext) -> AgentRouter:
-        return AgentRouter({"d": Scripted(ctx, script)}, Always(),
-                           default_destination="d",
+        return AgentRouter({"echo": Scripted(ctx, script)}, Always(),
+                           default_destination="echo",
                            telemetry=Telemetry(registry=ctx.registry), **router)
 
     worker = NatsWorker(factory, config, registry=registry, replica="order")
@@ -91,31 +76,9 @@ async def serving(config: NatsConfig, script: Answer, registry: CollectorRegistr
         await asyncio.gather(run, return_exceptions=True)
 
 
-@contextlib.asynccontextmanager
-async def hearing(config: NatsConfig) -> AsyncIterator[tuple[NatsFrontEnd,
-                                                             list[ResponseOutput]]]:
-    """A front end and every output its reader got, in order."""
-    front = await NatsFrontEnd.connect(config)
-    heard: list[ResponseOutput] = []
-    ready = asyncio.Event()
-
-    async def listen() -> None:
-        async for output in front.outputs(subscribed=ready):
-            heard.append(output)
-
-    task = asyncio.create_task(listen())
-    try:
-        async with asyncio.timeout(15):
-            await ready.wait()
-        yield front, heard
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await front.close()
-
-
-def finals(heard: list[ResponseOutput], query: UserQuery) -> list[str]:
-    return [o.text for o in heard if o.request_id == query.message_id and o.final]
+def finals(heard: Heard, query: UserQuery) -> list[str]:
+    return [o.text for o in heard.said.get(query.participant_id, ())
+            if o.request_id == query.message_id and o.final]
 
 
 async def test_an_older_turns_failure_is_not_held_behind_a_newer_turns_answer(
@@ -130,12 +93,12 @@ async def test_an_older_turns_failure_is_not_held_behind_a_newer_turns_answer(
 
     async def script(ctx: WorkerContext, turn: AgentTurn) -> DestinationResult:
         if turn.query == "first":
-            await ctx.answer(turn, "d", "first answer")
+            await ctx.answer(turn, "echo", "first answer")
             try:
                 await asyncio.Event().wait()  # works on after its answer, until cut
             except asyncio.CancelledError:
                 raise RuntimeError("clean-up failed while cut") from None
-        await ctx.answer(turn, "d", "second answer")
+        await ctx.answer(turn, "echo", "second answer")
         return DestinationResult("answer", "second answer")
 
     async def status(what: str, pid: str) -> None:
@@ -143,7 +106,7 @@ async def test_an_older_turns_failure_is_not_held_behind_a_newer_turns_answer(
 
     registry = CollectorRegistry()
     config = NatsConfig(url=nats_server.url)
-    async with hearing(config) as (front, heard), \
+    async with listening(config) as (front, heard), \
             serving(config, script, registry, set_status=status):
         await front.publish(first)
         await until_true(lambda: metric_value(generate_latest(registry).decode(),
@@ -153,8 +116,8 @@ async def test_an_older_turns_failure_is_not_held_behind_a_newer_turns_answer(
         await until_true(lambda: bool(finals(heard, first) and finals(heard, second)),
                          "both turns ended audibly", within=15)
         assert finals(heard, second) == ["second answer"]
-        assert [o.request_id for o in heard if o.final] == [first.message_id,
-                                                             second.message_id]
+        assert [o.request_id for o in heard.said["p"] if o.final] == [
+            first.message_id, second.message_id]
 
 
 async def test_a_fenced_participants_held_answers_hold_nothing_back(
@@ -169,7 +132,7 @@ async def test_a_fenced_participants_held_answers_hold_nothing_back(
 
     async def script(ctx: WorkerContext, turn: AgentTurn) -> DestinationResult:
         if turn.query == "first":
-            await ctx.answer(turn, "d", "first answer")
+            await ctx.answer(turn, "echo", "first answer")
             await asyncio.sleep(0.3)  # works on after its answer: marked in flight
             return DestinationResult("answer", "first answer")
         raise RuntimeError("the second turn fails at once")
@@ -181,7 +144,7 @@ async def test_a_fenced_participants_held_answers_hold_nothing_back(
 
     async with proxied(nats_server.port) as proxy:
         config = NatsConfig(url=nats_server.url)
-        async with hearing(config) as (front, heard), \
+        async with listening(config) as (front, heard), \
                 serving(NatsConfig(url=proxy.url), script, registry):
             await front.publish(first)
             await until_true(lambda: counted("turnrouter_nats_inflight_marks_total") >= 1,
@@ -221,14 +184,14 @@ async def test_an_oversized_query_does_not_hold_its_partition_behind_a_running_t
     done = asyncio.Event()
 
     async def script(ctx: WorkerContext, turn: AgentTurn) -> DestinationResult:
-        await ctx.answer(turn, "d", f"answer to {turn.query}")
+        await ctx.answer(turn, "echo", f"answer to {turn.query}")
         if turn.query == "late":
             await done.wait()  # works on after its answer (a tool call, a summary)
         return DestinationResult("answer", f"answer to {turn.query}")
 
     config = NatsConfig(url=nats_server.url, partitions=1)
     registry = CollectorRegistry()
-    async with hearing(config) as (front, heard), serving(config, script, registry):
+    async with listening(config) as (front, heard), serving(config, script, registry):
         try:
             await front.publish(UserQuery(participant_id="ann", text="late"))
             await until_true(lambda: metric_value(generate_latest(registry).decode(),
@@ -270,7 +233,7 @@ async def test_a_turn_cut_by_its_participants_next_turn_ends_silently_during_a_s
 
     registry = CollectorRegistry()
     config = NatsConfig(url=nats_server.url)
-    async with hearing(config) as (front, heard), \
+    async with listening(config) as (front, heard), \
             serving(config, script, registry) as worker:
         await front.publish(first)
         async with asyncio.timeout(15):

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -44,6 +44,9 @@ from ._wire import (
     parse_record,
     record_json,
 )
+
+if TYPE_CHECKING:  # (its module imports this one)
+    from ._inputs import _Running
 
 __all__ = ["Ledger", "Participant", "SaveOutcome", "await_last_writer",
            "await_previous_owner", "change_made", "fitted_record", "recorded", "said",
@@ -183,7 +186,7 @@ class Participant:
     snapshot: bytes | None = None
     """The snapshot JSON of the last record written or claimed (an in-flight mark
     reuses it: nothing but turns and patches change it, and they write a fresh one)."""
-    answering: Any = None
+    answering: _Running | None = None
     """The running or finishing turn (`_inputs._Running`) holding the participant's
     latest answer until its record is written: the participant's outputs of later turns
     wait until it is handed to the connection (`Inputs.publish_output`), as the next
@@ -585,7 +588,9 @@ class Ledger:
             state.fenced = True
             run = state.answering  # answers this replica will not publish: nobody waits
             while run is not None:
-                run, _ = run.prior, run.said()
+                prior = run.prior
+                run.said()
+                run = prior
             if state.waiting and pid not in self._losing:  # (`lose` may still write it)
                 unsaved(state, _CLAIMED if refused else _NO_ANSWER)
         if refused and self._metrics is not None:
