@@ -230,6 +230,28 @@ def test_fleet_dashboard_draws_its_alerts_lines_and_no_nan_when_idle() -> None:
     assert rules["TurnrouterFencedWrites"].endswith(f"> {fenced:g}")
     quantiles = [expr for _where, expr in queries(model) if "histogram_quantile" in expr]
     assert quantiles and all("_count" in expr and "> 0)" in expr for expr in quantiles)
+    # Beside each line, what its alert evaluates: each job's value over the alert's 5
+    # minutes, not a per-stage or per-instance one over the rate interval (operator15).
+    for title, alert in (("Input wait", "TurnrouterInputBacklog"),
+                         ("Refused state writes (fencing) and turns ended by a takeover",
+                          "TurnrouterFencedWrites")):
+        (alerted,) = [t for t in panels[title]["targets"] if alert in t["legendFormat"]]
+        assert "by (job" in alerted["expr"] and "[5m]" in alerted["expr"], alerted
+        assert "$__rate_interval" not in alerted["expr"] and "{{job}}" in alerted["legendFormat"]
+    assert 'stage="delivery"' in next(t for t in panels["Input wait"]["targets"]
+                                  if "InputBacklog" in t["legendFormat"])["expr"]
+
+
+def test_fleet_partition_totals_are_per_job() -> None:
+    """The partitions panel compares each job's owned partitions with its own
+    deployment: under the default job "All", two fleets' totals summed against one
+    deployment's count hid a gap (operator15 F5)."""
+    model = json.loads(DASHBOARD.read_text())
+    (panel,) = [p for p in model["panels"]
+                if p["title"] == "Partitions: fleet total vs deployment"]
+    for target in panel["targets"]:
+        assert re.match(r"(sum|max) by \(job\) \(", target["expr"]), target
+        assert target["legendFormat"].startswith("{{job}}"), target
 
 
 def test_fleet_files_are_generated_by_turnrouter_ops() -> None:

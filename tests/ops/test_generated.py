@@ -327,3 +327,40 @@ def test_first_response_panels_draw_each_routes_alert_threshold() -> None:
         assert 'route="travel"' in expr and "* 0 + 1.5" in expr
     assert not [expr for model in dashboards().values() for _, expr in queries(model)
                 if 'route="travel"' in expr]
+
+
+def test_a_fixed_threshold_line_only_where_every_route_has_that_threshold() -> None:
+    """Per-route overrides give routes their own threshold, or none: the panels drawing
+    TurnrouterSlowFirstResponse's and TurnrouterAcknowledgmentOveruse's lines then draw
+    each route's as a series and no fixed line that applies to some routes only
+    (operator15 F5: a 1.5 s line beside routes alerted at 4 s, a 50 % line over a route
+    whose alert is disabled). Without overrides the fixed line stays."""
+    from turnrouter.ops import DEMO_OVERRIDES, read_overrides
+
+    titles = {"First response p95 by route": "TurnrouterSlowFirstResponse",
+              "First response quantiles": "TurnrouterSlowFirstResponse",
+              "Acknowledgment ratio by route": "TurnrouterAcknowledgmentOveruse"}
+
+    def panels(models: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return {p["title"]: p for model in models.values() for p in _panels(model)
+                if p["title"] in titles}
+
+    def mode(panel: dict[str, Any]) -> str:
+        return str(panel["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"])
+
+    plain = panels(MODELS)
+    overridden = panels(dashboards(overrides=read_overrides(ROOT / DEMO_OVERRIDES)))
+    assert set(plain) == set(overridden) == set(titles)
+    for title in titles:
+        assert mode(plain[title]) == "dashed", title
+        assert mode(overridden[title]) == "off", title
+        for models in (plain, overridden):
+            (threshold,) = [t for t in models[title]["targets"]
+                            if t["legendFormat"] == "alert threshold {{route}}"]
+            assert "* 0 +" in threshold["expr"], title
+    ack = next(t["expr"] for t in overridden["Acknowledgment ratio by route"]["targets"]
+           if t["legendFormat"] == "alert threshold {{route}}")
+    # travel's overuse alert is disabled in the demo overrides: no line for it, and the
+    # default's line excludes it.
+    assert 'route!~"travel"' in ack and 'route="travel"' not in ack
+    assert "* 0 + 0.5" in ack

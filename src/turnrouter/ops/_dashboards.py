@@ -80,24 +80,38 @@ def _quantile(q: float, name: str, by: str, *matchers: str, window: str = RATE) 
 _OVERRIDES: list[tuple[RouteOverride, ...]] = [()]
 
 
-def _slow_first_response_targets() -> str:
-    """Each route's TurnrouterSlowFirstResponse threshold as a series (its override, or
-    the default), only for routes with answers in the alert's window."""
-    count = _m("turnrouter_first_response_seconds", "_count")
-    mine = {o.route: o for o in _OVERRIDES[0] if o.alert == "TurnrouterSlowFirstResponse"}
+def _route_threshold_targets(alert: str, count: str, default: float) -> str:
+    """Each route's `alert` threshold as a series (its override, or `default`), only for
+    routes with traffic (`count`, a counter) in the alert's window; a route whose alert
+    is disabled has none."""
+    mine = {o.route: o for o in _OVERRIDES[0] if o.alert == alert}
 
     def line(matcher: str, threshold: float) -> str:
         return (f"(sum by (route) (rate({count}{{{JOB}, {ROUTE}{matcher}}}[{ALERT_WINDOW}])) "
                 f"> 0) * 0 + {threshold:g}")
 
     if not mine:
-        return line("", SLOW_FIRST_RESPONSE_SECONDS)
+        return line("", default)
     routes = "|".join(_promql_regex_literal(route) for route in sorted(mine))
-    parts = [line(f', route!~"{routes}"', SLOW_FIRST_RESPONSE_SECONDS)]
+    parts = [line(f', route!~"{routes}"', default)]
     parts += [line(f', route="{route}"', o.threshold if o.threshold is not None
-                   else SLOW_FIRST_RESPONSE_SECONDS)
+                   else default)
               for route, o in sorted(mine.items()) if not o.disabled]
     return "\nor\n".join(parts)
+
+
+def _slow_first_response_targets() -> str:
+    """Each route's TurnrouterSlowFirstResponse threshold as a series."""
+    return _route_threshold_targets(
+        "TurnrouterSlowFirstResponse", _m("turnrouter_first_response_seconds", "_count"),
+        SLOW_FIRST_RESPONSE_SECONDS)
+
+
+def _static_line(alert: str) -> str:
+    """How a panel draws `alert`'s default threshold as a fixed line: dashed, unless some
+    route has its own threshold or none (the per-route series draw them then: a fixed
+    line would sit under routes it does not apply to)."""
+    return "off" if any(o.alert == alert for o in _OVERRIDES[0]) else "dashed"
 
 
 def _thresholds(*steps: tuple[str, float | None]) -> dict[str, Any]:
@@ -394,12 +408,13 @@ def overview() -> dict[str, Any]:
         _timeseries(
             "First response p95 by route", "Time from answer() to started() (exemplars link "
             "to the `invoke_agent` span), and each route's TurnrouterSlowFirstResponse "
-            f"threshold (the default {SLOW_FIRST_RESPONSE_SECONDS:g}s, dashed, or the "
-            "route's own override).",
+            f"threshold as `alert threshold {{route}}` (the default "
+            f"{SLOW_FIRST_RESPONSE_SECONDS:g}s or the route's own override; also a fixed "
+            "dashed line when no route has its own).",
             [*_targets((_quantile(0.95, "turnrouter_first_response_seconds", "route", JOB,
                                   ROUTE), "p95 {{route}}"), exemplar=True),
              _target(_slow_first_response_targets(), "alert threshold {{route}}", ref="B")],
-            unit="s", draw="dashed",
+            unit="s", draw=_static_line("TurnrouterSlowFirstResponse"),
             thresholds=_thresholds(("green", None), ("red", SLOW_FIRST_RESPONSE_SECONDS))),
         _row("Load and context"),
         _timeseries(
@@ -622,7 +637,7 @@ def acknowledgment_tuning() -> dict[str, Any]:
                           f"p{round(q * 100)} {{{{route}}}}") for q in (0.5, 0.9, 0.95)),
                        exemplar=True),
              _target(_slow_first_response_targets(), "alert threshold {{route}}", ref="D")],
-            unit="s", draw="dashed",
+            unit="s", draw=_static_line("TurnrouterSlowFirstResponse"),
             thresholds=_thresholds(("green", None), ("red", SLOW_FIRST_RESPONSE_SECONDS))),
         _timeseries(
             "Predicted vs observed first response", "The timing predictor's current estimate "
@@ -664,8 +679,9 @@ def acknowledgment_tuning() -> dict[str, Any]:
         _timeseries(
             "Acknowledgment ratio by route", "Share of scheduled acknowledgments spoken "
             "because the fallback delay ran out, by route, over 5 minutes: the alerted ratio "
-            f"(TurnrouterAcknowledgmentOveruse above {ACK_OVERUSE_RATIO:.0%}, the dashed "
-            "line; routes may have their own or none). Prediction-triggered "
+            f"(TurnrouterAcknowledgmentOveruse above {ACK_OVERUSE_RATIO:.0%}; each route's "
+            "own threshold, per-route overrides included, is drawn as `alert threshold "
+            "{route}`, none for a route whose alert is disabled). Prediction-triggered "
             "acknowledgments are intended and do not count; all spoken ones are drawn "
             "beside it for reference.",
             _targets((f"sum by (route) (rate({delay_emitted}[{ALERT_WINDOW}]))\n/\n"
@@ -673,8 +689,11 @@ def acknowledgment_tuning() -> dict[str, Any]:
                       "{{route}} (alerted: delay)"),
                      (f"sum by (route) (rate({emitted}[{ALERT_WINDOW}]))\n/\n"
                       f"(sum by (route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
-                      "{{route}} (all spoken)")),
-            unit="percentunit", draw="dashed", max_=1,
+                      "{{route}} (all spoken)"),
+                     (_route_threshold_targets("TurnrouterAcknowledgmentOveruse", acks,
+                                               ACK_OVERUSE_RATIO),
+                      "alert threshold {{route}}")),
+            unit="percentunit", draw=_static_line("TurnrouterAcknowledgmentOveruse"), max_=1,
             thresholds=_thresholds(("green", None), ("red", ACK_OVERUSE_RATIO))),
         _timeseries(
             "Needless acknowledgments per turn", "Needless acknowledgments (spoken, and the "

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._dashboards import (
+    ALERT_WINDOW,
     JOB,
     RATE,
     _dashboard,
@@ -43,19 +44,20 @@ BACKLOG_SECONDS = 2.5
 BACKLOG_MIN_INPUTS = 150
 
 
-def _rate(name: str, by: str, *matchers: str) -> str:
+def _rate(name: str, by: str, *matchers: str, window: str = RATE) -> str:
     selector = ", ".join((JOB, *matchers))
-    return f"sum by ({by}) (rate({name}{{{selector}}}[{RATE}]))" if by else (
-        f"sum(rate({name}{{{selector}}}[{RATE}]))")
+    return f"sum by ({by}) (rate({name}{{{selector}}}[{window}]))" if by else (
+        f"sum(rate({name}{{{selector}}}[{window}]))")
 
 
-def _quantile(q: float, family: str, by: str) -> str:
+def _quantile(q: float, family: str, by: str, *matchers: str, window: str = RATE) -> str:
     """A quantile of histogram `family` by `by`, only where the window holds
     observations: an idle fleet shows a gap, not NaN (as the main dashboards)."""
     grouped = f"{by}, le" if by else "le"
+    selector = ", ".join((JOB, *matchers))
     return (f"histogram_quantile({q:g}, sum by ({grouped}) "
-            f"(rate({family}_bucket{{{JOB}}}[{RATE}])))\n"
-            f"and on ({by}) (sum by ({by}) (rate({family}_count{{{JOB}}}[{RATE}])) > 0)")
+            f"(rate({family}_bucket{{{selector}}}[{window}])))\n"
+            f"and on ({by}) (sum by ({by}) (rate({family}_count{{{selector}}}[{window}])) > 0)")
 
 
 #: The fencing alert's threshold (TurnrouterFencedWrites), refused writes per second.
@@ -76,10 +78,11 @@ def fleet_dashboard() -> dict[str, Any]:
                     "TurnrouterPartitionUnconsumed), unless the replicas hear the fleet "
                     "own them all on presence (a replica not scraped: alert "
                     "TurnrouterReplicaUnscraped).",
-                    _targets((f"sum({_OWNED}{{{JOB}}})", "owned by the scraped replicas"),
-                             (f"max({_HEARD_OWNED}{{{JOB}}})",
-                              "owned, as the replicas hear it"),
-                             (f"max({_PARTITIONS}{{{JOB}}})", "partitions")),
+                    _targets((f"sum by (job) ({_OWNED}{{{JOB}}})",
+                              "{{job}} owned by the scraped replicas"),
+                             (f"max by (job) ({_HEARD_OWNED}{{{JOB}}})",
+                              "{{job}} owned, as the replicas hear it"),
+                             (f"max by (job) ({_PARTITIONS}{{{JOB}}})", "{{job}} partitions")),
                     unit="short"),
         _timeseries("Turns per replica and total", "Turns each replica ran, and the fleet.",
                     _targets((_rate("turnrouter_turns_total", "instance"), "{{instance}}"),
@@ -94,12 +97,14 @@ def fleet_dashboard() -> dict[str, Any]:
                               "{{how}} {{instance}}")),
                     unit="ops"),
         _timeseries("Refused state writes (fencing) and turns ended by a takeover",
-                    "Refused writes: another replica claimed the participant (the fleet's "
-                    f"total over {FENCED_WRITES_PER_SECOND:g}/s for 10 minutes: alert "
-                    "TurnrouterFencedWrites). Failure text: turns found unfinished on a "
-                    "dead or paused owner.",
+                    "Refused writes: another replica claimed the participant. The dashed "
+                    "line is TurnrouterFencedWrites' threshold for what it evaluates, each "
+                    f"job's total over 5 minutes (over {FENCED_WRITES_PER_SECOND:g}/s for 10 "
+                    "minutes). Failure text: turns found unfinished on a dead or paused "
+                    "owner.",
                     _targets((_rate(_REFUSED, "instance"), "refused {{instance}}"),
-                             (_rate(_REFUSED, ""), "refused, fleet"),
+                             (_rate(_REFUSED, "job", window=ALERT_WINDOW),
+                              "refused {{job}}, 5m (TurnrouterFencedWrites)"),
                              (_rate("turnrouter_nats_inflight_failed_total", "instance"),
                               "failure text {{instance}}")),
                     unit="ops", draw="dashed",
@@ -123,10 +128,15 @@ def fleet_dashboard() -> dict[str, Any]:
                     "By stage: delivery (stored in the stream until a replica received "
                     "it; includes clock skew between hosts) and queued (received until "
                     "handled, behind the partition's previous message). A delivery p95 "
-                    f"over {BACKLOG_SECONDS:g} s is a backlog (alert TurnrouterInputBacklog); "
-                    "queries past max_input_wait are answered busy (rejected expired).",
+                    f"over {BACKLOG_SECONDS:g} s (the dashed line) is a backlog: "
+                    "TurnrouterInputBacklog evaluates each job's delivery p95 over 5 "
+                    "minutes, drawn as its own series. Queries past max_input_wait are "
+                    "answered busy (rejected expired).",
                     _targets(*((_quantile(q, _WAIT, "stage"), f"p{name} {{{{stage}}}}")
-                               for q, name in ((0.99, "99"), (0.95, "95"), (0.5, "50")))),
+                               for q, name in ((0.99, "99"), (0.95, "95"), (0.5, "50"))),
+                             (_quantile(0.95, _WAIT, "job", 'stage="delivery"',
+                                        window=ALERT_WINDOW),
+                              "delivery p95 {{job}}, 5m (TurnrouterInputBacklog)")),
                     unit="s", draw="dashed",
                     thresholds=_thresholds(("green", None), ("red", BACKLOG_SECONDS))),
         _timeseries("Turns marked in flight, participants let go when idle",
