@@ -275,6 +275,9 @@ async def test_a_pinned_route_that_is_not_a_candidate_is_logged_once_per_name(
         for n in range(100):
             await many.decide(request(f"p{n}"))
     assert len(caplog.records) == MAX_NOTED_POLICY_ROUTES
+    # The last one says the names after it go unlogged.
+    assert [r for r in caplog.records if "the last name logged" in r.getMessage()] == [
+        caplog.records[-1]]
 
 
 class AsyncPolicy:

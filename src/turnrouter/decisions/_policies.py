@@ -363,7 +363,9 @@ class PolicyDecisions:
         if choice in noted or len(noted) >= MAX_NOTED_POLICY_ROUTES:
             return
         noted.add(choice)
+        last = len(noted) == MAX_NOTED_POLICY_ROUTES
         logger.warning(
             "turnrouter: routing policy chose route %s, which is not a candidate of this "
             "turn (not a destination of this router, or not eligible now); the fallback "
-            "decides (logged once per route name)", preview(choice))
+            "decides (logged once per route name%s)", preview(choice),
+            f"; the last name logged: {MAX_NOTED_POLICY_ROUTES} are" if last else "")
