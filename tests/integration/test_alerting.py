@@ -68,7 +68,11 @@ def test_alertmanager_pages_the_critical_and_inhibits_the_warning(stack: Stack) 
 #: Availability alerts: with a 1 s scrape timeout on a busy shared machine a scrape is
 #: sometimes missed (`up` 0 for a second, and every `for:` is 2 s here), so they are
 #: tested on their own (a router stopped on purpose), not in the quiet checks below.
-AVAILABILITY = {"TurnrouterTargetDown", "TurnrouterAbsent", "TurnrouterWatchdog"}
+#: Alerts on the targets' availability, not on traffic: one scrape of a demo router
+#: missing its 1 s timeout on a loaded machine makes TurnrouterJobDown (no `for:`) fire
+#: for a second (newcomer16: `make test` red once in a run at load 2-6).
+AVAILABILITY = {"TurnrouterTargetDown", "TurnrouterJobDown", "TurnrouterAbsent",
+                "TurnrouterWatchdog"}
 
 
 def _alerts_over_session(stack: Stack, job: str) -> list[dict[str, Any]]:
@@ -122,7 +126,8 @@ def test_normal_demo_has_nothing_pending_or_firing(stack: Stack) -> None:
     assert _alerts_over_session(stack, NORMAL_JOB) == []
     # The replay sees a condition that held all along (so an empty answer below means
     # nothing held, not a window the job never filled).
-    always = stack.prometheus.query(_held_for_its_window(f'up{{job="{NORMAL_JOB}"}} == 1',
+    # (`up` has a sample at every scrape, failed ones included: >= 0 holds throughout.)
+    always = stack.prometheus.query(_held_for_its_window(f'up{{job="{NORMAL_JOB}"}} >= 0',
                                                          "10m"))["data"]["result"]
     assert [s["metric"].get("job") for s in always] == [NORMAL_JOB]
     overrides = tuple(dataclasses.replace(
