@@ -552,3 +552,31 @@ async def test_reasoning_in_a_field_of_its_own_and_no_content_is_only_reasoning(
         await client.complete("x", max_tokens=5)
     assert client.empty_replies == 1
     assert "rain" not in str(caught.value) and "rain" not in (caught.value.body or "")
+
+
+@pytest.mark.anyio
+async def test_a_failing_classifier_says_why_at_warning(server: tuple[str, Script],
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A classifier whose server answers 401 (or nothing listening) fails every turn to
+    the default: the WARNING names the HTTP status and the redacted URL, so an operator
+    need not enable DEBUG to see why (newcomer16). The reply's body, the prompt and the
+    key stay out of it."""
+    from turnrouter import AgentRouter, AgentTurn
+    from turnrouter.decisions import ClassifierDecisions
+    from turnrouter.testing import OutputRecorder, ScriptedAgent
+
+    url, script = server
+    script.status, script.body = 401, {"error": {"message": "bad key sk-secret-9 for you"}}
+    client = OpenAIChatClient("m", base_url=url, api_key="sk-secret-9")
+    agents = {name: ScriptedAgent(name) for name in ("billing", "conversation")}
+    router = AgentRouter(agents, ClassifierDecisions(client), output=OutputRecorder(),
+                         default_destination="conversation", overload=None)
+    with caplog.at_level("WARNING", logger="turnrouter"), anyio.fail_after(10):
+        result = await router.handle(AgentTurn("p1", "t1", "my private question"))
+    assert result.disposition == "answer"  # the default answered
+    (record,) = [r for r in caplog.records if "decision service" in r.getMessage()]
+    message = record.getMessage()
+    assert "HTTP 401" in message and f"127.0.0.1:{url.split(':')[-1].split('/')[0]}" in message
+    assert "sk-secret" not in message and "bad key" not in message
+    assert "private question" not in message
+    await router.stop()

@@ -86,7 +86,9 @@ class LLMError(TurnrouterError):
     `status` is the HTTP status (None when no response came back) and `body` the start
     of the response body, both also named in the message. Neither ever carries a
     credential (URLs are redacted, echoed keys and `Authorization` values masked) nor
-    the prompt (a body echoing the request is withheld).
+    the prompt (a body echoing the request is withheld). turnrouter logs the message at
+    WARNING when a classifier or acknowledgment call fails (the body at DEBUG only): an
+    `LLMService` of your own that raises it keeps user text out of the message too.
     """
 
     def __init__(self, message: str, *, status: int | None = None, body: str = "") -> None:

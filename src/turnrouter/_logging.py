@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+from ._exceptions import LLMError
+
 __all__ = ["log_failure", "logger"]
 
 logger = logging.getLogger("turnrouter")
@@ -17,8 +19,19 @@ logger = logging.getLogger("turnrouter")
 
 def log_failure(what: str, error: BaseException, *args: object,
                 log: logging.Logger = logger) -> None:
-    """Log that `what % args` failed with `error`: its type at WARNING, details at DEBUG."""
+    """Log that `what % args` failed with `error`: its type at WARNING, details at DEBUG.
+
+    An `LLMError` says more at WARNING: its message is turnrouter's own (the redacted
+    URL, the HTTP status, the connection error; never a credential or the prompt), so an
+    operator sees why the classifier or the acknowledgments fail (a 401, nothing
+    listening) without enabling DEBUG; the reply body it may quote stays at DEBUG."""
     if log.isEnabledFor(logging.WARNING):
-        log.warning(f"turnrouter: {what} failed ({type(error).__qualname__})", *args)
+        if isinstance(error, LLMError):
+            reason = str(error)
+            if error.body:
+                reason = reason.replace(error.body, "(the reply's body: at DEBUG)")
+            log.warning(f"turnrouter: {what} failed (LLMError: %s)", *args, reason)
+        else:
+            log.warning(f"turnrouter: {what} failed ({type(error).__qualname__})", *args)
     if log.isEnabledFor(logging.DEBUG):
         log.debug(f"turnrouter: {what} failed", *args, exc_info=error)
