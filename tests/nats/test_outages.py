@@ -103,7 +103,9 @@ async def test_a_worker_started_before_its_server_waits_for_it() -> None:
     try:
         assert "connect attempt 1 failed" in await line_with(worker.stderr, "attempt")
         bare = without_jetstream(binary, server.port)
-        assert "set-up attempt 1 failed" in await line_with(worker.stderr, "set-up attempt")
+        line = await line_with(worker.stderr, "set-up attempt")
+        assert "set-up attempt 1 failed" in line
+        assert "is JetStream enabled on the server (nats-server -js" in line  # what to do
         bare.terminate()
         bare.wait(10)
         await asyncio.to_thread(server.restart)

@@ -61,6 +61,13 @@ async def api_request(nc: Client, subject: str, body: dict[str, Any] | None = No
         denials.known(subject)  # named as sent if the server refuses it
     try:
         reply = await nc.request(subject, json.dumps(body or {}).encode(), timeout=wait)
+    except NoRespondersError as exc:
+        # Nobody serves $JS.API: JetStream is off on this server (newcomer16: a server
+        # started without -js gave a minute of bare NoRespondersError lines).
+        raise LifecycleError(
+            f"JetStream API {subject}: no responders: is JetStream enabled on the server "
+            "(nats-server -js, or a jetstream {} block in its configuration) and for this "
+            "account? (a cluster electing its leader answers so for a moment too)") from exc
     except (NatsError, TimeoutError) as exc:
         raise LifecycleError(f"JetStream API {subject} failed: {exc!r}") from exc
     try:
