@@ -24,15 +24,20 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from livekit.agents import Agent, AgentSession, RunResult, llm
-from livekit.agents.llm import ChatChunk, ChoiceDelta
-from livekit.agents.telemetry import set_tracer_provider
-from livekit.agents.types import (
-    DEFAULT_API_CONNECT_OPTIONS,
-    NOT_GIVEN,
-    APIConnectOptions,
-    NotGivenOr,
-)
+try:
+    from livekit.agents import Agent, AgentSession, RunResult, llm
+    from livekit.agents.llm import ChatChunk, ChoiceDelta
+    from livekit.agents.telemetry import set_tracer_provider
+    from livekit.agents.types import (
+        DEFAULT_API_CONNECT_OPTIONS,
+        NOT_GIVEN,
+        APIConnectOptions,
+        NotGivenOr,
+    )
+except ImportError as exc:  # one line, not a traceback (docs/integrations.md)
+    missing = (exc.name or "?").partition(".")[0]
+    sys.exit(f"examples/livekit_app.py needs the livekit extra ({missing} is missing): "
+             "pip install -e '.[livekit,testing]'")
 
 from turnrouter import (
     Admission,

@@ -20,42 +20,47 @@ import warnings
 from datetime import UTC, datetime
 from typing import Any
 
-with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.11-3.12
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from loguru import logger
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from pipecat.frames.frames import (
-        BotStartedSpeakingFrame,
-        BotStoppedSpeakingFrame,
-        EndFrame,
-        Frame,
-        InputTextRawFrame,
-        LLMContextFrame,
-        LLMFullResponseEndFrame,
-        LLMFullResponseStartFrame,
-        LLMTextFrame,
-        ProposedUserStartedSpeakingFrame,
-        ProposedUserStoppedSpeakingFrame,
-        TranscriptionFrame,
-        TTSAudioRawFrame,
-        TTSSpeakFrame,
-    )
-    from pipecat.pipeline.pipeline import Pipeline
-    from pipecat.pipeline.worker import PipelineWorker
-    from pipecat.processors.aggregators.llm_context import LLMContext
-    from pipecat.processors.aggregators.llm_response_universal import (
-        LLMUserAggregator,
-        LLMUserAggregatorParams,
-    )
-    from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
-    from pipecat.services.llm_service import LLMService
-    from pipecat.services.settings import LLMSettings
-    from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
-    from pipecat.workers.runner import WorkerRunner
-    from prometheus_client import CollectorRegistry
+try:
+    with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.11-3.12
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from loguru import logger
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        from pipecat.frames.frames import (
+            BotStartedSpeakingFrame,
+            BotStoppedSpeakingFrame,
+            EndFrame,
+            Frame,
+            InputTextRawFrame,
+            LLMContextFrame,
+            LLMFullResponseEndFrame,
+            LLMFullResponseStartFrame,
+            LLMTextFrame,
+            ProposedUserStartedSpeakingFrame,
+            ProposedUserStoppedSpeakingFrame,
+            TranscriptionFrame,
+            TTSAudioRawFrame,
+            TTSSpeakFrame,
+        )
+        from pipecat.pipeline.pipeline import Pipeline
+        from pipecat.pipeline.worker import PipelineWorker
+        from pipecat.processors.aggregators.llm_context import LLMContext
+        from pipecat.processors.aggregators.llm_response_universal import (
+            LLMUserAggregator,
+            LLMUserAggregatorParams,
+        )
+        from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+        from pipecat.services.llm_service import LLMService
+        from pipecat.services.settings import LLMSettings
+        from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
+        from pipecat.workers.runner import WorkerRunner
+        from prometheus_client import CollectorRegistry
+except ImportError as exc:  # one line, not a traceback (docs/integrations.md)
+    missing = (exc.name or "?").partition(".")[0]
+    sys.exit(f"examples/pipecat_app.py needs the pipecat extra ({missing} is missing): "
+             "pip install -e '.[pipecat,demo]'")
 
 from turnrouter import AgentRouter, AgentTurn, RoutedResult
 from turnrouter.decisions import LexicalDecisions

@@ -939,7 +939,9 @@ def _parser() -> argparse.ArgumentParser:
                     "(acknowledgment_route_delays).")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--samples", action="append", metavar="FILE",
-                        help="JSON-lines samples written by JsonLinesSink (repeatable)")
+                        help="JSON-lines samples file: what `turnrouter demo --samples "
+                             "FILE` writes, or your router's "
+                             "timing_sink=JsonLinesSink(FILE) (repeatable)")
     source.add_argument("--prometheus", metavar="URL",
                         help="Prometheus base URL (reads turnrouter_first_response_seconds and "
                              "turnrouter_first_response_interrupted_seconds)")
