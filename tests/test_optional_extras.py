@@ -44,3 +44,19 @@ def test_nats_runtime_without_nats_py_gives_one_line_naming_the_extra(
     message = str(info.value)
     assert "nats extra" in message and "pip install -e '.[nats]'" in message
     assert "\n" not in message
+
+
+def test_the_worker_without_nats_py_says_it_once_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`turnrouter worker` without nats-py: exit 2, one line naming the extra and how to
+    install it, once (newcomer16: the install hint came twice)."""
+    from turnrouter.cli import main
+
+    for name in list(sys.modules):
+        if name.split(".")[0] == "nats" or name.startswith("turnrouter.runtime.nats"):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "nats", None)
+    assert main(["worker", "--nats", "nats://127.0.0.1:1", "--app", "x:y"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("turnrouter worker needs the nats extra (from a checkout: "
+                   "pip install -e '.[nats]'): nats is missing\n")

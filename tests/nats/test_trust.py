@@ -483,9 +483,11 @@ async def test_a_refused_first_connection_is_said_once_by_its_error(
     logged the refusal and then the server's reset of the connection, two more lines, one
     of them a misleading "Connection reset by peer" (newcomer12)."""
     with caplog.at_level(logging.WARNING, logger="turnrouter"):
-        with pytest.raises(LifecycleError, match="Authorization Violation"):
+        with pytest.raises(LifecycleError, match="Authorization Violation") as caught:
             await NatsFrontEnd.connect(NatsConfig(url=locked.url))
     assert caplog.records == []
+    # It says where credentials go (newcomer16).
+    assert "NatsConfig's user and password, creds_file" in str(caught.value)
 
 
 # ---------------------------------------------------------------- nkeys and tokens
@@ -803,6 +805,22 @@ async def test_worker_cli_never_prints_the_password() -> None:
     assert "hunter2-0042" not in done.stdout + done.stderr
     assert "Traceback" not in done.stderr and "svc:***@" in done.stderr
     assert len(done.stderr.splitlines()) <= 10
+
+
+async def test_a_worker_without_credentials_is_told_where_they_go(
+        locked: NatsServer) -> None:
+    """`turnrouter worker` on a server that wants credentials, given none: exit 1, one
+    error line naming the refusal and the flags and variables credentials go in
+    (newcomer16: a bare "Authorization Violation")."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [*_worker_command(), "--nats", locked.url, "--app", "tests.nats.app:make_router",
+         "--reconnect-for", "5"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=_env())
+    assert done.returncode == 1
+    (line,) = [line for line in done.stderr.splitlines() if "cannot connect" in line]
+    assert "Authorization Violation" in line and "--nats-user" in line
+    assert "TURNROUTER_NATS_PASSWORD" in line and "Traceback" not in done.stderr
 
 
 async def test_a_url_list_fails_over_to_the_server_that_answers(

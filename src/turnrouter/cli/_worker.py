@@ -224,8 +224,9 @@ def _worker_main(argv: Sequence[str]) -> int:
     try:
         from ..runtime.nats import NatsConfig, NatsWorker
     except ImportError as exc:
+        missing = getattr(exc.__cause__, "name", None) or exc.name or "nats"
         print("turnrouter worker needs the nats extra (from a checkout: "
-              f"pip install -e '.[nats]'): {exc}", file=sys.stderr)
+              f"pip install -e '.[nats]'): {missing} is missing", file=sys.stderr)
         return 2
     from .._exceptions import ConfigurationError, TurnrouterError
 

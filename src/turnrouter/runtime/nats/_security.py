@@ -107,7 +107,18 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
     else:
         error = connecting.exception() or TimeoutError("no answer")
     raise LifecycleError(f"cannot connect to NATS at {config.safe_url}: "
-                         f"{safe_error(config, error)}") from None
+                         f"{safe_error(config, error)}{_refusal_hint(error, role)}") from None
+
+
+def _refusal_hint(error: BaseException, role: str) -> str:
+    """What to check when the server refused the credentials (newcomer16: a bare
+    "Authorization Violation" did not say where credentials go)."""
+    if isinstance(error, ssl.SSLError | PlaintextRefusedError) or not _is_refusal(error):
+        return ""
+    where = ("--nats-user with TURNROUTER_NATS_PASSWORD, --nats-creds, --nats-nkey, or "
+             "TURNROUTER_NATS_TOKEN" if role == "worker" else
+             "NatsConfig's user and password, creds_file, nkey_seed_file or token")
+    return f" (the server refused the credentials given, or their absence: see {where})"
 
 
 def url_credentials(servers: list[str]) -> tuple[list[str], dict[str, str]]:
