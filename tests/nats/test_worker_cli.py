@@ -45,7 +45,10 @@ def test_usage_lists_the_worker(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(("spec", "message"), [
     ("tests.nats.app", "module:factory"),
     ("no_such_module_xyz:f", "cannot import"),
-    ("tests.nats.app:PREAMBLE", "not a callable"),
+    ("tests.nats.app:PREAMBLE", "not a callable (str)"),
+    # A misspelt factory is named as missing, with the near name (newcomer16: it said
+    # "is not a callable").
+    ("tests.nats.app:make_routr", "has no 'make_routr' (did you mean 'make_router'?)"),
 ])
 def test_bad_app_specs_name_the_problem(spec: str, message: str) -> None:
     """--app must name an importable callable; the usage error says which part is wrong."""

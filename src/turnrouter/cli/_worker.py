@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import gc
 import importlib
 import os
@@ -186,9 +187,15 @@ def load_factory(spec: str) -> Any:
     except Exception as exc:  # missing, malformed, relative, or failing at import
         detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise ValueError(f"--app: cannot import {module_name!r}: {detail}") from exc
-    factory = getattr(module, attribute, None)
+    if not hasattr(module, attribute):
+        near = difflib.get_close_matches(attribute, [name for name in dir(module)
+                                                     if not name.startswith("_")], n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(f"--app: module {module_name!r} has no {attribute[:100]!r}{hint}")
+    factory = getattr(module, attribute)
     if not callable(factory):
-        raise ValueError(f"--app: {module_name}.{attribute} is not a callable")
+        raise ValueError(f"--app: {module_name}.{attribute} is not a callable "
+                         f"({type(factory).__name__})")
     return factory
 
 
