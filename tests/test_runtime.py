@@ -879,12 +879,16 @@ def test_a_validated_message_is_delivered_without_validating_again() -> None:
         QUERY.coerce(broken)
 
 
-def test_publication_ids_are_unique_hex_and_fresh_in_a_forked_child() -> None:
-    """Message ids are 32 hex digits, never repeat, and a forked child draws a new prefix."""
+def test_publication_ids_are_unique_hex_unguessable_and_fresh_in_a_forked_child() -> None:
+    """Message ids are 32 hex digits, never repeat, share no part with the ids before
+    them (a process prefix and a counter let a front end sharing the NATS user publish
+    another's next ids first: redteam16 F3), and a forked child's are its own."""
     ids = [UserQuery(participant_id="p", text="x").message_id for _ in range(5000)]
     ids += [ParticipantJoined(participant_id="p").message_id for _ in range(5000)]
     assert len(set(ids)) == len(ids)
     assert all(re.fullmatch(r"[0-9a-f]{32}", message_id) for message_id in ids)
+    assert len({message_id[:16] for message_id in ids}) == len(ids)  # no shared prefix
+    assert len({message_id[16:] for message_id in ids}) == len(ids)
     context = multiprocessing.get_context("fork")
     parent, child = context.Pipe()
     process = context.Process(target=_send_an_id, args=(child,), daemon=True)
