@@ -520,7 +520,9 @@ def test_threads_recording_at_once_lose_no_update(shared: bool) -> None:
     """Threads recording through one Telemetry or one each, one registry: every count
     arrives, with scrapes meanwhile."""
     registry = CollectorRegistry()
-    per_thread, threads = 1500, 4
+    # 600 each: thousands of thread switches inside the recording at this switch
+    # interval (1,500 took 2 min of a loaded CI machine, mostly scraping the children).
+    per_thread, threads = 600, 4
     start = threading.Barrier(threads + 1)
     common = Telemetry(tracer_provider=NoOpTracerProvider(), registry=registry)
 
