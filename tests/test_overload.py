@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import sys
 import threading
 import urllib.error
@@ -871,7 +872,18 @@ def test_the_system_clock_reads_its_threads_busy_time() -> None:
     sum(range(10_000))
     assert 0 < first <= clock.busy_time()
     other: list[float] = []
-    thread = threading.Thread(target=lambda: other.append(clock.busy_time()))
-    thread.start()
-    thread.join(timeout=10)
-    assert len(other) == 1 and 0 <= other[0] <= clock.busy_time()
+    fds = _open_fds()
+    for _ in range(3):  # (each thread's reader is closed when the thread ends)
+        thread = threading.Thread(target=lambda: other.append(clock.busy_time()))
+        thread.start()
+        thread.join(timeout=10)
+    assert len(other) == 3 and all(0 <= seen <= clock.busy_time() for seen in other)
+    assert _open_fds() == fds
+
+
+def _open_fds() -> int:
+    """This process' open file descriptors (-1 where that cannot be read)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1

@@ -32,8 +32,8 @@ class Clock(Protocol):
 
     # Optional: `busy_time()`, the seconds the event loop spent working (not idle), on
     # the same scale as `now()`; admission control projects the loop's busy fraction
-    # from it (`OverloadPolicy.max_busy_fraction`). `SystemClock` reads the loop
-    # thread's CPU time.
+    # from it (`OverloadPolicy.max_busy_fraction`). `SystemClock` reads the time the
+    # loop's thread was running or waiting for a core (`loop_busy_time`).
 
 
 class SystemClock:
@@ -73,19 +73,23 @@ class SystemClock:
         return "SystemClock()"
 
 
-class _SchedStat(threading.local):
-    """This thread's `/proc/thread-self/schedstat`, opened once (closed with the thread's
-    locals); None where there is none (not Linux)."""
+class _SchedStat:
+    """A thread's open `/proc/thread-self/schedstat`, closed when the thread ends (its
+    thread-local values are dropped then)."""
 
-    fd: int | None = -1
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
 
     def __del__(self) -> None:
-        fd = self.fd
-        if fd is not None and fd >= 0:
+        fd = getattr(self, "fd", None)  # (None: the open failed)
+        if fd is not None:
             os.close(fd)
 
 
-_SCHEDSTAT = _SchedStat()
+#: Per thread: its `_SchedStat`, or None where there is none (not Linux).
+_THREAD = threading.local()
 
 
 def loop_busy_time() -> float:
@@ -93,14 +97,14 @@ def loop_busy_time() -> float:
     its CPU time plus its time on the run queue, from `/proc/thread-self/schedstat`, so
     a process other work on the machine holds off its core reads busy, as its event
     loop then is; elsewhere its CPU time (`time.thread_time`). About 2 µs."""
-    stat = _SCHEDSTAT
-    fd = stat.fd
-    if fd is not None:
+    local = _THREAD
+    stat = getattr(local, "schedstat", 0)  # (0: not opened yet in this thread)
+    if stat is not None:
         try:
-            if fd < 0:
-                fd = stat.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-            running, waiting = os.pread(fd, 64, 0).split()[:2]
+            if not isinstance(stat, _SchedStat):
+                stat = local.schedstat = _SchedStat()
+            running, waiting = os.pread(stat.fd, 64, 0).split()[:2]
             return (int(running) + int(waiting)) / 1e9
         except (OSError, ValueError):
-            stat.fd = None
+            local.schedstat = None
     return time.thread_time()
