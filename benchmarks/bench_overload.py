@@ -50,7 +50,16 @@ from turnrouter.demo import DemoConfig, run_demo
 from turnrouter.demo._report import histogram_quantile
 participants, speed, duration = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 fields = dict(duration=duration, participants=participants, speed=speed, progress=False)
+if sys.argv[5] != "default":  # the demo's policy with OverloadPolicy(max_busy_fraction=)
+    import functools
+    import turnrouter.demo._run as demo_run
+    from turnrouter import OverloadPolicy
+    demo_run.OverloadPolicy = functools.partial(OverloadPolicy,
+                                                max_busy_fraction=float(sys.argv[5]))
 if sys.argv[4] == "cpu":
+    # (the loop's busy time on this clock: its CPU time, the run queue aside)
+    import turnrouter._clock as clock
+    clock.loop_busy_time = time.thread_time
     # A dedicated core, whatever else runs: the loop's clock is this process' CPU time
     # plus the waits it would have slept (the demo does no I/O), and time.monotonic (the
     # router's SystemClock, the demo's elapsed time) reads the same clock.
@@ -107,10 +116,11 @@ class Step:
 
 
 def run_step(tree: Path, participants: int, speed: float, duration: float,
-             clock: str = "wall") -> dict[str, float]:
+             clock: str = "wall", busy_fraction: float | None = None) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+    share = "default" if busy_fraction is None else str(busy_fraction)
     done = subprocess.run([sys.executable, "-c", CHILD, str(participants), str(speed),
-                           str(duration), clock], env=env, capture_output=True, text=True,
+                           str(duration), clock, share], env=env, capture_output=True, text=True,
                           timeout=duration * 10 + 120, check=False)
     if done.returncode:
         raise RuntimeError(f"demo in {tree} at speed {speed} failed: {done.stderr[-2000:]}")
@@ -128,7 +138,8 @@ def measure(trees: dict[str, Path], args: argparse.Namespace) -> list[Step]:
             for name, tree in order:
                 speed = args.speed * multiple
                 one = run_step(tree, args.participants, speed, args.duration,
-                               "cpu" if args.cpu_clock else "wall")
+                               "cpu" if args.cpu_clock else "wall",
+                               args.max_busy_fraction if name == "after" else None)
                 runs.setdefault((name, multiple), []).append(one)
                 print(f"round {round_ + 1} {name:>5} x{multiple:g} (speed {speed:g}): "
                       f"{one['answered'] / one['elapsed']:.0f} answers/s, "
@@ -224,6 +235,9 @@ def main() -> None:
     parser.add_argument("--cpu-clock", action="store_true",
                         help="run each demo on a clock of its own CPU time and idle waits "
                              "(a dedicated core on a shared machine; durations in it)")
+    parser.add_argument("--max-busy-fraction", type=float, default=None,
+                        help="run this tree's demo with OverloadPolicy(max_busy_fraction=) "
+                             "(the base tree keeps its default)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()

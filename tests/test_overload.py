@@ -8,8 +8,12 @@ with no real waiting and no timing assertion.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
+import os
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -33,6 +37,7 @@ from turnrouter import (
     OverloadPolicy,
     RouterBusyError,
     RoutingAid,
+    SystemClock,
     TurnInterrupted,
 )
 from turnrouter.runtime import ResponseOutput, Topic, UserQuery
@@ -633,3 +638,252 @@ async def test_runtime_sheds_with_status_reports_too() -> None:
     assert [e for e in observer.events if e[0] == "shed"] == [
         ("shed", "p2", "new_participant")]
     await router.stop()
+
+
+# The projected busy fraction (`OverloadPolicy.max_busy_fraction`): the clock's busy time
+# is scripted with `ManualClock.work()`, one sample period at a time, dyadic numbers so
+# the projection's arithmetic is exact.
+PERIOD = 1 / 64
+PROJECTING = OverloadPolicy(busy_lag_secs=0.25, shed_lag_secs=0.5, sample_secs=PERIOD,
+                            new_per_sample=65536, max_busy_fraction=0.5,
+                            demand_window_secs=1.0)  # (64 samples)
+
+
+async def period(clock: ManualClock, busy: float) -> None:
+    """One sample period on time, `busy` of its share worked (the rest idle)."""
+    with anyio.fail_after(5):
+        await clock.wait_for_sleepers(1)
+    clock.work(busy * PERIOD)
+    clock.advance((1 - busy) * PERIOD)
+    await clock.settle()
+
+
+async def admits(h: Harness, participant: str) -> bool:
+    """Whether a newcomer's turn is admitted (else it was refused busy)."""
+    try:
+        await h.say("hi", participant)
+    except RouterBusyError:
+        return False
+    return True
+
+
+async def test_a_ramp_is_admitted_up_to_the_projected_busy_fraction() -> None:
+    """Each participant held brings 1/64 of the loop's time; newcomers arrive 3 a sample
+    period. The router admits them, spread over the demand window, until the
+    participants held would take `max_busy_fraction` (0.5: 32 participants), then
+    refuses the rest (reason new_participant) while the lag stays at 0: lag shows an
+    overload only once it happened (spike12's ramp stalled the loop for 3-4 s)."""
+    clock = ManualClock()
+    h = harness(clock, overload=PROJECTING)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        for i in range(1, 8):
+            assert await admits(h, f"p{i}")
+        for _ in range(32):  # history: half the window, 8 participants
+            await period(clock, len(h.router.participants) / 64)
+        refused = arrived = 0
+        for n in range(200):
+            for k in range(3):
+                arrived += 1
+                refused += not await admits(h, f"c{n}-{k}")
+            held = len(h.router.participants)
+            assert held <= 32  # never past the projection
+            await period(clock, held / 64)
+        assert len(h.router.participants) == 32
+        assert refused == arrived - 24
+        assert h.observer.events.count(("shed", "c199-2", "new_participant")) == 1
+        assert h.router.refusing and h.router.sheds("c-late") and not h.router.sheds("p1")
+        assert not h.router.busy and h.router.load.status == "ready"
+        assert h.router.load.lag_secs == 0
+        assert (await h.say("again", "p1")).text == "weather answer"  # held: served
+        # Participants leave: their demand goes with them, newcomers come in again.
+        for i in range(8):
+            await h.router.participant_left(f"p{i + 1}" if i < 7 else "c0-0")
+        for _ in range(64):
+            await period(clock, len(h.router.participants) / 64)
+        assert await admits(h, "after-leaving")
+        gate.set()
+    await h.router.stop()
+
+
+async def test_newcomers_are_spread_over_the_window() -> None:
+    """With room for 24 more, a crowd at the door gets them over the demand window (so
+    the demand they bring shows before more come in), not all in one sample period."""
+    clock = ManualClock()
+    h = harness(clock, overload=PROJECTING)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        for i in range(1, 8):
+            assert await admits(h, f"p{i}")
+        for _ in range(64):
+            await period(clock, 8 / 64)  # (busy 1/8: at least half of 0.5 is not idle)
+        outcomes = [await admits(h, f"c{n}") for n in range(24)]
+        assert 1 <= sum(outcomes) <= 4  # room 24 over 64 periods: 1 a period, 4 kept
+        gate.set()
+    await h.router.stop()
+
+
+async def test_a_hiccup_on_a_mostly_idle_loop_refuses_nobody() -> None:
+    """A 0.3 s block (a collector pause, a blocking call) while 8 participants keep the
+    loop 1/32 busy counts as a few busy samples, not as their demand: every newcomer
+    right after it is admitted (spike13: a turn-rate ceiling noted in the hiccup's
+    second refused newcomers for 14-27 s)."""
+    clock = ManualClock()
+    h = harness(clock, overload=PROJECTING)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        for i in range(1, 8):
+            assert await admits(h, f"p{i}")
+        for _ in range(64):
+            await period(clock, 1 / 32)
+        with anyio.fail_after(5):
+            await clock.wait_for_sleepers(1)
+        clock.work(0.3)  # the hiccup: one sample 0.3 s late, all of it busy
+        await clock.settle()
+        assert h.router.load.lag_secs == pytest.approx(0.3 - PERIOD)
+        for n in range(64):
+            assert await admits(h, f"c{n}"), n
+            await period(clock, 1 / 32)
+        assert not h.router.busy
+        gate.set()
+    await h.router.stop()
+
+
+async def test_a_loop_past_the_projection_but_mostly_idle_still_admits() -> None:
+    """Whatever the projection says, while the loop is busy less than half of
+    max_busy_fraction a few newcomers a sample period still come in (an estimate from a
+    start-up's one-off work must not lock the door)."""
+    clock = ManualClock()
+    h = harness(clock, overload=PROJECTING)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        for _ in range(64):
+            await period(clock, 3 / 16)  # one participant bringing 3/16: room for 1 more
+        assert [await admits(h, f"c{n}") for n in range(3)] == [True, True, False]
+        gate.set()
+    await h.router.stop()
+
+
+async def test_the_projection_resets_when_the_sampler_ends() -> None:
+    """Stopping the router (the sampler cancelled) or the sampler ending once idle drops
+    the demand measured: no newcomer is held back by what a past load measured."""
+    clock = ManualClock()
+    h = harness(clock, overload=PROJECTING)
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        for _ in range(64):
+            await period(clock, 1.0)  # one participant taking the whole loop
+        assert h.router.refusing and not h.router.busy
+        assert h.router.load.status == "ready"
+        gate.set()
+    # Idle: no turn in flight. The sampler ends by itself; the door opens.
+    for _ in range(200):
+        if not clock.sleepers:
+            break
+        await period(clock, 0.0)
+    assert not h.router.refusing
+    assert await admits(h, "next")
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        for _ in range(64):
+            await period(clock, 1.0)
+        assert h.router.refusing
+        gate.set()
+        await h.router.stop()
+    assert not h.router.refusing and not h.router.sheds("another")
+
+
+async def test_a_newcomer_refused_by_the_projection_and_cancelled_is_not_counted() -> None:
+    """Cancelling a newcomer's caller while it is told busy_text (the door closed by the
+    projection) takes the turn back: not counted, nobody admitted, the door still
+    closed for the next newcomer."""
+    clock = ManualClock()
+    h = harness(clock, overload=PROJECTING)
+    telling = anyio.Event()
+
+    async def slow_output(turn: AgentTurn, route: str, text: str) -> None:
+        telling.set()
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        gate = await hold_turn(h, tg, "p0")
+        for _ in range(64):
+            await period(clock, 1.0)
+        newcomer = h.turn("hi", "c1")
+        async with anyio.create_task_group() as inner:
+            inner.start_soon(partial(h.router.route_turn, newcomer, output=slow_output))
+            with anyio.fail_after(5):
+                await telling.wait()
+            inner.cancel_scope.cancel()
+        assert newcomer.turn_id not in h.observer.turns
+        assert not [e for e in h.observer.events if e[0] == "shed"]
+        assert "c1" not in h.router.participants and h.router.sheds("c2")
+        with pytest.raises(RouterBusyError, match="leaves no room"):
+            await h.router.handle(h.turn("hi", "c2"))
+        gate.set()
+    await h.router.stop()
+
+
+async def test_without_busy_time_or_with_the_projection_off_only_lag_counts() -> None:
+    """max_busy_fraction=None, or a clock without busy_time: no projection."""
+    for policy, clock in ((dataclasses.replace(PROJECTING, max_busy_fraction=None),
+                           ManualClock()), (PROJECTING, _LagOnlyClock())):
+        h = harness(clock, overload=policy)
+        async with anyio.create_task_group() as tg:
+            gate = await hold_turn(h, tg, "p0")
+            for _ in range(64):
+                await period(clock, 1.0)
+            assert not h.router.refusing
+            assert await admits(h, "c1")
+            gate.set()
+        await h.router.stop()
+
+
+class _LagOnlyClock(ManualClock):
+    """A clock that cannot tell how busy the loop was (a custom `Clock`)."""
+
+    busy_time = None  # type: ignore[assignment]
+
+    def work(self, seconds: float) -> None:
+        self.advance(seconds)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_busy_fraction", 0), ("max_busy_fraction", 1.5), ("max_busy_fraction", math.nan),
+    ("max_busy_fraction", True), ("max_busy_fraction", "0.7"),
+    ("demand_window_secs", 0), ("demand_window_secs", math.inf),
+    ("demand_window_secs", None)])
+def test_the_projection_settings_are_checked(field: str, value: Any) -> None:
+    with pytest.raises((ConfigurationError, ContractTypeError), match=field):
+        OverloadPolicy(**{field: value})
+
+
+def test_a_scaled_policy_divides_the_demand_window_too() -> None:
+    scaled = PROJECTING.scaled(4)
+    assert scaled.demand_window_secs == 0.25 and scaled.max_busy_fraction == 0.5
+    assert OverloadPolicy().max_busy_fraction is None  # (opt in: docs/limits.md)
+
+
+def test_the_system_clock_reads_its_threads_busy_time() -> None:
+    """`SystemClock.busy_time()`: seconds the calling thread ran or waited to run, never
+    going back; another thread reads its own (a thread that only started reads less)."""
+    clock = SystemClock()
+    first = clock.busy_time()
+    sum(range(10_000))
+    assert 0 < first <= clock.busy_time()
+    other: list[float] = []
+    fds = _open_fds()
+    for _ in range(3):  # (each thread's reader is closed when the thread ends)
+        thread = threading.Thread(target=lambda: other.append(clock.busy_time()))
+        thread.start()
+        thread.join(timeout=10)
+    assert len(other) == 3 and all(0 <= seen <= clock.busy_time() for seen in other)
+    assert _open_fds() == fds
+
+
+def _open_fds() -> int:
+    """This process' open file descriptors (-1 where that cannot be read)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1

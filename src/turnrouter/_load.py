@@ -9,12 +9,24 @@ lag, the turns in flight, the longest wait before routing) and, under an
 participants are refused) and *shedding* (lag past `shed_lag_secs`: new turns of
 admitted participants are refused too). A refused turn costs a counter, a span and one
 short control text, so the participants already admitted keep getting answers.
+
+Lag shows too late for a crowd arriving over seconds: each admitted participant brings
+load for a whole conversation, and the loop can run near 100% with a low lag until the
+queue builds. With `max_busy_fraction` (off by default) the sampler also measures the
+loop's *busy fraction* (the time its thread was running or waiting for a core over each
+sample period, `Clock.busy_time`), and from the last `demand_window_secs` of samples the
+demand each participant the router holds brought (busy fraction per participant held);
+a new participant is admitted only while the participants held plus the newcomers, at
+that demand, stay under `max_busy_fraction`, newcomers spread over the window. A sample
+counts for at most `STALL_SAMPLES` periods, so one long stall (a collector pause, a
+blocking call) weighs as a few busy samples, not as demand.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -46,6 +58,14 @@ IDLE_SAMPLES = 50
 #: Bounds of the new participants admitted per sample period (`OverloadPolicy`).
 MIN_NEW_PER_SAMPLE = 8
 MAX_NEW_PER_SAMPLE = 65536
+#: Bound of the samples the demand is estimated over (`demand_window_secs` /
+#: `sample_secs`, at least 1).
+MAX_DEMAND_SAMPLES = 4096
+#: A sample period counts for at most this many periods of the demand's window.
+STALL_SAMPLES = 4
+#: New participants admitted per sample, at least, while the loop is busy less than half
+#: of `OverloadPolicy.max_busy_fraction` whatever the projection (80 a second by default).
+IDLE_ROOM = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +91,18 @@ class OverloadPolicy:
             time, the rest refused as when busy. Doubled after each calm sample that
             used it all (up to 65,536), halved (down to 8) each time the router turns
             busy.
+        max_busy_fraction: The share of the loop's time the participants held may take,
+            projected: a new participant is admitted only while the participants held
+            plus it, each bringing the demand measured per participant held over
+            `demand_window_secs`, stay under it (past it the newcomer is refused as when
+            busy, reason `new_participant`), newcomers spread over the window. None (the
+            default) turns the projection off: lag and the per-sample budget only. 0.75
+            keeps a crowd arriving over seconds from stalling everyone (docs/limits.md
+            says when to turn it on). Measured only with a clock that has `busy_time`
+            (the default clock and `ManualClock` do).
+        demand_window_secs: The window of samples the busy fraction and the demand per
+            participant are measured over (at least one sample period's worth; at most
+            4,096 samples). Projection starts once a quarter of it was sampled.
     """
 
     busy_lag_secs: float = 0.1
@@ -79,9 +111,11 @@ class OverloadPolicy:
     busy_text: str = DEFAULT_BUSY_TEXT
     calm_samples: int = 4
     new_per_sample: int = 64
+    max_busy_fraction: float | None = None
+    demand_window_secs: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("busy_lag_secs", "shed_lag_secs", "sample_secs"):
+        for name in ("busy_lag_secs", "shed_lag_secs", "sample_secs", "demand_window_secs"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ContractTypeError(
@@ -105,6 +139,12 @@ class OverloadPolicy:
                 f"{MAX_NEW_PER_SAMPLE}, got {new!r}")
         if not isinstance(self.busy_text, str) or not self.busy_text:
             raise ConfigurationError("OverloadPolicy busy_text must be a non-empty str")
+        share = self.max_busy_fraction
+        if share is not None and (not isinstance(share, int | float) or isinstance(
+                share, bool) or not (math.isfinite(share) and 0 < share <= 1)):
+            raise ConfigurationError(
+                f"OverloadPolicy max_busy_fraction must be None or a number in (0, 1], "
+                f"got {share!r}")
 
     def scaled(self, factor: float) -> OverloadPolicy:
         """The same policy with every duration divided by `factor` (a simulation that
@@ -113,7 +153,8 @@ class OverloadPolicy:
             raise ConfigurationError(f"OverloadPolicy scale must be positive, got {factor!r}")
         return OverloadPolicy(self.busy_lag_secs / factor, self.shed_lag_secs / factor,
                               self.sample_secs / factor, self.busy_text, self.calm_samples,
-                              self.new_per_sample)
+                              self.new_per_sample, self.max_busy_fraction,
+                              self.demand_window_secs / factor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,11 +187,12 @@ class LoadMonitor:
     The sampler is one task owned by the router: started by the first turn on a running
     loop, ended by `stop()` or by itself after `IDLE_SAMPLES` idle samples (so it never
     outlives the work; the next turn starts it again). Per turn the router pays an
-    attribute read (`busy`) and two counter updates.
+    attribute read (`busy`) and two counter updates; per new participant one more.
     """
 
-    __slots__ = ("_calm", "_clock", "_idle", "_new", "_observer", "budget", "busy", "gate",
-                 "in_flight", "lag", "policy", "shedding", "task", "wait_max")
+    __slots__ = ("_busy_time", "_calm", "_clock", "_idle", "_new", "_observer", "budget",
+                 "busy", "busy_fraction", "gate", "held", "in_flight", "lag", "policy",
+                 "room", "shedding", "task", "wait_max")
 
     def __init__(self, policy: OverloadPolicy | None, observer: RouterObserver,
                  clock: Clock) -> None:
@@ -163,6 +205,14 @@ class LoadMonitor:
         #: participants admitted up to `budget` (`OverloadPolicy.new_per_sample`).
         self.gate = False
         self.budget = MAX_NEW_PER_SAMPLE if policy is None else policy.new_per_sample
+        #: New participants the projected busy fraction leaves room for until the next
+        #: sample (`OverloadPolicy.max_busy_fraction`); unbounded while not projected.
+        self.room = math.inf
+        #: The loop's busy fraction over the demand window, as last sampled.
+        self.busy_fraction = 0.0
+        #: How many participants the router holds (set by the router).
+        self.held: Callable[[], int] = _none
+        self._busy_time: Callable[[], float] | None = getattr(clock, "busy_time", None)
         self._new = 0
         self.in_flight = 0
         self.lag = 0.0
@@ -204,7 +254,8 @@ class LoadMonitor:
         many turns in flight (a crowd arriving at once, not turns driven one after the
         other), the gate closes to new participants until the next sample."""
         self._new += 1
-        if self._new >= self.budget and self.in_flight + 1 >= self.budget:  # (its own too)
+        if (self._new >= self.budget and self.in_flight + 1 >= self.budget) or (  # (its own)
+                self._new >= self.room):
             self.gate = True
 
     async def refuse(self, turn: AgentTurn,
@@ -217,10 +268,13 @@ class LoadMonitor:
         if reason is None:
             return
         await self.shed(turn, emit, reason)
+        projected = "" if self.busy or self._new < self.room else (
+            f", the loop {self.busy_fraction:.0%} busy leaves no room for a participant")
         raise RouterBusyError(
             f"turn {turn.turn_id!r} of {turn.participant_id!r} refused: the router is "
             f"{'shedding' if reason == 'shedding' else 'busy'} (event-loop lag "
-            f"{self.lag:.3f}s); the participants it admitted keep their answers")
+            f"{self.lag:.3f}s{projected}); the participants it admitted keep their "
+            f"answers")
 
     async def shed(self, turn: AgentTurn,
                    emit: Callable[[AgentTurn, str, str], Awaitable[None]],
@@ -274,7 +328,8 @@ class LoadMonitor:
             self.task = None
             self.busy = self.shedding = self.gate = False
             self._new = 0
-            self.lag = self.wait_max = 0.0
+            self.room = math.inf
+            self.lag = self.wait_max = self.busy_fraction = 0.0
             self._calmed()
 
     async def _sample(self, policy: OverloadPolicy) -> None:
@@ -284,11 +339,13 @@ class LoadMonitor:
         observer = self._observer
         task = asyncio.current_task()
         assert task is not None
+        demand = _Demand(policy, self._busy_time, now())
         try:
             while True:
                 deadline = now() + period
                 await sleep_until(deadline)
-                lag = now() - deadline
+                at = now()
+                lag = at - deadline
                 lag = lag if lag > 0.0 else 0.0
                 # On when two samples in a row reach the threshold (one collector pause
                 # is not saturation), off below half of it.
@@ -311,7 +368,10 @@ class LoadMonitor:
                     calm = 0
                 self.shedding = (lag >= shed_on / 2) if self.shedding else (
                     sustained >= shed_on)
-                self.gate = self.busy
+                if demand.on:
+                    self.room = demand.room(at, self.held(), lag, self.room - new, new)
+                    self.busy_fraction = demand.fraction
+                self.gate = self.busy or self.room <= 0
                 wait, self.wait_max = self.wait_max, 0.0
                 if observer.enabled:
                     observer.load_sampled(LoadSampled(
@@ -327,3 +387,88 @@ class LoadMonitor:
             self._ended(task)
             if observer.enabled:
                 observer.load_sampled(LoadSampled(0.0, self.in_flight, 0.0, 0))
+
+
+def _none() -> int:
+    return 0
+
+
+class _Demand:
+    """The loop's busy time and the participants held over the last `demand_window_secs`
+    of samples, and the room they leave for new participants: `room()` once a sample."""
+
+    __slots__ = ("_at", "_busy", "_cap", "_held", "_period", "_samples", "_share",
+                 "_used", "_window", "fraction", "on")
+
+    def __init__(self, policy: OverloadPolicy, busy_time: Callable[[], float] | None,
+                 at: float) -> None:
+        self._share = policy.max_busy_fraction
+        self.on = self._share is not None and busy_time is not None
+        self._busy: Callable[[], float] = busy_time or float
+        self._window, self._period = policy.demand_window_secs, policy.sample_secs
+        # A sample counts for at most this long: a stall (a collector pause, a blocking
+        # call) weighs as a few busy samples, not as seconds of demand.
+        self._cap = STALL_SAMPLES * policy.sample_secs
+        #: (time, seconds counted, busy seconds, participant-seconds held) per sample,
+        #: oldest first.
+        self._samples: deque[tuple[float, float, float, float]] = deque(
+            maxlen=MAX_DEMAND_SAMPLES)
+        self._at, self._used = at, self._busy()
+        self._held = 0
+        self.fraction = 0.0
+
+    def room(self, at: float, held: int, lag: float, left: float, new: int) -> float:
+        """New participants admissible until the next sample (math.inf: any), after a
+        sample `lag` late; `left`: the room the last sample left unused, `new`: the
+        participants it admitted."""
+        # Those who left since the last sample make room for as many newcomers at once:
+        # their demand goes, an average newcomer's comes (churn is not growth).
+        gone = self._held + new - held
+        self._held = held
+        used = self._busy()
+        elapsed, spent = at - self._at, used - self._used
+        self._at, self._used = at, used
+        if not elapsed > 0.0:
+            return math.inf
+        # The loop was busy for its busy time, and at least for the lag (it was not idle
+        # while the timer waited for it: where `busy_time` is CPU time alone, that shows
+        # a process others on the machine hold off its core).
+        spent = lag if lag > spent else spent
+        spent = elapsed if spent > elapsed else spent if spent > 0.0 else 0.0
+        if elapsed > self._cap:
+            spent, elapsed = spent * self._cap / elapsed, self._cap
+        samples = self._samples
+        samples.append((at, elapsed, spent, held * elapsed))
+        horizon = at - self._window
+        while samples[0][0] < horizon:
+            samples.popleft()
+        span = busy = presence = recent_span = recent = 0.0
+        lately = at - self._window / 4
+        for when, weight, worked, present in samples:
+            span += weight
+            busy += worked
+            presence += present
+            if when > lately:
+                recent_span += weight
+                recent += worked
+        self.fraction = busy / span
+        share = self._share
+        assert share is not None
+        if span < self._window / 4 or not presence or not busy:
+            return math.inf  # (too little history: the per-sample budget and lag only)
+        # The busy fraction per participant held is what each newcomer is expected to
+        # bring: the participants held plus newcomers stay under `share` of the loop.
+        # Newcomers come in spread over the window, so that the demand they bring shows
+        # before more are admitted on the strength of an estimate without them.
+        total = math.floor(share * presence / busy) - held
+        paced: float = 0
+        if total > 0:
+            paced = math.ceil(total * self._period / self._window)
+            if left > 0:  # (kept, up to a few samples' worth: arrivals are not even)
+                paced = min(paced + left, STALL_SAMPLES * paced)
+            paced = min(paced + (gone if gone > 0 else 0), total)
+        # Never closed while the loop is mostly idle, over the window and lately (an
+        # estimate from little load, or from newcomers whose first turns show before
+        # their time held does): a few newcomers a sample still come in.
+        idle = self.fraction < share / 2 and recent < recent_span * share / 2
+        return IDLE_ROOM if idle and paced < IDLE_ROOM else paced

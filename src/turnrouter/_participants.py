@@ -104,6 +104,8 @@ class Registry:
         self._cfg = cfg
         self._observer = cfg.observer
         self.participants: dict[str, Participant] = {}
+        # (admission control projects the loop's load per participant held)
+        cfg.load.held = self.participants.__len__
         #: With a participant-joined topic, departed participants stay closed until they
         #: rejoin; oldest first (a dict keeps insertion order), at most
         #: `max_departed_participants` of them.

@@ -571,8 +571,8 @@ class AgentRouter:
     @property
     def refusing(self) -> bool:
         """Whether some turns may be refused now (`sheds` says whose): busy, or new
-        participants held back by the admission budget while the lag is still low
-        (`busy` stays False then). One attribute test."""
+        participants held back (admission budget, projected busy fraction) while the
+        lag is still low (`busy` stays False then). One attribute test."""
         return self._cfg.load.gate
 
     def sheds(self, participant_id: str) -> bool:

@@ -528,12 +528,26 @@ class ManualClock:
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = float(start)
+        self._busy = 0.0
         self._seq = 0
         self._sleepers: list[list[Any]] = []  # heap of [deadline, seq, event, alive]
         self._changed = anyio.Event()
 
     def now(self) -> float:
         return self._now
+
+    def busy_time(self) -> float:
+        """Seconds the event loop was told busy (`work()`): what admission control
+        measures the loop's busy fraction from (`OverloadPolicy.max_busy_fraction`)."""
+        return self._busy
+
+    def work(self, seconds: float) -> None:
+        """The loop worked `seconds`: busy time and time move forward together (sleepers
+        due are woken, as by `advance()`)."""
+        if seconds < 0:
+            raise ValueError("ManualClock cannot work a negative time")
+        self._busy += seconds
+        self.advance(seconds)
 
     @property
     def sleepers(self) -> int:
