@@ -493,6 +493,41 @@ async def test_a_short_freeze_of_the_server_leaves_one_pull_per_partition_and_th
         assert await ask(front, heard, "icy", "after") == "after|during|F"
 
 
+async def test_a_frozen_server_gets_no_pull_after_one_went_unanswered(
+        nats_server: NatsServer) -> None:
+    """The server frozen (SIGSTOP): the pulls waiting there get no reply. Before, each
+    partition asked again once its pull's time had passed (2.4 s), on the connection the
+    pings had not given up on yet (4-6 s): that pull waited in the frozen server's
+    socket, and on SIGCONT the server read it before the connection's end, while the
+    worker was on a new connection. A pull without a pin (a replica below its share
+    pulls the partitions it does not own) was then pinned to a connection about to
+    close, and the partition's queries, published just after the thaw, waited
+    `failover_timeout` for the server to unpin it (chaos15 `server_long_stop`). Now no
+    pull goes out on a connection that heard nothing from its server for `pull_expires`
+    plus two probe periods (1.4 s; its own presence alone comes every 0.5 s) until it
+    hears something or is replaced: nothing goes to the frozen server once its pulls
+    went unanswered, and the worker serves again after the thaw."""
+    async with proxied(nats_server.port) as proxy:
+        async with owning_two(proxy.url, CollectorRegistry()) as worker, \
+                listening(nats_server.url) as (front, heard):
+            nats_server.freeze()
+            try:
+                # The scenario: what the worker sent as the server stopped (a pull
+                # answering a 408 read just before) is past; a pull's reply is due
+                # within pull_expires + 2 s (2.4 s).
+                await asyncio.sleep(1.0)
+                mark = len(proxy.uplink)
+                await until_true(lambda: not worker.readiness.serving,
+                                 "the worker saw the freeze", within=15)
+                pulls = bytes(proxy.uplink[mark:]).count(b"$JS.API.CONSUMER.MSG.NEXT.")
+            finally:
+                nats_server.thaw()
+            await until_true(lambda: worker.readiness.serving, "the worker came back",
+                             within=20)
+            assert await ask(front, heard, "thawed", "after") == "after|-|N"
+        assert pulls == 0
+
+
 async def test_a_front_end_closes_while_its_server_is_away(nats_server: NatsServer) -> None:
     """`close()` while the connection is reconnecting (a frozen server) closes at once
     instead of raising nats-py's ConnectionReconnectingError; a second close is a no-op."""

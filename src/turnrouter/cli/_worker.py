@@ -150,8 +150,9 @@ def worker_parser() -> argparse.ArgumentParser:
                              "what a conversation tolerates (default 10)")
     parser.add_argument("--reconnect-for", type=float, default=60.0,
                         help="seconds to ride out a lost, frozen or not yet started NATS "
-                             "server or a missing stream (retrying every 0.5 s, one log "
-                             "line per attempt) before exiting with an error (default 60)")
+                             "server or a missing stream (retrying every 0.5 s, a lost "
+                             "connection every 0.1 s; a log line per failed attempt at most "
+                             "every 0.5 s) before exiting with an error (default 60)")
     parser.add_argument("--idle-after", type=float, default=1800.0, metavar="SECS",
                         help="seconds without an input after which a participant is let go "
                              "from this worker's memory (its record keeps its state for its "

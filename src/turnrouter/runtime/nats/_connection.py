@@ -1,8 +1,9 @@
 """A worker's patience with its server: outages, a frozen server, a deployment deleted.
 
 A worker rides out a server that is unreachable (refused, killed, restarting, frozen)
-for `NatsConfig.reconnect_for` seconds, at start-up as later, with one log line per
-failed attempt; past that it exits saying why. A frozen server (SIGSTOP, a hung host:
+for `NatsConfig.reconnect_for` seconds, at start-up as later (a lost connection tried
+again every 0.1 s), with a log line per failed attempt at most every half second; past
+that it exits saying why. A frozen server (SIGSTOP, a hung host:
 its TCP connection stays open, nothing is answered) is noticed by pings: one every
 `ping_interval(config)` seconds, the connection counted lost when two go unanswered.
 A part of the deployment deleted while the worker runs (an operator deleting the input
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -35,12 +37,17 @@ from ._security import connect, safe_error
 from ._setup import FRONT_API, check_payload, ensure_deployment
 from ._wire import NatsConfig
 
-__all__ = ["MAX_OUTSTANDING_PINGS", "RECONNECT_WAIT", "Connection", "Readiness", "connect_timeout",
-           "ping_interval"]
+__all__ = ["MAX_OUTSTANDING_PINGS", "RECONNECT_EVERY", "RECONNECT_WAIT", "Connection",
+           "Readiness", "connect_timeout", "ping_interval"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
-RECONNECT_WAIT = 0.5  # seconds between reconnect attempts (and start-up retries)
+RECONNECT_WAIT = 0.5  # seconds between start-up retries, and between logged attempts
+#: Seconds between the attempts to reconnect a lost connection: the server's return is
+#: noticed within this (with every worker losing the connection at once, at 0.5 s they
+#: came back together up to half a second after the server, and so did the turns
+#: published meanwhile). A refused attempt costs a connection refused, nothing more.
+RECONNECT_EVERY = 0.1
 MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
 #: Bytes of one socket read nats-py parses between two returns to the event loop.
 _PARSE_PIECE = 8192
@@ -128,6 +135,7 @@ class Connection:
         self._nc: Client | None = None
         self._down_since: float | None = None
         self._attempts = 0
+        self._logged_at = -math.inf  # when a failed reconnect attempt was last logged
         self._gave_up = False
         self._why: str | None = None
         self._checking: asyncio.Future[Any] | None = None
@@ -151,6 +159,7 @@ class Connection:
         # `_error` (the first connection's callback spots refused credentials; nats-py
         # reads its error callback at every call).
         nc.options["max_reconnect_attempts"] = -1
+        nc.options["reconnect_time_wait"] = RECONNECT_EVERY  # (the first: RECONNECT_WAIT)
         nc._error_cb = self._error
         _yield_between_reads(nc)
         _lean_headers(nc)
@@ -221,6 +230,7 @@ class Connection:
         nats-py reports first (a reset connection reports the error first)."""
         if self._down_since is None and self._nc is not None and not self._nc.is_closed:
             self._down_since, self._attempts = time.monotonic(), 0
+            self._logged_at = -math.inf
             self.readiness.update("connection", "disconnected from NATS")
             logger.warning("turnrouter: lost the connection to NATS; reconnecting for up "
                            "to %g s", self._config.reconnect_for)
@@ -271,8 +281,11 @@ class Connection:
         self._attempts += 1
         since = self._down_since
         down = time.monotonic() - since if since is not None else 0.0
-        logger.warning("turnrouter: NATS reconnect attempt %d failed (%.1f s of %g s): %s",
-                       self._attempts, down, self._config.reconnect_for, what)
+        now = time.monotonic()
+        if now - self._logged_at >= RECONNECT_WAIT:  # (attempts every RECONNECT_EVERY)
+            self._logged_at = now
+            logger.warning("turnrouter: NATS reconnect attempt %d failed (%.1f s of %g s): "
+                           "%s", self._attempts, down, self._config.reconnect_for, what)
         if down >= self._config.reconnect_for and not self._gave_up:
             self._gave_up = True
             # nats-py drops a server tried more often than this and, with none left,

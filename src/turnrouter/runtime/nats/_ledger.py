@@ -28,7 +28,7 @@ from ..._frontend import ParticipantSnapshot
 from ..._limits import is_logged
 from ..._redact import preview
 from ..._router import AgentRouter
-from ._link import Link, NoResponders, RequestFailed, pub_ack
+from ._link import Link, NoResponders, Replaced, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._records import sound_endings
 from ._setup import HEADER_ROOM
@@ -113,7 +113,8 @@ async def _settled_write(link: Link, kv: Any, key: str, subject: str, data: byte
             if not isinstance(failed, RequestFailed) or (
                     time.perf_counter() + 2 * _REWRITE_WAIT >= deadline):
                 return None, None, failed, False
-            await asyncio.sleep(_REWRITE_WAIT)
+            if not isinstance(failed, Replaced):  # (the server is back: at once)
+                await asyncio.sleep(_REWRITE_WAIT)
             # Only a try without a reply may have been stored; a 503 stored nothing.
             resent = resent or not isinstance(failed, NoResponders)
         elif revision == 0:
@@ -951,7 +952,7 @@ async def await_last_writer(ledger: Ledger, key: str, value: bytes, owner: str |
     most until partition `n`'s grace ends, `failover_timeout` plus two probe periods
     after the first such wait since the partition came here (shared by its records),
     or `deadline` (loop time). Both replicas reconnect to a server back from a freeze
-    within a reconnect period (0.5 s) of each other, and the previous owner sends its
+    within a reconnect period (0.1 s) of each other, and the previous owner sends its
     write again a moment after its reconnect: the grace covers that with room to spare.
 
     A server frozen or away past `failover_timeout` pins partitions afresh when it is

@@ -35,6 +35,12 @@ class RequestFailed(Exception):
     """A request got no reply in time, or the connection refused it."""
 
 
+class Replaced(RequestFailed):
+    """The connection was replaced before the reply came (a server back from a crash
+    or a freeze forgot the request): the server answers again, so asking again needs
+    no pause."""
+
+
 class NoResponders(RequestFailed):
     """Nothing answered the request (status 503): no stream takes its subject, so
     nothing was stored (unlike a request without a reply, which may have been)."""
@@ -164,7 +170,7 @@ class Link:
         restarted server forgot them), so their waits end now (`RequestFailed`)."""
         for future in self._waiting.values():
             if not future.done():
-                future.set_exception(RequestFailed("connection lost before the reply"))
+                future.set_exception(Replaced("connection lost before the reply"))
 
     def forget_unconfirmed(self) -> int:
         """Drop the callbacks of publishes not acknowledged yet (after a reconnect their

@@ -193,8 +193,9 @@ class NatsConfig:
     its state for its next input, as when its partition moves. A session that ends
     without `left` then frees its slot.
 
-    `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s)
-    before it exits with an error. `fleet_backlog`: messages of each fleet subject
+    `reconnect_for`: how long a worker rides out a lost server (retrying every 0.5 s at
+    start-up, every 0.1 s once connected) before it exits with an error.
+    `fleet_backlog`: messages of each fleet subject
     (control, presence, timing) a worker holds unread; past it a flood's messages are
     dropped by the client and counted (`dropped`).
     """

@@ -26,6 +26,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
@@ -71,6 +72,8 @@ logger = logging.getLogger("turnrouter.runtime.nats")
 #: as soon as the previous one is acknowledged, so a busy partition needs no pull per
 #: message.
 _BATCH = 256
+#: How often a partition whose connection heard nothing lately looks again (`_answering`).
+_SILENT_POLL = 0.1
 
 
 class WorkerContext:
@@ -313,7 +316,8 @@ class NatsWorker:
         assert self._nc is not None
         nc, config = self._nc, self.config
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
-        inbox = _Inbox(n, next_subject, nc.new_inbox(), config.pull_expires)
+        inbox = _Inbox(n, next_subject, nc.new_inbox(), config.pull_expires,
+                       hearing_of(nc, config))
         sub = await nc.subscribe(f"{inbox.reply_prefix}.*", cb=inbox.receive)
         deliver_directly(sub, inbox.take)
         self._inboxes.append(inbox)
@@ -359,6 +363,9 @@ class NatsWorker:
             if got is not None:  # (a request sent before: it may have been pinned)
                 await self._take(n, inbox, *got)
             return
+        if not self._pulling or (inbox.hearing.silent(nc)
+                                 and not await _answering(self, n, nc, inbox)):
+            return  # stopping (SIGTERM during a slow check above), or nothing heard
         pin = self._pins.get(n)
         token, reply = inbox.request(pin)
         await nc.publish(inbox.next_subject, inbox.pull_body(pin), reply=reply)
@@ -584,13 +591,15 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     away as well), and a 423 answers one of them, maybe made with a pin since replaced.
     `live` holds the requests not yet ended, each with when it surely expired."""
 
-    __slots__ = ("_body", "_body_pin", "expires", "given_up", "held_since", "holding",
-                 "lifetime", "live", "next_subject", "partition", "pulled", "reply_prefix",
-                 "tokens")
+    __slots__ = ("_body", "_body_pin", "expires", "given_up", "hearing", "held_since",
+                 "holding", "lifetime", "live", "next_subject", "partition", "pulled",
+                 "reply_prefix", "tokens")
 
     def __init__(self, partition: int, next_subject: str, reply_prefix: str,
-                 expires: float) -> None:
+                 expires: float, hearing: _Hearing | None = None) -> None:
         super().__init__()
+        #: Whether the connection hears from the server (`hearing_of`, shared).
+        self.hearing = hearing if hearing is not None else _Hearing(expires + 1.0)
         self.partition, self.next_subject, self.reply_prefix = (
             partition, next_subject, reply_prefix)
         #: How long after it went out a request may still deliver: its `expires` and a
@@ -674,6 +683,60 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         until = time.monotonic() + self.lifetime
         self.live = {token: (pin, max(end, until)) for token, (pin, end) in self.live.items()}
         self.wake()
+
+
+def _heard(nc: Client) -> tuple[int, int]:
+    """What the connection heard so far: (messages received, reconnects)."""
+    stats = nc.stats
+    return int(stats.get("in_msgs", 0)), int(stats.get("reconnects", 0))
+
+
+class _Hearing:
+    """Whether a connection heard from its server lately: a message (a pull's reply,
+    the replica's own presence every `probe_interval`) within `pull_expires` plus two
+    probe periods, or a reconnect. Sampled by every pull and every `_keep_pins` tick."""
+
+    __slots__ = ("_at", "_seen", "quiet_after")
+
+    def __init__(self, quiet_after: float) -> None:
+        self.quiet_after = quiet_after
+        self._seen = (-1, -1)
+        self._at = time.monotonic()
+
+    def silent(self, nc: Client) -> bool:
+        now, heard = time.monotonic(), _heard(nc)
+        if heard != self._seen:
+            self._seen, self._at = heard, now
+        return now - self._at > self.quiet_after
+
+
+_HEARINGS: weakref.WeakKeyDictionary[Client, _Hearing] = weakref.WeakKeyDictionary()
+
+
+def hearing_of(nc: Client, config: NatsConfig) -> _Hearing:
+    """The one `_Hearing` of connection `nc` (shared by its partitions' loops)."""
+    hearing = _HEARINGS.get(nc)
+    if hearing is None:
+        hearing = _HEARINGS[nc] = _Hearing(config.pull_expires + 2 * config.probe_interval)
+    return hearing
+
+
+async def _answering(worker: NatsWorker, n: int, nc: Client, inbox: _Inbox) -> bool:
+    """Whether partition `n` may pull now from a connection that heard nothing from
+    its server lately (a frozen server, not yet known lost): once it hears something
+    again or is replaced (False meanwhile, after a short wait that runs what arrived).
+    A pull sent to a frozen server waits in its socket: when the server resumes, the
+    worker has moved to a new connection, and the server reads the old one's pull
+    before its end. A pull without a pin (a partition not owned here, pulled when the
+    check that it is pinned elsewhere timed out) was then pinned (the priority group's
+    pin, for `failover_timeout`) to a connection about to close, and a message it took
+    came back as a redelivery: the partition's queries, published right after the
+    thaw, waited one to three seconds (chaos15 `server_long_stop`)."""
+    got = await inbox.get(_SILENT_POLL)  # (ended at once by a reconnect)
+    if got is not None:
+        await worker._take(n, inbox, *got)
+        return False
+    return not inbox.hearing.silent(nc)
 
 
 async def _drain_and_hand_over(worker: NatsWorker) -> None:
@@ -807,9 +870,12 @@ async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
     delivers goes to the loop, in order). Not past `drain_timeout` on one message: a
     loop stuck that long lets the server give the partition to another replica."""
     expires = int(config.pull_expires * 1e9)
+    hearing = hearing_of(nc, config)
     while pulling():
         await asyncio.sleep(config.pull_expires / 2)
         now = time.monotonic()
+        if hearing.silent(nc):
+            continue  # nothing into a frozen server's socket (`_answering`)
         for inbox in inboxes:
             pin = pins.get(inbox.partition)
             if pin is None or not inbox.holding or now - inbox.pulled < config.pull_expires / 4:
