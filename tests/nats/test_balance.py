@@ -149,3 +149,32 @@ async def test_each_replica_reports_the_fleet_it_hears(nats_server: NatsServer) 
     finally:
         for worker in workers:
             worker.close()
+
+
+async def test_names_claiming_partitions_make_the_fleet_heard_own_at_most_all(
+        nats_server: NatsServer) -> None:
+    """A name on presence claiming all 16 partitions beside two replicas owning 8 each:
+    the replicas hear 3 replicas owning 16 partitions, the deployment's count, not 32
+    (redteam16 F1: 2,000 such names made it 13,008 of 16). Presence says how many, not
+    which: the forged claim still reaches the partitions (docs/distributed.md, Trust)."""
+    workers = [await asyncio.to_thread(Worker, nats_server.url, name) for name in ("c0", "c1")]
+    nc = await nats.connect(nats_server.url)
+
+    async def liar() -> None:
+        while True:
+            await nc.publish("turnrouter.presence",
+                             json.dumps({"replica": "liar", "owned": 16}).encode())
+            await asyncio.sleep(0.2)
+
+    lying = None
+    try:
+        await until_even(workers, 30)  # (a liar heard first skews the split to 10/6)
+        lying = asyncio.create_task(liar())
+        await until_heard(workers, (3, 16))
+    finally:
+        if lying is not None:
+            lying.cancel()
+            await asyncio.gather(lying, return_exceptions=True)
+        await nc.close()
+        for worker in workers:
+            worker.close()

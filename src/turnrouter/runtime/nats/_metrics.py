@@ -45,7 +45,8 @@ class RuntimeMetrics:
         self.fleet_owned = Gauge(
             "turnrouter_nats_fleet_partitions_owned",
             "Partitions the replicas this replica hears on presence say they consume, "
-            "its own included (the fleet's ownership as the replicas see it)",
+            "its own included, at most the partitions (the fleet's ownership as the "
+            "replicas see it)",
             registry=registry)
         self.takeovers = Counter(
             "turnrouter_nats_takeovers_total",
