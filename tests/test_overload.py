@@ -87,6 +87,24 @@ async def hold_turn(h: Harness, tg: Any, participant: str = "p1") -> anyio.Event
     agent.answer_gate = None
     return gate
 
+async def cancel_while_told_busy(h: Harness, newcomer: AgentTurn) -> None:
+    """Route `newcomer` with an output that never returns, and cancel it while it is
+    told busy: the refusal is not counted (no turn, no shed event)."""
+    telling = anyio.Event()
+
+    async def slow_output(turn: AgentTurn, route: str, text: str) -> None:
+        telling.set()
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as inner:
+        inner.start_soon(partial(h.router.route_turn, newcomer, output=slow_output))
+        with anyio.fail_after(5):
+            await telling.wait()
+        inner.cancel_scope.cancel()
+    assert newcomer.turn_id not in h.observer.turns
+    assert not [e for e in h.observer.events if e[0] == "shed"]
+
+
 
 async def test_busy_refuses_new_participants_and_keeps_admitted_ones() -> None:
     """Past busy_lag_secs a new participant's turn is shed: counted (outcome busy,
@@ -527,23 +545,11 @@ async def test_a_shed_turn_cancelled_while_being_told_is_not_counted() -> None:
     not counted (the query's publisher did not finish publishing it either)."""
     clock = ManualClock()
     h = harness(clock)
-    telling = anyio.Event()
-
-    async def slow_output(turn: AgentTurn, route: str, text: str) -> None:
-        telling.set()
-        await anyio.sleep_forever()
-
     async with anyio.create_task_group() as tg:
         gate = await hold_turn(h, tg)
         await lag(clock, 0.2)
         newcomer = h.turn("hi", "p2")
-        async with anyio.create_task_group() as inner:
-            inner.start_soon(partial(h.router.route_turn, newcomer, output=slow_output))
-            with anyio.fail_after(5):
-                await telling.wait()
-            inner.cancel_scope.cancel()
-        assert newcomer.turn_id not in h.observer.turns
-        assert not [e for e in h.observer.events if e[0] == "shed"]
+        await cancel_while_told_busy(h, newcomer)
         gate.set()
     await h.router.stop()
 
@@ -666,6 +672,15 @@ async def admits(h: Harness, participant: str) -> bool:
         return False
     return True
 
+async def hold_eight(h: Harness, tg: Any) -> anyio.Event:
+    """Eight participants held: p0 with a turn waiting on the returned gate, p1-p7
+    admitted."""
+    gate = await hold_turn(h, tg, "p0")
+    for i in range(1, 8):
+        assert await admits(h, f"p{i}")
+    return gate
+
+
 
 async def test_a_ramp_is_admitted_up_to_the_projected_busy_fraction() -> None:
     """Each participant held brings 1/64 of the loop's time; newcomers arrive 3 a sample
@@ -676,9 +691,7 @@ async def test_a_ramp_is_admitted_up_to_the_projected_busy_fraction() -> None:
     clock = ManualClock()
     h = harness(clock, overload=PROJECTING)
     async with anyio.create_task_group() as tg:
-        gate = await hold_turn(h, tg, "p0")
-        for i in range(1, 8):
-            assert await admits(h, f"p{i}")
+        gate = await hold_eight(h, tg)
         for _ in range(32):  # history: half the window, 8 participants
             await period(clock, len(h.router.participants) / 64)
         refused = arrived = 0
@@ -712,9 +725,7 @@ async def test_newcomers_are_spread_over_the_window() -> None:
     clock = ManualClock()
     h = harness(clock, overload=PROJECTING)
     async with anyio.create_task_group() as tg:
-        gate = await hold_turn(h, tg, "p0")
-        for i in range(1, 8):
-            assert await admits(h, f"p{i}")
+        gate = await hold_eight(h, tg)
         for _ in range(64):
             await period(clock, 8 / 64)  # (busy 1/8: at least half of 0.5 is not idle)
         outcomes = [await admits(h, f"c{n}") for n in range(24)]
@@ -731,9 +742,7 @@ async def test_a_hiccup_on_a_mostly_idle_loop_refuses_nobody() -> None:
     clock = ManualClock()
     h = harness(clock, overload=PROJECTING)
     async with anyio.create_task_group() as tg:
-        gate = await hold_turn(h, tg, "p0")
-        for i in range(1, 8):
-            assert await admits(h, f"p{i}")
+        gate = await hold_eight(h, tg)
         for _ in range(64):
             await period(clock, 1 / 32)
         with anyio.fail_after(5):
@@ -799,24 +808,12 @@ async def test_a_newcomer_refused_by_the_projection_and_cancelled_is_not_counted
     closed for the next newcomer."""
     clock = ManualClock()
     h = harness(clock, overload=PROJECTING)
-    telling = anyio.Event()
-
-    async def slow_output(turn: AgentTurn, route: str, text: str) -> None:
-        telling.set()
-        await anyio.sleep_forever()
-
     async with anyio.create_task_group() as tg:
         gate = await hold_turn(h, tg, "p0")
         for _ in range(64):
             await period(clock, 1.0)
         newcomer = h.turn("hi", "c1")
-        async with anyio.create_task_group() as inner:
-            inner.start_soon(partial(h.router.route_turn, newcomer, output=slow_output))
-            with anyio.fail_after(5):
-                await telling.wait()
-            inner.cancel_scope.cancel()
-        assert newcomer.turn_id not in h.observer.turns
-        assert not [e for e in h.observer.events if e[0] == "shed"]
+        await cancel_while_told_busy(h, newcomer)
         assert "c1" not in h.router.participants and h.router.sheds("c2")
         with pytest.raises(RouterBusyError, match="leaves no room"):
             await h.router.handle(h.turn("hi", "c2"))
