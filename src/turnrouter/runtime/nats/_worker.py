@@ -26,7 +26,6 @@ import json
 import logging
 import time
 import uuid
-import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
@@ -141,6 +140,9 @@ class NatsWorker:
         self._stop = asyncio.Event()
         self._pulling = True
         self._inboxes: list[_Inbox] = []
+        #: Whether the connection heard from its server lately (every partition's pulls
+        #: and `_keep_pins` ask it).
+        self._hearing = _Hearing(config.pull_expires + 2 * config.probe_interval)
         self._recovering = False  # a `_recovered` runs (or paces the next one)
         self._recover_again = False  # another came meanwhile: run once more after it
         self.ready = asyncio.Event()  # set once, when it first serves
@@ -228,7 +230,8 @@ class NatsWorker:
                                cb=FleetInterrupts(config, router, self._spawn).on_message)
             helpers = await self._fleet.start()
             helpers.append(asyncio.create_task(
-                _keep_pins(nc, self._inboxes, self._pins, config, lambda: self._pulling),
+                _keep_pins(nc, self._inboxes, self._pins, config, lambda: self._pulling,
+                           self._hearing),
                 name="pins"))
             # The front ends' mirror of the output stream, restarted when it stalls.
             helpers.append(asyncio.create_task(watch_mirror(nc, config, bucket),
@@ -317,7 +320,7 @@ class NatsWorker:
         nc, config = self._nc, self.config
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
         inbox = _Inbox(n, next_subject, nc.new_inbox(), config.pull_expires,
-                       hearing_of(nc, config))
+                       self._hearing)
         sub = await nc.subscribe(f"{inbox.reply_prefix}.*", cb=inbox.receive)
         deliver_directly(sub, inbox.take)
         self._inboxes.append(inbox)
@@ -598,7 +601,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     def __init__(self, partition: int, next_subject: str, reply_prefix: str,
                  expires: float, hearing: _Hearing | None = None) -> None:
         super().__init__()
-        #: Whether the connection hears from the server (`hearing_of`, shared).
+        #: Whether the connection hears from the server (the worker's, shared).
         self.hearing = hearing if hearing is not None else _Hearing(expires + 1.0)
         self.partition, self.next_subject, self.reply_prefix = (
             partition, next_subject, reply_prefix)
@@ -708,17 +711,6 @@ class _Hearing:
         if heard != self._seen:
             self._seen, self._at = heard, now
         return now - self._at > self.quiet_after
-
-
-_HEARINGS: weakref.WeakKeyDictionary[Client, _Hearing] = weakref.WeakKeyDictionary()
-
-
-def hearing_of(nc: Client, config: NatsConfig) -> _Hearing:
-    """The one `_Hearing` of connection `nc` (shared by its partitions' loops)."""
-    hearing = _HEARINGS.get(nc)
-    if hearing is None:
-        hearing = _HEARINGS[nc] = _Hearing(config.pull_expires + 2 * config.probe_interval)
-    return hearing
 
 
 async def _answering(worker: NatsWorker, n: int, nc: Client, inbox: _Inbox) -> bool:
@@ -861,7 +853,8 @@ async def _hold_pins(nc: Client, pins: Mapping[int, str], config: NatsConfig,
 
 
 async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
-                     config: NatsConfig, pulling: Callable[[], bool]) -> None:
+                     config: NatsConfig, pulling: Callable[[], bool],
+                     hearing: _Hearing) -> None:
     """Keep the pins of partitions whose loop is busy with one message (a claim or a
     write waiting on a loaded server, backpressure): the server moves a partition to
     another replica once its owner sent no pull request for `failover_timeout`, so
@@ -870,7 +863,6 @@ async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
     delivers goes to the loop, in order). Not past `drain_timeout` on one message: a
     loop stuck that long lets the server give the partition to another replica."""
     expires = int(config.pull_expires * 1e9)
-    hearing = hearing_of(nc, config)
     while pulling():
         await asyncio.sleep(config.pull_expires / 2)
         now = time.monotonic()
