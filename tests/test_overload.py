@@ -444,12 +444,18 @@ async def test_runtime_sheds_quietly_and_balances(caplog: pytest.LogCaptureFixtu
        text=st.one_of(st.text(max_size=5), st.none(), st.integers()),
        calm=st.one_of(st.integers(min_value=-5, max_value=2000), st.floats(), st.booleans()),
        new=st.one_of(st.integers(min_value=-5, max_value=10**6), st.floats(), st.booleans(),
-                     st.none(), st.text(max_size=3)))
+                     st.none(), st.text(max_size=3)),
+       share=st.one_of(st.none(), st.floats(allow_nan=True), st.integers(), st.booleans(),
+                       st.text(max_size=3)),
+       window=st.one_of(st.floats(allow_nan=True), st.integers(min_value=-10**30,
+                                                               max_value=10**30),
+                        st.none(), st.text(max_size=3)))
 def test_overload_policy_accepts_only_sane_settings(busy: Any, shed: Any, sample: Any,
-                                                    text: Any, calm: Any, new: Any) -> None:
+                                                    text: Any, calm: Any, new: Any,
+                                                    share: Any, window: Any) -> None:
     """Any junk is refused with an error naming the setting; what is accepted is sane."""
     try:
-        policy = OverloadPolicy(busy, shed, sample, text, calm, new)
+        policy = OverloadPolicy(busy, shed, sample, text, calm, new, share, window)
     except (ConfigurationError, ContractTypeError) as exc:
         error: Exception | None = exc
     else:
@@ -460,6 +466,8 @@ def test_overload_policy_accepts_only_sane_settings(busy: Any, shed: Any, sample
     assert 0 < policy.busy_lag_secs <= policy.shed_lag_secs
     assert policy.sample_secs > 0 and policy.busy_text and 1 <= policy.calm_samples <= 1000
     assert type(policy.new_per_sample) is int and 8 <= policy.new_per_sample <= 65536
+    assert policy.max_busy_fraction is None or 0 < policy.max_busy_fraction <= 1
+    assert math.isfinite(policy.demand_window_secs) and policy.demand_window_secs > 0
 
 
 def test_router_refuses_a_non_policy() -> None:
