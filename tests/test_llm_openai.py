@@ -580,3 +580,34 @@ async def test_a_failing_classifier_says_why_at_warning(server: tuple[str, Scrip
     assert "sk-secret" not in message and "bad key" not in message
     assert "private question" not in message
     await router.stop()
+
+
+@pytest.mark.parametrize(("kwargs", "where"), [
+    ({"api_key": "sk-SECRET1234567890\n"}, "api_key"),
+    ({"api_key": "sk-SECRET\r\nX-Evil: 1"}, "api_key"),
+    ({"api_key": "sk-SECRET\u20ac"}, "api_key"),
+    ({"headers": {"api-key": "azkey-SECRET0123456789\n"}}, "headers['api-key']"),
+    ({"headers": {"api-key": "azkey-SECRET\x00"}}, "headers['api-key']"),
+    ({"headers": {"api-key": 7}}, "headers['api-key']"),
+    ({"headers": {"bad name": "SECRET-value"}}, "not an HTTP header name"),
+])
+def test_a_credential_no_header_can_carry_is_refused_without_showing_it(
+        kwargs: dict[str, Any], where: str) -> None:
+    """An API key or header value with a newline (a key read from a file), a control
+    character or a non-Latin-1 character is refused at construction, naming where it
+    was and never showing it: it failed only at the first call, in an `LLMError` that
+    quoted the key's bytes (and in the chained error), logged at WARNING on every turn
+    (bounds17 H4)."""
+    with pytest.raises(ConfigurationError) as refused:
+        OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", **kwargs)
+    assert where in str(refused.value)
+    assert "SECRET" not in str(refused.value)
+
+
+def test_a_key_from_the_environment_with_its_newline_is_refused_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`$OPENAI_API_KEY` set from a file with its newline is named as the variable."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-SECRET1234567890\n")
+    with pytest.raises(ConfigurationError, match=r"\$OPENAI_API_KEY") as refused:
+        OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1")
+    assert "SECRET" not in str(refused.value)

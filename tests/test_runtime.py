@@ -879,6 +879,60 @@ def test_a_validated_message_is_delivered_without_validating_again() -> None:
         QUERY.coerce(broken)
 
 
+@pytest.mark.parametrize(("field", "junk"), [
+    ("text", None), ("participant_id", 7), ("participant_id", ["p"]),
+    ("participant_id", "p" * 1_000_000), ("timestamp_us", -1)])
+def test_a_validated_message_changed_afterwards_is_validated_again(
+        field: str, junk: object) -> None:
+    """A message whose field was changed after its validation (`object.__setattr__`
+    on the frozen model) is not known valid by its identity any more: coerce validates
+    it again and refuses it, naming the field (bounds17 H1: it went through, and the
+    subscriber's contract error cancelled every turn of the runtime)."""
+    query = UserQuery(participant_id="p1", text="hi")
+    object.__setattr__(query, field, junk)
+    with pytest.raises(ValueError, match=f"malformed UserQuery: {field}"):
+        QUERY.coerce(query)
+
+
+async def test_a_query_changed_after_it_was_published_is_rejected_where_it_lands(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A publisher that changes its query (`object.__setattr__`) after `publish()`,
+    before the query's task runs: the subscriber rejects it (counted, logged) and the
+    other participants' turns run on; before, its `AgentTurn`'s contract error was
+    raised in the runtime's task, which cancelled every turn in flight (bounds17 H1)."""
+    router, agents, observer = make_router()
+    changed = UserQuery(participant_id="p1", text="hi")
+    with caplog.at_level(logging.WARNING, logger="turnrouter.runtime"):
+        async with AgentRuntime() as runtime:
+            runtime.register(router.runtime_subscriber())
+            await runtime.publish(QUERY, UserQuery(participant_id="p0", text="one"))
+            await runtime.publish(QUERY, changed)
+            await runtime.publish(QUERY, UserQuery(participant_id="p2", text="two"))
+            object.__setattr__(changed, "text", None)  # before its task started
+        await router.stop()
+    assert observer.events.count(("message_rejected", "q", "invalid")) == 1
+    answered = [c.participant_id for c in agents["weather"].calls if c.method == "answer"]
+    assert sorted(answered) == ["p0", "p2"]
+    assert sum("(rejected) failed" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_publishing_a_message_changed_after_validation_raises_naming_it() -> None:
+    """The publisher's own instance, changed after validation, raises
+    `ContractValueError` in `publish()` (as a `model_construct()` one does), before any
+    subscriber sees it; the runtime and its other turns go on."""
+    router, agents, _ = make_router()
+    bad = UserQuery(participant_id="p1", text="t")
+    object.__setattr__(bad, "text", None)
+    async with AgentRuntime() as runtime:
+        runtime.register(router.runtime_subscriber())
+        await runtime.publish(QUERY, UserQuery(participant_id="p0", text="one"))
+        with pytest.raises(ContractValueError, match="text"):
+            await runtime.publish(QUERY, bad)
+    await router.stop()
+    assert [c.participant_id for c in agents["weather"].calls if c.method == "answer"] == ["p0"]
+
+
 def test_publication_ids_are_unique_hex_unguessable_and_fresh_in_a_forked_child() -> None:
     """Message ids are 32 hex digits, never repeat, share no part with the ids before
     them (a process prefix and a counter let a front end sharing the NATS user publish

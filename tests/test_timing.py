@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import random
 import sys
 from collections.abc import Callable
@@ -283,7 +284,7 @@ def test_memory_is_bounded() -> None:
     for name in ("a", "b", "c", "d"):
         predictor.record(TimingSample(name, 1.0))
     assert set(predictor.routes) == {"r", "a", "b"}
-    assert predictor.overflow == {"routes": 2, "classes": 0}
+    assert predictor.overflow == {"routes": 2, "classes": 0, "invalid": 0}
     assert predictor.regimes("a") == 1 and predictor.memory_bytes("a") < 2048
     assert predictor.memory_bytes("d") == 0
 
@@ -539,14 +540,20 @@ def test_hostile_sample_lines_warm_start_or_name_the_line(
 def test_sample_lines_are_what_the_json_module_writes(
         route: object, seconds: object, censored: object, at: object,
         feature: object) -> None:
-    """`TimingSample.to_json` writes, whatever the field values (NaN, infinities, huge
-    or integral numbers, non-ASCII or junk-typed fields), exactly the line the json
-    module writes for them, so a samples file reads the same however it was written."""
+    """`TimingSample.to_json` writes, whatever the field values (huge or integral
+    numbers, non-ASCII or junk-typed fields), exactly the line the json module writes
+    for them, so a samples file reads the same however it was written; NaN or an
+    infinity is refused (ValueError naming both), never written: one such line made the
+    whole file unloadable by `load_samples` and `turnrouter tune`."""
     sample = TimingSample(route, seconds, censored, at, feature)  # type: ignore[arg-type]
     data: dict[str, object] = {"route": route, "seconds": round(seconds, 6),  # type: ignore[call-overload]
                                "censored": censored, "at": round(at, 3)}  # type: ignore[call-overload]
     if feature is not None:
         data["feature"] = feature
+    if not (math.isfinite(seconds) and math.isfinite(at)):  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="seconds and at must be finite"):
+            sample.to_json()
+        return
     assert sample.to_json() == json.dumps(data, separators=(",", ":"))
 
 
@@ -567,3 +574,46 @@ def test_load_samples_names_a_file_it_cannot_read(tmp_path: Path) -> None:
             load_samples(path)
     with pytest.raises(ConfigurationError, match=r"missing\.jsonl"):
         RouteTimingPredictor.from_samples(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("seconds", [math.nan, math.inf, -math.inf, -0.5, 10**400])
+def test_the_predictor_learns_no_sample_that_is_not_a_finite_duration(
+        seconds: float) -> None:
+    """`TimingSample` does not check its fields; the predictor does: a NaN, infinite,
+    negative or float-overflowing sample is not learned, counted as "invalid" (a NaN
+    once failed `record()` with a ValueError and spoiled the route's model)."""
+    predictor = RouteTimingPredictor()
+    for _ in range(20):
+        predictor.record(TimingSample("weather", 0.4))
+    before = predictor.predict("weather", AgentTurn("p", "t", "hi"))
+    predictor.record(TimingSample("weather", seconds))
+    assert predictor.overflow["invalid"] == 1
+    assert predictor.predict("weather", AgentTurn("p", "t", "hi")) == before
+    assert predictor.routes == ("weather",)
+
+
+def test_a_fifo_is_refused_as_a_samples_file_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO as the sink's file, or as the file a warm start reads, is refused at once
+    naming it: opened for writing on the event loop, a FIFO nobody read froze the whole
+    router for ever, beyond any `wait_for` (bounds17 H3); read, one nobody wrote blocked
+    the start."""
+    fifo = tmp_path / "samples.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigurationError, match="not a regular file"):
+        JsonLinesSink(fifo)
+    with pytest.raises(ConfigurationError, match=r"samples\.fifo.*not a regular file"):
+        load_samples(fifo)
+    with pytest.raises(ConfigurationError, match="not a regular file"):
+        RouteTimingPredictor.from_samples(fifo)
+    sink = JsonLinesSink(tmp_path / "later.jsonl")  # the path becomes a FIFO after
+    os.mkfifo(tmp_path / "later.jsonl")
+    with pytest.raises(OSError, match=r"No such device|not a regular file"):
+        sink.record(TimingSample("weather", 0.4))
+    sink.close()
+
+
+def test_the_sink_writes_to_a_character_device(tmp_path: Path) -> None:
+    """/dev/null (a character device) is a usable sink: samples switched off by path."""
+    with JsonLinesSink(os.devnull) as sink:
+        sink.record(TimingSample("weather", 0.4))
+        sink.flush()

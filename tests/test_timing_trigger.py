@@ -527,7 +527,7 @@ def test_feature_classes_count_only_as_much_as_they_differ() -> None:
     many = RouteTimingPredictor(feature=lambda turn: turn.query)
     for query in ("a", "b", "c", "d", "e", "f"):
         many.record(TimingSample("r", 1.0), AgentTurn("p", "t", query))
-    assert many.overflow == {"routes": 0, "classes": 2}
+    assert many.overflow == {"routes": 0, "classes": 2, "invalid": 0}
 
     failing = RouteTimingPredictor(feature=broken)
     failing.record(TimingSample("r", 2.5), AgentTurn("p", "t", "q"))

@@ -61,6 +61,7 @@ from ._limits import (
 from ._llm import LLMService
 from ._load import OverloadPolicy, RouterLoad
 from ._logging import log_failure
+from ._numbers import finite, is_number
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
 from ._participants import Phase, Registry, RouterPhase, refuse_lossy
 from ._patch_desk import PatchDesk
@@ -414,15 +415,15 @@ class AgentRouter:
                    control: bool = False) -> bool:
         """The participant started hearing turn `turn_id`'s answer (`control=True`: its
         control text, an acknowledgment or preamble, which ends the silence only) at
-        `at`, a reading of the router's clock (now when None). True when it matched a
-        turn routed with `report_heard=True` whose measurement was still open.
-        """
+        `at`, a reading of the router's clock (now when None or later). True when it
+        matched a turn routed with `report_heard=True` whose measurement was open."""
         _check_pid(participant_id)
         if not isinstance(turn_id, str):
             raise ContractTypeError(f"turn_id must be a str, got {type(turn_id).__name__}")
+        _check_heard_at(at)
         answer = self._registry.heard_answer(participant_id, turn_id)
         if answer is not None:
-            when = self._cfg.clock() if at is None else float(at)
+            when = self._cfg.clock() if at is None else min(float(at), self._cfg.clock())
             (answer.control_heard if control else answer.mark_heard)(when)
         return answer is not None
 
@@ -673,6 +674,19 @@ class _ContinuedTrace:
 
     def __exit__(self, *exc_info: object) -> None:
         self._observer.exit_context(self._token)
+
+
+def _check_heard_at(at: object) -> None:
+    """`ContractTypeError` / `ContractValueError` for a `mark_heard` time that is not a
+    finite number (or None): a NaN there made the latency histograms' sums NaN for the
+    process' life and the samples file unloadable (bounds17 H2)."""
+    if at is None or finite(at):
+        return
+    if not is_number(at):
+        raise ContractTypeError(f"mark_heard: at must be a number (a reading of the "
+                                f"router's clock) or None, got {type(at).__name__}")
+    raise ContractValueError(f"mark_heard: at must be a finite reading of the router's "
+                             f"clock, got {preview(at)}")
 
 
 def _check_pid(participant_id: object) -> None:

@@ -20,10 +20,12 @@ protocol.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import re
+import stat
 import sys
 import time
 from collections import deque
@@ -37,6 +39,7 @@ from ._contracts import AgentTurn
 from ._exceptions import ConfigurationError
 from ._llm import LLMService
 from ._numbers import finite
+from ._paths import open_regular
 from ._redact import has_surrogates, preview, strip_reasoning
 from ._timing_model import Histogram, Mixture, RouteModel, Settings
 from ._timing_trigger import Trigger, class_weight, pooled
@@ -85,7 +88,8 @@ class TimingSample:
     """The turn's feature class (e.g. "long"), when the predictor uses one."""
 
     def to_json(self) -> str:
-        """One JSON object, the line format of `JsonLinesSink` (`feature` only when set)."""
+        """One JSON object, the line format of `JsonLinesSink` (`feature` only when set);
+        ValueError for a sample whose `seconds` or `at` is not finite."""
         seconds, at = round(self.seconds, 6), round(self.at, 3)
         route, feature = self.route, self.feature
         if (type(seconds) is float and type(at) is float and type(route) is str
@@ -96,6 +100,11 @@ class TimingSample:
             return (f'{{"route":{_json_str(route)},"seconds":{seconds!r},"censored":'
                     f'{"true" if self.censored else "false"},"at":{at!r}'
                     + ("}" if feature is None else f',"feature":{_json_str(feature)}}}'))
+        if not (finite(seconds) and finite(at)):
+            # NaN or Infinity in a samples file made the whole file unloadable.
+            raise ValueError(f"timing sample of route {preview(route)}: seconds and at "
+                             f"must be finite numbers, got {preview(seconds)} and "
+                             f"{preview(at)}")
         data: dict[str, object] = {"route": route, "seconds": seconds,
                                    "censored": self.censored, "at": at}
         if self.feature is not None:
@@ -333,7 +342,7 @@ class RouteTimingPredictor:
         self._delay = delay_secs
         self._routes: dict[str, RouteModel] = {}
         self._dropped = False
-        self._overflow = {"routes": 0, "classes": 0}
+        self._overflow = {"routes": 0, "classes": 0, "invalid": 0}
         self.feature = feature
         self._classes: dict[str, tuple[int, dict[str, RouteModel]]] = {}
 
@@ -375,8 +384,10 @@ class RouteTimingPredictor:
 
     @property
     def overflow(self) -> dict[str, int]:
-        """Samples not learned because a bound was full: "routes" (beyond `max_routes`)
-        and "classes" (a feature class beyond the 4 a route keeps; the route learned it)."""
+        """Samples not learned: "routes" (beyond `max_routes`), "classes" (a feature
+        class beyond the 4 a route keeps; the route learned it) and "invalid" (seconds
+        not a finite number >= 0, which `TimingSample` does not check: one NaN would
+        have spoiled the route's model)."""
         return dict(self._overflow)
 
     def feature_of(self, turn: AgentTurn) -> str | None:
@@ -395,6 +406,11 @@ class RouteTimingPredictor:
     def record(self, sample: TimingSample, turn: AgentTurn | None = None) -> None:
         """Add one sample (censored samples count as lower bounds), and to its feature
         class: `sample.feature`, else the class of `turn`."""
+        seconds = sample.seconds
+        if not (type(seconds) is float and 0.0 <= seconds < math.inf) and not (
+                finite(seconds) and seconds >= 0):
+            self._overflow["invalid"] += 1
+            return
         model = self._routes.get(sample.route)
         if model is None:
             if len(self._routes) >= self._max_routes:
@@ -574,13 +590,27 @@ class JsonLinesSink:
             raise ConfigurationError(
                 f"JsonLinesSink flush_every must be an int >= 1, got {preview(flush_every)}")
         self.path = Path(path)
+        try:
+            kind = self.path.stat().st_mode
+        except FileNotFoundError:
+            kind = None
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+            raise ConfigurationError(
+                f"JsonLinesSink cannot use {preview(str(path))}: {exc}") from exc
+        if kind is not None and not (stat.S_ISREG(kind) or stat.S_ISCHR(kind)):
+            # A FIFO nobody reads blocked the event loop at the first sample for ever.
+            raise ConfigurationError(
+                f"JsonLinesSink path {preview(str(path))} is not a regular file")
         self._flush_every = flush_every
         self._pending = 0
         self._file: IO[str] | None = None
 
     def record(self, sample: TimingSample) -> None:
         if self._file is None:
-            self._file = self.path.open("a", encoding="utf-8")
+            # Without waiting: the path may have become a FIFO since (OSError, logged
+            # by the router as a timing-sink failure).
+            self._file = io.TextIOWrapper(open_regular(self.path, "ab", devices=True),
+                                          encoding="utf-8")
         self._file.write(sample.to_json() + "\n")
         self._pending += 1
         if self._pending >= self._flush_every:
@@ -609,9 +639,9 @@ class JsonLinesSink:
 def iter_samples(path: str | Path) -> Iterator[TimingSample]:
     """Samples of a JSON-lines file in order; ConfigurationError names a bad line (one
     longer than `MAX_SAMPLE_LINE_BYTES` too: it is never read whole), or the file when
-    it cannot be opened (missing, a directory, no permission)."""
+    it cannot be opened (missing, a directory, a FIFO, no permission)."""
     try:
-        handle = Path(path).open("rb")  # noqa: SIM115 (closed by the with below)
+        handle = open_regular(path, "rb")  # a FIFO with no writer: refused, not waited on
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         raise ConfigurationError(
             f"cannot read timing samples from {preview(str(path))}: {exc}") from exc

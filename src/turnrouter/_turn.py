@@ -697,6 +697,13 @@ class Answer:
                 owner.obs.output_started(self._token,
                                          _new(FirstResponse, (self.route, now - self._t0)))
             owner.state.unheard = self
+            if timed is not None:
+                # The timing sample ends here, not at the audio: the acknowledgment it
+                # predicts for is suppressed by `started()`, and its own audio waits for
+                # the same text-to-speech. Learned at the audio, a slow TTS taught the
+                # predictor that every answer is slow, so quick answers got an
+                # acknowledgment (itself delaying them) every turn (voice17 F1).
+                timed.record(self.route, now - self._t0, False, owner.turn)
             if self._heard_at is not None:
                 self.resolve_heard(self._heard_at)
             return
@@ -745,10 +752,7 @@ class Answer:
             self._silence_at(min(said_at, at))
         elif self._sidecar is None or not self._sidecar.committed:
             silence_seconds = self._take_silence(at)
-        cfg = owner.cfg
-        cfg.observer.heard(Heard(self.route, seconds, silence_seconds))
-        if cfg.timed is not None:
-            cfg.timed.record(self.route, seconds, False, owner.turn)
+        owner.cfg.observer.heard(Heard(self.route, seconds, silence_seconds))
 
     def spoken_over(self) -> None:
         """The participant's next turn began (or they left, or moved to another
@@ -773,10 +777,7 @@ class Answer:
         if started_at is None:
             return
         seconds = max(at, started_at) - self._t0
-        cfg = owner.cfg
-        cfg.observer.heard(Heard(self.route, seconds, None, True))
-        if cfg.timed is not None:
-            cfg.timed.record(self.route, seconds, True, owner.turn)
+        owner.cfg.observer.heard(Heard(self.route, seconds, None, True))
 
 
 async def _wait_in_line(run: Turn) -> None:

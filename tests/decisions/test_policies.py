@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -469,3 +470,15 @@ async def test_a_policy_forced_clarification_is_counted_as_policy_not_low_confid
     assert reasons("t1") == ["policy"]
     assert reasons("t2") == ["low_confidence"]
     assert agents["billing"].count("answer") == agents["support"].count("answer") == 0
+
+
+def test_a_policy_file_that_is_a_fifo_or_holds_a_nul_is_a_policy_error(tmp_path: Path) -> None:
+    """A FIFO nobody writes is refused at once (it blocked the start for ever: bounds17
+    H3), and a path holding a NUL is a `PolicyError` naming the file, not a bare
+    ValueError."""
+    fifo = tmp_path / "policy.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(PolicyError, match=r"policy\.fifo.*not a regular file"):
+        DictRoutingPolicy.from_json_file(fifo)
+    with pytest.raises(PolicyError, match=r"policy file.*cannot be read"):
+        DictRoutingPolicy.from_json_file("a\x00b")

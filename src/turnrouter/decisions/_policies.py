@@ -30,6 +30,7 @@ from .._contracts import (
     RouteRequest,
 )
 from .._exceptions import ConfigurationError, ContractTypeError, PolicyError
+from .._paths import open_regular
 from .._redact import has_surrogates, preview
 
 __all__ = [
@@ -202,16 +203,18 @@ class DictRoutingPolicy:
                        **kwargs: Any) -> DictRoutingPolicy:
         """Build from a UTF-8 JSON file holding an object (errors as `from_json`).
 
-        A file that cannot be read (missing, a directory, no permission) also raises
+        A file that cannot be read (missing, a directory, a FIFO, no permission) also raises
         PolicyError, chained from the OSError; at most `max_bytes` + 1 bytes are read.
         """
         limit = _check_max_bytes(max_bytes)
         source = f"policy file {preview(os.fspath(path))}"
         try:
-            with open(path, "rb") as handle:
+            # Without waiting: a FIFO nobody writes blocked the start for ever.
+            with open_regular(path, "rb") as handle:
                 raw = handle.read(limit + 1)
-        except OSError as exc:
-            raise PolicyError(f"{source} cannot be read: {exc.strerror or exc}") from exc
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise PolicyError(f"{source} cannot be read: {reason}") from exc
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

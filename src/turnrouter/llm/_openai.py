@@ -141,6 +141,27 @@ class _HTTPS(http.client.HTTPSConnection):
         tls.do_handshake()
 
 
+#: An HTTP header name (RFC 9110 `token`).
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _check_header_value(value: object, where: str) -> None:
+    """`ConfigurationError` naming `where`, never the value, unless `value` is None or a
+    str http.client can send as a header: one line of Latin-1 without control
+    characters. A key read from a file with its newline was refused only at the first
+    call, by http.client, whose error quoted the key's bytes (bounds17 H4)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ConfigurationError(f"OpenAIChatClient {where} must be a str, got "
+                                 f"{type(value).__name__}")
+    if any(ord(ch) < 32 or ord(ch) == 127 or ord(ch) > 255 for ch in value):
+        raise ConfigurationError(
+            f"OpenAIChatClient {where} holds a line break, a control character or a "
+            "character outside Latin-1, which no HTTP header can carry (a key read from a "
+            "file with its newline? strip it)")
+
+
 class OpenAIChatClient:
     """An `LLMService` for any OpenAI-compatible `POST {base_url}/chat/completions`.
 
@@ -235,6 +256,13 @@ class OpenAIChatClient:
         self._shown_url = redact_url(self.url)
         self._parts = urllib.parse.urlsplit(self.url)
         self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        _check_header_value(self._api_key, "api_key" if api_key is not None
+                            else "$OPENAI_API_KEY")
+        for name, value in dict(headers or {}).items():
+            if not (isinstance(name, str) and _TOKEN.fullmatch(name)):
+                raise ConfigurationError(f"OpenAIChatClient headers: {preview(name)} is not "
+                                         "an HTTP header name")
+            _check_header_value(value, f"headers[{name!r}]")
         self.timeout_secs = timeout_secs
         self.max_tokens_limit = max_tokens_limit
         self.max_reply_bytes = max_reply_bytes
@@ -343,8 +371,13 @@ class OpenAIChatClient:
             return response.status, self._read(response)
         except LLMError:
             raise
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            # ValueError: an invalid header value or URL character, rejected by http.client.
+        except ValueError as exc:
+            # An invalid header value or URL character, rejected by http.client (checked
+            # at construction; never chained: its message quotes the value, a key's
+            # bytes as their repr, which no redaction of the key itself finds).
+            raise LLMError(f"chat completion at {self._shown_url} failed: "
+                           f"{type(exc).__name__} (a header or the URL)") from None
+        except (OSError, http.client.HTTPException) as exc:
             detail = redact_text(f"{type(exc).__name__}: {exc}"[:200], self._secrets)
             raise LLMError(f"chat completion at {self._shown_url} failed: {detail}") from exc
         finally:

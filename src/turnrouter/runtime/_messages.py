@@ -10,6 +10,7 @@ stored as UTF-8 later) and `timestamp_us` is bounded like `AgentTurn.timestamp_u
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 import weakref
@@ -48,8 +49,9 @@ class _Ref(weakref.ref):  # type: ignore[type-arg]
     """A weak reference that knows its key (as `weakref.KeyedRef`, whose Python-level
     constructor costs several times this one's)."""
 
-    __slots__ = ("key",)
+    __slots__ = ("key", "values")
     key: int
+    values: tuple[object, ...]
 
 
 class _Validated:
@@ -58,7 +60,10 @@ class _Validated:
     Built by their validating constructor or returned by `Topic.coerce`; instances from
     `model_construct()` or `model_copy(update=...)` are never in it (identity, not
     equality: a bypassed copy can compare equal yet carry junk), so `Topic.coerce`
-    validates them.
+    validates them. Each entry keeps the field values it was validated with: one whose
+    field was changed since (`object.__setattr__`) is not known valid any more, and is
+    validated again where it is published (bounds17 H1: it reached a subscriber's turn,
+    whose contract error cancelled every turn of the runtime).
     """
 
     __slots__ = ("_forget", "_refs")
@@ -78,11 +83,18 @@ class _Validated:
         key = id(message)
         ref = _Ref(message, self._forget)
         ref.key = key
+        ref.values = tuple(message.__dict__.values())
         self._refs[key] = ref
 
     def __contains__(self, message: object) -> bool:
         ref = self._refs.get(id(message))
-        return ref is not None and ref() is message
+        if ref is None or ref() is not message:
+            return False
+        values = ref.values
+        current = message.__dict__
+        if len(current) != len(values):
+            return False
+        return all(map(operator.is_, current.values(), values))
 
 
 VALIDATED = _Validated()

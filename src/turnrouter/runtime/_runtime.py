@@ -264,7 +264,8 @@ class AgentRuntime:
         so one malformed dict or wrong-type message is rejected (and counted) where it
         lands and never crashes the publisher or anyone else. An instance of the topic's
         own payload class that skipped validation (`model_construct()`,
-        `model_copy(update=...)`) is the publisher's own bug: it raises
+        `model_copy(update=...)`, a field changed by `object.__setattr__`) is the
+        publisher's own bug: it raises
         `ContractValueError` here, before any subscriber sees it.
 
         Every `publish_batch`-th call first yields to the event loop (see the class):

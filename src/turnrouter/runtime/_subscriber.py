@@ -13,6 +13,7 @@ from .._contracts import AgentTurn
 from .._exceptions import (
     ConfigurationError,
     ContractTypeError,
+    ContractValueError,
     LifecycleError,
     RouterBusyError,
     TurnInterrupted,
@@ -240,17 +241,33 @@ class RouterSubscriber:
         if load is None or router.reports_status:
             await self._run_query(query, runtime)
             return
-        turn = AgentTurn(query.participant_id, query.message_id, query.text,
-                         timestamp_us=query.timestamp_us)
+        turn = self._turn_of(query)
+        if turn is None:
+            return
         # `sheds()` was True: shedding refuses every turn, busy alone a new participant's.
         reason: ShedReason = "shedding" if load.shedding else "new_participant"
         with router.continue_trace(query.trace_carrier()):
             await load.shed(turn, self._emitter(runtime)[1], reason)
 
+    def _turn_of(self, query: UserQuery) -> AgentTurn | None:
+        """The query's turn; None, rejected and counted, when the query was changed
+        after its validation (`object.__setattr__` on the publisher's instance): its
+        contract error raised in the runtime's task would cancel every turn there."""
+        try:
+            return AgentTurn(query.participant_id, query.message_id, query.text,
+                             timestamp_us=query.timestamp_us)
+        except (ContractTypeError, ContractValueError) as exc:
+            name = self._topics["query_topic"].name
+            log_failure("a message on topic %r (rejected)", exc, name, log=logger)
+            self._router.report_rejected(name, "invalid")
+            return None
+
     async def _run_query(self, query: UserQuery, runtime: AgentRuntime) -> None:
         router = self._router
-        pid = query.participant_id
-        turn = AgentTurn(pid, query.message_id, query.text, timestamp_us=query.timestamp_us)
+        turn = self._turn_of(query)
+        if turn is None:
+            return
+        pid = turn.participant_id
         emit, end = self._emitter(runtime)
         reports = router.reports_status
         with router.continue_trace(query.trace_carrier()):
