@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 
@@ -414,6 +415,49 @@ async def test_a_barge_in_before_late_audio_records_no_silence() -> None:
         await pipe.end()
     heard = [event for event in observer.events if event[0].startswith("heard")]
     assert heard == [("heard_interrupted", "weather", pytest.approx(1.5))]
+
+
+async def test_a_call_cancelled_before_its_first_answer_was_heard_records_a_lower_bound(
+        ) -> None:
+    """The caller hangs up (CancelFrame) after the call's first answer text went out,
+    before its audio (2 s away) began: nothing was heard, so no silence, and the first
+    response is a lower bound at the cancel. The owning processor stopped the router
+    without interrupting first, and the router, not yet knowing the call reports audio
+    (no report had come), recorded the answer heard at its text's push (voice17 F2)."""
+    clock = ManualClock()
+    observer = RecordingObserver()
+    router = build([Agent("weather", "Sunny.")], "weather", clock=clock, telemetry=observer)
+    processor = TurnRouterProcessor(router)
+    speech = FakeSpeech(clock, ttfb=2.0)
+    async with Pipe(Pipeline([processor, speech])) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        with anyio.fail_after(10):
+            await clock.wait_for_sleepers(1)  # the TTS, on its way to the first audio
+        clock.advance(0.4)
+        await pipe.worker.queue_frame(CancelFrame())
+        await pipe.end_wait()
+    heard = [event for event in observer.events if event[0].startswith("heard")]
+    assert heard == [("heard_interrupted", "weather", pytest.approx(0.4))]
+    assert not [event for event in observer.events if event[0] == "silence"]
+
+
+def test_a_second_processor_owning_the_same_router_is_warned_about(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two live processors owning one router (the default `owns_router=True` for
+    calls sharing a router): the first call to end would stop the router for both,
+    the other call losing its participants' history and focus mid-call (voice17 F5).
+    The second one logs a WARNING naming `owns_router=False`; sharing processors and
+    a processor of another router do not."""
+    router = build([Agent("weather", "Sunny.")], "weather")
+    first = TurnRouterProcessor(router)
+    with caplog.at_level(logging.WARNING, logger="turnrouter.integrations.pipecat"):
+        TurnRouterProcessor(router, owns_router=False)
+        TurnRouterProcessor(build([Agent("weather", "Sunny.")], "weather"))
+        assert not caplog.records
+        TurnRouterProcessor(router)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "owns_router=False" in caplog.records[0].getMessage()
+    assert first.router is router
 
 
 async def test_without_heard_reports_silence_ends_at_the_frame_push() -> None:

@@ -176,7 +176,20 @@ class _TurnVoice:
         self.answered = False
 
     async def control(self, turn: AgentTurn, route: str, text: str) -> None:
-        """The router's control text for this turn."""
+        """The router's control text for this turn. After answer text was said it is an
+        acknowledgment `started()` did not suppress (`speak()` without `started=`): not
+        said (it played after the answer: voice17 F3), a `LifecycleError` the router
+        counts as a failed acknowledgment and logs, naming the fix."""
+        if self.answered:
+            global _WARNED_STARTED
+            if not _WARNED_STARTED:  # once: the router logs each failure by its type
+                _WARNED_STARTED = True
+                logger.warning("turnrouter: an acknowledgment came after the answer's "
+                               "text was said, and was not said: pass the answer()'s "
+                               "started to speak(text, started=started)")
+            raise LifecycleError(
+                "an acknowledgment came after the answer's text was said: pass the "
+                "answer()'s started to speak(text, started=started) so it is suppressed")
         if not self.ended:
             self.reply.push(text, "control")
 
@@ -214,6 +227,9 @@ class _TurnVoice:
         self.ended = True
         self.reply.close()
 
+
+#: Whether the missing `speak(started=)` was logged (once per process).
+_WARNED_STARTED = False
 
 _CURRENT: contextvars.ContextVar[_TurnVoice] = contextvars.ContextVar("turnrouter_livekit_turn")
 

@@ -15,6 +15,7 @@ import itertools
 import logging
 import re
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -82,6 +83,27 @@ __all__ = [
 ]
 
 logger = logging.getLogger("turnrouter.integrations.pipecat")
+
+#: The live processors owning a router, by the router's id (an `AgentRouter` is not
+#: weakly referenceable; the processors are held weakly, emptied entries dropped).
+_OWNERS: dict[int, weakref.WeakSet[TurnRouterProcessor]] = {}
+
+
+def _note_owner(processor: TurnRouterProcessor) -> None:
+    """Remember `processor` as its router's owner; a WARNING when another processor
+    not ended yet owns the same router: the first call to end stops the router for
+    both, and the other call's participants lose their history and focus mid-call
+    (voice17 F5)."""
+    for key in [key for key, owners in _OWNERS.items() if not owners]:
+        del _OWNERS[key]
+    router = processor.router
+    owners = _OWNERS.setdefault(id(router), weakref.WeakSet())
+    if any(other.router is router and not other._stopped for other in owners):
+        logger.warning("turnrouter: two TurnRouterProcessors own one AgentRouter: the "
+                       "first call to end stops it for both, the other call's "
+                       "participants losing their history and focus; pass "
+                       "owns_router=False to processors that share a router")
+    owners.add(processor)
 
 #: Rejection source (the `topic` label of turnrouter_runtime_rejected_messages_total).
 SOURCE = "pipecat"
@@ -877,6 +899,8 @@ class TurnRouterProcessor(FrameProcessor):
         self._callers: dict[str, None] = {}
         self._refusals: dict[str, int] = {}
         self._stopped = False
+        if self.owns_router:
+            _note_owner(self)
         #: The user aggregator announced a user turn: its next context frame is routed.
         self._user_turn_pending = False
         self._speaker = _Speaker(self, name=f"{self.name}::speaker")
@@ -1233,8 +1257,9 @@ class TurnRouterProcessor(FrameProcessor):
                                  type(exc).__name__)
 
     async def _cancel(self) -> None:
-        """CancelFrame: stop now (turns in flight are interrupted)."""
+        """CancelFrame: stop now (turns in flight are interrupted, their answers not
+        heard yet too: a lower bound at the cancel, not their text's push, also on a
+        call's first turn, before the router knew the call reports audio: voice17 F2)."""
         self._cut()
-        if not self.owns_router:
-            await self._interrupt()
+        await self._interrupt()
         await self._finish()
