@@ -13,6 +13,7 @@ import sys
 import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import anyio
@@ -1451,3 +1452,95 @@ async def test_a_routing_aid_that_is_not_one_is_named(how: str, named: str) -> N
     h = Harness(_AidOf(how), decisions=ScriptedDecisions("weather"))
     with pytest.raises(DestinationContractError, match=rf"'weather' routing_aid\(\).*{named}"):
         await h.say()
+
+
+class _BypassedAid(ScriptedAgent):
+    """Its routing_aid is a `RoutingAid` under its own route name, changed after
+    validation (or never validated)."""
+
+    def __init__(self, name: str, field: str, value: object) -> None:
+        super().__init__(name)
+        self.field, self.value = field, value
+
+    def routing_aid(self, participant_id: str) -> RoutingAid:
+        if self.field == "unset":
+            aid = object.__new__(RoutingAid)
+            object.__setattr__(aid, "name", self.name)
+            return aid
+        aid = RoutingAid(self.name, "handles weather")
+        object.__setattr__(aid, self.field, self.value)
+        return aid
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("eligible", "no"), ("description", b"\xff"), ("priority", math.nan),
+    ("eligibility", ["x"]), ("unset", None)])
+async def test_a_routing_aid_changed_after_validation_sits_the_turn_out(
+        field: str, value: object) -> None:
+    """A `RoutingAid` under its own route name is checked again, as the other contract
+    objects entering a turn are: one with junk in a field (`object.__setattr__`) or a
+    field never set (`object.__new__`) is that destination's `routing_aid()` failing,
+    counted, and it sits the turn out. Before, `eligible="no"` counted as eligible,
+    bytes and NaN reached the decision service, and a list or an unset field failed the
+    turn with a bare TypeError or AttributeError (bounds17 M1)."""
+    h = Harness(_BypassedAid("weather", field, value),
+                decisions=ScriptedDecisions(RouteDecision("clarify",
+                                                          scores={"conversation": 0.5})))
+    assert (await h.say("rain?")).text == "conversation answer"
+    failures = [e for e in h.observer.turns["t1"] if e[0] == "failure"]
+    assert failures and failures[0][1:3] == ("weather", "decision")
+    assert failures[0][3] in {"ContractTypeError", "ContractValueError"}
+    assert [aid.name for aid in h.decisions.requests[0].candidates] == ["conversation"]
+
+
+async def test_a_stray_cancellation_in_routing_aid_sits_the_turn_out() -> None:
+    """`routing_aid()` raising a `CancelledError` nothing asked for is that route's
+    failure (a `DestinationContractError`, counted), as for `admit()`, `answer()` and
+    `decide()`: the route sits the turn out and the caller's task goes on. Before, the
+    turn ended silently, counted interrupted, and the caller's task was cancelled
+    (bounds17 M3)."""
+
+    class Cancels(ScriptedAgent):
+        def routing_aid(self, participant_id: str) -> RoutingAid:
+            raise asyncio.CancelledError("stray")
+
+    h = Harness(Cancels("weather"), decisions=ScriptedDecisions("conversation"))
+    task = asyncio.create_task(h.say("rain?"))
+    assert (await task).text == "conversation answer"
+    assert not task.cancelled()
+    assert ("failure", "weather", "decision", "DestinationContractError") in (
+        h.observer.turns["t1"])
+
+
+async def test_a_focused_routes_stray_cancellation_in_routing_aid_loses_the_focus() -> None:
+    """The focus owner's `routing_aid()` raising a stray `CancelledError`: the focus is
+    lost as for any other error, the turn is routed."""
+
+    class Focused(ScriptedAgent):
+        broken = False
+
+        def routing_aid(self, participant_id: str) -> RoutingAid:
+            if self.broken:
+                raise asyncio.CancelledError("stray")
+            return super().routing_aid(participant_id)
+
+    weather = Focused("weather", results=[DestinationResult("focus", "Which day?")])
+    h = Harness(weather, decisions=ScriptedDecisions("weather", "conversation"))
+    assert (await h.say("book")).text == "Which day?"
+    weather.broken = True
+    assert (await h.say("friday")).text == "conversation answer"
+    assert ("failure", "weather", "decision", "DestinationContractError") in (
+        h.observer.turns["t2"])
+
+
+async def test_a_decision_with_junk_scores_in_a_read_only_mapping_is_a_decision_failure(
+        ) -> None:
+    """A `RouteDecision` whose scores were swapped for any read-only mapping (not the one
+    validation made) holding a str score is checked in full: a decision failure, and
+    the eligible default answers. Before, it passed the shape test and failed the turn
+    with a bare TypeError (bounds17 M2)."""
+    decision = RouteDecision("clarify")
+    object.__setattr__(decision, "scores", MappingProxyType({"weather": "x"}))
+    h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions(decision))
+    assert (await h.say("rain?")).text == "conversation answer"
+    assert h.observer.outcome("t1") == "answer"

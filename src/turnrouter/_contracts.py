@@ -496,10 +496,15 @@ def checked_shape(decision: RouteDecision) -> bool:
     names the field.
     """
     choice, confidence, rationale = decision.choice, decision.confidence, decision.rationale
+    scores = decision.scores
     return (type(choice) is str and choice != "" and choice.isascii()
             and (confidence is None or (type(confidence) is float and 0.0 <= confidence <= 1.0))
-            and type(decision.scores) is MappingProxyType and type(rationale) is str
-            and (not rationale or rationale.isascii()))
+            and type(scores) is MappingProxyType and type(rationale) is str
+            and (not rationale or rationale.isascii())
+            # Any read-only mapping passed before (bounds17 M2: a str score failed the
+            # turn instead of counting a decision failure): its items' types too.
+            and (not scores or (all(type(score) is float for score in scores.values())
+                                and all(type(route) is str for route in scores))))
 
 
 def say_through(callback: Callable[[AgentTurn, str, str], Awaitable[None]],

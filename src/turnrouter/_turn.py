@@ -245,9 +245,12 @@ class Turn(TurnRun):
         try:
             for name, agent in cfg.agents.items():
                 try:
-                    aid = agent.routing_aid(pid)
-                except Exception as exc:  # out of this turn's choices, counted
-                    _aid_failed(self, name, exc)
+                    aid = _checked_aid(agent.routing_aid(pid))
+                except (Exception, asyncio.CancelledError) as raised:
+                    exc = self.stray(raised, f"destination {name!r} routing_aid()")
+                    if not isinstance(exc, Exception):
+                        raise
+                    _aid_failed(self, name, exc)  # out of this turn's choices, counted
                     continue
                 if aid.name != name:
                     aid = _named(aid, name)
@@ -908,10 +911,13 @@ async def _focus_first(run: Turn, owner: str, excluded: set[str]
     the turn is to be routed (it declined, released, or lost the focus, ineligible or
     its `routing_aid()` raising)."""
     try:
-        owned: RoutingAid | None = run.cfg.agents[owner].routing_aid(
-            run.turn.participant_id)
-    except Exception as exc:  # broken: the focus is lost, as if ineligible
-        _aid_failed(run, owner, exc)
+        owned: RoutingAid | None = _checked_aid(run.cfg.agents[owner].routing_aid(
+            run.turn.participant_id))
+    except (Exception, asyncio.CancelledError) as raised:
+        exc = run.stray(raised, f"destination {owner!r} routing_aid()")
+        if not isinstance(exc, Exception):
+            raise
+        _aid_failed(run, owner, exc)  # broken: the focus is lost, as if ineligible
         owned = None
     if owned is not None and type(owned) is not RoutingAid:
         owned = _named(owned, owner)
@@ -935,6 +941,19 @@ def _aid_failed(run: Turn, route: str, exc: Exception) -> None:
     if is_logged(cfg.aid_failures):
         log_failure("destination %r routing_aid() (%d failures so far)", exc, route,
                     cfg.aid_failures)
+
+
+def _checked_aid(aid: Any) -> Any:
+    """`aid`, a `RoutingAid` checked again (`object.__new__` and `object.__setattr__`
+    skip validation: an `eligible="no"` counted as eligible, bytes reached the decision
+    service; bounds17 M1), or anything else as it is (`_named` names it). A field never
+    set is a `ContractTypeError` naming it."""
+    if type(aid) is RoutingAid:
+        try:
+            aid.__post_init__()
+        except AttributeError as missing:
+            raise unset_field(aid, missing) from None
+    return aid
 
 
 def _named(aid: object, name: str) -> RoutingAid:
