@@ -100,6 +100,10 @@ def test_subcommand_help_goes_to_stdout(capsys: pytest.CaptureFixture[str]) -> N
     (["--ack-delay", "inf"], "--ack-delay"),
     (["--ack-delay", "never"], "not a number: 'never' (seconds, or off)"),
     (["--otlp-endpoint", "file:///etc/passwd"], "--otlp-endpoint"),
+    # Ran with every span batch failing, one ERROR line each (bounds17 M5):
+    (["--otlp-endpoint", "http://[::1"], "--otlp-endpoint: is not a URL"),
+    (["--otlp-endpoint", "http://"], "--otlp-endpoint: must be an http(s) URL with a host"),
+    (["--otlp-endpoint", "http://127.0.0.1:99999"], "Port out of range"),
     (["--otlp-protocol", "udp"], "--otlp-protocol"),
     (["--seed", "x"], "--seed"),
     (["--fail-route", ""], "--fail-route"),

@@ -507,6 +507,8 @@ def _series(route: object, le: object, value: object) -> dict[str, Any]:
         _series(1, "0.5", "1")]}}, "string 'route'"),
     ({"status": "success", "data": {"resultType": "vector", "result": [
         {"metric": {"route": "a", "le": "1"}, "value": "1"}]}}, "[time, value]"),
+    ({"status": "success", "data": {"resultType": "vector", "result": [
+        _series("r" * 101, "+Inf", "1")]}}, "route label longer than 100 characters"),
 ])
 def test_structurally_wrong_prometheus_answers_are_named(payload: object,
                                                         problem: str) -> None:
@@ -794,3 +796,18 @@ def test_a_reader_that_leaves_early_ends_the_table_quietly(samples: Path) -> Non
         os.close(write_end)
     assert result.stderr == ""
     assert result.returncode == 141
+
+
+def test_a_route_name_longer_than_a_routers_is_refused_naming_the_line(
+        tmp_path: Path) -> None:
+    """Route names in a samples file are at most 100 characters, as a router's: 256
+    names of 65,000 characters padded every row of the table (16 MB of samples printed
+    218 MB: bounds17 M6). Exit 2, one line naming file:line; 100 characters still run."""
+    path = _write(tmp_path / "long.jsonl", [TimingSample("r" * 100, 0.4)] * 3
+                  + [TimingSample("x" * 101, 0.4)])
+    code, out, err = run(["--samples", str(path)])
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"{path}:4: route name longer than 100 characters" in err
+    code, _, err = run(["--samples", str(_write(tmp_path / "ok.jsonl",
+                                                [TimingSample("r" * 100, 0.4)] * 3))])
+    assert code == 0, err

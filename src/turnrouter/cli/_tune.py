@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol, TextIO
 
+from .._config import MAX_ROUTE_CHARS
 from .._redact import redact_url
 from .._timing import RouteTimingPredictor, TimingSample
 from ..ops._rules import DEAD_AIR_SECONDS
@@ -475,6 +476,11 @@ def _samples_of(handle: IO[bytes], path: str, routes: set[str] | None) -> list[T
         except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError
             reason = " ".join(str(exc).split())[:200]
             raise ValueError(f"{path}:{number}: invalid timing sample: {reason}") from exc
+        if len(sample.route) > MAX_ROUTE_CHARS:
+            # As a router's route names: 65,000-character names padded every row of
+            # the table, 16 MB of samples printing 218 MB (bounds17 M6).
+            raise ValueError(f"{path}:{number}: route name longer than {MAX_ROUTE_CHARS} "
+                             "characters (a router's route names are at most that)")
         count += 1
         if count > MAX_SAMPLES:
             raise ValueError(f"{path}: more than {MAX_SAMPLES} samples")
@@ -562,6 +568,9 @@ def parse_prometheus_answer(payload: object,
         route, le = labels.get("route"), labels.get("le")
         if not isinstance(route, str) or not isinstance(le, str):
             raise ValueError(f"Prometheus {where} lacks string 'route' and 'le' labels")
+        if len(route) > MAX_ROUTE_CHARS:
+            raise ValueError(f"Prometheus {where}: route label longer than "
+                             f"{MAX_ROUTE_CHARS} characters (not a router's route name)")
         if not isinstance(value, list) or len(value) != 2:
             raise ValueError(f"Prometheus {where} 'value' is not [time, value]")
         bound = math.inf if le in ("+Inf", "Inf", "inf") else _number(le, f"{where} le")
@@ -925,7 +934,7 @@ def _window(value: str) -> str:
 
 
 def _route(value: str) -> str:
-    if not value or len(value) > 200 or not value.isprintable():
+    if not value or len(value) > MAX_ROUTE_CHARS or not value.isprintable():
         raise argparse.ArgumentTypeError(f"not a route name: {printable(value[:40])!r}")
     return value
 

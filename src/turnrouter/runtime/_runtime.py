@@ -64,6 +64,9 @@ class Topic(Generic[M]):
             fields: object = dict(message.__dict__)
         elif isinstance(message, dict):
             fields = message
+            known = payload.model_fields
+            if len(message) > len(known) or not message.keys() <= known.keys():
+                _refuse_unknown(payload.__name__, message, known)
         else:
             raise TypeError(
                 f"topic {self.name!r} carries {payload.__name__}, got {type(message).__name__}"
@@ -76,6 +79,21 @@ class Topic(Generic[M]):
             raise ValueError(f"malformed {payload.__name__}: nested too deeply") from None
         VALIDATED.add(valid)
         return valid
+
+
+def _refuse_unknown(name: str, message: dict[Any, Any], known: dict[str, Any],
+                    limit: int = 5) -> None:
+    """ValueError naming the first `limit` unknown keys of `message` (none when all
+    are known), found before pydantic lists an error for every one of them: a 1 MB dict
+    of 90,000 unknown keys took 200-400 ms to refuse, past the loop's 100 ms bound
+    (bounds17 M4). Keys are shown bounded, never values."""
+    unknown = [key for key in message if key not in known]
+    if not unknown:
+        return
+    shown = "; ".join(f"{str(key)[:80] or '(empty)'}: Extra inputs are not permitted"
+                      for key in unknown[:limit])
+    more = f" (+{len(unknown) - limit} more)" if len(unknown) > limit else ""
+    raise ValueError(f"malformed {name}: {shown}{more}")
 
 
 def _describe(exc: ValidationError, limit: int = 5) -> str:
