@@ -447,7 +447,6 @@ async def test_an_acknowledgment_due_after_the_answer_was_said_is_not_said(
     acknowledgment pending: when it comes due, after the answer's text, it is not said
     (it played after the answer: voice17 F3) but counted as a failed acknowledgment
     and logged naming the fix."""
-    clock = ManualClock()
     weather = SaysWithoutStarted("weather")
     with TelemetryCapture() as capture:
         await _say_without_started(weather, capture, caplog)
