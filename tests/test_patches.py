@@ -719,3 +719,27 @@ def test_a_pending_patch_is_built_as_the_reference_shows_it() -> None:
     assert before <= held.created_at <= time.time()
     assert held.strategy is MergeStrategy.HUMAN_GATED
 
+
+
+async def test_a_patch_stamped_in_an_earlier_session_past_this_ones_version_is_refused(
+        ) -> None:
+    """A participant who left and came back (a reused id) starts a new session at
+    version 0: a patch stamped at a version the new session has not reached can only
+    come from an earlier session, and is refused (counted `refused`, nothing merged),
+    not added to the new call's context (chaos17 F3). A stamp the new session has
+    reached is compared as any stamp (diverged: docs/router.md says how to keep an
+    earlier session's results out)."""
+    h = Harness(ScriptedAgent("conversation"), decisions=ScriptedDecisions("conversation"))
+    for text in ("one", "two", "three"):
+        await h.say(text)
+    stamp = h.router.context_state("p1")
+    assert stamp.version == 3
+    await h.router.participant_left("p1")
+    await h.say("hello again")
+    late = ContextPatch(task_id="old-call", spawned_from_event_id="t3",
+                        source_context_version=stamp.version, source_context_hash=stamp.hash,
+                        digest=["card ending 4242"])
+    with pytest.raises(LifecycleError, match="from an earlier session"):
+        await h.router.apply_context_patch("p1", late)
+    assert [e.user for e in h.router.history_of("p1")] == ["hello again"]
+    assert ("context_patch", "append", "refused") in h.observer.events

@@ -147,6 +147,14 @@ class PatchDesk:
                 f"apply_context_patch() strategy must be one of "
                 f"{[item.value for item in MergeStrategy]}, got {preview(strategy)}") from None
         state, refusal = self._target(pid)
+        version = patch.source_context_version
+        if state is not None and version is not None and version > state.history.version:
+            # Versions never go back within a session: stamped in an earlier session of
+            # this participant, who left and came back (a reused id: the next call's
+            # context got the last call's background result, chaos17 F3).
+            state, refusal = None, (f"stamped at context version {version}, ahead of "
+                                    f"the participant's {state.history.version}: from "
+                                    "an earlier session of theirs")
         if state is None:
             self._cfg.observer.context_patch(ContextPatchEvent(
                 pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
