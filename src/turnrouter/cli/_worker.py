@@ -147,7 +147,8 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="seconds a query may wait in the input stream and still run; "
                              "one delivered later is answered with the router's busy text "
                              "and counted (rejected, reason expired) instead: size it to "
-                             "what a conversation tolerates (default 10)")
+                             "what a conversation tolerates (default 10; it bounds when a "
+                             "turn starts, not when the busy text is heard)")
     parser.add_argument("--reconnect-for", type=float, default=60.0,
                         help="seconds to ride out a lost, frozen or not yet started NATS "
                              "server or a missing stream (retrying every 0.5 s, a lost "
