@@ -605,3 +605,47 @@ async def test_a_returned_answer_is_heard_once_and_in_the_pipecat_context() -> N
     assistant = [m["content"] for m in context.get_messages()
                  if isinstance(m, dict) and m.get("role") == "assistant"]
     assert assistant == history == ["Sunny, 24 degrees."]
+
+
+class _IdleLLM(LLMService):
+    """A Pipecat LLM service that passes frames on (only where it sits matters)."""
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        await self.push_frame(frame, direction)
+
+
+@pytest.mark.parametrize(("layout", "problem"), [
+    ("llm, processor, tts, out", "an LLM service sits before the TurnRouterProcessor"),
+    ("speaker, processor, tts, out", "processor.speaker sits before the TurnRouterProcessor"),
+    ("processor, tts, out, speaker", "processor.speaker sits after the output transport"),
+    ("processor, speaker, tts, out", "needs its LLM service after the TurnRouterProcessor"),
+    ("processor, llm, speaker, tts, out", None),
+])
+async def test_a_pipeline_in_the_wrong_order_is_named_at_its_start(
+        layout: str, problem: str | None, caplog: pytest.LogCaptureFixture) -> None:
+    """Where the processor, its speaker and an in-pipeline LLM sit is checked at
+    `StartFrame`, one WARNING per problem naming the fix: each used to fail silently (an
+    LLM before the processor answered every turn itself; a speaker before it lost the
+    first utterance; one after the output was never heard; an in-pipeline LLM missing
+    downstream left the caller in silence for 60 s: voice17 F4). The documented order
+    warns of nothing."""
+    clock = ManualClock()
+    llm = _IdleLLM()
+    router = AgentRouter({"chat": PipecatLLMDestination(llm, "chat", "small talk",
+                                                        in_pipeline=True)},
+                         ScriptedDecisions("chat"), telemetry=Telemetry.disabled(),
+                         clock=clock, overload=None)
+    processor = TurnRouterProcessor(router)
+    parts: dict[str, Any] = {"llm": llm, "processor": processor,
+                             "speaker": processor.speaker, "tts": ClockTTS(clock),
+                             "out": PlayingOutput(clock)}
+    with caplog.at_level(logging.WARNING, logger="turnrouter.integrations.pipecat"):
+        async with Pipe(*(parts[name] for name in layout.split(", "))) as pipe:
+            await end_on_clock(pipe, clock)
+    warned = [r.getMessage() for r in caplog.records
+              if r.name == "turnrouter.integrations.pipecat" and r.levelname == "WARNING"]
+    if problem is None:
+        assert warned == []
+    else:
+        assert any(problem in message for message in warned), warned

@@ -820,6 +820,56 @@ def _power_of_ten(count: int) -> bool:
     return count == 1
 
 
+def _walk(node: FrameProcessor | None, upstream: bool) -> Iterator[FrameProcessor]:
+    """The processors linked after `node` (before it, `upstream`), at most `_MAX_WALK`."""
+    for _ in range(_MAX_WALK):
+        node = None if node is None else (node.previous if upstream else node.next)
+        if node is None:
+            return
+        yield node
+
+
+def _layout_problems(processor: TurnRouterProcessor) -> list[str]:
+    """What is wrong with where the processor, its speaker and its routes' in-pipeline
+    LLM services sit in the pipeline, each naming the fix (checked at `StartFrame`).
+    Each of these failed silently (voice17 F4): an LLM before the processor answered
+    every turn itself; a speaker before it lost the first utterance and held each
+    interruption 2 s; a speaker after the output transport was never heard; an
+    in-pipeline LLM that is not downstream left the caller in silence for 60 s."""
+    problems = []
+    upstream = list(_walk(processor, upstream=True))
+    downstream = list(_walk(processor, upstream=False))
+    if any(isinstance(node, PipecatLLMService) for node in upstream):
+        problems.append(
+            "an LLM service sits before the TurnRouterProcessor: it answers every turn "
+            "itself and turnrouter routes none; put the processor in the LLM's place "
+            "(after the user context aggregator) and the LLM after it")
+    speaker = processor.speaker
+    if speaker.next is not None:
+        if speaker in upstream:
+            problems.append(
+                "processor.speaker sits before the TurnRouterProcessor: put it after the "
+                "processor (right before the TTS)")
+        elif not any(isinstance(node, BaseOutputTransport) for node in _walk(speaker, False)) \
+                and any(isinstance(node, BaseOutputTransport)
+                        for node in _walk(speaker, upstream=True)):
+            problems.append(
+                "processor.speaker sits after the output transport: nothing it says is "
+                "heard; put it right before the TTS")
+    # Only where the walk reached the output transport: a nested pipeline's links end
+    # at its sink, and what follows it is not seen.
+    complete = any(isinstance(node, BaseOutputTransport) for node in downstream)
+    for name, destination in processor.router.destinations.items():
+        if (complete and isinstance(destination, PipecatLLMDestination)
+                and destination.in_pipeline and destination.llm not in downstream):
+            problems.append(
+                f"route {name!r}: PipecatLLMDestination(in_pipeline=True) needs its LLM "
+                "service after the TurnRouterProcessor in the pipeline (else each of its "
+                "turns waits response_timeout_secs in silence); add it there, or pass "
+                "in_pipeline=False")
+    return problems
+
+
 class TurnRouterProcessor(FrameProcessor):
     """Routes each final user turn through an `AgentRouter`; put it where the LLM was.
 
@@ -958,6 +1008,8 @@ class TurnRouterProcessor(FrameProcessor):
             await self._cancel()
         elif isinstance(frame, StartFrame):
             self._stopped = False
+            for problem in _layout_problems(self):
+                logger.warning("turnrouter: %s", problem)
         await self.push_frame(frame, direction)
 
     async def cleanup(self) -> None:
