@@ -35,8 +35,9 @@ TEXTS = st.one_of(st.text(min_size=1, max_size=20), st.text(ANY_TEXT, max_size=2
                        st.integers(), st.booleans(), st.floats()))
 def test_a_delivered_query_is_the_turn_its_constructor_makes(
         pid: str, message_id: str, text: str, stamp: object) -> None:
-    """The worker builds a delivered query's turn unchecked (`route_turn()` checks it):
-    every query `parse_input` accepts is one `AgentTurn` accepts, field for field."""
+    """The worker builds and routes a delivered query's turn unchecked
+    (`route_validated_turn`): every query `parse_input` accepts is one `AgentTurn`
+    accepts, field for field."""
     config = NatsConfig()
     body = json.dumps({"participant_id": pid, "message_id": message_id, "text": text,
                        "timestamp_us": stamp}).encode()
@@ -51,7 +52,7 @@ def test_a_delivered_query_is_the_turn_its_constructor_makes(
     assert type(turn) is AgentTurn and turn == expected
     assert [type(getattr(turn, f)) for f in AgentTurn.__slots__] == [
         type(getattr(expected, f)) for f in AgentTurn.__slots__]
-    turn.__post_init__()  # what route_turn() runs on it
+    turn.__post_init__()  # what route_turn() would run on it
 
 
 @settings(max_examples=200)

@@ -94,7 +94,7 @@ class WorkerContext:
         """The turn's answer: published once the participant's state (with this
         exchange) is written, so a replica taking over publishes it, or the failure text,
         never neither and never both. Outside a running turn it is published at once."""
-        await self._worker._answer(turn, route, text)
+        await self._worker.inputs.answer(turn, route, text)  # (one coroutine, every turn)
 
     def learn_from_fleet(self, predictor: TimingPredictor) -> None:
         self._worker._predictors.append(predictor)
@@ -491,9 +491,6 @@ class NatsWorker:
 
     def _settle_soon(self, pid: str, n: int) -> None:
         self._spawn(self.ledger.settle_unsure(pid, n), "unsure")
-
-    async def _answer(self, turn: AgentTurn, route: str, text: str) -> None:
-        await self.inputs.answer(turn, route, text)
 
     # ------------------------------------------------------------------ fleet-wide
     def _dropped(self, subject: str) -> None:
