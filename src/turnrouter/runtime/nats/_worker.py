@@ -107,7 +107,9 @@ class _FleetTimingSink:
         self._worker = worker
 
     def record(self, sample: TimingSample) -> None:
-        self._worker._send_sample(sample)
+        fleet = self._worker._fleet  # (none before the worker runs, or after)
+        if fleet is not None:
+            fleet.send_sample(sample)
 
 
 RouterFactory = Callable[[WorkerContext], "AgentRouter | Awaitable[AgentRouter]"]
@@ -498,10 +500,6 @@ class NatsWorker:
         `NatsConfig.fleet_backlog`): counted as `dropped` under the subject's topic."""
         if self._router is not None:
             self._router.report_rejected(fleet_topic(self.config, subject), "dropped")
-
-    def _send_sample(self, sample: TimingSample) -> None:
-        if self._fleet is not None:
-            self._fleet.send_sample(sample)
 
 
 def _back(worker: NatsWorker, *, reconnected: bool) -> None:
