@@ -60,9 +60,9 @@ from ._wire import (
     ack_info,
     decode_token,
     encode_token,
-    output_message_id,
     parse_input,
     response_json,
+    token_output_id,
     trace_context,
 )
 
@@ -649,9 +649,9 @@ def _output_of(config: NatsConfig, out_prefix: str, pid: str, turn_id: str, rout
         raise ContractValueError(
             f"output of turn {preview(turn_id)} is {len(body)} bytes, over "
             f"max_message_bytes {config.max_message_bytes}")
-    headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
-               **carrier}
-    return f"{out_prefix}{encode_token(pid)}", body, headers
+    token = encode_token(pid)
+    headers = {"Nats-Msg-Id": token_output_id(token, turn_id, route, text, final), **carrier}
+    return f"{out_prefix}{token}", body, headers
 
 
 def _earlier_answer(inputs: Inputs, pid: str, turn_id: str) -> _Running | None:
