@@ -141,8 +141,8 @@ def _turn_with_history(turn: AgentTurn, history: tuple[AgentExchange, ...]) -> A
 def _query_turn(participant_id: str, turn_id: str, query: str,
                 timestamp_us: int | None) -> AgentTurn:
     """A turn without history from a runtime's validated query, unchecked: its model
-    checked what `AgentTurn` checks, and `route_turn()` checks every turn it takes
-    again (one check per turn, not two)."""
+    checked what `AgentTurn` checks (the NATS worker routes it with
+    `route_validated_turn`, not checked again)."""
     turn: AgentTurn = _new(AgentTurn)
     _set(turn, "participant_id", participant_id)
     _set(turn, "turn_id", turn_id)

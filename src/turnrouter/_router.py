@@ -597,6 +597,23 @@ def _check_patch_owners(snapshot: ParticipantSnapshot, patches: PatchDesk) -> No
                 f"participant; nothing installed")
 
 
+async def route_validated_turn(router: AgentRouter, turn: AgentTurn, *,
+                               output: OutputCallback, ending: OutputCallback,
+                               result_check: ResultCheck | None) -> RoutedResult:
+    """`router.route_turn(turn, output=..., ending=..., result_check=...)` for a turn a
+    runtime built itself (`_query_turn`) from a message its validating model parsed
+    (`UserQuery`: what `AgentTurn` checks, checked by pydantic): not checked a second
+    time (`AgentTurn.__post_init__` again is about 1% of a NATS worker's turn)."""
+    cfg = router._cfg
+    emit, end = _turn_outputs(cfg, output, ending, result_check)
+    if cfg.load.gate:
+        await _shed(cfg, router._registry, turn, end)
+    running = _new_turn(cfg, router._registry, turn, (emit, end), False)
+    if result_check is not None:
+        running.result_check = result_check
+    return RoutedResult(await running.execute(), running.answered_by)
+
+
 def _checked_turn(turn: object, caller: str) -> AgentTurn:
     """`turn`, validated again: `object.__new__` / copy tricks skip validation."""
     if not isinstance(turn, AgentTurn):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from unittest import mock
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,13 @@ from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, Rejected, _worker, encode_token
 from turnrouter.runtime.nats._inputs import input_carrier, turn_of
 from turnrouter.runtime.nats._ledger import _any_before
-from turnrouter.runtime.nats._wire import Ending, parse_input, trace_context
+from turnrouter.runtime.nats._wire import (
+    Ending,
+    output_message_id,
+    parse_input,
+    token_output_id,
+    trace_context,
+)
 
 #: Any code point, lone surrogates included (JSON escapes them as \\udxxx).
 ANY_TEXT = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, categories=None)
@@ -35,8 +42,9 @@ TEXTS = st.one_of(st.text(min_size=1, max_size=20), st.text(ANY_TEXT, max_size=2
                        st.integers(), st.booleans(), st.floats()))
 def test_a_delivered_query_is_the_turn_its_constructor_makes(
         pid: str, message_id: str, text: str, stamp: object) -> None:
-    """The worker builds a delivered query's turn unchecked (`route_turn()` checks it):
-    every query `parse_input` accepts is one `AgentTurn` accepts, field for field."""
+    """The worker builds and routes a delivered query's turn unchecked
+    (`route_validated_turn`): every query `parse_input` accepts is one `AgentTurn`
+    accepts, field for field."""
     config = NatsConfig()
     body = json.dumps({"participant_id": pid, "message_id": message_id, "text": text,
                        "timestamp_us": stamp}).encode()
@@ -51,7 +59,7 @@ def test_a_delivered_query_is_the_turn_its_constructor_makes(
     assert type(turn) is AgentTurn and turn == expected
     assert [type(getattr(turn, f)) for f in AgentTurn.__slots__] == [
         type(getattr(expected, f)) for f in AgentTurn.__slots__]
-    turn.__post_init__()  # what route_turn() runs on it
+    turn.__post_init__()  # what route_turn() would run on it
 
 
 @settings(max_examples=200)
@@ -128,3 +136,22 @@ def test_a_turn_continues_the_trace_its_input_carries(
 def test_stale_endings_are_found_as_any_finds_them(outbox: list[Ending],
                                                    horizon: float) -> None:
     assert _any_before(outbox, horizon) == any(e[3] < horizon for e in outbox)
+
+
+@given(pid=st.text(min_size=1, max_size=20), turn_id=TEXTS, route=TEXTS, text=TEXTS,
+       final=st.booleans())
+def test_an_output_id_from_the_token_is_the_participants_output_id(
+        pid: str, turn_id: str, route: str, text: str, final: bool) -> None:
+    """The worker makes an output's id from the token it puts in the output's subject
+    (`token_output_id`): the id `output_message_id` gives the participant."""
+    try:
+        token = encode_token(pid)
+    except (ContractValueError, UnicodeEncodeError):
+        return
+    try:
+        expected = output_message_id(pid, turn_id, route, text, final=final)
+    except UnicodeEncodeError:  # (a lone surrogate in control text: both refuse it)
+        with pytest.raises(UnicodeEncodeError):
+            token_output_id(token, turn_id, route, text, final)
+        return
+    assert token_output_id(token, turn_id, route, text, final) == expected

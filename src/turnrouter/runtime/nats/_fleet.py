@@ -634,8 +634,8 @@ class _SampleWindow:
         mine = counts.get(publisher, 0)
         if publisher not in counts and len(counts) >= MAX_SAMPLE_PUBLISHERS:
             return "overflow"
-        total = sum(counts.values())
-        if publisher != self._replica:
+        if publisher != self._replica:  # (this replica's own samples: every turn)
+            total = sum(counts.values())
             if mine >= max(SAMPLE_FLOOR, SAMPLE_SHARE * (total + 1)):
                 return "over_share"
             own = counts.get(self._replica, 0)

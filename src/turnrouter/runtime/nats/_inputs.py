@@ -39,7 +39,7 @@ from ..._lifecycle import SUPERSEDED
 from ..._limits import is_logged
 from ..._logging import log_failure
 from ..._redact import preview
-from ..._router import AgentRouter
+from ..._router import AgentRouter, route_validated_turn
 from .._messages import UserQuery
 from ._ledger import (
     Ledger,
@@ -60,9 +60,9 @@ from ._wire import (
     ack_info,
     decode_token,
     encode_token,
-    output_message_id,
     parse_input,
     response_json,
+    token_output_id,
     trace_context,
 )
 
@@ -131,29 +131,30 @@ class _Running:
     finish after its task's first step (`arm`, called right after that step): a
     destination that answers without waiting on anything (or fails at once) has begun
     to finish by then, so the usual short turn puts no timer on the loop's heap (a timer
-    armed and cancelled costs its push, pop and comparisons there on every turn)."""
+    armed and cancelled costs its push, pop and comparisons there on every turn).
 
-    __slots__ = ("_out", "_written", "deadline", "finishing", "gate", "held", "out",
-                 "output", "prior", "result", "seq", "task", "timer", "turn_id")
+    What every turn starts with is a class-level default (no `__slots__`, as the
+    router's `Turn`): a new one stores only its gate and what `Inputs._start` sets."""
+
+    finishing = False
+    _written: asyncio.Future[bool] | None = None
+    result: bool | None = None  # the finished write's, once settled
+    held: Ending | None = None
+    output: _Output | None = None
+    task: asyncio.Task[None] | None = None
+    deadline = 0.0  # loop time at which it is due (`mark_after` after its start)
+    timer: asyncio.TimerHandle | None = None
+    # Order among the participant's turns (`Participant.answering`): the turn whose
+    # held answer goes out before this one's, and whether this one's went out (or
+    # never will); `_out` made for the first output waiting on it.
+    turn_id = ""
+    seq = 0
+    prior: _Running | None = None
+    out = False
+    _out: asyncio.Event | None = None
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.finishing = False
         self.gate: asyncio.Future[bool | None] = loop.create_future()
-        self._written: asyncio.Future[bool] | None = None
-        self.result: bool | None = None  # the finished write's, once settled
-        self.held: Ending | None = None
-        self.output: _Output | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.deadline = 0.0  # loop time at which it is due (`mark_after` after its start)
-        self.timer: asyncio.TimerHandle | None = None
-        # Order among the participant's turns (`Participant.answering`): the turn whose
-        # held answer goes out before this one's, and whether this one's went out (or
-        # never will); `_out` made for the first output waiting on it.
-        self.turn_id = ""
-        self.seq = 0
-        self.prior: _Running | None = None
-        self.out = False
-        self._out: asyncio.Event | None = None
 
     def said(self) -> None:
         """Its held answer was handed to the connection, or never will be."""
@@ -319,9 +320,11 @@ class Inputs:
             return
         if kind == "query" and not self._ledger.serves(pid):  # (served: the common case)
             await await_previous_owner(self._ledger, pid, n, message_id, delivered > 1)
-        state = await self._ledger.claim(pid, n)
+        state = self._ledger.people.get(pid)  # (served here: the common case, no claim)
         if state is None:
-            return  # fenced: another replica owns the participant
+            state = await self._ledger.claim(pid, n)
+            if state is None:
+                return  # fenced: another replica owns the participant
         state.active = received
         router = self._router
         if kind == "query":
@@ -377,7 +380,8 @@ class Inputs:
         elif kind == "interrupt":
             await router.interrupt(pid)
         self._recent.add(key, seq)
-        await self._ack(msg)
+        if msg.reply:  # (`_ack`, inline: every input's path)
+            await self._link.send(msg.reply, b"+ACK")
 
     async def _refuse_unclaimed(self, msg: Msg, pid: str, message_id: str,
                                 waited: float) -> bool:
@@ -462,7 +466,7 @@ class Inputs:
     async def _turn(self, pid: str, state: Participant, query: UserQuery,
                     carrier: dict[str, str], run: _Running) -> None:
         router = self._router
-        turn = turn_of(query)  # checked by route_turn(), as every turn
+        turn = turn_of(query)  # (what `AgentTurn` checks, its message's model checked)
         status = router.reports_status
         try:
             with router.continue_trace(carrier):
@@ -471,8 +475,8 @@ class Inputs:
                 try:
                     # A destination answering without `ctx.answer` (written for the
                     # in-process router) has its returned text held by `_say_returned`.
-                    await router.route_turn(
-                        turn, output=self._emit, ending=self._end,
+                    await route_validated_turn(
+                        router, turn, output=self._emit, ending=self._end,
                         result_check=functools.partial(_say_returned, self._hold, run, carrier))
                 finally:
                     if status:
@@ -645,9 +649,9 @@ def _output_of(config: NatsConfig, out_prefix: str, pid: str, turn_id: str, rout
         raise ContractValueError(
             f"output of turn {preview(turn_id)} is {len(body)} bytes, over "
             f"max_message_bytes {config.max_message_bytes}")
-    headers = {"Nats-Msg-Id": output_message_id(pid, turn_id, route, text, final=final),
-               **carrier}
-    return f"{out_prefix}{encode_token(pid)}", body, headers
+    token = encode_token(pid)
+    headers = {"Nats-Msg-Id": token_output_id(token, turn_id, route, text, final), **carrier}
+    return f"{out_prefix}{token}", body, headers
 
 
 def _earlier_answer(inputs: Inputs, pid: str, turn_id: str) -> _Running | None:
@@ -685,7 +689,8 @@ def turn_of(query: UserQuery) -> AgentTurn:
     """`AgentTurn(query.participant_id, query.message_id, query.text,
     timestamp_us=query.timestamp_us)` without the constructor's check: a delivered query
     is parsed by its validating model (`parse_input`), which checks what `AgentTurn`
-    does, and `route_turn()` checks the turn once more."""
+    does (strict types, non-empty ids of at most `MAX_ID_CHARS`, no lone surrogate, the
+    timestamp's range), so the turn is routed unchecked (`route_validated_turn`)."""
     return _query_turn(query.participant_id, query.message_id, query.text,
                        query.timestamp_us)
 

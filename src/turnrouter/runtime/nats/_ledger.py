@@ -184,6 +184,9 @@ class Participant:
     waiting: list[tuple[int, asyncio.Future[str | None]]] | None = None
     """The patch calls waiting for their change to be written: its count in `changes`,
     and its outcome (None once written, else why not: `SaveOutcome`)."""
+    key_subject: str = ""
+    """The subject of its record's writes (`$KV.<bucket>.<partition>.<token>`), made at
+    its first write (it is written every turn)."""
     snapshot: bytes | None = None
     """The snapshot JSON of the last record written or claimed (an in-flight mark
     reuses it: nothing but turns and patches change it, and they write a fresh one)."""
@@ -861,7 +864,10 @@ class Ledger:
             written = frozenset(map(_turn_of, outbox)) if outbox else _NONE
             t0 = time.perf_counter()
             uncertain, failure, failed = False, None, None
-            subject = f"{self._subject}{state.partition}.{encode_token(pid)}"
+            subject = state.key_subject
+            if not subject:
+                subject = state.key_subject = (
+                    f"{self._subject}{state.partition}.{encode_token(pid)}")
             try:
                 seq, error = pub_ack(await self._link.request(
                     subject, data,

@@ -551,7 +551,12 @@ def output_message_id(participant_id: str, turn_id: str, route: str, text: str, 
     turn's terminal output (its answer, or the failure text) is `<token>.<turn>.final`
     whoever publishes it, so the output stream keeps only the first; control text is
     identified by its content."""
-    token = encode_token(participant_id)
+    return token_output_id(encode_token(participant_id), turn_id, route, text, final)
+
+
+def token_output_id(token: str, turn_id: str, route: str, text: str, final: bool) -> str:
+    """`output_message_id` from the participant's token (`encode_token`), at hand where
+    the output's subject is made too."""
     if final:
         return f"{token}.{turn_id}.final"
     digest = hashlib.blake2b(f"{route}\0{text}".encode(), digest_size=8).hexdigest()

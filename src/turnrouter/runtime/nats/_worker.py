@@ -94,7 +94,7 @@ class WorkerContext:
         """The turn's answer: published once the participant's state (with this
         exchange) is written, so a replica taking over publishes it, or the failure text,
         never neither and never both. Outside a running turn it is published at once."""
-        await self._worker._answer(turn, route, text)
+        await self._worker.inputs.answer(turn, route, text)  # (one coroutine, every turn)
 
     def learn_from_fleet(self, predictor: TimingPredictor) -> None:
         self._worker._predictors.append(predictor)
@@ -107,7 +107,9 @@ class _FleetTimingSink:
         self._worker = worker
 
     def record(self, sample: TimingSample) -> None:
-        self._worker._send_sample(sample)
+        fleet = self._worker._fleet  # (none before the worker runs, or after)
+        if fleet is not None:
+            fleet.send_sample(sample)
 
 
 RouterFactory = Callable[[WorkerContext], "AgentRouter | Awaitable[AgentRouter]"]
@@ -492,19 +494,12 @@ class NatsWorker:
     def _settle_soon(self, pid: str, n: int) -> None:
         self._spawn(self.ledger.settle_unsure(pid, n), "unsure")
 
-    async def _answer(self, turn: AgentTurn, route: str, text: str) -> None:
-        await self.inputs.answer(turn, route, text)
-
     # ------------------------------------------------------------------ fleet-wide
     def _dropped(self, subject: str) -> None:
         """nats-py dropped a message of a fleet subject whose queue was full (a flood,
         `NatsConfig.fleet_backlog`): counted as `dropped` under the subject's topic."""
         if self._router is not None:
             self._router.report_rejected(fleet_topic(self.config, subject), "dropped")
-
-    def _send_sample(self, sample: TimingSample) -> None:
-        if self._fleet is not None:
-            self._fleet.send_sample(sample)
 
 
 def _back(worker: NatsWorker, *, reconnected: bool) -> None:
