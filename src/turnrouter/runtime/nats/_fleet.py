@@ -45,7 +45,8 @@ _MAX_PEERS = 1024  # bound of the presence table (more peers are ignored for bal
 #: failover_timeout (plus three presence periods) went to no replica: balance then
 #: waits SHED_BACKOFF_SECS before it hands one over again, doubling up to the maximum;
 #: but, if peers said they own no partition during it, at most SHED_BACKOFF_SECS after
-#: the last of them did (the names that lured the handovers stopped).
+#: the last handover that came back or the last such word of a doubted name (the names
+#: that lured the handovers stopped).
 SHED_VERIFY_FACTOR = 4
 SHED_BACKOFF_SECS = 10.0
 SHED_BACKOFF_MAX_SECS = 300.0
@@ -143,6 +144,50 @@ def _wait_longer(fleet: Fleet, now: float) -> None:
     fleet.shed_wait = min(2 * fleet.shed_wait, SHED_WAIT_MAX_SECS)
 
 
+def _backing_off(fleet: Fleet, now: float) -> bool:
+    """Whether balance backs off now: until the backoff ends, or, when peers said they
+    own no partition during it (or just before), until SHED_BACKOFF_SECS after the last
+    handover that came back or the last such word of a doubted name (`_lured_seen`). A
+    replica pulls, so it owns partitions (barring one just started, or more replicas
+    than partitions): names claiming none lured the handovers that came back (each
+    doubles the backoff, up to 5 min), and once they stop the backoff has done its
+    work. Only doubted names set the end: a replica (re)started during the backoff says
+    it owns none until balance hands it a partition, and, when any name's word counted,
+    kept the doubled backoff going to its end (2.5 to 5 minutes without a partition
+    after 40 names stopped: redteam16 F2)."""
+    if now >= fleet._backoff_until:
+        return False
+    if fleet._zero_seen >= fleet._backoff_since - 3 * fleet._config.probe_interval:
+        return now < fleet._lured_seen + SHED_BACKOFF_SECS
+    return True
+
+
+def _doubt(fleet: Fleet, below: frozenset[str], now: float, until: float) -> None:
+    """The names `below` their share when a handover came back are doubted (counted
+    `unverified`): a name doubted before and still remembered (as long after its doubt
+    ended as the doubt lasted) until the backoff's end `until` (a name that keeps
+    luring handovers stays out as long as balance backs off, and its word keeps the
+    backoff going: `_backing_off`); any other name for SHED_BACKOFF_SECS (a replica that
+    missed one handover, just started or slow under load, is out 10 s, not for a
+    doubled backoff it would then keep going itself with its `owned: 0`). Bounded by
+    the peer table: past it, the names no longer remembered are forgotten."""
+    doubts = fleet._unverified
+    if len(doubts) >= _MAX_PEERS:
+        for name in [name for name, (end, length) in doubts.items()
+                     if now >= end + length]:
+            del doubts[name]
+    fleet._lured_seen = now
+    for name in below:
+        old = doubts.get(name)
+        if old is not None and now < old[0] + old[1]:
+            end = max(until, old[0])
+        else:
+            end = min(until, now + SHED_BACKOFF_SECS)
+        if old is not None or len(doubts) < _MAX_PEERS:
+            doubts[name] = (end, end - now)
+        fleet._reject("nats_presence", "unverified")
+
+
 def _report_fleet(metrics: RuntimeMetrics, owned: int, live: Mapping[str, int],
                   partitions: int) -> None:
     """The fleet as this replica hears it: replicas and partitions owned, its own too
@@ -191,14 +236,16 @@ class Fleet:
         self._shed_after = time.monotonic() + 2 * config.failover_timeout
         #: Balance hands nothing over from `_backoff_since` until `_backoff_until` (a
         #: handover came back or was aborted); `_zero_seen`: when a peer last said it
-        #: owns no partition (see `_backing_off`).
+        #: owns no partition; `_lured_seen`: when a doubted one did, or a handover came
+        #: back (see `_backing_off`).
         self._backoff_since = self._backoff_until = 0.0
-        self._zero_seen = 0.0
+        self._zero_seen = self._lured_seen = 0.0
         #: Peers below their share when a partition was handed over that did not take
-        #: it (it came back here), ignored for balance until a time or until they say
-        #: they own a partition (a name on presence is no replica; a real one gets
-        #: another chance then).
-        self._unverified: dict[str, float] = {}
+        #: it (it came back here), ignored for balance until a time, or until they say
+        #: they own a partition or come back after a silence (a name on presence is no
+        #: replica; a real one gets another chance then): name -> (until, the doubt's
+        #: length), see `_doubt`.
+        self._unverified: dict[str, tuple[float, float]] = {}
         #: partition -> (when, to whom, the connection's reconnects then)
         self._shed: dict[int, tuple[float, frozenset[str], int]] = {}
         self._backoff = SHED_BACKOFF_SECS
@@ -238,12 +285,14 @@ class Fleet:
                 if seen >= horizon and not self._doubted(name)}
 
     def _doubted(self, name: str) -> bool:
-        until = self._unverified.get(name)
-        if until is None:
+        doubt = self._unverified.get(name)
+        if doubt is None:
             return False
-        if until > time.monotonic():
+        now = time.monotonic()
+        if doubt[0] > now:
             return True
-        del self._unverified[name]
+        if now >= doubt[0] + doubt[1]:  # remembered as long again (`_doubt`)
+            del self._unverified[name]
         return False
 
     def fair_share(self) -> int:
@@ -265,7 +314,7 @@ class Fleet:
             if self._busy_since is None:
                 self._busy_since = now
             return False
-        if now < self._shed_after or self._backing_off(now):
+        if now < self._shed_after or _backing_off(self, now):
             return False
         share = self.fair_share()
         if any(owned < share for owned in
@@ -306,11 +355,7 @@ class Fleet:
             # Long ago: a peer took it and gave it back, or died. Or the server was
             # lost since: a restarted server pins afresh, whoever asks first.
             return
-        until = self._back_off(now)
-        for name in below:
-            if name in self._unverified or len(self._unverified) < _MAX_PEERS:
-                self._unverified[name] = until
-            self._reject("nats_presence", "unverified")
+        _doubt(self, below, now, self._back_off(now))
 
     def handover_aborted(self) -> None:
         """A busy partition's turns outlasted the handover's wait: it stays here, counted
@@ -326,20 +371,6 @@ class Fleet:
         until = self._backoff_until = now + self._backoff
         self._backoff = min(2 * self._backoff, SHED_BACKOFF_MAX_SECS)
         return until
-
-    def _backing_off(self, now: float) -> bool:
-        """Whether balance backs off now: until the backoff ends, or, when peers said
-        they own no partition during it (or just before), until SHED_BACKOFF_SECS after
-        the last of them did. A replica pulls, so it owns partitions (barring one just
-        started, or more replicas than partitions): names claiming none lured the
-        handovers that came back (each doubles the backoff, up to 5 min), and once they
-        stop the backoff has done its work. A publisher that stops and starts again
-        lures one handover per 10 s at most (names seen before stay doubted)."""
-        if now >= self._backoff_until:
-            return False
-        if self._zero_seen >= self._backoff_since - 3 * self._config.probe_interval:
-            return now < self._zero_seen + SHED_BACKOFF_SECS
-        return True
 
     def _verify_window(self) -> float:
         """How soon after a handover getting the partition back means nobody took it."""
@@ -407,15 +438,20 @@ class Fleet:
             else:
                 self.heard_self = (self.heard_self[0], now)
         else:
+            peer = self._peers.get(replica)
+            if owned or peer is None or peer[0] < now - 3 * self._config.probe_interval:
+                # It pulls, or it is back after a silence (a replica restarted under its
+                # name): balance trusts it again, and a doubt later is its first.
+                self._unverified.pop(replica, None)
             if not owned:
                 self._zero_seen = now
-            if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
+                if self._doubted(replica):
+                    self._lured_seen = now  # a name that lured a handover still speaks
+            if peer is None and len(self._peers) >= _MAX_PEERS:
                 self._prune()
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
                 self._reject("nats_presence", "overflow")
                 return
-            if owned:
-                self._unverified.pop(replica, None)  # it pulls: balance trusts it again
             self._peers[replica] = (now, owned)
 
     def _prune(self) -> None:
