@@ -170,3 +170,25 @@ def test_names_silent_before_their_handover_came_back_hold_balance_off_briefly(
     lure(replica, clock, ["ghost"], after=3.0, silent=True)  # stopped meanwhile
     speak(replica, clock, 10.5, "w2")
     assert replica.may_shed()  # 10 s after the come-back, not 80 s
+
+
+def test_a_backoff_after_aborted_handovers_holds_while_a_peer_owns_none(
+        clock: Clock) -> None:
+    """Handovers aborted (turns outlasted the wait) back off doubling once the wait is
+    at its longest, whether or not a peer says it owns no partition (a replica added
+    under long turns): no name lured them, so no name's silence ends them early."""
+    rejected: list[str] = []
+    replica = fleet(rejected)
+    held = []
+    for _ in range(6):
+        start = clock.now
+        for _ in range(2000):
+            hear(replica, "w2", 0)
+            if replica.may_shed():
+                break
+            clock.now += 0.5
+        held.append(clock.now - start)
+        clock.now += 1.0
+        replica.handover_aborted()
+    assert held == [2.0, 10.0, 10.0, 10.0, 10.0, 20.0]
+    assert rejected == ["handover_aborted"] * 6

@@ -134,13 +134,15 @@ def _wait_longer(fleet: Fleet, now: float) -> None:
     """After an aborted handover: the next try in SHED_BACKOFF_SECS, waiting twice as
     long for the partition's turns, up to SHED_WAIT_MAX_SECS; one that waited that long
     already backs off doubling (10 s up to 5 min), so turns longer than it stall a
-    partition's inputs rarely, not every 10 s."""
+    partition's inputs rarely, not every 10 s (`_backing_off` says when it may end
+    early)."""
     if fleet.shed_wait >= SHED_WAIT_MAX_SECS:
-        fleet._back_off(now)
+        fleet._aborted_until = fleet._back_off(now)
         return
     if now >= fleet._backoff_until:
         fleet._backoff_since = now
     fleet._backoff_until = max(fleet._backoff_until, now + SHED_BACKOFF_SECS)
+    fleet._aborted_until = fleet._backoff_until
     fleet.shed_wait = min(2 * fleet.shed_wait, SHED_WAIT_MAX_SECS)
 
 
@@ -154,11 +156,14 @@ def _backing_off(fleet: Fleet, now: float) -> bool:
     work. Only doubted names set the end: a replica (re)started during the backoff says
     it owns none until balance hands it a partition, and, when any name's word counted,
     kept the doubled backoff going to its end (2.5 to 5 minutes without a partition
-    after 40 names stopped: redteam16 F2)."""
+    after 40 names stopped: redteam16 F2). A backoff after an aborted handover (turns
+    outlasted its wait; no name lured it) ends early only once no peer said it owns no
+    partition for SHED_BACKOFF_SECS."""
     if now >= fleet._backoff_until:
         return False
     if fleet._zero_seen >= fleet._backoff_since - 3 * fleet._config.probe_interval:
-        return now < fleet._lured_seen + SHED_BACKOFF_SECS
+        lured = fleet._zero_seen if now < fleet._aborted_until else fleet._lured_seen
+        return now < lured + SHED_BACKOFF_SECS
     return True
 
 
@@ -240,6 +245,7 @@ class Fleet:
         #: back (see `_backing_off`).
         self._backoff_since = self._backoff_until = 0.0
         self._zero_seen = self._lured_seen = 0.0
+        self._aborted_until = 0.0  # the end of a backoff after an aborted handover
         #: Peers below their share when a partition was handed over that did not take
         #: it (it came back here), ignored for balance until a time, or until they say
         #: they own a partition or come back after a silence (a name on presence is no
