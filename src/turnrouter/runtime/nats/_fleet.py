@@ -247,10 +247,9 @@ class Fleet:
         self._zero_seen = self._lured_seen = 0.0
         self._aborted_until = 0.0  # the end of a backoff after an aborted handover
         #: Peers below their share when a partition was handed over that did not take
-        #: it (it came back here), ignored for balance until a time, or until they say
-        #: they own a partition or come back after a silence (a name on presence is no
-        #: replica; a real one gets another chance then): name -> (until, the doubt's
-        #: length), see `_doubt`.
+        #: it (it came back here), ignored for balance until a time or until they say
+        #: they own a partition (a name on presence is no replica; a real one gets
+        #: another chance then): name -> (until, the doubt's length), see `_doubt`.
         self._unverified: dict[str, tuple[float, float]] = {}
         #: partition -> (when, to whom, the connection's reconnects then)
         self._shed: dict[int, tuple[float, frozenset[str], int]] = {}
@@ -444,16 +443,13 @@ class Fleet:
             else:
                 self.heard_self = (self.heard_self[0], now)
         else:
-            peer = self._peers.get(replica)
-            if owned or peer is None or peer[0] < now - 3 * self._config.probe_interval:
-                # It pulls, or it is back after a silence (a replica restarted under its
-                # name): balance trusts it again, and a doubt later is its first.
+            if owned:  # it pulls: balance trusts it again, and a doubt later is its first
                 self._unverified.pop(replica, None)
-            if not owned:
+            else:
                 self._zero_seen = now
                 if self._doubted(replica):
                     self._lured_seen = now  # a name that lured a handover still speaks
-            if peer is None and len(self._peers) >= _MAX_PEERS:
+            if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
                 self._prune()
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
                 self._reject("nats_presence", "overflow")
