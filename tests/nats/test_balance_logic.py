@@ -178,3 +178,73 @@ def test_a_backoff_after_aborted_handovers_holds_while_a_peer_owns_none(
         replica.handover_aborted()
     assert held == [2.0, 10.0, 10.0, 10.0, 10.0, 20.0]
     assert rejected == ["handover_aborted"] * 6
+
+
+def wave(replica: Fleet, clock: Clock, names: list[str], size: int) -> None:
+    """Balance hands `size` partitions over, one every quarter second (the `names`
+    speaking, owning none), and each comes back unclaimed 2 s after it went."""
+    handed: list[tuple[float, int]] = []
+    for _ in range(2000):
+        if len(handed) == size:
+            break
+        for name in names:
+            hear(replica, name, 0)
+        if replica.may_shed():
+            replica.handed_over(len(handed))
+            handed.append((clock.now, len(handed)))
+        clock.now += 0.25
+    else:
+        raise AssertionError(f"balance handed {len(handed)} over, not {size}")
+    for when, n in handed:
+        clock.now = max(clock.now, when + 2.0)
+        for name in names:
+            hear(replica, name, 0)
+        replica.taken_back(n)
+
+
+def test_a_replica_that_missed_a_wave_of_handovers_gets_one_soon(clock: Clock) -> None:
+    """A replica just started (owning none) misses the 8 handovers of a wave, all come
+    back: the backoff doubles 8 times (to 5 min), but its own `owned: 0` does not keep
+    it going, and it is doubted 10 s only: balance hands it one partition about 10 s
+    after the last came back, and one at a time while it owns none. Before, it waited
+    out the 5 minutes (a restart right after forged presence, or a slow start)."""
+    rejected: list[str] = []
+    replica = fleet(rejected)
+    hear(replica, "w2", 0)
+    wave(replica, clock, ["w2"], 8)
+    assert rejected == ["unverified"] * 8
+    speak(replica, clock, 9.5, "w2")
+    assert not replica.may_shed()  # doubted 10 s after the wave came back
+    speak(replica, clock, 1, "w2")
+    assert replica.may_shed()  # one partition, not in minutes
+    replica.handed_over(3)
+    speak(replica, clock, 1, "w2")
+    assert not replica.may_shed()  # one at a time while it owns none
+    hear(replica, "w2", 1)  # it took that one: trusted again
+    clock.now += 0.5
+    assert replica.may_shed()
+
+
+def test_names_that_missed_a_wave_get_one_more_handover_then_the_backoff(
+        clock: Clock) -> None:
+    """40 names owning none lure a wave of 8 handovers; 10 s later they are handed one
+    more partition, one at a time, and that one coming back too doubts them for the
+    whole (doubled) backoff, which their word keeps going: at most 9 handovers in 5
+    minutes."""
+    rejected: list[str] = []
+    replica = fleet(rejected)
+    names = [f"ghost-{i}" for i in range(40)]
+    wave(replica, clock, names, 8)
+    handovers = 8
+    end = clock.now + 300
+    while clock.now < end:
+        for name in names:
+            hear(replica, name, 0)
+        if replica.may_shed():
+            handovers += 1
+            replica.handed_over(3)
+            clock.now += 2.0
+            replica.taken_back(3)
+        clock.now += 0.5
+    assert handovers <= 9  # (8 before: the wave doubted them for its whole backoff)
+    assert len(rejected) == handovers * 40

@@ -149,7 +149,8 @@ def _wait_longer(fleet: Fleet, now: float) -> None:
 def _backing_off(fleet: Fleet, now: float) -> bool:
     """Whether balance backs off now: until the backoff ends, or, when peers said they
     own no partition during it (or just before), until SHED_BACKOFF_SECS after the last
-    handover that came back or the last such word of a doubted name (`_lured_seen`). A
+    handover that came back or the last such word of a name doubted for the whole
+    backoff (it missed a second chance, `_doubt`: `_lured_seen`). A
     replica pulls, so it owns partitions (barring one just started, or more replicas
     than partitions): names claiming none lured the handovers that came back (each
     doubles the backoff, up to 5 min), and once they stop the backoff has done its
@@ -167,29 +168,36 @@ def _backing_off(fleet: Fleet, now: float) -> bool:
     return True
 
 
-def _doubt(fleet: Fleet, below: frozenset[str], now: float, until: float) -> None:
-    """The names `below` their share when a handover came back are doubted (counted
-    `unverified`): a name doubted before and still remembered (as long after its doubt
-    ended as the doubt lasted) until the backoff's end `until` (a name that keeps
-    luring handovers stays out as long as balance backs off, and its word keeps the
-    backoff going: `_backing_off`); any other name for SHED_BACKOFF_SECS (a replica that
-    missed one handover, just started or slow under load, is out 10 s, not for a
-    doubled backoff it would then keep going itself with its `owned: 0`). Bounded by
-    the peer table: past it, the names no longer remembered are forgotten."""
+def _doubt(fleet: Fleet, below: frozenset[str], now: float, until: float,
+           handed: float) -> None:
+    """The names `below` their share when a handover (made at `handed`) came back are
+    doubted, counted `unverified`. A name still remembered from an earlier doubt (as
+    long after it ended as it lasted, and 10 s more) that missed a handover made after
+    that doubt began is doubted until the backoff's end `until`: names that keep luring
+    handovers stay out as long as balance backs off, and their word keeps the backoff
+    going (`_backing_off`). Any other name is doubted SHED_BACKOFF_SECS after the
+    handovers of one wave came back, and its word keeps nothing going: a replica that
+    missed them (just started, slow under load) is out 10 s, not for a backoff their
+    burst doubled up to 5 min, which its own `owned: 0` then kept going; it is handed
+    one partition at a time then (`may_shed`), so names that take none lure one more.
+    Bounded by the peer table: past it, the names no longer remembered are forgotten."""
     doubts = fleet._unverified
     if len(doubts) >= _MAX_PEERS:
-        for name in [name for name, (end, length) in doubts.items()
-                     if now >= end + length]:
+        for name in [name for name, (end, length, _, _) in doubts.items()
+                     if now >= end + length + SHED_BACKOFF_SECS]:
             del doubts[name]
     fleet._lured_seen = now
     for name in below:
         old = doubts.get(name)
-        if old is not None and now < old[0] + old[1]:
-            end = max(until, old[0])
-        else:
-            end = min(until, now + SHED_BACKOFF_SECS)
+        if old is None or now >= old[0] + old[1] + SHED_BACKOFF_SECS:  # a first doubt
+            end, began, lured = min(until, now + SHED_BACKOFF_SECS), now, False
+        elif handed > old[2]:  # it had its second chance, and missed it too
+            end, began, lured = max(until, old[0]), now, True
+        else:  # one more handover of the wave its doubt began with
+            end, began = max(old[0], min(until, now + SHED_BACKOFF_SECS)), old[2]
+            lured = old[3]
         if old is not None or len(doubts) < _MAX_PEERS:
-            doubts[name] = (end, end - now)
+            doubts[name] = (end, end - now, began, lured)
         fleet._reject("nats_presence", "unverified")
 
 
@@ -249,8 +257,10 @@ class Fleet:
         #: Peers below their share when a partition was handed over that did not take
         #: it (it came back here), ignored for balance until a time or until they say
         #: they own a partition (a name on presence is no replica; a real one gets
-        #: another chance then): name -> (until, the doubt's length), see `_doubt`.
-        self._unverified: dict[str, tuple[float, float]] = {}
+        #: another chance then): name -> (until, the doubt's length, since when the
+        #: wave of handovers it missed came back, whether it missed a second chance
+        #: too), see `_doubt`.
+        self._unverified: dict[str, tuple[float, float, float, bool]] = {}
         #: partition -> (when, to whom, the connection's reconnects then)
         self._shed: dict[int, tuple[float, frozenset[str], int]] = {}
         self._backoff = SHED_BACKOFF_SECS
@@ -296,7 +306,7 @@ class Fleet:
         now = time.monotonic()
         if doubt[0] > now:
             return True
-        if now >= doubt[0] + doubt[1]:  # remembered as long again (`_doubt`)
+        if now >= doubt[0] + doubt[1] + SHED_BACKOFF_SECS:  # remembered (`_doubt`)
             del self._unverified[name]
         return False
 
@@ -322,11 +332,13 @@ class Fleet:
         if now < self._shed_after or _backing_off(self, now):
             return False
         share = self.fair_share()
-        if any(owned < share for owned in
-               self._live(now - 3 * self._config.probe_interval).values()):
-            self._shed_after = now + self._config.probe_interval / 2
-            return True
-        return False
+        below = [name for name, owned in self._live(
+            now - 3 * self._config.probe_interval).items() if owned < share]
+        if not below or (all(name in self._unverified for name in below) and any(
+                now - when <= self._verify_window() for when, _, _ in self._shed.values())):
+            return False  # names doubted before get one handover at a time (`_doubt`)
+        self._shed_after = now + self._config.probe_interval / 2
+        return True
 
     def handed_over(self, n: int) -> None:
         """Partition `n` was handed over for balance: the peers below their share then
@@ -360,7 +372,7 @@ class Fleet:
             # Long ago: a peer took it and gave it back, or died. Or the server was
             # lost since: a restarted server pins afresh, whoever asks first.
             return
-        _doubt(self, below, now, self._back_off(now))
+        _doubt(self, below, now, self._back_off(now), when)
 
     def handover_aborted(self) -> None:
         """A busy partition's turns outlasted the handover's wait: it stays here, counted
@@ -447,8 +459,8 @@ class Fleet:
                 self._unverified.pop(replica, None)
             else:
                 self._zero_seen = now
-                if self._doubted(replica):
-                    self._lured_seen = now  # a name that lured a handover still speaks
+                if self._doubted(replica) and self._unverified[replica][3]:
+                    self._lured_seen = now  # a name that keeps luring handovers speaks
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
                 self._prune()
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
