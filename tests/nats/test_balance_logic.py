@@ -248,3 +248,31 @@ def test_names_that_missed_a_wave_get_one_more_handover_then_the_backoff(
         clock.now += 0.5
     assert handovers <= 9  # (8 before: the wave doubted them for its whole backoff)
     assert len(rejected) == handovers * 40
+
+
+def test_names_whose_second_chance_another_replica_took_are_doubted_for_the_backoff(
+        clock: Clock) -> None:
+    """40 names lure a wave of 8 handovers beside a replica `w2` owning one partition
+    (at the names' share): 10 s later the names get one more partition, which `w2`
+    takes (it says it owns 2) while they still own none. They missed it as if it came
+    back: doubted for the whole (doubled) backoff, which their word keeps going. Before
+    that rule, `w2` took each such partition and handed it back towards the names,
+    partitions moving every few seconds."""
+    rejected: list[str] = []
+    replica = fleet(rejected)
+    names = [f"ghost-{i}" for i in range(40)]
+    hear(replica, "w2", 1)
+    wave(replica, clock, names, 8)
+    handovers, w2_owns = 8, 1
+    end = clock.now + 120
+    while clock.now < end:
+        for name in names:
+            hear(replica, name, 0)
+        hear(replica, "w2", w2_owns)
+        if replica.may_shed():
+            handovers += 1
+            replica.handed_over(3)
+            w2_owns += 1  # taken by w2, not by any of the names
+        clock.now += 0.5
+    assert handovers <= 9  # (8 before; 192 with a second chance taken by w2 unseen)
+    assert len(rejected) == handovers * 40

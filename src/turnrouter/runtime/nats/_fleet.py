@@ -201,6 +201,22 @@ def _doubt(fleet: Fleet, below: frozenset[str], now: float, until: float,
         fleet._reject("nats_presence", "unverified")
 
 
+def _settle(fleet: Fleet, now: float) -> None:
+    """A handover made for names all remembered from a doubt then (a second chance:
+    `may_shed` hands them one partition at a time) that did not come back within the
+    verify window went to some other replica if none of them says by then that it owns
+    a partition: they missed it, as if it came back (40 names beside a second replica:
+    that one took each such partition and handed it back towards the names, partitions
+    moving every few seconds)."""
+    window = fleet._verify_window()
+    for n, (when, below, reconnects) in list(fleet._shed.items()):
+        if (now - when > window and below and reconnects == fleet._reconnects()
+                and all(name in fleet._unverified
+                        and when > fleet._unverified[name][2] for name in below)):
+            del fleet._shed[n]
+            _doubt(fleet, below, now, fleet._back_off(now), when)
+
+
 def _report_fleet(metrics: RuntimeMetrics, owned: int, live: Mapping[str, int],
                   partitions: int) -> None:
     """The fleet as this replica hears it: replicas and partitions owned, its own too
@@ -329,6 +345,7 @@ class Fleet:
             if self._busy_since is None:
                 self._busy_since = now
             return False
+        _settle(self, now)
         if now < self._shed_after or _backing_off(self, now):
             return False
         share = self.fair_share()
