@@ -220,6 +220,10 @@ PRIVATE_USERS = {
     # Idle let-go's choices and resend's backoff, whose outward effects need minutes of
     # a real fleet under faults (tests/nats/test_worker_inprocess.py runs the path).
     "nats/test_idle.py",
+    # Balance's doubts and backoff under forged presence on a clock of the test's own:
+    # a real fleet shows them only after minutes of forged names (the doubled backoff)
+    # and a replica restarted under them (tests/nats/test_balance.py runs one such case).
+    "nats/test_balance_logic.py",
     # The turn path's shortcuts (a delivered query's turn built unchecked, the trace
     # carrier, the pull pruning, a feature class's plain learning), each checked equal to
     # the code it replaced over arbitrary inputs; their only outward effect is CPU.

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 import nats
 
@@ -107,6 +109,64 @@ async def test_names_that_stop_announcing_leave_no_lasting_skew() -> None:
             await asyncio.gather(haunting, return_exceptions=True)
         await nc.flush()
         await until_even(workers, 30)  # the names stopped: even again, not in minutes
+    finally:
+        if nc is not None:
+            await nc.close()
+        for worker in workers:
+            worker.close()
+        server.close()
+
+
+async def until_owning(worker: Worker, within: float) -> None:
+    """Until `worker` owns a partition (polling /metrics, at most `within` seconds)."""
+    for _ in range(int(within / 0.2)):
+        if metric_value(await asyncio.to_thread(worker.metrics),
+                        "turnrouter_nats_partitions_owned") > 0:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{worker.name} owned no partition within {within:g} s")
+
+
+async def test_a_replica_restarted_while_names_claim_no_partition_gets_its_share() -> None:
+    """While 40 names claim no partition (the replicas hand partitions over to them, get
+    them back, doubt the names and back off, doubling, until one holds 14 of the 16),
+    the other replica is stopped and started again under its name (a crash restart, a
+    rollout). Once the names stop, the restarted replica gets a partition within the
+    backoff's 10 s after their last announcement plus a handover (~12 s measured; bound
+    here 25 s), then its half. Before, the restarted replica's own `owned: 0` (it has no
+    partition yet) kept the doubled backoff going to its end: no partition for 1 to 5
+    minutes after the names stopped (redteam16 F2)."""
+    server = NatsServer()
+    workers: list[Worker] = []
+    nc: Client | None = None
+    try:
+        for name in ("r0", "r1"):
+            workers.append(await asyncio.to_thread(Worker, server.url, name))
+        await until_even(workers, 30)
+        nc = await nats.connect(server.url)
+        heard_again, restarted = asyncio.Event(), [""]
+
+        async def on_presence(msg: Msg) -> None:
+            if json.loads(msg.data)["replica"] == restarted[0]:
+                heard_again.set()
+
+        await nc.subscribe("turnrouter.presence", cb=on_presence)
+        haunting = asyncio.create_task(ghosts(nc))
+        try:
+            seen = await until_skewed(workers, 60)
+            other = 1 - seen.index(max(seen))
+            workers[other].signal(signal.SIGTERM)  # a rollout: stopped, started again
+            await asyncio.to_thread(workers[other].proc.wait, 30)
+            workers[other].close()
+            restarted[0] = f"r{other}"
+            workers[other] = await asyncio.to_thread(Worker, server.url, restarted[0])
+            await asyncio.wait_for(heard_again.wait(), 10)  # its presence is out
+        finally:
+            haunting.cancel()
+            await asyncio.gather(haunting, return_exceptions=True)
+        await nc.flush()
+        await until_owning(workers[other], 25)  # the names stopped: not in minutes
+        await until_even(workers, 30)
     finally:
         if nc is not None:
             await nc.close()

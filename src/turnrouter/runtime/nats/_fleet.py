@@ -45,7 +45,8 @@ _MAX_PEERS = 1024  # bound of the presence table (more peers are ignored for bal
 #: failover_timeout (plus three presence periods) went to no replica: balance then
 #: waits SHED_BACKOFF_SECS before it hands one over again, doubling up to the maximum;
 #: but, if peers said they own no partition during it, at most SHED_BACKOFF_SECS after
-#: the last of them did (the names that lured the handovers stopped).
+#: the last handover that came back or the last such word of a doubted name (the names
+#: that lured the handovers stopped).
 SHED_VERIFY_FACTOR = 4
 SHED_BACKOFF_SECS = 10.0
 SHED_BACKOFF_MAX_SECS = 300.0
@@ -133,14 +134,87 @@ def _wait_longer(fleet: Fleet, now: float) -> None:
     """After an aborted handover: the next try in SHED_BACKOFF_SECS, waiting twice as
     long for the partition's turns, up to SHED_WAIT_MAX_SECS; one that waited that long
     already backs off doubling (10 s up to 5 min), so turns longer than it stall a
-    partition's inputs rarely, not every 10 s."""
+    partition's inputs rarely, not every 10 s (`_backing_off` says when it may end
+    early)."""
     if fleet.shed_wait >= SHED_WAIT_MAX_SECS:
-        fleet._back_off(now)
+        fleet._aborted_until = fleet._back_off(now)
         return
     if now >= fleet._backoff_until:
         fleet._backoff_since = now
     fleet._backoff_until = max(fleet._backoff_until, now + SHED_BACKOFF_SECS)
+    fleet._aborted_until = fleet._backoff_until
     fleet.shed_wait = min(2 * fleet.shed_wait, SHED_WAIT_MAX_SECS)
+
+
+def _backing_off(fleet: Fleet, now: float) -> bool:
+    """Whether balance backs off now: until the backoff ends, or, when peers said they
+    own no partition during it (or just before), until SHED_BACKOFF_SECS after the last
+    handover that came back or the last such word of a name doubted for the whole
+    backoff (it missed a second chance, `_doubt`: `_lured_seen`). A
+    replica pulls, so it owns partitions (barring one just started, or more replicas
+    than partitions): names claiming none lured the handovers that came back (each
+    doubles the backoff, up to 5 min), and once they stop the backoff has done its
+    work. Only doubted names set the end: a replica (re)started during the backoff says
+    it owns none until balance hands it a partition, and, when any name's word counted,
+    kept the doubled backoff going to its end (2.5 to 5 minutes without a partition
+    after 40 names stopped: redteam16 F2). A backoff after an aborted handover (turns
+    outlasted its wait; no name lured it) ends early only once no peer said it owns no
+    partition for SHED_BACKOFF_SECS."""
+    if now >= fleet._backoff_until:
+        return False
+    if fleet._zero_seen >= fleet._backoff_since - 3 * fleet._config.probe_interval:
+        lured = fleet._zero_seen if now < fleet._aborted_until else fleet._lured_seen
+        return now < lured + SHED_BACKOFF_SECS
+    return True
+
+
+def _doubt(fleet: Fleet, below: frozenset[str], now: float, until: float,
+           handed: float) -> None:
+    """The names `below` their share when a handover (made at `handed`) came back are
+    doubted, counted `unverified`. A name still remembered from an earlier doubt (as
+    long after it ended as it lasted, and 10 s more) that missed a handover made after
+    that doubt began is doubted until the backoff's end `until`: names that keep luring
+    handovers stay out as long as balance backs off, and their word keeps the backoff
+    going (`_backing_off`). Any other name is doubted SHED_BACKOFF_SECS after the
+    handovers of one wave came back, and its word keeps nothing going: a replica that
+    missed them (just started, slow under load) is out 10 s, not for a backoff their
+    burst doubled up to 5 min, which its own `owned: 0` then kept going; it is handed
+    one partition at a time then (`may_shed`), so names that take none lure one more.
+    Bounded by the peer table: past it, the names no longer remembered are forgotten."""
+    doubts = fleet._unverified
+    if len(doubts) >= _MAX_PEERS:
+        for name in [name for name, (end, length, _, _) in doubts.items()
+                     if now >= end + length + SHED_BACKOFF_SECS]:
+            del doubts[name]
+    fleet._lured_seen = now
+    for name in below:
+        old = doubts.get(name)
+        if old is None or now >= old[0] + old[1] + SHED_BACKOFF_SECS:  # a first doubt
+            end, began, lured = min(until, now + SHED_BACKOFF_SECS), now, False
+        elif handed > old[2]:  # it had its second chance, and missed it too
+            end, began, lured = max(until, old[0]), now, True
+        else:  # one more handover of the wave its doubt began with
+            end, began = max(old[0], min(until, now + SHED_BACKOFF_SECS)), old[2]
+            lured = old[3]
+        if old is not None or len(doubts) < _MAX_PEERS:
+            doubts[name] = (end, end - now, began, lured)
+        fleet._reject("nats_presence", "unverified")
+
+
+def _settle(fleet: Fleet, now: float) -> None:
+    """A handover made for names all remembered from a doubt then (a second chance:
+    `may_shed` hands them one partition at a time) that did not come back within the
+    verify window went to some other replica if none of them says by then that it owns
+    a partition: they missed it, as if it came back (40 names beside a second replica:
+    that one took each such partition and handed it back towards the names, partitions
+    moving every few seconds)."""
+    window = fleet._verify_window()
+    for n, (when, below, reconnects) in list(fleet._shed.items()):
+        if (now - when > window and below and reconnects == fleet._reconnects()
+                and all(name in fleet._unverified
+                        and when > fleet._unverified[name][2] for name in below)):
+            del fleet._shed[n]
+            _doubt(fleet, below, now, fleet._back_off(now), when)
 
 
 def _report_fleet(metrics: RuntimeMetrics, owned: int, live: Mapping[str, int],
@@ -191,14 +265,18 @@ class Fleet:
         self._shed_after = time.monotonic() + 2 * config.failover_timeout
         #: Balance hands nothing over from `_backoff_since` until `_backoff_until` (a
         #: handover came back or was aborted); `_zero_seen`: when a peer last said it
-        #: owns no partition (see `_backing_off`).
+        #: owns no partition; `_lured_seen`: when a doubted one did, or a handover came
+        #: back (see `_backing_off`).
         self._backoff_since = self._backoff_until = 0.0
-        self._zero_seen = 0.0
+        self._zero_seen = self._lured_seen = 0.0
+        self._aborted_until = 0.0  # the end of a backoff after an aborted handover
         #: Peers below their share when a partition was handed over that did not take
         #: it (it came back here), ignored for balance until a time or until they say
         #: they own a partition (a name on presence is no replica; a real one gets
-        #: another chance then).
-        self._unverified: dict[str, float] = {}
+        #: another chance then): name -> (until, the doubt's length, since when the
+        #: wave of handovers it missed came back, whether it missed a second chance
+        #: too), see `_doubt`.
+        self._unverified: dict[str, tuple[float, float, float, bool]] = {}
         #: partition -> (when, to whom, the connection's reconnects then)
         self._shed: dict[int, tuple[float, frozenset[str], int]] = {}
         self._backoff = SHED_BACKOFF_SECS
@@ -238,12 +316,14 @@ class Fleet:
                 if seen >= horizon and not self._doubted(name)}
 
     def _doubted(self, name: str) -> bool:
-        until = self._unverified.get(name)
-        if until is None:
+        doubt = self._unverified.get(name)
+        if doubt is None:
             return False
-        if until > time.monotonic():
+        now = time.monotonic()
+        if doubt[0] > now:
             return True
-        del self._unverified[name]
+        if now >= doubt[0] + doubt[1] + SHED_BACKOFF_SECS:  # remembered (`_doubt`)
+            del self._unverified[name]
         return False
 
     def fair_share(self) -> int:
@@ -265,14 +345,17 @@ class Fleet:
             if self._busy_since is None:
                 self._busy_since = now
             return False
-        if now < self._shed_after or self._backing_off(now):
+        _settle(self, now)
+        if now < self._shed_after or _backing_off(self, now):
             return False
         share = self.fair_share()
-        if any(owned < share for owned in
-               self._live(now - 3 * self._config.probe_interval).values()):
-            self._shed_after = now + self._config.probe_interval / 2
-            return True
-        return False
+        below = [name for name, owned in self._live(
+            now - 3 * self._config.probe_interval).items() if owned < share]
+        if not below or (all(name in self._unverified for name in below) and any(
+                now - when <= self._verify_window() for when, _, _ in self._shed.values())):
+            return False  # names doubted before get one handover at a time (`_doubt`)
+        self._shed_after = now + self._config.probe_interval / 2
+        return True
 
     def handed_over(self, n: int) -> None:
         """Partition `n` was handed over for balance: the peers below their share then
@@ -306,11 +389,7 @@ class Fleet:
             # Long ago: a peer took it and gave it back, or died. Or the server was
             # lost since: a restarted server pins afresh, whoever asks first.
             return
-        until = self._back_off(now)
-        for name in below:
-            if name in self._unverified or len(self._unverified) < _MAX_PEERS:
-                self._unverified[name] = until
-            self._reject("nats_presence", "unverified")
+        _doubt(self, below, now, self._back_off(now), when)
 
     def handover_aborted(self) -> None:
         """A busy partition's turns outlasted the handover's wait: it stays here, counted
@@ -326,20 +405,6 @@ class Fleet:
         until = self._backoff_until = now + self._backoff
         self._backoff = min(2 * self._backoff, SHED_BACKOFF_MAX_SECS)
         return until
-
-    def _backing_off(self, now: float) -> bool:
-        """Whether balance backs off now: until the backoff ends, or, when peers said
-        they own no partition during it (or just before), until SHED_BACKOFF_SECS after
-        the last of them did. A replica pulls, so it owns partitions (barring one just
-        started, or more replicas than partitions): names claiming none lured the
-        handovers that came back (each doubles the backoff, up to 5 min), and once they
-        stop the backoff has done its work. A publisher that stops and starts again
-        lures one handover per 10 s at most (names seen before stay doubted)."""
-        if now >= self._backoff_until:
-            return False
-        if self._zero_seen >= self._backoff_since - 3 * self._config.probe_interval:
-            return now < self._zero_seen + SHED_BACKOFF_SECS
-        return True
 
     def _verify_window(self) -> float:
         """How soon after a handover getting the partition back means nobody took it."""
@@ -407,15 +472,17 @@ class Fleet:
             else:
                 self.heard_self = (self.heard_self[0], now)
         else:
-            if not owned:
+            if owned:  # it pulls: balance trusts it again, and a doubt later is its first
+                self._unverified.pop(replica, None)
+            else:
                 self._zero_seen = now
+                if self._doubted(replica) and self._unverified[replica][3]:
+                    self._lured_seen = now  # a name that keeps luring handovers speaks
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
                 self._prune()
             if replica not in self._peers and len(self._peers) >= _MAX_PEERS:
                 self._reject("nats_presence", "overflow")
                 return
-            if owned:
-                self._unverified.pop(replica, None)  # it pulls: balance trusts it again
             self._peers[replica] = (now, owned)
 
     def _prune(self) -> None:
