@@ -738,7 +738,7 @@ async def test_a_patch_stamped_in_an_earlier_session_past_this_ones_version_is_r
     await h.say("hello again")
     late = ContextPatch(task_id="old-call", spawned_from_event_id="t3",
                         source_context_version=stamp.version, source_context_hash=stamp.hash,
-                        digest=["card ending 4242"])
+                        digest=("card ending 4242",))
     with pytest.raises(LifecycleError, match="from an earlier session"):
         await h.router.apply_context_patch("p1", late)
     assert [e.user for e in h.router.history_of("p1")] == ["hello again"]

@@ -152,9 +152,10 @@ class PatchDesk:
             # Versions never go back within a session: stamped in an earlier session of
             # this participant, who left and came back (a reused id: the next call's
             # context got the last call's background result, chaos17 F3).
-            state, refusal = None, (f"stamped at context version {version}, ahead of "
-                                    f"the participant's {state.history.version}: from "
-                                    "an earlier session of theirs")
+            refusal = (f"stamped at context version {version}, ahead of the "
+                       f"participant's {state.history.version}: from an earlier session "
+                       "of theirs")
+            state = None
         if state is None:
             self._cfg.observer.context_patch(ContextPatchEvent(
                 pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
