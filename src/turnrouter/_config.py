@@ -8,6 +8,7 @@ and the turn never re-check it.
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
@@ -51,6 +52,8 @@ __all__ = [
     "StatusCallback",
     "check_callable",
 ]
+
+logger = logging.getLogger("turnrouter")
 
 OutputCallback = Callable[[AgentTurn, str, str], Awaitable[None]]
 StatusCallback = Callable[[Literal["processing", "idle"], str], Awaitable[None]]
@@ -283,6 +286,7 @@ class RouterConfig:
                 f"AgentRouter decisions' fallback_route {fallback_route[:100]!r} is not a "
                 f"registered destination (registered: {sorted(agents)[:20]}): the queries "
                 "no route fits would be clarified instead of reaching it")
+        _warn_unknown_example_routes(decisions, agents)
         if not isinstance(default_destination, str):
             raise ContractTypeError("AgentRouter default_destination must be a str")
         if default_destination not in agents and default_destination is not CONVERSATION:
@@ -408,3 +412,20 @@ class RouterConfig:
         """Whether a participant-joined topic readmits departed participants."""
         return self.runtime_topics is not None and (
             "participant_joined_topic" in self.runtime_topics)
+
+
+def _warn_unknown_example_routes(decisions: object, agents: Mapping[str, Any]) -> None:
+    """A WARNING naming the routes the decision service has examples for that are no
+    registered destination: a typo in an example key (`"conversaton"`) silently left
+    that route without its examples (voice17 F7). Not an error: one decision service
+    may serve routers with different destinations."""
+    routes = getattr(decisions, "example_routes", ())
+    if not isinstance(routes, tuple):
+        return
+    unknown = [route for route in routes if isinstance(route, str) and route not in agents]
+    if unknown:
+        logger.warning("turnrouter: the decision service has examples for %s, which no "
+                       "registered destination is (registered: %s): a typo in an example "
+                       "key leaves that route without its examples",
+                       [route[:100] for route in unknown[:10]], sorted(agents)[:20])
+

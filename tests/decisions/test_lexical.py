@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import random
 import tracemalloc
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from turnrouter import (
     CLARIFY,
+    AgentRouter,
     AgentTurn,
     ConfigurationError,
     ContractTypeError,
@@ -21,6 +23,7 @@ from turnrouter import (
     RoutingAid,
 )
 from turnrouter.decisions import LexicalCalibration, LexicalDecisions, description_phrases
+from turnrouter.testing import ScriptedAgent
 
 EXAMPLES = {
     "weather": ["what is the weather today", "will it rain tomorrow", "is it sunny outside",
@@ -679,3 +682,26 @@ def test_a_description_past_the_read_bound_still_decides(word: str, extra: int) 
                            (RoutingAid("long", description), RoutingAid("conversation", "chat")))
     decision = decisions.score(request)
     assert decision.choice == "long"
+
+
+def test_a_router_warns_of_example_routes_it_does_not_have(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An example key naming no registered destination (a typo: `"conversaton"`) is a
+    WARNING at the router's construction naming it: that route silently had no examples
+    (voice17 F7). Keys that are destinations warn of nothing; `example_routes` lists
+    the keys in order."""
+    decisions = LexicalDecisions({"weather": ["will it rain"],
+                                  "conversaton": ["how are you", "tell me a joke"]},
+                                 fallback_route="conversation")
+    assert decisions.example_routes == ("weather", "conversaton")
+    agents = {"weather": ScriptedAgent("weather"),
+              "conversation": ScriptedAgent("conversation")}
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        AgentRouter(agents, decisions)
+    assert len(caplog.records) == 1 and "'conversaton'" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        AgentRouter(agents, LexicalDecisions({"weather": ["will it rain"]},
+                                             fallback_route="conversation"))
+    assert caplog.records == []
+    assert LexicalDecisions().example_routes == ()

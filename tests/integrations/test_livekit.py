@@ -45,6 +45,7 @@ from turnrouter import (
     ConfigurationError,
     ContextPatch,
     ContractTypeError,
+    ContractValueError,
     DestinationResult,
     LifecycleError,
     OverloadPolicy,
@@ -909,6 +910,25 @@ async def test_llm_destination_streams_a_livekit_llm() -> None:
     prompt = [(m.role, m.text_content) for m in model.prompts[-1].messages()]
     assert prompt == [("system", "You forecast."), ("user", "first?"),
                       ("assistant", "It will be sunny."), ("user", "rain?")]
+
+
+def test_llm_destination_names_its_arguments_at_construction() -> None:
+    """Pipecat's order (llm, name, description), a model that is no LiveKit LLM, or a
+    route name the router cannot use is refused at construction, naming the argument:
+    each was accepted, and every turn failed in `routing_aid()` with only the error's
+    type logged, the caller hearing the clarification text (voice17 F6)."""
+    model = FakeLLM("x")
+    with pytest.raises(ContractTypeError, match="the LLM comes third"):
+        LLMDestination(model, "weather", "forecasts",  # type: ignore[arg-type]
+                       instructions="You forecast.")
+    with pytest.raises(ContractTypeError, match="model must be a LiveKit llm.LLM"):
+        LLMDestination("weather", "forecasts", object(),  # type: ignore[arg-type]
+                       instructions="You forecast.")
+    with pytest.raises(ContractValueError, match="RoutingAid.name"):
+        LLMDestination("", "forecasts", model, instructions="You forecast.")
+    with pytest.raises(ContractTypeError, match="instructions"):
+        LLMDestination("weather", "forecasts", model,
+                       instructions=None)  # type: ignore[arg-type]
 
 
 async def test_handoff_destination_hands_the_session_to_a_livekit_agent() -> None:

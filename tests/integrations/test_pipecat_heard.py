@@ -146,6 +146,7 @@ async def test_a_call_ending_before_late_audio_records_a_lower_bound() -> None:
     was heard, so the first response is a lower bound when the end gave up, and no
     silence is recorded. Before, stopping the router recorded both at the text's push
     (0 s here) for a call that ended before its audio (voice13)."""
+
     class Watch(RecordingObserver):
         def __init__(self) -> None:
             super().__init__()
@@ -175,6 +176,9 @@ async def test_a_call_ending_before_late_audio_records_a_lower_bound() -> None:
         ("heard_interrupted", "weather", pytest.approx(1.0))]
     assert not [event for event in observer.turns[next(iter(observer.turns))]
                 if event[0] == "silence"]
+    # Nor heard later: the speech still queued was dropped when the end gave up on it
+    # (it played after the end had measured it unheard: voice17 F9).
+    assert out.played == {}
 
 
 class Remembering(FrameAgent):

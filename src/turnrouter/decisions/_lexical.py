@@ -299,6 +299,12 @@ class LexicalDecisions:
         return self._min_example_score
 
     @property
+    def example_routes(self) -> tuple[str, ...]:
+        """The routes given examples, in order (an `AgentRouter` warns of one it does not
+        have: a key's typo silently left that route without its examples)."""
+        return () if self._examples is None else self._examples.routes
+
+    @property
     def fallback_route(self) -> str | None:
         """The route chosen when the best score is under its floor (None: clarify)."""
         return self._fallback

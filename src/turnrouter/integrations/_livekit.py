@@ -693,14 +693,23 @@ class LLMDestination:
 
     def __init__(self, name: str, description: str, model: llm.LLM[Any], *,
                  instructions: str, priority: int = 0) -> None:
-        self.name = name
-        self.description = description
-        self.priority = priority
+        if not isinstance(model, llm.LLM):
+            # Pipecat's PipecatLLMDestination takes (llm, name, description): that order
+            # here was accepted, and every turn failed in routing_aid() (voice17 F6).
+            order = (" (arguments are name, description, model: the LLM comes third)"
+                     if isinstance(name, llm.LLM) else "")
+            raise ContractTypeError(f"LLMDestination model must be a LiveKit llm.LLM, got "
+                                    f"{type(model).__name__}{order}")
+        if not isinstance(instructions, str):
+            raise ContractTypeError(f"LLMDestination instructions must be a str, got "
+                                    f"{type(instructions).__name__}")
+        self._aid = RoutingAid(name, description, priority)  # checks name and description
+        self.name, self.description, self.priority = name, description, priority
         self._llm = model
         self._instructions = instructions
 
     def routing_aid(self, participant_id: str) -> RoutingAid:
-        return RoutingAid(self.name, self.description, self.priority)
+        return self._aid
 
     async def admit(self, turn: AgentTurn, *, focused: bool) -> Admission:
         return Admission("accept")

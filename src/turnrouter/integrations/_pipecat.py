@@ -1288,6 +1288,9 @@ class TurnRouterProcessor(FrameProcessor):
             logger.warning("pipecat end: turns or their audio still pending after %g s",
                            self.end_timeout_secs)
             await self._interrupt()  # unheard answers: a lower bound, not started()
+            # And not heard after all: the speech still queued is dropped downstream, as
+            # for a barge-in (it played after the end was measured: voice17 F9).
+            await self._push_through(InterruptionFrame())
         await self._finish()
 
     async def _finish(self) -> None:

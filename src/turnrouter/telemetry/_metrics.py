@@ -131,7 +131,9 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "turnrouter_first_response_seconds", "histogram",
-        "Time from the start of answer() to the destination's started() signal, by route.",
+        "Time from the start of answer() to the destination's started() signal (with "
+        "report_heard, as the Pipecat and LiveKit adapters route, to its first audio "
+        "heard; the timing predictor's samples still end at started()), by route.",
         ("route",), RESPONSE_BUCKETS,
     ),
     MetricSpec(
