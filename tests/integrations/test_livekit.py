@@ -921,10 +921,10 @@ def test_llm_destination_names_its_arguments_at_construction() -> None:
     with pytest.raises(ContractTypeError, match="the LLM comes third"):
         LLMDestination(model, "weather", "forecasts",  # type: ignore[arg-type]
                        instructions="You forecast.")
-    with pytest.raises(ContractTypeError, match="model must be a LiveKit llm.LLM"):
+    with pytest.raises(ContractTypeError, match=r"model must be a LiveKit llm\.LLM"):
         LLMDestination("weather", "forecasts", object(),  # type: ignore[arg-type]
                        instructions="You forecast.")
-    with pytest.raises(ContractValueError, match="RoutingAid.name"):
+    with pytest.raises(ContractValueError, match=r"RoutingAid\.name"):
         LLMDestination("", "forecasts", model, instructions="You forecast.")
     with pytest.raises(ContractTypeError, match="instructions"):
         LLMDestination("weather", "forecasts", model,
