@@ -1544,3 +1544,29 @@ async def test_a_decision_with_junk_scores_in_a_read_only_mapping_is_a_decision_
     h = Harness(ScriptedAgent("weather"), decisions=ScriptedDecisions(decision))
     assert (await h.say("rain?")).text == "conversation answer"
     assert h.observer.outcome("t1") == "answer"
+
+
+async def test_a_decision_with_a_field_never_set_is_named() -> None:
+    """A `RouteDecision` built with `object.__new__` is a decision failure naming the
+    field (`ContractTypeError`), as for `Admission`; it was a bare AttributeError
+    (bounds17 L4). The default answers."""
+    h = Harness(ScriptedAgent("weather"),
+                decisions=ScriptedDecisions(object.__new__(RouteDecision)))
+    assert (await h.say("rain?")).text == "conversation answer"
+    assert ("decision", None, "ContractTypeError") in h.observer.turns["t1"]
+
+
+@pytest.mark.parametrize("call", ["focus_of", "history_of", "trace_int", "trace_str"])
+def test_front_end_calls_name_a_wrong_argument(call: str) -> None:
+    """`focus_of([])` raised a bare unhashable TypeError, `history_of(5)` answered `()`,
+    and `continue_trace` with junk raised TypeError or AttributeError from inside the
+    propagator: each is a `ContractTypeError` naming the argument (bounds17 L3)."""
+    h = Harness(ScriptedAgent("weather"))
+    calls: dict[str, Callable[[], object]] = {
+        "focus_of": lambda: h.router.focus_of([]),  # type: ignore[arg-type]
+        "history_of": lambda: h.router.history_of(5),  # type: ignore[arg-type]
+        "trace_int": lambda: h.router.continue_trace({"traceparent": 5}),  # type: ignore[dict-item]
+        "trace_str": lambda: h.router.continue_trace("junk"),  # type: ignore[arg-type]
+    }
+    with pytest.raises(ContractTypeError, match=r"participant_id|continue_trace"):
+        calls[call]()

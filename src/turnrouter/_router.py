@@ -276,12 +276,12 @@ class AgentRouter:
 
     def focus_of(self, participant_id: str) -> str | None:
         """The route holding `participant_id`'s focus, if any."""
-        state = self._registry.get(participant_id)
+        state = self._registry.get(_pid(participant_id))
         return None if state is None else state.focus
 
     def history_of(self, participant_id: str) -> tuple[AgentExchange, ...]:
         """The participant's retained completed exchanges, oldest first."""
-        state = self._registry.get(participant_id)
+        state = self._registry.get(_pid(participant_id))
         return () if state is None else state.history.exchanges
 
     @property
@@ -511,7 +511,7 @@ class AgentRouter:
     def continue_trace(self, carrier: Mapping[str, str]) -> AbstractContextManager[None]:
         """Turns started inside the block are children of the remote span in `carrier`
         (an empty carrier changes nothing)."""
-        if not carrier:
+        if not _checked_carrier(carrier):
             return _NO_TRACE
         return _ContinuedTrace(self._cfg.observer, carrier)
 
@@ -704,6 +704,24 @@ def _check_heard_at(at: object) -> None:
                                 f"router's clock) or None, got {type(at).__name__}")
     raise ContractValueError(f"mark_heard: at must be a finite reading of the router's "
                              f"clock, got {preview(at)}")
+
+
+def _pid(participant_id: str) -> str:
+    """`participant_id`, checked (`focus_of([])` raised a bare unhashable TypeError,
+    `history_of(5)` answered `()`: bounds17 L3)."""
+    _check_pid(participant_id)
+    return participant_id
+
+
+def _checked_carrier(carrier: object) -> Mapping[str, str]:
+    """`carrier` when it is a mapping of str to str (`ContractTypeError` else: junk
+    raised a bare TypeError or AttributeError from inside the propagator)."""
+    if not isinstance(carrier, Mapping) or not all(
+            isinstance(key, str) and isinstance(value, str)
+            for key, value in carrier.items()):
+        raise ContractTypeError(f"continue_trace takes a mapping of str to str (W3C "
+                                f"trace headers), got {type(carrier).__name__}")
+    return carrier
 
 
 def _check_pid(participant_id: object) -> None:

@@ -229,7 +229,6 @@ class Turn(TurnRun):
 
     async def _route(self) -> DestinationResult:
         state, cfg = self.state, self.cfg
-        pid = self.turn.participant_id
         excluded: set[str] = set()
 
         # 1. Focus first: the owner's admission is not a routing attempt.
@@ -244,13 +243,8 @@ class Turn(TurnRun):
         aid = None
         try:
             for name, agent in cfg.agents.items():
-                try:
-                    aid = _checked_aid(agent.routing_aid(pid))
-                except (Exception, asyncio.CancelledError) as raised:
-                    exc = self.stray(raised, f"destination {name!r} routing_aid()")
-                    if not isinstance(exc, Exception):
-                        raise
-                    _aid_failed(self, name, exc)  # out of this turn's choices, counted
+                aid = _aid_of(self, name, agent)
+                if aid is _SAT_OUT:  # out of this turn's choices, counted
                     continue
                 if aid.name != name:
                     aid = _named(aid, name)
@@ -835,8 +829,11 @@ def _checked_decision(decision: object) -> RouteDecision:
     if not isinstance(decision, RouteDecision):
         raise DestinationContractError(
             f"decision service returned {type(decision).__name__}, not a RouteDecision")
-    if not checked_shape(decision):  # built around its constructor
-        decision.__post_init__()
+    try:
+        if not checked_shape(decision):  # built around its constructor
+            decision.__post_init__()
+    except AttributeError as missing:  # a field never set (`object.__new__`)
+        raise unset_field(decision, missing) from None
     return decision
 
 
@@ -910,14 +907,8 @@ async def _focus_first(run: Turn, owner: str, excluded: set[str]
     """The focus owner's admission (not a routing attempt): its result, or None when
     the turn is to be routed (it declined, released, or lost the focus, ineligible or
     its `routing_aid()` raising)."""
-    try:
-        owned: RoutingAid | None = _checked_aid(run.cfg.agents[owner].routing_aid(
-            run.turn.participant_id))
-    except (Exception, asyncio.CancelledError) as raised:
-        exc = run.stray(raised, f"destination {owner!r} routing_aid()")
-        if not isinstance(exc, Exception):
-            raise
-        _aid_failed(run, owner, exc)  # broken: the focus is lost, as if ineligible
+    owned = _aid_of(run, owner, run.cfg.agents[owner])
+    if owned is _SAT_OUT:  # broken: the focus is lost, as if ineligible
         owned = None
     if owned is not None and type(owned) is not RoutingAid:
         owned = _named(owned, owner)
@@ -941,6 +932,24 @@ def _aid_failed(run: Turn, route: str, exc: Exception) -> None:
     if is_logged(cfg.aid_failures):
         log_failure("destination %r routing_aid() (%d failures so far)", exc, route,
                     cfg.aid_failures)
+
+
+#: What `_aid_of` returns for a destination that sits the turn out.
+_SAT_OUT = object()
+
+
+def _aid_of(run: Turn, name: str, agent: Any) -> Any:
+    """The destination's routing aid for the turn's participant (`_checked_aid`);
+    `_SAT_OUT` when `routing_aid()` raised (a stray `CancelledError` too, as a
+    `DestinationContractError`: bounds17 M3), counted by `_aid_failed`."""
+    try:
+        return _checked_aid(agent.routing_aid(run.turn.participant_id))
+    except (Exception, asyncio.CancelledError) as raised:
+        exc = run.stray(raised, f"destination {name!r} routing_aid()")
+        if not isinstance(exc, Exception):
+            raise
+        _aid_failed(run, name, exc)
+        return _SAT_OUT
 
 
 def _checked_aid(aid: Any) -> Any:

@@ -482,3 +482,17 @@ def test_a_policy_file_that_is_a_fifo_or_holds_a_nul_is_a_policy_error(tmp_path:
         DictRoutingPolicy.from_json_file(fifo)
     with pytest.raises(PolicyError, match=r"policy file.*cannot be read"):
         DictRoutingPolicy.from_json_file("a\x00b")
+
+
+@pytest.mark.parametrize(("payload", "problem"), [
+    ('{"alice": "billing", "alice": "clarify"}', "duplicate key 'alice'"),
+    ('{"alice": "billing"}'.encode("utf-16"), "not valid UTF-8"),
+    ('{"alice": "billing"}'.encode("utf-32"), "not valid UTF-8"),
+])
+def test_a_policy_with_a_participant_twice_or_not_in_utf8_is_refused(
+        payload: str | bytes, problem: str) -> None:
+    """Two entries for one key are refused naming it (the last one was kept, so a
+    policy file's first entry silently lost), and bytes are UTF-8 only, as documented
+    (UTF-16 and UTF-32 were decoded too): bounds17 L1."""
+    with pytest.raises(PolicyError, match=problem):
+        DictRoutingPolicy.from_json(payload)

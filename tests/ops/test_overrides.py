@@ -113,6 +113,8 @@ def test_shipped_demo_overrides_load() -> None:
     overrides = read_overrides(DEPLOY / "prometheus/overrides.demo.yml")
     assert {(o.route, o.alert) for o in overrides} >= {
         ("travel", "TurnrouterSlowFirstResponse"), ("travel", "TurnrouterAcknowledgmentOveruse")}
+    # The path as a str reads the same (it raised a bare AttributeError: bounds17 L3).
+    assert read_overrides(str(DEPLOY / "prometheus/overrides.demo.yml")) == overrides
 
 
 JUNK = st.recursive(

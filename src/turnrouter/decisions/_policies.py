@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
+from .. import _strict_json as strict_json
 from .._contracts import (
     CLARIFY,
     POLICY_RATIONALE,
@@ -143,7 +144,10 @@ def _decode(payload: object, source: str, max_bytes: int) -> object:
     if isinstance(payload, str) and has_surrogates(payload):
         raise PolicyError(f"{source} is not valid UTF-8 text (it holds a lone surrogate)")
     try:
-        return json.loads(payload)
+        # UTF-8 only (json.loads took UTF-16 and UTF-32 bytes too), and two entries for
+        # one participant refused, not the last one kept (bounds17 L1).
+        text = payload if isinstance(payload, str) else bytes(payload).decode("utf-8")
+        return strict_json.loads(text)
     except json.JSONDecodeError as exc:
         raise PolicyError(f"{source} is not valid JSON: {exc}") from exc
     except UnicodeDecodeError as exc:

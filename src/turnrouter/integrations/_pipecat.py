@@ -90,10 +90,12 @@ _OWNERS: dict[int, weakref.WeakSet[TurnRouterProcessor]] = {}
 
 
 def _note_owner(processor: TurnRouterProcessor) -> None:
-    """Remember `processor` as its router's owner; a WARNING when another processor
+    """Remember `processor`, when it owns its router, as its owner; a WARNING when another processor
     not ended yet owns the same router: the first call to end stops the router for
     both, and the other call's participants lose their history and focus mid-call
     (voice17 F5)."""
+    if not processor.owns_router:
+        return
     for key in [key for key, owners in _OWNERS.items() if not owners]:
         del _OWNERS[key]
     router = processor.router
@@ -829,6 +831,12 @@ def _walk(node: FrameProcessor | None, upstream: bool) -> Iterator[FrameProcesso
         yield node
 
 
+def _warn_of_layout(processor: TurnRouterProcessor) -> None:
+    """One WARNING for each of `_layout_problems`."""
+    for problem in _layout_problems(processor):
+        logger.warning("turnrouter: %s", problem)
+
+
 def _layout_problems(processor: TurnRouterProcessor) -> list[str]:
     """What is wrong with where the processor, its speaker and its routes' in-pipeline
     LLM services sit in the pipeline, each naming the fix (checked at `StartFrame`).
@@ -949,8 +957,7 @@ class TurnRouterProcessor(FrameProcessor):
         self._callers: dict[str, None] = {}
         self._refusals: dict[str, int] = {}
         self._stopped = False
-        if self.owns_router:
-            _note_owner(self)
+        _note_owner(self)
         #: The user aggregator announced a user turn: its next context frame is routed.
         self._user_turn_pending = False
         self._speaker = _Speaker(self, name=f"{self.name}::speaker")
@@ -1008,8 +1015,7 @@ class TurnRouterProcessor(FrameProcessor):
             await self._cancel()
         elif isinstance(frame, StartFrame):
             self._stopped = False
-            for problem in _layout_problems(self):
-                logger.warning("turnrouter: %s", problem)
+            _warn_of_layout(self)
         await self.push_frame(frame, direction)
 
     async def cleanup(self) -> None:
@@ -1288,9 +1294,7 @@ class TurnRouterProcessor(FrameProcessor):
             logger.warning("pipecat end: turns or their audio still pending after %g s",
                            self.end_timeout_secs)
             await self._interrupt()  # unheard answers: a lower bound, not started()
-            # And not heard after all: the speech still queued is dropped downstream, as
-            # for a barge-in (it played after the end was measured: voice17 F9).
-            await self._push_through(InterruptionFrame())
+            await self._push_through(InterruptionFrame())  # nor heard later (voice17 F9)
         await self._finish()
 
     async def _finish(self) -> None:
@@ -1312,9 +1316,7 @@ class TurnRouterProcessor(FrameProcessor):
                                  type(exc).__name__)
 
     async def _cancel(self) -> None:
-        """CancelFrame: stop now (turns in flight are interrupted, their answers not
-        heard yet too: a lower bound at the cancel, not their text's push, also on a
-        call's first turn, before the router knew the call reports audio: voice17 F2)."""
-        self._cut()
-        await self._interrupt()
+        """CancelFrame: stop now (turns in flight and answers not heard yet are
+        interrupted: a lower bound at the cancel, not their text's push; voice17 F2)."""
+        await self._interrupt()  # (it cuts the turns first)
         await self._finish()

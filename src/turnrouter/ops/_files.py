@@ -162,9 +162,12 @@ class _Parser(argparse.ArgumentParser):
 MAX_OVERRIDES_BYTES = 1_000_000
 
 
-def read_overrides(path: Path) -> tuple[RouteOverride, ...]:
-    """Per-route overrides from a YAML (or JSON) file; ValueError naming the problem."""
+def read_overrides(path: Path | str) -> tuple[RouteOverride, ...]:
+    """Per-route overrides from a YAML (or JSON) file (a path or its str); ValueError
+    naming the problem."""
     from ._yaml import load_yaml
+
+    path = Path(path)  # a str raised a bare AttributeError (bounds17 L3)
 
     load_yaml()  # the one-line hint when PyYAML is missing
     import yaml
