@@ -844,10 +844,13 @@ async def test_the_acknowledgment_names_the_registration_key() -> None:
 
 async def test_a_sink_failing_on_every_turn_is_logged_at_powers_of_ten(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A timing sink that cannot write (here: its path is a directory) fails on every
-    turn: the log shows the 1st failure and every power of ten, with the count, not one
-    WARNING per turn. The turns themselves go on."""
-    h = Harness(ScriptedAgent("conversation"), timing_sink=JsonLinesSink(tmp_path))
+    """A timing sink that cannot write (here: its path became a directory after the
+    sink was made, which refuses one that is already) fails on every turn: the log shows
+    the 1st failure and every power of ten, with the count, not one WARNING per turn.
+    The turns themselves go on."""
+    sink = JsonLinesSink(tmp_path / "samples")
+    (tmp_path / "samples").mkdir()
+    h = Harness(ScriptedAgent("conversation"), timing_sink=sink)
     with caplog.at_level(logging.WARNING, logger="turnrouter"):
         for number in range(120):
             result = await h.say(participant=f"p{number % 7}")
