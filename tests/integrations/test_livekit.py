@@ -395,12 +395,15 @@ async def test_a_patch_question_without_a_session_stays_held() -> None:
 # ---------------------------------------------------------------- acknowledgments
 
 
-async def _acknowledged_run(gated: bool) -> list[str]:
+async def _acknowledged_run(gated: bool, weather: Slow | None = None,
+                            **kwargs: Any) -> list[str]:
+    """A turn of `weather` (gated: it waits past the acknowledgment's delay once
+    `entered`); the assistant messages said."""
     clock = ManualClock()
-    weather = Slow("weather", gated=gated)
+    weather = weather or Slow("weather", gated=gated)
     router = make_router(weather, decisions=ScriptedDecisions("weather"), clock=clock,
                          acknowledgment_llm=ScriptedLLM("One moment."),
-                         acknowledgment_delay_secs=0.5)
+                         acknowledgment_delay_secs=0.5, **kwargs)
     async with session_for(router) as (session, ends):
         pending: RunResult[Any] = session.run(user_input="what's the forecast?")
         if gated:
@@ -433,11 +436,10 @@ class SaysWithoutStarted(Slow):
 
     def __init__(self, name: str) -> None:
         super().__init__(name, gated=True)
-        self.said = asyncio.Event()
 
     async def answer(self, turn: AgentTurn, *, started: Started) -> DestinationResult:
         await speak("Light rain.")
-        self.said.set()
+        self.entered.set()
         await self.gate.wait()
         return DestinationResult("answer", "Light rain.")
 
@@ -448,32 +450,12 @@ async def test_an_acknowledgment_due_after_the_answer_was_said_is_not_said(
     acknowledgment pending: when it comes due, after the answer's text, it is not said
     (it played after the answer: voice17 F3) but counted as a failed acknowledgment
     and logged naming the fix."""
-    weather = SaysWithoutStarted("weather")
-    with TelemetryCapture() as capture:
-        await _say_without_started(weather, capture, caplog)
-
-
-async def _say_without_started(weather: SaysWithoutStarted, capture: TelemetryCapture,
-                               caplog: pytest.LogCaptureFixture) -> None:
-    clock = ManualClock()
-    router = make_router(weather, decisions=ScriptedDecisions("weather"), clock=clock,
-                         acknowledgment_llm=ScriptedLLM("One moment."),
-                         acknowledgment_delay_secs=0.5, telemetry=capture.telemetry)
-    with caplog.at_level(logging.DEBUG, logger="turnrouter"):
-        async with session_for(router) as (session, ends):
-            pending: RunResult[Any] = session.run(user_input="rain tomorrow?")
-            with anyio.fail_after(5):
-                await weather.said.wait()
-                await clock.wait_for_sleepers()
-            clock.advance(1.0)
-            await clock.settle()                 # the acknowledgment came due
-            weather.gate.set()
-            with anyio.fail_after(5):
-                result = await pending
-            await ends.wait()
-    assert said(result) == ["Light rain."]
-    assert capture.value("turnrouter_acknowledgments_total", route="weather",
-                         outcome="failed", trigger="delay") == 1
+    with TelemetryCapture() as capture, caplog.at_level(logging.DEBUG, logger="turnrouter"):
+        texts = await _acknowledged_run(True, SaysWithoutStarted("weather"),
+                                        telemetry=capture.telemetry)
+        assert capture.value("turnrouter_acknowledgments_total", route="weather",
+                             outcome="failed", trigger="delay") == 1
+    assert texts == ["Light rain."]
     assert any("started=started" in record.getMessage() for record in caplog.records)
 
 

@@ -394,50 +394,35 @@ async def test_silence_is_measured_to_the_first_audio_heard() -> None:
     assert heard == [("heard", "weather", pytest.approx(0.4), pytest.approx(0.4))]
 
 
-async def test_a_barge_in_before_late_audio_records_no_silence() -> None:
+@pytest.mark.parametrize("stop", ["barge-in", "cancel"])
+async def test_a_barge_in_or_hang_up_before_late_audio_records_no_silence(stop: str) -> None:
     """The answer's text went out at once, its audio would start 2 s later, and the user
-    barges in at 1.5 s: nothing was heard, so no silence is recorded and the first
-    response is a lower bound at the barge-in (interrupted before a response). Before,
-    the turn being over, the processor did not tell the router, and the next turn
-    recorded ~0 s at the text's push for a caller who heard nothing (voice7)."""
+    barges in at 1.5 s (or hangs up, CancelFrame, at 0.4 s): nothing was heard, so no
+    silence is recorded and the first response is a lower bound at that moment
+    (interrupted before a response). Before, the turn being over, the processor did not
+    tell the router, and the next turn recorded ~0 s at the text's push for a caller who
+    heard nothing (voice7); a cancel on the call's first turn, before the router knew the
+    call reports audio, recorded the answer heard at its text's push (voice17 F2)."""
     clock = ManualClock()
     observer = RecordingObserver()
     router = build([Agent("weather", "Sunny.")], "weather", clock=clock, telemetry=observer)
     processor = TurnRouterProcessor(router)
     speech = FakeSpeech(clock, ttfb=2.0)
+    at = 1.5 if stop == "barge-in" else 0.4
     async with Pipe(Pipeline([processor, speech])) as pipe:
         await pipe.send(said("alice", "rain?"))
         with anyio.fail_after(10):
             await clock.wait_for_sleepers(1)  # the TTS, on its way to the first audio
-        clock.advance(1.5)
-        await pipe.worker.queue_frame(InterruptionFrame())
-        await pipe.next_down(InterruptionFrame)
-        await pipe.end()
+        clock.advance(at)
+        if stop == "barge-in":
+            await pipe.worker.queue_frame(InterruptionFrame())
+            await pipe.next_down(InterruptionFrame)
+            await pipe.end()
+        else:
+            await pipe.worker.queue_frame(CancelFrame())
+            await pipe.end_wait()
     heard = [event for event in observer.events if event[0].startswith("heard")]
-    assert heard == [("heard_interrupted", "weather", pytest.approx(1.5))]
-
-
-async def test_a_call_cancelled_before_its_first_answer_was_heard_records_a_lower_bound(
-        ) -> None:
-    """The caller hangs up (CancelFrame) after the call's first answer text went out,
-    before its audio (2 s away) began: nothing was heard, so no silence, and the first
-    response is a lower bound at the cancel. The owning processor stopped the router
-    without interrupting first, and the router, not yet knowing the call reports audio
-    (no report had come), recorded the answer heard at its text's push (voice17 F2)."""
-    clock = ManualClock()
-    observer = RecordingObserver()
-    router = build([Agent("weather", "Sunny.")], "weather", clock=clock, telemetry=observer)
-    processor = TurnRouterProcessor(router)
-    speech = FakeSpeech(clock, ttfb=2.0)
-    async with Pipe(Pipeline([processor, speech])) as pipe:
-        await pipe.send(said("alice", "rain?"))
-        with anyio.fail_after(10):
-            await clock.wait_for_sleepers(1)  # the TTS, on its way to the first audio
-        clock.advance(0.4)
-        await pipe.worker.queue_frame(CancelFrame())
-        await pipe.end_wait()
-    heard = [event for event in observer.events if event[0].startswith("heard")]
-    assert heard == [("heard_interrupted", "weather", pytest.approx(0.4))]
+    assert heard == [("heard_interrupted", "weather", pytest.approx(at))]
     assert not [event for event in observer.events if event[0] == "silence"]
 
 
