@@ -653,3 +653,30 @@ async def test_a_pipeline_in_the_wrong_order_is_named_at_its_start(
         assert warned == []
     else:
         assert any(problem in message for message in warned), warned
+
+
+async def test_a_slow_tts_does_not_teach_the_predictor_to_acknowledge_quick_answers(
+        ) -> None:
+    """The answer's text is ready in 0.35 s (under the 0.5 s delay) and the TTS takes
+    1.5 s to its first audio, turn after turn: no acknowledgment is ever said, every
+    answer is heard at 1.85 s. The timing predictor learned the time to the audio
+    before, predicted ~1.9 s, and from the seventh turn on acknowledged early, the
+    acknowledgment's own audio delaying each answer to 3.25 s (voice17 F1)."""
+    clock = ManualClock()
+    agent = Agent("weather", "Light rain.", clock=clock, delay=0.35)
+    router, observer = voice(agent, clock, acknowledgment_delay_secs=0.5,
+                             acknowledgment_llm=ScriptedLLM("One moment."))
+    tts, out = ClockTTS(clock, ttfb=1.5), PlayingOutput(clock)
+
+    def heard() -> list[Any]:
+        return [event for event in observer.events if event[0] == "heard"]
+
+    async with Pipe(TurnRouterProcessor(router), tts, out) as pipe:
+        for turn in range(10):
+            await pipe.send(said("rain tomorrow?"))
+            with anyio.fail_after(20):
+                await run_clock(clock, lambda: len(heard()) > turn)
+            clock.advance(1.0)  # the answer plays; the caller thinks
+        await end_on_clock(pipe, clock)
+    assert "One moment." not in tts.tags
+    assert [event[2] for event in heard()] == [pytest.approx(1.85)] * 10
