@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -671,11 +672,14 @@ async def test_a_slow_tts_does_not_teach_the_predictor_to_acknowledge_quick_answ
     def heard() -> list[Any]:
         return [event for event in observer.events if event[0] == "heard"]
 
+    def heard_all(turns: int) -> Callable[[], bool]:
+        return lambda: len(heard()) >= turns
+
     async with Pipe(TurnRouterProcessor(router), tts, out) as pipe:
         for turn in range(10):
             await pipe.send(said("rain tomorrow?"))
             with anyio.fail_after(20):
-                await run_clock(clock, lambda: len(heard()) > turn)
+                await run_clock(clock, heard_all(turn + 1))
             clock.advance(1.0)  # the answer plays; the caller thinks
         await end_on_clock(pipe, clock)
     assert "One moment." not in tts.tags
