@@ -157,3 +157,13 @@ def test_an_import_refuses_an_applied_patch_its_export_could_not_carry() -> None
     with pytest.raises(ContractValueError, match="applied patch its export could not carry"):
         h.router.import_participant(snapshot)
     assert h.router.export_participant("p1") is None
+
+
+@pytest.mark.parametrize(("field", "junk"), [("context_diverged", 0),
+                                             ("context_diverged", 1)])
+def test_a_bypassed_field_equal_to_its_valid_value_is_stored_valid(
+        field: str, junk: Any) -> None:
+    """A bypassed `context_diverged=0` equals validation's `False`, so the patch was
+    kept as it was, and every later export of the participant warned of an int where a
+    bool belongs (found by the fuzz test above): the validated copy is stored."""
+    anyio.run(_apply_then_move, _bypassed("construct", field, junk), "append")

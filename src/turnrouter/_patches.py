@@ -225,7 +225,12 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
                 f"invalid context patch {_shown(patch)}: {name} hold values that are not "
                 "JSON data (a set, tuple, bytes, or a key that is not text): they would "
                 "read back as something else after a move")
-    return (patch if validated == patch else validated), len(data)
+    # Equal is not enough: a bypassed `context_diverged=0` equals validation's False,
+    # and kept as it was it made every later export warn (an int for a bool).
+    same = validated == patch and all(
+        type(getattr(validated, name)) is type(getattr(patch, name, None))
+        for name in ContextPatch.model_fields)
+    return (patch if same else validated), len(data)
 
 
 def refuse_non_finite(patch: ContextPatch) -> None:
