@@ -187,6 +187,14 @@ class Participant:
     snapshot: bytes | None = None
     """The snapshot JSON of the last record written or claimed (an in-flight mark
     reuses it: nothing but turns and patches change it, and they write a fresh one)."""
+    answered: bool = False
+    """An answer joined the outbox since `snapshot` was exported: its exchange is in
+    the router's history, not in `snapshot`, so the next write exports afresh, an
+    in-flight mark too. A record holding an answer always holds its exchange: a mark
+    queued behind a write the server had not answered (an outage) and built once its
+    turn had finished wrote the answer beside the snapshot of before, and a new owner
+    claiming that record said the answer and ran the next turns without it (chaos17
+    F2: the history missing an answer that was heard)."""
     answering: _Running | None = None
     """The running or finishing turn (`_inputs._Running`) holding the participant's
     latest answer until its record is written: the participant's outputs of later turns
@@ -840,12 +848,14 @@ class Ledger:
         """Revision-checked write of `pid`'s record; False (and fenced) when refused.
 
         `fresh=False` (an in-flight mark) writes the snapshot of the previous write
-        instead of exporting the participant again."""
+        instead of exporting the participant again, unless an answer joined the outbox
+        since (`Participant.answered`)."""
         async with state.lock:
             if state.fenced:
                 return False
-            if fresh or state.snapshot is None:
+            if fresh or state.snapshot is None or state.answered:
                 state.exported = state.changes  # (before the export: changes are sync)
+                state.answered = False
                 state.snapshot = self._router().export_participant_json(pid)
             outbox = state.outbox
             if outbox:
