@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -29,6 +31,7 @@ from turnrouter import (
 from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import (
     NatsConfig,
+    NatsFrontEnd,
     NatsWorker,
     WorkerContext,
     encode_token,
@@ -38,7 +41,7 @@ from turnrouter.telemetry import Telemetry
 
 from .app import Always
 from .conftest import NatsServer, metric_value, until_true
-from .crowd import Heard, listening
+from .crowd import FAILURE, Heard, listening
 from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
@@ -184,3 +187,119 @@ async def test_a_mark_built_after_its_turn_finished_holds_the_exchange(
                 run.cancel()
             async with asyncio.timeout(20):
                 await asyncio.gather(*runs, return_exceptions=True)
+
+
+@pytest.mark.parametrize("answered", ["in the outage", "after the return"])
+async def test_a_turn_running_when_the_store_went_back_ends_once(
+        tmp_path: Path, answered: str) -> None:
+    """The server comes back on an older copy of its store (a backup from two turns
+    ago) while a turn marked in flight runs: the copy knows nothing of it. The
+    partition, pinned afresh, is lost and taken back; the replica finds the record at
+    an older revision of its own (nobody claimed it since) and ends the turn from
+    what it held: its answer, given while the server was away (its write, refused for
+    that older revision, lands over it), or the failure text (the destination was cut
+    by the move before it answered). Exactly one final, and the history holds the
+    answers heard. Before, the refusal and the record were taken for a newer owner's
+    claim: the turn never ended (chaos17 F1: every turn running at such a restart)."""
+    server = NatsServer(sync_always=True)
+    config = NatsConfig(url=server.url, partitions=1)
+    pid = "olga"
+    backup = tmp_path / "store"
+    go, started, said = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def script(ctx: WorkerContext, turn: AgentTurn) -> DestinationResult:
+        if turn.query == "fourth":
+            started.set()
+            await go.wait()
+        text = f"{turn.query} answer"
+        await ctx.answer(turn, "echo", text)
+        if turn.query == "fourth":
+            said.set()
+        return DestinationResult("answer", text)
+
+    def factory(ctx: WorkerContext) -> AgentRouter:
+        return AgentRouter({"echo": Scripted(ctx, script)}, Always(),
+                           default_destination="echo",
+                           telemetry=Telemetry(registry=ctx.registry))
+
+    registry = CollectorRegistry()
+
+    def written() -> float:
+        return metric_value(generate_latest(registry).decode(),
+                            "turnrouter_nats_state_write_seconds_count")
+
+    worker = NatsWorker(factory, config, registry=registry, replica="solo")
+    run = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(15):
+            await worker.ready.wait()
+        async with listening(config) as (front, heard):
+            queries = [UserQuery(participant_id=pid, text=text)
+                       for text in ("first", "second", "third", "fourth")]
+            assert await ask_query(front, heard, queries[0]) == "first answer"
+            await asyncio.to_thread(server.crash)
+            shutil.copytree(server.store, backup)  # the copy the server comes back on
+            await asyncio.to_thread(server.restart)
+            await until_true(lambda: front.connection.is_connected,
+                             "the front end reconnected", within=15)
+            for query in queries[1:3]:
+                assert await ask_query(front, heard, query, within=30) == (
+                    f"{query.text} answer")
+            before = written()
+            await front.publish(queries[3])
+            async with asyncio.timeout(15):
+                await started.wait()
+            await until_true(lambda: written() > before, "the turn marked in flight",
+                             within=15)
+            await asyncio.to_thread(server.crash)
+            if answered == "in the outage":
+                go.set()
+                async with asyncio.timeout(15):
+                    await said.wait()  # held: its record write waits for the server
+            shutil.rmtree(server.store)
+            shutil.copytree(backup, server.store)
+            await asyncio.to_thread(server.restart)
+            await until_true(lambda: front.connection.is_connected,
+                             "the front end reconnected", within=15)
+            # The partition is served again (another participant answered).
+            assert await ask(front, heard, "other", "hello", within=30) == "hello answer"
+            go.set()
+            await until_true(lambda: queries[3].message_id in finals(heard, pid),
+                             "the running turn ended", within=30)
+            if answered == "after the return":  # (cut by the move first)
+                queries.pop()
+            assert [o.text for o in heard.said[pid] if o.final] == [
+                *(f"{q.text} answer" for q in queries),
+                *([FAILURE] if len(queries) == 3 else [])]
+            nc = await nats.connect(server.url)
+            try:
+                kv = await nc.jetstream().key_value(config.bucket)
+                record = parse_record((await kv.get(f"0.{encode_token(pid)}")).value
+                                      or b"")
+            finally:
+                await nc.close()
+            assert record.snapshot is not None
+            assert [x.turn_id for x in ParticipantSnapshot.from_json(
+                record.snapshot).history] == [q.message_id for q in queries]
+    finally:
+        worker.request_stop()
+        go.set()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+        server.close()
+
+
+async def ask_query(front: NatsFrontEnd, heard: Heard, query: UserQuery, *,
+                    within: float = 15) -> str:
+    """Publish `query`; its final output's text (a wait of at most `within` s)."""
+    event = heard.events.setdefault(query.message_id, asyncio.Event())
+    await front.publish(query)
+    async with asyncio.timeout(within):
+        await event.wait()
+    return heard.finals[query.message_id][0].text
+
+
+async def ask(front: NatsFrontEnd, heard: Heard, pid: str, text: str, *,
+              within: float = 15) -> str:
+    return await ask_query(front, heard, UserQuery(participant_id=pid, text=text),
+                           within=within)
