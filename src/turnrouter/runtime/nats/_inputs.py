@@ -513,6 +513,7 @@ class Inputs:
                 held = run.held
                 if held is not None:
                     state.outbox.append(held)
+                    state.answered = True  # (its exchange: in the next write's snapshot)
                 if state.fenced:
                     run.settle(False)
                 else:

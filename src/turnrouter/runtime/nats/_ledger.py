@@ -83,9 +83,11 @@ _REWRITE_FOR = 10.0
 
 async def _settled_write(link: Link, kv: Any, key: str, subject: str, data: bytes,
                          revision: int, config: NatsConfig, failed: Exception | None,
-                         since: float) -> tuple[int | None, Any, Exception | None, bool]:
+                         since: float, replica: str
+                         ) -> tuple[int | None, Any, Exception | None, bool]:
     """The rest of a revision-checked record write whose first try `failed` (None: it
-    was refused because the record is gone, so this writes it anew, `revision` 0):
+    was refused because the record is gone, so this writes it anew, `revision` 0, or
+    for an older revision, `revision` being the one it expected):
     `(revision, error, failure, remade)`; `failure` is the last error when no try got a
     reply in time, `remade` says the record was found gone and written anew.
 
@@ -104,6 +106,10 @@ async def _settled_write(link: Link, kv: Any, key: str, subject: str, data: byte
     - refused because no record is there at all (`_vanished`; another replica's claim,
       write or delete leaves a newer revision, not none): written anew from what this
       replica holds, so the participant keeps their history and the turn its answer.
+    - refused because the record went back to an older revision that this replica
+      wrote (`_went_back`: a server back on an older copy of its store; nobody claimed
+      it since): written again over that revision, as above (chaos17 F1: the write was
+      taken for fenced, and the turn's answer dropped with no ending at all).
     A refusal for a newer revision not this write's is returned as the server's error
     (fenced); a reply that is not a JetStream acknowledgement ends the write as failed."""
     deadline = since + min(_REWRITE_FOR, config.reconnect_for)
@@ -143,7 +149,48 @@ async def _settled_write(link: Link, kv: Any, key: str, subject: str, data: byte
                 return None, None, exc, False
             if entry is not None and (entry.value or b"") == data:
                 return entry.revision, None, None, remade
+        back = await _went_back(kv, key, replica, error, revision)
+        if back and time.perf_counter() < deadline:
+            revision, failed, remade = back, None, True
+            continue
         return None, error, None, False
+
+
+def _last_sequence(error: object) -> int | None:
+    """The record's last sequence a `wrong last sequence` refusal names (None: another
+    error, or none named)."""
+    if not (isinstance(error, dict) and error.get("err_code") in _WRONG_LAST):
+        return None
+    description = error.get("description")
+    if not isinstance(description, str):
+        return None
+    tail = description.rstrip().rpartition(":")[2].strip()
+    return int(tail) if tail.isdigit() and len(tail) < 20 else None
+
+
+def _older(error: object, revision: int) -> bool:
+    """Whether a write expecting `revision` was refused for an older one (not 0)."""
+    last = _last_sequence(error)
+    return last is not None and 0 < last < revision
+
+
+async def _went_back(kv: Any, key: str, replica: str, error: object,
+                     revision: int) -> int | None:
+    """The older revision record `key` went back to, when a write expecting `revision`
+    was refused for it and that revision is this replica's own (a server back on an
+    older copy of its store): the record was not claimed since, so this replica may
+    write over it. None otherwise: a newer revision, or another replica's (fenced; on
+    a store gone back, sequences may run below this replica's revision too)."""
+    if not _older(error, revision):
+        return None
+    try:
+        entry = await kv.get(key)
+        record = parse_record(entry.value or b"")
+    except (NatsError, ValueError):
+        return None
+    if entry.revision is None or entry.revision >= revision or record.owner != replica:
+        return None
+    return int(entry.revision)
 
 
 def _vanished(error: object) -> bool:
@@ -190,6 +237,14 @@ class Participant:
     snapshot: bytes | None = None
     """The snapshot JSON of the last record written or claimed (an in-flight mark
     reuses it: nothing but turns and patches change it, and they write a fresh one)."""
+    answered: bool = False
+    """An answer joined the outbox since `snapshot` was exported: its exchange is in
+    the router's history, not in `snapshot`, so the next write exports afresh, an
+    in-flight mark too. A record holding an answer always holds its exchange: a mark
+    queued behind a write the server had not answered (an outage) and built once its
+    turn had finished wrote the answer beside the snapshot of before, and a new owner
+    claiming that record said the answer and ran the next turns without it (chaos17
+    F2: the history missing an answer that was heard)."""
     answering: _Running | None = None
     """The running or finishing turn (`_inputs._Running`) holding the participant's
     latest answer until its record is written: the participant's outputs of later turns
@@ -629,7 +684,8 @@ class Ledger:
             # (answers held by those cut short included) not yet acknowledged; the
             # history they go with, for answers not recorded yet (`let_go`).
             done = await let_go(self, pid, state.partition, Participant(
-                partition=state.partition, inflight=inflight, outbox=list(state.outbox),
+                partition=state.partition, revision=state.revision, inflight=inflight,
+                outbox=list(state.outbox),
                 changes=state.changes, saved=state.saved, waiting=state.waiting), kept)
         except Exception as exc:  # the other participants are still dropped
             logger.warning("turnrouter: ending a lost participant's turns failed: %r", exc)
@@ -843,12 +899,14 @@ class Ledger:
         """Revision-checked write of `pid`'s record; False (and fenced) when refused.
 
         `fresh=False` (an in-flight mark) writes the snapshot of the previous write
-        instead of exporting the participant again."""
+        instead of exporting the participant again, unless an answer joined the outbox
+        since (`Participant.answered`)."""
         async with state.lock:
             if state.fenced:
                 return False
-            if fresh or state.snapshot is None:
+            if fresh or state.snapshot is None or state.answered:
                 state.exported = state.changes  # (before the export: changes are sync)
+                state.answered = False
                 state.snapshot = self._router().export_participant_json(pid)
             outbox = state.outbox
             if outbox:
@@ -874,14 +932,18 @@ class Ledger:
                     {"Nats-Expected-Last-Subject-Sequence": str(state.revision)}))
             except (RequestFailed, ValueError) as exc:
                 seq, error, failed = None, None, exc
-            if failed is not None or (seq is None and state.revision and _vanished(error)):
+            vanished = seq is None and bool(state.revision) and _vanished(error)
+            if failed is not None or vanished or (
+                    seq is None and _older(error, state.revision)):
                 # No reply (sent again), or the record is gone without a trace (another
                 # replica's claim, write or delete leaves one: the bucket was made
-                # again), written again from what this replica holds, not dropping the
+                # again) or back at an older revision of this replica's (a store gone
+                # back), written again from what this replica holds, not dropping the
                 # participant.
                 seq, error, failure, remade = await _settled_write(
                     self._link, self._kv, subject[len(self._subject):], subject, data,
-                    state.revision if failed else 0, self._config, failed, t0)
+                    0 if vanished else state.revision, self._config, failed, t0,
+                    self._replica)
                 if remade:
                     _remade(self)
             if failure is not None:
@@ -927,9 +989,11 @@ def _remade(ledger: Ledger) -> None:
     if ledger._metrics is not None:
         ledger._metrics.deployment_missing.labels("record").inc()
     if is_logged(ledger.records_remade):
-        logger.warning("turnrouter: a participant's record was gone from bucket %s "
-                       "(deleted and made again?): written again from this replica's "
-                       "state (%d so far)", ledger._config.bucket, ledger.records_remade)
+        logger.warning("turnrouter: a participant's record was gone from bucket %s, or "
+                       "back at an older revision of this replica's (deleted and made "
+                       "again? a server back on an older copy of its store?): written "
+                       "again from this replica's state (%d so far)",
+                       ledger._config.bucket, ledger.records_remade)
 
 
 def _oversized(ledger: Ledger) -> None:
@@ -1071,25 +1135,36 @@ async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = No
     # Answers this replica held and had not recorded (their write was fenced by the
     # move): said rather than the failure text, their exchanges in the held history.
     fresh: list[Ending] = []
+    known = {*record.ended, *(e[0] for e in record.outbox)}
     if held is not None and held.outbox and kept is not None:
-        known = {*record.ended, *(e[0] for e in record.outbox)}
         exchanges = {item.turn_id for item in kept.history}
         fresh = [e for e in held.outbox if e[0] not in known and e[0] in exchanges]
     # Changes made outside turns (context patches) that no record holds: written with
     # the held history, while this replica is still the record's last writer.
     changed = held is not None and kept is not None and held.changes != held.saved
+    # The record went back to an older revision of this replica's (a server back on an
+    # older copy of its store): the turns it held in flight are in no record, and
+    # nobody else ends them (chaos17 F1: they never ended). Ended here, with the
+    # history it held.
+    back = held is not None and record.owner == ledger._replica and (
+        0 < (entry.revision or 0) < held.revision)
+    lost = [turn for turn in held.inflight if turn not in known
+            and turn not in record.inflight and turn not in {e[0] for e in fresh}] if (
+        back and held is not None) else []
+    changed = changed or (back and kept is not None)
     if record.owner != ledger._replica or not (
-            record.inflight or record.outbox or fresh or changed):
+            record.inflight or record.outbox or fresh or changed or lost):
         return True  # claimed since (the claim ended them), or nothing left
     if pid in ledger.people or pid in ledger._claiming:
         return True
     outbox = ledger.sound([*record.outbox, *fresh])
-    if not record.inflight and not fresh and not changed:
+    if not record.inflight and not fresh and not changed and not lost:
         await ledger.say_again(pid, n, outbox)  # nothing to end, endings maybe unheard
         return True
-    unfinished = _unfinished(record.inflight, outbox, ledger._config, ledger._metrics)
+    unfinished = _unfinished([*record.inflight, *lost], outbox, ledger._config,
+                             ledger._metrics)
     ended = dict.fromkeys([*record.ended, *(e[0] for e in outbox),
-                           *record.inflight])
+                           *record.inflight, *lost])
     snapshot = kept.to_json() if (fresh or changed) and kept is not None else (
         record.snapshot)
     value, unfinished, _cut = fitted_record(
