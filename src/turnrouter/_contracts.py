@@ -503,8 +503,8 @@ def checked_shape(decision: RouteDecision) -> bool:
             and (not rationale or rationale.isascii())
             # Any read-only mapping passed before (bounds17 M2: a str score failed the
             # turn instead of counting a decision failure): its items' types too.
-            and (not scores or (all(type(score) is float for score in scores.values())
-                                and all(type(route) is str for route in scores))))
+            and all(type(route) is str and type(score) is float
+                    for route, score in scores.items()))
 
 
 def say_through(callback: Callable[[AgentTurn, str, str], Awaitable[None]],

@@ -407,8 +407,7 @@ class RouteTimingPredictor:
         """Add one sample (censored samples count as lower bounds), and to its feature
         class: `sample.feature`, else the class of `turn`."""
         seconds = sample.seconds
-        if not (type(seconds) is float and 0.0 <= seconds < math.inf) and not (
-                finite(seconds) and seconds >= 0):
+        if not (finite(seconds) and seconds >= 0):
             self._overflow["invalid"] += 1
             return
         model = self._routes.get(sample.route)

@@ -6,8 +6,10 @@ the server crashed and came back, and after names on the presence subject stoppe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
+from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client
@@ -86,6 +88,38 @@ async def until_skewed(workers: list[Worker], within: float) -> list[float]:
     raise AssertionError(f"the names did not skew the split: {seen}")
 
 
+@contextlib.asynccontextmanager
+async def even_fleet(*names: str) -> AsyncIterator[tuple[NatsServer, list[Worker], Client]]:
+    """A server and a worker per name, their split even, and a client connection (the
+    forged names' publisher); all closed at the end."""
+    server = NatsServer()
+    workers: list[Worker] = []
+    nc: Client | None = None
+    try:
+        for name in names:
+            workers.append(await asyncio.to_thread(Worker, server.url, name))
+        await until_even(workers, 30)
+        nc = await nats.connect(server.url)
+        yield server, workers, nc
+    finally:
+        if nc is not None:
+            await nc.close()
+        for worker in workers:
+            worker.close()
+        server.close()
+
+
+@contextlib.asynccontextmanager
+async def haunted(nc: Client) -> AsyncIterator[None]:
+    """`ghosts(nc)` announcing for the duration of the block, then stopped."""
+    haunting = asyncio.create_task(ghosts(nc))
+    try:
+        yield
+    finally:
+        haunting.cancel()
+        await asyncio.gather(haunting, return_exceptions=True)
+
+
 async def test_names_that_stop_announcing_leave_no_lasting_skew() -> None:
     """A worker-credentialed publisher announces 40 names claiming no partition: the
     replicas hand partitions over for them, get them back unclaimed and back off, one
@@ -93,28 +127,11 @@ async def test_names_that_stop_announcing_leave_no_lasting_skew() -> None:
     within SHED_BACKOFF_SECS (10 s) of their last announcement plus the handovers
     (~13 s measured; bound here 30 s). Before, the handovers that came back doubled
     the backoff to 5 min within seconds and the split stayed 15/1 for minutes."""
-    server = NatsServer()
-    workers: list[Worker] = []
-    nc: Client | None = None
-    try:
-        for name in ("s0", "s1"):
-            workers.append(await asyncio.to_thread(Worker, server.url, name))
-        await until_even(workers, 30)
-        nc = await nats.connect(server.url)
-        haunting = asyncio.create_task(ghosts(nc))
-        try:
+    async with even_fleet("s0", "s1") as (_, workers, nc):
+        async with haunted(nc):
             await until_skewed(workers, 60)
-        finally:
-            haunting.cancel()
-            await asyncio.gather(haunting, return_exceptions=True)
         await nc.flush()
         await until_even(workers, 30)  # the names stopped: even again, not in minutes
-    finally:
-        if nc is not None:
-            await nc.close()
-        for worker in workers:
-            worker.close()
-        server.close()
 
 
 async def until_owning(worker: Worker, within: float) -> None:
@@ -136,14 +153,7 @@ async def test_a_replica_restarted_while_names_claim_no_partition_gets_its_share
     here 25 s), then its half. Before, the restarted replica's own `owned: 0` (it has no
     partition yet) kept the doubled backoff going to its end: no partition for 1 to 5
     minutes after the names stopped (redteam16 F2)."""
-    server = NatsServer()
-    workers: list[Worker] = []
-    nc: Client | None = None
-    try:
-        for name in ("r0", "r1"):
-            workers.append(await asyncio.to_thread(Worker, server.url, name))
-        await until_even(workers, 30)
-        nc = await nats.connect(server.url)
+    async with even_fleet("r0", "r1") as (server, workers, nc):
         heard_again, restarted = asyncio.Event(), [""]
 
         async def on_presence(msg: Msg) -> None:
@@ -151,8 +161,7 @@ async def test_a_replica_restarted_while_names_claim_no_partition_gets_its_share
                 heard_again.set()
 
         await nc.subscribe("turnrouter.presence", cb=on_presence)
-        haunting = asyncio.create_task(ghosts(nc))
-        try:
+        async with haunted(nc):
             seen = await until_skewed(workers, 60)
             other = 1 - seen.index(max(seen))
             workers[other].signal(signal.SIGTERM)  # a rollout: stopped, started again
@@ -161,18 +170,9 @@ async def test_a_replica_restarted_while_names_claim_no_partition_gets_its_share
             restarted[0] = f"r{other}"
             workers[other] = await asyncio.to_thread(Worker, server.url, restarted[0])
             await asyncio.wait_for(heard_again.wait(), 10)  # its presence is out
-        finally:
-            haunting.cancel()
-            await asyncio.gather(haunting, return_exceptions=True)
         await nc.flush()
         await until_owning(workers[other], 25)  # the names stopped: not in minutes
         await until_even(workers, 30)
-    finally:
-        if nc is not None:
-            await nc.close()
-        for worker in workers:
-            worker.close()
-        server.close()
 
 
 def heard(worker: Worker) -> tuple[float, float]:

@@ -36,10 +36,8 @@ import http.client
 import importlib
 import json
 import math
-import os
 import re
 import socket
-import stat
 import sys
 import threading
 import urllib.error
@@ -51,6 +49,7 @@ from pathlib import Path
 from typing import IO, Protocol, TextIO
 
 from .._config import MAX_ROUTE_CHARS
+from .._paths import open_regular
 from .._redact import redact_url
 from .._timing import RouteTimingPredictor, TimingSample
 from ..ops._rules import DEAD_AIR_SECONDS
@@ -439,16 +438,12 @@ def read_samples(path: str, routes: set[str] | None) -> list[TimingSample]:
     non-UTF-8, too deep, too long)."""
     try:
         # Without waiting: a FIFO with no writer would block tune for ever.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        handle = open_regular(path, "rb")
     except ValueError as exc:  # a NUL or a lone surrogate in the path
         raise ValueError(f"{printable(path)}: cannot open: {exc}") from exc
     except OSError as exc:
         raise ValueError(f"{printable(path)}: cannot open: "
                          f"{exc.strerror or exc}") from exc
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError(f"{printable(path)}: not a regular file")
-    handle = os.fdopen(fd, "rb")
     try:
         return _samples_of(handle, path, routes)
     except OSError as exc:  # e.g. /proc/self/mem: an I/O error, named with its file

@@ -90,8 +90,8 @@ _OWNERS: dict[int, weakref.WeakSet[TurnRouterProcessor]] = {}
 
 
 def _note_owner(processor: TurnRouterProcessor) -> None:
-    """Remember `processor`, when it owns its router, as its owner; a WARNING when another processor
-    not ended yet owns the same router: the first call to end stops the router for
+    """Remember `processor` as its router's owner (when it owns it); a WARNING when
+    another processor not ended yet owns the same router: the first call to end stops the router for
     both, and the other call's participants lose their history and focus mid-call
     (voice17 F5)."""
     if not processor.owns_router:
@@ -1222,16 +1222,8 @@ class TurnRouterProcessor(FrameProcessor):
 
     def _output_downstream(self) -> bool:
         """Whether an output transport follows (walking the linked processors)."""
-        node: FrameProcessor | None = (
-            self._speaker if self._speaker.next is not None else self)
-        for _ in range(_MAX_WALK):
-            assert node is not None
-            node = node.next
-            if node is None:
-                return False
-            if isinstance(node, BaseOutputTransport):
-                return True
-        return False
+        start = self._speaker if self._speaker.next is not None else self
+        return any(isinstance(node, BaseOutputTransport) for node in _walk(start, False))
 
     async def _push_through(self, frame: Frame) -> None:
         """Push a frame downstream and, with the speaker linked, wait (bounded) until it

@@ -35,6 +35,7 @@ import anyio
 import anyio.to_thread
 
 from .._exceptions import ConfigurationError
+from .._headers import HEADER_NAME
 from .._numbers import finite
 from .._redact import preview, redact_text, redact_url, strip_reasoning, strip_surrogates
 from ._errors import LLMError
@@ -139,10 +140,6 @@ class _HTTPS(http.client.HTTPSConnection):
         self.sock = tls
         self._call.hold(tls)
         tls.do_handshake()
-
-
-#: An HTTP header name (RFC 9110 `token`).
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def _check_header_value(value: object, where: str) -> None:
@@ -259,7 +256,7 @@ class OpenAIChatClient:
         _check_header_value(self._api_key, "api_key" if api_key is not None
                             else "$OPENAI_API_KEY")
         for name, value in dict(headers or {}).items():
-            if not (isinstance(name, str) and _TOKEN.fullmatch(name)):
+            if not (isinstance(name, str) and HEADER_NAME.fullmatch(name)):
                 raise ConfigurationError(f"OpenAIChatClient headers: {preview(name)} is not "
                                          "an HTTP header name")
             _check_header_value(value, f"headers[{name!r}]")

@@ -35,6 +35,7 @@ from ..._exceptions import (
     LifecycleError,
     TurnrouterError,
 )
+from ..._headers import HEADER_NAME
 from ..._redact import preview
 from ...telemetry._telemetry import current_carrier
 from .._messages import Interrupted, ResponseOutput, RuntimeMessage
@@ -702,7 +703,6 @@ async def _deployment_exists(nc: Client, config: NatsConfig) -> bool:
 #: values) in bytes, within the 4 KiB a message's headers have beside its body.
 MAX_HEADER_NAME = 256
 MAX_EXTRA_HEADERS = 2048
-_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 #: Control characters past ASCII (C1) and the Unicode line and paragraph separators.
@@ -723,7 +723,7 @@ def _check_headers(headers: Mapping[str, str]) -> None:
                 f"publish() header {preview(key)}: Nats-* headers belong to the server "
                 "and to this front end (its Nats-Msg-Id makes a retry run once); pass "
                 "trace context and headers of your own only")
-        if len(key) > MAX_HEADER_NAME or not _HEADER_NAME.fullmatch(key):
+        if len(key) > MAX_HEADER_NAME or not HEADER_NAME.fullmatch(key):
             raise ContractValueError(
                 f"publish() header {preview(key)} is not a header name: 1 to "
                 f"{MAX_HEADER_NAME} letters, digits or !#$%&'*+-.^_`|~")
