@@ -1472,3 +1472,55 @@ async def test_a_participant_id_is_checked_by_its_text_not_a_subclass_length() -
     assert snapshot is not None and snapshot.participant_id == "p1"
     with pytest.raises(ContractValueError, match="participant_id must not be empty"):
         h.router.export_participant("")
+
+
+@settings(max_examples=150, deadline=None)
+@given(at=st.one_of(st.floats(), st.integers(-10**400, 10**400), fuzz.JUNK))
+def test_mark_heard_takes_only_a_finite_clock_reading(at: object) -> None:
+    """Any `at`: a finite number is taken (capped at now: the recorded first response
+    is finite and at most the time since the answer started), anything else raises a
+    contract error naming `at` and leaves the measurement open."""
+
+    async def run() -> None:
+        clock = ManualClock()
+        h = Harness(ScriptedAgent("conversation"), clock=clock)
+        await h.router.route_turn(h.turn(), report_heard=True)
+        clock.advance(0.5)
+        if _finite_reading(at):
+            assert h.router.mark_heard("p1", "t1", at) is True  # type: ignore[arg-type]
+        else:
+            with pytest.raises((ContractTypeError, ContractValueError), match="at must be"):
+                h.router.mark_heard("p1", "t1", at)  # type: ignore[arg-type]
+            assert h.router.mark_heard("p1", "t1") is True  # still open
+        (heard,) = _heard(h)
+        seconds = heard[2]
+        assert isinstance(seconds, float) and 0.0 <= seconds <= 0.5
+
+    anyio.run(run)
+
+
+def _finite_reading(at: object) -> bool:
+    """Whether `at` is None or a number finite as a float (a bool is not a number)."""
+    if at is None:
+        return True
+    if isinstance(at, bool) or not isinstance(at, int | float):
+        return False
+    try:
+        return math.isfinite(at)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+@settings(max_examples=150, deadline=None)
+@given(carrier=fuzz.JUNK | st.dictionaries(fuzz.ANY_TEXT, fuzz.JUNK, max_size=3))
+def test_continue_trace_takes_only_a_mapping_of_text(carrier: object) -> None:
+    """Any carrier: a mapping of str to str is entered (a malformed traceparent is
+    ignored by the propagator), anything else is a `ContractTypeError`, never an error
+    from inside the propagator."""
+    h = Harness(ScriptedAgent("conversation"))
+    if isinstance(carrier, dict) and all(
+            isinstance(key, str) and isinstance(value, str) for key, value in carrier.items()):
+        with h.router.continue_trace(carrier):
+            return
+    with pytest.raises(ContractTypeError, match="continue_trace"):
+        h.router.continue_trace(carrier)  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from turnrouter import CLARIFY, AgentTurn, RouteRequest, RoutingAid
+from turnrouter import CLARIFY, AgentTurn, ConfigurationError, RouteRequest, RoutingAid
 from turnrouter.decisions import ClassifierDecisions, parse_classifier_output
 from turnrouter.llm import LLMError, OpenAIChatClient, TemplateAcknowledger
 from turnrouter.testing import ScriptedLLM
@@ -263,3 +263,31 @@ def test_broken_http_framing(raw_server: RawReplyServer, reply: bytes) -> None:
     outcome = complete(raw_server.url + "/v1")
     assert isinstance(outcome, LLMError)
     check(outcome)
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.one_of(ANY_TEXT, HUGE_TEXT, st.integers()),
+       headers=st.dictionaries(st.one_of(ANY_TEXT, st.integers()),
+                               st.one_of(ANY_TEXT, st.none(), st.integers()), max_size=3))
+def test_credentials_are_accepted_only_when_a_header_can_carry_them(
+        key: Any, headers: dict[Any, Any]) -> None:
+    """Any `api_key` and `headers=`: accepted only when every value is one line of
+    Latin-1 without control characters and every name a header name; else a
+    `ConfigurationError` that never shows a value (a key with its newline was refused
+    only at the first call, in an error quoting the key's bytes: bounds17 H4)."""
+    values = [value for value in (key, *headers.values()) if value is not None]
+    carried = all(isinstance(value, str) and all(32 <= ord(ch) <= 255 and ord(ch) != 127
+                                                 for ch in value) for value in values)
+    names = all(isinstance(name, str) and re.fullmatch(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", name)
+                for name in headers)
+    if carried and names:
+        OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", api_key=key,
+                         headers=headers)
+        return
+    with pytest.raises(ConfigurationError) as refused:
+        OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", api_key=key,
+                         headers=headers)
+    shown = str(refused.value)
+    names_shown = {str(name) for name in headers}  # a name may be shown, never a value
+    assert not [value for value in values if isinstance(value, str) and len(value) >= 8
+                and value in shown and not any(value in name for name in names_shown)]
