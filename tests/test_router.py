@@ -192,6 +192,46 @@ async def test_two_declines_fall_back_to_default_without_admission() -> None:
     assert ("default_fallback", "conversation") in h.observer.turns["t1"]
 
 
+@pytest.mark.parametrize("reroute", ["weather", "clarify", "ghost"])
+async def test_a_decline_the_reroute_finds_nothing_after_falls_back_to_default(
+        reroute: str) -> None:
+    """The selected destination declined and the reroute chose nothing (a decision
+    service naming the declined route again, `clarify` without scores, an unknown
+    name): declines are exhausted, so the eligible default answers once without
+    admission (the contract: "If selected destinations decline through those
+    attempts, the configured eligible default gets one final answer attempt"), instead
+    of asking a user whose one domain route declined to rephrase (contract18 F1)."""
+    h = Harness(ScriptedAgent("weather", admissions="decline"),
+                decisions=ScriptedDecisions("weather", reroute))
+    result = await h.say()
+    assert result.text == "conversation answer"
+    assert h["conversation"].methods() == ["answer"]
+    assert h["weather"].methods() == ["admit"]
+    assert len(h.decisions.requests) == 2
+    assert ("default_fallback", "conversation") in h.observer.turns["t1"]
+    assert h.output.texts == []
+
+
+async def test_nothing_chosen_after_a_release_or_a_focus_owners_decline_is_clarified(
+        ) -> None:
+    """Only a routed choice's decline makes the default's fallback: a release returns
+    the query to ordinary routing, and the focus owner's admission is not a routing
+    attempt, so a routing that then chooses nothing asks for clarification."""
+    released = Harness(ScriptedAgent("weather", admissions="release"),
+                       decisions=ScriptedDecisions("weather", "clarify"))
+    assert (await released.say()).disposition == "clarify"
+    assert released["conversation"].calls == []
+    assert ("clarification", "low_confidence") in released.observer.turns["t1"]
+    owner = Harness(ScriptedAgent("booking", admissions=["accept", "decline"],
+                                  results="focus"),
+                    decisions=ScriptedDecisions("booking", "clarify"))
+    await owner.say("book")
+    assert owner.router.focus_of("p1") == "booking"
+    assert (await owner.say("what?")).disposition == "clarify"
+    assert owner["conversation"].calls == []
+    assert owner.router.focus_of("p1") == "booking"
+
+
 async def test_default_that_declined_this_turn_is_not_retried() -> None:
     """If the default already declined this turn, exhausted declines end in clarification."""
     h = Harness(ScriptedAgent("conversation", admissions="decline"),

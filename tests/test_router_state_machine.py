@@ -160,6 +160,7 @@ class RouterMachine(RuleBasedStateMachine):
                     self.focus[pid] = None
                     releases.append(owner)
         attempts = 0
+        declined = False  # a routed choice declined: nothing chosen after it -> default
         for spec in picks[:2]:
             candidates = [r for r in ROUTES if agents[r].eligible and r not in excluded]
             if not candidates:
@@ -168,6 +169,8 @@ class RouterMachine(RuleBasedStateMachine):
             self.script.append(spec)
             chosen = _resolve(spec, candidates)
             if chosen is None:
+                if declined:
+                    break
                 return Expected("clarify", None, releases)
             used.add(chosen)
             disposition = agents[chosen].admission
@@ -176,6 +179,7 @@ class RouterMachine(RuleBasedStateMachine):
             if disposition == "clarify":
                 return Expected("clarify", None, releases)
             excluded.add(chosen)
+            declined = declined or disposition == "decline"
             if disposition == "release":
                 if self.focus.get(pid) == chosen:
                     self.focus[pid] = None

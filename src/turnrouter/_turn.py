@@ -112,6 +112,8 @@ class Turn(TurnRun):
     route: str | None = None
     answered_by: str | None = None
     attempts = 0
+    #: A routed choice declined this turn (not the focus owner, not a release).
+    declined = False
     started = False
     output_failed = False
     obs: TurnObserver = NULL_TURN_OBSERVER
@@ -269,6 +271,11 @@ class Turn(TurnRun):
                                frozenset(excluded) if excluded else _NOTHING_EXCLUDED)
             chosen, reason = await self._choose(request, aids, excluded)
             if chosen is None:
+                if self.declined and reason == "low_confidence":
+                    # The selected destination declined and the reroute found nothing
+                    # else: declines exhausted, the default's one answer (contract11's
+                    # "decline through those attempts"; contract18 F1).
+                    break
                 assert reason is not None
                 return await self._clarify(CLARIFY_ROUTE, "", reason)
             result = await self._offer(chosen, state.focus == chosen, excluded)
@@ -376,7 +383,10 @@ class Turn(TurnRun):
             return await self._clarify(route, admission.text, "destination")
         excluded.add(route)
         self.obs.reroute(Rerouted(route))
-        if disposition == "release":
+        if disposition == "decline":
+            if not focused:
+                self.declined = True
+        else:
             await self.say(route, admission.text)
             if state.focus == route:
                 state.focus = None
