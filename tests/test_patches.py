@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -743,3 +743,60 @@ async def test_a_patch_stamped_in_an_earlier_session_past_this_ones_version_is_r
         await h.router.apply_context_patch("p1", late)
     assert [e.user for e in h.router.history_of("p1")] == ["hello again"]
     assert ("context_patch", "append", "refused") in h.observer.events
+
+
+def test_a_patchs_sequences_equal_lists_and_cannot_change_in_place() -> None:
+    """The reference types `digest`, `artifacts`, `sources`, `recommended_next_steps` and
+    `assumptions` as lists: they compare equal to lists (`digest == ["..."]`, the
+    defaults `== []`) and dump as lists, while a held or merged patch still cannot be
+    changed in place (contract18 F4: `digest == [...]` was False)."""
+    patch = ContextPatch(task_id="t", digest=["Table for two booked"],
+                         artifacts=[{"url": "https://example.com/r/1"}],
+                         recommended_next_steps=["confirm"])
+    assert patch.digest == ["Table for two booked"]
+    assert ["Table for two booked"] == patch.digest  # noqa: SIM300 (the reflected ==)
+    assert patch.digest != ["something else"]
+    assert tuple(patch.digest) == ("Table for two booked",)
+    assert patch.artifacts == [{"url": "https://example.com/r/1"}]
+    assert patch.recommended_next_steps == ["confirm"]
+    empty = ContextPatch(task_id="t")
+    assert (empty.digest, empty.artifacts, empty.sources, empty.recommended_next_steps,
+            empty.assumptions) == ([], [], [], [], [])
+    dumped = patch.model_dump()
+    assert dumped["digest"] == ["Table for two booked"] and type(dumped["digest"]) is list
+    assert type(dumped["sources"]) is list
+    assert ContextPatch.model_validate_json(patch.model_dump_json()) == patch
+    assert "digest=['Table for two booked']" in repr(patch)
+    with pytest.raises(AttributeError):
+        cast(Any, patch.digest).append("more")
+    assert len({patch.digest, ("Table for two booked",)}) == 1  # hashable, as a tuple
+
+
+async def test_a_pending_patch_builds_as_the_reference_dataclass_does() -> None:
+    """`PendingContextPatch(patch_id, task_id, patch, strategy, created_at)` by position
+    or keyword, as the reference's dataclass (contract18 F5: positional arguments were
+    refused and `participant_id` was required); too many positional arguments, or one
+    given twice, is a `TypeError` as for any call. Without a participant, a snapshot's
+    pending patch is its participant's: imported, asked about and approved there."""
+    payload = ContextPatch(task_id="book-1", digest=["Table for two at 8"])
+    held = PendingContextPatch("x1", "book-1", payload, MergeStrategy.HUMAN_GATED, 12.5)
+    assert (held.patch_id, held.task_id, held.patch, held.strategy, held.created_at,
+            held.participant_id) == ("x1", "book-1", payload, "human_gated", 12.5, None)
+    by_name = PendingContextPatch(patch_id="x1", task_id="book-1", patch=payload,
+                                  strategy=MergeStrategy.HUMAN_GATED)
+    assert by_name.created_at == pytest.approx(time.time(), abs=60)
+    with pytest.raises(TypeError, match="takes 5 positional arguments but 6"):
+        PendingContextPatch("x1", "book-1", payload, "human_gated", 1.0, "p1")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="multiple values for argument 'task_id'"):
+        PendingContextPatch("x1", "book-1", task_id="again", patch=payload)  # type: ignore[misc]
+    with pytest.raises(ContractValueError, match="patch_id"):
+        PendingContextPatch("", "book-1", payload)
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    exported = h.router.export_participant("p1")
+    assert exported is not None
+    h.router.import_participant(exported.model_copy(update={"pending": (held,)}))
+    assert [p.participant_id for p in h.router.pending_patches("p1")] == ["p1"]
+    applied = await h.router.approve_patch("x1")
+    assert applied.participant_id == "p1" and applied.patch.digest == ["Table for two at 8"]
+    assert h.router.history_of("p1")[-1].assistant == "Table for two at 8"

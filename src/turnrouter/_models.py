@@ -12,7 +12,7 @@ model keeps its fields' own constructor signature.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -36,9 +36,13 @@ def contract_error(what: str, exc: ValidationError) -> ContractValueError:
 if TYPE_CHECKING:
     class ContractModel(BaseModel):
         """A pydantic model whose constructor raises `ContractValueError` for bad fields."""
+
+        _POSITIONAL: ClassVar[tuple[str, ...]] = ()
 else:
     class _ContractMeta(type(BaseModel)):  # pydantic's model metaclass
         def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            if args:  # the fields a class takes by position, in order (`_POSITIONAL`)
+                args = _by_position(cls, args, kwargs)
             try:
                 return super().__call__(*args, **kwargs)
             except ValidationError as exc:
@@ -46,3 +50,21 @@ else:
 
     class ContractModel(BaseModel, metaclass=_ContractMeta):
         """A pydantic model whose constructor raises `ContractValueError` for bad fields."""
+
+        #: Field names its constructor takes by position (the reference's dataclass
+        #: signature, e.g. `PendingContextPatch`); none by default, as pydantic's.
+        _POSITIONAL: ClassVar[tuple[str, ...]] = ()
+
+
+def _by_position(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[()]:
+    """Move positional arguments into `kwargs` by the class's `_POSITIONAL` names;
+    `TypeError` as a function call gives (too many, or a name given twice)."""
+    names: tuple[str, ...] = getattr(cls, "_POSITIONAL", ())
+    if len(args) > len(names):
+        raise TypeError(f"{cls.__name__}() takes {len(names)} positional arguments but "
+                        f"{len(args)} were given")
+    for name, value in zip(names, args, strict=False):
+        if name in kwargs:
+            raise TypeError(f"{cls.__name__}() got multiple values for argument {name!r}")
+        kwargs[name] = value
+    return ()

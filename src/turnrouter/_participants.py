@@ -190,7 +190,7 @@ class Registry:
                 f"participant snapshot of {preview(pid)} names unregistered routes: "
                 f"{shown}{more}")
         for held in snapshot.pending:
-            if held.participant_id != pid:
+            if held.participant_id not in (None, pid):
                 raise ContractValueError(
                     f"participant snapshot of {pid!r} holds a patch of {held.participant_id!r}")
         current = self.participants.get(pid)
@@ -433,7 +433,9 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
     history.version = snapshot.history_version
     history.settle()
     if snapshot.pending:
-        state.pending = {held.patch_id: held for held in snapshot.pending}
+        state.pending = {held.patch_id: held if held.participant_id is not None else
+                         held.model_copy(update={"participant_id": snapshot.participant_id})
+                         for held in snapshot.pending}
     return state
 
 

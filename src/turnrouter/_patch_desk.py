@@ -196,7 +196,7 @@ class PatchDesk:
         self.pending[patch_id] = state
         self._event(state.pid, held, "pending")
         saving = self._notify(pid)
-        await self._ask(held)
+        await self._ask(held, pid)
         await self._keep(saving, state.pid, patch_id, patch, strategy)
         return held
 
@@ -316,7 +316,7 @@ class PatchDesk:
             pid, held.patch_id, held.patch.task_id, held.strategy.value, outcome,
             held.patch.context_diverged))
 
-    async def _ask(self, held: PendingContextPatch) -> None:
+    async def _ask(self, held: PendingContextPatch, pid: str) -> None:
         """Ask the participant about a held patch through `output` (failures logged)."""
         output = self._cfg.output or self.control_output
         if output is None:
@@ -329,7 +329,7 @@ class PatchDesk:
         what = f"A background task finished: {line}" if line else (
             "A background task finished")
         text = f"{what.rstrip('.')}. Should I add this to our conversation?"
-        turn = AgentTurn(held.participant_id, f"patch:{held.patch_id}", "")
+        turn = AgentTurn(pid, f"patch:{held.patch_id}", "")
         try:
             await say_through(output, turn, PATCH_ROUTE, text)
         except Exception as exc:

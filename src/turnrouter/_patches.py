@@ -17,9 +17,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, TypeVar
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    field_validator,
+)
 
 from ._context import _current
 from ._contracts import MAX_HISTORY_VERSION, AgentExchange
@@ -52,8 +59,47 @@ class MergeStrategy(enum.StrEnum):
     """Hold the patch and ask the participant; `approve_patch` appends it."""
 
 
+_T = TypeVar("_T")
+
+
 def _utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+class ReadOnlyList(tuple[_T, ...]):
+    """A tuple equal to a list of the same items: the reference types the patch's
+    sequences as lists (`digest == ["..."]` holds, `model_dump()` gives lists), while
+    turnrouter keeps a held or merged patch unchangeable in place."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list):
+            return list(self) == other
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+def _nothing() -> ReadOnlyList[Any]:
+    return _NOTHING
+
+
+_NOTHING: ReadOnlyList[Any] = ReadOnlyList()
+if TYPE_CHECKING:  # what a caller may pass, and compare the values with: any sequence
+    _Lines = Sequence[str]
+    _Records = Sequence[dict[str, Any]]
+else:
+    _Lines = Annotated[tuple[str, ...], AfterValidator(ReadOnlyList),
+                       PlainSerializer(list, return_type=list[str])]
+    _Records = Annotated[tuple[dict[str, Any], ...], AfterValidator(ReadOnlyList),
+                         PlainSerializer(list, return_type=list[dict[str, Any]])]
 
 
 class ContextPatch(ContractModel):
@@ -75,18 +121,19 @@ class ContextPatch(ContractModel):
         "(set by the router when it detects it).")
     completed_at: datetime = Field(default_factory=_utc_now,
                                    description="When the task completed.")
-    digest: tuple[str, ...] = Field(
-        default=(), description="Short human-readable summary lines of the result.")
+    digest: _Lines = Field(
+        default_factory=_nothing, description="Short human-readable summary lines of the result.")
     facts: dict[str, Any] = Field(default_factory=dict,
                                   description="Structured facts extracted from the task.")
-    artifacts: tuple[dict[str, Any], ...] = Field(
-        default=(), description="Artifacts (files, links, payloads) the task produced.")
-    sources: tuple[dict[str, Any], ...] = Field(
-        default=(), description="Source references the task consulted.")
-    recommended_next_steps: tuple[str, ...] = Field(
-        default=(), description="Suggested follow-up actions.")
-    assumptions: tuple[str, ...] = Field(
-        default=(), description="Assumptions the task made.")
+    artifacts: _Records = Field(
+        default_factory=_nothing,
+        description="Artifacts (files, links, payloads) the task produced.")
+    sources: _Records = Field(
+        default_factory=_nothing, description="Source references the task consulted.")
+    recommended_next_steps: _Lines = Field(
+        default_factory=_nothing, description="Suggested follow-up actions.")
+    assumptions: _Lines = Field(
+        default_factory=_nothing, description="Assumptions the task made.")
 
     @field_validator("completed_at")
     @classmethod
@@ -104,12 +151,34 @@ class ContextPatch(ContractModel):
 
 
 class PendingContextPatch(ContractModel):
-    """A context patch awaiting human approval (`MergeStrategy.HUMAN_GATED`)."""
+    """A context patch awaiting human approval (`MergeStrategy.HUMAN_GATED`).
+
+    Built as the reference's dataclass is, by position or keyword.
+
+    Args:
+        patch_id: Approve or reject it by this id.
+        task_id: The task whose completion produced the patch.
+        patch: The payload merged (appended) if approved.
+        strategy: The strategy it was submitted with (`human_gated`).
+        created_at: Unix time (seconds) when it was held (now by default).
+        participant_id: turnrouter's (keyword only): the participant holding it. The
+            router's own always name it; a snapshot's without it are the snapshot's
+            participant's.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    _POSITIONAL = ("patch_id", "task_id", "patch", "strategy", "created_at")
+
+    if TYPE_CHECKING:
+        def __init__(self, patch_id: str, task_id: str, patch: ContextPatch,
+                     strategy: MergeStrategy | str = MergeStrategy.HUMAN_GATED,
+                     created_at: float = ..., *, participant_id: str | None = None
+                     ) -> None: ...
 
     patch_id: str = Field(min_length=1, description="Approve or reject it by this id.")
-    participant_id: str = Field(min_length=1)
+    participant_id: str | None = Field(
+        default=None, min_length=1,
+        description="The participant holding it (None: the snapshot's holding it).")
     task_id: str = Field(min_length=1)
     patch: ContextPatch = Field(description="The payload merged (appended) if approved; "
                                 "`context_diverged` as detected when it was held.")

@@ -591,7 +591,7 @@ def _check_patch_owners(snapshot: ParticipantSnapshot, patches: PatchDesk) -> No
     pid = snapshot.participant_id
     for held in snapshot.pending:
         owner = patches.pending.get(held.patch_id)
-        if held.participant_id != pid or (owner is not None and owner.pid != pid):
+        if held.participant_id not in (None, pid) or (owner is not None and owner.pid != pid):
             raise ContractValueError(
                 f"snapshot pending patch {preview(held.patch_id)} belongs to another "
                 f"participant; nothing installed")

@@ -112,8 +112,7 @@ class Turn(TurnRun):
     route: str | None = None
     answered_by: str | None = None
     attempts = 0
-    #: A routed choice declined this turn (not the focus owner, not a release).
-    declined = False
+    declined = False  # a routed choice (not the focus owner) declined this turn
     started = False
     output_failed = False
     obs: TurnObserver = NULL_TURN_OBSERVER
@@ -272,17 +271,14 @@ class Turn(TurnRun):
             chosen, reason = await self._choose(request, aids, excluded)
             if chosen is None:
                 if self.declined and reason == "low_confidence":
-                    # The selected destination declined and the reroute found nothing
-                    # else: declines exhausted, the default's one answer (contract11's
-                    # "decline through those attempts"; contract18 F1).
-                    break
+                    break  # declined, then nothing chosen: the default's answer (step 3)
                 assert reason is not None
                 return await self._clarify(CLARIFY_ROUTE, "", reason)
             result = await self._offer(chosen, state.focus == chosen, excluded)
             if result is not None:
                 return result
 
-        # 3. Exhausted: the eligible default answers once without admission.
+        # 3. Exhausted declines (contract18 F1): the default answers once, unadmitted.
         default = cfg.default
         if (self.attempts and default in aids and aids[default].eligible
                 and default not in excluded):
@@ -338,9 +334,8 @@ class Turn(TurnRun):
         """Ask `route` to admit the turn; the turn's result, or None to route on without it.
 
         A decline or release excludes the route for the rest of this turn; a release also
-        says its text, clears the route's focus and calls its `release()`. (The admission
-        call is inline: one coroutine layer less on every turn.)
-        """
+        says its text, clears the route's focus and calls its `release()` (the admission
+        call inline: one coroutine layer less a turn)."""
         cfg, state = self.cfg, self.state
         if route not in state.used:
             state.used += (route,)
@@ -384,8 +379,7 @@ class Turn(TurnRun):
         excluded.add(route)
         self.obs.reroute(Rerouted(route))
         if disposition == "decline":
-            if not focused:
-                self.declined = True
+            self.declined = self.declined or not focused
         else:
             await self.say(route, admission.text)
             if state.focus == route:
