@@ -87,6 +87,7 @@ PINNED = {
         "SIGNALS", "description_phrases", "fit_calibration",
         # docs/limits.md: the route names PolicyDecisions logs as unavailable.
         "MAX_NOTED_POLICY_ROUTES",
+        "MAX_POLICY_SEQUENCE",
     },
     "turnrouter.demo": {
         # docs/operations.md: the demo's per-route latency models.

@@ -22,6 +22,7 @@ from turnrouter import (
 )
 from turnrouter.decisions import (
     MAX_NOTED_POLICY_ROUTES,
+    MAX_POLICY_SEQUENCE,
     DictRoutingPolicy,
     PolicyChoice,
     PolicyDecisions,
@@ -391,12 +392,17 @@ def test_escaped_lone_surrogates_are_policy_errors() -> None:
 
 
 def test_unreadable_policy_file_is_a_policy_error(tmp_path: Path) -> None:
-    """A missing file or a directory raises PolicyError chained from the OSError."""
+    """A missing file or a directory raises PolicyError chained from the OSError, and
+    is that OSError too: a caller written from the reference (whose loader opens the
+    file itself) catches `FileNotFoundError` (contract18 F8)."""
     with pytest.raises(PolicyError, match="cannot be read") as caught:
         DictRoutingPolicy.from_json_file(tmp_path / "missing.json")
     assert isinstance(caught.value.__cause__, FileNotFoundError)
-    with pytest.raises(PolicyError, match="cannot be read"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.json' cannot be read"):
+        DictRoutingPolicy.from_json_file(tmp_path / "missing.json")
+    with pytest.raises(PolicyError, match="cannot be read") as directory:
         DictRoutingPolicy.from_json_file(tmp_path)
+    assert isinstance(directory.value, OSError) and isinstance(directory.value, ValueError)
 
 
 def test_over_long_integer_literal_is_a_policy_error() -> None:
@@ -496,3 +502,39 @@ def test_a_policy_with_a_participant_twice_or_not_in_utf8_is_refused(
     (UTF-16 and UTF-32 were decoded too): bounds17 L1."""
     with pytest.raises(PolicyError, match=problem):
         DictRoutingPolicy.from_json(payload)
+
+
+@pytest.mark.anyio
+async def test_a_sequence_choice_takes_its_first_route_that_applies() -> None:
+    """The reference's decision may be "a sequence of names to route to": the first
+    that is a candidate (or "clarify") is taken; none applying falls through as a
+    single unavailable route does; an empty one has no opinion (contract18 F7: a list
+    was refused). From JSON too, and from a policy's own `select`."""
+    only_support = (AIDS[1],)
+    policy = DictRoutingPolicy.from_json(
+        '{"p1": ["billing", "support"], "p2": ["weather", "clarify", "billing"], '
+        '"p3": [], "p4": ["weather"]}')
+    fallback = FixedDecisions(FALLBACK_DECISION)
+    service = PolicyDecisions(policy, fallback)
+    assert (await service.decide(request("p1"))).choice == "billing"
+    pinned = await service.decide(request("p1", aids=only_support))
+    assert (pinned.choice, pinned.rationale) == ("support", "policy: key=p1 -> support")
+    assert (await service.decide(request("p2"))).choice == CLARIFY
+    assert fallback.calls == 0
+    assert await service.decide(request("p3")) is FALLBACK_DECISION
+    assert await service.decide(request("p4")) is FALLBACK_DECISION
+    assert fallback.calls == 2
+    assert policy.select(request("p1")) == ("billing", "support")
+    awaited = PolicyDecisions(AsyncPolicy(["weather", "support"]), fallback)
+    assert (await awaited.decide(request())).choice == "support"
+
+
+def test_a_sequence_choice_is_validated_by_position_and_bounded() -> None:
+    """Each name of a sequence is checked (its index named), and a sequence holds at most
+    MAX_POLICY_SEQUENCE names."""
+    with pytest.raises(PolicyError, match=r"'p1'\]\[1\] must be a route name"):
+        DictRoutingPolicy({"p1": ["billing", 7]})  # type: ignore[list-item]
+    with pytest.raises(PolicyError, match="over MAX_POLICY_SEQUENCE"):
+        DictRoutingPolicy({"p1": ["billing"] * (MAX_POLICY_SEQUENCE + 1)})
+    with pytest.raises(PolicyError, match=r"default\[0\]"):
+        DictRoutingPolicy({}, default=[""])

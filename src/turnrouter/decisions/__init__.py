@@ -20,6 +20,7 @@ from ._classifier import (
 from ._lexical import LexicalDecisions
 from ._policies import (
     MAX_NOTED_POLICY_ROUTES,
+    MAX_POLICY_SEQUENCE,
     DictRoutingPolicy,
     KeyGetter,
     PolicyChoice,
@@ -33,6 +34,7 @@ from ._text import description_phrases
 __all__ = [
     "DEFAULT_CLASSIFIER_PROMPT",
     "MAX_NOTED_POLICY_ROUTES",
+    "MAX_POLICY_SEQUENCE",
     "SIGNALS",
     "ClassifierDecisions",
     "DictRoutingPolicy",

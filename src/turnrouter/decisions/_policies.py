@@ -18,7 +18,7 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,6 +36,7 @@ from .._redact import has_surrogates, preview
 
 __all__ = [
     "DEFAULT_MAX_POLICY_BYTES",
+    "MAX_POLICY_SEQUENCE",
     "DictRoutingPolicy",
     "KeyGetter",
     "PolicyChoice",
@@ -52,8 +53,13 @@ DEFAULT_MAX_POLICY_BYTES = 1 << 20
 #: Distinct unavailable route names `PolicyDecisions` logs (once each); past it, silent.
 MAX_NOTED_POLICY_ROUTES = 64
 
-PolicyChoice = str | None
-"""None: no decision (fall through); a route name: pin it; "clarify": force clarification."""
+PolicyChoice = str | Sequence[str] | None
+"""None: no decision (fall through); a route name: pin it; "clarify": force
+clarification; a sequence of those (the reference's "sequence of names to route to"):
+the first that applies to the request (a candidate, or "clarify") is taken."""
+
+#: Most names one sequence choice may hold (a policy names a few fallbacks in order).
+MAX_POLICY_SEQUENCE = 16
 
 KeyGetter = Callable[[RouteRequest], str | None]
 """Derives a policy lookup key from a request; None means "no key" (use the default)."""
@@ -93,9 +99,22 @@ def by_query_prefix(separator: str = ":") -> KeyGetter:
 def _validate_choice(where: str, value: object) -> PolicyChoice:
     if value is None:
         return None
+    if isinstance(value, list | tuple):
+        return _validate_sequence(where, value)
+    return _validate_name(where, value)
+
+
+def _validate_sequence(where: str, value: Sequence[object]) -> tuple[str, ...]:
+    if len(value) > MAX_POLICY_SEQUENCE:
+        raise PolicyError(f"{where} names {len(value)} routes, over "
+                          f"MAX_POLICY_SEQUENCE ({MAX_POLICY_SEQUENCE})")
+    return tuple(_validate_name(f"{where}[{index}]", item) for index, item in enumerate(value))
+
+
+def _validate_name(where: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise PolicyError(
-            f"{where} must be a route name, 'clarify' or None, got "
+            f"{where} must be a route name, 'clarify', a list of those or None, got "
             f"{type(value).__name__} {preview(value)}"
         )
     if has_surrogates(value):
@@ -207,8 +226,9 @@ class DictRoutingPolicy:
                        **kwargs: Any) -> DictRoutingPolicy:
         """Build from a UTF-8 JSON file holding an object (errors as `from_json`).
 
-        A file that cannot be read (missing, a directory, a FIFO, no permission) also raises
-        PolicyError, chained from the OSError; at most `max_bytes` + 1 bytes are read.
+        A file that cannot be read (missing, a directory, a FIFO, no permission) raises a
+        PolicyError that is also the OSError `open()` gives (`FileNotFoundError`,
+        `PermissionError`, ...), chained from it; at most `max_bytes` + 1 bytes are read.
         """
         limit = _check_max_bytes(max_bytes)
         source = f"policy file {preview(os.fspath(path))}"
@@ -218,7 +238,8 @@ class DictRoutingPolicy:
                 raw = handle.read(limit + 1)
         except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            raise PolicyError(f"{source} cannot be read: {reason}") from exc
+            kind = _unreadable(type(exc)) if isinstance(exc, OSError) else PolicyError
+            raise kind(f"{source} cannot be read: {reason}") from exc
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -344,10 +365,9 @@ class PolicyDecisions:
         selected = self._policy.select(request)
         choice = await selected if inspect.isawaitable(selected) else selected
         if choice is not None and not isinstance(choice, str):
-            raise PolicyError(
-                f"policy returned {type(choice).__name__} {preview(choice)}; "
-                "expected a route name, 'clarify' or None"
-            )
+            if not isinstance(choice, list | tuple):
+                _validate_name("policy's choice", choice)  # raises, naming what it got
+            choice = _first_applying(_validate_sequence("policy's choice", choice), request)
         if not choice:
             return await self._fallback.decide(request)
         lookup = getattr(self._policy, "lookup_key", None)
@@ -376,3 +396,28 @@ class PolicyDecisions:
             "turn (not a destination of this router, or not eligible now); the fallback "
             "decides (logged once per route name%s)", preview(choice),
             f"; the last name logged: {MAX_NOTED_POLICY_ROUTES} are" if last else "")
+
+
+def _unreadable(kind: type[OSError]) -> type[PolicyError]:
+    """A PolicyError that is also `kind` (what `open()` raised): `except PolicyError`
+    and `except FileNotFoundError` (what a loader written from the reference, which
+    opens the file itself, expects) both catch an unreadable policy file."""
+    made = _UNREADABLE.get(kind)
+    if made is None:
+        made = _UNREADABLE[kind] = type(f"Policy{kind.__name__}", (PolicyError, kind),
+                                        {"__module__": __name__})
+    return made
+
+
+#: One class per OSError type seen (a handful: FileNotFoundError, PermissionError, ...).
+_UNREADABLE: dict[type[OSError], type[PolicyError]] = {}
+
+
+def _first_applying(choices: tuple[str, ...], request: RouteRequest) -> str | None:
+    """The first of a sequence choice that applies (a candidate or "clarify"), else its
+    first name (reported unavailable as a single choice would be); None when empty."""
+    names = request.candidate_names
+    for name in choices:
+        if name == CLARIFY or name in names:
+            return name
+    return choices[0] if choices else None
