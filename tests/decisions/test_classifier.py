@@ -324,13 +324,16 @@ async def test_first_route_and_confidence_lines_win_over_later_lines() -> None:
 
 @pytest.mark.anyio
 async def test_default_prompt_asks_for_the_two_lines_the_parser_reads() -> None:
-    """The default prompt asks for route then confidence; a reply filled in from it parses."""
+    """The default prompt is the reference's text (only `{route_descriptions}`: it
+    formats as the reference's does, contract18 F9), the request appended; it asks for
+    route then confidence, and a reply filled in from it parses."""
     llm = RecordedLLM("route: billing")
     await ClassifierDecisions(llm).decide(request())
     prompt = llm.prompts[0][0]
     assert prompt == DEFAULT_CLASSIFIER_PROMPT.format(
         route_descriptions="- billing: Invoices, payments and refunds.\n"
-        "- support: Technical problems and outages.", query="my invoice is wrong")
+        "- support: Technical problems and outages.").rstrip() + (
+        "\n\nUser request:\nmy invoice is wrong\n")
     _, _, instructions = prompt.partition("Output exactly two lines, in this order:\n")
     route_line, confidence_line = instructions.splitlines()[:2]
     reply = "\n".join([route_line.split("<")[0] + "support",

@@ -29,11 +29,8 @@ specialist handles it best.
 Available routes:
 {route_descriptions}
 
-User request:
-{query}
-
 Output exactly two lines, in this order:
-route: <one of the route names above, or clarify if none fits>
+route: <one of the route names above>
 confidence: <number between 0 and 1>
 
 Then optionally one line of brief reasoning. The first two lines
