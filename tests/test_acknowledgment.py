@@ -7,7 +7,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -19,6 +19,7 @@ from turnrouter import (
     Admission,
     AgentRouter,
     AgentTurn,
+    ContractTypeError,
     DestinationResult,
     JsonLinesSink,
     Prediction,
@@ -803,7 +804,7 @@ async def test_a_route_delay_replaces_the_router_wide_one_for_that_route() -> No
     ([("calendar", 1.0)], {}, "must be a mapping"),
 ])
 async def test_route_delays_are_checked(delays: Any, kwargs: dict[str, Any], error: str) -> None:
-    from turnrouter import ConfigurationError, ContractTypeError
+    from turnrouter import ConfigurationError
 
     extra: dict[str, Any] = {} if kwargs.get("acks") is False else {
         "acknowledgment_llm": TemplateAcknowledger(), "acknowledgment_delay_secs": 1.0}
@@ -858,3 +859,27 @@ async def test_a_sink_failing_on_every_turn_is_logged_at_powers_of_ten(
     failures = [r.getMessage() for r in caplog.records if "timing sink" in r.getMessage()]
     assert failures == [f"turnrouter: timing sink record() ({count} so far) failed "
                         "(IsADirectoryError)" for count in (1, 10, 100)]
+
+
+async def test_a_plain_def_output_is_named_at_warning_when_it_says_an_acknowledgment(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A plain `def output` speaking an acknowledgment: the acknowledgment fails (the
+    turn does not) and the WARNING names the callback and the fix, not only
+    "ContractTypeError" with the fix at DEBUG (newcomer18 F2: the mistake stayed hidden
+    until the first clarification failed a turn)."""
+    said: list[str] = []
+
+    def output(turn: AgentTurn, route: str, text: str) -> None:
+        said.append(text)
+
+    s = Setup(latency=2.5, output=cast(Any, output))
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        await s.drive()
+    assert isinstance(s.result, DestinationResult)
+    [ack] = s.observer.acks
+    assert ack.outcome == "failed" and isinstance(ack.error, ContractTypeError)
+    assert len(said) == 1
+    [record] = [r for r in caplog.records if "acknowledgment for calendar" in r.getMessage()]
+    assert ("output callback" in record.getMessage()
+            and "must be an async function (async def output(turn, route, text))"
+            in record.getMessage())

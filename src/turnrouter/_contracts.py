@@ -519,9 +519,11 @@ def say_through(callback: Callable[[AgentTurn, str, str], Awaitable[None]],
     result = callback(turn, route, text)
     if not isawaitable(result):
         name = getattr(callback, "__qualname__", type(callback).__qualname__)
-        raise ContractTypeError(
+        error = ContractTypeError(
             f"output callback {name} returned {type(result).__name__}, not an awaitable: "
             "it must be an async function (async def output(turn, route, text))")
+        error.own_message = True  # (no user text: logged whole, newcomer18 F2)
+        raise error
     return result
 
 

@@ -28,6 +28,10 @@ __all__ = [
 class TurnrouterError(Exception):
     """Root of every error raised by turnrouter."""
 
+    #: The message is turnrouter's own, naming a misuse and its fix with no user text,
+    #: so a WARNING about it may show it whole (else only the type is shown).
+    own_message: bool = False
+
 
 class ConfigurationError(TurnrouterError, ValueError):
     """A constructor or configuration argument is invalid; the message names it."""

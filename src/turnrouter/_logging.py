@@ -24,13 +24,17 @@ def log_failure(what: str, error: BaseException, *args: object,
     An `LLMError` says more at WARNING: its message is turnrouter's own (the redacted
     URL, the HTTP status, the connection error; never a credential or the prompt), so an
     operator sees why the classifier or the acknowledgments fail (a 401, nothing
-    listening) without enabling DEBUG; the reply body it may quote stays at DEBUG."""
+    listening) without enabling DEBUG; the reply body it may quote stays at DEBUG. So does
+    a misuse turnrouter itself named (`own_message`: a plain `def` output or method)."""
     if log.isEnabledFor(logging.WARNING):
         if isinstance(error, LLMError):
             reason = str(error)
             if error.body:
                 reason = reason.replace(error.body, "(the reply's body: at DEBUG)")
             log.warning(f"turnrouter: {what} failed (LLMError: %s)", *args, reason)
+        elif getattr(error, "own_message", False):  # a misuse turnrouter named, no user text
+            log.warning(f"turnrouter: {what} failed (%s: %s)", *args,
+                        type(error).__qualname__, error)
         else:
             log.warning(f"turnrouter: {what} failed ({type(error).__qualname__})", *args)
     if log.isEnabledFor(logging.DEBUG):

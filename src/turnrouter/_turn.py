@@ -1005,6 +1005,8 @@ def _refuse_not_awaitable(who: str, method: str, returned: object) -> None:
     error that says so instead of Python's "object DestinationResult can't be used in
     'await' expression". Checked only on that error, so a correct turn pays nothing."""
     if not isawaitable(returned):
-        raise DestinationContractError(
+        error = DestinationContractError(
             f"{who} {method}() returned {type(returned).__name__}, not an "
-            f"awaitable: it must be an async method (async def {method}(...))") from None
+            f"awaitable: it must be an async method (async def {method}(...))")
+        error.own_message = True
+        raise error from None
