@@ -4,11 +4,14 @@ pytest loads this plugin by itself wherever turnrouter is installed (the `pytest
 point, as anyio does), so a test only names the fixture:
 
 ```python
+@pytest.mark.anyio  # an async test needs a runner: anyio's plugin comes with turnrouter
 async def test_weather_is_traced(turnrouter_telemetry):
     router = AgentRouter(agents, decisions, output=speak,
                          telemetry=turnrouter_telemetry.telemetry)
     ...
 ```
+
+(docs/telemetry.md, "Testing with real telemetry", has the whole file.)
 """
 
 from __future__ import annotations

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from opentelemetry import trace
 
@@ -99,3 +104,21 @@ def test_a_disabled_sdk_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     with pytest.raises(ConfigurationError, match="OTEL_SDK_DISABLED"):
         TelemetryCapture()
+
+
+def test_the_documented_pytest_file_passes_under_plain_pytest(tmp_path: Path) -> None:
+    """telemetry.md's test file, as a user's project holds it, passes when plain pytest
+    runs it outside this repository (no conftest of ours): the fixture comes from the
+    installed plugin, the async test from anyio's mark (newcomer18 F3: the documented
+    test, without the mark, failed with "async def functions are not natively
+    supported")."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "telemetry.md").read_text()
+    [block] = [block for block in re.findall(r"```python\n(.*?)```", page, re.DOTALL)
+               if "def test_weather_is_traced(turnrouter_telemetry)" in block]
+    (tmp_path / "test_my_agents.py").write_text(block)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+         "test_my_agents.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout
