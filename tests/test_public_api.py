@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import inspect
+from pathlib import Path
 
 import pytest
 
 import turnrouter
+from turnrouter import AgentRouter
 
 CORE = {
     "CLARIFY", "Admission", "AgentExchange", "AgentRouter", "AgentTurn",
@@ -158,3 +161,13 @@ def test_library_never_imports_the_otel_sdk() -> None:
                  if "opentelemetry.sdk" in p.read_text() and "demo" not in p.parts
                  and p != kit]
     assert offenders == []
+
+
+def test_router_md_shows_every_constructor_argument_in_order() -> None:
+    """docs/router.md opens with AgentRouter's signature: every argument, in order
+    (newcomer18 F14: acknowledgment_route_delays was missing)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "router.md").read_text()
+    shown = page.split("`AgentRouter(", 1)[1].split(")`", 1)[0]
+    names = [piece.split("=")[0].strip() for piece in shown.split(",")
+             if piece.strip() not in {"*", ""}]
+    assert names == list(inspect.signature(AgentRouter).parameters)

@@ -132,9 +132,10 @@ class ScriptedAgent:
       an exception to raise); `answer_text` is kept as the result text.
     - `call_started`: whether `answer()` awaits `started()` before finishing (and
       before raising a scripted exception when `fail_after_started`).
-    - `answer_gate`: when set, `answer()` waits for it (after `started()` if
-      `call_started`), so tests can interrupt a running answer; `answer_entered` is set
-      when `answer()` begins, `started_called` once `started()` returned.
+    - the attribute `answer_gate` (not an argument: set it on the agent): when set,
+      `answer()` waits for it (after `started()` if `call_started`), so tests can
+      interrupt a running answer; `answer_entered` is set when `answer()` begins,
+      `started_called` once `started()` returned.
     - `output`: optional callback `answer()` uses to speak `answer_text` itself.
 
     Args:
