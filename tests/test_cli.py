@@ -323,3 +323,12 @@ def test_worker_flags_are_a_config_or_a_usage_error(pairs: list[tuple[str, str]]
         return
     assert 1 <= config.partitions <= 1024 and math.isfinite(config.failover_timeout)
     assert 0 < config.max_input_wait <= 366 * 86400
+
+
+def test_demo_duration_with_serve_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--serve runs until stopped: a --duration beside it is refused (exit 2, one line)
+    rather than silently ignored (newcomer18 F12: the run went on until killed)."""
+    assert main(["demo", "--serve", "--duration", "1"]) == 2
+    assert main(["demo", "--serve", "--duration", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "--duration does not apply with --serve" in err and "Traceback" not in err

@@ -124,6 +124,20 @@ def test_report_counts_the_bounds_that_overflowed() -> None:
     assert "bounds overflowed: history_exchanges 3, participants 1" in report.render()
 
 
+def test_each_route_row_adds_up_to_its_turns() -> None:
+    """Every outcome has a column (busy and refused too): a route's row adds up to its
+    turns, and the `none` row of a run that shed turns shows them (newcomer18 F11: the
+    columns added up to 21 of 24 turns, the `none` row read all zeros)."""
+    turns = {("none", "busy"): 3.0, ("none", "clarify"): 1.0, ("weather", "answer"): 18.0,
+             ("weather", "interrupted"): 1.0, ("none", "refused"): 1.0}
+    text = DemoReport(elapsed=1.0, turns=turns).render()
+    rows = {line.split()[0]: [int(n) for n in line.split()[1:9]]
+            for line in text.splitlines() if line.startswith(("none ", "weather "))}
+    assert rows == {"none": [0, 0, 0, 1, 0, 0, 3, 1], "weather": [18, 0, 0, 0, 0, 1, 0, 0]}
+    assert "turns: 24 " in text
+    assert sum(map(sum, rows.values())) == 24
+
+
 def test_a_report_without_samples_says_so_not_nan() -> None:
     """A run whose turns were all still running at the end has no first-response or
     silence samples: the report says so (it printed `p50 nan s`)."""

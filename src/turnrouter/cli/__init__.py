@@ -128,8 +128,8 @@ def demo_parser() -> argparse.ArgumentParser:
                     "OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER and "
                     "OTEL_TRACES_SAMPLER_ARG are honoured.",
     )
-    parser.add_argument("--duration", type=_duration, default=30.0,
-                        help="seconds to run (default 30)")
+    parser.add_argument("--duration", type=_duration, default=_DEFAULT_DURATION,
+                        help="seconds to run (default 30; not with --serve)")
     parser.add_argument("--serve", action="store_true",
                         help="keep running until Ctrl-C or SIGTERM, then report (for "
                              "dashboards and alert rehearsals: add --metrics-port, or "
@@ -173,8 +173,18 @@ def demo_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _DefaultDuration(float):
+    """The demo's default run time: the one object, told apart from `--duration 30`."""
+
+
+_DEFAULT_DURATION: float = _DefaultDuration(30.0)
+
+
 def _demo(argv: Sequence[str]) -> int:
-    args = demo_parser().parse_args(list(argv))
+    parser = demo_parser()
+    args = parser.parse_args(list(argv))
+    if args.serve and args.duration is not _DEFAULT_DURATION:  # (ignored: newcomer18 F12)
+        parser.error("--duration does not apply with --serve, which runs until stopped")
 
     import anyio
 

@@ -129,17 +129,17 @@ class DemoReport:
             f", suppressed {self.acknowledgments.get('suppressed', 0):.0f})",
             "",
             f"{'route':<20}{'answer':>8}{'focus':>7}{'release':>8}{'clarify':>8}"
-            f"{'failed':>7}{'interr.':>8}   first response p50 / p95 (s)",
+            f"{'failed':>7}{'interr.':>8}{'busy':>6}{'refused':>8}"
+            "   first response p50 / p95 (s)",
         ]
         routes = sorted({route for route, _ in self.turns})
         for route in routes:
-            counts = [self.turns.get((route, o), 0.0) for o in
-                      ("answer", "focus", "release", "clarify", "failed", "interrupted")]
+            counts = [self.turns.get((route, o), 0.0) for o in _OUTCOMES]
             buckets = self.first_response.get(route, [])
             quantiles = (f"{histogram_quantile(0.5, buckets):.2f} / "
                          f"{histogram_quantile(0.95, buckets):.2f}" if buckets else "-")
             lines.append(f"{route:<20}" + "".join(
-                f"{c:>{w}.0f}" for c, w in zip(counts, (8, 7, 8, 8, 7, 8), strict=True))
+                f"{c:>{w}.0f}" for c, w in zip(counts, (8, 7, 8, 8, 7, 8, 6, 8), strict=True))
                 + f"   {quantiles}")
         overall = self.overall_first_response()
         lines += [
@@ -169,3 +169,9 @@ def _quantiles(buckets: Iterable[tuple[float, float]]) -> str:
     if not (math.isfinite(p50) and math.isfinite(p95)):
         return "no samples"
     return f"p50 {p50:.2f} s, p95 {p95:.2f} s"
+
+
+#: The report's columns: every turn outcome, so a route's row adds up to its turns
+#: (newcomer18 F11: shed turns had no column, the `none` row read all zeros).
+_OUTCOMES = ("answer", "focus", "release", "clarify", "failed", "interrupted", "busy",
+             "refused")
