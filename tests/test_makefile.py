@@ -4,6 +4,7 @@ dependencies and the `demo` extra, `otlp` when it exports spans), never the dev 
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -77,3 +78,12 @@ def test_dev_brings_the_docs_tools_and_every_extra() -> None:
         assert any(item.startswith(tool) for item in dev), tool
     for extra, items in extras.items():
         assert extra == "dev" or extra in named or set(items) <= set(dev), extra
+
+
+def test_the_built_site_opens_from_disk() -> None:
+    """README says to open site/index.html: pages are built as page.html, so the site's
+    links work from file:// (newcomer18 F10: directory URLs like quickstart/ opened as
+    directory listings)."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^use_directory_urls: false$", config, re.MULTILINE)
+    assert "open `site/index.html`" in (ROOT / "README.md").read_text()
