@@ -417,15 +417,21 @@ class RouterConfig:
 def _warn_unknown_example_routes(decisions: object, agents: Mapping[str, Any]) -> None:
     """A WARNING naming the routes the decision service has examples for that are no
     registered destination: a typo in an example key (`"conversaton"`) silently left
-    that route without its examples (voice17 F7). Not an error: one decision service
-    may serve routers with different destinations."""
-    routes = getattr(decisions, "example_routes", ())
-    if not isinstance(routes, tuple):
-        return
-    unknown = [route for route in routes if isinstance(route, str) and route not in agents]
-    if unknown:
-        logger.warning("turnrouter: the decision service has examples for %s, which no "
-                       "registered destination is (registered: %s): a typo in an example "
-                       "key leaves that route without its examples",
-                       [route[:100] for route in unknown[:10]], sorted(agents)[:20])
+    that route without its examples (voice17 F7); the same for the routes a routing
+    policy names (newcomer18 F8: reported only at the first turn that hit one). Not an
+    error: one decision service may serve routers with different destinations."""
+    for attribute, what, effect in (
+            ("example_routes", "has examples for",
+             "a typo in an example key leaves that route without its examples"),
+            ("policy_routes", "has a routing policy naming",
+             "a typo in the policy sends those participants to the fallback service")):
+        routes = getattr(decisions, attribute, ())
+        if not isinstance(routes, tuple):
+            continue
+        unknown = [route for route in routes if isinstance(route, str) and route not in agents]
+        if unknown:
+            logger.warning("turnrouter: the decision service %s %s, which no registered "
+                           "destination is (registered: %s): %s", what,
+                           [route[:100] for route in unknown[:10]], sorted(agents)[:20],
+                           effect)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from turnrouter.decisions import (
     MAX_NOTED_POLICY_ROUTES,
     MAX_POLICY_SEQUENCE,
     DictRoutingPolicy,
+    LexicalDecisions,
     PolicyChoice,
     PolicyDecisions,
     RoutingPolicy,
@@ -538,3 +540,29 @@ def test_a_sequence_choice_is_validated_by_position_and_bounded() -> None:
         DictRoutingPolicy({"p1": ["billing"] * (MAX_POLICY_SEQUENCE + 1)})
     with pytest.raises(PolicyError, match=r"default\[0\]"):
         DictRoutingPolicy({}, default=[""])
+
+
+def test_a_router_warns_at_construction_of_policy_routes_it_does_not_have(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A route misspelt in the policy (mapped, in a list, or the default) is named when
+    the router is built, not only at the first turn that hits it (newcomer18 F8); the
+    fallback's example keys are checked through the policy service too. "clarify" and
+    registered routes say nothing."""
+    policy = DictRoutingPolicy({"p1": "biling", "p2": ["support", "weathr"], "p3": "clarify",
+                                "p4": "billing"}, default="suport")
+    service = PolicyDecisions(policy, LexicalDecisions(examples={"billng": ["my invoice"]}))
+    assert service.policy_routes == ("biling", "support", "weathr", "billing", "suport")
+    assert service.example_routes == ("billng",)
+    agents = {name: ScriptedAgent(name) for name in ("billing", "support", "conversation")}
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        AgentRouter(agents, service, output=OutputRecorder())
+    messages = [record.getMessage() for record in caplog.records]
+    [named] = [m for m in messages if "routing policy naming" in m]
+    assert "['biling', 'weathr', 'suport']" in named
+    assert any("has examples for ['billng']" in m for m in messages)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        AgentRouter(agents, PolicyDecisions(DictRoutingPolicy({"p1": ["billing", "clarify"]}),
+                                            FixedDecisions(FALLBACK_DECISION)),
+                    output=OutputRecorder())
+    assert caplog.records == []

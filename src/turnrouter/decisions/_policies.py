@@ -354,6 +354,28 @@ class PolicyDecisions:
         self._noted: set[str] = set()
 
     @property
+    def example_routes(self) -> tuple[str, ...]:
+        """The fallback service's `example_routes` (a `LexicalDecisions`'s), else ()."""
+        routes = getattr(self._fallback, "example_routes", ())
+        return routes if isinstance(routes, tuple) else ()
+
+    @property
+    def policy_routes(self) -> tuple[str, ...]:
+        """The routes the policy names now, in order, "clarify" left out (a policy with
+        a `mapping` and a `default`, as `DictRoutingPolicy`; else ()): `AgentRouter`
+        warns of one it does not have, at construction rather than at the first turn."""
+        mapping = getattr(self._policy, "mapping", None)
+        if not isinstance(mapping, Mapping):
+            return ()
+        named: dict[str, None] = {}
+        for choice in (*mapping.values(), getattr(self._policy, "default", None)):
+            for route in (choice,) if isinstance(choice, str) else (
+                    choice if isinstance(choice, tuple) else ()):
+                if isinstance(route, str) and route != CLARIFY:
+                    named[route] = None
+        return tuple(named)
+
+    @property
     def fallback_route(self) -> str | None:
         """The `fallback_route` of the fallback service, when it has one (else None);
         `AgentRouter` checks that it names a registered destination."""
