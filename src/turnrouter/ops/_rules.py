@@ -22,7 +22,8 @@ Rules that keep the alerts trustworthy:
   `MIN_CLARIFIED_PARTICIPANTS` of them, confirmed by the 5-minute ratio over at least
   `MIN_TURNS` turns;
 - every traffic alert requires its target up (`up`), so an alert whose source died clears
-  instead of opening a late ticket; `TurnrouterTargetDown` and `TurnrouterAbsent` page for
+  instead of opening a late ticket (a replica's own alerts, by `instance`, that replica's
+  `up`, not only its job's); `TurnrouterTargetDown` and `TurnrouterAbsent` page for
   the outage itself, and `TurnrouterWatchdog` always fires (a dead man's switch for the
   alerting pipeline).
 
@@ -331,6 +332,9 @@ class AlertRule:
     keep_firing_for: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     raw: bool = False
+    per_instance: bool = False
+    """The signal is one process's (by `instance`): also gated on that instance's own
+    `up`, not only its job's (another replica keeps the job up)."""
 
     def _on(self) -> str:
         return f"on ({G}, route)" if self.per_route else f"on ({G})"
@@ -345,6 +349,11 @@ class AlertRule:
         # A dead target's windows linger for minutes: its alerts clear at once instead,
         # also once its targets left service discovery (`up` gone, not 0).
         lines += [f"and on ({G})", "turnrouter:up:max > 0"]
+        if self.per_instance:
+            # One replica's windows outlive it too, while the others keep its job up: at
+            # a 1-minute scrape a dead replica's warning fired from them before
+            # TurnrouterTargetDown (which inhibits it) could.
+            lines += [f"and on ({G}, instance)", "up == 1"]
         return "\n".join(lines)
 
     def expression(self, overrides: Sequence[RouteOverride] = (),
@@ -487,7 +496,7 @@ ALERTS: tuple[AlertRule, ...] = (
         "for the loop, the router refuses new participants (readiness fails) and may shed "
         "turns (turnrouter_shed_turns_total). Add replicas or find what blocks the loop.",
         "turnroutersaturated",
-        volume="turnrouter:turns:increase5m",
+        volume="turnrouter:turns:increase5m", per_instance=True,
     ),
     AlertRule(
         "TurnrouterOverloaded", "turnrouter:overload_state:avg5m",
@@ -498,7 +507,7 @@ ALERTS: tuple[AlertRule, ...] = (
         "thresholds it refuses new participants (readiness fails) and may shed turns "
         "(turnrouter_shed_turns_total). Add replicas or find what blocks the loop.",
         "turnrouteroverloaded",
-        volume="turnrouter:turns:increase5m",
+        volume="turnrouter:turns:increase5m", per_instance=True,
     ),
     AlertRule(
         "TurnrouterTargetDown", f"up{{{JOB_MATCHER}}} == 0", 0.0, "1m", "critical",
