@@ -392,7 +392,7 @@ def test_manifests_are_applied_the_way_they_fit() -> None:
         size = len(json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode())
         assert size < OBJECT_LIMIT, (doc["metadata"]["name"], size)
     commands = _apply_commands()
-    assert any("docs/operations.md" == path for path, _ in commands)
+    assert any(path == "docs/operations.md" for path, _ in commands)
     if too_big:
         client_side = [(path, line) for path, line in commands if "--server-side" not in line]
         assert client_side == [], f"{sorted(too_big)} are too big for a client-side apply"

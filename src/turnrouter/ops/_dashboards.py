@@ -710,7 +710,10 @@ def acknowledgment_tuning() -> dict[str, Any]:
         _timeseries(
             "Acknowledgment generation time", "p50 and p95 of the acknowledgment LLM's "
             "generation time, against the value the what-if models "
-            f"({GENERATION_SECS:g} s, the dashed line; exemplars link to the turn).",
+            f"({GENERATION_SECS:g} s, the dashed line; exemplars link to the turn). Far "
+            "below the line (a template acknowledger's milliseconds), *Which delay?* "
+            "overstates what a delay costs: pass the measured time to `turnrouter tune "
+            "--generation-secs` (docs/operations.md, \"The what-if\").",
             [_target(f"histogram_quantile(0.5, sum by (le) (rate({generation}[{RATE}])))",
                      "p50", ref="A", exemplar=True),
              _target(f"histogram_quantile(0.95, sum by (le) (rate({generation}[{RATE}])))",
