@@ -123,6 +123,15 @@ def test_demo_serves_metrics_on_the_port_prometheus_scrapes() -> None:
     assert f"EXPOSE {METRICS_PORT}" in dockerfile
 
 
+@pytest.mark.parametrize("compose", ["compose.yaml", "compose.nats.yaml"])
+def test_every_compose_prometheus_stores_exemplars(compose: str) -> None:
+    """Both stacks provision the overview and tuning dashboards, which request exemplars:
+    their Prometheus stores them (operator18: compose.nats.yaml's did not, so the dots
+    never showed)."""
+    services = _load(COMPOSE_DIR / compose)["services"]
+    assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
+
+
 def test_prometheus_runs_with_exemplars_and_the_generated_rules() -> None:
     """Prometheus has exemplar storage on, its config mounted, and the rules directory."""
     prometheus = _service("prometheus")

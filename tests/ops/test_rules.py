@@ -254,3 +254,12 @@ def test_every_alert_reads_recordings_of_its_own_group_evaluated_before_it(
                     f"not before it in {group['name']!r}")
                 checked += 1
     assert checked >= len(TRAFFIC_ALERTS) * 2
+
+
+def test_absent_names_a_worker_that_never_got_ready() -> None:
+    """A `turnrouter worker` exposes only its turnrouter_nats_* families until it is
+    ready: TurnrouterAbsent's description says so instead of only "wrong port or path"
+    (operator18 L4)."""
+    (absent,) = [a for a in ALERTS if a.alert == "TurnrouterAbsent"]
+    assert "turnrouter worker" in absent.description
+    assert "reach NATS" in absent.description and "/ready" in absent.description

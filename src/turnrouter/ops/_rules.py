@@ -548,7 +548,10 @@ ALERTS: tuple[AlertRule, ...] = (
         0.0, "5m", "critical",
         "turnrouter metrics are absent",
         f"No turnrouter target is known to Prometheus ({JOB_MATCHER}), or a scraped target "
-        "exposes no turnrouter metrics (wrong port or path, telemetry off).",
+        "exposes no turnrouter metrics (wrong port or path, telemetry off), or a "
+        "`turnrouter worker` that never got ready: it exposes only its turnrouter_nats_* "
+        "families until then (still in its --app factory, or unable to reach NATS; its "
+        "/ready and log say which).",
         "turnrouterabsent", volume="", raw=True,
     ),
     AlertRule(
