@@ -27,7 +27,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CONFIG = DEPLOY / "alertmanager/alertmanager.yml"
 FLEET_RULES = DEPLOY / "prometheus/rules-nats/turnrouter-nats.rules.yml"
 #: The fleet's alerts and severities (a test below keeps this the rule file's list).
-FLEET = {"TurnrouterPartitionUnconsumed": "critical", "TurnrouterReplicaUnscraped": "warning",
+FLEET = {"TurnrouterPartitionUnconsumed": "critical", "TurnrouterFleetNotServing": "critical",
+         "TurnrouterReplicaUnscraped": "warning",
          "TurnrouterFencedWrites": "warning", "TurnrouterReplicaNotServing": "warning",
          "TurnrouterInputBacklog": "critical"}
 

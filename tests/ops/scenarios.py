@@ -243,7 +243,44 @@ def scenarios() -> list[Scenario]:
     )
     slow = _slow_route()
     return [broad, loud, idle, died, gone, normal, absent, no_metrics, slow, overloaded, warm_up,
-            busy_from_start]
+            busy_from_start, _replica_dies_while_busy()]
+
+
+def _replica_dies_while_busy() -> Scenario:
+    """Two replicas of one job; a is saturated and busy from 18m, its warnings pending,
+    and dies at 21.5m (b serves on, so the job stays up). Its windows outlive it: without
+    its own `up` in the gate its warnings fired from them (operator18 M4: a ticket at
+    1 min scrape before TargetDown could inhibit it)."""
+    job = f'job="{JOB}"'
+    dies = 21.5
+    series: list[Series] = []
+    for instance, died in (("a:9464", dies), ("b:9464", None)):
+        where = f'{job}, instance="{instance}"'
+        series += [
+            Series(f'turnrouter_turns_total{{{where}, route="weather", outcome="answer"}}',
+                   [(0, 2.0)], dies=died),
+            Series(f"turnrouter_turns_in_flight{{{where}}}", [(0, 2.0)], counter=False,
+                   dies=died),
+            Series(f"turnrouter_overload_state{{{where}}}",
+                   [(0, 0.0), (18, 1.0)] if died else [(0, 0.0)], counter=False, dies=died),
+            Series(f'turnrouter_event_loop_lag_seconds_bucket{{{where}, le="0.1"}}',
+                   [(0, 50.0)], dies=died),
+            Series(f'turnrouter_event_loop_lag_seconds_bucket{{{where}, le="0.5"}}',
+                   [(0, 50.0), (18, 100.0)] if died else [(0, 50.0)], dies=died),
+            Series(f'turnrouter_event_loop_lag_seconds_bucket{{{where}, le="+Inf"}}',
+                   [(0, 50.0), (18, 100.0)] if died else [(0, 50.0)], dies=died),
+            Series(f"up{{{where}}}", [(0.0, 1.0), (dies, 0.0)] if died else [(0.0, 1.0)],
+                   counter=False),
+        ]
+    a = {"severity": "warning", "job": JOB, "instance": "a:9464"}
+    return Scenario(
+        "a saturated replica that dies opens no ticket from its windows while another "
+        "keeps the job up",
+        series,
+        [*[(dies + minutes, name, []) for minutes in (1, 2, 2.5, 3, 4, 5, 6)
+           for name in ("TurnrouterOverloaded", "TurnrouterSaturated")],
+         (dies + 2.5, "TurnrouterTargetDown", [{**a, "severity": "critical"}])],
+    )
 
 
 def _slow_route() -> Scenario:

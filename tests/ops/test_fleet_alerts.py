@@ -63,3 +63,32 @@ def test_runbook_section_matches_the_fleet_alert(rule: dict[str, Any]) -> None:
     assert rule["labels"]["severity"] in section.lower()
     for number in re.findall(r">=?\s*([0-9.]+)", rule["expr"]):
         assert float(number) == 0 or number in section, number
+
+
+@pytest.mark.parametrize("interval", ["15s", "1m"])
+def test_a_fleet_serving_nobody_pages_through_restart_gaps(interval: str) -> None:
+    """TurnrouterFleetNotServing (operator18 H1): a server outage pages within 5 minutes
+    (6 at a 1-minute scrape) although every worker exits after --reconnect-for and fails a
+    scrape each minute, and resolves once a replica serves; a healthy fleet with failed
+    scrapes, one replica restarting in a loop beside a serving one, and a fleet taking
+    90 s to connect stay quiet."""
+    result = _promtool("test", "rules", str(TESTS / f"not-serving-{interval}.test.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_not_serving_tests_catch_an_alert_on_the_latest_sample(tmp_path: Path) -> None:
+    """On the latest sample instead of a window, each restart gap resets the alert's
+    `for:` and the outage pages nobody: the tests fail (what operator18 saw)."""
+    rules = RULES.read_text()
+    windowed = "(max_over_time(turnrouter_nats_serving[3m]))"
+    assert windowed in rules
+    (tmp_path / "rules-nats").mkdir()
+    (tmp_path / "rules-nats" / RULES.name).write_text(
+        rules.replace(windowed, "(turnrouter_nats_serving)"))
+    (tmp_path / "tests").mkdir()
+    for interval in ("15s", "1m"):
+        shutil.copy(TESTS / f"not-serving-{interval}.test.yml", tmp_path / "tests")
+        result = _promtool("test", "rules",
+                           str(tmp_path / f"tests/not-serving-{interval}.test.yml"))
+        assert result.returncode != 0, interval
+        assert "a server outage pages" in result.stdout + result.stderr

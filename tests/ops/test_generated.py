@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from turnrouter.ops import (
+    ACK_OVERUSE_RATIO,
     CLARIFICATION_CRITICAL,
     CLARIFICATION_WARNING,
     DASHBOARDS,
@@ -363,4 +364,4 @@ def test_a_fixed_threshold_line_only_where_every_route_has_that_threshold() -> N
     # travel's overuse alert is disabled in the demo overrides: no line for it, and the
     # default's line excludes it.
     assert 'route!~"travel"' in ack and 'route="travel"' not in ack
-    assert "* 0 + 0.5" in ack
+    assert f"* 0 + {ACK_OVERUSE_RATIO:g}" in ack

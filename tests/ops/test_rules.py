@@ -159,8 +159,25 @@ def test_traffic_alerts_clear_when_their_target_is_down(alert: Any) -> None:
     """A dead router's 5-minute windows outlive it: every traffic alert requires a
     target of its group up, so none fires (or opens a late ticket) after the router died
     or its targets left service discovery (`up` gone, not 0)."""
-    assert alert.expr.rstrip().endswith(
-        "and on (cluster, namespace, job)\nturnrouter:up:max > 0")
+    assert "\nand on (cluster, namespace, job)\nturnrouter:up:max > 0" in alert.expr
+
+
+def _by_instance(alert: Any) -> bool:
+    """The alert's signal is a recorded series kept by `instance` (one process's)."""
+    (rule,) = [r for r in RECORDING_RULES if r.record == alert.signal]
+    return bool(re.search(r"by \([^)]*\binstance\b", rule.expr))
+
+
+@pytest.mark.parametrize("alert", TRAFFIC_ALERTS, ids=lambda a: f"{a.alert}-{a.severity}")
+def test_a_replicas_own_alerts_clear_when_it_is_down(alert: Any) -> None:
+    """An alert about one replica (its signal kept by instance) also requires that
+    replica's own `up`: another replica keeps the job up, and at a 1-minute scrape a dead
+    replica's Saturated fired from its stale window before TargetDown could inhibit it
+    (operator18 M4). Job-wide alerts keep the job's gate alone."""
+    gate = "\nand on (cluster, namespace, job, instance)\nup == 1"
+    assert alert.expr.endswith(gate) == _by_instance(alert)
+    assert {a.alert for a in TRAFFIC_ALERTS if _by_instance(a)} == {
+        "TurnrouterSaturated", "TurnrouterOverloaded"}
 
 
 def test_the_page_is_gated_on_distinct_participants() -> None:
@@ -237,3 +254,12 @@ def test_every_alert_reads_recordings_of_its_own_group_evaluated_before_it(
                     f"not before it in {group['name']!r}")
                 checked += 1
     assert checked >= len(TRAFFIC_ALERTS) * 2
+
+
+def test_absent_names_a_worker_that_never_got_ready() -> None:
+    """A `turnrouter worker` exposes only its turnrouter_nats_* families until it is
+    ready: TurnrouterAbsent's description says so instead of only "wrong port or path"
+    (operator18 L4)."""
+    (absent,) = [a for a in ALERTS if a.alert == "TurnrouterAbsent"]
+    assert "turnrouter worker" in absent.description
+    assert "reach NATS" in absent.description and "/ready" in absent.description

@@ -756,6 +756,9 @@ def from_prometheus(url: str, window: str, routes: set[str] | None, timeout: flo
 
 
 DELAY_GAUGE = metric("turnrouter_acknowledgment_delay_seconds").name
+GENERATION_METRIC = metric("turnrouter_acknowledgment_generation_seconds").name
+#: Past this difference from the modelled generation time, tune names the measured one.
+GENERATION_NOTE_SECS = 0.05
 #: The delay each route runs with (its `acknowledgment_route_delays` entry, else the
 #: router-wide one).
 ROUTE_DELAY_GAUGE = metric("turnrouter_acknowledgment_route_delay_seconds").name
@@ -782,6 +785,17 @@ def configured_delay(url: str, timeout: float, matchers: str = "",
         if delay is not None:
             return delay
     return None
+
+
+def measured_generation(url: str, timeout: float, window: str, matchers: str = "",
+                        at: float | None = None) -> float | None:
+    """The mean acknowledgment generation time the selected routers measured over
+    `window` (`turnrouter_acknowledgment_generation_seconds`), None without one."""
+    selector = f"{{{matchers}}}" if matchers else ""
+    mean = _gauge_value(url, f"sum(increase({GENERATION_METRIC}_sum{selector}[{window}])) / "
+                             f"(sum(increase({GENERATION_METRIC}_count{selector}[{window}]))"
+                             " > 0)", timeout, at)
+    return mean if mean is not None and mean <= 10 else None
 
 
 def delay_disagreement(url: str, timeout: float, matchers: str = "",
@@ -962,9 +976,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--route", action="append", type=_route,
                         help="only these routes (repeatable)")
     parser.add_argument("--generation-secs", type=_bounded(0.0, 10.0),
-                        default=GENERATION_SECS,
-                        help=f"acknowledgment generation time modelled "
-                             f"(default {GENERATION_SECS:g})")
+                        help=f"acknowledgment generation time modelled (default "
+                             f"{GENERATION_SECS:g}, AcknowledgmentPolicy's initial guess, "
+                             "as the tuning dashboard; pass what yours measures: the "
+                             "dashboard's "
+                             "'Acknowledgment generation time' panel, or "
+                             f"{GENERATION_METRIC}_sum / _count; with --prometheus tune "
+                             "reads that mean and says when it differs)")
     parser.add_argument("--current", type=_bounded(0.0, 60.0, low_open=True),
                         metavar="SECONDS", help="mark the delay configured today (default "
                         "with --prometheus: the routers' "
@@ -1043,6 +1061,9 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
     routes = set(args.route) if args.route else None
     splits: dict[tuple[str, float], Split] | None = None
     disagree = ""
+    modelled_by_default = args.generation_secs is None
+    if modelled_by_default:
+        args.generation_secs = GENERATION_SECS
     try:
         delays = _delays(args.delays, args.generation_secs)
         if not 1 <= args.replay_samples <= MAX_SAMPLES:
@@ -1081,6 +1102,18 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
                     disagree = (f"note: the routers read report different fallback delays "
                                 f"({lowest:g}s to {args.current:g}s; the highest is marked): "
                                 "narrow --selector to one deployment\n")
+            if modelled_by_default:
+                measured = measured_generation(args.prometheus, args.timeout, args.window,
+                                               matchers, args.at)
+                if measured is not None and abs(
+                        measured - args.generation_secs) > GENERATION_NOTE_SECS:
+                    disagree += (
+                        f"note: the routers measured acknowledgment generation at "
+                        f"{measured:.3g}s on average over {args.window} ({GENERATION_METRIC}),"
+                        f" this table models {args.generation_secs:g}s: rerun with "
+                        f"--generation-secs {measured:.2g} for figures that match your "
+                        "acknowledger (and --delays, e.g. 0.4,0.5,...,1.2: the default "
+                        "candidates are those on the model's bucket bounds)\n")
             source = (f"{printable(args.prometheus)} ({prometheus_query(args.window, matchers)}"
                       f", interrupted before a response: "
                       f"{prometheus_query(args.window, matchers, INTERRUPTED_METRIC)})")

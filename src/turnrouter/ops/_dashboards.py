@@ -488,7 +488,7 @@ def acknowledgment_tuning() -> dict[str, Any]:
     route_delay = (f"max by (route) "
                    f"({_sel('turnrouter_acknowledgment_route_delay_seconds', JOB, ROUTE)})")
     emitted = _sel(acks, JOB, ROUTE, 'outcome="emitted"')
-    delay_emitted = _sel(acks, JOB, ROUTE, 'outcome="emitted"', 'trigger="delay"')
+    needless = _sel("turnrouter_needless_acknowledgments_total", JOB, ROUTE)
     scheduled = _sel(acks, JOB, ROUTE)
     predicted = _sel("turnrouter_predicted_first_response_seconds", JOB, ROUTE)
     heatmap: dict[str, Any] = {
@@ -677,16 +677,16 @@ def acknowledgment_tuning() -> dict[str, Any]:
                       "{{outcome}} ({{trigger}})")),
             unit="ops", stack=True),
         _timeseries(
-            "Acknowledgment ratio by route", "Share of scheduled acknowledgments spoken "
-            "because the fallback delay ran out, by route, over 5 minutes: the alerted ratio "
+            "Acknowledgment ratio by route", "Share of scheduled acknowledgments that were "
+            "needless (spoken, and the answer started within 0.5 s after), whatever "
+            "triggered them, by route, over 5 minutes: the alerted ratio "
             f"(TurnrouterAcknowledgmentOveruse above {ACK_OVERUSE_RATIO:.0%}; each route's "
             "own threshold, per-route overrides included, is drawn as `alert threshold "
-            "{route}`, none for a route whose alert is disabled). Prediction-triggered "
-            "acknowledgments are intended and do not count; all spoken ones are drawn "
+            "{route}`, none for a route whose alert is disabled). All spoken ones are drawn "
             "beside it for reference.",
-            _targets((f"sum by (route) (rate({delay_emitted}[{ALERT_WINDOW}]))\n/\n"
+            _targets((f"sum by (route) (rate({needless}[{ALERT_WINDOW}]))\n/\n"
                       f"(sum by (route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
-                      "{{route}} (alerted: delay)"),
+                      "{{route}} (alerted: needless)"),
                      (f"sum by (route) (rate({emitted}[{ALERT_WINDOW}]))\n/\n"
                       f"(sum by (route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
                       "{{route}} (all spoken)"),
@@ -710,7 +710,10 @@ def acknowledgment_tuning() -> dict[str, Any]:
         _timeseries(
             "Acknowledgment generation time", "p50 and p95 of the acknowledgment LLM's "
             "generation time, against the value the what-if models "
-            f"({GENERATION_SECS:g} s, the dashed line; exemplars link to the turn).",
+            f"({GENERATION_SECS:g} s, the dashed line; exemplars link to the turn). Far "
+            "below the line (a template acknowledger's milliseconds), *Which delay?* "
+            "overstates what a delay costs: pass the measured time to `turnrouter tune "
+            "--generation-secs` (docs/operations.md, \"The what-if\").",
             [_target(f"histogram_quantile(0.5, sum by (le) (rate({generation}[{RATE}])))",
                      "p50", ref="A", exemplar=True),
              _target(f"histogram_quantile(0.95, sum by (le) (rate({generation}[{RATE}])))",

@@ -80,9 +80,10 @@ def prometheus_rule(runbook_url: str | None = None,
 
 def dashboards_configmaps(group_labels: Sequence[str] = GROUP_LABELS,
                           overrides: Sequence[RouteOverride] = ()) -> list[dict[str, Any]]:
-    """One ConfigMap per dashboard, labelled for the Grafana dashboard sidecar: each must
-    stay under the 256 KiB annotation `kubectl apply` (client-side) stores it in, and the
-    acknowledgment-tuning dashboard's what-if queries alone take most of that."""
+    """One ConfigMap per dashboard, labelled for the Grafana dashboard sidecar. The
+    acknowledgment-tuning dashboard's what-if queries make its ConfigMap too big for the
+    annotation a client-side `kubectl apply` stores it in (262,144 bytes): the docs apply
+    server-side (tests/ops/test_deploy.py checks both)."""
     return [{
         "apiVersion": "v1",
         "kind": "ConfigMap",

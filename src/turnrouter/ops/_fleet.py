@@ -37,6 +37,13 @@ _HEARD_OWNED = "turnrouter_nats_fleet_partitions_owned"
 _HEARD_REPLICAS = "turnrouter_nats_fleet_replicas"
 _REFUSED = "turnrouter_nats_state_writes_refused_total"
 _WAIT = "turnrouter_nats_input_wait_seconds"
+_SERVING = "turnrouter_nats_serving"
+#: TurnrouterFleetNotServing: no replica of a job reported serving within this window
+#: (longer than a worker's restart gap, a failed scrape or two), held for
+#: `NOT_SERVING_FOR` (a fleet starting from nothing has that long to connect): it pages
+#: this long after the last replica stopped serving, plus up to one scrape interval.
+NOT_SERVING_WINDOW = "3m"
+NOT_SERVING_FOR = "2m"
 #: The input backlog alert: the delivery wait's p95 over 5 min above this many seconds
 #: (a bucket bound: more than 5% of the inputs waited longer), over at least
 #: `BACKLOG_MIN_INPUTS` inputs in 5 min.
@@ -233,6 +240,29 @@ def fleet_alerts(group_labels: Sequence[str] = GROUP_LABELS) -> tuple[dict[str, 
                                "Check that replicas run and reach NATS "
                                "(docs/distributed.md).",
                 "runbook_url": f"{RUNBOOK_URL}#turnrouterpartitionunconsumed",
+            },
+        },
+        {
+            "alert": "TurnrouterFleetNotServing",
+            # Over a window, not the latest sample: a replica that cannot reach NATS
+            # exits after --reconnect-for and its supervisor restarts it, and each
+            # restart is a failed scrape that would reset a `for:` on the latest value
+            # (a 10-minute server outage paged nobody). The window bridges those gaps;
+            # a serving replica's 1 in it keeps it quiet (one replica restarting, or a
+            # rollout), and a fleet starting up has the `for:` to connect.
+            "expr": (f"max by ({g}) (max_over_time({_SERVING}[{NOT_SERVING_WINDOW}]))"
+                     " == 0"),
+            "for": NOT_SERVING_FOR,
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": "No replica of the NATS runtime has served for minutes",
+                "description": "No replica of job {{ $labels.job }} reported "
+                               f"turnrouter_nats_serving 1 in the last {NOT_SERVING_WINDOW} "
+                               "(restarts included): nobody is served. The NATS server is "
+                               "down or unreachable, or a stream, consumer or the bucket is "
+                               "missing (the replicas' logs and /ready say which; "
+                               "docs/distributed.md).",
+                "runbook_url": f"{RUNBOOK_URL}#turnrouterfleetnotserving",
             },
         },
         {

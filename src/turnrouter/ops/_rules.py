@@ -22,7 +22,8 @@ Rules that keep the alerts trustworthy:
   `MIN_CLARIFIED_PARTICIPANTS` of them, confirmed by the 5-minute ratio over at least
   `MIN_TURNS` turns;
 - every traffic alert requires its target up (`up`), so an alert whose source died clears
-  instead of opening a late ticket; `TurnrouterTargetDown` and `TurnrouterAbsent` page for
+  instead of opening a late ticket (a replica's own alerts, by `instance`, that replica's
+  `up`, not only its job's); `TurnrouterTargetDown` and `TurnrouterAbsent` page for
   the outage itself, and `TurnrouterWatchdog` always fires (a dead man's switch for the
   alerting pipeline).
 
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .._numbers import finite
-from ..telemetry import metric
+from ..telemetry import NEEDLESS_WITHIN_SECONDS, metric
 
 __all__ = [
     "ACK_OVERUSE_RATIO",
@@ -101,9 +102,14 @@ MIN_TURNS_1M = 30
 SLOW_FIRST_RESPONSE_SECONDS = 1.5
 #: Seconds: p95 from admission to the first thing heard ("dead air" target).
 DEAD_AIR_SECONDS = 2.0
-#: Share of scheduled acknowledgments spoken because the fallback delay ran out
-#: (prediction-triggered ones are intended and do not count).
-ACK_OVERUSE_RATIO = 0.5
+#: Share of a route's scheduled acknowledgments that were needless (spoken, and the
+#: answer started within `NEEDLESS_WITHIN_SECONDS` after), whatever triggered them: the
+#: fallback delay or a prediction (with a short delay the predictive trigger claims
+#: almost every acknowledgment, so a delay-triggered share never saw it: operator18 M1,
+#: 0.19 at `--ack-delay 0.2` while 48% of the answered turns heard a needless one). A
+#: delay tuned for at most 30% acknowledged turns (`turnrouter tune`'s default) stays
+#: under it: a needless acknowledgment is an acknowledged turn.
+ACK_OVERUSE_RATIO = 0.4
 #: Failures per turn, per stage.
 FAILURE_RATIO = 0.05
 #: Seconds: p95 of a decision-service call.
@@ -220,6 +226,11 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
     RecordingRule(
         "turnrouter:acknowledgments:increase5m",
         f"sum by ({G}, route) (increase({ACKS}[5m]))"),
+    # TurnrouterAcknowledgmentOveruse's signal: needless acknowledgments (any trigger)
+    # per scheduled acknowledgment.
+    RecordingRule(
+        "turnrouter:needless_acknowledgment_share:rate5m",
+        _ratio(f"sum by ({G}, route) (rate({NEEDLESS}[5m]))", _ACK_RATE)),
     RecordingRule(
         "turnrouter:needless_acknowledgment_ratio:rate5m",
         _ratio(f"sum by ({G}, route) (rate({NEEDLESS}[5m]))",
@@ -331,6 +342,9 @@ class AlertRule:
     keep_firing_for: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     raw: bool = False
+    per_instance: bool = False
+    """The signal is one process's (by `instance`): also gated on that instance's own
+    `up`, not only its job's (another replica keeps the job up)."""
 
     def _on(self) -> str:
         return f"on ({G}, route)" if self.per_route else f"on ({G})"
@@ -345,6 +359,11 @@ class AlertRule:
         # A dead target's windows linger for minutes: its alerts clear at once instead,
         # also once its targets left service discovery (`up` gone, not 0).
         lines += [f"and on ({G})", "turnrouter:up:max > 0"]
+        if self.per_instance:
+            # One replica's windows outlive it too, while the others keep its job up: at
+            # a 1-minute scrape a dead replica's warning fired from them before
+            # TurnrouterTargetDown (which inhibits it) could.
+            lines += [f"and on ({G}, instance)", "up == 1"]
         return "\n".join(lines)
 
     def expression(self, overrides: Sequence[RouteOverride] = (),
@@ -452,12 +471,13 @@ ALERTS: tuple[AlertRule, ...] = (
         volume="turnrouter:silences:increase5m",
     ),
     AlertRule(
-        "TurnrouterAcknowledgmentOveruse", "turnrouter:delay_acknowledgment_ratio:rate5m",
+        "TurnrouterAcknowledgmentOveruse", "turnrouter:needless_acknowledgment_share:rate5m",
         ACK_OVERUSE_RATIO, "15m", "warning",
-        "Route {{ $labels.route }} of {{ $labels.job }} acknowledges most turns",
-        f"{_PCT} of scheduled acknowledgments were spoken because the fallback delay ran "
-        f"out (default threshold {ACK_OVERUSE_RATIO:.0%}): the delay is probably too short "
-        "for this route. Prediction-triggered acknowledgments do not count.",
+        "Route {{ $labels.route }} of {{ $labels.job }} says needless acknowledgments",
+        f"{_PCT} of scheduled acknowledgments were needless: spoken, and the answer "
+        f"started within {NEEDLESS_WITHIN_SECONDS:g}s after (default threshold "
+        f"{ACK_OVERUSE_RATIO:.0%}), whether the fallback delay or a prediction triggered "
+        "them: the delay is probably too short for this route.",
         "turnrouteracknowledgmentoveruse",
         volume="turnrouter:acknowledgments:increase5m", per_route=True, keep_firing_for="5m",
     ),
@@ -487,7 +507,7 @@ ALERTS: tuple[AlertRule, ...] = (
         "for the loop, the router refuses new participants (readiness fails) and may shed "
         "turns (turnrouter_shed_turns_total). Add replicas or find what blocks the loop.",
         "turnroutersaturated",
-        volume="turnrouter:turns:increase5m",
+        volume="turnrouter:turns:increase5m", per_instance=True,
     ),
     AlertRule(
         "TurnrouterOverloaded", "turnrouter:overload_state:avg5m",
@@ -498,7 +518,7 @@ ALERTS: tuple[AlertRule, ...] = (
         "thresholds it refuses new participants (readiness fails) and may shed turns "
         "(turnrouter_shed_turns_total). Add replicas or find what blocks the loop.",
         "turnrouteroverloaded",
-        volume="turnrouter:turns:increase5m",
+        volume="turnrouter:turns:increase5m", per_instance=True,
     ),
     AlertRule(
         "TurnrouterTargetDown", f"up{{{JOB_MATCHER}}} == 0", 0.0, "1m", "critical",
@@ -528,7 +548,10 @@ ALERTS: tuple[AlertRule, ...] = (
         0.0, "5m", "critical",
         "turnrouter metrics are absent",
         f"No turnrouter target is known to Prometheus ({JOB_MATCHER}), or a scraped target "
-        "exposes no turnrouter metrics (wrong port or path, telemetry off).",
+        "exposes no turnrouter metrics (wrong port or path, telemetry off), or a "
+        "`turnrouter worker` that never got ready: it exposes only its turnrouter_nats_* "
+        "families until then (still in its --app factory, or unable to reach NATS; its "
+        "/ready and log say which).",
         "turnrouterabsent", volume="", raw=True,
     ),
     AlertRule(
