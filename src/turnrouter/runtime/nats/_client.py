@@ -38,7 +38,8 @@ from ..._exceptions import (
 from ..._headers import HEADER_NAME
 from ..._redact import preview
 from ...telemetry._telemetry import current_carrier
-from .._messages import Interrupted, ResponseOutput, RuntimeMessage
+from .._messages import VALIDATED, Interrupted, ResponseOutput, RuntimeMessage
+from .._runtime import describe
 from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
 from ._permissions import Denials, DeniedError, denials_of
@@ -243,11 +244,20 @@ class NatsFrontEnd:
         that is not a str or holds a control character, or more than `MAX_EXTRA_HEADERS`
         bytes in all, a message id this front end published for another message of that
         participant within the deduplication window, or a refusal of the server that a
-        retry would meet again."""
+        retry would meet again. A message that skipped validation (`model_construct()`,
+        `model_copy(update=...)`, a field changed since) is validated again, as the
+        in-process runtime's `publish` does: `ContractTypeError` or `ContractValueError`
+        naming the field, nothing published (workers would refuse it, and its turn would
+        never end); `headers` that are not a mapping: `ContractTypeError`."""
         try:
             kind = kind_of(message)
         except TypeError as exc:
             raise ContractTypeError(str(exc)) from exc
+        message = _validated(message)
+        if headers is not None and not isinstance(headers, Mapping):
+            raise ContractTypeError(
+                f"publish() headers must be a mapping of str to str or None, got "
+                f"{type(headers).__name__}")
         if headers:
             _check_headers(headers)
         pid = getattr(message, "participant_id", None)
@@ -707,6 +717,30 @@ MAX_EXTRA_HEADERS = 2048
 
 #: Control characters past ASCII (C1) and the Unicode line and paragraph separators.
 _CONTROL = re.compile("[\u0080-\u009f\u2028\u2029]")
+
+
+def _validated(message: RuntimeMessage) -> RuntimeMessage:
+    """`message`, validated again unless known valid (`VALIDATED`, as the in-process
+    runtime's `publish` does): one from `model_construct()` or `model_copy(update=...)`,
+    or changed since, could carry what every worker refuses (a text of None, an id of
+    300 characters), and its turn would never end (redteam18 F5). `ContractTypeError`
+    or `ContractValueError` naming the field, never its value."""
+    if message in VALIDATED:
+        return message
+    name = type(message).__name__
+    try:
+        valid = type(message).model_validate(dict(message.__dict__))
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False, include_context=False)
+        wrong_type = all(error["type"].endswith("_type") or error["type"] == "is_instance_of"
+                         for error in errors)
+        error_class = ContractTypeError if wrong_type else ContractValueError
+        raise error_class(f"published {name} is invalid (built without validation?), "
+                          f"nothing published: {describe(exc)}") from None
+    except RecursionError:
+        raise ContractValueError(f"published {name} is nested too deeply") from None
+    VALIDATED.add(valid)
+    return valid
 
 
 def _check_headers(headers: Mapping[str, str]) -> None:
