@@ -231,8 +231,12 @@ class NatsFrontEnd:
         dropped by the stream too: `publish` raises `ContractValueError` saying so when
         this front end published that other message (a message built again with the same
         id and content is a retry, not another message); when it cannot tell (another
-        front end's, or one older than its memory of `MAX_PUBLISHED`), it logs and counts
-        it in `inputs_duplicated`. A fleet-wide
+        front end's, or one older than its memory of `MAX_PUBLISHED`), it logs, counts
+        it in `inputs_duplicated` and raises `ContractValueError` too: the stream stores
+        nothing of it, and the id may have been taken on purpose (any front end may
+        publish any `Nats-Msg-Id` on its own subjects, redteam18 F7); a retry of what
+        another front end stored needs nothing more, another message a new id. A
+        retry of a message this front end published returns normally. A fleet-wide
         interrupt (`Interrupted` without a participant) is not stored: it returns once
         the server handled it, `LifecycleError` when the server refused it for the
         connection's permissions.
@@ -303,6 +307,13 @@ class NatsFrontEnd:
                     f"new session's turn-1 right after the last one's, say)")
             if ack.duplicate and previous is None:
                 self._unknown_duplicate(kind, message.message_id, pid)
+                raise ContractValueError(
+                    f"{kind} {preview(message.message_id)} of participant {preview(pid)}: "
+                    f"the stream dropped it as a duplicate of a message with that id this "
+                    f"front end did not publish within dedup_window "
+                    f"({self._config.dedup_window:g} s): another front end's (a retry of "
+                    f"it is stored already: nothing to do), or one sent to take the id "
+                    f"(a front end holding the credential can: publish it with a new id)")
         except (BadRequestError, MaxPayloadError) as exc:
             raise ContractValueError(f"publishing {kind} refused by the server: {exc!r} "
                                      f"(for good: publishing it again is refused too)") from exc
@@ -365,7 +376,7 @@ class NatsFrontEnd:
         """The stream dropped an input as a duplicate of one this front end did not
         publish (another front end's, or one older than its memory): a retry of that
         one, stored already, or a new message reusing its id, dropped. Which, it cannot
-        tell: logged (the 1st, 2nd, 4th... time) and counted, not raised."""
+        tell: logged (the 1st, 2nd, 4th... time) and counted; `publish` then raises."""
         self.inputs_duplicated += 1
         count = self.inputs_duplicated
         if count & (count - 1) == 0:
