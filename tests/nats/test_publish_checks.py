@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import nats
 import pytest
 
+import nats
 from turnrouter import ContractTypeError, ContractValueError
 from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
