@@ -76,7 +76,7 @@ async def test_an_id_taken_by_another_publisher_is_raised_not_dropped_silently(
             await nc.close()
         victim = UserQuery(participant_id="vic", text="mine", message_id="turn-1")
         with caplog.at_level(logging.WARNING, logger="turnrouter.runtime.nats"), \
-                pytest.raises(ContractValueError, match="'turn-1'.*did not publish"):
+                pytest.raises(ContractValueError, match=r"'turn-1'.*did not publish"):
             await front.publish(victim)
         assert front.inputs_duplicated == 1
         renamed = victim.model_copy(update={"message_id": "turn-1b"})
