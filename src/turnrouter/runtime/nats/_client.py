@@ -401,6 +401,10 @@ class NatsFrontEnd:
                            count, why)
 
 
+#: Seconds a new `outputs()` reader asks again for a consumer the server refuses
+#: (`readers_refused`) before it raises `LifecycleError` with the server's reason.
+READER_PATIENCE = 5.0
+
 #: Messages an output reader handles without returning one before it lets the loop run.
 _YIELD_EVERY = 256
 
@@ -431,13 +435,32 @@ class _OutputReader:
         self._last_ns = 0
         self._stream_last: int | None = None  # the stream's last sequence, when asked
         self._check = False  # the next output is the last one read, delivered again
+        self._refusal: str | None = None  # the server's reason, when it refused one
         self._by_time = False  # the next consumer starts after `_last_ns`
 
     async def open(self) -> None:
-        """The first consumer (LifecycleError when the server refuses it)."""
-        if not await self._create():
-            raise LifecycleError("cannot read the output stream "
-                                 f"{self._config.output_stream}")
+        """The first consumer. One the server refuses (the account's or the stream's
+        consumer slots taken, say) is asked again every `_HEARTBEAT`, each refusal
+        counted, for `READER_PATIENCE` seconds: then `LifecycleError` with the server's
+        reason. `LifecycleError` at once when the server cannot make one (no output
+        stream, JetStream not answering)."""
+        deadline = time.monotonic() + READER_PATIENCE
+        while True:
+            self._refusal = None
+            if await self._create():
+                return
+            stream = self._config.output_stream
+            if self._refusal is None:
+                raise LifecycleError(f"cannot read the output stream {stream}: it does "
+                                     "not exist, or JetStream did not answer")
+            if time.monotonic() >= deadline:
+                raise LifecycleError(
+                    f"cannot read the output stream {stream}: the server refused the "
+                    f"reader's consumer for {READER_PATIENCE:g} s "
+                    f"({self._front.readers_refused} refusals so far): {self._refusal} "
+                    "(with 'maximum consumers limit reached', other clients hold the "
+                    "consumer slots: see docs/distributed.md, \"Trust\")")
+            await asyncio.sleep(_HEARTBEAT)
 
     async def _create(self) -> bool:
         """A fresh consumer from the last sequence read; False when the server cannot
@@ -507,7 +530,8 @@ class _OutputReader:
             info = json.loads(reply.data)
             error = info.get("error") if isinstance(info, dict) else None
             if isinstance(error, dict):  # e.g. "maximum consumers limit reached"
-                self._front._refused(preview(error.get("description")))
+                self._refusal = preview(error.get("description"))
+                self._front._refused(self._refusal)
             name = info["name"]
         except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
             # The server is not ready (JetStream still starting, say): again in a tick.
