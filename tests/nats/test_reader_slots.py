@@ -57,11 +57,15 @@ async def test_a_reader_refused_a_consumer_retries_then_says_why(
         await api(nc, f"$JS.API.CONSUMER.DELETE.{config.output_stream}.{held['name']}")
         async with asyncio.timeout(READER_PATIENCE):
             await subscribed.wait()
-        with pytest.raises(LifecycleError,
-                           match="refused the reader's consumer.*maximum consumers"):
+
+        async def read_other() -> None:
             async with asyncio.timeout(READER_PATIENCE + 5):
                 async for _ in other.outputs():
                     pass
+
+        with pytest.raises(LifecycleError,
+                           match=r"refused the reader's consumer.*maximum consumers"):
+            await read_other()
         assert other.readers_refused >= 2
     finally:
         if reader is not None:
