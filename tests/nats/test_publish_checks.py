@@ -18,7 +18,8 @@ from .conftest import NatsServer
 
 pytestmark = pytest.mark.anyio
 
-BASE: dict[str, Any] = {"traceparent": None, "tracestate": None, "timestamp_us": 1_700_000_000_000_000}
+BASE: dict[str, Any] = {"traceparent": None, "tracestate": None,
+                        "timestamp_us": 1_700_000_000_000_000}
 
 
 def bypassed() -> list[tuple[Any, type[Exception], str]]:
