@@ -147,6 +147,11 @@ class NatsFrontEnd:
         self.readers_refused = 0
         """Times the server refused an `outputs()` reader its consumer (tried again
         every 0.2 s; the reason is logged): the stream's consumer limit reached, say."""
+        self.readers_starved = 0
+        """Times an `outputs()` reader's consumer, idle, left unread an output the
+        stream had stored 2 s before (changed by another client of
+        the account: a filter that reads nothing, say): made again from the last output
+        read, logged (redteam18 F1)."""
 
     @classmethod
     async def connect(cls, config: NatsConfig, **options: Any) -> NatsFrontEnd:
@@ -393,6 +398,15 @@ class NatsFrontEnd:
             logger.warning("turnrouter: the server refused the output reader's consumer "
                            "(%d so far; retrying): %s", count, why)
 
+    def _starved(self, behind: int, last: int) -> None:
+        self.readers_starved += 1
+        count = self.readers_starved
+        if count & (count - 1) == 0:
+            logger.warning("turnrouter: the output reader's consumer left output %d of "
+                           "the output stream unread (read up to %d) while idle: changed "
+                           "by another client of the account? Made again (%d so far)",
+                           behind, last, count)
+
     def _skipped(self, why: str) -> None:
         self.outputs_skipped += 1
         count = self.outputs_skipped
@@ -404,6 +418,11 @@ class NatsFrontEnd:
 #: Seconds a new `outputs()` reader asks again for a consumer the server refuses
 #: (`readers_refused`) before it raises `LifecycleError` with the server's reason.
 READER_PATIENCE = 5.0
+
+#: Seconds between an idle `outputs()` reader's look-ups of the output stream's last
+#: sequence: an output stored at one look-up and still unread at the next, the consumer
+#: idle, means the consumer no longer delivers what it should (`readers_starved`).
+_AUDIT_EVERY = 2.0
 
 #: Messages an output reader handles without returning one before it lets the loop run.
 _YIELD_EVERY = 256
@@ -436,6 +455,8 @@ class _OutputReader:
         self._stream_last: int | None = None  # the stream's last sequence, when asked
         self._check = False  # the next output is the last one read, delivered again
         self._refusal: str | None = None  # the server's reason, when it refused one
+        self._audit_at = 0.0  # when an idle reader next looks the stream's end up
+        self._unread: int | None = None  # a stream sequence stored, unread at the last
         self._by_time = False  # the next consumer starts after `_last_ns`
 
     async def open(self) -> None:
@@ -484,6 +505,7 @@ class _OutputReader:
         nc, config = self._nc, self._config
         self._reconnects = nc.stats["reconnects"]
         self._heard = time.monotonic()
+        self._unread, self._audit_at = None, self._heard + _AUDIT_EVERY  # a new baseline
         await self._drop()
         self._inbox = nc.new_inbox()
         self._msgs.clear()
@@ -566,6 +588,29 @@ class _OutputReader:
                 ask.cancel()
                 await asyncio.gather(ask, return_exceptions=True)
 
+    async def _starving(self) -> bool:
+        """Whether the consumer, idle (an idle heartbeat just came), left unread an
+        output the stream held at the previous look-up, `_AUDIT_EVERY` seconds or more
+        ago: its configuration was changed by another client of the account (a front
+        end sharing the credential can learn its name from the shared inbox prefix and
+        give it a filter that reads nothing, redteam18 F1). Counted and logged."""
+        now = time.monotonic()
+        if now < self._audit_at or self._last is None:
+            return False
+        self._audit_at = now + _AUDIT_EVERY
+        try:
+            reply = await self._ask(f"$JS.API.STREAM.INFO.{self._config.output_stream}", b"")
+            last_seq = json.loads(reply.data)["state"]["last_seq"]
+        except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
+            return False
+        before, last = self._unread, self._last
+        self._unread = last_seq if type(last_seq) is int and last_seq > last else None
+        if before is None or last >= before:
+            return False
+        self._unread = None
+        self._front._starved(before, last)
+        return True
+
     async def _recreated(self) -> bool:
         """Whether the output stream is another one than when last asked (deleted and
         made again, e.g. by a worker repairing the deployment): its sequences start
@@ -639,6 +684,8 @@ class _OutputReader:
                     if headers.get("Nats-Last-Consumer", str(self._next_cseq - 1)) != str(
                             self._next_cseq - 1):
                         await self._create()  # a message was lost on the way
+                    elif not stalled and await self._starving():
+                        await self._create()
                 continue
             meta = ack_sequences(msg.reply)
             if meta is None:
