@@ -43,6 +43,7 @@ from .._runtime import describe
 from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
 from ._permissions import Denials, DeniedError, denials_of
+from ._quiet import quiet_tls_eof
 from ._security import connect
 from ._setup import api_request, check_payload, ensure_streams
 from ._wire import (
@@ -172,6 +173,7 @@ class NatsFrontEnd:
         a worker, say), `LifecycleError` when only the creation of a missing deployment
         was refused (start a worker first). Refusals later (a fleet-wide interrupt,
         say) are logged once per subject."""
+        quiet_tls_eof()  # asyncio's warning at every TLS close (redteam18 F8)
         options.setdefault("reconnect_time_wait", 0.25)
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("ping_interval", _PING_INTERVAL)
