@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from turnrouter import LifecycleError
 from turnrouter.runtime.nats import READER_PATIENCE, NatsConfig, NatsFrontEnd
 
 from .conftest import NatsServer, until_true
+from .crowd import serving
 
 pytestmark = pytest.mark.anyio
 
@@ -73,4 +75,33 @@ async def test_a_reader_refused_a_consumer_retries_then_says_why(
             await asyncio.gather(reader, return_exceptions=True)
         await nc.close()
         await other.close()
+        await front.close()
+
+
+async def test_a_consumer_may_not_hold_its_slot_past_the_cap(
+        nats_server: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The output stream caps its consumers' inactivity threshold (60 s): a client asking
+    10 years is refused by the server (before, accepted: an unread consumer held its slot
+    until an operator removed it). An output stream made before the cap is taken as it
+    is, with a warning, so an upgrade does not stop the fleet."""
+    config = NatsConfig(url=nats_server.url, partitions=1)
+    front = await NatsFrontEnd.connect(config)
+    nc = await nats.connect(nats_server.url)
+    try:
+        stream = config.output_stream
+        reply = await nc.request(f"$JS.API.CONSUMER.CREATE.{stream}", json.dumps(
+            {"stream_name": stream, "config": {
+                "deliver_subject": "somewhere", "ack_policy": "none",
+                "inactive_threshold": 10 * 365 * 86400 * 10**9}}).encode(), timeout=5)
+        assert "inactive threshold exceeds" in json.loads(reply.data)["error"]["description"]
+        old = (await api(nc, f"$JS.API.STREAM.INFO.{stream}"))["config"]
+        await api(nc, f"$JS.API.STREAM.DELETE.{stream}")
+        del old["consumer_limits"]
+        await api(nc, f"$JS.API.STREAM.CREATE.{stream}", old)
+        with caplog.at_level(logging.WARNING, logger="turnrouter.runtime.nats"):
+            async with serving(config, "upgraded"):
+                pass
+        assert "inactive threshold" in caplog.text
+    finally:
+        await nc.close()
         await front.close()
