@@ -195,8 +195,9 @@ async def test_an_id_reused_within_the_window_is_refused_not_dropped_silently(
     naming the id and the window, so the caller can give it a new id. A retry returns
     normally (stored once, answered once), be it the same object or one built again
     with the same id and text (a new time). What another front end published (or one
-    this front end no longer remembers) it cannot tell from a retry: logged and counted
-    in `inputs_duplicated`, not raised. Before, `publish` returned as if a reused id's
+    this front end no longer remembers) it cannot tell from a retry: logged, counted
+    in `inputs_duplicated` and raised too (redteam18 F7: it may be an id taken on
+    purpose). Before, `publish` returned as if a reused id's
     message was stored, and the participant was never answered (redteam7 D2)."""
     config = NatsConfig(url=nats_server.url, partitions=1)
     async with listening(config) as (front, heard), serving(config, "sessions"):
@@ -213,8 +214,9 @@ async def test_an_id_reused_within_the_window_is_refused_not_dropped_silently(
         assert front.inputs_duplicated == 0
         second = await NatsFrontEnd.connect(config)
         try:
-            with caplog.at_level(logging.WARNING, logger="turnrouter.runtime.nats"):
-                await second.publish(again)  # another front end: a retry, as far as it knows
+            with caplog.at_level(logging.WARNING, logger="turnrouter.runtime.nats"), \
+                    pytest.raises(ContractValueError, match="did not publish"):
+                await second.publish(again)  # another front end's id: it cannot tell
             assert second.inputs_duplicated == 1
             assert "dropped query 'turn-1'" in caplog.text
         finally:

@@ -238,6 +238,9 @@ def _worker_main(argv: Sequence[str]) -> int:
               f"pip install -e '.[nats]'): {missing} is missing", file=sys.stderr)
         return 2
     from .._exceptions import ConfigurationError, TurnrouterError
+    from ..runtime.nats._quiet import quiet_tls_eof
+
+    quiet_tls_eof()  # asyncio's warning at every TLS close or reconnect (redteam18 F8)
 
     if args.ready_file:
         # A probe on a file that can never be written would keep the replica unready

@@ -74,7 +74,7 @@ class Topic(Generic[M]):
         try:
             valid = payload.model_validate(fields)
         except ValidationError as exc:
-            raise ValueError(f"malformed {payload.__name__}: {_describe(exc)}") from None
+            raise ValueError(f"malformed {payload.__name__}: {describe(exc)}") from None
         except RecursionError:
             raise ValueError(f"malformed {payload.__name__}: nested too deeply") from None
         VALIDATED.add(valid)
@@ -96,7 +96,7 @@ def _refuse_unknown(name: str, message: dict[Any, Any], known: dict[str, Any],
     raise ValueError(f"malformed {name}: {shown}{more}")
 
 
-def _describe(exc: ValidationError, limit: int = 5) -> str:
+def describe(exc: ValidationError, limit: int = 5) -> str:
     """A pydantic validation error as `field: problem` pairs, without the input values."""
     errors = exc.errors(include_url=False, include_input=False, include_context=False)
     shown = [

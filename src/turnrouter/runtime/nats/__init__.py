@@ -18,7 +18,7 @@ except ImportError as exc:  # exercised in a test that hides nats-py
         "(from a checkout: pip install -e '.[nats]')"
     ) from exc
 
-from ._client import MAX_PUBLISHED, MAX_SEEN_FINALS, NatsFrontEnd
+from ._client import MAX_PUBLISHED, MAX_SEEN_FINALS, READER_PATIENCE, NatsFrontEnd
 from ._connection import Readiness
 from ._fleet import parse_presence
 from ._security import MAX_CA_FILE_BYTES, MAX_SECRET_FILE_BYTES
@@ -47,6 +47,7 @@ __all__ = [
     "MAX_PUBLISHED",
     "MAX_SECRET_FILE_BYTES",
     "MAX_SEEN_FINALS",
+    "READER_PATIENCE",
     "Ending",
     "NatsConfig",
     "NatsFrontEnd",

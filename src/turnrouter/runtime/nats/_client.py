@@ -38,10 +38,12 @@ from ..._exceptions import (
 from ..._headers import HEADER_NAME
 from ..._redact import preview
 from ...telemetry._telemetry import current_carrier
-from .._messages import Interrupted, ResponseOutput, RuntimeMessage
+from .._messages import VALIDATED, Interrupted, ResponseOutput, RuntimeMessage
+from .._runtime import describe
 from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
 from ._permissions import Denials, DeniedError, denials_of
+from ._quiet import quiet_tls_eof
 from ._security import connect
 from ._setup import api_request, check_payload, ensure_streams
 from ._wire import (
@@ -146,6 +148,11 @@ class NatsFrontEnd:
         self.readers_refused = 0
         """Times the server refused an `outputs()` reader its consumer (tried again
         every 0.2 s; the reason is logged): the stream's consumer limit reached, say."""
+        self.readers_starved = 0
+        """Times an `outputs()` reader's consumer, idle, left unread an output the
+        stream had stored 2 s before (changed by another client of
+        the account: a filter that reads nothing, say): made again from the last output
+        read, logged (redteam18 F1)."""
 
     @classmethod
     async def connect(cls, config: NatsConfig, **options: Any) -> NatsFrontEnd:
@@ -166,6 +173,7 @@ class NatsFrontEnd:
         a worker, say), `LifecycleError` when only the creation of a missing deployment
         was refused (start a worker first). Refusals later (a fleet-wide interrupt,
         say) are logged once per subject."""
+        quiet_tls_eof()  # asyncio's warning at every TLS close (redteam18 F8)
         options.setdefault("reconnect_time_wait", 0.25)
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("ping_interval", _PING_INTERVAL)
@@ -230,8 +238,12 @@ class NatsFrontEnd:
         dropped by the stream too: `publish` raises `ContractValueError` saying so when
         this front end published that other message (a message built again with the same
         id and content is a retry, not another message); when it cannot tell (another
-        front end's, or one older than its memory of `MAX_PUBLISHED`), it logs and counts
-        it in `inputs_duplicated`. A fleet-wide
+        front end's, or one older than its memory of `MAX_PUBLISHED`), it logs, counts
+        it in `inputs_duplicated` and raises `ContractValueError` too: the stream stores
+        nothing of it, and the id may have been taken on purpose (any front end may
+        publish any `Nats-Msg-Id` on its own subjects, redteam18 F7); a retry of what
+        another front end stored needs nothing more, another message a new id. A
+        retry of a message this front end published returns normally. A fleet-wide
         interrupt (`Interrupted` without a participant) is not stored: it returns once
         the server handled it, `LifecycleError` when the server refused it for the
         connection's permissions.
@@ -243,11 +255,20 @@ class NatsFrontEnd:
         that is not a str or holds a control character, or more than `MAX_EXTRA_HEADERS`
         bytes in all, a message id this front end published for another message of that
         participant within the deduplication window, or a refusal of the server that a
-        retry would meet again."""
+        retry would meet again. A message that skipped validation (`model_construct()`,
+        `model_copy(update=...)`, a field changed since) is validated again, as the
+        in-process runtime's `publish` does: `ContractTypeError` or `ContractValueError`
+        naming the field, nothing published (workers would refuse it, and its turn would
+        never end); `headers` that are not a mapping: `ContractTypeError`."""
         try:
             kind = kind_of(message)
         except TypeError as exc:
             raise ContractTypeError(str(exc)) from exc
+        message = _validated(message)
+        if headers is not None and not isinstance(headers, Mapping):
+            raise ContractTypeError(
+                f"publish() headers must be a mapping of str to str or None, got "
+                f"{type(headers).__name__}")
         if headers:
             _check_headers(headers)
         pid = getattr(message, "participant_id", None)
@@ -293,6 +314,13 @@ class NatsFrontEnd:
                     f"new session's turn-1 right after the last one's, say)")
             if ack.duplicate and previous is None:
                 self._unknown_duplicate(kind, message.message_id, pid)
+                raise ContractValueError(
+                    f"{kind} {preview(message.message_id)} of participant {preview(pid)}: "
+                    f"the stream dropped it as a duplicate of a message with that id this "
+                    f"front end did not publish within dedup_window "
+                    f"({self._config.dedup_window:g} s): another front end's (a retry of "
+                    f"it is stored already: nothing to do), or one sent to take the id "
+                    f"(a front end holding the credential can: publish it with a new id)")
         except (BadRequestError, MaxPayloadError) as exc:
             raise ContractValueError(f"publishing {kind} refused by the server: {exc!r} "
                                      f"(for good: publishing it again is refused too)") from exc
@@ -355,7 +383,7 @@ class NatsFrontEnd:
         """The stream dropped an input as a duplicate of one this front end did not
         publish (another front end's, or one older than its memory): a retry of that
         one, stored already, or a new message reusing its id, dropped. Which, it cannot
-        tell: logged (the 1st, 2nd, 4th... time) and counted, not raised."""
+        tell: logged (the 1st, 2nd, 4th... time) and counted; `publish` then raises."""
         self.inputs_duplicated += 1
         count = self.inputs_duplicated
         if count & (count - 1) == 0:
@@ -372,6 +400,15 @@ class NatsFrontEnd:
             logger.warning("turnrouter: the server refused the output reader's consumer "
                            "(%d so far; retrying): %s", count, why)
 
+    def _starved(self, behind: int, last: int) -> None:
+        self.readers_starved += 1
+        count = self.readers_starved
+        if count & (count - 1) == 0:
+            logger.warning("turnrouter: the output reader's consumer left output %d of "
+                           "the output stream unread (read up to %d) while idle: changed "
+                           "by another client of the account? Made again (%d so far)",
+                           behind, last, count)
+
     def _skipped(self, why: str) -> None:
         self.outputs_skipped += 1
         count = self.outputs_skipped
@@ -379,6 +416,15 @@ class NatsFrontEnd:
             logger.warning("turnrouter: skipped an invalid output (%d so far): %s",
                            count, why)
 
+
+#: Seconds a new `outputs()` reader asks again for a consumer the server refuses
+#: (`readers_refused`) before it raises `LifecycleError` with the server's reason.
+READER_PATIENCE = 5.0
+
+#: Seconds between an idle `outputs()` reader's look-ups of the output stream's last
+#: sequence: an output stored at one look-up and still unread at the next, the consumer
+#: idle, means the consumer no longer delivers what it should (`readers_starved`).
+_AUDIT_EVERY = 2.0
 
 #: Messages an output reader handles without returning one before it lets the loop run.
 _YIELD_EVERY = 256
@@ -410,13 +456,34 @@ class _OutputReader:
         self._last_ns = 0
         self._stream_last: int | None = None  # the stream's last sequence, when asked
         self._check = False  # the next output is the last one read, delivered again
+        self._refusal: str | None = None  # the server's reason, when it refused one
+        self._audit_at = 0.0  # when an idle reader next looks the stream's end up
+        self._unread: int | None = None  # a stream sequence stored, unread at the last
         self._by_time = False  # the next consumer starts after `_last_ns`
 
     async def open(self) -> None:
-        """The first consumer (LifecycleError when the server refuses it)."""
-        if not await self._create():
-            raise LifecycleError("cannot read the output stream "
-                                 f"{self._config.output_stream}")
+        """The first consumer. One the server refuses (the account's or the stream's
+        consumer slots taken, say) is asked again every `_HEARTBEAT`, each refusal
+        counted, for `READER_PATIENCE` seconds: then `LifecycleError` with the server's
+        reason. `LifecycleError` at once when the server cannot make one (no output
+        stream, JetStream not answering)."""
+        deadline = time.monotonic() + READER_PATIENCE
+        while True:
+            self._refusal = None
+            if await self._create():
+                return
+            stream = self._config.output_stream
+            if self._refusal is None:
+                raise LifecycleError(f"cannot read the output stream {stream}: it does "
+                                     "not exist, or JetStream did not answer")
+            if time.monotonic() >= deadline:
+                raise LifecycleError(
+                    f"cannot read the output stream {stream}: the server refused the "
+                    f"reader's consumer for {READER_PATIENCE:g} s "
+                    f"({self._front.readers_refused} refusals so far): {self._refusal} "
+                    "(with 'maximum consumers limit reached', other clients hold the "
+                    "consumer slots: see docs/distributed.md, \"Trust\")")
+            await asyncio.sleep(_HEARTBEAT)
 
     async def _create(self) -> bool:
         """A fresh consumer from the last sequence read; False when the server cannot
@@ -440,6 +507,7 @@ class _OutputReader:
         nc, config = self._nc, self._config
         self._reconnects = nc.stats["reconnects"]
         self._heard = time.monotonic()
+        self._unread, self._audit_at = None, self._heard + _AUDIT_EVERY  # a new baseline
         await self._drop()
         self._inbox = nc.new_inbox()
         self._msgs.clear()
@@ -486,7 +554,8 @@ class _OutputReader:
             info = json.loads(reply.data)
             error = info.get("error") if isinstance(info, dict) else None
             if isinstance(error, dict):  # e.g. "maximum consumers limit reached"
-                self._front._refused(preview(error.get("description")))
+                self._refusal = preview(error.get("description"))
+                self._front._refused(self._refusal)
             name = info["name"]
         except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
             # The server is not ready (JetStream still starting, say): again in a tick.
@@ -520,6 +589,29 @@ class _OutputReader:
             if not ask.done():
                 ask.cancel()
                 await asyncio.gather(ask, return_exceptions=True)
+
+    async def _starving(self) -> bool:
+        """Whether the consumer, idle (an idle heartbeat just came), left unread an
+        output the stream held at the previous look-up, `_AUDIT_EVERY` seconds or more
+        ago: its configuration was changed by another client of the account (a front
+        end sharing the credential can learn its name from the shared inbox prefix and
+        give it a filter that reads nothing, redteam18 F1). Counted and logged."""
+        now = time.monotonic()
+        if now < self._audit_at or self._last is None:
+            return False
+        self._audit_at = now + _AUDIT_EVERY
+        try:
+            reply = await self._ask(f"$JS.API.STREAM.INFO.{self._config.output_stream}", b"")
+            last_seq = json.loads(reply.data)["state"]["last_seq"]
+        except (NatsError, TimeoutError, ValueError, KeyError, TypeError):
+            return False
+        before, last = self._unread, self._last
+        self._unread = last_seq if type(last_seq) is int and last_seq > last else None
+        if before is None or last >= before:
+            return False
+        self._unread = None
+        self._front._starved(before, last)
+        return True
 
     async def _recreated(self) -> bool:
         """Whether the output stream is another one than when last asked (deleted and
@@ -594,6 +686,8 @@ class _OutputReader:
                     if headers.get("Nats-Last-Consumer", str(self._next_cseq - 1)) != str(
                             self._next_cseq - 1):
                         await self._create()  # a message was lost on the way
+                    elif not stalled and await self._starving():
+                        await self._create()
                 continue
             meta = ack_sequences(msg.reply)
             if meta is None:
@@ -707,6 +801,30 @@ MAX_EXTRA_HEADERS = 2048
 
 #: Control characters past ASCII (C1) and the Unicode line and paragraph separators.
 _CONTROL = re.compile("[\u0080-\u009f\u2028\u2029]")
+
+
+def _validated(message: RuntimeMessage) -> RuntimeMessage:
+    """`message`, validated again unless known valid (`VALIDATED`, as the in-process
+    runtime's `publish` does): one from `model_construct()` or `model_copy(update=...)`,
+    or changed since, could carry what every worker refuses (a text of None, an id of
+    300 characters), and its turn would never end (redteam18 F5). `ContractTypeError`
+    or `ContractValueError` naming the field, never its value."""
+    if message in VALIDATED:
+        return message
+    name = type(message).__name__
+    try:
+        valid = type(message).model_validate(dict(message.__dict__))
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False, include_context=False)
+        wrong_type = all(error["type"].endswith("_type") or error["type"] == "is_instance_of"
+                         for error in errors)
+        error_class = ContractTypeError if wrong_type else ContractValueError
+        raise error_class(f"published {name} is invalid (built without validation?), "
+                          f"nothing published: {describe(exc)}") from None
+    except RecursionError:
+        raise ContractValueError(f"published {name} is nested too deeply") from None
+    VALIDATED.add(valid)
+    return valid
 
 
 def _check_headers(headers: Mapping[str, str]) -> None:

@@ -116,6 +116,14 @@ def _input_stream(config: NatsConfig) -> dict[str, Any]:
     }
 
 
+#: The longest inactivity threshold a consumer of the output stream (or of the front
+#: ends' mirror) may ask for, in seconds: the server refuses more ("consumer inactive
+#: threshold exceeds system limit"), so an unread consumer holds its slot at most this
+#: long after its last reader (redteam18 F4: 10 years was accepted). Readers ask 5 s.
+MAX_CONSUMER_IDLE = 60.0
+_CONSUMER_LIMITS = {"inactive_threshold": int(MAX_CONSUMER_IDLE * _NS)}
+
+
 def _output_stream(config: NatsConfig) -> dict[str, Any]:
     return {
         "name": config.output_stream,
@@ -128,6 +136,7 @@ def _output_stream(config: NatsConfig) -> dict[str, Any]:
         "discard": "old",
         "duplicate_window": int(config.dedup_window * _NS),
         "num_replicas": config.replicas,
+        "consumer_limits": _CONSUMER_LIMITS,
     }
 
 
@@ -145,6 +154,7 @@ def _output_mirror(config: NatsConfig) -> dict[str, Any]:
         "max_age": int(config.output_max_age * _NS),
         "discard": "old",
         "num_replicas": config.replicas,
+        "consumer_limits": _CONSUMER_LIMITS,
     }
 
 
@@ -184,6 +194,8 @@ async def _restarted_mirror(nc: Client, config: NatsConfig, api: str) -> bool:
     if not isinstance(existing, dict):
         return False
     for key, value in _output_mirror(config).items():
+        if key == "consumer_limits":
+            continue  # (a mirror made before the cap: see `_create_stream`)
         there = existing.get(key)
         if key == "mirror" and isinstance(there, dict):
             there = {k: v for k, v in there.items()
@@ -288,6 +300,17 @@ async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API
         if not (isinstance(error, dict) and error.get("err_code") == _STREAM_DIFFERS):
             raise
         existing = await _existing_config(nc, f"{api}.STREAM.INFO.{name}")
+        if "consumer_limits" in stream and isinstance(existing, dict) and not _differences(
+                {k: v for k, v in stream.items() if k != "consumer_limits"}, existing, {}):
+            # Made by a turnrouter before the cap on its consumers' inactivity: taken
+            # as it is, said once (an upgrade must not stop the fleet).
+            logger.warning(
+                "turnrouter: stream %s has another cap (or none) on its consumers' "
+                "inactive threshold than %g s (made by an earlier turnrouter?): a client "
+                "may hold a consumer slot for as long as it asks; align its consumer "
+                "limits with `nats stream edit` (or remove the stream)",
+                name, MAX_CONSUMER_IDLE)
+            return
         raise ConfigurationError(
             f"stream {name} exists with another configuration"
             f"{_differences(stream, existing, settings or {})}. Every replica and front "

@@ -131,6 +131,16 @@ def userinfo(server: str) -> str:
     return rest.split("/", 1)[0].rpartition("@")[0]
 
 
+def _credentials_differ(servers: list[str]) -> bool:
+    """Whether the servers of a list carry different credentials (some none). A ','
+    in a password splits its URL into such a list (`nats://svc:pa,ss@h` reads as
+    `nats://svc:pa` and `ss@h`), whose parts an error would then show: refused, shown
+    not at all."""
+    given = {urllib.parse.unquote(server.split("://", 1)[-1].rpartition("@")[0])
+             if "@" in server else None for server in servers}
+    return len(given) > 1
+
+
 def _has_userinfo(server: str) -> bool:
     """Whether a server of a NATS URL carries credentials."""
     return "@" in server.split("://", 1)[-1].split("/", 1)[0]
@@ -157,7 +167,8 @@ class NatsConfig:
     `tls_cert_file` + `tls_key_file` present a client certificate (use a `tls://` URL or a
     server that requires TLS). `url` may list several servers of one cluster,
     comma-separated (`nats://a:4222,nats://b:4222`): the connection tries them in turn and
-    fails over between them. `repr()` and every error show each URL with its password
+    fails over between them; its servers carry the same credentials or none (a ',' in a
+    password is written %2C). `repr()` and every error show each URL with its password
     masked and never the password or token.
 
     `max_input_wait`: the longest a query may wait in the input stream (from the moment
@@ -247,7 +258,12 @@ class NatsConfig:
     @property
     def safe_url(self) -> str:
         """The URL with any password or token masked (what errors and logs show), each
-        server of a comma-separated list masked on its own."""
+        server of a comma-separated list masked on its own. A list holding an `@` is
+        masked from its scheme to its last `@` as a whole: a password's unencoded `,` and
+        `@` can make it read as a list whose hosts would show pieces of it."""
+        if len(self.servers) > 1 and "@" in self.url:
+            scheme = self.url.split("://", 1)[0] + "://" if "://" in self.url else ""
+            return f"{scheme}{REDACTED}@{self.url.rpartition('@')[2]}"
         return ",".join(redact_url(server) for server in self.servers)
 
     @property
@@ -259,15 +275,25 @@ class NatsConfig:
         if not isinstance(self.url, str) or not self.url or len(self.url) > 4096 or any(
                 c in self.url for c in " \t\r\n\0"):
             raise ConfigurationError("NatsConfig.url must be a NATS URL (nats://host:4222)")
+        if _credentials_differ(self.servers):  # first: no part of it may be shown
+            raise ConfigurationError(
+                "NatsConfig.url lists servers whose credentials in the URL differ (or "
+                "a password holds a ',', which splits the URL into a list): the servers "
+                "of a list carry the same credentials or none, and a ',' in a password "
+                "is percent-encoded as %2C (the URL is not shown: it may hold a password)")
         if not all(self.servers):
             raise ConfigurationError(
                 "NatsConfig.url lists an empty server (nats://a:4222,nats://b:4222)")
-        for server in self.servers:
+        for number, server in enumerate(self.servers, 1):
             problem = _server_problem(server)
-            if problem is not None:  # shown masked: the URL may hold a password
+            if problem is None:
+                continue
+            if len(self.servers) > 1 and "@" in self.url:  # (see safe_url)
                 raise ConfigurationError(
-                    f"NatsConfig.url {preview(redact_url(server))} {problem} "
-                    "(nats://host:4222)")
+                    f"NatsConfig.url: server {number} of {len(self.servers)} {problem} "
+                    "(nats://host:4222; not shown: the URL holds credentials)")
+            raise ConfigurationError(  # shown masked: the URL may hold a password
+                f"NatsConfig.url {preview(redact_url(server))} {problem} (nats://host:4222)")
         for name in _TEXT_FIELDS:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value
