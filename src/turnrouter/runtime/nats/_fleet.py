@@ -254,8 +254,12 @@ class Fleet:
                  owned: Callable[[], Container[int]], count: Callable[[], int],
                  metrics: RuntimeMetrics | None,
                  spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
-                 reject: Callable[[str, str], None]) -> None:
+                 reject: Callable[[str, str], None], *,
+                 listen: Client | None = None) -> None:
         self._nc, self._config, self._replica = nc, config, replica
+        #: The connection presence and timing are read on (`Connection.connect_fleet`:
+        #: a flood there holds back nothing of `nc`'s, which pulls, writes, publishes).
+        self.listen = listen or nc
         self._owned, self._count, self._metrics = owned, count, metrics
         self._spawn, self._reject = spawn, reject
         self._peers: dict[str, tuple[float, int]] = {}
@@ -303,9 +307,10 @@ class Fleet:
     async def start(self) -> list[asyncio.Task[None]]:
         """Subscribe and start the presence and probe loops (returned, to cancel)."""
         limits = fleet_limits(self._config)
-        await self._nc.subscribe(f"{self._config.prefix}.presence", cb=self._on_presence,
-                                 **limits)
-        await self._nc.subscribe(self._config.timing_subject, cb=self._on_sample, **limits)
+        await self.listen.subscribe(f"{self._config.prefix}.presence",
+                                    cb=self._on_presence, **limits)
+        await self.listen.subscribe(self._config.timing_subject, cb=self._on_sample,
+                                    **limits)
         return [asyncio.create_task(self._presence_loop(), name="presence"),
                 asyncio.create_task(self._probe_loop(), name="probes")]
 
@@ -554,6 +559,12 @@ class Fleet:
         self._closed = True
         self.flush_samples()
         await asyncio.gather(*self._publishing, return_exceptions=True)
+
+    async def hang_up(self) -> None:
+        """Close the fleet connection (when it is not the worker's own)."""
+        if self.listen is not self._nc:
+            with contextlib.suppress(Exception):
+                await self.listen.close()
 
     def abandon(self) -> None:
         """The worker ends without a graceful close: no flush is left scheduled, and the
