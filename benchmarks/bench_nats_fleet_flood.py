@@ -4,7 +4,7 @@ Per round: a real nats-server (TLS with a throwaway CA made by openssl, or plain
 `--plain`), two `turnrouter worker` processes of one tree (the router of
 `tests/nats/app.py`), a `NatsFrontEnd` asking `--queries` (40) queries, one every 50 ms,
 while a child process floods one subject as fast as nats-py sends (a flush every 50
-messages). Scenarios (`--scenario`, repeat):
+messages; `--publishers` such processes). Scenarios (`--scenario`, repeat):
 
 - `timing`: `--count` (20,000) messages of 65,000 bytes on `turnrouter.timing` in the
   name of a replica nobody announced (`Turnrouter-Replica: w9`), redteam18 F2;
@@ -145,12 +145,12 @@ def _counted(text: str, topic: str) -> tuple[float, float, float]:
 
 
 async def _round(tree: Path, scenario: str, count: int, queries: int,
-                 certs: Path | None) -> dict[str, Any]:
+                 certs: Path | None, publishers: int) -> dict[str, Any]:
     from tests.nats.conftest import NatsServer, Worker
 
     from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd
     subject, size, times, topic = SCENARIOS[scenario]
-    count *= times
+    count = count * times // publishers * publishers
     ca = str(certs / "ca.pem") if certs else None
     server = (NatsServer(scheme="tls", args=["--tls", "--tlscert", str(certs / "server.pem"),
                                              "--tlskey", str(certs / "server-key.pem")])
@@ -171,12 +171,12 @@ async def _round(tree: Path, scenario: str, count: int, queries: int,
                 await asyncio.sleep(0.05)
 
         watcher = asyncio.create_task(watch())
-        flooder = await asyncio.create_subprocess_exec(
+        flooders = [await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--child", server.url, "--ca", ca or "",
-            "--subject", subject, "--count", str(count), "--size", str(size),
-            stdout=subprocess.PIPE)
+            "--subject", subject, "--count", str(count // publishers), "--size",
+            str(size), stdout=subprocess.PIPE) for _ in range(publishers)]
         asked = await _ask(front, queries)
-        out, _ = await asyncio.wait_for(flooder.communicate(), 600)
+        outs = [(await asyncio.wait_for(f.communicate(), 600))[0] for f in flooders]
         await asyncio.sleep(2.0)  # (what the workers still read of the flood)
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -188,7 +188,8 @@ async def _round(tree: Path, scenario: str, count: int, queries: int,
             w.close()
         server.close()
     logs = [w.stderr() for w in workers]
-    return {"flood": json.loads(out or b"{}"), **asked, "rss_base": base, "rss_peak": peak,
+    return {"flood": [json.loads(out or b"{}") for out in outs], **asked,
+            "rss_base": base, "rss_peak": peak,
             "slow_consumers": varz.get("slow_consumers"),
             "turns_conn_lost": [log.count("lost the connection to NATS") for log in logs],
             "fleet_conn_lost": [log.count("lost the fleet connection") for log in logs],
@@ -205,6 +206,8 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=40)
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS))
     parser.add_argument("--plain", action="store_true", help="no TLS")
+    parser.add_argument("--publishers", type=int, default=1,
+                        help="flooding processes, each sending its share of --count")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--ca", help=argparse.SUPPRESS)
     parser.add_argument("--subject", help=argparse.SUPPRESS)
@@ -225,7 +228,8 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name, tree in trees:  # interleaved: the same noise for every tree
                     result = asyncio.run(_round(tree, scenario, args.count, args.queries,
-                                                None if args.plain else folder))
+                                                None if args.plain else folder,
+                                                args.publishers))
                     print(json.dumps({"scenario": scenario, "tree": name, **result}),
                           flush=True)
     finally:
