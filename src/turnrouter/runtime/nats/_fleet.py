@@ -35,7 +35,8 @@ from ._setup import api_request
 from ._wire import NatsConfig, Rejected, parse_samples, samples_body
 
 __all__ = ["FLEET_PENDING_BYTES", "SAMPLE_BATCH", "SAMPLE_FLUSH_SECS", "Fleet",
-           "fleet_limits", "fleet_topic", "owner_heard", "previous_owner_alive"]
+           "fleet_limits", "fleet_topic", "hang_up", "owner_heard",
+           "previous_owner_alive"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -257,9 +258,7 @@ class Fleet:
                  reject: Callable[[str, str], None], *,
                  listen: Client | None = None) -> None:
         self._nc, self._config, self._replica = nc, config, replica
-        #: The connection presence and timing are read on (`Connection.connect_fleet`:
-        #: a flood there holds back nothing of `nc`'s, which pulls, writes, publishes).
-        self.listen = listen or nc
+        self.listen = listen or nc  # what presence, timing are read on (`hang_up`)
         self._owned, self._count, self._metrics = owned, count, metrics
         self._spawn, self._reject = spawn, reject
         self._peers: dict[str, tuple[float, int]] = {}
@@ -560,12 +559,6 @@ class Fleet:
         self.flush_samples()
         await asyncio.gather(*self._publishing, return_exceptions=True)
 
-    async def hang_up(self) -> None:
-        """Close the fleet connection (when it is not the worker's own)."""
-        if self.listen is not self._nc:
-            with contextlib.suppress(Exception):
-                await self.listen.close()
-
     def abandon(self) -> None:
         """The worker ends without a graceful close: no flush is left scheduled, and the
         samples still queued (and any later one) are counted as dropped."""
@@ -752,6 +745,15 @@ class _SampleWindow:
         if len(recent) < ANCHOR_MIN:
             return None
         return max(recent[len(recent) // 2], ANCHOR_FLOOR_SECS)
+
+
+async def hang_up(fleet: Fleet) -> None:
+    """Close the connection `fleet` reads presence and timing on, when it is not the
+    worker's own (`Connection.connect_fleet`: a flood there holds back nothing of the
+    connection that pulls, writes and publishes)."""
+    if fleet.listen is not fleet._nc:
+        with contextlib.suppress(Exception):
+            await fleet.listen.close()
 
 
 def _refused(window: _SampleWindow, what: str) -> None:

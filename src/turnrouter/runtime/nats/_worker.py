@@ -45,6 +45,7 @@ from ._fleet import (
     Fleet,
     fleet_limits,
     fleet_topic,
+    hang_up,
     hold_off,
     owner_heard,
     previous_owner_alive,
@@ -277,7 +278,7 @@ class NatsWorker:
             with contextlib.suppress(Exception):
                 await self._router.stop()
         if self._fleet is not None:
-            await self._fleet.hang_up()
+            await hang_up(self._fleet)
         with contextlib.suppress(Exception):
             if lost or not self.ready.is_set():
                 await nc.close()  # nothing to drain to, or nothing served yet
