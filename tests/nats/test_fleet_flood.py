@@ -27,8 +27,9 @@ from .test_trust import certificates  # noqa: F401  (the module's CA and server 
 pytestmark = pytest.mark.anyio
 
 REJECTED = "turnrouter_runtime_rejected_messages_total"
-#: 1,500 messages of 60 kB: 90 MB, about what a Python publisher sends in 2 to 5 s here.
-FLOOD, SIZE = 1500, 60_000
+#: 1,000 messages of 60 kB: 60 MB, sent in 1 to 4 s here; under the server's limit for a
+#: slow reader (64 MiB), so a worker slow on a loaded machine is not cut off by it.
+FLOOD, SIZE = 1000, 60_000
 
 
 def rss_bytes() -> int:
@@ -43,22 +44,22 @@ def rss_bytes() -> int:
 async def test_a_timing_flood_over_tls_is_read_bounded_counted_and_turns_go_on(
         certificates: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
     """Every flood message is counted by the worker (refused, or dropped when its queue
-    is full), none is left to the server to cut the connection over; the worker's turn
-    connection is never lost (before: nats-py's TLS reader buffered the flood without
-    bound, 150 MB in 5 s, its PONGs behind it, and the connection carrying the turns was
-    dropped for unanswered pings), memory stays bounded, and queries asked during the
-    flood are answered."""
+    is full); the worker's turn connection is never lost; memory stays bounded (before:
+    nats-py's TLS reader buffered the flood without bound, 150 MB in 5 s in a longer
+    flood, its PONGs behind it, until the connection carrying the turns was dropped for
+    unanswered pings; here the worker grew 63 MB); and queries asked during the flood are
+    answered. (60 MB stays under the server's 64 MiB for a slow reader: a worker slowed
+    by a loaded machine is not cut off, see docs/distributed.md, "Trust".)"""
     server = NatsServer(scheme="tls", args=[
         "--tls", "--tlscert", str(certificates / "server.pem"),
         "--tlskey", str(certificates / "server-key.pem")])
     ca = str(certificates / "ca.pem")
-    # reconnect_for=2: pings every 0.5 s, a connection two pings behind counts as lost.
-    config = NatsConfig(url=server.url, tls_ca_file=ca, partitions=2, reconnect_for=2.0)
+    config = NatsConfig(url=server.url, tls_ca_file=ca, partitions=2)
     registry = CollectorRegistry()
     worker = NatsWorker(make_router, config, registry=registry, replica="flooded")
     run = asyncio.create_task(worker.run())
     flooder = await nats.connect(server.url, tls=ssl.create_default_context(cafile=ca),
-                                 pending_size=64 * 1024 * 1024)
+                                 pending_size=8 * 1024 * 1024)
 
     def counted() -> float:
         return sum(registry.get_sample_value(REJECTED, {"topic": "nats_timing",
@@ -93,11 +94,12 @@ async def test_a_timing_flood_over_tls_is_read_bounded_counted_and_turns_go_on(
             await asyncio.gather(watcher, return_exceptions=True)
         assert answers == [f"during {i}|-|N" for i in range(3)]
         assert counted() == FLOOD
-        lost = [r.getMessage() for r in caplog.records if "lost the" in r.getMessage()]
-        assert lost == []
-        # (a 90 MB flood; what the worker holds of it is bounded by its reader and the
-        # fleet subjects' 8 MiB each: the publisher's own 64 MiB buffer aside)
-        assert peak - base < 64 * 1024 * 1024 + 32 * 1024 * 1024
+        lost = [r.getMessage() for r in caplog.records
+                if "lost the connection" in r.getMessage()]
+        assert lost == []  # (the turns' connection)
+        # (a 60 MB flood; what the worker holds of it is bounded by its reader and the
+        # fleet subjects' 8 MiB each; the publisher's own buffer is 8 MiB)
+        assert peak - base < 48 * 1024 * 1024
     finally:
         await flooder.close()
         worker.request_stop()
