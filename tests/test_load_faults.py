@@ -126,7 +126,10 @@ async def test_every_query_ends_exactly_once_under_faults(
         agents, ByQuery(), telemetry=turnrouter_telemetry.telemetry,
         admission_timeout_secs=5.0, query_topic=QUERY, output_topic=OUTPUT,
         participant_joined_topic=JOINED, participant_left_topic=LEFT,
-        interrupted_topic=INTERRUPTED)
+        interrupted_topic=INTERRUPTED,
+        # Faults of the agents, not of the machine: without admission control, whose lag
+        # sampler shed 63 of 420 queries on a loaded machine (counted busy, no turn).
+        overload=None)
     script = _script(random.Random(seed), 600)
     queries = [message.message_id for topic, message in script
                if topic is QUERY and isinstance(message, UserQuery)]

@@ -105,7 +105,10 @@ class RouterMachine(RuleBasedStateMachine):
 
         return AgentRouter(self.agents, Decisions(), output=OutputRecorder(),
                            default_destination=DEFAULT, context_budget_bytes=BUDGET,
-                           telemetry=RecordingObserver())
+                           telemetry=RecordingObserver(),
+                           # (no admission control: on a loaded machine its lag sampler
+                           # shed a turn the model expected, RouterBusyError)
+                           overload=None)
 
     def run(self, coro: Awaitable[AgentRouter] | Awaitable[None]) -> AgentRouter:
         return self.loop.run_until_complete(coro)  # type: ignore[return-value]
