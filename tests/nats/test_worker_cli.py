@@ -436,3 +436,24 @@ def test_the_signal_handlers_are_put_back_when_the_worker_returns(
                  "tests.nats.app:raising"]) == 1
     assert "OPENAI_API_KEY is not set" in capsys.readouterr().err  # (the factory raised)
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--nats-creds", "/nonexistent/worker.creds"], "--nats-creds: cannot read"),
+    (["--nats-nkey", "/nonexistent/seed.nk"], "--nats-nkey: cannot read"),
+    (["--tls-ca", "/nonexistent/ca.pem"], "--tls-ca: cannot read"),
+    (["--tls-cert", ".", "--tls-key", "."], "--tls-cert: cannot read '.': not a regular file"),
+    (["--replica", ""], "--replica '': 1..64 characters"),
+    # A flag's typo is named even when the app cannot be imported (and before it is).
+    (["--app", "no_such_module_xyz:f", "--prefix", "BAD.PREFIX"], "prefix"),
+])
+def test_flag_mistakes_are_usage_errors_named_before_the_app_loads(
+        flags: list[str], message: str) -> None:
+    """A file flag that cannot be read, an empty --replica, a bad flag beside an app
+    that does not import: exit 2 with one line naming the flag, at once (newcomer18 F4:
+    a missing creds file exited 1 after connecting; F6: an app import error hid every
+    other flag's; F7: --replica '' was taken as "random")."""
+    app = [] if "--app" in flags else ["--app", "tests.nats.app:make_router"]
+    status, err = worker_usage("--nats", "nats://127.0.0.1:1", *app, *flags)
+    assert status == 2, err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
