@@ -48,6 +48,7 @@ from ._fleet import (
     hold_off,
     owner_heard,
     previous_owner_alive,
+    unowned,
     valid_replica,
 )
 from ._idle import IdleSweep
@@ -59,6 +60,7 @@ from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._mirror import watch_mirror
 from ._setup import GROUP, api_request
+from ._stall import StallWatch
 from ._takeover import Takeover
 from ._wire import Ending, NatsConfig, server_status
 
@@ -239,6 +241,8 @@ class NatsWorker:
             helpers.append(asyncio.create_task(watch_mirror(nc, config, bucket),
                                                name="mirror"))
             helpers.append(asyncio.create_task(resend(inputs), name="resend"))
+            if config.replicas > 1:  # a cluster's consumers may stall (`_stall`)
+                helpers.append(asyncio.create_task(_stall_watch(self).run(), name="stalls"))
             self._idle = IdleSweep(self._ledger, config.idle_after, config.dedup_window / 2,
                                    functools.partial(engaged, inputs),
                                    router.export_participant_json,
@@ -502,6 +506,21 @@ class NatsWorker:
             self._router.report_rejected(fleet_topic(self.config, subject), "dropped")
 
 
+def _stall_watch(worker: NatsWorker) -> StallWatch:
+    """The watch of the partitions whose consumer may have stalled (`_stall`)."""
+    assert worker._nc is not None and worker._fleet is not None
+    fleet = worker._fleet
+
+    def unanswered(secs: float) -> list[int]:
+        now = time.monotonic()
+        return [inbox.partition for inbox in worker._inboxes
+                if inbox.pulled > inbox.replied and now - inbox.replied > secs]
+
+    return StallWatch(worker._nc, worker.config, unanswered=unanswered,
+                      owned=lambda: worker._pins, unowned=lambda: unowned(fleet),
+                      metrics=worker._metrics)
+
+
 def _back(worker: NatsWorker, *, reconnected: bool) -> None:
     """`_reconnected` / `_recovered`: endings the streams did not acknowledge published
     again (a crash may have lost them, a leaderless stream refused them), unsure
@@ -591,7 +610,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
 
     __slots__ = ("_body", "_body_pin", "expires", "given_up", "hearing", "held_since",
                  "holding", "lifetime", "live", "next_subject", "partition", "pulled",
-                 "reply_prefix", "tokens")
+                 "replied", "reply_prefix", "tokens")
 
     def __init__(self, partition: int, next_subject: str, reply_prefix: str,
                  expires: float, hearing: _Hearing | None = None) -> None:
@@ -607,6 +626,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self._body = b""  # the last pull request's body, and the pin it names
         self._body_pin: object = _NO_BODY
         self.pulled = time.monotonic()  # when the partition's last pull request went out
+        self.replied = self.pulled  # when the last reply (a message, a status) arrived
         self.holding = False  # its loop is busy with one message and pulls no more
         self.held_since = 0.0  # since when
         self.given_up = -1.0  # the `held_since` of a message held too long to keep the pin
@@ -617,7 +637,8 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self.take(msg)
 
     def take(self, msg: Msg) -> None:
-        self.put((msg, time.monotonic()))
+        self.replied = now = time.monotonic()
+        self.put((msg, now))
 
     def request(self, pin: str | None) -> tuple[str, str]:
         """A new request's token and reply subject; it is live until a status ends it
