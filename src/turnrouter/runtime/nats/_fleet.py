@@ -753,6 +753,11 @@ def _refused(window: _SampleWindow, what: str) -> None:
         logger.warning("turnrouter: rejected %s (%d so far)", what, window.refused)
 
 
+def forget_shed(fleet: Fleet, n: int) -> None:
+    """Forget that this replica handed partition `n` over (it may pull it at once)."""
+    fleet._shed.pop(n, None)
+
+
 def unowned(fleet: Fleet) -> int:
     """How many partitions neither this replica nor a peer heard on presence lately
     says it owns (0 once the fleet's ownership covers them all)."""

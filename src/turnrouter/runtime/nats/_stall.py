@@ -13,7 +13,10 @@ unanswered for `CHECK_SECS`, and, while the replicas heard on presence own fewer
 all partitions, each one not owned here. A consumer showing that state in every check
 for `STALL_SECS` (same leader, same delivered sequence) gets its leader asked to step
 down (`$JS.API.CONSUMER.LEADER.STEPDOWN`): the new leader starts with an empty wait
-list and no pin, and the replicas' next pulls reach it. Counted in
+list and no pin. The replica also pulls the partition again at once, on a new reply
+subject when its own pulls went unanswered (a server without the interest of the old
+one drops a pull without a word), and forgets a handover of it that made it leave the
+partition alone. Counted in
 `turnrouter_nats_deployment_missing_total{part="consumer_leader"}`, logged once per
 step-down; at most one step-down per partition per `2 * STALL_SECS` from one replica.
 """
@@ -65,14 +68,17 @@ class StallWatch:
     """Finds the stalled partitions' consumers and asks their leaders to step down (see
     the module's docstring). `unanswered()` lists the partitions whose pulls from this
     replica went unanswered lately, `owned()` those pinned here, `unowned()` how many
-    partitions no replica heard on presence owns."""
+    partitions no replica heard on presence owns; `nudge(n)` has this replica pull
+    partition `n` again at once (on a new reply subject if its pulls went unanswered)
+    and says what it saw of it, for the log line."""
 
     def __init__(self, nc: Client, config: NatsConfig, *,
                  unanswered: Callable[[float], Iterable[int]],
                  owned: Callable[[], Iterable[int]], unowned: Callable[[], int],
-                 metrics: RuntimeMetrics | None) -> None:
+                 nudge: Callable[[int], str], metrics: RuntimeMetrics | None) -> None:
         self._nc, self._config, self._metrics = nc, config, metrics
         self._unanswered, self._owned, self._unowned = unanswered, owned, unowned
+        self._nudge = nudge
         #: Partition -> (since when, leader, delivered sequence) of the stalled state.
         self._seen: dict[int, tuple[float, str, int]] = {}
         self._stepped: dict[int, float] = {}  # partition -> when its leader stepped down
@@ -121,9 +127,9 @@ class StallWatch:
         logger.warning(
             "turnrouter: partition %d stalled for %.0f s: its consumer %s, led by %s, "
             "holds %s pending inputs, no pull waiting and no pinned client (delivered "
-            "up to stream sequence %d); asking its leader to step down", n,
+            "up to stream sequence %d; %s); asking its leader to step down", n,
             now - seen[0], config.consumer(n), preview(leader), info.get("num_pending"),
-            delivered)
+            delivered, self._nudge(n))
         if self._metrics is not None:
             self._metrics.deployment_missing.labels("consumer_leader").inc()
         try:

@@ -45,6 +45,7 @@ from ._fleet import (
     Fleet,
     fleet_limits,
     fleet_topic,
+    forget_shed,
     hold_off,
     owner_heard,
     previous_owner_alive,
@@ -60,7 +61,7 @@ from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._mirror import watch_mirror
 from ._setup import GROUP, api_request
-from ._stall import StallWatch
+from ._stall import STALL_SECS, StallWatch
 from ._takeover import Takeover
 from ._wire import Ending, NatsConfig, server_status
 
@@ -333,6 +334,8 @@ class NatsWorker:
         try:
             while self._pulling:
                 try:
+                    if inbox.renew:  # its pulls went unanswered (`_stall`)
+                        sub = await _renewed(nc, inbox, sub)
                     await self._pull_once(n, nc, inbox)
                 except Exception as exc:
                     # The loop outlives any one failure: a message not acknowledged
@@ -516,9 +519,22 @@ def _stall_watch(worker: NatsWorker) -> StallWatch:
         return [inbox.partition for inbox in worker._inboxes
                 if inbox.pulled > inbox.replied and now - inbox.replied > secs]
 
+    def nudge(n: int) -> str:
+        inbox = next((i for i in worker._inboxes if i.partition == n), None)
+        forget_shed(fleet, n)
+        if inbox is None:
+            return "this replica has no loop for it"
+        now = time.monotonic()
+        silent = now - inbox.replied
+        inbox.renew = inbox.pulled > inbox.replied and silent > STALL_SECS
+        inbox.wake()
+        return (f"this replica pulled it {now - inbox.pulled:.1f} s ago, heard a reply "
+                f"{silent:.1f} s ago, {'holds' if n in worker._pins else 'holds no'} "
+                f"pin{', pulls on a new reply subject' if inbox.renew else ''}")
+
     return StallWatch(worker._nc, worker.config, unanswered=unanswered,
                       owned=lambda: worker._pins, unowned=lambda: unowned(fleet),
-                      metrics=worker._metrics)
+                      nudge=nudge, metrics=worker._metrics)
 
 
 def _back(worker: NatsWorker, *, reconnected: bool) -> None:
@@ -610,7 +626,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
 
     __slots__ = ("_body", "_body_pin", "expires", "given_up", "hearing", "held_since",
                  "holding", "lifetime", "live", "next_subject", "partition", "pulled",
-                 "replied", "reply_prefix", "tokens")
+                 "renew", "replied", "reply_prefix", "tokens")
 
     def __init__(self, partition: int, next_subject: str, reply_prefix: str,
                  expires: float, hearing: _Hearing | None = None) -> None:
@@ -627,6 +643,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self._body_pin: object = _NO_BODY
         self.pulled = time.monotonic()  # when the partition's last pull request went out
         self.replied = self.pulled  # when the last reply (a message, a status) arrived
+        self.renew = False  # pull on a new reply subject from the next pull on
         self.holding = False  # its loop is busy with one message and pulls no more
         self.held_since = 0.0  # since when
         self.given_up = -1.0  # the `held_since` of a message held too long to keep the pin
@@ -702,6 +719,20 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         until = time.monotonic() + self.lifetime
         self.live = {token: (pin, max(end, until)) for token, (pin, end) in self.live.items()}
         self.wake()
+
+
+async def _renewed(nc: Client, inbox: _Inbox, sub: Any) -> Any:
+    """`inbox`'s subscription made again on a new reply subject (its pulls went
+    unanswered: a server that lost the interest of the old subject drops them without
+    a word); the requests sent on the old one are forgotten."""
+    prefix = nc.new_inbox()
+    renewed = await nc.subscribe(f"{prefix}.*", cb=inbox.receive)  # (raises: again)
+    deliver_directly(renewed, inbox.take)
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()
+    inbox.reply_prefix, inbox.renew = prefix, False
+    inbox.live.clear()
+    return renewed
 
 
 def _heard(nc: Client) -> tuple[int, int]:
