@@ -4,21 +4,24 @@ On a cluster, after a server's crash and restart while turns ran, a partition's 
 was seen to stop delivering for good (docs/distributed.md, "A NATS cluster"): its leader
 reported inputs pending, no pull request waiting and no pinned client, its delivered
 sequence stuck, while the replicas pulled it. The pulls reached no leader that kept them
-(none answered, not even with a timeout status), so the partition's queries went
-unanswered and no replica held its pin.
+(answered by nothing, or by 503 "no responders" from the replica's server, again and
+again while the consumer's info answered), so the partition's queries went unanswered
+and no replica held its pin; replicas may even each believe they still hold it (their
+pins from before the crash, which the new leader does not know).
 
 Each replica checks, every `CHECK_SECS`, the consumers of the partitions someone should
 be consuming and may not be (`_suspects`): one this replica pulls whose pulls went
-unanswered for `CHECK_SECS`, and, while the replicas heard on presence own fewer than
-all partitions, each one not owned here. A consumer showing that state in every check
-for `STALL_SECS` (same leader, same delivered sequence) gets its leader asked to step
-down (`$JS.API.CONSUMER.LEADER.STEPDOWN`): the new leader starts with an empty wait
-list and no pin. The replica also pulls the partition again at once, on a new reply
-subject when its own pulls went unanswered (a server without the interest of the old
-one drops a pull without a word), and forgets a handover of it that made it leave the
-partition alone. Counted in
-`turnrouter_nats_deployment_missing_total{part="consumer_leader"}`, logged once per
-step-down; at most one step-down per partition per `2 * STALL_SECS` from one replica.
+unanswered (or answered 503) for `CHECK_SECS`, and, while the replicas heard on
+presence own fewer than all partitions, each one not owned here. A consumer showing
+that state in every check for `STALL_SECS` (same leader, same delivered sequence) gets
+its leader asked to step down (`$JS.API.CONSUMER.LEADER.STEPDOWN`): the new leader
+subscribes to the pulls afresh and starts with an empty wait list and no pin. The
+replica also pulls the partition again at once, on a new reply subject when its own
+pulls went unanswered (a server without the interest of the old one drops a pull
+without a word), and forgets a handover of it that made it leave the partition alone.
+Counted in `turnrouter_nats_deployment_missing_total{part="consumer_leader"}`, logged
+once per step-down; at most one step-down per partition per `2 * STALL_SECS` from one
+replica.
 """
 
 from __future__ import annotations

@@ -642,7 +642,9 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self._body = b""  # the last pull request's body, and the pin it names
         self._body_pin: object = _NO_BODY
         self.pulled = time.monotonic()  # when the partition's last pull request went out
-        self.replied = self.pulled  # when the last reply (a message, a status) arrived
+        #: When the last reply arrived (a message, a status other than 503 "no
+        #: responders", which says no consumer leader got the pull).
+        self.replied = self.pulled
         self.renew = False  # pull on a new reply subject from the next pull on
         self.holding = False  # its loop is busy with one message and pulls no more
         self.held_since = 0.0  # since when
@@ -654,7 +656,10 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self.take(msg)
 
     def take(self, msg: Msg) -> None:
-        self.replied = now = time.monotonic()
+        now = time.monotonic()
+        headers = msg.headers
+        if not (headers and headers.get("Status") == "503"):  # (503: no leader got it)
+            self.replied = now
         self.put((msg, now))
 
     def request(self, pin: str | None) -> tuple[str, str]:
