@@ -380,6 +380,7 @@ class NatsWorker:
             return  # stopping (SIGTERM during a slow check above), or nothing heard
         pin = self._pins.get(n)
         token, reply = inbox.request(pin)
+        inbox.current = token  # (a status of another request costs no pause, `_status`)
         await nc.publish(inbox.next_subject, inbox.pull_body(pin), reply=reply)
         inbox.pulled = time.monotonic()
         delivered = 0
@@ -388,7 +389,10 @@ class NatsWorker:
             got = await inbox.get(config.pull_expires + 2.0)
             if got is None:
                 return  # a lost reply (reconnect): ask again
-            inbox.holding, inbox.held_since = True, time.monotonic()  # `_keep_pins` pulls
+            # `_keep_pins` pulls while a message is handled, not a status (a pull answered
+            # 503 paused here while keep-alives, each answered 503, queued faster than
+            # the loop read them: minutes of stale replies, no pull of its own).
+            inbox.holding, inbox.held_since = server_status(got[0]) is None, time.monotonic()
             ended = await self._take(n, inbox, *got)
             if ended is None:
                 delivered += 1
@@ -405,7 +409,7 @@ class NatsWorker:
             status = headers.get("Status")
             if status is not None and not msg.reply:  # (a stream's message has its ack)
                 token, pin = inbox.ended(msg.subject)
-                await _status(self, n, status, pin)
+                await _status(self, n, status, pin, pause=token == inbox.current)
                 return token
             new_pin = headers.get("Nats-Pin-Id")
             if new_pin is not None and new_pin != self._pins.get(n):
@@ -624,9 +628,9 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     away as well), and a 423 answers one of them, maybe made with a pin since replaced.
     `live` holds the requests not yet ended, each with when it surely expired."""
 
-    __slots__ = ("_body", "_body_pin", "expires", "given_up", "hearing", "held_since",
-                 "holding", "lifetime", "live", "next_subject", "partition", "pulled",
-                 "renew", "replied", "reply_prefix", "tokens")
+    __slots__ = ("_body", "_body_pin", "current", "expires", "given_up", "hearing",
+                 "held_since", "holding", "lifetime", "live", "next_subject", "partition",
+                 "pulled", "renew", "replied", "reply_prefix", "tokens")
 
     def __init__(self, partition: int, next_subject: str, reply_prefix: str,
                  expires: float, hearing: _Hearing | None = None) -> None:
@@ -651,6 +655,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self.given_up = -1.0  # the `held_since` of a message held too long to keep the pin
         self.live: dict[str, tuple[str | None, float]] = {}  # token -> (pin, expired by)
         self.tokens = 0
+        self.current = ""  # the token of the loop's own last request
 
     async def receive(self, msg: Msg) -> None:
         self.take(msg)
@@ -947,8 +952,11 @@ async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
 # and the server answers one connection's commands in order.
 
 
-async def _status(worker: NatsWorker, n: int, status: str, pin: str | None) -> None:
-    """A pull request (made with `pin`) ended with a status instead of a message."""
+async def _status(worker: NatsWorker, n: int, status: str, pin: str | None, *,
+                  pause: bool = True) -> None:
+    """A pull request (made with `pin`) ended with a status instead of a message; an
+    unexpected one pauses the loop (`pull_failed`) when `pause` (the loop's own current
+    request: another's, a keep-alive's or one sent before, is only counted)."""
     if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
         # Only when the request carried the pin held now: a request made with a pin
         # since replaced (one of several waiting at the server after a reconnect)
@@ -960,7 +968,7 @@ async def _status(worker: NatsWorker, n: int, status: str, pin: str | None) -> N
             logger.debug("turnrouter: partition %d: a 423 of a request made with a "
                          "pin no longer held", n)
     elif status not in ("404", "408", "409", "100") and worker._connection is not None:
-        await worker._connection.pull_failed(n, status)  # logged rarely, then a pause
+        await worker._connection.pull_failed(n, status, pause=pause)  # logged rarely
     if status == "409":
         await asyncio.sleep(0.05)
 
