@@ -72,6 +72,7 @@ class NatsProxy:
     def __init__(self, port: int) -> None:
         self._port = port
         self._holds: list[Hold] = []
+        self._renames: list[tuple[Hold, bytes]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._clients: set[asyncio.StreamWriter] = set()
@@ -87,6 +88,14 @@ class NatsProxy:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.url = f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    def rename(self, match: Match, subject: str) -> Hold:
+        """Send every publish matching `match` to `subject` instead, from now until its
+        `active` is set False (a request to a subject nobody serves is answered 503 by
+        the server, as a consumer without a leader answers)."""
+        renaming = Hold(match)
+        self._renames.append((renaming, subject.encode()))
+        return renaming
 
     def hold(self, match: Match) -> Hold:
         """Hold back every publish matching `match` from now until its `release()`."""
@@ -164,6 +173,13 @@ class NatsProxy:
                     data += body
                     subject = parts[1].decode("utf-8", "replace")
                     payload = body[int(parts[-2]) if op == b"HPUB" else 0:size]
+                if op in (b"PUB", b"HPUB"):
+                    renamed = next((to for r, to in self._renames
+                                    if r.active and r.match(subject, payload)), None)
+                    if renamed is not None:
+                        head, _, rest = line.partition(b" ")
+                        data = b" ".join((head, renamed, rest.split(b" ", 1)[1])) + (
+                            data[len(line):])
                 self.uplink += data
                 hold = None
                 if op in (b"PUB", b"HPUB"):

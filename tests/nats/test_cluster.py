@@ -5,6 +5,7 @@ the loss of a server, its leader of the streams included, costs no turn and no h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -12,10 +13,13 @@ from collections.abc import Callable, Iterator
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry
 
+import nats
 from turnrouter import ConfigurationError
 from turnrouter.runtime.nats import (
+    STALL_SECS,
     NatsConfig,
     NatsFrontEnd,
     NatsWorker,
@@ -23,7 +27,8 @@ from turnrouter.runtime.nats import (
 
 from .app import make_router
 from .cluster import NatsCluster
-from .conftest import Worker
+from .conftest import Worker, cancelled, until_true
+from .proxy import proxied
 from .test_durability import Talk, pids
 
 pytestmark = pytest.mark.anyio
@@ -155,6 +160,68 @@ async def test_kill_nine_of_a_streams_leader_history_equals_what_was_heard(
         await front.close()
         for worker in workers:
             worker.close()
+
+
+async def test_a_partition_whose_consumer_leader_loses_its_pulls_gets_a_new_leader(
+        cluster: NatsCluster) -> None:
+    """The state seen after a server's crash and restart while turns ran: a partition's
+    consumer with inputs pending, no pull waiting and no pinned client, for good, while
+    the replicas pulled it (their pulls reached no leader that kept them). Provoked
+    here by a proxy that drops the worker's pulls of one partition while the consumer's
+    first leader leads it: the worker sees the state last `STALL_SECS`, asks that leader
+    to step down (once, logged and counted), and the partition, led by another server,
+    is pinned and consumed (the probes pending on it taken)."""
+    n = 3
+    config = NatsConfig(url=cluster.url, replicas=3)
+    info_subject = f"$JS.API.CONSUMER.INFO.{config.stream}.{config.consumer(n)}"
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
+    leaders: list[str] = []  # the consumer's leaders, the first one losing the pulls
+    elected = asyncio.Event()
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    async def on_elected(msg: Msg) -> None:
+        leader = json.loads(msg.data).get("leader")
+        if leaders and leader != leaders[0]:
+            leaders.append(leader)
+            elected.set()
+
+    handler = Said()
+    logging.getLogger("turnrouter.runtime.nats").addHandler(handler)
+    nc = await nats.connect(servers=cluster.url.split(","))
+    registry = CollectorRegistry()
+    try:
+        async with proxied(cluster.servers[0].port) as proxy:
+            proxy.hold(lambda subject, _: subject == next_subject and not elected.is_set())
+            worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                                replica="w", registry=registry)
+            run = asyncio.create_task(worker.run())
+            try:
+                async with asyncio.timeout(60):
+                    await worker.ready.wait()
+                info = json.loads((await nc.request(info_subject, b"", timeout=5)).data)
+                leaders.append(info["cluster"]["leader"])
+                await nc.subscribe("$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED."
+                                   f"{config.stream}.{config.consumer(n)}", cb=on_elected)
+                async with asyncio.timeout(STALL_SECS + 30):
+                    await elected.wait()
+                await until_true(lambda: n in worker.owned_partitions,
+                                 "the partition pinned after the election")
+                info = json.loads((await nc.request(info_subject, b"", timeout=5)).data)
+                assert info["cluster"]["leader"] != leaders[0]
+                assert registry.get_sample_value(
+                    "turnrouter_nats_deployment_missing_total",
+                    {"part": "consumer_leader"}) == 1
+                assert len([line for line in said if "stalled" in line]) == 1, said
+            finally:
+                worker.request_stop()
+                await cancelled(run, within=30)
+    finally:
+        logging.getLogger("turnrouter.runtime.nats").removeHandler(handler)
+        await nc.close()
 
 
 @given(st.one_of(st.integers(-3, 8), st.integers(), st.floats(), st.booleans(),

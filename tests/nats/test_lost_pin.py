@@ -614,3 +614,54 @@ async def test_a_refusal_of_a_pull_made_with_a_replaced_pin_keeps_the_partition(
             run.cancel()
             async with asyncio.timeout(20):
                 await asyncio.gather(run, return_exceptions=True)
+
+
+async def test_a_partition_whose_pulls_were_answered_503_resumes_within_seconds(
+        nats_server: NatsServer) -> None:
+    """A partition's pulls answered 503 ("no responders", as while a cluster elects the
+    consumer's leader) for a few seconds: the worker pulls it about once a second
+    meanwhile and consumes it again at once after. Before, the loop counted a 503 it
+    read as a message being handled, so keep-alive pulls went out every 0.2 s, each
+    answered 503 and each costing the loop a 1 s pause when read: the loop read a
+    growing queue of stale 503s and sent no pull of its own (the partition stalled,
+    docs/distributed.md, "A NATS cluster")."""
+    n = 3
+    config = NatsConfig(url=nats_server.url)
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.{config.consumer(n)}"
+    info_subject = f"$JS.API.CONSUMER.INFO.{config.stream}.{config.consumer(n)}"
+    nc = await nats.connect(nats_server.url)
+    try:
+        async with proxied(nats_server.port) as proxy:
+            worker = NatsWorker(make_router, dataclasses.replace(config, url=proxy.url),
+                                replica="w", registry=CollectorRegistry())
+            run = asyncio.create_task(worker.run())
+            try:
+                async with asyncio.timeout(60):
+                    await worker.ready.wait()
+                await until_true(lambda: n in worker.owned_partitions, "partition pinned")
+                nobody = proxy.rename(lambda subject, _: subject == next_subject,
+                                      f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.nobody")
+                await asyncio.sleep(3)  # the spell of 503s (a fault's length, not a wait)
+                nobody.active = False
+                sent = proxy.uplink.count(b".nobody ")
+                # Pulls meanwhile: about one a second (the loop's), not five (keep-alives).
+                assert 1 <= sent <= 6, sent
+                js = nc.jetstream()
+                for _ in range(3):
+                    await js.publish(config.probe_subject(n), b"")
+
+                async def consumed() -> bool:
+                    info = json.loads((await nc.request(info_subject, b"", timeout=5)).data)
+                    return bool(info["num_pending"] == 0 and info["num_ack_pending"] == 0)
+
+                for _ in range(160):  # 8 s at most (a queue of stale 503s took minutes)
+                    if await consumed():
+                        break
+                    await asyncio.sleep(0.05)  # polling the server's count, bounded
+                else:
+                    raise AssertionError("the partition not consumed 8 s after the 503s")
+            finally:
+                worker.request_stop()
+                await cancelled(run, within=30)
+    finally:
+        await nc.close()

@@ -22,6 +22,7 @@ from ._client import MAX_PUBLISHED, MAX_SEEN_FINALS, READER_PATIENCE, NatsFrontE
 from ._connection import Readiness
 from ._fleet import parse_presence
 from ._security import MAX_CA_FILE_BYTES, MAX_SECRET_FILE_BYTES
+from ._stall import STALL_SECS
 from ._wire import (
     MAX_ENDED,
     MAX_PARTICIPANT_ID_BYTES,
@@ -48,6 +49,7 @@ __all__ = [
     "MAX_SECRET_FILE_BYTES",
     "MAX_SEEN_FINALS",
     "READER_PATIENCE",
+    "STALL_SECS",
     "Ending",
     "NatsConfig",
     "NatsFrontEnd",

@@ -332,18 +332,20 @@ class Connection:
         if self._checking is None or self._checking.done():
             self._checking = self._spawn(self._check(self._nc), "deployment check")
 
-    async def pull_failed(self, n: int, status: str) -> None:
+    async def pull_failed(self, n: int, status: str, *, pause: bool = True) -> None:
         """A pull request on partition `n` ended with an unexpected status: logged the
-        first time per status and at every power of ten, then a pause (`_PULL_PAUSE`, or
-        until the deployment is repaired) instead of a pull loop at full speed."""
+        first time per status and at every power of ten, then (when `pause`: the
+        partition loop's own request) a pause (`_PULL_PAUSE`, or until the deployment is
+        repaired) instead of a pull loop at full speed."""
         count = self._statuses[status] = self._statuses.get(status, 0) + 1
         if is_logged(count):
             logger.warning("turnrouter: pull on partition %d: status %s (%d so far)", n,
                            status, count)
         if status == "503":  # no responders: the consumer (or its stream) is gone
             self.suspect()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._repaired.wait(), _PULL_PAUSE)
+        if pause:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._repaired.wait(), _PULL_PAUSE)
 
     async def _check(self, nc: Client) -> None:
         """What is missing is reported and recreated (as at start-up), retried every

@@ -766,6 +766,19 @@ def _refused(window: _SampleWindow, what: str) -> None:
         logger.warning("turnrouter: rejected %s (%d so far)", what, window.refused)
 
 
+def forget_shed(fleet: Fleet, n: int) -> None:
+    """Forget that this replica handed partition `n` over (it may pull it at once)."""
+    fleet._shed.pop(n, None)
+
+
+def unowned(fleet: Fleet) -> int:
+    """How many partitions neither this replica nor a peer heard on presence lately
+    says it owns (0 once the fleet's ownership covers them all)."""
+    config = fleet._config
+    live = fleet._live(time.monotonic() - 3 * config.probe_interval)
+    return max(0, config.partitions - fleet._count() - sum(live.values()))
+
+
 async def pinned_elsewhere(fleet: Fleet, n: int) -> bool:
     """Whether partition `n` has a pinned client (a replica at its share leaves it
     alone); an unpinned one is pulled, so an orphan finds an owner."""

@@ -108,11 +108,14 @@ class RuntimeMetrics:
         self.deployment_missing = Counter(
             "turnrouter_nats_deployment_missing_total",
             "Times this replica found a part of the deployment gone while it ran "
-            "(part=input_stream, output_stream, bucket, consumer) and recreated it, or "
-            "a participant's record gone from the bucket (part=record) written again",
+            "(part=input_stream, output_stream, bucket, consumer) and recreated it, "
+            "a participant's record gone from the bucket (part=record) written again, "
+            "or a partition's consumer stalled (inputs pending, no pull waiting, no "
+            "pinned client) and its leader asked to step down (part=consumer_leader)",
             ["part"], registry=registry)
         self.partitions.set(0)
-        for part in ("input_stream", "output_stream", "bucket", "consumer", "record"):
+        for part in ("input_stream", "output_stream", "bucket", "consumer", "record",
+                     "consumer_leader"):
             self.deployment_missing.labels(part)
         for how in ("lost", "handed_over"):
             self.partitions_lost.labels(how)

@@ -45,10 +45,12 @@ from ._fleet import (
     Fleet,
     fleet_limits,
     fleet_topic,
+    forget_shed,
     hang_up,
     hold_off,
     owner_heard,
     previous_owner_alive,
+    unowned,
     valid_replica,
 )
 from ._idle import IdleSweep
@@ -60,6 +62,7 @@ from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._mirror import watch_mirror
 from ._setup import GROUP, api_request
+from ._stall import STALL_SECS, StallWatch
 from ._takeover import Takeover
 from ._wire import Ending, NatsConfig, server_status
 
@@ -241,6 +244,8 @@ class NatsWorker:
             helpers.append(asyncio.create_task(watch_mirror(nc, config, bucket),
                                                name="mirror"))
             helpers.append(asyncio.create_task(resend(inputs), name="resend"))
+            if config.replicas > 1:  # a cluster's consumers may stall (`_stall`)
+                helpers.append(asyncio.create_task(_stall_watch(self).run(), name="stalls"))
             self._idle = IdleSweep(self._ledger, config.idle_after, config.dedup_window / 2,
                                    functools.partial(engaged, inputs),
                                    router.export_participant_json,
@@ -334,6 +339,8 @@ class NatsWorker:
         try:
             while self._pulling:
                 try:
+                    if inbox.renew:  # its pulls went unanswered (`_stall`)
+                        sub = await _renewed(nc, inbox, sub)
                     await self._pull_once(n, nc, inbox)
                 except Exception as exc:
                     # The loop outlives any one failure: a message not acknowledged
@@ -378,6 +385,7 @@ class NatsWorker:
             return  # stopping (SIGTERM during a slow check above), or nothing heard
         pin = self._pins.get(n)
         token, reply = inbox.request(pin)
+        inbox.current = token  # (a status of another request costs no pause, `_status`)
         await nc.publish(inbox.next_subject, inbox.pull_body(pin), reply=reply)
         inbox.pulled = time.monotonic()
         delivered = 0
@@ -386,7 +394,10 @@ class NatsWorker:
             got = await inbox.get(config.pull_expires + 2.0)
             if got is None:
                 return  # a lost reply (reconnect): ask again
-            inbox.holding, inbox.held_since = True, time.monotonic()  # `_keep_pins` pulls
+            # `_keep_pins` pulls while a message is handled, not a status (a pull answered
+            # 503 paused here while keep-alives, each answered 503, queued faster than
+            # the loop read them: minutes of stale replies, no pull of its own).
+            inbox.holding, inbox.held_since = server_status(got[0]) is None, time.monotonic()
             ended = await self._take(n, inbox, *got)
             if ended is None:
                 delivered += 1
@@ -403,7 +414,7 @@ class NatsWorker:
             status = headers.get("Status")
             if status is not None and not msg.reply:  # (a stream's message has its ack)
                 token, pin = inbox.ended(msg.subject)
-                await _status(self, n, status, pin)
+                await _status(self, n, status, pin, pause=token == inbox.current)
                 return token
             new_pin = headers.get("Nats-Pin-Id")
             if new_pin is not None and new_pin != self._pins.get(n):
@@ -507,6 +518,34 @@ class NatsWorker:
             self._router.report_rejected(fleet_topic(self.config, subject), "dropped")
 
 
+def _stall_watch(worker: NatsWorker) -> StallWatch:
+    """The watch of the partitions whose consumer may have stalled (`_stall`)."""
+    assert worker._nc is not None and worker._fleet is not None
+    fleet = worker._fleet
+
+    def unanswered(secs: float) -> list[int]:
+        now = time.monotonic()
+        return [inbox.partition for inbox in worker._inboxes
+                if inbox.pulled > inbox.replied and now - inbox.replied > secs]
+
+    def nudge(n: int) -> str:
+        inbox = next((i for i in worker._inboxes if i.partition == n), None)
+        forget_shed(fleet, n)
+        if inbox is None:
+            return "this replica has no loop for it"
+        now = time.monotonic()
+        silent = now - inbox.replied
+        inbox.renew = inbox.pulled > inbox.replied and silent > STALL_SECS
+        inbox.wake()
+        return (f"this replica pulled it {now - inbox.pulled:.1f} s ago, heard a reply "
+                f"{silent:.1f} s ago, {'holds' if n in worker._pins else 'holds no'} "
+                f"pin{', pulls on a new reply subject' if inbox.renew else ''}")
+
+    return StallWatch(worker._nc, worker.config, unanswered=unanswered,
+                      owned=lambda: worker._pins, unowned=lambda: unowned(fleet),
+                      nudge=nudge, metrics=worker._metrics)
+
+
 def _back(worker: NatsWorker, *, reconnected: bool) -> None:
     """`_reconnected` / `_recovered`: endings the streams did not acknowledge published
     again (a crash may have lost them, a leaderless stream refused them), unsure
@@ -594,9 +633,9 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     away as well), and a 423 answers one of them, maybe made with a pin since replaced.
     `live` holds the requests not yet ended, each with when it surely expired."""
 
-    __slots__ = ("_body", "_body_pin", "expires", "given_up", "hearing", "held_since",
-                 "holding", "lifetime", "live", "next_subject", "partition", "pulled",
-                 "reply_prefix", "tokens")
+    __slots__ = ("_body", "_body_pin", "current", "expires", "given_up", "hearing",
+                 "held_since", "holding", "lifetime", "live", "next_subject", "partition",
+                 "pulled", "renew", "replied", "reply_prefix", "tokens")
 
     def __init__(self, partition: int, next_subject: str, reply_prefix: str,
                  expires: float, hearing: _Hearing | None = None) -> None:
@@ -612,17 +651,26 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self._body = b""  # the last pull request's body, and the pin it names
         self._body_pin: object = _NO_BODY
         self.pulled = time.monotonic()  # when the partition's last pull request went out
+        #: When the last reply arrived (a message, a status other than 503 "no
+        #: responders", which says no consumer leader got the pull).
+        self.replied = self.pulled
+        self.renew = False  # pull on a new reply subject from the next pull on
         self.holding = False  # its loop is busy with one message and pulls no more
         self.held_since = 0.0  # since when
         self.given_up = -1.0  # the `held_since` of a message held too long to keep the pin
         self.live: dict[str, tuple[str | None, float]] = {}  # token -> (pin, expired by)
         self.tokens = 0
+        self.current = ""  # the token of the loop's own last request
 
     async def receive(self, msg: Msg) -> None:
         self.take(msg)
 
     def take(self, msg: Msg) -> None:
-        self.put((msg, time.monotonic()))
+        now = time.monotonic()
+        headers = msg.headers
+        if not (headers and headers.get("Status") == "503"):  # (503: no leader got it)
+            self.replied = now
+        self.put((msg, now))
 
     def request(self, pin: str | None) -> tuple[str, str]:
         """A new request's token and reply subject; it is live until a status ends it
@@ -686,6 +734,20 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         until = time.monotonic() + self.lifetime
         self.live = {token: (pin, max(end, until)) for token, (pin, end) in self.live.items()}
         self.wake()
+
+
+async def _renewed(nc: Client, inbox: _Inbox, sub: Any) -> Any:
+    """`inbox`'s subscription made again on a new reply subject (its pulls went
+    unanswered: a server that lost the interest of the old subject drops them without
+    a word); the requests sent on the old one are forgotten."""
+    prefix = nc.new_inbox()
+    renewed = await nc.subscribe(f"{prefix}.*", cb=inbox.receive)  # (raises: again)
+    deliver_directly(renewed, inbox.take)
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()
+    inbox.reply_prefix, inbox.renew = prefix, False
+    inbox.live.clear()
+    return renewed
 
 
 def _heard(nc: Client) -> tuple[int, int]:
@@ -895,8 +957,11 @@ async def _keep_pins(nc: Client, inboxes: list[_Inbox], pins: dict[int, str],
 # and the server answers one connection's commands in order.
 
 
-async def _status(worker: NatsWorker, n: int, status: str, pin: str | None) -> None:
-    """A pull request (made with `pin`) ended with a status instead of a message."""
+async def _status(worker: NatsWorker, n: int, status: str, pin: str | None, *,
+                  pause: bool = True) -> None:
+    """A pull request (made with `pin`) ended with a status instead of a message; an
+    unexpected one pauses the loop (`pull_failed`) when `pause` (the loop's own current
+    request: another's, a keep-alive's or one sent before, is only counted)."""
     if status == "423":  # Nats-Pin-Id mismatch: the pin moved away
         # Only when the request carried the pin held now: a request made with a pin
         # since replaced (one of several waiting at the server after a reconnect)
@@ -908,7 +973,7 @@ async def _status(worker: NatsWorker, n: int, status: str, pin: str | None) -> N
             logger.debug("turnrouter: partition %d: a 423 of a request made with a "
                          "pin no longer held", n)
     elif status not in ("404", "408", "409", "100") and worker._connection is not None:
-        await worker._connection.pull_failed(n, status)  # logged rarely, then a pause
+        await worker._connection.pull_failed(n, status, pause=pause)  # logged rarely
     if status == "409":
         await asyncio.sleep(0.05)
 
