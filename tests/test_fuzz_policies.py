@@ -54,7 +54,9 @@ def load(factory: Any, *args: Any, **kwargs: Any) -> DictRoutingPolicy | None:
     except (PolicyError, TypeError):
         return None
     for key, value in policy.mapping.items():
-        assert valid_text(key) and (value is None or (valid_text(value) and value))
+        names = value if isinstance(value, tuple) else (value,)  # a list choice: routes
+        assert valid_text(key) and (value is None or all(
+            isinstance(name, str) and valid_text(name) and name for name in names))
     return policy
 
 

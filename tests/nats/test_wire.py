@@ -306,7 +306,7 @@ def test_public_names_are_pinned() -> None:
 
     assert set(module.__all__) == {
         "MAX_CA_FILE_BYTES", "MAX_ENDED", "MAX_PARTICIPANT_ID_BYTES", "MAX_PUBLISHED",
-        "MAX_SECRET_FILE_BYTES", "MAX_SEEN_FINALS", "READER_PATIENCE", "Ending",
+        "MAX_SECRET_FILE_BYTES", "MAX_SEEN_FINALS", "READER_PATIENCE", "STALL_SECS", "Ending",
         "NatsConfig",
         "NatsFrontEnd", "NatsWorker", "Readiness", "Rejected", "StateRecord", "WorkerContext",
         "decode_token", "encode_token", "parse_input", "parse_presence", "parse_record",

@@ -35,8 +35,7 @@ from ._setup import api_request
 from ._wire import NatsConfig, Rejected, parse_samples, samples_body
 
 __all__ = ["FLEET_PENDING_BYTES", "SAMPLE_BATCH", "SAMPLE_FLUSH_SECS", "Fleet",
-           "fleet_limits", "fleet_topic", "hang_up", "owner_heard",
-           "previous_owner_alive"]
+           "fleet_limits", "fleet_topic", "owner_heard", "previous_owner_alive"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -255,10 +254,8 @@ class Fleet:
                  owned: Callable[[], Container[int]], count: Callable[[], int],
                  metrics: RuntimeMetrics | None,
                  spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
-                 reject: Callable[[str, str], None], *,
-                 listen: Client | None = None) -> None:
+                 reject: Callable[[str, str], None]) -> None:
         self._nc, self._config, self._replica = nc, config, replica
-        self.listen = listen or nc  # what presence, timing are read on (`hang_up`)
         self._owned, self._count, self._metrics = owned, count, metrics
         self._spawn, self._reject = spawn, reject
         self._peers: dict[str, tuple[float, int]] = {}
@@ -306,10 +303,9 @@ class Fleet:
     async def start(self) -> list[asyncio.Task[None]]:
         """Subscribe and start the presence and probe loops (returned, to cancel)."""
         limits = fleet_limits(self._config)
-        await self.listen.subscribe(f"{self._config.prefix}.presence",
-                                    cb=self._on_presence, **limits)
-        await self.listen.subscribe(self._config.timing_subject, cb=self._on_sample,
-                                    **limits)
+        await self._nc.subscribe(f"{self._config.prefix}.presence", cb=self._on_presence,
+                                 **limits)
+        await self._nc.subscribe(self._config.timing_subject, cb=self._on_sample, **limits)
         return [asyncio.create_task(self._presence_loop(), name="presence"),
                 asyncio.create_task(self._probe_loop(), name="probes")]
 
@@ -745,15 +741,6 @@ class _SampleWindow:
         if len(recent) < ANCHOR_MIN:
             return None
         return max(recent[len(recent) // 2], ANCHOR_FLOOR_SECS)
-
-
-async def hang_up(fleet: Fleet) -> None:
-    """Close the connection `fleet` reads presence and timing on, when it is not the
-    worker's own (`Connection.connect_fleet`: a flood there holds back nothing of the
-    connection that pulls, writes and publishes)."""
-    if fleet.listen is not fleet._nc:
-        with contextlib.suppress(Exception):
-            await fleet.listen.close()
 
 
 def _refused(window: _SampleWindow, what: str) -> None:
