@@ -42,7 +42,7 @@ else:
     class _ContractMeta(type(BaseModel)):  # pydantic's model metaclass
         def __call__(cls, *args: Any, **kwargs: Any) -> Any:
             if args:  # the fields a class takes by position, in order (`_POSITIONAL`)
-                args = _by_position(cls, args, kwargs)
+                args, kwargs = (), _by_position(cls, args, kwargs)
             try:
                 return super().__call__(*args, **kwargs)
             except ValidationError as exc:
@@ -56,15 +56,16 @@ else:
         _POSITIONAL: ClassVar[tuple[str, ...]] = ()
 
 
-def _by_position(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[()]:
-    """Move positional arguments into `kwargs` by the class's `_POSITIONAL` names;
+def _by_position(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with the positional arguments added by the class's `_POSITIONAL` names;
     `TypeError` as a function call gives (too many, or a name given twice)."""
     names: tuple[str, ...] = getattr(cls, "_POSITIONAL", ())
     if len(args) > len(names):
         raise TypeError(f"{cls.__name__}() takes {len(names)} positional arguments but "
                         f"{len(args)} were given")
-    for name, value in zip(names, args, strict=False):
-        if name in kwargs:
-            raise TypeError(f"{cls.__name__}() got multiple values for argument {name!r}")
-        kwargs[name] = value
-    return ()
+    given = dict(zip(names, args, strict=False))
+    twice = given.keys() & kwargs.keys()
+    if twice:
+        raise TypeError(f"{cls.__name__}() got multiple values for argument "
+                        f"{min(twice)!r}")
+    return {**kwargs, **given}
