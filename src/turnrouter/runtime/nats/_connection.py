@@ -165,6 +165,44 @@ class Connection:
         _lean_headers(nc)
         return nc
 
+    async def connect_fleet(self, replica: str) -> Client:
+        """The worker's second connection, for the fleet subjects it reads (control,
+        presence, timing: anyone holding the worker credential may publish there).
+
+        A flood of them then queues behind nothing the turns need: on one shared
+        connection it held back pull deliveries, JetStream replies and PONGs (turns
+        answered seconds late, the connection dropped for unanswered pings, or cut by
+        the server as a slow consumer, partitions lost). A flood faster than this
+        connection is read fills the server's buffer for it instead, until the server
+        cuts it (its `max_pending`); it is reconnected at once and for as long as the
+        worker runs (one log line at the 1st, 10th, 100th, ... loss), and drops on its
+        subscriptions are counted as on the other (`dropped`)."""
+        config = self._config
+        lines = _FleetLine(config, self)
+        nc = await connect(
+            config, "worker", patience=config.reconnect_for, denials=lines.denials,
+            name=f"turnrouter-{replica}-fleet",
+            connect_timeout=connect_timeout(config), reconnect_time_wait=RECONNECT_EVERY,
+            ping_interval=ping_interval(config),
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+            disconnected_cb=lines.disconnected)
+        nc.options["max_reconnect_attempts"] = -1
+        nc._error_cb = lines.error  # (see `connect`)
+        lines.nc = nc
+        _yield_between_reads(nc)
+        _lean_headers(nc)
+        return nc
+
+    def count_drop(self, exc: SlowConsumerError) -> None:
+        """A fleet subject's queue is full (a flood): the message is dropped and
+        counted; logged the 1st, 2nd, 4th, ... time only."""
+        self._drops += 1
+        self._dropped(exc.subject)
+        if not self._drops & (self._drops - 1):
+            logger.warning("turnrouter: dropped %d message(s) of a flooded fleet "
+                           "subject so far (last on %s)", self._drops,
+                           preview(exc.subject[:100]))
+
     async def set_up(self) -> KeyValue:
         """The deployment made (or found) at start (`ensure_deployment`), the bucket;
         tried again as `settle` says, but a publish or subscription the server refuses
@@ -262,14 +300,7 @@ class Connection:
             self.denials.record(*denied)
             return
         if isinstance(exc, SlowConsumerError):
-            # A fleet subject's queue is full (a flood): the message is dropped and
-            # counted; logged the 1st, 2nd, 4th, ... time only.
-            self._drops += 1
-            self._dropped(exc.subject)
-            if not self._drops & (self._drops - 1):
-                logger.warning("turnrouter: dropped %d message(s) of a flooded fleet "
-                               "subject so far (last on %s)", self._drops,
-                               preview(exc.subject[:100]))
+            self.count_drop(exc)
             return
         what = safe_error(self._config, exc)[:300]
         # A reconnect attempt waiting for the server's INFO (a frozen server accepts
@@ -387,6 +418,47 @@ class Connection:
                 await self._closed()
                 return
             await asyncio.sleep(RECONNECT_WAIT)
+
+
+class _FleetLine:
+    """The callbacks of the fleet connection (`Connection.connect_fleet`): its drops
+    counted with the worker's, its losses and errors logged sparingly (a flood may get
+    it cut again and again; a server outage is reported by the turns' connection)."""
+
+    def __init__(self, config: NatsConfig, connection: Connection) -> None:
+        self._config, self._connection = config, connection
+        self.denials = Denials(config, "worker")  # (its own: see _permissions.py)
+        self.nc: Client | None = None
+        self.losses = 0
+        self._errors = 0
+
+    def _closing(self) -> bool:
+        """Closed by the worker (its end): no loss, no error to tell."""
+        return self.nc is not None and self.nc.is_closed
+
+    async def disconnected(self) -> None:
+        if self._closing():
+            return
+        self.losses += 1
+        if is_logged(self.losses):
+            logger.warning("turnrouter: lost the fleet connection to NATS (%d time(s) "
+                           "so far; a flood of a fleet subject, or an outage); "
+                           "reconnecting", self.losses)
+
+    async def error(self, exc: Exception) -> None:
+        if isinstance(exc, SlowConsumerError):
+            self._connection.count_drop(exc)
+            return
+        denied = parse_denial(exc)
+        if denied is not None:  # logged there, once per subject
+            self.denials.record(*denied)
+            return
+        if self._closing():
+            return
+        self._errors += 1
+        if is_logged(self._errors):
+            logger.warning("turnrouter: fleet connection error (%d so far): %s",
+                           self._errors, safe_error(self._config, exc)[:300])
 
 
 async def _missing(nc: Client, config: NatsConfig) -> list[tuple[str, str]] | None:

@@ -35,7 +35,8 @@ from ._setup import api_request
 from ._wire import NatsConfig, Rejected, parse_samples, samples_body
 
 __all__ = ["FLEET_PENDING_BYTES", "SAMPLE_BATCH", "SAMPLE_FLUSH_SECS", "Fleet",
-           "fleet_limits", "fleet_topic", "owner_heard", "previous_owner_alive"]
+           "fleet_limits", "fleet_topic", "hang_up", "owner_heard",
+           "previous_owner_alive"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -254,8 +255,10 @@ class Fleet:
                  owned: Callable[[], Container[int]], count: Callable[[], int],
                  metrics: RuntimeMetrics | None,
                  spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
-                 reject: Callable[[str, str], None]) -> None:
+                 reject: Callable[[str, str], None], *,
+                 listen: Client | None = None) -> None:
         self._nc, self._config, self._replica = nc, config, replica
+        self.listen = listen or nc  # what presence, timing are read on (`hang_up`)
         self._owned, self._count, self._metrics = owned, count, metrics
         self._spawn, self._reject = spawn, reject
         self._peers: dict[str, tuple[float, int]] = {}
@@ -303,9 +306,10 @@ class Fleet:
     async def start(self) -> list[asyncio.Task[None]]:
         """Subscribe and start the presence and probe loops (returned, to cancel)."""
         limits = fleet_limits(self._config)
-        await self._nc.subscribe(f"{self._config.prefix}.presence", cb=self._on_presence,
-                                 **limits)
-        await self._nc.subscribe(self._config.timing_subject, cb=self._on_sample, **limits)
+        await self.listen.subscribe(f"{self._config.prefix}.presence",
+                                    cb=self._on_presence, **limits)
+        await self.listen.subscribe(self._config.timing_subject, cb=self._on_sample,
+                                    **limits)
         return [asyncio.create_task(self._presence_loop(), name="presence"),
                 asyncio.create_task(self._probe_loop(), name="probes")]
 
@@ -453,6 +457,8 @@ class Fleet:
                 await self._nc.publish(
                     f"{self._config.prefix}.presence",
                     json.dumps({"replica": self._replica, "owned": owned}).encode())
+            if self.listen is not self._nc:
+                await _echo(self._nc, self._config.probe_interval / 2)
             if self._metrics is not None:  # the fleet as heard: what scrapes may miss
                 _report_fleet(self._metrics, owned, self._live(
                     time.monotonic() - 3 * self._config.probe_interval),
@@ -741,6 +747,26 @@ class _SampleWindow:
         if len(recent) < ANCHOR_MIN:
             return None
         return max(recent[len(recent) // 2], ANCHOR_FLOOR_SECS)
+
+
+async def _echo(nc: Client, wait: float) -> None:
+    """One message for the worker's own connection to hear (the smallest JetStream API
+    request, answered by the server even without JetStream). Its own presence, which
+    proved every probe period that the connection was not frozen (`_Hearing` in
+    _worker.py), is read on the fleet connection (`Connection.connect_fleet`): without
+    this, a worker owning every partition heard nothing while a pull waited (no probe
+    replies either) and stopped pulling, taking its server for frozen."""
+    with contextlib.suppress(NatsError, TimeoutError):
+        await nc.request("$JS.API.INFO", b"", timeout=wait)
+
+
+async def hang_up(fleet: Fleet) -> None:
+    """Close the connection `fleet` reads presence and timing on, when it is not the
+    worker's own (`Connection.connect_fleet`: a flood there holds back nothing of the
+    connection that pulls, writes and publishes)."""
+    if fleet.listen is not fleet._nc:
+        with contextlib.suppress(Exception):
+            await fleet.listen.close()
 
 
 def _refused(window: _SampleWindow, what: str) -> None:

@@ -33,7 +33,7 @@ from ._cancel import cancel_and_wait
 from ._permissions import Denials, parse_denial
 from ._wire import NatsConfig, userinfo
 
-__all__ = ["PlaintextRefusedError", "connect", "connect_options", "inbox_prefix",
+__all__ = ["PlaintextRefusedError", "bound_tls_reads", "connect", "connect_options", "inbox_prefix",
            "requires_tls", "safe_error", "secrets_of"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
@@ -204,7 +204,8 @@ class PlaintextRefusedError(NatsError):
 class _TlsClient(Client):
     """A nats-py client that refuses, before it sends CONNECT (and with it any
     credentials), a server whose INFO does not require TLS: nats-py has upgraded the
-    connection to TLS by then exactly when the server required it."""
+    connection to TLS by then exactly when the server required it. Its reads over TLS
+    are bounded (`bound_tls_reads`), at each connection and reconnection."""
 
     def _connect_command(self) -> bytes:
         if not self._server_info.get("tls_required"):
@@ -212,8 +213,31 @@ class _TlsClient(Client):
                 "the NATS server offers no TLS, but TLS is configured (a tls:// URL, "
                 "a CA or a client certificate): refusing to send credentials in clear; "
                 "enable TLS on the server (its tls block)")
+        bound_tls_reads(self)
         command: bytes = super()._connect_command()
         return command
+
+
+def bound_tls_reads(nc: Client) -> bool:
+    """Give the stream reader of `nc`'s TLS connection its transport, so that it stops
+    reading once it holds 128 KiB nobody parsed yet (True when it had none before).
+
+    nats-py (2.16) upgrades a connection to TLS with a new `asyncio.StreamReader` that is
+    never told its transport (asyncio's `start_tls` makes no `connection_made` call), so
+    the reader never pauses it: whatever the server sends faster than the client parses
+    piled up in the reader (a flood of 64 KB fleet messages at 37 MB/s: 150 MB in 5 s,
+    the worker's RSS at 0.9 GB), behind it the PONGs, until two pings went unanswered
+    and the connection was dropped. Bounded, the excess waits in the socket and the
+    server, whose own limit for a slow reader applies (see docs/limits.md). Left alone
+    where nats-py's transport looks otherwise (another version, a websocket)."""
+    transport: Any = getattr(nc, "_transport", None)
+    reader = getattr(transport, "_io_reader", None)
+    writer = getattr(transport, "_io_writer", None)
+    if (isinstance(reader, asyncio.StreamReader) and isinstance(writer, asyncio.StreamWriter)
+            and getattr(reader, "_transport", False) is None):
+        reader.set_transport(writer.transport)
+        return True
+    return False
 
 
 def _is_refusal(exc: BaseException) -> bool:

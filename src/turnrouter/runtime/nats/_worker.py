@@ -46,6 +46,7 @@ from ._fleet import (
     fleet_limits,
     fleet_topic,
     forget_shed,
+    hang_up,
     hold_off,
     owner_heard,
     previous_owner_alive,
@@ -226,13 +227,14 @@ class NatsWorker:
                                            self._tasks)
             router.set_control_output(inputs.control_output)
             router.on_participant_changed(inputs.changed)
+            listen = await connection.connect_fleet(self.replica)
             self._fleet = Fleet(nc, config, self.replica, lambda: self._pins,
                                 lambda: len(self._pins), self._metrics, self._spawn,
-                                router.report_rejected)
+                                router.report_rejected, listen=listen)
             self._fleet.predictors = self._predictors
             self._fleet.routes = lambda: router.destinations
-            await nc.subscribe(config.interrupt_all_subject, **fleet_limits(config),
-                               cb=FleetInterrupts(config, router, self._spawn).on_message)
+            await listen.subscribe(config.interrupt_all_subject, **fleet_limits(config),
+                                   cb=FleetInterrupts(config, router, self._spawn).on_message)
             helpers = await self._fleet.start()
             helpers.append(asyncio.create_task(
                 _keep_pins(nc, self._inboxes, self._pins, config, lambda: self._pulling,
@@ -254,6 +256,7 @@ class NatsWorker:
                      for n in range(config.partitions)]
             # Our SUBs are on the server (see below) once a request is answered.
             await connection.settle("start-up", nc.jetstream().account_info)
+            await connection.settle("start-up", listen.jetstream().account_info)
             self.ready.set()
             self.readiness.update("start", None)
             await self._stop.wait()
@@ -279,6 +282,8 @@ class NatsWorker:
         if self._router is not None and not graceful:
             with contextlib.suppress(Exception):
                 await self._router.stop()
+        if self._fleet is not None:
+            await hang_up(self._fleet)
         with contextlib.suppress(Exception):
             if lost or not self.ready.is_set():
                 await nc.close()  # nothing to drain to, or nothing served yet
@@ -753,7 +758,7 @@ def _heard(nc: Client) -> tuple[int, int]:
 
 class _Hearing:
     """Whether a connection heard from its server lately: a message (a pull's reply,
-    the replica's own presence every `probe_interval`) within `pull_expires` plus two
+    the answer to the fleet's echo every `probe_interval`) within `pull_expires` plus two
     probe periods, or a reconnect. Sampled by every pull and every `_keep_pins` tick."""
 
     __slots__ = ("_at", "_seen", "quiet_after")
