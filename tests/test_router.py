@@ -722,6 +722,47 @@ async def test_started_is_idempotent_and_records_one_first_response() -> None:
     assert calls == ["done"]
 
 
+async def test_a_started_call_left_unawaited_still_marks_the_first_response(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`started()` without `await` (a newcomer's slip): the start is marked at the call,
+    so the first response is measured, the failure text is left to the destination, and
+    Python warns of no coroutine never awaited."""
+    class Unawaited(ScriptedAgent):
+        async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+            started()  # no await
+            raise ValueError("broken after its start")
+
+    h = Harness(Unawaited("weather"), decisions=ScriptedDecisions("weather"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "coroutine ... was never awaited" would raise
+        with pytest.raises(ValueError, match="broken after its start"):
+            await h.say()
+        gc.collect()
+    assert h.observer.kinds("t1").count("first_response") == 1
+    assert h.output.texts == []  # started: the destination owns its failure output
+    assert "without calling started()" not in caplog.text
+
+
+async def test_an_answer_that_never_calls_started_is_warned_once_per_route(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """answer() returning without started(): nothing measured its first response, said
+    at WARNING once per route (not per turn), naming the route."""
+    class Silent(ScriptedAgent):
+        async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+            return DestinationResult(text="answered without starting")
+
+    h = Harness(Silent("weather"), Silent("calendar"),
+                decisions=ScriptedDecisions("weather", "weather", "calendar"))
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        for _ in range(3):
+            await h.say()
+    lines = [r.getMessage() for r in caplog.records
+             if "without calling started()" in r.getMessage()]
+    assert len(lines) == 2
+    assert "'weather'" in lines[0] and "'calendar'" in lines[1]
+    assert h.observer.kinds("t1").count("first_response") == 0
+
+
 async def test_failure_before_started_speaks_one_failure_message_and_propagates() -> None:
     """An answer() failing before started() yields one failure message and re-raises."""
     h = Harness(ScriptedAgent("weather", results=ValueError("broken")),

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 from asyncio import current_task
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
 from inspect import isawaitable
 from typing import TYPE_CHECKING, Any
 
@@ -502,6 +502,31 @@ class Turn(TurnRun):
                 raise asyncio.CancelledError(run.reason)
 
 
+class _Done:
+    """An awaitable that is done at once (`started()` with nothing to wait for)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return
+        yield  # (a generator: awaiting it returns at once)
+
+
+_DONE = _Done()
+
+
+def _unstarted(cfg: RouterConfig, route: str) -> None:
+    """`route`'s answer() returned without calling started(): said once per route, as
+    its first responses go unmeasured (no timing sample, no first-response metric), and
+    an acknowledgment committed meanwhile may have overlapped its output."""
+    if route in cfg.unstarted:
+        return
+    cfg.unstarted.add(route)
+    logger.warning("turnrouter: destination %r answer() returned without calling "
+                   "started(): its first response is not measured (call `await "
+                   "started()` just before its first output; said once per route)", route)
+
+
 class Answer:
     """The admitted (or fallback) destination's answer within a turn.
 
@@ -591,6 +616,8 @@ class Answer:
                 raise
             raise exc from raised
         self.closed = True
+        if not owner.started:
+            _unstarted(cfg, route)
         if self._said_at is not None:
             self._close_silence()
         if owner.observing:
@@ -622,15 +649,18 @@ class Answer:
             raise error
         return result  # type: ignore[return-value]  # checked by the caller
 
-    async def __call__(self) -> None:
-        """`started()`."""
+    def __call__(self) -> Awaitable[None]:
+        """`started()`: the start is marked at the call, what it returns waits for a
+        committed acknowledgment's delivery (a call left un-awaited by mistake still
+        measures the first response and suppresses a pending acknowledgment)."""
         if self.closed:
-            return
+            return _DONE
         if not self.owner.started:
             self._start()
         sidecar = self._sidecar
         if sidecar is not None:
-            await sidecar.wait_delivered()
+            return sidecar.wait_delivered()
+        return _DONE
 
     # What the acknowledgment sidecar reads (`_acknowledgment.Answering`).
 
