@@ -14,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from turnrouter import (
+    MAX_ID_CHARS,
     AgentExchange,
     AgentRouter,
     AgentTurn,
@@ -800,3 +801,18 @@ async def test_a_pending_patch_builds_as_the_reference_dataclass_does() -> None:
     applied = await h.router.approve_patch("x1")
     assert applied.participant_id == "p1" and applied.patch.digest == ["Table for two at 8"]
     assert h.router.history_of("p1")[-1].assistant == "Table for two at 8"
+
+
+@pytest.mark.parametrize("field", ["spawned_from_event_id", "source_context_hash"])
+async def test_a_patch_naming_an_id_past_the_id_bound_is_refused(field: str) -> None:
+    """A stamp field is an id (1 to MAX_ID_CHARS characters, as turn ids are): 20,000
+    brackets there were merged, and the participant's next import refused its snapshot
+    (found by the bypass fuzz test: state lost at the next move)."""
+    with pytest.raises(ContractValueError, match=field):
+        ContextPatch(task_id="job", **cast(Any, {field: "{" * (MAX_ID_CHARS + 1)}))
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    bypassed = ContextPatch.model_construct(task_id="job", **cast(Any, {field: "{" * 20_000}))
+    with pytest.raises(ContractValueError, match=field):
+        await h.router.apply_context_patch("p1", bypassed)
+    assert h.router.context_patches_of("p1") == ()
