@@ -27,6 +27,7 @@ from turnrouter import (
     DestinationResult,
     LifecycleError,
     MergeStrategy,
+    ParticipantSnapshot,
     PendingContextPatch,
     PendingPatchLimitError,
     UnknownPatchError,
@@ -816,3 +817,30 @@ async def test_a_patch_naming_an_id_past_the_id_bound_is_refused(field: str) -> 
     with pytest.raises(ContractValueError, match=field):
         await h.router.apply_context_patch("p1", bypassed)
     assert h.router.context_patches_of("p1") == ()
+
+
+async def test_patches_that_would_make_the_snapshot_unmovable_are_refused() -> None:
+    """Held patches of 2,500 empty lists each, within every other bound: the ones that
+    would take the participant's snapshot past MAX_SNAPSHOT_CONTAINERS are refused
+    (named, counted `refused`), so every export still imports (before: all 8 held, and
+    no replica could import the participant)."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    held, refusals = 0, []
+    for n in range(8):
+        try:
+            await h.router.apply_context_patch(
+                "p1", ContextPatch(task_id=f"job{n}", facts={"k": [[]] * 2500}),
+                "human_gated")
+        except ContractValueError as exc:
+            refusals.append(str(exc))
+            break
+        held += 1
+    assert len(refusals) == 1 and "MAX_SNAPSHOT_CONTAINERS" in refusals[0]
+    assert 0 < held < 8 and len(h.router.pending_patches("p1")) == held
+    assert h.observer.patch_outcomes().count(("human_gated", "refused")) == 1
+    exported = h.router.export_participant_json("p1")
+    assert exported is not None
+    other = Harness(ScriptedAgent("conversation"))
+    other.router.import_participant(ParticipantSnapshot.from_json(exported))
+    assert len(other.router.pending_patches("p1")) == held
