@@ -641,21 +641,49 @@ def test_an_import_keeps_what_appending_every_exchange_would(
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.text(max_size=100), st.integers(1, 50), st.sampled_from(["{", "[", "{}", "[]"]),
+@given(st.text(max_size=100), st.integers(1, 50), st.sampled_from(["{}", "[]"]),
        st.booleans())
 def test_snapshots_with_too_many_objects_are_refused_before_parsing(
         junk: str, extra: int, unit: str, as_bytes: bool) -> None:
-    """More `{` and `[` than `MAX_SNAPSHOT_CONTAINERS` (in text too: the count is read
-    before parsing) is a ContractValueError naming the bound, within the size bound and
-    whatever the rest holds; the bound's own count still parses."""
-    filler = unit * (MAX_SNAPSHOT_CONTAINERS + extra)  # one "{" or "[" per unit
-    data = f'{{"participant_id":"p","focus":{json.dumps(junk)},"x":"{filler}"}}'
+    """More objects and arrays than `MAX_SNAPSHOT_CONTAINERS` is a ContractValueError
+    naming the bound, within the size bound and whatever the rest holds (junk text with
+    quotes and backslashes included); the bound's own count still parses."""
+    filler = ",".join([unit] * (MAX_SNAPSHOT_CONTAINERS + extra))
+    data = f'{{"participant_id":"p","focus":{json.dumps(junk)},"x":[{filler}]}}'
     with pytest.raises(ContractValueError, match="MAX_SNAPSHOT_CONTAINERS"):
         ParticipantSnapshot.from_json(data.encode("utf-8", "surrogatepass")
                                       if as_bytes else data)
     at_bound = json.dumps({"participant_id": "p", "focus": "{" * (
         MAX_SNAPSHOT_CONTAINERS - 1)})
     assert ParticipantSnapshot.from_json(at_bound).participant_id == "p"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["{", "[", '\\"{', "\\\\[", '"']), st.integers(1, 50),
+       st.booleans())
+def test_brackets_in_text_are_not_objects(unit: str, extra: int, as_bytes: bool) -> None:
+    """`{` and `[` inside strings, past the bound's count, escaped quotes and
+    backslashes around them, parse: they cost parsing nothing (counted raw, they made
+    a snapshot of a participant who said them refused at its next import, the state
+    lost at the participant's next move)."""
+    text = unit * (MAX_SNAPSHOT_CONTAINERS + extra)
+    data = json.dumps({"participant_id": "p", "focus": text, "used": [text]})
+    snapshot = ParticipantSnapshot.from_json(data.encode() if as_bytes else data)
+    assert snapshot.focus == text and snapshot.used == (text,)
+
+
+async def test_a_history_of_brackets_moves_with_its_participant() -> None:
+    """A participant whose turns said 27,000 `{` (a larger context budget, a user
+    pasting code) exports a snapshot another router imports (before: refused, over
+    MAX_SNAPSHOT_CONTAINERS, though it held three exchanges)."""
+    h = Harness(ScriptedAgent("conversation"), context_budget_bytes=1 << 20)
+    for _ in range(3):
+        await h.say("{" * 9000)
+    exported = h.router.export_participant_json("p1")
+    assert exported is not None and exported.count(b"{") > MAX_SNAPSHOT_CONTAINERS
+    other = Harness(ScriptedAgent("conversation"), context_budget_bytes=1 << 20)
+    other.router.import_participant(ParticipantSnapshot.from_json(exported))
+    assert other.router.export_participant_json("p1") == exported
 
 
 async def test_a_cleanup_owed_after_a_failed_initialization_moves_with_the_participant(

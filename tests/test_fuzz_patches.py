@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from turnrouter import (
@@ -169,3 +169,48 @@ def test_a_bypassed_field_equal_to_its_valid_value_is_stored_valid(
     kept as it was, and every later export of the participant warned of an int where a
     bool belongs (found by the fuzz test above): the validated copy is stored."""
     anyio.run(_apply_then_move, _bypassed("construct", field, junk), "append")
+
+
+_NESTED = st.one_of(
+    st.recursive(st.none() | st.integers(0, 9) | st.just("{["),
+                 lambda inner: st.lists(inner, max_size=40)
+                 | st.dictionaries(st.sampled_from("abcdef"), inner, max_size=6),
+                 max_leaves=400),
+    # many small containers in few bytes (`[]` is 3 bytes of JSON with its comma)
+    st.integers(0, 6000).map(lambda n: [[]] * n),
+    st.integers(0, 3000).map(lambda n: [{"k": []}] * n))
+
+
+async def _pile_up(patches: list[tuple[Any, str]], budget: int) -> None:
+    h = Harness(ScriptedAgent("conversation"), context_budget_bytes=budget,
+                max_patch_bytes=1 << 20)
+    await h.say("{[" * 50)
+    for n, (facts, strategy) in enumerate(patches):
+        refusal = ""
+        try:
+            await h.router.apply_context_patch(
+                "p1", ContextPatch(task_id=f"job{n}", facts={"x": facts}), strategy)
+        except ContractValueError as exc:
+            refusal = str(exc)
+        assert refusal == "" or "context patch" in refusal
+        if n % 3 == 2:
+            await h.say("and then?")
+        exported = h.router.export_participant_json("p1")
+        assert exported is not None
+        other = Harness(ScriptedAgent("conversation"), context_budget_bytes=budget,
+                        max_patch_bytes=1 << 20)
+        other.router.import_participant(ParticipantSnapshot.from_json(exported))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(_NESTED, st.sampled_from(["append", "human_gated"])),
+                min_size=1, max_size=12),
+       st.sampled_from([8192, 1 << 16, 1 << 20]))
+@example([([[]] * 6000, "append")] * 4, 1 << 16)
+@example([([[]] * 2500, "human_gated")] * 8, 8192)
+def test_accepted_patches_never_make_a_snapshot_no_replica_imports(
+        patches: list[tuple[Any, str]], budget: int) -> None:
+    """Whatever patches pile up (nested facts of many small containers, brackets in
+    their text, held and merged, across budgets): after each, the participant's export
+    imports into another router (the patch that would break that is refused)."""
+    anyio.run(_pile_up, patches, budget)

@@ -14,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from turnrouter import (
+    MAX_ID_CHARS,
     AgentExchange,
     AgentRouter,
     AgentTurn,
@@ -26,6 +27,7 @@ from turnrouter import (
     DestinationResult,
     LifecycleError,
     MergeStrategy,
+    ParticipantSnapshot,
     PendingContextPatch,
     PendingPatchLimitError,
     UnknownPatchError,
@@ -800,3 +802,45 @@ async def test_a_pending_patch_builds_as_the_reference_dataclass_does() -> None:
     applied = await h.router.approve_patch("x1")
     assert applied.participant_id == "p1" and applied.patch.digest == ["Table for two at 8"]
     assert h.router.history_of("p1")[-1].assistant == "Table for two at 8"
+
+
+@pytest.mark.parametrize("field", ["spawned_from_event_id", "source_context_hash"])
+async def test_a_patch_naming_an_id_past_the_id_bound_is_refused(field: str) -> None:
+    """A stamp field is an id (1 to MAX_ID_CHARS characters, as turn ids are): 20,000
+    brackets there were merged, and the participant's next import refused its snapshot
+    (found by the bypass fuzz test: state lost at the next move)."""
+    with pytest.raises(ContractValueError, match=field):
+        ContextPatch(task_id="job", **cast(Any, {field: "{" * (MAX_ID_CHARS + 1)}))
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    bypassed = ContextPatch.model_construct(task_id="job", **cast(Any, {field: "{" * 20_000}))
+    with pytest.raises(ContractValueError, match=field):
+        await h.router.apply_context_patch("p1", bypassed)
+    assert h.router.context_patches_of("p1") == ()
+
+
+async def test_patches_that_would_make_the_snapshot_unmovable_are_refused() -> None:
+    """Held patches of 2,500 empty lists each, within every other bound: the ones that
+    would take the participant's snapshot past MAX_SNAPSHOT_CONTAINERS are refused
+    (named, counted `refused`), so every export still imports (before: all 8 held, and
+    no replica could import the participant)."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    held, refusals = 0, []
+    for n in range(8):
+        try:
+            await h.router.apply_context_patch(
+                "p1", ContextPatch(task_id=f"job{n}", facts={"k": [[]] * 2500}),
+                "human_gated")
+        except ContractValueError as exc:
+            refusals.append(str(exc))
+            break
+        held += 1
+    assert len(refusals) == 1 and "MAX_SNAPSHOT_CONTAINERS" in refusals[0]
+    assert 0 < held < 8 and len(h.router.pending_patches("p1")) == held
+    assert h.observer.patch_outcomes().count(("human_gated", "refused")) == 1
+    exported = h.router.export_participant_json("p1")
+    assert exported is not None
+    other = Harness(ScriptedAgent("conversation"))
+    other.router.import_participant(ParticipantSnapshot.from_json(exported))
+    assert len(other.router.pending_patches("p1")) == held

@@ -17,6 +17,7 @@ from typing import TypeVar
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticSerializationError
 
+from . import _strict_json as strict_json
 from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, MAX_TIMESTAMP_US, DestinationResult
 from ._exceptions import ContractTypeError, ContractValueError
 from ._lifecycle import OwnedOperation
@@ -185,11 +186,10 @@ class ParticipantSnapshot(ContractModel):
             raise ContractValueError(
                 f"participant snapshot of {len(data)} bytes exceeds MAX_SNAPSHOT_BYTES "
                 f"({MAX_SNAPSHOT_BYTES})")
-        containers = (data.count("{") + data.count("[") if isinstance(data, str)
-                      else data.count(b"{") + data.count(b"["))
+        containers = strict_json.containers(data, MAX_SNAPSHOT_CONTAINERS)
         if containers > MAX_SNAPSHOT_CONTAINERS:
             raise ContractValueError(
-                f"participant snapshot holds {containers} '{{' and '[' characters, over "
+                f"participant snapshot holds {containers} objects and arrays, over "
                 f"MAX_SNAPSHOT_CONTAINERS ({MAX_SNAPSHOT_CONTAINERS})")
         try:
             snapshot = cls.model_validate_json(data)

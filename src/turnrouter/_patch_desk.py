@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 
+from . import _strict_json as strict_json
 from ._acknowledgment import clean_acknowledgment
 from ._config import (
     PATCH_ROUTE,
@@ -28,6 +29,7 @@ from ._exceptions import (
     LifecycleError,
     PatchNotSavedError,
 )
+from ._frontend import MAX_SNAPSHOT_CONTAINERS
 from ._history import History, view_items
 from ._logging import log_failure
 from ._observer import ContextPatchEvent, PatchOutcome
@@ -75,6 +77,31 @@ def _check_fits(state: Participant, patch: ContextPatch) -> None:
             f"digest, facts and artifacts), over the participant's context budget "
             f"({budget} bytes): merged, it would leave no room for the conversation or "
             "itself; shorten its digest and keep large payloads elsewhere")
+
+
+#: Objects and arrays a merged patch's exchange (and a held patch's wrapper) adds to a
+#: snapshot beyond the patch's own.
+_WRAPPING = 8
+
+
+def _check_containers(cfg: RouterConfig, registry: Registry, state: Participant,
+                      patch: ContextPatch) -> None:
+    """`ContractValueError` unless the participant's snapshot, holding `patch` too and
+    room for a full history of plain exchanges (one object each), stays within
+    `MAX_SNAPSHOT_CONTAINERS`: past it, no replica imports the snapshot (8 held patches
+    of 2,500 empty lists each, within every other bound, made a participant's state
+    unmovable; on NATS its record was quarantined and it started clean)."""
+    exported = registry.export_json(state.pid) or b""
+    held = strict_json.containers(exported, 0)
+    own = strict_json.containers(patch.model_dump_json(warnings=False), 0)
+    room = cfg.max_history_exchanges
+    if held + own + _WRAPPING + room > MAX_SNAPSHOT_CONTAINERS:
+        raise ContractValueError(
+            f"context patch {preview(patch.task_id)} holds {own} objects and arrays; with "
+            f"the participant's {held} and room for its history ({room} exchanges), its "
+            f"snapshot would pass MAX_SNAPSHOT_CONTAINERS ({MAX_SNAPSHOT_CONTAINERS}) and "
+            "could not move to another replica: flatten its facts, or approve or reject "
+            "held patches first")
 
 
 class PatchDesk:
@@ -167,6 +194,7 @@ class PatchDesk:
             patch = patch.model_copy(update={"context_diverged": True})
         try:
             _check_fits(state, patch)
+            _check_containers(self._cfg, self._registry, state, patch)
         except ContractValueError:
             self._cfg.observer.context_patch(ContextPatchEvent(
                 pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))

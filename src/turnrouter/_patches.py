@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from ._context import _current
-from ._contracts import MAX_HISTORY_VERSION, AgentExchange
+from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, AgentExchange
 from ._exceptions import ContractValueError, PendingPatchLimitError, UnknownPatchError
 from ._models import ContractModel
 from ._redact import preview
@@ -110,12 +110,14 @@ class ContextPatch(ContractModel):
     task_id: str = Field(min_length=1, description="Identifier of the task that produced "
                          "this patch.")
     spawned_from_event_id: str | None = Field(
-        default=None, description="Turn id of the foreground turn that spawned the task.")
+        default=None, max_length=MAX_ID_CHARS,
+        description="Turn id of the foreground turn that spawned the task.")
     source_context_version: int | None = Field(
         default=None, ge=0, le=MAX_HISTORY_VERSION,
         description="Context version the task branched from.")
     source_context_hash: str | None = Field(
-        default=None, min_length=1, description="Context hash the task branched from.")
+        default=None, min_length=1, max_length=MAX_ID_CHARS,
+        description="Context hash the task branched from.")
     context_diverged: bool = Field(
         default=False, description="Whether the context changed since the task was spawned "
         "(set by the router when it detects it).")

@@ -15,7 +15,7 @@ from typing import Any
 
 from ._redact import preview
 
-__all__ = ["loads"]
+__all__ = ["containers", "loads"]
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -37,3 +37,30 @@ def loads(data: str | bytes) -> Any:
     """`json.loads` refusing duplicate keys and NaN/Infinity (`ValueError`; deep
     nesting still raises `RecursionError`, which callers bound or catch)."""
     return json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+
+
+def containers(data: str | bytes | bytearray, bound: int) -> int:
+    """The objects and arrays `data` holds, as parsing would build them, when over
+    `bound` (the `{` and `[` characters outside strings); at most `bound`: the count of
+    every such character (cheap, and never below the true count).
+
+    What parsing costs grows with the containers it builds, so their number bounds what
+    is parsed; a `{` or `[` inside a string costs nothing (a user who says "{{{" or a
+    turn id of brackets: counted raw, a participant's history of them made the next
+    replica refuse its snapshot, its state lost at its next move). Strings are found as
+    a parser finds them: escaped backslashes, then escaped quotes, taken out (in that
+    order, as escapes read left to right), the rest of the quotes delimit them; all in C
+    (a regular expression took 0.4 s on 4 MB of escapes, this under 0.1 s)."""
+    raw = data.count("{") + data.count("[") if isinstance(data, str) else (
+        data.count(b"{") + data.count(b"["))
+    if raw <= bound:
+        return raw
+    if isinstance(data, str):
+        bare = data.replace("\\\\", "").replace('\\"', "")
+        inside = "".join(bare.split('"')[1::2])
+        return (bare.count("{") + bare.count("[")
+                - inside.count("{") - inside.count("["))
+    bare_bytes = bytes(data).replace(b"\\\\", b"").replace(b'\\"', b"")
+    inside_bytes = b"".join(bare_bytes.split(b'"')[1::2])
+    return (bare_bytes.count(b"{") + bare_bytes.count(b"[")
+            - inside_bytes.count(b"{") - inside_bytes.count(b"["))

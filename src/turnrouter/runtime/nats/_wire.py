@@ -695,9 +695,9 @@ def _parse_state(data: bytes) -> tuple[dict[str, Any], list[str], str | None, li
     if len(data) > MAX_STATE_BYTES:
         raise ValueError(f"state record of {len(data)} bytes > {MAX_STATE_BYTES}")
     # Counted before parsing: what parsing costs grows with the objects and arrays.
-    containers = data.count(b"{") + data.count(b"[")
+    containers = strict_json.containers(data, MAX_STATE_CONTAINERS)
     if containers > MAX_STATE_CONTAINERS:
-        raise ValueError(f"state record holds {containers} '{{' and '[' characters > "
+        raise ValueError(f"state record holds {containers} objects and arrays > "
                          f"{MAX_STATE_CONTAINERS}")
     head, newline, snapshot_json = data.partition(b"\n")
     try:
