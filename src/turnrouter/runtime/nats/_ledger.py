@@ -813,15 +813,14 @@ class Ledger:
                 # The revision even of an empty record (nats-py reads an empty value as
                 # None): the claim's write must expect it, or it is refused every time.
                 revision = entry.revision or 0
-                value = entry.value or b""
+                value, router = entry.value or b"", self._router()
                 try:
                     if len(value) > _READ_OFF_LOOP_BYTES:
                         # A big record is parsed and validated off the event loop, one
                         # at a time (the containers bound keeps each parse short).
-                        record, parsed = await _off_loop(self, _read, value, pid,
-                                                         self._router())
+                        record, parsed = await _off_loop(self, _read, value, pid, router)
                     else:
-                        record, parsed = _read(value, pid, self._router())
+                        record, parsed = _read(value, pid, router)
                 except ValueError as exc:
                     await self._quarantine(key, value, "invalid", exc)
                 else:
