@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import weakref
 from collections.abc import Collection
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ from ._frontend import (
     ParticipantSnapshot,
     SnapshotExchange,
     SnapshotPatch,
+    checked_snapshot,
     read_from_json,
     reimported,
 )
@@ -38,6 +40,14 @@ __all__ = [
     "Participant", "Phase", "Registry", "RouterPhase", "refuse_lossy", "restore", "snapshot_json",
     "snapshot_of",
 ]
+
+#: Snapshots `Registry.prepare` made (weakly held, by identity and the number of
+#: exchanges their history was cut to): what an import of theirs would install, read
+#: back and checked, so the import skips those steps.
+_PREPARED: weakref.WeakValueDictionary[tuple[int, int], ParticipantSnapshot] = (
+    weakref.WeakValueDictionary())
+#: Snapshots whose patches were found free of NaN and infinity (weakly held).
+_FINITE: weakref.WeakValueDictionary[int, ParticipantSnapshot] = weakref.WeakValueDictionary()
 
 
 class Phase(enum.Enum):
@@ -228,18 +238,8 @@ class Registry:
                 f"participant {pid!r} refused: the router already holds {limit} participants "
                 "(max_participants); import_participant() refused")
         keep = self._cfg.max_history_exchanges
-        if len(snapshot.history) > keep:
-            # Only the newest `keep` exchanges are installed (`restore`): the older ones
-            # are not exported and read back below (12,000 tiny exchanges cost ~40 ms of
-            # the event loop, and a takeover reads many records).
-            snapshot = snapshot.model_copy(update={"history": snapshot.history[-keep:]})
-        # Exported and read back (its checks above passed): what is installed is what the
-        # next replica imports, a field set past validation (object.__setattr__) caught.
-        try:
-            fresh = reimported(snapshot)
-        except ContractValueError:
-            restore(snapshot, self.new_history())  # names the patch, when one is the cause
-            raise
+        ready = _PREPARED.get((id(snapshot), keep)) is snapshot
+        fresh = snapshot if ready else self._fresh(snapshot)
         restored = restore(fresh, self.new_history())  # may raise: nothing changed yet
         if current is None:
             self._observer.participant_added(ParticipantChanged(pid))
@@ -251,6 +251,34 @@ class Registry:
         else:
             self.departed.pop(pid, None)
         return current
+
+    def _fresh(self, snapshot: ParticipantSnapshot) -> ParticipantSnapshot:
+        """What an import installs of `snapshot` (checked): its newest
+        `max_history_exchanges` exchanges (the older ones are not exported and read
+        back: 12,000 tiny exchanges cost ~40 ms of the event loop, and a takeover reads
+        many records), exported and read back: what is installed is what the next
+        replica imports, a field set past validation (object.__setattr__) caught."""
+        keep = self._cfg.max_history_exchanges
+        if len(snapshot.history) > keep:
+            snapshot = snapshot.model_copy(update={"history": snapshot.history[-keep:]})
+        try:
+            return reimported(snapshot)
+        except ContractValueError:
+            restore(snapshot, self.new_history())  # names the patch, when one is the cause
+            raise
+
+    def prepare(self, snapshot: ParticipantSnapshot) -> ParticipantSnapshot:
+        """The steps of an import that touch no router state, for a thread (a NATS
+        worker's big record: a patch-heavy 1 MB snapshot cost ~200 ms of them on the
+        event loop): `snapshot` validated, checked for NaN and infinity, cut and read
+        back (`_fresh`). `install` of what it returns skips them; `ContractValueError`
+        as the import would raise."""
+        snapshot = checked_snapshot(snapshot)
+        refuse_lossy(snapshot)
+        fresh = self._fresh(snapshot)
+        _FINITE[id(fresh)] = fresh  # (read back from a snapshot found finite)
+        _PREPARED[id(fresh), self._cfg.max_history_exchanges] = fresh
+        return fresh
 
     def export(self, pid: str) -> ParticipantSnapshot | None:
         """The participant's movable state (None when nothing is held for it)."""
@@ -407,6 +435,7 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
     # patch's data finds; only Python-built snapshots' patches are read back in full
     # (a patch-heavy import costs ~3x with that check).
     check = not read_from_json(snapshot)
+    finite = _FINITE.get(id(snapshot)) is snapshot  # (checked already: `prepare`)
     for item in snapshot.history[-history.max_exchanges:]:
         exchange = AgentExchange(item.user, item.assistant)
         if item.patch is None:
@@ -416,7 +445,7 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
         try:  # an export must read it back (a snapshot built in Python may hold any int)
             if check:
                 checked_patch(patch.patch, sys.maxsize)
-            else:
+            elif not finite:
                 refuse_non_finite(patch.patch)
         except ContractValueError as exc:
             raise ContractValueError(
@@ -443,6 +472,8 @@ def refuse_lossy(snapshot: ParticipantSnapshot) -> None:
     """`ContractValueError` when a patch of `snapshot`, applied or pending, holds a NaN or
     an infinity: its export would carry them as null (an import that reads the export
     back would take the changed value)."""
+    if _FINITE.get(id(snapshot)) is snapshot:
+        return
     for item in snapshot.history:
         if item.patch is None:
             continue

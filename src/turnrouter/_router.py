@@ -585,6 +585,15 @@ class AgentRouter:
         await self._cfg.load.wait_ready()
 
 
+def prepared_import(router: AgentRouter, snapshot: ParticipantSnapshot) -> ParticipantSnapshot:
+    """The steps of `router.import_participant(snapshot)` that touch no router state
+    (validation, the NaN and infinity check, the export read back: a patch-heavy 1 MB
+    snapshot cost ~200 ms of them), for a thread: `import_participant` of what it
+    returns skips them, installing the same state. `ContractValueError` as the import
+    would raise. A NATS worker runs it off the event loop for a big record."""
+    return router._registry.prepare(snapshot)
+
+
 def _check_patch_owners(snapshot: ParticipantSnapshot, patches: PatchDesk) -> None:
     """Patch ids are the participant's: a snapshot cannot take over (and so approve or
     reject) a patch another participant holds."""

@@ -27,7 +27,7 @@ from ..._exceptions import ContractValueError, LifecycleError, PatchNotSavedErro
 from ..._frontend import ParticipantSnapshot
 from ..._limits import is_logged
 from ..._redact import preview
-from ..._router import AgentRouter
+from ..._router import AgentRouter, prepared_import
 from ._link import Link, NoResponders, Replaced, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
 from ._records import sound_endings
@@ -448,11 +448,14 @@ def _unfinished(inflight: list[str], outbox: list[Ending], config: NatsConfig,
     return endings
 
 
-def _read(value: bytes, pid: str) -> tuple[StateRecord, ParticipantSnapshot
-                                          | ContractValueError | None]:
+def _read(value: bytes, pid: str, router: AgentRouter) -> tuple[
+        StateRecord, ParticipantSnapshot | ContractValueError | None]:
     """A record and its snapshot, parsed and checked against the key's participant
     (ValueError for the record; the snapshot's ContractValueError returned, so the
-    record's unfinished turns still end when only its snapshot is bad)."""
+    record's unfinished turns still end when only its snapshot is bad), the snapshot
+    prepared for `router`'s import (`prepared_import`: its checks and read-back, what
+    the import costs beyond installing it, done here, off the event loop for a big
+    record)."""
     record = parse_record(value)
     if record.snapshot is None:
         return record, None
@@ -461,6 +464,7 @@ def _read(value: bytes, pid: str) -> tuple[StateRecord, ParticipantSnapshot
         if parsed.participant_id != pid:  # alice's snapshot in mallory's record
             raise ContractValueError("the snapshot's participant_id is not the record's "
                                      "participant")
+        parsed = prepared_import(router, parsed)
     except ContractValueError as exc:
         return record, exc
     return record, parsed
@@ -468,9 +472,11 @@ def _read(value: bytes, pid: str) -> tuple[StateRecord, ParticipantSnapshot
 
 async def _off_loop(ledger: Ledger, parse: Callable[..., _T], *args: Any) -> _T:
     """`parse(*args)` for a big record, in a thread and one at a time per replica: the
-    parse and validation hold the GIL (json and pydantic run in C: ~40-80 ms for a
-    1 MB record), so several at once took turns starving the event loop (30 read
-    together stalled it ~1 s); one at a time, the loop runs between them."""
+    parse and validation hold the GIL (json and pydantic run in C: ~15 ms for a 1 MB
+    record, each C call holding it throughout), so several at once took turns starving
+    the event loop (30 read together stalled it ~1 s); one at a time, the loop runs
+    between them. The Python parts (the import's NaN walk) let the loop in every
+    switch interval (5 ms)."""
     async with ledger.big_reads:
         return await asyncio.to_thread(parse, *args)
 
@@ -807,14 +813,14 @@ class Ledger:
                 # The revision even of an empty record (nats-py reads an empty value as
                 # None): the claim's write must expect it, or it is refused every time.
                 revision = entry.revision or 0
-                value = entry.value or b""
+                value, router = entry.value or b"", self._router()
                 try:
                     if len(value) > _READ_OFF_LOOP_BYTES:
                         # A big record is parsed and validated off the event loop, one
                         # at a time (the containers bound keeps each parse short).
-                        record, parsed = await _off_loop(self, _read, value, pid)
+                        record, parsed = await _off_loop(self, _read, value, pid, router)
                     else:
-                        record, parsed = _read(value, pid)
+                        record, parsed = _read(value, pid, router)
                 except ValueError as exc:
                     await self._quarantine(key, value, "invalid", exc)
                 else:
