@@ -871,9 +871,10 @@ async def test_a_patch_spawned_by_a_turn_of_an_earlier_session_is_refused() -> N
     await h.say("hello, new call")
     await h.say("and another thing")  # the new session reaches the stamp's version
     assert h.router.context_state("p1").version >= early.version
-    stamped = {"source_context_version": early.version, "source_context_hash": early.hash}
+    stamped: dict[str, Any] = {"source_context_version": early.version,
+                               "source_context_hash": early.hash}
     for strategy in MergeStrategy:
-        for fields in ({}, stamped):
+        for fields in ({}, stamped):  # (unstamped, and stamped at a reached version)
             with pytest.raises(LifecycleError, match=(
                     "refused for participant 'p1': spawned by turn 't1', which is not a "
                     "turn of the participant's current session: from an earlier session")):
