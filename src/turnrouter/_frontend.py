@@ -165,13 +165,15 @@ class ParticipantSnapshot(ContractModel):
     focus: str | None = None
     history: tuple[SnapshotExchange, ...] = ()
     history_version: int = Field(default=0, ge=0, le=MAX_HISTORY_VERSION)
-    # (after `history_version`: the router writes its export's JSON around the history)
-    session_turns: tuple[str, ...] | None = Field(default=None, max_length=MAX_SESSION_TURNS)
     used: tuple[str, ...] = ()
     pending: tuple[PendingContextPatch, ...] = ()
     initialized: bool = False
     departed: bool = False
     cleanup_pending: bool = False
+    # (last: the router writes its export's JSON around the history and appends this;
+    # a NATS record carries it in its header, where a worker of an earlier version,
+    # whose reader of snapshots knows no such field, ignores it: runtime/nats/_wire.py)
+    session_turns: tuple[str, ...] | None = Field(default=None, max_length=MAX_SESSION_TURNS)
 
     @field_validator("participant_id", "focus", "used")
     @classmethod

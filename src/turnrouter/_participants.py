@@ -390,10 +390,11 @@ def snapshot_json(state: Participant, departed: bool) -> bytes:
             return snapshot_of(state, departed).to_json().encode()
         head = state.exported_head = (key, data[:at], data[at + len(marker):])
     turns = state.session_turns
-    # (the model's JSON of the field, as `to_json` writes it: pydantic's own writer)
-    session = b"" if turns is None else b'"session_turns":%s,' % to_json(tuple(turns))
-    return b'%s"history":[%s],"history_version":%d,%s%s' % (
-        head[1], joined, version, session, head[2])
+    # (the model's JSON of the field, its last, as `to_json` writes it: pydantic's own
+    # writer)
+    session = b"" if turns is None else b',"session_turns":%s' % to_json(tuple(turns))
+    return b'%s"history":[%s],"history_version":%d,%s%s}' % (
+        head[1], joined, version, head[2][:-1], session)
 
 
 def _exchange_json(exchange: AgentExchange, meta: Meta) -> bytes:
