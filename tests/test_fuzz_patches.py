@@ -27,6 +27,7 @@ from turnrouter import (
     LifecycleError,
     ParticipantSnapshot,
     PendingContextPatch,
+    PendingPatchLimitError,
     TurnrouterError,
 )
 from turnrouter.testing import ScriptedAgent
@@ -191,7 +192,7 @@ async def _pile_up(patches: list[tuple[Any, str]], budget: int) -> None:
         try:
             await h.router.apply_context_patch(
                 "p1", ContextPatch(task_id=f"job{n}", facts={"x": facts}), strategy)
-        except ContractValueError as exc:
+        except (ContractValueError, PendingPatchLimitError) as exc:
             refusal = str(exc)
         assert refusal == "" or "context patch" in refusal
         if n % 3 == 2:
