@@ -20,12 +20,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from turnrouter import (
+    AgentTurn,
     AppliedContextPatch,
     ContextPatch,
     ContractValueError,
     LifecycleError,
     ParticipantSnapshot,
     PendingContextPatch,
+    PendingPatchLimitError,
     TurnrouterError,
 )
 from turnrouter.testing import ScriptedAgent
@@ -190,7 +192,7 @@ async def _pile_up(patches: list[tuple[Any, str]], budget: int) -> None:
         try:
             await h.router.apply_context_patch(
                 "p1", ContextPatch(task_id=f"job{n}", facts={"x": facts}), strategy)
-        except ContractValueError as exc:
+        except (ContractValueError, PendingPatchLimitError) as exc:
             refusal = str(exc)
         assert refusal == "" or "context patch" in refusal
         if n % 3 == 2:
@@ -214,3 +216,53 @@ def test_accepted_patches_never_make_a_snapshot_no_replica_imports(
     their text, held and merged, across budgets): after each, the participant's export
     imports into another router (the patch that would break that is refused)."""
     anyio.run(_pile_up, patches, budget)
+
+
+#: A participant's life: a turn, a departure, a move to another replica (through the
+#: snapshot's JSON), or a patch naming the i-th turn ever taken (any session's).
+_LIFE = st.lists(st.one_of(
+    st.just(("turn", 0)), st.just(("leave", 0)), st.just(("move", 0)),
+    st.tuples(st.just("patch"), st.integers(0, 40))), max_size=40)
+
+
+async def _live(steps: list[tuple[str, int]]) -> None:
+    h = Harness(ScriptedAgent("conversation"))
+    turns: list[str] = []  # every turn id ever taken, in order
+    session: set[str] = set()  # the current session's
+    for step, index in steps:
+        if step == "turn":
+            turns.append(f"t{len(turns)}")
+            session.add(turns[-1])
+            await h.router.handle(AgentTurn("p1", turns[-1], "hello"))
+        elif step == "leave":
+            await h.router.participant_left("p1")
+            session = set()
+        elif step == "move":
+            data = h.router.export_participant_json("p1")
+            moved = Harness(ScriptedAgent("conversation"))
+            if data is not None:
+                moved.router.import_participant(ParticipantSnapshot.from_json(data))
+            await h.router.stop()
+            h = moved
+        elif turns:
+            spawned = turns[index % len(turns)]
+            patch = ContextPatch(task_id=f"task-{spawned}", spawned_from_event_id=spawned,
+                                 digest=("done",))
+            if spawned in session:
+                assert isinstance(await h.router.apply_context_patch("p1", patch),
+                                  AppliedContextPatch)
+            else:
+                with pytest.raises(LifecycleError, match="refused"):
+                    await h.router.apply_context_patch("p1", patch)
+    await h.router.stop()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_LIFE)
+def test_a_patch_reaches_only_the_session_of_the_turn_that_spawned_it(
+        steps: list[tuple[str, int]]) -> None:
+    """Whatever turns, departures and moves between replicas come between, a patch
+    naming a turn of the participant's current session is merged and one naming a turn
+    of an earlier session (or one of a participant the router holds nothing for) is
+    refused (chaos17 F3: it was merged into the next session)."""
+    anyio.run(_live, steps)

@@ -308,7 +308,8 @@ async def test_the_spawning_turn_is_found_behind_background_exchanges() -> None:
     """A patch spawned by the newest turn, stamped with the context it saw, matches even
     when background exchanges came after that turn's (they are skipped)."""
     rig = Rig(256)
-    seen = await rig.say("t1", "q", "a")
+    await rig.say("t0", "q", "a")  # (another turn of the session: a patch naming a turn
+    seen = await rig.say("t1", "q", "a")  # it never had is refused, docs/router.md)
     await rig.patch("bg", "x", MergeStrategy.APPEND)
     assert not await _spawned_patch_diverges(rig, "t1", seen.state)
     assert await _spawned_patch_diverges(rig, "t0", seen.state)

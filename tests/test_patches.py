@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 
 from turnrouter import (
     MAX_ID_CHARS,
+    MAX_SESSION_TURNS,
     AgentExchange,
     AgentRouter,
     AgentTurn,
@@ -844,3 +846,163 @@ async def test_patches_that_would_make_the_snapshot_unmovable_are_refused() -> N
     other = Harness(ScriptedAgent("conversation"))
     other.router.import_participant(ParticipantSnapshot.from_json(exported))
     assert len(other.router.pending_patches("p1")) == held
+
+
+# ------------------------------------------------------------------ sessions
+
+
+def _late(turn_id: str | None, task_id: str = "old-call", **stamp: Any) -> ContextPatch:
+    return ContextPatch(task_id=task_id, spawned_from_event_id=turn_id,
+                        digest=["flight AF123 booked, card ending 4242"], **stamp)
+
+
+async def test_a_patch_spawned_by_a_turn_of_an_earlier_session_is_refused() -> None:
+    """chaos17 F3: turn t1, departure, a new turn t2 (the same caller's next call), then
+    the first call's background result arrives naming t1. Before, it was merged into the
+    new call's context (not even diverged: unstamped) and its next turn saw it. Now it is
+    refused as a patch for a participant that left is (`LifecycleError`, counted
+    `refused`, nothing merged or held), whatever its strategy, stamped or not (a stamp
+    the new session has reached was merged as diverged). The new session's own patches
+    and an unnamed one are merged as before."""
+    h = Harness(ScriptedAgent("conversation"), decisions=ScriptedDecisions("conversation"))
+    await h.say("book AF123, card 4242")
+    early = h.router.context_state("p1")
+    await h.router.participant_left("p1")
+    await h.say("hello, new call")
+    await h.say("and another thing")  # the new session reaches the stamp's version
+    assert h.router.context_state("p1").version >= early.version
+    stamped: dict[str, Any] = {"source_context_version": early.version,
+                               "source_context_hash": early.hash}
+    for strategy in MergeStrategy:
+        for fields in ({}, stamped):  # (unstamped, and stamped at a reached version)
+            with pytest.raises(LifecycleError, match=(
+                    "refused for participant 'p1': spawned by turn 't1', which is not a "
+                    "turn of the participant's current session: from an earlier session")):
+                await h.router.apply_context_patch("p1", _late("t1", **fields), strategy)
+    assert [e.user for e in h.router.history_of("p1")] == [
+        "hello, new call", "and another thing"]
+    assert h.router.pending_patches("p1") == ()
+    assert h.router.context_patches_of("p1") == ()
+    assert counted(h) == [(strategy.value, "refused") for strategy in MergeStrategy
+                          for _ in range(2)]
+    assert h.output.spoken == []  # no human-gated question was asked
+    applied = await h.router.apply_context_patch("p1", _late("t3", "new-call"))
+    assert isinstance(applied, AppliedContextPatch) and not applied.diverged
+    unnamed = await h.router.apply_context_patch("p1", _late(None, "unnamed"))
+    assert isinstance(unnamed, AppliedContextPatch)
+    await h.say("what did I book?")
+    assert [e.user for e in h["conversation"].calls[-1].history] == [
+        "hello, new call", "and another thing", "[background: new-call]",
+        "[background: unnamed]"]
+
+
+async def test_every_turn_of_the_current_session_may_spawn_a_patch() -> None:
+    """Turns whose exchange is not in the history are the session's too: one
+    interrupted before it answered, one trimmed out by the budget, and the turn running
+    the destination that applies the patch from inside `answer()`."""
+    h, agent = booking()
+    agent.answer_gate = anyio.Event()
+    cut = h.turn("book a table")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, cut)
+        await agent.answer_entered.wait()
+        await h.router.interrupt("p1")
+    agent.answer_gate = None
+    assert h.router.history_of("p1") == ()
+    applied = await h.router.apply_context_patch("p1", _late(cut.turn_id, "cut"))
+    assert isinstance(applied, AppliedContextPatch)
+
+    async def during(turn: AgentTurn) -> None:
+        await h.router.apply_context_patch("p1", _late(turn.turn_id, f"in-{turn.turn_id}"))
+
+    agent.during = during
+    await h.say("one")
+    agent.during = None
+    assert [p.task_id for p in h.router.context_patches_of("p1")] == ["cut", "in-t2"]
+
+
+async def test_a_turn_trimmed_out_of_the_history_is_still_of_the_session() -> None:
+    """The session's turns are remembered apart from the history: a turn the budget
+    dropped (a slow task outliving its exchange) may still patch the context."""
+    h = Harness(ScriptedAgent("conversation", answer_text="x" * 200),
+                context_budget_bytes=600)
+    for _ in range(6):
+        await h.say("hello")
+    assert "t1" not in [t for t in _turn_ids(h)]
+    applied = await h.router.apply_context_patch("p1", _late("t1", "slow"))
+    assert isinstance(applied, AppliedContextPatch)
+
+
+def _turn_ids(h: Harness, pid: str = "p1") -> list[str | None]:
+    snapshot = h.router.export_participant(pid)
+    assert snapshot is not None
+    return [item.turn_id for item in snapshot.history]
+
+
+async def test_the_session_moves_with_the_participant() -> None:
+    """Exported and imported (another replica, a NATS worker's takeover), the session
+    keeps its turns: the next replica refuses the earlier session's patch and takes
+    this session's. The snapshot's JSON carries them as `session_turns`."""
+    first = Harness(ScriptedAgent("conversation"))
+    await first.say()  # t1
+    await first.router.participant_left("p1")
+    await first.say()  # t2: a new session
+    data = first.router.export_participant_json("p1")
+    assert data is not None and json.loads(data)["session_turns"] == ["t2"]
+    snapshot = await first.router.evict_participant("p1")
+    assert snapshot is not None and snapshot.session_turns == ("t2",)
+    second = Harness(ScriptedAgent("conversation"))
+    second.router.import_participant(ParticipantSnapshot.from_json(data))
+    with pytest.raises(LifecycleError, match="earlier session"):
+        await second.router.apply_context_patch("p1", _late("t1"))
+    assert counted(second) == [("append", "refused")]
+    assert isinstance(await second.router.apply_context_patch("p1", _late("t2", "ok")),
+                      AppliedContextPatch)
+    assert second.router.export_participant_json("p1") == (
+        second.router.export_participant("p1") or snapshot).to_json().encode()
+
+
+async def test_a_snapshot_without_session_turns_imports_and_checks_nothing() -> None:
+    """A snapshot of a version without the field (or of a session past
+    MAX_SESSION_TURNS) imports as before; its patches are not checked against turns
+    (only a stamp ahead of its version is refused), and its export leaves the field
+    out. A departed participant's snapshot starts a session with no turn yet."""
+    h = Harness(ScriptedAgent("conversation"))
+    old = json.dumps({"participant_id": "p1", "history": [
+        {"user": "hi", "assistant": "hello", "turn_id": "t1"}], "history_version": 1})
+    h.router.import_participant(ParticipantSnapshot.from_json(old))
+    assert "session_turns" not in json.loads(h.router.export_participant_json("p1") or b"")
+    applied = await h.router.apply_context_patch("p1", _late("t0-of-who-knows"))
+    assert isinstance(applied, AppliedContextPatch)
+    await h.say()  # an untracked session stays so
+    assert "session_turns" not in json.loads(h.router.export_participant_json("p1") or b"")
+    h.router.import_participant(ParticipantSnapshot.from_json(
+        '{"participant_id":"p2","departed":true,"session_turns":[]}'))
+    await h.say(participant="p2")
+    with pytest.raises(LifecycleError, match="earlier session"):
+        await h.router.apply_context_patch("p2", _late("t1"))
+
+
+async def test_a_session_past_max_session_turns_stops_checking() -> None:
+    """A session remembers its first MAX_SESSION_TURNS turns; past them it checks no
+    patch against them (its snapshot carries none), so a long session costs nothing."""
+    h = Harness(ScriptedAgent("conversation"))
+    for _ in range(MAX_SESSION_TURNS):
+        await h.say()
+    exported = json.loads(h.router.export_participant_json("p1") or b"")
+    assert len(exported["session_turns"]) == MAX_SESSION_TURNS
+    with pytest.raises(LifecycleError, match="earlier session"):
+        await h.router.apply_context_patch("p1", _late("elsewhere"))
+    await h.say()
+    assert "session_turns" not in json.loads(h.router.export_participant_json("p1") or b"")
+    assert isinstance(await h.router.apply_context_patch("p1", _late("elsewhere")),
+                      AppliedContextPatch)
+    with pytest.raises(ContractValueError, match="session_turns"):
+        ParticipantSnapshot(participant_id="p", session_turns=tuple(
+            f"t{i}" for i in range(MAX_SESSION_TURNS + 1)))
+    for bad in ("", "x" * (MAX_ID_CHARS + 1)):
+        with pytest.raises(ContractValueError, match="session_turns"):
+            ParticipantSnapshot.from_json(json.dumps(
+                {"participant_id": "p", "session_turns": [bad]}))
+    with pytest.raises(ContractValueError, match=r"session_turns.*surrogate"):
+        ParticipantSnapshot(participant_id="p", session_turns=("\ud800",))

@@ -28,6 +28,8 @@ CORE = {
     # The front-end seam (runtimes, framework adapters).
     "Departure", "MAX_SNAPSHOT_BYTES", "MAX_SNAPSHOT_CONTAINERS", "ParticipantSnapshot",
     "RoutedResult",
+    # docs/router.md: the turns a session remembers to refuse an earlier session's patch.
+    "MAX_SESSION_TURNS",
     # docs/limits.md: the longest participant and turn id, the largest context version.
     "MAX_HISTORY_VERSION", "MAX_ID_CHARS",
     # docs/acknowledgments.md: the prompt an LLMService gets, and how its reply is cleaned.

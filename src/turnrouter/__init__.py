@@ -44,6 +44,7 @@ from ._exceptions import (
     UnknownPatchError,
 )
 from ._frontend import (
+    MAX_SESSION_TURNS,
     MAX_SNAPSHOT_BYTES,
     MAX_SNAPSHOT_CONTAINERS,
     Departure,
@@ -78,6 +79,7 @@ __all__ = [
     "CLARIFY",
     "MAX_HISTORY_VERSION",
     "MAX_ID_CHARS",
+    "MAX_SESSION_TURNS",
     "MAX_SNAPSHOT_BYTES",
     "MAX_SNAPSHOT_CONTAINERS",
     "Acknowledger",

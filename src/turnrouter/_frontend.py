@@ -26,6 +26,7 @@ from ._patches import ContextPatch, MergeStrategy, PendingContextPatch
 from ._redact import has_surrogates
 
 __all__ = [
+    "MAX_SESSION_TURNS",
     "MAX_SNAPSHOT_BYTES",
     "MAX_SNAPSHOT_CONTAINERS",
     "Departure",
@@ -45,6 +46,12 @@ MAX_SNAPSHOT_BYTES = 4 * 1024 * 1024
 #: validating cost per object, not per byte: 4 MiB of tiny exchanges took half a
 #: second; a default router's largest export holds a few thousand.
 MAX_SNAPSHOT_CONTAINERS = 16_384
+#: Turn ids a participant's session remembers, its first turns': a patch naming a turn
+#: its session never had comes from an earlier session of that participant id and is
+#: refused (docs/router.md, "Lifecycle" of context patches). A session past this many
+#: turns stops checking (an earlier session's result arriving that late is rare), so
+#: a long session costs nothing per turn and its snapshot carries no ids.
+MAX_SESSION_TURNS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +133,14 @@ class SnapshotExchange(ContractModel):
         return _storable(value)
 
 
-#: What `ParticipantSnapshot.to_json` leaves out while false.
-_NO_CLEANUP: set[str] = {"cleanup_pending"}
+#: What `ParticipantSnapshot.to_json` leaves out: `cleanup_pending` while false,
+#: `session_turns` while None (so a snapshot without them reads as before).
+_LEFT_OUT: dict[tuple[bool, bool], set[str] | None] = {
+    (False, False): {"cleanup_pending", "session_turns"},
+    (False, True): {"cleanup_pending"},
+    (True, False): {"session_turns"},
+    (True, True): None,
+}
 
 
 class ParticipantSnapshot(ContractModel):
@@ -137,9 +150,13 @@ class ParticipantSnapshot(ContractModel):
     are released on departure), held context patches and the lifecycle flags
     (`cleanup_pending`: an initialization began and failed, so the departure cleans up
     even if none succeeds; written only when true, so a replica of a version without
-    the field reads every other snapshot during a rolling upgrade). The
-    divergence rule's "state before the newest exchange" is not carried: a patch
-    spawned by the turn just before a move is compared with the moved context only.
+    the field reads every other snapshot during a rolling upgrade), and
+    `session_turns`: the ids of the turns of the participant's current session while it
+    has had at most `MAX_SESSION_TURNS` (None, left out of the JSON: more turns, or a
+    snapshot of a version without the field; then a patch's `spawned_from_event_id`
+    is not checked against them). The divergence rule's "state before the newest
+    exchange" is not carried: a patch spawned by the turn just before a move is compared
+    with the moved context only.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -153,10 +170,24 @@ class ParticipantSnapshot(ContractModel):
     initialized: bool = False
     departed: bool = False
     cleanup_pending: bool = False
+    # (last: the router writes its export's JSON around the history and appends this;
+    # a NATS record carries it in its header, where a worker of an earlier version,
+    # whose reader of snapshots knows no such field, ignores it: runtime/nats/_wire.py)
+    session_turns: tuple[str, ...] | None = Field(default=None, max_length=MAX_SESSION_TURNS)
 
     @field_validator("participant_id", "focus", "used")
     @classmethod
     def _text(cls, value: _Text) -> _Text:
+        return _storable(value)
+
+    @field_validator("session_turns")
+    @classmethod
+    def _turn_ids(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        for turn_id in value:
+            if not 0 < len(turn_id) <= MAX_ID_CHARS:
+                raise ValueError(f"turn ids are 1 to {MAX_ID_CHARS} characters")
         return _storable(value)
 
     @field_validator("used")
@@ -173,7 +204,8 @@ class ParticipantSnapshot(ContractModel):
 
     def to_json(self) -> str:
         """Compact JSON (UTF-8 text)."""
-        return self.model_dump_json(exclude=None if self.cleanup_pending else _NO_CLEANUP)
+        return self.model_dump_json(
+            exclude=_LEFT_OUT[self.cleanup_pending, self.session_turns is not None])
 
     @classmethod
     def from_json(cls, data: str | bytes) -> ParticipantSnapshot:

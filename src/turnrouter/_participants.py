@@ -9,9 +9,12 @@ from collections.abc import Collection
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING, Any
 
+from pydantic_core import to_json
+
 from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, MAX_TIMESTAMP_US, AgentExchange
 from ._exceptions import ContractValueError, LifecycleError
 from ._frontend import (
+    MAX_SESSION_TURNS,
     ParticipantSnapshot,
     SnapshotExchange,
     SnapshotPatch,
@@ -37,8 +40,8 @@ if TYPE_CHECKING:
     from ._turn import Answer, Turn
 
 __all__ = [
-    "Participant", "Phase", "Registry", "RouterPhase", "refuse_lossy", "restore", "snapshot_json",
-    "snapshot_of",
+    "Participant", "Phase", "Registry", "RouterPhase", "note_turn", "refuse_lossy", "restore",
+    "snapshot_json", "snapshot_of",
 ]
 
 #: Snapshots `Registry.prepare` made (weakly held, by identity and the number of
@@ -62,7 +65,7 @@ class Participant:
     __slots__ = (
         "cleanup_pending", "current", "departure", "exported", "exported_head", "focus",
         "history", "initialized", "pending", "phase", "pid", "queue", "reports_heard",
-        "unheard", "unreleased", "used",
+        "session_turns", "unheard", "unreleased", "used",
     )
 
     def __init__(self, pid: str, history: History) -> None:
@@ -81,6 +84,10 @@ class Participant:
         self.cleanup_pending = False
         #: Human-gated patches awaiting approval, oldest first (None: none held yet).
         self.pending: dict[str, PendingContextPatch] | None = None
+        #: The ids of this session's turns, oldest first, while there are at most
+        #: `MAX_SESSION_TURNS` (None: more, or restored from a snapshot without them):
+        #: a patch spawned by a turn not here is from an earlier session (`PatchDesk`).
+        self.session_turns: dict[str, None] | None = {}
         #: The running turn, and an answered turn whose first audio is not reported yet.
         self.current: Turn | None = None
         self.unheard: Answer | None = None
@@ -93,6 +100,17 @@ class Participant:
         #: The snapshot's JSON around its history at the latest `export_json`: (what it
         #: was built from, the bytes before `"history":`, the bytes after its version).
         self.exported_head: tuple[tuple[Any, ...], bytes, bytes] | None = None
+
+
+def note_turn(state: Participant, turn_id: str) -> None:
+    """Remember that `turn_id` is a turn of the participant's current session (until
+    it has had `MAX_SESSION_TURNS`: then none is remembered)."""
+    turns = state.session_turns
+    if turns is not None and turn_id not in turns:
+        if len(turns) < MAX_SESSION_TURNS:
+            turns[turn_id] = None
+        else:
+            state.session_turns = None
 
 
 class RouterPhase(enum.Enum):
@@ -285,7 +303,9 @@ class Registry:
         departed = pid in self.departed
         state = self.participants.get(pid)
         if state is None:
-            return ParticipantSnapshot(participant_id=pid, departed=True) if departed else None
+            # (a session with no turn yet: the participant's next turn starts it)
+            return ParticipantSnapshot(participant_id=pid, departed=True,
+                                       session_turns=()) if departed else None
         return snapshot_of(state, departed)
 
     def export_json(self, pid: str) -> bytes | None:
@@ -358,17 +378,23 @@ def snapshot_json(state: Participant, departed: bool) -> bytes:
            state.cleanup_pending)
     head = state.exported_head
     if head is None or head[0] != key or not 0 <= version <= MAX_HISTORY_VERSION:
-        # Built (and validated) by the model while any of its fields but the history
-        # and its version changed since the previous call; reused around them otherwise.
-        data = _snapshot(state, departed, ()).to_json().encode()
+        # Built (and validated) by the model while any of its fields but the history,
+        # its version and the session's turns changed since the previous call; reused
+        # around them otherwise.
+        data = _snapshot(state, departed, (), turns=False).to_json().encode()
         # Field values are JSON-escaped strings, so the first `"history":[]` is the field.
         marker = b'"history":[],"history_version":%d,' % version
         at = data.find(marker)
         if at < 0:  # not the layout expected: no reuse
             state.exported_head = None
-            return data.replace(b'"history":[]', b'"history":[%s]' % joined, 1)
+            return snapshot_of(state, departed).to_json().encode()
         head = state.exported_head = (key, data[:at], data[at + len(marker):])
-    return b'%s"history":[%s],"history_version":%d,%s' % (head[1], joined, version, head[2])
+    turns = state.session_turns
+    # (the model's JSON of the field, its last, as `to_json` writes it: pydantic's own
+    # writer)
+    session = b"" if turns is None else b',"session_turns":%s' % to_json(tuple(turns))
+    return b'%s"history":[%s],"history_version":%d,%s%s}' % (
+        head[1], joined, version, head[2][:-1], session)
 
 
 def _exchange_json(exchange: AgentExchange, meta: Meta) -> bytes:
@@ -410,10 +436,14 @@ def _exchange_snapshot(exchange: AgentExchange, meta: Meta) -> SnapshotExchange:
 
 
 def _snapshot(state: Participant, departed: bool,
-              exchanges: tuple[SnapshotExchange, ...]) -> ParticipantSnapshot:
+              exchanges: tuple[SnapshotExchange, ...], *, turns: bool = True
+              ) -> ParticipantSnapshot:
+    session = state.session_turns
     return ParticipantSnapshot(
         participant_id=state.pid, focus=state.focus, history=exchanges,
-        history_version=state.history.version, used=tuple(sorted(state.used)),
+        history_version=state.history.version,
+        session_turns=None if session is None or not turns else tuple(session),
+        used=tuple(sorted(state.used)),
         pending=tuple(state.pending.values()) if state.pending else (),
         initialized=state.initialized, departed=departed,
         cleanup_pending=state.cleanup_pending,
@@ -430,6 +460,8 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
     state.used = tuple(dict.fromkeys(snapshot.used))
     state.initialized = snapshot.initialized
     state.cleanup_pending = snapshot.cleanup_pending
+    turns = snapshot.session_turns
+    state.session_turns = None if turns is None else dict.fromkeys(turns)
     # JSON holds no value its export cannot write back but NaN and infinity (`NaN`,
     # `Infinity`, `1e400`: the next export would make them null), which a walk of the
     # patch's data finds; only Python-built snapshots' patches are read back in full

@@ -174,15 +174,10 @@ class PatchDesk:
                 f"apply_context_patch() strategy must be one of "
                 f"{[item.value for item in MergeStrategy]}, got {preview(strategy)}") from None
         state, refusal = self._target(pid)
-        version = patch.source_context_version
-        if state is not None and version is not None and version > state.history.version:
-            # Versions never go back within a session: stamped in an earlier session of
-            # this participant, who left and came back (a reused id: the next call's
-            # context got the last call's background result, chaos17 F3).
-            refusal = (f"stamped at context version {version}, ahead of the "
-                       f"participant's {state.history.version}: from an earlier session "
-                       "of theirs")
-            state = None
+        if state is not None:
+            refusal = _earlier_session(state, patch)
+            if refusal:
+                state = None
         if state is None:
             self._cfg.observer.context_patch(ContextPatchEvent(
                 pid, None, patch.task_id, strategy.value, "refused", patch.context_diverged))
@@ -378,6 +373,29 @@ async def _kept(outcome: object) -> None:
         raise
     except Exception as exc:
         log_failure("on_participant_changed's outcome", exc)
+
+
+def _earlier_session(state: Participant, patch: ContextPatch) -> str:
+    """Why `patch` comes from an earlier session of the participant ("" when it may be
+    this session's): a participant who left and talks again (a reused id: the same
+    caller's next call) is a new session, and a background result of the last call must
+    not join the next call's context (chaos17 F3).
+
+    The patch names the turn that spawned it (`spawned_from_event_id`) and the session
+    remembers its turns (its first `MAX_SESSION_TURNS`; past them, or restored from a
+    snapshot without them, it is not checked); a stamp ahead of the session's version
+    cannot be from this session either (versions never go back within one).
+    """
+    spawned = patch.spawned_from_event_id
+    turns = state.session_turns
+    if spawned is not None and turns is not None and spawned not in turns:
+        return (f"spawned by turn {preview(spawned)}, which is not a turn of the "
+                "participant's current session: from an earlier session of theirs")
+    version = patch.source_context_version
+    if version is not None and version > state.history.version:
+        return (f"stamped at context version {version}, ahead of the participant's "
+                f"{state.history.version}: from an earlier session of theirs")
+    return ""
 
 
 def _diverged(history: History, patch: ContextPatch) -> bool:

@@ -63,7 +63,7 @@ from ._load import OverloadPolicy, RouterLoad
 from ._logging import log_failure
 from ._numbers import finite, is_number
 from ._observer import MessageRejected, RouterObserver, TurnFinished, TurnStarted
-from ._participants import Phase, Registry, RouterPhase, refuse_lossy
+from ._participants import Phase, Registry, RouterPhase, note_turn, refuse_lossy
 from ._patch_desk import PatchDesk
 from ._patches import (
     AppliedContextPatch,
@@ -678,6 +678,7 @@ def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn,
             raise
         if new and cfg.load.policy is not None:
             cfg.load.admitted_new()  # (a crowd is admitted a budget at a time)
+    note_turn(state, turn.turn_id)  # (a patch it spawns is of this session)
     running = Turn(cfg, state, turn, outputs[0], report_heard)
     running.end = outputs[1]
     return running

@@ -116,7 +116,14 @@ def test_tune_and_dashboard_agree_on_the_same_data(stack: Stack) -> None:
         assert response["data"]["result"] == [], done.stdout
     else:
         (value,) = [float(s["value"][1]) for s in response["data"]["result"]]
-        assert value == pytest.approx(float(match.group(1)))
+        recommended = float(match.group(1))
+        if value != pytest.approx(recommended):
+            # The two read each rate within 2 points (above): a delay whose all-routes
+            # rate is that close to the target may fall either side of it (a loaded run
+            # read 0.5 on the dashboard, 0.6 from tune); the shorter one's is that close.
+            rate = tune["(all)", f"{min(value, recommended):g}"][3]
+            assert abs(rate - float(TARGET)) <= 0.02, (value, recommended, rate,
+                                                       done.stdout)
 
 
 SLOW_ROUTE = "banking"

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import nats
 from turnrouter import AgentRouter, ContextPatch, LifecycleError, PatchNotSavedError
-from turnrouter.runtime import UserQuery
+from turnrouter.runtime import ParticipantLeft, UserQuery
 from turnrouter.runtime.nats import (
     NatsConfig,
     NatsFrontEnd,
@@ -1110,3 +1110,50 @@ async def test_a_patch_whose_write_lands_before_the_next_owners_claim_is_kept(
             applied = await patching
         assert applied.task_id == "job-1"
         assert await ask(front, heard, "ann", "again") == f"again|{PATCHED}|F"
+
+
+async def _said_as(front: NatsFrontEnd, heard: Heard, pid: str, turn_id: str,
+                   text: str) -> str:
+    """Publish `text` as turn `turn_id` of `pid`; its final output's text (bounded)."""
+    query = UserQuery(participant_id=pid, text=text, message_id=turn_id)
+    event = heard.events.setdefault(query.message_id, asyncio.Event())
+    await front.publish(query)
+    async with asyncio.timeout(15):
+        await event.wait()
+    return heard.finals[query.message_id][0].text
+
+
+async def test_a_patch_of_an_earlier_session_is_refused_on_the_replica_it_moved_to(
+        nats_server: NatsServer) -> None:
+    """chaos17 F3 on a fleet: ann talks (turn a1), leaves, and calls again (a2) on the
+    first replica; the partition then moves to the second, which claims ann from the
+    record. A background result of the first call (spawned by a1), delivered there, is
+    refused (`LifecycleError`, nothing saved, the next turn does not see it); one of the
+    new call (a2) is merged and saved. The session's turns moved in the record's
+    snapshot. Before, the first call's result joined the second call's context."""
+    routers: dict[str, AgentRouter] = {}
+    one = dataclasses.replace(CONFIG, url=nats_server.url, partitions=1)
+    async with worker_of(one, "first", routers) as first, \
+            listening(nats_server.url) as (front, heard):
+        await until_true(lambda: first.owned_partitions == {0}, "the first owns it")
+        assert await _said_as(front, heard, "ann", "a1", "card 4242") == "card 4242|-|N"
+        await front.publish(ParticipantLeft(participant_id="ann", message_id="bye"))
+        assert await _said_as(front, heard, "ann", "a2", "new call") == "new call|-|N"
+        assert "ann" in routers["first"].participants
+        async with worker_of(one, "second", routers) as second:
+            first.request_stop()  # it drains and hands its partition over
+            await until_true(lambda: second.owned_partitions == {0}, "the second owns it",
+                             within=15)
+            assert await _said_as(front, heard, "ann", "a3", "again") == (
+                "again|new call|F")
+            router = routers["second"]
+            with pytest.raises(LifecycleError, match="earlier session"):
+                await router.apply_context_patch("ann", ContextPatch(
+                    task_id="old-call", spawned_from_event_id="a1",
+                    digest=("flight AF123 booked, card ending 4242",)))
+            await router.apply_context_patch("ann", ContextPatch(
+                task_id="job-1", spawned_from_event_id="a2", digest=("job done",)))
+            assert await _said_as(front, heard, "ann", "a4", "and?") == (
+                f"and?|{PATCHED}|F")
+            assert [e.user for e in router.history_of("ann")] == [
+                "new call", "again", PATCHED, "and?"]

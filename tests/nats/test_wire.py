@@ -31,16 +31,20 @@ from pydantic import ValidationError
 import nats
 from turnrouter import (
     MAX_HISTORY_VERSION,
+    MAX_SESSION_TURNS,
     MAX_SNAPSHOT_CONTAINERS,
     Admission,
     AgentRouter,
     AgentTurn,
     ConfigurationError,
+    ContextPatch,
     ContractTypeError,
     ContractValueError,
     DestinationResult,
     LifecycleError,
+    MergeStrategy,
     ParticipantSnapshot,
+    PendingContextPatch,
     RoutingAid,
     TimingSample,
     TurnrouterError,
@@ -1221,3 +1225,56 @@ async def test_a_front_ends_mirror_refused_placement_is_waited_for_not_skipped(
             await _ensure_front_mirror(nc, config)
     finally:
         await nc.close()
+
+
+# ------------------------------------------------------------- the session in the header
+
+#: The snapshot fields a worker of the version before session turns knows: its strict
+#: reader refuses any other (the record was quarantined, the participant started clean).
+EARLIER_FIELDS = {"participant_id", "focus", "history", "history_version", "used",
+                  "pending", "initialized", "departed", "cleanup_pending"}
+_ids = st.text(min_size=1, max_size=12).filter(
+    lambda t: not any(0xD800 <= ord(c) <= 0xDFFF for c in t))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(session=st.none() | st.lists(_ids, max_size=MAX_SESSION_TURNS, unique=True),
+       facts=st.dictionaries(st.sampled_from(["session_turns", "x", "history_version"]),
+                             st.lists(_ids, max_size=3) | st.integers(), max_size=3),
+       cleanup=st.booleans(), inflight=st.lists(_ids, max_size=3))
+def test_a_record_carries_the_session_in_its_header_and_reads_back_whole(
+        session: list[str] | None, facts: dict[str, Any], cleanup: bool,
+        inflight: list[str]) -> None:
+    """A record's snapshot part holds only fields a worker of the earlier version reads
+    (its strict reader refused `session_turns`: in a rolling upgrade, a partition moved
+    back to such a worker lost its participants' state); the session's turns ride in
+    the header, which that worker ignores, and `parse_record` gives the snapshot back
+    whole, also when a patch's facts hold keys named like the field."""
+    patch = ContextPatch(task_id="job", facts=facts)
+    held = PendingContextPatch("ann-h", "job", patch, participant_id="ann")
+    snapshot = ParticipantSnapshot.from_json(json.dumps({
+        "participant_id": "ann", "history_version": 1, "cleanup_pending": cleanup,
+        "session_turns": session,
+        "history": [{"user": "q", "assistant": "a", "turn_id": "t0", "patch": {
+            "patch_id": "ann-p", "task_id": "job", "strategy": MergeStrategy.APPEND.value,
+            "diverged": False, "patch": patch.model_dump(mode="json")}}],
+        "pending": [held.model_dump(mode="json")]}))
+    record = state_json("w1", inflight, snapshot.to_json())
+    head, _, part = record.partition(b"\n")
+    assert set(json.loads(part)) <= EARLIER_FIELDS
+    assert json.loads(head).get("session") == session
+    read = parse_record(record)
+    assert read.inflight == inflight and read.snapshot is not None
+    assert ParticipantSnapshot.from_json(read.snapshot) == snapshot
+
+
+@pytest.mark.parametrize("session", [
+    "t1", [1], [""], ["x" * 257], ["\ud800"], [f"t{n}" for n in range(MAX_SESSION_TURNS + 1)],
+    {"t1": None}])
+def test_a_header_session_out_of_bounds_is_refused_naming_it(session: object) -> None:
+    """A forged header's session (not a list of at most MAX_SESSION_TURNS turn ids of
+    1 to 256 characters) makes the record junk, named, as its other fields do."""
+    snapshot = ParticipantSnapshot(participant_id="ann").to_json()
+    head = json.dumps({"owner": "w1", "inflight": [], "outbox": [], "session": session})
+    with pytest.raises(ValueError, match="'session'"):
+        parse_record(f"{head}\n{snapshot}".encode("utf-8", "surrogatepass"))

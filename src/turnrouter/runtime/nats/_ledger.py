@@ -24,7 +24,7 @@ from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from ..._exceptions import ContractValueError, LifecycleError, PatchNotSavedError
-from ..._frontend import ParticipantSnapshot
+from ..._frontend import MAX_SESSION_TURNS, ParticipantSnapshot
 from ..._limits import is_logged
 from ..._redact import preview
 from ..._router import AgentRouter, prepared_import
@@ -448,6 +448,22 @@ def _unfinished(inflight: list[str], outbox: list[Ending], config: NatsConfig,
     return endings
 
 
+def _with_turns(snapshot: ParticipantSnapshot, inflight: list[str]) -> ParticipantSnapshot:
+    """`snapshot` with the turns its record holds in flight among its session's turns.
+
+    An in-flight mark reuses the snapshot of the write before it, so a turn running
+    when its owner crashed is in the record's `inflight`, not in the snapshot's
+    session: it is one of that session's turns all the same, and a context patch it
+    spawned, delivered at a later turn, is not from an earlier session.
+    """
+    turns = snapshot.session_turns
+    if turns is None or not inflight:
+        return snapshot
+    merged = tuple(dict.fromkeys((*turns, *inflight)))
+    return snapshot.model_copy(update={
+        "session_turns": merged if len(merged) <= MAX_SESSION_TURNS else None})
+
+
 def _read(value: bytes, pid: str, router: AgentRouter) -> tuple[
         StateRecord, ParticipantSnapshot | ContractValueError | None]:
     """A record and its snapshot, parsed and checked against the key's participant
@@ -464,7 +480,9 @@ def _read(value: bytes, pid: str, router: AgentRouter) -> tuple[
         if parsed.participant_id != pid:  # alice's snapshot in mallory's record
             raise ContractValueError("the snapshot's participant_id is not the record's "
                                      "participant")
-        parsed = prepared_import(router, parsed)
+        # (the session's turns completed before the preparation: a copy made after it
+        # would not be the prepared snapshot, and its import would redo every step)
+        parsed = prepared_import(router, _with_turns(parsed, record.inflight))
     except ContractValueError as exc:
         return record, exc
     return record, parsed

@@ -22,11 +22,12 @@ from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
+from pydantic_core import to_json
 
 from ... import _strict_json as strict_json
 from ..._contracts import MAX_ID_CHARS
 from ..._exceptions import ConfigurationError, ContractValueError, TurnrouterError
-from ..._frontend import MAX_SNAPSHOT_CONTAINERS
+from ..._frontend import MAX_SESSION_TURNS, MAX_SNAPSHOT_CONTAINERS
 from ..._numbers import finite
 from ..._redact import REDACTED, has_surrogates, looks_like_nkey_seed, preview, redact_url
 from ..._timing import TimingSample
@@ -664,11 +665,49 @@ def record_json(owner: str, inflight: list[str], snapshot: str | bytes | None,
                        for t, r, x, at in outbox or ())
     head = (f'{{"owner":{_json_str(owner)},"inflight":[{",".join(map(_json_str, inflight))}'
             f'],"outbox":[{endings}]')
-    head += f',"ended":[{ended_json}]}}' if ended_json else "}"
+    head += f',"ended":[{ended_json}]' if ended_json else ""
     if snapshot is None:
-        return head.encode("ascii")
-    return b"%s\n%s" % (head.encode("ascii"), snapshot.encode("utf-8")
-                         if isinstance(snapshot, str) else snapshot)
+        return f"{head}}}".encode("ascii")
+    snapshot, session = _split_session(
+        snapshot.encode("utf-8") if isinstance(snapshot, str) else snapshot)
+    return b'%s%s}\n%s' % (head.encode("ascii"),
+                           b',"session":%s' % session if session else b"", snapshot)
+
+
+#: How the snapshot's last field begins (`ParticipantSnapshot.session_turns`).
+_SESSION_FIELD = b',"session_turns":['
+
+
+def _split_session(snapshot: bytes) -> tuple[bytes, bytes]:
+    """The snapshot's JSON without its `session_turns`, and that field's array (b""
+    without one). A record carries the array in its header: a worker of an earlier
+    version reads the snapshot with a strict reader that refuses fields it does not know
+    (it quarantined the record, and the participant started clean, in a rolling
+    upgrade), and ignores header keys it does not know. The field is the snapshot's
+    last, so the last match is it when the array it starts runs to the end; anything
+    else (a patch's facts holding such a key) is left as it is."""
+    at = snapshot.rfind(_SESSION_FIELD)
+    if at < 0 or not snapshot.endswith(b"]}"):
+        return snapshot, b""
+    array = snapshot[at + len(_SESSION_FIELD) - 1:-1]
+    try:
+        ids = strict_json.loads(array)
+    except (ValueError, RecursionError):
+        return snapshot, b""
+    if not (isinstance(ids, list) and all(isinstance(t, str) for t in ids)):
+        return snapshot, b""
+    return snapshot[:at] + b"}", array
+
+
+def _join_session(snapshot: str, session: list[str]) -> str:
+    """`snapshot` with the header's session turns as its last field again (the reverse
+    of `_split_session`, in the JSON `ParticipantSnapshot.to_json` writes)."""
+    body = snapshot.rstrip()
+    if not body.endswith("}"):
+        return snapshot  # (not a snapshot the worker wrote: read, and judged, as it is)
+    inner = body[:-1].rstrip()
+    joiner = "" if inner.endswith("{") else ","
+    return f'{inner}{joiner}"session_turns":{to_json(session).decode()}}}'
 
 
 #: Bounds of a participant's record, checked on every read: its size (a snapshot's own
@@ -715,6 +754,15 @@ def _parse_state(data: bytes) -> tuple[dict[str, Any], list[str], str | None, li
         snapshot = record.get("snapshot")
     if not (isinstance(inflight, list) and all(isinstance(t, str) for t in inflight)):
         raise ValueError("state record 'inflight' is not a list of turn ids")
+    session: Any = record.get("session")
+    if session is not None:
+        if not (isinstance(session, list) and len(session) <= MAX_SESSION_TURNS and all(
+                isinstance(t, str) and 0 < len(t) <= _MAX_ID and not has_surrogates(t)
+                for t in session)):
+            raise ValueError(f"state record 'session' is not a list of at most "
+                             f"{MAX_SESSION_TURNS} turn ids")
+        if isinstance(snapshot, str):
+            snapshot = _join_session(snapshot, session)
     if snapshot is not None and not isinstance(snapshot, str):
         raise ValueError("state record 'snapshot' is not a string")
     if not (isinstance(outbox, list) and all(
