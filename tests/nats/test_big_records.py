@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -27,11 +28,13 @@ from .crowd import listening
 
 pytestmark = pytest.mark.anyio
 
-#: How late a callback may run: the documented 100 ms an input may hold the event loop
-#: (docs/limits.md), and room for the thread preparing a record, which shares the GIL
-#: (each wake-up of the loop may wait for it: 40-95 ms late on a loaded 2-core machine
-#: after the fix, 200-245 ms before it).
-LOOP_BOUND = 0.15
+#: The event loop's own CPU time for the five claims and answers: the loop thread's,
+#: not the wall clock, so other processes of a loaded machine do not count (0.17 s after
+#: the fix, 1.0 s before it, on a loaded 2-core machine; the wall-clock lateness of the
+#: loop's callbacks, 40-95 ms after and 200-300 ms before, also holds the time slices
+#: given to other processes and to the thread preparing a record, so it is reported, not
+#: asserted: benchmarks/bench_big_records.py measures it).
+LOOP_CPU_BOUND = 0.5
 
 
 def big_snapshot(pid: str, *, poisoned: bool = False) -> str:
@@ -62,10 +65,10 @@ def big_snapshot(pid: str, *, poisoned: bool = False) -> str:
 async def test_big_records_are_claimed_without_holding_the_event_loop(
         nats_server: NatsServer) -> None:
     """Four forged 1 MB records, then a query of each participant: each is answered
-    with its imported history (nothing lost), and no callback of the event loop ran
-    more than `LOOP_BOUND` late meanwhile (before the fix: ~0.2 s per import, more on
-    a loaded machine). A fifth, the same with a NaN in a patch, is still quarantined and
-    counted, its participant answered from a clean start."""
+    with its imported history (nothing lost), and the event loop spent under
+    `LOOP_CPU_BOUND` of its own CPU time meanwhile (before the fix: ~0.2 s per
+    import). A fifth, the same with a NaN in a patch, is still quarantined and counted,
+    its participant answered from a clean start."""
     config = NatsConfig(url=nats_server.url, partitions=1)
     registry = CollectorRegistry()
     worker = NatsWorker(make_router, config, registry=registry, replica="w")
@@ -95,20 +98,22 @@ async def test_big_records_are_claimed_without_holding_the_event_loop(
             for query in queries:
                 heard.events.setdefault(query.message_id, asyncio.Event())
             tick(loop.time())
+            cpu = time.thread_time()  # (the loop's thread)
             for query in queries:
                 await front.publish(query)
             async with asyncio.timeout(60):
                 for query in queries:
                     await heard.events[query.message_id].wait()
             measuring[0] = False
+            cpu = time.thread_time() - cpu
         texts = [heard.finals[q.message_id][0].text for q in queries]
         assert texts == [*(["hello|last words|N"] * 4), "hello|-|N"]
         assert metric_value(generate_latest(registry).decode(),
                             "turnrouter_runtime_rejected_messages_total",
                             'reason="invalid_snapshot"') == 1
-        assert worst[0] < LOOP_BOUND, (
-            f"an event-loop callback ran {worst[0] * 1000:.0f} ms late while 1 MB records "
-            "were claimed")
+        assert cpu < LOOP_CPU_BOUND, (
+            f"the event loop spent {cpu:.2f} s of CPU claiming five 1 MB records (its "
+            f"callbacks up to {worst[0] * 1000:.0f} ms late)")
     finally:
         measuring[0] = False
         await nc.close()
