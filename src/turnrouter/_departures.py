@@ -14,7 +14,7 @@ from ._config import RouterConfig
 from ._frontend import ParticipantSnapshot
 from ._lifecycle import OwnedOperation
 from ._observer import Failure, ReleaseFinished, ReleaseReason, ReleaseStarted
-from ._participants import Participant, Phase, Registry, RouterPhase, snapshot_of
+from ._participants import Participant, Phase, Registry, RouterPhase
 from ._patch_desk import PatchDesk
 from ._turn import bounded_release
 
@@ -85,7 +85,7 @@ class Departures:
             await self.drain(state, "handed over to another replica")
         if state.unheard is not None:
             state.unheard.spoken_over()
-        snapshot = snapshot_of(state, pid in registry.departed)
+        snapshot = registry.snapshot(state, pid in registry.departed)
         if registry.get(pid) is state:
             self._patches.drop(state, outcome=None)
             registry.forget(state)

@@ -171,6 +171,18 @@ class History:
         self.total = total
         return by_count
 
+    def drop_oldest(self, count: int) -> None:
+        """Drop the `count` oldest exchanges (a participant's snapshot outgrowing its
+        bounds, `Registry.fitted`); the version and the state before the latest append
+        stay (a stamp of a patch still compares with the exchanges it saw)."""
+        start = self._start
+        count = min(count, len(self._meta) - start)
+        if count <= 0:
+            return
+        self.total -= sum(item[2] for item in self._meta[start:start + count])
+        self.exchanges = self.exchanges[count:]
+        self._start = start + count
+
     # ------------------------------------------------------------ background patches
 
     def add_background(

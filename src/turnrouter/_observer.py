@@ -312,7 +312,7 @@ class Heard(NamedTuple):
 class LimitExceeded(NamedTuple):
     """A bound overflowed and something was dropped or refused (see `docs/limits.md`):
     `history_exchanges`, `seeded_history`, `waiting_turns`, `participants`,
-    `departed_participants`, `patch_bytes` or `release_timeout`."""
+    `departed_participants`, `patch_bytes`, `snapshot_history` or `release_timeout`."""
 
     limit: str
 

@@ -11,10 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_core import to_json
 
+from . import _strict_json as strict_json
+from ._config import MAX_ROUTE_CHARS
 from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, MAX_TIMESTAMP_US, AgentExchange
 from ._exceptions import ContractValueError, LifecycleError
 from ._frontend import (
     MAX_SESSION_TURNS,
+    MAX_SNAPSHOT_BYTES,
+    MAX_SNAPSHOT_CONTAINERS,
     ParticipantSnapshot,
     SnapshotExchange,
     SnapshotPatch,
@@ -40,9 +44,19 @@ if TYPE_CHECKING:
     from ._turn import Answer, Turn
 
 __all__ = [
-    "Participant", "Phase", "Registry", "RouterPhase", "note_turn", "refuse_lossy", "restore",
-    "snapshot_json", "snapshot_of",
+    "SNAPSHOT_SLACK", "Participant", "Phase", "Registry", "RouterPhase", "note_turn",
+    "refuse_lossy", "restore", "snapshot_json", "snapshot_of",
 ]
+
+#: Bytes an export keeps free under `MAX_SNAPSHOT_BYTES`: an import checks the export of
+#: what it installs with every default field written out (a few dozen bytes more).
+SNAPSHOT_SLACK = 1024
+#: The JSON of an id of `MAX_ID_CHARS` control characters (each escaped as `\u00XX`).
+_ID_JSON = 6 * MAX_ID_CHARS + 2
+#: The most JSON one retained exchange takes beyond its text (escaped, at most 6 bytes a
+#: counted byte; a merged patch's digest and task id are written three times): its turn
+#: id and stamp, or a patch's ids, stamp, time and field names.
+_EXCHANGE_JSON = 4096
 
 #: Snapshots `Registry.prepare` made (weakly held, by identity and the number of
 #: exchanges their history was cut to): what an import of theirs would install, read
@@ -126,10 +140,12 @@ class Registry:
     takes no turn and no context patch right now.
     """
 
-    __slots__ = ("_cfg", "_observer", "departed", "participants", "phase", "stopping")
+    __slots__ = ("_cfg", "_observer", "_outgrows", "departed", "participants", "phase",
+                 "stopping")
 
     def __init__(self, cfg: RouterConfig) -> None:
         self._cfg = cfg
+        self._outgrows = may_outgrow(cfg)
         self._observer = cfg.observer
         self.participants: dict[str, Participant] = {}
         # (admission control projects the loop's load per participant held)
@@ -306,7 +322,48 @@ class Registry:
             # (a session with no turn yet: the participant's next turn starts it)
             return ParticipantSnapshot(participant_id=pid, departed=True,
                                        session_turns=()) if departed else None
+        return self.snapshot(state, departed)
+
+    def snapshot(self, state: Participant, departed: bool) -> ParticipantSnapshot:
+        """`snapshot_of(state, departed)`, within the snapshot bounds (`fitted`)."""
+        if self._outgrows:
+            self.fitted(state, departed)
         return snapshot_of(state, departed)
+
+    def fitted(self, state: Participant, departed: bool) -> bytes:
+        """`snapshot_json(state, departed)`, first dropping the participant's oldest
+        exchanges while it is over `MAX_SNAPSHOT_BYTES` (less `SNAPSHOT_SLACK`) or
+        `MAX_SNAPSHOT_CONTAINERS`: no replica could import it, so a move would lose the
+        participant's whole state (on NATS its record quarantined, the participant
+        started clean). Only a configuration whose participants may outgrow the bounds
+        (`may_outgrow`: a `context_budget_bytes` of hundreds of kB, thousands of
+        `max_history_exchanges`) checks, and only when it exports: a router that never
+        moves its participants keeps what its budgets keep. Held patches are not dropped:
+        `apply_context_patch` refuses one the bounds cannot hold (`PatchDesk`)."""
+        data = snapshot_json(state, departed)
+        if not self._outgrows:
+            return data
+        over = len(data) - (MAX_SNAPSHOT_BYTES - SNAPSHOT_SLACK)
+        extra = (strict_json.containers(data, MAX_SNAPSHOT_CONTAINERS)
+                 - MAX_SNAPSHOT_CONTAINERS if len(data) > 2 * MAX_SNAPSHOT_CONTAINERS else 0)
+        if (over <= 0 and extra <= 0) or state.exported is None:
+            return data
+        pieces = state.exported[2]
+        drop = 0
+        while drop < len(pieces) and (over > 0 or extra > 0):
+            over -= len(pieces[drop])  # (its comma left out: never counted short)
+            extra -= strict_json.containers(pieces[drop], 0)
+            drop += 1
+        state.history.drop_oldest(drop)
+        self._cfg.overflows.report(
+            "snapshot_history", f"{drop} oldest exchanges of a participant dropped: its "
+            "snapshot would pass MAX_SNAPSHOT_BYTES or MAX_SNAPSHOT_CONTAINERS")
+        return snapshot_json(state, departed)
+
+    def history_json_bytes(self, state: Participant) -> int:
+        """The JSON bytes of the participant's exchanges at its latest `export_json`."""
+        exported = state.exported
+        return 0 if exported is None else sum(len(piece) for piece in exported[2])
 
     def export_json(self, pid: str) -> bytes | None:
         """`export(pid)` as its JSON (UTF-8), each exchange serialized once (see
@@ -315,7 +372,7 @@ class Registry:
         if state is None:
             snapshot = self.export(pid)
             return None if snapshot is None else snapshot.to_json().encode()
-        return snapshot_json(state, pid in self.departed)
+        return self.fitted(state, pid in self.departed)
 
     def heard_answer(self, pid: str, turn_id: str) -> Answer | None:
         """The answer of turn `turn_id` whose heard time a front end may report."""
@@ -333,6 +390,20 @@ class Registry:
         if self.participants.get(state.pid) is state:
             del self.participants[state.pid]
             self._observer.participant_removed(ParticipantChanged(state.pid))
+
+
+def may_outgrow(cfg: RouterConfig) -> bool:
+    """Whether a participant's snapshot could pass `MAX_SNAPSHOT_BYTES` or
+    `MAX_SNAPSHOT_CONTAINERS` under `cfg`'s bounds, counted at their worst: every text
+    escaped (6 bytes a byte), every id as long as allowed, every patch held. A default
+    router's worst is about 2.4 MB and 300 plain exchanges' objects (its patches' objects
+    are bounded when applied: `PatchDesk`)."""
+    held = cfg.max_pending * (2 * cfg.max_patch_bytes + 4 * _ID_JSON)
+    routes = (len(cfg.agents) + 1) * (4 * MAX_ROUTE_CHARS + 8)
+    size = (18 * cfg.budget + cfg.max_history_exchanges * _EXCHANGE_JSON + held + routes
+            + (MAX_SESSION_TURNS + 1) * _ID_JSON + SNAPSHOT_SLACK)
+    return (size > MAX_SNAPSHOT_BYTES
+            or cfg.max_history_exchanges + 64 > MAX_SNAPSHOT_CONTAINERS)
 
 
 def snapshot_of(state: Participant, departed: bool) -> ParticipantSnapshot:

@@ -13,6 +13,8 @@ import logging
 import time
 import uuid
 
+from pydantic_core import to_json
+
 from . import _strict_json as strict_json
 from ._acknowledgment import clean_acknowledgment
 from ._config import (
@@ -29,11 +31,11 @@ from ._exceptions import (
     LifecycleError,
     PatchNotSavedError,
 )
-from ._frontend import MAX_SNAPSHOT_CONTAINERS
+from ._frontend import MAX_SNAPSHOT_BYTES, MAX_SNAPSHOT_CONTAINERS
 from ._history import History, view_items
 from ._logging import log_failure
 from ._observer import ContextPatchEvent, PatchOutcome
-from ._participants import Participant, Registry
+from ._participants import SNAPSHOT_SLACK, Participant, Registry
 from ._patches import (
     EMPTY_CONTEXT_HASH,
     AppliedContextPatch,
@@ -82,18 +84,25 @@ def _check_fits(state: Participant, patch: ContextPatch) -> None:
 #: Objects and arrays a merged patch's exchange (and a held patch's wrapper) adds to a
 #: snapshot beyond the patch's own.
 _WRAPPING = 8
+#: Bytes a merged patch's exchange (or a held patch's wrapper) adds to a snapshot beyond
+#: the patch's JSON, its task id and its digest: ids, stamps and field names.
+_WRAPPING_BYTES = 2048
 
 
 def _check_containers(cfg: RouterConfig, registry: Registry, state: Participant,
                       patch: ContextPatch) -> None:
-    """`ContractValueError` unless the participant's snapshot, holding `patch` too and
-    room for a full history of plain exchanges (one object each), stays within
-    `MAX_SNAPSHOT_CONTAINERS`: past it, no replica imports the snapshot (8 held patches
-    of 2,500 empty lists each, within every other bound, made a participant's state
-    unmovable; on NATS its record was quarantined and it started clean)."""
+    """`ContractValueError` unless the participant's snapshot, holding `patch` too, stays
+    within `MAX_SNAPSHOT_CONTAINERS` with room for a full history of plain exchanges (one
+    object each), and within `MAX_SNAPSHOT_BYTES` with its history left out (an export
+    drops the oldest exchanges to fit, `Registry.fitted`, but not held patches): past
+    them, no replica imports the snapshot (8 held patches of 2,500 empty lists each, or
+    of 1 MB each under a larger `max_patch_bytes`, within every other bound, made a
+    participant's state unmovable; on NATS its record was quarantined and it started
+    clean)."""
     exported = registry.export_json(state.pid) or b""
     held = strict_json.containers(exported, 0)
-    own = strict_json.containers(patch.model_dump_json(warnings=False), 0)
+    data = patch.model_dump_json(warnings=False)
+    own = strict_json.containers(data, 0)
     room = cfg.max_history_exchanges
     if held + own + _WRAPPING + room > MAX_SNAPSHOT_CONTAINERS:
         raise ContractValueError(
@@ -102,6 +111,18 @@ def _check_containers(cfg: RouterConfig, registry: Registry, state: Participant,
             f"snapshot would pass MAX_SNAPSHOT_CONTAINERS ({MAX_SNAPSHOT_CONTAINERS}) and "
             "could not move to another replica: flatten its facts, or approve or reject "
             "held patches first")
+    # Its JSON, its task id twice more and its digest once more (a merged patch's
+    # exchange says them in its texts), escaped as the snapshot writes them.
+    size = (len(data.encode()) + 2 * len(to_json(patch.task_id))
+            + len(to_json("\n".join(patch.digest))) + _WRAPPING_BYTES)
+    rest = len(exported) - registry.history_json_bytes(state)
+    if rest + size > MAX_SNAPSHOT_BYTES - SNAPSHOT_SLACK:
+        raise ContractValueError(
+            f"context patch {preview(patch.task_id)} takes up to {size} bytes of the "
+            f"participant's snapshot, which holds {rest} bytes besides its history: it "
+            f"would pass MAX_SNAPSHOT_BYTES ({MAX_SNAPSHOT_BYTES}) and could not move to "
+            "another replica; keep large payloads elsewhere, or approve or reject held "
+            "patches first")
 
 
 class PatchDesk:

@@ -193,7 +193,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "turnrouter_limit_overflows_total", "counter",
         "Bounds that overflowed (something dropped or refused), by limit: history_exchanges, "
         "seeded_history, waiting_turns, participants, departed_participants, patch_bytes, "
-        "pending_patches, release_timeout, participant_window.",
+        "pending_patches, snapshot_history, release_timeout, participant_window.",
         ("limit",),
     ),
     MetricSpec(
