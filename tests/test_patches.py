@@ -1006,3 +1006,39 @@ async def test_a_session_past_max_session_turns_stops_checking() -> None:
                 {"participant_id": "p", "session_turns": [bad]}))
     with pytest.raises(ContractValueError, match=r"session_turns.*surrogate"):
         ParticipantSnapshot(participant_id="p", session_turns=("\ud800",))
+
+
+@pytest.mark.parametrize("keep", [8000, 16_384])
+async def test_the_container_check_counts_the_history_once(keep: int) -> None:
+    """A router keeping thousands of exchanges: a patch of 500 lists fits beside 8,000
+    held exchanges (about 8,500 objects in all), and a tiny one beside a single turn
+    (before: the history was counted, then room for a whole history added on top, so
+    such a patch was refused, and under `max_history_exchanges=16384` every patch)."""
+    h = Harness(ScriptedAgent("conversation"), max_history_exchanges=keep,
+                context_budget_bytes=4_000_000)
+    h.router.import_participant(ParticipantSnapshot.from_json(json.dumps({
+        "participant_id": "p1", "history_version": 8000, "history": [
+            {"user": "u", "assistant": "a", "turn_id": f"x{i}"} for i in range(8000)]})))
+    await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="job", facts={"k": [[]] * 500}), "human_gated")
+    other = Harness(ScriptedAgent("conversation"), max_history_exchanges=keep)
+    await other.say()
+    await other.router.apply_context_patch("p1", ContextPatch(task_id="j", facts={"a": 1}))
+    for router in (h.router, other.router):
+        exported = router.export_participant_json("p1")
+        assert exported is not None
+        ParticipantSnapshot.from_json(exported)  # (within the bounds)
+
+
+async def test_checking_a_patch_trims_no_history() -> None:
+    """A router that may trim its exports (a 1 MB budget) but never exports: applying a
+    patch measures the snapshot without dropping anything (before: the check exported,
+    and 26 of 200 exchanges went, counted `snapshot_history`)."""
+    h = Harness(ScriptedAgent("conversation", answer_text="\x01" * 4000),
+                context_budget_bytes=1_000_000)
+    for _ in range(200):
+        await h.say("hi")
+    await h.router.apply_context_patch("p1", ContextPatch(task_id="job", digest=["x"]),
+                                       "human_gated")
+    assert len(h.router.history_of("p1")) == 200
+    assert ("limit_exceeded", "snapshot_history") not in h.observer.events

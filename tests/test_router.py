@@ -745,22 +745,25 @@ async def test_a_started_call_left_unawaited_still_marks_the_first_response(
 
 async def test_an_answer_that_never_calls_started_is_warned_once_per_route(
         caplog: pytest.LogCaptureFixture) -> None:
-    """answer() returning without started(): nothing measured its first response, said
-    at WARNING once per route (not per turn), naming the route."""
+    """answer() returning a text without started(): nothing measured its first
+    response, said at WARNING once per route (not per turn), naming the route; a silent
+    answer (no text: a release that says nothing) is not warned."""
     class Silent(ScriptedAgent):
         async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+            if self.name == "booking":
+                return DestinationResult("release")
             return DestinationResult(text="answered without starting")
 
-    h = Harness(Silent("weather"), Silent("calendar"),
-                decisions=ScriptedDecisions("weather", "weather", "calendar"))
+    h = Harness(Silent("weather"), Silent("calendar"), Silent("booking"),
+                decisions=ScriptedDecisions("booking", "weather", "weather", "calendar"))
     with caplog.at_level(logging.WARNING, logger="turnrouter"):
-        for _ in range(3):
+        for _ in range(4):
             await h.say()
     lines = [r.getMessage() for r in caplog.records
              if "without calling started()" in r.getMessage()]
     assert len(lines) == 2
     assert "'weather'" in lines[0] and "'calendar'" in lines[1]
-    assert h.observer.kinds("t1").count("first_response") == 0
+    assert h.observer.kinds("t2").count("first_response") == 0
 
 
 async def test_failure_before_started_speaks_one_failure_message_and_propagates() -> None:

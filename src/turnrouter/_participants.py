@@ -360,10 +360,20 @@ class Registry:
             "snapshot would pass MAX_SNAPSHOT_BYTES or MAX_SNAPSHOT_CONTAINERS")
         return snapshot_json(state, departed)
 
-    def history_json_bytes(self, state: Participant) -> int:
-        """The JSON bytes of the participant's exchanges at its latest `export_json`."""
-        exported = state.exported
-        return 0 if exported is None else sum(len(piece) for piece in exported[2])
+    @property
+    def trims_exports(self) -> bool:
+        """Whether an export may drop the oldest exchanges to fit the bounds (`fitted`)."""
+        return self._outgrows
+
+    def measure(self, state: Participant) -> tuple[bytes, bytes]:
+        """The participant's snapshot JSON as it stands, and its part besides the
+        history, trimming nothing (a check of what a change would add: `fitted` trims
+        only when the router exports)."""
+        data = snapshot_json(state, state.pid in self.departed)
+        head = state.exported_head
+        if head is None:  # (not the layout the export reuses: all of it, to be safe)
+            return data, data
+        return data, head[1] + head[2]
 
     def export_json(self, pid: str) -> bytes | None:
         """`export(pid)` as its JSON (UTF-8), each exchange serialized once (see

@@ -92,30 +92,38 @@ _WRAPPING_BYTES = 2048
 def _check_containers(cfg: RouterConfig, registry: Registry, state: Participant,
                       patch: ContextPatch) -> None:
     """`ContractValueError` unless the participant's snapshot, holding `patch` too, stays
-    within `MAX_SNAPSHOT_CONTAINERS` with room for a full history of plain exchanges (one
-    object each), and within `MAX_SNAPSHOT_BYTES` with its history left out (an export
-    drops the oldest exchanges to fit, `Registry.fitted`, but not held patches): past
-    them, no replica imports the snapshot (8 held patches of 2,500 empty lists each, or
-    of 1 MB each under a larger `max_patch_bytes`, within every other bound, made a
-    participant's state unmovable; on NATS its record was quarantined and it started
-    clean)."""
-    exported = registry.export_json(state.pid) or b""
-    held = strict_json.containers(exported, 0)
-    data = patch.model_dump_json(warnings=False)
-    own = strict_json.containers(data, 0)
-    room = cfg.max_history_exchanges
-    if held + own + _WRAPPING + room > MAX_SNAPSHOT_CONTAINERS:
+    within `MAX_SNAPSHOT_CONTAINERS` and `MAX_SNAPSHOT_BYTES`: past them, no replica
+    imports it (8 held patches of 2,500 empty lists each, or of 1 MB each under a larger
+    `max_patch_bytes`, within every other bound, made a participant's state unmovable;
+    on NATS its record was quarantined and it started clean).
+
+    Objects and arrays: on a router whose exports never trim (`Registry.trims_exports`),
+    the whole snapshot with room for the rest of a full history of plain exchanges (one
+    object each); where an export drops the oldest exchanges to fit, its part besides
+    the history (held patches are never dropped). Bytes: its part besides the history.
+    Measured without trimming, and counted exactly only past a cheap upper bound."""
+    data, besides = registry.measure(state)
+    patch_json = patch.model_dump_json(warnings=False)
+    own = strict_json.containers(patch_json, 0)
+    if registry.trims_exports:
+        measured, room = besides, 64
+    else:
+        measured = data
+        room = max(0, cfg.max_history_exchanges - len(state.history.exchanges))
+    limit = MAX_SNAPSHOT_CONTAINERS - own - _WRAPPING - room
+    held = strict_json.containers(measured, max(limit, 0))
+    if held > limit:
         raise ContractValueError(
             f"context patch {preview(patch.task_id)} holds {own} objects and arrays; with "
-            f"the participant's {held} and room for its history ({room} exchanges), its "
-            f"snapshot would pass MAX_SNAPSHOT_CONTAINERS ({MAX_SNAPSHOT_CONTAINERS}) and "
-            "could not move to another replica: flatten its facts, or approve or reject "
-            "held patches first")
+            f"the participant's {held} and room for {room} more exchanges, its snapshot "
+            f"would pass MAX_SNAPSHOT_CONTAINERS ({MAX_SNAPSHOT_CONTAINERS}) and could not "
+            "move to another replica: flatten its facts, or approve or reject held "
+            "patches first")
     # Its JSON, its task id twice more and its digest once more (a merged patch's
     # exchange says them in its texts), escaped as the snapshot writes them.
-    size = (len(data.encode()) + 2 * len(to_json(patch.task_id))
+    size = (len(patch_json.encode()) + 2 * len(to_json(patch.task_id))
             + len(to_json("\n".join(patch.digest))) + _WRAPPING_BYTES)
-    rest = len(exported) - registry.history_json_bytes(state)
+    rest = len(besides)
     if rest + size > MAX_SNAPSHOT_BYTES - SNAPSHOT_SLACK:
         raise ContractValueError(
             f"context patch {preview(patch.task_id)} takes up to {size} bytes of the "

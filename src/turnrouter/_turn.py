@@ -516,7 +516,8 @@ _DONE = _Done()
 
 
 def _unstarted(cfg: RouterConfig, route: str) -> None:
-    """`route`'s answer() returned without calling started(): said once per route, as
+    """`route`'s answer() returned a text without calling started(): said once per
+    route (an answer with no text may have said nothing, a silent release), as
     its first responses go unmeasured (no timing sample, no first-response metric), and
     an acknowledgment committed meanwhile may have overlapped its output."""
     if route in cfg.unstarted:
@@ -616,7 +617,7 @@ class Answer:
                 raise
             raise exc from raised
         self.closed = True
-        if not owner.started:
+        if not owner.started and result.text:  # (it answered: history holds its text)
             _unstarted(cfg, route)
         if self._said_at is not None:
             self._close_silence()

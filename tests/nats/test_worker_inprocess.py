@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from turnrouter import AgentRouter, AgentTurn, Destination, DestinationResult
+from turnrouter import AgentRouter, AgentTurn, Destination, DestinationResult, LifecycleError
 from turnrouter.decisions import LexicalDecisions
 from turnrouter.runtime import ParticipantLeft, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, WorkerContext
@@ -20,6 +20,7 @@ from turnrouter.telemetry import Telemetry
 from .app import make_router
 from .conftest import NatsServer, metric_value, until_true
 from .crowd import FAILURE, Heard, listening, serving
+from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
 
@@ -377,3 +378,23 @@ async def test_idle_participants_free_their_slot_and_keep_their_history(
         await until_true(lambda: value(registry, idle) >= 4, "max and joe let go")
         assert await answered(front, "kim", "again") == "short|wait"
         assert await answered(front, "lee", "again") == "short|hi"
+
+
+async def test_a_start_that_fails_at_its_last_check_leaves_no_task_running(
+        nats_server: NatsServer) -> None:
+    """Start-up's last check of the server (`$JS.API.INFO` on both connections, held
+    back here by a proxy) fails after `reconnect_for`: `run()` raises, and the presence,
+    probe, pin and partition loops it had started are ended with it (before, only a
+    worker that got ready cancelled them: they ran on against closed connections)."""
+    started = {"presence", "probes", "pins", "mirror", "resend", "idle", "partition 0"}
+    async with proxied(nats_server.port) as proxy:
+        proxy.hold(lambda subject, _payload: subject == "$JS.API.INFO")
+        config = NatsConfig(url=proxy.url, partitions=1, reconnect_for=0.5)
+        worker = NatsWorker(make_router, config, registry=CollectorRegistry())
+        with pytest.raises(LifecycleError, match="start-up failed"):
+            async with asyncio.timeout(30):
+                await worker.run()
+    assert not worker.ready.is_set()
+    left = [task.get_name() for task in asyncio.all_tasks()
+            if task.get_name() in started and not task.done()]
+    assert left == []

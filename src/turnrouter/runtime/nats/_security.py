@@ -83,7 +83,7 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
         merged["error_cb"] = _both(merged["error_cb"], theirs)
     if patience is not None:
         merged["max_reconnect_attempts"] = -1  # nats-py tries until cancelled below
-    nc = _TlsClient() if requires_tls(config) else Client()
+    nc = _TlsClient() if requires_tls(config) else _BoundedClient()
     denials.attach(nc)
     connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(servers, **merged))
     either: list[asyncio.Future[Any]] = [connecting, refused]
@@ -201,11 +201,21 @@ class PlaintextRefusedError(NatsError):
     """The server offered no TLS where the configuration asks for it."""
 
 
-class _TlsClient(Client):
+class _BoundedClient(Client):
+    """A nats-py client whose reads over TLS are bounded (`bound_tls_reads`), at each
+    connection and reconnection: also where TLS comes from the server (a `nats://` URL
+    to a server that requires TLS: nats-py upgrades then too)."""
+
+    def _connect_command(self) -> bytes:
+        bound_tls_reads(self)
+        command: bytes = super()._connect_command()
+        return command
+
+
+class _TlsClient(_BoundedClient):
     """A nats-py client that refuses, before it sends CONNECT (and with it any
     credentials), a server whose INFO does not require TLS: nats-py has upgraded the
-    connection to TLS by then exactly when the server required it. Its reads over TLS
-    are bounded (`bound_tls_reads`), at each connection and reconnection."""
+    connection to TLS by then exactly when the server required it."""
 
     def _connect_command(self) -> bytes:
         if not self._server_info.get("tls_required"):
@@ -213,9 +223,7 @@ class _TlsClient(Client):
                 "the NATS server offers no TLS, but TLS is configured (a tls:// URL, "
                 "a CA or a client certificate): refusing to send credentials in clear; "
                 "enable TLS on the server (its tls block)")
-        bound_tls_reads(self)
-        command: bytes = super()._connect_command()
-        return command
+        return super()._connect_command()
 
 
 def bound_tls_reads(nc: Client) -> bool:

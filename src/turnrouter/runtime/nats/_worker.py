@@ -203,6 +203,8 @@ class NatsWorker:
             readiness=self.readiness, metrics=self._metrics, spawn=self._spawn,
             recovered=self._recovered)
         self._nc = nc = await connection.connect(self.replica)
+        loops: list[asyncio.Task[None]] = []
+        helpers: list[asyncio.Task[None]] = []
         try:
             bucket = await connection.set_up()
             self._router = router = await _build(self._factory,
@@ -265,8 +267,9 @@ class NatsWorker:
             await self._shutdown(loops, helpers)
             graceful = True
         finally:
-            background = [*self._tasks, *loops, *helpers] if self.ready.is_set() \
-                else list(self._tasks)
+            # (what start-up began too: a start that failed, say its last check of the
+            # server, left the presence, probe and partition loops running)
+            background = [*self._tasks, *loops, *helpers]
             if self._fleet is not None:
                 self._fleet.abandon()
             await _to_the_end(self._release(nc, background, lost.is_set(), graceful))
