@@ -143,6 +143,8 @@ class Connection:
         self._statuses: dict[str, int] = {}
         #: What the server refused for the connection's permissions.
         self.denials = Denials(config, "worker")
+        #: Partitions whose consumer an earlier turnrouter made (`Deployment.legacy`).
+        self.legacy: frozenset[int] = frozenset()
 
     async def connect(self, replica: str) -> Client:
         config = self._config
@@ -218,8 +220,17 @@ class Connection:
             return not (config.front_api is None and denial.kind == "publish"
                         and denial.lowered.startswith(optional))
 
-        return await self.settle("set-up", lambda: self.denials.guard(
+        deployment = await self.settle("set-up", lambda: self.denials.guard(
             ensure_deployment(nc, config), fatal))
+        self.legacy = deployment.legacy
+        return deployment.bucket
+
+    def probe_subject(self, partition: int) -> str:
+        """Where a probe of `partition` goes: its consumer's own probe subject when an
+        earlier turnrouter made it, else the partition's probe input."""
+        config = self._config
+        return (config.legacy_probe_subject(partition) if partition in self.legacy
+                else config.probe_subject(partition))
 
     async def settle(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """`attempt()`, tried again (one log line per failure) while it fails for want of
@@ -398,7 +409,7 @@ class Connection:
                         for part, _ in missing:
                             self._metrics.deployment_missing.labels(part).inc()
                 try:
-                    await ensure_deployment(nc, config)
+                    self.legacy = (await ensure_deployment(nc, config)).legacy
                 except (LifecycleError, ConfigurationError, NatsError) as exc:
                     error = f"missing {names}: {safe_error(config, exc)[:300]}"
                 else:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
@@ -24,8 +24,8 @@ from ..._redact import preview
 from ._permissions import denials_of
 from ._wire import NatsConfig
 
-__all__ = ["FRONT_API", "HEADER_ROOM", "api_request", "check_payload", "ensure_deployment",
-           "ensure_streams"]
+__all__ = ["FRONT_API", "HEADER_ROOM", "Deployment", "api_request", "check_payload",
+           "ensure_deployment", "ensure_streams", "legacy_consumer_config"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -98,8 +98,8 @@ def _input_stream(config: NatsConfig) -> dict[str, Any]:
     p, n = config.prefix, config.partitions
     return {
         "name": config.stream,
-        # The partitions' probe subjects only: nothing else can be stored unread.
-        "subjects": [f"{p}.in.*.*", *(config.probe_subject(k) for k in range(n))],
+        # Inputs only (probes are inputs of kind `probe`): nothing is stored unread.
+        "subjects": [f"{p}.in.*.*"],
         "subject_transform": {
             "src": f"{p}.in.*.*",
             "dest": f"{p}.p.{{{{partition({n},1)}}}}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}",
@@ -205,12 +205,23 @@ async def _restarted_mirror(nc: Client, config: NatsConfig, api: str) -> bool:
     return True
 
 
+def legacy_consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
+    """A partition's consumer as turnrouter made it before probes were inputs: a second
+    filter subject, the partition's own probe subject."""
+    legacy = consumer_config(config, partition)
+    del legacy["filter_subject"]
+    legacy["filter_subjects"] = [f"{config.prefix}.p.{partition}.>",
+                                 config.legacy_probe_subject(partition)]
+    return legacy
+
+
 def consumer_config(config: NatsConfig, partition: int) -> dict[str, Any]:
     """One partition's durable consumer: one pinned client, one message in flight."""
     return {
         "durable_name": config.consumer(partition),
-        "filter_subjects": [f"{config.prefix}.p.{partition}.>",
-                            config.probe_subject(partition)],
+        # One filter: a consumer of several costs the server, per message handed out,
+        # time that grows with the stream's subjects (the backlog of participants).
+        "filter_subject": f"{config.prefix}.p.{partition}.>",
         "ack_policy": "explicit",
         "ack_wait": int(config.ack_wait * _NS),
         "max_ack_pending": 1,
@@ -281,11 +292,13 @@ async def _existing_config(nc: Client, info_subject: str) -> object:
 
 
 async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API",
-                         wait: float = 5.0, settings: dict[str, str] | None = None) -> None:
+                         wait: float = 5.0, settings: dict[str, str] | None = None,
+                         legacy: dict[str, Any] | None = None) -> None:
     """Create `stream` (through the JetStream API at `api`), or accept an identical
-    existing one; a different existing one is a `ConfigurationError` naming the settings
-    that differ (a replica or front end of another configuration, or an earlier
-    turnrouter, created it)."""
+    existing one, or one identical to `legacy` (what an earlier turnrouter made); a
+    different existing one is a `ConfigurationError` naming the settings that differ
+    (a replica or front end of another configuration, or an earlier turnrouter,
+    created it)."""
     name = stream["name"]
     try:
         await api_request(nc, f"{api}.STREAM.CREATE.{name}", stream, wait=wait)
@@ -300,6 +313,9 @@ async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API
         if not (isinstance(error, dict) and error.get("err_code") == _STREAM_DIFFERS):
             raise
         existing = await _existing_config(nc, f"{api}.STREAM.INFO.{name}")
+        if legacy is not None and isinstance(existing, dict) and not _differences(
+                legacy, existing, {}):
+            return  # (its consumers say how it is used: `_create_consumer`)
         if "consumer_limits" in stream and isinstance(existing, dict) and not _differences(
                 {k: v for k, v in stream.items() if k != "consumer_limits"}, existing, {}):
             # Made by a turnrouter before the cap on its consumers' inactivity: taken
@@ -319,12 +335,14 @@ async def _create_stream(nc: Client, stream: dict[str, Any], api: str = "$JS.API
             "remove it") from exc
 
 
-async def _create_consumer(nc: Client, config: NatsConfig, partition: int) -> None:
+async def _create_consumer(nc: Client, config: NatsConfig, partition: int) -> bool:
     """Create a partition's consumer, or accept the identical existing one; one of
     another configuration (a replica started with another `ack_wait` or
     `failover_timeout`) is a `ConfigurationError` naming the settings that differ. A
     plain create would update it: one stray replica would set every partition's
-    failover for the whole fleet, silently."""
+    failover for the whole fleet, silently. True: the existing one is an earlier
+    turnrouter's, which reads probes on their own subject (`legacy_probe_subject`),
+    used as it is (a rolling upgrade must not stop the fleet)."""
     name = config.consumer(partition)
     wanted = consumer_config(config, partition)
     try:
@@ -337,12 +355,16 @@ async def _create_consumer(nc: Client, config: NatsConfig, partition: int) -> No
             raise
         existing = await _existing_config(
             nc, f"$JS.API.CONSUMER.INFO.{config.stream}.{name}")
+        if isinstance(existing, dict) and not _differences(
+                legacy_consumer_config(config, partition), existing, {}):
+            return True
         raise ConfigurationError(
             f"consumer {name} of stream {config.stream} exists with another "
             f"configuration{_differences(wanted, existing, {})}. Every replica of a "
             "deployment must use the same NatsConfig; after a change of configuration, "
             "stop every replica and align the consumers (`nats consumer edit`) or remove "
             "them") from exc
+    return False
 
 
 def check_payload(nc: Client, config: NatsConfig) -> None:
@@ -363,20 +385,45 @@ async def ensure_streams(nc: Client, config: NatsConfig) -> None:
     end started before any worker needs to publish (the partitions' consumers, which
     deliver everything stored, and the bucket are the workers': their settings,
     `ack_wait` and `failover_timeout`, are the workers' configuration)."""
-    await _create_stream(nc, _input_stream(config), settings={
+    stream = _input_stream(config)
+    legacy = {**stream, "subjects": [*stream["subjects"], *(
+        config.legacy_probe_subject(n) for n in range(config.partitions))]}
+    await _create_stream(nc, stream, legacy=legacy, settings={
         "max_bytes": "input_max_bytes", "max_age": "input_max_age"})
     await _create_stream(nc, _output_stream(config), settings={
         "max_bytes": "output_max_bytes", "max_age": "output_max_age"})
 
 
-async def ensure_deployment(nc: Client, config: NatsConfig) -> KeyValue:
-    """Create (or accept the identical existing) streams, consumers and state bucket;
-    the bucket (`check_payload` first)."""
+class Deployment(NamedTuple):
+    """What `ensure_deployment` made or found."""
+
+    bucket: KeyValue
+    legacy: frozenset[int]
+    """Partitions whose consumer an earlier turnrouter made (`_create_consumer`): their
+    probes go to `legacy_probe_subject`."""
+
+
+async def ensure_deployment(nc: Client, config: NatsConfig) -> Deployment:
+    """Create (or accept the identical existing) streams, consumers and state bucket
+    (`check_payload` first)."""
     check_payload(nc, config)
     await ensure_streams(nc, config)
     await _ensure_front_mirror(nc, config)
-    for partition in range(config.partitions):
-        await _create_consumer(nc, config, partition)
+    legacy = frozenset([partition for partition in range(config.partitions)
+                        if await _create_consumer(nc, config, partition)])
+    if legacy:
+        logger.warning(
+            "turnrouter: %d consumer(s) of stream %s were made by an earlier turnrouter "
+            "(a second filter subject, for probes): used as they are, but the server's "
+            "CPU per input then grows with the number of participants queued. To take "
+            "the newer form, stop every replica and remove the consumers (`nats "
+            "consumer rm %s p0`, ... `p%d`; docs/distributed.md, \"Upgrading\")",
+            len(legacy), config.stream, config.stream, config.partitions - 1)
+    return Deployment(await _bucket(nc, config), legacy)
+
+
+async def _bucket(nc: Client, config: NatsConfig) -> KeyValue:
+    """The state bucket, created (or the existing one checked for its copies)."""
     js = nc.jetstream()
     try:
         kv = await js.key_value(config.bucket)

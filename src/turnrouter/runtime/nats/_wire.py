@@ -435,7 +435,45 @@ class NatsConfig:
         return f"{self.prefix}.timing"
 
     def probe_subject(self, partition: int) -> str:
+        """Where a probe of `partition` is published: an input subject whose token the
+        stream's `partition()` transform sends to that partition (`probe_token`), so
+        each partition's consumer reads its probes through its one filter (a second
+        filter subject for probes made the server's cost per input grow with the
+        backlog: `benchmarks/bench_nats_backlog.py`)."""
+        return f"{self.prefix}.in.{probe_token(partition, self.partitions)}.probe"
+
+    def legacy_probe_subject(self, partition: int) -> str:
+        """Where turnrouter published probes before (`<prefix>.probe.<n>`): read by the
+        two-filter consumers an earlier turnrouter made, which a worker still uses."""
         return f"{self.prefix}.probe.{partition}"
+
+
+def _fnv1a(data: bytes) -> int:
+    """FNV-1a, 32 bits: what nats-server's `partition()` subject transform hashes a
+    token with (then modulo the partition count)."""
+    h = 0x811C9DC5
+    for byte in data:
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+#: Each partition count's probe tokens (at most a few counts per process).
+_PROBE_TOKENS: dict[int, tuple[str, ...]] = {}
+
+
+def probe_token(partition: int, partitions: int) -> str:
+    """The first token `probe<j>` that the server's `partition(partitions, 1)` sends to
+    `partition` (a few dozen hashes per partition, once per partition count)."""
+    tokens = _PROBE_TOKENS.get(partitions)
+    if tokens is None:
+        found: dict[int, str] = {}
+        j = 0
+        while len(found) < partitions:
+            token = f"probe{j}"
+            found.setdefault(_fnv1a(token.encode()) % partitions, token)
+            j += 1
+        tokens = _PROBE_TOKENS[partitions] = tuple(found[n] for n in range(partitions))
+    return tokens[partition]
 
 
 #: Tokens of the participants seen lately, both ways (a worker encodes a participant's
@@ -516,12 +554,14 @@ def parse_input(
     """
     parts = subject.split(".")
     if len(parts) == 3 and parts[1] == "probe" and parts[2].isdigit():
-        return int(parts[2]), None, "probe", None
+        return int(parts[2]), None, "probe", None  # (`legacy_probe_subject`)
     if len(parts) != 5 or parts[0] != config.prefix or parts[1] != "p" or not (
         parts[2].isdigit() and int(parts[2]) < config.partitions
     ):
         raise Rejected("unknown_subject", f"subject {subject[:200]!r} is not an input subject")
     partition, token, kind = int(parts[2]), parts[3], parts[4]
+    if kind == "probe" and token == probe_token(partition, config.partitions):
+        return partition, None, "probe", None
     payload = KINDS.get(kind)
     if payload is None:
         raise Rejected("unknown_subject", f"unknown input kind {kind[:50]!r}")
