@@ -439,7 +439,7 @@ class NatsConfig:
         stream's `partition()` transform sends to that partition (`probe_token`), so
         each partition's consumer reads its probes through its one filter (a second
         filter subject for probes made the server's cost per input grow with the
-        backlog: `benchmarks/bench_nats_backlog.py`)."""
+        backlog: `benchmarks/bench_many_participants.py`)."""
         return f"{self.prefix}.in.{probe_token(partition, self.partitions)}.probe"
 
     def legacy_probe_subject(self, partition: int) -> str:

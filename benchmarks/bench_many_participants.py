@@ -15,7 +15,7 @@ consumer (turnrouter before probes were inputs) that search grew with the backlo
 
 Each round runs every tree given with `--tree`, interleaved, on a server of its own:
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_nats_backlog.py \\
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_many_participants.py \\
         --tree new=src --tree old=/tmp/base/src --inputs 5000 --inputs 40000 --rounds 2
 """
 
