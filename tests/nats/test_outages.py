@@ -884,6 +884,31 @@ async def test_a_front_end_logs_an_outage_sparsely(nats_server: NatsServer) -> N
         await front.close()
 
 
+async def test_each_outage_of_a_front_end_is_logged_from_its_first_error(
+        nats_server: NatsServer) -> None:
+    """A second outage soon after the connection came back is an outage of its own:
+    its first error is logged as a first (chaos20 F1: errors of outages less than 10 s
+    apart were counted as one, and the second outage logged nothing)."""
+    lines = _Lines("NATS at")
+    logger = logging.getLogger("turnrouter.runtime.nats")
+    logger.addHandler(lines)
+    front = await NatsFrontEnd.connect(NatsConfig(url=nats_server.url))
+    try:
+        for outage in range(3):
+            lines.seen.clear()
+            lines.lines.clear()
+            nats_server.crash()
+            async with asyncio.timeout(30):
+                await lines.seen.wait()
+            first = [line for line in lines.lines if "NATS at" in line][0]
+            assert "errors in a row" not in first, (outage, first)
+            nats_server.restart()
+            await until_true(lambda: front.connection.is_connected, "reconnected")
+    finally:
+        logger.removeHandler(lines)
+        await front.close()
+
+
 async def test_a_server_back_taking_less_per_message_ends_the_worker(tmp_path: Path) -> None:
     """A server that comes back (a restart with another configuration, or another server
     of the URL list) taking less in one message than `max_message_bytes` plus headers:

@@ -81,6 +81,7 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
               **options}
     if theirs is not None:  # the caller's sees every error too, after ours
         merged["error_cb"] = _both(merged["error_cb"], theirs)
+    merged["reconnected_cb"] = _back(attempts, merged.get("reconnected_cb"))
     if patience is not None:
         merged["max_reconnect_attempts"] = -1  # nats-py tries until cancelled below
     nc = _TlsClient() if requires_tls(config) else _BoundedClient()
@@ -162,6 +163,10 @@ class _Attempts:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
+
+    def back(self) -> None:
+        """Connected again: the outage ended, however soon the next error comes."""
+        self._outage, self._previous = 0, -math.inf
 
     def failed(self, exc: BaseException) -> str:
         """Count one failure; how the log line names it."""
@@ -368,6 +373,17 @@ def _both(ours: Callable[[Exception], Awaitable[None]],
         await ours(exc)
         await theirs(exc)
     return on_error
+
+
+def _back(attempts: _Attempts, theirs: Callable[[], Awaitable[None]] | None
+          ) -> Callable[[], Awaitable[None]]:
+    """A reconnected callback ending the outage in `attempts` (the next error starts
+    a new one, logged from its first), then calling the caller's."""
+    async def reconnected() -> None:
+        attempts.back()
+        if theirs is not None:
+            await theirs()
+    return reconnected
 
 
 def _error_callback(config: NatsConfig, refused: asyncio.Future[BaseException] | None,
