@@ -900,7 +900,7 @@ async def test_each_outage_of_a_front_end_is_logged_from_its_first_error(
             nats_server.crash()
             async with asyncio.timeout(30):
                 await lines.seen.wait()
-            first = [line for line in lines.lines if "NATS at" in line][0]
+            first = next(line for line in lines.lines if "NATS at" in line)
             assert "errors in a row" not in first, (outage, first)
             nats_server.restart()
             await until_true(lambda: front.connection.is_connected, "reconnected")
