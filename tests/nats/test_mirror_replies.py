@@ -673,7 +673,7 @@ async def test_two_workers_finding_one_stall_restart_the_mirror_once() -> None:
     first = second = None
     try:
         first, second = await _worker_connection(server.url), await _worker_connection(server.url)
-        kv = await ensure_deployment(first, config)
+        kv = (await ensure_deployment(first, config)).bucket
         await _out_of_step(first, config)
         stalled = json.loads((await first.request(FRONT_INFO, b"", timeout=5)).data)
         kvs = (kv, await second.jetstream().key_value(config.bucket))
@@ -709,7 +709,7 @@ async def test_a_restart_claim_is_taken_once_per_stall_and_again_when_stale() ->
     nc = None
     try:
         nc = await _worker_connection(server.url)
-        kv = await ensure_deployment(nc, NatsConfig(url=server.url))
+        kv = (await ensure_deployment(nc, NatsConfig(url=server.url))).bucket
         assert await claim_restart(kv, "A/1/None")
         assert not await claim_restart(kv, "A/1/None")
         assert await claim_restart(kv, "B/1/None")
