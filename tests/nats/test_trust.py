@@ -133,7 +133,7 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
     await settled(worker_nc)
     refusals: list[str] = []
     all_refused = asyncio.Event()
-    expected = 17  # the fifteen publishes and two subscriptions below
+    expected = 18  # the sixteen publishes and two subscriptions below
 
     async def collect(exc: Exception) -> None:
         if "permissions violation" in str(exc).lower():
@@ -146,6 +146,7 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
                                   error_cb=collect)
     forbidden = ["turnrouter.ctl.interrupt", "turnrouter.presence", "turnrouter.timing",
                  "turnrouter.out.YWxpY2U", "turnrouter.probe.0",
+                 NatsConfig().probe_subject(0),  # an input of kind probe: workers only
                  "$KV.turnrouter_state.0.YWxpY2U", "$JS.API.STREAM.DELETE.TURNROUTER_IN",
                  "$JS.API.CONSUMER.CREATE.TURNROUTER_IN.p0",
                  "$JS.TURNROUTER.API.CONSUMER.CREATE.TURNROUTER_OUT", "turnrouter.mirror.x",
