@@ -126,8 +126,9 @@ async def test_busy_refuses_new_participants_and_keeps_admitted_ones() -> None:
         assert isinstance(refused.value, LifecycleError)
         assert h.observer.outcome(newcomer.turn_id) == "busy"
         assert ("shed", "p2", "new_participant") in h.observer.events
-        assert [(s.turn_id, s.text) for s in h.output.spoken] == [
-            (newcomer.turn_id, "Busy, call back soon.")]
+        # On route "none", as its metrics label it: not a clarification question.
+        assert [(s.turn_id, s.route, s.text) for s in h.output.spoken] == [
+            (newcomer.turn_id, "none", "Busy, call back soon.")]
         assert h.router.busy_text == "Busy, call back soon."  # what front ends say too
         assert "p2" not in h.router.participants
         # The admitted participant's next turn is still served.

@@ -743,6 +743,78 @@ async def test_a_started_call_left_unawaited_still_marks_the_first_response(
     assert "without calling started()" not in caplog.text
 
 
+@pytest.mark.parametrize("acknowledgments", [False, True])
+async def test_a_started_call_left_unawaited_is_named_once_per_route(
+        acknowledgments: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """`started()` without `await` in an answer that goes on: turnrouter says once per
+    route to await it (it waits for an acknowledgment being said), and Python warns of
+    no internal coroutine never awaited, acknowledgments on or off (newcomer20 F6:
+    `AcknowledgmentSidecar.wait_delivered` was never awaited). Awaited, nothing is said."""
+    class Unawaited(ScriptedAgent):
+        async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+            if self.name == "weather":
+                started()  # no await
+            else:
+                await started()
+            return DestinationResult(text=f"{self.name} answer")
+
+    kwargs: dict[str, Any] = ({"acknowledgment_llm": TemplateAcknowledger(),
+                               "acknowledgment_delay_secs": 5.0} if acknowledgments else {})
+    router = AgentRouter({"weather": Unawaited("weather"), "calendar": Unawaited("calendar")},
+                         ScriptedDecisions("weather", "weather", "calendar"),
+                         output=OutputRecorder(), telemetry=RecordingObserver(), **kwargs)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="turnrouter"):
+        warnings.simplefilter("error")  # "coroutine ... was never awaited" would raise
+        for n in range(3):
+            assert (await router.handle(AgentTurn("p", f"t{n}", "hello"))).text
+        gc.collect()
+    lines = [r.getMessage() for r in caplog.records
+             if "without awaiting" in r.getMessage()]
+    assert len(lines) == 1 and "'weather'" in lines[0] and "await started()" in lines[0]
+    await router.stop()
+
+
+async def test_an_acknowledgment_said_through_a_plain_def_output_names_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An acknowledgment handed to a plain-`def` output (it ran, returning no awaitable)
+    fails that acknowledgment, named as handed to output (not "none spoken"), and the
+    turn goes on to its answer."""
+    said: list[str] = []
+    clock = ManualClock()
+
+    def plain_output(turn: AgentTurn, route: str, text: str) -> None:
+        said.append(text)
+
+    class Slow(ScriptedAgent):
+        async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+            await clock.sleep(2.0)  # past the acknowledgment delay
+            await started()
+            return DestinationResult(text="slow answer")
+
+    router = AgentRouter({"weather": Slow("weather")}, ScriptedDecisions("weather"),
+                         output=plain_output,  # type: ignore[arg-type]  # the slip itself
+                         acknowledgment_llm=TemplateAcknowledger(), clock=clock,
+                         acknowledgment_delay_secs=1.0, telemetry=RecordingObserver())
+    results: list[DestinationResult] = []
+    done = anyio.Event()
+
+    async def run() -> None:
+        try:
+            results.append(await router.handle(AgentTurn("p", "t", "hello")))
+        finally:
+            done.set()
+
+    with caplog.at_level(logging.WARNING, logger="turnrouter"):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await clock.run_until(done)
+    assert [r.text for r in results] == ["slow answer"] and len(said) == 1
+    lines = [r.getMessage() for r in caplog.records if "acknowledgment for" in r.getMessage()]
+    assert lines and "handed to output" in lines[0] and "none spoken" not in lines[0]
+    assert "async def output" in lines[0]
+    await router.stop()
+
+
 async def test_an_answer_that_never_calls_started_is_warned_once_per_route(
         caplog: pytest.LogCaptureFixture) -> None:
     """answer() returning a text without started(): nothing measured its first

@@ -84,6 +84,18 @@ def test_table_models_generation_time_and_needless(samples: Path) -> None:
     assert "replayed in order" in out
 
 
+def test_samples_without_a_generation_time_say_what_is_modelled(samples: Path) -> None:
+    """Samples hold first responses only: the modelled generation time (0.3 s) is named
+    with how to give one's own (newcomer20 F3: the template acknowledger takes ~0 s, and
+    the recommendation moved by 0.3 s); given, nothing is said."""
+    code, out, _ = run(["--samples", str(samples), "--delays", "0.2,1"])
+    assert code == 0
+    assert "generation modelled as 0.3s" in out and "--generation-secs" in out
+    code, out, _ = run(["--samples", str(samples), "--delays", "0.2,1",
+                        "--generation-secs", "0"])
+    assert code == 0 and "generation modelled" not in out
+
+
 def test_routes_predicted_slow_are_acknowledged_early() -> None:
     """Without turn order (a distribution), a route is approximated as early when the
     trigger would be on its distribution: heard at max(min(early, delay), generation)."""

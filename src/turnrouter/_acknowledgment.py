@@ -439,9 +439,9 @@ class AcknowledgmentSidecar:
             self._scope.cancel()
         self._report("suppressed")
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, what: str = "none spoken") -> None:
         self._state = _FAILED
-        log_failure("acknowledgment for %s (none spoken)", error, self.route)
+        log_failure(f"acknowledgment for %s ({what})", error, self.route)
         self._report("failed", error=error)
 
     async def run(self) -> None:
@@ -543,7 +543,7 @@ class AcknowledgmentSidecar:
         try:
             await say_through(self._emit, self.turn, self.route, text)
         except Exception as exc:
-            self._fail(exc)
+            self._fail(exc, "handed to output, which failed")
             if self._started_at is not None:
                 self._answer.hear(self._started_at)  # the answer, not the acknowledgment
         except BaseException:

@@ -237,7 +237,7 @@ class RouterConfig:
         "max_history_exchanges", "max_participants", "max_patch_bytes", "max_pending",
         "max_waiting_turns",
         "observer", "output", "overflows", "release_timeout", "routes", "runtime_topics",
-        "set_status", "timed", "timing_sink", "unstarted",
+        "set_status", "timed", "timing_sink", "unawaited", "unstarted",
     )
 
     def __init__(
@@ -387,6 +387,8 @@ class RouterConfig:
         self.timing_sink = timing_sink
         #: Routes whose answer() returned without calling started() (warned once each).
         self.unstarted: set[str] = set()
+        #: Routes whose answer() was told to `await started()` (said once per route).
+        self.unawaited: set[str] = set()
         self.clock: Callable[[], float] = time.perf_counter if clock is None else clock.now
         self.timed: TimingEngine | None = None
         if acknowledgment_llm is not None or timing_predictor is not None or (

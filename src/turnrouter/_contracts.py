@@ -21,6 +21,7 @@ from ._redact import has_surrogates, preview
 
 __all__ = [
     "CLARIFY",
+    "NO_ROUTE",
     "Admission",
     "AdmissionDisposition",
     "AgentExchange",
@@ -42,6 +43,9 @@ _RESULT_DISPOSITIONS: frozenset[str] = frozenset(get_args(ResultDisposition))
 
 #: The decision choice meaning "ask the participant to clarify".
 CLARIFY = "clarify"
+#: The route of what the router says when no destination answers (the failure text
+#: after none did, the busy text of a refused turn): as its metrics label it.
+NO_ROUTE = "none"
 #: How `PolicyDecisions` rationales start: a "clarify" with this prefix was forced by a
 #: routing policy, and the router counts it under its own clarification reason.
 POLICY_RATIONALE = "policy:"

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._clock import Clock
-from ._contracts import CLARIFY, AgentTurn, say_through
+from ._contracts import NO_ROUTE, AgentTurn, say_through
 from ._exceptions import ConfigurationError, ContractTypeError, RouterBusyError
 from ._logging import log_failure
 from ._observer import LoadSampled, RouterObserver, TurnShed
@@ -286,7 +286,7 @@ class LoadMonitor:
         refusal itself."""
         assert self.policy is not None
         try:
-            await say_through(emit, turn, CLARIFY, self.policy.busy_text)
+            await say_through(emit, turn, NO_ROUTE, self.policy.busy_text)
         except Exception as exc:
             log_failure("telling %r that turn %s was shed", exc, turn.participant_id,
                         turn.turn_id)

@@ -29,6 +29,7 @@ from ._config import (
 )
 from ._context import _current
 from ._contracts import (
+    NO_ROUTE,
     POLICY_RATIONALE,
     Admission,
     AgentTurn,
@@ -209,7 +210,7 @@ class Turn(TurnRun):
 
     async def _emit_failure(self) -> None:
         try:
-            await say_through(self.end, self.turn, self.route or "none", self.cfg.failure_text)
+            await say_through(self.end, self.turn, self.route or NO_ROUTE, self.cfg.failure_text)
         except Exception as exc:
             log_failure("delivering the failure message of turn %s", exc, self.turn.turn_id)
 
@@ -515,6 +516,37 @@ class _Done:
 _DONE = _Done()
 
 
+class _Started:
+    """What `started()` returns: awaiting it waits for a committed acknowledgment's
+    delivery (made only then, so one left un-awaited leaves no never-awaited coroutine
+    behind), and tells the answer it was awaited (`_unawaited`)."""
+
+    __slots__ = ("_answer",)
+
+    def __init__(self, answer: Answer) -> None:
+        self._answer = answer
+
+    def __await__(self) -> Generator[Any, None, None]:
+        answer = self._answer
+        answer.awaited = True
+        sidecar = answer._sidecar
+        if sidecar is not None and not answer.closed:
+            return sidecar.wait_delivered().__await__()
+        return _DONE.__await__()
+
+
+def _unawaited(cfg: RouterConfig, route: str) -> None:
+    """`route`'s answer() called started() without awaiting it: said once per route,
+    as its output may overlap an acknowledgment being said (where one is configured)."""
+    if route in cfg.unawaited:
+        return
+    cfg.unawaited.add(route)
+    logger.warning("turnrouter: destination %r called started() without awaiting it: "
+                   "use `await started()` (it waits until an acknowledgment being said "
+                   "is heard, so the answer does not talk over it; said once per route)",
+                   route)
+
+
 def _unstarted(cfg: RouterConfig, route: str) -> None:
     """`route`'s answer() returned a text without calling started(): said once per
     route (an answer with no text may have said nothing, a silent release), as
@@ -551,6 +583,8 @@ class Answer:
     #: said, the silence's end when no report says when it was heard.
     _said_at: float | None = None
     closed = False
+    #: started() was called while the answer ran / what it returned was awaited.
+    called = awaited = False
 
     def __init__(self, owner: Turn, route: str) -> None:
         self.owner, self.route = owner, route
@@ -619,6 +653,8 @@ class Answer:
         self.closed = True
         if not owner.started and result.text:  # (it answered: history holds its text)
             _unstarted(cfg, route)
+        elif self.called and not self.awaited:
+            _unawaited(cfg, route)
         if self._said_at is not None:
             self._close_silence()
         if owner.observing:
@@ -658,10 +694,8 @@ class Answer:
             return _DONE
         if not self.owner.started:
             self._start()
-        sidecar = self._sidecar
-        if sidecar is not None:
-            return sidecar.wait_delivered()
-        return _DONE
+        self.called = True
+        return _Started(self)
 
     # What the acknowledgment sidecar reads (`_acknowledgment.Answering`).
 

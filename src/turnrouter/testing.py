@@ -285,7 +285,8 @@ class Spoken:
     turn_id: str
     """The turn it belongs to."""
     route: str
-    """The route it was said for (`"clarify"` for the router's own questions)."""
+    """The route it was said for (`"clarify"` for the router's own questions, `"none"`
+    for the failure or busy text when no destination answered)."""
     text: str
     """What was said."""
 

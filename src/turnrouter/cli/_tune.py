@@ -1080,6 +1080,12 @@ def tune_main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None 
             splits = replay_splits(ordered[-args.replay_samples:], delays,
                                    args.generation_secs, confidence=args.confidence)
             source = ", ".join(printable(path) for path in args.samples)
+            if modelled_by_default:  # (samples hold first responses, not generation)
+                disagree += (
+                    f"note: acknowledgment generation modelled as {args.generation_secs:g}s "
+                    "(samples do not record it): pass --generation-secs with your "
+                    "acknowledger's (about 0 for TemplateAcknowledger; a deployment's "
+                    "dashboard shows it: 'Acknowledgment generation time')\n")
             replayed = min(len(ordered), args.replay_samples)
             model = (f"predictive = {replayed:,} samples replayed in order through "
                      f"RouteTimingPredictor(confidence={args.confidence:g}) per delay")

@@ -11,13 +11,14 @@ from .._redact import strip_surrogates
 
 __all__ = ["DEFAULT_PHRASES", "GENERIC_PHRASES", "TemplateAcknowledger"]
 
-#: `{subject}` is the route name as words ("billing", "smart home"): each phrase reads
-#: right whatever the route is called ("your billing question", "the weather details").
+#: `{subject}` is the route name as words ("billing", "smart home", "facts"): each
+#: phrase reads right whatever the route is called, singular or plural ("your billing
+#: question", "your facts request"; "the facts details" did not).
 DEFAULT_PHRASES: tuple[str, ...] = (
     "Let me look into your {subject} question.",
     "One moment, I'm checking on your {subject} request.",
-    "Give me a second, checking the {subject} details.",
-    "Okay, I'm pulling up the {subject} details.",
+    "Give me a second, I'm on your {subject} question.",
+    "Okay, I'm pulling that up for your {subject} request.",
     "One moment while I look into your {subject} request.",
     "Let me take a look at your {subject} question.",
 )

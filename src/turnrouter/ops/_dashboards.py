@@ -452,7 +452,10 @@ def overview() -> dict[str, Any]:
             unit="ops"),
         _timeseries(
             "Rejected runtime messages", "Runtime messages the router's subscriber rejected "
-            "per second, by topic and reason (invalid, wrong_type, closed).",
+            "per second, by topic and reason (invalid, wrong_type, closed). On a NATS "
+            "fleet, nats_timing over_share and fleet_share are normal: a replica that "
+            "measures few turns of a route itself refuses most of its peers' samples of "
+            "it (docs/distributed.md, \"Trust\"); an attack shows as the other reasons.",
             _targets((f"sum by (topic, reason) (rate("
                       f"{_sel('turnrouter_runtime_rejected_messages_total', JOB)}[{RATE}]))",
                       "{{topic}} {{reason}}")),
