@@ -876,6 +876,76 @@ async def test_graceful_end_is_bounded() -> None:
     assert end.interrupted and parts.cancelled
 
 
+async def test_a_session_sharing_the_router_ends_without_stopping_it() -> None:
+    """Two sessions of one job on one router: `stop_gracefully(router, alice,
+    owns_router=False)` lets alice depart (her destination released) and leaves the
+    router running for bob, his history kept. Before, only stopping the router was
+    possible: bob's next turn saw an empty history (newcomer20 F2)."""
+    weather = speaking("weather")
+    router = make_router(weather, decisions=ScriptedDecisions("weather"))
+    async with session_for(router, "alice", depart_on_close=False) as (alice, _), \
+            session_for(router, "bob") as (bob, _):
+        await run(alice, "rain in Paris?")
+        await run(bob, "rain in Rome?")
+        with anyio.fail_after(5):
+            await stop_gracefully(router, alice, timeout_secs=5, owns_router=False)
+        assert [(call.method, call.participant_id) for call in weather.calls
+                if call.method == "release"] == [("release", "alice")]
+        assert router.participants == frozenset({"bob"})
+        await run(bob, "and tomorrow?")
+        assert [e.user for e in router.history_of("bob")] == ["rain in Rome?",
+                                                               "and tomorrow?"]
+    await router.stop()
+
+
+async def test_a_shared_routers_session_ending_waits_for_its_own_turn_only() -> None:
+    """`owns_router=False` waits for the given session's turn in flight, and past its
+    timeout interrupts that one only: the other session's turn still running answers."""
+    parts = TwoParts("weather")
+    router = make_router(parts, decisions=ScriptedDecisions("weather"))
+    async with session_for(router, "alice", depart_on_close=False) as (alice, alice_ends), \
+            session_for(router, "bob") as (bob, bob_ends):
+        alice.generate_reply(user_input="rain in Paris?")
+        second: RunResult[Any] = bob.run(user_input="rain in Rome?")
+        await parts.wait_speakers(2)
+        with anyio.fail_after(5):
+            await stop_gracefully(router, alice, timeout_secs=0.01, owns_router=False)
+        assert (await alice_ends.wait())[0].interrupted
+        parts.gate.set()
+        with anyio.fail_after(5):
+            bob_result = await second
+        bob_end = (await bob_ends.wait())[0]
+        assert not bob_end.interrupted
+        assert said(bob_result) == ["Part one. Part two."]
+    await router.stop()
+
+
+async def test_stopping_a_router_other_sessions_use_is_warned_about(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The default (`owns_router=True`) stops the router for every session: when another
+    open session still routes through it, a WARNING names `owns_router=False`."""
+    router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
+    async with session_for(router, "alice", depart_on_close=False) as (alice, _), \
+            session_for(router, "bob", depart_on_close=False) as (bob, _):
+        await run(alice, "rain?")
+        await run(bob, "rain?")
+        with caplog.at_level(logging.WARNING, "turnrouter.integrations.livekit"):
+            await stop_gracefully(router, alice, timeout_secs=5)
+    assert "owns_router=False" in caplog.text and "1 other open" in caplog.text
+
+
+async def test_stopping_a_router_with_all_its_sessions_is_not_warned_about(
+        caplog: pytest.LogCaptureFixture) -> None:
+    router = make_router(speaking("weather"), decisions=ScriptedDecisions("weather"))
+    async with session_for(router, "alice", depart_on_close=False) as (alice, _), \
+            session_for(router, "bob", depart_on_close=False) as (bob, _):
+        await run(alice, "rain?")
+        await run(bob, "rain?")
+        with caplog.at_level(logging.WARNING, "turnrouter.integrations.livekit"):
+            await stop_gracefully(router, alice, bob, timeout_secs=5)
+    assert "owns_router" not in caplog.text
+
+
 # ---------------------------------------------------------------- destinations
 
 

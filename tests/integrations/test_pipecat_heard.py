@@ -27,6 +27,7 @@ with warnings.catch_warnings():  # pipecat imports the deprecated audioop on 3.1
         ProposedUserStoppedSpeakingFrame,
         TranscriptionFrame,
     )
+    from pipecat.pipeline.pipeline import Pipeline
     from pipecat.processors.aggregators.llm_context import LLMContext
     from pipecat.processors.aggregators.llm_response_universal import (
         LLMAssistantAggregator,
@@ -180,6 +181,81 @@ async def test_a_call_ending_before_late_audio_records_a_lower_bound() -> None:
     # Nor heard later: the speech still queued was dropped when the end gave up on it
     # (it played after the end had measured it unheard: voice17 F9).
     assert out.played == {}
+
+
+async def test_a_call_ending_before_its_first_audio_waits_for_it_in_a_nested_pipeline() -> None:
+    """The processor in a pipeline of its own, the output transport after it (the
+    processor cannot see the output by walking its links), and EndFrame before the
+    call's first audio: the end waits for that audio, so the only turn is measured to
+    it. Before, the end did not wait for a call that had played no audio yet: the router
+    stopped at once and recorded both at the text's push (0 s; newcomer20 F1)."""
+    clock = ManualClock()
+    agent = Agent("weather", "Sunny.")
+    router, observer = voice(agent, clock)
+    tts, out = ClockTTS(clock, ttfb=0.6), PlayingOutput(clock)
+    async with Pipe(Pipeline([TurnRouterProcessor(router)]), tts, out) as pipe:
+        await pipe.send(said("rain?"))
+        with anyio.fail_after(10):
+            await agent.pushed_first.wait()
+        await end_on_clock(pipe, clock)
+    assert out.played[tts.tag("Sunny.")] == pytest.approx(0.6)
+    assert measured(observer) == (pytest.approx(0.6), pytest.approx(0.6))
+
+
+async def test_a_call_ending_before_its_first_audio_past_the_bound_records_a_lower_bound(
+) -> None:
+    """The same nested pipeline, the first audio still to come past `end_timeout_secs`:
+    a lower bound at the end's give-up, no silence, and the audio is not played after.
+    Before, the first response and silence were recorded at the text's push (newcomer20
+    F1: 0.016 s recorded, the audio played 5 s later)."""
+
+    class Watch(RecordingObserver):
+        def __init__(self) -> None:
+            super().__init__()
+            self.measured = anyio.Event()
+
+        def heard(self, event: Heard) -> None:
+            super().heard(event)
+            self.measured.set()
+
+    clock = ManualClock()
+    agent = Agent("weather", "Sunny.")
+    observer = Watch()
+    router = AgentRouter({"weather": agent}, ScriptedDecisions("weather"), clock=clock,
+                         telemetry=observer)
+    tts, out = ClockTTS(clock, ttfb=2.0), PlayingOutput(clock)
+    processor = TurnRouterProcessor(router, end_timeout_secs=0.05)
+    async with Pipe(Pipeline([processor]), tts, out) as pipe:
+        await pipe.send(said("rain?"))
+        with anyio.fail_after(10):
+            await agent.pushed_first.wait()
+            await clock.wait_for_sleepers(1)  # the TTS, on its way to the first audio
+        clock.advance(1.0)
+        await pipe.worker.queue_frame(EndFrame())
+        with anyio.fail_after(10):  # the end gives up on the audio (real time)
+            await observer.measured.wait()
+        await end_on_clock(pipe, clock, send=False)
+    assert [event for event in observer.events if event[0].startswith("heard")] == [
+        ("heard_interrupted", "weather", pytest.approx(1.0))]
+    assert not [event for event in observer.turns[next(iter(observer.turns))]
+                if event[0] == "silence"]
+    assert out.played == {}
+
+
+async def test_a_call_with_no_output_ends_at_once_measured_at_started() -> None:
+    """No output at all (a text pipeline): the end-of-call flush reaches the end of the
+    pipeline with nothing heard, so the end does not wait `end_timeout_secs` for audio
+    that will never come, and the turn falls back to `started()`."""
+    clock = ManualClock()
+    agent = Agent("weather", "Sunny.", clock=clock, delay=0.25)
+    router, observer = voice(agent, clock)
+    async with Pipe(Pipeline([TurnRouterProcessor(router)])) as pipe:
+        await pipe.send(said("rain?"))
+        with anyio.fail_after(10):
+            await run_clock(clock, agent.pushed_first.is_set)
+        rest = await pipe.end()  # bounded: the end does not wait 30 s
+    assert any(isinstance(frame, EndFrame) for frame in rest)
+    assert measured(observer) == (pytest.approx(0.25), pytest.approx(0.25))
 
 
 class Remembering(FrameAgent):

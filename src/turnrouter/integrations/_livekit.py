@@ -619,8 +619,23 @@ async def _join(departure: Awaitable[None], participant_id: str) -> None:
         _log_failure("departure of %s", exc, participant_id)
 
 
+def _agents_of(router: AgentRouter) -> list[RouterAgent]:
+    """The `RouterAgent`s of `router` with a session still open (each registered at its
+    first turn, dropped at its session's close)."""
+    dispatch = _DISPATCHERS.get(id(router))
+    if dispatch is None or dispatch.router is not router:
+        return []
+    return [agent for agent in dispatch.agents.values() if agent._closing_session is not None]
+
+
+async def _settle(agents: list[RouterAgent]) -> None:
+    """Until the turns (and the interruptions, departures) of `agents` are over."""
+    while tasks := [task for agent in agents for task in agent._tasks]:
+        await asyncio.wait(tasks)
+
+
 async def stop_gracefully(router: AgentRouter, *sessions: AgentSession[Any],
-                          timeout_secs: float | None = None) -> None:
+                          timeout_secs: float | None = None, owns_router: bool = True) -> None:
     """End the router after the turns in flight: the given sessions play the replies
     they are speaking to their end (`session.drain()`), then the router `drain()`s and
     `stop()`s.
@@ -630,22 +645,53 @@ async def stop_gracefully(router: AgentRouter, *sessions: AgentSession[Any],
     (for all of it), what is still running after it is interrupted, then `stop()`s: an
     answer whose audio had not begun by then was not heard (its first response a lower
     bound, no silence), not measured at its text's hand-over.
+
+    With `owns_router=False` (a router shared by several sessions of one job) the router
+    keeps running for the others: only the given sessions' participants are waited for
+    (or, past the timeout, interrupted), then depart (`begin_departure`: releases,
+    cleanup). Stopping a router that other open sessions still route through (the
+    default `owns_router=True`) is logged at WARNING: their participants would lose
+    their history and focus mid-call.
     """
+    if owns_router:
+        others = [agent for agent in _agents_of(router)
+                  if agent._closing_session not in sessions]
+        if others:
+            logger.warning("stop_gracefully stops an AgentRouter that %d other open LiveKit "
+                           "session(s) still route through: their participants lose their "
+                           "history and focus; pass owns_router=False to end only the "
+                           "given sessions' participants", len(others))
+    # Before the drain: a session that closes meanwhile drops its agents from the list.
+    own = [agent for agent in _agents_of(router) if agent._closing_session in sessions]
+
     async def drain() -> None:
         for session in sessions:
             with contextlib.suppress(RuntimeError):  # not running (closed already)
                 await session.drain()
-        await router.drain()
+        if owns_router:
+            await router.drain()
+        else:
+            await _settle(own)
 
-    if timeout_secs is None:
-        await drain()
-    else:
-        try:
-            async with asyncio.timeout(timeout_secs):
-                await drain()
-        except TimeoutError:
+    try:
+        async with asyncio.timeout(timeout_secs):
+            await drain()
+    except TimeoutError:
+        if owns_router:
             await router.interrupt()  # (voice13: stop() alone measured at the hand-over)
-    await router.stop()
+        else:
+            for agent in own:
+                await router.interrupt(agent.participant_id)
+    if owns_router:
+        await router.stop()
+        return
+    for agent in own:
+        try:
+            departure = router.begin_departure(agent.participant_id)
+        except Exception as exc:  # the router stopped meanwhile
+            _log_failure("departure of %s", exc, agent.participant_id)
+            continue
+        await _join(departure.join(), agent.participant_id)
 
 
 class HandoffDestination:

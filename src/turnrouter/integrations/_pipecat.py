@@ -671,6 +671,24 @@ class _Ledger:
         if self._pending.pop(mark.seq, None) is not None:
             self._changed.set()
 
+    @property
+    def pending(self) -> bool:
+        """Whether a marked utterance is neither heard nor resolved yet."""
+        return bool(self._pending)
+
+    def flush(self, owner: int) -> _Mark:
+        """A mark for the end of the call, after every utterance marked so far: once it
+        passed the output (or reached the pipeline's end), what was marked before it
+        that is still pending was played with no audio, or never will be."""
+        return _Mark(owner=owner, seq=next(self._seq), kind="flush", end=True)
+
+    def flushed(self, flush: _Mark) -> None:
+        """`flush` passed the output, or the end of the pipeline: everything marked
+        before it is resolved (an output plays in order: its audio would have come)."""
+        for seq in [seq for seq in self._pending if seq < flush.seq]:
+            del self._pending[seq]
+        self._changed.set()
+
     def unheard(self) -> set[str]:
         """The participants with an answer marked and not heard yet."""
         return {mark.participant_id for mark in self._pending.values()
@@ -717,15 +735,22 @@ class _Ears(BaseObserver):
         self._open: dict[int, list[_Mark]] = {}
         #: Processors known to play audio (they sent a BotStartedSpeakingFrame).
         self._outputs: set[int] = set()
-        self.output_seen = False
         #: The latest BotStartedSpeakingFrames counted (a broadcast sends two copies).
         self._started_ids: deque[int] = deque(maxlen=8)
 
     def _is_output(self, source: FrameProcessor) -> bool:
         if isinstance(source, BaseOutputTransport):
-            self.output_seen = True
             return True
         return source.id in self._outputs
+
+    async def reached_end(self, worker: object, frame: Frame) -> None:
+        """A frame reached the end of the whole pipeline (the worker's
+        `on_frame_reached_downstream` event): this processor's end-of-call flush
+        resolves what is still pending, also where no output transport was seen (a
+        pipeline with no audio; an output the processor cannot see, a call whose
+        first audio has not played yet)."""
+        if isinstance(frame, _Mark) and frame.owner == self._owner and frame.kind == "flush":
+            self._ledger.flushed(frame)
 
     async def on_push_frame(self, data: FramePushed) -> None:
         frame = data.frame
@@ -733,6 +758,11 @@ class _Ears(BaseObserver):
             if frame.owner != self._owner:
                 return
             source = data.source
+            if frame.kind == "flush":
+                if self._is_output(source):
+                    self._open.pop(source.id, None)
+                    self._ledger.flushed(frame)
+                return
             marks = self._open.setdefault(source.id, [])
             if not frame.end:
                 marks.append(frame)
@@ -751,7 +781,6 @@ class _Ears(BaseObserver):
                 return  # passed on, or the other copy of a broadcast: counted once
             self._started_ids.append(frame.id)
             self._outputs.add(data.source.id)
-            self.output_seen = True
             started = self._open.get(data.source.id)
             if started:
                 self._ledger.heard(started.pop())
@@ -985,7 +1014,11 @@ class TurnRouterProcessor(FrameProcessor):
     async def setup(self, setup: FrameProcessorSetup) -> None:  # type: ignore[override]
         await super().setup(setup)
         if self.report_heard:
-            setup.pipeline_worker.add_observer(self._ears)
+            worker = setup.pipeline_worker
+            worker.add_observer(self._ears)
+            # The end-of-call flush reaching the pipeline's end (see `_drain_audio`).
+            worker.add_reached_downstream_filter((_Mark,))
+            worker.add_event_handler("on_frame_reached_downstream", self._ears.reached_end)
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
@@ -1216,14 +1249,16 @@ class TurnRouterProcessor(FrameProcessor):
 
     async def _drain_audio(self) -> None:
         """Wait until every marked utterance was heard, or passed the output with no
-        audio (bounded by the caller). Only when an output transport is in the pipeline."""
-        if self._ears.output_seen or self._output_downstream():
-            await self._ledger.wait_empty()
-
-    def _output_downstream(self) -> bool:
-        """Whether an output transport follows (walking the linked processors)."""
-        start = self._speaker if self._speaker.next is not None else self
-        return any(isinstance(node, BaseOutputTransport) for node in _walk(start, False))
+        audio (bounded by the caller). Also for a call whose first audio has not played
+        yet and whose output the processor cannot see (in a pipeline of its own, an
+        output that is no `BaseOutputTransport`): a flush mark follows the speech, and
+        when it reaches the output, or the end of a pipeline that has none, the rest is
+        resolved. (The wait was skipped before any audio was seen: the router stopped
+        at once and measured that turn at `started()`: newcomer20 F1.)"""
+        if not self._ledger.pending:
+            return
+        await self._push_speech(self._ledger.flush(self.id))
+        await self._ledger.wait_empty()
 
     async def _push_through(self, frame: Frame) -> None:
         """Push a frame downstream and, with the speaker linked, wait (bounded) until it
