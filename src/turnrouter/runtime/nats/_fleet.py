@@ -256,11 +256,10 @@ class Fleet:
                  metrics: RuntimeMetrics | None,
                  spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
                  reject: Callable[[str, str], None], *,
-                 listen: Client | None = None,
-                 probe_subject: Callable[[int], str] | None = None) -> None:
+                 listen: Client | None = None, probe_subject: Callable[[int], str]
+                 | None = None) -> None:
         self._nc, self._config, self._replica = nc, config, replica
-        #: Where a partition's probe goes (`Connection.probe_subject`).
-        self.probe_subject = probe_subject or config.probe_subject
+        self.probe_subject = probe_subject or config.probe_subject  # (`Connection`'s)
         self.listen = listen or nc  # what presence, timing are read on (`hang_up`)
         self._owned, self._count, self._metrics = owned, count, metrics
         self._spawn, self._reject = spawn, reject
@@ -509,7 +508,6 @@ class Fleet:
         """Probe the partitions not owned here (all of them just after a reconnect), so a
         dead owner's partitions get a new pinned client (and their unfinished turns
         their ending) even when idle."""
-        nc = self._nc
         while True:
             await asyncio.sleep(self._config.probe_interval)
             self._after_reconnect()
@@ -518,12 +516,11 @@ class Fleet:
                 if n in owned:
                     continue
                 with contextlib.suppress(NatsError, TimeoutError):
-                    # One probe per partition and window across the fleet (by id);
-                    # not waiting for the stream's reply: a refused or lost probe must
-                    # not hold up the others (the next window probes again).
+                    # One per partition and window across the fleet (by id), unconfirmed:
+                    # a refused or lost one must not hold up the others.
                     window = int(time.time() / self._config.probe_interval)
-                    await nc.publish(self.probe_subject(n), b"",
-                                     headers={"Nats-Msg-Id": f"probe.{n}.{window}"})
+                    await self._nc.publish(self.probe_subject(n), b"",
+                                           headers={"Nats-Msg-Id": f"probe.{n}.{window}"})
 
     # ------------------------------------------------------------------ timing samples
     def send_sample(self, sample: TimingSample) -> None:
