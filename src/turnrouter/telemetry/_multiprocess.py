@@ -57,8 +57,13 @@ MULTIPROCESS_GAUGE_MODES: Mapping[str, GaugeMode] = MappingProxyType(GAUGE_MODES
 
 
 def is_multiprocess() -> bool:
-    """Whether prometheus_client writes this process's values to multiprocess files."""
-    return bool(getattr(prometheus_client.values.ValueClass, "_multiprocess", False))
+    """Whether prometheus_client writes this process's values to multiprocess files (it
+    chose its value class when imported, from `PROMETHEUS_MULTIPROC_DIR`)."""
+    value_class = prometheus_client.values.ValueClass
+    flag = getattr(value_class, "_multiprocess", None)
+    if flag is None:  # a prometheus_client without the flag: the in-process class is plain
+        return value_class is not prometheus_client.values.MutexValue
+    return bool(flag)
 
 
 class Mirrors:
