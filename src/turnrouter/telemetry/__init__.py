@@ -22,6 +22,7 @@ from ._metrics import (
     metric,
     metrics_markdown_table,
 )
+from ._multiprocess import MULTIPROCESS_GAUGE_MODES
 from ._serve import READY_REASON_CHARS, ASGIApp, MetricsServer, metrics_app, serve_metrics
 from ._spans import (
     ATTR,
@@ -59,6 +60,7 @@ __all__ = [
     "MAX_TRACED_PARTICIPANTS",
     "MAX_WINDOW_PARTICIPANTS",
     "METRICS",
+    "MULTIPROCESS_GAUGE_MODES",
     "NEEDLESS_WITHIN_SECONDS",
     "PARTICIPANT_WINDOW_SECS",
     "READY_REASON_CHARS",

@@ -13,6 +13,10 @@ Each `Telemetry` keeps one *shard* of children per thread that records through i
 lock; a scrape adds up every live shard of the registry plus what shards that were
 garbage-collected (a finished thread's, a dropped `Telemetry`'s) left behind. Gauges (set
 rarely) stay prometheus_client's.
+
+In prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, as a LiveKit worker
+sets it), each child also writes through to prometheus_client's process-wide families,
+whose files are the export (see `_multiprocess`).
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ from weakref import WeakKeyDictionary
 
 import prometheus_client.metrics
 from opentelemetry.trace import Span
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
 from .._observer import ClarificationReason
 from ._metrics import METRICS, MetricSpec, metric
+from ._multiprocess import GAUGE_MODES, is_multiprocess, mirrors
 from ._window import ParticipantWindow
 
 __all__ = [
@@ -139,6 +144,42 @@ def _stamp(exemplar: Exemplar) -> float:
     return stamp if isinstance(stamp, float) else 0.0
 
 
+class _MirroredCount(Count):
+    """A counter child that also increments prometheus_client's (multiprocess mode)."""
+
+    __slots__ = ("_mirror",)
+
+    def __init__(self, mirror: Counter) -> None:
+        super().__init__()
+        self._mirror = mirror
+
+    def inc(self) -> None:
+        """Add one, here and in this process's multiprocess file."""
+        self.value += 1.0
+        self._mirror.inc()
+
+
+class _MirroredLatency(Latency):
+    """A histogram child that also observes into prometheus_client's (multiprocess mode:
+    without exemplars, which its files cannot hold)."""
+
+    __slots__ = ("_mirror",)
+
+    def __init__(self, bounds: tuple[float, ...], mirror: Histogram) -> None:
+        super().__init__(bounds)
+        self._mirror = mirror
+
+    def observe(self, seconds: float) -> None:
+        """Record one observation, here and in this process's multiprocess file."""
+        super().observe(seconds)
+        self._mirror.observe(seconds)
+
+    def observe_traced(self, seconds: float, now: float, span: Span) -> None:
+        """As `Latency.observe_traced`; the file gets the observation only."""
+        super().observe_traced(seconds, now, span)
+        self._mirror.observe(seconds)
+
+
 _C = TypeVar("_C", Count, Latency)
 
 
@@ -147,8 +188,8 @@ class _Family(Generic[_C]):
 
     __slots__ = ("__weakref__", "_make", "_width", "children")
 
-    def __init__(self, make: Callable[[], _C], width: int) -> None:
-        self._make: Callable[[], _C] = make
+    def __init__(self, make: Callable[[tuple[str, ...]], _C], width: int) -> None:
+        self._make: Callable[[tuple[str, ...]], _C] = make
         self._width = width
         self.children: dict[tuple[str, ...], _C] = {}
 
@@ -158,7 +199,7 @@ class _Family(Generic[_C]):
         if child is None:
             if len(values) != self._width:
                 raise ValueError(f"expected {self._width} label values, got {values!r}")
-            child = self.children[values] = self._make()
+            child = self.children[values] = self._make(values)
         return child
 
 
@@ -170,9 +211,13 @@ def _use_created() -> bool:
 class _Collector(Generic[_C]):
     """A family registered on a registry: adds up its shards' children at scrape time."""
 
-    def __init__(self, spec: MetricSpec, make: Callable[[], _C]) -> None:
+    def __init__(self, spec: MetricSpec, make: Callable[[], _C],
+                 mirrored: Callable[[tuple[str, ...]], _C] | None = None) -> None:
         self.spec = spec
         self._make: Callable[[], _C] = make
+        #: Makes a shard's child for label values (write-through in multiprocess mode).
+        self._child: Callable[[tuple[str, ...]], _C] = (
+            mirrored if mirrored is not None else self._plain)
         self._kind = spec.type
         self._name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
         self._lock = threading.Lock()
@@ -180,9 +225,12 @@ class _Collector(Generic[_C]):
         #: What shards that were garbage-collected had counted.
         self._retired: dict[tuple[str, ...], _C] = {}
 
+    def _plain(self, values: tuple[str, ...]) -> _C:
+        return self._make()
+
     def shard(self) -> _Family[_C]:
         """A new shard of children for one `Telemetry`."""
-        family: _Family[_C] = _Family(self._make, len(self.spec.labels))
+        family: _Family[_C] = _Family(self._child, len(self.spec.labels))
         with self._lock:
             self._shards.add(family)
         weakref.finalize(family, self._retire, family.children)
@@ -246,23 +294,27 @@ class _Registered:
         self.collectors: dict[str, _Collector[Count] | _Collector[Latency]] = {}
         self.shards: weakref.WeakSet[Families] = weakref.WeakSet()
         self.lock = threading.Lock()
+        #: prometheus_client writes this process's values to multiprocess files: the
+        #: counters and histograms write through, and the gauges read at scrape time
+        #: (which the files cannot call) are set as they change instead.
+        self.multiprocess = is_multiprocess()
         registered: list[object] = []
         try:
             for name in _COUNTERS:
-                self._add(registry, registered, _Collector(_spec(name, "counter"), Count))
+                self._add(registry, registered, _counter(_spec(name, "counter"),
+                                                         self.multiprocess))
             for name in _HISTOGRAMS:
-                spec = _spec(name, "histogram")
-                bounds = spec.buckets
-                assert bounds is not None
-                self._add(registry, registered, _Collector(spec, partial(Latency, bounds)))
+                self._add(registry, registered, _histogram(_spec(name, "histogram"),
+                                                           self.multiprocess))
             self.gauges = {name: self._gauge(registry, registered, name) for name in _GAUGES}
-            # Turns in flight change twice per turn: plain counts read at scrape time.
-            self.gauges["turnrouter_turns_in_flight"].set_function(self._in_flight)
-            # Distinct participants in the sliding windows: the union over shards.
-            self.gauges["turnrouter_window_participants"].set_function(
-                partial(self._distinct, "speakers"))
-            self.gauges["turnrouter_window_clarified_participants"].set_function(
-                partial(self._distinct, "clarified"))
+            if not self.multiprocess:
+                # Turns in flight change twice per turn: plain counts read at scrape time.
+                self.gauges["turnrouter_turns_in_flight"].set_function(self._in_flight)
+                # Distinct participants in the sliding windows: the union over shards.
+                self.gauges["turnrouter_window_participants"].set_function(
+                    partial(self._distinct, "speakers"))
+                self.gauges["turnrouter_window_clarified_participants"].set_function(
+                    partial(self._distinct, "clarified"))
         except BaseException:
             for collector in registered:  # leave the registry as it was
                 registry.unregister(collector)  # type: ignore[arg-type]
@@ -277,9 +329,16 @@ class _Registered:
     @staticmethod
     def _gauge(registry: CollectorRegistry, registered: list[object], name: str) -> Gauge:
         spec = _spec(name, "gauge")
-        gauge = Gauge(spec.name, spec.documentation, spec.labels, registry=registry)
+        gauge = Gauge(spec.name, spec.documentation, spec.labels, registry=registry,
+                      multiprocess_mode=GAUGE_MODES[name])
         registered.append(gauge)
         return gauge
+
+    def publish_windows(self) -> None:
+        """Set the window gauges (multiprocess mode: the files hold values, not calls)."""
+        self.gauges["turnrouter_window_participants"].set(self._distinct("speakers"))
+        self.gauges["turnrouter_window_clarified_participants"].set(
+            self._distinct("clarified"))
 
     def _in_flight(self) -> float:
         with self.lock:
@@ -293,6 +352,26 @@ class _Registered:
         for shard in shards:
             ids.update(getattr(shard, window).live())
         return float(len(ids))
+
+
+def _counter(spec: MetricSpec, multiprocess: bool) -> _Collector[Count]:
+    if not multiprocess:
+        return _Collector(spec, Count)
+    mirror = mirrors().counter(spec)
+    return _Collector(spec, Count, lambda values: _MirroredCount(
+        mirror.labels(*values) if values else mirror))
+
+
+def _histogram(spec: MetricSpec, multiprocess: bool) -> _Collector[Latency]:
+    bounds = spec.buckets
+    assert bounds is not None
+    make = partial(Latency, bounds)
+    if not multiprocess:
+        return _Collector(spec, make)
+    mirror = mirrors().histogram(spec)
+    return _Collector(spec, make,
+                      lambda values: _MirroredLatency(
+        bounds, mirror.labels(*values) if values else mirror))
 
 
 _COUNTERS = tuple(spec.name for spec in METRICS if spec.type == "counter")
@@ -331,9 +410,11 @@ class Families:
         "first_response",
         "first_response_interrupted",
         "focus",
+        "in_flight",
         "ineligible",
         "interruptions",
         "loop_lag",
+        "multiprocess",
         "needless",
         "overflows",
         "overload_state",
@@ -404,6 +485,13 @@ class Families:
         #: Turns begun and ended on this shard (`turnrouter_turns_in_flight` at scrape).
         self.turns_begun = 0
         self.turns_ended = 0
+        #: Multiprocess mode: the gauge turns in flight are added to and taken from as
+        #: they begin and end (None otherwise: read at scrape time).
+        self.in_flight: Gauge | None = (
+            gauges["turnrouter_turns_in_flight"] if registered.multiprocess else None)
+        #: Multiprocess mode: the registration whose window gauges are set on each change.
+        self.multiprocess: _Registered | None = (
+            registered if registered.multiprocess else None)
         #: Distinct participants with a turn / a clarification in the sliding window.
         self.speakers = ParticipantWindow()
         self.clarified = ParticipantWindow()
@@ -419,11 +507,15 @@ class Families:
         self.clarified.discard(participant_id)
         if not self.speakers.note(participant_id):
             self.overflows.get("participant_window").inc()
+        if self.multiprocess is not None:
+            self.multiprocess.publish_windows()
 
     def note_clarified(self, participant_id: str) -> None:
         """`participant_id` was asked to clarify."""
         if not self.clarified.note(participant_id):
             self.overflows.get("participant_window").inc()
+        if self.multiprocess is not None:
+            self.multiprocess.publish_windows()
 
     def turn_children(self, route: str, outcome: str) -> tuple[Count, Latency]:
         """`turnrouter_turns_total` and `turnrouter_turn_duration_seconds` children."""

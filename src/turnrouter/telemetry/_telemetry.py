@@ -202,6 +202,8 @@ class Telemetry(RouterObserver):
         """Open the `turnrouter.turn` span and make it current until `finished()`."""
         families = self._families
         families.turns_begun += 1
+        if families.in_flight is not None:  # multiprocess mode
+            families.in_flight.inc()
         turn, focus = event.turn, event.focus
         families.note_speaker(turn.participant_id)
         tracer = self._current_tracer()
@@ -352,6 +354,8 @@ class Telemetry(RouterObserver):
         families.loop_lag.observe(event.lag_secs)
         families.turn_wait.set(event.wait_secs)
         families.overload_state.set(event.state)
+        if families.multiprocess is not None:  # the windows slide: published while busy
+            families.multiprocess.publish_windows()
 
     def turn_shed(self, event: TurnShed) -> None:
         """Count a turn refused for load: by reason, and as a turn (route none, outcome

@@ -249,6 +249,8 @@ class TurnMetrics(TurnObserver):
         else:
             duration.observe_traced(now - self._t0, now, span)
         fam.turns_ended += 1
+        if fam.in_flight is not None:  # multiprocess mode
+            fam.in_flight.dec()
         if outcome == "interrupted":
             fam.interruptions.inc()
 
