@@ -1552,3 +1552,22 @@ def test_continue_trace_takes_only_a_mapping_of_text(carrier: object) -> None:
             return
     with pytest.raises(ContractTypeError, match="continue_trace"):
         h.router.continue_trace(carrier)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", ["\x1b[2J\x1b[31mFORGED LOG LINE\u2028" * 40_000,
+                                 "k" * 1_000_000, "a.b\n\u2029"])
+def test_a_snapshots_unknown_key_is_shown_short_and_escaped(key: str) -> None:
+    """redteam20 F3: an unknown key of a snapshot (1 MB of terminal escapes and line
+    separators, in a forged NATS record) was the error's location as it stood: a
+    message of 1,000,081 characters, and raw escapes in the worker's WARNING line.
+    Now quoted and shortened: no control or separator character, a few hundred
+    characters at most."""
+    data = json.dumps({key: 1, "participant_id": "p1"}, ensure_ascii=False)
+    with pytest.raises(ContractValueError) as caught:
+        ParticipantSnapshot.from_json(data)
+    message = str(caught.value)
+    assert len(message) < 400 and message.isprintable(), message[:300]
+    assert "Extra inputs are not permitted" in message
+    with pytest.raises(ContractValueError) as built:
+        ParticipantSnapshot(**{"participant_id": "p1", key: 1})
+    assert len(str(built.value)) < 400 and str(built.value).isprintable()

@@ -21,7 +21,7 @@ from . import _strict_json as strict_json
 from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, MAX_TIMESTAMP_US, DestinationResult
 from ._exceptions import ContractTypeError, ContractValueError
 from ._lifecycle import OwnedOperation
-from ._models import ContractModel
+from ._models import ContractModel, error_location
 from ._patches import ContextPatch, MergeStrategy, PendingContextPatch
 from ._redact import has_surrogates
 
@@ -302,5 +302,5 @@ def reimported(snapshot: ParticipantSnapshot) -> ParticipantSnapshot:
 
 def _first_error(exc: ValidationError) -> str:
     first = exc.errors(include_input=False)[0]
-    where = ".".join(str(part) for part in first.get("loc", ())) or "(root)"
+    where = error_location(first.get("loc", ()))
     return f"{where}: {first.get('msg', '')}"

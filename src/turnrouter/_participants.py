@@ -236,7 +236,8 @@ class Registry:
         for held in snapshot.pending:
             if held.participant_id not in (None, pid):
                 raise ContractValueError(
-                    f"participant snapshot of {pid!r} holds a patch of {held.participant_id!r}")
+                    f"participant snapshot of {preview(pid)} holds a patch of "
+                    f"{preview(held.participant_id)}")
         current = self.participants.get(pid)
         if current is not None and (current.queue.runs() or current.phase is not Phase.OPEN):
             raise LifecycleError(

@@ -33,7 +33,7 @@ from . import _strict_json as strict_json
 from ._context import _current
 from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, AgentExchange
 from ._exceptions import ContractValueError, PendingPatchLimitError, UnknownPatchError
-from ._models import ContractModel
+from ._models import ContractModel, error_location
 from ._redact import preview
 
 __all__ = [
@@ -301,7 +301,7 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
         read = ContextPatch.model_validate_json(data)
     except ValidationError as exc:
         first = exc.errors(include_input=False)[0]
-        where = ".".join(str(part) for part in first.get("loc", ())) or "(root)"
+        where = error_location(first.get("loc", ()))
         raise ContractValueError(
             f"invalid context patch {_shown(patch)}: {exc.error_count()} error(s), "
             f"first: {where}: {first.get('msg', '')}") from None
