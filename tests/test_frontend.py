@@ -1554,6 +1554,28 @@ def test_continue_trace_takes_only_a_mapping_of_text(carrier: object) -> None:
         h.router.continue_trace(carrier)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bypass", [False, True])
+def test_a_snapshot_holding_two_pending_patches_of_one_id_is_refused(bypass: bool) -> None:
+    """redteam20 F6: two held patches sharing an id were imported keeping the last; the
+    other was gone without a word, never to be approved or rejected. Refused by name
+    (from JSON, and built past validation), nothing installed."""
+    data = json.dumps({"participant_id": "p1", "pending": [
+        _held("p1", "same", 0, digest=["one"]), _held("p1", "other", 0),
+        _held("p1", "same", 0, digest=["two"])]})
+    h = Harness(ScriptedAgent("conversation"))
+    if not bypass:
+        with pytest.raises(ContractValueError, match="two pending patches share the id 'same'"):
+            ParticipantSnapshot.from_json(data)
+        return
+    fine = ParticipantSnapshot.from_json(json.dumps({"participant_id": "p1", "pending": [
+        _held("p1", "same", 0), _held("p1", "other", 0)]}))
+    forged = ParticipantSnapshot.model_construct(
+        **{**dict(fine), "pending": (*fine.pending, fine.pending[0])})
+    with pytest.raises(ContractValueError, match="two pending patches share the id 'same'"):
+        h.router.import_participant(forged)
+    assert h.router.export_participant("p1") is None
+
+
 @pytest.mark.parametrize("key", ["\x1b[2J\x1b[31mFORGED LOG LINE\u2028" * 40_000,
                                  "k" * 1_000_000, "a.b\n\u2029"])
 def test_a_snapshots_unknown_key_is_shown_short_and_escaped(key: str) -> None:

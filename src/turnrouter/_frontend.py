@@ -23,7 +23,7 @@ from ._exceptions import ContractTypeError, ContractValueError
 from ._lifecycle import OwnedOperation
 from ._models import ContractModel, error_location
 from ._patches import ContextPatch, MergeStrategy, PendingContextPatch
-from ._redact import has_surrogates
+from ._redact import has_surrogates, preview
 
 __all__ = [
     "MAX_SESSION_TURNS",
@@ -196,6 +196,21 @@ class ParticipantSnapshot(ContractModel):
         # A route named again adds nothing: the import reads each once (a snapshot
         # naming one route 600,000 times cost the import ~50 ms on the event loop).
         return tuple(dict.fromkeys(value)) if len(value) > 1 else value
+
+    @field_validator("pending")
+    @classmethod
+    def _one_each(cls, value: tuple[PendingContextPatch, ...]
+                  ) -> tuple[PendingContextPatch, ...]:
+        # Held patches are kept by id: of two sharing one, the import kept the last and
+        # the other was gone without a word (redteam20 F6), never to be approved.
+        if len(value) > 1:
+            seen: set[str] = set()
+            for held in value:
+                if held.patch_id in seen:
+                    raise ValueError(f"two pending patches share the id "
+                                     f"{preview(held.patch_id)}")
+                seen.add(held.patch_id)
+        return value
 
     @model_validator(mode="after")
     def _known_valid(self) -> ParticipantSnapshot:
