@@ -1593,3 +1593,16 @@ def test_a_snapshots_unknown_key_is_shown_short_and_escaped(key: str) -> None:
     with pytest.raises(ContractValueError) as built:
         ParticipantSnapshot(**{"participant_id": "p1", key: 1})
     assert len(str(built.value)) < 400 and str(built.value).isprintable()
+
+
+@pytest.mark.parametrize("turns", [["t"] * 1_000_000, (0,) * 1_000_000])
+def test_session_turns_past_the_bound_are_refused_by_their_count(turns: Any) -> None:
+    """redteam20 note: a `model_construct` snapshot with a million session turns had
+    each validated (220 ms of the event loop; 4 s, and a million errors, when none was
+    text) before its length was. Refused naming the bound: the length is read first."""
+    forged = ParticipantSnapshot.model_construct(participant_id="p1", session_turns=turns)
+    h = Harness(ScriptedAgent("conversation"))
+    with pytest.raises(ContractValueError,
+                       match=r"session_turns holds 1000000 turn ids, over MAX_SESSION_TURNS"):
+        h.router.import_participant(forged)
+    assert h.router.export_participant("p1") is None
