@@ -892,7 +892,8 @@ async def test_a_patch_nested_too_deep_for_a_snapshot_is_refused(
             applied = await h.router.apply_context_patch(
                 "p1", ContextPatch(task_id="deep", **payload), strategy)
         except ContractValueError as exc:
-            assert "MAX_PATCH_DEPTH" in str(exc) and len(str(exc)) < 400
+            refusal = str(exc)
+            assert "MAX_PATCH_DEPTH" in refusal and len(refusal) < 400
             assert h.router.pending_patches("p1") == ()
             continue
         other = _moved(h)

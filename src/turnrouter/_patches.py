@@ -277,8 +277,9 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
 
     A patch built by `model_construct()`, `model_copy(update=...)` or changed with
     `object.__setattr__` skipped validation, and facts may hold values a JSON reader
-    cannot take back (an integer past its range, nesting past `MAX_PATCH_DEPTH`): accepted as they are, they would make
-    every later export of the participant unreadable (an import validates it). So a
+    cannot take back (an integer past its range, nesting past `MAX_PATCH_DEPTH`):
+    accepted as they are, they would make every later export of the participant
+    unreadable (an import validates it). So a
     patch within `limit` bytes (over it the caller refuses it by size) is validated
     again, and its JSON read back as an import reads it; `ContractValueError` names the
     first bad field. NaN and infinity are refused too: JSON has no form for them, so the

@@ -811,7 +811,8 @@ def test_a_forged_snapshots_keys_and_ids_reach_the_log_short_and_escaped(
         key = "\x1b[2J\x1b[31mFORGED LOG LINE\u2028" * 2_000
         held = {"patch_id": "same", "task_id": "t", "created_at": 1.0,
                 "patch": {"task_id": "t"}}
-        forged = {fresh("ansi"): {key: 1}, fresh("twins"): {"pending": [held, held]}}
+        forged: dict[str, dict[str, Any]] = {fresh("ansi"): {key: 1},
+                                             fresh("twins"): {"pending": [held, held]}}
         for pid, extra in forged.items():
             await wire.kv.put(f"0.{encode_token(pid)}", state_json("old", [], json.dumps(
                 {"participant_id": pid, **extra}, ensure_ascii=False)))
