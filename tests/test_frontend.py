@@ -1552,3 +1552,58 @@ def test_continue_trace_takes_only_a_mapping_of_text(carrier: object) -> None:
             return
     with pytest.raises(ContractTypeError, match="continue_trace"):
         h.router.continue_trace(carrier)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+def test_a_snapshot_holding_two_pending_patches_of_one_id_is_refused(bypass: bool) -> None:
+    """redteam20 F6: two held patches sharing an id were imported keeping the last; the
+    other was gone without a word, never to be approved or rejected. Refused by name
+    (from JSON, and built past validation), nothing installed."""
+    data = json.dumps({"participant_id": "p1", "pending": [
+        _held("p1", "same", 0, digest=["one"]), _held("p1", "other", 0),
+        _held("p1", "same", 0, digest=["two"])]})
+    h = Harness(ScriptedAgent("conversation"))
+    if not bypass:
+        with pytest.raises(ContractValueError, match="two pending patches share the id 'same'"):
+            ParticipantSnapshot.from_json(data)
+        return
+    fine = ParticipantSnapshot.from_json(json.dumps({"participant_id": "p1", "pending": [
+        _held("p1", "same", 0), _held("p1", "other", 0)]}))
+    forged = ParticipantSnapshot.model_construct(
+        **{**dict(fine), "pending": (*fine.pending, fine.pending[0])})
+    with pytest.raises(ContractValueError, match="two pending patches share the id 'same'"):
+        h.router.import_participant(forged)
+    assert h.router.export_participant("p1") is None
+
+
+@pytest.mark.parametrize("key", ["\x1b[2J\x1b[31mFORGED LOG LINE\u2028" * 40_000,
+                                 "k" * 1_000_000, "a.b\n\u2029"])
+def test_a_snapshots_unknown_key_is_shown_short_and_escaped(key: str) -> None:
+    """redteam20 F3: an unknown key of a snapshot (1 MB of terminal escapes and line
+    separators, in a forged NATS record) was the error's location as it stood: a
+    message of 1,000,081 characters, and raw escapes in the worker's WARNING line.
+    Now quoted and shortened: no control or separator character, a few hundred
+    characters at most."""
+    data = json.dumps({key: 1, "participant_id": "p1"}, ensure_ascii=False)
+    with pytest.raises(ContractValueError) as caught:
+        ParticipantSnapshot.from_json(data)
+    message = str(caught.value)
+    assert len(message) < 400 and message.isprintable(), message[:300]
+    assert "Extra inputs are not permitted" in message
+    build: Any = ParticipantSnapshot  # (any keyword: the constructor's own error)
+    with pytest.raises(ContractValueError) as built:
+        build(**{"participant_id": "p1", key: 1})
+    assert len(str(built.value)) < 400 and str(built.value).isprintable()
+
+
+@pytest.mark.parametrize("turns", [["t"] * 1_000_000, (0,) * 1_000_000])
+def test_session_turns_past_the_bound_are_refused_by_their_count(turns: Any) -> None:
+    """redteam20 note: a `model_construct` snapshot with a million session turns had
+    each validated (220 ms of the event loop; 4 s, and a million errors, when none was
+    text) before its length was. Refused naming the bound: the length is read first."""
+    forged = ParticipantSnapshot.model_construct(participant_id="p1", session_turns=turns)
+    h = Harness(ScriptedAgent("conversation"))
+    with pytest.raises(ContractValueError,
+                       match=r"session_turns holds 1000000 turn ids, over MAX_SESSION_TURNS"):
+        h.router.import_participant(forged)
+    assert h.router.export_participant("p1") is None

@@ -81,9 +81,24 @@ _JSON = st.recursive(
 _MANY: st.SearchStrategy[list[Any]] = st.builds(
     lambda count, kind: [[] if kind == "list" else {}] * count,
     st.sampled_from([10, 600, 3_000]), st.sampled_from(["list", "dict"]))
-_FACTS = st.one_of(st.dictionaries(_SHORT, st.one_of(_JSON, _MANY), max_size=3),
+
+
+def _nest(depth: int, kind: str) -> Any:
+    value: Any = 0
+    for _ in range(depth):
+        value = [value] if kind == "list" else {"k": value}
+    return value
+
+
+#: Deep nesting: a patch that reads back alone may not inside a snapshot, where it sits
+#: 3 (held) or 4 (merged) levels deeper (redteam20 F1: 195-198 levels moved nowhere).
+_DEEP: st.SearchStrategy[Any] = st.builds(
+    _nest, st.sampled_from([20, 125, 126, 127, 190, 194, 195, 196, 197, 198, 260]),
+    st.sampled_from(["list", "dict"]))
+_FACTS = st.one_of(st.dictionaries(_SHORT, st.one_of(_JSON, _MANY, _DEEP), max_size=3),
                    st.builds(lambda many: {"k": many}, _MANY))
-_RECORDS = st.lists(st.dictionaries(_SHORT, _JSON, max_size=3), max_size=3)
+_RECORDS = st.lists(st.dictionaries(_SHORT, st.one_of(_JSON, _JSON, _DEEP), max_size=3),
+                    max_size=3)
 _LINES = st.lists(_TEXT, max_size=3)
 _WHEN = st.one_of(
     st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30),

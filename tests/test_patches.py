@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from turnrouter import (
     MAX_ID_CHARS,
+    MAX_PATCH_DEPTH,
     MAX_SESSION_TURNS,
     AgentExchange,
     AgentRouter,
@@ -846,6 +847,97 @@ async def test_patches_that_would_make_the_snapshot_unmovable_are_refused() -> N
     other = Harness(ScriptedAgent("conversation"))
     other.router.import_participant(ParticipantSnapshot.from_json(exported))
     assert len(other.router.pending_patches("p1")) == held
+
+
+def _nested(depth: int, kind: str = "list") -> object:
+    """A value whose containers nest `depth` deep (0: a number)."""
+    value: object = 0
+    for _ in range(depth):
+        value = [value] if kind == "list" else {"k": value}
+    return value
+
+
+def _moved(h: Harness, pid: str = "p1") -> Harness:
+    """The participant's export imported into another router, which exports it the same."""
+    exported = h.router.export_participant_json(pid)
+    assert exported is not None
+    other = Harness(ScriptedAgent("conversation"))
+    other.router.import_participant(ParticipantSnapshot.from_json(exported))
+    assert other.router.export_participant_json(pid) == exported
+    return other
+
+
+#: How each way of applying a patch puts it in the snapshot: merged into the history,
+#: held, or held and then approved.
+_HOW = [("append", False), ("replace", False), ("human_gated", False),
+        ("human_gated", True)]
+
+
+@pytest.mark.parametrize(("strategy", "approve"), _HOW)
+@pytest.mark.parametrize("field", ["facts", "artifacts", "sources"])
+async def test_a_patch_nested_too_deep_for_a_snapshot_is_refused(
+        strategy: str, approve: bool, field: str) -> None:
+    """redteam20 F1: facts nested 195-198 deep read back alone, so the patch was
+    accepted, but the participant's snapshot holds them 4 levels deeper: no replica
+    could import it (on NATS the record quarantined, the whole history lost at the next
+    move). Every depth either is refused, naming MAX_PATCH_DEPTH, or moves; approving a
+    held patch (one level deeper in the snapshot) moves too."""
+    for depth in (120, 190, 194, 195, 196, 197, 198, 199, 400):
+        h = Harness(ScriptedAgent("conversation"))
+        await h.say("hello")
+        value = _nested(depth)
+        payload: dict[str, Any] = {"facts": {"x": value}} if field == "facts" else {
+            field: [{"x": value}]}
+        try:
+            applied = await h.router.apply_context_patch(
+                "p1", ContextPatch(task_id="deep", **payload), strategy)
+        except ContractValueError as exc:
+            refusal = str(exc)
+            assert "MAX_PATCH_DEPTH" in refusal and len(refusal) < 400
+            assert h.router.pending_patches("p1") == ()
+            continue
+        other = _moved(h)
+        if approve:
+            assert isinstance(applied, PendingContextPatch)
+            await other.router.approve_patch(applied.patch_id)
+            _moved(other)
+
+
+async def test_the_patch_depth_bound_is_exact_and_ignores_brackets_in_text() -> None:
+    """A patch nesting MAX_PATCH_DEPTH levels (the patch object, its facts, then lists)
+    is taken and moves, held and approved; one level more is refused. Brackets inside
+    texts and keys do not nest."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    deepest = ContextPatch(task_id="ok", facts={"x": _nested(MAX_PATCH_DEPTH - 2, "dict")},
+                           digest=["[" * 500], artifacts=[{"{" * 300: "[" * 300}])
+    held = await h.router.apply_context_patch("p1", deepest, "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    other = _moved(h)
+    await other.router.approve_patch(held.patch_id)
+    _moved(other)
+    with pytest.raises(ContractValueError, match=f"over MAX_PATCH_DEPTH \\({MAX_PATCH_DEPTH}\\)"):
+        await h.router.apply_context_patch(
+            "p1", ContextPatch(task_id="deep", facts={"x": _nested(MAX_PATCH_DEPTH - 1)}))
+
+
+async def test_a_snapshot_holding_a_held_patch_nested_past_the_bound_is_refused() -> None:
+    """A snapshot (another version's, or forged) holding a held patch nested past
+    MAX_PATCH_DEPTH imports nowhere: approved, it would sit a level deeper and its
+    export could not be read back. Refused by name, nothing installed."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    held = await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="deep", facts={"x": 1}), "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    exported = json.loads(h.router.export_participant_json("p1") or b"")
+    for depth in (150, 194):  # (194: the snapshot reads back; approved, it would not)
+        exported["pending"][0]["patch"]["facts"] = {"x": _nested(depth)}
+        read = ParticipantSnapshot.from_json(json.dumps(exported))
+        other = Harness(ScriptedAgent("conversation"))
+        with pytest.raises(ContractValueError, match="MAX_PATCH_DEPTH"):
+            other.router.import_participant(read)
+        assert other.router.export_participant("p1") is None
 
 
 # ------------------------------------------------------------------ sessions

@@ -12,13 +12,30 @@ model keeps its fields' own constructor signature.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
 
 from ._exceptions import ContractValueError
+from ._redact import preview
 
-__all__ = ["ContractModel", "contract_error"]
+__all__ = ["ContractModel", "contract_error", "error_location"]
+
+#: Longest location `error_location` shows.
+_LOCATION_CHARS = 200
+
+
+def error_location(loc: Iterable[object]) -> str:
+    """A validation error's location (`history.0.patch`) for a message: a field name
+    or an index as it is; any other part (a snapshot's unknown key, which may be 1 MB
+    of terminal escapes) quoted and shortened by `preview`; "(root)" when empty. Never
+    longer than 200 characters, so an error naming it can go to a log line."""
+    parts = [part if isinstance(part, str) and part.isidentifier() and part.isascii()
+             and len(part) <= 64 else str(part) if isinstance(part, int)
+             else preview(part) for part in loc]
+    where = ".".join(parts) or "(root)"
+    return where if len(where) <= _LOCATION_CHARS else where[:_LOCATION_CHARS - 3] + "..."
 
 
 def contract_error(what: str, exc: ValidationError) -> ContractValueError:
@@ -28,7 +45,7 @@ def contract_error(what: str, exc: ValidationError) -> ContractValueError:
     if not errors:
         return ContractValueError(f"invalid {what}")
     first = errors[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(root)"
+    where = error_location(first["loc"])
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return ContractValueError(f"invalid {what}: {where}: {first['msg']}{more}")
 

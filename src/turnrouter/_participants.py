@@ -65,6 +65,11 @@ _PREPARED: weakref.WeakValueDictionary[tuple[int, int], ParticipantSnapshot] = (
     weakref.WeakValueDictionary())
 #: Snapshots whose patches were found free of NaN and infinity (weakly held).
 _FINITE: weakref.WeakValueDictionary[int, ParticipantSnapshot] = weakref.WeakValueDictionary()
+#: The payload size (`patch_payload_bytes`) of each exchange an import of a prepared
+#: snapshot installs (0 for a conversation exchange), by the snapshot's id while it
+#: lives: measured by `Registry.prepare` off the event loop (serializing 256 merged
+#: patches' facts again cost the loop ~10 ms of a 14 ms install: redteam20 F2).
+_PAYLOADS: dict[int, tuple[int, ...]] = {}
 
 
 class Phase(enum.Enum):
@@ -236,7 +241,8 @@ class Registry:
         for held in snapshot.pending:
             if held.participant_id not in (None, pid):
                 raise ContractValueError(
-                    f"participant snapshot of {pid!r} holds a patch of {held.participant_id!r}")
+                    f"participant snapshot of {preview(pid)} holds a patch of "
+                    f"{preview(held.participant_id)}")
         current = self.participants.get(pid)
         if current is not None and (current.queue.runs() or current.phase is not Phase.OPEN):
             raise LifecycleError(
@@ -249,21 +255,10 @@ class Registry:
             raise ContractValueError(
                 f"participant snapshot of {pid!r} holds {len(snapshot.pending)} pending "
                 f"patches, over max_pending_patches ({limit}); import_participant() refused")
-        limit = self._cfg.max_patch_bytes
-        for held in snapshot.pending:  # the bounds and checks apply_context_patch() holds
-            try:
-                _, size = checked_patch(held.patch, limit)
-            except ContractValueError as exc:
-                raise ContractValueError(
-                    f"participant snapshot of {preview(pid)} holds a pending patch its "
-                    f"export could not carry: {exc}; import_participant() refused") from None
-            if size > limit:
-                self._cfg.overflows.report("patch_bytes", f"a snapshot's pending patch of "
-                                           f"{size} bytes refused")
-                raise ContractValueError(
-                    f"participant snapshot of {preview(pid)} holds a pending patch of {size} "
-                    f"bytes serialized, over max_patch_bytes ({limit}); "
-                    "import_participant() refused")
+        keep = self._cfg.max_history_exchanges
+        ready = _PREPARED.get((id(snapshot), keep)) is snapshot
+        if not ready:  # (`prepare` checked them, off the event loop)
+            self._check_pending(snapshot)
         limit = self._cfg.max_participants
         if current is None and len(self.participants) >= limit:
             self._cfg.overflows.report("participants", f"an imported participant refused: "
@@ -271,10 +266,9 @@ class Registry:
             raise LifecycleError(
                 f"participant {pid!r} refused: the router already holds {limit} participants "
                 "(max_participants); import_participant() refused")
-        keep = self._cfg.max_history_exchanges
-        ready = _PREPARED.get((id(snapshot), keep)) is snapshot
         fresh = snapshot if ready else self._fresh(snapshot)
-        restored = restore(fresh, self.new_history())  # may raise: nothing changed yet
+        restored = restore(fresh, self.new_history(),  # may raise: nothing changed yet
+                           _PAYLOADS.get(id(fresh)) if ready else None)
         if current is None:
             self._observer.participant_added(ParticipantChanged(pid))
         self.participants[pid] = restored
@@ -285,6 +279,27 @@ class Registry:
         else:
             self.departed.pop(pid, None)
         return current
+
+    def _check_pending(self, snapshot: ParticipantSnapshot, *, report: bool = True) -> None:
+        """The bounds and checks `apply_context_patch()` holds, of each held patch of
+        `snapshot` (`ContractValueError`; an overflow of `max_patch_bytes` counted when
+        `report`)."""
+        pid, limit = snapshot.participant_id, self._cfg.max_patch_bytes
+        for held in snapshot.pending:
+            try:
+                _, size = checked_patch(held.patch, limit)
+            except ContractValueError as exc:
+                raise ContractValueError(
+                    f"participant snapshot of {preview(pid)} holds a pending patch its "
+                    f"export could not carry: {exc}; import_participant() refused") from None
+            if size > limit:
+                if report:
+                    self._cfg.overflows.report("patch_bytes", f"a snapshot's pending patch "
+                                               f"of {size} bytes refused")
+                raise ContractValueError(
+                    f"participant snapshot of {preview(pid)} holds a pending patch of {size} "
+                    f"bytes serialized, over max_patch_bytes ({limit}); "
+                    "import_participant() refused")
 
     def _fresh(self, snapshot: ParticipantSnapshot) -> ParticipantSnapshot:
         """What an import installs of `snapshot` (checked): its newest
@@ -305,13 +320,27 @@ class Registry:
         """The steps of an import that touch no router state, for a thread (a NATS
         worker's big record: a patch-heavy 1 MB snapshot cost ~200 ms of them on the
         event loop): `snapshot` validated, checked for NaN and infinity, cut and read
-        back (`_fresh`). `install` of what it returns skips them; `ContractValueError`
-        as the import would raise."""
+        back (`_fresh`), its held patches checked as `apply_context_patch()` checks
+        them. `install` of what it returns skips them; `ContractValueError` as the
+        import would raise."""
         snapshot = checked_snapshot(snapshot)
         refuse_lossy(snapshot)
         fresh = self._fresh(snapshot)
         _FINITE[id(fresh)] = fresh  # (read back from a snapshot found finite)
-        _PREPARED[id(fresh), self._cfg.max_history_exchanges] = fresh
+        try:
+            # The held patches' checks too (each validated and read back again: 8 of
+            # 4,500 keys each held the loop ~25 ms: redteam20 F2). One refused is left
+            # to the import, which counts the refusal where the router's counts are.
+            self._check_pending(fresh, report=False)
+        except ContractValueError:
+            return fresh
+        keep = self._cfg.max_history_exchanges
+        if id(fresh) not in _PAYLOADS:
+            _PAYLOADS[id(fresh)] = tuple(
+                0 if item.patch is None else patch_payload_bytes(item.patch.patch)
+                for item in fresh.history[-keep:])
+            weakref.finalize(fresh, _PAYLOADS.pop, id(fresh), None)
+        _PREPARED[id(fresh), keep] = fresh
         return fresh
 
     def export(self, pid: str) -> ParticipantSnapshot | None:
@@ -531,11 +560,13 @@ def _snapshot(state: Participant, departed: bool,
     )
 
 
-def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
+def restore(snapshot: ParticipantSnapshot, history: History,
+            payloads: tuple[int, ...] | None = None) -> Participant:
     """Participant state rebuilt from a snapshot into an empty `history` (its bounds
     apply). Only the newest `history.max_exchanges` exchanges are read: appending
     drops the oldest, so older ones could not be kept anyway, and a snapshot of many
-    tiny exchanges costs what the kept ones cost."""
+    tiny exchanges costs what the kept ones cost. `payloads`: the payload size of each
+    of those exchanges' patches, measured already (`Registry.prepare`)."""
     state = Participant(snapshot.participant_id, history)
     state.focus = snapshot.focus
     state.used = tuple(dict.fromkeys(snapshot.used))
@@ -549,7 +580,10 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
     # (a patch-heavy import costs ~3x with that check).
     check = not read_from_json(snapshot)
     finite = _FINITE.get(id(snapshot)) is snapshot  # (checked already: `prepare`)
-    for item in snapshot.history[-history.max_exchanges:]:
+    kept = snapshot.history[-history.max_exchanges:]
+    if payloads is not None and len(payloads) != len(kept):
+        payloads = None
+    for index, item in enumerate(kept):
         exchange = AgentExchange(item.user, item.assistant)
         if item.patch is None:
             history.append(exchange, item.turn_id, item.stamp_us)
@@ -571,7 +605,8 @@ def restore(snapshot: ParticipantSnapshot, history: History) -> Participant:
             patch=patch.patch, exchange_id=f"patch:{patch.task_id}",
         )
         history.add_background(exchange, PatchExchangeId(applied), item.stamp_us,
-                               patch_payload_bytes(patch.patch), replace=False)
+                               patch_payload_bytes(patch.patch) if payloads is None
+                               else payloads[index], replace=False)
     history.version = snapshot.history_version
     history.settle()
     if snapshot.pending:

@@ -29,13 +29,15 @@ from pydantic import (
     field_validator,
 )
 
+from . import _strict_json as strict_json
 from ._context import _current
 from ._contracts import MAX_HISTORY_VERSION, MAX_ID_CHARS, AgentExchange
 from ._exceptions import ContractValueError, PendingPatchLimitError, UnknownPatchError
-from ._models import ContractModel
+from ._models import ContractModel, error_location
 from ._redact import preview
 
 __all__ = [
+    "MAX_PATCH_DEPTH",
     "AppliedContextPatch",
     "ContextPatch",
     "ContextState",
@@ -61,6 +63,13 @@ class MergeStrategy(enum.StrEnum):
 
 
 _T = TypeVar("_T")
+
+#: Deepest nesting of objects and arrays in a context patch's JSON (the patch object is
+#: 1, its facts 2, a list in them 3, ...). A participant's snapshot holds a merged patch
+#: 4 levels deeper (`history[].patch.patch`) and a held one 3, and an import reads at
+#: most about 200 levels: a patch nested near that read back alone, but not in the
+#: snapshot, so the participant's state was lost at its next move.
+MAX_PATCH_DEPTH = 128
 
 
 def _utc_now() -> datetime:
@@ -268,8 +277,9 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
 
     A patch built by `model_construct()`, `model_copy(update=...)` or changed with
     `object.__setattr__` skipped validation, and facts may hold values a JSON reader
-    cannot take back (an integer past its range): accepted as they are, they would make
-    every later export of the participant unreadable (an import validates it). So a
+    cannot take back (an integer past its range, nesting past `MAX_PATCH_DEPTH`):
+    accepted as they are, they would make every later export of the participant
+    unreadable (an import validates it). So a
     patch within `limit` bytes (over it the caller refuses it by size) is validated
     again, and its JSON read back as an import reads it; `ContractValueError` names the
     first bad field. NaN and infinity are refused too: JSON has no form for them, so the
@@ -278,6 +288,13 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
     data = _patch_json(patch)
     if len(data) > limit:
         return patch, len(data)
+    depth = strict_json.nesting(data, MAX_PATCH_DEPTH)
+    if depth > MAX_PATCH_DEPTH:
+        raise ContractValueError(
+            f"invalid context patch {_shown(patch)}: its JSON nests {depth} levels deep, "
+            f"over MAX_PATCH_DEPTH ({MAX_PATCH_DEPTH}): a participant's snapshot holds it "
+            "deeper still, and no replica could read that snapshot back; flatten its "
+            "facts, artifacts or sources")
     refuse_non_finite(patch)
     try:
         validated = ContextPatch.model_validate(
@@ -285,7 +302,7 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
         read = ContextPatch.model_validate_json(data)
     except ValidationError as exc:
         first = exc.errors(include_input=False)[0]
-        where = ".".join(str(part) for part in first.get("loc", ())) or "(root)"
+        where = error_location(first.get("loc", ()))
         raise ContractValueError(
             f"invalid context patch {_shown(patch)}: {exc.error_count()} error(s), "
             f"first: {where}: {first.get('msg', '')}") from None
@@ -346,6 +363,11 @@ def _patch_json(patch: ContextPatch) -> bytes:
     try:
         return patch.model_dump_json(warnings=False).encode()
     except (ValueError, TypeError, RecursionError) as exc:  # PydanticSerializationError too
+        if isinstance(exc, RecursionError) or "depth exceeded" in str(exc)[:200]:
+            raise ContractValueError(
+                f"invalid context patch {_shown(patch)}: its JSON nests deeper than "
+                f"MAX_PATCH_DEPTH ({MAX_PATCH_DEPTH}); flatten its facts, artifacts or "
+                "sources") from None
         raise ContractValueError(
             f"context patch {_shown(patch)} is not JSON-serializable: facts, artifacts "
             f"and sources must be JSON data, and texts valid (no lone surrogate) "

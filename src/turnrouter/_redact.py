@@ -14,8 +14,8 @@ import urllib.parse
 from collections.abc import Iterable
 
 __all__ = [
-    "REDACTED", "has_surrogates", "looks_like_nkey_seed", "preview", "redact_text",
-    "redact_url", "strip_reasoning", "strip_surrogates",
+    "REDACTED", "has_surrogates", "looks_like_nkey_seed", "one_line", "preview",
+    "redact_text", "redact_url", "strip_reasoning", "strip_surrogates",
 ]
 
 #: What replaces a secret.
@@ -136,6 +136,17 @@ def preview(value: object) -> str:
     except Exception:  # a broken __repr__ must not replace the real error
         return f"<{type(value).__name__} object>"
     return shown if len(shown) <= _PREVIEW_CHARS else shown[:_PREVIEW_CHARS - 3] + "..."
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """`text` cut to `limit` characters, then every character that is not printable (a
+    terminal escape, a line or paragraph separator, a lone surrogate) written as its
+    escape (`\\x1b`, `\\u2028`): what a log line may carry of a message that could hold
+    someone else's bytes."""
+    text = text[:limit]
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
 #: A think tag: opening or closing, `think` or `thinking`, attributes allowed (bounded:

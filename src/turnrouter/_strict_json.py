@@ -11,11 +11,12 @@ the fleet's timing samples (one line per turn, range-checked field by field).
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 from typing import Any
 
 from ._redact import preview
 
-__all__ = ["containers", "loads"]
+__all__ = ["containers", "loads", "nesting"]
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -64,3 +65,30 @@ def containers(data: str | bytes | bytearray, bound: int) -> int:
     inside_bytes = b"".join(bare_bytes.split(b'"')[1::2])
     return (bare_bytes.count(b"{") + bare_bytes.count(b"[")
             - inside_bytes.count(b"{") - inside_bytes.count(b"["))
+
+
+#: Every byte but the brackets (`bytes.translate` deletes them), and the brackets'
+#: steps: +1 opening, -1 closing.
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
+
+
+def nesting(data: str | bytes, bound: int) -> int:
+    """How deep the objects and arrays of JSON `data` nest (`{}` is 1, `{"a":[]}` 2),
+    when over `bound`; at most `bound` otherwise (then it may be the count of `{` and
+    `[` characters, which is never below the depth).
+
+    A JSON reader refuses past its own depth (pydantic's: about 200 levels), and a
+    value read alone sits deeper once wrapped in a bigger document (a context patch in
+    a participant's snapshot), so its depth is bounded where it is accepted. Brackets
+    inside strings do not nest (found as `containers` finds them); the walk over the
+    rest is in C, one step a bracket."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    count = raw.count(b"{") + raw.count(b"[")
+    if count <= bound:
+        return count
+    bare = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = b"".join(bare.split(b'"')[0::2]).translate(None, _NOT_BRACKETS)
+    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)

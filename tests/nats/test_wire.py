@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import string
 import threading
 import time
@@ -796,6 +797,37 @@ def test_big_records_are_imported_and_too_many_objects_quarantined(wire: Wire) -
             before[0] + 1, before[1] + 1)
 
     wire.call(main())
+
+
+def test_a_forged_snapshots_keys_and_ids_reach_the_log_short_and_escaped(
+        wire: Wire, caplog: pytest.LogCaptureFixture) -> None:
+    """redteam20 F3 and F6: a forged record whose snapshot has an unknown key of
+    terminal escapes and line separators is quarantined with a WARNING line that holds
+    no control or separator character and stays short (before: the key raw, cut at
+    ~316 characters); one whose two held patches share an id is quarantined and
+    counted too (before: imported, one patch silently gone)."""
+
+    async def main() -> None:
+        key = "\x1b[2J\x1b[31mFORGED LOG LINE\u2028" * 2_000
+        held = {"patch_id": "same", "task_id": "t", "created_at": 1.0,
+                "patch": {"task_id": "t"}}
+        forged: dict[str, dict[str, Any]] = {fresh("ansi"): {key: 1},
+                                             fresh("twins"): {"pending": [held, held]}}
+        for pid, extra in forged.items():
+            await wire.kv.put(f"0.{encode_token(pid)}", state_json("old", [], json.dumps(
+                {"participant_id": pid, **extra}, ensure_ascii=False)))
+        before = wire.watch.rejected.count("invalid_snapshot")
+        for pid in forged:
+            assert await wire.ask(UserQuery(participant_id=pid, text="hi")) == "hi|-|N"
+        assert wire.watch.rejected.count("invalid_snapshot") == before + 2
+
+    with caplog.at_level(logging.WARNING, logger="turnrouter.runtime.nats"):
+        wire.call(main())
+    lines = [record.getMessage() for record in caplog.records if "quarantined" in
+             record.getMessage()]
+    assert len(lines) == 2, lines
+    assert all(line.isprintable() and len(line) < 400 for line in lines), lines
+    assert "two pending patches share the id 'same'" in lines[1]
 
 
 @settings(max_examples=30, deadline=None)

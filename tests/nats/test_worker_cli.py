@@ -457,3 +457,46 @@ def test_flag_mistakes_are_usage_errors_named_before_the_app_loads(
     status, err = worker_usage("--nats", "nats://127.0.0.1:1", *app, *flags)
     assert status == 2, err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("flag", "content", "message"), [
+    ("--nats-creds", b"x" * 2_000_000, "over the 65536 bytes such a file may hold"),
+    ("--nats-nkey", b"x" * 2_000_000, "over the 65536 bytes such a file may hold"),
+    ("--nats-nkey", b"SUAJUNKJUNKJUNK-sekrit-seed\n", "holds no valid nkey seed"),
+    ("--tls-cert", b"x" * 2_000_000, "over the 65536 bytes such a file may hold"),
+    ("--tls-ca", b"sekrit: not a certificate\n", "cannot load the CA file"),
+    ("--tls-cert", b"sekrit: not a certificate\n", "cannot load the client certificate"),
+])
+def test_file_flags_that_exist_but_cannot_be_used_are_usage_errors(
+        tmp_path: Path, flag: str, content: bytes, message: str) -> None:
+    """redteam20 F5: a file that exists but a connection cannot use (too big, a seed
+    that is none, a CA bundle or certificate that does not load) was found only when
+    connecting: after the app was imported, exit 1, the flag not named. Now: exit 2,
+    one line naming the flag, before the app is imported (a broken app's error would
+    come first otherwise), never the file's content."""
+    path = tmp_path / "file"
+    path.write_bytes(content)
+    extra = ["--tls-key", str(path)] if flag == "--tls-cert" else []
+    status, err = worker_usage("--nats", "nats://127.0.0.1:1", "--app",
+                               "no_such_module_xyz:f", flag, str(path), *extra)
+    assert status == 2, err
+    assert err.count("\n") == 1 and f"{flag}: " in err and message in err, err
+    assert "sekrit" not in err and "xxxx" not in err and "no_such_module" not in err
+
+
+def test_a_ready_file_that_can_never_be_written_is_a_usage_error(tmp_path: Path) -> None:
+    """redteam20 F4: `--ready-file` naming a directory (or a file of /proc, which
+    `access()` lets root write) only warned and the worker served on, while a probe's
+    `test -e` passed before it served and after it ended. Now: exit 2, one line naming
+    the flag, before the app is imported."""
+    folder = tmp_path / "volume"
+    folder.mkdir()
+    for path, message in ((tmp_path, "not a regular file"), (folder, "not a regular file"),
+                          (Path("/proc/version"), "cannot remove the one there")):
+        if not path.exists():
+            continue
+        status, err = worker_usage("--nats", "nats://127.0.0.1:1", "--app",
+                                   "no_such_module_xyz:f", "--ready-file", str(path))
+        assert status == 2, err
+        assert err.count("\n") == 1 and "--ready-file" in err and message in err, err
+    assert folder.is_dir() and list(folder.iterdir()) == []

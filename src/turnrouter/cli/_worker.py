@@ -218,8 +218,16 @@ _FILES = {"nats_creds": "--nats-creds", "nats_nkey": "--nats-nkey", "tls_ca": "-
           "tls_cert": "--tls-cert", "tls_key": "--tls-key"}
 
 
-def _check_files(args: argparse.Namespace) -> None:
-    """`ValueError` naming the flag (or its variable) of a file that cannot be read."""
+#: The `NatsConfig` field of each file flag.
+_FIELDS = {"nats_creds": "creds_file", "nats_nkey": "nkey_seed_file",
+           "tls_ca": "tls_ca_file", "tls_cert": "tls_cert_file", "tls_key": "tls_key_file"}
+
+
+def _check_files(args: argparse.Namespace, config: Any) -> None:
+    """`ValueError` naming the flag (or its variable) of a file that cannot be read, or
+    that a connection could not use (too big, a seed that is none, a CA bundle or a
+    certificate that does not load: redteam20 F5, found only at the connection, after
+    the app was imported, exit 1 without the flag), never what it holds."""
     for key, flag in _FILES.items():
         path = getattr(args, key, None) or os.environ.get(ENV[key]) or None
         if path is None:
@@ -230,6 +238,14 @@ def _check_files(args: argparse.Namespace) -> None:
                              f"{'not a regular file' if os.path.exists(path) else 'no such file'}")
         if not os.access(path, os.R_OK):
             raise ValueError(f"{where}: cannot read {path[:200]!r}: permission denied")
+    from ..runtime.nats._security import unusable_file
+
+    problem = unusable_file(config)
+    if problem is not None:
+        field, detail = problem
+        key = next(key for key, name in _FIELDS.items() if name == field)
+        where = _FILES[key] if getattr(args, key, None) else ENV[key]
+        raise ValueError(f"{where}: {detail[:400]}")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -272,9 +288,18 @@ def _worker_main(argv: Sequence[str]) -> int:
         # Two workers on one ready file: each writes and removes it on its own, so it
         # would say one worker's state for both (the one stopping removes it while the
         # other serves). A lock held for the process's life (freed even by kill -9).
-        if not _lock_ready(args.ready_file):
-            parser.error(f"--ready-file {args.ready_file} is another running worker's "
-                         f"(it holds {args.ready_file}.lock): give each worker its own")
+        path = args.ready_file
+        if os.path.lexists(path) and not os.path.isfile(path):
+            # A directory (or a device) is there for good: a probe's `test -e` passed
+            # before the worker served and after it ended (redteam20 F4).
+            parser.error(f"--ready-file {path[:200]!r}: not a regular file (a directory, "
+                         "a pipe or a device): the worker could never write it")
+        if not _lock_ready(path):
+            parser.error(f"--ready-file {path} is another running worker's "
+                         f"(it holds {path}.lock): give each worker its own")
+        problem = _ready_problem(path)
+        if problem:
+            parser.error(f"--ready-file {path[:200]!r}: {problem}")
     app_dir = os.path.abspath(args.app_dir)
     if not args.app_dir or not os.path.isdir(app_dir):  # else "No module named ..."
         parser.error(f"--app-dir {args.app_dir[:200]!r}: not a directory")
@@ -294,7 +319,7 @@ def _worker_main(argv: Sequence[str]) -> int:
                             state_max_age=args.state_max_age,
                             max_queued_per_participant=args.max_queued_per_participant,
                             front_api=args.front_api, replicas=args.replicas, **settings)
-        _check_files(args)
+        _check_files(args, config)
         factory = load_factory(args.app)
     except (ValueError, TurnrouterError) as exc:
         if args.debug:
@@ -492,6 +517,27 @@ def _lock_ready(path: str) -> bool:
         return False
     _READY_LOCKS.append(lock)
     return True
+
+
+def _ready_problem(path: str) -> str:
+    """Why the worker could not write and remove its ready file `path` ("" when it can),
+    tried at start-up as it will be done: one left by a killed worker removed (as the
+    start does anyway), the temporary file beside it written and removed. `access()`
+    says yes to root for a file of /proc, whose probe then passed for ever."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        return f"cannot remove the one there: {exc.strerror}"
+    temporary = f"{path}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8"):
+            pass
+        os.unlink(temporary)
+    except OSError as exc:
+        return f"cannot write beside it: {exc.strerror}"
+    return ""
 
 
 def _remove_ready(path: str) -> None:

@@ -26,7 +26,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from ..._exceptions import ContractValueError, LifecycleError, PatchNotSavedError
 from ..._frontend import MAX_SESSION_TURNS, ParticipantSnapshot
 from ..._limits import is_logged
-from ..._redact import preview
+from ..._redact import one_line, preview
 from ..._router import AgentRouter, prepared_import
 from ._link import Link, NoResponders, Replaced, RequestFailed, pub_ack
 from ._metrics import RuntimeMetrics
@@ -909,7 +909,7 @@ class Ledger:
         as `turnrouter_runtime_rejected_messages_total{topic="nats_state"}`; the
         participant starts clean. The log line names the problem, not the content."""
         logger.warning("turnrouter: a participant's record was quarantined (%s): %s",
-                       reason, str(exc)[:200])
+                       reason, one_line(str(exc)))
         with contextlib.suppress(Exception):
             self._router().report_rejected("nats_state", reason)
         with contextlib.suppress(Exception):

@@ -34,7 +34,7 @@ from ._permissions import Denials, parse_denial
 from ._wire import NatsConfig, userinfo
 
 __all__ = ["PlaintextRefusedError", "bound_tls_reads", "connect", "connect_options", "inbox_prefix",
-           "requires_tls", "safe_error", "secrets_of"]
+           "requires_tls", "safe_error", "secrets_of", "unusable_file"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -321,6 +321,47 @@ def _readable(path: str, limit: int = MAX_SECRET_FILE_BYTES) -> None:
             pass
     except OSError as exc:
         raise LifecycleError(f"cannot read {path!r}: {exc.strerror}") from None
+
+
+def unusable_file(config: NatsConfig) -> tuple[str, str] | None:
+    """The first credentials or TLS file of `config` that a connection could not use,
+    as its `NatsConfig` field and the problem (naming the file, never its content);
+    None when each can be used. The checks `connect_options` makes when it connects, for
+    a command line to name the flag at start-up: too big, not a regular file, an nkey
+    seed that is none, a CA bundle or client certificate and key that do not load."""
+    for field, limit in (("creds_file", MAX_SECRET_FILE_BYTES),
+                         ("nkey_seed_file", MAX_SECRET_FILE_BYTES),
+                         ("tls_ca_file", MAX_CA_FILE_BYTES),
+                         ("tls_cert_file", MAX_SECRET_FILE_BYTES),
+                         ("tls_key_file", MAX_SECRET_FILE_BYTES)):
+        path = getattr(config, field)
+        if path is None:
+            continue
+        try:
+            _readable(path, limit)
+            if field == "nkey_seed_file" and config.creds_file is None:
+                try:
+                    import nkeys  # noqa: F401
+                except ImportError:  # (said by `connect_options`)
+                    continue
+                _nkey_seed(path)
+        except LifecycleError as exc:
+            return field, str(exc)
+    step = "tls_ca_file"
+    try:
+        if config.tls_ca_file is not None:
+            ssl.create_default_context(cafile=config.tls_ca_file)
+        if config.tls_cert_file is not None and config.tls_key_file is not None:
+            step = "tls_cert_file"
+            ssl.create_default_context().load_cert_chain(config.tls_cert_file,
+                                                         config.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        what = (f"the CA file {config.tls_ca_file!r}" if step == "tls_ca_file" else
+                f"the client certificate {config.tls_cert_file!r} with its key "
+                f"{config.tls_key_file!r}")
+        return step, (f"cannot load {what}: {type(exc).__name__}: "
+                      f"{getattr(exc, 'strerror', None) or exc.args[-1]}")
+    return None
 
 
 def _nkey_seed(path: str) -> None:
