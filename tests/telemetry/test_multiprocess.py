@@ -137,3 +137,17 @@ def test_configured_values_are_the_latest_jobs(jobs: Jobs) -> None:
     assert jobs.value("turnrouter_acknowledgment_delay_seconds") == 0.6
     assert jobs.value("turnrouter_acknowledgment_route_delay_seconds",
                       route="conversation") == 0.6
+
+
+@pytest.mark.parametrize("stray", ["99999999999999999999", "\u00b2\u00b3", "12ab"])
+def test_a_stray_file_in_the_directory_does_not_stop_a_job(jobs: Jobs, stray: str) -> None:
+    """A file named like a live gauge's with a pid no process can have (too big, not
+    ASCII digits) is left alone: the job's router is built and counts (review20 F3:
+    it raised OverflowError or ValueError in every job's `Telemetry()`)."""
+    odd = jobs.path / f"gauge_livesum_{stray}.db"
+    odd.write_bytes(b"")
+    process, release, _ = jobs.start(Job(turns=1))
+    jobs.finish(process, release)  # (exit code 0: its router was built and stopped)
+    assert odd.exists()
+    odd.unlink()  # (an empty file is prometheus_client's scrape's problem, not ours)
+    assert jobs.value("turnrouter_turns_total", route="conversation", outcome="answer") == 1

@@ -17,8 +17,10 @@ Exemplars are not written: prometheus_client's multiprocess files have no place 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import re
 import threading
 from collections.abc import Mapping
 from multiprocessing import util as mp_util
@@ -113,10 +115,10 @@ def mirrors() -> Mirrors:
             made = _MIRRORS[pid] = Mirrors()
             path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
             if path:
-                _sweep(path)
                 # Run at a multiprocessing child's exit (spawn and forkserver alike:
                 # forkserver children skip atexit) and at the main process's.
                 mp_util.Finalize(None, _at_exit, args=(pid, path), exitpriority=0)
+                _sweep(path)
     return made
 
 
@@ -129,8 +131,13 @@ def _sweep(path: str) -> None:
     """`mark_process_dead` for every process with live gauge files that no longer runs."""
     for name in glob.glob(os.path.join(path, "gauge_live*_*.db")):
         pid = os.path.basename(name)[:-3].rsplit("_", 1)[-1]
-        if pid.isdigit() and not _running(int(pid)):
-            mark_process_dead(int(pid), path)  # type: ignore[no-untyped-call]
+        # (ASCII digits of a pid only: a stray file's name must not stop the router)
+        if _PID.fullmatch(pid) and not _running(int(pid)):
+            with contextlib.suppress(OSError):
+                mark_process_dead(int(pid), path)  # type: ignore[no-untyped-call]
+
+
+_PID = re.compile(r"[0-9]{1,9}")
 
 
 def _running(pid: int) -> bool:
@@ -138,6 +145,6 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's: running
+    except (OSError, OverflowError, ValueError):  # another user's (EPERM), or odd: kept
         return True
     return True
