@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from turnrouter import (
     MAX_ID_CHARS,
+    MAX_IMPORTED_PATCH_DEPTH,
     MAX_PATCH_DEPTH,
     MAX_SESSION_TURNS,
     AgentExchange,
@@ -923,21 +924,42 @@ async def test_the_patch_depth_bound_is_exact_and_ignores_brackets_in_text() -> 
 
 async def test_a_snapshot_holding_a_held_patch_nested_past_the_bound_is_refused() -> None:
     """A snapshot (another version's, or forged) holding a held patch nested past
-    MAX_PATCH_DEPTH imports nowhere: approved, it would sit a level deeper and its
-    export could not be read back. Refused by name, nothing installed."""
+    MAX_IMPORTED_PATCH_DEPTH imports nowhere: approved, it would sit a level deeper and
+    its export could not be read back. Refused by name, nothing installed."""
     h = Harness(ScriptedAgent("conversation"))
     await h.say("hello")
     held = await h.router.apply_context_patch(
         "p1", ContextPatch(task_id="deep", facts={"x": 1}), "human_gated")
     assert isinstance(held, PendingContextPatch)
     exported = json.loads(h.router.export_participant_json("p1") or b"")
-    for depth in (150, 194):  # (194: the snapshot reads back; approved, it would not)
+    for depth in (MAX_IMPORTED_PATCH_DEPTH - 1, 194):  # (patch, facts: 2 levels more)
         exported["pending"][0]["patch"]["facts"] = {"x": _nested(depth)}
         read = ParticipantSnapshot.from_json(json.dumps(exported))
         other = Harness(ScriptedAgent("conversation"))
-        with pytest.raises(ContractValueError, match="MAX_PATCH_DEPTH"):
+        with pytest.raises(ContractValueError, match="MAX_IMPORTED_PATCH_DEPTH"):
             other.router.import_participant(read)
         assert other.router.export_participant("p1") is None
+
+
+async def test_a_held_patch_an_earlier_version_accepted_deeper_still_moves() -> None:
+    """A held patch deeper than MAX_PATCH_DEPTH (accepted before that bound) but within
+    MAX_IMPORTED_PATCH_DEPTH imports, is approved on the replica that took it, and the
+    participant moves again with it merged (review20 F1: the whole participant was
+    refused, its history lost at the upgrade)."""
+    h = Harness(ScriptedAgent("conversation"))
+    await h.say("hello")
+    held = await h.router.apply_context_patch(
+        "p1", ContextPatch(task_id="deep", facts={"x": 1}), "human_gated")
+    assert isinstance(held, PendingContextPatch)
+    exported = json.loads(h.router.export_participant_json("p1") or b"")
+    for depth in (MAX_PATCH_DEPTH, MAX_IMPORTED_PATCH_DEPTH - 2):  # (2 levels more)
+        exported["pending"][0]["patch"]["facts"] = {"x": _nested(depth)}
+        other = Harness(ScriptedAgent("conversation"))
+        other.router.import_participant(ParticipantSnapshot.from_json(json.dumps(exported)))
+        await other.router.approve_patch(held.patch_id)
+        moved = _moved(other)
+        snapshot = moved.router.export_participant("p1")
+        assert snapshot is not None and snapshot.history[0].user == "hello"
 
 
 # ------------------------------------------------------------------ sessions

@@ -32,6 +32,8 @@ CORE = {
     "MAX_SESSION_TURNS",
     # docs/limits.md: the longest participant and turn id, the largest context version.
     "MAX_HISTORY_VERSION", "MAX_ID_CHARS",
+    # docs/limits.md: how deep a context patch may nest, accepted and imported.
+    "MAX_IMPORTED_PATCH_DEPTH", "MAX_PATCH_DEPTH",
     # docs/acknowledgments.md: the prompt an LLMService gets, and how its reply is cleaned.
     "acknowledgment_prompt", "clean_acknowledgment",
 }

@@ -55,6 +55,7 @@ from ._llm import LLMService
 from ._load import OverloadPolicy, RouterLoad
 from ._observer import RouterObserver, TurnObserver
 from ._patches import (
+    MAX_IMPORTED_PATCH_DEPTH,
     MAX_PATCH_DEPTH,
     AppliedContextPatch,
     ContextPatch,
@@ -80,6 +81,7 @@ __all__ = [
     "CLARIFY",
     "MAX_HISTORY_VERSION",
     "MAX_ID_CHARS",
+    "MAX_IMPORTED_PATCH_DEPTH",
     "MAX_PATCH_DEPTH",
     "MAX_SESSION_TURNS",
     "MAX_SNAPSHOT_BYTES",

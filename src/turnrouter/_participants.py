@@ -30,6 +30,7 @@ from ._history import History, Meta, view_items
 from ._lifecycle import OwnedOperation, TurnQueue
 from ._observer import ParticipantChanged
 from ._patches import (
+    MAX_IMPORTED_PATCH_DEPTH,
     AppliedContextPatch,
     PatchExchangeId,
     PendingContextPatch,
@@ -287,7 +288,7 @@ class Registry:
         pid, limit = snapshot.participant_id, self._cfg.max_patch_bytes
         for held in snapshot.pending:
             try:
-                _, size = checked_patch(held.patch, limit)
+                _, size = checked_patch(held.patch, limit, MAX_IMPORTED_PATCH_DEPTH)
             except ContractValueError as exc:
                 raise ContractValueError(
                     f"participant snapshot of {preview(pid)} holds a pending patch its "

@@ -37,6 +37,7 @@ from ._models import ContractModel, error_location
 from ._redact import preview
 
 __all__ = [
+    "MAX_IMPORTED_PATCH_DEPTH",
     "MAX_PATCH_DEPTH",
     "AppliedContextPatch",
     "ContextPatch",
@@ -70,6 +71,11 @@ _T = TypeVar("_T")
 #: most about 200 levels: a patch nested near that read back alone, but not in the
 #: snapshot, so the participant's state was lost at its next move.
 MAX_PATCH_DEPTH = 128
+#: The deepest held patch an imported snapshot may carry: one an earlier version
+#: accepted deeper than `MAX_PATCH_DEPTH` still moves (refusing it would lose the whole
+#: participant), as long as, approved, it sits where an import still reads it (about 200
+#: levels, with a margin for the record a runtime wraps the snapshot in).
+MAX_IMPORTED_PATCH_DEPTH = 190
 
 
 def _utc_now() -> datetime:
@@ -271,7 +277,8 @@ def patch_size_bytes(patch: ContextPatch) -> int:
     return len(_patch_json(patch))
 
 
-def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
+def checked_patch(patch: ContextPatch, limit: int,
+                  depth: int = MAX_PATCH_DEPTH) -> tuple[ContextPatch, int]:
     """`patch` validated (a copy when it was not valid as it stands) and its serialized
     size (`patch_size_bytes`).
 
@@ -288,11 +295,13 @@ def checked_patch(patch: ContextPatch, limit: int) -> tuple[ContextPatch, int]:
     data = _patch_json(patch)
     if len(data) > limit:
         return patch, len(data)
-    depth = strict_json.nesting(data, MAX_PATCH_DEPTH)
-    if depth > MAX_PATCH_DEPTH:
+    nests = strict_json.nesting(data, depth)
+    if nests > depth:
+        bound = ("MAX_PATCH_DEPTH" if depth == MAX_PATCH_DEPTH else
+                 "MAX_IMPORTED_PATCH_DEPTH")
         raise ContractValueError(
-            f"invalid context patch {_shown(patch)}: its JSON nests {depth} levels deep, "
-            f"over MAX_PATCH_DEPTH ({MAX_PATCH_DEPTH}): a participant's snapshot holds it "
+            f"invalid context patch {_shown(patch)}: its JSON nests {nests} levels deep, "
+            f"over {bound} ({depth}): a participant's snapshot holds it "
             "deeper still, and no replica could read that snapshot back; flatten its "
             "facts, artifacts or sources")
     refuse_non_finite(patch)

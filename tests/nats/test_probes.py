@@ -56,6 +56,10 @@ async def _watch(nc: Any, subject: str) -> tuple[Any, asyncio.Queue[str]]:
     seen: asyncio.Queue[str] = asyncio.Queue()
 
     async def put(msg: Any) -> None:
+        # A probe's id names its subject form: a probe on the earlier subject (a stale
+        # worker's) cannot dedupe away one on the newer (review20 F2).
+        if msg.headers and msg.headers.get("Nats-Msg-Id"):
+            assert msg.headers["Nats-Msg-Id"].startswith(msg.subject + "."), msg.headers
         await seen.put(msg.subject)
     return await nc.subscribe(subject, cb=put), seen
 

@@ -260,6 +260,7 @@ class Fleet:
                  | None = None) -> None:
         self._nc, self._config, self._replica = nc, config, replica
         self.probe_subject = probe_subject or config.probe_subject  # (`Connection`'s)
+        self._probe_secs = config.probe_interval
         self.listen = listen or nc  # what presence, timing are read on (`hang_up`)
         self._owned, self._count, self._metrics = owned, count, metrics
         self._spawn, self._reject = spawn, reject
@@ -516,11 +517,10 @@ class Fleet:
                 if n in owned:
                     continue
                 with contextlib.suppress(NatsError, TimeoutError):
-                    # One per partition and window across the fleet (by id), unconfirmed:
-                    # a refused or lost one must not hold up the others.
-                    window = int(time.time() / self._config.probe_interval)
-                    await self._nc.publish(self.probe_subject(n), b"",
-                                           headers={"Nats-Msg-Id": f"probe.{n}.{window}"})
+                    # One per partition, subject form and window across the fleet (by
+                    # id), unconfirmed: a refused or lost one must not hold up the others.
+                    to, window = self.probe_subject(n), int(time.time() / self._probe_secs)
+                    await self._nc.publish(to, b"", headers={"Nats-Msg-Id": f"{to}.{window}"})
 
     # ------------------------------------------------------------------ timing samples
     def send_sample(self, sample: TimingSample) -> None:
