@@ -922,16 +922,22 @@ async def test_the_patch_depth_bound_is_exact_and_ignores_brackets_in_text() -> 
             "p1", ContextPatch(task_id="deep", facts={"x": _nested(MAX_PATCH_DEPTH - 1)}))
 
 
-async def test_a_snapshot_holding_a_held_patch_nested_past_the_bound_is_refused() -> None:
-    """A snapshot (another version's, or forged) holding a held patch nested past
-    MAX_IMPORTED_PATCH_DEPTH imports nowhere: approved, it would sit a level deeper and
-    its export could not be read back. Refused by name, nothing installed."""
+async def _held_and_exported() -> tuple[PendingContextPatch, dict[str, Any]]:
+    """A participant's held patch, and the participant's snapshot as JSON data."""
     h = Harness(ScriptedAgent("conversation"))
     await h.say("hello")
     held = await h.router.apply_context_patch(
         "p1", ContextPatch(task_id="deep", facts={"x": 1}), "human_gated")
     assert isinstance(held, PendingContextPatch)
-    exported = json.loads(h.router.export_participant_json("p1") or b"")
+    exported: dict[str, Any] = json.loads(h.router.export_participant_json("p1") or b"")
+    return held, exported
+
+
+async def test_a_snapshot_holding_a_held_patch_nested_past_the_bound_is_refused() -> None:
+    """A snapshot (another version's, or forged) holding a held patch nested past
+    MAX_IMPORTED_PATCH_DEPTH imports nowhere: approved, it would sit a level deeper and
+    its export could not be read back. Refused by name, nothing installed."""
+    _, exported = await _held_and_exported()
     for depth in (MAX_IMPORTED_PATCH_DEPTH - 1, 194):  # (patch, facts: 2 levels more)
         exported["pending"][0]["patch"]["facts"] = {"x": _nested(depth)}
         read = ParticipantSnapshot.from_json(json.dumps(exported))
@@ -946,12 +952,7 @@ async def test_a_held_patch_an_earlier_version_accepted_deeper_still_moves() -> 
     MAX_IMPORTED_PATCH_DEPTH imports, is approved on the replica that took it, and the
     participant moves again with it merged (review20 F1: the whole participant was
     refused, its history lost at the upgrade)."""
-    h = Harness(ScriptedAgent("conversation"))
-    await h.say("hello")
-    held = await h.router.apply_context_patch(
-        "p1", ContextPatch(task_id="deep", facts={"x": 1}), "human_gated")
-    assert isinstance(held, PendingContextPatch)
-    exported = json.loads(h.router.export_participant_json("p1") or b"")
+    held, exported = await _held_and_exported()
     for depth in (MAX_PATCH_DEPTH, MAX_IMPORTED_PATCH_DEPTH - 2):  # (2 levels more)
         exported["pending"][0]["patch"]["facts"] = {"x": _nested(depth)}
         other = Harness(ScriptedAgent("conversation"))

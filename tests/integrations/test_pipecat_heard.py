@@ -126,14 +126,20 @@ async def test_fast_turn_is_measured_to_its_audio() -> None:
     assert measured(observer) == (pytest.approx(heard_at), pytest.approx(heard_at))
 
 
-async def test_last_turn_of_the_call_is_measured_to_its_audio() -> None:
+@pytest.mark.parametrize("nested", [False, True])
+async def test_last_turn_of_the_call_is_measured_to_its_audio(nested: bool) -> None:
     """EndFrame right after the answer went out: the router stops only once the answer
-    was heard, so the call's last turn is measured to its audio, not to started()."""
+    was heard, so the call's last turn is measured to its audio, not to started(). Also
+    with the processor in a pipeline of its own, the output transport after it (it cannot
+    see the output by walking its links), before the call's first audio: before, the end
+    did not wait for a call that had played no audio yet, and the router recorded both
+    at the text's push (0 s; newcomer20 F1)."""
     clock = ManualClock()
     agent = Agent("weather", "Sunny.")
     router, observer = voice(agent, clock)
     tts, out = ClockTTS(clock, ttfb=0.6), PlayingOutput(clock)
-    async with Pipe(TurnRouterProcessor(router), tts, out) as pipe:
+    processor = TurnRouterProcessor(router)
+    async with Pipe(Pipeline([processor]) if nested else processor, tts, out) as pipe:
         await pipe.send(said("rain?"))
         with anyio.fail_after(10):
             await agent.pushed_first.wait()
@@ -186,25 +192,6 @@ async def test_a_call_ending_before_late_audio_records_a_lower_bound(nested: boo
     # Nor heard later: the speech still queued was dropped when the end gave up on it
     # (it played after the end had measured it unheard: voice17 F9).
     assert out.played == {}
-
-
-async def test_a_call_ending_before_its_first_audio_waits_for_it_in_a_nested_pipeline() -> None:
-    """The processor in a pipeline of its own, the output transport after it (the
-    processor cannot see the output by walking its links), and EndFrame before the
-    call's first audio: the end waits for that audio, so the only turn is measured to
-    it. Before, the end did not wait for a call that had played no audio yet: the router
-    stopped at once and recorded both at the text's push (0 s; newcomer20 F1)."""
-    clock = ManualClock()
-    agent = Agent("weather", "Sunny.")
-    router, observer = voice(agent, clock)
-    tts, out = ClockTTS(clock, ttfb=0.6), PlayingOutput(clock)
-    async with Pipe(Pipeline([TurnRouterProcessor(router)]), tts, out) as pipe:
-        await pipe.send(said("rain?"))
-        with anyio.fail_after(10):
-            await agent.pushed_first.wait()
-        await end_on_clock(pipe, clock)
-    assert out.played[tts.tag("Sunny.")] == pytest.approx(0.6)
-    assert measured(observer) == (pytest.approx(0.6), pytest.approx(0.6))
 
 
 async def test_a_call_with_no_output_ends_at_once_measured_at_started() -> None:

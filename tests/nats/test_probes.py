@@ -6,7 +6,6 @@ filters per consumer, probes on `<prefix>.probe.<n>`) is used as it is."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
@@ -19,15 +18,9 @@ from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
 from .app import make_router
 from .conftest import NatsServer
 from .test_lost_pin import pin_holder
+from .test_reader_slots import api as _api
 
 pytestmark = pytest.mark.anyio
-
-
-async def _api(nc: Any, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-    reply = await nc.request(subject, json.dumps(body or {}).encode(), timeout=5)
-    data: dict[str, Any] = json.loads(reply.data)
-    assert "error" not in data, data
-    return data
 
 
 @pytest.mark.parametrize("partitions", [1, 2, 3, 7, 16, 64])
