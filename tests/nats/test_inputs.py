@@ -509,3 +509,26 @@ async def test_a_header_name_that_is_not_text_is_refused_for_that(
         await fe.publish(ParticipantJoined(participant_id="hdr"),
                          headers={5: "x"})  # type: ignore[dict-item]
     assert "Nats-" not in str(caught.value)
+
+
+async def test_a_decoy_carrying_another_participants_id_is_refused_and_counted(
+        nats_server: NatsServer, worker: Worker,
+        front: tuple[NatsFrontEnd, Heard]) -> None:
+    """A publisher on its own participant's subject takes another participant's known
+    next id (`<token(vic)>.turn-1`, redteam18 F7): the stream then drops vic's `turn-1`
+    (raised by `publish`), and the decoy itself is refused by the worker as
+    `foreign_id`, counted, its turn never run, so the attempt shows on the dashboards.
+    The publisher's own participant is served as before."""
+    fe, heard = front
+    decoy = UserQuery(participant_id="mallory", text="decoy")
+    await fe.connection.jetstream().publish(
+        f"turnrouter.in.{encode_token('mallory')}.query", decoy.model_dump_json().encode(),
+        headers={"Nats-Msg-Id": f"{encode_token('vic')}.turn-1"})
+    with pytest.raises(ContractValueError, match="did not publish"):
+        await fe.publish(UserQuery(participant_id="vic", text="mine", message_id="turn-1"))
+    await counted(worker, "turnrouter_runtime_rejected_messages_total",
+                  'reason="foreign_id",topic="nats_input"', 1)
+    # The partition delivers in order: mallory's next turn comes after the decoy.
+    assert await ask(fe, heard, "mallory", "next") == "next|-|N"
+    assert decoy.message_id not in heard.finals
+    assert await ask(fe, heard, "vic", "again") == "again|-|N"

@@ -980,6 +980,33 @@ def test_any_subject_parses_or_is_rejected(subject: str, data: bytes) -> None:
     assert reason in {"parsed", "unknown_subject", "oversized", "invalid"}
 
 
+@settings(max_examples=200)
+@given(msg_id=st.none() | st.text(max_size=300), message_id=st.text(
+    alphabet=string.ascii_letters + string.digits + "-._", min_size=1, max_size=64))
+@example(msg_id="YW5u.m-1", message_id="m-1")  # its own: accepted
+@example(msg_id="dmlj.m-1", message_id="m-1")  # another participant's: refused
+def test_a_nats_msg_id_other_than_the_messages_own_is_refused(
+        msg_id: str | None, message_id: str) -> None:
+    """An input's `Nats-Msg-Id` must be `<token>.<message id>` of that very message (as
+    `NatsFrontEnd.publish` sets it) or absent; any other is `foreign_id` (a decoy taking
+    another participant's id, redteam18 F7), whatever its text."""
+    body = UserQuery(participant_id="ann", text="hi", message_id=message_id)
+    own = f"{encode_token('ann')}.{message_id}"
+    subject = f"{CONFIG.prefix}.p.0.{encode_token('ann')}.query"
+    if msg_id is None or msg_id == own:
+        _, pid, _, parsed = parse_input(CONFIG, subject, body.model_dump_json().encode(),
+                                        msg_id)
+        assert pid == "ann" and parsed == body
+    else:
+        with pytest.raises(Rejected) as info:
+            parse_input(CONFIG, subject, body.model_dump_json().encode(), msg_id)
+        assert info.value.reason == "foreign_id"
+    with pytest.raises(Rejected) as info:
+        parse_input(CONFIG, subject, body.model_dump_json().encode(),
+                    f"{encode_token('vic')}.{message_id}")
+    assert info.value.reason == "foreign_id"
+
+
 SAMPLES = st.builds(
     TimingSample, st.text(min_size=1, max_size=40),
     st.floats(min_value=0, max_value=1e6, allow_nan=False),

@@ -183,7 +183,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "turnrouter_runtime_rejected_messages_total", "counter",
         "Inputs refused before the router handled them, by topic (a runtime topic's name, "
         "nats_input, nats_timing, nats_control, nats_presence, nats_state, pipecat) and "
-        "reason (invalid, wrong_type, closed, oversized, unknown_subject, not_owned, "
+        "reason (invalid, wrong_type, closed, oversized, unknown_subject, foreign_id, not_owned, "
         "overflow, coalesced, dropped, unverified, handover_aborted, unknown_route, "
         "out_of_range, over_share, fleet_share, outlier, unknown_publisher, invalid_snapshot, "
         "invalid_ending, superseded, expired).",

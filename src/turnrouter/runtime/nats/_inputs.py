@@ -257,7 +257,9 @@ class Inputs:
         holds its pin; received: its arrival, `time.monotonic()`), then acknowledge it
         when its outcome is recorded."""
         try:
-            partition, pid, kind, message = parse_input(self._config, msg.subject, msg.data)
+            partition, pid, kind, message = parse_input(
+                self._config, msg.subject, msg.data,
+                msg.headers.get("Nats-Msg-Id") if msg.headers else None)
             if partition != n:
                 raise Rejected("not_owned", f"partition {partition} delivered on {n}")
         except Rejected as exc:

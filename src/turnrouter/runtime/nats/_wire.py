@@ -537,7 +537,7 @@ def kind_of(message: RuntimeMessage) -> str:
 
 class Rejected(TurnrouterError, ValueError):
     """An input refused before the router saw it; `reason` is a low-cardinality label
-    (`unknown_subject`, `oversized`, `invalid`)."""
+    (`unknown_subject`, `oversized`, `invalid`, `foreign_id`)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -545,12 +545,15 @@ class Rejected(TurnrouterError, ValueError):
 
 
 def parse_input(
-    config: NatsConfig, subject: str, data: bytes
+    config: NatsConfig, subject: str, data: bytes, msg_id: str | None = None
 ) -> tuple[int, str | None, str, RuntimeMessage | None]:
     """Check one delivered input: (partition, participant id, kind, message).
 
-    Probes (`kind == "probe"`) carry no participant and no message. Raises `Rejected`
-    naming what is wrong: `unknown_subject`, `oversized`, `invalid`.
+    Probes (`kind == "probe"`) carry no participant and no message. `msg_id` is the
+    message's `Nats-Msg-Id` header, if any. Raises `Rejected` naming what is wrong:
+    `unknown_subject`, `oversized`, `invalid`, or `foreign_id` for an id other than
+    `<token>.<message id>` of this very message (`NatsFrontEnd.publish`'s): a message
+    carrying another participant's id was published to make the stream drop theirs.
     """
     parts = subject.split(".")
     if len(parts) == 3 and parts[1] == "probe" and parts[2].isdigit():
@@ -581,6 +584,9 @@ def parse_input(
     message_pid = getattr(message, "participant_id", None)
     if message_pid != pid:
         raise Rejected("invalid", "participant_id does not match the subject")
+    if msg_id is not None and msg_id != f"{token}.{message.message_id}":
+        raise Rejected("foreign_id", "its Nats-Msg-Id is not <token>.<message id> of this "
+                                     "message: another participant's id, or another message's")
     return partition, pid, kind, message
 
 
