@@ -283,6 +283,111 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
         worker.close()
 
 
+async def test_a_publish_waiting_when_the_server_crashes_goes_again_on_its_return(
+        nats_server: NatsServer) -> None:
+    """A publish sent to a server that dies before confirming it (frozen, then kill -9:
+    what it had not read is gone) is sent again as soon as the connection is back,
+    instead of raising `LifecycleError` once its 5 s ran out (chaos20 O3): it returns
+    normally, its turn is answered exactly once, and the caller's own callbacks still
+    run. A caller's cancellation of a waiting publish is still a cancellation."""
+    worker = Worker(nats_server.url, "steady", "--reconnect-for", "60")
+    lost, back = asyncio.Event(), asyncio.Event()
+
+    async def disconnected() -> None:
+        lost.set()
+
+    async def reconnected() -> None:
+        back.set()
+
+    try:
+        async with listening(nats_server.url, disconnected_cb=disconnected,
+                             reconnected_cb=reconnected) as (front, heard):
+            assert (await ask(front, heard, "cr", "hello")).startswith("hello|")
+            nc = front.connection
+            nats_server.freeze()
+            query = UserQuery(participant_id="cr", text="during")
+            event = heard.events.setdefault(query.message_id, asyncio.Event())
+            sent = nc.stats["out_msgs"]
+            publishing = asyncio.create_task(front.publish(query))
+            cancelled_one = asyncio.create_task(front.publish(
+                UserQuery(participant_id="cx", text="given up")))
+            # Both written to the frozen server's socket, then it dies unread.
+            await until_true(lambda: nc.stats["out_msgs"] >= sent + 2
+                             and nc.pending_data_size == 0, "both publishes sent")
+            cancelled_one.cancel()
+            nats_server.crash()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled_one
+            async with asyncio.timeout(20):
+                await lost.wait()
+            nats_server.restart()
+            async with asyncio.timeout(20):
+                await back.wait()
+                await publishing  # returns normally: stored by the publish sent again
+                await event.wait()
+            assert [o.text for o in heard.finals[query.message_id]] == ["during|hello|F"]
+            assert await ask(front, heard, "cr", "next") == "next|during|F"
+    finally:
+        nats_server.thaw()
+        worker.close()
+
+
+async def test_a_publish_stored_before_its_connection_was_lost_returns_after_the_resend(
+        nats_server: NatsServer) -> None:
+    """The first copy of a publish was stored but its confirmation was lost with the
+    connection (here: the copy reaches the server by another path, then the front end's
+    connection is reset): the copy sent again on the new connection is a duplicate of
+    it, and `publish` returns normally, not as if another front end had taken the id.
+    The turn runs once."""
+    worker = Worker(nats_server.url, "steady")
+    try:
+        async with proxied(nats_server.port) as proxy, \
+                listening(NatsConfig(url=proxy.url)) as (front, heard):
+            assert (await ask(front, heard, "st", "hello")).startswith("hello|")
+            query = UserQuery(participant_id="st", text="stored")
+            event = heard.events.setdefault(query.message_id, asyncio.Event())
+            hold = proxy.hold(lambda subject, payload: b'"stored"' in payload)
+            publishing = asyncio.create_task(front.publish(query))
+            async with asyncio.timeout(15):
+                await hold.holding(1)
+            nc = await nats.connect(nats_server.url)
+            try:  # the first copy, stored
+                await nc.jetstream().publish(
+                    CONFIG.input_subject("st", "query"), query.model_dump_json().encode(),
+                    headers={"Nats-Msg-Id": f"{encode_token('st')}.{query.message_id}"})
+            finally:
+                await nc.close()
+            hold.drop(1)
+            hold.release()
+            assert proxy.reset() >= 1  # its confirmation lost with the connection
+            async with asyncio.timeout(20):
+                await publishing
+                await event.wait()
+            assert await ask(front, heard, "st", "next") == "next|stored|F"
+            assert [o.text for o in heard.finals[query.message_id]] == ["stored|hello|F"]
+            assert front.inputs_duplicated == 0
+    finally:
+        worker.close()
+
+
+async def test_a_publish_whose_server_does_not_return_fails_within_its_bound(
+        nats_server: NatsServer) -> None:
+    """The server dies while a publish waits and stays away: `LifecycleError` once the
+    publish's 5 s ran out, saying the connection was lost and to publish it again."""
+    async with listening(nats_server.url) as (front, _):
+        nc = front.connection
+        nats_server.freeze()
+        sent = nc.stats["out_msgs"]
+        publishing = asyncio.create_task(
+            front.publish(UserQuery(participant_id="gone", text="hello")))
+        await until_true(lambda: nc.stats["out_msgs"] > sent and nc.pending_data_size == 0,
+                         "the publish sent")
+        nats_server.crash()
+        with pytest.raises(LifecycleError, match=r"lost while it waited.*publish it again"):
+            async with asyncio.timeout(20):
+                await publishing
+
+
 async def test_failed_state_writes_are_logged_rarely(nats_server: NatsServer) -> None:
     """An outage fails one state write per participant writing: the log shows the 1st
     and the 10th, each with the count so far, not one line per participant."""

@@ -19,13 +19,14 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Mapping
 from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
+from nats.js.api import PubAck
 from nats.js.errors import BadRequestError
 from pydantic import ValidationError
 
@@ -40,6 +41,7 @@ from ..._redact import preview
 from ...telemetry._telemetry import current_carrier
 from .._messages import VALIDATED, Interrupted, ResponseOutput, RuntimeMessage
 from .._runtime import describe
+from ._confirm import Confirmations
 from ._connection import MAX_OUTSTANDING_PINGS
 from ._mailbox import Mailbox
 from ._permissions import Denials, DeniedError, denials_of
@@ -133,6 +135,7 @@ class NatsFrontEnd:
         # up; a front end built on a connection of its own sees none).
         self._denials = denials_of(nc) or Denials(config, "frontend")
         self._js = nc.jetstream(timeout=_PUBLISH_TIMEOUT)
+        self._confirms = Confirmations(nc)
         self._published = _Published(config.dedup_window)
         self.inputs_duplicated = 0
         """Inputs the stream dropped as duplicates of messages with the same id this
@@ -227,11 +230,13 @@ class NatsFrontEnd:
                       headers: dict[str, str] | None = None) -> None:
         """Publish one input message; W3C trace context travels in the NATS headers.
 
-        Returns once the server stored it. `LifecycleError` means it did not confirm
-        in time (5 s: a server that is down or frozen): the message may still have been
-        stored; while the connection is known lost (reconnecting), `LifecycleError` at
-        once and nothing is sent (nats-py would hold it and send it on reconnect, when
-        its participant may have given up on it). Publishing the same message again is
+        Returns once the server stored it. A connection lost while it waits for that
+        (the server crashed) sends it again as soon as it is back, within the same
+        bound. `LifecycleError` means it did not confirm in time (5 s: a server that is
+        down or frozen): the message may still have been stored; while the connection
+        is known lost (reconnecting), `LifecycleError` at once and nothing is sent
+        (nats-py would hold it and send it on reconnect, when its participant may have
+        given up on it). Publishing the same message again is
         safe, as its `Nats-Msg-Id` makes the stream drop a second copy within the
         deduplication window (2 min); another message reusing a participant's message id
         within that window (a new session's `turn-1` right after the last one's, say) is
@@ -302,8 +307,18 @@ class NatsFrontEnd:
             digest = hashlib.blake2b(message.model_dump_json(exclude=_NOT_CONTENT).encode(),
                                      digest_size=16).digest()
             previous = self._published.note(msg_id, digest)
-            ack = await self._js.publish(self._config.input_subject(pid, kind), data,
-                                         headers=hdrs)
+            subject, js, sends = self._config.input_subject(pid, kind), self._js, [0]
+
+            def send(timeout: float) -> Awaitable[PubAck]:
+                sends[0] += 1
+                return js.publish(subject, data, timeout=timeout, headers=hdrs)
+
+            # Sent again at once when the connection comes back, should it be lost
+            # while the stream's reply is awaited (within the same 5 s).
+            ack = await self._confirms.confirmed(send, time.monotonic() + _PUBLISH_TIMEOUT,
+                                                 kind)
+            if ack.duplicate and sends[0] > 1:
+                return  # the copy sent before the connection was lost was stored
             if ack.duplicate and previous is not None and previous[0] != digest:
                 self._published.undo(msg_id, previous)
                 raise ContractValueError(
