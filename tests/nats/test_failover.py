@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from turnrouter.runtime import UserQuery
+from turnrouter.runtime import Interrupted, UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
 from .conftest import NatsServer, Worker, metric_value, until_true
@@ -166,6 +167,40 @@ async def test_a_paused_replica_whose_record_is_gone_ends_its_turn(
                 await asyncio.sleep(3 * config.failover_timeout)  # the pause itself
             finally:
                 runner.signal(signal.SIGCONT)
+            async with asyncio.timeout(ENDS_WITHIN):
+                await event.wait()
+            assert [o.text for o in heard.finals[query.message_id]] == [FAILURE]
+
+
+async def test_decoys_taking_probe_ids_do_not_hold_off_a_failover(
+        nats_server: NatsServer) -> None:
+    """A front end publishes, on its own subjects, decoys carrying the id of every probe
+    of the next minute as the fleet would make them without its key (`<probe
+    subject>.<window>`: the stream deduplicates across subjects, redteam21 F1), then
+    a replica is killed while a turn of its runs on a partition nobody talks on: the
+    survivor's probes, whose ids hold the fleet's key, still pin it there, and the turn
+    ends with the failure text. Before, the real probes were dropped as duplicates and
+    the turn never ended. Each decoy is refused and counted."""
+    config = NatsConfig(url=nats_server.url)
+    with fleet(nats_server, 2) as workers:
+        await until_owned(workers)
+        async with listening(nats_server.url) as (front, heard):
+            query = UserQuery(participant_id="slowpoke", text="slow")  # answers in 60 s
+            event = heard.events.setdefault(query.message_id, asyncio.Event())
+            await front.publish(query)
+            await until_true(lambda: total(workers, "turnrouter_nats_inflight_marks_total")
+                             == 1, "the turn marked in flight")
+            runner = max(workers, key=lambda worker: metric_value(
+                worker.metrics(), "turnrouter_nats_inflight_marks_total"))
+            decoy = Interrupted(participant_id="mallory").model_dump_json().encode()
+            window = int(time.time() / config.probe_interval)
+            for ahead in range(int(60 / config.probe_interval)):
+                for n in range(config.partitions):
+                    await front.connection.publish(
+                        config.input_subject("mallory", "interrupt"), decoy,
+                        headers={"Nats-Msg-Id": f"{config.probe_subject(n)}.{window + ahead}"})
+            await front.connection.flush()
+            runner.proc.kill()
             async with asyncio.timeout(ENDS_WITHIN):
                 await event.wait()
             assert [o.text for o in heard.finals[query.message_id]] == [FAILURE]

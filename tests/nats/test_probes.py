@@ -53,6 +53,10 @@ async def _watch(nc: Any, subject: str) -> tuple[Any, asyncio.Queue[str]]:
         # worker's) cannot dedupe away one on the newer (review20 F2).
         if msg.headers and msg.headers.get("Nats-Msg-Id"):
             assert msg.headers["Nats-Msg-Id"].startswith(msg.subject + "."), msg.headers
+            # ... and holds more than its window: the fleet's key, which nobody
+            # without it can guess to take the id first (redteam21 F1).
+            window, _, key = msg.headers["Nats-Msg-Id"][len(msg.subject) + 1:].partition(".")
+            assert window.isdigit() and len(key) >= 16, msg.headers
         await seen.put(msg.subject)
     return await nc.subscribe(subject, cb=put), seen
 

@@ -145,6 +145,8 @@ class Connection:
         self.denials = Denials(config, "worker")
         #: Partitions whose consumer an earlier turnrouter made (`Deployment.legacy`).
         self.legacy: frozenset[int] = frozenset()
+        #: The fleet's secret part of every probe id (`Deployment.probe_key`).
+        self.probe_key = ""
 
     async def connect(self, replica: str) -> Client:
         config = self._config
@@ -222,15 +224,18 @@ class Connection:
 
         deployment = await self.settle("set-up", lambda: self.denials.guard(
             ensure_deployment(nc, config), fatal))
-        self.legacy = deployment.legacy
+        self.legacy, self.probe_key = deployment.legacy, deployment.probe_key
         return deployment.bucket
 
-    def probe_subject(self, partition: int) -> str:
-        """Where a probe of `partition` goes: its consumer's own probe subject when an
-        earlier turnrouter made it, else the partition's probe input."""
+    def probe(self, partition: int, window: int) -> tuple[str, str]:
+        """Where a probe of `partition` goes (its consumer's own probe subject when an
+        earlier turnrouter made it, else the partition's probe input) and its
+        `Nats-Msg-Id` in `window`: the fleet's one probe of it, which nobody without
+        the fleet's key can publish first."""
         config = self._config
-        return (config.legacy_probe_subject(partition) if partition in self.legacy
-                else config.probe_subject(partition))
+        subject = (config.legacy_probe_subject(partition) if partition in self.legacy
+                   else config.probe_subject(partition))
+        return subject, f"{subject}.{window}.{self.probe_key}"
 
     async def settle(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """`attempt()`, tried again (one log line per failure) while it fails for want of
@@ -409,7 +414,8 @@ class Connection:
                         for part, _ in missing:
                             self._metrics.deployment_missing.labels(part).inc()
                 try:
-                    self.legacy = (await ensure_deployment(nc, config)).legacy
+                    deployment = await ensure_deployment(nc, config)
+                    self.legacy, self.probe_key = deployment.legacy, deployment.probe_key
                 except (LifecycleError, ConfigurationError, NatsError) as exc:
                     error = f"missing {names}: {safe_error(config, exc)[:300]}"
                 else:

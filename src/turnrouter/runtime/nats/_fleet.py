@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -248,6 +249,12 @@ def parse_presence(data: bytes, partitions: int) -> tuple[str, int]:
     return replica, owned
 
 
+def _keyless_probe(config: NatsConfig, partition: int, window: int) -> tuple[str, str]:
+    """A probe's subject and id without the fleet's key (`Connection.probe` has it)."""
+    subject = config.probe_subject(partition)
+    return subject, f"{subject}.{window}"
+
+
 class Fleet:
     """This replica's view of the others, and what it tells them."""
 
@@ -256,10 +263,10 @@ class Fleet:
                  metrics: RuntimeMetrics | None,
                  spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
                  reject: Callable[[str, str], None], *,
-                 listen: Client | None = None, probe_subject: Callable[[int], str]
-                 | None = None) -> None:
+                 listen: Client | None = None,
+                 probe: Callable[[int, int], tuple[str, str]] | None = None) -> None:
         self._nc, self._config, self._replica = nc, config, replica
-        self.probe_subject = probe_subject or config.probe_subject  # (`Connection`'s)
+        self.probe = probe or functools.partial(_keyless_probe, config)  # (`Connection`'s)
         self._probe_secs = config.probe_interval
         self.listen = listen or nc  # what presence, timing are read on (`hang_up`)
         self._owned, self._count, self._metrics = owned, count, metrics
@@ -519,8 +526,8 @@ class Fleet:
                 with contextlib.suppress(NatsError, TimeoutError):
                     # One per partition, subject form and window across the fleet (by
                     # id), unconfirmed: a refused or lost one must not hold up the others.
-                    to, window = self.probe_subject(n), int(time.time() / self._probe_secs)
-                    await self._nc.publish(to, b"", headers={"Nats-Msg-Id": f"{to}.{window}"})
+                    to, msg_id = self.probe(n, int(time.time() / self._probe_secs))
+                    await self._nc.publish(to, b"", headers={"Nats-Msg-Id": msg_id})
 
     # ------------------------------------------------------------------ timing samples
     def send_sample(self, sample: TimingSample) -> None:

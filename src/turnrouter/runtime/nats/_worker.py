@@ -233,7 +233,7 @@ class NatsWorker:
             self._fleet = Fleet(nc, config, self.replica, lambda: self._pins,
                                 lambda: len(self._pins), self._metrics, self._spawn,
                                 router.report_rejected, listen=listen,
-                                probe_subject=connection.probe_subject)
+                                probe=connection.probe)
             self._fleet.predictors = self._predictors
             self._fleet.routes = lambda: router.destinations
             await listen.subscribe(config.interrupt_all_subject, **fleet_limits(config),
