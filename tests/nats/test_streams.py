@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 from prometheus_client import CollectorRegistry
 
@@ -258,3 +259,113 @@ async def test_an_existing_bucket_keeping_records_otherwise_is_named_at_start(
     said = [r.getMessage() for r in caplog.records if "keeps records" in r.getMessage()]
     assert len(said) == 1, said
     assert "for ever" in said[0] and f"nats stream edit KV_{config.bucket}" in said[0]
+
+
+async def _api(nc: Client, subject: str,
+               body: dict[str, object] | None = None) -> dict[str, object]:
+    reply = await nc.request(subject, json.dumps(body).encode() if body else b"", timeout=5)
+    answer: dict[str, object] = json.loads(reply.data)
+    assert "error" not in answer, answer
+    return answer
+
+
+async def _refused_at_start(config: NatsConfig) -> str:
+    worker = NatsWorker(make_router, config, registry=CollectorRegistry())
+    with pytest.raises(ConfigurationError) as caught:
+        async with asyncio.timeout(30):
+            await worker.run()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(("part", "field", "value"), [
+    ("input", "max_msgs", 10), ("input", "no_ack", True),
+    ("output", "max_msgs_per_subject", 1), ("output", "max_consumers", 1),
+    ("consumer", "max_deliver", 1), ("consumer", "max_waiting", 1),
+])
+async def test_a_layout_changed_by_hand_is_refused_naming_the_setting(
+        nats_server: NatsServer, part: str, field: str, value: object) -> None:
+    """A stream or consumer someone changed in a setting turnrouter leaves to the
+    server (a cap on messages, consumers, deliveries or waiting pulls: answers lost,
+    readers refused, turns never redelivered) is refused at start naming that setting,
+    not adopted (redteam21 F3: an output stream capped at one message per participant
+    was taken with a warning about another setting, and a restarted front end's replay
+    lost two thirds of the answers) nor refused without saying what differs (F4)."""
+    config = NatsConfig(url=nats_server.url, partitions=2)
+    worker = NatsWorker(make_router, config, registry=CollectorRegistry())
+    running = asyncio.create_task(worker.run())
+    async with asyncio.timeout(30):
+        await worker.ready.wait()
+    worker.request_stop()
+    async with asyncio.timeout(30):
+        await running
+    nc = await nats.connect(nats_server.url)
+    try:
+        if part == "consumer":
+            name = config.consumer(0)
+            held = (await _api(nc, f"$JS.API.CONSUMER.INFO.{config.stream}.{name}"))["config"]
+            assert isinstance(held, dict)
+            await _api(nc, f"$JS.API.CONSUMER.DELETE.{config.stream}.{name}")
+            await _api(nc, f"$JS.API.CONSUMER.CREATE.{config.stream}.{name}", {
+                "stream_name": config.stream, "action": "create",
+                "config": {**held, field: value}})
+        else:
+            stream = config.stream if part == "input" else config.output_stream
+            held = (await _api(nc, f"$JS.API.STREAM.INFO.{stream}"))["config"]
+            assert isinstance(held, dict)
+            await _api(nc, f"$JS.API.STREAM.UPDATE.{stream}", {**held, field: value})
+    finally:
+        await nc.close()
+    message = await _refused_at_start(config)
+    assert f"{field} {value} there, unset here" in message, message
+    assert "inactive threshold" not in message
+
+
+@pytest.mark.parametrize(("limits", "said"), [
+    ({"max_msg_size": 2000}, "max value size"),
+    ({"max_bytes": 20_000, "discard": "old"}, "discards old records"),
+    ({"max_msgs": 100, "discard": "old"}, "discards old records"),
+])
+async def test_a_bucket_made_by_hand_with_limits_that_lose_state_is_refused(
+        nats_server: NatsServer, limits: dict[str, object], said: str) -> None:
+    """A state bucket made by hand whose values are smaller than a record may be (the
+    writes of participants with some history refused: their turns ended with the
+    failure text while the worker said it was ready), or capped and discarding old
+    records (participants' state deleted without a trace), is refused at start, naming
+    the limit and how to lift it (redteam21 F2)."""
+    config = NatsConfig(url=nats_server.url, partitions=2)
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.jetstream().create_key_value(KeyValueConfig(bucket=config.bucket, history=1))
+        held = (await _api(nc, f"$JS.API.STREAM.INFO.KV_{config.bucket}"))["config"]
+        assert isinstance(held, dict)
+        await _api(nc, f"$JS.API.STREAM.UPDATE.KV_{config.bucket}", {**held, **limits})
+    finally:
+        await nc.close()
+    message = await _refused_at_start(config)
+    assert said in message and f"KV_{config.bucket}" in message, message
+
+
+async def test_a_bucket_capped_but_refusing_new_writes_is_taken_with_a_warning(
+        nats_server: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A bucket capped in bytes that refuses new writes when full (what `nats kv add
+    --max-bucket-size` makes) loses nothing already written: taken, said once at start
+    (once full, state writes are refused and turns end with the failure text)."""
+    config = NatsConfig(url=nats_server.url, partitions=2)
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.jetstream().create_key_value(KeyValueConfig(
+            bucket=config.bucket, history=1, max_bytes=10 * 1024**2))
+    finally:
+        await nc.close()
+    caplog.set_level(logging.WARNING, logger="turnrouter.runtime.nats")
+    worker = NatsWorker(make_router, config, registry=CollectorRegistry())
+    run = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(30):
+            await worker.ready.wait()
+    finally:
+        worker.request_stop()
+        async with asyncio.timeout(30):
+            await asyncio.gather(run, return_exceptions=True)
+    said = [r.getMessage() for r in caplog.records if "is capped" in r.getMessage()]
+    assert len(said) == 1 and "max_bytes 10485760" in said[0], said

@@ -969,6 +969,8 @@ def test_subjects_outside_the_transform_are_unknown(subject: str) -> None:
 @settings(max_examples=200)
 @given(subject=st.text(max_size=120), data=st.binary(max_size=2000) | JUNK.map(
     lambda v: json.dumps(v).encode()))
+@example(subject="tr.probe.\u00b2", data=b"")  # a digit int() does not read
+@example(subject="tr.p.\u00b2.YW5u.query", data=b"{}")
 def test_any_subject_parses_or_is_rejected(subject: str, data: bytes) -> None:
     """Whatever the subject (any text, not only what the server delivers), parse_input
     returns a typed message or raises Rejected with a documented reason."""
@@ -978,6 +980,22 @@ def test_any_subject_parses_or_is_rejected(subject: str, data: bytes) -> None:
     except Rejected as exc:
         reason = exc.reason
     assert reason in {"parsed", "unknown_subject", "oversized", "invalid"}
+
+
+@given(partition=st.integers(0, CONFIG.partitions - 1), body=st.binary(max_size=70_000))
+@example(partition=0, body=b"")
+def test_a_probe_carries_no_body(partition: int, body: bytes) -> None:
+    """A probe (as delivered, of either subject form) parses as one only when empty; a
+    body means it is not a replica's: `invalid`, counted (redteam21 F5)."""
+    token = CONFIG.probe_subject(partition).split(".")[2]
+    for subject in (f"{CONFIG.prefix}.p.{partition}.{token}.probe",
+                    CONFIG.legacy_probe_subject(partition)):
+        if not body:
+            assert parse_input(CONFIG, subject, body) == (partition, None, "probe", None)
+            continue
+        with pytest.raises(Rejected) as info:
+            parse_input(CONFIG, subject, body)
+        assert info.value.reason == "invalid"
 
 
 @settings(max_examples=200)

@@ -971,12 +971,8 @@ class Ledger:
                 if remade:
                     _remade(self)
             if failure is not None:
-                self.health.failed(failure)
-                self.write_failures += 1
-                if is_logged(self.write_failures):
-                    logger.warning("turnrouter: state write failed (%d so far; the "
-                                   "participant starts again from its record): %r",
-                                   self.write_failures, failure)
+                _write_failed(self, "failed (%d so far; the participant starts again from "
+                                    "its record): %r", failure)
                 uncertain = True
             if seq is not None:
                 state.revision, state.recorded = seq, written
@@ -985,8 +981,8 @@ class Ledger:
                 self.health.ok()
             elif not uncertain and not (isinstance(error, dict)
                                         and error.get("err_code") in _WRONG_LAST):
-                logger.warning("turnrouter: state write refused by the server: %s", error)
-                self.health.failed(error)
+                # (logged rarely: a full bucket refuses every write)
+                _write_failed(self, "refused by the server (%d failed so far): %s", error)
                 uncertain = True
             if seq is not None and self._metrics is not None:
                 self._metrics.state_write.observe(time.perf_counter() - t0)
@@ -1004,6 +1000,15 @@ class Ledger:
             await self.fence(pid, refused=True)
             return False
         return True
+
+
+def _write_failed(ledger: Ledger, what: str, error: object) -> None:
+    """A state write that failed or was refused: health told, counted, logged the
+    first time and at every power of ten (`what` takes the count and the error)."""
+    ledger.health.failed(error)
+    ledger.write_failures += 1
+    if is_logged(ledger.write_failures):
+        logger.warning("turnrouter: state write " + what, ledger.write_failures, error)
 
 
 def _remade(ledger: Ledger) -> None:

@@ -253,6 +253,19 @@ _SETTINGS = {
     "priority_timeout": "failover_timeout", "num_replicas": "replicas",
 }
 _PARTITIONS = re.compile(r"partition\((\d+),")
+#: Stream and consumer fields turnrouter leaves to the server, with the values a server
+#: gives them (any of these is as turnrouter made it): another value, set by hand or by
+#: another program, is a difference named like the others (redteam21 F3, F4).
+_LEFT_TO_SERVER: dict[str, tuple[object, ...]] = {
+    "max_msgs": (-1, 0, None), "max_consumers": (-1, 0, None),
+    "max_msgs_per_subject": (-1, 0, None), "no_ack": (False, None),
+    "discard": ("old", None), "storage": ("file", None), "sealed": (False, None),
+    "deny_purge": (False, None), "max_deliver": (-1, 0, None),
+    "max_waiting": (512, 0, None), "backoff": (None, []),
+    "max_request_batch": (0, None), "max_request_expires": (0, None),
+    "max_request_max_bytes": (0, None), "headers_only": (False, None),
+    "rate_limit_bps": (0, None),
+}
 
 
 def _differences(wanted: dict[str, Any], existing: object,
@@ -265,13 +278,15 @@ def _differences(wanted: dict[str, Any], existing: object,
     fields = [key for key, value in wanted.items() if existing.get(key) != value]
     if "subject_transform" in fields and "subjects" in fields:
         fields.remove("subjects")  # (the probe subjects: the partition count says it)
+    fields += [key for key, left in _LEFT_TO_SERVER.items()
+               if key not in wanted and existing.get(key) not in left]
     if not fields:
         return ""
     named: list[str] = []
     for key in fields:
-        setting = settings.get(key, _SETTINGS.get(key, key))
-        there, here = existing.get(key), wanted[key]
-        shown = (preview(there), preview(here))
+        setting = settings.get(key, _SETTINGS.get(key, key)) if key in wanted else key
+        there, here = existing.get(key), wanted.get(key)
+        shown = (preview(there), preview(here) if key in wanted else "unset")
         if key == "subject_transform":
             counts = [_PARTITIONS.search(json.dumps(v)) for v in (there, here)]
             if counts[0] is not None and counts[1] is not None:
@@ -491,4 +506,38 @@ async def _bucket(nc: Client, config: NatsConfig) -> KeyValue:
                     f"bucket {config.bucket} exists with another configuration: replicas "
                     f"{held} there, {config.replicas} here. Every replica of a deployment "
                     "must use the same NatsConfig")
+            _check_bucket_limits(config, existing, nc.max_payload - HEADER_ROOM)
     return kv
+
+
+def _check_bucket_limits(config: NatsConfig, existing: Any, record_bytes: int) -> None:
+    """A bucket made by hand with limits turnrouter does not set (redteam21 F2): a
+    value size under a record's bound refuses the writes of participants with some
+    history (their turns end with the failure text), so it is a `ConfigurationError`;
+    a cap on the bucket's bytes or records refuses every write once reached (a warning
+    at start), or, discarding old records, silently deletes participants' state (a
+    `ConfigurationError`)."""
+    name = config.bucket
+    value = existing.max_msg_size or -1
+    if 0 < value < record_bytes:
+        raise ConfigurationError(
+            f"bucket {name} takes values up to {value} bytes (its max value size, "
+            f"max_msg_size), under the {record_bytes} bytes a participant's record may "
+            f"take (the server's max_payload less {HEADER_ROOM}): their state writes would "
+            f"be refused; remove the limit (`nats stream edit KV_{name} --max-msg-size=-1`)")
+    caps = [f"{what} {cap}" for what, cap in (
+        ("max_bytes", existing.max_bytes), ("max_msgs", existing.max_msgs))
+        if cap is not None and cap > 0]
+    if not caps:
+        return
+    discard = getattr(existing.discard, "value", existing.discard)
+    if discard != "new":
+        raise ConfigurationError(
+            f"bucket {name} is capped ({', '.join(caps)}) and discards old records when "
+            f"full: participants' state would be deleted without a trace; remove the cap "
+            f"(`nats stream edit KV_{name} --max-bytes=-1 --max-msgs=-1`) or set "
+            f"--discard new")
+    logger.warning(
+        "turnrouter: bucket %s is capped (%s): once full, every state write is refused "
+        "and turns end with the failure text until records expire (state_max_age)",
+        name, ", ".join(caps))

@@ -544,6 +544,13 @@ class Rejected(TurnrouterError, ValueError):
         self.reason = reason
 
 
+def _check_probe(data: bytes) -> None:
+    """A probe carries nothing: one with a body was not a replica's (redteam21 F5:
+    forged probes were acknowledged unread and counted nowhere)."""
+    if data:
+        raise Rejected("invalid", f"a probe carries no body, this one {len(data)} bytes")
+
+
 def parse_input(
     config: NatsConfig, subject: str, data: bytes, msg_id: str | None = None
 ) -> tuple[int, str | None, str, RuntimeMessage | None]:
@@ -556,14 +563,16 @@ def parse_input(
     carrying another participant's id was published to make the stream drop theirs.
     """
     parts = subject.split(".")
-    if len(parts) == 3 and parts[1] == "probe" and parts[2].isdigit():
+    if len(parts) == 3 and parts[1] == "probe" and parts[2].isascii() and parts[2].isdigit():
+        _check_probe(data)
         return int(parts[2]), None, "probe", None  # (`legacy_probe_subject`)
     if len(parts) != 5 or parts[0] != config.prefix or parts[1] != "p" or not (
-        parts[2].isdigit() and int(parts[2]) < config.partitions
+        parts[2].isascii() and parts[2].isdigit() and int(parts[2]) < config.partitions
     ):
         raise Rejected("unknown_subject", f"subject {subject[:200]!r} is not an input subject")
     partition, token, kind = int(parts[2]), parts[3], parts[4]
     if kind == "probe" and token == probe_token(partition, config.partitions):
+        _check_probe(data)
         return partition, None, "probe", None
     payload = KINDS.get(kind)
     if payload is None:
