@@ -133,7 +133,7 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
     await settled(worker_nc)
     refusals: list[str] = []
     all_refused = asyncio.Event()
-    expected = 18  # the sixteen publishes and two subscriptions below
+    expected = 19  # the seventeen publishes and two subscriptions below
 
     async def collect(exc: Exception) -> None:
         if "permissions violation" in str(exc).lower():
@@ -157,7 +157,9 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
                  # reads nothing), deleted, or looked up (redteam12 F0, F1).
                  "$JS.API.CONSUMER.CREATE.TURNROUTER_OUT.x",
                  "$JS.API.CONSUMER.DELETE.TURNROUTER_OUT.x",
-                 "$JS.API.CONSUMER.INFO.TURNROUTER_OUT.x"]
+                 "$JS.API.CONSUMER.INFO.TURNROUTER_OUT.x",
+                 # The input stream's creation time keys the fleet's probe ids.
+                 "$JS.API.STREAM.INFO.TURNROUTER_IN"]
     try:
         for subject in forbidden:
             await front_nc.publish(subject, b'{"replica":"fake","owned":0}')

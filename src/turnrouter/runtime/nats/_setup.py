@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from ..._exceptions import ConfigurationError, LifecycleError
@@ -439,37 +438,25 @@ async def ensure_deployment(nc: Client, config: NatsConfig) -> Deployment:
             "the newer form, stop every replica and remove the consumers (`nats "
             "consumer rm %s p0`, ... `p%d`; docs/distributed.md, \"Upgrading\")",
             len(legacy), config.stream, config.stream, config.partitions - 1)
-    bucket = await _bucket(nc, config)
-    return Deployment(bucket, legacy, await probe_key(bucket))
+    return Deployment(await _bucket(nc, config), legacy, await probe_key(nc, config))
 
 
-#: The state bucket's key holding the fleet's probe key (outside every partition's
-#: `<n>.<token>` keys, so no record listing sees it).
-PROBE_KEY = "fleet.probe-key"
-
-
-async def probe_key(kv: KeyValue) -> str:
+async def probe_key(nc: Client, config: NatsConfig) -> str:
     """The secret every replica puts in its probes' `Nats-Msg-Id`, so the stream
     deduplicates the fleet's probes of one partition and window while nobody else can
     take their ids first (redteam21 F1: a front end publishing decoys with every
-    probe id of the next two minutes held off every failover of idle partitions). Kept
-    in the state bucket, which front ends cannot read with the shipped permissions; made
-    by the first replica (a create, so concurrent starts agree). A bucket that cannot
-    give it (refused, or gone meanwhile) gives this replica a key of its own: its
-    probes are then not deduplicated with the others', never guessable."""
-    for _ in range(2):
-        try:
-            entry = await kv.get(PROBE_KEY)
-        except KeyNotFoundError:
-            # Another replica's create may come first: the next read takes its key.
-            with contextlib.suppress(NatsError):
-                await kv.create(PROBE_KEY, secrets.token_hex(16).encode())
-            continue
-        except NatsError:
-            break
-        if entry.value:
-            return hashlib.blake2b(bytes(entry.value), digest_size=12).hexdigest()
-        break
+    probe id of the next two minutes held off every failover of idle partitions):
+    derived from the input stream's creation time, to the nanosecond, which only
+    clients allowed its INFO can read (workers, under the shipped permissions; front
+    ends are not). No other state: a tool listing the bucket's records sees only
+    records. A stream that cannot tell gives this replica a key of its own: its probes
+    are then not deduplicated with the others', never guessable."""
+    with contextlib.suppress(ConfigurationError, LifecycleError, ValueError, NatsError):
+        created = (await api_request(nc, f"$JS.API.STREAM.INFO.{config.stream}")).get(
+            "created")
+        if isinstance(created, str) and created:
+            return hashlib.blake2b(f"{config.stream} {created}".encode(),
+                                   digest_size=12).hexdigest()
     return secrets.token_hex(12)
 
 
