@@ -435,9 +435,11 @@ async def ensure_deployment(nc: Client, config: NatsConfig) -> Deployment:
             "turnrouter: %d consumer(s) of stream %s were made by an earlier turnrouter "
             "(a second filter subject, for probes): used as they are, but the server's "
             "CPU per input then grows with the number of participants queued. To take "
-            "the newer form, stop every replica and remove the consumers (`nats "
-            "consumer rm %s p0`, ... `p%d`; docs/distributed.md, \"Upgrading\")",
-            len(legacy), config.stream, config.stream, config.partitions - 1)
+            "the newer form, give workers the permission to publish %s.in.*.probe, "
+            "stop every replica and remove the consumers (`nats consumer rm %s p0`, ... "
+            "`p%d`, as a worker's user; docs/distributed.md, \"Upgrading\")",
+            len(legacy), config.stream, config.prefix, config.stream,
+            config.partitions - 1)
     return Deployment(await _bucket(nc, config), legacy, await probe_key(nc, config))
 
 
