@@ -61,6 +61,7 @@ from ._link import Link, deliver_directly
 from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._mirror import watch_mirror
+from ._repin import Letting, lose_pin, repinned
 from ._setup import GROUP, api_request
 from ._stall import STALL_SECS, StallWatch
 from ._takeover import Takeover
@@ -136,6 +137,7 @@ class NatsWorker:
         self._connection: Connection | None = None
         self._router: AgentRouter | None = None
         self._pins: dict[int, str] = {}
+        self._letting_go: dict[int, Letting] = {}  # pins lost, turns finishing (`_repin`)
         self._ledger: Ledger | None = None
         self._takeover: Takeover | None = None
         self._idle: IdleSweep | None = None
@@ -379,7 +381,8 @@ class NatsWorker:
         if (n in self._pins and len(self._pins) > share and inbox.quiet()
                 and await self._shed(n)):
             return
-        if n not in self._pins and await self.fleet.leave_alone(n, len(self._pins)):
+        if n not in self._pins and n not in self._letting_go and await self.fleet.leave_alone(
+                n, len(self._pins)):  # (a lost pin is asked again at once: `_repin`)
             got = await inbox.get(config.probe_interval)
             if got is not None:  # (a request sent before: it may have been pinned)
                 await self._take(n, inbox, *got)
@@ -422,12 +425,7 @@ class NatsWorker:
                 return token
             new_pin = headers.get("Nats-Pin-Id")
             if new_pin is not None and new_pin != self._pins.get(n):
-                if n in self._pins:
-                    await self._lose(n, "lost")
-                self._pins[n] = new_pin
-                self._set_owned()
-                self.fleet.taken_back(n)
-                self._take_over(n)
+                await repinned(self, n, new_pin)  # (its participants kept if still ours)
         nc, config = self._nc, self.config
         assert nc is not None
         if self.router.busy and n in self._pins and await backpressure(
@@ -465,14 +463,9 @@ class NatsWorker:
 
     # ------------------------------------------------------------------ ownership
     async def _lose(self, n: int, how: str) -> None:
-        """The pin of partition `n` moved away: stop serving its participants."""
-        self._pins.pop(n, None)
-        self._set_owned()
-        if self._metrics is not None:
-            self._metrics.partitions_lost.labels(how).inc()
-        self.ledger.partition_lost(n)
-        for pid in self.ledger.of_partition(n):
-            await self.ledger.lose(pid)
+        """The pin of partition `n` moved away: stop serving its participants once
+        their turns ended, unless it comes back first (`_repin`)."""
+        await lose_pin(self, n, how)
 
     def _take_over(self, n: int) -> None:
         """End the turns a previous owner left unfinished on partition `n`, beside the
