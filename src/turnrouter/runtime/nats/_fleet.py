@@ -796,13 +796,18 @@ def unowned(fleet: Fleet) -> int:
 
 async def pinned_elsewhere(fleet: Fleet, n: int) -> bool:
     """Whether partition `n` has a pinned client (a replica at its share leaves it
-    alone); an unpinned one is pulled, so an orphan finds an owner."""
+    alone); an unpinned one is pulled, so an orphan finds an owner. Also True when the
+    connection came back while the server was asked (`leave_alone`: an answer from the
+    server just restarted, or none, is no reason to pull before its previous owner)."""
     try:
         info = await api_request(
             fleet._nc, f"$JS.API.CONSUMER.INFO.{fleet._config.stream}."
             f"{fleet._config.consumer(n)}", wait=2.0)
     except Exception:
-        return False
+        info = {}
+    fleet._after_reconnect()
+    if time.monotonic() < fleet._probe_all_until:
+        return True
     groups = info.get("priority_groups") or []
     return any(isinstance(g, dict) and g.get("pinned_client_id") for g in groups)
 

@@ -72,21 +72,27 @@ async def lose_pin(worker: NatsWorker, n: int, how: str) -> None:
         metrics.partitions_lost.labels(how).inc()
     ledger = worker.ledger
     ledger.partition_lost(n)  # (claims under way in it are fenced)
-    if n in worker._letting_go or not ledger.of_partition(n):
-        return
-    letting = worker._letting_go[n] = Letting()
-    letting.task = worker._spawn(_let_go_later(worker, n, letting), f"letting go {n}")
+    if n not in worker._letting_go:
+        letting = worker._letting_go[n] = Letting()
+        letting.task = worker._spawn(_let_go_later(worker, n, letting), f"letting go {n}")
 
 
 async def _let_go_later(worker: NatsWorker, n: int, letting: Letting) -> None:
+    """Partition `n`'s participants let go once their turns ended (`keep_for` at
+    most); meanwhile, and until `keep_for` passed (a partition without participants
+    too), this replica pulls it at once, not leaving it to the others (`_pull_once`)."""
     ledger, turns_of = worker.ledger, worker.inputs.turns_of
+    loop = asyncio.get_running_loop()
+    until = loop.time() + keep_for(worker.config)
     try:
         turns = [t for p in ledger.of_partition(n) for t in turns_of.of(p) if not t.done()]
         if turns:
-            await asyncio.wait(turns, timeout=keep_for(worker.config))
-        letting.losing = True
+            await asyncio.wait(turns, timeout=until - loop.time())
+        letting.losing = True  # (not cancelled by `repinned` meanwhile: awaited)
         for pid in ledger.of_partition(n):
             await ledger.lose(pid)
+        letting.losing = False
+        await asyncio.sleep(max(0.0, until - loop.time()))
     finally:
         if worker._letting_go.get(n) is letting:
             del worker._letting_go[n]
