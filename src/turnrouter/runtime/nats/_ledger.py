@@ -1124,13 +1124,12 @@ async def still_ours(ledger: Ledger, pid: str, n: int) -> bool:
     """Whether `pid`'s record (partition `n`) is still this replica's: no other replica
     wrote it since (each write names its writer: a claim, a write, a departure's
     delete leave another owner or a tombstone), so what this replica holds of the
-    participant is what the record holds, and it may serve them on. A record not
-    found at all (a server back on an older copy of its store) is this replica's too:
-    its next write makes it again (`Ledger.write`). False when the server cannot say."""
+    participant is what the record holds, and it may serve them on. False when the
+    server cannot say, and for a record not found at all: a server back on an empty
+    store lost the outputs of the turns this replica holds as ended too, and their
+    queries, sent again, must run (a claim of the empty record forgets them)."""
     try:
         entry = await ledger._kv.get(f"{n}.{encode_token(pid)}")
-    except KeyNotFoundError:
-        return True
     except NatsError:
         return False
     try:
