@@ -426,13 +426,15 @@ class Fleet:
                 + 3 * self._config.probe_interval)
 
     async def leave_alone(self, n: int, owned: int) -> bool:
-        """Whether this replica (owning `owned` partitions, not `n`) should not pull
-        partition `n` now: it handed `n` over less than `_hold_off()` ago (the peer below
-        its share is pinned by the next probe: pulling too raced that peer, and a race
-        won here took a real replica for a name that is none, backing balance off for
-        10 s and more), or it is at its share and `n` has a pinned client."""
-        shed = self._shed.get(n)
-        if shed is not None and time.monotonic() - shed[0] < self._hold_off():
+        """Whether this replica (owning `owned` partitions, not `n`) should not pull `n`
+        now: it handed `n` over less than `_hold_off()` ago (pulling raced the peer below
+        its share, pinned by the next probe: a real replica taken for a name that is
+        none backed balance off), the connection came back three probe periods ago or
+        less (a restarted server pins afresh: previous owners, turns running, ask first,
+        `_repin`), or it is at its share and `n` has a pinned client."""
+        self._after_reconnect()
+        shed, now = self._shed.get(n), time.monotonic()
+        if now < self._probe_all_until or (shed and now - shed[0] < self._hold_off()):
             return True
         return owned >= self.fair_share() and await pinned_elsewhere(self, n)
 
@@ -452,12 +454,10 @@ class Fleet:
                                + 3 * self._config.probe_interval)
 
     def _reconnects(self) -> int:
-        reconnects = self._nc.stats.get("reconnects", 0)
-        return reconnects if isinstance(reconnects, int) else 0
+        return n if isinstance(n := self._nc.stats.get("reconnects", 0), int) else 0
 
     def _hold_off(self) -> float:
-        """How long a handed-over partition is left to the peers: a failover timeout
-        and two probe periods (an idle partition gets its pin from a probe)."""
+        """How long a handed-over partition is left to the peers (a probe pins it)."""
         return self._config.failover_timeout + 2 * self._config.probe_interval
 
     async def _presence_loop(self) -> None:
@@ -803,13 +803,18 @@ def unowned(fleet: Fleet) -> int:
 
 async def pinned_elsewhere(fleet: Fleet, n: int) -> bool:
     """Whether partition `n` has a pinned client (a replica at its share leaves it
-    alone); an unpinned one is pulled, so an orphan finds an owner."""
+    alone); an unpinned one is pulled, so an orphan finds an owner. Also True when the
+    connection came back while the server was asked (`leave_alone`: an answer from the
+    server just restarted, or none, is no reason to pull before its previous owner)."""
     try:
         info = await api_request(
             fleet._nc, f"$JS.API.CONSUMER.INFO.{fleet._config.stream}."
             f"{fleet._config.consumer(n)}", wait=2.0)
     except Exception:
-        return False
+        info = {}
+    fleet._after_reconnect()
+    if time.monotonic() < fleet._probe_all_until:
+        return True
     groups = info.get("priority_groups") or []
     return any(isinstance(g, dict) and g.get("pinned_client_id") for g in groups)
 

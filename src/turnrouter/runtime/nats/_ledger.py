@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # (its module imports this one)
 
 __all__ = ["Ledger", "Participant", "SaveOutcome", "await_last_writer",
            "await_previous_owner", "change_made", "fitted_record", "recorded", "said",
-           "unclaimed", "unsaved"]
+           "still_ours", "unclaimed", "unsaved"]
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
@@ -1123,6 +1123,25 @@ async def await_previous_owner(ledger: Ledger, pid: str, n: int, message_id: str
         return  # junk: the claim quarantines it
     if message_id not in record.ended and (again or record.inflight):
         await await_last_writer(ledger, key, data, record.owner, n)
+
+
+async def still_ours(ledger: Ledger, pid: str, n: int) -> bool:
+    """Whether `pid`'s record (partition `n`) is still this replica's: no other replica
+    wrote it since (each write names its writer: a claim, a write, a departure's
+    delete leave another owner or a tombstone), so what this replica holds of the
+    participant is what the record holds, and it may serve them on. False when the
+    server cannot say, and for a record not found at all: a server back on an empty
+    store lost the outputs of the turns this replica holds as ended too, and their
+    queries, sent again, must run (a claim of the empty record forgets them)."""
+    try:
+        entry = await ledger._kv.get(f"{n}.{encode_token(pid)}")
+    except NatsError:
+        return False
+    try:
+        record = await _parsed(ledger, entry.value or b"")
+    except ValueError:
+        return False
+    return record.owner == ledger._replica
 
 
 async def let_go(ledger: Ledger, pid: str, n: int, held: Participant | None = None,

@@ -24,6 +24,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -61,6 +62,7 @@ from ._link import Link, deliver_directly
 from ._mailbox import Mailbox
 from ._metrics import RuntimeMetrics, runtime_metrics
 from ._mirror import watch_mirror
+from ._repin import Letting, lose_pin, repinned
 from ._setup import GROUP, api_request
 from ._stall import STALL_SECS, StallWatch
 from ._takeover import Takeover
@@ -136,6 +138,7 @@ class NatsWorker:
         self._connection: Connection | None = None
         self._router: AgentRouter | None = None
         self._pins: dict[int, str] = {}
+        self._letting_go: dict[int, Letting] = {}  # pins lost, turns finishing (`_repin`)
         self._ledger: Ledger | None = None
         self._takeover: Takeover | None = None
         self._idle: IdleSweep | None = None
@@ -379,10 +382,16 @@ class NatsWorker:
         if (n in self._pins and len(self._pins) > share and inbox.quiet()
                 and await self._shed(n)):
             return
-        if n not in self._pins and await self.fleet.leave_alone(n, len(self._pins)):
+        if n not in self._pins and n not in self._letting_go and await self.fleet.leave_alone(
+                n, len(self._pins)):  # (a lost pin is asked again at once: `_repin`)
             got = await inbox.get(config.probe_interval)
             if got is not None:  # (a request sent before: it may have been pinned)
                 await self._take(n, inbox, *got)
+            return
+        if not nc.is_connected:
+            # A pull now would wait in the client's buffer, reach a restarted server
+            # first and take a partition its previous owner asks for again (`_repin`).
+            await _answering(self, n, nc, inbox)
             return
         if not self._pulling or (inbox.hearing.silent(nc)
                                  and not await _answering(self, n, nc, inbox)):
@@ -395,7 +404,7 @@ class NatsWorker:
         delivered = 0
         while delivered < _BATCH:
             inbox.holding = False
-            got = await inbox.get(config.pull_expires + 2.0)
+            got = await inbox.get(inbox.reply_wait())
             if got is None:
                 return  # a lost reply (reconnect): ask again
             # `_keep_pins` pulls while a message is handled, not a status (a pull answered
@@ -422,12 +431,7 @@ class NatsWorker:
                 return token
             new_pin = headers.get("Nats-Pin-Id")
             if new_pin is not None and new_pin != self._pins.get(n):
-                if n in self._pins:
-                    await self._lose(n, "lost")
-                self._pins[n] = new_pin
-                self._set_owned()
-                self.fleet.taken_back(n)
-                self._take_over(n)
+                await repinned(self, n, new_pin)  # (its participants kept if still ours)
         nc, config = self._nc, self.config
         assert nc is not None
         if self.router.busy and n in self._pins and await backpressure(
@@ -465,14 +469,9 @@ class NatsWorker:
 
     # ------------------------------------------------------------------ ownership
     async def _lose(self, n: int, how: str) -> None:
-        """The pin of partition `n` moved away: stop serving its participants."""
-        self._pins.pop(n, None)
-        self._set_owned()
-        if self._metrics is not None:
-            self._metrics.partitions_lost.labels(how).inc()
-        self.ledger.partition_lost(n)
-        for pid in self.ledger.of_partition(n):
-            await self.ledger.lose(pid)
+        """The pin of partition `n` moved away: stop serving its participants once
+        their turns ended, unless it comes back first (`_repin`)."""
+        await lose_pin(self, n, how)
 
     def _take_over(self, n: int) -> None:
         """End the turns a previous owner left unfinished on partition `n`, beside the
@@ -637,7 +636,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     away as well), and a 423 answers one of them, maybe made with a pin since replaced.
     `live` holds the requests not yet ended, each with when it surely expired."""
 
-    __slots__ = ("_body", "_body_pin", "current", "expires", "given_up", "hearing",
+    __slots__ = ("_body", "_body_pin", "back", "current", "expires", "given_up", "hearing",
                  "held_since", "holding", "lifetime", "live", "next_subject", "partition",
                  "pulled", "renew", "replied", "reply_prefix", "tokens")
 
@@ -664,6 +663,7 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
         self.given_up = -1.0  # the `held_since` of a message held too long to keep the pin
         self.live: dict[str, tuple[str | None, float]] = {}  # token -> (pin, expired by)
         self.tokens = 0
+        self.back = -math.inf  # when the connection last came back (`reply_wait`)
         self.current = ""  # the token of the loop's own last request
 
     async def receive(self, msg: Msg) -> None:
@@ -735,9 +735,19 @@ class _Inbox(Mailbox[tuple[Msg, float]]):
     def reconnected(self) -> None:
         """Back on a server: what was published while it was away went out just now
         (their time starts again), and the loop asks again at once."""
-        until = time.monotonic() + self.lifetime
+        self.back = time.monotonic()
+        until = self.back + self.lifetime
         self.live = {token: (pin, max(end, until)) for token, (pin, end) in self.live.items()}
         self.wake()
+
+    def reply_wait(self) -> float:
+        """How long the loop waits for a reply to its pull before it asks again: its
+        `expires` and 2 s (a loaded server replies late); 0.5 s past `expires` within a
+        request's lifetime of a reconnect (a restarted server drops, without a reply, a
+        pull that comes before its JetStream is up: the previous owner of a partition,
+        its pin refused, asked again 2.4 s later, after the others had taken the
+        partition, `_repin`)."""
+        return self.expires + (0.5 if time.monotonic() - self.back < self.lifetime else 2.0)
 
 
 async def _renewed(nc: Client, inbox: _Inbox, sub: Any) -> Any:
