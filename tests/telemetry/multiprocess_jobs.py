@@ -5,6 +5,7 @@ and handles turns."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
@@ -41,6 +42,9 @@ class Job:
     (its participants still held when the process exits)."""
     traced: bool = False
     """Record through a sampled OpenTelemetry SDK (histogram exemplars)."""
+    junk: bytes | None = None
+    """Written, before the router is built, to every file prometheus_client will open
+    under this process's pid (as a crashed process whose pid this one got left them)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ def run(job: Job, ready: Event, release: Event, results: Queue[Ready]) -> None:
 
 
 async def _run(job: Job, ready: Event, release: Event, results: Queue[Ready]) -> None:
+    if job.junk is not None:
+        plant(os.getpid(), "file", job.junk)
     agent = ScriptedAgent("conversation")
     acknowledging = job.ack_delay is not None
     router = AgentRouter({"conversation": agent}, ScriptedDecisions("conversation"),
@@ -85,3 +91,90 @@ async def _run(job: Job, ready: Event, release: Event, results: Queue[Ready]) ->
             return
         gate.set()
     await router.stop()
+
+
+#: The files prometheus_client opens for a process's counters, histograms and turnrouter's
+#: gauges (by their multiprocess modes).
+KINDS = ("counter", "histogram", "gauge_livesum", "gauge_livemax", "gauge_mostrecent")
+
+
+def plant(pid: int, shape: str, content: bytes = b"") -> None:
+    """Put a `shape` ("file" holding `content`, "fifo", "directory", "symlink" to a
+    file outside the directory) where each of `KINDS` of `pid` goes."""
+    folder = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    for kind in KINDS:
+        path = os.path.join(folder, f"{kind}_{pid}.db")
+        if shape == "file":
+            with open(path, "wb") as file:
+                file.write(content)
+        elif shape == "fifo":
+            os.mkfifo(path)
+        elif shape == "directory":
+            os.mkdir(path)
+        else:
+            target = os.path.join(os.path.dirname(folder), f"target-{kind}")
+            with open(target, "wb") as file:
+                file.write(content)
+            os.symlink(target, path)
+
+
+#: A forked job's exit status when its router failed (else: the warnings it logged).
+FAILED = 99
+
+
+def forks(requests: Queue[tuple[str, bytes] | None], results: Queue[int]) -> None:
+    """Fork one job per request `(shape, content)`: it plants that junk (`plant`) under
+    its own pid, builds `Telemetry()` and a router, answers one turn and exits with the
+    number of warnings turnrouter logged, or `FAILED`. Puts each job's exit status.
+    Forking from this process (imported, in multiprocess mode) costs milliseconds a job
+    where a spawned one costs a second."""
+    while (request := requests.get(timeout=BOUND_SECS)) is not None:
+        child = os.fork()
+        if child == 0:  # pragma: no cover (the forked job; its status is the result)
+            status = FAILED
+            try:
+                status = _forked(*request)
+            finally:
+                os._exit(status)
+        _, status = os.waitpid(child, 0)
+        results.put(os.waitstatus_to_exitcode(status))
+
+
+def _forked(shape: str, content: bytes) -> int:
+    warnings = _Warnings()
+    logging.getLogger("turnrouter").addHandler(warnings)
+    plant(os.getpid(), shape, content)
+    anyio.run(_one_turn)
+    return len(warnings.records)
+
+
+class _Warnings(logging.Handler):
+    """The warnings logged."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+async def _one_turn() -> None:
+    router = AgentRouter({"conversation": ScriptedAgent("conversation")},
+                         ScriptedDecisions("conversation"), output=OutputRecorder(),
+                         telemetry=Telemetry())
+    await router.handle(AgentTurn("p0", "t0", "hello"))
+    await router.stop()
+
+
+def telemetry_error(results: Queue[tuple[str, str, str] | None], unset: bool) -> None:
+    """Build a `Telemetry()` (after removing PROMETHEUS_MULTIPROC_DIR when `unset`) and
+    put what it raised: its type, message and cause's type; None when it raised nothing."""
+    if unset:
+        del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    try:
+        Telemetry()
+    except Exception as exc:
+        results.put((type(exc).__name__, str(exc), type(exc.__cause__).__name__))
+        return
+    results.put(None)

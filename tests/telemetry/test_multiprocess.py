@@ -5,19 +5,31 @@ multiprocess mode: real spawned processes, each with a real `AgentRouter` and
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import struct
 from collections.abc import Iterator
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.openmetrics.exposition import generate_latest
 
 from turnrouter.telemetry import METRICS, MULTIPROCESS_GAUGE_MODES
 
-from .multiprocess_jobs import BOUND_SECS, Job, Ready, run
+from .multiprocess_jobs import (
+    BOUND_SECS,
+    KINDS,
+    Job,
+    Ready,
+    forks,
+    run,
+    telemetry_error,
+)
 
 CONTEXT = multiprocessing.get_context("spawn")  # as LiveKit starts job processes
 
@@ -151,3 +163,169 @@ def test_a_stray_file_in_the_directory_does_not_stop_a_job(jobs: Jobs, stray: st
     assert odd.exists()
     odd.unlink()  # (an empty file is prometheus_client's scrape's problem, not ours)
     assert jobs.value("turnrouter_turns_total", route="conversation", outcome="answer") == 1
+
+
+# (redteam21 F7) The files themselves: junk under the job's own pid, dead jobs' files,
+# a directory that is not one.
+
+def test_junk_files_of_the_jobs_own_pid_do_not_stop_it(jobs: Jobs) -> None:
+    """Files under the job's pid that prometheus_client cannot read (a crashed process
+    whose pid the job got, junk) are moved aside before it opens them: the job builds its
+    router and counts, and the scrape reads the directory (Telemetry() raised
+    `struct.error` before)."""
+    junk = b"\xff\xff\xff\x7f" + bytes(range(60))  # a used length of 2 GiB
+    process, release, ready = jobs.start(Job(turns=2, junk=junk))
+    jobs.finish(process, release)
+    assert jobs.value("turnrouter_turns_total", route="conversation", outcome="answer") == 2
+    aside = sorted(path.name for path in jobs.path.glob("*.unreadable"))
+    assert aside == sorted(f"{kind}_{ready.pid}.db.unreadable" for kind in KINDS)
+    assert {path.read_bytes() for path in jobs.path.glob("*.unreadable")} == {junk}
+
+
+def test_dead_jobs_live_gauges_go_and_their_counts_stay(jobs: Jobs) -> None:
+    """The next job's Telemetry() removes the live gauge files of every process that no
+    longer runs (one pass over the directory, however many there are) and keeps their
+    counters and `mostrecent` gauges; other processes' files, junk included, are not its
+    to touch."""
+    dead = range(999_000_000, 999_000_300)  # above any pid_max: no such process
+    for pid in dead:
+        for mode in ("livesum", "livemax", "liveall"):
+            (jobs.path / f"gauge_{mode}_{pid}.db").write_bytes(b"")
+    kept = {f"counter_{dead[0]}.db": b"", f"gauge_mostrecent_{dead[0]}.db": b"",
+            "gauge_livesum_0999000001.db": b"", f"histogram_{dead[1]}.db": b"junk"}
+    for name, content in kept.items():
+        (jobs.path / name).write_bytes(content)
+    process, release, _ = jobs.start(Job(turns=1))
+    live = {path.name for path in jobs.path.glob("gauge_live*_*99900*.db")}
+    assert live == {"gauge_livesum_0999000001.db"}
+    assert all((jobs.path / name).read_bytes() == content for name, content in kept.items())
+    jobs.finish(process, release)
+
+
+@pytest.mark.parametrize(("where", "unset", "message", "cause"), [
+    ("missing", False, "No such file or directory", "FileNotFoundError"),
+    ("file", False, "Not a directory", "NotADirectoryError"),
+    ("folder", True, "PROMETHEUS_MULTIPROC_DIR is not set", "NoneType"),
+])
+def test_a_directory_prometheus_client_cannot_use_is_a_configuration_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, unset: bool,
+        message: str, cause: str) -> None:
+    """A missing directory, a file given as the directory, or the variable removed after
+    prometheus_client was imported with it: `ConfigurationError` naming the variable and
+    the path, from the original error (raw FileNotFoundError, NotADirectoryError and
+    TypeError from Telemetry() before)."""
+    path = tmp_path / where
+    if where == "file":
+        path.write_bytes(b"")
+    elif where == "folder":
+        path.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(path))
+    results: multiprocessing.Queue[tuple[str, str, str] | None] = CONTEXT.Queue()
+    process = CONTEXT.Process(target=telemetry_error, args=(results, unset))
+    process.start()
+    raised = results.get(timeout=BOUND_SECS)
+    process.join(BOUND_SECS)
+    assert raised is not None
+    kind, text, original = raised
+    assert kind == "ConfigurationError" and "PROMETHEUS_MULTIPROC_DIR" in text
+    assert message in text and original == cause
+    assert unset or repr(str(path)) in text
+
+
+class Forks:
+    """Jobs forked, one per request, from one spawned process in multiprocess mode."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.requests: multiprocessing.Queue[tuple[str, bytes] | None] = CONTEXT.Queue()
+        self.results: multiprocessing.Queue[int] = CONTEXT.Queue()
+        self.process = CONTEXT.Process(target=forks, args=(self.requests, self.results))
+        self.process.start()
+
+    def job(self, shape: str, content: bytes = b"") -> int:
+        """A job's exit status: the warnings it logged, or `FAILED`."""
+        self.requests.put((shape, content))
+        return self.results.get(timeout=BOUND_SECS)
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.process.join(BOUND_SECS)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(BOUND_SECS)
+
+
+@pytest.fixture
+def forked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Forks]:
+    folder = tmp_path / "metrics"  # (a symlink's target goes beside it)
+    folder.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+    made = Forks(folder)
+    yield made
+    made.close()
+
+
+def _scraped_turns(path: Path) -> float | None:
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(path))  # type: ignore[no-untyped-call]
+    generate_latest(registry)  # type: ignore[no-untyped-call]
+    return registry.get_sample_value("turnrouter_turns_total",
+                                     {"route": "conversation", "outcome": "answer"})
+
+
+@pytest.mark.parametrize("shape", ["fifo", "directory", "symlink"])
+def test_no_file_under_the_jobs_pid_is_opened_unless_it_is_one(forked: Forks,
+                                                                shape: str) -> None:
+    """A pipe (prometheus_client's open would block for ever), a directory, or a link
+    (its target, outside the directory, would be written) under the job's pid: moved
+    aside, one warning, the target untouched."""
+    assert forked.job(shape, b"target") == 1
+    assert _scraped_turns(forked.path) == 1
+    assert len(list(forked.path.glob("*.unreadable"))) == len(KINDS)
+    targets = list(forked.path.parent.glob("target-*"))
+    assert {path.read_bytes() for path in targets} == ({b"target"} if targets else set())
+
+
+def _entry(key: bytes, value: float = 1.0) -> bytes:
+    padded = key + b" " * (8 - (len(key) + 4) % 8)
+    return struct.pack(f"i{len(padded)}sdd", len(key), padded, value, 0.0)
+
+
+def _layout(used: int | None, entries: list[bytes]) -> bytes:
+    body = b"".join(entries)
+    return struct.pack("ii", 8 + len(body) if used is None else used, 0) + body
+
+
+_KEYS = st.one_of(
+    st.binary(max_size=40),
+    st.text(max_size=20).map(str.encode),
+    st.builds(lambda *fields: json.dumps(list(fields)).encode(),
+              st.one_of(st.just("turnrouter_x"), st.text(max_size=8)),
+              st.one_of(st.just("turnrouter_x_bucket"), st.text(max_size=8)),
+              st.one_of(st.dictionaries(st.sampled_from(["le", "route", ""]),
+                                        st.text(max_size=6), max_size=2),
+                        st.lists(st.integers(), max_size=2), st.none()),
+              st.one_of(st.text(max_size=8), st.integers())))
+_CONTENTS = st.one_of(
+    st.binary(max_size=200),
+    st.builds(_layout, st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1)),
+              st.lists(st.builds(_entry, _KEYS, st.floats()), max_size=3)),
+)
+
+
+def test_any_content_under_the_jobs_pid_leaves_the_job_and_the_scrape_working(
+        forked: Forks) -> None:
+    """Whatever a file under the job's pid holds, the job builds its router and counts
+    its turn, and a scrape of the directory succeeds: a file prometheus_client or the
+    scrape could not read is moved aside (one warning), one they can is kept."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(_CONTENTS)
+    def check(content: bytes) -> None:
+        status = forked.job("file", content)
+        assert status in (0, 1), status  # (FAILED: the router was not built)
+        assert _scraped_turns(forked.path) == 1
+        for path in forked.path.iterdir():  # (the job has exited: the next starts afresh)
+            path.unlink()
+
+    check()

@@ -10,12 +10,15 @@ import gc
 import importlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
+
+from ._creds import creds_problem
 
 __all__ = ["load_factory", "worker_main", "worker_parser"]
 
@@ -168,7 +171,7 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="serve Prometheus /metrics on this port (0 picks a free one)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address to serve /metrics on (default 127.0.0.1; 0.0.0.0 in "
-                             "containers)")
+                             "containers); with --metrics-port, checked at start-up")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help="written (the replica name) while the worker serves, removed "
                              "while it cannot (NATS lost, a stream missing) and when it "
@@ -238,7 +241,7 @@ def _check_files(args: argparse.Namespace, config: Any) -> None:
                              f"{'not a regular file' if os.path.exists(path) else 'no such file'}")
         if not os.access(path, os.R_OK):
             raise ValueError(f"{where}: cannot read {path[:200]!r}: permission denied")
-    from ..runtime.nats._security import unusable_file
+    from ..runtime.nats._security import MAX_SECRET_FILE_BYTES, unusable_file
 
     problem = unusable_file(config)
     if problem is not None:
@@ -246,6 +249,34 @@ def _check_files(args: argparse.Namespace, config: Any) -> None:
         key = next(key for key, name in _FIELDS.items() if name == field)
         where = _FILES[key] if getattr(args, key, None) else ENV[key]
         raise ValueError(f"{where}: {detail[:400]}")
+    if config.creds_file is not None:
+        # A JWT and a seed, as nats-py reads them when it connects: junk or an empty
+        # file passed here, then failed as an Authorization Violation after the app was
+        # imported, or connected to a server without authentication (redteam21 F8).
+        shape = creds_problem(config.creds_file, MAX_SECRET_FILE_BYTES)
+        if shape is not None:
+            where = "--nats-creds" if args.nats_creds else ENV["nats_creds"]
+            raise ValueError(f"{where}: {shape[:400]}")
+
+
+def _check_metrics(args: argparse.Namespace) -> None:
+    """`ValueError` naming `--metrics-host`/`--metrics-port` when /metrics could not be
+    served there (a host that does not resolve or is not this machine's, a port taken):
+    a socket is bound there and closed, before the app is imported (redteam21 F8: found
+    only when serving, after the import)."""
+    if args.metrics_port is None:
+        return
+    host, port = args.metrics_host, args.metrics_port
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as trial:
+            trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the server)
+            trial.bind((host, port))
+    except (OSError, UnicodeError, ValueError, OverflowError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"--metrics-host {host[:200]!r} --metrics-port {port}: cannot "
+                         f"serve /metrics there: {' '.join(why.split())[:200]}") from exc
 
 
 def _one_line(exc: BaseException) -> str:
@@ -320,6 +351,7 @@ def _worker_main(argv: Sequence[str]) -> int:
                             max_queued_per_participant=args.max_queued_per_participant,
                             front_api=args.front_api, replicas=args.replicas, **settings)
         _check_files(args, config)
+        _check_metrics(args)
         factory = load_factory(args.app)
     except (ValueError, TurnrouterError) as exc:
         if args.debug:

@@ -38,9 +38,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
+from .._exceptions import ConfigurationError
 from .._observer import ClarificationReason
 from ._metrics import METRICS, MetricSpec, metric
-from ._multiprocess import GAUGE_MODES, is_multiprocess, mirrors
+from ._multiprocess import GAUGE_MODES, VARIABLE, is_multiprocess, mirrors, prepare
 from ._window import ParticipantWindow
 
 __all__ = [
@@ -298,6 +299,8 @@ class _Registered:
         #: counters and histograms write through, and the gauges read at scrape time
         #: (which the files cannot call) are set as they change instead.
         self.multiprocess = is_multiprocess()
+        if self.multiprocess:
+            prepare()  # (ConfigurationError: prometheus_client could not write there)
         registered: list[object] = []
         try:
             for name in _COUNTERS:
@@ -315,9 +318,13 @@ class _Registered:
                     partial(self._distinct, "speakers"))
                 self.gauges["turnrouter_window_clarified_participants"].set_function(
                     partial(self._distinct, "clarified"))
-        except BaseException:
+        except BaseException as exc:
             for collector in registered:  # leave the registry as it was
                 registry.unregister(collector)  # type: ignore[arg-type]
+            if self.multiprocess and isinstance(exc, OSError):  # a file there, or the disk
+                raise ConfigurationError(
+                    f"{VARIABLE}: prometheus_client cannot write this process's metrics "
+                    f"there: {type(exc).__name__}: {exc}") from exc
             raise
 
     def _add(self, registry: CollectorRegistry, registered: list[object],
