@@ -141,6 +141,20 @@ async def test_paused_replica_is_fenced_and_catches_up(nats_server: NatsServer) 
         await until_owned(workers)
 
 
+async def long_turn_marked(workers: list[Worker], front: NatsFrontEnd, heard: Heard
+                           ) -> tuple[UserQuery, asyncio.Event, Worker]:
+    """A query of `slowpoke` (answered in 60 s) published, once marked in flight: the
+    query, the event set when its final is heard, and the worker running it."""
+    query = UserQuery(participant_id="slowpoke", text="slow")
+    event = heard.events.setdefault(query.message_id, asyncio.Event())
+    await front.publish(query)
+    await until_true(lambda: total(workers, "turnrouter_nats_inflight_marks_total") == 1,
+                     "the turn marked in flight")
+    runner = max(workers, key=lambda worker: metric_value(
+        worker.metrics(), "turnrouter_nats_inflight_marks_total"))
+    return query, event, runner
+
+
 async def test_a_paused_replica_whose_record_is_gone_ends_its_turn(
         nats_server: NatsServer) -> None:
     """A replica paused past the failover timeout while a turn of its runs, the
@@ -152,13 +166,7 @@ async def test_a_paused_replica_whose_record_is_gone_ends_its_turn(
     with fleet(nats_server, 2) as workers:
         await until_owned(workers)
         async with listening(nats_server.url) as (front, heard):
-            query = UserQuery(participant_id="slowpoke", text="slow")  # answers in 60 s
-            event = heard.events.setdefault(query.message_id, asyncio.Event())
-            await front.publish(query)
-            await until_true(lambda: total(workers, "turnrouter_nats_inflight_marks_total")
-                             == 1, "the turn marked in flight")
-            runner = max(workers, key=lambda worker: metric_value(
-                worker.metrics(), "turnrouter_nats_inflight_marks_total"))
+            query, event, runner = await long_turn_marked(workers, front, heard)
             kv = await front.connection.jetstream().key_value(config.bucket)
             for n in range(config.partitions):  # its record gone
                 await kv.purge(f"{n}.{encode_token('slowpoke')}")
@@ -185,13 +193,7 @@ async def test_decoys_taking_probe_ids_do_not_hold_off_a_failover(
     with fleet(nats_server, 2) as workers:
         await until_owned(workers)
         async with listening(nats_server.url) as (front, heard):
-            query = UserQuery(participant_id="slowpoke", text="slow")  # answers in 60 s
-            event = heard.events.setdefault(query.message_id, asyncio.Event())
-            await front.publish(query)
-            await until_true(lambda: total(workers, "turnrouter_nats_inflight_marks_total")
-                             == 1, "the turn marked in flight")
-            runner = max(workers, key=lambda worker: metric_value(
-                worker.metrics(), "turnrouter_nats_inflight_marks_total"))
+            query, event, runner = await long_turn_marked(workers, front, heard)
             decoy = Interrupted(participant_id="mallory").model_dump_json().encode()
             window = int(time.time() / config.probe_interval)
             for ahead in range(int(60 / config.probe_interval)):

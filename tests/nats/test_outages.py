@@ -235,6 +235,17 @@ async def test_a_reset_connection_drops_readiness_and_says_so(
             worker.close()
 
 
+def told(lost: asyncio.Event, back: asyncio.Event) -> dict[str, Any]:
+    """Connection options whose callbacks set `lost` at a disconnection and `back` at
+    a reconnection."""
+    async def disconnected() -> None:
+        lost.set()
+
+    async def reconnected() -> None:
+        back.set()
+    return {"disconnected_cb": disconnected, "reconnected_cb": reconnected}
+
+
 async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_once(
         nats_server: NatsServer) -> None:
     """A front end notices a frozen server by its pings (disconnected, then reconnected
@@ -243,16 +254,8 @@ async def test_a_front_end_leaves_a_frozen_server_and_a_retried_publish_runs_onc
     publish while the connection is known lost fails at once and never runs."""
     worker = Worker(nats_server.url, "steady", "--reconnect-for", "60")
     lost, back = asyncio.Event(), asyncio.Event()
-
-    async def disconnected() -> None:
-        lost.set()
-
-    async def reconnected() -> None:
-        back.set()
-
     try:
-        async with listening(nats_server.url, disconnected_cb=disconnected,
-                             reconnected_cb=reconnected) as (front, heard):
+        async with listening(nats_server.url, **told(lost, back)) as (front, heard):
             assert (await ask(front, heard, "fz", "hello")).startswith("hello|")
             query = UserQuery(participant_id="fz", text="during")
             nats_server.freeze()
@@ -292,16 +295,8 @@ async def test_a_publish_waiting_when_the_server_crashes_goes_again_on_its_retur
     run. A caller's cancellation of a waiting publish is still a cancellation."""
     worker = Worker(nats_server.url, "steady", "--reconnect-for", "60")
     lost, back = asyncio.Event(), asyncio.Event()
-
-    async def disconnected() -> None:
-        lost.set()
-
-    async def reconnected() -> None:
-        back.set()
-
     try:
-        async with listening(nats_server.url, disconnected_cb=disconnected,
-                             reconnected_cb=reconnected) as (front, heard):
+        async with listening(nats_server.url, **told(lost, back)) as (front, heard):
             assert (await ask(front, heard, "cr", "hello")).startswith("hello|")
             nc = front.connection
             nats_server.freeze()

@@ -107,7 +107,7 @@ async def _probed(config: NatsConfig, nc: Any, n: int) -> str:
             await sub.unsubscribe()
 
 
-async def _deployed(config: NatsConfig) -> None:
+async def deployed(config: NatsConfig) -> None:
     """The deployment as a worker makes it (the worker stopped)."""
     worker = NatsWorker(make_router, config, registry=CollectorRegistry())
     running = asyncio.create_task(worker.run())
@@ -123,7 +123,7 @@ async def test_each_partition_is_read_through_one_filter_and_probed_on_its_input
     config = NatsConfig(url=nats_server.url, partitions=2)
     nc = await nats.connect(nats_server.url)
     try:
-        await _deployed(config)
+        await deployed(config)
         assert await _probed(config, nc, 1) == config.probe_subject(1)
         for n in range(config.partitions):
             held = (await _api(nc, f"$JS.API.CONSUMER.INFO.{config.stream}."

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 from prometheus_client import CollectorRegistry
 
@@ -23,6 +22,8 @@ from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker
 
 from .app import make_router
 from .conftest import NatsServer
+from .test_probes import deployed as served_once
+from .test_reader_slots import api as _api
 
 pytestmark = pytest.mark.anyio
 
@@ -247,26 +248,10 @@ async def test_an_existing_bucket_keeping_records_otherwise_is_named_at_start(
     finally:
         await nc.close()
     caplog.set_level(logging.WARNING, logger="turnrouter.runtime.nats")
-    worker = NatsWorker(make_router, config, registry=CollectorRegistry())
-    run = asyncio.create_task(worker.run())
-    try:
-        async with asyncio.timeout(15):
-            await worker.ready.wait()
-    finally:
-        worker.request_stop()
-        async with asyncio.timeout(30):
-            await asyncio.gather(run, return_exceptions=True)
+    await served_once(config)
     said = [r.getMessage() for r in caplog.records if "keeps records" in r.getMessage()]
     assert len(said) == 1, said
     assert "for ever" in said[0] and f"nats stream edit KV_{config.bucket}" in said[0]
-
-
-async def _api(nc: Client, subject: str,
-               body: dict[str, object] | None = None) -> dict[str, object]:
-    reply = await nc.request(subject, json.dumps(body).encode() if body else b"", timeout=5)
-    answer: dict[str, object] = json.loads(reply.data)
-    assert "error" not in answer, answer
-    return answer
 
 
 async def _refused_at_start(config: NatsConfig) -> str:
@@ -291,13 +276,7 @@ async def test_a_layout_changed_by_hand_is_refused_naming_the_setting(
     was taken with a warning about another setting, and a restarted front end's replay
     lost two thirds of the answers) nor refused without saying what differs (F4)."""
     config = NatsConfig(url=nats_server.url, partitions=2)
-    worker = NatsWorker(make_router, config, registry=CollectorRegistry())
-    running = asyncio.create_task(worker.run())
-    async with asyncio.timeout(30):
-        await worker.ready.wait()
-    worker.request_stop()
-    async with asyncio.timeout(30):
-        await running
+    await served_once(config)
     nc = await nats.connect(nats_server.url)
     try:
         if part == "consumer":
@@ -358,14 +337,6 @@ async def test_a_bucket_capped_but_refusing_new_writes_is_taken_with_a_warning(
     finally:
         await nc.close()
     caplog.set_level(logging.WARNING, logger="turnrouter.runtime.nats")
-    worker = NatsWorker(make_router, config, registry=CollectorRegistry())
-    run = asyncio.create_task(worker.run())
-    try:
-        async with asyncio.timeout(30):
-            await worker.ready.wait()
-    finally:
-        worker.request_stop()
-        async with asyncio.timeout(30):
-            await asyncio.gather(run, return_exceptions=True)
+    await served_once(config)
     said = [r.getMessage() for r in caplog.records if "is capped" in r.getMessage()]
     assert len(said) == 1 and "max_bytes 10485760" in said[0], said
