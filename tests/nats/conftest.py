@@ -226,6 +226,17 @@ def nats_server() -> Iterator[NatsServer]:
         server.close()
 
 
+@pytest.fixture
+def synced_server() -> Iterator[NatsServer]:
+    """A server that syncs every write to disk (`sync_always`): a kill -9 loses
+    nothing it confirmed."""
+    server = NatsServer(sync_always=True)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 def metric_value(text: str, name: str, labels: str = "") -> float:
     """Sum of the samples of `name` (with `labels`, e.g. 'how="lost"', when given) in a
     Prometheus exposition."""
@@ -237,7 +248,7 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
 
 
 __all__ = ["NatsServer", "Worker", "cancelled", "metric_value", "nats_server", "settled",
-           "signal", "until_counted"]
+           "signal", "synced_server", "until_counted"]
 
 
 async def settled(nc: Any) -> None:

@@ -706,15 +706,6 @@ class Talk:
                 [item.user for item in history])
 
 
-@pytest.fixture
-def synced_server() -> Iterator[NatsServer]:
-    server = NatsServer(sync_always=True)
-    try:
-        yield server
-    finally:
-        server.close()
-
-
 async def two_workers_through(server: NatsServer, damage: Callable[[], Awaitable[None]],
                               talk: Callable[[NatsFrontEnd], Talk], *, wait_secs: float,
                               env: dict[str, str] | None = None,

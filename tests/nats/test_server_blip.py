@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -169,15 +169,6 @@ async def a_turn_through(server: NatsServer, blip: Callable[[], Awaitable[None]]
         assert inflight == []
         assert history == heard.order["ann"]
         assert len(history) == 3
-
-
-@pytest.fixture
-def synced_server() -> Iterator[NatsServer]:
-    server = NatsServer(sync_always=True)
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 async def test_a_turn_running_across_a_server_kill_nine_ends_with_its_answer(
