@@ -1219,3 +1219,22 @@ async def test_a_missing_mirror_is_made_again(locked: NatsServer) -> None:
     finally:
         await nc.close()
         worker.close()
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"SECRET-NOT-A-CREDS-FILE\n",
+    b"-----BEGIN NATS USER JWT-----\nSECRET.PART.ONLY\n------END NATS USER JWT------\n",
+])
+async def test_a_front_end_refuses_a_creds_file_without_a_jwt_and_a_seed(
+        nats_server: NatsServer, tmp_path: Path, content: bytes) -> None:
+    """`NatsConfig(creds_file=)` of a front end holding no user JWT and nkey seed (as
+    nats-py reads them) is refused before anything is sent, naming the file and never
+    its content: before, a server without authentication took the connection as if the
+    file were fine, and one with authentication answered an Authorization Violation
+    naming nothing (redteam21 F8, the front end's side)."""
+    creds = tmp_path / "front.creds"
+    creds.write_bytes(content)
+    with pytest.raises(LifecycleError) as caught:
+        await NatsFrontEnd.connect(NatsConfig(url=nats_server.url, creds_file=str(creds)))
+    message = str(caught.value)
+    assert str(creds) in message and "SECRET" not in message, message

@@ -18,8 +18,6 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ._creds import creds_problem
-
 __all__ = ["load_factory", "worker_main", "worker_parser"]
 
 #: Environment variables read when the matching flag is absent (secrets belong here, not
@@ -241,7 +239,7 @@ def _check_files(args: argparse.Namespace, config: Any) -> None:
                              f"{'not a regular file' if os.path.exists(path) else 'no such file'}")
         if not os.access(path, os.R_OK):
             raise ValueError(f"{where}: cannot read {path[:200]!r}: permission denied")
-    from ..runtime.nats._security import MAX_SECRET_FILE_BYTES, unusable_file
+    from ..runtime.nats._security import unusable_file
 
     problem = unusable_file(config)
     if problem is not None:
@@ -249,14 +247,6 @@ def _check_files(args: argparse.Namespace, config: Any) -> None:
         key = next(key for key, name in _FIELDS.items() if name == field)
         where = _FILES[key] if getattr(args, key, None) else ENV[key]
         raise ValueError(f"{where}: {detail[:400]}")
-    if config.creds_file is not None:
-        # A JWT and a seed, as nats-py reads them when it connects: junk or an empty
-        # file passed here, then failed as an Authorization Violation after the app was
-        # imported, or connected to a server without authentication (redteam21 F8).
-        shape = creds_problem(config.creds_file, MAX_SECRET_FILE_BYTES)
-        if shape is not None:
-            where = "--nats-creds" if args.nats_creds else ENV["nats_creds"]
-            raise ValueError(f"{where}: {shape[:400]}")
 
 
 def _check_metrics(args: argparse.Namespace) -> None:

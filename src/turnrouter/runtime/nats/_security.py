@@ -30,6 +30,7 @@ from nats.errors import Error as NatsError
 from ..._exceptions import LifecycleError
 from ..._redact import redact_text
 from ._cancel import cancel_and_wait
+from ._creds import creds_problem
 from ._permissions import Denials, parse_denial
 from ._wire import NatsConfig, userinfo
 
@@ -285,6 +286,7 @@ def connect_options(config: NatsConfig, role: str,
             if path is not None:
                 _readable(path)
         if config.creds_file is not None:
+            _creds(config.creds_file)
             options["user_credentials"] = config.creds_file
         else:
             assert config.nkey_seed_file is not None
@@ -323,6 +325,15 @@ def _readable(path: str, limit: int = MAX_SECRET_FILE_BYTES) -> None:
         raise LifecycleError(f"cannot read {path!r}: {exc.strerror}") from None
 
 
+def _creds(path: str) -> None:
+    """`LifecycleError` unless `path` holds a user JWT and an nkey seed as nats-py reads
+    them: junk or an empty file failed later as an Authorization Violation, or connected
+    to a server without authentication, or hung a worker's start (redteam21 F8)."""
+    problem = creds_problem(path, MAX_SECRET_FILE_BYTES)
+    if problem is not None:
+        raise LifecycleError(problem)
+
+
 def unusable_file(config: NatsConfig) -> tuple[str, str] | None:
     """The first credentials or TLS file of `config` that a connection could not use,
     as its `NatsConfig` field and the problem (naming the file, never its content);
@@ -339,6 +350,8 @@ def unusable_file(config: NatsConfig) -> tuple[str, str] | None:
             continue
         try:
             _readable(path, limit)
+            if field == "creds_file":
+                _creds(path)
             if field == "nkey_seed_file" and config.creds_file is None:
                 try:
                     import nkeys  # noqa: F401

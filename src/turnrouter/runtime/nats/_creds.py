@@ -1,4 +1,5 @@
-"""The shape of a NATS `.creds` file (`turnrouter worker --nats-creds`), checked at start-up.
+"""The shape of a NATS `.creds` file (`NatsConfig.creds_file`, `turnrouter worker
+--nats-creds`), checked before a connection uses it.
 
 A creds file (as `nsc` writes it) holds a user JWT and the user's nkey seed, each on the
 line after its marker:
