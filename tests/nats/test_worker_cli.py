@@ -500,3 +500,13 @@ def test_a_ready_file_that_can_never_be_written_is_a_usage_error(tmp_path: Path)
         assert status == 2, err
         assert err.count("\n") == 1 and "--ready-file" in err and message in err, err
     assert folder.is_dir() and list(folder.iterdir()) == []
+
+
+def test_an_empty_ready_file_is_a_usage_error() -> None:
+    """`--ready-file ""` (an unset variable in a manifest, `--ready-file "$READY"`) was
+    taken as no ready file: a probe waiting for a file the worker never writes. Now: exit
+    2, one line naming the flag."""
+    status, err = worker_usage("--nats", "nats://127.0.0.1:1", "--app",
+                               "no_such_module_xyz:f", "--ready-file", "")
+    assert status == 2, err
+    assert err.count("\n") == 1 and "--ready-file: empty path" in err, err

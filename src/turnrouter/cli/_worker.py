@@ -300,6 +300,8 @@ def _worker_main(argv: Sequence[str]) -> int:
 
     quiet_tls_eof()  # asyncio's warning at every TLS close or reconnect (redteam18 F8)
 
+    if args.ready_file == "":  # a probe watching nothing: the worker would never say ready
+        parser.error("--ready-file: empty path (leave the flag out for no ready file)")
     if args.ready_file:
         # A probe on a file that can never be written would keep the replica unready
         # for good, with a warning as the only clue: a usage error instead.
