@@ -249,6 +249,54 @@ async def test_barge_in_before_the_answer_interrupts_the_turn() -> None:
     assert observer.outcome(turn_id) == "interrupted"
 
 
+class SlowToStop(FrameAgent):
+    """Says its first sentence, then waits; cancelled, it takes its time to end (a
+    cleanup closing an upstream stream) until `cleaned` is set."""
+
+    def __init__(self) -> None:
+        super().__init__("slow", "answers slowly")
+        self.cancelled, self.cleaned, self.ended = anyio.Event(), anyio.Event(), anyio.Event()
+
+    async def respond(self, turn: AgentTurn, output: FrameOutput) -> str:
+        await output.say("First.")
+        try:
+            await anyio.Event().wait()
+        finally:
+            self.cancelled.set()
+            with anyio.CancelScope(shield=True):
+                await self.cleaned.wait()
+            self.ended.set()
+        return "First."
+
+
+async def test_barge_in_goes_downstream_before_a_slow_destination_ended() -> None:
+    """voice22 F1: the InterruptionFrame waited for the router's interrupt to drain, so a
+    destination slow to end on cancellation kept the bot talking over the user for as
+    long (2 to 5 s measured, unbounded for one that swallows the cancel). Now the frame
+    goes downstream while the destination still cleans up; the turn then ends
+    interrupted, once, and nothing is left running."""
+    slow = SlowToStop()
+    observer = RecordingObserver()
+    router = AgentRouter({"slow": slow}, ScriptedDecisions("slow"), telemetry=observer)
+    processor = TurnRouterProcessor(router)
+    async with Pipe(processor) as pipe:
+        await pipe.send(said("alice", "rain?"))
+        assert (await pipe.next_down(TTSSpeakFrame)).text == "First."
+        await pipe.worker.queue_frame(InterruptionFrame())
+        await pipe.next_down(InterruptionFrame)
+        with anyio.fail_after(10):
+            await slow.cancelled.wait()
+        assert not slow.ended.is_set() and processor.turns_in_flight == 1
+        slow.cleaned.set()
+        with anyio.fail_after(10):
+            await slow.ended.wait()
+        await pipe.end()
+    assert spoken(pipe.seen) == ["First."]
+    assert processor.turns_in_flight == 0
+    (turn_id,) = observer.turns
+    assert observer.outcome(turn_id) == "interrupted"
+
+
 async def test_barge_in_during_the_answer_stops_its_frames() -> None:
     """An InterruptionFrame after the first sentence cancels the rest of the answer, and
     the turn's output refuses frames afterwards (no stale audio)."""

@@ -981,6 +981,8 @@ class TurnRouterProcessor(FrameProcessor):
         self.end_timeout_secs = float(end_timeout_secs)
         self._count = 0
         self._tasks: dict[asyncio.Task[None], _TurnSink] = {}
+        #: The router's interrupts still draining (`_start_interrupts`).
+        self._interrupts: set[asyncio.Task[None]] = set()
         #: Participants this processor routed turns for, sharing the router (at most
         #: MAX_CALL_PARTICIPANTS), in arrival order.
         self._callers: dict[str, None] = {}
@@ -1038,7 +1040,7 @@ class TurnRouterProcessor(FrameProcessor):
         elif downstream and isinstance(frame, LLMContextUserTurnFrame):
             self._user_turn_pending = True
         if isinstance(frame, InterruptionFrame):
-            await self._interrupt()
+            await self._start_interrupts()
             if downstream:
                 await self._push_through(frame)
                 return
@@ -1053,7 +1055,7 @@ class TurnRouterProcessor(FrameProcessor):
 
     async def cleanup(self) -> None:
         """Cancel turn tasks still running when the pipeline is torn down."""
-        for task in list(self._tasks):
+        for task in [*self._tasks, *self._interrupts]:
             await self.cancel_task(task)
         with contextlib.suppress(Exception):  # no worker (never set up)
             await self.pipeline_worker.remove_observer(self._ears)
@@ -1296,12 +1298,32 @@ class TurnRouterProcessor(FrameProcessor):
         for sink in self._tasks.values():
             sink.cut = True
 
-    async def _interrupt(self) -> None:
+    async def _start_interrupts(self) -> None:
+        """Cut the running turns and interrupt them in the router, without waiting for
+        them to end: when this returns, each interrupt's cancellation has run (its first
+        step), so a turn offered next is not cancelled by it, while its draining goes on
+        in a task of its own. The interruption then goes downstream at once: a
+        destination slow to end on cancellation (a cleanup, a swallowed cancel) or a
+        slow `release()` no longer keeps the bot talking over the user, nor holds up
+        another participant's barge-in (voice22 F1)."""
         self._cut()
         # Participants whose answer was not heard yet too: their turn may be over, and
         # the router ends its measurement at the barge-in (a lower bound, no silence).
+        started = False
         for participant_id in sorted({*self._participants(), *self._ledger.unheard()}):
-            await self.router.interrupt(participant_id)
+            task = self.create_task(self.router.interrupt(participant_id),
+                                    name="turnrouter-interrupt")
+            self._interrupts.add(task)
+            task.add_done_callback(self._interrupts.discard)
+            started = True
+        if started:
+            await asyncio.sleep(0)  # the new tasks' first steps run before we resume
+
+    async def _interrupt(self) -> None:
+        """Interrupt, then wait until the interrupted turns ended (the call's end)."""
+        await self._start_interrupts()
+        while self._interrupts:
+            await asyncio.wait(list(self._interrupts))
 
     async def _wait_own_turns(self) -> None:
         while self._tasks:
@@ -1320,8 +1342,13 @@ class TurnRouterProcessor(FrameProcessor):
         except TimeoutError:
             logger.warning("pipecat end: turns or their audio still pending after %g s",
                            self.end_timeout_secs)
-            await self._interrupt()  # unheard answers: a lower bound, not started()
-            await self._push_through(InterruptionFrame())  # nor heard later (voice17 F9)
+            # Unheard answers end at this moment, a lower bound, not started(); the
+            # interruption goes out before the turns ended, so nothing is heard later
+            # (voice17 F9), even of a destination slow to end on cancellation.
+            await self._start_interrupts()
+            await self._push_through(InterruptionFrame())
+            while self._interrupts:
+                await asyncio.wait(list(self._interrupts))
         await self._finish()
 
     async def _finish(self) -> None:
