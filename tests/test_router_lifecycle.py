@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 import anyio
 import pytest
 
 from turnrouter import Admission, AgentTurn, DestinationResult, LifecycleError, TurnInterrupted
-from turnrouter.testing import ScriptedAgent, ScriptedDecisions, ScriptedDepartingAgent
+from turnrouter.testing import (
+    ManualClock,
+    ScriptedAgent,
+    ScriptedDecisions,
+    ScriptedDepartingAgent,
+)
 
 from .kit import Harness
 
@@ -155,6 +161,89 @@ async def test_an_interrupt_a_destination_swallows_still_interrupts_the_turn() -
     assert h.router.history_of("p1") == ()
     assert h.router.focus_of("p1") is None
     assert h.observer.outcome("t1") == "interrupted"
+
+
+class SlowToEnd(ScriptedAgent):
+    """A destination whose answer(), cancelled, cleans up until `cleaned` is set."""
+
+    cleaned: anyio.Event
+    entered: anyio.Event
+
+    async def answer(self, turn: AgentTurn, *, started: Any) -> DestinationResult:
+        await started()
+        self.entered.set()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.cleaned.wait()
+        return DestinationResult("answer", "never")
+
+
+@pytest.mark.parametrize("how", ["interrupt", "leave", "stop"])
+async def test_a_turn_slow_to_end_on_cancellation_is_named_in_a_warning(
+        how: str, caplog: pytest.LogCaptureFixture) -> None:
+    """voice22 F1: interrupt(), a departure and stop() wait for the cancelled turn to
+    end, and a destination that swallowed the cancel or cleaned up for long held them
+    (and a voice front end's barge-in) with nothing logged. Now one warning names the
+    destination once the turn still runs 1 s (the router's clock) after the cancel;
+    nothing is said of a turn that ends before."""
+    clock = ManualClock()
+    agent = SlowToEnd("weather")
+    agent.cleaned, agent.entered = anyio.Event(), anyio.Event()
+    h = Harness(agent, decisions=ScriptedDecisions("weather"), clock=clock)
+    caplog.set_level(logging.WARNING, logger="turnrouter")
+    ended = anyio.Event()
+
+    async def cancel() -> None:
+        with contextlib.suppress(Exception):
+            if how == "interrupt":
+                await h.router.interrupt("p1")
+            elif how == "leave":
+                await h.router.participant_left("p1")
+            else:
+                await h.router.stop()
+        ended.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, h.turn())
+        with anyio.fail_after(10):
+            await agent.entered.wait()
+            sleepers = clock.sleepers
+            tg.start_soon(cancel)
+            await clock.wait_for_sleepers(sleepers + 1)  # the warning's timer
+            clock.advance(0.999)
+            await anyio.lowlevel.checkpoint()
+            assert not [r for r in caplog.records if "still runs" in r.getMessage()]
+            clock.advance(0.001)
+            while not [r for r in caplog.records if "still runs" in r.getMessage()]:
+                await anyio.lowlevel.checkpoint()
+            assert not ended.is_set()
+            agent.cleaned.set()
+            await ended.wait()
+    (warning,) = [r for r in caplog.records if "still runs" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    assert "destination 'weather'" in warning.getMessage()
+    assert isinstance(h.outcomes["t1"], TurnInterrupted)
+    assert clock.sleepers == 0
+
+
+async def test_a_turn_that_ends_on_cancellation_is_not_warned_of(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The warning's timer goes with the wait: a prompt turn leaves no sleeper and no
+    warning, however far the clock moves afterwards."""
+    clock = ManualClock()
+    h = Harness(gated("weather"), decisions=ScriptedDecisions("weather"), clock=clock)
+    caplog.set_level(logging.WARNING, logger="turnrouter")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(h.capture, h.turn())
+        with anyio.fail_after(10):
+            await h["weather"].answer_entered.wait()
+        await h.router.interrupt("p1")
+    clock.advance(60)
+    assert clock.sleepers == 0
+    assert not [r for r in caplog.records if "still runs" in r.getMessage()]
+    assert isinstance(h.outcomes["t1"], TurnInterrupted)
 
 
 async def test_a_cancelled_caller_waits_for_the_previous_owners_release() -> None:

@@ -237,7 +237,7 @@ class RouterConfig:
         "max_history_exchanges", "max_participants", "max_patch_bytes", "max_pending",
         "max_waiting_turns",
         "observer", "output", "overflows", "release_timeout", "routes", "runtime_topics",
-        "set_status", "timed", "timing_sink", "unawaited", "unstarted",
+        "set_status", "timed", "timer", "timing_sink", "unawaited", "unstarted",
     )
 
     def __init__(
@@ -383,7 +383,9 @@ class RouterConfig:
         self.max_patch_bytes = int(limits["max_patch_bytes"])
         self.release_timeout = float(limits["release_timeout_secs"])
         self.overflows = Overflows(telemetry)
-        self.load = LoadMonitor(overload, telemetry, clock or SystemClock())
+        #: The clock the router's own timers sleep on (a test's `ManualClock`).
+        self.timer: Clock = clock or SystemClock()
+        self.load = LoadMonitor(overload, telemetry, self.timer)
         self.timing_sink = timing_sink
         #: Routes whose answer() returned without calling started() (warned once each).
         self.unstarted: set[str] = set()

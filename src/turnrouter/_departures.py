@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import anyio
+
 from ._config import RouterConfig
 from ._frontend import ParticipantSnapshot
-from ._lifecycle import OwnedOperation
+from ._lifecycle import OwnedOperation, TurnRun
 from ._observer import Failure, ReleaseFinished, ReleaseReason, ReleaseStarted
 from ._participants import Participant, Phase, Registry, RouterPhase
 from ._patch_desk import PatchDesk
@@ -21,6 +23,11 @@ from ._turn import bounded_release
 __all__ = ["Departures"]
 
 logger = logging.getLogger("turnrouter")
+
+#: How long a cancelled turn may take to end before the router names it in a warning:
+#: `interrupt()`, departures and `stop()` wait for it (and a front end's barge-in with
+#: them), so a destination that does not end on cancellation must be findable.
+SLOW_CANCEL_SECS = 1.0
 
 
 class Departures:
@@ -117,16 +124,36 @@ class Departures:
         runs = [run for state in states for run in state.queue.runs()]
         for run in runs:
             run.cancel("interrupted")
-        for run in runs:
-            await run.wait_finished()
+        await self._ended(runs)
 
     async def drain(self, state: Participant, reason: str) -> None:
         """Cancel the participant's running and waiting turns; wait until they ended."""
         runs = state.queue.runs()
         for run in runs:
             run.cancel(reason)
+        await self._ended(runs)
+
+    async def _ended(self, runs: list[TurnRun]) -> None:
+        """Wait until the cancelled `runs` ended, warning (once each) of one still
+        running `SLOW_CANCEL_SECS` after: its destination holds up whoever waits."""
         for run in runs:
-            await run.wait_finished()
+            if run.finished:
+                continue
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._warn_slow, run)
+                await run.wait_finished()
+                group.cancel_scope.cancel()
+
+    async def _warn_slow(self, run: TurnRun) -> None:
+        timer = self._cfg.timer
+        await timer.sleep_until(timer.now() + SLOW_CANCEL_SECS)
+        route = getattr(run, "route", None)
+        logger.warning(
+            "turnrouter: a turn still runs %g s after it was cancelled (%s)%s: its "
+            "interrupt, departure or stop() waits until it ends; a destination should "
+            "end promptly on CancelledError (not swallow it, nor clean up for long)",
+            SLOW_CANCEL_SECS, run.reason or "cancelled",
+            f", in destination {route!r}" if route else "")
 
     async def _release_all(self, state: Participant, reason: ReleaseReason) -> list[Exception]:
         """Departure-style release of every used destination, then application cleanup."""
