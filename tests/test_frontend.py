@@ -1002,8 +1002,11 @@ async def test_a_preamble_ends_the_silence_before_the_audio_report() -> None:
 
 async def test_control_text_heard_ends_the_silence_not_the_first_response() -> None:
     """A preamble reported heard (control=True) ends the silence at its audio; the
-    answer's own report sets the first response; unreported control text falls back to
-    the moment it was said."""
+    answer's own report sets the first response. Once the front end reports control
+    text, control text not reported heard before its answer was not heard (its audio
+    lost: a TTS error on it): the silence runs to the answer's audio, for another
+    participant too (before, it ended when the text was said, 0 s here, and hid 2.8 s
+    of dead air from TurnrouterDeadAir: voice22 F2)."""
     clock = ManualClock()
     h = Harness(ScriptedAgent("conversation", admissions=Admission("accept", preamble="Ok.")),
                 clock=clock)
@@ -1015,10 +1018,26 @@ async def test_control_text_heard_ends_the_silence_not_the_first_response() -> N
     assert _heard(h) == [("heard", "conversation", 0.7, None)]
     silences = [event for event in h.observer.turns["t1"] if event[0] == "silence"]
     assert silences == [("silence", "conversation", pytest.approx(0.3))]
+    for turn in (h.turn(), h.turn(participant="p2")):
+        await h.router.route_turn(turn, report_heard=True)
+        clock.advance(0.5)
+        assert h.router.mark_heard(turn.participant_id, turn.turn_id) is True
+        assert h.router.mark_heard(turn.participant_id, turn.turn_id, control=True) is False
+        silences = [e for e in h.observer.turns[turn.turn_id] if e[0] == "silence"]
+        assert silences == [("silence", "conversation", pytest.approx(0.5))]
+
+
+async def test_control_text_of_a_front_end_that_never_reports_it_ends_the_silence_when_said(
+) -> None:
+    """A front end that reports only answers heard (never `control=True`): control text
+    ends the silence when it was said, the only time the router knows."""
+    clock = ManualClock()
+    h = Harness(ScriptedAgent("conversation", admissions=Admission("accept", preamble="Ok.")),
+                clock=clock)
     await h.router.route_turn(h.turn(), report_heard=True)
     clock.advance(0.5)
-    assert h.router.mark_heard("p1", "t2") is True
-    silences = [event for event in h.observer.turns["t2"] if event[0] == "silence"]
+    assert h.router.mark_heard("p1", "t1") is True
+    silences = [event for event in h.observer.turns["t1"] if event[0] == "silence"]
     assert silences == [("silence", "conversation", 0.0)]
 
 

@@ -231,7 +231,7 @@ class RouterConfig:
 
     __slots__ = (
         "admission_timeout", "agents", "aid_failures", "budget", "clarification_text",
-        "cleanup", "clock",
+        "cleanup", "clock", "control_reports",
         "decision_failures", "decisions", "default", "failure_text", "initialize", "load",
         "max_departed_participants",
         "max_history_exchanges", "max_participants", "max_patch_bytes", "max_pending",
@@ -387,6 +387,9 @@ class RouterConfig:
         self.timer: Clock = clock or SystemClock()
         self.load = LoadMonitor(overload, telemetry, self.timer)
         self.timing_sink = timing_sink
+        #: A front end reported control text heard (`mark_heard(control=True)`): from
+        #: then on, control text not reported heard before its answer was not heard.
+        self.control_reports = False
         #: Routes whose answer() returned without calling started() (warned once each).
         self.unstarted: set[str] = set()
         #: Routes whose answer() was told to `await started()` (said once per route).

@@ -725,6 +725,7 @@ class Answer:
         """The front end reports this turn's control text heard at `at` (its audio
         began): that ends the silence if nothing was heard before."""
         self.owner.state.reports_heard = True
+        self.owner.cfg.control_reports = True
         self._silence_at(at)
 
     def _silence_at(self, at: float) -> None:
@@ -813,9 +814,13 @@ class Answer:
         silence_seconds = None
         said_at = self._said_at
         if said_at is not None:
-            # Control text was said before the answer was heard and no report said when
-            # it was heard: it ended the silence when it was said.
-            self._silence_at(min(said_at, at))
+            # Control text was said before the answer was heard, and no report said it
+            # was heard. A front end that reports control text heard would have reported
+            # it first (an output plays in order): its audio never began (a TTS error on
+            # it, a dropped utterance), so the silence ran until the answer's audio
+            # (voice22 F2). From a front end that never reports it, it ended the silence
+            # when it was said.
+            self._silence_at(at if owner.cfg.control_reports else min(said_at, at))
         elif self._sidecar is None or not self._sidecar.committed:
             silence_seconds = self._take_silence(at)
         owner.cfg.observer.heard(Heard(self.route, seconds, silence_seconds))
