@@ -15,7 +15,7 @@ import anyio
 from ._config import RouterConfig
 from ._frontend import ParticipantSnapshot
 from ._lifecycle import OwnedOperation, TurnRun
-from ._observer import Failure, ReleaseFinished, ReleaseReason, ReleaseStarted
+from ._observer import Failure, FocusChanged, ReleaseFinished, ReleaseReason, ReleaseStarted
 from ._participants import Participant, Phase, Registry, RouterPhase
 from ._patch_desk import PatchDesk
 from ._turn import bounded_release
@@ -161,6 +161,9 @@ class Departures:
         pid = state.pid
         if state.unheard is not None:
             state.unheard.spoken_over()
+        if state.focus is not None:  # it ends here: "focus held" must come down (voice22 F3)
+            observer.focus_transition(FocusChanged(state.focus, "lost"))
+            state.focus = None
         if state.unreleased is None:
             state.unreleased = set(state.used)
             state.cleanup_pending = cfg.cleanup is not None and (

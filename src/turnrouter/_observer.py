@@ -468,6 +468,9 @@ class RouterObserver:
     def participant_removed(self, event: ParticipantChanged) -> None:
         """The router dropped a participant's state (departure, shutdown, hand-over)."""
 
+    def focus_transition(self, event: FocusChanged) -> None:
+        """A participant's focus ended outside any turn (`lost`: a departure, a stop)."""
+
     def release_started(self, event: ReleaseStarted) -> object:
         """A release outside any turn (departure, shutdown) begins."""
         return None

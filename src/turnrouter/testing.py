@@ -471,6 +471,9 @@ class RecordingObserver(RouterObserver):
     def release_finished(self, token: object, event: ReleaseFinished) -> None:
         self.events.append(("release", event.route, event.reason, _name(event.error)))
 
+    def focus_transition(self, event: FocusChanged) -> None:
+        self.events.append(("focus", event.route, event.transition))
+
     def failure(self, event: Failure) -> None:
         self.events.append(("failure", event.route, event.stage, _name(event.error)))
 

@@ -136,6 +136,32 @@ async def test_ineligible_owner_loses_focus(capture: TelemetryCapture) -> None:
                    transition="lost") == 1
 
 
+@pytest.mark.parametrize("end", ["participant_left", "stop"])
+async def test_focus_held_at_a_departure_or_stop_is_counted_lost(
+        capture: TelemetryCapture, end: str) -> None:
+    """voice22 F3: a participant who leaves (or a router that stops) while a route holds
+    their focus ends that focus, but only `taken` was counted, so "focus held now"
+    (taken - released - lost) grew for every call that ended in a booking flow. Now it
+    is counted `lost`, once, beside the release span of reason departure/shutdown."""
+    o = _focus_on_weather(capture)
+    await o.say("plan my trip")
+    if end == "stop":
+        await o.router.stop()
+    else:
+        await o.router.participant_left("alice")
+    assert o.router.focus_of("alice") is None
+    assert o.value("turnrouter_focus_transitions_total", route="weather",
+                   transition="taken") == 1
+    assert o.value("turnrouter_focus_transitions_total", route="weather",
+                   transition="lost") == 1
+    assert o.value("turnrouter_focus_transitions_total", route="weather",
+                   transition="released") is None
+    (release,) = capture.spans("turnrouter.release")
+    assert release.attributes is not None
+    assert release.attributes[ATTR.RELEASE_REASON] == (
+        "shutdown" if end == "stop" else "departure")
+
+
 def _ineligible(name: str, **kwargs: Any) -> ScriptedAgent:
     return ScriptedAgent(name, eligible=False, **kwargs)
 

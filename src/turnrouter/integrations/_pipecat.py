@@ -907,6 +907,35 @@ def _layout_problems(processor: TurnRouterProcessor) -> list[str]:
     return problems
 
 
+class _Interrupts:
+    """A processor's router interrupts, draining beside the pipeline.
+
+    When `start()` returns, each interrupt's cancellation has run (its first step), so
+    a turn offered next is not cancelled by it; its draining goes on in a task of its
+    own. The interruption then goes downstream at once: a destination slow to end on
+    cancellation (a cleanup, a swallowed cancel) or a slow `release()` no longer keeps
+    the bot talking over the user, nor holds up another participant's barge-in
+    (voice22 F1)."""
+
+    def __init__(self, processor: FrameProcessor, router: AgentRouter) -> None:
+        self._processor, self._router = processor, router
+        #: Interrupts still draining (cancelled at the processor's cleanup).
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, participants: list[str]) -> None:
+        for participant_id in participants:
+            task = self._processor.create_task(self._router.interrupt(participant_id),
+                                               name="turnrouter-interrupt")
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        if participants:
+            await asyncio.sleep(0)  # the new tasks' first steps run before we resume
+
+    async def wait(self) -> None:
+        while self.tasks:
+            await asyncio.wait(list(self.tasks))
+
+
 class TurnRouterProcessor(FrameProcessor):
     """Routes each final user turn through an `AgentRouter`; put it where the LLM was.
 
@@ -981,8 +1010,7 @@ class TurnRouterProcessor(FrameProcessor):
         self.end_timeout_secs = float(end_timeout_secs)
         self._count = 0
         self._tasks: dict[asyncio.Task[None], _TurnSink] = {}
-        #: The router's interrupts still draining (`_start_interrupts`).
-        self._interrupts: set[asyncio.Task[None]] = set()
+        self._interrupts = _Interrupts(self, router)
         #: Participants this processor routed turns for, sharing the router (at most
         #: MAX_CALL_PARTICIPANTS), in arrival order.
         self._callers: dict[str, None] = {}
@@ -1055,7 +1083,7 @@ class TurnRouterProcessor(FrameProcessor):
 
     async def cleanup(self) -> None:
         """Cancel turn tasks still running when the pipeline is torn down."""
-        for task in [*self._tasks, *self._interrupts]:
+        for task in [*self._tasks, *self._interrupts.tasks]:
             await self.cancel_task(task)
         with contextlib.suppress(Exception):  # no worker (never set up)
             await self.pipeline_worker.remove_observer(self._ears)
@@ -1290,40 +1318,15 @@ class TurnRouterProcessor(FrameProcessor):
 
     # -- interruptions and the end ----------------------------------------------------
 
-    def _participants(self) -> list[str]:
-        return sorted({sink.turn.participant_id for sink in self._tasks.values()})
-
-    def _cut(self) -> None:
-        """Nothing more of the turns running now is said (an interruption, the end)."""
+    async def _start_interrupts(self) -> None:
+        """Nothing more of the running turns is said; the router interrupts them without
+        our waiting for them to end (`_Interrupts`), and the answers not heard yet too
+        (the router ends their measurement here: a lower bound, no silence)."""
+        participants = self._ledger.unheard()
         for sink in self._tasks.values():
             sink.cut = True
-
-    async def _start_interrupts(self) -> None:
-        """Cut the running turns and interrupt them in the router, without waiting for
-        them to end: when this returns, each interrupt's cancellation has run (its first
-        step), so a turn offered next is not cancelled by it, while its draining goes on
-        in a task of its own. The interruption then goes downstream at once: a
-        destination slow to end on cancellation (a cleanup, a swallowed cancel) or a
-        slow `release()` no longer keeps the bot talking over the user, nor holds up
-        another participant's barge-in (voice22 F1)."""
-        self._cut()
-        # Participants whose answer was not heard yet too: their turn may be over, and
-        # the router ends its measurement at the barge-in (a lower bound, no silence).
-        started = False
-        for participant_id in sorted({*self._participants(), *self._ledger.unheard()}):
-            task = self.create_task(self.router.interrupt(participant_id),
-                                    name="turnrouter-interrupt")
-            self._interrupts.add(task)
-            task.add_done_callback(self._interrupts.discard)
-            started = True
-        if started:
-            await asyncio.sleep(0)  # the new tasks' first steps run before we resume
-
-    async def _interrupt(self) -> None:
-        """Interrupt, then wait until the interrupted turns ended (the call's end)."""
-        await self._start_interrupts()
-        while self._interrupts:
-            await asyncio.wait(list(self._interrupts))
+            participants.add(sink.turn.participant_id)
+        await self._interrupts.start(sorted(participants))
 
     async def _wait_own_turns(self) -> None:
         while self._tasks:
@@ -1347,8 +1350,7 @@ class TurnRouterProcessor(FrameProcessor):
             # (voice17 F9), even of a destination slow to end on cancellation.
             await self._start_interrupts()
             await self._push_through(InterruptionFrame())
-            while self._interrupts:
-                await asyncio.wait(list(self._interrupts))
+            await self._interrupts.wait()
         await self._finish()
 
     async def _finish(self) -> None:
@@ -1372,5 +1374,6 @@ class TurnRouterProcessor(FrameProcessor):
     async def _cancel(self) -> None:
         """CancelFrame: stop now (turns in flight and answers not heard yet are
         interrupted: a lower bound at the cancel, not their text's push; voice17 F2)."""
-        await self._interrupt()  # (it cuts the turns first)
+        await self._start_interrupts()  # (it cuts the turns first)
+        await self._interrupts.wait()
         await self._finish()

@@ -111,7 +111,8 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "turnrouter_focus_transitions_total", "counter",
-        "Focus taken, released or lost, by route.",
+        "Focus taken, released or lost (the owner ineligible, or the participant gone or "
+        "the router stopped while it held focus), by route.",
         ("route", "transition"),
     ),
     MetricSpec(

@@ -36,6 +36,7 @@ from .._observer import (
     ContextPatchEvent,
     EstimateChanged,
     Failure,
+    FocusChanged,
     Heard,
     LimitExceeded,
     LoadSampled,
@@ -253,6 +254,10 @@ class Telemetry(RouterObserver):
     def participant_removed(self, event: ParticipantChanged) -> None:
         """Count one fewer active participant."""
         self._families.participants.dec()
+
+    def focus_transition(self, event: FocusChanged) -> None:
+        """Count a focus that ended outside any turn (a departure, a stop)."""
+        self._families.focus.get(event.route, event.transition).inc()
 
     def release_started(self, event: ReleaseStarted) -> object:
         """Open a `turnrouter.release` span under the caller's current span, or (a
