@@ -86,7 +86,9 @@ async def _publish(url: str, inputs: int, kind: str) -> float:
         body = b"not json" if kind == "junk" else json.dumps(
             {"message_id": f"m{i}", "timestamp_us": 1, "participant_id": pid,
              "text": "fast hello"}).encode()
-        await nc.publish(f"turnrouter.in.{token}.query", body)
+        # As `NatsFrontEnd.publish` sends it: workers refuse an input without its id.
+        await nc.publish(f"turnrouter.in.{token}.query", body,
+                         headers={"Nats-Msg-Id": f"{token}.m{i}"})
         if i % 500 == 0:
             await nc.flush(10)
     await nc.flush(30)

@@ -321,7 +321,7 @@ def test_worker_flags_are_a_config_or_a_usage_error(pairs: list[tuple[str, str]]
                             max_input_wait=args.max_input_wait)
     except ConfigurationError:
         return
-    assert 1 <= config.partitions <= 1024 and math.isfinite(config.failover_timeout)
+    assert 1 <= config.partitions <= 1000 and math.isfinite(config.failover_timeout)
     assert 0 < config.max_input_wait <= 366 * 86400
 
 

@@ -16,7 +16,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from turnrouter import AgentRouter, OverloadPolicy
 from turnrouter.runtime import UserQuery
-from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, NatsWorker, WorkerContext
+from turnrouter.runtime.nats import (
+    NatsConfig,
+    NatsFrontEnd,
+    NatsWorker,
+    WorkerContext,
+    encode_token,
+)
 from turnrouter.telemetry import Telemetry
 from turnrouter.testing import ManualClock, ScriptedAgent, ScriptedDecisions
 
@@ -41,12 +47,15 @@ async def lag(clock: ManualClock, seconds: float, samples: int) -> None:
         await asyncio.sleep(0)
 
 
+@pytest.mark.parametrize("newer", ["query", "junk"])
 async def test_a_busy_replica_holds_its_next_message_and_drops_a_superseded_query(
-        nats_server: NatsServer) -> None:
+        nats_server: NatsServer, newer: str) -> None:
     """While the router is busy the partition's next message is held (not run, not
     shed) and the stream keeps the rest; once ready, the held query, followed by a
     newer one of the same participant, is acknowledged unrun and counted; the newer
-    one is answered."""
+    one is answered. Junk published on the participant's subject (anyone's) supersedes
+    nothing: the held query is answered (before, it was dropped unrun, unanswered,
+    counted as load: redteam22 F5)."""
     clock = ManualClock()
     agent = ScriptedAgent("echo")
     registry = CollectorRegistry()
@@ -88,13 +97,22 @@ async def test_a_busy_replica_holds_its_next_message_and_drops_a_superseded_quer
         # the same participant waits in the stream behind it.
         assert "bea" not in worker.router.participants
         assert value("turnrouter_shed_turns_total") == 0
-        await front.publish(UserQuery(participant_id="bea", text="two"))
+        if newer == "query":
+            await front.publish(UserQuery(participant_id="bea", text="two"))
+        else:
+            await front.connection.publish(f"turnrouter.in.{encode_token('bea')}.query",
+                                           b"junk")
+            await front.connection.flush()
         await lag(clock, 0.0, samples=POLICY.calm_samples)
         assert not worker.router.busy
-        await until(lambda: answered("bea") == ["two"])
-        assert value("turnrouter_nats_backpressure_total", 'what="superseded"') == 1
+        await until(lambda: answered("bea") == (["two"] if newer == "query" else ["one"]))
+        if newer == "junk":
+            await until(lambda: value("turnrouter_runtime_rejected_messages_total",
+                                      'reason="invalid"') == 1)
+        superseded = 1 if newer == "query" else 0
+        assert value("turnrouter_nats_backpressure_total", 'what="superseded"') == superseded
         assert value("turnrouter_runtime_rejected_messages_total",
-                     'reason="superseded"') == 1
+                     'reason="superseded"') == superseded
         gate.set()
     finally:
         await front.close()

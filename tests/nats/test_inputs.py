@@ -532,3 +532,91 @@ async def test_a_decoy_carrying_another_participants_id_is_refused_and_counted(
     assert await ask(fe, heard, "mallory", "next") == "next|-|N"
     assert decoy.message_id not in heard.finals
     assert await ask(fe, heard, "vic", "again") == "again|-|N"
+
+
+async def test_a_decoy_without_a_nats_msg_id_is_refused_and_takes_no_turn(
+        nats_server: NatsServer, worker: Worker,
+        front: tuple[NatsFrontEnd, Heard]) -> None:
+    """redteam22 F1: a query published on vic's subject with vic's next id (`turn-1`)
+    and no `Nats-Msg-Id` at all ran as vic's turn: vic's real `turn-1` was then dropped
+    as already ended (its `publish` returning normally) and vic heard the decoy's answer
+    as their own, its exchange in their history. Now the worker refuses it as
+    `foreign_id`; vic's own `turn-1` is answered, with a history of its own."""
+    fe, heard = front
+    decoy = UserQuery(participant_id="vic", text="decoy", message_id="turn-1")
+    await fe.connection.publish(f"turnrouter.in.{encode_token('vic')}.query",
+                                decoy.model_dump_json().encode())
+    await counted(worker, "turnrouter_runtime_rejected_messages_total",
+                  'reason="foreign_id",topic="nats_input"', 1)
+    mine = UserQuery(participant_id="vic", text="mine", message_id="turn-1")
+    event = heard.events.setdefault(mine.message_id, asyncio.Event())
+    await fe.publish(mine)
+    async with asyncio.timeout(15):
+        await event.wait()
+    assert [o.text for o in heard.finals["turn-1"]] == ["mine|-|N"]
+    assert await ask(fe, heard, "vic", "again") == "again|mine|F"
+
+
+@pytest.mark.parametrize("message_id", ["t-2 ", "t-3\t", "t-5\r\nNats-Expected-Stream: x",
+                                        "t-6\nx", "t-7\rx", "t-12\u2028", " "])
+async def test_a_message_id_a_header_cannot_carry_is_refused_at_publish(
+        worker: Worker, front: tuple[NatsFrontEnd, Heard], message_id: str) -> None:
+    """redteam22 F2: nats-py strips a header value and flattens CR/LF, so a message id
+    with whitespace at its end, CR or LF reached the workers as another id than the
+    stream's: `publish` returned, the turn was refused as `foreign_id` and never ended.
+    Now `publish` raises, naming the id, before anything is sent; ids with inner spaces,
+    tabs or non-ASCII text go as before."""
+    fe, heard = front
+    for kind in (UserQuery(participant_id="ida", text="hi", message_id=message_id),
+                 Interrupted(participant_id="ida", message_id=message_id)):
+        with pytest.raises(ContractValueError, match="a NATS header cannot carry it"):
+            await fe.publish(kind)
+    assert await ask(fe, heard, "ida", "fine") == "fine|-|N"
+    for fine in ("t 1", "t\t1", "tür-1"):
+        query = UserQuery(participant_id="ida", text="ok", message_id=fine)
+        event = heard.events.setdefault(fine, asyncio.Event())
+        await fe.publish(query)
+        async with asyncio.timeout(15):
+            await event.wait()
+
+
+async def _raw_publish(port: int, subject: str, headers: str, body: bytes) -> None:
+    """Publish as a raw NATS client (header bytes nats-py would normalise)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await reader.readline()  # INFO
+        head = f"NATS/1.0\r\n{headers}\r\n\r\n".encode()
+        writer.write(b'CONNECT {"verbose":false,"pedantic":false,"headers":true}\r\n'
+                     + f"HPUB {subject} {len(head)} {len(head) + len(body)}\r\n".encode()
+                     + head + body + b"\r\nPING\r\n")
+        await writer.drain()
+        async with asyncio.timeout(10):
+            while (await reader.readline()).strip() != b"PONG":
+                pass
+    finally:
+        writer.close()
+
+
+async def test_an_oversized_decoy_naming_a_running_turn_does_not_end_it(
+        nats_server: NatsServer, worker: Worker,
+        front: tuple[NatsFrontEnd, Heard]) -> None:
+    """redteam22 F3: an oversized query whose `Nats-Msg-Id` named another participant's
+    running turn (with a trailing space, so the stream took it for a new id, while the
+    worker read it stripped) ended that turn with the failure text; its real answer went
+    unheard but into the history. Now the refusal says nothing for a turn running (or
+    ended) there: the turn goes on, and its participant's next query interrupts it as
+    usual."""
+    fe, heard = front
+    running = UserQuery(participant_id="vic", text="slow one")
+    started = heard.events.setdefault(f"started {running.message_id}", asyncio.Event())
+    await fe.publish(running)
+    async with asyncio.timeout(15):
+        await started.wait()
+    token = encode_token("vic")
+    await _raw_publish(nats_server.port, f"turnrouter.in.{token}.query",
+                       f"Nats-Msg-Id: {token}.{running.message_id} ", b"x" * 66_000)
+    await counted(worker, "turnrouter_runtime_rejected_messages_total",
+                  'reason="oversized"', 1)
+    # The partition runs in order: the decoy was handled before this query.
+    assert await ask(fe, heard, "vic", "next") == "next|-|N"  # (it cut the slow turn)
+    assert running.message_id not in heard.finals

@@ -153,6 +153,7 @@ def test_overlong_participant_ids_are_refused() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("prefix", "a.b"), ("prefix", ""), ("partitions", 0), ("partitions", 5000),
+    ("partitions", 1001),  # nats-server refuses a stream's 1,001st consumer (redteam22 F6)
     ("failover_timeout", 0), ("pull_expires", 2.0), ("max_message_bytes", 10),
     ("ack_wait", float("inf")), ("drain_timeout", float("nan")), ("dedup_window", True),
     ("mark_after", 0), ("mark_after", 1.0), ("ack_wait", 10**400),
@@ -164,6 +165,10 @@ def test_bad_config_names_the_field(field: str, value: object) -> None:
     """An impossible configuration raises ConfigurationError naming the field."""
     with pytest.raises(ConfigurationError, match=field):
         NatsConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_the_most_partitions_are_a_streams_most_consumers() -> None:
+    assert NatsConfig(partitions=1000).partitions == 1000
 
 
 @given(st.one_of(st.integers(-10, 2_000_000), st.integers(), st.floats(), st.booleans(),
@@ -520,8 +525,20 @@ def test_typed_messages_go_to_their_kind_subjects(wire: Wire) -> None:
     assert wire.call(main()) == [f"tr.in.{token}.{kind}" for kind in PAYLOADS]
 
 
+def own_id(token: str, data: bytes) -> str:
+    """The `Nats-Msg-Id` `NatsFrontEnd.publish` would give a body naming its own
+    `message_id` (`<token>.<message id>`), "" for one naming none (sent without it)."""
+    try:
+        named = json.loads(data).get("message_id")
+    except (ValueError, AttributeError, RecursionError):
+        return ""
+    return f"{token}.{named}" if isinstance(named, str) and named.isprintable() and (
+        named == named.strip()) else ""
+
+
 def expected_reason(config: NatsConfig, token: str, kind: str, data: bytes) -> str | None:
-    """The rejection reason docs/distributed.md gives for an input (None: accepted)."""
+    """The rejection reason docs/distributed.md gives for an input (None: accepted),
+    published with `own_id` as its `Nats-Msg-Id` (or none)."""
     payload = PAYLOADS.get(kind)
     if payload is None:
         return "unknown_subject"
@@ -532,7 +549,9 @@ def expected_reason(config: NatsConfig, token: str, kind: str, data: bytes) -> s
         message = payload.model_validate_json(data)
     except ValueError:  # pydantic's ValidationError is one
         return "invalid"
-    return None if getattr(message, "participant_id", None) == pid else "invalid"
+    if getattr(message, "participant_id", None) != pid:
+        return "invalid"
+    return None if own_id(token, data) == f"{token}.{message.message_id}" else "foreign_id"
 
 
 Input = tuple[str, str, bytes]  # token, kind, body
@@ -543,7 +562,9 @@ async def deliver(wire: Wire, inputs: list[Input]) -> None:
     documented reason, in order, or answered (accepted queries)."""
     start = len(wire.watch.rejected)
     for token, kind, data in inputs:
-        await wire.js.publish(f"tr.in.{token}.{kind}", data)
+        msg_id = own_id(token, data)
+        await wire.js.publish(f"tr.in.{token}.{kind}", data,
+                              headers={"Nats-Msg-Id": msg_id} if msg_id else None)
     assert await wire.ask(UserQuery(participant_id=fresh("s"), text="after")) == "after|-|N"
     reasons = [expected_reason(wire.config, *item) for item in inputs]
     assert wire.watch.rejected[start:] == [reason for reason in reasons if reason]
@@ -1006,11 +1027,16 @@ def test_a_probe_carries_no_body(partition: int, body: bytes) -> None:
 def test_a_nats_msg_id_other_than_the_messages_own_is_refused(
         msg_id: str | None, message_id: str) -> None:
     """An input's `Nats-Msg-Id` must be `<token>.<message id>` of that very message (as
-    `NatsFrontEnd.publish` sets it) or absent; any other is `foreign_id` (a decoy taking
-    another participant's id, redteam18 F7), whatever its text."""
+    `NatsFrontEnd.publish` sets it); any other is `foreign_id` (a decoy taking another
+    participant's id, redteam18 F7), whatever its text, and so is none (`""`: a decoy
+    without one took the participant's id in their record, redteam22 F1). None skips
+    the check."""
     body = UserQuery(participant_id="ann", text="hi", message_id=message_id)
     own = f"{encode_token('ann')}.{message_id}"
     subject = f"{CONFIG.prefix}.p.0.{encode_token('ann')}.query"
+    with pytest.raises(Rejected, match="no Nats-Msg-Id") as info:
+        parse_input(CONFIG, subject, body.model_dump_json().encode(), "")
+    assert info.value.reason == "foreign_id"
     if msg_id is None or msg_id == own:
         _, pid, _, parsed = parse_input(CONFIG, subject, body.model_dump_json().encode(),
                                         msg_id)

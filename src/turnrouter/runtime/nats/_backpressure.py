@@ -4,7 +4,10 @@ ready again, and a held query already followed by a newer one is dropped unrun."
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
+from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -13,7 +16,7 @@ from ..._exceptions import ConfigurationError, LifecycleError
 from ..._router import AgentRouter
 from ._metrics import RuntimeMetrics
 from ._setup import api_request
-from ._wire import NatsConfig, ack_sequences
+from ._wire import NatsConfig, Rejected, ack_sequences, parse_input
 
 __all__ = ["backpressure"]
 
@@ -38,16 +41,37 @@ async def backpressure(nc: Client, config: NatsConfig, router: AgentRouter,
     try:
         last = await api_request(nc, f"$JS.API.STREAM.MSG.GET.{config.stream}",
                                  {"last_by_subj": msg.subject})
-        newest = int(last["message"]["seq"])
+        stored = last["message"]
+        newest = int(stored["seq"])
     except (LifecycleError, ConfigurationError, KeyError, TypeError, ValueError):
         return False  # none newer (404) or unknown: run it
-    if newest <= _stream_sequence(msg.reply):
+    if newest <= _stream_sequence(msg.reply) or not _a_query(config, msg.subject, stored):
         return False
     await nc.publish(msg.reply, b"+ACK")
     router.report_rejected("nats_input", "superseded")
     if metrics is not None:
         metrics.backpressure.labels("superseded").inc()
     return True
+
+
+def _a_query(config: NatsConfig, subject: str, stored: Any) -> bool:
+    """Whether the newer message stored on `subject` is a query the worker would run:
+    junk (or another's decoy) published on a participant's subject supersedes nothing,
+    or anyone could make a busy worker drop their real query unrun (redteam22 F5)."""
+    try:
+        data = base64.b64decode(stored.get("data") or "", validate=True)
+        head = base64.b64decode(stored.get("hdrs") or "", validate=True)
+    except (AttributeError, TypeError, ValueError, binascii.Error):
+        return False
+    msg_id = ""  # as nats-py reads it: the last one given, stripped
+    for line in head.decode("utf-8", "replace").split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        if name == "Nats-Msg-Id":
+            msg_id = value.strip()
+    try:
+        return parse_input(config, subject, data, msg_id)[2] == "query"
+    except Rejected:
+        return False
 
 
 def _stream_sequence(reply: str) -> int:

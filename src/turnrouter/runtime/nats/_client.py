@@ -279,6 +279,12 @@ class NatsFrontEnd:
         pid = getattr(message, "participant_id", None)
         # Scoped to the participant: two participants may reuse a message id.
         msg_id = message.message_id if pid is None else input_message_id(pid, message.message_id)
+        if msg_id != msg_id.strip() or "\r" in msg_id or "\n" in msg_id:
+            # nats-py strips a header value and flattens CR/LF: the workers would read
+            # another id than the stream's and refuse the message (redteam22 F2).
+            raise ContractValueError(
+                f"{kind} message_id {preview(message.message_id[:100])}: a NATS header "
+                "cannot carry it as given (whitespace at its end, CR or LF); not published")
         # Trace context: the message's own, else the caller's current span (a trace
         # started by the publisher continues in the replica's turn), unless the caller
         # passed its own headers for it.

@@ -252,6 +252,14 @@ class Inputs:
                            preview(subject[:200]), reason, count, detail)
         self._router.report_rejected("nats_input", reason)
 
+    def _known_turn(self, pid: str, turn_id: str) -> bool:
+        """Whether `turn_id` runs or ended for `pid` here: a refused message naming it
+        (its header read stripped by nats-py, so the stream took it for another id) is
+        no ending of that turn, which a decoy would otherwise end with the failure text
+        while its answer went unheard (redteam22 F3)."""
+        return (pid, turn_id) in self._running or turn_id in getattr(
+            self._ledger.people.get(pid), "ended", ())
+
     async def handle(self, n: int, msg: Msg, owned: bool, received: float) -> None:
         """Check and run one message delivered on partition `n` (owned: this replica
         holds its pin; received: its arrival, `time.monotonic()`), then acknowledge it
@@ -259,13 +267,14 @@ class Inputs:
         try:
             partition, pid, kind, message = parse_input(
                 self._config, msg.subject, msg.data,
-                msg.headers.get("Nats-Msg-Id") if msg.headers else None)
+                msg.headers.get("Nats-Msg-Id", "") if msg.headers else "")
             if partition != n:
                 raise Rejected("not_owned", f"partition {partition} delivered on {n}")
         except Rejected as exc:
             self._reject(msg.subject, exc.reason, str(exc))
             await self._ack(msg, b"+TERM")
-            if exc.reason == "oversized" and (turn := _refused_query(msg)) is not None:
+            if exc.reason == "oversized" and (turn := _refused_query(msg)) is not None \
+                    and not self._known_turn(*turn):
                 # Its turn ends audibly: a front end whose max_message_bytes exceeds the
                 # workers' let it through, and its participant would hear nothing.
                 await self.publish_output(*turn, "none", self._config.failure_text,

@@ -339,9 +339,10 @@ class NatsConfig:
             raise ConfigurationError(
                 f"NatsConfig.front_api must be a subject prefix like $JS.FRONT.API (not "
                 f"this account's own $JS.API), got {preview(self.front_api)}")
-        if not 1 <= self.partitions <= 1024:
+        if not 1 <= self.partitions <= MAX_PARTITIONS:
             raise ConfigurationError(
-                f"NatsConfig.partitions must be in 1..1024, got {self.partitions}")
+                f"NatsConfig.partitions must be in 1..{MAX_PARTITIONS} (a consumer each on "
+                f"one stream), got {self.partitions}")
         for name in ("failover_timeout", "ack_wait", "pull_expires", "dedup_window",
                      "output_max_age", "probe_interval", "drain_timeout", "mark_after",
                      "input_max_age", "max_input_wait", "reconnect_for", "state_max_age",
@@ -461,6 +462,11 @@ def _fnv1a(data: bytes) -> int:
 _PROBE_TOKENS: dict[int, tuple[str, ...]] = {}
 
 
+#: The most partitions: one consumer each on the input stream, and nats-server refuses
+#: a stream's 1,001st consumer ("maximum consumers limit reached", redteam22 F6).
+MAX_PARTITIONS = 1000
+
+
 def probe_token(partition: int, partitions: int) -> str:
     """The first token `probe<j>` that the server's `partition(partitions, 1)` sends to
     `partition` (a few dozen hashes per partition, once per partition count)."""
@@ -557,10 +563,12 @@ def parse_input(
     """Check one delivered input: (partition, participant id, kind, message).
 
     Probes (`kind == "probe"`) carry no participant and no message. `msg_id` is the
-    message's `Nats-Msg-Id` header, if any. Raises `Rejected` naming what is wrong:
-    `unknown_subject`, `oversized`, `invalid`, or `foreign_id` for an id other than
-    `<token>.<message id>` of this very message (`NatsFrontEnd.publish`'s): a message
-    carrying another participant's id was published to make the stream drop theirs.
+    message's `Nats-Msg-Id` header (`""` when it has none; None: not checked). Raises
+    `Rejected` naming what is wrong: `unknown_subject`, `oversized`, `invalid`, or
+    `foreign_id` for an id other than `<token>.<message id>` of this very message
+    (`NatsFrontEnd.publish`'s): a message carrying another participant's id was
+    published to make the stream drop theirs, or one with none, which takes another
+    participant's id in their record instead (redteam22 F1).
     """
     parts = subject.split(".")
     if len(parts) == 3 and parts[1] == "probe" and parts[2].isascii() and parts[2].isdigit():
@@ -595,7 +603,9 @@ def parse_input(
         raise Rejected("invalid", "participant_id does not match the subject")
     if msg_id is not None and msg_id != f"{token}.{message.message_id}":
         raise Rejected("foreign_id", "its Nats-Msg-Id is not <token>.<message id> of this "
-                                     "message: another participant's id, or another message's")
+                                     "message: another participant's id, or another message's"
+                       if msg_id else "no Nats-Msg-Id (NatsFrontEnd.publish sets one): it "
+                                      "could take another message's id")
     return partition, pid, kind, message
 
 
