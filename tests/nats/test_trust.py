@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 
 import nats
 from turnrouter import ConfigurationError, LifecycleError
-from turnrouter.runtime import Interrupted, UserQuery
+from turnrouter.runtime import Interrupted, ParticipantJoined, ParticipantLeft, UserQuery
 from turnrouter.runtime.nats import (
     MAX_CA_FILE_BYTES,
     NatsConfig,
@@ -133,7 +133,7 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
     await settled(worker_nc)
     refusals: list[str] = []
     all_refused = asyncio.Event()
-    expected = 19  # the seventeen publishes and two subscriptions below
+    expected = 21  # the nineteen publishes and two subscriptions below
 
     async def collect(exc: Exception) -> None:
         if "permissions violation" in str(exc).lower():
@@ -147,6 +147,10 @@ async def test_front_end_may_not_publish_what_only_workers_publish(
     forbidden = ["turnrouter.ctl.interrupt", "turnrouter.presence", "turnrouter.timing",
                  "turnrouter.out.YWxpY2U", "turnrouter.probe.0",
                  NatsConfig().probe_subject(0),  # an input of kind probe: workers only
+                 # No other kind than the four (each its own subject, past the
+                 # participant's queue bound: redteam22 F4).
+                 f"turnrouter.in.{encode_token('alice')}.k0",
+                 f"turnrouter.in.{encode_token('alice')}.Query",
                  "$KV.turnrouter_state.0.YWxpY2U", "$JS.API.STREAM.DELETE.TURNROUTER_IN",
                  "$JS.API.CONSUMER.CREATE.TURNROUTER_IN.p0",
                  "$JS.TURNROUTER.API.CONSUMER.CREATE.TURNROUTER_OUT", "turnrouter.mirror.x",
@@ -969,6 +973,9 @@ async def test_a_refused_fleet_wide_interrupt_is_raised(locked: NatsServer) -> N
         with pytest.raises(LifecycleError, match=r"refused 'turnrouter\.ctl\.interrupt'"):
             await front.publish(Interrupted())
         await front.publish(Interrupted(participant_id="ann"))
+        # The other kinds a front end publishes (the permissions list each kind).
+        await front.publish(ParticipantJoined(participant_id="ann"))
+        await front.publish(ParticipantLeft(participant_id="ann"))
         with pytest.raises(LifecycleError, match="permissions"):
             await front.publish(Interrupted())
     finally:
