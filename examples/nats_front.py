@@ -65,7 +65,12 @@ async def main(config: NatsConfig) -> None:
             ended = waiting[query.message_id] = asyncio.get_running_loop().create_future()
             print(f"> {text}")
             await front.publish(query)
-            await asyncio.wait_for(ended, timeout=10)
+            try:
+                await asyncio.wait_for(ended, timeout=10)
+            except TimeoutError:
+                raise LifecycleError(
+                    "no answer within 10 s: is a `turnrouter worker` serving this server "
+                    "(with the same --prefix)?") from None
     finally:
         listener.cancel()
         await asyncio.gather(listener, return_exceptions=True)

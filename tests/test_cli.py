@@ -211,6 +211,19 @@ def test_demo_grpc_without_its_exporter_is_one_line(
                  "grpc", "--duration", "1", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "opentelemetry-exporter-otlp-proto-grpc" in err
+    assert "pip install opentelemetry-exporter-otlp-proto-grpc" in err
+
+
+def test_demo_http_without_its_exporter_says_how_to_install_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--otlp-endpoint without the otlp extra: one line naming the package and how to
+    install it (newcomer22: it named only the package)."""
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                        None)
+    assert main(["demo", "--otlp-endpoint", "http://127.0.0.1:4318", "--duration", "1",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install -e '.[otlp]'" in err
 
 
 def test_demo_write_failure_during_the_run_is_one_line(

@@ -478,12 +478,32 @@ def test_a_served_demo_stopped_by_a_signal_prints_its_report(sig: signal.Signals
     does: before, Ctrl-C ended it with status 130 and no report. `early`: the signal
     comes as soon as the `metrics:` line is read, as a script that waits for the
     endpoint and stops it would send it (newcomer16: exit 143, no report)."""
+    under_way = r"^metrics: " if early else r"turns\s+[1-9]"
+    status, out, err = _signalled(["--serve", "--metrics-port", "0"], under_way, sig)
+    assert status == 0, err
+    assert "lost 0" in out and "Traceback" not in err
+
+
+def test_a_timed_demo_stopped_by_ctrl_c_says_it_has_no_report() -> None:
+    """Ctrl-C during a timed run (`make demo`, impatient) exited 130 with nothing said;
+    now one line saying there is no report and that `--serve` reports (newcomer22)."""
+    status, _, err = _signalled(["--duration", "120"], r"turns\s+[1-9]", signal.SIGINT)
+    assert status == 130
+    assert err.strip().splitlines() == [
+        "turnrouter demo: interrupted before the end of the run: no report (--serve runs "
+        "until Ctrl-C, then reports)"]
+
+
+def _signalled(args: list[str], under_way: str,
+               sig: signal.Signals) -> tuple[int, str, str]:
+    """Run the demo with `args` until a progress line matches `under_way`, send `sig`:
+    its exit status, stdout and stderr (every wait bounded)."""
     import subprocess
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "turnrouter", "demo", "--serve", "--metrics-port", "0",
+        [sys.executable, "-m", "turnrouter", "demo", *args,
          "--participants", "20", "--speed", "10"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
@@ -500,7 +520,6 @@ def test_a_served_demo_stopped_by_a_signal_prints_its_report(sig: signal.Signals
     try:
         # Progress lines come every 5 s off a terminal; the first one with turns says
         # the run is under way.
-        under_way = r"^metrics: " if early else r"turns\s+[1-9]"
         while not output or not re.search(under_way, output[-1]):
             output.append(lines.get(timeout=60))
             assert output[-1], f"the demo ended early: {output}"
@@ -519,9 +538,7 @@ def test_a_served_demo_stopped_by_a_signal_prints_its_report(sig: signal.Signals
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
-    out = "".join(output)
-    assert proc.returncode == 0, err
-    assert "lost 0" in out and "Traceback" not in err
+    return proc.returncode, "".join(output), err
 
 
 def test_an_unknown_sampler_is_named_without_an_endpoint(

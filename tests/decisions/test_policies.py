@@ -134,10 +134,18 @@ def test_from_json_file(tmp_path: Path) -> None:
 
 
 def test_from_env_missing_variable_is_key_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An unset environment variable raises KeyError."""
+    """An unset environment variable raises KeyError saying it is not set (a bare
+    KeyError of the name said nothing of what was looked for, newcomer22)."""
     monkeypatch.delenv("TURNROUTER_TEST_POLICY", raising=False)
-    with pytest.raises(KeyError, match="TURNROUTER_TEST_POLICY"):
+    with pytest.raises(KeyError, match="'TURNROUTER_TEST_POLICY' is not set"):
         DictRoutingPolicy.from_env("TURNROUTER_TEST_POLICY")
+
+
+def test_a_mapping_given_as_the_policy_says_how_to_wrap_it() -> None:
+    """`PolicyDecisions({"kiosk": "conversation"}, ...)`: the error says to wrap the
+    mapping in DictRoutingPolicy."""
+    with pytest.raises(ConfigurationError, match=r"wrap a mapping in DictRoutingPolicy"):
+        PolicyDecisions({"kiosk": "conversation"}, LexicalDecisions())  # type: ignore[arg-type]
 
 
 def test_from_env_json_and_custom_loader(monkeypatch: pytest.MonkeyPatch) -> None:

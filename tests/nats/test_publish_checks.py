@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import nats
-from turnrouter import ContractTypeError, ContractValueError
+from turnrouter import ContractTypeError, ContractValueError, LifecycleError
 from turnrouter.runtime import UserQuery
 from turnrouter.runtime.nats import NatsConfig, NatsFrontEnd, encode_token
 
@@ -86,3 +86,41 @@ async def test_an_id_taken_by_another_publisher_is_raised_not_dropped_silently(
         assert front.inputs_duplicated == 1
     finally:
         await front.close()
+
+
+async def test_a_front_end_whose_server_never_answers_at_start_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """newcomer22: a front end given a port where nothing listens (a typo, a server not
+    started) retried for ever, a hang logging errors at 1, 2, 4, 8... Now its first
+    connection is bounded by `reconnect_for`, as a worker's start is: `LifecycleError`
+    saying so, the lines asking whether a server listens there."""
+    with caplog.at_level(logging.WARNING, logger="turnrouter"), \
+            pytest.raises(LifecycleError, match="unreachable for"):
+        await NatsFrontEnd.connect(NatsConfig(url="nats://127.0.0.1:1", reconnect_for=1))
+    lines = [r.getMessage() for r in caplog.records if "connect attempt" in r.getMessage()]
+    assert lines and "is a nats-server listening at that address?" in lines[0]
+
+
+async def test_a_url_where_a_configuration_goes_is_a_type_error() -> None:
+    """`NatsFrontEnd.connect("nats://...")` (what `--nats` takes) was an AttributeError
+    from deep inside; now a ContractTypeError saying what it needs."""
+    with pytest.raises(ContractTypeError, match=r"needs a NatsConfig \(NatsConfig\(url="):
+        await NatsFrontEnd.connect("nats://127.0.0.1:1")  # type: ignore[arg-type]
+
+
+def test_the_example_front_end_without_a_worker_says_what_is_missing(
+        nats_server: NatsServer) -> None:
+    """newcomer22: `examples/nats_front.py` with no worker serving (it failed to start,
+    another --prefix) ended in a 27-line TimeoutError traceback after 10 s; now one line
+    asking whether a worker serves that server."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "nats_front.py"
+    done = subprocess.run([sys.executable, str(example), nats_server.url],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "nats_front: no answer within 10 s: is a `turnrouter worker` serving this server "
+        "(with the same --prefix)?"]

@@ -211,6 +211,10 @@ def _demo(argv: Sequence[str]) -> int:
     try:
         report = anyio.run(run_demo, config)
     except KeyboardInterrupt:
+        # A timed run stopped early has no report (`--serve` runs until Ctrl-C, then
+        # drains and reports): said, not a silent exit (newcomer22).
+        print("turnrouter demo: interrupted before the end of the run: no report "
+              "(--serve runs until Ctrl-C, then reports)", file=sys.stderr)
         return 130
     except ConfigurationError as exc:
         print(f"turnrouter demo: error: {' '.join(str(exc).split())}", file=sys.stderr)

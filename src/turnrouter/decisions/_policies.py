@@ -277,8 +277,9 @@ class DictRoutingPolicy:
             raise PolicyError(f"environment variable name {preview(env_var)} is not valid "
                               "UTF-8 text")
         raw = os.environ.get(env_var)
-        if raw is None:
-            raise KeyError(env_var)
+        if raw is None:  # (a KeyError, as documented, saying which variable)
+            raise KeyError(f"environment variable {preview(env_var)} is not set: "
+                           "DictRoutingPolicy.from_env() reads the mapping's JSON from it")
         source = f"environment variable {preview(env_var)}"
         if loader is None:
             data: object = _decode(raw, source, limit)
@@ -344,7 +345,10 @@ class PolicyDecisions:
 
     def __init__(self, policy: RoutingPolicy, fallback: DecisionService) -> None:
         if not callable(getattr(policy, "select", None)):
-            raise ConfigurationError(f"policy must have a select() method, got {preview(policy)}")
+            raise ConfigurationError(
+                f"policy must have a select() method, got {preview(policy)}"
+                + (" (wrap a mapping in DictRoutingPolicy(...))"
+                   if isinstance(policy, Mapping) else ""))
         if not callable(getattr(fallback, "decide", None)):
             raise ConfigurationError(
                 f"fallback must be a DecisionService, got {preview(fallback)}"

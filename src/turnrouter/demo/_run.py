@@ -179,14 +179,17 @@ def _exporter(endpoint: str, protocol: str) -> Any:
             module = importlib.import_module(
                 "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
         except ImportError as exc:
-            raise ConfigurationError("--otlp-protocol grpc needs "
-                                     "opentelemetry-exporter-otlp-proto-grpc") from exc
+            raise ConfigurationError(
+                "--otlp-protocol grpc needs opentelemetry-exporter-otlp-proto-grpc: pip "
+                "install opentelemetry-exporter-otlp-proto-grpc") from exc
         return module.OTLPSpanExporter(endpoint=endpoint)
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError as exc:
-        raise ConfigurationError("exporting spans needs "
-                                 "opentelemetry-exporter-otlp-proto-http") from exc
+        raise ConfigurationError(
+            "exporting spans needs opentelemetry-exporter-otlp-proto-http: install "
+            "turnrouter's otlp extra (from a checkout: pip install -e '.[otlp]'; `make "
+            "demo ARGS=\"--otlp-endpoint ...\"` installs it)") from exc
     traces = endpoint if _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == endpoint else (
         endpoint.rstrip("/") + "/v1/traces")
     return OTLPSpanExporter(endpoint=traces)

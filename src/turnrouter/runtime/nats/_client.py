@@ -181,7 +181,15 @@ class NatsFrontEnd:
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("ping_interval", _PING_INTERVAL)
         options.setdefault("max_outstanding_pings", MAX_OUTSTANDING_PINGS)
+        if not isinstance(config, NatsConfig):  # a URL string, say: not deep inside
+            raise ContractTypeError(
+                "NatsFrontEnd.connect needs a NatsConfig (NatsConfig(url='nats://...')), "
+                f"got {type(config).__name__}")
         denials = Denials(config, "frontend")
+        # A first connection that never succeeds (a wrong port, no server started) ends
+        # after `reconnect_for` with a LifecycleError, as a worker's start does; once
+        # connected, a lost server is retried for ever (newcomer22).
+        options.setdefault("patience", config.reconnect_for)
         nc = await connect(config, "frontend", denials=denials, **options)
         try:
             check_payload(nc, config)

@@ -150,6 +150,10 @@ _OUTAGE_GAP = 10.0
 _QUIET_LOG = 30.0
 
 
+#: What a refused first connection's line adds (a typo in the port, no server started).
+_UNREACHABLE = " (is a nats-server listening at that address?)"
+
+
 class _Attempts:
     """The failed attempts of a first connection (with `patience`: numbered in the log,
     each one), or of a connection retried for ever (without: its errors within one
@@ -172,20 +176,25 @@ class _Attempts:
     def failed(self, exc: BaseException) -> str:
         """Count one failure; how the log line names it."""
         self.count, self.last = self.count + 1, exc
-        if self.patience is None:
+        if self.patience is None or self.connected:
             return ""
         return f"connect attempt {self.count} failed ({self.elapsed():.1f} s of " \
                f"{self.patience:g} s): "
 
     def logged(self) -> str | None:
         """After `failed`: None when this error is not logged, else what its line adds.
-        Each one with `patience` (a bounded wait says where it is); without, the 1st,
-        2nd, 4th... of an outage (errors less than `_OUTAGE_GAP` s apart) and one at
-        least every `_QUIET_LOG` s: a front end retrying every 0.25 s would otherwise
-        log four lines a second for as long as the server is away."""
-        if self.patience is not None:
-            return ""
+        With `patience`, the 1st, 2nd, 4th... attempt and one at least every
+        `_QUIET_LOG` s (each numbered, saying where the bounded wait is: a worker given
+        a wrong port logged 120 lines in its minute, newcomer22); without, the same
+        spacing within one outage (errors less than `_OUTAGE_GAP` s apart): a front end
+        retrying every 0.25 s would otherwise log four lines a second for as long as
+        the server is away."""
         now = time.monotonic()
+        if self.patience is not None and not self.connected:
+            if self.count & (self.count - 1) and now - self._logged < _QUIET_LOG:
+                return None
+            self._logged = now
+            return _UNREACHABLE if isinstance(self.last, ConnectionRefusedError) else ""
         if now - self._previous >= _OUTAGE_GAP:
             self._outage = 0
         self._previous, self._outage = now, self._outage + 1
