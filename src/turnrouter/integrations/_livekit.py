@@ -651,7 +651,8 @@ async def stop_gracefully(router: AgentRouter, *sessions: AgentSession[Any],
     (or, past the timeout, interrupted), then depart (`begin_departure`: releases,
     cleanup). Stopping a router that other open sessions still route through (the
     default `owns_router=True`) is logged at WARNING: their participants would lose
-    their history and focus mid-call.
+    their history and focus mid-call. It does not close the sessions: a job closes its
+    session at shutdown; a script using it outside a job `aclose()`s them after.
     """
     if owns_router:
         others = [agent for agent in _agents_of(router)
