@@ -124,3 +124,18 @@ def test_the_example_front_end_without_a_worker_says_what_is_missing(
     assert done.stderr.strip().splitlines() == [
         "nats_front: no answer within 10 s: is a `turnrouter worker` serving this server "
         "(with the same --prefix)?"]
+
+
+async def test_a_bound_shorter_than_one_attempt_is_not_called_unreachable() -> None:
+    """redteam22 N2: a `reconnect_for` shorter than one connection attempt (here a
+    server that takes the connection and never greets it) said `unreachable for 0.0 s
+    (0 attempts)`; now it says no attempt finished within the bound."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"nats://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(LifecycleError, match=r"no attempt finished within "
+                                                 r"reconnect_for \(0\.5 s\)"):
+            await NatsFrontEnd.connect(NatsConfig(url=url, reconnect_for=0.5))

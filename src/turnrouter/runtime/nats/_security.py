@@ -102,6 +102,10 @@ async def connect(config: NatsConfig, role: str, *, patience: float | None = Non
         error = refused.result()
     elif connecting.cancelled():  # `patience` ran out
         error = attempts.last or TimeoutError("no answer")
+        if not attempts.count:  # (the bound was shorter than one attempt: redteam22 N2)
+            raise LifecycleError(
+                f"cannot connect to NATS at {config.safe_url}: no attempt finished within "
+                f"reconnect_for ({patience:g} s): give it a few seconds") from None
         raise LifecycleError(
             f"cannot connect to NATS at {config.safe_url}: unreachable for "
             f"{attempts.elapsed():.1f} s ({attempts.count} attempts; reconnect_for is "
