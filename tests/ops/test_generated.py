@@ -365,3 +365,18 @@ def test_a_fixed_threshold_line_only_where_every_route_has_that_threshold() -> N
     # default's line excludes it.
     assert 'route!~"travel"' in ack and 'route="travel"' not in ack
     assert f"* 0 + {ACK_OVERUSE_RATIO:g}" in ack
+
+
+def test_route_alert_panels_draw_what_their_alert_evaluates() -> None:
+    """operator22 F4: with the job variable on All, the acknowledgment ratio panel
+    merged every job by route (it showed every route under the line while the alert
+    fired at 0.48 and 0.77 for one job), and the first-response panel had no series of
+    the alert's own signal. Each now draws it: per job and route, over 5 minutes."""
+    ack = _panel("Acknowledgment ratio by route")
+    (alerted,) = [t for t in ack["targets"] if "alerted" in t["legendFormat"]]
+    assert "sum by (job, route)" in alerted["expr"] and "[5m]" in alerted["expr"]
+    assert alerted["legendFormat"].startswith("{{job}} {{route}}")
+    first = _panel("First response p95 by route")
+    (signal,) = [t for t in first["targets"]
+                 if "TurnrouterSlowFirstResponse" in t["legendFormat"]]
+    assert "sum by (job, route, le)" in signal["expr"] and "[5m]" in signal["expr"]

@@ -410,10 +410,16 @@ def overview() -> dict[str, Any]:
             "to the `invoke_agent` span), and each route's TurnrouterSlowFirstResponse "
             f"threshold as `alert threshold {{route}}` (the default "
             f"{SLOW_FIRST_RESPONSE_SECONDS:g}s or the route's own override; also a fixed "
-            "dashed line when no route has its own).",
+            "dashed line when no route has its own). What the alert evaluates, each job's "
+            "p95 per route over 5 minutes, is drawn as `{job} {route} p95 5m`: the `p95 "
+            "{route}` series merge the selected jobs over the rate interval.",
             [*_targets((_quantile(0.95, "turnrouter_first_response_seconds", "route", JOB,
                                   ROUTE), "p95 {{route}}"), exemplar=True),
-             _target(_slow_first_response_targets(), "alert threshold {{route}}", ref="B")],
+             _target(_slow_first_response_targets(), "alert threshold {{route}}", ref="B"),
+             _target(_quantile(0.95, "turnrouter_first_response_seconds", "job, route", JOB,
+                               ROUTE, window=ALERT_WINDOW),
+                     "{{job}} {{route}} p95 5m (TurnrouterSlowFirstResponse)", ref="C",
+                     exemplar=True)],
             unit="s", draw=_static_line("TurnrouterSlowFirstResponse"),
             thresholds=_thresholds(("green", None), ("red", SLOW_FIRST_RESPONSE_SECONDS))),
         _row("Load and context"),
@@ -682,17 +688,17 @@ def acknowledgment_tuning() -> dict[str, Any]:
         _timeseries(
             "Acknowledgment ratio by route", "Share of scheduled acknowledgments that were "
             "needless (spoken, and the answer started within 0.5 s after), whatever "
-            "triggered them, by route, over 5 minutes: the alerted ratio "
+            "triggered them, by job and route, over 5 minutes: the alerted ratio "
             f"(TurnrouterAcknowledgmentOveruse above {ACK_OVERUSE_RATIO:.0%}; each route's "
             "own threshold, per-route overrides included, is drawn as `alert threshold "
             "{route}`, none for a route whose alert is disabled). All spoken ones are drawn "
             "beside it for reference.",
-            _targets((f"sum by (route) (rate({needless}[{ALERT_WINDOW}]))\n/\n"
-                      f"(sum by (route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
-                      "{{route}} (alerted: needless)"),
-                     (f"sum by (route) (rate({emitted}[{ALERT_WINDOW}]))\n/\n"
-                      f"(sum by (route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
-                      "{{route}} (all spoken)"),
+            _targets((f"sum by (job, route) (rate({needless}[{ALERT_WINDOW}]))\n/\n"
+                      f"(sum by (job, route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
+                      "{{job}} {{route}} (alerted: needless)"),
+                     (f"sum by (job, route) (rate({emitted}[{ALERT_WINDOW}]))\n/\n"
+                      f"(sum by (job, route) (rate({scheduled}[{ALERT_WINDOW}])) > 0)",
+                      "{{job}} {{route}} (all spoken)"),
                      (_route_threshold_targets("TurnrouterAcknowledgmentOveruse", acks,
                                                ACK_OVERUSE_RATIO),
                       "alert threshold {{route}}")),
