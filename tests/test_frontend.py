@@ -1027,6 +1027,21 @@ async def test_control_text_heard_ends_the_silence_not_the_first_response() -> N
         assert silences == [("silence", "conversation", pytest.approx(0.5))]
 
 
+async def test_a_front_end_that_reports_control_text_says_so_from_the_first_turn() -> None:
+    """`route_turn(report_heard="all")` (the adapters): the first turn's control text,
+    never reported heard before its answer (a TTS error on it), did not end the silence
+    either (voice22 F2: the first turn of a call fell back to the said time, 0.3 s for
+    2.8 s of dead air, as no control report had come yet)."""
+    clock = ManualClock()
+    h = Harness(ScriptedAgent("conversation", admissions=Admission("accept", preamble="Ok.")),
+                clock=clock)
+    await h.router.route_turn(h.turn(), report_heard="all")
+    clock.advance(0.5)
+    assert h.router.mark_heard("p1", "t1") is True
+    silences = [event for event in h.observer.turns["t1"] if event[0] == "silence"]
+    assert silences == [("silence", "conversation", pytest.approx(0.5))]
+
+
 async def test_control_text_of_a_front_end_that_never_reports_it_ends_the_silence_when_said(
 ) -> None:
     """A front end that reports only answers heard (never `control=True`): control text

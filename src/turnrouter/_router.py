@@ -388,7 +388,7 @@ class AgentRouter:
 
     async def route_turn(
         self, turn: AgentTurn, *, output: OutputCallback | None = None,
-        report_heard: bool = False, ending: OutputCallback | None = None,
+        report_heard: bool | Literal["all"] = False, ending: OutputCallback | None = None,
         result_check: ResultCheck | None = None,
     ) -> RoutedResult:
         """Run one turn as `handle()` does, for a front end (runtime, framework adapter).
@@ -398,15 +398,15 @@ class AgentRouter:
         failure, busy, dropped). Same errors as `handle()`. `result_check(turn, route,
         result)` sees a destination's result before it is recorded: raising there fails
         the turn as `answer()` raising would. With `report_heard=True` the front end
-        reports the answer's first audio (`mark_heard`): first response and silence end
-        then (else at `started()`, which still suppresses a pending acknowledgment).
-        """
+        reports the answer's first audio (`mark_heard`; `"all"`: its control text's too):
+        first response and silence end then (else at `started()`, which still
+        suppresses a pending acknowledgment)."""
         turn = _checked_turn(turn, "route_turn()")
         cfg = self._cfg
         emit, end = _turn_outputs(cfg, output, ending, result_check)
         if cfg.load.gate:
             await _shed(cfg, self._registry, turn, end)
-        running = _new_turn(cfg, self._registry, turn, (emit, end), bool(report_heard))
+        running = _new_turn(cfg, self._registry, turn, (emit, end), report_heard)
         if result_check is not None:
             running.result_check = result_check
         return RoutedResult(await running.execute(), running.answered_by)
@@ -660,7 +660,7 @@ async def _shed(cfg: RouterConfig, registry: Registry, turn: AgentTurn,
 
 
 def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn,
-              outputs: tuple[OutputCallback, OutputCallback], report_heard: bool) -> Turn:
+              outputs: tuple[OutputCallback, OutputCallback], report_heard: bool | str) -> Turn:
     """A new turn of an open participant; a refusal is reported, then raised.
     `outputs`: where control text goes, and where the text that ends the turn goes."""
     pid = turn.participant_id
@@ -679,7 +679,8 @@ def _new_turn(cfg: RouterConfig, registry: Registry, turn: AgentTurn,
         if new and cfg.load.policy is not None:
             cfg.load.admitted_new()  # (a crowd is admitted a budget at a time)
     note_turn(state, turn.turn_id)  # (a patch it spawns is of this session)
-    running = Turn(cfg, state, turn, outputs[0], report_heard)
+    running = Turn(cfg, state, turn, outputs[0],  # ("all": control text reported too)
+                   "all" if report_heard == "all" else bool(report_heard))
     running.end = outputs[1]
     return running
 

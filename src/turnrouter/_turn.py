@@ -122,7 +122,7 @@ class Turn(TurnRun):
     result_check: ResultCheck | None = None
 
     def __init__(self, cfg: RouterConfig, state: Participant, turn: AgentTurn,
-                 emit: OutputCallback, report_heard: bool) -> None:
+                 emit: OutputCallback, report_heard: bool | str) -> None:
         self.turn_id = turn.turn_id
         self.cfg, self.state, self.turn, self.emit, self.end = cfg, state, turn, emit, emit
         self.report_heard = report_heard
@@ -820,7 +820,8 @@ class Answer:
             # it, a dropped utterance), so the silence ran until the answer's audio
             # (voice22 F2). From a front end that never reports it, it ended the silence
             # when it was said.
-            self._silence_at(at if owner.cfg.control_reports else min(said_at, at))
+            self._silence_at(at if owner.report_heard == "all" or owner.cfg.control_reports
+                             else min(said_at, at))
         elif self._sidecar is None or not self._sidecar.committed:
             silence_seconds = self._take_silence(at)
         owner.cfg.observer.heard(Heard(self.route, seconds, silence_seconds))

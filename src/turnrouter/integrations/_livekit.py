@@ -486,7 +486,7 @@ class RouterAgent(Agent):
         interrupted = False
         try:
             routed = await self._router.route_turn(
-                voice.turn, output=voice.control, report_heard=True)
+                voice.turn, output=voice.control, report_heard="all")
             voice.say_result(routed.result)
         except TurnInterrupted:
             interrupted = True

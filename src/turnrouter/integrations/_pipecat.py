@@ -1180,7 +1180,7 @@ class TurnRouterProcessor(FrameProcessor):
                      else contextlib.nullcontext())
             with scope:
                 routed = await self.router.route_turn(
-                    turn, output=self._speak, report_heard=self.report_heard)
+                    turn, output=self._speak, report_heard="all" if self.report_heard else False)
             await self._say_result(sink, routed.result)
             sink.closed = True
             await self._close_answer(sink)
