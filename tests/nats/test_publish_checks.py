@@ -4,6 +4,7 @@ it, and its turn never ended), and refuses wrong argument types by name."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -96,7 +97,8 @@ async def test_a_front_end_whose_server_never_answers_at_start_says_so(
     saying so, the lines asking whether a server listens there."""
     with caplog.at_level(logging.WARNING, logger="turnrouter"), \
             pytest.raises(LifecycleError, match="unreachable for"):
-        await NatsFrontEnd.connect(NatsConfig(url="nats://127.0.0.1:1", reconnect_for=1))
+        async with asyncio.timeout(30):  # (it hung for ever before)
+            await NatsFrontEnd.connect(NatsConfig(url="nats://127.0.0.1:1", reconnect_for=1))
     lines = [r.getMessage() for r in caplog.records if "connect attempt" in r.getMessage()]
     assert lines and "is a nats-server listening at that address?" in lines[0]
 
@@ -138,4 +140,5 @@ async def test_a_bound_shorter_than_one_attempt_is_not_called_unreachable() -> N
         url = f"nats://127.0.0.1:{silent.getsockname()[1]}"
         with pytest.raises(LifecycleError, match=r"no attempt finished within "
                                                  r"reconnect_for \(0\.5 s\)"):
-            await NatsFrontEnd.connect(NatsConfig(url=url, reconnect_for=0.5))
+            async with asyncio.timeout(30):
+                await NatsFrontEnd.connect(NatsConfig(url=url, reconnect_for=0.5))
