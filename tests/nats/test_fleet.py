@@ -4,6 +4,7 @@ worker: batched, flushed at a graceful end, junk refused line by line."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -215,3 +216,28 @@ async def test_junk_on_the_timing_subject_is_refused_line_by_line(
     assert running.value(rejected, 'reason="invalid",topic="nats_timing"') == 7
     assert running.value("turnrouter_nats_timing_samples_total",
                          'direction="received"') == 3
+
+
+async def test_another_worker_with_this_replicas_name_is_warned_of(
+        nats_server: NatsServer, running: Running, caplog: pytest.LogCaptureFixture) -> None:
+    """redteam22 N1: a second worker given a running replica's `--replica` (a fixed name
+    in a scaled Deployment) started, said ready and sat idle, with no word: the fleet
+    took the two for one. Each worker now tags its presence with an id of its own
+    process; another id under this replica's name is logged once (a presence without
+    the tag, an older replica's, is not: it cannot tell)."""
+    nc = await nats.connect(nats_server.url)
+    subject = f"{NatsConfig().prefix}.presence"
+    body = b'{"replica": "fleet-test", "owned": 0}'
+    try:
+        with caplog.at_level(logging.WARNING, logger="turnrouter.runtime.nats"):
+            await nc.publish(subject, body)
+            for _ in range(3):
+                await nc.publish(subject, body, headers={"Turnrouter-Instance": "0" * 16})
+            await nc.flush()
+            await until_true(lambda: "announces this replica's name" in caplog.text,
+                             "the twin is warned of")
+    finally:
+        await nc.close()
+    warnings = [r for r in caplog.records if "announces this replica's name" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "'fleet-test' (--replica)" in warnings[0].getMessage()

@@ -17,7 +17,9 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import re
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Container, Coroutine, Mapping
@@ -255,6 +257,38 @@ def _keyless_probe(config: NatsConfig, partition: int, window: int) -> tuple[str
     return subject, f"{subject}.{window}"
 
 
+#: The header of a presence message naming the process that sent it (a random id per
+#: worker): older replicas ignore it, as they ignore every header of presence.
+INSTANCE_HEADER = "Turnrouter-Instance"
+#: How often a twin (another process with this replica's name) is logged again.
+_TWIN_LOG_SECS = 600.0
+
+
+class _OwnName:
+    """This replica's name on presence: since when, and last when, its own presence was
+    heard without a gap, and another process announcing the same name, warned of (a
+    second worker given a running replica's `--replica` sat idle without a word:
+    redteam22 N1). A twin's presence is not heard as this replica's own."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica, self.heard = replica, (0.0, 0.0)
+        self.header = {INSTANCE_HEADER: secrets.token_hex(8)}
+        self._warned = -math.inf
+
+    def hear(self, msg: Msg, now: float, gap: float) -> None:
+        sender = (msg.headers or {}).get(INSTANCE_HEADER)
+        if sender is not None and sender != self.header[INSTANCE_HEADER]:
+            if now - self._warned >= _TWIN_LOG_SECS:
+                self._warned = now
+                logger.warning(
+                    "turnrouter: another worker announces this replica's name %r "
+                    "(--replica): the fleet takes the two for one, and one of them sits "
+                    "idle; give each worker its own name (a pod's name, say)", self.replica)
+            return
+        since, last = self.heard
+        self.heard = (now, now) if now - last > gap else (since, now)  # a gap: an outage
+
+
 class Fleet:
     """This replica's view of the others, and what it tells them."""
 
@@ -272,8 +306,7 @@ class Fleet:
         self._owned, self._count, self._metrics = owned, count, metrics
         self._spawn, self._reject = spawn, reject
         self._peers: dict[str, tuple[float, int]] = {}
-        #: Since when, and last when, this replica hears its own presence without a gap.
-        self.heard_self = (0.0, 0.0)
+        self.own = _OwnName(replica)  # its own presence heard, and a twin's
         self._pruned = 0.0  # when `_peers` last forgot the names gone from presence
         self._shed_after = time.monotonic() + 2 * config.failover_timeout
         #: Balance hands nothing over from `_backoff_since` until `_backoff_until` (a
@@ -466,7 +499,8 @@ class Fleet:
             with contextlib.suppress(NatsError):
                 await self._nc.publish(
                     f"{self._config.prefix}.presence",
-                    json.dumps({"replica": self._replica, "owned": owned}).encode())
+                    json.dumps({"replica": self._replica, "owned": owned}).encode(),
+                    headers=self.own.header)
             if self.listen is not self._nc:
                 await _echo(self._nc, self._config.probe_interval / 2)
             if self._metrics is not None:  # the fleet as heard: what scrapes may miss
@@ -483,10 +517,7 @@ class Fleet:
             return
         now = time.monotonic()
         if replica == self._replica:  # its own, back: this replica hears the bus
-            if now - self.heard_self[1] > 2 * self._config.probe_interval:
-                self.heard_self = (now, now)  # after a gap (an outage, a freeze)
-            else:
-                self.heard_self = (self.heard_self[0], now)
+            self.own.hear(msg, now, 2 * self._config.probe_interval)
         else:
             if owned:  # it pulls: balance trusts it again, and a doubt later is its first
                 self._unverified.pop(replica, None)
@@ -851,11 +882,11 @@ def owner_heard(fleet: Fleet, replica: str) -> bool | None:
     window = 2 * config.probe_interval
     now = time.monotonic()
     if replica == fleet._replica:  # itself: whether it hears the bus (not cut off)
-        return now - fleet.heard_self[1] <= window
+        return now - fleet.own.heard[1] <= window
     peer = fleet._peers.get(replica)
     if peer is not None and now - peer[0] <= window:
         return True
-    since, last = fleet.heard_self
+    since, last = fleet.own.heard
     if now - last <= window and now - since >= _settling(config):
         return False
     return None
