@@ -155,10 +155,18 @@ async def test_interrupts_reach_the_owner_and_everyone(
 async def test_timing_samples_reach_every_replica(
         nats_server: NatsServer, front: tuple[NatsFrontEnd, Heard]) -> None:
     """Each replica's first-response samples are learned by every other replica, each
-    publisher's within its share (all of them up to the floor of 8 per window)."""
+    publisher's within its share (all of them up to the floor of 8 per window), once
+    it hears that publisher on presence (before, they are refused as
+    `unknown_publisher`: the test asked at once, and a replica's first samples were
+    refused in about one run of ten)."""
     fe, heard = front
     workers = [Worker(nats_server.url, f"t{n}") for n in range(2)]
     try:
+        for _ in range(100):  # polling the workers' /metrics: at most 10 s
+            if all(metric_value(w.metrics(), "turnrouter_nats_fleet_replicas") >= 2
+                   for w in workers):
+                break
+            await asyncio.sleep(0.1)
         for i in range(16):
             assert await ask(fe, heard, f"s{i}", "hi") == "hi|-|N"
         name = "turnrouter_nats_timing_samples_total"
