@@ -27,8 +27,6 @@ from turnrouter import (
     AgentTurn,
     DestinationResult,
     ParticipantSnapshot,
-    RouteDecision,
-    RouteRequest,
     RoutingAid,
 )
 from turnrouter.runtime import UserQuery
@@ -40,6 +38,7 @@ from turnrouter.runtime.nats import (
     parse_record,
 )
 
+from .app import Always
 from .conftest import NatsServer, metric_value, until_true
 from .crowd import ask, listening, running
 
@@ -84,11 +83,6 @@ class Held:
 
     async def release(self, participant_id: str) -> None:
         return None
-
-
-class Always:
-    async def decide(self, request: RouteRequest) -> RouteDecision:
-        return RouteDecision("echo")
 
 
 @contextlib.asynccontextmanager
