@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import warnings
@@ -287,6 +288,17 @@ async def test_barge_in_goes_downstream_before_a_slow_destination_ended() -> Non
         with anyio.fail_after(10):
             await slow.cancelled.wait()
         assert not slow.ended.is_set() and processor.turns_in_flight == 1
+        for _ in range(20):  # a flapping VAD: barge-ins while the destination cleans up
+            await pipe.worker.queue_frame(InterruptionFrame())
+            await pipe.next_down(InterruptionFrame)
+        def draining() -> int:
+            return sum(1 for task in asyncio.all_tasks()
+                       if task.get_name().endswith("turnrouter-interrupt") and not task.done())
+
+        with anyio.fail_after(10):  # the waits taken over end (one wait per participant)
+            while draining() > 1:
+                await anyio.lowlevel.checkpoint()
+        assert draining() == 1
         slow.cleaned.set()
         with anyio.fail_after(10):
             await slow.ended.wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import itertools
 import logging
 import re
@@ -919,21 +920,31 @@ class _Interrupts:
 
     def __init__(self, processor: FrameProcessor, router: AgentRouter) -> None:
         self._processor, self._router = processor, router
-        #: Interrupts still draining (cancelled at the processor's cleanup).
-        self.tasks: set[asyncio.Task[None]] = set()
+        #: The interrupt still draining, per participant (cancelled at the processor's
+        #: cleanup): at most one each, a newer one taking over the wait of the one
+        #: before (whose cancellation has run), so barge-ins repeated while a
+        #: destination is slow to end start no pile of waiting tasks.
+        self.tasks: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, participants: list[str]) -> None:
         for participant_id in participants:
             task = self._processor.create_task(self._router.interrupt(participant_id),
                                                name="turnrouter-interrupt")
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            before = self.tasks.get(participant_id)
+            self.tasks[participant_id] = task
+            task.add_done_callback(functools.partial(self._done, participant_id))
+            if before is not None:
+                before.cancel()  # (after the new one: its wait covers the same turns)
         if participants:
             await asyncio.sleep(0)  # the new tasks' first steps run before we resume
 
+    def _done(self, participant_id: str, task: asyncio.Task[None]) -> None:
+        if self.tasks.get(participant_id) is task:
+            del self.tasks[participant_id]
+
     async def wait(self) -> None:
         while self.tasks:
-            await asyncio.wait(list(self.tasks))
+            await asyncio.wait(list(self.tasks.values()))
 
 
 class TurnRouterProcessor(FrameProcessor):
@@ -1083,7 +1094,7 @@ class TurnRouterProcessor(FrameProcessor):
 
     async def cleanup(self) -> None:
         """Cancel turn tasks still running when the pipeline is torn down."""
-        for task in [*self._tasks, *self._interrupts.tasks]:
+        for task in [*self._tasks, *self._interrupts.tasks.values()]:
             await self.cancel_task(task)
         with contextlib.suppress(Exception):  # no worker (never set up)
             await self.pipeline_worker.remove_observer(self._ears)
