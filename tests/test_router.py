@@ -952,6 +952,14 @@ def _agents() -> dict[str, ScriptedAgent]:
          "acknowledgment_delay_secs"),
         ({"acknowledgment_llm": ScriptedLLM("ok"), "acknowledgment_delay_secs": math.inf},
          "acknowledgment_delay_secs"),
+        # Milliseconds given as seconds: named, with the bound and what was meant.
+        ({"acknowledgment_llm": ScriptedLLM("ok"), "acknowledgment_delay_secs": 500},
+         r"acknowledgment_delay_secs is in seconds and at most 60 .*did you mean 0\.5"),
+        ({"acknowledgment_llm": ScriptedLLM("ok"), "acknowledgment_delay_secs": 60.5},
+         "at most 60"),
+        ({"acknowledgment_llm": ScriptedLLM("ok"), "acknowledgment_delay_secs": 1.0,
+          "acknowledgment_route_delays": {"conversation": 1500}},
+         r"acknowledgment_route_delays\['conversation'\] is in seconds.*did you mean 1\.5"),
         ({"context_budget_bytes": 0}, "context_budget_bytes"),
         ({"context_budget_bytes": -5}, "context_budget_bytes"),
         ({"admission_timeout_secs": 0.0}, "admission_timeout_secs"),
@@ -971,6 +979,20 @@ def test_constructor_rejects_bad_configuration(kwargs: dict[str, Any], match: st
     with pytest.raises(ConfigurationError, match=match) as info:
         AgentRouter(_agents(), ScriptedDecisions("conversation"), **kwargs)
     assert isinstance(info.value, ValueError)
+
+
+def test_an_acknowledgment_delay_of_a_minute_is_accepted() -> None:
+    """The bound itself is a valid delay, router-wide and per route."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    AgentRouter(_agents(), ScriptedDecisions("conversation"),
+                acknowledgment_llm=ScriptedLLM("ok"), acknowledgment_delay_secs=60,
+                acknowledgment_route_delays={"conversation": 59.5},
+                telemetry=Telemetry(registry=registry))
+    assert registry.get_sample_value("turnrouter_acknowledgment_delay_seconds") == 60
+    assert registry.get_sample_value("turnrouter_acknowledgment_route_delay_seconds",
+                                     {"route": "conversation"}) == 59.5
 
 
 _DIRECT_HANDLE = """

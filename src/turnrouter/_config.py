@@ -152,6 +152,24 @@ def _check_positive(name: str, value: object, *, integer: bool = False) -> None:
             f"AgentRouter {name} must be finite and positive, got {preview(value)}")
 
 
+#: The longest acknowledgment delay a router takes, in seconds: an acknowledgment after a
+#: minute of silence comes too late to help, and a larger number is almost always
+#: milliseconds given as seconds (500 for half a second).
+MAX_ACKNOWLEDGMENT_DELAY_SECS = 60.0
+
+
+def _check_delay(name: str, value: object) -> None:
+    """An acknowledgment delay: finite, positive seconds, at most a minute."""
+    _check_positive(name, value)
+    if isinstance(value, int | float) and value > MAX_ACKNOWLEDGMENT_DELAY_SECS:
+        hint = (f"; did you mean {value / 1000:g} (milliseconds given as seconds)?"
+                if value / 1000 <= MAX_ACKNOWLEDGMENT_DELAY_SECS else "")
+        raise ConfigurationError(
+            f"AgentRouter {name} is in seconds and at most "
+            f"{MAX_ACKNOWLEDGMENT_DELAY_SECS:g} (an acknowledgment after a minute of silence "
+            f"helps nobody), got {preview(value)}{hint}")
+
+
 def _route_delays(delays: object, agents: Mapping[str, RoutableAgent],
                   default: float | None) -> dict[str, float]:
     """`acknowledgment_route_delays` checked: registered routes to finite positive
@@ -172,7 +190,7 @@ def _route_delays(delays: object, agents: Mapping[str, RoutableAgent],
             raise ConfigurationError(
                 f"AgentRouter acknowledgment_route_delays: {str(route)[:100]!r} is not a "
                 f"registered destination (registered: {sorted(agents)[:20]})")
-        _check_positive(f"acknowledgment_route_delays[{route[:100]!r}]", seconds)
+        _check_delay(f"acknowledgment_route_delays[{route[:100]!r}]", seconds)
         out[route] = float(seconds)
     return out
 
@@ -306,7 +324,7 @@ class RouterConfig:
         route_delays = _route_delays(acknowledgment_route_delays, agents,
                                      acknowledgment_delay_secs)
         if acknowledgment_delay_secs is not None:
-            _check_positive("acknowledgment_delay_secs", acknowledgment_delay_secs)
+            _check_delay("acknowledgment_delay_secs", acknowledgment_delay_secs)
             if not callable(getattr(acknowledgment_llm, "complete", None)):
                 raise ContractTypeError(
                     "AgentRouter acknowledgment_llm must have an async complete() method"

@@ -121,7 +121,8 @@ class AgentRouter:
             model). Give it together with `acknowledgment_delay_secs`.
         acknowledgment_delay_secs: Seconds of silence after admission before the
             acknowledgment is said (earlier when the route is predicted slow);
-            None (default) turns acknowledgments off. docs/acknowledgments.md.
+            None (default) turns acknowledgments off; at most 60 s (a larger value
+            is refused as milliseconds given as seconds). docs/acknowledgments.md.
         acknowledgment_route_delays: Route name -> its own fallback delay in seconds,
             for routes whose answers are routinely slower (`turnrouter tune --route`
             recommends one); other routes keep `acknowledgment_delay_secs`.

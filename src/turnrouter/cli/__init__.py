@@ -17,6 +17,7 @@ import sys
 import urllib.parse
 from collections.abc import Sequence
 
+from .._config import MAX_ACKNOWLEDGMENT_DELAY_SECS
 from .._redact import redact_url
 from ._parser import OneLineParser
 from ._worker import worker_parser
@@ -31,7 +32,7 @@ MAX_SPEED = 1000.0
 #: Slower than this, a run of any length says and measures nothing (a typo, mostly).
 MIN_SPEED = 0.01
 MAX_PARTICIPANTS = 10_000
-MAX_ACK_DELAY = 60.0
+MAX_ACK_DELAY = MAX_ACKNOWLEDGMENT_DELAY_SECS
 
 
 def _route_name(value: str) -> str:
