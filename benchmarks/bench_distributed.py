@@ -28,7 +28,9 @@ for both), in interleaved rounds (floor, real, x3) on fresh servers, each with t
 messages per turn the server counted on the replica's connection (/connz) and, for the
 worker, its in-flight marks and timing samples per turn. `--floor --baseline TREE` adds
 that tree's worker to every round, so a change's share above the floor is measured
-before and after in one run.
+before and after in one run. Every round also runs the worker's router turn alone, paced
+at the same rate without NATS (`bench_turn_cost.py --paced`), so the paced share above
+the floor splits into the router's turn and the rest (the NATS runtime, its asyncio).
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py [--seconds 8] [--pin]
     PYTHONPATH=src .venv/bin/python benchmarks/bench_distributed.py --baseline /tmp/old
@@ -727,7 +729,9 @@ async def floor(seconds: float, rate: float, rounds: int = 3,
     kinds = ("floor", "real") if baseline is None else ("floor", "baseline", "real")
     results: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     floor_counts: list[dict[str, int]] = []
+    alone: list[dict[str, float]] = []
     for round_ in range(rounds):
+        alone.append(_router_alone(rate, seconds))
         for kind in kinds:
             server = NatsServer()
             try:
@@ -765,6 +769,9 @@ async def floor(seconds: float, rate: float, rounds: int = 3,
             "by_round": [{k: round(v, 3 if "per_turn" in k else 0) for k, v in r.items()}
                          for r in runs]}
     report["floor_counts_by_round"] = floor_counts
+    report["router_alone_by_round"] = alone
+    report["paced_router_alone_us"] = round(statistics.median(
+        r["router_us"] for r in alone))
     report["notes"] = [
         "sent/received_per_turn: messages the server counted from/to the replica's "
         "connection per answered turn; the floor's 3 + 3 are the per-turn minimum (pull "
@@ -780,8 +787,23 @@ async def floor(seconds: float, rate: float, rounds: int = 3,
             real_us = report[kind][f"{mode}worker_us_per_turn_median"]
             report[f"{mode}{kind}_minus_floor_us"] = real_us - floor_us
             report[f"{mode}floor_share_of_{kind}"] = round(floor_us / max(1, real_us), 2)
+    report["paced_real_minus_floor_and_router_us"] = (
+        report["paced_real_minus_floor_us"] - report["paced_router_alone_us"])
     report["load_average"] = {"before": started, "after": os.getloadavg()}
     print(json.dumps(report, indent=2))
+
+
+def _router_alone(rate: float, seconds: float) -> dict[str, float]:
+    """The router's share of a paced worker turn, without NATS (`bench_turn_cost.py
+    --paced`): its CPU per turn above the same pacing loop running no turn."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("bench_turn_cost.py")), "--paced",
+         str(rate), "--seconds", str(seconds)], capture_output=True, text=True, check=True,
+        timeout=seconds * 10 + 120, env={**os.environ, **_bench_env()})
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def _buckets(workers: list[Any], stage: str) -> dict[float, float]:

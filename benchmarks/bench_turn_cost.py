@@ -9,11 +9,16 @@ Two measures of one plain answered turn (instant agents, first-candidate decisio
 
     .venv/bin/python benchmarks/bench_turn_cost.py [--metrics] [--baseline OLD/src]
     .venv/bin/python benchmarks/bench_turn_cost.py --worker [--by-file] [--baseline OLD/src]
+    .venv/bin/python benchmarks/bench_turn_cost.py --paced 300 [--seconds 5]
 
 `--worker` runs the turn a NATS worker runs (`bench_distributed:make_router`): one
 destination, telemetry on, a `RouteTimingPredictor` and a sink writing each sample's JSON
 line, `route_turn()` with output callbacks, then the participant's snapshot JSON (the
 record write); `--by-file` splits its bytecodes by source file.
+
+`--paced RATE` runs that worker turn one every 1/RATE s, as a paced worker does, and
+prints its CPU per turn above the same pacing loop running no turn: the router's share
+of a paced worker's CPU (`bench_distributed.py --floor` runs it in every round).
 
 `--baseline` names another checkout's `src` directory (e.g. `git worktree add /tmp/old
 <commit>`, then `/tmp/old/src`); its `turnrouter` is copied under another package name.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shutil
 import statistics
 import sys
@@ -188,6 +194,37 @@ def microseconds(packages: dict[str, types.ModuleType], metrics: bool, rounds: i
     return results
 
 
+def paced(pkg: types.ModuleType, rate: float, seconds: float) -> dict[str, float]:
+    """The worker's turn alone (no NATS), one turn every 1/`rate` s for `seconds`, as a
+    paced worker runs it: process CPU per turn, the CPU per tick of the same pacing loop
+    running no turn, and their difference (the router's share of a paced worker turn).
+    200 participants with 30 exchanges of history each, as `bench_distributed.py`'s."""
+    one, _ = build_worker(pkg, 0)
+    participants = 200
+
+    async def loop(run_turns: bool) -> float:
+        clock = asyncio.get_running_loop()
+        if run_turns:
+            for i in range(participants * 30):
+                await one(pkg.AgentTurn(f"p{i % participants}", f"w{i}", "what's the weather"))
+        ticks, due = 0, clock.time()
+        cpu, end = time.process_time(), clock.time() + seconds
+        while clock.time() < end:
+            due += 1 / rate
+            if (wait := due - clock.time()) > 0:
+                await asyncio.sleep(wait)
+            if run_turns:
+                await one(pkg.AgentTurn(f"p{ticks % participants}", f"t{ticks}",
+                                        "what's the weather"))
+            ticks += 1
+        return (time.process_time() - cpu) / ticks * 1e6
+
+    empty = asyncio.run(loop(False))
+    turn = asyncio.run(loop(True))
+    return {"turn_us": round(turn, 1), "empty_loop_us": round(empty, 1),
+            "router_us": round(turn - empty, 1)}
+
+
 def load_baseline(src: Path) -> types.ModuleType:
     """The other tree's `turnrouter`, imported as `turnrouter_baseline`."""
     target = Path(tempfile.mkdtemp()) / "turnrouter_baseline"
@@ -206,11 +243,18 @@ def main() -> None:
                         help="the NATS worker's turn (telemetry, predictor, sink, snapshot)")
     parser.add_argument("--by-file", action="store_true",
                         help="split the bytecodes per turn by source file")
+    parser.add_argument("--paced", type=float, metavar="RATE",
+                        help="the worker's turn paced at RATE turns/s: CPU per turn above "
+                             "an empty pacing loop, as JSON (with --seconds)")
+    parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--turns", type=int, default=5000)
     args = parser.parse_args()
     import turnrouter
 
+    if args.paced is not None:
+        print(json.dumps(paced(turnrouter, args.paced, args.seconds)))
+        return
     packages = {"this tree": turnrouter}
     if args.baseline is not None:
         packages["baseline"] = load_baseline(args.baseline)
