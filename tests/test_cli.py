@@ -77,6 +77,48 @@ def test_junk_commands_are_a_one_line_usage_error(argv: list[str]) -> None:
     assert first.startswith("turnrouter: error: ") and len(first) < 400
 
 
+_SECRET_ARGS = [
+    (["--nats-token", "S3CRET-tok"], "--nats-token"),
+    (["--nats-pass=S3CRET-pw"], "--nats-pass=..."),
+    (["--nats-password", "S3CRET-pw", "--foo"], "--nats-password --foo"),
+    (["--tls=S3CRET-key"], "--tls=..."),  # ambiguous: --tls-ca, --tls-cert, --tls-key
+    (["nats://svc:S3CRET-pw@nats:4222"], "unrecognized arguments: ..."),
+]
+
+
+@pytest.mark.parametrize("command", [
+    ["worker", "--nats", "nats://127.0.0.1:1", "--app", "a:b"], ["demo"],
+    ["tune", "--samples", "s.jsonl"]])
+@pytest.mark.parametrize(("extra", "shown"), _SECRET_ARGS)
+def test_a_usage_error_never_echoes_an_argument_value(
+        command: list[str], extra: list[str], shown: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A guessed secret flag (`--nats-token S3CRET`) is not one of ours: the usage error
+    names the flag but not its value, which may be a password."""
+    assert main([*command, *extra]) == 2
+    err = capsys.readouterr().err
+    assert "S3CRET" not in err
+    assert len(err.splitlines()) == 1 and shown in err
+
+
+@given(st.sampled_from(["worker", "demo", "tune"]),
+       st.sampled_from(["--nats-token", "--password", "--nats-p", "--tls", "-x", ""]),
+       st.text(st.characters(blacklist_categories=("Cs", "Zs", "Cc")), min_size=1,
+               max_size=40),
+       st.booleans())
+def test_no_unrecognized_value_reaches_a_usage_error(
+        command: str, flag: str, value: str, joined: bool) -> None:
+    secret = "Zq7" + value
+    argv = ([f"{flag}={secret}"] if joined and flag else [flag, secret] if flag
+            else [secret])
+    prefix = ["--nats", "nats://127.0.0.1:1", "--app", "a:b"] if command == "worker" else []
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main([command, *prefix, *argv])
+    assume(code == 2)  # a value argparse took as a known flag's is not this test's
+    assert secret not in err.getvalue()
+
+
 def test_subcommand_help_goes_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--help"]) == 0
     captured = capsys.readouterr()

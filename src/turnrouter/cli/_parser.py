@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import NoReturn
 
 __all__ = ["OneLineParser"]
 
+_UNRECOGNIZED = "unrecognized arguments: "
+#: argparse's "ambiguous option: --x=VALUE could match ..." (3.11) and "--x=VALUE"
+#: anywhere an option is quoted with its value.
+_OPTION_VALUE = re.compile(r"(?<!\S)(--?[A-Za-z0-9][\w-]*)=\S*")
+
+
+def _without_values(message: str) -> str:
+    """A usage error's text without the values of arguments the parser did not take.
+
+    A guessed flag such as `--nats-token S3CRET` or `--nats-pass=S3CRET` is not one of
+    ours, so argparse would print it back whole, secret included; option names stay so
+    the user still sees which flag was wrong."""
+    if message.startswith(_UNRECOGNIZED):
+        shown: list[str] = []
+        hidden = 0
+        for word in message[len(_UNRECOGNIZED):].split():
+            if word.startswith("-") and len(word) > 1:
+                name, equals, _ = word.partition("=")
+                shown.append(name + ("=..." if equals else ""))
+                hidden += bool(equals)
+            else:
+                hidden += 1
+        note = (f" ({hidden} value{'s' if hidden != 1 else ''} not shown: arguments may "
+                "hold secrets)" if hidden else "")
+        return _UNRECOGNIZED + (" ".join(shown) or "...") + note
+    return _OPTION_VALUE.sub(r"\1=...", message)
+
 
 class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line on stderr, exit status 2."""
+    """An argument parser whose usage errors are one line on stderr, exit status 2, and
+    never echo the value of an argument it did not recognize (it may be a secret)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {_without_values(message)}\n")

@@ -18,6 +18,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from ._parser import OneLineParser
+
 __all__ = ["load_factory", "worker_main", "worker_parser"]
 
 #: Environment variables read when the matching flag is absent (secrets belong here, not
@@ -33,13 +35,6 @@ ENV = {
     "tls_cert": "TURNROUTER_NATS_TLS_CERT",
     "tls_key": "TURNROUTER_NATS_TLS_KEY",
 }
-
-
-class _Parser(argparse.ArgumentParser):
-    """Usage errors are one line on stderr, exit status 2 (as `turnrouter demo`)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 #: How long past `--drain-timeout` a graceful stop may take (its last record writes and
@@ -91,7 +86,7 @@ def _port(value: str) -> int:
 
 def worker_parser() -> argparse.ArgumentParser:
     """The `turnrouter worker` flags (deployment files are tested against it)."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="turnrouter worker",
         description="Run one replica of your router on NATS JetStream.")
     parser.add_argument("--nats", default=None,
