@@ -35,6 +35,7 @@ from turnrouter import (
     RoutedResult,
     TimingSample,
     TurnInterrupted,
+    UnknownPatchError,
 )
 from turnrouter.runtime import ParticipantJoined, ParticipantLeft, Topic
 from turnrouter.testing import (
@@ -1309,30 +1310,53 @@ def test_an_import_is_refused_when_its_export_would_not_import_again(fill: float
     assert len(ParticipantSnapshot.from_json(exported).history) == 256
 
 
+def _pending(patch_id: str, pid: str) -> PendingContextPatch:
+    return PendingContextPatch(patch_id=patch_id, participant_id=pid, task_id="t",
+                               patch=ContextPatch(task_id="t"), created_at=0.0)
+
+
 @settings(max_examples=30, deadline=None)
-@given(st.sampled_from(["alice", "mallory"]), st.text(min_size=1, max_size=12))
-def test_a_snapshot_cannot_take_over_another_participants_patch(
-        claimed_owner: str, patch_id: str) -> None:
-    """Mallory's snapshot holding a pending patch with alice's patch id (or naming alice
-    as its participant) is refused with nothing installed: approving the id still
-    approves alice's patch."""
+@given(st.text(min_size=1, max_size=12))
+def test_a_snapshot_naming_another_participant_in_its_patch_is_refused(
+        patch_id: str) -> None:
+    """Mallory's snapshot holding a pending patch that names alice as its participant is
+    refused with nothing installed."""
     h = Harness(ScriptedAgent("conversation"))
-
-    def held(pid: str) -> PendingContextPatch:
-        return PendingContextPatch(patch_id=patch_id, participant_id=pid, task_id="t",
-                                   patch=ContextPatch(task_id="t"), created_at=0.0)
-
-    h.router.import_participant(ParticipantSnapshot(participant_id="alice",
-                                                    pending=(held("alice"),)))
     with pytest.raises(ContractValueError, match="another participant"):
-        h.router.import_participant(ParticipantSnapshot(participant_id="mallory",
-                                                        pending=(held(claimed_owner),)))
+        h.router.import_participant(ParticipantSnapshot(
+            participant_id="mallory", pending=(_pending(patch_id, "alice"),)))
     assert h.router.export_participant("mallory") is None
 
-    async def approve() -> str:
-        return (await h.router.approve_patch(patch_id)).participant_id
 
-    assert anyio.run(approve) == "alice"
+@settings(max_examples=30, deadline=None)
+@given(st.text(min_size=1, max_size=12), st.booleans())
+def test_patch_ids_are_scoped_per_participant(patch_id: str, mallory_first: bool) -> None:
+    """audit23: a forged snapshot holding alice's patch id, imported before or after
+    hers, neither costs alice her state nor takes over her patch: both are installed,
+    an approval without a participant refuses to guess, and each participant's
+    approval or rejection acts on that participant's patch only."""
+    h = Harness(ScriptedAgent("conversation"))
+    snapshots = [ParticipantSnapshot(participant_id=pid, pending=(_pending(patch_id, pid),))
+                 for pid in ("alice", "mallory")]
+    for snapshot in snapshots[::-1] if mallory_first else snapshots:
+        h.router.import_participant(snapshot)
+
+    async def settle() -> None:
+        with pytest.raises(UnknownPatchError, match="pass participant_id"):
+            await h.router.approve_patch(patch_id)
+        with pytest.raises(UnknownPatchError, match="for participant 'bob'"):
+            await h.router.reject_patch(patch_id, participant_id="bob")
+        rejected = await h.router.reject_patch(patch_id, participant_id="mallory")
+        assert rejected.participant_id == "mallory"
+        assert [held.patch_id for held in h.router.pending_patches("alice")] == [patch_id]
+        # Only alice holds it now: the id alone finds her patch again.
+        applied = await h.router.approve_patch(patch_id)
+        assert applied.participant_id == "alice"
+        assert h.router.pending_patches("alice") == ()
+        with pytest.raises(UnknownPatchError):
+            await h.router.approve_patch(patch_id, participant_id="alice")
+
+    anyio.run(settle)
 
 
 @settings(max_examples=20, deadline=None)

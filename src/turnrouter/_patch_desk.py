@@ -140,8 +140,10 @@ class PatchDesk:
 
     def __init__(self, cfg: RouterConfig, registry: Registry) -> None:
         self._cfg, self._registry = cfg, registry
-        #: Every held patch, by id, with the participant state holding it.
-        self.pending: dict[str, Participant] = {}
+        #: Every held patch, by id, with the participant states holding it. A patch id is
+        #: the participant's: ids the router makes never repeat, but imported snapshots
+        #: may hold an id another participant holds too, and neither takes the other's.
+        self.pending: dict[str, dict[str, Participant]] = {}
         #: Control text outside turns when the constructor had no `output`.
         self.control_output: OutputCallback | None = None
         self._changed: ParticipantChange | None = None
@@ -245,15 +247,15 @@ class PatchDesk:
             patch=patch, strategy=strategy, created_at=time.time(),
         )
         pending[patch_id] = held
-        self.pending[patch_id] = state
+        self.pending.setdefault(patch_id, {})[state.pid] = state
         self._event(state.pid, held, "pending")
         saving = self._notify(pid)
         await self._ask(held, pid)
         await self._keep(saving, state.pid, patch_id, patch, strategy)
         return held
 
-    async def approve(self, patch_id: str) -> AppliedContextPatch:
-        state, held = self._take(patch_id, "approve")
+    async def approve(self, patch_id: str, pid: str | None) -> AppliedContextPatch:
+        state, held = self._take(patch_id, pid, "approve")
         _, refusal = self._target(state.pid)
         if refusal or self._registry.get(state.pid) is not state:
             self._event(state.pid, held, "dropped")
@@ -274,8 +276,8 @@ class PatchDesk:
                          held.strategy)
         return applied
 
-    async def reject(self, patch_id: str) -> PendingContextPatch:
-        state, held = self._take(patch_id, "reject")
+    async def reject(self, patch_id: str, pid: str | None) -> PendingContextPatch:
+        state, held = self._take(patch_id, pid, "reject")
         self._event(state.pid, held, "rejected")
         await self._keep(self._notify(state.pid), state.pid, held.patch_id, held.patch,
                          held.strategy)
@@ -284,7 +286,7 @@ class PatchDesk:
     def hold(self, state: Participant) -> None:
         """Index the patches a restored participant holds."""
         for patch_id in state.pending or ():
-            self.pending[patch_id] = state
+            self.pending.setdefault(patch_id, {})[state.pid] = state
 
     def drop(self, state: Participant, outcome: PatchOutcome | None = "dropped") -> None:
         """A departure or shutdown drops the participant's held patches (counted).
@@ -296,7 +298,7 @@ class PatchDesk:
             return
         state.pending = None
         for held in pending.values():
-            self.pending.pop(held.patch_id, None)
+            self._unindex(held.patch_id, state.pid)
             if outcome is not None:
                 self._event(state.pid, held, outcome)
 
@@ -313,15 +315,37 @@ class PatchDesk:
                           "where it is served, e.g. at its next turn)")
         return state, ""
 
-    def _take(self, patch_id: str, verb: str) -> tuple[Participant, PendingContextPatch]:
+    def _unindex(self, patch_id: str, pid: str) -> None:
+        owners = self.pending.get(patch_id)
+        if owners is not None:
+            owners.pop(pid, None)
+            if not owners:
+                del self.pending[patch_id]
+
+    def _take(self, patch_id: str, pid: str | None,
+              verb: str) -> tuple[Participant, PendingContextPatch]:
+        """The held patch `patch_id` of `pid` (of whoever holds it when None), taken out.
+
+        Without a participant, an id two participants hold (only imported snapshots can
+        make one) is refused rather than guessed: the caller names whose it settles."""
         if not isinstance(patch_id, str):
             raise ContractTypeError(f"patch_id must be a str, got {type(patch_id).__name__}")
-        state = self.pending.pop(patch_id, None)
-        if state is None or state.pending is None or patch_id not in state.pending:
+        if pid is not None and not isinstance(pid, str):
+            raise ContractTypeError(f"participant_id must be a str, got {type(pid).__name__}")
+        owners = self.pending.get(patch_id) or {}
+        if pid is None and len(owners) > 1:
             raise UnknownPatchError(
-                f"cannot {verb} context patch {preview(patch_id)}: no such patch is pending (never "
-                "held, already approved or rejected, or dropped when its participant left "
-                "or the router stopped)")
+                f"cannot {verb} context patch {preview(patch_id)}: {len(owners)} participants "
+                "hold a pending patch of this id (restored from snapshots); pass "
+                "participant_id to say whose")
+        state = owners.get(pid) if pid is not None else next(iter(owners.values()), None)
+        if state is None or state.pending is None or patch_id not in state.pending:
+            whose = "" if pid is None else f" for participant {preview(pid)}"
+            raise UnknownPatchError(
+                f"cannot {verb} context patch {preview(patch_id)}: no such patch is pending"
+                f"{whose} (never held, already approved or rejected, or dropped when its "
+                "participant left or the router stopped)")
+        self._unindex(patch_id, state.pid)
         return state, state.pending.pop(patch_id)
 
     def _merge(

@@ -372,18 +372,23 @@ class AgentRouter:
         _check_pid(participant_id)
         return await self._patches.apply(participant_id, patch, strategy)
 
-    async def approve_patch(self, patch_id: str) -> AppliedContextPatch:
+    async def approve_patch(self, patch_id: str, *,
+                            participant_id: str | None = None) -> AppliedContextPatch:
         """Merge a held patch (appended, with its divergence as detected when held).
 
         Takes effect at once, like `append`. Raises `UnknownPatchError` (a
-        `LifecycleError` and a `LookupError`) when no patch with this id is pending:
-        never held, already approved or rejected, or dropped by a departure or `stop()`.
+        `LifecycleError` and a `LookupError`) when no patch with this id is pending
+        (for `participant_id`, when given): never held, already approved or rejected, or
+        dropped by a departure or `stop()`. Patch ids are the participant's: the router's
+        own never repeat, but two imported snapshots may hold the same id, and then
+        `participant_id` says whose (without it, such an id is refused, not guessed).
         """
-        return await self._patches.approve(patch_id)
+        return await self._patches.approve(patch_id, participant_id)
 
-    async def reject_patch(self, patch_id: str) -> PendingContextPatch:
+    async def reject_patch(self, patch_id: str, *,
+                           participant_id: str | None = None) -> PendingContextPatch:
         """Discard a held patch; its context is never merged. Errors as `approve_patch`."""
-        return await self._patches.reject(patch_id)
+        return await self._patches.reject(patch_id, participant_id)
 
     # ------------------------------------------------------------ front-end seam
 
@@ -542,7 +547,7 @@ class AgentRouter:
         # field set past validation is caught, and the next replica imports what is here.
         snapshot = checked_snapshot(snapshot)
         refuse_lossy(snapshot)  # a NaN the export would make null
-        _check_patch_owners(snapshot, self._patches)
+        _check_patch_owners(snapshot)
         replaced = self._registry.install(snapshot, self._cfg.agents)
         if replaced is not None:
             self._patches.drop(replaced, outcome=None)
@@ -595,13 +600,14 @@ def prepared_import(router: AgentRouter, snapshot: ParticipantSnapshot) -> Parti
     return router._registry.prepare(snapshot)
 
 
-def _check_patch_owners(snapshot: ParticipantSnapshot, patches: PatchDesk) -> None:
-    """Patch ids are the participant's: a snapshot cannot take over (and so approve or
-    reject) a patch another participant holds."""
+def _check_patch_owners(snapshot: ParticipantSnapshot) -> None:
+    """A snapshot's pending patches are its participant's: one naming another
+    participant is refused. An id another participant holds too is no reason to refuse
+    (patch ids are scoped per participant): a forged record imported first must not
+    cost the real owner her state."""
     pid = snapshot.participant_id
     for held in snapshot.pending:
-        owner = patches.pending.get(held.patch_id)
-        if held.participant_id not in (None, pid) or (owner is not None and owner.pid != pid):
+        if held.participant_id not in (None, pid):
             raise ContractValueError(
                 f"snapshot pending patch {preview(held.patch_id)} belongs to another "
                 f"participant; nothing installed")
