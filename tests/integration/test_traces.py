@@ -176,3 +176,45 @@ def test_a_turn_trace_by_trace_id(phoenix: Phoenix,
     others = {span["context"]["trace_id"] for span in turn_spans} - {trace_id}
     assert others, "only one trace stored: the trace_id filter is not shown to filter"
     assert not others & {span["context"]["trace_id"] for span in trace}
+
+
+def test_a_worker_exports_its_turns_from_the_otel_variables(phoenix: Phoenix) -> None:
+    """`turnrouter worker` traces from the standard `OTEL_*` variables as the demo does:
+    a turn asked over NATS is a `turnrouter.turn` span in the backend once the worker
+    stopped on SIGTERM (its batch exporter flushed), with its route's `invoke_agent`."""
+    import asyncio
+    import signal
+
+    from tests.nats.conftest import NatsServer, Worker
+    from tests.nats.crowd import ask, listening
+
+    server = NatsServer()
+    worker = None
+    try:
+        worker = Worker(server.url, "traced", env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.otlp_endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_SERVICE_NAME": "worker-under-test"})
+
+        async def one_turn() -> str:
+            async with asyncio.timeout(60), listening(server.url) as (front, heard):
+                return await ask(front, heard, "trace-me", "hello tracing")
+
+        assert asyncio.run(one_turn()).startswith("hello tracing")
+        worker.signal(signal.SIGTERM)
+        assert worker.proc.wait(60) == 0, worker.stderr()
+    finally:
+        if worker is not None:
+            worker.close()
+        server.close()
+
+    def traced_turn() -> list[dict[str, Any]] | None:
+        spans = [span for span in phoenix.spans(name="turnrouter.turn")
+                 if span["attributes"].get("turnrouter.participant.id") == "trace-me"]
+        return spans or None
+
+    turns = eventually(traced_turn, timeout=INGEST_TIMEOUT, interval=0.5,
+                       what="the worker's turn span in phoenix")
+    assert len(turns) == 1
+    trace = phoenix.spans(trace_id=turns[0]["context"]["trace_id"])
+    assert any(span["name"].startswith("invoke_agent ") for span in trace), trace

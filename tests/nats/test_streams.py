@@ -38,14 +38,16 @@ async def test_both_streams_are_bounded_in_bytes_and_age(nats_server: NatsServer
     """The output stream holds at most `output_max_bytes` and `output_max_age`, dropping
     the oldest, as the input stream does with its own bounds (it had no byte bound)."""
     config = NatsConfig(url=nats_server.url, output_max_bytes=8 * 1024**2,
-                        output_max_age=120.0, input_max_bytes=16 * 1024**2)
+                        output_max_age=120.0, input_max_bytes=16 * 1024**2,
+                        input_max_age=900.0, state_max_age=3600.0)
     front = await NatsFrontEnd.connect(config)
     try:
         output = await stream_config(front, config.output_stream)
         assert (output["max_bytes"], output["max_age"], output["discard"]) == (
             8 * 1024**2, 120 * 10**9, "old")
         inputs = await stream_config(front, config.stream)
-        assert (inputs["max_bytes"], inputs["discard"]) == (16 * 1024**2, "old")
+        assert (inputs["max_bytes"], inputs["max_age"], inputs["discard"]) == (
+            16 * 1024**2, 900 * 10**9, "old")
     finally:
         await front.close()
 

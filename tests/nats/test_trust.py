@@ -593,6 +593,36 @@ async def test_token_authentication(caplog: pytest.LogCaptureFixture) -> None:
         server.close()
 
 
+async def test_a_worker_authenticates_with_a_token_from_its_environment() -> None:
+    """`turnrouter worker` with `TURNROUTER_NATS_TOKEN` serves a server requiring that
+    token, end to end; with a wrong one it exits in one line that does not show it."""
+    server = NatsServer(args=["--auth", "right-token-2112"])
+    worker = None
+    try:
+        worker = Worker(server.url, "tok", env={"TURNROUTER_NATS_TOKEN": "right-token-2112"})
+        front = await NatsFrontEnd.connect(NatsConfig(url=server.url,
+                                                      token="right-token-2112"))
+        try:
+            assert (await answered_by_fleet(front, "toby", "hi")).startswith("hi|")
+        finally:
+            await front.close()
+        refused = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "turnrouter", "worker", "--nats", server.url, "--app",
+             "tests.nats.app:make_router", "--reconnect-for", "2"],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+            env={**os.environ, "TURNROUTER_NATS_TOKEN": "bad-token-1984",
+                 "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"})
+        assert refused.returncode == 1, refused.stderr
+        assert "bad-token-1984" not in refused.stderr + refused.stdout
+        assert "Traceback" not in refused.stderr
+        assert "authorization" in refused.stderr.strip().splitlines()[-1].lower()
+    finally:
+        if worker is not None:
+            worker.close()
+        server.close()
+
+
 async def test_a_percent_encoded_url_password_is_sent_decoded(
         caplog: pytest.LogCaptureFixture) -> None:
     """A password holding `/`, `?`, `#` or `@` goes percent-encoded in a URL, as the docs
@@ -652,6 +682,12 @@ def certificates() -> Iterator[Path]:
                 str(folder / "ca.pem"), "-CAkey", str(folder / "ca-key.pem"),
                 "-CAcreateserial", "-days", "2", "-extfile", str(folder / "san.ext"),
                 "-out", str(folder / "server.pem"))
+        # A client certificate for mutual TLS (the server verifying its clients).
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=turnrouter client",
+                "-keyout", str(folder / "client-key.pem"), "-out", str(folder / "client.csr"))
+        openssl("x509", "-req", "-in", str(folder / "client.csr"), "-CA",
+                str(folder / "ca.pem"), "-CAkey", str(folder / "ca-key.pem"),
+                "-CAcreateserial", "-days", "2", "-out", str(folder / "client.pem"))
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -676,6 +712,37 @@ async def test_end_to_end_over_tls(certificates: Path) -> None:
             await front.close()
         with pytest.raises(LifecycleError, match="cannot connect"):
             await NatsFrontEnd.connect(frontend_config(server.url),
+                                       max_reconnect_attempts=1)
+    finally:
+        if worker is not None:
+            worker.close()
+        server.close()
+
+
+async def test_end_to_end_over_mutual_tls(certificates: Path) -> None:
+    """A server verifying its clients' certificates (`--tlsverify`): a worker
+    (`--tls-ca --tls-cert --tls-key`) and a front end (`tls_cert_file`, `tls_key_file`)
+    work end to end; a front end without a client certificate is refused."""
+    ca = str(certificates / "ca.pem")
+    cert, key = str(certificates / "client.pem"), str(certificates / "client-key.pem")
+    server = NatsServer(config=DEPLOY / "nats-server.conf", env=PASSWORDS, scheme="tls",
+                        args=["--tlsverify", "--tlscert", str(certificates / "server.pem"),
+                              "--tlskey", str(certificates / "server-key.pem"),
+                              "--tlscacert", ca])
+    worker = None
+    try:
+        worker = Worker(server.url, "mtls", "--nats-user", "worker", "--tls-ca", ca,
+                        "--tls-cert", cert, "--tls-key", key, *FRONT_API, env=WORKER_ENV)
+        config = NatsConfig(url=server.url, user="frontend", tls_ca_file=ca,
+                            tls_cert_file=cert, tls_key_file=key,
+                            password=PASSWORDS["TURNROUTER_FRONTEND_PASSWORD"])
+        front = await NatsFrontEnd.connect(config)
+        try:
+            assert await answered_by_fleet(front, "mia", "mutual") == "mutual|-|N"
+        finally:
+            await front.close()
+        with pytest.raises(LifecycleError, match="cannot connect"):
+            await NatsFrontEnd.connect(frontend_config(server.url, tls_ca_file=ca),
                                        max_reconnect_attempts=1)
     finally:
         if worker is not None:
