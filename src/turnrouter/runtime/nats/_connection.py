@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -42,12 +41,17 @@ __all__ = ["MAX_OUTSTANDING_PINGS", "RECONNECT_EVERY", "RECONNECT_WAIT", "Connec
 
 logger = logging.getLogger("turnrouter.runtime.nats")
 
-RECONNECT_WAIT = 0.5  # seconds between start-up retries, and between logged attempts
-#: Seconds between the attempts to reconnect a lost connection: the server's return is
-#: noticed within this (with every worker losing the connection at once, at 0.5 s they
-#: came back together up to half a second after the server, and so did the turns
-#: published meanwhile). A refused attempt costs a connection refused, nothing more.
+RECONNECT_WAIT = 0.5  # seconds between start-up retries; the longest between reconnects
+#: Seconds before the second attempt to reconnect a lost connection; each later one
+#: waits twice the one before, up to `RECONNECT_WAIT`. A short blip (a server restart)
+#: is noticed within a tenth of a second or so, a long outage tried twice a second, and
+#: every attempt is one log line: at a steady 0.1 s a minute's outage said 600.
 RECONNECT_EVERY = 0.1
+
+
+def reconnect_wait(attempts: int) -> float:
+    """Seconds before the next reconnect attempt, after `attempts` failed ones."""
+    return min(RECONNECT_WAIT, RECONNECT_EVERY * 2 ** min(max(attempts - 1, 0), 8))
 MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
 #: Bytes of one socket read nats-py parses between two returns to the event loop.
 _PARSE_PIECE = 8192
@@ -135,7 +139,6 @@ class Connection:
         self._nc: Client | None = None
         self._down_since: float | None = None
         self._attempts = 0
-        self._logged_at = -math.inf  # when a failed reconnect attempt was last logged
         self._gave_up = False
         self._why: str | None = None
         self._checking: asyncio.Future[Any] | None = None
@@ -284,7 +287,6 @@ class Connection:
         nats-py reports first (a reset connection reports the error first)."""
         if self._down_since is None and self._nc is not None and not self._nc.is_closed:
             self._down_since, self._attempts = time.monotonic(), 0
-            self._logged_at = -math.inf
             self.readiness.update("connection", "disconnected from NATS")
             logger.warning("turnrouter: lost the connection to NATS; reconnecting for up "
                            "to %g s", self._config.reconnect_for)
@@ -295,6 +297,7 @@ class Connection:
                        self._attempts)
         self._down_since, self._attempts = None, 0
         if self._nc is not None:
+            self._nc.options["reconnect_time_wait"] = reconnect_wait(0)
             try:
                 # A server back with another configuration (or another server of the
                 # URL list) may take less per message than at start: outputs up to
@@ -328,11 +331,9 @@ class Connection:
         self._attempts += 1
         since = self._down_since
         down = time.monotonic() - since if since is not None else 0.0
-        now = time.monotonic()
-        if now - self._logged_at >= RECONNECT_WAIT:  # (attempts every RECONNECT_EVERY)
-            self._logged_at = now
-            logger.warning("turnrouter: NATS reconnect attempt %d failed (%.1f s of %g s): "
-                           "%s", self._attempts, down, self._config.reconnect_for, what)
+        nc.options["reconnect_time_wait"] = reconnect_wait(self._attempts)
+        logger.warning("turnrouter: NATS reconnect attempt %d failed (%.1f s of %g s): %s",
+                       self._attempts, down, self._config.reconnect_for, what)
         if down >= self._config.reconnect_for and not self._gave_up:
             self._gave_up = True
             # nats-py drops a server tried more often than this and, with none left,
