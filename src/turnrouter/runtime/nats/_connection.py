@@ -51,7 +51,8 @@ RECONNECT_EVERY = 0.1
 
 def reconnect_wait(attempts: int) -> float:
     """Seconds before the next reconnect attempt, after `attempts` failed ones."""
-    return min(RECONNECT_WAIT, RECONNECT_EVERY * 2 ** min(max(attempts - 1, 0), 8))
+    doublings: int = min(max(attempts - 1, 0), 8)
+    return min(RECONNECT_WAIT, RECONNECT_EVERY * float(2 ** doublings))
 MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
 #: Bytes of one socket read nats-py parses between two returns to the event loop.
 _PARSE_PIECE = 8192
