@@ -450,13 +450,16 @@ async def test_runtime_sheds_quietly_and_balances(caplog: pytest.LogCaptureFixtu
                        st.text(max_size=3)),
        window=st.one_of(st.floats(allow_nan=True), st.integers(min_value=-10**30,
                                                                max_value=10**30),
-                        st.none(), st.text(max_size=3)))
+                        st.none(), st.text(max_size=3)),
+       cap=st.one_of(st.none(), st.integers(min_value=-5, max_value=2 * 10**6),
+                     st.floats(allow_nan=True), st.booleans(), st.text(max_size=3)))
 def test_overload_policy_accepts_only_sane_settings(busy: Any, shed: Any, sample: Any,
                                                     text: Any, calm: Any, new: Any,
-                                                    share: Any, window: Any) -> None:
+                                                    share: Any, window: Any,
+                                                    cap: Any) -> None:
     """Any junk is refused with an error naming the setting; what is accepted is sane."""
     try:
-        policy = OverloadPolicy(busy, shed, sample, text, calm, new, share, window)
+        policy = OverloadPolicy(busy, shed, sample, text, calm, new, share, window, cap)
     except (ConfigurationError, ContractTypeError) as exc:
         error: Exception | None = exc
     else:
@@ -469,6 +472,41 @@ def test_overload_policy_accepts_only_sane_settings(busy: Any, shed: Any, sample
     assert type(policy.new_per_sample) is int and 8 <= policy.new_per_sample <= 65536
     assert policy.max_busy_fraction is None or 0 < policy.max_busy_fraction <= 1
     assert math.isfinite(policy.demand_window_secs) and policy.demand_window_secs > 0
+    assert policy.max_turns_in_flight is None or (
+        type(policy.max_turns_in_flight) is int and 1 <= policy.max_turns_in_flight <= 10**6)
+
+
+async def test_turns_past_max_turns_in_flight_are_shed_until_they_end() -> None:
+    """spike23: destinations waiting on a saturated backend leave the loop idle, so lag
+    never rises; `max_turns_in_flight` bounds the turns handled at once. Past it a turn
+    (an admitted participant's too) is told busy_text, counted (reason turns_in_flight)
+    and refused, the lag states staying ready; once turns end, turns are admitted."""
+    clock = ManualClock()
+    h = harness(clock, overload=dataclasses.replace(POLICY, max_turns_in_flight=2))
+    agent = h["weather"]
+    gate = agent.answer_gate = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        for pid in ("p1", "p2"):
+            agent.answer_entered = anyio.Event()
+            tg.start_soon(h.capture, h.turn("hold", pid))
+            with anyio.fail_after(5):
+                await agent.answer_entered.wait()
+        assert h.router.load.turns_in_flight == 2 and h.router.load.status == "ready"
+        assert h.router.refusing and h.router.sheds("p1") and h.router.sheds("p3")
+        refused = [h.turn("hi", pid) for pid in ("p3", "p1")]  # a newcomer, and p1
+        for turn in refused:
+            with pytest.raises(RouterBusyError, match="max_turns_in_flight is 2"):
+                await h.router.handle(turn)
+            assert h.observer.outcome(turn.turn_id) == "busy"
+            assert ("shed", turn.participant_id, "turns_in_flight") in h.observer.events
+        assert [(s.turn_id, s.text) for s in h.output.spoken if s.route == "none"] == [
+            (turn.turn_id, "Busy, call back soon.") for turn in refused]
+        agent.answer_gate = None
+        gate.set()
+    assert h.router.load.turns_in_flight == 0
+    assert not h.router.refusing and not h.router.sheds("p3")
+    assert (await h.say("now", "p3")).text == "weather answer"
+    await h.router.stop()
 
 
 def test_router_refuses_a_non_policy() -> None:

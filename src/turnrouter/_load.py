@@ -50,7 +50,7 @@ DEFAULT_BUSY_TEXT = "Sorry, I'm very busy right now. Please try again in a momen
 
 #: Why a turn was shed: a participant the router holds no state for while busy, or any
 #: new turn while shedding.
-ShedReason = Literal["new_participant", "shedding"]
+ShedReason = Literal["new_participant", "shedding", "turns_in_flight"]
 
 #: Consecutive idle samples (no turn in flight, not busy) after which the sampler ends;
 #: the next turn starts it again.
@@ -58,6 +58,9 @@ IDLE_SAMPLES = 50
 #: Bounds of the new participants admitted per sample period (`OverloadPolicy`).
 MIN_NEW_PER_SAMPLE = 8
 MAX_NEW_PER_SAMPLE = 65536
+#: The largest `OverloadPolicy.max_turns_in_flight` (a router holds at most 100,000
+#: participants by default, each with at most 9 turns in flight and waiting).
+MAX_TURNS_IN_FLIGHT = 1_000_000
 #: Bound of the samples the demand is estimated over (`demand_window_secs` /
 #: `sample_secs`, at least 1).
 MAX_DEMAND_SAMPLES = 4096
@@ -103,6 +106,13 @@ class OverloadPolicy:
         demand_window_secs: The window of samples the busy fraction and the demand per
             participant are measured over (at least one sample period's worth; at most
             4,096 samples). Projection starts once a quarter of it was sampled.
+        max_turns_in_flight: At most this many turns handled at once (routing, waiting
+            behind a participant's running turn, answering); a turn past it is refused
+            with `busy_text` (reason `turns_in_flight`), whoever speaks. The lag
+            measures only the event loop: destinations waiting on a saturated backend
+            (an LLM's rate limit, a pool of 10 connections) leave it idle while their
+            waits grow without end. None (the default): no bound. Size it from the
+            backend: its concurrency times the answers you accept to queue behind it.
     """
 
     busy_lag_secs: float = 0.1
@@ -113,6 +123,7 @@ class OverloadPolicy:
     new_per_sample: int = 64
     max_busy_fraction: float | None = None
     demand_window_secs: float = 2.0
+    max_turns_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("busy_lag_secs", "shed_lag_secs", "sample_secs", "demand_window_secs"):
@@ -139,6 +150,12 @@ class OverloadPolicy:
                 f"{MAX_NEW_PER_SAMPLE}, got {new!r}")
         if not isinstance(self.busy_text, str) or not self.busy_text:
             raise ConfigurationError("OverloadPolicy busy_text must be a non-empty str")
+        cap = self.max_turns_in_flight
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool)
+                                or not 1 <= cap <= MAX_TURNS_IN_FLIGHT):
+            raise ConfigurationError(
+                f"OverloadPolicy max_turns_in_flight must be None or an int in "
+                f"1..{MAX_TURNS_IN_FLIGHT}, got {cap!r}")
         share = self.max_busy_fraction
         if share is not None and (not isinstance(share, int | float) or isinstance(
                 share, bool) or not (math.isfinite(share) and 0 < share <= 1)):
@@ -154,7 +171,7 @@ class OverloadPolicy:
         return OverloadPolicy(self.busy_lag_secs / factor, self.shed_lag_secs / factor,
                               self.sample_secs / factor, self.busy_text, self.calm_samples,
                               self.new_per_sample, self.max_busy_fraction,
-                              self.demand_window_secs / factor)
+                              self.demand_window_secs / factor, self.max_turns_in_flight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +208,8 @@ class LoadMonitor:
     """
 
     __slots__ = ("_busy_time", "_calm", "_clock", "_idle", "_new", "_observer", "budget",
-                 "busy", "busy_fraction", "gate", "held", "in_flight", "lag", "policy",
-                 "room", "shedding", "task", "wait_max")
+                 "busy", "busy_fraction", "cap", "gate", "held", "in_flight", "lag",
+                 "policy", "room", "shedding", "task", "wait_max")
 
     def __init__(self, policy: OverloadPolicy | None, observer: RouterObserver,
                  clock: Clock) -> None:
@@ -208,6 +225,10 @@ class LoadMonitor:
         #: New participants the projected busy fraction leaves room for until the next
         #: sample (`OverloadPolicy.max_busy_fraction`); unbounded while not projected.
         self.room = math.inf
+        #: `OverloadPolicy.max_turns_in_flight` (unbounded when None): a turn is checked
+        #: for refusal while the gate is closed or this many are in flight.
+        self.cap: float = math.inf if policy is None or policy.max_turns_in_flight is None \
+            else policy.max_turns_in_flight
         #: The loop's busy fraction over the demand window, as last sampled.
         self.busy_fraction = 0.0
         #: How many participants the router holds (set by the router).
@@ -243,6 +264,8 @@ class LoadMonitor:
     def refusal(self, known: bool) -> ShedReason | None:
         """Why a new turn is refused now (None: admitted); `known`: the router holds
         the participant's state."""
+        if self.in_flight >= self.cap:
+            return "turns_in_flight"
         if self.shedding:
             return "shedding"
         if self.gate and not known:
@@ -268,6 +291,11 @@ class LoadMonitor:
         if reason is None:
             return
         await self.shed(turn, emit, reason)
+        if reason == "turns_in_flight":
+            raise RouterBusyError(
+                f"turn {turn.turn_id!r} of {turn.participant_id!r} refused: "
+                f"{self.in_flight} turns in flight, OverloadPolicy max_turns_in_flight is "
+                f"{self.cap:g}; the turns admitted keep their answers")
         projected = "" if self.busy or self._new < self.room else (
             f", the loop {self.busy_fraction:.0%} busy leaves no room for a participant")
         raise RouterBusyError(

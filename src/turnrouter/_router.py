@@ -305,7 +305,7 @@ class AgentRouter:
                 "handle() needs the output callback: pass output=... to AgentRouter "
                 "(runtime queries publish through output_topic instead)"
             )
-        if self._cfg.load.gate:  # admission control: one attribute test while not saturated
+        if (load := self._cfg.load).gate or load.in_flight >= load.cap:  # (admission)
             await _shed(self._cfg, self._registry, turn, output)
         return await _new_turn(self._cfg, self._registry, turn, (output, output), False).execute()
 
@@ -374,15 +374,10 @@ class AgentRouter:
 
     async def approve_patch(self, patch_id: str, *,
                             participant_id: str | None = None) -> AppliedContextPatch:
-        """Merge a held patch (appended, with its divergence as detected when held).
-
-        Takes effect at once, like `append`. Raises `UnknownPatchError` (a
-        `LifecycleError` and a `LookupError`) when no patch with this id is pending
-        (for `participant_id`, when given): never held, already approved or rejected, or
-        dropped by a departure or `stop()`. Patch ids are the participant's: the router's
-        own never repeat, but two imported snapshots may hold the same id, and then
-        `participant_id` says whose (without it, such an id is refused, not guessed).
-        """
+        """Merge a held patch at once (appended, its divergence as detected when held).
+        `UnknownPatchError` (a `LifecycleError`, `LookupError`) when none of this id is
+        pending (of `participant_id`, when given; an id two imported snapshots hold is
+        refused without it): never held, settled, or dropped by a departure or `stop()`."""
         return await self._patches.approve(patch_id, participant_id)
 
     async def reject_patch(self, patch_id: str, *,
@@ -410,7 +405,7 @@ class AgentRouter:
         turn = _checked_turn(turn, "route_turn()")
         cfg = self._cfg
         emit, end = _turn_outputs(cfg, output, ending, result_check)
-        if cfg.load.gate:
+        if (load := cfg.load).gate or load.in_flight >= load.cap:
             await _shed(cfg, self._registry, turn, end)
         running = _new_turn(cfg, self._registry, turn, (emit, end), report_heard)
         if result_check is not None:
@@ -579,8 +574,8 @@ class AgentRouter:
     def refusing(self) -> bool:
         """Whether some turns may be refused now (`sheds` says whose): busy, or new
         participants held back (admission budget, projected busy fraction) while the
-        lag is still low (`busy` stays False then). One attribute test."""
-        return self._cfg.load.gate
+        lag is still low (`busy` stays False then), or `max_turns_in_flight` reached."""
+        return (load := self._cfg.load).gate or load.in_flight >= load.cap
 
     def sheds(self, participant_id: str) -> bool:
         """Whether a new turn of `participant_id` would be shed now (no task needed)."""
@@ -622,7 +617,8 @@ async def route_validated_turn(router: AgentRouter, turn: AgentTurn, *,
     time (`AgentTurn.__post_init__` again is about 1% of a NATS worker's turn)."""
     cfg = router._cfg
     emit, end = _turn_outputs(cfg, output, ending, result_check)
-    if cfg.load.gate:
+    load = cfg.load
+    if load.gate or load.in_flight >= load.cap:
         await _shed(cfg, router._registry, turn, end)
     running = _new_turn(cfg, router._registry, turn, (emit, end), False)
     if result_check is not None:

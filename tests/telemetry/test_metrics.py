@@ -574,6 +574,6 @@ def test_low_cardinality_reason_series_exist_at_zero_before_any_turn() -> None:
     for reason in reasons:
         assert registry.get_sample_value(
             "turnrouter_clarifications_total", {"reason": reason}) == 0.0, reason
-    for reason in ("new_participant", "shedding"):
+    for reason in ("new_participant", "shedding", "turns_in_flight"):
         assert registry.get_sample_value(
             "turnrouter_shed_turns_total", {"reason": reason}) == 0.0, reason

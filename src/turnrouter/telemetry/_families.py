@@ -466,7 +466,7 @@ class Families:
         self.ineligible = counter("turnrouter_ineligible_routes_total")
         self.needless = counter("turnrouter_needless_acknowledgments_total")
         self.shed = counter("turnrouter_shed_turns_total")
-        for reason in ("new_participant", "shedding"):
+        for reason in ("new_participant", "shedding", "turns_in_flight"):
             self.shed.get(reason)  # both series exist from the start (a rate of 0)
         self.turn_duration = histogram("turnrouter_turn_duration_seconds")
         decisions = histogram("turnrouter_decision_duration_seconds")
