@@ -31,7 +31,7 @@ LENGTH = 45
 CLARIFY = "TurnrouterHighClarificationRate"
 TRAFFIC_ALERTS = (CLARIFY, "TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
                   "TurnrouterAcknowledgmentOveruse", "TurnrouterFailures",
-                  "TurnrouterDecisionSlow", "TurnrouterOverloaded")
+                  "TurnrouterRouteFailing", "TurnrouterDecisionSlow", "TurnrouterOverloaded")
 AVAILABILITY = ("TurnrouterTargetDown", "TurnrouterAbsent", "TurnrouterJobDown")
 
 Segments = list[tuple[float, float]]
@@ -243,7 +243,38 @@ def scenarios() -> list[Scenario]:
     )
     slow = _slow_route()
     return [broad, loud, idle, died, gone, normal, absent, no_metrics, slow, overloaded, warm_up,
-            busy_from_start, _replica_dies_while_busy()]
+            busy_from_start, _replica_dies_while_busy(), _small_route_fails()]
+
+
+def _small_route_fails() -> Scenario:
+    """A small route (meta, 3.6% of the turns, one every 7 s) fails every answer from 15m
+    to 30m, among normal traffic: the job fails 3.6% of its turns, under
+    TurnrouterFailures' 5% (the gap the route's page closes). Its page fires within 7
+    minutes (its ratio passes 25% about 75 s in, then 5 minutes held) and resolves within
+    5 minutes of the fix; the job-wide page never fires."""
+    onset, fixed = 15.0, 30.0
+    job = f'job="{JOB}"'
+    series = _traffic(NORMAL["turns"], NORMAL["clarified"], NORMAL["participants"],
+                      NORMAL["clarified_participants"])
+    series += [
+        Series(f'turnrouter_turns_total{{{job}, route="meta", outcome="answer"}}',
+               [(0, 0.15), (onset, 0.0), (fixed, 0.15)]),
+        Series(f'turnrouter_turns_total{{{job}, route="meta", outcome="failed"}}',
+               [(0, 0.0), (onset, 0.15), (fixed, 0.0)]),
+        Series(f'turnrouter_failures_total{{{job}, route="meta", stage="answer"}}',
+               [(0, 0.0), (onset, 0.15), (fixed, 0.0)]),
+    ]
+    page = {"severity": "critical", "job": JOB, "route": "meta", "stage": "answer"}
+    failing = "TurnrouterRouteFailing"
+    return Scenario(
+        "a small route failing every answer pages TurnrouterRouteFailing within 7 minutes, "
+        "not TurnrouterFailures, and resolves within 5 minutes of the fix",
+        series,
+        [*_quiet(onset - 0.25, failing), *_quiet(onset + 5, failing),
+         (onset + 7, failing, [page]), (fixed - 0.25, failing, [page]),
+         *_quiet(fixed + 5, failing),
+         *[(minute, "TurnrouterFailures", []) for minute in (onset + 7, fixed - 0.25)]],
+    )
 
 
 def _replica_dies_while_busy() -> Scenario:

@@ -40,7 +40,7 @@ def test_amtool_check_config() -> None:
     result = _amtool("check-config", str(CONFIG))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
-    assert "4 inhibit rules" in result.stdout
+    assert "6 inhibit rules" in result.stdout
 
 
 @pytest.mark.parametrize("alert", ALERTS, ids=lambda a: f"{a.alert}-{a.severity}")

@@ -380,3 +380,15 @@ def test_route_alert_panels_draw_what_their_alert_evaluates() -> None:
     (signal,) = [t for t in first["targets"]
                  if "TurnrouterSlowFirstResponse" in t["legendFormat"]]
     assert "sum by (job, route, le)" in signal["expr"] and "[5m]" in signal["expr"]
+    # TurnrouterRouteFailing: failures per turn of the route (not of the job), by job,
+    # route and stage, over 5 minutes, beside the route's threshold and the floor's count.
+    failing = _panel("Failures by route")
+    (ratio,) = [t for t in failing["targets"]
+                if "TurnrouterRouteFailing" in t["legendFormat"]]
+    assert ratio["expr"].startswith("sum by (job, route, stage) (rate(")
+    assert "/ ignoring (stage) group_left ()" in ratio["expr"]
+    assert "[5m]" in ratio["expr"] and "$__rate_interval" not in ratio["expr"]
+    assert ratio["legendFormat"].startswith("{{job}} {{route}} {{stage}}")
+    (reached,) = [t for t in failing["targets"] if "right axis" in t["legendFormat"]]
+    assert reached["expr"].startswith("sum by (job, route) (increase(")
+    assert [t for t in failing["targets"] if t["legendFormat"] == "alert threshold {{route}}"]

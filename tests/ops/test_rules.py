@@ -34,7 +34,8 @@ REQUIRED_RECORDS = {
 }
 REQUIRED_ALERTS = {
     "TurnrouterHighClarificationRate", "TurnrouterSlowFirstResponse", "TurnrouterDeadAir",
-    "TurnrouterAcknowledgmentOveruse", "TurnrouterFailures", "TurnrouterDecisionSlow",
+    "TurnrouterAcknowledgmentOveruse", "TurnrouterFailures", "TurnrouterRouteFailing",
+    "TurnrouterDecisionSlow",
     "TurnrouterSaturated", "TurnrouterOverloaded",
     "TurnrouterTargetDown", "TurnrouterAbsent", "TurnrouterWatchdog", "TurnrouterJobDown",
 }

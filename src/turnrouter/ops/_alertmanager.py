@@ -11,7 +11,9 @@ route, with a 1-minute `group_interval`: a slow route's ticket is not held behin
 route's, and a new one is notified within `group_wait` (30 s) of firing.
 
 Inhibition: a critical suppresses its own warning; `TurnrouterFailures` suppresses the
-latency warnings of its job; `TurnrouterTargetDown` suppresses the other alerts of its
+latency warnings of its job and the `TurnrouterRouteFailing` pages of its stage (one
+incident, one page); `TurnrouterRouteFailing` the latency and acknowledgment warnings of
+its route; `TurnrouterTargetDown` suppresses the other alerts of its
 own instance (a dead router's windows are meaningless; not its job's, whose other
 replicas may still run) and `TurnrouterJobDown` (no router of the job up; it notifies
 nobody) the warnings of its job, except the NATS fleet's in both cases: those are about the
@@ -54,6 +56,10 @@ JOB_DOWN = "TurnrouterJobDown"
 _AVAILABILITY = ("TurnrouterTargetDown", "TurnrouterAbsent")
 _LATENCY_WARNINGS = ("TurnrouterSlowFirstResponse", "TurnrouterDecisionSlow",
                      "TurnrouterAcknowledgmentOveruse")
+FAILURES = "TurnrouterFailures"
+ROUTE_FAILING = "TurnrouterRouteFailing"
+#: The per-route warnings a failing route's page holds.
+_ROUTE_WARNINGS = ("TurnrouterSlowFirstResponse", "TurnrouterAcknowledgmentOveruse")
 
 
 def _check_url(name: str, url: object) -> str:
@@ -88,7 +94,7 @@ def alertmanager_config(urls: Mapping[str, str] | None = None,
     from the environment)."""
     chosen = receiver_urls(urls)
     labels = list(check_group_labels(group_labels))
-    assert {WATCHDOG, JOB_DOWN} <= {a.alert for a in ALERTS}
+    assert {WATCHDOG, JOB_DOWN, FAILURES, ROUTE_FAILING} <= {a.alert for a in ALERTS}
     # The fleet's alerts outlive one dead replica: its job is the whole fleet's.
     fleet = tuple(alert["alert"] for alert in FLEET_ALERTS)
     others = "|".join((*_AVAILABILITY, WATCHDOG, JOB_DOWN, *fleet))
@@ -116,6 +122,19 @@ def alertmanager_config(urls: Mapping[str, str] | None = None,
              "target_matchers": ['severity="warning"',
                                  f'alertname=~"{"|".join(_LATENCY_WARNINGS)}"'],
              "equal": labels},
+            # One incident, one page: while the job fails at a stage, the route pages of
+            # that stage are held (the job-wide page fires first for a route with more
+            # than about a fifth of the turns; a smaller route's page fires first and
+            # is held from then on). Another stage's route page still pages.
+            {"source_matchers": [f'alertname="{FAILURES}"'],
+             "target_matchers": [f'alertname="{ROUTE_FAILING}"'],
+             "equal": [*labels, "stage"]},
+            # A failing route looks slow or needlessly acknowledged too: its own
+            # latency and acknowledgment tickets are held (other routes' are not).
+            {"source_matchers": [f'alertname="{ROUTE_FAILING}"'],
+             "target_matchers": ['severity="warning"',
+                                 f'alertname=~"{"|".join(_ROUTE_WARNINGS)}"'],
+             "equal": [*labels, "route"]},
             # Only the dead target's own alerts (those labelled with its instance): a
             # job-wide alert is about the replicas still running too (one dead replica
             # of three muted the others' pages), and it clears by itself once no
@@ -150,7 +169,9 @@ HEADER = """\
 # TURNROUTER_ALERT_WATCHDOG_URL set (docs/operations.md). Critical alerts page, warnings
 # open a ticket, TurnrouterWatchdog (always firing) reaches the dead man's switch; groups
 # are per alert, cluster, namespace, job and route. A critical inhibits its own warning;
-# TurnrouterFailures the latency warnings of its job; TurnrouterTargetDown the other
+# TurnrouterFailures the latency warnings of its job and the TurnrouterRouteFailing pages
+# of its stage; TurnrouterRouteFailing the latency and acknowledgment warnings of its
+# route; TurnrouterTargetDown the other
 # alerts of its own instance (not its job's: other replicas may still run) and
 # TurnrouterJobDown (no router of the job up; notifies nobody) the warnings of its job,
 # both but the NATS fleet's.

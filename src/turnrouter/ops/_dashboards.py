@@ -22,11 +22,15 @@ from ._rules import (
     FAILURE_RATIO,
     GROUP_LABELS,
     MIN_CLARIFIED_PARTICIPANTS,
+    MIN_ROUTE_TURNS,
     OVERLOAD_STATE,
+    ROUTE_FAILURE_RATIO,
     SATURATION_LAG_SECONDS,
     SLOW_FIRST_RESPONSE_SECONDS,
     RouteOverride,
     _promql_regex_literal,
+    _route_failure_ratio,
+    _route_reached,
     check_group_labels,
 )
 from ._tuning import (
@@ -378,6 +382,25 @@ def overview() -> dict[str, Any]:
                       "{{job}} interrupted")),
             unit="percentunit", stack=False, draw="dashed",
             thresholds=_thresholds(("green", None), ("red", FAILURE_RATIO))),
+        _timeseries(
+            "Failures by route", "Failures per turn of each route, by job, route and stage, "
+            "over 5 minutes: of the turns that reached the route (those it handled, and "
+            "those whose admission by it failed), not of the job's, as "
+            f"TurnrouterRouteFailing computes it (it pages above {ROUTE_FAILURE_RATIO:.0%} "
+            f"with at least {MIN_ROUTE_TURNS} such turns in 5 minutes; each route's own "
+            "threshold, per-route overrides included, is drawn as `alert threshold "
+            "{route}`). The turns that reached each route are drawn on the right axis: a "
+            "route under the floor does not page, whatever its ratio.",
+            [_target(_route_failure_ratio(ALERT_WINDOW, "job, route", f"{JOB}, {ROUTE}"),
+                     "{{job}} {{route}} {{stage}} (TurnrouterRouteFailing)"),
+             _target(_route_threshold_targets("TurnrouterRouteFailing", turns,
+                                              ROUTE_FAILURE_RATIO),
+                     "alert threshold {{route}}", ref="B"),
+             _target(_route_reached("increase", ALERT_WINDOW, "job, route",
+                                    f"{JOB}, {ROUTE}"),
+                     "{{job}} {{route}} turns in 5m (right axis)", ref="C")],
+            unit="percentunit", draw=_static_line("TurnrouterRouteFailing"),
+            thresholds=_thresholds(("green", None), ("red", ROUTE_FAILURE_RATIO))),
         _timeseries(
             "Focus transitions", "Focus taken, released or lost per second, by route.",
             _targets((f"sum by (route, transition) (rate("

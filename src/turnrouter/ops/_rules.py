@@ -41,6 +41,10 @@ from typing import Any, Literal
 from .._numbers import finite
 from ..telemetry import NEEDLESS_WITHIN_SECONDS, metric
 
+#: The `route` label of failures and turns no destination was involved in (decision
+#: failures, unanswered turns): the job-wide alert's, not a route's.
+_NONE_ROUTE = "none"
+
 __all__ = [
     "ACK_OVERUSE_RATIO",
     "ALERTS",
@@ -53,10 +57,12 @@ __all__ = [
     "GROUP_LABELS",
     "JOB_MATCHER",
     "MIN_CLARIFIED_PARTICIPANTS",
+    "MIN_ROUTE_TURNS",
     "MIN_TURNS",
     "MIN_TURNS_1M",
     "OVERLOAD_STATE",
     "RECORDING_RULES",
+    "ROUTE_FAILURE_RATIO",
     "RUNBOOK_URL",
     "SATURATION_LAG_SECONDS",
     "SLOW_FIRST_RESPONSE_SECONDS",
@@ -112,6 +118,17 @@ DEAD_AIR_SECONDS = 2.0
 ACK_OVERUSE_RATIO = 0.4
 #: Failures per turn, per stage.
 FAILURE_RATIO = 0.05
+#: Failures per turn *of one route* (the turns that reached it: those it handled, and
+#: those whose admission by it failed), per stage, above which `TurnrouterRouteFailing`
+#: pages: the route is broken for the people who reach it, whatever its share of the
+#: job's turns (a route with under `FAILURE_RATIO` of them, failing every answer, never
+#: raised `TurnrouterFailures`). Far above the failures of a healthy route (a few in a
+#: thousand in the demo), so its small windows do not page by chance.
+ROUTE_FAILURE_RATIO = 0.25
+#: Least turns that reached a route in 5 minutes for its failure page (`RouteOverride`
+#: sets another per route): a route with a handful of turns does not page, one with about
+#: one every 10 s does. One participant can reach it: the failures are the route's.
+MIN_ROUTE_TURNS = 30
 #: Seconds: p95 of a decision-service call.
 DECISION_SLOW_SECONDS = 0.3
 #: Seconds: p95 event-loop lag of one router process (the default
@@ -171,6 +188,30 @@ def _ratio(numerator: str, denominator: str) -> str:
 
 
 _ACK_RATE = f"sum by ({G}, route) (rate({ACKS}[5m]))"
+
+
+def _route_reached(function: str, window: str, by: str, matchers: str = "") -> str:
+    """Turns that reached each route in `window` (`function`: rate or increase), by
+    `by` (which must include route): the turns it handled (`turnrouter_turns_total`,
+    any outcome) plus those whose admission by it failed (a timed-out or raising
+    `admit()`: the turn went on to another route, or a clarification, and counts there
+    too). Either part may be missing (a route whose every admission fails has no turns
+    of its own), hence the `or`s. `matchers` are added to both selectors."""
+    extra = f", {matchers}" if matchers else ""
+    handled = (f'sum by ({by}) ({function}({TURNS}{{route!="{_NONE_ROUTE}"{extra}}}'
+               f"[{window}]))")
+    refused = (f'sum by ({by}) ({function}({FAILURES}{{route!="{_NONE_ROUTE}", '
+               f'stage="admission"{extra}}}[{window}]))')
+    return f"{handled}\n+ {refused}\nor\n{handled}\nor\n{refused}"
+
+
+def _route_failure_ratio(window: str, by: str, matchers: str = "") -> str:
+    """Failures per turn that reached the route, by `by` (route included) and stage,
+    over `window`: what `TurnrouterRouteFailing` evaluates (and the dashboards draw)."""
+    extra = f", {matchers}" if matchers else ""
+    return (f'sum by ({by}, stage) (rate({FAILURES}{{route!="{_NONE_ROUTE}"{extra}}}'
+            f"[{window}]))\n/ ignoring (stage) group_left ()\n"
+            f"((\n{_route_reached('rate', window, by, matchers)}\n) > 0)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +302,13 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
         "turnrouter:overload_state:avg5m",
         f"max by ({G}, instance) (sum_over_time({OVERLOAD}[5m:15s]))\n"
         f"/ on () group_left ()\n(count_over_time(vector(1)[5m:15s]) > 0)"),
+    # TurnrouterRouteFailing's signal and traffic floor: per route, of the turns that
+    # reached it (not of the job's: a small route failing every answer stays under the
+    # job-wide ratio).
+    RecordingRule("turnrouter:route_turns:increase5m",
+                  _route_reached("increase", "5m", f"{G}, route")),
+    RecordingRule("turnrouter:route_failure_ratio:rate5m",
+                  _route_failure_ratio("5m", f"{G}, route")),
     RecordingRule(
         "turnrouter:failure_ratio:rate5m",
         f"sum by ({G}, stage) (rate({FAILURES}[5m]))\n/ on ({G}) group_left ()\n"
@@ -489,6 +537,18 @@ ALERTS: tuple[AlertRule, ...] = (
         f"(threshold {FAILURE_RATIO:.0%}).",
         "turnrouterfailures",
         volume="turnrouter:turns:increase5m",
+    ),
+    AlertRule(
+        "TurnrouterRouteFailing", "turnrouter:route_failure_ratio:rate5m",
+        ROUTE_FAILURE_RATIO, "5m", "critical",
+        "Route {{ $labels.route }} of {{ $labels.job }} fails at stage {{ $labels.stage }}",
+        f"{_PCT} of the turns that reached route {{{{ $labels.route }}}} failed at stage "
+        f"{{{{ $labels.stage }}}} over the last 5 minutes (default threshold "
+        f"{ROUTE_FAILURE_RATIO:.0%}, at least {MIN_ROUTE_TURNS} turns of the route): it is "
+        "broken for the people who reach it, whatever its share of the job's turns.",
+        "turnrouterroutefailing",
+        volume="turnrouter:route_turns:increase5m", min_turns=MIN_ROUTE_TURNS,
+        per_route=True,
     ),
     AlertRule(
         "TurnrouterDecisionSlow", "turnrouter:decision_duration_seconds:p95_5m",
