@@ -96,6 +96,7 @@ def test_overridden_routes_draw_their_own_threshold_on_the_panel() -> None:
                 if p["title"] == "Failures by route"]
     (line,) = [t for t in panel["targets"] if t["legendFormat"] == "alert threshold {{route}}"]
     assert 'route="meta"' in line["expr"] and "* 0 + 0.5" in line["expr"]
+    assert 'route!="none"' in line["expr"]  # the job's failures: no route's line
     assert panel["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "off"
 
 

@@ -84,15 +84,17 @@ def _quantile(q: float, name: str, by: str, *matchers: str, window: str = RATE) 
 _OVERRIDES: list[tuple[RouteOverride, ...]] = [()]
 
 
-def _route_threshold_targets(alert: str, count: str, default: float) -> str:
+def _route_threshold_targets(alert: str, count: str, default: float,
+                             only: str = "") -> str:
     """Each route's `alert` threshold as a series (its override, or `default`), only for
-    routes with traffic (`count`, a counter) in the alert's window; a route whose alert
-    is disabled has none."""
+    routes with traffic (`count`, a counter, `only` an extra matcher) in the alert's
+    window; a route whose alert is disabled has none."""
     mine = {o.route: o for o in _OVERRIDES[0] if o.alert == alert}
+    extra = f", {only}" if only else ""
 
     def line(matcher: str, threshold: float) -> str:
-        return (f"(sum by (route) (rate({count}{{{JOB}, {ROUTE}{matcher}}}[{ALERT_WINDOW}])) "
-                f"> 0) * 0 + {threshold:g}")
+        return (f"(sum by (route) (rate({count}{{{JOB}, {ROUTE}{extra}{matcher}}}"
+                f"[{ALERT_WINDOW}])) > 0) * 0 + {threshold:g}")
 
     if not mine:
         return line("", default)
@@ -393,8 +395,9 @@ def overview() -> dict[str, Any]:
             "route under the floor does not page, whatever its ratio.",
             [_target(_route_failure_ratio(ALERT_WINDOW, "job, route", f"{JOB}, {ROUTE}"),
                      "{{job}} {{route}} {{stage}} (TurnrouterRouteFailing)"),
+             # (Not for route `none`: its failures are the job's, never a route's page.)
              _target(_route_threshold_targets("TurnrouterRouteFailing", turns,
-                                              ROUTE_FAILURE_RATIO),
+                                              ROUTE_FAILURE_RATIO, 'route!="none"'),
                      "alert threshold {{route}}", ref="B"),
              _target(_route_reached("increase", ALERT_WINDOW, "job, route",
                                     f"{JOB}, {ROUTE}"),
