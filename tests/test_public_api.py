@@ -79,7 +79,8 @@ PINNED = {
         # docs/operations.md: the alert thresholds and where runbook links point.
         "ACK_OVERUSE_RATIO", "CLARIFICATION_CONFIRM", "CLARIFICATION_CRITICAL",
         "CLARIFICATION_WARNING", "DEAD_AIR_SECONDS", "DECISION_SLOW_SECONDS",
-        "FAILURE_RATIO", "MIN_TURNS", "MIN_TURNS_1M", "RUNBOOK_URL",
+        "FAILURE_RATIO", "MIN_ROUTE_TURNS", "MIN_TURNS", "MIN_TURNS_1M",
+        "ROUTE_FAILURE_RATIO", "RUNBOOK_URL",
         "SLOW_FIRST_RESPONSE_SECONDS",
         # docs/operations.md: the generated and hand-written files of the demo's stack.
         "COMPOSE_RULES", "DEMO_OVERRIDES", "MAX_OVERRIDES_BYTES",
