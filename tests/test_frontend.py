@@ -19,6 +19,7 @@ from turnrouter import (
     MAX_ID_CHARS,
     MAX_SNAPSHOT_BYTES,
     MAX_SNAPSHOT_CONTAINERS,
+    MAX_SNAPSHOT_ITEMS,
     Admission,
     AgentRouter,
     AgentTurn,
@@ -657,6 +658,24 @@ def test_snapshots_with_too_many_objects_are_refused_before_parsing(
     at_bound = json.dumps({"participant_id": "p", "focus": "{" * (
         MAX_SNAPSHOT_CONTAINERS - 1)})
     assert ParticipantSnapshot.from_json(at_bound).participant_id == "p"
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.text(max_size=100), st.integers(1, 50), st.sampled_from(["0", "true", '""']),
+       st.booleans())
+def test_snapshots_with_too_many_values_are_refused_before_parsing(
+        junk: str, extra: int, unit: str, as_bytes: bool) -> None:
+    """audit23: more values than `MAX_SNAPSHOT_ITEMS` (4 MiB of `0,` is two million
+    numbers: 0.1 s of parsing holding the interpreter's lock, a stall of the event loop
+    even from a thread) is a ContractValueError naming the bound before any parsing;
+    commas inside text are no values."""
+    filler = ",".join([unit] * (MAX_SNAPSHOT_ITEMS + extra))
+    data = f'{{"participant_id":"p","focus":{json.dumps(junk)},"x":[{filler}]}}'
+    with pytest.raises(ContractValueError, match="MAX_SNAPSHOT_ITEMS"):
+        ParticipantSnapshot.from_json(data.encode("utf-8", "surrogatepass")
+                                      if as_bytes else data)
+    commas = json.dumps({"participant_id": "p", "focus": "," * (MAX_SNAPSHOT_ITEMS + extra)})
+    assert ParticipantSnapshot.from_json(commas).focus == "," * (MAX_SNAPSHOT_ITEMS + extra)
 
 
 @settings(max_examples=30, deadline=None)

@@ -850,6 +850,33 @@ async def test_patches_that_would_make_the_snapshot_unmovable_are_refused() -> N
     assert len(other.router.pending_patches("p1")) == held
 
 
+async def test_patches_past_max_snapshot_items_are_refused() -> None:
+    """audit23: held patches of 200,000 numbers each (under budgets of a few MiB):
+    the one that would take the snapshot past MAX_SNAPSHOT_ITEMS values is refused
+    (named, counted `refused`), so every export still imports, and no snapshot a replica
+    reads costs more than the bound's parsing."""
+    sized: dict[str, Any] = {"max_patch_bytes": 2 << 20, "context_budget_bytes": 1 << 20}
+    h = Harness(ScriptedAgent("conversation"), **sized)
+    await h.say("hello")
+    held, refusals = 0, []
+    for n in range(4):
+        try:
+            await h.router.apply_context_patch(
+                "p1", ContextPatch(task_id=f"job{n}", facts={"k": [0] * 200_000}),
+                "human_gated")
+        except ContractValueError as exc:
+            refusals.append(str(exc))
+            break
+        held += 1
+    assert held == 2 and len(refusals) == 1 and "MAX_SNAPSHOT_ITEMS" in refusals[0]
+    assert h.observer.patch_outcomes().count(("human_gated", "refused")) == 1
+    exported = h.router.export_participant_json("p1")
+    assert exported is not None
+    other = Harness(ScriptedAgent("conversation"), **sized)
+    other.router.import_participant(ParticipantSnapshot.from_json(exported))
+    assert len(other.router.pending_patches("p1")) == held
+
+
 def _nested(depth: int, kind: str = "list") -> object:
     """A value whose containers nest `depth` deep (0: a number)."""
     value: object = 0

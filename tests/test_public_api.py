@@ -26,7 +26,8 @@ CORE = {
     "UnknownPatchError",
     "current_context_patches",
     # The front-end seam (runtimes, framework adapters).
-    "Departure", "MAX_SNAPSHOT_BYTES", "MAX_SNAPSHOT_CONTAINERS", "ParticipantSnapshot",
+    "Departure", "MAX_SNAPSHOT_BYTES", "MAX_SNAPSHOT_CONTAINERS", "MAX_SNAPSHOT_ITEMS",
+    "ParticipantSnapshot",
     "RoutedResult",
     # docs/router.md: the turns a session remembers to refuse an earlier session's patch.
     "MAX_SESSION_TURNS",

@@ -29,6 +29,7 @@ __all__ = [
     "MAX_SESSION_TURNS",
     "MAX_SNAPSHOT_BYTES",
     "MAX_SNAPSHOT_CONTAINERS",
+    "MAX_SNAPSHOT_ITEMS",
     "Departure",
     "ParticipantSnapshot",
     "RoutedResult",
@@ -46,6 +47,13 @@ MAX_SNAPSHOT_BYTES = 4 * 1024 * 1024
 #: validating cost per object, not per byte: 4 MiB of tiny exchanges took half a
 #: second; a default router's largest export holds a few thousand.
 MAX_SNAPSHOT_CONTAINERS = 16_384
+#: Most JSON values a snapshot may hold, counted as its `,`, `{` and `[` characters
+#: outside strings before parsing. Parsing costs per value, not per byte, and holds the
+#: interpreter's lock throughout: 4 MiB of `0,` (two million numbers) took 0.1 s to
+#: read, a stall of the event loop even from a thread; this bound cuts the worst to
+#: about 25 ms. A default router's largest snapshot holds about 275,000 (8 held patches
+#: of 64 KiB of tiny numbers); `apply_context_patch` refuses a patch past it.
+MAX_SNAPSHOT_ITEMS = 524_288
 #: Turn ids a participant's session remembers, its first turns': a patch naming a turn
 #: its session never had comes from an earlier session of that participant id and is
 #: refused (docs/router.md, "Lifecycle" of context patches). A session past this many
@@ -238,6 +246,11 @@ class ParticipantSnapshot(ContractModel):
             raise ContractValueError(
                 f"participant snapshot holds {containers} objects and arrays, over "
                 f"MAX_SNAPSHOT_CONTAINERS ({MAX_SNAPSHOT_CONTAINERS})")
+        items = strict_json.items(data, MAX_SNAPSHOT_ITEMS)
+        if items > MAX_SNAPSHOT_ITEMS:
+            raise ContractValueError(
+                f"participant snapshot holds {items} values, over MAX_SNAPSHOT_ITEMS "
+                f"({MAX_SNAPSHOT_ITEMS})")
         try:
             snapshot = cls.model_validate_json(data)
         except ValidationError as exc:

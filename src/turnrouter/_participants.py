@@ -19,6 +19,7 @@ from ._frontend import (
     MAX_SESSION_TURNS,
     MAX_SNAPSHOT_BYTES,
     MAX_SNAPSHOT_CONTAINERS,
+    MAX_SNAPSHOT_ITEMS,
     ParticipantSnapshot,
     SnapshotExchange,
     SnapshotPatch,
@@ -58,6 +59,9 @@ _ID_JSON = 6 * MAX_ID_CHARS + 2
 #: counted byte; a merged patch's digest and task id are written three times): its turn
 #: id and stamp, or a patch's ids, stamp, time and field names.
 _EXCHANGE_JSON = 4096
+#: The most values (`strict_json.items`) one plain retained exchange holds (7 in an
+#: export: its object and fields).
+_EXCHANGE_ITEMS = 16
 
 #: Snapshots `Registry.prepare` made (weakly held, by identity and the number of
 #: exchanges their history was cut to): what an import of theirs would install, read
@@ -376,18 +380,22 @@ class Registry:
         over = len(data) - (MAX_SNAPSHOT_BYTES - SNAPSHOT_SLACK)
         extra = (strict_json.containers(data, MAX_SNAPSHOT_CONTAINERS)
                  - MAX_SNAPSHOT_CONTAINERS if len(data) > 2 * MAX_SNAPSHOT_CONTAINERS else 0)
-        if (over <= 0 and extra <= 0) or state.exported is None:
+        values = (strict_json.items(data, MAX_SNAPSHOT_ITEMS) - MAX_SNAPSHOT_ITEMS
+                  if len(data) > MAX_SNAPSHOT_ITEMS else 0)
+        if (over <= 0 and extra <= 0 and values <= 0) or state.exported is None:
             return data
         pieces = state.exported[2]
         drop = 0
-        while drop < len(pieces) and (over > 0 or extra > 0):
+        while drop < len(pieces) and (over > 0 or extra > 0 or values > 0):
             over -= len(pieces[drop])  # (its comma left out: never counted short)
             extra -= strict_json.containers(pieces[drop], 0)
+            values -= strict_json.items(pieces[drop], 0)  # (its comma left out, too)
             drop += 1
         state.history.drop_oldest(drop)
         self._cfg.overflows.report(
             "snapshot_history", f"{drop} oldest exchanges of a participant dropped: its "
-            "snapshot would pass MAX_SNAPSHOT_BYTES or MAX_SNAPSHOT_CONTAINERS")
+            "snapshot would pass MAX_SNAPSHOT_BYTES, MAX_SNAPSHOT_CONTAINERS or "
+            "MAX_SNAPSHOT_ITEMS")
         return snapshot_json(state, departed)
 
     @property
@@ -442,7 +450,12 @@ def may_outgrow(cfg: RouterConfig) -> bool:
     routes = (len(cfg.agents) + 1) * (4 * MAX_ROUTE_CHARS + 8)
     size = (18 * cfg.budget + cfg.max_history_exchanges * _EXCHANGE_JSON + held + routes
             + (MAX_SESSION_TURNS + 1) * _ID_JSON + SNAPSHOT_SLACK)
-    return (size > MAX_SNAPSHOT_BYTES
+    # Values (`strict_json.items`): merged patches' values in the history (two bytes of
+    # its budget each, at least), plain exchanges, held patches (refused past the bound
+    # when applied, `PatchDesk`, but counted here so that what is left fits).
+    values = (cfg.budget // 2 + cfg.max_history_exchanges * _EXCHANGE_ITEMS
+              + cfg.max_pending * (cfg.max_patch_bytes // 2) + 4096)
+    return (size > MAX_SNAPSHOT_BYTES or values > MAX_SNAPSHOT_ITEMS
             or cfg.max_history_exchanges + 64 > MAX_SNAPSHOT_CONTAINERS)
 
 

@@ -31,7 +31,7 @@ from ._exceptions import (
     LifecycleError,
     PatchNotSavedError,
 )
-from ._frontend import MAX_SNAPSHOT_BYTES, MAX_SNAPSHOT_CONTAINERS
+from ._frontend import MAX_SNAPSHOT_BYTES, MAX_SNAPSHOT_CONTAINERS, MAX_SNAPSHOT_ITEMS
 from ._history import History, view_items
 from ._logging import log_failure
 from ._observer import ContextPatchEvent, PatchOutcome
@@ -84,6 +84,10 @@ def _check_fits(state: Participant, patch: ContextPatch) -> None:
 #: Objects and arrays a merged patch's exchange (and a held patch's wrapper) adds to a
 #: snapshot beyond the patch's own.
 _WRAPPING = 8
+#: Values (`strict_json.items`) a merged patch's exchange or a held patch's wrapper adds
+#: beyond the patch's own, and the most a plain exchange holds (7 in an export).
+_WRAPPING_ITEMS = 64
+_EXCHANGE_ITEMS = 16
 #: Bytes a merged patch's exchange (or a held patch's wrapper) adds to a snapshot beyond
 #: the patch's JSON, its task id and its digest: ids, stamps and field names.
 _WRAPPING_BYTES = 2048
@@ -119,6 +123,16 @@ def _check_containers(cfg: RouterConfig, registry: Registry, state: Participant,
             f"would pass MAX_SNAPSHOT_CONTAINERS ({MAX_SNAPSHOT_CONTAINERS}) and could not "
             "move to another replica: flatten its facts, or approve or reject held "
             "patches first")
+    own_items = strict_json.items(patch_json, 0)
+    limit = MAX_SNAPSHOT_ITEMS - own_items - _WRAPPING_ITEMS - room * _EXCHANGE_ITEMS
+    held = strict_json.items(measured, max(limit, 0))
+    if held > limit:
+        raise ContractValueError(
+            f"context patch {preview(patch.task_id)} holds {own_items} values; with the "
+            f"participant's {held} and room for {room} more exchanges, its snapshot would "
+            f"pass MAX_SNAPSHOT_ITEMS ({MAX_SNAPSHOT_ITEMS}) and could not move to "
+            "another replica: keep long lists of values elsewhere, or approve or reject "
+            "held patches first")
     # Its JSON, its task id twice more and its digest once more (a merged patch's
     # exchange says them in its texts), escaped as the snapshot writes them.
     size = (len(patch_json.encode()) + 2 * len(to_json(patch.task_id))
