@@ -58,6 +58,7 @@ from .conftest import (
     until_true,
 )
 from .crowd import Heard, ask, listen, listening, running
+from .operator import Operator
 from .proxy import proxied
 
 pytestmark = pytest.mark.anyio
@@ -575,6 +576,57 @@ def test_a_seed_anywhere_in_a_file_field_is_never_shown(before: str, after: str,
     with pytest.raises(ConfigurationError) as caught:
         make()
     assert seed not in str(caught.value)
+
+
+async def test_creds_files_in_operator_mode(tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A server in operator mode (accounts and users as JWTs, as NGS or `nsc` deploy
+    them): a worker (`--nats-creds`) and a front end (`NatsConfig(creds_file=...)`) with
+    `.creds` files work end to end; a user signed by an account the operator does not
+    know is refused in one error, and its seed is never shown; a user whose JWT allows
+    publishing only its inputs is refused a control subject by the server."""
+    operator = Operator(tmp_path)
+    server = NatsServer(config=operator.config())
+    worker = None
+    try:
+        worker_creds, worker_seed = operator.creds("worker")
+        front_creds, _ = operator.creds("frontend")
+        worker = Worker(server.url, "creds", "--nats-creds", str(worker_creds))
+        front = await NatsFrontEnd.connect(NatsConfig(url=server.url,
+                                                      creds_file=str(front_creds)))
+        try:
+            assert (await answered_by_fleet(front, "cora", "hi")).startswith("hi|")
+        finally:
+            await front.close()
+        assert worker_seed not in worker.stderr()
+        forged, forged_seed = operator.creds("forged", signer=Operator.stranger())
+        with caplog.at_level(logging.DEBUG), pytest.raises(LifecycleError) as caught:
+            await NatsFrontEnd.connect(NatsConfig(url=server.url, creds_file=str(forged)),
+                                       max_reconnect_attempts=1)
+        assert forged_seed not in str(caught.value) + caplog.text
+        limited, _ = operator.creds("limited", publish=["turnrouter.in.>", "_INBOX.>",
+                                                         "$JS.API.>"])
+        refused: list[Exception] = []
+        done = asyncio.Event()
+
+        async def on_error(exc: Exception) -> None:
+            refused.append(exc)
+            done.set()
+
+        nc = await nats.connect(server.url, user_credentials=str(limited),
+                                allow_reconnect=False, error_cb=on_error)
+        try:
+            await nc.publish("turnrouter.ctl.interrupt", b"{}")
+            await nc.flush()
+            async with asyncio.timeout(10):
+                await done.wait()
+            assert "permissions violation" in str(refused[0]).lower()
+        finally:
+            await nc.close()
+    finally:
+        if worker is not None:
+            worker.close()
+        server.close()
 
 
 async def test_token_authentication(caplog: pytest.LogCaptureFixture) -> None:
