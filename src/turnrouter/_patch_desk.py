@@ -12,6 +12,7 @@ import inspect
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from pydantic_core import to_json
 
@@ -93,13 +94,33 @@ _EXCHANGE_ITEMS = 16
 _WRAPPING_BYTES = 2048
 
 
+def _refuse_past(count: Callable[[str | bytes, int], int], name: str, bound: int,
+                 sizes: tuple[ContextPatch, str, bytes], room: tuple[int, int, int],
+                 words: tuple[str, str]) -> None:
+    """`ContractValueError` when the patch (`sizes`: it, its JSON, the participant's
+    snapshot as measured), with the participant's own and room for `room[0]` more
+    exchanges of `room[1]` each (and `room[2]` for its wrapping), passes `bound` of what
+    `count` counts (`words`: what that is, and what to do instead)."""
+    patch, patch_json, measured = sizes
+    own = count(patch_json, 0)
+    limit = bound - own - room[2] - room[0] * room[1]
+    held = count(measured, max(limit, 0))
+    if held > limit:
+        raise ContractValueError(
+            f"context patch {preview(patch.task_id)} holds {own} {words[0]}; with the "
+            f"participant's {held} and room for {room[0]} more exchanges, its snapshot "
+            f"would pass {name} ({bound}) and could not move to another replica: "
+            f"{words[1]}, or approve or reject held patches first")
+
+
 def _check_containers(cfg: RouterConfig, registry: Registry, state: Participant,
                       patch: ContextPatch) -> None:
     """`ContractValueError` unless the participant's snapshot, holding `patch` too, stays
-    within `MAX_SNAPSHOT_CONTAINERS` and `MAX_SNAPSHOT_BYTES`: past them, no replica
-    imports it (8 held patches of 2,500 empty lists each, or of 1 MB each under a larger
-    `max_patch_bytes`, within every other bound, made a participant's state unmovable;
-    on NATS its record was quarantined and it started clean).
+    within `MAX_SNAPSHOT_CONTAINERS`, `MAX_SNAPSHOT_ITEMS` and `MAX_SNAPSHOT_BYTES`:
+    past them, no replica imports it (8 held patches of 2,500 empty lists each, or of
+    1 MB each under a larger `max_patch_bytes`, within every other bound, made a
+    participant's state unmovable; on NATS its record was quarantined and it started
+    clean).
 
     Objects and arrays: on a router whose exports never trim (`Registry.trims_exports`),
     the whole snapshot with room for the rest of a full history of plain exchanges (one
@@ -108,31 +129,17 @@ def _check_containers(cfg: RouterConfig, registry: Registry, state: Participant,
     Measured without trimming, and counted exactly only past a cheap upper bound."""
     data, besides = registry.measure(state)
     patch_json = patch.model_dump_json(warnings=False)
-    own = strict_json.containers(patch_json, 0)
     if registry.trims_exports:
         measured, room = besides, 64
     else:
         measured = data
         room = max(0, cfg.max_history_exchanges - len(state.history.exchanges))
-    limit = MAX_SNAPSHOT_CONTAINERS - own - _WRAPPING - room
-    held = strict_json.containers(measured, max(limit, 0))
-    if held > limit:
-        raise ContractValueError(
-            f"context patch {preview(patch.task_id)} holds {own} objects and arrays; with "
-            f"the participant's {held} and room for {room} more exchanges, its snapshot "
-            f"would pass MAX_SNAPSHOT_CONTAINERS ({MAX_SNAPSHOT_CONTAINERS}) and could not "
-            "move to another replica: flatten its facts, or approve or reject held "
-            "patches first")
-    own_items = strict_json.items(patch_json, 0)
-    limit = MAX_SNAPSHOT_ITEMS - own_items - _WRAPPING_ITEMS - room * _EXCHANGE_ITEMS
-    held = strict_json.items(measured, max(limit, 0))
-    if held > limit:
-        raise ContractValueError(
-            f"context patch {preview(patch.task_id)} holds {own_items} values; with the "
-            f"participant's {held} and room for {room} more exchanges, its snapshot would "
-            f"pass MAX_SNAPSHOT_ITEMS ({MAX_SNAPSHOT_ITEMS}) and could not move to "
-            "another replica: keep long lists of values elsewhere, or approve or reject "
-            "held patches first")
+    _refuse_past(strict_json.containers, "MAX_SNAPSHOT_CONTAINERS", MAX_SNAPSHOT_CONTAINERS,
+                 (patch, patch_json, measured), (room, 1, _WRAPPING),
+                 ("objects and arrays", "flatten its facts"))
+    _refuse_past(strict_json.items, "MAX_SNAPSHOT_ITEMS", MAX_SNAPSHOT_ITEMS,
+                 (patch, patch_json, measured), (room, _EXCHANGE_ITEMS, _WRAPPING_ITEMS),
+                 ("values", "keep long lists of values elsewhere"))
     # Its JSON, its task id twice more and its digest once more (a merged patch's
     # exchange says them in its texts), escaped as the snapshot writes them.
     size = (len(patch_json.encode()) + 2 * len(to_json(patch.task_id))

@@ -249,6 +249,14 @@ class Alertmanager(_LocalServer):
         except AssertionError as error:
             raise AssertionError(f"{error}\n{self.log_tail()}") from None
 
+    def post(self, alerts: list[dict[str, Any]]) -> None:
+        """Send `alerts` as Prometheus does (`POST /api/v2/alerts`)."""
+        request = urllib.request.Request(
+            f"{self.url}/api/v2/alerts", data=json.dumps(alerts).encode(),
+            headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert answer.status == 200
+
     def alerts(self) -> list[dict[str, Any]]:
         """Every alert it holds (`/api/v2/alerts`), active, suppressed or unprocessed."""
         status, body = http_get(f"{self.url}/api/v2/alerts")

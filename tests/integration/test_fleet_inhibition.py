@@ -11,8 +11,6 @@ missing label as empty, so `equal` matches) and as a Kubernetes fleet does.
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +38,6 @@ def test_every_fleet_alert_is_covered() -> None:
     assert shipped == FLEET
 
 
-def _post(alertmanager: Alertmanager, alerts: list[dict[str, Any]]) -> None:
-    request = urllib.request.Request(
-        f"{alertmanager.url}/api/v2/alerts", data=json.dumps(alerts).encode(),
-        headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        assert answer.status == 200
-
-
 @pytest.mark.parametrize("where", [{}, {"cluster": "eu-1", "namespace": "turnrouter"}],
                          ids=["compose", "kubernetes"])
 def test_one_dead_worker_mutes_only_its_own_alerts(where: dict[str, str],
@@ -64,7 +54,7 @@ def test_one_dead_worker_mutes_only_its_own_alerts(where: dict[str, str],
         overloaded = [{"labels": {**job, "alertname": "TurnrouterOverloaded",
                                   "severity": "warning", "instance": instance}}
                       for instance in ("worker-1:9464", "worker-2:9464")]
-        _post(alertmanager, [
+        alertmanager.post([
             {"labels": {**job, "alertname": "TurnrouterTargetDown", "severity": "critical",
                         "instance": "worker-1:9464"}},
             {"labels": {**job, "alertname": "TurnrouterFailures", "severity": "critical"}},
@@ -111,7 +101,7 @@ def test_a_job_with_no_router_up_holds_its_job_wide_alerts(where: dict[str, str]
         dead, alive = {**where, "job": "turnrouter"}, {**where, "job": "turnrouter-eu"}
         slow = {"alertname": "TurnrouterSlowFirstResponse", "severity": "warning",
                 "route": "weather"}
-        _post(alertmanager, [
+        alertmanager.post([
             {"labels": {**dead, "alertname": "TurnrouterJobDown", "severity": "none"}},
             {"labels": {**dead, "alertname": "TurnrouterTargetDown", "severity": "critical",
                         "instance": "router-1:9464"}},

@@ -9,9 +9,7 @@ quiet) and in the scrape-interval scenarios (tests/ops/scenarios.py)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -138,14 +136,6 @@ def test_the_job_wide_page_holds_the_route_pages_of_its_stage() -> None:
     assert 'severity="warning"' in holds["target_matchers"]
 
 
-def _post(alertmanager: Alertmanager, alerts: list[dict[str, Any]]) -> None:
-    request = urllib.request.Request(
-        f"{alertmanager.url}/api/v2/alerts", data=json.dumps(alerts).encode(),
-        headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        assert answer.status == 200
-
-
 @pytest.mark.integration
 def test_a_real_alertmanager_holds_what_the_rules_say(tmp_path: Path) -> None:
     """The shipped configuration in a real Alertmanager: with job turnrouter failing at
@@ -166,7 +156,7 @@ def test_a_real_alertmanager_holds_what_the_rules_say(tmp_path: Path) -> None:
             return {"labels": {"job": "other", "alertname": "TurnrouterSlowFirstResponse",
                                "severity": "warning", "route": name}}
 
-        _post(alertmanager, [
+        alertmanager.post([
             {"labels": {**job, "alertname": "TurnrouterFailures", "severity": "critical",
                         "stage": "answer"}},
             route("meta", "answer"), route("adm", "admission"),
