@@ -48,8 +48,8 @@ __all__ = [
 #: What a participant refused for load hears.
 DEFAULT_BUSY_TEXT = "Sorry, I'm very busy right now. Please try again in a moment."
 
-#: Why a turn was shed: a participant the router holds no state for while busy, or any
-#: new turn while shedding.
+#: Why a turn was shed: a participant the router holds no state for while busy, any new
+#: turn while shedding, or any new turn at `OverloadPolicy.max_turns_in_flight`.
 ShedReason = Literal["new_participant", "shedding", "turns_in_flight"]
 
 #: Consecutive idle samples (no turn in flight, not busy) after which the sampler ends;
