@@ -83,6 +83,11 @@ _SECRET_ARGS = [
     (["--nats-password", "S3CRET-pw", "--foo"], "--nats-password --foo"),
     (["--tls=S3CRET-key"], "--tls=..."),  # ambiguous: --tls-ca, --tls-cert, --tls-key
     (["nats://svc:S3CRET-pw@nats:4222"], "unrecognized arguments: ..."),
+    # review23: a value starting with "-", a short option's attached value, a colon.
+    (["--nats-token", "-S3CRET-tok"], "--nats-token -..."),
+    (["-pS3CRET-pw"], "unrecognized arguments: -..."),
+    (["--nats-token:S3CRET-tok"], "unrecognized arguments: -..."),
+    (["--=S3CRET-tok"], "--=..."),
 ]
 
 
@@ -99,6 +104,14 @@ def test_a_usage_error_never_echoes_an_argument_value(
     err = capsys.readouterr().err
     assert "S3CRET" not in err
     assert len(err.splitlines()) == 1 and shown in err
+
+
+@pytest.mark.parametrize("word", ["--nats-token=S3CRET", "-pS3CRET", "--x:S3CRET"])
+def test_an_unknown_option_before_the_command_is_named_without_its_value(
+        word: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([word, "demo"]) == 2
+    err = capsys.readouterr().err
+    assert "S3CRET" not in err and "unknown option" in err.splitlines()[0]
 
 
 @given(st.sampled_from(["worker", "demo", "tune"]),

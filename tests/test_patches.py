@@ -19,6 +19,7 @@ from turnrouter import (
     MAX_IMPORTED_PATCH_DEPTH,
     MAX_PATCH_DEPTH,
     MAX_SESSION_TURNS,
+    MAX_SNAPSHOT_ITEMS,
     AgentExchange,
     AgentRouter,
     AgentTurn,
@@ -875,6 +876,48 @@ async def test_patches_past_max_snapshot_items_are_refused() -> None:
     other = Harness(ScriptedAgent("conversation"), **sized)
     other.router.import_participant(ParticipantSnapshot.from_json(exported))
     assert len(other.router.pending_patches("p1")) == held
+
+
+_WIDE: dict[str, Any] = {"context_budget_bytes": 3_000_000, "max_patch_bytes": 1_500_000}
+
+
+@pytest.mark.parametrize("values", [123_941, 123_942, 123_943, 124_197, 124_198])
+async def test_an_export_at_the_values_bound_imports_again(values: int) -> None:
+    """review23: merged patches taking a participant's export to the edge of
+    MAX_SNAPSHOT_ITEMS (the values around it, step by step): the export keeps the room
+    an import and the next turns take, dropping the oldest exchanges, so another router
+    imports it (before: an export of exactly the bound, or one less, was refused on
+    import, its state lost at the move)."""
+    h = Harness(ScriptedAgent("conversation"), **_WIDE)
+    for _ in range(3):
+        await h.say("hello")
+    for task, size in (("big", 400_000), ("tune", values)):
+        await h.router.apply_context_patch(
+            "p1", ContextPatch(task_id=task, digest=("d",), facts={"n": [0] * size}),
+            "append")
+    exported = h.router.export_participant_json("p1")
+    assert exported is not None
+    other = Harness(ScriptedAgent("conversation"), **_WIDE)
+    other.router.import_participant(ParticipantSnapshot.from_json(exported))
+    assert other.router.history_of("p1") == h.router.history_of("p1")
+    assert h.router.history_of("p1")[-1].user == "[background: tune]"  # kept, newest
+
+
+async def test_a_snapshot_leaving_no_room_for_its_next_turns_is_refused() -> None:
+    """review23: a snapshot whose held patch fills MAX_SNAPSHOT_ITEMS to within a few
+    values (from another configuration, or forged) is refused at import, nothing
+    installed, rather than installed and then exported where no replica can import it
+    (before: 30 turns later its export dropped the whole history and was still
+    refused)."""
+    held = PendingContextPatch(
+        patch_id="x", participant_id="p1", task_id="t", created_at=0.0,
+        patch=ContextPatch(task_id="t", facts={"n": [0] * (MAX_SNAPSHOT_ITEMS - 100)}))
+    snapshot = ParticipantSnapshot.from_json(
+        ParticipantSnapshot(participant_id="p1", pending=(held,)).to_json())
+    h = Harness(ScriptedAgent("conversation"), **_WIDE)
+    with pytest.raises(ContractValueError, match="MAX_SNAPSHOT_ITEMS"):
+        h.router.import_participant(snapshot)
+    assert h.router.export_participant("p1") is None
 
 
 def _nested(depth: int, kind: str = "list") -> object:

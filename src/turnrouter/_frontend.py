@@ -30,6 +30,7 @@ __all__ = [
     "MAX_SNAPSHOT_BYTES",
     "MAX_SNAPSHOT_CONTAINERS",
     "MAX_SNAPSHOT_ITEMS",
+    "SNAPSHOT_ITEMS_SLACK",
     "Departure",
     "ParticipantSnapshot",
     "RoutedResult",
@@ -54,6 +55,13 @@ MAX_SNAPSHOT_CONTAINERS = 16_384
 #: about 25 ms. A default router's largest snapshot holds about 275,000 (8 held patches
 #: of 64 KiB of tiny numbers); `apply_context_patch` refuses a patch past it.
 MAX_SNAPSHOT_ITEMS = 524_288
+#: Values an export keeps free under `MAX_SNAPSHOT_ITEMS` (as `SNAPSHOT_SLACK` keeps
+#: bytes): an import writes every default field out (2 more), a NATS replica adds the
+#: ids of turns left in flight (at most 63), and a participant's next turns add their
+#: session's turn ids (at most 64) before the export drops history to fit again. An
+#: import takes at most `MAX_SNAPSHOT_ITEMS` less half of it, and at most the bound less
+#: all of it besides the history (the part an export cannot drop).
+SNAPSHOT_ITEMS_SLACK = 256
 #: Turn ids a participant's session remembers, its first turns': a patch naming a turn
 #: its session never had comes from an earlier session of that participant id and is
 #: refused (docs/router.md, "Lifecycle" of context patches). A session past this many
@@ -334,7 +342,30 @@ def reimported(snapshot: ParticipantSnapshot) -> ParticipantSnapshot:
         raise ContractValueError(
             f"participant snapshot exports to {size} bytes, over MAX_SNAPSHOT_BYTES "
             f"({MAX_SNAPSHOT_BYTES}): no replica could import its export again")
+    _check_room(snapshot, data)
     return ParticipantSnapshot.from_json(data)
+
+
+def _check_room(snapshot: ParticipantSnapshot, data: str) -> None:
+    """`ContractValueError` unless the export `data` of `snapshot` leaves the room for
+    values its participant's next turns take (`SNAPSHOT_ITEMS_SLACK`): past it, what it
+    exports next could be refused by every replica (its state lost at its next move)."""
+    roomy = MAX_SNAPSHOT_ITEMS - SNAPSHOT_ITEMS_SLACK
+    items = strict_json.items(data, roomy)
+    if items <= roomy:
+        return
+    if items > MAX_SNAPSHOT_ITEMS - SNAPSHOT_ITEMS_SLACK // 2:
+        raise ContractValueError(
+            f"participant snapshot exports to {items} values, over MAX_SNAPSHOT_ITEMS "
+            f"({MAX_SNAPSHOT_ITEMS}) less the room its next turns take "
+            f"({SNAPSHOT_ITEMS_SLACK // 2}): its next export could be imported nowhere")
+    history = strict_json.items(snapshot.model_dump_json(include={"history"},
+                                                         warnings=False), 0)
+    if items - history > roomy:
+        raise ContractValueError(
+            f"participant snapshot holds {items - history} values besides its history, "
+            f"over MAX_SNAPSHOT_ITEMS ({MAX_SNAPSHOT_ITEMS}) less the room its next "
+            f"turns take ({SNAPSHOT_ITEMS_SLACK}): no export of it could be imported")
 
 
 def _first_error(exc: ValidationError) -> str:

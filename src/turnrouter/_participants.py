@@ -20,6 +20,7 @@ from ._frontend import (
     MAX_SNAPSHOT_BYTES,
     MAX_SNAPSHOT_CONTAINERS,
     MAX_SNAPSHOT_ITEMS,
+    SNAPSHOT_ITEMS_SLACK,
     ParticipantSnapshot,
     SnapshotExchange,
     SnapshotPatch,
@@ -380,8 +381,8 @@ class Registry:
         over = len(data) - (MAX_SNAPSHOT_BYTES - SNAPSHOT_SLACK)
         extra = (strict_json.containers(data, MAX_SNAPSHOT_CONTAINERS)
                  - MAX_SNAPSHOT_CONTAINERS if len(data) > 2 * MAX_SNAPSHOT_CONTAINERS else 0)
-        values = (strict_json.items(data, MAX_SNAPSHOT_ITEMS) - MAX_SNAPSHOT_ITEMS
-                  if len(data) > MAX_SNAPSHOT_ITEMS else 0)
+        roomy = MAX_SNAPSHOT_ITEMS - SNAPSHOT_ITEMS_SLACK
+        values = strict_json.items(data, roomy) - roomy if len(data) > roomy else 0
         if (over <= 0 and extra <= 0 and values <= 0) or state.exported is None:
             return data
         pieces = state.exported[2]
@@ -453,9 +454,11 @@ def may_outgrow(cfg: RouterConfig) -> bool:
     # Values (`strict_json.items`): merged patches' values in the history (two bytes of
     # its budget each, at least), plain exchanges, held patches (refused past the bound
     # when applied, `PatchDesk`, but counted here so that what is left fits).
+    # (Two bytes a value at least, but for containers, which are bounded on their own.)
     values = (cfg.budget // 2 + cfg.max_history_exchanges * _EXCHANGE_ITEMS
-              + cfg.max_pending * (cfg.max_patch_bytes // 2) + 4096)
-    return (size > MAX_SNAPSHOT_BYTES or values > MAX_SNAPSHOT_ITEMS
+              + cfg.max_pending * (cfg.max_patch_bytes // 2) + MAX_SNAPSHOT_CONTAINERS
+              + 4096)
+    return (size > MAX_SNAPSHOT_BYTES or values + SNAPSHOT_ITEMS_SLACK > MAX_SNAPSHOT_ITEMS
             or cfg.max_history_exchanges + 64 > MAX_SNAPSHOT_CONTAINERS)
 
 

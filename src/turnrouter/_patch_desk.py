@@ -32,7 +32,12 @@ from ._exceptions import (
     LifecycleError,
     PatchNotSavedError,
 )
-from ._frontend import MAX_SNAPSHOT_BYTES, MAX_SNAPSHOT_CONTAINERS, MAX_SNAPSHOT_ITEMS
+from ._frontend import (
+    MAX_SNAPSHOT_BYTES,
+    MAX_SNAPSHOT_CONTAINERS,
+    MAX_SNAPSHOT_ITEMS,
+    SNAPSHOT_ITEMS_SLACK,
+)
 from ._history import History, view_items
 from ._logging import log_failure
 from ._observer import ContextPatchEvent, PatchOutcome
@@ -138,7 +143,8 @@ def _check_containers(cfg: RouterConfig, registry: Registry, state: Participant,
                  (patch, patch_json, measured), (room, 1, _WRAPPING),
                  ("objects and arrays", "flatten its facts"))
     _refuse_past(strict_json.items, "MAX_SNAPSHOT_ITEMS", MAX_SNAPSHOT_ITEMS,
-                 (patch, patch_json, measured), (room, _EXCHANGE_ITEMS, _WRAPPING_ITEMS),
+                 (patch, patch_json, measured),
+                 (room, _EXCHANGE_ITEMS, _WRAPPING_ITEMS + SNAPSHOT_ITEMS_SLACK),
                  ("values", "keep long lists of values elsewhere"))
     # Its JSON, its task id twice more and its digest once more (a merged patch's
     # exchange says them in its texts), escaped as the snapshot writes them.

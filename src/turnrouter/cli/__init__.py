@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from .._config import MAX_ACKNOWLEDGMENT_DELAY_SECS
 from .._redact import redact_url
-from ._parser import OneLineParser
+from ._parser import OneLineParser, option_name
 from ._worker import worker_parser
 
 __all__ = ["OneLineParser", "demo_parser", "main", "worker_parser"]
@@ -301,7 +301,7 @@ def _main(args: list[str]) -> int:
     if not args or args[0] not in commands:
         word = args[0][:100] if args else ""  # repr: one line, whatever it holds
         problem = ("no command given" if not args else
-                   f"unknown option {word!r}" if word.startswith("-") else
+                   f"unknown option {option_name(word)!r}" if word.startswith("-") else
                    f"unknown command {word!r}")
         print(f"turnrouter: error: {problem} (choose from demo, tune, worker)\n{USAGE}",
               file=sys.stderr)

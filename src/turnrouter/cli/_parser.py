@@ -6,12 +6,26 @@ import argparse
 import re
 from typing import NoReturn
 
-__all__ = ["OneLineParser"]
+__all__ = ["OneLineParser", "option_name"]
 
 _UNRECOGNIZED = "unrecognized arguments: "
-#: argparse's "ambiguous option: --x=VALUE could match ..." (3.11) and "--x=VALUE"
-#: anywhere an option is quoted with its value.
-_OPTION_VALUE = re.compile(r"(?<!\S)(--?[A-Za-z0-9][\w-]*)=\S*")
+#: An option's name as a user would type one: what a usage error may show of a word.
+_NAME = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*")
+#: argparse's "ambiguous option: --x=VALUE could match ..." (3.11): an option quoted with
+#: a value attached, anywhere in a message.
+_OPTION_VALUE = re.compile(r"(?<!\S)(--?[\w-]*)(?:=\S*|:\S+)")
+
+
+def option_name(word: str) -> str:
+    """What a usage error shows of `word`, a command-line word starting with `-` that
+    is no known option: its name when it reads as one (`--nats-token` of
+    `--nats-token=S3CRET`), else `-...`. A value attached (`=`, `:`, a short option's
+    `-pS3CRET`) or a value that itself starts with `-` is never shown: it may be a
+    secret."""
+    name, sep, _ = word.partition("=")
+    if _NAME.fullmatch(name) and (name.startswith("--") or len(name) == 2):
+        return name + ("=..." if sep else "")
+    return "-..."
 
 
 def _without_values(message: str) -> str:
@@ -25,9 +39,9 @@ def _without_values(message: str) -> str:
         hidden = 0
         for word in message[len(_UNRECOGNIZED):].split():
             if word.startswith("-") and len(word) > 1:
-                name, equals, _ = word.partition("=")
-                shown.append(name + ("=..." if equals else ""))
-                hidden += bool(equals)
+                name = option_name(word)
+                shown.append(name)
+                hidden += name.endswith("...")
             else:
                 hidden += 1
         note = (f" ({hidden} value{'s' if hidden != 1 else ''} not shown: arguments may "
