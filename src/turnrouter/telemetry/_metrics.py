@@ -223,8 +223,8 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "turnrouter_shed_turns_total", "counter",
-        "Turns refused for load (outcome busy), by reason: new_participant (busy) or "
-        "shedding.",
+        "Turns refused for load (outcome busy), by reason: new_participant (busy), "
+        "shedding, or turns_in_flight (`OverloadPolicy.max_turns_in_flight` reached).",
         ("reason",),
     ),
     MetricSpec(

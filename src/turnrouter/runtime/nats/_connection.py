@@ -42,17 +42,19 @@ __all__ = ["MAX_OUTSTANDING_PINGS", "RECONNECT_EVERY", "RECONNECT_WAIT", "Connec
 logger = logging.getLogger("turnrouter.runtime.nats")
 
 RECONNECT_WAIT = 0.5  # seconds between start-up retries; the longest between reconnects
-#: Seconds before the second attempt to reconnect a lost connection; each later one
-#: waits twice the one before, up to `RECONNECT_WAIT`. A short blip (a server restart)
-#: is noticed within a tenth of a second or so, a long outage tried twice a second, and
-#: every attempt is one log line: at a steady 0.1 s a minute's outage said 600.
+#: Seconds between the attempts to reconnect a lost connection in an outage's first
+#: 2 s: a server restart is noticed within this, and so the turns running through it
+#: keep their answers (a record write is retried for 10 s from its first try).
 RECONNECT_EVERY = 0.1
+#: ... and until 10 s into it; later, `RECONNECT_WAIT`. Every attempt is one log line:
+#: at a steady 0.1 s a minute's outage said 600, this way about 150.
+RECONNECT_SOON = 0.25
 
 
-def reconnect_wait(attempts: int) -> float:
-    """Seconds before the next reconnect attempt, after `attempts` failed ones."""
-    doublings: int = min(max(attempts - 1, 0), 8)
-    return min(RECONNECT_WAIT, RECONNECT_EVERY * float(2 ** doublings))
+def reconnect_wait(down: float) -> float:
+    """Seconds before the next reconnect attempt, `down` seconds into an outage."""
+    return RECONNECT_EVERY if down < 2.0 else RECONNECT_SOON if down < 10.0 \
+        else RECONNECT_WAIT
 MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
 #: Bytes of one socket read nats-py parses between two returns to the event loop.
 _PARSE_PIECE = 8192
@@ -298,7 +300,7 @@ class Connection:
                        self._attempts)
         self._down_since, self._attempts = None, 0
         if self._nc is not None:
-            self._nc.options["reconnect_time_wait"] = reconnect_wait(0)
+            self._nc.options["reconnect_time_wait"] = reconnect_wait(0.0)
             try:
                 # A server back with another configuration (or another server of the
                 # URL list) may take less per message than at start: outputs up to
@@ -332,7 +334,7 @@ class Connection:
         self._attempts += 1
         since = self._down_since
         down = time.monotonic() - since if since is not None else 0.0
-        nc.options["reconnect_time_wait"] = reconnect_wait(self._attempts)
+        nc.options["reconnect_time_wait"] = reconnect_wait(down)
         logger.warning("turnrouter: NATS reconnect attempt %d failed (%.1f s of %g s): %s",
                        self._attempts, down, self._config.reconnect_for, what)
         if down >= self._config.reconnect_for and not self._gave_up:
