@@ -43,17 +43,17 @@ logger = logging.getLogger("turnrouter.runtime.nats")
 
 RECONNECT_WAIT = 0.5  # seconds between start-up retries; the longest between reconnects
 #: Seconds between the attempts to reconnect a lost connection in an outage's first
-#: 2 s: a server restart is noticed within this, and so the turns running through it
+#: 5 s: a server restart is noticed within this, and so the turns running through it
 #: keep their answers (a record write is retried for 10 s from its first try).
 RECONNECT_EVERY = 0.1
 #: ... and until 10 s into it; later, `RECONNECT_WAIT`. Every attempt is one log line:
-#: at a steady 0.1 s a minute's outage said 600, this way about 150.
+#: at a steady 0.1 s a minute's outage said 600, this way about 170.
 RECONNECT_SOON = 0.25
 
 
 def reconnect_wait(down: float) -> float:
     """Seconds before the next reconnect attempt, `down` seconds into an outage."""
-    return RECONNECT_EVERY if down < 2.0 else RECONNECT_SOON if down < 10.0 \
+    return RECONNECT_EVERY if down < 5.0 else RECONNECT_SOON if down < 10.0 \
         else RECONNECT_WAIT
 MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
 #: Bytes of one socket read nats-py parses between two returns to the event loop.
