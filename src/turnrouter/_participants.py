@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     from ._turn import Answer, Turn
 
 __all__ = [
-    "SNAPSHOT_SLACK", "Participant", "Phase", "Registry", "RouterPhase", "note_turn",
-    "refuse_lossy", "restore", "snapshot_json", "snapshot_of",
+    "EXCHANGE_ITEMS", "SNAPSHOT_SLACK", "Participant", "Phase", "Registry", "RouterPhase",
+    "note_turn", "refuse_lossy", "restore", "snapshot_json", "snapshot_of",
 ]
 
 #: Bytes an export keeps free under `MAX_SNAPSHOT_BYTES`: an import checks the export of
@@ -62,7 +62,7 @@ _ID_JSON = 6 * MAX_ID_CHARS + 2
 _EXCHANGE_JSON = 4096
 #: The most values (`strict_json.items`) one plain retained exchange holds (7 in an
 #: export: its object and fields).
-_EXCHANGE_ITEMS = 16
+EXCHANGE_ITEMS = 16
 
 #: Snapshots `Registry.prepare` made (weakly held, by identity and the number of
 #: exchanges their history was cut to): what an import of theirs would install, read
@@ -451,11 +451,10 @@ def may_outgrow(cfg: RouterConfig) -> bool:
     routes = (len(cfg.agents) + 1) * (4 * MAX_ROUTE_CHARS + 8)
     size = (18 * cfg.budget + cfg.max_history_exchanges * _EXCHANGE_JSON + held + routes
             + (MAX_SESSION_TURNS + 1) * _ID_JSON + SNAPSHOT_SLACK)
-    # Values (`strict_json.items`): merged patches' values in the history (two bytes of
-    # its budget each, at least), plain exchanges, held patches (refused past the bound
-    # when applied, `PatchDesk`, but counted here so that what is left fits).
-    # (Two bytes a value at least, but for containers, which are bounded on their own.)
-    values = (cfg.budget // 2 + cfg.max_history_exchanges * _EXCHANGE_ITEMS
+    # Values (`strict_json.items`), two bytes each at least but for containers (bounded
+    # on their own): merged patches' in the history, plain exchanges, held patches
+    # (refused past the bound when applied, `PatchDesk`, counted so that the rest fits).
+    values = (cfg.budget // 2 + cfg.max_history_exchanges * EXCHANGE_ITEMS
               + cfg.max_pending * (cfg.max_patch_bytes // 2) + MAX_SNAPSHOT_CONTAINERS
               + 4096)
     return (size > MAX_SNAPSHOT_BYTES or values + SNAPSHOT_ITEMS_SLACK > MAX_SNAPSHOT_ITEMS

@@ -41,7 +41,7 @@ from ._frontend import (
 from ._history import History, view_items
 from ._logging import log_failure
 from ._observer import ContextPatchEvent, PatchOutcome
-from ._participants import SNAPSHOT_SLACK, Participant, Registry
+from ._participants import EXCHANGE_ITEMS, SNAPSHOT_SLACK, Participant, Registry
 from ._patches import (
     EMPTY_CONTEXT_HASH,
     AppliedContextPatch,
@@ -91,9 +91,8 @@ def _check_fits(state: Participant, patch: ContextPatch) -> None:
 #: snapshot beyond the patch's own.
 _WRAPPING = 8
 #: Values (`strict_json.items`) a merged patch's exchange or a held patch's wrapper adds
-#: beyond the patch's own, and the most a plain exchange holds (7 in an export).
+#: beyond the patch's own.
 _WRAPPING_ITEMS = 64
-_EXCHANGE_ITEMS = 16
 #: Bytes a merged patch's exchange (or a held patch's wrapper) adds to a snapshot beyond
 #: the patch's JSON, its task id and its digest: ids, stamps and field names.
 _WRAPPING_BYTES = 2048
@@ -144,7 +143,7 @@ def _check_containers(cfg: RouterConfig, registry: Registry, state: Participant,
                  ("objects and arrays", "flatten its facts"))
     _refuse_past(strict_json.items, "MAX_SNAPSHOT_ITEMS", MAX_SNAPSHOT_ITEMS,
                  (patch, patch_json, measured),
-                 (room, _EXCHANGE_ITEMS, _WRAPPING_ITEMS + SNAPSHOT_ITEMS_SLACK),
+                 (room, EXCHANGE_ITEMS, _WRAPPING_ITEMS + SNAPSHOT_ITEMS_SLACK),
                  ("values", "keep long lists of values elsewhere"))
     # Its JSON, its task id twice more and its digest once more (a merged patch's
     # exchange says them in its texts), escaped as the snapshot writes them.

@@ -617,8 +617,7 @@ async def route_validated_turn(router: AgentRouter, turn: AgentTurn, *,
     time (`AgentTurn.__post_init__` again is about 1% of a NATS worker's turn)."""
     cfg = router._cfg
     emit, end = _turn_outputs(cfg, output, ending, result_check)
-    load = cfg.load
-    if load.gate or load.in_flight >= load.cap:
+    if (load := cfg.load).gate or load.in_flight >= load.cap:
         await _shed(cfg, router._registry, turn, end)
     running = _new_turn(cfg, router._registry, turn, (emit, end), False)
     if result_check is not None:

@@ -660,11 +660,10 @@ async def test_a_worker_authenticates_with_a_token_from_its_environment() -> Non
             await front.close()
         refused = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "turnrouter", "worker", "--nats", server.url, "--app",
+            [*_worker_command(), "--nats", server.url, "--app",
              "tests.nats.app:make_router", "--reconnect-for", "2"],
             capture_output=True, text=True, timeout=60, cwd=ROOT,
-            env={**os.environ, "TURNROUTER_NATS_TOKEN": "bad-token-1984",
-                 "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"})
+            env={**_env(), "TURNROUTER_NATS_TOKEN": "bad-token-1984"})
         assert refused.returncode == 1, refused.stderr
         assert "bad-token-1984" not in refused.stderr + refused.stdout
         assert "Traceback" not in refused.stderr

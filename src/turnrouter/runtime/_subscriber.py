@@ -244,10 +244,8 @@ class RouterSubscriber:
         turn = self._turn_of(query)
         if turn is None:
             return
-        # `sheds()` was True: the cap and shedding refuse every turn, busy alone a new
-        # participant's.
-        reason: ShedReason = ("turns_in_flight" if load.in_flight >= load.cap else
-                              "shedding" if load.shedding else "new_participant")
+        # `sheds()` was True: whatever refuses a known participant's turn, else busy.
+        reason: ShedReason = load.refusal(True) or "new_participant"
         with router.continue_trace(query.trace_carrier()):
             await load.shed(turn, self._emitter(runtime)[1], reason)
 

@@ -49,12 +49,6 @@ RECONNECT_EVERY = 0.1
 #: ... and until 10 s into it; later, `RECONNECT_WAIT`. Every attempt is one log line:
 #: at a steady 0.1 s a minute's outage said 600, this way about 170.
 RECONNECT_SOON = 0.25
-
-
-def reconnect_wait(down: float) -> float:
-    """Seconds before the next reconnect attempt, `down` seconds into an outage."""
-    return RECONNECT_EVERY if down < 5.0 else RECONNECT_SOON if down < 10.0 \
-        else RECONNECT_WAIT
 MAX_OUTSTANDING_PINGS = 2  # unanswered pings before the connection counts as lost
 #: Bytes of one socket read nats-py parses between two returns to the event loop.
 _PARSE_PIECE = 8192
@@ -63,6 +57,12 @@ _PARSE_PIECE = 8192
 _PULL_PAUSE = 1.0
 
 T = TypeVar("T")
+
+
+def reconnect_wait(down: float) -> float:
+    """Seconds before the next reconnect attempt, `down` seconds into an outage."""
+    return RECONNECT_EVERY if down < 5.0 else RECONNECT_SOON if down < 10.0 \
+        else RECONNECT_WAIT
 
 
 def ping_interval(config: NatsConfig) -> float:
