@@ -23,12 +23,14 @@ from turnrouter import (
     AgentTurn,
     AppliedContextPatch,
     ContextPatch,
+    ContractTypeError,
     ContractValueError,
     LifecycleError,
     ParticipantSnapshot,
     PendingContextPatch,
     PendingPatchLimitError,
     TurnrouterError,
+    UnknownPatchError,
 )
 from turnrouter.testing import ScriptedAgent
 
@@ -148,6 +150,32 @@ async def test_refusals_name_huge_ids_and_strategies_shortened() -> None:
         with pytest.raises(TurnrouterError) as raised:
             await call()
         assert "xxx" in str(raised.value) and len(str(raised.value)) < 1000
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.one_of(st.integers(), st.floats(allow_nan=True), st.binary(max_size=20),
+                 st.lists(st.text(max_size=3), max_size=2), st.booleans()),
+       st.text(max_size=2000), st.booleans())
+def test_a_junk_participant_id_settles_no_patch(junk: Any, text: str, approve: bool) -> None:
+    """`approve_patch` / `reject_patch` given a `participant_id` that is no str: a
+    ContractTypeError naming it; any str but the holder's: UnknownPatchError in bounded
+    text. The held patch stays pending either way."""
+    h = Harness(ScriptedAgent("conversation"))
+
+    async def run() -> None:
+        await h.say("hello")
+        held = await h.router.apply_context_patch("p1", ContextPatch(task_id="t"),
+                                                  "human_gated")
+        settle = h.router.approve_patch if approve else h.router.reject_patch
+        with pytest.raises(ContractTypeError, match="participant_id"):
+            await settle(held.patch_id, participant_id=junk)
+        if text != "p1":
+            with pytest.raises(UnknownPatchError) as unknown:
+                await settle(held.patch_id, participant_id=text)
+            assert len(str(unknown.value)) < 1000
+        assert [p.patch_id for p in h.router.pending_patches("p1")] == [held.patch_id]
+
+    anyio.run(run)
 
 
 def test_an_import_refuses_an_applied_patch_its_export_could_not_carry() -> None:
