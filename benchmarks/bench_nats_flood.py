@@ -16,8 +16,9 @@ processes on a shared machine. Scenarios:
   bob's answer (or, past a bound, the record's quarantine). `exchanges` (145,000 tiny
   exchanges) and `objects` (1.4 million empty objects in a patch's facts) are past
   `MAX_SNAPSHOT_CONTAINERS`; the `bound-*` shapes are within every bound: as many
-  exchanges as the bound allows, 2 million numbers in a patch's facts, and a route
-  named 600,000 times in `used`.
+  exchanges as the bound allows, as many numbers in a patch's facts as
+  `MAX_SNAPSHOT_ITEMS` allows (2 million in a tree without it), and a route named
+  600,000 times in `used`.
 - `barge`: 40 fake replica names on `<prefix>.presence` (every 0.25 s, claiming no
   partition), a participant's slow turn (`slow ...`) and, 3 s later, its barge-in
   (`Interrupted` for the participant): how long the barge-in took to end the turn, and
@@ -246,8 +247,9 @@ def _adversarial_snapshot(scenario: str) -> str:
     import turnrouter
     from turnrouter import MAX_SNAPSHOT_BYTES
 
-    # The starting tree had no container bound: the same shapes for both.
+    # An older tree may lack a bound: the same shapes for both, within the newer's.
     containers: int = getattr(turnrouter, "MAX_SNAPSHOT_CONTAINERS", 16_384)
+    values: int = getattr(turnrouter, "MAX_SNAPSHOT_ITEMS", MAX_SNAPSHOT_BYTES)
     room = MAX_SNAPSHOT_BYTES - 200
     head = '{"participant_id":"bob","history":['
     if scenario == "record-exchanges":  # the most exchanges the bytes allow
@@ -268,7 +270,8 @@ def _adversarial_snapshot(scenario: str) -> str:
     patch = ('{"user":"q","assistant":"a","patch":{"patch_id":"x","task_id":"t",'
              '"strategy":"append","diverged":false,"patch":{"task_id":"t","facts":{"a":[')
     if scenario == "record-bound-numbers":  # one patch whose facts are small numbers
-        return head + patch + ",".join(["0"] * ((room - len(patch)) // 2)) + "]}}}}]}"
+        count = min((room - len(patch)) // 2, values - 64)
+        return head + patch + ",".join(["0"] * count) + "]}}}}]}"
     # record-objects: one applied patch whose facts are as many empty objects as fit
     return head + patch + ",".join(["{}"] * ((room - len(patch)) // 3)) + "]}}}}]}"
 

@@ -51,9 +51,10 @@ MAX_SNAPSHOT_CONTAINERS = 16_384
 #: Most JSON values a snapshot may hold, counted as its `,`, `{` and `[` characters
 #: outside strings before parsing. Parsing costs per value, not per byte, and holds the
 #: interpreter's lock throughout: 4 MiB of `0,` (two million numbers) took 0.1 s to
-#: read, a stall of the event loop even from a thread; this bound cuts the worst to
-#: about 25 ms. A default router's largest snapshot holds about 275,000 (8 held patches
-#: of 64 KiB of tiny numbers); `apply_context_patch` refuses a patch past it.
+#: read, a stall of the event loop even from a thread; the worst within this bound took
+#: 23 ms (`benchmarks/bench_snapshot_parse.py`). A default router's largest snapshot
+#: holds about 275,000 (8 held patches of 64 KiB of tiny numbers); `apply_context_patch`
+#: refuses a patch past it.
 MAX_SNAPSHOT_ITEMS = 524_288
 #: Values an export keeps free under `MAX_SNAPSHOT_ITEMS` (as `SNAPSHOT_SLACK` keeps
 #: bytes): an import writes every default field out (2 more), a NATS replica adds the
